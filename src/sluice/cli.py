@@ -1,0 +1,54 @@
+"""The `sluice` command: one entry point, a subcommand per role.
+
+Each role's package owns its own arguments in a `cli` module with
+`register(subparsers)`; this file only lists them, so adding a role is one line here.
+Modules are imported lazily so that `sluice bench` never pays for torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module that defines `register(subparsers)`
+COMMANDS: dict[str, str] = {
+    "serve": "sluice.serve",
+    "worker": "sluice.worker.cli",
+    "router": "sluice.router.cli",
+    "gateway": "sluice.gateway.cli",
+    "keys": "sluice.gateway.cli",
+    "tenants": "sluice.gateway.cli",
+    "usage": "sluice.gateway.cli",
+    "bench": "sluice.bench.cli",
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice", description="sluice: an LLM serving stack")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    wanted = argv[0] if argv and argv[0] in COMMANDS else None
+    modules = [COMMANDS[wanted]] if wanted else list(dict.fromkeys(COMMANDS.values()))
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if wanted or not exc.name or not exc.name.startswith("sluice"):
+                raise
+            continue  # a role not built yet is simply not listed
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

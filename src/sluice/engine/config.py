@@ -1,0 +1,92 @@
+"""Engine configuration: frozen dataclasses layered by concern, validated on construction.
+
+`EngineConfig.from_options(**kw)` takes the flat keyword options users know from vLLM
+(`LLM(model, max_num_seqs=..., block_size=...)`, `sluice worker --max-num-seqs ...`) and
+files each under its layer. Unknown options are an error, never ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.protocol.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None  # None: the default SmolLM2-135M-Instruct GGUF
+    tokenizer: str | None = None  # defaults to the model's own
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda if available, else cpu
+    max_model_len: int | None = None  # None: the model's own limit
+    seed: int = 0
+    revision: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise InvalidRequestError(f"unsupported dtype {self.dtype!r}", param="dtype")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise InvalidRequestError("max_model_len must be at least 1", param="max_model_len")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Size of the KV pool: explicit bytes win, then an explicit block count (tests),
+    # else a fraction of free device memory (CUDA) or of total RAM (CPU).
+    kv_cache_memory_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_fraction: float = 0.1
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise InvalidRequestError("block_size must be a power of two", param="block_size")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise InvalidRequestError("num_kv_blocks must be at least 1", param="num_kv_blocks")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidRequestError("gpu_memory_utilization must be in (0, 1]",
+                                      param="gpu_memory_utilization")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "priority"  # "fcfs" | "priority" (lower value runs first)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise InvalidRequestError("max_num_seqs must be at least 1", param="max_num_seqs")
+        if self.max_num_batched_tokens < 1:
+            raise InvalidRequestError("max_num_batched_tokens must be at least 1",
+                                      param="max_num_batched_tokens")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise InvalidRequestError("scheduling_policy must be 'fcfs' or 'priority'",
+                                      param="scheduling_policy")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_options(cls, model: str | None = None, **options: Any) -> EngineConfig:
+        """Build from flat options; raise InvalidRequestError naming an unknown one."""
+        layers: dict[str, dict[str, Any]] = {"model": {"model": model}, "cache": {}, "scheduler": {}}
+        owners = {f.name: name for name, klass in
+                  (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig))
+                  for f in dataclasses.fields(klass)}
+        for key, value in options.items():
+            if key not in owners:
+                raise InvalidRequestError(f"unknown engine option {key!r}", param=key)
+            layers[owners[key]][key] = value
+        return cls(ModelConfig(**layers["model"]), CacheConfig(**layers["cache"]),
+                   SchedulerConfig(**layers["scheduler"]))

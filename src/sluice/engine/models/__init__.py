@@ -1,0 +1,1 @@
+"""Model definitions (Llama family) and weight loaders (Hugging Face safetensors, GGUF)."""

@@ -1,0 +1,20 @@
+"""A snapshot of the engine's state and counters, read by the worker's /metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks in use by live requests, 0..1
+    num_kv_blocks: int
+    # Cumulative counters since start (Prometheus counters).
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, tokens found cached
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    num_steps: int

