@@ -1,0 +1,190 @@
+"""Runtime state of one worker as the router sees it, and the snapshot policies read.
+
+Two views of load are merged here, because each alone is wrong:
+
+- the worker's own gauges, scraped from `/metrics` every ~0.5 s (stale between scrapes,
+  but they include traffic from other routers);
+- the router's own in-flight accounting, updated at dispatch, at the first byte, and when
+  the response (a stream included) ends (exact and immediate, but blind to others).
+
+A request is *prefilling* from dispatch to its first byte and *decoding* after, until its
+stream ends. The estimates take the larger of the two views:
+
+    running_est = max(scraped running, own decoding)
+    waiting_est = max(scraped waiting, own prefilling)
+
+The worker's prefill cost is learned online from the TTFT of its streamed responses:
+
+    seconds_per_unit = EWMA(observed TTFT) / EWMA(work units ahead of it at dispatch)
+
+starting from a prior, so the `cost` policy needs no hand-tuned threshold.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from sluice.router.config import WorkerSpec
+from sluice.router.scrape import WorkerLoad
+
+PRIOR_SECONDS_PER_TOKEN = 5e-4  # a small model on a CPU; a GPU learns its way down fast
+PRIOR_UNITS = 256.0
+BASE_UNITS = 32.0  # fixed per-request work (HTTP, tokenization, one step) in token units
+EWMA_ALPHA = 0.2
+DECODE_EQUIV_TOKENS = 16.0  # prefill-token cost of one running sequence during our wait
+
+
+@dataclass(frozen=True)
+class EndpointStats:
+    """What a policy may know about one candidate worker for one request (plain data)."""
+
+    url: str
+    running: float = 0.0  # running_est
+    waiting: float = 0.0  # waiting_est
+    kv_usage: float = 0.0
+    inflight: int = 0
+    inflight_tokens: int = 0
+    queued_prefill_tokens: float = 0.0  # uncached prompt tokens of own requests before first byte
+    external_waiting: float = 0.0  # waiting requests the router did not send
+    mean_prompt_tokens: float = 0.0
+    seconds_per_token: float = PRIOR_SECONDS_PER_TOKEN
+    cached_blocks: int = 0  # approximate index (dispatch records)
+    kv_cached_blocks: int | None = None  # precise index; None: the worker publishes no events
+
+    @property
+    def load(self) -> float:
+        return self.running + self.waiting
+
+
+@dataclass
+class Ticket:
+    """One dispatched request's accounting, carried from dispatch to the end of its stream."""
+
+    endpoint: Endpoint
+    prompt_tokens: int
+    uncached_tokens: int
+    units: float
+    started: float = field(default_factory=time.monotonic)
+    first_byte: bool = False
+    done: bool = False
+
+
+@dataclass
+class Endpoint:
+    """Mutable state of one worker. Owned by its `Pool`; touched only on the event loop."""
+
+    spec: WorkerSpec
+    healthy: bool = True
+    draining: bool = False
+    models: tuple[str, ...] = ()
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    load_at: float = 0.0
+    inflight: int = 0
+    inflight_tokens: int = 0
+    prefilling: int = 0
+    prefill_tokens: float = 0.0
+    ttft_avg: float = PRIOR_SECONDS_PER_TOKEN * PRIOR_UNITS
+    units_avg: float = PRIOR_UNITS
+    prompt_avg: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def seconds_per_token(self) -> float:
+        return self.ttft_avg / self.units_avg
+
+    @property
+    def available(self) -> bool:
+        return self.healthy and not self.draining
+
+    def stats(self, cached_blocks: int = 0, kv_cached_blocks: int | None = None) -> EndpointStats:
+        decoding = self.inflight - self.prefilling
+        return EndpointStats(
+            url=self.url,
+            running=max(self.load.running, float(decoding)),
+            waiting=max(self.load.waiting, float(self.prefilling)),
+            kv_usage=self.load.kv_usage,
+            inflight=self.inflight,
+            inflight_tokens=self.inflight_tokens,
+            queued_prefill_tokens=self.prefill_tokens,
+            external_waiting=max(0.0, self.load.waiting - self.prefilling),
+            mean_prompt_tokens=self.prompt_avg,
+            seconds_per_token=self.seconds_per_token,
+            cached_blocks=cached_blocks,
+            kv_cached_blocks=kv_cached_blocks,
+        )
+
+    # --- request accounting -------------------------------------------------------------
+
+    def begin(self, prompt_tokens: int, uncached_tokens: int, units: float) -> Ticket:
+        """Count a dispatched request as in flight and prefilling."""
+        self.inflight += 1
+        self.inflight_tokens += prompt_tokens
+        self.prefilling += 1
+        self.prefill_tokens += uncached_tokens
+        self.prompt_avg += EWMA_ALPHA * (prompt_tokens - self.prompt_avg)
+        return Ticket(self, prompt_tokens, uncached_tokens, units)
+
+    def on_first_byte(self, ticket: Ticket, learn: bool) -> None:
+        """The request left prefill; if `learn`, fold its TTFT into the cost estimate."""
+        if ticket.first_byte or ticket.done:
+            return
+        ticket.first_byte = True
+        self._end_prefill(ticket)
+        if learn:
+            observed = time.monotonic() - ticket.started
+            self.ttft_avg += EWMA_ALPHA * (observed - self.ttft_avg)
+            self.units_avg += EWMA_ALPHA * (ticket.units + BASE_UNITS - self.units_avg)
+
+    def finish(self, ticket: Ticket) -> None:
+        """The response ended (completed, failed or cancelled): stop counting it."""
+        if ticket.done:
+            return
+        if not ticket.first_byte:
+            self._end_prefill(ticket)
+        ticket.done = True
+        self.inflight -= 1
+        self.inflight_tokens -= ticket.prompt_tokens
+
+    def _end_prefill(self, ticket: Ticket) -> None:
+        self.prefilling -= 1
+        self.prefill_tokens = max(0.0, self.prefill_tokens - ticket.uncached_tokens)
+
+    # --- health -------------------------------------------------------------------------
+
+    def record_failure(self, eject_after: int) -> bool:
+        """Count a failure; returns True if this one ejected the endpoint."""
+        self.consecutive_successes = 0
+        self.consecutive_failures += 1
+        if self.healthy and self.consecutive_failures >= eject_after:
+            self.healthy = False
+            return True
+        return False
+
+    def record_success(self, readmit_after: int) -> bool:
+        """Count a success; returns True if this one re-admitted the endpoint."""
+        self.consecutive_failures = 0
+        self.consecutive_successes += 1
+        if not self.healthy and self.consecutive_successes >= readmit_after:
+            self.healthy = True
+            return True
+        return False
+
+
+def work_units(stats: EndpointStats, uncached_tokens: float,
+               decode_equiv_tokens: float = DECODE_EQUIV_TOKENS) -> float:
+    """Prefill-token equivalents a new request waits for on this worker, its own included.
+
+        units = its uncached prompt tokens
+              + uncached tokens of the router's requests still in prefill there
+              + waiting requests the router did not send × mean prompt length
+              + running sequences × decode_equiv_tokens (each shares every step)
+    """
+    return (uncached_tokens + stats.queued_prefill_tokens
+            + stats.external_waiting * stats.mean_prompt_tokens
+            + stats.running * decode_equiv_tokens)

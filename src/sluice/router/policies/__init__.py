@@ -1,0 +1,34 @@
+"""Routing policies, picked per pool by name from `POLICIES` (no if/elif on strings)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from sluice.protocol.errors import InvalidRequestError
+from sluice.router.policies.base import Choice, RequestMeta, RoutingPolicy
+from sluice.router.policies.cost import CostModel
+from sluice.router.policies.prefix import KVAware, PrefixAffinity
+from sluice.router.policies.simple import LeastLoad, RoundRobin, Session
+
+POLICIES: Mapping[str, type[RoutingPolicy]] = MappingProxyType({
+    cls.name: cls for cls in (RoundRobin, LeastLoad, Session, PrefixAffinity, KVAware, CostModel)
+})
+
+
+def make_policy(name: str, rng: random.Random | None = None,
+                options: Mapping[str, Any] | None = None) -> RoutingPolicy:
+    """A fresh policy instance (policies are never shared between pools)."""
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise InvalidRequestError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}",
+                                  param="policy")
+    try:
+        return cls(rng, **dict(options or {}))
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(str(exc), param="policy_options") from exc
+
+
+__all__ = ["POLICIES", "Choice", "RequestMeta", "RoutingPolicy", "make_policy"]

@@ -1,0 +1,76 @@
+"""The routing-policy contract: plain data in, one worker out.
+
+A policy sees a `RequestMeta` (what the router knows about the request: token count,
+block hashes, session key) and the `EndpointStats` of the available workers of the
+chosen group (healthy, not draining, not already tried for this request), and returns a
+`Choice`. It never sees an HTTP request, never does I/O, and keeps only its own small
+state (a round-robin counter). Randomness comes from the injected `random.Random`, so a
+seeded router makes the same choices for the same inputs.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from sluice.router.endpoints import EndpointStats
+
+EPSILON = 1e-12
+
+
+@dataclass(frozen=True)
+class RequestMeta:
+    """What a policy may know about a request."""
+
+    model: str
+    num_prompt_tokens: int = 0
+    block_hashes: tuple[int, ...] = ()
+    session_key: str | None = None
+    max_tokens: int | None = None
+    block_size: int = 16
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A policy's answer: the worker, the prefix blocks it expects cached, its score."""
+
+    url: str
+    cached_blocks: int = 0
+    score: float = 0.0
+
+
+class RoutingPolicy(ABC):
+    """Picks one of `endpoints` (never empty) for `request`.
+
+    `uses_prefix`: the router must compute the request's block hashes and fill
+    `cached_blocks` / `kv_cached_blocks` before calling `choose`.
+    """
+
+    name: ClassVar[str]
+    uses_prefix: ClassVar[bool] = False
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self.rng = rng or random.Random()
+
+    @abstractmethod
+    def choose(self, request: RequestMeta, endpoints: Sequence[EndpointStats]) -> Choice:
+        """Return the chosen endpoint. Mutates only the policy's own counters."""
+
+
+def pick_min(endpoints: Sequence[EndpointStats], key: Callable[[EndpointStats], float],
+             rng: random.Random) -> tuple[EndpointStats, float]:
+    """The endpoint with the smallest `key`, ties broken uniformly at random by `rng`."""
+    scored = [(key(e), e) for e in endpoints]
+    best = min(s for s, _ in scored)
+    tied = [e for s, e in scored if s <= best + EPSILON * max(1.0, abs(best))]
+    return (tied[0] if len(tied) == 1 else rng.choice(tied)), best
+
+
+def cached(e: EndpointStats, precise: bool) -> int:
+    """The cached-prefix blocks to trust: precise (KV events) when the worker has them."""
+    if precise and e.kv_cached_blocks is not None:
+        return e.kv_cached_blocks
+    return e.cached_blocks

@@ -1,0 +1,46 @@
+"""`cost` (the default): route to the worker with the smallest estimated time to first token.
+
+    estimate(worker) = seconds_per_token(worker) × work_units(worker, uncached tokens)
+
+where `uncached = prompt tokens - cached prefix blocks × block_size` (precise KV-event
+index when the worker publishes events, else the approximate dispatch index) and
+`work_units` adds what is queued ahead of it and the decode pressure of running sequences
+(see `sluice.router.endpoints`). `seconds_per_token` is learned per worker from observed
+TTFTs, so a long cached prefix wins exactly while its prefill saving exceeds the extra
+queue wait, with no affinity threshold to tune. Cold misses spread because the router's
+own in-flight prefill tokens count at once.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from sluice.router.endpoints import DECODE_EQUIV_TOKENS, EndpointStats, work_units
+from sluice.router.policies.base import Choice, RequestMeta, RoutingPolicy, cached, pick_min
+
+
+def uncached_tokens(request: RequestMeta, blocks: int) -> int:
+    return max(0, request.num_prompt_tokens - blocks * request.block_size)
+
+
+def estimate_seconds(request: RequestMeta, e: EndpointStats,
+                     decode_equiv_tokens: float = DECODE_EQUIV_TOKENS) -> float:
+    """Estimated seconds until this request's first token on worker `e`."""
+    units = work_units(e, uncached_tokens(request, cached(e, True)), decode_equiv_tokens)
+    return e.seconds_per_token * units
+
+
+class CostModel(RoutingPolicy):
+    name = "cost"
+    uses_prefix = True
+
+    def __init__(self, rng: random.Random | None = None,
+                 decode_equiv_tokens: float = DECODE_EQUIV_TOKENS) -> None:
+        super().__init__(rng)
+        self.decode_equiv_tokens = decode_equiv_tokens
+
+    def choose(self, request: RequestMeta, endpoints: Sequence[EndpointStats]) -> Choice:
+        chosen, best = pick_min(
+            endpoints, lambda e: estimate_seconds(request, e, self.decode_equiv_tokens), self.rng)
+        return Choice(chosen.url, cached(chosen, True), best)

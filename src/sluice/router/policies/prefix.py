@@ -1,0 +1,71 @@
+"""Prefix-affinity policies: `prefix` (approximate index) and `kv` (engine KV events).
+
+`prefix` follows SGLang's `cache_aware`: longest cached prefix wins, unless the pool is
+imbalanced (max load - min load > `balance_abs` and max > `balance_rel` × min), or
+nothing matches, in which case the least-loaded worker takes it, so cold misses spread.
+
+`kv` follows llm-d's precise scorer: a weighted sum of scorers, each in [0, 1]:
+prefix hit fraction (weight 2), free KV cache (1), short queue (1).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from sluice.router.endpoints import EndpointStats
+from sluice.router.policies.base import Choice, RequestMeta, RoutingPolicy, cached, pick_min
+from sluice.router.policies.simple import load_key
+
+
+class PrefixAffinity(RoutingPolicy):
+    name = "prefix"
+    uses_prefix = True
+    precise = False
+
+    def __init__(self, rng: random.Random | None = None, balance_abs: float = 32,
+                 balance_rel: float = 1.5) -> None:
+        super().__init__(rng)
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+
+    def _imbalanced(self, endpoints: Sequence[EndpointStats]) -> bool:
+        loads = [e.load for e in endpoints]
+        hi, lo = max(loads), min(loads)
+        return hi - lo > self.balance_abs and hi > self.balance_rel * lo
+
+    def choose(self, request: RequestMeta, endpoints: Sequence[EndpointStats]) -> Choice:
+        best_hit = max(cached(e, self.precise) for e in endpoints)
+        if best_hit == 0 or self._imbalanced(endpoints):
+            chosen, score = pick_min(endpoints, load_key, self.rng)
+            return Choice(chosen.url, cached(chosen, self.precise), score)
+        hits = [e for e in endpoints if cached(e, self.precise) == best_hit]
+        chosen, score = pick_min(hits, load_key, self.rng)
+        return Choice(chosen.url, best_hit, score)
+
+
+class KVAware(RoutingPolicy):
+    name = "kv"
+    uses_prefix = True
+
+    def __init__(self, rng: random.Random | None = None, prefix_weight: float = 2.0,
+                 kv_usage_weight: float = 1.0, queue_weight: float = 1.0) -> None:
+        super().__init__(rng)
+        self.weights = (prefix_weight, kv_usage_weight, queue_weight)
+
+    def choose(self, request: RequestMeta, endpoints: Sequence[EndpointStats]) -> Choice:
+        total_blocks = max(1, len(request.block_hashes))
+        queues = [e.waiting + e.inflight_tokens * 1e-9 for e in endpoints]
+        lo, hi = min(queues), max(queues)
+        wp, wk, wq = self.weights
+
+        def negated_score(pair: tuple[EndpointStats, float]) -> float:
+            e, q = pair
+            queue_score = 1.0 if hi == lo else (hi - q) / (hi - lo)
+            return -(wp * cached(e, True) / total_blocks + wk * (1.0 - e.kv_usage)
+                     + wq * queue_score)
+
+        pairs = list(zip(endpoints, queues, strict=True))
+        by_url = {e.url: (e, q) for e, q in pairs}
+        chosen, best = pick_min(endpoints, lambda e: negated_score(by_url[e.url]), self.rng)
+        return Choice(chosen.url, cached(chosen, True), -best)
