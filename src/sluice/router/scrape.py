@@ -39,7 +39,8 @@ def parse_samples(text: str) -> dict[str, float]:
         name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
         if name_end <= 0:
             continue
-        value_text = line.rsplit("}", 1)[-1].split()
+        rest = line[name_end:]
+        value_text = (rest.rsplit("}", 1)[-1] if rest[0] == "{" else rest).split()
         if not value_text:
             continue
         try:
