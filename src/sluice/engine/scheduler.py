@@ -1,0 +1,164 @@
+"""Iteration-level scheduling: who computes how many tokens this step.
+
+No prefill or decode phase (vLLM v1): every unfinished sequence wants to catch its
+`num_computed_tokens` up to `num_tokens`. Each step has a token budget
+(`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`):
+
+1. Running sequences first, decodes (one token behind) before unfinished prompts, each
+   in priority order; a long prompt takes what budget is left (chunked prefill).
+   When the KV pool is out of blocks, the running sequence with the worst
+   (priority, arrival) is preempted: its blocks are freed (its full blocks stay in the
+   prefix cache) and it waits to be recomputed. If that is the sequence asking, it
+   preempts itself.
+2. Then, if nothing was preempted, waiting sequences in (priority, arrival) order: a
+   prefix-cache lookup, then as much of the prompt as the budget allows. Under the
+   "priority" policy a waiting sequence may preempt running ones of strictly worse
+   priority to get blocks or a slot. A preempted sequence keeps its arrival time, so it
+   goes back ahead of later arrivals of its priority.
+
+"fcfs" ignores priority values (arrival order only).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from sluice.engine.block_manager import BlockManager
+from sluice.engine.config import SchedulerConfig
+from sluice.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """`num_tokens` tokens of `seq` starting at `start_pos` run this step; `need_logits`
+    when the chunk reaches the sequence's last token (a token is sampled after it)."""
+
+    seq: Sequence
+    start_pos: int
+    num_tokens: int
+    need_logits: bool
+
+
+@dataclass
+class _StepPlan:
+    budget: int
+    scheduled: dict[Sequence, int] = field(default_factory=dict)  # seq -> num tokens
+    preempted: set[Sequence] = field(default_factory=set)
+
+
+class Scheduler:
+    """Owns the waiting and running lists; mutates sequences and the block manager.
+    Called only from the engine loop (not thread-safe)."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.use_priority = config.scheduling_policy == "priority"
+        self.waiting: list[Sequence] = []  # sorted by sort_key
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def _key(self, seq: Sequence) -> tuple[int, float, int]:
+        return seq.sort_key(self.use_priority)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=self._key)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove `seq` wherever it is and free its blocks at once (finish or abort)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -----------------------------------------------------------------
+    def schedule(self) -> list[ScheduledChunk]:
+        """Plan this step: allocate blocks, advance prefix hits; returns the chunks."""
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        return [ScheduledChunk(s, s.num_computed_tokens, n, s.num_computed_tokens + n == s.num_tokens)
+                for s, n in plan.scheduled.items()]
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        self.running.sort(key=self._key)
+        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
+        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
+        for seq in decodes + prefills:
+            if plan.budget == 0:
+                return
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = min(seq.num_uncomputed_tokens, plan.budget)
+            if self._make_room(seq, n, plan):
+                self.block_manager.allocate(seq, n)
+                plan.scheduled[seq] = n
+                plan.budget -= n
+
+    def _make_room(self, seq: Sequence, n: int, plan: _StepPlan) -> bool:
+        """Preempt worst-first until `seq` can get blocks for `n` tokens; False if `seq`
+        itself was the worst and got preempted."""
+        while not self.block_manager.can_allocate(seq, n):
+            victim = max(self.running, key=self._key)
+            self._preempt(victim, plan)
+            if victim is seq:
+                return False
+        return True
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        bm = self.block_manager
+        while self.waiting and plan.budget > 0:
+            seq = self.waiting[0]
+            if seq in plan.preempted:
+                return
+            if len(self.running) >= self.config.max_num_seqs and not self._evict_for(seq, plan):
+                return
+            hits = bm.lookup(seq)
+            remaining = seq.num_tokens - len(hits) * bm.block_size
+            n = min(remaining, plan.budget)
+            if n < remaining and not self.config.enable_chunked_prefill and plan.scheduled:
+                return
+            n = remaining if not self.config.enable_chunked_prefill else n
+            while not bm.can_allocate(seq, n, hits):
+                if not self._evict_for(seq, plan):
+                    return
+            self.waiting.pop(0)
+            bm.allocate(seq, n, hits)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            plan.scheduled[seq] = n
+            plan.budget -= n
+
+    def _evict_for(self, seq: Sequence, plan: _StepPlan) -> bool:
+        """Priority policy: preempt the worst running sequence if its priority is strictly
+        worse than waiting `seq`'s. Returns whether one was preempted."""
+        if not self.use_priority or not self.running:
+            return False
+        victim = max(self.running, key=self._key)
+        if victim.priority <= seq.priority:
+            return False
+        self._preempt(victim, plan)
+        return True
+
+    def _preempt(self, seq: Sequence, plan: _StepPlan) -> None:
+        self.running.remove(seq)
+        plan.budget += plan.scheduled.pop(seq, 0)
+        plan.preempted.add(seq)
+        self.block_manager.free(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def update_from_output(self, chunks: list[ScheduledChunk]) -> None:
+        """After the model ran: the chunks' tokens are in the cache; cache full blocks."""
+        for chunk in chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+            self.block_manager.cache_full_blocks(chunk.seq)

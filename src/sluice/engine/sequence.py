@@ -1,0 +1,108 @@
+"""A sequence: one completion's tokens and how far the KV cache has caught up with them.
+
+There is no prefill or decode phase (vLLM v1): a sequence holds `token_ids` (prompt,
+then generated tokens) and `num_computed_tokens`, the prefix whose K/V are in the cache.
+Each step the scheduler gives it a chunk of the rest; when the chunk reaches the last
+token the model's logits for it are sampled and one token is appended:
+
+    token_ids:  [p0 p1 p2 p3 p4 p5 | g0 g1]         num_tokens = 8
+                 <---- computed ----> ^             num_computed_tokens = 7
+                                      next chunk = [g1] (a "decode")
+
+A request with `n > 1` owns `n` sequences that share the prompt (the prefix cache lets
+the later ones reuse the first one's full prompt blocks).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sluice.engine.outputs import RequestMetrics, TokenLogprobs
+
+if TYPE_CHECKING:
+    import torch
+
+    from sluice.engine.detokenizer import IncrementalDetokenizer
+    from sluice.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Mutable per-completion state; owned by the scheduler while unfinished."""
+
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n completions
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    max_tokens: int  # effective: params.max_tokens, or up to max_model_len
+    priority: int = 0
+    arrival_time: float = 0.0
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full computed blocks
+    num_cached_tokens: int = -1  # prompt tokens served by the prefix cache on first schedule
+    generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    sent_chars: int = 0  # text / tokens already handed out (DELTA outputs)
+    sent_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def sort_key(self, use_priority: bool) -> tuple[int, float, int]:
+        """Scheduling order: lower runs first; ties by arrival, then by admission order."""
+        return (self.priority if use_priority else 0, self.arrival_time, self.seq_id)
+
+
+@dataclass(eq=False)
+class Request:
+    """A client request: the prompt, its parameters and its `n` sequences.
+
+    Sequence 0 is scheduled at once; siblings (n > 1) join the scheduler once sequence 0
+    has computed the prompt, so they find its full blocks in the prefix cache.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    siblings_pending: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
