@@ -1,0 +1,392 @@
+"""OpenAI wire types: chat completions, completions, models, tokenize/detokenize.
+
+Requests are parsed in two passes so that every refusal names its parameter:
+
+1. `reject_unsupported(body, table)` turns a parameter sluice knows but does not
+   implement (tools, response_format other than text, logit_bias, audio, ...) into a
+   400 with a message saying so;
+2. `parse_request(Model, body)` validates with pydantic (`extra="forbid"`), so an
+   unknown field or a wrong type is a 400 naming the field (`messages.0.content`).
+
+Field names and shapes follow OpenAI, plus vLLM's extra sampling fields (`top_k`,
+`min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `priority`, ...) so that
+clients written for vLLM work unchanged. Responses carry vLLM's `stop_reason` next to
+`finish_reason` (the stop string or token id that ended the choice).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from sluice.protocol.errors import InvalidRequestError
+
+
+class OpenAIModel(BaseModel):
+    """Base of every request model: unknown fields are an error, never ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ResponseModel(BaseModel):
+    """Base of response models (lenient: they are built by us, and parsed by the gateway)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+# --------------------------------------------------------------------------- parsing
+
+M = TypeVar("M", bound=BaseModel)
+
+# A table of parameters sluice recognises but does not implement: name -> predicate
+# that says whether the given value is harmless (e.g. response_format {"type": "text"}).
+Acceptable = Callable[[Any], bool]
+
+
+def _is_empty(value: Any) -> bool:
+    return value is None or value == {} or value == [] or value is False
+
+
+def _text_format(value: Any) -> bool:
+    return value is None or (isinstance(value, dict) and value.get("type") == "text")
+
+
+def _text_only(value: Any) -> bool:
+    return value is None or value == ["text"]
+
+
+def _no_tools(value: Any) -> bool:
+    return value is None or value == "none"
+
+
+UNSUPPORTED_COMMON: dict[str, Acceptable] = {
+    "logit_bias": _is_empty,
+    "kv_transfer_params": lambda v: v is None,
+    "guided_json": lambda v: v is None,
+    "guided_regex": lambda v: v is None,
+    "guided_choice": lambda v: v is None,
+    "guided_grammar": lambda v: v is None,
+    "lora_request": lambda v: v is None,
+}
+
+UNSUPPORTED_CHAT: dict[str, Acceptable] = {
+    **UNSUPPORTED_COMMON,
+    "tools": _is_empty,
+    "tool_choice": _no_tools,
+    "parallel_tool_calls": lambda v: v is None or v is False,
+    "functions": _is_empty,
+    "function_call": _no_tools,
+    "response_format": _text_format,
+    "audio": lambda v: v is None,
+    "modalities": _text_only,
+    "prediction": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "reasoning_effort": lambda v: v is None,
+    "store": lambda v: v is None or v is False,
+    "metadata": _is_empty,
+    "service_tier": lambda v: v is None or v in ("auto", "default"),
+}
+
+UNSUPPORTED_COMPLETION: dict[str, Acceptable] = {
+    **UNSUPPORTED_COMMON,
+    "suffix": lambda v: v is None or v == "",
+    "response_format": _text_format,
+}
+
+
+def reject_unsupported(body: Mapping[str, Any], table: Mapping[str, Acceptable]) -> None:
+    """Raise InvalidRequestError for the first parameter sluice does not implement."""
+    for name, acceptable in table.items():
+        if name in body and not acceptable(body[name]):
+            raise InvalidRequestError(
+                f"'{name}' is not supported by this server (value {body[name]!r})", param=name
+            )
+
+
+def parse_request(model: type[M], body: Any) -> M:
+    """Validate `body` as `model`; a failure is an InvalidRequestError naming the field."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def validation_error(exc: ValidationError) -> InvalidRequestError:
+    """The first pydantic error as an InvalidRequestError with a dotted parameter name."""
+    err = exc.errors()[0]
+    param = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or None
+    if err["type"] == "extra_forbidden":
+        return InvalidRequestError(f"Unrecognized request argument supplied: {param}", param=param)
+    if err["type"] == "missing":
+        return InvalidRequestError(f"Missing required parameter: '{param}'", param=param)
+    return InvalidRequestError(f"Invalid value for '{param}': {err['msg']}", param=param)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_union_tag(part: str | int) -> bool:
+    """pydantic puts the union member's type (`str`, `list[TextPart]`) into error locations."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or "[" in part)
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        for part in value if isinstance(value, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"content part type {kind!r} is not supported (only 'text')")
+        return value
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+    def as_template_dict(self) -> dict[str, str]:
+        """The dict a chat template expects; `developer` is OpenAI's new name for `system`."""
+        role = "system" if self.role == "developer" else self.role
+        return {"role": role, "content": self.text()}
+
+
+class SamplingFields(OpenAIModel):
+    """Sampling fields shared by chat and completions (OpenAI's plus vLLM's extras)."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = Field(default=1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: int = 0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    echo: bool = False  # vLLM: prepend the last message's content when it is the assistant's
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise InvalidRequestError("top_logprobs requires logprobs to be true",
+                                          param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+    add_special_tokens: bool = True
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of single prompts (text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TokenizeRequest(OpenAIModel):
+    """vLLM's /tokenize: either `prompt` (completion) or `messages` (chat)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(ResponseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class TopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(ResponseModel):
+    content: list[TokenLogprob] = Field(default_factory=list)
+
+
+class CompletionLogprobs(ResponseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class AssistantMessage(ResponseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(ResponseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(ResponseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(ResponseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "sluice"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str

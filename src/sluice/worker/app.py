@@ -1,0 +1,333 @@
+"""The worker's HTTP app: OpenAI and Anthropic endpoints around one AsyncEngine.
+
+    build_app(engine, config) -> FastAPI
+      POST /v1/chat/completions  /v1/completions  /v1/messages   (JSON or SSE)
+      GET  /v1/models  /health  /metrics        POST /tokenize  /detokenize
+
+The engine runs on its own thread (AsyncEngine); handlers only await its output
+queues, so a long prefill never blocks this event loop. Bodies are parsed by hand
+(`parse_body`) so every failure is one of sluice's errors, rendered by one handler:
+OpenAI's error JSON everywhere, Anthropic's on `/v1/messages`. A stream that ends
+early (client disconnect) closes its `Run`, which aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from sluice.protocol import anthropic
+from sluice.protocol.errors import InvalidRequestError, NotFoundError, SluiceError
+from sluice.protocol.openai import (
+    UNSUPPORTED_CHAT,
+    UNSUPPORTED_COMPLETION,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    parse_request,
+    reject_unsupported,
+)
+from sluice.worker.chat import chat_chunks, chat_response, prepare_chat
+from sluice.worker.completions import completion_chunks, completion_response, prepare_completion
+from sluice.worker.config import WorkerConfig
+from sluice.worker.sampling import chat_prompt, check_token_ids
+from sluice.worker.state import WorkerState
+
+if TYPE_CHECKING:
+    from sluice.engine.async_engine import AsyncEngine
+
+log = logging.getLogger("sluice.worker")
+
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def build_app(engine: AsyncEngine | None, config: WorkerConfig) -> FastAPI:
+    """The ASGI app; `engine` may be None and attached later via `app.state.worker.attach`."""
+    state = WorkerState(engine, config)
+    app = FastAPI(title="sluice worker", lifespan=_lifespan(state))
+    app.state.worker = state
+    app.add_middleware(RequestIdMiddleware)
+    app.add_exception_handler(SluiceError, _sluice_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _internal_error)
+    _add_routes(app, state)
+    return app
+
+
+# --------------------------------------------------------------------------- routes
+
+
+def _add_routes(app: FastAPI, state: WorkerState) -> None:
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = await parse_body(request)
+        reject_unsupported(body, UNSUPPORTED_CHAT)
+        req = parse_request(ChatCompletionRequest, body)
+        job = await prepare_chat(state, req, request_id(request))
+        if req.stream:
+            return SSEResponse(openai_sse(chat_chunks(job)))
+        return await until_disconnect(request, _json(chat_response(job)))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request)
+        reject_unsupported(body, UNSUPPORTED_COMPLETION)
+        req = parse_request(CompletionRequest, body)
+        job = await prepare_completion(state, req, request_id(request))
+        if req.stream:
+            return SSEResponse(openai_sse(completion_chunks(job)))
+        return await until_disconnect(request, _json(completion_response(job)))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        body = await parse_body(request)
+        anthropic.reject_unsupported(body)
+        req = parse_request(anthropic.MessagesRequest, body)
+        chat_req = parse_request(ChatCompletionRequest, anthropic.to_chat_body(req))
+        job = await prepare_chat(state, chat_req, request_id(request))
+        if req.stream:
+            return SSEResponse(anthropic_sse(chat_chunks(job), anthropic.StreamTranslator(req)))
+        resp = await until_disconnect(request, chat_response(job))
+        return JSONResponse(anthropic.from_chat_response(resp.model_dump(), req).model_dump())
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        engine = state.require_engine()
+        cards = [ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
+                 for name in state.served_names]
+        return ModelList(data=cards).model_dump()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.ready:
+            return JSONResponse({"status": "loading"}, status_code=503,
+                                headers={"Retry-After": "1"})
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        return _tokenize(state, parse_request(TokenizeRequest, await parse_body(request)))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = parse_request(DetokenizeRequest, await parse_body(request))
+        state.check_model(req.model)
+        tok = state.require_engine().tokenizer
+        ids = check_token_ids(req.tokens, tok.vocab_size, "tokens")
+        return DetokenizeResponse(prompt=tok.decode(ids, skip_special_tokens=False)).model_dump()
+
+
+def _tokenize(state: WorkerState, req: TokenizeRequest) -> dict[str, Any]:
+    state.check_model(req.model)
+    engine = state.require_engine()
+    tok = engine.tokenizer
+    if (req.prompt is None) == (req.messages is None):
+        raise InvalidRequestError("give exactly one of 'prompt' or 'messages'", param="prompt")
+    if req.messages is not None:
+        text = chat_prompt(tok, req.messages, req.add_generation_prompt)
+        ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+    else:
+        special = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = tok.encode(req.prompt or "", add_special_tokens=special)
+    strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids,
+                            token_strs=strs).model_dump(exclude_none=True)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+async def parse_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+
+
+def request_id(request: Request) -> str:
+    return str(request.scope["state"]["request_id"])
+
+
+async def _json(result: Awaitable[BaseModel]) -> JSONResponse:
+    return JSONResponse((await result).model_dump())
+
+
+async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work`, cancelling it if the client disconnects first (which aborts its Run)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return task.result()
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse_data(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+async def openai_sse(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+    """OpenAI's SSE framing; an error mid-stream is sent as a data event, then [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield _sse_data(chunk.model_dump_json())
+    except SluiceError as exc:
+        yield _sse_data(json.dumps(exc.to_dict()))
+    except Exception as exc:
+        log.exception("stream failed")
+        yield _sse_data(json.dumps(SluiceError(f"internal error: {exc}").to_dict()))
+    yield _sse_data("[DONE]")
+
+
+async def anthropic_sse(chunks: AsyncIterator[BaseModel],
+                        translator: anthropic.StreamTranslator) -> AsyncIterator[str]:
+    """Anthropic's SSE events, translated from OpenAI chat chunks."""
+    try:
+        async for chunk in chunks:
+            for event in translator.feed(chunk.model_dump()):
+                yield anthropic.sse(event)
+        for event in translator.finish():
+            yield anthropic.sse(event)
+    except Exception as exc:
+        if not isinstance(exc, SluiceError):
+            log.exception("stream failed")
+            exc = SluiceError(f"internal error: {exc}")
+        yield anthropic.sse(("error", anthropic.error_body(exc)))
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that always closes its body iterator, even when the
+    client disconnects, so the request's `Run` aborts the engine request at once."""
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._source = content
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._source.aclose()  # type: ignore[attr-defined]
+
+
+class RequestIdMiddleware:
+    """Honours `x-request-id` (else makes one), exposes it in scope state, echoes it back."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        rid = headers.get(b"x-request-id", b"").decode("latin-1").strip() or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", rid.encode("latin-1"))]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _error_response(request: Request, exc: SluiceError) -> JSONResponse:
+    anthropic_path = request.url.path in ANTHROPIC_PATHS
+    body = anthropic.error_body(exc) if anthropic_path else exc.to_dict()
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _sluice_error(request: Request, exc: SluiceError) -> JSONResponse:
+    return _error_response(request, exc)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    err: SluiceError
+    if exc.status_code == 404:
+        err = NotFoundError(f"no route {request.method} {request.url.path}", code="not_found")
+    else:
+        err = InvalidRequestError(str(exc.detail))
+        err.status_code = exc.status_code
+    return _error_response(request, err)
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    log.error("unhandled error on %s", request.url.path, exc_info=exc)
+    return _error_response(request, SluiceError(f"internal error: {type(exc).__name__}"))
+
+
+# --------------------------------------------------------------------------- lifespan
+
+
+def _lifespan(state: WorkerState) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager]:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = None
+        if state.config.kv_events_endpoint:
+            task = asyncio.create_task(_publish_kv_events(state))
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    return lifespan
+
+
+async def _publish_kv_events(state: WorkerState) -> None:
+    """Drain the engine's KV events every interval and publish them (vLLM's ZMQ format)."""
+    from sluice.worker.kv_events import KVEventPublisher  # router engineer's module
+
+    assert state.config.kv_events_endpoint
+    publisher = KVEventPublisher(state.config.kv_events_endpoint)
+    try:
+        while True:
+            await asyncio.sleep(state.config.kv_events_interval)
+            if state.engine is not None:
+                events = state.engine.drain_kv_events()
+                if events:
+                    publisher.publish(events)
+    finally:
+        publisher.close()

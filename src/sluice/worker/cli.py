@@ -1,0 +1,100 @@
+"""`sluice worker`: one engine behind the OpenAI/Anthropic HTTP API.
+
+Engine flags mirror vLLM's (`--max-num-seqs`, `--block-size`, `--no-enable-prefix-caching`,
+...); only the flags given are passed on, so EngineConfig keeps its own defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from sluice.protocol.errors import InvalidRequestError
+
+# flag dest -> type, help. All default to None (= engine default).
+ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
+    "max_num_seqs": (int, "most sequences in one batch"),
+    "max_num_batched_tokens": (int, "token budget of one engine step"),
+    "block_size": (int, "tokens per KV block (power of two)"),
+    "num_kv_blocks": (int, "size of the KV pool in blocks (overrides memory sizing)"),
+    "kv_cache_memory_bytes": (int, "size of the KV pool in bytes"),
+    "scheduling_policy": (str, "'priority' (lower value runs first) or 'fcfs'"),
+    "max_model_len": (int, "context length (default: the model's own)"),
+    "dtype": (str, "auto | float32 | bfloat16 | float16"),
+    "device": (str, "auto | cpu | cuda"),
+    "seed": (int, "engine seed"),
+}
+ENGINE_SWITCHES: dict[str, str] = {
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "enable_chunked_prefill": "split long prompts across steps beside running decodes",
+}
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="HF directory, hub name or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    for dest, (kind, text) in ENGINE_FLAGS.items():
+        p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=kind, default=None,
+                       help=text)
+    for dest, text in ENGINE_SWITCHES.items():
+        p.add_argument("--" + dest.replace("_", "-"), dest=dest, default=None,
+                       action=argparse.BooleanOptionalAction, help=text + " (default: on)")
+
+
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) the model answers to (default: derived from --model)")
+    p.add_argument("--max-pending-requests", type=int, default=1024,
+                   help="requests in flight beyond this get 503 with Retry-After")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take to finish after SIGTERM")
+    p.add_argument("--kv-events-endpoint", default=None,
+                   help="publish KV cache events (vLLM format) on this ZMQ endpoint, "
+                        "e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("worker", help="serve one model over the OpenAI/Anthropic API",
+                              description=__doc__,
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_model_arguments(p)
+    add_engine_arguments(p)
+    add_worker_arguments(p)
+    p.set_defaults(func=handler)
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    from sluice.engine.config import EngineConfig
+
+    options = {k: getattr(args, k) for k in (*ENGINE_FLAGS, *ENGINE_SWITCHES)
+               if getattr(args, k, None) is not None}
+    if args.served_model_name:
+        options["served_model_name"] = args.served_model_name[0]
+    return EngineConfig.from_options(args.model, **options)
+
+
+def worker_config(args: argparse.Namespace) -> Any:
+    from sluice.worker.config import WorkerConfig
+
+    return WorkerConfig(host=args.host, port=args.port,
+                        served_model_names=tuple(args.served_model_name or ()),
+                        max_pending_requests=args.max_pending_requests,
+                        shutdown_timeout=args.shutdown_timeout,
+                        kv_events_endpoint=args.kv_events_endpoint, log_level=args.log_level)
+
+
+def handler(args: argparse.Namespace) -> int:
+    from sluice.worker.server import run_worker
+
+    try:
+        engine, worker = engine_config(args), worker_config(args)
+    except InvalidRequestError as exc:
+        print(f"sluice worker: error: {exc}")
+        return 2
+    return run_worker(engine, worker)

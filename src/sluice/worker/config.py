@@ -1,0 +1,37 @@
+"""Worker configuration: the HTTP side of one worker (the engine has its own EngineConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sluice.protocol.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Names the model answers to in `model`; empty: the engine's own model_name.
+    served_model_names: tuple[str, ...] = ()
+    # Admission cap: HTTP requests in flight beyond this get 503 + Retry-After.
+    max_pending_requests: int = 1024
+    # On SIGTERM: stop accepting, let in-flight streams finish for up to this long.
+    shutdown_timeout: float = 30.0
+    # Publish the engine's KV events (vLLM format, ZMQ PUB) here, every interval.
+    kv_events_endpoint: str | None = None
+    kv_events_interval: float = 0.02
+    retry_after_seconds: float = 1.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise InvalidRequestError("port must be in [0, 65535]", param="port")
+        if self.max_pending_requests < 1:
+            raise InvalidRequestError("max_pending_requests must be at least 1",
+                                      param="max_pending_requests")
+        if self.shutdown_timeout < 0:
+            raise InvalidRequestError("shutdown_timeout must be non-negative",
+                                      param="shutdown_timeout")
+        if self.kv_events_interval <= 0:
+            raise InvalidRequestError("kv_events_interval must be positive",
+                                      param="kv_events_interval")

@@ -1,0 +1,182 @@
+"""One HTTP request's engine work: admission, context check, priming, metrics, abort.
+
+A handler builds a `Run` from one or more prompts (completions accept a batch) and
+uses it as an async context manager:
+
+    async with Run.start(state, prompts, params, request_id, priority) as run:
+        async for prompt_index, output in run.outputs():
+            ...
+
+`Run.start` admits the request (503 past `max_pending_requests`), checks every
+prompt against the context length, and pulls each engine stream's first output, so
+admission errors from the engine surface before any HTTP status is sent. Leaving the
+block (normally, by an error, or by cancellation when the client disconnects) closes
+every engine stream, which aborts unfinished requests and frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from sluice.engine.outputs import RequestOutput
+from sluice.engine.sampling_params import SamplingParams
+from sluice.protocol.errors import ContextLengthError, ServiceUnavailableError
+from sluice.worker.metrics import RequestTimer
+
+if TYPE_CHECKING:
+    from sluice.worker.state import WorkerState
+
+
+class Admission:
+    """Counts HTTP generation requests in flight and refuses those past the cap."""
+
+    def __init__(self, limit: int, retry_after: float) -> None:
+        self.limit = limit
+        self.retry_after = retry_after
+        self.active = 0
+
+    def acquire(self) -> None:
+        if self.active >= self.limit:
+            raise ServiceUnavailableError(
+                f"server overloaded: {self.active} requests in flight "
+                f"(max_pending_requests={self.limit}); retry later",
+                retry_after=self.retry_after, code="overloaded")
+        self.active += 1
+
+    def release(self) -> None:
+        self.active -= 1
+
+
+def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int,
+                  param: str) -> None:
+    """Raise ContextLengthError if the prompt plus max_tokens cannot fit (OpenAI's wording)."""
+    wanted = prompt_len + (max_tokens or 0)
+    if prompt_len >= max_model_len or wanted > max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {wanted} tokens ({prompt_len} in the {param}, {max_tokens or 0} in the "
+            f"completion). Please reduce the length of the {param} or completion.",
+            param=param)
+
+
+@dataclass
+class Stream:
+    """One engine request's output stream, primed with its first output."""
+
+    source: AsyncIterator[RequestOutput]
+    first: RequestOutput | None = None
+
+    async def prime(self) -> None:
+        try:
+            self.first = await anext(self.source)
+        except StopAsyncIteration:
+            self.first = None
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        if self.first is not None:
+            yield self.first
+        async for out in self.source:
+            yield out
+
+    async def close(self) -> None:
+        aclose = getattr(self.source, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+@dataclass
+class Run(AbstractAsyncContextManager["Run"]):
+    """The engine streams of one HTTP request (one per prompt); see the module docstring."""
+
+    state: WorkerState
+    streams: list[Stream]
+    timer: RequestTimer
+    prompt_lens: list[int]
+    reasons: list[str] = field(default_factory=list)
+    admitted: bool = False
+
+    @classmethod
+    async def start(cls, state: WorkerState, prompts: Sequence[list[int]],
+                    params: SamplingParams, request_id: str, priority: int = 0,
+                    param: str = "prompt") -> Run:
+        engine = state.require_engine()
+        for ids in prompts:
+            check_context(len(ids), params.max_tokens, engine.max_model_len, param)
+        state.admission.acquire()
+        run = cls(state, [], state.metrics.timer(), [len(p) for p in prompts], admitted=True)
+        state.metrics.pending.labels(state.model_name).inc()
+        try:
+            for i, ids in enumerate(prompts):
+                engine_id = f"{request_id}-{i}-{uuid.uuid4().hex[:8]}"
+                run.streams.append(Stream(engine.generate(ids, params, engine_id, priority)))
+            for stream in run.streams:
+                await stream.prime()
+        except BaseException:
+            await run.close()
+            raise
+        return run
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close every engine stream (aborting unfinished ones); shielded from cancellation."""
+        with anyio.CancelScope(shield=True):
+            for stream in self.streams:
+                await stream.close()
+            if self.admitted:
+                self.admitted = False
+                self.state.admission.release()
+                self.state.metrics.pending.labels(self.state.model_name).dec()
+                if self.reasons:
+                    self.timer.finished(self.reasons)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) pairs from every stream, as they come; records metrics."""
+        async for index, out in _merge([s.outputs() for s in self.streams]):
+            self.timer.tokens(sum(len(c.token_ids) for c in out.outputs))
+            self.reasons += [c.finish_reason for c in out.outputs if c.finish_reason]
+            yield index, out
+
+
+async def _merge(sources: list[AsyncIterator[RequestOutput]]
+                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several async iterators; the common single-source case adds no task."""
+    if len(sources) == 1:
+        async for out in sources[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, source: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in source:
+                await queue.put((i, out))
+            await queue.put((i, done))
+        except Exception as exc:  # handed to the consumer, which re-raises it
+            await queue.put((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sources)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()

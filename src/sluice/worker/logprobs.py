@@ -1,0 +1,62 @@
+"""Engine logprobs ({token_id: logprob} per position) in OpenAI's two shapes.
+
+Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`.
+Completions: `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`.
+Token strings are the decoded text of each token (as OpenAI and vLLM show them), and
+-inf becomes -9999.0 because JSON has no infinity.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from sluice.engine.outputs import TokenLogprobs
+from sluice.protocol.openai import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+
+if TYPE_CHECKING:
+    from sluice.engine.tokenizer import Tokenizer
+
+FLOOR = -9999.0
+
+
+def _finite(value: float) -> float:
+    return FLOOR if math.isinf(value) or math.isnan(value) else max(value, FLOOR)
+
+
+def _top(entry: TokenLogprobs, k: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+
+def _text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int],
+                  entries: Sequence[TokenLogprobs], k: int) -> ChatLogprobs:
+    content = []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        text = _text(tokenizer, token_id)
+        top = [TopLogprob(token=(t := _text(tokenizer, i)), logprob=_finite(lp),
+                          bytes=list(t.encode()))
+               for i, lp in _top(entry, k)]
+        content.append(TokenLogprob(token=text, logprob=_finite(entry.get(token_id, -math.inf)),
+                                    bytes=list(text.encode()), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int],
+                        entries: Sequence[TokenLogprobs], k: int,
+                        offset: int) -> CompletionLogprobs:
+    """Completion logprobs; `offset` is where the first token's text starts in the choice."""
+    out = CompletionLogprobs()
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        text = _text(tokenizer, token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(_finite(entry.get(token_id, -math.inf)))
+        out.top_logprobs.append({_text(tokenizer, i): _finite(lp) for i, lp in _top(entry, k)}
+                                if k else None)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out

@@ -1,0 +1,64 @@
+"""Everything one worker app owns, created by `build_app` and passed to every handler.
+
+The engine may arrive after the app starts serving (`sluice worker` listens while the
+model loads, so `/health` can say 503 until it is ready): `attach(engine)` sets it;
+until then generation endpoints answer 503 with Retry-After.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from sluice.engine.stats import EngineStats
+from sluice.protocol.errors import NotFoundError, ServiceUnavailableError
+from sluice.worker.config import WorkerConfig
+from sluice.worker.generation import Admission
+from sluice.worker.metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    from sluice.engine.async_engine import AsyncEngine
+
+
+class WorkerState:
+    """The worker's engine slot, admission counter and metrics (event-loop thread only)."""
+
+    def __init__(self, engine: AsyncEngine | None, config: WorkerConfig) -> None:
+        self.config = config
+        self.engine: AsyncEngine | None = None
+        self.admission = Admission(config.max_pending_requests, config.retry_after_seconds)
+        self.metrics = WorkerMetrics(self.stats, lambda: self.model_name)
+        if engine is not None:
+            self.attach(engine)
+
+    def attach(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    @property
+    def model_name(self) -> str:
+        if self.config.served_model_names:
+            return self.config.served_model_names[0]
+        return self.engine.model_name if self.engine is not None else "loading"
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        return self.config.served_model_names or (self.model_name,)
+
+    def stats(self) -> EngineStats | None:
+        return self.engine.stats() if self.engine is not None else None
+
+    def require_engine(self) -> AsyncEngine:
+        if self.engine is None:
+            raise ServiceUnavailableError("the model is still loading; retry shortly",
+                                          retry_after=self.config.retry_after_seconds)
+        return self.engine
+
+    def check_model(self, model: str | None) -> str:
+        """The served name for `model` (None: the default); 404 for any other name."""
+        self.require_engine()
+        if model is None or model in self.served_names:
+            return model or self.model_name
+        raise NotFoundError(f"The model `{model}` does not exist.", param="model")

@@ -1,0 +1,156 @@
+"""Wire types without an engine: parsing, refusal of unsupported fields, Anthropic translation."""
+
+from __future__ import annotations
+
+import pytest
+
+from sluice.protocol import anthropic
+from sluice.protocol.errors import InvalidRequestError, SluiceError
+from sluice.protocol.openai import (
+    UNSUPPORTED_CHAT,
+    UNSUPPORTED_COMPLETION,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_request,
+    reject_unsupported,
+)
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def test_chat_request_accepts_openai_and_vllm_fields() -> None:
+    req = parse_request(ChatCompletionRequest, {
+        "model": "m", "messages": [{"role": "system", "content": [{"type": "text", "text": "a"},
+                                                                  {"type": "text", "text": "b"}]},
+                                   *USER],
+        "max_completion_tokens": 5, "max_tokens": 9, "top_k": 3, "priority": -1, "n": 2,
+        "stop": "x", "logprobs": True, "top_logprobs": 2, "ignore_eos": True, "min_tokens": 1,
+        "stream_options": {"include_usage": True}, "user": "u", "seed": 7})
+    assert req.messages[0].as_template_dict() == {"role": "system", "content": "ab"}
+    assert req.requested_max_tokens() == 5
+    assert req.stop_list() == ["x"]
+    assert req.num_logprobs() == 2
+    assert req.include_usage and not req.continuous_usage
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"messages": USER, "bogus": 1}, "bogus"),
+    ({"messages": USER, "temperature": "hot"}, "temperature"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.0.content"),
+    ({"messages": []}, "messages"),
+    ({}, "messages"),
+    ({"messages": USER, "n": 0}, "n"),
+])
+def test_chat_request_errors_name_the_field(body: dict, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_request(ChatCompletionRequest, body)
+    assert info.value.param == param
+    assert info.value.status_code == 400
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("tools", [{"type": "function"}]), ("tool_choice", "auto"), ("functions", [{}]),
+    ("response_format", {"type": "json_object"}), ("logit_bias", {"1": 2}),
+    ("audio", {"voice": "x"}), ("kv_transfer_params", {"do_remote_decode": True}),
+    ("modalities", ["text", "audio"]),
+])
+def test_unsupported_chat_fields_are_refused_by_name(field: str, value: object) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        reject_unsupported({"messages": USER, field: value}, UNSUPPORTED_CHAT)
+    assert info.value.param == field
+    assert "not supported" in info.value.message
+
+
+def test_harmless_values_of_unsupported_fields_pass() -> None:
+    body = {"messages": USER, "response_format": {"type": "text"}, "logit_bias": {},
+            "tools": [], "tool_choice": "none"}
+    reject_unsupported(body, UNSUPPORTED_CHAT)
+    with pytest.raises(InvalidRequestError, match="suffix"):
+        reject_unsupported({"prompt": "a", "suffix": "b"}, UNSUPPORTED_COMPLETION)
+
+
+def test_completion_prompt_forms() -> None:
+    def prompts(p: object) -> list:
+        return parse_request(CompletionRequest, {"prompt": p}).prompts()
+
+    assert prompts("a") == ["a"]
+    assert prompts(["a", "b"]) == ["a", "b"]
+    assert prompts([1, 2]) == [[1, 2]]
+    assert prompts([[1], [2, 3]]) == [[1], [2, 3]]
+    with pytest.raises(InvalidRequestError):
+        prompts([])
+
+
+def test_anthropic_to_openai_body() -> None:
+    req = parse_request(anthropic.MessagesRequest, {
+        "model": "m", "max_tokens": 7, "system": [{"type": "text", "text": "be brief"}],
+        "messages": USER, "stop_sequences": ["END"], "temperature": 0.0, "top_k": 2,
+        "stream": True, "metadata": {"user_id": "u1"}})
+    body = anthropic.to_chat_body(req)
+    assert body["messages"] == [{"role": "system", "content": "be brief"}, *USER]
+    assert body["max_tokens"] == 7 and body["stop"] == ["END"] and body["top_k"] == 2
+    assert body["user"] == "u1" and body["temperature"] == 0.0
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    parse_request(ChatCompletionRequest, body)  # the translation is a valid chat request
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"model": "m", "messages": USER}, "max_tokens"),
+    ({"model": "m", "max_tokens": 1, "messages": USER, "temperature": 1.5}, "temperature"),
+    ({"model": "m", "max_tokens": 1, "messages": [{"role": "system", "content": "x"}]},
+     "messages.0.role"),
+    ({"model": "m", "max_tokens": 1, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content"),
+])
+def test_anthropic_request_errors(body: dict, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_request(anthropic.MessagesRequest, body)
+    assert info.value.param == param
+
+
+def test_anthropic_refuses_tools() -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        anthropic.reject_unsupported({"tools": [{"name": "x"}]})
+    assert info.value.param == "tools"
+
+
+@pytest.mark.parametrize(("finish", "matched", "expected"), [
+    ("length", None, ("max_tokens", None)),
+    ("stop", None, ("end_turn", None)),
+    ("stop", 2, ("end_turn", None)),
+    ("stop", "END", ("stop_sequence", "END")),
+    (None, None, (None, None)),
+])
+def test_stop_reason_mapping(finish: str | None, matched: object, expected: tuple) -> None:
+    assert anthropic.stop_reason(finish, matched, ["END"]) == expected
+
+
+def test_stream_translator_event_order_and_usage() -> None:
+    req = parse_request(anthropic.MessagesRequest,
+                        {"model": "m", "max_tokens": 5, "messages": USER,
+                         "stop_sequences": ["."]})
+    tr = anthropic.StreamTranslator(req)
+    usage = {"prompt_tokens": 9, "completion_tokens": 0}
+    events = tr.feed({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+                      "usage": usage})
+    events += tr.feed({"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": "stop",
+                                    "stop_reason": "."}],
+                       "usage": {"prompt_tokens": 9, "completion_tokens": 2}})
+    events += tr.finish()
+    names = [name for name, _ in events]
+    assert names == ["message_start", "content_block_start", "ping", "content_block_delta",
+                     "content_block_stop", "message_delta", "message_stop"]
+    assert events[0][1]["message"]["usage"]["input_tokens"] == 9
+    assert events[3][1]["delta"] == {"type": "text_delta", "text": "Hi"}
+    assert events[5][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "."}
+    assert events[5][1]["usage"] == {"output_tokens": 2}
+    assert anthropic.sse(events[-1]) == 'event: message_stop\ndata: {"type": "message_stop"}\n\n'
+
+
+def test_anthropic_error_shape() -> None:
+    body = anthropic.error_body(InvalidRequestError("bad", param="x"))
+    assert body == {"type": "error", "error": {"type": "invalid_request_error", "message": "bad"}}
+    assert anthropic.error_body(SluiceError("boom"))["error"]["type"] == "api_error"
