@@ -1,0 +1,85 @@
+"""Gateway configuration: frozen dataclasses, validated once, read everywhere.
+
+The gateway is configured at its edge (CLI flags, `SLUICE_*` variables read in
+`sluice.gateway.cli` through `sluice.env`) into one `GatewayConfig`; nothing below it
+reads the environment. Priority classes live here because they are policy the operator
+picks, not code: vLLM's convention is "lower value runs first" and 0 is the default of
+a request that names no priority, so `interactive` is 0 and the others sit below it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sluice.protocol.errors import InvalidRequestError
+
+# vLLM-compatible priorities: lower runs first; a request without `priority` is 0.
+PRIORITY_CLASSES: dict[str, int] = {"interactive": 0, "standard": 1, "batch": 2}
+
+FAILURE_MODES = ("closed", "open")
+
+
+def priority_value(name: str) -> int:
+    """The integer of a priority class; raises InvalidRequestError naming the class."""
+    try:
+        return PRIORITY_CLASSES[name]
+    except KeyError:
+        raise InvalidRequestError(
+            f"unknown priority class {name!r}; choose one of {sorted(PRIORITY_CLASSES)}",
+            param="priority_class",
+        ) from None
+
+
+@dataclass(frozen=True)
+class LimiterConfig:
+    """Where the counters live and what to do when that place is unreachable.
+
+    `redis_url=None` keeps counters in this process (one gateway replica). With a URL,
+    every replica shares exact counters through atomic Lua scripts. `on_redis_error`:
+    "closed" answers 503 while Redis is down, "open" admits without limits.
+    """
+
+    redis_url: str | None = None
+    on_redis_error: str = "closed"
+    key_prefix: str = "sluice:rl:"
+    window_s: float = 60.0
+    concurrency_lease_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.on_redis_error not in FAILURE_MODES:
+            raise InvalidRequestError(
+                f"on_redis_error must be one of {FAILURE_MODES}, got {self.on_redis_error!r}",
+                param="on_redis_error",
+            )
+        if self.window_s <= 0:
+            raise InvalidRequestError("window_s must be > 0", param="window_s")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything the gateway middleware needs besides its injected collaborators.
+
+    `database_url=None` means SQLite (WAL) at `sluice.env.home()/sluice.db`.
+    `default_reserve_tokens` is what a request without `max_tokens` reserves against
+    its tokens-per-minute limit until its real completion tokens are known.
+    """
+
+    database_url: str | None = None
+    table_prefix: str = "sluice_"
+    admin_key: str | None = None
+    limiter: LimiterConfig = field(default_factory=LimiterConfig)
+    prices_file: Path | None = None
+    default_priority_class: str = "standard"
+    default_reserve_tokens: int = 256
+    max_body_bytes: int = 16 * 1024 * 1024
+    retention_days: float | None = None
+
+    def __post_init__(self) -> None:
+        priority_value(self.default_priority_class)
+        if self.default_reserve_tokens < 0:
+            raise InvalidRequestError(
+                "default_reserve_tokens must be >= 0", param="default_reserve_tokens"
+            )
+        if self.retention_days is not None and self.retention_days <= 0:
+            raise InvalidRequestError("retention_days must be > 0", param="retention_days")

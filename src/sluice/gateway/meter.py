@@ -1,0 +1,144 @@
+"""Reads usage off a response as it passes, without holding the stream back.
+
+A `ResponseMeter` sees every body chunk the upstream sends. JSON bodies are kept
+(bounded) and parsed at the end; Server-Sent Events are cut at event boundaries and
+each `data:` payload is parsed on the way through:
+
+    OpenAI      any chunk with a non-null `usage` (with `stream_options.include_usage`
+                the last chunk: `"choices": []`); content from `choices[].delta.content`
+                or `choices[].text`
+    Anthropic   `message_start.message.usage.input_tokens`, `message_delta.usage
+                .output_tokens` (cumulative); content from `content_block_delta`
+
+When the gateway itself asked for `include_usage` (the client did not), the meter drops
+that usage-only chunk so the client sees the stream it asked for. The accumulated
+content lets an aborted stream be charged for the tokens it produced so far.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+_EVENT_END = re.compile(rb"\r?\n\r?\n")
+
+
+@dataclass
+class ResponseMeter:
+    protocol: str = "openai"  # openai | anthropic
+    strip_usage_chunk: bool = False
+    max_body_bytes: int = 16 * 1024 * 1024
+    streaming: bool = False
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    text_parts: list[str] = field(default_factory=list)
+    _buffer: bytearray = field(default_factory=bytearray)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    @property
+    def body(self) -> bytes:
+        return bytes(self._buffer)
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Take upstream bytes; return the bytes to forward now."""
+        if not self.streaming:
+            if len(self._buffer) + len(chunk) <= self.max_body_bytes:
+                self._buffer += chunk
+            return chunk
+        self._buffer += chunk
+        out = bytearray()
+        while (match := _EVENT_END.search(self._buffer)) is not None:
+            event = bytes(self._buffer[: match.end()])
+            del self._buffer[: match.end()]
+            if self._on_event(event):
+                out += event
+        return bytes(out)
+
+    def finish(self) -> bytes:
+        """End of body: parse a JSON body, or return an unterminated trailing event."""
+        if not self.streaming:
+            self._on_json(self._buffer)
+            return b""
+        rest = bytes(self._buffer)
+        self._buffer.clear()
+        if rest.strip() and not self._on_event(rest):
+            return b""
+        return rest
+
+    # -- parsing -----------------------------------------------------------------------
+
+    def _on_json(self, raw: bytes | bytearray) -> None:
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            return
+        if isinstance(obj, dict):
+            self._take_usage(obj.get("usage"))
+            self._take_text(obj)
+
+    def _on_event(self, event: bytes) -> bool:
+        """Parse one SSE event; False if it must not reach the client."""
+        for line in event.splitlines():
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                continue
+            try:
+                obj = json.loads(payload)
+            except ValueError:
+                continue
+            if isinstance(obj, dict) and not self._on_chunk(obj):
+                return False
+        return True
+
+    def _on_chunk(self, obj: dict[str, Any]) -> bool:
+        if self.protocol == "anthropic":
+            self._on_anthropic_event(obj)
+            return True
+        usage = obj.get("usage")
+        self._take_usage(usage)
+        self._take_text(obj)
+        return not (self.strip_usage_chunk and usage and not obj.get("choices"))
+
+    def _on_anthropic_event(self, obj: dict[str, Any]) -> None:
+        kind = obj.get("type")
+        if kind == "message_start":
+            self._take_usage((obj.get("message") or {}).get("usage"))
+        elif kind == "message_delta":
+            self._take_usage(obj.get("usage"))
+        elif kind == "content_block_delta":
+            self.text_parts.append(str((obj.get("delta") or {}).get("text") or ""))
+
+    def _take_usage(self, usage: Any) -> None:
+        if not isinstance(usage, dict):
+            return
+        if "prompt_tokens" in usage or "completion_tokens" in usage:
+            self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            self.completion_tokens = int(usage.get("completion_tokens") or 0)
+            return
+        if "input_tokens" in usage:
+            self.prompt_tokens = sum(int(usage.get(k) or 0) for k in (
+                "input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"))
+        if "output_tokens" in usage:
+            self.completion_tokens = int(usage.get("output_tokens") or 0)
+
+    def _take_text(self, obj: dict[str, Any]) -> None:
+        if self.protocol == "anthropic":
+            for block in obj.get("content") or []:
+                if isinstance(block, dict) and block.get("type") == "text":
+                    self.text_parts.append(str(block.get("text") or ""))
+            return
+        for choice in obj.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta") or choice.get("message") or {}
+            text = delta.get("content") if isinstance(delta, dict) else None
+            text = text if text is not None else choice.get("text")
+            if isinstance(text, str):
+                self.text_parts.append(text)

@@ -1,0 +1,44 @@
+"""Gateway metrics in their own Prometheus registry (one per gateway, no globals).
+
+Names follow Prometheus conventions under `sluice_gateway_`; the middleware appends
+this registry's text to the upstream's `/metrics`, so one scrape sees both.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class GatewayMetrics:
+    """Counters the middleware updates; each method says what happened, not how."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("sluice_gateway_requests_total",
+                                "Requests that passed authentication, by tenant and final status",
+                                ["tenant", "status"], registry=r)
+        self.rejections = Counter("sluice_gateway_rejections_total",
+                                  "Requests refused by the gateway, by reason", ["reason"],
+                                  registry=r)
+        self.tokens = Counter("sluice_gateway_tokens_total", "Tokens metered, by tenant and kind",
+                              ["tenant", "kind"], registry=r)
+        self.spend = Counter("sluice_gateway_spend_usd_total", "Spend recorded, in USD",
+                             ["tenant"], registry=r)
+        self.soft_budget = Counter("sluice_gateway_soft_budget_exceeded_total",
+                                   "Requests admitted while the tenant is past its soft budget",
+                                   ["tenant"], registry=r)
+        self.limiter_errors = Counter("sluice_gateway_limiter_errors_total",
+                                      "Rate-limiter store errors, by failure mode applied",
+                                      ["mode"], registry=r)
+        self.ledger_errors = Counter("sluice_gateway_ledger_errors_total",
+                                     "Usage records that could not be written", registry=r)
+        self.inflight = Gauge("sluice_gateway_requests_in_flight", "Requests in flight",
+                              registry=r)
+        self.overhead = Histogram("sluice_gateway_admission_seconds",
+                                  "Time from request arrival to forwarding upstream", registry=r,
+                                  buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                           0.25, 1.0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,417 @@
+"""Durable gateway state: tenants, API keys, and the usage ledger / audit log.
+
+`Store` is the contract; `SQLStore` implements it on SQLAlchemy Core, SQLite (WAL) by
+default and PostgreSQL when given a URL. Two properties matter for exactness:
+
+* a usage record and the tenant's spend change commit in **one transaction**
+  (`record_usage`), so spend always equals the sum of the ledger's costs, and a crash
+  never leaves one without the other;
+* keys are looked up on every request (`authenticate`), never cached, so a revoked key
+  is refused by every replica from the next request on.
+
+All methods are synchronous (SQLAlchemy Core); the middleware calls them through
+`asyncio.to_thread`. Timestamps are float seconds since the epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from sluice import env
+from sluice.gateway.config import priority_value
+from sluice.gateway.keys import generate_key, hash_key, new_id
+from sluice.protocol.errors import InvalidRequestError, NotFoundError
+
+
+@dataclass(frozen=True)
+class TenantSettings:
+    """What an operator sets on a tenant. `None` limits mean unlimited."""
+
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+    budget_usd: float | None = None
+    soft_budget_usd: float | None = None
+    priority_class: str = "standard"
+    allowed_models: tuple[str, ...] | None = None
+    store_bodies: bool = False
+
+    def __post_init__(self) -> None:
+        _check_limits(self.rpm, self.tpm, self.max_concurrent)
+        priority_value(self.priority_class)
+        for name in ("budget_usd", "soft_budget_usd"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise InvalidRequestError(f"{name} must be >= 0", param=name)
+
+
+@dataclass(frozen=True)
+class KeySettings:
+    """What a key may narrow below its tenant: limits, models, priority class."""
+
+    name: str = ""
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+    allowed_models: tuple[str, ...] | None = None
+    priority_class: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_limits(self.rpm, self.tpm, self.max_concurrent)
+        if self.priority_class is not None:
+            priority_value(self.priority_class)
+
+
+def _check_limits(*values: int | None) -> None:
+    for name, value in zip(("rpm", "tpm", "max_concurrent"), values, strict=True):
+        if value is not None and value < 0:
+            raise InvalidRequestError(f"{name} must be >= 0", param=name)
+
+
+@dataclass(frozen=True)
+class Tenant:
+    id: str
+    name: str
+    settings: TenantSettings
+    spend_usd: float
+    created_at: float
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    id: str
+    tenant_id: str
+    display: str
+    settings: KeySettings
+    created_at: float
+    revoked_at: float | None
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the key and its tenant, as read at the start of this request."""
+
+    key: ApiKey
+    tenant: Tenant
+
+
+@dataclass(frozen=True)
+class UsageRecord:
+    """One line of the ledger / audit log: exactly one per request that got past auth."""
+
+    request_id: str
+    tenant_id: str
+    key_id: str
+    endpoint: str
+    model: str | None
+    status: str  # ok | error | aborted | rejected
+    http_status: int
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost_usd: float = 0.0
+    latency_ms: float = 0.0
+    ts: float = field(default_factory=time.time)
+    request_body: str | None = None
+    response_body: str | None = None
+
+
+@dataclass(frozen=True)
+class UsageQuery:
+    tenant_id: str | None = None
+    key_id: str | None = None
+    since: float | None = None
+    until: float | None = None
+    limit: int = 1000
+
+
+class Store(ABC):
+    """Contract for gateway state. Implementations must make `record_usage` atomic
+    (ledger row + spend in one transaction) and must not cache `authenticate`."""
+
+    @abstractmethod
+    def create_tenant(self, name: str, settings: TenantSettings) -> Tenant: ...
+
+    @abstractmethod
+    def update_tenant(self, ref: str, changes: dict[str, Any]) -> Tenant: ...
+
+    @abstractmethod
+    def get_tenant(self, ref: str) -> Tenant:
+        """By id or name; raises NotFoundError."""
+
+    @abstractmethod
+    def list_tenants(self) -> list[Tenant]: ...
+
+    @abstractmethod
+    def create_key(self, tenant_ref: str, settings: KeySettings) -> tuple[ApiKey, str]:
+        """Returns the key record and its plaintext (shown once, never stored)."""
+
+    @abstractmethod
+    def list_keys(self, tenant_id: str | None = None) -> list[ApiKey]: ...
+
+    @abstractmethod
+    def revoke_key(self, key_id: str) -> ApiKey: ...
+
+    @abstractmethod
+    def authenticate(self, plaintext: str) -> Principal | None:
+        """The live key and tenant for a plaintext key; None if unknown or revoked."""
+
+    @abstractmethod
+    def record_usage(self, record: UsageRecord) -> None:
+        """Append to the ledger and add its cost to the tenant's spend, atomically."""
+
+    @abstractmethod
+    def query_usage(self, query: UsageQuery) -> list[UsageRecord]: ...
+
+    @abstractmethod
+    def purge(self, older_than: float) -> int:
+        """Delete ledger rows with ts < older_than; returns how many."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
+
+
+def default_database_url() -> str:
+    """SQLite under `sluice.env.home()`."""
+    path = env.home() / "sluice.db"
+    return f"sqlite:///{path}"
+
+
+def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table]:
+    md = sa.MetaData()
+    tenants = sa.Table(
+        f"{prefix}tenants", md,
+        sa.Column("id", sa.String(40), primary_key=True),
+        sa.Column("name", sa.String(200), nullable=False, unique=True),
+        sa.Column("settings", sa.Text, nullable=False),
+        sa.Column("spend_usd", sa.Float, nullable=False, default=0.0),
+        sa.Column("created_at", sa.Float, nullable=False),
+    )
+    keys = sa.Table(
+        f"{prefix}keys", md,
+        sa.Column("id", sa.String(40), primary_key=True),
+        sa.Column("tenant_id", sa.String(40), sa.ForeignKey(tenants.c.id), nullable=False),
+        sa.Column("digest", sa.String(64), nullable=False, unique=True),
+        sa.Column("display", sa.String(40), nullable=False),
+        sa.Column("settings", sa.Text, nullable=False),
+        sa.Column("created_at", sa.Float, nullable=False),
+        sa.Column("revoked_at", sa.Float, nullable=True),
+    )
+    usage = sa.Table(
+        f"{prefix}usage", md,
+        sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("request_id", sa.String(64), nullable=False),
+        sa.Column("ts", sa.Float, nullable=False, index=True),
+        sa.Column("tenant_id", sa.String(40), nullable=False, index=True),
+        sa.Column("key_id", sa.String(40), nullable=False),
+        sa.Column("endpoint", sa.String(100), nullable=False),
+        sa.Column("model", sa.String(200), nullable=True),
+        sa.Column("status", sa.String(20), nullable=False),
+        sa.Column("http_status", sa.Integer, nullable=False),
+        sa.Column("prompt_tokens", sa.Integer, nullable=False),
+        sa.Column("completion_tokens", sa.Integer, nullable=False),
+        sa.Column("cost_usd", sa.Float, nullable=False),
+        sa.Column("latency_ms", sa.Float, nullable=False),
+        sa.Column("request_body", sa.Text, nullable=True),
+        sa.Column("response_body", sa.Text, nullable=True),
+    )
+    return md, tenants, keys, usage
+
+
+def _dump(settings: TenantSettings | KeySettings) -> str:
+    return json.dumps(asdict(settings))
+
+
+def _tenant_settings(text: str) -> TenantSettings:
+    data = json.loads(text)
+    if data.get("allowed_models") is not None:
+        data["allowed_models"] = tuple(data["allowed_models"])
+    return TenantSettings(**data)
+
+
+def _key_settings(text: str) -> KeySettings:
+    data = json.loads(text)
+    if data.get("allowed_models") is not None:
+        data["allowed_models"] = tuple(data["allowed_models"])
+    return KeySettings(**data)
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA busy_timeout=10000")
+    cur.close()
+
+
+class SQLStore(Store):
+    """`Store` on SQLAlchemy Core. `url=None` means SQLite at `sluice.env.home()/sluice.db`.
+
+    `table_prefix` lets several deployments (or test runs) share one database.
+    Tables are created on construction if missing.
+    """
+
+    def __init__(self, url: str | None = None, table_prefix: str = "sluice_") -> None:
+        url = url or default_database_url()
+        if url.startswith("postgresql://"):
+            url = "postgresql+psycopg://" + url[len("postgresql://"):]
+        self.url = url
+        self.engine = self._make_engine(url)
+        self.metadata, self.tenants, self.keys, self.usage = _tables(table_prefix)
+        self.metadata.create_all(self.engine)
+
+    @staticmethod
+    def _make_engine(url: str) -> sa.Engine:
+        if not url.startswith("sqlite"):
+            return sa.create_engine(url, pool_pre_ping=True, pool_size=10)
+        path = url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = sa.create_engine(url, connect_args={"check_same_thread": False})
+        sa.event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+
+    # -- tenants ---------------------------------------------------------------------
+
+    def create_tenant(self, name: str, settings: TenantSettings) -> Tenant:
+        if not name:
+            raise InvalidRequestError("tenant name must not be empty", param="name")
+        tenant = Tenant(new_id("tn"), name, settings, 0.0, time.time())
+        try:
+            with self.engine.begin() as conn:
+                conn.execute(self.tenants.insert().values(
+                    id=tenant.id, name=name, settings=_dump(settings),
+                    spend_usd=0.0, created_at=tenant.created_at))
+        except sa.exc.IntegrityError:
+            raise InvalidRequestError(f"tenant {name!r} already exists", param="name") from None
+        return tenant
+
+    def update_tenant(self, ref: str, changes: dict[str, Any]) -> Tenant:
+        known = {f.name for f in fields(TenantSettings)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown tenant setting(s): {unknown}", param=unknown[0])
+        with self.engine.begin() as conn:
+            tenant = self._tenant_row(conn, ref)
+            settings = replace(tenant.settings, **changes)
+            conn.execute(self.tenants.update().where(self.tenants.c.id == tenant.id)
+                         .values(settings=_dump(settings)))
+        return replace(tenant, settings=settings)
+
+    def get_tenant(self, ref: str) -> Tenant:
+        with self.engine.connect() as conn:
+            return self._tenant_row(conn, ref)
+
+    def _tenant_row(self, conn: sa.Connection, ref: str) -> Tenant:
+        t = self.tenants
+        row = conn.execute(t.select().where(sa.or_(t.c.id == ref, t.c.name == ref))).first()
+        if row is None:
+            raise NotFoundError(f"tenant {ref!r} not found", param="tenant", code="tenant_not_found")
+        return self._tenant(row)
+
+    @staticmethod
+    def _tenant(row: Any) -> Tenant:
+        return Tenant(row.id, row.name, _tenant_settings(row.settings), row.spend_usd,
+                      row.created_at)
+
+    def list_tenants(self) -> list[Tenant]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(self.tenants.select().order_by(self.tenants.c.created_at))
+            return [self._tenant(r) for r in rows]
+
+    # -- keys ------------------------------------------------------------------------
+
+    def create_key(self, tenant_ref: str, settings: KeySettings) -> tuple[ApiKey, str]:
+        new = generate_key()
+        with self.engine.begin() as conn:
+            tenant = self._tenant_row(conn, tenant_ref)
+            key = ApiKey(new_id("key"), tenant.id, new.display, settings, time.time(), None)
+            conn.execute(self.keys.insert().values(
+                id=key.id, tenant_id=tenant.id, digest=new.digest, display=new.display,
+                settings=_dump(settings), created_at=key.created_at, revoked_at=None))
+        return key, new.plaintext
+
+    @staticmethod
+    def _key(row: Any) -> ApiKey:
+        return ApiKey(row.id, row.tenant_id, row.display, _key_settings(row.settings),
+                      row.created_at, row.revoked_at)
+
+    def list_keys(self, tenant_id: str | None = None) -> list[ApiKey]:
+        stmt = self.keys.select().order_by(self.keys.c.created_at)
+        if tenant_id is not None:
+            stmt = stmt.where(self.keys.c.tenant_id == tenant_id)
+        with self.engine.connect() as conn:
+            return [self._key(r) for r in conn.execute(stmt)]
+
+    def revoke_key(self, key_id: str) -> ApiKey:
+        with self.engine.begin() as conn:
+            k = self.keys
+            conn.execute(k.update().where(k.c.id == key_id, k.c.revoked_at.is_(None))
+                         .values(revoked_at=time.time()))
+            row = conn.execute(k.select().where(k.c.id == key_id)).first()
+        if row is None:
+            raise NotFoundError(f"key {key_id!r} not found", param="key_id", code="key_not_found")
+        return self._key(row)
+
+    def authenticate(self, plaintext: str) -> Principal | None:
+        k, t = self.keys, self.tenants
+        stmt = (sa.select(k, t.c.name, t.c.settings.label("t_settings"), t.c.spend_usd,
+                          t.c.created_at.label("t_created"))
+                .join(t, t.c.id == k.c.tenant_id)
+                .where(k.c.digest == hash_key(plaintext), k.c.revoked_at.is_(None)))
+        with self.engine.connect() as conn:
+            row = conn.execute(stmt).first()
+        if row is None:
+            return None
+        tenant = Tenant(row.tenant_id, row.name, _tenant_settings(row.t_settings),
+                        row.spend_usd, row.t_created)
+        return Principal(self._key(row), tenant)
+
+    # -- ledger ----------------------------------------------------------------------
+
+    def record_usage(self, record: UsageRecord) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(self.usage.insert().values(**asdict(record)))
+            if record.cost_usd:
+                t = self.tenants
+                conn.execute(t.update().where(t.c.id == record.tenant_id)
+                             .values(spend_usd=t.c.spend_usd + record.cost_usd))
+
+    def query_usage(self, query: UsageQuery) -> list[UsageRecord]:
+        u = self.usage
+        stmt = sa.select(*[u.c[f.name] for f in fields(UsageRecord)])
+        for condition in self._filters(query):
+            stmt = stmt.where(condition)
+        stmt = stmt.order_by(u.c.seq).limit(query.limit)
+        with self.engine.connect() as conn:
+            return [UsageRecord(**row._asdict()) for row in conn.execute(stmt)]
+
+    def _filters(self, q: UsageQuery) -> Iterator[Any]:
+        u = self.usage
+        if q.tenant_id is not None:
+            yield u.c.tenant_id == q.tenant_id
+        if q.key_id is not None:
+            yield u.c.key_id == q.key_id
+        if q.since is not None:
+            yield u.c.ts >= q.since
+        if q.until is not None:
+            yield u.c.ts < q.until
+
+    def purge(self, older_than: float) -> int:
+        with self.engine.begin() as conn:
+            result = conn.execute(self.usage.delete().where(self.usage.c.ts < older_than))
+        return int(result.rowcount or 0)
+
+    def drop_all(self) -> None:
+        """Drop this store's tables (tests use it to clean up a per-run prefix)."""
+        self.metadata.drop_all(self.engine)
+
+    def close(self) -> None:
+        self.engine.dispose()

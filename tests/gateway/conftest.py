@@ -1,0 +1,98 @@
+"""Gateway fixtures: stores (SQLite, PostgreSQL on a per-run table prefix), Redis key
+prefixes that are cleaned up, the stub upstream, and a builder for gateways."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sluice.gateway.config import GatewayConfig, LimiterConfig
+from sluice.gateway.limits import Limiter, LocalLimiter
+from sluice.gateway.middleware import GatewayMiddleware
+from sluice.gateway.pricing import PriceTable
+from sluice.gateway.state import GatewayState
+from sluice.gateway.store import KeySettings, SQLStore, TenantSettings
+from sluice.gateway.tokens import estimate_prompt_tokens
+
+from .stub import StubUpstream
+
+PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+REDIS_URL = "redis://127.0.0.1:6379/0"
+ADMIN_KEY = "admin-test-secret"
+
+
+@pytest.fixture
+def sqlite_store(tmp_path: Path) -> Iterator[SQLStore]:
+    store = SQLStore(f"sqlite:///{tmp_path / 'gw.db'}")
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def pg_store() -> Iterator[SQLStore]:
+    store = SQLStore(PG_URL, table_prefix=f"t{uuid.uuid4().hex[:10]}_")
+    yield store
+    store.drop_all()
+    store.close()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def any_store(request: pytest.FixtureRequest) -> SQLStore:
+    name = "sqlite_store" if request.param == "sqlite" else "pg_store"
+    return request.getfixturevalue(name)  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+async def redis_prefix() -> AsyncIterator[str]:
+    import redis.asyncio as aioredis
+
+    prefix = f"sluice-test:{uuid.uuid4().hex}:"
+    yield prefix
+    client = aioredis.Redis.from_url(REDIS_URL)
+    keys = [k async for k in client.scan_iter(match=f"{prefix}*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+@pytest.fixture
+def stub() -> StubUpstream:
+    return StubUpstream()
+
+
+def make_state(store: SQLStore, limiter: Limiter | None = None, *,
+               prices: PriceTable | None = None, on_redis_error: str = "closed",
+               count=estimate_prompt_tokens) -> GatewayState:
+    config = GatewayConfig(admin_key=ADMIN_KEY,
+                           limiter=LimiterConfig(on_redis_error=on_redis_error))
+    return GatewayState(config=config, store=store, limiter=limiter or LocalLimiter(),
+                        prices=prices or PriceTable(), count_prompt_tokens=count)
+
+
+def client_for(app: object, key: str | None = None) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app),  # type: ignore[arg-type]
+                             base_url="http://gateway", headers=headers, timeout=30)
+
+
+def new_key(store: SQLStore, tenant: str = "acme", key_settings: KeySettings | None = None,
+            **tenant_settings: object) -> str:
+    try:
+        store.get_tenant(tenant)
+    except Exception:
+        store.create_tenant(tenant, TenantSettings(**tenant_settings))  # type: ignore[arg-type]
+    _, plaintext = store.create_key(tenant, key_settings or KeySettings())
+    return plaintext
+
+
+@pytest.fixture
+def gateway(sqlite_store: SQLStore, stub: StubUpstream) -> GatewayMiddleware:
+    return GatewayMiddleware(stub, make_state(sqlite_store))
+
+
+CHAT = {"model": "stub-model", "messages": [{"role": "user", "content": "Hello there"}],
+        "max_tokens": 5}

@@ -1,0 +1,84 @@
+"""Keys, tenants and the ledger on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import sqlalchemy as sa
+
+from sluice.gateway.keys import KEY_PREFIX, generate_key, hash_key
+from sluice.gateway.store import KeySettings, SQLStore, TenantSettings, UsageQuery, UsageRecord
+from sluice.protocol.errors import InvalidRequestError, NotFoundError
+
+
+def test_generated_keys_have_256_bits_and_only_the_hash_is_kept() -> None:
+    keys = {generate_key().plaintext for _ in range(50)}
+    assert len(keys) == 50
+    for k in keys:
+        assert k.startswith(KEY_PREFIX) and len(k) - len(KEY_PREFIX) >= 43
+    new = generate_key()
+    assert new.digest == hash_key(new.plaintext) and len(new.digest) == 64
+    assert new.plaintext not in new.display
+
+
+def test_store_never_holds_the_plaintext(any_store: SQLStore) -> None:
+    any_store.create_tenant("acme", TenantSettings())
+    key, plaintext = any_store.create_key("acme", KeySettings(name="ci"))
+    with any_store.engine.connect() as conn:
+        rows = [tuple(r) for r in conn.execute(sa.select(any_store.keys))]
+    dumped = repr(rows)
+    assert plaintext not in dumped and plaintext[len(KEY_PREFIX):] not in dumped
+    assert hash_key(plaintext) in dumped
+    principal = any_store.authenticate(plaintext)
+    assert principal is not None and principal.key.id == key.id
+    assert principal.tenant.name == "acme"
+    assert any_store.authenticate(plaintext + "x") is None
+
+
+def test_revoked_key_no_longer_authenticates(any_store: SQLStore) -> None:
+    any_store.create_tenant("acme", TenantSettings())
+    key, plaintext = any_store.create_key("acme", KeySettings())
+    revoked = any_store.revoke_key(key.id)
+    assert revoked.revoked_at is not None
+    assert any_store.authenticate(plaintext) is None
+    with pytest.raises(NotFoundError):
+        any_store.revoke_key("key_missing")
+
+
+def test_tenant_create_update_and_errors(any_store: SQLStore) -> None:
+    t = any_store.create_tenant("acme", TenantSettings(rpm=10, allowed_models=("a",)))
+    with pytest.raises(InvalidRequestError) as exc:
+        any_store.create_tenant("acme", TenantSettings())
+    assert exc.value.param == "name"
+    updated = any_store.update_tenant("acme", {"rpm": 20, "priority_class": "batch"})
+    assert updated.settings.rpm == 20 and updated.settings.priority_class == "batch"
+    assert any_store.get_tenant(t.id).settings.allowed_models == ("a",)
+    with pytest.raises(InvalidRequestError) as exc:
+        any_store.update_tenant("acme", {"colour": "red"})
+    assert exc.value.param == "colour"
+    with pytest.raises(InvalidRequestError) as exc:
+        any_store.update_tenant("acme", {"priority_class": "vip"})
+    assert exc.value.param == "priority_class"
+    with pytest.raises(NotFoundError):
+        any_store.get_tenant("nobody")
+
+
+def test_ledger_spend_equals_sum_of_records_and_purge(any_store: SQLStore) -> None:
+    a = any_store.create_tenant("a", TenantSettings())
+    b = any_store.create_tenant("b", TenantSettings())
+    now = time.time()
+    for i in range(5):
+        any_store.record_usage(UsageRecord(
+            request_id=f"r{i}", tenant_id=(a if i % 2 == 0 else b).id, key_id="k",
+            endpoint="/v1/chat/completions", model="m", status="ok", http_status=200,
+            prompt_tokens=10, completion_tokens=i, cost_usd=0.25, ts=now - 86400 * i))
+    assert any_store.get_tenant("a").spend_usd == pytest.approx(0.75)
+    assert any_store.get_tenant("b").spend_usd == pytest.approx(0.5)
+    rows = any_store.query_usage(UsageQuery(tenant_id=a.id))
+    assert [r.request_id for r in rows] == ["r0", "r2", "r4"]
+    recent = any_store.query_usage(UsageQuery(since=now - 86400 * 1.5))
+    assert [r.request_id for r in recent] == ["r0", "r1"]
+    assert any_store.purge(now - 86400 * 2.5) == 2  # r3, r4
+    assert len(any_store.query_usage(UsageQuery())) == 3
+    assert any_store.get_tenant("a").spend_usd == pytest.approx(0.75)  # spend is not refunded
