@@ -1,0 +1,219 @@
+"""The gateway's own HTTP routes: `/admin/...` (admin key) and `/v1/usage` (tenant key).
+
+Admin routes manage tenants and keys and read any tenant's usage; they require
+`Authorization: Bearer <admin key>` (`SLUICE_ADMIN_KEY`), and are disabled (403) when
+no admin key is configured. `/v1/usage` lets an API key read its **own tenant's**
+usage only: the tenant is taken from the key, never from the query.
+
+    POST   /admin/tenants               create        {name, rpm, tpm, ...}
+    GET    /admin/tenants               list
+    GET    /admin/tenants/{ref}         one (id or name)
+    PATCH  /admin/tenants/{ref}         update settings
+    POST   /admin/keys                  create        {tenant, name, rpm, ...} -> key shown once
+    GET    /admin/keys?tenant=          list (no secrets)
+    DELETE /admin/keys/{id}             revoke (also POST /admin/keys/{id}/revoke)
+    GET    /admin/usage?tenant=&key=&since=&until=&limit=
+    POST   /admin/purge                 {older_than_days}
+    GET    /v1/usage?key=&since=&until=&limit=
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from sluice.gateway.state import GatewayState
+from sluice.gateway.store import (
+    ApiKey,
+    KeySettings,
+    Principal,
+    Tenant,
+    TenantSettings,
+    UsageQuery,
+    UsageRecord,
+)
+from sluice.protocol.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    PermissionDeniedError,
+    SluiceError,
+)
+
+
+class _Payload(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TenantLimits(_Payload):
+    rpm: int | None = Field(None, ge=0)
+    tpm: int | None = Field(None, ge=0)
+    max_concurrent: int | None = Field(None, ge=0)
+    budget_usd: float | None = Field(None, ge=0)
+    soft_budget_usd: float | None = Field(None, ge=0)
+    allowed_models: list[str] | None = None
+
+
+class TenantCreate(TenantLimits):
+    name: str = Field(min_length=1, max_length=200)
+    priority_class: str = "standard"
+    store_bodies: bool = False
+
+
+class TenantUpdate(TenantLimits):
+    priority_class: str | None = None
+    store_bodies: bool | None = None
+
+
+class KeyCreate(_Payload):
+    tenant: str
+    name: str = ""
+    rpm: int | None = Field(None, ge=0)
+    tpm: int | None = Field(None, ge=0)
+    max_concurrent: int | None = Field(None, ge=0)
+    allowed_models: list[str] | None = None
+    priority_class: str | None = None
+
+
+class Purge(_Payload):
+    older_than_days: float = Field(gt=0)
+
+
+def tenant_json(t: Tenant) -> dict[str, Any]:
+    return {"id": t.id, "name": t.name, "spend_usd": t.spend_usd, "created_at": t.created_at,
+            **_settings_json(t.settings)}
+
+
+def key_json(k: ApiKey) -> dict[str, Any]:
+    return {"id": k.id, "tenant_id": k.tenant_id, "display": k.display,
+            "created_at": k.created_at, "revoked_at": k.revoked_at,
+            **_settings_json(k.settings)}
+
+
+def _settings_json(settings: TenantSettings | KeySettings) -> dict[str, Any]:
+    data = asdict(settings)
+    if data.get("allowed_models") is not None:
+        data["allowed_models"] = list(data["allowed_models"])
+    return data
+
+
+def usage_json(records: list[UsageRecord]) -> dict[str, Any]:
+    totals = {"requests": len(records),
+              "prompt_tokens": sum(r.prompt_tokens for r in records),
+              "completion_tokens": sum(r.completion_tokens for r in records),
+              "cost_usd": sum(r.cost_usd for r in records)}
+    return {"object": "list", "data": [asdict(r) for r in records], "totals": totals}
+
+
+def _models(values: list[str] | None) -> tuple[str, ...] | None:
+    return tuple(values) if values is not None else None
+
+
+def _bearer(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    return request.headers.get("x-api-key")
+
+
+def build_admin_app(state: GatewayState) -> FastAPI:
+    """The FastAPI app for the gateway's own routes, bound to one `GatewayState`."""
+    app = FastAPI(title="sluice gateway admin", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    store = state.store
+
+    @app.exception_handler(SluiceError)
+    async def _sluice_error(_: Request, exc: SluiceError) -> JSONResponse:
+        return JSONResponse(exc.to_dict(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path")]
+        param = ".".join(loc) or None
+        error = InvalidRequestError(f"{param}: {err.get('msg', 'invalid')}", param=param)
+        return JSONResponse(error.to_dict(), status_code=400)
+
+    def admin(request: Request) -> None:
+        expected = state.config.admin_key
+        if not expected:
+            raise PermissionDeniedError("admin API disabled: set SLUICE_ADMIN_KEY")
+        given = _bearer(request) or ""
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            raise AuthenticationError("invalid admin key")
+
+    def caller(request: Request) -> Principal:
+        principal = store.authenticate(_bearer(request) or "")
+        if principal is None:
+            raise AuthenticationError("invalid or revoked API key")
+        return principal
+
+    guarded = [Depends(admin)]
+
+    @app.post("/admin/tenants", dependencies=guarded, status_code=201)
+    def create_tenant(body: TenantCreate) -> dict[str, Any]:
+        data = body.model_dump(exclude={"name"})
+        data["allowed_models"] = _models(body.allowed_models)
+        return tenant_json(store.create_tenant(body.name, TenantSettings(**data)))
+
+    @app.get("/admin/tenants", dependencies=guarded)
+    def list_tenants() -> dict[str, Any]:
+        return {"object": "list", "data": [tenant_json(t) for t in store.list_tenants()]}
+
+    @app.get("/admin/tenants/{ref}", dependencies=guarded)
+    def get_tenant(ref: str) -> dict[str, Any]:
+        return tenant_json(store.get_tenant(ref))
+
+    @app.patch("/admin/tenants/{ref}", dependencies=guarded)
+    def update_tenant(ref: str, body: TenantUpdate) -> dict[str, Any]:
+        changes = body.model_dump(exclude_unset=True)
+        if "allowed_models" in changes:
+            changes["allowed_models"] = _models(body.allowed_models)
+        return tenant_json(store.update_tenant(ref, changes))
+
+    @app.post("/admin/keys", dependencies=guarded, status_code=201)
+    def create_key(body: KeyCreate) -> dict[str, Any]:
+        data = body.model_dump(exclude={"tenant"})
+        data["allowed_models"] = _models(body.allowed_models)
+        key, plaintext = store.create_key(body.tenant, KeySettings(**data))
+        return {**key_json(key), "key": plaintext}
+
+    @app.get("/admin/keys", dependencies=guarded)
+    def list_keys(tenant: str | None = None) -> dict[str, Any]:
+        tenant_id = store.get_tenant(tenant).id if tenant else None
+        return {"object": "list", "data": [key_json(k) for k in store.list_keys(tenant_id)]}
+
+    @app.delete("/admin/keys/{key_id}", dependencies=guarded)
+    @app.post("/admin/keys/{key_id}/revoke", dependencies=guarded)
+    def revoke_key(key_id: str) -> dict[str, Any]:
+        return key_json(store.revoke_key(key_id))
+
+    @app.get("/admin/usage", dependencies=guarded)
+    def admin_usage(tenant: str | None = None, key: str | None = None,
+                    since: float | None = None, until: float | None = None,
+                    limit: int = 1000) -> dict[str, Any]:
+        tenant_id = store.get_tenant(tenant).id if tenant else None
+        return usage_json(store.query_usage(UsageQuery(tenant_id, key, since, until, limit)))
+
+    @app.post("/admin/purge", dependencies=guarded)
+    def purge(body: Purge) -> dict[str, Any]:
+        deleted = store.purge(time.time() - body.older_than_days * 86400)
+        return {"deleted": deleted}
+
+    @app.get("/v1/usage")
+    def own_usage(principal: Principal = Depends(caller), tenant: str | None = None,
+                  key: str | None = None, since: float | None = None,
+                  until: float | None = None, limit: int = 1000) -> dict[str, Any]:
+        own = principal.tenant
+        if tenant is not None and tenant not in (own.id, own.name):
+            raise PermissionDeniedError("a key can only read its own tenant's usage",
+                                        param="tenant")
+        return usage_json(store.query_usage(UsageQuery(own.id, key, since, until, limit)))
+
+    return app

@@ -1,0 +1,506 @@
+"""`GatewayMiddleware`: who is calling and how much, in front of any OpenAI ASGI app.
+
+Pure ASGI (Starlette style): it wraps the router's or a worker's app, or the httpx
+proxy of `sluice gateway --upstream`. Per request under `/v1/`:
+
+    1. authenticate   Bearer or x-api-key -> key + tenant (read fresh: revocation is
+                      immediate on every replica)
+    2. admit          model allowed? budget left? priority within class? prompt tokens
+                      counted; limiter charges 1 request, prompt + max_tokens tokens and
+                      a concurrency slot on the key's and the tenant's scopes at once
+    3. forward        the body with `priority` injected (and `stream_options
+                      .include_usage` when streaming), client credentials removed,
+                      x-sluice-tenant / x-sluice-priority / x-request-id added
+    4. meter          usage read off the JSON body or the SSE stream as it passes;
+                      x-ratelimit-* headers added to the response
+    5. settle         exactly once per request (finished, failed or client-aborted):
+                      tokens reconciled, concurrency freed, ledger row + spend written
+                      in one transaction, *before* the last bytes go to the client
+
+`/admin/...` and `/v1/usage` are served by the gateway's own app (`admin.py`);
+`/metrics` is the upstream's text followed by the gateway's; everything else passes
+through untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.gateway.budget import check_budget
+from sluice.gateway.config import GatewayConfig, priority_value
+from sluice.gateway.limits import (
+    Decision,
+    LimiterUnavailableError,
+    LocalLimiter,
+    RedisLimiter,
+    Scope,
+    rate_limit_headers,
+)
+from sluice.gateway.meter import ResponseMeter
+from sluice.gateway.state import GatewayState
+from sluice.gateway.store import Principal, UsageRecord
+from sluice.protocol.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    NotFoundError,
+    RateLimitError,
+    SluiceError,
+)
+
+logger = logging.getLogger(__name__)
+
+Scope_ = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope_, Receive, Send], Awaitable[None]]
+
+# Endpoints whose JSON body names a model and produces tokens.
+GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages",
+                        "/v1/embeddings")
+ANTHROPIC_ENDPOINTS = ("/v1/messages",)
+STREAM_USAGE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+PRIORITY_BODY_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+_DROP_HEADERS = {b"authorization", b"x-api-key", b"content-length", b"accept-encoding"}
+
+
+def _header(scope: Scope_, name: bytes) -> str | None:
+    for key, value in scope.get("headers") or []:
+        if key.lower() == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+def api_key_of(scope: Scope_) -> str | None:
+    """The client's key: `Authorization: Bearer <key>` or Anthropic's `x-api-key`."""
+    auth = _header(scope, b"authorization")
+    if auth and auth.lower().startswith("bearer "):
+        return auth[7:].strip() or None
+    return _header(scope, b"x-api-key") or None
+
+
+def error_body(exc: SluiceError, protocol: str) -> bytes:
+    if protocol == "anthropic":
+        return json.dumps({"type": "error",
+                           "error": {"type": exc.error_type, "message": exc.message}}).encode()
+    return json.dumps(exc.to_dict()).encode()
+
+
+async def send_json(send: Send, status: int, body: bytes,
+                    headers: dict[str, str] | None = None) -> None:
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def read_body(receive: Receive, limit: int) -> bytes:
+    chunks, size, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise InvalidRequestError("client disconnected while sending the body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise InvalidRequestError(f"request body larger than {limit} bytes", param="body")
+        chunks.append(chunk)
+        more = message.get("more_body", False)
+    return b"".join(chunks)
+
+
+@dataclass
+class Admission:
+    """Everything decided before forwarding one request."""
+
+    principal: Principal
+    endpoint: str
+    protocol: str
+    request_id: str
+    model: str | None = None
+    body: bytes = b""
+    priority: int = 1
+    stream: bool = False
+    strip_usage_chunk: bool = False
+    prompt_tokens: int = 0
+    reserved_tokens: int = 0
+    decision: Decision | None = None
+    limiter_degraded: bool = False
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class GatewayMiddleware:
+    """Pure ASGI middleware: `GatewayMiddleware(app, config_or_state)`.
+
+    Given a `GatewayConfig` it builds its own `GatewayState` (store, limiter, prices,
+    token counter, metrics); given a `GatewayState` it uses that one, which is how two
+    replicas in one test share nothing but Redis and the database.
+    """
+
+    def __init__(self, app: ASGIApp, config: GatewayConfig | GatewayState | None = None) -> None:
+        self.app = app
+        if isinstance(config, GatewayState):
+            self.state = config
+        else:
+            self.state = GatewayState.from_config(config or GatewayConfig())
+        from sluice.gateway.admin import build_admin_app
+
+        self.admin_app = build_admin_app(self.state)
+
+    async def __call__(self, scope: Scope_, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path: str = scope["path"]
+        if path.startswith("/admin") or path == "/v1/usage":
+            return await self.admin_app(scope, receive, send)
+        if path == "/metrics":
+            return await self._metrics(scope, receive, send)
+        if path.startswith("/v1/"):
+            return await Exchange(self, scope, receive, send).run()
+        return await self.app(scope, receive, send)
+
+    async def _metrics(self, scope: Scope_, receive: Receive, send: Send) -> None:
+        captured: dict[str, Any] = {"status": 404, "body": bytearray()}
+
+        async def capture(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                captured["status"] = message["status"]
+            elif message["type"] == "http.response.body":
+                captured["body"] += message.get("body", b"")
+
+        await self.app(scope, receive, capture)
+        upstream = bytes(captured["body"]) if captured["status"] == 200 else b""
+        body = upstream + self.state.metrics.render()
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),
+            (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class Exchange:
+    """One request through the gateway; owns its admission, meter and settlement."""
+
+    def __init__(self, gateway: GatewayMiddleware, scope: Scope_, receive: Receive,
+                 send: Send) -> None:
+        self.gw, self.state = gateway, gateway.state
+        self.scope, self.receive, self.send = scope, receive, send
+        path: str = scope["path"]
+        self.endpoint = path
+        self.protocol = "anthropic" if path in ANTHROPIC_ENDPOINTS else "openai"
+        self.started = time.perf_counter()
+        self.adm: Admission | None = None
+        self.meter = ResponseMeter(protocol=self.protocol,
+                                   max_body_bytes=self.state.config.max_body_bytes)
+        self.status = 0
+        self.response_started = False
+        self.disconnected = False
+        self.settled = False
+
+    # -- 1 + 2: authenticate and admit ---------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            self.adm = await self.admit()
+        except SluiceError as exc:
+            return await self.refuse(exc)
+        self.state.metrics.overhead.observe(time.perf_counter() - self.started)
+        self.state.metrics.inflight.inc()
+        try:
+            await self.forward()
+        finally:
+            self.state.metrics.inflight.dec()
+
+    async def admit(self) -> Admission:
+        key = api_key_of(self.scope)
+        if not key:
+            raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>' "
+                                      "or 'x-api-key: <key>'")
+        principal = await asyncio.to_thread(self.state.store.authenticate, key)
+        if principal is None:
+            raise AuthenticationError("invalid or revoked API key")
+        adm = Admission(principal, self.endpoint, self.protocol,
+                        _header(self.scope, b"x-request-id") or uuid.uuid4().hex)
+        self.adm = adm
+        raw = await read_body(self.receive, self.state.config.max_body_bytes)
+        payload = self.parse_payload(raw) if self.scope["method"] == "POST" else None
+        self.apply_policy(adm, payload)
+        adm.body = raw if payload is None else json.dumps(payload).encode()
+        await self.reserve(adm, payload)
+        return adm
+
+    def parse_payload(self, raw: bytes) -> dict[str, Any] | None:
+        if self.endpoint not in GENERATION_ENDPOINTS:
+            return None
+        try:
+            payload = json.loads(raw)
+        except ValueError:
+            raise InvalidRequestError("request body is not valid JSON", param="body") from None
+        if not isinstance(payload, dict):
+            raise InvalidRequestError("request body must be a JSON object", param="body")
+        return payload
+
+    def apply_policy(self, adm: Admission, payload: dict[str, Any] | None) -> None:
+        """Model access, budget, priority class, streaming usage: all may raise."""
+        tenant, key = adm.principal.tenant, adm.principal.key
+        check_budget(tenant, self.state.metrics)
+        adm.priority = effective_priority(adm.principal)
+        if payload is None:
+            return
+        adm.model = payload.get("model") if isinstance(payload.get("model"), str) else None
+        check_model_allowed(adm.model, tenant.settings.allowed_models, key.settings.allowed_models)
+        adm.stream = payload.get("stream") is True
+        self.set_priority(adm, payload)
+        if adm.stream and self.endpoint in STREAM_USAGE_ENDPOINTS:
+            options = payload.get("stream_options") or {}
+            if not isinstance(options, dict):
+                raise InvalidRequestError("stream_options must be an object", param="stream_options")
+            if not options.get("include_usage"):
+                payload["stream_options"] = {**options, "include_usage": True}
+                adm.strip_usage_chunk = True
+
+    def set_priority(self, adm: Admission, payload: dict[str, Any]) -> None:
+        asked = payload.get("priority")
+        if asked is not None:
+            if not isinstance(asked, int) or isinstance(asked, bool):
+                raise InvalidRequestError("priority must be an integer", param="priority")
+            if asked < adm.priority:
+                raise InvalidRequestError(
+                    f"priority {asked} is above this key's class (lowest value allowed: "
+                    f"{adm.priority}; lower values run first)", param="priority")
+            adm.priority = asked
+        if self.endpoint in PRIORITY_BODY_ENDPOINTS:
+            payload["priority"] = adm.priority
+
+    async def reserve(self, adm: Admission, payload: dict[str, Any] | None) -> None:
+        if payload is not None:
+            adm.prompt_tokens = await asyncio.to_thread(
+                self.state.count_prompt_tokens, adm.model, payload)
+            adm.reserved_tokens = adm.prompt_tokens + self.completion_reserve(payload)
+        scopes = limit_scopes(adm.principal)
+        try:
+            decision = await self.state.limiter.acquire(scopes, adm.reserved_tokens)
+        except LimiterUnavailableError as exc:
+            self.on_limiter_error(exc, adm)
+            return
+        adm.decision = decision
+        adm.headers = decision.headers()
+        if not decision.allowed:
+            raise limit_error(decision)
+
+    def completion_reserve(self, payload: dict[str, Any]) -> int:
+        if self.endpoint == "/v1/embeddings":
+            return 0
+        limit = payload.get("max_completion_tokens", payload.get("max_tokens"))
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            limit = self.state.config.default_reserve_tokens
+        n = payload.get("n", 1)
+        return limit * (n if isinstance(n, int) and n > 0 else 1)
+
+    def on_limiter_error(self, exc: LimiterUnavailableError, adm: Admission) -> None:
+        mode = self.state.config.limiter.on_redis_error
+        self.state.metrics.limiter_errors.labels(mode=mode).inc()
+        logger.error("rate limiter unavailable (%s); failing %s", exc, mode)
+        if mode == "closed":
+            raise exc
+        adm.limiter_degraded = True
+
+    async def refuse(self, exc: SluiceError) -> None:
+        reason = type(exc).__name__
+        self.state.metrics.rejections.labels(reason=reason).inc()
+        headers = {**(self.adm.headers if self.adm else {}), **exc.headers}
+        self.status = exc.status_code
+        if self.adm is not None:  # authenticated: audit the refusal
+            await self.settle("rejected")
+        await send_json(self.send, exc.status_code, error_body(exc, self.protocol), headers)
+
+    # -- 3 + 4: forward and meter ----------------------------------------------------------
+
+    def upstream_scope(self, adm: Admission) -> Scope_:
+        headers = [(k, v) for k, v in self.scope.get("headers") or []
+                   if k.lower() not in _DROP_HEADERS and not k.lower().startswith(b"x-sluice-")
+                   and k.lower() != b"x-request-id"]
+        headers += [(b"content-length", str(len(adm.body)).encode()),
+                    (b"x-request-id", adm.request_id.encode()),
+                    (b"x-sluice-tenant", adm.principal.tenant.id.encode()),
+                    (b"x-sluice-key-id", adm.principal.key.id.encode()),
+                    (b"x-sluice-priority", str(adm.priority).encode())]
+        return {**self.scope, "headers": headers}
+
+    async def forward(self) -> None:
+        assert self.adm is not None
+        adm, body_sent = self.adm, False
+        self.meter.strip_usage_chunk = adm.strip_usage_chunk
+
+        async def receive() -> Message:
+            nonlocal body_sent
+            if not body_sent:
+                body_sent = True
+                return {"type": "http.request", "body": adm.body, "more_body": False}
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                self.disconnected = True
+            return message
+
+        try:
+            await self.gw.app(self.upstream_scope(adm), receive, self.on_send)
+        except Exception as exc:
+            await self.on_upstream_failure(exc)
+        finally:
+            if not self.settled:
+                await asyncio.shield(self.settle("aborted" if self.disconnected or
+                                                 self.response_started else "error"))
+
+    async def on_send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            return await self.on_start(message)
+        if message["type"] != "http.response.body":
+            return await self.send(message)
+        more = bool(message.get("more_body", False))
+        out = self.meter.feed(message.get("body", b""))
+        if not more:
+            out += self.meter.finish()
+            await self.settle("ok" if 200 <= self.status < 400 else "error")
+        if out or not more:
+            await self.send({"type": "http.response.body", "body": out, "more_body": more})
+
+    async def on_start(self, message: Message) -> None:
+        assert self.adm is not None
+        self.status = int(message["status"])
+        headers = list(message.get("headers") or [])
+        ctype = next((v for k, v in headers if k.lower() == b"content-type"), b"")
+        self.meter.streaming = ctype.startswith(b"text/event-stream")
+        if self.meter.streaming and self.adm.strip_usage_chunk:
+            headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+        extra = {**self.adm.headers, "x-request-id": self.adm.request_id}
+        names = {k.lower() for k, _ in headers}
+        headers += [(k.encode(), v.encode()) for k, v in extra.items() if k.encode() not in names]
+        self.response_started = True
+        await self.send({**message, "headers": headers})
+
+    async def on_upstream_failure(self, exc: Exception) -> None:
+        if self.disconnected or isinstance(exc, OSError) and self.response_started:
+            return  # the client went away mid-response; settle() records the abort
+        logger.exception("upstream app failed for request %s", self.adm and self.adm.request_id)
+        if self.response_started:
+            return
+        self.status = 502
+        await self.settle("error")
+        error = SluiceError(f"upstream failed: {type(exc).__name__}")
+        await send_json(self.send, 502, error_body(error, self.protocol))
+
+    # -- 5: settle ---------------------------------------------------------------------
+
+    async def settle(self, status: str) -> None:
+        """Exactly once: reconcile tokens, free the slot, write ledger + spend, count."""
+        if self.settled or self.adm is None:
+            return
+        self.settled = True
+        adm = self.adm
+        prompt, completion = await self.final_tokens(status)
+        cost = self.state.prices.cost(adm.model, prompt, completion)
+        await self.release(adm, prompt + completion)
+        request_body, response_body = self.bodies(adm)
+        record = UsageRecord(
+            request_id=adm.request_id, tenant_id=adm.principal.tenant.id,
+            key_id=adm.principal.key.id, endpoint=self.endpoint, model=adm.model,
+            status=status, http_status=self.status or 499, prompt_tokens=prompt,
+            completion_tokens=completion, cost_usd=cost,
+            latency_ms=(time.perf_counter() - self.started) * 1000,
+            request_body=request_body, response_body=response_body)
+        await self.write(record)
+
+    async def final_tokens(self, status: str) -> tuple[int, int]:
+        adm, m = self.adm, self.meter
+        assert adm is not None
+        if status == "rejected" or (status == "error" and m.prompt_tokens is None):
+            return 0, 0
+        prompt = m.prompt_tokens if m.prompt_tokens is not None else adm.prompt_tokens
+        if m.completion_tokens is not None:
+            return prompt, m.completion_tokens
+        text = m.text
+        if not text:
+            return prompt, 0
+        counted = await asyncio.to_thread(self.state.count_prompt_tokens, adm.model,
+                                          {"prompt": text})
+        return prompt, counted
+
+    async def release(self, adm: Admission, actual: int) -> None:
+        if adm.decision is None or adm.decision.lease is None:
+            return
+        try:
+            await self.state.limiter.finish(adm.decision.lease, actual)
+        except LimiterUnavailableError as exc:
+            self.state.metrics.limiter_errors.labels(mode="finish").inc()
+            logger.error("could not reconcile request %s with the limiter: %s",
+                         adm.request_id, exc)
+
+    def bodies(self, adm: Admission) -> tuple[str | None, str | None]:
+        """Request and response text for the audit log, redacted; None unless opted in."""
+        if not adm.principal.tenant.settings.store_bodies:
+            return None, None
+        redact = self.state.redactor
+        response = self.meter.text if self.meter.streaming else self.meter.body.decode(
+            "utf-8", "replace")
+        return redact(adm.body.decode("utf-8", "replace")), redact(response)
+
+    async def write(self, record: UsageRecord) -> None:
+        m = self.state.metrics
+        try:
+            await asyncio.to_thread(self.state.store.record_usage, record)
+        except Exception:
+            m.ledger_errors.inc()
+            logger.exception("usage record for request %s not written", record.request_id)
+        tenant = record.tenant_id
+        m.requests.labels(tenant=tenant, status=record.status).inc()
+        m.tokens.labels(tenant=tenant, kind="prompt").inc(record.prompt_tokens)
+        m.tokens.labels(tenant=tenant, kind="completion").inc(record.completion_tokens)
+        m.spend.labels(tenant=tenant).inc(record.cost_usd)
+
+
+# -- policy helpers (plain data in, decision out) -------------------------------------------
+
+
+def effective_priority(principal: Principal) -> int:
+    """The key's class may only lower (numerically raise) its tenant's class."""
+    tenant_value = priority_value(principal.tenant.settings.priority_class)
+    key_class = principal.key.settings.priority_class
+    return max(tenant_value, priority_value(key_class)) if key_class else tenant_value
+
+
+def check_model_allowed(model: str | None, *allow_lists: tuple[str, ...] | None) -> None:
+    for allowed in allow_lists:
+        if allowed is not None and model not in allowed:
+            raise NotFoundError(f"The model {model!r} does not exist or this key has no "
+                                "access to it", param="model")
+
+
+def limit_scopes(principal: Principal) -> list[Scope]:
+    """The key's scope and its tenant's: a request must fit both."""
+    k, t = principal.key.settings, principal.tenant.settings
+    return [Scope(f"key:{principal.key.id}", k.rpm, k.tpm, k.max_concurrent),
+            Scope(f"tenant:{principal.tenant.id}", t.rpm, t.tpm, t.max_concurrent)]
+
+
+_REASONS = {
+    "requests": "Rate limit reached for requests per minute",
+    "tokens": "Rate limit reached for tokens per minute",
+    "too_large": "Request too large: its prompt plus max_tokens exceed the tokens-per-minute limit",
+    "concurrency": "Too many concurrent requests",
+}
+
+
+def limit_error(decision: Decision) -> RateLimitError:
+    message = _REASONS.get(decision.reason or "", "Rate limit reached")
+    headers = rate_limit_headers(decision.scopes, decision.states)
+    return RateLimitError(f"{message}. Please retry after the time in Retry-After.",
+                          retry_after=decision.retry_after_s, headers=headers)
+
+
+__all__ = ["GatewayMiddleware", "GatewayState", "LocalLimiter", "RedisLimiter"]

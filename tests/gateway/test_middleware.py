@@ -1,0 +1,286 @@
+"""GatewayMiddleware over the stub upstream, in process (SQLite + LocalLimiter)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from sluice.gateway.middleware import GatewayMiddleware
+from sluice.gateway.pricing import Price, PriceTable
+from sluice.gateway.store import KeySettings, SQLStore, UsageQuery
+
+from .conftest import ADMIN_KEY, CHAT, client_for, make_state, new_key
+from .stub import PROMPT_TOKENS, StubUpstream
+
+
+async def test_missing_and_wrong_keys_get_401_in_openai_shape(gateway: GatewayMiddleware) -> None:
+    async with client_for(gateway) as c:
+        r = await c.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        r = await c.post("/v1/chat/completions", json=CHAT,
+                         headers={"Authorization": "Bearer sk-sluice-nope"})
+        assert r.status_code == 401
+
+
+async def test_request_passes_with_priority_injected_and_is_recorded(
+        sqlite_store: SQLStore, stub: StubUpstream) -> None:
+    key = new_key(sqlite_store, rpm=10, tpm=1000, priority_class="interactive")
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    async with client_for(gw, key) as c:
+        r = await c.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 5
+        assert r.headers["x-ratelimit-limit-requests"] == "10"
+        assert r.headers["x-ratelimit-remaining-requests"] == "9"
+        assert r.headers["x-ratelimit-limit-tokens"] == "1000"
+        assert r.headers["x-ratelimit-reset-requests"].endswith("s")
+    sent = stub.received[-1]
+    assert sent["priority"] == 0 and sent["model"] == "stub-model"
+    headers = stub.headers[-1]
+    assert "authorization" not in headers and headers["x-sluice-priority"] == "0"
+    [rec] = sqlite_store.query_usage(UsageQuery())
+    assert (rec.status, rec.http_status, rec.prompt_tokens, rec.completion_tokens) == (
+        "ok", 200, PROMPT_TOKENS, 5)
+    assert rec.endpoint == "/v1/chat/completions" and rec.model == "stub-model"
+    assert rec.request_id == r.headers["x-request-id"]
+    assert rec.request_body is None and rec.response_body is None
+
+
+async def test_client_priority_may_only_go_down(sqlite_store: SQLStore, stub: StubUpstream) -> None:
+    key = new_key(sqlite_store, priority_class="standard")
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    async with client_for(gw, key) as c:
+        r = await c.post("/v1/chat/completions", json={**CHAT, "priority": 0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+        r = await c.post("/v1/chat/completions", json={**CHAT, "priority": 5})
+        assert r.status_code == 200
+    assert stub.received[-1]["priority"] == 5
+    assert len(stub.received) == 1  # the refused one never reached upstream
+
+
+async def test_key_class_narrows_tenant_class(sqlite_store: SQLStore, stub: StubUpstream) -> None:
+    key = new_key(sqlite_store, key_settings=KeySettings(priority_class="batch"),
+                  priority_class="interactive")
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    async with client_for(gw, key) as c:
+        assert (await c.post("/v1/completions", json={"model": "m", "prompt": "hi"})).is_success
+    assert stub.received[-1]["priority"] == 2
+
+
+async def test_allowed_models_narrowed_by_key(sqlite_store: SQLStore, stub: StubUpstream) -> None:
+    key = new_key(sqlite_store, key_settings=KeySettings(allowed_models=("stub-model",)),
+                  allowed_models=("stub-model", "other"))
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    async with client_for(gw, key) as c:
+        r = await c.post("/v1/chat/completions", json={**CHAT, "model": "other"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+    statuses = [r.status for r in sqlite_store.query_usage(UsageQuery())]
+    assert statuses == ["rejected", "ok"]
+
+
+async def test_bad_json_is_a_400_naming_body(gateway: GatewayMiddleware,
+                                             sqlite_store: SQLStore) -> None:
+    key = new_key(sqlite_store)
+    async with client_for(gateway, key) as c:
+        r = await c.post("/v1/chat/completions", content=b"{not json",
+                         headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+
+
+async def test_rpm_limit_in_process_burst_is_exact(sqlite_store: SQLStore,
+                                                   stub: StubUpstream) -> None:
+    key = new_key(sqlite_store, rpm=7)
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    async with client_for(gw, key) as c:
+        rs = await asyncio.gather(*[c.post("/v1/chat/completions", json=CHAT) for _ in range(20)])
+    codes = [r.status_code for r in rs]
+    assert codes.count(200) == 7 and codes.count(429) == 13
+    refused = next(r for r in rs if r.status_code == 429)
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert int(refused.headers["retry-after"]) >= 1
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    records = sqlite_store.query_usage(UsageQuery())
+    assert sorted(r.status for r in records) == ["ok"] * 7 + ["rejected"] * 13
+
+
+async def test_tokens_per_minute_reserve_then_reconcile(sqlite_store: SQLStore,
+                                                        stub: StubUpstream) -> None:
+    """Real tokenizer: the reservation is the templated prompt + max_tokens; afterwards
+    the key is charged upstream's prompt tokens + actual completion tokens."""
+    from sluice.gateway.tokens import PromptTokenCounter
+
+    counter = PromptTokenCounter()
+    prompt = counter("stub-model", CHAT)
+    assert not counter.estimated and prompt > 10
+    key = new_key(sqlite_store, tpm=prompt + 100)
+    gw = GatewayMiddleware(stub, make_state(sqlite_store, count=counter))
+    async with client_for(gw, key) as c:
+        r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 100})
+        assert r.status_code == 200
+        assert r.headers["x-ratelimit-remaining-tokens"] == "0"  # reserved in full
+        r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 100})
+        assert r.status_code == 429 and "tokens" in r.json()["error"]["message"]
+        # reconciled: 7 prompt + 8 completion were used, the rest came back
+        r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})
+        assert r.status_code == 200
+        used_before = PROMPT_TOKENS + 8
+        assert r.headers["x-ratelimit-remaining-tokens"] == str(
+            prompt + 100 - used_before - (prompt + 1))
+        r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 10**6})
+        assert r.status_code == 429 and "too large" in r.json()["error"]["message"]
+
+
+async def test_concurrency_limit(sqlite_store: SQLStore, stub: StubUpstream) -> None:
+    key = new_key(sqlite_store, max_concurrent=2)
+    stub.gate = asyncio.Event()
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    async with client_for(gw, key) as c:
+        held = [asyncio.create_task(c.post("/v1/chat/completions", json=CHAT)) for _ in range(2)]
+        while len(stub.received) < 2:
+            await asyncio.sleep(0.01)
+        third = await c.post("/v1/chat/completions", json=CHAT)
+        assert third.status_code == 429
+        assert "concurrent" in third.json()["error"]["message"]
+        stub.gate.set()
+        assert [(await t).status_code for t in held] == [200, 200]
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+
+
+async def test_budget_exhaustion_gives_insufficient_quota(sqlite_store: SQLStore,
+                                                          stub: StubUpstream) -> None:
+    prices = PriceTable({"stub-model": Price(1_000_000.0, 2_000_000.0)})  # $1 in, $2 out / token
+    key = new_key(sqlite_store, budget_usd=40.0, soft_budget_usd=10.0)
+    state = make_state(sqlite_store, prices=prices)
+    gw = GatewayMiddleware(stub, state)
+    async with client_for(gw, key) as c:
+        codes = [(await c.post("/v1/chat/completions", json=CHAT)).status_code for _ in range(4)]
+        # each costs 7*$1 + 5*$2 = $17: admitted at spend 0, 17, 34 (< 40), refused at 51
+        assert codes == [200, 200, 200, 429]
+        r = await c.post("/v1/chat/completions", json=CHAT)
+        assert r.json()["error"]["code"] == "insufficient_quota"
+        assert r.json()["error"]["type"] == "insufficient_quota"
+    tenant = sqlite_store.get_tenant("acme")
+    records = sqlite_store.query_usage(UsageQuery())
+    assert tenant.spend_usd == pytest.approx(51.0) == sum(r.cost_usd for r in records)
+    assert state.metrics.soft_budget.labels(tenant=tenant.id)._value.get() == 2  # at 17, 34
+
+
+async def test_streaming_usage_is_metered_and_extra_chunk_stripped(
+        sqlite_store: SQLStore, stub: StubUpstream) -> None:
+    key = new_key(sqlite_store)
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    async with client_for(gw, key) as c:
+        r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        events = [e for e in r.text.split("\n\n") if e]
+        assert stub.received[-1]["stream_options"] == {"include_usage": True}
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[6:]) for e in events[:-1]]
+        assert len(chunks) == 5 and all(ch["choices"] for ch in chunks)  # no usage chunk
+        r = await c.post("/v1/chat/completions", json={
+            **CHAT, "stream": True, "stream_options": {"include_usage": True}})
+        last = json.loads([e for e in r.text.split("\n\n") if e][-2][6:])
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 5
+    records = sqlite_store.query_usage(UsageQuery())
+    assert [(x.status, x.prompt_tokens, x.completion_tokens) for x in records] == [
+        ("ok", PROMPT_TOKENS, 5), ("ok", PROMPT_TOKENS, 5)]
+
+
+async def test_anthropic_messages_with_x_api_key(sqlite_store: SQLStore, stub: StubUpstream) -> None:
+    key = new_key(sqlite_store, rpm=1)
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    body = {"model": "stub-model", "max_tokens": 3, "system": "be brief",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    async with client_for(gw) as c:
+        r = await c.post("/v1/messages", json={**body, "stream": True},
+                         headers={"x-api-key": key})
+        assert r.status_code == 200 and "message_stop" in r.text
+        r = await c.post("/v1/messages", json=body, headers={"x-api-key": key})
+        assert r.status_code == 429
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "rate_limit_error"
+    assert "priority" not in stub.received[-1]  # Anthropic bodies are not extended
+    assert stub.headers[-1]["x-sluice-priority"] == "1"
+    rec = sqlite_store.query_usage(UsageQuery())[0]
+    assert (rec.endpoint, rec.prompt_tokens, rec.completion_tokens) == ("/v1/messages", 7, 3)
+
+
+async def test_upstream_error_recorded_without_tokens(sqlite_store: SQLStore,
+                                                      stub: StubUpstream) -> None:
+    key = new_key(sqlite_store)
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    async with client_for(gw, key) as c:
+        r = await c.post("/v1/chat/completions", json={**CHAT, "model": "broken"})
+        assert r.status_code == 400
+    [rec] = sqlite_store.query_usage(UsageQuery())
+    assert (rec.status, rec.http_status, rec.prompt_tokens, rec.cost_usd) == ("error", 400, 0, 0)
+
+
+async def test_bodies_stored_redacted_only_when_tenant_opts_in(
+        sqlite_store: SQLStore, stub: StubUpstream) -> None:
+    quiet = new_key(sqlite_store, tenant="quiet")
+    audited = new_key(sqlite_store, tenant="audited", store_bodies=True)
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    body = {**CHAT, "messages": [{"role": "user", "content": "mail me: ann@example.org"}]}
+    for key in (quiet, audited):
+        async with client_for(gw, key) as c:
+            assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+    q, a = sqlite_store.query_usage(UsageQuery())
+    assert q.request_body is None and q.response_body is None
+    assert a.request_body is not None and "[EMAIL]" in a.request_body
+    assert "ann@example.org" not in a.request_body
+    assert a.response_body is not None and "tok" in a.response_body
+
+
+async def test_passthrough_paths_and_merged_metrics(gateway: GatewayMiddleware) -> None:
+    async with client_for(gateway) as c:
+        assert (await c.get("/health")).text == "ok"
+        text = (await c.get("/metrics")).text
+        assert "vllm:num_requests_running" in text
+        assert "sluice_gateway_requests_in_flight" in text
+
+
+async def test_revoked_key_rejected_at_once_and_admin_api(sqlite_store: SQLStore,
+                                                         stub: StubUpstream) -> None:
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    async with client_for(gw, ADMIN_KEY) as admin:
+        assert (await admin.post("/admin/tenants", json={"name": "a", "rpm": 0})).status_code == 201
+        r = await admin.post("/admin/tenants", json={"name": "a", "colour": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "colour"
+        r = await admin.patch("/admin/tenants/a", json={"rpm": 5})
+        assert r.json()["rpm"] == 5
+        created = (await admin.post("/admin/keys", json={"tenant": "a", "name": "ci"})).json()
+        key = created["key"]
+        listed = (await admin.get("/admin/keys", params={"tenant": "a"})).json()["data"]
+        assert [k["id"] for k in listed] == [created["id"]] and "key" not in listed[0]
+        async with client_for(gw, key) as c:
+            assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            assert (await admin.delete(f"/admin/keys/{created['id']}")).status_code == 200
+            assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 401
+        async with client_for(gw, "wrong") as bad:
+            assert (await bad.get("/admin/tenants")).status_code == 401
+
+
+async def test_tenant_never_sees_another_tenants_usage(sqlite_store: SQLStore,
+                                                       stub: StubUpstream) -> None:
+    key_a = new_key(sqlite_store, tenant="A")
+    key_b = new_key(sqlite_store, tenant="B")
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    for key, n in ((key_a, 2), (key_b, 3)):
+        async with client_for(gw, key) as c:
+            for _ in range(n):
+                assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+    tenant_b = sqlite_store.get_tenant("B")
+    async with client_for(gw, key_a) as c:
+        mine = (await c.get("/v1/usage")).json()
+        assert mine["totals"]["requests"] == 2
+        assert {r["tenant_id"] for r in mine["data"]} == {sqlite_store.get_tenant("A").id}
+        r = await c.get("/v1/usage", params={"tenant": tenant_b.id})
+        assert r.status_code == 403
+        assert (await c.get("/admin/usage")).status_code == 401
+    async with client_for(gw, ADMIN_KEY) as admin:
+        assert (await admin.get("/admin/usage")).json()["totals"]["requests"] == 5
+        r = await admin.get("/admin/usage", params={"tenant": "B"})
+        assert r.json()["totals"]["requests"] == 3
