@@ -155,3 +155,11 @@ def test_cost_falls_back_to_approximate_hits_without_kv_events() -> None:
     e = EndpointStats(A, cached_blocks=16, kv_cached_blocks=None)
     assert work_units(e, 512 - 16 * 16) == 256
     assert estimate_seconds(r, e) == pytest.approx(256 * e.seconds_per_token)
+
+
+def test_cold_tie_goes_to_the_worker_with_the_smallest_cache_footprint() -> None:
+    for name in ("cost", "prefix"):
+        p = make_policy(name, random.Random(0))
+        state = [EndpointStats(A, cache_footprint=40), EndpointStats(B, cache_footprint=3),
+                 EndpointStats(C, cache_footprint=12)]
+        assert {p.choose(meta(tokens=100, blocks=6), state).url for _ in range(10)} == {B}

@@ -71,3 +71,16 @@ vllm:prefix_cache_hits_total{model_name="m"} 10
     assert (load.running, load.waiting, load.kv_usage, load.prefix_hits) == (5.0, 4.0, 0.25, 10.0)
     sg = parse_load('sglang:num_running_reqs{a="b"} 7\nsglang:num_queue_reqs 1\nsglang:token_usage 0.5\n')
     assert (sg.running, sg.waiting, sg.kv_usage) == (7.0, 1.0, 0.5)
+
+
+def test_footprint_counts_blocks_per_worker_through_store_remove_evict_clear() -> None:
+    idx = BlockIndex(max_blocks=4)
+    idx.store("a", [1, 2, 3])
+    idx.store("b", [1])
+    assert (idx.footprint("a"), idx.footprint("b")) == (3, 1)
+    idx.remove("a", [3, 99])
+    assert idx.footprint("a") == 2
+    idx.store("b", [4, 5, 6])  # 5 hashes > 4: evicts 2 (b's store of 1 refreshed 1)
+    assert (idx.footprint("a"), idx.footprint("b")) == (1, 4)
+    idx.clear("b")
+    assert idx.footprint("b") == 0 and idx.match([1], ["a", "b"]) == {"a": 1, "b": 0}

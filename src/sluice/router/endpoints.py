@@ -51,6 +51,7 @@ class EndpointStats:
     seconds_per_token: float = PRIOR_SECONDS_PER_TOKEN
     cached_blocks: int = 0  # approximate index (dispatch records)
     kv_cached_blocks: int | None = None  # precise index; None: the worker publishes no events
+    cache_footprint: int = 0  # blocks the router has placed there (approximate index)
 
     @property
     def load(self) -> float:
@@ -102,7 +103,8 @@ class Endpoint:
     def available(self) -> bool:
         return self.healthy and not self.draining
 
-    def stats(self, cached_blocks: int = 0, kv_cached_blocks: int | None = None) -> EndpointStats:
+    def stats(self, cached_blocks: int = 0, kv_cached_blocks: int | None = None,
+              cache_footprint: int = 0) -> EndpointStats:
         decoding = self.inflight - self.prefilling
         return EndpointStats(
             url=self.url,
@@ -117,6 +119,7 @@ class Endpoint:
             seconds_per_token=self.seconds_per_token,
             cached_blocks=cached_blocks,
             kv_cached_blocks=kv_cached_blocks,
+            cache_footprint=cache_footprint,
         )
 
     # --- request accounting -------------------------------------------------------------

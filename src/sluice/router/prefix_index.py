@@ -38,6 +38,11 @@ class BlockIndex:
         self.max_blocks = max_blocks
         self._clock = clock
         self._blocks: OrderedDict[int, dict[str, float]] = OrderedDict()
+        self._counts: dict[str, int] = {}
+
+    def footprint(self, url: str) -> int:
+        """How many blocks `url` holds in the index (its share of the cached working set)."""
+        return self._counts.get(url, 0)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -54,16 +59,23 @@ class BlockIndex:
                 holders = self._blocks[h] = {}
             else:
                 self._blocks.move_to_end(h)
+            if url not in holders:
+                self._counts[url] = self._counts.get(url, 0) + 1
             if holders.get(url, 0.0) < expiry:
                 holders[url] = expiry
         while len(self._blocks) > self.max_blocks:
-            self._blocks.popitem(last=False)
+            _, evicted = self._blocks.popitem(last=False)
+            for u in evicted:
+                self._counts[u] -= 1
 
     def remove(self, url: str, hashes: Iterable[int]) -> None:
         """Forget that `url` holds `hashes` (a `BlockRemoved` event)."""
         for h in hashes:
             holders = self._blocks.get(h)
-            if holders is not None and holders.pop(url, None) is not None and not holders:
+            if holders is None or holders.pop(url, None) is None:
+                continue
+            self._counts[url] -= 1
+            if not holders:
                 del self._blocks[h]
 
     def clear(self, url: str) -> None:
@@ -73,6 +85,7 @@ class BlockIndex:
             del holders[url]
             if not holders:
                 del self._blocks[h]
+        self._counts.pop(url, None)
 
     def match(self, hashes: Sequence[int], urls: Iterable[str]) -> dict[str, int]:
         """For each of `urls`, how many leading `hashes` it holds (expired entries miss).

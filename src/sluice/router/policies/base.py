@@ -61,12 +61,23 @@ class RoutingPolicy(ABC):
 
 
 def pick_min(endpoints: Sequence[EndpointStats], key: Callable[[EndpointStats], float],
-             rng: random.Random) -> tuple[EndpointStats, float]:
-    """The endpoint with the smallest `key`, ties broken uniformly at random by `rng`."""
+             rng: random.Random, then: Callable[[EndpointStats], float] | None = None
+             ) -> tuple[EndpointStats, float]:
+    """The endpoint with the smallest `key`; ties go to the smallest `then` (if given),
+    remaining ties uniformly at random by `rng`."""
     scored = [(key(e), e) for e in endpoints]
     best = min(s for s, _ in scored)
     tied = [e for s, e in scored if s <= best + EPSILON * max(1.0, abs(best))]
+    if then is not None and len(tied) > 1:
+        low = min(then(e) for e in tied)
+        tied = [e for e in tied if then(e) <= low]
     return (tied[0] if len(tied) == 1 else rng.choice(tied)), best
+
+
+def footprint(e: EndpointStats) -> float:
+    """Tie-break for cold requests: the worker holding the fewest cached blocks, so that the
+    pool's working set spreads over all caches instead of piling onto one."""
+    return float(e.cache_footprint)
 
 
 def cached(e: EndpointStats, precise: bool) -> int:

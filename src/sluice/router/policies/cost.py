@@ -8,7 +8,8 @@ index when the worker publishes events, else the approximate dispatch index) and
 (see `sluice.router.endpoints`). `seconds_per_token` is learned per worker from observed
 TTFTs, so a long cached prefix wins exactly while its prefill saving exceeds the extra
 queue wait, with no affinity threshold to tune. Cold misses spread because the router's
-own in-flight prefill tokens count at once.
+own in-flight prefill tokens count at once, and exact ties go to the worker with the
+smallest cached footprint, then at random.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ import random
 from collections.abc import Sequence
 
 from sluice.router.endpoints import DECODE_EQUIV_TOKENS, EndpointStats, work_units
-from sluice.router.policies.base import Choice, RequestMeta, RoutingPolicy, cached, pick_min
+from sluice.router.policies.base import (
+    Choice,
+    RequestMeta,
+    RoutingPolicy,
+    cached,
+    footprint,
+    pick_min,
+)
 
 
 def uncached_tokens(request: RequestMeta, blocks: int) -> int:
@@ -42,5 +50,6 @@ class CostModel(RoutingPolicy):
 
     def choose(self, request: RequestMeta, endpoints: Sequence[EndpointStats]) -> Choice:
         chosen, best = pick_min(
-            endpoints, lambda e: estimate_seconds(request, e, self.decode_equiv_tokens), self.rng)
+            endpoints, lambda e: estimate_seconds(request, e, self.decode_equiv_tokens), self.rng,
+            then=footprint)
         return Choice(chosen.url, cached(chosen, True), best)

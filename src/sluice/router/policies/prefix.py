@@ -14,7 +14,14 @@ import random
 from collections.abc import Sequence
 
 from sluice.router.endpoints import EndpointStats
-from sluice.router.policies.base import Choice, RequestMeta, RoutingPolicy, cached, pick_min
+from sluice.router.policies.base import (
+    Choice,
+    RequestMeta,
+    RoutingPolicy,
+    cached,
+    footprint,
+    pick_min,
+)
 from sluice.router.policies.simple import load_key
 
 
@@ -37,7 +44,7 @@ class PrefixAffinity(RoutingPolicy):
     def choose(self, request: RequestMeta, endpoints: Sequence[EndpointStats]) -> Choice:
         best_hit = max(cached(e, self.precise) for e in endpoints)
         if best_hit == 0 or self._imbalanced(endpoints):
-            chosen, score = pick_min(endpoints, load_key, self.rng)
+            chosen, score = pick_min(endpoints, load_key, self.rng, then=footprint)
             return Choice(chosen.url, cached(chosen, self.precise), score)
         hits = [e for e in endpoints if cached(e, self.precise) == best_hit]
         chosen, score = pick_min(hits, load_key, self.rng)

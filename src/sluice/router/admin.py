@@ -1,0 +1,107 @@
+"""Admin endpoints: list, add, remove and drain workers at runtime.
+
+    GET    /admin/workers              every worker with its health and load
+    POST   /admin/workers              {"url", "model"?, "kv_events"?, "group"?}  add
+    DELETE /admin/workers              {"url"} (or ?url=)                          remove
+    POST   /admin/workers/drain        {"url", "drain": true|false}                drain
+
+A draining worker gets no new requests; its in-flight ones finish. If the router has an
+admin key, every call must carry it (`Authorization: Bearer KEY` or `X-Admin-Key`).
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from sluice.protocol.errors import AuthenticationError, InvalidRequestError
+from sluice.router.config import SHORT, WorkerSpec
+from sluice.router.endpoints import Endpoint
+from sluice.router.state import RouterState
+
+
+class AddWorker(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str
+    model: str | None = None
+    kv_events: str | None = None
+    group: str = SHORT
+
+
+class WorkerRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    url: str
+    drain: bool = True
+
+
+def describe(endpoint: Endpoint) -> dict[str, Any]:
+    s = endpoint.stats()
+    return {
+        "url": endpoint.url, "models": list(endpoint.models), "group": endpoint.spec.group,
+        "kv_events": endpoint.spec.kv_events, "healthy": endpoint.healthy,
+        "draining": endpoint.draining, "inflight": endpoint.inflight,
+        "running": s.running, "waiting": s.waiting, "kv_usage": s.kv_usage,
+        "seconds_per_token": endpoint.seconds_per_token,
+    }
+
+
+def _check_key(request: Request) -> None:
+    key: str | None = request.app.state.router.config.admin_key
+    if key is None:
+        return
+    given = request.headers.get("x-admin-key") or ""
+    auth = request.headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        given = given or auth[7:]
+    if not hmac.compare_digest(given.encode(), key.encode()):
+        raise AuthenticationError("admin key missing or wrong")
+
+
+def _parse(model: type[BaseModel], raw: bytes) -> Any:
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as exc:
+        errors = exc.errors()
+        param = ".".join(str(x) for x in errors[0]["loc"]) if errors else None
+        raise InvalidRequestError(f"invalid admin request: {exc}", param=param) from exc
+
+
+def admin_router() -> APIRouter:
+    api = APIRouter(prefix="/admin")
+
+    @api.get("/workers")
+    async def list_workers(request: Request) -> dict[str, Any]:
+        _check_key(request)
+        state: RouterState = request.app.state.router
+        return {"pools": [{"models": pool.names(), "policy": pool.policy.name,
+                           "workers": [describe(e) for e in pool.endpoints.values()]}
+                          for pool in state.pools]}
+
+    @api.post("/workers", status_code=201)
+    async def add_worker(request: Request) -> dict[str, Any]:
+        _check_key(request)
+        body: AddWorker = _parse(AddWorker, await request.body())
+        spec = WorkerSpec(url=body.url, kv_events=body.kv_events, group=body.group)
+        endpoint = await request.app.state.router.add_worker(spec, body.model)
+        return describe(endpoint)
+
+    @api.delete("/workers")
+    async def remove_worker(request: Request) -> dict[str, Any]:
+        _check_key(request)
+        raw = await request.body()
+        url = request.query_params.get("url") or _parse(WorkerRef, raw).url
+        endpoint = await request.app.state.router.remove_worker(url)
+        return {"removed": endpoint.url}
+
+    @api.post("/workers/drain")
+    async def drain_worker(request: Request) -> dict[str, Any]:
+        _check_key(request)
+        ref: WorkerRef = _parse(WorkerRef, await request.body())
+        _, endpoint = request.app.state.router.find_endpoint(ref.url)
+        endpoint.draining = ref.drain
+        return describe(endpoint)
+
+    return api

@@ -1,0 +1,75 @@
+"""The router's own Prometheus metrics, in a registry created per app (no globals).
+
+Counters and histograms are updated on the request path; per-worker gauges (health,
+in flight, learned prefill speed, scraped load) are read from the pools when /metrics
+is scraped, by a custom collector, so they can never go stale or leak removed workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from sluice.router.pool import Pool
+
+DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
+
+
+class _WorkerCollector(Collector):
+    def __init__(self, pools: Callable[[], Iterable[Pool]]) -> None:
+        self._pools = pools
+
+    def collect(self) -> Iterator[Metric]:
+        fams = {
+            "healthy": GaugeMetricFamily("sluice_router_worker_healthy",
+                                         "1 if the worker takes requests", labels=["worker"]),
+            "inflight": GaugeMetricFamily("sluice_router_worker_inflight",
+                                          "requests the router has in flight there", labels=["worker"]),
+            "spt": GaugeMetricFamily("sluice_router_worker_seconds_per_token",
+                                     "learned prefill cost per token-equivalent", labels=["worker"]),
+            "running": GaugeMetricFamily("sluice_router_worker_running",
+                                         "estimated running requests", labels=["worker"]),
+            "waiting": GaugeMetricFamily("sluice_router_worker_waiting",
+                                         "estimated waiting requests", labels=["worker"]),
+        }
+        for pool in self._pools():
+            for e in pool.endpoints.values():
+                s = e.stats()
+                fams["healthy"].add_metric([e.url], float(e.available))
+                fams["inflight"].add_metric([e.url], float(e.inflight))
+                fams["spt"].add_metric([e.url], e.seconds_per_token)
+                fams["running"].add_metric([e.url], s.running)
+                fams["waiting"].add_metric([e.url], s.waiting)
+        yield from fams.values()
+
+
+class RouterMetrics:
+    def __init__(self, pools: Callable[[], Iterable[Pool]]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("sluice_router_requests", "requests routed",
+                                ["model", "status"], registry=r)
+        self.decisions = Counter("sluice_router_decisions", "routing decisions",
+                                 ["policy", "worker"], registry=r)
+        self.decision_seconds = Histogram("sluice_router_decision_seconds",
+                                          "time to choose a worker", ["policy"],
+                                          buckets=DECISION_BUCKETS, registry=r)
+        self.retries = Counter("sluice_router_retries", "attempts retried on another worker",
+                               ["worker", "reason"], registry=r)
+        self.prompt_tokens = Counter("sluice_router_prompt_tokens", "prompt tokens routed",
+                                     ["policy"], registry=r)
+        self.prefix_hit_tokens = Counter("sluice_router_estimated_prefix_hit_tokens",
+                                         "prompt tokens the router expected cached",
+                                         ["policy"], registry=r)
+        self.ejections = Counter("sluice_router_ejections", "workers ejected", ["worker"], registry=r)
+        self.readmissions = Counter("sluice_router_readmissions", "workers re-admitted",
+                                    ["worker"], registry=r)
+        self.kv_events = Counter("sluice_router_kv_events", "KV events applied",
+                                 ["worker", "type"], registry=r)
+        r.register(_WorkerCollector(pools))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,128 @@
+"""A pool: the workers serving one model, its policy, its prefix indexes.
+
+`Pool.decide` is the router's hot path, on one screen:
+
+    candidates (group for the prompt length, available, not yet tried)
+      -> stats (+ cached-prefix blocks per worker when the policy uses them)
+      -> policy.choose
+      -> dispatch: count it in flight, predict its blocks in the indexes
+
+Everything here runs on the event loop; nothing locks.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from sluice.protocol.errors import InvalidRequestError, NotFoundError
+from sluice.router.config import LONG, SHORT, PoolConfig, WorkerSpec
+from sluice.router.endpoints import Endpoint, EndpointStats, Ticket, work_units
+from sluice.router.policies import Choice, RequestMeta, RoutingPolicy, make_policy
+from sluice.router.policies.cost import uncached_tokens
+from sluice.router.prefix_index import BlockIndex
+
+
+@dataclass(frozen=True)
+class Decision:
+    endpoint: Endpoint
+    choice: Choice
+    stats: EndpointStats
+
+
+class Pool:
+    """Owns its endpoints, its policy instance and its two block indexes."""
+
+    def __init__(self, config: PoolConfig, rng: random.Random, max_blocks: int = 200_000,
+                 predicted_ttl_s: float = 10.0) -> None:
+        self.config = config
+        self.policy: RoutingPolicy = make_policy(config.policy, rng, config.policy_options)
+        self.approx = BlockIndex(max_blocks)
+        self.precise = BlockIndex(max_blocks)
+        self.predicted_ttl_s = predicted_ttl_s
+        self.endpoints: dict[str, Endpoint] = {}
+        for spec in config.workers:
+            self.add(spec)
+
+    # --- membership -----------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def names(self) -> list[str]:
+        """Model ids this pool answers to: configured names first, then discovered ones."""
+        found = [m for e in self.endpoints.values() for m in e.models]
+        return list(dict.fromkeys([*self.config.names, *found]))
+
+    def serves(self, model: str) -> bool:
+        return model in self.config.names or any(model in e.models for e in self.endpoints.values())
+
+    def add(self, spec: WorkerSpec) -> Endpoint:
+        if spec.url in self.endpoints:
+            raise InvalidRequestError(f"worker {spec.url} is already in the pool", param="url")
+        endpoint = self.endpoints[spec.url] = Endpoint(spec)
+        return endpoint
+
+    def remove(self, url: str) -> Endpoint:
+        endpoint = self.get(url)
+        del self.endpoints[url]
+        self.approx.clear(url)
+        self.precise.clear(url)
+        return endpoint
+
+    def get(self, url: str) -> Endpoint:
+        endpoint = self.endpoints.get(url.rstrip("/"))
+        if endpoint is None:
+            raise NotFoundError(f"no worker {url} in this pool", param="url", code="worker_not_found")
+        return endpoint
+
+    # --- routing --------------------------------------------------------------------------
+
+    def upstream_model(self, requested: str, endpoint: Endpoint) -> str:
+        """The model id to send to `endpoint` (aliases are rewritten to what it serves)."""
+        if not endpoint.models or requested in endpoint.models:
+            return requested
+        return self.config.model if self.config.model in endpoint.models else endpoint.models[0]
+
+    def candidates(self, num_prompt_tokens: int, exclude: Iterable[str] = ()) -> list[Endpoint]:
+        """Available workers of the group for this prompt length, the other group if none."""
+        skip = set(exclude)
+        avail = [e for e in self.endpoints.values() if e.available and e.url not in skip]
+        threshold = self.config.long_prompt_tokens
+        wanted = LONG if threshold is not None and num_prompt_tokens > threshold else SHORT
+        group = [e for e in avail if e.spec.group == wanted]
+        return group or avail
+
+    def decide(self, request: RequestMeta, exclude: Iterable[str] = ()) -> Decision | None:
+        """Choose a worker for `request`, or None if no worker is available."""
+        endpoints = self.candidates(request.num_prompt_tokens, exclude)
+        if not endpoints:
+            return None
+        stats = self._stats(request, endpoints)
+        choice = self.policy.choose(request, stats)
+        chosen = next(s for s in stats if s.url == choice.url)
+        return Decision(self.endpoints[choice.url], choice, chosen)
+
+    def _stats(self, request: RequestMeta, endpoints: list[Endpoint]) -> list[EndpointStats]:
+        if not (self.policy.uses_prefix and request.block_hashes):
+            return [e.stats() for e in endpoints]
+        urls = [e.url for e in endpoints]
+        approx = self.approx.match(request.block_hashes, urls)
+        precise = self.precise.match(request.block_hashes, [e.url for e in endpoints
+                                                            if e.spec.kv_events])
+        return [e.stats(approx[e.url], precise.get(e.url), self.approx.footprint(e.url))
+                for e in endpoints]
+
+    def dispatch(self, request: RequestMeta, decision: Decision) -> Ticket:
+        """Count the request in flight on the chosen worker and predict its cached blocks."""
+        endpoint, stats = decision.endpoint, decision.stats
+        cached_blocks = decision.choice.cached_blocks
+        uncached = uncached_tokens(request, cached_blocks)
+        ticket = endpoint.begin(request.num_prompt_tokens, uncached, work_units(stats, uncached))
+        if request.block_hashes:
+            self.approx.store(endpoint.url, request.block_hashes)
+            if endpoint.spec.kv_events:
+                self.precise.store(endpoint.url, request.block_hashes, ttl=self.predicted_ttl_s)
+        return ticket

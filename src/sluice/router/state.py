@@ -1,0 +1,169 @@
+"""All of one router's state, created in the app's lifespan and passed down (no globals).
+
+    RouterState
+     ├── pools            model name → Pool (endpoints, policy, prefix indexes)
+     ├── client           one shared httpx.AsyncClient (generous connection limits)
+     ├── proxy            retries, streaming relay, passive health
+     ├── monitor          active health probes, /metrics scraping
+     ├── tokenizer        prompt → token ids (local or worker /tokenize), cached
+     ├── subscribers      one KV-event task per publishing worker
+     └── metrics          the router's own Prometheus registry
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import httpx
+import zmq.asyncio
+
+from sluice.protocol.block_hash import hash_blocks
+from sluice.protocol.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
+from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
+from sluice.router.endpoints import Endpoint
+from sluice.router.kv_subscriber import KVEventSubscriber
+from sluice.router.metrics import RouterMetrics
+from sluice.router.monitor import Monitor
+from sluice.router.parse import ParsedRequest
+from sluice.router.policies import RequestMeta
+from sluice.router.pool import Pool
+from sluice.router.proxy import Proxy
+from sluice.router.tokens import LocalTokenizer, PromptTokenizer
+
+CHARS_PER_TOKEN = 4  # prompt-length estimate when no tokenizer answers
+
+
+@dataclass
+class RouterState:
+    config: RouterConfig
+    client: httpx.AsyncClient
+    rng: random.Random
+    local_tokenizers: Mapping[str, LocalTokenizer] = field(default_factory=dict)
+    pools: list[Pool] = field(default_factory=list)
+    subscribers: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.metrics = RouterMetrics(lambda: self.pools)
+        self.proxy = Proxy(self.client, self.metrics, self.config.max_retries,
+                           self.config.eject_after_failures)
+        self.monitor = Monitor(self.client, lambda: self.pools, self.metrics,
+                               timeout_s=self.config.connect_timeout_s,
+                               eject_after=self.config.eject_after_failures,
+                               readmit_after=self.config.readmit_after_successes)
+        self.tokenizer = PromptTokenizer(self.client, self.config.tokenize_cache_size)
+        self.zmq_ctx = zmq.asyncio.Context()
+        for pool_config in self.config.pools:
+            self.add_pool(pool_config)
+
+    # --- pools and workers ----------------------------------------------------------------
+
+    def add_pool(self, pool_config: PoolConfig) -> Pool:
+        pool = Pool(pool_config, self.rng, self.config.prefix_index_blocks,
+                    self.config.predicted_block_ttl_s)
+        self.pools.append(pool)
+        return pool
+
+    def resolve(self, model: str) -> Pool:
+        """The pool serving `model` (404 naming it if none)."""
+        for pool in self.pools:
+            if pool.serves(model):
+                return pool
+        raise NotFoundError(f"The model `{model}` does not exist.", param="model")
+
+    def pool_for_admin(self, model: str | None) -> Pool:
+        if model is not None:
+            for pool in self.pools:
+                if pool.serves(model):
+                    return pool
+            return self.add_pool(PoolConfig(model=model, policy=self._default_policy()))
+        if len(self.pools) == 1:
+            return self.pools[0]
+        if not self.pools:
+            return self.add_pool(PoolConfig(policy=self._default_policy()))
+        raise InvalidRequestError("several pools exist: name the worker's 'model'", param="model")
+
+    def _default_policy(self) -> str:
+        return self.pools[0].config.policy if self.pools else "cost"
+
+    def find_endpoint(self, url: str) -> tuple[Pool, Endpoint]:
+        for pool in self.pools:
+            if url.rstrip("/") in pool.endpoints:
+                return pool, pool.endpoints[url.rstrip("/")]
+        raise NotFoundError(f"no worker {url}", param="url", code="worker_not_found")
+
+    async def add_worker(self, spec: WorkerSpec, model: str | None) -> Endpoint:
+        pool = self.pool_for_admin(model)
+        endpoint = pool.add(spec)
+        self.start_subscriber(pool, endpoint)
+        await self.monitor.probe(endpoint)
+        return endpoint
+
+    async def remove_worker(self, url: str) -> Endpoint:
+        pool, endpoint = self.find_endpoint(url)
+        await self.stop_subscriber(endpoint.url)
+        return pool.remove(endpoint.url)
+
+    # --- KV events ------------------------------------------------------------------------
+
+    def start_subscriber(self, pool: Pool, endpoint: Endpoint) -> None:
+        if not endpoint.spec.kv_events or endpoint.url in self.subscribers:
+            return
+        counter = self.metrics.kv_events
+        sub = KVEventSubscriber(self.zmq_ctx, endpoint.url, endpoint.spec.kv_events, pool.precise,
+                                lambda kind: counter.labels(endpoint.url, kind).inc())
+        self.subscribers[endpoint.url] = asyncio.create_task(sub.run())
+
+    async def stop_subscriber(self, url: str) -> None:
+        task = self.subscribers.pop(url, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    # --- per request ----------------------------------------------------------------------
+
+    async def request_meta(self, pool: Pool, req: ParsedRequest) -> RequestMeta:
+        """Count (and, for prefix-aware policies, hash) the prompt's real tokens."""
+        needs_tokens = pool.policy.uses_prefix or pool.config.long_prompt_tokens is not None
+        tokens = await self._tokens(pool, req) if needs_tokens else req.prompt_ids
+        hashes = (tuple(hash_blocks(tokens, pool.block_size))
+                  if tokens and pool.policy.uses_prefix else ())
+        n = len(tokens) if tokens is not None else req.approx_chars // CHARS_PER_TOKEN
+        return RequestMeta(model=req.model, num_prompt_tokens=n, block_hashes=hashes,
+                           session_key=req.session_key, max_tokens=req.max_tokens,
+                           block_size=pool.block_size)
+
+    async def _tokens(self, pool: Pool, req: ParsedRequest) -> list[int] | None:
+        local = self.local_tokenizers.get(pool.config.tokenizer or "")
+        avail = [e for e in pool.endpoints.values() if e.available]
+        worker = min(avail, key=lambda e: e.inflight) if avail else None
+        model = pool.upstream_model(req.model, worker) if worker else req.model
+        return await self.tokenizer.tokens(req, model, local, worker.url if worker else None)
+
+    def any_worker(self, model: str | None) -> tuple[Pool, Endpoint]:
+        """A healthy worker for a pass-through call (/tokenize, /detokenize)."""
+        if model is None and len(self.pools) != 1:
+            raise InvalidRequestError("'model' is required: several models are served",
+                                      param="model")
+        pool = self.resolve(model) if model is not None else self.pools[0]
+        avail = [e for e in pool.endpoints.values() if e.available]
+        if not avail:
+            raise ServiceUnavailableError(f"no healthy worker for model {model!r}",
+                                          code="no_healthy_worker")
+        return pool, min(avail, key=lambda e: e.inflight)
+
+    async def close(self) -> None:
+        for url in list(self.subscribers):
+            await self.stop_subscriber(url)
+        await self.client.aclose()
+        self.zmq_ctx.term()
+
+
+def make_client(config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None
+                ) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=config.max_connections,
+                          max_keepalive_connections=config.max_connections, keepalive_expiry=60)
+    timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s, pool=None)
+    return httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport)

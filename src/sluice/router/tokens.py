@@ -1,0 +1,103 @@
+"""The token ids the engine will see for a prompt, so prefix matching is on real tokens.
+
+Character matching (SGLang's radix tree on text) drifts from what the engine caches: a
+chat template adds tokens, and equal text prefixes need not tokenize equally at the
+boundary. The router therefore hashes token blocks of the *templated, tokenized* prompt,
+obtained from:
+
+1. a local tokenizer (`sluice.engine.tokenizer.load_tokenizer`, torch-free) when the pool
+   names one: no round trip;
+2. otherwise the worker's `/tokenize` (vLLM's shape; `messages` for chat).
+
+Results are cached (LRU by prompt), so repeated prompts cost one dictionary lookup. A
+failure yields None and the request is routed on load alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import OrderedDict
+from typing import Any, Protocol
+
+import httpx
+
+from sluice.router.parse import ParsedRequest
+
+log = logging.getLogger(__name__)
+
+
+class LocalTokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str: ...
+
+
+def load_local_tokenizer(model: str) -> LocalTokenizer:
+    from sluice.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(model)
+
+
+def _cache_key(model: str, req: ParsedRequest) -> str:
+    payload = json.dumps([model, req.messages, req.prompt], separators=(",", ":"))
+    return hashlib.blake2b(payload.encode(), digest_size=16).hexdigest()
+
+
+class PromptTokenizer:
+    """Token ids for prompts; one per router, shared by its pools."""
+
+    def __init__(self, client: httpx.AsyncClient, cache_size: int = 4096) -> None:
+        self.client = client
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    async def tokens(self, req: ParsedRequest, model: str, local: LocalTokenizer | None,
+                     worker_url: str | None) -> list[int] | None:
+        """Token ids of `req`'s prompt, or None if they cannot be had."""
+        if req.prompt_ids is not None:
+            return req.prompt_ids
+        if req.messages is None and req.prompt is None:
+            return None
+        key = _cache_key(model, req)
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._cache.move_to_end(key)
+            self.hits += 1
+            return cached
+        self.misses += 1
+        ids = self._local(req, local)
+        if ids is None and worker_url is not None:
+            ids = await self._remote(req, model, worker_url)
+        if ids is not None:
+            self._cache[key] = ids
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return ids
+
+    @staticmethod
+    def _local(req: ParsedRequest, tok: LocalTokenizer | None) -> list[int] | None:
+        if tok is None:
+            return None
+        if req.messages is not None:
+            text = tok.apply_chat_template(list(req.messages), add_generation_prompt=True)
+            return tok.encode(text, add_special_tokens=False)
+        return tok.encode(req.prompt or "", add_special_tokens=True)
+
+    async def _remote(self, req: ParsedRequest, model: str, url: str) -> list[int] | None:
+        body: dict[str, Any] = {"model": model}
+        if req.messages is not None:
+            body.update(messages=req.messages, add_generation_prompt=True)
+        else:
+            body["prompt"] = req.prompt
+        try:
+            resp = await self.client.post(f"{url}/tokenize", json=body)
+            resp.raise_for_status()
+            tokens = resp.json().get("tokens")
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug("tokenize via %s failed: %s", url, exc)
+            return None
+        return list(tokens) if isinstance(tokens, list) else None

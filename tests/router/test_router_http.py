@@ -1,0 +1,297 @@
+"""The router over real HTTP: stub workers and the router under uvicorn on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import httpx
+from router_stubs import StubState, chat_text, free_port, make_stub, serve, word_ids
+
+from sluice.protocol.block_hash import hash_blocks
+from sluice.protocol.kv_events import BlockRemoved, BlockStored
+from sluice.router.app import build_app
+from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
+from sluice.worker.kv_events import KVEventPublisher
+
+
+@asynccontextmanager
+async def cluster(states: list[StubState], policy: str = "round_robin",
+                  extra_urls: tuple[str, ...] = (), kv: dict[str, str] | None = None,
+                  groups: dict[str, str] | None = None, pool_kw: dict[str, Any] | None = None,
+                  **router_kw: Any) -> AsyncIterator[tuple[str, dict[str, str]]]:
+    """Stub workers + a router in front; yields the router URL and {stub name: URL}."""
+    async with AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(serve(make_stub(s))) for s in states]
+        names = {s.name: u for s, u in zip(states, urls, strict=True)}
+        kv = kv or {}
+        groups = groups or {}
+        workers = tuple(WorkerSpec(u, kv_events=kv.get(s.name), group=groups.get(s.name, "short"))
+                        for s, u in zip(states, urls, strict=True))
+        workers += tuple(WorkerSpec(u) for u in extra_urls)
+        config = RouterConfig(pools=(PoolConfig(model="stub-model", aliases=("alias",),
+                                                workers=workers, policy=policy,
+                                                **(pool_kw or {})),),
+                              **{"health_interval_s": 0.1, "scrape_interval_s": 0.1, "seed": 0,
+                                 **router_kw})
+        app = build_app(config, rng=random.Random(0))
+        router_url = await stack.enter_async_context(serve(app))
+        yield router_url, names
+
+
+def chat(content: str, stream: bool = False, **kw: Any) -> dict[str, Any]:
+    return {"model": "stub-model", "messages": [{"role": "user", "content": content}],
+            "stream": stream, **kw}
+
+
+async def test_proxies_plain_and_streamed_responses_and_models() -> None:
+    a = StubState("a", num_tokens=4)
+    async with cluster([a]) as (router, _), httpx.AsyncClient(base_url=router) as c:
+        r = await c.post("/v1/chat/completions", json=chat("hi"))
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["message"]["content"] == "a-0 a-1 a-2 a-3"
+        async with c.stream("POST", "/v1/completions",
+                            json={"model": "stub-model", "prompt": "x", "stream": True}) as s:
+            assert s.headers["content-type"].startswith("text/event-stream")
+            lines = [ln async for ln in s.aiter_lines() if ln.startswith("data:")]
+        assert lines[-1] == "data: [DONE]" and len(lines) == 5
+        assert json.loads(lines[0][5:])["choices"][0]["text"] == "a-0 "
+        models = (await c.get("/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == ["stub-model", "alias"]
+        # an alias is rewritten to the model the worker serves
+        r = await c.post("/v1/chat/completions", json={**chat("hi"), "model": "alias"})
+        assert r.status_code == 200 and a.requests[-1]["model"] == "stub-model"
+        # the worker sees the client's headers (an API key, say)
+        await c.post("/v1/chat/completions", json=chat("hi"), headers={"authorization": "Bearer k"})
+        assert a.headers[-1]["authorization"] == "Bearer k"
+
+
+async def test_errors_are_openai_json() -> None:
+    async with cluster([StubState("a")]) as (router, _), httpx.AsyncClient(base_url=router) as c:
+        r = await c.post("/v1/chat/completions", json={**chat("hi"), "model": "nope"})
+        assert r.status_code == 404
+        assert r.json()["error"]["param"] == "model"
+        assert r.json()["error"]["code"] == "model_not_found"
+        r = await c.post("/v1/chat/completions", content=b"{not json")
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        r = await c.post("/v1/chat/completions", json={"messages": []})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+async def test_no_healthy_worker_is_503_with_retry_after() -> None:
+    a = StubState("a", fail_status=503)
+    async with cluster([a], max_retries=1) as (router, _), httpx.AsyncClient(base_url=router) as c:
+        r = await c.post("/v1/chat/completions", json=chat("hi"))
+        assert r.status_code == 503
+        assert r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "no_healthy_worker"
+        assert len(a.requests) == 1  # the only worker is not retried twice
+
+
+async def test_retries_before_first_byte_on_another_worker() -> None:
+    bad = StubState("bad", fail_status=500)
+    good = StubState("good")
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: connect error
+    async with cluster([bad, good], extra_urls=(dead,), eject_after_failures=100,
+                       health_interval_s=60) as (router, _), \
+            httpx.AsyncClient(base_url=router) as c:
+        for _ in range(6):
+            r = await c.post("/v1/chat/completions", json=chat("hi", stream=True))
+            assert r.status_code == 200 and "good-0" in r.text
+        assert len(good.requests) == 6 and len(bad.requests) >= 1
+        metrics = (await c.get("/metrics")).text
+        assert 'sluice_router_retries_total{reason="status 500"' in metrics
+        assert 'reason="ConnectError"' in metrics
+
+
+async def test_ejection_and_readmission() -> None:
+    flaky, steady = StubState("flaky"), StubState("steady")
+    async with cluster([flaky, steady], eject_after_failures=2, readmit_after_successes=2,
+                       health_interval_s=0.05) as (router, urls), \
+            httpx.AsyncClient(base_url=router) as c:
+        flaky.healthy = False
+        await wait_for(lambda: worker(c, urls["flaky"]), lambda w: not w["healthy"])
+        before = len(flaky.requests)
+        for _ in range(6):
+            assert (await c.post("/v1/chat/completions", json=chat("x"))).status_code == 200
+        assert len(flaky.requests) == before  # ejected: no traffic
+        assert len(steady.requests) >= 6
+        flaky.healthy = True
+        await wait_for(lambda: worker(c, urls["flaky"]), lambda w: w["healthy"])
+        for _ in range(6):
+            await c.post("/v1/chat/completions", json=chat("x"))
+        assert len(flaky.requests) == before + 3  # round robin again
+        m = (await c.get("/metrics")).text
+        assert "sluice_router_ejections_total" in m and "sluice_router_readmissions_total" in m
+
+
+async def worker(c: httpx.AsyncClient, url: str, **headers: str) -> dict[str, Any]:
+    """The router's view of one worker (GET /admin/workers)."""
+    pools = (await c.get("/admin/workers", headers=headers)).json()["pools"]
+    return next(w for p in pools for w in p["workers"] if w["url"] == url)
+
+
+async def wait_for(get: Any, pred: Any, timeout: float = 5.0) -> Any:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        value = await get()
+        if pred(value):
+            return value
+        assert asyncio.get_running_loop().time() < deadline, f"timed out: {value}"
+        await asyncio.sleep(0.02)
+
+
+async def test_client_disconnect_cancels_upstream_and_frees_the_slot() -> None:
+    slow = StubState("slow", num_tokens=200, token_delay_s=0.05)
+    async with cluster([slow]) as (router, urls), httpx.AsyncClient(base_url=router) as c:
+        async with c.stream("POST", "/v1/chat/completions", json=chat("hi", stream=True)) as s:
+            async for line in s.aiter_lines():
+                if line.startswith("data:"):
+                    break  # got the first token: hang up
+            assert (await worker(c, urls["slow"]))["inflight"] == 1
+        await asyncio.wait_for(slow.cancel_event.wait(), 5)
+        assert slow.cancelled == 1 and slow.completed == 0
+        await wait_for(lambda: worker(c, urls["slow"]), lambda w: w["inflight"] == 0)
+
+
+async def test_streaming_requests_count_until_their_stream_ends() -> None:
+    a = StubState("a", num_tokens=30, token_delay_s=0.02)
+    b = StubState("b", num_tokens=30, token_delay_s=0.02)
+    async with cluster([a, b], policy="least_load", scrape_interval_s=60) as (router, _), \
+            httpx.AsyncClient(base_url=router) as c:
+        async def one() -> str:
+            async with c.stream("POST", "/v1/chat/completions", json=chat("x", stream=True)) as s:
+                return await s.aread()  # type: ignore[return-value]
+
+        first = asyncio.create_task(one())
+        await asyncio.sleep(0.1)  # its first byte has arrived; the stream is still open
+        assert len(a.requests) + len(b.requests) == 1
+        await one()  # must go to the other worker: the open stream still counts
+        await first
+        assert len(a.requests) == 1 and len(b.requests) == 1
+
+
+async def test_session_affinity_by_header_and_user_field() -> None:
+    states = [StubState(n) for n in ("a", "b", "c")]
+    async with cluster(states, policy="session") as (router, _), \
+            httpx.AsyncClient(base_url=router) as c:
+        homes: dict[str, set[str]] = {}
+        for turn in range(3):
+            for s in range(8):
+                r = await c.post("/v1/chat/completions", json=chat(f"turn {turn}"),
+                                 headers={"x-session-id": f"s{s}"})
+                homes.setdefault(f"s{s}", set()).add(r.json()["worker"])
+        assert all(len(h) == 1 for h in homes.values())  # sticky
+        assert len({next(iter(h)) for h in homes.values()}) >= 2  # spread
+        users = {(await c.post("/v1/chat/completions", json=chat("q", user="u1"))).json()["worker"]
+                 for _ in range(4)}
+        assert len(users) == 1
+
+
+async def test_kv_events_steer_requests_to_the_worker_holding_the_prefix() -> None:
+    ports = {"a": free_port(), "b": free_port()}
+    kv = {n: f"tcp://127.0.0.1:{p}" for n, p in ports.items()}
+    pubs = {n: KVEventPublisher(ep) for n, ep in kv.items()}
+    a, b = StubState("a"), StubState("b")
+    prompt = "a long shared system prompt " * 20  # 100 words -> 6 full blocks
+    msgs = [{"role": "user", "content": prompt}]
+    hashes = hash_blocks(word_ids(chat_text(msgs)), 16)
+    try:
+        async with cluster([a, b], policy="kv", kv=kv) as (router, urls), \
+                httpx.AsyncClient(base_url=router) as c:
+            # the engines' events arrive over ZMQ; repeat until the subscriber is connected
+            async def stored_on(name: str) -> None:
+                for _ in range(100):
+                    pubs[name].publish([BlockStored(hashes, None, [], 16)])
+                    await asyncio.sleep(0.02)
+                    m = (await c.get("/metrics")).text
+                    if f'sluice_router_kv_events_total{{type="BlockStored",worker="{urls[name]}"}}' in m:
+                        return
+                raise AssertionError("KV events never arrived")
+
+            await stored_on("b")
+            for _ in range(4):
+                r = await c.post("/v1/chat/completions", json={**chat(prompt)})
+                assert r.json()["worker"] == "b"
+            pubs["b"].publish([BlockRemoved(hashes)])
+            await stored_on("a")
+            await asyncio.sleep(0.05)
+            r = await c.post("/v1/chat/completions", json={**chat(prompt)})
+            assert r.json()["worker"] == "a"
+    finally:
+        for p in pubs.values():
+            p.close()
+
+
+async def test_cost_policy_keeps_shared_prefixes_together_and_spreads_cold_ones() -> None:
+    states = [StubState(n) for n in ("a", "b", "c")]
+    async with cluster(states, policy="cost") as (router, _), \
+            httpx.AsyncClient(base_url=router) as c:
+        systems = [f"system prompt number {i} " * 12 for i in range(3)]
+        homes: dict[int, set[str]] = {}
+        for turn in range(4):
+            for i, sys_prompt in enumerate(systems):
+                body = {"model": "stub-model", "messages": [
+                    {"role": "system", "content": sys_prompt},
+                    {"role": "user", "content": f"question {turn}"}]}
+                homes.setdefault(i, set()).add(
+                    (await c.post("/v1/chat/completions", json=body)).json()["worker"])
+        assert all(len(h) == 1 for h in homes.values())  # each prefix stays on one worker
+        assert len({next(iter(h)) for h in homes.values()}) == 3  # cold prefixes spread
+        m = (await c.get("/metrics")).text
+        hit = [ln for ln in m.splitlines()
+               if ln.startswith('sluice_router_estimated_prefix_hit_tokens_total{policy="cost"}')]
+        assert float(hit[0].split()[-1]) > 0
+
+
+async def test_long_prompts_go_to_the_long_group() -> None:
+    short, long_ = StubState("short"), StubState("long")
+    async with cluster([short, long_], policy="least_load", groups={"long": "long"},
+                       pool_kw={"long_prompt_tokens": 20}) as (router, _), \
+            httpx.AsyncClient(base_url=router) as c:
+        for _ in range(3):
+            assert (await c.post("/v1/chat/completions", json=chat("brief"))).json()["worker"] == "short"
+            r = await c.post("/v1/chat/completions", json=chat("word " * 40))
+            assert r.json()["worker"] == "long"
+
+
+async def test_admin_add_drain_remove_with_key() -> None:
+    a, b = StubState("a"), StubState("b")
+    async with serve(make_stub(b)) as b_url, \
+            cluster([a], admin_key="sekrit") as (router, urls), \
+            httpx.AsyncClient(base_url=router) as c:
+        key = {"authorization": "Bearer sekrit"}
+        assert (await c.get("/admin/workers")).status_code == 401
+        r = await c.post("/admin/workers", json={"url": b_url}, headers={"x-admin-key": "wrong"})
+        assert r.status_code == 401
+        r = await c.post("/admin/workers", json={"url": b_url, "bogus": 1}, headers=key)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
+        r = await c.post("/admin/workers", json={"url": b_url}, headers=key)
+        assert r.status_code == 201 and r.json()["models"] == ["stub-model"]
+        for _ in range(4):
+            await c.post("/v1/chat/completions", json=chat("x"))
+        assert len(b.requests) == 2
+        r = await c.post("/admin/workers/drain", json={"url": urls["a"]}, headers=key)
+        assert r.json()["draining"] is True
+        for _ in range(3):
+            assert (await c.post("/v1/chat/completions", json=chat("x"))).json()["worker"] == "b"
+        r = await c.request("DELETE", "/admin/workers", json={"url": b_url}, headers=key)
+        assert r.status_code == 200
+        r = await c.post("/v1/chat/completions", json=chat("x"))
+        assert r.status_code == 503  # a drains, b is gone
+        await c.post("/admin/workers/drain", json={"url": urls["a"], "drain": False}, headers=key)
+        assert (await c.post("/v1/chat/completions", json=chat("x"))).json()["worker"] == "a"
+        r = await c.request("DELETE", "/admin/workers", params={"url": b_url}, headers=key)
+        assert r.status_code == 404
+
+
+async def test_tokenize_passes_through_and_health_reports_workers() -> None:
+    async with cluster([StubState("a")]) as (router, _), httpx.AsyncClient(base_url=router) as c:
+        r = await c.post("/tokenize", json={"model": "stub-model", "prompt": "one two three"})
+        assert r.status_code == 200 and r.json()["count"] == 3
+        h = await c.get("/health")
+        assert h.status_code == 200 and h.json()["healthy_workers"] == 1
