@@ -3,8 +3,10 @@ prefixes that are cleaned up, the stub upstream, and a builder for gateways."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
@@ -96,3 +98,28 @@ def gateway(sqlite_store: SQLStore, stub: StubUpstream) -> GatewayMiddleware:
 
 CHAT = {"model": "stub-model", "messages": [{"role": "user", "content": "Hello there"}],
         "max_tokens": 5}
+
+
+@asynccontextmanager
+async def serve(app: object) -> AsyncIterator[str]:
+    """Run `app` under a real uvicorn server on a free 127.0.0.1 port, in this loop."""
+    import socket
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,  # type: ignore[arg-type]
+                                           log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    for _ in range(500):
+        if server.started:
+            break
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
