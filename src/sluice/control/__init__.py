@@ -1,1 +1,1 @@
-"""sluice.control."""
+"""sluice.control: where workers run (local processes for now) and how many."""

@@ -1,0 +1,93 @@
+"""Router config from files and flags, and `sluice router` as a real process."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from router_stubs import StubState, free_port, make_stub, serve
+
+from sluice.cli import build_parser
+from sluice.protocol.errors import InvalidRequestError
+from sluice.router.cli import config_from_args
+from sluice.router.config import PoolConfig, WorkerSpec, load_config_file
+
+
+def parse(*argv: str):  # type: ignore[no-untyped-def]
+    return build_parser(["router", *argv]).parse_args(["router", *argv])
+
+
+def test_flags_make_one_pool_with_kv_events_and_long_group() -> None:
+    cfg = config_from_args(parse(
+        "--worker", "http://h:1/", "--worker", "http://h:2", "--long-worker", "http://h:3",
+        "--worker-kv-events", "http://h:1=tcp://h:5557", "--policy", "prefix",
+        "--long-prompt-tokens", "4000", "--model", "m", "--alias", "gpt", "--port", "9000"))
+    (pool,) = cfg.pools
+    assert [w.url for w in pool.workers] == ["http://h:1", "http://h:2", "http://h:3"]
+    assert pool.workers[0].kv_events == "tcp://h:5557" and pool.workers[1].kv_events is None
+    assert pool.workers[2].group == "long" and pool.long_prompt_tokens == 4000
+    assert (pool.policy, pool.names, cfg.port) == ("prefix", ("m", "gpt"), 9000)
+
+
+def test_config_file_yaml_and_flag_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text("""
+port: 8100
+max_retries: 1
+pools:
+  - model: llama
+    aliases: [gpt-4o]
+    policy: session
+    workers:
+      - http://a:8001
+      - {url: "http://b:8001", kv_events: "tcp://b:5557"}
+""")
+    cfg = load_config_file(path)
+    assert cfg.port == 8100 and cfg.pools[0].workers[1].kv_events == "tcp://b:5557"
+    cfg2 = config_from_args(parse("--config", str(path), "--port", "8200"))
+    assert cfg2.port == 8200 and cfg2.max_retries == 1 and cfg2.pools == cfg.pools
+
+
+def test_bad_config_is_rejected_naming_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    path.write_text('{"pools": [{"model": "m", "workerz": []}]}')
+    with pytest.raises(InvalidRequestError) as err:
+        load_config_file(path)
+    assert err.value.param == "workerz"
+    with pytest.raises(InvalidRequestError):
+        WorkerSpec("ftp://x")
+    with pytest.raises(InvalidRequestError):
+        PoolConfig(workers=(WorkerSpec("http://a"), WorkerSpec("http://a/")))
+    with pytest.raises(InvalidRequestError):
+        config_from_args(parse("--worker", "http://a", "--worker-kv-events", "http://a"))
+
+
+async def test_sluice_router_process_routes_to_a_worker() -> None:
+    stub = StubState("a")
+    port = free_port()
+    async with serve(make_stub(stub)) as worker_url:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "sluice.cli", "router", "--worker", worker_url,
+            "--port", str(port), "--log-level", "warning",
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+                for _ in range(150):
+                    try:
+                        if (await c.get("/health")).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    await asyncio.sleep(0.1)
+                models = (await c.get("/v1/models")).json()
+                assert [m["id"] for m in models["data"]] == ["stub-model"]  # discovered
+                r = await c.post("/v1/chat/completions", json={
+                    "model": "stub-model", "messages": [{"role": "user", "content": "hi"}]})
+                assert r.status_code == 200 and r.json()["worker"] == "a"
+        finally:
+            proc.terminate()
+            await asyncio.wait_for(proc.wait(), 10)
