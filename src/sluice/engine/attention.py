@@ -1,0 +1,158 @@
+"""Paged attention in plain PyTorch: write K/V at slots, read them back through block tables.
+
+Every layer owns a pool of fixed-size blocks; a sequence's tokens live in the blocks its
+block table lists, in order:
+
+    block_table = [7, 2, 9]          block_size = 4
+    position    0 1 2 3 | 4 5 6 7 | 8 9 ..
+    block          7    |    2    |   9
+    slot = block_table[pos // block_size] * block_size + pos % block_size
+         = 7*4+1 = 29 for pos 1;  2*4+2 = 10 for pos 6
+
+K pool `[num_blocks, block_size, num_kv_heads, head_dim]` viewed flat as
+`[num_slots, num_kv_heads, head_dim]`: new tokens are written with one `index_copy_` at
+their slots; a sequence's context is read with one `index_select` of whole blocks.
+
+A step's sequences fall into at most two *groups* (decode: one query each; prefill
+chunks: many). Each group is one `scaled_dot_product_attention` call over
+`[batch, kv_heads, group*q_len, ctx]`, with the query heads that share a KV head folded
+into the query axis (GQA without repeating K/V) and a boolean mask for causality and
+padding. `AttentionMetadata` (slots, block tables, masks) is built once per step and
+reused by every layer, so nothing inside a layer loops over sequences in Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class KVCache:
+    """One layer's K and V pools, `[num_blocks, block_size, num_kv_heads, head_dim]` each."""
+
+    k: Tensor
+    v: Tensor
+
+    @property
+    def block_size(self) -> int:
+        return int(self.k.shape[1])
+
+    def write(self, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store new tokens' `k`, `v` `[T, kv_heads, head_dim]` at `slots` `[T]` (mutates)."""
+        kv_heads, head_dim = k.shape[1], k.shape[2]
+        self.k.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
+        self.v.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+
+    def gather(self, block_tables: Tensor) -> tuple[Tensor, Tensor]:
+        """K, V of whole blocks: block_tables `[B, n]` -> `[B, kv_heads, n*block_size, head_dim]`."""
+        b, n = block_tables.shape
+        flat = block_tables.reshape(-1)
+        shape = (b, n * self.block_size, self.k.shape[2], self.k.shape[3])
+        k = self.k.index_select(0, flat).view(shape).transpose(1, 2)
+        v = self.v.index_select(0, flat).view(shape).transpose(1, 2)
+        return k, v
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences that share one SDPA call: queries padded to `[batch, q_len]`.
+
+    The group's tokens are the contiguous slice `[start, end)` of the step's flat tokens.
+    `scatter` maps them into the padded `batch*q_len` rows (None when already dense:
+    decode, or a single chunk). `fresh` marks a single sequence starting at position 0,
+    whose context is exactly its new tokens (no gather, plain causal attention).
+    """
+
+    start: int
+    end: int
+    batch: int
+    q_len: int
+    block_tables: Tensor  # [batch, n_blocks] int64
+    mask: Tensor | None  # [batch, 1, gqa*q_len, n_blocks*block_size] bool, True = attend
+    scatter: Tensor | None = None
+    fresh: bool = False
+
+
+@dataclass
+class AttentionMetadata:
+    slots: Tensor  # [T] int64, where each new token's K/V goes
+    groups: list[AttentionGroup]
+
+
+def paged_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache,
+                    meta: AttentionMetadata) -> Tensor:
+    """q `[T, heads, d]`, k/v `[T, kv_heads, d]` of the new tokens -> output `[T, heads*d]`.
+
+    Writes k/v into `cache` first, so each token also attends to itself and to the
+    tokens before it in the same step.
+    """
+    cache.write(meta.slots, k, v)
+    t, heads, d = q.shape
+    if len(meta.groups) == 1:
+        return _group_attention(q, k, v, cache, meta.groups[0])
+    out = q.new_empty(t, heads * d)
+    for group in meta.groups:  # at most two: decode, prefill
+        out[group.start:group.end] = _group_attention(q, k, v, cache, group)
+    return out
+
+
+def _group_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache,
+                     g: AttentionGroup) -> Tensor:
+    _, heads, d = q.shape
+    kv_heads = k.shape[1]
+    gqa = heads // kv_heads
+    q = q[g.start:g.end]
+    if g.fresh:
+        return _causal_attention(q, k[g.start:g.end], v[g.start:g.end])
+    if g.scatter is not None:
+        padded = q.new_zeros(g.batch * g.q_len, heads, d)
+        q = padded.index_copy_(0, g.scatter, q)
+    # [B*Q, kv, gqa, d] -> [B, kv, gqa*Q, d]: the heads sharing a KV head become extra queries
+    qf = q.view(g.batch, g.q_len, kv_heads, gqa, d).permute(0, 2, 3, 1, 4)
+    qf = qf.reshape(g.batch, kv_heads, gqa * g.q_len, d)
+    keys, values = cache.gather(g.block_tables)
+    o = F.scaled_dot_product_attention(qf, keys, values, attn_mask=g.mask)
+    o = o.view(g.batch, kv_heads, gqa, g.q_len, d).permute(0, 3, 1, 2, 4)
+    o = o.reshape(g.batch * g.q_len, heads * d)
+    return o if g.scatter is None else o.index_select(0, g.scatter)
+
+
+def _causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """One sequence's first chunk: plain causal attention over its own new tokens."""
+    t, heads, d = q.shape
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                       is_causal=True, enable_gqa=True)
+    return o.transpose(0, 1).reshape(t, heads * d)
+
+
+def build_group(start: int, q_lens: list[int], start_positions: list[int],
+                block_tables: list[list[int]], block_size: int, gqa: int,
+                device: torch.device) -> AttentionGroup:
+    """Metadata for one group of sequences (the step's decodes, or its prefill chunks)."""
+    batch, q_len = len(q_lens), max(q_lens)
+    end = start + sum(q_lens)
+    if batch == 1 and start_positions[0] == 0:
+        return AttentionGroup(start, end, 1, q_len, torch.empty(0, 1, dtype=torch.long),
+                              None, fresh=True)
+    n_blocks = max((s + n + block_size - 1) // block_size for s, n in zip(start_positions, q_lens,
+                                                                         strict=True))
+    table = torch.tensor([bt[:n_blocks] + [0] * (n_blocks - len(bt[:n_blocks]))
+                          for bt in block_tables], dtype=torch.long)
+    # query positions [B, Q]: padding rows get position 0 (they see one real key: no NaN)
+    q_pos = torch.zeros(batch, q_len, dtype=torch.long)
+    dense = all(n == q_len for n in q_lens)
+    rows: list[int] = []
+    for i, (s, n) in enumerate(zip(start_positions, q_lens, strict=True)):
+        q_pos[i, :n] = torch.arange(s, s + n)
+        rows.extend(range(i * q_len, i * q_len + n))
+    key_pos = torch.arange(n_blocks * block_size)
+    mask = (key_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, Q, L]
+    if q_len > 1:
+        mask = mask.repeat(1, 1, gqa, 1)
+    scatter = None if dense else torch.tensor(rows, dtype=torch.long, device=device)
+    return AttentionGroup(start, end, batch, q_len, table.to(device), mask.to(device),
+                          scatter=scatter)

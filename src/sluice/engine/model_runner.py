@@ -1,0 +1,205 @@
+"""Tensors in, logits out: one forward pass over every sequence's new tokens of a step.
+
+The engine hands over `SeqChunk`s (token ids, the position they start at, the block
+table). The runner flattens them into one `[T]` batch — decodes first, then prefill
+chunks — builds the slot mapping and the per-group attention metadata once, runs the
+model under `torch.inference_mode()`, and returns the logits of the chunks that asked
+for them, in the order given:
+
+    chunks   A: decode pos 41   B: prefill 0..5 (need_logits)   C: decode pos 9
+    flat     [A41, C9, B0, B1, B2, B3, B4, B5]       groups: decode{A,C}, prefill{B}
+    logits   rows for A, B (last token), C — in chunk order
+
+The KV pool (one K and one V tensor per layer, `[num_blocks, block_size, kv_heads,
+head_dim]`) is allocated here, sized from `CacheConfig`; the engine only ever sees
+block ids.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from sluice.engine.attention import AttentionGroup, AttentionMetadata, KVCache, build_group
+from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
+from sluice.engine.models.llama import LlamaConfig, TransformerBlock
+from sluice.engine.models.loader import load_model
+from sluice.engine.tokenizer import Tokenizer, default_served_name, load_tokenizer
+from sluice.protocol.errors import InvalidRequestError
+
+CPU_KV_CACHE_CAP_BYTES = 4 * 1024**3
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                  "float16": torch.float16}
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's slice of work in a step."""
+
+    token_ids: list[int]  # the new tokens to compute this step (len >= 1)
+    start_pos: int  # = num_computed_tokens; tokens sit at start_pos .. start_pos+len-1
+    block_table: list[int]  # KV block ids covering >= start_pos+len tokens
+    need_logits: bool  # True if the last token's logits are needed
+
+
+def resolve_device(cfg: ModelConfig) -> tuple[torch.device, torch.dtype]:
+    """"auto": CUDA + bfloat16 when available, else CPU + float32."""
+    name = cfg.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if cfg.dtype != "auto":
+        return device, DTYPES[cfg.dtype]
+    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def kv_block_bytes(cfg: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V for one block across all layers."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+def kv_pool_blocks(cache: CacheConfig, block_bytes: int, device: torch.device) -> int:
+    """Blocks in the pool: explicit count, else explicit bytes, else a share of memory."""
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    if cache.kv_cache_memory_bytes is not None:
+        budget = cache.kv_cache_memory_bytes
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * cache.gpu_memory_utilization)
+    else:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        budget = min(int(ram * cache.cpu_kv_cache_fraction), CPU_KV_CACHE_CAP_BYTES)
+    blocks = budget // block_bytes
+    if blocks < 1:
+        raise InvalidRequestError(f"KV cache budget of {budget} bytes is smaller than one block "
+                                  f"({block_bytes} bytes)", param="kv_cache_memory_bytes")
+    return int(blocks)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Zeroed memory; on CPU from calloc, so untouched blocks cost no RAM until used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
+class ModelRunner:
+    """Owns the weights, the tokenizer and the KV pool; `execute` runs one step."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        mc = config.model
+        self.device, self.dtype = resolve_device(mc)
+        self.model, self.model_config = load_model(mc.model, self.device, self.dtype, mc.revision)
+        self.tokenizer: Tokenizer = load_tokenizer(mc.tokenizer or mc.model, mc.revision)
+        self.model_name: str = mc.served_model_name or default_served_name(mc.model)
+        self.vocab_size: int = self.model_config.vocab_size
+        self.max_model_len: int = self._max_model_len(mc)
+        self.block_size: int = config.cache.block_size
+        block_bytes = kv_block_bytes(self.model_config, self.block_size, self.dtype)
+        self.num_kv_blocks: int = kv_pool_blocks(config.cache, block_bytes, self.device)
+        self.kv_cache_bytes: int = self.num_kv_blocks * block_bytes
+        self._allocate_kv_cache()
+        self.model.init_rope(self.max_model_len)
+
+    def _max_model_len(self, mc: ModelConfig) -> int:
+        limit = self.model_config.max_position_embeddings
+        if mc.max_model_len is None:
+            return limit
+        if mc.max_model_len > limit:
+            raise InvalidRequestError(f"max_model_len {mc.max_model_len} exceeds the model's "
+                                      f"limit of {limit}", param="max_model_len")
+        return mc.max_model_len
+
+    def _allocate_kv_cache(self) -> None:
+        cfg = self.model_config
+        shape = (self.num_kv_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        for layer in self.model.layers:
+            assert isinstance(layer, TransformerBlock)
+            layer.attention.kv_cache = KVCache(zeros(shape, self.dtype, self.device),
+                                               zeros(shape, self.dtype, self.device))
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[SeqChunk]) -> Tensor:
+        """Run one step; float32 logits `[num chunks with need_logits, vocab]`, in order.
+
+        Mutates the KV pool: every new token's K/V is written at its slot.
+        """
+        if not chunks:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        order = self._flat_order(chunks)
+        tokens, positions, slots, last_row = self._flatten(chunks, order)
+        meta = AttentionMetadata(self._tensor(slots), self._groups(chunks, order))
+        wanted = [last_row[i] for i, c in enumerate(chunks) if c.need_logits]
+        logits = self.model(self._tensor(tokens), self._tensor(positions), meta,
+                            self._tensor(wanted))
+        return logits.float()
+
+    def _tensor(self, values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+    @staticmethod
+    def _flat_order(chunks: list[SeqChunk]) -> list[int]:
+        """Chunk indices in flat order: single-token chunks (decodes) first, then prefills."""
+        decodes = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
+        return decodes + [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
+
+    def _flatten(self, chunks: list[SeqChunk],
+                 order: list[int]) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Token ids, positions, KV slots of all new tokens; each chunk's last row."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_row = [0] * len(chunks)
+        bs = self.block_size
+        for i in order:
+            c = chunks[i]
+            self._check(c)
+            n, table = len(c.token_ids), c.block_table
+            tokens.extend(c.token_ids)
+            pos = range(c.start_pos, c.start_pos + n)
+            positions.extend(pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            last_row[i] = len(tokens) - 1
+        return tokens, positions, slots, last_row
+
+    def _check(self, c: SeqChunk) -> None:
+        end = c.start_pos + len(c.token_ids)
+        if not c.token_ids or c.start_pos < 0:
+            raise InvalidRequestError("a chunk needs at least one token and start_pos >= 0")
+        if end > self.max_model_len:
+            raise InvalidRequestError(f"position {end - 1} is past max_model_len "
+                                      f"{self.max_model_len}", param="max_model_len")
+        used = c.block_table[:(end + self.block_size - 1) // self.block_size]
+        if len(used) * self.block_size < end:
+            raise InvalidRequestError(f"block table of {len(c.block_table)} blocks cannot hold "
+                                      f"{end} tokens")
+        if min(used) < 0 or max(used) >= self.num_kv_blocks:
+            raise InvalidRequestError(f"block id out of range [0, {self.num_kv_blocks}) in "
+                                      f"{used}")
+
+    def _groups(self, chunks: list[SeqChunk], order: list[int]) -> list[AttentionGroup]:
+        cfg = self.model_config
+        gqa = cfg.num_heads // cfg.num_kv_heads
+        groups, start = [], 0
+        for members in (order[:self._num_decodes(chunks)], order[self._num_decodes(chunks):]):
+            if not members:
+                continue
+            picked = [chunks[i] for i in members]
+            group = build_group(start, [len(c.token_ids) for c in picked],
+                                [c.start_pos for c in picked], [c.block_table for c in picked],
+                                self.block_size, gqa, self.device)
+            groups.append(group)
+            start = group.end
+        return groups
+
+    @staticmethod
+    def _num_decodes(chunks: list[SeqChunk]) -> int:
+        return sum(1 for c in chunks if len(c.token_ids) == 1)

@@ -1,0 +1,125 @@
+"""Load a llama.cpp GGUF file: metadata -> LlamaConfig, tensors dequantized to the engine dtype.
+
+Two llama.cpp conventions are undone here so the model file sees Hugging Face weights:
+
+1. Names: `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (GGUF_NAMES).
+2. Llama's Q and K rows: llama.cpp's converter interleaves each head's two RoPE halves
+   (`reshape(heads, 2, d/2, in).swapaxes(1, 2)`) for its rotate-adjacent-pairs kernel;
+   `unpermute_qk` swaps them back for the half-split RoPE here, as transformers'
+   GGUF loader does. Qwen2 files are not permuted.
+
+Quantized tensors (Q4_0/Q4_1/Q8_0/K-quants...) are dequantized with
+`gguf.quants.dequantize`; weights are kept dense in the engine dtype.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from sluice.engine.models.gguf_file import GGUFFile
+from sluice.engine.models.llama import LlamaConfig, RopeConfig, Transformer, build_model
+from sluice.protocol.errors import InvalidRequestError
+
+# GGUF general.architecture -> (HF architecture, Q/K permuted by llama.cpp, qkv bias)
+GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
+    "llama": ("LlamaForCausalLM", True, False),
+    "mistral": ("MistralForCausalLM", True, False),
+    "qwen2": ("Qwen2ForCausalLM", False, True),
+}
+
+GGUF_NAMES: dict[str, str] = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+GGUF_GLOBAL_NAMES: dict[str, str] = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+}
+
+
+def load_gguf_model(path: Path, device: torch.device,
+                    dtype: torch.dtype) -> tuple[Transformer, LlamaConfig]:
+    gguf = GGUFFile(path)
+    cfg, permuted = config_from_gguf(gguf)
+    weights = {hf_name(name): dequantize(gguf, name) for name in gguf.tensors
+               if name != "rope_freqs.weight"}
+    if permuted:
+        for i in range(cfg.num_layers):
+            attn = f"model.layers.{i}.self_attn."
+            weights[attn + "q_proj.weight"] = unpermute_qk(weights[attn + "q_proj.weight"],
+                                                           cfg.num_heads)
+            weights[attn + "k_proj.weight"] = unpermute_qk(weights[attn + "k_proj.weight"],
+                                                           cfg.num_kv_heads)
+    return build_model(cfg, weights, device, dtype), cfg
+
+
+def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
+    """LlamaConfig from `<arch>.*` metadata, and whether Q/K rows need un-permuting."""
+    arch = gguf.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise InvalidRequestError(f"{gguf.path.name}: unsupported GGUF architecture {arch!r} "
+                                  f"(supported: {sorted(GGUF_ARCHITECTURES)})", param="model")
+    hf_arch, permuted, qkv_bias = GGUF_ARCHITECTURES[arch]
+
+    def meta(key: str, default: Any = None) -> Any:
+        value = gguf.get(f"{arch}.{key}", default)
+        if value is None:
+            raise InvalidRequestError(f"{gguf.path.name}: missing GGUF metadata {arch}.{key}",
+                                      param="model")
+        return value
+
+    hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
+    vocab = gguf.get(f"{arch}.vocab_size") or len(gguf.get("tokenizer.ggml.tokens", []))
+    cfg = LlamaConfig(
+        architecture=hf_arch, vocab_size=int(vocab), hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")), num_layers=int(meta("block_count")),
+        num_heads=heads, num_kv_heads=int(meta("attention.head_count_kv", heads)),
+        head_dim=int(meta("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=int(meta("context_length")),
+        rope=rope_from_gguf(gguf, arch), qkv_bias=qkv_bias,
+        tie_word_embeddings="output.weight" not in gguf.tensors)
+    return cfg, permuted
+
+
+def rope_from_gguf(gguf: GGUFFile, arch: str) -> RopeConfig:
+    theta = float(gguf.get(f"{arch}.rope.freq_base", 10000.0))
+    if "rope_freqs.weight" in gguf.tensors:  # llama3-style scaling, stored as divisors
+        factors = dequantize(gguf, "rope_freqs.weight").reshape(-1).tolist()
+        return RopeConfig(theta, "gguf_freq_factors", {"freq_factors": factors})
+    kind = gguf.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return RopeConfig(theta)
+    return RopeConfig(theta, kind, {"factor": float(gguf.get(f"{arch}.rope.scaling.factor", 1.0))})
+
+
+def hf_name(gguf_name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_NAMES:
+        return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in GGUF_GLOBAL_NAMES:
+        return f"{GGUF_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
+    return gguf_name  # unknown: kept, and reported by build_model only if it was needed
+
+
+def dequantize(gguf: GGUFFile, name: str) -> Tensor:
+    """One tensor as float32, in numpy (rows-first) shape."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    info = gguf.tensors[name]
+    array = gguf_dequantize(gguf.raw(name), GGMLQuantizationType(info.ggml_type))
+    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).reshape(info.shape))
+
+
+def unpermute_qk(w: Tensor, n_heads: int) -> Tensor:
+    """Undo llama.cpp's per-head RoPE row interleave of a Q or K projection `[out, in]`."""
+    d = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, d, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

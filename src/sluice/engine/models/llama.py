@@ -1,0 +1,268 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5) as one model file.
+
+Read it like the paper: each block is
+
+    h   = x + attention(attention_norm(x))        # RMSNorm -> fused QKV -> RoPE -> paged attn
+    out = h + feed_forward(ffn_norm(h))           # RMSNorm -> fused gate|up -> SwiGLU -> down
+
+Differences between the members are data, not branches: Qwen2 has a bias on Q/K/V
+(`qkv_bias`), Llama 3 scales RoPE frequencies (`rope_type`), some tie the output head
+to the embedding (`tie_word_embeddings`). Weights arrive under Hugging Face names
+(`model.layers.0.self_attn.q_proj.weight`, ...) from either loader and are fused here
+(Q|K|V into one matrix, gate|up into another) so a layer does three big matmuls and
+one attention call over all of a step's tokens, flattened to `[T, hidden]`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from sluice.engine.attention import AttentionMetadata, KVCache, paged_attention
+from sluice.protocol.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # a key of ROPE_FREQUENCY_SCALERS
+    params: dict[str, Any] = field(default_factory=dict)  # factor, low_freq_factor, ...
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_FREQUENCY_SCALERS:
+            raise InvalidRequestError(
+                f"unsupported RoPE scaling type {self.rope_type!r} "
+                f"(supported: {sorted(ROPE_FREQUENCY_SCALERS)})", param="model")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Hyperparameters, from config.json or GGUF metadata."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidRequestError("num_attention_heads must be a multiple of "
+                                      "num_key_value_heads", param="model")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_parameters(self) -> int:
+        """Parameters in the matmuls a token goes through (for FLOP accounting)."""
+        attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_layers * (attn + mlp) + self.vocab_size * self.hidden_size
+
+
+# --- RoPE ----------------------------------------------------------------------------------
+
+
+def _default_frequencies(inv_freq: Tensor, params: dict[str, Any]) -> Tensor:
+    return inv_freq
+
+
+def _linear_frequencies(inv_freq: Tensor, params: dict[str, Any]) -> Tensor:
+    return inv_freq / float(params["factor"])
+
+
+def _llama3_frequencies(inv_freq: Tensor, params: dict[str, Any]) -> Tensor:
+    """Llama 3.1's scaling: long wavelengths divided by `factor`, a smooth ramp between."""
+    factor, low, high = (float(params[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    old_len = float(params["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _gguf_factor_frequencies(inv_freq: Tensor, params: dict[str, Any]) -> Tensor:
+    """llama.cpp's `rope_freqs` tensor: per-frequency divisors (how GGUF stores llama3)."""
+    return inv_freq / torch.as_tensor(params["freq_factors"], dtype=inv_freq.dtype)
+
+
+ROPE_FREQUENCY_SCALERS: dict[str, Callable[[Tensor, dict[str, Any]], Tensor]] = {
+    "default": _default_frequencies,
+    "linear": _linear_frequencies,
+    "llama3": _llama3_frequencies,
+    "gguf_freq_factors": _gguf_factor_frequencies,
+}
+
+
+def rope_tables(rope: RopeConfig, head_dim: int, max_positions: int) -> tuple[Tensor, Tensor]:
+    """cos, sin `[max_positions, head_dim]` in float32 (Hugging Face's half-split layout)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = ROPE_FREQUENCY_SCALERS[rope.rope_type](1.0 / (rope.theta ** exponents), rope.params)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x `[T, heads, head_dim]`, cos/sin `[T, 1, head_dim]`: rotate each half-split pair."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# --- the model -----------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wqkv = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
+        cfg, t = self.cfg, x.shape[0]
+        q, k, v = self.wqkv(x).split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+        q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        assert self.kv_cache is not None, "KV cache not allocated"
+        return self.wo(paged_attention(q, k, v, self.kv_cache, meta))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, meta)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Token ids `[T]` (all of a step's sequences, flattened) -> logits of selected rows."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope_cos: Tensor | None = None
+        self.rope_sin: Tensor | None = None
+
+    def init_rope(self, max_positions: int) -> None:
+        """Precompute cos/sin for positions `0..max_positions-1` on the weights' device/dtype."""
+        cos, sin = rope_tables(self.cfg.rope, self.cfg.head_dim, max_positions)
+        w = self.output.weight
+        self.rope_cos, self.rope_sin = cos.to(w.device, w.dtype), sin.to(w.device, w.dtype)
+
+    def forward(self, tokens: Tensor, positions: Tensor, meta: AttentionMetadata,
+                logits_index: Tensor) -> Tensor:
+        assert self.rope_cos is not None and self.rope_sin is not None, "call init_rope first"
+        cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta)
+        return self.output(self.norm(x[logits_index]))
+
+
+def fuse_hf_weights(cfg: LlamaConfig, hf: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Hugging Face parameter names -> this model's (Q|K|V and gate|up concatenated)."""
+    out = {"tok_embeddings.weight": hf["model.embed_tokens.weight"],
+           "norm.weight": hf["model.norm.weight"],
+           "output.weight": hf["model.embed_tokens.weight"] if cfg.tie_word_embeddings
+           else hf["lm_head.weight"]}
+    for i in range(cfg.num_layers):
+        p, a = f"model.layers.{i}.", f"layers.{i}."
+        attn = p + "self_attn."
+        out[a + "attention.wqkv.weight"] = torch.cat(
+            [hf[attn + f"{n}_proj.weight"] for n in "qkv"])
+        if cfg.qkv_bias:
+            out[a + "attention.wqkv.bias"] = torch.cat([hf[attn + f"{n}_proj.bias"] for n in "qkv"])
+        out[a + "attention.wo.weight"] = hf[attn + "o_proj.weight"]
+        out[a + "feed_forward.w13.weight"] = torch.cat(
+            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+        out[a + "feed_forward.w2.weight"] = hf[p + "mlp.down_proj.weight"]
+        out[a + "attention_norm.weight"] = hf[p + "input_layernorm.weight"]
+        out[a + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
+    return out
+
+
+def expected_hf_names(cfg: LlamaConfig) -> list[str]:
+    """Every Hugging Face tensor name `fuse_hf_weights` reads (to name a missing one)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not cfg.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
+        names += [p + f"self_attn.{n}_proj.bias" for n in "qkv"] if cfg.qkv_bias else []
+        names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+    return names
+
+
+def build_model(cfg: LlamaConfig, hf_weights: Mapping[str, Tensor], device: torch.device,
+                dtype: torch.dtype) -> Transformer:
+    """Instantiate without allocating (meta device), then assign the fused, cast weights."""
+    missing = [n for n in expected_hf_names(cfg) if n not in hf_weights]
+    if missing:
+        raise InvalidRequestError(f"checkpoint is missing tensor {missing[0]!r} "
+                                  f"({len(missing)} missing)", param="model")
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    state = {k: v.to(device=device, dtype=dtype).contiguous()
+             for k, v in fuse_hf_weights(cfg, hf_weights).items()}
+    if cfg.tie_word_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    model.load_state_dict(state, assign=True, strict=True)
+    return model.eval().requires_grad_(False)

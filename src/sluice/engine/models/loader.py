@@ -1,0 +1,122 @@
+"""Load a model from a Hugging Face checkpoint directory, a hub name, or a GGUF file.
+
+    load_model("path/to/dir")              config.json + *.safetensors
+    load_model("Qwen/Qwen2.5-0.5B-Instruct")   huggingface_hub.snapshot_download, then as a dir
+    load_model("model.gguf") / None        gguf_loader (None: the default SmolLM2 GGUF)
+
+Architectures come from a registry (`ARCHITECTURES`), keyed by the `architectures`
+entry of config.json; an unknown one is an `InvalidRequestError` naming it. Both
+config styles are read: transformers <5 (`rope_theta`, `rope_scaling`) and 5
+(`rope_parameters`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sluice.engine.models.llama import LlamaConfig, RopeConfig, Transformer, build_model
+from sluice.engine.tokenizer import ModelNotFoundError, local_model_path
+from sluice.protocol.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What distinguishes one Llama-family architecture from another."""
+
+    qkv_bias: bool = False
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "LlamaForCausalLM": ArchSpec(),
+    "MistralForCausalLM": ArchSpec(),
+    "Qwen2ForCausalLM": ArchSpec(qkv_bias=True),
+}
+
+
+class UnsupportedModelError(InvalidRequestError):
+    """The checkpoint's architecture or a feature of it is not implemented."""
+
+
+def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
+               revision: str | None = None) -> tuple[Transformer, LlamaConfig]:
+    """Weights on `device` in `dtype`, and the hyperparameters."""
+    path = local_model_path(model, revision)
+    if path.is_file() and path.suffix == ".gguf":
+        from sluice.engine.models.gguf_loader import load_gguf_model
+
+        return load_gguf_model(path, device, dtype)
+    if not path.is_dir():
+        raise ModelNotFoundError(f"model {str(path)!r} is neither a .gguf file nor a "
+                                 "checkpoint directory", param="model")
+    cfg = config_from_hf(read_config(path))
+    return build_model(cfg, read_safetensors(path), device, dtype), cfg
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    file = directory / "config.json"
+    if not file.is_file():
+        raise ModelNotFoundError(f"{directory}: missing file config.json", param="model")
+    with open(file, encoding="utf-8") as f:
+        data: dict[str, Any] = json.load(f)
+    return data
+
+
+def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
+    """config.json -> LlamaConfig; rejects architectures and features not implemented."""
+    arch = (c.get("architectures") or [c.get("model_type", "?")])[0]
+    spec = ARCHITECTURES.get(arch)
+    if spec is None:
+        raise UnsupportedModelError(f"unsupported model architecture {arch!r} "
+                                    f"(supported: {sorted(ARCHITECTURES)})", param="model")
+    if c.get("hidden_act", "silu") != "silu" or c.get("mlp_bias"):
+        raise UnsupportedModelError(f"{arch}: only bias-free SiLU MLPs are supported",
+                                    param="model")
+    heads = int(c["num_attention_heads"])
+    return LlamaConfig(
+        architecture=arch, vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]),
+        intermediate_size=int(c["intermediate_size"]), num_layers=int(c["num_hidden_layers"]),
+        num_heads=heads, num_kv_heads=int(c.get("num_key_value_heads") or heads),
+        head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=_max_positions(c),
+        rope=rope_from_hf(c), qkv_bias=spec.qkv_bias or bool(c.get("attention_bias")),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
+
+
+def _max_positions(c: dict[str, Any]) -> int:
+    """The context limit; a sliding window caps it (full attention is exact within it)."""
+    limit = int(c.get("max_position_embeddings", 2048))
+    window = c.get("sliding_window")
+    if window and c.get("use_sliding_window", True):
+        limit = min(limit, int(window))
+    return limit
+
+
+def rope_from_hf(c: dict[str, Any]) -> RopeConfig:
+    """RoPE from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (<5)."""
+    params = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", c.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    if "original_max_position_embeddings" not in params and rope_type == "llama3":
+        params["original_max_position_embeddings"] = c.get("max_position_embeddings")
+    return RopeConfig(theta=theta, rope_type=rope_type, params=params)
+
+
+def read_safetensors(directory: Path) -> dict[str, Tensor]:
+    """All tensors of every `*.safetensors` file in the directory (memory-mapped, CPU)."""
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{directory}: missing weights (no *.safetensors file)",
+                                 param="model")
+    weights: dict[str, Tensor] = {}
+    for file in files:
+        weights.update(load_file(str(file)))
+    return weights

