@@ -31,6 +31,8 @@ class StubUpstream:
         self.gate: asyncio.Event | None = None
         self.chunk_delay = chunk_delay
         self.max_reply = max_reply
+        self.streams_finished = 0
+        self.streams_cancelled = 0
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.chat, methods=["POST"]),
@@ -78,18 +80,23 @@ class StubUpstream:
         include = bool((body.get("stream_options") or {}).get("include_usage"))
         base = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
                 "model": body.get("model")}
-        for i in range(n):
-            if self.chunk_delay:
-                await asyncio.sleep(self.chunk_delay)
-            piece = "tok" if i == 0 else " tok"
-            choice = ({"index": 0, "delta": {"content": piece}, "finish_reason": None}
-                      if chat else {"index": 0, "text": piece, "finish_reason": None})
-            if i == n - 1:
-                choice["finish_reason"] = "length"
-            chunk = {**base, "choices": [choice]}
-            if include:
-                chunk["usage"] = None
-            yield f"data: {json.dumps(chunk)}\n\n".encode()
+        try:
+            for i in range(n):
+                if self.chunk_delay:
+                    await asyncio.sleep(self.chunk_delay)
+                piece = "tok" if i == 0 else " tok"
+                choice = ({"index": 0, "delta": {"content": piece}, "finish_reason": None}
+                          if chat else {"index": 0, "text": piece, "finish_reason": None})
+                if i == n - 1:
+                    choice["finish_reason"] = "length"
+                chunk = {**base, "choices": [choice]}
+                if include:
+                    chunk["usage"] = None
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+        except BaseException:
+            self.streams_cancelled += 1
+            raise
+        self.streams_finished += 1
         if include:
             yield f"data: {json.dumps({**base, 'choices': [], 'usage': usage})}\n\n".encode()
         yield b"data: [DONE]\n\n"

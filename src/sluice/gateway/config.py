@@ -62,7 +62,8 @@ class GatewayConfig:
 
     `database_url=None` means SQLite (WAL) at `sluice.env.home()/sluice.db`.
     `default_reserve_tokens` is what a request without `max_tokens` reserves against
-    its tokens-per-minute limit until its real completion tokens are known.
+    its tokens-per-minute limit until its real completion tokens are known. Tenants
+    get their priority class from their own settings (default `standard`).
     """
 
     database_url: str | None = None
@@ -70,16 +71,11 @@ class GatewayConfig:
     admin_key: str | None = None
     limiter: LimiterConfig = field(default_factory=LimiterConfig)
     prices_file: Path | None = None
-    default_priority_class: str = "standard"
     default_reserve_tokens: int = 256
     max_body_bytes: int = 16 * 1024 * 1024
-    retention_days: float | None = None
 
     def __post_init__(self) -> None:
-        priority_value(self.default_priority_class)
         if self.default_reserve_tokens < 0:
             raise InvalidRequestError(
                 "default_reserve_tokens must be >= 0", param="default_reserve_tokens"
             )
-        if self.retention_days is not None and self.retention_days <= 0:
-            raise InvalidRequestError("retention_days must be > 0", param="retention_days")

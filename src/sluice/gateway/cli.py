@@ -1,0 +1,316 @@
+"""`sluice gateway`, `sluice keys`, `sluice tenants`, `sluice usage`.
+
+The management commands work directly on the gateway's database (`--database-url`,
+else `SLUICE_DATABASE_URL`, else SQLite at `$SLUICE_HOME/sluice.db`), so they need no
+running gateway. `sluice gateway --upstream URL` runs the gateway as its own process
+in front of a remote router or worker; `sluice gateway purge --older-than DAYS`
+applies the retention policy to the usage ledger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from sluice import env
+from sluice.gateway.config import FAILURE_MODES, PRIORITY_CLASSES, GatewayConfig, LimiterConfig
+from sluice.gateway.store import (
+    KeySettings,
+    SQLStore,
+    TenantSettings,
+    UsageQuery,
+)
+from sluice.protocol.errors import SluiceError
+
+_LIMIT_FLAGS = (("--rpm", "requests per minute"), ("--tpm", "tokens per minute"),
+                ("--max-concurrent", "concurrent requests"))
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    _register_gateway(subparsers)
+    _register_keys(subparsers)
+    _register_tenants(subparsers)
+    _register_usage(subparsers)
+
+
+def _db_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--database-url", default=None,
+                   help="SQLAlchemy URL (default: SLUICE_DATABASE_URL, else SQLite at "
+                        "$SLUICE_HOME/sluice.db)")
+
+
+def _limit_flags(p: argparse.ArgumentParser, with_models: bool = True) -> None:
+    for flag, what in _LIMIT_FLAGS:
+        p.add_argument(flag, type=int, default=None, help=f"limit: {what}")
+    if with_models:
+        p.add_argument("--allowed-models", default=None,
+                       help="comma-separated model names this principal may use")
+    p.add_argument("--priority-class", choices=sorted(PRIORITY_CLASSES), default=None,
+                   help="priority class (interactive=0, standard=1, batch=2; lower runs first)")
+
+
+def _register_gateway(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("gateway", help="run the API gateway in front of an upstream, or purge",
+                       description="Run the gateway (keys, limits, budgets, ledger) as its own "
+                                   "process in front of --upstream.")
+    p.add_argument("--upstream", help="base URL of the router or worker, e.g. http://127.0.0.1:8001")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    _db_flag(p)
+    p.add_argument("--redis-url", default=None,
+                   help="share limit counters through Redis (default: SLUICE_REDIS_URL; "
+                        "unset = in process)")
+    p.add_argument("--on-redis-error", choices=FAILURE_MODES, default="closed",
+                   help="when Redis is unreachable: closed = 503, open = admit unlimited")
+    p.add_argument("--prices", type=Path, default=None,
+                   help="price table (JSON/YAML: model -> input/output_per_million)")
+    p.add_argument("--admin-key", default=None, help="admin API key (default: SLUICE_ADMIN_KEY)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer source for prompt counting (default: the default model's)")
+    p.set_defaults(func=run_gateway)
+    actions = p.add_subparsers(dest="gateway_action", metavar="ACTION")
+    purge = actions.add_parser("purge", help="delete usage records older than DAYS")
+    purge.add_argument("--older-than", type=float, required=True, metavar="DAYS")
+    _db_flag(purge)
+    purge.set_defaults(func=run_purge)
+
+
+def _register_keys(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("keys", help="create, list and revoke API keys")
+    actions = p.add_subparsers(dest="keys_action", metavar="ACTION", required=True)
+    create = actions.add_parser("create", help="mint a key (printed once)")
+    create.add_argument("--tenant", required=True, help="tenant id or name")
+    create.add_argument("--name", default="", help="a label for the key")
+    _limit_flags(create)
+    _db_flag(create)
+    create.set_defaults(func=keys_create)
+    listing = actions.add_parser("list", help="list keys (never their secrets)")
+    listing.add_argument("--tenant", default=None)
+    listing.add_argument("--json", action="store_true")
+    _db_flag(listing)
+    listing.set_defaults(func=keys_list)
+    revoke = actions.add_parser("revoke", help="revoke a key by id (effective at once)")
+    revoke.add_argument("key_id")
+    _db_flag(revoke)
+    revoke.set_defaults(func=keys_revoke)
+
+
+def _tenant_flags(p: argparse.ArgumentParser) -> None:
+    _limit_flags(p)
+    p.add_argument("--budget-usd", type=float, default=None, help="hard budget in USD")
+    p.add_argument("--soft-budget-usd", type=float, default=None,
+                   help="soft budget in USD (only a metric)")
+    p.add_argument("--store-bodies", choices=("yes", "no"), default=None,
+                   help="store redacted prompt/completion bodies in the audit log")
+
+
+def _register_tenants(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("tenants", help="create, list and update tenants")
+    actions = p.add_subparsers(dest="tenants_action", metavar="ACTION", required=True)
+    create = actions.add_parser("create", help="create a tenant")
+    create.add_argument("name")
+    _tenant_flags(create)
+    _db_flag(create)
+    create.set_defaults(func=tenants_create)
+    listing = actions.add_parser("list", help="list tenants with their spend")
+    listing.add_argument("--json", action="store_true")
+    _db_flag(listing)
+    listing.set_defaults(func=tenants_list)
+    update = actions.add_parser("update", help="change a tenant's settings")
+    update.add_argument("name", help="tenant id or name")
+    _tenant_flags(update)
+    _db_flag(update)
+    update.set_defaults(func=tenants_update)
+
+
+def _register_usage(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("usage", help="query the usage ledger")
+    p.add_argument("--tenant", default=None, help="tenant id or name")
+    p.add_argument("--key", default=None, help="key id")
+    p.add_argument("--since", default=None, help="epoch seconds, ISO 8601, or an age like 24h/7d")
+    p.add_argument("--until", default=None, help="same forms as --since")
+    p.add_argument("--limit", type=int, default=1000)
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    _db_flag(p)
+    p.set_defaults(func=usage)
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+
+def open_store(args: argparse.Namespace) -> SQLStore:
+    return SQLStore(args.database_url or env.get("DATABASE_URL"))
+
+
+def parse_time(text: str | None, now: float | None = None) -> float | None:
+    """Epoch seconds, ISO 8601, or an age (`30m`, `24h`, `7d`) before now."""
+    if text is None:
+        return None
+    now = time.time() if now is None else now
+    age = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text.strip())
+    if age:
+        unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}[age.group(2)]
+        return now - float(age.group(1)) * unit
+    try:
+        return float(text)
+    except ValueError:
+        return datetime.fromisoformat(text).timestamp()
+
+
+def _models(text: str | None) -> tuple[str, ...] | None:
+    return tuple(m.strip() for m in text.split(",") if m.strip()) if text else None
+
+
+def _limits(args: argparse.Namespace) -> dict[str, Any]:
+    out = {"rpm": args.rpm, "tpm": args.tpm, "max_concurrent": args.max_concurrent,
+           "allowed_models": _models(args.allowed_models), "priority_class": args.priority_class}
+    for name in ("budget_usd", "soft_budget_usd"):
+        if hasattr(args, name):
+            out[name] = getattr(args, name)
+    if getattr(args, "store_bodies", None) is not None:
+        out["store_bodies"] = args.store_bodies == "yes"
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    cells = [[str(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def _guard(fn: Any) -> Any:
+    """Report SluiceErrors as one line on stderr with exit code 1."""
+    def wrapper(args: argparse.Namespace) -> int:
+        try:
+            return int(fn(args) or 0)
+        except SluiceError as exc:
+            print(f"error: {exc.message}", file=sys.stderr)
+            return 1
+    wrapper.__name__ = fn.__name__
+    return wrapper
+
+
+# -- commands ---------------------------------------------------------------------------
+
+
+@_guard
+def tenants_create(args: argparse.Namespace) -> int:
+    store = open_store(args)
+    tenant = store.create_tenant(args.name, TenantSettings(**_limits(args)))
+    print(f"created tenant {tenant.name} ({tenant.id})")
+    return 0
+
+
+@_guard
+def tenants_update(args: argparse.Namespace) -> int:
+    tenant = open_store(args).update_tenant(args.name, _limits(args))
+    print(f"updated tenant {tenant.name}: {json.dumps(asdict(tenant.settings))}")
+    return 0
+
+
+@_guard
+def tenants_list(args: argparse.Namespace) -> int:
+    rows = [{"id": t.id, "name": t.name, "spend_usd": round(t.spend_usd, 6),
+             **asdict(t.settings)} for t in open_store(args).list_tenants()]
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        print(_table(rows, ["id", "name", "priority_class", "rpm", "tpm", "max_concurrent",
+                            "budget_usd", "spend_usd"]))
+    return 0
+
+
+@_guard
+def keys_create(args: argparse.Namespace) -> int:
+    key, plaintext = open_store(args).create_key(
+        args.tenant, KeySettings(name=args.name, **_limits(args)))
+    print(f"created key {key.id} for tenant {key.tenant_id} (shown once, store it now):",
+          file=sys.stderr)
+    print(plaintext)
+    return 0
+
+
+@_guard
+def keys_list(args: argparse.Namespace) -> int:
+    store = open_store(args)
+    tenant_id = store.get_tenant(args.tenant).id if args.tenant else None
+    rows = [{"id": k.id, "tenant_id": k.tenant_id, "display": k.display,
+             "revoked": k.revoked_at is not None, **asdict(k.settings)}
+            for k in store.list_keys(tenant_id)]
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        print(_table(rows, ["id", "tenant_id", "name", "display", "priority_class", "rpm",
+                            "tpm", "revoked"]))
+    return 0
+
+
+@_guard
+def keys_revoke(args: argparse.Namespace) -> int:
+    key = open_store(args).revoke_key(args.key_id)
+    print(f"revoked key {key.id}")
+    return 0
+
+
+@_guard
+def usage(args: argparse.Namespace) -> int:
+    store = open_store(args)
+    tenant_id = store.get_tenant(args.tenant).id if args.tenant else None
+    records = store.query_usage(UsageQuery(tenant_id, args.key, parse_time(args.since),
+                                           parse_time(args.until), args.limit))
+    totals = {"requests": len(records), "prompt_tokens": sum(r.prompt_tokens for r in records),
+              "completion_tokens": sum(r.completion_tokens for r in records),
+              "cost_usd": sum(r.cost_usd for r in records)}
+    if args.json:
+        print(json.dumps({"data": [asdict(r) for r in records], "totals": totals}))
+        return 0
+    rows = [{**asdict(r), "time": datetime.fromtimestamp(r.ts).isoformat(timespec="seconds"),
+             "latency_ms": round(r.latency_ms, 1)} for r in records]
+    print(_table(rows, ["time", "tenant_id", "key_id", "endpoint", "model", "status",
+                        "prompt_tokens", "completion_tokens", "cost_usd", "latency_ms"]))
+    print(f"total: {json.dumps(totals)}")
+    return 0
+
+
+@_guard
+def run_purge(args: argparse.Namespace) -> int:
+    deleted = open_store(args).purge(time.time() - args.older_than * 86400)
+    print(f"deleted {deleted} usage records older than {args.older_than:g} days")
+    return 0
+
+
+def build_config(args: argparse.Namespace) -> GatewayConfig:
+    limiter = LimiterConfig(redis_url=args.redis_url or env.get("REDIS_URL"),
+                            on_redis_error=args.on_redis_error)
+    return GatewayConfig(database_url=args.database_url or env.get("DATABASE_URL"),
+                         admin_key=args.admin_key or env.get("ADMIN_KEY"), limiter=limiter,
+                         prices_file=args.prices)
+
+
+@_guard
+def run_gateway(args: argparse.Namespace) -> int:
+    if not args.upstream:
+        print("error: --upstream URL is required to run the gateway", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from sluice.gateway.middleware import GatewayMiddleware
+    from sluice.gateway.proxy import UpstreamProxy
+    from sluice.gateway.state import GatewayState
+    from sluice.gateway.tokens import PromptTokenCounter
+
+    config = build_config(args)
+    state = GatewayState.from_config(
+        config, count_prompt_tokens=PromptTokenCounter(default_source=args.tokenizer))
+    app = GatewayMiddleware(UpstreamProxy(args.upstream), state)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0

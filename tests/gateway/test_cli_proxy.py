@@ -1,0 +1,137 @@
+"""The CLI commands, the dev key, the price table, redaction, and the upstream proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sluice.cli import main
+from sluice.gateway.cli import parse_time
+from sluice.gateway.dev import ensure_dev_key
+from sluice.gateway.middleware import GatewayMiddleware
+from sluice.gateway.pricing import PriceTable
+from sluice.gateway.proxy import UpstreamProxy
+from sluice.gateway.redact import default_redactor
+from sluice.gateway.store import SQLStore, UsageQuery, UsageRecord
+
+from .conftest import CHAT, make_state, new_key, serve
+from .stub import StubUpstream
+
+
+def test_cli_tenants_keys_usage_purge(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = ["--database-url", f"sqlite:///{tmp_path / 'cli.db'}"]
+    assert main(["tenants", "create", "acme", "--rpm", "5", "--budget-usd", "2.5",
+                 "--priority-class", "batch", *db]) == 0
+    assert main(["tenants", "update", "acme", "--tpm", "900", *db]) == 0
+    capsys.readouterr()
+    assert main(["tenants", "list", "--json", *db]) == 0
+    [tenant] = json.loads(capsys.readouterr().out)
+    assert (tenant["rpm"], tenant["tpm"], tenant["budget_usd"], tenant["priority_class"]) == (
+        5, 900, 2.5, "batch")
+    assert main(["keys", "create", "--tenant", "acme", "--name", "ci", "--rpm", "2", *db]) == 0
+    key = capsys.readouterr().out.strip()
+    store = SQLStore(db[1])
+    principal = store.authenticate(key)
+    assert principal is not None and principal.key.settings.rpm == 2
+    assert main(["keys", "list", "--json", *db]) == 0
+    [listed] = json.loads(capsys.readouterr().out)
+    assert key not in json.dumps(listed) and listed["name"] == "ci"
+    store.record_usage(UsageRecord(request_id="old", tenant_id=principal.tenant.id,
+                                   key_id=principal.key.id, endpoint="/v1/completions",
+                                   model="m", status="ok", http_status=200, ts=1000.0))
+    store.record_usage(UsageRecord(request_id="new", tenant_id=principal.tenant.id,
+                                   key_id=principal.key.id, endpoint="/v1/completions",
+                                   model="m", status="ok", http_status=200, prompt_tokens=3))
+    assert main(["usage", "--tenant", "acme", "--since", "1d", "--json", *db]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["request_id"] for r in out["data"]] == ["new"] and out["totals"]["prompt_tokens"] == 3
+    assert main(["gateway", "purge", "--older-than", "30", *db]) == 0
+    assert "deleted 1" in capsys.readouterr().out
+    assert main(["keys", "revoke", listed["id"], *db]) == 0
+    assert store.authenticate(key) is None
+    assert main(["keys", "create", "--tenant", "nobody", *db]) == 1
+    assert "not found" in capsys.readouterr().err
+    assert main(["gateway", *db]) == 2  # no --upstream
+
+
+def test_parse_time_forms() -> None:
+    assert parse_time("24h", now=100000.0) == 100000.0 - 86400
+    assert parse_time("1700000000") == 1700000000.0
+    assert parse_time("2024-01-01T00:00:00+00:00") == 1704067200.0
+    assert parse_time(None) is None
+
+
+def test_dev_key_is_created_once_and_reused(sqlite_store: SQLStore, tmp_path: Path) -> None:
+    path = tmp_path / "home" / "dev-key"
+    key = ensure_dev_key(sqlite_store, path)
+    assert ensure_dev_key(sqlite_store, path) == key
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    principal = sqlite_store.authenticate(key)
+    assert principal is not None and principal.tenant.name == "dev"
+    sqlite_store.revoke_key(principal.key.id)  # a dead saved key is replaced
+    fresh = ensure_dev_key(sqlite_store, path)
+    assert fresh != key and sqlite_store.authenticate(fresh) is not None
+
+
+def test_price_table_file_and_default(tmp_path: Path) -> None:
+    f = tmp_path / "prices.yaml"
+    f.write_text("gpt-x: {input_per_million: 2.0, output_per_million: 8.0}\n"
+                 "'*': {input_per_million: 0.5}\n")
+    table = PriceTable.load(f)
+    assert table.cost("gpt-x", 1_000_000, 500_000) == pytest.approx(6.0)
+    assert table.cost("other", 2_000_000, 10) == pytest.approx(1.0)
+    assert PriceTable().cost("SmolLM2-135M-Instruct", 10**6, 10**6) == 0.0
+
+
+def test_default_redactor() -> None:
+    text = ("write to bob.smith@example.com or +1 415-555-0132, card 4111 1111 1111 1111; "
+            "order 1234567890123 on 2024-01-05")
+    out = default_redactor(text)
+    assert "[EMAIL]" in out and "[PHONE]" in out and "[CARD]" in out
+    assert "example.com" not in out and "4111" not in out
+    assert "1234567890123" in out and "2024-01-05" in out  # not Luhn-valid / not a phone
+
+
+async def test_gateway_process_over_proxy_streams_and_aborts_upstream(
+        sqlite_store: SQLStore) -> None:
+    """`sluice gateway --upstream`: gateway + UpstreamProxy in front of a real server."""
+    stub = StubUpstream(chunk_delay=0.03, max_reply=50)
+    key = new_key(sqlite_store)
+    async with serve(stub) as upstream_url:
+        gw = GatewayMiddleware(UpstreamProxy(upstream_url), make_state(sqlite_store))
+        async with serve(gw) as url, httpx.AsyncClient(base_url=url, timeout=10) as c:
+            headers = {"Authorization": f"Bearer {key}"}
+            r = await c.post("/v1/chat/completions", json=CHAT, headers=headers)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+            assert len(r.headers["x-request-id"]) == 32
+            async with c.stream("POST", "/v1/chat/completions", headers=headers,
+                                json={**CHAT, "max_tokens": 50, "stream": True}) as s:
+                async for line in s.aiter_lines():
+                    if line.startswith("data: {"):
+                        break
+            for _ in range(100):  # the hang-up reaches the upstream, which stops generating
+                if stub.streams_cancelled:
+                    break
+                await asyncio.sleep(0.02)
+            assert stub.streams_cancelled == 1 and stub.streams_finished == 0
+            assert (await c.get("/health")).text == "ok"
+            await gw.state.aclose()
+    records = sqlite_store.query_usage(UsageQuery())
+    assert [r.status for r in records] == ["ok", "aborted"]
+
+
+async def test_proxy_reports_unreachable_upstream_as_502(sqlite_store: SQLStore) -> None:
+    key = new_key(sqlite_store)
+    gw = GatewayMiddleware(UpstreamProxy("http://127.0.0.1:1"), make_state(sqlite_store))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gw),  # type: ignore[arg-type]
+                                 base_url="http://gw") as c:
+        r = await c.post("/v1/chat/completions", json=CHAT,
+                         headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 502 and r.json()["error"]["code"] == "bad_gateway"
+    [rec] = sqlite_store.query_usage(UsageQuery())
+    assert (rec.status, rec.http_status) == ("error", 502)
