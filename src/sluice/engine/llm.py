@@ -1,0 +1,105 @@
+"""The offline API, shaped like vLLM's `LLM`: give it prompts, get finished outputs.
+
+    llm = LLM(max_num_seqs=64)                       # None: the default SmolLM2 GGUF
+    outs = llm.generate(["Hello", "Hi"], SamplingParams(temperature=0, max_tokens=32))
+    outs[0].outputs[0].text
+
+All prompts are queued at once and the engine is stepped until every one finishes, so
+they share batches (continuous batching); results come back in prompt order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from sluice.engine.config import EngineConfig
+from sluice.engine.llm_engine import LLMEngine
+from sluice.engine.outputs import RequestOutput
+from sluice.engine.sampling_params import RequestOutputKind, SamplingParams
+
+Prompts = str | list[str] | list[list[int]]
+ParamsArg = SamplingParams | Sequence[SamplingParams] | None
+
+
+class LLM:
+    """One engine driven synchronously in the caller's thread."""
+
+    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+        self.config = EngineConfig.from_options(model, **engine_options)
+        self.engine = LLMEngine(self.config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompts, sampling_params: ParamsArg = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; one output per prompt, in order."""
+        items = _normalize_prompts(prompts)
+        params = _normalize_params(sampling_params, len(items))
+        ids = self._add_all(items, params)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: ParamsArg = None) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [tok.encode(tok.apply_chat_template(list(c), add_generation_prompt=True),
+                              add_special_tokens=False) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def _add_all(self, prompts: list[str | list[int]], params: list[SamplingParams]) -> list[str]:
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                request_id = f"llm-{next(self._ids)}"
+                final = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                self.engine.add_request(request_id, prompt, final)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        return ids
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids)) if use_tqdm else None
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    done[output.request_id] = output
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]
+
+
+def _normalize_prompts(prompts: Prompts) -> list[str | list[int]]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and isinstance(items[0], int):  # a single prompt given as token ids
+        return [list(items)]  # type: ignore[arg-type]
+    return items  # type: ignore[return-value]
+
+
+def _normalize_params(params: ParamsArg, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling_params for {count} prompts")
+    return list(params)
+
+
+def _progress(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Processed prompts")

@@ -1,0 +1,100 @@
+"""Greedy outputs equal Hugging Face transformers' greedy `generate`, token for token,
+through chunked prefill (a small token budget), the prefix cache on and off, and
+preemption in a tiny KV pool; on tiny random llama / qwen2 checkpoints and (marked
+`model`) on the default SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from sluice.engine.llm import LLM
+from sluice.engine.sampling_params import SamplingParams
+
+SHARED = ("You are a careful assistant. Answer briefly and precisely, using plain words, "
+          "and never more than one sentence. Question: ")
+TEXTS = [SHARED + "what is the capital of France?", "Hi", SHARED + "why is the sky blue?",
+         "Count: one, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve",
+         "日本語のテキスト 🌍"]
+MAX_TOKENS = 10
+
+
+def hf_greedy(model_dir: Path, gguf_file: str | None, texts: list[str],
+              max_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompt ids and HF's greedy continuation of each (one prompt at a time: no padding)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    tok = AutoTokenizer.from_pretrained(str(model_dir), **kw)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32, **kw)
+    model.generation_config.eos_token_id = None  # like ignore_eos
+    prompts, outputs = [], []
+    with torch.inference_mode():
+        for text in texts:
+            ids = tok(text, return_tensors="pt").input_ids
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 pad_token_id=0)
+            prompts.append(ids[0].tolist())
+            outputs.append(out[0, ids.shape[1]:].tolist())
+    return prompts, outputs
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request: pytest.FixtureRequest) -> tuple[Path, list[list[int]], list[list[int]]]:
+    model_dir = request.getfixturevalue(f"tiny_{request.param}_dir")
+    prompts, expected = hf_greedy(model_dir, None, TEXTS, MAX_TOKENS)
+    return model_dir, prompts, expected
+
+
+@pytest.mark.parametrize("options", [
+    {"max_num_batched_tokens": 16, "enable_prefix_caching": True},
+    {"max_num_batched_tokens": 16, "enable_prefix_caching": False},
+    {"max_num_batched_tokens": 2048, "enable_prefix_caching": True},
+    {"max_num_batched_tokens": 8, "enable_prefix_caching": True, "num_kv_blocks": 7},
+], ids=["chunked-cache", "chunked-nocache", "whole-cache", "tiny-pool-preempt"])
+def test_greedy_equals_transformers(tiny: tuple[Path, list[list[int]], list[list[int]]],
+                                    options: dict[str, Any]) -> None:
+    model_dir, prompts, expected = tiny
+    llm = LLM(str(model_dir), **{"num_kv_blocks": 64, **options})
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == expected
+    stats = llm.engine.stats()
+    if "num_kv_blocks" in options:
+        assert stats.num_preemptions > 0
+    if not options["enable_prefix_caching"]:
+        assert stats.prefix_cache_hits == 0
+        return
+    if options["max_num_batched_tokens"] <= 16:  # later prompts admitted after the shared one
+        assert stats.prefix_cache_hits > 0
+    # Again on the warm cache: the same tokens, now with prompt blocks served from cache.
+    again = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in again] == expected
+    assert llm.engine.stats().prefix_cache_hits > stats.prefix_cache_hits
+
+
+def test_llm_text_and_chat_api(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64)
+    tok = llm.get_tokenizer()
+    out = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert out[0].prompt == "Hello" and len(out[0].outputs[0].token_ids) == 4
+    assert out[0].outputs[0].text == tok.decode(out[0].outputs[0].token_ids)
+    chat = llm.chat([{"role": "user", "content": "Hi"}],
+                    SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    templated = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert chat[0].prompt_token_ids == tok.encode(templated, add_special_tokens=False)
+
+
+@pytest.mark.model
+def test_default_gguf_greedy_equals_transformers(default_gguf: Path) -> None:
+    texts = [TEXTS[0], TEXTS[2], TEXTS[3]]
+    prompts, expected = hf_greedy(default_gguf.parent, default_gguf.name, texts, 8)
+    llm = LLM(str(default_gguf), num_kv_blocks=64, max_num_batched_tokens=16)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.stats().prefix_cache_hits > 0
