@@ -1,0 +1,164 @@
+"""Every error class gets OpenAI's (or, on /v1/messages, Anthropic's) JSON and the right
+status; nothing a client sends takes the worker down."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import httpx
+import pytest
+
+from sluice.worker.app import build_app
+from sluice.worker.config import WorkerConfig
+
+from .worker_helpers import ServerThread, wait_until
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def openai_error(resp: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def test_malformed_json_is_400(http: httpx.Client) -> None:
+    for body in (b"{", b"", b"\xff\xfe", b"[1, 2]", b"null", b'"text"'):
+        resp = http.post("/v1/chat/completions", content=body,
+                         headers={"content-type": "application/json"})
+        assert openai_error(resp, 400)["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"messages": USER, "temperature": "hot"}, "temperature"),
+    ({"messages": USER, "max_tokens": "many"}, "max_tokens"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user"}]}, "messages.0.content"),
+    ({"messages": USER, "stream": "yes please"}, "stream"),
+    ({"messages": USER, "unknown_knob": 1}, "unknown_knob"),
+    ({"messages": USER, "temperature": -1}, "temperature"),
+    ({"messages": USER, "top_p": 0}, "top_p"),
+    ({"messages": USER, "max_tokens": 0}, "max_tokens"),
+    ({"messages": USER, "top_logprobs": 2}, "top_logprobs"),
+])
+def test_wrong_values_name_the_field(http: httpx.Client, body: dict, param: str) -> None:
+    openai_error(http.post("/v1/chat/completions", json=body), 400, param)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "required"),
+    ("functions", [{"name": "f"}]),
+    ("response_format", {"type": "json_schema", "json_schema": {}}),
+    ("logit_bias", {"50": 10}),
+    ("audio", {"voice": "alloy", "format": "wav"}),
+    ("kv_transfer_params", {"do_remote_prefill": True}),
+])
+def test_unsupported_parameters_are_refused(http: httpx.Client, field: str, value: Any) -> None:
+    err = openai_error(http.post("/v1/chat/completions",
+                                 json={"messages": USER, field: value}), 400, field)
+    assert "not supported" in err["message"]
+
+
+def test_completion_specific_refusals(http: httpx.Client) -> None:
+    openai_error(http.post("/v1/completions", json={"prompt": "a", "suffix": "z"}), 400, "suffix")
+    openai_error(http.post("/v1/completions", json={"prompt": "a", "best_of": 3}), 400, "best_of")
+    openai_error(http.post("/v1/completions", json={"prompt": "a", "echo": True, "logprobs": 1}),
+                 400, "echo")
+    openai_error(http.post("/v1/completions", json={"prompt": [10**9]}), 400, "prompt")
+    openai_error(http.post("/v1/completions", json={"prompt": ""}), 400, "prompt")
+
+
+def test_unknown_model_is_404(http: httpx.Client) -> None:
+    err = openai_error(http.post("/v1/chat/completions", json={"model": "gpt-9", "messages": USER}),
+                       404, "model")
+    assert err["code"] == "model_not_found"
+    openai_error(http.post("/tokenize", json={"model": "gpt-9", "prompt": "x"}), 404, "model")
+
+
+def test_context_length_is_400(http: httpx.Client) -> None:
+    err = openai_error(http.post("/v1/chat/completions",
+                                 json={"messages": USER, "max_tokens": 1020}), 400, "messages")
+    assert err["code"] == "context_length_exceeded" and "1024" in err["message"]
+    long_prompt = list(range(100, 1200))  # 1100 token ids > max_model_len 1024
+    err = openai_error(http.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 1}),
+                       400, "prompt")
+    assert err["code"] == "context_length_exceeded"
+
+
+def test_unknown_route_and_method(http: httpx.Client) -> None:
+    openai_error(http.get("/v1/nothing"), 404)
+    openai_error(http.get("/v1/chat/completions"), 405)
+
+
+def test_anthropic_errors_use_anthropic_shape(http: httpx.Client) -> None:
+    cases = [
+        (b"{", 400),
+        (json.dumps({"model": "tiny", "messages": USER}).encode(), 400),  # max_tokens missing
+        (json.dumps({"model": "x", "max_tokens": 3, "messages": USER}).encode(), 404),
+        (json.dumps({"model": "tiny", "max_tokens": 3, "messages": USER,
+                     "thinking": {"type": "enabled"}}).encode(), 400),
+        (json.dumps({"model": "tiny", "max_tokens": 5000, "messages": USER}).encode(), 400),
+    ]
+    for body, status in cases:
+        resp = http.post("/v1/messages", content=body, headers={"content-type": "application/json"})
+        assert resp.status_code == status, resp.text
+        payload = resp.json()
+        assert payload["type"] == "error" and set(payload["error"]) == {"type", "message"}
+    assert resp.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("body", [
+    {"messages": [{"role": "user", "content": "x" * 20000}], "max_tokens": 1},
+    {"messages": USER, "n": 10**12},
+    {"messages": USER, "seed": 10**40},
+    {"messages": USER, "stop": [""]},
+    {"messages": USER, "stop": [None]},
+    {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+    b'{"messages": [{"role": "user", "content": "\\ud800\\u0000x"}], "max_tokens": 2}',
+    b'{"messages": [{"role": "user", "content": "\\u0000\xf0\x9f\x98\x80"}], "max_tokens": 2}',
+    {"messages": USER, "priority": 1.5},
+    {"prompt": "x"},
+])
+def test_hostile_inputs_never_crash(http: httpx.Client, body: dict | bytes) -> None:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    resp = http.post("/v1/chat/completions", content=raw,
+                     headers={"content-type": "application/json"})
+    assert resp.status_code in (200, 400), resp.text
+    if resp.status_code == 400:
+        assert resp.json()["error"]["type"] == "invalid_request_error"
+    assert http.get("/health").status_code == 200
+
+
+def test_overload_is_503_with_retry_after(engine: Any) -> None:
+    srv = ServerThread(build_app(engine, WorkerConfig(max_pending_requests=1))).start()
+    first_chunk = threading.Event()
+    done = threading.Event()
+
+    def long_stream() -> None:
+        body = {"messages": USER, "max_tokens": 300, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body,
+                          timeout=30) as resp:
+            for _ in resp.iter_lines():
+                first_chunk.set()
+                if done.is_set():
+                    break
+
+    thread = threading.Thread(target=long_stream)
+    thread.start()
+    try:
+        assert first_chunk.wait(20)
+        resp = httpx.post(srv.url + "/v1/chat/completions", json={"messages": USER})
+        err = openai_error(resp, 503)
+        assert err["type"] == "service_unavailable" and resp.headers["retry-after"] == "1"
+        assert httpx.get(srv.url + "/health").status_code == 200
+    finally:
+        done.set()
+        thread.join(20)
+        assert wait_until(lambda: engine.stats().num_running == 0)
+        srv.stop()

@@ -1,0 +1,198 @@
+"""The official OpenAI and Anthropic SDKs against a worker on the tiny random model."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+USER = [{"role": "user", "content": "Say something."}]
+GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:  # noqa: ANN001
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture()
+def aclient(server) -> openai.AsyncOpenAI:  # noqa: ANN001
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def claude(server) -> anthropic.Anthropic:  # noqa: ANN001
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+
+
+def chat(client: openai.OpenAI, **kw: object) -> object:
+    extra = {k: kw.pop(k) for k in ("ignore_eos", "top_k", "min_tokens", "priority") if k in kw}
+    return client.chat.completions.create(model="tiny", messages=USER, extra_body=extra, **kw)
+
+
+def test_chat_non_streaming(client: openai.OpenAI) -> None:
+    resp = chat(client, **GREEDY)
+    choice = resp.choices[0]
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    assert resp.usage.completion_tokens == 12
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 12
+    assert resp.model == "tiny"
+
+
+def test_chat_stream_matches_non_stream_and_reports_usage(client: openai.OpenAI) -> None:
+    whole = chat(client, **GREEDY).choices[0].message.content
+    stream = chat(client, stream=True, stream_options={"include_usage": True}, **GREEDY)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_max_completion_tokens_and_stop_string(client: openai.OpenAI) -> None:
+    whole = chat(client, **GREEDY).choices[0].message.content
+    cut = next(i for i in range(1, len(whole)) if whole[i].strip())  # a visible char past 0
+    stop = whole[cut]
+    resp = client.chat.completions.create(model="tiny", messages=USER, temperature=0.0,
+                                          max_completion_tokens=12, stop=[stop],
+                                          extra_body={"ignore_eos": True})
+    choice = resp.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.message.content == whole[:whole.index(stop)]
+    assert choice.model_extra["stop_reason"] == stop
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    resp = chat(client, logprobs=True, top_logprobs=3, **GREEDY)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == 12
+    assert "".join(t.token for t in content) == resp.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.logprob <= 0.0
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+        # greedy: the sampled token is the most likely one
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+        assert bytes(entry.bytes).decode() == entry.token
+
+
+async def test_async_chat_n_choices_and_stream(aclient: openai.AsyncOpenAI) -> None:
+    resp = await aclient.chat.completions.create(model="tiny", messages=USER, n=3, seed=1,
+                                                 temperature=1.0, max_tokens=6,
+                                                 extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2]
+    assert resp.usage.completion_tokens == 18
+    assert len({c.message.content for c in resp.choices}) > 1  # independent samples
+    stream = await aclient.chat.completions.create(model="tiny", messages=USER, n=2,
+                                                   max_tokens=4, stream=True,
+                                                   extra_body={"ignore_eos": True})
+    texts: dict[int, str] = {0: "", 1: ""}
+    async for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert all(texts.values())
+
+
+def test_seed_makes_sampling_repeatable(client: openai.OpenAI) -> None:
+    kw = dict(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=8, ignore_eos=True)
+    a = chat(client, **kw).choices[0].message.content
+    b = chat(client, **kw).choices[0].message.content
+    assert a == b
+
+
+def test_completions(client: openai.OpenAI) -> None:
+    resp = client.completions.create(model="tiny", prompt=["Once upon", "The sky"], n=2,
+                                     max_tokens=5, temperature=0.0, logprobs=2,
+                                     extra_body={"ignore_eos": True})
+    assert resp.object == "text_completion" and resp.id.startswith("cmpl-")
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    assert resp.choices[0].text == resp.choices[1].text  # greedy: same prompt, same text
+    assert resp.usage.completion_tokens == 20
+    lp = resp.choices[2].logprobs
+    assert len(lp.tokens) == 5 and "".join(lp.tokens) == resp.choices[2].text
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    assert all(len(top) == 2 for top in lp.top_logprobs)
+
+
+def test_completions_stream_echo_and_token_prompt(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model="tiny", prompt="Hello there", max_tokens=6,
+                                      temperature=0.0, echo=True,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    assert whole.startswith("Hello there") and len(whole) > len("Hello there")
+    stream = client.completions.create(model="tiny", prompt="Hello there", max_tokens=6,
+                                       temperature=0.0, stream=True, echo=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert chunks[-1].usage.completion_tokens == 6
+    ids = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"),
+                     json={"prompt": "Hello there"}).json()["tokens"]
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0.0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    assert "Hello there" + by_ids == whole
+
+
+def test_raw_response_echoes_request_id(client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=USER, max_tokens=2, extra_headers={"x-request-id": "req-42"})
+    assert raw.headers["x-request-id"] == "req-42"
+    assert raw.parse().id == "chatcmpl-req-42"
+    raw = client.chat.completions.with_raw_response.create(model="tiny", messages=USER,
+                                                           max_tokens=2)
+    assert raw.parse().id == "chatcmpl-" + raw.headers["x-request-id"]
+
+
+def test_anthropic_messages(claude: anthropic.Anthropic, client: openai.OpenAI) -> None:
+    msg = claude.messages.create(model="tiny", max_tokens=12, system="You are terse.",
+                                 messages=USER, extra_body={"temperature": 0.0})
+    assert msg.type == "message" and msg.role == "assistant" and msg.id.startswith("msg_")
+    assert msg.content[0].type == "text" and msg.content[0].text
+    assert msg.usage.input_tokens > 0 and msg.usage.output_tokens > 0
+    assert msg.stop_reason in ("end_turn", "max_tokens")
+    expected = client.chat.completions.create(
+        model="tiny", temperature=0.0, max_tokens=12,
+        messages=[{"role": "system", "content": "You are terse."}, *USER])
+    assert msg.content[0].text == expected.choices[0].message.content
+
+
+def test_anthropic_stream_and_stop_sequence(claude: anthropic.Anthropic,
+                                            client: openai.OpenAI) -> None:
+    whole = chat(client, temperature=0.0, max_tokens=12).choices[0].message.content
+    with claude.messages.stream(model="tiny", max_tokens=12, messages=USER,
+                                extra_body={"temperature": 0.0}) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == whole
+    assert final.usage.input_tokens > 0 and final.usage.output_tokens > 0
+    stop = whole[next(i for i in range(1, len(whole)) if whole[i].strip())]
+    msg = claude.messages.create(model="tiny", max_tokens=12, stop_sequences=[stop],
+                                 messages=USER, extra_body={"temperature": 0.0})
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == stop
+    assert msg.content[0].text == whole[:whole.index(stop)]
+
+
+def test_anthropic_sdk_errors(claude: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.NotFoundError) as info:
+        claude.messages.create(model="claude-nope", max_tokens=5, messages=USER)
+    assert info.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        claude.messages.create(model="tiny", max_tokens=5, messages=USER,
+                               tools=[{"name": "x", "input_schema": {"type": "object"}}])
+    assert "tools" in bad.value.body["error"]["message"]
+
+
+def test_openai_sdk_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=USER)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=USER,
+                                       tools=[{"type": "function",
+                                               "function": {"name": "f", "parameters": {}}}])
+    assert info.value.param == "tools"

@@ -1,0 +1,164 @@
+"""Serving behaviour: health while loading and while busy, client disconnects abort,
+metrics under vLLM's names, models, tokenize/detokenize."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from sluice.worker.app import build_app
+from sluice.worker.config import WorkerConfig
+
+from .worker_helpers import ServerThread, wait_until
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def metrics(http: httpx.Client) -> dict[str, float]:
+    """name{labels} -> value for every sample in /metrics."""
+    resp = http.get("/metrics")
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(resp.text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+def stream_lines(url: str, body: dict, stop_after: int, started: threading.Event) -> int:
+    """Read `stop_after` SSE data lines, then drop the connection; returns lines read."""
+    seen = 0
+    with httpx.stream("POST", url, json=body, timeout=30) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                seen += 1
+                started.set()
+                if seen >= stop_after:
+                    break
+    return seen
+
+
+async def test_health_is_503_until_the_engine_is_attached(engine: Any) -> None:
+    app = build_app(None, WorkerConfig())
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://worker") as client:
+        assert (await client.get("/health")).status_code == 503
+        resp = await client.post("/v1/chat/completions", json={"messages": USER})
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+        assert resp.json()["error"]["type"] == "service_unavailable"
+        app.state.worker.attach(engine)
+        assert (await client.get("/health")).status_code == 200
+        resp = await client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2})
+        assert resp.status_code == 200
+
+
+def test_models_and_alias(http: httpx.Client) -> None:
+    data = http.get("/v1/models").json()
+    assert data["object"] == "list"
+    assert [m["id"] for m in data["data"]] == ["tiny", "tiny-alias"]
+    assert data["data"][0]["max_model_len"] == 1024
+    resp = http.post("/v1/chat/completions",
+                     json={"model": "tiny-alias", "messages": USER, "max_tokens": 2})
+    assert resp.status_code == 200 and resp.json()["model"] == "tiny-alias"
+
+
+def test_tokenize_detokenize(http: httpx.Client) -> None:
+    text = "The quick brown fox"
+    tok = http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert tok["count"] == len(tok["tokens"]) == len(tok["token_strs"]) > 0
+    assert tok["max_model_len"] == 1024
+    assert http.post("/detokenize", json={"tokens": tok["tokens"]}).json() == {"prompt": text}
+    chat = http.post("/tokenize", json={"messages": USER}).json()
+    prompt = http.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+    assert prompt.endswith("<|im_start|>assistant\n") and "hi" in prompt
+    usage = http.post("/v1/chat/completions",
+                      json={"messages": USER, "max_tokens": 1}).json()["usage"]
+    assert usage["prompt_tokens"] == chat["count"]
+    assert http.post("/tokenize", json={"prompt": "a", "messages": USER}).status_code == 400
+    assert http.post("/detokenize", json={"tokens": [-1]}).status_code == 400
+
+
+def test_metrics_use_vllm_names(http: httpx.Client) -> None:
+    for _ in range(2):
+        http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4,
+                                                "ignore_eos": True})
+    m = metrics(http)
+    label = "{model_name=tiny}"
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                  "vllm:kv_cache_usage_perc"):
+        assert gauge + label in m
+    for counter in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                    "vllm:num_preemptions_total"):
+        assert counter + label in m
+    assert m["vllm:prompt_tokens_total" + label] > 0
+    assert m["vllm:generation_tokens_total" + label] >= 8
+    # the second identical prompt hits the prefix cache
+    assert m["vllm:prefix_cache_hits_total" + label] > 0
+    assert m["vllm:request_success_total{finished_reason=length,model_name=tiny}"] >= 2
+    for hist in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                 "vllm:e2e_request_latency_seconds"):
+        assert m[hist + "_count" + label] >= 2
+
+
+def test_health_answers_while_a_long_request_runs(server: ServerThread, engine: Any,
+                                                  http: httpx.Client) -> None:
+    """The engine runs on its own thread: /health stays fast during a long prefill+decode."""
+    prompt = list(range(1000, 1900))  # a 900-token prompt
+    result: dict[str, Any] = {}
+
+    def long_request() -> None:
+        result["resp"] = httpx.post(server.url + "/v1/completions", timeout=60,
+                                    json={"prompt": prompt, "max_tokens": 120,
+                                          "ignore_eos": True})
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    assert wait_until(lambda: engine.stats().num_running + engine.stats().num_waiting > 0, 10,
+                      0.001)
+    latencies = []
+    while thread.is_alive() and len(latencies) < 50:
+        busy = engine.stats().num_running > 0
+        start = time.perf_counter()
+        assert http.get("/health").status_code == 200
+        if busy:
+            latencies.append(time.perf_counter() - start)
+    thread.join(60)
+    assert result["resp"].status_code == 200
+    assert len(latencies) >= 3, "the long request finished before health could be measured"
+    assert max(latencies) < 0.5, latencies
+
+
+def test_client_disconnect_aborts_the_stream(server: ServerThread, engine: Any,
+                                             http: httpx.Client) -> None:
+    before = metrics(http)["vllm:generation_tokens_total{model_name=tiny}"]
+    started = threading.Event()
+    body = {"messages": USER, "max_tokens": 800, "ignore_eos": True, "stream": True}
+    seen = stream_lines(server.url + "/v1/chat/completions", body, 3, started)
+    assert seen == 3
+    assert wait_until(lambda: engine.stats().num_running == 0, 10)
+    m = metrics(http)
+    assert m["vllm:num_requests_running{model_name=tiny}"] == 0
+    assert m["vllm:kv_cache_usage_perc{model_name=tiny}"] == 0
+    assert m["sluice:http_requests_pending{model_name=tiny}"] == 0
+    generated = m["vllm:generation_tokens_total{model_name=tiny}"] - before
+    assert generated < 800  # stopped early: the request was aborted, not run to the end
+
+
+def test_client_timeout_aborts_a_non_streaming_request(server: ServerThread, engine: Any,
+                                                       http: httpx.Client) -> None:
+    before = metrics(http)["vllm:generation_tokens_total{model_name=tiny}"]
+    try:
+        httpx.post(server.url + "/v1/completions", timeout=0.5,
+                   json={"prompt": "a", "max_tokens": 1000, "ignore_eos": True})
+        raise AssertionError("expected the client to time out")
+    except httpx.TimeoutException:
+        pass
+    assert wait_until(lambda: engine.stats().num_running == 0, 10)
+    m = metrics(http)
+    assert m["sluice:http_requests_pending{model_name=tiny}"] == 0
+    assert m["vllm:generation_tokens_total{model_name=tiny}"] - before < 1000

@@ -1,0 +1,84 @@
+"""`sluice worker` as a real process: startup line, /health, and a graceful SIGTERM that
+finishes the in-flight stream, refuses new connections, and exits 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+
+from .worker_helpers import free_port, wait_until
+
+
+def _collect(stream: object, sink: list[str]) -> None:
+    for line in iter(stream.readline, ""):  # type: ignore[attr-defined]
+        sink.append(line)
+
+
+def _accepts(url: str) -> bool:
+    try:
+        httpx.get(url + "/health", timeout=2)
+        return True
+    except httpx.ConnectError:
+        return False
+
+
+def test_sigterm_drains_in_flight_stream_and_exits_zero(tiny_llama_dir: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sluice.cli", "worker", "--model", str(tiny_llama_dir),
+         "--port", str(port), "--num-kv-blocks", "256", "--max-model-len", "1024",
+         "--served-model-name", "tiny", "--shutdown-timeout", "30", "--log-level", "warning"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    log: list[str] = []
+    threading.Thread(target=_collect, args=(proc.stderr, log), daemon=True).start()
+    try:
+        def healthy() -> bool:
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(healthy, 90, 0.1), "".join(log)
+        assert wait_until(lambda: any(f"listening on {url} (model: tiny)" in x for x in log), 5)
+
+        lines: list[str] = []
+        first = threading.Event()
+
+        def stream() -> None:
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 300, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body,
+                              timeout=60) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data:"):
+                        lines.append(line[5:].strip())
+                        first.set()
+
+        client = threading.Thread(target=stream)
+        client.start()
+        assert first.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        refused = wait_until(lambda: not _accepts(url), 10, 0.02)
+        still_streaming = client.is_alive()
+        client.join(60)
+        assert proc.wait(60) == 0, "".join(log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert still_streaming and refused  # new connections refused while the stream drains
+    assert lines[-1] == "[DONE]"
+    usage = json.loads(lines[-2])["usage"]
+    assert usage["completion_tokens"] == 300
+    reasons = [c["finish_reason"] for x in lines[:-1] for c in json.loads(x)["choices"]
+               if c.get("finish_reason")]
+    assert reasons == ["length"]
+    assert any("stopped" in x for x in log)
