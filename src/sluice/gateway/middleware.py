@@ -68,6 +68,7 @@ GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages
 ANTHROPIC_ENDPOINTS = ("/v1/messages",)
 STREAM_USAGE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 PRIORITY_BODY_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+INLINE_COUNT_BYTES = 16 * 1024
 _DROP_HEADERS = {b"authorization", b"x-api-key", b"content-length", b"accept-encoding"}
 
 
@@ -280,8 +281,7 @@ class Exchange:
 
     async def reserve(self, adm: Admission, payload: dict[str, Any] | None) -> None:
         if payload is not None:
-            adm.prompt_tokens = await asyncio.to_thread(
-                self.state.count_prompt_tokens, adm.model, payload)
+            adm.prompt_tokens = await self.count(adm.model, payload, len(adm.body))
             adm.reserved_tokens = adm.prompt_tokens + self.completion_reserve(payload)
         scopes = limit_scopes(adm.principal)
         try:
@@ -293,6 +293,15 @@ class Exchange:
         adm.headers = decision.headers()
         if not decision.allowed:
             raise limit_error(decision)
+
+    async def count(self, model: str | None, body: dict[str, Any], size: int) -> int:
+        """Token counting is CPU work: small bodies inline (a thread hop costs more than
+        tokenizing a few KB), large ones on a worker thread so the loop keeps serving."""
+        counter = self.state.count_prompt_tokens
+        ready = getattr(counter, "is_ready", None)  # first use may load a tokenizer: thread
+        if size <= INLINE_COUNT_BYTES and (ready is None or ready(model)):
+            return counter(model, body)
+        return await asyncio.to_thread(self.state.count_prompt_tokens, model, body)
 
     def completion_reserve(self, payload: dict[str, Any]) -> int:
         if self.endpoint == "/v1/embeddings":
@@ -427,8 +436,7 @@ class Exchange:
         text = m.text
         if not text:
             return prompt, 0
-        counted = await asyncio.to_thread(self.state.count_prompt_tokens, adm.model,
-                                          {"prompt": text})
+        counted = await self.count(adm.model, {"prompt": text}, len(text))
         return prompt, counted
 
     async def release(self, adm: Admission, actual: int) -> None:

@@ -266,6 +266,19 @@ class SQLStore(Store):
         self.engine = self._make_engine(url)
         self.metadata, self.tenants, self.keys, self.usage = _tables(table_prefix)
         self.metadata.create_all(self.engine)
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """Build the per-request statements once (they run on every request)."""
+        k, t, u = self.keys, self.tenants, self.usage
+        self._auth_stmt = (
+            sa.select(k, t.c.name, t.c.settings.label("t_settings"), t.c.spend_usd,
+                      t.c.created_at.label("t_created"))
+            .join(t, t.c.id == k.c.tenant_id)
+            .where(k.c.digest == sa.bindparam("digest"), k.c.revoked_at.is_(None)))
+        self._insert_usage = u.insert()
+        self._add_spend = (t.update().where(t.c.id == sa.bindparam("tid"))
+                           .values(spend_usd=t.c.spend_usd + sa.bindparam("cost")))
 
     @staticmethod
     def _make_engine(url: str) -> sa.Engine:
@@ -361,13 +374,8 @@ class SQLStore(Store):
         return self._key(row)
 
     def authenticate(self, plaintext: str) -> Principal | None:
-        k, t = self.keys, self.tenants
-        stmt = (sa.select(k, t.c.name, t.c.settings.label("t_settings"), t.c.spend_usd,
-                          t.c.created_at.label("t_created"))
-                .join(t, t.c.id == k.c.tenant_id)
-                .where(k.c.digest == hash_key(plaintext), k.c.revoked_at.is_(None)))
         with self.engine.connect() as conn:
-            row = conn.execute(stmt).first()
+            row = conn.execute(self._auth_stmt, {"digest": hash_key(plaintext)}).first()
         if row is None:
             return None
         tenant = Tenant(row.tenant_id, row.name, _tenant_settings(row.t_settings),
@@ -378,11 +386,9 @@ class SQLStore(Store):
 
     def record_usage(self, record: UsageRecord) -> None:
         with self.engine.begin() as conn:
-            conn.execute(self.usage.insert().values(**asdict(record)))
+            conn.execute(self._insert_usage, asdict(record))
             if record.cost_usd:
-                t = self.tenants
-                conn.execute(t.update().where(t.c.id == record.tenant_id)
-                             .values(spend_usd=t.c.spend_usd + record.cost_usd))
+                conn.execute(self._add_spend, {"tid": record.tenant_id, "cost": record.cost_usd})
 
     def query_usage(self, query: UsageQuery) -> list[UsageRecord]:
         u = self.usage

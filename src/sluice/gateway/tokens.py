@@ -82,6 +82,10 @@ class PromptTokenCounter:
         self._cache: dict[str | None, _Tokenizer | None] = {}
         self._lock = threading.Lock()
 
+    def is_ready(self, model: str | None) -> bool:
+        """True once this model's tokenizer is loaded (counting is then cheap)."""
+        return self.sources.get(model or "", self.default_source) in self._cache
+
     def tokenizer(self, model: str | None) -> _Tokenizer | None:
         source = self.sources.get(model or "", self.default_source)
         with self._lock:
