@@ -19,7 +19,6 @@ import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -78,13 +77,14 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
 
     app = FastAPI(title="sluice router", lifespan=lifespan)
     app.add_exception_handler(SluiceError, error_response)
+    # plain Starlette routes: the hot path skips FastAPI's dependency machinery
     for path, kind in ROUTED.items():
-        app.add_api_route(path, _routed(kind, path), methods=["POST"])
-    app.add_api_route("/tokenize", _passthrough("/tokenize"), methods=["POST"])
-    app.add_api_route("/detokenize", _passthrough("/detokenize"), methods=["POST"])
-    app.add_api_route("/v1/models", models, methods=["GET"])
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/metrics", metrics, methods=["GET"])
+        app.add_route(path, _routed(kind, path), methods=["POST"], include_in_schema=False)
+    app.add_route("/tokenize", _passthrough("/tokenize"), methods=["POST"])
+    app.add_route("/detokenize", _passthrough("/detokenize"), methods=["POST"])
+    app.add_route("/v1/models", models, methods=["GET"])
+    app.add_route("/health", health, methods=["GET"])
+    app.add_route("/metrics", metrics, methods=["GET"])
     app.include_router(admin_router())
     return app
 
@@ -116,12 +116,12 @@ def _passthrough(path: str) -> Callable[[Request], Awaitable[Response]]:
     return passthrough
 
 
-async def models(request: Request) -> dict[str, Any]:
+async def models(request: Request) -> Response:
     state: RouterState = request.app.state.router
     now = int(time.time())
     ids = dict.fromkeys(name for pool in state.pools for name in pool.names())
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": now,
-                                        "owned_by": "sluice"} for name in ids]}
+    return JSONResponse({"object": "list", "data": [
+        {"id": name, "object": "model", "created": now, "owned_by": "sluice"} for name in ids]})
 
 
 async def health(request: Request) -> Response:
