@@ -116,7 +116,10 @@ def dequantize(gguf: GGUFFile, name: str) -> Tensor:
 
     info = gguf.tensors[name]
     array = gguf_dequantize(gguf.raw(name), GGMLQuantizationType(info.ggml_type))
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).reshape(info.shape))
+    array = np.ascontiguousarray(array, dtype=np.float32).reshape(info.shape)
+    if not array.flags.writeable:  # F32 tensors come back as views of the read-only memmap
+        array = array.copy()
+    return torch.from_numpy(array)
 
 
 def unpermute_qk(w: Tensor, n_heads: int) -> Tensor:

@@ -115,10 +115,15 @@ ROPE_FREQUENCY_SCALERS: dict[str, Callable[[Tensor, dict[str, Any]], Tensor]] = 
 }
 
 
+def inv_frequencies(rope: RopeConfig, head_dim: int) -> Tensor:
+    """The `head_dim // 2` rotation frequencies, scaled as `rope.rope_type` says."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return ROPE_FREQUENCY_SCALERS[rope.rope_type](1.0 / (rope.theta ** exponents), rope.params)
+
+
 def rope_tables(rope: RopeConfig, head_dim: int, max_positions: int) -> tuple[Tensor, Tensor]:
     """cos, sin `[max_positions, head_dim]` in float32 (Hugging Face's half-split layout)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = ROPE_FREQUENCY_SCALERS[rope.rope_type](1.0 / (rope.theta ** exponents), rope.params)
+    inv_freq = inv_frequencies(rope, head_dim)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
