@@ -51,6 +51,7 @@ async def _load_and_attach(app_state: object, engine_config: EngineConfig, serve
     model = engine_config.model.model or "the default SmolLM2-135M-Instruct GGUF"
     say(f"loading model {model} ...")
     start = time.perf_counter()
+    ticker = asyncio.create_task(_tick(say, start))
     try:
         engine = await asyncio.to_thread(load_engine, engine_config)
     except Exception as exc:
@@ -58,12 +59,21 @@ async def _load_and_attach(app_state: object, engine_config: EngineConfig, serve
         log.exception("model load failed")
         server.should_exit = True
         raise
+    finally:
+        ticker.cancel()
     holder.append(engine)
     app_state.attach(engine)  # type: ignore[attr-defined]
     config = server.config
     say(f"model {engine.model_name} loaded in {time.perf_counter() - start:.1f}s "
         f"(max_model_len {engine.max_model_len})")
     say(f"listening on http://{config.host}:{_port(server)} (model: {engine.model_name})")
+
+
+async def _tick(say: Say, start: float, every: float = 5.0) -> None:
+    """Progress while the weights load: one line every few seconds."""
+    while True:
+        await asyncio.sleep(every)
+        say(f"still loading the model ({time.perf_counter() - start:.0f}s)")
 
 
 def _port(server: uvicorn.Server) -> int:
