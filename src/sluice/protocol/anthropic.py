@@ -87,6 +87,8 @@ class MessagesRequest(AnthropicModel):
     top_k: int | None = None
     stream: bool = False
     metadata: Metadata | None = None
+    # Accepted and honoured implicitly: sluice's prefix cache caches every prompt.
+    cache_control: dict[str, Any] | None = None
 
     _check = field_validator("system", mode="before")(_text_blocks_only)
 

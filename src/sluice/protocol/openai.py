@@ -183,7 +183,7 @@ class SamplingFields(OpenAIModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(default=1, ge=1, le=128)

@@ -159,12 +159,17 @@ def _tokenize(state: WorkerState, req: TokenizeRequest) -> dict[str, Any]:
 # --------------------------------------------------------------------------- helpers
 
 
-async def parse_body(request: Request) -> Any:
+async def parse_body(request: Request) -> dict[str, Any]:
+    """The JSON object in the request body; anything else is a 400."""
     raw = await request.body()
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = json.loads(raw)
+        json.dumps(body, ensure_ascii=False).encode()  # lone surrogates ("\ud800") fail here
+    except (json.JSONDecodeError, UnicodeError) as exc:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object")
+    return body
 
 
 def request_id(request: Request) -> str:
