@@ -38,6 +38,7 @@ class StubConfig:
     slow_ttft: float = 0.3
     expose_metrics: bool = True
     total_suffix: bool = True  # `_total` on counter names, as prometheus_client writes them
+    old_tokenize: bool = False  # /tokenize rejects add_special_tokens and always adds <s>
 
 
 @dataclass
@@ -137,7 +138,9 @@ def build_stub_app(cfg: StubConfig) -> tuple[FastAPI, StubState]:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         body = await request.json()
-        ids = encode(body["prompt"])
+        if cfg.old_tokenize and "add_special_tokens" in body:
+            return JSONResponse({"error": {"message": "extra field", "param": "add_special_tokens"}}, status_code=400)
+        ids = ([1] if cfg.old_tokenize else []) + encode(body["prompt"])
         return {"tokens": ids, "count": len(ids), "max_model_len": 4096}
 
     @app.get("/metrics")

@@ -30,7 +30,7 @@ Stub = tuple[str, StubState]
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
-    return p.parse_args([*argv, "--disable-tqdm"])
+    return p.parse_args(["--warmup", "0", *argv, "--disable-tqdm"])
 
 
 def bench(argv: list[str]) -> dict[str, Any]:

@@ -8,8 +8,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+from stub_server import StubConfig, running_stub
 
-from sluice.bench.tokens import WORDS, LocalTokenizer, ServerTokenizer, Vocab, discover_vocab
+from sluice.bench.tokens import (
+    WORDS,
+    LocalTokenizer,
+    ServerTokenizer,
+    Vocab,
+    discover_vocab,
+    open_tokenizer,
+)
 from sluice.bench.workloads import (
     BlockSynthesizer,
     MultiTurnWorkload,
@@ -60,6 +68,22 @@ def test_server_tokenizer_gives_the_same_vocab(stub: tuple[str, object], vocab: 
     url, _ = stub
     with httpx.Client(trust_env=False) as http:
         assert discover_vocab(ServerTokenizer(http, url, "stub-model")) == vocab
+
+
+def test_server_tokenizer_strips_a_bos_it_cannot_turn_off(tokenizer_file: Path, vocab: Vocab) -> None:
+    with running_stub(StubConfig(tokenizer_path=str(tokenizer_file), old_tokenize=True)) as (url, _):
+        with httpx.Client(trust_env=False) as http:
+            enc = ServerTokenizer(http, url, "stub-model")
+            assert enc.encode(" the of") == [vocab.ids[vocab.words.index("the")], vocab.ids[vocab.words.index("of")]]
+            assert discover_vocab(enc) == vocab
+
+
+def test_gguf_tokenizer_words_round_trip(default_gguf: Path) -> None:
+    enc = open_tokenizer(default_gguf)
+    v = discover_vocab(enc)
+    assert len(v) > 400  # SmolLM2 has most common English words as one token
+    idx = [(i * 31) % len(v) for i in range(300)]
+    assert enc.encode(v.text(idx)) == list(v.token_ids(idx))
 
 
 def test_random_workload_exact_lengths_and_seeds(vocab: Vocab) -> None:

@@ -74,7 +74,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--endpoint", default="/v1/completions", help="/v1/completions (token-id prompts) or /v1/chat/completions (text)")
     g.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
     g.add_argument("--api-key", default=env.get("API_KEY"), help="sent as a Bearer token (default $SLUICE_API_KEY)")
-    g.add_argument("--tokenizer", default=None, help="local tokenizer.json (or a directory with one); default: the server's POST /tokenize")
+    g.add_argument("--tokenizer", default=None, help="local tokenizer.json (or a directory with one) or .gguf; default: the server's POST /tokenize")
     g.add_argument("--compare", nargs="+", metavar="URL", help="also run the same workload against these base URLs, one after another")
     g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (vLLM extension) for exact output lengths")
     g.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: not sent)")
@@ -104,7 +104,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     ld.add_argument("--burstiness", type=_rate, default=None, help="gamma shape of inter-arrival gaps (1 = Poisson)")
     ld.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     ld.add_argument("--duration", type=float, default=None, help="seconds: start no request after this")
-    ld.add_argument("--warmup", type=int, default=0, help="random warm-up requests before the run, not counted")
+    ld.add_argument("--warmup", type=int, default=2, help="random warm-up requests before the run, not counted (default %(default)s)")
 
     o = p.add_argument_group("output")
     o.add_argument("--slo", default=None, help="goodput SLOs, e.g. ttft=500ms,tpot=50ms,e2e=2s (bare numbers: ms)")

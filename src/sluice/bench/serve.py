@@ -30,7 +30,7 @@ from sluice.bench import report
 from sluice.bench.client import ClientOptions, RequestRecord, StreamingClient, endpoint_kind
 from sluice.bench.load import LoadConfig, run_load, schedule
 from sluice.bench.metrics import parse_prometheus, parse_slos, server_deltas, summarize
-from sluice.bench.tokens import LocalTokenizer, ServerTokenizer, TextEncoder, discover_vocab
+from sluice.bench.tokens import ServerTokenizer, TextEncoder, discover_vocab, open_tokenizer
 from sluice.bench.workloads import (
     WORKLOADS,
     RandomWorkload,
@@ -248,7 +248,7 @@ async def bench_endpoint(
 
 def make_encoder(cfg: ServeBenchConfig, model: str, http: httpx.Client) -> TextEncoder:
     if cfg.tokenizer:
-        return LocalTokenizer(cfg.tokenizer)
+        return open_tokenizer(cfg.tokenizer)
     return ServerTokenizer(http, cfg.base_urls[0], model)
 
 

@@ -3,7 +3,8 @@
 A benchmark must know exactly how many tokens it sends. Two sources, both exact:
 
 - a local `tokenizers` file (`--tokenizer path/to/tokenizer.json`, or a directory
-  holding one), or
+  holding one), or a GGUF file (`--tokenizer model.gguf`, read by
+  `sluice.engine.tokenizer`, which does not import torch either), or
 - the server's `POST /tokenize` (vLLM's shape: `{"model", "prompt"}` →
   `{"tokens": [...], "count": N}`).
 
@@ -93,6 +94,30 @@ class LocalTokenizer:
     def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
         encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
         return [list(e.ids) for e in encs]
+
+
+class GGUFTokenizer:
+    """The tokenizer inside a GGUF file, through `sluice.engine.tokenizer` (no torch)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from sluice.engine.tokenizer import load_tokenizer
+
+        self._tok = load_tokenizer(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+
+def open_tokenizer(path: str | Path) -> TextEncoder:
+    """`--tokenizer PATH`: a .gguf file, a tokenizer.json, or a directory with one."""
+    if str(path).endswith(".gguf"):
+        if not Path(path).is_file():
+            raise InvalidRequestError(f"no GGUF file at {path}", param="tokenizer")
+        return GGUFTokenizer(path)
+    return LocalTokenizer(path)
 
 
 class ServerTokenizer:
