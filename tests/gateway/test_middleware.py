@@ -284,3 +284,17 @@ async def test_tenant_never_sees_another_tenants_usage(sqlite_store: SQLStore,
         assert (await admin.get("/admin/usage")).json()["totals"]["requests"] == 5
         r = await admin.get("/admin/usage", params={"tenant": "B"})
         assert r.json()["totals"]["requests"] == 3
+
+
+async def test_concurrent_spend_equals_ledger_sum(sqlite_store: SQLStore,
+                                                  stub: StubUpstream) -> None:
+    prices = PriceTable({"stub-model": Price(1_000_000.0, 2_000_000.0)})
+    key = new_key(sqlite_store)
+    gw = GatewayMiddleware(stub, make_state(sqlite_store, prices=prices))
+    async with client_for(gw, key) as c:
+        rs = await asyncio.gather(*[c.post("/v1/chat/completions", json=CHAT) for _ in range(30)])
+    assert {r.status_code for r in rs} == {200}
+    records = sqlite_store.query_usage(UsageQuery())
+    assert len(records) == 30 and len({r.request_id for r in records}) == 30
+    assert sqlite_store.get_tenant("acme").spend_usd == pytest.approx(
+        sum(r.cost_usd for r in records)) == pytest.approx(30 * 17.0)

@@ -156,6 +156,8 @@ class GatewayMiddleware:
         self.admin_app = build_admin_app(self.state)
 
     async def __call__(self, scope: Scope_, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            return await self._lifespan(scope, receive, send)
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path: str = scope["path"]
@@ -166,6 +168,15 @@ class GatewayMiddleware:
         if path.startswith("/v1/"):
             return await Exchange(self, scope, receive, send).run()
         return await self.app(scope, receive, send)
+
+    async def _lifespan(self, scope: Scope_, receive: Receive, send: Send) -> None:
+        """The inner app's lifespan; on shutdown also close the limiter and the store."""
+        async def on_send(message: Message) -> None:
+            if message["type"] == "lifespan.shutdown.complete":
+                await self.state.aclose()
+            await send(message)
+
+        await self.app(scope, receive, on_send)
 
     async def _metrics(self, scope: Scope_, receive: Receive, send: Send) -> None:
         captured: dict[str, Any] = {"status": 404, "body": bytearray()}
@@ -461,7 +472,7 @@ class Exchange:
     async def write(self, record: UsageRecord) -> None:
         m = self.state.metrics
         try:
-            await asyncio.to_thread(self.state.store.record_usage, record)
+            await self.state.ledger.write(record)
         except Exception:
             m.ledger_errors.inc()
             logger.exception("usage record for request %s not written", record.request_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sluice.gateway.config import GatewayConfig, LimiterConfig
+from sluice.gateway.ledger import LedgerWriter
 from sluice.gateway.limits import Limiter, LocalLimiter, RedisLimiter
 from sluice.gateway.metrics import GatewayMetrics
 from sluice.gateway.pricing import PriceTable
@@ -35,6 +36,10 @@ class GatewayState:
     count_prompt_tokens: CountPromptTokens = field(default_factory=PromptTokenCounter)
     redactor: Redactor = default_redactor
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    ledger: LedgerWriter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ledger = LedgerWriter(self.store)
 
     @classmethod
     def from_config(cls, config: GatewayConfig, *, store: Store | None = None,

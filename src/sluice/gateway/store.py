@@ -167,6 +167,11 @@ class Store(ABC):
     def record_usage(self, record: UsageRecord) -> None:
         """Append to the ledger and add its cost to the tenant's spend, atomically."""
 
+    def record_usage_many(self, records: list[UsageRecord]) -> None:
+        """Several records in one transaction (group commit); same atomicity per record."""
+        for record in records:
+            self.record_usage(record)
+
     @abstractmethod
     def query_usage(self, query: UsageQuery) -> list[UsageRecord]: ...
 
@@ -385,10 +390,19 @@ class SQLStore(Store):
     # -- ledger ----------------------------------------------------------------------
 
     def record_usage(self, record: UsageRecord) -> None:
+        self.record_usage_many([record])
+
+    def record_usage_many(self, records: list[UsageRecord]) -> None:
+        if not records:
+            return
+        spend: dict[str, float] = {}
+        for r in records:
+            if r.cost_usd:
+                spend[r.tenant_id] = spend.get(r.tenant_id, 0.0) + r.cost_usd
         with self.engine.begin() as conn:
-            conn.execute(self._insert_usage, asdict(record))
-            if record.cost_usd:
-                conn.execute(self._add_spend, {"tid": record.tenant_id, "cost": record.cost_usd})
+            conn.execute(self._insert_usage, [asdict(r) for r in records])
+            for tenant_id in sorted(spend):  # fixed order: no deadlock between replicas
+                conn.execute(self._add_spend, {"tid": tenant_id, "cost": spend[tenant_id]})
 
     def query_usage(self, query: UsageQuery) -> list[UsageRecord]:
         u = self.usage
