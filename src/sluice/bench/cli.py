@@ -90,7 +90,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--random-range-ratio", dest="range_ratio", type=float, default=None, help="length spread: uniform in [L(1-r), L(1+r)], normal sd rL, lognormal sigma r (default 0)")
     w.add_argument("--length-dist", choices=sorted(LENGTH_DISTS), default=None, help="length distribution (default uniform)")
     w.add_argument("--num-groups", type=int, default=None, help="shared-prefix: number of system prompts (default 4)")
-    w.add_argument("--system-prompt-len", type=int, default=None, help="shared-prefix / multi-turn: system prompt tokens (default 0)")
+    w.add_argument("--system-prompt-len", type=int, default=None, help="shared-prefix / multi-turn: system prompt tokens (default 256 / 0)")
     w.add_argument("--num-turns", type=int, default=None, help="multi-turn: turns per session (default 4)")
     w.add_argument("--num-sessions", type=int, default=None, help="multi-turn: sessions (default 8)")
     w.add_argument("--trace", dest="trace_path", default=None, help="trace: Mooncake JSONL file")

@@ -35,6 +35,7 @@ from sluice.bench.workloads import (
     WORKLOADS,
     RandomWorkload,
     Session,
+    TraceWorkload,
     Workload,
     WorkloadConfig,
     build_workload,
@@ -43,6 +44,7 @@ from sluice.protocol.errors import InvalidRequestError, SluiceError
 
 DEFAULT_NUM_PROMPTS = 100
 DEFAULT_NUM_SESSIONS = 8
+DEFAULT_SHARED_PREFIX_LEN = 256
 # CLI dest -> (WorkloadConfig field or None, flag), for the options a workload may read
 WORKLOAD_OPTIONS: dict[str, tuple[str | None, str]] = {
     "input_len": ("input_len", "--input-len"),
@@ -84,7 +86,9 @@ class ServeBenchConfig:
     progress: bool = True
 
     def describe(self) -> dict[str, Any]:
-        wl = {k: v for k, v in vars(self.workload_cfg).items() if v is not None}
+        used = {WORKLOAD_OPTIONS[k][0] for k in WORKLOADS[self.workload].uses} | {"seed"}
+        used |= {"sharegpt_output_len"} if self.workload == "sharegpt" else set()
+        wl = {k: v for k, v in vars(self.workload_cfg).items() if k in used and v is not None}
         return {
             "endpoint": self.endpoint,
             "model": self.model,
@@ -116,6 +120,8 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
             wl[fld] = getattr(args, dest)
     if args.workload == "sharegpt":
         wl["sharegpt_output_len"] = wl.pop("output_len", None)
+    if args.workload == "shared-prefix":
+        wl.setdefault("system_prompt_len", DEFAULT_SHARED_PREFIX_LEN)
     trace = args.workload == "trace"
     if trace and (args.request_rate is not None or args.burstiness is not None):
         raise InvalidRequestError("--workload trace replays its own timestamps; drop --request-rate/--burstiness", param="request_rate")
@@ -258,9 +264,10 @@ def _sessions(workload: Workload, count: int | None) -> Iterator[Session]:
 
 
 def _total_requests(cfg: ServeBenchConfig, workload: Workload) -> int | None:
+    """For the progress bar: known unless a duration or a filtered dataset decides."""
     count = cfg.num_sessions
-    if count is None and cfg.load.duration is None:
-        count = sum(1 for _ in workload.sessions())  # a finite workload, run to the end
+    if count is None and cfg.load.duration is None and isinstance(workload, TraceWorkload):
+        count = len(workload.rows)
     if count is None:
         return None
     return count * (cfg.workload_cfg.num_turns if cfg.workload == "multi-turn" else 1)

@@ -173,6 +173,10 @@ class SharedPrefixWorkload:
     cfg: WorkloadConfig
     vocab: Vocab
 
+    def __post_init__(self) -> None:
+        if self.cfg.system_prompt_len < 1:
+            raise InvalidRequestError("shared-prefix needs --system-prompt-len >= 1", param="system_prompt_len")
+
     def system(self, group: int) -> Segment:
         rng = np.random.default_rng([self.cfg.seed, _GROUP_SYSTEM, group])
         return random_segment(rng, self.vocab, self.cfg.system_prompt_len)
