@@ -142,7 +142,8 @@ def _new_request_id() -> str:
 
 @dataclass
 class _Log:
-    """One scope's sliding-window log, in arrival order."""
+    """One scope's sliding-window log. Every dict is in time order (entries are only
+    appended, at the current time), so expiry pops from the front: O(expired)."""
 
     requests: deque[float] = field(default_factory=deque)
     tokens: dict[str, list[float]] = field(default_factory=dict)  # rid -> [ts, amount]
@@ -153,20 +154,26 @@ class _Log:
         cutoff = now - window
         while self.requests and self.requests[0] <= cutoff:
             self.requests.popleft()
-        for rid in [r for r, (ts, _) in self.tokens.items() if ts <= cutoff]:
-            self.token_sum -= int(self.tokens.pop(rid)[1])
-        for rid in [r for r, exp in self.inflight.items() if exp <= now]:
+        while self.tokens:
+            rid, (ts, amount) = next(iter(self.tokens.items()))
+            if ts > cutoff:
+                break
+            del self.tokens[rid]
+            self.token_sum -= int(amount)
+        while self.inflight:
+            rid, expiry = next(iter(self.inflight.items()))
+            if expiry > now:
+                break
             del self.inflight[rid]
 
     def state(self, now: float, window: float) -> ScopeState:
         req_reset = self.requests[-1] + window - now if self.requests else 0.0
-        newest = max((ts for ts, _ in self.tokens.values()), default=None)
-        tok_reset = newest + window - now if newest is not None else 0.0
+        tok_reset = next(reversed(self.tokens.values()))[0] + window - now if self.tokens else 0.0
         return ScopeState(len(self.requests), req_reset, self.token_sum, tok_reset)
 
     def tokens_retry(self, need: int, limit: int, now: float, window: float) -> float:
         freed = 0
-        for ts, amount in sorted(self.tokens.values()):
+        for ts, amount in self.tokens.values():
             freed += int(amount)
             if self.token_sum - freed + need <= limit:
                 return ts + window - now
@@ -268,7 +275,8 @@ local function purge(req, tok, amt, conc)
 end
 
 local function tokens_retry(tok, amt, used, limit)
-  local entries = redis.call('ZRANGE', tok, 0, -1, 'WITHSCORES')
+  -- bounded scan (only on refusal): past 2000 entries, answer the full window
+  local entries = redis.call('ZRANGE', tok, 0, 1999, 'WITHSCORES')
   local freed = 0
   for i = 1, #entries, 2 do
     freed = freed + (tonumber(redis.call('HGET', amt, entries[i])) or 0)
