@@ -22,32 +22,37 @@ TEXTS = [SHARED + "what is the capital of France?", "Hi", SHARED + "why is the s
 MAX_TOKENS = 10
 
 
-def hf_greedy(model_dir: Path, gguf_file: str | None, texts: list[str],
-              max_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Prompt ids and HF's greedy continuation of each (one prompt at a time: no padding)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def hf_greedy(model_dir: Path, gguf_file: str | None, prompts: list[list[int]],
+              max_tokens: int) -> list[list[int]]:
+    """HF's greedy continuation of each prompt (one prompt at a time: no padding)."""
+    from transformers import AutoModelForCausalLM
 
     kw: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(str(model_dir), **kw)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32, **kw)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **kw)
     model.generation_config.eos_token_id = None  # like ignore_eos
-    prompts, outputs = [], []
+    outputs = []
     with torch.inference_mode():
-        for text in texts:
-            ids = tok(text, return_tensors="pt").input_ids
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                                  pad_token_id=0)
-            prompts.append(ids[0].tolist())
             outputs.append(out[0, ids.shape[1]:].tolist())
-    return prompts, outputs
+    return outputs
+
+
+def hf_prompts(model_dir: Path, texts: list[str]) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return [tok(text).input_ids for text in texts]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def tiny(request: pytest.FixtureRequest) -> tuple[Path, list[list[int]], list[list[int]]]:
     model_dir = request.getfixturevalue(f"tiny_{request.param}_dir")
-    prompts, expected = hf_greedy(model_dir, None, TEXTS, MAX_TOKENS)
-    return model_dir, prompts, expected
+    prompts = hf_prompts(model_dir, TEXTS)
+    return model_dir, prompts, hf_greedy(model_dir, None, prompts, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("options", [
@@ -92,9 +97,10 @@ def test_llm_text_and_chat_api(tiny_llama_dir: Path) -> None:
 
 @pytest.mark.model
 def test_default_gguf_greedy_equals_transformers(default_gguf: Path) -> None:
-    texts = [TEXTS[0], TEXTS[2], TEXTS[3]]
-    prompts, expected = hf_greedy(default_gguf.parent, default_gguf.name, texts, 8)
     llm = LLM(str(default_gguf), num_kv_blocks=64, max_num_batched_tokens=16)
+    tok = llm.get_tokenizer()  # sluice's GGUF tokenizer: HF's takes ~30 s to build
+    prompts = [tok.encode(t) for t in (TEXTS[0], TEXTS[2], TEXTS[3])]
+    expected = hf_greedy(default_gguf.parent, default_gguf.name, prompts, 8)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.engine.stats().prefix_cache_hits > 0
