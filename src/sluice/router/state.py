@@ -32,6 +32,7 @@ from sluice.router.policies import RequestMeta
 from sluice.router.pool import Pool
 from sluice.router.proxy import Proxy
 from sluice.router.tokens import LocalTokenizer, PromptTokenizer
+from sluice.router.transport import FastHTTPTransport
 
 CHARS_PER_TOKEN = 4  # prompt-length estimate when no tokenizer answers
 
@@ -163,7 +164,8 @@ class RouterState:
 
 def make_client(config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None
                 ) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=config.max_connections,
-                          max_keepalive_connections=config.max_connections, keepalive_expiry=60)
+    """The router's one client: the lean keep-alive transport unless one is given."""
     timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s, pool=None)
-    return httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport)
+    transport = transport or FastHTTPTransport(config.connect_timeout_s, config.read_timeout_s,
+                                               max_idle_per_host=config.max_connections)
+    return httpx.AsyncClient(timeout=timeout, transport=transport)

@@ -1,0 +1,266 @@
+"""Router overhead: a fast stub worker served directly vs through `sluice router`.
+
+Three processes: the stub worker (raw ASGI, fixed chat completion), the router in front
+of it (`sluice router --worker STUB --policy P`), and this client (raw asyncio HTTP/1.1
+keep-alive connections, far cheaper than httpx, so the client is not the bottleneck it
+would otherwise be). For each target, in the same run:
+
+1. saturation: closed loop at fixed concurrency for a few seconds -> req/s;
+2. fixed rate (open loop, default 1,000 req/s): latency measured from each request's
+   scheduled send time (no coordinated omission) -> p50 / p99; the router's *added*
+   latency is its percentile minus the direct one.
+
+Optionally the same against SGLang's Rust router (`--sglang-router PYTHON`: a python
+that has `sglang_router` installed, in its own venv).
+
+    flock /tmp/sluice-heavy.lock .venv/bin/python benchmarks/router_overhead.py
+
+On this machine everything shares 2 CPU cores with other work. Prints a table; the last
+stdout line is one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import httpx
+
+BODY = json.dumps({"model": "stub", "max_tokens": 8,
+                   "messages": [{"role": "user", "content": "Say hi."}]}).encode()
+RESPONSE = json.dumps({
+    "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "stub",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                 "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}}).encode()
+MODELS = json.dumps({"object": "list", "data": [{"id": "stub", "object": "model"}]}).encode()
+METRICS = b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n"
+
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+async def stub_app(scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
+    """The fastest worker there is: fixed answers, no engine."""
+    if scope["type"] != "http":
+        return
+    more = True
+    while more:
+        more = (await receive()).get("more_body", False)
+    path = scope["path"]
+    body = MODELS if path == "/v1/models" else METRICS if path == "/metrics" else (
+        b"" if path == "/health" else RESPONSE)
+    await send({"type": "http.response.start", "status": 200, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Conn:
+    """One keep-alive HTTP/1.1 connection speaking just enough of the protocol."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 request: bytes) -> None:
+        self.reader, self.writer, self.request = reader, writer, request
+
+    @classmethod
+    async def open(cls, port: int, path: str = "/v1/chat/completions") -> Conn:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(BODY)}\r\n\r\n")
+        return cls(reader, writer, head.encode() + BODY)
+
+    async def call(self) -> int:
+        self.writer.write(self.request)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        lower = head.lower()
+        i = lower.find(b"content-length:")
+        if i >= 0:
+            n = int(lower[i + 15:lower.index(b"\r\n", i)])
+            await self.reader.readexactly(n)
+        else:  # chunked
+            while True:
+                size = int((await self.reader.readline()).strip(), 16)
+                await self.reader.readexactly(size + 2)
+                if size == 0:
+                    break
+        return status
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def saturate(port: int, concurrency: int, seconds: float) -> dict[str, float]:
+    conns = [await Conn.open(port) for _ in range(concurrency)]
+    done = 0
+    errors = 0
+    stop = time.perf_counter() + seconds
+
+    async def loop(c: Conn) -> None:
+        nonlocal done, errors
+        while time.perf_counter() < stop:
+            if await c.call() != 200:
+                errors += 1
+            done += 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(loop(c) for c in conns))
+    elapsed = time.perf_counter() - start
+    for c in conns:
+        c.close()
+    return {"rps": done / elapsed, "errors": errors}
+
+
+async def fixed_rate(port: int, rate: float, seconds: float, max_conns: int = 256
+                     ) -> dict[str, float]:
+    free: asyncio.Queue[Conn] = asyncio.Queue()
+    opened = 0
+    lat: list[float] = []
+    errors = 0
+
+    async def one(scheduled: float) -> None:
+        nonlocal opened, errors
+        if free.empty() and opened < max_conns:
+            opened += 1
+            conn = await Conn.open(port)
+        else:
+            conn = await free.get()
+        if await conn.call() != 200:
+            errors += 1
+        lat.append(time.perf_counter() - scheduled)
+        free.put_nowait(conn)
+
+    n = int(rate * seconds)
+    start = time.perf_counter() + 0.05
+    tasks = []
+    for i in range(n):
+        at = start + i / rate
+        delay = at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(at)))
+    await asyncio.gather(*tasks)
+    achieved = n / (time.perf_counter() - start)
+    while not free.empty():
+        free.get_nowait().close()
+    lat.sort()
+    return {"rate": rate, "achieved_rps": achieved, "errors": errors,
+            "p50_ms": 1e3 * lat[len(lat) // 2], "p99_ms": 1e3 * lat[int(len(lat) * 0.99)],
+            "mean_ms": 1e3 * statistics.fmean(lat)}
+
+
+def wait_http(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def start(cmd: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def measure(name: str, port: int, args: argparse.Namespace) -> dict[str, Any]:
+    async def run() -> dict[str, Any]:
+        await saturate(port, 8, 0.5)  # warm-up
+        sat = await saturate(port, args.concurrency, args.seconds)
+        rates = {}
+        for rate in args.rates:
+            rates[str(int(rate))] = await fixed_rate(port, rate, args.seconds)
+        return {"target": name, "saturation_rps": sat["rps"], "saturation_errors": sat["errors"],
+                "fixed_rate": rates}
+
+    return asyncio.run(run())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--rates", type=float, nargs="+", default=[500.0, 1000.0])
+    ap.add_argument("--policy", nargs="+", default=["round_robin", "cost"])
+    ap.add_argument("--sglang-router", default=None,
+                    help="python of a venv with sglang_router installed")
+    args = ap.parse_args()
+
+    procs: list[subprocess.Popen[bytes]] = []
+    results: list[dict[str, Any]] = []
+    try:
+        stub_port = free_port()
+        procs.append(start([sys.executable, "-c",
+                            "import uvicorn, router_overhead as b; uvicorn.run(b.stub_app, "
+                            f"host='127.0.0.1', port={stub_port}, log_level='warning', "
+                            "access_log=False)"]))
+        stub = f"http://127.0.0.1:{stub_port}"
+        wait_http(stub + "/health")
+        results.append(measure("direct", stub_port, args))
+        for policy in args.policy:
+            port = free_port()
+            p = start([sys.executable, "-m", "sluice.cli", "router", "--worker", stub,
+                       "--policy", policy, "--port", str(port), "--log-level", "warning"])
+            procs.append(p)
+            wait_http(f"http://127.0.0.1:{port}/health")
+            results.append(measure(f"sluice router ({policy})", port, args))
+            p.terminate()
+            p.wait(10)
+        if args.sglang_router:
+            port = free_port()
+            p = start([args.sglang_router, "-m", "sglang_router.launch_router",
+                       "--worker-urls", stub, "--port", str(port), "--host", "127.0.0.1",
+                       "--policy", "round_robin"])
+            procs.append(p)
+            wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
+            results.append(measure("sglang-router (round_robin)", port, args))
+            p.terminate()
+            p.wait(10)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(10)
+
+    direct = results[0]
+    print(f"{'target':34} {'sat req/s':>10} " + " ".join(
+        f"{'@' + r + ' p50/p99 ms (added)':>34}" for r in direct["fixed_rate"]))
+    for r in results:
+        cells = []
+        for rate, fr in r["fixed_rate"].items():
+            d = direct["fixed_rate"][rate]
+            cells.append(f"{fr['p50_ms']:6.2f}/{fr['p99_ms']:6.2f} "
+                         f"(+{fr['p50_ms'] - d['p50_ms']:5.2f}/+{fr['p99_ms'] - d['p99_ms']:5.2f})"
+                         f" {fr['achieved_rps']:5.0f}/s")
+        print(f"{r['target']:34} {r['saturation_rps']:10.0f} " + " ".join(f"{c:>34}" for c in cells))
+    for r in results:
+        for rate, fr in r["fixed_rate"].items():
+            d = direct["fixed_rate"][rate]
+            fr["added_p50_ms"] = fr["p50_ms"] - d["p50_ms"]
+            fr["added_p99_ms"] = fr["p99_ms"] - d["p99_ms"]
+    print(json.dumps({"benchmark": "router_overhead", "cores": os.cpu_count(),
+                      "results": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    raise SystemExit(main())
