@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from sluice.engine.outputs import TokenLogprobs
+from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.sequence import Sequence
 
 NEG_INF = float("-inf")
@@ -50,10 +51,12 @@ def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
 
 def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Keep each row's `k` largest logits (ties at the k-th value kept); k <= 0: all."""
-    vocab = logits.shape[-1]
-    k = torch.where((k <= 0) | (k > vocab), torch.full_like(k, vocab), k)
-    kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
-    return logits.masked_fill(logits < kth, NEG_INF)
+    enabled = (k > 0) & (k < logits.shape[-1])
+    if not bool(enabled.any()):
+        return logits
+    k_max = int(k[enabled].max())
+    kth = logits.topk(k_max, dim=-1).values.gather(1, (k.clamp(1, k_max) - 1).unsqueeze(1))
+    return logits.masked_fill((logits < kth) & enabled.unsqueeze(1), NEG_INF)
 
 
 def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -154,16 +157,24 @@ class Sampler:
         tokens = logits.argmax(dim=-1).tolist()
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if rows:
-            params = [seqs[i].params for i in rows]
-            sub = apply_temperature(logits[rows], torch.tensor([p.temperature for p in params]))
-            sub = apply_min_p(sub, torch.tensor([p.min_p for p in params]))
-            sub = apply_top_k(sub, torch.tensor([p.top_k for p in params]))
-            sub = apply_top_p(sub, torch.tensor([p.top_p for p in params]))
+            sub = self._truncate(logits[rows], [seqs[i].params for i in rows])
             chosen = sample_rows(sub.softmax(dim=-1), [seqs[i].generator for i in rows],
                                  self.generator)
             for i, t in zip(rows, chosen.tolist(), strict=True):
                 tokens[i] = t
         return tokens
+
+    @staticmethod
+    def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Temperature, then min-p / top-k / top-p, each skipped when no row uses it."""
+        logits = apply_temperature(logits, torch.tensor([p.temperature for p in params]))
+        if any(p.min_p > 0.0 for p in params):
+            logits = apply_min_p(logits, torch.tensor([p.min_p for p in params]))
+        if any(p.top_k > 0 for p in params):
+            logits = apply_top_k(logits, torch.tensor([p.top_k for p in params]))
+        if any(p.top_p < 1.0 for p in params):
+            logits = apply_top_p(logits, torch.tensor([p.top_p for p in params]))
+        return logits
 
     def _results(self, raw: torch.Tensor, tokens: list[int],
                  seqs: list[Sequence]) -> list[SampleResult]:
