@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sluice.worker.app import build_app
 from sluice.worker.config import WorkerConfig
 
-from .worker_helpers import ServerThread, wait_until
+from .worker_helpers import ServerThread, free_port, wait_until
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -162,3 +162,35 @@ def test_client_timeout_aborts_a_non_streaming_request(server: ServerThread, eng
     m = metrics(http)
     assert m["sluice:http_requests_pending{model_name=tiny}"] == 0
     assert m["vllm:generation_tokens_total{model_name=tiny}"] - before < 1000
+
+
+def test_kv_events_are_published_in_vllm_format(engine: Any) -> None:
+    import zmq
+
+    from sluice.protocol.kv_events import BlockStored, decode_batch
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    srv = ServerThread(build_app(engine, WorkerConfig(kv_events_endpoint=endpoint))).start()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    try:
+        time.sleep(0.3)  # let the subscription reach the publisher (ZMQ slow joiner)
+        engine.drain_kv_events()  # start from a clean slate
+        prompt = list(range(2000, 2100))  # 100 new tokens: 6 full blocks of 16
+        resp = httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        assert resp.status_code == 200
+        stored: list[BlockStored] = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and sum(len(e.block_hashes) for e in stored) < 6:
+            if sub.poll(200):
+                topic, seq, payload = sub.recv_multipart()
+                assert len(seq) == 8
+                stored += [e for e in decode_batch(payload).events if isinstance(e, BlockStored)]
+        assert stored and stored[0].token_ids[:16] == prompt[:16]
+        assert sum(len(e.block_hashes) for e in stored) >= 6
+    finally:
+        sub.close(0)
+        ctx.term()
+        srv.stop()
