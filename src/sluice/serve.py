@@ -13,11 +13,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from sluice.worker.cli import add_model_arguments
 
     p = subparsers.add_parser("serve", help="serve the default model on http://127.0.0.1:8000",
-                              description=__doc__,
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              description=__doc__)
     add_model_arguments(p)
     p.add_argument("--log-level", default="warning",
-                   choices=["debug", "info", "warning", "error"])
+                   choices=["debug", "info", "warning", "error"], help="(default: %(default)s)")
     p.set_defaults(func=handler)
 
 

@@ -7,6 +7,7 @@ Engine flags mirror vLLM's (`--max-num-seqs`, `--block-size`, `--no-enable-prefi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from sluice.protocol.errors import InvalidRequestError
@@ -19,7 +20,7 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "num_kv_blocks": (int, "size of the KV pool in blocks (overrides memory sizing)"),
     "kv_cache_memory_bytes": (int, "size of the KV pool in bytes"),
     "scheduling_policy": (str, "'priority' (lower value runs first) or 'fcfs'"),
-    "max_model_len": (int, "context length (default: the model's own)"),
+    "max_model_len": (int, "context length"),
     "dtype": (str, "auto | float32 | bfloat16 | float16"),
     "device": (str, "auto | cpu | cuda"),
     "seed": (int, "engine seed"),
@@ -30,39 +31,70 @@ ENGINE_SWITCHES: dict[str, str] = {
 }
 
 
+CHOICES: dict[str, list[str]] = {
+    "scheduling_policy": ["priority", "fcfs"],
+    "dtype": ["auto", "float32", "bfloat16", "float16"],
+}
+
+
+def engine_defaults() -> dict[str, Any]:
+    """EngineConfig's own defaults, flat, for --help."""
+    from sluice.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+
+    return {f.name: f.default for layer in (ModelConfig, CacheConfig, SchedulerConfig)
+            for f in dataclasses.fields(layer)}
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF directory, hub name or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="port to listen on, 0 for any free one (default: %(default)s)")
+
+
+NONE_MEANS: dict[str, str] = {"max_model_len": "the model's own"}
+
+
+def _default_text(dest: str, value: Any) -> str:
+    if value is None:
+        return NONE_MEANS.get(dest, "sized from free memory")
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    defaults = engine_defaults()
     for dest, (kind, text) in ENGINE_FLAGS.items():
         p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=kind, default=None,
-                       help=text)
+                       choices=CHOICES.get(dest),
+                       help=f"{text} (default: {_default_text(dest, defaults[dest])})")
     for dest, text in ENGINE_SWITCHES.items():
         p.add_argument("--" + dest.replace("_", "-"), dest=dest, default=None,
-                       action=argparse.BooleanOptionalAction, help=text + " (default: on)")
+                       action=argparse.BooleanOptionalAction,
+                       help=f"{text} (default: {_default_text(dest, defaults[dest])})")
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) the model answers to (default: derived from --model)")
     p.add_argument("--max-pending-requests", type=int, default=1024,
-                   help="requests in flight beyond this get 503 with Retry-After")
+                   help="requests in flight beyond this get 503 with Retry-After "
+                        "(default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may take to finish after SIGTERM")
+                   help="seconds in-flight requests may take to finish after SIGTERM "
+                        "(default: %(default)s)")
     p.add_argument("--kv-events-endpoint", default=None,
                    help="publish KV cache events (vLLM format) on this ZMQ endpoint, "
                         "e.g. tcp://127.0.0.1:5557")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="(default: %(default)s)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("worker", help="serve one model over the OpenAI/Anthropic API",
-                              description=__doc__,
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              description=__doc__)
     add_model_arguments(p)
     add_engine_arguments(p)
     add_worker_arguments(p)
