@@ -48,7 +48,7 @@ def load_engine(engine_config: EngineConfig) -> AsyncEngine:
 
 async def _load_and_attach(app_state: object, engine_config: EngineConfig, server: uvicorn.Server,
                            say: Say, holder: list[AsyncEngine]) -> None:
-    model = engine_config.model.model or "the default SmolLM2-135M-Instruct GGUF"
+    model = engine_config.model.model or "SmolLM2-135M-Instruct (the default GGUF)"
     say(f"loading model {model} ...")
     start = time.perf_counter()
     ticker = asyncio.create_task(_tick(say, start))
