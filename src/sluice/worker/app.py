@@ -207,8 +207,9 @@ def _sse_data(payload: str) -> str:
 async def openai_sse(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
     """OpenAI's SSE framing; an error mid-stream is sent as a data event, then [DONE]."""
     try:
-        async for chunk in chunks:
-            yield _sse_data(chunk.model_dump_json())
+        async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+            async for chunk in chunks:
+                yield _sse_data(chunk.model_dump_json())
     except SluiceError as exc:
         yield _sse_data(json.dumps(exc.to_dict()))
     except Exception as exc:
@@ -221,9 +222,10 @@ async def anthropic_sse(chunks: AsyncIterator[BaseModel],
                         translator: anthropic.StreamTranslator) -> AsyncIterator[str]:
     """Anthropic's SSE events, translated from OpenAI chat chunks."""
     try:
-        async for chunk in chunks:
-            for event in translator.feed(chunk.model_dump()):
-                yield anthropic.sse(event)
+        async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+            async for chunk in chunks:
+                for event in translator.feed(chunk.model_dump()):
+                    yield anthropic.sse(event)
         for event in translator.finish():
             yield anthropic.sse(event)
     except Exception as exc:
