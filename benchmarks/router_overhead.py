@@ -228,7 +228,8 @@ def main() -> int:
             port = free_port()
             p = start([args.sglang_router, "-m", "sglang_router.launch_router",
                        "--worker-urls", stub, "--port", str(port), "--host", "127.0.0.1",
-                       "--policy", "round_robin"])
+                       "--policy", "round_robin", "--prometheus-port", str(free_port()),
+                       "--log-level", "error"])
             procs.append(p)
             wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
             results.append(measure("sglang-router (round_robin)", port, args))
@@ -261,6 +262,14 @@ def main() -> int:
     return 0
 
 
+def _exit_on_sigterm() -> None:
+    """`timeout` sends SIGTERM: unwind normally so worker processes are stopped."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 if __name__ == "__main__":
+    _exit_on_sigterm()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     raise SystemExit(main())

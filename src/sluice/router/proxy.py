@@ -63,6 +63,14 @@ class Proxy:
         self.metrics = metrics
         self.max_retries = max_retries
         self.eject_after = eject_after_failures
+        self._urls: dict[str, httpx.URL] = {}  # parsed once: URL parsing is ~60 µs
+
+    def _url(self, endpoint: Endpoint, path: str) -> httpx.URL:
+        key = endpoint.url + path
+        url = self._urls.get(key)
+        if url is None:
+            url = self._urls[key] = httpx.URL(key)
+        return url
 
     async def forward(self, pool: Pool, req: ParsedRequest, meta: RequestMeta, path: str,
                       headers: Mapping[str, str]) -> Response:
@@ -117,7 +125,7 @@ class Proxy:
                     headers: Mapping[str, str]) -> Upstream:
         """Send and wait for the first body chunk; raise RetryableError on failure before it."""
         body = self._body(pool, req, endpoint)
-        request = self.client.build_request("POST", endpoint.url + path, content=body,
+        request = self.client.build_request("POST", self._url(endpoint, path), content=body,
                                             headers=forward_headers(headers))
         try:
             response = await self.client.send(request, stream=True)

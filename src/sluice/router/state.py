@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import httpx
 import zmq.asyncio
 
-from sluice.protocol.block_hash import hash_blocks
 from sluice.protocol.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
 from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
 from sluice.router.endpoints import Endpoint
@@ -31,7 +30,7 @@ from sluice.router.parse import ParsedRequest
 from sluice.router.policies import RequestMeta
 from sluice.router.pool import Pool
 from sluice.router.proxy import Proxy
-from sluice.router.tokens import LocalTokenizer, PromptTokenizer
+from sluice.router.tokens import LocalTokenizer, PromptTokenizer, PromptTokens
 from sluice.router.transport import FastHTTPTransport
 
 CHARS_PER_TOKEN = 4  # prompt-length estimate when no tokenizer answers
@@ -128,15 +127,19 @@ class RouterState:
     async def request_meta(self, pool: Pool, req: ParsedRequest) -> RequestMeta:
         """Count (and, for prefix-aware policies, hash) the prompt's real tokens."""
         needs_tokens = pool.policy.uses_prefix or pool.config.long_prompt_tokens is not None
-        tokens = await self._tokens(pool, req) if needs_tokens else req.prompt_ids
-        hashes = (tuple(hash_blocks(tokens, pool.block_size))
-                  if tokens and pool.policy.uses_prefix else ())
-        n = len(tokens) if tokens is not None else req.approx_chars // CHARS_PER_TOKEN
+        tokens = await self._tokens(pool, req) if needs_tokens else None
+        hashes = tokens.block_hashes(pool.block_size) if tokens and pool.policy.uses_prefix else ()
+        if tokens is not None:
+            n = len(tokens.ids)
+        elif req.prompt_ids is not None:
+            n = len(req.prompt_ids)
+        else:
+            n = req.approx_chars // CHARS_PER_TOKEN
         return RequestMeta(model=req.model, num_prompt_tokens=n, block_hashes=hashes,
                            session_key=req.session_key, max_tokens=req.max_tokens,
                            block_size=pool.block_size)
 
-    async def _tokens(self, pool: Pool, req: ParsedRequest) -> list[int] | None:
+    async def _tokens(self, pool: Pool, req: ParsedRequest) -> PromptTokens | None:
         local = self.local_tokenizers.get(pool.config.tokenizer or "")
         avail = [e for e in pool.endpoints.values() if e.available]
         worker = min(avail, key=lambda e: e.inflight) if avail else None

@@ -9,7 +9,8 @@ obtained from:
    names one: no round trip;
 2. otherwise the worker's `/tokenize` (vLLM's shape; `messages` for chat).
 
-Results are cached (LRU by prompt), so repeated prompts cost one dictionary lookup. A
+Results (and their block hashes) are cached (LRU by prompt), so a repeated prompt costs
+one dictionary lookup. A
 failure yields None and the request is routed on load alone.
 """
 
@@ -19,10 +20,12 @@ import hashlib
 import json
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
 
+from sluice.protocol.block_hash import hash_blocks
 from sluice.router.parse import ParsedRequest
 
 log = logging.getLogger(__name__)
@@ -40,6 +43,20 @@ def load_local_tokenizer(model: str) -> LocalTokenizer:
     return load_tokenizer(model)
 
 
+@dataclass
+class PromptTokens:
+    """A prompt's token ids and, computed once per block size, their block hashes."""
+
+    ids: list[int]
+    _hashes: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    def block_hashes(self, block_size: int) -> tuple[int, ...]:
+        hashes = self._hashes.get(block_size)
+        if hashes is None:
+            hashes = self._hashes[block_size] = tuple(hash_blocks(self.ids, block_size))
+        return hashes
+
+
 def _cache_key(model: str, req: ParsedRequest) -> str:
     payload = json.dumps([model, req.messages, req.prompt], separators=(",", ":"))
     return hashlib.blake2b(payload.encode(), digest_size=16).hexdigest()
@@ -51,15 +68,15 @@ class PromptTokenizer:
     def __init__(self, client: httpx.AsyncClient, cache_size: int = 4096) -> None:
         self.client = client
         self.cache_size = cache_size
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache: OrderedDict[str, PromptTokens] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
     async def tokens(self, req: ParsedRequest, model: str, local: LocalTokenizer | None,
-                     worker_url: str | None) -> list[int] | None:
+                     worker_url: str | None) -> PromptTokens | None:
         """Token ids of `req`'s prompt, or None if they cannot be had."""
         if req.prompt_ids is not None:
-            return req.prompt_ids
+            return PromptTokens(req.prompt_ids)
         if req.messages is None and req.prompt is None:
             return None
         key = _cache_key(model, req)
@@ -72,11 +89,12 @@ class PromptTokenizer:
         ids = self._local(req, local)
         if ids is None and worker_url is not None:
             ids = await self._remote(req, model, worker_url)
-        if ids is not None:
-            self._cache[key] = ids
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return ids
+        if ids is None:
+            return None
+        prompt = self._cache[key] = PromptTokens(ids)
+        if len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return prompt
 
     @staticmethod
     def _local(req: ParsedRequest, tok: LocalTokenizer | None) -> list[int] | None:
