@@ -128,6 +128,7 @@ def make_stub(state: StubState) -> Starlette:
     return Starlette(routes=[
         Route("/v1/chat/completions", generate, methods=["POST"]),
         Route("/v1/completions", generate, methods=["POST"]),
+        Route("/v1/messages", generate, methods=["POST"]),
         Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
         Route("/tokenize", tokenize, methods=["POST"]),
     ])

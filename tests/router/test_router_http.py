@@ -295,3 +295,14 @@ async def test_tokenize_passes_through_and_health_reports_workers() -> None:
         assert r.status_code == 200 and r.json()["count"] == 3
         h = await c.get("/health")
         assert h.status_code == 200 and h.json()["healthy_workers"] == 1
+
+
+async def test_anthropic_messages_are_routed_with_the_body_unchanged() -> None:
+    a = StubState("a")
+    async with cluster([a], policy="cost") as (router, _), httpx.AsyncClient(base_url=router) as c:
+        body = {"model": "stub-model", "max_tokens": 5, "system": "Be brief.",
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+        r = await c.post("/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"})
+        assert r.status_code == 200 and r.json()["worker"] == "a"
+        assert a.requests[-1] == body
+        assert a.headers[-1]["anthropic-version"] == "2023-06-01"

@@ -1,0 +1,59 @@
+"""Endpoint accounting: in-flight counts through a stream's life, learned prefill cost,
+ejection and re-admission counters."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from sluice.router.config import WorkerSpec
+from sluice.router.endpoints import BASE_UNITS, EWMA_ALPHA, Endpoint
+from sluice.router.scrape import WorkerLoad
+
+
+def test_request_counts_from_dispatch_to_end_of_stream() -> None:
+    e = Endpoint(WorkerSpec("http://a"))
+    t = e.begin(prompt_tokens=300, uncached_tokens=200, units=200)
+    s = e.stats()
+    assert (s.inflight, s.inflight_tokens, s.waiting, s.running, s.queued_prefill_tokens) == (
+        1, 300, 1.0, 0.0, 200)
+    e.on_first_byte(t, learn=False)
+    s = e.stats()
+    assert (s.waiting, s.running, s.queued_prefill_tokens, s.inflight) == (0.0, 1.0, 0, 1)
+    e.finish(t)
+    e.finish(t)  # idempotent
+    assert (e.inflight, e.inflight_tokens, e.prefilling) == (0, 0, 0)
+
+
+def test_scraped_load_and_own_counts_merge_by_max() -> None:
+    e = Endpoint(WorkerSpec("http://a"), load=WorkerLoad(running=5, waiting=2, kv_usage=0.5))
+    e.begin(10, 10, 10)
+    s = e.stats()
+    assert (s.running, s.waiting, s.external_waiting, s.kv_usage) == (5.0, 2.0, 1.0, 0.5)
+
+
+def test_prefill_cost_is_learned_from_streamed_ttft() -> None:
+    e = Endpoint(WorkerSpec("http://a"))
+    prior = e.seconds_per_token
+    for _ in range(40):  # the worker really takes 10 ms per token-equivalent
+        t = e.begin(1000, 1000, units=1000)
+        t.started = time.monotonic() - 0.01 * (1000 + BASE_UNITS)
+        e.on_first_byte(t, learn=True)
+        e.finish(t)
+    assert prior < 1e-3
+    assert e.seconds_per_token == pytest.approx(0.01, rel=0.05)
+    before = (e.ttft_avg, e.units_avg)
+    t = e.begin(10, 10, 10)
+    e.on_first_byte(t, learn=False)  # non-streamed: first byte is the whole answer
+    assert (e.ttft_avg, e.units_avg) == before
+    assert EWMA_ALPHA < 1
+
+
+def test_ejection_after_consecutive_failures_and_readmission() -> None:
+    e = Endpoint(WorkerSpec("http://a"))
+    assert not e.record_failure(3) and not e.record_failure(3)
+    assert e.record_failure(3) and not e.healthy
+    assert not e.record_failure(3)  # already out
+    assert not e.record_success(2) and not e.healthy
+    assert e.record_success(2) and e.healthy and e.consecutive_failures == 0
