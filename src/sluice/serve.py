@@ -1,29 +1,139 @@
-"""`sluice serve`: the all-in-one a new user runs (for now: one worker on the default model).
+"""`sluice serve`: the all-in-one entry point, gateway + router + workers on one machine.
 
-The lead composes gateway + router + workers here later; today it is a worker with the
-defaults of `sluice worker` and only the common flags.
+    --workers 1 (default)                 --workers N
+    :8000  gateway ─▶ worker app          :8000  gateway ─▶ router ─▶ N `sluice worker`
+           (engine thread, this process)          (cost policy)   processes on free ports,
+                                                                  KV events over ZMQ
+
+The gateway authenticates every /v1 request. On first start it creates a `dev` tenant
+and prints its key, saved in `SLUICE_HOME/dev-key` (default `./.sluice/dev-key`) and
+reused on later starts, so the README's examples work as written. `--no-gateway` serves
+without keys (the bare worker or router).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Any
+
+from sluice import env
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    from sluice.worker.cli import add_model_arguments
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from sluice.worker.cli import add_engine_arguments, add_model_arguments
 
     p = subparsers.add_parser("serve", help="serve the default model on http://127.0.0.1:8000",
-                              description=__doc__)
+                              description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p)
+    p.add_argument("--workers", type=int, default=1,
+                   help="engine worker processes behind the router (default: %(default)s: "
+                        "one engine in this process, no router)")
+    p.add_argument("--policy", default="cost",
+                   help="router policy with --workers > 1: cost, kv, prefix, session, "
+                        "least_load, round_robin (default: %(default)s)")
+    p.add_argument("--no-gateway", dest="gateway", action="store_false",
+                   help="serve without API keys, limits or ledger")
+    p.add_argument("--database-url", default=None,
+                   help="gateway store (default: SQLite at SLUICE_HOME/sluice.db; "
+                        "postgresql://... for PostgreSQL)")
+    p.add_argument("--redis-url", default=None,
+                   help="shared limit counters across gateway replicas (default: in process)")
+    p.add_argument("--admin-key", default=None,
+                   help="key for the gateway's /admin API (default: SLUICE_ADMIN_KEY)")
     p.add_argument("--log-level", default="warning",
-                   choices=["debug", "info", "warning", "error"], help="(default: %(default)s)")
+                   choices=["debug", "info", "warning", "error"])
+    add_engine_arguments(p)
     p.set_defaults(func=handler)
 
 
-def handler(args: argparse.Namespace) -> int:
-    from sluice.engine.config import EngineConfig
+def say(message: str) -> None:
+    print(f"sluice: {message}", file=sys.stderr, flush=True)
+
+
+def gateway_wrap(args: argparse.Namespace) -> Any:
+    """A function wrapping an ASGI app in the gateway; prints the dev key on the way."""
+    from sluice.engine.tokenizer import resolve_model
+    from sluice.gateway.config import GatewayConfig, LimiterConfig
+    from sluice.gateway.dev import ensure_dev_key
+    from sluice.gateway.middleware import GatewayMiddleware
+    from sluice.gateway.state import GatewayState
+    from sluice.gateway.tokens import PromptTokenCounter
+
+    config = GatewayConfig(
+        database_url=args.database_url or env.get("DATABASE_URL"),
+        admin_key=args.admin_key or env.get("ADMIN_KEY"),
+        limiter=LimiterConfig(redis_url=args.redis_url or env.get("REDIS_URL")))
+    state = GatewayState.from_config(
+        config, count_prompt_tokens=PromptTokenCounter(default_source=resolve_model(args.model)))
+    key = ensure_dev_key(state.store)
+    say(f"API key for the dev tenant: {key}  (saved in {env.home() / 'dev-key'})")
+    return lambda app: GatewayMiddleware(app, state)
+
+
+def worker_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags given to `sluice serve`, as `sluice worker` arguments."""
+    from sluice.worker.cli import ENGINE_FLAGS, ENGINE_SWITCHES
+
+    flags = ["--model", args.model] if args.model else []
+    for dest in ENGINE_FLAGS:
+        if getattr(args, dest, None) is not None:
+            flags += ["--" + dest.replace("_", "-"), str(getattr(args, dest))]
+    for dest in ENGINE_SWITCHES:
+        value = getattr(args, dest, None)
+        if value is not None:
+            flags.append(("--" if value else "--no-") + dest.replace("_", "-"))
+    return flags
+
+
+def serve_one(args: argparse.Namespace, wrap: Any) -> int:
+    from sluice.worker.cli import engine_config
     from sluice.worker.config import WorkerConfig
     from sluice.worker.server import run_worker
 
+    args.served_model_name = None
     worker = WorkerConfig(host=args.host, port=args.port, log_level=args.log_level)
-    return run_worker(EngineConfig.from_options(args.model), worker)
+    return run_worker(engine_config(args), worker, wrap=wrap)
+
+
+def serve_many(args: argparse.Namespace, wrap: Any) -> int:
+    import uvicorn
+
+    from sluice.control.local import LocalWorkerPool
+    from sluice.engine.tokenizer import resolve_model
+    from sluice.router.app import build_app
+    from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
+    from sluice.worker.server import quiet_signal_reraise
+
+    flags = worker_flags(args) + ["--log-level", args.log_level]
+    say(f"starting {args.workers} workers (model load shows in their logs) ...")
+    with LocalWorkerPool(args.workers, flags, kv_events=True, host="127.0.0.1") as pool:
+        say(f"workers ready: {', '.join(pool.urls)} (logs in {pool.log_dir})")
+        workers = tuple(WorkerSpec(url, kv_events=kv)
+                        for url, kv in zip(pool.urls, pool.kv_endpoints, strict=True))
+        pool_config = PoolConfig(workers=workers, policy=args.policy,
+                                 tokenizer=resolve_model(args.model),
+                                 block_size=args.block_size or 16)
+        config = RouterConfig(pools=(pool_config,), host=args.host, port=args.port)
+        app = build_app(config)
+        say(f"router ({args.policy}) listening on http://{args.host}:{args.port}")
+        quiet_signal_reraise()  # SIGTERM drains, then exits 0 after stopping the workers
+        uvicorn.run(wrap(app) if wrap else app, host=args.host, port=args.port,
+                    log_level=args.log_level, timeout_keep_alive=30)
+    say("stopped")
+    return 0
+
+
+def handler(args: argparse.Namespace) -> int:
+    from sluice.protocol.errors import SluiceError
+
+    if args.workers < 1:
+        print("sluice serve: error: --workers must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        wrap = gateway_wrap(args) if args.gateway else None
+        return serve_one(args, wrap) if args.workers == 1 else serve_many(args, wrap)
+    except SluiceError as exc:
+        print(f"sluice serve: error: {exc}", file=sys.stderr)
+        return 2

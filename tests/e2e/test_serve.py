@@ -1,39 +1,86 @@
-"""`sluice serve` end to end on the real default model (SmolLM2-135M-Instruct GGUF)."""
+"""`sluice serve` end to end, as a subprocess, through the gateway with the printed dev key.
+
+One test on the real default model (SmolLM2-135M-Instruct GGUF, one worker in process),
+one with `--workers 2` on the tiny model (gateway -> router -> two worker processes).
+"""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
+import anthropic
 import httpx
+import openai
 import pytest
 
 
-@pytest.mark.model
-def test_serve_answers_a_chat_question() -> None:
+@contextmanager
+def serve(args: list[str], home: Path, timeout: float) -> Iterator[tuple[str, str, list[str]]]:
+    """Run `sluice serve ARGS` with SLUICE_HOME=home until healthy; yield (url, key, log)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "serve", "--port", str(port)],
-                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    env = {**os.environ, "SLUICE_HOME": str(home)}
+    proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "serve", "--port", str(port),
+                             *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            text=True, env=env)
     log: list[str] = []
     threading.Thread(target=lambda: log.extend(iter(proc.stderr.readline, "")),  # type: ignore[union-attr]
                      daemon=True).start()
     try:
-        assert wait_until(lambda: _healthy(url), 120, 0.2), "".join(log)
-        assert any(f"listening on {url}" in line for line in log), "".join(log)
-        resp = httpx.post(url + "/v1/chat/completions", timeout=60, json={
-            "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "temperature": 0, "max_tokens": 12})
-        assert resp.status_code == 200, resp.text
-        answer = resp.json()["choices"][0]["message"]["content"]
-        assert "Paris" in answer, answer
+        assert wait_until(lambda: _healthy(url), timeout, 0.2), "".join(log)
+        key = (home / "dev-key").read_text().strip()
+        assert any(key in line for line in log), "the dev key is printed at start"
+        yield url, key, log
     finally:
         proc.terminate()
         assert proc.wait(60) == 0, "".join(log)
+
+
+@pytest.mark.model
+def test_serve_answers_a_chat_question(tmp_path: Path) -> None:
+    with serve([], tmp_path, 120) as (url, key, log):
+        assert any(f"listening on {url}" in line for line in log), "".join(log)
+        bare = httpx.post(url + "/v1/chat/completions", timeout=10, json={
+            "messages": [{"role": "user", "content": "hi"}]})
+        assert bare.status_code == 401, bare.text
+        client = openai.OpenAI(base_url=url + "/v1", api_key=key)
+        model = client.models.list().data[0].id
+        reply = client.chat.completions.create(
+            model=model, temperature=0, max_tokens=12,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in (reply.choices[0].message.content or "")
+        assert reply.usage is not None and reply.usage.completion_tokens > 0
+    # The key is stored, not regenerated: a second start serves the same one.
+    with serve([], tmp_path, 120) as (_, key_again, _):
+        assert key_again == key
+
+
+def test_serve_many_workers_behind_router_and_gateway(tmp_path: Path,
+                                                      tiny_llama_dir: Path) -> None:
+    args = ["--workers", "2", "--model", str(tiny_llama_dir), "--num-kv-blocks", "256"]
+    with serve(args, tmp_path, 150) as (url, key, log):
+        client = openai.OpenAI(base_url=url + "/v1", api_key=key)
+        model = client.models.list().data[0].id
+        for _ in range(3):
+            reply = client.chat.completions.create(
+                model=model, max_tokens=5, temperature=0,
+                messages=[{"role": "user", "content": "Tell me about rivers."}])
+            assert reply.choices[0].finish_reason in ("stop", "length")
+        msg = anthropic.Anthropic(base_url=url, api_key=key).messages.create(
+            model=model, max_tokens=5, messages=[{"role": "user", "content": "hello"}])
+        assert msg.usage.output_tokens >= 1
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        decisions = [line for line in metrics.splitlines()
+                     if line.startswith("sluice_router_decisions_total")]
+        assert sum(float(line.rsplit(" ", 1)[1]) for line in decisions) >= 4, metrics
 
 
 def _healthy(url: str) -> bool:

@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice.worker")
 
 Say = Callable[[str], None]
+# Wraps the worker's ASGI app before it is served (sluice serve puts the gateway here).
+Wrap = Callable[[Any], Any]
 
 
 def _say(message: str) -> None:
@@ -83,21 +85,23 @@ def _port(server: uvicorn.Server) -> int:
     return server.config.port
 
 
-def run_worker(engine_config: EngineConfig, config: WorkerConfig, say: Say = _say) -> int:
+def run_worker(engine_config: EngineConfig, config: WorkerConfig, say: Say = _say,
+               wrap: Wrap | None = None) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit code (0 after a clean drain)."""
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    return asyncio.run(_serve(engine_config, config, say))
+    return asyncio.run(_serve(engine_config, config, say, wrap))
 
 
-async def _serve(engine_config: EngineConfig, config: WorkerConfig, say: Say) -> int:
+async def _serve(engine_config: EngineConfig, config: WorkerConfig, say: Say,
+                 wrap: Wrap | None = None) -> int:
     app = build_app(None, config)
     server = uvicorn.Server(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=config.log_level,
+        wrap(app) if wrap else app, host=config.host, port=config.port, log_level=config.log_level,
         timeout_graceful_shutdown=math.ceil(config.shutdown_timeout), access_log=False))
     holder: list[AsyncEngine] = []
     loader = asyncio.create_task(_load_and_attach(app.state.worker, engine_config, server,
                                                   say, holder))
-    _quiet_reraise()
+    quiet_signal_reraise()
     try:
         await server.serve()
     finally:
@@ -111,7 +115,7 @@ async def _serve(engine_config: EngineConfig, config: WorkerConfig, say: Say) ->
     return 1 if failed or not server.started else 0
 
 
-def _quiet_reraise() -> None:
+def quiet_signal_reraise() -> None:
     """uvicorn re-raises the signal it caught once it has drained; make that a no-op so the
     process exits with our code (0) instead of dying by the signal."""
     for sig in (signal.SIGTERM, signal.SIGINT):
