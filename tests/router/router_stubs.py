@@ -73,8 +73,7 @@ async def _tokens(state: StubState, chat: bool) -> AsyncIterator[bytes]:
     state.running += 1
     try:
         for i in range(state.num_tokens):
-            if i:
-                await asyncio.sleep(state.token_delay_s)
+            await asyncio.sleep(state.token_delay_s if i else state.ttft_s)
             yield _chunk(state, i, chat)
         yield b"data: [DONE]\n\n"
         state.completed += 1
@@ -96,10 +95,10 @@ def make_stub(state: StubState) -> Starlette:
         if state.publisher is not None:
             hashes = hash_blocks(prompt_ids(body), state.block_size)
             state.publisher.publish([BlockStored(hashes, None, [], state.block_size)])
-        await asyncio.sleep(state.ttft_s)
         chat = request.url.path.endswith("chat/completions")
-        if body.get("stream"):
+        if body.get("stream"):  # headers at once, first token after ttft_s (like an engine)
             return StreamingResponse(_tokens(state, chat), media_type="text/event-stream")
+        await asyncio.sleep(state.ttft_s)
         state.completed += 1
         text = " ".join(f"{state.name}-{i}" for i in range(state.num_tokens))
         msg = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}

@@ -306,3 +306,27 @@ async def test_anthropic_messages_are_routed_with_the_body_unchanged() -> None:
         assert r.status_code == 200 and r.json()["worker"] == "a"
         assert a.requests[-1] == body
         assert a.headers[-1]["anthropic-version"] == "2023-06-01"
+
+
+async def test_disconnect_before_the_first_token_cancels_upstream() -> None:
+    slow = StubState("slow", ttft_s=10.0)  # headers at once, the first token never in time
+    async with cluster([slow]) as (router, urls), httpx.AsyncClient(base_url=router) as c:
+        async def hang_up() -> None:
+            await c.post("/v1/chat/completions", json=chat("hi", stream=True))
+
+        task = asyncio.create_task(hang_up())
+        await wait_for(lambda: worker(c, urls["slow"]), lambda w: w["inflight"] == 1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.wait_for(slow.cancel_event.wait(), 5)
+        await wait_for(lambda: worker(c, urls["slow"]), lambda w: w["inflight"] == 0)
+
+
+async def test_busy_503_is_retried_elsewhere_but_never_ejects() -> None:
+    busy, ok = StubState("busy", fail_status=503), StubState("ok")
+    async with cluster([busy, ok], eject_after_failures=2) as (router, urls), \
+            httpx.AsyncClient(base_url=router) as c:
+        for _ in range(6):
+            assert (await c.post("/v1/chat/completions", json=chat("x"))).json()["worker"] == "ok"
+        assert (await worker(c, urls["busy"]))["healthy"] is True
+        assert len(busy.requests) >= 3  # still offered: an ejected worker would stop at 2

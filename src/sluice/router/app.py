@@ -95,10 +95,29 @@ def _routed(kind: str, path: str) -> Callable[[Request], Awaitable[Response]]:
         req = parse_request(kind, await request.body(), request.headers)
         pool = state.resolve(req.model)
         meta = await state.request_meta(pool, req)
-        return await state.proxy.forward(pool, req, meta, path, request.headers)
+        return await unless_disconnected(
+            request, state.proxy.forward(pool, req, meta, path, request.headers))
 
     route.__name__ = f"route_{kind}"
     return route
+
+
+async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+    """Await `work` (up to the first body byte), cancelling it if the client hangs up first.
+
+    Starlette only watches for disconnects once a streaming response has started; before
+    that (queueing, prefill, a whole non-streamed generation) the router watches itself,
+    so the worker sees the hang-up and aborts the request.
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(request.receive())
+    await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    if not task.done() and watch.result().get("type") == "http.disconnect":
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return Response(status_code=499)
+    watch.cancel()
+    return await task
 
 
 def _passthrough(path: str) -> Callable[[Request], Awaitable[Response]]:

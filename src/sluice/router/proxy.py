@@ -40,7 +40,15 @@ RESPONSE_DROP = HOP_BY_HOP - {"content-length"} | {"server", "date"}
 
 
 class RetryableError(Exception):
-    """The attempt failed before any byte reached the client."""
+    """The attempt failed before any byte reached the client.
+
+    `counts`: whether it counts toward ejecting the worker (a 503 is a busy worker
+    shedding load, not a broken one: retried elsewhere, never ejected for it).
+    """
+
+    def __init__(self, message: str, counts: bool = True) -> None:
+        super().__init__(message)
+        self.counts = counts
 
 
 @dataclass
@@ -88,10 +96,13 @@ class Proxy:
                 upstream = await self._open(endpoint, pool, req, path, headers)
             except RetryableError as exc:
                 endpoint.finish(ticket)
-                self._failed(endpoint, str(exc))
+                self._failed(endpoint, exc)
                 tried.append(endpoint.url)
                 last_error = f"{endpoint.url}: {exc}"
                 continue
+            except BaseException:  # cancelled: the client went away before the first byte
+                endpoint.finish(ticket)
+                raise
             endpoint.consecutive_failures = 0
             endpoint.on_first_byte(ticket, learn=req.stream)
             self.metrics.requests.labels(req.model, str(upstream.response.status_code)).inc()
@@ -109,9 +120,9 @@ class Proxy:
             self.metrics.prompt_tokens.labels(pool.policy.name).inc(meta.num_prompt_tokens)
         return decision
 
-    def _failed(self, endpoint: Endpoint, reason: str) -> None:
-        self.metrics.retries.labels(endpoint.url, reason.split(":")[0]).inc()
-        if endpoint.record_failure(self.eject_after):
+    def _failed(self, endpoint: Endpoint, exc: RetryableError) -> None:
+        self.metrics.retries.labels(endpoint.url, str(exc).split(":")[0]).inc()
+        if exc.counts and endpoint.record_failure(self.eject_after):
             self.metrics.ejections.labels(endpoint.url).inc()
             log.warning("ejected %s after %d failures", endpoint.url, endpoint.consecutive_failures)
 
@@ -133,13 +144,20 @@ class Proxy:
             raise RetryableError(f"{type(exc).__name__}: {exc}") from exc
         try:
             if response.status_code >= 500:
-                raise RetryableError(f"status {response.status_code}")
+                raise RetryableError(f"status {response.status_code}",
+                                     counts=response.status_code != 503)
             chunks = response.aiter_raw()
             first = await anext(chunks, b"")
-        except (httpx.TransportError, RetryableError) as exc:
+        except RetryableError:
             await response.aclose()
-            raise exc if isinstance(exc, RetryableError) else RetryableError(
-                f"{type(exc).__name__}: {exc}") from exc
+            raise
+        except httpx.TransportError as exc:
+            await response.aclose()
+            raise RetryableError(f"{type(exc).__name__}: {exc}") from exc
+        except BaseException:  # cancelled: hang up so the worker aborts
+            with anyio.CancelScope(shield=True):
+                await response.aclose()
+            raise
         return Upstream(response, chunks, first)
 
     def _relay(self, upstream: Upstream, ticket: Ticket) -> StreamingResponse:

@@ -232,6 +232,9 @@ class FastHTTPTransport(httpx.AsyncBaseTransport):
         except TimeoutError as exc:
             conn.close()
             raise httpx.ReadTimeout("timed out waiting for the response") from exc
+        except BaseException:  # cancelled mid-exchange: the connection is in an unknown state
+            conn.close()
+            raise
         status, headers = _parse_head(head)
         return httpx.Response(status, headers=headers, request=request,
                               stream=self._body(conn, request, status, headers),
