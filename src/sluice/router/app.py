@@ -23,6 +23,7 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sluice.protocol.errors import SluiceError
 from sluice.router.admin import admin_router
@@ -77,9 +78,7 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
 
     app = FastAPI(title="sluice router", lifespan=lifespan)
     app.add_exception_handler(SluiceError, error_response)
-    # plain Starlette routes: the hot path skips FastAPI's dependency machinery
-    for path, kind in ROUTED.items():
-        app.add_route(path, _routed(kind, path), methods=["POST"], include_in_schema=False)
+    app.add_middleware(RoutedFastPath)  # the OpenAI endpoints, ahead of FastAPI's layers
     app.add_route("/tokenize", _passthrough("/tokenize"), methods=["POST"])
     app.add_route("/detokenize", _passthrough("/detokenize"), methods=["POST"])
     app.add_route("/v1/models", models, methods=["GET"])
@@ -87,6 +86,31 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
     app.add_route("/metrics", metrics, methods=["GET"])
     app.include_router(admin_router())
     return app
+
+
+class RoutedFastPath:
+    """Pure-ASGI middleware: POSTs to the routed OpenAI paths go straight to the proxy.
+
+    The hot path thereby skips FastAPI's exception, exit-stack and routing layers (each
+    an extra coroutine wrapping send/receive per request); errors still leave as OpenAI
+    JSON. Everything else (models, metrics, admin, lifespan) continues into FastAPI.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.routes = {path: _routed(kind, path) for path, kind in ROUTED.items()}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = self.routes.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if handler is None or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            response = await handler(request)
+        except SluiceError as exc:
+            response = error_response(request, exc)
+        await response(scope, receive, send)
 
 
 def _routed(kind: str, path: str) -> Callable[[Request], Awaitable[Response]]:

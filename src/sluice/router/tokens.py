@@ -3,7 +3,8 @@
 Character matching (SGLang's radix tree on text) drifts from what the engine caches: a
 chat template adds tokens, and equal text prefixes need not tokenize equally at the
 boundary. The router therefore hashes token blocks of the *templated, tokenized* prompt,
-obtained from:
+obtained from (a worker whose /tokenize fails or is missing is not asked again for a
+minute):
 
 1. a local tokenizer (`sluice.engine.tokenizer.load_tokenizer`, torch-free) when the pool
    names one: no round trip;
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -29,6 +31,8 @@ from sluice.protocol.block_hash import hash_blocks
 from sluice.router.parse import ParsedRequest
 
 log = logging.getLogger(__name__)
+
+UNSUPPORTED_RETRY_S = 60.0
 
 
 class LocalTokenizer(Protocol):
@@ -69,6 +73,7 @@ class PromptTokenizer:
         self.client = client
         self.cache_size = cache_size
         self._cache: OrderedDict[str, PromptTokens] = OrderedDict()
+        self._unsupported: dict[str, float] = {}  # worker url -> retry /tokenize after
         self.hits = 0
         self.misses = 0
 
@@ -111,11 +116,18 @@ class PromptTokenizer:
             body.update(messages=req.messages, add_generation_prompt=True)
         else:
             body["prompt"] = req.prompt
+        if self._unsupported.get(url, 0.0) > time.monotonic():
+            return None
         try:
             resp = await self.client.post(f"{url}/tokenize", json=body)
-            resp.raise_for_status()
-            tokens = resp.json().get("tokens")
-        except (httpx.HTTPError, ValueError) as exc:
+            tokens = resp.json().get("tokens") if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
             log.debug("tokenize via %s failed: %s", url, exc)
             return None
-        return list(tokens) if isinstance(tokens, list) else None
+        if not isinstance(tokens, list):
+            # no usable /tokenize there: stop paying a round trip per request for a while
+            log.info("%s has no usable /tokenize (status %s); routing without tokens for %ss",
+                     url, resp.status_code, UNSUPPORTED_RETRY_S)
+            self._unsupported[url] = time.monotonic() + UNSUPPORTED_RETRY_S
+            return None
+        return list(tokens)
