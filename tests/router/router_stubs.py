@@ -54,6 +54,8 @@ class StubState:
     healthy: bool = True
     publisher: Any = None  # KVEventPublisher
     block_size: int = 16
+    has_tokenize: bool = True
+    tokenize_calls: int = 0
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     running: int = 0
@@ -119,6 +121,9 @@ def make_stub(state: StubState) -> Starlette:
             f'vllm:kv_cache_usage_perc{{model_name="{state.model}"}} 0.1\n')
 
     async def tokenize(request: Request) -> Response:
+        state.tokenize_calls += 1
+        if not state.has_tokenize:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
         body = await request.json()
         ids = prompt_ids(body)
         return JSONResponse({"count": len(ids), "max_model_len": 4096, "tokens": ids,

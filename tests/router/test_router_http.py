@@ -330,3 +330,18 @@ async def test_busy_503_is_retried_elsewhere_but_never_ejects() -> None:
             assert (await c.post("/v1/chat/completions", json=chat("x"))).json()["worker"] == "ok"
         assert (await worker(c, urls["busy"]))["healthy"] is True
         assert len(busy.requests) >= 3  # still offered: an ejected worker would stop at 2
+
+
+async def test_prompt_tokens_come_from_worker_tokenize_cached_and_skipped_when_missing() -> None:
+    a = StubState("a")
+    async with cluster([a], policy="cost") as (router, _), httpx.AsyncClient(base_url=router) as c:
+        for _ in range(3):
+            await c.post("/v1/chat/completions", json=chat("the same prompt"))
+        await c.post("/v1/chat/completions", json=chat("another prompt"))
+        assert a.tokenize_calls == 2  # one per distinct prompt
+    b = StubState("b", has_tokenize=False)
+    async with cluster([b], policy="cost") as (router, _), httpx.AsyncClient(base_url=router) as c:
+        for i in range(3):
+            r = await c.post("/v1/chat/completions", json=chat(f"prompt {i}"))
+            assert r.status_code == 200
+        assert b.tokenize_calls == 1  # a 404 is not asked again for a while
