@@ -126,6 +126,23 @@ async def throughput(client: httpx.AsyncClient, url: str, n: int, concurrency: i
     return n / (time.perf_counter() - t0)
 
 
+async def cleanup(db_url: str, table_prefix: str, redis_prefix: str | None) -> None:
+    """Drop the run's tables and Redis keys."""
+    from sluice.gateway.store import SQLStore
+
+    store = SQLStore(db_url, table_prefix=table_prefix)
+    store.drop_all()
+    store.close()
+    if redis_prefix:
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(REDIS_URL)
+        keys = [k async for k in client.scan_iter(match=f"{redis_prefix}*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -162,7 +179,12 @@ async def measure_overhead(args: argparse.Namespace, label: str, db_url: str,
                     rps[name].append(await throughput(client, url, args.burst, args.concurrency))
     finally:
         proc.terminate()
-        proc.wait(10)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        await cleanup(db_url, spec["table_prefix"], redis_prefix)
     result: dict[str, Any] = {"config": label}
     for name in ("stub", "gateway"):
         result[f"{name}_p50_ms"] = 1000 * statistics.median(lat[name])
@@ -205,7 +227,7 @@ async def measure_accuracy(limit: int, burst: int, redis: bool, db_url: str) -> 
     if redis:
         for gw in replicas:
             await gw.state.limiter.close()
-    stores[0].drop_all()
+    await cleanup(db_url, prefix, rl_prefix if redis else None)
     admitted = sum(r.status_code == 200 for r in responses)
     return {"limiter": "redis, 2 replicas" if redis else "local, 1 replica", "limit": limit,
             "burst": burst, "admitted": admitted,
@@ -248,10 +270,10 @@ def print_table(result: dict[str, Any]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=600, help="sequential requests per target")
+    parser.add_argument("--requests", type=int, default=300, help="sequential requests per target")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--warmup", type=int, default=50)
-    parser.add_argument("--burst", type=int, default=600, help="requests per throughput burst")
+    parser.add_argument("--burst", type=int, default=200, help="requests per throughput burst")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--limit", type=int, default=100, help="RPM limit for the accuracy burst")
     parser.add_argument("--redis", action="store_true", help="also measure with Redis limits")
@@ -261,7 +283,9 @@ def main() -> int:
     if args.server:
         server_main(json.loads(args.server))
         return 0
+    started = time.perf_counter()
     result = asyncio.run(run(args))
+    result["elapsed_s"] = time.perf_counter() - started
     print_table(result)
     print(json.dumps(result))
     return 0

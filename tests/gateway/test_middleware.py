@@ -284,6 +284,10 @@ async def test_tenant_never_sees_another_tenants_usage(sqlite_store: SQLStore,
         assert (await admin.get("/admin/usage")).json()["totals"]["requests"] == 5
         r = await admin.get("/admin/usage", params={"tenant": "B"})
         assert r.json()["totals"]["requests"] == 3
+        r = await admin.post("/admin/purge", json={"older_than_days": 1})
+        assert r.json() == {"deleted": 0}  # all records are fresh
+        r = await admin.post("/admin/purge", json={"older_than_days": -1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "older_than_days"
 
 
 async def test_concurrent_spend_equals_ledger_sum(sqlite_store: SQLStore,

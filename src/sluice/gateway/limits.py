@@ -441,5 +441,3 @@ class RedisLimiter(Limiter):
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
-
-LIMITERS: dict[str, Callable[..., Limiter]] = {"local": LocalLimiter, "redis": RedisLimiter}
