@@ -125,8 +125,21 @@ async def test_redis_burst_admits_exactly_the_limit(redis_prefix: str) -> None:
     await b.close()
 
 
-async def test_redis_unreachable_raises_limiter_unavailable() -> None:
-    lim = RedisLimiter("redis://127.0.0.1:1/0", timeout_s=0.2)
-    with pytest.raises(LimiterUnavailableError):
+async def test_redis_unreachable_fails_fast_then_retries_and_recovers(redis_prefix: str) -> None:
+    clock = Clock()
+    lim = RedisLimiter("redis://127.0.0.1:1/0", timeout_s=0.2, clock=clock,
+                       prefix=redis_prefix)
+    with pytest.raises(LimiterUnavailableError, match="unreachable: "):
         await lim.acquire([Scope("k", rpm=1)], 0)
+    assert lim.down_since == clock.now
+    with pytest.raises(LimiterUnavailableError, match="retrying shortly"):
+        await lim.acquire([Scope("k", rpm=1)], 0)  # no new connection attempt
+    await lim.close()
+    import redis.asyncio as aioredis
+
+    lim.client = aioredis.Redis.from_url(REDIS_URL)  # Redis "comes back"
+    lim._acquire_script = lim.client.register_script(lim._acquire_script.script)
+    clock.now += 1.0
+    assert (await lim.acquire([Scope("k", rpm=1)], 0)).allowed
+    assert lim.down_since is None
     await lim.close()

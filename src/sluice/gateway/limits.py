@@ -27,6 +27,7 @@ decides (fail closed: 503; fail open: admit and count the error).
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -38,6 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.protocol.errors import ServiceUnavailableError
+
+logger = logging.getLogger(__name__)
 
 
 class LimiterUnavailableError(ServiceUnavailableError):
@@ -389,9 +392,15 @@ class RedisLimiter(Limiter):
 
     def __init__(self, url: str | None = None, *, client: object | None = None,
                  prefix: str = "sluice:rl:", window_s: float = 60.0,
-                 lease_s: float = 3600.0, timeout_s: float = 1.0) -> None:
+                 lease_s: float = 3600.0, timeout_s: float = 1.0,
+                 retry_interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         import redis.asyncio as aioredis
 
+        self.retry_interval_s = retry_interval_s
+        self.clock = clock
+        self.down_since: float | None = None  # set while Redis is failing
+        self._next_try = 0.0
         self.window_s = window_s
         self.lease_s = lease_s
         self.prefix = prefix
@@ -427,12 +436,25 @@ class RedisLimiter(Limiter):
         await self._call(self._finish_script, keys, args)
 
     async def _call(self, script: object, keys: list[str], args: list[object]) -> list[Any]:
+        """Run a script; while Redis is down, try it at most once per `retry_interval_s`
+        (other calls fail at once instead of each waiting out a connect timeout)."""
         from redis.exceptions import RedisError
 
+        now = self.clock()
+        if self.down_since is not None and now < self._next_try:
+            raise LimiterUnavailableError("rate limiter store unreachable (retrying shortly)")
         try:
-            return await script(keys=keys, args=args)  # type: ignore[operator,no-any-return]
+            result = await script(keys=keys, args=args)  # type: ignore[operator]
         except (RedisError, OSError, TimeoutError) as exc:
+            if self.down_since is None:
+                self.down_since = now
+                logger.error("rate limiter: Redis unreachable: %s", exc)
+            self._next_try = now + self.retry_interval_s
             raise LimiterUnavailableError(f"rate limiter store unreachable: {exc}") from exc
+        if self.down_since is not None:
+            logger.warning("rate limiter: Redis back after %.1f s", now - self.down_since)
+            self.down_since = None
+        return result  # type: ignore[no-any-return]
 
     async def close(self) -> None:
         await self.client.aclose()  # type: ignore[attr-defined]

@@ -326,7 +326,7 @@ class Exchange:
     def on_limiter_error(self, exc: LimiterUnavailableError, adm: Admission) -> None:
         mode = self.state.config.limiter.on_redis_error
         self.state.metrics.limiter_errors.labels(mode=mode).inc()
-        logger.error("rate limiter unavailable (%s); failing %s", exc, mode)
+        logger.debug("rate limiter unavailable (%s); failing %s", exc, mode)
         if mode == "closed":
             raise exc
         adm.limiter_degraded = True
