@@ -270,3 +270,16 @@ def test_bench_offline_dispatch(capsys: pytest.CaptureFixture[str], monkeypatch:
     fake.run = lambda a: seen.setdefault("n", a.num_prompts) and 0  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "sluice.bench.offline", fake)
     assert main(["bench", "offline", "--num-prompts", "7"]) == 0 and seen["n"] == 7
+
+
+def test_request_rate_drives_poisson_starts(stub: Stub) -> None:
+    import itertools
+
+    from sluice.bench.load import arrival_times
+
+    url, _ = stub
+    r = bench(["--base-url", url, "--input-len", "4", "--output-len", "1", "--num-prompts", "15",
+               "--request-rate", "20", "--seed", "4"])["results"][0]
+    starts = sorted(x["start"] for x in r["requests"])
+    planned = list(itertools.islice(arrival_times(20.0, 1.0, 4), 15))
+    assert starts == pytest.approx(planned, abs=0.03)  # sent when the seeded process says
