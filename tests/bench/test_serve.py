@@ -283,3 +283,19 @@ def test_request_rate_drives_poisson_starts(stub: Stub) -> None:
     starts = sorted(x["start"] for x in r["requests"])
     planned = list(itertools.islice(arrival_times(20.0, 1.0, 4), 15))
     assert starts == pytest.approx(planned, abs=0.03)  # sent when the seeded process says
+
+
+async def test_malformed_stream_is_a_bad_stream_error() -> None:
+    import httpx
+
+    from sluice.bench.client import ClientOptions, StreamingClient
+    from sluice.bench.workloads import Segment, Session, Turn
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text='data: {"choices": ["not an object"]}\n\ndata: [DONE]\n\n')
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+        client = StreamingClient(http, ClientOptions("http://x", "/v1/completions", "m"))
+        session = Session(0, (Turn(Segment(" a", 1, (5,)), 2),))
+        rec = await client.send(session, 0, [], 0.0)
+    assert rec.error == "bad_stream" and not rec.ok

@@ -203,6 +203,8 @@ class StreamingClient:
                 await self._read_stream(resp, rec, start, t0)
         except httpx.HTTPError as exc:
             rec.error = type(exc).__name__
+        except (AttributeError, KeyError, TypeError, ValueError):  # a chunk of the wrong shape
+            rec.error = "bad_stream"
         return rec
 
     async def _read_stream(
