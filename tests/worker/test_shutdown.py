@@ -82,3 +82,13 @@ def test_sigterm_drains_in_flight_stream_and_exits_zero(tiny_llama_dir: Path) ->
                if c.get("finish_reason")]
     assert reasons == ["length"]
     assert any("stopped" in x for x in log)
+
+
+def test_a_model_that_cannot_load_exits_1_with_a_message(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "sluice.cli", "worker", "--model", str(tmp_path / "missing"),
+         "--port", str(free_port()), "--log-level", "warning"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "failed to load the model" in proc.stderr and "not found" in proc.stderr
+    assert "Traceback" not in proc.stderr

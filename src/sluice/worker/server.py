@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from sluice.engine.config import EngineConfig
+from sluice.protocol.errors import SluiceError
 from sluice.worker.app import build_app
 from sluice.worker.config import WorkerConfig
 
@@ -58,7 +59,8 @@ async def _load_and_attach(app_state: object, engine_config: EngineConfig, serve
         engine = await asyncio.to_thread(load_engine, engine_config)
     except Exception as exc:
         say(f"failed to load the model: {exc}")
-        log.exception("model load failed")
+        if not isinstance(exc, SluiceError):  # a bad --model needs no traceback
+            log.exception("model load failed")
         server.should_exit = True
         raise
     finally:
