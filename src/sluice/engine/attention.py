@@ -124,9 +124,10 @@ def _group_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache,
 def _causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """One sequence's first chunk: plain causal attention over its own new tokens."""
     t, heads, d = q.shape
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                       is_causal=True, enable_gqa=True)
-    return o.transpose(0, 1).reshape(t, heads * d)
+    # 4-D inputs: with 3-D ones torch's CPU dispatch falls back to the (3x slower) math kernel
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                       v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+    return o[0].transpose(0, 1).reshape(t, heads * d)
 
 
 def build_group(start: int, q_lens: list[int], start_positions: list[int],

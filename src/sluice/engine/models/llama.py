@@ -122,18 +122,22 @@ def inv_frequencies(rope: RopeConfig, head_dim: int) -> Tensor:
 
 
 def rope_tables(rope: RopeConfig, head_dim: int, max_positions: int) -> tuple[Tensor, Tensor]:
-    """cos, sin `[max_positions, head_dim]` in float32 (Hugging Face's half-split layout)."""
-    inv_freq = inv_frequencies(rope, head_dim)
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    """cos and signed sin `[max_positions, head_dim]`, float32, for `apply_rope`.
+
+    Hugging Face's rotation is `x*cos + rotate_half(x)*sin` with
+    `rotate_half(x) = cat(-x2, x1)`; folding the minus sign into the sin table
+    (`cat(-sin, sin)`) leaves a swap of the halves, one multiply and one fused add.
+    """
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
+                        inv_frequencies(rope, head_dim))
+    return torch.cat((freqs.cos(), freqs.cos()), -1), torch.cat((-freqs.sin(), freqs.sin()), -1)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x `[T, heads, head_dim]`, cos/sin `[T, 1, head_dim]`: rotate each half-split pair."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """x `[T, heads, head_dim]`, tables `[T, 1, head_dim]`: rotate each half-split pair."""
+    t, heads, d = x.shape
+    swapped = x.reshape(t, heads, 2, d // 2).flip(2).reshape(t, heads, d)
+    return torch.addcmul(x * cos, swapped, signed_sin)
 
 
 # --- the model -----------------------------------------------------------------------------
@@ -149,10 +153,11 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
         cfg, t = self.cfg, x.shape[0]
-        q, k, v = self.wqkv(x).split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
-        q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+        qkv = self.wqkv(x)
+        # Q and K heads rotate together: one RoPE over [T, heads + kv_heads, head_dim]
+        qk = apply_rope(qkv[:, :cfg.q_size + cfg.kv_size].view(t, -1, cfg.head_dim), cos, sin)
+        q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
+        v = qkv[:, cfg.q_size + cfg.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         assert self.kv_cache is not None, "KV cache not allocated"
         return self.wo(paged_attention(q, k, v, self.kv_cache, meta))
 
