@@ -16,8 +16,8 @@ their slots; a sequence's context is read with one `index_select` of whole block
 A step's sequences fall into at most two *groups* (decode: one query each; prefill
 chunks: many). Each group is one `scaled_dot_product_attention` call over
 `[batch, kv_heads, group*q_len, ctx]`, with the query heads that share a KV head folded
-into the query axis (GQA without repeating K/V) and a boolean mask for causality and
-padding. `AttentionMetadata` (slots, block tables, masks) is built once per step and
+into the query axis (GQA without repeating K/V) and an additive mask (0 / -inf, in the
+model dtype, so no layer converts a boolean one) for causality and padding. `AttentionMetadata` (slots, block tables, masks) is built once per step and
 reused by every layer, so nothing inside a layer loops over sequences in Python.
 """
 
@@ -72,9 +72,19 @@ class AttentionGroup:
     batch: int
     q_len: int
     block_tables: Tensor  # [batch, n_blocks] int64
-    mask: Tensor | None  # [batch, 1, gqa*q_len, n_blocks*block_size] bool, True = attend
+    mask: Tensor | None  # [batch, 1, gqa*q_len, n_blocks*block_size]: 0 attend, -inf not
     scatter: Tensor | None = None
     fresh: bool = False
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """What metadata building needs to know about the pool and the model."""
+
+    block_size: int
+    gqa: int  # query heads per KV head
+    device: torch.device
+    dtype: torch.dtype
 
 
 @dataclass
@@ -131,29 +141,28 @@ def _causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 
 def build_group(start: int, q_lens: list[int], start_positions: list[int],
-                block_tables: list[list[int]], block_size: int, gqa: int,
-                device: torch.device) -> AttentionGroup:
+                block_tables: list[list[int]], layout: StepLayout) -> AttentionGroup:
     """Metadata for one group of sequences (the step's decodes, or its prefill chunks)."""
-    batch, q_len = len(q_lens), max(q_lens)
+    batch, q_len, bs = len(q_lens), max(q_lens), layout.block_size
     end = start + sum(q_lens)
     if batch == 1 and start_positions[0] == 0:
         return AttentionGroup(start, end, 1, q_len, torch.empty(0, 1, dtype=torch.long),
                               None, fresh=True)
-    n_blocks = max((s + n + block_size - 1) // block_size for s, n in zip(start_positions, q_lens,
-                                                                         strict=True))
+    n_blocks = max((s + n + bs - 1) // bs for s, n in zip(start_positions, q_lens, strict=True))
     table = torch.tensor([bt[:n_blocks] + [0] * (n_blocks - len(bt[:n_blocks]))
                           for bt in block_tables], dtype=torch.long)
     # query positions [B, Q]: padding rows get position 0 (they see one real key: no NaN)
     q_pos = torch.zeros(batch, q_len, dtype=torch.long)
-    dense = all(n == q_len for n in q_lens)
     rows: list[int] = []
     for i, (s, n) in enumerate(zip(start_positions, q_lens, strict=True)):
         q_pos[i, :n] = torch.arange(s, s + n)
         rows.extend(range(i * q_len, i * q_len + n))
-    key_pos = torch.arange(n_blocks * block_size)
-    mask = (key_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, Q, L]
+    key_pos = torch.arange(n_blocks * bs)
+    hidden = (key_pos.view(1, 1, -1) > q_pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, Q, L]
+    mask = torch.zeros(hidden.shape, dtype=layout.dtype).masked_fill_(hidden, float("-inf"))
     if q_len > 1:
-        mask = mask.repeat(1, 1, gqa, 1)
-    scatter = None if dense else torch.tensor(rows, dtype=torch.long, device=device)
-    return AttentionGroup(start, end, batch, q_len, table.to(device), mask.to(device),
-                          scatter=scatter)
+        mask = mask.repeat(1, 1, layout.gqa, 1)
+    dense = all(n == q_len for n in q_lens)
+    scatter = None if dense else torch.tensor(rows, dtype=torch.long, device=layout.device)
+    return AttentionGroup(start, end, batch, q_len, table.to(layout.device),
+                          mask.to(layout.device), scatter=scatter)

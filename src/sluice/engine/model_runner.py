@@ -24,7 +24,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from sluice.engine.attention import AttentionGroup, AttentionMetadata, KVCache, build_group
+from sluice.engine.attention import (
+    AttentionGroup,
+    AttentionMetadata,
+    KVCache,
+    StepLayout,
+    build_group,
+)
 from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
 from sluice.engine.models.llama import LlamaConfig, TransformerBlock
 from sluice.engine.models.loader import load_model
@@ -187,7 +193,8 @@ class ModelRunner:
 
     def _groups(self, chunks: list[SeqChunk], order: list[int]) -> list[AttentionGroup]:
         cfg = self.model_config
-        gqa = cfg.num_heads // cfg.num_kv_heads
+        layout = StepLayout(self.block_size, cfg.num_heads // cfg.num_kv_heads, self.device,
+                            self.dtype)
         groups, start = [], 0
         for members in (order[:self._num_decodes(chunks)], order[self._num_decodes(chunks):]):
             if not members:
@@ -195,7 +202,7 @@ class ModelRunner:
             picked = [chunks[i] for i in members]
             group = build_group(start, [len(c.token_ids) for c in picked],
                                 [c.start_pos for c in picked], [c.block_table for c in picked],
-                                self.block_size, gqa, self.device)
+                                layout)
             groups.append(group)
             start = group.end
         return groups
