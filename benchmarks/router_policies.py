@@ -59,12 +59,14 @@ class Stats:
 
 
 def shared_prefix(seed: int, groups: int, per_group: int, sys_words: int) -> list[list[Turn]]:
-    """Each request its own one-turn 'session'; interleaved across groups."""
+    """Each request its own one-turn 'session', groups in a seeded random order (a fixed
+    interleaving would let round robin pin each group to one worker by accident)."""
     rng = random.Random(seed)
     systems = [f"You are assistant {seed}-{g}. " + text(rng, sys_words) for g in range(groups)]
     reqs = [[Turn([{"role": "system", "content": systems[g]},
                    {"role": "user", "content": f"Question {i}: {text(rng, 8)}?"}])]
             for i in range(per_group) for g in range(groups)]
+    rng.shuffle(reqs)
     return reqs
 
 
