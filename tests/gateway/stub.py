@@ -39,6 +39,7 @@ class StubUpstream:
             Route("/v1/messages", self.messages, methods=["POST"]),
             Route("/v1/models", self.models),
             Route("/health", self.health),
+            Route("/admin/workers", self.workers),
             Route("/metrics", self.metrics),
         ])
 
@@ -135,6 +136,9 @@ class StubUpstream:
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
             {"id": "stub-model", "object": "model", "created": 0, "owned_by": "stub"}]})
+
+    async def workers(self, request: Request) -> Response:  # the router's admin API
+        return JSONResponse({"workers": []})
 
     async def health(self, request: Request) -> Response:
         return PlainTextResponse("ok")

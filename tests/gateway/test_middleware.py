@@ -237,6 +237,8 @@ async def test_bodies_stored_redacted_only_when_tenant_opts_in(
 async def test_passthrough_paths_and_merged_metrics(gateway: GatewayMiddleware) -> None:
     async with client_for(gateway) as c:
         assert (await c.get("/health")).text == "ok"
+        assert (await c.get("/admin/workers")).json() == {"workers": []}  # the router's admin
+        assert (await c.get("/admin/tenants")).status_code == 401  # the gateway's admin
         text = (await c.get("/metrics")).text
         assert "vllm:num_requests_running" in text
         assert "sluice_gateway_requests_in_flight" in text

@@ -17,7 +17,8 @@ proxy of `sluice gateway --upstream`. Per request under `/v1/`:
                       tokens reconciled, concurrency freed, ledger row + spend written
                       in one transaction, *before* the last bytes go to the client
 
-`/admin/...` and `/v1/usage` are served by the gateway's own app (`admin.py`);
+`/admin/{tenants,keys,usage,purge}` and `/v1/usage` are served by the gateway's own
+app (`admin.py`); other `/admin/...` routes (the router's) pass through;
 `/metrics` is the upstream's text followed by the gateway's; everything else passes
 through untouched.
 """
@@ -68,6 +69,9 @@ GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages
 ANTHROPIC_ENDPOINTS = ("/v1/messages",)
 STREAM_USAGE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 PRIORITY_BODY_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+# The gateway's own admin routes; other /admin/... paths (the router's /admin/workers)
+# pass through to the inner app, which guards them with its own admin key.
+GATEWAY_ADMIN_PREFIXES = ("/admin/tenants", "/admin/keys", "/admin/usage", "/admin/purge")
 INLINE_COUNT_BYTES = 16 * 1024
 _DROP_HEADERS = {b"authorization", b"x-api-key", b"content-length", b"accept-encoding"}
 
@@ -161,7 +165,7 @@ class GatewayMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path: str = scope["path"]
-        if path.startswith("/admin") or path == "/v1/usage":
+        if path == "/v1/usage" or path.startswith(GATEWAY_ADMIN_PREFIXES):
             return await self.admin_app(scope, receive, send)
         if path == "/metrics":
             return await self._metrics(scope, receive, send)
