@@ -14,11 +14,13 @@ K pool `[num_blocks, block_size, num_kv_heads, head_dim]` viewed flat as
 their slots; a sequence's context is read with one `index_select` of whole blocks.
 
 A step's sequences fall into at most two *groups* (decode: one query each; prefill
-chunks: many). Each group is one `scaled_dot_product_attention` call over
-`[batch, kv_heads, group*q_len, ctx]`, with the query heads that share a KV head folded
-into the query axis (GQA without repeating K/V) and an additive mask (0 / -inf, in the
-model dtype, so no layer converts a boolean one) for causality and padding. `AttentionMetadata` (slots, block tables, masks) is built once per step and
-reused by every layer, so nothing inside a layer loops over sequences in Python.
+chunks: many). Each group is one `scaled_dot_product_attention` call: decodes use
+torch's own GQA (`enable_gqa`); prefill chunks run over `[batch, kv_heads,
+group*q_len, ctx]`, with the query heads that share a KV head folded into the query
+axis (GQA without repeating K/V). Both use an additive mask (0 / -inf, in the model
+dtype, so no layer converts a boolean one) for causality and padding.
+`AttentionMetadata` (slots, block tables, masks) is built once per step and reused by
+every layer, so nothing inside a layer loops over sequences in Python.
 """
 
 from __future__ import annotations
@@ -118,13 +120,17 @@ def _group_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache,
     q = q[g.start:g.end]
     if g.fresh:
         return _causal_attention(q, k[g.start:g.end], v[g.start:g.end])
+    keys, values = cache.gather(g.block_tables)
+    if g.q_len == 1:  # decodes: torch's GQA path is quicker than folding for one query
+        o = F.scaled_dot_product_attention(q.view(g.batch, heads, 1, d), keys, values,
+                                           attn_mask=g.mask, enable_gqa=True)
+        return o.reshape(g.batch, heads * d)
     if g.scatter is not None:
         padded = q.new_zeros(g.batch * g.q_len, heads, d)
         q = padded.index_copy_(0, g.scatter, q)
     # [B*Q, kv, gqa, d] -> [B, kv, gqa*Q, d]: the heads sharing a KV head become extra queries
     qf = q.view(g.batch, g.q_len, kv_heads, gqa, d).permute(0, 2, 3, 1, 4)
     qf = qf.reshape(g.batch, kv_heads, gqa * g.q_len, d)
-    keys, values = cache.gather(g.block_tables)
     o = F.scaled_dot_product_attention(qf, keys, values, attn_mask=g.mask)
     o = o.view(g.batch, kv_heads, gqa, g.q_len, d).permute(0, 3, 1, 2, 4)
     o = o.reshape(g.batch * g.q_len, heads * d)
