@@ -101,7 +101,7 @@ CHAT = {"model": "stub-model", "messages": [{"role": "user", "content": "Hello t
 
 
 @asynccontextmanager
-async def serve(app: object) -> AsyncIterator[str]:
+async def serve(app: object, lifespan: str = "off") -> AsyncIterator[str]:
     """Run `app` under a real uvicorn server on a free 127.0.0.1 port, in this loop."""
     import socket
 
@@ -112,7 +112,7 @@ async def serve(app: object) -> AsyncIterator[str]:
     port = sock.getsockname()[1]
     sock.close()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,  # type: ignore[arg-type]
-                                           log_level="warning", lifespan="off"))
+                                           log_level="warning", lifespan=lifespan))
     task = asyncio.create_task(server.serve())
     for _ in range(500):
         if server.started:
