@@ -201,6 +201,8 @@ async def test_anthropic_messages_with_x_api_key(sqlite_store: SQLStore, stub: S
         r = await c.post("/v1/messages", json=body, headers={"x-api-key": key})
         assert r.status_code == 429
         assert r.json()["type"] == "error" and r.json()["error"]["type"] == "rate_limit_error"
+        r = await c.post("/v1/messages", json=body, headers={"x-api-key": "sk-sluice-bad"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert "priority" not in stub.received[-1]  # Anthropic bodies are not extended
     assert stub.headers[-1]["x-sluice-priority"] == "1"
     rec = sqlite_store.query_usage(UsageQuery())[0]

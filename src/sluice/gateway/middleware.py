@@ -47,6 +47,7 @@ from sluice.gateway.limits import (
 from sluice.gateway.meter import ResponseMeter
 from sluice.gateway.state import GatewayState
 from sluice.gateway.store import Principal, UsageRecord
+from sluice.protocol import anthropic
 from sluice.protocol.errors import (
     AuthenticationError,
     InvalidRequestError,
@@ -92,9 +93,9 @@ def api_key_of(scope: Scope_) -> str | None:
 
 
 def error_body(exc: SluiceError, protocol: str) -> bytes:
+    """OpenAI's error JSON, or Anthropic's on the Messages API."""
     if protocol == "anthropic":
-        return json.dumps({"type": "error",
-                           "error": {"type": exc.error_type, "message": exc.message}}).encode()
+        return json.dumps(anthropic.error_body(exc)).encode()
     return json.dumps(exc.to_dict()).encode()
 
 
