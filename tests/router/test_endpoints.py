@@ -33,21 +33,35 @@ def test_scraped_load_and_own_counts_merge_by_max() -> None:
     assert (s.running, s.waiting, s.external_waiting, s.kv_usage) == (5.0, 2.0, 1.0, 0.5)
 
 
+def observe(e: Endpoint, units: float, seconds: float, learn: bool = True) -> None:
+    t = e.begin(int(units), int(units), units=units)
+    t.started = time.monotonic() - seconds
+    e.on_first_byte(t, learn=learn)
+    e.finish(t)
+
+
 def test_prefill_cost_is_learned_from_streamed_ttft() -> None:
     e = Endpoint(WorkerSpec("http://a"))
     prior = e.seconds_per_token
-    for _ in range(40):  # the worker really takes 10 ms per token-equivalent
-        t = e.begin(1000, 1000, units=1000)
-        t.started = time.monotonic() - 0.01 * (1000 + BASE_UNITS)
-        e.on_first_byte(t, learn=True)
-        e.finish(t)
+    for _ in range(40):  # always the same work: a line through the origin
+        observe(e, 1000, 0.01 * (1000 + BASE_UNITS))
     assert prior < 1e-3
     assert e.seconds_per_token == pytest.approx(0.01, rel=0.05)
-    before = (e.ttft_avg, e.units_avg)
-    t = e.begin(10, 10, 10)
-    e.on_first_byte(t, learn=False)  # non-streamed: first byte is the whole answer
-    assert (e.ttft_avg, e.units_avg) == before
+    assert e.stats().overhead_s == 0.0
+    before = e.fit.predict(500)
+    observe(e, 10, 99.0, learn=False)  # non-streamed: first byte is the whole answer
+    assert e.fit.predict(500) == before
     assert EWMA_ALPHA < 1
+
+
+def test_fixed_overhead_and_slope_are_told_apart_when_work_varies() -> None:
+    e = Endpoint(WorkerSpec("http://a"))
+    for i in range(200):  # the truth: 50 ms fixed + 1 ms per token-equivalent
+        units = 100.0 if i % 2 else 2000.0
+        observe(e, units, 0.05 + 1e-3 * (units + BASE_UNITS))
+    s = e.stats()
+    assert s.seconds_per_token == pytest.approx(1e-3, rel=0.02)
+    assert s.overhead_s == pytest.approx(0.05, rel=0.05)
 
 
 def test_ejection_after_consecutive_failures_and_readmission() -> None:

@@ -131,8 +131,8 @@ def test_cost_trades_cached_prefix_against_queue_depth() -> None:
     assert p.choose(r, [a, b]).url == A
     # A has 1,000 uncached tokens queued ahead: 1000 < 2048 still cheaper than B's full prefill
     a_busy = replace(a, queued_prefill_tokens=1000, waiting=2)
-    assert estimate_seconds(r, a_busy) == pytest.approx(1.0)
-    assert estimate_seconds(r, b) == pytest.approx(2.048)
+    assert estimate_seconds(r, a_busy) == pytest.approx((1000 + 32) * spt)  # + fixed 32 units
+    assert estimate_seconds(r, b) == pytest.approx((2048 + 32) * spt)
     assert p.choose(r, [a_busy, b]).url == A
     # A has 3,000 queued: waiting there costs more than recomputing the prefix on B
     a_deep = replace(a, queued_prefill_tokens=3000, waiting=4)
@@ -154,7 +154,17 @@ def test_cost_falls_back_to_approximate_hits_without_kv_events() -> None:
     r = meta(tokens=512, blocks=32)
     e = EndpointStats(A, cached_blocks=16, kv_cached_blocks=None)
     assert work_units(e, 512 - 16 * 16) == 256
-    assert estimate_seconds(r, e) == pytest.approx(256 * e.seconds_per_token)
+    assert estimate_seconds(r, e) == pytest.approx((256 + 32) * e.seconds_per_token)
+
+
+def test_cost_adds_each_workers_fixed_overhead() -> None:
+    p = make_policy("cost", random.Random(0))
+    r = meta(tokens=100, blocks=0)
+    # same speed, but A has 200 ms of fixed overhead per request: B wins despite a queue
+    a = EndpointStats(A, seconds_per_token=1e-3, overhead_s=0.2)
+    b = EndpointStats(B, seconds_per_token=1e-3, queued_prefill_tokens=150)
+    assert estimate_seconds(r, a) == pytest.approx(0.2 + 0.132)
+    assert p.choose(r, [a, b]).url == B
 
 
 def test_cold_tie_goes_to_the_worker_with_the_smallest_cache_footprint() -> None:

@@ -44,7 +44,7 @@ def describe(endpoint: Endpoint) -> dict[str, Any]:
         "kv_events": endpoint.spec.kv_events, "healthy": endpoint.healthy,
         "draining": endpoint.draining, "inflight": endpoint.inflight,
         "running": s.running, "waiting": s.waiting, "kv_usage": s.kv_usage,
-        "seconds_per_token": endpoint.seconds_per_token,
+        "seconds_per_token": endpoint.seconds_per_token, "overhead_s": s.overhead_s,
     }
 
 

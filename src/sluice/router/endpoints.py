@@ -13,11 +13,14 @@ stream ends. The estimates take the larger of the two views:
     running_est = max(scraped running, own decoding)
     waiting_est = max(scraped waiting, own prefilling)
 
-The worker's prefill cost is learned online from the TTFT of its streamed responses:
+The worker's prefill cost is learned online from the TTFT of its streamed responses, as
+an exponentially weighted least-squares line (`TTFTFit`):
 
-    seconds_per_unit = EWMA(observed TTFT) / EWMA(work units ahead of it at dispatch)
+    TTFT ≈ overhead + seconds_per_token × (work units ahead of it at dispatch)
 
-starting from a prior, so the `cost` policy needs no hand-tuned threshold.
+starting from a prior (a line through the origin until the observed work varies
+enough to fit a slope), so the `cost` policy needs no hand-tuned threshold, and a
+worker's fixed per-request overhead is not mistaken for a slow prefill.
 """
 
 from __future__ import annotations
@@ -33,6 +36,49 @@ PRIOR_UNITS = 256.0
 BASE_UNITS = 32.0  # fixed per-request work (HTTP, tokenization, one step) in token units
 EWMA_ALPHA = 0.2
 DECODE_EQUIV_TOKENS = 16.0  # prefill-token cost of one running sequence during our wait
+MIN_FIT_SPREAD = 64.0  # std-dev of observed units (tokens) needed before fitting a slope
+
+
+@dataclass
+class TTFTFit:
+    """Online least squares of TTFT against work units, exponentially weighted.
+
+    Keeps EWMAs of x, y, x², xy; slope = cov(x, y) / var(x). Until x varies by
+    MIN_FIT_SPREAD (or if the fitted slope is not positive) the line goes through the
+    origin: slope = mean(y) / mean(x), overhead 0.
+    """
+
+    mx: float = PRIOR_UNITS
+    my: float = PRIOR_SECONDS_PER_TOKEN * PRIOR_UNITS
+    mxx: float = PRIOR_UNITS ** 2
+    mxy: float = PRIOR_SECONDS_PER_TOKEN * PRIOR_UNITS ** 2
+
+    def observe(self, units: float, seconds: float) -> None:
+        x = units + BASE_UNITS
+        self.mx += EWMA_ALPHA * (x - self.mx)
+        self.my += EWMA_ALPHA * (seconds - self.my)
+        self.mxx += EWMA_ALPHA * (x * x - self.mxx)
+        self.mxy += EWMA_ALPHA * (x * seconds - self.mxy)
+
+    def _fitted_slope(self) -> float | None:
+        var = self.mxx - self.mx ** 2
+        if var < MIN_FIT_SPREAD ** 2:
+            return None
+        slope = (self.mxy - self.mx * self.my) / var
+        return slope if slope > 0 else None
+
+    @property
+    def slope(self) -> float:
+        fitted = self._fitted_slope()
+        return fitted if fitted is not None else self.my / self.mx
+
+    @property
+    def overhead(self) -> float:
+        fitted = self._fitted_slope()
+        return 0.0 if fitted is None else max(0.0, self.my - fitted * self.mx)
+
+    def predict(self, units: float) -> float:
+        return self.overhead + self.slope * (units + BASE_UNITS)
 
 
 @dataclass(frozen=True)
@@ -49,6 +95,7 @@ class EndpointStats:
     external_waiting: float = 0.0  # waiting requests the router did not send
     mean_prompt_tokens: float = 0.0
     seconds_per_token: float = PRIOR_SECONDS_PER_TOKEN
+    overhead_s: float = 0.0  # learned fixed part of the worker's TTFT
     cached_blocks: int = 0  # approximate index (dispatch records)
     kv_cached_blocks: int | None = None  # precise index; None: the worker publishes no events
     cache_footprint: int = 0  # blocks the router has placed there (approximate index)
@@ -87,8 +134,7 @@ class Endpoint:
     inflight_tokens: int = 0
     prefilling: int = 0
     prefill_tokens: float = 0.0
-    ttft_avg: float = PRIOR_SECONDS_PER_TOKEN * PRIOR_UNITS
-    units_avg: float = PRIOR_UNITS
+    fit: TTFTFit = field(default_factory=TTFTFit)
     prompt_avg: float = 0.0
 
     @property
@@ -97,7 +143,7 @@ class Endpoint:
 
     @property
     def seconds_per_token(self) -> float:
-        return self.ttft_avg / self.units_avg
+        return self.fit.slope
 
     @property
     def available(self) -> bool:
@@ -116,7 +162,8 @@ class Endpoint:
             queued_prefill_tokens=self.prefill_tokens,
             external_waiting=max(0.0, self.load.waiting - self.prefilling),
             mean_prompt_tokens=self.prompt_avg,
-            seconds_per_token=self.seconds_per_token,
+            seconds_per_token=self.fit.slope,
+            overhead_s=self.fit.overhead,
             cached_blocks=cached_blocks,
             kv_cached_blocks=kv_cached_blocks,
             cache_footprint=cache_footprint,
@@ -140,9 +187,7 @@ class Endpoint:
         ticket.first_byte = True
         self._end_prefill(ticket)
         if learn:
-            observed = time.monotonic() - ticket.started
-            self.ttft_avg += EWMA_ALPHA * (observed - self.ttft_avg)
-            self.units_avg += EWMA_ALPHA * (ticket.units + BASE_UNITS - self.units_avg)
+            self.fit.observe(ticket.units, time.monotonic() - ticket.started)
 
     def finish(self, ticket: Ticket) -> None:
         """The response ended (completed, failed or cancelled): stop counting it."""

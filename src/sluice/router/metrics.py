@@ -30,6 +30,9 @@ class _WorkerCollector(Collector):
                                           "requests the router has in flight there", labels=["worker"]),
             "spt": GaugeMetricFamily("sluice_router_worker_seconds_per_token",
                                      "learned prefill cost per token-equivalent", labels=["worker"]),
+            "overhead": GaugeMetricFamily("sluice_router_worker_overhead_seconds",
+                                          "learned fixed part of the worker's TTFT",
+                                          labels=["worker"]),
             "running": GaugeMetricFamily("sluice_router_worker_running",
                                          "estimated running requests", labels=["worker"]),
             "waiting": GaugeMetricFamily("sluice_router_worker_waiting",
@@ -40,7 +43,8 @@ class _WorkerCollector(Collector):
                 s = e.stats()
                 fams["healthy"].add_metric([e.url], float(e.available))
                 fams["inflight"].add_metric([e.url], float(e.inflight))
-                fams["spt"].add_metric([e.url], e.seconds_per_token)
+                fams["spt"].add_metric([e.url], s.seconds_per_token)
+                fams["overhead"].add_metric([e.url], s.overhead_s)
                 fams["running"].add_metric([e.url], s.running)
                 fams["waiting"].add_metric([e.url], s.waiting)
         yield from fams.values()

@@ -1,12 +1,13 @@
 """`cost` (the default): route to the worker with the smallest estimated time to first token.
 
-    estimate(worker) = seconds_per_token(worker) × work_units(worker, uncached tokens)
+    estimate(worker) = overhead(worker)
+                     + seconds_per_token(worker) × (work_units(worker, uncached tokens) + 32)
 
 where `uncached = prompt tokens - cached prefix blocks × block_size` (precise KV-event
 index when the worker publishes events, else the approximate dispatch index) and
 `work_units` adds what is queued ahead of it and the decode pressure of running sequences
-(see `sluice.router.endpoints`). `seconds_per_token` is learned per worker from observed
-TTFTs, so a long cached prefix wins exactly while its prefill saving exceeds the extra
+(see `sluice.router.endpoints`). `overhead` and `seconds_per_token` are learned per
+worker from observed TTFTs (a weighted least-squares line), so a long cached prefix wins exactly while its prefill saving exceeds the extra
 queue wait, with no affinity threshold to tune. Cold misses spread because the router's
 own in-flight prefill tokens count at once, and exact ties go to the worker with the
 smallest cached footprint, then at random.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from sluice.router.endpoints import DECODE_EQUIV_TOKENS, EndpointStats, work_units
+from sluice.router.endpoints import BASE_UNITS, DECODE_EQUIV_TOKENS, EndpointStats, work_units
 from sluice.router.policies.base import (
     Choice,
     RequestMeta,
@@ -36,7 +37,7 @@ def estimate_seconds(request: RequestMeta, e: EndpointStats,
                      decode_equiv_tokens: float = DECODE_EQUIV_TOKENS) -> float:
     """Estimated seconds until this request's first token on worker `e`."""
     units = work_units(e, uncached_tokens(request, cached(e, True)), decode_equiv_tokens)
-    return e.seconds_per_token * units
+    return e.overhead_s + e.seconds_per_token * (units + BASE_UNITS)
 
 
 class CostModel(RoutingPolicy):
