@@ -237,8 +237,9 @@ async def measure_accuracy(limit: int, burst: int, redis: bool, db_url: str) -> 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="sluice-gw-bench-")
     sqlite_url = f"sqlite:///{os.path.join(tmp, 'bench.db')}"
-    overhead = [await measure_overhead(args, "sqlite + local limiter", sqlite_url, None)]
-    if args.redis or args.postgres:
+    overhead = ([] if args.accuracy_only else
+                [await measure_overhead(args, "sqlite + local limiter", sqlite_url, None)])
+    if (args.redis or args.postgres) and not args.accuracy_only:
         db = PG_URL if args.postgres else sqlite_url
         label = ("postgres" if args.postgres else "sqlite") + (" + redis" if args.redis
                                                                else " + local limiter")
@@ -278,6 +279,8 @@ def main() -> int:
     parser.add_argument("--limit", type=int, default=100, help="RPM limit for the accuracy burst")
     parser.add_argument("--redis", action="store_true", help="also measure with Redis limits")
     parser.add_argument("--postgres", action="store_true", help="also measure with PostgreSQL")
+    parser.add_argument("--accuracy-only", action="store_true",
+                        help="skip the overhead measurement")
     parser.add_argument("--server", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.server:

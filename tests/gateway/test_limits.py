@@ -116,11 +116,14 @@ async def test_both_limiters_agree_on_rpm_tpm_concurrency(redis_prefix: str) -> 
 
 
 async def test_redis_burst_admits_exactly_the_limit(redis_prefix: str) -> None:
-    a = RedisLimiter(REDIS_URL, prefix=redis_prefix)
-    b = RedisLimiter(REDIS_URL, prefix=redis_prefix)  # a second replica, own connection
+    # two replicas, each with a small connection pool: a burst far wider than the pool
+    # waits for connections (no spurious "unavailable") and admits exactly the limit
+    a = RedisLimiter(REDIS_URL, prefix=redis_prefix, max_connections=8)
+    b = RedisLimiter(REDIS_URL, prefix=redis_prefix, max_connections=8)
     scope = [Scope("key:burst", rpm=25)]
-    results = await asyncio.gather(*[(a if i % 2 else b).acquire(scope, 1) for i in range(80)])
+    results = await asyncio.gather(*[(a if i % 2 else b).acquire(scope, 1) for i in range(300)])
     assert sum(d.allowed for d in results) == 25
+    assert sum(d.reason == "requests" for d in results) == 275
     await a.close()
     await b.close()
 

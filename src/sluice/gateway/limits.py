@@ -393,7 +393,7 @@ class RedisLimiter(Limiter):
     def __init__(self, url: str | None = None, *, client: object | None = None,
                  prefix: str = "sluice:rl:", window_s: float = 60.0,
                  lease_s: float = 3600.0, timeout_s: float = 1.0,
-                 retry_interval_s: float = 1.0,
+                 retry_interval_s: float = 1.0, max_connections: int = 64,
                  clock: Callable[[], float] = time.monotonic) -> None:
         import redis.asyncio as aioredis
 
@@ -404,9 +404,12 @@ class RedisLimiter(Limiter):
         self.window_s = window_s
         self.lease_s = lease_s
         self.prefix = prefix
-        self.client = client or aioredis.Redis.from_url(
-            url or "redis://127.0.0.1:6379/0", socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s)
+        # A blocking pool: a burst waits for a free connection instead of failing with
+        # "Too many connections" (which would read as Redis being down).
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url or "redis://127.0.0.1:6379/0", max_connections=max_connections, timeout=10,
+            socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.client = client or aioredis.Redis.from_pool(pool)
         self._acquire_script = self.client.register_script(_ACQUIRE_LUA)  # type: ignore[attr-defined]
         self._finish_script = self.client.register_script(_FINISH_LUA)  # type: ignore[attr-defined]
 
@@ -452,7 +455,8 @@ class RedisLimiter(Limiter):
             self._next_try = now + self.retry_interval_s
             raise LimiterUnavailableError(f"rate limiter store unreachable: {exc}") from exc
         if self.down_since is not None:
-            logger.warning("rate limiter: Redis back after %.1f s", now - self.down_since)
+            logger.warning("rate limiter: Redis back after %.1f s",
+                           self.clock() - self.down_since)
             self.down_since = None
         return result  # type: ignore[no-any-return]
 
