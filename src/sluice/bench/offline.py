@@ -179,11 +179,14 @@ class FlopModel:
         if key not in self._cache:
             x, w = torch.randn(m, k), torch.randn(n, k)
             torch.nn.functional.linear(x, w)
-            reps = max(2, min(50, int(2e9 / max(1, 2 * m * k * n))))
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                torch.nn.functional.linear(x, w)
-            self._cache[key] = (time.perf_counter() - t0) / reps
+            reps = max(2, min(20, int(1e9 / max(1, 2 * m * k * n))))
+            best = float("inf")
+            for _ in range(3):  # best of three: the machine is shared, take the least noisy
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    torch.nn.functional.linear(x, w)
+                best = min(best, (time.perf_counter() - t0) / reps)
+            self._cache[key] = best
         return self._cache[key]
 
     def reference_s(self, tokens: int, rows: int) -> float:
