@@ -3,16 +3,15 @@
 Character matching (SGLang's radix tree on text) drifts from what the engine caches: a
 chat template adds tokens, and equal text prefixes need not tokenize equally at the
 boundary. The router therefore hashes token blocks of the *templated, tokenized* prompt,
-obtained from (a worker whose /tokenize fails or is missing is not asked again for a
-minute):
+obtained from:
 
 1. a local tokenizer (`sluice.engine.tokenizer.load_tokenizer`, torch-free) when the pool
    names one: no round trip;
-2. otherwise the worker's `/tokenize` (vLLM's shape; `messages` for chat).
+2. otherwise the worker's `/tokenize` (vLLM's shape; `messages` for chat); a worker
+   whose /tokenize fails or is missing is not asked again for a minute.
 
 Results (and their block hashes) are cached (LRU by prompt), so a repeated prompt costs
-one dictionary lookup. A
-failure yields None and the request is routed on load alone.
+one dictionary lookup. A failure yields None and the request is routed on load alone.
 """
 
 from __future__ import annotations
