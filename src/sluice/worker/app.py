@@ -101,7 +101,10 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         body = await parse_body(request)
         anthropic.reject_unsupported(body)
         req = parse_request(anthropic.MessagesRequest, body)
-        chat_req = parse_request(ChatCompletionRequest, anthropic.to_chat_body(req))
+        chat_body = anthropic.to_chat_body(req)
+        if (priority := header_priority(request)) is not None:
+            chat_body["priority"] = priority
+        chat_req = parse_request(ChatCompletionRequest, chat_body)
         job = await prepare_chat(state, chat_req, request_id(request))
         if req.stream:
             return SSEResponse(anthropic_sse(chat_chunks(job), anthropic.StreamTranslator(req)))
@@ -174,6 +177,22 @@ async def parse_body(request: Request) -> dict[str, Any]:
 
 def request_id(request: Request) -> str:
     return str(request.scope["state"]["request_id"])
+
+
+PRIORITY_HEADER = "x-sluice-priority"
+
+
+def header_priority(request: Request) -> int | None:
+    """The gateway's priority for a request whose body has no `priority` field (Anthropic
+    Messages): the `x-sluice-priority` header, an integer, lower runs first."""
+    value = request.headers.get(PRIORITY_HEADER)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidRequestError(f"{PRIORITY_HEADER} must be an integer, got {value!r}",
+                                  param=PRIORITY_HEADER) from None
 
 
 async def _json(result: Awaitable[BaseModel]) -> JSONResponse:
