@@ -28,6 +28,7 @@ prefixes of the corresponding length.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -160,10 +161,7 @@ class RandomWorkload:
         return Session(index=i, turns=(Turn(random_segment(rng, self.vocab, n_in), n_out),))
 
     def sessions(self) -> Iterator[Session]:
-        i = 0
-        while True:
-            yield self.session(i)
-            i += 1
+        return map(self.session, itertools.count())
 
 
 @dataclass(frozen=True)
@@ -189,10 +187,7 @@ class SharedPrefixWorkload:
         return Session(index=i, turns=(turn,), system=self.system(group), session_id=f"g{group}")
 
     def sessions(self) -> Iterator[Session]:
-        i = 0
-        while True:
-            yield self.session(i)
-            i += 1
+        return map(self.session, itertools.count())
 
 
 @dataclass(frozen=True)
@@ -217,10 +212,7 @@ class MultiTurnWorkload:
         return Session(index=i, turns=turns, system=system, session_id=f"s{self.cfg.seed}-{i}")
 
     def sessions(self) -> Iterator[Session]:
-        i = 0
-        while True:
-            yield self.session(i)
-            i += 1
+        return map(self.session, itertools.count())
 
 
 @dataclass(frozen=True)
