@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from router_overhead import wait_http  # benchmarks/ is on sys.path when run as a script
 
 from sluice.control.local import LocalWorkerPool, free_port
 from sluice.router.scrape import parse_load, parse_samples
@@ -135,18 +136,6 @@ def pct(xs: list[float], q: float) -> float:
         return float("nan")
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
-def wait_http(url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
 
 
 def measure(target_urls: Sequence[str], url: str, model: str, sessions: list[list[Turn]],
