@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import httpx
+
+from sluice.control.local import free_port
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -57,12 +58,6 @@ async def stub_app(scope: MutableMapping[str, Any], receive: Receive, send: Send
         (b"content-type", b"application/json"),
         (b"content-length", str(len(_RESPONSE)).encode())]})
     await send({"type": "http.response.body", "body": _RESPONSE})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- server process -------------------------------------------------------------------------

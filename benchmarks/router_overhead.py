@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import httpx
+
+from sluice.control.local import free_port
 
 BODY = json.dumps({"model": "stub", "max_tokens": 8,
                    "messages": [{"role": "user", "content": "Say hi."}]}).encode()
@@ -62,12 +63,6 @@ async def stub_app(scope: MutableMapping[str, Any], receive: Receive, send: Send
     await send({"type": "http.response.start", "status": 200, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Conn:

@@ -29,7 +29,6 @@ import asyncio
 import functools
 import json
 import os
-import socket
 import sys
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -51,6 +50,8 @@ from sluice.worker.kv_events import KVEventPublisher
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from router_policies import multi_turn, pct, shared_prefix  # noqa: E402
+
+from sluice.control.local import free_port
 
 BLOCK = 16
 
@@ -159,12 +160,6 @@ class SimWorker:
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/metrics", metrics), Route("/tokenize", tokenize, methods=["POST"]),
             Route("/v1/models", models), Route("/health", health)])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @asynccontextmanager

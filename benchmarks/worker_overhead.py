@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from sluice.control.local import free_port
 from sluice.engine.async_engine import AsyncEngine
 from sluice.engine.config import EngineConfig
 from sluice.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -86,12 +86,6 @@ async def http(client: httpx.AsyncClient, ids: list[int], max_tokens: int) -> Sa
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
     return Sample(first, time.perf_counter() - start, tokens)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_worker(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -23,6 +22,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from tokenizers import Tokenizer
+
+from sluice.control.local import free_port
 
 BLOCK = 4
 
@@ -158,12 +159,6 @@ def build_stub_app(cfg: StubConfig) -> tuple[FastAPI, StubState]:
         return PlainTextResponse(text)
 
     return app, state
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

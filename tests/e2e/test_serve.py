@@ -7,12 +7,10 @@ one with `--workers 2` on the tiny model (gateway -> router -> two worker proces
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,6 +18,9 @@ import anthropic
 import httpx
 import openai
 import pytest
+
+from sluice.control.local import free_port
+from worker.worker_helpers import wait_until
 
 
 @contextmanager
@@ -88,18 +89,3 @@ def _healthy(url: str) -> bool:
         return httpx.get(url + "/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, interval: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from sluice.control.local import free_port
 from sluice.protocol.block_hash import hash_blocks
 from sluice.protocol.kv_events import BlockStored
 
@@ -136,12 +136,6 @@ def make_stub(state: StubState) -> Starlette:
         Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
         Route("/tokenize", tokenize, methods=["POST"]),
     ])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @asynccontextmanager

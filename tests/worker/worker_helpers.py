@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from typing import Any
 
 import uvicorn
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from sluice.control.local import free_port
 
 
 class ServerThread:
