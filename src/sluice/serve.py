@@ -92,7 +92,6 @@ def serve_one(args: argparse.Namespace, wrap: Any) -> int:
     from sluice.worker.config import WorkerConfig
     from sluice.worker.server import run_worker
 
-    args.served_model_name = None
     worker = WorkerConfig(host=args.host, port=args.port, log_level=args.log_level)
     return run_worker(engine_config(args), worker, wrap=wrap)
 

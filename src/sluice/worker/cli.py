@@ -106,7 +106,7 @@ def engine_config(args: argparse.Namespace) -> Any:
 
     options = {k: getattr(args, k) for k in (*ENGINE_FLAGS, *ENGINE_SWITCHES)
                if getattr(args, k, None) is not None}
-    if args.served_model_name:
+    if getattr(args, "served_model_name", None):  # `sluice serve` has no such flag
         options["served_model_name"] = args.served_model_name[0]
     return EngineConfig.from_options(args.model, **options)
 
