@@ -196,7 +196,8 @@ class ModelRunner:
         layout = StepLayout(self.block_size, cfg.num_heads // cfg.num_kv_heads, self.device,
                             self.dtype)
         groups, start = [], 0
-        for members in (order[:self._num_decodes(chunks)], order[self._num_decodes(chunks):]):
+        num_decodes = self._num_decodes(chunks)
+        for members in (order[:num_decodes], order[num_decodes:]):
             if not members:
                 continue
             picked = [chunks[i] for i in members]
