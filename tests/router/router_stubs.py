@@ -1,4 +1,5 @@
-"""In-process stub workers that speak the worker contract, and a uvicorn runner.
+"""In-process stub workers that speak the worker contract, and two runners: uvicorn (any
+ASGI app) and `RouterServer` (a router app, as `sluice router` serves it).
 
 A stub serves /health, /v1/models, /metrics (vLLM gauge names), /tokenize (one token
 per whitespace-separated word, stable ids), and /v1/chat/completions, /v1/completions
@@ -26,6 +27,7 @@ from starlette.routing import Route
 from sluice.control.local import free_port
 from sluice.protocol.block_hash import hash_blocks
 from sluice.protocol.kv_events import BlockStored
+from sluice.router.server import RouterServer
 
 
 def word_ids(text: str) -> list[int]:
@@ -157,3 +159,11 @@ async def serve(app: Any) -> AsyncIterator[str]:
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 10)
+
+
+@asynccontextmanager
+async def serve_router(app: Any) -> AsyncIterator[str]:
+    """Run a router app on `RouterServer` (as `sluice router` does) on a free 127.0.0.1
+    port in this event loop; yields its URL."""
+    async with RouterServer(app, "127.0.0.1", 0, shutdown_timeout_s=5) as server:
+        yield server.url

@@ -1,16 +1,28 @@
-"""The router over real HTTP: stub workers and the router under uvicorn on 127.0.0.1."""
+"""The router over real HTTP: stub workers and the router on 127.0.0.1, every test run
+against both front ends: `sluice router`'s own server (`RouterServer`) and the ASGI app
+under uvicorn (how the gateway and `sluice serve` compose it)."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import httpx
-from router_stubs import StubState, chat_text, free_port, make_stub, serve, word_ids
+import pytest
+from router_stubs import (
+    StubState,
+    chat_text,
+    free_port,
+    make_stub,
+    serve,
+    serve_router,
+    word_ids,
+)
 
 from sluice.protocol.block_hash import hash_blocks
 from sluice.protocol.kv_events import BlockRemoved, BlockStored
@@ -18,9 +30,19 @@ from sluice.router.app import build_app
 from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
 from sluice.worker.kv_events import KVEventPublisher
 
+Front = Callable[[Any], AbstractAsyncContextManager[str]]
+Cluster = Callable[..., AbstractAsyncContextManager[tuple[str, dict[str, str]]]]
+FRONTS: dict[str, Front] = {"server": serve_router, "uvicorn": serve}
+
+
+@pytest.fixture(params=sorted(FRONTS))
+def cluster(request: pytest.FixtureRequest) -> Cluster:
+    """`cluster(states, ...)` with the router behind one front end or the other."""
+    return functools.partial(_cluster, FRONTS[request.param])
+
 
 @asynccontextmanager
-async def cluster(states: list[StubState], policy: str = "round_robin",
+async def _cluster(front: Front, states: list[StubState], policy: str = "round_robin",
                   extra_urls: tuple[str, ...] = (), kv: dict[str, str] | None = None,
                   groups: dict[str, str] | None = None, pool_kw: dict[str, Any] | None = None,
                   **router_kw: Any) -> AsyncIterator[tuple[str, dict[str, str]]]:
@@ -39,7 +61,7 @@ async def cluster(states: list[StubState], policy: str = "round_robin",
                               **{"health_interval_s": 0.1, "scrape_interval_s": 0.1, "seed": 0,
                                  **router_kw})
         app = build_app(config, rng=random.Random(0))
-        router_url = await stack.enter_async_context(serve(app))
+        router_url = await stack.enter_async_context(front(app))
         yield router_url, names
 
 
@@ -48,7 +70,7 @@ def chat(content: str, stream: bool = False, **kw: Any) -> dict[str, Any]:
             "stream": stream, **kw}
 
 
-async def test_proxies_plain_and_streamed_responses_and_models() -> None:
+async def test_proxies_plain_and_streamed_responses_and_models(cluster: Cluster) -> None:
     a = StubState("a", num_tokens=4)
     async with cluster([a]) as (router, _), httpx.AsyncClient(base_url=router) as c:
         r = await c.post("/v1/chat/completions", json=chat("hi"))
@@ -70,7 +92,7 @@ async def test_proxies_plain_and_streamed_responses_and_models() -> None:
         assert a.headers[-1]["authorization"] == "Bearer k"
 
 
-async def test_errors_are_openai_json() -> None:
+async def test_errors_are_openai_json(cluster: Cluster) -> None:
     async with cluster([StubState("a")]) as (router, _), httpx.AsyncClient(base_url=router) as c:
         r = await c.post("/v1/chat/completions", json={**chat("hi"), "model": "nope"})
         assert r.status_code == 404
@@ -82,7 +104,7 @@ async def test_errors_are_openai_json() -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "model"
 
 
-async def test_no_healthy_worker_is_503_with_retry_after() -> None:
+async def test_no_healthy_worker_is_503_with_retry_after(cluster: Cluster) -> None:
     a = StubState("a", fail_status=503)
     async with cluster([a], max_retries=1) as (router, _), httpx.AsyncClient(base_url=router) as c:
         r = await c.post("/v1/chat/completions", json=chat("hi"))
@@ -92,7 +114,7 @@ async def test_no_healthy_worker_is_503_with_retry_after() -> None:
         assert len(a.requests) == 1  # the only worker is not retried twice
 
 
-async def test_retries_before_first_byte_on_another_worker() -> None:
+async def test_retries_before_first_byte_on_another_worker(cluster: Cluster) -> None:
     bad = StubState("bad", fail_status=500)
     good = StubState("good")
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: connect error
@@ -108,7 +130,7 @@ async def test_retries_before_first_byte_on_another_worker() -> None:
         assert 'reason="ConnectError"' in metrics
 
 
-async def test_ejection_and_readmission() -> None:
+async def test_ejection_and_readmission(cluster: Cluster) -> None:
     flaky, steady = StubState("flaky"), StubState("steady")
     async with cluster([flaky, steady], eject_after_failures=2, readmit_after_successes=2,
                        health_interval_s=0.05) as (router, urls), \
@@ -145,7 +167,7 @@ async def wait_for(get: Any, pred: Any, timeout: float = 5.0) -> Any:
         await asyncio.sleep(0.02)
 
 
-async def test_client_disconnect_cancels_upstream_and_frees_the_slot() -> None:
+async def test_client_disconnect_cancels_upstream_and_frees_the_slot(cluster: Cluster) -> None:
     slow = StubState("slow", num_tokens=200, token_delay_s=0.05)
     async with cluster([slow]) as (router, urls), httpx.AsyncClient(base_url=router) as c:
         async with c.stream("POST", "/v1/chat/completions", json=chat("hi", stream=True)) as s:
@@ -158,7 +180,7 @@ async def test_client_disconnect_cancels_upstream_and_frees_the_slot() -> None:
         await wait_for(lambda: worker(c, urls["slow"]), lambda w: w["inflight"] == 0)
 
 
-async def test_streaming_requests_count_until_their_stream_ends() -> None:
+async def test_streaming_requests_count_until_their_stream_ends(cluster: Cluster) -> None:
     a = StubState("a", num_tokens=30, token_delay_s=0.02)
     b = StubState("b", num_tokens=30, token_delay_s=0.02)
     async with cluster([a, b], policy="least_load", scrape_interval_s=60) as (router, _), \
@@ -175,7 +197,7 @@ async def test_streaming_requests_count_until_their_stream_ends() -> None:
         assert len(a.requests) == 1 and len(b.requests) == 1
 
 
-async def test_session_affinity_by_header_and_user_field() -> None:
+async def test_session_affinity_by_header_and_user_field(cluster: Cluster) -> None:
     states = [StubState(n) for n in ("a", "b", "c")]
     async with cluster(states, policy="session") as (router, _), \
             httpx.AsyncClient(base_url=router) as c:
@@ -192,7 +214,7 @@ async def test_session_affinity_by_header_and_user_field() -> None:
         assert len(users) == 1
 
 
-async def test_kv_events_steer_requests_to_the_worker_holding_the_prefix() -> None:
+async def test_kv_events_steer_requests_to_the_worker_holding_the_prefix(cluster: Cluster) -> None:
     ports = {"a": free_port(), "b": free_port()}
     kv = {n: f"tcp://127.0.0.1:{p}" for n, p in ports.items()}
     pubs = {n: KVEventPublisher(ep) for n, ep in kv.items()}
@@ -227,7 +249,7 @@ async def test_kv_events_steer_requests_to_the_worker_holding_the_prefix() -> No
             p.close()
 
 
-async def test_cost_policy_keeps_shared_prefixes_together_and_spreads_cold_ones() -> None:
+async def test_cost_policy_keeps_shared_prefixes_together_and_spreads_cold_ones(cluster: Cluster) -> None:
     states = [StubState(n) for n in ("a", "b", "c")]
     async with cluster(states, policy="cost") as (router, _), \
             httpx.AsyncClient(base_url=router) as c:
@@ -248,7 +270,7 @@ async def test_cost_policy_keeps_shared_prefixes_together_and_spreads_cold_ones(
         assert float(hit[0].split()[-1]) > 0
 
 
-async def test_long_prompts_go_to_the_long_group() -> None:
+async def test_long_prompts_go_to_the_long_group(cluster: Cluster) -> None:
     short, long_ = StubState("short"), StubState("long")
     async with cluster([short, long_], policy="least_load", groups={"long": "long"},
                        pool_kw={"long_prompt_tokens": 20}) as (router, _), \
@@ -259,7 +281,7 @@ async def test_long_prompts_go_to_the_long_group() -> None:
             assert r.json()["worker"] == "long"
 
 
-async def test_admin_add_drain_remove_with_key() -> None:
+async def test_admin_add_drain_remove_with_key(cluster: Cluster) -> None:
     a, b = StubState("a"), StubState("b")
     async with serve(make_stub(b)) as b_url, \
             cluster([a], admin_key="sekrit") as (router, urls), \
@@ -289,7 +311,7 @@ async def test_admin_add_drain_remove_with_key() -> None:
         assert r.status_code == 404
 
 
-async def test_tokenize_passes_through_and_health_reports_workers() -> None:
+async def test_tokenize_passes_through_and_health_reports_workers(cluster: Cluster) -> None:
     async with cluster([StubState("a")]) as (router, _), httpx.AsyncClient(base_url=router) as c:
         r = await c.post("/tokenize", json={"model": "stub-model", "prompt": "one two three"})
         assert r.status_code == 200 and r.json()["count"] == 3
@@ -297,7 +319,7 @@ async def test_tokenize_passes_through_and_health_reports_workers() -> None:
         assert h.status_code == 200 and h.json()["healthy_workers"] == 1
 
 
-async def test_anthropic_messages_are_routed_with_the_body_unchanged() -> None:
+async def test_anthropic_messages_are_routed_with_the_body_unchanged(cluster: Cluster) -> None:
     a = StubState("a")
     async with cluster([a], policy="cost") as (router, _), httpx.AsyncClient(base_url=router) as c:
         body = {"model": "stub-model", "max_tokens": 5, "system": "Be brief.",
@@ -308,7 +330,7 @@ async def test_anthropic_messages_are_routed_with_the_body_unchanged() -> None:
         assert a.headers[-1]["anthropic-version"] == "2023-06-01"
 
 
-async def test_disconnect_before_the_first_token_cancels_upstream() -> None:
+async def test_disconnect_before_the_first_token_cancels_upstream(cluster: Cluster) -> None:
     slow = StubState("slow", ttft_s=10.0)  # headers at once, the first token never in time
     async with cluster([slow]) as (router, urls), httpx.AsyncClient(base_url=router) as c:
         async def hang_up() -> None:
@@ -322,7 +344,7 @@ async def test_disconnect_before_the_first_token_cancels_upstream() -> None:
         await wait_for(lambda: worker(c, urls["slow"]), lambda w: w["inflight"] == 0)
 
 
-async def test_busy_503_is_retried_elsewhere_but_never_ejects() -> None:
+async def test_busy_503_is_retried_elsewhere_but_never_ejects(cluster: Cluster) -> None:
     busy, ok = StubState("busy", fail_status=503), StubState("ok")
     async with cluster([busy, ok], eject_after_failures=2) as (router, urls), \
             httpx.AsyncClient(base_url=router) as c:
@@ -332,7 +354,7 @@ async def test_busy_503_is_retried_elsewhere_but_never_ejects() -> None:
         assert len(busy.requests) >= 3  # still offered: an ejected worker would stop at 2
 
 
-async def test_prompt_tokens_come_from_worker_tokenize_cached_and_skipped_when_missing() -> None:
+async def test_prompt_tokens_come_from_worker_tokenize_cached_and_skipped_when_missing(cluster: Cluster) -> None:
     a = StubState("a")
     async with cluster([a], policy="cost") as (router, _), httpx.AsyncClient(base_url=router) as c:
         for _ in range(3):

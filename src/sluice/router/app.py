@@ -19,6 +19,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -28,15 +29,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from sluice.protocol.errors import SluiceError
 from sluice.router.admin import admin_router
 from sluice.router.config import RouterConfig
-from sluice.router.parse import CHAT, COMPLETION, MESSAGES, load_json_object, parse_request
-from sluice.router.proxy import forward_headers
+from sluice.router.parse import load_json_object
+from sluice.router.proxy import HOP_BY_HOP, Relay
+from sluice.router.routed import ROUTED, ErrorReply, route
 from sluice.router.state import RouterState, make_client
 from sluice.router.tokens import LocalTokenizer, load_local_tokenizer
+from sluice.router.upstream import UpstreamError
 
 log = logging.getLogger(__name__)
-
-ROUTED = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/messages": MESSAGES}
-
 
 def error_response(_request: Request, exc: Exception) -> Response:
     assert isinstance(exc, SluiceError)
@@ -89,59 +89,85 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
 
 
 class RoutedFastPath:
-    """Pure-ASGI middleware: POSTs to the routed OpenAI paths go straight to the proxy.
+    """Pure-ASGI middleware: POSTs to the routed OpenAI paths go straight to `routed.route`.
 
-    The hot path thereby skips FastAPI's exception, exit-stack and routing layers (each
-    an extra coroutine wrapping send/receive per request); errors still leave as OpenAI
-    JSON. Everything else (models, metrics, admin, lifespan) continues into FastAPI.
+    The hot path thereby skips FastAPI's exception, exit-stack and routing layers and
+    Starlette's request and streaming-response objects; the reply is written with plain
+    ASGI messages. One watcher task per request waits for `http.disconnect` and cancels
+    the request (before the first byte or mid-stream), so the worker sees the hang-up.
+    Everything else (models, metrics, admin, lifespan) continues into FastAPI.
     """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.routes = {path: _routed(kind, path) for path, kind in ROUTED.items()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        handler = self.routes.get(scope.get("path", "")) if scope["type"] == "http" else None
-        if handler is None or scope["method"] != "POST":
+        kind = ROUTED.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if kind is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        request = Request(scope, receive)
+        body = await _read_body(receive)
+        if body is None:
+            return  # the client went away while sending
+        state: RouterState = scope["app"].state.router
+        task = asyncio.current_task()
+        assert task is not None
+        gone = asyncio.Event()
+        watcher = asyncio.create_task(_cancel_on_disconnect(receive, task, gone))
         try:
-            response = await handler(request)
-        except SluiceError as exc:
-            response = error_response(request, exc)
-        await response(scope, receive, send)
+            reply = await route(state, kind, scope["path"], body, list(scope["headers"]))
+            await _send_reply(reply, send)
+        except asyncio.CancelledError:
+            if not gone.is_set():
+                raise  # shutdown, not a hang-up
+            task.uncancel()
+        finally:
+            watcher.cancel()
 
 
-def _routed(kind: str, path: str) -> Callable[[Request], Awaitable[Response]]:
-    async def route(request: Request) -> Response:
-        state: RouterState = request.app.state.router
-        req = parse_request(kind, await request.body(), request.headers)
-        pool = state.resolve(req.model)
-        meta = await state.request_meta(pool, req)
-        return await unless_disconnected(
-            request, state.proxy.forward(pool, req, meta, path, request.headers))
-
-    route.__name__ = f"route_{kind}"
-    return route
+async def _read_body(receive: Receive) -> bytes | None:
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        parts.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(parts)
 
 
-async def unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
-    """Await `work` (up to the first body byte), cancelling it if the client hangs up first.
+async def _cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any],
+                                gone: asyncio.Event) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
+    task.cancel()
 
-    Starlette only watches for disconnects once a streaming response has started; before
-    that (queueing, prefill, a whole non-streamed generation) the router watches itself,
-    so the worker sees the hang-up and aborts the request.
-    """
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(request.receive())
-    await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-    if not task.done() and watch.result().get("type") == "http.disconnect":
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        return Response(status_code=499)
-    watch.cancel()
-    return await task
+
+async def _send_reply(reply: Relay | ErrorReply, send: Send) -> None:
+    if isinstance(reply, ErrorReply):
+        await send({"type": "http.response.start", "status": reply.status,
+                    "headers": reply.headers})
+        await send({"type": "http.response.body", "body": reply.body})
+        return
+    try:
+        await send({"type": "http.response.start", "status": reply.status,
+                    "headers": reply.headers})
+        if reply.complete:
+            await send({"type": "http.response.body", "body": reply.first})
+            return
+        await send({"type": "http.response.body", "body": reply.first, "more_body": True})
+        try:
+            while data := await reply.read():
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+        except UpstreamError as exc:
+            # ending without the last message makes the server drop the connection, so
+            # the client sees a broken response rather than a short one
+            log.warning("upstream %s failed mid-stream: %s", reply.ticket.endpoint.url, exc)
+            return
+        await send({"type": "http.response.body", "body": b""})
+    finally:
+        reply.close()
 
 
 def _passthrough(path: str) -> Callable[[Request], Awaitable[Response]]:
@@ -150,8 +176,8 @@ def _passthrough(path: str) -> Callable[[Request], Awaitable[Response]]:
         raw = await request.body()
         model = load_json_object(raw).get("model")
         _, endpoint = state.any_worker(model if isinstance(model, str) else None)
-        resp = await state.client.post(endpoint.url + path, content=raw,
-                                       headers=forward_headers(request.headers))
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        resp = await state.client.post(endpoint.url + path, content=raw, headers=headers)
         return Response(resp.content, status_code=resp.status_code,
                         media_type=resp.headers.get("content-type"))
 

@@ -3,6 +3,7 @@
 Workers come from `--worker URL` flags (one pool, model names discovered from the
 workers' /v1/models unless `--model` names it), from a YAML/JSON `--config` file
 (several pools), or at runtime from the admin API (`POST /admin/workers`).
+It serves on its own HTTP/1.1 server (httptools, uvloop): see `router/server.py`.
 """
 
 from __future__ import annotations
@@ -82,11 +83,14 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 
 def handler(args: argparse.Namespace) -> int:
-    import uvicorn
+    import logging
 
     from sluice.router.app import build_app
+    from sluice.router.server import run
 
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe and scrape
     config = config_from_args(args)
-    uvicorn.run(build_app(config), host=config.host, port=config.port, log_level=args.log_level,
-                timeout_keep_alive=30)
+    run(build_app(config), host=config.host, port=config.port)
     return 0

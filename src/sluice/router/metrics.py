@@ -3,11 +3,16 @@
 Counters and histograms are updated on the request path; per-worker gauges (health,
 in flight, learned prefill speed, scraped load) are read from the pools when /metrics
 is scraped, by a custom collector, so they can never go stale or leak removed workers.
+
+On the request path the labelled children are looked up through the `*_for` methods,
+which keep them in a dict: `Counter.labels()` takes a lock and validates its arguments
+on every call, a few microseconds each, several times per request.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -74,6 +79,29 @@ class RouterMetrics:
         self.kv_events = Counter("sluice_router_kv_events", "KV events applied",
                                  ["worker", "type"], registry=r)
         r.register(_WorkerCollector(pools))
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def requests_for(self, model: str, status: int) -> Counter:
+        return self._child(self.requests, model, str(status))  # type: ignore[no-any-return]
+
+    def decisions_for(self, policy: str, worker: str) -> Counter:
+        return self._child(self.decisions, policy, worker)  # type: ignore[no-any-return]
+
+    def decision_seconds_for(self, policy: str) -> Histogram:
+        return self._child(self.decision_seconds, policy)  # type: ignore[no-any-return]
+
+    def prompt_tokens_for(self, policy: str) -> Counter:
+        return self._child(self.prompt_tokens, policy)  # type: ignore[no-any-return]
+
+    def prefix_hit_tokens_for(self, policy: str) -> Counter:
+        return self._child(self.prefix_hit_tokens, policy)  # type: ignore[no-any-return]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

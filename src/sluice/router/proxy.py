@@ -1,14 +1,16 @@
-"""Forward one request to a worker and stream its response back, without buffering.
+"""Forward one request to a worker and hand its response back as a `Relay`, unbuffered.
 
     for each attempt (1 + max_retries, each on a worker not yet tried):
-        decide -> dispatch -> send, read headers and the first body chunk
-        connect error / read error / 5xx before the first chunk -> count, retry elsewhere
-    relay: first chunk, then the rest as it arrives; when the stream ends (or the client
-    goes away, which cancels the relay), close the upstream response (so the worker sees
-    the disconnect and aborts) and stop counting the request in flight.
+        decide -> dispatch -> send, read the head and the first body bytes
+        connect error / read error / 5xx before the first bytes -> count, retry elsewhere
+    Relay: status, headers, the first bytes, then `read()` for the rest as it arrives;
+    `close()` (always, however the relay ends) gives the connection back if the body was
+    read to its end, otherwise closes it (so the worker sees the disconnect and aborts),
+    and stops counting the request in flight.
 
-Nothing reaches the client before the first chunk has arrived, so every retry is invisible
-to it. Passive health lives here: each failure counts toward the worker's ejection.
+Nothing reaches the client before the first bytes have arrived, so every retry is
+invisible to it. Passive health lives here: each failure counts toward the worker's
+ejection. The front ends (server.py, app.py) only write a Relay out.
 """
 
 from __future__ import annotations
@@ -16,12 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
-
-import anyio
-import httpx
-from starlette.responses import Response, StreamingResponse
+from collections.abc import Iterable
 
 from sluice.protocol.errors import ServiceUnavailableError
 from sluice.router.endpoints import Endpoint, Ticket
@@ -29,6 +26,7 @@ from sluice.router.metrics import RouterMetrics
 from sluice.router.parse import ParsedRequest
 from sluice.router.policies import RequestMeta
 from sluice.router.pool import Decision, Pool
+from sluice.router.upstream import Target, UpstreamConnection, UpstreamError, UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +35,9 @@ HOP_BY_HOP = frozenset({
     "transfer-encoding", "upgrade", "host", "content-length",
 })
 RESPONSE_DROP = HOP_BY_HOP - {"content-length"} | {"server", "date"}
+_HOP_BY_HOP_B = frozenset(h.encode() for h in HOP_BY_HOP)
+_RESPONSE_DROP_B = frozenset(h.encode() for h in RESPONSE_DROP)
+_CHUNKED_DROP_B = _RESPONSE_DROP_B | {b"content-length"}
 
 
 class RetryableError(Exception):
@@ -51,49 +52,81 @@ class RetryableError(Exception):
         self.counts = counts
 
 
-@dataclass
-class Upstream:
-    response: httpx.Response
-    chunks: AsyncIterator[bytes]
-    first: bytes
+def forward_block(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
+    """The client's end-to-end headers (lower-case names), encoded for the worker."""
+    return b"".join(name + b": " + value + b"\r\n" for name, value in headers
+                    if name not in _HOP_BY_HOP_B)
 
 
-def forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in HOP_BY_HOP}
+class Relay:
+    """A worker's response on its way to the client: head and first bytes in hand.
+
+    `headers` are the worker's minus hop-by-hop ones, its Content-Length kept when it
+    sized the body (`length`; the client gets the same), else `length` is None: the
+    front end streams the body (chunked).
+    """
+
+    __slots__ = ("status", "headers", "length", "first", "upstream", "ticket")
+
+    def __init__(self, upstream: UpstreamConnection, first: bytes, ticket: Ticket) -> None:
+        self.status = upstream.status
+        self.length = upstream.content_length
+        drop = _RESPONSE_DROP_B if self.length is not None else _CHUNKED_DROP_B
+        self.headers = [(n, v) for n, v in upstream.headers if n not in drop]
+        self.first = first
+        self.upstream = upstream
+        self.ticket = ticket
+
+    @property
+    def complete(self) -> bool:
+        """The whole body has arrived (it is all in `first`, or was read)."""
+        return self.upstream.finished
+
+    async def read(self) -> bytes:
+        """More body bytes as they arrive; b"" at the end. Raises UpstreamError mid-stream."""
+        return await self.upstream.read()
+
+    def close(self) -> None:
+        """Give back or close the worker connection; stop counting the request. Idempotent."""
+        self.upstream.release()
+        self.ticket.endpoint.finish(self.ticket)
 
 
 class Proxy:
-    """Sends requests for a router; holds its shared client and retry/ejection settings."""
+    """Sends requests for a router; holds its connection pool and retry/ejection settings."""
 
-    def __init__(self, client: httpx.AsyncClient, metrics: RouterMetrics, max_retries: int,
+    def __init__(self, upstream: UpstreamPool, metrics: RouterMetrics, max_retries: int,
                  eject_after_failures: int) -> None:
-        self.client = client
+        self.upstream = upstream
         self.metrics = metrics
         self.max_retries = max_retries
         self.eject_after = eject_after_failures
-        self._urls: dict[str, httpx.URL] = {}  # parsed once: URL parsing is ~60 µs
+        self._targets: dict[str, Target] = {}
 
-    def _url(self, endpoint: Endpoint, path: str) -> httpx.URL:
-        key = endpoint.url + path
-        url = self._urls.get(key)
-        if url is None:
-            url = self._urls[key] = httpx.URL(key)
-        return url
+    def _target(self, endpoint: Endpoint) -> Target:
+        target = self._targets.get(endpoint.url)
+        if target is None:
+            target = self._targets[endpoint.url] = Target.of(endpoint.url)
+        return target
 
-    async def forward(self, pool: Pool, req: ParsedRequest, meta: RequestMeta, path: str,
-                      headers: Mapping[str, str]) -> Response:
+    async def forward(self, pool: Pool, req: ParsedRequest, meta: RequestMeta, path: bytes,
+                      headers: bytes) -> Relay:
+        """Send `req` (its raw body, `headers` already encoded by `forward_block`) to
+        `path` on the best worker, retrying elsewhere before the first byte.
+        Raises ServiceUnavailableError (503) when no attempt succeeds."""
         tried: list[str] = []
         last_error = "no worker is available"
+        policy = pool.policy.name
         for _attempt in range(self.max_retries + 1):
             decision = self._decide(pool, meta, tried)
             if decision is None:
                 break
             endpoint = decision.endpoint
             ticket = pool.dispatch(meta, decision)
-            self.metrics.prefix_hit_tokens.labels(pool.policy.name).inc(
+            self.metrics.prefix_hit_tokens_for(policy).inc(
                 min(meta.num_prompt_tokens, decision.choice.cached_blocks * meta.block_size))
             try:
-                upstream = await self._open(endpoint, pool, req, path, headers)
+                upstream, first = await self._open(endpoint, pool, req, path, headers)
             except RetryableError as exc:
                 endpoint.finish(ticket)
                 self._failed(endpoint, exc)
@@ -105,19 +138,20 @@ class Proxy:
                 raise
             endpoint.consecutive_failures = 0
             endpoint.on_first_byte(ticket, learn=req.stream)
-            self.metrics.requests.labels(req.model, str(upstream.response.status_code)).inc()
-            return self._relay(upstream, ticket)
-        self.metrics.requests.labels(req.model, "503").inc()
+            self.metrics.requests_for(req.model, upstream.status).inc()
+            return Relay(upstream, first, ticket)
+        self.metrics.requests_for(req.model, 503).inc()
         raise ServiceUnavailableError(f"no healthy worker could serve model {req.model!r} "
                                       f"({last_error})", code="no_healthy_worker")
 
     def _decide(self, pool: Pool, meta: RequestMeta, tried: list[str]) -> Decision | None:
         start = time.perf_counter()
         decision = pool.decide(meta, tried)
-        self.metrics.decision_seconds.labels(pool.policy.name).observe(time.perf_counter() - start)
+        policy = pool.policy.name
+        self.metrics.decision_seconds_for(policy).observe(time.perf_counter() - start)
         if decision is not None:
-            self.metrics.decisions.labels(pool.policy.name, decision.endpoint.url).inc()
-            self.metrics.prompt_tokens.labels(pool.policy.name).inc(meta.num_prompt_tokens)
+            self.metrics.decisions_for(policy, decision.endpoint.url).inc()
+            self.metrics.prompt_tokens_for(policy).inc(meta.num_prompt_tokens)
         return decision
 
     def _failed(self, endpoint: Endpoint, exc: RetryableError) -> None:
@@ -132,51 +166,28 @@ class Proxy:
             return req.raw
         return json.dumps({**req.body, "model": model}).encode()
 
-    async def _open(self, endpoint: Endpoint, pool: Pool, req: ParsedRequest, path: str,
-                    headers: Mapping[str, str]) -> Upstream:
-        """Send and wait for the first body chunk; raise RetryableError on failure before it."""
+    async def _open(self, endpoint: Endpoint, pool: Pool, req: ParsedRequest, path: bytes,
+                    headers: bytes) -> tuple[UpstreamConnection, bytes]:
+        """Send and wait for the first body bytes; raise RetryableError on failure before."""
         body = self._body(pool, req, endpoint)
-        request = self.client.build_request("POST", self._url(endpoint, path), content=body,
-                                            headers=forward_headers(headers))
+        target = self._target(endpoint)
+        payload = b"".join((b"POST ", target.prefix, path, b" HTTP/1.1\r\n", target.host_line,
+                            headers, b"Content-Length: %d\r\n\r\n" % len(body), body))
         try:
-            response = await self.client.send(request, stream=True)
-        except httpx.TransportError as exc:
+            upstream = await self.upstream.send(target, payload)
+        except UpstreamError as exc:
             raise RetryableError(f"{type(exc).__name__}: {exc}") from exc
         try:
-            if response.status_code >= 500:
-                raise RetryableError(f"status {response.status_code}",
-                                     counts=response.status_code != 503)
-            chunks = response.aiter_raw()
-            first = await anext(chunks, b"")
+            if upstream.status >= 500:
+                raise RetryableError(f"status {upstream.status}", counts=upstream.status != 503)
+            first = await upstream.read()
         except RetryableError:
-            await response.aclose()
+            upstream.close()
             raise
-        except httpx.TransportError as exc:
-            await response.aclose()
+        except UpstreamError as exc:
+            upstream.close()
             raise RetryableError(f"{type(exc).__name__}: {exc}") from exc
         except BaseException:  # cancelled: hang up so the worker aborts
-            with anyio.CancelScope(shield=True):
-                await response.aclose()
+            upstream.close()
             raise
-        return Upstream(response, chunks, first)
-
-    def _relay(self, upstream: Upstream, ticket: Ticket) -> StreamingResponse:
-        headers = {k: v for k, v in upstream.response.headers.items()
-                   if k.lower() not in RESPONSE_DROP}
-        return StreamingResponse(_stream(upstream, ticket), status_code=upstream.response.status_code,
-                                 headers=headers)
-
-
-async def _stream(upstream: Upstream, ticket: Ticket) -> AsyncIterator[bytes]:
-    """Yield the response as it arrives; always close upstream and end the accounting."""
-    try:
-        if upstream.first:
-            yield upstream.first
-        async for chunk in upstream.chunks:
-            yield chunk
-    except httpx.HTTPError as exc:
-        log.warning("upstream %s failed mid-stream: %s", ticket.endpoint.url, exc)
-    finally:
-        with anyio.CancelScope(shield=True):
-            await upstream.response.aclose()
-        ticket.endpoint.finish(ticket)
+        return upstream, first

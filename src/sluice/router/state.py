@@ -2,7 +2,8 @@
 
     RouterState
      ├── pools            model name → Pool (endpoints, policy, prefix indexes)
-     ├── client           one shared httpx.AsyncClient (generous connection limits)
+     ├── client           one shared httpx.AsyncClient (probes, scrapes, /tokenize)
+     ├── upstream         raw keep-alive worker connections for the proxied POSTs
      ├── proxy            retries, streaming relay, passive health
      ├── monitor          active health probes, /metrics scraping
      ├── tokenizer        prompt → token ids (local or worker /tokenize), cached
@@ -32,6 +33,7 @@ from sluice.router.pool import Pool
 from sluice.router.proxy import Proxy
 from sluice.router.tokens import LocalTokenizer, PromptTokenizer, PromptTokens
 from sluice.router.transport import FastHTTPTransport
+from sluice.router.upstream import UpstreamPool
 
 CHARS_PER_TOKEN = 4  # prompt-length estimate when no tokenizer answers
 
@@ -47,7 +49,9 @@ class RouterState:
 
     def __post_init__(self) -> None:
         self.metrics = RouterMetrics(lambda: self.pools)
-        self.proxy = Proxy(self.client, self.metrics, self.config.max_retries,
+        self.upstream = UpstreamPool(self.config.connect_timeout_s, self.config.read_timeout_s,
+                                     max_idle_per_host=self.config.max_connections)
+        self.proxy = Proxy(self.upstream, self.metrics, self.config.max_retries,
                            self.config.eject_after_failures)
         self.monitor = Monitor(self.client, lambda: self.pools, self.metrics,
                                timeout_s=self.config.connect_timeout_s,
@@ -162,6 +166,7 @@ class RouterState:
         for url in list(self.subscribers):
             await self.stop_subscriber(url)
         await self.client.aclose()
+        self.upstream.close()
         self.zmq_ctx.term()
 
 

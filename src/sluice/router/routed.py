@@ -1,0 +1,55 @@
+"""The routed OpenAI endpoints' one code path, shared by the router's two HTTP front ends.
+
+    (kind, path, body, headers) -> parse -> pool for the model -> request metadata
+                                -> Proxy.forward -> Relay (stream it back, then close it)
+    a SluiceError at any step   -> ErrorReply (OpenAI JSON, status, extra headers)
+
+`sluice router` serves it from its own server (server.py); `build_app`'s ASGI app serves
+it from a middleware (app.py) for uvicorn and the gateway. They differ only in how they
+read the request and write the reply.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from sluice.protocol.errors import SluiceError
+from sluice.router.parse import CHAT, COMPLETION, MESSAGES, SESSION_HEADER, parse_request
+from sluice.router.proxy import Relay, forward_block
+from sluice.router.state import RouterState
+
+ROUTED = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/messages": MESSAGES}
+_SESSION = SESSION_HEADER.encode()
+
+
+@dataclass(frozen=True)
+class ErrorReply:
+    status: int
+    headers: list[tuple[bytes, bytes]]  # content-type and length included
+    body: bytes
+
+
+def error_reply(exc: SluiceError) -> ErrorReply:
+    body = json.dumps(exc.to_dict()).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
+    return ErrorReply(exc.status_code, headers, body)
+
+
+async def route(state: RouterState, kind: str, path: str, body: bytes,
+                headers: list[tuple[bytes, bytes]]) -> Relay | ErrorReply:
+    """Route one POST to a worker; the caller streams the Relay back and closes it.
+
+    `headers`: the client's, names lower-case (as ASGI and the server give them).
+    Cancelling this (the client went away) closes the worker connection."""
+    try:
+        session = next((v.decode("latin-1") for n, v in headers if n == _SESSION), None)
+        req = parse_request(kind, body, {SESSION_HEADER: session} if session else {})
+        pool = state.resolve(req.model)
+        meta = await state.request_meta(pool, req)
+        return await state.proxy.forward(pool, req, meta, path.encode("latin-1"),
+                                         forward_block(headers))
+    except SluiceError as exc:
+        return error_reply(exc)
