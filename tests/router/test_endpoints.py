@@ -26,11 +26,24 @@ def test_request_counts_from_dispatch_to_end_of_stream() -> None:
     assert (e.inflight, e.inflight_tokens, e.prefilling) == (0, 0, 0)
 
 
-def test_scraped_load_and_own_counts_merge_by_max() -> None:
-    e = Endpoint(WorkerSpec("http://a"), load=WorkerLoad(running=5, waiting=2, kv_usage=0.5))
-    e.begin(10, 10, 10)
+def test_scraped_load_counts_other_traffic_only_as_of_the_scrape() -> None:
+    e = Endpoint(WorkerSpec("http://a"))
+    mine = [e.begin(10, 10, 10) for _ in range(3)]
+    e.on_first_byte(mine[0], learn=False)  # 1 decoding, 2 prefilling
+    # the worker counts 5 running and 2 waiting: 4 requests beyond the router's own 3
+    e.load = WorkerLoad(running=5, waiting=2, kv_usage=0.5)
     s = e.stats()
-    assert (s.running, s.waiting, s.external_waiting, s.kv_usage) == (5.0, 2.0, 1.0, 0.5)
+    assert (e.external_running, e.external_waiting) == (4.0, 0.0)
+    assert (s.running, s.waiting, s.external_waiting, s.kv_usage) == (5.0, 2.0, 0.0, 0.5)
+    # the router's own requests end before the next scrape: the stale gauge no longer
+    # counts them (it used to: max(scraped, own) kept 7 requests there until the next scrape)
+    for t in mine:
+        e.finish(t)
+    s = e.stats()
+    assert (s.running, s.waiting, s.load) == (4.0, 0.0, 4.0)
+    # waiting beyond the router's own prefilling requests is others' queue
+    e.load = WorkerLoad(running=0, waiting=3)
+    assert (e.stats().waiting, e.stats().external_waiting) == (3.0, 3.0)
 
 
 def observe(e: Endpoint, units: float, seconds: float, learn: bool = True) -> None:

@@ -11,7 +11,7 @@ import pytest
 from sluice.protocol.errors import InvalidRequestError
 from sluice.router.endpoints import EndpointStats, work_units
 from sluice.router.policies import POLICIES, RequestMeta, make_policy
-from sluice.router.policies.cost import estimate_seconds
+from sluice.router.policies.cost import cost_seconds, estimate_seconds
 
 A, B, C = "http://a", "http://b", "http://c"
 
@@ -129,16 +129,85 @@ def test_cost_trades_cached_prefix_against_queue_depth() -> None:
     b = EndpointStats(B, kv_cached_blocks=0, seconds_per_token=spt)
     # A idle: the cached prefix saves 2048 tokens of prefill -> A
     assert p.choose(r, [a, b]).url == A
-    # A has 1,000 uncached tokens queued ahead: 1000 < 2048 still cheaper than B's full prefill
-    a_busy = replace(a, queued_prefill_tokens=1000, waiting=2)
-    assert estimate_seconds(r, a_busy) == pytest.approx((1000 + 32) * spt)  # + fixed 32 units
+    # A has 3,000 uncached tokens queued ahead: its TTFT there is worse than B's...
+    a_busy = replace(a, queued_prefill_tokens=3000, waiting=4)
+    assert estimate_seconds(r, a_busy) == pytest.approx((3000 + 32) * spt)  # + fixed 32 units
     assert estimate_seconds(r, b) == pytest.approx((2048 + 32) * spt)
+    # ...but B's 2048-token recomputation would also delay B's next request by as much
+    assert cost_seconds(r, a_busy) == pytest.approx((3000 + 32) * spt)
+    assert cost_seconds(r, b) == pytest.approx((2 * 2048 + 32) * spt)
     assert p.choose(r, [a_busy, b]).url == A
-    # A has 3,000 queued: waiting there costs more than recomputing the prefix on B
-    a_deep = replace(a, queued_prefill_tokens=3000, waiting=4)
-    assert p.choose(r, [a_deep, b]).url == B
-    # running decodes count too: 200 running × 16 = 3200 token-equivalents
-    assert p.choose(r, [replace(a, running=200), b]).url == B
+    # A has 5,000 queued: more than twice the saving, the hot worker is shed
+    assert p.choose(r, [replace(a, queued_prefill_tokens=5000, waiting=6), b]).url == B
+    # running decodes count too: 300 running × 16 = 4800 token-equivalents
+    assert p.choose(r, [replace(a, running=200), b]).url == A
+    assert p.choose(r, [replace(a, running=300), b]).url == B
+
+
+def dispatch(state: dict[str, EndpointStats], url: str, r: RequestMeta, cached_blocks: int,
+             holders: dict[tuple[int, ...], set[str]]) -> None:
+    """What the pool does at dispatch: count the uncached tokens as queued prefill there and
+    write the predicted index entry (the prompt's blocks are cached there from now on)."""
+    e = state[url]
+    uncached = r.num_prompt_tokens - cached_blocks * r.block_size
+    state[url] = replace(e, waiting=e.waiting + 1, inflight=e.inflight + 1,
+                         inflight_tokens=e.inflight_tokens + r.num_prompt_tokens,
+                         queued_prefill_tokens=e.queued_prefill_tokens + uncached)
+    holders.setdefault(r.block_hashes, set()).add(url)
+
+
+def route_burst(prompts: list[RequestMeta], n_workers: int = 4) -> list[str]:
+    """Route requests arriving together (nothing finishes meanwhile) through `cost`."""
+    p = make_policy("cost", random.Random(0))
+    urls = [f"http://w{i}" for i in range(n_workers)]
+    state = {u: EndpointStats(u, seconds_per_token=1e-3) for u in urls}
+    holders: dict[tuple[int, ...], set[str]] = {}
+    picks = []
+    for r in prompts:
+        held = holders.get(r.block_hashes, set())
+        view = [replace(s, kv_cached_blocks=len(r.block_hashes) if u in held else 0)
+                for u, s in state.items()]
+        choice = p.choose(r, view)
+        dispatch(state, choice.url, r, choice.cached_blocks, holders)
+        picks.append(choice.url)
+    return picks
+
+
+def prefixed(prefix: int, tokens: int = 660, blocks: int = 40) -> RequestMeta:
+    """A prompt whose first `blocks` blocks are prefix `prefix`, then a short question."""
+    return RequestMeta(model="m", num_prompt_tokens=tokens,
+                       block_hashes=tuple(prefix * 1000 + i for i in range(blocks)))
+
+
+def test_burst_sharing_a_new_prefix_waits_for_its_prefill_instead_of_recomputing() -> None:
+    burst = [prefixed(7) for _ in range(8)]
+    picks = route_burst(burst)
+    assert len(set(picks)) == 1  # computed once; the other 7 wait behind it (20 tokens each)
+    # TTFT alone is the trap: for the second request, an idle worker looks (slightly) faster
+    # than waiting behind the first one's 660-token prefill on the same worker
+    hot = EndpointStats(picks[0], seconds_per_token=1e-3, kv_cached_blocks=40,
+                        queued_prefill_tokens=660, waiting=1)
+    idle = EndpointStats("http://idle", seconds_per_token=1e-3, kv_cached_blocks=0)
+    assert estimate_seconds(burst[1], idle) < estimate_seconds(burst[1], hot)
+    assert cost_seconds(burst[1], hot) < cost_seconds(burst[1], idle)
+
+
+def test_burst_of_several_new_prefixes_spreads_them_and_groups_their_followers() -> None:
+    order = [1, 2, 1, 3, 2, 4, 1, 3, 4, 2, 1, 4, 3, 2, 3, 4]
+    picks = route_burst([prefixed(g) for g in order])
+    home = {g: picks[order.index(g)] for g in set(order)}
+    assert len(set(home.values())) == 4  # each new prefix computed once, on its own worker
+    assert picks == [home[g] for g in order]  # and every follower waits for it there
+
+
+def test_burst_on_one_prefix_spills_once_the_queue_outweighs_a_recomputation() -> None:
+    # 665-token prompts, 640 of them a shared prefix: a follower costs 25 + 25 tokens where
+    # the prefix is, behind its queue; a copy elsewhere costs 665 + 665. The first worker
+    # takes followers until its queue (665 + 25 k) passes that, then one more copy is made.
+    picks = route_burst([prefixed(9, tokens=665) for _ in range(40)])
+    first, second = picks[0], picks[26]
+    assert first != second
+    assert picks == [first] * 26 + [second] * 14
 
 
 def test_cost_uses_each_workers_learned_speed() -> None:

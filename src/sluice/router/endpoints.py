@@ -8,10 +8,15 @@ Two views of load are merged here, because each alone is wrong:
   the response (a stream included) ends (exact and immediate, but blind to others).
 
 A request is *prefilling* from dispatch to its first byte and *decoding* after, until its
-stream ends. The estimates take the larger of the two views:
+stream ends. At each scrape, what the worker counts beyond the router's own in-flight
+requests is *other* traffic, held until the next scrape; the router's own part stays live:
 
-    running_est = max(scraped running, own decoding)
-    waiting_est = max(scraped waiting, own prefilling)
+    others   = max(0, scraped running + scraped waiting - own in flight)   (at the scrape)
+    waiting  = own prefilling + others' waiting
+    running  = own decoding   + others' running
+
+(Taking `max(scraped, own)` instead kept counting the router's finished requests until
+the next scrape: a worker that had just drained looked busy for up to a scrape interval.)
 
 The worker's prefill cost is learned online from the TTFT of its streamed responses, as
 an exponentially weighted least-squares line (`TTFTFit`):
@@ -128,8 +133,10 @@ class Endpoint:
     models: tuple[str, ...] = ()
     consecutive_failures: int = 0
     consecutive_successes: int = 0
-    load: WorkerLoad = field(default_factory=WorkerLoad)
+    scraped: WorkerLoad = field(default_factory=WorkerLoad)
     load_at: float = 0.0
+    external_running: float = 0.0  # requests the router did not send, as of the last scrape
+    external_waiting: float = 0.0
     inflight: int = 0
     inflight_tokens: int = 0
     prefilling: int = 0
@@ -149,18 +156,34 @@ class Endpoint:
     def available(self) -> bool:
         return self.healthy and not self.draining
 
+    @property
+    def load(self) -> WorkerLoad:
+        """The worker's gauges as last scraped."""
+        return self.scraped
+
+    @load.setter
+    def load(self, value: WorkerLoad) -> None:
+        """A fresh scrape. What the worker counts beyond the router's own in-flight requests
+        *at this moment* is other traffic; that part is held until the next scrape, while the
+        router's own counts stay live (a stale gauge must not keep counting requests that
+        have since finished)."""
+        self.scraped = value
+        others = max(0.0, value.running + value.waiting - self.inflight)
+        self.external_waiting = min(others, max(0.0, value.waiting - self.prefilling))
+        self.external_running = others - self.external_waiting
+
     def stats(self, cached_blocks: int = 0, kv_cached_blocks: int | None = None,
               cache_footprint: int = 0) -> EndpointStats:
         decoding = self.inflight - self.prefilling
         return EndpointStats(
             url=self.url,
-            running=max(self.load.running, float(decoding)),
-            waiting=max(self.load.waiting, float(self.prefilling)),
-            kv_usage=self.load.kv_usage,
+            running=decoding + self.external_running,
+            waiting=self.prefilling + self.external_waiting,
+            kv_usage=self.scraped.kv_usage,
             inflight=self.inflight,
             inflight_tokens=self.inflight_tokens,
             queued_prefill_tokens=self.prefill_tokens,
-            external_waiting=max(0.0, self.load.waiting - self.prefilling),
+            external_waiting=self.external_waiting,
             mean_prompt_tokens=self.prompt_avg,
             seconds_per_token=self.fit.slope,
             overhead_s=self.fit.overhead,

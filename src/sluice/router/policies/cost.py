@@ -1,16 +1,29 @@
-"""`cost` (the default): route to the worker with the smallest estimated time to first token.
+"""`cost` (the default): route to the worker where the request costs the pool least time.
 
-    estimate(worker) = overhead(worker)
-                     + seconds_per_token(worker) × (work_units(worker, uncached tokens) + 32)
+    cost(worker) = ttft(worker)                          this request's first token
+                 + seconds_per_token(worker) × uncached   what its prefill adds to the wait
+                                                          of the next request there
+    ttft(worker) = overhead(worker)
+                 + seconds_per_token(worker) × (work_units(worker, uncached) + 32)
 
 where `uncached = prompt tokens - cached prefix blocks × block_size` (precise KV-event
-index when the worker publishes events, else the approximate dispatch index) and
-`work_units` adds what is queued ahead of it and the decode pressure of running sequences
-(see `sluice.router.endpoints`). `overhead` and `seconds_per_token` are learned per
-worker from observed TTFTs (a weighted least-squares line), so a long cached prefix wins exactly while its prefill saving exceeds the extra
-queue wait, with no affinity threshold to tune. Cold misses spread because the router's
-own in-flight prefill tokens count at once, and exact ties go to the worker with the
-smallest cached footprint, then at random.
+index when the worker publishes events, else the approximate dispatch index; both hold a
+*predicted* entry from the moment a prompt is dispatched, so a prefix still being
+prefilled counts as cached there, behind that prefill in the queue) and `work_units` adds
+what is queued ahead of it and the decode pressure of running sequences (see
+`sluice.router.endpoints`). `overhead` and `seconds_per_token` are learned per worker from
+observed TTFTs (a weighted least-squares line).
+
+Why the second term: `ttft` alone is indifferent between waiting behind worker A's
+in-flight prefill of a new shared prefix (A's L tokens, then a short suffix) and
+recomputing the prefix on an idle worker B (L tokens): a burst of requests sharing a new
+prefix then scattered over the pool and computed it once per worker. The uncached
+tokens a request leaves on a worker are paid again by whoever is served there next, so
+they count twice; a recomputation must now save more queueing than it costs. A long
+cached prefix still loses once the extra queue ahead of it exceeds twice its prefill
+saving, so a hot worker is shed without any affinity threshold. Cold misses spread
+because the router's own in-flight prefill tokens count at once, and exact ties go to
+the worker with the smallest cached footprint, then at random.
 """
 
 from __future__ import annotations
@@ -40,6 +53,13 @@ def estimate_seconds(request: RequestMeta, e: EndpointStats,
     return e.overhead_s + e.seconds_per_token * (units + BASE_UNITS)
 
 
+def cost_seconds(request: RequestMeta, e: EndpointStats,
+                 decode_equiv_tokens: float = DECODE_EQUIV_TOKENS) -> float:
+    """Its TTFT on `e` plus the prefill time it adds ahead of the next request there."""
+    own = uncached_tokens(request, cached(e, True))
+    return estimate_seconds(request, e, decode_equiv_tokens) + e.seconds_per_token * own
+
+
 class CostModel(RoutingPolicy):
     name = "cost"
     uses_prefix = True
@@ -51,6 +71,6 @@ class CostModel(RoutingPolicy):
 
     def choose(self, request: RequestMeta, endpoints: Sequence[EndpointStats]) -> Choice:
         chosen, best = pick_min(
-            endpoints, lambda e: estimate_seconds(request, e, self.decode_equiv_tokens), self.rng,
+            endpoints, lambda e: cost_seconds(request, e, self.decode_equiv_tokens), self.rng,
             then=footprint)
         return Choice(chosen.url, cached(chosen, True), best)
