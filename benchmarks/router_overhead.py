@@ -172,8 +172,11 @@ def wait_http(url: str, timeout: float = 60) -> None:
 
 
 def start(cmd: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    """A child process; it can import this file as `router_overhead` from any cwd."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
 
 
 def measure(name: str, port: int, args: argparse.Namespace) -> dict[str, Any]:

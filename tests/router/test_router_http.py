@@ -28,6 +28,7 @@ from sluice.protocol.block_hash import hash_blocks
 from sluice.protocol.kv_events import BlockRemoved, BlockStored
 from sluice.router.app import build_app
 from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
+from sluice.router.server import RouterServer
 from sluice.worker.kv_events import KVEventPublisher
 
 Front = Callable[[Any], AbstractAsyncContextManager[str]]
@@ -367,3 +368,165 @@ async def test_prompt_tokens_come_from_worker_tokenize_cached_and_skipped_when_m
             r = await c.post("/v1/chat/completions", json=chat(f"prompt {i}"))
             assert r.status_code == 200
         assert b.tokenize_calls == 1  # a 404 is not asked again for a while
+
+
+# --- `sluice router`'s own server: HTTP/1.1 details the ASGI front leaves to uvicorn ---------
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[bytes, bytes], bytes]:
+    """One response off a raw connection: status, headers (lower-case names), body."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    lines = head.split(b"\r\n")
+    headers = {}
+    for line in lines[1:]:
+        if line:
+            name, _, value = line.partition(b": ")
+            headers[name.lower()] = value
+    if b"content-length" in headers:
+        body = await reader.readexactly(int(headers[b"content-length"]))
+    elif headers.get(b"transfer-encoding") == b"chunked":
+        parts = []
+        while size := int((await reader.readuntil(b"\r\n")).strip(), 16):
+            parts.append((await reader.readexactly(size + 2))[:-2])
+        await reader.readexactly(2)
+        body = b"".join(parts)
+    else:
+        body = await asyncio.wait_for(reader.read(), 5)  # until the server closes
+    return int(lines[0].split()[1]), headers, body
+
+
+def raw_post(path: bytes, body: dict[str, Any], *extra: bytes, version: bytes = b"1.1") -> bytes:
+    data = json.dumps(body).encode()
+    return (b"POST %s HTTP/%s\r\nHost: r\r\nContent-Type: application/json\r\n%s"
+            b"Content-Length: %d\r\n\r\n%s" % (path, version, b"".join(extra), len(data), data))
+
+
+async def connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = url.removeprefix("http://").split(":")
+    return await asyncio.open_connection(host, int(port))
+
+
+async def test_server_pipelining_expect_continue_and_chunked_request_bodies() -> None:
+    a = StubState("a")
+    async with _cluster(serve_router, [a]) as (router, _):
+        reader, writer = await connect(router)
+        writer.write(raw_post(b"/v1/chat/completions", chat("one"))
+                     + raw_post(b"/v1/chat/completions", chat("two")))  # pipelined
+        for _ in range(2):
+            status, _, body = await read_response(reader)
+            assert status == 200 and json.loads(body)["worker"] == "a"
+        assert [r["messages"][0]["content"] for r in a.requests] == ["one", "two"]
+        data = json.dumps(chat("three")).encode()
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nExpect: 100-continue\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(data))
+        assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(data)
+        assert (await read_response(reader))[0] == 200
+        half = len(data) // 2
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n"
+                     % (half, data[:half], len(data) - half, data[half:]))
+        assert (await read_response(reader))[0] == 200
+        assert a.requests[-1]["messages"][0]["content"] == "three"
+        writer.close()
+
+
+async def test_server_http10_connection_close_and_malformed_requests() -> None:
+    async with _cluster(serve_router, [StubState("a", num_tokens=2)]) as (router, _):
+        reader, writer = await connect(router)  # HTTP/1.0: no chunked framing, close at the end
+        writer.write(raw_post(b"/v1/chat/completions", chat("x", stream=True), version=b"1.0"))
+        status, headers, body = await read_response(reader)
+        assert status == 200 and b"transfer-encoding" not in headers
+        assert headers[b"connection"] == b"close" and body.endswith(b"data: [DONE]\n\n")
+        assert await reader.read() == b""
+        reader, writer = await connect(router)
+        writer.write(raw_post(b"/v1/chat/completions", chat("x"), b"Connection: close\r\n"))
+        status, headers, _ = await read_response(reader)
+        assert status == 200 and headers[b"connection"] == b"close"
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        reader, writer = await connect(router)
+        writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        status, _, body = await read_response(reader)
+        assert status == 400 and b"malformed" in body
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+
+
+async def test_server_passes_other_paths_to_the_app() -> None:
+    async with _cluster(serve_router, [StubState("a")]) as (router, _):
+        reader, writer = await connect(router)
+        writer.write(b"HEAD /health HTTP/1.1\r\nHost: r\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200") and b"content-length" in head.lower()
+        writer.write(b"GET /v1/models?x=1 HTTP/1.1\r\nHost: r\r\n\r\n")  # no stray HEAD body
+        status, headers, body = await read_response(reader)
+        assert status == 200 and json.loads(body)["data"][0]["id"] == "stub-model"
+        assert headers[b"content-type"] == b"application/json"
+        writer.write(b"GET /v1/chat/completions HTTP/1.1\r\nHost: r\r\n\r\n")
+        assert (await read_response(reader))[0] in (404, 405)  # only POSTs are routed
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: r\r\n\r\n")
+        status, _, body = await read_response(reader)
+        assert status == 200 and b"sluice_router_worker_healthy" in body
+        writer.close()
+
+
+async def test_server_closes_idle_connections_and_stops_gracefully() -> None:
+    slow = StubState("slow", num_tokens=200, token_delay_s=0.05)
+    async with AsyncExitStack() as stack:
+        worker_url = await stack.enter_async_context(serve(make_stub(slow)))
+        config = RouterConfig(pools=(PoolConfig(model="stub-model",
+                                                workers=(WorkerSpec(worker_url),)),))
+        server = RouterServer(build_app(config), "127.0.0.1", 0, keep_alive_s=0.1,
+                              shutdown_timeout_s=0.2)
+        await server.start()
+        reader, writer = await connect(server.url)
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # idle past keep_alive_s
+        async with httpx.AsyncClient(base_url=server.url) as c, \
+                c.stream("POST", "/v1/chat/completions", json=chat("x", stream=True)) as s:
+            lines = s.aiter_lines()
+            async for line in lines:
+                if line.startswith("data:"):
+                    break  # streaming; now stop the server
+            await server.stop()  # waits 0.2 s for the stream, then cancels it
+            with pytest.raises(httpx.HTTPError):
+                async for _ in lines:
+                    pass
+        await asyncio.wait_for(slow.cancel_event.wait(), 5)  # the worker saw the hang-up
+        with pytest.raises(OSError):
+            await connect(server.url)  # no longer listening
+
+
+@asynccontextmanager
+async def failing_worker() -> AsyncIterator[str]:
+    """A worker that answers probes, then sends one SSE chunk of a streamed answer and dies."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                if head.startswith(b"POST"):
+                    writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                 b"8\r\ndata: 1\n\r\n")
+                    await writer.drain()
+                    break
+                body = (b'{"data": [{"id": "stub-model"}]}' if b"/v1/models" in head else b"")
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s"
+                             % (len(body), body))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    async with server:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def test_a_worker_failing_mid_stream_breaks_the_client_response(cluster: Cluster) -> None:
+    async with failing_worker() as url, cluster([], extra_urls=(url,)) as (router, _), \
+            httpx.AsyncClient(base_url=router) as c:
+        with pytest.raises(httpx.RemoteProtocolError):  # not a clean, short stream
+            await c.post("/v1/chat/completions", json=chat("x", stream=True))
+        pools = (await c.get("/admin/workers")).json()["pools"]
+        assert pools[0]["workers"][0]["inflight"] == 0

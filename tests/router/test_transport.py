@@ -1,4 +1,6 @@
-"""FastHTTPTransport against a raw asyncio HTTP server: framing, reuse, early close, errors."""
+"""The router's two HTTP clients against a raw asyncio HTTP server: framing, reuse, early
+close, errors. `UpstreamPool` carries the proxied POSTs; `FastHTTPTransport` is the
+httpx transport of probes, scrapes and /tokenize."""
 
 from __future__ import annotations
 
@@ -11,6 +13,14 @@ import pytest
 from router_stubs import free_port
 
 from sluice.router.transport import FastHTTPTransport
+from sluice.router.upstream import (
+    ConnectError,
+    ReadError,
+    ReadTimeout,
+    Target,
+    UpstreamConnection,
+    UpstreamPool,
+)
 
 RESPONSES = {
     b"/sized": b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-A: 1\r\n\r\nhello",
@@ -18,6 +28,10 @@ RESPONSES = {
                   b"3\r\nabc\r\n4;ext=1\r\ndefg\r\n0\r\n\r\n"),
     b"/close": b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil-close",
     b"/empty": b"HTTP/1.1 204 No Content\r\n\r\n",
+    b"/continue": (b"HTTP/1.1 100 Continue\r\n\r\n"
+                   b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"),
+    b"/short": b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc",
+    b"/big": b"HTTP/1.1 200 OK\r\nContent-Length: 1048576\r\n\r\n" + b"x" * 1048576,
 }
 
 
@@ -39,6 +53,9 @@ async def raw_server(close_idle_after_first: bool = False) -> AsyncIterator[dict
                 await reader.readexactly(length)
                 stats["requests"] += 1
                 path = head.split(b" ")[1]
+                if path == b"/silent":
+                    await reader.read()  # never answers; returns when the client hangs up
+                    break
                 if path == b"/slow":
                     writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
                     while True:
@@ -47,7 +64,7 @@ async def raw_server(close_idle_after_first: bool = False) -> AsyncIterator[dict
                         await asyncio.sleep(0.01)
                 writer.write(RESPONSES[path])
                 await writer.drain()
-                if path == b"/close" or close_idle_after_first:
+                if path in (b"/close", b"/short") or close_idle_after_first:
                     break
         except (asyncio.IncompleteReadError, ConnectionError):
             stats["hangups"] += 1
@@ -100,3 +117,87 @@ async def test_connect_errors_are_httpx_errors() -> None:
     async with httpx.AsyncClient(transport=FastHTTPTransport(connect_timeout=1)) as c:
         with pytest.raises(httpx.ConnectError):
             await c.get(f"http://127.0.0.1:{free_port()}/x")
+
+
+def post(path: bytes, port: int, body: bytes = b'{"a": 1}') -> bytes:
+    return (b"POST %s HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nContent-Length: %d\r\n\r\n%s"
+            % (path, port, len(body), body))
+
+
+async def read_all(conn: UpstreamConnection) -> bytes:
+    parts = []
+    while data := await conn.read():
+        parts.append(data)
+    conn.release()
+    return b"".join(parts)
+
+
+async def test_upstream_framing_keep_alive_and_informational_heads() -> None:
+    pool = UpstreamPool()
+    async with raw_server() as s:
+        target = Target.of(f"http://127.0.0.1:{s['port']}")
+        conn = await pool.send(target, post(b"/sized", s["port"]))
+        assert (conn.status, conn.content_length, conn.headers[-1]) == (200, 5, (b"x-a", b"1"))
+        assert await read_all(conn) == b"hello"
+        conn = await pool.send(target, post(b"/chunked", s["port"]))
+        assert (conn.status, conn.chunked, conn.content_length) == (201, True, None)
+        assert await read_all(conn) == b"abcdefg"  # chunk extensions dropped, framing decoded
+        conn = await pool.send(target, post(b"/empty", s["port"]))
+        assert (conn.status, await read_all(conn)) == (204, b"")
+        conn = await pool.send(target, post(b"/continue", s["port"]))
+        assert (conn.status, await read_all(conn)) == (200, b"ok")  # the 100 is skipped
+        assert s["connections"] == 1 and s["requests"] == 4  # one keep-alive connection
+        conn = await pool.send(target, post(b"/close", s["port"]))
+        assert await read_all(conn) == b"until-close"
+        assert await read_all(await pool.send(target, post(b"/sized", s["port"]))) == b"hello"
+        assert s["connections"] == 2  # "Connection: close" was honoured
+        conn = await pool.send(target, post(b"/big", s["port"]))
+        assert len(await read_all(conn)) == 1048576 and not conn.paused
+    pool.close()
+
+
+async def test_upstream_release_before_the_end_hangs_up_and_stale_ones_are_redialled() -> None:
+    pool = UpstreamPool()
+    async with raw_server() as s:
+        conn = await pool.send(Target.of(f"http://127.0.0.1:{s['port']}"), post(b"/slow", s["port"]))
+        assert await conn.read()
+        conn.release()  # the body is not finished: the socket closes
+        for _ in range(100):
+            if s["hangups"]:
+                break
+            await asyncio.sleep(0.01)
+        assert s["hangups"] == 1 and conn.closed
+    async with raw_server(close_idle_after_first=True) as s:
+        target = Target.of(f"http://127.0.0.1:{s['port']}")
+        assert await read_all(await pool.send(target, post(b"/sized", s["port"]))) == b"hello"
+        for _ in range(100):  # the server closes the idle connection
+            if all(c.closed for c in pool.idle[target.key]):
+                break
+            await asyncio.sleep(0.01)
+        assert await read_all(await pool.send(target, post(b"/sized", s["port"]))) == b"hello"
+        assert s["connections"] == 2
+    pool.close()
+
+
+async def test_upstream_errors_connect_read_and_timeout() -> None:
+    pool = UpstreamPool(connect_timeout=1, read_timeout=0.2)
+    port = free_port()
+    with pytest.raises(ConnectError):
+        await pool.send(Target.of(f"http://127.0.0.1:{port}"), post(b"/x", port))
+    async with raw_server() as s:
+        target = Target.of(f"http://127.0.0.1:{s['port']}")
+        conn = await pool.send(target, post(b"/short", s["port"]))
+        assert await conn.read() == b"abc"
+        with pytest.raises(ReadError):  # 3 of 10 bytes, then the server closed
+            await conn.read()
+        conn.release()
+        with pytest.raises(ReadTimeout):
+            await pool.send(target, post(b"/silent", s["port"]))
+    pool.close()
+
+
+def test_target_of_a_base_url() -> None:
+    t = Target.of("http://worker:8001/v1-prefix/")
+    assert (t.key, t.host_line, t.prefix) == (("http", "worker", 8001), b"Host: worker:8001\r\n",
+                                              b"/v1-prefix")
+    assert Target.of("https://w").key == ("https", "w", 443)
