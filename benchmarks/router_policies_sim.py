@@ -18,6 +18,14 @@ concurrency. Reported per policy: prefix-cache hit rate (vs one worker serving a
 it), TTFT p50/p99 (vs round robin), busiest worker's requests over the mean.
 
     .venv/bin/python benchmarks/router_policies_sim.py
+    .venv/bin/python benchmarks/router_policies_sim.py --virtual
+
+`--virtual` replays the same workers and clients in virtual time around the router's
+real `Pool` and policy objects (no HTTP, no processes; a fixed per-request overhead, the
+KV-event lag and the scrape interval stand in for them): deterministic and about a second
+per run, for judging a policy change without CPU noise. `prefill` in the table is the
+prompt tokens the workers computed, over what one worker serving everything computes
+(1.00: no prefix computed twice).
 
 Prints a table; the last stdout line is one JSON document.
 """
@@ -27,11 +35,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import heapq
+import itertools
 import json
 import os
+import random
 import sys
-from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +56,11 @@ from starlette.routing import Route
 
 from sluice.protocol.block_hash import hash_blocks
 from sluice.protocol.kv_events import BlockRemoved, BlockStored, KVEvent
-from sluice.router.config import WorkerSpec
+from sluice.router.config import PoolConfig, WorkerSpec
+from sluice.router.endpoints import Ticket
+from sluice.router.policies import RequestMeta
+from sluice.router.pool import Pool
+from sluice.router.scrape import WorkerLoad
 from sluice.worker.kv_events import KVEventPublisher
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -54,6 +69,7 @@ from router_policies import multi_turn, pct, shared_prefix  # noqa: E402
 from sluice.control.local import free_port
 
 BLOCK = 16
+SCRAPE_S = 0.2  # the router's --scrape-interval in both modes
 
 
 @functools.lru_cache(maxsize=1)
@@ -87,8 +103,9 @@ class SimWorker:
     hits: int = 0
     requests: int = 0
 
-    def lookup_and_insert(self, ids: list[int]) -> int:
-        """Cached prefix tokens; then the prompt's blocks are stored (LRU evicts)."""
+    def lookup_and_insert(self, ids: list[int]) -> tuple[int, list[KVEvent]]:
+        """Cached prefix tokens; then the prompt's blocks are stored (LRU evicts). Counts the
+        query and returns the KV events it caused."""
         hashes = hash_blocks(ids, BLOCK)
         hit = 0
         for h in hashes:
@@ -107,9 +124,9 @@ class SimWorker:
             events.append(BlockStored(stored, None, [], BLOCK))
         if evicted:
             events.append(BlockRemoved(evicted))
-        if self.publisher is not None and events:
-            self.publisher.publish(events)
-        return hit * BLOCK
+        self.queries += len(ids)
+        self.hits += hit * BLOCK
+        return hit * BLOCK, events
 
     async def generate(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
         ids = prompt_ids(body)
@@ -118,9 +135,9 @@ class SimWorker:
         try:
             async with self.lock:  # one prefill at a time
                 self.waiting -= 1
-                cached = self.lookup_and_insert(ids)
-                self.queries += len(ids)
-                self.hits += cached
+                cached, events = self.lookup_and_insert(ids)
+                if self.publisher is not None and events:
+                    self.publisher.publish(events)
                 await asyncio.sleep((len(ids) - cached) * self.prefill_s_per_token)
             self.running += 1
             for i in range(int(body.get("max_tokens") or 4)):
@@ -183,7 +200,7 @@ async def router_process(policy: str, specs: list[WorkerSpec]) -> AsyncIterator[
     from sluice.engine.tokenizer import resolve_model
 
     cmd = [sys.executable, "-m", "sluice.cli", "router", "--policy", policy, "--port", str(port),
-           "--seed", "0", "--scrape-interval", "0.2", "--log-level", "warning",
+           "--seed", "0", "--scrape-interval", str(SCRAPE_S), "--log-level", "warning",
            "--tokenizer", resolve_model(None)]
     for spec in specs:
         cmd += ["--worker", spec.url, "--worker-kv-events", f"{spec.url}={spec.kv_events}"]
@@ -247,12 +264,136 @@ async def run_one(policy: str | None, sessions: list[list[Any]], args: argparse.
         target = specs[0].url if policy is None else await stack.enter_async_context(
             router_process(policy, specs))
         ttfts = await drive(target, sessions, args.concurrency, args.max_tokens)
+    return summary(workers, ttfts)
+
+
+def summary(workers: list[SimWorker], ttfts: list[float]) -> dict[str, Any]:
     reqs = [w.requests for w in workers]
     queries = sum(w.queries for w in workers)
     return {"hit_rate": sum(w.hits for w in workers) / queries, "ttft_p50_s": pct(ttfts, 0.5),
             "ttft_mean_s": sum(ttfts) / len(ttfts), "ttft_p90_s": pct(ttfts, 0.9),
             "ttft_p99_s": pct(ttfts, 0.99), "per_worker_requests": reqs,
-            "busiest_over_mean": max(reqs) / (sum(reqs) / len(reqs))}
+            "busiest_over_mean": max(reqs) / (sum(reqs) / len(reqs)),
+            "prefill_tokens": queries - sum(w.hits for w in workers)}
+
+
+@dataclass
+class Pending:
+    """A request in a replayed worker's queue."""
+
+    ids: list[int]
+    ticket: Ticket
+    sent_at: float
+    then: Callable[[], None]  # the client's next turn, once the stream has ended
+
+
+class Replay:
+    """The same workers and clients in virtual time around the router's real `Pool` and
+    policy, with no HTTP and no processes: deterministic, about a second per run, so a
+    policy change can be judged without CPU noise. What the HTTP run adds is modelled by a
+    fixed per-request overhead (half before routing, half after the first token), the
+    KV-event lag and the scrape interval."""
+
+    def __init__(self, policy: str, n_workers: int, args: argparse.Namespace) -> None:
+        self.args, self.now = args, 0.0
+        self.ttfts: list[float] = []
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self.workers = {f"http://w{i}": SimWorker(f"w{i}", args.cache_blocks,
+                                                  args.prefill_ms_per_token / 1e3,
+                                                  args.decode_ms / 1e3)
+                        for i in range(n_workers)}
+        self.queues: dict[str, deque[Pending]] = {u: deque() for u in self.workers}
+        self.busy = dict.fromkeys(self.workers, False)
+        specs = tuple(WorkerSpec(u, kv_events="tcp://127.0.0.1:1") for u in self.workers)
+        self.pool = Pool(PoolConfig(model="sim", policy=policy, workers=specs),
+                         random.Random(0), clock=lambda: self.now)
+
+    def at(self, delay_s: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (self.now + delay_s, next(self._seq), fn))
+
+    def run(self, sessions: list[list[Any]], concurrency: int) -> list[float]:
+        todo = deque(sessions)
+        for _ in range(concurrency):
+            self.client(todo, deque())
+        self.at(SCRAPE_S, self.scrape)
+        while self._events:
+            self.now, _, fn = heapq.heappop(self._events)
+            fn()
+        return self.ttfts
+
+    def client(self, todo: deque[list[Any]], turns: deque[Any]) -> None:
+        """Send the session's next turn, or start the next session."""
+        if not turns and todo:
+            turns = deque(todo.popleft())
+        if turns:
+            ids, sent = prompt_ids({"messages": turns.popleft().messages}), self.now
+            self.at(self.args.overhead_ms / 2e3,
+                    lambda: self.route(ids, sent, lambda: self.client(todo, turns)))
+
+    def route(self, ids: list[int], sent: float, then: Callable[[], None]) -> None:
+        meta = RequestMeta(model="sim", num_prompt_tokens=len(ids),
+                           block_hashes=tuple(hash_blocks(ids, BLOCK)), block_size=BLOCK)
+        decision = self.pool.decide(meta)
+        assert decision is not None
+        url = decision.endpoint.url
+        self.workers[url].requests += 1
+        self.queues[url].append(Pending(ids, self.pool.dispatch(meta, decision), sent, then))
+        if not self.busy[url]:
+            self.prefill(url)
+
+    def prefill(self, url: str) -> None:
+        """One prefill at a time per worker, FIFO; the cache is looked up when it starts."""
+        w, req = self.workers[url], self.queues[url].popleft()
+        self.busy[url] = True
+        cached, events = w.lookup_and_insert(req.ids)
+        self.at(self.args.event_lag_ms / 1e3, lambda: self.apply(url, events))
+        self.at((len(req.ids) - cached) * w.prefill_s_per_token, lambda: self.decode(url, req))
+
+    def decode(self, url: str, req: Pending) -> None:
+        w, half = self.workers[url], self.args.overhead_ms / 2e3
+        w.running += 1
+        self.busy[url] = False
+        self.at(half, lambda: self.first_token(req))
+        self.at((self.args.max_tokens - 1) * w.decode_s, lambda: self.finished(w, req))
+        if self.queues[url]:
+            self.prefill(url)
+
+    def first_token(self, req: Pending) -> None:
+        self.ttfts.append(self.now - req.sent_at)
+        req.ticket.endpoint.on_first_byte(req.ticket, learn=True)
+
+    def finished(self, w: SimWorker, req: Pending) -> None:
+        w.running -= 1
+        self.at(self.args.overhead_ms / 2e3, lambda: self.stream_ended(req))
+
+    def stream_ended(self, req: Pending) -> None:
+        req.ticket.endpoint.finish(req.ticket)
+        req.then()
+
+    def apply(self, url: str, events: list[KVEvent]) -> None:
+        """What the router's KV-event subscriber does with a batch."""
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                self.pool.precise.store(url, ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                self.pool.precise.remove(url, ev.block_hashes)
+
+    def scrape(self) -> None:
+        for url, w in self.workers.items():
+            self.pool.endpoints[url].load = WorkerLoad(
+                running=w.running, waiting=len(self.queues[url]),
+                kv_usage=len(w.cache) / w.cache_blocks)
+        if self._events:
+            self.at(SCRAPE_S, self.scrape)
+
+
+def replay_one(policy: str | None, sessions: list[list[Any]], args: argparse.Namespace
+               ) -> dict[str, Any]:
+    """`run_one` in virtual time."""
+    sim = Replay(policy or "round_robin", 1 if policy is None else args.workers, args)
+    ttfts = sim.run(sessions, args.concurrency)
+    return summary(list(sim.workers.values()), ttfts)
 
 
 def main() -> int:
@@ -271,7 +412,18 @@ def main() -> int:
     ap.add_argument("--cache-blocks", type=int, default=2000)
     ap.add_argument("--prefill-ms-per-token", type=float, default=0.5)
     ap.add_argument("--decode-ms", type=float, default=5.0)
+    ap.add_argument("--virtual", action="store_true",
+                    help="replay in virtual time around the real Pool and policy (no HTTP)")
+    ap.add_argument("--overhead-ms", type=float, default=4.0,
+                    help="--virtual: fixed per-request HTTP and router time")
+    ap.add_argument("--event-lag-ms", type=float, default=2.0,
+                    help="--virtual: KV-event delay from prefill start to the router's index")
     args = ap.parse_args()
+
+    def one(policy: str | None, sessions: list[list[Any]]) -> dict[str, Any]:
+        if args.virtual:
+            return replay_one(policy, sessions, args)
+        return asyncio.run(run_one(policy, sessions, args))
 
     results: dict[str, dict[str, Any]] = {}
     for w_i, wname in enumerate(["shared-prefix", "multi-turn"]):
@@ -279,23 +431,27 @@ def main() -> int:
         sessions = (shared_prefix(seed, args.groups, args.per_group, args.system_words)
                     if wname == "shared-prefix"
                     else multi_turn(seed, args.sessions, args.turns, args.turn_words))
-        res = {"single_worker": asyncio.run(run_one(None, sessions, args))}
+        res = {"single_worker": one(None, sessions)}
         for policy in args.policies:
-            res[policy] = asyncio.run(run_one(policy, sessions, args))
+            res[policy] = one(policy, sessions)
             print(f"  {wname} {policy} done", file=sys.stderr)
         results[wname] = res
 
     print(f"{'workload':14} {'policy':14} {'hit rate':>9} {'vs single':>9} {'TTFT p50':>9} "
-          f"{'vs RR':>6} {'p90':>7} {'p99':>7} {'mean':>7} {'busiest/mean':>12}  requests/worker")
+          f"{'vs RR':>6} {'p90':>7} {'p99':>7} {'mean':>7} {'busiest/mean':>12} {'prefill':>8}"
+          "  requests/worker")
     for wname, res in results.items():
         single, rr = res["single_worker"]["hit_rate"], res["round_robin"]["ttft_p50_s"]
+        single_prefill = res["single_worker"]["prefill_tokens"]
         for policy, r in res.items():
             r["hit_rate_vs_single"] = r["hit_rate"] / single
+            r["prefill_vs_single"] = r["prefill_tokens"] / single_prefill
             r["ttft_p50_vs_round_robin"] = r["ttft_p50_s"] / rr
             print(f"{wname:14} {policy:14} {r['hit_rate']:9.3f} {r['hit_rate_vs_single']:9.2f} "
                   f"{r['ttft_p50_s']:9.3f} {r['ttft_p50_vs_round_robin']:6.2f} "
                   f"{r['ttft_p90_s']:7.3f} {r['ttft_p99_s']:7.3f} {r['ttft_mean_s']:7.3f} "
-                  f"{r['busiest_over_mean']:12.2f}  {r['per_worker_requests']}")
+                  f"{r['busiest_over_mean']:12.2f} {r['prefill_vs_single']:8.2f}"
+                  f"  {r['per_worker_requests']}")
     print(json.dumps({"benchmark": "router_policies_sim", "args": vars(args), "results": results}))
     return 0
 

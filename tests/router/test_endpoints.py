@@ -3,12 +3,15 @@ ejection and re-admission counters."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
 
-from sluice.router.config import WorkerSpec
+from sluice.router.config import PoolConfig, WorkerSpec
 from sluice.router.endpoints import BASE_UNITS, EWMA_ALPHA, Endpoint
+from sluice.router.policies import RequestMeta
+from sluice.router.pool import Pool
 from sluice.router.scrape import WorkerLoad
 
 
@@ -84,3 +87,23 @@ def test_ejection_after_consecutive_failures_and_readmission() -> None:
     assert not e.record_failure(3)  # already out
     assert not e.record_success(2) and not e.healthy
     assert e.record_success(2) and e.healthy and e.consecutive_failures == 0
+
+
+def test_pool_times_ttfts_and_predicted_entries_on_its_clock() -> None:
+    now = [100.0]
+    spec = WorkerSpec("http://a", kv_events="tcp://127.0.0.1:1")
+    pool = Pool(PoolConfig(workers=(spec,)), random.Random(0), predicted_ttl_s=10.0,
+                clock=lambda: now[0])
+    meta = RequestMeta(model="m", num_prompt_tokens=64, block_hashes=(1, 2, 3, 4))
+    decision = pool.decide(meta)
+    assert decision is not None
+    ticket = pool.dispatch(meta, decision)
+    assert ticket.started == 100.0
+    assert pool.precise.match(meta.block_hashes, [spec.url]) == {spec.url: 4}  # predicted
+    now[0] = 100.5
+    fit = decision.endpoint.fit
+    my = fit.my
+    decision.endpoint.on_first_byte(ticket, learn=True)
+    assert fit.my == pytest.approx(my + EWMA_ALPHA * (0.5 - my))  # a 0.5 s TTFT
+    now[0] = 110.1  # the prediction expired without a KV event confirming it
+    assert pool.precise.match(meta.block_hashes, [spec.url]) == {spec.url: 0}

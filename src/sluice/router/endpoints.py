@@ -31,6 +31,7 @@ worker's fixed per-request overhead is not mistaken for a slow prefill.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sluice.router.config import WorkerSpec
@@ -118,7 +119,7 @@ class Ticket:
     prompt_tokens: int
     uncached_tokens: int
     units: float
-    started: float = field(default_factory=time.monotonic)
+    started: float
     first_byte: bool = False
     done: bool = False
 
@@ -143,6 +144,7 @@ class Endpoint:
     prefill_tokens: float = 0.0
     fit: TTFTFit = field(default_factory=TTFTFit)
     prompt_avg: float = 0.0
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
 
     @property
     def url(self) -> str:
@@ -201,7 +203,7 @@ class Endpoint:
         self.prefilling += 1
         self.prefill_tokens += uncached_tokens
         self.prompt_avg += EWMA_ALPHA * (prompt_tokens - self.prompt_avg)
-        return Ticket(self, prompt_tokens, uncached_tokens, units)
+        return Ticket(self, prompt_tokens, uncached_tokens, units, self.clock())
 
     def on_first_byte(self, ticket: Ticket, learn: bool) -> None:
         """The request left prefill; if `learn`, fold its TTFT into the cost estimate."""
@@ -210,7 +212,7 @@ class Endpoint:
         ticket.first_byte = True
         self._end_prefill(ticket)
         if learn:
-            self.fit.observe(ticket.units, time.monotonic() - ticket.started)
+            self.fit.observe(ticket.units, self.clock() - ticket.started)
 
     def finish(self, ticket: Ticket) -> None:
         """The response ended (completed, failed or cancelled): stop counting it."""

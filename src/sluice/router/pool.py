@@ -13,7 +13,8 @@ Everything here runs on the event loop; nothing locks.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sluice.protocol.errors import InvalidRequestError, NotFoundError
@@ -35,11 +36,14 @@ class Pool:
     """Owns its endpoints, its policy instance and its two block indexes."""
 
     def __init__(self, config: PoolConfig, rng: random.Random, max_blocks: int = 200_000,
-                 predicted_ttl_s: float = 10.0) -> None:
+                 predicted_ttl_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock` times predicted index entries and TTFTs (a simulation passes its own)."""
         self.config = config
         self.policy: RoutingPolicy = make_policy(config.policy, rng, config.policy_options)
-        self.approx = BlockIndex(max_blocks)
-        self.precise = BlockIndex(max_blocks)
+        self.clock = clock
+        self.approx = BlockIndex(max_blocks, clock)
+        self.precise = BlockIndex(max_blocks, clock)
         self.predicted_ttl_s = predicted_ttl_s
         self.endpoints: dict[str, Endpoint] = {}
         for spec in config.workers:
@@ -62,7 +66,7 @@ class Pool:
     def add(self, spec: WorkerSpec) -> Endpoint:
         if spec.url in self.endpoints:
             raise InvalidRequestError(f"worker {spec.url} is already in the pool", param="url")
-        endpoint = self.endpoints[spec.url] = Endpoint(spec)
+        endpoint = self.endpoints[spec.url] = Endpoint(spec, clock=self.clock)
         return endpoint
 
     def remove(self, url: str) -> Endpoint:
