@@ -10,6 +10,8 @@ would otherwise be). For each target, in the same run:
    scheduled send time (no coordinated omission) -> p50 / p99; the router's *added*
    latency is its percentile minus the direct one.
 
+`sluice router` serves on its own HTTP/1.1 server (router/server.py); `--uvicorn POLICY`
+adds the router's ASGI app under uvicorn, as `sluice serve` and the gateway run it.
 Optionally the same against SGLang's Rust router (`--sglang-router PYTHON`: a python
 that has `sglang_router` installed, in its own venv).
 
@@ -43,6 +45,7 @@ RESPONSE = json.dumps({
     "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
                  "finish_reason": "stop"}],
     "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}}).encode()
+EVENT = b'data: {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
 MODELS = json.dumps({"object": "list", "data": [{"id": "stub", "object": "model"}]}).encode()
 METRICS = b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n"
 
@@ -50,14 +53,32 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
+def request_body(stream_events: int) -> bytes:
+    """The benchmark's chat request; streamed with `stream_events` SSE events if > 0."""
+    if not stream_events:
+        return BODY
+    return json.dumps({"model": "stub", "max_tokens": stream_events, "stream": True,
+                       "messages": [{"role": "user", "content": "Say hi."}]}).encode()
+
+
 async def stub_app(scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
-    """The fastest worker there is: fixed answers, no engine."""
+    """The fastest worker there is: fixed answers, no engine. A streamed request gets
+    `max_tokens` SSE events, each its own write, then `data: [DONE]`."""
     if scope["type"] != "http":
         return
-    more = True
+    parts, more = [], True
     while more:
-        more = (await receive()).get("more_body", False)
+        message = await receive()
+        parts.append(message.get("body", b""))
+        more = message.get("more_body", False)
     path = scope["path"]
+    if b'"stream": true' in parts[0]:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for _ in range(json.loads(b"".join(parts))["max_tokens"]):
+            await send({"type": "http.response.body", "body": EVENT, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+        return
     body = MODELS if path == "/v1/models" else METRICS if path == "/metrics" else (
         b"" if path == "/health" else RESPONSE)
     await send({"type": "http.response.start", "status": 200, "headers": [
@@ -73,11 +94,12 @@ class Conn:
         self.reader, self.writer, self.request = reader, writer, request
 
     @classmethod
-    async def open(cls, port: int, path: str = "/v1/chat/completions") -> Conn:
+    async def open(cls, port: int, body: bytes = BODY, path: str = "/v1/chat/completions"
+                   ) -> Conn:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(BODY)}\r\n\r\n")
-        return cls(reader, writer, head.encode() + BODY)
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+        return cls(reader, writer, head.encode() + body)
 
     async def call(self) -> int:
         self.writer.write(self.request)
@@ -100,8 +122,9 @@ class Conn:
         self.writer.close()
 
 
-async def saturate(port: int, concurrency: int, seconds: float) -> dict[str, float]:
-    conns = [await Conn.open(port) for _ in range(concurrency)]
+async def saturate(port: int, concurrency: int, seconds: float, body: bytes = BODY
+                   ) -> dict[str, float]:
+    conns = [await Conn.open(port, body) for _ in range(concurrency)]
     done = 0
     errors = 0
     stop = time.perf_counter() + seconds
@@ -121,8 +144,8 @@ async def saturate(port: int, concurrency: int, seconds: float) -> dict[str, flo
     return {"rps": done / elapsed, "errors": errors}
 
 
-async def fixed_rate(port: int, rate: float, seconds: float, max_conns: int = 256
-                     ) -> dict[str, float]:
+async def fixed_rate(port: int, rate: float, seconds: float, max_conns: int = 256,
+                     body: bytes = BODY) -> dict[str, float]:
     free: asyncio.Queue[Conn] = asyncio.Queue()
     opened = 0
     lat: list[float] = []
@@ -132,7 +155,7 @@ async def fixed_rate(port: int, rate: float, seconds: float, max_conns: int = 25
         nonlocal opened, errors
         if free.empty() and opened < max_conns:
             opened += 1
-            conn = await Conn.open(port)
+            conn = await Conn.open(port, body)
         else:
             conn = await free.get()
         if await conn.call() != 200:
@@ -159,6 +182,16 @@ async def fixed_rate(port: int, rate: float, seconds: float, max_conns: int = 25
             "mean_ms": 1e3 * statistics.fmean(lat)}
 
 
+UVICORN_ROUTER = """
+import uvicorn
+from sluice.router.app import build_app
+from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
+pool = PoolConfig(workers=(WorkerSpec("{stub}"),), policy="{policy}")
+uvicorn.run(build_app(RouterConfig(pools=(pool,))), host="127.0.0.1", port={port},
+            log_level="warning", access_log=False)
+"""
+
+
 def wait_http(url: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -180,12 +213,14 @@ def start(cmd: list[str]) -> subprocess.Popen[bytes]:
 
 
 def measure(name: str, port: int, args: argparse.Namespace) -> dict[str, Any]:
+    body = request_body(args.stream_events)
+
     async def run() -> dict[str, Any]:
-        await saturate(port, 8, 0.5)  # warm-up
-        sat = await saturate(port, args.concurrency, args.seconds)
+        await saturate(port, 8, 0.5, body)  # warm-up
+        sat = await saturate(port, args.concurrency, args.seconds, body)
         rates = {}
         for rate in args.rates:
-            rates[str(int(rate))] = await fixed_rate(port, rate, args.seconds)
+            rates[str(int(rate))] = await fixed_rate(port, rate, args.seconds, body=body)
         return {"target": name, "saturation_rps": sat["rps"], "saturation_errors": sat["errors"],
                 "fixed_rate": rates}
 
@@ -198,6 +233,11 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--rates", type=float, nargs="+", default=[500.0, 1000.0])
     ap.add_argument("--policy", nargs="+", default=["round_robin", "cost"])
+    ap.add_argument("--stream-events", type=int, default=0, metavar="N",
+                    help="streamed requests: the stub answers N SSE events (0: one JSON body)")
+    ap.add_argument("--uvicorn", nargs="*", default=[], metavar="POLICY",
+                    help="also the router's ASGI app under uvicorn (as `sluice serve` and "
+                         "the gateway run it) with these policies")
     ap.add_argument("--sglang-router", default=None,
                     help="python of a venv with sglang_router installed")
     args = ap.parse_args()
@@ -220,6 +260,15 @@ def main() -> int:
             procs.append(p)
             wait_http(f"http://127.0.0.1:{port}/health")
             results.append(measure(f"sluice router ({policy})", port, args))
+            p.terminate()
+            p.wait(10)
+        for policy in args.uvicorn:
+            port = free_port()
+            p = start([sys.executable, "-c", UVICORN_ROUTER.format(stub=stub, policy=policy,
+                                                                   port=port)])
+            procs.append(p)
+            wait_http(f"http://127.0.0.1:{port}/health")
+            results.append(measure(f"router app on uvicorn ({policy})", port, args))
             p.terminate()
             p.wait(10)
         if args.sglang_router:
@@ -256,7 +305,7 @@ def main() -> int:
             fr["added_p50_ms"] = fr["p50_ms"] - d["p50_ms"]
             fr["added_p99_ms"] = fr["p99_ms"] - d["p99_ms"]
     print(json.dumps({"benchmark": "router_overhead", "cores": os.cpu_count(),
-                      "results": results}))
+                      "stream_events": args.stream_events, "results": results}))
     return 0
 
 

@@ -449,6 +449,9 @@ async def test_server_http10_connection_close_and_malformed_requests() -> None:
         status, _, body = await read_response(reader)
         assert status == 400 and b"malformed" in body
         assert await asyncio.wait_for(reader.read(), 5) == b""
+        reader, writer = await connect(router)
+        writer.write(b"GET /health HTTP/1.1\r\nX-Big: " + b"x" * 70_000 + b"\r\n\r\n")
+        assert (await read_response(reader))[0] == 431
 
 
 async def test_server_passes_other_paths_to_the_app() -> None:

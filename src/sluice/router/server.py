@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 ASGIApp = Callable[..., Any]
 MAX_BODY = 64 * 1024 * 1024
+MAX_HEAD = 64 * 1024  # request line and headers
 MAX_PIPELINED = 16
 KEEP_ALIVE_S = 30.0
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
@@ -108,6 +109,7 @@ class _Connection(asyncio.Protocol):
         self.idle_timer: asyncio.TimerHandle | None = None
         self.sockname: Any = None
         self.peername: Any = None
+        self.rejected = False
         self._url = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
@@ -123,6 +125,8 @@ class _Connection(asyncio.Protocol):
         self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
+        if self.rejected:
+            return
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
@@ -163,23 +167,36 @@ class _Connection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._size += len(url)
+        if self._size > MAX_HEAD:
+            self._reject(414, "request target too long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name.lower(), value))
+        self._size += len(name) + len(value)
+        if self._size > MAX_HEAD:
+            self._reject(431, "request headers too large")
 
     def on_headers_complete(self) -> None:
+        self._size = 0
+        if self.rejected:
+            return
         if (b"expect", b"100-continue") in ((n, v.lower()) for n, v in self._headers) \
                 and self.transport is not None:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
+        if self.rejected:
+            return
         if self._size > MAX_BODY:
             self._reject(413, "request body too large")
             return
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        if self.rejected:
+            return
         p = self.parser
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         self.queue.append(_Request(p.get_method(), self._url, self._headers, body,
@@ -246,11 +263,23 @@ class _Connection(asyncio.Protocol):
         self.idle_timer = self.loop.call_later(self.server.keep_alive_s, self.close)
 
     def _reject(self, status: int, message: str) -> None:
+        """Answer an unreadable request with an error, then stop sending; what the client
+        still sends is discarded until it closes (or the idle timer does), so that closing
+        with unread input does not reset the connection before the error is read. With
+        earlier requests still unanswered the connection just closes."""
+        if self.rejected:
+            return
+        self.rejected = True
+        if self.task is not None or self.queue or self.transport is None \
+                or not self.transport.can_write_eof():
+            self.close()
+            return
         body = (b'{"error": {"message": "%s", "type": "invalid_request_error", '
                 b'"param": null, "code": null}}' % message.replace('"', "'").encode())
         self.write(_status_line(status) + b"content-type: application/json\r\n"
                    b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
-        self.close()
+        self.transport.write_eof()
+        self._arm_idle()
 
 
 class RouterServer:
