@@ -64,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-flops", action="store_true", help="skip the matmul reference")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="weights and activations, for sluice and the peer alike")
 
 
 def progress(msg: str) -> None:
@@ -156,8 +158,9 @@ def timed_sluice(llm: Any, recorder: StepRecorder, prompts: list[list[int]], out
 class FlopModel:
     """Linear + attention FLOPs of the model, and torch matmul timing on its shapes."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, dtype: Any) -> None:
         self.cfg = cfg
+        self.dtype = dtype
         h = cfg.hidden_size
         self.layer_shapes = [(h, cfg.q_size + 2 * cfg.kv_size), (cfg.q_size, h),
                              (h, 2 * cfg.intermediate_size), (cfg.intermediate_size, h)]
@@ -177,15 +180,19 @@ class FlopModel:
 
         key = (m, k, n)
         if key not in self._cache:
-            x, w = torch.randn(m, k), torch.randn(n, k)
-            torch.nn.functional.linear(x, w)
+            x, w = torch.randn(m, k, dtype=self.dtype), torch.randn(n, k, dtype=self.dtype)
+            w_in_out = w.t().contiguous()
             reps = max(2, min(20, int(1e9 / max(1, 2 * m * k * n))))
             best = float("inf")
-            for _ in range(3):  # best of three: the machine is shared, take the least noisy
-                t0 = time.perf_counter()
-                for _ in range(reps):
-                    torch.nn.functional.linear(x, w)
-                best = min(best, (time.perf_counter() - t0) / reps)
+            # best of three, of both weight layouts (nn.Linear's [out, in] and [in, out]):
+            # the machine is shared, take the least noisy run of torch's faster form
+            for matmul in (lambda: torch.nn.functional.linear(x, w), lambda: x @ w_in_out):
+                matmul()
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        matmul()
+                    best = min(best, (time.perf_counter() - t0) / reps)
             self._cache[key] = best
         return self._cache[key]
 
@@ -215,7 +222,7 @@ def _bucket(n: int) -> int:
 
 
 # -- transformers peer ---------------------------------------------------------------
-def load_peer(model: str | None) -> Any:
+def load_peer(model: str | None, dtype: str) -> Any:
     import os
 
     import torch
@@ -224,7 +231,7 @@ def load_peer(model: str | None) -> Any:
     from sluice.engine.tokenizer import resolve_model
 
     path = resolve_model(model)
-    kw: dict[str, Any] = {"dtype": torch.float32}
+    kw: dict[str, Any] = {"dtype": getattr(torch, dtype)}
     if path.endswith(".gguf"):
         kw["gguf_file"] = os.path.basename(path)
         path = os.path.dirname(path)
@@ -326,13 +333,14 @@ def run(args: argparse.Namespace) -> int:
     output_len = args.output_len or (32 if args.workload == "prefix" else 128)
     progress(f"loading sluice: {args.model or 'default SmolLM2 GGUF'}, torch threads "
              f"{torch.get_num_threads()}")
-    llm = LLM(args.model, max_num_batched_tokens=args.max_num_batched_tokens, dtype="float32")
+    llm = LLM(args.model, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype)
     rec = StepRecorder(llm.engine.runner)
-    flops = None if args.no_flops else FlopModel(llm.engine.runner.model_config)
+    flops = None if args.no_flops else FlopModel(llm.engine.runner.model_config,
+                                                  getattr(torch, args.dtype))
     peer = None
     if args.peer == "transformers" and args.workload == "random":
         progress("loading the transformers peer")
-        peer = load_peer(args.model)
+        peer = load_peer(args.model, args.dtype)
     if args.single_stream:
         results, summary = bench_single(args, llm, rec, peer, flops, output_len)
     elif args.workload == "prefix":
@@ -340,7 +348,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         results, summary = bench_random(args, llm, rec, peer, flops, output_len)
     print_table(results)
-    doc = {"benchmark": "offline", "model": args.model or "default", "workload": args.workload,
+    doc = {"benchmark": "offline", "model": args.model or "default", "dtype": args.dtype,
+           "workload": args.workload,
            "single_stream": args.single_stream, "input_len": args.input_len,
            "output_len": output_len, "num_requests": args.num_requests,
            "results": [dict(asdict(r), tok_s=round(r.tok_s, 2)) for r in results], **summary}
