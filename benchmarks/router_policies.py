@@ -156,7 +156,21 @@ def measure(target_urls: Sequence[str], url: str, model: str, sessions: list[lis
             "ttft_p99_s": pct(stats.ttft, 0.99), "requests": len(stats.ttft),
             "errors": stats.errors, "seconds": elapsed,
             "per_worker_requests": reqs,
+            "per_worker_prefill_tokens": [d["queries"] - d["hits"] for d in delta.values()],
             "busiest_over_mean": (max(reqs) / mean) if mean else float("nan")}
+
+
+def router_learned(url: str) -> dict[str, dict[str, float]]:
+    """The router's learned TTFT line per worker (seconds per token, overhead)."""
+    out: dict[str, dict[str, float]] = {}
+    names = {"sluice_router_worker_seconds_per_token": "seconds_per_token",
+             "sluice_router_worker_overhead_seconds": "overhead_s"}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        name, _, rest = line.partition("{")
+        if name in names and 'worker="' in rest:
+            worker = rest.split('worker="', 1)[1].split('"', 1)[0]
+            out.setdefault(worker, {})[names[name]] = float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def start_router(workers: LocalWorkerPool, policy: str, tokenizer: str | None) -> tuple[
@@ -217,6 +231,7 @@ def main() -> int:
                 try:
                     res[policy] = measure(workers.urls, url, model,
                                           workload(wname, 100 * w_i + p_i + 1), args)
+                    res[policy]["router_learned"] = router_learned(url)
                 finally:
                     proc.terminate()
                     proc.wait(10)

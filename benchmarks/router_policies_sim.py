@@ -308,6 +308,7 @@ class Replay:
         specs = tuple(WorkerSpec(u, kv_events="tcp://127.0.0.1:1") for u in self.workers)
         self.pool = Pool(PoolConfig(model="sim", policy=policy, workers=specs),
                          random.Random(0), clock=lambda: self.now)
+        self.noise = random.Random(args.noise_seed)
 
     def at(self, delay_s: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._events, (self.now + delay_s, next(self._seq), fn))
@@ -348,7 +349,10 @@ class Replay:
         self.busy[url] = True
         cached, events = w.lookup_and_insert(req.ids)
         self.at(self.args.event_lag_ms / 1e3, lambda: self.apply(url, events))
-        self.at((len(req.ids) - cached) * w.prefill_s_per_token, lambda: self.decode(url, req))
+        seconds = (len(req.ids) - cached) * w.prefill_s_per_token
+        if self.args.prefill_noise:
+            seconds *= self.noise.lognormvariate(0.0, self.args.prefill_noise)
+        self.at(seconds, lambda: self.decode(url, req))
 
     def decode(self, url: str, req: Pending) -> None:
         w, half = self.workers[url], self.args.overhead_ms / 2e3
@@ -418,6 +422,9 @@ def main() -> int:
                     help="--virtual: fixed per-request HTTP and router time")
     ap.add_argument("--event-lag-ms", type=float, default=2.0,
                     help="--virtual: KV-event delay from prefill start to the router's index")
+    ap.add_argument("--prefill-noise", type=float, default=0.0,
+                    help="--virtual: each prefill takes its time × lognormal(0, this)")
+    ap.add_argument("--noise-seed", type=int, default=0)
     args = ap.parse_args()
 
     def one(policy: str | None, sessions: list[list[Any]]) -> dict[str, Any]:

@@ -40,7 +40,11 @@ from sluice.router.scrape import WorkerLoad
 PRIOR_SECONDS_PER_TOKEN = 5e-4  # a small model on a CPU; a GPU learns its way down fast
 PRIOR_UNITS = 256.0
 BASE_UNITS = 32.0  # fixed per-request work (HTTP, tokenization, one step) in token units
-EWMA_ALPHA = 0.2
+# Weight of each new TTFT (memory of ~40 requests). With 0.2 (~9 requests) two identical
+# workers on shared CPUs learned slopes 2x apart and `cost` sent one of them 35 of 48
+# requests; in a noisy replay (router_policies_sim --virtual with TTFT noise) 0.05 was
+# as good or better in every case and identical without noise.
+EWMA_ALPHA = 0.05
 DECODE_EQUIV_TOKENS = 16.0  # prefill-token cost of one running sequence during our wait
 MIN_FIT_SPREAD = 64.0  # std-dev of observed units (tokens) needed before fitting a slope
 
