@@ -3,6 +3,7 @@ ejection and re-admission counters."""
 
 from __future__ import annotations
 
+import math
 import random
 import time
 
@@ -101,9 +102,31 @@ def test_pool_times_ttfts_and_predicted_entries_on_its_clock() -> None:
     assert ticket.started == 100.0
     assert pool.precise.match(meta.block_hashes, [spec.url]) == {spec.url: 4}  # predicted
     now[0] = 100.5
-    fit = decision.endpoint.fit
-    my = fit.my
-    decision.endpoint.on_first_byte(ticket, learn=True)
-    assert fit.my == pytest.approx(my + EWMA_ALPHA * (0.5 - my))  # a 0.5 s TTFT
+    predicted = decision.endpoint.fit.predict(ticket.units)
+    decision.endpoint.on_first_byte(ticket, learn=True)  # a 0.5 s TTFT
+    assert decision.endpoint.log_speed == pytest.approx(EWMA_ALPHA * math.log(0.5 / predicted))
     now[0] = 110.1  # the prediction expired without a KV event confirming it
     assert pool.precise.match(meta.block_hashes, [spec.url]) == {spec.url: 0}
+
+
+def test_pool_learns_one_line_and_a_speed_per_worker() -> None:
+    """Three workers, the truth 50 ms + 1 ms/token, C twice as slow; TTFTs noisy (x e^N(0, 0.5)).
+    Identical workers come out close (a line per worker came out 2-3x apart), C at 2x."""
+    rng = random.Random(3)
+    now = [0.0]
+    specs = tuple(WorkerSpec(u) for u in ("http://a", "http://b", "http://c"))
+    pool = Pool(PoolConfig(workers=specs), random.Random(0), clock=lambda: now[0])
+    a, b, c = (pool.endpoints[s.url] for s in specs)
+    for i in range(600):
+        e = (a, b, c)[i % 3]
+        units = rng.choice((100.0, 700.0, 1500.0))
+        t = e.begin(int(units), int(units), units=units)
+        slow = 2.0 if e is c else 1.0
+        now[0] += slow * (0.05 + 1e-3 * (units + BASE_UNITS)) * rng.lognormvariate(0.0, 0.5)
+        e.on_first_byte(t, learn=True)
+        e.finish(t)
+    assert a.fit is b.fit is c.fit is pool.fit
+    assert a.seconds_per_token / b.seconds_per_token == pytest.approx(1.0, abs=0.25)
+    assert c.speed / math.sqrt(a.speed * b.speed) == pytest.approx(2.0, rel=0.25)
+    ratio = pool.fit.predict(700) / (0.05 + 1e-3 * (700 + BASE_UNITS))
+    assert a.speed * ratio == pytest.approx(math.exp(0.5 ** 2 / 2), rel=0.3)  # noise's mean

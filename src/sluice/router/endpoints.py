@@ -18,18 +18,25 @@ requests is *other* traffic, held until the next scrape; the router's own part s
 (Taking `max(scraped, own)` instead kept counting the router's finished requests until
 the next scrape: a worker that had just drained looked busy for up to a scrape interval.)
 
-The worker's prefill cost is learned online from the TTFT of its streamed responses, as
-an exponentially weighted least-squares line (`TTFTFit`):
+The workers' prefill cost is learned online from the TTFT of streamed responses, as an
+exponentially weighted least-squares line (`TTFTFit`) shared by a pool's workers, times
+each worker's own speed factor:
 
-    TTFT ≈ overhead + seconds_per_token × (work units ahead of it at dispatch)
+    TTFT ≈ speed(worker) × (overhead + seconds_per_token × (work units ahead at dispatch))
+    log speed(worker) = EWMA of log(its observed TTFT / the line's prediction)
 
-starting from a prior (a line through the origin until the observed work varies
-enough to fit a slope), so the `cost` policy needs no hand-tuned threshold, and a
-worker's fixed per-request overhead is not mistaken for a slow prefill.
+The line starts from a prior (through the origin until the observed work varies enough
+to fit a slope), so the `cost` policy needs no hand-tuned threshold, and a fixed
+per-request overhead is not mistaken for a slow prefill. One line from every worker's
+TTFTs and one number per worker, rather than a line per worker: two parameters fitted
+per worker from a few dozen noisy TTFTs came out 2-3x apart for identical workers, and
+`cost` then piled requests onto whichever looked faster; a real difference in speed
+(another GPU, a busier host) still shows in the factor.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,10 +47,7 @@ from sluice.router.scrape import WorkerLoad
 PRIOR_SECONDS_PER_TOKEN = 5e-4  # a small model on a CPU; a GPU learns its way down fast
 PRIOR_UNITS = 256.0
 BASE_UNITS = 32.0  # fixed per-request work (HTTP, tokenization, one step) in token units
-# Weight of each new TTFT (memory of ~40 requests). With 0.2 (~9 requests) two identical
-# workers on shared CPUs learned slopes 2x apart and `cost` sent one of them 35 of 48
-# requests; in a noisy replay (router_policies_sim --virtual with TTFT noise) 0.05 was
-# as good or better in every case and identical without noise.
+# Weight of each new TTFT (a memory of ~40 requests; 0.2, ~9, let CPU noise through).
 EWMA_ALPHA = 0.05
 DECODE_EQUIV_TOKENS = 16.0  # prefill-token cost of one running sequence during our wait
 MIN_FIT_SPREAD = 64.0  # std-dev of observed units (tokens) needed before fitting a slope
@@ -146,7 +150,8 @@ class Endpoint:
     inflight_tokens: int = 0
     prefilling: int = 0
     prefill_tokens: float = 0.0
-    fit: TTFTFit = field(default_factory=TTFTFit)
+    fit: TTFTFit = field(default_factory=TTFTFit)  # the pool's line (shared by its endpoints)
+    log_speed: float = 0.0  # EWMA of log(observed TTFT / the line's prediction)
     prompt_avg: float = 0.0
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
 
@@ -156,7 +161,12 @@ class Endpoint:
 
     @property
     def seconds_per_token(self) -> float:
-        return self.fit.slope
+        return self.fit.slope * self.speed
+
+    @property
+    def speed(self) -> float:
+        """This worker's TTFTs over the pool's line (2.0: twice as slow)."""
+        return math.exp(self.log_speed)
 
     @property
     def available(self) -> bool:
@@ -191,8 +201,8 @@ class Endpoint:
             queued_prefill_tokens=self.prefill_tokens,
             external_waiting=self.external_waiting,
             mean_prompt_tokens=self.prompt_avg,
-            seconds_per_token=self.fit.slope,
-            overhead_s=self.fit.overhead,
+            seconds_per_token=self.seconds_per_token,
+            overhead_s=self.fit.overhead * self.speed,
             cached_blocks=cached_blocks,
             kv_cached_blocks=kv_cached_blocks,
             cache_footprint=cache_footprint,
@@ -216,7 +226,7 @@ class Endpoint:
         ticket.first_byte = True
         self._end_prefill(ticket)
         if learn:
-            self.fit.observe(ticket.units, self.clock() - ticket.started)
+            self._learn(ticket.units, self.clock() - ticket.started)
 
     def finish(self, ticket: Ticket) -> None:
         """The response ended (completed, failed or cancelled): stop counting it."""
@@ -227,6 +237,15 @@ class Endpoint:
         ticket.done = True
         self.inflight -= 1
         self.inflight_tokens -= ticket.prompt_tokens
+
+    def _learn(self, units: float, seconds: float) -> None:
+        """Fold one TTFT into this worker's speed factor, then into the shared line (scaled
+        back to speed 1, so that a slow worker does not tilt it)."""
+        predicted = self.fit.predict(units)
+        if seconds <= 0 or predicted <= 0:
+            return
+        self.log_speed += EWMA_ALPHA * (math.log(seconds / predicted) - self.log_speed)
+        self.fit.observe(units, seconds / self.speed)
 
     def _end_prefill(self, ticket: Ticket) -> None:
         self.prefilling -= 1

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from sluice.protocol.errors import InvalidRequestError, NotFoundError
 from sluice.router.config import LONG, SHORT, PoolConfig, WorkerSpec
-from sluice.router.endpoints import Endpoint, EndpointStats, Ticket, work_units
+from sluice.router.endpoints import Endpoint, EndpointStats, Ticket, TTFTFit, work_units
 from sluice.router.policies import Choice, RequestMeta, RoutingPolicy, make_policy
 from sluice.router.policies.cost import uncached_tokens
 from sluice.router.prefix_index import BlockIndex
@@ -42,6 +42,7 @@ class Pool:
         self.config = config
         self.policy: RoutingPolicy = make_policy(config.policy, rng, config.policy_options)
         self.clock = clock
+        self.fit = TTFTFit()  # TTFT against work, learned from all of the pool's workers
         self.approx = BlockIndex(max_blocks, clock)
         self.precise = BlockIndex(max_blocks, clock)
         self.predicted_ttl_s = predicted_ttl_s
@@ -66,7 +67,7 @@ class Pool:
     def add(self, spec: WorkerSpec) -> Endpoint:
         if spec.url in self.endpoints:
             raise InvalidRequestError(f"worker {spec.url} is already in the pool", param="url")
-        endpoint = self.endpoints[spec.url] = Endpoint(spec, clock=self.clock)
+        endpoint = self.endpoints[spec.url] = Endpoint(spec, fit=self.fit, clock=self.clock)
         return endpoint
 
     def remove(self, url: str) -> Endpoint:
