@@ -173,16 +173,18 @@ def router_learned(url: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def start_router(workers: LocalWorkerPool, policy: str, tokenizer: str | None) -> tuple[
-        subprocess.Popen[bytes], str]:
+def start_router(workers: LocalWorkerPool, policy: str, tokenizer: str | None,
+                 log_path: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """`log_path`: run it at debug level (one line per routing decision) into that file."""
     port = free_port()
     cmd = [sys.executable, "-m", "sluice.cli", "router", "--policy", policy, "--port", str(port),
-           "--log-level", "warning", "--seed", "0"]
+           "--log-level", "debug" if log_path else "warning", "--seed", "0"]
     for u, kv in zip(workers.urls, workers.kv_endpoints, strict=True):
         cmd += ["--worker", u, "--worker-kv-events", f"{u}={kv}"]
     if tokenizer:
         cmd += ["--tokenizer", tokenizer]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    err = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health")
     return proc, url
@@ -203,6 +205,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--threads-per-worker", type=int, default=1)
+    ap.add_argument("--router-log-dir", default=None,
+                    help="write each router's routing decisions (debug log) to DIR/WORKLOAD-POLICY.log")
     args = ap.parse_args()
 
     from sluice.engine.tokenizer import resolve_model
@@ -227,7 +231,9 @@ def main() -> int:
             res["single_worker"] = measure([workers.urls[0]], workers.urls[0], model,
                                            workload(wname, 100 * w_i), args)
             for p_i, policy in enumerate(args.policies):
-                proc, url = start_router(workers, policy, model_path)
+                log_path = (os.path.join(args.router_log_dir, f"{wname}-{policy}.log")
+                            if args.router_log_dir else None)
+                proc, url = start_router(workers, policy, model_path, log_path)
                 try:
                     res[policy] = measure(workers.urls, url, model,
                                           workload(wname, 100 * w_i + p_i + 1), args)

@@ -12,6 +12,7 @@ Everything here runs on the event loop; nothing locks.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -23,6 +24,8 @@ from sluice.router.endpoints import Endpoint, EndpointStats, Ticket, TTFTFit, wo
 from sluice.router.policies import Choice, RequestMeta, RoutingPolicy, make_policy
 from sluice.router.policies.cost import uncached_tokens
 from sluice.router.prefix_index import BlockIndex
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,10 @@ class Pool:
         stats = self._stats(request, endpoints)
         choice = self.policy.choose(request, stats)
         chosen = next(s for s in stats if s.url == choice.url)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("route %d tokens (%x) -> %s score %.4f | %s", request.num_prompt_tokens,
+                      request.block_hashes[-1] if request.block_hashes else 0, choice.url,
+                      choice.score, " | ".join(map(_describe, stats)))
         return Decision(self.endpoints[choice.url], choice, chosen)
 
     def _stats(self, request: RequestMeta, endpoints: list[Endpoint]) -> list[EndpointStats]:
@@ -131,3 +138,11 @@ class Pool:
             if endpoint.spec.kv_events:
                 self.precise.store(endpoint.url, request.block_hashes, ttl=self.predicted_ttl_s)
         return ticket
+
+
+def _describe(s: EndpointStats) -> str:
+    """One candidate's view, for the debug log of each decision."""
+    return (f"{s.url} cached {s.cached_blocks}/{s.kv_cached_blocks} queued "
+            f"{s.queued_prefill_tokens:.0f} run {s.running:.0f} wait {s.waiting:.0f} "
+            f"ext {s.external_waiting:.0f} spt {s.seconds_per_token * 1e3:.2f}ms "
+            f"ovh {s.overhead_s * 1e3:.0f}ms")
