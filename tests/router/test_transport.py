@@ -5,8 +5,12 @@ httpx transport of probes, scrapes and /tokenize."""
 from __future__ import annotations
 
 import asyncio
+import shutil
+import ssl
+import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -36,7 +40,8 @@ RESPONSES = {
 
 
 @asynccontextmanager
-async def raw_server(close_idle_after_first: bool = False) -> AsyncIterator[dict[str, int]]:
+async def raw_server(close_idle_after_first: bool = False, tls: ssl.SSLContext | None = None
+                     ) -> AsyncIterator[dict[str, int]]:
     """Answers canned responses by path; counts connections and requests; a request to
     /slow sends a head and a never-ending chunked body until the client hangs up."""
     stats = {"connections": 0, "requests": 0, "hangups": 0}
@@ -71,7 +76,7 @@ async def raw_server(close_idle_after_first: bool = False) -> AsyncIterator[dict
         finally:
             writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=tls)
     stats["port"] = server.sockets[0].getsockname()[1]
     async with server:
         yield stats
@@ -206,3 +211,21 @@ def test_target_of_a_base_url() -> None:
     assert (t.key, t.host_line, t.prefix) == (("http", "worker", 8001), b"Host: worker:8001\r\n",
                                               b"/v1-prefix")
     assert Target.of("https://w").key == ("https", "w", 443)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+async def test_upstream_dials_https_workers_with_tls(tmp_path: Path) -> None:
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+    pool = UpstreamPool(ssl_context=ssl.create_default_context(cafile=str(cert)))
+    async with raw_server(tls=server_tls) as s:
+        target = Target.of(f"https://127.0.0.1:{s['port']}")
+        for _ in range(2):
+            assert await read_all(await pool.send(target, post(b"/sized", s["port"]))) == b"hello"
+        assert s["connections"] == 1
+    pool.close()

@@ -293,12 +293,13 @@ class UpstreamPool:
     """Idle keep-alive connections per worker (a stack: the warmest socket first)."""
 
     def __init__(self, connect_timeout: float | None = 5.0, read_timeout: float | None = 600.0,
-                 max_idle_per_host: int = 512) -> None:
+                 max_idle_per_host: int = 512, ssl_context: ssl.SSLContext | None = None) -> None:
+        """`ssl_context`: for https:// workers (default: the system's trusted CAs)."""
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.max_idle_per_host = max_idle_per_host
         self.idle: dict[tuple[str, str, int], list[UpstreamConnection]] = {}
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = ssl_context
 
     async def send(self, target: Target, payload: bytes) -> UpstreamConnection:
         """Send one request (head and body, already encoded); returns once its response
