@@ -102,9 +102,12 @@ def test_pool_times_ttfts_and_predicted_entries_on_its_clock() -> None:
     assert ticket.started == 100.0
     assert pool.precise.match(meta.block_hashes, [spec.url]) == {spec.url: 4}  # predicted
     now[0] = 100.5
-    predicted = decision.endpoint.fit.predict(ticket.units)
+    fit = decision.endpoint.fit
+    my = fit.my
     decision.endpoint.on_first_byte(ticket, learn=True)  # a 0.5 s TTFT
-    assert decision.endpoint.log_speed == pytest.approx(EWMA_ALPHA * math.log(0.5 / predicted))
+    assert fit.n == 1 and fit.my == pytest.approx(my + (0.5 - my) / 2)  # the prior counts once
+    assert decision.endpoint.log_speed == pytest.approx(
+        EWMA_ALPHA * math.log(0.5 / fit.predict(ticket.units)))
     now[0] = 110.1  # the prediction expired without a KV event confirming it
     assert pool.precise.match(meta.block_hashes, [spec.url]) == {spec.url: 0}
 

@@ -59,20 +59,25 @@ class TTFTFit:
 
     Keeps EWMAs of x, y, x², xy; slope = cov(x, y) / var(x). Until x varies by
     MIN_FIT_SPREAD (or if the fitted slope is not positive) the line goes through the
-    origin: slope = mean(y) / mean(x), overhead 0.
+    origin: slope = mean(y) / mean(x), overhead 0. The prior counts as one observation
+    and the first ones are plain averages (weight 1/n until it falls to EWMA_ALPHA), so
+    a wrong prior is gone after a few TTFTs instead of ~1/EWMA_ALPHA.
     """
 
     mx: float = PRIOR_UNITS
     my: float = PRIOR_SECONDS_PER_TOKEN * PRIOR_UNITS
     mxx: float = PRIOR_UNITS ** 2
     mxy: float = PRIOR_SECONDS_PER_TOKEN * PRIOR_UNITS ** 2
+    n: int = 0
 
     def observe(self, units: float, seconds: float) -> None:
         x = units + BASE_UNITS
-        self.mx += EWMA_ALPHA * (x - self.mx)
-        self.my += EWMA_ALPHA * (seconds - self.my)
-        self.mxx += EWMA_ALPHA * (x * x - self.mxx)
-        self.mxy += EWMA_ALPHA * (x * seconds - self.mxy)
+        self.n += 1
+        a = max(EWMA_ALPHA, 1.0 / (self.n + 1))
+        self.mx += a * (x - self.mx)
+        self.my += a * (seconds - self.my)
+        self.mxx += a * (x * x - self.mxx)
+        self.mxy += a * (x * seconds - self.mxy)
 
     def _fitted_slope(self) -> float | None:
         var = self.mxx - self.mx ** 2
@@ -239,13 +244,13 @@ class Endpoint:
         self.inflight_tokens -= ticket.prompt_tokens
 
     def _learn(self, units: float, seconds: float) -> None:
-        """Fold one TTFT into this worker's speed factor, then into the shared line (scaled
-        back to speed 1, so that a slow worker does not tilt it)."""
-        predicted = self.fit.predict(units)
-        if seconds <= 0 or predicted <= 0:
+        """Fold one TTFT into the shared line (scaled to speed 1, so that a slow worker does
+        not tilt it), then into this worker's speed factor against the updated line."""
+        if seconds <= 0:
             return
-        self.log_speed += EWMA_ALPHA * (math.log(seconds / predicted) - self.log_speed)
         self.fit.observe(units, seconds / self.speed)
+        self.log_speed += EWMA_ALPHA * (math.log(seconds / self.fit.predict(units))
+                                        - self.log_speed)
 
     def _end_prefill(self, ticket: Ticket) -> None:
         self.prefilling -= 1
