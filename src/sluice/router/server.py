@@ -357,7 +357,7 @@ class RouterServer:
         path, _, _ = req.target.partition(b"?")
         kind = ROUTED.get(path.decode("latin-1")) if req.method == b"POST" else None
         if kind is None:
-            return await _asgi(self, conn, req)
+            return await _AsgiCall(self, conn, req).run()
         assert self.state is not None
         conn.cancel_on_loss = True
         try:
@@ -399,33 +399,56 @@ class RouterServer:
             relay.close()
 
 
-async def _asgi(server: RouterServer, conn: _Connection, req: _Request) -> bool:
-    """Run one request through the ASGI app (HTTP/1.1 framing done here)."""
-    raw_path, _, query = req.target.partition(b"?")
-    assert server._lifespan is not None
-    scope: dict[str, Any] = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1" if req.http11 else "1.0", "method": req.method.decode(),
-        "scheme": "http", "path": unquote(raw_path.decode("latin-1")), "raw_path": raw_path,
-        "query_string": query, "root_path": "", "headers": req.headers,
-        "client": conn.peername[:2] if conn.peername else None,
-        "server": conn.sockname[:2] if conn.sockname else None,
-        "state": dict(server._lifespan.state),
-    }
-    head_only = req.method == b"HEAD"
-    done = asyncio.Event()
-    body_given = False
-    response: dict[str, Any] = {"started": False, "complete": False, "chunked": False,
-                                "keep": True}
+class _AsgiCall:
+    """One request through the ASGI app: its scope, `receive`, and a `send` that frames
+    the response as HTTP/1.1 (the app's Content-Length, else chunked; HTTP/1.0: close)."""
 
-    async def receive() -> MutableMapping[str, Any]:
-        nonlocal body_given
-        if not body_given:
-            body_given = True
-            return {"type": "http.request", "body": req.body, "more_body": False}
-        if not conn.lost and not done.is_set():
-            waiters = [asyncio.ensure_future(conn.lost_event.wait()),
-                       asyncio.ensure_future(done.wait())]
+    def __init__(self, server: RouterServer, conn: _Connection, req: _Request) -> None:
+        self.server, self.conn, self.req = server, conn, req
+        self.head_only = req.method == b"HEAD"
+        self.body_given = False
+        self.done = asyncio.Event()  # the response is complete (or the app returned)
+        self.head: tuple[int, list[tuple[bytes, bytes]]] | None = None
+        self.started = self.complete = self.chunked = False
+        self.keep = req.keep_alive
+
+    def scope(self) -> dict[str, Any]:
+        req, conn = self.req, self.conn
+        raw_path, _, query = req.target.partition(b"?")
+        lifespan = self.server._lifespan
+        return {
+            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1" if req.http11 else "1.0", "method": req.method.decode(),
+            "scheme": "http", "path": unquote(raw_path.decode("latin-1")), "raw_path": raw_path,
+            "query_string": query, "root_path": "", "headers": req.headers,
+            "client": conn.peername[:2] if conn.peername else None,
+            "server": conn.sockname[:2] if conn.sockname else None,
+            "state": dict(lifespan.state) if lifespan is not None else {},
+        }
+
+    async def run(self) -> bool:
+        """Run the app; returns whether the connection may be kept."""
+        try:
+            await self.server.app(self.scope(), self.receive, self.send)
+        except Exception:
+            log.exception("error in the app serving %s", self.req.target[:200].decode("latin-1"))
+            self.keep = False
+        finally:
+            self.done.set()
+        if not self.started:
+            error = b'{"error": {"message": "internal router error"}}'
+            self.conn.write(_status_line(500) + b"content-type: application/json\r\n"
+                            b"content-length: %d\r\n\r\n" % len(error) + error)
+            return self.keep
+        return self.complete and self.keep
+
+    async def receive(self) -> MutableMapping[str, Any]:
+        if not self.body_given:
+            self.body_given = True
+            return {"type": "http.request", "body": self.req.body, "more_body": False}
+        if not self.conn.lost and not self.done.is_set():  # wait for either
+            waiters = [asyncio.ensure_future(self.conn.lost_event.wait()),
+                       asyncio.ensure_future(self.done.wait())]
             try:
                 await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -433,55 +456,42 @@ async def _asgi(server: RouterServer, conn: _Connection, req: _Request) -> bool:
                     w.cancel()
         return {"type": "http.disconnect"}
 
-    pending: list[Any] = []
-
-    async def send(message: MutableMapping[str, Any]) -> None:
-        kind = message["type"]
-        if kind == "http.response.start":
-            pending[:] = [message["status"], list(message.get("headers", []))]
+    async def send(self, message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.head = (message["status"],
+                         [(bytes(n), bytes(v)) for n, v in message.get("headers", [])])
             return
-        if kind != "http.response.body" or response["complete"]:
+        if message["type"] != "http.response.body" or self.complete:
             return
         body: bytes = message.get("body", b"")
         more: bool = message.get("more_body", False)
-        out = b""
-        if not response["started"]:
-            response["started"] = True
-            status, headers = pending
-            names = {bytes(n).lower() for n, _ in headers}
-            if b"content-length" not in names and not more:
-                headers.append((b"content-length", str(len(body)).encode()))
-            elif b"content-length" not in names:
-                if req.http11:
-                    response["chunked"] = True
-                    headers.append((b"transfer-encoding", b"chunked"))
-                else:
-                    response["keep"] = False
-            if not req.keep_alive or not response["keep"]:
-                headers.append((b"connection", b"close"))
-            out = (_status_line(status) + server.date.get()
-                   + _header_lines([(bytes(n), bytes(v)) for n, v in headers]) + b"\r\n")
-        if body and not head_only:
-            out += b"%x\r\n%s\r\n" % (len(body), body) if response["chunked"] else body
+        out = b"" if self.started else self._head_bytes(len(body), more)
+        if body and not self.head_only:
+            out += b"%x\r\n%s\r\n" % (len(body), body) if self.chunked else body
         if not more:
-            response["complete"] = True
-            if response["chunked"] and not head_only:
+            self.complete = True
+            if self.chunked and not self.head_only:
                 out += b"0\r\n\r\n"
-        conn.write(out)
+        self.conn.write(out)
         if not more:
-            done.set()
-        await conn.drain()
+            self.done.set()
+        await self.conn.drain()
 
-    try:
-        await server.app(scope, receive, send)
-    finally:
-        done.set()
-    if not response["started"]:
-        error = b'{"error": {"message": "the app sent no response"}}'
-        conn.write(_status_line(500) + b"content-type: application/json\r\n"
-                   b"content-length: %d\r\n\r\n" % len(error) + error)
-        return True
-    return bool(response["complete"] and response["keep"])
+    def _head_bytes(self, first_len: int, more: bool) -> bytes:
+        assert self.head is not None, "http.response.body before http.response.start"
+        self.started = True
+        status, headers = self.head
+        if not any(n.lower() == b"content-length" for n, _ in headers):
+            if not more:
+                headers.append((b"content-length", b"%d" % first_len))
+            elif self.req.http11:
+                self.chunked = True
+                headers.append((b"transfer-encoding", b"chunked"))
+            else:
+                self.keep = False  # HTTP/1.0 without a length: the close ends the body
+        if not self.keep:
+            headers.append((b"connection", b"close"))
+        return _status_line(status) + self.server.date.get() + _header_lines(headers) + b"\r\n"
 
 
 class _Lifespan:
