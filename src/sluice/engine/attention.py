@@ -21,6 +21,10 @@ axis (GQA without repeating K/V). Both use an additive mask (0 / -inf, in the mo
 dtype, so no layer converts a boolean one) for causality and padding.
 `AttentionMetadata` (slots, block tables, masks) is built once per step and reused by
 every layer, so nothing inside a layer loops over sequences in Python.
+
+On CPU in float32, decodes skip the gather: `sluice.engine.native`'s C++ kernel reads
+K and V rows straight from the pool through the block tables (same results; the
+gather copied every sequence's context once per layer).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from sluice.engine.native import DecodeKernel
 
 
 @dataclass
@@ -77,6 +83,7 @@ class AttentionGroup:
     mask: Tensor | None  # [batch, 1, gqa*q_len, n_blocks*block_size]: 0 attend, -inf not
     scatter: Tensor | None = None
     fresh: bool = False
+    context_lens: Tensor | None = None  # [batch] int64: tokens each query attends to
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,7 @@ class StepLayout:
 class AttentionMetadata:
     slots: Tensor  # [T] int64, where each new token's K/V goes
     groups: list[AttentionGroup]
+    decode_kernel: DecodeKernel | None = None  # native decode attention, if in use
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache,
@@ -105,21 +113,25 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache,
     cache.write(meta.slots, k, v)
     t, heads, d = q.shape
     if len(meta.groups) == 1:
-        return _group_attention(q, k, v, cache, meta.groups[0])
+        return _group_attention(q, k, v, cache, meta.groups[0], meta.decode_kernel)
     out = q.new_empty(t, heads * d)
     for group in meta.groups:  # at most two: decode, prefill
-        out[group.start:group.end] = _group_attention(q, k, v, cache, group)
+        out[group.start:group.end] = _group_attention(q, k, v, cache, group, meta.decode_kernel)
     return out
 
 
-def _group_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache,
-                     g: AttentionGroup) -> Tensor:
+def _group_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, g: AttentionGroup,
+                     decode_kernel: DecodeKernel | None) -> Tensor:
     _, heads, d = q.shape
     kv_heads = k.shape[1]
     gqa = heads // kv_heads
     q = q[g.start:g.end]
     if g.fresh:
         return _causal_attention(q, k[g.start:g.end], v[g.start:g.end])
+    if g.q_len == 1 and decode_kernel is not None and g.context_lens is not None:
+        o = decode_kernel(q.contiguous(), cache.k, cache.v, g.block_tables, g.context_lens,
+                          d ** -0.5)
+        return o.view(g.batch, heads * d)
     keys, values = cache.gather(g.block_tables)
     if g.q_len == 1:  # decodes: torch's GQA path is quicker than folding for one query
         o = F.scaled_dot_product_attention(q.view(g.batch, heads, 1, d), keys, values,
@@ -170,5 +182,7 @@ def build_group(start: int, q_lens: list[int], start_positions: list[int],
         mask = mask.repeat(1, 1, layout.gqa, 1)
     dense = all(n == q_len for n in q_lens)
     scatter = None if dense else torch.tensor(rows, dtype=torch.long, device=layout.device)
+    lens = torch.tensor([s + n for s, n in zip(start_positions, q_lens, strict=True)],
+                        dtype=torch.long, device=layout.device)
     return AttentionGroup(start, end, batch, q_len, table.to(layout.device),
-                          mask.to(layout.device), scatter=scatter)
+                          mask.to(layout.device), scatter=scatter, context_lens=lens)

@@ -33,6 +33,7 @@ from sluice.engine.attention import (
 from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
 from sluice.engine.models.llama import LlamaConfig, TransformerBlock
 from sluice.engine.models.loader import load_model
+from sluice.engine.native import decode_kernel
 from sluice.engine.tokenizer import Tokenizer, default_served_name, load_tokenizer
 from sluice.protocol.errors import InvalidRequestError
 
@@ -105,6 +106,7 @@ class ModelRunner:
         self.kv_cache_bytes: int = self.num_kv_blocks * block_bytes
         self._allocate_kv_cache()
         self.model.init_rope(self.max_model_len)
+        self.decode_kernel = decode_kernel(mc.attention_backend, self.device, self.dtype)
 
     def _max_model_len(self, mc: ModelConfig) -> int:
         limit = self.model_config.max_position_embeddings
@@ -137,7 +139,8 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         order = self._flat_order(chunks)
         tokens, positions, slots, last_row = self._flatten(chunks, order)
-        meta = AttentionMetadata(self._tensor(slots), self._groups(chunks, order))
+        meta = AttentionMetadata(self._tensor(slots), self._groups(chunks, order),
+                                 self.decode_kernel)
         wanted = [last_row[i] for i, c in enumerate(chunks) if c.need_logits]
         logits = self.model(self._tensor(tokens), self._tensor(positions), meta,
                             self._tensor(wanted))

@@ -1,0 +1,109 @@
+// Decode attention read straight from the paged KV pool (CPU, float32).
+//
+// The torch path gathers each sequence's blocks into a dense tensor, then runs SDPA
+// over it: the context is read twice and written once per layer. Here each (sequence,
+// KV head) pair walks its block table and reads every K and V row once:
+//
+//   for t in 0..len:  slot = table[t / block_size] * block_size + t % block_size
+//                     s[g][t] = <q[g], K[slot]> * scale     (g: query heads of this KV head)
+//   p = softmax(s) per g;   out[g] = sum_t p[g][t] * V[slot]
+//
+// q [B, H, D]; k_pool, v_pool [num_blocks, block_size, KVH, D]; block_tables [B, n] int64;
+// context_lens [B] int64 (tokens to attend to, including the query's own). -> [B, H, D]
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+// One (sequence, KV head): G query heads against `len` context rows. HEAD_DIM > 0 fixes
+// the head size at compile time (unrolled, vectorized dot products); 0 reads `dim`.
+template <int HEAD_DIM>
+static void attend_one(const float* q, const float* k_pool, const float* v_pool,
+                       const int64_t* row_table, int64_t len, int64_t bs, int64_t kv_heads,
+                       int64_t h, int64_t G, int64_t dim, float scale, float* out,
+                       std::vector<float>& scores) {
+  const int64_t D = HEAD_DIM > 0 ? HEAD_DIM : dim;
+  scores.resize(G * len);
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t slot = row_table[t / bs] * bs + t % bs;
+    const float* k = k_pool + (slot * kv_heads + h) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s += qg[d] * k[d];
+      scores[g * len + t] = s * scale;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores.data() + g * len;
+    const float top = *std::max_element(sg, sg + len);
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) {
+      sg[t] = std::exp(sg[t] - top);
+      sum += sg[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+  }
+  std::fill(out, out + G * D, 0.f);
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t slot = row_table[t / bs] * bs + t % bs;
+    const float* v = v_pool + (slot * kv_heads + h) * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * len + t];
+      float* og = out + g * D;
+      for (int64_t d = 0; d < D; ++d) og[d] += p * v[d];
+    }
+  }
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool,
+                                     torch::Tensor v_pool, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(),
+              "paged_decode_attention: q [B, H, D], pools [blocks, block_size, KVH, D]");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_pool.scalar_type() == torch::kFloat &&
+                  v_pool.scalar_type() == torch::kFloat,
+              "paged_decode_attention: float32 only");
+  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  block_tables.is_contiguous() && context_lens.is_contiguous(),
+              "paged_decode_attention: contiguous inputs only");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = k_pool.size(1), KVH = k_pool.size(2), G = H / KVH;
+  const int64_t n_blocks = block_tables.size(1);
+  TORCH_CHECK(k_pool.size(3) == D && H % KVH == 0, "paged_decode_attention: head shapes");
+
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_pool.data_ptr<float>();
+  const float* vp = v_pool.data_ptr<float>();
+  const int64_t* table = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t b = unit / KVH, h = unit % KVH;
+      const float* qb = qp + (b * H + h * G) * D;
+      float* ob = op + (b * H + h * G) * D;
+      const int64_t* row_table = table + b * n_blocks;
+      if (D == 64) {
+        attend_one<64>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, D, fscale, ob, scores);
+      } else if (D == 128) {
+        attend_one<128>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, D, fscale, ob, scores);
+      } else {
+        attend_one<0>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, D, fscale, ob, scores);
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention over the paged KV pool (float32, CPU)");
+}
