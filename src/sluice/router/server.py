@@ -11,7 +11,7 @@ with httptools (llhttp) in an asyncio Protocol and writes replies to the socket 
             -> routed.route -> Relay -> head + first bytes in one write, then the rest
                (the worker's Content-Length kept, else chunked)
         anything else (models, health, metrics, admin, tokenize)
-            -> the FastAPI app over ASGI (`_asgi` below)
+            -> the FastAPI app over ASGI (`_AsgiCall` below)
     connection_lost -> cancel the routed request's task: the proxy closes the worker
                        connection, so the worker aborts the generation; an ASGI request
                        gets `http.disconnect` instead
