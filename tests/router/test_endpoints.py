@@ -133,3 +133,25 @@ def test_pool_learns_one_line_and_a_speed_per_worker() -> None:
     assert c.speed / math.sqrt(a.speed * b.speed) == pytest.approx(2.0, rel=0.25)
     ratio = pool.fit.predict(700) / (0.05 + 1e-3 * (700 + BASE_UNITS))
     assert a.speed * ratio == pytest.approx(math.exp(0.5 ** 2 / 2), rel=0.3)  # noise's mean
+
+
+def test_identical_workers_tie_on_speed_despite_noisy_ttfts() -> None:
+    """Differences within the EWMA's own standard error are shrunk away (James-Stein toward
+    the pool's mean), so equal workers get exactly equal estimates and exact ties."""
+    rng = random.Random(11)
+    now = [0.0]
+    specs = tuple(WorkerSpec(u) for u in ("http://a", "http://b"))
+    pool = Pool(PoolConfig(workers=specs), random.Random(0), clock=lambda: now[0])
+    a, b = (pool.endpoints[s.url] for s in specs)
+    for i in range(400):
+        e = (a, b)[i % 2]
+        units = rng.choice((100.0, 700.0, 1500.0))
+        t = e.begin(int(units), int(units), units=units)
+        now[0] += (0.05 + 1e-3 * (units + BASE_UNITS)) * rng.lognormvariate(0.0, 0.5)
+        e.on_first_byte(t, learn=True)
+        e.finish(t)
+    assert a.log_speed != b.log_speed  # the raw EWMAs differ by noise...
+    assert a.speed == b.speed  # ...which the estimate does not act on
+    assert a.stats().seconds_per_token == b.stats().seconds_per_token
+    pool.remove(b.url)
+    assert set(pool.fit.log_speeds) == {a.url}

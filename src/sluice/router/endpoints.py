@@ -23,7 +23,8 @@ exponentially weighted least-squares line (`TTFTFit`) shared by a pool's workers
 each worker's own speed factor:
 
     TTFT ≈ speed(worker) × (overhead + seconds_per_token × (work units ahead at dispatch))
-    log speed(worker) = EWMA of log(its observed TTFT / the line's prediction)
+    log speed(worker) = EWMA of log(its observed TTFT / the line's prediction),
+                        shrunk toward the pool's mean by its own standard error
 
 The line starts from a prior (through the origin until the observed work varies enough
 to fit a slope), so the `cost` policy needs no hand-tuned threshold, and a fixed
@@ -69,6 +70,7 @@ class TTFTFit:
     mxx: float = PRIOR_UNITS ** 2
     mxy: float = PRIOR_SECONDS_PER_TOKEN * PRIOR_UNITS ** 2
     n: int = 0
+    log_speeds: dict[str, float] = field(default_factory=dict)  # each worker's, by url
 
     def observe(self, units: float, seconds: float) -> None:
         x = units + BASE_UNITS
@@ -157,6 +159,8 @@ class Endpoint:
     prefill_tokens: float = 0.0
     fit: TTFTFit = field(default_factory=TTFTFit)  # the pool's line (shared by its endpoints)
     log_speed: float = 0.0  # EWMA of log(observed TTFT / the line's prediction)
+    log_speed_sq: float = 0.0  # EWMA of its square: the residuals' spread
+    speed_samples: int = 0
     prompt_avg: float = 0.0
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
 
@@ -170,8 +174,20 @@ class Endpoint:
 
     @property
     def speed(self) -> float:
-        """This worker's TTFTs over the pool's line (2.0: twice as slow)."""
-        return math.exp(self.log_speed)
+        """This worker's TTFTs over the pool's line (2.0: twice as slow), shrunk toward the
+        pool's mean factor by its own noise (positive-part James-Stein): a difference from
+        the other workers no larger than the standard error of its EWMA counts as none, so
+        identical workers tie (and cold prefixes spread by cache footprint) instead of the
+        one that happened to look faster collecting them."""
+        others = self.fit.log_speeds.values()
+        mean = sum(others) / len(others) if others else self.log_speed
+        diff = self.log_speed - mean
+        if not diff or not self.speed_samples:
+            return math.exp(mean)
+        var = max(0.0, self.log_speed_sq - self.log_speed ** 2)
+        n_eff = min(float(self.speed_samples), (2.0 - EWMA_ALPHA) / EWMA_ALPHA)
+        shrink = max(0.0, 1.0 - var / n_eff / diff ** 2)
+        return math.exp(mean + shrink * diff)
 
     @property
     def available(self) -> bool:
@@ -249,8 +265,11 @@ class Endpoint:
         if seconds <= 0:
             return
         self.fit.observe(units, seconds / self.speed)
-        self.log_speed += EWMA_ALPHA * (math.log(seconds / self.fit.predict(units))
-                                        - self.log_speed)
+        r = math.log(seconds / self.fit.predict(units))
+        self.log_speed += EWMA_ALPHA * (r - self.log_speed)
+        self.log_speed_sq += EWMA_ALPHA * (r * r - self.log_speed_sq)
+        self.speed_samples += 1
+        self.fit.log_speeds[self.url] = self.log_speed
 
     def _end_prefill(self, ticket: Ticket) -> None:
         self.prefilling -= 1
