@@ -9,6 +9,23 @@ The smallest cluster backend, used by `sluice serve --workers N` and by tests:
 `start()` launches every worker at once (their model loads overlap), then waits until each
 answers 200 on /health; a worker that exits first raises with the tail of its log.
 `stop()` sends SIGTERM (the worker drains), then SIGKILL after `stop_timeout_s`.
+
+Workers die with their parent, even when it is SIGKILLed and `stop()` never runs. Each
+worker is started through this module (`python -m sluice.control.local --parent-pid P --
+worker ...`), which before running `sluice worker`:
+
+* starts a watcher thread that polls `os.getppid()`: once the parent is gone (the
+  worker was re-parented) it sends the worker SIGTERM, so it drains as on `stop()`,
+  and exits it hard `ORPHAN_GRACE_S` later if the drain has not finished;
+* on Linux, when the pool was started from the main thread, also sets
+  `prctl(PR_SET_PDEATHSIG, SIGTERM)`, which delivers the SIGTERM at once. The kernel
+  fires it when the *thread* that forked the child exits, so it is only armed for
+  children of the main thread (which lives as long as the process); a pool started
+  from a short-lived thread relies on the watcher alone, which sees the process, not
+  the thread.
+
+The parent pid is passed explicitly, so a parent that died before the child got this
+far is noticed too (`getppid()` already differs at the first check).
 """
 
 from __future__ import annotations
@@ -19,6 +36,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,6 +44,10 @@ from pathlib import Path
 from types import TracebackType
 
 import httpx
+
+ORPHAN_POLL_S = 0.25   # how often a worker checks that its parent is alive
+ORPHAN_GRACE_S = 30.0  # after the SIGTERM, how long an orphan may drain before exiting
+PR_SET_PDEATHSIG = 1   # <linux/prctl.h>
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -79,7 +101,7 @@ class LocalWorkerPool:
     def _launch(self, index: int) -> LocalWorker:
         port = free_port(self.host)
         kv = f"tcp://{self.host}:{free_port(self.host)}" if self.kv_events else None
-        cmd = [sys.executable, "-m", "sluice.cli", "worker", *self.worker_args,
+        cmd = [*child_command(), "worker", *self.worker_args,
                "--host", self.host, "--port", str(port)]
         if kv:
             cmd += ["--kv-events-endpoint", kv]
@@ -139,3 +161,66 @@ class LocalWorkerPool:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+# -- the worker's side: die with the parent --------------------------------------------------
+
+
+def child_command() -> list[str]:
+    """The command prefix that runs `sluice ARGS` as a child tied to this process."""
+    cmd = [sys.executable, "-m", "sluice.control.local", "--parent-pid", str(os.getpid())]
+    if threading.current_thread() is threading.main_thread():
+        cmd.append("--pdeathsig")
+    return [*cmd, "--"]
+
+
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
+    """Ask Linux to send `sig` to this process when its parent thread exits; False if the
+    platform has no prctl (the watcher still covers it)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    return int(libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)) == 0
+
+
+def watch_parent(parent_pid: int, poll_s: float = ORPHAN_POLL_S,
+                 grace_s: float = ORPHAN_GRACE_S) -> threading.Thread:
+    """Start a daemon thread that SIGTERMs this process once `parent_pid` stops being its
+    parent, then exits it with status 1 if it is still alive `grace_s` later."""
+    def run() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(1)
+
+    thread = threading.Thread(target=run, name="sluice-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def child_main(argv: Sequence[str] | None = None) -> int:
+    """`python -m sluice.control.local --parent-pid P [--pdeathsig] -- ARGS`: tie this
+    process to P, then run `sluice ARGS` in it."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m sluice.control.local")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--pdeathsig", action="store_true")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    ns = parser.parse_args(argv)
+    if ns.pdeathsig:
+        set_parent_death_signal()
+    if os.getppid() != ns.parent_pid:
+        return 1  # the parent died before we got here
+    watch_parent(ns.parent_pid)
+    from sluice.cli import main
+
+    rest = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
+    return main(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(child_main())
