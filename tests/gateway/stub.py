@@ -1,8 +1,8 @@
 """A small in-process OpenAI/Anthropic upstream for gateway tests.
 
 Answers /v1/chat/completions, /v1/completions (JSON and SSE, honouring
-`stream_options.include_usage`), /v1/messages (Anthropic JSON and SSE), /v1/models,
-/health and /metrics. It records every body it receives, can hold requests on a gate
+`stream_options.include_usage`), /v1/messages (Anthropic JSON and SSE), /v1/models
+(the names in `model_ids`), /v1/models/{id}, /health and /metrics. It records every body it receives, can hold requests on a gate
 (concurrency tests) and can pace stream chunks (abort tests). Usage is exact and
 deterministic: prompt_tokens = PROMPT_TOKENS, completion_tokens = min(max_tokens, 8).
 """
@@ -25,7 +25,9 @@ MAX_REPLY = 8
 
 
 class StubUpstream:
-    def __init__(self, chunk_delay: float = 0.0, max_reply: int = MAX_REPLY) -> None:
+    def __init__(self, chunk_delay: float = 0.0, max_reply: int = MAX_REPLY,
+                 model_ids: tuple[str, ...] = ("stub-model",)) -> None:
+        self.model_ids = model_ids
         self.received: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.gate: asyncio.Event | None = None
@@ -38,6 +40,7 @@ class StubUpstream:
             Route("/v1/completions", self.chat, methods=["POST"]),
             Route("/v1/messages", self.messages, methods=["POST"]),
             Route("/v1/models", self.models),
+            Route("/v1/models/{model_id:path}", self.model),
             Route("/health", self.health),
             Route("/admin/workers", self.workers),
             Route("/metrics", self.metrics),
@@ -135,7 +138,16 @@ class StubUpstream:
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
-            {"id": "stub-model", "object": "model", "created": 0, "owned_by": "stub"}]})
+            {"id": m, "object": "model", "created": 0, "owned_by": "stub"}
+            for m in self.model_ids]})
+
+    async def model(self, request: Request) -> Response:
+        model_id = request.path_params["model_id"]
+        if model_id not in self.model_ids:
+            return JSONResponse({"error": {"message": f"no model {model_id}", "type":
+                                           "not_found_error", "param": None,
+                                           "code": "model_not_found"}}, status_code=404)
+        return JSONResponse({"id": model_id, "object": "model", "created": 0, "owned_by": "stub"})
 
     async def workers(self, request: Request) -> Response:  # the router's admin API
         return JSONResponse({"workers": []})

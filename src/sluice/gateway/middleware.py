@@ -5,7 +5,8 @@ proxy of `sluice gateway --upstream`. Per request under `/v1/`:
 
     1. authenticate   Bearer or x-api-key -> key + tenant (read fresh: revocation is
                       immediate on every replica)
-    2. admit          model allowed? budget left? priority within class? prompt tokens
+    2. admit          model allowed (also for GET /v1/models/{id}; the GET /v1/models
+                      list is filtered to the key's models, see models.py)? budget left? priority within class? prompt tokens
                       counted; limiter charges 1 request, prompt + max_tokens tokens and
                       a concurrency slot on the key's and the tenant's scopes at once
     3. forward        the body with `priority` injected (and `stream_options
@@ -45,6 +46,7 @@ from sluice.gateway.limits import (
     rate_limit_headers,
 )
 from sluice.gateway.meter import ResponseMeter
+from sluice.gateway.models import MODEL_PREFIX, MODELS_PATH, ModelListFilter, allowed_models
 from sluice.gateway.state import GatewayState
 from sluice.gateway.store import Principal, UsageRecord
 from sluice.protocol import anthropic
@@ -268,6 +270,10 @@ class Exchange:
         tenant, key = adm.principal.tenant, adm.principal.key
         check_budget(tenant, self.state.metrics)
         adm.priority = effective_priority(adm.principal)
+        if self.scope["method"] == "GET" and self.endpoint.startswith(MODEL_PREFIX):
+            adm.model = self.endpoint[len(MODEL_PREFIX):]
+            check_model_allowed(adm.model, tenant.settings.allowed_models,
+                                key.settings.allowed_models)
         if payload is None:
             return
         adm.model = payload.get("model") if isinstance(payload.get("model"), str) else None
@@ -373,8 +379,12 @@ class Exchange:
                 self.disconnected = True
             return message
 
+        send: Send = self.on_send
+        allowed = allowed_models(adm.principal)
+        if allowed is not None and self.endpoint == MODELS_PATH and self.scope["method"] == "GET":
+            send = ModelListFilter(self.on_send, allowed)  # only the models this key may use
         try:
-            await self.gw.app(self.upstream_scope(adm), receive, self.on_send)
+            await self.gw.app(self.upstream_scope(adm), receive, send)
         except Exception as exc:
             await self.on_upstream_failure(exc)
         finally:
