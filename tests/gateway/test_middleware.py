@@ -158,15 +158,20 @@ async def test_budget_exhaustion_gives_insufficient_quota(sqlite_store: SQLStore
     gw = GatewayMiddleware(stub, state)
     async with client_for(gw, key) as c:
         codes = [(await c.post("/v1/chat/completions", json=CHAT)).status_code for _ in range(4)]
-        # each costs 7*$1 + 5*$2 = $17: admitted at spend 0, 17, 34 (< 40), refused at 51
-        assert codes == [200, 200, 200, 429]
+        # each costs 7*$1 + 5*$2 = $17 and is admitted on its worst case, 3 counted prompt
+        # tokens (chars/4) + 5 max_tokens = $13: at spend 0 and 17 it fits the $40
+        # budget, at 34 it does not (34 + 13 > 40)
+        assert codes == [200, 200, 429, 429]
         r = await c.post("/v1/chat/completions", json=CHAT)
         assert r.json()["error"]["code"] == "insufficient_quota"
         assert r.json()["error"]["type"] == "insufficient_quota"
+        assert "max_tokens" in r.json()["error"]["message"]
     tenant = sqlite_store.get_tenant("acme")
     records = sqlite_store.query_usage(UsageQuery())
-    assert tenant.spend_usd == pytest.approx(51.0) == sum(r.cost_usd for r in records)
-    assert state.metrics.soft_budget.labels(tenant=tenant.id)._value.get() == 2  # at 17, 34
+    assert tenant.spend_usd == pytest.approx(34.0) == sum(r.cost_usd for r in records)
+    assert tenant.reserved_usd == pytest.approx(0.0)
+    # over the $10 soft budget: the requests seen at spend 17, 34, 34, 34
+    assert state.metrics.soft_budget.labels(tenant=tenant.id)._value.get() == 4
 
 
 async def test_streaming_usage_is_metered_and_extra_chunk_stripped(

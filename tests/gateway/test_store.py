@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -95,12 +96,13 @@ class CountingStore(SQLStore):
         self.batches: list[int] = []
         self.fail = False
 
-    def record_usage_many(self, records: list[UsageRecord]) -> None:
+    def record_usage_many(self, records: list[UsageRecord],
+                          released: Mapping[str, float] | None = None) -> None:
         if self.fail:
             raise RuntimeError("disk full")
         self.batches.append(len(records))
         time.sleep(0.01)  # a slow commit, so that writers pile up behind it
-        super().record_usage_many(records)
+        super().record_usage_many(records, released)
 
 
 async def test_ledger_writer_group_commits_and_reports_failures(tmp_path: Path) -> None:

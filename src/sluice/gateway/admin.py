@@ -86,7 +86,8 @@ class Purge(_Payload):
 
 
 def tenant_json(t: Tenant) -> dict[str, Any]:
-    return {"id": t.id, "name": t.name, "spend_usd": t.spend_usd, "created_at": t.created_at,
+    return {"id": t.id, "name": t.name, "spend_usd": t.spend_usd,
+            "reserved_usd": t.reserved_usd, "created_at": t.created_at,
             **_settings_json(t.settings)}
 
 

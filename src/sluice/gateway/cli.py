@@ -220,7 +220,8 @@ def tenants_update(args: argparse.Namespace) -> int:
 @_guard
 def tenants_list(args: argparse.Namespace) -> int:
     rows = [{"id": t.id, "name": t.name, "spend_usd": round(t.spend_usd, 6),
-             **asdict(t.settings)} for t in open_store(args).list_tenants()]
+             "reserved_usd": round(t.reserved_usd, 6), **asdict(t.settings)}
+            for t in open_store(args).list_tenants()]
     if args.json:
         print(json.dumps(rows))
     else:

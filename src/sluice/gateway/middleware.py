@@ -6,17 +6,21 @@ proxy of `sluice gateway --upstream`. Per request under `/v1/`:
     1. authenticate   Bearer or x-api-key -> key + tenant (read fresh: revocation is
                       immediate on every replica)
     2. admit          model allowed (also for GET /v1/models/{id}; the GET /v1/models
-                      list is filtered to the key's models, see models.py)? budget left? priority within class? prompt tokens
-                      counted; limiter charges 1 request, prompt + max_tokens tokens and
-                      a concurrency slot on the key's and the tenant's scopes at once
+                      list is filtered to the key's models, see models.py)? budget left?
+                      priority within class? prompt tokens counted; the worst-case
+                      cost reserved against the budget (budget.py); limiter charges 1
+                      request, prompt + max_tokens tokens and a concurrency slot on
+                      the key's and the tenant's scopes at once
     3. forward        the body with `priority` injected (and `stream_options
                       .include_usage` when streaming), client credentials removed,
                       x-sluice-tenant / x-sluice-priority / x-request-id added
     4. meter          usage read off the JSON body or the SSE stream as it passes;
                       x-ratelimit-* headers added to the response
-    5. settle         exactly once per request (finished, failed or client-aborted):
-                      tokens reconciled, concurrency freed, ledger row + spend written
-                      in one transaction, *before* the last bytes go to the client
+    5. settle         exactly once per request (finished, failed, client-aborted,
+                      refused, or cancelled during admission): tokens reconciled,
+                      concurrency freed, ledger row + spend + the budget reservation's
+                      release written in one transaction, *before* the last bytes go
+                      to the client
 
 `/admin/{tenants,keys,usage,purge}` and `/v1/usage` are served by the gateway's own
 app (`admin.py`); other `/admin/...` routes (the router's) pass through;
@@ -35,7 +39,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.gateway.budget import check_budget
+from sluice.gateway.budget import check_budget, over_budget_error
 from sluice.gateway.config import GatewayConfig, priority_value
 from sluice.gateway.limits import (
     Decision,
@@ -139,6 +143,7 @@ class Admission:
     strip_usage_chunk: bool = False
     prompt_tokens: int = 0
     reserved_tokens: int = 0
+    reserved_usd: float = 0.0  # the budget reservation, released at settlement
     decision: Decision | None = None
     limiter_degraded: bool = False
     headers: dict[str, str] = field(default_factory=dict)
@@ -229,6 +234,9 @@ class Exchange:
             self.adm = await self.admit()
         except SluiceError as exc:
             return await self.refuse(exc)
+        except BaseException:  # cancelled (or failed) mid-admission: free what it holds
+            await asyncio.shield(self.settle("error"))
+            raise
         self.state.metrics.overhead.observe(time.perf_counter() - self.started)
         self.state.metrics.inflight.inc()
         try:
@@ -305,6 +313,7 @@ class Exchange:
         if payload is not None:
             adm.prompt_tokens = await self.count(adm.model, payload, len(adm.body))
             adm.reserved_tokens = adm.prompt_tokens + self.completion_reserve(payload)
+            await self.reserve_budget(adm)
         scopes = limit_scopes(adm.principal)
         try:
             decision = await self.state.limiter.acquire(scopes, adm.reserved_tokens)
@@ -315,6 +324,19 @@ class Exchange:
         adm.headers = decision.headers()
         if not decision.allowed:
             raise limit_error(decision)
+
+    async def reserve_budget(self, adm: Admission) -> None:
+        """Reserve the request's worst-case cost against its tenant's budget, or refuse
+        (429 insufficient_quota). Nothing to reserve without a budget or a price."""
+        tenant = adm.principal.tenant
+        budget = tenant.settings.budget_usd
+        worst = self.state.prices.cost(adm.model, adm.prompt_tokens,
+                                       adm.reserved_tokens - adm.prompt_tokens)
+        if budget is None or worst <= 0:
+            return
+        if not await asyncio.to_thread(self.state.store.reserve_spend, tenant.id, worst, budget):
+            raise over_budget_error(tenant, worst)
+        adm.reserved_usd = worst
 
     async def count(self, model: str | None, body: dict[str, Any], size: int) -> int:
         """Token counting is CPU work: small bodies inline (a thread hop costs more than
@@ -433,7 +455,8 @@ class Exchange:
     # -- 5: settle ---------------------------------------------------------------------
 
     async def settle(self, status: str) -> None:
-        """Exactly once: reconcile tokens, free the slot, write ledger + spend, count."""
+        """Exactly once: reconcile tokens, free the slot, write ledger + spend and release
+        the budget reservation (one transaction), count."""
         if self.settled or self.adm is None:
             return
         self.settled = True
@@ -449,7 +472,7 @@ class Exchange:
             completion_tokens=completion, cost_usd=cost,
             latency_ms=(time.perf_counter() - self.started) * 1000,
             request_body=request_body, response_body=response_body)
-        await self.write(record)
+        await self.write(record, adm.reserved_usd)
 
     async def final_tokens(self, status: str) -> tuple[int, int]:
         adm, m = self.adm, self.meter
@@ -484,10 +507,10 @@ class Exchange:
             "utf-8", "replace")
         return redact(adm.body.decode("utf-8", "replace")), redact(response)
 
-    async def write(self, record: UsageRecord) -> None:
+    async def write(self, record: UsageRecord, released_usd: float) -> None:
         m = self.state.metrics
         try:
-            await self.state.ledger.write(record)
+            await self.state.ledger.write(record, released_usd)
         except Exception:
             m.ledger_errors.inc()
             logger.exception("usage record for request %s not written", record.request_id)

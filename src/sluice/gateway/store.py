@@ -6,6 +6,12 @@ default and PostgreSQL when given a URL. Two properties matter for exactness:
 * a usage record and the tenant's spend change commit in **one transaction**
   (`record_usage`), so spend always equals the sum of the ledger's costs, and a crash
   never leaves one without the other;
+* a budget holds under concurrency: admission reserves a request's worst-case cost
+  with one conditional UPDATE (`reserve_spend`: reserved += cost only where
+  spend + reserved + cost <= budget), and the same transaction that writes the
+  request's record releases its reservation. PostgreSQL re-checks the WHERE clause on
+  the row's newest version after a concurrent UPDATE, and SQLite runs one writer at a
+  time, so no two requests (on any replica) can both take the last of a budget;
 * keys are looked up on every request (`authenticate`), never cached, so a revoked key
   is refused by every replica from the next request on.
 
@@ -18,7 +24,7 @@ from __future__ import annotations
 import json
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -83,6 +89,7 @@ class Tenant:
     settings: TenantSettings
     spend_usd: float
     created_at: float
+    reserved_usd: float = 0.0  # worst-case cost of this tenant's requests in flight
 
 
 @dataclass(frozen=True)
@@ -164,13 +171,21 @@ class Store(ABC):
         """The live key and tenant for a plaintext key; None if unknown or revoked."""
 
     @abstractmethod
+    def reserve_spend(self, tenant_id: str, cost_usd: float, budget_usd: float) -> bool:
+        """Add `cost_usd` to the tenant's reserved spend iff spend + reserved + cost stays
+        within `budget_usd` (to a nano-dollar); atomic against every other reservation
+        and settlement, on any replica. False (nothing reserved) otherwise."""
+
     def record_usage(self, record: UsageRecord) -> None:
         """Append to the ledger and add its cost to the tenant's spend, atomically."""
+        self.record_usage_many([record])
 
-    def record_usage_many(self, records: list[UsageRecord]) -> None:
-        """Several records in one transaction (group commit); same atomicity per record."""
-        for record in records:
-            self.record_usage(record)
+    @abstractmethod
+    def record_usage_many(self, records: list[UsageRecord],
+                          released: Mapping[str, float] | None = None) -> None:
+        """Several records in one transaction (group commit), each atomically with its
+        tenant's spend; `released` (tenant id -> USD) is taken off the tenants'
+        reserved spend in that same transaction."""
 
     @abstractmethod
     def query_usage(self, query: UsageQuery) -> list[UsageRecord]: ...
@@ -181,6 +196,11 @@ class Store(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
+
+
+# Rounding slack when a reservation is compared with a budget: float sums of costs
+# that fit a budget exactly must not be refused for the last bit.
+BUDGET_SLACK_USD = 1e-9
 
 
 def default_database_url() -> str:
@@ -198,6 +218,7 @@ def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table]:
         sa.Column("settings", sa.Text, nullable=False),
         sa.Column("spend_usd", sa.Float, nullable=False, default=0.0),
         sa.Column("created_at", sa.Float, nullable=False),
+        sa.Column("reserved_usd", sa.Float, nullable=False, default=0.0, server_default="0"),
     )
     keys = sa.Table(
         f"{prefix}keys", md,
@@ -271,19 +292,37 @@ class SQLStore(Store):
         self.engine = self._make_engine(url)
         self.metadata, self.tenants, self.keys, self.usage = _tables(table_prefix)
         self.metadata.create_all(self.engine)
+        self._add_reserved_column()
         self._prepare()
+
+    def _add_reserved_column(self) -> None:
+        """Tables created before budgets were reserved lack `reserved_usd`: add it."""
+        name = self.tenants.name
+        if "reserved_usd" in {c["name"] for c in sa.inspect(self.engine).get_columns(name)}:
+            return
+        quoted = self.engine.dialect.identifier_preparer.quote(name)
+        guard = "IF NOT EXISTS " if self.engine.dialect.name == "postgresql" else ""
+        with self.engine.begin() as conn:
+            conn.execute(sa.text(f"ALTER TABLE {quoted} ADD COLUMN {guard}reserved_usd "
+                                 "FLOAT NOT NULL DEFAULT 0"))
 
     def _prepare(self) -> None:
         """Build the per-request statements once (they run on every request)."""
         k, t, u = self.keys, self.tenants, self.usage
         self._auth_stmt = (
             sa.select(k, t.c.name, t.c.settings.label("t_settings"), t.c.spend_usd,
-                      t.c.created_at.label("t_created"))
+                      t.c.created_at.label("t_created"), t.c.reserved_usd)
             .join(t, t.c.id == k.c.tenant_id)
             .where(k.c.digest == sa.bindparam("digest"), k.c.revoked_at.is_(None)))
         self._insert_usage = u.insert()
-        self._add_spend = (t.update().where(t.c.id == sa.bindparam("tid"))
-                           .values(spend_usd=t.c.spend_usd + sa.bindparam("cost")))
+        self._settle = (t.update().where(t.c.id == sa.bindparam("tid"))
+                        .values(spend_usd=t.c.spend_usd + sa.bindparam("cost"),
+                                reserved_usd=t.c.reserved_usd - sa.bindparam("released")))
+        self._reserve = (t.update()
+                         .where(t.c.id == sa.bindparam("tid"),
+                                t.c.spend_usd + t.c.reserved_usd + sa.bindparam("cost")
+                                <= sa.bindparam("budget") + BUDGET_SLACK_USD)
+                         .values(reserved_usd=t.c.reserved_usd + sa.bindparam("cost")))
 
     @staticmethod
     def _make_engine(url: str) -> sa.Engine:
@@ -337,7 +376,7 @@ class SQLStore(Store):
     @staticmethod
     def _tenant(row: Any) -> Tenant:
         return Tenant(row.id, row.name, _tenant_settings(row.settings), row.spend_usd,
-                      row.created_at)
+                      row.created_at, row.reserved_usd)
 
     def list_tenants(self) -> list[Tenant]:
         with self.engine.connect() as conn:
@@ -384,25 +423,32 @@ class SQLStore(Store):
         if row is None:
             return None
         tenant = Tenant(row.tenant_id, row.name, _tenant_settings(row.t_settings),
-                        row.spend_usd, row.t_created)
+                        row.spend_usd, row.t_created, row.reserved_usd)
         return Principal(self._key(row), tenant)
 
     # -- ledger ----------------------------------------------------------------------
 
-    def record_usage(self, record: UsageRecord) -> None:
-        self.record_usage_many([record])
+    def reserve_spend(self, tenant_id: str, cost_usd: float, budget_usd: float) -> bool:
+        with self.engine.begin() as conn:
+            result = conn.execute(self._reserve, {"tid": tenant_id, "cost": cost_usd,
+                                                  "budget": budget_usd})
+        return bool(result.rowcount == 1)
 
-    def record_usage_many(self, records: list[UsageRecord]) -> None:
-        if not records:
+    def record_usage_many(self, records: list[UsageRecord],
+                          released: Mapping[str, float] | None = None) -> None:
+        if not records and not released:
             return
         spend: dict[str, float] = {}
         for r in records:
             if r.cost_usd:
                 spend[r.tenant_id] = spend.get(r.tenant_id, 0.0) + r.cost_usd
+        freed = {t: usd for t, usd in (released or {}).items() if usd}
         with self.engine.begin() as conn:
-            conn.execute(self._insert_usage, [asdict(r) for r in records])
-            for tenant_id in sorted(spend):  # fixed order: no deadlock between replicas
-                conn.execute(self._add_spend, {"tid": tenant_id, "cost": spend[tenant_id]})
+            if records:
+                conn.execute(self._insert_usage, [asdict(r) for r in records])
+            for tenant_id in sorted(spend.keys() | freed.keys()):  # fixed order: no deadlock
+                conn.execute(self._settle, {"tid": tenant_id, "cost": spend.get(tenant_id, 0.0),
+                                            "released": freed.get(tenant_id, 0.0)})
 
     def query_usage(self, query: UsageQuery) -> list[UsageRecord]:
         u = self.usage
