@@ -9,6 +9,7 @@ $17, and a budget of K x $17 fits exactly K requests.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from typing import Any
 
@@ -137,9 +138,9 @@ async def test_unpriced_or_unbudgeted_requests_reserve_nothing(sqlite_store: SQL
     calls: list[float] = []
     reserve = sqlite_store.reserve_spend
 
-    def spy(tenant_id: str, cost: float, budget: float) -> bool:
+    def spy(tenant_id: str, cost: float, budget: float, lease_s: float) -> str | None:
         calls.append(cost)
-        return reserve(tenant_id, cost, budget)
+        return reserve(tenant_id, cost, budget, lease_s)
 
     sqlite_store.reserve_spend = spy  # type: ignore[method-assign]
     budgeted = new_key(sqlite_store, "acme", budget_usd=100.0)
@@ -157,19 +158,40 @@ async def test_unpriced_or_unbudgeted_requests_reserve_nothing(sqlite_store: SQL
     assert calls == [COST]
 
 
+def record(tenant_id: str, cost: float) -> UsageRecord:
+    return UsageRecord(request_id="r", tenant_id=tenant_id, key_id="k",
+                       endpoint="/v1/completions", model="m", status="ok", http_status=200,
+                       cost_usd=cost)
+
+
 def test_reserve_spend_is_conditional(any_store: SQLStore) -> None:
     t = any_store.create_tenant("acme", TenantSettings(budget_usd=10.0))
-    assert any_store.reserve_spend(t.id, 0.1 * 3, 10.0)
-    assert any_store.reserve_spend(t.id, 9.7, 10.0)  # 0.3 + 9.7 fits to the cent
-    assert not any_store.reserve_spend(t.id, 0.01, 10.0)
+    small = any_store.reserve_spend(t.id, 0.1 * 3, 10.0, 60)
+    big = any_store.reserve_spend(t.id, 9.7, 10.0, 60)  # 0.3 + 9.7 fits to the cent
+    assert small and big and small != big
+    assert any_store.reserve_spend(t.id, 0.01, 10.0, 60) is None
     assert any_store.get_tenant(t.id).reserved_usd == pytest.approx(10.0)
-    any_store.record_usage_many([UsageRecord(
-        request_id="r", tenant_id=t.id, key_id="k", endpoint="/v1/completions", model="m",
-        status="ok", http_status=200, cost_usd=2.5)], {t.id: 9.7})
+    any_store.record_usage_many([record(t.id, 2.5)], [big])
     tenant = any_store.get_tenant(t.id)
     assert (tenant.spend_usd, tenant.reserved_usd) == pytest.approx((2.5, 0.3))
-    assert any_store.reserve_spend(t.id, 7.2, 10.0)
-    assert not any_store.reserve_spend(t.id, 0.01, 10.0)
+    any_store.record_usage_many([], [big])  # released once only
+    assert any_store.get_tenant(t.id).reserved_usd == pytest.approx(0.3)
+    assert any_store.reserve_spend(t.id, 7.2, 10.0, 60)
+    assert any_store.reserve_spend(t.id, 0.01, 10.0, 60) is None
+
+
+def test_expired_reservations_are_given_back_once(any_store: SQLStore) -> None:
+    t = any_store.create_tenant("acme", TenantSettings(budget_usd=10.0))
+    live = any_store.reserve_spend(t.id, 4.0, 10.0, 3600)
+    dead = any_store.reserve_spend(t.id, 6.0, 10.0, 1)  # its gateway died
+    assert live and dead
+    assert any_store.expire_reservations() == 0  # not yet past the lease
+    assert any_store.expire_reservations(now=time.time() + 2) == 1
+    assert any_store.get_tenant(t.id).reserved_usd == pytest.approx(4.0)
+    any_store.record_usage_many([record(t.id, 5.0)], [dead, live])  # dead: already back
+    tenant = any_store.get_tenant(t.id)
+    assert (tenant.spend_usd, tenant.reserved_usd) == pytest.approx((5.0, 0.0), abs=1e-9)
+    assert any_store.expire_reservations(now=time.time() + 10_000) == 0
 
 
 def test_old_tenants_table_gains_the_reserved_column(tmp_path: Any) -> None:
@@ -186,8 +208,8 @@ def test_old_tenants_table_gains_the_reserved_column(tmp_path: Any) -> None:
     try:
         tenant = store.get_tenant("old")
         assert (tenant.spend_usd, tenant.reserved_usd) == (1.5, 0.0)
-        assert store.reserve_spend("tn_1", 3.5, 5.0)
-        assert not store.reserve_spend("tn_1", 0.5, 5.0)
+        assert store.reserve_spend("tn_1", 3.5, 5.0, 60)
+        assert store.reserve_spend("tn_1", 0.5, 5.0, 60) is None
     finally:
         store.close()
 
@@ -220,3 +242,22 @@ async def test_cancelled_admission_releases_the_reservation(sqlite_store: SQLSto
     [record] = sqlite_store.query_usage(UsageQuery())
     assert (record.status, record.cost_usd) == ("error", 0.0)
     assert sqlite_store.get_tenant("acme").reserved_usd == pytest.approx(0.0, abs=1e-9)
+
+
+async def test_a_dead_gateways_reservations_come_back_after_their_lease(
+        sqlite_store: SQLStore) -> None:
+    key = new_key(sqlite_store, budget_usd=2 * COST)
+    tenant = sqlite_store.get_tenant("acme")
+    for _ in range(2):  # a replica reserved the whole budget, then was killed
+        assert sqlite_store.reserve_spend(tenant.id, COST, 2 * COST, lease_s=-1.0)
+    gw = GatewayMiddleware(StubUpstream(), priced_state(sqlite_store))
+    async with client_for(gw, key) as c:
+        r = await c.post("/v1/chat/completions", json=CHAT)  # sweeps, then fits
+        assert r.status_code == 200
+        # the next sweep is at most every 10 s: a full budget refuses without sweeping
+        assert sqlite_store.reserve_spend(tenant.id, COST, 2 * COST, lease_s=-1.0)
+        r = await c.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota"
+    tenant = sqlite_store.get_tenant("acme")
+    assert tenant.spend_usd == pytest.approx(COST)
+    assert tenant.reserved_usd == pytest.approx(COST)  # the second dead one, not yet swept

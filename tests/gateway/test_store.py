@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -97,7 +97,7 @@ class CountingStore(SQLStore):
         self.fail = False
 
     def record_usage_many(self, records: list[UsageRecord],
-                          released: Mapping[str, float] | None = None) -> None:
+                          released: Sequence[str] = ()) -> None:
         if self.fail:
             raise RuntimeError("disk full")
         self.batches.append(len(records))

@@ -11,8 +11,10 @@ request also **reserves** its worst-case cost before it is forwarded:
     admitted  iff  spend + reserved + worst case <= budget   (one conditional UPDATE)
 
 and settlement (finished, upstream error, client hang-up, refusal) releases exactly
-that reservation in the transaction that adds the real cost to spend. What is left of
-the overrun: a request whose real prompt is longer than the gateway's count (a chars/4
+that reservation in the transaction that adds the real cost to spend. A reservation is
+a lease (`GatewayConfig.budget_lease_s`, 1 h): if its gateway died before settling,
+the first request that finds the budget full sweeps expired leases (at most every
+`SWEEP_EVERY_S` per replica) and tries once more. What is left of the overrun: a request whose real prompt is longer than the gateway's count (a chars/4
 estimate when no tokenizer loads). A tenant without a budget, or whose model costs
 nothing, reserves nothing (no extra write). A soft budget only counts a metric, so
 operators can alert before the hard stop.
@@ -20,9 +22,18 @@ operators can alert before the hard stop.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
 from sluice.gateway.metrics import GatewayMetrics
-from sluice.gateway.store import Tenant
+from sluice.gateway.store import Store, Tenant
 from sluice.protocol.errors import InsufficientQuotaError
+
+logger = logging.getLogger(__name__)
+
+SWEEP_EVERY_S = 10.0
 
 
 def check_budget(tenant: Tenant, metrics: GatewayMetrics) -> None:
@@ -45,3 +56,41 @@ def over_budget_error(tenant: Tenant, worst_case_usd: float) -> InsufficientQuot
         f"${worst_case_usd:.6f} left of its ${tenant.settings.budget_usd:.6f} budget once "
         "its spend and its requests in flight are counted; this request's worst case "
         "(prompt + max_tokens) costs that much. Lower max_tokens or raise the budget.")
+
+
+class BudgetReservations:
+    """Reserves requests' worst-case costs against budgets (one per GatewayState); owns
+    when this replica last swept expired leases. The store does the atomic part."""
+
+    def __init__(self, store: Store, lease_s: float, sweep_every_s: float = SWEEP_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.lease_s = lease_s
+        self.sweep_every_s = sweep_every_s
+        self.clock = clock
+        self._last_sweep = -float("inf")
+
+    async def reserve(self, tenant: Tenant, worst_case_usd: float) -> str:
+        """The reservation's id; raises InsufficientQuotaError if it does not fit."""
+        budget = tenant.settings.budget_usd
+        assert budget is not None
+        rid = await asyncio.to_thread(self.store.reserve_spend, tenant.id, worst_case_usd,
+                                      budget, self.lease_s)
+        if rid is None and await self.sweep():
+            rid = await asyncio.to_thread(self.store.reserve_spend, tenant.id, worst_case_usd,
+                                          budget, self.lease_s)
+        if rid is None:
+            raise over_budget_error(tenant, worst_case_usd)
+        return rid
+
+    async def sweep(self) -> int:
+        """Give back expired reservations, at most once per `sweep_every_s`."""
+        now = self.clock()
+        if now - self._last_sweep < self.sweep_every_s:
+            return 0
+        self._last_sweep = now
+        expired = await asyncio.to_thread(self.store.expire_reservations)
+        if expired:
+            logger.warning("gave back %d budget reservations past their %.0f s lease "
+                           "(a gateway stopped before settling them)", expired, self.lease_s)
+        return expired

@@ -62,8 +62,10 @@ class GatewayConfig:
 
     `database_url=None` means SQLite (WAL) at `sluice.env.home()/sluice.db`.
     `default_reserve_tokens` is what a request without `max_tokens` reserves against
-    its tokens-per-minute limit until its real completion tokens are known. Tenants
-    get their priority class from their own settings (default `standard`).
+    its tokens-per-minute limit (and its budget) until its real completion tokens are
+    known. `budget_lease_s`: how long a budget reservation outlives a gateway that died
+    before settling it. Tenants get their priority class from their own settings
+    (default `standard`).
     """
 
     database_url: str | None = None
@@ -73,9 +75,12 @@ class GatewayConfig:
     prices_file: Path | None = None
     default_reserve_tokens: int = 256
     max_body_bytes: int = 16 * 1024 * 1024
+    budget_lease_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if self.default_reserve_tokens < 0:
             raise InvalidRequestError(
                 "default_reserve_tokens must be >= 0", param="default_reserve_tokens"
             )
+        if self.budget_lease_s <= 0:
+            raise InvalidRequestError("budget_lease_s must be > 0", param="budget_lease_s")

@@ -10,9 +10,9 @@ one record; under load many requests share one commit. The drain task is indepen
 the callers, so a caller cancelled while waiting (client gone, server shutting down)
 still gets its record written.
 
-A record also carries the budget reservation its request made at admission
-(`released_usd`); the commit that writes the record takes it off the tenant's reserved
-spend, so a request's cost moves from "reserved" to "spent" in one step.
+A record also carries the budget reservation its request made at admission (its id);
+the commit that writes the record gives the reservation back, so a request's cost
+moves from "reserved" to "spent" in one step.
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ class LedgerWriter:
     def __init__(self, store: Store, max_batch: int = 256) -> None:
         self.store = store
         self.max_batch = max_batch
-        self._pending: list[tuple[UsageRecord, float, asyncio.Future[None]]] = []
+        self._pending: list[tuple[UsageRecord, str | None, asyncio.Future[None]]] = []
         self._drain: asyncio.Task[None] | None = None
 
-    async def write(self, record: UsageRecord, released_usd: float = 0.0) -> None:
-        """Return once `record` is committed (and `released_usd` taken off its tenant's
-        reserved spend); raise what the store raised otherwise."""
+    async def write(self, record: UsageRecord, reservation: str | None = None) -> None:
+        """Return once `record` is committed (and `reservation`, if any, given back);
+        raise what the store raised otherwise."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((record, released_usd, future))
+        self._pending.append((record, reservation, future))
         if self._drain is None or self._drain.done():
             self._drain = asyncio.create_task(self._run())
         await asyncio.shield(future)
@@ -47,9 +47,7 @@ class LedgerWriter:
         while self._pending:
             batch, self._pending = (self._pending[: self.max_batch],
                                     self._pending[self.max_batch:])
-            released: dict[str, float] = {}
-            for record, usd, _ in batch:
-                released[record.tenant_id] = released.get(record.tenant_id, 0.0) + usd
+            released = [rid for _, rid, _ in batch if rid is not None]
             try:
                 await asyncio.to_thread(self.store.record_usage_many,
                                         [r for r, _, _ in batch], released)

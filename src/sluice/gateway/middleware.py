@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.gateway.budget import check_budget, over_budget_error
+from sluice.gateway.budget import check_budget
 from sluice.gateway.config import GatewayConfig, priority_value
 from sluice.gateway.limits import (
     Decision,
@@ -143,7 +143,7 @@ class Admission:
     strip_usage_chunk: bool = False
     prompt_tokens: int = 0
     reserved_tokens: int = 0
-    reserved_usd: float = 0.0  # the budget reservation, released at settlement
+    reservation: str | None = None  # the budget reservation, given back at settlement
     decision: Decision | None = None
     limiter_degraded: bool = False
     headers: dict[str, str] = field(default_factory=dict)
@@ -329,14 +329,11 @@ class Exchange:
         """Reserve the request's worst-case cost against its tenant's budget, or refuse
         (429 insufficient_quota). Nothing to reserve without a budget or a price."""
         tenant = adm.principal.tenant
-        budget = tenant.settings.budget_usd
         worst = self.state.prices.cost(adm.model, adm.prompt_tokens,
                                        adm.reserved_tokens - adm.prompt_tokens)
-        if budget is None or worst <= 0:
+        if tenant.settings.budget_usd is None or worst <= 0:
             return
-        if not await asyncio.to_thread(self.state.store.reserve_spend, tenant.id, worst, budget):
-            raise over_budget_error(tenant, worst)
-        adm.reserved_usd = worst
+        adm.reservation = await self.state.budgets.reserve(tenant, worst)
 
     async def count(self, model: str | None, body: dict[str, Any], size: int) -> int:
         """Token counting is CPU work: small bodies inline (a thread hop costs more than
@@ -472,7 +469,7 @@ class Exchange:
             completion_tokens=completion, cost_usd=cost,
             latency_ms=(time.perf_counter() - self.started) * 1000,
             request_body=request_body, response_body=response_body)
-        await self.write(record, adm.reserved_usd)
+        await self.write(record, adm.reservation)
 
     async def final_tokens(self, status: str) -> tuple[int, int]:
         adm, m = self.adm, self.meter
@@ -507,10 +504,10 @@ class Exchange:
             "utf-8", "replace")
         return redact(adm.body.decode("utf-8", "replace")), redact(response)
 
-    async def write(self, record: UsageRecord, released_usd: float) -> None:
+    async def write(self, record: UsageRecord, reservation: str | None) -> None:
         m = self.state.metrics
         try:
-            await self.state.ledger.write(record, released_usd)
+            await self.state.ledger.write(record, reservation)
         except Exception:
             m.ledger_errors.inc()
             logger.exception("usage record for request %s not written", record.request_id)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sluice.gateway.budget import BudgetReservations
 from sluice.gateway.config import GatewayConfig, LimiterConfig
 from sluice.gateway.ledger import LedgerWriter
 from sluice.gateway.limits import Limiter, LocalLimiter, RedisLimiter
@@ -37,9 +38,11 @@ class GatewayState:
     redactor: Redactor = default_redactor
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     ledger: LedgerWriter = field(init=False)
+    budgets: BudgetReservations = field(init=False)
 
     def __post_init__(self) -> None:
         self.ledger = LedgerWriter(self.store)
+        self.budgets = BudgetReservations(self.store, self.config.budget_lease_s)
 
     @classmethod
     def from_config(cls, config: GatewayConfig, *, store: Store | None = None,

@@ -8,10 +8,14 @@ default and PostgreSQL when given a URL. Two properties matter for exactness:
   never leaves one without the other;
 * a budget holds under concurrency: admission reserves a request's worst-case cost
   with one conditional UPDATE (`reserve_spend`: reserved += cost only where
-  spend + reserved + cost <= budget), and the same transaction that writes the
-  request's record releases its reservation. PostgreSQL re-checks the WHERE clause on
-  the row's newest version after a concurrent UPDATE, and SQLite runs one writer at a
-  time, so no two requests (on any replica) can both take the last of a budget;
+  spend + reserved + cost <= budget) plus a row in `reservations` (a lease), and the
+  same transaction that writes the request's record deletes that row and takes its
+  cost off `reserved_usd`. PostgreSQL re-checks the WHERE clause on the row's newest
+  version after a concurrent UPDATE, and SQLite runs one writer at a time, so no two
+  requests (on any replica) can both take the last of a budget. A replica that dies
+  with requests in flight leaves their rows behind; `expire_reservations` gives back
+  the ones past their lease. Whoever deletes a reservation row (settlement or sweep)
+  is the one that subtracts it, so it is released exactly once;
 * keys are looked up on every request (`authenticate`), never cached, so a revoked key
   is refused by every replica from the next request on.
 
@@ -24,7 +28,7 @@ from __future__ import annotations
 import json
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -171,10 +175,17 @@ class Store(ABC):
         """The live key and tenant for a plaintext key; None if unknown or revoked."""
 
     @abstractmethod
-    def reserve_spend(self, tenant_id: str, cost_usd: float, budget_usd: float) -> bool:
+    def reserve_spend(self, tenant_id: str, cost_usd: float, budget_usd: float,
+                      lease_s: float) -> str | None:
         """Add `cost_usd` to the tenant's reserved spend iff spend + reserved + cost stays
-        within `budget_usd` (to a nano-dollar); atomic against every other reservation
-        and settlement, on any replica. False (nothing reserved) otherwise."""
+        within `budget_usd` (to a nano-dollar), atomically against every other
+        reservation and settlement on any replica; returns the reservation's id, which
+        expires `lease_s` from now. None (nothing reserved) if it does not fit."""
+
+    @abstractmethod
+    def expire_reservations(self, now: float | None = None) -> int:
+        """Give back reservations whose lease ended before `now` (their gateway died or
+        the request outlived the lease); returns how many."""
 
     def record_usage(self, record: UsageRecord) -> None:
         """Append to the ledger and add its cost to the tenant's spend, atomically."""
@@ -182,10 +193,10 @@ class Store(ABC):
 
     @abstractmethod
     def record_usage_many(self, records: list[UsageRecord],
-                          released: Mapping[str, float] | None = None) -> None:
+                          released: Sequence[str] = ()) -> None:
         """Several records in one transaction (group commit), each atomically with its
-        tenant's spend; `released` (tenant id -> USD) is taken off the tenants'
-        reserved spend in that same transaction."""
+        tenant's spend; the reservations `released` (ids from `reserve_spend`) are
+        given back in that same transaction (those already expired: nothing to do)."""
 
     @abstractmethod
     def query_usage(self, query: UsageQuery) -> list[UsageRecord]: ...
@@ -209,7 +220,7 @@ def default_database_url() -> str:
     return f"sqlite:///{path}"
 
 
-def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table]:
+def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.Table]:
     md = sa.MetaData()
     tenants = sa.Table(
         f"{prefix}tenants", md,
@@ -248,7 +259,14 @@ def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table]:
         sa.Column("request_body", sa.Text, nullable=True),
         sa.Column("response_body", sa.Text, nullable=True),
     )
-    return md, tenants, keys, usage
+    reservations = sa.Table(
+        f"{prefix}reservations", md,
+        sa.Column("id", sa.String(40), primary_key=True),
+        sa.Column("tenant_id", sa.String(40), nullable=False),
+        sa.Column("cost_usd", sa.Float, nullable=False),
+        sa.Column("expires_at", sa.Float, nullable=False, index=True),
+    )
+    return md, tenants, keys, usage, reservations
 
 
 def _dump(settings: TenantSettings | KeySettings) -> str:
@@ -290,7 +308,8 @@ class SQLStore(Store):
             url = "postgresql+psycopg://" + url[len("postgresql://"):]
         self.url = url
         self.engine = self._make_engine(url)
-        self.metadata, self.tenants, self.keys, self.usage = _tables(table_prefix)
+        (self.metadata, self.tenants, self.keys, self.usage,
+         self.reservations) = _tables(table_prefix)
         self.metadata.create_all(self.engine)
         self._add_reserved_column()
         self._prepare()
@@ -428,27 +447,61 @@ class SQLStore(Store):
 
     # -- ledger ----------------------------------------------------------------------
 
-    def reserve_spend(self, tenant_id: str, cost_usd: float, budget_usd: float) -> bool:
+    def reserve_spend(self, tenant_id: str, cost_usd: float, budget_usd: float,
+                      lease_s: float) -> str | None:
+        rid = new_id("rsv")
         with self.engine.begin() as conn:
             result = conn.execute(self._reserve, {"tid": tenant_id, "cost": cost_usd,
                                                   "budget": budget_usd})
-        return bool(result.rowcount == 1)
+            if result.rowcount != 1:
+                return None
+            conn.execute(self.reservations.insert().values(
+                id=rid, tenant_id=tenant_id, cost_usd=cost_usd, expires_at=time.time() + lease_s))
+        return rid
+
+    def expire_reservations(self, now: float | None = None) -> int:
+        r = self.reservations
+        # SKIP LOCKED (PostgreSQL): rows a settlement is deleting right now are its own
+        expired = (sa.select(r.c.id).where(r.c.expires_at < (time.time() if now is None else now))
+                   .with_for_update(skip_locked=True).scalar_subquery())
+        with self.engine.begin() as conn:
+            freed = self._delete_reservations(conn, r.c.id.in_(expired))
+            self._settle_tenants(conn, {}, freed)
+        return sum(n for _, n in freed.values())
+
+    def _delete_reservations(self, conn: sa.Connection,
+                             where: Any) -> dict[str, tuple[float, int]]:
+        """Delete reservation rows; per tenant, the USD and count this call deleted."""
+        r = self.reservations
+        freed: dict[str, tuple[float, int]] = {}
+        for tenant_id, cost in conn.execute(r.delete().where(where)
+                                            .returning(r.c.tenant_id, r.c.cost_usd)):
+            usd, n = freed.get(tenant_id, (0.0, 0))
+            freed[tenant_id] = (usd + cost, n + 1)
+        return freed
+
+    def _settle_tenants(self, conn: sa.Connection, spend: dict[str, float],
+                        freed: dict[str, tuple[float, int]]) -> None:
+        for tenant_id in sorted(spend.keys() | freed.keys()):  # fixed order: no deadlock
+            conn.execute(self._settle, {"tid": tenant_id, "cost": spend.get(tenant_id, 0.0),
+                                        "released": freed.get(tenant_id, (0.0, 0))[0]})
 
     def record_usage_many(self, records: list[UsageRecord],
-                          released: Mapping[str, float] | None = None) -> None:
+                          released: Sequence[str] = ()) -> None:
         if not records and not released:
             return
         spend: dict[str, float] = {}
         for r in records:
             if r.cost_usd:
                 spend[r.tenant_id] = spend.get(r.tenant_id, 0.0) + r.cost_usd
-        freed = {t: usd for t, usd in (released or {}).items() if usd}
         with self.engine.begin() as conn:
+            # reservations first: a concurrent sweep holds only reservation rows it
+            # locked itself, and takes tenants in the same sorted order
+            freed = (self._delete_reservations(conn, self.reservations.c.id.in_(released))
+                     if released else {})
             if records:
                 conn.execute(self._insert_usage, [asdict(r) for r in records])
-            for tenant_id in sorted(spend.keys() | freed.keys()):  # fixed order: no deadlock
-                conn.execute(self._settle, {"tid": tenant_id, "cost": spend.get(tenant_id, 0.0),
-                                            "released": freed.get(tenant_id, 0.0)})
+            self._settle_tenants(conn, spend, freed)
 
     def query_usage(self, query: UsageQuery) -> list[UsageRecord]:
         u = self.usage
