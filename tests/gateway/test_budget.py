@@ -9,6 +9,7 @@ $17, and a budget of K x $17 fits exactly K requests.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 from typing import Any
@@ -136,13 +137,13 @@ async def test_every_ending_releases_the_reservation(sqlite_store: SQLStore) -> 
 
 async def test_unpriced_or_unbudgeted_requests_reserve_nothing(sqlite_store: SQLStore) -> None:
     calls: list[float] = []
-    reserve = sqlite_store.reserve_spend
+    reserve = sqlite_store.reserve_spend_many
 
-    def spy(tenant_id: str, cost: float, budget: float, lease_s: float) -> str | None:
-        calls.append(cost)
-        return reserve(tenant_id, cost, budget, lease_s)
+    def spy(requests: list[tuple[str, float, float]], lease_s: float) -> list[str | None]:
+        calls.extend(cost for _, cost, _ in requests)
+        return reserve(requests, lease_s)
 
-    sqlite_store.reserve_spend = spy  # type: ignore[method-assign]
+    sqlite_store.reserve_spend_many = spy  # type: ignore[method-assign]
     budgeted = new_key(sqlite_store, "acme", budget_usd=100.0)
     unbudgeted = new_key(sqlite_store, "free")
     gw = GatewayMiddleware(StubUpstream(), priced_state(sqlite_store))
@@ -261,3 +262,28 @@ async def test_a_dead_gateways_reservations_come_back_after_their_lease(
     tenant = sqlite_store.get_tenant("acme")
     assert tenant.spend_usd == pytest.approx(COST)
     assert tenant.reserved_usd == pytest.approx(COST)  # the second dead one, not yet swept
+
+
+async def test_cancelled_while_reserving_gives_the_reservation_back(
+        sqlite_store: SQLStore) -> None:
+    key = new_key(sqlite_store, budget_usd=100.0)
+    entered, go = threading.Event(), threading.Event()
+    reserve = sqlite_store.reserve_spend_many
+
+    def slow(requests: list[tuple[str, float, float]], lease_s: float) -> list[str | None]:
+        entered.set()
+        go.wait(10)  # the commit is slow; the client is cancelled meanwhile
+        return reserve(requests, lease_s)
+
+    sqlite_store.reserve_spend_many = slow  # type: ignore[method-assign]
+    gw = GatewayMiddleware(StubUpstream(), priced_state(sqlite_store))
+    async with client_for(gw, key) as c:
+        task = asyncio.create_task(c.post("/v1/chat/completions", json=CHAT))
+        assert await asyncio.to_thread(entered.wait, 10)
+        task.cancel()
+        go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    [record] = sqlite_store.query_usage(UsageQuery())
+    assert record.status == "error"
+    assert sqlite_store.get_tenant("acme").reserved_usd == pytest.approx(0.0, abs=1e-9)

@@ -59,29 +59,59 @@ def over_budget_error(tenant: Tenant, worst_case_usd: float) -> InsufficientQuot
 
 
 class BudgetReservations:
-    """Reserves requests' worst-case costs against budgets (one per GatewayState); owns
-    when this replica last swept expired leases. The store does the atomic part."""
+    """Reserves requests' worst-case costs against budgets (one per GatewayState and
+    event loop). Reservations that arrive while one is being committed share the next
+    transaction (group commit, as the ledger does), so a budgeted tenant's admission
+    does not cap at the database's commit rate. Owns when this replica last swept
+    expired leases. The store does the atomic part."""
 
     def __init__(self, store: Store, lease_s: float, sweep_every_s: float = SWEEP_EVERY_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_batch: int = 256) -> None:
         self.store = store
         self.lease_s = lease_s
         self.sweep_every_s = sweep_every_s
         self.clock = clock
+        self.max_batch = max_batch
         self._last_sweep = -float("inf")
+        self._pending: list[tuple[tuple[str, float, float], asyncio.Future[str | None]]] = []
+        self._drain: asyncio.Task[None] | None = None
 
     async def reserve(self, tenant: Tenant, worst_case_usd: float) -> str:
-        """The reservation's id; raises InsufficientQuotaError if it does not fit."""
+        """The reservation's id; raises InsufficientQuotaError if it does not fit.
+        Cancelling the caller does not cancel a reservation being committed: shield the
+        call and await it again to learn the id that must be given back."""
         budget = tenant.settings.budget_usd
         assert budget is not None
-        rid = await asyncio.to_thread(self.store.reserve_spend, tenant.id, worst_case_usd,
-                                      budget, self.lease_s)
+        request = (tenant.id, worst_case_usd, budget)
+        rid = await self._reserve(request)
         if rid is None and await self.sweep():
-            rid = await asyncio.to_thread(self.store.reserve_spend, tenant.id, worst_case_usd,
-                                          budget, self.lease_s)
+            rid = await self._reserve(request)
         if rid is None:
             raise over_budget_error(tenant, worst_case_usd)
         return rid
+
+    async def _reserve(self, request: tuple[str, float, float]) -> str | None:
+        future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._pending.append((request, future))
+        if self._drain is None or self._drain.done():
+            self._drain = asyncio.create_task(self._run())
+        return await future
+
+    async def _run(self) -> None:
+        while self._pending:
+            batch, self._pending = (self._pending[: self.max_batch],
+                                    self._pending[self.max_batch:])
+            try:
+                ids = await asyncio.to_thread(self.store.reserve_spend_many,
+                                              [r for r, _ in batch], self.lease_s)
+            except Exception as exc:
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for (_, future), rid in zip(batch, ids, strict=True):
+                if not future.done():
+                    future.set_result(rid)
 
     async def sweep(self) -> int:
         """Give back expired reservations, at most once per `sweep_every_s`."""

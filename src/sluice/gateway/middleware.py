@@ -31,6 +31,7 @@ through untouched.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -333,7 +334,13 @@ class Exchange:
                                        adm.reserved_tokens - adm.prompt_tokens)
         if tenant.settings.budget_usd is None or worst <= 0:
             return
-        adm.reservation = await self.state.budgets.reserve(tenant, worst)
+        reserving = asyncio.ensure_future(self.state.budgets.reserve(tenant, worst))
+        try:
+            adm.reservation = await asyncio.shield(reserving)
+        except asyncio.CancelledError:  # learn what was reserved, so settle gives it back
+            with contextlib.suppress(Exception):
+                adm.reservation = await reserving
+            raise
 
     async def count(self, model: str | None, body: dict[str, Any], size: int) -> int:
         """Token counting is CPU work: small bodies inline (a thread hop costs more than

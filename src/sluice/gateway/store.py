@@ -174,13 +174,19 @@ class Store(ABC):
     def authenticate(self, plaintext: str) -> Principal | None:
         """The live key and tenant for a plaintext key; None if unknown or revoked."""
 
-    @abstractmethod
     def reserve_spend(self, tenant_id: str, cost_usd: float, budget_usd: float,
                       lease_s: float) -> str | None:
         """Add `cost_usd` to the tenant's reserved spend iff spend + reserved + cost stays
         within `budget_usd` (to a nano-dollar), atomically against every other
         reservation and settlement on any replica; returns the reservation's id, which
         expires `lease_s` from now. None (nothing reserved) if it does not fit."""
+        return self.reserve_spend_many([(tenant_id, cost_usd, budget_usd)], lease_s)[0]
+
+    @abstractmethod
+    def reserve_spend_many(self, requests: Sequence[tuple[str, float, float]],
+                           lease_s: float) -> list[str | None]:
+        """`reserve_spend` for several (tenant id, cost, budget) in one transaction (group
+        commit), each seeing the ones before it; one id or None per request, in order."""
 
     @abstractmethod
     def expire_reservations(self, now: float | None = None) -> int:
@@ -447,17 +453,25 @@ class SQLStore(Store):
 
     # -- ledger ----------------------------------------------------------------------
 
-    def reserve_spend(self, tenant_id: str, cost_usd: float, budget_usd: float,
-                      lease_s: float) -> str | None:
-        rid = new_id("rsv")
+    def reserve_spend_many(self, requests: Sequence[tuple[str, float, float]],
+                           lease_s: float) -> list[str | None]:
+        ids: list[str | None] = [None] * len(requests)
+        rows = []
+        # tenants in sorted order (arrival order within one): the lock order settlements use
+        order = sorted(range(len(requests)), key=lambda i: requests[i][0])
         with self.engine.begin() as conn:
-            result = conn.execute(self._reserve, {"tid": tenant_id, "cost": cost_usd,
-                                                  "budget": budget_usd})
-            if result.rowcount != 1:
-                return None
-            conn.execute(self.reservations.insert().values(
-                id=rid, tenant_id=tenant_id, cost_usd=cost_usd, expires_at=time.time() + lease_s))
-        return rid
+            expires_at = time.time() + lease_s
+            for i in order:
+                tenant_id, cost, budget = requests[i]
+                result = conn.execute(self._reserve, {"tid": tenant_id, "cost": cost,
+                                                      "budget": budget})
+                if result.rowcount == 1:
+                    ids[i] = new_id("rsv")
+                    rows.append({"id": ids[i], "tenant_id": tenant_id, "cost_usd": cost,
+                                 "expires_at": expires_at})
+            if rows:
+                conn.execute(self.reservations.insert(), rows)
+        return ids
 
     def expire_reservations(self, now: float | None = None) -> int:
         r = self.reservations
