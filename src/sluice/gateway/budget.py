@@ -14,9 +14,11 @@ and settlement (finished, upstream error, client hang-up, refusal) releases exac
 that reservation in the transaction that adds the real cost to spend. A reservation is
 a lease (`GatewayConfig.budget_lease_s`, 1 h): if its gateway died before settling,
 the first request that finds the budget full sweeps expired leases (at most every
-`SWEEP_EVERY_S` per replica) and tries once more. What is left of the overrun: a request whose real prompt is longer than the gateway's count (a chars/4
-estimate when no tokenizer loads). A tenant without a budget, or whose model costs
-nothing, reserves nothing (no extra write). A soft budget only counts a metric, so
+`SWEEP_EVERY_S` per replica) and tries once more. What is left of the overrun: a
+request whose real prompt is longer than the gateway's count (a chars/4 estimate when
+no tokenizer loads), and one without `max_tokens` that generates more than the default
+reserve (`GatewayConfig.default_reserve_tokens`, 256). A tenant without a budget, or
+whose model costs nothing, reserves nothing (no extra write). A soft budget only counts a metric, so
 operators can alert before the hard stop.
 """
 
