@@ -60,14 +60,14 @@ def tiny(request: pytest.FixtureRequest) -> tuple[Path, list[list[int]], list[li
     {"max_num_batched_tokens": 16, "enable_prefix_caching": False},
     {"max_num_batched_tokens": 2048, "enable_prefix_caching": True},
     {"max_num_batched_tokens": 8, "enable_prefix_caching": True, "num_kv_blocks": 7},
-    {"max_num_batched_tokens": 16, "enable_prefix_caching": True, "attention_backend": "torch"},
+    {"max_num_batched_tokens": 16, "enable_prefix_caching": True, "kernel_backend": "torch"},
 ], ids=["chunked-cache", "chunked-nocache", "whole-cache", "tiny-pool-preempt",
-        "torch-attention"])
+        "torch-kernels"])
 def test_greedy_equals_transformers(tiny: tuple[Path, list[list[int]], list[list[int]]],
                                     options: dict[str, Any]) -> None:
     model_dir, prompts, expected = tiny
     llm = LLM(str(model_dir), **{"num_kv_blocks": 64, **options})
-    assert (llm.engine.runner.decode_kernel is None) == ("attention_backend" in options)
+    assert (llm.engine.runner.native is None) == ("kernel_backend" in options)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts, params)
     got = [o.outputs[0].token_ids for o in outs]

@@ -24,15 +24,16 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own limit
     seed: int = 0
     revision: str | None = None
-    # decode attention: "auto" (the native CPU kernel when it builds), "torch", "native"
-    attention_backend: str = "auto"
+    # decode attention and add+RMSNorm: "auto" (native CPU kernels when they build),
+    # "torch", "native" (see sluice.engine.native)
+    kernel_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise InvalidRequestError(f"unsupported dtype {self.dtype!r}", param="dtype")
-        if self.attention_backend not in ("auto", "torch", "native"):
-            raise InvalidRequestError(f"unsupported attention_backend {self.attention_backend!r}"
-                                      " (auto, torch, native)", param="attention_backend")
+        if self.kernel_backend not in ("auto", "torch", "native"):
+            raise InvalidRequestError(f"unsupported kernel_backend {self.kernel_backend!r}"
+                                      " (auto, torch, native)", param="kernel_backend")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError("max_model_len must be at least 1", param="max_model_len")
 

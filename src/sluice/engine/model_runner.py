@@ -33,7 +33,7 @@ from sluice.engine.attention import (
 from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
 from sluice.engine.models.llama import LlamaConfig, TransformerBlock
 from sluice.engine.models.loader import load_model
-from sluice.engine.native import decode_kernel
+from sluice.engine.native import native_ops
 from sluice.engine.tokenizer import Tokenizer, default_served_name, load_tokenizer
 from sluice.protocol.errors import InvalidRequestError
 
@@ -106,7 +106,10 @@ class ModelRunner:
         self.kv_cache_bytes: int = self.num_kv_blocks * block_bytes
         self._allocate_kv_cache()
         self.model.init_rope(self.max_model_len)
-        self.decode_kernel = decode_kernel(mc.attention_backend, self.device, self.dtype)
+        self.native = native_ops(mc.kernel_backend, self.device, self.dtype)
+        self.decode_kernel = self.native.paged_decode_attention if self.native else None
+        if self.native is not None:
+            self.model.use_fused_add_norm(self.native.fused_add_rms_norm)
 
     def _max_model_len(self, mc: ModelConfig) -> int:
         limit = self.model_config.max_position_embeddings

@@ -1,13 +1,20 @@
-"""The engine's one C++ kernel, built on first use: decode attention over the paged pool.
+"""The engine's C++ kernels for CPU, built on first use.
 
-`csrc/paged_attention.cpp` is compiled with torch's own extension builder (g++ and
-ninja; cached under `~/.cache/torch_extensions`, so once per machine and source) and
-used for float32 decodes on CPU. Where it cannot be built, the engine keeps the plain
-PyTorch path (gather the blocks, then SDPA), which gives the same results:
+`csrc/cpu_kernels.cpp` holds two float32 kernels:
 
-    attention_backend = "auto"    the kernel when it builds, else torch (a warning)
-                        "torch"   always gather + SDPA
-                        "native"  the kernel, or an error saying why it did not build
+- `paged_decode_attention`: decode attention read straight from the paged pool. The
+  torch path gathers each sequence's blocks into a dense tensor every layer, then runs
+  SDPA: the context is read twice and written once; the kernel reads it once.
+- `fused_add_rms_norm`: the residual add and the RMSNorm after it in one pass, in
+  place (vLLM's op of that name); torch's add plus RMSNorm cost ~20 us a call at one row.
+
+It is compiled with torch's own extension builder (g++ and ninja; cached under
+`~/.cache/torch_extensions`, so once per machine and source). Where it cannot be built,
+the engine keeps the plain PyTorch ops, which compute the same thing:
+
+    kernel_backend = "auto"    the kernels when they build (CPU, float32), else torch
+                     "torch"   always the PyTorch ops
+                     "native"  the kernels, or an error saying why they did not build
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import logging
 import platform
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,9 +35,18 @@ from sluice.protocol.errors import InvalidRequestError
 log = logging.getLogger("sluice.engine")
 
 BACKENDS = ("auto", "torch", "native")
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 
+# q [B, H, D], k_pool, v_pool, block_tables [B, n], context_lens [B], scale -> [B, H, D]
 DecodeKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
+# x, residual [T, hidden], weight [hidden], eps: residual += x; x = norm(residual) * w
+AddNormKernel = Callable[[Tensor, Tensor, Tensor, float], None]
+
+
+@dataclass(frozen=True)
+class NativeOps:
+    paged_decode_attention: DecodeKernel
+    fused_add_rms_norm: AddNormKernel
 
 
 def _cpu_flags() -> list[str]:
@@ -46,42 +63,40 @@ def _cpu_flags() -> list[str]:
 
 
 @functools.cache
-def _build() -> DecodeKernel:
+def _build() -> NativeOps:
     from torch.utils.cpp_extension import load
 
     flags = _cpu_flags()
     # reassociation lets the compiler vectorize the dot products; no -ffast-math (exp, inf)
     cflags = ["-O3", "-fopenmp", "-fassociative-math", "-fno-signed-zeros",
               "-fno-trapping-math", *flags]
-    name = "sluice_paged_attention_" + "_".join(f.removeprefix("-m") for f in flags or ["base"])
+    name = "sluice_cpu_kernels_" + "_".join(f.removeprefix("-m") for f in flags or ["base"])
     t0 = time.perf_counter()
-    log.info("loading the CPU paged-attention kernel (built once per machine, ~30 s)")
+    log.info("loading the engine's CPU kernels (built once per machine, ~45 s)")
     module = load(name=name, sources=[str(SOURCE)], extra_cflags=cflags,
                   extra_ldflags=["-fopenmp"], verbose=False)
-    log.info("CPU paged-attention kernel ready in %.1fs", time.perf_counter() - t0)
-    kernel: DecodeKernel = module.paged_decode_attention
-    return kernel
+    log.info("CPU kernels ready in %.1fs", time.perf_counter() - t0)
+    return NativeOps(module.paged_decode_attention, module.fused_add_rms_norm)
 
 
-def decode_kernel(backend: str, device: torch.device, dtype: torch.dtype) -> DecodeKernel | None:
-    """The kernel to use for decodes, or None for the torch path."""
+def native_ops(backend: str, device: torch.device, dtype: torch.dtype) -> NativeOps | None:
+    """The kernels to use, or None for the PyTorch ops."""
     if backend not in BACKENDS:
-        raise InvalidRequestError(f"attention_backend must be one of {BACKENDS}",
-                                  param="attention_backend")
+        raise InvalidRequestError(f"kernel_backend must be one of {BACKENDS}",
+                                  param="kernel_backend")
     if backend == "torch":
         return None
-    usable = device.type == "cpu" and dtype == torch.float32
-    if not usable:
+    if device.type != "cpu" or dtype != torch.float32:
         if backend == "native":
-            raise InvalidRequestError("attention_backend 'native' needs device cpu and dtype "
-                                      "float32", param="attention_backend")
+            raise InvalidRequestError("kernel_backend 'native' needs device cpu and dtype "
+                                      "float32", param="kernel_backend")
         return None
     try:
         return _build()
     except Exception as exc:  # no compiler, no headers, ...: say why, keep serving
         if backend == "native":
-            raise InvalidRequestError(f"the native attention kernel did not build: {exc}",
-                                      param="attention_backend") from exc
-        log.warning("CPU paged-attention kernel unavailable (%s); using gather + SDPA",
+            raise InvalidRequestError(f"the native CPU kernels did not build: {exc}",
+                                      param="kernel_backend") from exc
+        log.warning("native CPU kernels unavailable (%s); using the PyTorch ops",
                     str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None

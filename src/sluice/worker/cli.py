@@ -24,8 +24,7 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "dtype": (str, "auto | float32 | bfloat16 | float16"),
     "device": (str, "auto | cpu | cuda"),
     "seed": (int, "engine seed"),
-    "attention_backend": (str, "decode attention: auto (native CPU kernel if it builds), "
-                               "torch (gather + SDPA), native"),
+    "kernel_backend": (str, "auto (the native CPU kernels if they build), torch, native"),
 }
 ENGINE_SWITCHES: dict[str, str] = {
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
@@ -36,7 +35,7 @@ ENGINE_SWITCHES: dict[str, str] = {
 CHOICES: dict[str, list[str]] = {
     "scheduling_policy": ["priority", "fcfs"],
     "dtype": ["auto", "float32", "bfloat16", "float16"],
-    "attention_backend": ["auto", "torch", "native"],
+    "kernel_backend": ["auto", "torch", "native"],
 }
 
 

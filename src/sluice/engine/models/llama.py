@@ -5,6 +5,10 @@ Read it like the paper: each block is
     h   = x + attention(attention_norm(x))        # RMSNorm -> fused QKV -> RoPE -> paged attn
     out = h + feed_forward(ffn_norm(h))           # RMSNorm -> fused gate|up -> SwiGLU -> down
 
+computed as vLLM does, with each residual add folded into the norm after it: a block
+takes and returns `(x, residual)`, and `norm.add(x, residual)` is `residual += x;
+x = norm(residual)` (one native kernel on CPU, see `sluice.engine.native`).
+
 Differences between the members are data, not branches: Qwen2 has a bias on Q/K/V
 (`qkv_bias`), Llama 3 scales RoPE frequencies (`rope_type`), some tie the output head
 to the embedding (`tie_word_embeddings`). Weights arrive under Hugging Face names
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sluice.engine.attention import AttentionMetadata, KVCache, paged_attention
+from sluice.engine.native import AddNormKernel
 from sluice.protocol.errors import InvalidRequestError
 
 
@@ -198,9 +203,22 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fused: AddNormKernel | None = None  # native add + norm, set by the runner
 
     def forward(self, x: Tensor) -> Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def add(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """`residual + x` and its norm: `(norm(residual + x), residual + x)`.
+
+        The native kernel works in place (x becomes the norm, residual the sum): both are
+        the step's own intermediate tensors, which nothing else holds.
+        """
+        if self.fused is not None and x.is_contiguous() and residual.is_contiguous():
+            self.fused(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return self(residual), residual
 
 
 class TransformerBlock(nn.Module):
@@ -211,9 +229,15 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, meta)
-        return h + self.feed_forward(self.ffn_norm(h))
+    def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor,
+                meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
+        """`(x, residual)` -> `(x, residual)`; their sum is the block's output."""
+        if residual is None:  # the first block: its input is the embedding
+            x, residual = self.attention_norm(x), x
+        else:
+            x, residual = self.attention_norm.add(x, residual)
+        x, residual = self.ffn_norm.add(self.attention(x, cos, sin, meta), residual)
+        return self.feed_forward(x), residual
 
 
 class Transformer(nn.Module):
@@ -239,10 +263,18 @@ class Transformer(nn.Module):
                 logits_index: Tensor) -> Tensor:
         assert self.rope_cos is not None and self.rope_sin is not None, "call init_rope first"
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
-        x = self.tok_embeddings(tokens)
+        x, residual = self.tok_embeddings(tokens), None
         for layer in self.layers:
-            x = layer(x, cos, sin, meta)
-        return self.output(self.norm(x[logits_index]))
+            x, residual = layer(x, residual, cos, sin, meta)
+        assert residual is not None, "a model has at least one layer"
+        x, _ = self.norm.add(x[logits_index], residual[logits_index])
+        return self.output(x)
+
+    def use_fused_add_norm(self, kernel: AddNormKernel) -> None:
+        """Route every residual add + RMSNorm through `kernel` (the runner's choice)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.fused = kernel
 
 
 def fuse_hf_weights(cfg: LlamaConfig, hf: Mapping[str, Tensor]) -> dict[str, Tensor]:

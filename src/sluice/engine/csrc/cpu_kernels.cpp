@@ -1,4 +1,4 @@
-// Decode attention read straight from the paged KV pool (CPU, float32).
+// The engine's CPU kernels (float32). Decode attention read straight from the paged KV pool:
 //
 // The torch path gathers each sequence's blocks into a dense tensor, then runs SDPA
 // over it: the context is read twice and written once per layer. Here each (sequence,
@@ -103,7 +103,41 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool,
   return out;
 }
 
+// residual += x; x = rms_norm(residual) * weight, row by row, in place (vLLM's
+// fused_add_rms_norm). One pass instead of torch's add and its several-op RMSNorm, which
+// cost 19 us a call for one row and 76 us for 32 on the dev machine.
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                        double eps) {
+  TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && weight.dim() == 1 &&
+                  weight.size(0) == x.size(1),
+              "fused_add_rms_norm: x, residual [T, hidden], weight [hidden]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && residual.scalar_type() == torch::kFloat &&
+                  weight.scalar_type() == torch::kFloat,
+              "fused_add_rms_norm: float32 only");
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
+              "fused_add_rms_norm: contiguous inputs only");
+  const int64_t T = x.size(0), H = x.size(1);
+  float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* xr = xp + t * H;
+      float* rr = rp + t * H;
+      float squares = 0.f;
+      for (int64_t i = 0; i < H; ++i) {
+        rr[i] += xr[i];
+        squares += rr[i] * rr[i];
+      }
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(H) + static_cast<float>(eps));
+      for (int64_t i = 0; i < H; ++i) xr[i] = rr[i] * inv * wp[i];
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over the paged KV pool (float32, CPU)");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm,
+        "residual += x; x = rms_norm(residual) * weight, in place (float32, CPU)");
 }

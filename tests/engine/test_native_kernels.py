@@ -1,0 +1,78 @@
+"""The native CPU kernels against the PyTorch ops they replace: decode attention (gather
+the blocks, then SDPA) on scattered block tables, ragged lengths and several head
+shapes; the fused residual add + RMSNorm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sluice.engine.attention import (
+    AttentionMetadata,
+    KVCache,
+    StepLayout,
+    build_group,
+    paged_attention,
+)
+from sluice.engine.models.llama import RMSNorm
+from sluice.engine.native import NativeOps, native_ops
+from sluice.protocol.errors import InvalidRequestError
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def ops() -> NativeOps:
+    built = native_ops("native", CPU, torch.float32)  # raises if they do not build
+    assert built is not None
+    return built
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 128), (4, 2, 24)])
+def test_decode_attention_equals_gather_and_sdpa(ops: NativeOps, heads: int, kv_heads: int,
+                                                 head_dim: int) -> None:
+    torch.manual_seed(heads * head_dim)
+    bs, num_blocks = 4, 40
+    cache = KVCache(torch.randn(num_blocks, bs, kv_heads, head_dim),
+                    torch.randn(num_blocks, bs, kv_heads, head_dim))
+    lens = [1, 5, 16, 9]  # tokens before this step's one
+    order = torch.randperm(num_blocks).tolist()  # scattered, unordered blocks
+    tables, used = [], 0
+    for n in lens:
+        need = (n + 1 + bs - 1) // bs
+        tables.append(order[used:used + need])
+        used += need
+    layout = StepLayout(bs, heads // kv_heads, CPU, torch.float32)
+    group = build_group(0, [1] * len(lens), lens, tables, layout)
+    slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, lens, strict=True)])
+    q = torch.randn(len(lens), heads, head_dim)
+    k, v = torch.randn(len(lens), kv_heads, head_dim), torch.randn(len(lens), kv_heads, head_dim)
+    expected = paged_attention(q, k, v, cache, AttentionMetadata(slots, [group]))
+    got = paged_attention(q, k, v, cache,
+                          AttentionMetadata(slots, [group], ops.paged_decode_attention))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got[0], got[1])  # rows really differ: each read its own blocks
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_fused_add_rms_norm_equals_torch(ops: NativeOps, rows: int) -> None:
+    torch.manual_seed(rows)
+    norm = RMSNorm(96, 1e-5)
+    norm.weight.data.uniform_(0.5, 1.5)
+    x, residual = torch.randn(rows, 96), torch.randn(rows, 96)
+    expected_x, expected_residual = norm.add(x.clone(), residual.clone())  # torch ops
+    norm.fused = ops.fused_add_rms_norm
+    got_x, got_residual = norm.add(x.clone(), residual.clone())
+    torch.testing.assert_close(got_residual, expected_residual, rtol=0, atol=0)  # same adds
+    torch.testing.assert_close(got_x, expected_x, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(expected_residual, x + residual)
+
+
+def test_backend_choice() -> None:
+    assert native_ops("torch", CPU, torch.float32) is None
+    assert native_ops("auto", CPU, torch.bfloat16) is None  # the kernels are float32 only
+    with pytest.raises(InvalidRequestError) as err:
+        native_ops("native", CPU, torch.bfloat16)
+    assert err.value.param == "kernel_backend"
+    with pytest.raises(InvalidRequestError):
+        native_ops("flash", CPU, torch.float32)
