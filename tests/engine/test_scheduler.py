@@ -173,3 +173,40 @@ def test_tiny_pool_workload_finishes_without_deadlock() -> None:
     assert all(s.num_output_tokens == 6 for s in seqs)
     assert sched.block_manager.num_free_blocks == 6
     assert sched.num_preemptions > 0
+
+
+def _with_prompt(seq_id: int, tokens: list[int], arrival: float) -> Sequence:
+    return Sequence(seq_id, f"r{seq_id}", 0, list(tokens), len(tokens), SamplingParams(), 2,
+                    0, arrival)
+
+
+def test_a_prefix_being_computed_is_waited_for_not_computed_twice() -> None:
+    sched = make_scheduler(budget=64)
+    shared = list(range(500, 512))  # three full blocks
+    sched.add(_with_prompt(1, shared + [1, 2], 1.0))
+    sched.add(_with_prompt(2, shared + [3, 4], 2.0))  # same prefix, arrives with it
+    sched.add(make_seq(3, 6, arrival=3.0))  # unrelated: may go ahead of the deferred one
+    assert shape(step(sched)) == [(1, 0, 14, True), (3, 0, 6, True)]
+    # next step: seq 2 hits the three cached blocks and computes only its own 2 tokens
+    assert shape(step(sched)) == [(1, 14, 1, True), (3, 6, 1, True), (2, 12, 2, True)]
+    assert sched.block_manager.prefix_hits == 12
+
+
+def test_a_partly_computed_prefix_is_waited_for_block_by_block() -> None:
+    sched = make_scheduler(budget=8)  # seq 1's 14-token prompt takes two steps
+    shared = list(range(500, 512))
+    sched.add(_with_prompt(1, shared + [1, 2], 1.0))
+    assert shape(step(sched)) == [(1, 0, 8, False)]
+    sched.add(_with_prompt(2, shared + [3, 4], 2.0))
+    # blocks 0-1 are cached, block 2 is still being computed by seq 1: wait for it
+    assert shape(step(sched)) == [(1, 8, 6, True)]
+    assert shape(step(sched)) == [(1, 14, 1, True), (2, 12, 2, True)]
+
+
+def test_without_prefix_caching_nothing_waits() -> None:
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64)
+    sched = Scheduler(config, BlockManager(64, BS, enable_prefix_caching=False))
+    shared = list(range(500, 512))
+    sched.add(_with_prompt(1, shared + [1, 2], 1.0))
+    sched.add(_with_prompt(2, shared + [3, 4], 2.0))
+    assert shape(step(sched)) == [(1, 0, 14, True), (2, 0, 14, True)]

@@ -15,6 +15,10 @@ No prefill or decode phase (vLLM v1): every unfinished sequence wants to catch i
    "priority" policy a waiting sequence may preempt running ones of strictly worse
    priority to get blocks or a slot. A preempted sequence keeps its arrival time, so it
    goes back ahead of later arrivals of its priority.
+   A waiting sequence whose next uncached block a running sequence is still computing
+   (same tokens up to and including that block) waits: next step it hits the cache
+   instead of computing the same prefix again (as SGLang does). Later arrivals may go
+   ahead of it meanwhile.
 
 "fcfs" ignores priority values (arrival order only).
 """
@@ -114,6 +118,14 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
+        deferred: list[Sequence] = []
+        try:
+            self._admit_waiting(plan, deferred)
+        finally:
+            for seq in deferred:
+                bisect.insort(self.waiting, seq, key=self._key)
+
+    def _admit_waiting(self, plan: _StepPlan, deferred: list[Sequence]) -> None:
         bm = self.block_manager
         while self.waiting and plan.budget > 0:
             seq = self.waiting[0]
@@ -122,6 +134,9 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs and not self._evict_for(seq, plan):
                 return
             hits = bm.lookup(seq)
+            if self._next_block_in_flight(seq, len(hits)):
+                deferred.append(self.waiting.pop(0))
+                continue
             remaining = seq.num_tokens - len(hits) * bm.block_size
             n = min(remaining, plan.budget)
             if n < remaining and not self.config.enable_chunked_prefill and plan.scheduled:
@@ -136,6 +151,18 @@ class Scheduler:
             self.running.append(seq)
             plan.scheduled[seq] = n
             plan.budget -= n
+
+    def _next_block_in_flight(self, seq: Sequence, num_hit_blocks: int) -> bool:
+        """Whether a running sequence is computing `seq`'s first uncached block: it has the
+        same tokens up to the end of that block and has not computed them all yet."""
+        if not self.block_manager.enable_prefix_caching:
+            return False
+        end = (num_hit_blocks + 1) * self.block_manager.block_size
+        if end >= seq.num_tokens:  # no full block left to share (the last token is computed)
+            return False
+        prefix = seq.token_ids[:end]
+        return any(other.num_computed_tokens < end <= other.num_tokens
+                   and other.token_ids[:end] == prefix for other in self.running)
 
     def _evict_for(self, seq: Sequence, plan: _StepPlan) -> bool:
         """Priority policy: preempt the worst running sequence if its priority is strictly
