@@ -27,3 +27,15 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
     return default_gguf_path()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def native_kernels_built() -> None:
+    """Build the engine's CPU kernels once, first (about 45 s on a machine that has never
+    built them), so engines started in subprocesses (e2e, real workers) find them cached
+    instead of compiling inside their startup timeouts."""
+    import torch
+
+    from sluice.engine.native import native_ops
+
+    native_ops("auto", torch.device("cpu"), torch.float32)

@@ -33,7 +33,7 @@ from sluice.engine.attention import (
 from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
 from sluice.engine.models.llama import LlamaConfig, TransformerBlock
 from sluice.engine.models.loader import load_model
-from sluice.engine.native import native_ops
+from sluice.engine.native import cpu_linear, native_ops
 from sluice.engine.tokenizer import Tokenizer, default_served_name, load_tokenizer
 from sluice.protocol.errors import InvalidRequestError
 
@@ -110,6 +110,9 @@ class ModelRunner:
         self.decode_kernel = self.native.paged_decode_attention if self.native else None
         if self.native is not None:
             self.model.use_fused_add_norm(self.native.fused_add_rms_norm)
+        self.linear = cpu_linear(mc.kernel_backend, self.device, self.dtype)
+        if self.linear is not None:
+            self.model.use_linear(self.linear)
 
     def _max_model_len(self, mc: ModelConfig) -> int:
         limit = self.model_config.max_position_embeddings

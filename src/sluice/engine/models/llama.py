@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sluice.engine.attention import AttentionMetadata, KVCache, paged_attention
-from sluice.engine.native import AddNormKernel
+from sluice.engine.native import AddNormKernel, LinearKernel
 from sluice.protocol.errors import InvalidRequestError
 
 
@@ -149,23 +149,17 @@ def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
 
 
 class Linear(nn.Module):
-    """`y = x @ weight + bias` with `weight` stored `[in, out]`: nn.Linear's transpose.
-
-    With few rows (decode), torch's CPU GEMM streams an input-major matrix faster than
-    nn.Linear's `[out, in]` one: a whole SmolLM2 token's matmuls take 24 ms instead of
-    33 ms on the 2-core dev machine (22 vs 16 GB/s of weights; the 49152-word output
-    head alone 4.1 vs 7.0 ms); with many rows they tie.
-    """
+    """`y = x @ weight.T + bias`, nn.Linear's layout; `matmul` is the implementation the
+    runner picked (oneDNN's on CPU, see `sluice.engine.native.cpu_linear`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(in_features, out_features))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.matmul: LinearKernel = F.linear
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.bias is None:
-            return x @ self.weight
-        return torch.addmm(self.bias, x, self.weight)
+        return self.matmul(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):
@@ -276,26 +270,30 @@ class Transformer(nn.Module):
             if isinstance(module, RMSNorm):
                 module.fused = kernel
 
+    def use_linear(self, kernel: LinearKernel) -> None:
+        """Run every matmul through `kernel` (the runner's choice)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.matmul = kernel
+
 
 def fuse_hf_weights(cfg: LlamaConfig, hf: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Hugging Face parameter names -> this model's: Q|K|V and gate|up concatenated, and
-    every matrix transposed to `Linear`'s `[in, out]`. A tied embedding appears only as
-    the output head; `build_model` shares it back (see there)."""
-    head = hf["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-    out = {"norm.weight": hf["model.norm.weight"], "output.weight": head.t()}
-    if not cfg.tie_word_embeddings:
-        out["tok_embeddings.weight"] = hf["model.embed_tokens.weight"]
+    """Hugging Face parameter names -> this model's (Q|K|V and gate|up concatenated)."""
+    out = {"tok_embeddings.weight": hf["model.embed_tokens.weight"],
+           "norm.weight": hf["model.norm.weight"],
+           "output.weight": hf["model.embed_tokens.weight"] if cfg.tie_word_embeddings
+           else hf["lm_head.weight"]}
     for i in range(cfg.num_layers):
         p, a = f"model.layers.{i}.", f"layers.{i}."
         attn = p + "self_attn."
         out[a + "attention.wqkv.weight"] = torch.cat(
-            [hf[attn + f"{n}_proj.weight"] for n in "qkv"]).t()
+            [hf[attn + f"{n}_proj.weight"] for n in "qkv"])
         if cfg.qkv_bias:
             out[a + "attention.wqkv.bias"] = torch.cat([hf[attn + f"{n}_proj.bias"] for n in "qkv"])
-        out[a + "attention.wo.weight"] = hf[attn + "o_proj.weight"].t()
+        out[a + "attention.wo.weight"] = hf[attn + "o_proj.weight"]
         out[a + "feed_forward.w13.weight"] = torch.cat(
-            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]).t()
-        out[a + "feed_forward.w2.weight"] = hf[p + "mlp.down_proj.weight"].t()
+            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+        out[a + "feed_forward.w2.weight"] = hf[p + "mlp.down_proj.weight"]
         out[a + "attention_norm.weight"] = hf[p + "input_layernorm.weight"]
         out[a + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
     return out
@@ -327,8 +325,6 @@ def build_model(cfg: LlamaConfig, hf_weights: Mapping[str, Tensor], device: torc
     state = {k: v.to(device=device, dtype=dtype).contiguous()
              for k, v in fuse_hf_weights(cfg, hf_weights).items()}
     if cfg.tie_word_embeddings:
-        # one copy, laid out for the head (read whole every step); the embedding looks
-        # rows up through the transposed view: strided, but only the step's tokens
-        state["tok_embeddings.weight"] = state["output.weight"].t()
+        state["output.weight"] = state["tok_embeddings.weight"]
     model.load_state_dict(state, assign=True, strict=True)
     return model.eval().requires_grad_(False)
