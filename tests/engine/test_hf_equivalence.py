@@ -67,7 +67,9 @@ def test_greedy_equals_transformers(tiny: tuple[Path, list[list[int]], list[list
                                     options: dict[str, Any]) -> None:
     model_dir, prompts, expected = tiny
     llm = LLM(str(model_dir), **{"num_kv_blocks": 64, **options})
-    assert (llm.engine.runner.native is None) == ("kernel_backend" in options)
+    torch_ops = "kernel_backend" in options
+    assert (llm.engine.runner.native is None) == torch_ops
+    assert (llm.engine.runner.linear is None) == torch_ops
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts, params)
     got = [o.outputs[0].token_ids for o in outs]

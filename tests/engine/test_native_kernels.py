@@ -1,6 +1,6 @@
 """The native CPU kernels against the PyTorch ops they replace: decode attention (gather
 the blocks, then SDPA) on scattered block tables, ragged lengths and several head
-shapes; the fused residual add + RMSNorm."""
+shapes; the fused residual add + RMSNorm; oneDNN's linear against F.linear."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from sluice.engine.attention import (
     paged_attention,
 )
 from sluice.engine.models.llama import RMSNorm
-from sluice.engine.native import NativeOps, native_ops
+from sluice.engine.native import NativeOps, cpu_linear, native_ops
 from sluice.protocol.errors import InvalidRequestError
 
 CPU = torch.device("cpu")
@@ -76,3 +76,21 @@ def test_backend_choice() -> None:
     assert err.value.param == "kernel_backend"
     with pytest.raises(InvalidRequestError):
         native_ops("flash", CPU, torch.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 32, 300])
+def test_onednn_linear_equals_f_linear_in_float32(rows: int) -> None:
+    linear = cpu_linear("auto", CPU, torch.float32)
+    assert linear is not None  # torch's CPU wheels ship oneDNN
+    torch.manual_seed(rows)
+    x, w, b = torch.randn(rows, 576), torch.randn(1536, 576), torch.randn(1536)
+    exact = (x.double() @ w.double().T + b.double()).float()
+    # float32 accuracy: within a few float32 rounding steps of the float64 result
+    torch.testing.assert_close(linear(x, w, b), exact, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(linear(x, w, None), torch.nn.functional.linear(x, w),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_linear_backend_choice() -> None:
+    assert cpu_linear("torch", CPU, torch.float32) is None
+    assert cpu_linear("auto", torch.device("cuda"), torch.bfloat16) is None  # cuBLAS there

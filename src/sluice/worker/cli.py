@@ -24,7 +24,8 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "dtype": (str, "auto | float32 | bfloat16 | float16"),
     "device": (str, "auto | cpu | cuda"),
     "seed": (int, "engine seed"),
-    "kernel_backend": (str, "auto (the native CPU kernels if they build), torch, native"),
+    "kernel_backend": (str, "CPU kernels: auto (oneDNN linears, native attention and norm "
+                            "when they build), torch, native"),
 }
 ENGINE_SWITCHES: dict[str, str] = {
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
