@@ -178,15 +178,20 @@ class FlopModel:
     def _matmul_s(self, m: int, k: int, n: int) -> float:
         import torch
 
+        from sluice.engine.native import onednn_linear
+
         key = (m, k, n)
         if key not in self._cache:
             x, w = torch.randn(m, k, dtype=self.dtype), torch.randn(n, k, dtype=self.dtype)
             w_in_out = w.t().contiguous()
             reps = max(2, min(20, int(1e9 / max(1, 2 * m * k * n))))
             best = float("inf")
-            # best of three, of both weight layouts (nn.Linear's [out, in] and [in, out]):
-            # the machine is shared, take the least noisy run of torch's faster form
-            for matmul in (lambda: torch.nn.functional.linear(x, w), lambda: x @ w_in_out):
+            # best of three, of every way torch multiplies (MKL with either weight layout,
+            # oneDNN): the machine is shared, take the least noisy run of the fastest form
+            forms = [lambda: torch.nn.functional.linear(x, w), lambda: x @ w_in_out]
+            if torch.backends.mkldnn.is_available():
+                forms.append(lambda: onednn_linear(x, w, None))
+            for matmul in forms:
                 matmul()
                 for _ in range(3):
                     t0 = time.perf_counter()
