@@ -94,3 +94,19 @@ def test_onednn_linear_equals_f_linear_in_float32(rows: int) -> None:
 def test_linear_backend_choice() -> None:
     assert cpu_linear("torch", CPU, torch.float32) is None
     assert cpu_linear("auto", torch.device("cuda"), torch.bfloat16) is None  # cuBLAS there
+
+
+def test_a_failed_build_falls_back_in_auto_and_is_an_error_in_native(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import sluice.engine.native as native
+
+    def no_compiler() -> NativeOps:
+        raise RuntimeError("error: g++: command not found")
+
+    monkeypatch.setattr(native, "_build", no_compiler)
+    with caplog.at_level("WARNING", logger="sluice.engine"):
+        assert native_ops("auto", CPU, torch.float32) is None
+    assert "g++: command not found" in caplog.text
+    with pytest.raises(InvalidRequestError) as err:
+        native_ops("native", CPU, torch.float32)
+    assert err.value.param == "kernel_backend" and "did not build" in str(err.value)
