@@ -26,6 +26,9 @@ def test_offline_random_against_transformers(tiny_llama_dir: Path, dtype: str,
         assert r["output_tokens"] == 4 * 5 and r["wall_s"] > 0
     ours = doc["results"][0]
     assert ours["model_gflops"] > 0 and ours["matmul_gflops"] > 0
+    assert ours["streamed_matmul_gflops"] > 0
+    assert doc["flop_ratio_vs_streamed_matmul"] == pytest.approx(
+        ours["model_gflops"] / ours["streamed_matmul_gflops"], abs=0.001)
     assert doc["speedup_vs_transformers_batch2"] == pytest.approx(
         ours["tok_s"] / doc["results"][1]["tok_s"], rel=0.01)
     assert any(line.startswith("sluice") and "batch=2" in line for line in lines)
