@@ -1,6 +1,6 @@
 """The native CPU kernels against the PyTorch ops they replace: decode attention (gather
 the blocks, then SDPA) on scattered block tables, ragged lengths and several head
-shapes; the fused residual add + RMSNorm; oneDNN's linear against F.linear."""
+shapes; the fused residual add + RMSNorm; SiLU-and-mul; oneDNN's linear against F.linear."""
 
 from __future__ import annotations
 
@@ -110,3 +110,12 @@ def test_a_failed_build_falls_back_in_auto_and_is_an_error_in_native(
     with pytest.raises(InvalidRequestError) as err:
         native_ops("native", CPU, torch.float32)
     assert err.value.param == "kernel_backend" and "did not build" in str(err.value)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_silu_and_mul_equals_torch(ops: NativeOps, rows: int) -> None:
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 2 * 80) * 4
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up,
+                               rtol=1e-5, atol=1e-6)

@@ -109,7 +109,8 @@ class ModelRunner:
         self.native = native_ops(mc.kernel_backend, self.device, self.dtype)
         self.decode_kernel = self.native.paged_decode_attention if self.native else None
         if self.native is not None:
-            self.model.use_fused_add_norm(self.native.fused_add_rms_norm)
+            self.model.use_fused_kernels(self.native.fused_add_rms_norm,
+                                         self.native.silu_and_mul)
         self.linear = cpu_linear(mc.kernel_backend, self.device, self.dtype)
         if self.linear is not None:
             self.model.use_linear(self.linear)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sluice.engine.attention import AttentionMetadata, KVCache, paged_attention
-from sluice.engine.native import AddNormKernel, LinearKernel
+from sluice.engine.native import ActivationKernel, AddNormKernel, LinearKernel
 from sluice.protocol.errors import InvalidRequestError
 
 
@@ -186,9 +186,13 @@ class FeedForward(nn.Module):
         super().__init__()
         self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.fused: ActivationKernel | None = None  # native silu(gate) * up, set by the runner
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
+        gate_up = self.w13(x)
+        if self.fused is not None and gate_up.is_contiguous():
+            return self.w2(self.fused(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 
@@ -264,11 +268,14 @@ class Transformer(nn.Module):
         x, _ = self.norm.add(x[logits_index], residual[logits_index])
         return self.output(x)
 
-    def use_fused_add_norm(self, kernel: AddNormKernel) -> None:
-        """Route every residual add + RMSNorm through `kernel` (the runner's choice)."""
+    def use_fused_kernels(self, add_norm: AddNormKernel, activation: ActivationKernel) -> None:
+        """Route every residual add + RMSNorm and every SwiGLU activation through the
+        native kernels (the runner's choice)."""
         for module in self.modules():
             if isinstance(module, RMSNorm):
-                module.fused = kernel
+                module.fused = add_norm
+            elif isinstance(module, FeedForward):
+                module.fused = activation
 
     def use_linear(self, kernel: LinearKernel) -> None:
         """Run every matmul through `kernel` (the runner's choice)."""
