@@ -1,4 +1,4 @@
-"""The engine's C++ kernels for CPU, built on first use.
+"""The engine's CPU kernels: three in C++, built on first use, and oneDNN's linear.
 
 `csrc/cpu_kernels.cpp` holds three float32 kernels:
 
@@ -14,8 +14,11 @@ It is compiled with torch's own extension builder (g++ and ninja; cached under
 the engine keeps the plain PyTorch ops, which compute the same thing:
 
     kernel_backend = "auto"    the kernels when they build (CPU, float32), else torch
-                     "torch"   always the PyTorch ops
+                     "torch"   always the PyTorch ops (and F.linear)
                      "native"  the kernels, or an error saying why they did not build
+
+`cpu_linear` (below) is separate: it needs no build, only torch's own oneDNN, and
+`kernel_backend="torch"` turns it off too.
 """
 
 from __future__ import annotations
