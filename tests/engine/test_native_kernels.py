@@ -70,9 +70,9 @@ def test_fused_add_rms_norm_equals_torch(ops: NativeOps, rows: int) -> None:
 
 def test_backend_choice() -> None:
     assert native_ops("torch", CPU, torch.float32) is None
-    assert native_ops("auto", CPU, torch.bfloat16) is None  # the kernels are float32 only
+    assert native_ops("auto", CPU, torch.float16) is None  # float32 and bfloat16 only
     with pytest.raises(InvalidRequestError) as err:
-        native_ops("native", CPU, torch.bfloat16)
+        native_ops("native", CPU, torch.float16)
     assert err.value.param == "kernel_backend"
     with pytest.raises(InvalidRequestError):
         native_ops("flash", CPU, torch.float32)
@@ -119,3 +119,35 @@ def test_silu_and_mul_equals_torch(ops: NativeOps, rows: int) -> None:
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up,
                                rtol=1e-5, atol=1e-6)
+
+
+def test_bfloat16_kernels_equal_torch_within_bfloat16_rounding(ops: NativeOps) -> None:
+    torch.manual_seed(5)
+    bf16 = torch.bfloat16
+    bs, heads, kv_heads, d = 4, 9, 3, 64
+    cache = KVCache(torch.randn(12, bs, kv_heads, d, dtype=bf16),
+                    torch.randn(12, bs, kv_heads, d, dtype=bf16))
+    lens, tables = [3, 9], [[5, 2], [7, 0, 11]]
+    layout = StepLayout(bs, heads // kv_heads, CPU, bf16)
+    group = build_group(0, [1, 1], lens, tables, layout)
+    slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, lens, strict=True)])
+    q = torch.randn(2, heads, d, dtype=bf16)
+    k, v = torch.randn(2, kv_heads, d, dtype=bf16), torch.randn(2, kv_heads, d, dtype=bf16)
+    expected = paged_attention(q, k, v, cache, AttentionMetadata(slots, [group]))
+    got = paged_attention(q, k, v, cache,
+                          AttentionMetadata(slots, [group], ops.paged_decode_attention))
+    assert got.dtype == bf16
+    torch.testing.assert_close(got.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+    x = torch.randn(4, 2 * 80, dtype=bf16)
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_and_mul(x).float(),
+                               (torch.nn.functional.silu(gate) * up).float(),
+                               rtol=2e-2, atol=2e-2)
+    norm = RMSNorm(96, 1e-5).to(bf16)
+    h, residual = torch.randn(3, 96, dtype=bf16), torch.randn(3, 96, dtype=bf16)
+    expected_h, expected_residual = norm.add(h.clone(), residual.clone())
+    norm.fused = ops.fused_add_rms_norm
+    got_h, got_residual = norm.add(h.clone(), residual.clone())
+    torch.testing.assert_close(got_residual, expected_residual, rtol=0, atol=0)
+    torch.testing.assert_close(got_h.float(), expected_h.float(), rtol=2e-2, atol=2e-2)

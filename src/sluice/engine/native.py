@@ -1,6 +1,6 @@
 """The engine's CPU kernels: three in C++, built on first use, and oneDNN's linear.
 
-`csrc/cpu_kernels.cpp` holds three float32 kernels:
+`csrc/cpu_kernels.cpp` holds three kernels (float32 or bfloat16 storage, float math):
 
 - `paged_decode_attention`: decode attention read straight from the paged pool. The
   torch path gathers each sequence's blocks into a dense tensor every layer, then runs
@@ -13,7 +13,7 @@ It is compiled with torch's own extension builder (g++ and ninja; cached under
 `~/.cache/torch_extensions`, so once per machine and source). Where it cannot be built,
 the engine keeps the plain PyTorch ops, which compute the same thing:
 
-    kernel_backend = "auto"    the kernels when they build (CPU, float32), else torch
+    kernel_backend = "auto"    the kernels when they build (CPU; float32, bfloat16), else torch
                      "torch"   always the PyTorch ops (and F.linear)
                      "native"  the kernels, or an error saying why they did not build
 
@@ -97,10 +97,10 @@ def native_ops(backend: str, device: torch.device, dtype: torch.dtype) -> Native
                                   param="kernel_backend")
     if backend == "torch":
         return None
-    if device.type != "cpu" or dtype != torch.float32:
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         if backend == "native":
             raise InvalidRequestError("kernel_backend 'native' needs device cpu and dtype "
-                                      "float32", param="kernel_backend")
+                                      "float32 or bfloat16", param="kernel_backend")
         return None
     try:
         return _build()

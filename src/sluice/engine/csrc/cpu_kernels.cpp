@@ -1,5 +1,6 @@
-// The engine's CPU kernels (float32). Decode attention read straight from the paged KV pool:
+// The engine's CPU kernels, for float32 and bfloat16 (computing in float).
 //
+// Decode attention read straight from the paged KV pool.
 // The torch path gathers each sequence's blocks into a dense tensor, then runs SDPA
 // over it: the context is read twice and written once per layer. Here each (sequence,
 // KV head) pair walks its block table and reads every K and V row once:
@@ -17,22 +18,26 @@
 #include <cmath>
 #include <vector>
 
-// One (sequence, KV head): G query heads against `len` context rows. HEAD_DIM > 0 fixes
-// the head size at compile time (unrolled, vectorized dot products); 0 reads `dim`.
-template <int HEAD_DIM>
-static void attend_one(const float* q, const float* k_pool, const float* v_pool,
-                       const int64_t* row_table, int64_t len, int64_t bs, int64_t kv_heads,
-                       int64_t h, int64_t G, int64_t dim, float scale, float* out,
-                       std::vector<float>& scores) {
+// One (sequence, KV head): G query heads against `len` context rows, accumulated in
+// float whatever the storage type T (float or bfloat16). HEAD_DIM > 0 fixes the head size
+// at compile time (unrolled, vectorized dot products); 0 reads `dim`.
+template <int HEAD_DIM, typename T>
+static void attend_one(const T* q, const T* k_pool, const T* v_pool, const int64_t* row_table,
+                       int64_t len, int64_t bs, int64_t kv_heads, int64_t h, int64_t G,
+                       int64_t dim, float scale, T* out, std::vector<float>& scores,
+                       std::vector<float>& acc) {
   const int64_t D = HEAD_DIM > 0 ? HEAD_DIM : dim;
   scores.resize(G * len);
+  acc.assign(G * D, 0.f);
+  float* qf = acc.data();  // the queries in float first; acc is zeroed again below
+  for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]);
   for (int64_t t = 0; t < len; ++t) {
     const int64_t slot = row_table[t / bs] * bs + t % bs;
-    const float* k = k_pool + (slot * kv_heads + h) * D;
+    const T* k = k_pool + (slot * kv_heads + h) * D;
     for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
+      const float* qg = qf + g * D;
       float s = 0.f;
-      for (int64_t d = 0; d < D; ++d) s += qg[d] * k[d];
+      for (int64_t d = 0; d < D; ++d) s += qg[d] * static_cast<float>(k[d]);
       scores[g * len + t] = s * scale;
     }
   }
@@ -47,16 +52,54 @@ static void attend_one(const float* q, const float* k_pool, const float* v_pool,
     const float inv = 1.f / sum;
     for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
   }
-  std::fill(out, out + G * D, 0.f);
+  std::fill(acc.begin(), acc.end(), 0.f);
   for (int64_t t = 0; t < len; ++t) {
     const int64_t slot = row_table[t / bs] * bs + t % bs;
-    const float* v = v_pool + (slot * kv_heads + h) * D;
+    const T* v = v_pool + (slot * kv_heads + h) * D;
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * len + t];
-      float* og = out + g * D;
-      for (int64_t d = 0; d < D; ++d) og[d] += p * v[d];
+      float* og = acc.data() + g * D;
+      for (int64_t d = 0; d < D; ++d) og[d] += p * static_cast<float>(v[d]);
     }
   }
+  for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(acc[i]);
+}
+
+template <typename T>
+static void decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
+                             const torch::Tensor& v_pool, const torch::Tensor& block_tables,
+                             const torch::Tensor& context_lens, float scale,
+                             torch::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = k_pool.size(1), KVH = k_pool.size(2), G = H / KVH;
+  const int64_t n_blocks = block_tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_pool.data_ptr<T>();
+  const T* vp = v_pool.data_ptr<T>();
+  const int64_t* table = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc;
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t b = unit / KVH, h = unit % KVH;
+      const T* qb = qp + (b * H + h * G) * D;
+      T* ob = op + (b * H + h * G) * D;
+      const int64_t* row_table = table + b * n_blocks;
+      if (D == 64) {
+        attend_one<64>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, D, scale, ob, scores, acc);
+      } else if (D == 128) {
+        attend_one<128>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, D, scale, ob, scores,
+                        acc);
+      } else {
+        attend_one<0>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, D, scale, ob, scores, acc);
+      }
+    }
+  });
+}
+
+static bool supported(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16;
 }
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool,
@@ -64,103 +107,107 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool,
                                      torch::Tensor context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(),
               "paged_decode_attention: q [B, H, D], pools [blocks, block_size, KVH, D]");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_pool.scalar_type() == torch::kFloat &&
-                  v_pool.scalar_type() == torch::kFloat,
-              "paged_decode_attention: float32 only");
+  TORCH_CHECK(supported(q) && k_pool.scalar_type() == q.scalar_type() &&
+                  v_pool.scalar_type() == q.scalar_type(),
+              "paged_decode_attention: float32 or bfloat16, one dtype");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
                   block_tables.is_contiguous() && context_lens.is_contiguous(),
               "paged_decode_attention: contiguous inputs only");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t bs = k_pool.size(1), KVH = k_pool.size(2), G = H / KVH;
-  const int64_t n_blocks = block_tables.size(1);
-  TORCH_CHECK(k_pool.size(3) == D && H % KVH == 0, "paged_decode_attention: head shapes");
-
+  TORCH_CHECK(k_pool.size(3) == q.size(2) && q.size(1) % k_pool.size(2) == 0,
+              "paged_decode_attention: head shapes");
   auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_pool.data_ptr<float>();
-  const float* vp = v_pool.data_ptr<float>();
-  const int64_t* table = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t b = unit / KVH, h = unit % KVH;
-      const float* qb = qp + (b * H + h * G) * D;
-      float* ob = op + (b * H + h * G) * D;
-      const int64_t* row_table = table + b * n_blocks;
-      if (D == 64) {
-        attend_one<64>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, D, fscale, ob, scores);
-      } else if (D == 128) {
-        attend_one<128>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, D, fscale, ob, scores);
-      } else {
-        attend_one<0>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, D, fscale, ob, scores);
-      }
-    }
-  });
+  if (q.scalar_type() == torch::kFloat) {
+    decode_attention<float>(q, k_pool, v_pool, block_tables, context_lens, fscale, out);
+  } else {
+    decode_attention<c10::BFloat16>(q, k_pool, v_pool, block_tables, context_lens, fscale, out);
+  }
   return out;
 }
 
 // residual += x; x = rms_norm(residual) * weight, row by row, in place (vLLM's
 // fused_add_rms_norm). One pass instead of torch's add and its several-op RMSNorm, which
-// cost 19 us a call for one row and 76 us for 32 on the dev machine.
+// cost 19 us a call for one row and 76 us for 32 on the dev machine. In bfloat16 the sum
+// is rounded before it is normed, as torch's two ops do.
+template <typename T>
+static void add_rms_norm(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
+                         float eps) {
+  const int64_t T_ = x.size(0), H = x.size(1);
+  T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* xr = xp + t * H;
+      T* rr = rp + t * H;
+      float squares = 0.f;
+      for (int64_t i = 0; i < H; ++i) {
+        rr[i] = static_cast<T>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
+        const float r = static_cast<float>(rr[i]);
+        squares += r * r;
+      }
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(H) + eps);
+      for (int64_t i = 0; i < H; ++i) {
+        xr[i] = static_cast<T>(static_cast<float>(rr[i]) * inv * static_cast<float>(wp[i]));
+      }
+    }
+  });
+}
+
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
                         double eps) {
   TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes() && weight.dim() == 1 &&
                   weight.size(0) == x.size(1),
               "fused_add_rms_norm: x, residual [T, hidden], weight [hidden]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && residual.scalar_type() == torch::kFloat &&
-                  weight.scalar_type() == torch::kFloat,
-              "fused_add_rms_norm: float32 only");
+  TORCH_CHECK(supported(x) && residual.scalar_type() == x.scalar_type() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "fused_add_rms_norm: float32 or bfloat16, one dtype");
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
               "fused_add_rms_norm: contiguous inputs only");
-  const int64_t T = x.size(0), H = x.size(1);
-  float* xp = x.data_ptr<float>();
-  float* rp = residual.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      float* xr = xp + t * H;
-      float* rr = rp + t * H;
-      float squares = 0.f;
-      for (int64_t i = 0; i < H; ++i) {
-        rr[i] += xr[i];
-        squares += rr[i] * rr[i];
-      }
-      const float inv = 1.f / std::sqrt(squares / static_cast<float>(H) + static_cast<float>(eps));
-      for (int64_t i = 0; i < H; ++i) xr[i] = rr[i] * inv * wp[i];
-    }
-  });
+  if (x.scalar_type() == torch::kFloat) {
+    add_rms_norm<float>(x, residual, weight, static_cast<float>(eps));
+  } else {
+    add_rms_norm<c10::BFloat16>(x, residual, weight, static_cast<float>(eps));
+  }
 }
 
 // SwiGLU's activation: x [T, 2I] = gate | up -> silu(gate) * up [T, I] (vLLM's
 // silu_and_mul): one pass instead of torch's silu, then the multiply, each over the
 // whole [T, I] (9% of a 2,048-token prefill step on the dev machine).
-torch::Tensor silu_and_mul(torch::Tensor x) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.scalar_type() == torch::kFloat &&
-                  x.is_contiguous(),
-              "silu_and_mul: contiguous float32 [T, 2I]");
-  const int64_t T = x.size(0), I = x.size(1) / 2;
-  auto out = torch::empty({T, I}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+template <typename T>
+static void silu_mul(const torch::Tensor& x, torch::Tensor& out) {
+  const int64_t rows = x.size(0), I = x.size(1) / 2;
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* gate = xp + t * 2 * I;
-      const float* up = gate + I;
-      float* o = op + t * I;
-      for (int64_t i = 0; i < I; ++i) o[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+      const T* gate = xp + t * 2 * I;
+      const T* up = gate + I;
+      T* o = op + t * I;
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        o[i] = static_cast<T>(g / (1.f + std::exp(-g)) * static_cast<float>(up[i]));
+      }
     }
   });
+}
+
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && supported(x) && x.is_contiguous(),
+              "silu_and_mul: contiguous float32 or bfloat16 [T, 2I]");
+  auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
+  if (x.scalar_type() == torch::kFloat) {
+    silu_mul<float>(x, out);
+  } else {
+    silu_mul<c10::BFloat16>(x, out);
+  }
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over the paged KV pool (float32, CPU)");
+        "decode attention over the paged KV pool (float32 or bfloat16, CPU)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
-        "residual += x; x = rms_norm(residual) * weight, in place (float32, CPU)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] (float32, CPU)");
+        "residual += x; x = rms_norm(residual) * weight, in place (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] (CPU)");
 }
