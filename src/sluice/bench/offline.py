@@ -19,6 +19,7 @@ stdout gets a table and, last, one JSON document.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import sys
@@ -189,10 +190,21 @@ class FlopModel:
     def attention_flops(self, ctx: int) -> float:
         return 4.0 * self.cfg.num_layers * self.cfg.q_size * ctx
 
-    def _matmul_s(self, m: int, k: int, n: int) -> float:
+    @functools.cached_property
+    def _linear_forms(self) -> list[Any]:
+        """F.linear, and oneDNN's linear where the engine would use it."""
         import torch
 
-        from sluice.engine.native import onednn_linear
+        from sluice.engine.native import cpu_linear
+
+        onednn = cpu_linear("auto", torch.device("cpu"), self.dtype)
+        forms: list[Any] = [torch.nn.functional.linear]
+        if onednn is not None:
+            forms.append(lambda x, w: onednn(x, w, None))
+        return forms
+
+    def _matmul_s(self, m: int, k: int, n: int) -> float:
+        import torch
 
         key = (m, k, n)
         if key not in self._cache:
@@ -202,9 +214,8 @@ class FlopModel:
             best = float("inf")
             # best of three, of every way torch multiplies (MKL with either weight layout,
             # oneDNN): the machine is shared, take the least noisy run of the fastest form
-            forms = [lambda: torch.nn.functional.linear(x, w), lambda: x @ w_in_out]
-            if torch.backends.mkldnn.is_available():
-                forms.append(lambda: onednn_linear(x, w, None))
+            forms: list[Any] = [functools.partial(f, x, w) for f in self._linear_forms]
+            forms.append(lambda: x @ w_in_out)
             for matmul in forms:
                 matmul()
                 for _ in range(3):
@@ -227,8 +238,6 @@ class FlopModel:
             return self.reference_s(tokens, rows)
         import torch
 
-        from sluice.engine.native import onednn_linear
-
         key = (tokens, rows)
         if key not in self._streamed:
             if not self._layer_weights:  # the model's size in distinct matrices, once
@@ -239,11 +248,8 @@ class FlopModel:
                                                 dtype=self.dtype)
             xs = {i: torch.randn(tokens, i, dtype=self.dtype) for i, _ in self.layer_shapes}
             head_x = torch.randn(rows, self.head_shape[0], dtype=self.dtype)
-            forms: list[Any] = [torch.nn.functional.linear]
-            if torch.backends.mkldnn.is_available():
-                forms.append(lambda x, w: onednn_linear(x, w, None))
             best = float("inf")
-            for linear in forms:
+            for linear in self._linear_forms:
                 for _ in range(3):
                     t0 = time.perf_counter()
                     for weights in self._layer_weights:

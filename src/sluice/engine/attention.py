@@ -22,8 +22,8 @@ dtype, so no layer converts a boolean one) for causality and padding.
 `AttentionMetadata` (slots, block tables, masks) is built once per step and reused by
 every layer, so nothing inside a layer loops over sequences in Python.
 
-On CPU in float32, decodes skip the gather: `sluice.engine.native`'s C++ kernel reads
-K and V rows straight from the pool through the block tables (same results; the
+On CPU (float32, bfloat16), decodes skip the gather: `sluice.engine.native`'s kernel
+reads K and V rows straight from the pool through the block tables (same results; the
 gather copied every sequence's context once per layer).
 """
 

@@ -13,6 +13,8 @@ from typing import Any
 
 from sluice.protocol.errors import InvalidRequestError
 
+KERNEL_BACKENDS = ("auto", "torch", "native")  # see sluice.engine.native
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -24,16 +26,16 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own limit
     seed: int = 0
     revision: str | None = None
-    # decode attention and add+RMSNorm: "auto" (native CPU kernels when they build),
-    # "torch", "native" (see sluice.engine.native)
+    # CPU kernels (oneDNN linears, native attention, add+RMSNorm, SwiGLU): "auto" (when
+    # they build), "torch", "native" (see sluice.engine.native)
     kernel_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise InvalidRequestError(f"unsupported dtype {self.dtype!r}", param="dtype")
-        if self.kernel_backend not in ("auto", "torch", "native"):
+        if self.kernel_backend not in KERNEL_BACKENDS:
             raise InvalidRequestError(f"unsupported kernel_backend {self.kernel_backend!r}"
-                                      " (auto, torch, native)", param="kernel_backend")
+                                      f" {KERNEL_BACKENDS}", param="kernel_backend")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError("max_model_len must be at least 1", param="max_model_len")
 

@@ -107,7 +107,6 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.model.init_rope(self.max_model_len)
         self.native = native_ops(mc.kernel_backend, self.device, self.dtype)
-        self.decode_kernel = self.native.paged_decode_attention if self.native else None
         if self.native is not None:
             self.model.use_fused_kernels(self.native.fused_add_rms_norm,
                                          self.native.silu_and_mul)
@@ -147,7 +146,7 @@ class ModelRunner:
         order = self._flat_order(chunks)
         tokens, positions, slots, last_row = self._flatten(chunks, order)
         meta = AttentionMetadata(self._tensor(slots), self._groups(chunks, order),
-                                 self.decode_kernel)
+                                 self.native.paged_decode_attention if self.native else None)
         wanted = [last_row[i] for i, c in enumerate(chunks) if c.need_logits]
         logits = self.model(self._tensor(tokens), self._tensor(positions), meta,
                             self._tensor(wanted))

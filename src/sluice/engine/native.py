@@ -35,11 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sluice.engine.config import KERNEL_BACKENDS
 from sluice.protocol.errors import InvalidRequestError
 
 log = logging.getLogger("sluice.engine")
 
-BACKENDS = ("auto", "torch", "native")
+CPU_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels and oneDNN take here
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 
 # q [B, H, D], k_pool, v_pool, block_tables [B, n], context_lens [B], scale -> [B, H, D]
@@ -92,12 +93,12 @@ def _build() -> NativeOps:
 
 def native_ops(backend: str, device: torch.device, dtype: torch.dtype) -> NativeOps | None:
     """The kernels to use, or None for the PyTorch ops."""
-    if backend not in BACKENDS:
-        raise InvalidRequestError(f"kernel_backend must be one of {BACKENDS}",
+    if backend not in KERNEL_BACKENDS:
+        raise InvalidRequestError(f"kernel_backend must be one of {KERNEL_BACKENDS}",
                                   param="kernel_backend")
     if backend == "torch":
         return None
-    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+    if device.type != "cpu" or dtype not in CPU_DTYPES:
         if backend == "native":
             raise InvalidRequestError("kernel_backend 'native' needs device cpu and dtype "
                                       "float32 or bfloat16", param="kernel_backend")
@@ -126,8 +127,7 @@ def cpu_linear(backend: str, device: torch.device, dtype: torch.dtype) -> Linear
     one row: 20.5 vs 15.9 ms for all of a token's layer weights), in full float32.
     Checked against F.linear once before use.
     """
-    if backend == "torch" or device.type != "cpu" or dtype not in (torch.float32,
-                                                                     torch.bfloat16):
+    if backend == "torch" or device.type != "cpu" or dtype not in CPU_DTYPES:
         return None
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn,
                                                                "_linear_pointwise"):

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 from typing import Any
 
+from sluice.engine.config import KERNEL_BACKENDS
 from sluice.protocol.errors import InvalidRequestError
 
 # flag dest -> type, help. All default to None (= engine default).
@@ -24,8 +25,8 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "dtype": (str, "auto | float32 | bfloat16 | float16"),
     "device": (str, "auto | cpu | cuda"),
     "seed": (int, "engine seed"),
-    "kernel_backend": (str, "CPU kernels: auto (oneDNN linears, native attention and norm "
-                            "when they build), torch, native"),
+    "kernel_backend": (str, "CPU kernels: auto (oneDNN linears; native attention, norm and "
+                            "SwiGLU when they build), torch, native"),
 }
 ENGINE_SWITCHES: dict[str, str] = {
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
@@ -36,7 +37,7 @@ ENGINE_SWITCHES: dict[str, str] = {
 CHOICES: dict[str, list[str]] = {
     "scheduling_policy": ["priority", "fcfs"],
     "dtype": ["auto", "float32", "bfloat16", "float16"],
-    "kernel_backend": ["auto", "torch", "native"],
+    "kernel_backend": list(KERNEL_BACKENDS),
 }
 
 
