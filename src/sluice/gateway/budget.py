@@ -29,6 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from sluice.gateway.group_commit import GroupCommit
 from sluice.gateway.metrics import GatewayMetrics
 from sluice.gateway.store import Store, Tenant
 from sluice.protocol.errors import InsufficientQuotaError
@@ -63,7 +64,7 @@ def over_budget_error(tenant: Tenant, worst_case_usd: float) -> InsufficientQuot
 class BudgetReservations:
     """Reserves requests' worst-case costs against budgets (one per GatewayState and
     event loop). Reservations that arrive while one is being committed share the next
-    transaction (group commit, as the ledger does), so a budgeted tenant's admission
+    transaction (`GroupCommit`, as the ledger's records do), so a budgeted tenant's admission
     does not cap at the database's commit rate. Owns when this replica last swept
     expired leases. The store does the atomic part."""
 
@@ -73,10 +74,9 @@ class BudgetReservations:
         self.lease_s = lease_s
         self.sweep_every_s = sweep_every_s
         self.clock = clock
-        self.max_batch = max_batch
         self._last_sweep = -float("inf")
-        self._pending: list[tuple[tuple[str, float, float], asyncio.Future[str | None]]] = []
-        self._drain: asyncio.Task[None] | None = None
+        self._queue: GroupCommit[tuple[str, float, float], str | None] = GroupCommit(
+            lambda requests: store.reserve_spend_many(requests, lease_s), max_batch)
 
     async def reserve(self, tenant: Tenant, worst_case_usd: float) -> str:
         """The reservation's id; raises InsufficientQuotaError if it does not fit.
@@ -93,27 +93,7 @@ class BudgetReservations:
         return rid
 
     async def _reserve(self, request: tuple[str, float, float]) -> str | None:
-        future: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
-        self._pending.append((request, future))
-        if self._drain is None or self._drain.done():
-            self._drain = asyncio.create_task(self._run())
-        return await future
-
-    async def _run(self) -> None:
-        while self._pending:
-            batch, self._pending = (self._pending[: self.max_batch],
-                                    self._pending[self.max_batch:])
-            try:
-                ids = await asyncio.to_thread(self.store.reserve_spend_many,
-                                              [r for r, _ in batch], self.lease_s)
-            except Exception as exc:
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(exc)
-                continue
-            for (_, future), rid in zip(batch, ids, strict=True):
-                if not future.done():
-                    future.set_result(rid)
+        return await self._queue.submit(request)
 
     async def sweep(self) -> int:
         """Give back expired reservations, at most once per `sweep_every_s`."""
