@@ -54,6 +54,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from sluice.engine.kv_events import KVEventPublisher
 from sluice.protocol.block_hash import hash_blocks
 from sluice.protocol.kv_events import BlockRemoved, BlockStored, KVEvent
 from sluice.router.config import PoolConfig, WorkerSpec
@@ -61,7 +62,6 @@ from sluice.router.endpoints import Ticket
 from sluice.router.policies import RequestMeta
 from sluice.router.pool import Pool
 from sluice.router.scrape import WorkerLoad
-from sluice.worker.kv_events import KVEventPublisher
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from router_policies import multi_turn, pct, shared_prefix  # noqa: E402

@@ -1,4 +1,5 @@
-"""AsyncEngine: streamed deltas, errors before the first yield, abort on aclose/abort()."""
+"""AsyncEngine with its core on a thread: streamed deltas, errors before the first yield,
+abort on aclose/abort(), stop strings cut in the front end."""
 
 from __future__ import annotations
 
@@ -72,9 +73,10 @@ async def test_aclose_aborts_and_frees_blocks(engine: AsyncEngine) -> None:
     assert not first.finished
     assert engine.stats().kv_cache_usage > 0
     await gen.aclose()
+    core = engine.client.core  # type: ignore[attr-defined]
     await wait_until(lambda: engine.stats().num_running == 0
-                     and engine.engine.block_manager.num_free_blocks == 32)
-    assert not engine.engine.has_unfinished_requests()
+                     and core.block_manager.num_free_blocks == 32)
+    assert not core.has_work()
 
 
 async def test_abort_ends_the_stream_with_abort(engine: AsyncEngine) -> None:
@@ -86,3 +88,16 @@ async def test_abort_ends_the_stream_with_abort(engine: AsyncEngine) -> None:
             await engine.abort("y")
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
     assert len(outs[-1].outputs[0].token_ids) < 40
+
+
+async def test_stop_string_found_in_the_front_end_stops_the_core(engine: AsyncEngine) -> None:
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    full = FakeTokenizer().decode(reference_greedy(prompt, 16))
+    stop = full[5:7]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop])
+    outs = [o async for o in engine.generate(prompt, params, "s")]
+    final = outs[-1].outputs[0]
+    assert final.text == full[:full.index(stop)]
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    core = engine.client.core  # type: ignore[attr-defined]
+    await wait_until(lambda: not core.has_work())  # the core heard and freed it

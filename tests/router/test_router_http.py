@@ -24,12 +24,12 @@ from router_stubs import (
     word_ids,
 )
 
+from sluice.engine.kv_events import KVEventPublisher
 from sluice.protocol.block_hash import hash_blocks
 from sluice.protocol.kv_events import BlockRemoved, BlockStored
 from sluice.router.app import build_app
 from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
 from sluice.router.server import RouterServer
-from sluice.worker.kv_events import KVEventPublisher
 
 Front = Callable[[Any], AbstractAsyncContextManager[str]]
 Cluster = Callable[..., AbstractAsyncContextManager[tuple[str, dict[str, str]]]]

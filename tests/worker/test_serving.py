@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from sluice.engine.config import EngineConfig
 from sluice.worker.app import build_app
 from sluice.worker.config import WorkerConfig
 
+from .conftest import TINY_OPTIONS
 from .worker_helpers import ServerThread, free_port, wait_until
 
 USER = [{"role": "user", "content": "hi"}]
@@ -164,20 +167,22 @@ def test_client_timeout_aborts_a_non_streaming_request(server: ServerThread, eng
     assert m["vllm:generation_tokens_total{model_name=tiny}"] - before < 1000
 
 
-def test_kv_events_are_published_in_vllm_format(engine: Any) -> None:
+def test_kv_events_are_published_in_vllm_format(tiny_llama_dir: Path) -> None:
     import zmq
 
+    from sluice.engine.async_engine import AsyncEngine
     from sluice.protocol.kv_events import BlockStored, decode_batch
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    srv = ServerThread(build_app(engine, WorkerConfig(kv_events_endpoint=endpoint))).start()
+    engine = AsyncEngine(EngineConfig.from_options(str(tiny_llama_dir), **TINY_OPTIONS),
+                         kv_events_endpoint=endpoint)  # the core publishes, as vLLM's does
+    srv = ServerThread(build_app(engine, WorkerConfig())).start()
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(endpoint)
     try:
         time.sleep(0.3)  # let the subscription reach the publisher (ZMQ slow joiner)
-        engine.drain_kv_events()  # start from a clean slate
         prompt = list(range(2000, 2100))  # 100 new tokens: 6 full blocks of 16
         resp = httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
         assert resp.status_code == 200
@@ -196,3 +201,4 @@ def test_kv_events_are_published_in_vllm_format(engine: Any) -> None:
         sub.close(0)
         ctx.term()
         srv.stop()
+        engine.shutdown()

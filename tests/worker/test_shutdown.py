@@ -4,6 +4,7 @@ finishes the in-flight stream, refuses new connections, and exits 0."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -92,3 +93,49 @@ def test_a_model_that_cannot_load_exits_1_with_a_message(tmp_path: Path) -> None
     assert proc.returncode == 1
     assert "failed to load the model" in proc.stderr and "not found" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _engine_core(pid: int) -> int:
+    """The worker's engine core process (not multiprocessing's resource tracker)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+            if b"spawn_main" in cmd:
+                found.append(int(child))
+    core, = found
+    return core
+
+
+def test_engine_core_death_ends_streams_with_503_and_exits(tiny_llama_dir: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sluice.cli", "worker", "--model", str(tiny_llama_dir),
+         "--port", str(port), "--num-kv-blocks", "256", "--max-model-len", "1024",
+         "--served-model-name", "tiny", "--log-level", "warning"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    log: list[str] = []
+    threading.Thread(target=_collect, args=(proc.stderr, log), daemon=True).start()
+    try:
+        assert wait_until(lambda: any("listening on" in x for x in log), 90, 0.1), "".join(log)
+        core = _engine_core(proc.pid)
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 900, "ignore_eos": True,
+                "stream": True}
+        events: list[str] = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line[5:].strip())
+                    if len(events) == 3:
+                        os.kill(core, signal.SIGKILL)
+        assert proc.wait(30) == 1, "".join(log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "service_unavailable" and "engine core" in error["message"]
+    assert any("engine core died" in x for x in log)

@@ -1,15 +1,22 @@
-"""The engine loop on its own thread, for servers: asyncio in front, `step()` behind.
+"""The engine for servers: asyncio streams in front, an engine core behind.
 
-    event loop (worker)                          engine thread
-    generate() ── validate (raises here) ──┐
-               ── command queue + notify ──┼──► apply adds/aborts, step(), outputs
-    await queue.get() ◄── call_soon_threadsafe ◄┘      idle: wait on the condition
+    event loop(s)                    output thread                  core (CoreClient)
+    generate() ── prepare (raises) ── Add ─────────────────────────► thread | process
+               ◄─ queue ◄─ call_soon_threadsafe ◄─ OutputProcessor ◄─ CoreOutputs per step
+    aclose / abort ──────────────────────────────── Abort ─────────►
+                                     stop string ─── Finish ────────►
 
-The model's forward pass runs outside the event loop, so HTTP stays responsive while
-the engine computes. All engine state is touched only by the engine thread; other
-threads talk to it through the command list, guarded by one condition variable.
-A consumer that stops iterating (client disconnect, `aclose()`, cancellation) aborts
-its request, which frees its KV blocks before the next step.
+Requests are tokenized and checked in the caller (`InputProcessor`), so admission
+errors raise before the first yield. One output thread receives the core's per-step
+messages, detokenizes (`OutputProcessor`) and hands each stream its outputs on the
+stream's own event loop (several loops may share one engine, as tests do). A consumer
+that stops iterating (client disconnect, `aclose()`, cancellation) aborts its request
+in the core, which frees its KV blocks before the next step. If the core dies, every
+open stream gets `CoreDied` (503) and `dead` is set; `on_death` callbacks run on the
+output thread.
+
+`AsyncEngine(config)` runs the core on a thread of this process (tests, embedding);
+`AsyncEngine.spawn(config)` runs it in its own process (the worker's default).
 """
 
 from __future__ import annotations
@@ -17,18 +24,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sluice.engine.config import EngineConfig
-from sluice.engine.llm_engine import LLMEngine
+from sluice.engine.core_client import (
+    SHUTDOWN_GRACE_S,
+    CoreClient,
+    CoreDied,
+    ProcessCore,
+    ThreadCore,
+)
+from sluice.engine.input_processor import InputProcessor
+from sluice.engine.messages import Abort, Add, CoreOutputs, Finish, Shutdown
+from sluice.engine.output_processor import OutputProcessor
 from sluice.engine.outputs import RequestOutput
 from sluice.engine.sampling_params import SamplingParams
-from sluice.engine.sequence import Request
 from sluice.engine.stats import EngineStats
-from sluice.protocol.errors import InvalidRequestError, ServiceUnavailableError, SluiceError
-from sluice.protocol.kv_events import KVEvent
+from sluice.protocol.errors import InvalidRequestError, ServiceUnavailableError
 
 if TYPE_CHECKING:
     from sluice.engine.model_runner import ModelRunner
@@ -43,128 +58,165 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[_Item]
 
-    def put(self, item: _Item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the consumer's loop is closed: nobody is listening
-            pass
-
 
 class AsyncEngine:
-    """Thread-safe front of one `LLMEngine`; see the module docstring for the threads."""
+    """Thread-safe async front of one engine core; see the module docstring."""
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
-        self.engine = LLMEngine(config, runner)
-        self.tokenizer = self.engine.tokenizer
-        self.model_name = self.engine.model_name
-        self.max_model_len = self.engine.max_model_len
-        self._cond = threading.Condition()
-        self._adds: list[Request] = []
-        self._aborts: list[str] = []
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, *,
+                 kv_events_endpoint: str | None = None, client: CoreClient | None = None
+                 ) -> None:
+        self.client = client or ThreadCore(config, runner, kv_events_endpoint)
+        self.tokenizer = self.client.tokenizer
+        info = self.client.info
+        self.model_name, self.max_model_len = info.model_name, info.max_model_len
+        self.inputs = InputProcessor(info, self.tokenizer)
+        self._outputs = OutputProcessor(self.tokenizer)
+        self._lock = threading.Lock()  # guards _outputs, _streams, _stopped, _dead
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
-        self._stats = self.engine.stats()
-        self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
+        self.dead: CoreDied | None = None
+        self.on_death: list[Callable[[CoreDied], None]] = []
+        self._stats = EngineStats(0, 0, 0.0, info.num_kv_blocks, 0, 0, 0, 0, 0, 0)
+        self._thread = threading.Thread(target=self._receive, name="sluice-engine-output",
+                                        daemon=True)
         self._thread.start()
+
+    @classmethod
+    def spawn(cls, config: EngineConfig, *, kv_events_endpoint: str | None = None
+              ) -> AsyncEngine:
+        """The engine core in its own process (blocks until the model is loaded)."""
+        return cls(config, client=ProcessCore(config, kv_events_endpoint))
 
     # -- asyncio side ---------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; admission errors raise before the first yield."""
-        request = self.engine.prepare_request(request_id, prompt, params, priority)
+        request = self.inputs.prepare(request_id, prompt, params, priority)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._cond:
-            if self._stopped:
-                raise ServiceUnavailableError("engine is shut down")
+        with self._lock:
+            self._check_open()
             if request_id in self._streams:
                 raise InvalidRequestError(f"duplicate request id {request_id!r}",
                                           param="request_id")
             self._streams[request_id] = stream
-            self._adds.append(request)
-            self._cond.notify()
+            self._outputs.add(request_id, prompt if isinstance(prompt, str) else None,
+                              request.prompt_token_ids, params, request.arrival_time)
+        self.client.send(Add(request))
         finished = False
         try:
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    finished = True
                     raise item
                 finished = item.finished
                 yield item
         finally:
-            with self._cond:
-                self._streams.pop(request_id, None)
-                if not finished:
-                    self._aborts.append(request_id)
-                    self._cond.notify()
+            if not finished:
+                self._forget(request_id)
+
+    def _check_open(self) -> None:
+        if self.dead is not None:
+            raise self.dead
+        if self._stopped:
+            raise ServiceUnavailableError("engine is shut down")
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+            self._outputs.abort(request_id)
+        self.client.send(Abort(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Abort the request; its stream ends with a finish_reason "abort" output."""
-        with self._cond:
-            self._aborts.append(request_id)
-            self._cond.notify()
+        with self._lock:
+            output = self._outputs.abort(request_id)
+            stream = self._streams.pop(request_id, None)
+        self.client.send(Abort(request_id))
+        if output is not None and stream is not None:
+            _deliver_soon({stream.loop: [(stream.queue, output)]})
 
     def stats(self) -> EngineStats:
-        """The snapshot taken after the engine thread's latest iteration."""
+        """The snapshot the core sent after its latest step."""
         return self._stats
 
-    def drain_kv_events(self) -> list[KVEvent]:
-        return self.engine.drain_kv_events()
-
     def shutdown(self) -> None:
-        """Stop the engine thread; pending streams get ServiceUnavailableError."""
-        with self._cond:
+        """Stop the core (it finishes its current step); pending streams get
+        ServiceUnavailableError. Returns within a few seconds: a core that does not stop
+        is killed."""
+        with self._lock:
             self._stopped = True
-            self._cond.notify()
+        self.client.send(Shutdown())
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=30)
-        with self._cond:
-            streams, self._streams = list(self._streams.values()), {}
-        for stream in streams:
-            stream.put(ServiceUnavailableError("engine is shut down"))
+            self._thread.join(timeout=SHUTDOWN_GRACE_S)
+        self.client.close()
+        self._fail_all(ServiceUnavailableError("engine is shut down"))
 
-    # -- engine thread --------------------------------------------------------------
-    def _run(self) -> None:
+    # -- output thread --------------------------------------------------------------
+    def _receive(self) -> None:
         while True:
-            with self._cond:
-                while not (self._stopped or self._adds or self._aborts
-                           or self.engine.has_unfinished_requests()):
-                    self._cond.wait()
-                if self._stopped:
-                    return
-                adds, self._adds = self._adds, []
-                aborts, self._aborts = self._aborts, []
-            self._apply(adds, aborts)
-            if self.engine.has_unfinished_requests():
-                self._step()
-            else:
-                self._stats = self.engine.stats()
-
-    def _apply(self, adds: list[Request], aborts: list[str]) -> None:
-        for request in adds:
             try:
-                self.engine.submit(request)
-            except SluiceError as exc:
-                self._send(request.request_id, exc)
-        for request_id in aborts:
-            output = self.engine.abort_with_output(request_id)
-            if output is not None:
-                self._send(request_id, output)
+                event = self.client.recv(timeout=0.5)
+            except CoreDied as exc:
+                if not self._stopped:
+                    self._died(exc)
+                return
+            except Exception:  # the client is closed under us: shutting down
+                if not self._stopped:
+                    log.exception("engine output thread failed")
+                return
+            if isinstance(event, CoreOutputs):
+                self._handle(event)
+            elif event is None and self._stopped:
+                return
 
-    def _step(self) -> None:
+    def _handle(self, event: CoreOutputs) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]]
+        batches = defaultdict(list)
+        with self._lock:
+            self._stats = event.stats  # before the outputs: a reader sees them counted
+            outputs, stops = self._outputs.process(event.updates)
+            items: list[tuple[str, _Item]] = [(o.request_id, o) for o in outputs]
+            for request_id, error in event.errors:
+                self._outputs.abort(request_id)
+                items.append((request_id, error))
+            for request_id, item in items:
+                finished = not isinstance(item, RequestOutput) or item.finished
+                stream = (self._streams.pop if finished else self._streams.get)(request_id, None)
+                if stream is not None:
+                    batches[stream.loop].append((stream.queue, item))
+        for request_id, index in stops:
+            self.client.send(Finish(request_id, index))
+        _deliver_soon(batches)
+
+    def _died(self, exc: CoreDied) -> None:
+        log.error("engine core died: %s", exc)
+        with self._lock:
+            self.dead = exc
+        self._fail_all(exc)
+        for callback in self.on_death:
+            callback(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]]
+        batches = defaultdict(list)
+        for stream in streams:
+            batches[stream.loop].append((stream.queue, exc))
+        _deliver_soon(batches)
+
+
+def _deliver_soon(batches: dict[asyncio.AbstractEventLoop,
+                                list[tuple[asyncio.Queue[_Item], _Item]]]) -> None:
+    """One wake-up per event loop, however many of its streams got an item."""
+    for loop, items in batches.items():
         try:
-            outputs = self.engine.step()
-        except Exception as exc:  # a failed step must not kill the loop: fail its requests
-            log.exception("engine step failed")
-            for request_id in list(self.engine.requests):
-                self.engine.abort_request(request_id)
-                self._send(request_id, SluiceError(f"engine step failed: {exc}"))
-            return
-        self._stats = self.engine.stats()  # before the outputs: a reader sees them counted
-        for output in outputs:
-            self._send(output.request_id, output)
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # that loop is closed: nobody is listening
+            pass
 
-    def _send(self, request_id: str, item: _Item) -> None:
-        with self._cond:
-            stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put(item)
+
+def _put_all(items: list[tuple[asyncio.Queue[_Item], _Item]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)

@@ -24,7 +24,6 @@ from sluice.engine.outputs import RequestMetrics, TokenLogprobs
 if TYPE_CHECKING:
     import torch
 
-    from sluice.engine.detokenizer import IncrementalDetokenizer
     from sluice.engine.sampling_params import SamplingParams
 
 
@@ -53,14 +52,11 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full computed blocks
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache on first schedule
     generator: torch.Generator | None = None
-    detokenizer: IncrementalDetokenizer | None = None
     logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
-    sent_chars: int = 0  # text / tokens already handed out (DELTA outputs)
-    sent_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -8,7 +8,8 @@
      ├── NotFoundError               404 not_found_error         code=model_not_found
      ├── RateLimitError              429 rate_limit_error        code=rate_limit_exceeded
      │    └── InsufficientQuotaError 429 insufficient_quota      code=insufficient_quota
-     └── ServiceUnavailableError     503 service_unavailable     (Retry-After)
+     ├── ServiceUnavailableError     503 service_unavailable     (Retry-After)
+     └── ClientDisconnected          499 (nginx's code; nobody reads the answer)
 
 Every HTTP edge (worker, router, gateway) installs `error_response` as its handler, so
 a client sees the same `{"error": {"message", "type", "param", "code"}}` shape
@@ -103,3 +104,10 @@ class ServiceUnavailableError(SluiceError):
     def __init__(self, message: str, *, retry_after: float = 1.0, **kw: Any) -> None:
         super().__init__(message, **kw)
         self.headers.setdefault("Retry-After", str(max(1, int(retry_after + 0.999))))
+
+
+class ClientDisconnected(SluiceError):
+    """The client went away before the answer; the work for it was cancelled."""
+
+    status_code = 499
+    error_type = "client_disconnected"

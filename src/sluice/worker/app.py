@@ -18,7 +18,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -30,7 +30,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice.protocol import anthropic
-from sluice.protocol.errors import InvalidRequestError, NotFoundError, SluiceError
+from sluice.protocol.errors import (
+    ClientDisconnected,
+    InvalidRequestError,
+    NotFoundError,
+    SluiceError,
+)
 from sluice.protocol.openai import (
     UNSUPPORTED_CHAT,
     UNSUPPORTED_COMPLETION,
@@ -62,7 +67,7 @@ ANTHROPIC_PATHS = ("/v1/messages",)
 def build_app(engine: AsyncEngine | None, config: WorkerConfig) -> FastAPI:
     """The ASGI app; `engine` may be None and attached later via `app.state.worker.attach`."""
     state = WorkerState(engine, config)
-    app = FastAPI(title="sluice worker", lifespan=_lifespan(state))
+    app = FastAPI(title="sluice worker")
     app.state.worker = state
     app.add_middleware(RequestIdMiddleware)
     app.add_exception_handler(SluiceError, _sluice_error)  # type: ignore[arg-type]
@@ -81,7 +86,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         body = await parse_body(request)
         reject_unsupported(body, UNSUPPORTED_CHAT)
         req = parse_request(ChatCompletionRequest, body)
-        job = await prepare_chat(state, req, request_id(request))
+        job = await until_disconnect(request, prepare_chat(state, req, request_id(request)))
         if req.stream:
             return SSEResponse(openai_sse(chat_chunks(job)))
         return await until_disconnect(request, _json(chat_response(job)))
@@ -91,7 +96,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         body = await parse_body(request)
         reject_unsupported(body, UNSUPPORTED_COMPLETION)
         req = parse_request(CompletionRequest, body)
-        job = await prepare_completion(state, req, request_id(request))
+        job = await until_disconnect(request, prepare_completion(state, req, request_id(request)))
         if req.stream:
             return SSEResponse(openai_sse(completion_chunks(job)))
         return await until_disconnect(request, _json(completion_response(job)))
@@ -105,7 +110,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         if (priority := header_priority(request)) is not None:
             chat_body["priority"] = priority
         chat_req = parse_request(ChatCompletionRequest, chat_body)
-        job = await prepare_chat(state, chat_req, request_id(request))
+        job = await until_disconnect(request, prepare_chat(state, chat_req, request_id(request)))
         if req.stream:
             return SSEResponse(anthropic_sse(chat_chunks(job), anthropic.StreamTranslator(req)))
         resp = await until_disconnect(request, chat_response(job))
@@ -120,6 +125,9 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
+        if state.engine is not None and state.engine.dead is not None:
+            return JSONResponse({"status": "dead", "error": state.engine.dead.message},
+                                status_code=503)
         if not state.ready:
             return JSONResponse({"status": "loading"}, status_code=503,
                                 headers={"Retry-After": "1"})
@@ -200,7 +208,8 @@ async def _json(result: Awaitable[BaseModel]) -> JSONResponse:
 
 
 async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Await `work`, cancelling it if the client disconnects first (which aborts its Run)."""
+    """Await `work`, cancelling it if the client disconnects first (which aborts its Run:
+    a request waiting for its first token is aborted in the engine, not left to run)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
     try:
@@ -211,6 +220,8 @@ async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+    if task.cancelled():
+        raise ClientDisconnected("the client disconnected")
     return task.result()
 
 
@@ -255,8 +266,10 @@ async def anthropic_sse(chunks: AsyncIterator[BaseModel],
 
 
 class SSEResponse(StreamingResponse):
-    """A text/event-stream response that always closes its body iterator, even when the
-    client disconnects, so the request's `Run` aborts the engine request at once."""
+    """A text/event-stream response that stops as soon as the client disconnects (it
+    listens for `http.disconnect` beside the stream, whatever the server's ASGI spec
+    version) and always closes its body iterator, so the request's `Run` aborts the
+    engine request at once."""
 
     def __init__(self, content: AsyncIterator[str]) -> None:
         super().__init__(content, media_type="text/event-stream",
@@ -265,7 +278,15 @@ class SSEResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            async with anyio.create_task_group() as group:
+                async def stream_then_stop() -> None:
+                    with contextlib.suppress(OSError):
+                        await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream_then_stop)
+                await _wait_disconnect(receive)
+                group.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
                 await self._source.aclose()  # type: ignore[attr-defined]
@@ -320,40 +341,3 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     log.error("unhandled error on %s", request.url.path, exc_info=exc)
     return _error_response(request, SluiceError(f"internal error: {type(exc).__name__}"))
-
-
-# --------------------------------------------------------------------------- lifespan
-
-
-def _lifespan(state: WorkerState) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager]:
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = None
-        if state.config.kv_events_endpoint:
-            task = asyncio.create_task(_publish_kv_events(state))
-        try:
-            yield
-        finally:
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-
-    return lifespan
-
-
-async def _publish_kv_events(state: WorkerState) -> None:
-    """Drain the engine's KV events every interval and publish them (vLLM's ZMQ format)."""
-    from sluice.worker.kv_events import KVEventPublisher  # router engineer's module
-
-    assert state.config.kv_events_endpoint
-    publisher = KVEventPublisher(state.config.kv_events_endpoint)
-    try:
-        while True:
-            await asyncio.sleep(state.config.kv_events_interval)
-            if state.engine is not None:
-                events = state.engine.drain_kv_events()
-                if events:
-                    publisher.publish(events)
-    finally:
-        publisher.close()

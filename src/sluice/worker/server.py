@@ -1,12 +1,15 @@
-"""Run one worker: listen at once, load the model beside the server, shut down gracefully.
+"""Run one worker: listen at once, start the engine core beside the server, shut down
+gracefully.
 
-    start uvicorn ──▶ /health 503 ──▶ model loaded (thread) ──▶ attach ──▶ /health 200
+    start uvicorn ──▶ /health 503 ──▶ engine core process ready ──▶ attach ──▶ /health 200
     SIGTERM ──▶ stop accepting ──▶ in-flight streams finish (≤ shutdown_timeout)
-            ──▶ engine.shutdown() ──▶ exit 0
+            ──▶ engine.shutdown() (the core process exits) ──▶ exit 0
+    core process dies ──▶ open streams end with a 503 error ──▶ the server stops, exit 1
 
 Listening before the model is ready lets a supervisor (LocalWorkerPool, Kubernetes)
-tell "starting" from "dead". The weights load on a worker thread; the AsyncEngine is
-then created on the event loop's thread (it owns asyncio objects of that loop).
+tell "starting" from "dead". The engine core runs in its own process
+(`AsyncEngine.spawn`), so the model's forward pass and this process's HTTP work never
+wait on each other's GIL; a worker whose core died exits, and its supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from sluice.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
     from sluice.engine.async_engine import AsyncEngine
+    from sluice.worker.state import WorkerState
 
 log = logging.getLogger("sluice.worker")
 
@@ -42,21 +46,21 @@ def _say(message: str) -> None:
     print(f"sluice: {message}", file=sys.stderr, flush=True)
 
 
-def load_engine(engine_config: EngineConfig) -> AsyncEngine:
-    """Build the AsyncEngine (blocking: reads weights, allocates the KV pool)."""
+def load_engine(engine_config: EngineConfig, config: WorkerConfig) -> AsyncEngine:
+    """Start the engine core process and wait until its model is loaded (blocking)."""
     from sluice.engine.async_engine import AsyncEngine
 
-    return AsyncEngine(engine_config)
+    return AsyncEngine.spawn(engine_config, kv_events_endpoint=config.kv_events_endpoint)
 
 
-async def _load_and_attach(app_state: object, engine_config: EngineConfig, server: uvicorn.Server,
-                           say: Say, holder: list[AsyncEngine]) -> None:
+async def _load_and_attach(app_state: WorkerState, engine_config: EngineConfig,
+                           server: uvicorn.Server, say: Say, holder: list[AsyncEngine]) -> None:
     model = engine_config.model.model or "SmolLM2-135M-Instruct (the default GGUF)"
     say(f"loading model {model} ...")
     start = time.perf_counter()
     ticker = asyncio.create_task(_tick(say, start))
     try:
-        engine = await asyncio.to_thread(load_engine, engine_config)
+        engine = await asyncio.to_thread(load_engine, engine_config, app_state.config)
     except Exception as exc:
         say(f"failed to load the model: {exc}")
         if not isinstance(exc, SluiceError):  # a bad --model needs no traceback
@@ -66,11 +70,22 @@ async def _load_and_attach(app_state: object, engine_config: EngineConfig, serve
     finally:
         ticker.cancel()
     holder.append(engine)
-    app_state.attach(engine)  # type: ignore[attr-defined]
+    loop = asyncio.get_running_loop()
+
+    def on_death(exc: Exception) -> None:  # on the engine's output thread
+        loop.call_soon_threadsafe(_stop_on_death, server, say, exc)
+
+    engine.on_death.append(on_death)
+    app_state.attach(engine)
     config = server.config
     say(f"model {engine.model_name} loaded in {time.perf_counter() - start:.1f}s "
         f"(max_model_len {engine.max_model_len})")
     say(f"listening on http://{config.host}:{_port(server)} (model: {engine.model_name})")
+
+
+def _stop_on_death(server: uvicorn.Server, say: Say, exc: Exception) -> None:
+    say(f"engine core died ({exc}); stopping")
+    server.should_exit = True
 
 
 async def _tick(say: Say, start: float, every: float = 5.0) -> None:
@@ -113,6 +128,7 @@ async def _serve(engine_config: EngineConfig, config: WorkerConfig, say: Say,
         for engine in holder:
             engine.shutdown()
     failed = loader.done() and not loader.cancelled() and loader.exception() is not None
+    failed = failed or any(engine.dead is not None for engine in holder)
     say("stopped")
     return 1 if failed or not server.started else 0
 

@@ -35,7 +35,7 @@ class WorkerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None
+        return self.engine is not None and self.engine.dead is None
 
     @property
     def model_name(self) -> str:
@@ -51,6 +51,8 @@ class WorkerState:
         return self.engine.stats() if self.engine is not None else None
 
     def require_engine(self) -> AsyncEngine:
+        if self.engine is not None and self.engine.dead is not None:
+            raise self.engine.dead
         if self.engine is None:
             raise ServiceUnavailableError("the model is still loading; retry shortly",
                                           retry_after=self.config.retry_after_seconds)

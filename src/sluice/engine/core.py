@@ -1,0 +1,201 @@
+"""The engine core: token ids in, token ids out. Scheduler, model, sampler; no text.
+
+    add(CoreRequest) ──► Request(n Sequences) ──► Scheduler.waiting
+    step():  chunks = scheduler.schedule()          who computes which tokens
+             logits = runner.execute(chunks)         K/V written, logits for chunk ends
+             scheduler.update_from_output(chunks)    num_computed advanced, blocks cached
+             tokens = sampler(logits, seqs)          one token per sequence at its end
+             postprocess: append, stop on tokens, free finished -> SeqUpdates
+
+Everything here works on token ids: end-of-sequence, `stop_token_ids`, `max_tokens`
+and the context length end a sequence in the core. Text (detokenizing, stop strings,
+output kinds) belongs to the front end's `OutputProcessor`, which tells the core to
+`finish` a sequence whose text hit a stop string. That split is vLLM V1's: the core can
+then run in its own process (`core_client.ProcessCore`) and ship each step's new
+tokens to the HTTP front end as one small message, while detokenization runs beside
+the next forward pass instead of before it.
+
+Single-threaded and synchronous: `LLMEngine` drives it in-process, `core_client` on a
+thread or in a child process.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sluice.engine.block_manager import BlockManager
+from sluice.engine.config import EngineConfig
+from sluice.engine.messages import CoreInfo, CoreRequest, SeqUpdate
+from sluice.engine.outputs import RequestMetrics
+from sluice.engine.sampler import Sampler, SampleResult
+from sluice.engine.scheduler import ScheduledChunk, Scheduler
+from sluice.engine.sequence import Request, Sequence
+from sluice.engine.stats import EngineStats
+from sluice.protocol.errors import InvalidRequestError
+from sluice.protocol.kv_events import KVEvent
+
+if TYPE_CHECKING:
+    from sluice.engine.model_runner import ModelRunner
+
+
+class EngineCore:
+    """One model, one KV pool, continuous batching. Not thread-safe."""
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+        from sluice.engine.model_runner import ModelRunner, SeqChunk
+
+        self.config = config
+        self.runner = runner if runner is not None else ModelRunner(config)
+        self._chunk_cls = SeqChunk
+        self.tokenizer = self.runner.tokenizer
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.sampler = Sampler(self.tokenizer.eos_token_ids, config.model.seed)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.info = CoreInfo(self.runner.model_name, self.runner.max_model_len,
+                             self.runner.vocab_size, self.block_manager.num_blocks,
+                             self.block_manager.block_size)
+        self.requests: dict[str, Request] = {}
+        self._next_seq_id = 0
+        self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_steps": 0}
+
+    # -- admission ----------------------------------------------------------------
+    def add(self, req: CoreRequest) -> None:
+        """Queue a request; raises InvalidRequestError on a duplicate id."""
+        if req.request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {req.request_id!r}",
+                                      param="request_id")
+        seqs = [self._new_seq(req, i) for i in range(req.params.n)]
+        request = Request(req.request_id, None, req.prompt_token_ids, req.params, seqs,
+                          RequestMetrics(arrival_time=req.arrival_time),
+                          siblings_pending=req.params.n > 1)
+        self.requests[req.request_id] = request
+        self.scheduler.add(seqs[0])
+
+    def _new_seq(self, req: CoreRequest, index: int) -> Sequence:
+        self._next_seq_id += 1
+        params = req.params
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator().manual_seed(params.seed + index)
+        seq = Sequence(self._next_seq_id, req.request_id, index, list(req.prompt_token_ids),
+                       len(req.prompt_token_ids), params, req.max_tokens, req.priority,
+                       req.arrival_time, generator=gen)
+        if params.logprobs is not None:
+            seq.logprobs, seq.cumulative_logprob = [], 0.0
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        """Finish every sequence of the request and free its blocks now (unknown: no-op)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+
+    def finish(self, request_id: str, index: int) -> None:
+        """End one sequence that the front end stopped (a stop string in its text)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        seq = request.seqs[index]
+        if not seq.is_finished:  # a stop string needs text: siblings are scheduled by now
+            seq.finish_reason = "stop"
+            self.scheduler.finish(seq)
+        if request.finished:
+            del self.requests[request_id]
+
+    # -- the loop -----------------------------------------------------------------
+    def step(self) -> list[SeqUpdate]:
+        """Schedule, run, sample; one update per sequence that got a token."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        self._mark_scheduled(chunks)
+        logits = self.runner.execute([self._seq_chunk(c) for c in chunks])
+        self.scheduler.update_from_output(chunks)
+        sampled = [c.seq for c in chunks if c.need_logits]
+        results = self.sampler(logits, sampled) if sampled else []
+        self._counters["num_steps"] += 1
+        return [self._postprocess(seq, result)
+                for seq, result in zip(sampled, results, strict=True)]
+
+    def _seq_chunk(self, chunk: ScheduledChunk) -> Any:
+        seq, start = chunk.seq, chunk.start_pos
+        return self._chunk_cls(seq.token_ids[start:start + chunk.num_tokens], start,
+                               seq.block_table, chunk.need_logits)
+
+    def _mark_scheduled(self, chunks: list[ScheduledChunk]) -> None:
+        now = time.time()
+        for chunk in chunks:
+            metrics = self.requests[chunk.seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+
+    def _postprocess(self, seq: Sequence, result: SampleResult) -> SeqUpdate:
+        request = self.requests[seq.request_id]
+        token = result.token_id
+        seq.token_ids.append(token)
+        self._counters["generation_tokens"] += 1
+        new_logprobs = None
+        if seq.logprobs is not None and result.top_logprobs is not None:
+            seq.logprobs.append(result.top_logprobs)
+            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + (result.logprob or 0.0)
+            new_logprobs = [result.top_logprobs]
+        if seq.num_output_tokens == 1:
+            self._on_first_token(request, seq)
+        self._check_stop(seq, token)
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+            if request.finished:
+                del self.requests[seq.request_id]
+        return SeqUpdate(seq.request_id, seq.index, [token], new_logprobs,
+                         seq.cumulative_logprob, seq.finish_reason,
+                         seq.stop_reason if isinstance(seq.stop_reason, int) else None,
+                         max(request.seqs[0].num_cached_tokens, 0),
+                         request.metrics.first_scheduled_time)
+
+    def _on_first_token(self, request: Request, seq: Sequence) -> None:
+        if seq.index == 0:
+            self._counters["prompt_tokens"] += seq.num_prompt_tokens
+        if request.siblings_pending:  # the prompt's full blocks are cached now
+            request.siblings_pending = False
+            for sibling in request.seqs[1:]:
+                self.scheduler.add(sibling)
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        if seq.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                seq.finish_reason = "stop"
+                return
+            if token in params.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+                return
+        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.info.max_model_len:
+            seq.finish_reason = "length"
+
+    # -- introspection --------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> EngineStats:
+        bm, sched = self.block_manager, self.scheduler
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            kv_cache_usage=bm.usage, num_kv_blocks=bm.num_blocks,
+            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
+            num_preemptions=sched.num_preemptions, **self._counters)
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        """KV events since the last call."""
+        return self.block_manager.drain_events()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_manager.reset_prefix_cache()

@@ -1,0 +1,75 @@
+"""The front end's check of a request before the core sees it: tokens, lengths, KV room.
+
+`InputProcessor.prepare` tokenizes a text prompt, checks token ids against the
+vocabulary, the prompt plus `max_tokens` against the context length and the KV pool,
+and returns the `CoreRequest` the core queues. Every failure is an
+`InvalidRequestError` / `ContextLengthError` naming the parameter, raised in the
+caller's thread before anything is sent to the core, so an HTTP handler can answer
+400 before it picks a status. Needs only the core's `CoreInfo` and a tokenizer: no
+torch, no engine state.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from sluice.engine.block_manager import blocks_needed
+from sluice.engine.messages import CoreInfo, CoreRequest
+from sluice.engine.sampling_params import SamplingParams
+from sluice.protocol.errors import ContextLengthError, InvalidRequestError
+
+
+class Encoder(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+
+class InputProcessor:
+    def __init__(self, info: CoreInfo, tokenizer: Encoder) -> None:
+        self.info = info
+        self.tokenizer = tokenizer
+
+    def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                priority: int = 0, arrival_time: float | None = None) -> CoreRequest:
+        ids = self.tokenize(prompt)
+        max_tokens = self.check_lengths(len(ids), params)
+        arrival = time.time() if arrival_time is None else arrival_time
+        return CoreRequest(request_id, ids, params, priority, arrival, max_tokens)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            vocab = self.info.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"prompt token id {bad[0]} is out of vocabulary "
+                                          f"range [0, {vocab})", param="prompt")
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        return ids
+
+    def check_lengths(self, num_prompt: int, params: SamplingParams) -> int:
+        """The effective max_tokens; raises if the request cannot fit."""
+        limit = self.info.max_model_len
+        if num_prompt >= limit:
+            raise ContextLengthError(
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"request has {num_prompt} input tokens. Please reduce the length of the "
+                "input messages.", param="prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - num_prompt
+        if num_prompt + max_tokens > limit:
+            raise ContextLengthError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the messages, "
+                f"{max_tokens} in the completion). Please reduce the length of the messages "
+                "or completion.", param="max_tokens")
+        info = self.info
+        need = blocks_needed(num_prompt + max_tokens - 1, info.block_size)
+        if need > info.num_kv_blocks:
+            raise InvalidRequestError(
+                f"the request needs {need} KV cache blocks ({num_prompt} prompt + {max_tokens} "
+                f"max_tokens) but the KV cache holds only {info.num_kv_blocks} blocks of "
+                f"{info.block_size} tokens; reduce max_tokens or the prompt", param="max_tokens")
+        return max_tokens

@@ -1,0 +1,178 @@
+"""What the front end and the engine core say to each other, and its wire form.
+
+    front end ──► core   Add(CoreRequest) | Abort(request_id) | Finish(request_id, index)
+                         | Shutdown
+    core ──► front end   Ready(CoreInfo) | Failed(message) | CoreOutputs(updates, stats, errors)
+
+One `CoreOutputs` per engine step carries every sequence's new tokens, so the IPC
+cost is one small message per step, not one per token per stream. On a thread the
+objects pass as they are; between processes `encode` / `decode` turn them into
+msgpack (plain lists and dicts: no pickle, so a message from a dead or foreign peer
+cannot run code). No torch here: the HTTP front end imports this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from sluice.engine.outputs import TokenLogprobs
+from sluice.engine.sampling_params import RequestOutputKind, SamplingParams
+from sluice.engine.stats import EngineStats
+from sluice.protocol.errors import InvalidRequestError, SluiceError
+
+
+@dataclass(frozen=True, slots=True)
+class CoreRequest:
+    """A request as the core takes it: already tokenized and validated by the front end."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float = 0.0
+    max_tokens: int = 1  # effective: params.max_tokens, or up to the context length
+
+
+@dataclass(slots=True)
+class SeqUpdate:
+    """What one sequence gained in one step."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None  # "stop" | "length" | None while running
+    stop_reason: int | None = None  # the stop token id that ended it
+    num_cached_tokens: int = 0
+    scheduled_time: float | None = None  # when the request was first scheduled
+
+
+@dataclass(frozen=True, slots=True)
+class CoreInfo:
+    """What a front end must know about its core (sent once, when the model is loaded)."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Add:
+    request: CoreRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    request_id: str
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+Command = Add | Abort | Finish | Shutdown
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    info: CoreInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    message: str
+
+
+@dataclass(slots=True)
+class CoreOutputs:
+    """One step's results: token updates, the engine's stats after it, failed requests."""
+
+    updates: list[SeqUpdate]
+    stats: EngineStats
+    errors: list[tuple[str, SluiceError]] = dataclasses.field(default_factory=list)
+
+
+Event = Ready | Failed | CoreOutputs
+
+
+# --------------------------------------------------------------------------- wire
+
+
+def encode(message: Command | Event) -> bytes:
+    return msgpack.packb(_to_wire(message), use_bin_type=True)
+
+
+def decode(data: bytes) -> Command | Event:
+    return _from_wire(msgpack.unpackb(data, raw=False, strict_map_key=False))
+
+
+def _to_wire(m: Command | Event) -> list[Any]:
+    if isinstance(m, CoreOutputs):
+        return ["out", [dataclasses.astuple(u) for u in m.updates],
+                dataclasses.astuple(m.stats),
+                [[rid, e.status_code, e.message, e.param] for rid, e in m.errors]]
+    if isinstance(m, Add):
+        r = m.request
+        return ["add", r.request_id, r.prompt_token_ids, _params_to_wire(r.params), r.priority,
+                r.arrival_time, r.max_tokens]
+    if isinstance(m, Abort):
+        return ["abort", m.request_id]
+    if isinstance(m, Finish):
+        return ["finish", m.request_id, m.index]
+    if isinstance(m, Ready):
+        return ["ready", *dataclasses.astuple(m.info)]
+    if isinstance(m, Failed):
+        return ["failed", m.message]
+    return ["shutdown"]
+
+
+def _from_wire(w: list[Any]) -> Command | Event:
+    kind, args = w[0], w[1:]
+    if kind == "out":
+        updates, stats, errors = args
+        return CoreOutputs([SeqUpdate(*u) for u in updates], EngineStats(*stats),
+                           [(rid, _error(status, msg, param)) for rid, status, msg, param in errors])
+    if kind == "add":
+        rid, ids, params, priority, arrival, max_tokens = args
+        return Add(CoreRequest(rid, ids, _params_from_wire(params), priority, arrival, max_tokens))
+    if kind == "abort":
+        return Abort(args[0])
+    if kind == "finish":
+        return Finish(args[0], args[1])
+    if kind == "ready":
+        return Ready(CoreInfo(*args))
+    if kind == "failed":
+        return Failed(args[0])
+    if kind == "shutdown":
+        return Shutdown()
+    raise ValueError(f"unknown engine message {kind!r}")
+
+
+def _params_to_wire(p: SamplingParams) -> dict[str, Any]:
+    d = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+    d["output_kind"] = p.output_kind.value
+    return d
+
+
+def _params_from_wire(d: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(**{**d, "output_kind": RequestOutputKind(d["output_kind"])})
+
+
+def _error(status: int, message: str, param: str | None) -> SluiceError:
+    if status == 400:
+        return InvalidRequestError(message, param=param)
+    return SluiceError(message, param=param)

@@ -1,0 +1,139 @@
+"""AsyncEngine with its core in a child process (the worker's default): the same tokens
+as the in-thread core, abort frees the request in the child, a dead child fails every
+open stream with a 503 and is seen at once, and shutdown is prompt under load."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sluice.engine.async_engine import AsyncEngine
+from sluice.engine.config import EngineConfig
+from sluice.engine.core_client import CoreDied, ProcessCore
+from sluice.engine.messages import Abort, CoreOutputs, decode, encode
+from sluice.engine.sampling_params import RequestOutputKind, SamplingParams
+from sluice.engine.tokenizer import ModelNotFoundError
+
+OPTIONS: dict[str, Any] = dict(num_kv_blocks=256, block_size=16, max_model_len=512,
+                               max_num_seqs=8)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def config(tiny_llama_dir: Path) -> EngineConfig:
+    return EngineConfig.from_options(str(tiny_llama_dir), **OPTIONS)
+
+
+@pytest.fixture()
+def engine(config: EngineConfig) -> Iterator[AsyncEngine]:
+    eng = AsyncEngine.spawn(config)
+    yield eng
+    eng.shutdown()
+
+
+async def final(engine: AsyncEngine, prompt: list[int], rid: str,
+                params: SamplingParams = GREEDY) -> list[int]:
+    last = None
+    async for out in engine.generate(prompt, params, rid):
+        last = out
+    assert last is not None and last.finished
+    return last.outputs[0].token_ids
+
+
+async def wait_for(predicate: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+async def test_same_tokens_as_the_thread_core(engine: AsyncEngine, config: EngineConfig) -> None:
+    prompts = [[5, 9, 13, 2, 7] * (i + 1) for i in range(4)]
+    in_process = AsyncEngine(config)
+    try:
+        expected = await asyncio.gather(*(final(in_process, p, f"t{i}")
+                                          for i, p in enumerate(prompts)))
+    finally:
+        in_process.shutdown()
+    got = await asyncio.gather(*(final(engine, p, f"p{i}") for i, p in enumerate(prompts)))
+    assert got == expected
+    assert engine.stats().generation_tokens == 12 * len(prompts)
+    assert engine.client.info.max_model_len == 512
+
+
+async def test_aclose_aborts_in_the_child(engine: AsyncEngine) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    gen = engine.generate(list(range(1, 40)), params, "long")
+    await gen.__anext__()
+    assert engine.stats().num_running == 1
+    await gen.aclose()
+    await wait_for(lambda: engine.stats().num_running == 0 and engine.stats().kv_cache_usage == 0)
+    assert engine.stats().generation_tokens < 400
+
+
+async def test_killed_core_fails_open_streams_with_503(engine: AsyncEngine) -> None:
+    client = engine.client
+    assert isinstance(client, ProcessCore) and client.pid is not None
+    deaths: list[CoreDied] = []
+    engine.on_death.append(deaths.append)
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    gen = engine.generate(list(range(1, 40)), params, "doomed")
+    await gen.__anext__()
+    os.kill(client.pid, signal.SIGKILL)
+    with pytest.raises(CoreDied) as err:
+        async for _ in gen:
+            pass
+    assert err.value.status_code == 503 and "exit code -9" in err.value.message
+    await wait_for(lambda: bool(deaths))
+    with pytest.raises(CoreDied):
+        await anext(engine.generate([1, 2, 3], GREEDY, "after"))
+
+
+async def test_shutdown_is_prompt_while_requests_run(engine: AsyncEngine) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
+    gens = [engine.generate([i + 1] * 20, params, f"busy{i}") for i in range(6)]
+    for gen in gens:
+        await gen.__anext__()
+    client = engine.client
+    assert isinstance(client, ProcessCore)
+    start = time.monotonic()
+    await asyncio.to_thread(engine.shutdown)
+    assert time.monotonic() - start < 5
+    assert not client.process.is_alive() and client.process.exitcode == 0
+    for gen in gens:
+        with pytest.raises(Exception, match="shut down"):
+            async for _ in gen:
+                pass
+
+
+def test_bad_model_fails_before_spawning(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError):
+        ProcessCore(EngineConfig.from_options(str(tmp_path / "nope")))
+
+
+def test_messages_round_trip_through_msgpack() -> None:
+    from sluice.engine.messages import Add, CoreRequest, SeqUpdate
+    from sluice.engine.stats import EngineStats
+    from sluice.protocol.errors import InvalidRequestError
+
+    params = SamplingParams(n=2, temperature=0.5, stop=["x"], logprobs=2, seed=3,
+                            output_kind=RequestOutputKind.DELTA)
+    add = Add(CoreRequest("r", [1, 2], params, 3, 12.5, 7))
+    assert decode(encode(add)) == add
+    assert decode(encode(Abort("r"))) == Abort("r")
+    out = CoreOutputs([SeqUpdate("r", 1, [5], [{5: -0.1, 6: -2.0}], -0.1, "stop", 5, 16, 1.0)],
+                      EngineStats(1, 2, 0.5, 64, 10, 4, 0, 20, 30, 5),
+                      [("q", InvalidRequestError("dup", param="request_id"))])
+    back = decode(encode(out))
+    assert isinstance(back, CoreOutputs)
+    assert back.updates == out.updates and back.stats == out.stats
+    (rid, err), = back.errors
+    assert rid == "q" and isinstance(err, InvalidRequestError) and err.param == "request_id"
