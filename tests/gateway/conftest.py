@@ -42,7 +42,7 @@ def pg_store() -> Iterator[SQLStore]:
     store.close()
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.services)])
 def any_store(request: pytest.FixtureRequest) -> SQLStore:
     name = "sqlite_store" if request.param == "sqlite" else "pg_store"
     return request.getfixturevalue(name)  # type: ignore[no-any-return]
