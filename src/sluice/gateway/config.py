@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sluice.protocol.edge import DEFAULT_MAX_BODY_BYTES
 from sluice.protocol.errors import InvalidRequestError
 
 # vLLM-compatible priorities: lower runs first; a request without `priority` is 0.
@@ -74,7 +75,7 @@ class GatewayConfig:
     limiter: LimiterConfig = field(default_factory=LimiterConfig)
     prices_file: Path | None = None
     default_reserve_tokens: int = 256
-    max_body_bytes: int = 16 * 1024 * 1024
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies: 413
     budget_lease_s: float = 3600.0
 
     def __post_init__(self) -> None:
