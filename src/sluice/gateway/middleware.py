@@ -20,7 +20,8 @@ proxy of `sluice gateway --upstream`. Per request under `/v1/`:
                       refused, or cancelled during admission): tokens reconciled,
                       concurrency freed, ledger row + spend + the budget reservation's
                       release written in one transaction, *before* the last bytes go
-                      to the client
+                      to the client where admission reads it (a budget, a concurrency
+                      limit; `await_ledger`), else just after (`GatewayState.later`)
 
 `/admin/{tenants,keys,usage,purge}` and `/v1/usage` are served by the gateway's own
 app (`admin.py`); other `/admin/...` routes (the router's) pass through;
@@ -466,23 +467,50 @@ class Exchange:
 
     async def settle(self, status: str) -> None:
         """Exactly once: reconcile tokens, free the slot, write ledger + spend and release
-        the budget reservation (one transaction), count."""
+        the budget reservation (one transaction), count; each before the response's last
+        bytes where admission reads it (`release_now`, `ledger_now`), else just after."""
         if self.settled or self.adm is None:
             return
         self.settled = True
         adm = self.adm
         prompt, completion = await self.final_tokens(status)
-        cost = self.state.prices.cost(adm.model, prompt, completion)
-        await self.release(adm, prompt + completion)
+        release = self.release(adm, prompt + completion)
+        if self.release_now(adm):
+            await release
+        else:
+            self.state.later(release)
+        record = self.record(status, prompt, completion)
+        if self.ledger_now(adm):
+            await self.write(record, adm.reservation)
+        else:  # nothing at admission reads this row: written just after the response
+            self.state.later(self.write(record, adm.reservation))
+
+    def release_now(self, adm: Admission) -> bool:
+        """The limiter is reconciled before the last bytes when a concurrency or
+        tokens-per-minute limit counts this request (the client's next request needs the
+        slot back and the tokens reconciled); requests-per-minute needs no release."""
+        tenant, key = adm.principal.tenant.settings, adm.principal.key.settings
+        limits = (tenant.max_concurrent, key.max_concurrent, tenant.tpm, key.tpm)
+        return self.state.config.await_ledger or any(x is not None for x in limits)
+
+    def ledger_now(self, adm: Admission) -> bool:
+        """The ledger row is committed before the last bytes when the tenant has a budget
+        (its next admission reads the spend) or `await_ledger` is set."""
+        return (self.state.config.await_ledger or adm.reservation is not None
+                or adm.principal.tenant.settings.budget_usd is not None)
+
+    def record(self, status: str, prompt: int, completion: int) -> UsageRecord:
+        adm = self.adm
+        assert adm is not None
         request_body, response_body = self.bodies(adm)
-        record = UsageRecord(
+        return UsageRecord(
             request_id=adm.request_id, tenant_id=adm.principal.tenant.id,
             key_id=adm.principal.key.id, endpoint=self.endpoint, model=adm.model,
             status=status, http_status=self.status or 499, prompt_tokens=prompt,
-            completion_tokens=completion, cost_usd=cost,
+            completion_tokens=completion,
+            cost_usd=self.state.prices.cost(adm.model, prompt, completion),
             latency_ms=(time.perf_counter() - self.started) * 1000,
             request_body=request_body, response_body=response_body)
-        await self.write(record, adm.reservation)
 
     async def final_tokens(self, status: str) -> tuple[int, int]:
         adm, m = self.adm, self.meter
