@@ -212,6 +212,7 @@ cache, source = TokenCache(), resolve_model(None)  # as `sluice serve` composes 
 pool = PoolConfig(workers=(WorkerSpec(spec["stub"]),), policy=spec["policy"], tokenizer=source)
 app = build_app(RouterConfig(pools=(pool,), admin_key="bench"), token_cache=cache)
 config = GatewayConfig(database_url=spec["db"], table_prefix=spec["prefix"], admin_key="bench",
+                       await_ledger=spec["await_ledger"],
                        limiter=LimiterConfig(redis_url=spec["redis"], key_prefix=spec["rl"]))
 gw = GatewayMiddleware(app, GatewayState.from_config(
     config, count_prompt_tokens=PromptTokenCounter(default_source=source, cache=cache)))
@@ -228,8 +229,8 @@ SERVE_CONFIGS = {
                                                 True)}
 
 
-def serve_target(stub: str, policy: str, config: str, front: str, tmp: str
-                 ) -> tuple[dict[str, Any], str, Callable[[], None]]:
+def serve_target(stub: str, policy: str, config: str, front: str, tmp: str,
+                 await_ledger: bool = False) -> tuple[dict[str, Any], str, Callable[[], None]]:
     """A gateway + router process as `sluice serve --workers N` runs it (`front`:
     "server", the router's own; "uvicorn", how it ran before) with one bench key."""
     import uuid
@@ -244,7 +245,7 @@ def serve_target(stub: str, policy: str, config: str, front: str, tmp: str
     _, key = store.create_key("bench", KeySettings())
     spec = {"stub": stub, "policy": policy, "db": db, "prefix": prefix, "front": front,
             "redis": "redis://127.0.0.1:6379/0" if redis else None, "rl": rl,
-            "port": free_port()}
+            "port": free_port(), "await_ledger": await_ledger}
 
     def cleanup() -> None:
         store.drop_all()
@@ -310,6 +311,9 @@ def main() -> int:
     ap.add_argument("--serve-uvicorn", action="store_true",
                     help="with --serve: also the same app under uvicorn (the old composition)")
     ap.add_argument("--serve-policy", default="cost")
+    ap.add_argument("--serve-await-ledger", action="store_true",
+                    help="with --serve: also each server target with GatewayConfig.await_ledger "
+                         "(every ledger commit before the response, as before)")
     args = ap.parse_args()
 
     procs: list[subprocess.Popen[bytes]] = []
@@ -344,15 +348,18 @@ def main() -> int:
         import tempfile
 
         tmp = tempfile.mkdtemp(prefix="sluice-serve-bench-")
-        fronts = ["server"] + (["uvicorn"] if args.serve_uvicorn else [])
+        fronts = [("server", False)] + ([("server", True)] if args.serve_await_ledger else []) \
+            + ([("uvicorn", False)] if args.serve_uvicorn else [])
         for config in args.serve:
-            for front in fronts:
-                spec, extra, cleanup = serve_target(stub, args.serve_policy, config, front, tmp)
+            for front, await_ledger in fronts:
+                spec, extra, cleanup = serve_target(stub, args.serve_policy, config, front, tmp,
+                                                    await_ledger)
+                label = front + (", await_ledger" if await_ledger else "")
                 p = start([sys.executable, "-c", SERVE, json.dumps(spec)])
                 procs.append(p)
                 try:
                     wait_http(f"http://127.0.0.1:{spec['port']}/health")
-                    results.append(measure(f"gateway+router {front} ({config})", spec["port"],
+                    results.append(measure(f"gateway+router {label} ({config})", spec["port"],
                                            args, extra))
                 finally:
                     p.terminate()
