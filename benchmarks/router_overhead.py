@@ -11,7 +11,11 @@ would otherwise be). For each target, in the same run:
    latency is its percentile minus the direct one.
 
 `sluice router` serves on its own HTTP/1.1 server (router/server.py); `--uvicorn POLICY`
-adds the router's ASGI app under uvicorn, as `sluice serve` and the gateway run it.
+adds the router's ASGI app under uvicorn. `--serve sqlite postgres+redis` adds the
+`sluice serve --workers N` path: gateway + router in one process on the router's server
+(the gateway an ASGI layer of it; real tokenizer, cost policy, a key per run), with
+SQLite + in-process limits or PostgreSQL + Redis; `--serve-uvicorn` adds the same app
+under uvicorn (how `sluice serve` ran it before) for comparison.
 Optionally the same against SGLang's Rust router (`--sglang-router PYTHON`: a python
 that has `sglang_router` installed, in its own venv).
 
@@ -92,12 +96,13 @@ class Conn:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  request: bytes) -> None:
         self.reader, self.writer, self.request = reader, writer, request
+        self.extra_head = ""
 
     @classmethod
-    async def open(cls, port: int, body: bytes = BODY, path: str = "/v1/chat/completions"
-                   ) -> Conn:
+    async def open(cls, port: int, body: bytes = BODY, path: str = "/v1/chat/completions",
+                   extra: str = "") -> Conn:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{extra}"
                 f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
         return cls(reader, writer, head.encode() + body)
 
@@ -122,9 +127,9 @@ class Conn:
         self.writer.close()
 
 
-async def saturate(port: int, concurrency: int, seconds: float, body: bytes = BODY
-                   ) -> dict[str, float]:
-    conns = [await Conn.open(port, body) for _ in range(concurrency)]
+async def saturate(port: int, concurrency: int, seconds: float, body: bytes = BODY,
+                   extra: str = "") -> dict[str, float]:
+    conns = [await Conn.open(port, body, extra=extra) for _ in range(concurrency)]
     done = 0
     errors = 0
     stop = time.perf_counter() + seconds
@@ -145,7 +150,7 @@ async def saturate(port: int, concurrency: int, seconds: float, body: bytes = BO
 
 
 async def fixed_rate(port: int, rate: float, seconds: float, max_conns: int = 256,
-                     body: bytes = BODY) -> dict[str, float]:
+                     body: bytes = BODY, extra: str = "") -> dict[str, float]:
     free: asyncio.Queue[Conn] = asyncio.Queue()
     opened = 0
     lat: list[float] = []
@@ -155,7 +160,7 @@ async def fixed_rate(port: int, rate: float, seconds: float, max_conns: int = 25
         nonlocal opened, errors
         if free.empty() and opened < max_conns:
             opened += 1
-            conn = await Conn.open(port, body)
+            conn = await Conn.open(port, body, extra=extra)
         else:
             conn = await free.get()
         if await conn.call() != 200:
@@ -192,6 +197,63 @@ uvicorn.run(build_app(RouterConfig(pools=(pool,))), host="127.0.0.1", port={port
 """
 
 
+SERVE = """
+import json, sys
+from sluice.engine.tokenizer import resolve_model
+from sluice.gateway.config import GatewayConfig, LimiterConfig
+from sluice.gateway.middleware import GatewayMiddleware
+from sluice.gateway.state import GatewayState
+from sluice.gateway.tokens import PromptTokenCounter
+from sluice.protocol.prompt import TokenCache
+from sluice.router.app import build_app
+from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
+spec = json.loads(sys.argv[1])
+cache, source = TokenCache(), resolve_model(None)  # as `sluice serve` composes them
+pool = PoolConfig(workers=(WorkerSpec(spec["stub"]),), policy=spec["policy"], tokenizer=source)
+app = build_app(RouterConfig(pools=(pool,), admin_key="bench"), token_cache=cache)
+config = GatewayConfig(database_url=spec["db"], table_prefix=spec["prefix"], admin_key="bench",
+                       await_ledger=spec["await_ledger"],
+                       limiter=LimiterConfig(redis_url=spec["redis"], key_prefix=spec["rl"]))
+gw = GatewayMiddleware(app, GatewayState.from_config(
+    config, count_prompt_tokens=PromptTokenCounter(default_source=source, cache=cache)))
+if spec["front"] == "server":
+    from sluice.router.server import run
+    run(gw, "127.0.0.1", spec["port"], state=lambda: app.state.router, direct=False)
+else:
+    import uvicorn
+    uvicorn.run(gw, host="127.0.0.1", port=spec["port"], log_level="warning", access_log=False,
+                lifespan="on")
+"""
+SERVE_CONFIGS = {
+    "sqlite": (None, False), "postgres+redis": ("postgresql+psycopg://postgres@127.0.0.1:5432/test",
+                                                True)}
+
+
+def serve_target(stub: str, policy: str, config: str, front: str, tmp: str,
+                 await_ledger: bool = False) -> tuple[dict[str, Any], str, Callable[[], None]]:
+    """A gateway + router process as `sluice serve --workers N` runs it (`front`:
+    "server", the router's own; "uvicorn", how it ran before) with one bench key."""
+    import uuid
+
+    from sluice.gateway.store import KeySettings, SQLStore, TenantSettings
+
+    pg, redis = SERVE_CONFIGS[config]
+    db = pg or f"sqlite:///{os.path.join(tmp, uuid.uuid4().hex + '.db')}"
+    prefix, rl = f"b{uuid.uuid4().hex[:8]}_", f"sluice-bench:{uuid.uuid4().hex}:"
+    store = SQLStore(db, table_prefix=prefix)
+    store.create_tenant("bench", TenantSettings(rpm=10**8, tpm=10**10))
+    _, key = store.create_key("bench", KeySettings())
+    spec = {"stub": stub, "policy": policy, "db": db, "prefix": prefix, "front": front,
+            "redis": "redis://127.0.0.1:6379/0" if redis else None, "rl": rl,
+            "port": free_port(), "await_ledger": await_ledger}
+
+    def cleanup() -> None:
+        store.drop_all()
+        store.close()
+
+    return spec, f"Authorization: Bearer {key}\r\n", cleanup
+
+
 def wait_http(url: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -212,15 +274,16 @@ def start(cmd: list[str]) -> subprocess.Popen[bytes]:
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path})
 
 
-def measure(name: str, port: int, args: argparse.Namespace) -> dict[str, Any]:
+def measure(name: str, port: int, args: argparse.Namespace, extra: str = "") -> dict[str, Any]:
     body = request_body(args.stream_events)
 
     async def run() -> dict[str, Any]:
-        await saturate(port, 8, 0.5, body)  # warm-up
-        sat = await saturate(port, args.concurrency, args.seconds, body)
+        await saturate(port, 8, 0.5, body, extra)  # warm-up
+        sat = await saturate(port, args.concurrency, args.seconds, body, extra)
         rates = {}
         for rate in args.rates:
-            rates[str(int(rate))] = await fixed_rate(port, rate, args.seconds, body=body)
+            rates[str(int(rate))] = await fixed_rate(port, rate, args.seconds, body=body,
+                                                     extra=extra)
         return {"target": name, "saturation_rps": sat["rps"], "saturation_errors": sat["errors"],
                 "fixed_rate": rates}
 
@@ -240,6 +303,17 @@ def main() -> int:
                          "the gateway run it) with these policies")
     ap.add_argument("--sglang-router", default=None,
                     help="python of a venv with sglang_router installed")
+    ap.add_argument("--serve", nargs="*", default=[], metavar="CONFIG",
+                    choices=sorted(SERVE_CONFIGS),
+                    help="also gateway + router in one process, as `sluice serve --workers N` "
+                         "runs them (the router's server, the gateway a layer of it), with "
+                         "these stores: sqlite (+ in-process limits), postgres+redis")
+    ap.add_argument("--serve-uvicorn", action="store_true",
+                    help="with --serve: also the same app under uvicorn (the old composition)")
+    ap.add_argument("--serve-policy", default="cost")
+    ap.add_argument("--serve-await-ledger", action="store_true",
+                    help="with --serve: also each server target with GatewayConfig.await_ledger "
+                         "(every ledger commit before the response, as before)")
     args = ap.parse_args()
 
     procs: list[subprocess.Popen[bytes]] = []
@@ -271,6 +345,26 @@ def main() -> int:
             results.append(measure(f"router app on uvicorn ({policy})", port, args))
             p.terminate()
             p.wait(10)
+        import tempfile
+
+        tmp = tempfile.mkdtemp(prefix="sluice-serve-bench-")
+        fronts = [("server", False)] + ([("server", True)] if args.serve_await_ledger else []) \
+            + ([("uvicorn", False)] if args.serve_uvicorn else [])
+        for config in args.serve:
+            for front, await_ledger in fronts:
+                spec, extra, cleanup = serve_target(stub, args.serve_policy, config, front, tmp,
+                                                    await_ledger)
+                label = front + (", await_ledger" if await_ledger else "")
+                p = start([sys.executable, "-c", SERVE, json.dumps(spec)])
+                procs.append(p)
+                try:
+                    wait_http(f"http://127.0.0.1:{spec['port']}/health")
+                    results.append(measure(f"gateway+router {label} ({config})", spec["port"],
+                                           args, extra))
+                finally:
+                    p.terminate()
+                    p.wait(10)
+                    cleanup()
         if args.sglang_router:
             port = free_port()
             p = start([args.sglang_router, "-m", "sglang_router.launch_router",

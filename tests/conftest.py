@@ -13,6 +13,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tiny_models import default_gguf_path, make_tiny_checkpoint  # noqa: E402
 
+SERVICE_FIXTURES = frozenset({"pg_store", "redis_prefix"})  # PostgreSQL / Redis on 127.0.0.1
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test that needs PostgreSQL or Redis carries the `services` marker, so that
+    `-m "not services"` runs where they are absent: a test that forgets it fails here."""
+    unmarked = [item.nodeid for item in items
+                if SERVICE_FIXTURES & set(getattr(item, "fixturenames", ()))
+                and item.get_closest_marker("services") is None]
+    if unmarked:
+        raise pytest.UsageError("tests using PostgreSQL/Redis fixtures without "
+                                f"@pytest.mark.services: {unmarked}")
+
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

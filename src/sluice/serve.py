@@ -5,6 +5,10 @@
            (engine thread, this process)          (cost policy)   processes on free ports,
                                                                   KV events over ZMQ
 
+The prompt is tokenized once: the gateway counts it (one `TokenCache` per process,
+shared with the router) and passes the ids on in `x-sluice-prompt-ids`; the router
+hashes those ids, and the worker takes them when its tokenizer and text match.
+
 The gateway authenticates every /v1 request. On first start it creates a `dev` tenant
 and prints its key, saved in `SLUICE_HOME/dev-key` (default `./.sluice/dev-key`) and
 reused on later starts, so the README's examples work as written. `--no-gateway` serves
@@ -18,6 +22,7 @@ import sys
 from typing import Any
 
 from sluice import env
+from sluice.protocol.prompt import TokenCache
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -41,7 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--redis-url", default=None,
                    help="shared limit counters across gateway replicas (default: in process)")
     p.add_argument("--admin-key", default=None,
-                   help="key for the gateway's /admin API (default: SLUICE_ADMIN_KEY)")
+                   help="key for the gateway's and the router's /admin APIs (default: "
+                        "SLUICE_ADMIN_KEY; without one they answer 403)")
     p.add_argument("--log-level", default="warning",
                    choices=["debug", "info", "warning", "error"])
     add_engine_arguments(p)
@@ -52,7 +58,7 @@ def say(message: str) -> None:
     print(f"sluice: {message}", file=sys.stderr, flush=True)
 
 
-def gateway_wrap(args: argparse.Namespace) -> Any:
+def gateway_wrap(args: argparse.Namespace, cache: TokenCache) -> Any:
     """A function wrapping an ASGI app in the gateway; prints the dev key on the way."""
     from sluice.engine.tokenizer import resolve_model
     from sluice.gateway.config import GatewayConfig, LimiterConfig
@@ -66,7 +72,8 @@ def gateway_wrap(args: argparse.Namespace) -> Any:
         admin_key=args.admin_key or env.get("ADMIN_KEY"),
         limiter=LimiterConfig(redis_url=args.redis_url or env.get("REDIS_URL")))
     state = GatewayState.from_config(
-        config, count_prompt_tokens=PromptTokenCounter(default_source=resolve_model(args.model)))
+        config, count_prompt_tokens=PromptTokenCounter(default_source=resolve_model(args.model),
+                                                       cache=cache))
     key = ensure_dev_key(state.store)
     say(f"API key for the dev tenant: {key}  (saved in {env.home() / 'dev-key'})")
     return lambda app: GatewayMiddleware(app, state)
@@ -96,14 +103,12 @@ def serve_one(args: argparse.Namespace, wrap: Any) -> int:
     return run_worker(engine_config(args), worker, wrap=wrap)
 
 
-def serve_many(args: argparse.Namespace, wrap: Any) -> int:
-    import uvicorn
-
+def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
     from sluice.control.local import LocalWorkerPool
     from sluice.engine.tokenizer import resolve_model
     from sluice.router.app import build_app
     from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
-    from sluice.worker.server import quiet_signal_reraise
+    from sluice.router.server import run
 
     flags = worker_flags(args) + ["--log-level", args.log_level]
     say(f"starting {args.workers} workers (model load shows in their logs) ...")
@@ -114,12 +119,14 @@ def serve_many(args: argparse.Namespace, wrap: Any) -> int:
         pool_config = PoolConfig(workers=workers, policy=args.policy,
                                  tokenizer=resolve_model(args.model),
                                  block_size=args.block_size or 16)
-        config = RouterConfig(pools=(pool_config,), host=args.host, port=args.port)
-        app = build_app(config)
+        config = RouterConfig(pools=(pool_config,), host=args.host, port=args.port,
+                              admin_key=args.admin_key or env.get("ADMIN_KEY"))
+        app = build_app(config, token_cache=cache)
         say(f"router ({args.policy}) listening on http://{args.host}:{args.port}")
-        quiet_signal_reraise()  # SIGTERM drains, then exits 0 after stopping the workers
-        uvicorn.run(wrap(app) if wrap else app, host=args.host, port=args.port,
-                    log_level=args.log_level, timeout_keep_alive=30)
+        # the router's own server, the gateway (if any) a layer of it; SIGINT/SIGTERM
+        # drain, then the workers stop and this exits 0
+        run(wrap(app) if wrap else app, args.host, args.port,
+            state=lambda: app.state.router, direct=wrap is None)
     say("stopped")
     return 0
 
@@ -131,8 +138,9 @@ def handler(args: argparse.Namespace) -> int:
         print("sluice serve: error: --workers must be at least 1", file=sys.stderr)
         return 2
     try:
-        wrap = gateway_wrap(args) if args.gateway else None
-        return serve_one(args, wrap) if args.workers == 1 else serve_many(args, wrap)
+        cache = TokenCache()  # one per process: the gateway counts, the router hashes
+        wrap = gateway_wrap(args, cache) if args.gateway else None
+        return serve_one(args, wrap) if args.workers == 1 else serve_many(args, wrap, cache)
     except SluiceError as exc:
         print(f"sluice serve: error: {exc}", file=sys.stderr)
         return 2

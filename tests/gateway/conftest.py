@@ -42,7 +42,7 @@ def pg_store() -> Iterator[SQLStore]:
     store.close()
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.services)])
 def any_store(request: pytest.FixtureRequest) -> SQLStore:
     name = "sqlite_store" if request.param == "sqlite" else "pg_store"
     return request.getfixturevalue(name)  # type: ignore[no-any-return]
@@ -68,8 +68,10 @@ def stub() -> StubUpstream:
 
 def make_state(store: SQLStore, limiter: Limiter | None = None, *,
                prices: PriceTable | None = None, on_redis_error: str = "closed",
-               count=estimate_prompt_tokens) -> GatewayState:
-    config = GatewayConfig(admin_key=ADMIN_KEY,
+               count=estimate_prompt_tokens, await_ledger: bool = True) -> GatewayState:
+    """A state on `store`; `await_ledger` (default here) makes every record readable as
+    soon as its response has arrived."""
+    config = GatewayConfig(admin_key=ADMIN_KEY, await_ledger=await_ledger,
                            limiter=LimiterConfig(on_redis_error=on_redis_error))
     return GatewayState(config=config, store=store, limiter=limiter or LocalLimiter(),
                         prices=prices or PriceTable(), count_prompt_tokens=count)

@@ -311,3 +311,24 @@ async def test_concurrent_spend_equals_ledger_sum(sqlite_store: SQLStore,
     assert len(records) == 30 and len({r.request_id for r in records}) == 30
     assert sqlite_store.get_tenant("acme").spend_usd == pytest.approx(
         sum(r.cost_usd for r in records)) == pytest.approx(30 * 17.0)
+
+
+async def test_settlement_off_the_critical_path_is_still_written_exactly_once(
+        sqlite_store: SQLStore, stub: StubUpstream) -> None:
+    """Without a budget nothing at admission reads the ledger: the commit happens just
+    after the response; a budgeted tenant's still happens first."""
+    free = new_key(sqlite_store, tenant="free", rpm=100, tpm=10**6)
+    budgeted = new_key(sqlite_store, tenant="budgeted", budget_usd=100.0)
+    state = make_state(sqlite_store, await_ledger=False)
+    gw = GatewayMiddleware(stub, state)
+    async with client_for(gw, budgeted) as c:
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        assert len(sqlite_store.query_usage(UsageQuery())) == 1  # written before the reply
+    async with client_for(gw, free) as c:
+        rs = await asyncio.gather(*(c.post("/v1/chat/completions", json=CHAT) for _ in range(20)))
+        assert all(r.status_code == 200 for r in rs)
+    await state.flush()
+    records = sqlite_store.query_usage(UsageQuery())
+    assert len(records) == 21 and len({r.request_id for r in records}) == 21
+    assert sum(r.completion_tokens for r in records) == 21 * 5
+    assert not state.background

@@ -10,7 +10,7 @@ import httpx
 from sluice.gateway.middleware import GatewayMiddleware
 from sluice.gateway.store import SQLStore, UsageQuery
 
-from .conftest import CHAT, make_state, new_key, serve
+from .conftest import ADMIN_KEY, CHAT, make_state, new_key, serve
 from .stub import PROMPT_TOKENS, StubUpstream
 
 
@@ -23,7 +23,8 @@ async def test_gateway_over_router(sqlite_store: SQLStore) -> None:
     async with serve(worker) as worker_url:
         config = RouterConfig(pools=(PoolConfig(model="stub-model",
                                                 workers=(WorkerSpec(worker_url),)),),
-                              health_interval_s=0.1, scrape_interval_s=0.1, seed=0)
+                              health_interval_s=0.1, scrape_interval_s=0.1, seed=0,
+                              admin_key=ADMIN_KEY)
         gw = GatewayMiddleware(build_app(config), make_state(sqlite_store))
         async with serve(gw, lifespan="on") as url, httpx.AsyncClient(base_url=url,
                                                                        timeout=10) as c:
@@ -42,7 +43,9 @@ async def test_gateway_over_router(sqlite_store: SQLStore) -> None:
             assert r.status_code == 200, r.text
             r = await c.post("/v1/chat/completions", json=CHAT, headers=headers)
             assert r.status_code == 429
-            workers = await c.get("/admin/workers")  # the router's own admin API
+            # the router's own admin API: passed through, guarded by the router's key
+            assert (await c.get("/admin/workers")).status_code == 401
+            workers = await c.get("/admin/workers", headers={"x-admin-key": ADMIN_KEY})
             assert workers.status_code == 200 and worker_url in workers.text
     assert [b.get("priority") for b in worker.received] == [0, 0, None]
     assert worker.received[1]["stream_options"] == {"include_usage": True}

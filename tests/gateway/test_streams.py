@@ -46,7 +46,7 @@ async def test_client_abort_mid_stream_records_once_with_tokens_so_far(
         r2 = await client.post("/v1/chat/completions", json={**CHAT, "stream": True},
                                headers=headers)
         assert r2.status_code == 200 and r2.text.endswith("data: [DONE]\n\n")
-        await asyncio.sleep(0.3)  # nothing else trickles in late
+        await wait_for_records(sqlite_store, 2)  # settled before its last bytes were sent
     statuses = [r.status for r in sqlite_store.query_usage(UsageQuery())]
     assert statuses == ["aborted", "ok"]
     assert state.metrics.inflight._value.get() == 0

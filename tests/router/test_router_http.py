@@ -34,6 +34,8 @@ from sluice.router.server import RouterServer
 Front = Callable[[Any], AbstractAsyncContextManager[str]]
 Cluster = Callable[..., AbstractAsyncContextManager[tuple[str, dict[str, str]]]]
 FRONTS: dict[str, Front] = {"server": serve_router, "uvicorn": serve}
+ADMIN_KEY = "test-admin"
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 
 
 @pytest.fixture(params=sorted(FRONTS))
@@ -60,7 +62,7 @@ async def _cluster(front: Front, states: list[StubState], policy: str = "round_r
                                                 workers=workers, policy=policy,
                                                 **(pool_kw or {})),),
                               **{"health_interval_s": 0.1, "scrape_interval_s": 0.1, "seed": 0,
-                                 **router_kw})
+                                 "admin_key": ADMIN_KEY, **router_kw})
         app = build_app(config, rng=random.Random(0))
         router_url = await stack.enter_async_context(front(app))
         yield router_url, names
@@ -152,9 +154,9 @@ async def test_ejection_and_readmission(cluster: Cluster) -> None:
         assert "sluice_router_ejections_total" in m and "sluice_router_readmissions_total" in m
 
 
-async def worker(c: httpx.AsyncClient, url: str, **headers: str) -> dict[str, Any]:
+async def worker(c: httpx.AsyncClient, url: str) -> dict[str, Any]:
     """The router's view of one worker (GET /admin/workers)."""
-    pools = (await c.get("/admin/workers", headers=headers)).json()["pools"]
+    pools = (await c.get("/admin/workers", headers=ADMIN)).json()["pools"]
     return next(w for p in pools for w in p["workers"] if w["url"] == url)
 
 
@@ -191,8 +193,11 @@ async def test_streaming_requests_count_until_their_stream_ends(cluster: Cluster
                 return await s.aread()  # type: ignore[return-value]
 
         first = asyncio.create_task(one())
-        await asyncio.sleep(0.1)  # its first byte has arrived; the stream is still open
-        assert len(a.requests) + len(b.requests) == 1
+
+        async def dispatched() -> int:
+            return len(a.requests) + len(b.requests)
+
+        await wait_for(dispatched, lambda n: n == 1)  # the stream is open (30 × 20 ms)
         await one()  # must go to the other worker: the open stream still counts
         await first
         assert len(a.requests) == 1 and len(b.requests) == 1
@@ -242,7 +247,12 @@ async def test_kv_events_steer_requests_to_the_worker_holding_the_prefix(cluster
                 assert r.json()["worker"] == "b"
             pubs["b"].publish([BlockRemoved(hashes)])
             await stored_on("a")
-            await asyncio.sleep(0.05)
+            removed = f'sluice_router_kv_events_total{{type="BlockRemoved",worker="{urls["b"]}"}}'
+
+            async def metrics() -> str:
+                return (await c.get("/metrics")).text
+
+            await wait_for(metrics, lambda m: removed in m)
             r = await c.post("/v1/chat/completions", json={**chat(prompt)})
             assert r.json()["worker"] == "a"
     finally:
@@ -531,5 +541,60 @@ async def test_a_worker_failing_mid_stream_breaks_the_client_response(cluster: C
             httpx.AsyncClient(base_url=router) as c:
         with pytest.raises(httpx.RemoteProtocolError):  # not a clean, short stream
             await c.post("/v1/chat/completions", json=chat("x", stream=True))
-        pools = (await c.get("/admin/workers")).json()["pools"]
+        pools = (await c.get("/admin/workers", headers=ADMIN)).json()["pools"]
         assert pools[0]["workers"][0]["inflight"] == 0
+
+
+ADMIN_ROUTES = [("GET", "/admin/workers", None), ("POST", "/admin/workers", {"url": "http://x"}),
+                ("DELETE", "/admin/workers", {"url": "http://x"}),
+                ("POST", "/admin/workers/drain", {"url": "http://x"})]
+
+
+async def test_every_admin_route_is_closed_without_a_key_and_needs_it(cluster: Cluster) -> None:
+    """The hostile test: through the public port nobody may add or remove a worker."""
+    async with cluster([StubState("a")], admin_key=None) as (router, urls), \
+            httpx.AsyncClient(base_url=router) as c:
+        for method, path, body in ADMIN_ROUTES:
+            r = await c.request(method, path, json=body, headers=ADMIN)
+            assert r.status_code == 403, (method, path, r.text)
+            assert r.json()["error"]["type"] == "permission_error"
+    async with cluster([StubState("a")]) as (router, urls), \
+            httpx.AsyncClient(base_url=router) as c:
+        for method, path, body in ADMIN_ROUTES:
+            for headers in ({}, {"authorization": "Bearer nope"}, {"x-admin-key": "nope"}):
+                r = await c.request(method, path, json=body, headers=headers)
+                assert r.status_code == 401, (method, path, headers, r.text)
+                assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert [w["url"] for p in (await c.get("/admin/workers", headers=ADMIN)).json()["pools"]
+                for w in p["workers"]] == [urls["a"]]
+
+
+async def _chunks(data: bytes, size: int = 1000) -> AsyncIterator[bytes]:
+    for i in range(0, len(data), size):
+        yield data[i:i + size]
+
+
+async def test_bodies_over_the_limit_are_413(cluster: Cluster) -> None:
+    a = StubState("a")
+    body = json.dumps(chat("x" * 5000)).encode()
+    async with cluster([a], max_body_bytes=4000) as (router, _), \
+            httpx.AsyncClient(base_url=router) as c:
+        for path in ("/v1/chat/completions", "/v1/messages", "/tokenize"):
+            r = await c.post(path, content=body)  # Content-Length declared: before reading
+            assert r.status_code == 413, (path, r.text)
+            r = await c.post(path, content=_chunks(body))  # chunked: as the bytes arrive
+            assert r.status_code == 413, (path, r.text)
+        err = r.json()["error"]
+        assert (err["type"], err["code"], err["param"]) == (
+            "invalid_request_error", "request_too_large", "body")
+        assert (await c.post("/v1/chat/completions", json=chat("x"))).status_code == 200
+    assert len(a.requests) == 1
+
+
+async def test_deep_nesting_and_lone_surrogates_are_400(cluster: Cluster) -> None:
+    deep = b'{"model": "stub-model", "messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    lone = b'{"model": "stub-model", "messages": [{"role": "user", "content": "a \\udc00"}]}'
+    async with cluster([StubState("a")]) as (router, _), httpx.AsyncClient(base_url=router) as c:
+        for body in (deep, lone, lone.replace(b"\\udc00", b"\xed\xb0\x80")):
+            r = await c.post("/v1/chat/completions", content=body)
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"

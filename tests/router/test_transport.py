@@ -1,6 +1,6 @@
-"""The router's two HTTP clients against a raw asyncio HTTP server: framing, reuse, early
-close, errors. `UpstreamPool` carries the proxied POSTs; `FastHTTPTransport` is the
-httpx transport of probes, scrapes and /tokenize."""
+"""The router's one upstream client against a raw asyncio HTTP server: framing, reuse,
+early close, errors. `UpstreamPool` carries the proxied POSTs; `UpstreamTransport` puts
+httpx over the same pool for probes, scrapes and /tokenize."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import httpx
 import pytest
 from router_stubs import free_port
 
-from sluice.router.transport import FastHTTPTransport
+from sluice.router.transport import UpstreamTransport
 from sluice.router.upstream import (
     ConnectError,
     ReadError,
@@ -83,7 +83,7 @@ async def raw_server(close_idle_after_first: bool = False, tls: ssl.SSLContext |
 
 
 async def test_framing_and_keep_alive_reuse() -> None:
-    async with raw_server() as s, httpx.AsyncClient(transport=FastHTTPTransport()) as c:
+    async with raw_server() as s, httpx.AsyncClient(transport=UpstreamTransport()) as c:
         base = f"http://127.0.0.1:{s['port']}"
         r = await c.post(base + "/sized", content=b'{"a": 1}')
         assert (r.status_code, r.text, r.headers["x-a"]) == (200, "hello", "1")
@@ -99,7 +99,7 @@ async def test_framing_and_keep_alive_reuse() -> None:
 
 
 async def test_early_close_hangs_up_and_stale_connections_are_redialled() -> None:
-    async with raw_server() as s, httpx.AsyncClient(transport=FastHTTPTransport()) as c:
+    async with raw_server() as s, httpx.AsyncClient(transport=UpstreamTransport()) as c:
         base = f"http://127.0.0.1:{s['port']}"
         async with c.stream("GET", base + "/slow") as r:
             async for _ in r.aiter_raw():
@@ -110,7 +110,7 @@ async def test_early_close_hangs_up_and_stale_connections_are_redialled() -> Non
             await asyncio.sleep(0.01)
         assert s["hangups"] == 1  # the server saw the client go away
     async with raw_server(close_idle_after_first=True) as s, \
-            httpx.AsyncClient(transport=FastHTTPTransport()) as c:
+            httpx.AsyncClient(transport=UpstreamTransport()) as c:
         base = f"http://127.0.0.1:{s['port']}"
         assert (await c.get(base + "/sized")).text == "hello"
         await asyncio.sleep(0.05)  # the server has closed the idle connection
@@ -119,7 +119,7 @@ async def test_early_close_hangs_up_and_stale_connections_are_redialled() -> Non
 
 
 async def test_connect_errors_are_httpx_errors() -> None:
-    async with httpx.AsyncClient(transport=FastHTTPTransport(connect_timeout=1)) as c:
+    async with httpx.AsyncClient(transport=UpstreamTransport(UpstreamPool(connect_timeout=1))) as c:
         with pytest.raises(httpx.ConnectError):
             await c.get(f"http://127.0.0.1:{free_port()}/x")
 

@@ -162,3 +162,46 @@ def test_overload_is_503_with_retry_after(engine: Any) -> None:
         thread.join(20)
         assert wait_until(lambda: engine.stats().num_running == 0)
         srv.stop()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages",
+                                  "/tokenize"])
+def test_deep_nesting_and_lone_surrogates_are_400(http: httpx.Client, path: str) -> None:
+    deep = b'{"model": "tiny", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    nested = b'{"model": "tiny", "prompt": ' + b"[" * 500 + b"]" * 500 + b"}"
+    lone = b'{"model": "tiny", "max_tokens": 2, "prompt": "a \\ud800", ' \
+           b'"messages": [{"role": "user", "content": "a \\ud800"}]}'
+    for body in (deep, nested, lone, lone.replace(b"\\ud800", b"\xed\xa0\x80")):
+        resp = http.post(path, content=body, headers={"content-type": "application/json"})
+        assert resp.status_code == 400, (body[:40], resp.text)
+        if path != "/v1/messages":
+            openai_error(resp, 400)
+
+
+def test_bodies_over_the_limit_are_413(engine: Any) -> None:
+    srv = ServerThread(build_app(engine, WorkerConfig(served_model_names=("tiny",),
+                                                      max_body_bytes=4000))).start()
+    body = json.dumps({"model": "tiny", "prompt": "x" * 5000}).encode()
+
+    def chunks() -> Any:
+        for i in range(0, len(body), 1000):
+            yield body[i:i + 1000]
+
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+            for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+                err = openai_error(http.post(path, content=body), 413, "body")
+                assert err["code"] == "request_too_large"
+                openai_error(http.post(path, content=chunks()), 413, "body")
+            resp = http.post("/v1/messages", content=body)
+            assert resp.status_code == 413 and resp.json()["error"]["type"] == "request_too_large"
+            ok = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi",
+                                                    "max_tokens": 1})
+            assert ok.status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_the_worker_has_no_admin_surface(http: httpx.Client) -> None:
+    for method in ("GET", "POST", "DELETE"):
+        assert http.request(method, "/admin/workers").status_code == 404

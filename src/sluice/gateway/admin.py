@@ -19,7 +19,6 @@ usage only: the tenant is taken from the key, never from the query.
 
 from __future__ import annotations
 
-import hmac
 import time
 from dataclasses import asdict
 from typing import Any
@@ -39,6 +38,7 @@ from sluice.gateway.store import (
     UsageQuery,
     UsageRecord,
 )
+from sluice.protocol.edge import check_admin_key
 from sluice.protocol.errors import (
     AuthenticationError,
     InvalidRequestError,
@@ -142,12 +142,8 @@ def build_admin_app(state: GatewayState) -> FastAPI:
         return JSONResponse(error.to_dict(), status_code=400)
 
     def admin(request: Request) -> None:
-        expected = state.config.admin_key
-        if not expected:
-            raise PermissionDeniedError("admin API disabled: set SLUICE_ADMIN_KEY")
-        given = _bearer(request) or ""
-        if not hmac.compare_digest(given.encode(), expected.encode()):
-            raise AuthenticationError("invalid admin key")
+        check_admin_key(state.config.admin_key, request.headers.raw,
+                        setting="SLUICE_ADMIN_KEY or --admin-key")
 
     def caller(request: Request) -> Principal:
         principal = store.authenticate(_bearer(request) or "")

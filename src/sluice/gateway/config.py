@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sluice.protocol.edge import DEFAULT_MAX_BODY_BYTES
 from sluice.protocol.errors import InvalidRequestError
 
 # vLLM-compatible priorities: lower runs first; a request without `priority` is 0.
@@ -65,7 +66,10 @@ class GatewayConfig:
     its tokens-per-minute limit (and its budget) until its real completion tokens are
     known. `budget_lease_s`: how long a budget reservation outlives a gateway that died
     before settling it. Tenants get their priority class from their own settings
-    (default `standard`).
+    (default `standard`). `await_ledger=False` takes the ledger commit off the critical
+    path for requests whose tenant has no budget (nothing at admission reads those rows;
+    each is still written exactly once, `GatewayState.flush` waits for them), and the
+    limiter's reconciliation for requests no concurrency or TPM limit counts.
     """
 
     database_url: str | None = None
@@ -74,8 +78,11 @@ class GatewayConfig:
     limiter: LimiterConfig = field(default_factory=LimiterConfig)
     prices_file: Path | None = None
     default_reserve_tokens: int = 256
-    max_body_bytes: int = 16 * 1024 * 1024
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies: 413
     budget_lease_s: float = 3600.0
+    # Wait for every request's ledger commit before its last bytes (True), or only where
+    # admission reads what it writes: a budgeted tenant's spend (False, the default).
+    await_ledger: bool = False
 
     def __post_init__(self) -> None:
         if self.default_reserve_tokens < 0:

@@ -20,7 +20,8 @@ proxy of `sluice gateway --upstream`. Per request under `/v1/`:
                       refused, or cancelled during admission): tokens reconciled,
                       concurrency freed, ledger row + spend + the budget reservation's
                       release written in one transaction, *before* the last bytes go
-                      to the client
+                      to the client where admission reads it (a budget, a concurrency
+                      limit; `await_ledger`), else just after (`GatewayState.later`)
 
 `/admin/{tenants,keys,usage,purge}` and `/v1/usage` are served by the gateway's own
 app (`admin.py`); other `/admin/...` routes (the router's) pass through;
@@ -54,7 +55,8 @@ from sluice.gateway.meter import ResponseMeter
 from sluice.gateway.models import MODEL_PREFIX, MODELS_PATH, ModelListFilter, allowed_models
 from sluice.gateway.state import GatewayState
 from sluice.gateway.store import Principal, UsageRecord
-from sluice.protocol import anthropic
+from sluice.gateway.tokens import estimate_view
+from sluice.protocol.edge import BodyLimit, load_json_object, read_body, send_error
 from sluice.protocol.errors import (
     AuthenticationError,
     InvalidRequestError,
@@ -62,6 +64,7 @@ from sluice.protocol.errors import (
     RateLimitError,
     SluiceError,
 )
+from sluice.protocol.prompt import IDS_HEADER, KIND_OF_PATH, IdsHint, prompt_view
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +84,7 @@ PRIORITY_BODY_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 # pass through to the inner app, which guards them with its own admin key.
 GATEWAY_ADMIN_PREFIXES = ("/admin/tenants", "/admin/keys", "/admin/usage", "/admin/purge")
 INLINE_COUNT_BYTES = 16 * 1024
+INLINE_PARSE_BYTES = 64 * 1024
 _DROP_HEADERS = {b"authorization", b"x-api-key", b"content-length", b"accept-encoding"}
 
 
@@ -97,36 +101,6 @@ def api_key_of(scope: Scope_) -> str | None:
     if auth and auth.lower().startswith("bearer "):
         return auth[7:].strip() or None
     return _header(scope, b"x-api-key") or None
-
-
-def error_body(exc: SluiceError, protocol: str) -> bytes:
-    """OpenAI's error JSON, or Anthropic's on the Messages API."""
-    if protocol == "anthropic":
-        return json.dumps(anthropic.error_body(exc)).encode()
-    return json.dumps(exc.to_dict()).encode()
-
-
-async def send_json(send: Send, status: int, body: bytes,
-                    headers: dict[str, str] | None = None) -> None:
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def read_body(receive: Receive, limit: int) -> bytes:
-    chunks, size, more = [], 0, True
-    while more:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise InvalidRequestError("client disconnected while sending the body")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise InvalidRequestError(f"request body larger than {limit} bytes", param="body")
-        chunks.append(chunk)
-        more = message.get("more_body", False)
-    return b"".join(chunks)
 
 
 @dataclass
@@ -146,6 +120,7 @@ class Admission:
     reserved_tokens: int = 0
     reservation: str | None = None  # the budget reservation, given back at settlement
     decision: Decision | None = None
+    hint: IdsHint | None = None  # the prompt's ids, for the router and the worker
     limiter_degraded: bool = False
     headers: dict[str, str] = field(default_factory=dict)
 
@@ -167,12 +142,16 @@ class GatewayMiddleware:
         from sluice.gateway.admin import build_admin_app
 
         self.admin_app = build_admin_app(self.state)
+        self._limited = BodyLimit(self._http, self.state.config.max_body_bytes)
 
     async def __call__(self, scope: Scope_, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             return await self._lifespan(scope, receive, send)
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        await self._limited(scope, receive, send)  # a body over the limit: 413
+
+    async def _http(self, scope: Scope_, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         if path == "/v1/usage" or path.startswith(GATEWAY_ADMIN_PREFIXES):
             return await self.admin_app(scope, receive, send)
@@ -221,8 +200,7 @@ class Exchange:
         self.protocol = "anthropic" if path in ANTHROPIC_ENDPOINTS else "openai"
         self.started = time.perf_counter()
         self.adm: Admission | None = None
-        self.meter = ResponseMeter(protocol=self.protocol,
-                                   max_body_bytes=self.state.config.max_body_bytes)
+        self.meter = ResponseMeter(protocol=self.protocol)
         self.status = 0
         self.response_started = False
         self.disconnected = False
@@ -257,22 +235,27 @@ class Exchange:
                         _header(self.scope, b"x-request-id") or uuid.uuid4().hex)
         self.adm = adm
         raw = await read_body(self.receive, self.state.config.max_body_bytes)
-        payload = self.parse_payload(raw) if self.scope["method"] == "POST" else None
+        if raw is None:
+            raise InvalidRequestError("client disconnected while sending the body")
+        payload = await self.parse_payload(raw) if self.scope["method"] == "POST" else None
         self.apply_policy(adm, payload)
-        adm.body = raw if payload is None else json.dumps(payload).encode()
+        if payload is None:
+            adm.body = raw
+        elif len(raw) <= INLINE_PARSE_BYTES:
+            adm.body = json.dumps(payload).encode()
+        else:  # as large a serialization as the parse: off the loop too
+            adm.body = (await asyncio.to_thread(json.dumps, payload)).encode()
         await self.reserve(adm, payload)
         return adm
 
-    def parse_payload(self, raw: bytes) -> dict[str, Any] | None:
+    async def parse_payload(self, raw: bytes) -> dict[str, Any] | None:
+        """The JSON object of a generation request (400 for anything else); a large body
+        is parsed on a worker thread, so one request's parse never stalls the others."""
         if self.endpoint not in GENERATION_ENDPOINTS:
             return None
-        try:
-            payload = json.loads(raw)
-        except ValueError:
-            raise InvalidRequestError("request body is not valid JSON", param="body") from None
-        if not isinstance(payload, dict):
-            raise InvalidRequestError("request body must be a JSON object", param="body")
-        return payload
+        if len(raw) <= INLINE_PARSE_BYTES:
+            return load_json_object(raw, param="body")
+        return await asyncio.to_thread(load_json_object, raw, param="body")
 
     def apply_policy(self, adm: Admission, payload: dict[str, Any] | None) -> None:
         """Model access, budget, priority class, streaming usage: all may raise."""
@@ -312,7 +295,7 @@ class Exchange:
 
     async def reserve(self, adm: Admission, payload: dict[str, Any] | None) -> None:
         if payload is not None:
-            adm.prompt_tokens = await self.count(adm.model, payload, len(adm.body))
+            adm.prompt_tokens = await self.count_prompt(adm, payload)
             adm.reserved_tokens = adm.prompt_tokens + self.completion_reserve(payload)
             await self.reserve_budget(adm)
         scopes = limit_scopes(adm.principal)
@@ -341,6 +324,26 @@ class Exchange:
             with contextlib.suppress(Exception):
                 adm.reservation = await reserving
             raise
+
+    async def count_prompt(self, adm: Admission, payload: dict[str, Any]) -> int:
+        """The prompt's tokens, read through the one prompt view (an image or another
+        prompt the worker refuses is a 400 here); with a real tokenizer the ids also go
+        downstream (`adm.hint`), so the router and the worker do not tokenize again."""
+        counter = self.state.count_prompt_tokens
+        tokens = getattr(counter, "prompt_tokens", None)
+        kind = KIND_OF_PATH.get(self.endpoint)
+        if tokens is None or kind is None:
+            return await self.count(adm.model, payload, len(adm.body))
+        view = prompt_view(kind, payload)
+        ready = getattr(counter, "is_ready", None)
+        if view.chars <= INLINE_COUNT_BYTES and (ready is None or ready(adm.model)):
+            counted = tokens(adm.model, view)
+        else:
+            counted = await asyncio.to_thread(tokens, adm.model, view)
+        if counted is None:
+            return estimate_view(view)
+        count, adm.hint = counted
+        return int(count)
 
     async def count(self, model: str | None, body: dict[str, Any], size: int) -> int:
         """Token counting is CPU work: small bodies inline (a thread hop costs more than
@@ -375,7 +378,8 @@ class Exchange:
         self.status = exc.status_code
         if self.adm is not None:  # authenticated: audit the refusal
             await self.settle("rejected")
-        await send_json(self.send, exc.status_code, error_body(exc, self.protocol), headers)
+        exc.headers = headers
+        await send_error(self.send, exc, self.endpoint)
 
     # -- 3 + 4: forward and meter ----------------------------------------------------------
 
@@ -388,6 +392,8 @@ class Exchange:
                     (b"x-sluice-tenant", adm.principal.tenant.id.encode()),
                     (b"x-sluice-key-id", adm.principal.key.id.encode()),
                     (b"x-sluice-priority", str(adm.priority).encode())]
+        if adm.hint is not None:
+            headers.append((IDS_HEADER.encode(), adm.hint.encode()))
         return {**self.scope, "headers": headers}
 
     async def forward(self) -> None:
@@ -454,29 +460,57 @@ class Exchange:
         self.status = 502
         await self.settle("error")
         error = SluiceError(f"upstream failed: {type(exc).__name__}")
-        await send_json(self.send, 502, error_body(error, self.protocol))
+        error.status_code = 502
+        await send_error(self.send, error, self.endpoint)
 
     # -- 5: settle ---------------------------------------------------------------------
 
     async def settle(self, status: str) -> None:
         """Exactly once: reconcile tokens, free the slot, write ledger + spend and release
-        the budget reservation (one transaction), count."""
+        the budget reservation (one transaction), count; each before the response's last
+        bytes where admission reads it (`release_now`, `ledger_now`), else just after."""
         if self.settled or self.adm is None:
             return
         self.settled = True
         adm = self.adm
         prompt, completion = await self.final_tokens(status)
-        cost = self.state.prices.cost(adm.model, prompt, completion)
-        await self.release(adm, prompt + completion)
+        release = self.release(adm, prompt + completion)
+        if self.release_now(adm):
+            await release
+        else:
+            self.state.later(release)
+        record = self.record(status, prompt, completion)
+        if self.ledger_now(adm):
+            await self.write(record, adm.reservation)
+        else:  # nothing at admission reads this row: written just after the response
+            self.state.later(self.write(record, adm.reservation))
+
+    def release_now(self, adm: Admission) -> bool:
+        """The limiter is reconciled before the last bytes when a concurrency or
+        tokens-per-minute limit counts this request (the client's next request needs the
+        slot back and the tokens reconciled); requests-per-minute needs no release."""
+        tenant, key = adm.principal.tenant.settings, adm.principal.key.settings
+        limits = (tenant.max_concurrent, key.max_concurrent, tenant.tpm, key.tpm)
+        return self.state.config.await_ledger or any(x is not None for x in limits)
+
+    def ledger_now(self, adm: Admission) -> bool:
+        """The ledger row is committed before the last bytes when the tenant has a budget
+        (its next admission reads the spend) or `await_ledger` is set."""
+        return (self.state.config.await_ledger or adm.reservation is not None
+                or adm.principal.tenant.settings.budget_usd is not None)
+
+    def record(self, status: str, prompt: int, completion: int) -> UsageRecord:
+        adm = self.adm
+        assert adm is not None
         request_body, response_body = self.bodies(adm)
-        record = UsageRecord(
+        return UsageRecord(
             request_id=adm.request_id, tenant_id=adm.principal.tenant.id,
             key_id=adm.principal.key.id, endpoint=self.endpoint, model=adm.model,
             status=status, http_status=self.status or 499, prompt_tokens=prompt,
-            completion_tokens=completion, cost_usd=cost,
+            completion_tokens=completion,
+            cost_usd=self.state.prices.cost(adm.model, prompt, completion),
             latency_ms=(time.perf_counter() - self.started) * 1000,
             request_body=request_body, response_body=response_body)
-        await self.write(record, adm.reservation)
 
     async def final_tokens(self, status: str) -> tuple[int, int]:
         adm, m = self.adm, self.meter

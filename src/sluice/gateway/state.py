@@ -7,7 +7,11 @@ Redis limiter with a unique key prefix, a token counter).
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from sluice.gateway.budget import BudgetReservations
 from sluice.gateway.config import GatewayConfig, LimiterConfig
@@ -18,6 +22,8 @@ from sluice.gateway.pricing import PriceTable
 from sluice.gateway.redact import Redactor, default_redactor
 from sluice.gateway.store import SQLStore, Store
 from sluice.gateway.tokens import CountPromptTokens, PromptTokenCounter
+
+logger = logging.getLogger(__name__)
 
 
 def build_limiter(config: LimiterConfig) -> Limiter:
@@ -39,10 +45,29 @@ class GatewayState:
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     ledger: LedgerWriter = field(init=False)
     budgets: BudgetReservations = field(init=False)
+    background: set[asyncio.Task[None]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.ledger = LedgerWriter(self.store)
         self.budgets = BudgetReservations(self.store, self.config.budget_lease_s)
+        self.background = set()
+
+    def later(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` off the request's critical path; `flush` (and `aclose`) wait for it.
+        Its failure is logged (the work itself counts its own errors)."""
+        task = asyncio.ensure_future(work)
+        self.background.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self.background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("background settlement failed", exc_info=task.exception())
+
+    async def flush(self) -> None:
+        """Wait until every settlement started so far is written."""
+        while self.background:
+            await asyncio.gather(*list(self.background), return_exceptions=True)
 
     @classmethod
     def from_config(cls, config: GatewayConfig, *, store: Store | None = None,
@@ -60,5 +85,6 @@ class GatewayState:
         )
 
     async def aclose(self) -> None:
+        await self.flush()  # every ledger row is written exactly once, also at shutdown
         await self.limiter.close()
         self.store.close()

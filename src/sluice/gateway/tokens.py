@@ -1,13 +1,17 @@
 """Prompt token counting at admission, from the model's real tokenizer.
 
 Tokens-per-minute limits are only exact if the gateway counts what the engine will
-count. `PromptTokenCounter` is the default `count_prompt_tokens(model, body) -> int`:
-it loads the served model's tokenizer through `sluice.engine.tokenizer` (torch-free),
-renders chat bodies (OpenAI `messages`, Anthropic `system` + `messages`) through the
-model's chat template, and counts completions/embeddings inputs (text or token ids)
-directly. If no tokenizer can be loaded it falls back to a chars/4 estimate and says
-so (`estimated` is set and a warning is logged once). Upstream's reported
-`usage.prompt_tokens` replaces the count when the response ends.
+count, so it reads the prompt through the one prompt view (`sluice.protocol.prompt`:
+the same messages, template and tokenizer rules as the worker) and keeps the ids in the
+process's `TokenCache`. `PromptTokenCounter` is the default
+`count_prompt_tokens(model, body) -> int`: it loads the served model's tokenizer through
+`sluice.engine.tokenizer` (torch-free). If no tokenizer can be loaded it falls back to a
+chars/4 estimate and says so (`estimated` is set and a warning is logged once).
+Upstream's reported `usage.prompt_tokens` replaces the count when the response ends.
+
+`prompt_tokens(model, view)` also hands the ids themselves to the next hop (the router
+in the same process, see `middleware.Exchange.upstream_scope`), so a prompt is
+tokenized once on the whole path.
 """
 
 from __future__ import annotations
@@ -15,54 +19,33 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
+
+from sluice.protocol.prompt import (
+    CHAT,
+    COMPLETION,
+    MESSAGES,
+    IdsHint,
+    PromptView,
+    TokenCache,
+    Tokenizer,
+    fingerprint,
+    make_hint,
+    prompt_view,
+    templated,
+)
 
 logger = logging.getLogger(__name__)
 
 CountPromptTokens = Callable[[str | None, dict[str, Any]], int]
 
 
-class _Tokenizer(Protocol):
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-
-    def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str: ...
-
-
-def _text_of(content: Any) -> str:
-    """OpenAI/Anthropic content (string or list of parts/blocks) as plain text."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(_text_of(part.get("text", "")) if isinstance(part, dict) else str(part)
-                       for part in content)
-    return str(content)
-
-
-def chat_messages(body: Mapping[str, Any]) -> list[dict[str, str]] | None:
-    """Messages as `{"role", "content": str}` for templating; None if not a chat body."""
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return None
-    out = []
-    if body.get("system") is not None:  # Anthropic
-        out.append({"role": "system", "content": _text_of(body["system"])})
-    for m in messages:
-        if isinstance(m, dict):
-            out.append({"role": str(m.get("role", "user")), "content": _text_of(m.get("content"))})
-    return out
-
-
-def _raw_inputs(body: Mapping[str, Any]) -> list[Any]:
-    value = body.get("prompt", body.get("input"))
-    if value is None:
-        return []
-    if isinstance(value, str) or (isinstance(value, list) and value
-                                  and isinstance(value[0], int)):
-        return [value]
-    return list(value) if isinstance(value, list) else [value]
+def kind_of(body: Mapping[str, Any]) -> str:
+    """The request kind a body is: Anthropic's carries `system`, which OpenAI chat bodies
+    may not (the worker refuses it); without `system` both read the same."""
+    if "messages" not in body:
+        return COMPLETION
+    return MESSAGES if "system" in body else CHAT
 
 
 class PromptTokenCounter:
@@ -74,26 +57,30 @@ class PromptTokenCounter:
 
     def __init__(self, tokenizers: Mapping[str, str] | None = None,
                  default_source: str | None = None,
-                 loader: Callable[[str | None], _Tokenizer] | None = None) -> None:
+                 loader: Callable[[str | None], Tokenizer] | None = None,
+                 cache: TokenCache | None = None) -> None:
         self.sources = dict(tokenizers or {})
         self.default_source = default_source
         self.loader = loader
         self.estimated = False
-        self._cache: dict[str | None, _Tokenizer | None] = {}
+        self.cache = cache or TokenCache()
+        self._cache: dict[str | None, tuple[Tokenizer, str] | None] = {}
         self._lock = threading.Lock()
 
     def is_ready(self, model: str | None) -> bool:
         """True once this model's tokenizer is loaded (counting is then cheap)."""
         return self.sources.get(model or "", self.default_source) in self._cache
 
-    def tokenizer(self, model: str | None) -> _Tokenizer | None:
+    def tokenizer(self, model: str | None) -> tuple[Tokenizer, str] | None:
+        """The model's tokenizer and its fingerprint (None: none loads, estimating)."""
         source = self.sources.get(model or "", self.default_source)
         with self._lock:
             if source not in self._cache:
-                self._cache[source] = self._load(source)
+                tok = self._load(source)
+                self._cache[source] = (tok, fingerprint(tok)) if tok is not None else None
             return self._cache[source]
 
-    def _load(self, source: str | None) -> _Tokenizer | None:
+    def _load(self, source: str | None) -> Tokenizer | None:
         try:
             if self.loader is not None:
                 return self.loader(source)
@@ -107,29 +94,36 @@ class PromptTokenCounter:
             return None
 
     def __call__(self, model: str | None, body: dict[str, Any]) -> int:
-        tok = self.tokenizer(model)
-        messages = chat_messages(body)
-        if messages is not None:
-            if tok is None:
-                return _estimate("".join(m["content"] for m in messages))
-            return len(tok.encode(tok.apply_chat_template(messages), add_special_tokens=False))
-        return sum(self._count_one(tok, item) for item in _raw_inputs(body))
+        view = prompt_view(kind_of(body), body)
+        counted = self.prompt_tokens(model, view)
+        return counted[0] if counted is not None else estimate_view(view)
 
-    @staticmethod
-    def _count_one(tok: _Tokenizer | None, item: Any) -> int:
-        if isinstance(item, list):
-            return len(item)
-        text = str(item)
-        return _estimate(text) if tok is None else len(tok.encode(text))
+    def prompt_tokens(self, model: str | None, view: PromptView
+                      ) -> tuple[int, IdsHint | None] | None:
+        """The prompt's token count and, for a chat prompt, its ids as a hint for the
+        next hop; None without a tokenizer."""
+        loaded = self.tokenizer(model)
+        if loaded is None:
+            return None
+        tok, fp = loaded
+        name = model or ""
+        if view.messages is None:
+            return self.cache.count(tok, name, view), None
+        text = templated(tok, view)
+        ids = self.cache.tokens(tok, name, text, special=False).ids
+        return len(ids), make_hint(fp, text, ids)
 
 
 def _estimate(text: str) -> int:
     return (len(text) + 3) // 4
 
 
+def estimate_view(view: PromptView) -> int:
+    if view.messages is not None:
+        return _estimate("".join(m["content"] for m in view.messages))
+    return sum(len(t) if isinstance(t, list) else _estimate(t) for t in view.texts)
+
+
 def estimate_prompt_tokens(model: str | None, body: dict[str, Any]) -> int:
     """chars/4 for every input: the counter to inject where no tokenizer is wanted."""
-    messages = chat_messages(body)
-    if messages is not None:
-        return _estimate("".join(m["content"] for m in messages))
-    return sum(len(i) if isinstance(i, list) else _estimate(str(i)) for i in _raw_inputs(body))
+    return estimate_view(prompt_view(kind_of(body), body))

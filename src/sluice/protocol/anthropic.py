@@ -119,8 +119,8 @@ def new_message_id() -> str:
 def to_chat_body(req: MessagesRequest) -> dict[str, Any]:
     """The OpenAI chat request equivalent to an Anthropic Messages request."""
     messages: list[dict[str, str]] = []
-    if req.system:
-        messages.append({"role": "system", "content": _join(req.system)})
+    if system := _join(req.system or ""):  # an empty system prompt is no message (prompt.py)
+        messages.append({"role": "system", "content": system})
     messages += [{"role": m.role, "content": _join(m.content)} for m in req.messages]
     body: dict[str, Any] = {"model": req.model, "messages": messages, "max_tokens": req.max_tokens}
     optional = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,

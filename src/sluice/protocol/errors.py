@@ -2,7 +2,8 @@
 
     SluiceError                      500 internal_error
      ├── InvalidRequestError         400 invalid_request_error   (also a ValueError)
-     │    └── ContextLengthError     400 code=context_length_exceeded
+     │    ├── ContextLengthError     400 code=context_length_exceeded
+     │    └── PayloadTooLargeError   413 code=request_too_large
      ├── AuthenticationError         401 authentication_error    code=invalid_api_key
      ├── PermissionDeniedError       403 permission_error
      ├── NotFoundError               404 not_found_error         code=model_not_found
@@ -62,6 +63,11 @@ class InvalidRequestError(SluiceError, ValueError):
 
 class ContextLengthError(InvalidRequestError):
     default_code = "context_length_exceeded"
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    status_code = 413
+    default_code = "request_too_large"
 
 
 class AuthenticationError(SluiceError):

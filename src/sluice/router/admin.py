@@ -5,19 +5,21 @@
     DELETE /admin/workers              {"url"} (or ?url=)                          remove
     POST   /admin/workers/drain        {"url", "drain": true|false}                drain
 
-A draining worker gets no new requests; its in-flight ones finish. If the router has an
-admin key, every call must carry it (`Authorization: Bearer KEY` or `X-Admin-Key`).
+A draining worker gets no new requests; its in-flight ones finish. Every call must carry
+the router's admin key (`Authorization: Bearer KEY` or `X-Admin-Key`): 401 without it;
+a router configured without a key answers 403 (admin closed: anyone who can reach the
+port could otherwise redirect traffic).
 """
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from sluice.protocol.errors import AuthenticationError, InvalidRequestError
+from sluice.protocol.edge import check_admin_key
+from sluice.protocol.errors import InvalidRequestError
 from sluice.router.config import SHORT, WorkerSpec
 from sluice.router.endpoints import Endpoint
 from sluice.router.state import RouterState
@@ -50,14 +52,7 @@ def describe(endpoint: Endpoint) -> dict[str, Any]:
 
 def _check_key(request: Request) -> None:
     key: str | None = request.app.state.router.config.admin_key
-    if key is None:
-        return
-    given = request.headers.get("x-admin-key") or ""
-    auth = request.headers.get("authorization", "")
-    if auth.lower().startswith("bearer "):
-        given = given or auth[7:]
-    if not hmac.compare_digest(given.encode(), key.encode()):
-        raise AuthenticationError("admin key missing or wrong")
+    check_admin_key(key, request.headers.raw, setting="--admin-key or SLUICE_ROUTER_ADMIN_KEY")
 
 
 def _parse(model: type[BaseModel], raw: bytes) -> Any:

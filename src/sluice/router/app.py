@@ -26,13 +26,14 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from sluice.protocol.edge import HOP_BY_HOP_STR, BodyLimit, load_json_object, read_body, send_error
 from sluice.protocol.errors import SluiceError
+from sluice.protocol.prompt import TokenCache
 from sluice.router.admin import admin_router
 from sluice.router.config import RouterConfig
-from sluice.router.parse import load_json_object
-from sluice.router.proxy import HOP_BY_HOP, Relay
+from sluice.router.proxy import Relay
 from sluice.router.routed import ROUTED, ErrorReply, route
-from sluice.router.state import RouterState, make_client
+from sluice.router.state import RouterState
 from sluice.router.tokens import LocalTokenizer, load_local_tokenizer
 from sluice.router.upstream import UpstreamError
 
@@ -50,15 +51,16 @@ def load_tokenizers(config: RouterConfig) -> dict[str, LocalTokenizer]:
 
 def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | None = None,
               local_tokenizers: Mapping[str, LocalTokenizer] | None = None,
-              rng: random.Random | None = None) -> FastAPI:
+              rng: random.Random | None = None,
+              token_cache: TokenCache | None = None) -> FastAPI:
     """The router app. Local tokenizers named by pools are loaded here (blocking) unless
     given; the HTTP client, pools, probes and KV subscribers start in the lifespan."""
     tokenizers = dict(local_tokenizers) if local_tokenizers is not None else load_tokenizers(config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state = RouterState(config, make_client(config, transport),
-                            rng or random.Random(config.seed), tokenizers)
+        state = RouterState(config, rng or random.Random(config.seed), tokenizers,
+                            token_cache=token_cache, transport=transport)
         app.state.router = state
         for pool in state.pools:
             for endpoint in pool.endpoints.values():
@@ -79,6 +81,7 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
     app = FastAPI(title="sluice router", lifespan=lifespan)
     app.add_exception_handler(SluiceError, error_response)
     app.add_middleware(RoutedFastPath)  # the OpenAI endpoints, ahead of FastAPI's layers
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)  # outermost: 413 first
     app.add_route("/tokenize", _passthrough("/tokenize"), methods=["POST"])
     app.add_route("/detokenize", _passthrough("/detokenize"), methods=["POST"])
     app.add_route("/v1/models", models, methods=["GET"])
@@ -106,10 +109,13 @@ class RoutedFastPath:
         if kind is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        body = await _read_body(receive)
+        state: RouterState = scope["app"].state.router
+        try:
+            body = await read_body(receive, state.config.max_body_bytes)
+        except SluiceError as exc:
+            return await send_error(send, exc, scope["path"], close=True)
         if body is None:
             return  # the client went away while sending
-        state: RouterState = scope["app"].state.router
         task = asyncio.current_task()
         assert task is not None
         gone = asyncio.Event()
@@ -123,17 +129,6 @@ class RoutedFastPath:
             task.uncancel()
         finally:
             watcher.cancel()
-
-
-async def _read_body(receive: Receive) -> bytes | None:
-    parts = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        parts.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(parts)
 
 
 async def _cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any],
@@ -176,7 +171,7 @@ def _passthrough(path: str) -> Callable[[Request], Awaitable[Response]]:
         raw = await request.body()
         model = load_json_object(raw).get("model")
         _, endpoint = state.any_worker(model if isinstance(model, str) else None)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP_STR}
         resp = await state.client.post(endpoint.url + path, content=raw, headers=headers)
         return Response(resp.content, status_code=resp.status_code,
                         media_type=resp.headers.get("content-type"))

@@ -50,7 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port to listen on (default 8000)")
     p.add_argument("--admin-key", default=None,
-                   help="key required by /admin (default: $SLUICE_ROUTER_ADMIN_KEY, else open)")
+                   help="key required by /admin (default: $SLUICE_ROUTER_ADMIN_KEY; "
+                        "without one /admin answers 403)")
     p.add_argument("--max-retries", type=int, default=None,
                    help="attempts on other workers before the first byte (default 2)")
     p.add_argument("--scrape-interval", type=float, default=None, dest="scrape_interval_s",

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from sluice.protocol.edge import DEFAULT_MAX_BODY_BYTES
 from sluice.protocol.errors import InvalidRequestError
 
 SHORT = "short"
@@ -88,7 +89,8 @@ class RouterConfig:
     pools: tuple[PoolConfig, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8000
-    admin_key: str | None = None
+    admin_key: str | None = None  # None: /admin answers 403 (closed by default)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     scrape_interval_s: float = 0.5
     health_interval_s: float = 1.0
     eject_after_failures: int = 3
@@ -108,6 +110,8 @@ class RouterConfig:
         if self.eject_after_failures < 1 or self.readmit_after_successes < 1:
             raise InvalidRequestError("eject/readmit counts must be >= 1",
                                       param="eject_after_failures")
+        if self.max_body_bytes < 1:
+            raise InvalidRequestError("max_body_bytes must be positive", param="max_body_bytes")
         if self.scrape_interval_s <= 0 or self.health_interval_s <= 0:
             raise InvalidRequestError("intervals must be positive", param="scrape_interval_s")
 

@@ -15,12 +15,14 @@ import json
 from dataclasses import dataclass
 
 from sluice.protocol.errors import SluiceError
+from sluice.protocol.prompt import IDS_HEADER, IdsHint
 from sluice.router.parse import CHAT, COMPLETION, MESSAGES, SESSION_HEADER, parse_request
 from sluice.router.proxy import Relay, forward_block
 from sluice.router.state import RouterState
 
 ROUTED = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/messages": MESSAGES}
 _SESSION = SESSION_HEADER.encode()
+_IDS = IDS_HEADER.encode()
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,11 @@ async def route(state: RouterState, kind: str, path: str, body: bytes,
         session = next((v.decode("latin-1") for n, v in headers if n == _SESSION), None)
         req = parse_request(kind, body, {SESSION_HEADER: session} if session else {})
         pool = state.resolve(req.model)
-        meta = await state.request_meta(pool, req)
-        return await state.proxy.forward(pool, req, meta, path.encode("latin-1"),
-                                         forward_block(headers))
+        given = next((IdsHint.decode(v) for n, v in headers if n == _IDS), None)
+        meta, hint = await state.request_meta(pool, req, given)
+        block = forward_block(h for h in headers if h[0] != _IDS)
+        if hint is not None:  # the worker takes these ids instead of tokenizing again
+            block += _IDS + b": " + hint.encode() + b"\r\n"
+        return await state.proxy.forward(pool, req, meta, path.encode("latin-1"), block)
     except SluiceError as exc:
         return error_reply(exc)

@@ -19,6 +19,11 @@ with httptools (llhttp) in an asyncio Protocol and writes replies to the socket 
 Requests on one connection are answered one at a time, in order (pipelined ones wait).
 The app's ASGI lifespan runs around serving, so both paths share one `RouterState`.
 
+With a gateway in front (`sluice serve`) this is still the server: the gateway is an
+ASGI layer over the router's app (`direct=False`), and the routed POSTs reach
+`routed.route` through it, from the app's `RoutedFastPath`; so the router's front end is
+one and the same with or without a gateway, and uvicorn is on neither path.
+
     async with RouterServer(app, host, port) as server: ...   # tests, embedding
     run(app, host, port)                                      # the CLI; SIGINT/SIGTERM stop it
 """
@@ -39,7 +44,14 @@ from urllib.parse import unquote
 
 import httptools
 
-from sluice.protocol.errors import SluiceError
+from sluice.protocol.edge import (
+    DEFAULT_MAX_BODY_BYTES,
+    content_length,
+    error_headers,
+    error_json,
+    too_large,
+)
+from sluice.protocol.errors import InvalidRequestError, SluiceError
 from sluice.router.proxy import Relay
 from sluice.router.routed import ROUTED, ErrorReply, error_reply, route
 from sluice.router.state import RouterState
@@ -48,7 +60,6 @@ from sluice.router.upstream import UpstreamError
 log = logging.getLogger(__name__)
 
 ASGIApp = Callable[..., Any]
-MAX_BODY = 64 * 1024 * 1024
 MAX_HEAD = 64 * 1024  # request line and headers
 MAX_PIPELINED = 16
 KEEP_ALIVE_S = 30.0
@@ -75,6 +86,12 @@ def _status_line(status: int) -> bytes:
 
 
 _INTERNAL = error_reply(SluiceError("internal router error"))
+
+
+def _status_error(status: int, message: str) -> SluiceError:
+    exc = InvalidRequestError(message)
+    exc.status_code = status
+    return exc
 
 
 def _header_lines(headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -130,7 +147,7 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-            self._reject(400, f"malformed HTTP request: {exc}")
+            self._reject(InvalidRequestError(f"malformed HTTP request: {exc}"))
 
     def eof_received(self) -> bool:
         return False  # a client that half-closes is gone: close, cancel its request
@@ -169,17 +186,21 @@ class _Connection(asyncio.Protocol):
         self._url += url
         self._size += len(url)
         if self._size > MAX_HEAD:
-            self._reject(414, "request target too long")
+            self._reject(_status_error(414, "request target too long"))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name.lower(), value))
         self._size += len(name) + len(value)
         if self._size > MAX_HEAD:
-            self._reject(431, "request headers too large")
+            self._reject(_status_error(431, "request headers too large"))
 
     def on_headers_complete(self) -> None:
         self._size = 0
         if self.rejected:
+            return
+        length = content_length(self._headers)
+        if length is not None and length > self.server.max_body:
+            self._reject(too_large(self.server.max_body))  # before a byte of it is read
             return
         if (b"expect", b"100-continue") in ((n, v.lower()) for n, v in self._headers) \
                 and self.transport is not None:
@@ -189,8 +210,8 @@ class _Connection(asyncio.Protocol):
         self._size += len(body)
         if self.rejected:
             return
-        if self._size > MAX_BODY:
-            self._reject(413, "request body too large")
+        if self._size > self.server.max_body:
+            self._reject(too_large(self.server.max_body))
             return
         self._body.append(body)
 
@@ -262,7 +283,7 @@ class _Connection(asyncio.Protocol):
             self.idle_timer.cancel()
         self.idle_timer = self.loop.call_later(self.server.keep_alive_s, self.close)
 
-    def _reject(self, status: int, message: str) -> None:
+    def _reject(self, exc: SluiceError) -> None:
         """Answer an unreadable request with an error, then stop sending; what the client
         still sends is discarded until it closes (or the idle timer does), so that closing
         with unread input does not reset the connection before the error is read. With
@@ -274,10 +295,10 @@ class _Connection(asyncio.Protocol):
                 or not self.transport.can_write_eof():
             self.close()
             return
-        body = (b'{"error": {"message": "%s", "type": "invalid_request_error", '
-                b'"param": null, "code": null}}' % message.replace('"', "'").encode())
-        self.write(_status_line(status) + b"content-type: application/json\r\n"
-                   b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
+        path = self._url.partition(b"?")[0].decode("latin-1")
+        body = error_json(exc, path)
+        self.write(_status_line(exc.status_code)
+                   + _header_lines(error_headers(exc, body, close=True)) + b"\r\n" + body)
         self.transport.write_eof()
         self._arm_idle()
 
@@ -287,13 +308,16 @@ class RouterServer:
 
     The app's lifespan starts before the socket listens and stops after the last
     connection is closed (or `shutdown_timeout_s` passed; then open requests are
-    cancelled).
+    cancelled). `direct=False` sends every request through `app` (a gateway layered over
+    the router's app: `sluice serve`), the routed ones included; `state` then says where
+    the router's state is.
     """
 
     def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 8000, *,
                  keep_alive_s: float = KEEP_ALIVE_S, shutdown_timeout_s: float = 30.0,
-                 state: Callable[[], RouterState] | None = None) -> None:
+                 state: Callable[[], RouterState] | None = None, direct: bool = True) -> None:
         self.app = app
+        self.direct = direct
         self.host, self.port = host, port
         self.keep_alive_s = keep_alive_s
         self.shutdown_timeout_s = shutdown_timeout_s
@@ -302,6 +326,7 @@ class RouterServer:
         self.closing = False
         self.date = _Date()
         self.state: RouterState | None = None
+        self.max_body = DEFAULT_MAX_BODY_BYTES  # the app's config's, once started
         self._lifespan: _Lifespan | None = None
         self._server: asyncio.Server | None = None
         self._stopped: asyncio.Event | None = None
@@ -315,6 +340,7 @@ class RouterServer:
         self._lifespan = _Lifespan(self.app)
         await self._lifespan.startup()
         self.state = self._state_getter()
+        self.max_body = self.state.config.max_body_bytes
         self._server = await self.loop.create_server(
             lambda: _Connection(self), self.host, self.port, backlog=2048, reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
@@ -355,7 +381,8 @@ class RouterServer:
     async def handle(self, conn: _Connection, req: _Request) -> bool:
         """Answer one request; returns whether the connection may be kept."""
         path, _, _ = req.target.partition(b"?")
-        kind = ROUTED.get(path.decode("latin-1")) if req.method == b"POST" else None
+        kind = ROUTED.get(path.decode("latin-1")) if self.direct and req.method == b"POST" \
+            else None
         if kind is None:
             return await _AsgiCall(self, conn, req).run()
         assert self.state is not None
@@ -436,9 +463,8 @@ class _AsgiCall:
         finally:
             self.done.set()
         if not self.started:
-            error = b'{"error": {"message": "internal router error"}}'
-            self.conn.write(_status_line(500) + b"content-type: application/json\r\n"
-                            b"content-length: %d\r\n\r\n" % len(error) + error)
+            self.conn.write(_status_line(500) + self.server.date.get()
+                            + _header_lines(_INTERNAL.headers) + b"\r\n" + _INTERNAL.body)
             return self.keep
         return self.complete and self.keep
 
@@ -542,11 +568,12 @@ class _Lifespan:
         await self.app(scope, self.inbox.get, send)
 
 
-def run(app: ASGIApp, host: str, port: int) -> None:
+def run(app: ASGIApp, host: str, port: int, *, state: Callable[[], RouterState] | None = None,
+        direct: bool = True) -> None:
     """Serve until SIGINT or SIGTERM (then drain and stop). Uses uvloop when installed."""
 
     async def main() -> None:
-        server = RouterServer(app, host, port)
+        server = RouterServer(app, host, port, state=state, direct=direct)
         await server.start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

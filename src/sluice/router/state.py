@@ -2,8 +2,8 @@
 
     RouterState
      ├── pools            model name → Pool (endpoints, policy, prefix indexes)
-     ├── client           one shared httpx.AsyncClient (probes, scrapes, /tokenize)
-     ├── upstream         raw keep-alive worker connections for the proxied POSTs
+     ├── upstream         raw keep-alive worker connections: the one upstream client
+     ├── client           httpx over `upstream` (probes, scrapes, /tokenize)
      ├── proxy            retries, streaming relay, passive health
      ├── monitor          active health probes, /metrics scraping
      ├── tokenizer        prompt → token ids (local or worker /tokenize), cached
@@ -22,6 +22,7 @@ import httpx
 import zmq.asyncio
 
 from sluice.protocol.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
+from sluice.protocol.prompt import IdsHint, TokenCache
 from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
 from sluice.router.endpoints import Endpoint
 from sluice.router.kv_subscriber import KVEventSubscriber
@@ -31,8 +32,8 @@ from sluice.router.parse import ParsedRequest
 from sluice.router.policies import RequestMeta
 from sluice.router.pool import Pool
 from sluice.router.proxy import Proxy
-from sluice.router.tokens import LocalTokenizer, PromptTokenizer, PromptTokens
-from sluice.router.transport import FastHTTPTransport
+from sluice.router.tokens import LocalTokenizer, PromptTokenizer, Tokenized
+from sluice.router.transport import UpstreamTransport
 from sluice.router.upstream import UpstreamPool
 
 CHARS_PER_TOKEN = 4  # prompt-length estimate when no tokenizer answers
@@ -41,23 +42,27 @@ CHARS_PER_TOKEN = 4  # prompt-length estimate when no tokenizer answers
 @dataclass
 class RouterState:
     config: RouterConfig
-    client: httpx.AsyncClient
     rng: random.Random
     local_tokenizers: Mapping[str, LocalTokenizer] = field(default_factory=dict)
     pools: list[Pool] = field(default_factory=list)
     subscribers: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    token_cache: TokenCache | None = None  # shared with the gateway in one process
+    transport: httpx.AsyncBaseTransport | None = None  # tests: a mock for probes/scrapes
 
     def __post_init__(self) -> None:
         self.metrics = RouterMetrics(lambda: self.pools)
         self.upstream = UpstreamPool(self.config.connect_timeout_s, self.config.read_timeout_s,
                                      max_idle_per_host=self.config.max_connections)
+        # the one upstream client: probes, scrapes and /tokenize share the proxy's pool
+        self.client = make_client(self.config, self.transport or UpstreamTransport(self.upstream))
         self.proxy = Proxy(self.upstream, self.metrics, self.config.max_retries,
                            self.config.eject_after_failures)
         self.monitor = Monitor(self.client, lambda: self.pools, self.metrics,
                                timeout_s=self.config.connect_timeout_s,
                                eject_after=self.config.eject_after_failures,
                                readmit_after=self.config.readmit_after_successes)
-        self.tokenizer = PromptTokenizer(self.client, self.config.tokenize_cache_size)
+        self.tokenizer = PromptTokenizer(
+            self.client, self.token_cache or TokenCache(self.config.tokenize_cache_size))
         self.zmq_ctx = zmq.asyncio.Context()
         for pool_config in self.config.pools:
             self.add_pool(pool_config)
@@ -128,10 +133,13 @@ class RouterState:
 
     # --- per request ----------------------------------------------------------------------
 
-    async def request_meta(self, pool: Pool, req: ParsedRequest) -> RequestMeta:
-        """Count (and, for prefix-aware policies, hash) the prompt's real tokens."""
+    async def request_meta(self, pool: Pool, req: ParsedRequest, hint: IdsHint | None = None
+                           ) -> tuple[RequestMeta, IdsHint | None]:
+        """Count (and, for prefix-aware policies, hash) the prompt's real tokens; also the
+        hint that passes them on to the worker. `hint`: the previous hop's ids."""
         needs_tokens = pool.policy.uses_prefix or pool.config.long_prompt_tokens is not None
-        tokens = await self._tokens(pool, req) if needs_tokens else None
+        found = await self._tokens(pool, req, hint) if needs_tokens else None
+        tokens = found.tokens if found is not None else None
         hashes = tokens.block_hashes(pool.block_size) if tokens and pool.policy.uses_prefix else ()
         if tokens is not None:
             n = len(tokens.ids)
@@ -139,16 +147,19 @@ class RouterState:
             n = len(req.prompt_ids)
         else:
             n = req.approx_chars // CHARS_PER_TOKEN
-        return RequestMeta(model=req.model, num_prompt_tokens=n, block_hashes=hashes,
+        meta = RequestMeta(model=req.model, num_prompt_tokens=n, block_hashes=hashes,
                            session_key=req.session_key, max_tokens=req.max_tokens,
                            block_size=pool.block_size)
+        return meta, found.hint if found is not None else None
 
-    async def _tokens(self, pool: Pool, req: ParsedRequest) -> PromptTokens | None:
+    async def _tokens(self, pool: Pool, req: ParsedRequest, hint: IdsHint | None
+                      ) -> Tokenized | None:
         local = self.local_tokenizers.get(pool.config.tokenizer or "")
         avail = [e for e in pool.endpoints.values() if e.available]
         worker = min(avail, key=lambda e: e.inflight) if avail else None
         model = pool.upstream_model(req.model, worker) if worker else req.model
-        return await self.tokenizer.tokens(req, model, local, worker.url if worker else None)
+        return await self.tokenizer.tokens(req, model, local, worker.url if worker else None,
+                                           hint)
 
     def any_worker(self, model: str | None) -> tuple[Pool, Endpoint]:
         """A healthy worker for a pass-through call (/tokenize, /detokenize)."""
@@ -170,10 +181,7 @@ class RouterState:
         self.zmq_ctx.term()
 
 
-def make_client(config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None
-                ) -> httpx.AsyncClient:
-    """The router's one client: the lean keep-alive transport unless one is given."""
+def make_client(config: RouterConfig, transport: httpx.AsyncBaseTransport) -> httpx.AsyncClient:
+    """httpx over the router's upstream pool (`UpstreamTransport`), for control traffic."""
     timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s, pool=None)
-    transport = transport or FastHTTPTransport(config.connect_timeout_s, config.read_timeout_s,
-                                               max_idle_per_host=config.max_connections)
     return httpx.AsyncClient(timeout=timeout, transport=transport)

@@ -2,40 +2,49 @@
 
 Character matching (SGLang's radix tree on text) drifts from what the engine caches: a
 chat template adds tokens, and equal text prefixes need not tokenize equally at the
-boundary. The router therefore hashes token blocks of the *templated, tokenized* prompt,
-obtained from:
+boundary. The router therefore hashes token blocks of the *templated, tokenized* prompt
+(the one prompt view, `sluice.protocol.prompt`), obtained from, in order:
 
-1. a local tokenizer (`sluice.engine.tokenizer.load_tokenizer`, torch-free) when the pool
-   names one: no round trip;
-2. otherwise the worker's `/tokenize` (vLLM's shape; `messages` for chat); a worker
+1. the ids the previous hop already computed (`x-sluice-prompt-ids`, from the gateway)
+   when they come from the pool's own tokenizer (same fingerprint): no work at all;
+2. a local tokenizer (`sluice.engine.tokenizer.load_tokenizer`, torch-free) when the pool
+   names one, through the process's `TokenCache`; the ids then go on to the worker in
+   the same header, so the worker does not tokenize again;
+3. otherwise the worker's `/tokenize` (vLLM's shape; `messages` for chat); a worker
    whose /tokenize fails or is missing is not asked again for a minute.
 
-Results (and their block hashes) are cached (LRU by prompt), so a repeated prompt costs
-one dictionary lookup. A failure yields None and the request is routed on load alone.
+Repeated prompts cost one dictionary lookup. A failure yields None and the request is
+routed on load alone.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
-from sluice.protocol.block_hash import hash_blocks
+from sluice.protocol.prompt import (
+    INLINE_TOKENIZE_CHARS,
+    IdsHint,
+    PromptTokens,
+    PromptView,
+    TokenCache,
+    cache_key,
+    fingerprint,
+    make_hint,
+    templated,
+)
+from sluice.protocol.prompt import Tokenizer as LocalTokenizer
 from sluice.router.parse import ParsedRequest
 
 log = logging.getLogger(__name__)
 
 UNSUPPORTED_RETRY_S = 60.0
-
-
-class LocalTokenizer(Protocol):
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-    def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str: ...
 
 
 def load_local_tokenizer(model: str) -> LocalTokenizer:
@@ -44,81 +53,86 @@ def load_local_tokenizer(model: str) -> LocalTokenizer:
     return load_tokenizer(model)
 
 
-@dataclass
-class PromptTokens:
-    """A prompt's token ids and, computed once per block size, their block hashes."""
-
-    ids: list[int]
-    _hashes: dict[int, tuple[int, ...]] = field(default_factory=dict)
-
-    def block_hashes(self, block_size: int) -> tuple[int, ...]:
-        hashes = self._hashes.get(block_size)
-        if hashes is None:
-            hashes = self._hashes[block_size] = tuple(hash_blocks(self.ids, block_size))
-        return hashes
+RemoteKey = tuple[str, tuple[tuple[str, str], ...] | None, str | None]
 
 
-CacheKey = tuple[str, tuple[tuple[str, str], ...] | None, str | None]
-
-
-def _cache_key(model: str, req: ParsedRequest) -> CacheKey:
+def _remote_key(model: str, view: PromptView) -> RemoteKey:
     """The prompt as a tuple of strings: hashing it is a C loop over cached string
     hashes, several times cheaper than serializing and digesting it per request."""
-    messages = (None if req.messages is None
-                else tuple((m["role"], m["content"]) for m in req.messages))
-    return (model, messages, req.prompt)
+    messages = (None if view.messages is None
+                else tuple((m["role"], m["content"]) for m in view.messages))
+    text = view.texts[0] if view.texts and isinstance(view.texts[0], str) else None
+    return (model, messages, text)
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    """A prompt's tokens and the hint that passes them to the next hop (if any)."""
+
+    tokens: PromptTokens
+    hint: IdsHint | None = None
 
 
 class PromptTokenizer:
     """Token ids for prompts; one per router, shared by its pools."""
 
-    def __init__(self, client: httpx.AsyncClient, cache_size: int = 4096) -> None:
+    def __init__(self, client: httpx.AsyncClient, cache: TokenCache) -> None:
         self.client = client
-        self.cache_size = cache_size
-        self._cache: OrderedDict[CacheKey, PromptTokens] = OrderedDict()
+        self.cache = cache
+        self._remote_cache: OrderedDict[RemoteKey, PromptTokens] = OrderedDict()
         self._unsupported: dict[str, float] = {}  # worker url -> retry /tokenize after
-        self.hits = 0
-        self.misses = 0
+        self._fingerprints: dict[int, str] = {}  # id(local tokenizer) -> fingerprint
+
+    def fingerprint(self, tok: LocalTokenizer) -> str:
+        fp = self._fingerprints.get(id(tok))
+        if fp is None:
+            fp = self._fingerprints[id(tok)] = fingerprint(tok)
+        return fp
 
     async def tokens(self, req: ParsedRequest, model: str, local: LocalTokenizer | None,
-                     worker_url: str | None) -> PromptTokens | None:
+                     worker_url: str | None, hint: IdsHint | None = None) -> Tokenized | None:
         """Token ids of `req`'s prompt, or None if they cannot be had."""
+        view = req.view
+        if view is None:
+            return None
         if req.prompt_ids is not None:
-            return PromptTokens(req.prompt_ids)
-        if req.messages is None and req.prompt is None:
+            return Tokenized(PromptTokens(req.prompt_ids))
+        if view.messages is None and len(view.texts) != 1:
             return None
-        key = _cache_key(model, req)
-        cached = self._cache.get(key)
-        if cached is not None:
-            self._cache.move_to_end(key)
-            self.hits += 1
-            return cached
-        self.misses += 1
-        ids = self._local(req, local)
-        if ids is None and worker_url is not None:
-            ids = await self._remote(req, model, worker_url)
-        if ids is None:
+        if local is not None:
+            fp = self.fingerprint(local)
+            if hint is not None and hint.fingerprint == fp:
+                return Tokenized(PromptTokens(hint.ids), hint)  # the gateway's, verbatim
+            if view.chars <= INLINE_TOKENIZE_CHARS:
+                return self._local(local, fp, model, view)
+            return await asyncio.to_thread(self._local, local, fp, model, view)
+        if worker_url is None:
             return None
-        prompt = self._cache[key] = PromptTokens(ids)
-        if len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
-        return prompt
+        key = _remote_key(model, view)
+        cached = self._remote_cache.get(key)
+        if cached is None:
+            ids = await self._remote(view, model, worker_url)
+            if ids is None:
+                return None
+            cached = self._remote_cache[key] = PromptTokens(ids)
+            if len(self._remote_cache) > self.cache.size:
+                self._remote_cache.popitem(last=False)
+        return Tokenized(cached)
 
-    @staticmethod
-    def _local(req: ParsedRequest, tok: LocalTokenizer | None) -> list[int] | None:
-        if tok is None:
-            return None
-        if req.messages is not None:
-            text = tok.apply_chat_template(list(req.messages), add_generation_prompt=True)
-            return tok.encode(text, add_special_tokens=False)
-        return tok.encode(req.prompt or "", add_special_tokens=True)
-
-    async def _remote(self, req: ParsedRequest, model: str, url: str) -> list[int] | None:
-        body: dict[str, Any] = {"model": model}
-        if req.messages is not None:
-            body.update(messages=req.messages, add_generation_prompt=True)
+    def _local(self, tok: LocalTokenizer, fp: str, model: str, view: PromptView) -> Tokenized:
+        if view.messages is not None:
+            text, special = templated(tok, view), False
         else:
-            body["prompt"] = req.prompt
+            text, special = str(view.texts[0]), True
+        tokens = self.cache.tokens(tok, model, text, special=special)
+        return Tokenized(tokens, make_hint(fp, cache_key(text, special), tokens.ids))
+
+    async def _remote(self, view: PromptView, model: str, url: str) -> list[int] | None:
+        body: dict[str, Any] = {"model": model}
+        if view.messages is not None:
+            body.update(messages=view.messages, add_generation_prompt=True)
+        else:
+            body["prompt"] = view.texts[0]
         if self._unsupported.get(url, 0.0) > time.monotonic():
             return None
         try:

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice.protocol import anthropic
+from sluice.protocol.edge import BodyLimit, load_json_object
 from sluice.protocol.errors import (
     ClientDisconnected,
     InvalidRequestError,
@@ -50,6 +51,7 @@ from sluice.protocol.openai import (
     parse_request,
     reject_unsupported,
 )
+from sluice.protocol.prompt import IDS_HEADER, IdsHint
 from sluice.worker.chat import chat_chunks, chat_response, prepare_chat
 from sluice.worker.completions import completion_chunks, completion_response, prepare_completion
 from sluice.worker.config import WorkerConfig
@@ -70,6 +72,7 @@ def build_app(engine: AsyncEngine | None, config: WorkerConfig) -> FastAPI:
     app = FastAPI(title="sluice worker")
     app.state.worker = state
     app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_exception_handler(SluiceError, _sluice_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _internal_error)
@@ -86,7 +89,8 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         body = await parse_body(request)
         reject_unsupported(body, UNSUPPORTED_CHAT)
         req = parse_request(ChatCompletionRequest, body)
-        job = await until_disconnect(request, prepare_chat(state, req, request_id(request)))
+        job = await until_disconnect(
+            request, prepare_chat(state, req, request_id(request), ids_hint(request)))
         if req.stream:
             return SSEResponse(openai_sse(chat_chunks(job)))
         return await until_disconnect(request, _json(chat_response(job)))
@@ -96,7 +100,8 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         body = await parse_body(request)
         reject_unsupported(body, UNSUPPORTED_COMPLETION)
         req = parse_request(CompletionRequest, body)
-        job = await until_disconnect(request, prepare_completion(state, req, request_id(request)))
+        job = await until_disconnect(
+            request, prepare_completion(state, req, request_id(request), ids_hint(request)))
         if req.stream:
             return SSEResponse(openai_sse(completion_chunks(job)))
         return await until_disconnect(request, _json(completion_response(job)))
@@ -110,7 +115,8 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         if (priority := header_priority(request)) is not None:
             chat_body["priority"] = priority
         chat_req = parse_request(ChatCompletionRequest, chat_body)
-        job = await until_disconnect(request, prepare_chat(state, chat_req, request_id(request)))
+        job = await until_disconnect(
+            request, prepare_chat(state, chat_req, request_id(request), ids_hint(request)))
         if req.stream:
             return SSEResponse(anthropic_sse(chat_chunks(job), anthropic.StreamTranslator(req)))
         resp = await until_disconnect(request, chat_response(job))
@@ -171,16 +177,15 @@ def _tokenize(state: WorkerState, req: TokenizeRequest) -> dict[str, Any]:
 
 
 async def parse_body(request: Request) -> dict[str, Any]:
-    """The JSON object in the request body; anything else is a 400."""
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-        json.dumps(body, ensure_ascii=False).encode()  # lone surrogates ("\ud800") fail here
-    except (json.JSONDecodeError, UnicodeError) as exc:
-        raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequestError("the request body must be a JSON object")
-    return body
+    """The JSON object in the request body; anything else (bad JSON, nesting too deep, a
+    lone surrogate) is a 400, a body over the limit a 413 (`BodyLimit`)."""
+    return load_json_object(await request.body())
+
+
+def ids_hint(request: Request) -> IdsHint | None:
+    """The prompt's token ids as the router computed them (`x-sluice-prompt-ids`)."""
+    value = request.headers.get(IDS_HEADER)
+    return IdsHint.decode(value) if value else None
 
 
 def request_id(request: Request) -> str:

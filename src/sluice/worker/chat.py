@@ -23,6 +23,7 @@ from sluice.protocol.openai import (
     DeltaMessage,
     UsageInfo,
 )
+from sluice.protocol.prompt import IdsHint, encode_prompt
 from sluice.worker.generation import Run
 from sluice.worker.logprobs import chat_logprobs
 from sluice.worker.sampling import chat_prompt, sampling_params
@@ -68,15 +69,16 @@ class _Choice:
     stop_reason: int | str | None = None
 
 
-async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_id: str
-                       ) -> ChatJob:
-    """Validate, template, tokenize and admit; raises SluiceError subclasses."""
+async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_id: str,
+                       hint: IdsHint | None = None) -> ChatJob:
+    """Validate, template, tokenize (or take the router's ids, `hint`, when they are
+    this tokenizer's for this text) and admit; raises SluiceError subclasses."""
     model = state.check_model(req.model)
     engine = state.require_engine()
     num_logprobs = req.num_logprobs()
     params = sampling_params(req, req.requested_max_tokens(), num_logprobs)
     prompt = chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt)
-    ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+    ids = await encode_prompt(engine.tokenizer, prompt, special=False, hint=hint)
     run = await Run.start(state, [ids], params, request_id, req.priority, param="messages")
     return ChatJob(req, run, f"chatcmpl-{request_id}", model, state, num_logprobs)
 

@@ -19,6 +19,7 @@ from sluice.protocol.openai import (
     CompletionResponse,
     UsageInfo,
 )
+from sluice.protocol.prompt import IdsHint, encode_prompt
 from sluice.worker.generation import Run
 from sluice.worker.logprobs import completion_logprobs
 from sluice.worker.sampling import check_token_ids, sampling_params
@@ -89,9 +90,10 @@ def _check_unsupported(req: CompletionRequest) -> None:
                                   "supported", param="echo")
 
 
-async def prepare_completion(state: WorkerState, req: CompletionRequest, request_id: str
-                             ) -> CompletionJob:
-    """Validate, tokenize and admit; raises SluiceError subclasses."""
+async def prepare_completion(state: WorkerState, req: CompletionRequest, request_id: str,
+                             hint: IdsHint | None = None) -> CompletionJob:
+    """Validate, tokenize (or take the router's ids, `hint`, when they are this
+    tokenizer's for this text) and admit; raises SluiceError subclasses."""
     model = state.check_model(req.model)
     engine = state.require_engine()
     _check_unsupported(req)
@@ -101,7 +103,7 @@ async def prepare_completion(state: WorkerState, req: CompletionRequest, request
     texts: list[str] = []
     for p in req.prompts():
         if isinstance(p, str):
-            prompts.append(tok.encode(p, add_special_tokens=req.add_special_tokens))
+            prompts.append(await encode_prompt(tok, p, special=req.add_special_tokens, hint=hint))
             texts.append(p)
         else:
             prompts.append(check_token_ids(list(p), tok.vocab_size, "prompt"))

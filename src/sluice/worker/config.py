@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sluice.protocol.edge import DEFAULT_MAX_BODY_BYTES
 from sluice.protocol.errors import InvalidRequestError
 
 
@@ -21,6 +22,8 @@ class WorkerConfig:
     kv_events_endpoint: str | None = None
     kv_events_interval: float = 0.02
     retry_after_seconds: float = 1.0
+    # Request bodies over this many bytes are refused with 413 as they arrive.
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "info"
 
     def __post_init__(self) -> None:

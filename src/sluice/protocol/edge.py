@@ -1,0 +1,239 @@
+"""The HTTP edge's shared pieces: what every role that takes HTTP requests (worker,
+router, gateway) does the same way, written once, below all of them.
+
+    BodyLimit(app, max_bytes)          ASGI middleware: a body over the limit is a 413,
+                                       by its Content-Length before a byte is read, else
+                                       as soon as the bytes that cross it arrive
+    read_body(receive, max_bytes)      the whole body (None: the client went away first)
+    load_json_object(raw)              a JSON object, or a 400: bad JSON, nesting deeper
+                                       than MAX_JSON_DEPTH, a lone UTF-16 surrogate
+    error_json(exc, path)              OpenAI's `{error: {message, type, param, code}}`,
+                                       Anthropic's error on /v1/messages
+    send_error(send, exc, path)        the same as an ASGI response
+    check_admin_key(expected, headers) admin routes: 403 when no key is configured (the
+                                       default: admin is closed), 401 for a wrong key
+    HOP_BY_HOP                         headers a proxy never forwards (RFC 9110 7.6.1)
+    wait_disconnect(receive)           returns when the client has gone
+
+Why here: the router and the gateway both proxy, and the gateway sits above the router,
+so helpers they share must live below both; `protocol/` is that level, next to the
+error tree the bodies are made from.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from typing import Any
+
+from sluice.protocol import anthropic
+from sluice.protocol.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+    SluiceError,
+)
+
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
+Headers = Iterable[tuple[bytes, bytes]]
+
+DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # ~500k tokens of text: above any context here
+MAX_JSON_DEPTH = 100
+ANTHROPIC_PATHS = frozenset({"/v1/messages"})
+HOP_BY_HOP = frozenset({
+    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+    b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"host", b"content-length",
+})
+HOP_BY_HOP_STR = frozenset(h.decode() for h in HOP_BY_HOP)
+
+
+# -- bodies ----------------------------------------------------------------------------------
+
+
+def too_large(max_bytes: int) -> PayloadTooLargeError:
+    return PayloadTooLargeError(f"request body larger than {max_bytes} bytes", param="body")
+
+
+def content_length(headers: Headers) -> int | None:
+    """The request's Content-Length, or None if absent or unreadable."""
+    for name, value in headers:
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+async def read_body(receive: Receive, max_bytes: int | None = None) -> bytes | None:
+    """The request body; None if the client disconnected first. Raises 413 as soon as
+    the bytes received pass `max_bytes` (the rest is never buffered)."""
+    first = await receive()
+    if first["type"] == "http.disconnect":
+        return None
+    body: bytes = first.get("body", b"")
+    if not first.get("more_body", False):  # the common case: one message
+        if max_bytes is not None and len(body) > max_bytes:
+            raise too_large(max_bytes)
+        return body
+    parts, size = [body], len(body)
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if max_bytes is not None and size > max_bytes:
+            raise too_large(max_bytes)
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class BodyLimit:
+    """Pure ASGI middleware: refuse request bodies over `max_bytes` with 413.
+
+    A declared Content-Length over the limit is answered before the app runs; a chunked
+    body raises `PayloadTooLargeError` from `receive` once it passes the limit (the app's
+    error handling answers it: FastAPI's SluiceError handler, or `read_body`'s caller).
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Receive,
+                       send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = content_length(scope.get("headers") or ())
+        if length is not None and length > self.max_bytes:
+            return await send_error(send, too_large(self.max_bytes), scope.get("path", ""),
+                                    close=True)
+        if length is not None:  # the server enforces the declared length
+            return await self.app(scope, receive, send)
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise too_large(self.max_bytes)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+# -- JSON ------------------------------------------------------------------------------------
+
+
+def load_json_object(raw: bytes | str, *, param: str | None = None) -> dict[str, Any]:
+    """Parse a request body that must be a JSON object; every failure is a 400.
+
+    Deep nesting (`[[[[...]]]]`) would otherwise raise RecursionError here or in
+    whatever walks the value later; a lone surrogate (`"\\ud800"`) is valid JSON but
+    not valid Unicode, and fails later when the text is encoded (tokenizer, database).
+    Both checks run only when a cheap scan says they could apply."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
+        detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise InvalidRequestError(f"the request body is not valid JSON: {detail}",
+                                  param=param) from None
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object", param=param)
+    data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
+    if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH and _depth(body) > MAX_JSON_DEPTH:
+        raise InvalidRequestError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels",
+                                  param=param)
+    if (b"\\u" in data or b"\xed" in data) and _has_lone_surrogate(body):
+        raise InvalidRequestError("the request body holds a lone UTF-16 surrogate "
+                                  "(not valid Unicode)", param=param)
+    return body
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a parsed JSON value, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > deepest:
+            deepest = depth
+            if deepest > MAX_JSON_DEPTH:
+                return deepest
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return deepest
+
+
+def _has_lone_surrogate(body: dict[str, Any]) -> bool:
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+def error_json(exc: SluiceError, path: str = "") -> bytes:
+    """The error body a client of `path` expects: Anthropic's on the Messages API,
+    OpenAI's everywhere else."""
+    body = anthropic.error_body(exc) if path in ANTHROPIC_PATHS else exc.to_dict()
+    return json.dumps(body).encode()
+
+
+def error_headers(exc: SluiceError, body: bytes, *, close: bool = False
+                  ) -> list[tuple[bytes, bytes]]:
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", b"%d" % len(body))]
+    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
+    if close:
+        headers.append((b"connection", b"close"))
+    return headers
+
+
+async def send_error(send: Send, exc: SluiceError, path: str = "", *,
+                     close: bool = False) -> None:
+    """Answer with `exc` as JSON; `close` asks the server to drop the connection after
+    (the client may still be sending a body nobody will read)."""
+    body = error_json(exc, path)
+    await send({"type": "http.response.start", "status": exc.status_code,
+                "headers": error_headers(exc, body, close=close)})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+# -- admin -----------------------------------------------------------------------------------
+
+
+def admin_key_given(headers: Headers) -> str:
+    """`Authorization: Bearer KEY`, else `x-admin-key` or `x-api-key`, else ""."""
+    given = ""
+    for name, value in headers:
+        name = name.lower()
+        if name == b"authorization" and value[:7].lower() == b"bearer ":
+            return value[7:].strip().decode("latin-1")
+        if name in (b"x-admin-key", b"x-api-key"):
+            given = value.strip().decode("latin-1")
+    return given
+
+
+def check_admin_key(expected: str | None, headers: Headers, *, setting: str) -> None:
+    """Admin is closed unless a key is configured (403 naming `setting`); a missing or
+    wrong key is a 401. Compared in constant time."""
+    if not expected:
+        raise PermissionDeniedError(f"admin API disabled: set {setting}")
+    if not hmac.compare_digest(admin_key_given(headers).encode(), expected.encode()):
+        raise AuthenticationError("admin key missing or wrong")

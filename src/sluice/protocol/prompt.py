@@ -1,0 +1,277 @@
+"""One prompt view: from an OpenAI or Anthropic request to exactly what the engine sees.
+
+The gateway counts prompt tokens (TPM limits, budgets), the router hashes them (prefix
+matching), the worker feeds them to the engine. They agree only if all three read the
+same messages through the same template and tokenizer, so there is one set of rules,
+here, and one token-id cache:
+
+    prompt_view(kind, body)   -> PromptView: the chat messages the template sees, or the
+                                 completion prompt(s) as text or client token ids
+    templated(tok, view)      -> the text that is tokenized (chat template applied)
+    TokenCache                   LRU {(model, templated text): PromptTokens}, one per
+                                 process, shared by whoever needs ids there
+    PromptTokens                 ids, their block hashes (per block size, computed once)
+    IdsHint                      the ids sent to the next hop (`x-sluice-prompt-ids`):
+                                 tokenizer fingerprint, digest of the templated text,
+                                 the ids; the worker uses them only if both match its own
+
+Rules (the worker's, which the engine sees; `test_prompt_equivalence` holds all three
+hops to them):
+
+- chat (`/v1/chat/completions`): every message `{role, content}`; role `developer` is
+  `system`; content is a string, or a list of `{"type": "text", "text": ...}` parts
+  joined without separator; any other part (image, audio, file) is a 400 naming
+  `messages.N.content`.
+- Anthropic (`/v1/messages`): `system` (a string or text blocks) first, as a system
+  message, only when its text is non-empty; then each message as above (text blocks).
+- the template is applied with `add_generation_prompt=True` and tokenized without
+  special tokens (the template writes them); a completion prompt is tokenized with them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from sluice.protocol.block_hash import hash_blocks
+from sluice.protocol.errors import InvalidRequestError
+
+CHAT, COMPLETION, MESSAGES = "chat", "completion", "messages"
+KIND_OF_PATH = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION,
+                "/v1/messages": MESSAGES}
+IDS_HEADER = "x-sluice-prompt-ids"
+INLINE_TOKENIZE_CHARS = 16 * 1024  # longer texts are tokenized on a worker thread
+MAX_HINT_TOKENS = 4096  # longer prompts are not sent in a header (header size limits)
+_PROBE = "Tokenizer fingerprint: Hello, wörld! 1234 <|im_start|> \t\n ünïcödé 漢字 🙂"
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> str: ...
+
+
+@dataclass(frozen=True)
+class PromptView:
+    """What a request asks the model to read: chat `messages`, or completion `texts`
+    (each a string or a list of client token ids)."""
+
+    messages: list[dict[str, str]] | None = None
+    texts: tuple[str | list[int], ...] = ()
+
+    @property
+    def chars(self) -> int:
+        if self.messages is not None:
+            return sum(len(m["content"]) + 8 for m in self.messages)
+        return sum(len(t) for t in self.texts if isinstance(t, str))
+
+
+# -- messages ----------------------------------------------------------------------------
+
+
+def content_text(content: Any, param: str) -> str:
+    """A message's content as the template sees it (text parts joined); 400 otherwise."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError("content must be a string or a list of text parts",
+                                  param=param)
+    parts = []
+    for part in content:
+        if not (isinstance(part, dict) and part.get("type") == "text"
+                and isinstance(part.get("text"), str)):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidRequestError(f"only text content is supported, got {kind!r}",
+                                      param=param)
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def chat_messages(raw: Any) -> list[dict[str, str]]:
+    if not isinstance(raw, list):
+        raise InvalidRequestError("'messages' must be a list", param="messages")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequestError("each message needs a string 'role'",
+                                      param=f"messages.{i}")
+        role = "system" if m["role"] == "developer" else m["role"]
+        out.append({"role": role, "content": content_text(m.get("content"),
+                                                          f"messages.{i}.content")})
+    return out
+
+
+def anthropic_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
+    system = body.get("system")
+    text = "" if system is None else content_text(system, "system")
+    head = [{"role": "system", "content": text}] if text else []
+    return head + chat_messages(body.get("messages"))
+
+
+def completion_texts(prompt: Any) -> tuple[str | list[int], ...]:
+    """`prompt`: a string, a list of token ids, or a list of either."""
+    if isinstance(prompt, str):
+        return (prompt,)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return (list(prompt),)
+    if isinstance(prompt, list) and all(isinstance(p, str) or isinstance(p, list) and all(
+            isinstance(t, int) for t in p) for p in prompt):
+        return tuple(prompt)
+    raise InvalidRequestError("prompt must be a string, a list of token ids, or a list of "
+                              "either", param="prompt")
+
+
+def prompt_view(kind: str, body: Mapping[str, Any]) -> PromptView:
+    """The one view of a request's prompt (rules in the module docstring); 400 for a
+    prompt the worker would refuse too."""
+    if kind == CHAT:
+        return PromptView(messages=chat_messages(body.get("messages")))
+    if kind == MESSAGES:
+        return PromptView(messages=anthropic_messages(body))
+    return PromptView(texts=completion_texts(body.get("prompt", body.get("input", ""))))
+
+
+# -- tokens --------------------------------------------------------------------------------
+
+
+def templated(tok: Tokenizer, view: PromptView) -> str:
+    """The chat template applied to the view's messages (chat views only)."""
+    assert view.messages is not None
+    return tok.apply_chat_template(view.messages, add_generation_prompt=True)
+
+
+@dataclass
+class PromptTokens:
+    """A prompt's token ids and, computed once per block size, their block hashes."""
+
+    ids: list[int]
+    _hashes: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    def block_hashes(self, block_size: int) -> tuple[int, ...]:
+        hashes = self._hashes.get(block_size)
+        if hashes is None:
+            hashes = self._hashes[block_size] = tuple(hash_blocks(self.ids, block_size))
+        return hashes
+
+
+class TokenCache:
+    """LRU of token ids by (model, templated prompt): one per process, shared by the
+    gateway's counter and the router's hasher (and anything else that needs ids), so a
+    prompt is tokenized once however many of them read it. Thread-safe."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size = size
+        self._items: OrderedDict[tuple[str, str], PromptTokens] = OrderedDict()
+        self._lock = threading.Lock()  # long prompts are tokenized on worker threads
+        self.hits = self.misses = 0
+
+    def get(self, model: str, text: str) -> PromptTokens | None:
+        with self._lock:
+            found = self._items.get((model, text))
+            if found is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end((model, text))
+            self.hits += 1
+            return found
+
+    def put(self, model: str, text: str, ids: list[int]) -> PromptTokens:
+        with self._lock:
+            tokens = self._items[(model, text)] = PromptTokens(ids)
+            if len(self._items) > self.size:
+                self._items.popitem(last=False)
+            return tokens
+
+    def tokens(self, tok: Tokenizer, model: str, text: str, *, special: bool) -> PromptTokens:
+        """Look up or tokenize `text` (`special`: add the tokenizer's special tokens, as
+        a completion prompt is; a templated chat prompt already holds them)."""
+        key = cache_key(text, special)
+        return self.get(model, key) or self.put(model, key, tok.encode(
+            text, add_special_tokens=special))
+
+    def chat_tokens(self, tok: Tokenizer, model: str, view: PromptView) -> PromptTokens:
+        return self.tokens(tok, model, templated(tok, view), special=False)
+
+    def count(self, tok: Tokenizer, model: str, view: PromptView) -> int:
+        if view.messages is not None:
+            return len(self.chat_tokens(tok, model, view).ids)
+        return sum(len(t) if isinstance(t, list) else len(self.tokens(
+            tok, model, t, special=True).ids) for t in view.texts)
+
+
+def cache_key(text: str, special: bool) -> str:
+    """The text plus how it is tokenized: the same key always means the same ids."""
+    return "\0special\0" + text if special else text
+
+
+# -- passing ids to the next hop -----------------------------------------------------------
+
+
+def fingerprint(tok: Tokenizer) -> str:
+    """A short identity of a tokenizer: its ids for a probe text (two processes that load
+    the same tokenizer agree; different vocabularies almost surely do not)."""
+    ids = tok.encode(_PROBE, add_special_tokens=True)
+    return hashlib.blake2b(struct.pack(f"<{len(ids)}I", *ids), digest_size=6).hexdigest()
+
+
+def digest(text: str) -> str:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+
+
+@dataclass(frozen=True)
+class IdsHint:
+    """Prompt ids as the previous hop computed them, and what they are valid for."""
+
+    fingerprint: str
+    digest: str
+    ids: list[int]
+
+    def encode(self) -> bytes:
+        packed = base64.b64encode(struct.pack(f"<{len(self.ids)}I", *self.ids))
+        return f"{self.fingerprint}.{self.digest}.".encode() + packed
+
+    @classmethod
+    def decode(cls, value: bytes | str) -> IdsHint | None:
+        """None for anything malformed: a bad hint only costs a tokenization."""
+        try:
+            raw = value.encode("latin-1") if isinstance(value, str) else value
+            fp, dg, packed = raw.split(b".", 2)
+            data = base64.b64decode(packed, validate=True)
+            ids = list(struct.unpack(f"<{len(data) // 4}I", data))
+        except (ValueError, struct.error):
+            return None
+        return cls(fp.decode(), dg.decode(), ids)
+
+    def ids_for(self, tokenizer_fingerprint: str, key: str) -> list[int] | None:
+        """The ids, if this tokenizer made them from exactly this text (`cache_key`)."""
+        if self.fingerprint == tokenizer_fingerprint and self.digest == digest(key):
+            return self.ids
+        return None
+
+
+def make_hint(tok_fingerprint: str, key: str, ids: Sequence[int]) -> IdsHint | None:
+    """The hint for ids made from cache key `key` (None when too long for a header)."""
+    if len(ids) > MAX_HINT_TOKENS:
+        return None
+    return IdsHint(tok_fingerprint, digest(key), list(ids))
+
+
+async def encode_prompt(tok: Tokenizer, text: str, *, special: bool,
+                        hint: IdsHint | None = None) -> list[int]:
+    """The engine's ids for `text`: the previous hop's (`hint`) when its tokenizer and
+    text are this one's, else tokenized here: inline when short, on a worker thread when
+    long, so the event loop keeps serving other requests meanwhile."""
+    if hint is not None:
+        ids = hint.ids_for(fingerprint(tok), cache_key(text, special))
+        if ids is not None:
+            return ids
+    if len(text) <= INLINE_TOKENIZE_CHARS:
+        return tok.encode(text, add_special_tokens=special)
+    return await asyncio.to_thread(tok.encode, text, add_special_tokens=special)
