@@ -2,7 +2,7 @@
 
     --workers 1 (default)                 --workers N
     :8000  gateway ─▶ worker app          :8000  gateway ─▶ router ─▶ N `sluice worker`
-           (engine thread, this process)          (cost policy)   processes on free ports,
+           (engine core in a child process)   (cost policy)   processes on free ports,
                                                                   KV events over ZMQ
 
 The prompt is tokenized once: the gateway counts it (one `TokenCache` per process,

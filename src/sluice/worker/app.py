@@ -4,8 +4,8 @@
       POST /v1/chat/completions  /v1/completions  /v1/messages   (JSON or SSE)
       GET  /v1/models  /health  /metrics        POST /tokenize  /detokenize
 
-The engine runs on its own thread (AsyncEngine); handlers only await its output
-queues, so a long prefill never blocks this event loop. Bodies are parsed by hand
+The engine core runs in its own process (AsyncEngine.spawn); handlers only await
+its output queues, so a long prefill never blocks this event loop. Bodies are parsed by hand
 (`parse_body`) so every failure is one of sluice's errors, rendered by one handler:
 OpenAI's error JSON everywhere, Anthropic's on `/v1/messages`. A stream that ends
 early (client disconnect) closes its `Run`, which aborts the request in the engine.
