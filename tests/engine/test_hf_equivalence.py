@@ -66,7 +66,7 @@ def tiny(request: pytest.FixtureRequest) -> tuple[Path, list[list[int]], list[li
 def test_greedy_equals_transformers(tiny: tuple[Path, list[list[int]], list[list[int]]],
                                     options: dict[str, Any]) -> None:
     model_dir, prompts, expected = tiny
-    llm = LLM(str(model_dir), **{"num_kv_blocks": 64, **options})
+    llm = LLM(str(model_dir), **{"num_kv_blocks": 64, "dtype": "float32", **options})
     torch_ops = "kernel_backend" in options
     assert (llm.engine.runner.native is None) == torch_ops
     assert (llm.engine.runner.linear is None) == torch_ops
@@ -102,7 +102,7 @@ def test_llm_text_and_chat_api(tiny_llama_dir: Path) -> None:
 
 @pytest.mark.model
 def test_default_gguf_greedy_equals_transformers(default_gguf: Path) -> None:
-    llm = LLM(str(default_gguf), num_kv_blocks=64, max_num_batched_tokens=16)
+    llm = LLM(str(default_gguf), num_kv_blocks=64, max_num_batched_tokens=16, dtype="float32")
     tok = llm.get_tokenizer()  # sluice's GGUF tokenizer: HF's takes ~30 s to build
     prompts = [tok.encode(t) for t in (TEXTS[0], TEXTS[2], TEXTS[3])]
     expected = hf_greedy(default_gguf.parent, default_gguf.name, prompts, 8)

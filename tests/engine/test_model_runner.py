@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sluice.engine.config import EngineConfig
-from sluice.engine.model_runner import ModelRunner, SeqChunk
+from sluice.engine.model_runner import ModelRunner, SeqChunk, auto_dtype
 from sluice.protocol.errors import InvalidRequestError
 
 BLOCK = 4
@@ -26,7 +26,7 @@ def pair(request: pytest.FixtureRequest) -> tuple[ModelRunner, torch.nn.Module]:
 
     directory: Path = request.getfixturevalue(f"tiny_{request.param}_dir")
     runner = ModelRunner(EngineConfig.from_options(str(directory), num_kv_blocks=256,
-                                                   block_size=BLOCK))
+                                                   block_size=BLOCK, dtype="float32"))
     hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
     return runner, hf
 
@@ -147,3 +147,16 @@ def test_runner_attributes(pair: tuple[ModelRunner, torch.nn.Module]) -> None:
     assert runner.model_name.startswith("tiny-")
     assert runner.device.type == "cpu" and runner.dtype == torch.float32
     assert runner.tokenizer.eos_token_ids == {2}
+
+
+@pytest.mark.parametrize("device,flags,want", [
+    ("cpu", {"avx2", "fma"}, torch.float32),  # AVX2 only: bfloat16 would be emulated
+    ("cpu", {"avx2", "avx512f", "avx512bw"}, torch.float32),  # AVX-512 without BF16
+    ("cpu", {"avx512f", "avx512_bf16"}, torch.bfloat16),
+    ("cpu", {"avx512f", "amx_tile", "amx_bf16"}, torch.bfloat16),
+    ("cpu", set(), torch.float32),  # no flags known (not x86 Linux)
+    ("cuda", set(), torch.bfloat16),
+])
+def test_auto_dtype_is_bfloat16_only_with_native_bfloat16(device: str, flags: set[str],
+                                                          want: torch.dtype) -> None:
+    assert auto_dtype(torch.device(device), frozenset(flags)) == want

@@ -21,7 +21,7 @@ class ModelConfig:
     model: str | None = None  # None: the default SmolLM2-135M-Instruct GGUF
     tokenizer: str | None = None  # defaults to the model's own
     served_model_name: str | None = None
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bfloat16 on CUDA or a CPU with native bf16, else float32
     device: str = "auto"  # auto: cuda if available, else cpu
     max_model_len: int | None = None  # None: the model's own limit
     seed: int = 0

@@ -33,7 +33,7 @@ from sluice.engine.attention import (
 from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
 from sluice.engine.models.llama import LlamaConfig, TransformerBlock
 from sluice.engine.models.loader import load_model
-from sluice.engine.native import cpu_linear, native_ops
+from sluice.engine.native import cpu_flags, cpu_linear, native_ops
 from sluice.engine.tokenizer import Tokenizer, default_served_name, load_tokenizer
 from sluice.protocol.errors import InvalidRequestError
 
@@ -53,15 +53,28 @@ class SeqChunk:
     need_logits: bool  # True if the last token's logits are needed
 
 
+# CPU flags of native bfloat16 math: AVX512-BF16's dot products, AMX's tiles. Without
+# them torch emulates bfloat16 (convert, compute in float32, round), slower than float32.
+NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def auto_dtype(device: torch.device, flags: frozenset[str]) -> torch.dtype:
+    """`dtype="auto"`: bfloat16 on CUDA and on a CPU with native bfloat16 (`flags` has
+    avx512_bf16 or amx_bf16), float32 otherwise, e.g. on AVX2-only CPUs."""
+    if device.type == "cuda" or (device.type == "cpu" and flags & NATIVE_BF16_CPU_FLAGS):
+        return torch.bfloat16
+    return torch.float32
+
+
 def resolve_device(cfg: ModelConfig) -> tuple[torch.device, torch.dtype]:
-    """"auto": CUDA + bfloat16 when available, else CPU + float32."""
+    """"auto" device: CUDA when available, else CPU; "auto" dtype: see `auto_dtype`."""
     name = cfg.device
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if cfg.dtype != "auto":
         return device, DTYPES[cfg.dtype]
-    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, auto_dtype(device, cpu_flags() if device.type == "cpu" else frozenset())
 
 
 def kv_block_bytes(cfg: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:

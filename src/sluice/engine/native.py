@@ -60,16 +60,22 @@ class NativeOps:
     silu_and_mul: ActivationKernel
 
 
-def _cpu_flags() -> list[str]:
-    """Vector flags the build machine has (the cache is per machine, keyed on flags)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This machine's CPU feature flags (/proc/cpuinfo's `flags`; empty off x86 Linux)."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        return []
+        return frozenset()
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return []
-    have = set(next((line for line in info.splitlines() if line.startswith("flags")),
-                    "").split())
+        return frozenset()
+    return frozenset(next((line for line in info.splitlines() if line.startswith("flags")),
+                          "").split())
+
+
+def _cpu_flags() -> list[str]:
+    """Vector flags the build machine has (the cache is per machine, keyed on flags)."""
+    have = cpu_flags()
     return [f"-m{f}" for f in ("avx2", "fma", "avx512f") if f in have]
 
 

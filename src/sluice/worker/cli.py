@@ -22,7 +22,8 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "kv_cache_memory_bytes": (int, "size of the KV pool in bytes"),
     "scheduling_policy": (str, "'priority' (lower value runs first) or 'fcfs'"),
     "max_model_len": (int, "context length"),
-    "dtype": (str, "auto | float32 | bfloat16 | float16"),
+    "dtype": (str, "auto | float32 | bfloat16 | float16; auto: bfloat16 on CUDA and on CPUs "
+                    "with native bfloat16 (avx512_bf16 or AMX), float32 otherwise"),
     "device": (str, "auto | cpu | cuda"),
     "seed": (int, "engine seed"),
     "kernel_backend": (str, "CPU kernels: auto (oneDNN linears; native attention, norm and "
