@@ -1,5 +1,6 @@
-"""`sluice worker` as a real process: startup line, /health, and a graceful SIGTERM that
-finishes the in-flight stream, refuses new connections, and exits 0."""
+"""`sluice worker` as a real process: startup line, /health, a graceful SIGTERM that
+finishes the in-flight stream, refuses new connections, and exits 0; and a killed
+engine core process, which ends open streams with a 503 error and stops the worker."""
 
 from __future__ import annotations
 
@@ -29,16 +30,22 @@ def _accepts(url: str) -> bool:
         return False
 
 
-def test_sigterm_drains_in_flight_stream_and_exits_zero(tiny_llama_dir: Path) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+def _start_worker(model: Path, port: int, *flags: str) -> tuple[subprocess.Popen[str], list[str]]:
+    """`sluice worker` on the tiny model; its stderr lines collect in the returned list."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sluice.cli", "worker", "--model", str(tiny_llama_dir),
+        [sys.executable, "-m", "sluice.cli", "worker", "--model", str(model),
          "--port", str(port), "--num-kv-blocks", "256", "--max-model-len", "1024",
-         "--served-model-name", "tiny", "--shutdown-timeout", "30", "--log-level", "warning"],
+         "--served-model-name", "tiny", "--log-level", "warning", *flags],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     log: list[str] = []
     threading.Thread(target=_collect, args=(proc.stderr, log), daemon=True).start()
+    return proc, log
+
+
+def test_sigterm_drains_in_flight_stream_and_exits_zero(tiny_llama_dir: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc, log = _start_worker(tiny_llama_dir, port, "--shutdown-timeout", "30")
     try:
         def healthy() -> bool:
             try:
@@ -110,13 +117,7 @@ def _engine_core(pid: int) -> int:
 def test_engine_core_death_ends_streams_with_503_and_exits(tiny_llama_dir: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sluice.cli", "worker", "--model", str(tiny_llama_dir),
-         "--port", str(port), "--num-kv-blocks", "256", "--max-model-len", "1024",
-         "--served-model-name", "tiny", "--log-level", "warning"],
-        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    log: list[str] = []
-    threading.Thread(target=_collect, args=(proc.stderr, log), daemon=True).start()
+    proc, log = _start_worker(tiny_llama_dir, port)
     try:
         assert wait_until(lambda: any("listening on" in x for x in log), 90, 0.1), "".join(log)
         core = _engine_core(proc.pid)
