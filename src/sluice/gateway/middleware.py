@@ -3,8 +3,9 @@
 Pure ASGI (Starlette style): it wraps the router's or a worker's app, or the httpx
 proxy of `sluice gateway --upstream`. Per request under `/v1/`:
 
-    1. authenticate   Bearer or x-api-key -> key + tenant (read fresh: revocation is
-                      immediate on every replica)
+    1. authenticate   Bearer or x-api-key -> key + tenant (cached while the store's
+                      auth version holds: revocation is immediate on every replica,
+                      keycache.py)
     2. admit          model allowed (also for GET /v1/models/{id}; the GET /v1/models
                       list is filtered to the key's models, see models.py)? budget left?
                       priority within class? prompt tokens counted; the worst-case
@@ -228,7 +229,7 @@ class Exchange:
         if not key:
             raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>' "
                                       "or 'x-api-key: <key>'")
-        principal = await asyncio.to_thread(self.state.store.authenticate, key)
+        principal = await self.authenticate(key)
         if principal is None:
             raise AuthenticationError("invalid or revoked API key")
         adm = Admission(principal, self.endpoint, self.protocol,
@@ -247,6 +248,14 @@ class Exchange:
             adm.body = (await asyncio.to_thread(json.dumps, payload)).encode()
         await self.reserve(adm, payload)
         return adm
+
+    async def authenticate(self, key: str) -> Principal | None:
+        """From the key cache; inline when its check is a local read (SQLite), else
+        (or on a miss) on a worker thread."""
+        keys = self.state.keys
+        if keys.inline and (principal := keys.cached(key)) is not None:
+            return principal
+        return await asyncio.to_thread(keys.authenticate, key)
 
     async def parse_payload(self, raw: bytes) -> dict[str, Any] | None:
         """The JSON object of a generation request (400 for anything else); a large body
