@@ -36,7 +36,8 @@ import httpx
 from router_overhead import wait_http  # benchmarks/ is on sys.path when run as a script
 
 from sluice.control.local import LocalWorkerPool, free_port
-from sluice.router.scrape import parse_load, parse_samples
+from sluice.observe.prometheus import sum_samples
+from sluice.router.scrape import parse_load
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
          "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
@@ -124,7 +125,7 @@ def worker_counters(urls: Sequence[str]) -> dict[str, dict[str, float]]:
     for u in urls:
         text_ = httpx.get(u + "/metrics", timeout=10).text
         load = parse_load(text_)
-        samples = parse_samples(text_)
+        samples = sum_samples(text_)
         out[u] = {"hits": load.prefix_hits, "queries": load.prefix_queries,
                   "prompt_tokens": samples.get("vllm:prompt_tokens_total", 0.0),
                   "requests": samples.get("vllm:e2e_request_latency_seconds_count", 0.0)}

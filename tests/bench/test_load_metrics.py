@@ -11,7 +11,8 @@ import pytest
 
 from sluice.bench.client import RequestRecord
 from sluice.bench.load import LoadConfig, arrival_times
-from sluice.bench.metrics import meets_slos, parse_prometheus, parse_slos, server_deltas, summarize
+from sluice.bench.metrics import meets_slos, parse_slos, server_deltas, summarize
+from sluice.observe.prometheus import sum_samples
 from sluice.protocol.errors import InvalidRequestError
 
 
@@ -95,16 +96,16 @@ vllm:kv_cache_usage_perc{model_name="a b}c"} 0.5 1700000000
 """
 
 
-def test_parse_prometheus_sums_label_sets() -> None:
-    p = parse_prometheus(PROM)
+def test_sum_samples_sums_label_sets() -> None:
+    p = sum_samples(PROM)
     assert p["vllm:prefix_cache_queries_total"] == 150.0
     assert p["vllm:num_requests_running"] == 3.0
     assert p["vllm:kv_cache_usage_perc"] == 0.5
 
 
 def test_server_deltas_with_and_without_total_suffix() -> None:
-    before = parse_prometheus(PROM)
-    after = parse_prometheus(PROM.replace("100.0", "300.0").replace("30.0", "130.0").replace(" 2\n", " 5\n"))
+    before = sum_samples(PROM)
+    after = sum_samples(PROM.replace("100.0", "300.0").replace("30.0", "130.0").replace(" 2\n", " 5\n"))
     d = server_deltas(before, after)
     assert d == {"prefix_cache_queries": 200.0, "prefix_cache_hits": 100.0, "num_preemptions": 3.0,
                  "prefix_cache_hit_rate": 0.5}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import pytest
 
@@ -332,3 +333,47 @@ async def test_settlement_off_the_critical_path_is_still_written_exactly_once(
     assert len(records) == 21 and len({r.request_id for r in records}) == 21
     assert sum(r.completion_tokens for r in records) == 21 * 5
     assert not state.background
+
+
+class RawUpstream:
+    """Keeps the exact bytes each request's body arrived with; answers a tiny JSON."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        self.bodies.append(body)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b'{"usage": {"prompt_tokens": 1, '
+                    b'"completion_tokens": 1}}'})
+
+
+@pytest.mark.parametrize(("sent", "forwarded"), [
+    # nothing to change: the client's bytes, spacing and all
+    (b'{ "model":"m",  "messages":[{"role":"user","content":"hi \\u00e9"}], "priority": 1 }',
+     b'{ "model":"m",  "messages":[{"role":"user","content":"hi \\u00e9"}], "priority": 1 }'),
+    # priority missing: appended, the rest untouched
+    (b'{"model":"m","messages":[{"role":"user","content":"hi"}]}\n',
+     b'{"model":"m","messages":[{"role":"user","content":"hi"}], "priority": 1}'),
+    # stream_options sent without include_usage: re-encoded
+    (b'{"model":"m","messages":[],"stream":true,"stream_options":{},"priority":1}',
+     b'{"model": "m", "messages": [], "stream": true, "stream_options": '
+     b'{"include_usage": true}, "priority": 1}'),
+])
+async def test_body_is_forwarded_as_sent_unless_policy_changes_it(
+        sqlite_store: SQLStore, sent: bytes, forwarded: bytes) -> None:
+    upstream = RawUpstream()
+    gw = GatewayMiddleware(upstream, make_state(sqlite_store))
+    async with client_for(gw, new_key(sqlite_store)) as client:
+        r = await client.post("/v1/chat/completions", content=sent,
+                              headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert upstream.bodies == [forwarded]
+    assert json.loads(forwarded)["priority"] == 1

@@ -100,28 +100,6 @@ def summarize(
 # ---------------------------------------------------------------- /metrics
 
 
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Prometheus text → {metric name: sum over its label sets}; comments skipped."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if "}" in line:
-            name_part, _, rest = line.rpartition("}")
-            name = name_part.split("{", 1)[0]
-        else:
-            name, _, rest = line.partition(" ")
-        fields = rest.split()
-        if not fields:
-            continue
-        try:
-            out[name.strip()] = out.get(name.strip(), 0.0) + float(fields[0])
-        except ValueError:
-            continue
-    return out
-
-
 def _counter(samples: dict[str, float], base: str) -> float | None:
     for name in (base + "_total", base):
         if name in samples:

@@ -29,7 +29,7 @@ import httpx
 from sluice.bench import report
 from sluice.bench.client import ClientOptions, RequestRecord, StreamingClient, endpoint_kind
 from sluice.bench.load import LoadConfig, run_load, schedule
-from sluice.bench.metrics import parse_prometheus, parse_slos, server_deltas, summarize
+from sluice.bench.metrics import parse_slos, server_deltas, summarize
 from sluice.bench.tokens import ServerTokenizer, TextEncoder, discover_vocab, open_tokenizer
 from sluice.bench.workloads import (
     WORKLOADS,
@@ -40,6 +40,7 @@ from sluice.bench.workloads import (
     WorkloadConfig,
     build_workload,
 )
+from sluice.observe.prometheus import sum_samples
 from sluice.protocol.errors import InvalidRequestError, SluiceError
 
 DEFAULT_NUM_PROMPTS = 100
@@ -189,7 +190,7 @@ async def scrape(http: httpx.AsyncClient, base_url: str, headers: dict[str, str]
         resp = await http.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10.0)
     except httpx.HTTPError:
         return None
-    return parse_prometheus(resp.text) if resp.status_code == 200 else None
+    return sum_samples(resp.text) if resp.status_code == 200 else None
 
 
 def resolve_model(base_url: str, api_key: str | None) -> str:

@@ -49,7 +49,7 @@ def check_budget(tenant: Tenant, metrics: GatewayMetrics) -> None:
             f"You exceeded your current quota: tenant {tenant.name!r} spent "
             f"${tenant.spend_usd:.6f} of its ${s.budget_usd:.6f} budget.")
     if s.soft_budget_usd is not None and tenant.spend_usd >= s.soft_budget_usd:
-        metrics.soft_budget.labels(tenant=tenant.id).inc()
+        metrics.child(metrics.soft_budget, tenant.id).inc()
 
 
 def over_budget_error(tenant: Tenant, worst_case_usd: float) -> InsufficientQuotaError:

@@ -6,6 +6,8 @@ this registry's text to the upstream's `/metrics`, so one scrape sees both.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
@@ -39,6 +41,25 @@ class GatewayMetrics:
                                   "Time from request arrival to forwarding upstream", registry=r,
                                   buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
                                            0.25, 1.0))
+
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def child(self, metric: Counter, *labels: str) -> Any:
+        """`metric.labels(*labels)`, looked up once per label set (the per-request path
+        skips prometheus_client's label validation and lock)."""
+        key = (id(metric), *labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
+    def settled(self, tenant: str, status: str, prompt: int, completion: int,
+                cost_usd: float) -> None:
+        """Count one settled request (its ledger row written or failed)."""
+        self.child(self.requests, tenant, status).inc()
+        self.child(self.tokens, tenant, "prompt").inc(prompt)
+        self.child(self.tokens, tenant, "completion").inc(completion)
+        self.child(self.spend, tenant).inc(cost_usd)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

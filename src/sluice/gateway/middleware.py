@@ -3,8 +3,9 @@
 Pure ASGI (Starlette style): it wraps the router's or a worker's app, or the httpx
 proxy of `sluice gateway --upstream`. Per request under `/v1/`:
 
-    1. authenticate   Bearer or x-api-key -> key + tenant (read fresh: revocation is
-                      immediate on every replica)
+    1. authenticate   Bearer or x-api-key -> key + tenant (cached while the store's
+                      auth version holds: revocation is immediate on every replica,
+                      keycache.py)
     2. admit          model allowed (also for GET /v1/models/{id}; the GET /v1/models
                       list is filtered to the key's models, see models.py)? budget left?
                       priority within class? prompt tokens counted; the worst-case
@@ -123,6 +124,25 @@ class Admission:
     hint: IdsHint | None = None  # the prompt's ids, for the router and the worker
     limiter_degraded: bool = False
     headers: dict[str, str] = field(default_factory=dict)
+    added: dict[str, Any] = field(default_factory=dict)  # top-level fields the gateway added
+    rewritten: bool = False  # a field the client sent was changed: the body is re-encoded
+
+
+def set_field(adm: Admission, payload: dict[str, Any], name: str, value: Any) -> None:
+    """Set a top-level field of the forwarded body, noting whether it is new."""
+    if name in payload:
+        adm.rewritten = True
+    else:
+        adm.added[name] = value
+    payload[name] = value
+
+
+def append_fields(raw: bytes, fields: dict[str, Any], *, has_fields: bool) -> bytes:
+    """`raw` (a JSON object, already parsed) with `fields` inserted before its closing
+    brace: the client's bytes are kept, and no field is re-encoded."""
+    end = raw.rstrip().rfind(b"}")
+    extra = json.dumps(fields)[1:-1].encode()
+    return raw[:end] + (b", " if has_fields else b"") + extra + b"}"
 
 
 class GatewayMiddleware:
@@ -228,7 +248,7 @@ class Exchange:
         if not key:
             raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>' "
                                       "or 'x-api-key: <key>'")
-        principal = await asyncio.to_thread(self.state.store.authenticate, key)
+        principal = await self.authenticate(key)
         if principal is None:
             raise AuthenticationError("invalid or revoked API key")
         adm = Admission(principal, self.endpoint, self.protocol,
@@ -239,14 +259,30 @@ class Exchange:
             raise InvalidRequestError("client disconnected while sending the body")
         payload = await self.parse_payload(raw) if self.scope["method"] == "POST" else None
         self.apply_policy(adm, payload)
-        if payload is None:
-            adm.body = raw
-        elif len(raw) <= INLINE_PARSE_BYTES:
-            adm.body = json.dumps(payload).encode()
-        else:  # as large a serialization as the parse: off the loop too
-            adm.body = (await asyncio.to_thread(json.dumps, payload)).encode()
+        adm.body = await self.outgoing_body(adm, raw, payload)
         await self.reserve(adm, payload)
         return adm
+
+    async def outgoing_body(self, adm: Admission, raw: bytes,
+                            payload: dict[str, Any] | None) -> bytes:
+        """The client's bytes as they came when policy changed nothing; with only new
+        top-level fields (`priority`, `stream_options` the client did not send), those
+        appended before the closing brace; re-encoded only when a field it sent changed."""
+        if payload is None or (not adm.added and not adm.rewritten):
+            return raw
+        if not adm.rewritten:
+            return append_fields(raw, adm.added, has_fields=len(payload) > len(adm.added))
+        if len(raw) <= INLINE_PARSE_BYTES:
+            return json.dumps(payload).encode()
+        return (await asyncio.to_thread(json.dumps, payload)).encode()  # as large as the parse
+
+    async def authenticate(self, key: str) -> Principal | None:
+        """From the key cache; inline when its check is a local read (SQLite), else
+        (or on a miss) on a worker thread."""
+        keys = self.state.keys
+        if keys.inline and (principal := keys.cached(key)) is not None:
+            return principal
+        return await asyncio.to_thread(keys.authenticate, key)
 
     async def parse_payload(self, raw: bytes) -> dict[str, Any] | None:
         """The JSON object of a generation request (400 for anything else); a large body
@@ -277,7 +313,7 @@ class Exchange:
             if not isinstance(options, dict):
                 raise InvalidRequestError("stream_options must be an object", param="stream_options")
             if not options.get("include_usage"):
-                payload["stream_options"] = {**options, "include_usage": True}
+                set_field(adm, payload, "stream_options", {**options, "include_usage": True})
                 adm.strip_usage_chunk = True
 
     def set_priority(self, adm: Admission, payload: dict[str, Any]) -> None:
@@ -290,8 +326,8 @@ class Exchange:
                     f"priority {asked} is above this key's class (lowest value allowed: "
                     f"{adm.priority}; lower values run first)", param="priority")
             adm.priority = asked
-        if self.endpoint in PRIORITY_BODY_ENDPOINTS:
-            payload["priority"] = adm.priority
+        if self.endpoint in PRIORITY_BODY_ENDPOINTS and asked != adm.priority:
+            set_field(adm, payload, "priority", adm.priority)
 
     async def reserve(self, adm: Admission, payload: dict[str, Any] | None) -> None:
         if payload is not None:
@@ -365,7 +401,8 @@ class Exchange:
 
     def on_limiter_error(self, exc: LimiterUnavailableError, adm: Admission) -> None:
         mode = self.state.config.limiter.on_redis_error
-        self.state.metrics.limiter_errors.labels(mode=mode).inc()
+        m = self.state.metrics
+        m.child(m.limiter_errors, mode).inc()
         logger.debug("rate limiter unavailable (%s); failing %s", exc, mode)
         if mode == "closed":
             raise exc
@@ -373,7 +410,8 @@ class Exchange:
 
     async def refuse(self, exc: SluiceError) -> None:
         reason = type(exc).__name__
-        self.state.metrics.rejections.labels(reason=reason).inc()
+        m = self.state.metrics
+        m.child(m.rejections, reason).inc()
         headers = {**(self.adm.headers if self.adm else {}), **exc.headers}
         self.status = exc.status_code
         if self.adm is not None:  # authenticated: audit the refusal
@@ -532,7 +570,8 @@ class Exchange:
         try:
             await self.state.limiter.finish(adm.decision.lease, actual)
         except LimiterUnavailableError as exc:
-            self.state.metrics.limiter_errors.labels(mode="finish").inc()
+            m = self.state.metrics
+            m.child(m.limiter_errors, "finish").inc()
             logger.error("could not reconcile request %s with the limiter: %s",
                          adm.request_id, exc)
 
@@ -552,11 +591,8 @@ class Exchange:
         except Exception:
             m.ledger_errors.inc()
             logger.exception("usage record for request %s not written", record.request_id)
-        tenant = record.tenant_id
-        m.requests.labels(tenant=tenant, status=record.status).inc()
-        m.tokens.labels(tenant=tenant, kind="prompt").inc(record.prompt_tokens)
-        m.tokens.labels(tenant=tenant, kind="completion").inc(record.completion_tokens)
-        m.spend.labels(tenant=tenant).inc(record.cost_usd)
+        m.settled(record.tenant_id, record.status, record.prompt_tokens,
+                  record.completion_tokens, record.cost_usd)
 
 
 # -- policy helpers (plain data in, decision out) -------------------------------------------

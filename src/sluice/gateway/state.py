@@ -15,6 +15,7 @@ from typing import Any
 
 from sluice.gateway.budget import BudgetReservations
 from sluice.gateway.config import GatewayConfig, LimiterConfig
+from sluice.gateway.keycache import KeyCache
 from sluice.gateway.ledger import LedgerWriter
 from sluice.gateway.limits import Limiter, LocalLimiter, RedisLimiter
 from sluice.gateway.metrics import GatewayMetrics
@@ -45,11 +46,13 @@ class GatewayState:
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     ledger: LedgerWriter = field(init=False)
     budgets: BudgetReservations = field(init=False)
+    keys: KeyCache = field(init=False)
     background: set[asyncio.Task[None]] = field(init=False)
 
     def __post_init__(self) -> None:
         self.ledger = LedgerWriter(self.store)
         self.budgets = BudgetReservations(self.store, self.config.budget_lease_s)
+        self.keys = KeyCache(self.store)
         self.background = set()
 
     def later(self, work: Coroutine[Any, Any, None]) -> None:

@@ -1,13 +1,15 @@
 """Read the few load numbers the router needs from a worker's Prometheus `/metrics`.
 
-A full Prometheus parser is slow and unnecessary: the router sums the samples of a
-handful of gauges, whatever their labels. vLLM's names come first; SGLang's are
+The router sums the samples of a handful of gauges, whatever their labels, with the
+one Prometheus text reader (`sluice.observe.prometheus`). vLLM's names come first; SGLang's are
 accepted as synonyms so its servers work as workers unchanged.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from sluice.observe.prometheus import sum_samples
 
 # our field -> metric names that provide it (first found wins)
 _SOURCES: dict[str, tuple[str, ...]] = {
@@ -30,31 +32,9 @@ class WorkerLoad:
     prefix_hits: float = 0.0
 
 
-def parse_samples(text: str) -> dict[str, float]:
-    """Sum every sample of each metric name in a Prometheus text exposition."""
-    sums: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
-        if name_end <= 0:
-            continue
-        rest = line[name_end:]
-        value_text = (rest.rsplit("}", 1)[-1] if rest[0] == "{" else rest).split()
-        if not value_text:
-            continue
-        try:
-            value = float(value_text[0])
-        except ValueError:
-            continue
-        name = line[:name_end]
-        sums[name] = sums.get(name, 0.0) + value
-    return sums
-
-
 def parse_load(text: str) -> WorkerLoad:
     """The load fields found in `text`; absent metrics read as 0."""
-    samples = parse_samples(text)
+    samples = sum_samples(text)
     found: dict[str, float] = {}
     for field_name, names in _SOURCES.items():
         for name in names:
