@@ -24,6 +24,7 @@ the engine keeps the plain PyTorch ops, which compute the same thing:
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import platform
 import time
@@ -40,7 +41,8 @@ from sluice.protocol.errors import InvalidRequestError
 
 log = logging.getLogger("sluice.engine")
 
-CPU_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels and oneDNN take here
+CPU_DTYPES = (torch.float32, torch.bfloat16)
+SMALL_ROWS_MAX = 4  # rows up to which a float32 linear is a native GEMV (small_rows_linear)  # what the kernels and oneDNN take here
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 
 # q [B, H, D], k_pool, v_pool, block_tables [B, n], context_lens [B], scale -> [B, H, D]
@@ -58,6 +60,7 @@ class NativeOps:
     paged_decode_attention: DecodeKernel
     fused_add_rms_norm: AddNormKernel
     silu_and_mul: ActivationKernel
+    small_rows_linear: LinearKernel  # float32, 1 to SMALL_ROWS_MAX rows
 
 
 @functools.cache
@@ -87,14 +90,18 @@ def _build() -> NativeOps:
     # -ffast-math lets the compiler vectorize the dot products (reassociation) and the
     # softmax's exp (glibc's vector expf, within 4 ulp); the kernels see no inf or NaN
     cflags = ["-O3", "-fopenmp", "-ffast-math", *flags]
-    name = "sluice_cpu_kernels_" + "_".join(f.removeprefix("-m") for f in flags or ["base"])
+    # keyed by the vector flags and the source: a cache shared between machines (or
+    # checkouts) never loads a build for another CPU, nor rebuilds back and forth
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
+    name = "_".join(["sluice_cpu_kernels", *(f.removeprefix("-m") for f in flags or ["-mbase"]),
+                     digest])
     t0 = time.perf_counter()
     log.info("loading the engine's CPU kernels (built once per machine, ~45 s)")
     module = load(name=name, sources=[str(SOURCE)], extra_cflags=cflags,
                   extra_ldflags=["-fopenmp"], verbose=False)
     log.info("CPU kernels ready in %.1fs", time.perf_counter() - t0)
     return NativeOps(module.paged_decode_attention, module.fused_add_rms_norm,
-                     module.silu_and_mul)
+                     module.silu_and_mul, module.small_rows_linear)
 
 
 def native_ops(backend: str, device: torch.device, dtype: torch.dtype) -> NativeOps | None:
@@ -150,3 +157,20 @@ def cpu_linear(backend: str, device: torch.device, dtype: torch.dtype) -> Linear
         log.warning("oneDNN linear disagrees with F.linear; using F.linear")
         return None
     return onednn_linear
+
+
+def with_small_rows(ops: NativeOps, fallback: LinearKernel) -> LinearKernel:
+    """A linear that sends float32 inputs of at most SMALL_ROWS_MAX rows (one stream's
+    decode step, the output head of a few) to the native GEMV and the rest to `fallback`.
+
+    On the AVX2 dev machine oneDNN reads a token's layer weights at ~14 GB/s in a one-row
+    decode; the GEMV streams them at close to the memory's rate.
+    """
+    small = ops.small_rows_linear
+
+    def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        if x.shape[0] <= SMALL_ROWS_MAX and x.dtype == torch.float32 and x.shape[0]:
+            return small(x, weight, bias)
+        return fallback(x, weight, bias)
+
+    return linear
