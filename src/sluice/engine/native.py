@@ -1,6 +1,6 @@
-"""The engine's CPU kernels: three in C++, built on first use, and oneDNN's linear.
+"""The engine's CPU kernels: four in C++, built on first use, and oneDNN's linear.
 
-`csrc/cpu_kernels.cpp` holds three kernels (float32 or bfloat16 storage, float math):
+`csrc/cpu_kernels.cpp` holds four kernels (float32 or bfloat16 storage, float math):
 
 - `paged_decode_attention`: decode attention read straight from the paged pool. The
   torch path gathers each sequence's blocks into a dense tensor every layer, then runs
@@ -8,9 +8,13 @@
 - `fused_add_rms_norm`: the residual add and the RMSNorm after it in one pass, in
   place (vLLM's op of that name); torch's add plus RMSNorm cost ~20 us a call at one row.
 - `silu_and_mul`: SwiGLU's `silu(gate) * up` in one pass (vLLM's op of that name).
+- `small_rows_linear`: a float32 GEMV for 1-4 rows (one stream's decode), which streams
+  the weights faster than oneDNN's on AVX2 (`with_small_rows` routes those rows to it).
 
 It is compiled with torch's own extension builder (g++ and ninja; cached under
-`~/.cache/torch_extensions`, so once per machine and source). Where it cannot be built,
+`~/.cache/torch_extensions` under a name keyed by the vector flags and a hash of the
+source, so once per CPU kind and source; a cache shared between machines never loads a
+build made for another CPU's instructions). Where it cannot be built,
 the engine keeps the plain PyTorch ops, which compute the same thing:
 
     kernel_backend = "auto"    the kernels when they build (CPU; float32, bfloat16), else torch
