@@ -1,6 +1,6 @@
 """The native CPU kernels against the PyTorch ops they replace: decode attention (gather
 the blocks, then SDPA) on scattered block tables, ragged lengths and several head
-shapes; the fused residual add + RMSNorm; SiLU-and-mul; oneDNN's linear against F.linear."""
+shapes; the fused residual add + RMSNorm; SiLU-and-mul; the few-rows GEMV; oneDNN's linear against F.linear."""
 
 from __future__ import annotations
 
@@ -15,7 +15,13 @@ from sluice.engine.attention import (
     paged_attention,
 )
 from sluice.engine.models.llama import RMSNorm
-from sluice.engine.native import NativeOps, cpu_linear, native_ops
+from sluice.engine.native import (
+    SMALL_ROWS_MAX,
+    NativeOps,
+    cpu_linear,
+    native_ops,
+    with_small_rows,
+)
 from sluice.protocol.errors import InvalidRequestError
 
 CPU = torch.device("cpu")
@@ -151,3 +157,33 @@ def test_bfloat16_kernels_equal_torch_within_bfloat16_rounding(ops: NativeOps) -
     got_h, got_residual = norm.add(h.clone(), residual.clone())
     torch.testing.assert_close(got_residual, expected_residual, rtol=0, atol=0)
     torch.testing.assert_close(got_h.float(), expected_h.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("rows", range(1, SMALL_ROWS_MAX + 1))
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (100, 37)])  # 100, 37: tails
+def test_small_rows_linear_equals_float64(ops: NativeOps, rows: int, k: int, n: int) -> None:
+    torch.manual_seed(rows * k + n)
+    x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
+    exact = x.double() @ w.double().T
+    torch.testing.assert_close(ops.small_rows_linear(x, w, b), (exact + b.double()).float(),
+                               rtol=1e-5, atol=1e-4)
+    got = ops.small_rows_linear(x, w, None)
+    torch.testing.assert_close(got, exact.float(), rtol=1e-5, atol=1e-4)
+    # each row's result is the same whatever else is in the batch
+    for i in range(rows):
+        assert torch.equal(got[i], ops.small_rows_linear(x[i:i + 1], w, None)[0])
+
+
+def test_with_small_rows_sends_only_few_float32_rows_to_the_gemv(ops: NativeOps) -> None:
+    calls: list[int] = []
+
+    def fallback(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return torch.nn.functional.linear(x, w, b)
+
+    linear = with_small_rows(ops, fallback)
+    w = torch.randn(40, 64)
+    for rows in (1, SMALL_ROWS_MAX, SMALL_ROWS_MAX + 1, 0):
+        linear(torch.randn(rows, 64), w, None)
+    linear(torch.randn(2, 64, dtype=torch.bfloat16), w.bfloat16(), None)
+    assert calls == [SMALL_ROWS_MAX + 1, 0, 2]

@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from sluice.engine.attention import (
@@ -33,7 +34,7 @@ from sluice.engine.attention import (
 from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
 from sluice.engine.models.llama import LlamaConfig, TransformerBlock
 from sluice.engine.models.loader import load_model
-from sluice.engine.native import cpu_flags, cpu_linear, native_ops
+from sluice.engine.native import cpu_flags, cpu_linear, native_ops, with_small_rows
 from sluice.engine.tokenizer import Tokenizer, default_served_name, load_tokenizer
 from sluice.protocol.errors import InvalidRequestError
 
@@ -124,6 +125,8 @@ class ModelRunner:
             self.model.use_fused_kernels(self.native.fused_add_rms_norm,
                                          self.native.silu_and_mul)
         self.linear = cpu_linear(mc.kernel_backend, self.device, self.dtype)
+        if self.native is not None:  # a few rows' linears (one stream's decode): a GEMV
+            self.linear = with_small_rows(self.native, self.linear or F.linear)
         if self.linear is not None:
             self.model.use_linear(self.linear)
 

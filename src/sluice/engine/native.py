@@ -1,6 +1,6 @@
-"""The engine's CPU kernels: three in C++, built on first use, and oneDNN's linear.
+"""The engine's CPU kernels: four in C++, built on first use, and oneDNN's linear.
 
-`csrc/cpu_kernels.cpp` holds three kernels (float32 or bfloat16 storage, float math):
+`csrc/cpu_kernels.cpp` holds four kernels (float32 or bfloat16 storage, float math):
 
 - `paged_decode_attention`: decode attention read straight from the paged pool. The
   torch path gathers each sequence's blocks into a dense tensor every layer, then runs
@@ -8,9 +8,13 @@
 - `fused_add_rms_norm`: the residual add and the RMSNorm after it in one pass, in
   place (vLLM's op of that name); torch's add plus RMSNorm cost ~20 us a call at one row.
 - `silu_and_mul`: SwiGLU's `silu(gate) * up` in one pass (vLLM's op of that name).
+- `small_rows_linear`: a float32 GEMV for 1-4 rows (one stream's decode), which streams
+  the weights faster than oneDNN's on AVX2 (`with_small_rows` routes those rows to it).
 
 It is compiled with torch's own extension builder (g++ and ninja; cached under
-`~/.cache/torch_extensions`, so once per machine and source). Where it cannot be built,
+`~/.cache/torch_extensions` under a name keyed by the vector flags and a hash of the
+source, so once per CPU kind and source; a cache shared between machines never loads a
+build made for another CPU's instructions). Where it cannot be built,
 the engine keeps the plain PyTorch ops, which compute the same thing:
 
     kernel_backend = "auto"    the kernels when they build (CPU; float32, bfloat16), else torch
@@ -24,6 +28,7 @@ the engine keeps the plain PyTorch ops, which compute the same thing:
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import platform
 import time
@@ -40,7 +45,8 @@ from sluice.protocol.errors import InvalidRequestError
 
 log = logging.getLogger("sluice.engine")
 
-CPU_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels and oneDNN take here
+CPU_DTYPES = (torch.float32, torch.bfloat16)
+SMALL_ROWS_MAX = 4  # rows up to which a float32 linear is a native GEMV (small_rows_linear)  # what the kernels and oneDNN take here
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 
 # q [B, H, D], k_pool, v_pool, block_tables [B, n], context_lens [B], scale -> [B, H, D]
@@ -58,6 +64,7 @@ class NativeOps:
     paged_decode_attention: DecodeKernel
     fused_add_rms_norm: AddNormKernel
     silu_and_mul: ActivationKernel
+    small_rows_linear: LinearKernel  # float32, 1 to SMALL_ROWS_MAX rows
 
 
 @functools.cache
@@ -87,14 +94,18 @@ def _build() -> NativeOps:
     # -ffast-math lets the compiler vectorize the dot products (reassociation) and the
     # softmax's exp (glibc's vector expf, within 4 ulp); the kernels see no inf or NaN
     cflags = ["-O3", "-fopenmp", "-ffast-math", *flags]
-    name = "sluice_cpu_kernels_" + "_".join(f.removeprefix("-m") for f in flags or ["base"])
+    # keyed by the vector flags and the source: a cache shared between machines (or
+    # checkouts) never loads a build for another CPU, nor rebuilds back and forth
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
+    name = "_".join(["sluice_cpu_kernels", *(f.removeprefix("-m") for f in flags or ["-mbase"]),
+                     digest])
     t0 = time.perf_counter()
     log.info("loading the engine's CPU kernels (built once per machine, ~45 s)")
     module = load(name=name, sources=[str(SOURCE)], extra_cflags=cflags,
                   extra_ldflags=["-fopenmp"], verbose=False)
     log.info("CPU kernels ready in %.1fs", time.perf_counter() - t0)
     return NativeOps(module.paged_decode_attention, module.fused_add_rms_norm,
-                     module.silu_and_mul)
+                     module.silu_and_mul, module.small_rows_linear)
 
 
 def native_ops(backend: str, device: torch.device, dtype: torch.dtype) -> NativeOps | None:
@@ -150,3 +161,20 @@ def cpu_linear(backend: str, device: torch.device, dtype: torch.dtype) -> Linear
         log.warning("oneDNN linear disagrees with F.linear; using F.linear")
         return None
     return onednn_linear
+
+
+def with_small_rows(ops: NativeOps, fallback: LinearKernel) -> LinearKernel:
+    """A linear that sends float32 inputs of at most SMALL_ROWS_MAX rows (one stream's
+    decode step, the output head of a few) to the native GEMV and the rest to `fallback`.
+
+    On the AVX2 dev machine oneDNN reads a token's layer weights at ~14 GB/s in a one-row
+    decode; the GEMV streams them at close to the memory's rate.
+    """
+    small = ops.small_rows_linear
+
+    def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        if x.shape[0] <= SMALL_ROWS_MAX and x.dtype == torch.float32 and x.shape[0]:
+            return small(x, weight, bias)
+        return fallback(x, weight, bias)
+
+    return linear
