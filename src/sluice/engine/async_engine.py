@@ -71,7 +71,7 @@ class AsyncEngine:
         self.model_name, self.max_model_len = info.model_name, info.max_model_len
         self.inputs = InputProcessor(info, self.tokenizer)
         self._outputs = OutputProcessor(self.tokenizer)
-        self._lock = threading.Lock()  # guards _outputs, _streams, _stopped, _dead
+        self._lock = threading.Lock()  # guards _outputs, _streams, _stopped, dead
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
         self.dead: CoreDied | None = None

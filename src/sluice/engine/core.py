@@ -157,7 +157,7 @@ class EngineCore:
                 del self.requests[seq.request_id]
         return SeqUpdate(seq.request_id, seq.index, [token], new_logprobs,
                          seq.cumulative_logprob, seq.finish_reason,
-                         seq.stop_reason if isinstance(seq.stop_reason, int) else None,
+                         seq.stop_reason,
                          max(request.seqs[0].num_cached_tokens, 0),
                          request.metrics.first_scheduled_time)
 

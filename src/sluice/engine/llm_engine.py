@@ -23,7 +23,6 @@ from sluice.engine.outputs import RequestOutput
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import Scheduler
 from sluice.engine.stats import EngineStats
-from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.kv_events import KVEvent
 
 if TYPE_CHECKING:
@@ -60,13 +59,11 @@ class LLMEngine:
                     priority: int = 0, arrival_time: float | None = None) -> None:
         """Validate, tokenize and queue a request; raises InvalidRequestError /
         ContextLengthError naming the parameter."""
-        if request_id in self.outputs.requests:
-            raise InvalidRequestError(f"duplicate request id {request_id!r}", param="request_id")
         request = self.inputs.prepare(request_id, prompt, params, priority, arrival_time)
         self.submit(request, prompt if isinstance(prompt, str) else None)
 
     def submit(self, request: CoreRequest, prompt: str | None = None) -> None:
-        self.core.add(request)
+        self.core.add(request)  # raises on a duplicate id, before the text side is touched
         self.outputs.add(request.request_id, prompt, request.prompt_token_ids, request.params,
                          request.arrival_time)
 

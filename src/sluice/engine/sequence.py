@@ -55,7 +55,7 @@ class Sequence:
     logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
-    stop_reason: int | str | None = None
+    stop_reason: int | None = None  # the stop token id (stop strings are the front end's)
     num_preemptions: int = 0
 
     @property
