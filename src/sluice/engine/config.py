@@ -79,22 +79,46 @@ class SchedulerConfig:
                                       param="scheduling_policy")
 
 
+STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar",)  # see sluice.engine.structured_output
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    structured_outputs_backend: str = "xgrammar"
+    # A constraint still compiling after this long fails its request with a 400 (the
+    # compile runs on a thread beside the step loop; other requests never wait for it).
+    structured_outputs_compile_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise InvalidRequestError(
+                f"unsupported structured_outputs_backend {self.structured_outputs_backend!r} "
+                f"{STRUCTURED_OUTPUTS_BACKENDS}", param="structured_outputs_backend")
+        if self.structured_outputs_compile_timeout <= 0:
+            raise InvalidRequestError("structured_outputs_compile_timeout must be positive",
+                                      param="structured_outputs_compile_timeout")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> EngineConfig:
         """Build from flat options; raise InvalidRequestError naming an unknown one."""
-        layers: dict[str, dict[str, Any]] = {"model": {"model": model}, "cache": {}, "scheduler": {}}
+        layers: dict[str, dict[str, Any]] = {"model": {"model": model}, "cache": {},
+                                             "scheduler": {}, "structured": {}}
         owners = {f.name: name for name, klass in
-                  (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig))
+                  (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
+                   ("structured", StructuredOutputsConfig))
                   for f in dataclasses.fields(klass)}
         for key, value in options.items():
             if key not in owners:
                 raise InvalidRequestError(f"unknown engine option {key!r}", param=key)
             layers[owners[key]][key] = value
         return cls(ModelConfig(**layers["model"]), CacheConfig(**layers["cache"]),
-                   SchedulerConfig(**layers["scheduler"]))
+                   SchedulerConfig(**layers["scheduler"]),
+                   StructuredOutputsConfig(**layers["structured"]))

@@ -34,7 +34,8 @@ from sluice.engine.sampler import Sampler, SampleResult
 from sluice.engine.scheduler import ScheduledChunk, Scheduler
 from sluice.engine.sequence import Request, Sequence
 from sluice.engine.stats import EngineStats
-from sluice.protocol.errors import InvalidRequestError
+from sluice.engine.structured_output import BACKENDS, StructuredOutputManager
+from sluice.protocol.errors import InvalidRequestError, SluiceError
 from sluice.protocol.kv_events import KVEvent
 
 if TYPE_CHECKING:
@@ -59,7 +60,9 @@ class EngineCore:
         self.info = CoreInfo(self.runner.model_name, self.runner.max_model_len,
                              self.runner.vocab_size, self.block_manager.num_blocks,
                              self.block_manager.block_size)
+        self.structured = StructuredOutputManager(config.structured, self._grammar_backend)
         self.requests: dict[str, Request] = {}
+        self.failed: list[tuple[str, SluiceError]] = []  # requests the core refused after add
         self._next_seq_id = 0
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_steps": 0}
 
@@ -74,7 +77,14 @@ class EngineCore:
                           RequestMetrics(arrival_time=req.arrival_time),
                           siblings_pending=req.params.n > 1)
         self.requests[req.request_id] = request
-        self.scheduler.add(seqs[0])
+        if req.params.structured_outputs is not None:  # scheduled once its grammar compiled
+            self.structured.submit(request, time.monotonic())
+        else:
+            self.scheduler.add(seqs[0])
+
+    def _grammar_backend(self) -> Any:
+        name = self.config.structured.structured_outputs_backend
+        return BACKENDS[name](self.tokenizer, self.runner.vocab_size)
 
     def _new_seq(self, req: CoreRequest, index: int) -> Sequence:
         self._next_seq_id += 1
@@ -93,6 +103,9 @@ class EngineCore:
         """Finish every sequence of the request and free its blocks now (unknown: no-op)."""
         request = self.requests.pop(request_id, None)
         if request is None:
+            return
+        if self.structured.is_pending(request_id):
+            self.structured.cancel(request_id)
             return
         for seq in request.seqs:
             if not seq.is_finished:
@@ -114,17 +127,36 @@ class EngineCore:
     # -- the loop -----------------------------------------------------------------
     def step(self) -> list[SeqUpdate]:
         """Schedule, run, sample; one update per sequence that got a token."""
+        self._admit_compiled()
         chunks = self.scheduler.schedule()
         if not chunks:
+            self.structured.wait(0.01)  # only grammars pending: do not spin
             return []
         self._mark_scheduled(chunks)
         logits = self.runner.execute([self._seq_chunk(c) for c in chunks])
         self.scheduler.update_from_output(chunks)
         sampled = [c.seq for c in chunks if c.need_logits]
+        self.structured.mask(logits, sampled)
         results = self.sampler(logits, sampled) if sampled else []
         self._counters["num_steps"] += 1
         return [self._postprocess(seq, result)
                 for seq, result in zip(sampled, results, strict=True)]
+
+    def _admit_compiled(self) -> None:
+        """Schedule requests whose grammar compiled; fail those whose compile failed."""
+        if not self.structured.has_pending:
+            return
+        ready, failed = self.structured.poll(time.monotonic())
+        for request in ready:
+            self.scheduler.add(request.seqs[0])
+        for request_id, error in failed:
+            del self.requests[request_id]
+            self.failed.append((request_id, error))
+
+    def drain_failed(self) -> list[tuple[str, SluiceError]]:
+        """Requests refused since the last call (a constraint that did not compile)."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def _seq_chunk(self, chunk: ScheduledChunk) -> Any:
         seq, start = chunk.seq, chunk.start_pos
@@ -142,6 +174,8 @@ class EngineCore:
         request = self.requests[seq.request_id]
         token = result.token_id
         seq.token_ids.append(token)
+        if seq.grammar is not None:
+            self.structured.accept(seq, token)
         self._counters["generation_tokens"] += 1
         new_logprobs = None
         if seq.logprobs is not None and result.top_logprobs is not None:
@@ -171,6 +205,10 @@ class EngineCore:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
+        if seq.finish_reason is not None or (seq.grammar is not None
+                                              and seq.grammar.is_terminated()):
+            seq.finish_reason = "stop"  # the grammar is complete (or refused the token)
+            return
         if seq.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 seq.finish_reason = "stop"

@@ -127,7 +127,9 @@ def _step(core: EngineCore, errors: list[tuple[str, SluiceError]]) -> list[Any]:
     if not core.has_work():
         return []
     try:
-        return core.step()
+        updates = core.step()
+        errors.extend(core.drain_failed())
+        return updates
     except Exception as exc:  # a failed step must not kill the loop: fail its requests
         log.exception("engine step failed")
         for request_id in list(core.requests):

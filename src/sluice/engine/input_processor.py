@@ -2,6 +2,7 @@
 
 `InputProcessor.prepare` tokenizes a text prompt, checks token ids against the
 vocabulary, the prompt plus `max_tokens` against the context length and the KV pool,
+a structured-output constraint for syntax (no compile: that is the core's, off its loop),
 and returns the `CoreRequest` the core queues. Every failure is an
 `InvalidRequestError` / `ContextLengthError` naming the parameter, raised in the
 caller's thread before anything is sent to the core, so an HTTP handler can answer
@@ -17,6 +18,7 @@ from typing import Protocol
 from sluice.engine.block_manager import blocks_needed
 from sluice.engine.messages import CoreInfo, CoreRequest
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.structured_output import check_constraint
 from sluice.protocol.errors import ContextLengthError, InvalidRequestError
 
 
@@ -33,6 +35,8 @@ class InputProcessor:
                 priority: int = 0, arrival_time: float | None = None) -> CoreRequest:
         ids = self.tokenize(prompt)
         max_tokens = self.check_lengths(len(ids), params)
+        if params.structured_outputs is not None:
+            check_constraint(params.structured_outputs)
         arrival = time.time() if arrival_time is None else arrival_time
         return CoreRequest(request_id, ids, params, priority, arrival, max_tokens)
 

@@ -82,6 +82,11 @@ class LLMEngine:
         outputs, stops = self.outputs.process(self.core.step())
         for request_id, index in stops:
             self.core.finish(request_id, index)
+        failed = self.core.drain_failed()
+        for request_id, _ in failed:
+            self.outputs.abort(request_id)
+        if failed:  # a constraint that did not compile in time: the caller hears of it
+            raise failed[0][1]
         return outputs
 
     # -- introspection --------------------------------------------------------------

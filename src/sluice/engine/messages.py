@@ -20,7 +20,11 @@ from typing import Any
 import msgpack
 
 from sluice.engine.outputs import TokenLogprobs
-from sluice.engine.sampling_params import RequestOutputKind, SamplingParams
+from sluice.engine.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from sluice.engine.stats import EngineStats
 from sluice.protocol.errors import InvalidRequestError, SluiceError
 
@@ -165,11 +169,16 @@ def _from_wire(w: list[Any]) -> Command | Event:
 def _params_to_wire(p: SamplingParams) -> dict[str, Any]:
     d = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
     d["output_kind"] = p.output_kind.value
+    if p.structured_outputs is not None:
+        d["structured_outputs"] = p.structured_outputs.to_dict()
     return d
 
 
 def _params_from_wire(d: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(**{**d, "output_kind": RequestOutputKind(d["output_kind"])})
+    so = d.get("structured_outputs")
+    return SamplingParams(**{**d, "output_kind": RequestOutputKind(d["output_kind"]),
+                             "structured_outputs": StructuredOutputsParams.from_dict(so)
+                             if so is not None else None})
 
 
 def _error(status: int, message: str, param: str | None) -> SluiceError:

@@ -7,7 +7,9 @@ parameter, so the worker can turn it into a 400 without re-checking.
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from sluice.protocol.errors import InvalidRequestError
 
@@ -16,6 +18,68 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = "cumulative"  # each output carries all text/tokens so far
     DELTA = "delta"  # each output carries only what is new since the last one
     FINAL_ONLY = "final_only"  # one output, when the request finishes
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One output constraint, as vLLM's `structured_outputs` names them.
+
+    - `json`: a JSON schema (a JSON text; property order is generation order, so it is
+      kept as given); `json_object`: any JSON object;
+    - `regex`; `choice`: one of a list of strings; `grammar`: EBNF (xgrammar's dialect,
+      GBNF-compatible); `structural_tag`: xgrammar's structural tag (JSON text), which
+      the tool-call parsers use to force `<tool_call>{...}</tool_call>` blocks.
+
+    `param` is the request field the constraint came from (`response_format`,
+    `structured_outputs`, `tool_choice`): errors found later (a compile failure or
+    timeout in the engine core) name it. It is not part of the compile cache key.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | None = None
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if sum(1 for kind in STRUCTURED_KINDS if getattr(self, kind)) != 1:
+            raise InvalidRequestError(
+                f"exactly one of {', '.join(STRUCTURED_KINDS)} must be set", param=self.param)
+        if self.choice is not None and not all(isinstance(c, str) and c for c in self.choice):
+            raise InvalidRequestError("choice must be a non-empty list of non-empty strings",
+                                      param=self.param)
+
+    @classmethod
+    def from_schema(cls, schema: Any, param: str) -> StructuredOutputsParams:
+        """A JSON-schema constraint from a parsed schema (a dict, or `true`)."""
+        if not isinstance(schema, dict | bool):
+            raise InvalidRequestError("a JSON schema must be an object", param=param)
+        return cls(json=json.dumps(schema, ensure_ascii=False, separators=(",", ":")),
+                   param=param)
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in STRUCTURED_KINDS if getattr(self, kind))
+
+    @property
+    def key(self) -> tuple[str, Any]:
+        """The compile cache key: what is compiled, not where it came from."""
+        return self.kind, getattr(self, self.kind)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "value": list(self.choice) if self.choice else
+                getattr(self, self.kind), "param": self.param}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StructuredOutputsParams:
+        return cls(**{d["kind"]: d["value"], "param": d["param"]})
 
 
 @dataclass
@@ -38,6 +102,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per token (0: only the sampled one)
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

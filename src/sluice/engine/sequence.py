@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sluice.engine.outputs import RequestMetrics, TokenLogprobs
 
@@ -57,6 +57,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | None = None  # the stop token id (stop strings are the front end's)
     num_preemptions: int = 0
+    grammar: Any = None  # structured output: this sequence's matcher (structured_output.py)
 
     @property
     def num_tokens(self) -> int:
