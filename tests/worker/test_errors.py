@@ -51,10 +51,7 @@ def test_wrong_values_name_the_field(http: httpx.Client, body: dict, param: str)
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "required"),
     ("functions", [{"name": "f"}]),
-    ("response_format", {"type": "json_schema", "json_schema": {}}),
     ("logit_bias", {"50": 10}),
     ("audio", {"voice": "alloy", "format": "wav"}),
     ("kv_transfer_params", {"do_remote_prefill": True}),
@@ -63,6 +60,42 @@ def test_unsupported_parameters_are_refused(http: httpx.Client, field: str, valu
     err = openai_error(http.post("/v1/chat/completions",
                                  json={"messages": USER, field: value}), 400, field)
     assert "not supported" in err["message"]
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice"),
+    ({"tools": [{**TOOL, "function": {"name": "f", "parameters": {"type": 5}}}],
+      "tool_choice": "required"}, "tools.0.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+     "tools.0.function.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                               "schema": {"type": 5}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+    ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}},
+     "structured_outputs"),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice"),
+    ({"messages": [*USER, {"role": "tool", "content": "x"}]}, "messages.1.tool_call_id"),
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        {**CALL, "function": {"name": "f", "arguments": "{oops"}}]}, *USER]},
+     "messages.0.tool_calls.0.function.arguments"),
+])
+def test_bad_constraints_and_tools_name_the_field(http: httpx.Client, extra: dict,
+                                                  param: str) -> None:
+    openai_error(http.post("/v1/chat/completions", json={"messages": USER, **extra}), 400, param)
+    assert http.get("/health").status_code == 200  # and the worker keeps serving
 
 
 def test_completion_specific_refusals(http: httpx.Client) -> None:

@@ -37,7 +37,7 @@ def test_chat_request_accepts_openai_and_vllm_fields() -> None:
     ({"messages": USER, "bogus": 1}, "bogus"),
     ({"messages": USER, "temperature": "hot"}, "temperature"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages.0.content"),
     ({"messages": []}, "messages"),
@@ -52,8 +52,7 @@ def test_chat_request_errors_name_the_field(body: dict, param: str) -> None:
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("tools", [{"type": "function"}]), ("tool_choice", "auto"), ("functions", [{}]),
-    ("response_format", {"type": "json_object"}), ("logit_bias", {"1": 2}),
+    ("functions", [{}]), ("function_call", "auto"), ("logit_bias", {"1": 2}),
     ("audio", {"voice": "x"}), ("kv_transfer_params", {"do_remote_decode": True}),
     ("modalities", ["text", "audio"]),
 ])
@@ -65,8 +64,7 @@ def test_unsupported_chat_fields_are_refused_by_name(field: str, value: object) 
 
 
 def test_harmless_values_of_unsupported_fields_pass() -> None:
-    body = {"messages": USER, "response_format": {"type": "text"}, "logit_bias": {},
-            "tools": [], "tool_choice": "none"}
+    body = {"messages": USER, "logit_bias": {}, "functions": [], "function_call": "none"}
     reject_unsupported(body, UNSUPPORTED_CHAT)
     with pytest.raises(InvalidRequestError, match="suffix"):
         reject_unsupported({"prompt": "a", "suffix": "b"}, UNSUPPORTED_COMPLETION)

@@ -194,5 +194,7 @@ def test_openai_sdk_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny", messages=USER,
                                        tools=[{"type": "function",
-                                               "function": {"name": "f", "parameters": {}}}])
-    assert info.value.param == "tools"
+                                               "function": {"name": "f", "parameters": {}}}],
+                                       tool_choice={"type": "function",
+                                                    "function": {"name": "g"}})
+    assert info.value.param == "tool_choice"

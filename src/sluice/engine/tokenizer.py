@@ -132,13 +132,35 @@ class Tokenizer:
         return [self.backend.id_to_token(int(i)) or "" for i in ids]
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
-        """Render `messages` ({"role", "content"}) with the model's template."""
-        if not self.chat_template:
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render `messages` ({"role", "content"}, and `tool_calls` / `tool_call_id`) and
+        `tools` (OpenAI's shape) with the model's template, or with sluice's ChatML tool
+        template when tools are involved and the model's own cannot render them."""
+        return _compile_template(self._template_for(messages, tools))(
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            **self.special_tokens)
+
+    def _template_for(self, messages: list[dict[str, Any]],
+                      tools: list[dict[str, Any]] | None) -> str:
+        template = self.chat_template
+        if not template:
             raise InvalidRequestError("this model has no chat template; use the completions API",
                                       param="messages")
-        return _compile_template(self.chat_template)(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        uses_tools = bool(tools) or any(m.get("tool_calls") or m.get("role") == "tool"
+                                        for m in messages)
+        if not uses_tools or "tool_calls" in template or "tools" in template:
+            return template
+        if "<|im_start|>" in template:
+            return chatml_tools_template()
+        raise InvalidRequestError("this model's chat template cannot render tools; start the "
+                                  "worker with --chat-template FILE", param="tools")
+
+
+@lru_cache(maxsize=1)
+def chatml_tools_template() -> str:
+    """sluice's tool-calling template for ChatML models (`templates/chatml_tools.jinja`)."""
+    return (Path(__file__).parent / "templates" / "chatml_tools.jinja").read_text("utf-8")
 
 
 @lru_cache(maxsize=8)

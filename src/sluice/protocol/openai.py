@@ -50,10 +50,6 @@ def _is_empty(value: Any) -> bool:
     return value is None or value == {} or value == [] or value is False
 
 
-def _text_format(value: Any) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type") == "text")
-
-
 def _text_only(value: Any) -> bool:
     return value is None or value == ["text"]
 
@@ -74,12 +70,8 @@ UNSUPPORTED_COMMON: dict[str, Acceptable] = {
 
 UNSUPPORTED_CHAT: dict[str, Acceptable] = {
     **UNSUPPORTED_COMMON,
-    "tools": _is_empty,
-    "tool_choice": _no_tools,
-    "parallel_tool_calls": lambda v: v is None or v is False,
-    "functions": _is_empty,
+    "functions": _is_empty,  # the legacy form of `tools`
     "function_call": _no_tools,
-    "response_format": _text_format,
     "audio": lambda v: v is None,
     "modalities": _text_only,
     "prediction": lambda v: v is None,
@@ -93,7 +85,6 @@ UNSUPPORTED_CHAT: dict[str, Acceptable] = {
 UNSUPPORTED_COMPLETION: dict[str, Acceptable] = {
     **UNSUPPORTED_COMMON,
     "suffix": lambda v: v is None or v == "",
-    "response_format": _text_format,
 }
 
 
@@ -148,9 +139,23 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # a JSON text, as OpenAI sends it
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None: an assistant turn of tool calls
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns only
+    tool_call_id: str | None = None  # tool turns only
 
     @field_validator("content", mode="before")
     @classmethod
@@ -162,14 +167,74 @@ class ChatMessage(OpenAIModel):
         return value
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
 
-    def as_template_dict(self) -> dict[str, str]:
-        """The dict a chat template expects; `developer` is OpenAI's new name for `system`."""
-        role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": self.text()}
+    def as_template_dict(self, param: str = "messages") -> dict[str, Any]:
+        """The dict a chat template expects (the one rule set: `protocol.prompt`); errors
+        name `param` (`messages.N`)."""
+        from sluice.protocol.prompt import template_message
+
+        return template_message(self.model_dump(exclude_none=True), param)
+
+
+# -- structured output and tools ---------------------------------------------------------
+
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+
+
+class JsonSchemaFormat(OpenAIModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # outputs always follow the schema (strict or not)
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(OpenAIModel):
+    """vLLM's `structured_outputs` extension: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class SamplingFields(OpenAIModel):
@@ -195,6 +260,8 @@ class SamplingFields(OpenAIModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -217,6 +284,23 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True
+
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """The tool choice after OpenAI's defaults; a 400 for a choice without tools or
+        naming a tool that is not in `tools`."""
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        if choice != "none" and not self.tools:
+            raise InvalidRequestError("tool_choice requires tools", param="tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools or []}
+            if choice.function.name not in names:
+                raise InvalidRequestError(
+                    f"tool_choice names {choice.function.name!r}, which is not one of the "
+                    f"tools ({', '.join(sorted(names))})", param="tool_choice")
+        return choice
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
@@ -305,9 +389,36 @@ class CompletionLogprobs(ResponseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class FunctionCallOut(ResponseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class DeltaFunctionCall(ResponseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(ResponseModel):
+    """A streamed piece of a tool call: the first carries id, type and the name (with
+    `arguments: ""`), the later ones only argument text, all under the same index."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatChoice(ResponseModel):
@@ -330,6 +441,7 @@ class ChatCompletionResponse(ResponseModel):
 class DeltaMessage(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(ResponseModel):

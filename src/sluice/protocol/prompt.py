@@ -21,7 +21,10 @@ hops to them):
 - chat (`/v1/chat/completions`): every message `{role, content}`; role `developer` is
   `system`; content is a string, or a list of `{"type": "text", "text": ...}` parts
   joined without separator; any other part (image, audio, file) is a 400 naming
-  `messages.N.content`.
+  `messages.N.content`. An assistant turn's `tool_calls` reach the template as
+  `{"id", "type", "function": {"name", "arguments"}}` with `arguments` parsed into an
+  object (what Hugging Face templates expect); a `tool` turn keeps `tool_call_id`.
+  The request's `tools` (OpenAI's shape) are handed to the template as they are.
 - Anthropic (`/v1/messages`): `system` (a string or text blocks) first, as a system
   message, only when its text is non-empty; then each message as above (text blocks).
 - the template is applied with `add_generation_prompt=True` and tokenized without
@@ -33,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import json
 import struct
 import threading
 from collections import OrderedDict
@@ -55,7 +59,8 @@ _PROBE = "Tokenizer fingerprint: Hello, wörld! 1234 <|im_start|> \t\n ünïcöd
 class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str: ...
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -63,13 +68,16 @@ class PromptView:
     """What a request asks the model to read: chat `messages`, or completion `texts`
     (each a string or a list of client token ids)."""
 
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     texts: tuple[str | list[int], ...] = ()
+    tools: list[dict[str, Any]] | None = None
 
     @property
     def chars(self) -> int:
         if self.messages is not None:
-            return sum(len(m["content"]) + 8 for m in self.messages)
+            tools = len(json.dumps(self.tools)) if self.tools else 0
+            return tools + sum(len(m["content"]) + 8 + len(json.dumps(m.get("tool_calls", "")))
+                               for m in self.messages)
         return sum(len(t) for t in self.texts if isinstance(t, str))
 
 
@@ -94,21 +102,45 @@ def content_text(content: Any, param: str) -> str:
     return "".join(parts)
 
 
-def chat_messages(raw: Any) -> list[dict[str, str]]:
+def chat_messages(raw: Any) -> list[dict[str, Any]]:
     if not isinstance(raw, list):
         raise InvalidRequestError("'messages' must be a list", param="messages")
-    out = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise InvalidRequestError("each message needs a string 'role'",
-                                      param=f"messages.{i}")
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": content_text(m.get("content"),
-                                                          f"messages.{i}.content")})
+    return [template_message(m, f"messages.{i}") for i, m in enumerate(raw)]
+
+
+def template_message(m: Any, param: str) -> dict[str, Any]:
+    """One chat message as the template sees it (rules in the module docstring)."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise InvalidRequestError("each message needs a string 'role'", param=param)
+    role = "system" if m["role"] == "developer" else m["role"]
+    content = m.get("content")
+    out: dict[str, Any] = {"role": role, "content": "" if content is None and (
+        m.get("tool_calls") or role == "assistant") else content_text(content, f"{param}.content")}
+    if m.get("tool_calls"):
+        out["tool_calls"] = [_template_call(c, f"{param}.tool_calls.{j}")
+                             for j, c in enumerate(m["tool_calls"])]
+    if role == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise InvalidRequestError("a tool message needs 'tool_call_id'",
+                                      param=f"{param}.tool_call_id")
+        out["tool_call_id"] = m["tool_call_id"]
     return out
 
 
-def anthropic_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
+def _template_call(call: Any, param: str) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise InvalidRequestError("a tool call needs function.name", param=f"{param}.function")
+    try:
+        arguments = json.loads(fn.get("arguments") or "{}")
+    except (TypeError, ValueError):
+        raise InvalidRequestError("function.arguments must be a JSON text",
+                                  param=f"{param}.function.arguments") from None
+    return {"id": call.get("id", ""), "type": "function",
+            "function": {"name": fn["name"], "arguments": arguments}}
+
+
+def anthropic_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     system = body.get("system")
     text = "" if system is None else content_text(system, "system")
     head = [{"role": "system", "content": text}] if text else []
@@ -132,7 +164,10 @@ def prompt_view(kind: str, body: Mapping[str, Any]) -> PromptView:
     """The one view of a request's prompt (rules in the module docstring); 400 for a
     prompt the worker would refuse too."""
     if kind == CHAT:
-        return PromptView(messages=chat_messages(body.get("messages")))
+        tools = body.get("tools") or None
+        if tools is not None and not isinstance(tools, list):
+            raise InvalidRequestError("'tools' must be a list", param="tools")
+        return PromptView(messages=chat_messages(body.get("messages")), tools=tools)
     if kind == MESSAGES:
         return PromptView(messages=anthropic_messages(body))
     return PromptView(texts=completion_texts(body.get("prompt", body.get("input", ""))))
@@ -144,6 +179,9 @@ def prompt_view(kind: str, body: Mapping[str, Any]) -> PromptView:
 def templated(tok: Tokenizer, view: PromptView) -> str:
     """The chat template applied to the view's messages (chat views only)."""
     assert view.messages is not None
+    if view.tools:
+        return tok.apply_chat_template(view.messages, add_generation_prompt=True,
+                                       tools=view.tools)
     return tok.apply_chat_template(view.messages, add_generation_prompt=True)
 
 

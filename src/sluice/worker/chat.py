@@ -20,7 +20,12 @@ from sluice.protocol.openai import (
     ChatCompletionResponse,
     ChatLogprobs,
     ChatStreamChoice,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCallOut,
+    NamedToolChoice,
+    ToolCallOut,
     UsageInfo,
 )
 from sluice.protocol.prompt import IdsHint, encode_prompt
@@ -28,6 +33,7 @@ from sluice.worker.generation import Run
 from sluice.worker.logprobs import chat_logprobs
 from sluice.worker.sampling import chat_prompt, sampling_params
 from sluice.worker.state import WorkerState
+from sluice.worker.tool_parsers import CallDelta, ToolCallStream, ToolParser
 
 
 @dataclass
@@ -40,6 +46,7 @@ class ChatJob:
     model: str
     state: WorkerState
     num_logprobs: int | None
+    tool_parser: ToolParser | None = None  # set when the output may hold tool calls
     completion_tokens: int = 0
     cached_tokens: int = 0
     choices: dict[int, _Choice] = field(default_factory=dict)
@@ -76,11 +83,18 @@ async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_i
     model = state.check_model(req.model)
     engine = state.require_engine()
     num_logprobs = req.num_logprobs()
-    params = sampling_params(req, req.requested_max_tokens(), num_logprobs)
-    prompt = chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt)
+    choice = req.effective_tool_choice()
+    tools = [t.model_dump(exclude_unset=True) for t in req.tools] if req.tools else None
+    forced = None
+    if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
+        name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        forced = state.tool_parser.constraint(tools, name, req.parallel_tool_calls)
+    params = sampling_params(req, req.requested_max_tokens(), num_logprobs, forced)
+    prompt = chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt, tools)
     ids = await encode_prompt(engine.tokenizer, prompt, special=False, hint=hint)
     run = await Run.start(state, [ids], params, request_id, req.priority, param="messages")
-    return ChatJob(req, run, f"chatcmpl-{request_id}", model, state, num_logprobs)
+    return ChatJob(req, run, f"chatcmpl-{request_id}", model, state, num_logprobs,
+                   state.tool_parser if choice != "none" else None)
 
 
 async def chat_response(job: ChatJob) -> ChatCompletionResponse:
@@ -90,11 +104,26 @@ async def chat_response(job: ChatJob) -> ChatCompletionResponse:
             job.cached_tokens = out.num_cached_tokens
             for c in out.outputs:
                 _accumulate(job, c)
-    choices = [ChatChoice(index=i, message=AssistantMessage(content="".join(ch.text)),
-                          logprobs=ch.logprobs if job.num_logprobs is not None else None,
-                          finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)
-               for i, ch in sorted(job.choices.items())]
+    choices = [_whole_choice(job, i, ch) for i, ch in sorted(job.choices.items())]
     return ChatCompletionResponse(id=job.id, model=job.model, choices=choices, usage=job.usage())
+
+
+def _whole_choice(job: ChatJob, index: int, ch: _Choice) -> ChatChoice:
+    content: str | None = "".join(ch.text)
+    calls = None
+    if job.tool_parser is not None:
+        content, parsed = job.tool_parser.extract(content or "")
+        calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+                 for c in parsed] or None
+    return ChatChoice(index=index, message=AssistantMessage(content=content, tool_calls=calls),
+                      logprobs=ch.logprobs if job.num_logprobs is not None else None,
+                      finish_reason=_finish(ch.finish_reason, bool(calls)),
+                      stop_reason=ch.stop_reason)
+
+
+def _finish(reason: str | None, called: bool) -> str | None:
+    """OpenAI's `tool_calls` when a choice that ended normally called tools."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def _accumulate(job: ChatJob, c: CompletionOutput) -> None:
@@ -111,6 +140,7 @@ def _accumulate(job: ChatJob, c: CompletionOutput) -> None:
 async def chat_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionChunk]:
     """The stream: a role chunk per choice, content chunks, then optionally usage."""
     req = job.req
+    tools = _StreamedTools(job.tool_parser) if job.tool_parser is not None else None
     async with job.run:
         for i in range(req.n):
             yield _chunk(job, [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
@@ -121,14 +151,47 @@ async def chat_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionChunk]:
             for c in out.outputs:
                 job.completion_tokens += len(c.token_ids)
                 if c.text or c.finish_reason or c.token_ids:
+                    delta = tools.delta(c) if tools is not None else DeltaMessage(content=c.text)
+                    if not (delta.content or delta.tool_calls or c.finish_reason
+                            or job.num_logprobs is not None or tools is None):
+                        continue  # text held back by the tool-call parser: nothing to say
+                    called = tools is not None and c.index in tools.called
                     choices.append(ChatStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=c.text),
-                        logprobs=job.logprobs(c), finish_reason=c.finish_reason,
+                        index=c.index, delta=delta, logprobs=job.logprobs(c),
+                        finish_reason=_finish(c.finish_reason, called),
                         stop_reason=c.stop_reason))
             if choices:
                 yield _chunk(job, choices)
     if req.include_usage:
         yield ChatCompletionChunk(id=job.id, model=job.model, choices=[], usage=job.usage())
+
+
+@dataclass
+class _StreamedTools:
+    """Each choice's tool-call stream: text deltas in, content and tool-call deltas out."""
+
+    parser: ToolParser
+    streams: dict[int, ToolCallStream] = field(default_factory=dict)
+    called: set[int] = field(default_factory=set)
+
+    def delta(self, c: CompletionOutput) -> DeltaMessage:
+        stream = self.streams.get(c.index) or self.streams.setdefault(c.index,
+                                                                        self.parser.stream())
+        text, calls = stream.feed(c.text)
+        if c.finish_reason:
+            rest, more = stream.finish()
+            text, calls = text + rest, calls + more
+        if calls:
+            self.called.add(c.index)
+        return DeltaMessage(content=text if text or not calls else None,
+                            tool_calls=[_delta_call(d) for d in calls] or None)
+
+
+def _delta_call(d: CallDelta) -> DeltaToolCall:
+    if d.name is not None:
+        return DeltaToolCall(index=d.index, id=d.id, type="function",
+                             function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
+    return DeltaToolCall(index=d.index, function=DeltaFunctionCall(arguments=d.arguments))
 
 
 def _chunk(job: ChatJob, choices: list[ChatStreamChoice]) -> ChatCompletionChunk:

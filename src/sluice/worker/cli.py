@@ -28,6 +28,9 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "seed": (int, "engine seed"),
     "kernel_backend": (str, "CPU kernels: auto (oneDNN linears; native attention, norm and "
                             "SwiGLU when they build), torch, native"),
+    "structured_outputs_compile_timeout": (float, "seconds a structured-output constraint "
+                                                  "may take to compile before its request "
+                                                  "fails with a 400"),
 }
 ENGINE_SWITCHES: dict[str, str] = {
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
@@ -44,9 +47,15 @@ CHOICES: dict[str, list[str]] = {
 
 def engine_defaults() -> dict[str, Any]:
     """EngineConfig's own defaults, flat, for --help."""
-    from sluice.engine.config import CacheConfig, ModelConfig, SchedulerConfig
+    from sluice.engine.config import (
+        CacheConfig,
+        ModelConfig,
+        SchedulerConfig,
+        StructuredOutputsConfig,
+    )
 
-    return {f.name: f.default for layer in (ModelConfig, CacheConfig, SchedulerConfig)
+    return {f.name: f.default for layer in (ModelConfig, CacheConfig, SchedulerConfig,
+                                            StructuredOutputsConfig)
             for f in dataclasses.fields(layer)}
 
 
@@ -95,6 +104,20 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         "e.g. tcp://127.0.0.1:5557")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="(default: %(default)s)")
+    add_chat_arguments(p)
+
+
+def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    from sluice.worker.tool_parsers import TOOL_PARSERS
+
+    p.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are read from the model's text and forced for "
+                        "tool_choice required/named (default: %(default)s: "
+                        "<tool_call>{json}</tool_call> blocks)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template replacing the model's own (default: the "
+                        "model's; for tools, sluice's ChatML tool template when the model's "
+                        "cannot render them)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -123,7 +146,20 @@ def worker_config(args: argparse.Namespace) -> Any:
                         served_model_names=tuple(args.served_model_name or ()),
                         max_pending_requests=args.max_pending_requests,
                         shutdown_timeout=args.shutdown_timeout,
-                        kv_events_endpoint=args.kv_events_endpoint, log_level=args.log_level)
+                        kv_events_endpoint=args.kv_events_endpoint, log_level=args.log_level,
+                        tool_call_parser=args.tool_call_parser,
+                        chat_template=read_chat_template(args.chat_template))
+
+
+def read_chat_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise InvalidRequestError(f"cannot read --chat-template {path!r}: {exc.strerror}",
+                                  param="chat_template") from None
 
 
 def handler(args: argparse.Namespace) -> int:

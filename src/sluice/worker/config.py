@@ -25,6 +25,10 @@ class WorkerConfig:
     # Request bodies over this many bytes are refused with 413 as they arrive.
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "info"
+    # How tool calls are read from (and forced into) the model's text: worker/tool_parsers.py
+    tool_call_parser: str = "hermes"
+    # A chat template (the text of --chat-template FILE) replacing the model's own.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -35,6 +39,12 @@ class WorkerConfig:
         if self.shutdown_timeout < 0:
             raise InvalidRequestError("shutdown_timeout must be non-negative",
                                       param="shutdown_timeout")
+        from sluice.worker.tool_parsers import TOOL_PARSERS
+
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise InvalidRequestError(f"unknown tool_call_parser {self.tool_call_parser!r} "
+                                      f"(known: {', '.join(sorted(TOOL_PARSERS))})",
+                                      param="tool_call_parser")
         if self.kv_events_interval <= 0:
             raise InvalidRequestError("kv_events_interval must be positive",
                                       param="kv_events_interval")

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from sluice.engine.sampling_params import RequestOutputKind, SamplingParams
+from sluice.engine.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.openai import ChatMessage, SamplingFields
 
@@ -16,12 +20,14 @@ OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "seed")
 
 
-def sampling_params(req: SamplingFields, max_tokens: int | None,
-                    logprobs: int | None) -> SamplingParams:
-    """The engine's SamplingParams (DELTA outputs); raises InvalidRequestError naming a field."""
+def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                    tool_constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+    """The engine's SamplingParams (DELTA outputs); raises InvalidRequestError naming a field.
+    `tool_constraint`: the grammar that forces a tool call (tool_choice required/named)."""
     options: dict[str, Any] = {name: getattr(req, name) for name in OPTIONAL_FIELDS
                                if getattr(req, name) is not None}
     return SamplingParams(
+        structured_outputs=structured_outputs(req, tool_constraint),
         n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop_list(),
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
         logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
@@ -29,12 +35,57 @@ def sampling_params(req: SamplingFields, max_tokens: int | None,
         output_kind=RequestOutputKind.DELTA, **options)
 
 
+def structured_outputs(req: SamplingFields, tool_constraint: StructuredOutputsParams | None
+                       ) -> StructuredOutputsParams | None:
+    """The one output constraint of a request: `response_format` (OpenAI), vLLM's
+    `structured_outputs`, or a forced tool call; two at once is a 400."""
+    found = [c for c in (_response_format(req), _vllm_structured(req), tool_constraint)
+             if c is not None]
+    if len(found) > 1:
+        raise InvalidRequestError(f"{found[0].param} and {found[1].param} cannot be combined: "
+                                  "a request takes one output constraint", param=found[1].param)
+    return found[0] if found else None
+
+
+def _response_format(req: SamplingFields) -> StructuredOutputsParams | None:
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object" or (fmt.json_schema is not None
+                                     and fmt.json_schema.schema_ is None):
+        return StructuredOutputsParams(json_object=True, param="response_format")
+    if fmt.json_schema is None:
+        raise InvalidRequestError("response_format of type json_schema needs json_schema",
+                                  param="response_format.json_schema")
+    return StructuredOutputsParams.from_schema(fmt.json_schema.schema_, "response_format")
+
+
+def _vllm_structured(req: SamplingFields) -> StructuredOutputsParams | None:
+    so = req.structured_outputs
+    if so is None:
+        return None
+    param = "structured_outputs"
+    if isinstance(so.json_, dict):
+        if any(v for v in (so.regex, so.choice, so.grammar, so.json_object, so.structural_tag)):
+            raise InvalidRequestError("structured_outputs takes exactly one constraint",
+                                      param=param)
+        return StructuredOutputsParams.from_schema(so.json_, param)
+    return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=tuple(so.choice)
+                                   if so.choice is not None else None, grammar=so.grammar,
+                                   json_object=bool(so.json_object),
+                                   structural_tag=so.structural_tag, param=param)
+
+
 def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage],
-                add_generation_prompt: bool = True) -> str:
-    """The model's chat template applied to `messages`; a template error is a 400."""
+                add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """The model's chat template applied to `messages` (and `tools`); a template error is
+    a 400."""
     try:
-        return tokenizer.apply_chat_template([m.as_template_dict() for m in messages],
-                                             add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template([m.as_template_dict(f"messages.{i}")
+                                              for i, m in enumerate(messages)],
+                                             add_generation_prompt=add_generation_prompt,
+                                             tools=tools)
     except InvalidRequestError:
         raise
     except Exception as exc:  # jinja2 errors raised by the model's own template

@@ -14,6 +14,7 @@ from sluice.protocol.errors import NotFoundError, ServiceUnavailableError
 from sluice.worker.config import WorkerConfig
 from sluice.worker.generation import Admission
 from sluice.worker.metrics import WorkerMetrics
+from sluice.worker.tool_parsers import get_tool_parser
 
 if TYPE_CHECKING:
     from sluice.engine.async_engine import AsyncEngine
@@ -27,10 +28,13 @@ class WorkerState:
         self.engine: AsyncEngine | None = None
         self.admission = Admission(config.max_pending_requests, config.retry_after_seconds)
         self.metrics = WorkerMetrics(self.stats, lambda: self.model_name)
+        self.tool_parser = get_tool_parser(config.tool_call_parser)
         if engine is not None:
             self.attach(engine)
 
     def attach(self, engine: AsyncEngine) -> None:
+        if self.config.chat_template is not None:  # --chat-template replaces the model's
+            engine.tokenizer.chat_template = self.config.chat_template
         self.engine = engine
 
     @property
