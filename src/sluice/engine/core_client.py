@@ -98,7 +98,9 @@ def run_core(core: EngineCore, inbox: Inbox, emit: Callable[[Event], None],
             errors = _apply(core, commands)
             if not (commands or core.has_work()):
                 continue
-            emit(CoreOutputs(_step(core, errors), core.stats(), errors))
+            updates = _step(core, errors)
+            if updates or errors or commands:  # (a core waiting on a grammar has nothing)
+                emit(CoreOutputs(updates, core.stats(), errors))
             if publisher is not None and (not core.has_work()
                                           or time.monotonic() - published >= kv_events_interval):
                 publisher.publish(core.drain_kv_events())

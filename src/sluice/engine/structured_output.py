@@ -100,6 +100,33 @@ def _invalid(params: StructuredOutputsParams, exc: Exception) -> InvalidRequestE
                                param=params.param)
 
 
+def bounded_strings_as_patterns(schema: Any) -> Any:
+    """A copy of `schema` where each string with `minLength`/`maxLength` (and no pattern
+    or format) says the same bound as a `pattern`.
+
+    xgrammar 0.2.9 lowers length-bounded strings to a character class that admits raw
+    control characters (U+0000-U+001F), i.e. invalid JSON (upstream issue
+    mlc-ai/xgrammar#800, open); its `pattern` path is JSON-aware and does not. A
+    bounded string then cannot hold escapes (`\\n`, `\\"`): valid JSON, a little stricter.
+    """
+    if isinstance(schema, list):
+        return [bounded_strings_as_patterns(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bounded_strings_as_patterns(v) for k, v in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if bounded and out.get("type") == "string" and not {"pattern", "format", "enum",
+                                                          "const"} & out.keys():
+        low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        out["pattern"] = f"^[^\\x00-\\x1f]{{{low},{'' if high is None else int(high)}}}$"
+    return out
+
+
+def _schema_text(params: StructuredOutputsParams) -> str:
+    assert params.json is not None
+    return json.dumps(bounded_strings_as_patterns(json.loads(params.json)))
+
+
 def choice_ebnf(choices: tuple[str, ...]) -> str:
     """`root ::= "a" | "b"`: JSON string literals are valid EBNF literals in xgrammar."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -129,7 +156,8 @@ class XGrammarBackend(GrammarBackend):
         import xgrammar as xgr
 
         builders: dict[str, Callable[[Any], Any]] = {
-            "json": lambda v: xgr.Grammar.from_json_schema(v, any_whitespace=False),
+            "json": lambda v: xgr.Grammar.from_json_schema(_schema_text(params),
+                                                           any_whitespace=False),
             "regex": xgr.Grammar.from_regex,
             "choice": lambda v: xgr.Grammar.from_ebnf(choice_ebnf(v)),
             "grammar": xgr.Grammar.from_ebnf,
@@ -144,8 +172,9 @@ class XGrammarBackend(GrammarBackend):
     def compile(self, params: StructuredOutputsParams) -> Any:
         c, value = self.compiler, params.key[1]
         compilers: dict[str, Callable[[], Any]] = {
-            "json": lambda: c.compile_json_schema(value, any_whitespace=False),
-            "json_object": c.compile_builtin_json_grammar,
+            "json": lambda: c.compile_json_schema(_schema_text(params), any_whitespace=False),
+            "json_object": lambda: c.compile_json_schema('{"type": "object"}',
+                                                         any_whitespace=False),
             "regex": lambda: c.compile_regex(value),
             "choice": lambda: c.compile_grammar(choice_ebnf(value)),
             "grammar": lambda: c.compile_grammar(value),
@@ -160,10 +189,12 @@ class XGrammarBackend(GrammarBackend):
         return self._xgr.GrammarMatcher(compiled)  # type: ignore[no-any-return]
 
     def mask(self, logits: torch.Tensor, matchers: list[Matcher], rows: list[int]) -> None:
-        if len(matchers) > self._bitmask.shape[0]:
-            self._bitmask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
-        bitmask = self._bitmask[:len(matchers)]
-        self.batch.batch_fill_next_token_bitmask(matchers, bitmask)  # type: ignore[arg-type]
+        batch = logits.shape[0]  # bitmask rows line up with logits rows (`indices`)
+        if batch > self._bitmask.shape[0]:
+            self._bitmask = self._xgr.allocate_token_bitmask(batch, self.vocab_size)
+        bitmask = self._bitmask[:batch]
+        self.batch.batch_fill_next_token_bitmask(matchers, bitmask,  # type: ignore[arg-type]
+                                                 indices=rows)
         self._xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
 
 
@@ -173,7 +204,8 @@ def json_schema_ebnf(schema: Any, param: str) -> str:
     import xgrammar as xgr
 
     try:
-        return str(xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+        return str(xgr.Grammar.from_json_schema(json.dumps(bounded_strings_as_patterns(schema)),
+                                                any_whitespace=False))
     except Exception as exc:
         lines = str(exc).strip().splitlines()
         raise InvalidRequestError(f"invalid JSON schema: {_CPP_PREFIX.sub('', lines[0])}"
@@ -267,6 +299,8 @@ class StructuredOutputManager:
         ready: list[Request] = []
         failed: list[tuple[str, SluiceError]] = []
         for rid, p in list(self._pending.items()):
+            if self._backend is None:  # loading the backend (seconds, once) is not compiling
+                p.deadline = now + self.timeout
             if p.future.done():
                 del self._pending[rid]
                 error = p.future.exception()

@@ -1,0 +1,112 @@
+"""Structured output and tool calls through the worker's HTTP API with the openai SDK, on
+the tiny random model: its text is noise, so whatever is valid here is the grammar's work."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+TOOLS: list[Any] = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"]}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time now"}},
+]
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:  # noqa: ANN001
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=8)
+    kind: Literal["cat", "dog"]
+    age: int = Field(ge=0, le=30)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_parse_returns_a_pydantic_object(client: openai.OpenAI, temperature: float) -> None:
+    resp = client.chat.completions.parse(model="tiny", messages=USER, response_format=Pet,
+                                         temperature=temperature, max_tokens=80, seed=1, n=2)
+    assert len(resp.choices) == 2
+    for choice in resp.choices:
+        assert isinstance(choice.message.parsed, Pet) and choice.finish_reason == "stop"
+
+
+def test_json_object_regex_and_choice(client: openai.OpenAI) -> None:
+    obj = client.chat.completions.create(model="tiny", messages=USER, max_tokens=60,
+                                         temperature=0.0, response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":  # free JSON may run past max_tokens
+        assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)
+    else:
+        assert (obj.choices[0].message.content or "").startswith("{")
+    for body, check in [({"regex": "[0-9]{4}-[0-9]{2}"}, lambda t: len(t) == 7 and t[4] == "-"),
+                        ({"choice": ["red", "green"]}, lambda t: t in ("red", "green"))]:
+        resp = client.completions.create(model="tiny", prompt="Colour:", max_tokens=20,
+                                         extra_body={"structured_outputs": body})
+        assert check(resp.choices[0].text), resp.choices[0].text
+
+
+def _call_args(call: Any) -> dict[str, Any]:
+    name = call.function.name
+    args = json.loads(call.function.arguments)
+    schema = next(t["function"].get("parameters", {"type": "object"}) for t in TOOLS
+                  if t["function"]["name"] == name)
+    jsonschema.validate(args, schema)
+    return {"name": name, "arguments": call.function.arguments}
+
+
+@pytest.mark.parametrize("tool_choice", ["required",
+                                         {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_calls_validate_and_stream_identically(client: openai.OpenAI,
+                                                           tool_choice: Any) -> None:
+    kw: Any = dict(model="tiny", messages=USER, tools=TOOLS, tool_choice=tool_choice,
+                   temperature=0.0, max_tokens=120)
+    whole = client.chat.completions.create(**kw)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = [_call_args(c) for c in choice.message.tool_calls or []]
+    assert calls and all(c["name"] == "get_weather" for c in calls if isinstance(tool_choice, dict))
+
+    streamed: dict[int, dict[str, Any]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                if d.id is not None:  # a call's first piece: id, type, name, arguments ""
+                    assert d.type == "function" and d.function.name and d.index not in streamed
+                    streamed[d.index] = {"name": d.function.name, "arguments": ""}
+                else:
+                    assert d.function.name is None
+                streamed[d.index]["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls"
+    assert [streamed[i] for i in sorted(streamed)] == calls
+
+
+def test_tool_round_trip(client: openai.OpenAI) -> None:
+    first = client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS,
+                                           tool_choice="required", parallel_tool_calls=False,
+                                           temperature=0.0, max_tokens=120)
+    calls = first.choices[0].message.tool_calls or []
+    assert len(calls) == 1
+    history = [*USER, first.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": calls[0].id, "content": '{"temp": 21}'}]
+    final = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS,
+                                           tool_choice="none", temperature=0.0, max_tokens=8)
+    assert final.choices[0].message.tool_calls is None
+    assert final.choices[0].finish_reason == "length" and final.choices[0].message.content
+    # the tool result reached the prompt: it is longer than the same turn without it
+    shorter = client.chat.completions.create(model="tiny", messages=history[:-1] + [
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "{}"}], tool_choice="none",
+        tools=TOOLS, temperature=0.0, max_tokens=1)
+    assert final.usage.prompt_tokens > shorter.usage.prompt_tokens
