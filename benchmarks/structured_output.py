@@ -1,0 +1,170 @@
+"""Structured output's cost in the engine, against the same engine unconstrained, one run.
+
+    flock /tmp/sluice-heavy.lock python benchmarks/structured_output.py [--model M]
+
+1. Throughput: 32 requests at once under a JSON schema whose output is ~150 tokens,
+   then the same prompts unconstrained with `max_tokens` = the constrained outputs'
+   mean length (`ignore_eos`); output tokens/s of each and their ratio (target >= 0.9),
+   and the mask time (one batched bitmask fill + apply per step) per step and per
+   token, p50 / p99 (target p99 <= 1 ms per token).
+2. Compile isolation: unconstrained requests arriving open-loop (Poisson) with and
+   without slow-to-compile schemas arriving beside them (each unique, so each one
+   compiles, on the core's compile thread); TTFT p50 / p99 of the unconstrained
+   requests in both runs and their ratio (target: p99 raised by <= 10%).
+
+Prints a table per part; the last stdout line is one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+from typing import Any
+
+from sluice.engine.llm import LLM
+from sluice.engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+ITEM = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "qty": {"type": "integer", "minimum": 0, "maximum": 999},
+    "ok": {"type": "boolean"}}, "required": ["name", "qty", "ok"], "additionalProperties": False}
+ORDER = {"type": "object", "properties": {
+    "items": {"type": "array", "items": ITEM, "minItems": 8, "maxItems": 8}},
+    "required": ["items"], "additionalProperties": False}
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def prompts(llm: LLM, count: int) -> list[str]:
+    tok = llm.get_tokenizer()
+    return [tok.apply_chat_template([{"role": "user", "content": f"Order #{i}: list eight "
+                                                                 "items as JSON."}])
+            for i in range(count)]
+
+
+def timed_generate(llm: LLM, texts: list[str], params: SamplingParams) -> tuple[float, int, Any]:
+    start = time.perf_counter()
+    outs = llm.generate(texts, params)
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(len(c.token_ids) for o in outs for c in o.outputs), outs
+
+
+def throughput(llm: LLM, batch: int) -> dict[str, Any]:
+    texts = prompts(llm, batch)
+    schema = StructuredOutputsParams.from_schema(ORDER, "response_format")
+    llm.generate(texts[:2], SamplingParams(max_tokens=200, structured_outputs=schema))  # warm
+    manager = llm.engine.core.structured
+    manager.mask_samples.clear()
+    c_time, c_tokens, outs = timed_generate(
+        llm, texts, SamplingParams(temperature=1.0, seed=0, max_tokens=400,
+                                   structured_outputs=schema))
+    valid = sum(1 for o in outs if o.outputs[0].finish_reason == "stop")
+    mean_len = c_tokens // batch
+    u_time, u_tokens, _ = timed_generate(
+        llm, texts, SamplingParams(temperature=1.0, seed=0, max_tokens=mean_len,
+                                   ignore_eos=True))
+    steps = [s for s, _ in manager.mask_samples]
+    per_token = [s / rows for s, rows in manager.mask_samples]
+    return {"batch": batch, "constrained_tok_s": c_tokens / c_time,
+            "unconstrained_tok_s": u_tokens / u_time,
+            "ratio": (c_tokens / c_time) / (u_tokens / u_time),
+            "mean_output_tokens": mean_len, "finished_by_grammar": valid,
+            "mask_ms_per_step_p50": 1e3 * pct(steps, 0.5),
+            "mask_ms_per_step_p99": 1e3 * pct(steps, 0.99),
+            "mask_ms_per_token_p50": 1e3 * pct(per_token, 0.5),
+            "mask_ms_per_token_p99": 1e3 * pct(per_token, 0.99)}
+
+
+def slow_schema(seed: int) -> StructuredOutputsParams:
+    props = {f"p{seed}_{i}": {"anyOf": [
+        {"type": "string", "pattern": f"[a-z]{{1,{i % 7 + 2}}}"},
+        {"type": "integer", "minimum": i, "maximum": i * 1000 + seed}]} for i in range(60)}
+    return StructuredOutputsParams.from_schema(
+        {"type": "object", "properties": props, "required": list(props)}, "response_format")
+
+
+def open_loop_ttft(llm: LLM, rate: float, count: int, slow_every: float | None) -> list[float]:
+    """TTFT of `count` unconstrained requests arriving at `rate`/s; with `slow_every`,
+    a unique slow-to-compile schema request arrives every that many seconds too."""
+    engine, rng = llm.engine, random.Random(1)
+    tok = llm.get_tokenizer()
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    arrivals, t = [], 0.0
+    for _ in range(count):
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+    start, sent, next_slow, slow_id = time.perf_counter(), 0, 0.0, 0
+    first: dict[str, float] = {}
+    while len(first) < count:
+        now = time.perf_counter() - start
+        while sent < count and arrivals[sent] <= now:
+            prompt = tok.encode(f"Request {sent}: tell me a short story about the sea.")
+            engine.add_request(f"p{sent}", prompt, plain, arrival_time=start + arrivals[sent])
+            sent += 1
+        if slow_every is not None and now >= next_slow and sent < count:
+            slow_id += 1
+            engine.add_request(f"slow{slow_id}", tok.encode("JSON please"), SamplingParams(
+                max_tokens=8, structured_outputs=slow_schema(slow_id)))
+            next_slow = now + slow_every
+        if not engine.has_unfinished_requests():
+            time.sleep(0.001)
+            continue
+        for out in engine.step():
+            rid = out.request_id
+            if rid.startswith("p") and rid not in first and out.outputs[0].token_ids:
+                first[rid] = time.perf_counter() - start - arrivals[int(rid[1:])]
+    while engine.has_unfinished_requests():
+        engine.step()
+    return list(first.values())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--rate", type=float, default=4.0, help="plain arrivals per second")
+    parser.add_argument("--requests", type=int, default=120)
+    parser.add_argument("--slow-every", type=float, default=1.0,
+                        help="seconds between slow-to-compile schema arrivals")
+    args = parser.parse_args()
+    llm = LLM(args.model, max_num_seqs=max(args.batch, 32), num_kv_blocks=2048)
+
+    part1 = throughput(llm, args.batch)
+    print(f"{'run':<16}{'tok/s':>10}")
+    print(f"{'json schema':<16}{part1['constrained_tok_s']:>10.1f}")
+    print(f"{'unconstrained':<16}{part1['unconstrained_tok_s']:>10.1f}")
+    print(f"ratio {part1['ratio']:.3f} (target >= 0.9); mean output "
+          f"{part1['mean_output_tokens']} tokens; {part1['finished_by_grammar']}/{args.batch} "
+          "ended by the grammar")
+    print(f"mask per step p50 {part1['mask_ms_per_step_p50']:.3f} ms, p99 "
+          f"{part1['mask_ms_per_step_p99']:.3f} ms; per token p50 "
+          f"{part1['mask_ms_per_token_p50']:.3f} ms, p99 {part1['mask_ms_per_token_p99']:.3f} ms")
+
+    open_loop_ttft(llm, args.rate, 8, None)  # warm
+    base = open_loop_ttft(llm, args.rate, args.requests, None)
+    slow = open_loop_ttft(llm, args.rate, args.requests, args.slow_every)
+    part2 = {"rate": args.rate, "requests": args.requests, "slow_every_s": args.slow_every,
+             "ttft_p50_ms": 1e3 * statistics.median(base),
+             "ttft_p99_ms": 1e3 * pct(base, 0.99),
+             "ttft_p50_ms_with_slow": 1e3 * statistics.median(slow),
+             "ttft_p99_ms_with_slow": 1e3 * pct(slow, 0.99)}
+    part2["p99_ratio"] = part2["ttft_p99_ms_with_slow"] / part2["ttft_p99_ms"]
+    print(f"\n{'unconstrained TTFT':<26}{'p50 ms':>10}{'p99 ms':>10}")
+    print(f"{'alone':<26}{part2['ttft_p50_ms']:>10.1f}{part2['ttft_p99_ms']:>10.1f}")
+    print(f"{'beside slow compiles':<26}{part2['ttft_p50_ms_with_slow']:>10.1f}"
+          f"{part2['ttft_p99_ms_with_slow']:>10.1f}")
+    print(f"p99 ratio {part2['p99_ratio']:.3f} (target <= 1.10)")
+    print(json.dumps({"benchmark": "structured_output", "cpu": platform.processor() or
+                      platform.machine(), "throughput": part1, "compile_isolation": part2}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
