@@ -237,3 +237,7 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Stop the compile thread's queue (a compile already running ends by itself)."""
+        self.structured.close()

@@ -106,6 +106,7 @@ def run_core(core: EngineCore, inbox: Inbox, emit: Callable[[Event], None],
                 publisher.publish(core.drain_kv_events())
                 published = time.monotonic()
     finally:
+        core.close()
         if publisher is not None:
             publisher.close()
 
