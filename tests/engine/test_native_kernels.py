@@ -187,3 +187,22 @@ def test_with_small_rows_sends_only_few_float32_rows_to_the_gemv(ops: NativeOps)
         linear(torch.randn(rows, 64), w, None)
     linear(torch.randn(2, 64, dtype=torch.bfloat16), w.bfloat16(), None)
     assert calls == [SMALL_ROWS_MAX + 1, 0, 2]
+
+
+@pytest.mark.parametrize("vocab", [49152, 100])  # 100: a partial last word
+def test_apply_token_bitmask_equals_xgrammar(ops: NativeOps, vocab: int) -> None:
+    import xgrammar as xgr
+
+    gen = torch.Generator().manual_seed(0)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-2**31, 2**31 - 1, (6, words), generator=gen, dtype=torch.int32)
+    bitmask[1] = 0  # all disallowed
+    bitmask[2] = -1  # all allowed
+    bitmask[3, ::2] = 0
+    logits = torch.randn(6, vocab, generator=gen)
+    want, got = logits.clone(), logits.clone()
+    rows = [0, 1, 2, 3, 5]
+    xgr.apply_token_bitmask_inplace(want, bitmask, indices=rows)
+    ops.apply_token_bitmask(got, bitmask, torch.tensor(rows), float("-inf"))
+    assert torch.equal(got, want)
+    assert torch.equal(got[4], logits[4])  # a row not listed is untouched

@@ -84,7 +84,9 @@ class EngineCore:
 
     def _grammar_backend(self) -> Any:
         name = self.config.structured.structured_outputs_backend
-        return BACKENDS[name](self.tokenizer, self.runner.vocab_size)
+        native = getattr(self.runner, "native", None)
+        return BACKENDS[name](self.tokenizer, self.runner.vocab_size,
+                              native.apply_token_bitmask if native is not None else None)
 
     def _new_seq(self, req: CoreRequest, index: int) -> Sequence:
         self._next_seq_id += 1

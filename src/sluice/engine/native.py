@@ -10,6 +10,8 @@
 - `silu_and_mul`: SwiGLU's `silu(gate) * up` in one pass (vLLM's op of that name).
 - `small_rows_linear`: a float32 GEMV for 1-4 rows (one stream's decode), which streams
   the weights faster than oneDNN's on AVX2 (`with_small_rows` routes those rows to it).
+- `apply_token_bitmask`: structured output's grammar mask applied to the logits word by
+  word (xgrammar's own CPU kernel tests every bit: ~6 ms for 32 rows of SmolLM2's vocab).
 
 It is compiled with torch's own extension builder (g++ and ninja; cached under
 `~/.cache/torch_extensions` under a name keyed by the vector flags and a hash of the
@@ -65,6 +67,8 @@ class NativeOps:
     fused_add_rms_norm: AddNormKernel
     silu_and_mul: ActivationKernel
     small_rows_linear: LinearKernel  # float32, 1 to SMALL_ROWS_MAX rows
+    # logits [B, V] f32, bitmask [B, W] int32, rows [R] int64, fill: masked logits = fill
+    apply_token_bitmask: Callable[[Tensor, Tensor, Tensor, float], None]
 
 
 @functools.cache
@@ -105,7 +109,7 @@ def _build() -> NativeOps:
                   extra_ldflags=["-fopenmp"], verbose=False)
     log.info("CPU kernels ready in %.1fs", time.perf_counter() - t0)
     return NativeOps(module.paged_decode_attention, module.fused_add_rms_norm,
-                     module.silu_and_mul, module.small_rows_linear)
+                     module.silu_and_mul, module.small_rows_linear, module.apply_token_bitmask)
 
 
 def native_ops(backend: str, device: torch.device, dtype: torch.dtype) -> NativeOps | None:

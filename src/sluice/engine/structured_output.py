@@ -60,9 +60,14 @@ class Matcher(Protocol):
     def is_terminated(self) -> bool: ...
 
 
+# logits [B, V] float32, bitmask [B, W] int32, rows [R] int64, fill (the native kernel)
+ApplyBitmask = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", float], None]
+
+
 class GrammarBackend(abc.ABC):
     """Compiles constraints for one tokenizer, makes matchers, masks logits; built as
-    `Backend(tokenizer, vocab_size)`.
+    `Backend(tokenizer, vocab_size, apply_bitmask)` (`apply_bitmask`: the engine's native
+    kernel for applying an xgrammar-layout bitmask, when it built).
 
     Contract: `check` needs no tokenizer and is cheap (the HTTP front end calls it to
     refuse bad input before admission); `compile` may run on any thread and raises
@@ -71,7 +76,8 @@ class GrammarBackend(abc.ABC):
     """
 
     @abc.abstractmethod
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None: ...
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int,
+                 apply_bitmask: ApplyBitmask | None = None) -> None: ...
 
     @staticmethod
     @abc.abstractmethod
@@ -141,10 +147,12 @@ class XGrammarBackend(GrammarBackend):
     opposite (`disable_any_whitespace` to opt out); this keeps outputs short and valid.
     """
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int,
+                 apply_bitmask: ApplyBitmask | None = None) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
+        self._apply_bitmask = apply_bitmask
         self.vocab_size = vocab_size
         info = tokenizer_info(tokenizer, vocab_size)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
@@ -189,13 +197,20 @@ class XGrammarBackend(GrammarBackend):
         return self._xgr.GrammarMatcher(compiled)  # type: ignore[no-any-return]
 
     def mask(self, logits: torch.Tensor, matchers: list[Matcher], rows: list[int]) -> None:
+        import torch
+
         batch = logits.shape[0]  # bitmask rows line up with logits rows (`indices`)
         if batch > self._bitmask.shape[0]:
             self._bitmask = self._xgr.allocate_token_bitmask(batch, self.vocab_size)
         bitmask = self._bitmask[:batch]
         self.batch.batch_fill_next_token_bitmask(matchers, bitmask,  # type: ignore[arg-type]
                                                  indices=rows)
-        self._xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+        if self._apply_bitmask is not None and logits.dtype == torch.float32 \
+                and logits.device.type == "cpu" and logits.is_contiguous():
+            self._apply_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.long),
+                                float("-inf"))
+        else:
+            self._xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
 
 
 def json_schema_ebnf(schema: Any, param: str) -> str:
