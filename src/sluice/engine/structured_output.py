@@ -14,8 +14,9 @@ A matcher belongs to its `Sequence` and advances only on tokens the sequence kee
 preemption (recompute) and `n > 1` need nothing more: recomputing a preempted
 sequence's KV re-reads tokens its matcher has already accepted.
 
-A compile never runs on the step loop: a schema that takes seconds delays only its own
-request, and one past `structured_outputs_compile_timeout` fails with a 400 naming the
+A compile never runs on the step loop (it runs on a thread at the lowest CPU priority,
+so it takes the cores' idle time rather than the forward pass's): a schema that takes
+seconds delays only its own request, and one past `structured_outputs_compile_timeout` fails with a 400 naming the
 request field it came from (the compile thread finishes in the background and its result
 is cached; Python cannot stop a running C++ compile).
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import abc
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -259,6 +261,16 @@ def check_constraint(params: StructuredOutputsParams, backend: str = "xgrammar")
 # --------------------------------------------------------------------------- the manager
 
 
+def _lowest_cpu_priority() -> None:
+    """Run this (compile) thread at nice 19: on a machine whose cores the forward pass
+    keeps busy, a compile then takes the idle time instead of slowing every step
+    (Linux sets nice per thread; elsewhere this does nothing)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+
+
 @dataclass
 class _Pending:
     request: Request
@@ -298,7 +310,8 @@ class StructuredOutputManager:
 
     def _compile_async(self, params: StructuredOutputsParams) -> Future[Any]:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-grammar")
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-grammar",
+                                                initializer=_lowest_cpu_priority)
         future = self._compiled[params.key] = self._executor.submit(self._compile, params)
         return future
 
