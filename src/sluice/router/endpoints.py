@@ -116,6 +116,13 @@ class TTFTFit:
         fitted = self._fitted_slope()
         return 0.0 if fitted is None else max(0.0, self.my - fitted * self.mx)
 
+    def line(self) -> tuple[float, float]:
+        """(overhead, slope) at once: one fit for both (a decision reads them per worker)."""
+        fitted = self._fitted_slope()
+        if fitted is None:
+            return 0.0, self.my / self.mx
+        return max(0.0, self.my - fitted * self.mx), fitted
+
     def predict(self, units: float) -> float:
         return self.overhead + self.slope * (units + BASE_UNITS)
 
@@ -230,6 +237,8 @@ class Endpoint:
     def stats(self, cached_blocks: int = 0, kv_cached_blocks: int | None = None,
               cache_footprint: int = 0) -> EndpointStats:
         decoding = self.inflight - self.prefilling
+        overhead, slope = self.fit.line()
+        speed = self.speed
         return EndpointStats(
             url=self.url,
             running=decoding + self.external_running,
@@ -240,8 +249,8 @@ class Endpoint:
             queued_prefill_tokens=self.prefill_tokens,
             external_waiting=self.external_waiting,
             mean_prompt_tokens=self.prompt_avg,
-            seconds_per_token=self.seconds_per_token,
-            overhead_s=self.fit.overhead * self.speed,
+            seconds_per_token=slope * speed,
+            overhead_s=overhead * speed,
             cached_blocks=cached_blocks,
             kv_cached_blocks=kv_cached_blocks,
             cache_footprint=cache_footprint,

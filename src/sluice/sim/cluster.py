@@ -103,7 +103,7 @@ class Simulation:
         self._ttfts: list[float] = []
         self._next_worker = 0
         self._oracle_seen: set[int] = set()
-        self._touched: set[str] = set()  # workers whose router accounting changed
+        self._touched: set[str] = set()  # workers changed since the last scrape
         self.oracle_queries = 0
         self.oracle_hits = 0
         for _ in range(cfg.workers):
@@ -220,20 +220,19 @@ class Simulation:
 
     # -- the router's scrape -----------------------------------------------------------
     def _scrape(self) -> None:
-        """The gauges of every serving worker that changed since its last scrape go to the
-        router. One that did not change (engine state and the router's own accounting)
-        is skipped: the router would compute the same state again. Most of a large pool
-        is idle at any interval."""
-        fresh = []
-        for url in self.serving:
-            w = self.workers[url]
-            if w.changed or url in self._touched:
-                w.changed = False
-                bm = w.block_manager
-                fresh.append((url, WorkerLoad(w.num_running, w.num_waiting, bm.usage,
-                                              bm.prefix_queries, bm.prefix_hits)))
+        """The gauges of every serving worker that changed since its last scrape (engine
+        state, or the router's own accounting) go to the router. The others are skipped:
+        the router would compute the same state again, and most of a large pool is idle
+        at any interval."""
+        changed = sorted(self._touched.intersection(self.serving))
         self._touched.clear()
-        self.router.scrape(fresh)
+        loads = []
+        for url in changed:
+            w = self.workers[url]
+            bm = w.block_manager
+            loads.append((url, WorkerLoad(w.num_running, w.num_waiting, bm.usage,
+                                          bm.prefix_queries, bm.prefix_hits)))
+        self.router.scrape(loads)
         if self._busy():
             self.loop.after(self.cfg.router.scrape_interval_s, self._scrape)
 
@@ -280,7 +279,7 @@ class Simulation:
         if cold:
             self.starting -= 1
         self.workers[url] = SimWorker(url, self.cfg.profile, self.loop, self.router.kv_events,
-                                      self.cfg.scheduling_policy)
+                                      self._touched, self.cfg.scheduling_policy)
         self.router.add_worker(url)
         self.serving.append(url)
 

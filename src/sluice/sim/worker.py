@@ -57,8 +57,10 @@ class SimWorker:
     """One engine. Owns its scheduler and block manager; driven by the event loop."""
 
     def __init__(self, url: str, profile: StepProfile, loop: EventLoop,
-                 on_kv_events: Callable[[str, list[KVEvent]], None],
+                 on_kv_events: Callable[[str, list[KVEvent]], None], changed: set[str],
                  scheduling_policy: str = "priority") -> None:
+        """`changed`: the cluster's set of workers whose gauges moved since the router's
+        last scrape; this worker adds its url on every change."""
         self.url = url
         self.profile = profile
         self.loop = loop
@@ -70,7 +72,8 @@ class SimWorker:
             scheduling_policy=scheduling_policy), self.block_manager)
         self.requests: dict[Sequence, SimRequest] = {}
         self.busy = False
-        self.changed = True  # gauges moved since the router last scraped them
+        self.changed = changed
+        changed.add(url)
         self.busy_seconds = 0.0
         self.num_steps = 0
         self.num_requests = 0
@@ -100,7 +103,7 @@ class SimWorker:
         self.requests[seq] = req
         req.worker = self.url
         self.num_requests += 1
-        self.changed = True
+        self.changed.add(self.url)
         self.scheduler.add(seq)
         if not self.busy:
             self._start_step()
@@ -123,7 +126,7 @@ class SimWorker:
     def _end_step(self, chunks: list[ScheduledChunk]) -> None:
         self.scheduler.update_from_output(chunks)
         self.num_steps += 1
-        self.changed = True
+        self.changed.add(self.url)
         now = self.loop.now
         for chunk in chunks:
             if chunk.need_logits:

@@ -14,7 +14,6 @@ earlier user turn followed by the answer the server gave, then this turn's user 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -111,7 +110,3 @@ def _ids(seg: Segment) -> tuple[int, ...]:
     if seg.ids is None:
         raise InvalidRequestError("a simulated prompt needs token ids", param="workload")
     return seg.ids
-
-
-def finite_rate(rate: float | None) -> float:
-    return math.inf if rate is None else rate
