@@ -124,6 +124,21 @@ def test_prefix_aware_policies_beat_round_robin_on_hit_rate_and_stay_under_the_o
     assert results["cost"]["p90_ttft_ms"] < results["round_robin"]["p90_ttft_ms"]
 
 
+def test_multi_turn_reuses_its_answers_within_the_oracle() -> None:
+    """The next turn resends the answer: the engine hits it, and the oracle (which caches
+    answers too) still bounds every policy."""
+    cfg = WorkloadConfig(seed=0, input_len=100, output_len=40, num_turns=3)
+    sessions = synthetic_sessions("multi-turn", cfg, LoadConfig(request_rate=2.0), 8)
+    runs = {p: Simulation(config(p, workers=3)).run(sessions).summary
+            for p in ("session", "round_robin")}
+    for s in runs.values():
+        assert s["completed"] == 24
+        assert s["server_prefix_cache_hit_rate"] <= s["oracle_prefix_cache_hit_rate"]
+    # one turn at a time per session: round robin sends each turn to the next worker
+    assert runs["session"]["server_prefix_cache_hit_rate"] > 0.5
+    assert runs["round_robin"]["server_prefix_cache_hit_rate"] == 0.0
+
+
 def test_step_time_model_sets_latency() -> None:
     """One request alone on one worker: TTFT is one prefill step, TPOT one decode step."""
     cfg = WorkloadConfig(seed=0, input_len=100, output_len=5)

@@ -9,8 +9,8 @@
 
 The run returns the bench's `RequestRecord`s (so `sluice.bench.metrics.summarize` and
 `report.table` give the same numbers as `sluice bench serve`) plus what only a
-simulator knows: the oracle hit rate (one infinite prefix cache seeing every request in
-arrival order), replica count over time, worker-hours, per-worker load, events/s.
+simulator knows: the oracle hit rate (one infinite prefix cache holding every earlier
+request's prompt and answer, in arrival order), replica count over time, worker-hours, per-worker load, events/s.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 from sluice.bench.client import RequestRecord
 from sluice.bench.metrics import summarize
 from sluice.bench.workloads import Session
-from sluice.protocol.block_hash import hash_blocks
+from sluice.protocol.block_hash import hash_block, hash_blocks
 from sluice.protocol.errors import InvalidRequestError
 from sluice.router.endpoints import Ticket
 from sluice.router.scrape import WorkerLoad
@@ -72,6 +72,7 @@ class _Flight:
     answers: list[list[int]]
     record: RequestRecord
     ticket: Ticket | None = None
+    hashes: tuple[int, ...] = ()  # the prompt's full blocks
 
 
 @dataclass
@@ -149,7 +150,7 @@ class Simulation:
 
     def _route(self, req: SimRequest) -> None:
         flight: _Flight = req.meta  # type: ignore[assignment]
-        hashes = tuple(hash_blocks(req.prompt, self.cfg.profile.block_size))
+        hashes = flight.hashes = tuple(hash_blocks(req.prompt, self.cfg.profile.block_size))
         self._oracle(hashes, len(req.prompt))
         self._arrivals += 1
         flight.ticket = self.router.route(len(req.prompt), hashes, req.session_key,
@@ -173,6 +174,14 @@ class Simulation:
         self.oracle_queries += num_tokens
         self._oracle_seen.update(hashes)
 
+    def _oracle_output(self, flight: _Flight, req: SimRequest) -> None:
+        """The oracle caches the answer too (the engine does: a next turn resends it)."""
+        bs, tokens = self.cfg.profile.block_size, req.prompt + req.output
+        parent = flight.hashes[-1] if flight.hashes else None
+        for i in range(len(flight.hashes), len(tokens) // bs):
+            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
+            self._oracle_seen.add(parent)
+
     def _on_token(self, req: SimRequest, now: float) -> None:
         flight: _Flight = req.meta  # type: ignore[assignment]
         if len(req.token_times) == 1 and flight.ticket is not None:
@@ -184,6 +193,7 @@ class Simulation:
         if flight.ticket is not None:
             self.router.finished(flight.ticket)
             self._touched.add(req.worker)
+        self._oracle_output(flight, req)
         self._close(req, flight)
         url = req.worker
         if url in self.draining and self.workers[url].idle:
