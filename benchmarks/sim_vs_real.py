@@ -8,8 +8,9 @@ For each workload (random, shared-prefix; small, seeded, at a fixed Poisson rate
            workers, the same policy, the profile `sluice sim calibrate` fitted here
 
 and print TTFT p50/p90, request and output throughput, and prefix-cache hit rate side by
-side (sim / real). The real workers get the profile's KV pool (`--num-kv-blocks`) so both
-sides have the same cache. Run under `flock /tmp/sluice-heavy.lock`:
+side (sim / real); the real hit rate is from the engines' own /metrics counters. The real
+workers get the profile's KV pool (`--num-kv-blocks`) so both sides have the same cache.
+`--calibrate` fits the profile first, in the same locked session as the real run. Run under `flock /tmp/sluice-heavy.lock`:
 
     flock /tmp/sluice-heavy.lock env PYTHONPATH=src python benchmarks/sim_vs_real.py
 
@@ -31,7 +32,9 @@ from typing import Any
 
 import httpx
 
+from sluice.bench.metrics import server_deltas
 from sluice.control.local import free_port
+from sluice.observe.prometheus import sum_samples
 from sluice.sim.cli import default_profile_path
 from sluice.sim.run import resolve_profile
 
@@ -85,12 +88,40 @@ class RealCluster:
             time.sleep(1.0)
         raise RuntimeError("sluice serve did not become ready")
 
+    def worker_urls(self, log: Path) -> list[str]:
+        """The engines' own URLs, from `sluice serve`'s "workers ready:" line."""
+        for line in log.read_text().splitlines():
+            if "workers ready:" in line:
+                part = line.split("workers ready:", 1)[1].split("(logs", 1)[0]
+                return [u.strip() for u in part.split(",") if u.strip()]
+        return []
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+
+
+def worker_counters(urls: list[str]) -> dict[str, float]:
+    """The workers' /metrics summed (the router does not re-export engine counters)."""
+    total: dict[str, float] = {}
+    for url in urls:
+        samples = sum_samples(httpx.get(url + "/metrics", timeout=10).text)
+        for key, value in samples.items():
+            total[key] = total.get(key, 0.0) + value
+    return total
+
+
+def calibrate(path: str) -> None:
+    """`sluice sim calibrate` now, in this locked session: the real run sees the same
+    machine (on a shared host, minutes apart can differ by 2x)."""
+    proc = subprocess.run([sys.executable, "-m", "sluice.cli", "sim", "calibrate", "--out",
+                           path], capture_output=True, text=True, env=os.environ.copy())
+    if proc.returncode != 0:
+        raise RuntimeError(f"calibrate failed: {proc.stderr[-2000:]}")
+    print(proc.stdout, file=sys.stderr)
 
 
 def main() -> int:
@@ -101,8 +132,12 @@ def main() -> int:
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     ap.add_argument("--seed", default="0")
     ap.add_argument("--log", default="/tmp/sim_vs_real_serve.log")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="run `sluice sim calibrate` first (writes --profile)")
     args = ap.parse_args()
     profile_path = args.profile or default_profile_path()
+    if args.calibrate:
+        calibrate(profile_path)
     profile = resolve_profile(profile_path if Path(profile_path).exists() else None,
                               default_profile_path())
     common = ["--seed", args.seed, "--request-rate", args.request_rate]
@@ -113,9 +148,13 @@ def main() -> int:
     cluster = RealCluster(args.policy, profile.num_kv_blocks, Path(args.log))
     try:
         cluster.wait_ready()
+        engines = cluster.worker_urls(Path(args.log))
         for name in args.workloads:
+            before = worker_counters(engines)
             real = cli("bench", "serve", "--base-url", cluster.url, "--ignore-eos",
                        "--disable-tqdm", "--warmup", "0", *WORKLOADS[name], *common)["results"][0]
+            deltas = server_deltas(before, worker_counters(engines))
+            real |= {f"server_{k}": v for k, v in deltas.items()}
             sim = cli("sim", *WORKLOADS[name], *common, *sim_args)["results"][0]
             results[name] = {"real": real, "sim": sim}
             print(f"  {name}: done", file=sys.stderr)
