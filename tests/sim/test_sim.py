@@ -214,11 +214,11 @@ def _trace(path: Path, rows: int = 40) -> None:
 def test_cli_trace_compare_json(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SLUICE_HOME", str(tmp_path))
-    trace, out = tmp_path / "t.jsonl", tmp_path / "out.json"
+    trace, out, png = tmp_path / "t.jsonl", tmp_path / "out.json", tmp_path / "p.png"
     _trace(trace)
     rc = main(["sim", "--trace", str(trace), "--workers", "3", "--policy", "cost",
                "--compare", "kv,round_robin", "--slo", "ttft=2s,tpot=100ms", "--token-scale",
-               "0.25", "--json", str(out)])
+               "0.25", "--json", str(out), "--plot", str(png)])
     assert rc == 0
     lines = capsys.readouterr().out.strip().splitlines()
     doc = json.loads(lines[-1])
@@ -226,6 +226,7 @@ def test_cli_trace_compare_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert all(r["completed"] == 40 and r["goodput"] is not None for r in doc["results"])
     assert any("Simulation Result" in line for line in lines)
     assert len(json.loads(out.read_text())["results"][0]["requests"]) == 40
+    assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_cli_rejects_unknown_policy(capsys: pytest.CaptureFixture[str]) -> None:
