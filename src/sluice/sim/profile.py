@@ -38,17 +38,19 @@ FEATURES = ("step_overhead_s", "s_per_token", "s_per_seq", "s_per_kpair")
 class StepProfile:
     """A fitted step-time model plus the engine shape it was measured on."""
 
-    name: str = "cpu-smollm2-135m"
-    step_overhead_s: float = 2.0e-3
-    s_per_token: float = 2.0e-4
-    s_per_seq: float = 1.0e-3
-    s_per_kpair: float = 1.0e-6
+    # defaults: `sluice sim calibrate` on the 2-core development host (see `source`)
+    name: str = "SmolLM2-135M-Instruct.Q4_1@cpu"
+    step_overhead_s: float = 0.138
+    s_per_token: float = 1.85e-3
+    s_per_seq: float = 3.1e-3
+    s_per_kpair: float = 1.75e-3
     block_size: int = 16
-    num_kv_blocks: int = 8192
+    num_kv_blocks: int = 6856
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     request_overhead_s: float = 0.0  # HTTP, tokenizing, routing: outside the engine's steps
-    source: str = "built-in default (see docs/sim.md); run `sluice sim calibrate`"
+    source: str = ("built-in: sluice sim calibrate on a 2-core Intel Xeon (AVX-512) shared "
+                   "with other jobs, 2026-12-01; run `sluice sim calibrate` for this machine")
 
     def __post_init__(self) -> None:
         for name in (*FEATURES, "request_overhead_s"):
