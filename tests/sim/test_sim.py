@@ -243,3 +243,24 @@ def test_cli_loads_a_profile_file(tmp_path: Path, capsys: pytest.CaptureFixture[
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert doc["results"][0]["p50_ttft_ms"] == pytest.approx(500.0)
     assert math.isclose(doc["config"]["profile"]["s_per_token"], 0.01)
+
+
+def test_same_seed_same_result_across_processes(tmp_path: Path) -> None:
+    """Nothing depends on Python's per-process string hashing (set order, hash())."""
+    import os
+    import subprocess
+    import sys
+
+    def run(hash_seed: str) -> dict[str, Any]:
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed, "SLUICE_HOME": str(tmp_path),
+               "PYTHONPATH": str(SIM_DIR.parents[1])}
+        out = subprocess.run(
+            [sys.executable, "-m", "sluice.cli", "sim", "--workload", "shared-prefix",
+             "--num-prompts", "60", "--request-rate", "8", "--workers", "4", "--policy", "kv",
+             "--compare", "cost"], env=env, capture_output=True, text=True, check=True).stdout
+        doc = json.loads(out.strip().splitlines()[-1])
+        for r in doc["results"]:
+            r.pop("wall_s"), r.pop("events_per_s")
+        return doc
+
+    assert run("1") == run("2")
