@@ -27,6 +27,10 @@ per run, for judging a policy change without CPU noise. `prefill` in the table i
 prompt tokens the workers computed, over what one worker serving everything computes
 (1.00: no prefix computed twice).
 
+`sluice sim` (docs/sim.md) supersedes `--virtual`: it runs the same real `Pool` in front
+of the engine's real `Scheduler` and `BlockManager` (this replay's workers are a toy FIFO
+cost model), at thousands of workers, with the bench's report.
+
 Prints a table; the last stdout line is one JSON document.
 """
 

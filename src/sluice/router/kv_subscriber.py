@@ -26,6 +26,7 @@ from sluice.protocol.kv_events import (
     BlockRemoved,
     BlockStored,
     EventBatch,
+    KVEvent,
     decode_batch,
 )
 from sluice.router.prefix_index import BlockIndex
@@ -84,9 +85,16 @@ class KVEventSubscriber:
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 self.block_size_seen = ev.block_size
-                self.index.store(self.url, ev.block_hashes)
-            elif isinstance(ev, BlockRemoved):
-                self.index.remove(self.url, ev.block_hashes)
-            elif isinstance(ev, AllBlocksCleared):
-                self.index.clear(self.url)
+            apply_event(self.index, self.url, ev)
             self.on_event(type(ev).__name__)
+
+
+def apply_event(index: BlockIndex, url: str, ev: KVEvent) -> None:
+    """What one KV event from worker `url` does to the precise index (the simulator,
+    which has no sockets, calls this too)."""
+    if isinstance(ev, BlockStored):
+        index.store(url, ev.block_hashes)
+    elif isinstance(ev, BlockRemoved):
+        index.remove(url, ev.block_hashes)
+    elif isinstance(ev, AllBlocksCleared):
+        index.clear(url)

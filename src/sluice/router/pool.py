@@ -76,7 +76,7 @@ class Pool:
     def remove(self, url: str) -> Endpoint:
         endpoint = self.get(url)
         del self.endpoints[url]
-        self.fit.log_speeds.pop(url, None)
+        self.fit.forget(url)
         self.approx.clear(url)
         self.precise.clear(url)
         return endpoint

@@ -1,0 +1,184 @@
+"""Agreement with reality: 2 real workers under `sluice bench serve` vs `sluice sim`.
+
+For each workload (random, shared-prefix; small, seeded, at a fixed Poisson rate):
+
+    real   `sluice serve --workers 2 --no-gateway --policy P` (2 engine processes, the
+           router) driven by `sluice bench serve --ignore-eos`
+    sim    `sluice sim` with the same workload options, seed and arrival process, 2
+           workers, the same policy, the profile `sluice sim calibrate` fitted here
+
+and print TTFT p50/p90, request and output throughput, and prefix-cache hit rate side by
+side (sim / real); the real hit rate is from the engines' own /metrics counters. The real
+workers get the profile's KV pool (`--num-kv-blocks`) so both sides have the same cache.
+`--calibrate` fits the profile first, in the same locked session as the real run. Run under `flock /tmp/sluice-heavy.lock`:
+
+    flock /tmp/sluice-heavy.lock env PYTHONPATH=src python benchmarks/sim_vs_real.py
+
+Caveat measured here, not modelled: the two real workers share this machine's CPU
+cores, while the profile was fitted on one engine alone.
+Prints a table; the last stdout line is one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from sluice.bench.metrics import server_deltas
+from sluice.control.local import free_port
+from sluice.observe.prometheus import sum_samples
+from sluice.sim.cli import default_profile_path
+from sluice.sim.run import resolve_profile
+
+WORKLOADS: dict[str, list[str]] = {
+    "random": ["--workload", "random", "--input-len", "256", "--output-len", "32",
+               "--random-range-ratio", "0.5", "--num-prompts", "40"],
+    "shared-prefix": ["--workload", "shared-prefix", "--num-groups", "4",
+                      "--system-prompt-len", "512", "--input-len", "64", "--output-len", "32",
+                      "--num-prompts", "40"],
+}
+METRICS = [("TTFT p50 (ms)", "p50_ttft_ms"), ("TTFT p90 (ms)", "p90_ttft_ms"),
+           ("Request throughput (req/s)", "request_throughput"),
+           ("Output throughput (tok/s)", "output_throughput"),
+           ("Prefix cache hit rate", "server_prefix_cache_hit_rate"),
+           ("TPOT p50 (ms)", "p50_tpot_ms")]
+
+
+def last_json(out: str) -> dict[str, Any]:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def cli(*argv: str, timeout: float = 900) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "sluice.cli", *argv], capture_output=True,
+                          text=True, timeout=timeout, env=os.environ.copy())
+    if proc.returncode not in (0, 1):
+        raise RuntimeError(f"sluice {' '.join(argv[:2])} failed: {proc.stderr[-2000:]}")
+    return last_json(proc.stdout)
+
+
+class RealCluster:
+    """`sluice serve --workers 2` in its own process group."""
+
+    def __init__(self, policy: str, num_kv_blocks: int, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sluice.cli", "serve", "--workers", "2", "--no-gateway",
+             "--policy", policy, "--port", str(self.port), "--num-kv-blocks", str(num_kv_blocks)],
+            stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("sluice serve exited")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise RuntimeError("sluice serve did not become ready")
+
+    def worker_urls(self, log: Path) -> list[str]:
+        """The engines' own URLs, from `sluice serve`'s "workers ready:" line."""
+        for line in log.read_text().splitlines():
+            if "workers ready:" in line:
+                part = line.split("workers ready:", 1)[1].split("(logs", 1)[0]
+                return [u.strip() for u in part.split(",") if u.strip()]
+        return []
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def worker_counters(urls: list[str]) -> dict[str, float]:
+    """The workers' /metrics summed (the router does not re-export engine counters)."""
+    total: dict[str, float] = {}
+    for url in urls:
+        samples = sum_samples(httpx.get(url + "/metrics", timeout=10).text)
+        for key, value in samples.items():
+            total[key] = total.get(key, 0.0) + value
+    return total
+
+
+def calibrate(path: str) -> None:
+    """`sluice sim calibrate` now, in this locked session: the real run sees the same
+    machine (on a shared host, minutes apart can differ by 2x)."""
+    proc = subprocess.run([sys.executable, "-m", "sluice.cli", "sim", "calibrate", "--out",
+                           path], capture_output=True, text=True, env=os.environ.copy())
+    if proc.returncode != 0:
+        raise RuntimeError(f"calibrate failed: {proc.stderr[-2000:]}")
+    print(proc.stdout, file=sys.stderr)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--profile", default=None)
+    ap.add_argument("--policy", default="cost")
+    ap.add_argument("--request-rate", default="1.5")
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    ap.add_argument("--seed", default="0")
+    ap.add_argument("--log", default="/tmp/sim_vs_real_serve.log")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="run `sluice sim calibrate` first (writes --profile)")
+    args = ap.parse_args()
+    profile_path = args.profile or default_profile_path()
+    if args.calibrate:
+        calibrate(profile_path)
+    profile = resolve_profile(profile_path if Path(profile_path).exists() else None,
+                              default_profile_path())
+    common = ["--seed", args.seed, "--request-rate", args.request_rate]
+    sim_args = ["--workers", "2", "--policy", args.policy, "--profile", profile_path] \
+        if Path(profile_path).exists() else ["--workers", "2", "--policy", args.policy]
+
+    results: dict[str, dict[str, Any]] = {}
+    cluster = RealCluster(args.policy, profile.num_kv_blocks, Path(args.log))
+    try:
+        cluster.wait_ready()
+        engines = cluster.worker_urls(Path(args.log))
+        for name in args.workloads:
+            before = worker_counters(engines)
+            real = cli("bench", "serve", "--base-url", cluster.url, "--ignore-eos",
+                       "--disable-tqdm", "--warmup", "0", *WORKLOADS[name], *common)["results"][0]
+            deltas = server_deltas(before, worker_counters(engines))
+            real |= {f"server_{k}": v for k, v in deltas.items()}
+            sim = cli("sim", *WORKLOADS[name], *common, *sim_args)["results"][0]
+            results[name] = {"real": real, "sim": sim}
+            print(f"  {name}: done", file=sys.stderr)
+    finally:
+        cluster.stop()
+
+    print(f"profile: {profile.name} ({profile.source})")
+    print(f"{'workload':14} {'metric':28} {'real':>10} {'sim':>10} {'sim/real':>9}")
+    table: dict[str, dict[str, dict[str, float | None]]] = {}
+    for name, pair in results.items():
+        table[name] = {}
+        for label, key in METRICS:
+            r, s = pair["real"].get(key), pair["sim"].get(key)
+            ratio = s / r if isinstance(r, int | float) and isinstance(s, int | float) and r else None
+            table[name][key] = {"real": r, "sim": s, "ratio": ratio}
+            fr = "-" if r is None else f"{r:10.3f}"
+            fs = "-" if s is None else f"{s:10.3f}"
+            fq = "-" if ratio is None else f"{ratio:9.3f}"
+            print(f"{name:14} {label:28} {fr:>10} {fs:>10} {fq:>9}")
+    print(json.dumps({"benchmark": "sim_vs_real", "policy": args.policy,
+                      "request_rate": args.request_rate, "profile": vars(profile),
+                      "workloads": {k: WORKLOADS[k] for k in results}, "results": table}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

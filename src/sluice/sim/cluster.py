@@ -1,0 +1,334 @@
+"""One simulated cluster run: clients, the router, N workers, the planner, in virtual time.
+
+    session start ──(overhead/2)──► route (real Pool + policy) ──► SimWorker.add
+    worker steps (real Scheduler + BlockManager; step time from the profile)
+    first token ──► router learns TTFT ──(overhead/2)──► client's TTFT
+    last token  ──► router.finish ──(overhead/2)──► client's E2E; next turn (multi-turn)
+    every scrape_interval_s: workers' gauges -> router      KV events -> router index
+    every planner_interval_s: planner.desired_replicas -> start (cold start) / drain
+
+The run returns the bench's `RequestRecord`s (so `sluice.bench.metrics.summarize` and
+`report.table` give the same numbers as `sluice bench serve`) plus what only a
+simulator knows: the oracle hit rate (one infinite prefix cache holding every earlier
+request's prompt and answer, in arrival order), replica count over time, worker-hours, per-worker load, events/s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sluice.bench.client import RequestRecord
+from sluice.bench.metrics import summarize
+from sluice.bench.workloads import Session
+from sluice.protocol.block_hash import hash_block, hash_blocks
+from sluice.protocol.errors import InvalidRequestError
+from sluice.router.endpoints import Ticket
+from sluice.router.scrape import WorkerLoad
+from sluice.sim.loop import EventLoop
+from sluice.sim.planner import FixedPlanner, PoolObservation, ReplicaPlanner
+from sluice.sim.profile import StepProfile
+from sluice.sim.router import RouterSimConfig, SimRouter
+from sluice.sim.worker import SimRequest, SimWorker
+from sluice.sim.workload import turn_prompt
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    workers: int = 16
+    profile: StepProfile = field(default_factory=StepProfile)
+    router: RouterSimConfig = field(default_factory=RouterSimConfig)
+    scheduling_policy: str = "priority"
+    max_concurrency: int | None = None
+    planner_interval_s: float = 10.0
+    cold_start_s: float = 30.0
+    slos: dict[str, float] = field(default_factory=dict)
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise InvalidRequestError("workers must be >= 1", param="workers")
+        if self.router.block_size != self.profile.block_size:
+            raise InvalidRequestError("the router's block_size must be the engine's",
+                                      param="block_size")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise InvalidRequestError("max_concurrency must be >= 1", param="max_concurrency")
+        if self.planner_interval_s <= 0 or self.cold_start_s < 0:
+            raise InvalidRequestError("planner_interval_s must be > 0, cold_start_s >= 0",
+                                      param="planner_interval_s")
+
+
+@dataclass
+class _Flight:
+    """A request in the air: its session, turn, router ticket and the client's record."""
+
+    session: Session
+    turn: int
+    answers: list[list[int]]
+    record: RequestRecord
+    ticket: Ticket | None = None
+    hashes: tuple[int, ...] = ()  # the prompt's full blocks
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    duration: float
+    summary: dict[str, Any]
+
+
+class Simulation:
+    """Owns the loop, the router, the workers and the planner of one run."""
+
+    def __init__(self, cfg: SimConfig, planner: ReplicaPlanner | None = None) -> None:
+        self.cfg = cfg
+        self.loop = EventLoop()
+        self.router = SimRouter(cfg.router, self.loop)
+        self.planner = planner if planner is not None else FixedPlanner(cfg.workers)
+        self.workers: dict[str, SimWorker] = {}  # every worker ever started, by url
+        self.serving: list[str] = []
+        self.draining: set[str] = set()
+        self.starting = 0
+        self.lifetimes: dict[str, list[float]] = {}  # url -> [started, stopped or inf]
+        self.replicas: list[tuple[float, int]] = []
+        self.records: list[RequestRecord] = []
+        self._pending: deque[Session] = deque()
+        self._active = 0
+        self._outstanding = 0
+        self._arrivals = 0
+        self._ttfts: list[float] = []
+        self._next_worker = 0
+        self._oracle_seen: set[int] = set()
+        self._touched: set[str] = set()  # workers changed since the last scrape
+        self.oracle_queries = 0
+        self.oracle_hits = 0
+        for _ in range(cfg.workers):
+            self._start_worker(cold=False)
+
+    # -- the run -----------------------------------------------------------------------
+    def run(self, timed: Iterable[tuple[Session, float]]) -> SimResult:
+        wall = time.perf_counter()
+        for session, at in timed:
+            self._outstanding += 1
+            self.loop.at(at, self._arrive, session)
+        self.loop.at(0.0, self._scrape)
+        self.loop.at(0.0, self._plan)
+        self.loop.run()
+        end = max((r.start + r.e2e for r in self.records if r.e2e is not None), default=0.0)
+        for span in self.lifetimes.values():
+            span[1] = min(span[1], end)
+        summary = self._summary(end, time.perf_counter() - wall)
+        return SimResult(self.records, end, summary)
+
+    def _busy(self) -> bool:
+        return self._outstanding > 0
+
+    # -- clients -----------------------------------------------------------------------
+    def _arrive(self, session: Session) -> None:
+        if self.cfg.max_concurrency and self._active >= self.cfg.max_concurrency:
+            self._pending.append(session)
+            return
+        self._active += 1
+        self._send(session, 0, [])
+
+    def _send(self, session: Session, k: int, answers: list[list[int]]) -> None:
+        prompt = turn_prompt(session, k, answers)
+        record = RequestRecord(session.index, k, self.loop.now, len(prompt),
+                               session.turns[k].output_len,
+                               request_id=f"sim-{session.index}-{k}")
+        flight = _Flight(session, k, answers, record)
+        req = SimRequest(record.request_id, prompt, session.turns[k].output_len,
+                         self.loop.now, token_seed=session.index * 1009 + k,
+                         session_key=session.session_id, on_token=self._on_token,
+                         on_finish=self._on_finish, meta=flight)
+        self.loop.after(self.cfg.profile.request_overhead_s / 2, self._route, req)
+
+    def _route(self, req: SimRequest) -> None:
+        flight: _Flight = req.meta  # type: ignore[assignment]
+        hashes = flight.hashes = tuple(hash_blocks(req.prompt, self.cfg.profile.block_size))
+        self._oracle(hashes, len(req.prompt))
+        self._arrivals += 1
+        flight.ticket = self.router.route(len(req.prompt), hashes, req.session_key,
+                                          req.max_tokens)
+        if flight.ticket is None:
+            req.error = "no_worker"
+            self._close(req, flight)
+            return
+        self._touched.add(flight.ticket.endpoint.url)
+        self.workers[flight.ticket.endpoint.url].add(req)
+
+    def _oracle(self, hashes: tuple[int, ...], num_tokens: int) -> None:
+        """One infinite cache that saw every earlier request: the best hit rate possible."""
+        usable = (num_tokens - 1) // self.cfg.profile.block_size
+        hits = 0
+        for h in hashes[:usable]:
+            if h not in self._oracle_seen:
+                break
+            hits += 1
+        self.oracle_hits += hits * self.cfg.profile.block_size
+        self.oracle_queries += num_tokens
+        self._oracle_seen.update(hashes)
+
+    def _oracle_output(self, flight: _Flight, req: SimRequest) -> None:
+        """The oracle caches the answer too (the engine does: a next turn resends it)."""
+        bs, tokens = self.cfg.profile.block_size, req.prompt + req.output
+        parent = flight.hashes[-1] if flight.hashes else None
+        for i in range(len(flight.hashes), len(tokens) // bs):
+            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
+            self._oracle_seen.add(parent)
+
+    def _on_token(self, req: SimRequest, now: float) -> None:
+        flight: _Flight = req.meta  # type: ignore[assignment]
+        if len(req.token_times) == 1 and flight.ticket is not None:
+            self.router.first_token(flight.ticket)
+            self._touched.add(req.worker)
+
+    def _on_finish(self, req: SimRequest) -> None:
+        flight: _Flight = req.meta  # type: ignore[assignment]
+        if flight.ticket is not None:
+            self.router.finished(flight.ticket)
+            self._touched.add(req.worker)
+        self._oracle_output(flight, req)
+        self._close(req, flight)
+        url = req.worker
+        if url in self.draining and self.workers[url].idle:
+            self._retire(url)
+
+    def _close(self, req: SimRequest, flight: _Flight) -> None:
+        """Fill the client's record (times as the client sees them) and go on."""
+        rec, half = flight.record, self.cfg.profile.request_overhead_s / 2
+        rec.error = req.error
+        rec.prompt_tokens = len(req.prompt)
+        rec.output_tokens = len(req.output)
+        times = [t + half - rec.start for t in req.token_times]
+        rec.token_times = [rec.start + t for t in times]
+        if times:
+            rec.ttft = times[0]
+            rec.itls = [b - a for a, b in zip(times, times[1:], strict=False)]
+        rec.e2e = (times[-1] if times else self.loop.now - rec.start) + half
+        self.records.append(rec)
+        if rec.ttft is not None:
+            self._ttfts.append(rec.ttft)
+        session, k = flight.session, flight.turn
+        if rec.ok and k + 1 < len(session.turns):
+            answers = [*flight.answers, req.output]
+            self.loop.after(half, lambda: self._send(session, k + 1, answers))
+            return
+        self._session_done()
+
+    def _session_done(self) -> None:
+        self._outstanding -= 1
+        self._active -= 1
+        if self._pending:
+            self._active += 1
+            self._send(self._pending.popleft(), 0, [])
+
+    # -- the router's scrape -----------------------------------------------------------
+    def _scrape(self) -> None:
+        """The gauges of every serving worker that changed since its last scrape (engine
+        state, or the router's own accounting) go to the router. The others are skipped:
+        the router would compute the same state again, and most of a large pool is idle
+        at any interval."""
+        changed = sorted(self._touched.intersection(self.serving))
+        self._touched.clear()
+        loads = []
+        for url in changed:
+            w = self.workers[url]
+            bm = w.block_manager
+            loads.append((url, WorkerLoad(w.num_running, w.num_waiting, bm.usage,
+                                          bm.prefix_queries, bm.prefix_hits)))
+        self.router.scrape(loads)
+        if self._busy():
+            self.loop.after(self.cfg.router.scrape_interval_s, self._scrape)
+
+    # -- the planner -------------------------------------------------------------------
+    def _plan(self) -> None:
+        serving = [self.workers[u] for u in self.serving]
+        ttfts, self._ttfts = self._ttfts, []
+        obs = PoolObservation(
+            now=self.loop.now, replicas=len(serving), starting=self.starting,
+            waiting=sum(w.num_waiting for w in serving),
+            running=sum(w.num_running for w in serving),
+            kv_usage=sum(w.block_manager.usage for w in serving) / max(1, len(serving)),
+            arrivals=self._arrivals,
+            ttft_p90_s=float(np.percentile(ttfts, 90)) if ttfts else None)
+        self._arrivals = 0
+        self._resize(self.planner.desired_replicas(obs))
+        self.replicas.append((self.loop.now, len(self.serving)))
+        if self._busy():
+            self.loop.after(self.cfg.planner_interval_s, self._plan)
+
+    def _resize(self, desired: int) -> None:
+        desired = max(1, desired)
+        have = len(self.serving) + self.starting
+        for _ in range(desired - have):
+            self._start_worker(cold=True)
+        for url in list(reversed(self.serving))[: max(0, have - desired)]:
+            self.serving.remove(url)
+            self.draining.add(url)
+            self.router.drain_worker(url)
+            if self.workers[url].idle:
+                self._retire(url)
+
+    def _start_worker(self, cold: bool) -> None:
+        url = f"http://sim-worker-{self._next_worker:05d}"
+        self._next_worker += 1
+        self.lifetimes[url] = [self.loop.now, float("inf")]
+        if cold:
+            self.starting += 1
+            self.loop.after(self.cfg.cold_start_s, self._worker_ready, url)
+        else:
+            self._worker_ready(url, cold=False)
+
+    def _worker_ready(self, url: str, cold: bool = True) -> None:
+        if cold:
+            self.starting -= 1
+        self.workers[url] = SimWorker(url, self.cfg.profile, self.loop, self.router.kv_events,
+                                      self._touched, self.cfg.scheduling_policy)
+        self.router.add_worker(url)
+        self.serving.append(url)
+
+    def _retire(self, url: str) -> None:
+        self.draining.discard(url)
+        self.router.remove_worker(url)
+        self.lifetimes[url][1] = self.loop.now
+
+    # -- results -----------------------------------------------------------------------
+    def _summary(self, end: float, wall_s: float) -> dict[str, Any]:
+        workers = list(self.workers.values())
+        queries = sum(w.block_manager.prefix_queries for w in workers)
+        hits = sum(w.block_manager.prefix_hits for w in workers)
+        per_worker = [w.num_requests for w in workers]
+        mean = sum(per_worker) / max(1, len(per_worker))
+        oracle = self.oracle_hits / self.oracle_queries if self.oracle_queries else None
+        hit_rate = hits / queries if queries else None
+        worker_s = sum(b - a for a, b in self.lifetimes.values())
+        out: dict[str, Any] = {"base_url": self.cfg.label or f"sim:{self.cfg.router.policy}",
+                               "model": self.cfg.profile.name}
+        out |= summarize(self.records, end, self.cfg.slos)
+        out |= {
+            "server_prefix_cache_queries": queries,
+            "server_prefix_cache_hits": hits,
+            "server_prefix_cache_hit_rate": hit_rate,
+            "server_num_preemptions": sum(w.scheduler.num_preemptions for w in workers),
+            "oracle_prefix_cache_hit_rate": oracle,
+            "hit_rate_vs_oracle": hit_rate / oracle if hit_rate is not None and oracle else None,
+            "policy": self.cfg.router.policy,
+            "workers_initial": self.cfg.workers,
+            "worker_hours": worker_s / 3600.0,
+            "replicas_over_time": [{"t": t, "replicas": n} for t, n in self.replicas],
+            "per_worker_requests": per_worker,
+            "busiest_over_mean": max(per_worker) / mean if mean else None,
+            "mean_worker_busy": (sum(w.busy_seconds for w in workers) / max(end, 1e-9)
+                                 / max(1, len(workers))),
+            "engine_steps": sum(w.num_steps for w in workers),
+            "events": self.loop.events_run,
+            "wall_s": wall_s,
+            "events_per_s": self.loop.events_run / max(wall_s, 1e-9),
+        }
+        return out

@@ -1,0 +1,53 @@
+"""Virtual time: a discrete-event loop (a heap of timed callbacks).
+
+Nothing in the simulator sleeps or reads a wall clock: every component is handed
+`loop.now` (the production router's `Pool` and `BlockIndex` take it as their `clock`)
+and schedules what happens next with `loop.at`. Events at the same instant run in the
+order they were scheduled (a counter breaks ties), so a run is a pure function of its
+inputs and seeds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+
+class EventLoop:
+    """Owns the clock and the pending events. Not thread-safe (one simulation, one thread)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.events_run = 0
+        self._heap: list[tuple[float, int, Callable[..., None], Any]] = []
+        self._order = itertools.count()
+
+    def clock(self) -> float:
+        """The current virtual time in seconds (pass this where a `time.monotonic` goes)."""
+        return self.now
+
+    def at(self, when: float, fn: Callable[..., None], arg: Any = None) -> None:
+        """Run `fn(arg)` (or `fn()` when `arg` is None) at virtual time `when` (>= now)."""
+        heapq.heappush(self._heap, (max(when, self.now), next(self._order), fn, arg))
+
+    def after(self, delay: float, fn: Callable[..., None], arg: Any = None) -> None:
+        self.at(self.now + delay, fn, arg)
+
+    def run(self, until: float | None = None) -> None:
+        """Run events in time order until none is left (or the next is after `until`)."""
+        heap, pop = self._heap, heapq.heappop
+        while heap:
+            if until is not None and heap[0][0] > until:
+                self.now = until
+                return
+            self.now, _, fn, arg = pop(heap)
+            self.events_run += 1
+            if arg is None:
+                fn()
+            else:
+                fn(arg)
+
+    def __len__(self) -> int:
+        return len(self._heap)

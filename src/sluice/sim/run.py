@@ -1,0 +1,180 @@
+"""`sluice sim`: options -> configs -> one simulation per policy -> the bench's report.
+
+    1. the profile (file, calibrated default, or built-in) with any overrides
+    2. the workload: a trace's rows, or a bench workload with its arrival process
+    3. one `Simulation` per policy (`--policy`, then each of `--compare`), same sessions
+    4. `sluice.bench.report.table` (the rows of `sluice bench serve`) plus the rows only a
+       simulator has; `--json`, `--plot`; the last stdout line is one JSON document
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from sluice.bench import report
+from sluice.bench.load import LoadConfig
+from sluice.bench.metrics import parse_slos
+from sluice.bench.workloads import Session, WorkloadConfig
+from sluice.protocol.errors import InvalidRequestError
+from sluice.sim.cluster import SimConfig, SimResult, Simulation
+from sluice.sim.planner import make_planner
+from sluice.sim.profile import StepProfile, load_profile
+from sluice.sim.router import RouterSimConfig
+from sluice.sim.workload import synthetic_sessions, trace_sessions
+
+DEFAULT_NUM_PROMPTS = 100
+DEFAULT_SHARED_PREFIX_LEN = 256
+
+# (label, key, format): what `sluice bench serve` cannot know
+SIM_ROWS: tuple[tuple[str, str, str], ...] = (
+    ("Prefix cache hit rate (oracle)", "oracle_prefix_cache_hit_rate", ".3f"),
+    ("Hit rate vs oracle", "hit_rate_vs_oracle", ".3f"),
+    ("Worker-hours", "worker_hours", ".3f"),
+    ("Busiest worker / mean (requests)", "busiest_over_mean", ".2f"),
+    ("Mean worker busy fraction", "mean_worker_busy", ".3f"),
+    ("Engine steps", "engine_steps", "d"),
+    ("Events", "events", "d"),
+    ("Simulation wall time (s)", "wall_s", ".2f"),
+    ("Events per second", "events_per_s", ".0f"),
+)
+
+
+def resolve_profile(path: str | None, default_path: str) -> StepProfile:
+    if path:
+        return load_profile(path)
+    if Path(default_path).exists():
+        return load_profile(default_path)
+    print("sluice sim: no calibrated profile (run `sluice sim calibrate`); using the built-in "
+          "default", file=sys.stderr)
+    return StepProfile()
+
+
+def profile_from_args(args: argparse.Namespace, default_path: str) -> StepProfile:
+    overhead = args.request_overhead_ms
+    return resolve_profile(args.profile, default_path).with_overrides(
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        request_overhead_s=None if overhead is None else overhead / 1000.0)
+
+
+def _policy_options(items: Sequence[str]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise InvalidRequestError(f"--policy-option {item!r}: expected KEY=NUMBER",
+                                      param="policy_option")
+    return out
+
+
+def sessions_from_args(args: argparse.Namespace) -> list[tuple[Session, float]]:
+    workload = args.workload or ("trace" if args.trace else "random")
+    if workload == "trace":
+        if not args.trace:
+            raise InvalidRequestError("--workload trace needs --trace FILE", param="trace")
+        cfg = WorkloadConfig(seed=args.seed, token_scale=args.token_scale,
+                             output_token_scale=args.output_token_scale,
+                             time_scale=args.time_scale)
+        return list(trace_sessions(args.trace, cfg, args.num_prompts).timed())
+    system = args.system_prompt_len
+    if system is None:
+        system = DEFAULT_SHARED_PREFIX_LEN if workload == "shared-prefix" else 0
+    cfg = WorkloadConfig(seed=args.seed, input_len=args.input_len, output_len=args.output_len,
+                         range_ratio=args.random_range_ratio, num_groups=args.num_groups,
+                         system_prompt_len=system, num_turns=args.num_turns)
+    rate = math.inf if args.request_rate is None else args.request_rate
+    load = LoadConfig(request_rate=rate, burstiness=args.burstiness, seed=args.seed)
+    return synthetic_sessions(workload, cfg, load, args.num_prompts or DEFAULT_NUM_PROMPTS)
+
+
+def configs_from_args(args: argparse.Namespace, profile: StepProfile) -> list[SimConfig]:
+    router = RouterSimConfig(
+        policy=args.policy, policy_options=_policy_options(args.policy_option),
+        block_size=profile.block_size, scrape_interval_s=args.scrape_interval,
+        kv_event_lag_s=args.kv_event_lag_ms / 1000.0,
+        prefix_index_blocks=args.prefix_index_blocks, seed=args.seed)
+    base = SimConfig(workers=args.workers, profile=profile, router=router,
+                     max_concurrency=args.max_concurrency,
+                     planner_interval_s=args.planner_interval, cold_start_s=args.cold_start,
+                     slos=parse_slos(args.slo))
+    policies = list(dict.fromkeys([args.policy, *args.compare]))
+    return [replace(base, router=replace(router, policy=p,
+                                         policy_options=router.policy_options
+                                         if p == args.policy else {}))
+            for p in policies]
+
+
+def simulate(configs: Sequence[SimConfig], sessions: Sequence[tuple[Session, float]],
+             planner: str = "fixed", progress: bool = True) -> list[SimResult]:
+    results = []
+    for cfg in configs:
+        result = Simulation(cfg, make_planner(planner, cfg.workers)).run(sessions)
+        if progress:
+            print(f"sluice sim: {cfg.router.policy}: {result.summary['events']} events in "
+                  f"{result.summary['wall_s']:.1f}s", file=sys.stderr)
+        results.append(result)
+    return results
+
+
+def sim_table(summaries: Sequence[dict[str, Any]]) -> str:
+    heads = ["metric", *(str(s["base_url"]) for s in summaries)]
+    lines = [[label, *(report._fmt(s.get(key), fmt) for s in summaries)]
+             for label, key, fmt in SIM_ROWS]
+    widths = [max(len(row[i]) for row in [heads, *lines]) for i in range(len(heads))]
+    render = [" | ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+              for row in [heads, *lines]]
+    bar = "=" * len(render[0])
+    return "\n".join([" Simulator ".center(len(bar), "="), render[0], "-" * len(bar),
+                      *render[1:], bar])
+
+
+def document(configs: Sequence[SimConfig], results: Sequence[SimResult], workload: str,
+             seed: int) -> dict[str, Any]:
+    profile = configs[0].profile
+    out = [r.summary | {"requests": [x.to_dict() for x in r.records],
+                        "throughput_over_time": report.throughput_over_time(r.records)}
+           for r in results]
+    doc: dict[str, Any] = {
+        "benchmark": "sim",
+        "config": {"workload": workload, "seed": seed, "workers": configs[0].workers,
+                   "profile": vars(profile) | {}, "policies": [c.router.policy for c in configs],
+                   "slos_ms": {k: v * 1000.0 for k, v in configs[0].slos.items()}},
+        "results": out}
+    if len(out) > 1:
+        doc["ratios"] = [{"base_url": r["base_url"], **rat}
+                         for r, rat in zip(out[1:], report.ratios(out), strict=True)]
+    return doc
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from sluice.sim.cli import default_profile_path
+
+    profile = profile_from_args(args, default_profile_path())
+    if args.trace and profile.block_size < 512 and args.workers >= 100:
+        print("sluice sim: hint: a Mooncake trace's content is 512-token blocks; "
+              "--block-size 512 gives the same hit rates with 32x fewer hashes and KV "
+              "blocks (see docs/sim.md)", file=sys.stderr)
+    configs = configs_from_args(args, profile)
+    sessions = sessions_from_args(args)
+    results = simulate(configs, sessions, args.planner)
+    workload = args.workload or ("trace" if args.trace else "random")
+    doc = document(configs, results, workload, args.seed)
+    print(report.table(doc["results"], title="Simulation Result"))
+    print(sim_table(doc["results"]))
+    if args.json:
+        report.write_json(args.json, doc)
+    if args.plot:
+        report.plot(args.plot, [(r.summary["base_url"], r.records) for r in results])
+    print(report.summary_line(doc), flush=True)
+    return 0 if all(r.summary["completed"] for r in results) else 1

@@ -1,0 +1,71 @@
+"""The step-time model: what a step costs, the fit that recovers it, the profile file."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.scheduler import ScheduledChunk
+from sluice.engine.sequence import Sequence
+from sluice.protocol.errors import InvalidRequestError
+from sluice.sim.profile import (
+    StepProfile,
+    chunk_features,
+    fit_coefficients,
+    fit_profile,
+    load_profile,
+    save_profile,
+)
+
+
+def chunk(start: int, n: int) -> ScheduledChunk:
+    seq = Sequence(1, "r", 0, [0] * (start + n), start + n, SamplingParams(), 8)
+    return ScheduledChunk(seq, start, n, True)
+
+
+def test_step_seconds_weighs_tokens_sequences_and_attention_pairs() -> None:
+    p = StepProfile(step_overhead_s=1.0, s_per_token=0.1, s_per_seq=0.01, s_per_kpair=0.5)
+    # a 4-token prefill from 0 (pairs 4 * 2.5 = 10) and a decode at context 99 (pairs 100)
+    chunks = [chunk(0, 4), chunk(99, 1)]
+    assert p.step_seconds(chunks) == pytest.approx(1.0 + 0.1 * 5 + 0.01 * 2 + 0.5 * 110 / 1000)
+    assert chunk_features([(0, 4), (99, 1)]) == (1.0, 5.0, 2.0, 0.11)
+
+
+def test_fit_recovers_known_coefficients() -> None:
+    truth = StepProfile(step_overhead_s=3e-3, s_per_token=2.5e-4, s_per_seq=4e-4,
+                        s_per_kpair=2e-6)
+    rng = random.Random(0)
+    steps = []
+    for _ in range(60):
+        chunks = [(rng.randrange(0, 2000), rng.choice([1, 1, 64, 512]))
+                  for _ in range(rng.randrange(1, 20))]
+        row = chunk_features(chunks)
+        steps.append((chunks, sum(c * f for c, f in zip(truth.coefficients, row, strict=True))))
+    fitted = fit_profile(StepProfile(), steps, "t", "test")
+    for got, want in zip(fitted.coefficients, truth.coefficients, strict=True):
+        assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_fit_is_non_negative() -> None:
+    rows = [(1.0, float(x), 1.0, 0.0) for x in range(1, 30)]
+    seconds = [0.5 - 0.001 * x for x in range(1, 30)]  # time falls with tokens: no slope
+    coef = fit_coefficients(rows, seconds)
+    assert all(c >= 0 for c in coef)
+    assert coef[1] == 0.0
+
+
+def test_profile_file_round_trip_and_unknown_field(tmp_path: Path) -> None:
+    p = StepProfile(name="gpu", s_per_token=1e-5, num_kv_blocks=100_000)
+    save_profile(p, tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json") == p
+    (tmp_path / "bad.json").write_text(json.dumps({"s_per_tokens": 1}))
+    with pytest.raises(InvalidRequestError) as exc:
+        load_profile(tmp_path / "bad.json")
+    assert exc.value.param == "s_per_tokens"
+    with pytest.raises(InvalidRequestError) as exc:
+        StepProfile(block_size=12)
+    assert exc.value.param == "block_size"
