@@ -11,6 +11,8 @@ import dataclasses
 from typing import Any
 
 from sluice.engine.config import KERNEL_BACKENDS
+from sluice.observe.cli import add_observe_arguments, tracing_config
+from sluice.observe.cli import buckets as observe_buckets
 from sluice.protocol.errors import InvalidRequestError
 
 # flag dest -> type, help. All default to None (= engine default).
@@ -95,6 +97,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         "e.g. tcp://127.0.0.1:5557")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="(default: %(default)s)")
+    add_observe_arguments(p)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -123,7 +126,9 @@ def worker_config(args: argparse.Namespace) -> Any:
                         served_model_names=tuple(args.served_model_name or ()),
                         max_pending_requests=args.max_pending_requests,
                         shutdown_timeout=args.shutdown_timeout,
-                        kv_events_endpoint=args.kv_events_endpoint, log_level=args.log_level)
+                        kv_events_endpoint=args.kv_events_endpoint, log_level=args.log_level,
+                        tracing=tracing_config(args, "sluice-worker"),
+                        metrics_buckets=observe_buckets(args))
 
 
 def handler(args: argparse.Namespace) -> int:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from sluice.observe.buckets import LatencyBuckets
+from sluice.observe.tracing import TracingConfig
 from sluice.protocol.edge import DEFAULT_MAX_BODY_BYTES
 from sluice.protocol.errors import InvalidRequestError
 
@@ -25,6 +27,9 @@ class WorkerConfig:
     # Request bodies over this many bytes are refused with 413 as they arrive.
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "info"
+    # OpenTelemetry export (off unless an endpoint is set) and histogram buckets.
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    metrics_buckets: LatencyBuckets = field(default_factory=LatencyBuckets)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
