@@ -120,7 +120,32 @@ def serve_one(args: argparse.Namespace, wrap: Any) -> int:
     worker = WorkerConfig(host=args.host, port=args.port, log_level=args.log_level,
                           tracing=tracing_config(args, "sluice-serve"),
                           metrics_buckets=observe_buckets(args))
-    return run_worker(engine_config(args), worker, wrap=traced(args, wrap))
+    return run_worker(engine_config(args), worker, wrap=with_status(args, traced(args, wrap),
+                                                                getattr(wrap, "metrics", None)))
+
+
+def with_status(args: argparse.Namespace, wrap: Any, local: Any) -> Any:
+    """`/status` for one worker (no router to serve it): the worker's own registry is its
+    row, the gateway's registry gives tenants."""
+    from prometheus_client import generate_latest
+
+    from sluice.observe.asgi import StatusRoutes
+    from sluice.observe.status import StatusBoard
+
+    def status(app: Any) -> Any:
+        worker = app.state.worker
+        url = f"http://{args.host}:{args.port}"
+
+        async def fetch(_url: str) -> str:
+            return generate_latest(worker.metrics.registry).decode()
+
+        board = StatusBoard(lambda: [{"url": url, "healthy": worker.ready}], fetch,
+                            lambda: [local().decode()] if local else [])
+        board.open()
+        return StatusRoutes(wrap(app) if wrap else app, board,
+                            args.admin_key or env.get("ADMIN_KEY"))
+
+    return status
 
 
 def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:

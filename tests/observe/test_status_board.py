@@ -86,3 +86,29 @@ async def test_window_percentiles_rates_tenants_and_errors(monkeypatch: pytest.M
     assert [e["message"] for e in snap["errors"]] == ["upstream w1 failed mid-stream"]
     logging.getLogger("sluice").warning("after close")
     assert len(board.errors.records) == 1  # the handler is detached
+
+
+async def test_status_routes_serve_the_page_and_json_in_front_of_any_app() -> None:
+    import httpx
+
+    from sluice.observe.asgi import StatusRoutes
+
+    w = FakeWorker()
+    w.serve(0.05, 2)
+
+    async def fetch(_url: str) -> str:
+        return w.text()
+
+    async def inner(scope: object, receive: object, send: object) -> None:
+        raise AssertionError("status paths must not reach the app")
+
+    board = StatusBoard(lambda: [{"url": "http://me", "healthy": True}], fetch, lambda: [])
+    app = StatusRoutes(inner, board, "k")  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),  # type: ignore[arg-type]
+                                 base_url="http://t") as client:
+        page = await client.get("/status")
+        assert page.status_code == 200 and "status.json" in page.text
+        anonymous = (await client.get("/status.json")).json()
+        admin = (await client.get("/status.json", headers={"x-admin-key": "k"})).json()
+    assert anonymous["workers"][0]["url"] == "http://me" and "tenants" not in anonymous
+    assert anonymous["workers"][0]["ttft_p50"] is not None and admin["tenants"] == []

@@ -11,14 +11,21 @@
                       runs, so the worker's generation span (`WorkerSpan`) is its child
 
 They are installed only when tracing is on; none of them exists otherwise.
+
+    StatusRoutes(app)  `/status` and `/status.json` where no router serves them
+                       (`sluice serve --workers 1`: the gateway over one worker app)
 """
 
 from __future__ import annotations
 
+import hmac
+import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from sluice.observe.status import StatusBoard, page_html
 from sluice.observe.tracing import Tracing, replace_trace_headers, set_error
+from sluice.protocol.edge import admin_key_given
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -102,3 +109,31 @@ class TraceContext:
             await self.app(scope, receive, send)
         finally:
             context.detach(token)
+
+
+class StatusRoutes:
+    """Serves `GET /status` and `/status.json` from a `StatusBoard` in front of `app`
+    (`sluice serve --workers 1`, where no router serves them); the rest passes through.
+    Tenants are shown only for a caller with `admin_key`."""
+
+    def __init__(self, app: ASGIApp, board: StatusBoard, admin_key: str | None) -> None:
+        self.app, self.board, self.admin_key = app, board, admin_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path") if scope["type"] == "http" and scope["method"] == "GET" else None
+        if path == "/status":
+            return await _send(send, page_html().encode(), b"text/html; charset=utf-8")
+        if path == "/status.json":
+            admin = bool(self.admin_key) and hmac.compare_digest(
+                admin_key_given(scope.get("headers") or []).encode(),
+                (self.admin_key or "").encode())
+            body = json.dumps(await self.board.snapshot(admin=admin)).encode()
+            return await _send(send, body, b"application/json")
+        await self.app(scope, receive, send)
+
+
+async def _send(send: Send, body: bytes, content_type: bytes) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [
+        (b"content-type", content_type), (b"content-length", str(len(body)).encode()),
+        (b"cache-control", b"no-store")]})
+    await send({"type": "http.response.body", "body": body})

@@ -112,11 +112,14 @@ class Tracing:
     """One process's tracer (its own provider: no global state) and W3C propagation."""
 
     def __init__(self, provider: TracerProvider) -> None:
+        from opentelemetry.trace import SpanKind, set_span_in_context
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self.provider = provider
         self.tracer: Tracer = provider.get_tracer("sluice")
         self.propagator = TraceContextTextMapPropagator()
+        self._kinds = SpanKind
+        self._in_context = set_span_in_context
 
     def extract(self, headers: Headers) -> Context:
         """The parent context in `headers` (an empty context when there is none)."""
@@ -127,15 +130,12 @@ class Tracing:
     def start(self, name: str, parent: Context | None, kind: str = "INTERNAL",
               attributes: Mapping[str, Any] | None = None,
               start_ns: int | None = None) -> Span:
-        from opentelemetry.trace import SpanKind
-
-        return self.tracer.start_span(name, context=parent, kind=SpanKind[kind],
+        return self.tracer.start_span(name, context=parent, kind=self._kinds[kind],
                                       attributes=dict(attributes or {}), start_time=start_ns)
 
     def child_context(self, span: Span) -> Context:
-        from opentelemetry.trace import set_span_in_context
-
-        return set_span_in_context(span)
+        context: Context = self._in_context(span)
+        return context
 
     def headers(self, span: Span) -> list[tuple[bytes, bytes]]:
         """`traceparent` (and `tracestate`) naming `span` as the parent."""
