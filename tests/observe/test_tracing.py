@@ -97,6 +97,7 @@ async def test_router_span_parents_the_worker_request(
     attrs = dict(span.attributes or {})
     assert attrs["server.address"] == worker_url and attrs["sluice.router.policy"] == "cost"
     assert attrs["http.response.status_code"] == 200 and attrs["sluice.router.prompt_tokens"] > 0
+    assert attrs["sluice.router.retries"] == 0
     sent = stub.headers[-1]["traceparent"]
     assert sent == f"00-{CLIENT_TRACE}-{ctx.span_id:016x}-01"  # the worker's parent: the router
     assert span.end_time is not None and span.end_time >= span.start_time
@@ -165,3 +166,22 @@ def test_start_tracing_builds_an_otlp_exporter() -> None:
     resource = tracing.provider.resource.attributes
     assert resource["service.name"] == "svc"
     tracing.shutdown()
+
+
+async def test_router_span_counts_retries_on_other_workers(
+        traced: tuple[Tracing, InMemorySpanExporter]) -> None:
+    tracing, exporter = traced
+    broken, fine = StubState("a", fail_status=500), StubState("b")
+    async with serve(make_stub(broken)) as a, serve(make_stub(fine)) as b:
+        pool = PoolConfig(workers=(WorkerSpec(a), WorkerSpec(b)), policy="round_robin")
+        config = RouterConfig(pools=(pool,), health_interval_s=60, scrape_interval_s=60)
+        app = build_app(config, local_tokenizers={}, tracing=tracing)
+        async with serve_router(app) as url, httpx.AsyncClient(timeout=10) as client:
+            for _ in range(2):
+                resp = await client.post(url + "/v1/completions", json={
+                    "model": "stub-model", "prompt": "one two"})
+                assert resp.status_code == 200
+    spans = [s for s in exporter.get_finished_spans() if s.name.startswith("route")]
+    assert len(spans) == 2
+    assert all(s.attributes is not None and s.attributes["server.address"] == b for s in spans)
+    assert max(int((s.attributes or {})["sluice.router.retries"]) for s in spans) == 1

@@ -8,7 +8,8 @@ routing. It ends when the relay closes (the whole stream), or at once for an err
 Attributes: `gen_ai.request.model`, `sluice.router.policy`, `server.address` (the
 chosen worker), `sluice.router.prompt_tokens` and `sluice.router.estimated_cached_tokens`
 (what the policy expected cached there; the worker's span has the actual
-`sluice.usage.cached_input_tokens`), `http.response.status_code`.
+`sluice.usage.cached_input_tokens`), `sluice.router.retries` (attempts that failed
+elsewhere first), `http.response.status_code`.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ async def traced_route(tracing: Tracing, inner: Inner, state: Any, kind: str, pa
         span.end()
         return reply
     span.set_attribute("server.address", ticket.endpoint.url)
+    span.set_attribute("sluice.router.retries", reply.retries)
     span.set_attribute("sluice.router.prompt_tokens", ticket.prompt_tokens)
     span.set_attribute("sluice.router.estimated_cached_tokens",
                        max(ticket.prompt_tokens - ticket.uncached_tokens, 0))

@@ -66,7 +66,8 @@ class Relay:
     front end streams the body (chunked).
     """
 
-    __slots__ = ("status", "headers", "length", "first", "upstream", "ticket", "on_close")
+    __slots__ = ("status", "headers", "length", "first", "upstream", "ticket", "on_close",
+                 "retries")
 
     def __init__(self, upstream: UpstreamConnection, first: bytes, ticket: Ticket) -> None:
         self.status = upstream.status
@@ -77,6 +78,7 @@ class Relay:
         self.upstream = upstream
         self.ticket = ticket
         self.on_close: Callable[[], None] | None = None  # e.g. ends the router's span
+        self.retries = 0  # attempts that failed on other workers before this one
 
     @property
     def complete(self) -> bool:
@@ -145,7 +147,9 @@ class Proxy:
             endpoint.on_first_byte(ticket, learn=req.stream)
             self.metrics.requests_for(req.model, upstream.status).inc()
             self.metrics.first_byte_seconds_for(req.model).observe(time.perf_counter() - start)
-            return Relay(upstream, first, ticket)
+            relay = Relay(upstream, first, ticket)
+            relay.retries = len(tried)
+            return relay
         self.metrics.requests_for(req.model, 503).inc()
         raise ServiceUnavailableError(f"no healthy worker could serve model {req.model!r} "
                                       f"({last_error})", code="no_healthy_worker")
