@@ -11,8 +11,10 @@ Two parts, each comparing twin processes in the same run, in alternating rounds
    OTLP/HTTP sink process (it reads and acknowledges each export, as a collector would).
    Open-loop fixed rate -> p50/p99 latency; closed loop -> saturation req/s.
 2. engine: two `sluice worker` processes on the default model (one traced), driven by
-   `sluice bench serve` with 32 concurrent streams, fixed output length (ignore_eos):
-   output tokens/s of each.
+   `sluice bench serve` with 32 concurrent streams, fixed output length (ignore_eos),
+   one target at a time in ABBA order: output tokens/s of each, and the CPU seconds the
+   worker's processes (front end + engine core) spent per output token, which other
+   load on a shared machine does not inflate the way it does tokens/s.
 
     flock /tmp/sluice-heavy.lock .venv/bin/python benchmarks/tracing_overhead.py
 
@@ -102,36 +104,64 @@ def _throughputs(doc: dict[str, Any]) -> list[float]:
     return found
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its children (the worker's engine core)."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    total = 0.0
+    for p in (proc, *proc.children(recursive=True)):
+        t = p.cpu_times()
+        total += t.user + t.system
+    return total
+
+
+def bench_once(url: str, args: argparse.Namespace) -> float:
+    """One `sluice bench serve` run against `url`: its output tokens/s."""
+    cmd = [sys.executable, "-m", "sluice.cli", "bench", "serve", "--base-url", url,
+           "--workload", "random", "--input-len", str(args.input_len),
+           "--output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
+           "--max-concurrency", str(args.concurrency), "--ignore-eos", "--seed", "0",
+           "--warmup", "2", "--disable-tqdm"]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    (tps,) = _throughputs(json.loads(result.stdout.strip().splitlines()[-1]))
+    return tps
+
+
 def engine_part(args: argparse.Namespace, sink: str, procs: list[Any]) -> dict[str, Any]:
-    urls = {}
+    """Twin workers; rounds in ABBA order; tok/s and the worker's own CPU per token."""
+    urls, pids = {}, {}
     for name, extra in (("off", []), ("on", ["--otlp-traces-endpoint", sink + "/v1/traces"])):
         port = free_port()
-        procs.append(start([sys.executable, "-m", "sluice.cli", "worker", "--port", str(port),
-                            "--max-num-seqs", str(args.concurrency), "--log-level", "warning",
-                            *extra]))
-        urls[name] = f"http://127.0.0.1:{port}"
+        p = start([sys.executable, "-m", "sluice.cli", "worker", "--port", str(port),
+                   "--max-num-seqs", str(args.concurrency), "--log-level", "warning", *extra])
+        procs.append(p)
+        urls[name], pids[name] = f"http://127.0.0.1:{port}", p.pid
     for url in urls.values():
         wait_http(url + "/health", timeout=300)
-    order = ["off", "on"] * args.rounds
-    cmd = [sys.executable, "-m", "sluice.cli", "bench", "serve", "--base-url", urls[order[0]],
-           "--compare", *(urls[n] for n in order[1:]), "--workload", "random",
-           "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-           "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency),
-           "--ignore-eos", "--seed", "0", "--warmup", "4", "--disable-tqdm"]
-    result = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    doc = json.loads(result.stdout.strip().splitlines()[-1])
-    tps = _throughputs(doc)
-    assert len(tps) == len(order), (tps, order)
-    per = {name: [t for t, n in zip(tps, order, strict=True) if n == name] for name in urls}
-    out: dict[str, Any] = {name: {"output_tok_s": statistics.median(v), "runs": v}
-                           for name, v in per.items()}
+    order = (["off", "on", "on", "off"] * args.rounds)[:2 * args.rounds]
+    runs: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
+    tokens = args.num_prompts * args.output_len
+    for name in order:
+        before = cpu_seconds(pids[name])
+        tps = bench_once(urls[name], args)
+        cpu = cpu_seconds(pids[name]) - before
+        runs[name].append({"output_tok_s": tps, "cpu_ms_per_token": 1e3 * cpu / tokens})
+    out: dict[str, Any] = {
+        name: {"output_tok_s": statistics.median(r["output_tok_s"] for r in v),
+               "cpu_ms_per_token": statistics.median(r["cpu_ms_per_token"] for r in v),
+               "runs": v} for name, v in runs.items()}
+    out["order"] = order
     out["throughput_change"] = out["on"]["output_tok_s"] / out["off"]["output_tok_s"] - 1
+    out["cpu_per_token_change"] = (out["on"]["cpu_ms_per_token"]
+                                   / out["off"]["cpu_ms_per_token"] - 1)
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="router: rounds of (off, on); engine: runs per target, ABBA order")
     ap.add_argument("--seconds", type=float, default=3.0, help="router: seconds per phase")
     ap.add_argument("--rates", type=float, nargs="+", default=[300.0],
                     help="router: open-loop request rate (the first is reported)")
@@ -177,6 +207,9 @@ def report(doc: dict[str, Any]) -> None:
         print(f"engine   output tok/s off {e['off']['output_tok_s']:.1f}  on "
               f"{e['on']['output_tok_s']:.1f}  change {100 * e['throughput_change']:+.1f}% "
               "(target >= -3%)")
+        print(f"         worker CPU per output token off {e['off']['cpu_ms_per_token']:.2f} ms  "
+              f"on {e['on']['cpu_ms_per_token']:.2f} ms  change "
+              f"{100 * e['cpu_per_token_change']:+.1f}%   runs {e['order']}")
     print(f"sink     {doc.get('sink')}")
 
 

@@ -36,19 +36,22 @@ async def traced_route(tracing: Tracing, inner: Inner, state: Any, kind: str, pa
         span.record_exception(exc)
         span.end()
         raise
+    attrs: dict[str, Any] = {}
     if "model" in notes:
         span.update_name(f"route {notes['model']}")
-        span.set_attribute("gen_ai.request.model", notes["model"])
-        span.set_attribute("sluice.router.policy", notes["policy"])
-    set_error(span, int(reply.status))
+        attrs.update({"gen_ai.request.model": notes["model"],
+                      "sluice.router.policy": notes["policy"]})
     ticket = getattr(reply, "ticket", None)
+    if ticket is not None:
+        attrs.update({"server.address": ticket.endpoint.url,
+                      "sluice.router.retries": reply.retries,
+                      "sluice.router.prompt_tokens": ticket.prompt_tokens,
+                      "sluice.router.estimated_cached_tokens":
+                          max(ticket.prompt_tokens - ticket.uncached_tokens, 0)})
+    span.set_attributes(attrs)
+    set_error(span, int(reply.status))
     if ticket is None:  # an error reply: nothing streams
         span.end()
-        return reply
-    span.set_attribute("server.address", ticket.endpoint.url)
-    span.set_attribute("sluice.router.retries", reply.retries)
-    span.set_attribute("sluice.router.prompt_tokens", ticket.prompt_tokens)
-    span.set_attribute("sluice.router.estimated_cached_tokens",
-                       max(ticket.prompt_tokens - ticket.uncached_tokens, 0))
-    reply.on_close = span.end
+    else:
+        reply.on_close = span.end
     return reply
