@@ -185,3 +185,16 @@ async def test_router_span_counts_retries_on_other_workers(
     assert len(spans) == 2
     assert all(s.attributes is not None and s.attributes["server.address"] == b for s in spans)
     assert max(int((s.attributes or {})["sluice.router.retries"]) for s in spans) == 1
+
+
+def test_standard_sampler_variables_are_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")
+    tracing = start_tracing(TracingConfig("http://127.0.0.1:9/v1/traces", "svc"))
+    assert tracing is not None
+    try:
+        assert not tracing.start("root", None).is_recording()  # a new trace: ratio 0
+        sampled_parent = tracing.extract([(b"traceparent", TRACEPARENT.encode())])
+        assert tracing.start("child", sampled_parent).is_recording()  # the parent decided
+    finally:
+        tracing.shutdown()
