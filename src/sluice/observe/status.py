@@ -10,7 +10,8 @@ The board reads what already exists, nothing on the request path changes:
                     most once per `min_interval_s`): running, waiting, KV usage, prefix
                     hits, TTFT / inter-token latency histograms, finished requests, tokens
     local metrics   the router's (and, under `sluice serve`, the gateway's) registries:
-                    responses by status, per-tenant requests, tokens and spend
+                    responses by status (the router's; the gateway's ok/error/rejected
+                    where no router runs), per-tenant requests, tokens and spend
     recent errors   WARNING and above logged by `sluice.*` (a bounded ring, attached
                     while the board is open)
 
@@ -184,9 +185,10 @@ class StatusBoard:
         for url in set(self.history) - {w["url"] for w in described}:
             del self.history[url]  # removed workers
         local = self.local()
+        responses = samples_by_label(local, "sluice_router_requests", "status") \
+            or samples_by_label(local, "sluice_gateway_requests", "status")  # no router
         return {"time": now, "uptime_s": now - self.started, "workers": rows,
-                "totals": self._totals(rows), "responses": samples_by_label(
-                    local, "sluice_router_requests", "status"),
+                "totals": self._totals(rows), "responses": responses,
                 "errors": list(self.errors.records)[-20:]}
 
     async def _fetch(self, url: str) -> str | None:
