@@ -48,8 +48,7 @@ async def traced_route(tracing: Tracing, inner: Inner, state: Any, kind: str, pa
                       "sluice.router.prompt_tokens": ticket.prompt_tokens,
                       "sluice.router.estimated_cached_tokens":
                           max(ticket.prompt_tokens - ticket.uncached_tokens, 0)})
-    span.set_attributes(attrs)
-    set_error(span, int(reply.status))
+    set_error(span, int(reply.status), attrs)
     if ticket is None:  # an error reply: nothing streams
         span.end()
     else:
