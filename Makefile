@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test test-fast check bench-offline clean
+.PHONY: serve test test-fast check bench-offline clean system-deps
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -14,10 +14,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# Debian packages the observability tests use: promtool + prometheus (rules, a real
+# scrape), chromium + chromium-driver (the status page). Tests skip without them.
+SYSTEM_DEPS := prometheus chromium chromium-driver
+system-deps:
+	@if command -v promtool >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSTEM_DEPS); \
+	else echo "install $(SYSTEM_DEPS) for the observability tests"; fi
+
 serve: $(STAMP)
 	$(BIN)/sluice serve
 
-test: $(STAMP)
+test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q -x --durations=15
 
 test-fast: $(STAMP)

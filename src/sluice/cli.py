@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "usage": "sluice.gateway.cli",
     "bench": "sluice.bench.cli",
     "sim": "sluice.sim.cli",
+    "top": "sluice.observe.top",
 }
 
 

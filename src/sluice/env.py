@@ -14,3 +14,9 @@ def home() -> Path:
 def get(name: str, default: str | None = None) -> str | None:
     """Read SLUICE_<NAME>; `name` is given without the prefix."""
     return os.environ.get(f"SLUICE_{name}", default)
+
+
+def otel(name: str) -> str | None:
+    """Read OTEL_<NAME>, OpenTelemetry's standard variables (not SLUICE_-prefixed: the
+    OpenTelemetry SDK and every collector already use these names)."""
+    return os.environ.get(f"OTEL_{name}")

@@ -22,10 +22,13 @@ import sys
 from typing import Any
 
 from sluice import env
+from sluice.observe.cli import buckets as observe_buckets
+from sluice.observe.cli import observe_flags, tracing_config
 from sluice.protocol.prompt import TokenCache
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from sluice.observe.cli import add_observe_arguments
     from sluice.worker.cli import add_engine_arguments, add_model_arguments
 
     p = subparsers.add_parser("serve", help="serve the default model on http://127.0.0.1:8000",
@@ -51,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--log-level", default="warning",
                    choices=["debug", "info", "warning", "error"])
     add_engine_arguments(p)
+    add_observe_arguments(p)
     p.set_defaults(func=handler)
 
 
@@ -76,7 +80,12 @@ def gateway_wrap(args: argparse.Namespace, cache: TokenCache) -> Any:
                                                        cache=cache))
     key = ensure_dev_key(state.store)
     say(f"API key for the dev tenant: {key}  (saved in {env.home() / 'dev-key'})")
-    return lambda app: GatewayMiddleware(app, state)
+
+    def wrap(app: Any) -> Any:
+        return GatewayMiddleware(app, state)
+
+    wrap.metrics = state.metrics.render  # type: ignore[attr-defined]  # for the status page
+    return wrap
 
 
 def worker_flags(args: argparse.Namespace) -> list[str]:
@@ -94,23 +103,61 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def traced(args: argparse.Namespace, wrap: Any) -> Any:
+    """The gateway wrap with the gateway's span around it, when tracing is on."""
+    from sluice.observe.asgi import traced_gateway
+    from sluice.observe.tracing import start_tracing
+
+    tracing = start_tracing(tracing_config(args, "sluice-serve")) if wrap else None
+    return traced_gateway(wrap, tracing) if tracing is not None else wrap
+
+
 def serve_one(args: argparse.Namespace, wrap: Any) -> int:
     from sluice.worker.cli import engine_config
     from sluice.worker.config import WorkerConfig
     from sluice.worker.server import run_worker
 
-    worker = WorkerConfig(host=args.host, port=args.port, log_level=args.log_level)
-    return run_worker(engine_config(args), worker, wrap=wrap)
+    worker = WorkerConfig(host=args.host, port=args.port, log_level=args.log_level,
+                          tracing=tracing_config(args, "sluice-serve"),
+                          metrics_buckets=observe_buckets(args))
+    return run_worker(engine_config(args), worker, wrap=with_status(args, traced(args, wrap),
+                                                                getattr(wrap, "metrics", None)))
+
+
+def with_status(args: argparse.Namespace, wrap: Any, local: Any) -> Any:
+    """`/status` for one worker (no router to serve it): the worker's own registry is its
+    row, the gateway's registry gives tenants."""
+    from prometheus_client import generate_latest
+
+    from sluice.observe.asgi import StatusRoutes
+    from sluice.observe.status import StatusBoard
+
+    def status(app: Any) -> Any:
+        worker = app.state.worker
+        url = f"http://{args.host}:{args.port}"
+
+        async def fetch(_url: str) -> str:
+            return generate_latest(worker.metrics.registry).decode()
+
+        board = StatusBoard(lambda: [{"url": url, "healthy": worker.ready}], fetch,
+                            lambda: [local().decode()] if local else [])
+        board.open()
+        return StatusRoutes(wrap(app) if wrap else app, board,
+                            args.admin_key or env.get("ADMIN_KEY"))
+
+    return status
 
 
 def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
     from sluice.control.local import LocalWorkerPool
     from sluice.engine.tokenizer import resolve_model
+    from sluice.observe.asgi import traced_gateway
+    from sluice.observe.tracing import start_tracing
     from sluice.router.app import build_app
     from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
     from sluice.router.server import run
 
-    flags = worker_flags(args) + ["--log-level", args.log_level]
+    flags = worker_flags(args) + ["--log-level", args.log_level] + observe_flags(args)
     say(f"starting {args.workers} workers (model load shows in their logs) ...")
     with LocalWorkerPool(args.workers, flags, kv_events=True, host="127.0.0.1") as pool:
         say(f"workers ready: {', '.join(pool.urls)} (logs in {pool.log_dir})")
@@ -121,7 +168,10 @@ def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
                                  block_size=args.block_size or 16)
         config = RouterConfig(pools=(pool_config,), host=args.host, port=args.port,
                               admin_key=args.admin_key or env.get("ADMIN_KEY"))
-        app = build_app(config, token_cache=cache)
+        tracing = start_tracing(tracing_config(args, "sluice-serve"))
+        app = build_app(config, token_cache=cache, tracing=tracing, buckets=observe_buckets(args),
+                        status_metrics=[wrap.metrics] if wrap else [])
+        wrap = traced_gateway(wrap, tracing) if wrap and tracing is not None else wrap
         say(f"router ({args.policy}) listening on http://{args.host}:{args.port}")
         # the router's own server, the gateway (if any) a layer of it; SIGINT/SIGTERM
         # drain, then the workers stop and this exits 0

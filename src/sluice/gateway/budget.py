@@ -44,6 +44,8 @@ def check_budget(tenant: Tenant, metrics: GatewayMetrics) -> None:
     budget (every request refused, priced or not); what is reserved by requests in
     flight only refuses priced requests that do not fit (`Store.reserve_spend`)."""
     s = tenant.settings
+    if s.budget_usd:
+        metrics.child(metrics.budget_used, tenant.id).set(tenant.spend_usd / s.budget_usd)
     if s.budget_usd is not None and tenant.spend_usd >= s.budget_usd:
         raise InsufficientQuotaError(
             f"You exceeded your current quota: tenant {tenant.name!r} spent "

@@ -74,6 +74,9 @@ def _register_gateway(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--admin-key", default=None, help="admin API key (default: SLUICE_ADMIN_KEY)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer source for prompt counting (default: the default model's)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send OpenTelemetry traces here (OTLP/HTTP); default: "
+                        "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off (docs/observe.md)")
     p.set_defaults(func=run_gateway)
     actions = p.add_subparsers(dest="gateway_action", metavar="ACTION")
     purge = actions.add_parser("purge", help="delete usage records older than DAYS")
@@ -312,6 +315,14 @@ def run_gateway(args: argparse.Namespace) -> int:
     config = build_config(args)
     state = GatewayState.from_config(
         config, count_prompt_tokens=PromptTokenCounter(default_source=args.tokenizer))
-    app = GatewayMiddleware(UpstreamProxy(args.upstream), state)
+    from sluice.observe.asgi import traced_gateway
+    from sluice.observe.cli import tracing_config
+    from sluice.observe.tracing import start_tracing
+
+    def wrap(upstream: Any) -> Any:
+        return GatewayMiddleware(upstream, state)
+
+    tracing = start_tracing(tracing_config(args, "sluice-gateway"))
+    app = (traced_gateway(wrap, tracing) if tracing else wrap)(UpstreamProxy(args.upstream))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0

@@ -30,6 +30,9 @@ class GatewayMetrics:
         self.soft_budget = Counter("sluice_gateway_soft_budget_exceeded_total",
                                    "Requests admitted while the tenant is past its soft budget",
                                    ["tenant"], registry=r)
+        self.budget_used = Gauge("sluice_gateway_budget_used_ratio",
+                                 "Spend over budget of each budgeted tenant, as of its last "
+                                 "request (1 = exhausted)", ["tenant"], registry=r)
         self.limiter_errors = Counter("sluice_gateway_limiter_errors_total",
                                       "Rate-limiter store errors, by failure mode applied",
                                       ["mode"], registry=r)
@@ -44,7 +47,7 @@ class GatewayMetrics:
 
         self._children: dict[tuple[Any, ...], Any] = {}
 
-    def child(self, metric: Counter, *labels: str) -> Any:
+    def child(self, metric: Counter | Gauge, *labels: str) -> Any:
         """`metric.labels(*labels)`, looked up once per label set (the per-request path
         skips prometheus_client's label validation and lock)."""
         key = (id(metric), *labels)

@@ -4,6 +4,7 @@
     GET  /v1/models                                            union of the pools
     POST /tokenize, /detokenize                                passed to a worker
     GET  /health, /metrics                                     the router's own
+    GET  /status, /status.json                                 live status page (status.py)
     /admin/...                                                 see admin.py
 
 Each routed request: parse (model, prompt, session) -> pool for the model (404) ->
@@ -17,7 +18,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -26,6 +27,8 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from sluice.observe.buckets import LatencyBuckets
+from sluice.observe.tracing import Tracing
 from sluice.protocol.edge import HOP_BY_HOP_STR, BodyLimit, load_json_object, read_body, send_error
 from sluice.protocol.errors import SluiceError
 from sluice.protocol.prompt import TokenCache
@@ -34,6 +37,7 @@ from sluice.router.config import RouterConfig
 from sluice.router.proxy import Relay
 from sluice.router.routed import ROUTED, ErrorReply, route
 from sluice.router.state import RouterState
+from sluice.router.status import open_board, status_json, status_page
 from sluice.router.tokens import LocalTokenizer, load_local_tokenizer
 from sluice.router.upstream import UpstreamError
 
@@ -52,16 +56,22 @@ def load_tokenizers(config: RouterConfig) -> dict[str, LocalTokenizer]:
 def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | None = None,
               local_tokenizers: Mapping[str, LocalTokenizer] | None = None,
               rng: random.Random | None = None,
-              token_cache: TokenCache | None = None) -> FastAPI:
+              token_cache: TokenCache | None = None, tracing: Tracing | None = None,
+              buckets: LatencyBuckets | None = None,
+              status_metrics: Sequence[Callable[[], bytes]] = ()) -> FastAPI:
     """The router app. Local tokenizers named by pools are loaded here (blocking) unless
-    given; the HTTP client, pools, probes and KV subscribers start in the lifespan."""
+    given; the HTTP client, pools, probes and KV subscribers start in the lifespan.
+    `tracing`: OpenTelemetry (observe/tracing.py), None: off. `status_metrics`: more
+    registries' renderers for the status page (the gateway's under `sluice serve`)."""
     tokenizers = dict(local_tokenizers) if local_tokenizers is not None else load_tokenizers(config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = RouterState(config, rng or random.Random(config.seed), tokenizers,
-                            token_cache=token_cache, transport=transport)
+                            token_cache=token_cache, transport=transport, tracing=tracing,
+                            buckets=buckets or LatencyBuckets())
         app.state.router = state
+        app.state.status_board = open_board(state, status_metrics)
         for pool in state.pools:
             for endpoint in pool.endpoints.values():
                 state.start_subscriber(pool, endpoint)
@@ -76,6 +86,7 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            app.state.status_board.close()
             await state.close()
 
     app = FastAPI(title="sluice router", lifespan=lifespan)
@@ -87,6 +98,8 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
     app.add_route("/v1/models", models, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
     app.add_route("/metrics", metrics, methods=["GET"])
+    app.add_route("/status", status_page, methods=["GET"])
+    app.add_route("/status.json", status_json, methods=["GET"])
     app.include_router(admin_router())
     return app
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 import argparse
 
 from sluice import env
+from sluice.observe.cli import add_observe_arguments, tracing_config
+from sluice.observe.cli import buckets as observe_buckets
+from sluice.observe.tracing import start_tracing
 from sluice.router.config import (
     LONG,
     PoolConfig,
@@ -60,6 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds between /health probes (default 1.0)")
     p.add_argument("--seed", type=int, default=None, help="seed of the tie-breaking RNG")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_observe_arguments(p)
     p.set_defaults(func=handler)
 
 
@@ -93,5 +97,7 @@ def handler(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe and scrape
     config = config_from_args(args)
-    run(build_app(config), host=config.host, port=config.port)
+    tracing = start_tracing(tracing_config(args, "sluice-router"))
+    run(build_app(config, tracing=tracing, buckets=observe_buckets(args)),
+        host=config.host, port=config.port)
     return 0

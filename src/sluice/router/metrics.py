@@ -18,9 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from sluice.observe.buckets import LatencyBuckets
 from sluice.router.pool import Pool
-
-DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 
 
 class _WorkerCollector(Collector):
@@ -56,16 +55,22 @@ class _WorkerCollector(Collector):
 
 
 class RouterMetrics:
-    def __init__(self, pools: Callable[[], Iterable[Pool]]) -> None:
+    def __init__(self, pools: Callable[[], Iterable[Pool]],
+                 buckets: LatencyBuckets | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        b = buckets or LatencyBuckets()
         self.requests = Counter("sluice_router_requests", "requests routed",
                                 ["model", "status"], registry=r)
         self.decisions = Counter("sluice_router_decisions", "routing decisions",
                                  ["policy", "worker"], registry=r)
         self.decision_seconds = Histogram("sluice_router_decision_seconds",
                                           "time to choose a worker", ["policy"],
-                                          buckets=DECISION_BUCKETS, registry=r)
+                                          buckets=b.decision, registry=r)
+        self.first_byte_seconds = Histogram(
+            "sluice_router_first_byte_seconds",
+            "time from routing a request to the worker's first body bytes (retries included)",
+            ["model"], buckets=b.first_byte, registry=r)
         self.retries = Counter("sluice_router_retries", "attempts retried on another worker",
                                ["worker", "reason"], registry=r)
         self.prompt_tokens = Counter("sluice_router_prompt_tokens", "prompt tokens routed",
@@ -96,6 +101,9 @@ class RouterMetrics:
 
     def decision_seconds_for(self, policy: str) -> Histogram:
         return self._child(self.decision_seconds, policy)  # type: ignore[no-any-return]
+
+    def first_byte_seconds_for(self, model: str) -> Histogram:
+        return self._child(self.first_byte_seconds, model)  # type: ignore[no-any-return]
 
     def prompt_tokens_for(self, policy: str) -> Counter:
         return self._child(self.prompt_tokens, policy)  # type: ignore[no-any-return]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from sluice.protocol.errors import ServiceUnavailableError
 from sluice.router.endpoints import Endpoint, Ticket
@@ -66,7 +66,8 @@ class Relay:
     front end streams the body (chunked).
     """
 
-    __slots__ = ("status", "headers", "length", "first", "upstream", "ticket")
+    __slots__ = ("status", "headers", "length", "first", "upstream", "ticket", "on_close",
+                 "retries")
 
     def __init__(self, upstream: UpstreamConnection, first: bytes, ticket: Ticket) -> None:
         self.status = upstream.status
@@ -76,6 +77,8 @@ class Relay:
         self.first = first
         self.upstream = upstream
         self.ticket = ticket
+        self.on_close: Callable[[], None] | None = None  # e.g. ends the router's span
+        self.retries = 0  # attempts that failed on other workers before this one
 
     @property
     def complete(self) -> bool:
@@ -90,6 +93,9 @@ class Relay:
         """Give back or close the worker connection; stop counting the request. Idempotent."""
         self.upstream.release()
         self.ticket.endpoint.finish(self.ticket)
+        if self.on_close is not None:
+            on_close, self.on_close = self.on_close, None
+            on_close()
 
 
 class Proxy:
@@ -116,6 +122,7 @@ class Proxy:
         Raises ServiceUnavailableError (503) when no attempt succeeds."""
         tried: list[str] = []
         last_error = "no worker is available"
+        start = time.perf_counter()
         policy = pool.policy.name
         for _attempt in range(self.max_retries + 1):
             decision = self._decide(pool, meta, tried)
@@ -139,7 +146,10 @@ class Proxy:
             endpoint.consecutive_failures = 0
             endpoint.on_first_byte(ticket, learn=req.stream)
             self.metrics.requests_for(req.model, upstream.status).inc()
-            return Relay(upstream, first, ticket)
+            self.metrics.first_byte_seconds_for(req.model).observe(time.perf_counter() - start)
+            relay = Relay(upstream, first, ticket)
+            relay.retries = len(tried)
+            return relay
         self.metrics.requests_for(req.model, 503).inc()
         raise ServiceUnavailableError(f"no healthy worker could serve model {req.model!r} "
                                       f"({last_error})", code="no_healthy_worker")

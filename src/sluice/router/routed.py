@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from sluice.observe.route_span import traced_route
 from sluice.protocol.errors import SluiceError
 from sluice.protocol.prompt import IDS_HEADER, IdsHint
 from sluice.router.parse import CHAT, COMPLETION, MESSAGES, SESSION_HEADER, parse_request
@@ -46,10 +47,21 @@ async def route(state: RouterState, kind: str, path: str, body: bytes,
 
     `headers`: the client's, names lower-case (as ASGI and the server give them).
     Cancelling this (the client went away) closes the worker connection."""
+    if state.tracing is not None:
+        return await traced_route(state.tracing, _route, state, kind, path, body, headers)
+    return await _route(state, kind, path, body, headers)
+
+
+async def _route(state: RouterState, kind: str, path: str, body: bytes,
+                 headers: list[tuple[bytes, bytes]], notes: dict[str, str] | None = None
+                 ) -> Relay | ErrorReply:
+    """`route` itself; `notes` (when tracing) gets the request's model and policy."""
     try:
         session = next((v.decode("latin-1") for n, v in headers if n == _SESSION), None)
         req = parse_request(kind, body, {SESSION_HEADER: session} if session else {})
         pool = state.resolve(req.model)
+        if notes is not None:
+            notes.update(model=req.model, policy=pool.policy.name)
         given = next((IdsHint.decode(v) for n, v in headers if n == _IDS), None)
         meta, hint = await state.request_meta(pool, req, given)
         block = forward_block(h for h in headers if h[0] != _IDS)

@@ -8,7 +8,8 @@
      ├── monitor          active health probes, /metrics scraping
      ├── tokenizer        prompt → token ids (local or worker /tokenize), cached
      ├── subscribers      one KV-event task per publishing worker
-     └── metrics          the router's own Prometheus registry
+     ├── metrics          the router's own Prometheus registry
+     └── tracing          OpenTelemetry tracer, or None (off)
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 import httpx
 import zmq.asyncio
 
+from sluice.observe.buckets import LatencyBuckets
+from sluice.observe.tracing import Tracing
 from sluice.protocol.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
 from sluice.protocol.prompt import IdsHint, TokenCache
 from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
@@ -48,9 +51,11 @@ class RouterState:
     subscribers: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     token_cache: TokenCache | None = None  # shared with the gateway in one process
     transport: httpx.AsyncBaseTransport | None = None  # tests: a mock for probes/scrapes
+    tracing: Tracing | None = None  # OpenTelemetry, when on (observe/tracing.py)
+    buckets: LatencyBuckets = field(default_factory=LatencyBuckets)
 
     def __post_init__(self) -> None:
-        self.metrics = RouterMetrics(lambda: self.pools)
+        self.metrics = RouterMetrics(lambda: self.pools, self.buckets)
         self.upstream = UpstreamPool(self.config.connect_timeout_s, self.config.read_timeout_s,
                                      max_idle_per_host=self.config.max_connections)
         # the one upstream client: probes, scrapes and /tokenize share the proxy's pool

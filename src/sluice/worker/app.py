@@ -29,6 +29,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sluice.observe.asgi import TraceContext
 from sluice.protocol import anthropic
 from sluice.protocol.edge import BodyLimit, load_json_object
 from sluice.protocol.errors import (
@@ -72,6 +73,8 @@ def build_app(engine: AsyncEngine | None, config: WorkerConfig) -> FastAPI:
     app = FastAPI(title="sluice worker")
     app.state.worker = state
     app.add_middleware(RequestIdMiddleware)
+    if state.tracing is not None:  # the incoming traceparent parents the request's span
+        app.add_middleware(TraceContext, tracing=state.tracing)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     app.add_exception_handler(SluiceError, _sluice_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]

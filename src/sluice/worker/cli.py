@@ -11,6 +11,8 @@ import dataclasses
 from typing import Any
 
 from sluice.engine.config import KERNEL_BACKENDS
+from sluice.observe.cli import add_observe_arguments, tracing_config
+from sluice.observe.cli import buckets as observe_buckets
 from sluice.protocol.errors import InvalidRequestError
 
 # flag dest -> type, help. All default to None (= engine default).
@@ -104,6 +106,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         "e.g. tcp://127.0.0.1:5557")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="(default: %(default)s)")
+    add_observe_arguments(p)
     add_chat_arguments(p)
 
 
@@ -148,7 +151,9 @@ def worker_config(args: argparse.Namespace) -> Any:
                         shutdown_timeout=args.shutdown_timeout,
                         kv_events_endpoint=args.kv_events_endpoint, log_level=args.log_level,
                         tool_call_parser=args.tool_call_parser,
-                        chat_template=read_chat_template(args.chat_template))
+                        chat_template=read_chat_template(args.chat_template),
+                        tracing=tracing_config(args, "sluice-worker"),
+                        metrics_buckets=observe_buckets(args))
 
 
 def read_chat_template(path: str | None) -> str | None:

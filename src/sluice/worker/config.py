@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from sluice.observe.buckets import LatencyBuckets
+from sluice.observe.tracing import TracingConfig
 from sluice.protocol.edge import DEFAULT_MAX_BODY_BYTES
 from sluice.protocol.errors import InvalidRequestError
 
@@ -29,6 +31,9 @@ class WorkerConfig:
     tool_call_parser: str = "hermes"
     # A chat template (the text of --chat-template FILE) replacing the model's own.
     chat_template: str | None = None
+    # OpenTelemetry export (off unless an endpoint is set) and histogram buckets.
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    metrics_buckets: LatencyBuckets = field(default_factory=LatencyBuckets)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

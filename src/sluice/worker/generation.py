@@ -28,6 +28,7 @@ import anyio
 
 from sluice.engine.outputs import RequestOutput
 from sluice.engine.sampling_params import SamplingParams
+from sluice.observe.tracing import OPERATIONS, WorkerSpan
 from sluice.protocol.errors import ContextLengthError, ServiceUnavailableError
 from sluice.worker.metrics import RequestTimer
 
@@ -102,6 +103,8 @@ class Run(AbstractAsyncContextManager["Run"]):
     prompt_lens: list[int]
     reasons: list[str] = field(default_factory=list)
     admitted: bool = False
+    trace: WorkerSpan | None = None  # when tracing is on
+    generated: list[int] = field(default_factory=list)  # output tokens per prompt
 
     @classmethod
     async def start(cls, state: WorkerState, prompts: Sequence[list[int]],
@@ -111,7 +114,11 @@ class Run(AbstractAsyncContextManager["Run"]):
         for ids in prompts:
             check_context(len(ids), params.max_tokens, engine.max_model_len, param)
         state.admission.acquire()
-        run = cls(state, [], state.metrics.timer(), [len(p) for p in prompts], admitted=True)
+        run = cls(state, [], state.metrics.timer(), [len(p) for p in prompts], admitted=True,
+                  generated=[0] * len(prompts))
+        if state.tracing is not None:
+            run.trace = WorkerSpan(state.tracing, None, OPERATIONS.get(param, param),
+                                   state.model_name, request_id, params, len(prompts))
         state.metrics.pending.labels(state.model_name).inc()
         try:
             for i, ids in enumerate(prompts):
@@ -139,13 +146,26 @@ class Run(AbstractAsyncContextManager["Run"]):
                 self.state.metrics.pending.labels(self.state.model_name).dec()
                 if self.reasons:
                     self.timer.finished(self.reasons)
+            if self.trace is not None:
+                self.trace.end()
+                self.trace = None
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) pairs from every stream, as they come; records metrics."""
         async for index, out in _merge([s.outputs() for s in self.streams]):
-            self.timer.tokens(sum(len(c.token_ids) for c in out.outputs))
+            count = sum(len(c.token_ids) for c in out.outputs)
+            self.timer.tokens(count)
+            self.generated[index] += count
             self.reasons += [c.finish_reason for c in out.outputs if c.finish_reason]
+            if out.finished:
+                self._finished(index, out)
             yield index, out
+
+    def _finished(self, index: int, out: RequestOutput) -> None:
+        """One prompt's engine request ended: its engine-phase histograms and spans."""
+        self.timer.engine_times(out.metrics, self.generated[index])
+        if self.trace is not None:
+            self.trace.finished(out, self.generated[index])
 
 
 async def _merge(sources: list[AsyncIterator[RequestOutput]]

@@ -8,7 +8,11 @@ can live in one process, as in tests):
   and hits, preemptions, prompt and generation tokens;
 - per-request latencies are observed by the worker as outputs stream out
   (`RequestTimer`): time to first token, inter-token latency, end-to-end latency,
-  and `vllm:request_success_total{finished_reason}`.
+  and `vllm:request_success_total{finished_reason}`; when a request finishes, the
+  engine core's timestamps (arrival, first scheduled, first token, finished) give
+  vLLM's queue / prefill / decode / inference time histograms.
+
+Buckets are `observe.buckets.LatencyBuckets` (finer than vLLM's; configurable).
 
 Every series carries the `model_name` label.
 """
@@ -22,15 +26,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from sluice.engine.outputs import RequestMetrics
 from sluice.engine.stats import EngineStats
-
-# vLLM's buckets.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+from sluice.observe.buckets import LatencyBuckets
 
 StatsSource = Callable[[], EngineStats | None]
 
@@ -77,18 +75,31 @@ class EngineStatsCollector(Collector):
 class WorkerMetrics:
     """The registry and the worker-observed series of one app."""
 
-    def __init__(self, source: StatsSource, model_name: Callable[[], str]) -> None:
+    def __init__(self, source: StatsSource, model_name: Callable[[], str],
+                 buckets: LatencyBuckets | None = None) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.registry.register(EngineStatsCollector(source, model_name))
+        b = buckets or LatencyBuckets()
         labels = ["model_name"]
         r = self.registry
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
-                              labels, buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens.",
-                             labels, buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency.",
-                             labels, buckets=E2E_BUCKETS, registry=r)
+
+        def hist(name: str, doc: str, bounds: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=bounds, registry=r)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token.", b.ttft)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between tokens.", b.itl)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Request latency.", b.e2e)
+        self.tpot = hist("vllm:request_time_per_output_token_seconds",
+                         "Mean time per output token after the first, per request.", b.tpot)
+        self.queue = hist("vllm:request_queue_time_seconds",
+                          "Time from arrival in the engine to first being scheduled.", b.queue)
+        self.prefill = hist("vllm:request_prefill_time_seconds",
+                            "Time from first scheduled to the first token.", b.prefill)
+        self.decode = hist("vllm:request_decode_time_seconds",
+                           "Time from the first token to the last.", b.decode)
+        self.inference = hist("vllm:request_inference_time_seconds",
+                              "Time from first scheduled to the last token.", b.inference)
         self.success = Counter("vllm:request_success", "Finished requests by reason.",
                                labels + ["finished_reason"], registry=r)
         self.pending = Gauge("sluice:http_requests_pending", "HTTP generation requests in flight.",
@@ -127,3 +138,29 @@ class RequestTimer:
         self.metrics.e2e.labels(self.model_name).observe(time.perf_counter() - self.start)
         for reason in reasons:
             self.metrics.success.labels(self.model_name, reason).inc()
+
+    def engine_times(self, times: RequestMetrics | None, num_output_tokens: int) -> None:
+        """Observe one finished engine request's queue, prefill, decode, inference and
+        per-output-token times from its core timestamps (wall clock, seconds)."""
+        phases = request_phases(times)
+        if phases is None:
+            return
+        queue, prefill, decode = phases
+        m, name = self.metrics, self.model_name
+        m.queue.labels(name).observe(queue)
+        m.prefill.labels(name).observe(prefill)
+        m.decode.labels(name).observe(decode)
+        m.inference.labels(name).observe(prefill + decode)
+        if num_output_tokens > 1:
+            m.tpot.labels(name).observe(decode / (num_output_tokens - 1))
+
+
+def request_phases(times: RequestMetrics | None) -> tuple[float, float, float] | None:
+    """(queue, prefill, decode) seconds of a finished request, or None while a timestamp
+    is missing (aborted before its first token). Clock skew never makes one negative."""
+    if times is None or times.first_scheduled_time is None or times.first_token_time is None \
+            or times.finished_time is None:
+        return None
+    scheduled, first, done = times.first_scheduled_time, times.first_token_time, times.finished_time
+    return (max(scheduled - times.arrival_time, 0.0), max(first - scheduled, 0.0),
+            max(done - first, 0.0))

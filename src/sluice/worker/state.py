@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from sluice.engine.stats import EngineStats
+from sluice.observe.tracing import start_tracing
 from sluice.protocol.errors import NotFoundError, ServiceUnavailableError
 from sluice.worker.config import WorkerConfig
 from sluice.worker.generation import Admission
@@ -21,13 +22,16 @@ if TYPE_CHECKING:
 
 
 class WorkerState:
-    """The worker's engine slot, admission counter and metrics (event-loop thread only)."""
+    """The worker's engine slot, admission counter, metrics and tracer (event-loop thread
+    only)."""
 
     def __init__(self, engine: AsyncEngine | None, config: WorkerConfig) -> None:
         self.config = config
         self.engine: AsyncEngine | None = None
         self.admission = Admission(config.max_pending_requests, config.retry_after_seconds)
-        self.metrics = WorkerMetrics(self.stats, lambda: self.model_name)
+        self.metrics = WorkerMetrics(self.stats, lambda: self.model_name,
+                                     config.metrics_buckets)
+        self.tracing = start_tracing(config.tracing)  # None: tracing off
         self.tool_parser = get_tool_parser(config.tool_call_parser)
         if engine is not None:
             self.attach(engine)

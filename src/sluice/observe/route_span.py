@@ -1,0 +1,56 @@
+"""The router's span of one routed request: `route {model}`, from the request to the
+last byte relayed back.
+
+`routed.route` calls `traced_route` only when tracing is on. The span is the parent the
+worker sees: the `traceparent` in the headers sent on is replaced by the span's before
+routing. It ends when the relay closes (the whole stream), or at once for an error reply.
+
+Attributes: `gen_ai.request.model`, `sluice.router.policy`, `server.address` (the
+chosen worker), `sluice.router.prompt_tokens` and `sluice.router.estimated_cached_tokens`
+(what the policy expected cached there; the worker's span has the actual
+`sluice.usage.cached_input_tokens`), `sluice.router.retries` (attempts that failed
+elsewhere first), `http.response.status_code`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from sluice.observe.tracing import Tracing, replace_trace_headers, set_error
+
+Headers = list[tuple[bytes, bytes]]
+Inner = Callable[..., Awaitable[Any]]
+
+
+async def traced_route(tracing: Tracing, inner: Inner, state: Any, kind: str, path: str,
+                       body: bytes, headers: Headers) -> Any:
+    """`inner(state, kind, path, body, headers, notes)` inside the router's span."""
+    span = tracing.start("route", tracing.extract(headers), "CLIENT",
+                         {"sluice.component": "router", "url.path": path})
+    notes: dict[str, str] = {}
+    try:
+        reply = await inner(state, kind, path, body,
+                            replace_trace_headers(headers, tracing, span), notes)
+    except BaseException as exc:
+        span.record_exception(exc)
+        span.end()
+        raise
+    attrs: dict[str, Any] = {}
+    if "model" in notes:
+        span.update_name(f"route {notes['model']}")
+        attrs.update({"gen_ai.request.model": notes["model"],
+                      "sluice.router.policy": notes["policy"]})
+    ticket = getattr(reply, "ticket", None)
+    if ticket is not None:
+        attrs.update({"server.address": ticket.endpoint.url,
+                      "sluice.router.retries": reply.retries,
+                      "sluice.router.prompt_tokens": ticket.prompt_tokens,
+                      "sluice.router.estimated_cached_tokens":
+                          max(ticket.prompt_tokens - ticket.uncached_tokens, 0)})
+    set_error(span, int(reply.status), attrs)
+    if ticket is None:  # an error reply: nothing streams
+        span.end()
+    else:
+        reply.on_close = span.end
+    return reply

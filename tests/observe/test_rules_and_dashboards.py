@@ -1,0 +1,65 @@
+"""The shipped Prometheus rules pass `promtool check rules` and their unit tests (each
+alert fires and resolves); the committed Grafana JSON is what the generator writes."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sluice.observe.dashboards import DASHBOARDS, queries, render
+
+ROOT = Path(__file__).resolve().parents[2]
+PROM = ROOT / "deploy" / "prometheus"
+needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
+                                    reason="promtool not installed (apt-get install prometheus)")
+
+
+def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["promtool", *args], capture_output=True, text=True, timeout=60)
+
+
+@needs_promtool
+def test_rules_are_valid() -> None:
+    result = _promtool("check", "rules", str(PROM / "sluice-rules.yml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 21 rules found" in result.stdout
+
+
+@needs_promtool
+def test_every_alert_fires_and_resolves_in_promtool_unit_tests() -> None:
+    tests = PROM / "tests" / "sluice-rules.test.yml"
+    result = _promtool("test", "rules", str(tests))
+    assert result.returncode == 0, result.stdout + result.stderr
+    alerts = {line.split(":", 1)[1].strip() for line in (PROM / "sluice-rules.yml").read_text()
+              .splitlines() if line.strip().startswith("- alert:")}
+    text = tests.read_text()
+    for alert in alerts:  # each alert has a case that expects it firing, and one expecting none
+        assert f"alertname: {alert}\n        exp_alerts:\n          - exp_labels" in text, alert
+        assert f"alertname: {alert}\n        exp_alerts: []" in text, alert
+
+
+@needs_promtool
+def test_promtool_catches_a_wrong_expectation(tmp_path: Path) -> None:
+    broken = (PROM / "tests" / "sluice-rules.test.yml").read_text().replace(
+        "value: 4.975", "value: 4.0").replace("../sluice-rules.yml", str(PROM / "sluice-rules.yml"))
+    path = tmp_path / "broken.test.yml"
+    path.write_text(broken)
+    assert _promtool("test", "rules", str(path)).returncode != 0
+
+
+@pytest.mark.parametrize("uid", sorted(DASHBOARDS))
+def test_committed_dashboards_match_the_generator(uid: str) -> None:
+    committed = (ROOT / "deploy" / "grafana" / f"{uid}.json").read_text()
+    assert committed == render(uid), "run: python -m sluice.observe.dashboards deploy/grafana"
+
+
+def test_dashboards_cover_the_path() -> None:
+    exprs = " ".join(queries())
+    for metric in ("vllm:time_to_first_token_seconds_bucket", "vllm:kv_cache_usage_perc",
+                   "vllm:request_queue_time_seconds_bucket", "sluice_router_decision_seconds",
+                   "sluice_router_estimated_prefix_hit_tokens_total",
+                   "sluice_gateway_spend_usd_total", "sluice_gateway_rejections_total"):
+        assert metric in exprs, metric

@@ -1,0 +1,200 @@
+"""Tracing: off imports nothing; on, each hop parents the next through `traceparent`.
+
+The router runs over real HTTP (stub workers, both front ends' shared `route`) with an
+in-memory span exporter at the edge; the worker's generation span is checked against
+the engine's own timestamps.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from router.router_stubs import StubState, make_stub, serve, serve_router
+from sluice.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from sluice.engine.sampling_params import SamplingParams
+from sluice.observe.asgi import AdmittedMark, GatewaySpan
+from sluice.observe.tracing import Tracing, TracingConfig, WorkerSpan, start_tracing
+from sluice.protocol.errors import InvalidRequestError
+from sluice.router.app import build_app
+from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
+
+CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
+CLIENT_PARENT = "b7ad6b7169203331"
+TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"
+
+
+@pytest.fixture()
+def traced() -> tuple[Tracing, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return Tracing(provider), exporter
+
+
+def test_off_by_default_loads_no_opentelemetry_sdk() -> None:
+    """(FastAPI itself imports the OpenTelemetry *API* where it is installed; sluice adds
+    neither the SDK nor an exporter, nor any span work, while tracing is off.)"""
+    code = (
+        "import sys\n"
+        "import sluice.serve, sluice.router.routed, sluice.gateway.middleware\n"
+        "from sluice.worker.app import build_app\n"
+        "from sluice.worker.config import WorkerConfig\n"
+        "from sluice.router.app import build_app as router_app\n"
+        "from sluice.router.config import RouterConfig\n"
+        "from sluice.observe.tracing import TracingConfig, start_tracing\n"
+        "build_app(None, WorkerConfig()); router_app(RouterConfig(), local_tokenizers={})\n"
+        "assert start_tracing(TracingConfig.resolve(None, 'x')) is None\n"
+        "loaded = [m for m in sys.modules if m.startswith(('opentelemetry.sdk', "
+        "'opentelemetry.exporter', 'opentelemetry.proto'))]\n"
+        "assert not loaded, loaded\n")
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("OTEL_")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_config_from_flag_and_standard_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    assert not TracingConfig.resolve(None, "svc").enabled
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:4318/v1/traces")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "mine")
+    on = TracingConfig.resolve(None, "svc")
+    assert on.enabled and on.service_name == "mine"
+    assert TracingConfig.resolve("http://h:1/v1/traces", "svc").endpoint == "http://h:1/v1/traces"
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert not TracingConfig.resolve("http://h:1/v1/traces", "svc").enabled
+    with pytest.raises(InvalidRequestError):
+        TracingConfig("not-a-url")
+
+
+async def test_router_span_parents_the_worker_request(
+        traced: tuple[Tracing, InMemorySpanExporter]) -> None:
+    tracing, exporter = traced
+    stub = StubState("a")
+    async with serve(make_stub(stub)) as worker_url:
+        config = RouterConfig(pools=(PoolConfig(workers=(WorkerSpec(worker_url),)),),
+                              health_interval_s=60, scrape_interval_s=60)
+        app = build_app(config, local_tokenizers={}, tracing=tracing)
+        async with serve_router(app) as url, httpx.AsyncClient(timeout=10) as client:
+            resp = await client.post(url + "/v1/chat/completions", headers={
+                "traceparent": TRACEPARENT}, json={
+                    "model": "stub-model", "stream": True,
+                    "messages": [{"role": "user", "content": "one two three"}]})
+            assert resp.status_code == 200
+    (span,) = [s for s in exporter.get_finished_spans() if s.name.startswith("route")]
+    ctx = span.context
+    assert span.name == "route stub-model"
+    assert f"{ctx.trace_id:032x}" == CLIENT_TRACE
+    assert span.parent is not None and f"{span.parent.span_id:016x}" == CLIENT_PARENT
+    attrs = dict(span.attributes or {})
+    assert attrs["server.address"] == worker_url and attrs["sluice.router.policy"] == "cost"
+    assert attrs["http.response.status_code"] == 200 and attrs["sluice.router.prompt_tokens"] > 0
+    assert attrs["sluice.router.retries"] == 0
+    sent = stub.headers[-1]["traceparent"]
+    assert sent == f"00-{CLIENT_TRACE}-{ctx.span_id:016x}-01"  # the worker's parent: the router
+    assert span.end_time is not None and span.end_time >= span.start_time
+
+
+async def test_gateway_span_rewrites_traceparent_and_records_the_tenant(
+        traced: tuple[Tracing, InMemorySpanExporter]) -> None:
+    tracing, exporter = traced
+    seen: list[dict[bytes, bytes]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(dict(scope["headers"]))
+        await send({"type": "http.response.start", "status": 429, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def gateway(scope: Any, receive: Any, send: Any) -> None:  # adds what ours adds
+        headers = [*scope["headers"], (b"x-sluice-tenant", b"tn_1"), (b"x-sluice-priority", b"2")]
+        await AdmittedMark(app)({**scope, "headers": headers}, receive, send)
+
+    transport = httpx.ASGITransport(app=GatewaySpan(gateway, tracing))  # type: ignore[arg-type]
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        resp = await client.post("/v1/completions", headers={"traceparent": TRACEPARENT},
+                                 json={})
+        assert resp.status_code == 429
+        await client.get("/health")  # not /v1: untraced
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "POST /v1/completions"
+    assert span.attributes is not None and span.attributes["sluice.tenant"] == "tn_1"
+    assert span.attributes["http.response.status_code"] == 429
+    assert [e.name for e in span.events] == ["admitted"]
+    assert seen[0][b"traceparent"] == f"00-{CLIENT_TRACE}-{span.context.span_id:016x}-01".encode()
+    assert len(seen) == 2 and b"traceparent" not in seen[1]
+
+
+def test_worker_span_has_gen_ai_attributes_and_engine_phases(
+        traced: tuple[Tracing, InMemorySpanExporter]) -> None:
+    tracing, exporter = traced
+    params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9)
+    span = WorkerSpan(tracing, None, "chat", "m", "req-1", params, 1)
+    out = RequestOutput("req-1-0", None, [1, 2, 3, 4], [CompletionOutput(0, "x", [9, 9],
+                        finish_reason="length")], True, num_cached_tokens=2,
+                        metrics=RequestMetrics(100.0, 100.5, 101.0, 103.0))
+    span.finished(out, output_tokens=2)
+    span.end()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert set(spans) == {"chat m", "engine queue", "engine prefill", "engine decode"}
+    main = spans["chat m"]
+    a = dict(main.attributes or {})
+    assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == "m"
+    assert a["gen_ai.request.max_tokens"] == 7 and a["gen_ai.request.temperature"] == 0.5
+    assert a["gen_ai.usage.input_tokens"] == 4 and a["gen_ai.usage.output_tokens"] == 2
+    assert a["sluice.usage.cached_input_tokens"] == 2
+    assert a["gen_ai.response.finish_reasons"] == ("length",)
+    assert a["gen_ai.latency.time_in_queue"] == 0.5 and a["gen_ai.latency.e2e"] == 3.0
+    assert a["gen_ai.latency.time_to_first_token"] == 1.0
+    for name, (start, end) in {"engine queue": (100.0, 100.5), "engine prefill": (100.5, 101.0),
+                               "engine decode": (101.0, 103.0)}.items():
+        child = spans[name]
+        assert child.parent is not None and child.parent.span_id == main.context.span_id
+        assert (child.start_time, child.end_time) == (int(start * 1e9), int(end * 1e9))
+
+
+def test_start_tracing_builds_an_otlp_exporter() -> None:
+    tracing = start_tracing(TracingConfig("http://127.0.0.1:9/v1/traces", "svc"))
+    assert tracing is not None
+    resource = tracing.provider.resource.attributes
+    assert resource["service.name"] == "svc"
+    tracing.shutdown()
+
+
+async def test_router_span_counts_retries_on_other_workers(
+        traced: tuple[Tracing, InMemorySpanExporter]) -> None:
+    tracing, exporter = traced
+    broken, fine = StubState("a", fail_status=500), StubState("b")
+    async with serve(make_stub(broken)) as a, serve(make_stub(fine)) as b:
+        pool = PoolConfig(workers=(WorkerSpec(a), WorkerSpec(b)), policy="round_robin")
+        config = RouterConfig(pools=(pool,), health_interval_s=60, scrape_interval_s=60)
+        app = build_app(config, local_tokenizers={}, tracing=tracing)
+        async with serve_router(app) as url, httpx.AsyncClient(timeout=10) as client:
+            for _ in range(2):
+                resp = await client.post(url + "/v1/completions", json={
+                    "model": "stub-model", "prompt": "one two"})
+                assert resp.status_code == 200
+    spans = [s for s in exporter.get_finished_spans() if s.name.startswith("route")]
+    assert len(spans) == 2
+    assert all(s.attributes is not None and s.attributes["server.address"] == b for s in spans)
+    assert max(int((s.attributes or {})["sluice.router.retries"]) for s in spans) == 1
+
+
+def test_standard_sampler_variables_are_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")
+    tracing = start_tracing(TracingConfig("http://127.0.0.1:9/v1/traces", "svc"))
+    assert tracing is not None
+    try:
+        assert not tracing.start("root", None).is_recording()  # a new trace: ratio 0
+        sampled_parent = tracing.extract([(b"traceparent", TRACEPARENT.encode())])
+        assert tracing.start("child", sampled_parent).is_recording()  # the parent decided
+    finally:
+        tracing.shutdown()
