@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from sluice.engine.tokenizer import load_tokenizer
-from sluice.gateway.tokens import PromptTokenCounter
+from sluice.gateway.tokens import PromptTokenCounter, estimate_view, kind_of
 from sluice.protocol import anthropic
 from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.openai import ChatCompletionRequest, CompletionRequest, parse_request
@@ -29,6 +29,7 @@ from sluice.router.parse import parse_request as router_parse
 from sluice.router.tokens import PromptTokenizer
 from sluice.worker import chat as worker_chat
 from sluice.worker import completions as worker_completions
+from sluice.worker.tool_parsers import HermesToolParser
 
 M = "tiny"
 U = {"role": "user", "content": "What is the capital of France?"}
@@ -53,6 +54,49 @@ TABLE: list[tuple[str, str, dict[str, Any]]] = [
     ("completion, text", COMPLETION, {"prompt": "The capital of France is"}),
 ]
 
+# Tools, tool calls and tool results: the template writes the schemas and the calls' JSON.
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},
+                                           "unit": {"enum": ["C", "F"]}}, "required": ["city"]}
+FN = {"name": "get_weather", "description": "Weather in a city.", "parameters": SCHEMA}
+TOOL = {"type": "function", "function": FN}
+SHUFFLED_TOOL = {"function": {"parameters": SCHEMA, "name": "get_weather",
+                              "description": "Weather in a city."}, "type": "function"}
+A_TOOL = {"name": "get_weather", "description": "Weather in a city.", "input_schema": SCHEMA}
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'}}
+TOOL_TABLE: list[tuple[str, str, dict[str, Any]]] = [
+    ("chat, tools", CHAT, {"messages": [U], "tools": [TOOL]}),
+    ("chat, tools in another key order", CHAT, {"messages": [U], "tools": [SHUFFLED_TOOL]}),
+    ("chat, forced tool", CHAT, {"messages": [U], "tools": [TOOL, {"type": "function",
+                                 "function": {"name": "noop"}}], "tool_choice": "required"}),
+    ("chat, tool call and result", CHAT, {"tools": [TOOL], "messages": [
+        {"role": "system", "content": "Be brief."}, U,
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+        {"role": "user", "content": "And tomorrow?"}]}),
+    ("anthropic, tools", MESSAGES, {"max_tokens": 8, "messages": [U], "tools": [A_TOOL]}),
+    ("anthropic, forced tool", MESSAGES, {"max_tokens": 8, "messages": [U], "tools": [A_TOOL],
+                                          "tool_choice": {"type": "tool", "name": "get_weather",
+                                                          "disable_parallel_tool_use": True}}),
+    ("anthropic, tool_use and tool_result", MESSAGES, {
+        "max_tokens": 8, "system": "Be brief.", "tools": [A_TOOL], "messages": [
+            U, {"role": "assistant", "content": [
+                {"type": "text", "text": "Checking."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                 "input": {"city": "Paris", "unit": "C"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+                    {"type": "text", "text": "18 C, sunny"}]},
+                {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
+                 "content": "timeout"},
+                {"type": "text", "text": "And tomorrow?"}]}]}),
+    ("anthropic, tool history without system", MESSAGES, {"max_tokens": 8, "messages": [
+        U, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                              "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]}),
+]
+TABLE += TOOL_TABLE
+
 
 class _Captured(Exception):
     def __init__(self, prompts: list[list[int]]) -> None:
@@ -64,6 +108,7 @@ class _FakeState:
 
     def __init__(self, tokenizer: Any) -> None:
         self.engine = type("E", (), {"tokenizer": tokenizer, "max_model_len": 4096})()
+        self.tool_parser = HermesToolParser()
 
     def check_model(self, model: str | None) -> str:
         return model or M
@@ -152,3 +197,33 @@ def test_images_are_refused_naming_the_content(kind: str) -> None:
     with pytest.raises(InvalidRequestError) as err:
         prompt_view(kind, {"messages": [image]})
     assert err.value.param == "messages.0.content"
+
+
+@pytest.mark.parametrize(("kind", "body", "tools"), [
+    (CHAT, {"messages": [U]}, {"tools": [TOOL]}),
+    (MESSAGES, {"max_tokens": 8, "messages": [U]}, {"tools": [A_TOOL]}),
+])
+def test_tool_schemas_count_as_prompt_tokens(tok: Any, counter: PromptTokenCounter, kind: str,
+                                             body: dict[str, Any], tools: dict[str, Any]) -> None:
+    """TPM limits see the tool schemas the template writes into the prompt."""
+    bare = counter.prompt_tokens(M, prompt_view(kind, body))
+    with_tools = counter.prompt_tokens(M, prompt_view(kind, {**body, **tools}))
+    assert bare is not None and with_tools is not None
+    schema_tokens = len(tok.encode(json.dumps(FN), add_special_tokens=False))
+    assert with_tools[0] - bare[0] >= schema_tokens
+    assert counter(M, {"model": M, **body, **tools}) == with_tools[0]
+
+
+def test_the_plain_counter_reads_anthropic_tool_bodies_as_anthropic() -> None:
+    """`count_prompt_tokens(model, body)` has no path to go by: Anthropic-only shapes
+    (tools with `input_schema`, tool blocks) say which view to read."""
+    use = {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                             "input": {}}]}
+    assert kind_of({"messages": [U], "tools": [A_TOOL]}) == MESSAGES
+    assert kind_of({"messages": [U, use]}) == MESSAGES
+    assert kind_of({"messages": [U], "tools": [TOOL]}) == CHAT
+    assert kind_of({"messages": [U]}) == CHAT
+    # without a tokenizer, the chars/4 estimate charges the schemas and the calls too
+    bare = estimate_view(prompt_view(MESSAGES, {"messages": [U]}))
+    with_tools = estimate_view(prompt_view(MESSAGES, {"messages": [U, use], "tools": [A_TOOL]}))
+    assert with_tools - bare >= len(json.dumps(SCHEMA)) // 4

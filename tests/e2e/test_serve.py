@@ -6,6 +6,7 @@ one with `--workers 2` on the tiny model (gateway -> router -> two worker proces
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -78,10 +80,43 @@ def test_serve_many_workers_behind_router_and_gateway(tmp_path: Path,
         msg = anthropic.Anthropic(base_url=url, api_key=key).messages.create(
             model=model, max_tokens=5, messages=[{"role": "user", "content": "hello"}])
         assert msg.usage.output_tokens >= 1
+        _tools_and_structured_output_pass_through(url, key, model)
         metrics = httpx.get(url + "/metrics", timeout=10).text
         decisions = [line for line in metrics.splitlines()
                      if line.startswith("sluice_router_decisions_total")]
         assert sum(float(line.rsplit(" ", 1)[1]) for line in decisions) >= 4, metrics
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                           "days": {"type": "integer", "minimum": 1,
+                                                    "maximum": 7}},
+          "required": ["city", "days"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "Weather in Rome?"}]
+
+
+def _tools_and_structured_output_pass_through(url: str, key: str, model: str) -> None:
+    """gateway -> router -> worker leave tools, tool_choice and response_format intact:
+    forced calls and schema'd answers come back valid (the tiny model is random, so only
+    the grammar can make them so)."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key)
+    reply = client.chat.completions.create(
+        model=model, max_tokens=64, temperature=0, messages=ASK,
+        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), SCHEMA)
+    reply = client.chat.completions.create(
+        model=model, max_tokens=64, temperature=0, messages=ASK,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}})
+    jsonschema.validate(json.loads(reply.choices[0].message.content or ""), SCHEMA)
+    msg = anthropic.Anthropic(base_url=url, api_key=key).messages.create(
+        model=model, max_tokens=64, messages=ASK, extra_body={"temperature": 0},
+        tools=[{"name": "get_weather", "input_schema": SCHEMA}],
+        tool_choice={"type": "tool", "name": "get_weather"})
+    assert msg.stop_reason == "tool_use" and msg.content[0].type == "tool_use"
+    jsonschema.validate(msg.content[0].input, SCHEMA)
 
 
 def _healthy(url: str) -> bool:

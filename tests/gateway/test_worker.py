@@ -83,3 +83,62 @@ async def test_gateway_over_real_worker(engine: Any, counter: PromptTokenCounter
     assert records[2].completion_tokens == 6
     assert (records[4].prompt_tokens, records[4].completion_tokens) == (
         anthropic_usage["input_tokens"], anthropic_usage["output_tokens"])
+
+
+WEATHER_SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "enum": ["Paris", "Rome"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"],
+    "additionalProperties": False}
+
+
+async def test_tool_calls_pass_the_gateway_and_tool_schemas_count_for_tpm(
+        engine: Any, counter: PromptTokenCounter, sqlite_store: SQLStore) -> None:
+    """Anthropic and OpenAI tool calls and response_format pass through unchanged; the
+    admission count (TPM) includes the tool schemas and equals the worker's own."""
+    import jsonschema
+
+    from sluice.worker.app import build_app
+    from sluice.worker.config import WorkerConfig
+
+    worker = build_app(engine, WorkerConfig(served_model_names=("tiny",)))
+    gw = GatewayMiddleware(worker, make_state(sqlite_store, count=counter))
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    bodies: dict[str, tuple[str, dict[str, Any]]] = {
+        "anthropic": ("/v1/messages", {
+            "model": "tiny", "max_tokens": 64, "temperature": 0, "messages": ask,
+            "tools": [{"name": "get_weather", "input_schema": WEATHER_SCHEMA}],
+            "tool_choice": {"type": "tool", "name": "get_weather"}}),
+        "openai": ("/v1/chat/completions", {
+            "model": "tiny", "max_tokens": 64, "temperature": 0, "messages": ask,
+            "tools": [{"type": "function", "function": {"name": "get_weather",
+                                                        "parameters": WEATHER_SCHEMA}}],
+            "tool_choice": "required"}),
+        "response_format": ("/v1/chat/completions", {
+            "model": "tiny", "max_tokens": 64, "temperature": 0, "messages": ask,
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "weather", "schema": WEATHER_SCHEMA}}}),
+    }
+    for name, (path, body) in bodies.items():
+        key = new_key(sqlite_store, tenant=name, tpm=10_000, rpm=100)
+        async with client_for(gw, key) as c:
+            r = await c.post(path, json=body)
+        assert r.status_code == 200, (name, r.text)
+        out = r.json()
+        if name == "anthropic":
+            [block] = out["content"]
+            assert out["stop_reason"] == "tool_use" and block["type"] == "tool_use", out
+            jsonschema.validate(block["input"], WEATHER_SCHEMA)
+            prompt = out["usage"]["input_tokens"]
+        else:
+            message = out["choices"][0]["message"]
+            payload = message["tool_calls"][0]["function"]["arguments"] \
+                if name == "openai" else message["content"]
+            jsonschema.validate(json.loads(payload), WEATHER_SCHEMA)
+            prompt = out["usage"]["prompt_tokens"]
+        assert prompt == counter("tiny", body), name  # the admission count is the worker's
+        assert r.headers["x-ratelimit-remaining-tokens"] == str(10_000 - prompt - 64), name
+    bare = counter("tiny", {k: v for k, v in bodies["anthropic"][1].items()
+                            if k not in ("tools", "tool_choice")})
+    schema_tokens = len(counter.tokenizer("tiny")[0].encode(
+        json.dumps(WEATHER_SCHEMA), add_special_tokens=False))
+    assert counter("tiny", bodies["anthropic"][1]) - bare >= schema_tokens

@@ -109,10 +109,11 @@ def test_anthropic_request_errors(body: dict, param: str) -> None:
     assert info.value.param == param
 
 
-def test_anthropic_refuses_tools() -> None:
+def test_anthropic_refuses_what_it_does_not_implement() -> None:
     with pytest.raises(InvalidRequestError) as info:
-        anthropic.reject_unsupported({"tools": [{"name": "x"}]})
-    assert info.value.param == "tools"
+        anthropic.reject_unsupported({"thinking": {"type": "enabled", "budget_tokens": 9}})
+    assert info.value.param == "thinking"
+    anthropic.reject_unsupported({"tools": [{"name": "x"}], "tool_choice": {"type": "auto"}})
 
 
 @pytest.mark.parametrize(("finish", "matched", "expected"), [
@@ -139,7 +140,7 @@ def test_stream_translator_event_order_and_usage() -> None:
                        "usage": {"prompt_tokens": 9, "completion_tokens": 2}})
     events += tr.finish()
     names = [name for name, _ in events]
-    assert names == ["message_start", "content_block_start", "ping", "content_block_delta",
+    assert names == ["message_start", "ping", "content_block_start", "content_block_delta",
                      "content_block_stop", "message_delta", "message_stop"]
     assert events[0][1]["message"]["usage"]["input_tokens"] == 9
     assert events[3][1]["delta"] == {"type": "text_delta", "text": "Hi"}

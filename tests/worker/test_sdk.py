@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pytest
+
+from sluice.engine.tokenizer import load_tokenizer
+from sluice.protocol.prompt import MESSAGES, prompt_view, templated
 
 USER = [{"role": "user", "content": "Say something."}]
 GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -182,10 +189,96 @@ def test_anthropic_sdk_errors(claude: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.NotFoundError) as info:
         claude.messages.create(model="claude-nope", max_tokens=5, messages=USER)
     assert info.value.body["error"]["type"] == "not_found_error"
-    with pytest.raises(anthropic.BadRequestError) as bad:
-        claude.messages.create(model="tiny", max_tokens=5, messages=USER,
-                               tools=[{"name": "x", "input_schema": {"type": "object"}}])
-    assert "tools" in bad.value.body["error"]["message"]
+    bad_requests: list[tuple[dict, str]] = [
+        ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_time"}},
+         "tool_choice"),
+        ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
+        ({"tool_choice": {"type": "any"}}, "tool_choice"),  # no tools to choose from
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ]
+    for extra, named in bad_requests:
+        with pytest.raises(anthropic.BadRequestError) as bad:
+            claude.messages.create(model="tiny", max_tokens=5, messages=USER, **extra)
+        assert bad.value.body["type"] == "error", extra
+        assert bad.value.body["error"]["type"] == "invalid_request_error", extra
+        assert named in bad.value.body["error"]["message"], (extra, bad.value.body)
+    # the worker keeps serving
+    assert claude.messages.create(model="tiny", max_tokens=2, messages=USER).usage.output_tokens
+
+
+# -- Anthropic tool use: forced calls are grammar-constrained, so even the random tiny
+# model's calls are valid for their schema.
+
+WEATHER = {"name": "get_weather", "description": "Current weather in a city.",
+           "input_schema": {"type": "object", "properties": {
+               "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+               "days": {"type": "integer", "minimum": 1, "maximum": 7},
+               "metric": {"type": "boolean"}},
+               "required": ["city", "days", "metric"], "additionalProperties": False}}
+CLOCK = {"name": "get_time", "description": "The time in a time zone.",
+         "input_schema": {"type": "object", "properties": {
+             "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+SCHEMAS = {t["name"]: t["input_schema"] for t in (WEATHER, CLOCK)}
+
+
+def tool_uses(msg: anthropic.types.Message) -> list[tuple[str, dict]]:
+    return [(b.name, b.input) for b in msg.content if b.type == "tool_use"]
+
+
+@pytest.mark.parametrize("choice", [
+    {"type": "tool", "name": "get_weather"},
+    {"type": "any", "disable_parallel_tool_use": True},
+], ids=["tool", "any"])
+def test_anthropic_forced_tool_use_whole_and_streamed(claude: anthropic.Anthropic,
+                                                      choice: dict) -> None:
+    kw: dict = dict(model="tiny", max_tokens=64, messages=ASK, tools=[WEATHER, CLOCK],
+                    tool_choice=choice, extra_body={"temperature": 0.0})
+    msg = claude.messages.create(**kw)
+    assert msg.stop_reason == "tool_use", msg
+    [block] = msg.content  # forced: the call and nothing else, one call
+    assert block.type == "tool_use" and block.id
+    assert block.name == choice.get("name", block.name) and block.name in SCHEMAS
+    jsonschema.validate(block.input, SCHEMAS[block.name])
+    with claude.messages.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert tool_uses(final) == [(block.name, block.input)]
+    assert final.stop_reason == "tool_use" and [b.type for b in final.content] == ["tool_use"]
+    starts = [e for e in events if e.type == "content_block_start"]
+    assert [(e.index, e.content_block.type, e.content_block.input) for e in starts] == [
+        (0, "tool_use", {})]
+    pieces = [e.delta.partial_json for e in events
+              if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+    assert json.loads("".join(pieces)) == block.input
+    assert final.usage.input_tokens == msg.usage.input_tokens > 0
+
+
+def test_anthropic_tool_round_trip(claude: anthropic.Anthropic, tiny_llama_dir: Path) -> None:
+    """tool_use -> the client runs the tool -> tool_result -> the final answer; the worker
+    templates the history exactly as the one prompt view reads it."""
+    first = claude.messages.create(model="tiny", max_tokens=64, messages=ASK, tools=[WEATHER],
+                                   tool_choice={"type": "tool", "name": "get_weather"},
+                                   extra_body={"temperature": 0.0})
+    [call] = first.content
+    assert call.type == "tool_use"
+    result = {"type": "tool_result", "tool_use_id": call.id,
+              "content": json.dumps({"temperature": 18, "sky": "clear"})}
+    history = [*ASK, {"role": "assistant", "content": first.content},
+               {"role": "user", "content": [result]}]
+    final = claude.messages.create(model="tiny", max_tokens=8, messages=history,
+                                   tools=[WEATHER], tool_choice={"type": "none"},
+                                   extra_body={"temperature": 0.0})
+    assert [b.type for b in final.content] == ["text"] and final.content[0].text
+    assert final.stop_reason in ("end_turn", "max_tokens")
+    plain = [*ASK, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": call.id, "name": call.name, "input": call.input}]},
+        {"role": "user", "content": [result]}]
+    tok = load_tokenizer(str(tiny_llama_dir))
+    view = prompt_view(MESSAGES, {"messages": plain, "tools": [WEATHER]})
+    expected = len(tok.encode(templated(tok, view), add_special_tokens=False))
+    assert final.usage.input_tokens == expected
+    assert expected > first.usage.input_tokens
 
 
 def test_openai_sdk_errors(client: openai.OpenAI) -> None:

@@ -16,6 +16,7 @@ tokenized once on the whole path.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -42,10 +43,21 @@ CountPromptTokens = Callable[[str | None, dict[str, Any]], int]
 
 def kind_of(body: Mapping[str, Any]) -> str:
     """The request kind a body is: Anthropic's carries `system`, which OpenAI chat bodies
-    may not (the worker refuses it); without `system` both read the same."""
+    may not (the worker refuses it), or Anthropic-only shapes (tools with `input_schema`,
+    `tool_use` / `tool_result` blocks); without them both read the same."""
     if "messages" not in body:
         return COMPLETION
-    return MESSAGES if "system" in body else CHAT
+    return MESSAGES if "system" in body or _anthropic_tools(body) else CHAT
+
+
+def _anthropic_tools(body: Mapping[str, Any]) -> bool:
+    tools = body.get("tools")
+    messages = body.get("messages")
+    blocks = [b for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
+              for b in m["content"]] if isinstance(messages, list) else []
+    return any(isinstance(t, dict) and "input_schema" in t
+               for t in (tools if isinstance(tools, list) else [])) or any(
+        isinstance(b, dict) and b.get("type") in ("tool_use", "tool_result") for b in blocks)
 
 
 class PromptTokenCounter:
@@ -120,7 +132,9 @@ def _estimate(text: str) -> int:
 
 def estimate_view(view: PromptView) -> int:
     if view.messages is not None:
-        return _estimate("".join(m["content"] for m in view.messages))
+        calls = [json.dumps(m["tool_calls"]) for m in view.messages if m.get("tool_calls")]
+        tools = [json.dumps(view.tools)] if view.tools else []
+        return _estimate("".join([m["content"] for m in view.messages] + calls + tools))
     return sum(len(t) if isinstance(t, list) else _estimate(t) for t in view.texts)
 
 

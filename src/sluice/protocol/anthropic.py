@@ -4,18 +4,43 @@ sluice serves `/v1/messages` by translating: the Anthropic request becomes an Op
 chat request (`to_chat_body`), the OpenAI response or stream comes back as Anthropic
 (`from_chat_response`, `StreamTranslator`). Both directions work on plain dicts so
 that the gateway can translate in front of any OpenAI upstream, not only sluice's
-worker.
+worker; the prompt half (`chat_prompt`) is also the Anthropic prompt view of
+`sluice.protocol.prompt`, so the gateway counts, the router hashes and the worker
+templates one translation.
 
-    Anthropic                         OpenAI chat
-    system (str | text blocks)   ->   messages[0] {"role": "system"}
-    messages[].content blocks    ->   content string (text blocks joined)
-    max_tokens / stop_sequences  ->   max_tokens / stop
-    stop_reason                  <-   finish_reason "length" -> "max_tokens";
-                                      "stop" + stop_reason in stop_sequences
-                                      -> "stop_sequence"; otherwise "end_turn"
+    Anthropic                              OpenAI chat
+    system (str | text blocks)        ->   messages[0] {"role": "system"} (if non-empty)
+    user text blocks                  ->   {"role": "user", content: text joined}
+    user tool_result blocks           ->   {"role": "tool", tool_call_id, content}, one
+                                           each, in block order (a run of text blocks
+                                           between them stays one user message);
+                                           `is_error: true` prefixes "Error: "
+    assistant text + tool_use blocks  ->   {"role": "assistant", content: text joined
+                                           (None if empty), tool_calls: [{id, type,
+                                           function: {name, arguments: JSON of input}}]}
+    tools [{name, description,        ->   tools [{"type": "function", "function":
+           input_schema, strict}]                 {name, description, parameters, strict}}]
+    tool_choice auto | any |          ->   tool_choice "auto" | "required" |
+                tool {name} | none             {"type": "function", "function": {name}} | "none"
+    disable_parallel_tool_use: true   ->   parallel_tool_calls: false
+    max_tokens / stop_sequences       ->   max_tokens / stop
+    content [text?, tool_use...]      <-   message.content, message.tool_calls (input is the
+                                           parsed arguments; {} if they are not a JSON
+                                           object, which only a cut-off call can be)
+    stop_reason                       <-   finish_reason "length" -> "max_tokens";
+                                           "tool_calls" -> "tool_use"; "stop" +
+                                           stop_reason in stop_sequences ->
+                                           "stop_sequence"; otherwise "end_turn"
+
+`is_error` has no OpenAI field; the prefix keeps it visible to the model rather than
+dropping it. Tool-use ids are the worker's call ids (`call_...`), kept as they are in
+both directions.
 
 Streaming asks the upstream for usage in every chunk (vLLM's `continuous_usage_stats`)
-so that `message_start` can report the input tokens. Errors use Anthropic's shape:
+so that `message_start` can report the input tokens. Content blocks open as their
+first piece arrives (a text block on text, a `tool_use` block on a tool call's first
+delta, closing the block before it) and are numbered from 0 in order, as Anthropic
+does; a response with neither has one empty text block. Errors use Anthropic's shape:
 `{"type": "error", "error": {"type", "message"}}`.
 """
 
@@ -23,11 +48,21 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from sluice.protocol.errors import InvalidRequestError, SluiceError
+from sluice.protocol.openai import TOOL_NAME
 
 
 class AnthropicModel(BaseModel):
@@ -36,7 +71,7 @@ class AnthropicModel(BaseModel):
 
 # Parameters Anthropic defines that sluice does not implement: a 400 naming them.
 UNSUPPORTED_MESSAGES: tuple[str, ...] = (
-    "tools", "tool_choice", "thinking", "container", "mcp_servers", "service_tier",
+    "thinking", "container", "mcp_servers", "service_tier",
 )
 
 
@@ -44,6 +79,14 @@ def reject_unsupported(body: dict[str, Any]) -> None:
     for name in UNSUPPORTED_MESSAGES:
         if body.get(name) not in (None, [], {}):
             raise InvalidRequestError(f"'{name}' is not supported by this server", param=name)
+
+
+# --------------------------------------------------------------------------- requests
+
+# Content block types each role may send (Anthropic's rule: tool_use blocks are the
+# assistant's, tool_result blocks the user's).
+BLOCK_TYPES: dict[str, tuple[str, ...]] = {
+    "user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
 
 
 class TextBlock(AnthropicModel):
@@ -61,15 +104,68 @@ def _text_blocks_only(value: Any) -> Any:
     return value
 
 
-def _join(content: str | list[TextBlock]) -> str:
-    return content if isinstance(content, str) else "".join(b.text for b in content)
+class ToolUseBlock(AnthropicModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolResultBlock(AnthropicModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: StrictBool = False
+    cache_control: dict[str, Any] | None = None
+
+    _check = field_validator("content", mode="before")(_text_blocks_only)
+
+
+ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock
 
 
 class Message(AnthropicModel):
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
+    content: str | list[ContentBlock]
 
-    _check = field_validator("content", mode="before")(_text_blocks_only)
+    @field_validator("content", mode="before")
+    @classmethod
+    def _known_blocks(cls, value: Any, info: ValidationInfo) -> Any:
+        allowed = BLOCK_TYPES.get(info.data.get("role", ""), ("text",))
+        for block in value if isinstance(value, list) else []:
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind not in allowed:
+                raise ValueError(f"content block type {kind!r} is not supported in a "
+                                 f"{info.data.get('role')} message (only "
+                                 f"{', '.join(map(repr, allowed))})")
+        return value
+
+
+class Tool(AnthropicModel):
+    """A client tool (`type` "custom" or absent); server tools (web search, code
+    execution, ...) are refused naming `tools.N.type`."""
+
+    type: Literal["custom"] | None = None
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    input_schema: dict[str, Any]
+    strict: bool | None = None  # as OpenAI's: forced calls always follow the schema
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolChoice(AnthropicModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _name_iff_tool(self) -> ToolChoice:
+        if (self.type == "tool") != (self.name is not None):
+            raise ValueError("'name' is required with type 'tool' and only allowed there")
+        if self.type == "none" and self.disable_parallel_tool_use is not None:
+            raise ValueError("'disable_parallel_tool_use' is not allowed with type 'none'")
+        return self
 
 
 class Metadata(AnthropicModel):
@@ -87,6 +183,8 @@ class MessagesRequest(AnthropicModel):
     top_k: int | None = None
     stream: bool = False
     metadata: Metadata | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     # Accepted and honoured implicitly: sluice's prefix cache caches every prompt.
     cache_control: dict[str, Any] | None = None
 
@@ -116,13 +214,174 @@ def new_message_id() -> str:
 # --------------------------------------------------------------------------- translation
 
 
+def chat_prompt(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The prompt half of the OpenAI chat request for an Anthropic one: `messages`, and
+    `tools` when there are any (module docstring). Reads a raw body (the gateway's and
+    the router's prompt view) or a validated request's `model_dump()` (the worker) alike;
+    a shape it cannot translate is a 400 naming the Anthropic parameter."""
+    system = body.get("system")
+    text = "" if system is None else _text(system, "system")
+    prompt: dict[str, Any] = {"messages": ([{"role": "system", "content": text}] if text else [])
+                              + _messages(body.get("messages"))}
+    if tools := _tools(body.get("tools")):
+        prompt["tools"] = tools
+    return prompt
+
+
+def _kind(block: Any) -> Any:
+    return block.get("type") if isinstance(block, Mapping) else type(block).__name__
+
+
+def _text(content: Any, param: str) -> str:
+    """A string, or text blocks joined without separator."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError("content must be a string or a list of text blocks",
+                                  param=param)
+    parts = []
+    for block in content:
+        if _kind(block) != "text" or not isinstance(block.get("text"), str):
+            raise InvalidRequestError(f"only text blocks are supported here, got "
+                                      f"{_kind(block)!r}", param=param)
+        parts.append(block["text"])
+    return "".join(parts)
+
+
+def _messages(raw: Any) -> list[dict[str, Any]]:
+    if not isinstance(raw, list):
+        raise InvalidRequestError("'messages' must be a list", param="messages")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(raw):
+        role = m.get("role") if isinstance(m, Mapping) else None
+        if role not in ("user", "assistant"):
+            raise InvalidRequestError("a message's role must be 'user' or 'assistant'",
+                                      param=f"messages.{i}.role")
+        content, param = m.get("content"), f"messages.{i}.content"
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+        elif not isinstance(content, list):
+            raise InvalidRequestError("content must be a string or a list of content blocks",
+                                      param=param)
+        else:
+            out += _assistant_turn(content, param) if role == "assistant" else \
+                _user_turn(content, param)
+    return out
+
+
+def _refuse_block(block: Any, role: str, param: str) -> InvalidRequestError:
+    allowed = ", ".join(map(repr, BLOCK_TYPES[role]))
+    return InvalidRequestError(f"content block type {_kind(block)!r} is not supported in a "
+                               f"{role} message (only {allowed})", param=param)
+
+
+def _user_turn(blocks: list[Any], param: str) -> list[dict[str, Any]]:
+    """Tool results as `tool` messages, each run of text blocks as one user message."""
+    out: list[dict[str, Any]] = []
+    for j, block in enumerate(blocks):
+        kind = _kind(block)
+        if kind == "tool_result":
+            out.append(_tool_message(block, f"{param}.{j}"))
+        elif kind == "text" and isinstance(block.get("text"), str):
+            if out and out[-1]["role"] == "user":
+                out[-1]["content"] += block["text"]
+            else:
+                out.append({"role": "user", "content": block["text"]})
+        else:
+            raise _refuse_block(block, "user", param)
+    return out or [{"role": "user", "content": ""}]
+
+
+def _tool_message(block: Mapping[str, Any], param: str) -> dict[str, Any]:
+    use_id = block.get("tool_use_id")
+    if not isinstance(use_id, str):
+        raise InvalidRequestError("a tool_result block needs a string 'tool_use_id'",
+                                  param=f"{param}.tool_use_id")
+    content = block.get("content")
+    text = "" if content is None else _text(content, f"{param}.content")
+    if block.get("is_error") is True:
+        text = "Error: " + text
+    return {"role": "tool", "tool_call_id": use_id, "content": text}
+
+
+def _assistant_turn(blocks: list[Any], param: str) -> list[dict[str, Any]]:
+    """One assistant message: its text blocks joined, its tool_use blocks as tool calls."""
+    text: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(blocks):
+        kind = _kind(block)
+        if kind == "tool_use":
+            calls.append(_tool_call(block, f"{param}.{j}"))
+        elif kind == "text" and isinstance(block.get("text"), str):
+            text.append(block["text"])
+        else:
+            raise _refuse_block(block, "assistant", param)
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": "".join(text) if text or not calls else None}
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
+
+
+def _tool_call(block: Mapping[str, Any], param: str) -> dict[str, Any]:
+    for name in ("id", "name"):
+        if not isinstance(block.get(name), str):
+            raise InvalidRequestError(f"a tool_use block needs a string '{name}'",
+                                      param=f"{param}.{name}")
+    if not isinstance(block.get("input"), Mapping):
+        raise InvalidRequestError("a tool_use block's 'input' must be an object",
+                                  param=f"{param}.input")
+    return {"id": block["id"], "type": "function",
+            "function": {"name": block["name"],
+                         "arguments": json.dumps(block["input"], ensure_ascii=False)}}
+
+
+def _tools(raw: Any) -> list[dict[str, Any]]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise InvalidRequestError("'tools' must be a list", param="tools")
+    return [_tool(t, f"tools.{i}") for i, t in enumerate(raw)]
+
+
+def _tool(tool: Any, param: str) -> dict[str, Any]:
+    if not isinstance(tool, Mapping):
+        raise InvalidRequestError("a tool must be an object", param=param)
+    if tool.get("type") not in (None, "custom"):
+        raise InvalidRequestError(f"tool type {tool.get('type')!r} is not supported (only "
+                                  "client tools, type 'custom')", param=f"{param}.type")
+    if not isinstance(tool.get("name"), str):
+        raise InvalidRequestError("a tool needs a string 'name'", param=f"{param}.name")
+    if not isinstance(tool.get("input_schema"), Mapping):
+        raise InvalidRequestError("a tool needs an 'input_schema' object",
+                                  param=f"{param}.input_schema")
+    function: dict[str, Any] = {"name": tool["name"]}
+    if tool.get("description") is not None:
+        function["description"] = tool["description"]
+    function["parameters"] = tool["input_schema"]
+    if tool.get("strict") is not None:
+        function["strict"] = tool["strict"]
+    return {"type": "function", "function": function}
+
+
+_TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+
+
+def chat_tool_choice(choice: ToolChoice | None) -> dict[str, Any]:
+    """OpenAI's `tool_choice` (and `parallel_tool_calls`) for Anthropic's `tool_choice`."""
+    if choice is None:
+        return {}
+    fields: dict[str, Any] = {"tool_choice": _TOOL_CHOICES.get(choice.type) or {
+        "type": "function", "function": {"name": choice.name}}}
+    if choice.disable_parallel_tool_use:
+        fields["parallel_tool_calls"] = False
+    return fields
+
+
 def to_chat_body(req: MessagesRequest) -> dict[str, Any]:
     """The OpenAI chat request equivalent to an Anthropic Messages request."""
-    messages: list[dict[str, str]] = []
-    if system := _join(req.system or ""):  # an empty system prompt is no message (prompt.py)
-        messages.append({"role": "system", "content": system})
-    messages += [{"role": m.role, "content": _join(m.content)} for m in req.messages]
-    body: dict[str, Any] = {"model": req.model, "messages": messages, "max_tokens": req.max_tokens}
+    body: dict[str, Any] = {"model": req.model, **chat_prompt(req.model_dump()),
+                            "max_tokens": req.max_tokens, **chat_tool_choice(req.tool_choice)}
     optional = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
                 "stop": req.stop_sequences or None,
                 "user": req.metadata.user_id if req.metadata else None}
@@ -140,20 +399,43 @@ def stop_reason(finish_reason: str | None, matched: Any,
         return "max_tokens", None
     if finish_reason is None:
         return None, None
+    if finish_reason == "tool_calls":
+        return "tool_use", None
     if isinstance(matched, str) and matched in (stop_sequences or []):
         return "stop_sequence", matched
     return "end_turn", None
 
 
+def tool_input(arguments: Any) -> dict[str, Any]:
+    """A tool call's `arguments` text as Anthropic's `input` object ({} unless it is
+    one: a call cut off by max_tokens)."""
+    try:
+        value = json.loads(arguments or "{}")
+    except (TypeError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def tool_use_block(call: Mapping[str, Any]) -> dict[str, Any]:
+    """Anthropic's `tool_use` block for an OpenAI tool call."""
+    function = call.get("function") or {}
+    return {"type": "tool_use", "id": call.get("id") or "", "name": function.get("name") or "",
+            "input": tool_input(function.get("arguments"))}
+
+
 def from_chat_response(resp: dict[str, Any], req: MessagesRequest) -> MessagesResponse:
-    """The Anthropic response for an OpenAI chat completion (first choice)."""
+    """The Anthropic response for an OpenAI chat completion (first choice): its text
+    block (left out when empty and there are tool calls), then a tool_use block per call."""
     choice = resp["choices"][0]
     reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"),
                                    req.stop_sequences)
+    message = choice.get("message") or {}
+    calls = message.get("tool_calls") or []
+    text = message.get("content") or ""
+    content = [{"type": "text", "text": text}] if text or not calls else []
     usage = resp.get("usage") or {}
     return MessagesResponse(
-        id=new_message_id(),
-        content=[{"type": "text", "text": choice["message"].get("content") or ""}],
+        id=new_message_id(), content=content + [tool_use_block(c) for c in calls],
         model=req.model, stop_reason=reason, stop_sequence=sequence,
         usage=Usage(input_tokens=usage.get("prompt_tokens", 0),
                     output_tokens=usage.get("completion_tokens", 0)),
@@ -167,7 +449,8 @@ class StreamTranslator:
     """Turns a stream of OpenAI chat chunks (dicts) into Anthropic stream events.
 
     Feed every chunk to `feed`, then call `finish` once; both return the events to send
-    in order. Holds the running usage and the stop reason; not thread-safe.
+    in order. Holds the running usage, the stop reason and the open content block (one
+    at a time: OpenAI streams tool calls one after another); not thread-safe.
     """
 
     def __init__(self, req: MessagesRequest) -> None:
@@ -177,17 +460,16 @@ class StreamTranslator:
         self.usage = Usage()
         self.reason: str | None = None
         self.sequence: str | None = None
+        self.blocks = 0  # content blocks opened so far: the next one's index
+        self.open: str | None = None  # the type of the block being streamed, if any
+        self.calls: dict[int, int] = {}  # OpenAI tool-call index -> content block index
 
     def _start(self) -> list[Event]:
         self.started = True
         message = MessagesResponse(id=self.id, content=[], model=self.req.model,
                                    usage=Usage(input_tokens=self.usage.input_tokens))
-        return [
-            ("message_start", {"type": "message_start", "message": message.model_dump()}),
-            ("content_block_start", {"type": "content_block_start", "index": 0,
-                                     "content_block": {"type": "text", "text": ""}}),
-            ("ping", {"type": "ping"}),
-        ]
+        return [("message_start", {"type": "message_start", "message": message.model_dump()}),
+                ("ping", {"type": "ping"})]
 
     def feed(self, chunk: dict[str, Any]) -> list[Event]:
         if chunk.get("usage"):
@@ -195,20 +477,58 @@ class StreamTranslator:
                                output_tokens=chunk["usage"].get("completion_tokens", 0))
         events = [] if self.started else self._start()
         for choice in chunk.get("choices") or []:
-            text = (choice.get("delta") or {}).get("content")
-            if text:
-                events.append(("content_block_delta", {
-                    "type": "content_block_delta", "index": 0,
-                    "delta": {"type": "text_delta", "text": text}}))
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                events += self._text(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                events += self._tool_call(call)
             if choice.get("finish_reason"):
                 self.reason, self.sequence = stop_reason(
                     choice["finish_reason"], choice.get("stop_reason"), self.req.stop_sequences)
         return events
 
+    def _open(self, block: dict[str, Any]) -> list[Event]:
+        events = self._close()
+        self.open, self.blocks = block["type"], self.blocks + 1
+        return events + [("content_block_start", {"type": "content_block_start",
+                                                  "index": self.blocks - 1,
+                                                  "content_block": block})]
+
+    def _close(self) -> list[Event]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [("content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})]
+
+    def _delta(self, delta: dict[str, Any]) -> Event:
+        return ("content_block_delta", {"type": "content_block_delta", "index": self.blocks - 1,
+                                        "delta": delta})
+
+    def _text(self, text: str) -> list[Event]:
+        events = [] if self.open == "text" else self._open({"type": "text", "text": ""})
+        return events + [self._delta({"type": "text_delta", "text": text})]
+
+    def _tool_call(self, call: dict[str, Any]) -> list[Event]:
+        """A call's first delta (it names the function) opens its tool_use block; its
+        argument pieces are input_json_delta events of that block."""
+        function = call.get("function") or {}
+        events: list[Event] = []
+        if function.get("name") is not None:
+            events = self._open({"type": "tool_use", "id": call.get("id") or "",
+                                 "name": function["name"], "input": {}})
+            self.calls[call.get("index", 0)] = self.blocks - 1
+        streaming = self.open == "tool_use" and self.calls.get(call.get("index", 0)) == \
+            self.blocks - 1
+        if function.get("arguments") and streaming:
+            events.append(self._delta({"type": "input_json_delta",
+                                       "partial_json": function["arguments"]}))
+        return events
+
     def finish(self) -> list[Event]:
         events = [] if self.started else self._start()
-        return events + [
-            ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        if self.blocks == 0:  # nothing was said: one empty text block, as non-streamed
+            events += self._open({"type": "text", "text": ""})
+        return events + self._close() + [
             ("message_delta", {"type": "message_delta",
                                "delta": {"stop_reason": self.reason,
                                          "stop_sequence": self.sequence},

@@ -24,9 +24,15 @@ hops to them):
   `messages.N.content`. An assistant turn's `tool_calls` reach the template as
   `{"id", "type", "function": {"name", "arguments"}}` with `arguments` parsed into an
   object (what Hugging Face templates expect); a `tool` turn keeps `tool_call_id`.
-  The request's `tools` (OpenAI's shape) are handed to the template as they are.
-- Anthropic (`/v1/messages`): `system` (a string or text blocks) first, as a system
-  message, only when its text is non-empty; then each message as above (text blocks).
+  The request's `tools` (OpenAI's shape) reach the template as the worker's parsed
+  request dumps them: `{"type", "function": {"name", "description"?, "parameters"?,
+  "strict"?}}` in that key order, whatever order the client wrote (the template
+  writes them as JSON, so key order is part of the prompt).
+- Anthropic (`/v1/messages`): the chat view of the request's OpenAI translation
+  (`anthropic.chat_prompt`, the worker's own): `system` (a string or text blocks)
+  first, as a system message, only when its text is non-empty; text blocks joined;
+  `tool_use` blocks as the assistant's `tool_calls`, `tool_result` blocks as `tool`
+  messages; `tools` as OpenAI tools.
 - the template is applied with `add_generation_prompt=True` and tokenized without
   special tokens (the template writes them); a completion prompt is tokenized with them.
 """
@@ -44,6 +50,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from sluice.protocol import anthropic
 from sluice.protocol.block_hash import hash_blocks
 from sluice.protocol.errors import InvalidRequestError
 
@@ -140,11 +147,25 @@ def _template_call(call: Any, param: str) -> dict[str, Any]:
             "function": {"name": fn["name"], "arguments": arguments}}
 
 
-def anthropic_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    system = body.get("system")
-    text = "" if system is None else content_text(system, "system")
-    head = [{"role": "system", "content": text}] if text else []
-    return head + chat_messages(body.get("messages"))
+_FUNCTION_KEYS = ("name", "description", "parameters", "strict")
+
+
+def template_tools(raw: Any) -> list[dict[str, Any]] | None:
+    """A chat request's `tools` as the template sees them (rules in the module
+    docstring); None for none."""
+    if raw is None or raw == []:
+        return None
+    if not isinstance(raw, list):
+        raise InvalidRequestError("'tools' must be a list", param="tools")
+    tools = []
+    for i, tool in enumerate(raw):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict):
+            raise InvalidRequestError("a tool needs a 'function' object",
+                                      param=f"tools.{i}.function")
+        tools.append({"type": tool.get("type"),
+                      "function": {k: fn[k] for k in _FUNCTION_KEYS if k in fn}})
+    return tools
 
 
 def completion_texts(prompt: Any) -> tuple[str | list[int], ...]:
@@ -163,13 +184,11 @@ def completion_texts(prompt: Any) -> tuple[str | list[int], ...]:
 def prompt_view(kind: str, body: Mapping[str, Any]) -> PromptView:
     """The one view of a request's prompt (rules in the module docstring); 400 for a
     prompt the worker would refuse too."""
-    if kind == CHAT:
-        tools = body.get("tools") or None
-        if tools is not None and not isinstance(tools, list):
-            raise InvalidRequestError("'tools' must be a list", param="tools")
-        return PromptView(messages=chat_messages(body.get("messages")), tools=tools)
     if kind == MESSAGES:
-        return PromptView(messages=anthropic_messages(body))
+        body = anthropic.chat_prompt(body)
+    if kind in (CHAT, MESSAGES):
+        return PromptView(messages=chat_messages(body.get("messages")),
+                          tools=template_tools(body.get("tools")))
     return PromptView(texts=completion_texts(body.get("prompt", body.get("input", ""))))
 
 
