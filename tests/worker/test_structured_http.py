@@ -110,3 +110,28 @@ def test_tool_round_trip(client: openai.OpenAI) -> None:
         {"role": "tool", "tool_call_id": calls[0].id, "content": "{}"}], tool_choice="none",
         tools=TOOLS, temperature=0.0, max_tokens=1)
     assert final.usage.prompt_tokens > shorter.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_calls_are_parsed_and_parallel_false_keeps_one(client: openai.OpenAI,
+                                                           parallel: bool, stream: bool) -> None:
+    """Under `auto` nothing is forced; a grammar makes the model write two calls, which
+    the parser reads back (only the first with `parallel_tool_calls: false`)."""
+    call = '"<tool_call>\\n{\\"name\\": \\"get_time\\", \\"arguments\\": {}}\\n</tool_call>"'
+    kw: Any = dict(model="tiny", messages=USER, tools=TOOLS, parallel_tool_calls=parallel,
+                   max_tokens=300, extra_body={"structured_outputs": {
+                       "grammar": f'root ::= "Checking." {call} "\\n" {call}'}})
+    if not stream:
+        choice = client.chat.completions.create(**kw).choices[0]
+        names = [c.function.name for c in choice.message.tool_calls or []]
+        content, finish = choice.message.content, choice.finish_reason
+    else:
+        names, content, finish = [], "", None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                finish = c.finish_reason or finish
+                content += c.delta.content or ""
+                names += [d.function.name for d in c.delta.tool_calls or [] if d.function.name]
+    assert names == ["get_time"] * (2 if parallel else 1)
+    assert content == "Checking." and finish == "tool_calls"

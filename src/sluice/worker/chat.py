@@ -113,6 +113,8 @@ def _whole_choice(job: ChatJob, index: int, ch: _Choice) -> ChatChoice:
     calls = None
     if job.tool_parser is not None:
         content, parsed = job.tool_parser.extract(content or "")
+        if not job.req.parallel_tool_calls:  # `auto` is not forced: keep the first call
+            parsed = parsed[:1]
         calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
                  for c in parsed] or None
     return ChatChoice(index=index, message=AssistantMessage(content=content, tool_calls=calls),
@@ -140,7 +142,8 @@ def _accumulate(job: ChatJob, c: CompletionOutput) -> None:
 async def chat_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionChunk]:
     """The stream: a role chunk per choice, content chunks, then optionally usage."""
     req = job.req
-    tools = _StreamedTools(job.tool_parser) if job.tool_parser is not None else None
+    tools = (_StreamedTools(job.tool_parser, req.parallel_tool_calls)
+             if job.tool_parser is not None else None)
     async with job.run:
         for i in range(req.n):
             yield _chunk(job, [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
@@ -171,6 +174,7 @@ class _StreamedTools:
     """Each choice's tool-call stream: text deltas in, content and tool-call deltas out."""
 
     parser: ToolParser
+    parallel: bool  # False: calls after the first are dropped (`auto` is not forced)
     streams: dict[int, ToolCallStream] = field(default_factory=dict)
     called: set[int] = field(default_factory=set)
 
@@ -181,6 +185,8 @@ class _StreamedTools:
         if c.finish_reason:
             rest, more = stream.finish()
             text, calls = text + rest, calls + more
+        if not self.parallel:
+            calls = [d for d in calls if d.index == 0]
         if calls:
             self.called.add(c.index)
         return DeltaMessage(content=text if text or not calls else None,
