@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "tenants": "sluice.gateway.cli",
     "usage": "sluice.gateway.cli",
     "bench": "sluice.bench.cli",
+    "deploy": "sluice.control.cli",
 }
 
 

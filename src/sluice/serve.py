@@ -66,8 +66,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def add_control_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("autoscaling (with a router)")
-    g.add_argument("--backend", default="local", choices=["local", "ray"],
-                   help="where workers run (default: %(default)s)")
+    g.add_argument("--backend", default="local", choices=["local", "ray", "external"],
+                   help="where workers run; external: at --worker-url, placed by someone "
+                        "else (Kubernetes): the planner only exports sluice:desired_replicas "
+                        "(default: %(default)s)")
+    g.add_argument("--worker-url", action="append", default=[], metavar="URL",
+                   help="--backend external: a worker (or a Service in front of them)")
     g.add_argument("--min-workers", type=int, default=None,
                    help="autoscale: fewest workers; 0 scales to zero when idle")
     g.add_argument("--max-workers", type=int, default=None, help="autoscale: most workers")
@@ -107,7 +111,8 @@ def worker_bounds(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def uses_router(args: argparse.Namespace) -> bool:
-    return args.workers > 1 or args.min_workers is not None or args.max_workers is not None
+    return (args.workers > 1 or args.min_workers is not None or args.max_workers is not None
+            or args.backend != "local")
 
 
 def say(message: str) -> None:
@@ -182,16 +187,18 @@ def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
     from sluice.control.planner import Planner
     from sluice.engine.tokenizer import default_served_name, resolve_model
     from sluice.router.app import build_app
-    from sluice.router.config import PoolConfig, RouterConfig
+    from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
     from sluice.router.server import run
 
     planning = planner_config(args)
     name = default_served_name(args.model)
     flags = worker_flags(args) + ["--log-level", args.log_level, "--served-model-name", name]
-    backend = make_backend(args.backend, **backend_options(args, flags))
+    external = args.backend == "external"
+    backend = None if external else make_backend(args.backend, **backend_options(args, flags))
     initial = max(1, planning.min_replicas)
     pool_config = PoolConfig(model=name, policy=args.policy, tokenizer=resolve_model(args.model),
-                             block_size=args.block_size or 16)
+                             block_size=args.block_size or 16,
+                             workers=tuple(WorkerSpec(url) for url in args.worker_url))
     config = RouterConfig(pools=(pool_config,), host=args.host, port=args.port,
                           admin_key=args.admin_key or env.get("ADMIN_KEY"),
                           buffer_timeout_s=args.buffer_timeout)
@@ -200,9 +207,10 @@ def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
     attach(app, lambda state: [Controller(name, state, state.pools[0], backend,
                                           Planner(planning, initial=initial), control)])
     show_control_logs(args.log_level)
-    say(f"starting {initial} of {planning.min_replicas}-{planning.max_replicas} workers on "
-        f"{args.backend} (model load shows in their logs"
-        + (f", in {backend.log_dir})" if hasattr(backend, "log_dir") else ")") + " ...")
+    if backend is not None:
+        say(f"starting {initial} of {planning.min_replicas}-{planning.max_replicas} workers on "
+            f"{args.backend} (model load shows in their logs"
+            + (f", in {backend.log_dir})" if hasattr(backend, "log_dir") else ")") + " ...")
     say(f"router ({args.policy}) on http://{args.host}:{args.port}, listening once the "
         "first workers are ready; planner: GET /admin/planner")
     # the router's own server, the gateway (if any) a layer of it; the controller runs
@@ -234,6 +242,9 @@ def handler(args: argparse.Namespace) -> int:
     try:
         if uses_router(args):
             planner_config(args)  # flag errors before anything starts
+            if (args.backend == "external") != bool(args.worker_url):
+                raise InvalidRequestError("--worker-url goes with --backend external (and "
+                                          "--backend external needs one)", param="worker_url")
         cache = TokenCache()  # one per process: the gateway counts, the router hashes
         wrap = gateway_wrap(args, cache) if args.gateway else None
         if not uses_router(args):

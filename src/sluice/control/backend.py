@@ -90,6 +90,10 @@ def make_backend(name: str, **options: Any) -> Backend:
         raise InvalidRequestError(f"unknown backend {name!r}; choose from {sorted(BACKENDS)}",
                                   param="backend")
     module, _, attr = target.partition(":")
-    cls = getattr(importlib.import_module(module), attr)
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except ImportError as exc:
+        raise InvalidRequestError(f"backend {name!r} is not available here: {exc}",
+                                  param="backend") from exc
     backend: Backend = cls(**options)
     return backend

@@ -17,6 +17,10 @@ run as tasks and the counts (`live`) include them while they run. The router kee
 serving throughout; a request never sees a worker that is not ready or is draining.
 `attach(app, controllers)` runs the loops in the router app's lifespan, serves
 `GET /admin/planner` and exports the planner's gauges on the router's /metrics.
+
+Without a backend (`backend=None`: workers placed by someone else, e.g. Kubernetes) the
+loop only observes and decides: `sluice:desired_replicas` is then the output, for KEDA
+or an HPA to act on, and the pool's workers are whatever the router was given.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ class ControllerConfig:
 class Controller:
     """Keeps one pool's workers at the planner's count; owns the pool's membership."""
 
-    def __init__(self, name: str, state: RouterState, pool: Pool, backend: Backend,
+    def __init__(self, name: str, state: RouterState, pool: Pool, backend: Backend | None,
                  planner: Planner, config: ControllerConfig | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.name, self.state, self.pool = name, state, pool
@@ -90,21 +94,26 @@ class Controller:
 
     async def step(self) -> Decision:
         now = self.clock()
-        await self.supervise()
+        if self.backend is not None:
+            await self.supervise()
         await self.scrape(now)
         signals = pool_signals(self.name, self.pool, self.state.buffer, len(self.starting),
                                self.latency)
         self.last = self.planner.decide(signals, now)
-        self.reconcile(self.last.desired)
+        if self.backend is not None:
+            self.reconcile(self.last.desired)
         return self.last
 
     async def start_initial(self) -> None:
         """Start the planner's initial count and wait until they are ready (or failed)."""
+        if self.backend is None:
+            return
         self.reconcile(self.planner.desired)
         await asyncio.gather(*self.starting, return_exceptions=True)
 
     async def supervise(self) -> None:
         """Take dead workers out of the router; the next reconcile replaces them."""
+        assert self.backend is not None
         for url, handle in list(self.workers.items()):
             if url in self.draining:
                 continue
@@ -115,7 +124,7 @@ class Controller:
                 self._event("dead", handle)
 
     async def scrape(self, now: float) -> None:
-        urls = list(self.workers)
+        urls = list(self.workers) if self.backend is not None else list(self.pool.endpoints)
         texts = await asyncio.gather(*(self._metrics(url) for url in urls))
         for url, text in zip(urls, texts, strict=True):
             if text is not None:
@@ -156,6 +165,7 @@ class Controller:
     async def _start(self) -> None:
         started = self.clock()
         self._event("start", None)
+        assert self.backend is not None
         try:
             handle = await self.backend.start()
         except (OSError, RuntimeError, TimeoutError) as exc:
@@ -179,6 +189,7 @@ class Controller:
                 await asyncio.sleep(0.05)
             if endpoint.url in self.pool.endpoints:
                 await self.state.remove_worker(endpoint.url)
+            assert self.backend is not None
             await self.backend.stop(handle, drain=True)
             self._event("stopped", handle, unfinished=endpoint.inflight)
         finally:
@@ -194,7 +205,8 @@ class Controller:
     # --- views and shutdown -----------------------------------------------------------------
 
     def describe(self) -> dict[str, Any]:
-        return {"pool": self.name, "backend": self.backend.name, "live": self.live,
+        backend = self.backend.name if self.backend is not None else "external"
+        return {"pool": self.name, "backend": backend, "live": self.live,
                 "workers": sorted(self.workers), "draining": sorted(self.draining),
                 "starting": len(self.starting), **self.planner.describe(),
                 "events": list(self.events)}
@@ -204,7 +216,8 @@ class Controller:
         for task in list(self.starting):
             task.cancel()
         await asyncio.gather(*self.starting, *self.draining.values(), return_exceptions=True)
-        await self.backend.close()
+        if self.backend is not None:
+            await self.backend.close()
 
 
 def attach(app: Any, controllers: Sequence[Controller] | Callable[[RouterState],
