@@ -163,7 +163,7 @@ class LocalBackend(Backend):
     async def _wait_ready(self, worker: LocalWorker) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         async with httpx.AsyncClient(timeout=2.0) as client:
-            while not await _answers(client, worker.url):
+            while not await health_ok(client, worker.url):
                 if worker.process.poll() is not None:
                     raise RuntimeError(f"worker {worker.url} exited with "
                                        f"{worker.process.returncode}:\n{worker.log_tail()}")
@@ -183,7 +183,7 @@ class LocalBackend(Backend):
             self.workers.pop(worker.id, None)
             return WorkerHealth.DEAD
         async with httpx.AsyncClient(timeout=2.0) as client:
-            ok = await _answers(client, local.url)
+            ok = await health_ok(client, local.url)
         return WorkerHealth.READY if ok else WorkerHealth.STARTING
 
     async def close(self) -> None:
@@ -192,7 +192,8 @@ class LocalBackend(Backend):
                                                  self.stop_timeout_s) for w in workers))
 
 
-async def _answers(client: httpx.AsyncClient, url: str) -> bool:
+async def health_ok(client: httpx.AsyncClient, url: str) -> bool:
+    """Whether `url`/health answers 200 now (any transport error: no)."""
     try:
         return (await client.get(url + "/health")).status_code == 200
     except httpx.HTTPError:
