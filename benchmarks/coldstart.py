@@ -21,6 +21,9 @@ top of these; (1) minus the sum of (2) is that overhead.
 
     python benchmarks/coldstart.py [--model PATH] [--rounds 2]
 
+Each is run without the converted-weights cache (`SLUICE_WEIGHTS_CACHE=off`) and with
+one in a fresh temporary directory (its first start fills it; the later ones read it).
+
 The last stdout line is one JSON document.
 """
 
@@ -29,8 +32,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -65,23 +71,23 @@ print(json.dumps({"imports_s": t_import - t0, "weights_s": t_weights - t_import,
 """
 
 
-def breakdown(model: str) -> dict[str, float]:
+def breakdown(model: str, env: dict[str, str]) -> dict[str, float]:
     """The engine's start-up steps timed in a fresh interpreter (its own start included)."""
     t0 = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", BREAKDOWN, model], capture_output=True,
-                         text=True, check=True)
+                         text=True, check=True, env={**os.environ, **env})
     total = time.perf_counter() - t0
     steps: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
     steps["child_total_s"] = total
     return steps
 
 
-async def end_to_end(model: str) -> dict[str, float]:
+async def end_to_end(model: str, env: dict[str, str]) -> dict[str, float]:
     from sluice.control.local import LocalBackend
 
     backend = LocalBackend(["--model", model, "--max-model-len", "512", "--num-kv-blocks",
                             "128", "--log-level", "warning"], kv_events=False,
-                           startup_timeout_s=600, poll_s=0.05)
+                           startup_timeout_s=600, poll_s=0.05, env=env)
     t0 = time.perf_counter()
     worker = await backend.start()
     ready = time.perf_counter() - t0
@@ -111,21 +117,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default: the shipped SmolLM2 GGUF")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="starts per setting")
     args = parser.parse_args()
     if args.model is None:
         from sluice.engine.tokenizer import resolve_model
 
         args.model = resolve_model(None)
-    runs = [asyncio.run(end_to_end(args.model)) for _ in range(args.rounds)]
-    steps = breakdown(args.model)
-    print(f"{'round':>5} {'ready (s)':>10} {'first token (s)':>16} {'total (s)':>10}")
-    for i, r in enumerate(runs):
-        print(f"{i:>5} {r['ready_s']:>10.2f} {r['first_token_s']:>16.3f} {r['total_s']:>10.2f}")
-    print("breakdown (fresh interpreter):")
-    for name, value in steps.items():
-        print(f"  {name:<18} {value:>7.2f} s")
-    result: dict[str, Any] = {"model": args.model, "end_to_end": runs, "breakdown": steps}
+    cache = tempfile.mkdtemp(prefix="sluice-coldstart-cache-")
+    settings = {"no weights cache": {"SLUICE_WEIGHTS_CACHE": "off"},
+                "weights cache (filled by its first start)": {"SLUICE_WEIGHTS_CACHE": cache}}
+    result: dict[str, Any] = {"model": args.model, "settings": {}}
+    print(f"{'setting':<44} {'round':>5} {'ready (s)':>10} {'1st token (s)':>14} {'total (s)':>10}")
+    for name, env in settings.items():
+        runs = [asyncio.run(end_to_end(args.model, env)) for _ in range(args.rounds)]
+        steps = breakdown(args.model, env)
+        result["settings"][name] = {"end_to_end": runs, "breakdown": steps}
+        for i, r in enumerate(runs):
+            print(f"{name:<44} {i:>5} {r['ready_s']:>10.2f} {r['first_token_s']:>14.3f} "
+                  f"{r['total_s']:>10.2f}")
+        print("  breakdown (fresh interpreter): " + ", ".join(
+            f"{k} {v:.2f}" for k, v in steps.items()))
+    shutil.rmtree(cache, ignore_errors=True)
     print(json.dumps(result))
 
 
