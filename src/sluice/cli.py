@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "bench": "sluice.bench.cli",
     "sim": "sluice.sim.cli",
     "top": "sluice.observe.top",
+    "deploy": "sluice.control.cli",
 }
 
 

@@ -1,9 +1,17 @@
 """`sluice serve`: the all-in-one entry point, gateway + router + workers on one machine.
 
-    --workers 1 (default)                 --workers N
-    :8000  gateway ─▶ worker app          :8000  gateway ─▶ router ─▶ N `sluice worker`
-           (engine core in a child process)   (cost policy)   processes on free ports,
-                                                                  KV events over ZMQ
+    --workers 1 (default)                 --workers N, or --min-workers A --max-workers B
+    :8000  gateway ─▶ worker app          :8000  gateway ─▶ router ─▶ `sluice worker`s from
+           (engine core in a child process)   (cost policy)   a backend (local processes
+                                                 │            on free ports, or Ray actors),
+                                                 planner      KV events over ZMQ
+
+With a router, a controller in the router's process keeps the pool at the planner's
+count: `--workers N` is a fixed N (a worker that dies is replaced); `--min-workers A
+--max-workers B` scales between A and B on the SLO (`--slo ttft=2s,itl=200ms`), the
+queue or KV usage; with A=0 the pool scales to zero after `--scale-to-zero-after`
+seconds idle and the router holds requests (up to `--buffer-timeout`) until a worker
+is ready. Decisions: `GET /admin/planner`, `sluice:desired_replicas` on /metrics.
 
 The prompt is tokenized once: the gateway counts it (one `TokenCache` per process,
 shared with the router) and passes the ids on in `x-sluice-prompt-ids`; the router
@@ -24,6 +32,7 @@ from typing import Any
 from sluice import env
 from sluice.observe.cli import buckets as observe_buckets
 from sluice.observe.cli import observe_flags, tracing_config
+from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.prompt import TokenCache
 
 
@@ -38,6 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--workers", type=int, default=1,
                    help="engine worker processes behind the router (default: %(default)s: "
                         "one engine in this process, no router)")
+    add_control_arguments(p)
     p.add_argument("--policy", default="cost",
                    help="router policy with --workers > 1: cost, kv, prefix, session, "
                         "least_load, round_robin (default: %(default)s)")
@@ -56,6 +66,57 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     add_engine_arguments(p)
     add_observe_arguments(p)
     p.set_defaults(func=handler)
+
+
+def add_control_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("autoscaling (with a router)")
+    g.add_argument("--backend", default="local", choices=["local", "ray", "external"],
+                   help="where workers run; external: at --worker-url, placed by someone "
+                        "else (Kubernetes): the planner only exports sluice:desired_replicas "
+                        "(default: %(default)s)")
+    g.add_argument("--worker-url", action="append", default=[], metavar="URL",
+                   help="--backend external: a worker (or a Service in front of them)")
+    g.add_argument("--min-workers", type=int, default=None,
+                   help="autoscale: fewest workers; 0 scales to zero when idle")
+    g.add_argument("--max-workers", type=int, default=None, help="autoscale: most workers")
+    g.add_argument("--slo", default="ttft=2s,itl=200ms",
+                   help="targets of the slo planner policy: p90 TTFT and mean ITL "
+                        "(default: %(default)s)")
+    g.add_argument("--planner-policy", default="slo", choices=["slo", "queue", "kv"],
+                   help="slo: fewest workers predicted to meet --slo; queue: requests per "
+                        "worker; kv: KV-cache usage (default: %(default)s)")
+    g.add_argument("--scale-up-delay", type=float, default=5.0,
+                   help="seconds a larger count must be wanted before scaling up "
+                        "(default: %(default)s)")
+    g.add_argument("--scale-down-delay", type=float, default=60.0,
+                   help="seconds a smaller count must be wanted before scaling down "
+                        "(default: %(default)s)")
+    g.add_argument("--scale-to-zero-after", type=float, default=300.0,
+                   help="with --min-workers 0: seconds idle before stopping the last worker "
+                        "(default: %(default)s)")
+    g.add_argument("--buffer-timeout", type=float, default=60.0,
+                   help="seconds the router holds a request while no worker is ready, then "
+                        "503 + Retry-After; 0 answers 503 at once (default: %(default)s)")
+    g.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="seconds a worker being scaled down may finish its streams "
+                        "(default: %(default)s)")
+    g.add_argument("--ray-address", default=None,
+                   help="--backend ray: the cluster to join (default: start a local one)")
+
+
+def worker_bounds(args: argparse.Namespace) -> tuple[int, int]:
+    """(min, max) workers: --min/--max-workers when given, else --workers for both."""
+    lo = args.min_workers if args.min_workers is not None else args.workers
+    hi = args.max_workers if args.max_workers is not None else max(lo, args.workers)
+    if lo < 0 or hi < 1 or lo > hi:
+        raise InvalidRequestError(f"need 0 <= --min-workers <= --max-workers and "
+                                  f"--max-workers >= 1, got {lo} and {hi}", param="min_workers")
+    return lo, hi
+
+
+def uses_router(args: argparse.Namespace) -> bool:
+    return (args.workers > 1 or args.min_workers is not None or args.max_workers is not None
+            or args.backend != "local")
 
 
 def say(message: str) -> None:
@@ -148,37 +209,79 @@ def with_status(args: argparse.Namespace, wrap: Any, local: Any) -> Any:
     return status
 
 
+def planner_config(args: argparse.Namespace) -> Any:
+    from sluice.control.planner import SLO, PlannerConfig
+
+    lo, hi = worker_bounds(args)
+    return PlannerConfig(policy=args.planner_policy, min_replicas=lo, max_replicas=hi,
+                         slo=SLO.parse(args.slo), scale_up_delay_s=args.scale_up_delay,
+                         scale_down_delay_s=args.scale_down_delay,
+                         scale_to_zero_after_s=args.scale_to_zero_after if lo == 0 else None)
+
+
+def backend_options(args: argparse.Namespace, flags: list[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {"worker_args": flags}
+    if args.backend == "ray":
+        options["address"] = args.ray_address
+    return options
+
+
 def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
-    from sluice.control.local import LocalWorkerPool
-    from sluice.engine.tokenizer import resolve_model
+    from sluice.control.backend import make_backend
+    from sluice.control.controller import Controller, ControllerConfig, attach
+    from sluice.control.planner import Planner
+    from sluice.engine.tokenizer import default_served_name, resolve_model
     from sluice.observe.asgi import traced_gateway
     from sluice.observe.tracing import start_tracing
     from sluice.router.app import build_app
     from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
     from sluice.router.server import run
 
-    flags = worker_flags(args) + ["--log-level", args.log_level] + observe_flags(args)
-    say(f"starting {args.workers} workers (model load shows in their logs) ...")
-    with LocalWorkerPool(args.workers, flags, kv_events=True, host="127.0.0.1") as pool:
-        say(f"workers ready: {', '.join(pool.urls)} (logs in {pool.log_dir})")
-        workers = tuple(WorkerSpec(url, kv_events=kv)
-                        for url, kv in zip(pool.urls, pool.kv_endpoints, strict=True))
-        pool_config = PoolConfig(workers=workers, policy=args.policy,
-                                 tokenizer=resolve_model(args.model),
-                                 block_size=args.block_size or 16)
-        config = RouterConfig(pools=(pool_config,), host=args.host, port=args.port,
-                              admin_key=args.admin_key or env.get("ADMIN_KEY"))
-        tracing = start_tracing(tracing_config(args, "sluice-serve"))
-        app = build_app(config, token_cache=cache, tracing=tracing, buckets=observe_buckets(args),
-                        status_metrics=[wrap.metrics] if wrap else [])
-        wrap = traced_gateway(wrap, tracing) if wrap and tracing is not None else wrap
-        say(f"router ({args.policy}) listening on http://{args.host}:{args.port}")
-        # the router's own server, the gateway (if any) a layer of it; SIGINT/SIGTERM
-        # drain, then the workers stop and this exits 0
-        run(wrap(app) if wrap else app, args.host, args.port,
-            state=lambda: app.state.router, direct=wrap is None)
+    planning = planner_config(args)
+    name = default_served_name(args.model)
+    flags = (worker_flags(args) + ["--log-level", args.log_level, "--served-model-name", name]
+             + observe_flags(args))
+    external = args.backend == "external"
+    backend = None if external else make_backend(args.backend, **backend_options(args, flags))
+    initial = max(1, planning.min_replicas)
+    pool_config = PoolConfig(model=name, policy=args.policy, tokenizer=resolve_model(args.model),
+                             block_size=args.block_size or 16,
+                             workers=tuple(WorkerSpec(url) for url in args.worker_url))
+    config = RouterConfig(pools=(pool_config,), host=args.host, port=args.port,
+                          admin_key=args.admin_key or env.get("ADMIN_KEY"),
+                          buffer_timeout_s=args.buffer_timeout)
+    tracing = start_tracing(tracing_config(args, "sluice-serve"))
+    app = build_app(config, token_cache=cache, tracing=tracing, buckets=observe_buckets(args),
+                    status_metrics=[wrap.metrics] if wrap else [])
+    wrap = traced_gateway(wrap, tracing) if wrap and tracing is not None else wrap
+    control = ControllerConfig(drain_grace_s=args.drain_timeout)
+    attach(app, lambda state: [Controller(name, state, state.pools[0], backend,
+                                          Planner(planning, initial=initial), control)])
+    show_control_logs(args.log_level)
+    if backend is not None:
+        say(f"starting {initial} of {planning.min_replicas}-{planning.max_replicas} workers on "
+            f"{args.backend} (model load shows in their logs"
+            + (f", in {backend.log_dir})" if hasattr(backend, "log_dir") else ")") + " ...")
+    say(f"router ({args.policy}) on http://{args.host}:{args.port}, listening once the "
+        "first workers are ready; planner: GET /admin/planner")
+    # the router's own server, the gateway (if any) a layer of it; the controller runs
+    # in its lifespan (workers ready before it listens); SIGINT/SIGTERM drain, then the
+    # workers stop and this exits 0
+    run(wrap(app) if wrap else app, args.host, args.port,
+        state=lambda: app.state.router, direct=wrap is None)
     say("stopped")
     return 0
+
+
+def show_control_logs(level: str) -> None:
+    """Scale events and planner decisions that change the count go to stderr (INFO)."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("sluice: %(message)s"))
+    logger = logging.getLogger("sluice.control")
+    logger.addHandler(handler)
+    logger.setLevel(min(logging.INFO, logging.getLevelName(level.upper())))
 
 
 def handler(args: argparse.Namespace) -> int:
@@ -188,9 +291,16 @@ def handler(args: argparse.Namespace) -> int:
         print("sluice serve: error: --workers must be at least 1", file=sys.stderr)
         return 2
     try:
+        if uses_router(args):
+            planner_config(args)  # flag errors before anything starts
+            if (args.backend == "external") != bool(args.worker_url):
+                raise InvalidRequestError("--worker-url goes with --backend external (and "
+                                          "--backend external needs one)", param="worker_url")
         cache = TokenCache()  # one per process: the gateway counts, the router hashes
         wrap = gateway_wrap(args, cache) if args.gateway else None
-        return serve_one(args, wrap) if args.workers == 1 else serve_many(args, wrap, cache)
+        if not uses_router(args):
+            return serve_one(args, wrap)
+        return serve_many(args, wrap, cache)
     except SluiceError as exc:
         print(f"sluice serve: error: {exc}", file=sys.stderr)
         return 2

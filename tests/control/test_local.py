@@ -77,3 +77,50 @@ def test_workers_die_when_the_parent_is_sigkilled(tiny_llama_dir: Path, mode: st
         for pid in pids:
             if not gone(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+TINY_ARGS = ["--max-model-len", "256", "--num-kv-blocks", "64"]
+
+
+async def test_a_killed_worker_is_reaped_and_replaced_through_the_router(
+        tiny_llama_dir: Path) -> None:
+    """`kill -9` one real worker of `sluice serve`'s stack (LocalBackend + controller +
+    router): its process is reaped (no zombie), a new worker takes its place and serves."""
+    import asyncio
+    import random
+
+    from router.router_stubs import serve_router
+    from sluice.control.backend import WorkerHealth
+    from sluice.control.controller import Controller, ControllerConfig, attach
+    from sluice.control.local import LocalBackend
+    from sluice.control.planner import Planner, PlannerConfig
+    from sluice.router.app import build_app
+    from sluice.router.config import PoolConfig, RouterConfig
+
+    backend = LocalBackend(["--model", str(tiny_llama_dir), *TINY_ARGS], kv_events=False,
+                           startup_timeout_s=150)
+    app = build_app(RouterConfig(pools=(PoolConfig(model="tiny", policy="least_load"),),
+                                 health_interval_s=0.2), rng=random.Random(0))
+    made: list[Controller] = []
+    attach(app, lambda state: made.append(Controller(
+        "tiny", state, state.pools[0], backend,
+        Planner(PlannerConfig(min_replicas=1, max_replicas=1), initial=1),
+        ControllerConfig(interval_s=0.2))) or made)
+    async with serve_router(app) as url:
+        (ctl,) = made
+        (old,) = backend.workers.values()
+        pid = old.process.pid
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(1500):
+            if ctl.workers and old.url not in ctl.workers:
+                break
+            await asyncio.sleep(0.1)
+        assert not Path(f"/proc/{pid}").exists(), "the killed worker was left a zombie"
+        (new,) = backend.workers.values()
+        assert new.url != old.url and await backend.health(new.handle) is WorkerHealth.READY
+        assert [e["event"] for e in ctl.events] == ["start", "ready", "dead", "start", "ready"]
+        async with httpx.AsyncClient(timeout=60) as client:
+            resp = await client.post(url + "/v1/completions", json={
+                "model": "tiny", "prompt": "hello", "max_tokens": 3})
+        assert resp.status_code == 200, resp.text
+    assert not backend.workers and new.process.poll() is not None

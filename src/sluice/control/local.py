@@ -1,6 +1,19 @@
-"""Local worker processes: N `sluice worker` subprocesses on free ports of this machine.
+"""Local worker processes: `sluice worker` subprocesses on free ports of this machine.
 
-The smallest cluster backend, used by `sluice serve --workers N` and by tests:
+Two faces over one launcher (`launch_worker`):
+
+`LocalBackend`, the `local` cluster backend (`sluice serve`): workers started and
+stopped one at a time at runtime, from the event loop, as the controller asks:
+
+    backend = LocalBackend(["--model", path])
+    worker = await backend.start()              # launched, then /health 200
+    await backend.health(worker)                # READY; DEAD once its process exited
+    await backend.stop(worker, drain=True)      # SIGTERM (it drains), SIGKILL later
+
+`health` polls the process, so a worker that died (`kill -9`, out of memory) is reaped
+at once, not left a zombie, and reported DEAD; the controller then replaces it.
+
+`LocalWorkerPool`, a fixed set for tests and benchmarks:
 
     with LocalWorkerPool(2, ["--model", path], kv_events=True) as pool:
         pool.urls          # ["http://127.0.0.1:41233", "http://127.0.0.1:41235"]
@@ -30,6 +43,8 @@ far is noticed too (`getppid()` already differs at the first check).
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import os
 import signal
 import socket
@@ -44,6 +59,8 @@ from pathlib import Path
 from types import TracebackType
 
 import httpx
+
+from sluice.control.backend import Backend, WorkerHandle, WorkerHealth
 
 ORPHAN_POLL_S = 0.25   # how often a worker checks that its parent is alive
 ORPHAN_GRACE_S = 30.0  # after the SIGTERM, how long an orphan may drain before exiting
@@ -63,12 +80,124 @@ class LocalWorker:
     kv_events: str | None
     process: subprocess.Popen[bytes]
     log_path: Path
+    index: int = 0
+
+    @property
+    def handle(self) -> WorkerHandle:
+        return WorkerHandle(f"local-{self.index}-{self.port}", self.url, self.kv_events)
 
     def log_tail(self, n: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return ""
+
+
+def launch_worker(index: int, worker_args: Sequence[str], host: str, kv_events: bool,
+                  log_dir: Path, env: Mapping[str, str]) -> LocalWorker:
+    """Start one `sluice worker` on a free port (tied to this process), its output in a
+    log file under `log_dir`; returns at once (the model loads in the background)."""
+    port = free_port(host)
+    kv = f"tcp://{host}:{free_port(host)}" if kv_events else None
+    cmd = [*child_command(), "worker", *worker_args, "--host", host, "--port", str(port)]
+    if kv:
+        cmd += ["--kv-events-endpoint", kv]
+    log_path = log_dir / f"worker-{index}-{port}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(env),
+                                start_new_session=True)
+    return LocalWorker(f"http://{host}:{port}", port, kv, proc, log_path, index)
+
+
+def stop_process(proc: subprocess.Popen[bytes], drain: bool, timeout_s: float) -> None:
+    """SIGTERM (drain) and wait up to `timeout_s`, then SIGKILL; or SIGKILL now. Reaps it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM if drain else signal.SIGKILL)
+    try:
+        proc.wait(timeout=timeout_s if drain else None)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class LocalBackend(Backend):
+    """The `local` backend: one `sluice worker` subprocess per replica, on this machine.
+
+    `worker_args` are `sluice worker` flags (model, engine options); host and port are
+    chosen here. Workers die with this process (see the module docstring's last part).
+    """
+
+    name = "local"
+
+    def __init__(self, worker_args: Sequence[str] = (), *, host: str = "127.0.0.1",
+                 kv_events: bool = True, startup_timeout_s: float = 180.0,
+                 stop_timeout_s: float = 30.0, log_dir: str | Path | None = None,
+                 env: Mapping[str, str] | None = None, poll_s: float = 0.2) -> None:
+        self.worker_args = list(worker_args)
+        self.host = host
+        self.kv_events = kv_events
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="sluice-workers-"))
+        self.env = {**os.environ, **(env or {})}
+        self.poll_s = poll_s
+        self.workers: dict[str, LocalWorker] = {}
+        self._index = itertools.count()
+
+    def list(self) -> list[WorkerHandle]:
+        return [w.handle for w in self.workers.values()]
+
+    async def start(self) -> WorkerHandle:
+        worker = launch_worker(next(self._index), self.worker_args, self.host, self.kv_events,
+                               self.log_dir, self.env)
+        handle = worker.handle
+        self.workers[handle.id] = worker
+        try:
+            await self._wait_ready(worker)
+        except BaseException:
+            self.workers.pop(handle.id, None)
+            await asyncio.to_thread(stop_process, worker.process, False, 0)
+            raise
+        return handle
+
+    async def _wait_ready(self, worker: LocalWorker) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while not await health_ok(client, worker.url):
+                if worker.process.poll() is not None:
+                    raise RuntimeError(f"worker {worker.url} exited with "
+                                       f"{worker.process.returncode}:\n{worker.log_tail()}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"worker {worker.url} not healthy after "
+                                       f"{self.startup_timeout_s}s\n{worker.log_tail()}")
+                await asyncio.sleep(self.poll_s)
+
+    async def stop(self, worker: WorkerHandle, drain: bool = True) -> None:
+        local = self.workers.pop(worker.id, None)
+        if local is not None:
+            await asyncio.to_thread(stop_process, local.process, drain, self.stop_timeout_s)
+
+    async def health(self, worker: WorkerHandle) -> WorkerHealth:
+        local = self.workers.get(worker.id)
+        if local is None or local.process.poll() is not None:  # poll() reaps a dead child
+            self.workers.pop(worker.id, None)
+            return WorkerHealth.DEAD
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            ok = await health_ok(client, local.url)
+        return WorkerHealth.READY if ok else WorkerHealth.STARTING
+
+    async def close(self) -> None:
+        workers, self.workers = list(self.workers.values()), {}
+        await asyncio.gather(*(asyncio.to_thread(stop_process, w.process, True,
+                                                 self.stop_timeout_s) for w in workers))
+
+
+async def health_ok(client: httpx.AsyncClient, url: str) -> bool:
+    """Whether `url`/health answers 200 now (any transport error: no)."""
+    try:
+        return (await client.get(url + "/health")).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 class LocalWorkerPool:
@@ -99,17 +228,8 @@ class LocalWorkerPool:
         return [w.kv_events for w in self.workers]
 
     def _launch(self, index: int) -> LocalWorker:
-        port = free_port(self.host)
-        kv = f"tcp://{self.host}:{free_port(self.host)}" if self.kv_events else None
-        cmd = [*child_command(), "worker", *self.worker_args,
-               "--host", self.host, "--port", str(port)]
-        if kv:
-            cmd += ["--kv-events-endpoint", kv]
-        log_path = self.log_dir / f"worker-{index}-{port}.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                    start_new_session=True)
-        return LocalWorker(f"http://{self.host}:{port}", port, kv, proc, log_path)
+        return launch_worker(index, self.worker_args, self.host, self.kv_events, self.log_dir,
+                             self.env)
 
     def start(self) -> list[LocalWorker]:
         """Launch all workers and wait until each is healthy; stops them all on failure."""

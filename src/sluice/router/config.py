@@ -103,6 +103,9 @@ class RouterConfig:
     prefix_index_blocks: int = 200_000
     predicted_block_ttl_s: float = 10.0
     seed: int | None = None
+    # requests held while a pool has no ready worker (scale from zero); 0 s: answer 503
+    buffer_timeout_s: float = 0.0
+    buffer_max_requests: int = 256
 
     def __post_init__(self) -> None:
         if self.max_retries < 0:
@@ -114,6 +117,9 @@ class RouterConfig:
             raise InvalidRequestError("max_body_bytes must be positive", param="max_body_bytes")
         if self.scrape_interval_s <= 0 or self.health_interval_s <= 0:
             raise InvalidRequestError("intervals must be positive", param="scrape_interval_s")
+        if self.buffer_timeout_s < 0 or self.buffer_max_requests < 0:
+            raise InvalidRequestError("buffer_timeout_s and buffer_max_requests must be >= 0",
+                                      param="buffer_timeout_s")
 
     def with_overrides(self, **changes: Any) -> RouterConfig:
         """A copy with the non-None `changes` applied (CLI flags over a config file)."""

@@ -1,7 +1,9 @@
 """The routed OpenAI endpoints' one code path, shared by the router's two HTTP front ends.
 
-    (kind, path, body, headers) -> parse -> pool for the model -> request metadata
-                                -> Proxy.forward -> Relay (stream it back, then close it)
+    (kind, path, body, headers) -> parse -> pool for the model
+                                -> buffer (only while the pool has no ready worker)
+                                -> request metadata -> Proxy.forward
+                                -> Relay (stream it back, then close it)
     a SluiceError at any step   -> ErrorReply (OpenAI JSON, status, extra headers)
 
 `sluice router` serves it from its own server (server.py); `build_app`'s ASGI app serves
@@ -60,6 +62,7 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
         session = next((v.decode("latin-1") for n, v in headers if n == _SESSION), None)
         req = parse_request(kind, body, {SESSION_HEADER: session} if session else {})
         pool = state.resolve(req.model)
+        await state.buffer.admit(pool)  # held while the pool has no ready worker
         if notes is not None:
             notes.update(model=req.model, policy=pool.policy.name)
         given = next((IdsHint.decode(v) for n, v in headers if n == _IDS), None)

@@ -8,6 +8,7 @@
      ├── monitor          active health probes, /metrics scraping
      ├── tokenizer        prompt → token ids (local or worker /tokenize), cached
      ├── subscribers      one KV-event task per publishing worker
+     ├── buffer           requests held while a pool has no ready worker
      ├── metrics          the router's own Prometheus registry
      └── tracing          OpenTelemetry tracer, or None (off)
 """
@@ -26,6 +27,7 @@ from sluice.observe.buckets import LatencyBuckets
 from sluice.observe.tracing import Tracing
 from sluice.protocol.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
 from sluice.protocol.prompt import IdsHint, TokenCache
+from sluice.router.buffer import RequestBuffer
 from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
 from sluice.router.endpoints import Endpoint
 from sluice.router.kv_subscriber import KVEventSubscriber
@@ -69,6 +71,7 @@ class RouterState:
         self.tokenizer = PromptTokenizer(
             self.client, self.token_cache or TokenCache(self.config.tokenize_cache_size))
         self.zmq_ctx = zmq.asyncio.Context()
+        self.buffer = RequestBuffer(self.config.buffer_max_requests, self.config.buffer_timeout_s)
         for pool_config in self.config.pools:
             self.add_pool(pool_config)
 

@@ -9,7 +9,8 @@ Two llama.cpp conventions are undone here so the model file sees Hugging Face we
    GGUF loader does. Qwen2 files are not permuted.
 
 Quantized tensors (Q4_0/Q4_1/Q8_0/K-quants...) are dequantized with
-`gguf.quants.dequantize`; weights are kept dense in the engine dtype.
+`gguf.quants.dequantize`; weights are kept dense in the engine dtype. The converted
+tensors are cached on disk (`weights_cache`), so a second start skips the conversion.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from sluice.engine.models.gguf_file import GGUFFile
 from sluice.engine.models.llama import LlamaConfig, RopeConfig, Transformer, build_model
+from sluice.engine.models.weights_cache import cached_weights
 from sluice.protocol.errors import InvalidRequestError
 
 # GGUF general.architecture -> (HF architecture, Q/K permuted by llama.cpp, qkv bias)
@@ -47,6 +49,13 @@ def load_gguf_model(path: Path, device: torch.device,
                     dtype: torch.dtype) -> tuple[Transformer, LlamaConfig]:
     gguf = GGUFFile(path)
     cfg, permuted = config_from_gguf(gguf)
+    weights = cached_weights(path, lambda: convert_weights(gguf, cfg, permuted))
+    return build_model(cfg, weights, device, dtype), cfg
+
+
+def convert_weights(gguf: GGUFFile, cfg: LlamaConfig, permuted: bool) -> dict[str, Tensor]:
+    """Every tensor dequantized to float32 under its Hugging Face name, Q/K un-permuted
+    (what the weights cache stores)."""
     weights = {hf_name(name): dequantize(gguf, name) for name in gguf.tensors
                if name != "rope_freqs.weight"}
     if permuted:
@@ -56,7 +65,7 @@ def load_gguf_model(path: Path, device: torch.device,
                                                            cfg.num_heads)
             weights[attn + "k_proj.weight"] = unpermute_qk(weights[attn + "k_proj.weight"],
                                                            cfg.num_kv_heads)
-    return build_model(cfg, weights, device, dtype), cfg
+    return weights
 
 
 def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:

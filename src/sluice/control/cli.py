@@ -1,0 +1,57 @@
+"""`sluice deploy k8s --render DIR`: write the Kubernetes manifests (see control/k8s.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from sluice.control.k8s import K8sOptions
+
+    d = K8sOptions()
+    p = subparsers.add_parser("deploy", help="deployment manifests (Kubernetes + KEDA)")
+    targets = p.add_subparsers(dest="target", metavar="TARGET", required=True)
+    k8s = targets.add_parser("k8s", help="render gateway, router, workers, PDBs and a KEDA "
+                                         "ScaledObject on sluice:desired_replicas")
+    k8s.add_argument("--render", required=True, metavar="DIR", type=Path,
+                     help="directory to write the YAML files into (created)")
+    k8s.add_argument("--model", default=d.model,
+                     help="what workers load: a path or hub id in the image (default: %(default)s)")
+    k8s.add_argument("--served-model-name", default=None,
+                     help="the model id clients use (default: derived from --model)")
+    k8s.add_argument("--image", default=d.image, help="container image (default: %(default)s)")
+    k8s.add_argument("--namespace", default=d.namespace, help="(default: %(default)s)")
+    k8s.add_argument("--min-workers", type=int, default=d.min_workers,
+                     help="KEDA minReplicaCount; 0 scales to zero (default: %(default)s)")
+    k8s.add_argument("--max-workers", type=int, default=d.max_workers,
+                     help="KEDA maxReplicaCount (default: %(default)s)")
+    k8s.add_argument("--slo", default=d.slo, help="the planner's SLO (default: %(default)s)")
+    k8s.add_argument("--prometheus-url", default=d.prometheus_url,
+                     help="where KEDA queries sluice:desired_replicas (default: %(default)s)")
+    k8s.add_argument("--drain-seconds", type=int, default=d.drain_seconds,
+                     help="a stopping worker's time to finish its streams (default: %(default)s)")
+    k8s.set_defaults(func=render_k8s)
+
+
+def render_k8s(args: argparse.Namespace) -> int:
+    from sluice.control.k8s import K8sOptions, write
+    from sluice.control.planner import SLO
+    from sluice.protocol.errors import InvalidRequestError
+
+    name = args.served_model_name or args.model.rstrip("/").rsplit("/", 1)[-1].removesuffix(
+        ".gguf")
+    try:
+        SLO.parse(args.slo)
+        options = K8sOptions(model=args.model, served_name=name, image=args.image,
+                             namespace=args.namespace, min_workers=args.min_workers,
+                             max_workers=args.max_workers, slo=args.slo,
+                             prometheus_url=args.prometheus_url,
+                             drain_seconds=args.drain_seconds)
+    except InvalidRequestError as exc:
+        print(f"sluice deploy k8s: error: {exc}", file=sys.stderr)
+        return 2
+    for path in write(options, args.render):
+        print(path)
+    return 0

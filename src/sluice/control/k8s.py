@@ -1,0 +1,240 @@
+"""`sluice deploy k8s --render DIR`: Kubernetes manifests for one model's serving stack.
+
+    gateway  Deployment (2) + Service :8080 + PDB     keys, limits, ledger
+      │ http://sluice-router:8000
+    router   Deployment (1) + Service :8000           `sluice serve --backend external`:
+      │ http://sluice-worker-MODEL:8000                routes, and runs the planner, which
+    workers  Deployment + Service :8000 + PDB          exports sluice:desired_replicas
+      ▲
+    KEDA ScaledObject: Prometheus trigger on max(sluice:desired_replicas{pool="MODEL"}),
+                       threshold 1 (AverageValue), so replicas = the planner's count
+
+Kubernetes places and scales the workers; the planner decides how many (the same
+planner as `sluice serve`, with its SLO, delays and hysteresis) and KEDA applies it:
+llm-d's variant autoscaler publishes `wva_desired_replicas` for an HPA the same way.
+The HPA behaviour KEDA creates is told not to stabilize again (the planner already
+has), so KEDA follows the planner's number within one polling interval.
+
+Drain on scale-down: the worker's preStop hook sleeps while Kubernetes takes the pod
+out of the Service's endpoints (no new connections), then SIGTERM makes the worker
+finish its in-flight streams (`--shutdown-timeout`) within the grace period. Probes on
+`/health`: the workers' startup (model load), readiness and liveness; the router's
+readiness and liveness; the gateway's readiness (its liveness is its port, since its
+/health is the router's).
+
+The router reaches the workers through their Service (kube-proxy spreads connections);
+per-pod routing needs the router to discover pod endpoints, which it does not yet do.
+With `--min-workers 0` KEDA scales the workers to zero and the router holds requests
+(`--buffer-timeout`) while the planner, seeing them queued, asks for one again.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sluice.protocol.errors import InvalidRequestError
+
+_NAME = re.compile(r"[^a-z0-9-]+")
+HTTP = 8000
+GATEWAY_PORT = 8080
+
+
+def dns_name(text: str) -> str:
+    """A DNS-1123 label from a model name (`SmolLM2-135M-Instruct` -> `smollm2-135m-instruct`)."""
+    name = _NAME.sub("-", text.lower()).strip("-")[:40].strip("-")
+    if not name:
+        raise InvalidRequestError(f"cannot make a Kubernetes name from {text!r}", param="model")
+    return name
+
+
+@dataclass(frozen=True)
+class K8sOptions:
+    """What the manifests vary by. `model` is what workers load (`--model`); `served_name`
+    the id clients ask for and the planner's pool label."""
+
+    model: str = "SmolLM2-135M-Instruct"
+    served_name: str = "SmolLM2-135M-Instruct"
+    image: str = "sluice:latest"
+    namespace: str = "sluice"
+    min_workers: int = 1
+    max_workers: int = 4
+    slo: str = "ttft=2s,itl=200ms"
+    prometheus_url: str = "http://prometheus-server.monitoring.svc:80"
+    worker_cpu: str = "2"
+    worker_memory: str = "2Gi"
+    drain_seconds: int = 60
+    polling_interval_s: int = 15
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_workers <= self.max_workers or self.max_workers < 1:
+            raise InvalidRequestError("need 0 <= min_workers <= max_workers, max >= 1",
+                                      param="min_workers")
+        if self.drain_seconds < 0 or self.polling_interval_s < 1:
+            raise InvalidRequestError("drain_seconds >= 0 and polling_interval_s >= 1",
+                                      param="drain_seconds")
+
+    @property
+    def worker_name(self) -> str:
+        return f"sluice-worker-{dns_name(self.served_name)}"
+
+
+def _meta(name: str, o: K8sOptions, component: str) -> dict[str, Any]:
+    return {"name": name, "namespace": o.namespace,
+            "labels": {"app.kubernetes.io/name": "sluice",
+                       "app.kubernetes.io/component": component}}
+
+
+def _selector(component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "sluice", "app.kubernetes.io/component": component}
+
+
+def _probe(port: str, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": "/health", "port": port}, "periodSeconds": period,
+            "timeoutSeconds": 3, "failureThreshold": failures}
+
+
+def _deployment(name: str, o: K8sOptions, component: str, replicas: int,
+                container: dict[str, Any], grace_s: int = 30) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(name, o, component),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": _selector(component)},
+            "template": {
+                "metadata": {"labels": _selector(component),
+                             "annotations": {"prometheus.io/scrape": "true",
+                                             "prometheus.io/path": "/metrics",
+                                             "prometheus.io/port": str(
+                                                 container["ports"][0]["containerPort"])}},
+                "spec": {"terminationGracePeriodSeconds": grace_s, "containers": [container]},
+            },
+        },
+    }
+
+
+def _service(name: str, o: K8sOptions, component: str, port: int) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, o, component),
+            "spec": {"selector": _selector(component),
+                     "ports": [{"name": "http", "port": port, "targetPort": "http"}]}}
+
+
+def _pdb(name: str, o: K8sOptions, component: str) -> dict[str, Any]:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _meta(name, o, component),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _selector(component)}}}
+
+
+def _admin_key_env() -> dict[str, Any]:
+    return {"name": "SLUICE_ADMIN_KEY", "valueFrom": {"secretKeyRef": {
+        "name": "sluice-admin", "key": "admin-key", "optional": True}}}
+
+
+def workers(o: K8sOptions) -> list[dict[str, Any]]:
+    container = {
+        "name": "worker", "image": o.image,
+        "args": ["worker", "--model", o.model, "--served-model-name", o.served_name,
+                 "--host", "0.0.0.0", "--port", str(HTTP),
+                 "--shutdown-timeout", str(o.drain_seconds)],
+        "ports": [{"name": "http", "containerPort": HTTP}],
+        "resources": {"requests": {"cpu": o.worker_cpu, "memory": o.worker_memory},
+                      "limits": {"memory": o.worker_memory}},
+        "startupProbe": _probe("http", 5, 120),  # model load: up to 10 minutes
+        "readinessProbe": _probe("http", 5, 2),
+        "livenessProbe": _probe("http", 10, 6),
+        # out of the Service's endpoints first, then SIGTERM drains the streams
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", "10"]}}},
+    }
+    name = o.worker_name
+    replicas = max(1, o.min_workers)
+    return [_deployment(name, o, "worker", replicas, container, o.drain_seconds + 15),
+            _service(name, o, "worker", HTTP), _pdb(name, o, "worker")]
+
+
+def router(o: K8sOptions) -> list[dict[str, Any]]:
+    container = {
+        "name": "router", "image": o.image,
+        "args": ["serve", "--no-gateway", "--host", "0.0.0.0", "--port", str(HTTP),
+                 "--model", o.model, "--backend", "external",
+                 "--worker-url", f"http://{o.worker_name}:{HTTP}",
+                 "--min-workers", str(o.min_workers), "--max-workers", str(o.max_workers),
+                 "--slo", o.slo],
+        "ports": [{"name": "http", "containerPort": HTTP}],
+        "env": [_admin_key_env()],
+        "readinessProbe": _probe("http", 5, 2),
+        "livenessProbe": _probe("http", 10, 6),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
+    }
+    # one router: the planner's decision is one number (KEDA's query takes the max)
+    return [_deployment("sluice-router", o, "router", 1, container, o.drain_seconds + 15),
+            _service("sluice-router", o, "router", HTTP)]
+
+
+def gateway(o: K8sOptions) -> list[dict[str, Any]]:
+    container = {
+        "name": "gateway", "image": o.image,
+        "args": ["gateway", "--upstream", f"http://sluice-router:{HTTP}",
+                 "--host", "0.0.0.0", "--port", str(GATEWAY_PORT)],
+        "ports": [{"name": "http", "containerPort": GATEWAY_PORT}],
+        "env": [_admin_key_env(),
+                {"name": "SLUICE_DATABASE_URL", "valueFrom": {"secretKeyRef": {
+                    "name": "sluice-db", "key": "url"}}}],
+        # /health is passed to the router: ready when the path to it is, but a router
+        # outage must not restart the gateways (liveness: the port only)
+        "readinessProbe": _probe("http", 5, 2),
+        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10,
+                          "failureThreshold": 6},
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
+    }
+    return [_deployment("sluice-gateway", o, "gateway", 2, container),
+            _service("sluice-gateway", o, "gateway", GATEWAY_PORT),
+            _pdb("sluice-gateway", o, "gateway")]
+
+
+def scaled_object(o: K8sOptions) -> dict[str, Any]:
+    query = f'max(sluice:desired_replicas{{pool="{o.served_name}"}})'
+    def no_extra_window() -> dict[str, Any]:
+        return {"stabilizationWindowSeconds": 0,
+                "policies": [{"type": "Pods", "value": 4, "periodSeconds": 15}]}
+
+    return {
+        "apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject",
+        "metadata": _meta(o.worker_name, o, "worker"),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment",
+                               "name": o.worker_name},
+            "minReplicaCount": o.min_workers, "maxReplicaCount": o.max_workers,
+            "pollingInterval": o.polling_interval_s, "cooldownPeriod": 60,
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": {
+                "scaleUp": no_extra_window(), "scaleDown": no_extra_window()}}},
+            "triggers": [{"type": "prometheus", "metricType": "AverageValue", "metadata": {
+                "serverAddress": o.prometheus_url, "query": query, "threshold": "1",
+                "activationThreshold": "0"}}],
+        },
+    }
+
+
+def namespace(o: K8sOptions) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": o.namespace}}
+
+
+def render(o: K8sOptions) -> dict[str, list[dict[str, Any]]]:
+    """File name -> the documents in it."""
+    return {"00-namespace.yaml": [namespace(o)], "10-workers.yaml": workers(o),
+            "20-router.yaml": router(o), "30-gateway.yaml": gateway(o),
+            "40-keda-scaledobject.yaml": [scaled_object(o)]}
+
+
+def write(o: K8sOptions, out: Path) -> list[Path]:
+    """Write the manifests under `out` (created); returns the files written."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, docs in render(o).items():
+        path = out / name
+        path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+        paths.append(path)
+    return paths

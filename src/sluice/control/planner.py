@@ -1,0 +1,471 @@
+"""The planner: how many workers a pool should have, decided on plain data, explained.
+
+    PoolSignals (queue, in flight, KV usage, observed TTFT/ITL, learned prefill cost)
+      -> policy.recommend(signals, n) for each n    `slo` | `queue` | `kv`  (POLICIES)
+      -> recommendation r (>= 1 while there is any load; 0 after `scale_to_zero_after_s` idle)
+      -> delays: up only once every recommendation for `scale_up_delay_s` was above the
+         current count (to the smallest of them); down once every one for
+         `scale_down_delay_s` was below it (to the largest of them)
+      -> clamp to [min, max] and to `max_step` per decision
+      -> Decision: desired count, the reason, the inputs and the predictions behind it
+
+`Planner.decide(signals, now)` is a pure step in the caller's time (no clock is read
+inside), so the router's control loop calls it every second in wall time and the
+simulator every tick in virtual time, with the same results for the same inputs.
+
+Hysteresis comes from two places, so the count never flaps under oscillating load:
+the `slo` policy scales up when its prediction misses the SLO but down only when the
+smaller count is predicted to beat `scale_down_margin` × SLO; and the delays take the
+max (down) or min (up) of the recommendations over their window, as Kubernetes' HPA
+stabilization window does, so a dip shorter than the down delay never shrinks the pool.
+
+The `slo` policy predicts with the router's own cost model
+(`router.policies.cost.estimate_seconds` over the pool's learned TTFT line): the
+TTFT of a request joining the back of the queue on an average worker when the pool's
+queued and running work is spread over n workers, calibrated upward by the observed
+p90 TTFT when the model under-predicts it. ITL is predicted from the observed mean ITL,
+scaled by the per-worker decode batch: ITL(n) = ITL_obs × (1 + running/n) / (1 + running/n_now).
+Dynamo's planner maps forecast load through profiled curves instead; sluice has no
+offline profile, so it uses the line the router already fits online.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+from sluice.protocol.errors import InvalidRequestError
+from sluice.router.endpoints import PRIOR_SECONDS_PER_TOKEN, EndpointStats
+from sluice.router.policies.base import RequestMeta
+from sluice.router.policies.cost import estimate_seconds
+
+log = logging.getLogger(__name__)
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m)?\s*$")
+_UNIT_S = {"ms": 1e-3, "s": 1.0, "m": 60.0, None: 1.0}
+
+
+def parse_duration(text: str, param: str) -> float:
+    """`2s`, `200ms`, `1.5`, `1m` -> seconds."""
+    m = _DURATION.match(text)
+    if m is None:
+        raise InvalidRequestError(f"{param}: expected a duration like 2s or 200ms, got {text!r}",
+                                  param=param)
+    return float(m.group(1)) * _UNIT_S[m.group(2)]
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Service-level objectives: p90 time to first token and mean inter-token latency."""
+
+    ttft_s: float = 2.0
+    itl_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.ttft_s <= 0 or self.itl_s <= 0:
+            raise InvalidRequestError("SLO targets must be positive", param="slo")
+
+    @classmethod
+    def parse(cls, text: str) -> SLO:
+        """`ttft=2s,itl=200ms` (either part may be left out)."""
+        values: dict[str, float] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = part.partition("=")
+            if not sep or key.strip() not in ("ttft", "itl"):
+                raise InvalidRequestError(f"slo: expected ttft=..,itl=.., got {part!r}",
+                                          param="slo")
+            values[key.strip() + "_s"] = parse_duration(value, "slo")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """One pool's scaling bounds, delays and policy.
+
+    `scale_to_zero_after_s`: with `min_replicas=0`, go to zero workers after the pool
+    has been idle (nothing queued, in flight or waiting) this long; None never does.
+    """
+
+    policy: str = "slo"
+    min_replicas: int = 1
+    max_replicas: int = 4
+    slo: SLO = field(default_factory=SLO)
+    scale_up_delay_s: float = 5.0
+    scale_down_delay_s: float = 60.0
+    max_step: int = 1
+    scale_to_zero_after_s: float | None = None
+    scale_down_margin: float = 0.6  # slo: a smaller count must beat margin × SLO
+    target_ongoing_requests: float = 8.0  # queue: in flight + queued per worker
+    target_kv_usage: float = 0.8  # kv: mean KV-cache usage per worker
+    tolerance: float = 0.1  # queue, kv: no change while the ratio is within 1 ± this
+    history: int = 120  # decisions kept for /admin/planner
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise InvalidRequestError(f"unknown planner policy {self.policy!r}; choose from "
+                                      f"{sorted(POLICIES)}", param="planner_policy")
+        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+            raise InvalidRequestError("need 0 <= min_replicas <= max_replicas and "
+                                      "max_replicas >= 1", param="min_replicas")
+        if self.scale_up_delay_s < 0 or self.scale_down_delay_s < 0:
+            raise InvalidRequestError("scale delays must be >= 0", param="scale_down_delay_s")
+        if self.max_step < 1:
+            raise InvalidRequestError("max_step must be >= 1", param="max_step")
+        if self.scale_to_zero_after_s is not None and (
+                self.scale_to_zero_after_s < 0 or self.min_replicas > 0):
+            raise InvalidRequestError("scale_to_zero_after_s needs min_replicas=0 and a "
+                                      "value >= 0", param="scale_to_zero_after_s")
+        if not 0 < self.scale_down_margin <= 1:
+            raise InvalidRequestError("scale_down_margin must be in (0, 1]",
+                                      param="scale_down_margin")
+        if self.target_ongoing_requests <= 0 or not 0 < self.target_kv_usage <= 1:
+            raise InvalidRequestError("queue/kv targets must be positive (kv <= 1)",
+                                      param="target_ongoing_requests")
+
+
+@dataclass(frozen=True)
+class PoolSignals:
+    """What the planner knows about one pool at one moment (plain data; sums over workers).
+
+    `ready`: workers taking requests; `starting`: launched, not yet ready. `queued`:
+    requests the router holds because no worker is ready. `waiting`/`running`: the
+    router's estimate of requests waiting for prefill / decoding on the workers.
+    `seconds_per_token`/`overhead_s`: the pool's learned TTFT line (the cost model).
+    `ttft_p90_s`/`itl_s`: observed over the last window; None when nothing was served.
+    """
+
+    pool: str
+    ready: int = 0
+    starting: int = 0
+    queued: int = 0
+    inflight: int = 0
+    waiting: float = 0.0
+    running: float = 0.0
+    queued_prefill_tokens: float = 0.0
+    kv_usage: float = 0.0
+    mean_prompt_tokens: float = 0.0
+    seconds_per_token: float = PRIOR_SECONDS_PER_TOKEN
+    overhead_s: float = 0.0
+    ttft_p90_s: float | None = None
+    itl_s: float | None = None
+    prefix_hit_rate: float | None = None
+
+    @property
+    def idle(self) -> bool:
+        return self.queued == 0 and self.inflight == 0 and self.waiting <= 0 and self.running <= 0
+
+    @property
+    def demand(self) -> float:
+        """Requests the pool holds: in flight (or estimated on the workers) plus queued."""
+        return max(float(self.inflight), self.waiting + self.running) + self.queued
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A policy's view of the pool at `replicas` workers (None: the policy has no model)."""
+
+    replicas: int
+    ttft_s: float | None = None
+    itl_s: float | None = None
+    per_replica: float | None = None  # queue: ongoing per worker; kv: usage per worker
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    replicas: int
+    reason: str
+    current: Prediction
+    chosen: Prediction
+
+
+class PlannerPolicy(ABC):
+    """Recommends a replica count for `signals` with `current` workers (never below 1;
+    scale-to-zero is the planner's rule, not a policy's). Pure: no state, no I/O."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def recommend(self, s: PoolSignals, current: int, config: PlannerConfig) -> Recommendation:
+        """The count this policy wants now, with its predictions at `current` and at it."""
+
+    @abstractmethod
+    def predict(self, s: PoolSignals, current: int, n: int) -> Prediction:
+        """What this policy expects of the pool at `n` workers (it has `current` now)."""
+
+
+def _calibration(s: PoolSignals, model_now: float) -> float:
+    """Observed p90 TTFT over the model's prediction at today's count (>= 1: the model
+    is only ever corrected upward, so a quiet window cannot talk the pool down)."""
+    if s.ttft_p90_s is None or model_now <= 0:
+        return 1.0
+    return min(10.0, max(1.0, s.ttft_p90_s / model_now))
+
+
+def model_ttft(s: PoolSignals, n: int) -> float:
+    """The cost model's TTFT for a request joining the back of the queue on an average
+    worker, with the pool's queued and running work spread over `n` workers."""
+    if n <= 0:
+        return math.inf
+    avg = EndpointStats(
+        url="", running=s.running / n, waiting=(s.waiting + s.queued) / n,
+        queued_prefill_tokens=(s.queued_prefill_tokens + s.queued * s.mean_prompt_tokens) / n,
+        seconds_per_token=s.seconds_per_token, overhead_s=s.overhead_s,
+        mean_prompt_tokens=s.mean_prompt_tokens)
+    return estimate_seconds(RequestMeta(model="", num_prompt_tokens=int(s.mean_prompt_tokens)),
+                            avg)
+
+
+def predict_itl(s: PoolSignals, now: int, n: int) -> float | None:
+    if s.itl_s is None or n <= 0:
+        return None if n > 0 else math.inf
+    return s.itl_s * (1 + s.running / n) / (1 + s.running / max(1, now))
+
+
+class SLOPolicy(PlannerPolicy):
+    """The smallest count whose predicted TTFT and ITL meet the SLO (scale up), and
+    that beats `scale_down_margin` × SLO to go below today's count (scale down)."""
+
+    name = "slo"
+
+    def predict(self, s: PoolSignals, current: int, n: int) -> Prediction:
+        ref = max(1, current)
+        ttft = model_ttft(s, n) * _calibration(s, model_ttft(s, ref))
+        return Prediction(n, ttft, predict_itl(s, ref, n))
+
+    def _meets(self, p: Prediction, slo: SLO, factor: float) -> bool:
+        ttft_ok = p.ttft_s is None or p.ttft_s <= slo.ttft_s * factor
+        itl_ok = p.itl_s is None or p.itl_s <= slo.itl_s * factor
+        return ttft_ok and itl_ok
+
+    def recommend(self, s: PoolSignals, current: int, config: PlannerConfig) -> Recommendation:
+        preds = [self.predict(s, current, n) for n in range(1, config.max_replicas + 1)]
+        now = self.predict(s, current, max(1, current))
+        best = _best(preds)  # when no count meets it: the fewest that do best
+        up = next((p for p in preds if self._meets(p, config.slo, 1.0)), best)
+        down = next((p for p in preds if self._meets(p, config.slo, config.scale_down_margin)),
+                    best)
+        if current < 1 or up.replicas > current:
+            return Recommendation(up.replicas, "predicted to miss the SLO with fewer"
+                                  if up.replicas > 1 else "smallest count meeting the SLO",
+                                  now, up)
+        if down.replicas < current:
+            return Recommendation(down.replicas, f"beats {config.scale_down_margin:g} x SLO "
+                                  "with fewer", now, down)
+        return Recommendation(current, "within the SLO band", now, now)
+
+
+def _best(preds: list[Prediction]) -> Prediction:
+    """The fewest workers whose predicted TTFT and ITL are within 1 % of the best: more
+    workers than that do not help (a slow TTFT at no load is not cured by scaling)."""
+    def worst(p: Prediction) -> tuple[float, float]:
+        return (p.ttft_s or 0.0, p.itl_s or 0.0)
+    low_t = min(worst(p)[0] for p in preds)
+    low_i = min(worst(p)[1] for p in preds)
+    return next(p for p in preds if worst(p)[0] <= low_t * 1.01 and worst(p)[1] <= low_i * 1.01)
+
+
+class _RatioPolicy(PlannerPolicy):
+    """HPA's rule: desired = ceil(current × metric / target), held within the tolerance."""
+
+    def per_replica(self, s: PoolSignals, n: int) -> float:
+        raise NotImplementedError
+
+    def target(self, config: PlannerConfig) -> float:
+        raise NotImplementedError
+
+    def predict(self, s: PoolSignals, current: int, n: int) -> Prediction:
+        return Prediction(n, per_replica=self.per_replica(s, n))
+
+    def recommend(self, s: PoolSignals, current: int, config: PlannerConfig) -> Recommendation:
+        ref = max(1, current)
+        metric, target = self.per_replica(s, ref), self.target(config)
+        ratio = metric / target
+        if current >= 1 and abs(ratio - 1.0) <= config.tolerance:
+            n, reason = current, f"within {config.tolerance:g} of the target"
+        else:
+            n, reason = max(1, math.ceil(ref * ratio - 1e-9)), f"{metric:.3g} per worker vs " \
+                                                               f"target {target:g}"
+        return Recommendation(n, reason, self.predict(s, current, ref),
+                              self.predict(s, current, n))
+
+
+class QueuePolicy(_RatioPolicy):
+    """Requests in flight or queued per worker against `target_ongoing_requests` (Ray
+    Serve's name; KServe + KEDA scale on `vllm:num_requests_waiting` alike)."""
+
+    name = "queue"
+
+    def per_replica(self, s: PoolSignals, n: int) -> float:
+        return s.demand / max(1, n)
+
+    def target(self, config: PlannerConfig) -> float:
+        return config.target_ongoing_requests
+
+
+class KVPolicy(_RatioPolicy):
+    """Mean KV-cache usage against `target_kv_usage` (llm-d's WVA threshold: 0.8); queued
+    requests count as a full worker's worth each so that a cold pool activates."""
+
+    name = "kv"
+
+    def per_replica(self, s: PoolSignals, n: int) -> float:
+        total = s.kv_usage * max(1, s.ready) + (1.0 if s.queued else 0.0)
+        return total / max(1, n)
+
+    def target(self, config: PlannerConfig) -> float:
+        return config.target_kv_usage
+
+
+POLICIES: Mapping[str, type[PlannerPolicy]] = MappingProxyType({
+    cls.name: cls for cls in (SLOPolicy, QueuePolicy, KVPolicy)})
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One planner step for one pool: the count it wants and everything behind it."""
+
+    pool: str
+    at: float
+    previous: int
+    desired: int
+    recommended: int
+    policy: str
+    reason: str
+    signals: PoolSignals
+    current: Prediction
+    predicted: Prediction
+
+    @property
+    def changed(self) -> bool:
+        return self.desired != self.previous
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (an infinite prediction, at zero workers, becomes null)."""
+        out = _finite(asdict(self))
+        out["changed"] = self.changed
+        return out  # type: ignore[no-any-return]
+
+    def describe(self) -> str:
+        s, p = self.signals, self.predicted
+        return (f"pool {self.pool}: {self.previous} -> {self.desired} ({self.policy}: "
+                f"{self.reason}; recommended {self.recommended}) | ready {s.ready} starting "
+                f"{s.starting} queued {s.queued} inflight {s.inflight} waiting {s.waiting:.1f} "
+                f"running {s.running:.1f} kv {s.kv_usage:.2f} ttft_p90 {_fmt(s.ttft_p90_s)} "
+                f"itl {_fmt(s.itl_s)} | predicted at {p.replicas}: ttft {_fmt(p.ttft_s)} "
+                f"itl {_fmt(p.itl_s)}")
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    return x
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}s"
+
+
+@dataclass
+class _Trend:
+    """Recommendations since they first went above (or below) the current count."""
+
+    since: float | None = None
+    values: list[int] = field(default_factory=list)
+
+    def add(self, now: float, value: int) -> None:
+        if self.since is None:
+            self.since = now
+        self.values.append(value)
+
+    def reset(self) -> None:
+        self.since, self.values = None, []
+
+    def held(self, now: float, delay: float) -> bool:
+        return self.since is not None and now - self.since >= delay
+
+
+class Planner:
+    """Decides one pool's replica count; owns only its own history (not thread-safe:
+    one caller, the control loop or the simulator, drives it)."""
+
+    def __init__(self, config: PlannerConfig, initial: int | None = None) -> None:
+        self.config = config
+        self.policy: PlannerPolicy = POLICIES[config.policy]()
+        self.desired = config.min_replicas if initial is None else initial
+        self.idle_since: float | None = None
+        self.up, self.down = _Trend(), _Trend()
+        self.decisions: deque[Decision] = deque(maxlen=config.history)
+
+    def decide(self, signals: PoolSignals, now: float) -> Decision:
+        """One step at time `now` (seconds, any origin, never decreasing). Mutates the
+        planner's history and `desired`; reads no clock."""
+        cfg, previous = self.config, self.desired
+        rec = self.policy.recommend(signals, previous, cfg)
+        target = min(cfg.max_replicas, max(cfg.min_replicas, rec.replicas))
+        stable, reason = self._zero_rule(signals, now)
+        if stable is None:
+            stable, reason = self._stabilize(now, previous, target, rec.reason)
+        desired = max(previous - cfg.max_step, min(previous + cfg.max_step, stable))
+        if desired != previous and desired == stable:  # moved all the way: delays restart
+            self.up.reset()
+            self.down.reset()
+        self.desired = desired
+        decision = Decision(signals.pool, now, previous, desired, target, cfg.policy, reason,
+                            signals, rec.current, self.policy.predict(signals, previous, desired))
+        self.decisions.append(decision)
+        log.log(logging.INFO if decision.changed else logging.DEBUG, "%s", decision.describe())
+        return decision
+
+    def _zero_rule(self, s: PoolSignals, now: float) -> tuple[int | None, str]:
+        """Zero after `scale_to_zero_after_s` idle (its own delay: the scale-down delay does
+        not apply on top); at zero, stay there while idle. None: the policy decides."""
+        if not s.idle:
+            self.idle_since = None
+            return None, ""
+        if self.idle_since is None:
+            self.idle_since = now
+        after = self.config.scale_to_zero_after_s
+        if after is not None and now - self.idle_since >= after:
+            return 0, f"idle for {now - self.idle_since:g}s (scale to zero after {after:g}s)"
+        if self.desired == 0:
+            return 0, "idle at zero"
+        return None, ""
+
+    def _stabilize(self, now: float, current: int, target: int, reason: str
+                   ) -> tuple[int, str]:
+        """Apply the up/down delays: act only on a recommendation held for the delay, to
+        the least (up) or greatest (down) count recommended since it first differed."""
+        cfg = self.config
+        if current == 0 and target > 0:
+            return target, reason + " (activation from zero: no delay)"
+        if target > current:
+            self.down.reset()
+            self.up.add(now, target)
+            if self.up.held(now, cfg.scale_up_delay_s):
+                return min(self.up.values), reason
+            return current, f"{reason}; held for the scale-up delay ({cfg.scale_up_delay_s:g}s)"
+        if target < current:
+            self.up.reset()
+            self.down.add(now, target)
+            if self.down.held(now, cfg.scale_down_delay_s):
+                return max(self.down.values), reason
+            return current, (f"{reason}; held for the scale-down delay "
+                             f"({cfg.scale_down_delay_s:g}s)")
+        self.up.reset()
+        self.down.reset()
+        return current, reason
+
+    def describe(self) -> dict[str, Any]:
+        """The config, the current count and the recent decisions (for /admin/planner)."""
+        return {"config": asdict(self.config), "desired": self.desired,
+                "idle_since": self.idle_since,
+                "decisions": [d.to_dict() for d in self.decisions]}

@@ -1,0 +1,64 @@
+"""Hold requests for a pool that has no ready worker, until one is ready (scale from zero).
+
+    route -> buffer.admit(pool)
+               a worker is available          -> go on at once (one scan of the pool)
+               buffering off (timeout 0)      -> go on: the proxy answers 503 as before
+               `max_requests` already held    -> 503 + Retry-After, at once
+               else wait (polling every 50 ms) until a worker is available
+                    -> go on; or after `timeout_s` -> 503 + Retry-After
+
+A pool scaled to zero thereby answers its first requests once the planner's new worker
+is ready, instead of failing them; the number held per pool (`queued`) is one of the
+planner's inputs, so a request arriving at zero is what wakes the pool. Polling rather
+than a wake-up from the monitor keeps this a hook: the router's probe and admission
+code stay as they are, and the cost (a scan every 50 ms) is paid only while requests
+are held. Knative's activator buffers the same way in front of a scaled-to-zero service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from sluice.protocol.errors import ServiceUnavailableError
+from sluice.router.pool import Pool
+
+
+class RequestBuffer:
+    """Per-pool holding area; touched only on the event loop (no locks)."""
+
+    def __init__(self, max_requests: int, timeout_s: float, poll_s: float = 0.05) -> None:
+        self.max_requests = max_requests
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self._held: dict[int, int] = {}  # id(pool) -> requests held now
+
+    def queued(self, pool: Pool) -> int:
+        """Requests held for `pool` right now."""
+        return self._held.get(id(pool), 0)
+
+    @staticmethod
+    def ready(pool: Pool) -> bool:
+        return any(e.available for e in pool.endpoints.values())
+
+    async def admit(self, pool: Pool) -> None:
+        """Return once `pool` has an available worker (or buffering is off); raise
+        ServiceUnavailableError (503, Retry-After) when full or after the timeout."""
+        if self.timeout_s <= 0 or self.ready(pool):
+            return
+        if self.queued(pool) >= self.max_requests:
+            raise ServiceUnavailableError(
+                f"no worker is ready and {self.max_requests} requests are already waiting "
+                "for one", retry_after=self.timeout_s, code="no_ready_worker")
+        self._held[id(pool)] = self.queued(pool) + 1
+        try:
+            await asyncio.wait_for(self._until_ready(pool), self.timeout_s)
+        except TimeoutError:
+            raise ServiceUnavailableError(
+                f"no worker became ready within {self.timeout_s:g}s", retry_after=self.timeout_s,
+                code="no_ready_worker") from None
+        finally:
+            self._held[id(pool)] -= 1
+
+    async def _until_ready(self, pool: Pool) -> None:
+        while not self.ready(pool):
+            await asyncio.sleep(self.poll_s)

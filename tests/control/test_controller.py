@@ -1,0 +1,162 @@
+"""The control loop over real HTTP: router (its own server) + stub workers from a backend.
+
+Scale-down drains (zero failed streams, none routed to the draining worker after it
+was picked), a dead worker is replaced and the router re-admits the new one, a pool at
+zero holds requests until a worker is ready (or answers 503 + Retry-After), and the
+planner's decisions show on /admin/planner and /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+from control.stub_backend import StubBackend
+from router.router_stubs import serve_router
+from sluice.control.controller import Controller, ControllerConfig, attach
+from sluice.control.planner import Planner, PlannerConfig
+from sluice.router.app import build_app
+from sluice.router.config import PoolConfig, RouterConfig
+from sluice.router.state import RouterState
+
+ADMIN = {"authorization": "Bearer k"}
+MODEL = "stub-model"
+
+
+@asynccontextmanager
+async def stack(backend: StubBackend, planner: PlannerConfig, initial: int,
+                interval_s: float = 0.1, **router_kw: Any
+                ) -> AsyncIterator[tuple[str, list[Controller]]]:
+    config = RouterConfig(pools=(PoolConfig(model=MODEL, policy="least_load"),),
+                          admin_key="k", health_interval_s=0.2, scrape_interval_s=0.2,
+                          **router_kw)
+    app = build_app(config, rng=random.Random(0))
+    made: list[Controller] = []
+
+    def controllers(state: RouterState) -> list[Controller]:
+        made.append(Controller("stub", state, state.pools[0], backend,
+                               Planner(planner, initial=initial),
+                               ControllerConfig(interval_s=interval_s, drain_grace_s=10)))
+        return made
+
+    attach(app, controllers)
+    async with serve_router(app) as url:
+        yield url, made
+
+
+async def stream(client: httpx.AsyncClient, url: str) -> tuple[int, str]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+        text = (await resp.aread()).decode()
+    return resp.status_code, text
+
+
+async def wait_for(predicate: Any, timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+async def test_scale_down_under_load_drains_with_zero_failed_requests() -> None:
+    backend = StubBackend(token_delay_s=0.02, num_tokens=15)  # 0.3 s streams
+    fixed = PlannerConfig(min_replicas=2, max_replicas=2)
+    async with stack(backend, fixed, initial=2, interval_s=60) as (url, (ctl,)):
+        assert sorted(w.state.name for w in backend.workers.values()) == ["s0", "s1"]
+        results: list[tuple[int, str]] = []
+        stop = asyncio.Event()
+
+        async def client_loop() -> None:
+            async with httpx.AsyncClient(timeout=30) as client:
+                while not stop.is_set():
+                    results.append(await stream(client, url))
+
+        clients = [asyncio.create_task(client_loop()) for _ in range(6)]
+        await wait_for(lambda: all(len(w.state.requests) >= 3 for w in backend.workers.values()))
+        ctl.reconcile(1)  # what a planner decision of 1 does
+        (victim_url,) = ctl.draining
+        victim = next(w for w in backend.workers.values() if w.handle.url == victim_url)
+        served_before = len(victim.state.requests)
+        assert served_before > 0
+        await wait_for(lambda: not ctl.draining)
+        await asyncio.sleep(0.5)
+        stop.set()
+        await asyncio.gather(*clients)
+    assert len(results) > 20
+    assert all(status == 200 and text.endswith("data: [DONE]\n\n") for status, text in results)
+    assert victim.stopped_with_drain is True and victim.state.cancelled == 0
+    assert victim.state.completed == len(victim.state.requests) == served_before
+    assert [e["event"] for e in ctl.events if e["worker"] == victim_url][-2:] == \
+        ["drain", "stopped"]
+
+
+async def test_a_dead_worker_is_replaced_and_readmitted() -> None:
+    backend = StubBackend(start_delay_s=0.2)
+    fixed = PlannerConfig(min_replicas=2, max_replicas=2)
+    async with stack(backend, fixed, initial=2) as (url, (ctl,)):
+        pool = ctl.pool
+        first = set(pool.endpoints)
+        await backend.kill("s0")
+        await wait_for(lambda: len(ctl.workers) == 2 and set(ctl.workers) != first)
+        assert set(pool.endpoints) == set(ctl.workers)
+        assert all(e.available for e in pool.endpoints.values())
+        assert sorted(w.state.name for w in backend.workers.values()) == ["s1", "s2"]
+        assert [e["event"] for e in ctl.events][-3:] == ["dead", "start", "ready"]
+        async with httpx.AsyncClient(timeout=10) as client:
+            assert [(await stream(client, url))[0] for _ in range(4)] == [200] * 4
+
+
+async def test_scale_to_zero_then_a_buffered_request_wakes_the_pool() -> None:
+    backend = StubBackend(start_delay_s=0.3)
+    cfg = PlannerConfig(min_replicas=0, max_replicas=1, scale_to_zero_after_s=0.3)
+    async with stack(backend, cfg, initial=1, buffer_timeout_s=10) as (url, (ctl,)):
+        await wait_for(lambda: not backend.workers and not ctl.pool.endpoints)
+        assert ctl.planner.desired == 0
+        async with httpx.AsyncClient(timeout=20) as client:
+            status, text = await stream(client, url)  # held until the new worker is ready
+            assert status == 200 and text.endswith("data: [DONE]\n\n")
+            assert any(d.signals.queued == 1 and d.desired == 1 for d in ctl.planner.decisions)
+            planner = (await client.get(url + "/admin/planner", headers=ADMIN)).json()
+            assert (await client.get(url + "/admin/planner")).status_code == 401
+            metrics = (await client.get(url + "/metrics")).text
+    (view,) = planner["pools"]
+    assert view["backend"] == "stub" and view["config"]["scale_to_zero_after_s"] == 0.3
+    reasons = [d["reason"] for d in view["decisions"] if d["changed"]]
+    assert any(r.startswith("idle for") for r in reasons)
+    assert any("activation from zero" in r for r in reasons)
+    assert 'sluice:desired_replicas{pool="stub"} 1.0' in metrics
+    assert 'sluice:planner_ready_replicas{pool="stub"}' in metrics
+
+
+async def test_a_full_or_timed_out_buffer_answers_503_with_retry_after() -> None:
+    backend = StubBackend(start_delay_s=30)  # never ready within the test
+    cfg = PlannerConfig(min_replicas=0, max_replicas=1, scale_to_zero_after_s=0)
+    async with stack(backend, cfg, initial=0, buffer_timeout_s=0.4,
+                     buffer_max_requests=1) as (url, _):
+        async with httpx.AsyncClient(timeout=10) as client:
+            held, full = await asyncio.gather(stream(client, url), _later(stream(client, url)))
+    assert held[0] == 503 and "no worker became ready within 0.4s" in held[1]
+    assert full[0] == 503 and "already waiting" in full[1]
+
+
+async def _later(coro: Any) -> Any:
+    await asyncio.sleep(0.1)
+    return await coro
+
+
+@pytest.mark.parametrize("timeout", [0.0])
+async def test_without_buffering_a_pool_at_zero_answers_503_at_once(timeout: float) -> None:
+    backend = StubBackend(start_delay_s=30)
+    cfg = PlannerConfig(min_replicas=0, max_replicas=1, scale_to_zero_after_s=0)
+    async with stack(backend, cfg, initial=0, buffer_timeout_s=timeout) as (url, _):
+        async with httpx.AsyncClient(timeout=10) as client:
+            resp = await client.post(url + "/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+    assert resp.status_code == 503 and "retry-after" in resp.headers

@@ -1,0 +1,54 @@
+"""The `ray` backend on a 2-node Ray cluster on loopback (`ray.cluster_utils.Cluster`).
+
+Two workers on the tiny model, one CPU each on two one-CPU nodes: Ray places one on
+each node; both serve; removing a node kills its worker, which the backend then
+reports DEAD (the controller would replace it). Marked `ray`: Ray's processes are
+heavy for a 2-core machine; skipped where Ray is not installed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from sluice.control.backend import WorkerHealth  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+
+async def test_workers_spread_over_two_nodes_and_a_removed_node_is_dead(
+        tiny_llama_dir: Path) -> None:
+    from sluice.control.ray import RayBackend
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    second = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    backend = RayBackend(["--model", str(tiny_llama_dir), "--max-model-len", "256",
+                          "--num-kv-blocks", "64"], address=cluster.address, num_cpus=1,
+                         startup_timeout_s=200)
+    try:
+        a = await backend.start()
+        b = await backend.start()
+        assert a.node != b.node, "one worker per one-CPU node"
+        async with httpx.AsyncClient(timeout=60) as client:
+            for worker in (a, b):
+                model = (await client.get(worker.url + "/v1/models")).json()["data"][0]["id"]
+                resp = await client.post(worker.url + "/v1/completions", json={
+                    "model": model, "prompt": "hi", "max_tokens": 2})
+                assert resp.status_code == 200, resp.text
+        on_second = a if a.node == second.node_id else b
+        other = b if on_second is a else a
+        cluster.remove_node(second)
+        assert await backend.health(on_second) is WorkerHealth.DEAD
+        assert [w.id for w in backend.list()] == [other.id]
+        assert await backend.health(other) is WorkerHealth.READY
+    finally:
+        await backend.close()
+        ray.shutdown()
+        cluster.shutdown()

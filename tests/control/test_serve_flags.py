@@ -1,0 +1,40 @@
+"""`sluice serve`'s autoscaling flags: bounds, SLO and backend errors exit 2 before
+anything starts; the planner config they make."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from sluice.cli import build_parser, main
+from sluice.control.planner import SLO
+from sluice.serve import planner_config, uses_router, worker_bounds
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser(["serve"]).parse_args(["serve", *argv])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--min-workers", "3", "--max-workers", "2"], "--min-workers <= --max-workers"),
+    (["--min-workers", "1", "--slo", "p99=1s"], "ttft=..,itl=.."),
+    (["--backend", "external"], "--worker-url"),
+    (["--worker-url", "http://w:1", "--workers", "2"], "--worker-url"),
+])
+def test_bad_flags_exit_2_before_starting(argv: list[str], message: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--no-gateway", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bounds_and_the_planner_config() -> None:
+    assert worker_bounds(parse()) == (1, 1) and not uses_router(parse())
+    assert worker_bounds(parse("--workers", "3")) == (3, 3) and uses_router(parse("--workers", "3"))
+    args = parse("--min-workers", "0", "--max-workers", "3", "--slo", "ttft=1s,itl=50ms",
+                 "--scale-to-zero-after", "30", "--planner-policy", "queue")
+    config = planner_config(args)
+    assert (config.min_replicas, config.max_replicas, config.policy) == (0, 3, "queue")
+    assert config.slo == SLO(1.0, 0.05) and config.scale_to_zero_after_s == 30
+    assert planner_config(parse("--min-workers", "1", "--max-workers", "2")) \
+        .scale_to_zero_after_s is None
