@@ -14,9 +14,10 @@ A matcher belongs to its `Sequence` and advances only on tokens the sequence kee
 preemption (recompute) and `n > 1` need nothing more: recomputing a preempted
 sequence's KV re-reads tokens its matcher has already accepted.
 
-A compile never runs on the step loop (it runs on a thread at the lowest CPU priority,
-so it takes the cores' idle time rather than the forward pass's): a schema that takes
-seconds delays only its own request, and one past `structured_outputs_compile_timeout` fails with a 400 naming the
+A compile never runs on the step loop's thread (it runs on a thread at the lowest CPU
+priority): a schema that takes seconds does not hold back the requests around it for
+seconds. It does slow them for about the compile's length, because xgrammar's compile
+holds the GIL (docs/engine.md has the measurement). It delays only its own request, and one past `structured_outputs_compile_timeout` fails with a 400 naming the
 request field it came from (the compile thread finishes in the background and its result
 is cached; Python cannot stop a running C++ compile).
 
@@ -262,9 +263,9 @@ def check_constraint(params: StructuredOutputsParams, backend: str = "xgrammar")
 
 
 def _lowest_cpu_priority() -> None:
-    """Run this (compile) thread at nice 19: on a machine whose cores the forward pass
-    keeps busy, a compile then takes the idle time instead of slowing every step
-    (Linux sets nice per thread; elsewhere this does nothing)."""
+    """Run this (compile) thread at nice 19, so the forward pass's threads win the cores
+    (Linux sets nice per thread; elsewhere this does nothing). It cannot win the GIL back:
+    xgrammar holds it while compiling."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):
