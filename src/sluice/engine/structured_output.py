@@ -14,11 +14,12 @@ A matcher belongs to its `Sequence` and advances only on tokens the sequence kee
 preemption (recompute) and `n > 1` need nothing more: recomputing a preempted
 sequence's KV re-reads tokens its matcher has already accepted.
 
-A compile never runs on the step loop's thread (it runs on a thread at the lowest CPU
-priority): a schema that takes seconds does not hold back the requests around it for
-seconds. It does slow them for about the compile's length, because xgrammar's compile
-holds the GIL (docs/engine.md has the measurement). It delays only its own request, and one past `structured_outputs_compile_timeout` fails with a 400 naming the
-request field it came from (the compile thread finishes in the background and its result
+A compile never runs on the step loop's thread: it runs on a thread of its own at the
+lowest CPU priority, and only its own request waits for it. The step loop still slows
+while a compile runs, because xgrammar holds the GIL while compiling (measured in
+docs/engine.md); constraints are cached, so only a new one costs this. A request whose
+constraint is still compiling after `structured_outputs_compile_timeout` fails with a
+400 naming the request field it came from (the compile finishes in the background and
 is cached; Python cannot stop a running C++ compile).
 
 Backends sit behind `GrammarBackend` (xgrammar today; llguidance or outlines-core would
