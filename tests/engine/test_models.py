@@ -134,7 +134,8 @@ def test_untied_mistral_checkpoint_and_bf16(tmp_path: Path, tiny_llama_dir: Path
     from transformers import AutoModelForCausalLM
 
     ckpt = make_tiny_mistral(tmp_path / "tiny-mistral", tiny_llama_dir)
-    runner = ModelRunner(EngineConfig.from_options(str(ckpt), num_kv_blocks=16, block_size=8))
+    runner = ModelRunner(EngineConfig.from_options(str(ckpt), num_kv_blocks=16, block_size=8,
+                                                   dtype="float32"))  # auto: bf16 on AMX CPUs
     assert runner.model_config.architecture == "MistralForCausalLM"
     assert not runner.model_config.tie_word_embeddings
     assert runner.max_model_len == 1024  # capped by the sliding window
@@ -185,7 +186,7 @@ def test_gguf_config_from_metadata(default_gguf: Path) -> None:
 def test_default_gguf_greedy_tokens_match_transformers(default_gguf: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    runner = ModelRunner(EngineConfig.from_options(None, num_kv_blocks=32))
+    runner = ModelRunner(EngineConfig.from_options(None, num_kv_blocks=32, dtype="float32"))
     hf = AutoModelForCausalLM.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name,
                                               dtype=torch.float32).eval()
     tok = runner.tokenizer
