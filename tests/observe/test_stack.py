@@ -91,8 +91,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_llama_dir: Path) -> Ite
         try:
             assert _wait(lambda: httpx.get(url + "/health", timeout=1).status_code == 200,
                          180), "".join(log)
-            ready = next(line for line in log if "workers ready:" in line)
-            workers = re.findall(r"http://127\.0\.0\.1:\d+", ready.split("(logs")[0])
+            # the router listens once its controller has the first workers ready
+            workers = [w["url"] for w in httpx.get(url + "/status.json", timeout=10)
+                       .json()["workers"]]
+            assert len(workers) == 2, workers
             key = (home / "dev-key").read_text().strip()
             s = Stack(url, key, workers, receiver, log)
             s.model = httpx.get(url + "/v1/models", headers={"authorization": f"Bearer {key}"},
