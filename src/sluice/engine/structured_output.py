@@ -103,11 +103,15 @@ class GrammarBackend(abc.ABC):
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[10:37:05] file.cc:94: "
 
 
-def _invalid(params: StructuredOutputsParams, exc: Exception) -> InvalidRequestError:
+def _reason(exc: Exception) -> str:
+    """The first line of an xgrammar error, without its time and source-file prefix."""
     lines = str(exc).strip().splitlines()
-    reason = _CPP_PREFIX.sub("", lines[0]) if lines else type(exc).__name__
-    return InvalidRequestError(f"invalid {params.kind.replace('_', ' ')} constraint: {reason}",
-                               param=params.param)
+    return _CPP_PREFIX.sub("", lines[0]) if lines else type(exc).__name__
+
+
+def _invalid(params: StructuredOutputsParams, exc: Exception) -> InvalidRequestError:
+    return InvalidRequestError(f"invalid {params.kind.replace('_', ' ')} constraint: "
+                               f"{_reason(exc)}", param=params.param)
 
 
 def bounded_strings_as_patterns(schema: Any) -> Any:
@@ -226,9 +230,7 @@ def json_schema_ebnf(schema: Any, param: str) -> str:
         return str(xgr.Grammar.from_json_schema(json.dumps(bounded_strings_as_patterns(schema)),
                                                 any_whitespace=False))
     except Exception as exc:
-        lines = str(exc).strip().splitlines()
-        raise InvalidRequestError(f"invalid JSON schema: {_CPP_PREFIX.sub('', lines[0])}"
-                                  if lines else "invalid JSON schema", param=param) from None
+        raise InvalidRequestError(f"invalid JSON schema: {_reason(exc)}", param=param) from None
 
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> Any:

@@ -65,12 +65,10 @@ def _vllm_structured(req: SamplingFields) -> StructuredOutputsParams | None:
     if so is None:
         return None
     param = "structured_outputs"
-    if isinstance(so.json_, dict):
-        if any(v for v in (so.regex, so.choice, so.grammar, so.json_object, so.structural_tag)):
-            raise InvalidRequestError("structured_outputs takes exactly one constraint",
-                                      param=param)
-        return StructuredOutputsParams.from_schema(so.json_, param)
-    return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=tuple(so.choice)
+    schema = so.json_  # a parsed schema becomes the same JSON text a string one is
+    if isinstance(schema, dict):
+        schema = StructuredOutputsParams.from_schema(schema, param).json
+    return StructuredOutputsParams(json=schema, regex=so.regex, choice=tuple(so.choice)
                                    if so.choice is not None else None, grammar=so.grammar,
                                    json_object=bool(so.json_object),
                                    structural_tag=so.structural_tag, param=param)

@@ -168,8 +168,8 @@ class HermesStream(ToolCallStream):
 
     def _advance(self, content: list[str], deltas: list[CallDelta]) -> bool:
         """Consume what the buffer allows in the current state; True to go again."""
-        return {"text": self._text, "head": self._head, "args": self._args,
-                "tail": self._tail}[self.state](content, deltas)
+        step: Any = getattr(self, f"_{self.state}")  # _text, _head, _args, _tail
+        return bool(step(content, deltas))
 
     def _text(self, content: list[str], deltas: list[CallDelta]) -> bool:
         at = self.buffer.find(OPEN)
