@@ -223,7 +223,7 @@ class EngineCore:
 
     # -- introspection --------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self.failed)
 
     def stats(self) -> EngineStats:
         bm, sched = self.block_manager, self.scheduler

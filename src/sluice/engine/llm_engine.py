@@ -79,14 +79,16 @@ class LLMEngine:
     # -- the loop -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run, postprocess; returns outputs of requests that progressed."""
-        outputs, stops = self.outputs.process(self.core.step())
-        for request_id, index in stops:
-            self.core.finish(request_id, index)
+        # A constraint that did not compile (in time) in the last step is raised before
+        # this step runs, so that no other request's outputs are dropped with the error.
         failed = self.core.drain_failed()
         for request_id, _ in failed:
             self.outputs.abort(request_id)
-        if failed:  # a constraint that did not compile in time: the caller hears of it
+        if failed:
             raise failed[0][1]
+        outputs, stops = self.outputs.process(self.core.step())
+        for request_id, index in stops:
+            self.core.finish(request_id, index)
         return outputs
 
     # -- introspection --------------------------------------------------------------
