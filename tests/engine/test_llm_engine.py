@@ -59,6 +59,13 @@ def test_greedy_matches_reference(num_blocks: int, budget: int, caching: bool) -
     assert (stats.prefix_cache_hits > 0) == caching
     assert (stats.num_preemptions > 0) == (num_blocks == 12)
     assert engine.block_manager.num_free_blocks == num_blocks
+    # each request's own counts, as its trace shows them (observe/tracing.py)
+    metrics = [final[f"r{i}"].metrics for i in range(len(prompts()))]
+    assert sum(m.num_preemptions for m in metrics if m) == stats.num_preemptions
+    longest = final["r3"].metrics  # 30 prompt tokens
+    assert longest is not None
+    assert (longest.num_prefill_chunks == 1) if budget >= 30 else (
+        longest.num_prefill_chunks >= -(-30 // budget))  # the budget is shared per step
 
 
 def test_prefix_hit_reported_as_cached_tokens() -> None:

@@ -13,18 +13,25 @@ from typing import Any
 
 import httpx
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from router.router_stubs import StubState, make_stub, serve, serve_router
 from sluice.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from sluice.engine.sampling_params import SamplingParams
 from sluice.observe.asgi import AdmittedMark, GatewaySpan
-from sluice.observe.tracing import Tracing, TracingConfig, WorkerSpan, start_tracing
+from sluice.observe.span_export import MemorySink
+from sluice.observe.tracing import (
+    Sampler,
+    Tracing,
+    TracingConfig,
+    WorkerSpan,
+    parse_traceparent,
+    start_tracing,
+)
 from sluice.protocol.errors import InvalidRequestError
 from sluice.router.app import build_app
 from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
+
+from .otlp_receiver import OTLPReceiver
 
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_PARENT = "b7ad6b7169203331"
@@ -32,11 +39,11 @@ TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01"
 
 
 @pytest.fixture()
-def traced() -> tuple[Tracing, InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return Tracing(provider), exporter
+def traced() -> tuple[Tracing, MemorySink]:
+    """Spans kept in a list and read back as the SDK's ReadableSpans, through the same
+    conversion the export process uses."""
+    sink = MemorySink()
+    return Tracing(sink), sink
 
 
 def test_off_by_default_loads_no_opentelemetry_sdk() -> None:
@@ -76,8 +83,8 @@ def test_config_from_flag_and_standard_env(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 async def test_router_span_parents_the_worker_request(
-        traced: tuple[Tracing, InMemorySpanExporter]) -> None:
-    tracing, exporter = traced
+        traced: tuple[Tracing, MemorySink]) -> None:
+    tracing, sink = traced
     stub = StubState("a")
     async with serve(make_stub(stub)) as worker_url:
         config = RouterConfig(pools=(PoolConfig(workers=(WorkerSpec(worker_url),)),),
@@ -89,7 +96,7 @@ async def test_router_span_parents_the_worker_request(
                     "model": "stub-model", "stream": True,
                     "messages": [{"role": "user", "content": "one two three"}]})
             assert resp.status_code == 200
-    (span,) = [s for s in exporter.get_finished_spans() if s.name.startswith("route")]
+    (span,) = [s for s in sink.finished() if s.name.startswith("route")]
     ctx = span.context
     assert span.name == "route stub-model"
     assert f"{ctx.trace_id:032x}" == CLIENT_TRACE
@@ -104,8 +111,8 @@ async def test_router_span_parents_the_worker_request(
 
 
 async def test_gateway_span_rewrites_traceparent_and_records_the_tenant(
-        traced: tuple[Tracing, InMemorySpanExporter]) -> None:
-    tracing, exporter = traced
+        traced: tuple[Tracing, MemorySink]) -> None:
+    tracing, sink = traced
     seen: list[dict[bytes, bytes]] = []
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
@@ -123,7 +130,7 @@ async def test_gateway_span_rewrites_traceparent_and_records_the_tenant(
                                  json={})
         assert resp.status_code == 429
         await client.get("/health")  # not /v1: untraced
-    (span,) = exporter.get_finished_spans()
+    (span,) = sink.finished()
     assert span.name == "POST /v1/completions"
     assert span.attributes is not None and span.attributes["sluice.tenant"] == "tn_1"
     assert span.attributes["http.response.status_code"] == 429
@@ -133,23 +140,27 @@ async def test_gateway_span_rewrites_traceparent_and_records_the_tenant(
 
 
 def test_worker_span_has_gen_ai_attributes_and_engine_phases(
-        traced: tuple[Tracing, InMemorySpanExporter]) -> None:
-    tracing, exporter = traced
+        traced: tuple[Tracing, MemorySink]) -> None:
+    tracing, sink = traced
     params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9)
     span = WorkerSpan(tracing, None, "chat", "m", "req-1", params, 1)
     out = RequestOutput("req-1-0", None, [1, 2, 3, 4], [CompletionOutput(0, "x", [9, 9],
                         finish_reason="length")], True, num_cached_tokens=2,
-                        metrics=RequestMetrics(100.0, 100.5, 101.0, 103.0))
+                        metrics=RequestMetrics(100.0, 100.5, 101.0, 103.0,
+                                                               num_preemptions=1,
+                                                               num_prefill_chunks=3))
     span.finished(out, output_tokens=2)
     span.end()
-    spans = {s.name: s for s in exporter.get_finished_spans()}
+    spans = {s.name: s for s in sink.finished()}
     assert set(spans) == {"chat m", "engine queue", "engine prefill", "engine decode"}
     main = spans["chat m"]
     a = dict(main.attributes or {})
     assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == "m"
     assert a["gen_ai.request.max_tokens"] == 7 and a["gen_ai.request.temperature"] == 0.5
     assert a["gen_ai.usage.input_tokens"] == 4 and a["gen_ai.usage.output_tokens"] == 2
-    assert a["sluice.usage.cached_input_tokens"] == 2
+    assert a["sluice.usage.cached_input_tokens"] == 2 and a["sluice.engine.preemptions"] == 1
+    assert spans["engine prefill"].attributes["sluice.engine.prefill_chunks"] == 3
+    assert spans["engine decode"].attributes["sluice.engine.preemptions"] == 1
     assert a["gen_ai.response.finish_reasons"] == ("length",)
     assert a["gen_ai.latency.time_in_queue"] == 0.5 and a["gen_ai.latency.e2e"] == 3.0
     assert a["gen_ai.latency.time_to_first_token"] == 1.0
@@ -160,17 +171,47 @@ def test_worker_span_has_gen_ai_attributes_and_engine_phases(
         assert (child.start_time, child.end_time) == (int(start * 1e9), int(end * 1e9))
 
 
-def test_start_tracing_builds_an_otlp_exporter() -> None:
-    tracing = start_tracing(TracingConfig("http://127.0.0.1:9/v1/traces", "svc"))
-    assert tracing is not None
-    resource = tracing.provider.resource.attributes
-    assert resource["service.name"] == "svc"
-    tracing.shutdown()
+def test_spans_leave_through_the_export_process_to_an_otlp_receiver() -> None:
+    """start_tracing's sink: a child process that encodes with the SDK and posts OTLP."""
+    with OTLPReceiver() as receiver:
+        tracing = start_tracing(TracingConfig(receiver.endpoint, "svc"))
+        assert tracing is not None
+        try:
+            parent = tracing.extract([(b"traceparent", TRACEPARENT.encode()),
+                                      (b"tracestate", b"vendor=x")])
+            span = tracing.start("outer", parent, "SERVER", {"a": 1, "list": [1, 2]})
+            span.add_event("admitted")
+            span.set_status(2, "HTTP 503")
+            child = tracing.start("inner", tracing.child_context(span))
+            child.end()
+            span.end()
+            assert tracing.flush(30_000)
+        finally:
+            tracing.shutdown()
+        spans = {s.name: s for s in receiver.spans()}
+    assert set(spans) == {"outer", "inner"}
+    outer, inner = spans["outer"], spans["inner"]
+    assert outer.service == "svc" and outer.trace_id == CLIENT_TRACE
+    assert outer.parent_id == CLIENT_PARENT and inner.parent_id == outer.span_id
+    assert outer.attributes == {"a": 1, "list": [1, 2]} and outer.events == ["admitted"]
+    assert outer.kind == 2 and outer.end_ns >= outer.start_ns  # SPAN_KIND_SERVER
+
+
+def test_traceparent_parsing_follows_w3c() -> None:
+    good = parse_traceparent(TRACEPARENT.encode())
+    assert good is not None and f"{good.trace_id:032x}" == CLIENT_TRACE and good.sampled
+    future = parse_traceparent(f"01-{CLIENT_TRACE}-{CLIENT_PARENT}-00-extra".encode())
+    assert future is not None and not future.sampled  # a later version may append fields
+    for bad in (f"00-{CLIENT_TRACE}-{CLIENT_PARENT}-01-extra", f"ff-{CLIENT_TRACE}-{CLIENT_PARENT}-01",
+                f"00-{'0' * 32}-{CLIENT_PARENT}-01", f"00-{CLIENT_TRACE}-{'0' * 16}-01",
+                f"00-{CLIENT_TRACE.upper()}-{CLIENT_PARENT}-01", f"00-{CLIENT_TRACE}-{CLIENT_PARENT}",
+                "garbage", ""):
+        assert parse_traceparent(bad.encode()) is None, bad
 
 
 async def test_router_span_counts_retries_on_other_workers(
-        traced: tuple[Tracing, InMemorySpanExporter]) -> None:
-    tracing, exporter = traced
+        traced: tuple[Tracing, MemorySink]) -> None:
+    tracing, sink = traced
     broken, fine = StubState("a", fail_status=500), StubState("b")
     async with serve(make_stub(broken)) as a, serve(make_stub(fine)) as b:
         pool = PoolConfig(workers=(WorkerSpec(a), WorkerSpec(b)), policy="round_robin")
@@ -181,7 +222,7 @@ async def test_router_span_counts_retries_on_other_workers(
                 resp = await client.post(url + "/v1/completions", json={
                     "model": "stub-model", "prompt": "one two"})
                 assert resp.status_code == 200
-    spans = [s for s in exporter.get_finished_spans() if s.name.startswith("route")]
+    spans = [s for s in sink.finished() if s.name.startswith("route")]
     assert len(spans) == 2
     assert all(s.attributes is not None and s.attributes["server.address"] == b for s in spans)
     assert max(int((s.attributes or {})["sluice.router.retries"]) for s in spans) == 1
@@ -190,11 +231,19 @@ async def test_router_span_counts_retries_on_other_workers(
 def test_standard_sampler_variables_are_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
     monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")
-    tracing = start_tracing(TracingConfig("http://127.0.0.1:9/v1/traces", "svc"))
-    assert tracing is not None
-    try:
-        assert not tracing.start("root", None).is_recording()  # a new trace: ratio 0
-        sampled_parent = tracing.extract([(b"traceparent", TRACEPARENT.encode())])
-        assert tracing.start("child", sampled_parent).is_recording()  # the parent decided
-    finally:
-        tracing.shutdown()
+    sink = MemorySink()
+    tracing = Tracing(sink, Sampler.from_env())
+    root = tracing.start("root", None)
+    assert not root.is_recording()  # a new trace: ratio 0
+    assert tracing.headers(root)[0][1].endswith(b"-00")  # propagated, not sampled
+    sampled_parent = tracing.extract([(b"traceparent", TRACEPARENT.encode())])
+    child = tracing.start("child", sampled_parent)
+    assert child.is_recording()  # the parent decided
+    root.end()
+    child.end()
+    assert [s.name for s in sink.finished()] == ["child"]
+    half = Sampler("traceidratio", 0.5)
+    assert half.sample(None, (1 << 63) - 1) and not half.sample(None, 1 << 63)
+    assert not Sampler("always_off").sample(sampled_parent, 1)
+    with pytest.raises(InvalidRequestError):
+        Sampler("jaeger_remote")

@@ -171,6 +171,8 @@ class EngineCore:
             metrics = self.requests[chunk.seq.request_id].metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
+            if chunk.seq.num_output_tokens == 0:
+                chunk.seq.num_prefill_chunks += 1
 
     def _postprocess(self, seq: Sequence, result: SampleResult) -> SeqUpdate:
         request = self.requests[seq.request_id]
@@ -195,7 +197,8 @@ class EngineCore:
                          seq.cumulative_logprob, seq.finish_reason,
                          seq.stop_reason,
                          max(request.seqs[0].num_cached_tokens, 0),
-                         request.metrics.first_scheduled_time)
+                         request.metrics.first_scheduled_time, seq.num_preemptions,
+                         request.seqs[0].num_prefill_chunks)
 
     def _on_first_token(self, request: Request, seq: Sequence) -> None:
         if seq.index == 0:

@@ -54,6 +54,8 @@ class SeqUpdate:
     stop_reason: int | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0
     scheduled_time: float | None = None  # when the request was first scheduled
+    num_preemptions: int = 0  # of this sequence so far
+    num_prefill_chunks: int = 0  # chunks its prompt took before the first token
 
 
 @dataclass(frozen=True, slots=True)

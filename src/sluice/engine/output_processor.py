@@ -39,6 +39,7 @@ class _SeqText:
     stop_reason: int | str | None = None
     sent_chars: int = 0  # text / tokens already handed out (DELTA outputs)
     sent_tokens: int = 0
+    num_preemptions: int = 0
 
     def completion(self, delta: bool) -> CompletionOutput:
         text = self.detokenizer.output_text(self.finish_reason is not None)
@@ -112,6 +113,8 @@ class OutputProcessor:
             metrics.first_token_time = time.time()
             metrics.first_scheduled_time = update.scheduled_time
         request.num_cached_tokens = update.num_cached_tokens
+        metrics.num_prefill_chunks = update.num_prefill_chunks
+        seq.num_preemptions = update.num_preemptions
         seq.token_ids += update.new_token_ids
         if seq.logprobs is not None and update.new_logprobs is not None:
             seq.logprobs += update.new_logprobs
@@ -144,6 +147,7 @@ class OutputProcessor:
         kind = request.params.output_kind
         if finished:
             request.metrics.finished_time = time.time()
+            request.metrics.num_preemptions = sum(s.num_preemptions for s in request.seqs)
             del self.requests[request.request_id]
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None

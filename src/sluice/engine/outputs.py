@@ -29,6 +29,8 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_preemptions: int = 0  # of all its sequences
+    num_prefill_chunks: int = 0  # chunks the prompt took before the first token
 
 
 @dataclass

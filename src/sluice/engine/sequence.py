@@ -57,6 +57,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | None = None  # the stop token id (stop strings are the front end's)
     num_preemptions: int = 0
+    num_prefill_chunks: int = 0  # chunks scheduled before the first token (traces)
     grammar: Any = None  # structured output: this sequence's matcher (structured_output.py)
 
     @property

@@ -7,8 +7,8 @@
                       through authentication and limits; the gateway's headers
                       (x-sluice-tenant / -key-id / -priority) become span attributes
     TraceContext(worker app)                   the worker: the incoming `traceparent`
-                      becomes the current OpenTelemetry context while the request
-                      runs, so the worker's generation span (`WorkerSpan`) is its child
+                      becomes the request's trace parent (a context variable) while
+                      it runs, so the worker's generation span (`WorkerSpan`) is its child
 
 They are installed only when tracing is on; none of them exists otherwise.
 
@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from sluice.observe.status import StatusBoard, page_html
-from sluice.observe.tracing import Tracing, replace_trace_headers, set_error
+from sluice.observe.tracing import REQUEST_PARENT, Tracing, replace_trace_headers, set_error
 from sluice.protocol.edge import admin_key_given
 
 Scope = MutableMapping[str, Any]
@@ -94,7 +94,7 @@ def traced_gateway(wrap: Callable[[ASGIApp], ASGIApp],
 
 
 class TraceContext:
-    """The incoming `traceparent` as the current OpenTelemetry context of the request."""
+    """The incoming `traceparent` as the request's trace parent (`REQUEST_PARENT`)."""
 
     def __init__(self, app: ASGIApp, tracing: Tracing) -> None:
         self.app, self.tracing = app, tracing
@@ -102,13 +102,11 @@ class TraceContext:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        from opentelemetry import context
-
-        token = context.attach(self.tracing.extract(scope.get("headers") or []))
+        token = REQUEST_PARENT.set(self.tracing.extract(scope.get("headers") or []))
         try:
             await self.app(scope, receive, send)
         finally:
-            context.detach(token)
+            REQUEST_PARENT.reset(token)
 
 
 class StatusRoutes:

@@ -28,7 +28,7 @@ import anyio
 
 from sluice.engine.outputs import RequestOutput
 from sluice.engine.sampling_params import SamplingParams
-from sluice.observe.tracing import OPERATIONS, WorkerSpan
+from sluice.observe.tracing import OPERATIONS, REQUEST_PARENT, WorkerSpan
 from sluice.protocol.errors import ContextLengthError, ServiceUnavailableError
 from sluice.worker.metrics import RequestTimer
 
@@ -117,8 +117,9 @@ class Run(AbstractAsyncContextManager["Run"]):
         run = cls(state, [], state.metrics.timer(), [len(p) for p in prompts], admitted=True,
                   generated=[0] * len(prompts))
         if state.tracing is not None:
-            run.trace = WorkerSpan(state.tracing, None, OPERATIONS.get(param, param),
-                                   state.model_name, request_id, params, len(prompts))
+            run.trace = WorkerSpan(state.tracing, REQUEST_PARENT.get(),
+                                   OPERATIONS.get(param, param), state.model_name, request_id,
+                                   params, len(prompts))
         state.metrics.pending.labels(state.model_name).inc()
         try:
             for i, ids in enumerate(prompts):
