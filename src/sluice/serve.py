@@ -138,7 +138,8 @@ def gateway_wrap(args: argparse.Namespace, cache: TokenCache) -> Any:
         limiter=LimiterConfig(redis_url=args.redis_url or env.get("REDIS_URL")))
     state = GatewayState.from_config(
         config, count_prompt_tokens=PromptTokenCounter(default_source=resolve_model(args.model),
-                                                       cache=cache))
+                                                       cache=cache),
+        buckets=observe_buckets(args))
     key = ensure_dev_key(state.store)
     say(f"API key for the dev tenant: {key}  (saved in {env.home() / 'dev-key'})")
 

@@ -47,3 +47,15 @@ def test_worker_histograms_use_the_configured_buckets() -> None:
                  "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
                  "vllm:request_time_per_output_token_seconds"):
         assert f"# TYPE {name} histogram" in text
+
+
+def test_gateway_admission_histogram_uses_the_configured_buckets() -> None:
+    from sluice.gateway.metrics import GatewayMetrics
+
+    m = GatewayMetrics(LatencyBuckets.parse("admission=0.0001,0.002"))
+    m.overhead.observe(0.001)
+    text = generate_latest(m.registry).decode()
+    counts = {line.split('le="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+              for line in text.splitlines()
+              if line.startswith("sluice_gateway_admission_seconds_bucket")}
+    assert counts == {"0.0001": 0.0, "0.002": 1.0, "+Inf": 1.0}

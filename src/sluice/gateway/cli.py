@@ -27,6 +27,7 @@ from sluice.gateway.store import (
     TenantSettings,
     UsageQuery,
 )
+from sluice.observe.cli import add_observe_arguments, buckets
 from sluice.protocol.errors import SluiceError
 
 _LIMIT_FLAGS = (("--rpm", "requests per minute"), ("--tpm", "tokens per minute"),
@@ -74,9 +75,7 @@ def _register_gateway(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--admin-key", default=None, help="admin API key (default: SLUICE_ADMIN_KEY)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer source for prompt counting (default: the default model's)")
-    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
-                   help="send OpenTelemetry traces here (OTLP/HTTP); default: "
-                        "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off (docs/observe.md)")
+    add_observe_arguments(p)
     p.set_defaults(func=run_gateway)
     actions = p.add_subparsers(dest="gateway_action", metavar="ACTION")
     purge = actions.add_parser("purge", help="delete usage records older than DAYS")
@@ -314,7 +313,8 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     config = build_config(args)
     state = GatewayState.from_config(
-        config, count_prompt_tokens=PromptTokenCounter(default_source=args.tokenizer))
+        config, count_prompt_tokens=PromptTokenCounter(default_source=args.tokenizer),
+        buckets=buckets(args))
     from sluice.observe.asgi import traced_gateway
     from sluice.observe.cli import tracing_config
     from sluice.observe.tracing import start_tracing

@@ -10,11 +10,14 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from sluice.observe.buckets import LatencyBuckets
+
 
 class GatewayMetrics:
     """Counters the middleware updates; each method says what happened, not how."""
 
-    def __init__(self) -> None:
+    def __init__(self, buckets: LatencyBuckets | None = None) -> None:
+        buckets = buckets or LatencyBuckets()
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("sluice_gateway_requests_total",
@@ -42,8 +45,7 @@ class GatewayMetrics:
                               registry=r)
         self.overhead = Histogram("sluice_gateway_admission_seconds",
                                   "Time from request arrival to forwarding upstream", registry=r,
-                                  buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
-                                           0.25, 1.0))
+                                  buckets=buckets.admission)
 
         self._children: dict[tuple[Any, ...], Any] = {}
 

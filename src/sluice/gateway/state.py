@@ -23,6 +23,7 @@ from sluice.gateway.pricing import PriceTable
 from sluice.gateway.redact import Redactor, default_redactor
 from sluice.gateway.store import SQLStore, Store
 from sluice.gateway.tokens import CountPromptTokens, PromptTokenCounter
+from sluice.observe.buckets import LatencyBuckets
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,8 @@ class GatewayState:
     def from_config(cls, config: GatewayConfig, *, store: Store | None = None,
                     limiter: Limiter | None = None,
                     count_prompt_tokens: CountPromptTokens | None = None,
-                    redactor: Redactor | None = None) -> GatewayState:
+                    redactor: Redactor | None = None,
+                    buckets: LatencyBuckets | None = None) -> GatewayState:
         prices = PriceTable.load(config.prices_file) if config.prices_file else PriceTable()
         return cls(
             config=config,
@@ -85,6 +87,7 @@ class GatewayState:
             prices=prices,
             count_prompt_tokens=count_prompt_tokens or PromptTokenCounter(),
             redactor=redactor or default_redactor,
+            metrics=GatewayMetrics(buckets),
         )
 
     async def aclose(self) -> None:

@@ -10,7 +10,7 @@ defaults start at 0.5 ms for ITL and 1 ms for the request latencies and keep rou
     SLUICE_METRICS_BUCKETS='itl=...'                               (the same, from the env)
 
 Names: `ttft`, `itl`, `tpot`, `e2e`, `queue`, `prefill`, `decode`, `inference` (worker),
-`decision`, `first_byte` (router). Bounds are seconds, strictly
+`decision`, `first_byte` (router), `admission` (gateway). Bounds are seconds, strictly
 increasing and positive; `+Inf` is implicit.
 """
 
@@ -31,7 +31,7 @@ _REQUEST: Bounds = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0
 _TOKEN: Bounds = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.0125,
                   0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                   0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-# the router's per-request work: 10 us .. 1 s
+# the router's and the gateway's per-request work: 10 us .. 1 s
 _OVERHEAD: Bounds = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
                      2.5e-2, 5e-2, 0.1, 0.25, 1.0)
 
@@ -50,6 +50,7 @@ class LatencyBuckets:
     inference: Bounds = _REQUEST
     decision: Bounds = _OVERHEAD
     first_byte: Bounds = _REQUEST
+    admission: Bounds = _OVERHEAD  # the gateway's arrival -> forwarded
 
     def __post_init__(self) -> None:
         for f in fields(self):

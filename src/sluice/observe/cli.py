@@ -22,7 +22,7 @@ def add_observe_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-buckets", default=None, metavar="SPEC",
                    help="latency histogram buckets in seconds, NAME=b1,b2,... joined by ';' "
                         "(names: ttft itl tpot e2e queue prefill decode inference decision "
-                        "first_byte); default: $SLUICE_METRICS_BUCKETS, else "
+                        "first_byte admission); default: $SLUICE_METRICS_BUCKETS, else "
                         "sluice's fine defaults")
 
 
