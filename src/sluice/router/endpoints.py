@@ -127,9 +127,12 @@ class TTFTFit:
         return self.overhead + self.slope * (units + BASE_UNITS)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class EndpointStats:
-    """What a policy may know about one candidate worker for one request (plain data)."""
+    """What a policy may know about one candidate worker for one request (plain data;
+    policies read it and do not change it). Slotted, not frozen: one is built per worker
+    per decision, and a frozen dataclass's construction costs ~3x (7.7 vs 2.7 us here),
+    which at 1,000 workers was most of a decision."""
 
     url: str
     running: float = 0.0  # running_est
@@ -235,9 +238,11 @@ class Endpoint:
         self.external_running = others - self.external_waiting
 
     def stats(self, cached_blocks: int = 0, kv_cached_blocks: int | None = None,
-              cache_footprint: int = 0) -> EndpointStats:
+              cache_footprint: int = 0,
+              line: tuple[float, float] | None = None) -> EndpointStats:
+        """`line`: the pool's (overhead, slope), when the caller has it for every worker."""
         decoding = self.inflight - self.prefilling
-        overhead, slope = self.fit.line()
+        overhead, slope = line if line is not None else self.fit.line()
         speed = self.speed
         return EndpointStats(
             url=self.url,

@@ -119,13 +119,15 @@ class Pool:
         return Decision(self.endpoints[choice.url], choice, chosen)
 
     def _stats(self, request: RequestMeta, endpoints: list[Endpoint]) -> list[EndpointStats]:
+        line = self.fit.line()  # the pool's, shared by its endpoints: fitted once
         if not (self.policy.uses_prefix and request.block_hashes):
-            return [e.stats() for e in endpoints]
+            return [e.stats(line=line) for e in endpoints]
         urls = [e.url for e in endpoints]
         approx = self.approx.match(request.block_hashes, urls)
         precise = self.precise.match(request.block_hashes, [e.url for e in endpoints
                                                             if e.spec.kv_events])
-        return [e.stats(approx[e.url], precise.get(e.url), self.approx.footprint(e.url))
+        footprint = self.approx.footprint
+        return [e.stats(approx[e.url], precise.get(e.url), footprint(e.url), line)
                 for e in endpoints]
 
     def dispatch(self, request: RequestMeta, decision: Decision) -> Ticket:
