@@ -15,18 +15,19 @@ preemption (recompute) and `n > 1` need nothing more: recomputing a preempted
 sequence's KV re-reads tokens its matcher has already accepted.
 
 A compile never runs on the step loop's thread: it runs on a thread of its own at the
-lowest CPU priority, and only its own request waits for it. With xgrammar the step loop
-still slows while a compile runs, because xgrammar holds the GIL while compiling
-(measured in docs/engine.md); llguidance releases it. Constraints are cached, so only a
-new one costs this. A request whose
-constraint is still compiling after `structured_outputs_compile_timeout` fails with a
-400 naming the request field it came from (the compile finishes in the background and
-is cached; Python cannot stop a running C++ compile).
+lowest CPU priority, and only its own request waits for it. The step loop still slows
+while an xgrammar compile runs (a hard schema is 0.2-0.4 s of CPU beside a forward that
+wants every core; on one host the compile also held the GIL: docs/engine.md); an
+llguidance compile is milliseconds with the GIL released. Constraints are cached, so
+only a new one costs this. A request whose constraint is still compiling after
+`structured_outputs_compile_timeout` fails with a 400 naming the request field it came
+from (the compile finishes in the background and is cached; Python cannot stop a
+running native compile).
 
 Backends sit behind `GrammarBackend`, picked from `BACKENDS` by vLLM's names:
-`xgrammar` (grammars compiled up front against the vocabulary; the compile holds the
-GIL) and `guidance` (llguidance: an Earley parser and a lazily built lexer, so "compile"
-is a few milliseconds with the GIL released and each mask is computed per step).
+`xgrammar` (grammars compiled up front against the vocabulary, masks mostly cached)
+and `guidance` (llguidance: an Earley parser and a lazily built lexer, so "compile" is
+a few milliseconds with the GIL released and each mask is computed per step).
 `auto` (`resolve_backend`) takes guidance where it can express and accepts the
 constraint, xgrammar otherwise (structural tags llguidance cannot express, an EBNF only
 xgrammar reads); docs/engine.md has the measurements behind that order.
@@ -579,8 +580,8 @@ def check_constraint(params: StructuredOutputsParams, backend: str = "auto") -> 
 
 def _lowest_cpu_priority() -> None:
     """Run this (compile) thread at nice 19, so the forward pass's threads win the cores
-    (Linux sets nice per thread; elsewhere this does nothing). It cannot win the GIL back:
-    xgrammar holds it while compiling (llguidance does not)."""
+    (Linux sets nice per thread; elsewhere this does nothing). It cannot win back the GIL
+    from a compile that holds it (xgrammar's did on one host; llguidance releases it)."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):
