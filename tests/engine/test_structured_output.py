@@ -1,6 +1,8 @@
-"""Structured output in the engine, on the tiny random model (SmolLM2's real tokenizer):
-every constraint kind holds for greedy, seeded and n > 1 sampling, under preemption, and
-with logprobs; compile failures and timeouts fail only their own request."""
+"""Structured output in the engine, on the tiny random model (SmolLM2's real tokenizer),
+for each grammar backend (xgrammar, guidance): every constraint kind holds for greedy,
+seeded and n > 1 sampling, under preemption, and with logprobs; compile failures and
+timeouts fail only their own request; `auto` picks guidance where it can and xgrammar
+where only it can, in one batch."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 
 from sluice.engine.llm import LLM
 from sluice.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from sluice.engine.structured_output import check_constraint, resolve_backend
 from sluice.protocol.errors import InvalidRequestError
 
 # Bounded schemas: a random model under a mask still has to stop somewhere.
@@ -36,10 +39,13 @@ CONSTRAINTS: list[tuple[StructuredOutputsParams, Any]] = [
 PROMPT = "Answer in the requested format: "
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_llama_dir: Path) -> LLM:
+BACKENDS = ["xgrammar", "guidance"]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def llm(tiny_llama_dir: Path, request: pytest.FixtureRequest) -> LLM:
     return LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=16, max_model_len=512,
-               max_num_seqs=16)
+               max_num_seqs=16, structured_outputs_backend=request.param)
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, seed=7, n=2)],
@@ -64,9 +70,11 @@ def test_unconstrained_neighbours_are_untouched(llm: LLM) -> None:
     assert mixed[0].outputs[0].token_ids == alone
 
 
-def test_preempted_constrained_requests_still_validate(tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_preempted_constrained_requests_still_validate(tiny_llama_dir: Path,
+                                                       backend: str) -> None:
     small = LLM(str(tiny_llama_dir), num_kv_blocks=14, block_size=16, max_model_len=512,
-                max_num_seqs=8)
+                max_num_seqs=8, structured_outputs_backend=backend)
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=120,
                             structured_outputs=CONSTRAINTS[0][0])
     outputs = small.generate([PROMPT * 6 + str(i) for i in range(8)], params)
@@ -99,14 +107,15 @@ def test_bad_constraints_are_refused_before_admission(llm: LLM) -> None:
 
 def test_slow_compile_times_out_with_a_400_and_others_run(tiny_llama_dir: Path) -> None:
     """A schema past the compile timeout fails its own request; a plain request beside
-    it finishes. The backend is loaded first so that only the compile is timed."""
+    it finishes. The backend is loaded first so that only the compile is timed. (xgrammar
+    only: guidance compiles this schema in milliseconds, see the test below.)"""
     props = {f"f{i}": {"anyOf": [{"type": "string", "pattern": f"[a-z]{{1,{i % 7 + 2}}}"},
                                  {"type": "integer", "minimum": i, "maximum": i * 1000 + 7}]}
              for i in range(80)}
     slow = StructuredOutputsParams.from_schema(
         {"type": "object", "properties": props, "required": list(props)}, "response_format")
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=16, max_model_len=512,
-              structured_outputs_compile_timeout=0.05)
+              structured_outputs_backend="xgrammar", structured_outputs_compile_timeout=0.05)
     llm.generate([PROMPT], SamplingParams(max_tokens=8, structured_outputs=CONSTRAINTS[2][0]))
     engine = llm.engine
     engine.add_request("slow", PROMPT, SamplingParams(max_tokens=8, structured_outputs=slow))
@@ -131,3 +140,116 @@ def test_structured_params_cross_the_process_boundary() -> None:
     back = decode(encode(Add(CoreRequest("r", [1, 2], params))))
     assert isinstance(back, Add)
     assert back.request.params.structured_outputs == params.structured_outputs
+
+
+def test_guidance_compiles_the_slow_schema_at_once(tiny_llama_dir: Path) -> None:
+    """The schema that outlasts xgrammar's compile above is milliseconds for guidance (its
+    lexer is built lazily): admitted well inside the timeout, and it holds."""
+    props = {f"f{i}": {"anyOf": [{"type": "string", "pattern": f"[a-z]{{1,{i % 7 + 2}}}"},
+                                 {"type": "integer", "minimum": i, "maximum": i * 1000 + 7}]}
+             for i in range(80)}
+    schema = {"type": "object", "properties": props, "required": list(props)}
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=16, max_model_len=512,
+              structured_outputs_backend="guidance", structured_outputs_compile_timeout=1.0)
+    out = llm.generate([PROMPT], SamplingParams(
+        temperature=0.0, max_tokens=12,
+        structured_outputs=StructuredOutputsParams.from_schema(schema, "response_format")))
+    text = out[0].outputs[0].text
+    assert out[0].outputs[0].finish_reason == "length" and text.startswith('{"f0": '), text
+
+
+# xgrammar's structural tag with a `grammar` content: guidance has no translation for it
+TAGGED = json.dumps({"type": "structural_tag", "format": {
+    "type": "tag", "begin": "<n>", "content": {"type": "grammar", "grammar": 'root ::= [0-9]+'},
+    "end": "</n>"}})
+
+
+def test_auto_picks_per_constraint_and_mixes_backends_in_one_batch(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=256, block_size=16, max_model_len=512,
+              max_num_seqs=16, structured_outputs_backend="auto")
+    tagged = StructuredOutputsParams(structural_tag=TAGGED)
+    params = [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=c)
+              for c in (CONSTRAINTS[1][0], tagged)]
+    regex_out, tag_out = llm.generate([PROMPT, PROMPT], params)
+    assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", regex_out.outputs[0].text)
+    assert tag_out.outputs[0].finish_reason == "stop"
+    assert re.fullmatch(r"<n>[0-9]+</n>", tag_out.outputs[0].text), tag_out.outputs[0].text
+    assert set(llm.engine.core.structured._backends) == {"guidance", "xgrammar"}
+
+
+@pytest.mark.parametrize(("params", "expected"), [
+    (CONSTRAINTS[0][0], "guidance"),
+    (StructuredOutputsParams(json_object=True), "guidance"),
+    (StructuredOutputsParams(grammar='start: "x" /[0-9]{2}/'), "guidance"),  # Lark
+    (StructuredOutputsParams(grammar='root ::= x "b"\nx ::= "a" (= "b")'), "xgrammar"),  # lookahead
+    (StructuredOutputsParams(structural_tag=TAGGED), "xgrammar"),
+])
+def test_auto_resolution(params: StructuredOutputsParams, expected: str) -> None:
+    assert resolve_backend("auto", params) == expected
+    assert resolve_backend("xgrammar", params) == "xgrammar"
+
+
+def test_auto_reports_the_preferred_backends_error() -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        check_constraint(StructuredOutputsParams(regex="(ab", param="response_format"), "auto")
+    assert info.value.param == "response_format"
+    assert "unclosed group" in info.value.message  # llguidance's (regex crate) wording
+
+
+def test_guidance_refuses_what_it_cannot_express_by_name() -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        check_constraint(StructuredOutputsParams(structural_tag=TAGGED, param="tool_choice"),
+                         "guidance")
+    assert info.value.param == "tool_choice" and "xgrammar" in info.value.message
+    check_constraint(StructuredOutputsParams(structural_tag=TAGGED), "xgrammar")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_structural_tag_translations_hold(tiny_llama_dir: Path, backend: str) -> None:
+    """Every structural-tag format guidance translates, generated under both backends."""
+    fmt = {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "id="},
+        {"type": "regex", "pattern": "[a-f]{2}/[0-9]"},
+        {"type": "optional", "content": {"type": "const_string", "value": "!"}},
+        {"type": "or", "elements": [{"type": "const_string", "value": ";"},
+                                    {"type": "const_string", "value": ","}]},
+        {"type": "repeat", "min": 1, "max": 2, "content": {"type": "const_string", "value": "z"}},
+        {"type": "tags_with_separator", "separator": "|", "at_least_one": True,
+         "stop_after_first": False, "tags": [
+             {"type": "tag", "begin": "<j>", "end": "</j>", "content": {
+                 "type": "json_schema", "json_schema": {"type": "object", "properties": {
+                     "k": {"enum": [1, 2]}}, "required": ["k"], "additionalProperties": False}}}]},
+    ]}
+    params = StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag",
+                                                                "format": fmt}))
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=16, max_model_len=512,
+              structured_outputs_backend=backend)
+    out = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=5, max_tokens=120,
+                                                structured_outputs=params))[0].outputs[0]
+    assert out.finish_reason == "stop", out.text
+    assert re.fullmatch(r'id=[a-f]{2}/[0-9]!?[;,]z{1,2}<j>\{"k": [12]\}</j>'
+                        r'(\|<j>\{"k": [12]\}</j>)*', out.text), out.text
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_listed_properties_close_an_object_in_both_backends(tiny_llama_dir: Path,
+                                                            backend: str) -> None:
+    """xgrammar's strict mode closes an object that lists properties; guidance is made to
+    agree (`closed_objects`), so neither lets a model invent keys. Nested ones too."""
+    from sluice.engine.structured_output import BACKENDS as REGISTRY
+    from sluice.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_llama_dir))
+    grammar = REGISTRY[backend](tok, tok.vocab_size)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "o": {
+        "type": "object", "properties": {"b": {"type": "integer"}}}}}
+
+    def accepts(schema: dict[str, Any], text: str) -> bool:
+        m: Any = grammar.matcher(grammar.compile(StructuredOutputsParams.from_schema(schema, "x")))
+        ids = tok.encode(text, add_special_tokens=False) + [2]  # then EOS
+        return all(m.accept_token(t) for t in ids) and m.is_terminated()
+
+    assert accepts(schema, '{"a": 1, "o": {"b": 2}}')
+    assert not accepts(schema, '{"a": 1, "z": 2}')
+    assert not accepts(schema, '{"a": 1, "o": {"b": 2, "z": 3}}')
+    assert accepts({"type": "object"}, '{"z": 3}')  # no properties listed: open

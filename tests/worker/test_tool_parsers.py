@@ -1,14 +1,17 @@
 """The hermes tool-call parser on plain text: whole responses, every streamed split of
-them (character by character), and the grammar that forces calls."""
+them (character by character), and the grammar that forces calls (under each backend)."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
-from sluice.engine.structured_output import XGrammarBackend
-from sluice.engine.tokenizer import load_tokenizer
+from sluice.engine.sampling_params import StructuredOutputsParams
+from sluice.engine.structured_output import BACKENDS, GrammarBackend, XGrammarBackend
+from sluice.engine.tokenizer import Tokenizer, load_tokenizer
+from sluice.protocol.errors import InvalidRequestError
 from sluice.worker.tool_parsers import CallDelta, HermesToolParser, JsonValueScanner
 
 PARSER = HermesToolParser()
@@ -73,9 +76,19 @@ def test_json_value_scanner_stops_at_the_value_end() -> None:
 
 
 @pytest.fixture(scope="module")
-def backend() -> XGrammarBackend:
-    tok = load_tokenizer(None)
-    return XGrammarBackend(tok, tok.vocab_size)
+def tokenizer() -> Tokenizer:
+    return load_tokenizer(None)
+
+
+def _accepts(backend: GrammarBackend, params: StructuredOutputsParams, text: str,
+             tokenizer: Tokenizer) -> bool:
+    """Whether the compiled constraint takes all of `text` and may end there."""
+    matcher: Any = backend.matcher(backend.compile(params))
+    if isinstance(backend, XGrammarBackend):
+        return bool(matcher.accept_string(text) and matcher.is_completed())
+    inner = matcher.inner  # llguidance: any tokenization of the text's bytes will do
+    return bool(inner.consume_tokens(tokenizer.encode(text, add_special_tokens=False))
+                and inner.is_accepting())
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -93,9 +106,19 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
     (None, True, '<tool_call>\n{"name": "get_weather", "arguments": {}}', False),  # no city
     (None, True, "Sure!", False),
 ])
-def test_forced_calls_admit_only_valid_calls(backend: XGrammarBackend, choice: str | None,
-                                             parallel: bool, text: str, ok: bool) -> None:
-    compiled = backend.compile(PARSER.constraint(TOOLS, choice, parallel))
-    matcher = backend.matcher(compiled)
-    accepted = matcher.accept_string(text)  # type: ignore[attr-defined]
-    assert (accepted and matcher.is_completed()) == ok  # type: ignore[attr-defined]
+@pytest.mark.parametrize("name", ["xgrammar", "guidance"])
+def test_forced_calls_admit_only_valid_calls(tokenizer: Tokenizer, name: str,
+                                             choice: str | None, parallel: bool, text: str,
+                                             ok: bool) -> None:
+    backend = BACKENDS[name](tokenizer, tokenizer.vocab_size)
+    params = PARSER.constraint(TOOLS, choice, parallel, name)
+    assert _accepts(backend, params, text, tokenizer) == ok
+
+
+@pytest.mark.parametrize("name", ["xgrammar", "guidance", "auto"])
+def test_a_bad_tool_schema_is_named(name: str) -> None:
+    tools = [TOOLS[1], {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": 5}}}}}]
+    with pytest.raises(InvalidRequestError) as info:
+        PARSER.constraint(tools, None, True, name)
+    assert info.value.param == "tools.1.function.parameters"

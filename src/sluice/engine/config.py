@@ -79,12 +79,14 @@ class SchedulerConfig:
                                       param="scheduling_policy")
 
 
-STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar",)  # see sluice.engine.structured_output
+# vLLM's names; auto: guidance where it can express the constraint, else xgrammar (see
+# sluice.engine.structured_output and docs/engine.md for why)
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 
 
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
-    structured_outputs_backend: str = "xgrammar"
+    structured_outputs_backend: str = "auto"
     # A constraint still compiling after this long fails its request with a 400 (the
     # compile runs on a thread beside the step loop; other requests never wait for it).
     structured_outputs_compile_timeout: float = 10.0

@@ -59,7 +59,8 @@ class EngineCore:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.info = CoreInfo(self.runner.model_name, self.runner.max_model_len,
                              self.runner.vocab_size, self.block_manager.num_blocks,
-                             self.block_manager.block_size)
+                             self.block_manager.block_size,
+                             config.structured.structured_outputs_backend)
         self.structured = StructuredOutputManager(config.structured, self._grammar_backend)
         self.requests: dict[str, Request] = {}
         self.failed: list[tuple[str, SluiceError]] = []  # requests the core refused after add
@@ -82,8 +83,7 @@ class EngineCore:
         else:
             self.scheduler.add(seqs[0])
 
-    def _grammar_backend(self) -> Any:
-        name = self.config.structured.structured_outputs_backend
+    def _grammar_backend(self, name: str) -> Any:
         native = getattr(self.runner, "native", None)
         return BACKENDS[name](self.tokenizer, self.runner.vocab_size,
                               native.apply_token_bitmask if native is not None else None)

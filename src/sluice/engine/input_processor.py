@@ -36,7 +36,7 @@ class InputProcessor:
         ids = self.tokenize(prompt)
         max_tokens = self.check_lengths(len(ids), params)
         if params.structured_outputs is not None:
-            check_constraint(params.structured_outputs)
+            check_constraint(params.structured_outputs, self.info.structured_outputs_backend)
         arrival = time.time() if arrival_time is None else arrival_time
         return CoreRequest(request_id, ids, params, priority, arrival, max_tokens)
 

@@ -67,6 +67,7 @@ class CoreInfo:
     vocab_size: int
     num_kv_blocks: int
     block_size: int
+    structured_outputs_backend: str = "auto"  # the front end checks constraints for it
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,9 +29,10 @@ class StructuredOutputsParams:
 
     - `json`: a JSON schema (a JSON text; property order is generation order, so it is
       kept as given); `json_object`: any JSON object;
-    - `regex`; `choice`: one of a list of strings; `grammar`: EBNF (xgrammar's dialect,
-      GBNF-compatible); `structural_tag`: xgrammar's structural tag (JSON text), which
-      the tool-call parsers use to force `<tool_call>{...}</tool_call>` blocks.
+    - `regex`; `choice`: one of a list of strings; `grammar`: EBNF in xgrammar's dialect
+      (GBNF-compatible), or Lark (llguidance's dialect; `guidance` backend, or `auto`);
+      `structural_tag`: xgrammar's structural tag (JSON text), which the tool-call
+      parsers use to force `<tool_call>{...}</tool_call>` blocks.
 
     `param` is the request field the constraint came from (`response_format`,
     `structured_outputs`, `tool_choice`): errors found later (a compile failure or

@@ -16,14 +16,21 @@ sequence's KV re-reads tokens its matcher has already accepted.
 
 A compile never runs on the step loop's thread: it runs on a thread of its own at the
 lowest CPU priority, and only its own request waits for it. The step loop still slows
-while a compile runs, because xgrammar holds the GIL while compiling (measured in
-docs/engine.md); constraints are cached, so only a new one costs this. A request whose
-constraint is still compiling after `structured_outputs_compile_timeout` fails with a
-400 naming the request field it came from (the compile finishes in the background and
-is cached; Python cannot stop a running C++ compile).
+while an xgrammar compile runs (a hard schema is 0.2-0.4 s of CPU beside a forward that
+wants every core; on one host the compile also held the GIL: docs/engine.md); an
+llguidance compile is milliseconds with the GIL released. Constraints are cached, so
+only a new one costs this. A request whose constraint is still compiling after
+`structured_outputs_compile_timeout` fails with a 400 naming the request field it came
+from (the compile finishes in the background and is cached; Python cannot stop a
+running native compile).
 
-Backends sit behind `GrammarBackend` (xgrammar today; llguidance or outlines-core would
-be a second implementation) and are picked from `BACKENDS` by name.
+Backends sit behind `GrammarBackend`, picked from `BACKENDS` by vLLM's names:
+`xgrammar` (grammars compiled up front against the vocabulary, masks mostly cached)
+and `guidance` (llguidance: an Earley parser and a lazily built lexer, so "compile" is
+a few milliseconds with the GIL released and each mask is computed per step).
+`auto` (`resolve_backend`) takes guidance where it can express and accepts the
+constraint, xgrammar otherwise (structural tags llguidance cannot express, an EBNF only
+xgrammar reads); docs/engine.md has the measurements behind that order.
 """
 
 from __future__ import annotations
@@ -76,8 +83,16 @@ class GrammarBackend(abc.ABC):
     Contract: `check` needs no tokenizer and is cheap (the HTTP front end calls it to
     refuse bad input before admission); `compile` may run on any thread and raises
     `InvalidRequestError` naming `params.param` for a constraint it cannot compile;
-    `mask` mutates `logits` rows in place (minus infinity where a token is not allowed).
+    `mask` mutates `logits` rows in place (minus infinity where a token is not allowed)
+    and fills bitmask rows in xgrammar's layout (int32 words, bit `t % 32` of word
+    `t // 32` set where token `t` is allowed), so one apply kernel serves every backend.
+    `supports` says whether the backend can express a kind of constraint at all (`auto`
+    skips a backend that cannot; `check` refuses it with a 400 that says so).
     """
+
+    @staticmethod
+    def supports(params: StructuredOutputsParams) -> bool:
+        return True
 
     @abc.abstractmethod
     def __init__(self, tokenizer: Tokenizer, vocab_size: int,
@@ -141,6 +156,29 @@ def _schema_text(params: StructuredOutputsParams) -> str:
     return json.dumps(bounded_strings_as_patterns(json.loads(params.json)))
 
 
+def _compact_json_contents(fmt: Any, param: str) -> Any:
+    """A structural tag's formats with each `json_schema` content (style `json`) replaced
+    by its compact EBNF (`json_schema_ebnf`): xgrammar's own `json_schema` content allows
+    any whitespace, and lacks the bounded-string fix."""
+    if isinstance(fmt, list):
+        return [_compact_json_contents(v, param) for v in fmt]
+    if not isinstance(fmt, dict):
+        return fmt
+    if fmt.get("type") == "json_schema" and fmt.get("style", "json") == "json":
+        return {"type": "grammar", "grammar": json_schema_ebnf(fmt.get("json_schema"), param)}
+    return {k: _compact_json_contents(v, param) for k, v in fmt.items()}
+
+
+def _structural_tag_text(params: StructuredOutputsParams) -> str:
+    assert params.structural_tag is not None
+    try:
+        tag = json.loads(params.structural_tag)
+    except ValueError as exc:
+        raise InvalidRequestError(f"the structural tag is not valid JSON: {exc}",
+                                  param=params.param) from None
+    return json.dumps(_compact_json_contents(tag, params.param))
+
+
 def choice_ebnf(choices: tuple[str, ...]) -> str:
     """`root ::= "a" | "b"`: JSON string literals are valid EBNF literals in xgrammar."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -177,11 +215,14 @@ class XGrammarBackend(GrammarBackend):
             "regex": xgr.Grammar.from_regex,
             "choice": lambda v: xgr.Grammar.from_ebnf(choice_ebnf(v)),
             "grammar": xgr.Grammar.from_ebnf,
-            "structural_tag": xgr.Grammar.from_structural_tag,
+            "structural_tag": lambda v: xgr.Grammar.from_structural_tag(
+                _structural_tag_text(params)),
             "json_object": lambda v: None,
         }
         try:
             builders[params.kind](params.key[1])
+        except InvalidRequestError:
+            raise
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError with a reason
             raise _invalid(params, exc) from None
 
@@ -194,10 +235,12 @@ class XGrammarBackend(GrammarBackend):
             "regex": lambda: c.compile_regex(value),
             "choice": lambda: c.compile_grammar(choice_ebnf(value)),
             "grammar": lambda: c.compile_grammar(value),
-            "structural_tag": lambda: c.compile_structural_tag(value),
+            "structural_tag": lambda: c.compile_structural_tag(_structural_tag_text(params)),
         }
         try:
             return compilers[params.kind]()
+        except InvalidRequestError:
+            raise
         except Exception as exc:
             raise _invalid(params, exc) from None
 
@@ -248,18 +291,288 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> Any:
                              add_prefix_space=meta["add_prefix_space"])
 
 
-BACKENDS: dict[str, type[GrammarBackend]] = {"xgrammar": XGrammarBackend}
+# --------------------------------------------------------------------------- llguidance
+
+# xgrammar's compact JSON (`any_whitespace=False`): no free whitespace, ", " and ": "
+GUIDANCE_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def check_constraint(params: StructuredOutputsParams, backend: str = "xgrammar") -> None:
-    """The front end's quick check of a constraint (400 naming its field)."""
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_SCHEMA_ONES = ("items", "additionalProperties", "not", "contains", "propertyNames", "if",
+                "then", "else")
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of `schema` in which an object schema that lists `properties` (or
+    `patternProperties`) and says nothing of `additionalProperties` forbids others, as
+    xgrammar's `strict_mode` (its default) does: llguidance follows JSON Schema (others
+    allowed), which lets a model pad an object with invented keys."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(sub) for sub in out[key]]
+    for key in _SCHEMA_ONES:
+        if key in out:
+            out[key] = closed_objects(out[key])
+    if ("properties" in out or "patternProperties" in out) \
+            and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+class _Unsupported(Exception):
+    """A structural tag format that has no Lark translation here."""
+
+
+_LARK_REPEATS = {"optional": "?", "plus": "+", "star": "*"}
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)  # a JSON string is a Lark string literal
+
+
+def _lark_format(fmt: Any) -> str:
+    """One xgrammar structural-tag format as a Lark expression (llguidance's dialect)."""
+    if not isinstance(fmt, dict):
+        raise _Unsupported(f"format {fmt!r} is not an object")
+    kind = fmt.get("type")
+    if kind == "const_string":
+        return _lark_string(fmt["value"])
+    if kind == "json_schema" and fmt.get("style", "json") == "json":
+        schema = {} if fmt["json_schema"] is True else fmt["json_schema"]
+        if not isinstance(schema, dict):
+            raise _Unsupported("a json_schema that is not an object or true")
+        return "%json " + json.dumps({**closed_objects(schema), "x-guidance": GUIDANCE_JSON},
+                                     ensure_ascii=False)
+    if kind == "regex":
+        import llguidance as llg
+
+        return f"/{llg.regex_to_lark(fmt['pattern'])}/"
+    if kind in ("sequence", "or"):
+        sep = " " if kind == "sequence" else " | "
+        return "(" + sep.join(_lark_format(e) for e in fmt["elements"]) + ")"
+    if kind in _LARK_REPEATS:
+        return f"({_lark_format(fmt['content'])}){_LARK_REPEATS[kind]}"
+    if kind == "repeat":
+        return f"({_lark_format(fmt['content'])}){{{int(fmt['min'])},{int(fmt['max'])}}}"
+    if kind == "tag":
+        ends = fmt["end"] if isinstance(fmt["end"], list) else [fmt["end"]]
+        if not isinstance(fmt["begin"], str) or not all(isinstance(e, str) for e in ends):
+            raise _Unsupported("token begin/end")
+        end = "(" + " | ".join(_lark_string(e) for e in ends) + ")"
+        return f"{_lark_string(fmt['begin'])} {_lark_format(fmt['content'])} {end}"
+    if kind == "tags_with_separator":
+        tag = "(" + " | ".join(_lark_format(t) for t in fmt["tags"]) + ")"
+        body = tag if fmt.get("stop_after_first") else \
+            f"{tag} ({_lark_string(fmt['separator'])} {tag})*"
+        return f"({body})" if fmt.get("at_least_one") else f"({body})?"
+    raise _Unsupported(f"format type {kind!r}")
+
+
+def structural_tag_lark(text: str) -> str:
+    """An xgrammar structural tag (`{"type": "structural_tag", "format": ...}`) as a Lark
+    grammar. Translated: const_string, json_schema (style json, compact like xgrammar's),
+    regex, sequence, or, optional, plus, star, repeat, tag (string begin/end),
+    tags_with_separator. Not: grammar, any_text, triggered tags, dispatch, tokens, the
+    legacy `structures`/`triggers` form (`_Unsupported`; `auto` gives those to xgrammar)."""
+    tag = json.loads(text)
+    if not isinstance(tag, dict) or tag.get("type") != "structural_tag" or "format" not in tag:
+        raise _Unsupported("only the {\"type\": \"structural_tag\", \"format\": ...} form")
+    try:
+        return "start: " + _lark_format(tag["format"]) + "\n"
+    except (KeyError, TypeError) as exc:
+        raise _Unsupported(f"malformed format ({exc!r})") from None
+
+
+def _guidance_grammar(params: StructuredOutputsParams) -> str:
+    """The constraint as an llguidance grammar (serialized); raises ValueError or
+    `_Unsupported` for what cannot be one (no tokenizer needed)."""
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    value = params.key[1]
+    if params.kind in ("json", "json_object"):
+        schema = closed_objects(json.loads(params.json)) if params.json else {"type": "object"}
+        return LLMatcher.grammar_from_json_schema(schema, defaults=GUIDANCE_JSON)  # type: ignore[arg-type]
+    if params.kind == "regex":
+        return LLMatcher.grammar_from_regex(value)
+    if params.kind == "choice":
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(map(_lark_string, value)))
+    if params.kind == "grammar":
+        try:
+            return LLMatcher.grammar_from_lark(any_to_lark(value))
+        except Exception as exc:  # GbnfToLarkError and friends
+            raise ValueError(f"not GBNF/EBNF or Lark: {exc}") from None
+    return LLMatcher.grammar_from_lark(structural_tag_lark(value))
+
+
+def _guidance_invalid(params: StructuredOutputsParams, error: str) -> InvalidRequestError:
+    """A 400 with llguidance's reason: its first line, and a regex error's `error:` line
+    (the lines between draw the regex and a caret)."""
+    lines = [line.strip() for line in error.strip().splitlines()] or ["invalid"]
+    reason = " ".join([lines[0], *[line for line in lines[1:] if line.startswith("error:")][:1]])
+    return InvalidRequestError(f"invalid {params.kind.replace('_', ' ')} constraint: {reason}",
+                               param=params.param)
+
+
+class GuidanceMatcher:
+    """An `LLMatcher` behind sluice's `Matcher` protocol: terminated once it takes an EOS
+    token (as xgrammar's), or once it is in error."""
+
+    __slots__ = ("inner", "_eos", "_done")
+
+    def __init__(self, inner: Any, eos: frozenset[int]) -> None:
+        self.inner, self._eos, self._done = inner, eos, False
+
+    def accept_token(self, token_id: int) -> bool:
+        self._done = self._done or token_id in self._eos
+        return bool(self.inner.consume_token(token_id))
+
+    def is_terminated(self) -> bool:
+        return self._done or bool(self.inner.is_error())
+
+
+class LLGuidanceBackend(GrammarBackend):
+    """llguidance (vLLM's `guidance`): a constraint becomes a template `LLMatcher` (grammar
+    checked, lexer built lazily: milliseconds, GIL released), each sequence gets a copy,
+    and `LLExecutor` fills a step's masks with the GIL released.
+
+    Grammars (`grammar`) are Lark (llguidance's dialect) or GBNF, which includes the EBNF
+    of xgrammar's tests (`root ::= ...`); GBNF is converted to Lark first. JSON is compact
+    with xgrammar's separators, and objects are closed as in xgrammar's strict mode
+    (`closed_objects`), so both backends admit the same texts for a schema.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int,
+                 apply_bitmask: ApplyBitmask | None = None) -> None:
+        import llguidance as llg
+        import torch
+
+        self._llg = llg
+        self._apply_bitmask = apply_bitmask
+        self.eos = frozenset(tokenizer.eos_token_ids)
+        self.tokenizer = llg.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
+                                         eos_token=sorted(self.eos))
+        self.executor = llg.LLExecutor()
+        self._bitmask = torch.full((64, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+    @staticmethod
+    def supports(params: StructuredOutputsParams) -> bool:
+        if params.kind != "structural_tag":
+            return True
+        try:
+            structural_tag_lark(params.key[1])
+        except (_Unsupported, ValueError):
+            return False
+        return True
+
+    @staticmethod
+    def check(params: StructuredOutputsParams) -> None:
+        from llguidance import LLMatcher
+
+        try:
+            grammar = _guidance_grammar(params)
+        except _Unsupported as exc:
+            raise InvalidRequestError(
+                f"the guidance structured-output backend cannot express this structural tag "
+                f"({exc}); use structured_outputs_backend xgrammar or auto",
+                param=params.param) from None
+        except ValueError as exc:
+            raise _guidance_invalid(params, str(exc)) from None
+        error = LLMatcher.validate_grammar(grammar)
+        if error:
+            raise _guidance_invalid(params, error)
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        try:
+            grammar = _guidance_grammar(params)
+        except (_Unsupported, ValueError) as exc:
+            raise _guidance_invalid(params, str(exc)) from None
+        template = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise _guidance_invalid(params, template.get_error())
+        return template
+
+    def matcher(self, compiled: Any) -> Matcher:
+        return GuidanceMatcher(compiled.deep_copy(), self.eos)
+
+    def mask(self, logits: torch.Tensor, matchers: list[Matcher], rows: list[int]) -> None:
+        import torch
+
+        batch = logits.shape[0]  # bitmask rows line up with logits rows
+        if batch > self._bitmask.shape[0]:
+            self._bitmask = torch.full((batch, self._bitmask.shape[1]), -1, dtype=torch.int32)
+        bitmask = self._bitmask[:batch]
+        pairs = [(m.inner, row) for m, row in zip(matchers, rows, strict=True)]  # type: ignore[attr-defined]
+        self.executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4,
+                                              batch)
+        index = torch.tensor(rows, dtype=torch.long)
+        if self._apply_bitmask is not None and logits.dtype == torch.float32 \
+                and logits.device.type == "cpu" and logits.is_contiguous():
+            self._apply_bitmask(logits, bitmask, index, float("-inf"))
+        else:
+            apply_bitmask_torch(logits, bitmask, index)
+
+
+def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """The apply kernel in plain torch (any dtype or device): minus infinity in `logits`
+    rows `rows` wherever the bitmask bit is clear."""
+    import torch
+
+    shifts = torch.arange(32, dtype=torch.int32)
+    bits = (bitmask[rows].unsqueeze(-1) >> shifts) & 1  # [R, W, 32]
+    allowed = bits.reshape(len(rows), -1)[:, :logits.shape[1]].bool().to(logits.device)
+    index = rows.to(logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+# --------------------------------------------------------------------------- the registry
+
+BACKENDS: dict[str, type[GrammarBackend]] = {"xgrammar": XGrammarBackend,
+                                             "guidance": LLGuidanceBackend}
+AUTO_ORDER = ("guidance", "xgrammar")  # why guidance first: docs/engine.md
+
+
+def resolve_backend(name: str, params: StructuredOutputsParams) -> str:
+    """The backend that compiles `params` when `structured_outputs_backend` is `name`: the
+    named one, or for `auto` the first of `AUTO_ORDER` that supports and accepts it (a
+    constraint no backend accepts raises the first one's 400)."""
+    if name != "auto":
+        return name
+    first: InvalidRequestError | None = None
+    for candidate in AUTO_ORDER:
+        backend = BACKENDS[candidate]
+        if not backend.supports(params):
+            continue
+        try:
+            backend.check(params)
+        except InvalidRequestError as exc:
+            first = first or exc
+            continue
+        return candidate
+    assert first is not None  # xgrammar supports every kind
+    raise first
+
+
+def check_constraint(params: StructuredOutputsParams, backend: str = "auto") -> None:
+    """The front end's quick check of a constraint for the configured backend (400
+    naming its field)."""
     if params.json is not None:
         try:
             json.loads(params.json)
         except ValueError as exc:
             raise InvalidRequestError(f"the JSON schema is not valid JSON: {exc}",
                                       param=params.param) from None
-    BACKENDS[backend].check(params)
+    if backend == "auto":
+        resolve_backend(backend, params)
+    else:
+        BACKENDS[backend].check(params)
 
 
 # --------------------------------------------------------------------------- the manager
@@ -267,18 +580,24 @@ def check_constraint(params: StructuredOutputsParams, backend: str = "xgrammar")
 
 def _lowest_cpu_priority() -> None:
     """Run this (compile) thread at nice 19, so the forward pass's threads win the cores
-    (Linux sets nice per thread; elsewhere this does nothing). It cannot win the GIL back:
-    xgrammar holds it while compiling."""
+    (Linux sets nice per thread; elsewhere this does nothing). It cannot win back the GIL
+    from a compile that holds it (xgrammar's did on one host; llguidance releases it)."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):
         pass
 
 
+@dataclass(frozen=True)
+class _Compiled:
+    backend: GrammarBackend
+    grammar: Any
+
+
 @dataclass
 class _Pending:
     request: Request
-    future: Future[Any]
+    future: Future[_Compiled]
     deadline: float
 
 
@@ -288,13 +607,16 @@ class StructuredOutputManager:
     this object's own executor)."""
 
     def __init__(self, config: StructuredOutputsConfig,
-                 make_backend: Callable[[], GrammarBackend]) -> None:
+                 make_backend: Callable[[str], GrammarBackend]) -> None:
         self.timeout = config.structured_outputs_compile_timeout
+        self.backend_name = config.structured_outputs_backend
         self._make_backend = make_backend
-        self._backend: GrammarBackend | None = None
+        self._backends: dict[str, GrammarBackend] = {}  # by name, loaded on first use
+        self._owners: dict[type, GrammarBackend] = {}  # matcher type -> its backend
         self._backend_lock = threading.Lock()
+        self._loading = False  # a backend is loading (the compile thread sets it)
         self._executor: ThreadPoolExecutor | None = None
-        self._compiled: OrderedDict[tuple[str, Any], Future[Any]] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, Any], Future[_Compiled]] = OrderedDict()
         self._pending: dict[str, _Pending] = {}
         self.mask_samples: deque[tuple[float, int]] = deque(maxlen=MASK_SAMPLES)
 
@@ -312,18 +634,26 @@ class StructuredOutputManager:
             self._compiled.popitem(last=False)
         self._pending[request.request_id] = _Pending(request, future, now + self.timeout)
 
-    def _compile_async(self, params: StructuredOutputsParams) -> Future[Any]:
+    def _compile_async(self, params: StructuredOutputsParams) -> Future[_Compiled]:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-grammar",
                                                 initializer=_lowest_cpu_priority)
         future = self._compiled[params.key] = self._executor.submit(self._compile, params)
         return future
 
-    def _compile(self, params: StructuredOutputsParams) -> Any:
+    def _compile(self, params: StructuredOutputsParams) -> _Compiled:
+        backend = self._backend(resolve_backend(self.backend_name, params))
+        return _Compiled(backend, backend.compile(params))
+
+    def _backend(self, name: str) -> GrammarBackend:
         with self._backend_lock:
-            if self._backend is None:
-                self._backend = self._make_backend()
-        return self._backend.compile(params)
+            if name not in self._backends:
+                self._loading = True
+                try:
+                    self._backends[name] = self._make_backend(name)
+                finally:
+                    self._loading = False
+            return self._backends[name]
 
     def poll(self, now: float) -> tuple[list[Request], list[tuple[str, SluiceError]]]:
         """Requests whose grammar is ready (matchers attached to every sequence), and
@@ -331,7 +661,7 @@ class StructuredOutputManager:
         ready: list[Request] = []
         failed: list[tuple[str, SluiceError]] = []
         for rid, p in list(self._pending.items()):
-            if self._backend is None:  # loading the backend (seconds, once) is not compiling
+            if self._loading:  # loading a backend (seconds, once) is not compiling
                 p.deadline = now + self.timeout
             if p.future.done():
                 del self._pending[rid]
@@ -359,10 +689,10 @@ class StructuredOutputManager:
         return SluiceError(f"structured output backend failed: {error}",
                            param=params.param if params else None)
 
-    def _attach(self, request: Request, compiled: Any) -> None:
-        assert self._backend is not None
+    def _attach(self, request: Request, compiled: _Compiled) -> None:
         for seq in request.seqs:
-            seq.grammar = self._backend.matcher(compiled)
+            seq.grammar = compiled.backend.matcher(compiled.grammar)
+            self._owners[type(seq.grammar)] = compiled.backend
 
     def wait(self, timeout: float) -> None:
         """Block until a pending compile finishes or `timeout` passes (an idle core
@@ -387,9 +717,12 @@ class StructuredOutputManager:
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if not rows:
             return
-        assert self._backend is not None
         start = time.perf_counter()
-        self._backend.mask(logits, [seqs[i].grammar for i in rows], rows)
+        by_backend: dict[GrammarBackend, list[int]] = {}
+        for i in rows:  # one batched fill per backend (one, unless auto mixes them)
+            by_backend.setdefault(self._owners[type(seqs[i].grammar)], []).append(i)
+        for backend, own in by_backend.items():
+            backend.mask(logits, [seqs[i].grammar for i in own], own)
         self.mask_samples.append((time.perf_counter() - start, len(rows)))
 
     @staticmethod

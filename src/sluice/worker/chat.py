@@ -88,7 +88,8 @@ async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_i
     forced = None
     if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        forced = state.tool_parser.constraint(tools, name, req.parallel_tool_calls)
+        forced = state.tool_parser.constraint(tools, name, req.parallel_tool_calls,
+                                              engine.inputs.info.structured_outputs_backend)
     params = sampling_params(req, req.requested_max_tokens(), num_logprobs, forced)
     prompt = chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt, tools)
     ids = await encode_prompt(engine.tokenizer, prompt, special=False, hint=hint)

@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from sluice.engine.config import KERNEL_BACKENDS
+from sluice.engine.config import KERNEL_BACKENDS, STRUCTURED_OUTPUTS_BACKENDS
 from sluice.observe.cli import add_observe_arguments, tracing_config
 from sluice.observe.cli import buckets as observe_buckets
 from sluice.protocol.errors import InvalidRequestError
@@ -30,6 +30,9 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "seed": (int, "engine seed"),
     "kernel_backend": (str, "CPU kernels: auto (oneDNN linears; native attention, norm and "
                             "SwiGLU when they build), torch, native"),
+    "structured_outputs_backend": (str, "grammar backend for structured output: auto "
+                                        "(guidance where it can express the constraint, "
+                                        "else xgrammar), xgrammar, guidance"),
     "structured_outputs_compile_timeout": (float, "seconds a structured-output constraint "
                                                   "may take to compile before its request "
                                                   "fails with a 400"),
@@ -44,6 +47,7 @@ CHOICES: dict[str, list[str]] = {
     "scheduling_policy": ["priority", "fcfs"],
     "dtype": ["auto", "float32", "bfloat16", "float16"],
     "kernel_backend": list(KERNEL_BACKENDS),
+    "structured_outputs_backend": list(STRUCTURED_OUTPUTS_BACKENDS),
 }
 
 

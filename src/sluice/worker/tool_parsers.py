@@ -20,10 +20,11 @@ first piece of a call carries `index`, `id`, `type` and the function `name` with
      └────────────────────────────────────"</tool_call>"◄── TAIL ◄───────────────────┘
 
 `tool_choice` `required` or a named function is enforced, not hoped for: `constraint`
-returns an xgrammar structural tag that admits only well-formed call blocks whose
-arguments follow the tool's JSON schema as compact JSON (one call, or several when
-`parallel_tool_calls`), so the arguments always parse. Compact, because free whitespace
-inside a forced call lets a small model emit indentation until `max_tokens`.
+returns a structural tag (xgrammar's format, which both grammar backends read) that
+admits only well-formed call blocks whose arguments follow the tool's JSON schema as
+compact JSON (one call, or several when `parallel_tool_calls`), so the arguments always
+parse. Compact, because free whitespace inside a forced call lets a small model emit
+indentation until `max_tokens`: each backend compiles a tag's `json_schema` compact.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.engine.sampling_params import StructuredOutputsParams
-from sluice.engine.structured_output import json_schema_ebnf
+from sluice.engine.structured_output import check_constraint
 from sluice.protocol.errors import InvalidRequestError
 
 
@@ -78,10 +79,11 @@ class ToolParser(abc.ABC):
     def stream(self) -> ToolCallStream: ...
 
     @abc.abstractmethod
-    def constraint(self, tools: list[dict[str, Any]], choice: str | None,
-                   parallel: bool) -> StructuredOutputsParams:
+    def constraint(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool,
+                   backend: str = "auto") -> StructuredOutputsParams:
         """A constraint admitting only calls (of the named function if `choice` names
-        one), each with arguments valid for its schema."""
+        one), each with arguments valid for its schema; a schema that `backend` (the
+        engine's `structured_outputs_backend`) refuses is a 400 naming that tool."""
 
     def extract(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """The content and the calls of a whole response (via the stream machine)."""
@@ -239,14 +241,14 @@ class HermesToolParser(ToolParser):
     def stream(self) -> ToolCallStream:
         return HermesStream()
 
-    def constraint(self, tools: list[dict[str, Any]], choice: str | None,
-                   parallel: bool) -> StructuredOutputsParams:
+    def constraint(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool,
+                   backend: str = "auto") -> StructuredOutputsParams:
         tags = [{"type": "tag",
                  "begin": f'{OPEN}\n{{"name": {json.dumps(t["function"]["name"])}, '
                           '"arguments": ',
-                 "content": {"type": "grammar", "grammar": json_schema_ebnf(
+                 "content": {"type": "json_schema", "json_schema": _checked_schema(
                      t["function"].get("parameters") or {"type": "object"},
-                     f"tools.{i}.function.parameters")},
+                     f"tools.{i}.function.parameters", backend)},
                  "end": f"}}\n{CLOSE}"}
                 for i, t in enumerate(tools) if choice is None or t["function"]["name"] == choice]
         fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n",
@@ -254,6 +256,11 @@ class HermesToolParser(ToolParser):
         return StructuredOutputsParams(
             structural_tag=json.dumps({"type": "structural_tag", "format": fmt}),
             param="tool_choice")
+
+
+def _checked_schema(schema: Any, param: str, backend: str) -> Any:
+    check_constraint(StructuredOutputsParams.from_schema(schema, param), backend)
+    return schema
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser}
