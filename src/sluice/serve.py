@@ -26,6 +26,7 @@ without keys (the bare worker or router).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -38,7 +39,7 @@ from sluice.protocol.prompt import TokenCache
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from sluice.observe.cli import add_observe_arguments
-    from sluice.worker.cli import add_engine_arguments, add_model_arguments
+    from sluice.worker.cli import add_chat_arguments, add_engine_arguments, add_model_arguments
 
     p = subparsers.add_parser("serve", help="serve the default model on http://127.0.0.1:8000",
                               description=__doc__,
@@ -64,6 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--log-level", default="warning",
                    choices=["debug", "info", "warning", "error"])
     add_engine_arguments(p)
+    add_chat_arguments(p)
     add_observe_arguments(p)
     p.set_defaults(func=handler)
 
@@ -151,10 +153,13 @@ def gateway_wrap(args: argparse.Namespace, cache: TokenCache) -> Any:
 
 
 def worker_flags(args: argparse.Namespace) -> list[str]:
-    """The engine flags given to `sluice serve`, as `sluice worker` arguments."""
+    """The engine and chat flags given to `sluice serve`, as `sluice worker` arguments."""
     from sluice.worker.cli import ENGINE_FLAGS, ENGINE_SWITCHES
 
     flags = ["--model", args.model] if args.model else []
+    flags += ["--tool-call-parser", args.tool_call_parser]
+    if args.chat_template:
+        flags += ["--chat-template", os.path.abspath(args.chat_template)]
     for dest in ENGINE_FLAGS:
         if getattr(args, dest, None) is not None:
             flags += ["--" + dest.replace("_", "-"), str(getattr(args, dest))]
@@ -175,11 +180,13 @@ def traced(args: argparse.Namespace, wrap: Any) -> Any:
 
 
 def serve_one(args: argparse.Namespace, wrap: Any) -> int:
-    from sluice.worker.cli import engine_config
+    from sluice.worker.cli import engine_config, read_chat_template
     from sluice.worker.config import WorkerConfig
     from sluice.worker.server import run_worker
 
     worker = WorkerConfig(host=args.host, port=args.port, log_level=args.log_level,
+                          tool_call_parser=args.tool_call_parser,
+                          chat_template=read_chat_template(args.chat_template),
                           tracing=tracing_config(args, "sluice-serve"),
                           metrics_buckets=observe_buckets(args))
     return run_worker(engine_config(args), worker, wrap=with_status(args, traced(args, wrap),

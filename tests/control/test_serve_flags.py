@@ -38,3 +38,18 @@ def test_bounds_and_the_planner_config() -> None:
     assert config.slo == SLO(1.0, 0.05) and config.scale_to_zero_after_s == 30
     assert planner_config(parse("--min-workers", "1", "--max-workers", "2")) \
         .scale_to_zero_after_s is None
+
+
+def test_chat_flags_reach_every_worker(tmp_path: object) -> None:
+    """`--tool-call-parser` and `--chat-template` go to the worker processes as absolute
+    paths (they start in another directory); without them the workers use the defaults."""
+    from pathlib import Path
+
+    from sluice.serve import worker_flags
+
+    template = Path(str(tmp_path)) / "t.jinja"
+    template.write_text("{{ messages }}")
+    flags = worker_flags(parse("--workers", "2", "--chat-template", str(template)))
+    assert flags[flags.index("--tool-call-parser") + 1] == "hermes"
+    assert flags[flags.index("--chat-template") + 1] == str(template.resolve())
+    assert "--chat-template" not in worker_flags(parse("--workers", "2"))
