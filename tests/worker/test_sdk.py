@@ -195,6 +195,8 @@ def test_anthropic_sdk_errors(claude: anthropic.Anthropic) -> None:
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
         ({"tool_choice": {"type": "any"}}, "tool_choice"),  # no tools to choose from
         ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+        ({"tools": [{"name": "f", "input_schema": {"type": 5}}], "tool_choice": {"type": "any"}},
+         "tools.0.input_schema"),  # named as the Anthropic client wrote it
     ]
     for extra, named in bad_requests:
         with pytest.raises(anthropic.BadRequestError) as bad:

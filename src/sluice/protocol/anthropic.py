@@ -378,6 +378,19 @@ def chat_tool_choice(choice: ToolChoice | None) -> dict[str, Any]:
     return fields
 
 
+_TOOL_FIELDS = {"parameters": "input_schema", "name": "name", "description": "description"}
+
+
+def anthropic_param(param: str | None) -> str | None:
+    """A parameter named by the OpenAI path (which serves /v1/messages after translation)
+    as the Anthropic client wrote it: `tools.N.function.parameters` is `tools.N.input_schema`."""
+    parts = (param or "").split(".")
+    if len(parts) >= 4 and parts[0] == "tools" and parts[2] == "function" \
+            and parts[3] in _TOOL_FIELDS:
+        return ".".join([*parts[:2], _TOOL_FIELDS[parts[3]], *parts[4:]])
+    return param
+
+
 def to_chat_body(req: MessagesRequest) -> dict[str, Any]:
     """The OpenAI chat request equivalent to an Anthropic Messages request."""
     body: dict[str, Any] = {"model": req.model, **chat_prompt(req.model_dump()),
@@ -553,6 +566,11 @@ ERROR_TYPES: dict[int, str] = {
 
 
 def error_body(exc: SluiceError) -> dict[str, Any]:
-    """Anthropic's error JSON for a sluice error."""
+    """Anthropic's error JSON for a sluice error. Its shape has no `param`, so the field
+    leads the message where the message does not name it (Anthropic's own style:
+    `tools.0.input_schema: ...`)."""
     kind = ERROR_TYPES.get(exc.status_code, "api_error")
-    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+    message = exc.message
+    if exc.param and exc.param not in message:
+        message = f"{exc.param}: {message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}

@@ -117,9 +117,13 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         chat_body = anthropic.to_chat_body(req)
         if (priority := header_priority(request)) is not None:
             chat_body["priority"] = priority
-        chat_req = parse_request(ChatCompletionRequest, chat_body)
-        job = await until_disconnect(
-            request, prepare_chat(state, chat_req, request_id(request), ids_hint(request)))
+        try:
+            chat_req = parse_request(ChatCompletionRequest, chat_body)
+            job = await until_disconnect(
+                request, prepare_chat(state, chat_req, request_id(request), ids_hint(request)))
+        except InvalidRequestError as exc:  # name the field as the Anthropic client wrote it
+            exc.param = anthropic.anthropic_param(exc.param)
+            raise
         if req.stream:
             return SSEResponse(anthropic_sse(chat_chunks(job), anthropic.StreamTranslator(req)))
         resp = await until_disconnect(request, chat_response(job))
