@@ -271,3 +271,51 @@ pools:
 
 def parse(*argv: str) -> argparse.Namespace:
     return build_parser(["router", *argv]).parse_args(["router", *argv])
+
+
+def waiters(band: admission.Band, names: list[str]) -> dict[str, admission.Waiter]:
+    loop = asyncio.new_event_loop()
+    out = {}
+    for seq, name in enumerate(names):
+        out[name] = admission.Waiter(loop.create_future(), name[0], seq, 0.0)
+        band.push(out[name])
+    loop.close()
+    return out
+
+
+def test_requests_that_leave_cost_their_tenant_no_share() -> None:
+    """Tags are given at the head: a's two timed-out requests do not push a4 behind b."""
+    band = admission.Band()
+    w = waiters(band, ["a1", "a2", "a3", "a4", "b1", "b2", "b3", "b4"])
+    band.remove(w["a2"])
+    band.remove(w["a3"])
+    order = [band.pop(lambda t: 1.0) for _ in range(6)]
+    assert [x.tenant + str(x.seq) for x in order] == ["a0", "b4", "a3", "b5", "b6", "b7"]
+    assert band.size == 0 and band.finish == {"b": band.vtime + 1.0}
+
+
+def test_a_full_band_takes_the_newest_waiter_of_the_longest_tenant() -> None:
+    band = admission.Band()
+    w = waiters(band, ["a1", "a2", "a3", "b1"])
+    assert band.push_out("b") is w["a3"] and not w["a3"].queued
+    assert band.push_out("b") is None  # a 2, b 1: not longer by more than one
+    assert band.push_out("c") is w["a2"]
+    assert band.size == 2
+
+
+async def test_a_full_band_refuses_the_tenant_that_fills_it_not_the_newcomer() -> None:
+    stub = StubState("a", gate=asyncio.Event())
+    config = AdmissionConfig(max_inflight_per_worker=1, default_band=BandLimits(capacity=3))
+    async with router(stub, config) as c:
+        blocker = post(c, "blocker")
+        await until(lambda: len(stub.requests) == 1)
+        tasks = [post(c, f"a{i}", tenant="a") for i in range(3)]
+        await until(lambda: _queued_is(c, 3))
+        newcomer = post(c, "b0", tenant="b")
+        await until(lambda: tasks[2].done())
+        r = tasks[2].result()
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        stub.gate.set()  # type: ignore[union-attr]
+        assert all(r.status_code == 200 for r in await asyncio.gather(blocker, newcomer,
+                                                                       *tasks[:2]))
+        assert served(stub) == ["blocker", "a0", "b0", "a1"]

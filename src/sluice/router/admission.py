@@ -3,6 +3,8 @@
     route -> admission.admit(pool, priority, tenant)
                the pool has room, nobody waiting   -> go on at once (one scan of the pool)
                its band's queue full               -> 429 queue_full + Retry-After, at once
+                    (unless another tenant holds more of the band: that tenant's newest
+                     waiter gets the 429 and this request takes its place)
                else wait in the band (lower priority value first; tenants share a band
                     by weighted start-time fair queueing)
                     -> granted when a slot frees (a request ends, a worker is added or
@@ -17,11 +19,17 @@ that ends calls `Pool.on_finish`, which grants the next waiters at once; a 100 m
 runs only while someone waits, for the changes no request end signals (a worker added,
 a breaker half-opening, a fresh scrape).
 
-Fair sharing within a band is start-time fair queueing with unit cost: a tenant's
-request gets the tag `max(band's virtual time, its previous tag) + 1 / weight`, the
-smallest tag goes first and sets the virtual time. Two backlogged tenants of weights 2
-and 1 thereby get 2:1 of the grants; a tenant that arrives late starts at the current
-virtual time, not behind the backlog it did not send.
+Fair sharing within a band is start-time fair queueing with unit cost, tagged at the
+head of each tenant's FIFO: a tenant's next request starts at
+`max(band's virtual time, the finish tag of its last granted request)`, the smallest
+start is granted (ties: the oldest request) and becomes the virtual time, and the
+tenant's finish tag is that start + 1 / weight. Two backlogged tenants of weights 2 and
+1 thereby get 2:1 of the grants; a tenant that arrives late starts at the current
+virtual time, not behind the backlog it did not send; requests that time out or hang
+up cost their tenant nothing (tags are given at the head, not on arrival). When the
+band is full, the tenant with the longest FIFO gives up its newest waiter to a tenant
+with a shorter one (longest-queue drop), so one tenant's backlog cannot refuse
+everyone else at the door either.
 
 Granting and dispatching must not race: between a waiter's grant and its `pool.dispatch`
 (the proxy's first synchronous step after `admit` returns) the grant is counted in
@@ -84,7 +92,6 @@ def predicted_wait(endpoint: Endpoint) -> float:
 class Waiter:
     future: asyncio.Future[None]
     tenant: str
-    tag: float
     seq: int
     since: float
     timer: asyncio.TimerHandle | None = None
@@ -97,27 +104,38 @@ class Band:
     """One priority's waiters: a FIFO per tenant, served smallest start tag first."""
 
     tenants: dict[str, deque[Waiter]] = field(default_factory=dict)
+    finish: dict[str, float] = field(default_factory=dict)  # tenant -> last finish tag
     vtime: float = 0.0
     size: int = 0
 
-    def push(self, waiter: Waiter, weight: float) -> None:
-        """Tag `waiter` (its tenant's previous tag or the virtual time, + 1/weight), queue it."""
-        queue = self.tenants.setdefault(waiter.tenant, deque())
-        waiter.tag = (queue[-1].tag if queue else self.vtime) + 1.0 / weight
-        queue.append(waiter)
+    def push(self, waiter: Waiter) -> None:
+        self.tenants.setdefault(waiter.tenant, deque()).append(waiter)
         self.size += 1
 
-    def pop(self) -> Waiter:
-        """The head with the smallest tag (then the oldest); advances the virtual time."""
-        tenant = min(self.tenants, key=lambda t: (self.tenants[t][0].tag, self.tenants[t][0].seq))
-        queue = self.tenants[tenant]
-        waiter = queue.popleft()
-        if not queue:
-            del self.tenants[tenant]
-        self.size -= 1
-        self.vtime = waiter.tag
-        waiter.queued = False
+    def start(self, tenant: str) -> float:
+        """The start tag of `tenant`'s head request."""
+        return max(self.vtime, self.finish.get(tenant, 0.0))
+
+    def pop(self, weight: Callable[[str], float]) -> Waiter:
+        """The head with the smallest start tag (then the oldest); advances the virtual time
+        and the tenant's finish tag by 1 / its weight."""
+        tenant = min(self.tenants, key=lambda t: (self.start(t), self.tenants[t][0].seq))
+        start = self.start(tenant)
+        waiter = self._take(tenant, left=True)
+        self.vtime = start
+        self.finish[tenant] = start + 1.0 / weight(tenant)
+        for idle in [t for t, f in self.finish.items() if f <= start and t not in self.tenants]:
+            del self.finish[idle]  # its next start would be the virtual time anyway
         return waiter
+
+    def push_out(self, tenant: str) -> Waiter | None:
+        """Make room for `tenant` in a full band: the newest waiter of the tenant with the
+        longest FIFO, if that is longer than `tenant`'s by more than one; else None."""
+        if not self.tenants:
+            return None
+        longest = max(self.tenants, key=lambda t: len(self.tenants[t]))
+        own = len(self.tenants.get(tenant, ()))
+        return self._take(longest, left=False) if len(self.tenants[longest]) > own + 1 else None
 
     def remove(self, waiter: Waiter) -> None:
         queue = self.tenants[waiter.tenant]
@@ -126,6 +144,15 @@ class Band:
             del self.tenants[waiter.tenant]
         self.size -= 1
         waiter.queued = False
+
+    def _take(self, tenant: str, left: bool) -> Waiter:
+        queue = self.tenants[tenant]
+        waiter = queue.popleft() if left else queue.pop()
+        if not queue:
+            del self.tenants[tenant]
+        self.size -= 1
+        waiter.queued = False
+        return waiter
 
 
 class PoolQueue:
@@ -185,14 +212,22 @@ class PoolQueue:
         limits = self.config.band(priority)
         band = self.bands.setdefault(priority, Band())
         if band.size >= limits.capacity:
-            raise RateLimitError(
+            victim = band.push_out(tenant)
+            full = RateLimitError(
                 f"the admission queue of priority {priority} is full ({limits.capacity} "
                 "requests wait for a free worker)", retry_after=limits.timeout_s,
                 code="queue_full")
+            if victim is None:
+                raise full
+            self.waiting -= 1
+            if victim.timer is not None:
+                victim.timer.cancel()
+            if not victim.future.done():
+                victim.future.set_exception(full)
         loop = asyncio.get_running_loop()
         self._seq += 1
-        waiter = Waiter(loop.create_future(), tenant, 0.0, self._seq, self.clock())
-        band.push(waiter, self.config.weight(tenant))
+        waiter = Waiter(loop.create_future(), tenant, self._seq, self.clock())
+        band.push(waiter)
         self.waiting += 1
         waiter.timer = loop.call_later(limits.timeout_s, self._expire, priority, waiter,
                                        limits.timeout_s)
@@ -213,7 +248,7 @@ class PoolQueue:
         slots = self.free_slots()
         while slots > 0 and self.waiting:
             band = self.bands[min(p for p, b in self.bands.items() if b.size)]
-            waiter = band.pop()
+            waiter = band.pop(self.config.weight)
             self.waiting -= 1
             if waiter.timer is not None:
                 waiter.timer.cancel()

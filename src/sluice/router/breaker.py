@@ -149,9 +149,9 @@ class Breakers:
             b.successes += 1
             if b.successes >= self.config.successes:
                 self._move(url, b, CLOSED)
-                b.failures = 0
+                del self.breakers[url]
         elif b.state == CLOSED:
-            b.failures = 0
+            del self.breakers[url]  # a clean closed breaker is no entry: `blocked` stays O(1)
 
     def failure(self, pool: Pool, url: str) -> None:
         """A failed request; opens the breaker when due and the pool's floor allows."""

@@ -69,7 +69,7 @@ class RouterState:
         transitions = self.metrics.breaker_transitions
         self.breakers = Breakers(self.config.breaker,
                                  lambda url, a, b: transitions.labels(url, a, b).inc(),
-                                 rng=self.rng)
+                                 rng=random.Random(self.config.seed))  # jitter: not the policy's
         self.admission = Admission(self.config.admission, self.breakers.blocked,
                                    self.metrics.admission_wait_seconds,
                                    self.metrics.admission_shed)
