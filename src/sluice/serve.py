@@ -39,6 +39,7 @@ from sluice.protocol.prompt import TokenCache
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from sluice.observe.cli import add_observe_arguments
+    from sluice.router.cli import add_flow_arguments
     from sluice.worker.cli import add_chat_arguments, add_engine_arguments, add_model_arguments
 
     p = subparsers.add_parser("serve", help="serve the default model on http://127.0.0.1:8000",
@@ -49,6 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    help="engine worker processes behind the router (default: %(default)s: "
                         "one engine in this process, no router)")
     add_control_arguments(p)
+    add_flow_arguments(p)
     p.add_argument("--policy", default="cost",
                    help="router policy with --workers > 1: cost, kv, prefix, session, "
                         "least_load, round_robin (default: %(default)s)")
@@ -242,6 +244,7 @@ def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
     from sluice.observe.asgi import traced_gateway
     from sluice.observe.tracing import start_tracing
     from sluice.router.app import build_app
+    from sluice.router.cli import flow_overrides
     from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
     from sluice.router.server import run
 
@@ -255,9 +258,9 @@ def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
     pool_config = PoolConfig(model=name, policy=args.policy, tokenizer=resolve_model(args.model),
                              block_size=args.block_size or 16,
                              workers=tuple(WorkerSpec(url) for url in args.worker_url))
-    config = RouterConfig(pools=(pool_config,), host=args.host, port=args.port,
-                          admin_key=args.admin_key or env.get("ADMIN_KEY"),
-                          buffer_timeout_s=args.buffer_timeout)
+    config = flow_overrides(args, RouterConfig(
+        pools=(pool_config,), host=args.host, port=args.port,
+        admin_key=args.admin_key or env.get("ADMIN_KEY"), buffer_timeout_s=args.buffer_timeout))
     tracing = start_tracing(tracing_config(args, "sluice-serve"))
     app = build_app(config, token_cache=cache, tracing=tracing, buckets=observe_buckets(args),
                     status_metrics=[wrap.metrics] if wrap else [])

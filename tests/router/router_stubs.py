@@ -3,8 +3,9 @@ ASGI app) and `RouterServer` (a router app, as `sluice router` serves it).
 
 A stub serves /health, /v1/models, /metrics (vLLM gauge names), /tokenize (one token
 per whitespace-separated word, stable ids), and /v1/chat/completions, /v1/completions
-(streamed or not) with injected time to first token, per-token delay and failures. It
-records every request and notices client disconnects. With a `KVEventPublisher` it
+(streamed or not) with injected time to first token, per-token delay and failures,
+optionally held behind a gate (an asyncio.Event) until the test opens it. It records
+every request and notices client disconnects. With a `KVEventPublisher` it
 publishes `BlockStored` for each prompt it serves, as a real engine would.
 """
 
@@ -60,6 +61,7 @@ class StubState:
     tokenize_calls: int = 0
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
+    gate: asyncio.Event | None = None  # generation requests wait for it (held in flight)
     running: int = 0
     cancelled: int = 0
     completed: int = 0
@@ -94,6 +96,8 @@ def make_stub(state: StubState) -> Starlette:
         body = await request.json()
         state.requests.append(body)
         state.headers.append(dict(request.headers))
+        if state.gate is not None:
+            await state.gate.wait()
         if state.fail_status is not None:
             return JSONResponse({"error": {"message": "injected"}}, status_code=state.fail_status)
         if state.publisher is not None:

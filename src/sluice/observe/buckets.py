@@ -10,7 +10,8 @@ defaults start at 0.5 ms for ITL and 1 ms for the request latencies and keep rou
     SLUICE_METRICS_BUCKETS='itl=...'                               (the same, from the env)
 
 Names: `ttft`, `itl`, `tpot`, `e2e`, `queue`, `prefill`, `decode`, `inference` (worker),
-`decision`, `first_byte` (router), `admission` (gateway). Bounds are seconds, strictly
+`decision`, `first_byte` (router), `admission` (gateway); the router's admission-queue
+wait uses `queue` too. Bounds are seconds, strictly
 increasing and positive; `+Inf` is implicit.
 """
 

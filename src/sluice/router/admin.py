@@ -4,6 +4,8 @@
     POST   /admin/workers              {"url", "model"?, "kv_events"?, "group"?}  add
     DELETE /admin/workers              {"url"} (or ?url=)                          remove
     POST   /admin/workers/drain        {"url", "drain": true|false}                drain
+    GET    /admin/pools/{model}/admission   the pool's admission settings and queue
+    PUT    /admin/pools/{model}/admission   change them (fields given are replaced)
 
 A draining worker gets no new requests; its in-flight ones finish. Every call must carry
 the router's admin key (`Authorization: Bearer KEY` or `X-Admin-Key`): 401 without it;
@@ -13,6 +15,7 @@ port could otherwise redirect traffic).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -20,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from sluice.protocol.edge import check_admin_key
 from sluice.protocol.errors import InvalidRequestError
-from sluice.router.config import SHORT, WorkerSpec
+from sluice.router.config import SHORT, BandLimits, WorkerSpec
 from sluice.router.endpoints import Endpoint
 from sluice.router.state import RouterState
 
@@ -37,6 +40,32 @@ class WorkerRef(BaseModel):
     model_config = ConfigDict(extra="forbid")
     url: str
     drain: bool = True
+
+
+class BandBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    capacity: int
+    timeout_s: float
+
+
+class AdmissionUpdate(BaseModel):
+    """PUT /admin/pools/{model}/admission: each field given replaces the current one."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_inflight_per_worker: int | None = None
+    max_predicted_wait_s: float | None = None
+    default_band: BandBody | None = None
+    bands: dict[int, BandBody] | None = None
+    tenant_weights: dict[str, float] | None = None
+
+    def changes(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: v for k, v in self.model_dump(exclude_unset=True).items()
+                               if k not in ("default_band", "bands")}
+        if self.default_band is not None:
+            out["default_band"] = BandLimits(**self.default_band.model_dump())
+        if self.bands is not None:
+            out["bands"] = {p: BandLimits(**b.model_dump()) for p, b in self.bands.items()}
+        return out
 
 
 def describe(endpoint: Endpoint) -> dict[str, Any]:
@@ -98,5 +127,21 @@ def admin_router() -> APIRouter:
         _, endpoint = request.app.state.router.find_endpoint(ref.url)
         endpoint.draining = ref.drain
         return describe(endpoint)
+
+    @api.get("/pools/{model:path}/admission")
+    async def get_admission(request: Request, model: str) -> dict[str, Any]:
+        _check_key(request)
+        state: RouterState = request.app.state.router
+        return state.admission.describe(state.resolve(model))
+
+    @api.put("/pools/{model:path}/admission")
+    async def put_admission(request: Request, model: str) -> dict[str, Any]:
+        _check_key(request)
+        state: RouterState = request.app.state.router
+        pool = state.resolve(model)
+        update: AdmissionUpdate = _parse(AdmissionUpdate, await request.body())
+        config = replace(state.admission.queue(pool).config, **update.changes())
+        state.admission.reconfigure(pool, config)
+        return state.admission.describe(pool)
 
     return api

@@ -9,11 +9,13 @@ It serves on its own HTTP/1.1 server (httptools, uvloop): see `router/server.py`
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from sluice import env
 from sluice.observe.cli import add_observe_arguments, tracing_config
 from sluice.observe.cli import buckets as observe_buckets
 from sluice.observe.tracing import start_tracing
+from sluice.protocol.errors import InvalidRequestError
 from sluice.router.config import (
     LONG,
     PoolConfig,
@@ -63,8 +65,70 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds between /health probes (default 1.0)")
     p.add_argument("--seed", type=int, default=None, help="seed of the tie-breaking RNG")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_flow_arguments(p)
     add_observe_arguments(p)
     p.set_defaults(func=handler)
+
+
+def add_flow_arguments(p: argparse.ArgumentParser) -> None:
+    """Admission queue and circuit breaker flags (`sluice router` and `sluice serve`);
+    unset flags keep the config file's value, else the default shown."""
+    g = p.add_argument_group("flow control (docs/router.md#flow-control)")
+    g.add_argument("--max-inflight-per-worker", type=int, default=None, metavar="N",
+                   help="requests in flight per worker before new ones wait in the router's "
+                        "admission queue; 0: no limit (default 256)")
+    g.add_argument("--max-predicted-wait", type=float, default=None, metavar="SECONDS",
+                   dest="max_predicted_wait_s",
+                   help="seconds of predicted queueing on a worker before new requests wait "
+                        "in the router instead; 0: off (default 0)")
+    g.add_argument("--queue-capacity", type=int, default=None, metavar="N",
+                   help="requests that may wait per priority band; more: 429 (default 1000)")
+    g.add_argument("--queue-timeout", type=float, default=None, metavar="SECONDS", dest="queue_timeout_s",
+                   help="seconds a request may wait in the admission queue, then 503 "
+                        "(default 60)")
+    g.add_argument("--tenant-weight", action="append", default=[], metavar="TENANT=WEIGHT",
+                   help="a tenant's share within its priority band (default 1 each; repeat)")
+    g.add_argument("--breaker-failures", type=int, default=None, metavar="N",
+                   help="consecutive request failures that open a worker's circuit breaker; "
+                        "0: no breakers (failures count toward ejection) (default 5)")
+    g.add_argument("--breaker-open", type=float, default=None, metavar="SECONDS", dest="breaker_open_s",
+                   help="seconds a breaker stays open before trial requests (default 30)")
+    g.add_argument("--retry-budget", type=float, default=None, metavar="RATIO",
+                   help="retries allowed as a fraction of the pool's requests over 10 s, "
+                        "plus 10 (default 0.2)")
+
+
+def _tenant_weights(items: list[str]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for item in items:
+        tenant, sep, weight = item.rpartition("=")
+        try:
+            out[tenant] = float(weight)
+        except ValueError:
+            sep = ""
+        if not sep or not tenant:
+            raise InvalidRequestError(f"--tenant-weight wants TENANT=WEIGHT, got {item!r}",
+                                      param="tenant-weight")
+    return out
+
+
+def flow_overrides(args: argparse.Namespace, config: RouterConfig) -> RouterConfig:
+    """`config` with the flow-control flags that were given applied."""
+    admission, breaker = config.admission, config.breaker
+    band = {k: v for k, v in (("capacity", args.queue_capacity),
+                              ("timeout_s", args.queue_timeout_s)) if v is not None}
+    changes = {k: v for k, v in (("max_inflight_per_worker", args.max_inflight_per_worker),
+                                 ("max_predicted_wait_s", args.max_predicted_wait_s)) if v is not None}
+    if band:
+        changes["default_band"] = replace(admission.default_band, **band)
+    if args.tenant_weight:
+        changes["tenant_weights"] = {**admission.tenant_weights,
+                                     **_tenant_weights(args.tenant_weight)}
+    breaks = {k: v for k, v in (("failures", args.breaker_failures),
+                                ("open_s", args.breaker_open_s),
+                                ("budget_ratio", args.retry_budget)) if v is not None}
+    return replace(config, admission=replace(admission, **changes),
+                   breaker=replace(breaker, **breaks))
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -80,11 +144,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                                 workers=tuple(workers), policy=args.policy,
                                 long_prompt_tokens=args.long_prompt_tokens,
                                 tokenizer=args.tokenizer, block_size=args.block_size))
-    return base.with_overrides(
+    return flow_overrides(args, base.with_overrides(
         pools=tuple(pools), host=args.host, port=args.port,
         admin_key=args.admin_key or env.get("ROUTER_ADMIN_KEY"), max_retries=args.max_retries,
         scrape_interval_s=args.scrape_interval_s, health_interval_s=args.health_interval_s,
-        seed=args.seed)
+        seed=args.seed))
 
 
 def handler(args: argparse.Namespace) -> int:

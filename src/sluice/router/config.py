@@ -6,7 +6,10 @@ load, learned costs) lives in `endpoints.py`, never in these objects.
 
     RouterConfig
      ├── pools: PoolConfig (model name + aliases, policy, long/short split)
-     │     └── workers: WorkerSpec (url, optional KV-events endpoint, group)
+     │     ├── workers: WorkerSpec (url, optional KV-events endpoint, group)
+     │     └── admission: AdmissionConfig | None (None: the router's)
+     ├── admission: AdmissionConfig (when to hold requests, band limits, tenant weights)
+     ├── breaker: BreakerConfig (per-worker circuit breaker, retry backoff and budget)
      └── timings: scrape / health intervals, retry and ejection counts
 """
 
@@ -47,6 +50,96 @@ class WorkerSpec:
                                       f"got {self.kv_events!r}", param="kv_events")
 
 
+# --- flow control (router/admission.py, router/breaker.py) --------------------------------
+
+
+@dataclass(frozen=True)
+class BandLimits:
+    """One priority band's queue: how many may wait, and for how long."""
+
+    capacity: int = 1000
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.capacity < 0 or self.timeout_s <= 0:
+            raise InvalidRequestError("a band's capacity must be >= 0 and timeout_s > 0",
+                                      param="bands")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """When a pool's requests wait in the router's admission queue (router/admission.py).
+
+    A worker has room while the router's in-flight requests there are below
+    `max_inflight_per_worker` and its predicted queueing delay (the cost model's seconds
+    of work ahead of a new request) is below `max_predicted_wait_s`; 0 turns either test
+    off, both 0 turns the queue off. A request is sent at once while some worker has
+    room, else it waits in its priority band (`x-sluice-priority`, lower first), tenants
+    (`x-sluice-tenant`) sharing a band by `tenant_weights` (default 1 each).
+    `bands`: limits per priority value; other priorities get `default_band`.
+    """
+
+    max_inflight_per_worker: int = 256
+    max_predicted_wait_s: float = 0.0
+    default_band: BandLimits = field(default_factory=BandLimits)
+    bands: Mapping[int, BandLimits] = field(default_factory=dict)
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_inflight_per_worker < 0 or self.max_predicted_wait_s < 0:
+            raise InvalidRequestError("admission limits must be >= 0 (0: off)",
+                                      param="max_inflight_per_worker")
+        if any(w <= 0 for w in self.tenant_weights.values()):
+            raise InvalidRequestError("tenant weights must be positive", param="tenant_weights")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_inflight_per_worker > 0 or self.max_predicted_wait_s > 0
+
+    def band(self, priority: int) -> BandLimits:
+        return self.bands.get(priority, self.default_band)
+
+    def weight(self, tenant: str) -> float:
+        return self.tenant_weights.get(tenant, 1.0)
+
+
+@dataclass(frozen=True)
+class BreakerConfig:
+    """Per-worker circuit breaker on the request path, retry backoff and retry budget.
+
+    Closed -> open after `failures` consecutive request failures, each within `window_s`
+    of the one before; open for `open_s`; then half-open: up to `successes` trial requests
+    at once, closed after `successes` of them succeed, open again on a failure. A breaker
+    never opens when fewer than `min_closed` other available workers of its pool would be
+    left closed. `failures` 0 turns breakers off (request failures then count toward
+    ejection, as probes do). Retries wait `backoff_s` x 2^n (capped at `backoff_max_s`,
+    jittered by up to half); retries may reach `budget_ratio` x the pool's requests in
+    the last `budget_window_s`, plus `budget_min` (so a quiet pool can still retry).
+    """
+
+    failures: int = 5
+    successes: int = 2
+    open_s: float = 30.0
+    window_s: float = 60.0
+    min_closed: int = 1
+    backoff_s: float = 0.05
+    backoff_max_s: float = 1.0
+    budget_ratio: float = 0.2
+    budget_window_s: float = 10.0
+    budget_min: int = 10
+
+    def __post_init__(self) -> None:
+        if self.failures < 0 or self.successes < 1 or self.min_closed < 0:
+            raise InvalidRequestError("breaker failures must be >= 0, successes >= 1, "
+                                      "min_closed >= 0", param="breaker")
+        if min(self.open_s, self.window_s, self.budget_window_s) <= 0:
+            raise InvalidRequestError("breaker times must be positive", param="breaker")
+        if self.backoff_s < 0 or self.backoff_max_s < self.backoff_s:
+            raise InvalidRequestError("need 0 <= backoff_s <= backoff_max_s", param="breaker")
+        if self.budget_ratio < 0 or self.budget_min < 0:
+            raise InvalidRequestError("retry budget must be >= 0", param="breaker")
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     """The workers serving one model.
@@ -66,6 +159,7 @@ class PoolConfig:
     tokenizer: str | None = None
     block_size: int = 16
     policy_options: Mapping[str, Any] = field(default_factory=dict)
+    admission: AdmissionConfig | None = None  # None: the router's `admission`
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -106,6 +200,8 @@ class RouterConfig:
     # requests held while a pool has no ready worker (scale from zero); 0 s: answer 503
     buffer_timeout_s: float = 0.0
     buffer_max_requests: int = 256
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
 
     def __post_init__(self) -> None:
         if self.max_retries < 0:
@@ -141,16 +237,36 @@ def _known(cls: type, raw: Mapping[str, Any], what: str) -> dict[str, Any]:
     return dict(raw)
 
 
+def admission_from_dict(raw: Mapping[str, Any]) -> AdmissionConfig:
+    """An AdmissionConfig from YAML/JSON (band keys may be strings: JSON has no int keys)."""
+    data = _known(AdmissionConfig, raw, "admission")
+    if "default_band" in data:
+        data["default_band"] = BandLimits(**_known(BandLimits, data["default_band"], "band"))
+    try:
+        data["bands"] = {int(k): BandLimits(**_known(BandLimits, v, "band"))
+                         for k, v in data.get("bands", {}).items()}
+    except (TypeError, ValueError, AttributeError):
+        raise InvalidRequestError("bands maps integer priorities to {capacity, timeout_s}",
+                                  param="bands") from None
+    return AdmissionConfig(**data)
+
+
 def pool_from_dict(raw: Mapping[str, Any]) -> PoolConfig:
     data = _known(PoolConfig, raw, "pool")
     data["workers"] = tuple(_worker_from(w) for w in data.get("workers", ()))
     data["aliases"] = tuple(data.get("aliases", ()))
+    if data.get("admission") is not None:
+        data["admission"] = admission_from_dict(data["admission"])
     return PoolConfig(**data)
 
 
 def router_from_dict(raw: Mapping[str, Any]) -> RouterConfig:
     data = _known(RouterConfig, raw, "router")
     data["pools"] = tuple(pool_from_dict(p) for p in data.get("pools", ()))
+    if "admission" in data:
+        data["admission"] = admission_from_dict(data["admission"])
+    if "breaker" in data:
+        data["breaker"] = BreakerConfig(**_known(BreakerConfig, data["breaker"], "breaker"))
     return RouterConfig(**data)
 
 

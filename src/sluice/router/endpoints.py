@@ -191,6 +191,7 @@ class Endpoint:
     speed_samples: int = 0
     prompt_avg: float = 0.0
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    on_finish: Callable[[], None] | None = field(default=None, repr=False)  # the pool's
 
     @property
     def url(self) -> str:
@@ -290,6 +291,8 @@ class Endpoint:
         ticket.done = True
         self.inflight -= 1
         self.inflight_tokens -= ticket.prompt_tokens
+        if self.on_finish is not None:
+            self.on_finish()
 
     def _learn(self, units: float, seconds: float) -> None:
         """Fold one TTFT into the shared line (scaled to speed 1, so that a slow worker does

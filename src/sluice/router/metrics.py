@@ -83,6 +83,20 @@ class RouterMetrics:
                                     ["worker"], registry=r)
         self.kv_events = Counter("sluice_router_kv_events", "KV events applied",
                                  ["worker", "type"], registry=r)
+        # flow control (admission.py, breaker.py); their gauges are collectors of their own
+        self.admission_wait_seconds = Histogram(
+            "sluice_router_admission_wait_seconds",
+            "time in the router's admission queue (0 for requests sent at once)",
+            ["model", "priority"], buckets=b.queue, registry=r)
+        self.admission_shed = Counter("sluice_router_admission_shed",
+                                      "requests refused by the admission queue",
+                                      ["model", "priority", "reason"], registry=r)
+        self.breaker_transitions = Counter("sluice_router_breaker_transitions",
+                                           "circuit breaker state changes",
+                                           ["worker", "from_state", "to_state"], registry=r)
+        self.retry_budget_exhausted = Counter("sluice_router_retry_budget_exhausted",
+                                              "retries not made: the pool's budget was spent",
+                                              ["model"], registry=r)
         r.register(_WorkerCollector(pools))
         self._children: dict[tuple[Any, ...], Any] = {}
 

@@ -50,6 +50,7 @@ class Pool:
         self.precise = BlockIndex(max_blocks, clock)
         self.predicted_ttl_s = predicted_ttl_s
         self.endpoints: dict[str, Endpoint] = {}
+        self.on_finish: Callable[[], None] | None = None  # the admission queue's wake-up
         for spec in config.workers:
             self.add(spec)
 
@@ -70,8 +71,14 @@ class Pool:
     def add(self, spec: WorkerSpec) -> Endpoint:
         if spec.url in self.endpoints:
             raise InvalidRequestError(f"worker {spec.url} is already in the pool", param="url")
-        endpoint = self.endpoints[spec.url] = Endpoint(spec, fit=self.fit, clock=self.clock)
+        endpoint = self.endpoints[spec.url] = Endpoint(spec, fit=self.fit, clock=self.clock,
+                                                       on_finish=self._finished)
         return endpoint
+
+    def _finished(self) -> None:
+        """A request on one of the pool's workers ended: room for a waiting one."""
+        if self.on_finish is not None:
+            self.on_finish()
 
     def remove(self, url: str) -> Endpoint:
         endpoint = self.get(url)

@@ -1,6 +1,7 @@
 """Forward one request to a worker and hand its response back as a `Relay`, unbuffered.
 
-    for each attempt (1 + max_retries, each on a worker not yet tried):
+    for each attempt (1 + max_retries, each on a worker not yet tried, whose breaker
+    is not open; a retry waits its backoff and needs the pool's retry budget):
         decide -> dispatch -> send, read the head and the first body bytes
         connect error / read error / 5xx before the first bytes -> count, retry elsewhere
     Relay: status, headers, the first bytes, then `read()` for the rest as it arrives;
@@ -10,17 +11,20 @@
 
 Nothing reaches the client before the first bytes have arrived, so every retry is
 invisible to it. Passive health lives here: each failure counts toward the worker's
-ejection. The front ends (server.py, app.py) only write a Relay out.
+circuit breaker (router/breaker.py), or, with breakers off, toward its ejection. The
+front ends (server.py, app.py) only write a Relay out.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 from collections.abc import Callable, Iterable
 
 from sluice.protocol.errors import ServiceUnavailableError
+from sluice.router.breaker import Breakers
 from sluice.router.endpoints import Endpoint, Ticket
 from sluice.router.metrics import RouterMetrics
 from sluice.router.parse import ParsedRequest
@@ -102,11 +106,12 @@ class Proxy:
     """Sends requests for a router; holds its connection pool and retry/ejection settings."""
 
     def __init__(self, upstream: UpstreamPool, metrics: RouterMetrics, max_retries: int,
-                 eject_after_failures: int) -> None:
+                 eject_after_failures: int, breakers: Breakers) -> None:
         self.upstream = upstream
         self.metrics = metrics
         self.max_retries = max_retries
         self.eject_after = eject_after_failures
+        self.breakers = breakers
         self._targets: dict[str, Target] = {}
 
     def _target(self, endpoint: Endpoint) -> Target:
@@ -124,26 +129,37 @@ class Proxy:
         last_error = "no worker is available"
         start = time.perf_counter()
         policy = pool.policy.name
-        for _attempt in range(self.max_retries + 1):
+        budget = self.breakers.budget(pool)
+        budget.request()
+        for attempt in range(self.max_retries + 1):
+            if attempt:  # --- flow: retry budget and backoff (router/breaker.py)
+                if not budget.take_retry():
+                    self.metrics.retry_budget_exhausted.labels(req.model).inc()
+                    last_error += "; retry budget exhausted"
+                    break
+                await asyncio.sleep(self.breakers.backoff(attempt))
             decision = self._decide(pool, meta, tried)
             if decision is None:
                 break
             endpoint = decision.endpoint
             ticket = pool.dispatch(meta, decision)
+            self.breakers.attempt(endpoint.url)
             self.metrics.prefix_hit_tokens_for(policy).inc(
                 min(meta.num_prompt_tokens, decision.choice.cached_blocks * meta.block_size))
             try:
                 upstream, first = await self._open(endpoint, pool, req, path, headers)
             except RetryableError as exc:
                 endpoint.finish(ticket)
-                self._failed(endpoint, exc)
+                self._failed(pool, endpoint, exc)
                 tried.append(endpoint.url)
                 last_error = f"{endpoint.url}: {exc}"
                 continue
             except BaseException:  # cancelled: the client went away before the first byte
                 endpoint.finish(ticket)
+                self.breakers.abandon(endpoint.url)
                 raise
             endpoint.consecutive_failures = 0
+            self.breakers.success(endpoint.url)
             endpoint.on_first_byte(ticket, learn=req.stream)
             self.metrics.requests_for(req.model, upstream.status).inc()
             self.metrics.first_byte_seconds_for(req.model).observe(time.perf_counter() - start)
@@ -156,7 +172,9 @@ class Proxy:
 
     def _decide(self, pool: Pool, meta: RequestMeta, tried: list[str]) -> Decision | None:
         start = time.perf_counter()
-        decision = pool.decide(meta, tried)
+        skip = self.breakers.blocked(pool)
+        skip.update(tried)
+        decision = pool.decide(meta, skip)
         policy = pool.policy.name
         self.metrics.decision_seconds_for(policy).observe(time.perf_counter() - start)
         if decision is not None:
@@ -164,8 +182,14 @@ class Proxy:
             self.metrics.prompt_tokens_for(policy).inc(meta.num_prompt_tokens)
         return decision
 
-    def _failed(self, endpoint: Endpoint, exc: RetryableError) -> None:
+    def _failed(self, pool: Pool, endpoint: Endpoint, exc: RetryableError) -> None:
         self.metrics.retries.labels(endpoint.url, str(exc).split(":")[0]).inc()
+        if self.breakers.enabled:
+            if exc.counts:
+                self.breakers.failure(pool, endpoint.url)
+            else:
+                self.breakers.abandon(endpoint.url)
+            return
         if exc.counts and endpoint.record_failure(self.eject_after):
             self.metrics.ejections.labels(endpoint.url).inc()
             log.warning("ejected %s after %d failures", endpoint.url, endpoint.consecutive_failures)

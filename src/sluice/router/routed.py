@@ -2,7 +2,9 @@
 
     (kind, path, body, headers) -> parse -> pool for the model
                                 -> buffer (only while the pool has no ready worker)
-                                -> request metadata -> Proxy.forward
+                                -> request metadata
+                                -> admission (waits only while no worker has room)
+                                -> Proxy.forward
                                 -> Relay (stream it back, then close it)
     a SluiceError at any step   -> ErrorReply (OpenAI JSON, status, extra headers)
 
@@ -70,6 +72,7 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
         block = forward_block(h for h in headers if h[0] != _IDS)
         if hint is not None:  # the worker takes these ids instead of tokenizing again
             block += _IDS + b": " + hint.encode() + b"\r\n"
+        await state.admission.admit(pool, headers)  # nothing awaits from here to dispatch
         return await state.proxy.forward(pool, req, meta, path.encode("latin-1"), block)
     except SluiceError as exc:
         return error_reply(exc)

@@ -9,6 +9,8 @@
      ├── tokenizer        prompt → token ids (local or worker /tokenize), cached
      ├── subscribers      one KV-event task per publishing worker
      ├── buffer           requests held while a pool has no ready worker
+     ├── admission        per-pool admission queues (priority bands, tenant fairness)
+     ├── breakers         per-worker circuit breakers, retry backoff and budget
      ├── metrics          the router's own Prometheus registry
      └── tracing          OpenTelemetry tracer, or None (off)
 """
@@ -27,6 +29,8 @@ from sluice.observe.buckets import LatencyBuckets
 from sluice.observe.tracing import Tracing
 from sluice.protocol.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
 from sluice.protocol.prompt import IdsHint, TokenCache
+from sluice.router.admission import Admission, AdmissionCollector
+from sluice.router.breaker import BreakerCollector, Breakers
 from sluice.router.buffer import RequestBuffer
 from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
 from sluice.router.endpoints import Endpoint
@@ -62,8 +66,17 @@ class RouterState:
                                      max_idle_per_host=self.config.max_connections)
         # the one upstream client: probes, scrapes and /tokenize share the proxy's pool
         self.client = make_client(self.config, self.transport or UpstreamTransport(self.upstream))
+        transitions = self.metrics.breaker_transitions
+        self.breakers = Breakers(self.config.breaker,
+                                 lambda url, a, b: transitions.labels(url, a, b).inc(),
+                                 rng=random.Random(self.config.seed))  # jitter: not the policy's
+        self.admission = Admission(self.config.admission, self.breakers.blocked,
+                                   self.metrics.admission_wait_seconds,
+                                   self.metrics.admission_shed)
+        self.metrics.registry.register(AdmissionCollector(self.admission))
+        self.metrics.registry.register(BreakerCollector(self.breakers, lambda: self.pools))
         self.proxy = Proxy(self.upstream, self.metrics, self.config.max_retries,
-                           self.config.eject_after_failures)
+                           self.config.eject_after_failures, self.breakers)
         self.monitor = Monitor(self.client, lambda: self.pools, self.metrics,
                                timeout_s=self.config.connect_timeout_s,
                                eject_after=self.config.eject_after_failures,
@@ -121,6 +134,7 @@ class RouterState:
     async def remove_worker(self, url: str) -> Endpoint:
         pool, endpoint = self.find_endpoint(url)
         await self.stop_subscriber(endpoint.url)
+        self.breakers.forget(endpoint.url)
         return pool.remove(endpoint.url)
 
     # --- KV events ------------------------------------------------------------------------
