@@ -182,7 +182,7 @@ def _passthrough(path: str) -> Callable[[Request], Awaitable[Response]]:
     async def passthrough(request: Request) -> Response:
         state: RouterState = request.app.state.router
         raw = await request.body()
-        model = load_json_object(raw).get("model")
+        model = load_json_object(raw, param="body").get("model")
         _, endpoint = state.any_worker(model if isinstance(model, str) else None)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP_STR}
         resp = await state.client.post(endpoint.url + path, content=raw, headers=headers)

@@ -182,7 +182,7 @@ def _tokenize(state: WorkerState, req: TokenizeRequest) -> dict[str, Any]:
 async def parse_body(request: Request) -> dict[str, Any]:
     """The JSON object in the request body; anything else (bad JSON, nesting too deep, a
     lone surrogate) is a 400, a body over the limit a 413 (`BodyLimit`)."""
-    return load_json_object(await request.body())
+    return load_json_object(await request.body(), param="body")
 
 
 def ids_hint(request: Request) -> IdsHint | None:
