@@ -27,6 +27,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sluice.gateway.state import GatewayState
 from sluice.gateway.store import (
@@ -38,7 +39,7 @@ from sluice.gateway.store import (
     UsageQuery,
     UsageRecord,
 )
-from sluice.protocol.edge import check_admin_key
+from sluice.protocol.edge import check_admin_key, http_status_error
 from sluice.protocol.errors import (
     AuthenticationError,
     InvalidRequestError,
@@ -132,6 +133,12 @@ def build_admin_app(state: GatewayState) -> FastAPI:
     @app.exception_handler(SluiceError)
     async def _sluice_error(_: Request, exc: SluiceError) -> JSONResponse:
         return JSONResponse(exc.to_dict(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = http_status_error(exc.status_code, str(exc.detail), request.method,
+                                  request.url.path)
+        return JSONResponse(error.to_dict(), status_code=error.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

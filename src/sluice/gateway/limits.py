@@ -22,11 +22,15 @@ scopes are checked before any is charged: a request refused by its tenant does n
 up its key's quota. `LocalLimiter` is the same algorithm in one process under a lock.
 
 If Redis fails, `RedisLimiter` raises `LimiterUnavailableError`; the middleware
-decides (fail closed: 503; fail open: admit and count the error).
+decides (fail closed: 503; fail open: admit and count the error). A request that ends
+while Redis is down keeps its lease in the limiter, which finishes it once Redis answers
+again (else its concurrency slot stayed taken for the whole 1 h lease: found by
+tests/reliability/test_stores.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -41,6 +45,7 @@ from typing import Any
 from sluice.protocol.errors import ServiceUnavailableError
 
 logger = logging.getLogger(__name__)
+MAX_UNFINISHED = 100_000  # leases kept for finishing after an outage; the rest expire
 
 
 class LimiterUnavailableError(ServiceUnavailableError):
@@ -400,6 +405,7 @@ class RedisLimiter(Limiter):
         self.retry_interval_s = retry_interval_s
         self.clock = clock
         self.down_since: float | None = None  # set while Redis is failing
+        self._unfinished: list[tuple[Lease, int]] = []  # finishes Redis missed (outage)
         self._next_try = 0.0
         self.window_s = window_s
         self.lease_s = lease_s
@@ -424,6 +430,9 @@ class RedisLimiter(Limiter):
         for s in scopes:
             args += [_limit_arg(s.rpm), _limit_arg(s.tpm), _limit_arg(s.max_concurrent)]
         raw = await self._call(self._acquire_script, keys, args)
+        if self._unfinished:
+            with contextlib.suppress(LimiterUnavailableError):
+                await self._finish_unfinished()
         allowed, retry, reason = int(raw[0]), float(raw[1]), _text(raw[2])
         states = tuple(
             ScopeState(int(raw[3 + 4 * i]), float(raw[4 + 4 * i]), int(raw[5 + 4 * i]),
@@ -434,9 +443,36 @@ class RedisLimiter(Limiter):
         return Decision(True, None, 0.0, scopes, states, Lease(rid, scopes, tokens))
 
     async def finish(self, lease: Lease, actual_tokens: int) -> None:
+        """Reconcile tokens and free the slot. If Redis is unreachable the lease is kept
+        (up to MAX_UNFINISHED) and finished once Redis answers again, so an outage does
+        not hold concurrency slots for the whole lease; the error is still raised."""
+        try:
+            await self._finish(lease, actual_tokens)
+        except LimiterUnavailableError:
+            if len(self._unfinished) < MAX_UNFINISHED:
+                self._unfinished.append((lease, actual_tokens))
+            raise
+        if self._unfinished:
+            with contextlib.suppress(LimiterUnavailableError):
+                await self._finish_unfinished()
+
+    async def _finish(self, lease: Lease, actual_tokens: int) -> None:
         keys = [k for s in lease.scopes for k in self._keys(s, ("tok", "amt", "conc"))]
         args = [lease.request_id, lease.reserved_tokens, actual_tokens, self.window_s]
         await self._call(self._finish_script, keys, args)
+
+    async def _finish_unfinished(self) -> None:
+        """Finish the leases an outage left (the finish script is idempotent: a slot is
+        removed by id, tokens set to the actual count). The list is taken whole, so
+        concurrent callers never finish one lease twice; if Redis fails again, what is
+        left goes back and the error is raised."""
+        pending, self._unfinished = self._unfinished, []
+        for i, (lease, actual_tokens) in enumerate(pending):
+            try:
+                await self._finish(lease, actual_tokens)
+            except LimiterUnavailableError:
+                self._unfinished.extend(pending[i:])
+                raise
 
     async def _call(self, script: object, keys: list[str], args: list[object]) -> list[Any]:
         """Run a script; while Redis is down, try it at most once per `retry_interval_s`
@@ -453,12 +489,23 @@ class RedisLimiter(Limiter):
                 self.down_since = now
                 logger.error("rate limiter: Redis unreachable: %s", exc)
             self._next_try = now + self.retry_interval_s
+            await self._drop_idle_connections()
             raise LimiterUnavailableError(f"rate limiter store unreachable: {exc}") from exc
         if self.down_since is not None:
             logger.warning("rate limiter: Redis back after %.1f s",
                            self.clock() - self.down_since)
             self.down_since = None
         return result  # type: ignore[no-any-return]
+
+    async def _drop_idle_connections(self) -> None:
+        """Close the pool's idle connections: they died with Redis (or the network), but
+        while it is down calls are gated and never use them, so after the restore each
+        would fail one try (a second apart) before being replaced: 503s for seconds
+        after Redis was back (found by tests/reliability/test_stores.py)."""
+        pool = getattr(self.client, "connection_pool", None)
+        if pool is not None:
+            with contextlib.suppress(Exception):
+                await pool.disconnect(inuse_connections=False)
 
     async def close(self) -> None:
         await self.client.aclose()  # type: ignore[attr-defined]

@@ -85,6 +85,7 @@ PRIORITY_BODY_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 # pass through to the inner app, which guards them with its own admin key.
 GATEWAY_ADMIN_PREFIXES = ("/admin/tenants", "/admin/keys", "/admin/usage", "/admin/purge")
 INLINE_COUNT_BYTES = 16 * 1024
+MAX_COMPLETION_TOKENS = 2**31 - 1  # above any context length; keeps prices finite floats
 INLINE_PARSE_BYTES = 64 * 1024
 _DROP_HEADERS = {b"authorization", b"x-api-key", b"content-length", b"accept-encoding"}
 
@@ -391,13 +392,21 @@ class Exchange:
         return await asyncio.to_thread(self.state.count_prompt_tokens, model, body)
 
     def completion_reserve(self, payload: dict[str, Any]) -> int:
+        """Tokens to reserve for the completion: max_tokens (or the default) times n. More
+        than MAX_COMPLETION_TOKENS is a 400 here: no model generates that much, and the
+        worst case is priced in floats (`10**400` tokens overflowed into a 500)."""
         if self.endpoint == "/v1/embeddings":
             return 0
-        limit = payload.get("max_completion_tokens", payload.get("max_tokens"))
+        name = "max_completion_tokens" if "max_completion_tokens" in payload else "max_tokens"
+        limit = payload.get(name)
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             limit = self.state.config.default_reserve_tokens
         n = payload.get("n", 1)
-        return limit * (n if isinstance(n, int) and n > 0 else 1)
+        reserve = limit * (n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1)
+        if reserve > MAX_COMPLETION_TOKENS:
+            raise InvalidRequestError(f"{name} (times n) asks for more than "
+                                      f"{MAX_COMPLETION_TOKENS} tokens", param=name)
+        return reserve
 
     def on_limiter_error(self, exc: LimiterUnavailableError, adm: Admission) -> None:
         mode = self.state.config.limiter.on_redis_error

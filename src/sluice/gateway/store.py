@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -43,7 +44,9 @@ import sqlalchemy as sa
 from sluice import env
 from sluice.gateway.config import priority_value
 from sluice.gateway.keys import generate_key, hash_key, new_id
-from sluice.protocol.errors import InvalidRequestError, NotFoundError
+from sluice.protocol.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -494,11 +497,20 @@ class SQLStore(Store):
             for attempt in (0, 1):
                 try:
                     return self._read_version()
-                except Exception:
+                except Exception as exc:
                     self._drop_version_conn()
                     if attempt:
-                        raise
+                        raise self._unavailable(exc) from exc
         raise AssertionError("unreachable")
+
+    def _unavailable(self, exc: Exception) -> Exception:
+        """A database that cannot be reached as a 503 (the client may retry), instead of
+        an unhandled driver error (a 500); anything else unchanged."""
+        if isinstance(exc, sa.exc.DBAPIError | self.engine.dialect.dbapi.Error):  # type: ignore[union-attr]
+            logger.debug("gateway database unreachable: %s", exc)  # counted as 503 refusals
+            return ServiceUnavailableError("gateway database unreachable; retry shortly",
+                                           code="store_unavailable")
+        return exc
 
     def _read_version(self) -> int:
         if self._version_conn is None:
@@ -520,8 +532,11 @@ class SQLStore(Store):
             self._version_conn = None
 
     def authenticate(self, plaintext: str) -> Principal | None:
-        with self.engine.connect() as conn:
-            row = conn.execute(self._auth_stmt, {"digest": hash_key(plaintext)}).first()
+        try:
+            with self.engine.connect() as conn:
+                row = conn.execute(self._auth_stmt, {"digest": hash_key(plaintext)}).first()
+        except sa.exc.DBAPIError as exc:
+            raise self._unavailable(exc) from exc
         if row is None:
             return None
         tenant = Tenant(row.tenant_id, row.name, _tenant_settings(row.t_settings),

@@ -10,6 +10,8 @@ router, gateway) does the same way, written once, below all of them.
     error_json(exc, path)              OpenAI's `{error: {message, type, param, code}}`,
                                        Anthropic's error on /v1/messages
     send_error(send, exc, path)        the same as an ASGI response
+    http_status_error(status, ...)     a framework's own HTTP error (no route, wrong
+                                       method, unreadable body) as a SluiceError
     check_admin_key(expected, headers) admin routes: 403 when no key is configured (the
                                        default: admin is closed), 401 for a wrong key
     HOP_BY_HOP                         headers a proxy never forwards (RFC 9110 7.6.1)
@@ -31,6 +33,7 @@ from sluice.protocol import anthropic
 from sluice.protocol.errors import (
     AuthenticationError,
     InvalidRequestError,
+    NotFoundError,
     PayloadTooLargeError,
     PermissionDeniedError,
     SluiceError,
@@ -203,6 +206,17 @@ def error_headers(exc: SluiceError, body: bytes, *, close: bool = False
     if close:
         headers.append((b"connection", b"close"))
     return headers
+
+
+def http_status_error(status: int, detail: str, method: str, path: str) -> SluiceError:
+    """Starlette's HTTPException (404 no route, 405 wrong method, 400 a body FastAPI
+    could not parse) as one of sluice's errors, so it leaves in the API's error shape
+    like every other refusal instead of `{"detail": ...}`."""
+    if status == 404:
+        return NotFoundError(f"no route {method} {path}", code="not_found")
+    err = InvalidRequestError(detail)
+    err.status_code = status
+    return err
 
 
 async def send_error(send: Send, exc: SluiceError, path: str = "", *,

@@ -24,12 +24,21 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sluice.observe.buckets import LatencyBuckets
 from sluice.observe.tracing import Tracing
-from sluice.protocol.edge import HOP_BY_HOP_STR, BodyLimit, load_json_object, read_body, send_error
+from sluice.protocol.edge import (
+    HOP_BY_HOP_STR,
+    BodyLimit,
+    error_json,
+    http_status_error,
+    load_json_object,
+    read_body,
+    send_error,
+)
 from sluice.protocol.errors import SluiceError
 from sluice.protocol.prompt import TokenCache
 from sluice.router.admin import admin_router
@@ -43,9 +52,17 @@ from sluice.router.upstream import UpstreamError
 
 log = logging.getLogger(__name__)
 
-def error_response(_request: Request, exc: Exception) -> Response:
+def error_response(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, SluiceError)
-    return JSONResponse(exc.to_dict(), status_code=exc.status_code, headers=exc.headers)
+    return Response(error_json(exc, request.url.path), status_code=exc.status_code,
+                    headers=exc.headers, media_type="application/json")
+
+
+def http_error_response(request: Request, exc: Exception) -> Response:
+    """FastAPI's own 404 / 405 in the API's error shape (not `{"detail": ...}`)."""
+    assert isinstance(exc, StarletteHTTPException)
+    return error_response(request, http_status_error(exc.status_code, str(exc.detail),
+                                                     request.method, request.url.path))
 
 
 def load_tokenizers(config: RouterConfig) -> dict[str, LocalTokenizer]:
@@ -91,6 +108,7 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
 
     app = FastAPI(title="sluice router", lifespan=lifespan)
     app.add_exception_handler(SluiceError, error_response)
+    app.add_exception_handler(StarletteHTTPException, http_error_response)
     app.add_middleware(RoutedFastPath)  # the OpenAI endpoints, ahead of FastAPI's layers
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)  # outermost: 413 first
     app.add_route("/tokenize", _passthrough("/tokenize"), methods=["POST"])
@@ -182,7 +200,7 @@ def _passthrough(path: str) -> Callable[[Request], Awaitable[Response]]:
     async def passthrough(request: Request) -> Response:
         state: RouterState = request.app.state.router
         raw = await request.body()
-        model = load_json_object(raw).get("model")
+        model = load_json_object(raw, param="body").get("model")
         _, endpoint = state.any_worker(model if isinstance(model, str) else None)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP_STR}
         resp = await state.client.post(endpoint.url + path, content=raw, headers=headers)

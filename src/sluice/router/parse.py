@@ -54,7 +54,7 @@ def _view(kind: str, body: dict[str, Any]) -> PromptView | None:
 
 def parse_request(kind: str, raw: bytes, headers: Mapping[str, str]) -> ParsedRequest:
     """Read the routing-relevant fields of an OpenAI / Anthropic request body."""
-    body = load_json_object(raw)
+    body = load_json_object(raw, param="body")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequestError("'model' is required and must be a string", param="model")

@@ -6,7 +6,8 @@
                                 -> admission (waits only while no worker has room)
                                 -> Proxy.forward
                                 -> Relay (stream it back, then close it)
-    a SluiceError at any step   -> ErrorReply (OpenAI JSON, status, extra headers)
+    a SluiceError at any step   -> ErrorReply (OpenAI JSON, Anthropic's on /v1/messages;
+                                   status, extra headers)
 
 `sluice router` serves it from its own server (server.py); `build_app`'s ASGI app serves
 it from a middleware (app.py) for uvicorn and the gateway. They differ only in how they
@@ -15,10 +16,10 @@ read the request and write the reply.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from sluice.observe.route_span import traced_route
+from sluice.protocol.edge import error_headers, error_json
 from sluice.protocol.errors import SluiceError
 from sluice.protocol.prompt import IDS_HEADER, IdsHint
 from sluice.router.parse import CHAT, COMPLETION, MESSAGES, SESSION_HEADER, parse_request
@@ -37,12 +38,10 @@ class ErrorReply:
     body: bytes
 
 
-def error_reply(exc: SluiceError) -> ErrorReply:
-    body = json.dumps(exc.to_dict()).encode()
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
-    return ErrorReply(exc.status_code, headers, body)
+def error_reply(exc: SluiceError, path: str = "") -> ErrorReply:
+    """The error as its client expects it: Anthropic's JSON on /v1/messages, else OpenAI's."""
+    body = error_json(exc, path)
+    return ErrorReply(exc.status_code, error_headers(exc, body), body)
 
 
 async def route(state: RouterState, kind: str, path: str, body: bytes,
@@ -75,4 +74,4 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
         await state.admission.admit(pool, headers)  # nothing awaits from here to dispatch
         return await state.proxy.forward(pool, req, meta, path.encode("latin-1"), block)
     except SluiceError as exc:
-        return error_reply(exc)
+        return error_reply(exc, path)

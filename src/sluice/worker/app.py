@@ -31,11 +31,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice.observe.asgi import TraceContext
 from sluice.protocol import anthropic
-from sluice.protocol.edge import BodyLimit, load_json_object
+from sluice.protocol.edge import BodyLimit, http_status_error, load_json_object
 from sluice.protocol.errors import (
     ClientDisconnected,
     InvalidRequestError,
-    NotFoundError,
     SluiceError,
 )
 from sluice.protocol.openai import (
@@ -186,7 +185,7 @@ def _tokenize(state: WorkerState, req: TokenizeRequest) -> dict[str, Any]:
 async def parse_body(request: Request) -> dict[str, Any]:
     """The JSON object in the request body; anything else (bad JSON, nesting too deep, a
     lone surrogate) is a 400, a body over the limit a 413 (`BodyLimit`)."""
-    return load_json_object(await request.body())
+    return load_json_object(await request.body(), param="body")
 
 
 def ids_hint(request: Request) -> IdsHint | None:
@@ -341,13 +340,8 @@ async def _sluice_error(request: Request, exc: SluiceError) -> JSONResponse:
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    err: SluiceError
-    if exc.status_code == 404:
-        err = NotFoundError(f"no route {request.method} {request.url.path}", code="not_found")
-    else:
-        err = InvalidRequestError(str(exc.detail))
-        err.status_code = exc.status_code
-    return _error_response(request, err)
+    return _error_response(request, http_status_error(exc.status_code, str(exc.detail),
+                                                      request.method, request.url.path))
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
