@@ -155,3 +155,21 @@ def test_identical_workers_tie_on_speed_despite_noisy_ttfts() -> None:
     assert a.stats().seconds_per_token == b.stats().seconds_per_token
     pool.remove(b.url)
     assert set(pool.fit.log_speeds) == {a.url}
+
+
+def test_a_lone_worker_learning_noisy_ttfts_does_not_drift() -> None:
+    """One worker, a long run of noisy TTFTs: the line keeps the pool's level and the
+    worker's factor stays 1 (the factor once carried the level too and fed back into the
+    line it is measured against, drifting to 0 and a math domain error)."""
+    rng = random.Random(5)
+    now = [0.0]
+    pool = Pool(PoolConfig(workers=(WorkerSpec("http://a"),)), random.Random(0),
+                clock=lambda: now[0])
+    (a,) = pool.endpoints.values()
+    for _ in range(20_000):
+        t = a.begin(500, 500, units=500.0)
+        now[0] += 0.2 * rng.lognormvariate(0.0, 1.5)
+        a.on_first_byte(t, learn=True)
+        a.finish(t)
+    assert a.speed == 1.0
+    assert 0.05 < pool.fit.predict(500.0) < 2.0  # E[TTFT] = 0.2 * e^(1.5²/2) ≈ 0.62 s

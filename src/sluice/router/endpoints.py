@@ -203,20 +203,25 @@ class Endpoint:
 
     @property
     def speed(self) -> float:
-        """This worker's TTFTs over the pool's line (2.0: twice as slow), shrunk toward the
-        pool's mean factor by its own noise (positive-part James-Stein): a difference from
-        the other workers no larger than the standard error of its EWMA counts as none, so
-        identical workers tie (and cold prefixes spread by cache footprint) instead of the
-        one that happened to look faster collecting them."""
+        """This worker's TTFTs over the pool's line (2.0: twice as slow as the pool's
+        average worker), shrunk toward 1 by its own noise (positive-part James-Stein): a
+        difference from the other workers no larger than the standard error of its EWMA
+        counts as none, so identical workers tie (and cold prefixes spread by cache
+        footprint) instead of the one that happened to look faster collecting them.
+
+        Relative to the pool's mean log factor, so the pool's common level lives in the
+        line alone: the line learns TTFTs divided by this factor, and a factor that
+        carried the level too fed back into the line it is measured against (a
+        one-worker pool drifted to speed 0 and a math domain error after ~120k requests;
+        found by benchmarks/soak.py)."""
         pool_mean = self.fit.mean_log_speed()
-        mean = self.log_speed if pool_mean is None else pool_mean
-        diff = self.log_speed - mean
+        diff = self.log_speed - (self.log_speed if pool_mean is None else pool_mean)
         if not diff or not self.speed_samples:
-            return math.exp(mean)
+            return 1.0
         var = max(0.0, self.log_speed_sq - self.log_speed ** 2)
         n_eff = min(float(self.speed_samples), (2.0 - EWMA_ALPHA) / EWMA_ALPHA)
         shrink = max(0.0, 1.0 - var / n_eff / diff ** 2)
-        return math.exp(mean + shrink * diff)
+        return math.exp(shrink * diff)
 
     @property
     def available(self) -> bool:
@@ -297,10 +302,13 @@ class Endpoint:
     def _learn(self, units: float, seconds: float) -> None:
         """Fold one TTFT into the shared line (scaled to speed 1, so that a slow worker does
         not tilt it), then into this worker's speed factor against the updated line."""
-        if seconds <= 0:
+        if not 0 < seconds < math.inf:
             return
         self.fit.observe(units, seconds / self.speed)
-        r = math.log(seconds / self.fit.predict(units))
+        predicted = self.fit.predict(units)
+        if not 0 < predicted < math.inf:  # a degenerate line learns nothing about speed
+            return
+        r = math.log(seconds / predicted)
         self.log_speed += EWMA_ALPHA * (r - self.log_speed)
         self.log_speed_sq += EWMA_ALPHA * (r * r - self.log_speed_sq)
         self.speed_samples += 1
