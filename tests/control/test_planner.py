@@ -214,3 +214,14 @@ def test_config_and_slo_parsing() -> None:
         PlannerConfig(min_replicas=3, max_replicas=2)
     with pytest.raises(InvalidRequestError):
         PlannerConfig(min_replicas=1, scale_to_zero_after_s=10)
+
+
+def test_degenerate_predictions_pick_a_count_instead_of_failing_the_step() -> None:
+    """A NaN prediction (a degenerate signal) is the worst, never a StopIteration that
+    fails every control step ("coroutine raised StopIteration", seen under a soak)."""
+    from sluice.control.planner import Prediction, _best
+
+    nan = float("nan")
+    preds = [Prediction(1, nan, 0.01), Prediction(2, 0.5, 0.01), Prediction(3, 0.5, 0.01)]
+    assert _best(preds).replicas == 2
+    assert _best([Prediction(1, nan, nan), Prediction(2, nan, nan)]).replicas == 1

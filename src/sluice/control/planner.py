@@ -264,11 +264,13 @@ class SLOPolicy(PlannerPolicy):
 def _best(preds: list[Prediction]) -> Prediction:
     """The fewest workers whose predicted TTFT and ITL are within 1 % of the best: more
     workers than that do not help (a slow TTFT at no load is not cured by scaling)."""
-    def worst(p: Prediction) -> tuple[float, float]:
-        return (p.ttft_s or 0.0, p.itl_s or 0.0)
+    def worst(p: Prediction) -> tuple[float, float]:  # NaN (a degenerate signal) is worst
+        t, i = p.ttft_s or 0.0, p.itl_s or 0.0
+        return (t if t == t else math.inf, i if i == i else math.inf)
     low_t = min(worst(p)[0] for p in preds)
     low_i = min(worst(p)[1] for p in preds)
-    return next(p for p in preds if worst(p)[0] <= low_t * 1.01 and worst(p)[1] <= low_i * 1.01)
+    return next((p for p in preds if worst(p)[0] <= low_t * 1.01
+                 and worst(p)[1] <= low_i * 1.01), preds[-1])
 
 
 class _RatioPolicy(PlannerPolicy):
