@@ -285,13 +285,18 @@ def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
 
 
 def show_control_logs(level: str) -> None:
-    """Scale events and planner decisions that change the count go to stderr (INFO)."""
+    """Scale events and planner decisions that change the count go to stderr (INFO); the
+    rest of the process (router, gateway) logs at `level`, as `sluice router` does."""
     import logging
 
+    logging.basicConfig(level=level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe and scrape
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("sluice: %(message)s"))
     logger = logging.getLogger("sluice.control")
     logger.addHandler(handler)
+    logger.propagate = False
     logger.setLevel(min(logging.INFO, logging.getLevelName(level.upper())))
 
 
