@@ -163,7 +163,10 @@ def test_fuzz_the_openai_endpoints(stack: Stack, target: str) -> None:
     headers = {"authorization": f"Bearer {stack.key}"} if target == "serve" else {}
     seen = fuzz(doc, process.url, headers, stack)
     _assert_spread(seen, 3)
-    assert all(s == 401 for m, p, s in seen if p.startswith("/admin")), seen
+    # without the key no admin request gets through: 401, or 404 where a fuzzed path
+    # parameter (a '?', '#' or '/' in a pool name) makes the URL match no route at all
+    admin = [x for x in seen if x[1].startswith("/admin")]
+    assert all(s in (401, 404) for *_, s in admin), [x for x in admin if x[2] not in (401, 404)]
     assert process.healthy(), process.text()
 
 
