@@ -3,6 +3,8 @@
     (kind, path, body, headers) -> parse -> pool for the model
                                 -> buffer (only while the pool has no ready worker)
                                 -> request metadata -> Proxy.forward
+                                   (through the pool's Release when it has a canary or
+                                   shadow worker: release.py)
                                 -> Relay (stream it back, then close it)
     a SluiceError at any step   -> ErrorReply (OpenAI JSON, status, extra headers)
 
@@ -70,6 +72,9 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
         block = forward_block(h for h in headers if h[0] != _IDS)
         if hint is not None:  # the worker takes these ids instead of tokenizing again
             block += _IDS + b": " + hint.encode() + b"\r\n"
+        if pool.release_workers:  # a canary or shadow: the release picks the version
+            return await state.releases.get(pool).forward(
+                state.proxy, req, meta, path.encode("latin-1"), block, headers)
         return await state.proxy.forward(pool, req, meta, path.encode("latin-1"), block)
     except SluiceError as exc:
         return error_reply(exc)
