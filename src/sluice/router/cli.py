@@ -95,7 +95,8 @@ def add_release_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-canary-auto", action="store_false", dest="canary_auto",
                    help="never roll back or promote by itself (only by hand)")
     g.add_argument("--pin-tenant", action="append", default=[], metavar="TENANT=VERSION",
-                   help="send a tenant's requests (x-sluice-tenant) to baseline or canary")
+                   help="send a tenant's requests to baseline or canary (TENANT: the id "
+                        "the gateway sends in x-sluice-tenant)")
     g.add_argument("--shadow-worker", action="append", default=[], metavar="URL",
                    help="a worker that gets copies of requests, answers discarded")
     g.add_argument("--shadow-percent", type=float, default=defaults.shadow_percent,
