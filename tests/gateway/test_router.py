@@ -55,3 +55,47 @@ async def test_gateway_over_router(sqlite_store: SQLStore) -> None:
         ("/v1/chat/completions", "ok", PROMPT_TOKENS, 5),
         ("/v1/messages", "ok", PROMPT_TOKENS, 2),
         ("/v1/chat/completions", "rejected", 0, 0)]
+
+
+async def test_shadow_and_canary_behind_the_gateway_bill_the_primary_only(
+        sqlite_store: SQLStore) -> None:
+    """The ledger counts what the client got: a tenant pinned to the canary is served
+    (and billed) by it, and a shadow's copies, which answer with other usage, are billed
+    to nobody. A client's own x-sluice-version is dropped by the gateway."""
+    import asyncio
+
+    from sluice.router.app import build_app
+    from sluice.router.config import PoolConfig, ReleaseConfig, RouterConfig, WorkerSpec
+
+    base, canary, shadow = StubUpstream(), StubUpstream(), StubUpstream(max_reply=2)
+    acme, beta = new_key(sqlite_store, "acme"), new_key(sqlite_store, "beta")
+    acme_id = sqlite_store.get_tenant("acme").id  # what the gateway sends on
+    async with serve(base) as base_url, serve(canary) as canary_url, \
+            serve(shadow) as shadow_url:
+        workers = (WorkerSpec(base_url), WorkerSpec(canary_url, version="canary"),
+                   WorkerSpec(shadow_url, version="shadow"))
+        release = ReleaseConfig(pin_tenants={acme_id: "canary"}, shadow_percent=100)
+        config = RouterConfig(pools=(PoolConfig(model="stub-model", workers=workers,
+                                                release=release),), seed=0)
+        gw = GatewayMiddleware(build_app(config), make_state(sqlite_store))
+        async with serve(gw, lifespan="on") as url, httpx.AsyncClient(base_url=url,
+                                                                       timeout=10) as c:
+            r = await c.post("/v1/chat/completions", json=CHAT,
+                             headers={"Authorization": f"Bearer {acme}"})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+            r = await c.post("/v1/chat/completions", json={**CHAT, "stream": True},
+                             headers={"Authorization": f"Bearer {acme}"})
+            assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+            r = await c.post("/v1/chat/completions", json=CHAT,
+                             headers={"Authorization": f"Bearer {beta}",
+                                      "x-sluice-version": "canary"})
+            assert r.status_code == 200 and r.headers["x-sluice-version"] == "baseline"
+            for _ in range(100):
+                if len(shadow.received) == 3 and shadow.streams_finished == 1:
+                    break
+                await asyncio.sleep(0.02)
+    assert (len(base.received), len(canary.received), len(shadow.received)) == (1, 2, 3)
+    assert all(h["x-sluice-shadow"] == "1" for h in shadow.headers)
+    records = sqlite_store.query_usage(UsageQuery())
+    assert [(r.tenant_id == acme_id, r.status, r.completion_tokens) for r in records] == [
+        (True, "ok", 5), (True, "ok", 5), (False, "ok", 5)]

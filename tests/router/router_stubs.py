@@ -66,6 +66,8 @@ class StubState:
     cancelled: int = 0
     completed: int = 0
     cancel_event: asyncio.Event = field(default_factory=asyncio.Event)
+    prefix_queries: int = 0  # served as vllm:prefix_cache_queries/hits (counters)
+    prefix_hits: int = 0
 
 
 def _chunk(state: StubState, i: int, chat: bool) -> bytes:
@@ -124,7 +126,10 @@ def make_stub(state: StubState) -> Starlette:
         return PlainTextResponse(
             f'vllm:num_requests_running{{model_name="{state.model}"}} {state.running}\n'
             f'vllm:num_requests_waiting{{model_name="{state.model}"}} 0\n'
-            f'vllm:kv_cache_usage_perc{{model_name="{state.model}"}} 0.1\n')
+            f'vllm:kv_cache_usage_perc{{model_name="{state.model}"}} 0.1\n'
+            f'vllm:prefix_cache_queries_total{{model_name="{state.model}"}} '
+            f'{state.prefix_queries}\n'
+            f'vllm:prefix_cache_hits_total{{model_name="{state.model}"}} {state.prefix_hits}\n')
 
     async def tokenize(request: Request) -> Response:
         state.tokenize_calls += 1

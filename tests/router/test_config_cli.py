@@ -91,3 +91,47 @@ async def test_sluice_router_process_routes_to_a_worker() -> None:
         finally:
             proc.terminate()
             await asyncio.wait_for(proc.wait(), 10)
+
+
+def test_release_flags_add_canary_and_shadow_to_the_worker_pool() -> None:
+    cfg = config_from_args(parse(
+        "--worker", "http://h:1", "--canary-worker", "http://h:2", "--shadow-worker",
+        "http://h:3", "--canary-weight", "10", "--canary-steps", "10,40,100",
+        "--canary-window", "30", "--canary-min-samples", "20", "--no-canary-auto",
+        "--pin-tenant", "acme=canary", "--shadow-percent", "5", "--shadow-max-concurrency",
+        "3"))
+    (pool,) = cfg.pools
+    assert [(w.url, w.version) for w in pool.workers] == [
+        ("http://h:1", "baseline"), ("http://h:2", "canary"), ("http://h:3", "shadow")]
+    r = pool.release
+    assert (r.canary_weight, r.steps, r.window_s, r.min_samples, r.auto) == (
+        10, (10, 40, 100), 30, 20, False)
+    assert (dict(r.pin_tenants), r.shadow_percent, r.shadow_max_concurrency) == (
+        {"acme": "canary"}, 5, 3)
+    with pytest.raises(InvalidRequestError) as err:
+        config_from_args(parse("--worker", "http://h:1", "--pin-tenant", "acme"))
+    assert err.value.param == "pin-tenant"
+    with pytest.raises(InvalidRequestError) as err:
+        config_from_args(parse("--worker", "http://h:1", "--canary-steps", "5,x"))
+    assert err.value.param == "canary-steps"
+
+
+def test_release_block_in_the_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_text("""
+pools:
+  - model: llama
+    workers:
+      - http://a:8001
+      - {url: "http://b:8001", version: canary}
+    release:
+      canary_weight: 5
+      steps: [5, 50, 100]
+      pin_tenants: {acme: canary}
+""")
+    (pool,) = load_config_file(path).pools
+    assert pool.workers[1].version == "canary" and pool.release.steps == (5, 50, 100)
+    path.write_text('{"pools": [{"model": "m", "release": {"canary_wieght": 5}}]}')
+    with pytest.raises(InvalidRequestError) as err:
+        load_config_file(path)
+    assert err.value.param == "canary_wieght"

@@ -51,6 +51,19 @@ async def traced_route(tracing: Tracing, inner: Inner, state: Any, kind: str, pa
     set_error(span, int(reply.status), attrs)
     if ticket is None:  # an error reply: nothing streams
         span.end()
-    else:
-        reply.on_close = span.end
+    else:  # after what the routed path hung there (release.py's stream record)
+        reply.on_close = _then(reply.on_close, span.end)
     return reply
+
+
+def _then(first: Callable[[], None] | None, second: Callable[[], None]) -> Callable[[], None]:
+    if first is None:
+        return second
+
+    def both() -> None:
+        try:
+            first()
+        finally:
+            second()
+
+    return both

@@ -1,7 +1,8 @@
 """Admin endpoints: list, add, remove and drain workers at runtime.
 
     GET    /admin/workers              every worker with its health and load
-    POST   /admin/workers              {"url", "model"?, "kv_events"?, "group"?}  add
+    POST   /admin/workers              {"url", "model"?, "kv_events"?, "group"?,
+                                        "version"?}                              add
     DELETE /admin/workers              {"url"} (or ?url=)                          remove
     POST   /admin/workers/drain        {"url", "drain": true|false}                drain
     GET    /admin/pools/{model}/admission   the pool's admission settings and queue
@@ -23,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from sluice.protocol.edge import check_admin_key
 from sluice.protocol.errors import InvalidRequestError
-from sluice.router.config import SHORT, BandLimits, WorkerSpec
+from sluice.router.config import BASELINE, SHORT, BandLimits, WorkerSpec
 from sluice.router.endpoints import Endpoint
 from sluice.router.state import RouterState
 
@@ -34,6 +35,7 @@ class AddWorker(BaseModel):
     model: str | None = None
     kv_events: str | None = None
     group: str = SHORT
+    version: str = BASELINE  # or canary, shadow (release.py)
 
 
 class WorkerRef(BaseModel):
@@ -72,6 +74,7 @@ def describe(endpoint: Endpoint) -> dict[str, Any]:
     s = endpoint.stats()
     return {
         "url": endpoint.url, "models": list(endpoint.models), "group": endpoint.spec.group,
+        "version": endpoint.spec.version,
         "kv_events": endpoint.spec.kv_events, "healthy": endpoint.healthy,
         "draining": endpoint.draining, "inflight": endpoint.inflight,
         "running": s.running, "waiting": s.waiting, "kv_usage": s.kv_usage,
@@ -108,7 +111,8 @@ def admin_router() -> APIRouter:
     async def add_worker(request: Request) -> dict[str, Any]:
         _check_key(request)
         body: AddWorker = _parse(AddWorker, await request.body())
-        spec = WorkerSpec(url=body.url, kv_events=body.kv_events, group=body.group)
+        spec = WorkerSpec(url=body.url, kv_events=body.kv_events, group=body.group,
+                          version=body.version)
         endpoint = await request.app.state.router.add_worker(spec, body.model)
         return describe(endpoint)
 

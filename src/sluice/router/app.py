@@ -6,6 +6,7 @@
     GET  /health, /metrics                                     the router's own
     GET  /status, /status.json                                 live status page (status.py)
     /admin/...                                                 see admin.py
+    /admin/pools/{pool}/release                                see release_admin.py
 
 Each routed request: parse (model, prompt, session) -> pool for the model (404) ->
 request metadata (tokens, block hashes) -> `Proxy.forward` (choose, retry, stream).
@@ -44,6 +45,7 @@ from sluice.protocol.prompt import TokenCache
 from sluice.router.admin import admin_router
 from sluice.router.config import RouterConfig
 from sluice.router.proxy import Relay
+from sluice.router.release_admin import release_router
 from sluice.router.routed import ROUTED, ErrorReply, route
 from sluice.router.state import RouterState
 from sluice.router.status import open_board, status_json, status_page
@@ -96,7 +98,8 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
         tasks = [asyncio.create_task(state.monitor.run(config.health_interval_s,
                                                        state.monitor.probe_all)),
                  asyncio.create_task(state.monitor.run(config.scrape_interval_s,
-                                                       state.monitor.scrape_all))]
+                                                       state.monitor.scrape_all)),
+                 asyncio.create_task(state.releases.run())]  # canary judge (release.py)
         try:
             yield
         finally:
@@ -119,6 +122,7 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
     app.add_route("/status", status_page, methods=["GET"])
     app.add_route("/status.json", status_json, methods=["GET"])
     app.include_router(admin_router())
+    app.include_router(release_router())
     return app
 
 

@@ -3,6 +3,8 @@
 Workers come from `--worker URL` flags (one pool, model names discovered from the
 workers' /v1/models unless `--model` names it), from a YAML/JSON `--config` file
 (several pools), or at runtime from the admin API (`POST /admin/workers`).
+`--canary-worker` and `--shadow-worker` add a canary and a shadow to the `--worker`
+pool (docs/router.md, Releases).
 It serves on its own HTTP/1.1 server (httptools, uvloop): see `router/server.py`.
 """
 
@@ -17,12 +19,16 @@ from sluice.observe.cli import buckets as observe_buckets
 from sluice.observe.tracing import start_tracing
 from sluice.protocol.errors import InvalidRequestError
 from sluice.router.config import (
+    CANARY,
     LONG,
+    SHADOW,
     PoolConfig,
+    ReleaseConfig,
     RouterConfig,
     WorkerSpec,
     load_config_file,
     parse_kv_event_flags,
+    parse_tenant_pins,
 )
 
 
@@ -51,6 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "default: ask a worker's /tokenize")
     p.add_argument("--block-size", type=int, default=16,
                    help="the workers' KV block size (prefix hashes must match the engine's)")
+    add_release_arguments(p)
     p.add_argument("--config", default=None, help="YAML or JSON router config file")
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port to listen on (default 8000)")
@@ -131,19 +138,67 @@ def flow_overrides(args: argparse.Namespace, config: RouterConfig) -> RouterConf
                    breaker=replace(breaker, **breaks))
 
 
+def add_release_arguments(p: argparse.ArgumentParser) -> None:
+    defaults = ReleaseConfig()
+    g = p.add_argument_group("releases (canary, pins, shadow) of the --worker pool")
+    g.add_argument("--canary-worker", action="append", default=[], metavar="URL",
+                   help="a worker of the canary version (repeat for more)")
+    g.add_argument("--canary-weight", type=float, default=defaults.canary_weight,
+                   metavar="PCT", help="percent of requests to the canary at start "
+                                       "(0: none until started by the admin API)")
+    g.add_argument("--canary-steps", default=",".join(f"{s:g}" for s in defaults.steps),
+                   metavar="PCTS", help="weights automatic promotion steps through")
+    g.add_argument("--canary-window", type=float, default=defaults.window_s, metavar="S",
+                   help="seconds of samples compared, and spent healthy at a step before "
+                        "the next")
+    g.add_argument("--canary-min-samples", type=int, default=defaults.min_samples,
+                   metavar="N", help="samples each version needs before a metric is judged")
+    g.add_argument("--canary-alpha", type=float, default=defaults.alpha, metavar="A",
+                   help="significance level of the one-sided tests")
+    g.add_argument("--no-canary-auto", action="store_false", dest="canary_auto",
+                   help="never roll back or promote by itself (only by hand)")
+    g.add_argument("--pin-tenant", action="append", default=[], metavar="TENANT=VERSION",
+                   help="send a tenant's requests to baseline or canary (TENANT: the id "
+                        "the gateway sends in x-sluice-tenant)")
+    g.add_argument("--shadow-worker", action="append", default=[], metavar="URL",
+                   help="a worker that gets copies of requests, answers discarded")
+    g.add_argument("--shadow-percent", type=float, default=defaults.shadow_percent,
+                   metavar="PCT", help="percent of requests copied to the shadow workers")
+    g.add_argument("--shadow-max-concurrency", type=int,
+                   default=defaults.shadow_max_concurrency, metavar="N",
+                   help="copies in flight at most; more are dropped (counted)")
+
+
+def release_from_args(args: argparse.Namespace) -> ReleaseConfig:
+    try:
+        steps = tuple(float(s) for s in args.canary_steps.split(",") if s.strip())
+    except ValueError as exc:
+        raise InvalidRequestError(f"--canary-steps wants percentages like 5,25,50,100, got "
+                                  f"{args.canary_steps!r}", param="canary-steps") from exc
+    return ReleaseConfig(canary_weight=args.canary_weight, steps=steps, auto=args.canary_auto,
+                         window_s=args.canary_window, min_samples=args.canary_min_samples,
+                         alpha=args.canary_alpha, pin_tenants=parse_tenant_pins(args.pin_tenant),
+                         shadow_percent=args.shadow_percent,
+                         shadow_max_concurrency=args.shadow_max_concurrency)
+
+
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """Flags over the config file: --worker flags add one pool."""
     base = load_config_file(args.config) if args.config else RouterConfig()
     pools = list(base.pools)
-    if args.worker or args.long_worker:
+    if args.worker or args.long_worker or args.canary_worker or args.shadow_worker:
         kv = parse_kv_event_flags(args.worker_kv_events)
         workers = [WorkerSpec(u, kv_events=kv.get(u.rstrip("/"))) for u in args.worker]
         workers += [WorkerSpec(u, kv_events=kv.get(u.rstrip("/")), group=LONG)
                     for u in args.long_worker]
+        workers += [WorkerSpec(u, kv_events=kv.get(u.rstrip("/")), version=CANARY)
+                    for u in args.canary_worker]
+        workers += [WorkerSpec(u, version=SHADOW) for u in args.shadow_worker]
         pools.append(PoolConfig(model=args.model, aliases=tuple(args.alias),
                                 workers=tuple(workers), policy=args.policy,
                                 long_prompt_tokens=args.long_prompt_tokens,
-                                tokenizer=args.tokenizer, block_size=args.block_size))
+                                tokenizer=args.tokenizer, block_size=args.block_size,
+                                release=release_from_args(args)))
     return flow_overrides(args, base.with_overrides(
         pools=tuple(pools), host=args.host, port=args.port,
         admin_key=args.admin_key or env.get("ROUTER_ADMIN_KEY"), max_retries=args.max_retries,

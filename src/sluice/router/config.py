@@ -6,8 +6,9 @@ load, learned costs) lives in `endpoints.py`, never in these objects.
 
     RouterConfig
      ├── pools: PoolConfig (model name + aliases, policy, long/short split)
-     │     ├── workers: WorkerSpec (url, optional KV-events endpoint, group)
-     │     └── admission: AdmissionConfig | None (None: the router's)
+     │     ├── workers: WorkerSpec (url, optional KV-events endpoint, group, version)
+     │     ├── admission: AdmissionConfig | None (None: the router's)
+     │     └── release: ReleaseConfig (canary weight and steps, pins, shadow, thresholds)
      ├── admission: AdmissionConfig (when to hold requests, band limits, tenant weights)
      ├── breaker: BreakerConfig (per-worker circuit breaker, retry backoff and budget)
      └── timings: scrape / health intervals, retry and ejection counts
@@ -27,15 +28,23 @@ from sluice.protocol.errors import InvalidRequestError
 SHORT = "short"
 LONG = "long"
 GROUPS = (SHORT, LONG)
+# release versions of a pool's workers (router/release.py): the baseline serves by default,
+# the canary a weighted share, the shadow only copies of requests
+BASELINE = "baseline"
+CANARY = "canary"
+SHADOW = "shadow"
+VERSIONS = (BASELINE, CANARY, SHADOW)
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """One worker: its base URL, its KV-events ZMQ endpoint (if it publishes), its group."""
+    """One worker: its base URL, its KV-events ZMQ endpoint (if it publishes), its group,
+    its release version (baseline, canary or shadow)."""
 
     url: str
     kv_events: str | None = None
     group: str = SHORT
+    version: str = BASELINE
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -45,6 +54,9 @@ class WorkerSpec:
         if self.group not in GROUPS:
             raise InvalidRequestError(f"worker group must be one of {GROUPS}, got {self.group!r}",
                                       param="group")
+        if self.version not in VERSIONS:
+            raise InvalidRequestError(f"worker version must be one of {VERSIONS}, "
+                                      f"got {self.version!r}", param="version")
         if self.kv_events is not None and "://" not in self.kv_events:
             raise InvalidRequestError(f"kv_events must be a ZMQ endpoint like tcp://host:port, "
                                       f"got {self.kv_events!r}", param="kv_events")
@@ -141,6 +153,56 @@ class BreakerConfig:
 
 
 @dataclass(frozen=True)
+class ReleaseConfig:
+    """A pool's canary, pins and shadow, and when to roll the canary back or promote it.
+
+    Weights and shares are percentages. `steps`: the canary weights automatic promotion
+    walks through. A metric regresses when the canary is worse than the baseline by a
+    one-sided test at `alpha` *and* by more than its margin (errors: `error_margin`
+    absolute; TTFT and TPOT p90: `latency_margin` relative; prefix-hit rate:
+    `prefix_hit_margin` absolute), each side having `min_samples` in the last
+    `window_s` seconds. See docs/router.md, Releases.
+    """
+
+    canary_weight: float = 0.0
+    steps: tuple[float, ...] = (5.0, 25.0, 50.0, 100.0)
+    auto: bool = True  # roll back and promote by itself (else only by hand)
+    window_s: float = 120.0
+    min_samples: int = 50
+    alpha: float = 0.001
+    error_margin: float = 0.02
+    latency_margin: float = 0.2
+    prefix_hit_margin: float = 0.1
+    pin_tenants: Mapping[str, str] = field(default_factory=dict)  # tenant -> version
+    shadow_percent: float = 0.0
+    shadow_max_concurrency: int = 8
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "steps", tuple(float(s) for s in self.steps))
+        percentages = {"canary_weight": self.canary_weight, "shadow_percent": self.shadow_percent,
+                       **{f"steps.{i}": step for i, step in enumerate(self.steps)}}
+        for name, value in percentages.items():
+            if not 0.0 <= value <= 100.0:
+                raise InvalidRequestError(f"{name} must be a percentage in [0, 100], got {value}",
+                                          param=name)
+        if list(self.steps) != sorted(set(self.steps)) or not self.steps or self.steps[0] <= 0:
+            raise InvalidRequestError("steps must be increasing percentages above 0",
+                                      param="steps")
+        if self.window_s <= 0 or self.min_samples < 2 or not 0.0 < self.alpha < 1.0:
+            raise InvalidRequestError("window_s > 0, min_samples >= 2 and 0 < alpha < 1 needed",
+                                      param="window_s")
+        if min(self.error_margin, self.latency_margin, self.prefix_hit_margin) < 0:
+            raise InvalidRequestError("margins must be >= 0", param="error_margin")
+        if self.shadow_max_concurrency < 0:
+            raise InvalidRequestError("shadow_max_concurrency must be >= 0",
+                                      param="shadow_max_concurrency")
+        for tenant, version in self.pin_tenants.items():
+            if version not in (BASELINE, CANARY):
+                raise InvalidRequestError(f"tenant {tenant!r} pinned to {version!r}: pin to "
+                                          f"{BASELINE!r} or {CANARY!r}", param="pin_tenants")
+
+
+@dataclass(frozen=True)
 class PoolConfig:
     """The workers serving one model.
 
@@ -160,6 +222,7 @@ class PoolConfig:
     block_size: int = 16
     policy_options: Mapping[str, Any] = field(default_factory=dict)
     admission: AdmissionConfig | None = None  # None: the router's `admission`
+    release: ReleaseConfig = field(default_factory=ReleaseConfig)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -257,6 +320,8 @@ def pool_from_dict(raw: Mapping[str, Any]) -> PoolConfig:
     data["aliases"] = tuple(data.get("aliases", ()))
     if data.get("admission") is not None:
         data["admission"] = admission_from_dict(data["admission"])
+    if "release" in data:
+        data["release"] = ReleaseConfig(**_known(ReleaseConfig, data["release"] or {}, "release"))
     return PoolConfig(**data)
 
 
@@ -291,4 +356,16 @@ def parse_kv_event_flags(items: Sequence[str]) -> dict[str, str]:
             raise InvalidRequestError(f"--worker-kv-events wants URL=tcp://host:port, got {item!r}",
                                       param="worker-kv-events")
         out[url.rstrip("/")] = endpoint
+    return out
+
+
+def parse_tenant_pins(items: Sequence[str]) -> dict[str, str]:
+    """`TENANT=VERSION` pairs from `--pin-tenant` into {tenant: version}."""
+    out: dict[str, str] = {}
+    for item in items:
+        tenant, sep, version = item.partition("=")
+        if not sep or not tenant or not version:
+            raise InvalidRequestError(f"--pin-tenant wants TENANT=VERSION, got {item!r}",
+                                      param="pin-tenant")
+        out[tenant] = version
     return out

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sluice.protocol.errors import InvalidRequestError, NotFoundError
-from sluice.router.config import LONG, SHORT, PoolConfig, WorkerSpec
+from sluice.router.config import BASELINE, LONG, SHORT, PoolConfig, WorkerSpec
 from sluice.router.endpoints import Endpoint, EndpointStats, Ticket, TTFTFit, work_units
 from sluice.router.policies import Choice, RequestMeta, RoutingPolicy, make_policy
 from sluice.router.policies.cost import uncached_tokens
@@ -51,6 +51,7 @@ class Pool:
         self.predicted_ttl_s = predicted_ttl_s
         self.endpoints: dict[str, Endpoint] = {}
         self.on_finish: Callable[[], None] | None = None  # the admission queue's wake-up
+        self.release_workers = 0  # canary and shadow workers: the pool has a release if > 0
         for spec in config.workers:
             self.add(spec)
 
@@ -73,6 +74,7 @@ class Pool:
             raise InvalidRequestError(f"worker {spec.url} is already in the pool", param="url")
         endpoint = self.endpoints[spec.url] = Endpoint(spec, fit=self.fit, clock=self.clock,
                                                        on_finish=self._finished)
+        self.release_workers += spec.version != BASELINE
         return endpoint
 
     def _finished(self) -> None:
@@ -83,6 +85,7 @@ class Pool:
     def remove(self, url: str) -> Endpoint:
         endpoint = self.get(url)
         del self.endpoints[url]
+        self.release_workers -= endpoint.spec.version != BASELINE
         self.fit.forget(url)
         self.approx.clear(url)
         self.precise.clear(url)
@@ -102,10 +105,13 @@ class Pool:
             return requested
         return self.config.model if self.config.model in endpoint.models else endpoint.models[0]
 
-    def candidates(self, num_prompt_tokens: int, exclude: Iterable[str] = ()) -> list[Endpoint]:
-        """Available workers of the group for this prompt length, the other group if none."""
+    def candidates(self, num_prompt_tokens: int, exclude: Iterable[str] = (),
+                   version: str = BASELINE) -> list[Endpoint]:
+        """Available workers of `version` and of the group for this prompt length (the
+        other group if none)."""
         skip = set(exclude)
-        avail = [e for e in self.endpoints.values() if e.available and e.url not in skip]
+        avail = [e for e in self.endpoints.values()
+                 if e.available and e.url not in skip and e.spec.version == version]
         threshold = self.config.long_prompt_tokens
         wanted = LONG if threshold is not None and num_prompt_tokens > threshold else SHORT
         group = [e for e in avail if e.spec.group == wanted]
@@ -113,7 +119,7 @@ class Pool:
 
     def decide(self, request: RequestMeta, exclude: Iterable[str] = ()) -> Decision | None:
         """Choose a worker for `request`, or None if no worker is available."""
-        endpoints = self.candidates(request.num_prompt_tokens, exclude)
+        endpoints = self.candidates(request.num_prompt_tokens, exclude, request.version)
         if not endpoints:
             return None
         stats = self._stats(request, endpoints)

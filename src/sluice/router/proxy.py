@@ -71,7 +71,7 @@ class Relay:
     """
 
     __slots__ = ("status", "headers", "length", "first", "upstream", "ticket", "on_close",
-                 "retries")
+                 "retries", "chunks")
 
     def __init__(self, upstream: UpstreamConnection, first: bytes, ticket: Ticket) -> None:
         self.status = upstream.status
@@ -83,6 +83,7 @@ class Relay:
         self.ticket = ticket
         self.on_close: Callable[[], None] | None = None  # e.g. ends the router's span
         self.retries = 0  # attempts that failed on other workers before this one
+        self.chunks = 0  # body reads after `first` that returned bytes (release.py: TPOT)
 
     @property
     def complete(self) -> bool:
@@ -91,15 +92,20 @@ class Relay:
 
     async def read(self) -> bytes:
         """More body bytes as they arrive; b"" at the end. Raises UpstreamError mid-stream."""
-        return await self.upstream.read()
+        data = await self.upstream.read()
+        self.chunks += bool(data)
+        return data
 
     def close(self) -> None:
-        """Give back or close the worker connection; stop counting the request. Idempotent."""
-        self.upstream.release()
-        self.ticket.endpoint.finish(self.ticket)
-        if self.on_close is not None:
-            on_close, self.on_close = self.on_close, None
-            on_close()
+        """Give back or close the worker connection; stop counting the request. Idempotent.
+        `on_close` runs first: it may read how the response ended (`complete`)."""
+        on_close, self.on_close = self.on_close, None
+        try:
+            if on_close is not None:
+                on_close()
+        finally:
+            self.upstream.release()
+            self.ticket.endpoint.finish(self.ticket)
 
 
 class Proxy:

@@ -5,6 +5,8 @@
                                 -> request metadata
                                 -> admission (waits only while no worker has room)
                                 -> Proxy.forward
+                                   (through the pool's Release when it has a canary or
+                                   shadow worker: release.py)
                                 -> Relay (stream it back, then close it)
     a SluiceError at any step   -> ErrorReply (OpenAI JSON, Anthropic's on /v1/messages;
                                    status, extra headers)
@@ -72,6 +74,9 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
         if hint is not None:  # the worker takes these ids instead of tokenizing again
             block += _IDS + b": " + hint.encode() + b"\r\n"
         await state.admission.admit(pool, headers)  # nothing awaits from here to dispatch
+        if pool.release_workers:  # a canary or shadow: the release picks the version
+            return await state.releases.get(pool).forward(
+                state.proxy, req, meta, path.encode("latin-1"), block, headers)
         return await state.proxy.forward(pool, req, meta, path.encode("latin-1"), block)
     except SluiceError as exc:
         return error_reply(exc, path)

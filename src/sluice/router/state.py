@@ -11,6 +11,7 @@
      ├── buffer           requests held while a pool has no ready worker
      ├── admission        per-pool admission queues (priority bands, tenant fairness)
      ├── breakers         per-worker circuit breakers, retry backoff and budget
+ ├── releases         each pool's canary weight, pins, shadow and judge (release.py)
      ├── metrics          the router's own Prometheus registry
      └── tracing          OpenTelemetry tracer, or None (off)
 """
@@ -41,6 +42,7 @@ from sluice.router.parse import ParsedRequest
 from sluice.router.policies import RequestMeta
 from sluice.router.pool import Pool
 from sluice.router.proxy import Proxy
+from sluice.router.release import Releases
 from sluice.router.tokens import LocalTokenizer, PromptTokenizer, Tokenized
 from sluice.router.transport import UpstreamTransport
 from sluice.router.upstream import UpstreamPool
@@ -85,6 +87,8 @@ class RouterState:
             self.client, self.token_cache or TokenCache(self.config.tokenize_cache_size))
         self.zmq_ctx = zmq.asyncio.Context()
         self.buffer = RequestBuffer(self.config.buffer_max_requests, self.config.buffer_timeout_s)
+        self.releases = Releases(lambda: self.pools, self.upstream, self.metrics.registry,
+                                 self.rng)
         for pool_config in self.config.pools:
             self.add_pool(pool_config)
 
@@ -196,6 +200,7 @@ class RouterState:
         return pool, min(avail, key=lambda e: e.inflight)
 
     async def close(self) -> None:
+        await self.releases.close()
         for url in list(self.subscribers):
             await self.stop_subscriber(url)
         await self.client.aclose()

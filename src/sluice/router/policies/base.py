@@ -31,6 +31,7 @@ class RequestMeta:
     session_key: str | None = None
     max_tokens: int | None = None
     block_size: int = 16
+    version: str = "baseline"  # the release version whose workers may serve it (release.py)
 
 
 @dataclass(frozen=True)
