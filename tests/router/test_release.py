@@ -25,6 +25,7 @@ from sluice.router.config import (
     BASELINE,
     CANARY,
     SHADOW,
+    BreakerConfig,
     PoolConfig,
     ReleaseConfig,
     RouterConfig,
@@ -175,8 +176,9 @@ async def test_pinning_by_header_and_by_tenant() -> None:
 async def test_failing_canary_is_rolled_back_and_its_clients_get_the_baseline() -> None:
     base, canary = StubState("base"), StubState("canary", fail_status=500)
     release = ReleaseConfig(canary_weight=50, min_samples=10, window_s=60)
+    # neither ejection nor the circuit breaker may take the canary out: the judge must
     async with cluster([(base, BASELINE), (canary, CANARY)], release,
-                       eject_after_failures=1000) as c:
+                       eject_after_failures=1000, breaker=BreakerConfig(failures=0)) as c:
         replies = await c.many(60)
         assert {served_by(r) for r in replies} == {"base"}  # canary failures fell back
         assert len(canary.requests) >= 10
