@@ -337,7 +337,8 @@ class StructuredOutputManager:
                 del self._pending[rid]
                 error = p.future.exception()
                 if error is None:
-                    self._attach(p.request, p.future.result())
+                    error = self._attach(p.request, p.future.result())
+                if error is None:
                     ready.append(p.request)
                 else:
                     failed.append((rid, self._as_error(p, error)))
@@ -359,10 +360,19 @@ class StructuredOutputManager:
         return SluiceError(f"structured output backend failed: {error}",
                            param=params.param if params else None)
 
-    def _attach(self, request: Request, compiled: Any) -> None:
+    def _attach(self, request: Request, compiled: Any) -> SluiceError | None:
+        """A matcher per sequence, advanced past the tokens a resumed (migrated) request
+        already generated, so the grammar continues where the other worker left it."""
         assert self._backend is not None
         for seq in request.seqs:
             seq.grammar = self._backend.matcher(compiled)
+            for token in seq.output_token_ids:
+                if not seq.grammar.accept_token(token):
+                    params = request.params.structured_outputs
+                    return InvalidRequestError(
+                        f"resumed token {token} does not match the constraint",
+                        param=params.param if params else None)
+        return None
 
     def wait(self, timeout: float) -> None:
         """Block until a pending compile finishes or `timeout` passes (an idle core

@@ -116,11 +116,11 @@ class Proxy:
         return target
 
     async def forward(self, pool: Pool, req: ParsedRequest, meta: RequestMeta, path: bytes,
-                      headers: bytes) -> Relay:
+                      headers: bytes, exclude: Iterable[str] = ()) -> Relay:
         """Send `req` (its raw body, `headers` already encoded by `forward_block`) to
-        `path` on the best worker, retrying elsewhere before the first byte.
-        Raises ServiceUnavailableError (503) when no attempt succeeds."""
-        tried: list[str] = []
+        `path` on the best worker but those in `exclude` (URLs), retrying elsewhere before
+        the first byte. Raises ServiceUnavailableError (503) when no attempt succeeds."""
+        tried: list[str] = list(exclude)
         last_error = "no worker is available"
         start = time.perf_counter()
         policy = pool.policy.name
@@ -148,7 +148,7 @@ class Proxy:
             self.metrics.requests_for(req.model, upstream.status).inc()
             self.metrics.first_byte_seconds_for(req.model).observe(time.perf_counter() - start)
             relay = Relay(upstream, first, ticket)
-            relay.retries = len(tried)
+            relay.retries = len(tried)  # (a migration's excluded workers included)
             return relay
         self.metrics.requests_for(req.model, 503).inc()
         raise ServiceUnavailableError(f"no healthy worker could serve model {req.model!r} "
