@@ -116,9 +116,10 @@ def _needs_penalties(seq: Sequence) -> bool:
 
 
 def _seeded(seq: Sequence) -> torch.Generator | None:
-    """The sequence's generator, seeded for its next output token (None: unseeded)."""
+    """The sequence's generator, seeded for its next output token when it has a `seed`
+    (None: the sampler's shared one)."""
     if seq.generator is None or seq.seed is None:
-        return None
+        return seq.generator
     return seq.generator.manual_seed(position_seed(seq.seed, seq.num_output_tokens))
 
 

@@ -39,7 +39,7 @@ from sluice.router.parse import CHAT, COMPLETION, ParsedRequest
 from sluice.router.policies import RequestMeta
 from sluice.router.pool import Pool
 from sluice.router.proxy import Proxy, Relay
-from sluice.router.upstream import UpstreamError
+from sluice.router.upstream import ReadError, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class MigratingRelay(Relay):
 
     __slots__ = ("proxy", "pool", "req", "meta", "path", "block", "limit", "show_ids", "ids",
                  "tokenizer", "pending", "buffer", "done", "finished", "id", "created",
-                 "migrations")
+                 "migrations", "broken")
 
     def __init__(self, relay: Relay, proxy: Proxy, pool: Pool, req: ParsedRequest,
                  meta: RequestMeta, path: bytes, block: bytes, limit: int,
@@ -107,13 +107,18 @@ class MigratingRelay(Relay):
         self.id: Any = None  # the first worker's chunk `id` and `created`
         self.created: Any = None
         self.migrations = 0
+        self.broken: str | None = None  # why the stream could not go on (after its event)
 
     @property
     def complete(self) -> bool:
         return False  # the body is ours to end: always read to b""
 
     async def read(self) -> bytes:
-        """The next whole events (migrating as needed); b"" once the stream is over."""
+        """The next whole events (migrating as needed); b"" once the stream is over.
+        Raises UpstreamError once a stream that could not migrate has sent its error
+        event, so the front end drops the connection (the client sees a broken stream)."""
+        if self.broken is not None:
+            raise ReadError(self.broken)
         while not self.done:
             try:
                 data = self._events(await self._read_upstream())
@@ -164,7 +169,7 @@ class MigratingRelay(Relay):
 
     async def _migrate(self, failure: _Failed) -> bytes:
         """Switch to another worker that resumes the stream (b"": read on); when that
-        cannot be (the limit, no worker), end the stream with an error event and [DONE]."""
+        cannot be (the limit, no worker, one that cannot resume), an error event."""
         endpoint = self.ticket.endpoint
         log.warning("stream from %s failed after %d tokens (%s: %s)", endpoint.url,
                     len(self.ids), failure.reason, failure)
@@ -176,7 +181,10 @@ class MigratingRelay(Relay):
         if self.finished:  # only the usage chunk or [DONE] was missing: end it here
             self.done = True
             return _DONE + b"\n\n"
-        if self.migrations >= self.limit or not self.tokenizer:
+        if not self.tokenizer:  # not a sluice worker: it cannot resume streams
+            return self._give_up(f"the worker failed mid-stream ({failure.reason}) and "
+                                 "does not return token ids to resume from")
+        if self.migrations >= self.limit:
             return self._give_up(f"the worker failed mid-stream ({failure.reason}) and the "
                                  f"migration limit ({self.limit}) is reached")
         self.migrations += 1
@@ -196,9 +204,9 @@ class MigratingRelay(Relay):
         return b""
 
     def _give_up(self, message: str) -> bytes:
-        self.done = True
+        self.broken = message
         error = SluiceError(message, code="migration_failed").to_dict()
-        return b"data: " + json.dumps(error).encode() + b"\n\n" + _DONE + b"\n\n"
+        return b"data: " + json.dumps(error).encode() + b"\n\n"
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
