@@ -38,6 +38,7 @@ class Phase:
     limit: int
     ok: list[tuple[float, float, float]] = field(default_factory=list)  # start, end, s
     failed: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)  # why streams failed
     kills: list[float] = field(default_factory=list)
     migrations: float = 0.0
 
@@ -47,27 +48,30 @@ class Phase:
         return {"migration_limit": self.limit, "requests": len(self.ok) + self.failed,
                 "failed": self.failed, "kills": len(self.kills), "migrations": self.migrations,
                 "hit_streams": len(hit), "p50_s_hit": _p50(hit), "p50_s_clean": _p50(clean),
-                "max_s_hit": round(max(hit), 3) if hit else None}
+                "max_s_hit": round(max(hit), 3) if hit else None, "reasons": self.reasons}
 
 
 def _p50(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 3) if xs else None
 
 
-async def one_stream(c: httpx.AsyncClient, url: str, body: dict[str, Any]) -> bool:
+async def one_stream(c: httpx.AsyncClient, url: str, body: dict[str, Any]) -> str | None:
+    """None when the stream was whole, else why not."""
     try:
         async with c.stream("POST", url + "/v1/completions", json=body) as s:
             if s.status_code != 200:
-                return False
+                return f"status {s.status_code}"
             lines = [ln async for ln in s.aiter_lines() if ln.startswith("data: ")]
-    except httpx.HTTPError:
-        return False
+    except httpx.HTTPError as exc:
+        return type(exc).__name__
     if not lines or lines[-1] != "data: [DONE]":
-        return False
+        return "no [DONE]"
     chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
     if any("error" in ch for ch in chunks):
-        return False
-    return chunks[-1]["usage"]["completion_tokens"] == body["max_tokens"]
+        return "error event"
+    if chunks[-1]["usage"]["completion_tokens"] != body["max_tokens"]:
+        return "short"
+    return None
 
 
 async def client(url: str, phase: Phase, end: float, max_tokens: int, seed: int) -> None:
@@ -78,10 +82,13 @@ async def client(url: str, phase: Phase, end: float, max_tokens: int, seed: int)
                     "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
                     "stream_options": {"include_usage": True}}
             start = time.monotonic()
-            if await one_stream(c, url, body):
+            failure = await one_stream(c, url, body)
+            if failure is None:
                 phase.ok.append((start, time.monotonic(), time.monotonic() - start))
             else:
                 phase.failed += 1
+                phase.reasons[failure] = phase.reasons.get(failure, 0) + 1
+                await asyncio.sleep(0.1)  # a failing client does not spin
 
 
 def restart(pool: LocalWorkerPool, index: int, args: list[str]) -> None:

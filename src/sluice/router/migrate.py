@@ -44,6 +44,9 @@ from sluice.router.upstream import ReadError, UpstreamError
 log = logging.getLogger(__name__)
 
 _TOKEN_IDS = re.compile(rb',\s*"token_ids":\s*\[[\d,\s]*\]')
+_IDS_IN = re.compile(rb'"token_ids":\s*\[([\d,\s]*)\]')
+_FINISHED = b'"finish_reason":"'  # a choice that ended (pydantic writes no spaces)
+_ERROR = b'data: {"error"'  # the worker's mid-stream error event
 _RESUME = RESUME_HEADER.encode()
 _TOKENIZER = TOKENIZER_HEADER.encode()
 _DONE = b"data: [DONE]"
@@ -148,24 +151,33 @@ class MigratingRelay(Relay):
         return b"".join(self._event(e) for e in events if e.strip())
 
     def _event(self, event: bytes) -> bytes:
+        """One event for the client. The first worker's events are read by pattern (no
+        JSON decoding on the hot path); a resuming worker's are re-encoded with the
+        first one's `id` and `created`."""
         if event.startswith(_DONE):
             self.done = True
             return event + b"\n\n"
-        chunk = json.loads(event[event.index(b"{"):])
-        if "error" in chunk:
-            raise _Failed("error_event", str(chunk["error"].get("message", ""))[:200])
-        for choice in chunk.get("choices", ()):
-            self.ids += choice.get("token_ids") or ()
-            self.finished |= choice.get("finish_reason") is not None
+        if event.startswith(_ERROR):
+            raise _Failed("error_event", event[6:206].decode("utf-8", "replace"))
+        for found in _IDS_IN.findall(event):
+            self.ids += [int(t) for t in found.split(b",") if t.strip()]
+        self.finished |= _FINISHED in event
+        if self.migrations:
+            return self._rewritten(event)
         if self.id is None:
+            chunk = _json(event)
             self.id, self.created = chunk.get("id"), chunk.get("created")
-        elif chunk.get("id") != self.id or chunk.get("created") != self.created:
-            chunk["id"], chunk["created"] = self.id, self.created
-            if not self.show_ids:
-                for choice in chunk.get("choices", ()):
-                    choice.pop("token_ids", None)
-            return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
         return (event if self.show_ids else _TOKEN_IDS.sub(b"", event)) + b"\n\n"
+
+    def _rewritten(self, event: bytes) -> bytes:
+        chunk = _json(event)
+        if not chunk:
+            return event + b"\n\n"
+        chunk["id"], chunk["created"] = self.id, self.created
+        if not self.show_ids:
+            for choice in chunk.get("choices", ()):
+                choice.pop("token_ids", None)
+        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
 
     async def _migrate(self, failure: _Failed) -> bytes:
         """Switch to another worker that resumes the stream (b"": read on); when that
@@ -207,6 +219,15 @@ class MigratingRelay(Relay):
         self.broken = message
         error = SluiceError(message, code="migration_failed").to_dict()
         return b"data: " + json.dumps(error).encode() + b"\n\n"
+
+
+def _json(event: bytes) -> dict[str, Any]:
+    """An event's JSON object ({} for anything else: passed on as it is)."""
+    try:
+        value = json.loads(event[event.index(b"{"):])
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
