@@ -23,9 +23,9 @@ PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
 
 def make_seq(params: SamplingParams, seq_id: int = 1, prompt: list[int] | None = None) -> Sequence:
     prompt = prompt or [0, 1]
-    gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    gen = torch.Generator() if params.seed is not None else None
     return Sequence(seq_id, f"r{seq_id}", 0, list(prompt), len(prompt), params, 64,
-                    generator=gen)
+                    generator=gen, seed=params.seed)
 
 
 def test_top_k_keeps_exactly_k_largest() -> None:
@@ -90,7 +90,10 @@ def test_seeded_requests_reproduce_regardless_of_batch() -> None:
         sampler = Sampler(eos_token_ids=set(), seed=batch_size)
         out = []
         for _ in range(20):
-            out.append(sampler(logits[:batch_size], seqs)[0].token_id)
+            tokens = [r.token_id for r in sampler(logits[:batch_size], seqs)]
+            for seq, token in zip(seqs, tokens, strict=True):
+                seq.token_ids.append(token)
+            out.append(tokens[0])
         return out
 
     alone, batched = draws(1), draws(6)
@@ -98,12 +101,31 @@ def test_seeded_requests_reproduce_regardless_of_batch() -> None:
     assert len(set(alone)) > 3  # really sampling, not argmax
 
 
+def test_a_seeded_sequence_resumed_mid_output_draws_what_it_would_have() -> None:
+    """A migrated request arrives with its output so far: its next draws are the
+    uninterrupted run's (each token's noise comes from (seed, position))."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, 50)
+    params = SamplingParams(temperature=1.0, seed=7)
+    sampler = Sampler(eos_token_ids=set())
+    whole = make_seq(params)
+    for _ in range(12):
+        whole.token_ids.append(sampler(logits, [whole])[0].token_id)
+    resumed = make_seq(params, prompt=whole.token_ids[:2 + 5])
+    resumed.num_prompt_tokens = 2  # the last 5 ids were generated elsewhere
+    for _ in range(7):
+        resumed.token_ids.append(sampler(logits, [resumed])[0].token_id)
+    assert resumed.token_ids == whole.token_ids
+    assert len(set(whole.output_token_ids)) > 3
+
+
 def test_top_k_sampling_stays_in_top_k() -> None:
     sampler = Sampler(eos_token_ids=set(), seed=0)
     logits = torch.tensor([[0.0, 1.0, 0.9, 0.1, 0.2]])
     seq = make_seq(SamplingParams(temperature=1.5, top_k=2, seed=3))
-    tokens = {sampler(logits, [seq])[0].token_id for _ in range(100)}
-    assert tokens == {1, 2}
+    for _ in range(100):  # each draw at the next position, as the engine appends
+        seq.token_ids.append(sampler(logits, [seq])[0].token_id)
+    assert set(seq.output_token_ids) == {1, 2}
 
 
 def test_logprobs_are_raw_log_softmax_with_sampled_first() -> None:

@@ -25,7 +25,7 @@ import asyncio
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -89,9 +89,13 @@ class AsyncEngine:
 
     # -- asyncio side ---------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream the request's outputs; admission errors raise before the first yield."""
-        request = self.inputs.prepare(request_id, prompt, params, priority)
+                       priority: int = 0, resumed: Sequence[int] = ()
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's outputs; admission errors raise before the first yield.
+
+        `resumed`: tokens this request already generated on another worker (a migrated
+        stream): the engine continues after them and the outputs hold only new ones."""
+        request = self.inputs.prepare(request_id, prompt, params, priority, resumed=resumed)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             self._check_open()
@@ -100,7 +104,8 @@ class AsyncEngine:
                                           param="request_id")
             self._streams[request_id] = stream
             self._outputs.add(request_id, prompt if isinstance(prompt, str) else None,
-                              request.prompt_token_ids, params, request.arrival_time)
+                              request.prompt_token_ids, params, request.arrival_time,
+                              request.num_output_tokens)
         self.client.send(Add(request))
         finished = False
         try:

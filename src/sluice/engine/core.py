@@ -93,10 +93,11 @@ class EngineCore:
         params = req.params
         gen = None
         if params.seed is not None:
-            gen = torch.Generator().manual_seed(params.seed + index)
+            gen = torch.Generator()
+        num_prompt = len(req.prompt_token_ids) - req.num_output_tokens  # resumed: output
         seq = Sequence(self._next_seq_id, req.request_id, index, list(req.prompt_token_ids),
-                       len(req.prompt_token_ids), params, req.max_tokens, req.priority,
-                       req.arrival_time, generator=gen)
+                       num_prompt, params, req.max_tokens, req.priority, req.arrival_time,
+                       generator=gen, seed=None if params.seed is None else params.seed + index)
         if params.logprobs is not None:
             seq.logprobs, seq.cumulative_logprob = [], 0.0
         return seq

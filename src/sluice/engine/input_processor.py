@@ -13,6 +13,7 @@ torch, no engine state.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 from sluice.engine.block_manager import blocks_needed
@@ -32,13 +33,21 @@ class InputProcessor:
         self.tokenizer = tokenizer
 
     def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                priority: int = 0, arrival_time: float | None = None) -> CoreRequest:
+                priority: int = 0, arrival_time: float | None = None,
+                resumed: Sequence[int] = ()) -> CoreRequest:
+        """`resumed`: tokens already generated for this request elsewhere (a migrated
+        stream); the core appends them to the prompt as output and continues after them."""
         ids = self.tokenize(prompt)
         max_tokens = self.check_lengths(len(ids), params)
+        if resumed:
+            if len(resumed) >= max_tokens:
+                raise InvalidRequestError(f"{len(resumed)} resumed tokens leave no room in "
+                                          f"max_tokens={max_tokens}", param="max_tokens")
+            ids = ids + self.tokenize(list(resumed))
         if params.structured_outputs is not None:
             check_constraint(params.structured_outputs, self.info.structured_outputs_backend)
         arrival = time.time() if arrival_time is None else arrival_time
-        return CoreRequest(request_id, ids, params, priority, arrival, max_tokens)
+        return CoreRequest(request_id, ids, params, priority, arrival, max_tokens, len(resumed))
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -39,6 +39,8 @@ class CoreRequest:
     priority: int = 0
     arrival_time: float = 0.0
     max_tokens: int = 1  # effective: params.max_tokens, or up to the context length
+    num_output_tokens: int = 0  # trailing prompt_token_ids already generated (a migrated
+    #                             request resumed here: they count as output, not prompt)
 
 
 @dataclass(slots=True)
@@ -135,7 +137,7 @@ def _to_wire(m: Command | Event) -> list[Any]:
     if isinstance(m, Add):
         r = m.request
         return ["add", r.request_id, r.prompt_token_ids, _params_to_wire(r.params), r.priority,
-                r.arrival_time, r.max_tokens]
+                r.arrival_time, r.max_tokens, r.num_output_tokens]
     if isinstance(m, Abort):
         return ["abort", m.request_id]
     if isinstance(m, Finish):
@@ -154,8 +156,9 @@ def _from_wire(w: list[Any]) -> Command | Event:
         return CoreOutputs([SeqUpdate(*u) for u in updates], EngineStats(*stats),
                            [(rid, _error(status, msg, param)) for rid, status, msg, param in errors])
     if kind == "add":
-        rid, ids, params, priority, arrival, max_tokens = args
-        return Add(CoreRequest(rid, ids, _params_from_wire(params), priority, arrival, max_tokens))
+        rid, ids, params, priority, arrival, max_tokens, num_output = args
+        return Add(CoreRequest(rid, ids, _params_from_wire(params), priority, arrival, max_tokens,
+                               num_output))
     if kind == "abort":
         return Abort(args[0])
     if kind == "finish":

@@ -78,13 +78,30 @@ class OutputProcessor:
         self.requests: dict[str, _RequestText] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-            params: SamplingParams, arrival_time: float) -> None:
-        seqs = [_SeqText(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+            params: SamplingParams, arrival_time: float, num_resumed: int = 0) -> None:
+        """`num_resumed`: the last ids of `prompt_token_ids` were generated before (a
+        migrated request): they are detokenized here as if just generated, and what that
+        text is counted as already sent, so the new text continues it exactly (the same
+        detokenizer state and stop-string hold-back as on the worker that sent it)."""
+        split = len(prompt_token_ids) - num_resumed
+        prompt_ids, resumed = prompt_token_ids[:split], prompt_token_ids[split:]
+        seqs = [_SeqText(i, IncrementalDetokenizer(self.tokenizer, prompt_ids, params),
                          logprobs=[] if params.logprobs is not None else None,
                          cumulative_logprob=0.0 if params.logprobs is not None else None)
                 for i in range(params.n)]
-        self.requests[request_id] = _RequestText(request_id, prompt, prompt_token_ids, params,
+        for seq in seqs:
+            if resumed:
+                self._replay(seq, params, resumed)
+        self.requests[request_id] = _RequestText(request_id, prompt, prompt_ids, params,
                                                  seqs, RequestMetrics(arrival_time=arrival_time))
+
+    def _replay(self, seq: _SeqText, params: SamplingParams, resumed: list[int]) -> None:
+        update = SeqUpdate("", seq.index, [])
+        for token in resumed:
+            seq.token_ids.append(token)
+            self._add_text(seq, params, token, update, last=False)
+        seq.sent_chars = len(seq.detokenizer.output_text(False))
+        seq.sent_tokens = len(resumed)
 
     def process(self, updates: list[SeqUpdate]
                 ) -> tuple[list[RequestOutput], list[tuple[str, int]]]:

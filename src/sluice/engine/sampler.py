@@ -12,7 +12,10 @@ Order of processing, per row (vLLM semantics):
 
 Sampling uses the exponential race (argmax of p / Exp(1) noise), which draws exactly one
 noise vector per row: a request with a `seed` has its own `torch.Generator`, so its tokens
-depend only on its seed and its own logits, never on what else is in the batch.
+depend only on its seed and its own logits, never on what else is in the batch. The
+generator is reseeded for every token from (seed, position in the output), so a request
+migrated to another worker mid-stream continues with the very tokens it would have drawn
+(`position_seed`; nothing to replay, however long the output already is).
 """
 
 from __future__ import annotations
@@ -76,6 +79,19 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, NEG_INF)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed for output token `position` of a request seeded `seed`
+    (splitmix64 of both, folded to the 32 bits torch's CPU Mersenne Twister reads)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z ^ (z >> 32)) & 0xFFFFFFFF
+
+
 def sample_rows(probs: torch.Tensor, generators: Seq[torch.Generator | None],
                 default: torch.Generator | None = None) -> torch.Tensor:
     """One token per row by the exponential race; a row with a generator uses only it."""
@@ -97,6 +113,14 @@ def _needs_penalties(seq: Sequence) -> bool:
     p = seq.params
     return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
             or p.presence_penalty != 0.0)
+
+
+def _seeded(seq: Sequence) -> torch.Generator | None:
+    """The sequence's generator, seeded for its next output token when it has a `seed`
+    (None: the sampler's shared one)."""
+    if seq.generator is None or seq.seed is None:
+        return seq.generator
+    return seq.generator.manual_seed(position_seed(seq.seed, seq.num_output_tokens))
 
 
 class Sampler:
@@ -158,7 +182,7 @@ class Sampler:
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if rows:
             sub = self._truncate(logits[rows], [seqs[i].params for i in rows])
-            chosen = sample_rows(sub.softmax(dim=-1), [seqs[i].generator for i in rows],
+            chosen = sample_rows(sub.softmax(dim=-1), [_seeded(seqs[i]) for i in rows],
                                  self.generator)
             for i, t in zip(rows, chosen.tolist(), strict=True):
                 tokens[i] = t

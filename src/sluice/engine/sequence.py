@@ -51,7 +51,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full computed blocks
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache on first schedule
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # reseeded per token from (seed, position)
+    seed: int | None = None  # the request's seed + index
     logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None

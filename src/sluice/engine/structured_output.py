@@ -667,7 +667,8 @@ class StructuredOutputManager:
                 del self._pending[rid]
                 error = p.future.exception()
                 if error is None:
-                    self._attach(p.request, p.future.result())
+                    error = self._attach(p.request, p.future.result())
+                if error is None:
                     ready.append(p.request)
                 else:
                     failed.append((rid, self._as_error(p, error)))
@@ -689,10 +690,19 @@ class StructuredOutputManager:
         return SluiceError(f"structured output backend failed: {error}",
                            param=params.param if params else None)
 
-    def _attach(self, request: Request, compiled: _Compiled) -> None:
+    def _attach(self, request: Request, compiled: _Compiled) -> SluiceError | None:
+        """A matcher per sequence, advanced past the tokens a resumed (migrated) request
+        already generated, so the grammar continues where the other worker left it."""
         for seq in request.seqs:
             seq.grammar = compiled.backend.matcher(compiled.grammar)
             self._owners[type(seq.grammar)] = compiled.backend
+            for token in seq.output_token_ids:
+                if not seq.grammar.accept_token(token):
+                    params = request.params.structured_outputs
+                    return InvalidRequestError(
+                        f"resumed token {token} does not match the constraint",
+                        param=params.param if params else None)
+        return None
 
     def wait(self, timeout: float) -> None:
         """Block until a pending compile finishes or `timeout` passes (an idle core

@@ -262,6 +262,7 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    return_token_ids: bool = False  # vLLM: each streamed choice carries its `token_ids`
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

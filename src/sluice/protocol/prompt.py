@@ -14,6 +14,10 @@ here, and one token-id cache:
     IdsHint                      the ids sent to the next hop (`x-sluice-prompt-ids`):
                                  tokenizer fingerprint, digest of the templated text,
                                  the ids; the worker uses them only if both match its own
+    ResumeIds                    output ids a migrated request already generated
+                                 (`x-sluice-resume-ids`): the generating worker's
+                                 tokenizer fingerprint and the ids; the worker appends
+                                 them to the prompt's ids as output, and continues
 
 Rules (the worker's, which the engine sees; `test_prompt_equivalence` holds all three
 hops to them):
@@ -58,6 +62,8 @@ CHAT, COMPLETION, MESSAGES = "chat", "completion", "messages"
 KIND_OF_PATH = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION,
                 "/v1/messages": MESSAGES}
 IDS_HEADER = "x-sluice-prompt-ids"
+RESUME_HEADER = "x-sluice-resume-ids"
+TOKENIZER_HEADER = "x-sluice-tokenizer"  # a worker's fingerprint, on responses with token ids
 INLINE_TOKENIZE_CHARS = 16 * 1024  # longer texts are tokenized on a worker thread
 MAX_HINT_TOKENS = 4096  # longer prompts are not sent in a header (header size limits)
 _PROBE = "Tokenizer fingerprint: Hello, wörld! 1234 <|im_start|> \t\n ünïcödé 漢字 🙂"
@@ -291,8 +297,7 @@ class IdsHint:
     ids: list[int]
 
     def encode(self) -> bytes:
-        packed = base64.b64encode(struct.pack(f"<{len(self.ids)}I", *self.ids))
-        return f"{self.fingerprint}.{self.digest}.".encode() + packed
+        return f"{self.fingerprint}.{self.digest}.".encode() + _pack(self.ids)
 
     @classmethod
     def decode(cls, value: bytes | str) -> IdsHint | None:
@@ -300,17 +305,46 @@ class IdsHint:
         try:
             raw = value.encode("latin-1") if isinstance(value, str) else value
             fp, dg, packed = raw.split(b".", 2)
-            data = base64.b64decode(packed, validate=True)
-            ids = list(struct.unpack(f"<{len(data) // 4}I", data))
+            return cls(fp.decode(), dg.decode(), _unpack(packed))
         except (ValueError, struct.error):
             return None
-        return cls(fp.decode(), dg.decode(), ids)
 
     def ids_for(self, tokenizer_fingerprint: str, key: str) -> list[int] | None:
         """The ids, if this tokenizer made them from exactly this text (`cache_key`)."""
         if self.fingerprint == tokenizer_fingerprint and self.digest == digest(key):
             return self.ids
         return None
+
+
+@dataclass(frozen=True)
+class ResumeIds:
+    """Output ids a migrated request already generated, and the tokenizer they are of
+    (the generating worker's fingerprint, from its `x-sluice-tokenizer` header)."""
+
+    fingerprint: str
+    ids: list[int]
+
+    def encode(self) -> bytes:
+        return self.fingerprint.encode() + b"." + _pack(self.ids)
+
+    @classmethod
+    def decode(cls, value: bytes | str) -> ResumeIds | None:
+        """None for anything malformed (the worker refuses the request: a 400)."""
+        try:
+            raw = value.encode("latin-1") if isinstance(value, str) else value
+            fp, packed = raw.split(b".", 1)
+            return cls(fp.decode(), _unpack(packed))
+        except (ValueError, struct.error):
+            return None
+
+
+def _pack(ids: Sequence[int]) -> bytes:
+    return base64.b64encode(struct.pack(f"<{len(ids)}I", *ids))
+
+
+def _unpack(packed: bytes) -> list[int]:
+    data = base64.b64decode(packed, validate=True)
+    return list(struct.unpack(f"<{len(data) // 4}I", data))
 
 
 def make_hint(tok_fingerprint: str, key: str, ids: Sequence[int]) -> IdsHint | None:

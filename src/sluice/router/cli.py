@@ -66,6 +66,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "without one /admin answers 403)")
     p.add_argument("--max-retries", type=int, default=None,
                    help="attempts on other workers before the first byte (default 2)")
+    p.add_argument("--migration-limit", type=int, default=None,
+                   help="times a stream whose worker fails mid-stream is resumed on another "
+                        "worker, with the tokens so far (default 3; 0: off)")
     p.add_argument("--scrape-interval", type=float, default=None, dest="scrape_interval_s",
                    help="seconds between /metrics scrapes of each worker (default 0.5)")
     p.add_argument("--health-interval", type=float, default=None, dest="health_interval_s",
@@ -202,8 +205,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return flow_overrides(args, base.with_overrides(
         pools=tuple(pools), host=args.host, port=args.port,
         admin_key=args.admin_key or env.get("ROUTER_ADMIN_KEY"), max_retries=args.max_retries,
-        scrape_interval_s=args.scrape_interval_s, health_interval_s=args.health_interval_s,
-        seed=args.seed))
+        migration_limit=args.migration_limit, scrape_interval_s=args.scrape_interval_s,
+        health_interval_s=args.health_interval_s, seed=args.seed))
 
 
 def handler(args: argparse.Namespace) -> int:

@@ -253,6 +253,7 @@ class RouterConfig:
     eject_after_failures: int = 3
     readmit_after_successes: int = 1
     max_retries: int = 2
+    migration_limit: int = 3  # mid-stream resumes per request on other workers; 0: off
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
     max_connections: int = 1024
@@ -269,6 +270,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.max_retries < 0:
             raise InvalidRequestError("max_retries must be >= 0", param="max_retries")
+        if self.migration_limit < 0:
+            raise InvalidRequestError("migration_limit must be >= 0", param="migration_limit")
         if self.eject_after_failures < 1 or self.readmit_after_successes < 1:
             raise InvalidRequestError("eject/readmit counts must be >= 1",
                                       param="eject_after_failures")

@@ -78,6 +78,9 @@ class RouterMetrics:
         self.prefix_hit_tokens = Counter("sluice_router_estimated_prefix_hit_tokens",
                                          "prompt tokens the router expected cached",
                                          ["policy"], registry=r)
+        self.migrations = Counter("sluice_router_migrations",
+                                  "streams resumed on another worker after a mid-stream failure",
+                                  ["reason"], registry=r)
         self.ejections = Counter("sluice_router_ejections", "workers ejected", ["worker"], registry=r)
         self.readmissions = Counter("sluice_router_readmissions", "workers re-admitted",
                                     ["worker"], registry=r)

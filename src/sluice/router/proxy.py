@@ -127,11 +127,11 @@ class Proxy:
         return target
 
     async def forward(self, pool: Pool, req: ParsedRequest, meta: RequestMeta, path: bytes,
-                      headers: bytes) -> Relay:
+                      headers: bytes, exclude: Iterable[str] = ()) -> Relay:
         """Send `req` (its raw body, `headers` already encoded by `forward_block`) to
-        `path` on the best worker, retrying elsewhere before the first byte.
-        Raises ServiceUnavailableError (503) when no attempt succeeds."""
-        tried: list[str] = []
+        `path` on the best worker but those in `exclude` (URLs), retrying elsewhere before
+        the first byte. Raises ServiceUnavailableError (503) when no attempt succeeds."""
+        tried: list[str] = list(exclude)
         last_error = "no worker is available"
         start = time.perf_counter()
         policy = pool.policy.name
@@ -170,7 +170,7 @@ class Proxy:
             self.metrics.requests_for(req.model, upstream.status).inc()
             self.metrics.first_byte_seconds_for(req.model).observe(time.perf_counter() - start)
             relay = Relay(upstream, first, ticket)
-            relay.retries = len(tried)
+            relay.retries = len(tried)  # (a migration's excluded workers included)
             return relay
         self.metrics.requests_for(req.model, 503).inc()
         raise ServiceUnavailableError(f"no healthy worker could serve model {req.model!r} "
@@ -190,13 +190,18 @@ class Proxy:
 
     def _failed(self, pool: Pool, endpoint: Endpoint, exc: RetryableError) -> None:
         self.metrics.retries.labels(endpoint.url, str(exc).split(":")[0]).inc()
-        if self.breakers.enabled:
-            if exc.counts:
-                self.breakers.failure(pool, endpoint.url)
-            else:
+        if not exc.counts:
+            if self.breakers.enabled:
                 self.breakers.abandon(endpoint.url)
             return
-        if exc.counts and endpoint.record_failure(self.eject_after):
+        self.count_failure(pool, endpoint)
+
+    def count_failure(self, pool: Pool, endpoint: Endpoint) -> None:
+        """A request failed on `endpoint` (before its first byte or mid-stream): toward
+        its circuit breaker, or with breakers off toward its ejection."""
+        if self.breakers.enabled:
+            self.breakers.failure(pool, endpoint.url)
+        elif endpoint.record_failure(self.eject_after):
             self.metrics.ejections.labels(endpoint.url).inc()
             log.warning("ejected %s after %d failures", endpoint.url, endpoint.consecutive_failures)
 

@@ -7,7 +7,8 @@
                                 -> Proxy.forward
                                    (through the pool's Release when it has a canary or
                                    shadow worker: release.py)
-                                -> Relay (stream it back, then close it)
+                                -> Relay (stream it back, then close it); a stream
+                                   that can migrate: a MigratingRelay (migrate.py)
     a SluiceError at any step   -> ErrorReply (OpenAI JSON, Anthropic's on /v1/messages;
                                    status, extra headers)
 
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 from sluice.observe.route_span import traced_route
 from sluice.protocol.edge import error_headers, error_json
 from sluice.protocol.errors import SluiceError
-from sluice.protocol.prompt import IDS_HEADER, IdsHint
+from sluice.protocol.prompt import IDS_HEADER, RESUME_HEADER, IdsHint
+from sluice.router.migrate import MigratingRelay, migratable, with_token_ids
 from sluice.router.parse import CHAT, COMPLETION, MESSAGES, SESSION_HEADER, parse_request
 from sluice.router.proxy import Relay, forward_block
 from sluice.router.state import RouterState
@@ -31,6 +33,7 @@ from sluice.router.state import RouterState
 ROUTED = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/messages": MESSAGES}
 _SESSION = SESSION_HEADER.encode()
 _IDS = IDS_HEADER.encode()
+_INTERNAL = frozenset({_IDS, RESUME_HEADER.encode()})  # set by the router, never by a client
 
 
 @dataclass(frozen=True)
@@ -70,13 +73,21 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
             notes.update(model=req.model, policy=pool.policy.name)
         given = next((IdsHint.decode(v) for n, v in headers if n == _IDS), None)
         meta, hint = await state.request_meta(pool, req, given)
-        block = forward_block(h for h in headers if h[0] != _IDS)
+        block = forward_block(h for h in headers if h[0] not in _INTERNAL)
         if hint is not None:  # the worker takes these ids instead of tokenizing again
             block += _IDS + b": " + hint.encode() + b"\r\n"
         await state.admission.admit(pool, headers)  # nothing awaits from here to dispatch
         if pool.release_workers:  # a canary or shadow: the release picks the version
             return await state.releases.get(pool).forward(
                 state.proxy, req, meta, path.encode("latin-1"), block, headers)
-        return await state.proxy.forward(pool, req, meta, path.encode("latin-1"), block)
+        limit = state.config.migration_limit
+        if not (limit and migratable(req)):
+            return await state.proxy.forward(pool, req, meta, path.encode("latin-1"), block)
+        sent = with_token_ids(req)
+        relay = await state.proxy.forward(pool, sent, meta, path.encode("latin-1"), block)
+        if relay.status != 200:
+            return relay
+        return MigratingRelay(relay, state.proxy, pool, sent, meta, path.encode("latin-1"),
+                              block, limit, show_ids=bool(req.body.get("return_token_ids")))
     except SluiceError as exc:
         return error_reply(exc, path)

@@ -46,12 +46,20 @@ from sluice.protocol.openai import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    SamplingFields,
     TokenizeRequest,
     TokenizeResponse,
     parse_request,
     reject_unsupported,
 )
-from sluice.protocol.prompt import IDS_HEADER, IdsHint
+from sluice.protocol.prompt import (
+    IDS_HEADER,
+    RESUME_HEADER,
+    TOKENIZER_HEADER,
+    IdsHint,
+    ResumeIds,
+    fingerprint,
+)
 from sluice.worker.chat import chat_chunks, chat_response, prepare_chat
 from sluice.worker.completions import completion_chunks, completion_response, prepare_completion
 from sluice.worker.config import WorkerConfig
@@ -91,10 +99,10 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         body = await parse_body(request)
         reject_unsupported(body, UNSUPPORTED_CHAT)
         req = parse_request(ChatCompletionRequest, body)
-        job = await until_disconnect(
-            request, prepare_chat(state, req, request_id(request), ids_hint(request)))
+        job = await until_disconnect(request, prepare_chat(
+            state, req, request_id(request), ids_hint(request), resumed_ids(request, state)))
         if req.stream:
-            return SSEResponse(openai_sse(chat_chunks(job)))
+            return SSEResponse(openai_sse(chat_chunks(job)), _ids_headers(state, req))
         return await until_disconnect(request, _json(chat_response(job)))
 
     @app.post("/v1/completions")
@@ -102,10 +110,10 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         body = await parse_body(request)
         reject_unsupported(body, UNSUPPORTED_COMPLETION)
         req = parse_request(CompletionRequest, body)
-        job = await until_disconnect(
-            request, prepare_completion(state, req, request_id(request), ids_hint(request)))
+        job = await until_disconnect(request, prepare_completion(
+            state, req, request_id(request), ids_hint(request), resumed_ids(request, state)))
         if req.stream:
-            return SSEResponse(openai_sse(completion_chunks(job)))
+            return SSEResponse(openai_sse(completion_chunks(job)), _ids_headers(state, req))
         return await until_disconnect(request, _json(completion_response(job)))
 
     @app.post("/v1/messages")
@@ -192,6 +200,27 @@ def ids_hint(request: Request) -> IdsHint | None:
     """The prompt's token ids as the router computed them (`x-sluice-prompt-ids`)."""
     value = request.headers.get(IDS_HEADER)
     return IdsHint.decode(value) if value else None
+
+
+def resumed_ids(request: Request, state: WorkerState) -> list[int]:
+    """The output a migrated stream already sent (`x-sluice-resume-ids`, set by the
+    router); a 400 when malformed or made by another tokenizer than this worker's."""
+    value = request.headers.get(RESUME_HEADER)
+    if not value:
+        return []
+    resume = ResumeIds.decode(value)
+    if resume is None or resume.fingerprint != fingerprint(state.require_engine().tokenizer):
+        raise InvalidRequestError("the resumed token ids are malformed or of another "
+                                  "tokenizer", param=RESUME_HEADER)
+    return resume.ids
+
+
+def _ids_headers(state: WorkerState, req: SamplingFields) -> dict[str, str]:
+    """With `return_token_ids`: this worker's tokenizer fingerprint, so a router can
+    resume the stream on a worker with the same tokenizer (`x-sluice-resume-ids`)."""
+    if not req.return_token_ids:
+        return {}
+    return {TOKENIZER_HEADER: fingerprint(state.require_engine().tokenizer)}
 
 
 def request_id(request: Request) -> str:
@@ -282,9 +311,11 @@ class SSEResponse(StreamingResponse):
     version) and always closes its body iterator, so the request's `Run` aborts the
     engine request at once."""
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    def __init__(self, content: AsyncIterator[str], headers: dict[str, str] | None = None
+                 ) -> None:
         super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                  **(headers or {})})
         self._source = content
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -8,10 +8,12 @@ The Anthropic endpoint reuses both through the translator in `sluice.protocol.an
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from sluice.engine.outputs import CompletionOutput
+from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.openai import (
     AssistantMessage,
     ChatChoice,
@@ -47,7 +49,8 @@ class ChatJob:
     state: WorkerState
     num_logprobs: int | None
     tool_parser: ToolParser | None = None  # set when the output may hold tool calls
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # a resumed (migrated) request starts at the resumed count
+    resumed: bool = False
     cached_tokens: int = 0
     choices: dict[int, _Choice] = field(default_factory=dict)
 
@@ -77,9 +80,15 @@ class _Choice:
 
 
 async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_id: str,
-                       hint: IdsHint | None = None) -> ChatJob:
+                       hint: IdsHint | None = None, resumed: Sequence[int] = ()) -> ChatJob:
     """Validate, template, tokenize (or take the router's ids, `hint`, when they are
-    this tokenizer's for this text) and admit; raises SluiceError subclasses."""
+    this tokenizer's for this text) and admit; raises SluiceError subclasses.
+
+    `resumed`: the output a migrated stream already sent (router's `x-sluice-resume-ids`):
+    the same prompt is templated as before and generation continues after these ids."""
+    if resumed and (req.n != 1 or req.tools):
+        raise InvalidRequestError("a resumed request must have n=1 and no tools",
+                                  param="n" if req.n != 1 else "tools")
     model = state.check_model(req.model)
     engine = state.require_engine()
     num_logprobs = req.num_logprobs()
@@ -93,9 +102,11 @@ async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_i
     params = sampling_params(req, req.requested_max_tokens(), num_logprobs, forced)
     prompt = chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt, tools)
     ids = await encode_prompt(engine.tokenizer, prompt, special=False, hint=hint)
-    run = await Run.start(state, [ids], params, request_id, req.priority, param="messages")
+    run = await Run.start(state, [ids], params, request_id, req.priority, param="messages",
+                          resumed=resumed)
     return ChatJob(req, run, f"chatcmpl-{request_id}", model, state, num_logprobs,
-                   state.tool_parser if choice != "none" else None)
+                   state.tool_parser if choice != "none" else None,
+                   completion_tokens=len(resumed), resumed=bool(resumed))
 
 
 async def chat_response(job: ChatJob) -> ChatCompletionResponse:
@@ -146,7 +157,7 @@ async def chat_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionChunk]:
     tools = (_StreamedTools(job.tool_parser, req.parallel_tool_calls)
              if job.tool_parser is not None else None)
     async with job.run:
-        for i in range(req.n):
+        for i in range(0 if job.resumed else req.n):  # a resumed stream was introduced
             yield _chunk(job, [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                             content=""))])
         async for _, out in job.run.outputs():
@@ -157,13 +168,14 @@ async def chat_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionChunk]:
                 if c.text or c.finish_reason or c.token_ids:
                     delta = tools.delta(c) if tools is not None else DeltaMessage(content=c.text)
                     if not (delta.content or delta.tool_calls or c.finish_reason
-                            or job.num_logprobs is not None or tools is None):
+                            or job.num_logprobs is not None or tools is None
+                            or req.return_token_ids):
                         continue  # text held back by the tool-call parser: nothing to say
                     called = tools is not None and c.index in tools.called
                     choices.append(ChatStreamChoice(
                         index=c.index, delta=delta, logprobs=job.logprobs(c),
                         finish_reason=_finish(c.finish_reason, called),
-                        stop_reason=c.stop_reason))
+                        stop_reason=c.stop_reason, **token_ids(req.return_token_ids, c)))
             if choices:
                 yield _chunk(job, choices)
     if req.include_usage:
@@ -199,6 +211,12 @@ def _delta_call(d: CallDelta) -> DeltaToolCall:
         return DeltaToolCall(index=d.index, id=d.id, type="function",
                              function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
     return DeltaToolCall(index=d.index, function=DeltaFunctionCall(arguments=d.arguments))
+
+
+def token_ids(wanted: bool, c: CompletionOutput) -> dict[str, Any]:
+    """vLLM's `token_ids` of a streamed choice, when the request asked (`return_token_ids`);
+    absent otherwise, so other clients see the same chunks as before."""
+    return {"token_ids": list(c.token_ids)} if wanted else {}
 
 
 def _chunk(job: ChatJob, choices: list[ChatStreamChoice]) -> ChatCompletionChunk:

@@ -7,7 +7,7 @@ logprobs, which the engine does not compute: refused with a 400).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from sluice.engine.outputs import CompletionOutput
@@ -20,6 +20,7 @@ from sluice.protocol.openai import (
     UsageInfo,
 )
 from sluice.protocol.prompt import IdsHint, encode_prompt
+from sluice.worker.chat import token_ids
 from sluice.worker.generation import Run
 from sluice.worker.logprobs import completion_logprobs
 from sluice.worker.sampling import check_token_ids, sampling_params
@@ -91,12 +92,18 @@ def _check_unsupported(req: CompletionRequest) -> None:
 
 
 async def prepare_completion(state: WorkerState, req: CompletionRequest, request_id: str,
-                             hint: IdsHint | None = None) -> CompletionJob:
+                             hint: IdsHint | None = None, resumed: Sequence[int] = ()
+                             ) -> CompletionJob:
     """Validate, tokenize (or take the router's ids, `hint`, when they are this
-    tokenizer's for this text) and admit; raises SluiceError subclasses."""
+    tokenizer's for this text) and admit; raises SluiceError subclasses.
+
+    `resumed`: the output a migrated stream already sent; generation continues after it."""
     model = state.check_model(req.model)
     engine = state.require_engine()
     _check_unsupported(req)
+    if resumed and (req.n != 1 or req.echo or len(req.prompts()) != 1):
+        raise InvalidRequestError("a resumed request must have one prompt, n=1 and no echo",
+                                  param="prompt")
     params = sampling_params(req, req.max_tokens, req.logprobs)
     tok = engine.tokenizer
     prompts: list[list[int]] = []
@@ -110,8 +117,10 @@ async def prepare_completion(state: WorkerState, req: CompletionRequest, request
             texts.append(tok.decode(p, skip_special_tokens=False) if req.echo else "")
     if any(not ids for ids in prompts):
         raise InvalidRequestError("prompt must not be empty", param="prompt")
-    run = await Run.start(state, prompts, params, request_id, req.priority, param="prompt")
-    return CompletionJob(req, run, f"cmpl-{request_id}", model, state, texts)
+    run = await Run.start(state, prompts, params, request_id, req.priority, param="prompt",
+                          resumed=resumed)
+    return CompletionJob(req, run, f"cmpl-{request_id}", model, state, texts,
+                         completion_tokens=len(resumed))
 
 
 async def completion_response(job: CompletionJob) -> CompletionResponse:
@@ -137,7 +146,8 @@ async def completion_chunks(job: CompletionJob) -> AsyncIterator[CompletionRespo
                 if text or c.finish_reason or c.token_ids:
                     choices.append(CompletionChoice(index=index, text=text, logprobs=lp,
                                                     finish_reason=c.finish_reason,
-                                                    stop_reason=c.stop_reason))
+                                                    stop_reason=c.stop_reason,
+                                                    **token_ids(job.req.return_token_ids, c)))
             if choices:
                 yield CompletionResponse(id=job.id, model=job.model, choices=choices,
                                          usage=job.usage() if continuous else None)

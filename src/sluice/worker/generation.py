@@ -109,7 +109,9 @@ class Run(AbstractAsyncContextManager["Run"]):
     @classmethod
     async def start(cls, state: WorkerState, prompts: Sequence[list[int]],
                     params: SamplingParams, request_id: str, priority: int = 0,
-                    param: str = "prompt") -> Run:
+                    param: str = "prompt", resumed: Sequence[int] = ()) -> Run:
+        """`resumed`: output ids a migrated request already generated (one prompt only):
+        the engine continues after them."""
         engine = state.require_engine()
         for ids in prompts:
             check_context(len(ids), params.max_tokens, engine.max_model_len, param)
@@ -124,7 +126,8 @@ class Run(AbstractAsyncContextManager["Run"]):
         try:
             for i, ids in enumerate(prompts):
                 engine_id = f"{request_id}-{i}-{uuid.uuid4().hex[:8]}"
-                run.streams.append(Stream(engine.generate(ids, params, engine_id, priority)))
+                run.streams.append(Stream(engine.generate(ids, params, engine_id, priority,
+                                                          resumed)))
             for stream in run.streams:
                 await stream.prime()
         except BaseException:

@@ -1,0 +1,233 @@
+"""Mid-stream request migration: a worker that fails after the first byte is replaced.
+
+Before the first byte the proxy retries (proxy.py); after it, the client already has
+part of the answer. Dynamo's frontend re-sends prompt + tokens so far to another
+worker; so does sluice, with the generated tokens as ids (nothing re-tokenized):
+
+    route: eligible stream (chat or completion, n=1, no tools)
+        -> body gets "return_token_ids": true (vLLM's field; the worker puts each
+           choice's `token_ids` in its chunks and its tokenizer in `x-sluice-tokenizer`)
+        -> MigratingRelay around the proxy's Relay:
+             complete SSE events only pass on; each one's token ids are kept; the
+             `token_ids` field is cut from what the client sees unless it asked
+             worker fails (read error, closed, an error event, no [DONE]) before finishing
+               -> same body + `x-sluice-resume-ids: <tokenizer>.<ids so far>` to another
+                  worker (proxy.forward without the one that just failed; one that
+                  failed earlier may serve again unless ejected), at most `limit` times
+               -> the new worker templates the same prompt, appends the ids as output
+                  (engine: detokenizer, grammar, seeded sampling continue from them),
+                  sends no role chunk and counts the resumed ids in its usage
+               -> its events pass on with the first worker's `id` and `created`
+
+So the client sees one stream: one role chunk, no repeated or missing text, one
+[DONE], usage once (the last worker's: original prompt + every completion token).
+Not migrated: Anthropic streams, n > 1, tool calls (the tool parser's held-back text
+is the failed worker's), non-streamed requests (a failure there comes before the first
+byte: the proxy's retry reruns it whole).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any
+
+from sluice.protocol.errors import SluiceError
+from sluice.protocol.prompt import RESUME_HEADER, TOKENIZER_HEADER, ResumeIds
+from sluice.router.parse import CHAT, COMPLETION, ParsedRequest
+from sluice.router.policies import RequestMeta
+from sluice.router.pool import Pool
+from sluice.router.proxy import Proxy, Relay
+from sluice.router.upstream import ReadError, UpstreamError
+
+log = logging.getLogger(__name__)
+
+_TOKEN_IDS = re.compile(rb',\s*"token_ids":\s*\[[\d,\s]*\]')
+_IDS_IN = re.compile(rb'"token_ids":\s*\[([\d,\s]*)\]')
+_FINISHED = b'"finish_reason":"'  # a choice that ended (pydantic writes no spaces)
+_ERROR = b'data: {"error"'  # the worker's mid-stream error event
+_RESUME = RESUME_HEADER.encode()
+_TOKENIZER = TOKENIZER_HEADER.encode()
+_DONE = b"data: [DONE]"
+
+
+def migratable(req: ParsedRequest) -> bool:
+    """A stream the router can resume elsewhere (see the module docstring)."""
+    body = req.body
+    return (req.stream and req.kind in (CHAT, COMPLETION) and body.get("n", 1) == 1
+            and not body.get("tools") and not body.get("echo")
+            and isinstance(body.get("prompt", ""), str | list))
+
+
+def with_token_ids(req: ParsedRequest) -> ParsedRequest:
+    """The request with vLLM's `return_token_ids: true` (its raw body spliced, not
+    re-encoded); unchanged when the client set the field itself."""
+    if "return_token_ids" in req.body:
+        return req
+    start = req.raw.index(b"{") + 1
+    rest = req.raw[start:].lstrip()
+    sep = b"" if rest.startswith(b"}") else b","
+    raw = req.raw[:start] + b'"return_token_ids":true' + sep + req.raw[start:]
+    return ParsedRequest(req.kind, {**req.body, "return_token_ids": True}, req.model,
+                         req.stream, raw, req.view, req.session_key, req.max_tokens)
+
+
+class _Failed(Exception):
+    """The current worker's stream ended before the answer did; `reason` labels it."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+class MigratingRelay(Relay):
+    """A streamed Relay that resumes on another worker when its worker fails mid-stream.
+
+    Reads like a Relay to the front ends: `first` (empty: every byte goes through
+    `read()`), then `read()` until b"". Only whole SSE events are passed on, so a
+    resumed stream never splits one.
+    """
+
+    __slots__ = ("proxy", "pool", "req", "meta", "path", "block", "limit", "show_ids", "ids",
+                 "tokenizer", "pending", "buffer", "done", "finished", "id", "created",
+                 "migrations", "broken")
+
+    def __init__(self, relay: Relay, proxy: Proxy, pool: Pool, req: ParsedRequest,
+                 meta: RequestMeta, path: bytes, block: bytes, limit: int,
+                 show_ids: bool) -> None:
+        for name in Relay.__slots__:
+            setattr(self, name, getattr(relay, name))
+        self.proxy, self.pool, self.req, self.meta = proxy, pool, req, meta
+        self.path, self.block, self.limit = path, block, limit
+        self.show_ids = show_ids  # the client asked for `token_ids` itself
+        self.ids: list[int] = []  # token ids of the events passed on
+        self.tokenizer = _header(relay.headers, _TOKENIZER)
+        self.headers = [(n, v) for n, v in relay.headers if n != _TOKENIZER]
+        self.first, self.pending = b"", relay.first
+        self.buffer = b""
+        self.done = self.finished = False  # [DONE] passed on / a finish_reason passed on
+        self.id: Any = None  # the first worker's chunk `id` and `created`
+        self.created: Any = None
+        self.migrations = 0
+        self.broken: str | None = None  # why the stream could not go on (after its event)
+
+    @property
+    def complete(self) -> bool:
+        return False  # the body is ours to end: always read to b""
+
+    async def read(self) -> bytes:
+        """The next whole events (migrating as needed); b"" once the stream is over.
+        Raises UpstreamError once a stream that could not migrate has sent its error
+        event, so the front end drops the connection (the client sees a broken stream)."""
+        if self.broken is not None:
+            raise ReadError(self.broken)
+        while not self.done:
+            try:
+                data = self._events(await self._read_upstream())
+            except _Failed as failure:
+                data = await self._migrate(failure)
+            if data:
+                return data
+        return b""
+
+    async def _read_upstream(self) -> bytes:
+        if self.pending:
+            data, self.pending = self.pending, b""
+            return data
+        try:
+            data = await self.upstream.read()
+        except UpstreamError as exc:
+            raise _Failed("read_error", f"{type(exc).__name__}: {exc}") from exc
+        if not data:
+            raise _Failed("closed", "the worker ended the stream before [DONE]")
+        return data
+
+    def _events(self, data: bytes) -> bytes:
+        """Whole events of `buffer + data`, rewritten for the client; the rest kept.
+        Raises _Failed for an error event (the worker failed mid-stream)."""
+        self.buffer += data
+        *events, self.buffer = self.buffer.split(b"\n\n")
+        return b"".join(self._event(e) for e in events if e.strip())
+
+    def _event(self, event: bytes) -> bytes:
+        """One event for the client. The first worker's events are read by pattern (no
+        JSON decoding on the hot path); a resuming worker's are re-encoded with the
+        first one's `id` and `created`."""
+        if event.startswith(_DONE):
+            self.done = True
+            return event + b"\n\n"
+        if event.startswith(_ERROR):
+            raise _Failed("error_event", event[6:206].decode("utf-8", "replace"))
+        for found in _IDS_IN.findall(event):
+            self.ids += [int(t) for t in found.split(b",") if t.strip()]
+        self.finished |= _FINISHED in event
+        if self.migrations:
+            return self._rewritten(event)
+        if self.id is None:
+            chunk = _json(event)
+            self.id, self.created = chunk.get("id"), chunk.get("created")
+        return (event if self.show_ids else _TOKEN_IDS.sub(b"", event)) + b"\n\n"
+
+    def _rewritten(self, event: bytes) -> bytes:
+        chunk = _json(event)
+        if not chunk:
+            return event + b"\n\n"
+        chunk["id"], chunk["created"] = self.id, self.created
+        if not self.show_ids:
+            for choice in chunk.get("choices", ()):
+                choice.pop("token_ids", None)
+        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+    async def _migrate(self, failure: _Failed) -> bytes:
+        """Switch to another worker that resumes the stream (b"": read on); when that
+        cannot be (the limit, no worker, one that cannot resume), an error event."""
+        endpoint = self.ticket.endpoint
+        log.warning("stream from %s failed after %d tokens (%s: %s)", endpoint.url,
+                    len(self.ids), failure.reason, failure)
+        self.proxy.count_failure(self.pool, endpoint)
+        self.upstream.close()
+        endpoint.finish(self.ticket)
+        self.buffer = b""
+        if self.finished:  # only the usage chunk or [DONE] was missing: end it here
+            self.done = True
+            return _DONE + b"\n\n"
+        if not self.tokenizer:  # not a sluice worker: it cannot resume streams
+            return self._give_up(f"the worker failed mid-stream ({failure.reason}) and "
+                                 "does not return token ids to resume from")
+        if self.migrations >= self.limit:
+            return self._give_up(f"the worker failed mid-stream ({failure.reason}) and the "
+                                 f"migration limit ({self.limit}) is reached")
+        self.migrations += 1
+        self.proxy.metrics.migrations.labels(failure.reason).inc()
+        resume = ResumeIds(self.tokenizer, self.ids).encode()
+        try:
+            relay = await self.proxy.forward(self.pool, self.req, self.meta, self.path,
+                                             self.block + _RESUME + b": " + resume + b"\r\n",
+                                             exclude=(endpoint.url,))
+        except SluiceError as exc:
+            return self._give_up(f"the worker failed mid-stream and no other could resume "
+                                 f"it: {exc.message}")
+        self.upstream, self.ticket, self.pending = relay.upstream, relay.ticket, relay.first
+        if relay.status != 200:
+            return await self._migrate(_Failed("resume_refused", relay.first[:200].decode(
+                "utf-8", "replace")))
+        return b""
+
+    def _give_up(self, message: str) -> bytes:
+        self.broken = message
+        error = SluiceError(message, code="migration_failed").to_dict()
+        return b"data: " + json.dumps(error).encode() + b"\n\n"
+
+
+def _json(event: bytes) -> dict[str, Any]:
+    """An event's JSON object ({} for anything else: passed on as it is)."""
+    try:
+        value = json.loads(event[event.index(b"{"):])
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    return next((v.decode("latin-1") for n, v in headers if n == name), None)

@@ -1,0 +1,234 @@
+"""Mid-stream migration with two real `sluice worker` processes on the tiny model.
+
+Each worker sits behind a cutter: a pass-through proxy that drops the connection after a
+set number of SSE events of the next stream (as a killed worker would), so the router
+must resume the stream on the other worker. Outputs are compared with an uninterrupted
+run on a worker directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from router_stubs import serve, serve_router
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from sluice.control.local import LocalWorkerPool
+from sluice.protocol.prompt import RESUME_HEADER, TOKENIZER_HEADER
+from sluice.router.app import build_app
+from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
+
+# float32: the resumed request's first step is a prefill; in bfloat16 its rounding differs
+# from a decode step's enough to flip the near-ties of a random-weight model
+WORKER_ARGS = ["--max-model-len", "1024", "--num-kv-blocks", "512", "--dtype", "float32"]
+PASSED = ("content-type", "x-sluice-prompt-ids", RESUME_HEADER)
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_llama_dir: Path) -> Iterator[LocalWorkerPool]:
+    with LocalWorkerPool(2, ["--model", str(tiny_llama_dir), *WORKER_ARGS],
+                         startup_timeout_s=150) as pool:
+        yield pool
+
+
+@dataclass
+class Cuts:
+    """Shared by the cutters: the next generation streams' cut points (events passed
+    before the connection drops; None: not cut), and what the workers were sent."""
+
+    after: list[int | None] = field(default_factory=list)
+    resumed: list[str] = field(default_factory=list)  # x-sluice-resume-ids seen
+
+
+class Dropped(Exception):
+    """Raised in a cutter's response body: uvicorn drops the connection mid-response."""
+
+
+def cutter(target: str, cuts: Cuts) -> Starlette:
+    client = httpx.AsyncClient(base_url=target, timeout=60)
+
+    async def get(request: Request) -> Response:
+        r = await client.get(request.url.path)
+        return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+
+    async def post(request: Request) -> Response:
+        headers = {k: v for k, v in request.headers.items() if k in PASSED}
+        if RESUME_HEADER in headers:
+            cuts.resumed.append(headers[RESUME_HEADER])
+        upstream = await client.send(client.build_request(
+            "POST", request.url.path, content=await request.body(), headers=headers), stream=True)
+        cut = cuts.after.pop(0) if cuts.after else None
+        passed = {k: v for k, v in upstream.headers.items()
+                  if k in ("content-type", TOKENIZER_HEADER)}
+        return StreamingResponse(_events(upstream, cut), upstream.status_code, passed)
+
+    return Starlette(routes=[Route(p, get) for p in ("/health", "/v1/models", "/metrics")]
+                     + [Route(p, post, methods=["POST"])
+                        for p in ("/v1/chat/completions", "/v1/completions", "/tokenize")])
+
+
+async def _events(upstream: httpx.Response, cut: int | None) -> AsyncIterator[bytes]:
+    buffer, sent = b"", 0
+    try:
+        async for data in upstream.aiter_raw():
+            buffer += data
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                if cut is not None and sent >= cut:
+                    raise Dropped(f"cut after {sent} events")
+                sent += 1
+                yield event + b"\n\n"
+        if buffer:
+            yield buffer
+    finally:
+        await upstream.aclose()
+
+
+def router_app(urls: list[str], limit: int = 3) -> Any:
+    pool = PoolConfig(workers=tuple(WorkerSpec(u) for u in urls), policy="round_robin")
+    return build_app(RouterConfig(pools=(pool,), seed=0, migration_limit=limit,
+                                  health_interval_s=0.5, scrape_interval_s=0.2),
+                     rng=random.Random(0))
+
+
+async def stream(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> list[str]:
+    """The `data:` payloads of one streamed request."""
+    async with client.stream("POST", path, json={**body, "stream": True}) as s:
+        assert s.status_code == 200, await s.aread()
+        return [ln[6:] async for ln in s.aiter_lines() if ln.startswith("data: ")]
+
+
+def text_of(chunks: list[dict[str, Any]]) -> str:
+    return "".join(c["delta"].get("content") or "" if "delta" in c else c.get("text", "")
+                   for chunk in chunks for c in chunk["choices"])
+
+
+def ids_of(chunks: list[dict[str, Any]]) -> list[int]:
+    return [t for chunk in chunks for c in chunk["choices"] for t in c.get("token_ids", ())]
+
+
+def one_stream(events: list[str]) -> list[dict[str, Any]]:
+    """Checks one well-formed stream (one [DONE], last; one id and created; no error)."""
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]", events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not [c for c in chunks if "error" in c], chunks
+    assert len({(c["id"], c["created"]) for c in chunks}) == 1
+    return chunks
+
+
+@pytest.fixture
+async def routed(workers: LocalWorkerPool) -> AsyncIterator[tuple[str, Cuts]]:
+    cuts = Cuts()
+    async with serve(cutter(workers.urls[0], cuts)) as a, \
+            serve(cutter(workers.urls[1], cuts)) as b, \
+            serve_router(router_app([a, b])) as router:
+        yield router, cuts
+
+
+async def model_of(url: str) -> str:
+    async with httpx.AsyncClient() as c:
+        return str((await c.get(url + "/v1/models")).json()["data"][0]["id"])
+
+
+async def test_chat_stream_continues_token_exact_at_temperature_0(
+        workers: LocalWorkerPool, routed: tuple[str, Cuts]) -> None:
+    router, cuts = routed
+    body = {"model": await model_of(workers.urls[0]), "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True, "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "Tell me a story about rivers."}]}
+    async with httpx.AsyncClient(timeout=60) as c:
+        direct = one_stream(await stream(c, workers.urls[0] + "/v1/chat/completions", body))
+        cuts.after = [6]  # the role chunk and 5 content chunks, then the worker is gone
+        migrated = one_stream(await stream(c, router + "/v1/chat/completions", body))
+        metrics = (await c.get(router + "/metrics")).text
+    assert len(cuts.resumed) == 1
+    assert text_of(migrated) == text_of(direct)
+    assert sum(1 for ch in migrated if ch["choices"] and ch["choices"][0]["delta"].get("role")) == 1
+    assert not ids_of(migrated)  # the client did not ask for token ids
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # counted once
+    assert [migrated[-1]["usage"][k] for k in counts] == [direct[-1]["usage"][k] for k in counts]
+    assert migrated[-1]["usage"]["completion_tokens"] == 24
+    assert 'sluice_router_migrations_total{reason="read_error"} 1.0' in metrics
+
+
+async def test_seeded_completion_continues_token_exact_at_temperature_1(
+        workers: LocalWorkerPool, routed: tuple[str, Cuts]) -> None:
+    router, cuts = routed
+    body = {"model": await model_of(workers.urls[0]), "max_tokens": 20, "temperature": 1.0,
+            "seed": 1234, "ignore_eos": True, "return_token_ids": True,
+            "prompt": "Once upon a time"}
+    async with httpx.AsyncClient(timeout=60) as c:
+        direct = one_stream(await stream(c, workers.urls[1] + "/v1/completions", body))
+        cuts.after = [7, 4]  # cut twice: resumed on the other worker, then back again
+        migrated = one_stream(await stream(c, router + "/v1/completions", body))
+    assert len(cuts.resumed) == 2
+    assert ids_of(migrated) == ids_of(direct) and len(ids_of(direct)) == 20
+    assert text_of(migrated) == text_of(direct)
+
+
+async def test_past_the_migration_limit_an_error_event_then_a_broken_stream(
+        workers: LocalWorkerPool) -> None:
+    cuts = Cuts(after=[3, 3])
+    body = {"model": await model_of(workers.urls[0]), "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True, "prompt": "The sea", "stream": True}
+    events = []
+    async with serve(cutter(workers.urls[0], cuts)) as a, \
+            serve(cutter(workers.urls[1], cuts)) as b, \
+            serve_router(router_app([a, b], limit=1)) as router, \
+            httpx.AsyncClient(timeout=60) as c, \
+            c.stream("POST", router + "/v1/completions", json=body) as s:
+        with pytest.raises(httpx.RemoteProtocolError):  # not a clean, short stream
+            async for line in s.aiter_lines():
+                events += [line[6:]] if line.startswith("data: ") else []
+    assert len(cuts.resumed) == 1
+    assert "[DONE]" not in events
+    error = json.loads(events[-1])["error"]
+    assert error["code"] == "migration_failed" and "limit (1)" in error["message"]
+
+
+async def test_non_streamed_request_is_retried_whole(workers: LocalWorkerPool,
+                                                     routed: tuple[str, Cuts]) -> None:
+    router, cuts = routed
+    body = {"model": await model_of(workers.urls[0]), "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "messages": [{"role": "user", "content": "Hi"}]}
+    async with httpx.AsyncClient(timeout=60) as c:
+        direct = (await c.post(workers.urls[0] + "/v1/chat/completions", json=body)).json()
+        cuts.after = [0]  # the first worker's answer never arrives
+        routed_reply = await c.post(router + "/v1/chat/completions", json=body)
+    assert routed_reply.status_code == 200
+    reply = routed_reply.json()
+    assert reply["choices"][0]["message"] == direct["choices"][0]["message"]
+    assert reply["usage"] == direct["usage"]
+
+
+async def test_kill_9_of_a_worker_under_streaming_load_fails_no_stream(
+        tiny_llama_dir: Path) -> None:
+    with LocalWorkerPool(2, ["--model", str(tiny_llama_dir), *WORKER_ARGS],
+                         startup_timeout_s=150) as pool:
+        model = await model_of(pool.urls[0])
+        body = {"model": model, "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        async with serve_router(router_app(pool.urls)) as router, \
+                httpx.AsyncClient(timeout=60) as c:
+            async def one(i: int) -> list[dict[str, Any]]:
+                return one_stream(await stream(c, router + "/v1/completions",
+                                               {**body, "prompt": f"Request {i} says"}))
+
+            tasks = [asyncio.create_task(one(i)) for i in range(8)]
+            await asyncio.sleep(1.0)  # streams are under way on both workers
+            pool.workers[0].process.kill()
+            results = await asyncio.gather(*tasks)
+            metrics = (await c.get(router + "/metrics")).text
+    assert all(r[-1]["usage"]["completion_tokens"] == 40 for r in results)
+    assert "sluice_router_migrations_total" in metrics
