@@ -18,10 +18,10 @@ def seen_priorities(engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     seen: list[int] = []
     generate = engine.generate
 
-    def recording(prompt: Any, params: Any, request_id: str,
-                  priority: int = 0) -> AsyncIterator[Any]:
+    def recording(prompt: Any, params: Any, request_id: str, priority: int = 0,
+                  *rest: Any) -> AsyncIterator[Any]:
         seen.append(priority)
-        return generate(prompt, params, request_id, priority)
+        return generate(prompt, params, request_id, priority, *rest)
 
     monkeypatch.setattr(engine, "generate", recording)
     return seen

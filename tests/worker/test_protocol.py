@@ -151,5 +151,8 @@ def test_stream_translator_event_order_and_usage() -> None:
 
 def test_anthropic_error_shape() -> None:
     body = anthropic.error_body(InvalidRequestError("bad", param="x"))
-    assert body == {"type": "error", "error": {"type": "invalid_request_error", "message": "bad"}}
+    assert body == {"type": "error", "error": {"type": "invalid_request_error",
+                                               "message": "x: bad"}}  # the field leads
+    named = anthropic.error_body(InvalidRequestError("'x' is bad", param="x"))
+    assert named["error"]["message"] == "'x' is bad"  # already named: left alone
     assert anthropic.error_body(SluiceError("boom"))["error"]["type"] == "api_error"
