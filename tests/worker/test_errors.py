@@ -50,6 +50,14 @@ def test_wrong_values_name_the_field(http: httpx.Client, body: dict, param: str)
     openai_error(http.post("/v1/chat/completions", json=body), 400, param)
 
 
+def test_infinite_temperature_is_refused(http: httpx.Client) -> None:
+    """1e309 parses as infinity: refused, not sampled uniformly (found by the reliability
+    suite's fuzzing)."""
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e309}'
+    openai_error(http.post("/v1/chat/completions", content=body,
+                           headers={"content-type": "application/json"}), 400, "temperature")
+
+
 @pytest.mark.parametrize(("field", "value"), [
     ("functions", [{"name": "f"}]),
     ("logit_bias", {"50": 10}),

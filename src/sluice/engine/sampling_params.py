@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,7 +118,8 @@ class SamplingParams:
     def _validate(self) -> None:
         checks: list[tuple[bool, str, str]] = [
             (self.n >= 1, "n", "must be at least 1"),
-            (self.temperature >= 0.0, "temperature", "must be non-negative"),
+            (0.0 <= self.temperature < math.inf, "temperature", "must be finite and non-negative"),
+            (self.repetition_penalty < math.inf, "repetition_penalty", "must be finite"),
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
             (self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (disabled) or at least 1"),
             (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
