@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -107,7 +108,9 @@ class _FakeState:
     """What prepare_chat/prepare_completion read from the worker's state."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self.engine = type("E", (), {"tokenizer": tokenizer, "max_model_len": 4096})()
+        info = SimpleNamespace(structured_outputs_backend="auto")  # the core's, as sent
+        self.engine = SimpleNamespace(tokenizer=tokenizer, max_model_len=4096,
+                                      inputs=SimpleNamespace(info=info))
         self.tool_parser = HermesToolParser()
 
     def check_model(self, model: str | None) -> str:
