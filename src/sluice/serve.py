@@ -101,9 +101,6 @@ def add_control_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--buffer-timeout", type=float, default=60.0,
                    help="seconds the router holds a request while no worker is ready, then "
                         "503 + Retry-After; 0 answers 503 at once (default: %(default)s)")
-    g.add_argument("--migration-limit", type=int, default=3,
-                   help="times a stream whose worker fails mid-stream is resumed on another "
-                        "worker, with the tokens so far; 0: off (default: %(default)s)")
     g.add_argument("--drain-timeout", type=float, default=60.0,
                    help="seconds a worker being scaled down may finish its streams "
                         "(default: %(default)s)")
@@ -263,8 +260,7 @@ def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
                              workers=tuple(WorkerSpec(url) for url in args.worker_url))
     config = flow_overrides(args, RouterConfig(
         pools=(pool_config,), host=args.host, port=args.port,
-        admin_key=args.admin_key or env.get("ADMIN_KEY"), buffer_timeout_s=args.buffer_timeout,
-        migration_limit=args.migration_limit))
+        admin_key=args.admin_key or env.get("ADMIN_KEY"), buffer_timeout_s=args.buffer_timeout))
     tracing = start_tracing(tracing_config(args, "sluice-serve"))
     app = build_app(config, token_cache=cache, tracing=tracing, buckets=observe_buckets(args),
                     status_metrics=[wrap.metrics] if wrap else [])

@@ -66,9 +66,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "without one /admin answers 403)")
     p.add_argument("--max-retries", type=int, default=None,
                    help="attempts on other workers before the first byte (default 2)")
-    p.add_argument("--migration-limit", type=int, default=None,
-                   help="times a stream whose worker fails mid-stream is resumed on another "
-                        "worker, with the tokens so far (default 3; 0: off)")
     p.add_argument("--scrape-interval", type=float, default=None, dest="scrape_interval_s",
                    help="seconds between /metrics scrapes of each worker (default 0.5)")
     p.add_argument("--health-interval", type=float, default=None, dest="health_interval_s",
@@ -81,7 +78,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_flow_arguments(p: argparse.ArgumentParser) -> None:
-    """Admission queue and circuit breaker flags (`sluice router` and `sluice serve`);
+    """Admission queue, circuit breaker and migration flags (`sluice router` and `sluice serve`);
     unset flags keep the config file's value, else the default shown."""
     g = p.add_argument_group("flow control (docs/router.md#flow-control)")
     g.add_argument("--max-inflight-per-worker", type=int, default=None, metavar="N",
@@ -103,6 +100,9 @@ def add_flow_arguments(p: argparse.ArgumentParser) -> None:
                         "0: no breakers (failures count toward ejection) (default 5)")
     g.add_argument("--breaker-open", type=float, default=None, metavar="SECONDS", dest="breaker_open_s",
                    help="seconds a breaker stays open before trial requests (default 30)")
+    g.add_argument("--migration-limit", type=int, default=None, metavar="N",
+                   help="times a stream whose worker fails mid-stream is resumed on another "
+                        "worker, with the tokens so far; 0: off (default 3)")
     g.add_argument("--retry-budget", type=float, default=None, metavar="RATIO",
                    help="retries allowed as a fraction of the pool's requests over 10 s, "
                         "plus 10 (default 0.2)")
@@ -137,8 +137,9 @@ def flow_overrides(args: argparse.Namespace, config: RouterConfig) -> RouterConf
     breaks = {k: v for k, v in (("failures", args.breaker_failures),
                                 ("open_s", args.breaker_open_s),
                                 ("budget_ratio", args.retry_budget)) if v is not None}
+    migration = {} if args.migration_limit is None else {"migration_limit": args.migration_limit}
     return replace(config, admission=replace(admission, **changes),
-                   breaker=replace(breaker, **breaks))
+                   breaker=replace(breaker, **breaks), **migration)
 
 
 def add_release_arguments(p: argparse.ArgumentParser) -> None:
@@ -205,8 +206,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return flow_overrides(args, base.with_overrides(
         pools=tuple(pools), host=args.host, port=args.port,
         admin_key=args.admin_key or env.get("ROUTER_ADMIN_KEY"), max_retries=args.max_retries,
-        migration_limit=args.migration_limit, scrape_interval_s=args.scrape_interval_s,
-        health_interval_s=args.health_interval_s, seed=args.seed))
+        scrape_interval_s=args.scrape_interval_s, health_interval_s=args.health_interval_s,
+        seed=args.seed))
 
 
 def handler(args: argparse.Namespace) -> int:
