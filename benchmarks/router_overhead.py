@@ -50,6 +50,9 @@ RESPONSE = json.dumps({
                  "finish_reason": "stop"}],
     "usage": {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}}).encode()
 EVENT = b'data: {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
+# what a sluice worker sends when the router asks for token ids (to migrate the stream)
+EVENT_IDS = (b'data: {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": "hi"},'
+             b' "token_ids": [6022]}]}\n\n')
 MODELS = json.dumps({"object": "list", "data": [{"id": "stub", "object": "model"}]}).encode()
 METRICS = b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n"
 
@@ -67,7 +70,8 @@ def request_body(stream_events: int) -> bytes:
 
 async def stub_app(scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
     """The fastest worker there is: fixed answers, no engine. A streamed request gets
-    `max_tokens` SSE events, each its own write, then `data: [DONE]`."""
+    `max_tokens` SSE events, each its own write, then `data: [DONE]`; with
+    `return_token_ids` (the router's, to migrate) the events carry them, as a worker's."""
     if scope["type"] != "http":
         return
     parts, more = [], True
@@ -77,10 +81,14 @@ async def stub_app(scope: MutableMapping[str, Any], receive: Receive, send: Send
         more = message.get("more_body", False)
     path = scope["path"]
     if b'"stream": true' in parts[0]:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream")]})
-        for _ in range(json.loads(b"".join(parts))["max_tokens"]):
-            await send({"type": "http.response.body", "body": EVENT, "more_body": True})
+        body = json.loads(b"".join(parts))
+        ids = body.get("return_token_ids", False)
+        headers = [(b"content-type", b"text/event-stream")]
+        headers += [(b"x-sluice-tokenizer", b"stub")] if ids else []
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        event = EVENT_IDS if ids else EVENT
+        for _ in range(body["max_tokens"]):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
         return
     body = MODELS if path == "/v1/models" else METRICS if path == "/metrics" else (
@@ -296,6 +304,9 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--rates", type=float, nargs="+", default=[500.0, 1000.0])
     ap.add_argument("--policy", nargs="+", default=["round_robin", "cost"])
+    ap.add_argument("--migration-limit", type=int, nargs="+", default=[3], metavar="N",
+                    help="`sluice router --migration-limit` values to measure (0: off; a "
+                    "streamed request is then relayed as it is, not event by event)")
     ap.add_argument("--stream-events", type=int, default=0, metavar="N",
                     help="streamed requests: the stub answers N SSE events (0: one JSON body)")
     ap.add_argument("--uvicorn", nargs="*", default=[], metavar="POLICY",
@@ -328,14 +339,17 @@ def main() -> int:
         wait_http(stub + "/health")
         results.append(measure("direct", stub_port, args))
         for policy in args.policy:
-            port = free_port()
-            p = start([sys.executable, "-m", "sluice.cli", "router", "--worker", stub,
-                       "--policy", policy, "--port", str(port), "--log-level", "warning"])
-            procs.append(p)
-            wait_http(f"http://127.0.0.1:{port}/health")
-            results.append(measure(f"sluice router ({policy})", port, args))
-            p.terminate()
-            p.wait(10)
+            for limit in args.migration_limit:
+                port = free_port()
+                p = start([sys.executable, "-m", "sluice.cli", "router", "--worker", stub,
+                           "--policy", policy, "--port", str(port), "--log-level", "warning",
+                           "--migration-limit", str(limit)])
+                procs.append(p)
+                wait_http(f"http://127.0.0.1:{port}/health")
+                label = "" if args.migration_limit == [3] else f", migration {limit}"
+                results.append(measure(f"sluice router ({policy}{label})", port, args))
+                p.terminate()
+                p.wait(10)
         for policy in args.uvicorn:
             port = free_port()
             p = start([sys.executable, "-c", UVICORN_ROUTER.format(stub=stub, policy=policy,
