@@ -27,7 +27,7 @@ from starlette.routing import Route
 from sluice.control.local import LocalWorkerPool
 from sluice.protocol.prompt import RESUME_HEADER, TOKENIZER_HEADER
 from sluice.router.app import build_app
-from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
+from sluice.router.config import CANARY, PoolConfig, ReleaseConfig, RouterConfig, WorkerSpec
 
 # float32: the resumed request's first step is a prefill; in bfloat16 its rounding differs
 # from a decode step's enough to flip the near-ties of a random-weight model
@@ -75,7 +75,8 @@ def cutter(target: str, cuts: Cuts) -> Starlette:
 
     return Starlette(routes=[Route(p, get) for p in ("/health", "/v1/models", "/metrics")]
                      + [Route(p, post, methods=["POST"])
-                        for p in ("/v1/chat/completions", "/v1/completions", "/tokenize")])
+                        for p in ("/v1/chat/completions", "/v1/completions", "/v1/messages",
+                                  "/tokenize")])
 
 
 async def _events(upstream: httpx.Response, cut: int | None) -> AsyncIterator[bytes]:
@@ -175,6 +176,110 @@ async def test_seeded_completion_continues_token_exact_at_temperature_1(
     assert len(cuts.resumed) == 2
     assert ids_of(migrated) == ids_of(direct) and len(ids_of(direct)) == 20
     assert text_of(migrated) == text_of(direct)
+
+
+async def anthropic_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]
+                           ) -> list[tuple[str, dict[str, Any]]]:
+    """(event, data) of one streamed Messages request."""
+    async with client.stream("POST", url + "/v1/messages", json={**body, "stream": True},
+                             headers={"anthropic-version": "2023-06-01"}) as s:
+        assert s.status_code == 200, await s.aread()
+        lines = [ln async for ln in s.aiter_lines() if ln]
+    names = [ln[7:] for ln in lines if ln.startswith("event: ")]
+    datas = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: ")]
+    assert len(names) == len(datas)
+    return list(zip(names, datas, strict=True))
+
+
+def said(events: list[tuple[str, dict[str, Any]]]) -> tuple[str, str]:
+    """(text, tool input JSON) of an Anthropic stream."""
+    deltas = [d["delta"] for n, d in events if n == "content_block_delta"]
+    return ("".join(d.get("text", "") for d in deltas),
+            "".join(d.get("partial_json", "") for d in deltas))
+
+
+@pytest.mark.parametrize("cut", [1, 5])  # after message_start only / mid-text
+async def test_anthropic_stream_continues_token_exact(
+        workers: LocalWorkerPool, routed: tuple[str, Cuts], cut: int) -> None:
+    router, cuts = routed
+    body = {"model": await model_of(workers.urls[0]), "max_tokens": 24, "temperature": 0,
+            "messages": [{"role": "user", "content": "Tell me a story about rivers."}]}
+    async with httpx.AsyncClient(timeout=60) as c:
+        direct = await anthropic_stream(c, workers.urls[0], body)
+        cuts.after = [cut]
+        migrated = await anthropic_stream(c, router, body)
+    assert len(cuts.resumed) == 1
+    names = [n for n, _ in migrated]
+    assert names.count("message_start") == 1 and names[-1] == "message_stop"
+    assert names.count("message_stop") == 1 and "error" not in names
+    assert said(migrated) == said(direct) and said(direct)[0]
+    assert [d for n, d in migrated if n == "message_delta"] == \
+        [d for n, d in direct if n == "message_delta"]  # stop reason, usage counted once
+    starts = [d["index"] for n, d in migrated if n == "content_block_start"]
+    assert starts == [d["index"] for n, d in migrated if n == "content_block_stop"] == [0]
+    assert not [d for _, d in migrated if "token_ids" in d]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {
+        "type": "object", "required": ["city", "unit"], "additionalProperties": False,
+        "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                       "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+
+
+def calls_of(chunks: list[dict[str, Any]]) -> dict[int, tuple[str, str, int]]:
+    """{call index: (name, arguments, ids sent)} of a chat stream's tool-call deltas."""
+    calls: dict[int, tuple[str, str, int]] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            for call in choice["delta"].get("tool_calls") or []:
+                name, args, ids = calls.get(call["index"], ("", "", 0))
+                fn = call.get("function") or {}
+                calls[call["index"]] = (name + (fn.get("name") or ""),
+                                        args + (fn.get("arguments") or ""), ids + bool(call.get("id")))
+    return calls
+
+
+@pytest.mark.parametrize("cut", [3, 9])
+async def test_a_forced_tool_call_stream_continues_exact(
+        workers: LocalWorkerPool, routed: tuple[str, Cuts], cut: int) -> None:
+    router, cuts = routed
+    body = {"model": await model_of(workers.urls[0]), "max_tokens": 60, "temperature": 0,
+            "tools": [WEATHER], "tool_choice": "required",
+            "messages": [{"role": "user", "content": "Weather in Oslo?"}]}
+    async with httpx.AsyncClient(timeout=60) as c:
+        direct = one_stream(await stream(c, workers.urls[0] + "/v1/chat/completions", body))
+        cuts.after = [cut]
+        migrated = one_stream(await stream(c, router + "/v1/chat/completions", body))
+    assert len(cuts.resumed) == 1
+    calls = calls_of(migrated)
+    assert calls == calls_of(direct)
+    assert calls and all(ids == 1 and json.loads(args) for _, args, ids in calls.values())
+    finish = [c["finish_reason"] for ch in migrated for c in ch["choices"] if c["finish_reason"]]
+    assert finish == ["tool_calls"]
+
+
+async def test_a_canary_stream_resumes_on_the_baseline_and_counts_as_the_canarys_error(
+        workers: LocalWorkerPool) -> None:
+    cuts = Cuts(after=[4])
+    async with serve(cutter(workers.urls[0], cuts)) as a, \
+            serve(cutter(workers.urls[1], cuts)) as b:
+        pool = PoolConfig(workers=(WorkerSpec(a), WorkerSpec(b, version=CANARY)),
+                          policy="round_robin",
+                          release=ReleaseConfig(canary_weight=100.0, auto=False))
+        app = build_app(RouterConfig(pools=(pool,), seed=0, migration_limit=3,
+                                     health_interval_s=0.5, scrape_interval_s=0.2),
+                        rng=random.Random(0))
+        body = {"model": await model_of(workers.urls[0]), "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True, "prompt": "The river"}
+        async with serve_router(app) as router, httpx.AsyncClient(timeout=60) as c:
+            direct = one_stream(await stream(c, workers.urls[0] + "/v1/completions", body))
+            migrated = one_stream(await stream(c, router + "/v1/completions", body))
+            metrics = (await c.get(router + "/metrics")).text
+    assert len(cuts.resumed) == 1  # the canary (b) was cut; the baseline (a) resumed it
+    assert text_of(migrated) == text_of(direct)
+    counted = f'release_requests_total{{outcome="error",pool="{body["model"]}",version="canary"}}'
+    assert f"sluice_router_{counted} 1.0" in metrics
 
 
 async def test_past_the_migration_limit_an_error_event_then_a_broken_stream(

@@ -56,13 +56,12 @@ async def traced_route(tracing: Tracing, inner: Inner, state: Any, kind: str, pa
     return reply
 
 
-def _then(first: Callable[[], None] | None, second: Callable[[], None]) -> Callable[[], None]:
-    if first is None:
-        return second
-
-    def both() -> None:
+def _then(first: Callable[[Any], None] | None, second: Callable[[], None]
+          ) -> Callable[[Any], None]:
+    def both(relay: Any) -> None:
         try:
-            first()
+            if first is not None:
+                first(relay)
         finally:
             second()
 

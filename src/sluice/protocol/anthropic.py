@@ -187,6 +187,10 @@ class MessagesRequest(AnthropicModel):
     tool_choice: ToolChoice | None = None
     # Accepted and honoured implicitly: sluice's prefix cache caches every prompt.
     cache_control: dict[str, Any] | None = None
+    # sluice's extension, vLLM's field on the OpenAI routes: each streamed event carries
+    # the output token ids it says (`token_ids`, a `ping` for ids with nothing to say),
+    # so the router can resume the stream on another worker (router/migrate.py).
+    return_token_ids: StrictBool = False
 
     _check = field_validator("system", mode="before")(_text_blocks_only)
 
@@ -402,6 +406,8 @@ def to_chat_body(req: MessagesRequest) -> dict[str, Any]:
     if req.stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    if req.return_token_ids:
+        body["return_token_ids"] = True
     return body
 
 
@@ -489,15 +495,30 @@ class StreamTranslator:
             self.usage = Usage(input_tokens=chunk["usage"].get("prompt_tokens", 0),
                                output_tokens=chunk["usage"].get("completion_tokens", 0))
         events = [] if self.started else self._start()
+        ids: list[int] = []
         for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if delta.get("content"):
-                events += self._text(delta["content"])
-            for call in delta.get("tool_calls") or []:
-                events += self._tool_call(call)
+            events += self._said(choice.get("delta") or {})
+            ids += choice.get("token_ids") or ()
             if choice.get("finish_reason"):
                 self.reason, self.sequence = stop_reason(
                     choice["finish_reason"], choice.get("stop_reason"), self.req.stop_sequences)
+        if ids:  # `return_token_ids`: on the chunk's last event, or a ping of their own
+            if events:
+                events[-1][1]["token_ids"] = ids
+            else:
+                events.append(("ping", {"type": "ping", "token_ids": ids}))
+        return events
+
+    def replay(self, delta: dict[str, Any]) -> None:
+        """A resumed stream (router/migrate.py): take the state the failed worker's events
+        left (started, the blocks opened) from what its output said, sending nothing."""
+        self.started = True
+        self._said(delta)
+
+    def _said(self, delta: dict[str, Any]) -> list[Event]:
+        events = self._text(delta["content"]) if delta.get("content") else []
+        for call in delta.get("tool_calls") or []:
+            events += self._tool_call(call)
         return events
 
     def _open(self, block: dict[str, Any]) -> list[Event]:

@@ -4,26 +4,29 @@ Before the first byte the proxy retries (proxy.py); after it, the client already
 part of the answer. Dynamo's frontend re-sends prompt + tokens so far to another
 worker; so does sluice, with the generated tokens as ids (nothing re-tokenized):
 
-    route: eligible stream (chat or completion, n=1, no tools)
+    route: eligible stream (chat, completion or Anthropic message; n=1)
         -> body gets "return_token_ids": true (vLLM's field; the worker puts each
-           choice's `token_ids` in its chunks and its tokenizer in `x-sluice-tokenizer`)
+           choice's `token_ids` in its chunks, on Anthropic's events a `token_ids`
+           field, and its tokenizer in `x-sluice-tokenizer`)
         -> MigratingRelay around the proxy's Relay:
              complete SSE events only pass on; each one's token ids are kept; the
              `token_ids` field is cut from what the client sees unless it asked
-             worker fails (read error, closed, an error event, no [DONE]) before finishing
+             worker fails (read error, closed, an error event, no end event) first
                -> same body + `x-sluice-resume-ids: <tokenizer>.<ids so far>` to another
-                  worker (proxy.forward without the one that just failed; one that
-                  failed earlier may serve again unless ejected), at most `limit` times
+                  worker of the same release version (proxy.forward without the one
+                  that just failed; one that failed earlier may serve again unless
+                  ejected; the baseline when the version has no other), at most
+                  `limit` times
                -> the new worker templates the same prompt, appends the ids as output
-                  (engine: detokenizer, grammar, seeded sampling continue from them),
-                  sends no role chunk and counts the resumed ids in its usage
-               -> its events pass on with the first worker's `id` and `created`
+                  (engine: detokenizer, grammar, seeded sampling continue from them;
+                  tool-call parser and Anthropic event state replay their text), sends
+                  no role chunk or message_start and counts the resumed ids in its usage
+               -> its events pass on (OpenAI's with the first worker's `id`, `created`)
 
-So the client sees one stream: one role chunk, no repeated or missing text, one
-[DONE], usage once (the last worker's: original prompt + every completion token).
-Not migrated: Anthropic streams, n > 1, tool calls (the tool parser's held-back text
-is the failed worker's), non-streamed requests (a failure there comes before the first
-byte: the proxy's retry reruns it whole).
+So the client sees one stream: one role chunk (one message_start), no repeated or
+missing text, one end event, usage once (the last worker's: original prompt + every
+completion token). Not migrated: n > 1, echo, non-streamed requests (a failure there
+comes before the first byte: the proxy's retry reruns it whole).
 """
 
 from __future__ import annotations
@@ -31,33 +34,53 @@ from __future__ import annotations
 import json
 import logging
 import re
+from dataclasses import dataclass, replace
 from typing import Any
 
+from sluice.protocol.edge import error_json
 from sluice.protocol.errors import SluiceError
 from sluice.protocol.prompt import RESUME_HEADER, TOKENIZER_HEADER, ResumeIds
-from sluice.router.parse import CHAT, COMPLETION, ParsedRequest
+from sluice.router.config import BASELINE
+from sluice.router.parse import CHAT, COMPLETION, MESSAGES, ParsedRequest
 from sluice.router.policies import RequestMeta
 from sluice.router.pool import Pool
 from sluice.router.proxy import Proxy, Relay
+from sluice.router.release import VERSION_HEADER
 from sluice.router.upstream import ReadError, UpstreamError
 
 log = logging.getLogger(__name__)
 
 _TOKEN_IDS = re.compile(rb',\s*"token_ids":\s*\[[\d,\s]*\]')
 _IDS_IN = re.compile(rb'"token_ids":\s*\[([\d,\s]*)\]')
-_FINISHED = b'"finish_reason":"'  # a choice that ended (pydantic writes no spaces)
-_ERROR = b'data: {"error"'  # the worker's mid-stream error event
 _RESUME = RESUME_HEADER.encode()
 _TOKENIZER = TOKENIZER_HEADER.encode()
-_DONE = b"data: [DONE]"
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """What the relay watches for in one API's stream (every pattern is matched on the
+    bytes: no JSON decoding on the hot path)."""
+
+    done: bytes  # the event that ends the stream starts with it
+    error: bytes  # a worker's mid-stream error event starts with it
+    finished: bytes  # in the event after which only the end is missing
+    end: bytes  # the end event the router sends when only it is missing
+    error_event: bytes  # what precedes an error's JSON in its event
+    rewrite: bool  # resumed events get the first worker's `id` and `created`
+
+
+OPENAI = Dialect(b"data: [DONE]", b'data: {"error"', b'"finish_reason":"',
+                 b"data: [DONE]\n\n", b"data: ", rewrite=True)
+ANTHROPIC = Dialect(b"event: message_stop", b"event: error", b"event: message_delta",
+                    b'event: message_stop\ndata: {"type": "message_stop"}\n\n',
+                    b"event: error\ndata: ", rewrite=False)
 
 
 def migratable(req: ParsedRequest) -> bool:
     """A stream the router can resume elsewhere (see the module docstring)."""
     body = req.body
-    return (req.stream and req.kind in (CHAT, COMPLETION) and body.get("n", 1) == 1
-            and not body.get("tools") and not body.get("echo")
-            and isinstance(body.get("prompt", ""), str | list))
+    return (req.stream and req.kind in (CHAT, COMPLETION, MESSAGES) and body.get("n", 1) == 1
+            and not body.get("echo") and isinstance(body.get("prompt", ""), str | list))
 
 
 def with_token_ids(req: ParsedRequest) -> ParsedRequest:
@@ -90,31 +113,34 @@ class MigratingRelay(Relay):
     """
 
     __slots__ = ("proxy", "pool", "req", "meta", "path", "block", "limit", "show_ids", "ids",
-                 "tokenizer", "pending", "buffer", "done", "finished", "id", "created",
-                 "migrations", "broken")
+                 "tokenizer", "dialect", "pending", "buffer", "done", "finished", "id",
+                 "created", "broken")
 
     def __init__(self, relay: Relay, proxy: Proxy, pool: Pool, req: ParsedRequest,
                  meta: RequestMeta, path: bytes, block: bytes, limit: int,
                  show_ids: bool) -> None:
         for name in Relay.__slots__:
             setattr(self, name, getattr(relay, name))
-        self.proxy, self.pool, self.req, self.meta = proxy, pool, req, meta
-        self.path, self.block, self.limit = path, block, limit
+        self.proxy, self.pool, self.req, self.path, self.block = proxy, pool, req, path, block
+        version = _header(relay.headers, VERSION_HEADER)  # a release's: resume on it
+        self.meta = replace(meta, version=version) if version else meta
+        self.limit = limit
         self.show_ids = show_ids  # the client asked for `token_ids` itself
         self.ids: list[int] = []  # token ids of the events passed on
         self.tokenizer = _header(relay.headers, _TOKENIZER)
+        self.dialect = ANTHROPIC if req.kind == MESSAGES else OPENAI
         self.headers = [(n, v) for n, v in relay.headers if n != _TOKENIZER]
         self.first, self.pending = b"", relay.first
         self.buffer = b""
-        self.done = self.finished = False  # [DONE] passed on / a finish_reason passed on
-        self.id: Any = None  # the first worker's chunk `id` and `created`
+        self.done = self.finished = False  # the end passed on / the last event before it
+        self.id: Any = None  # the first worker's chunk `id` and `created` (OpenAI)
         self.created: Any = None
-        self.migrations = 0
         self.broken: str | None = None  # why the stream could not go on (after its event)
 
     @property
     def complete(self) -> bool:
-        return False  # the body is ours to end: always read to b""
+        """The stream's end was passed on. False until then: the front ends read to b""."""
+        return self.done
 
     async def read(self) -> bytes:
         """The next whole events (migrating as needed); b"" once the stream is over.
@@ -140,7 +166,8 @@ class MigratingRelay(Relay):
         except UpstreamError as exc:
             raise _Failed("read_error", f"{type(exc).__name__}: {exc}") from exc
         if not data:
-            raise _Failed("closed", "the worker ended the stream before [DONE]")
+            raise _Failed("closed", "the worker ended the stream before its end event")
+        self.chunks += 1
         return data
 
     def _events(self, data: bytes) -> bytes:
@@ -151,20 +178,21 @@ class MigratingRelay(Relay):
         return b"".join(self._event(e) for e in events if e.strip())
 
     def _event(self, event: bytes) -> bytes:
-        """One event for the client. The first worker's events are read by pattern (no
-        JSON decoding on the hot path); a resuming worker's are re-encoded with the
-        first one's `id` and `created`."""
-        if event.startswith(_DONE):
+        """One event for the client. The first worker's events are read by pattern; a
+        resuming worker's OpenAI chunks are re-encoded with the first one's `id` and
+        `created`."""
+        dialect = self.dialect
+        if event.startswith(dialect.done):
             self.done = True
             return event + b"\n\n"
-        if event.startswith(_ERROR):
-            raise _Failed("error_event", event[6:206].decode("utf-8", "replace"))
+        if event.startswith(dialect.error):
+            raise _Failed("error_event", event[:200].decode("utf-8", "replace"))
         for found in _IDS_IN.findall(event):
             self.ids += [int(t) for t in found.split(b",") if t.strip()]
-        self.finished |= _FINISHED in event
-        if self.migrations:
+        self.finished |= dialect.finished in event
+        if dialect.rewrite and self.migrations:
             return self._rewritten(event)
-        if self.id is None:
+        if dialect.rewrite and self.id is None:
             chunk = _json(event)
             self.id, self.created = chunk.get("id"), chunk.get("created")
         return (event if self.show_ids else _TOKEN_IDS.sub(b"", event)) + b"\n\n"
@@ -189,9 +217,9 @@ class MigratingRelay(Relay):
         self.upstream.close()
         endpoint.finish(self.ticket)
         self.buffer = b""
-        if self.finished:  # only the usage chunk or [DONE] was missing: end it here
+        if self.finished:  # only the usage chunk or the end event was missing: end it here
             self.done = True
-            return _DONE + b"\n\n"
+            return self.dialect.end
         if not self.tokenizer:  # not a sluice worker: it cannot resume streams
             return self._give_up(f"the worker failed mid-stream ({failure.reason}) and "
                                  "does not return token ids to resume from")
@@ -200,11 +228,10 @@ class MigratingRelay(Relay):
                                  f"migration limit ({self.limit}) is reached")
         self.migrations += 1
         self.proxy.metrics.migrations.labels(failure.reason).inc()
-        resume = ResumeIds(self.tokenizer, self.ids).encode()
+        block = self.block + _RESUME + b": " + ResumeIds(self.tokenizer, self.ids).encode() \
+            + b"\r\n"
         try:
-            relay = await self.proxy.forward(self.pool, self.req, self.meta, self.path,
-                                             self.block + _RESUME + b": " + resume + b"\r\n",
-                                             exclude=(endpoint.url,))
+            relay = await self._resume(block, endpoint.url)
         except SluiceError as exc:
             return self._give_up(f"the worker failed mid-stream and no other could resume "
                                  f"it: {exc.message}")
@@ -214,10 +241,24 @@ class MigratingRelay(Relay):
                 "utf-8", "replace")))
         return b""
 
+    async def _resume(self, block: bytes, failed: str) -> Relay:
+        """The resumed request's relay: on a worker of the stream's release version, or
+        the baseline's when that version has none left."""
+        try:
+            return await self.proxy.forward(self.pool, self.req, self.meta, self.path, block,
+                                            exclude=(failed,))
+        except SluiceError:
+            if self.meta.version == BASELINE:
+                raise
+            self.meta = replace(self.meta, version=BASELINE)
+            return await self.proxy.forward(self.pool, self.req, self.meta, self.path, block,
+                                            exclude=(failed,))
+
     def _give_up(self, message: str) -> bytes:
         self.broken = message
-        error = SluiceError(message, code="migration_failed").to_dict()
-        return b"data: " + json.dumps(error).encode() + b"\n\n"
+        body = error_json(SluiceError(message, code="migration_failed"),
+                          self.path.decode("latin-1"))
+        return self.dialect.error_event + body + b"\n\n"
 
 
 def _json(event: bytes) -> dict[str, Any]:

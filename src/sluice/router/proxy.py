@@ -71,7 +71,7 @@ class Relay:
     """
 
     __slots__ = ("status", "headers", "length", "first", "upstream", "ticket", "on_close",
-                 "retries", "chunks")
+                 "retries", "chunks", "migrations")
 
     def __init__(self, upstream: UpstreamConnection, first: bytes, ticket: Ticket) -> None:
         self.status = upstream.status
@@ -81,9 +81,10 @@ class Relay:
         self.first = first
         self.upstream = upstream
         self.ticket = ticket
-        self.on_close: Callable[[], None] | None = None  # e.g. ends the router's span
+        self.on_close: Callable[[Relay], None] | None = None  # e.g. ends the router's span
         self.retries = 0  # attempts that failed on other workers before this one
         self.chunks = 0  # body reads after `first` that returned bytes (release.py: TPOT)
+        self.migrations = 0  # workers that failed mid-stream and were replaced (migrate.py)
 
     @property
     def complete(self) -> bool:
@@ -98,11 +99,11 @@ class Relay:
 
     def close(self) -> None:
         """Give back or close the worker connection; stop counting the request. Idempotent.
-        `on_close` runs first: it may read how the response ended (`complete`)."""
+        `on_close(relay)` runs first: it may read how the response ended (`complete`)."""
         on_close, self.on_close = self.on_close, None
         try:
             if on_close is not None:
-                on_close()
+                on_close(self)
         finally:
             self.upstream.release()
             self.ticket.endpoint.finish(self.ticket)

@@ -266,13 +266,14 @@ class Release:
         if relay.status < 400:
             self.windows[version].ttft.add(self.clock(), first_byte - start)
         relay.headers.append((VERSION_HEADER, version.encode()))
-        relay.on_close = lambda: self._stream_ended(version, relay, first_byte, req.stream)
+        relay.on_close = lambda ended: self._stream_ended(version, ended, first_byte, req.stream)
         return relay
 
     def _stream_ended(self, version: str, relay: Relay, first_byte: float, stream: bool) -> None:
         """The relay closed: a worker failure mid-stream is an error; a client that went
-        away counts as nothing; a complete stream gives its mean inter-chunk time."""
-        if relay.upstream.error is not None:
+        away counts as nothing; a complete stream gives its mean inter-chunk time. (A
+        migrated stream's relay is the MigratingRelay: a failure it survived counts.)"""
+        if relay.upstream.error is not None or relay.migrations:
             self._outcome(version, failed=True)
         elif relay.complete:
             self._outcome(version, failed=relay.status >= 500)

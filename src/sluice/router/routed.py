@@ -8,7 +8,8 @@
                                    (through the pool's Release when it has a canary or
                                    shadow worker: release.py)
                                 -> Relay (stream it back, then close it); a stream
-                                   that can migrate: a MigratingRelay (migrate.py)
+                                   that can migrate: a MigratingRelay (migrate.py),
+                                   also on a release's version
     a SluiceError at any step   -> ErrorReply (OpenAI JSON, Anthropic's on /v1/messages;
                                    status, extra headers)
 
@@ -77,17 +78,18 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
         if hint is not None:  # the worker takes these ids instead of tokenizing again
             block += _IDS + b": " + hint.encode() + b"\r\n"
         await state.admission.admit(pool, headers)  # nothing awaits from here to dispatch
-        if pool.release_workers:  # a canary or shadow: the release picks the version
-            return await state.releases.get(pool).forward(
-                state.proxy, req, meta, path.encode("latin-1"), block, headers)
         limit = state.config.migration_limit
-        if not (limit and migratable(req)):
-            return await state.proxy.forward(pool, req, meta, path.encode("latin-1"), block)
-        sent = with_token_ids(req)
-        relay = await state.proxy.forward(pool, sent, meta, path.encode("latin-1"), block)
-        if relay.status != 200:
+        migrating = bool(limit) and migratable(req)
+        sent = with_token_ids(req) if migrating else req
+        target = path.encode("latin-1")
+        if pool.release_workers:  # a canary or shadow: the release picks the version
+            relay = await state.releases.get(pool).forward(state.proxy, sent, meta, target,
+                                                           block, headers)
+        else:
+            relay = await state.proxy.forward(pool, sent, meta, target, block)
+        if not migrating or relay.status != 200:
             return relay
-        return MigratingRelay(relay, state.proxy, pool, sent, meta, path.encode("latin-1"),
-                              block, limit, show_ids=bool(req.body.get("return_token_ids")))
+        return MigratingRelay(relay, state.proxy, pool, sent, meta, target, block, limit,
+                              show_ids=bool(req.body.get("return_token_ids")))
     except SluiceError as exc:
         return error_reply(exc, path)

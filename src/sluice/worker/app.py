@@ -126,13 +126,18 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
             chat_body["priority"] = priority
         try:
             chat_req = parse_request(ChatCompletionRequest, chat_body)
-            job = await until_disconnect(
-                request, prepare_chat(state, chat_req, request_id(request), ids_hint(request)))
+            job = await until_disconnect(request, prepare_chat(
+                state, chat_req, request_id(request), ids_hint(request),
+                resumed_ids(request, state)))
         except InvalidRequestError as exc:  # name the field as the Anthropic client wrote it
             exc.param = anthropic.anthropic_param(exc.param)
             raise
         if req.stream:
-            return SSEResponse(anthropic_sse(chat_chunks(job), anthropic.StreamTranslator(req)))
+            translator = anthropic.StreamTranslator(req)
+            if job.replayed is not None:  # a resumed stream: its events were sent before
+                translator.replay(job.replayed.model_dump())
+            return SSEResponse(anthropic_sse(chat_chunks(job), translator),
+                               _ids_headers(state, chat_req))
         resp = await until_disconnect(request, chat_response(job))
         return JSONResponse(anthropic.from_chat_response(resp.model_dump(), req).model_dump())
 
@@ -202,12 +207,13 @@ def ids_hint(request: Request) -> IdsHint | None:
     return IdsHint.decode(value) if value else None
 
 
-def resumed_ids(request: Request, state: WorkerState) -> list[int]:
+def resumed_ids(request: Request, state: WorkerState) -> list[int] | None:
     """The output a migrated stream already sent (`x-sluice-resume-ids`, set by the
-    router); a 400 when malformed or made by another tokenizer than this worker's."""
+    router; None for a request that is not resumed, which may be [] when the failed
+    worker sent no token); a 400 when malformed or of another tokenizer than this one."""
     value = request.headers.get(RESUME_HEADER)
-    if not value:
-        return []
+    if value is None:
+        return None
     resume = ResumeIds.decode(value)
     if resume is None or resume.fingerprint != fingerprint(state.require_engine().tokenizer):
         raise InvalidRequestError("the resumed token ids are malformed or of another "

@@ -29,6 +29,7 @@ from sluice.protocol.openai import (
     NamedToolChoice,
     ToolCallOut,
     UsageInfo,
+    now,
 )
 from sluice.protocol.prompt import IdsHint, encode_prompt
 from sluice.worker.generation import Run
@@ -51,8 +52,11 @@ class ChatJob:
     tool_parser: ToolParser | None = None  # set when the output may hold tool calls
     completion_tokens: int = 0  # a resumed (migrated) request starts at the resumed count
     resumed: bool = False
+    tools: _StreamedTools | None = None  # the stream's tool-call parsing, when it has tools
+    replayed: DeltaMessage | None = None  # what a resumed stream's output already said
     cached_tokens: int = 0
     choices: dict[int, _Choice] = field(default_factory=dict)
+    created: int = field(default_factory=now)  # one for every chunk, as vLLM's
 
     @property
     def prompt_tokens(self) -> int:
@@ -80,15 +84,16 @@ class _Choice:
 
 
 async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_id: str,
-                       hint: IdsHint | None = None, resumed: Sequence[int] = ()) -> ChatJob:
+                       hint: IdsHint | None = None, resumed: Sequence[int] | None = None
+                       ) -> ChatJob:
     """Validate, template, tokenize (or take the router's ids, `hint`, when they are
     this tokenizer's for this text) and admit; raises SluiceError subclasses.
 
     `resumed`: the output a migrated stream already sent (router's `x-sluice-resume-ids`):
     the same prompt is templated as before and generation continues after these ids."""
-    if resumed and (req.n != 1 or req.tools):
-        raise InvalidRequestError("a resumed request must have n=1 and no tools",
-                                  param="n" if req.n != 1 else "tools")
+    if resumed is not None and (req.n != 1 or not req.stream):
+        raise InvalidRequestError("a resumed request must be a stream with n=1",
+                                  param="n" if req.n != 1 else "stream")
     model = state.check_model(req.model)
     engine = state.require_engine()
     num_logprobs = req.num_logprobs()
@@ -103,10 +108,26 @@ async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_i
     prompt = chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt, tools)
     ids = await encode_prompt(engine.tokenizer, prompt, special=False, hint=hint)
     run = await Run.start(state, [ids], params, request_id, req.priority, param="messages",
-                          resumed=resumed)
-    return ChatJob(req, run, f"chatcmpl-{request_id}", model, state, num_logprobs,
-                   state.tool_parser if choice != "none" else None,
-                   completion_tokens=len(resumed), resumed=bool(resumed))
+                          resumed=resumed or ())
+    parser = state.tool_parser if choice != "none" else None
+    job = ChatJob(req, run, f"chatcmpl-{request_id}", model, state, num_logprobs, parser,
+                  completion_tokens=len(resumed or ()), resumed=resumed is not None)
+    if parser is not None and req.stream:
+        job.tools = _StreamedTools(parser, req.parallel_tool_calls)
+    if resumed is not None:
+        job.replayed = _replay(job, engine.tokenizer.decode(resumed, params.skip_special_tokens))
+    return job
+
+
+def _replay(job: ChatJob, text: str) -> DeltaMessage:
+    """Feed a resumed stream's output so far through the tool-call parser, as the failed
+    worker did, so the new worker's deltas go on where the client's stream stopped;
+    returns what that output said (the Anthropic translator replays it too). A partial
+    character at the end (U+FFFD from decoding) comes again with the next token."""
+    text = text.rstrip("\ufffd")
+    if job.tools is None:
+        return DeltaMessage(content=text)
+    return job.tools.feed(0, text, finished=False)
 
 
 async def chat_response(job: ChatJob) -> ChatCompletionResponse:
@@ -117,7 +138,8 @@ async def chat_response(job: ChatJob) -> ChatCompletionResponse:
             for c in out.outputs:
                 _accumulate(job, c)
     choices = [_whole_choice(job, i, ch) for i, ch in sorted(job.choices.items())]
-    return ChatCompletionResponse(id=job.id, model=job.model, choices=choices, usage=job.usage())
+    return ChatCompletionResponse(id=job.id, created=job.created, model=job.model,
+                                  choices=choices, usage=job.usage())
 
 
 def _whole_choice(job: ChatJob, index: int, ch: _Choice) -> ChatChoice:
@@ -153,9 +175,7 @@ def _accumulate(job: ChatJob, c: CompletionOutput) -> None:
 
 async def chat_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionChunk]:
     """The stream: a role chunk per choice, content chunks, then optionally usage."""
-    req = job.req
-    tools = (_StreamedTools(job.tool_parser, req.parallel_tool_calls)
-             if job.tool_parser is not None else None)
+    req, tools = job.req, job.tools
     async with job.run:
         for i in range(0 if job.resumed else req.n):  # a resumed stream was introduced
             yield _chunk(job, [ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
@@ -166,7 +186,8 @@ async def chat_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionChunk]:
             for c in out.outputs:
                 job.completion_tokens += len(c.token_ids)
                 if c.text or c.finish_reason or c.token_ids:
-                    delta = tools.delta(c) if tools is not None else DeltaMessage(content=c.text)
+                    delta = (tools.feed(c.index, c.text, bool(c.finish_reason))
+                             if tools is not None else DeltaMessage(content=c.text))
                     if not (delta.content or delta.tool_calls or c.finish_reason
                             or job.num_logprobs is not None or tools is None
                             or req.return_token_ids):
@@ -179,7 +200,8 @@ async def chat_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionChunk]:
             if choices:
                 yield _chunk(job, choices)
     if req.include_usage:
-        yield ChatCompletionChunk(id=job.id, model=job.model, choices=[], usage=job.usage())
+        yield ChatCompletionChunk(id=job.id, created=job.created, model=job.model, choices=[],
+                                  usage=job.usage())
 
 
 @dataclass
@@ -191,17 +213,17 @@ class _StreamedTools:
     streams: dict[int, ToolCallStream] = field(default_factory=dict)
     called: set[int] = field(default_factory=set)
 
-    def delta(self, c: CompletionOutput) -> DeltaMessage:
-        stream = self.streams.get(c.index) or self.streams.setdefault(c.index,
-                                                                        self.parser.stream())
-        text, calls = stream.feed(c.text)
-        if c.finish_reason:
+    def feed(self, index: int, text: str, finished: bool) -> DeltaMessage:
+        """Choice `index`'s next output text as a delta (`finished`: its last)."""
+        stream = self.streams.get(index) or self.streams.setdefault(index, self.parser.stream())
+        text, calls = stream.feed(text)
+        if finished:
             rest, more = stream.finish()
             text, calls = text + rest, calls + more
         if not self.parallel:
             calls = [d for d in calls if d.index == 0]
         if calls:
-            self.called.add(c.index)
+            self.called.add(index)
         return DeltaMessage(content=text if text or not calls else None,
                             tool_calls=[_delta_call(d) for d in calls] or None)
 
@@ -221,4 +243,5 @@ def token_ids(wanted: bool, c: CompletionOutput) -> dict[str, Any]:
 
 def _chunk(job: ChatJob, choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
     usage = job.usage() if job.req.continuous_usage else None
-    return ChatCompletionChunk(id=job.id, model=job.model, choices=choices, usage=usage)
+    return ChatCompletionChunk(id=job.id, created=job.created, model=job.model,
+                               choices=choices, usage=usage)

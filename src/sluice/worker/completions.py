@@ -18,6 +18,7 @@ from sluice.protocol.openai import (
     CompletionRequest,
     CompletionResponse,
     UsageInfo,
+    now,
 )
 from sluice.protocol.prompt import IdsHint, encode_prompt
 from sluice.worker.chat import token_ids
@@ -46,6 +47,7 @@ class CompletionJob:
     prompt_texts: list[str]
     completion_tokens: int = 0
     choices: dict[int, _Choice] = field(default_factory=dict)
+    created: int = field(default_factory=now)  # one for every chunk, as vLLM's
 
     def usage(self) -> UsageInfo:
         prompt = sum(self.run.prompt_lens)
@@ -92,8 +94,8 @@ def _check_unsupported(req: CompletionRequest) -> None:
 
 
 async def prepare_completion(state: WorkerState, req: CompletionRequest, request_id: str,
-                             hint: IdsHint | None = None, resumed: Sequence[int] = ()
-                             ) -> CompletionJob:
+                             hint: IdsHint | None = None,
+                             resumed: Sequence[int] | None = None) -> CompletionJob:
     """Validate, tokenize (or take the router's ids, `hint`, when they are this
     tokenizer's for this text) and admit; raises SluiceError subclasses.
 
@@ -101,9 +103,10 @@ async def prepare_completion(state: WorkerState, req: CompletionRequest, request
     model = state.check_model(req.model)
     engine = state.require_engine()
     _check_unsupported(req)
-    if resumed and (req.n != 1 or req.echo or len(req.prompts()) != 1):
-        raise InvalidRequestError("a resumed request must have one prompt, n=1 and no echo",
-                                  param="prompt")
+    if resumed is not None and (req.n != 1 or req.echo or len(req.prompts()) != 1
+                                or not req.stream):
+        raise InvalidRequestError("a resumed request must be a stream of one prompt, with "
+                                  "n=1 and no echo", param="prompt")
     params = sampling_params(req, req.max_tokens, req.logprobs)
     tok = engine.tokenizer
     prompts: list[list[int]] = []
@@ -118,9 +121,9 @@ async def prepare_completion(state: WorkerState, req: CompletionRequest, request
     if any(not ids for ids in prompts):
         raise InvalidRequestError("prompt must not be empty", param="prompt")
     run = await Run.start(state, prompts, params, request_id, req.priority, param="prompt",
-                          resumed=resumed)
+                          resumed=resumed or ())
     return CompletionJob(req, run, f"cmpl-{request_id}", model, state, texts,
-                         completion_tokens=len(resumed))
+                         completion_tokens=len(resumed or ()))
 
 
 async def completion_response(job: CompletionJob) -> CompletionResponse:
@@ -133,7 +136,8 @@ async def completion_response(job: CompletionJob) -> CompletionResponse:
                                 logprobs=ch.logprobs if logprobs else None,
                                 finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)
                for i, ch in sorted(job.choices.items())]
-    return CompletionResponse(id=job.id, model=job.model, choices=choices, usage=job.usage())
+    return CompletionResponse(id=job.id, created=job.created, model=job.model,
+                              choices=choices, usage=job.usage())
 
 
 async def completion_chunks(job: CompletionJob) -> AsyncIterator[CompletionResponse]:
@@ -149,7 +153,9 @@ async def completion_chunks(job: CompletionJob) -> AsyncIterator[CompletionRespo
                                                     stop_reason=c.stop_reason,
                                                     **token_ids(job.req.return_token_ids, c)))
             if choices:
-                yield CompletionResponse(id=job.id, model=job.model, choices=choices,
+                yield CompletionResponse(id=job.id, created=job.created, model=job.model,
+                                         choices=choices,
                                          usage=job.usage() if continuous else None)
     if job.req.include_usage:
-        yield CompletionResponse(id=job.id, model=job.model, choices=[], usage=job.usage())
+        yield CompletionResponse(id=job.id, created=job.created, model=job.model, choices=[],
+                                 usage=job.usage())
