@@ -21,6 +21,7 @@ from router_stubs import StubState, make_stub, serve, serve_router
 
 from sluice.protocol.errors import InvalidRequestError
 from sluice.router.app import build_app
+from sluice.router.breaker import Breakers
 from sluice.router.config import (
     BASELINE,
     CANARY,
@@ -32,7 +33,7 @@ from sluice.router.config import (
     WorkerSpec,
 )
 from sluice.router.pool import Pool
-from sluice.router.release import ROLLED_BACK, Releases
+from sluice.router.release import ROLLED_BACK, RUNNING, Releases
 from sluice.router.release_stats import (
     compare_errors,
     compare_hit_rates,
@@ -201,6 +202,33 @@ async def test_failing_canary_is_rolled_back_and_its_clients_get_the_baseline() 
         assert {served_by(r) for r in after} == {"base"}
 
 
+async def test_canary_whose_breakers_open_is_rolled_back_within_the_window() -> None:
+    """Breakers on (the default): the canary's breaker opens after 5 failures and its
+    traffic goes to the baseline as no sample, so the error test never gets its samples;
+    every canary worker failing for 2 x `open_s` (60 s) rolls it back by itself."""
+    base, canary = StubState("base"), StubState("canary", fail_status=500)
+    release = ReleaseConfig(canary_weight=50, min_samples=20, window_s=120)
+    async with cluster([(base, BASELINE), (canary, CANARY)], release) as c:
+        replies = await c.many(60)
+        assert {served_by(r) for r in replies} == {"base"}
+        assert 5 <= len(canary.requests) < 20  # the breaker opened; the rest were refused
+        await c.settle()
+        c.state.releases.evaluate()  # every canary worker failing: the grace starts
+        view = await c.release()
+        assert view["window"]["canary"]["errors"] == len(canary.requests)  # attempts only
+        assert not view["comparison"][0]["enough_samples"]
+        c.clock.advance(59)
+        c.state.releases.evaluate()
+        assert (await c.release())["state"] == "running"
+        c.clock.advance(1)
+        c.state.releases.evaluate()
+        view = await c.release()
+        assert (view["state"], view["weight"]) == ("rolled_back", 0)
+        assert view["last_decision"]["reason"].startswith("canary circuit open for 60s")
+        assert await c.metric("sluice_router_release_rollbacks_total", pool=MODEL,
+                              reason="circuit_open") == 1.0
+
+
 async def test_slow_first_byte_canary_is_rolled_back() -> None:
     base, canary = StubState("base"), StubState("canary", ttft_s=0.04)
     release = ReleaseConfig(canary_weight=50, min_samples=15, window_s=60)
@@ -265,10 +293,12 @@ async def test_not_promoted_before_enough_samples() -> None:
 
 
 def _release_of(pool_config: PoolConfig) -> tuple[Releases, Pool, FakeClock]:
+    """A release without HTTP; its judge and the breakers share the fake clock."""
     clock = FakeClock()
     pool = Pool(pool_config, random.Random(1))
-    releases = Releases(lambda: [pool], UpstreamPool(), CollectorRegistry(), random.Random(1),
-                        clock)
+    breakers = Breakers(BreakerConfig(), lambda url, a, b: None, clock, random.Random(1))
+    releases = Releases(lambda: [pool], UpstreamPool(), breakers, CollectorRegistry(),
+                        random.Random(1), clock)
     return releases, pool, clock
 
 
@@ -293,13 +323,58 @@ def test_prefix_hit_rate_regression_from_scrapes_rolls_back() -> None:
     assert abs(verdict.canary - 0.3) < 0.02
 
 
-def test_canary_with_no_available_worker_is_rolled_back() -> None:
-    workers = (WorkerSpec("http://b:1"), WorkerSpec("http://c:1", version=CANARY))
-    releases, pool, clock = _release_of(PoolConfig(
-        model=MODEL, workers=workers, release=ReleaseConfig(canary_weight=5)))
+CANARY_POOL = PoolConfig(model=MODEL, workers=(WorkerSpec("http://b:1"),
+                                               WorkerSpec("http://c:1", version=CANARY)),
+                         release=ReleaseConfig(canary_weight=5))
+
+
+def test_ejected_canary_is_rolled_back_after_the_grace() -> None:
+    releases, pool, clock = _release_of(CANARY_POOL)
     pool.endpoints["http://c:1"].healthy = False
+    assert releases.evaluate() == []  # the grace (2 x open_s = 60 s) starts
+    clock.advance(59)
+    assert releases.evaluate() == []
+    clock.advance(1)
     (decision,) = releases.evaluate()
     assert decision.action == "rollback" and releases.get(pool).weight == 0
+    assert decision.reason.startswith("canary circuit open")
+
+
+def test_canary_breaker_that_closes_within_the_grace_is_not_rolled_back() -> None:
+    """A burst of failures opens the breaker; its half-open trials succeed: no rollback."""
+    releases, pool, clock = _release_of(CANARY_POOL)
+    breakers = releases.breakers
+    for _ in range(5):
+        breakers.failure(pool, "http://c:1")
+    assert breakers.state("http://c:1") == "open"
+    releases.evaluate()
+    clock.advance(30)
+    assert releases.get(pool).has_available(CANARY)  # half-open: it takes trials
+    assert breakers.state("http://c:1") == "half_open"
+    breakers.attempt("http://c:1")
+    breakers.success("http://c:1")
+    breakers.success("http://c:1")
+    assert breakers.state("http://c:1") == "closed"
+    for _ in range(120):
+        clock.advance(1)
+        assert releases.evaluate() == []
+    assert releases.get(pool).state == RUNNING
+
+
+@pytest.mark.parametrize("absent", ["drained", "not_deployed"])
+def test_canary_without_workers_is_not_rolled_back(absent: str) -> None:
+    """No canary worker at all (all draining, or none added yet beside a shadow) is not
+    a regression: the judge waits, and neither rolls back nor promotes."""
+    version = CANARY if absent == "drained" else SHADOW
+    releases, pool, clock = _release_of(PoolConfig(
+        model=MODEL, workers=(WorkerSpec("http://b:1"), WorkerSpec("http://c:1", version=version)),
+        release=ReleaseConfig(canary_weight=5, window_s=60)))
+    pool.endpoints["http://c:1"].draining = absent == "drained"
+    for _ in range(300):  # five windows, five graces
+        clock.advance(1)
+        assert releases.evaluate() == []
+    release = releases.get(pool)
+    assert (release.state, release.weight, list(release.decisions)) == (RUNNING, 5, [])
 
 
 # --- shadow ---------------------------------------------------------------------------------

@@ -20,7 +20,15 @@ or a shadow. A pool with a canary or shadow worker routes through its `Release`:
       rates of each worker; canary vs baseline (release_stats.py):
       errors, TTFT p90, TPOT p90, prefix-hit rate
         a regression                 -> roll back: weight 0, reason and statistics kept
+        canary workers, each ejected or its breaker not closed, for 2 x the breakers'
+        `open_s`                     -> roll back: "canary circuit open"
+        no canary worker (none yet, all draining) -> wait: nothing to judge
         healthy for `window_s` at a step, enough samples -> the next step (5, 25, 50, 100)
+
+A request that wanted the canary while none of its workers can take one (ejected, or
+its breaker open) goes to the baseline and is no sample: it says nothing new about
+the canary, and counting it as an error would let a few failures that opened a breaker
+count once per refused request.
 
 Shadow responses never reach the client: the relay the front end writes is the
 primary's alone (its body, its usage, its headers), which is all the gateway meters.
@@ -45,6 +53,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from sluice.protocol.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
+from sluice.router.breaker import CLOSED, Breakers
 from sluice.router.config import BASELINE, CANARY, SHADOW, ReleaseConfig
 from sluice.router.endpoints import Endpoint
 from sluice.router.parse import ParsedRequest
@@ -181,8 +190,8 @@ def pool_name(pool: Pool) -> str:
 class Release:
     """One pool's canary weight, pins, shadow and judge. Touched only on the event loop."""
 
-    def __init__(self, pool: Pool, upstream: UpstreamPool, metrics: ReleaseMetrics,
-                 rng: random.Random, clock: Callable[[], float],
+    def __init__(self, pool: Pool, upstream: UpstreamPool, breakers: Breakers,
+                 metrics: ReleaseMetrics, rng: random.Random, clock: Callable[[], float],
                  timer: Callable[[], float] = time.perf_counter) -> None:
         """`clock`: event times (the window, step dwell; tests pass their own);
         `timer`: latencies."""
@@ -190,6 +199,7 @@ class Release:
         self.config: ReleaseConfig = pool.config.release
         self.name = pool_name(pool)
         self.upstream = upstream
+        self.breakers = breakers
         self.metrics = metrics
         self.rng = rng
         self.clock = clock
@@ -197,6 +207,7 @@ class Release:
         self.weight = self.config.canary_weight
         self.state = RUNNING if 0 < self.weight < 100 else PROMOTED if self.weight else IDLE
         self.step_at = clock()
+        self.circuit_open_since: float | None = None  # every canary worker failing, since
         self.windows = {v: VersionWindow() for v in (BASELINE, CANARY, SHADOW)}
         self.decisions: deque[Decision] = deque(maxlen=KEEP_DECISIONS)
         self.verdicts: tuple[Verdict, ...] = ()
@@ -239,7 +250,11 @@ class Release:
         return bool(self.rng.random() * 100 < self.weight)
 
     def has_available(self, version: str) -> bool:
-        return any(e.available and e.spec.version == version
+        """Whether a worker of `version` can take a request now: healthy, not draining,
+        its breaker not blocking it (an open breaker past `open_s` turns half-open here,
+        as at the proxy's next decision)."""
+        blocked = self.breakers.blocked(self.pool)
+        return any(e.available and e.spec.version == version and e.url not in blocked
                    for e in self.pool.endpoints.values())
 
     async def forward(self, proxy: Proxy, req: ParsedRequest, meta: RequestMeta, path: bytes,
@@ -249,12 +264,14 @@ class Release:
         version, pinned = self.choose_version(req, headers)
         if self.config.shadow_percent and self.rng.random() * 100 < self.config.shadow_percent:
             self.start_shadow(req, meta, path, block)
+        reachable = self.has_available(version)  # else a refusal, not a sample
         start = self.timer()
         try:
             relay = await proxy.forward(self.pool, req, replace(meta, version=version), path,
                                         block)
         except ServiceUnavailableError:
-            self._outcome(version, failed=True)
+            if reachable:
+                self._outcome(version, failed=True)
             if pinned or version == BASELINE:
                 raise
             version = BASELINE  # the canary failed: the baseline answers, unmeasured
@@ -346,17 +363,41 @@ class Release:
                 series.prune(now - self.config.window_s)
         self.verdicts = self.compare()
         if self.state != RUNNING or not self.config.auto:
+            self.circuit_open_since = None
             return None
-        if not self.has_available(CANARY):
-            return self.rollback("no_canary_worker", "no canary worker is available")
         regressed = [v for v in self.verdicts if v.regressed]
         if regressed:
             names = ", ".join(v.metric for v in regressed)
             return self.rollback(regressed[0].metric, f"canary regressed on {names}")
+        workers = [e for e in self.pool.endpoints.values()
+                   if e.spec.version == CANARY and not e.draining]
+        if not workers:  # not deployed yet, or drained: not a regression, nothing to promote
+            self.circuit_open_since = None
+            return None
+        if not any(e.healthy and self.breakers.state(e.url) == CLOSED for e in workers):
+            return self._circuit_open(now)
+        self.circuit_open_since = None
         errors = self.verdicts[0]
         if errors.enough and now - self.step_at >= self.config.window_s:
             return self.promote(f"healthy for {self.config.window_s:g}s at {self.weight:g}%")
         return None
+
+    @property
+    def circuit_grace_s(self) -> float:
+        """How long every canary worker may be failing (breaker open or half-open, or
+        ejected) before that alone rolls it back: two breaker cool-downs, so a breaker
+        that a burst of failures opened has gone half-open and had its trials."""
+        return 2 * self.breakers.config.open_s
+
+    def _circuit_open(self, now: float) -> Decision | None:
+        """Every canary worker is failing: roll back once it has lasted the grace."""
+        if self.circuit_open_since is None:
+            self.circuit_open_since = now
+        if now - self.circuit_open_since < self.circuit_grace_s:
+            return None
+        return self.rollback("circuit_open", f"canary circuit open for "
+                             f"{now - self.circuit_open_since:g}s: every canary worker is "
+                             f"ejected or its breaker is not closed")
 
     def compare(self) -> tuple[Verdict, ...]:
         c, b, cfg = self.windows[CANARY], self.windows[BASELINE], self.config
@@ -465,11 +506,12 @@ class Releases:
     """Every pool's `Release`, made on first use; the judge's loop."""
 
     def __init__(self, pools: Callable[[], list[Pool]], upstream: UpstreamPool,
-                 registry: CollectorRegistry, rng: random.Random,
+                 breakers: Breakers, registry: CollectorRegistry, rng: random.Random,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`clock` may be replaced (tests) before or after releases exist."""
         self.pools = pools
         self.upstream = upstream
+        self.breakers = breakers
         self.rng = rng
         self.clock = clock
         self.by_pool: dict[Pool, Release] = {}
@@ -478,8 +520,8 @@ class Releases:
     def get(self, pool: Pool) -> Release:
         release = self.by_pool.get(pool)
         if release is None:
-            release = self.by_pool[pool] = Release(pool, self.upstream, self.metrics, self.rng,
-                                                   lambda: self.clock())
+            release = self.by_pool[pool] = Release(pool, self.upstream, self.breakers,
+                                                   self.metrics, self.rng, lambda: self.clock())
         return release
 
     def find(self, name: str) -> Release:

@@ -87,8 +87,8 @@ class RouterState:
             self.client, self.token_cache or TokenCache(self.config.tokenize_cache_size))
         self.zmq_ctx = zmq.asyncio.Context()
         self.buffer = RequestBuffer(self.config.buffer_max_requests, self.config.buffer_timeout_s)
-        self.releases = Releases(lambda: self.pools, self.upstream, self.metrics.registry,
-                                 self.rng)
+        self.releases = Releases(lambda: self.pools, self.upstream, self.breakers,
+                                 self.metrics.registry, self.rng)
         for pool_config in self.config.pools:
             self.add_pool(pool_config)
 
