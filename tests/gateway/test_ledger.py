@@ -264,27 +264,41 @@ async def test_the_gateway_refuses_requests_while_the_buffer_is_full(
     await state.aclose()
 
 
-def test_an_old_usage_table_gains_record_id_and_its_unique_index(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'old.db'}"
-    store = SQLStore(url)
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.services)])
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """(url, table prefix) of an empty database; the tables are dropped afterwards."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'old.db'}", "sluice_"
+        return
+    prefix = f"t{uuid.uuid4().hex[:10]}_"
+    yield PG_URL, prefix
+    store = SQLStore(PG_URL, prefix)
+    store.drop_all()
+    store.close()
+
+
+def test_an_old_usage_table_gains_record_id_and_its_unique_index(database: Any) -> None:
+    url, prefix = database
+    store = SQLStore(url, prefix)
     t = store.create_tenant("acme", TenantSettings())
     with store.engine.begin() as conn:  # back to the table as it was before record_id
-        conn.execute(sa.text("DROP INDEX sluice_usage_record_id"))
-        conn.execute(sa.text("ALTER TABLE sluice_usage DROP COLUMN record_id"))
+        conn.execute(sa.text(f"DROP INDEX {prefix}usage_record_id"))
+        conn.execute(sa.text(f"ALTER TABLE {prefix}usage DROP COLUMN record_id"))
         conn.execute(store.usage.insert().values(
             request_id="old", ts=0.0, tenant_id=t.id, key_id="k", endpoint="/v1/completions",
             status="ok", http_status=200, prompt_tokens=1, completion_tokens=1, cost_usd=0.0,
             latency_ms=1.0))
     store.close()
-    store = SQLStore(url)
+    store = SQLStore(url, prefix)
     try:
         assert [(r.request_id, r.record_id) for r in rows(store)] == [("old", None)]
         new = rec(t.id, 1)
         store.record_usage_many([new])
         store.record_usage_many([new])
         assert [r.request_id for r in rows(store)] == ["old", "r1"]
-        indexes = sa.inspect(store.engine).get_indexes("sluice_usage")
-        assert [bool(i["unique"]) for i in indexes if i["name"] == "sluice_usage_record_id"] \
+        assert store.get_tenant(t.id).spend_usd == pytest.approx(0.5)
+        indexes = sa.inspect(store.engine).get_indexes(f"{prefix}usage")
+        assert [bool(i["unique"]) for i in indexes if i["name"] == f"{prefix}usage_record_id"] \
             == [True]
     finally:
         store.close()
