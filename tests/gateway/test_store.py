@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
 from sluice.gateway.keys import KEY_PREFIX, generate_key, hash_key
-from sluice.gateway.ledger import LedgerWriter
 from sluice.gateway.store import KeySettings, SQLStore, TenantSettings, UsageQuery, UsageRecord
 from sluice.protocol.errors import InvalidRequestError, NotFoundError
 
@@ -86,42 +82,3 @@ def test_ledger_spend_equals_sum_of_records_and_purge(any_store: SQLStore) -> No
     assert any_store.purge(now - 86400 * 2.5) == 2  # r3, r4
     assert len(any_store.query_usage(UsageQuery())) == 3
     assert any_store.get_tenant("a").spend_usd == pytest.approx(0.75)  # spend is not refunded
-
-
-class CountingStore(SQLStore):
-    """Counts transactions (an observation hook, not a fake: rows go to SQLite)."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(url)
-        self.batches: list[int] = []
-        self.fail = False
-
-    def record_usage_many(self, records: list[UsageRecord],
-                          released: Sequence[str] = ()) -> None:
-        if self.fail:
-            raise RuntimeError("disk full")
-        self.batches.append(len(records))
-        time.sleep(0.01)  # a slow commit, so that writers pile up behind it
-        super().record_usage_many(records, released)
-
-
-async def test_ledger_writer_group_commits_and_reports_failures(tmp_path: Path) -> None:
-    store = CountingStore(f"sqlite:///{tmp_path / 'l.db'}")
-    tenant = store.create_tenant("t", TenantSettings())
-    writer = LedgerWriter(store)
-
-    def rec(i: int) -> UsageRecord:
-        return UsageRecord(request_id=f"r{i}", tenant_id=tenant.id, key_id="k",
-                           endpoint="/v1/completions", model="m", status="ok",
-                           http_status=200, cost_usd=0.5)
-
-    await asyncio.gather(*(writer.write(rec(i)) for i in range(40)))
-    assert sum(store.batches) == 40 and len(store.batches) < 40
-    assert len(store.query_usage(UsageQuery())) == 40
-    assert store.get_tenant("t").spend_usd == pytest.approx(20.0)
-    store.fail = True
-    with pytest.raises(RuntimeError, match="disk full"):
-        await writer.write(rec(99))
-    store.fail = False
-    await writer.write(rec(100))
-    assert len(store.query_usage(UsageQuery())) == 41

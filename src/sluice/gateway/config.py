@@ -70,6 +70,9 @@ class GatewayConfig:
     path for requests whose tenant has no budget (nothing at admission reads those rows;
     each is still written exactly once, `GatewayState.flush` waits for them), and the
     limiter's reconciliation for requests no concurrency or TPM limit counts.
+    While the database is unreachable, up to `ledger_max_waiting` usage records wait in
+    memory and are retried (new requests are refused while that many wait); shutdown
+    waits up to `ledger_close_s` for them (`gateway/ledger.py`).
     """
 
     database_url: str | None = None
@@ -83,6 +86,8 @@ class GatewayConfig:
     # Wait for every request's ledger commit before its last bytes (True), or only where
     # admission reads what it writes: a budgeted tenant's spend (False, the default).
     await_ledger: bool = False
+    ledger_max_waiting: int = 10_000
+    ledger_close_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.default_reserve_tokens < 0:
@@ -91,3 +96,8 @@ class GatewayConfig:
             )
         if self.budget_lease_s <= 0:
             raise InvalidRequestError("budget_lease_s must be > 0", param="budget_lease_s")
+        if self.ledger_max_waiting < 1:
+            raise InvalidRequestError("ledger_max_waiting must be >= 1",
+                                      param="ledger_max_waiting")
+        if self.ledger_close_s < 0:
+            raise InvalidRequestError("ledger_close_s must be >= 0", param="ledger_close_s")

@@ -40,7 +40,12 @@ class GatewayMetrics:
                                       "Rate-limiter store errors, by failure mode applied",
                                       ["mode"], registry=r)
         self.ledger_errors = Counter("sluice_gateway_ledger_errors_total",
-                                     "Usage records that could not be written", registry=r)
+                                     "Usage records dropped: refused by the database, beyond "
+                                     "the retry buffer, or still waiting at shutdown",
+                                     registry=r)
+        self.ledger_waiting = Gauge("sluice_gateway_ledger_waiting",
+                                    "Usage records kept in memory until the database is back",
+                                    registry=r)
         self.inflight = Gauge("sluice_gateway_requests_in_flight", "Requests in flight",
                               registry=r)
         self.overhead = Histogram("sluice_gateway_admission_seconds",
@@ -60,7 +65,7 @@ class GatewayMetrics:
 
     def settled(self, tenant: str, status: str, prompt: int, completion: int,
                 cost_usd: float) -> None:
-        """Count one settled request (its ledger row written or failed)."""
+        """Count one settled request (its ledger row written, waiting or dropped)."""
         self.child(self.requests, tenant, status).inc()
         self.child(self.tokens, tenant, "prompt").inc(prompt)
         self.child(self.tokens, tenant, "completion").inc(completion)

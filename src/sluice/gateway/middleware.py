@@ -22,7 +22,9 @@ proxy of `sluice gateway --upstream`. Per request under `/v1/`:
                       concurrency freed, ledger row + spend + the budget reservation's
                       release written in one transaction, *before* the last bytes go
                       to the client where admission reads it (a budget, a concurrency
-                      limit; `await_ledger`), else just after (`GatewayState.later`)
+                      limit; `await_ledger`), else just after (`GatewayState.later`);
+                      kept in memory and retried while the database is down, with new
+                      requests refused (503) once that buffer is full (ledger.py)
 
 `/admin/{tenants,keys,usage,purge}` and `/v1/usage` are served by the gateway's own
 app (`admin.py`); other `/admin/...` routes (the router's) pass through;
@@ -63,6 +65,7 @@ from sluice.protocol.errors import (
     InvalidRequestError,
     NotFoundError,
     RateLimitError,
+    ServiceUnavailableError,
     SluiceError,
 )
 from sluice.protocol.prompt import IDS_HEADER, KIND_OF_PATH, IdsHint, prompt_view
@@ -245,6 +248,9 @@ class Exchange:
             self.state.metrics.inflight.dec()
 
     async def admit(self) -> Admission:
+        if self.state.ledger.full:
+            raise ServiceUnavailableError("the gateway cannot record usage: its database is "
+                                          "unreachable; retry shortly", code="ledger_full")
         key = api_key_of(self.scope)
         if not key:
             raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>' "
@@ -594,14 +600,10 @@ class Exchange:
         return redact(adm.body.decode("utf-8", "replace")), redact(response)
 
     async def write(self, record: UsageRecord, reservation: str | None) -> None:
-        m = self.state.metrics
-        try:
-            await self.state.ledger.write(record, reservation)
-        except Exception:
-            m.ledger_errors.inc()
-            logger.exception("usage record for request %s not written", record.request_id)
-        m.settled(record.tenant_id, record.status, record.prompt_tokens,
-                  record.completion_tokens, record.cost_usd)
+        """Committed, or kept until the database is back (`LedgerWriter`); then counted."""
+        await self.state.ledger.write(record, reservation)
+        self.state.metrics.settled(record.tenant_id, record.status, record.prompt_tokens,
+                                   record.completion_tokens, record.cost_usd)
 
 
 # -- policy helpers (plain data in, decision out) -------------------------------------------

@@ -51,7 +51,8 @@ class GatewayState:
     background: set[asyncio.Task[None]] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.ledger = LedgerWriter(self.store)
+        self.ledger = LedgerWriter(self.store, self.metrics,
+                                   max_waiting=self.config.ledger_max_waiting)
         self.budgets = BudgetReservations(self.store, self.config.budget_lease_s)
         self.keys = KeyCache(self.store)
         self.background = set()
@@ -69,7 +70,8 @@ class GatewayState:
             logger.error("background settlement failed", exc_info=task.exception())
 
     async def flush(self) -> None:
-        """Wait until every settlement started so far is written."""
+        """Wait until every settlement started so far is written (or, while the database
+        is unreachable, kept by the ledger to retry: `ledger.waiting`)."""
         while self.background:
             await asyncio.gather(*list(self.background), return_exceptions=True)
 
@@ -92,5 +94,6 @@ class GatewayState:
 
     async def aclose(self) -> None:
         await self.flush()  # every ledger row is written exactly once, also at shutdown
+        await self.ledger.close(self.config.ledger_close_s)  # and those kept while it was down
         await self.limiter.close()
         self.store.close()

@@ -6,6 +6,11 @@ default and PostgreSQL when given a URL. Two properties matter for exactness:
 * a usage record and the tenant's spend change commit in **one transaction**
   (`record_usage`), so spend always equals the sum of the ledger's costs, and a crash
   never leaves one without the other;
+* writing a record is idempotent: each has a `record_id` (unique in the table), the
+  insert skips a record already there (`ON CONFLICT DO NOTHING`), and only the rows it
+  inserted add to spend. A commit whose reply was lost (the connection broke during
+  `COMMIT`) may or may not have been applied; `LedgerWriter` writes the batch again
+  and neither the row nor its cost is counted twice;
 * a budget holds under concurrency: admission reserves a request's worst-case cost
   with one conditional UPDATE (`reserve_spend`: reserved += cost only where
   spend + reserved + cost <= budget) plus a row in `reservations` (a lease), and the
@@ -31,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -40,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
 
 from sluice import env
 from sluice.gateway.config import priority_value
@@ -122,9 +129,18 @@ class Principal:
     tenant: Tenant
 
 
+def new_record_id() -> str:
+    """128 random bits: two records never share one, so a duplicate is a retry."""
+    return secrets.token_hex(16)
+
+
 @dataclass(frozen=True)
 class UsageRecord:
-    """One line of the ledger / audit log: exactly one per request that got past auth."""
+    """One line of the ledger / audit log: exactly one per request that got past auth.
+
+    `request_id` is the client's `x-request-id` when it sent one (two requests may share
+    it); `record_id` is the gateway's own key for the row, which makes a retried write a
+    no-op (None on rows written before it existed)."""
 
     request_id: str
     tenant_id: str
@@ -140,6 +156,7 @@ class UsageRecord:
     ts: float = field(default_factory=time.time)
     request_body: str | None = None
     response_body: str | None = None
+    record_id: str | None = field(default_factory=new_record_id)
 
 
 @dataclass(frozen=True)
@@ -220,7 +237,12 @@ class Store(ABC):
                           released: Sequence[str] = ()) -> None:
         """Several records in one transaction (group commit), each atomically with its
         tenant's spend; the reservations `released` (ids from `reserve_spend`) are
-        given back in that same transaction (those already expired: nothing to do)."""
+        given back in that same transaction (those already expired: nothing to do).
+        Idempotent: a record whose `record_id` is already written, and a reservation
+        already given back, change nothing, so a batch may be written again.
+        Raises `ServiceUnavailableError` when the database cannot be reached (the
+        batch may or may not have been committed: write it again later); any other
+        error means the store refused these records."""
 
     @abstractmethod
     def query_usage(self, query: UsageQuery) -> list[UsageRecord]: ...
@@ -232,6 +254,10 @@ class Store(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
 
+
+# What a lost database looks like through SQLAlchemy: refused or broken connections
+# (OperationalError, also SQLite's "database is locked"), a closed one, an exhausted pool.
+_OUTAGES = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError)
 
 # Rounding slack when a reservation is compared with a budget: float sums of costs
 # that fit a budget exactly must not be refused for the last bit.
@@ -286,6 +312,8 @@ def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.
         sa.Column("latency_ms", sa.Float, nullable=False),
         sa.Column("request_body", sa.Text, nullable=True),
         sa.Column("response_body", sa.Text, nullable=True),
+        sa.Column("record_id", sa.String(40), nullable=True),
+        sa.Index(f"{prefix}usage_record_id", "record_id", unique=True),
     )
     reservations = sa.Table(
         f"{prefix}reservations", md,
@@ -345,7 +373,9 @@ class SQLStore(Store):
         (self.metadata, self.tenants, self.keys, self.usage,
          self.reservations, self.versions) = _tables(table_prefix)
         self.metadata.create_all(self.engine)
-        self._add_reserved_column()
+        self._add_column(self.tenants, "reserved_usd", "FLOAT NOT NULL DEFAULT 0")
+        if self._add_column(self.usage, "record_id", "VARCHAR(40)"):
+            self._add_unique_index(self.usage, "record_id")
         self._add_version_row()
         self._prepare()
 
@@ -358,16 +388,25 @@ class SQLStore(Store):
         with contextlib.suppress(sa.exc.IntegrityError), self.engine.begin() as conn:
             conn.execute(v.insert().values(name=AUTH_VERSION_ROW, version=0))
 
-    def _add_reserved_column(self) -> None:
-        """Tables created before budgets were reserved lack `reserved_usd`: add it."""
-        name = self.tenants.name
-        if "reserved_usd" in {c["name"] for c in sa.inspect(self.engine).get_columns(name)}:
-            return
-        quoted = self.engine.dialect.identifier_preparer.quote(name)
+    def _add_column(self, table: sa.Table, column: str, ddl: str) -> bool:
+        """Tables created by an older sluice lack later columns (`tenants.reserved_usd`,
+        `usage.record_id`): add `column` if missing; True if it was."""
+        if column in {c["name"] for c in sa.inspect(self.engine).get_columns(table.name)}:
+            return False
+        quoted = self.engine.dialect.identifier_preparer.quote(table.name)
         guard = "IF NOT EXISTS " if self.engine.dialect.name == "postgresql" else ""
         with self.engine.begin() as conn:
-            conn.execute(sa.text(f"ALTER TABLE {quoted} ADD COLUMN {guard}reserved_usd "
-                                 "FLOAT NOT NULL DEFAULT 0"))
+            conn.execute(sa.text(f"ALTER TABLE {quoted} ADD COLUMN {guard}{column} {ddl}"))
+        return True
+
+    def _add_unique_index(self, table: sa.Table, column: str) -> None:
+        """The unique index `create_all` makes on a new table, on an old one (its rows
+        keep NULL there, which a unique index allows any number of)."""
+        quote = self.engine.dialect.identifier_preparer.quote
+        index = next(i for i in table.indexes if column in i.columns)
+        with self.engine.begin() as conn:
+            conn.execute(sa.text(f"CREATE UNIQUE INDEX IF NOT EXISTS {quote(str(index.name))} "
+                                 f"ON {quote(table.name)} ({column})"))
 
     def _prepare(self) -> None:
         """Build the per-request statements once (they run on every request)."""
@@ -377,7 +416,8 @@ class SQLStore(Store):
                       t.c.created_at.label("t_created"), t.c.reserved_usd)
             .join(t, t.c.id == k.c.tenant_id)
             .where(k.c.digest == sa.bindparam("digest"), k.c.revoked_at.is_(None)))
-        self._insert_usage = u.insert()
+        insert = postgresql.insert if self.engine.dialect.name == "postgresql" else sqlite.insert
+        self._insert_usage = insert(u).on_conflict_do_nothing().returning(u.c.record_id)
         v = self.versions
         self._version_sql = str(sa.select(v.c.version).where(v.c.name == AUTH_VERSION_ROW)
                                 .compile(self.engine, compile_kwargs={"literal_binds": True}))
@@ -596,18 +636,27 @@ class SQLStore(Store):
                           released: Sequence[str] = ()) -> None:
         if not records and not released:
             return
-        spend: dict[str, float] = {}
-        for r in records:
-            if r.cost_usd:
-                spend[r.tenant_id] = spend.get(r.tenant_id, 0.0) + r.cost_usd
-        with self.engine.begin() as conn:
-            # reservations first: a concurrent sweep holds only reservation rows it
-            # locked itself, and takes tenants in the same sorted order
-            freed = (self._delete_reservations(conn, self.reservations.c.id.in_(released))
-                     if released else {})
-            if records:
-                conn.execute(self._insert_usage, [asdict(r) for r in records])
-            self._settle_tenants(conn, spend, freed)
+        try:
+            with self.engine.begin() as conn:
+                # reservations first: a concurrent sweep holds only reservation rows it
+                # locked itself, and takes tenants in the same sorted order
+                freed = (self._delete_reservations(conn, self.reservations.c.id.in_(released))
+                         if released else {})
+                inserted = self._insert_records(conn, records)
+                spend: dict[str, float] = {}
+                for r in records:
+                    if r.cost_usd and r.record_id in inserted:
+                        spend[r.tenant_id] = spend.get(r.tenant_id, 0.0) + r.cost_usd
+                self._settle_tenants(conn, spend, freed)
+        except _OUTAGES as exc:
+            raise ServiceUnavailableError("gateway database unreachable",
+                                          code="store_unavailable") from exc
+
+    def _insert_records(self, conn: sa.Connection, records: list[UsageRecord]) -> set[str]:
+        """Insert the records not already in the ledger; the `record_id`s inserted."""
+        if not records:
+            return set()
+        return set(conn.execute(self._insert_usage, [asdict(r) for r in records]).scalars())
 
     def query_usage(self, query: UsageQuery) -> list[UsageRecord]:
         u = self.usage

@@ -1,0 +1,304 @@
+"""The usage ledger's writes: group commit, idempotent re-writes, records kept and retried
+while the database is down, the bounded buffer, and shutdown. On SQLite and PostgreSQL.
+
+An outage is made where SQLAlchemy meets the driver: a hook raises the driver's own
+`OperationalError` before each statement, which is what a refused or broken connection
+raises, so the store's classification of it is exercised too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from sluice.gateway.config import GatewayConfig
+from sluice.gateway.ledger import LedgerWriter
+from sluice.gateway.limits import LocalLimiter
+from sluice.gateway.middleware import GatewayMiddleware
+from sluice.gateway.state import GatewayState
+from sluice.gateway.store import SQLStore, TenantSettings, UsageQuery, UsageRecord
+from sluice.protocol.errors import ServiceUnavailableError
+
+from .conftest import CHAT, PG_URL, client_for, new_key
+from .stub import StubUpstream
+
+
+def rec(tenant_id: str, i: int, cost: float = 0.5, **changes: Any) -> UsageRecord:
+    return UsageRecord(**{"request_id": f"r{i}", "tenant_id": tenant_id, "key_id": "k",
+                          "endpoint": "/v1/completions", "model": "m", "status": "ok",
+                          "http_status": 200, "cost_usd": cost, **changes})
+
+
+class Outage:
+    """Makes `store`'s database unreachable while `down` is set (every statement fails
+    as a refused connection does)."""
+
+    def __init__(self, store: SQLStore) -> None:
+        self.down = False
+        self.error = store.engine.dialect.dbapi.OperationalError  # type: ignore[union-attr]
+        sa.event.listen(store.engine, "before_cursor_execute", self._check)
+
+    def _check(self, *_: Any) -> None:
+        if self.down:
+            raise self.error("connection refused (test outage)")
+
+
+async def until(condition: Any, timeout_s: float = 10.0) -> None:
+    """Poll `condition()` every 10 ms; fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def rows(store: SQLStore) -> list[UsageRecord]:
+    return store.query_usage(UsageQuery())
+
+
+def dropped(writer: LedgerWriter) -> float | None:
+    return writer.metrics.registry.get_sample_value("sluice_gateway_ledger_errors_total")
+
+
+def waiting(writer: LedgerWriter) -> float | None:
+    return writer.metrics.registry.get_sample_value("sluice_gateway_ledger_waiting")
+
+
+class CountingStore(SQLStore):
+    """Counts transactions (an observation hook, not a fake: rows go to SQLite)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.batches: list[int] = []
+
+    def record_usage_many(self, records: list[UsageRecord],
+                          released: Sequence[str] = ()) -> None:
+        self.batches.append(len(records))
+        time.sleep(0.01)  # a slow commit, so that writers pile up behind it
+        super().record_usage_many(records, released)
+
+
+async def test_ledger_writer_group_commits(tmp_path: Path) -> None:
+    store = CountingStore(f"sqlite:///{tmp_path / 'l.db'}")
+    tenant = store.create_tenant("t", TenantSettings())
+    writer = LedgerWriter(store)
+    await asyncio.gather(*(writer.write(rec(tenant.id, i)) for i in range(40)))
+    assert sum(store.batches) == 40 and len(store.batches) < 40
+    assert len(rows(store)) == 40
+    assert store.get_tenant("t").spend_usd == pytest.approx(20.0)
+    store.close()
+
+
+def test_writing_a_batch_again_adds_no_row_and_no_spend(any_store: SQLStore) -> None:
+    t = any_store.create_tenant("acme", TenantSettings(budget_usd=10.0))
+    reservation = any_store.reserve_spend(t.id, 2.0, 10.0, 60)
+    assert reservation
+    batch = [rec(t.id, i) for i in range(3)]
+    any_store.record_usage_many(batch, [reservation])
+    any_store.record_usage_many(batch, [reservation])  # a retry after a lost reply
+    any_store.record_usage_many([batch[1], rec(t.id, 3)])  # one old, one new
+    assert sorted(r.request_id for r in rows(any_store)) == ["r0", "r1", "r2", "r3"]
+    assert len({r.record_id for r in rows(any_store)}) == 4
+    tenant = any_store.get_tenant(t.id)
+    assert (tenant.spend_usd, tenant.reserved_usd) == pytest.approx((2.0, 0.0), abs=1e-9)
+
+
+def test_two_requests_may_share_a_client_request_id(any_store: SQLStore) -> None:
+    """`x-request-id` is the client's: a second request with the same one is a new row
+    (and is charged), only the gateway's `record_id` is unique."""
+    t = any_store.create_tenant("acme", TenantSettings())
+    any_store.record_usage_many([rec(t.id, 1), rec(t.id, 1)])
+    assert [r.request_id for r in rows(any_store)] == ["r1", "r1"]
+    assert any_store.get_tenant(t.id).spend_usd == pytest.approx(1.0)
+
+
+def test_an_unreachable_database_is_reported_as_unavailable(any_store: SQLStore) -> None:
+    t = any_store.create_tenant("acme", TenantSettings())
+    outage = Outage(any_store)
+    outage.down = True
+    with pytest.raises(ServiceUnavailableError):
+        any_store.record_usage_many([rec(t.id, 1)])
+    outage.down = False
+    assert rows(any_store) == []
+
+
+class LostReplyStore(SQLStore):
+    """Commits the first batch, then reports the connection lost (the reply to COMMIT
+    never arrived): the writer cannot tell it was written."""
+
+    def __init__(self, url: str, table_prefix: str = "sluice_") -> None:
+        super().__init__(url, table_prefix)
+        self.calls = 0
+
+    def record_usage_many(self, records: list[UsageRecord],
+                          released: Sequence[str] = ()) -> None:
+        super().record_usage_many(records, released)
+        self.calls += 1
+        if self.calls == 1:
+            raise ServiceUnavailableError("server closed the connection unexpectedly")
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.services)])
+def lost_reply_store(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    if request.param == "sqlite":
+        store = LostReplyStore(f"sqlite:///{tmp_path / 'l.db'}")
+    else:
+        store = LostReplyStore(PG_URL, table_prefix=f"t{uuid.uuid4().hex[:10]}_")
+    yield store
+    if request.param == "postgres":
+        store.drop_all()
+    store.close()
+
+
+async def test_a_commit_whose_reply_was_lost_is_retried_and_counted_once(
+        lost_reply_store: LostReplyStore) -> None:
+    store = lost_reply_store
+    t = store.create_tenant("acme", TenantSettings(budget_usd=10.0))
+    reservation = store.reserve_spend(t.id, 3.0, 10.0, 60)
+    writer = LedgerWriter(store, retry_s=(0.01, 0.05))
+    await writer.write(rec(t.id, 1, cost=1.25), reservation)
+    assert len(writer.waiting) == 1  # the caller is not held up by the retry
+    await until(lambda: not writer.waiting)
+    assert store.calls == 2 and [r.request_id for r in rows(store)] == ["r1"]
+    tenant = store.get_tenant(t.id)
+    assert (tenant.spend_usd, tenant.reserved_usd) == pytest.approx((1.25, 0.0), abs=1e-9)
+    assert dropped(writer) == 0
+
+
+async def test_records_wait_while_the_database_is_down_and_are_written_after(
+        any_store: SQLStore) -> None:
+    t = any_store.create_tenant("acme", TenantSettings())
+    outage = Outage(any_store)
+    writer = LedgerWriter(any_store, retry_s=(0.01, 0.1))
+    await writer.write(rec(t.id, 0))
+    outage.down = True
+    await asyncio.gather(*(writer.write(rec(t.id, i)) for i in range(1, 6)))
+    await writer.write(rec(t.id, 6))  # joins the queue without trying the database
+    assert [r.request_id for r, _ in writer.waiting] == [f"r{i}" for i in range(1, 7)]
+    assert waiting(writer) == 6
+    await asyncio.sleep(0.3)  # several retries fail meanwhile
+    assert len(writer.waiting) == 6
+    outage.down = False
+    await until(lambda: not writer.waiting)
+    assert [r.request_id for r in rows(any_store)] == [f"r{i}" for i in range(7)]
+    assert any_store.get_tenant(t.id).spend_usd == pytest.approx(3.5)
+    assert waiting(writer) == 0 and dropped(writer) == 0
+
+
+async def test_a_full_buffer_drops_and_counts_what_does_not_fit(sqlite_store: SQLStore,
+                                                               caplog: Any) -> None:
+    t = sqlite_store.create_tenant("acme", TenantSettings())
+    Outage(sqlite_store).down = True
+    writer = LedgerWriter(sqlite_store, max_waiting=2, retry_s=(10.0, 10.0))
+    for i in range(3):
+        await writer.write(rec(t.id, i))
+    assert writer.full and [r.request_id for r, _ in writer.waiting] == ["r0", "r1"]
+    assert dropped(writer) == 1
+    assert "usage record for request r2 not written" in caplog.text
+    await writer.close(0)
+
+
+async def test_a_record_the_store_refuses_does_not_take_its_batch_down(
+        sqlite_store: SQLStore) -> None:
+    t = sqlite_store.create_tenant("acme", TenantSettings())
+    writer = LedgerWriter(sqlite_store)
+    bad = rec(t.id, 1, endpoint=None)  # NOT NULL: refused, not an outage
+    await asyncio.gather(writer.write(rec(t.id, 0)), writer.write(bad), writer.write(rec(t.id, 2)))
+    assert [r.request_id for r in rows(sqlite_store)] == ["r0", "r2"]
+    assert not writer.waiting and dropped(writer) == 1
+
+
+async def test_close_writes_what_waits_once_the_database_is_back(sqlite_store: SQLStore) -> None:
+    t = sqlite_store.create_tenant("acme", TenantSettings())
+    outage = Outage(sqlite_store)
+    outage.down = True
+    writer = LedgerWriter(sqlite_store, retry_s=(0.01, 0.05))
+    await asyncio.gather(*(writer.write(rec(t.id, i)) for i in range(2)))
+    asyncio.get_running_loop().call_later(0.2, setattr, outage, "down", False)
+    await writer.close(10)
+    assert len(rows(sqlite_store)) == 2 and dropped(writer) == 0
+
+
+async def test_close_counts_what_it_could_not_write(sqlite_store: SQLStore, caplog: Any) -> None:
+    t = sqlite_store.create_tenant("acme", TenantSettings())
+    Outage(sqlite_store).down = True
+    writer = LedgerWriter(sqlite_store, retry_s=(0.01, 0.05))
+    await asyncio.gather(*(writer.write(rec(t.id, i)) for i in range(2)))
+    with caplog.at_level(logging.ERROR):
+        await writer.close(0.2)
+    assert "2 usage records not written" in caplog.text
+    assert not writer.waiting and dropped(writer) == 2
+
+
+async def test_the_gateway_refuses_requests_while_the_buffer_is_full(
+        sqlite_store: SQLStore) -> None:
+    """Requests already admitted keep their records in memory; once `ledger_max_waiting`
+    wait, new requests get 503 (no row: refused before authentication) until the
+    database is back."""
+    key = new_key(sqlite_store)
+    config = GatewayConfig(await_ledger=True, ledger_max_waiting=1)
+    state = GatewayState(config=config, store=sqlite_store, limiter=LocalLimiter())
+    state.ledger.first_retry_s = state.ledger.max_retry_s = 0.05
+    outage = Outage(sqlite_store)
+    gw = GatewayMiddleware(StubUpstream(), state)
+    async with client_for(gw, key) as c:
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        outage.down = True  # the key stays cached: SQLite's auth check is its own read
+        r1 = await c.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": "kept"})
+        r2 = await c.post("/v1/chat/completions", json=CHAT, headers={"x-request-id": "no"})
+        assert r1.status_code == 200 and state.ledger.full
+        assert r2.status_code == 503 and r2.json()["error"]["code"] == "ledger_full"
+        assert "retry-after" in r2.headers
+        outage.down = False
+        await until(lambda: not state.ledger.waiting)
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+    ids = [r.request_id for r in rows(sqlite_store)]
+    assert len(ids) == 3 and "kept" in ids and "no" not in ids
+    await state.aclose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.services)])
+def database(request: pytest.FixtureRequest, tmp_path: Path) -> Any:
+    """(url, table prefix) of an empty database; the tables are dropped afterwards."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'old.db'}", "sluice_"
+        return
+    prefix = f"t{uuid.uuid4().hex[:10]}_"
+    yield PG_URL, prefix
+    store = SQLStore(PG_URL, prefix)
+    store.drop_all()
+    store.close()
+
+
+def test_an_old_usage_table_gains_record_id_and_its_unique_index(database: Any) -> None:
+    url, prefix = database
+    store = SQLStore(url, prefix)
+    t = store.create_tenant("acme", TenantSettings())
+    with store.engine.begin() as conn:  # back to the table as it was before record_id
+        conn.execute(sa.text(f"DROP INDEX {prefix}usage_record_id"))
+        conn.execute(sa.text(f"ALTER TABLE {prefix}usage DROP COLUMN record_id"))
+        conn.execute(store.usage.insert().values(
+            request_id="old", ts=0.0, tenant_id=t.id, key_id="k", endpoint="/v1/completions",
+            status="ok", http_status=200, prompt_tokens=1, completion_tokens=1, cost_usd=0.0,
+            latency_ms=1.0))
+    store.close()
+    store = SQLStore(url, prefix)
+    try:
+        assert [(r.request_id, r.record_id) for r in rows(store)] == [("old", None)]
+        new = rec(t.id, 1)
+        store.record_usage_many([new])
+        store.record_usage_many([new])
+        assert [r.request_id for r in rows(store)] == ["old", "r1"]
+        assert store.get_tenant(t.id).spend_usd == pytest.approx(0.5)
+        indexes = sa.inspect(store.engine).get_indexes(f"{prefix}usage")
+        assert [bool(i["unique"]) for i in indexes if i["name"] == f"{prefix}usage_record_id"] \
+            == [True]
+    finally:
+        store.close()
