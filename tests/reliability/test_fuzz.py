@@ -132,8 +132,10 @@ def fuzz(doc: dict[str, Any], base_url: str, headers: dict[str, str], stack: Sta
         path = case.formatted_path
         response = case.call(base_url=base_url, session=session, headers=headers, timeout=60)
         seen.append((case.method, case.path, response.status_code))  # the template path
-        assert response.status_code < 500, (case.method, path, case.body, response.text[:500],
-                                            [p.text()[-2000:] for p in stack.all()])
+        if response.status_code >= 500:  # pytest.fail: the whole text, not truncated
+            logs = "\n".join(p.text()[-3000:] for p in stack.all())
+            pytest.fail(f"{case.method} {path} {case.body!r} -> {response.status_code} "
+                        f"{response.text[:1000]}\n{logs}")
         if response.status_code >= 400:
             error_shape(path, response.status_code, response.content)
 
