@@ -63,7 +63,7 @@ import httpx
 from sluice import env
 from sluice.control.local import LocalWorkerPool, child_command
 from sluice.engine.tokenizer import default_served_name, resolve_model
-from sluice.gateway.store import SQLStore, UsageQuery, UsageRecord
+from sluice.gateway.store import MAX_USAGE_ROWS, SQLStore, UsageQuery, UsageRecord
 from sluice.protocol.prompt import TokenCache
 from sluice.router.app import build_app
 from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
@@ -318,7 +318,7 @@ def ledger_rows(database_url: str, prefix: str) -> list[UsageRecord]:
     """Every ledger row whose request id starts with `prefix`, through the store's API."""
     store = SQLStore(database_url)
     try:
-        rows = store.query_usage(UsageQuery(limit=10**9))
+        rows = store.query_usage(UsageQuery(limit=MAX_USAGE_ROWS))
     finally:
         store.close()
     return [r for r in rows if r.request_id.startswith(prefix)]

@@ -377,3 +377,19 @@ async def test_body_is_forwarded_as_sent_unless_policy_changes_it(
     assert r.status_code == 200, r.text
     assert upstream.bodies == [forwarded]
     assert json.loads(forwarded)["priority"] == 1
+
+
+async def test_usage_queries_out_of_range_are_400s_naming_the_parameter(
+        sqlite_store: SQLStore, stub: StubUpstream) -> None:
+    """A `limit` past 64 bits was a 500 from SQLite (found by the reliability fuzz)."""
+    key = new_key(sqlite_store, tenant="A")
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    async with client_for(gw, key) as c:
+        for params, param in (({"limit": 10**30}, "limit"), ({"limit": 0}, "limit"),
+                              ({"since": "nan"}, "since"), ({"until": "inf"}, "until")):
+            r = await c.get("/v1/usage", params=params)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert (await c.get("/v1/usage", params={"limit": 100_000})).status_code == 200
+    async with client_for(gw, ADMIN_KEY) as admin:
+        r = await admin.get("/admin/usage", params={"limit": -1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "limit"

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import secrets
 import threading
 import time
@@ -159,6 +160,9 @@ class UsageRecord:
     record_id: str | None = field(default_factory=new_record_id)
 
 
+MAX_USAGE_ROWS = 100_000  # one usage query's `limit` at most
+
+
 @dataclass(frozen=True)
 class UsageQuery:
     tenant_id: str | None = None
@@ -166,6 +170,17 @@ class UsageQuery:
     since: float | None = None
     until: float | None = None
     limit: int = 1000
+
+    def __post_init__(self) -> None:
+        """A 400 naming the parameter for what no database column can hold (a `limit`
+        past 64 bits was a 500 from SQLite) or that means nothing (NaN, infinity)."""
+        if not 1 <= self.limit <= MAX_USAGE_ROWS:
+            raise InvalidRequestError(f"limit must be between 1 and {MAX_USAGE_ROWS}, got "
+                                      f"{self.limit}", param="limit")
+        for name in ("since", "until"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise InvalidRequestError(f"{name} must be a finite timestamp", param=name)
 
 
 class Store(ABC):
