@@ -81,13 +81,13 @@ async def stub_app(scope: MutableMapping[str, Any], receive: Receive, send: Send
         more = message.get("more_body", False)
     path = scope["path"]
     if b'"stream": true' in parts[0]:
-        body = json.loads(b"".join(parts))
-        ids = body.get("return_token_ids", False)
+        request = json.loads(b"".join(parts))
+        ids = request.get("return_token_ids", False)
         headers = [(b"content-type", b"text/event-stream")]
         headers += [(b"x-sluice-tokenizer", b"stub")] if ids else []
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         event = EVENT_IDS if ids else EVENT
-        for _ in range(body["max_tokens"]):
+        for _ in range(request["max_tokens"]):
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
         return
