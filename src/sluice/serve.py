@@ -95,6 +95,10 @@ def add_control_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scale-down-delay", type=float, default=60.0,
                    help="seconds a smaller count must be wanted before scaling down "
                         "(default: %(default)s)")
+    g.add_argument("--lookahead", type=float, default=30.0,
+                   help="slo policy: also meet the SLO for the demand forecast this many "
+                        "seconds ahead, about a new worker's start time; 0: today's only "
+                        "(default: %(default)s)")
     g.add_argument("--scale-to-zero-after", type=float, default=300.0,
                    help="with --min-workers 0: seconds idle before stopping the last worker "
                         "(default: %(default)s)")
@@ -226,6 +230,7 @@ def planner_config(args: argparse.Namespace) -> Any:
     return PlannerConfig(policy=args.planner_policy, min_replicas=lo, max_replicas=hi,
                          slo=SLO.parse(args.slo), scale_up_delay_s=args.scale_up_delay,
                          scale_down_delay_s=args.scale_down_delay,
+                         lookahead_s=args.lookahead,
                          scale_to_zero_after_s=args.scale_to_zero_after if lo == 0 else None)
 
 

@@ -21,6 +21,7 @@ def parse(*argv: str) -> argparse.Namespace:
     (["--min-workers", "1", "--slo", "p99=1s"], "ttft=..,itl=.."),
     (["--backend", "external"], "--worker-url"),
     (["--worker-url", "http://w:1", "--workers", "2"], "--worker-url"),
+    (["--max-workers", "2", "--lookahead", "-1"], "lookahead_s must be >= 0"),
 ])
 def test_bad_flags_exit_2_before_starting(argv: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -38,6 +39,8 @@ def test_bounds_and_the_planner_config() -> None:
     assert config.slo == SLO(1.0, 0.05) and config.scale_to_zero_after_s == 30
     assert planner_config(parse("--min-workers", "1", "--max-workers", "2")) \
         .scale_to_zero_after_s is None
+    assert planner_config(parse("--max-workers", "2")).lookahead_s == 30.0
+    assert planner_config(parse("--max-workers", "2", "--lookahead", "0")).lookahead_s == 0.0
 
 
 def test_chat_flags_reach_every_worker(tmp_path: object) -> None:

@@ -27,6 +27,14 @@ p90 TTFT when the model under-predicts it. ITL is predicted from the observed me
 scaled by the per-worker decode batch: ITL(n) = ITL_obs × (1 + running/n) / (1 + running/n_now).
 Dynamo's planner maps forecast load through profiled curves instead; sluice has no
 offline profile, so it uses the line the router already fits online.
+
+Look-ahead: a worker started now serves only after its cold start, so the `slo` policy
+also predicts the pool at `lookahead_s` from now, with the demand (requests in flight
+and queued) extrapolated along its growth over the last `trend_window_s` (a
+least-squares slope; growth only). Under a load step the backlog grows linearly long
+before today's TTFT misses: scaling on the forecast starts the worker that much
+earlier. At a steady load the slope is noise around zero, and a forecast that merely
+stays inside the SLO changes nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import re
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -105,6 +113,8 @@ class PlannerConfig:
     target_ongoing_requests: float = 8.0  # queue: in flight + queued per worker
     target_kv_usage: float = 0.8  # kv: mean KV-cache usage per worker
     tolerance: float = 0.1  # queue, kv: no change while the ratio is within 1 ± this
+    lookahead_s: float = 30.0  # slo: also meet the SLO for the demand forecast this far ahead
+    trend_window_s: float = 20.0  # the demand growth is fitted over this much history
     history: int = 120  # decisions kept for /admin/planner
 
     def __post_init__(self) -> None:
@@ -122,6 +132,9 @@ class PlannerConfig:
                 self.scale_to_zero_after_s < 0 or self.min_replicas > 0):
             raise InvalidRequestError("scale_to_zero_after_s needs min_replicas=0 and a "
                                       "value >= 0", param="scale_to_zero_after_s")
+        if self.lookahead_s < 0 or self.trend_window_s <= 0:
+            raise InvalidRequestError("lookahead_s must be >= 0 and trend_window_s > 0",
+                                      param="lookahead_s")
         if not 0 < self.scale_down_margin <= 1:
             raise InvalidRequestError("scale_down_margin must be in (0, 1]",
                                       param="scale_down_margin")
@@ -166,6 +179,21 @@ class PoolSignals:
         """Requests the pool holds: in flight (or estimated on the workers) plus queued."""
         return max(float(self.inflight), self.waiting + self.running) + self.queued
 
+    def grown(self, extra: float) -> PoolSignals:
+        """These signals with `extra` more requests held, in today's proportions of
+        waiting, running, queued and queued prefill tokens (a backlog that keeps growing
+        as it grew)."""
+        if extra <= 0:
+            return self
+        if self.demand <= 0:  # nothing to scale: the new requests wait for prefill
+            return replace(self, waiting=self.waiting + extra,
+                           queued_prefill_tokens=self.queued_prefill_tokens
+                           + extra * self.mean_prompt_tokens)
+        f = (self.demand + extra) / self.demand
+        return replace(self, inflight=round(self.inflight * f), queued=round(self.queued * f),
+                       waiting=self.waiting * f, running=self.running * f,
+                       queued_prefill_tokens=self.queued_prefill_tokens * f)
+
 
 @dataclass(frozen=True)
 class Prediction:
@@ -192,8 +220,10 @@ class PlannerPolicy(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def recommend(self, s: PoolSignals, current: int, config: PlannerConfig) -> Recommendation:
-        """The count this policy wants now, with its predictions at `current` and at it."""
+    def recommend(self, s: PoolSignals, current: int, config: PlannerConfig,
+                  ahead: PoolSignals | None = None) -> Recommendation:
+        """The count this policy wants now, with its predictions at `current` and at it.
+        `ahead`: the signals forecast `config.lookahead_s` from now (None: no forecast)."""
 
     @abstractmethod
     def predict(self, s: PoolSignals, current: int, n: int) -> Prediction:
@@ -244,17 +274,26 @@ class SLOPolicy(PlannerPolicy):
         itl_ok = p.itl_s is None or p.itl_s <= slo.itl_s * factor
         return ttft_ok and itl_ok
 
-    def recommend(self, s: PoolSignals, current: int, config: PlannerConfig) -> Recommendation:
-        preds = [self.predict(s, current, n) for n in range(1, config.max_replicas + 1)]
+    def recommend(self, s: PoolSignals, current: int, config: PlannerConfig,
+                  ahead: PoolSignals | None = None) -> Recommendation:
+        counts = range(1, config.max_replicas + 1)
+        preds = [self.predict(s, current, n) for n in counts]
+        later = [self.predict(ahead, current, n) for n in counts] if ahead is not None else preds
         now = self.predict(s, current, max(1, current))
         best = _best(preds)  # when no count meets it: the fewest that do best
-        up = next((p for p in preds if self._meets(p, config.slo, 1.0)), best)
-        down = next((p for p in preds if self._meets(p, config.slo, config.scale_down_margin)),
-                    best)
+
+        def first(factor: float) -> Prediction:
+            return next((p for p, q in zip(preds, later, strict=True)
+                         if self._meets(p, config.slo, factor)
+                         and self._meets(q, config.slo, factor)), best)
+
+        up, down = first(1.0), first(config.scale_down_margin)
         if current < 1 or up.replicas > current:
-            return Recommendation(up.replicas, "predicted to miss the SLO with fewer"
-                                  if up.replicas > 1 else "smallest count meeting the SLO",
-                                  now, up)
+            today = next((p for p in preds if self._meets(p, config.slo, 1.0)), best)
+            reason = ("predicted to miss the SLO with fewer" if today.replicas >= up.replicas
+                      else f"forecast to miss the SLO with fewer in {config.lookahead_s:g}s")
+            return Recommendation(up.replicas, reason if up.replicas > 1
+                                  else "smallest count meeting the SLO", now, up)
         if down.replicas < current:
             return Recommendation(down.replicas, f"beats {config.scale_down_margin:g} x SLO "
                                   "with fewer", now, down)
@@ -285,7 +324,8 @@ class _RatioPolicy(PlannerPolicy):
     def predict(self, s: PoolSignals, current: int, n: int) -> Prediction:
         return Prediction(n, per_replica=self.per_replica(s, n))
 
-    def recommend(self, s: PoolSignals, current: int, config: PlannerConfig) -> Recommendation:
+    def recommend(self, s: PoolSignals, current: int, config: PlannerConfig,
+                  ahead: PoolSignals | None = None) -> Recommendation:
         ref = max(1, current)
         metric, target = self.per_replica(s, ref), self.target(config)
         ratio = metric / target
@@ -343,6 +383,7 @@ class Decision:
     signals: PoolSignals
     current: Prediction
     predicted: Prediction
+    demand_growth: float = 0.0  # requests/s, fitted over the trend window
 
     @property
     def changed(self) -> bool:
@@ -360,8 +401,8 @@ class Decision:
                 f"{self.reason}; recommended {self.recommended}) | ready {s.ready} starting "
                 f"{s.starting} queued {s.queued} inflight {s.inflight} waiting {s.waiting:.1f} "
                 f"running {s.running:.1f} kv {s.kv_usage:.2f} ttft_p90 {_fmt(s.ttft_p90_s)} "
-                f"itl {_fmt(s.itl_s)} | predicted at {p.replicas}: ttft {_fmt(p.ttft_s)} "
-                f"itl {_fmt(p.itl_s)}")
+                f"itl {_fmt(s.itl_s)} growth {self.demand_growth:.2f}/s | predicted at "
+                f"{p.replicas}: ttft {_fmt(p.ttft_s)} itl {_fmt(p.itl_s)}")
 
 
 def _finite(x: Any) -> Any:
@@ -411,7 +452,9 @@ class Planner:
         """One step at time `now` (seconds, any origin, never decreasing). Mutates the
         planner's history and `desired`; reads no clock."""
         cfg, previous = self.config, self.desired
-        rec = self.policy.recommend(signals, previous, cfg)
+        growth = self.demand_growth(signals, now)
+        ahead = signals.grown(growth * cfg.lookahead_s) if growth > 0 else None
+        rec = self.policy.recommend(signals, previous, cfg, ahead)
         target = min(cfg.max_replicas, max(cfg.min_replicas, rec.replicas))
         stable, reason = self._zero_rule(signals, now)
         if stable is None:
@@ -422,10 +465,25 @@ class Planner:
             self.down.reset()
         self.desired = desired
         decision = Decision(signals.pool, now, previous, desired, target, cfg.policy, reason,
-                            signals, rec.current, self.policy.predict(signals, previous, desired))
+                            signals, rec.current, self.policy.predict(signals, previous, desired),
+                            growth)
         self.decisions.append(decision)
         log.log(logging.INFO if decision.changed else logging.DEBUG, "%s", decision.describe())
         return decision
+
+    def demand_growth(self, signals: PoolSignals, now: float) -> float:
+        """Requests/s the demand grew by over the last `trend_window_s` (least-squares
+        slope over this and the earlier decisions in the window; 0 with under half a
+        window of history)."""
+        lo = now - self.config.trend_window_s
+        points = [(d.at, d.signals.demand) for d in self.decisions if d.at >= lo]
+        points.append((now, signals.demand))
+        if now - points[0][0] < self.config.trend_window_s / 2:
+            return 0.0
+        mt = sum(t for t, _ in points) / len(points)
+        md = sum(d for _, d in points) / len(points)
+        var = sum((t - mt) ** 2 for t, _ in points)
+        return sum((t - mt) * (d - md) for t, d in points) / var if var > 0 else 0.0
 
     def _zero_rule(self, s: PoolSignals, now: float) -> tuple[int | None, str]:
         """Zero after `scale_to_zero_after_s` idle (its own delay: the scale-down delay does
