@@ -274,3 +274,15 @@ def test_a_steady_noisy_load_makes_no_scale_event_with_the_look_ahead() -> None:
         desired.append(planner.decide(s, float(t)).desired)
     assert set(desired) == {1}
     assert max(d.demand_growth for d in planner.decisions) > 0  # the forecast was exercised
+
+
+def test_observations_are_read_at_the_ready_count_not_counting_starting_workers() -> None:
+    # one ready worker saw ITL 0.28 s with 9 running; a second is starting (desired 2).
+    # At 2 workers: 0.28 × (1 + 9/2) / (1 + 9/1) = 0.154 s, inside itl=0.2s: no third
+    # worker (read as if two had served, 0.28 s at 2 would miss and start a third)
+    s = PoolSignals(ready=1, starting=1, inflight=9, running=9, itl_s=0.28,
+                    **BASE)  # type: ignore[arg-type]
+    planner = Planner(PlannerConfig(scale_up_delay_s=0, slo=SLO(ttft_s=60, itl_s=0.2)),
+                      initial=2)
+    d = planner.decide(s, 0.0)
+    assert d.desired == 2 and d.predicted.itl_s == pytest.approx(0.28 * 5.5 / 10)

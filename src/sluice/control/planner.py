@@ -265,7 +265,10 @@ class SLOPolicy(PlannerPolicy):
     name = "slo"
 
     def predict(self, s: PoolSignals, current: int, n: int) -> Prediction:
-        ref = max(1, current)
+        # the observations come from the workers that served them: the ready ones, not
+        # those still starting (counting these would read one worker's ITL as two's, and
+        # start a third while the second loads)
+        ref = s.ready if s.ready > 0 else max(1, current)
         ttft = model_ttft(s, n) * _calibration(s, model_ttft(s, ref))
         return Prediction(n, ttft, predict_itl(s, ref, n))
 
