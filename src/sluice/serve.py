@@ -12,6 +12,8 @@ count: `--workers N` is a fixed N (a worker that dies is replaced); `--min-worke
 queue or KV usage; with A=0 the pool scales to zero after `--scale-to-zero-after`
 seconds idle and the router holds requests (up to `--buffer-timeout`) until a worker
 is ready. Decisions: `GET /admin/planner`, `sluice:desired_replicas` on /metrics.
+`POST /admin/pools/{pool}/model {"model": PATH}` swaps the pool to another model
+blue/green (new workers ready first, then traffic moves, then the old ones drain).
 
 The prompt is tokenized once: the gateway counts it (one `TokenCache` per process,
 shared with the router) and passes the ids on in `x-sluice-prompt-ids`; the router
@@ -242,7 +244,7 @@ def backend_options(args: argparse.Namespace, flags: list[str]) -> dict[str, Any
 
 
 def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
-    from sluice.control.backend import make_backend
+    from sluice.control.backend import ModelSpec, make_backend
     from sluice.control.controller import Controller, ControllerConfig, attach
     from sluice.control.planner import Planner
     from sluice.engine.tokenizer import default_served_name, resolve_model
@@ -271,8 +273,10 @@ def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
                     status_metrics=[wrap.metrics] if wrap else [])
     wrap = traced_gateway(wrap, tracing) if wrap and tracing is not None else wrap
     control = ControllerConfig(drain_grace_s=args.drain_timeout)
+    model = ModelSpec(resolve_model(args.model))  # a swap replaces it (POST .../model)
     attach(app, lambda state: [Controller(name, state, state.pools[0], backend,
-                                          Planner(planning, initial=initial), control)])
+                                          Planner(planning, initial=initial), control,
+                                          model=model)])
     show_control_logs(args.log_level)
     if backend is not None:
         say(f"starting {initial} of {planning.min_replicas}-{planning.max_replicas} workers on "

@@ -1,6 +1,10 @@
 """A cluster backend of in-process stub workers (uvicorn on free ports), for fast tests of
 the controller: real HTTP, real router, the worker contract of `router_stubs`, and a
-start delay to stand in for a model load."""
+start delay to stand in for a model load.
+
+`start(ModelSpec("v2"))` starts a stub named `v2-N` (its tokens read `v2-N-i`), so a test
+sees which model answered; a model in `broken` fails to start after the delay, as a
+worker whose model does not load."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
 from router.router_stubs import StubState, make_stub, serve
-from sluice.control.backend import Backend, WorkerHandle, WorkerHealth
+from sluice.control.backend import Backend, ModelSpec, WorkerHandle, WorkerHealth
 
 
 @dataclass
@@ -29,14 +33,18 @@ class StubBackend(Backend):
     token_delay_s: float = 0.0
     num_tokens: int = 3
     model: str = "stub-model"
+    broken: frozenset[str] = frozenset()  # models whose workers fail to start
     workers: dict[str, StubWorker] = field(default_factory=dict)
     gone: list[StubWorker] = field(default_factory=list)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
-    async def start(self) -> WorkerHandle:
+    async def start(self, model: ModelSpec | None = None) -> WorkerHandle:
         await asyncio.sleep(self.start_delay_s)
-        state = StubState(f"s{next(self._ids)}", model=self.model, num_tokens=self.num_tokens,
-                          token_delay_s=self.token_delay_s)
+        if model is not None and model.model in self.broken:
+            raise RuntimeError(f"worker exited with 1: cannot load {model.model}")
+        prefix = f"{model.model}-" if model is not None else "s"
+        state = StubState(f"{prefix}{next(self._ids)}", model=self.model,
+                          num_tokens=self.num_tokens, token_delay_s=self.token_delay_s)
         stack = AsyncExitStack()
         url = await stack.enter_async_context(serve(make_stub(state)))
         handle = WorkerHandle(state.name, url)

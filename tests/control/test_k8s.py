@@ -53,7 +53,9 @@ def test_every_rendered_manifest_validates(tmp_path: Path) -> None:
     assert trigger["metadata"]["query"] == \
         'max(sluice:desired_replicas{pool="SmolLM2-135M-Instruct"})'
     deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
-    worker = deployments[so["spec"]["scaleTargetRef"]["name"]]["spec"]["template"]["spec"]
+    worker_spec = deployments[so["spec"]["scaleTargetRef"]["name"]]["spec"]
+    assert worker_spec["strategy"]["rollingUpdate"] == {"maxSurge": "100%", "maxUnavailable": 0}
+    worker = worker_spec["template"]["spec"]
     (c,) = worker["containers"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
     assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "10"]

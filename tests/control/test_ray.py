@@ -1,7 +1,8 @@
 """The `ray` backend on a 2-node Ray cluster on loopback (`ray.cluster_utils.Cluster`).
 
 Two workers on the tiny model, one CPU each on two one-CPU nodes: Ray places one on
-each node; both serve; removing a node kills its worker, which the backend then
+each node; both serve, the second with a `ModelSpec`'s flags over the backend's (as a
+model swap starts its workers); removing a node kills its worker, which the backend then
 reports DEAD (the controller would replace it). Marked `ray`: Ray's processes are
 heavy for a 2-core machine; skipped where Ray is not installed.
 """
@@ -17,7 +18,7 @@ ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from sluice.control.backend import WorkerHealth  # noqa: E402
+from sluice.control.backend import ModelSpec, WorkerHealth  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -34,13 +35,14 @@ async def test_workers_spread_over_two_nodes_and_a_removed_node_is_dead(
                          startup_timeout_s=200)
     try:
         a = await backend.start()
-        b = await backend.start()
+        b = await backend.start(ModelSpec(str(tiny_llama_dir), {"max_model_len": 128}))
         assert a.node != b.node, "one worker per one-CPU node"
         async with httpx.AsyncClient(timeout=60) as client:
-            for worker in (a, b):
-                model = (await client.get(worker.url + "/v1/models")).json()["data"][0]["id"]
+            for worker, context in ((a, 256), (b, 128)):
+                (card,) = (await client.get(worker.url + "/v1/models")).json()["data"]
+                assert card["max_model_len"] == context
                 resp = await client.post(worker.url + "/v1/completions", json={
-                    "model": model, "prompt": "hi", "max_tokens": 2})
+                    "model": card["id"], "prompt": "hi", "max_tokens": 2})
                 assert resp.status_code == 200, resp.text
         on_second = a if a.node == second.node_id else b
         other = b if on_second is a else a

@@ -7,6 +7,7 @@ new worker to the router once the backend reports it ready.
 
     backend = make_backend("local", worker_args=[...])
     worker = await backend.start()            # launched and answering /health 200
+    worker = await backend.start(ModelSpec("/models/v2"))   # another model (a swap)
     backend.list()                            # [WorkerHandle(...), ...] it still owns
     await backend.health(worker)              # READY | STARTING | DEAD
     await backend.stop(worker, drain=True)    # SIGTERM: its streams finish (bounded)
@@ -23,7 +24,7 @@ import enum
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar
 
@@ -34,6 +35,28 @@ class WorkerHealth(enum.Enum):
     STARTING = "starting"  # alive, /health not 200 yet
     READY = "ready"        # /health answers 200
     DEAD = "dead"          # its process (actor, pod) is gone; the backend forgets it
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a worker loads: a model (HF directory, hub name or .gguf file) and `sluice
+    worker` flags that go with this model (`options`: flag dest -> value, e.g.
+    {"max_model_len": 2048, "enable_prefix_caching": False}). A pool's served model name
+    is the pool's own and is not part of it."""
+
+    model: str
+    options: Mapping[str, str | int | float | bool] = field(default_factory=dict)
+
+    def flags(self) -> list[str]:
+        """As `sluice worker` arguments: `--model M`, `--dtype X`, `--no-enable-...`."""
+        out = ["--model", self.model]
+        for dest, value in self.options.items():
+            name = dest.replace("_", "-")
+            if isinstance(value, bool):
+                out.append(f"--{name}" if value else f"--no-{name}")
+            else:
+                out += [f"--{name}", str(value)]
+        return out
 
 
 @dataclass(frozen=True)
@@ -53,9 +76,13 @@ class Backend(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    async def start(self) -> WorkerHandle:
+    async def start(self, model: ModelSpec | None = None) -> WorkerHandle:
         """Launch one worker and wait until it is ready. On failure (it exited, or the
-        startup timeout passed) nothing is left running and the error says why."""
+        startup timeout passed) nothing is left running and the error says why.
+
+        `model`: load this instead of the backend's own model (a blue/green swap): its
+        flags follow the backend's worker arguments, so they win (the last flag counts);
+        the others (served name, ports, engine defaults) stay."""
 
     @abstractmethod
     async def stop(self, worker: WorkerHandle, drain: bool = True) -> None:

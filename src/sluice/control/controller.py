@@ -5,18 +5,22 @@
                   replaced below, because the pool is now short of the desired count)
       scrape      the workers' latency histograms into the window (TTFT p90, ITL)
       decide      planner.decide(pool_signals(...), now)
-      reconcile   short: start workers (each joins the router once /health is 200)
+      reconcile   short: start workers of the pool's current model (each joins the
+                        router once /health is 200 and its probe passed)
                   over: cancel starting workers first, then drain the ready worker
                         with the least in flight:
                           router stops routing to it (Endpoint.draining)
                           -> its in-flight requests finish (up to drain_grace_s)
                           -> it leaves the router -> backend.stop(drain=True)
+                  (held while a model swap runs: `control/swap.py`)
 
-Only this loop adds or removes the pool's workers, so no step locks: starts and drains
-run as tasks and the counts (`live`) include them while they run. The router keeps
-serving throughout; a request never sees a worker that is not ready or is draining.
-`attach(app, controllers)` runs the loops in the router app's lifespan, serves
-`GET /admin/planner` and exports the planner's gauges on the router's /metrics.
+Only this loop and a model swap add or remove the pool's workers, and reconcile waits
+while a swap runs, so no step locks: starts and drains run as tasks and the counts
+(`live`) include them while they run. The router keeps serving throughout; a request
+never sees a worker that is not ready or is draining. `attach(app, controllers)` runs
+the loops in the router app's lifespan, serves `GET /admin/planner` and
+`GET|POST /admin/pools/{pool}/model`, and exports the planner's gauges on the router's
+/metrics.
 
 Without a backend (`backend=None`: workers placed by someone else, e.g. Kubernetes) the
 loop only observes and decides: `sluice:desired_replicas` is then the output, for KEDA
@@ -36,9 +40,11 @@ from typing import Any
 
 import httpx
 
-from sluice.control.backend import Backend, WorkerHandle, WorkerHealth
+from sluice.control.backend import Backend, ModelSpec, WorkerHandle, WorkerHealth
 from sluice.control.planner import Decision, Planner
 from sluice.control.signals import LatencyWindow, parse_latency, pool_signals
+from sluice.control.swap import Swap, describe_spec, parse_model_spec
+from sluice.protocol.errors import ConflictError, InvalidRequestError
 from sluice.router.config import WorkerSpec
 from sluice.router.endpoints import Endpoint
 from sluice.router.pool import Pool
@@ -60,21 +66,29 @@ class ControllerConfig:
 
 
 class Controller:
-    """Keeps one pool's workers at the planner's count; owns the pool's membership."""
+    """Keeps one pool's workers at the planner's count; owns the pool's membership.
+
+    `model`: what the pool's workers load (None: the backend's own worker arguments);
+    a swap replaces it and bumps `revision` (1 for the model the pool started with)."""
 
     def __init__(self, name: str, state: RouterState, pool: Pool, backend: Backend | None,
                  planner: Planner, config: ControllerConfig | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 model: ModelSpec | None = None) -> None:
         self.name, self.state, self.pool = name, state, pool
         self.backend, self.planner = backend, planner
         self.config = config or ControllerConfig()
         self.clock = clock
         self.latency = LatencyWindow(self.config.latency_window_s)
         self.workers: dict[str, WorkerHandle] = {}  # url -> handle, in the router
+        self.revisions: dict[str, int] = {}  # url -> the revision it runs
         self.starting: set[asyncio.Task[None]] = set()
         self.draining: dict[str, asyncio.Task[None]] = {}
         self.events: deque[dict[str, Any]] = deque(maxlen=self.config.events)
         self.last: Decision | None = None
+        self.model, self.revision = model, 1
+        self.swap: Swap | None = None  # the running or last swap
+        self.swap_task: asyncio.Task[None] | None = None
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -100,9 +114,13 @@ class Controller:
         signals = pool_signals(self.name, self.pool, self.state.buffer, len(self.starting),
                                self.latency)
         self.last = self.planner.decide(signals, now)
-        if self.backend is not None:
+        if self.backend is not None and not self.swapping:
             self.reconcile(self.last.desired)
         return self.last
+
+    @property
+    def swapping(self) -> bool:
+        return self.swap is not None and self.swap.running
 
     async def start_initial(self) -> None:
         """Start the planner's initial count and wait until they are ready (or failed)."""
@@ -118,10 +136,10 @@ class Controller:
             if url in self.draining:
                 continue
             if await self.backend.health(handle) is WorkerHealth.DEAD:
-                del self.workers[url]
+                self.forget(url)
                 if url in self.pool.endpoints:
                     await self.state.remove_worker(url)
-                self._event("dead", handle)
+                self.event("dead", handle)
 
     async def scrape(self, now: float) -> None:
         urls = list(self.workers) if self.backend is not None else list(self.pool.endpoints)
@@ -146,10 +164,10 @@ class Controller:
         for task in sorted(self.starting, key=id)[:max(0, excess)]:
             task.cancel()  # the backend kills a worker whose start is cancelled
             excess -= 1
-        for endpoint in self._drain_order()[:max(0, excess)]:
-            self.draining[endpoint.url] = asyncio.create_task(self._drain(endpoint))
+        for endpoint in self.drain_order()[:max(0, excess)]:
+            self.drain(endpoint)
 
-    def _drain_order(self) -> list[Endpoint]:
+    def drain_order(self) -> list[Endpoint]:
         """Ready workers not yet draining, least in flight first."""
         candidates = [self.pool.endpoints[url] for url in self.workers
                       if url not in self.draining and url in self.pool.endpoints]
@@ -163,26 +181,71 @@ class Controller:
         task.add_done_callback(self.starting.discard)
 
     async def _start(self) -> None:
+        """One worker of the pool's current model, routable once its probe passed."""
         started = self.clock()
-        self._event("start", None)
+        try:
+            handle = await self.boot(self.model, self.revision)
+        except (OSError, RuntimeError, TimeoutError):
+            return
+        (await self.join(handle, self.revision, started)).draining = False
+
+    async def boot(self, model: ModelSpec | None, revision: int) -> WorkerHandle:
+        """Start one worker of `model` through the backend, until /health 200; a failure
+        is logged, recorded (start_failed) and raised."""
+        self.event("start", revision=revision)
         assert self.backend is not None
         try:
-            handle = await self.backend.start()
+            return await self.backend.start(model)
         except (OSError, RuntimeError, TimeoutError) as exc:
             log.warning("pool %s: a worker failed to start: %s", self.name, exc)
-            self._event("start_failed", None, error=str(exc)[:500])
-            return
+            self.event("start_failed", error=str(exc)[:500])
+            raise
+
+    async def join(self, handle: WorkerHandle, revision: int, started: float) -> Endpoint:
+        """Add a started worker to the router, held back (draining) until the caller lets
+        it take requests; probed first (health, the model ids it serves)."""
         endpoint = self.pool.add(WorkerSpec(handle.url, kv_events=handle.kv_events))
+        endpoint.draining = True
         self.state.start_subscriber(self.pool, endpoint)
-        await self.state.monitor.probe(endpoint)
-        self.workers[handle.url] = handle
-        self._event("ready", handle, seconds=round(self.clock() - started, 3))
+        try:
+            await self.state.monitor.probe(endpoint)
+        except asyncio.CancelledError:  # a start cancelled here would leak the worker
+            await self.discard(handle)
+            raise
+        self.workers[handle.url], self.revisions[handle.url] = handle, revision
+        self.event("ready", handle, seconds=round(self.clock() - started, 3))
+        return endpoint
+
+    async def discard(self, handle: WorkerHandle) -> None:
+        """Take a worker that never took a request out of the router and stop it now."""
+        self.forget(handle.url)
+        if handle.url in self.pool.endpoints:
+            await self.state.remove_worker(handle.url)
+        assert self.backend is not None
+        await self.backend.stop(handle, drain=False)
+        self.event("stopped", handle, unfinished=0)
+
+    async def cancel_starts(self) -> None:
+        """Cancel the starts in flight and wait until they are gone (the backend kills a
+        worker whose start is cancelled)."""
+        for task in list(self.starting):
+            task.cancel()
+        await asyncio.gather(*self.starting, return_exceptions=True)
+
+    def forget(self, url: str) -> None:
+        self.workers.pop(url, None)
+        self.revisions.pop(url, None)
+
+    def drain(self, endpoint: Endpoint) -> None:
+        """Stop routing to `endpoint` now (this event-loop turn); a task lets its requests
+        finish, then stops it (`draining[url]` until done)."""
+        endpoint.draining = True
+        self.draining[endpoint.url] = asyncio.create_task(self._drain(endpoint))
 
     async def _drain(self, endpoint: Endpoint) -> None:
-        """Stop routing to it, let its requests finish (bounded), then stop it."""
+        """Let its requests finish (bounded), take it out of the router, then stop it."""
         handle = self.workers[endpoint.url]
-        endpoint.draining = True
-        self._event("drain", handle, inflight=endpoint.inflight)
+        self.event("drain", handle, inflight=endpoint.inflight)
         deadline = self.clock() + self.config.drain_grace_s
         try:
             while endpoint.inflight > 0 and self.clock() < deadline:
@@ -191,16 +254,46 @@ class Controller:
                 await self.state.remove_worker(endpoint.url)
             assert self.backend is not None
             await self.backend.stop(handle, drain=True)
-            self._event("stopped", handle, unfinished=endpoint.inflight)
+            self.event("stopped", handle, unfinished=endpoint.inflight)
         finally:
-            self.workers.pop(endpoint.url, None)
+            self.forget(endpoint.url)
             self.draining.pop(endpoint.url, None)
 
-    def _event(self, kind: str, handle: WorkerHandle | None, **extra: Any) -> None:
+    def event(self, kind: str, handle: WorkerHandle | None = None, **extra: Any) -> None:
+        """Record a scale or swap event (GET /admin/planner) and log it (INFO)."""
         event = {"at": self.clock(), "pool": self.name, "event": kind,
                  "worker": handle.url if handle else None, **extra}
         self.events.append(event)
         log.info("pool %s: %s %s %s", self.name, kind, event["worker"] or "", extra or "")
+
+    # --- model swap -------------------------------------------------------------------------
+
+    def swap_model(self, body: bytes) -> dict[str, Any]:
+        """Start a blue/green swap to the model in `body` (POST /admin/pools/{pool}/model):
+        400 for a bad body or a pool without a backend, 409 while a swap runs. Returns
+        the pool's model view at once; the swap runs as a task (`control/swap.py`)."""
+        spec = parse_model_spec(body)
+        if self.backend is None:
+            raise InvalidRequestError(f"pool {self.name} has no backend here (its workers are "
+                                      "placed outside sluice): roll out their Deployment "
+                                      "instead", param="pool", code="external_workers")
+        running = self.swap
+        if running is not None and running.running:
+            raise ConflictError(f"pool {self.name} is already swapping to revision "
+                                f"{running.revision} ({running.state})",
+                                code="swap_in_progress")
+        self.swap = Swap(self, spec, self.revision + 1, workers=max(1, self.live))
+        self.swap_task = asyncio.create_task(self.swap.run())
+        return self.model_view()
+
+    def model_view(self) -> dict[str, Any]:
+        """GET /admin/pools/{pool}/model: the current model, each worker's revision, the
+        running or last swap."""
+        return {"pool": self.name, "revision": self.revision,
+                "model": describe_spec(self.model),
+                "workers": [{"url": url, "revision": self.revisions.get(url),
+                             "draining": url in self.draining} for url in sorted(self.workers)],
+                "swap": self.swap.describe() if self.swap is not None else None}
 
     # --- views and shutdown -----------------------------------------------------------------
 
@@ -208,14 +301,18 @@ class Controller:
         backend = self.backend.name if self.backend is not None else "external"
         return {"pool": self.name, "backend": backend, "live": self.live,
                 "workers": sorted(self.workers), "draining": sorted(self.draining),
-                "starting": len(self.starting), **self.planner.describe(),
-                "events": list(self.events)}
+                "starting": len(self.starting), "revision": self.revision,
+                "swap": self.swap.describe() if self.swap is not None else None,
+                **self.planner.describe(), "events": list(self.events)}
 
     async def close(self) -> None:
-        """Cancel starts, let drains finish, stop every worker the backend still has."""
-        for task in list(self.starting):
+        """Cancel starts and a running swap, let drains finish, stop every worker the
+        backend still has."""
+        for task in [*self.starting, *([self.swap_task] if self.swap_task else [])]:
             task.cancel()
-        await asyncio.gather(*self.starting, *self.draining.values(), return_exceptions=True)
+        await asyncio.gather(*self.starting, *self.draining.values(),
+                             *([self.swap_task] if self.swap_task else []),
+                             return_exceptions=True)
         if self.backend is not None:
             await self.backend.close()
 
@@ -228,6 +325,7 @@ def attach(app: Any, controllers: Sequence[Controller] | Callable[[RouterState],
     `controllers` may be a function of the `RouterState`, since the state is created in
     the lifespan."""
     from sluice.control.metrics import PlannerCollector
+    from sluice.router.model_admin import model_router
     from sluice.router.planner_admin import planner_router
 
     inner = app.router.lifespan_context
@@ -256,3 +354,5 @@ def attach(app: Any, controllers: Sequence[Controller] | Callable[[RouterState],
 
     app.router.lifespan_context = lifespan
     app.include_router(planner_router(lambda: {"pools": [c.describe() for c in running]}))
+    app.include_router(model_router(
+        lambda pool: next((c for c in running if c.pool is pool), None)))

@@ -22,6 +22,11 @@ finish its in-flight streams (`--shutdown-timeout`) within the grace period. Pro
 readiness and liveness; the gateway's readiness (its liveness is its port, since its
 /health is the router's).
 
+A model change is a rollout of the worker Deployment (a new `--model` in its args, or a
+new image) with `maxSurge: 100%, maxUnavailable: 0`: every new pod starts and passes
+its readiness probe before any old pod is taken away, and old pods drain as above:
+the same blue/green order as `POST /admin/pools/{pool}/model` in `sluice serve`.
+
 The router reaches the workers through their Service (kube-proxy spreads connections);
 per-pod routing needs the router to discover pod endpoints, which it does not yet do.
 With `--min-workers 0` KEDA scales the workers to zero and the router holds requests
@@ -151,8 +156,11 @@ def workers(o: K8sOptions) -> list[dict[str, Any]]:
     }
     name = o.worker_name
     replicas = max(1, o.min_workers)
-    return [_deployment(name, o, "worker", replicas, container, o.drain_seconds + 15),
-            _service(name, o, "worker", HTTP), _pdb(name, o, "worker")]
+    deployment = _deployment(name, o, "worker", replicas, container, o.drain_seconds + 15)
+    # a model change rolls out blue/green: all new pods ready before an old one goes
+    deployment["spec"]["strategy"] = {"type": "RollingUpdate", "rollingUpdate": {
+        "maxSurge": "100%", "maxUnavailable": 0}}
+    return [deployment, _service(name, o, "worker", HTTP), _pdb(name, o, "worker")]
 
 
 def router(o: K8sOptions) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ stopped one at a time at runtime, from the event loop, as the controller asks:
 
     backend = LocalBackend(["--model", path])
     worker = await backend.start()              # launched, then /health 200
+    worker = await backend.start(ModelSpec(p2))  # the same flags, another model
     await backend.health(worker)                # READY; DEAD once its process exited
     await backend.stop(worker, drain=True)      # SIGTERM (it drains), SIGKILL later
 
@@ -60,7 +61,7 @@ from types import TracebackType
 
 import httpx
 
-from sluice.control.backend import Backend, WorkerHandle, WorkerHealth
+from sluice.control.backend import Backend, ModelSpec, WorkerHandle, WorkerHealth
 
 ORPHAN_POLL_S = 0.25   # how often a worker checks that its parent is alive
 ORPHAN_GRACE_S = 30.0  # after the SIGTERM, how long an orphan may drain before exiting
@@ -147,8 +148,9 @@ class LocalBackend(Backend):
     def list(self) -> list[WorkerHandle]:
         return [w.handle for w in self.workers.values()]
 
-    async def start(self) -> WorkerHandle:
-        worker = launch_worker(next(self._index), self.worker_args, self.host, self.kv_events,
+    async def start(self, model: ModelSpec | None = None) -> WorkerHandle:
+        args = self.worker_args + (model.flags() if model is not None else [])
+        worker = launch_worker(next(self._index), args, self.host, self.kv_events,
                                self.log_dir, self.env)
         handle = worker.handle
         self.workers[handle.id] = worker

@@ -2,6 +2,7 @@
 
     RayBackend(worker_args, address=None | "ray://..." | "127.0.0.1:6379", num_cpus=1)
       start()  -> WorkerActor.options(num_cpus, num_gpus).remote(args)
+                    (args: worker_args, then a ModelSpec's flags when one is given)
                     the actor, on whichever node Ray picked, launches `sluice worker`
                     as its child (the local backend's launcher: it dies with the actor)
                     and reports its URL and node id; then /health 200 over HTTP
@@ -31,7 +32,7 @@ from typing import Any
 import httpx
 import ray
 
-from sluice.control.backend import Backend, WorkerHandle, WorkerHealth
+from sluice.control.backend import Backend, ModelSpec, WorkerHandle, WorkerHealth
 from sluice.control.local import health_ok, launch_worker, stop_process
 
 
@@ -81,11 +82,11 @@ class RayBackend(Backend):
     def list(self) -> list[WorkerHandle]:
         return [handle for handle, _ in self.actors.values()]
 
-    async def start(self) -> WorkerHandle:
+    async def start(self, model: ModelSpec | None = None) -> WorkerHandle:
         self._index += 1
+        args = self.worker_args + (model.flags() if model is not None else [])
         actor = WorkerActor.options(num_cpus=self.num_cpus,  # type: ignore[attr-defined]
-                                    num_gpus=self.num_gpus).remote(
-            self._index, self.worker_args, self.host)
+                                    num_gpus=self.num_gpus).remote(self._index, args, self.host)
         try:
             url, node = await asyncio.wait_for(actor.describe.remote(), self.startup_timeout_s)
             handle = WorkerHandle(f"ray-{self._index}", url, None, node)

@@ -7,6 +7,7 @@
      ├── AuthenticationError         401 authentication_error    code=invalid_api_key
      ├── PermissionDeniedError       403 permission_error
      ├── NotFoundError               404 not_found_error         code=model_not_found
+     ├── ConflictError               409 conflict_error          (e.g. a swap already runs)
      ├── RateLimitError              429 rate_limit_error        code=rate_limit_exceeded
      │    └── InsufficientQuotaError 429 insufficient_quota      code=insufficient_quota
      ├── ServiceUnavailableError     503 service_unavailable     (Retry-After)
@@ -85,6 +86,13 @@ class NotFoundError(SluiceError):
     status_code = 404
     error_type = "not_found_error"
     default_code = "model_not_found"
+
+
+class ConflictError(SluiceError):
+    """The request conflicts with work in progress (an admin operation already running)."""
+
+    status_code = 409
+    error_type = "conflict_error"
 
 
 class RateLimitError(SluiceError):
