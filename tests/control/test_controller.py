@@ -19,6 +19,7 @@ import pytest
 
 from control.stub_backend import StubBackend
 from router.router_stubs import serve_router
+from sluice.control.backend import WorkerHandle, WorkerHealth
 from sluice.control.controller import Controller, ControllerConfig, attach
 from sluice.control.planner import Planner, PlannerConfig
 from sluice.router.app import build_app
@@ -160,3 +161,21 @@ async def test_without_buffering_a_pool_at_zero_answers_503_at_once(timeout: flo
             resp = await client.post(url + "/v1/chat/completions", json={
                 "model": MODEL, "messages": [{"role": "user", "content": "x"}]})
     assert resp.status_code == 503 and "retry-after" in resp.headers
+
+
+async def test_a_worker_drained_while_supervision_runs_is_not_reported_dead() -> None:
+    """supervise() walks a snapshot of the workers and awaits each one's health: a drain
+    that ends meanwhile (the worker stopped and forgotten) must not be reported dead."""
+    class SlowHealth(StubBackend):
+        async def health(self, worker: WorkerHandle) -> WorkerHealth:
+            await asyncio.sleep(0.2)
+            return await super().health(worker)
+
+    backend = SlowHealth()
+    planner = PlannerConfig(min_replicas=1, max_replicas=3, scale_down_delay_s=0)
+    async with stack(backend, planner, initial=3) as (_, [controller]):
+        await wait_for(lambda: sum(e["event"] == "stopped" for e in controller.events) == 2, 20)
+        steps = len(controller.planner.decisions)
+        await wait_for(lambda: len(controller.planner.decisions) >= steps + 3, 15)
+    assert [e["event"] for e in controller.events if e["event"] in ("stopped", "dead")] \
+        == ["stopped", "stopped"]

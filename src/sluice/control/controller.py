@@ -135,7 +135,11 @@ class Controller:
         for url, handle in list(self.workers.items()):
             if url in self.draining:
                 continue
-            if await self.backend.health(handle) is WorkerHealth.DEAD:
+            health = await self.backend.health(handle)
+            # a drain may have ended (worker stopped, forgotten) while we awaited
+            if self.workers.get(url) is not handle or url in self.draining:
+                continue
+            if health is WorkerHealth.DEAD:
                 self.forget(url)
                 if url in self.pool.endpoints:
                     await self.state.remove_worker(url)
