@@ -182,6 +182,17 @@ def test_gguf_config_from_metadata(default_gguf: Path) -> None:
     assert cfg.tie_word_embeddings and cfg.rope.theta == 100000.0
 
 
+@pytest.mark.parametrize("cut", [4, 100, 5000])
+def test_a_truncated_gguf_is_an_error_naming_it(default_gguf: Path, tmp_path: Path,
+                                                cut: int) -> None:
+    broken = tmp_path / "broken.gguf"
+    with open(default_gguf, "rb") as f:
+        broken.write_bytes(f.read(cut))
+    with pytest.raises(InvalidRequestError) as err:
+        GGUFFile(broken)
+    assert err.value.param == "model" and "broken.gguf" in str(err.value)
+
+
 @pytest.mark.model
 def test_default_gguf_greedy_tokens_match_transformers(default_gguf: Path) -> None:
     from transformers import AutoModelForCausalLM

@@ -162,6 +162,19 @@ class Linear(nn.Module):
         return self.matmul(x, self.weight, self.bias)
 
 
+class Embedding(nn.Module):
+    """Token id -> row of `weight` (nn.Embedding's layout). Not nn.Embedding: its random
+    init, even on the meta device, goes through torch's reference ops, whose first use
+    imports torch._dynamo (~3 s of a start)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return F.embedding(tokens, self.weight)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -244,7 +257,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tok_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.output = Linear(cfg.hidden_size, cfg.vocab_size)
