@@ -16,6 +16,7 @@ File layout (little endian, GGUF v2/v3):
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
@@ -40,6 +41,20 @@ class GGUFTensorInfo:
     ggml_type: int
     offset: int  # absolute byte offset in the file
     nbytes: int
+
+
+def read_gguf(path: str | Path) -> GGUFFile:
+    """The file's parsed header, shared within this process while the file is unchanged
+    (same device, inode, size, mtime, ctime): an engine core's model loader and its
+    tokenizer read the same file, and the second read costs nothing."""
+    st = os.stat(path)
+    return _parsed(str(path), (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+                               st.st_ctime_ns))
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed(path: str, stamp: tuple[int, ...]) -> GGUFFile:
+    return GGUFFile(path)
 
 
 class GGUFFile:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from sluice.engine.models.gguf_file import GGUFFile
+from sluice.engine.models.gguf_file import GGUFFile, read_gguf
 from sluice.engine.models.llama import (
     LlamaConfig,
     RopeConfig,
@@ -54,7 +54,7 @@ GGUF_GLOBAL_NAMES: dict[str, str] = {
 
 def load_gguf_model(path: Path, device: torch.device,
                     dtype: torch.dtype) -> tuple[Transformer, LlamaConfig]:
-    gguf = GGUFFile(path)
+    gguf = read_gguf(path)
     cfg, permuted = config_from_gguf(gguf)
     state = cached_state(path, dtype,
                          lambda: model_state(cfg, convert_weights(gguf, cfg, permuted), dtype))
