@@ -5,8 +5,12 @@ open stream with a 503 and is seen at once, and shutdown is prompt under load.""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing.context
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +20,7 @@ import pytest
 
 from sluice.engine.async_engine import AsyncEngine
 from sluice.engine.config import EngineConfig
-from sluice.engine.core_client import CoreDied, ProcessCore
+from sluice.engine.core_client import CoreDied, ProcessCore, single_threaded
 from sluice.engine.messages import Abort, CoreOutputs, decode, encode
 from sluice.engine.sampling_params import RequestOutputKind, SamplingParams
 from sluice.engine.tokenizer import ModelNotFoundError
@@ -114,9 +118,37 @@ async def test_shutdown_is_prompt_while_requests_run(engine: AsyncEngine) -> Non
                 pass
 
 
-def test_bad_model_fails_before_spawning(tmp_path: Path) -> None:
+def test_bad_model_fails_with_its_own_error_and_the_child_is_gone(tmp_path: Path) -> None:
+    core = ProcessCore(EngineConfig.from_options(str(tmp_path / "nope")))
     with pytest.raises(ModelNotFoundError):
-        ProcessCore(EngineConfig.from_options(str(tmp_path / "nope")))
+        core.wait_ready()
+    assert not core.process.is_alive()
+
+
+def test_a_fork_is_never_made_from_a_process_with_threads(config: EngineConfig) -> None:
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        assert not single_threaded()
+        core = ProcessCore(config, start_method="fork")
+    finally:
+        stop.set()
+        thread.join()
+    try:
+        assert isinstance(core.process, multiprocessing.context.SpawnProcess)
+    finally:
+        core.process.kill()
+        core.close()
+
+
+def test_single_threaded_is_true_only_without_threads() -> None:
+    probe = ("import threading, time; from sluice.engine.core_client import single_threaded; "
+             "a = single_threaded(); t = threading.Thread(target=time.sleep, args=(0.5,)); "
+             "t.start(); print(a, single_threaded())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, env={**os.environ, "OPENBLAS_NUM_THREADS": "1"})
+    assert out.stdout.split() == ["True", "False"]
 
 
 def test_messages_round_trip_through_msgpack() -> None:

@@ -160,3 +160,15 @@ def test_runner_attributes(pair: tuple[ModelRunner, torch.nn.Module]) -> None:
 def test_auto_dtype_is_bfloat16_only_with_native_bfloat16(device: str, flags: set[str],
                                                           want: torch.dtype) -> None:
     assert auto_dtype(torch.device(device), frozenset(flags)) == want
+
+
+def test_the_runner_warms_up_every_layer_before_it_is_used(tiny_llama_dir: Path) -> None:
+    """A prefill and a decode ran at construction (readiness comes after a forward), and
+    they wrote K/V into block 0 only: no sequence's block is touched."""
+    runner = ModelRunner(EngineConfig.from_options(str(tiny_llama_dir), num_kv_blocks=8,
+                                                   block_size=BLOCK, dtype="float32"))
+    for layer in runner.model.layers:
+        kv = layer.attention.kv_cache
+        assert kv is not None
+        for pool in (kv.k, kv.v):
+            assert pool[0].abs().sum() > 0 and not pool[1:].any()

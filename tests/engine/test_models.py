@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 from sluice.engine.config import CacheConfig, EngineConfig
 from sluice.engine.model_runner import ModelRunner, SeqChunk, kv_pool_blocks
-from sluice.engine.models.gguf_file import GGUFFile
+from sluice.engine.models.gguf_file import GGUFFile, read_gguf
 from sluice.engine.models.gguf_loader import config_from_gguf, unpermute_qk
 from sluice.engine.models.llama import RopeConfig, inv_frequencies
 from sluice.engine.models.loader import UnsupportedModelError, config_from_hf, load_model
@@ -180,6 +181,35 @@ def test_gguf_config_from_metadata(default_gguf: Path) -> None:
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (30, 576, 9, 3)
     assert (cfg.vocab_size, cfg.head_dim, cfg.max_position_embeddings) == (49152, 64, 8192)
     assert cfg.tie_word_embeddings and cfg.rope.theta == 100000.0
+
+
+def tiny_gguf(path: Path, arch: str) -> Path:
+    """A GGUF v3 header with one string key and no tensors."""
+    def string(text: str) -> bytes:
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + string("general.architecture")
+                     + struct.pack("<I", 8) + string(arch))
+    return path
+
+
+def test_read_gguf_is_shared_until_the_file_changes(tmp_path: Path) -> None:
+    path = tiny_gguf(tmp_path / "m.gguf", "llama")
+    first = read_gguf(path)
+    assert read_gguf(path) is first and first.get("general.architecture") == "llama"
+    tiny_gguf(tmp_path / "new.gguf", "qwen2").replace(path)  # a new file at the same path
+    assert read_gguf(path).get("general.architecture") == "qwen2"
+
+
+@pytest.mark.parametrize("cut", [4, 100, 5000])
+def test_a_truncated_gguf_is_an_error_naming_it(default_gguf: Path, tmp_path: Path,
+                                                cut: int) -> None:
+    broken = tmp_path / "broken.gguf"
+    with open(default_gguf, "rb") as f:
+        broken.write_bytes(f.read(cut))
+    with pytest.raises(InvalidRequestError) as err:
+        GGUFFile(broken)
+    assert err.value.param == "model" and "broken.gguf" in str(err.value)
 
 
 @pytest.mark.model

@@ -4,6 +4,8 @@ shapes; the fused residual add + RMSNorm; SiLU-and-mul; the few-rows GEMV; oneDN
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -109,7 +111,7 @@ def test_a_failed_build_falls_back_in_auto_and_is_an_error_in_native(
     def no_compiler() -> NativeOps:
         raise RuntimeError("error: g++: command not found")
 
-    monkeypatch.setattr(native, "_build", no_compiler)
+    monkeypatch.setattr(native, "load_kernels", no_compiler)
     with caplog.at_level("WARNING", logger="sluice.engine"):
         assert native_ops("auto", CPU, torch.float32) is None
     assert "g++: command not found" in caplog.text
@@ -206,3 +208,19 @@ def test_apply_token_bitmask_equals_xgrammar(ops: NativeOps, vocab: int) -> None
     ops.apply_token_bitmask(got, bitmask, torch.tensor(rows), float("-inf"))
     assert torch.equal(got, want)
     assert torch.equal(got[4], logits[4])  # a row not listed is untouched
+
+
+def test_every_checkout_builds_from_one_path_per_source(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build's commands name the source's path: two checkouts of the same source must
+    hand the builder the same path (else each rebuilds for the other), a changed source
+    must not reuse it."""
+    import sluice.engine.native as native
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    first = native._stable_copy("sluice_kernels_x_1", b"int f() { return 1; }")
+    again = native._stable_copy("sluice_kernels_x_1", b"int f() { return 1; }")
+    assert first == again and first.read_bytes() == b"int f() { return 1; }"
+    assert tmp_path / "home" in first.parents
+    other = native._stable_copy("sluice_kernels_x_2", b"int f() { return 2; }")
+    assert other != first and other.read_bytes() == b"int f() { return 2; }"

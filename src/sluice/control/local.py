@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import signal
 import socket
@@ -58,10 +59,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import httpx
 
 from sluice.control.backend import Backend, ModelSpec, WorkerHandle, WorkerHealth
+
+if TYPE_CHECKING:
+    from sluice.control.zygote import ForkedProcess, Zygote
+
+log = logging.getLogger(__name__)
 
 ORPHAN_POLL_S = 0.25   # how often a worker checks that its parent is alive
 ORPHAN_GRACE_S = 30.0  # after the SIGTERM, how long an orphan may drain before exiting
@@ -79,7 +86,7 @@ class LocalWorker:
     url: str
     port: int
     kv_events: str | None
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | ForkedProcess
     log_path: Path
     index: int = 0
 
@@ -95,22 +102,30 @@ class LocalWorker:
 
 
 def launch_worker(index: int, worker_args: Sequence[str], host: str, kv_events: bool,
-                  log_dir: Path, env: Mapping[str, str]) -> LocalWorker:
+                  log_dir: Path, env: Mapping[str, str], zygote: Zygote | None = None
+                  ) -> LocalWorker:
     """Start one `sluice worker` on a free port (tied to this process), its output in a
-    log file under `log_dir`; returns at once (the model loads in the background)."""
+    log file under `log_dir`; returns at once (the model loads in the background).
+    Forked from `zygote` when given (see `sluice.control.zygote`)."""
     port = free_port(host)
     kv = f"tcp://{host}:{free_port(host)}" if kv_events else None
-    cmd = [*child_command(), "worker", *worker_args, "--host", host, "--port", str(port)]
+    args = ["worker", *worker_args, "--host", host, "--port", str(port)]
     if kv:
-        cmd += ["--kv-events-endpoint", kv]
+        args += ["--kv-events-endpoint", kv]
     log_path = log_dir / f"worker-{index}-{port}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(env),
-                                start_new_session=True)
+    proc: subprocess.Popen[bytes] | ForkedProcess
+    if zygote is not None:
+        proc = zygote.fork(args, log_path, env)
+    else:
+        with open(log_path, "wb") as out:
+            proc = subprocess.Popen([*child_command(), *args], stdout=out,
+                                    stderr=subprocess.STDOUT, env=dict(env),
+                                    start_new_session=True)
     return LocalWorker(f"http://{host}:{port}", port, kv, proc, log_path, index)
 
 
-def stop_process(proc: subprocess.Popen[bytes], drain: bool, timeout_s: float) -> None:
+def stop_process(proc: subprocess.Popen[bytes] | ForkedProcess, drain: bool,
+                 timeout_s: float) -> None:
     """SIGTERM (drain) and wait up to `timeout_s`, then SIGKILL; or SIGKILL now. Reaps it."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM if drain else signal.SIGKILL)
@@ -126,6 +141,9 @@ class LocalBackend(Backend):
 
     `worker_args` are `sluice worker` flags (model, engine options); host and port are
     chosen here. Workers die with this process (see the module docstring's last part).
+    With `zygote` (Linux), the first start launches a pre-imported template process and
+    every worker is forked from it (`sluice.control.zygote`): no interpreter start and
+    no imports on a scale-up.
     """
 
     name = "local"
@@ -133,7 +151,8 @@ class LocalBackend(Backend):
     def __init__(self, worker_args: Sequence[str] = (), *, host: str = "127.0.0.1",
                  kv_events: bool = True, startup_timeout_s: float = 180.0,
                  stop_timeout_s: float = 30.0, log_dir: str | Path | None = None,
-                 env: Mapping[str, str] | None = None, poll_s: float = 0.2) -> None:
+                 env: Mapping[str, str] | None = None, poll_s: float = 0.2,
+                 zygote: bool = True) -> None:
         self.worker_args = list(worker_args)
         self.host = host
         self.kv_events = kv_events
@@ -144,14 +163,17 @@ class LocalBackend(Backend):
         self.poll_s = poll_s
         self.workers: dict[str, LocalWorker] = {}
         self._index = itertools.count()
+        self.use_zygote = zygote
+        self.zygote: Zygote | None = None
 
     def list(self) -> list[WorkerHandle]:
         return [w.handle for w in self.workers.values()]
 
     async def start(self, model: ModelSpec | None = None) -> WorkerHandle:
+        zygote = await self._ready_zygote()
         args = self.worker_args + (model.flags() if model is not None else [])
         worker = launch_worker(next(self._index), args, self.host, self.kv_events,
-                               self.log_dir, self.env)
+                               self.log_dir, self.env, zygote)
         handle = worker.handle
         self.workers[handle.id] = worker
         try:
@@ -161,6 +183,25 @@ class LocalBackend(Backend):
             await asyncio.to_thread(stop_process, worker.process, False, 0)
             raise
         return handle
+
+    async def _ready_zygote(self) -> Zygote | None:
+        """The zygote, launched on first use from this (the event loop's) thread, for
+        PDEATHSIG's sake, and waited for; None where there is none."""
+        from sluice.control import zygote
+
+        if not self.use_zygote or not zygote.supported():
+            return None
+        if self.zygote is None or not self.zygote.alive:
+            self.zygote = zygote.Zygote(self.env, self.log_dir / "zygote.log")
+        current = self.zygote
+        try:
+            await asyncio.to_thread(current.wait_ready, self.startup_timeout_s)
+        except zygote.ZygoteError as exc:  # start workers as fresh processes instead
+            log.warning("worker zygote unusable, starting fresh processes: %s", exc)
+            self.use_zygote = False
+            current.close()
+            return None
+        return current
 
     async def _wait_ready(self, worker: LocalWorker) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -192,6 +233,8 @@ class LocalBackend(Backend):
         workers, self.workers = list(self.workers.values()), {}
         await asyncio.gather(*(asyncio.to_thread(stop_process, w.process, True,
                                                  self.stop_timeout_s) for w in workers))
+        if self.zygote is not None:
+            await asyncio.to_thread(self.zygote.close)
 
 
 async def health_ok(client: httpx.AsyncClient, url: str) -> bool:

@@ -82,10 +82,13 @@ class AsyncEngine:
         self._thread.start()
 
     @classmethod
-    def spawn(cls, config: EngineConfig, *, kv_events_endpoint: str | None = None
-              ) -> AsyncEngine:
-        """The engine core in its own process (blocks until the model is loaded)."""
-        return cls(config, client=ProcessCore(config, kv_events_endpoint))
+    def spawn(cls, config: EngineConfig, *, kv_events_endpoint: str | None = None,
+              core: ProcessCore | None = None) -> AsyncEngine:
+        """The engine core in its own process (blocks until the model is loaded); `core`:
+        one already started (`ProcessCore(config, ...)`), else spawned now."""
+        client = core or ProcessCore(config, kv_events_endpoint)
+        client.wait_ready()
+        return cls(config, client=client)
 
     # -- asyncio side ---------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,

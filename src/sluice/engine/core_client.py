@@ -12,8 +12,8 @@ Two places for the same loop, behind `CoreClient`:
 
 - `ThreadCore`: a thread of this process, objects passed through queues. For tests
   and embedding; the core's Python shares the GIL with the caller.
-- `ProcessCore`: a child process (spawned, so no torch state is forked), msgpack
-  over two ZMQ sockets on a private ipc:// path. The core's step loop and the HTTP
+- `ProcessCore`: a child process (spawned, or forked from a caller that has no
+  threads yet), msgpack over two ZMQ sockets on a private ipc:// path. The core's step loop and the HTTP
   front end (parsing, detokenizing, SSE) then run on different cores with no GIL
   between them: vLLM V1's `EngineCore` split. The child leaves when told, when its
   parent goes away, or when killed; the front end sees its death at once (the
@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 1.0  # how often an idle core checks that its parent is still there
 SHUTDOWN_GRACE_S = 5.0  # after Shutdown, how long the child may take before it is killed
+START_METHODS = ("spawn", "fork")
 
 
 class CoreDied(SluiceError):
@@ -147,8 +148,8 @@ def _step(core: EngineCore, errors: list[tuple[str, SluiceError]]) -> list[Any]:
 class CoreClient(abc.ABC):
     """The front end's handle on one running core.
 
-    Contract: `info` and `tokenizer` are set once the constructor returns (the model is
-    loaded). `send` may be called from any thread and never blocks on the core.
+    Contract: `info` and `tokenizer` are set once the model is loaded: when the
+    constructor returns (`ThreadCore`) or `wait_ready()` does (`ProcessCore`). `send` may be called from any thread and never blocks on the core.
     `recv` is called from one thread only (the front end's output thread); it returns
     the next event, None after `timeout` seconds, and raises `CoreDied` once the core
     is gone. `close` stops the core and frees its resources; it is idempotent.
@@ -225,42 +226,64 @@ class ThreadCore(CoreClient):
 
 
 class ProcessCore(CoreClient):
-    """The core in a spawned child process; blocks until its model is loaded.
+    """The core in a child process, in two steps:
 
-    Raises the tokenizer's error for a bad model, else `CoreDied` with the child's own
-    message if it fails to load or exits before it is ready.
+        core = ProcessCore(config, start_method="fork")  # the child starts loading now
+        core.wait_ready()   # the tokenizer loads here meanwhile; then blocks until ready
+
+    so the child can be started before the caller has threads (a fork is safe only
+    then) and load while the caller starts its server. `start_method`: "spawn" (a fresh
+    interpreter) or "fork" (a copy of this process: no interpreter start, and no imports
+    where the caller already holds them, as a worker forked from a pre-imported template
+    does); "fork" falls back to "spawn", with a warning, once this process has threads.
     """
 
     def __init__(self, config: EngineConfig, kv_events_endpoint: str | None = None,
-                 ready_timeout: float | None = None) -> None:
-        from sluice.engine.tokenizer import load_tokenizer
-
-        # The tokenizer first: a bad --model fails here, with its own error, before a
-        # process is spawned.
-        self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model,
-                                        config.model.revision)
+                 start_method: str = "spawn") -> None:
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method must be one of {START_METHODS}")
+        if start_method == "fork" and not single_threaded():
+            log.warning("this process has threads: spawning the engine core, not forking it")
+            start_method = "spawn"
+        self.config = config
         base = os.path.join(tempfile.gettempdir(), f"sluice-core-{uuid.uuid4().hex[:12]}")
         self._paths = (base + "-in", base + "-out")
-        self._ctx = zmq.Context()
-        self._out = self._ctx.socket(zmq.PUSH)  # commands to the core
-        self._in = self._ctx.socket(zmq.PULL)  # events from the core
-        self._out.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a busy core
-        for sock, path in zip((self._out, self._in), self._paths, strict=True):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(f"ipc://{path}")
-        self._send_lock = threading.Lock()  # zmq sockets are not thread-safe
-        self._closed = False
-        self.process = multiprocessing.get_context("spawn").Process(
+        # the child first: a fork must not copy the ZMQ context's I/O threads
+        context: Any = multiprocessing.get_context(start_method)
+        self.process = context.Process(
             target=_core_main, name="sluice-engine-core", daemon=True,
             args=(config, f"ipc://{self._paths[0]}", f"ipc://{self._paths[1]}",
                   kv_events_endpoint, os.getpid()))
         self.process.start()
+        self._ctx = zmq.Context()
+        self._out = self._ctx.socket(zmq.PUSH)  # commands to the core
+        self._in = self._ctx.socket(zmq.PULL)  # events from the core
+        self._out.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a busy core
+        try:
+            for sock, path in zip((self._out, self._in), self._paths, strict=True):
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.bind(f"ipc://{path}")
+        except BaseException:
+            self.process.kill()
+            raise
+        self._send_lock = threading.Lock()  # zmq sockets are not thread-safe
+        self._closed = False
         self._poller = zmq.Poller()
         self._poller.register(self._in, zmq.POLLIN)
         self._poller.register(self.process.sentinel, zmq.POLLIN)
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Load the tokenizer (a bad --model raises its own error here), then block until
+        the core's model is loaded and warmed up. Raises `CoreDied` with the child's own
+        message if it fails or exits first, and closes the child on any failure."""
+        from sluice.engine.tokenizer import load_tokenizer
+
         try:
-            self.info = self._wait_ready(ready_timeout)
+            self.tokenizer = load_tokenizer(self.config.model.tokenizer or self.config.model.model,
+                                            self.config.model.revision)
+            self.info = self._wait_ready(timeout)
         except BaseException:
+            self.process.kill()  # no use waiting for a core nobody will talk to
             self.close()
             raise
 
@@ -319,6 +342,15 @@ class ProcessCore(CoreClient):
 # --------------------------------------------------------------------------- the child
 
 
+def single_threaded() -> bool:
+    """Whether this process runs one OS thread (Linux's /proc/self/task; False where
+    unknown): the only state in which a fork copies no other thread's locks."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
 class _SocketInbox(Inbox):
     def __init__(self, sock: zmq.Socket) -> None:
         self.sock = sock
@@ -339,7 +371,8 @@ def _core_main(config: EngineConfig, commands_addr: str, events_addr: str,
                kv_events_endpoint: str | None, parent_pid: int) -> None:
     """The child process: load the model, say Ready (or Failed), run the loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    # Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning, so the
+    # Before torch loads OpenMP (a template that forks workers sets it before its own
+    # imports, see sluice.control.zygote): idle OpenMP threads sleep instead of spinning, so the
     # core's Python between ops leaves a CPU to the HTTP front end rather than making
     # it preempt a working OpenMP thread (which stalls the whole parallel op). On 2
     # cores a tiny model's 300-token stream took 10.5 s spinning, 1.5 s passive.

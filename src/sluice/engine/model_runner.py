@@ -39,6 +39,7 @@ from sluice.engine.tokenizer import Tokenizer, default_served_name, load_tokeniz
 from sluice.protocol.errors import InvalidRequestError
 
 CPU_KV_CACHE_CAP_BYTES = 4 * 1024**3
+WARM_UP_TOKENS = 9  # the warm-up's prefill (8 tokens) and decode (1)
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                   "float16": torch.float16}
@@ -129,6 +130,7 @@ class ModelRunner:
             self.linear = with_small_rows(self.native, self.linear or F.linear)
         if self.linear is not None:
             self.model.use_linear(self.linear)
+        self.warm_up()
 
     def _max_model_len(self, mc: ModelConfig) -> int:
         limit = self.model_config.max_position_embeddings
@@ -150,6 +152,20 @@ class ModelRunner:
             layer.attention.kv_cache = KVCache(
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    def warm_up(self) -> None:
+        """A prefill and a decode through every layer, before the engine says it is ready,
+        so the first request does not pay first-touch costs: the weights' pages (mapped
+        from the weights cache), oneDNN's kernels for these shapes, OpenMP's threads.
+
+        Writes K/V into block 0's slots only: no sequence owns a block yet, and a block's
+        slots are always written before they are read.
+        """
+        length = min(WARM_UP_TOKENS, self.max_model_len)
+        table = [0] * -(-length // self.block_size)
+        if length > 1:
+            self.execute([SeqChunk([0] * (length - 1), 0, table, True)])
+        self.execute([SeqChunk([0], length - 1, table, True)])
 
     @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk]) -> Tensor:

@@ -15,8 +15,9 @@
 
 It is compiled with torch's own extension builder (g++ and ninja; cached under
 `~/.cache/torch_extensions` under a name keyed by the vector flags and a hash of the
-source, so once per CPU kind and source; a cache shared between machines never loads a
-build made for another CPU's instructions). Where it cannot be built,
+source, built from a copy of the source at a path named the same way, so once per CPU
+kind and source, whichever checkout asks; a cache shared between machines never loads
+a build made for another CPU's instructions). Where it cannot be built,
 the engine keeps the plain PyTorch ops, which compute the same thing:
 
     kernel_backend = "auto"    the kernels when they build (CPU; float32, bfloat16), else torch
@@ -32,6 +33,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -91,7 +93,8 @@ def _cpu_flags() -> list[str]:
 
 
 @functools.cache
-def _build() -> NativeOps:
+def load_kernels() -> NativeOps:
+    """The kernels, built on the first call on this machine and cached (per process too)."""
     from torch.utils.cpp_extension import load
 
     flags = _cpu_flags()
@@ -100,16 +103,34 @@ def _build() -> NativeOps:
     cflags = ["-O3", "-fopenmp", "-ffast-math", *flags]
     # keyed by the vector flags and the source: a cache shared between machines (or
     # checkouts) never loads a build for another CPU, nor rebuilds back and forth
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
-    name = "_".join(["sluice_cpu_kernels", *(f.removeprefix("-m") for f in flags or ["-mbase"]),
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source).hexdigest()[:10]
+    name = "_".join(["sluice_kernels", *(f.removeprefix("-m") for f in flags or ["-mbase"]),
                      digest])
     t0 = time.perf_counter()
     log.info("loading the engine's CPU kernels (built once per machine, ~45 s)")
-    module = load(name=name, sources=[str(SOURCE)], extra_cflags=cflags,
+    module = load(name=name, sources=[str(_stable_copy(name, source))], extra_cflags=cflags,
                   extra_ldflags=["-fopenmp"], verbose=False)
     log.info("CPU kernels ready in %.1fs", time.perf_counter() - t0)
     return NativeOps(module.paged_decode_attention, module.fused_add_rms_norm,
                      module.silu_and_mul, module.small_rows_linear, module.apply_token_bitmask)
+
+
+def _stable_copy(name: str, source: bytes) -> Path:
+    """The source at a path that depends on its content only
+    (`~/.cache/sluice/kernels/NAME.cpp`): the build's commands name the source's path,
+    so every checkout building from its own path would rebuild it (~45 s) for the next
+    one. SOURCE itself where that folder is not writable."""
+    path = Path.home() / ".cache" / "sluice" / "kernels" / f"{name}.cpp"
+    try:
+        if not path.is_file() or path.read_bytes() != source:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(source)
+            os.replace(tmp, path)
+    except OSError:
+        return SOURCE
+    return path
 
 
 def native_ops(backend: str, device: torch.device, dtype: torch.dtype) -> NativeOps | None:
@@ -125,7 +146,7 @@ def native_ops(backend: str, device: torch.device, dtype: torch.dtype) -> Native
                                       "float32 or bfloat16", param="kernel_backend")
         return None
     try:
-        return _build()
+        return load_kernels()
     except Exception as exc:  # no compiler, no headers, ...: say why, keep serving
         if backend == "native":
             raise InvalidRequestError(f"the native CPU kernels did not build: {exc}",

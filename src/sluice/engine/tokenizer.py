@@ -250,9 +250,9 @@ def hf_tokenizer(directory: Path) -> Tokenizer:
 
 def gguf_tokenizer(path: Path) -> Tokenizer:
     """Rebuild a byte-level BPE (tokenizer.ggml.model == "gpt2") tokenizer from GGUF metadata."""
-    from sluice.engine.models.gguf_file import GGUFFile
+    from sluice.engine.models.gguf_file import read_gguf
 
-    meta = GGUFFile(path).metadata
+    meta = read_gguf(path).metadata
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise InvalidRequestError(f"{path.name}: GGUF tokenizer type {kind!r} is not supported "

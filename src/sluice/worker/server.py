@@ -1,7 +1,8 @@
 """Run one worker: listen at once, start the engine core beside the server, shut down
 gracefully.
 
-    start uvicorn ──▶ /health 503 ──▶ engine core process ready ──▶ attach ──▶ /health 200
+    start the engine core process ──▶ start uvicorn ──▶ /health 503
+        ──▶ core loaded and warmed up ──▶ attach ──▶ /health 200
     SIGTERM ──▶ stop accepting ──▶ in-flight streams finish (≤ shutdown_timeout)
             ──▶ engine.shutdown() (the core process exits) ──▶ exit 0
     core process dies ──▶ open streams end with a 503 error ──▶ the server stops, exit 1
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from sluice import env
 from sluice.engine.config import EngineConfig
 from sluice.protocol.errors import SluiceError
 from sluice.worker.app import build_app
@@ -33,6 +35,7 @@ from sluice.worker.config import WorkerConfig
 
 if TYPE_CHECKING:
     from sluice.engine.async_engine import AsyncEngine
+    from sluice.engine.core_client import ProcessCore
     from sluice.worker.state import WorkerState
 
 log = logging.getLogger("sluice.worker")
@@ -46,21 +49,34 @@ def _say(message: str) -> None:
     print(f"sluice: {message}", file=sys.stderr, flush=True)
 
 
-def load_engine(engine_config: EngineConfig, config: WorkerConfig) -> AsyncEngine:
-    """Start the engine core process and wait until its model is loaded (blocking)."""
+def start_core(engine_config: EngineConfig, config: WorkerConfig) -> ProcessCore:
+    """Start the engine core process; it loads the model while this process starts its
+    server. Forked when `SLUICE_WORKER_MULTIPROC_METHOD=fork` (a worker forked from a
+    pre-imported template: `sluice.control.zygote`), so call it before any thread starts."""
+    from sluice.engine.core_client import START_METHODS, ProcessCore
+
+    method = env.get("WORKER_MULTIPROC_METHOD") or "spawn"
+    if method not in START_METHODS:
+        raise ValueError(f"SLUICE_WORKER_MULTIPROC_METHOD must be one of {START_METHODS}")
+    return ProcessCore(engine_config, config.kv_events_endpoint, start_method=method)
+
+
+def load_engine(engine_config: EngineConfig, core: ProcessCore) -> AsyncEngine:
+    """Wait until the started core's model is loaded (blocking); the engine in front of it."""
     from sluice.engine.async_engine import AsyncEngine
 
-    return AsyncEngine.spawn(engine_config, kv_events_endpoint=config.kv_events_endpoint)
+    return AsyncEngine.spawn(engine_config, core=core)
 
 
 async def _load_and_attach(app_state: WorkerState, engine_config: EngineConfig,
-                           server: uvicorn.Server, say: Say, holder: list[AsyncEngine]) -> None:
+                           core: ProcessCore, server: uvicorn.Server, say: Say,
+                           holder: list[AsyncEngine]) -> None:
     model = engine_config.model.model or "SmolLM2-135M-Instruct (the default GGUF)"
     say(f"loading model {model} ...")
     start = time.perf_counter()
     ticker = asyncio.create_task(_tick(say, start))
     try:
-        engine = await asyncio.to_thread(load_engine, engine_config, app_state.config)
+        engine = await asyncio.to_thread(load_engine, engine_config, core)
     except Exception as exc:
         say(f"failed to load the model: {exc}")
         if not isinstance(exc, SluiceError):  # a bad --model needs no traceback
@@ -106,18 +122,19 @@ def run_worker(engine_config: EngineConfig, config: WorkerConfig, say: Say = _sa
                wrap: Wrap | None = None) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit code (0 after a clean drain)."""
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    return asyncio.run(_serve(engine_config, config, say, wrap))
+    core = start_core(engine_config, config)  # first: no thread has started yet
+    return asyncio.run(_serve(engine_config, config, core, say, wrap))
 
 
-async def _serve(engine_config: EngineConfig, config: WorkerConfig, say: Say,
-                 wrap: Wrap | None = None) -> int:
+async def _serve(engine_config: EngineConfig, config: WorkerConfig, core: ProcessCore,
+                 say: Say, wrap: Wrap | None = None) -> int:
     app = build_app(None, config)
     server = uvicorn.Server(uvicorn.Config(
         wrap(app) if wrap else app, host=config.host, port=config.port, log_level=config.log_level,
         timeout_graceful_shutdown=math.ceil(config.shutdown_timeout), access_log=False))
     holder: list[AsyncEngine] = []
-    loader = asyncio.create_task(_load_and_attach(app.state.worker, engine_config, server,
-                                                  say, holder))
+    loader = asyncio.create_task(_load_and_attach(app.state.worker, engine_config, core,
+                                                  server, say, holder))
     quiet_signal_reraise()
     try:
         await server.serve()

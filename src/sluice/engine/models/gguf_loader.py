@@ -9,8 +9,9 @@ Two llama.cpp conventions are undone here so the model file sees Hugging Face we
    GGUF loader does. Qwen2 files are not permuted.
 
 Quantized tensors (Q4_0/Q4_1/Q8_0/K-quants...) are dequantized with
-`gguf.quants.dequantize`; weights are kept dense in the engine dtype. The converted
-tensors are cached on disk (`weights_cache`), so a second start skips the conversion.
+`gguf.quants.dequantize`; weights are kept dense in the engine dtype. The model's
+state (fused, cast) is cached on disk (`weights_cache`), so a second start of the same
+file memory-maps it instead of converting.
 """
 
 from __future__ import annotations
@@ -22,9 +23,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from sluice.engine.models.gguf_file import GGUFFile
-from sluice.engine.models.llama import LlamaConfig, RopeConfig, Transformer, build_model
-from sluice.engine.models.weights_cache import cached_weights
+from sluice.engine.models.gguf_file import GGUFFile, read_gguf
+from sluice.engine.models.llama import (
+    LlamaConfig,
+    RopeConfig,
+    Transformer,
+    assemble_model,
+    model_state,
+)
+from sluice.engine.models.weights_cache import cached_state
 from sluice.protocol.errors import InvalidRequestError
 
 # GGUF general.architecture -> (HF architecture, Q/K permuted by llama.cpp, qkv bias)
@@ -47,15 +54,15 @@ GGUF_GLOBAL_NAMES: dict[str, str] = {
 
 def load_gguf_model(path: Path, device: torch.device,
                     dtype: torch.dtype) -> tuple[Transformer, LlamaConfig]:
-    gguf = GGUFFile(path)
+    gguf = read_gguf(path)
     cfg, permuted = config_from_gguf(gguf)
-    weights = cached_weights(path, lambda: convert_weights(gguf, cfg, permuted))
-    return build_model(cfg, weights, device, dtype), cfg
+    state = cached_state(path, dtype,
+                         lambda: model_state(cfg, convert_weights(gguf, cfg, permuted), dtype))
+    return assemble_model(cfg, state, device), cfg
 
 
 def convert_weights(gguf: GGUFFile, cfg: LlamaConfig, permuted: bool) -> dict[str, Tensor]:
-    """Every tensor dequantized to float32 under its Hugging Face name, Q/K un-permuted
-    (what the weights cache stores)."""
+    """Every tensor dequantized to float32 under its Hugging Face name, Q/K un-permuted."""
     weights = {hf_name(name): dequantize(gguf, name) for name in gguf.tensors
                if name != "rope_freqs.weight"}
     if permuted:

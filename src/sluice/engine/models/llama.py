@@ -162,6 +162,19 @@ class Linear(nn.Module):
         return self.matmul(x, self.weight, self.bias)
 
 
+class Embedding(nn.Module):
+    """Token id -> row of `weight` (nn.Embedding's layout). Not nn.Embedding: its random
+    init, even on the meta device, goes through torch's reference ops, whose first use
+    imports torch._dynamo (~3 s of a start)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return F.embedding(tokens, self.weight)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -244,7 +257,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.tok_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.output = Linear(cfg.hidden_size, cfg.vocab_size)
@@ -322,16 +335,33 @@ def expected_hf_names(cfg: LlamaConfig) -> list[str]:
 
 def build_model(cfg: LlamaConfig, hf_weights: Mapping[str, Tensor], device: torch.device,
                 dtype: torch.dtype) -> Transformer:
-    """Instantiate without allocating (meta device), then assign the fused, cast weights."""
+    """The model from Hugging Face tensors: fused and cast (`model_state`), then assigned."""
+    return assemble_model(cfg, model_state(cfg, hf_weights, dtype), device)
+
+
+def model_state(cfg: LlamaConfig, hf_weights: Mapping[str, Tensor],
+                dtype: torch.dtype) -> dict[str, Tensor]:
+    """This model's parameters, fused (Q|K|V, gate|up), in `dtype`, contiguous, where the
+    inputs are; a tied output head is left out (it is the embedding). What the GGUF
+    weights cache stores."""
     missing = [n for n in expected_hf_names(cfg) if n not in hf_weights]
     if missing:
         raise InvalidRequestError(f"checkpoint is missing tensor {missing[0]!r} "
                                   f"({len(missing)} missing)", param="model")
+    state = {k: v.to(dtype=dtype).contiguous() for k, v in fuse_hf_weights(cfg, hf_weights).items()}
+    if cfg.tie_word_embeddings:
+        del state["output.weight"]
+    return state
+
+
+def assemble_model(cfg: LlamaConfig, state: Mapping[str, Tensor],
+                   device: torch.device) -> Transformer:
+    """Instantiate without allocating (meta device), then assign `model_state`'s tensors,
+    moved to `device` (not copied where they already are: memory-mapped ones stay so)."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    state = {k: v.to(device=device, dtype=dtype).contiguous()
-             for k, v in fuse_hf_weights(cfg, hf_weights).items()}
+    params = {k: v.to(device) for k, v in state.items()}
     if cfg.tie_word_embeddings:
-        state["output.weight"] = state["tok_embeddings.weight"]
-    model.load_state_dict(state, assign=True, strict=True)
+        params["output.weight"] = params["tok_embeddings.weight"]
+    model.load_state_dict(params, assign=True, strict=True)
     return model.eval().requires_grad_(False)
