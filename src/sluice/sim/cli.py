@@ -3,6 +3,8 @@
     sluice sim --trace FILE --workers 1000 --policy cost --compare kv,round_robin \\
                --slo ttft=2s,tpot=100ms --json out.json --plot out.png
     sluice sim --workload shared-prefix --num-prompts 200 --request-rate 4 --workers 4
+    sluice sim --trace FILE --rate-shape daily --duration 3600 --planner slo \\
+               --min-workers 1 --max-workers 12 --slo ttft=2s,itl=200ms
     sluice sim calibrate              # fit the step-time model on this machine's engine
 
 Options are parsed here (the edge) into `SimConfig`s; `sluice.sim.run` does the rest.
@@ -65,13 +67,23 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="trace: scale output tokens")
     w.add_argument("--time-scale", type=float, default=1.0,
                    help="trace: multiply timestamps (0.5 replays at twice the rate)")
+    w.add_argument("--rate-shape", choices=["trace", "daily"], default="trace",
+                   help="trace: its own times; daily: the rows, in order, re-timed so the "
+                   "rate follows a day (a sinusoid from trough at 0 to peak at half "
+                   "--duration) (default %(default)s)")
+    w.add_argument("--duration", type=float, default=None,
+                   help="--rate-shape daily: the simulated day in seconds")
+    w.add_argument("--trough-ratio", type=float, default=0.25,
+                   help="--rate-shape daily: lowest rate over highest (default %(default)s)")
     w.add_argument("--request-rate", type=float, default=None,
                    help="synthetic: requests/s, Poisson (default inf: all at once)")
     w.add_argument("--burstiness", type=float, default=1.0)
     w.add_argument("--max-concurrency", type=int, default=None)
 
     c = p.add_argument_group("cluster")
-    c.add_argument("--workers", type=int, default=16)
+    c.add_argument("--workers", type=int, default=None,
+                   help="workers at the start (default 16; with an autoscaling --planner, "
+                   "--min-workers)")
     c.add_argument("--policy", default="cost", help="router policy (default %(default)s)")
     c.add_argument("--compare", type=_policies, default=[], metavar="P1,P2",
                    help="also run these policies on the same workload, one column each")
@@ -89,12 +101,30 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--scrape-interval", type=float, default=0.5, help="router scrape (s)")
     c.add_argument("--kv-event-lag-ms", type=float, default=2.0)
     c.add_argument("--prefix-index-blocks", type=int, default=200_000)
-    c.add_argument("--planner", default="fixed", help="replica planner (default %(default)s)")
-    c.add_argument("--planner-interval", type=float, default=10.0, help="seconds between ticks")
-    c.add_argument("--cold-start", type=float, default=30.0, help="seconds for a new worker")
+    c.add_argument("--planner", default="fixed",
+                   help="replica planner: fixed (--workers), or the production planner's "
+                   "policy slo | queue | kv between --min-workers and --max-workers "
+                   "(default %(default)s)")
+    c.add_argument("--min-workers", type=int, default=None, help="autoscale: fewest (>= 1)")
+    c.add_argument("--max-workers", type=int, default=None, help="autoscale: most")
+    c.add_argument("--scale-up-delay", type=float, default=5.0,
+                   help="seconds a larger count must be wanted before scaling up "
+                   "(default %(default)s)")
+    c.add_argument("--scale-down-delay", type=float, default=60.0,
+                   help="seconds a smaller count must be wanted before scaling down "
+                   "(default %(default)s)")
+    c.add_argument("--planner-interval", type=float, default=1.0,
+                   help="seconds between planner ticks (default %(default)s, the "
+                   "controller's)")
+    c.add_argument("--cold-start", type=float, default=11.0,
+                   help="seconds from a worker's start to serving, paid for (default "
+                   "%(default)s: measured on CPU, docs/control.md)")
 
     o = p.add_argument_group("output")
-    o.add_argument("--slo", default=None, help="goodput SLOs, e.g. ttft=2s,tpot=100ms")
+    o.add_argument("--slo", default=None,
+                   help="goodput SLOs, e.g. ttft=2s,tpot=100ms (itl = tpot: a request's mean "
+                   "ITL); with an autoscaling --planner also its targets (p90 TTFT, mean "
+                   "ITL; default ttft=2s,itl=200ms)")
     o.add_argument("--json", default=None, metavar="FILE", help="everything, per request too")
     o.add_argument("--plot", default=None, metavar="PNG", help="latency CDFs, throughput")
 

@@ -5,12 +5,15 @@
     first token ──► router learns TTFT ──(overhead/2)──► client's TTFT
     last token  ──► router.finish ──(overhead/2)──► client's E2E; next turn (multi-turn)
     every scrape_interval_s: workers' gauges -> router      KV events -> router index
-    every planner_interval_s: planner.desired_replicas -> start (cold start) / drain
+    every planner_interval_s: workers' latency histograms -> window (as the controller
+                              scrapes /metrics); pool_signals(real Pool) ->
+                              planner.desired_replicas -> start (cold start) / cancel / drain
 
 The run returns the bench's `RequestRecord`s (so `sluice.bench.metrics.summarize` and
 `report.table` give the same numbers as `sluice bench serve`) plus what only a
 simulator knows: the oracle hit rate (one infinite prefix cache holding every earlier
-request's prompt and answer, in arrival order), replica count over time, worker-hours, per-worker load, events/s.
+request's prompt and answer, in arrival order), replica count over time, worker-hours,
+scale events, goodput per worker-second, per-worker load, events/s.
 """
 
 from __future__ import annotations
@@ -26,14 +29,17 @@ import numpy as np
 from sluice.bench.client import RequestRecord
 from sluice.bench.metrics import summarize
 from sluice.bench.workloads import Session
+from sluice.control.planner import PoolSignals
+from sluice.control.signals import LatencyWindow, pool_signals
 from sluice.protocol.block_hash import hash_block, hash_blocks
 from sluice.protocol.errors import InvalidRequestError
+from sluice.router.buffer import RequestBuffer
 from sluice.router.endpoints import Ticket
 from sluice.router.scrape import WorkerLoad
 from sluice.sim.loop import EventLoop
-from sluice.sim.planner import FixedPlanner, PoolObservation, ReplicaPlanner
+from sluice.sim.planner import FixedPlanner, PoolObservation, ReplicaPlanner, WorkerLatency
 from sluice.sim.profile import StepProfile
-from sluice.sim.router import RouterSimConfig, SimRouter
+from sluice.sim.router import MODEL, RouterSimConfig, SimRouter
 from sluice.sim.worker import SimRequest, SimWorker
 from sluice.sim.workload import turn_prompt
 
@@ -45,8 +51,9 @@ class SimConfig:
     router: RouterSimConfig = field(default_factory=RouterSimConfig)
     scheduling_policy: str = "priority"
     max_concurrency: int | None = None
-    planner_interval_s: float = 10.0
-    cold_start_s: float = 30.0
+    planner_interval_s: float = 1.0  # the production controller's interval
+    cold_start_s: float = 11.0  # docs/control.md: a CPU worker's start to first token
+    latency_window_s: float = 30.0  # the controller's TTFT / ITL window
     slos: dict[str, float] = field(default_factory=dict)
     label: str = ""
 
@@ -58,9 +65,9 @@ class SimConfig:
                                       param="block_size")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise InvalidRequestError("max_concurrency must be >= 1", param="max_concurrency")
-        if self.planner_interval_s <= 0 or self.cold_start_s < 0:
-            raise InvalidRequestError("planner_interval_s must be > 0, cold_start_s >= 0",
-                                      param="planner_interval_s")
+        if self.planner_interval_s <= 0 or self.cold_start_s < 0 or self.latency_window_s <= 0:
+            raise InvalidRequestError("planner_interval_s and latency_window_s must be > 0, "
+                                      "cold_start_s >= 0", param="planner_interval_s")
 
 
 @dataclass
@@ -93,9 +100,14 @@ class Simulation:
         self.workers: dict[str, SimWorker] = {}  # every worker ever started, by url
         self.serving: list[str] = []
         self.draining: set[str] = set()
-        self.starting = 0
+        self.cold: list[str] = []  # started, in their cold start (oldest first)
+        self.desired = cfg.workers
+        self.scale_events = 0
+        self.latency: dict[str, WorkerLatency] = {}  # url -> what its /metrics would show
+        self.window = LatencyWindow(cfg.latency_window_s)
+        self.no_buffer = RequestBuffer(max_requests=0, timeout_s=0.0)  # the sim holds none
         self.lifetimes: dict[str, list[float]] = {}  # url -> [started, stopped or inf]
-        self.replicas: list[tuple[float, int]] = []
+        self.replicas: list[tuple[float, int, int, int]] = []  # t, serving, cold, draining
         self.records: list[RequestRecord] = []
         self._pending: deque[Session] = deque()
         self._active = 0
@@ -184,7 +196,12 @@ class Simulation:
 
     def _on_token(self, req: SimRequest, now: float) -> None:
         flight: _Flight = req.meta  # type: ignore[assignment]
-        if len(req.token_times) == 1 and flight.ticket is not None:
+        times, latency = req.token_times, self.latency[req.worker]
+        if len(times) > 1:
+            latency.observe_itl(times[-1] - times[-2])
+            return
+        latency.observe_ttft(now - req.arrival - self.cfg.profile.request_overhead_s / 2)
+        if flight.ticket is not None:
             self.router.first_token(flight.ticket)
             self._touched.add(req.worker)
 
@@ -248,27 +265,52 @@ class Simulation:
 
     # -- the planner -------------------------------------------------------------------
     def _plan(self) -> None:
-        serving = [self.workers[u] for u in self.serving]
+        """One control step, in the production controller's order: (scrape the workers'
+        latency histograms and read the pool's signals, when the planner asks,) decide,
+        reconcile."""
+        now, serving = self.loop.now, [self.workers[u] for u in self.serving]
         ttfts, self._ttfts = self._ttfts, []
         obs = PoolObservation(
-            now=self.loop.now, replicas=len(serving), starting=self.starting,
+            now=now, replicas=len(serving), starting=len(self.cold),
             waiting=sum(w.num_waiting for w in serving),
             running=sum(w.num_running for w in serving),
             kv_usage=sum(w.block_manager.usage for w in serving) / max(1, len(serving)),
             arrivals=self._arrivals,
-            ttft_p90_s=float(np.percentile(ttfts, 90)) if ttfts else None)
+            ttft_p90_s=float(np.percentile(ttfts, 90)) if ttfts else None,
+            read_signals=self._signals)
         self._arrivals = 0
         self._resize(self.planner.desired_replicas(obs))
-        self.replicas.append((self.loop.now, len(self.serving)))
+        self.replicas.append((now, len(self.serving), len(self.cold), len(self.draining)))
         if self._busy():
             self.loop.after(self.cfg.planner_interval_s, self._plan)
 
+    def _signals(self) -> PoolSignals:
+        """Scrape every worker's latency histograms into the window (ready and draining,
+        as the controller scrapes its workers), then the pool's signals."""
+        now, scraped = self.loop.now, [*self.serving, *sorted(self.draining)]
+        for url in scraped:
+            self.window.observe(url, now, self.latency[url].snapshot())
+        self.window.forget(scraped)
+        return pool_signals(MODEL, self.router.pool, self.no_buffer, len(self.cold),
+                            self.window)
+
     def _resize(self, desired: int) -> None:
+        """Start workers, or (as the controller reconciles) cancel starting ones, newest
+        first, then drain the serving ones with the least in flight."""
         desired = max(1, desired)
-        have = len(self.serving) + self.starting
+        if desired != self.desired:
+            self.scale_events += 1
+            self.desired = desired
+        have = len(self.serving) + len(self.cold)
         for _ in range(desired - have):
             self._start_worker(cold=True)
-        for url in list(reversed(self.serving))[: max(0, have - desired)]:
+        excess = have - desired
+        while excess > 0 and self.cold:
+            self.lifetimes[self.cold.pop()][1] = self.loop.now
+            excess -= 1
+        pool = self.router.pool
+        drain = sorted(self.serving, key=lambda u: (pool.get(u).inflight, u))[:max(0, excess)]
+        for url in drain:
             self.serving.remove(url)
             self.draining.add(url)
             self.router.drain_worker(url)
@@ -280,16 +322,19 @@ class Simulation:
         self._next_worker += 1
         self.lifetimes[url] = [self.loop.now, float("inf")]
         if cold:
-            self.starting += 1
+            self.cold.append(url)
             self.loop.after(self.cfg.cold_start_s, self._worker_ready, url)
         else:
             self._worker_ready(url, cold=False)
 
     def _worker_ready(self, url: str, cold: bool = True) -> None:
         if cold:
-            self.starting -= 1
+            if url not in self.cold:
+                return  # cancelled during its cold start
+            self.cold.remove(url)
         self.workers[url] = SimWorker(url, self.cfg.profile, self.loop, self.router.kv_events,
                                       self._touched, self.cfg.scheduling_policy)
+        self.latency[url] = WorkerLatency()
         self.router.add_worker(url)
         self.serving.append(url)
 
@@ -321,7 +366,10 @@ class Simulation:
             "policy": self.cfg.router.policy,
             "workers_initial": self.cfg.workers,
             "worker_hours": worker_s / 3600.0,
-            "replicas_over_time": [{"t": t, "replicas": n} for t, n in self.replicas],
+            "worker_seconds": worker_s,
+            "scale_events": self.scale_events,
+            "replicas_over_time": [{"t": t, "replicas": n, "starting": s, "draining": d}
+                                   for t, n, s, d in self.replicas],
             "per_worker_requests": per_worker,
             "busiest_over_mean": max(per_worker) / mean if mean else None,
             "mean_worker_busy": (sum(w.busy_seconds for w in workers) / max(end, 1e-9)
@@ -331,4 +379,7 @@ class Simulation:
             "wall_s": wall_s,
             "events_per_s": self.loop.events_run / max(wall_s, 1e-9),
         }
+        if "good_requests" in out:  # issue 12's measure: requests meeting the SLO per
+            out["goodput_per_worker_s"] = out["good_requests"] / max(worker_s, 1e-9)
+            out["slo_attainment"] = out["good_requests"] / max(1, len(self.records))
         return out

@@ -1,8 +1,10 @@
 """`sluice sim`: options -> configs -> one simulation per policy -> the bench's report.
 
     1. the profile (file, calibrated default, or built-in) with any overrides
-    2. the workload: a trace's rows, or a bench workload with its arrival process
-    3. one `Simulation` per policy (`--policy`, then each of `--compare`), same sessions
+    2. the workload: a trace's rows (its own times, time-scaled or reshaped to a day's
+       rate), or a bench workload with its arrival process
+    3. one `Simulation` per policy (`--policy`, then each of `--compare`), same sessions,
+       each with a fresh replica planner (`--planner`: fixed, or the production one)
     4. `sluice.bench.report.table` (the rows of `sluice bench serve`) plus the rows only a
        simulator has; `--json`, `--plot`; the last stdout line is one JSON document
 """
@@ -13,7 +15,7 @@ import argparse
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,21 +23,26 @@ from sluice.bench import report
 from sluice.bench.load import LoadConfig
 from sluice.bench.metrics import parse_slos
 from sluice.bench.workloads import Session, WorkloadConfig
+from sluice.control.planner import SLO, PlannerConfig
 from sluice.protocol.errors import InvalidRequestError
 from sluice.sim.cluster import SimConfig, SimResult, Simulation
-from sluice.sim.planner import make_planner
+from sluice.sim.planner import PLANNERS, make_planner
 from sluice.sim.profile import StepProfile, load_profile
 from sluice.sim.router import RouterSimConfig
-from sluice.sim.workload import synthetic_sessions, trace_sessions
+from sluice.sim.workload import DailyShape, synthetic_sessions, trace_sessions
 
 DEFAULT_NUM_PROMPTS = 100
 DEFAULT_SHARED_PREFIX_LEN = 256
+DEFAULT_WORKERS = 16
 
 # (label, key, format): what `sluice bench serve` cannot know
 SIM_ROWS: tuple[tuple[str, str, str], ...] = (
     ("Prefix cache hit rate (oracle)", "oracle_prefix_cache_hit_rate", ".3f"),
     ("Hit rate vs oracle", "hit_rate_vs_oracle", ".3f"),
     ("Worker-hours", "worker_hours", ".3f"),
+    ("SLO attainment (requests)", "slo_attainment", ".3f"),
+    ("Goodput per worker-second", "goodput_per_worker_s", ".4f"),
+    ("Scale events", "scale_events", "d"),
     ("Busiest worker / mean (requests)", "busiest_over_mean", ".2f"),
     ("Mean worker busy fraction", "mean_worker_busy", ".3f"),
     ("Engine steps", "engine_steps", "d"),
@@ -77,15 +84,74 @@ def _policy_options(items: Sequence[str]) -> dict[str, float]:
     return out
 
 
+def parse_sim_slos(text: str | None) -> dict[str, float]:
+    """The goodput SLOs (`sluice bench`'s: ttft, tpot, e2e), where `itl` is accepted
+    for tpot: a request's mean inter-token latency is its TPOT, and `itl` is what the
+    production planner's `--slo` calls its target."""
+    parts = [p.strip() for p in (text or "").split(",") if p.strip()]
+    names = [p.partition("=")[0].strip() for p in parts]
+    if "itl" in names and "tpot" in names:
+        raise InvalidRequestError("--slo: give itl or tpot, not both (the same target)",
+                                  param="slo")
+    return parse_slos(",".join("tpot=" + p.partition("=")[2] if n == "itl" else p
+                               for n, p in zip(names, parts, strict=True)))
+
+
+def planner_config(args: argparse.Namespace, slos: dict[str, float]) -> PlannerConfig | None:
+    """The production planner's config, or None for `--planner fixed` (which takes none of
+    the autoscaling flags). Its SLO is `--slo`'s ttft and itl (default 2 s, 200 ms)."""
+    bounds = (args.min_workers, args.max_workers)
+    if args.planner == "fixed":
+        if bounds != (None, None):
+            raise InvalidRequestError("--min-workers/--max-workers need an autoscaling "
+                                      "--planner (slo, queue, kv)", param="planner")
+        return None
+    if None in bounds:
+        raise InvalidRequestError(f"--planner {args.planner} needs --min-workers and "
+                                  "--max-workers", param="min_workers")
+    default = SLO()
+    slo = SLO(ttft_s=slos.get("ttft", default.ttft_s), itl_s=slos.get("tpot", default.itl_s))
+    return PlannerConfig(policy=args.planner, min_replicas=args.min_workers,
+                         max_replicas=args.max_workers, slo=slo,
+                         scale_up_delay_s=args.scale_up_delay,
+                         scale_down_delay_s=args.scale_down_delay)
+
+
+def initial_workers(args: argparse.Namespace, planning: PlannerConfig | None) -> int:
+    """`--workers`, else 16 for a fixed pool and `--min-workers` for an autoscaled one
+    (as `sluice serve` starts)."""
+    if args.workers is not None:
+        return int(args.workers)
+    return DEFAULT_WORKERS if planning is None else max(1, planning.min_replicas)
+
+
+def rate_shape(args: argparse.Namespace) -> DailyShape | None:
+    if args.rate_shape == "trace":
+        if args.duration is not None:
+            raise InvalidRequestError("--duration needs --rate-shape daily", param="duration")
+        return None
+    if args.duration is None:
+        raise InvalidRequestError("--rate-shape daily needs --duration SECONDS",
+                                  param="duration")
+    if args.time_scale != 1.0:
+        raise InvalidRequestError("--rate-shape daily sets the arrival times; drop "
+                                  "--time-scale", param="time_scale")
+    return DailyShape(args.duration, args.trough_ratio)
+
+
 def sessions_from_args(args: argparse.Namespace) -> list[tuple[Session, float]]:
     workload = args.workload or ("trace" if args.trace else "random")
+    shape = rate_shape(args)
     if workload == "trace":
         if not args.trace:
             raise InvalidRequestError("--workload trace needs --trace FILE", param="trace")
         cfg = WorkloadConfig(seed=args.seed, token_scale=args.token_scale,
                              output_token_scale=args.output_token_scale,
                              time_scale=args.time_scale)
-        return list(trace_sessions(args.trace, cfg, args.num_prompts).timed())
+        return list(trace_sessions(args.trace, cfg, args.num_prompts, shape).timed())
+    if shape is not None:
+        raise InvalidRequestError("--rate-shape daily reshapes a trace's arrivals: it needs "
+                                  "--trace", param="rate_shape")
     system = args.system_prompt_len
     if system is None:
         system = DEFAULT_SHARED_PREFIX_LEN if workload == "shared-prefix" else 0
@@ -97,16 +163,17 @@ def sessions_from_args(args: argparse.Namespace) -> list[tuple[Session, float]]:
     return synthetic_sessions(workload, cfg, load, args.num_prompts or DEFAULT_NUM_PROMPTS)
 
 
-def configs_from_args(args: argparse.Namespace, profile: StepProfile) -> list[SimConfig]:
+def configs_from_args(args: argparse.Namespace, profile: StepProfile,
+                      planning: PlannerConfig | None = None) -> list[SimConfig]:
     router = RouterSimConfig(
         policy=args.policy, policy_options=_policy_options(args.policy_option),
         block_size=profile.block_size, scrape_interval_s=args.scrape_interval,
         kv_event_lag_s=args.kv_event_lag_ms / 1000.0,
         prefix_index_blocks=args.prefix_index_blocks, seed=args.seed)
-    base = SimConfig(workers=args.workers, profile=profile, router=router,
+    base = SimConfig(workers=initial_workers(args, planning), profile=profile, router=router,
                      max_concurrency=args.max_concurrency,
                      planner_interval_s=args.planner_interval, cold_start_s=args.cold_start,
-                     slos=parse_slos(args.slo))
+                     slos=parse_sim_slos(args.slo))
     policies = list(dict.fromkeys([args.policy, *args.compare]))
     return [replace(base, router=replace(router, policy=p,
                                          policy_options=router.policy_options
@@ -115,10 +182,11 @@ def configs_from_args(args: argparse.Namespace, profile: StepProfile) -> list[Si
 
 
 def simulate(configs: Sequence[SimConfig], sessions: Sequence[tuple[Session, float]],
-             planner: str = "fixed", progress: bool = True) -> list[SimResult]:
+             planner: str = "fixed", progress: bool = True,
+             planning: PlannerConfig | None = None) -> list[SimResult]:
     results = []
     for cfg in configs:
-        result = Simulation(cfg, make_planner(planner, cfg.workers)).run(sessions)
+        result = Simulation(cfg, make_planner(planner, cfg.workers, planning)).run(sessions)
         if progress:
             print(f"sluice sim: {cfg.router.policy}: {result.summary['events']} events in "
                   f"{result.summary['wall_s']:.1f}s", file=sys.stderr)
@@ -140,7 +208,8 @@ def sim_table(summaries: Sequence[dict[str, Any]]) -> str:
 
 
 def document(configs: Sequence[SimConfig], results: Sequence[SimResult], workload: str,
-             seed: int) -> dict[str, Any]:
+             seed: int, planner: str = "fixed", planning: PlannerConfig | None = None
+             ) -> dict[str, Any]:
     profile = configs[0].profile
     out = [r.summary | {"requests": [x.to_dict() for x in r.records],
                         "throughput_over_time": report.throughput_over_time(r.records)}
@@ -148,6 +217,8 @@ def document(configs: Sequence[SimConfig], results: Sequence[SimResult], workloa
     doc: dict[str, Any] = {
         "benchmark": "sim",
         "config": {"workload": workload, "seed": seed, "workers": configs[0].workers,
+                   "planner": planner, "planner_config": asdict(planning) if planning else None,
+                   "cold_start_s": configs[0].cold_start_s,
                    "profile": vars(profile) | {}, "policies": [c.router.policy for c in configs],
                    "slos_ms": {k: v * 1000.0 for k, v in configs[0].slos.items()}},
         "results": out}
@@ -161,15 +232,19 @@ def run_from_args(args: argparse.Namespace) -> int:
     from sluice.sim.cli import default_profile_path
 
     profile = profile_from_args(args, default_profile_path())
-    if args.trace and profile.block_size < 512 and args.workers >= 100:
+    if args.planner not in PLANNERS:
+        raise InvalidRequestError(f"unknown planner {args.planner!r}; choose from "
+                                  f"{sorted(PLANNERS)}", param="planner")
+    planning = planner_config(args, parse_sim_slos(args.slo))
+    configs = configs_from_args(args, profile, planning)
+    if args.trace and profile.block_size < 512 and configs[0].workers >= 100:
         print("sluice sim: hint: a Mooncake trace's content is 512-token blocks; "
               "--block-size 512 gives the same hit rates with 32x fewer hashes and KV "
               "blocks (see docs/sim.md)", file=sys.stderr)
-    configs = configs_from_args(args, profile)
     sessions = sessions_from_args(args)
-    results = simulate(configs, sessions, args.planner)
+    results = simulate(configs, sessions, args.planner, planning=planning)
     workload = args.workload or ("trace" if args.trace else "random")
-    doc = document(configs, results, workload, args.seed)
+    doc = document(configs, results, workload, args.seed, args.planner, planning)
     print(report.table(doc["results"], title="Simulation Result"))
     print(sim_table(doc["results"]))
     if args.json:

@@ -8,14 +8,25 @@ needs token ids, never text), with arrivals from `sluice.bench.load` (Poisson/ga
 `BlockSynthesizer`, so equal hash-id prefixes are equal token prefixes, without building
 the text the HTTP benchmark needs.
 
+A trace can be reshaped to a day's rate (`DailyShape`): the rows keep their order,
+lengths and hash ids, and row i, at fraction u_i of the trace's span, arrives when the
+day's cumulative demand reaches u_i. The trace's own burstiness is kept, its mean rate
+follows the day:
+
+    rate(t) = mean × (1 − a·cos(2πt / D)),   a = (1 − r) / (1 + r),  r = trough / peak
+    trough at t = 0 and t = D, peak at D / 2; peak / mean = 1 + a (1.6 at r = 1/4)
+
 A turn's prompt is what `sluice bench serve` sends: the system prompt, then every
 earlier user turn followed by the answer the server gave, then this turn's user text.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from sluice.bench.load import LoadConfig, schedule
 from sluice.bench.tokens import Vocab
@@ -40,18 +51,61 @@ def synthetic_vocab(size: int = VOCAB_SIZE) -> Vocab:
     return Vocab(words=tuple(f"w{i}" for i in range(size)), ids=tuple(range(size)))
 
 
+@dataclass(frozen=True)
+class DailyShape:
+    """A day compressed into `duration_s`: the rate is a sinusoid with trough/peak
+    `trough_ratio`, lowest at 0 and `duration_s`, highest at `duration_s / 2`."""
+
+    duration_s: float
+    trough_ratio: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not self.duration_s > 0:
+            raise InvalidRequestError("duration must be > 0", param="duration")
+        if not 0 < self.trough_ratio <= 1:
+            raise InvalidRequestError("trough_ratio must be in (0, 1]", param="trough_ratio")
+
+    @property
+    def amplitude(self) -> float:
+        return (1 - self.trough_ratio) / (1 + self.trough_ratio)
+
+    def relative_rate(self, t: float) -> float:
+        """The rate at `t` over the day's mean (1 + a at the peak, 1 - a at the trough)."""
+        return 1 - self.amplitude * math.cos(2 * math.pi * t / self.duration_s)
+
+    def demand(self, t: np.ndarray) -> np.ndarray:
+        """The fraction of the day's requests that arrived by `t` (0 .. 1, increasing)."""
+        d, w = self.duration_s, 2 * math.pi / self.duration_s
+        return (t - self.amplitude * np.sin(w * t) / w) / d
+
+    def times(self, fractions: np.ndarray) -> np.ndarray:
+        """When the cumulative demand reaches each of `fractions` (its inverse, by
+        interpolation on a grid of 1/10,000 of the day: exact to ~1e-8 of the day)."""
+        grid = np.linspace(0.0, self.duration_s, 10_001)
+        return np.interp(fractions, self.demand(grid), grid)
+
+
 @dataclass
 class TraceSessions:
-    """A Mooncake trace as sessions of token ids (one single-turn session per row)."""
+    """A Mooncake trace as sessions of token ids (one single-turn session per row), at its
+    own times (times `time_scale`) or re-timed to `shape`."""
 
     rows: list[TraceRow]
     cfg: WorkloadConfig
+    shape: DailyShape | None = None
+    arrivals: np.ndarray = field(init=False)  # seconds, one per row
 
     def __post_init__(self) -> None:
         block_len = max(1, round(512 * self.cfg.token_scale))
         max_id = max((max(r.hash_ids) for r in self.rows if r.hash_ids), default=0)
         self.synth = BlockSynthesizer(VOCAB_SIZE, block_len, max_id, self.cfg.seed)
-        self.t0 = min((r.timestamp_ms for r in self.rows), default=0.0)
+        stamps = np.array([r.timestamp_ms for r in self.rows], dtype=float)
+        offsets = stamps - stamps.min() if len(stamps) else stamps
+        if self.shape is None:
+            self.arrivals = offsets / 1000.0 * self.cfg.time_scale
+        else:
+            span = offsets.max() if len(offsets) and offsets.max() > 0 else 1.0
+            self.arrivals = self.shape.times(offsets / span)
 
     def session(self, i: int) -> tuple[Session, float]:
         row = self.rows[i]
@@ -59,7 +113,7 @@ class TraceSessions:
             raise InvalidRequestError(f"trace row {i} has no hash_ids", param="trace")
         ids = tuple(self.synth.prompt(row.hash_ids, row.input_length, self.cfg.token_scale))
         n_out = max(1, round(row.output_length * self.cfg.output_token_scale))
-        at = (row.timestamp_ms - self.t0) / 1000.0 * self.cfg.time_scale
+        at = float(self.arrivals[i])
         turn = Turn(Segment(text="", num_tokens=len(ids), ids=ids), n_out)
         return Session(index=i, turns=(turn,), arrival=at), at
 
@@ -67,9 +121,10 @@ class TraceSessions:
         return (self.session(i) for i in range(len(self.rows)))
 
 
-def trace_sessions(path: str, cfg: WorkloadConfig, limit: int | None = None) -> TraceSessions:
+def trace_sessions(path: str, cfg: WorkloadConfig, limit: int | None = None,
+                   shape: DailyShape | None = None) -> TraceSessions:
     rows = load_trace(path)
-    return TraceSessions(rows[:limit] if limit else rows, cfg)
+    return TraceSessions(rows[:limit] if limit else rows, cfg, shape)
 
 
 def synthetic_sessions(name: str, cfg: WorkloadConfig, load: LoadConfig, count: int
