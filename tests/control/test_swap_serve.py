@@ -12,9 +12,7 @@ the usage ledger holds exactly one ok row per request, with the tokens the clien
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import random
-import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -23,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from benchmark_module import load_benchmark
 from e2e.test_serve import serve
 from tiny_models import make_tiny_checkpoint
 
@@ -33,17 +32,6 @@ TINY = ["--max-model-len", "512", "--num-kv-blocks", "256", "--dtype", "float32"
 @pytest.fixture(scope="module")
 def tiny_llama_v2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama-v2"), "llama", seed=1)
-
-
-def load_bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """benchmarks/migration.py as a module (registered while the test runs)."""
-    path = Path(__file__).parents[2] / "benchmarks" / "migration.py"
-    spec = importlib.util.spec_from_file_location("benchmark_migration", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
 
 
 class Clients:
@@ -95,7 +83,7 @@ async def settled(c: httpx.AsyncClient, url: str, timeout_s: float = 150) -> dic
 async def test_swaps_under_load_fail_no_request_and_keep_one_ledger_row_each(
         tiny_llama_dir: Path, tiny_llama_v2: Path, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    bench = load_bench(monkeypatch)
+    bench = load_benchmark("migration", monkeypatch)
     broken = tmp_path / "broken-model"
     broken.mkdir()
     (broken / "config.json").write_text("not a config")

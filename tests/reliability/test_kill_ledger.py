@@ -11,13 +11,12 @@ stopped, and matched with the clients' requests by x-request-id.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from benchmark_module import load_benchmark
 from sluice.control.local import LocalWorkerPool
 
 WORKER_ARGS = ["--max-model-len", "1024", "--num-kv-blocks", "512", "--dtype", "float32"]
@@ -25,15 +24,7 @@ WORKER_ARGS = ["--max-model-len", "1024", "--num-kv-blocks", "512", "--dtype", "
 
 @pytest.fixture
 def bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """benchmarks/migration.py as a module (registered while the test runs: its
-    dataclasses look their module up)."""
-    path = Path(__file__).parents[2] / "benchmarks" / "migration.py"
-    spec = importlib.util.spec_from_file_location("benchmark_migration", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("migration", monkeypatch)
 
 
 async def test_kills_under_streaming_load_fail_no_stream_and_lose_no_ledger_row(
