@@ -8,12 +8,13 @@ sized for the peak, over the Mooncake trace re-timed to a day.
        peak: p90 TTFT <= ttft and mean ITL <= itl, the planner's own SLO), found by
        bisection over 1 .. `--max-search` (assuming more workers never do worse)
     3. the production planner (`--planner`, default slo) between `--min-workers` and that
-       n, same trace, same router policy, same step-time profile, `--cold-start` per start
+       n, from `--initial-workers` (default: n × trough ratio), same trace, same router
+       policy, same step-time profile, `--cold-start` per start
     4. for both: goodput per worker-second (requests meeting the SLO per second of worker
        time, cold starts included), SLO attainment, worker-seconds, scale events; their
        ratio; a plot of the rate and the replicas over time (`--plot`)
 
-    PYTHONPATH=src python benchmarks/autoscale_sim.py \\
+    PYTHONPATH=src python benchmarks/autoscale_sim.py --duration 1800 \\
         --trace ../shared/traces/mooncake_synthetic_trace.jsonl --plot docs/img/autoscale-sim.png
 
 The step-time profile is `--profile FILE`, else `$SLUICE_HOME/sim-profile.json`, else the
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -212,15 +214,28 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--peak-window", type=float, default=None,
                     help="seconds around the peak the fixed pool must meet the SLO in "
                     "(default: a twelfth of the day, two hours of 24)")
-    ap.add_argument("--token-scale", type=float, default=1 / 32,
-                    help="scale prompt lengths (default 1/32: a median prompt of ~360 "
-                    "tokens, the size the CPU profile's model serves)")
+    ap.add_argument("--token-scale", type=float, default=1 / 64,
+                    help="scale prompt lengths (default 1/64: at 1/32 the longest prompts' "
+                    "own prefill puts the p90 TTFT over 3 s at any pool size on the CPU "
+                    "profile, so no pool is 'sized for the peak')")
     ap.add_argument("--output-token-scale", type=float, default=1.0)
     ap.add_argument("--num-prompts", type=int, default=None, help="first N trace rows")
-    ap.add_argument("--slo", default="ttft=2s,itl=200ms",
-                    help="goodput per request and the planner's targets (default %(default)s)")
+    ap.add_argument("--slo", default="ttft=3s,itl=300ms",
+                    help="a request is good when its TTFT and TPOT meet this; the fixed pool "
+                    "must meet it at the peak (p90 TTFT, mean ITL) (default %(default)s)")
+    ap.add_argument("--planner-slo", default=None,
+                    help="the planner's targets (default: --slo). The planner holds the mean "
+                    "ITL to its target while goodput counts each request's TPOT, so a "
+                    "tighter ITL here keeps the requests above the mean good")
     ap.add_argument("--planner", default="slo", help="slo | queue | kv (default %(default)s)")
     ap.add_argument("--min-workers", type=int, default=1)
+    ap.add_argument("--initial-workers", type=int, default=None,
+                    help="the planner's pool at the start of the day (default: the peak-sized "
+                    "pool times --trough-ratio, rounded up: where a planner that ran through "
+                    "the previous day stands at its trough)")
+    ap.add_argument("--scale-down-margin", type=float, default=0.6,
+                    help="slo planner: a smaller count must beat this x SLO "
+                    "(default %(default)s)")
     ap.add_argument("--max-workers", type=int, default=None,
                     help="the planner's most (default: the peak-sized pool)")
     ap.add_argument("--scale-up-delay", type=float, default=5.0)
@@ -266,12 +281,20 @@ def main() -> int:
     else:
         peak_n, search = args.fixed_workers, []
         fixed = bench.run(peak_n, "fixed", None)
+    target = bench.slo
+    if args.planner_slo is not None:
+        slos = parse_sim_slos(args.planner_slo)
+        target = SLO(ttft_s=slos.get("ttft", target.ttft_s), itl_s=slos.get("tpot", target.itl_s))
     planning = PlannerConfig(policy=args.planner, min_replicas=args.min_workers,
-                             max_replicas=args.max_workers or peak_n, slo=bench.slo,
+                             max_replicas=args.max_workers or peak_n, slo=target,
                              scale_up_delay_s=args.scale_up_delay,
-                             scale_down_delay_s=args.scale_down_delay)
-    say(f"the {args.planner} planner, {planning.min_replicas}..{planning.max_replicas} workers:")
-    auto = bench.run(max(1, planning.min_replicas), args.planner, planning)
+                             scale_down_delay_s=args.scale_down_delay,
+                             scale_down_margin=args.scale_down_margin)
+    initial = args.initial_workers or math.ceil(peak_n * args.trough_ratio - 1e-9)
+    initial = min(planning.max_replicas, max(1, planning.min_replicas, initial))
+    say(f"the {args.planner} planner, {planning.min_replicas}..{planning.max_replicas} workers, "
+        f"starting at {initial}:")
+    auto = bench.run(initial, args.planner, planning)
     rows = [row(f"fixed {peak_n} (peak-sized)", fixed,
                 peak_check(fixed.records, bench.window, bench.slo)),
             row(f"{args.planner} {planning.min_replicas}-{planning.max_replicas}", auto,

@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 
 import pytest
 
 from sluice.control.planner import (
+    MIN_ITL_POINTS,
     SLO,
     Planner,
     PlannerConfig,
     PoolSignals,
     model_ttft,
     parse_duration,
+    predict_itl,
 )
 from sluice.protocol.errors import InvalidRequestError
 
@@ -286,3 +289,54 @@ def test_observations_are_read_at_the_ready_count_not_counting_starting_workers(
                       initial=2)
     d = planner.decide(s, 0.0)
     assert d.desired == 2 and d.predicted.itl_s == pytest.approx(0.28 * 5.5 / 10)
+
+
+def test_a_pool_that_serves_prompts_from_its_prefix_cache_is_sized_for_the_uncached_part(
+        ) -> None:
+    # half the prompt tokens hit: the request's own prefill is 100 tokens, not 200
+    cold, warm = idle(1), PoolSignals(ready=1, prefix_hit_rate=0.5, **BASE)  # type: ignore[arg-type]
+    assert model_ttft(cold, 1) == pytest.approx(0.332)
+    assert model_ttft(warm, 1) == pytest.approx(0.232)
+
+
+def test_the_itl_floor_is_the_least_itl_seen_in_its_window_after_enough_observations(
+        ) -> None:
+    planner = Planner(PlannerConfig(itl_floor_window_s=30), initial=2)
+    itls = [0.20] * 5 + [0.15] + [0.25] * (MIN_ITL_POINTS - 6)
+    for t, itl in enumerate(itls[:-1]):
+        s = PoolSignals(ready=2, itl_s=itl, **BASE)  # type: ignore[arg-type]
+        assert planner.decide(s, t).signals.itl_floor_s is None  # not enough seen yet
+    last = planner.decide(PoolSignals(ready=2, itl_s=itls[-1], **BASE),  # type: ignore[arg-type]
+                          len(itls) - 1)
+    assert last.signals.itl_floor_s == pytest.approx(0.15)
+    # 30 s after the 0.15 it has left the window: the floor is the least since
+    later = planner.decide(PoolSignals(ready=2, itl_s=0.25, **BASE), 36)  # type: ignore[arg-type]
+    assert later.signals.itl_floor_s == pytest.approx(0.25)
+
+
+def test_with_a_floor_only_the_itl_above_it_scales_with_requests_per_worker() -> None:
+    # 16 running on 1 worker at 0.3 s, a floor of 0.15 s: 2 workers halve the 0.15 s above it
+    s = PoolSignals(ready=1, inflight=16, running=16, itl_s=0.3, itl_floor_s=0.15,
+                    **BASE)  # type: ignore[arg-type]
+    assert predict_itl(s, 1, 2) == pytest.approx(0.225)
+    assert predict_itl(s, 1, 3) == pytest.approx(0.2)
+    # the fallback (no floor yet) predicts more: the whole ITL scales with the batch
+    assert predict_itl(replace(s, itl_floor_s=None), 1, 2) == pytest.approx(0.3 * 9 / 17)
+    # a planner that has seen 0.15 s at light load scales up to 2 for itl=0.24s, not 3
+    cfg = PlannerConfig(scale_up_delay_s=0, slo=SLO(ttft_s=60, itl_s=0.24))
+    planner = Planner(cfg, initial=1)
+    for t in range(MIN_ITL_POINTS):
+        planner.decide(PoolSignals(ready=1, inflight=1, running=1, itl_s=0.15,
+                                   **BASE), t)  # type: ignore[arg-type]
+    d = planner.decide(replace(s, itl_floor_s=None), MIN_ITL_POINTS)
+    assert d.desired == 2 and d.predicted.itl_s == pytest.approx(0.225)
+
+
+def test_the_pool_shrinks_by_one_step_per_scale_down_delay() -> None:
+    # idle wants 1 from 4: max_step 1 takes a step, then waits the delay again, each time
+    cfg = PlannerConfig(max_replicas=4, scale_down_delay_s=10, max_step=1)
+    planner = Planner(cfg, initial=4)
+    desired = run(planner, [idle(4)] * 35)
+    # t=10: held since t=0; the next window starts at t=11, and so on
+    assert desired[9:12] == [4, 3, 3] and desired[20:23] == [3, 2, 2]
+    assert desired[31:] == [2, 1, 1, 1]

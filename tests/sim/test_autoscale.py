@@ -55,12 +55,13 @@ def test_the_production_planner_drives_the_simulated_pool() -> None:
     # The burst is over the SLO from the tick at 1 s: after the 5 s up delay, one more
     # worker per decision (6 s, 7 s; recommended up to 4, but the burst is served by
     # 10 s), each serving after its 2 s cold start. Below 0.6 x SLO from 10 s on: after
-    # the 60 s down delay, one fewer per decision (least in flight, then oldest url).
-    assert changes == [(8.0, 2), (9.0, 3), (70.0, 2), (71.0, 1)]
+    # the 60 s down delay, one fewer (least in flight, then oldest url), and the delay
+    # starts again: the next one leaves 61 s later.
+    assert changes == [(8.0, 2), (9.0, 3), (70.0, 2), (131.0, 1)]
     assert [(p["t"], p["starting"]) for p in ticks if p["starting"]] == [(6.0, 1), (7.0, 2),
                                                                       (8.0, 1)]
     assert result.summary["scale_events"] == 4
-    assert result.summary["worker_seconds"] == pytest.approx(70 + (71 - 6) + result.duration - 7)
+    assert result.summary["worker_seconds"] == pytest.approx(70 + (131 - 6) + result.duration - 7)
     assert result.summary["failed"] == 0
 
 

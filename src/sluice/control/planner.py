@@ -22,11 +22,18 @@ stabilization window does, so a dip shorter than the down delay never shrinks th
 The `slo` policy predicts with the router's own cost model
 (`router.policies.cost.estimate_seconds` over the pool's learned TTFT line): the
 TTFT of a request joining the back of the queue on an average worker when the pool's
-queued and running work is spread over n workers, calibrated upward by the observed
-p90 TTFT when the model under-predicts it. ITL is predicted from the observed mean ITL,
-scaled by the per-worker decode batch: ITL(n) = ITL_obs × (1 + running/n) / (1 + running/n_now).
+queued and running work is spread over n workers (its own prefill less the pool's
+prefix-hit share), calibrated upward by the observed p90 TTFT when the model
+under-predicts it. ITL: a decode step has a fixed cost that more workers do not
+lower, and a part that grows with the requests each worker holds. The planner takes
+the fixed part as the least ITL it has seen over `itl_floor_window_s` (the floor,
+reached at light load) and scales only the part above it with the requests per
+worker: ITL(n) = floor + (ITL_obs - floor) × n_now / n. Before it has seen enough, the
+ITL scales as if the step time grew by one request's share per request,
+ITL(n) = ITL_obs × (1 + running/n) / (1 + running/n_now), which over-provisions a pool
+whose fixed step cost dominates.
 Dynamo's planner maps forecast load through profiled curves instead; sluice has no
-offline profile, so it uses the line the router already fits online.
+offline profile, so it uses the lines the router and the planner fit online.
 
 Look-ahead: a worker started now serves only after its cold start, so the `slo` policy
 also predicts the pool at `lookahead_s` from now, with the demand (requests in flight
@@ -55,6 +62,8 @@ from sluice.router.policies.base import RequestMeta
 from sluice.router.policies.cost import estimate_seconds
 
 log = logging.getLogger(__name__)
+
+MIN_ITL_POINTS = 20  # ITL observations before the floor is trusted
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|m)?\s*$")
 _UNIT_S = {"ms": 1e-3, "s": 1.0, "m": 60.0, None: 1.0}
@@ -115,6 +124,7 @@ class PlannerConfig:
     tolerance: float = 0.1  # queue, kv: no change while the ratio is within 1 ± this
     lookahead_s: float = 30.0  # slo: also meet the SLO for the demand forecast this far ahead
     trend_window_s: float = 20.0  # the demand growth is fitted over this much history
+    itl_floor_window_s: float = 3600.0  # slo: the ITL floor is the least ITL this long
     history: int = 120  # decisions kept for /admin/planner
 
     def __post_init__(self) -> None:
@@ -132,6 +142,9 @@ class PlannerConfig:
                 self.scale_to_zero_after_s < 0 or self.min_replicas > 0):
             raise InvalidRequestError("scale_to_zero_after_s needs min_replicas=0 and a "
                                       "value >= 0", param="scale_to_zero_after_s")
+        if self.itl_floor_window_s <= 0:
+            raise InvalidRequestError("itl_floor_window_s must be > 0",
+                                      param="itl_floor_window_s")
         if self.lookahead_s < 0 or self.trend_window_s <= 0:
             raise InvalidRequestError("lookahead_s must be >= 0 and trend_window_s > 0",
                                       param="lookahead_s")
@@ -152,6 +165,8 @@ class PoolSignals:
     router's estimate of requests waiting for prefill / decoding on the workers.
     `seconds_per_token`/`overhead_s`: the pool's learned TTFT line (the cost model).
     `ttft_p90_s`/`itl_s`: observed over the last window; None when nothing was served.
+    `itl_floor_s`: the lowest ITL the planner has seen over its recent history (a decode
+    step's fixed cost, `Planner.itl_floor`); None until it has seen enough.
     """
 
     pool: str
@@ -169,6 +184,7 @@ class PoolSignals:
     ttft_p90_s: float | None = None
     itl_s: float | None = None
     prefix_hit_rate: float | None = None
+    itl_floor_s: float | None = None  # the least ITL seen lately (the planner's history)
 
     @property
     def idle(self) -> bool:
@@ -240,7 +256,9 @@ def _calibration(s: PoolSignals, model_now: float) -> float:
 
 def model_ttft(s: PoolSignals, n: int) -> float:
     """The cost model's TTFT for a request joining the back of the queue on an average
-    worker, with the pool's queued and running work spread over `n` workers."""
+    worker, with the pool's queued and running work spread over `n` workers. The
+    request's own prefill is its prompt less the pool's prefix-hit share (a pool that
+    serves most prompts from its cache must not be sized as if it recomputed them)."""
     if n <= 0:
         return math.inf
     avg = EndpointStats(
@@ -248,13 +266,21 @@ def model_ttft(s: PoolSignals, n: int) -> float:
         queued_prefill_tokens=(s.queued_prefill_tokens + s.queued * s.mean_prompt_tokens) / n,
         seconds_per_token=s.seconds_per_token, overhead_s=s.overhead_s,
         mean_prompt_tokens=s.mean_prompt_tokens)
-    return estimate_seconds(RequestMeta(model="", num_prompt_tokens=int(s.mean_prompt_tokens)),
-                            avg)
+    own = s.mean_prompt_tokens * (1.0 - (s.prefix_hit_rate or 0.0))
+    return estimate_seconds(RequestMeta(model="", num_prompt_tokens=int(own)), avg)
 
 
 def predict_itl(s: PoolSignals, now: int, n: int) -> float | None:
+    """The ITL at `n` workers from the one observed at `now` workers. With a known floor
+    (the least ITL seen: a decode step's fixed cost, which more workers do not lower),
+    the part above it scales with the requests per worker. Without one: as if the step
+    time grew by one request's share per request (over-provisions a pool whose fixed
+    step cost dominates)."""
     if s.itl_s is None or n <= 0:
         return None if n > 0 else math.inf
+    if s.itl_floor_s is not None:
+        floor = min(s.itl_floor_s, s.itl_s)
+        return floor + (s.itl_s - floor) * max(1, now) / n
     return s.itl_s * (1 + s.running / n) / (1 + s.running / max(1, now))
 
 
@@ -450,11 +476,14 @@ class Planner:
         self.idle_since: float | None = None
         self.up, self.down = _Trend(), _Trend()
         self.decisions: deque[Decision] = deque(maxlen=config.history)
+        self.itl_points: deque[tuple[float, float]] = deque()  # (at, itl), rising itl
+        self.itl_seen = 0
 
     def decide(self, signals: PoolSignals, now: float) -> Decision:
         """One step at time `now` (seconds, any origin, never decreasing). Mutates the
         planner's history and `desired`; reads no clock."""
         cfg, previous = self.config, self.desired
+        signals = replace(signals, itl_floor_s=self.itl_floor(signals, now))
         growth = self.demand_growth(signals, now)
         ahead = signals.grown(growth * cfg.lookahead_s) if growth > 0 else None
         rec = self.policy.recommend(signals, previous, cfg, ahead)
@@ -463,7 +492,9 @@ class Planner:
         if stable is None:
             stable, reason = self._stabilize(now, previous, target, rec.reason)
         desired = max(previous - cfg.max_step, min(previous + cfg.max_step, stable))
-        if desired != previous and desired == stable:  # moved all the way: delays restart
+        if desired < previous or (desired > previous and desired == stable):
+            # a step down, or all the way up: the delays restart, so the pool shrinks by
+            # at most `max_step` per scale-down delay and sees each step's effect first
             self.up.reset()
             self.down.reset()
         self.desired = desired
@@ -487,6 +518,21 @@ class Planner:
         md = sum(d for _, d in points) / len(points)
         var = sum((t - mt) ** 2 for t, _ in points)
         return sum((t - mt) * (d - md) for t, d in points) / var if var > 0 else 0.0
+
+    def itl_floor(self, signals: PoolSignals, now: float) -> float | None:
+        """The lowest ITL observed over the last `itl_floor_window_s`: the decode step's
+        cost at the lightest load seen, which more workers cannot lower (None before
+        MIN_ITL_POINTS observations)."""
+        if signals.itl_s is not None and signals.ready > 0:
+            while self.itl_points and self.itl_points[-1][1] >= signals.itl_s:
+                self.itl_points.pop()  # a monotonic queue: the front is the window's min
+            self.itl_points.append((now, signals.itl_s))
+            self.itl_seen += 1
+        while self.itl_points and self.itl_points[0][0] < now - self.config.itl_floor_window_s:
+            self.itl_points.popleft()
+        if self.itl_seen < MIN_ITL_POINTS or not self.itl_points:
+            return None
+        return self.itl_points[0][1]
 
     def _zero_rule(self, s: PoolSignals, now: float) -> tuple[int | None, str]:
         """Zero after `scale_to_zero_after_s` idle (its own delay: the scale-down delay does
