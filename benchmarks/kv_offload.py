@@ -29,6 +29,7 @@ import time
 from typing import Any
 
 from sluice.engine.config import EngineConfig
+from sluice.engine.kv_offload import RedisTier
 from sluice.engine.llm_engine import LLMEngine
 from sluice.engine.sampling_params import SamplingParams
 
@@ -43,6 +44,7 @@ def user_message(rng: random.Random, words: int) -> str:
 def run_config(name: str, options: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     config = EngineConfig.from_options(args.model, **options)
     engine = LLMEngine(config)
+    clear_store(engine)
     tok = engine.tokenizer
     rng = random.Random(args.seed)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
@@ -88,13 +90,26 @@ def run_config(name: str, options: dict[str, Any], args: argparse.Namespace) -> 
     return result
 
 
+def clear_store(engine: LLMEngine) -> None:
+    """Drop this model's blocks from the store: an earlier run's would hit in turn 0."""
+    offload = engine.core.block_manager.offload
+    for tier in offload.blob_tiers if offload is not None else []:
+        if isinstance(tier, RedisTier):
+            keys = list(tier.client.scan_iter(match=f"sluice:kv:{tier.namespace}:*"))
+            if keys:
+                tier.client.delete(*keys)
+
+
 def tier_report(tiers: dict[str, dict[str, float]], engine: LLMEngine,
                 args: argparse.Namespace) -> dict[str, Any]:
     """Per tier: blocks loaded, measured load bandwidth and time per block, and the
     break-even: loading a block pays when its load time is under the prefill time of its
     `block_size` tokens (both are measured by the engine, moving averages)."""
     prefill_block = tiers["ENGINE"]["prefill_s_per_block"]
-    out: dict[str, Any] = {"prefill_s_per_block": prefill_block}
+    block_bytes = engine.core.block_manager.offload.pool.block_bytes  # type: ignore[union-attr]
+    out: dict[str, Any] = {"prefill_s_per_block": prefill_block,
+                           "break_even_GB_s": block_bytes / prefill_block / 1e9
+                           if prefill_block else None}
     for medium, row in tiers.items():
         if medium == "ENGINE":
             continue
@@ -122,20 +137,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="1GiB", help="host tier size")
     p.add_argument("--disk", default=None, help="disk tier DIR (default: a temporary one)")
     p.add_argument("--disk-size", default="4GiB")
+    p.add_argument("--store", default="redis://127.0.0.1:6379/0",
+                   help="shared store to measure as the only tier ('' to skip)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     base = {"num_kv_blocks": args.pool_blocks, "block_size": args.block_size,
             "max_num_seqs": args.max_num_seqs, "max_model_len": 2048}
     disk = args.disk or tempfile.mkdtemp(prefix="sluice-kv-bench-")
+    configs = [("no tiers", base), ("host", {**base, "kv_offload": f"host={args.host}"}),
+               ("disk", {**base, "kv_offload": f"disk={disk}:{args.disk_size}"})]
+    if args.store:
+        configs.append(("store", {**base, "kv_store": args.store}))
     try:
-        results = [run_config("no tiers", base, args),
-                   run_config("host tier", {**base, "kv_offload": f"host={args.host}"}, args),
-                   run_config("host+disk", {**base, "kv_offload":
-                                            f"host={args.host},disk={disk}:{args.disk_size}"},
-                              args)]
+        results = [run_config(name, options, args) for name, options in configs]
     finally:
         if args.disk is None:
             shutil.rmtree(disk, ignore_errors=True)
+    print(f"working set / pool: {results[0]['working_set_over_pool']:.1f}")
     print(f"{'config':<10} {'TTFT p50':>9} {'TTFT p90':>9} {'out tok/s':>10} {'hit rate':>9}")
     for r in results:
         print(f"{r['config']:<10} {r['ttft_p50_s']:>8.3f}s {r['ttft_p90_s']:>8.3f}s "
@@ -145,10 +163,13 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(t, dict):
                 print(f"  {r['config']}: {medium} {t['hits']:.0f} blocks loaded at "
                       f"{t['load_GB_s']:.2f} GB/s, {t['load_s_per_block'] * 1e3:.3f} ms a block "
-                      f"vs {r['tiers']['prefill_s_per_block'] * 1e3:.1f} ms to recompute it")
+                      f"vs {r['tiers']['prefill_s_per_block'] * 1e3:.1f} ms to recompute it "
+                      f"(loading pays above {r['tiers']['break_even_GB_s'] * 1e3:.0f} MB/s)")
     summary = {"results": results,
-               "ttft_p50_ratio": results[1]["ttft_p50_s"] / results[0]["ttft_p50_s"],
-               "throughput_ratio": results[1]["output_tok_s"] / results[0]["output_tok_s"],
+               "ttft_p50_ratio": {r["config"]: r["ttft_p50_s"] / results[0]["ttft_p50_s"]
+                                  for r in results[1:]},
+               "throughput_ratio": {r["config"]: r["output_tok_s"] / results[0]["output_tok_s"]
+                                    for r in results[1:]},
                "working_set_over_pool": results[0]["working_set_over_pool"]}
     print(json.dumps(summary))
     return 0
