@@ -248,3 +248,18 @@ def test_disk_tier_serves_a_restarted_engine_and_recomputes_a_corrupt_block(
     assert out.outputs[0].token_ids == reference_greedy(prompt, 6)
     assert third_engine.stats().kv_offload["DISK"]["errors"] == 1
     third_engine.core.close()
+
+
+def test_a_tier_slower_than_recomputing_is_skipped_but_probed() -> None:
+    from sluice.engine.kv_offload import CostModel
+
+    cost = CostModel(block_size=16, probe_every=4)
+    assert cost.worth_loading("DISK")  # nothing measured yet: try it
+    cost.observe_prefill(1.6, 1600)  # 1 ms a token: 16 ms a block
+    cost.observe_load("CPU", 0.0001, 1)
+    cost.observe_load("DISK", 0.05, 1)  # 50 ms a block: slower than recomputing
+    assert cost.worth_loading("CPU")
+    assert [cost.worth_loading("DISK") for _ in range(8)] == [False, False, False, True] * 2
+    for _ in range(20):  # the disk got fast again: the probes see it
+        cost.observe_load("DISK", 0.001, 1)
+    assert cost.worth_loading("DISK")

@@ -475,6 +475,8 @@ class CostModel:
     prefill_s_per_token: float | None = None
     load_s_per_block: dict[str, float] = field(default_factory=dict)
     alpha: float = 0.2
+    probe_every: int = 64
+    skipped: dict[str, int] = field(default_factory=dict)
 
     def observe_prefill(self, seconds: float, tokens: int) -> None:
         self.prefill_s_per_token = self._avg(self.prefill_s_per_token, seconds / tokens)
@@ -487,10 +489,15 @@ class CostModel:
         return new if old is None else old + self.alpha * (new - old)
 
     def worth_loading(self, medium: str) -> bool:
+        """Whether to ask `medium` for a block. A tier measured slower than recomputing
+        is still asked once every `probe_every` blocks, so its estimate can recover."""
         load = self.load_s_per_block.get(medium)
         if load is None or self.prefill_s_per_token is None:
             return True
-        return load < self.prefill_s_per_token * self.block_size
+        if load < self.prefill_s_per_token * self.block_size:
+            return True
+        self.skipped[medium] = self.skipped.get(medium, 0) + 1
+        return self.skipped[medium] % self.probe_every == 0
 
 
 @dataclass(frozen=True, slots=True)
