@@ -263,3 +263,33 @@ def test_a_tier_slower_than_recomputing_is_skipped_but_probed() -> None:
     for _ in range(20):  # the disk got fast again: the probes see it
         cost.observe_load("DISK", 0.001, 1)
     assert cost.worth_loading("DISK")
+
+
+def test_a_request_waits_for_its_disk_blocks_while_others_run(tmp_path: Path) -> None:
+    import threading
+
+    spec = f"disk={tmp_path}:1MiB"
+    first = make_engine(32, kv_offload=spec)
+    prompt, other = sessions()[0], sessions()[1][:9]
+    run(first, "a", prompt)
+    first.core.close()
+    engine = make_engine(32, kv_offload=spec)
+    offload = engine.core.block_manager.offload
+    assert offload is not None
+    disk = offload.blob_tiers[0]
+    gate, read = threading.Event(), disk.read
+    disk.read = lambda h: (gate.wait(10), read(h))[1]  # type: ignore[method-assign]
+    engine.add_request("slow", prompt, GREEDY)
+    engine.add_request("other", other, GREEDY)
+    finished = {}
+    for _ in range(20):  # "other" runs to the end while "slow" waits for the disk
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "other" in finished and "slow" not in finished
+    assert engine.core.scheduler.waiting[0].request_id == "slow"
+    gate.set()
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["slow"].num_cached_tokens == 36
+    assert finished["slow"].outputs[0].token_ids == reference_greedy(prompt, 6)
+    assert engine.stats().kv_offload["DISK"]["hits"] == 9
+    engine.core.close()

@@ -84,6 +84,8 @@ class BlockManager:
         self.offload: KVOffloadManager | None = None  # tiers below the pool (attach_offload)
         self.evicted: list[Evicted] = []  # cached blocks evicted, not yet copied down
         self.newly_cached: list[Evicted] = []  # blocks cached since the last drain
+        # set by `lookup`: a lower tier is fetching the next block; the request should wait
+        self.load_pending = False
 
     # -- queries ------------------------------------------------------------------
     @property
@@ -101,6 +103,7 @@ class BlockManager:
         Never the whole sequence: the last token is always left to compute, since its
         logits are what the step is for.
         """
+        self.load_pending = False
         if not self.enable_prefix_caching or seq.num_computed_tokens:
             return []
         bs, tokens = self.block_size, seq.token_ids
@@ -127,11 +130,14 @@ class BlockManager:
         bs = self.block_size
         found: list[tuple[int, tuple[int, ...], tuple[KVTier, StoredBlock]]] = []
         h, room = parent, len(self.free_ids) - sum(1 for b in hits if b in self.free_ids)
-        for i in range(first, min((len(tokens) - 1) // bs, first + room)):
+        end = min((len(tokens) - 1) // bs, first + room)
+        for i in range(first, end):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = hash_block(h, chunk)
             got = None if h in self.cached else self.offload.find(h, chunk)
             if got is None:
+                if h not in self.cached:
+                    self.load_pending = self.offload.prefetch(self._chain(tokens, i, h, end))
                 break
             found.append((h, chunk, got))
         targets = self._free_blocks_except(set(hits), len(found))
@@ -151,6 +157,16 @@ class BlockManager:
         self.events.append(BlockStored([h for h, _, _ in found], parent,
                                        [t for _, chunk, _ in found for t in chunk], bs))
         return targets
+
+    def _chain(self, tokens: Seq[int], first: int, first_hash: int,
+               end: int) -> list[tuple[int, tuple[int, ...]]]:
+        """(hash, tokens) of blocks `first`..`end` - 1, the first one's hash given."""
+        bs = self.block_size
+        chain = [(first_hash, tuple(tokens[first * bs : (first + 1) * bs]))]
+        for i in range(first + 1, end):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            chain.append((hash_block(chain[-1][0], chunk), chunk))
+        return chain
 
     def _free_blocks_except(self, exclude: set[int], limit: int) -> list[int]:
         out: list[int] = []

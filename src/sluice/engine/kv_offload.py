@@ -510,14 +510,21 @@ class Evicted:
 
 
 class KVOffloadManager:
-    """The tiers under one pool, in lookup order (host, disk, store), and the writer
-    thread that writes newly cached blocks through to disk and the store.
+    """The tiers under one pool, in lookup order (host, disk, store), the writer thread
+    that writes newly cached blocks through to disk and the store, and the fetcher
+    thread that reads them back ahead of their request:
 
-    Engine thread: `save_evicted`, `write_through`, `find`, `load`. The writer thread
-    only calls the blob tiers' `put` (thread-safe) on copies it owns."""
+        lookup misses the pool ──► host tier (engine thread, ~0.1 ms a block: in line)
+                               └─► prefetch(rest of chain) ──► fetcher: disk, store
+            the request waits (others run); its next lookup finds the staged blocks
+
+    Engine thread: `save_evicted`, `write_through`, `find`, `prefetch`, `load`. The
+    writer only calls the blob tiers' `put` (thread-safe) on copies it owns; the fetcher
+    their `get`; staging is under `_lock`."""
 
     def __init__(self, pool: PoolAccess, block_size: int, host: HostTier | None = None,
-                 blob_tiers: Sequence[BlobTier] = (), queue_blocks: int = 256) -> None:
+                 blob_tiers: Sequence[BlobTier] = (), queue_blocks: int = 256,
+                 max_staged: int = 1024) -> None:
         self.pool = pool
         self.host = host
         self.blob_tiers = list(blob_tiers)
@@ -536,10 +543,23 @@ class KVOffloadManager:
         self._pending_load_s: dict[str, float] = {}  # last fetch time per tier
         self._queue: queue.Queue[tuple[int, StoredBlock] | None] = queue.Queue(queue_blocks)
         self._writer: threading.Thread | None = None
+        # blocks fetched from the disk tier and the store, waiting for their request's
+        # next lookup; blocks being fetched; first blocks of chains that missed lately
+        self._lock = threading.Lock()
+        self._staged: OrderedDict[int, tuple[KVTier, StoredBlock]] = OrderedDict()
+        self._pending: set[int] = set()
+        self._missed: OrderedDict[int, float] = OrderedDict()
+        self.max_staged = max_staged
+        self.missed_ttl = 10.0
+        self._fetch_queue: queue.Queue[list[tuple[int, tuple[int, ...]]] | None] = queue.Queue()
+        self._fetcher: threading.Thread | None = None
         if self.blob_tiers:
             self._writer = threading.Thread(target=self._write_loop, name="kv-offload-writer",
                                             daemon=True)
             self._writer.start()
+            self._fetcher = threading.Thread(target=self._fetch_loop, name="kv-offload-fetcher",
+                                             daemon=True)
+            self._fetcher.start()
 
     # -- down the tiers --------------------------------------------------------------
     def save_evicted(self, evicted: Sequence[Evicted]) -> None:
@@ -593,15 +613,27 @@ class KVOffloadManager:
             time.sleep(0.005)
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._queue.put(None)
-            self._writer.join(timeout=10.0)
-            self._writer = None
+        """Stop the fetcher and the writer, after the writes already queued."""
+        for thread, q in ((self._fetcher, self._fetch_queue), (self._writer, self._queue)):
+            if thread is not None:
+                q.put(None)  # type: ignore[arg-type]
+                thread.join(timeout=10.0)
+        self._fetcher = self._writer = None
 
     # -- back up -------------------------------------------------------------------
     def find(self, block_hash: int, token_ids: tuple[int, ...]) -> tuple[KVTier, StoredBlock] | None:
-        """The first tier holding this block with these tokens, where loading pays."""
-        for tier in self.tiers:
+        """This block from the host tier or from what the fetcher staged (engine thread,
+        never waits on a disk or a store: `prefetch` asks those)."""
+        with self._lock:
+            staged = self._staged.pop(block_hash, None)
+        if staged is not None and staged[1].token_ids == token_ids:
+            return staged
+        return self._fetch([self.host] if self.host is not None else [], block_hash, token_ids)
+
+    def _fetch(self, tiers: Sequence[KVTier], block_hash: int,
+               token_ids: tuple[int, ...]) -> tuple[KVTier, StoredBlock] | None:
+        """The first of `tiers` holding this block with these tokens, where loading pays."""
+        for tier in tiers:
             if not self.cost.worth_loading(tier.medium):
                 continue
             tier.stats.queries += 1
@@ -615,6 +647,51 @@ class KVOffloadManager:
             self._observe(tier, block, time.perf_counter() - start)
             return tier, block
         return None
+
+    def prefetch(self, chain: Sequence[tuple[int, tuple[int, ...]]]) -> bool:
+        """Ask the disk tier and the store, on the fetcher thread, for `chain` (hash,
+        tokens) from its first block on, staging what they hold until the first miss.
+        Returns whether the request should wait: a fetch of `chain[0]` is running or
+        was just started; False when there is nothing to ask or it missed lately."""
+        if not self.blob_tiers or not chain:
+            return False
+        first = chain[0][0]
+        now = time.monotonic()
+        with self._lock:
+            if first in self._pending or first in self._staged:  # staged since `find`
+                return True
+            if now - self._missed.get(first, -1e9) < self.missed_ttl:
+                return False
+        # a request waits only for a chain some tier holds the start of (a file's name, a
+        # key's EXISTS): a new prefix never queues behind another request's fetch
+        if not any(t.contains(first) for t in self.blob_tiers):
+            self._miss(first)
+            return False
+        with self._lock:
+            self._pending.update(h for h, _ in chain)
+        self._fetch_queue.put(list(chain))
+        return True
+
+    def _miss(self, block_hash: int) -> None:
+        with self._lock:
+            self._missed[block_hash] = time.monotonic()
+            while len(self._missed) > 4096:
+                self._missed.popitem(last=False)
+
+    def _fetch_loop(self) -> None:
+        while (chain := self._fetch_queue.get()) is not None:
+            for block_hash, token_ids in chain:
+                got = self._fetch(self.blob_tiers, block_hash, token_ids)
+                if got is None:
+                    self._miss(block_hash)
+                    break
+                with self._lock:  # staged, then no longer pending: a lookup sees one
+                    self._staged[block_hash] = got
+                    self._pending.discard(block_hash)
+                    while len(self._staged) > self.max_staged:
+                        self._staged.popitem(last=False)
+            with self._lock:
+                self._pending.difference_update(h for h, _ in chain)
 
     def _observe(self, tier: KVTier, block: StoredBlock, seconds: float) -> None:
         tier.stats.hits += 1
