@@ -131,13 +131,17 @@ class BlockManager:
         found: list[tuple[int, tuple[int, ...], tuple[KVTier, StoredBlock]]] = []
         h, room = parent, len(self.free_ids) - sum(1 for b in hits if b in self.free_ids)
         end = min((len(tokens) - 1) // bs, first + room)
+        if first < end and self.offload.fetching(self._chain(tokens, first, parent, end)):
+            self.load_pending = True  # wait, and load the whole chain at once when fetched:
+            return []  # blocks loaded meanwhile could be evicted before the request runs
         for i in range(first, end):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
             h = hash_block(h, chunk)
             got = None if h in self.cached else self.offload.find(h, chunk)
             if got is None:
                 if h not in self.cached:
-                    self.load_pending = self.offload.prefetch(self._chain(tokens, i, h, end))
+                    prev = found[-1][0] if found else parent
+                    self.load_pending = self.offload.prefetch(self._chain(tokens, i, prev, end))
                 break
             found.append((h, chunk, got))
         targets = self._free_blocks_except(set(hits), len(found))
@@ -158,14 +162,15 @@ class BlockManager:
                                        [t for _, chunk, _ in found for t in chunk], bs))
         return targets
 
-    def _chain(self, tokens: Seq[int], first: int, first_hash: int,
+    def _chain(self, tokens: Seq[int], first: int, parent: int | None,
                end: int) -> list[tuple[int, tuple[int, ...]]]:
-        """(hash, tokens) of blocks `first`..`end` - 1, the first one's hash given."""
+        """(hash, tokens) of blocks `first`..`end` - 1, chained on `parent`."""
         bs = self.block_size
-        chain = [(first_hash, tuple(tokens[first * bs : (first + 1) * bs]))]
-        for i in range(first + 1, end):
+        chain: list[tuple[int, tuple[int, ...]]] = []
+        for i in range(first, end):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            chain.append((hash_block(chain[-1][0], chunk), chunk))
+            parent = hash_block(parent, chunk)
+            chain.append((parent, chunk))
         return chain
 
     def _free_blocks_except(self, exclude: set[int], limit: int) -> list[int]:

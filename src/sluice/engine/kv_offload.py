@@ -648,11 +648,17 @@ class KVOffloadManager:
             return tier, block
         return None
 
+    def fetching(self, chain: Sequence[tuple[int, tuple[int, ...]]]) -> bool:
+        """Whether the fetcher is still reading a block of `chain`."""
+        with self._lock:
+            return bool(self._pending) and any(h in self._pending for h, _ in chain)
+
     def prefetch(self, chain: Sequence[tuple[int, tuple[int, ...]]]) -> bool:
         """Ask the disk tier and the store, on the fetcher thread, for `chain` (hash,
         tokens) from its first block on, staging what they hold until the first miss.
         Returns whether the request should wait: a fetch of `chain[0]` is running or
-        was just started; False when there is nothing to ask or it missed lately."""
+        was just started; False when no tier holds `chain[0]`, or a fetch of it failed
+        lately (held but unusable: every `missed_ttl` s it is tried again)."""
         if not self.blob_tiers or not chain:
             return False
         first = chain[0][0]
@@ -665,7 +671,6 @@ class KVOffloadManager:
         # a request waits only for a chain some tier holds the start of (a file's name, a
         # key's EXISTS): a new prefix never queues behind another request's fetch
         if not any(t.contains(first) for t in self.blob_tiers):
-            self._miss(first)
             return False
         with self._lock:
             self._pending.update(h for h, _ in chain)
@@ -680,10 +685,11 @@ class KVOffloadManager:
 
     def _fetch_loop(self) -> None:
         while (chain := self._fetch_queue.get()) is not None:
-            for block_hash, token_ids in chain:
+            for i, (block_hash, token_ids) in enumerate(chain):
                 got = self._fetch(self.blob_tiers, block_hash, token_ids)
                 if got is None:
-                    self._miss(block_hash)
+                    if i == 0:  # held (`contains` said so) but unusable
+                        self._miss(block_hash)
                     break
                 with self._lock:  # staged, then no longer pending: a lookup sees one
                     self._staged[block_hash] = got
