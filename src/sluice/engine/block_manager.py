@@ -19,16 +19,27 @@ are evicted before its shared head.
 Every change to the cached set is recorded as a vLLM-format KV event
 (`BlockStored` / `BlockRemoved` / `AllBlocksCleared`) in a thread-safe deque that
 `drain_events()` empties; the worker publishes them to routers.
+
+Offload tiers (`sluice.engine.kv_offload`, when `offload` is set): a cached block that
+is evicted is recorded in `evicted` and copied down to the host tier before anything
+overwrites it (`flush_evicted`, which the core calls before each forward pass); blocks
+that become cached are recorded in `newly_cached` for the write-through tiers. A lookup
+that misses in the pool asks the tiers for the rest of the chain and loads what they
+hold into free blocks, which then hit like any cached block.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 from sluice.engine.sequence import Sequence
 from sluice.protocol.block_hash import hash_block
 from sluice.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+if TYPE_CHECKING:
+    from sluice.engine.kv_offload import Evicted, KVOffloadManager, KVTier, StoredBlock
 
 
 class Block:
@@ -70,6 +81,11 @@ class BlockManager:
         self.events: deque[KVEvent] = deque()
         self.prefix_queries = 0  # prompt tokens looked up (cumulative)
         self.prefix_hits = 0  # of those, tokens found cached
+        self.offload: KVOffloadManager | None = None  # tiers below the pool (attach_offload)
+        self.evicted: list[Evicted] = []  # cached blocks evicted, not yet copied down
+        self.newly_cached: list[Evicted] = []  # blocks cached since the last drain
+        # set by `lookup`: a lower tier is fetching the next block; the request should wait
+        self.load_pending = False
 
     # -- queries ------------------------------------------------------------------
     @property
@@ -87,18 +103,102 @@ class BlockManager:
         Never the whole sequence: the last token is always left to compute, since its
         logits are what the step is for.
         """
+        self.load_pending = False
         if not self.enable_prefix_caching or seq.num_computed_tokens:
             return []
-        bs, tokens, hits = self.block_size, seq.token_ids, []
+        bs, tokens = self.block_size, seq.token_ids
+        hits: list[int] = []
         parent: int | None = None
         for i in range((len(tokens) - 1) // bs):
-            chunk = tokens[i * bs : (i + 1) * bs]
-            parent = hash_block(parent, chunk)
-            block_id = self.cached.get(parent)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(chunk):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            h = hash_block(parent, chunk)
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                if self.offload is not None and block_id is None:
+                    hits.extend(self._load_from_tiers(tokens, i, parent, hits))
                 break
             hits.append(block_id)
+            parent = h
         return hits
+
+    def _load_from_tiers(self, tokens: Seq[int], first: int, parent: int | None,
+                         hits: Seq[int]) -> list[int]:
+        """Blocks `first`.. of the chain that the offload tiers hold, loaded into free pool
+        blocks (never one of `hits`) and cached there with no reference: the caller hits
+        them like any cached block. Stops at the first block no tier has (or pays for)."""
+        assert self.offload is not None
+        bs = self.block_size
+        found: list[tuple[int, tuple[int, ...], tuple[KVTier, StoredBlock]]] = []
+        h, room = parent, len(self.free_ids) - sum(1 for b in hits if b in self.free_ids)
+        end = min((len(tokens) - 1) // bs, first + room)
+        if first < end and self.offload.fetching(self._chain(tokens, first, parent, end)):
+            self.load_pending = True  # wait, and load the whole chain at once when fetched:
+            return []  # blocks loaded meanwhile could be evicted before the request runs
+        for i in range(first, end):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            h = hash_block(h, chunk)
+            got = None if h in self.cached else self.offload.find(h, chunk)
+            if got is None:
+                if h not in self.cached:
+                    prev = found[-1][0] if found else parent
+                    self.load_pending = self.offload.prefetch(self._chain(tokens, i, prev, end))
+                break
+            found.append((h, chunk, got))
+        targets = self._free_blocks_except(set(hits), len(found))
+        if not targets:
+            return []
+        found = found[:len(targets)]
+        for block_id in targets:
+            del self.free_ids[block_id]
+            self._evict(self.blocks[block_id])
+        self.flush_evicted()  # the targets' old contents go down first
+        self.offload.load(targets, [got for _, _, got in found])
+        for block_id, (h, chunk, _) in zip(targets, found, strict=True):
+            block = self.blocks[block_id]
+            block.hash, block.token_ids = h, chunk
+            self.cached[h] = block_id
+            self.free_ids[block_id] = None  # cached, unreferenced, most recently used
+        self.events.append(BlockStored([h for h, _, _ in found], parent,
+                                       [t for _, chunk, _ in found for t in chunk], bs))
+        return targets
+
+    def _chain(self, tokens: Seq[int], first: int, parent: int | None,
+               end: int) -> list[tuple[int, tuple[int, ...]]]:
+        """(hash, tokens) of blocks `first`..`end` - 1, chained on `parent`."""
+        bs = self.block_size
+        chain: list[tuple[int, tuple[int, ...]]] = []
+        for i in range(first, end):
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            parent = hash_block(parent, chunk)
+            chain.append((parent, chunk))
+        return chain
+
+    def _free_blocks_except(self, exclude: set[int], limit: int) -> list[int]:
+        out: list[int] = []
+        for block_id in self.free_ids:
+            if len(out) == limit:
+                break
+            if block_id not in exclude:
+                out.append(block_id)
+        return out
+
+    def attach_offload(self, offload: KVOffloadManager | None) -> None:
+        """Put offload tiers under this pool; their KV events join this pool's."""
+        self.offload = offload
+        if offload is not None:
+            offload.events = self.events
+
+    def flush_evicted(self) -> None:
+        """Copy evicted cached blocks down to the offload tiers; call before their pool
+        blocks are written (each forward pass, each load from a tier)."""
+        if self.offload is None or not self.evicted:
+            return
+        evicted, self.evicted = self.evicted, []
+        self.offload.save_evicted(evicted)
+
+    def drain_newly_cached(self) -> list[Evicted]:
+        out, self.newly_cached = self.newly_cached, []
+        return out
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: Seq[int] = ()) -> bool:
         """Whether `allocate(seq, num_new_tokens, hits)` would succeed."""
@@ -137,13 +237,22 @@ class BlockManager:
     def _allocate_fresh(self) -> int:
         block_id, _ = self.free_ids.popitem(last=False)
         block = self.blocks[block_id]
-        if block.hash is not None:  # evict: it leaves the prefix cache
-            if self.cached.get(block.hash) == block_id:
-                del self.cached[block.hash]
-                self.events.append(BlockRemoved([block.hash]))
-            block.hash, block.token_ids = None, ()
+        self._evict(block)
         block.ref_count = 1
         return block_id
+
+    def _evict(self, block: Block) -> None:
+        """Take a free block out of the prefix cache (recorded for the offload tiers)."""
+        if block.hash is None:
+            return
+        if self.cached.get(block.hash) == block.block_id:
+            del self.cached[block.hash]
+            self.events.append(BlockRemoved([block.hash]))
+            if self.offload is not None:
+                from sluice.engine.kv_offload import Evicted
+
+                self.evicted.append(Evicted(block.block_id, block.hash, block.token_ids))
+        block.hash, block.token_ids = None, ()
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that became full of computed tokens; emit BlockStored."""
@@ -165,6 +274,10 @@ class BlockManager:
                 continue
             block.hash, block.token_ids = h, tuple(chunk)
             self.cached[h] = block.block_id
+            if self.offload is not None:
+                from sluice.engine.kv_offload import Evicted
+
+                self.newly_cached.append(Evicted(block.block_id, h, block.token_ids))
             if not run:
                 run_parent = parent
             run.append(i)

@@ -50,8 +50,21 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_fraction: float = 0.1
     enable_prefix_caching: bool = True
+    # Offload tiers below the pool ("host=4GiB,disk=DIR:20GiB") and a store shared by
+    # workers ("redis://127.0.0.1:6379/0"); see sluice.engine.kv_offload.
+    kv_offload: str | None = None
+    kv_store: str | None = None
 
     def __post_init__(self) -> None:
+        from sluice.engine.kv_offload import KVOffloadSpec, check_store_url
+
+        if self.kv_offload is not None:
+            KVOffloadSpec.parse(self.kv_offload)
+        if self.kv_store is not None:
+            check_store_url(self.kv_store)
+        if (self.kv_offload or self.kv_store) and not self.enable_prefix_caching:
+            raise InvalidRequestError("kv_offload and kv_store need prefix caching",
+                                      param="kv_offload" if self.kv_offload else "kv_store")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise InvalidRequestError("block_size must be a power of two", param="block_size")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

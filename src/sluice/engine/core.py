@@ -54,6 +54,7 @@ class EngineCore:
         self.tokenizer = self.runner.tokenizer
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size,
                                           config.cache.enable_prefix_caching)
+        self.block_manager.attach_offload(self._build_offload(config))
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.sampler = Sampler(self.tokenizer.eos_token_ids, config.model.seed)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
@@ -82,6 +83,16 @@ class EngineCore:
             self.structured.submit(request, time.monotonic())
         else:
             self.scheduler.add(seqs[0])
+
+    def _build_offload(self, config: EngineConfig) -> Any:
+        cache = config.cache
+        if cache.kv_offload is None and cache.kv_store is None:
+            return None
+        from sluice.engine.kv_offload import build_offload
+
+        return build_offload(cache.kv_offload, cache.kv_store,
+                             config.model.model or self.runner.model_name,
+                             self.runner.block_size, self.runner.model.layers)
 
     def _grammar_backend(self, name: str) -> Any:
         native = getattr(self.runner, "native", None)
@@ -136,14 +147,28 @@ class EngineCore:
             self.structured.wait(0.01)  # only grammars pending: do not spin
             return []
         self._mark_scheduled(chunks)
+        self.block_manager.flush_evicted()  # evicted blocks go down a tier before overwrites
+        start = time.perf_counter()
         logits = self.runner.execute([self._seq_chunk(c) for c in chunks])
         self.scheduler.update_from_output(chunks)
+        self._after_forward(chunks, time.perf_counter() - start)
         sampled = [c.seq for c in chunks if c.need_logits]
         self.structured.mask(logits, sampled)
         results = self.sampler(logits, sampled) if sampled else []
         self._counters["num_steps"] += 1
         return [self._postprocess(seq, result)
                 for seq, result in zip(sampled, results, strict=True)]
+
+    def _after_forward(self, chunks: list[ScheduledChunk], seconds: float) -> None:
+        """Offload tiers: write newly cached blocks through; learn the prefill cost per
+        token from steps that are mostly prefill (what a load from a tier must beat)."""
+        offload = self.block_manager.offload
+        if offload is None:
+            return
+        offload.write_through(self.block_manager.drain_newly_cached())
+        prefill = sum(c.num_tokens for c in chunks if c.num_tokens > 1)
+        if prefill >= 64 and prefill >= 8 * sum(1 for c in chunks if c.num_tokens == 1):
+            offload.cost.observe_prefill(seconds, sum(c.num_tokens for c in chunks))
 
     def _admit_compiled(self) -> None:
         """Schedule requests whose grammar compiled; fail those whose compile failed."""
@@ -235,7 +260,8 @@ class EngineCore:
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             kv_cache_usage=bm.usage, num_kv_blocks=bm.num_blocks,
             prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
-            num_preemptions=sched.num_preemptions, **self._counters)
+            num_preemptions=sched.num_preemptions, **self._counters,
+            kv_offload=bm.offload.stats() if bm.offload is not None else {})
 
     def drain_kv_events(self) -> list[KVEvent]:
         """KV events since the last call."""
@@ -245,5 +271,8 @@ class EngineCore:
         return self.block_manager.reset_prefix_cache()
 
     def close(self) -> None:
-        """Stop the compile thread's queue (a compile already running ends by itself)."""
+        """Stop the compile thread's queue (a compile already running ends by itself) and
+        the offload writer (after the writes it has queued)."""
         self.structured.close()
+        if self.block_manager.offload is not None:
+            self.block_manager.offload.close()

@@ -18,7 +18,8 @@ No prefill or decode phase (vLLM v1): every unfinished sequence wants to catch i
    A waiting sequence whose next uncached block a running sequence is still computing
    (same tokens up to and including that block) waits: next step it hits the cache
    instead of computing the same prefix again (as SGLang does). Later arrivals may go
-   ahead of it meanwhile.
+   ahead of it meanwhile. So does one whose next blocks an offload tier (disk, shared
+   store) is fetching (`BlockManager.load_pending`; `sluice.engine.kv_offload`).
 
 "fcfs" ignores priority values (arrival order only).
 """
@@ -134,7 +135,7 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs and not self._evict_for(seq, plan):
                 return
             hits = bm.lookup(seq)
-            if self._next_block_in_flight(seq, len(hits)):
+            if bm.load_pending or self._next_block_in_flight(seq, len(hits)):
                 deferred.append(self.waiting.pop(0))
                 continue
             remaining = seq.num_tokens - len(hits) * bm.block_size

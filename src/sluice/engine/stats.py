@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -18,3 +18,5 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     num_steps: int
+    # Offload tiers by medium ("CPU", "DISK", "REDIS"): kv_offload.TierStats fields.
+    kv_offload: dict[str, dict[str, float]] = field(default_factory=dict)

@@ -33,6 +33,12 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "structured_outputs_backend": (str, "grammar backend for structured output: auto "
                                         "(guidance where it can express the constraint, "
                                         "else xgrammar), xgrammar, guidance"),
+    "kv_offload": (str, "KV offload tiers below the pool, comma-separated: host=SIZE (an LRU "
+                        "in RAM that evicted blocks go to), disk=DIR:SIZE (block files, "
+                        "kept across restarts, shareable by workers on one machine); "
+                        "e.g. host=4GiB,disk=/var/cache/sluice-kv:20GiB"),
+    "kv_store": (str, "a KV block store shared by workers, addressed by block hash: "
+                      "redis://HOST:PORT/DB"),
     "structured_outputs_compile_timeout": (float, "seconds a structured-output constraint "
                                                   "may take to compile before its request "
                                                   "fails with a 400"),
@@ -73,7 +79,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="port to listen on, 0 for any free one (default: %(default)s)")
 
 
-NONE_MEANS: dict[str, str] = {"max_model_len": "the model's own"}
+NONE_MEANS: dict[str, str] = {"max_model_len": "the model's own", "kv_offload": "off",
+                              "kv_store": "off"}
 
 
 def _default_text(dest: str, value: Any) -> str:

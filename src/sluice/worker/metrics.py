@@ -70,6 +70,48 @@ class EngineStatsCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(label, float(value))
             yield counter
+        if stats.kv_offload:
+            yield from kv_offload_metrics(stats.kv_offload, label[0])
+
+
+# (metric, kind, doc, key in the engine's per-medium stats)
+KV_OFFLOAD_SERIES = [
+    ("vllm:external_prefix_cache_queries", "counter",
+     "Prompt tokens looked up in the offload tiers after a pool miss.", "query_tokens"),
+    ("vllm:external_prefix_cache_hits", "counter",
+     "Prompt tokens loaded from the offload tiers instead of recomputed.", "hit_tokens"),
+    ("sluice:kv_offload_bytes_loaded", "counter", "KV bytes loaded into the pool.",
+     "bytes_loaded"),
+    ("sluice:kv_offload_bytes_stored", "counter", "KV bytes stored in the tier.",
+     "bytes_stored"),
+    ("sluice:kv_offload_load_seconds", "counter",
+     "Seconds spent loading blocks from the tier into the pool.", "load_seconds"),
+    ("sluice:kv_offload_errors", "counter",
+     "Corrupt or truncated blocks and unreachable stores (each fell back to recompute).",
+     "errors"),
+    ("sluice:kv_offload_usage_bytes", "gauge", "Bytes held by the tier (this worker's view).",
+     "usage_bytes"),
+    ("sluice:kv_offload_load_seconds_per_block", "gauge",
+     "Measured time to load one block from the tier (moving average).", "load_s_per_block"),
+]
+
+
+def kv_offload_metrics(tiers: dict[str, dict[str, float]], model_name: str) -> Iterator[Metric]:
+    """One family per series, one sample per medium (CPU, DISK, REDIS)."""
+    media = [m for m in tiers if m != "ENGINE"]
+    for name, kind, doc, key in KV_OFFLOAD_SERIES:
+        family: GaugeMetricFamily | CounterMetricFamily = (
+            CounterMetricFamily(name, doc, labels=["model_name", "medium"]) if kind == "counter"
+            else GaugeMetricFamily(name, doc, labels=["model_name", "medium"]))
+        for medium in media:
+            family.add_metric([model_name, medium], tiers[medium].get(key, 0.0))
+        yield family
+    engine = tiers.get("ENGINE", {})
+    gauge = GaugeMetricFamily("sluice:kv_offload_prefill_seconds_per_block",
+                              "Measured time to recompute one block (what a load must beat).",
+                              labels=["model_name"])
+    gauge.add_metric([model_name], engine.get("prefill_s_per_block", 0.0))
+    yield gauge
 
 
 class WorkerMetrics:
