@@ -210,3 +210,16 @@ def test_without_prefix_caching_nothing_waits() -> None:
     sched.add(_with_prompt(1, shared + [1, 2], 1.0))
     sched.add(_with_prompt(2, shared + [3, 4], 2.0))
     assert shape(step(sched)) == [(1, 0, 14, True), (2, 0, 14, True)]
+
+
+def test_queue_order_is_the_sequences_sort_key_under_both_policies() -> None:
+    """The scheduler sorts with a C-level key; it must be `Sequence.sort_key`'s order."""
+    rng = random.Random(3)
+    for policy in ("priority", "fcfs"):
+        sched = make_scheduler(num_blocks=4, budget=4, max_seqs=1, policy=policy)
+        seqs = [make_seq(i, 8, priority=rng.randint(-2, 2), arrival=float(rng.randint(0, 5)))
+                for i in range(1, 40)]
+        for seq in seqs:
+            sched.add(seq)
+        use_priority = policy == "priority"
+        assert sched.waiting == sorted(seqs, key=lambda s: s.sort_key(use_priority))

@@ -242,3 +242,26 @@ def test_cold_tie_goes_to_the_worker_with_the_smallest_cache_footprint() -> None
         state = [EndpointStats(A, cache_footprint=40), EndpointStats(B, cache_footprint=3),
                  EndpointStats(C, cache_footprint=12)]
         assert {p.choose(meta(tokens=100, blocks=6), state).url for _ in range(10)} == {B}
+
+
+def test_cost_of_a_pool_in_one_loop_is_each_workers_estimate_plus_its_own_prefill() -> None:
+    """`costs` (the policy's one loop over the pool) spells out `estimate_seconds`: it must
+    give exactly the same floats, precise or approximate cached blocks alike."""
+    from sluice.router.policies.cost import costs
+
+    rng = random.Random(7)
+    pool = [EndpointStats(url=f"http://w{i}", running=rng.randint(0, 9),
+                          waiting=rng.randint(0, 4), queued_prefill_tokens=rng.random() * 5000,
+                          external_waiting=rng.randint(0, 3) * 1.0,
+                          mean_prompt_tokens=rng.random() * 900,
+                          seconds_per_token=rng.random() * 1e-3, overhead_s=rng.random() * 0.2,
+                          cached_blocks=rng.randint(0, 40),
+                          kv_cached_blocks=rng.choice([None, rng.randint(0, 40)]))
+            for i in range(200)]
+    for tokens in (0, 100, 640, 5000):
+        request = meta(tokens, blocks=tokens // 16)
+        expected = [estimate_seconds(request, e, 12.0) + e.seconds_per_token * max(
+            0, tokens - (e.cached_blocks if e.kv_cached_blocks is None else e.kv_cached_blocks)
+            * 16) for e in pool]
+        assert costs(request, pool, 12.0) == expected
+        assert [cost_seconds(request, e, 12.0) for e in pool] == expected

@@ -84,3 +84,18 @@ def test_footprint_counts_blocks_per_worker_through_store_remove_evict_clear() -
     assert (idx.footprint("a"), idx.footprint("b")) == (1, 4)
     idx.clear("b")
     assert idx.footprint("b") == 0 and idx.match([1], ["a", "b"]) == {"a": 1, "b": 0}
+
+
+def test_match_starts_from_the_first_blocks_live_holders_among_the_candidates() -> None:
+    """Only candidates count, an expired predicted entry misses, a confirmed one stays."""
+    clock = Clock()
+    idx = BlockIndex(clock=clock)
+    idx.store("a", [1, 2, 3])
+    idx.store("b", [1, 2], ttl=5.0)
+    idx.store("outside", [1, 2, 3])  # holds everything, but is not a candidate
+    urls = ["a", "b", "c"]
+    assert idx.match([1, 2, 3], urls) == {"a": 3, "b": 2, "c": 0}
+    clock.now += 10.0
+    assert idx.match([1, 2, 3], urls) == {"a": 3, "b": 0, "c": 0}
+    assert idx.match([1, 2, 3], []) == {}
+    assert idx.match([9, 1], urls) == {"a": 0, "b": 0, "c": 0}

@@ -202,6 +202,11 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: Seq[int] = ()) -> bool:
         """Whether `allocate(seq, num_new_tokens, hits)` would succeed."""
+        if not hits:  # every running sequence, every step: blocks_needed spelled out
+            bs = self.block_size
+            fresh = ((seq.num_computed_tokens + num_new_tokens + bs - 1) // bs
+                     - len(seq.block_table))
+            return fresh <= len(self.free_ids)
         computed = seq.num_computed_tokens + len(hits) * self.block_size
         have = len(seq.block_table) + len(hits)
         fresh = blocks_needed(computed + num_new_tokens, self.block_size) - have
@@ -215,9 +220,11 @@ class BlockManager:
         `num_computed_tokens` (advanced past the hits) and the counters."""
         if not seq.block_table and seq.num_computed_tokens == 0:
             self._take_hits(seq, hits)
-        target = blocks_needed(seq.num_computed_tokens + num_new_tokens, self.block_size)
-        while len(seq.block_table) < target:
-            seq.block_table.append(self._allocate_fresh())
+        bs = self.block_size
+        target = (seq.num_computed_tokens + num_new_tokens + bs - 1) // bs  # blocks_needed
+        table = seq.block_table
+        while len(table) < target:
+            table.append(self._allocate_fresh())
 
     def _take_hits(self, seq: Sequence, hits: Seq[int]) -> None:
         self.prefix_queries += seq.num_tokens
@@ -260,9 +267,12 @@ class BlockManager:
             return
         bs = self.block_size
         first = len(seq.block_hashes)
+        full = seq.num_computed_tokens // bs
+        if full <= first:  # no block became full (a decode step, mostly)
+            return
         run: list[int] = []
         run_parent: int | None = None
-        for i in range(first, seq.num_computed_tokens // bs):
+        for i in range(first, full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             chunk = seq.token_ids[i * bs : (i + 1) * bs]
             h = hash_block(parent, chunk)
@@ -315,6 +325,8 @@ class BlockManager:
 
     def drain_events(self) -> list[KVEvent]:
         """Pop every recorded event (safe to call from another thread)."""
+        if not self.events:
+            return []
         out: list[KVEvent] = []
         while True:
             try:

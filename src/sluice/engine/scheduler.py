@@ -27,17 +27,20 @@ No prefill or decode phase (vLLM v1): every unfinished sequence wants to catch i
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from operator import attrgetter
 
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.config import SchedulerConfig
 from sluice.engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledChunk:
     """`num_tokens` tokens of `seq` starting at `start_pos` run this step; `need_logits`
-    when the chunk reaches the sequence's last token (a token is sampled after it)."""
+    when the chunk reaches the sequence's last token (a token is sampled after it).
+    Plain data, not changed after `schedule` returns it (not frozen: a frozen dataclass
+    costs ~4x to construct, and there is one per sequence per step)."""
 
     seq: Sequence
     start_pos: int
@@ -45,11 +48,13 @@ class ScheduledChunk:
     need_logits: bool
 
 
-@dataclass
 class _StepPlan:
-    budget: int
-    scheduled: dict[Sequence, int] = field(default_factory=dict)  # seq -> num tokens
-    preempted: set[Sequence] = field(default_factory=set)
+    __slots__ = ("budget", "scheduled", "preempted")
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.scheduled: dict[Sequence, int] = {}  # seq -> num tokens
+        self.preempted: set[Sequence] = set()
 
 
 class Scheduler:
@@ -60,16 +65,16 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.use_priority = config.scheduling_policy == "priority"
+        # `Sequence.sort_key` as a C-level key (the same order; sorted on every step).
+        self._sort_key = (attrgetter("priority", "arrival_time", "seq_id") if self.use_priority
+                          else attrgetter("arrival_time", "seq_id"))
         self.waiting: list[Sequence] = []  # sorted by sort_key
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
-    def _key(self, seq: Sequence) -> tuple[int, float, int]:
-        return seq.sort_key(self.use_priority)
-
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=self._key)
+        bisect.insort(self.waiting, seq, key=self._sort_key)
 
     def finish(self, seq: Sequence) -> None:
         """Remove `seq` wherever it is and free its blocks at once (finish or abort)."""
@@ -87,32 +92,45 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         """Plan this step: allocate blocks, advance prefix hits; returns the chunks."""
         plan = _StepPlan(self.config.max_num_batched_tokens)
-        self._schedule_running(plan)
-        if not plan.preempted:
+        if self.running:
+            self._schedule_running(plan)
+        if not plan.preempted and self.waiting:
             self._schedule_waiting(plan)
-        return [ScheduledChunk(s, s.num_computed_tokens, n, s.num_computed_tokens + n == s.num_tokens)
+        return [ScheduledChunk(s, s.num_computed_tokens, n,
+                               s.num_computed_tokens + n == len(s.token_ids))
                 for s, n in plan.scheduled.items()]
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        self.running.sort(key=self._key)
-        decodes = [s for s in self.running if s.num_uncomputed_tokens == 1]
-        prefills = [s for s in self.running if s.num_uncomputed_tokens > 1]
-        for seq in decodes + prefills:
+        # Once per engine step: the sequence properties (num_uncomputed_tokens) and the
+        # common case of _make_room (room already there) are spelled out.
+        running = self.running
+        if len(running) > 1:
+            running.sort(key=self._sort_key)
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        for s in running:
+            left = len(s.token_ids) - s.num_computed_tokens
+            if left == 1:
+                decodes.append(s)
+            elif left > 1:
+                prefills.append(s)
+        bm, scheduled = self.block_manager, plan.scheduled
+        for seq in decodes + prefills if prefills else decodes:
             if plan.budget == 0:
                 return
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
-            n = min(seq.num_uncomputed_tokens, plan.budget)
-            if self._make_room(seq, n, plan):
-                self.block_manager.allocate(seq, n)
-                plan.scheduled[seq] = n
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, plan.budget)
+            if bm.can_allocate(seq, n) or self._make_room(seq, n, plan):
+                bm.allocate(seq, n)
+                scheduled[seq] = n
                 plan.budget -= n
 
     def _make_room(self, seq: Sequence, n: int, plan: _StepPlan) -> bool:
         """Preempt worst-first until `seq` can get blocks for `n` tokens; False if `seq`
         itself was the worst and got preempted."""
         while not self.block_manager.can_allocate(seq, n):
-            victim = max(self.running, key=self._key)
+            victim = max(self.running, key=self._sort_key)
             self._preempt(victim, plan)
             if victim is seq:
                 return False
@@ -124,7 +142,7 @@ class Scheduler:
             self._admit_waiting(plan, deferred)
         finally:
             for seq in deferred:
-                bisect.insort(self.waiting, seq, key=self._key)
+                bisect.insort(self.waiting, seq, key=self._sort_key)
 
     def _admit_waiting(self, plan: _StepPlan, deferred: list[Sequence]) -> None:
         bm = self.block_manager
@@ -170,7 +188,7 @@ class Scheduler:
         worse than waiting `seq`'s. Returns whether one was preempted."""
         if not self.use_priority or not self.running:
             return False
-        victim = max(self.running, key=self._key)
+        victim = max(self.running, key=self._sort_key)
         if victim.priority <= seq.priority:
             return False
         self._preempt(victim, plan)
@@ -187,6 +205,10 @@ class Scheduler:
 
     def update_from_output(self, chunks: list[ScheduledChunk]) -> None:
         """After the model ran: the chunks' tokens are in the cache; cache full blocks."""
+        bm = self.block_manager
+        bs = bm.block_size
         for chunk in chunks:
-            chunk.seq.num_computed_tokens += chunk.num_tokens
-            self.block_manager.cache_full_blocks(chunk.seq)
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            if seq.num_computed_tokens // bs > len(seq.block_hashes):  # a block became full
+                bm.cache_full_blocks(seq)

@@ -214,9 +214,11 @@ class Endpoint:
         carried the level too fed back into the line it is measured against (a
         one-worker pool drifted to speed 0 and a math domain error after ~120k requests;
         found by benchmarks/soak.py)."""
+        if not self.speed_samples:  # most of a large pool, most of the time: no call
+            return 1.0
         pool_mean = self.fit.mean_log_speed()
         diff = self.log_speed - (self.log_speed if pool_mean is None else pool_mean)
-        if not diff or not self.speed_samples:
+        if not diff:
             return 1.0
         var = max(0.0, self.log_speed_sq - self.log_speed ** 2)
         n_eff = min(float(self.speed_samples), (2.0 - EWMA_ALPHA) / EWMA_ALPHA)
@@ -247,24 +249,25 @@ class Endpoint:
               cache_footprint: int = 0,
               line: tuple[float, float] | None = None) -> EndpointStats:
         """`line`: the pool's (overhead, slope), when the caller has it for every worker."""
-        decoding = self.inflight - self.prefilling
         overhead, slope = line if line is not None else self.fit.line()
-        speed = self.speed
+        speed = self.speed if self.speed_samples else 1.0  # (no call for an unused worker)
+        inflight, prefilling, external_waiting = self.inflight, self.prefilling, self.external_waiting
+        # Positional, in field order (one of these per worker per decision: keywords cost).
         return EndpointStats(
-            url=self.url,
-            running=decoding + self.external_running,
-            waiting=self.prefilling + self.external_waiting,
-            kv_usage=self.scraped.kv_usage,
-            inflight=self.inflight,
-            inflight_tokens=self.inflight_tokens,
-            queued_prefill_tokens=self.prefill_tokens,
-            external_waiting=self.external_waiting,
-            mean_prompt_tokens=self.prompt_avg,
-            seconds_per_token=slope * speed,
-            overhead_s=overhead * speed,
-            cached_blocks=cached_blocks,
-            kv_cached_blocks=kv_cached_blocks,
-            cache_footprint=cache_footprint,
+            self.spec.url,
+            inflight - prefilling + self.external_running,  # running
+            prefilling + external_waiting,  # waiting
+            self.scraped.kv_usage,
+            inflight,
+            self.inflight_tokens,
+            self.prefill_tokens,  # queued_prefill_tokens
+            external_waiting,
+            self.prompt_avg,  # mean_prompt_tokens
+            slope * speed,  # seconds_per_token
+            overhead * speed,  # overhead_s
+            cached_blocks,
+            kv_cached_blocks,
+            cache_footprint,
         )
 
     # --- request accounting -------------------------------------------------------------

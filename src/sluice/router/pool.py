@@ -110,8 +110,10 @@ class Pool:
         """Available workers of `version` and of the group for this prompt length (the
         other group if none)."""
         skip = set(exclude)
+        # `available` and `url` spelled out: this runs over every worker on every decision.
         avail = [e for e in self.endpoints.values()
-                 if e.available and e.url not in skip and e.spec.version == version]
+                 if e.healthy and not e.draining and e.spec.version == version
+                 and e.spec.url not in skip]
         threshold = self.config.long_prompt_tokens
         wanted = LONG if threshold is not None and num_prompt_tokens > threshold else SHORT
         group = [e for e in avail if e.spec.group == wanted]
@@ -124,7 +126,8 @@ class Pool:
             return None
         stats = self._stats(request, endpoints)
         choice = self.policy.choose(request, stats)
-        chosen = next(s for s in stats if s.url == choice.url)
+        url = choice.url
+        chosen = next(s for s in stats if s.url == url)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %d tokens (%x) -> %s score %.4f | %s", request.num_prompt_tokens,
                       request.block_hashes[-1] if request.block_hashes else 0, choice.url,
@@ -134,14 +137,14 @@ class Pool:
     def _stats(self, request: RequestMeta, endpoints: list[Endpoint]) -> list[EndpointStats]:
         line = self.fit.line()  # the pool's, shared by its endpoints: fitted once
         if not (self.policy.uses_prefix and request.block_hashes):
-            return [e.stats(line=line) for e in endpoints]
-        urls = [e.url for e in endpoints]
+            return [e.stats(0, None, 0, line) for e in endpoints]
+        urls = [e.spec.url for e in endpoints]
         approx = self.approx.match(request.block_hashes, urls)
-        precise = self.precise.match(request.block_hashes, [e.url for e in endpoints
+        precise = self.precise.match(request.block_hashes, [e.spec.url for e in endpoints
                                                             if e.spec.kv_events])
-        footprint = self.approx.footprint
-        return [e.stats(approx[e.url], precise.get(e.url), footprint(e.url), line)
-                for e in endpoints]
+        footprints = self.approx.footprints
+        return [e.stats(approx[u], precise.get(u), footprints.get(u, 0), line)
+                for e, u in zip(endpoints, urls, strict=True)]
 
     def dispatch(self, request: RequestMeta, decision: Decision) -> Ticket:
         """Count the request in flight on the chosen worker and predict its cached blocks."""

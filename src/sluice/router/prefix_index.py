@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 CONFIRMED = math.inf  # expiry of an entry backed by a KV event or an approximate record
 
@@ -43,6 +43,11 @@ class BlockIndex:
     def footprint(self, url: str) -> int:
         """How many blocks `url` holds in the index (its share of the cached working set)."""
         return self._counts.get(url, 0)
+
+    @property
+    def footprints(self) -> Mapping[str, int]:
+        """Every url's `footprint` (read-only; absent: 0), for a lookup per worker."""
+        return self._counts
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -93,16 +98,20 @@ class BlockIndex:
         Touches matched hashes so that hot prefixes stay in the LRU.
         """
         counts = dict.fromkeys(urls, 0)
-        alive = set(counts)
         now = self._clock()
+        blocks = self._blocks
+        alive: set[str] | None = None  # None: every one of `urls` (before the first hash)
         for i, h in enumerate(hashes):
-            holders = self._blocks.get(h)
+            holders = blocks.get(h)
             if holders is None:
                 break
-            alive = {u for u in alive if holders.get(u, 0.0) > now}
+            if alive is None:  # from the block's holders, not from all of `urls` (O(workers))
+                alive = {u for u, expiry in holders.items() if expiry > now and u in counts}
+            else:
+                alive = {u for u in alive if holders.get(u, 0.0) > now}
             if not alive:
                 break
-            self._blocks.move_to_end(h)
+            blocks.move_to_end(h)
             for u in alive:
                 counts[u] = i + 1
         return counts

@@ -33,7 +33,9 @@ class EventLoop:
         heapq.heappush(self._heap, (max(when, self.now), next(self._order), fn, arg))
 
     def after(self, delay: float, fn: Callable[..., None], arg: Any = None) -> None:
-        self.at(self.now + delay, fn, arg)
+        """`at(now + delay)` (a negative delay is now), without the extra call."""
+        when = self.now + delay if delay > 0 else self.now
+        heapq.heappush(self._heap, (when, next(self._order), fn, arg))
 
     def run(self, until: float | None = None) -> None:
         """Run events in time order until none is left (or the next is after `until`)."""

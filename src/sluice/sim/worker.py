@@ -131,24 +131,25 @@ class SimWorker:
         for chunk in chunks:
             if chunk.need_logits:
                 self._emit_token(chunk.seq, now)
-        events = self.block_manager.drain_events()
-        if events:
-            self.on_kv_events(self.url, events)
+        if self.block_manager.events:
+            self.on_kv_events(self.url, self.block_manager.drain_events())
         self._start_step()
 
     def _emit_token(self, seq: Sequence, now: float) -> None:
         req = self.requests[seq]
-        token = (req.token_seed * 7919 + seq.num_tokens * 104_729) % TOKEN_SPACE
-        seq.token_ids.append(token)
+        token_ids = seq.token_ids
+        token = (req.token_seed * 7919 + len(token_ids) * 104_729) % TOKEN_SPACE
+        token_ids.append(token)
         self.generation_tokens += 1
-        if seq.num_output_tokens == 1:
+        num_output = len(token_ids) - seq.num_prompt_tokens  # seq.num_output_tokens
+        if num_output == 1:
             self.prompt_tokens += seq.num_prompt_tokens
             req.num_cached_tokens = max(seq.num_cached_tokens, 0)
         req.output.append(token)
         req.token_times.append(now)
         if req.on_token is not None:
             req.on_token(req, now)
-        if seq.num_output_tokens >= seq.max_tokens:
+        if num_output >= seq.max_tokens:
             seq.finish_reason = "length"
             self._finish(seq, req)
 

@@ -66,9 +66,17 @@ def pick_min(endpoints: Sequence[EndpointStats], key: Callable[[EndpointStats], 
              ) -> tuple[EndpointStats, float]:
     """The endpoint with the smallest `key`; ties go to the smallest `then` (if given),
     remaining ties uniformly at random by `rng`."""
-    scored = [(key(e), e) for e in endpoints]
-    best = min(s for s, _ in scored)
-    tied = [e for s, e in scored if s <= best + EPSILON * max(1.0, abs(best))]
+    return pick_min_scored(endpoints, list(map(key, endpoints)), rng, then)
+
+
+def pick_min_scored(endpoints: Sequence[EndpointStats], scores: Sequence[float],
+                    rng: random.Random, then: Callable[[EndpointStats], float] | None = None
+                    ) -> tuple[EndpointStats, float]:
+    """`pick_min` with each endpoint's key already computed (`scores`, in the same order):
+    a policy that scores the whole pool in one expression saves a call per worker."""
+    best = min(scores)
+    limit = best + EPSILON * max(1.0, abs(best))
+    tied = [e for s, e in zip(scores, endpoints, strict=True) if s <= limit]
     if then is not None and len(tied) > 1:
         low = min(then(e) for e in tied)
         tied = [e for e in tied if then(e) <= low]
@@ -86,3 +94,11 @@ def cached(e: EndpointStats, precise: bool) -> int:
     if precise and e.kv_cached_blocks is not None:
         return e.kv_cached_blocks
     return e.cached_blocks
+
+
+def cached_all(endpoints: Sequence[EndpointStats], precise: bool) -> list[int]:
+    """`cached(e, precise)` of each of `endpoints`, in one loop."""
+    if not precise:
+        return [e.cached_blocks for e in endpoints]
+    return [e.cached_blocks if e.kv_cached_blocks is None else e.kv_cached_blocks
+            for e in endpoints]

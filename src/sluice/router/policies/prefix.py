@@ -19,10 +19,11 @@ from sluice.router.policies.base import (
     RequestMeta,
     RoutingPolicy,
     cached,
+    cached_all,
     footprint,
-    pick_min,
+    pick_min_scored,
 )
-from sluice.router.policies.simple import load_key
+from sluice.router.policies.simple import load_keys
 
 
 class PrefixAffinity(RoutingPolicy):
@@ -37,17 +38,19 @@ class PrefixAffinity(RoutingPolicy):
         self.balance_rel = balance_rel
 
     def _imbalanced(self, endpoints: Sequence[EndpointStats]) -> bool:
-        loads = [e.load for e in endpoints]
+        loads = [e.running + e.waiting for e in endpoints]  # e.load
         hi, lo = max(loads), min(loads)
         return hi - lo > self.balance_abs and hi > self.balance_rel * lo
 
     def choose(self, request: RequestMeta, endpoints: Sequence[EndpointStats]) -> Choice:
-        best_hit = max(cached(e, self.precise) for e in endpoints)
+        blocks = cached_all(endpoints, self.precise)
+        best_hit = max(blocks)
         if best_hit == 0 or self._imbalanced(endpoints):
-            chosen, score = pick_min(endpoints, load_key, self.rng, then=footprint)
+            chosen, score = pick_min_scored(endpoints, load_keys(endpoints), self.rng,
+                                            then=footprint)
             return Choice(chosen.url, cached(chosen, self.precise), score)
-        hits = [e for e in endpoints if cached(e, self.precise) == best_hit]
-        chosen, score = pick_min(hits, load_key, self.rng)
+        hits = [e for e, b in zip(endpoints, blocks, strict=True) if b == best_hit]
+        chosen, score = pick_min_scored(hits, load_keys(hits), self.rng)
         return Choice(chosen.url, best_hit, score)
 
 
@@ -65,14 +68,15 @@ class KVAware(RoutingPolicy):
         queues = [e.waiting + e.inflight_tokens * 1e-9 for e in endpoints]
         lo, hi = min(queues), max(queues)
         wp, wk, wq = self.weights
-
-        def negated_score(pair: tuple[EndpointStats, float]) -> float:
-            e, q = pair
-            queue_score = 1.0 if hi == lo else (hi - q) / (hi - lo)
-            return -(wp * cached(e, True) / total_blocks + wk * (1.0 - e.kv_usage)
-                     + wq * queue_score)
-
-        pairs = list(zip(endpoints, queues, strict=True))
-        by_url = {e.url: (e, q) for e, q in pairs}
-        chosen, best = pick_min(endpoints, lambda e: negated_score(by_url[e.url]), self.rng)
+        blocks = cached_all(endpoints, True)
+        # Negated: pick_min wants the best lowest. queue score: 1 if all queues are equal,
+        # else (hi - q) / (hi - lo).
+        if hi == lo:
+            scores = [-(wp * b / total_blocks + wk * (1.0 - e.kv_usage) + wq * 1.0)
+                      for e, b in zip(endpoints, blocks, strict=True)]
+        else:
+            span = hi - lo
+            scores = [-(wp * b / total_blocks + wk * (1.0 - e.kv_usage) + wq * ((hi - q) / span))
+                      for e, b, q in zip(endpoints, blocks, queues, strict=True)]
+        chosen, best = pick_min_scored(endpoints, scores, self.rng)
         return Choice(chosen.url, cached(chosen, True), -best)
