@@ -93,7 +93,7 @@ class BlockManager:
         parent: int | None = None
         for i in range((len(tokens) - 1) // bs):
             chunk = tokens[i * bs : (i + 1) * bs]
-            parent = hash_block(parent, chunk)
+            parent = hash_block(parent, chunk, seq.cache_salt)
             block_id = self.cached.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != tuple(chunk):
                 break
@@ -156,7 +156,7 @@ class BlockManager:
         for i in range(first, seq.num_computed_tokens // bs):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             chunk = seq.token_ids[i * bs : (i + 1) * bs]
-            h = hash_block(parent, chunk)
+            h = hash_block(parent, chunk, seq.cache_salt)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if h in self.cached or block.hash is not None:
@@ -176,7 +176,7 @@ class BlockManager:
         bs = self.block_size
         tokens = seq.token_ids[run[0] * bs : (run[-1] + 1) * bs]
         hashes = [seq.block_hashes[i] for i in run]
-        self.events.append(BlockStored(hashes, parent, list(tokens), bs))
+        self.events.append(BlockStored(hashes, parent, list(tokens), bs, seq.lora_id))
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references, last block first; blocks reaching zero join the tail of

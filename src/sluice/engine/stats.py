@@ -18,3 +18,7 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     num_steps: int
+    # multi-LoRA (vllm:lora_requests_info): adapter names, comma-separated
+    running_lora_adapters: str = ""
+    waiting_lora_adapters: str = ""
+    max_lora: int = 0  # --max-loras (0: LoRA off)

@@ -70,6 +70,13 @@ class EngineStatsCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(label, float(value))
             yield counter
+        if stats.max_lora:  # vLLM's gauge for LoRA-aware routers; the value is a timestamp
+            info = GaugeMetricFamily(
+                "vllm:lora_requests_info", "Running stats on lora requests.",
+                labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            info.add_metric([stats.running_lora_adapters, stats.waiting_lora_adapters,
+                             str(stats.max_lora)], time.time())
+            yield info
 
 
 class WorkerMetrics:
