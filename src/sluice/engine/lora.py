@@ -12,15 +12,19 @@ linear. Three pieces, as vLLM's (Punica/S-LoRA) design has them:
 - `LoRACache` (the core): an LRU of `max_cpu_loras` loaded adapters (host memory).
 - `LoRASlots` (the runner): `max_loras` slots of stacked weights per layer. Each
   step, the step's adapters get slots (least recently used slots not needed this step
-  are reused), each flattened row gets its slot, and every targeted linear adds
+  are reused) and every targeted linear adds, for the step's decode rows (one token
+  each, flattened first)
 
-      h = (x @ A_stack^T) * one_hot(row slot)     # [T, used slots * parts * r]
+      h = (x @ A_stack^T) * one_hot(row slot)     # [decodes, parts * max_loras * r]
       y[:, part] += h[:, part] @ B_part            # one addmm per fused part
 
-  two small matmuls per linear for the whole batch, whatever the mix of adapters;
-  base rows get an all-zero mask (their output is exactly the base one), and a step
-  with no adapter row skips it all. Ranks below `max_lora_rank` are zero-padded and the
-  scaling is folded into B when the adapter is loaded.
+  one shrink and one expand per part for all decodes, whatever their mix of adapters
+  (Punica's BGMV, as dense products: on CPU a gather of per-row weights costs more
+  than the zeros); and for each prefill chunk with an adapter, the same two products
+  with that adapter's slot only (SGMV's segments). Base rows get an all-zero mask
+  (their output is exactly the base one), and a step with no adapter row skips it
+  all. Ranks below `max_lora_rank` are zero-padded and the scaling is folded into B
+  when the adapter is loaded.
 
 The scheduler keeps at most `max_loras` distinct adapters among running sequences, so a
 step's adapters always fit in the slots.
@@ -260,16 +264,26 @@ class LoRACache:
 
 
 class StepLoRA:
-    """One step's per-row slot masks, shared by every LoRA linear (set by the runner)."""
+    """One step's LoRA layout, shared by every LoRA linear (set by the runner):
+
+    - `dense_rows`: the leading single-token rows (decodes), computed together against
+      every slot's weights, each row masked to its own slot (`mask`); 0: none has an
+      adapter.
+    - `segments`: (start, end, slot) row ranges of prefill chunks with an adapter, each
+      computed with its own adapter's weights only (a chunk has many rows, so the
+      all-slots product would multiply the LoRA FLOPs by `max_loras`).
+    """
 
     def __init__(self) -> None:
-        self.num_slots = 0  # slots 0..num_slots-1 computed this step; 0: no adapter row
-        self.masks: dict[int, Tensor] = {}  # parts -> [T, num_slots * parts * r]
+        self.dense_rows = 0
+        self.mask: dict[int, Tensor] = {}  # parts -> [dense_rows, parts * max_loras * r]
+        self.segments: list[tuple[int, int, int]] = []
 
 
 class LoRALinear:
-    """The LoRA side of one fused linear: stacked A (slot-major: slot, part, rank) and one
-    B per part, for every slot; `__call__(x, y)` adds the step's deltas to `y` in place."""
+    """The LoRA side of one fused linear, for every slot: A stacked part-major
+    (`a_t[:, (part * max_loras + slot) * r + j]`) and one B per part
+    (`b[part][slot * r + j]`); `__call__(x, y)` adds the step's deltas to `y` in place."""
 
     def __init__(self, parts: Sequence[tuple[int, int]], out_offsets: Sequence[int],
                  d_in: int, max_loras: int, rank: int, step: StepLoRA,
@@ -278,18 +292,22 @@ class LoRALinear:
 
         self.parts = len(parts)
         self.rank = rank
+        self.slots = max_loras
         self.step = step
-        self.out_offsets = list(out_offsets)
-        self.out_sizes = [out for _, out in parts]
-        self.a_t = torch.zeros(d_in, max_loras * self.parts * rank, device=device, dtype=dtype)
+        self.out_cols = [(lo, lo + out) for lo, (_, out) in zip(out_offsets, parts, strict=True)]
+        self.a_t = torch.zeros(d_in, self.parts * max_loras * rank, device=device, dtype=dtype)
         self.b = [torch.zeros(max_loras * rank, out, device=device, dtype=dtype)
                   for _, out in parts]
 
+    def _a_cols(self, part: int, slot: int) -> slice:
+        lo = (part * self.slots + slot) * self.rank
+        return slice(lo, lo + self.rank)
+
     def set_slot(self, slot: int, pairs: Sequence[tuple[Tensor, Tensor] | None]) -> None:
         """Write one adapter's (A, B) per part into `slot` (None: part not targeted)."""
-        r, p = self.rank, self.parts
+        r = self.rank
         for i, pair in enumerate(pairs):
-            cols = self.a_t[:, (slot * p + i) * r:(slot * p + i + 1) * r]
+            cols = self.a_t[:, self._a_cols(i, slot)]
             rows = self.b[i][slot * r:(slot + 1) * r]
             cols.zero_()
             rows.zero_()
@@ -299,29 +317,30 @@ class LoRALinear:
                 rows[:a.shape[0]] = b.t()
 
     def __call__(self, x: Tensor, y: Tensor) -> None:
-        n = self.step.num_slots
-        if n == 0:
-            return
-        r, p = self.rank, self.parts
-        h = x @ self.a_t[:, :n * p * r]
-        h.mul_(self.step.masks[p])
-        if p == 1:
-            y.addmm_(h, self.b[0][:n * r])
-            return
-        hv = h.view(-1, n, p, r)
-        for i in range(p):
-            lo = self.out_offsets[i]
-            y[:, lo:lo + self.out_sizes[i]].addmm_(hv[:, :, i].reshape(-1, n * r),
-                                                  self.b[i][:n * r])
+        step = self.step
+        width = self.slots * self.rank
+        if step.dense_rows:
+            d = step.dense_rows
+            h = x[:d] @ self.a_t
+            h.mul_(step.mask[self.parts])
+            for i, (lo, hi) in enumerate(self.out_cols):
+                y[:d, lo:hi].addmm_(h[:, i * width:(i + 1) * width], self.b[i])
+        r = self.rank
+        for start, end, slot in step.segments:
+            xs = x[start:end]
+            for i, (lo, hi) in enumerate(self.out_cols):
+                h = xs @ self.a_t[:, self._a_cols(i, slot)]
+                y[start:end, lo:hi].addmm_(h, self.b[i][slot * r:(slot + 1) * r])
 
 
 class LoRASlots:
     """`max_loras` slots of adapter weights inside the model's linears (the runner's)."""
 
-    def __init__(self, linears: Sequence[dict[str, LoRALinear]], max_loras: int,
+    def __init__(self, linears: Sequence[dict[str, LoRALinear]], max_loras: int, rank: int,
                  step: StepLoRA) -> None:
         self.linears = linears  # per layer: "qkv" | "o" | "gate_up" | "down" -> LoRALinear
         self.max_loras = max_loras
+        self.rank = rank
         self.step = step
         self.slots: list[str | None] = [None] * max_loras  # adapter key per slot
         self._lru: OrderedDict[int, None] = OrderedDict()  # slot ids, least recent first
@@ -350,31 +369,39 @@ class LoRASlots:
         self.loads += 1
 
     def prepare(self, row_adapters: Sequence[tuple[LoRAAdapter | None, int]],
-                num_rows: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Set the step's masks: `row_adapters` = (adapter or None, rows) per chunk, in
-        flat row order."""
+                device: torch.device, dtype: torch.dtype) -> None:
+        """Lay out the step: `row_adapters` = (adapter or None, rows) per chunk, in flat
+        row order (single-token chunks first, as the runner flattens them)."""
         import torch
 
         step = self.step
-        step.num_slots, step.masks = 0, {}
+        step.dense_rows, step.mask, step.segments = 0, {}, []
         if all(a is None for a, _ in row_adapters):
             return
         needed = {a.key for a, _ in row_adapters if a is not None}
         if len(needed) > self.max_loras:
             raise InvalidRequestError(f"a step has {len(needed)} adapters, more than "
                                       f"max_loras={self.max_loras}", param="max_loras")
-        row_slot: list[int] = []
+        dense: list[int] = []  # slot per single-token row, -1 for the base
+        row = 0
         for adapter, rows in row_adapters:
-            row_slot += [-1 if adapter is None else self._assign(adapter, needed)] * rows
-        assert len(row_slot) == num_rows
-        n = max(row_slot) + 1  # slots 0..n-1 are computed (free slots are taken lowest first)
-        index = torch.tensor(row_slot, dtype=torch.long)
-        index[index < 0] = n  # base rows: a column that is dropped, so their mask is zero
-        one_hot = torch.zeros(num_rows, n + 1, dtype=dtype)
-        one_hot[torch.arange(num_rows), index] = 1
-        one_hot = one_hot[:, :n]
-        rank = self.linears[0]["qkv"].rank if self.linears else 0
-        for p in (1, 2, 3):
-            step.masks[p] = one_hot[:, :, None].expand(num_rows, n, p * rank) \
-                .reshape(num_rows, n * p * rank).to(device)
-        step.num_slots = n
+            slot = -1 if adapter is None else self._assign(adapter, needed)
+            if rows == 1 and row == len(dense):
+                dense.append(slot)
+            elif slot >= 0:
+                step.segments.append((row, row + rows, slot))
+            row += rows
+        while dense and dense[-1] < 0:  # trailing base rows need no LoRA
+            dense.pop()
+        if not dense:
+            return
+        d, s, r = len(dense), self.max_loras, self.rank
+        index = torch.tensor(dense, dtype=torch.long)
+        index[index < 0] = s  # base rows: a column that is dropped, so their mask is zero
+        one_hot = torch.zeros(d, s + 1, dtype=dtype)
+        one_hot[torch.arange(d), index] = 1
+        one_hot = one_hot[:, :s]
+        for p in (1, 2, 3):  # part-major, as the stacked A: [d, part, slot, rank]
+            step.mask[p] = one_hot[:, None, :, None].expand(d, p, s, r).reshape(d, p * s * r) \
+                .to(device)
+        step.dense_rows = d

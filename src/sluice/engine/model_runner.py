@@ -171,7 +171,7 @@ class ModelRunner:
                 linear.lora = lin
                 linears[fused] = lin
             per_layer.append(linears)
-        return LoRASlots(per_layer, lc.max_loras, step)
+        return LoRASlots(per_layer, lc.max_loras, lc.max_lora_rank, step)
 
     def load_lora(self, path: str, max_rank: int) -> LoRAAdapter:
         """Read and check a PEFT adapter for this model (raises InvalidRequestError)."""
@@ -227,7 +227,7 @@ class ModelRunner:
         wanted = [last_row[i] for i, c in enumerate(chunks) if c.need_logits]
         if self.lora_slots is not None:
             self.lora_slots.prepare([(chunks[i].lora, len(chunks[i].token_ids)) for i in order],
-                                    len(tokens), self.device, self.dtype)
+                                    self.device, self.dtype)
         logits = self.model(self._tensor(tokens), self._tensor(positions), meta,
                             self._tensor(wanted))
         return logits.float()
