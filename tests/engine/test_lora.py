@@ -208,3 +208,15 @@ def test_lora_requests_need_enable_lora(tiny_llama_dir: Path, adapters: dict[str
         llm.generate(PROMPTS[:1], GREEDY,
                      lora_request=_lora("all-r8", adapters["all-r8"]))
     assert info.value.param == "model"
+
+
+def test_lora_fields_cross_the_process_pipe() -> None:
+    from sluice.engine.messages import Add, CoreInfo, CoreRequest, Ready, decode, encode
+
+    lora = LoRARequest("sql", "/adapters/sql", "ab" * 32)
+    add = decode(encode(Add(CoreRequest("r1", [1, 2, 3], GREEDY, lora=lora))))
+    assert isinstance(add, Add) and add.request.lora == lora
+    assert decode(encode(Add(CoreRequest("r2", [1], GREEDY)))).request.lora is None  # type: ignore[union-attr]
+    info = CoreInfo("m", 512, 100, 64, 16, "auto", True, 4, 16, 2, {"q_proj": [64, 64]})
+    ready = decode(encode(Ready(info)))
+    assert isinstance(ready, Ready) and ready.info == info
