@@ -137,12 +137,12 @@ class Scheduler:
             seq = self.waiting[0]
             if seq in plan.preempted:
                 return
-            if len(self.running) >= self.config.max_num_seqs and not self._evict_for(seq, plan):
-                return
             if seq.lora is not None and seq.cache_salt not in adapters \
                     and len(adapters) >= self.max_loras:
                 deferred.append(self.waiting.pop(0))  # every LoRA slot is in use: wait
                 continue
+            if len(self.running) >= self.config.max_num_seqs and not self._evict_for(seq, plan):
+                return
             hits = bm.lookup(seq)
             if self._next_block_in_flight(seq, len(hits)):
                 deferred.append(self.waiting.pop(0))
