@@ -274,15 +274,17 @@ class StepLoRA:
       all-slots product would multiply the LoRA FLOPs by `max_loras`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, kernel: Callable[..., None] | None = None) -> None:
+        self.kernel = kernel  # the native per-row kernel (native.lora_bgmv), or None
         self.dense_rows = 0
         self.mask: dict[int, Tensor] = {}  # parts -> [dense_rows, parts * max_loras * r]
+        self.row_slots: Tensor | None = None  # [dense_rows] int64, -1 = base (the kernel's)
         self.segments: list[tuple[int, int, int]] = []
 
 
 class LoRALinear:
     """The LoRA side of one fused linear, for every slot: A stacked part-major
-    (`a_t[:, (part * max_loras + slot) * r + j]`) and one B per part
+    (`a[(part * max_loras + slot) * r + j]`, rows of `in` features) and one B per part
     (`b[part][slot * r + j]`); `__call__(x, y)` adds the step's deltas to `y` in place."""
 
     def __init__(self, parts: Sequence[tuple[int, int]], out_offsets: Sequence[int],
@@ -295,11 +297,12 @@ class LoRALinear:
         self.slots = max_loras
         self.step = step
         self.out_cols = [(lo, lo + out) for lo, (_, out) in zip(out_offsets, parts, strict=True)]
-        self.a_t = torch.zeros(d_in, self.parts * max_loras * rank, device=device, dtype=dtype)
+        self.offsets = [lo for lo, _ in self.out_cols]
+        self.a = torch.zeros(self.parts * max_loras * rank, d_in, device=device, dtype=dtype)
         self.b = [torch.zeros(max_loras * rank, out, device=device, dtype=dtype)
                   for _, out in parts]
 
-    def _a_cols(self, part: int, slot: int) -> slice:
+    def _a_rows(self, part: int, slot: int) -> slice:
         lo = (part * self.slots + slot) * self.rank
         return slice(lo, lo + self.rank)
 
@@ -307,21 +310,24 @@ class LoRALinear:
         """Write one adapter's (A, B) per part into `slot` (None: part not targeted)."""
         r = self.rank
         for i, pair in enumerate(pairs):
-            cols = self.a_t[:, self._a_cols(i, slot)]
-            rows = self.b[i][slot * r:(slot + 1) * r]
-            cols.zero_()
-            rows.zero_()
+            a_rows = self.a[self._a_rows(i, slot)]
+            b_rows = self.b[i][slot * r:(slot + 1) * r]
+            a_rows.zero_()
+            b_rows.zero_()
             if pair is not None:
                 a, b = pair
-                cols[:, :a.shape[0]] = a.t()
-                rows[:a.shape[0]] = b.t()
+                a_rows[:a.shape[0]] = a
+                b_rows[:a.shape[0]] = b.t()
 
     def __call__(self, x: Tensor, y: Tensor) -> None:
         step = self.step
         width = self.slots * self.rank
-        if step.dense_rows:
+        if step.dense_rows and step.kernel is not None:
+            step.kernel(x[:step.dense_rows].contiguous(), y, self.a, self.b, step.row_slots,
+                        self.rank, self.slots, self.offsets)
+        elif step.dense_rows:
             d = step.dense_rows
-            h = x[:d] @ self.a_t
+            h = x[:d] @ self.a.t()
             h.mul_(step.mask[self.parts])
             for i, (lo, hi) in enumerate(self.out_cols):
                 y[:d, lo:hi].addmm_(h[:, i * width:(i + 1) * width], self.b[i])
@@ -329,7 +335,7 @@ class LoRALinear:
         for start, end, slot in step.segments:
             xs = x[start:end]
             for i, (lo, hi) in enumerate(self.out_cols):
-                h = xs @ self.a_t[:, self._a_cols(i, slot)]
+                h = xs @ self.a[self._a_rows(i, slot)].t()
                 y[start:end, lo:hi].addmm_(h, self.b[i][slot * r:(slot + 1) * r])
 
 
@@ -375,7 +381,7 @@ class LoRASlots:
         import torch
 
         step = self.step
-        step.dense_rows, step.mask, step.segments = 0, {}, []
+        step.dense_rows, step.mask, step.row_slots, step.segments = 0, {}, None, []
         if all(a is None for a, _ in row_adapters):
             return
         needed = {a.key for a, _ in row_adapters if a is not None}
@@ -397,6 +403,10 @@ class LoRASlots:
             return
         d, s, r = len(dense), self.max_loras, self.rank
         index = torch.tensor(dense, dtype=torch.long)
+        step.dense_rows = d
+        if step.kernel is not None:
+            step.row_slots = index.to(device)
+            return
         index[index < 0] = s  # base rows: a column that is dropped, so their mask is zero
         one_hot = torch.zeros(d, s + 1, dtype=dtype)
         one_hot[torch.arange(d), index] = 1
@@ -404,4 +414,3 @@ class LoRASlots:
         for p in (1, 2, 3):  # part-major, as the stacked A: [d, part, slot, rank]
             step.mask[p] = one_hot[:, None, :, None].expand(d, p, s, r).reshape(d, p * s * r) \
                 .to(device)
-        step.dense_rows = d

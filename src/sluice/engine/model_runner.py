@@ -155,7 +155,7 @@ class ModelRunner:
     def _add_lora_slots(self, lc: LoRAConfig) -> LoRASlots:
         """A LoRA side on every targetable linear (zero weights until an adapter is put in
         a slot): `max_loras` slots of rank `max_lora_rank`."""
-        step = StepLoRA()
+        step = StepLoRA(self.native.lora_bgmv if self.native is not None else None)
         per_layer: list[dict[str, LoRALinear]] = []
         for layer in self.model.layers:
             assert isinstance(layer, TransformerBlock)
