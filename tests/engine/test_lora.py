@@ -220,3 +220,18 @@ def test_lora_fields_cross_the_process_pipe() -> None:
     info = CoreInfo("m", 512, 100, 64, 16, "auto", True, 4, 16, 2, {"q_proj": [64, 64]})
     ready = decode(encode(Ready(info)))
     assert isinstance(ready, Ready) and ready.info == info
+
+
+def test_mixed_batch_on_the_torch_path(tiny_llama_dir: Path, adapters: dict[str, Path]) -> None:
+    """Without the native kernels the decode rows take the masked all-slots products."""
+    llm = LLM(str(tiny_llama_dir), **dict(LORA_OPTIONS, kernel_backend="torch"))
+    assert llm.engine.runner.lora_slots is not None
+    assert llm.engine.runner.lora_slots.step.kernel is None
+    names: list[str | None] = [None, "all-r8", "qv-r4"]
+    alone = {n: _run(llm, PROMPTS, [None if n is None else _lora(n, adapters[n])] * 3)
+             for n in names}
+    prompts = [p for p in PROMPTS for _ in names]
+    loras = [None if n is None else _lora(n, adapters[n]) for _ in PROMPTS for n in names]
+    got = _run(llm, prompts, loras)
+    want = [alone[n][i][0] for i in range(len(PROMPTS)) for n in names]
+    assert [t for t, _ in got] == want
