@@ -138,8 +138,13 @@ def test_unload_while_in_use_lets_running_requests_finish(client: httpx.Client,
     threads = [threading.Thread(target=one) for _ in range(4)]
     for t in threads:
         t.start()
-    assert wait_until(lambda: 'running_lora_adapters="busy' in client.get("/metrics").text,
-                      timeout=20)
+    def all_running() -> bool:  # every request admitted, so none arrives after the unload
+        text = client.get("/metrics").text
+        running = next(float(x.split()[-1]) for x in text.splitlines()
+                       if x.startswith("vllm:num_requests_running{"))
+        return running >= 4 and 'running_lora_adapters="busy' in text
+
+    assert wait_until(all_running, timeout=20)
     assert client.post("/v1/unload_lora_adapter",
                        json={"lora_name": "busy"}).status_code == 200
     for t in threads:
