@@ -38,6 +38,7 @@ from sluice.engine.core_client import (
     ThreadCore,
 )
 from sluice.engine.input_processor import InputProcessor
+from sluice.engine.lora import LoRARequest
 from sluice.engine.messages import Abort, Add, CoreOutputs, Finish, Shutdown
 from sluice.engine.output_processor import OutputProcessor
 from sluice.engine.outputs import RequestOutput
@@ -76,7 +77,8 @@ class AsyncEngine:
         self._stopped = False
         self.dead: CoreDied | None = None
         self.on_death: list[Callable[[CoreDied], None]] = []
-        self._stats = EngineStats(0, 0, 0.0, info.num_kv_blocks, 0, 0, 0, 0, 0, 0)
+        self._stats = EngineStats(0, 0, 0.0, info.num_kv_blocks, 0, 0, 0, 0, 0, 0,
+                                  max_lora=info.max_loras)
         self._thread = threading.Thread(target=self._receive, name="sluice-engine-output",
                                         daemon=True)
         self._thread.start()
@@ -92,13 +94,15 @@ class AsyncEngine:
 
     # -- asyncio side ---------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0, resumed: Sequence[int] = ()
+                       priority: int = 0, resumed: Sequence[int] = (),
+                       lora_request: LoRARequest | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; admission errors raise before the first yield.
 
         `resumed`: tokens this request already generated on another worker (a migrated
         stream): the engine continues after them and the outputs hold only new ones."""
-        request = self.inputs.prepare(request_id, prompt, params, priority, resumed=resumed)
+        request = self.inputs.prepare(request_id, prompt, params, priority, resumed=resumed,
+                                      lora=lora_request)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             self._check_open()

@@ -111,37 +111,38 @@ class BlockManager:
         parent: int | None = None
         for i in range((len(tokens) - 1) // bs):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            h = hash_block(parent, chunk)
+            h = hash_block(parent, chunk, seq.cache_salt)
             block_id = self.cached.get(h)
             if block_id is None or self.blocks[block_id].token_ids != chunk:
                 if self.offload is not None and block_id is None:
-                    hits.extend(self._load_from_tiers(tokens, i, parent, hits))
+                    hits.extend(self._load_from_tiers(seq, i, parent, hits))
                 break
             hits.append(block_id)
             parent = h
         return hits
 
-    def _load_from_tiers(self, tokens: Seq[int], first: int, parent: int | None,
+    def _load_from_tiers(self, seq: Sequence, first: int, parent: int | None,
                          hits: Seq[int]) -> list[int]:
-        """Blocks `first`.. of the chain that the offload tiers hold, loaded into free pool
-        blocks (never one of `hits`) and cached there with no reference: the caller hits
-        them like any cached block. Stops at the first block no tier has (or pays for)."""
+        """Blocks `first`.. of `seq`'s chain that the offload tiers hold, loaded into free
+        pool blocks (never one of `hits`) and cached there with no reference: the caller
+        hits them like any cached block. Stops at the first block no tier has (or pays
+        for). The chain is salted like the pool's (an adapter's KV is never a base's)."""
         assert self.offload is not None
-        bs = self.block_size
+        bs, tokens, salt = self.block_size, seq.token_ids, seq.cache_salt
         found: list[tuple[int, tuple[int, ...], tuple[KVTier, StoredBlock]]] = []
         h, room = parent, len(self.free_ids) - sum(1 for b in hits if b in self.free_ids)
         end = min((len(tokens) - 1) // bs, first + room)
-        if first < end and self.offload.fetching(self._chain(tokens, first, parent, end)):
+        if first < end and self.offload.fetching(self._chain(seq, first, parent, end)):
             self.load_pending = True  # wait, and load the whole chain at once when fetched:
             return []  # blocks loaded meanwhile could be evicted before the request runs
         for i in range(first, end):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            h = hash_block(h, chunk)
+            h = hash_block(h, chunk, salt)
             got = None if h in self.cached else self.offload.find(h, chunk)
             if got is None:
                 if h not in self.cached:
                     prev = found[-1][0] if found else parent
-                    self.load_pending = self.offload.prefetch(self._chain(tokens, i, prev, end))
+                    self.load_pending = self.offload.prefetch(self._chain(seq, i, prev, end))
                 break
             found.append((h, chunk, got))
         targets = self._free_blocks_except(set(hits), len(found))
@@ -159,17 +160,18 @@ class BlockManager:
             self.cached[h] = block_id
             self.free_ids[block_id] = None  # cached, unreferenced, most recently used
         self.events.append(BlockStored([h for h, _, _ in found], parent,
-                                       [t for _, chunk, _ in found for t in chunk], bs))
+                                       [t for _, chunk, _ in found for t in chunk], bs,
+                                       seq.lora_id))
         return targets
 
-    def _chain(self, tokens: Seq[int], first: int, parent: int | None,
+    def _chain(self, seq: Sequence, first: int, parent: int | None,
                end: int) -> list[tuple[int, tuple[int, ...]]]:
-        """(hash, tokens) of blocks `first`..`end` - 1, chained on `parent`."""
-        bs = self.block_size
+        """(hash, tokens) of `seq`'s blocks `first`..`end` - 1, chained on `parent`."""
+        bs, tokens = self.block_size, seq.token_ids
         chain: list[tuple[int, tuple[int, ...]]] = []
         for i in range(first, end):
             chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            parent = hash_block(parent, chunk)
+            parent = hash_block(parent, chunk, seq.cache_salt)
             chain.append((parent, chunk))
         return chain
 
@@ -275,7 +277,7 @@ class BlockManager:
         for i in range(first, full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             chunk = seq.token_ids[i * bs : (i + 1) * bs]
-            h = hash_block(parent, chunk)
+            h = hash_block(parent, chunk, seq.cache_salt)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if h in self.cached or block.hash is not None:
@@ -299,7 +301,7 @@ class BlockManager:
         bs = self.block_size
         tokens = seq.token_ids[run[0] * bs : (run[-1] + 1) * bs]
         hashes = [seq.block_hashes[i] for i in run]
-        self.events.append(BlockStored(hashes, parent, list(tokens), bs))
+        self.events.append(BlockStored(hashes, parent, list(tokens), bs, seq.lora_id))
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references, last block first; blocks reaching zero join the tail of

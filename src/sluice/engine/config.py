@@ -115,20 +115,45 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's flags; see sluice.engine.lora)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters in one batch (slots of stacked weights)
+    max_lora_rank: int = 16  # largest adapter rank accepted; slots are this wide
+    max_cpu_loras: int | None = None  # loaded adapters kept in host memory (None: max_loras)
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise InvalidRequestError("max_loras must be at least 1", param="max_loras")
+        if self.max_lora_rank < 1:
+            raise InvalidRequestError("max_lora_rank must be at least 1", param="max_lora_rank")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise InvalidRequestError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})",
+                param="max_cpu_loras")
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> EngineConfig:
         """Build from flat options; raise InvalidRequestError naming an unknown one."""
         layers: dict[str, dict[str, Any]] = {"model": {"model": model}, "cache": {},
-                                             "scheduler": {}, "structured": {}}
+                                             "scheduler": {}, "structured": {}, "lora": {}}
         owners = {f.name: name for name, klass in
                   (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
-                   ("structured", StructuredOutputsConfig))
+                   ("structured", StructuredOutputsConfig), ("lora", LoRAConfig))
                   for f in dataclasses.fields(klass)}
         for key, value in options.items():
             if key not in owners:
@@ -136,4 +161,4 @@ class EngineConfig:
             layers[owners[key]][key] = value
         return cls(ModelConfig(**layers["model"]), CacheConfig(**layers["cache"]),
                    SchedulerConfig(**layers["scheduler"]),
-                   StructuredOutputsConfig(**layers["structured"]))
+                   StructuredOutputsConfig(**layers["structured"]), LoRAConfig(**layers["lora"]))

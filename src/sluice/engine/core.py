@@ -28,6 +28,7 @@ import torch
 
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.config import EngineConfig
+from sluice.engine.lora import LoRAAdapter, LoRACache
 from sluice.engine.messages import CoreInfo, CoreRequest, SeqUpdate
 from sluice.engine.outputs import RequestMetrics
 from sluice.engine.sampler import Sampler, SampleResult
@@ -55,13 +56,25 @@ class EngineCore:
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size,
                                           config.cache.enable_prefix_caching)
         self.block_manager.attach_offload(self._build_offload(config))
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        lc = config.lora
+        self.scheduler = Scheduler(config.scheduler, self.block_manager,
+                                   lc.max_loras if lc.enable_lora else 0)
+        self.loras: LoRACache | None = None
+        if lc.enable_lora:
+            self.loras = LoRACache(lc.cpu_capacity,
+                                   lambda path: self.runner.load_lora(path, lc.max_lora_rank))
         self.sampler = Sampler(self.tokenizer.eos_token_ids, config.model.seed)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.info = CoreInfo(self.runner.model_name, self.runner.max_model_len,
                              self.runner.vocab_size, self.block_manager.num_blocks,
                              self.block_manager.block_size,
-                             config.structured.structured_outputs_backend)
+                             config.structured.structured_outputs_backend,
+                             lc.enable_lora, lc.max_loras if lc.enable_lora else 0,
+                             lc.max_lora_rank if lc.enable_lora else 0,
+                             getattr(getattr(self.runner, "model_config", None),
+                                     "num_layers", 0),
+                             {k: list(v) for k, v in
+                              getattr(self.runner, "lora_shapes", {}).items()})
         self.structured = StructuredOutputManager(config.structured, self._grammar_backend)
         self.requests: dict[str, Request] = {}
         self.failed: list[tuple[str, SluiceError]] = []  # requests the core refused after add
@@ -74,7 +87,13 @@ class EngineCore:
         if req.request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {req.request_id!r}",
                                       param="request_id")
+        adapter = self._adapter(req)
         seqs = [self._new_seq(req, i) for i in range(req.params.n)]
+        if adapter is not None:
+            for seq in seqs:
+                seq.lora, seq.adapter = req.lora, adapter
+                seq.cache_salt = bytes.fromhex(adapter.key)
+                seq.lora_id = int(adapter.key[:15], 16)
         request = Request(req.request_id, None, req.prompt_token_ids, req.params, seqs,
                           RequestMetrics(arrival_time=req.arrival_time),
                           siblings_pending=req.params.n > 1)
@@ -93,6 +112,16 @@ class EngineCore:
         return build_offload(cache.kv_offload, cache.kv_store,
                              config.model.model or self.runner.model_name,
                              self.runner.block_size, self.runner.model.layers)
+
+    def _adapter(self, req: CoreRequest) -> LoRAAdapter | None:
+        """The request's LoRA adapter, loaded (or from the host cache); raises
+        InvalidRequestError for a broken adapter or when LoRA is off."""
+        if req.lora is None:
+            return None
+        if self.loras is None:
+            raise InvalidRequestError(f"the model {req.lora.lora_name!r} is a LoRA adapter, "
+                                      "but LoRA is not enabled (--enable-lora)", param="model")
+        return self.loras.get(req.lora)
 
     def _grammar_backend(self, name: str) -> Any:
         native = getattr(self.runner, "native", None)
@@ -189,7 +218,7 @@ class EngineCore:
     def _seq_chunk(self, chunk: ScheduledChunk) -> Any:
         seq, start = chunk.seq, chunk.start_pos
         return self._chunk_cls(seq.token_ids[start:start + chunk.num_tokens], start,
-                               seq.block_table, chunk.need_logits)
+                               seq.block_table, chunk.need_logits, seq.adapter)
 
     def _mark_scheduled(self, chunks: list[ScheduledChunk]) -> None:
         now = time.time()
@@ -261,7 +290,10 @@ class EngineCore:
             kv_cache_usage=bm.usage, num_kv_blocks=bm.num_blocks,
             prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
             num_preemptions=sched.num_preemptions, **self._counters,
-            kv_offload=bm.offload.stats() if bm.offload is not None else {})
+            kv_offload=bm.offload.stats() if bm.offload is not None else {},
+            running_lora_adapters=_adapter_names(sched.running),
+            waiting_lora_adapters=_adapter_names(sched.waiting),
+            max_lora=sched.max_loras)
 
     def drain_kv_events(self) -> list[KVEvent]:
         """KV events since the last call."""
@@ -276,3 +308,8 @@ class EngineCore:
         self.structured.close()
         if self.block_manager.offload is not None:
             self.block_manager.offload.close()
+
+
+def _adapter_names(seqs: list[Sequence]) -> str:
+    """Comma-separated names of the adapters `seqs` use (vllm:lora_requests_info)."""
+    return ",".join(sorted({s.lora.lora_name for s in seqs if s.lora is not None}))

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from sluice.engine.block_manager import blocks_needed
+from sluice.engine.lora import LoRARequest
 from sluice.engine.messages import CoreInfo, CoreRequest
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured_output import check_constraint
@@ -34,7 +35,7 @@ class InputProcessor:
 
     def prepare(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                 priority: int = 0, arrival_time: float | None = None,
-                resumed: Sequence[int] = ()) -> CoreRequest:
+                resumed: Sequence[int] = (), lora: LoRARequest | None = None) -> CoreRequest:
         """`resumed`: tokens already generated for this request elsewhere (a migrated
         stream); the core appends them to the prompt as output and continues after them."""
         ids = self.tokenize(prompt)
@@ -47,7 +48,11 @@ class InputProcessor:
         if params.structured_outputs is not None:
             check_constraint(params.structured_outputs, self.info.structured_outputs_backend)
         arrival = time.time() if arrival_time is None else arrival_time
-        return CoreRequest(request_id, ids, params, priority, arrival, max_tokens, len(resumed))
+        if lora is not None and not self.info.enable_lora:
+            raise InvalidRequestError(f"the model {lora.lora_name!r} is a LoRA adapter, but LoRA "
+                                      "is not enabled (--enable-lora)", param="model")
+        return CoreRequest(request_id, ids, params, priority, arrival, max_tokens, len(resumed),
+                           lora)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -17,11 +17,13 @@ from typing import Any
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.llm_engine import LLMEngine
+from sluice.engine.lora import LoRARequest
 from sluice.engine.outputs import RequestOutput
 from sluice.engine.sampling_params import RequestOutputKind, SamplingParams
 
 Prompts = str | list[str] | list[list[int]]
 ParamsArg = SamplingParams | Sequence[SamplingParams] | None
+LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
 
 
 class LLM:
@@ -36,11 +38,18 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompts, sampling_params: ParamsArg = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; one output per prompt, in order."""
+                 use_tqdm: bool = False, lora_request: LoRAArg = None) -> list[RequestOutput]:
+        """Run every prompt to completion; one output per prompt, in order.
+        `lora_request`: one adapter for all prompts, or one (or None) per prompt."""
         items = _normalize_prompts(prompts)
         params = _normalize_params(sampling_params, len(items))
-        ids = self._add_all(items, params)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * len(items)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(items):
+                raise ValueError(f"got {len(loras)} lora_requests for {len(items)} prompts")
+        ids = self._add_all(items, params, loras)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -52,13 +61,15 @@ class LLM:
                               add_special_tokens=False) for c in conversations]
         return self.generate(prompts, sampling_params)
 
-    def _add_all(self, prompts: list[str | list[int]], params: list[SamplingParams]) -> list[str]:
+    def _add_all(self, prompts: list[str | list[int]], params: list[SamplingParams],
+                 loras: list[LoRARequest | None] | None = None) -> list[str]:
         ids: list[str] = []
+        loras = loras or [None] * len(prompts)
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, lora in zip(prompts, params, loras, strict=True):
                 request_id = f"llm-{next(self._ids)}"
                 final = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
-                self.engine.add_request(request_id, prompt, final)
+                self.engine.add_request(request_id, prompt, final, lora_request=lora)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:

@@ -17,6 +17,7 @@ from sluice.engine.block_manager import BlockManager
 from sluice.engine.config import EngineConfig
 from sluice.engine.core import EngineCore
 from sluice.engine.input_processor import InputProcessor
+from sluice.engine.lora import LoRARequest
 from sluice.engine.messages import CoreRequest
 from sluice.engine.output_processor import OutputProcessor
 from sluice.engine.outputs import RequestOutput
@@ -56,10 +57,12 @@ class LLMEngine:
 
     # -- admission ----------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+                    priority: int = 0, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validate, tokenize and queue a request; raises InvalidRequestError /
-        ContextLengthError naming the parameter."""
-        request = self.inputs.prepare(request_id, prompt, params, priority, arrival_time)
+        ContextLengthError naming the parameter. `lora_request`: run it with that adapter."""
+        request = self.inputs.prepare(request_id, prompt, params, priority, arrival_time,
+                                      lora=lora_request)
         self.submit(request, prompt if isinstance(prompt, str) else None)
 
     def submit(self, request: CoreRequest, prompt: str | None = None) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgpack
 
+from sluice.engine.lora import LoRARequest
 from sluice.engine.outputs import TokenLogprobs
 from sluice.engine.sampling_params import (
     RequestOutputKind,
@@ -41,6 +42,7 @@ class CoreRequest:
     max_tokens: int = 1  # effective: params.max_tokens, or up to the context length
     num_output_tokens: int = 0  # trailing prompt_token_ids already generated (a migrated
     #                             request resumed here: they count as output, not prompt)
+    lora: LoRARequest | None = None  # multi-LoRA: the adapter to run with (None: the base)
 
 
 @dataclass(slots=True)
@@ -70,6 +72,12 @@ class CoreInfo:
     num_kv_blocks: int
     block_size: int
     structured_outputs_backend: str = "auto"  # the front end checks constraints for it
+    # multi-LoRA: the front end checks adapters against these before using them
+    enable_lora: bool = False
+    max_loras: int = 0
+    max_lora_rank: int = 0
+    num_layers: int = 0
+    lora_shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # (in, out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,8 +144,10 @@ def _to_wire(m: Command | Event) -> list[Any]:
                 [[rid, e.status_code, e.message, e.param] for rid, e in m.errors]]
     if isinstance(m, Add):
         r = m.request
+        lora = None if r.lora is None else [r.lora.lora_name, r.lora.lora_path,
+                                             r.lora.content_hash]
         return ["add", r.request_id, r.prompt_token_ids, _params_to_wire(r.params), r.priority,
-                r.arrival_time, r.max_tokens, r.num_output_tokens]
+                r.arrival_time, r.max_tokens, r.num_output_tokens, lora]
     if isinstance(m, Abort):
         return ["abort", m.request_id]
     if isinstance(m, Finish):
@@ -156,9 +166,9 @@ def _from_wire(w: list[Any]) -> Command | Event:
         return CoreOutputs([SeqUpdate(*u) for u in updates], EngineStats(*stats),
                            [(rid, _error(status, msg, param)) for rid, status, msg, param in errors])
     if kind == "add":
-        rid, ids, params, priority, arrival, max_tokens, num_output = args
+        rid, ids, params, priority, arrival, max_tokens, num_output, lora = args
         return Add(CoreRequest(rid, ids, _params_from_wire(params), priority, arrival, max_tokens,
-                               num_output))
+                               num_output, None if lora is None else LoRARequest(*lora)))
     if kind == "abort":
         return Abort(args[0])
     if kind == "finish":

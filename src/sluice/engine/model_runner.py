@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +32,24 @@ from sluice.engine.attention import (
     StepLayout,
     build_group,
 )
-from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig
+from sluice.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
+from sluice.engine.lora import (
+    FUSED_PARTS,
+    LoRAAdapter,
+    LoRALinear,
+    LoRASlots,
+    StepLoRA,
+    load_adapter,
+    module_shapes,
+)
 from sluice.engine.models.llama import LlamaConfig, TransformerBlock
 from sluice.engine.models.loader import load_model
 from sluice.engine.native import cpu_flags, cpu_linear, native_ops, with_small_rows
 from sluice.engine.tokenizer import Tokenizer, default_served_name, load_tokenizer
 from sluice.protocol.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from sluice.engine.models.llama import Linear
 
 CPU_KV_CACHE_CAP_BYTES = 4 * 1024**3
 WARM_UP_TOKENS = 9  # the warm-up's prefill (8 tokens) and decode (1)
@@ -53,6 +66,7 @@ class SeqChunk:
     start_pos: int  # = num_computed_tokens; tokens sit at start_pos .. start_pos+len-1
     block_table: list[int]  # KV block ids covering >= start_pos+len tokens
     need_logits: bool  # True if the last token's logits are needed
+    lora: LoRAAdapter | None = None  # the sequence's adapter (multi-LoRA), or the base
 
 
 # CPU flags of native bfloat16 math: AVX512-BF16's dot products, AMX's tiles. Without
@@ -130,7 +144,38 @@ class ModelRunner:
             self.linear = with_small_rows(self.native, self.linear or F.linear)
         if self.linear is not None:
             self.model.use_linear(self.linear)
+        cfg = self.model_config
+        self.lora_shapes = module_shapes(cfg.hidden_size, cfg.intermediate_size, cfg.q_size,
+                                         cfg.kv_size)
+        self.lora_slots: LoRASlots | None = None
+        if config.lora.enable_lora:
+            self.lora_slots = self._add_lora_slots(config.lora)
         self.warm_up()
+
+    def _add_lora_slots(self, lc: LoRAConfig) -> LoRASlots:
+        """A LoRA side on every targetable linear (zero weights until an adapter is put in
+        a slot): `max_loras` slots of rank `max_lora_rank`."""
+        step = StepLoRA(self.native.lora_bgmv if self.native is not None else None)
+        per_layer: list[dict[str, LoRALinear]] = []
+        for layer in self.model.layers:
+            assert isinstance(layer, TransformerBlock)
+            targets: dict[str, Linear] = {
+                "qkv": layer.attention.wqkv, "o": layer.attention.wo,
+                "gate_up": layer.feed_forward.w13, "down": layer.feed_forward.w2}
+            linears: dict[str, LoRALinear] = {}
+            for fused, linear in targets.items():
+                parts = [self.lora_shapes[m] for m in FUSED_PARTS[fused]]
+                offsets = [sum(out for _, out in parts[:i]) for i in range(len(parts))]
+                lin = LoRALinear(parts, offsets, parts[0][0], lc.max_loras, lc.max_lora_rank,
+                                 step, self.device, self.dtype)
+                linear.lora = lin
+                linears[fused] = lin
+            per_layer.append(linears)
+        return LoRASlots(per_layer, lc.max_loras, lc.max_lora_rank, step)
+
+    def load_lora(self, path: str, max_rank: int) -> LoRAAdapter:
+        """Read and check a PEFT adapter for this model (raises InvalidRequestError)."""
+        return load_adapter(path, self.lora_shapes, self.model_config.num_layers, max_rank)
 
     def _max_model_len(self, mc: ModelConfig) -> int:
         limit = self.model_config.max_position_embeddings
@@ -180,6 +225,9 @@ class ModelRunner:
         meta = AttentionMetadata(self._tensor(slots), self._groups(chunks, order),
                                  self.native.paged_decode_attention if self.native else None)
         wanted = [last_row[i] for i, c in enumerate(chunks) if c.need_logits]
+        if self.lora_slots is not None:
+            self.lora_slots.prepare([(chunks[i].lora, len(chunks[i].token_ids)) for i in order],
+                                    self.device, self.dtype)
         logits = self.model(self._tensor(tokens), self._tensor(positions), meta,
                             self._tensor(wanted))
         return logits.float()

@@ -71,6 +71,10 @@ class NativeOps:
     small_rows_linear: LinearKernel  # float32, 1 to SMALL_ROWS_MAX rows
     # logits [B, V] f32, bitmask [B, W] int32, rows [R] int64, fill: masked logits = fill
     apply_token_bitmask: Callable[[Tensor, Tensor, Tensor, float], None]
+    # multi-LoRA decode rows (sluice.engine.lora): x, y, a, [b per part], slots [D],
+    # rank, num_slots, [column offset of each part in y]; y updated in place
+    lora_bgmv: Callable[[Tensor, Tensor, Tensor, list[Tensor], Tensor, int, int, list[int]],
+                        None] | None = None
 
 
 @functools.cache
@@ -113,7 +117,8 @@ def load_kernels() -> NativeOps:
                   extra_ldflags=["-fopenmp"], verbose=False)
     log.info("CPU kernels ready in %.1fs", time.perf_counter() - t0)
     return NativeOps(module.paged_decode_attention, module.fused_add_rms_norm,
-                     module.silu_and_mul, module.small_rows_linear, module.apply_token_bitmask)
+                     module.silu_and_mul, module.small_rows_linear, module.apply_token_bitmask,
+                     module.lora_bgmv)
 
 
 def _stable_copy(name: str, source: bytes) -> Path:

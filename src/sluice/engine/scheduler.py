@@ -20,6 +20,9 @@ No prefill or decode phase (vLLM v1): every unfinished sequence wants to catch i
    instead of computing the same prefix again (as SGLang does). Later arrivals may go
    ahead of it meanwhile. So does one whose next blocks an offload tier (disk, shared
    store) is fetching (`BlockManager.load_pending`; `sluice.engine.kv_offload`).
+   Multi-LoRA: at most `max_loras` distinct adapters among running sequences (the
+   runner's slots); a waiting sequence whose adapter would be one more waits, and
+   later ones (base, or of a running adapter) may go ahead of it.
 
 "fcfs" ignores priority values (arrival order only).
 """
@@ -61,8 +64,10 @@ class Scheduler:
     """Owns the waiting and running lists; mutates sequences and the block manager.
     Called only from the engine loop (not thread-safe)."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 max_loras: int = 0) -> None:
         self.config = config
+        self.max_loras = max_loras  # distinct adapters among running sequences (0: no LoRA)
         self.block_manager = block_manager
         self.use_priority = config.scheduling_policy == "priority"
         # `Sequence.sort_key` as a C-level key (the same order; sorted on every step).
@@ -146,10 +151,15 @@ class Scheduler:
 
     def _admit_waiting(self, plan: _StepPlan, deferred: list[Sequence]) -> None:
         bm = self.block_manager
+        adapters = {s.cache_salt for s in self.running if s.lora is not None}
         while self.waiting and plan.budget > 0:
             seq = self.waiting[0]
             if seq in plan.preempted:
                 return
+            if seq.lora is not None and seq.cache_salt not in adapters \
+                    and len(adapters) >= self.max_loras:
+                deferred.append(self.waiting.pop(0))  # every LoRA slot is in use: wait
+                continue
             if len(self.running) >= self.config.max_num_seqs and not self._evict_for(seq, plan):
                 return
             hits = bm.lookup(seq)
@@ -165,6 +175,8 @@ class Scheduler:
                 if not self._evict_for(seq, plan):
                     return
             self.waiting.pop(0)
+            if seq.lora is not None:
+                adapters.add(seq.cache_salt)
             bm.allocate(seq, n, hits)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -181,6 +193,7 @@ class Scheduler:
             return False
         prefix = seq.token_ids[:end]
         return any(other.num_computed_tokens < end <= other.num_tokens
+                   and other.cache_salt == seq.cache_salt
                    and other.token_ids[:end] == prefix for other in self.running)
 
     def _evict_for(self, seq: Sequence, plan: _StepPlan) -> bool:

@@ -24,6 +24,7 @@ from sluice.engine.outputs import RequestMetrics, TokenLogprobs
 if TYPE_CHECKING:
     import torch
 
+    from sluice.engine.lora import LoRAAdapter, LoRARequest
     from sluice.engine.sampling_params import SamplingParams
 
 
@@ -60,6 +61,11 @@ class Sequence:
     num_preemptions: int = 0
     num_prefill_chunks: int = 0  # chunks scheduled before the first token (traces)
     grammar: Any = None  # structured output: this sequence's matcher (structured_output.py)
+    lora: LoRARequest | None = None  # multi-LoRA: the adapter it runs with
+    adapter: LoRAAdapter | None = None  # its weights (held while the sequence lives)
+    # keys its KV in the prefix cache beside the tokens: the adapter's content hash
+    cache_salt: bytes = b""
+    lora_id: int | None = None  # in KV events (vLLM's BlockStored.lora_id)
 
     @property
     def num_tokens(self) -> int:

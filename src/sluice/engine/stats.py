@@ -20,3 +20,7 @@ class EngineStats:
     num_steps: int
     # Offload tiers by medium ("CPU", "DISK", "REDIS"): kv_offload.TierStats fields.
     kv_offload: dict[str, dict[str, float]] = field(default_factory=dict)
+    # multi-LoRA (vllm:lora_requests_info): adapter names, comma-separated
+    running_lora_adapters: str = ""
+    waiting_lora_adapters: str = ""
+    max_lora: int = 0  # --max-loras (0: LoRA off)

@@ -485,6 +485,7 @@ class ModelCard(ResponseModel):
     created: int = Field(default_factory=now)
     owned_by: str = "sluice"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: int | None = None
 
 

@@ -63,6 +63,7 @@ from sluice.protocol.prompt import (
 from sluice.worker.chat import chat_chunks, chat_response, prepare_chat
 from sluice.worker.completions import completion_chunks, completion_response, prepare_completion
 from sluice.worker.config import WorkerConfig
+from sluice.worker.lora import add_lora_routes
 from sluice.worker.sampling import chat_prompt, check_token_ids
 from sluice.worker.state import WorkerState
 
@@ -146,7 +147,10 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         engine = state.require_engine()
         cards = [ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
                  for name in state.served_names]
+        cards += state.loras.cards(state.model_name, engine.max_model_len)
         return ModelList(data=cards).model_dump()
+
+    add_lora_routes(app, state)
 
     @app.get("/health")
     async def health() -> Response:

@@ -108,7 +108,7 @@ async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_i
     prompt = chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt, tools)
     ids = await encode_prompt(engine.tokenizer, prompt, special=False, hint=hint)
     run = await Run.start(state, [ids], params, request_id, req.priority, param="messages",
-                          resumed=resumed or ())
+                          resumed=resumed or (), lora=state.lora_for(req.model))
     parser = state.tool_parser if choice != "none" else None
     job = ChatJob(req, run, f"chatcmpl-{request_id}", model, state, num_logprobs, parser,
                   completion_tokens=len(resumed or ()), resumed=resumed is not None)

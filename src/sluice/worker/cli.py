@@ -42,10 +42,14 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "structured_outputs_compile_timeout": (float, "seconds a structured-output constraint "
                                                   "may take to compile before its request "
                                                   "fails with a 400"),
+    "max_loras": (int, "LoRA adapters in one batch (with --enable-lora)"),
+    "max_lora_rank": (int, "largest LoRA rank accepted (with --enable-lora)"),
+    "max_cpu_loras": (int, "LoRA adapters kept loaded in host memory (>= --max-loras)"),
 }
 ENGINE_SWITCHES: dict[str, str] = {
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "enable_chunked_prefill": "split long prompts across steps beside running decodes",
+    "enable_lora": "serve LoRA adapters (--lora-modules, /v1/load_lora_adapter)",
 }
 
 
@@ -61,13 +65,14 @@ def engine_defaults() -> dict[str, Any]:
     """EngineConfig's own defaults, flat, for --help."""
     from sluice.engine.config import (
         CacheConfig,
+        LoRAConfig,
         ModelConfig,
         SchedulerConfig,
         StructuredOutputsConfig,
     )
 
     return {f.name: f.default for layer in (ModelConfig, CacheConfig, SchedulerConfig,
-                                            StructuredOutputsConfig)
+                                            StructuredOutputsConfig, LoRAConfig)
             for f in dataclasses.fields(layer)}
 
 
@@ -80,7 +85,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 NONE_MEANS: dict[str, str] = {"max_model_len": "the model's own", "kv_offload": "off",
-                              "kv_store": "off"}
+                              "kv_store": "off", "max_cpu_loras": "--max-loras"}
 
 
 def _default_text(dest: str, value: Any) -> str:
@@ -117,6 +122,9 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         "e.g. tcp://127.0.0.1:5557")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="(default: %(default)s)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) to serve under these model names; "
+                        "needs --enable-lora")
     add_observe_arguments(p)
     add_chat_arguments(p)
 
@@ -155,6 +163,7 @@ def engine_config(args: argparse.Namespace) -> Any:
 
 def worker_config(args: argparse.Namespace) -> Any:
     from sluice.worker.config import WorkerConfig
+    from sluice.worker.lora import parse_lora_modules
 
     return WorkerConfig(host=args.host, port=args.port,
                         served_model_names=tuple(args.served_model_name or ()),
@@ -164,7 +173,8 @@ def worker_config(args: argparse.Namespace) -> Any:
                         tool_call_parser=args.tool_call_parser,
                         chat_template=read_chat_template(args.chat_template),
                         tracing=tracing_config(args, "sluice-worker"),
-                        metrics_buckets=observe_buckets(args))
+                        metrics_buckets=observe_buckets(args),
+                        lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)))
 
 
 def read_chat_template(path: str | None) -> str | None:

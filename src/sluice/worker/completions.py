@@ -121,7 +121,7 @@ async def prepare_completion(state: WorkerState, req: CompletionRequest, request
     if any(not ids for ids in prompts):
         raise InvalidRequestError("prompt must not be empty", param="prompt")
     run = await Run.start(state, prompts, params, request_id, req.priority, param="prompt",
-                          resumed=resumed or ())
+                          resumed=resumed or (), lora=state.lora_for(req.model))
     return CompletionJob(req, run, f"cmpl-{request_id}", model, state, texts,
                          completion_tokens=len(resumed or ()))
 

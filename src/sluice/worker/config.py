@@ -34,6 +34,8 @@ class WorkerConfig:
     # OpenTelemetry export (off unless an endpoint is set) and histogram buckets.
     tracing: TracingConfig = field(default_factory=TracingConfig)
     metrics_buckets: LatencyBuckets = field(default_factory=LatencyBuckets)
+    # --lora-modules name=path: LoRA adapters registered at start (needs --enable-lora)
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -33,6 +33,7 @@ from sluice.protocol.errors import ContextLengthError, ServiceUnavailableError
 from sluice.worker.metrics import RequestTimer
 
 if TYPE_CHECKING:
+    from sluice.engine.lora import LoRARequest
     from sluice.worker.state import WorkerState
 
 
@@ -109,9 +110,10 @@ class Run(AbstractAsyncContextManager["Run"]):
     @classmethod
     async def start(cls, state: WorkerState, prompts: Sequence[list[int]],
                     params: SamplingParams, request_id: str, priority: int = 0,
-                    param: str = "prompt", resumed: Sequence[int] = ()) -> Run:
+                    param: str = "prompt", resumed: Sequence[int] = (),
+                    lora: LoRARequest | None = None) -> Run:
         """`resumed`: output ids a migrated request already generated (one prompt only):
-        the engine continues after them."""
+        the engine continues after them. `lora`: the adapter to run with."""
         engine = state.require_engine()
         for ids in prompts:
             check_context(len(ids), params.max_tokens, engine.max_model_len, param)
@@ -127,7 +129,7 @@ class Run(AbstractAsyncContextManager["Run"]):
             for i, ids in enumerate(prompts):
                 engine_id = f"{request_id}-{i}-{uuid.uuid4().hex[:8]}"
                 run.streams.append(Stream(engine.generate(ids, params, engine_id, priority,
-                                                          resumed)))
+                                                          resumed, lora_request=lora)))
             for stream in run.streams:
                 await stream.prime()
         except BaseException:

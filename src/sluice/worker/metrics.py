@@ -72,6 +72,13 @@ class EngineStatsCollector(Collector):
             yield counter
         if stats.kv_offload:
             yield from kv_offload_metrics(stats.kv_offload, label[0])
+        if stats.max_lora:  # vLLM's gauge for LoRA-aware routers; the value is a timestamp
+            info = GaugeMetricFamily(
+                "vllm:lora_requests_info", "Running stats on lora requests.",
+                labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            info.add_metric([stats.running_lora_adapters, stats.waiting_lora_adapters,
+                             str(stats.max_lora)], time.time())
+            yield info
 
 
 # (metric, kind, doc, key in the engine's per-medium stats)

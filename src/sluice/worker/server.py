@@ -92,7 +92,12 @@ async def _load_and_attach(app_state: WorkerState, engine_config: EngineConfig,
         loop.call_soon_threadsafe(_stop_on_death, server, say, exc)
 
     engine.on_death.append(on_death)
-    app_state.attach(engine)
+    try:
+        app_state.attach(engine)  # registers --lora-modules
+    except SluiceError as exc:
+        say(f"failed to start: {exc}")
+        server.should_exit = True
+        raise
     config = server.config
     say(f"model {engine.model_name} loaded in {time.perf_counter() - start:.1f}s "
         f"(max_model_len {engine.max_model_len})")

@@ -14,11 +14,13 @@ from sluice.observe.tracing import start_tracing
 from sluice.protocol.errors import NotFoundError, ServiceUnavailableError
 from sluice.worker.config import WorkerConfig
 from sluice.worker.generation import Admission
+from sluice.worker.lora import LoRARegistry
 from sluice.worker.metrics import WorkerMetrics
 from sluice.worker.tool_parsers import get_tool_parser
 
 if TYPE_CHECKING:
     from sluice.engine.async_engine import AsyncEngine
+    from sluice.engine.lora import LoRARequest
 
 
 class WorkerState:
@@ -33,6 +35,7 @@ class WorkerState:
                                      config.metrics_buckets)
         self.tracing = start_tracing(config.tracing)  # None: tracing off
         self.tool_parser = get_tool_parser(config.tool_call_parser)
+        self.loras = LoRARegistry(self)
         if engine is not None:
             self.attach(engine)
 
@@ -40,6 +43,8 @@ class WorkerState:
         if self.config.chat_template is not None:  # --chat-template replaces the model's
             engine.tokenizer.chat_template = self.config.chat_template
         self.engine = engine
+        for name, path in self.config.lora_modules:  # --lora-modules: a bad one stops start-up
+            self.loras.add(name, path)
 
     @property
     def ready(self) -> bool:
@@ -69,6 +74,10 @@ class WorkerState:
     def check_model(self, model: str | None) -> str:
         """The served name for `model` (None: the default); 404 for any other name."""
         self.require_engine()
-        if model is None or model in self.served_names:
+        if model is None or model in self.served_names or model in self.loras.adapters:
             return model or self.model_name
         raise NotFoundError(f"The model `{model}` does not exist.", param="model")
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model)."""
+        return self.loras.adapters.get(model) if model is not None else None

@@ -333,6 +333,88 @@ void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Ten
   }
 }
 
+// Multi-LoRA for decode rows (Punica's BGMV): row t adds its own slot's low-rank product,
+//   h = A[part, slot] @ x[t]   (rank values per part),   y[t, part] += h @ B[part][slot]
+// with A stacked [parts * slots * rank, K] (part-major) and B[part] [slots * rank, out].
+// The torch path multiplies every row by every slot's A and B and masks (max_loras times
+// the FLOPs); here each row touches only its own slot. Slot -1: a base row, untouched.
+template <typename T>
+static void lora_rows(const torch::Tensor& x, torch::Tensor& y, const torch::Tensor& a,
+                      const std::vector<torch::Tensor>& bs, const torch::Tensor& slots,
+                      int64_t rank, int64_t num_slots, const std::vector<int64_t>& offsets) {
+  const int64_t D = x.size(0), K = x.size(1), P = static_cast<int64_t>(bs.size());
+  const int64_t ldy = y.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  const T* ap = a.data_ptr<T>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  std::vector<const T*> bp(P);
+  std::vector<int64_t> outs(P);
+  int64_t max_out = 0;
+  for (int64_t i = 0; i < P; ++i) {
+    bp[i] = bs[i].data_ptr<T>();
+    outs[i] = bs[i].size(1);
+    max_out = std::max(max_out, outs[i]);
+  }
+  at::parallel_for(0, D, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(P * rank), acc(max_out), xf(K);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t s = sp[t];
+      if (s < 0) continue;
+      const T* xr = xp + t * K;
+      for (int64_t k = 0; k < K; ++k) xf[k] = static_cast<float>(xr[k]);
+      for (int64_t i = 0; i < P; ++i) {
+        for (int64_t j = 0; j < rank; ++j) {
+          const T* ar = ap + ((i * num_slots + s) * rank + j) * K;
+          float sum = 0.f;
+          for (int64_t k = 0; k < K; ++k) sum += xf[k] * static_cast<float>(ar[k]);
+          h[i * rank + j] = sum;
+        }
+      }
+      for (int64_t i = 0; i < P; ++i) {
+        const int64_t n = outs[i];
+        std::fill(acc.begin(), acc.begin() + n, 0.f);
+        const T* b = bp[i] + s * rank * n;
+        for (int64_t j = 0; j < rank; ++j) {
+          const float hj = h[i * rank + j];
+          if (hj == 0.f) continue;  // a zero-padded rank (or a part the adapter skips)
+          const T* br = b + j * n;
+          for (int64_t o = 0; o < n; ++o) acc[o] += hj * static_cast<float>(br[o]);
+        }
+        T* yr = yp + t * ldy + offsets[i];
+        for (int64_t o = 0; o < n; ++o) yr[o] = static_cast<T>(static_cast<float>(yr[o]) + acc[o]);
+      }
+    }
+  });
+}
+
+void lora_bgmv(torch::Tensor x, torch::Tensor y, torch::Tensor a, std::vector<torch::Tensor> bs,
+               torch::Tensor slots, int64_t rank, int64_t num_slots, std::vector<int64_t> offsets) {
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && a.dim() == 2 && slots.dim() == 1,
+              "lora_bgmv: x [D, K], y [D, out], a [parts * slots * rank, K], slots [D]");
+  TORCH_CHECK(supported(x) && y.scalar_type() == x.scalar_type() &&
+                  a.scalar_type() == x.scalar_type(),
+              "lora_bgmv: float32 or bfloat16, one dtype");
+  TORCH_CHECK(x.is_contiguous() && a.is_contiguous() && y.stride(1) == 1,
+              "lora_bgmv: contiguous x and a, rows of y contiguous");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.size(0) == x.size(0) &&
+                  y.size(0) >= x.size(0) && bs.size() == offsets.size() &&
+                  a.size(0) == static_cast<int64_t>(bs.size()) * num_slots * rank &&
+                  a.size(1) == x.size(1),
+              "lora_bgmv: shapes do not match");
+  for (size_t i = 0; i < bs.size(); ++i) {
+    TORCH_CHECK(bs[i].scalar_type() == x.scalar_type() && bs[i].is_contiguous() &&
+                    bs[i].dim() == 2 && bs[i].size(0) == num_slots * rank &&
+                    offsets[i] >= 0 && offsets[i] + bs[i].size(1) <= y.size(1),
+                "lora_bgmv: b[part] [slots * rank, out] within y");
+  }
+  if (x.scalar_type() == torch::kFloat) {
+    lora_rows<float>(x, y, a, bs, slots, rank, num_slots, offsets);
+  } else {
+    lora_rows<c10::BFloat16>(x, y, a, bs, slots, rank, num_slots, offsets);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "logits[r, t] = fill where bit t of bitmask[r] is 0, rows given (float32, CPU)");
@@ -343,4 +425,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] (CPU)");
   m.def("small_rows_linear", &small_rows_linear, "x @ weight.T + bias for 1-4 rows (float32, CPU)",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("lora_bgmv", &lora_bgmv,
+        "y[t] += B[slot[t]] @ (A[slot[t]] @ x[t]) per part, in place (multi-LoRA decode, CPU)");
 }

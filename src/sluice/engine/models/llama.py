@@ -157,9 +157,14 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.matmul: LinearKernel = F.linear
+        # adds the step's LoRA deltas to the output in place (sluice.engine.lora), or None
+        self.lora: Callable[[Tensor, Tensor], None] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.matmul(x, self.weight, self.bias)
+        y = self.matmul(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora(x, y)
+        return y
 
 
 class Embedding(nn.Module):
