@@ -31,6 +31,7 @@ from sluice.engine.kv_offload import (
 from sluice.engine.llm_engine import LLMEngine
 from sluice.engine.outputs import RequestOutput
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.sequence import Sequence
 from sluice.protocol.errors import InvalidRequestError
 
 from .fakes import VOCAB, PagedFakeRunner, reference_greedy
@@ -293,3 +294,17 @@ def test_a_request_waits_for_its_disk_blocks_while_others_run(tmp_path: Path) ->
     assert finished["slow"].outputs[0].token_ids == reference_greedy(prompt, 6)
     assert engine.stats().kv_offload["DISK"]["hits"] == 9
     engine.core.close()
+
+
+def test_a_tier_never_serves_one_adapters_kv_to_another_or_to_the_base() -> None:
+    engine = make_engine(16, kv_offload="host=1MiB")
+    for s, prompt in enumerate(sessions()):  # the first session's blocks go down a tier
+        run(engine, f"s{s}", prompt)
+    bm, first = engine.core.block_manager, sessions()[0]
+
+    def seq(salt: bytes) -> Sequence:
+        return Sequence(99, "probe", 0, list(first), len(first), SamplingParams(), 8,
+                        cache_salt=salt)
+
+    assert bm.lookup(seq(b"\x01" * 16)) == []  # same tokens, an adapter's key: a miss
+    assert len(bm.lookup(seq(b""))) == 9  # the base's chain comes back from the host tier
