@@ -6,7 +6,9 @@
     ttft(worker) = overhead(worker)
                  + seconds_per_token(worker) × (work_units(worker, uncached) + 32)
 
-where `uncached = prompt tokens - cached prefix blocks × block_size` (precise KV-event
+where `uncached = prompt tokens - cached prefix blocks × block_size` (a block the worker
+can load from a lower KV tier or the shared store counts as cached, and its load as
+`LOAD_COST_RATIO` of its prefill: `prefix_index.TieredKVIndex`; precise KV-event
 index when the worker publishes events, else the approximate dispatch index; both hold a
 *predicted* entry from the moment a prompt is dispatched, so a prefix still being
 prefilled counts as cached there, behind that prefill in the queue) and `work_units` adds
@@ -36,9 +38,10 @@ from sluice.router.policies.base import (
     Choice,
     RequestMeta,
     RoutingPolicy,
-    cached,
+    effective_cached,
     footprint,
     pick_min,
+    reachable,
 )
 
 
@@ -46,17 +49,22 @@ def uncached_tokens(request: RequestMeta, blocks: int) -> int:
     return max(0, request.num_prompt_tokens - blocks * request.block_size)
 
 
+def prefill_tokens(request: RequestMeta, e: EndpointStats) -> float:
+    """Prompt tokens worker `e` must prefill, a tier or store load priced as a fraction."""
+    return max(0.0, request.num_prompt_tokens - effective_cached(e, True) * request.block_size)
+
+
 def estimate_seconds(request: RequestMeta, e: EndpointStats,
                      decode_equiv_tokens: float = DECODE_EQUIV_TOKENS) -> float:
     """Estimated seconds until this request's first token on worker `e`."""
-    units = work_units(e, uncached_tokens(request, cached(e, True)), decode_equiv_tokens)
+    units = work_units(e, prefill_tokens(request, e), decode_equiv_tokens)
     return e.overhead_s + e.seconds_per_token * (units + BASE_UNITS)
 
 
 def cost_seconds(request: RequestMeta, e: EndpointStats,
                  decode_equiv_tokens: float = DECODE_EQUIV_TOKENS) -> float:
     """Its TTFT on `e` plus the prefill time it adds ahead of the next request there."""
-    own = uncached_tokens(request, cached(e, True))
+    own = prefill_tokens(request, e)
     return estimate_seconds(request, e, decode_equiv_tokens) + e.seconds_per_token * own
 
 
@@ -73,4 +81,4 @@ class CostModel(RoutingPolicy):
         chosen, best = pick_min(
             endpoints, lambda e: cost_seconds(request, e, self.decode_equiv_tokens), self.rng,
             then=footprint)
-        return Choice(chosen.url, cached(chosen, True), best)
+        return Choice(chosen.url, reachable(chosen, True), best)

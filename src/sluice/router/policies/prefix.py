@@ -5,7 +5,9 @@ imbalanced (max load - min load > `balance_abs` and max > `balance_rel` × min),
 nothing matches, in which case the least-loaded worker takes it, so cold misses spread.
 
 `kv` follows llm-d's precise scorer: a weighted sum of scorers, each in [0, 1]:
-prefix hit fraction (weight 2), free KV cache (1), short queue (1).
+prefix hit fraction (weight 2), free KV cache (1), short queue (1). A block the worker can
+load from a lower KV tier or the shared store counts in the hit fraction less its load
+cost (`prefix_index.LOAD_COST_RATIO`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from sluice.router.policies.base import (
     RequestMeta,
     RoutingPolicy,
     cached,
+    effective_cached,
     footprint,
     pick_min,
+    reachable,
 )
 from sluice.router.policies.simple import load_key
 
@@ -69,10 +73,10 @@ class KVAware(RoutingPolicy):
         def negated_score(pair: tuple[EndpointStats, float]) -> float:
             e, q = pair
             queue_score = 1.0 if hi == lo else (hi - q) / (hi - lo)
-            return -(wp * cached(e, True) / total_blocks + wk * (1.0 - e.kv_usage)
+            return -(wp * effective_cached(e, True) / total_blocks + wk * (1.0 - e.kv_usage)
                      + wq * queue_score)
 
         pairs = list(zip(endpoints, queues, strict=True))
         by_url = {e.url: (e, q) for e, q in pairs}
         chosen, best = pick_min(endpoints, lambda e: negated_score(by_url[e.url]), self.rng)
-        return Choice(chosen.url, cached(chosen, True), -best)
+        return Choice(chosen.url, reachable(chosen, True), -best)
