@@ -118,6 +118,8 @@ def clear_store(url: str) -> None:
 def run(config: str, args: argparse.Namespace, model_path: str,
         reqs: list[tuple[float, list[int], int]]) -> dict[str, Any]:
     worker_args = ["--model", model_path, "--max-model-len", "4096"]
+    if args.pool_blocks:  # SmolLM2-135M fp32: 737,280 bytes a 16-token block
+        worker_args += ["--kv-cache-memory-bytes", str(args.pool_blocks * 737_280)]
     if config == "store":
         clear_store(args.store)
         worker_args += ["--kv-store", args.store]
@@ -150,6 +152,8 @@ def main() -> int:
     ap.add_argument("--store", default="redis://127.0.0.1:6379/7")
     ap.add_argument("--configs", nargs="+", default=["none", "store"])
     ap.add_argument("--model", default=None)
+    ap.add_argument("--pool-blocks", type=int, default=0,
+                    help="each worker's KV pool in blocks (default: the engine's)")
     args = ap.parse_args()
 
     from sluice.engine.tokenizer import resolve_model
