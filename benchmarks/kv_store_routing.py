@@ -126,7 +126,16 @@ def run(config: str, args: argparse.Namespace, model_path: str,
     env = {"OMP_NUM_THREADS": "1"}
     with LocalWorkerPool(2, worker_args, kv_events=True, env=env, startup_timeout_s=300) as workers:
         model = httpx.get(workers.urls[0] + "/v1/models").json()["data"][0]["id"]
-        proc, url = start_router(workers, "cost", model_path)
+        saved = os.environ.get("PYTHONPATH")
+        if args.router_pythonpath:  # A/B: another checkout's router, these workers
+            os.environ["PYTHONPATH"] = args.router_pythonpath
+        try:
+            proc, url = start_router(workers, "cost", model_path)
+        finally:
+            if saved is None:
+                os.environ.pop("PYTHONPATH", None)
+            else:
+                os.environ["PYTHONPATH"] = saved
         try:
             before = worker_counters(workers.urls)
             res = asyncio.run(replay(url, model, reqs))
@@ -152,6 +161,8 @@ def main() -> int:
     ap.add_argument("--store", default="redis://127.0.0.1:6379/7")
     ap.add_argument("--configs", nargs="+", default=["none", "store"])
     ap.add_argument("--model", default=None)
+    ap.add_argument("--router-pythonpath", default=None,
+                    help="PYTHONPATH for the router process only (A/B of router versions)")
     ap.add_argument("--pool-blocks", type=int, default=0,
                     help="each worker's KV pool in blocks (default: the engine's)")
     args = ap.parse_args()
