@@ -148,6 +148,11 @@ class EndpointStats:
     cached_blocks: int = 0  # approximate index (dispatch records)
     kv_cached_blocks: int | None = None  # precise index; None: the worker publishes no events
     cache_footprint: int = 0  # blocks the router has placed there (approximate index)
+    # precise index, KV offload: leading blocks after `kv_cached_blocks` the worker can
+    # load from its own lower tiers or the shared store, and their load cost in
+    # prefill-equivalent blocks (`prefix_index.LOAD_COST_RATIO`)
+    kv_tier_blocks: int = 0
+    kv_tier_cost: float = 0.0
 
     @property
     def load(self) -> float:
@@ -247,7 +252,8 @@ class Endpoint:
 
     def stats(self, cached_blocks: int = 0, kv_cached_blocks: int | None = None,
               cache_footprint: int = 0,
-              line: tuple[float, float] | None = None) -> EndpointStats:
+              line: tuple[float, float] | None = None,
+              kv_tier: tuple[int, float] = (0, 0.0)) -> EndpointStats:
         """`line`: the pool's (overhead, slope), when the caller has it for every worker."""
         overhead, slope = line if line is not None else self.fit.line()
         speed = self.speed if self.speed_samples else 1.0  # (no call for an unused worker)
@@ -268,6 +274,8 @@ class Endpoint:
             cached_blocks,
             kv_cached_blocks,
             cache_footprint,
+            kv_tier[0],  # kv_tier_blocks
+            kv_tier[1],  # kv_tier_cost
         )
 
     # --- request accounting -------------------------------------------------------------

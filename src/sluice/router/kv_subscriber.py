@@ -3,9 +3,12 @@
 One task per publishing worker: a SUB socket connected to its endpoint, every message
 `[topic, seq (8 bytes big-endian), msgpack EventBatch]` applied in order:
 
-    BlockStored      -> index.store(worker, hashes)      (confirms predicted entries)
-    BlockRemoved     -> index.remove(worker, hashes)
-    AllBlocksCleared -> index.clear(worker)
+    BlockStored      -> index.store(worker, hashes, medium)   (confirms predicted entries)
+    BlockRemoved     -> index.remove(worker, hashes, medium)
+    AllBlocksCleared -> index.clear(worker, tiers=False)     (its pool; tiers stay)
+
+The `medium` (`GPU`/None: the pool; `CPU`, `DISK`: the worker's offload tiers; `REDIS`:
+the shared store) picks the part of the index (`prefix_index.TieredKVIndex`).
 
 A sequence number going backwards means the publisher restarted: the worker's entries
 are cleared. A gap (PUB drops under pressure) is counted; the index self-heals as later
@@ -29,7 +32,7 @@ from sluice.protocol.kv_events import (
     KVEvent,
     decode_batch,
 )
-from sluice.router.prefix_index import BlockIndex
+from sluice.router.prefix_index import TieredKVIndex
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +40,7 @@ log = logging.getLogger(__name__)
 class KVEventSubscriber:
     """Applies one worker's KV events to `index`. `on_event(type_name)` counts them."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, url: str, endpoint: str, index: BlockIndex,
+    def __init__(self, ctx: zmq.asyncio.Context, url: str, endpoint: str, index: TieredKVIndex,
                  on_event: Callable[[str], None] | None = None) -> None:
         self.url = url
         self.endpoint = endpoint
@@ -89,12 +92,12 @@ class KVEventSubscriber:
             self.on_event(type(ev).__name__)
 
 
-def apply_event(index: BlockIndex, url: str, ev: KVEvent) -> None:
+def apply_event(index: TieredKVIndex, url: str, ev: KVEvent) -> None:
     """What one KV event from worker `url` does to the precise index (the simulator,
     which has no sockets, calls this too)."""
     if isinstance(ev, BlockStored):
-        index.store(url, ev.block_hashes)
+        index.store(url, ev.block_hashes, medium=ev.medium)
     elif isinstance(ev, BlockRemoved):
-        index.remove(url, ev.block_hashes)
+        index.remove(url, ev.block_hashes, medium=ev.medium)
     elif isinstance(ev, AllBlocksCleared):
-        index.clear(url)
+        index.clear(url, tiers=False)

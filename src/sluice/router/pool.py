@@ -23,7 +23,7 @@ from sluice.router.config import BASELINE, LONG, SHORT, PoolConfig, WorkerSpec
 from sluice.router.endpoints import Endpoint, EndpointStats, Ticket, TTFTFit, work_units
 from sluice.router.policies import Choice, RequestMeta, RoutingPolicy, make_policy
 from sluice.router.policies.cost import uncached_tokens
-from sluice.router.prefix_index import BlockIndex
+from sluice.router.prefix_index import BlockIndex, TieredKVIndex
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Pool:
         self.clock = clock
         self.fit = TTFTFit()  # TTFT against work, learned from all of the pool's workers
         self.approx = BlockIndex(max_blocks, clock)
-        self.precise = BlockIndex(max_blocks, clock)
+        self.precise = TieredKVIndex(max_blocks, clock)
         self.predicted_ttl_s = predicted_ttl_s
         self.endpoints: dict[str, Endpoint] = {}
         self.on_finish: Callable[[], None] | None = None  # the admission queue's wake-up
@@ -140,11 +140,19 @@ class Pool:
             return [e.stats(0, None, 0, line) for e in endpoints]
         urls = [e.spec.url for e in endpoints]
         approx = self.approx.match(request.block_hashes, urls)
-        precise = self.precise.match(request.block_hashes, [e.spec.url for e in endpoints
-                                                            if e.spec.kv_events])
+        precise = self.precise.match_tiers(request.block_hashes, [e.spec.url for e in endpoints
+                                                                  if e.spec.kv_events])
         footprints = self.approx.footprints
-        return [e.stats(approx[u], precise.get(u), footprints.get(u, 0), line)
-                for e, u in zip(endpoints, urls, strict=True)]
+        out = []
+        for e, u in zip(endpoints, urls, strict=True):
+            hit = precise.get(u)
+            if hit is None:
+                out.append(e.stats(approx[u], None, footprints.get(u, 0), line))
+            else:
+                device, total, load = hit
+                out.append(e.stats(approx[u], device, footprints.get(u, 0), line,
+                                   (total - device, load)))
+        return out
 
     def dispatch(self, request: RequestMeta, decision: Decision) -> Ticket:
         """Count the request in flight on the chosen worker and predict its cached blocks."""

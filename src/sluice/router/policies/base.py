@@ -102,3 +102,19 @@ def cached_all(endpoints: Sequence[EndpointStats], precise: bool) -> list[int]:
         return [e.cached_blocks for e in endpoints]
     return [e.cached_blocks if e.kv_cached_blocks is None else e.kv_cached_blocks
             for e in endpoints]
+
+
+def reachable(e: EndpointStats, precise: bool) -> int:
+    """`cached`, plus (precise) the blocks after them that `e` can load from its own
+    lower KV tiers or the shared store: the prefix it will not recompute."""
+    if precise and e.kv_cached_blocks is not None:
+        return e.kv_cached_blocks + e.kv_tier_blocks
+    return e.cached_blocks
+
+
+def effective_cached(e: EndpointStats, precise: bool) -> float:
+    """`reachable` less the loads' cost in prefill-equivalent blocks: a block in a
+    lower tier or the store counts as cached-but-cheaper-than-none."""
+    if precise and e.kv_cached_blocks is not None:
+        return e.kv_cached_blocks + e.kv_tier_blocks - e.kv_tier_cost
+    return float(e.cached_blocks)

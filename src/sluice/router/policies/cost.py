@@ -6,7 +6,9 @@
     ttft(worker) = overhead(worker)
                  + seconds_per_token(worker) × (work_units(worker, uncached) + 32)
 
-where `uncached = prompt tokens - cached prefix blocks × block_size` (precise KV-event
+where `uncached = prompt tokens - cached prefix blocks × block_size` (a block the worker
+can load from a lower KV tier or the shared store counts as cached, and its load as
+`LOAD_COST_RATIO` of its prefill: `prefix_index.TieredKVIndex`; precise KV-event
 index when the worker publishes events, else the approximate dispatch index; both hold a
 *predicted* entry from the moment a prompt is dispatched, so a prefix still being
 prefilled counts as cached there, behind that prefill in the queue) and `work_units` adds
@@ -36,9 +38,10 @@ from sluice.router.policies.base import (
     Choice,
     RequestMeta,
     RoutingPolicy,
-    cached,
+    effective_cached,
     footprint,
     pick_min_scored,
+    reachable,
 )
 
 
@@ -46,10 +49,15 @@ def uncached_tokens(request: RequestMeta, blocks: int) -> int:
     return max(0, request.num_prompt_tokens - blocks * request.block_size)
 
 
+def prefill_tokens(request: RequestMeta, e: EndpointStats) -> float:
+    """Prompt tokens worker `e` must prefill, a tier or store load priced as a fraction."""
+    return max(0.0, request.num_prompt_tokens - effective_cached(e, True) * request.block_size)
+
+
 def estimate_seconds(request: RequestMeta, e: EndpointStats,
                      decode_equiv_tokens: float = DECODE_EQUIV_TOKENS) -> float:
     """Estimated seconds until this request's first token on worker `e`."""
-    units = work_units(e, uncached_tokens(request, cached(e, True)), decode_equiv_tokens)
+    units = work_units(e, prefill_tokens(request, e), decode_equiv_tokens)
     return e.overhead_s + e.seconds_per_token * (units + BASE_UNITS)
 
 
@@ -62,13 +70,14 @@ def cost_seconds(request: RequestMeta, e: EndpointStats,
 def costs(request: RequestMeta, endpoints: Sequence[EndpointStats],
           decode_equiv_tokens: float = DECODE_EQUIV_TOKENS) -> list[float]:
     """`cost_seconds` of each of `endpoints`, in one loop: `estimate_seconds` (with
-    `cached`, `uncached_tokens` and `work_units`) spelled out, the same operations in the
+    `effective_cached`, `prefill_tokens` and `work_units`) spelled out, the same operations in the
     same order (the same floats), without five calls per worker per decision."""
     n, bs, base = request.num_prompt_tokens, request.block_size, BASE_UNITS
     out = []
     for e in endpoints:
         kv = e.kv_cached_blocks
-        own = max(0, n - (e.cached_blocks if kv is None else kv) * bs)
+        blocks = e.cached_blocks if kv is None else kv + e.kv_tier_blocks - e.kv_tier_cost
+        own = max(0.0, n - blocks * bs)
         units = (own + e.queued_prefill_tokens + e.external_waiting * e.mean_prompt_tokens
                  + e.running * decode_equiv_tokens)
         spt = e.seconds_per_token
@@ -89,4 +98,4 @@ class CostModel(RoutingPolicy):
         chosen, best = pick_min_scored(
             endpoints, costs(request, endpoints, self.decode_equiv_tokens), self.rng,
             then=footprint)
-        return Choice(chosen.url, cached(chosen, True), best)
+        return Choice(chosen.url, reachable(chosen, True), best)

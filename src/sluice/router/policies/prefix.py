@@ -5,7 +5,9 @@ imbalanced (max load - min load > `balance_abs` and max > `balance_rel` × min),
 nothing matches, in which case the least-loaded worker takes it, so cold misses spread.
 
 `kv` follows llm-d's precise scorer: a weighted sum of scorers, each in [0, 1]:
-prefix hit fraction (weight 2), free KV cache (1), short queue (1).
+prefix hit fraction (weight 2), free KV cache (1), short queue (1). A block the worker can
+load from a lower KV tier or the shared store counts in the hit fraction less its load
+cost (`prefix_index.LOAD_COST_RATIO`).
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from sluice.router.policies.base import (
     RoutingPolicy,
     cached,
     cached_all,
+    effective_cached,
     footprint,
     pick_min_scored,
+    reachable,
 )
 from sluice.router.policies.simple import load_keys
 
@@ -68,7 +72,7 @@ class KVAware(RoutingPolicy):
         queues = [e.waiting + e.inflight_tokens * 1e-9 for e in endpoints]
         lo, hi = min(queues), max(queues)
         wp, wk, wq = self.weights
-        blocks = cached_all(endpoints, True)
+        blocks = [effective_cached(e, True) for e in endpoints]
         # Negated: pick_min wants the best lowest. queue score: 1 if all queues are equal,
         # else (hi - q) / (hi - lo).
         if hi == lo:
@@ -79,4 +83,4 @@ class KVAware(RoutingPolicy):
             scores = [-(wp * b / total_blocks + wk * (1.0 - e.kv_usage) + wq * ((hi - q) / span))
                       for e, b, q in zip(endpoints, blocks, queues, strict=True)]
         chosen, best = pick_min_scored(endpoints, scores, self.rng)
-        return Choice(chosen.url, cached(chosen, True), -best)
+        return Choice(chosen.url, reachable(chosen, True), -best)
