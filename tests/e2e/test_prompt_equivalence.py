@@ -116,6 +116,9 @@ class _FakeState:
     def check_model(self, model: str | None) -> str:
         return model or M
 
+    def lora_for(self, model: str | None) -> None:  # the base model: no adapter
+        return None
+
     def require_engine(self) -> Any:
         return self.engine
 
