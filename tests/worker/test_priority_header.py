@@ -19,9 +19,9 @@ def seen_priorities(engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     generate = engine.generate
 
     def recording(prompt: Any, params: Any, request_id: str, priority: int = 0,
-                  *rest: Any) -> AsyncIterator[Any]:
+                  *rest: Any, **options: Any) -> AsyncIterator[Any]:
         seen.append(priority)
-        return generate(prompt, params, request_id, priority, *rest)
+        return generate(prompt, params, request_id, priority, *rest, **options)
 
     monkeypatch.setattr(engine, "generate", recording)
     return seen
