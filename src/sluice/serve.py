@@ -33,6 +33,7 @@ import sys
 from typing import Any
 
 from sluice import env
+from sluice.control.flags import add_scaling_arguments, scaling_options
 from sluice.observe.cli import buckets as observe_buckets
 from sluice.observe.cli import observe_flags, tracing_config
 from sluice.protocol.errors import InvalidRequestError
@@ -82,21 +83,13 @@ def add_control_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     g.add_argument("--worker-url", action="append", default=[], metavar="URL",
                    help="--backend external: a worker (or a Service in front of them)")
-    g.add_argument("--min-workers", type=int, default=None,
-                   help="autoscale: fewest workers; 0 scales to zero when idle")
-    g.add_argument("--max-workers", type=int, default=None, help="autoscale: most workers")
+    add_scaling_arguments(g, "autoscale: fewest workers; 0 scales to zero when idle")
     g.add_argument("--slo", default="ttft=2s,itl=200ms",
                    help="targets of the slo planner policy: p90 TTFT and mean ITL "
                         "(default: %(default)s)")
     g.add_argument("--planner-policy", default="slo", choices=["slo", "queue", "kv"],
                    help="slo: fewest workers predicted to meet --slo; queue: requests per "
                         "worker; kv: KV-cache usage (default: %(default)s)")
-    g.add_argument("--scale-up-delay", type=float, default=5.0,
-                   help="seconds a larger count must be wanted before scaling up "
-                        "(default: %(default)s)")
-    g.add_argument("--scale-down-delay", type=float, default=60.0,
-                   help="seconds a smaller count must be wanted before scaling down "
-                        "(default: %(default)s)")
     g.add_argument("--lookahead", type=float, default=30.0,
                    help="slo policy: also meet the SLO for the demand forecast this many "
                         "seconds ahead, about a new worker's start time; 0: today's only "
@@ -230,9 +223,8 @@ def planner_config(args: argparse.Namespace) -> Any:
 
     lo, hi = worker_bounds(args)
     return PlannerConfig(policy=args.planner_policy, min_replicas=lo, max_replicas=hi,
-                         slo=SLO.parse(args.slo), scale_up_delay_s=args.scale_up_delay,
-                         scale_down_delay_s=args.scale_down_delay,
-                         lookahead_s=args.lookahead,
+                         slo=SLO.parse(args.slo), lookahead_s=args.lookahead,
+                         **scaling_options(args),
                          scale_to_zero_after_s=args.scale_to_zero_after if lo == 0 else None)
 
 
