@@ -272,6 +272,29 @@ def table(title: str, rows: dict[str, Any]) -> None:
               f"  {r['pd_paths']}")
 
 
+def plot(results: dict[str, Any], path: str, tpot_slo: float) -> None:
+    """TPOT p99 and goodput per configuration, one panel per part (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = [p for p in ("mixed", "trace") if p in results]
+    fig, axes = plt.subplots(1, 2 * len(parts), figsize=(4.2 * 2 * len(parts), 3.4))
+    for i, part in enumerate(parts):
+        rows = {k: v for k, v in results[part].items() if isinstance(v, dict)}
+        names = list(rows)
+        ax = axes[2 * i]
+        ax.bar(names, [rows[n]["tpot_p99_s"] * 1e3 for n in names], color="#4c72b0")
+        ax.axhline(tpot_slo * 1e3, color="grey", linestyle="--", linewidth=1)
+        ax.set_title(f"{part}: decode TPOT p99 (ms)")
+        ax = axes[2 * i + 1]
+        ax.bar(names, [rows[n]["goodput_rps"] for n in names], color="#55a868")
+        ax.set_title(f"{part}: goodput (req/s in SLO)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", nargs="+", default=["mixed", "trace"], choices=["mixed", "trace"])
@@ -279,9 +302,10 @@ def main() -> int:
     ap.add_argument("--worker-arg", action="append", default=[],
                     help="more `sluice worker` flags (repeat), e.g. the KV connector's")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tpot-slo", type=float, default=0.1, help="seconds per output token")
-    ap.add_argument("--ttft-slo", type=float, default=3.0, help="trace part: seconds")
-    ap.add_argument("--pd-threshold", type=int, default=512,
+    ap.add_argument("--tpot-slo", type=float, default=0.05, help="seconds per output token")
+    ap.add_argument("--ttft-slo", type=float, default=1.0, help="trace part: seconds")
+    ap.add_argument("--plot", default=None, metavar="PNG", help="also draw the results here")
+    ap.add_argument("--pd-threshold", type=int, default=256,
                     help="--pd-min-uncached-tokens of the disaggregated router")
     g = ap.add_argument_group("mixed")
     g.add_argument("--seconds", type=float, default=60.0)
@@ -294,9 +318,9 @@ def main() -> int:
     g = ap.add_argument_group("trace")
     g.add_argument("--trace", default="/work/shared/traces/mooncake_synthetic_trace.jsonl")
     g.add_argument("--rows", type=int, default=4000)
-    g.add_argument("--every", type=int, default=20)
-    g.add_argument("--trace-blocks", type=int, default=64)
-    g.add_argument("--time-scale", type=float, default=0.15)
+    g.add_argument("--every", type=int, default=15)
+    g.add_argument("--trace-blocks", type=int, default=32)
+    g.add_argument("--time-scale", type=float, default=0.1)
     g.add_argument("--output-token-scale", type=float, default=0.05)
     args = ap.parse_args()
 
@@ -315,6 +339,8 @@ def main() -> int:
               f"{results['trace']['mean_prompt_tokens']:.0f} prompt tokens on average; "
               f"goodput: TTFT <= {args.ttft_slo:g} s and TPOT <= {args.tpot_slo:g} s",
               results["trace"])
+    if args.plot:
+        plot(results, args.plot, args.tpot_slo)
     print(json.dumps({"benchmark": "pd", "cpu": cpu_name(), "cores": os.cpu_count(),
                       "args": {k: v for k, v in vars(args).items()}, "results": results}))
     return 0

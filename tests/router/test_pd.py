@@ -315,3 +315,19 @@ async def test_the_controller_switches_a_decode_worker_when_prefill_queues() -> 
         # new workers keep the new ratio (2:1): the 4th a prefill worker, the 5th decode
         assert pd.prefill_share == pytest.approx(2 / 3)
         assert [pd.next_role(), pd.next_role()] == ["prefill", "decode"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workers", "3", "--pd", "1:3"], "needs 4 workers"),
+    (["--workers", "2", "--pd", "0:2"], "P, D >= 1"),
+    (["--workers", "2", "--pd", "one:one"], "P:D"),
+])
+def test_serve_pd_flags(argv: list[str], message: str,
+                        capsys: pytest.CaptureFixture[str]) -> None:
+    from sluice.cli import build_parser, main
+    from sluice.serve import pd_ratio, uses_router
+
+    args = build_parser(["serve"]).parse_args(["serve", "--workers", "4", "--pd", "1:3"])
+    assert pd_ratio(args) == (1, 3) and uses_router(args)
+    assert main(["serve", "--no-gateway", *argv]) == 2
+    assert message in capsys.readouterr().err
