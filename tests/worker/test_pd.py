@@ -7,6 +7,7 @@ bad params are 400s naming the field; /v1/pd_role switches roles with epoch fenc
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import httpx
 import pytest
 
 from .test_kv_offload_worker import start, stop
+from .worker_helpers import wait_until
 
 PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
            "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -71,6 +73,14 @@ def streamed_text(url: str, body: dict[str, Any]) -> str:
             if line.startswith("data: ") and line != "data: [DONE]":
                 parts += [c["text"] for c in json.loads(line[6:])["choices"]]
     return "".join(parts)
+
+
+def listening(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 def metric(url: str, name: str, **labels: str) -> float:
@@ -128,7 +138,7 @@ def test_chat_and_streamed_decode_match(workers: dict[str, str]) -> None:
 def test_failed_pulls_recompute_or_fail(workers: dict[str, str], tiny_llama_dir: Path
                                         ) -> None:
     p, d, strict = workers["prefill"], workers["decode"], workers["strict"]
-    text = TEXTS[3] + " Finally"
+    text = "Bees build hexagonal cells of wax to store honey and raise brood. " * 5
     body = {"model": "tiny", "prompt": text, "max_tokens": 10, "temperature": 0,
             "ignore_eos": True}
     alone = completion(p, text).json()["choices"][0]["text"]
@@ -150,6 +160,8 @@ def test_failed_pulls_recompute_or_fail(workers: dict[str, str], tiny_llama_dir:
     finally:
         proc.kill()
         proc.wait()
+    # its engine core process (which serves the KV) leaves within a second of its parent
+    assert wait_until(lambda: not listening(params["remote_host"], params["remote_port"]), 10)
     for target, status in ((d, 200), (strict, 503), (d, 200)):
         resp = httpx.post(target + "/v1/completions",
                           json={**body, "kv_transfer_params": params}, timeout=60)

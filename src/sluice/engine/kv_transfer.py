@@ -66,7 +66,7 @@ from sluice.engine.kv_offload import (
     PoolAccess,
     StoredBlock,
     decode_block,
-    encode_block,
+    encode_block_parts,
     pool_namespace,
 )
 from sluice.protocol.block_hash import hash_block
@@ -335,7 +335,7 @@ MAX_HEADER = 1 << 24
 
 
 def send_message(sock: socket.socket, header: dict[str, Any],
-                 payload: Sequence[bytes] = ()) -> None:
+                 payload: Sequence[bytes | memoryview] = ()) -> None:
     head = msgpack.packb(header, use_bin_type=True)
     sock.sendall(_FRAME.pack(len(head), sum(len(p) for p in payload)) + head)
     for part in payload:
@@ -386,7 +386,8 @@ class TransferServer(socketserver.ThreadingTCPServer):
     def port(self) -> int:
         return int(self.server_address[1])
 
-    def answer(self, header: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
+    def answer(self, header: dict[str, Any]
+               ) -> tuple[dict[str, Any], list[bytes | memoryview]]:
         op = header.get("op")
         if op == "done":
             return {"ok": self.connector.leases.finish(str(header.get("request_id")))}, []
@@ -394,7 +395,8 @@ class TransferServer(socketserver.ThreadingTCPServer):
             return {"ok": False, "reason": "protocol", "message": f"unknown op {op!r}"}, []
         return self._pull(header)
 
-    def _pull(self, header: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
+    def _pull(self, header: dict[str, Any]
+              ) -> tuple[dict[str, Any], list[bytes | memoryview]]:
         c = self.connector
         ours = c.identity.as_dict()
         try:
@@ -412,13 +414,14 @@ class TransferServer(socketserver.ThreadingTCPServer):
         try:
             kv = c.read(block_ids) if block_ids else None
             ns = c.identity.namespace
-            blobs = [encode_block(ns, h, StoredBlock(tokens, kv[i]))  # type: ignore[index]
+            blobs = [encode_block_parts(ns, h, StoredBlock(tokens, kv[i]))  # type: ignore[index]
                      for i, (h, tokens) in enumerate(chain)]
         finally:
             c.leases.unpin(request_id)
-        c.stats.add(bytes_sent=sum(len(b) for b in blobs), blocks_sent=len(blobs))
+        sizes = [sum(len(part) for part in parts) for parts in blobs]
+        c.stats.add(bytes_sent=sum(sizes), blocks_sent=len(blobs))
         return {"ok": True, "identity": ours, "hashes": [h for h, _ in chain],
-                "sizes": [len(b) for b in blobs]}, blobs
+                "sizes": sizes}, [part for parts in blobs for part in parts]
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -522,7 +525,7 @@ class TCPConnector(KVConnector):
         blocks, offset = [], 0
         for size, (h, tokens) in zip(sizes, job.chain, strict=True):
             try:
-                block = decode_block(ns, h, bytes(payload[offset:offset + size]))
+                block = decode_block(ns, h, payload[offset:offset + size])  # no copy
             except (CorruptBlock, ValueError, KeyError, TypeError) as exc:
                 raise KVTransferError(f"a pulled KV block failed its checks ({exc})",
                                       "corrupt") from None

@@ -77,8 +77,7 @@ class EngineStatsCollector(Collector):
             yield counter
         if stats.kv_offload:
             yield from kv_offload_metrics(stats.kv_offload, label[0])
-        if stats.kv_transfer:
-            yield from kv_transfer_metrics(stats.kv_transfer, label[0])
+        yield from kv_transfer_metrics(stats.kv_transfer, label[0])  # zeros until used
         if stats.max_lora:  # vLLM's gauge for LoRA-aware routers; the value is a timestamp
             info = GaugeMetricFamily(
                 "vllm:lora_requests_info", "Running stats on lora requests.",
@@ -128,6 +127,12 @@ def kv_offload_metrics(tiers: dict[str, dict[str, float]], model_name: str) -> I
     yield gauge
 
 
+# sluice.engine.kv_transfer's (repeated here: the front end does not import torch)
+PULL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+FAILURE_REASONS = ("connect", "timeout", "lease", "mismatch", "corrupt", "protocol",
+                   "no_prefix_cache")
+
+
 def kv_transfer_metrics(t: dict[str, float], model_name: str) -> Iterator[Metric]:
     """P/D KV hand-off (sluice.engine.kv_transfer.TransferStats.as_dict): bytes and
     blocks by direction, held blocks, failures by reason, the pull-time histogram."""
@@ -141,17 +146,15 @@ def kv_transfer_metrics(t: dict[str, float], model_name: str) -> Iterator[Metric
     failures = CounterMetricFamily("sluice:kv_transfer_failures",
                                    "KV pulls that failed, by reason (recomputed or failed).",
                                    labels=["model_name", "reason"])
-    for key, value in t.items():
-        if key.startswith("failure:"):
-            failures.add_metric([model_name, key.removeprefix("failure:")], value)
+    for reason in FAILURE_REASONS:
+        failures.add_metric([model_name, reason], t.get(f"failure:{reason}", 0.0))
     yield failures
     held = GaugeMetricFamily("sluice:kv_transfer_held_blocks",
                              "KV blocks held under a lease for a decode engine.",
                              labels=["model_name"])
     held.add_metric([model_name], t.get("held_blocks", 0.0))
     yield held
-    buckets = [(key.removeprefix("le:"), value) for key, value in t.items()
-               if key.startswith("le:")]
+    buckets = [(str(bound), t.get(f"le:{bound}", 0.0)) for bound in PULL_BUCKETS]
     hist = HistogramMetricFamily("sluice:kv_transfer_seconds",
                                  "Decode side: time to pull a prefill's KV blocks.",
                                  labels=["model_name"])
