@@ -98,6 +98,8 @@ def run_core(core: EngineCore, inbox: Inbox, emit: Callable[[Event], None],
             if any(isinstance(c, Shutdown) for c in commands):
                 return
             errors = _apply(core, commands)
+            if core.tick() and not (commands or core.has_work()):
+                emit(CoreOutputs([], core.stats(), []))  # e.g. a P/D lease released blocks
             if not (commands or core.has_work()):
                 continue
             updates = _step(core, errors)

@@ -24,3 +24,6 @@ class EngineStats:
     running_lora_adapters: str = ""
     waiting_lora_adapters: str = ""
     max_lora: int = 0  # --max-loras (0: LoRA off)
+    # P/D KV transfer (sluice.engine.kv_transfer.TransferStats): bytes/blocks sent and
+    # received, held blocks, failures by reason, the pull-time histogram
+    kv_transfer: dict[str, float] = field(default_factory=dict)

@@ -10,7 +10,11 @@ import argparse
 import dataclasses
 from typing import Any
 
-from sluice.engine.config import KERNEL_BACKENDS, STRUCTURED_OUTPUTS_BACKENDS
+from sluice.engine.config import (
+    KERNEL_BACKENDS,
+    KV_LOAD_FAILURE_POLICIES,
+    STRUCTURED_OUTPUTS_BACKENDS,
+)
 from sluice.observe.cli import add_observe_arguments, tracing_config
 from sluice.observe.cli import buckets as observe_buckets
 from sluice.protocol.errors import InvalidRequestError
@@ -45,6 +49,16 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "max_loras": (int, "LoRA adapters in one batch (with --enable-lora)"),
     "max_lora_rank": (int, "largest LoRA rank accepted (with --enable-lora)"),
     "max_cpu_loras": (int, "LoRA adapters kept loaded in host memory (>= --max-loras)"),
+    "kv_load_failure_policy": (str, "P/D decode side, when pulling a prefill's KV fails: "
+                                    "recompute the prompt here (same output) or fail the "
+                                    "request (503 kv_transfer_failed)"),
+    "kv_transfer_host": (str, "P/D prefill side: address the KV transfer server listens on "
+                              "and advertises in kv_transfer_params.remote_host"),
+    "kv_transfer_port": (int, "P/D prefill side: its port (0: any free one)"),
+    "kv_lease_timeout": (float, "P/D prefill side: seconds a finished prefill's KV blocks "
+                                "are held for the decode worker (extended when it pulls)"),
+    "kv_transfer_timeout": (float, "P/D decode side: seconds a KV pull may take before it "
+                                   "counts as failed"),
 }
 ENGINE_SWITCHES: dict[str, str] = {
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
@@ -58,6 +72,7 @@ CHOICES: dict[str, list[str]] = {
     "dtype": ["auto", "float32", "bfloat16", "float16"],
     "kernel_backend": list(KERNEL_BACKENDS),
     "structured_outputs_backend": list(STRUCTURED_OUTPUTS_BACKENDS),
+    "kv_load_failure_policy": list(KV_LOAD_FAILURE_POLICIES),
 }
 
 
@@ -65,6 +80,7 @@ def engine_defaults() -> dict[str, Any]:
     """EngineConfig's own defaults, flat, for --help."""
     from sluice.engine.config import (
         CacheConfig,
+        KVTransferConfig,
         LoRAConfig,
         ModelConfig,
         SchedulerConfig,
@@ -72,7 +88,8 @@ def engine_defaults() -> dict[str, Any]:
     )
 
     return {f.name: f.default for layer in (ModelConfig, CacheConfig, SchedulerConfig,
-                                            StructuredOutputsConfig, LoRAConfig)
+                                            StructuredOutputsConfig, LoRAConfig,
+                                            KVTransferConfig)
             for f in dataclasses.fields(layer)}
 
 
@@ -125,6 +142,10 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters (PEFT directories) to serve under these model names; "
                         "needs --enable-lora")
+    p.add_argument("--role", default="both", choices=["prefill", "decode", "both"],
+                   help="P/D disaggregation: where a router sends this worker's requests "
+                        "(prefill, decode, both); it serves any request whatever its role; "
+                        "switch live with POST /v1/pd_role (default: %(default)s)")
     add_observe_arguments(p)
     add_chat_arguments(p)
 
@@ -174,7 +195,8 @@ def worker_config(args: argparse.Namespace) -> Any:
                         chat_template=read_chat_template(args.chat_template),
                         tracing=tracing_config(args, "sluice-worker"),
                         metrics_buckets=observe_buckets(args),
-                        lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)))
+                        lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)),
+                        role=getattr(args, "role", "both"))
 
 
 def read_chat_template(path: str | None) -> str | None:
