@@ -62,6 +62,18 @@ async def test_client_priority_may_only_go_down(sqlite_store: SQLStore, stub: St
     assert len(stub.received) == 1  # the refused one never reached upstream
 
 
+async def test_clients_may_not_send_kv_transfer_params(sqlite_store: SQLStore,
+                                                       stub: StubUpstream) -> None:
+    """The field names a host and port a decode worker connects to: only the router sets it."""
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    params = {"do_remote_prefill": True, "remote_host": "10.0.0.1", "remote_port": 22}
+    async with client_for(gw, new_key(sqlite_store)) as c:
+        r = await c.post("/v1/chat/completions", json={**CHAT, "kv_transfer_params": params})
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == "kv_transfer_params"
+    assert stub.received == []
+
+
 async def test_key_class_narrows_tenant_class(sqlite_store: SQLStore, stub: StubUpstream) -> None:
     key = new_key(sqlite_store, key_settings=KeySettings(priority_class="batch"),
                   priority_class="interactive")

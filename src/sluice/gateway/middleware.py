@@ -311,6 +311,10 @@ class Exchange:
                                 key.settings.allowed_models)
         if payload is None:
             return
+        if payload.get("kv_transfer_params") is not None:  # it names hosts a worker dials
+            raise InvalidRequestError("kv_transfer_params is set by the router between "
+                                      "prefill and decode workers, not by clients",
+                                      param="kv_transfer_params")
         adm.model = payload.get("model") if isinstance(payload.get("model"), str) else None
         check_model_allowed(adm.model, tenant.settings.allowed_models, key.settings.allowed_models)
         adm.stream = payload.get("stream") is True
