@@ -89,11 +89,11 @@ async def ttft(client: httpx.AsyncClient, url: str, name: str) -> float:
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {(await r.aread())[:200]!r}")
+        first = None
         async for _ in r.aiter_bytes():
-            first = time.perf_counter() - t0
-            break
-        async for _ in r.aiter_bytes():
-            pass
+            if first is None:
+                first = time.perf_counter() - t0
+    assert first is not None
     return first
 
 

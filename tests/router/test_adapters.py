@@ -100,8 +100,7 @@ async def test_hot_adapter_replicated_up_to_the_cap_cold_one_not_everywhere() ->
 
 
 async def test_zipf_mix_does_not_thrash() -> None:
-    """8 adapters, Zipf(1.1), 3 workers of 2 slots: evictions only of idle, resident
-    replicas; total loads bounded by first loads plus the replicas the cap allows."""
+    """8 adapters, Zipf(1.1), 3 workers of 2 slots, 240 requests 6 at a time."""
     stubs = [LoraStub(n, service_s=0.01, max_num_seqs=4) for n in "abc"]
     names = [f"lora{i}" for i in range(8)]
     specs = tuple(AdapterSpec(n, f"/a/{n}") for n in names)
@@ -117,12 +116,12 @@ async def test_zipf_mix_does_not_thrash() -> None:
                 return (await c.post("/v1/chat/completions", json=chat(name))).status_code
 
         assert set(await asyncio.gather(*(one(n) for n in mix))) == {200}
-        loads = state.adapters.counts.loads
-        distinct = len(set(mix))
-        # each adapter loaded on first use (an evicted cold one again), plus replicas
-        assert loads.get("demand", 0) <= distinct + 4, loads
-        assert loads.get("replicate", 0) <= 2 * distinct, loads
-        assert state.adapters.counts.total_loads() <= 20, loads
+        counts = state.adapters.counts
+        # the two hot adapters: loaded once per replica, never evicted and loaded again
+        assert counts.loads_by_adapter["lora0"] <= 2 and counts.loads_by_adapter["lora1"] <= 2
+        # 8 adapters for 6 slots: the tail rotates through the free slot, but a load is
+        # rare (an engine's LRU behind round robin reads weights on ~60% of requests)
+        assert counts.total_loads() <= 0.1 * len(mix), counts.loads_by_adapter
         # a burst found no free slot: over the slots only until those adapters are idle
         await until(lambda: all(len(h) <= 2 for h in state.adapters.held.values()), 6.0)
         assert all(len(s.adapters) <= 2 for s in stubs)
@@ -170,3 +169,20 @@ def test_adapters_and_aliases_read_from_a_config_file() -> None:
     assert config.aliases[1].cascade is not None and config.aliases[1].cascade.keywords == ("prove",)
     with pytest.raises(Exception, match="max_adapter_replicas"):
         router_from_dict({"adapter_placement": {"max_adapter_replicas": 0}})
+
+
+def test_cli_flags_register_adapters_aliases_and_the_replica_cap() -> None:
+    import argparse
+
+    from sluice.router import cli
+
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["router", "--worker", "http://w:1", "--alias", "other",
+                              "--alias", "fast=sql", "--lora-adapter", "sql=/a/sql",
+                              "--max-adapter-replicas", "3"])
+    config = cli.config_from_args(args)
+    assert config.pools[0].aliases == ("other",)
+    assert [(a.name, a.target) for a in config.aliases] == [("fast", "sql")]
+    assert [(a.name, a.path) for a in config.adapters] == [("sql", "/a/sql")]
+    assert config.adapter_placement.max_adapter_replicas == 3

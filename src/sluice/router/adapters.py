@@ -50,10 +50,12 @@ from sluice.router.config import AdapterPlacement, AdapterSpec
 from sluice.router.policies import RequestMeta
 from sluice.router.policies.cost import costs
 from sluice.router.pool import Pool
+from sluice.router.proxy import Relay
 
 log = logging.getLogger(__name__)
 
-MIN_IDLE_S = 2.0  # a request routed to a replica reaches its worker well within this
+MIN_IDLE_S = 0.05  # none in flight and none routed this long: an adapter may be evicted
+# (a request routed meanwhile that finds it gone gets one more placement: routed.py)
 LOAD_EWMA = 0.2  # weight of each measured load duration in `load_s`
 DEMAND_EWMA = 0.1  # weight of each sync interval's request count in an adapter's demand
 DEFAULT_CAPACITY = 8  # adapters per worker when neither the config nor the worker says
@@ -67,7 +69,8 @@ class Holding:
 
     loaded_at: float
     by_router: bool  # the router loaded it (and so restores it after a restart)
-    last_used: float = 0.0
+    last_used: float = 0.0  # a request was sent to it, or ended there
+    decided: float = 0.0  # a request for it was routed (to this or another holder)
 
 
 @dataclass
@@ -76,6 +79,7 @@ class AdapterCounts:
 
     loads: dict[str, int] = field(default_factory=dict)
     unloads: dict[str, int] = field(default_factory=dict)
+    loads_by_adapter: dict[str, int] = field(default_factory=dict)
 
     def total_loads(self) -> int:
         return sum(self.loads.values())
@@ -98,6 +102,7 @@ class Adapters:
         self.assigned: dict[str, set[str]] = {}  # worker url -> adapters the router loaded
         self.capacity: dict[str, int] = {}  # worker url -> its max_lora, as scraped
         self.loading: dict[tuple[str, str], asyncio.Future[bool]] = {}
+        self.inflight: dict[tuple[str, str], int] = {}  # (worker, adapter) -> requests
         self.demand: dict[str, float] = {}  # adapter -> requests per sync interval (EWMA)
         self.recent: dict[str, int] = {}  # adapter -> requests since the last sync
         self.counts = AdapterCounts()
@@ -148,6 +153,9 @@ class Adapters:
             return ()
         self.recent[model] = self.recent.get(model, 0) + 1
         holders: list[str] = []
+        for held in self.held.values():  # one may be chosen now: not evicted before it is sent
+            if model in held:
+                held[model].decided = self.clock()
         for attempt in range(2):  # once more after waiting for another request's load
             endpoints = pool.candidates(meta.num_prompt_tokens, (), meta.version)
             if not endpoints:
@@ -168,11 +176,39 @@ class Adapters:
             return ()  # could not load it anywhere: let the workers answer (404)
         return tuple(u for u in pool.endpoints if u not in holders)
 
-    def served(self, url: str, model: str) -> None:
-        """A request for `model` went to `url` (idle replicas are told apart by this)."""
+    def served(self, relay: Relay, model: str) -> None:
+        """A request for `model` is on `relay`'s worker until the relay closes: counted in
+        flight there (never evicted meanwhile), and its last use is stamped."""
+        if not self.is_adapter(model):
+            return
+        url = relay.ticket.endpoint.url
+        key = (url, model)
+        self.inflight[key] = self.inflight.get(key, 0) + 1
+        self._stamp(url, model)
+        previous = relay.on_close
+
+        def done(ended: Relay) -> None:
+            try:
+                if previous is not None:
+                    previous(ended)
+            finally:
+                self.inflight[key] -= 1
+                self._stamp(url, model)
+
+        relay.on_close = done
+
+    def _stamp(self, url: str, model: str) -> None:
         holding = self.held.get(url, {}).get(model)
         if holding is not None:
             holding.last_used = self.clock()
+
+    def busy(self, url: str, model: str) -> bool:
+        """In flight there, or used in the last MIN_IDLE_S (a request decided but not yet
+        sent)."""
+        holding = self.held.get(url, {}).get(model)
+        return self.inflight.get((url, model), 0) > 0 or (
+            holding is not None
+            and self.clock() - max(holding.last_used, holding.decided) < MIN_IDLE_S)
 
     def _target(self, model: str, urls: list[str], holders: list[str],
                 seconds: dict[str, float]) -> _Load | None:
@@ -221,7 +257,7 @@ class Adapters:
         now = self.clock()
         victims = [(h.last_used, name) for name, h in held.items()
                    if name in self.specs and not self.specs[name].pinned
-                   and now - h.last_used >= MIN_IDLE_S
+                   and not self.busy(url, name)
                    and (not residency or now - h.loaded_at >= self.placement.min_residency_s)
                    and (not extra_only or len(self.holders(name)) > 1)]
         return min(victims)[1] if victims else False
@@ -251,6 +287,8 @@ class Adapters:
                 self.held.setdefault(url, {})[model] = Holding(now, True, now)
                 self.assigned.setdefault(url, set()).add(model)
                 self.counts.loads[reason] = self.counts.loads.get(reason, 0) + 1
+                by = self.counts.loads_by_adapter
+                by[model] = by.get(model, 0) + 1
                 self._loads.labels(model, reason).inc()
             future.set_result(ok)
             return ok
@@ -382,7 +420,7 @@ class Adapters:
         over = len(held) - self._capacity(url)
         trimmable = sorted((h.last_used, name) for name, h in held.items()
                            if h.by_router and name in self.specs and not self.specs[name].pinned
-                           and now - h.last_used >= MIN_IDLE_S)
+                           and not self.busy(url, name))
         for _, name in trimmable[:max(0, over)]:
             await self._unload(url, name, "trim")
 

@@ -91,7 +91,11 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
                                                            block, headers)
         else:
             relay = await state.proxy.forward(pool, sent, meta, target, block, holders_only)
-        state.adapters.served(relay.ticket.endpoint.url, req.model)
+            if relay.status == 404 and holders_only:  # its adapter was just moved: once more
+                relay.close()
+                holders_only = await state.adapters.prepare(pool, req.model, meta)
+                relay = await state.proxy.forward(pool, sent, meta, target, block, holders_only)
+        state.adapters.served(relay, req.model)
         if not migrating or relay.status != 200:
             return relay
         return MigratingRelay(relay, state.proxy, pool, sent, meta, target, block, limit,
