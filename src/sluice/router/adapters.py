@@ -9,7 +9,7 @@ was loaded over HTTP (vLLM RFC #12174). Here the router owns placement:
       cost(w)  = the `cost` policy's seconds for this request on worker w
       holders  = available workers holding A
       none     -> load A on the cheapest worker with room (else evict the adapter there
-                  least recently used, never one used in the last MIN_IDLE_S), wait, go
+                  least recently used, never one with a request in flight), wait, go
       some     -> replicate when  min cost(non-holder with room) + load_s < min cost(holders)
                   and A has fewer than `max_adapter_replicas` replicas; the room may be
                   free, or an *extra* replica of another adapter (one with 2+) resident
