@@ -121,3 +121,28 @@ async def test_client_disconnect_aborts_the_request_in_the_engine(
         assert running == 0
         assert tokens_after - tokens_before < 1000  # aborted, not run to max_tokens
         assert sum(e.inflight for e in app.state.router.pools[0].endpoints.values()) == 0
+
+
+async def test_an_adapter_through_the_router_equals_the_workers_direct_answer(
+        tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A real worker (`--enable-lora --max-loras 2`), an adapter made with peft and
+    registered with the router only: the router loads it on demand, and its greedy answer
+    through the router is the worker's own for the same request."""
+    from lora_adapters import make_adapter
+    from sluice.router.config import AdapterSpec
+
+    path = make_adapter(tiny_llama_dir, tmp_path / "sql", r=8, seed=11)
+    args = ["--model", str(tiny_llama_dir), "--max-model-len", "512", "--num-kv-blocks", "128",
+            "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16"]
+    with LocalWorkerPool(1, args, startup_timeout_s=150) as pool:
+        config = RouterConfig(pools=(PoolConfig(workers=(WorkerSpec(pool.urls[0]),)),),
+                              adapters=(AdapterSpec("sql", str(path)),), seed=0)
+        body = {"model": "sql", "prompt": "select the rows where", "max_tokens": 8,
+                "temperature": 0}
+        app = build_app(config, rng=random.Random(0))
+        async with serve(app) as router, httpx.AsyncClient(timeout=60) as c:
+            routed = (await c.post(router + "/v1/completions", json=body)).json()
+            direct = (await c.post(pool.urls[0] + "/v1/completions", json=body)).json()
+            assert app.state.router.adapters.counts.loads == {"demand": 1}
+        assert routed["model"] == "sql" and direct["model"] == "sql"
+        assert routed["choices"][0]["text"] == direct["choices"][0]["text"]

@@ -10,6 +10,11 @@ each `data:` payload is parsed on the way through:
     Anthropic   `message_start.message.usage.input_tokens`, `message_delta.usage
                 .output_tokens` (cumulative); content from `content_block_delta`
 
+The first `model` a response names (the JSON body's, the first chunk's, Anthropic's
+`message_start.message.model`) is `served_model`: the model that really answered (an
+adapter, or a cascade's small or large model, router/cascade.py), which the ledger
+records and prices.
+
 When the gateway itself asked for `include_usage` (the client did not), the meter drops
 that usage-only chunk so the client sees the stream it asked for. The accumulated
 content lets an aborted stream be charged for the tokens it produced so far.
@@ -33,6 +38,7 @@ class ResponseMeter:
     streaming: bool = False
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    served_model: str | None = None
     text_parts: list[str] = field(default_factory=list)
     _buffer: bytearray = field(default_factory=bytearray)
 
@@ -78,6 +84,7 @@ class ResponseMeter:
         except ValueError:
             return
         if isinstance(obj, dict):
+            self._take_model(obj.get("model"))
             self._take_usage(obj.get("usage"))
             self._take_text(obj)
 
@@ -102,6 +109,7 @@ class ResponseMeter:
             self._on_anthropic_event(obj)
             return True
         usage = obj.get("usage")
+        self._take_model(obj.get("model"))
         self._take_usage(usage)
         self._take_text(obj)
         return not (self.strip_usage_chunk and usage and not obj.get("choices"))
@@ -109,11 +117,16 @@ class ResponseMeter:
     def _on_anthropic_event(self, obj: dict[str, Any]) -> None:
         kind = obj.get("type")
         if kind == "message_start":
+            self._take_model((obj.get("message") or {}).get("model"))
             self._take_usage((obj.get("message") or {}).get("usage"))
         elif kind == "message_delta":
             self._take_usage(obj.get("usage"))
         elif kind == "content_block_delta":
             self.text_parts.append(str((obj.get("delta") or {}).get("text") or ""))
+
+    def _take_model(self, model: Any) -> None:
+        if self.served_model is None and isinstance(model, str) and model:
+            self.served_model = model
 
     def _take_usage(self, usage: Any) -> None:
         if not isinstance(usage, dict):

@@ -560,12 +560,13 @@ class Exchange:
         adm = self.adm
         assert adm is not None
         request_body, response_body = self.bodies(adm)
+        model = self.meter.served_model or adm.model  # an adapter, a cascade's choice
         return UsageRecord(
             request_id=adm.request_id, tenant_id=adm.principal.tenant.id,
-            key_id=adm.principal.key.id, endpoint=self.endpoint, model=adm.model,
+            key_id=adm.principal.key.id, endpoint=self.endpoint, model=model,
             status=status, http_status=self.status or 499, prompt_tokens=prompt,
             completion_tokens=completion,
-            cost_usd=self.state.prices.cost(adm.model, prompt, completion),
+            cost_usd=self.state.prices.cost(model, prompt, completion),
             latency_ms=(time.perf_counter() - self.started) * 1000,
             request_body=request_body, response_body=response_body)
 

@@ -42,6 +42,7 @@ from sluice.protocol.edge import (
 )
 from sluice.protocol.errors import SluiceError
 from sluice.protocol.prompt import TokenCache
+from sluice.router.adapter_admin import adapter_router
 from sluice.router.admin import admin_router
 from sluice.router.config import RouterConfig
 from sluice.router.proxy import Relay
@@ -96,6 +97,7 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
                 state.start_subscriber(pool, endpoint)
         await asyncio.gather(state.monitor.probe_all(), state.monitor.scrape_all(),
                              state.pd.roles.refresh_all(state.pools))
+        await state.adapters.sync_all()  # which worker holds which adapter, its slots
         tasks = [asyncio.create_task(state.monitor.run(config.health_interval_s,
                                                        state.monitor.probe_all)),
                  asyncio.create_task(state.monitor.run(config.scrape_interval_s,
@@ -103,7 +105,9 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
                  asyncio.create_task(state.releases.run()),  # canary judge (release.py)
                  asyncio.create_task(state.pd.run(lambda: state.pools,  # P/D roles (pd.py)
                                                   min((p.pd.role_refresh_s for p in config.pools
-                                                       if p.pd), default=2.0)))]
+                                                       if p.pd), default=2.0))),
+                 asyncio.create_task(state.monitor.run(  # LoRA placement (adapters.py)
+                     config.adapter_placement.sync_interval_s, state.adapters.sync_all))]
         try:
             yield
         finally:
@@ -127,6 +131,7 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
     app.add_route("/status.json", status_json, methods=["GET"])
     app.include_router(admin_router())
     app.include_router(release_router())
+    app.include_router(adapter_router())
     return app
 
 
@@ -223,8 +228,15 @@ async def models(request: Request) -> Response:
     state: RouterState = request.app.state.router
     now = int(time.time())
     ids = dict.fromkeys(name for pool in state.pools for name in pool.names())
-    return JSONResponse({"object": "list", "data": [
-        {"id": name, "object": "model", "created": now, "owned_by": "sluice"} for name in ids]})
+    entries = [{"id": name, "object": "model", "created": now, "owned_by": "sluice"}
+               for name in ids]
+    for spec in state.adapters.specs.values():  # registered adapters, vLLM's `parent` shape
+        if spec.name not in ids:
+            entries.append({"id": spec.name, "object": "model", "created": now,
+                            "owned_by": "sluice", "parent": spec.base, "root": spec.path})
+    entries += [{"id": name, "object": "model", "created": now, "owned_by": "sluice"}
+                for name in state.aliases.names() if name not in ids]
+    return JSONResponse({"object": "list", "data": entries})
 
 
 async def health(request: Request) -> Response:

@@ -26,12 +26,14 @@ from sluice.router.config import (
     PD_MODES,
     PREFILL,
     SHADOW,
+    AdapterSpec,
     PDConfig,
     PoolConfig,
     ReleaseConfig,
     RouterConfig,
     WorkerSpec,
     load_config_file,
+    parse_alias_flags,
     parse_kv_event_flags,
     parse_tenant_pins,
 )
@@ -52,7 +54,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "e.g. http://127.0.0.1:8001=tcp://127.0.0.1:5557")
     p.add_argument("--model", default=None,
                    help="model name of the --worker pool (default: what the workers serve)")
-    p.add_argument("--alias", action="append", default=[], help="another name for the model")
+    p.add_argument("--alias", action="append", default=[], metavar="NAME[=TARGET]",
+                   help="another name for the model; NAME=TARGET: a router-wide alias of "
+                        "TARGET (a model, an adapter)")
+    p.add_argument("--lora-adapter", action="append", default=[], metavar="NAME=PATH",
+                   help="a LoRA adapter the router loads on workers on demand")
+    p.add_argument("--max-adapter-replicas", type=int, default=None, metavar="N",
+                   help="workers one adapter may be loaded on (default 2)")
     p.add_argument("--policy", default="cost", choices=sorted(POLICIES),
                    help="routing policy of the --worker pool")
     p.add_argument("--long-prompt-tokens", type=int, default=None,
@@ -238,16 +246,34 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         workers += [WorkerSpec(u, kv_events=kv.get(u.rstrip("/")), version=CANARY)
                     for u in args.canary_worker]
         workers += [WorkerSpec(u, version=SHADOW) for u in args.shadow_worker]
-        pools.append(PoolConfig(model=args.model, aliases=tuple(args.alias),
+        pools.append(PoolConfig(model=args.model,
+                                aliases=tuple(a for a in args.alias if "=" not in a),
                                 workers=tuple(workers), policy=args.policy,
                                 long_prompt_tokens=args.long_prompt_tokens,
                                 tokenizer=args.tokenizer, block_size=args.block_size,
                                 release=release_from_args(args), pd=pd_from_args(args)))
+    base = adapter_overrides(args, base)
     return flow_overrides(args, base.with_overrides(
         pools=tuple(pools), host=args.host, port=args.port,
         admin_key=args.admin_key or env.get("ROUTER_ADMIN_KEY"), max_retries=args.max_retries,
         scrape_interval_s=args.scrape_interval_s, health_interval_s=args.health_interval_s,
         seed=args.seed))
+
+
+def adapter_overrides(args: argparse.Namespace, config: RouterConfig) -> RouterConfig:
+    """`config` with `--alias NAME=TARGET`, `--lora-adapter` and `--max-adapter-replicas`."""
+    adapters = [*config.adapters]
+    for item in args.lora_adapter:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise InvalidRequestError(f"--lora-adapter wants NAME=PATH, got {item!r}",
+                                      param="lora-adapter")
+        adapters.append(AdapterSpec(name, path))
+    placement = config.adapter_placement
+    if args.max_adapter_replicas is not None:
+        placement = replace(placement, max_adapter_replicas=args.max_adapter_replicas)
+    return replace(config, adapters=tuple(adapters), adapter_placement=placement,
+                   aliases=(*config.aliases, *parse_alias_flags(args.alias)))
 
 
 def handler(args: argparse.Namespace) -> int:

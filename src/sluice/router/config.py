@@ -11,6 +11,9 @@ load, learned costs) lives in `endpoints.py`, never in these objects.
      │     └── release: ReleaseConfig (canary weight and steps, pins, shadow, thresholds)
      ├── admission: AdmissionConfig (when to hold requests, band limits, tenant weights)
      ├── breaker: BreakerConfig (per-worker circuit breaker, retry backoff and budget)
+     ├── adapters: AdapterSpec (LoRA adapters the router places: name, path, base)
+     ├── adapter_placement: AdapterPlacement (replica cap, residency, idle unload)
+     ├── aliases: AliasSpec (NAME -> TARGET model, or a cascade: small, large, rules)
      └── timings: scrape / health intervals, retry and ejection counts
 """
 
@@ -280,6 +283,107 @@ class PoolConfig:
         return ((self.model,) if self.model else ()) + self.aliases
 
 
+# --- multi-LoRA placement and model aliases (router/adapters.py, router/cascade.py) ------
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """A LoRA adapter the router may load on workers (POST /v1/load_lora_adapter).
+
+    `base`: the model (pool) it applies to; None: the only pool. `pinned`: loaded on
+    every worker of the pool (else on demand, up to `max_adapter_replicas`)."""
+
+    name: str
+    path: str
+    base: str | None = None
+    pinned: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.path:
+            raise InvalidRequestError("an adapter needs a 'name' and a 'path'", param="name")
+
+
+@dataclass(frozen=True)
+class AdapterPlacement:
+    """How the router spreads adapters over a pool's workers (router/adapters.py).
+
+    `max_adapter_replicas`: workers one adapter may be loaded on (pinned ones: all).
+    `adapters_per_worker`: adapters the router keeps on one worker; None: the worker's
+    `max_lora` (from `vllm:lora_requests_info`). `load_s`: prior for the seconds a load
+    costs (then learned from the loads' durations). A replica stays at least
+    `min_residency_s` before it may be evicted for another adapter, and an extra replica
+    idle for `idle_unload_s` is unloaded. `sync_interval_s`: how often the workers'
+    adapters are read back (restarts and new workers are noticed then).
+    """
+
+    max_adapter_replicas: int = 2
+    adapters_per_worker: int | None = None
+    load_s: float = 0.5
+    min_residency_s: float = 30.0
+    idle_unload_s: float = 300.0
+    sync_interval_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.max_adapter_replicas < 1:
+            raise InvalidRequestError("max_adapter_replicas must be >= 1",
+                                      param="max_adapter_replicas")
+        if self.adapters_per_worker is not None and self.adapters_per_worker < 1:
+            raise InvalidRequestError("adapters_per_worker must be >= 1",
+                                      param="adapters_per_worker")
+        if min(self.load_s, self.min_residency_s, self.idle_unload_s) < 0 \
+                or self.sync_interval_s <= 0:
+            raise InvalidRequestError("adapter placement times must be >= 0 "
+                                      "(sync_interval_s > 0)", param="adapter_placement")
+
+
+@dataclass(frozen=True)
+class CascadeSpec:
+    """`policy: cascade`: the small model first, the large one when a rule says so.
+
+    Before the small model (prompt features): more than `max_prompt_tokens` (estimated
+    at 4 characters a token), any of `keywords` (case-insensitive), or the offline
+    `classifier` (a JSON logistic regression on hashed words, router/cascade.py;
+    "builtin": the one shipped) giving P(hard) >= `classifier_threshold`. After it:
+    the mean token logprob of its answer (non-streamed) or of its first `hold_tokens`
+    tokens (streamed, held back meanwhile) below `min_mean_logprob`."""
+
+    small: str
+    large: str
+    max_prompt_tokens: int | None = None
+    keywords: tuple[str, ...] = ()
+    classifier: str | None = None
+    classifier_threshold: float = 0.5
+    min_mean_logprob: float | None = None
+    hold_tokens: int = 8
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keywords", tuple(k.lower() for k in self.keywords))
+        if not self.small or not self.large:
+            raise InvalidRequestError("a cascade needs 'small' and 'large'", param="small")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 0:
+            raise InvalidRequestError("max_prompt_tokens must be >= 0", param="max_prompt_tokens")
+        if not 0.0 <= self.classifier_threshold <= 1.0:
+            raise InvalidRequestError("classifier_threshold must be in [0, 1]",
+                                      param="classifier_threshold")
+        if self.hold_tokens < 1:
+            raise InvalidRequestError("hold_tokens must be >= 1", param="hold_tokens")
+
+
+@dataclass(frozen=True)
+class AliasSpec:
+    """A model name the router answers to: another model's (`target`, which may be an
+    adapter or another pool's model), or a cascade (`cascade`)."""
+
+    name: str
+    target: str | None = None
+    cascade: CascadeSpec | None = None
+
+    def __post_init__(self) -> None:
+        if (self.target is None) == (self.cascade is None):
+            raise InvalidRequestError(f"alias {self.name!r} needs a target or a cascade, "
+                                      "not both", param="aliases")
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """Everything the router process needs; `build_app(config)` reads nothing else."""
@@ -307,6 +411,9 @@ class RouterConfig:
     buffer_max_requests: int = 256
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    adapters: tuple[AdapterSpec, ...] = ()
+    adapter_placement: AdapterPlacement = field(default_factory=AdapterPlacement)
+    aliases: tuple[AliasSpec, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_retries < 0:
@@ -378,7 +485,38 @@ def router_from_dict(raw: Mapping[str, Any]) -> RouterConfig:
         data["admission"] = admission_from_dict(data["admission"])
     if "breaker" in data:
         data["breaker"] = BreakerConfig(**_known(BreakerConfig, data["breaker"], "breaker"))
+    if "adapters" in data:
+        data["adapters"] = tuple(AdapterSpec(**_known(AdapterSpec, a, "adapter"))
+                                 for a in data["adapters"] or ())
+    if "adapter_placement" in data:
+        data["adapter_placement"] = AdapterPlacement(
+            **_known(AdapterPlacement, data["adapter_placement"] or {}, "adapter_placement"))
+    if "aliases" in data:
+        data["aliases"] = aliases_from(data["aliases"] or {})
     return RouterConfig(**data)
+
+
+def aliases_from(raw: Mapping[str, Any]) -> tuple[AliasSpec, ...]:
+    """`{NAME: TARGET}` or `{NAME: {policy: cascade, small, large, ...rules}}`."""
+    out = []
+    for name, spec in raw.items():
+        if isinstance(spec, str):
+            out.append(AliasSpec(name, target=spec))
+            continue
+        if not isinstance(spec, Mapping) or spec.get("policy") != "cascade":
+            raise InvalidRequestError(f"alias {name!r}: a model name or "
+                                      "{policy: cascade, small, large, ...}", param="aliases")
+        rules = {k: v for k, v in spec.items() if k != "policy"}
+        if "keywords" in rules:
+            rules["keywords"] = tuple(rules["keywords"])
+        out.append(AliasSpec(name, cascade=CascadeSpec(**_known(CascadeSpec, rules, "cascade"))))
+    return tuple(out)
+
+
+def parse_alias_flags(items: Sequence[str]) -> tuple[AliasSpec, ...]:
+    """`NAME=TARGET` pairs from `--alias` (a bare NAME names the --worker pool instead)."""
+    return tuple(AliasSpec(name, target=target)
+                 for name, _, target in (i.partition("=") for i in items if "=" in i))
 
 
 def load_config_file(path: str | Path) -> RouterConfig:

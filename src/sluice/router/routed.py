@@ -69,12 +69,16 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
     try:
         session = next((v.decode("latin-1") for n, v in headers if n == _SESSION), None)
         req = parse_request(kind, body, {SESSION_HEADER: session} if session else {})
+        alias = state.aliases.get(req.model)
+        if alias is not None:  # another model's name, or a cascade (cascade.py)
+            return await alias.serve(req, lambda raw: _route(state, kind, path, raw, headers))
         pool = state.resolve(req.model)
         await state.buffer.admit(pool)  # held while the pool has no ready worker
         if notes is not None:
             notes.update(model=req.model, policy=pool.policy.name)
         given = next((IdsHint.decode(v) for n, v in headers if n == _IDS), None)
         meta, hint = await state.request_meta(pool, req, given)
+        holders_only = await state.adapters.prepare(pool, req.model, meta)  # adapters.py
         block = forward_block(h for h in headers if h[0] not in _INTERNAL)
         if hint is not None:  # the worker takes these ids instead of tokenizing again
             block += _IDS + b": " + hint.encode() + b"\r\n"
@@ -91,7 +95,12 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
             relay = await state.releases.get(pool).forward(state.proxy, sent, meta, target,
                                                            block, headers)
         else:
-            relay = await state.proxy.forward(pool, sent, meta, target, block)
+            relay = await state.proxy.forward(pool, sent, meta, target, block, holders_only)
+            if relay.status == 404 and holders_only:  # its adapter was just moved: once more
+                relay.close()
+                holders_only = await state.adapters.prepare(pool, req.model, meta)
+                relay = await state.proxy.forward(pool, sent, meta, target, block, holders_only)
+        state.adapters.served(relay, req.model)
         if not migrating or relay.status != 200:
             return relay
         return MigratingRelay(relay, proxy, pool, sent, meta, target, block, limit,

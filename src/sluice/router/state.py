@@ -13,6 +13,8 @@
      ├── breakers         per-worker circuit breakers, retry backoff and budget
  ├── releases         each pool's canary weight, pins, shadow and judge (release.py)
      ├── pd               prefill/decode disaggregation: roles, the two-step flow (pd.py)
+     ├── adapters         which worker holds which LoRA adapter, loads/unloads (adapters.py)
+     ├── aliases          model aliases and cascades (cascade.py)
      ├── metrics          the router's own Prometheus registry
      └── tracing          OpenTelemetry tracer, or None (off)
 """
@@ -31,9 +33,11 @@ from sluice.observe.buckets import LatencyBuckets
 from sluice.observe.tracing import Tracing
 from sluice.protocol.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
 from sluice.protocol.prompt import IdsHint, TokenCache
+from sluice.router.adapters import Adapters
 from sluice.router.admission import Admission, AdmissionCollector
 from sluice.router.breaker import BreakerCollector, Breakers
 from sluice.router.buffer import RequestBuffer
+from sluice.router.cascade import Aliases
 from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
 from sluice.router.endpoints import Endpoint
 from sluice.router.kv_subscriber import KVEventSubscriber
@@ -93,6 +97,9 @@ class RouterState:
                                  self.metrics.registry, self.rng)
         self.pd = PD(self.client, self.upstream, self.metrics, self.config.max_retries,
                      self.config.eject_after_failures, self.breakers, self.buckets)
+        self.adapters = Adapters(self.config.adapters, self.config.adapter_placement,
+                                 self.client, lambda: self.pools, self.metrics.registry)
+        self.aliases = Aliases(self.config.aliases)
         for pool_config in self.config.pools:
             self.add_pool(pool_config)
 
@@ -109,6 +116,16 @@ class RouterState:
         for pool in self.pools:
             if pool.serves(model):
                 return pool
+        holders = self.adapters.holders(model)  # an adapter loaded since discovery
+        for pool in self.pools:
+            if holders and holders[0] in pool.endpoints:
+                return pool
+        if model in self.adapters.specs:  # a registered adapter no worker holds yet
+            base = self.adapters.base_of(model)
+            if base is not None:
+                return self.resolve(base)
+            if len(self.pools) == 1:
+                return self.pools[0]
         raise NotFoundError(f"The model `{model}` does not exist.", param="model")
 
     def pool_for_admin(self, model: str | None) -> Pool:

@@ -1,0 +1,465 @@
+"""LoRA adapters as a fleet-wide resource: who holds which, where to load one, when to drop one.
+
+vLLM's workers load adapters at runtime (`POST /v1/load_lora_adapter`) but do not share
+or keep them: "route where it is loaded" makes the hot adapter's worker a hotspot and
+evicts in a loop on the others (llm-d-router #709), and a restarted worker forgets what
+was loaded over HTTP (vLLM RFC #12174). Here the router owns placement:
+
+    request for adapter A (a model id that is a registered or a discovered adapter)
+      cost(w)  = the `cost` policy's seconds for this request on worker w
+      holders  = available workers holding A
+      none     -> load A on the cheapest worker with room (else evict the adapter there
+                  least recently used, never one with a request in flight), wait, go
+      some     -> replicate when  min cost(non-holder with room) + load_s < min cost(holders)
+                  and A has fewer than `max_adapter_replicas` replicas; the room may be
+                  free, or an *extra* replica of another adapter (one with 2+) resident
+                  for `min_residency_s` and idle; an adapter's last copy is never evicted
+                  to replicate another
+      the request may go to holders only (the proxy excludes the other workers)
+
+    every sync_interval_s, per worker (`sync`):
+      GET /v1/models -> the adapters it holds (entries with a `parent`)
+      router-loaded adapters it lacks (it restarted) -> loaded again
+      a worker seen for the first time -> pinned adapters, then hot ones under the cap
+      an extra replica idle for `idle_unload_s` -> unloaded
+      more adapters than slots (a request found no room) -> the idle LRU ones unloaded
+
+Why it does not thrash: a replica is added only when the queue it saves is longer than
+a load, up to a cap; a replica is evicted only after its residency and only while idle;
+the last copy of an adapter is evicted only for a request that finds no holder at all.
+`load_s` starts at the configured prior and learns the measured load durations.
+
+State is touched only on the event loop; a load in progress is one shared future per
+(worker, adapter), so concurrent requests wait for it instead of loading twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter
+
+from sluice.protocol.errors import InvalidRequestError, NotFoundError
+from sluice.router.config import AdapterPlacement, AdapterSpec
+from sluice.router.policies import RequestMeta
+from sluice.router.policies.cost import costs
+from sluice.router.pool import Pool
+from sluice.router.proxy import Relay
+
+log = logging.getLogger(__name__)
+
+MIN_IDLE_S = 0.05  # none in flight and none routed this long: an adapter may be evicted
+# (a request routed meanwhile that finds it gone gets one more placement: routed.py)
+LOAD_EWMA = 0.2  # weight of each measured load duration in `load_s`
+DEMAND_EWMA = 0.1  # weight of each sync interval's request count in an adapter's demand
+DEFAULT_CAPACITY = 8  # adapters per worker when neither the config nor the worker says
+WAIT = "wait"  # a decided "load" that only waits for another request's load
+_MAX_LORA = re.compile(r'max_lora="(\d+)"')
+
+
+@dataclass
+class Holding:
+    """One adapter on one worker, as the router knows it."""
+
+    loaded_at: float
+    by_router: bool  # the router loaded it (and so restores it after a restart)
+    last_used: float = 0.0  # a request was sent to it, or ended there
+    decided: float = 0.0  # a request for it was routed (to this or another holder)
+
+
+@dataclass
+class AdapterCounts:
+    """Loads and unloads the router made, by reason (tests and the benchmark read them)."""
+
+    loads: dict[str, int] = field(default_factory=dict)
+    unloads: dict[str, int] = field(default_factory=dict)
+    loads_by_adapter: dict[str, int] = field(default_factory=dict)
+
+    def total_loads(self) -> int:
+        return sum(self.loads.values())
+
+
+class Adapters:
+    """Placement of the registered adapters over the pools' workers."""
+
+    def __init__(self, specs: Iterable[AdapterSpec], placement: AdapterPlacement,
+                 client: httpx.AsyncClient, pools: Callable[[], list[Pool]],
+                 registry: CollectorRegistry, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self.specs: dict[str, AdapterSpec] = {s.name: s for s in specs}
+        self.placement = placement
+        self.client = client
+        self.pools = pools
+        self.clock = clock
+        self.load_s = placement.load_s
+        self.held: dict[str, dict[str, Holding]] = {}  # worker url -> adapter -> holding
+        self.assigned: dict[str, set[str]] = {}  # worker url -> adapters the router loaded
+        self.capacity: dict[str, int] = {}  # worker url -> its max_lora, as scraped
+        self.loading: dict[tuple[str, str], asyncio.Future[bool]] = {}
+        self.inflight: dict[tuple[str, str], int] = {}  # (worker, adapter) -> requests
+        self.demand: dict[str, float] = {}  # adapter -> requests per sync interval (EWMA)
+        self.recent: dict[str, int] = {}  # adapter -> requests since the last sync
+        self.counts = AdapterCounts()
+        self._loads = Counter("sluice_router_adapter_loads", "adapter loads the router made",
+                              ["adapter", "reason"], registry=registry)
+        self._unloads = Counter("sluice_router_adapter_unloads",
+                                "adapter unloads the router made", ["adapter", "reason"],
+                                registry=registry)
+
+    # --- registry -----------------------------------------------------------------------
+
+    def register(self, spec: AdapterSpec) -> None:
+        """Add or replace an adapter the router may load (its path, its base model)."""
+        self.specs[spec.name] = spec
+
+    async def unregister(self, name: str) -> None:
+        """Forget `name` and unload it wherever the router loaded it."""
+        if self.specs.pop(name, None) is None:
+            raise NotFoundError(f"no adapter {name!r} is registered", param="name",
+                                code="adapter_not_found")
+        for url, names in self.assigned.items():
+            if name in names:
+                await self._unload(url, name, "unregister")
+
+    def is_adapter(self, model: str) -> bool:
+        return model in self.specs or any(model in h for h in self.held.values())
+
+    def base_of(self, model: str) -> str | None:
+        """A registered adapter's base model (None: unknown adapter or no base named)."""
+        spec = self.specs.get(model)
+        return spec.base if spec is not None else None
+
+    def holders(self, model: str) -> list[str]:
+        return sorted(url for url, held in self.held.items() if model in held)
+
+    def describe(self) -> list[dict[str, object]]:
+        return [{"name": s.name, "path": s.path, "base": s.base, "pinned": s.pinned,
+                 "workers": self.holders(s.name), "demand": round(self.demand.get(s.name, 0), 3)}
+                for s in self.specs.values()]
+
+    # --- per request --------------------------------------------------------------------
+
+    async def prepare(self, pool: Pool, model: str, meta: RequestMeta) -> tuple[str, ...]:
+        """Make sure a worker that is worth it holds `model` (loading it if needed) and
+        return the workers the request must not go to (those without it). Nothing for a
+        model that is not an adapter."""
+        if not self.is_adapter(model):
+            return ()
+        self.recent[model] = self.recent.get(model, 0) + 1
+        holders: list[str] = []
+        for held in self.held.values():  # one may be chosen now: not evicted before it is sent
+            if model in held:
+                held[model].decided = self.clock()
+        for attempt in range(2):  # once more after waiting for another request's load
+            endpoints = pool.candidates(meta.num_prompt_tokens, (), meta.version)
+            if not endpoints:
+                return ()
+            urls = [e.url for e in endpoints]
+            seconds = dict(zip(urls, costs(meta, pool._stats(meta, endpoints)), strict=True))
+            holders = [u for u in urls if model in self.held.get(u, {})]
+            target = self._target(model, urls, holders, seconds)
+            if target is None:
+                break
+            loaded = await target
+            if target.reason == WAIT and not attempt:
+                continue
+            if loaded and target.url not in holders:
+                holders.append(target.url)
+            break
+        if not holders:
+            return ()  # could not load it anywhere: let the workers answer (404)
+        return tuple(u for u in pool.endpoints if u not in holders)
+
+    def served(self, relay: Relay, model: str) -> None:
+        """A request for `model` is on `relay`'s worker until the relay closes: counted in
+        flight there (never evicted meanwhile), and its last use is stamped."""
+        if not self.is_adapter(model):
+            return
+        url = relay.ticket.endpoint.url
+        key = (url, model)
+        self.inflight[key] = self.inflight.get(key, 0) + 1
+        self._stamp(url, model)
+        previous = relay.on_close
+
+        def done(ended: Relay) -> None:
+            try:
+                if previous is not None:
+                    previous(ended)
+            finally:
+                self.inflight[key] -= 1
+                self._stamp(url, model)
+
+        relay.on_close = done
+
+    def _stamp(self, url: str, model: str) -> None:
+        holding = self.held.get(url, {}).get(model)
+        if holding is not None:
+            holding.last_used = self.clock()
+
+    def busy(self, url: str, model: str) -> bool:
+        """In flight there, or used in the last MIN_IDLE_S (a request decided but not yet
+        sent)."""
+        holding = self.held.get(url, {}).get(model)
+        return self.inflight.get((url, model), 0) > 0 or (
+            holding is not None
+            and self.clock() - max(holding.last_used, holding.decided) < MIN_IDLE_S)
+
+    def _target(self, model: str, urls: list[str], holders: list[str],
+                seconds: dict[str, float]) -> _Load | None:
+        spec = self.specs.get(model)
+        if spec is None:
+            return None  # discovered, not registered: its path is unknown
+        pending = [u for (u, m) in self.loading if m == model and u in seconds]
+        if not holders:
+            if pending:  # another request is loading it: wait for that load
+                return _Load(self, pending[0], model, None, WAIT)
+            return self._place(model, urls, seconds)
+        if len(holders) + len(pending) >= self._cap(model, len(urls)):
+            return None
+        best_holder = min(seconds[u] for u in holders)
+        options = [(seconds[u], u) for u in urls if u not in holders and u not in pending]
+        for cost, url in sorted(options):
+            if cost + self.load_s >= best_holder:
+                return None
+            victim = self._room(url, extra_only=True)
+            if victim is not False:
+                return _Load(self, url, model, _name(victim), "replicate")
+        return None
+
+    def _cap(self, model: str, workers: int) -> int:
+        spec = self.specs.get(model)
+        return workers if spec is not None and spec.pinned else self.placement.max_adapter_replicas
+
+    def _place(self, model: str, urls: list[str], seconds: dict[str, float]) -> _Load:
+        """Where a request with no holder loads its adapter: the cheapest worker with room,
+        else the cheapest with an evictable adapter, else the cheapest (over capacity)."""
+        ordered = sorted(urls, key=lambda u: seconds[u])
+        for extra_only in (True, False):
+            for url in ordered:
+                victim = self._room(url, extra_only=extra_only, residency=extra_only)
+                if victim is not False:
+                    return _Load(self, url, model, _name(victim), "demand")
+        return _Load(self, ordered[0], model, None, "demand")
+
+    def _room(self, url: str, *, extra_only: bool, residency: bool = True) -> str | bool:
+        """True: `url` has a free slot; an adapter's name: room once it is evicted;
+        False: no room. `extra_only`: evict only an adapter with another replica."""
+        held = self.held.get(url, {})
+        busy = sum(1 for (u, _) in self.loading if u == url)
+        if len(held) + busy < self._capacity(url):
+            return True
+        now = self.clock()
+        victims = [(h.last_used, name) for name, h in held.items()
+                   if name in self.specs and not self.specs[name].pinned
+                   and not self.busy(url, name)
+                   and (not residency or now - h.loaded_at >= self.placement.min_residency_s)
+                   and (not extra_only or len(self.holders(name)) > 1)]
+        return min(victims)[1] if victims else False
+
+    def _capacity(self, url: str) -> int:
+        if self.placement.adapters_per_worker is not None:
+            return self.placement.adapters_per_worker
+        return self.capacity.get(url, DEFAULT_CAPACITY)
+
+    # --- loading and unloading ------------------------------------------------------------
+
+    async def load(self, url: str, model: str, reason: str, victim: str | None = None) -> bool:
+        """Load `model` on `url` (after unloading `victim` there); True once it holds it.
+        One load per (worker, adapter) at a time: a second caller waits for the first."""
+        key = (url, model)
+        if key in self.loading:
+            return await self.loading[key]
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self.loading[key] = future
+        try:
+            if victim is not None:
+                await self._unload(url, victim, "evict")
+            ok = await self._post_load(url, self.specs[model])
+            if ok:
+                now = self.clock()
+                self._set_listed(url, model, True)
+                self.held.setdefault(url, {})[model] = Holding(now, True, now)
+                self.assigned.setdefault(url, set()).add(model)
+                self.counts.loads[reason] = self.counts.loads.get(reason, 0) + 1
+                by = self.counts.loads_by_adapter
+                by[model] = by.get(model, 0) + 1
+                self._loads.labels(model, reason).inc()
+            future.set_result(ok)
+            return ok
+        finally:
+            del self.loading[key]
+            if not future.done():  # cancelled: the waiters learn it did not load
+                future.set_result(False)
+
+    async def _post_load(self, url: str, spec: AdapterSpec) -> bool:
+        start = self.clock()
+        try:
+            resp = await self.client.post(url + "/v1/load_lora_adapter",
+                                          json={"lora_name": spec.name, "lora_path": spec.path})
+        except httpx.HTTPError as exc:
+            log.warning("loading adapter %s on %s failed: %s", spec.name, url, exc)
+            return False
+        if resp.status_code == 200 or "already been loaded" in resp.text:
+            self.load_s += LOAD_EWMA * (self.clock() - start - self.load_s)
+            return True
+        log.warning("loading adapter %s on %s: %d %s", spec.name, url, resp.status_code,
+                    resp.text[:200])
+        return False
+
+    async def _unload(self, url: str, model: str, reason: str) -> None:
+        """Stop routing `model` to `url` at once, then unload it there."""
+        self.held.get(url, {}).pop(model, None)
+        self.assigned.get(url, set()).discard(model)
+        self._set_listed(url, model, False)
+        try:
+            await self.client.post(url + "/v1/unload_lora_adapter", json={"lora_name": model})
+        except httpx.HTTPError as exc:
+            log.warning("unloading adapter %s on %s failed: %s", model, url, exc)
+            return
+        self.counts.unloads[reason] = self.counts.unloads.get(reason, 0) + 1
+        self._unloads.labels(model, reason).inc()
+
+    def _set_listed(self, url: str, model: str, listed: bool) -> None:
+        """Keep the worker's model ids (what the proxy may send it unchanged) in step."""
+        for pool in self.pools():
+            endpoint = pool.endpoints.get(url)
+            if endpoint is not None:
+                others = tuple(m for m in endpoint.models if m != model)
+                endpoint.models = (*others, model) if listed else others
+
+    # --- background: read back, restore, warm, drop ----------------------------------------
+
+    async def sync_all(self) -> None:
+        """One round over every worker (the app runs it every `sync_interval_s`)."""
+        for name, count in list(self.recent.items()) + [(n, 0) for n in self.demand
+                                                          if n not in self.recent]:
+            old = self.demand.get(name, 0.0)
+            self.demand[name] = old + DEMAND_EWMA * (count - old)
+        self.recent.clear()
+        if not self.specs and not any(self.held.values()) \
+                and not any(len(e.models) > 1 for p in self.pools() for e in p.endpoints.values()):
+            return  # no adapters anywhere: nothing to read back
+        await asyncio.gather(*(self.sync(pool, url) for pool in self.pools()
+                               for url, e in list(pool.endpoints.items()) if e.available))
+        self._forget_removed()
+
+    async def sync(self, pool: Pool, url: str) -> None:
+        started = self.clock()
+        read = await self._read_adapters(url)
+        if read is None:
+            return
+        ids, found = read
+        if url in pool.endpoints:
+            pool.endpoints[url].models = ids
+        first = url not in self.held
+        old = self.held.get(url, {})
+        self.held[url] = {name: old.get(name) or Holding(started, False)
+                          for name in found}
+        for name, holding in old.items():  # loaded while the read was on its way
+            if holding.loaded_at > started and name not in found:
+                self.held[url][name] = holding
+        for name in sorted(self.assigned.get(url, set()) - set(self.held[url])):
+            if name in self.specs:  # the worker restarted without it
+                await self.load(url, name, "restore")
+        await self._fill(pool, url, first)
+        await self._drop_idle(url)
+
+    async def _read_adapters(self, url: str) -> tuple[tuple[str, ...], set[str]] | None:
+        """The worker's model ids, and which of them are adapters (have a `parent`)."""
+        try:
+            resp = await self.client.get(url + "/v1/models")
+            data = resp.json().get("data", []) if resp.status_code == 200 else None
+            if self.placement.adapters_per_worker is None and url not in self.capacity:
+                metrics = await self.client.get(url + "/metrics")
+                match = _MAX_LORA.search(metrics.text)
+                if match:
+                    self.capacity[url] = int(match.group(1))
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        if not isinstance(data, list):
+            return None
+        entries = [m for m in data if isinstance(m, dict) and "id" in m]
+        return (tuple(str(m["id"]) for m in entries),
+                {str(m["id"]) for m in entries if m.get("parent")})
+
+    async def _fill(self, pool: Pool, url: str, first: bool) -> None:
+        """Pinned adapters everywhere; on a new worker also the hottest adapters that are
+        below their replica cap, while it has free slots."""
+        mine = [s for s in self.specs.values() if s.base is None or pool.serves(s.base)]
+        wanted = [s.name for s in mine if s.pinned]
+        if first:
+            hot = sorted((s for s in mine if not s.pinned and self.demand.get(s.name, 0) > 0),
+                         key=lambda s: -self.demand.get(s.name, 0.0))
+            wanted += [s.name for s in hot
+                       if len(self.holders(s.name)) < self.placement.max_adapter_replicas]
+        for name in wanted:
+            if name in self.held[url]:
+                continue
+            if self._room(url, extra_only=True) is not True:
+                break
+            await self.load(url, name, "pinned" if self.specs[name].pinned else "warm")
+
+    async def _drop_idle(self, url: str) -> None:
+        """Unload extra replicas idle for `idle_unload_s`; and while the worker holds more
+        than its slots (a request found no room anywhere), its least recently used
+        router-loaded adapters idle for MIN_IDLE_S."""
+        now, idle = self.clock(), self.placement.idle_unload_s
+        held = self.held.get(url, {})
+        for name, h in list(held.items()):
+            spec = self.specs.get(name)
+            if (h.by_router and spec is not None and not spec.pinned
+                    and now - max(h.last_used, h.loaded_at) >= idle
+                    and len(self.holders(name)) > 1):
+                await self._unload(url, name, "idle")
+        over = len(held) - self._capacity(url)
+        trimmable = sorted((h.last_used, name) for name, h in held.items()
+                           if h.by_router and name in self.specs and not self.specs[name].pinned
+                           and not self.busy(url, name))
+        for _, name in trimmable[:max(0, over)]:
+            await self._unload(url, name, "trim")
+
+    def _forget_removed(self) -> None:
+        known = {url for pool in self.pools() for url in pool.endpoints}
+        for url in [u for u in self.held if u not in known]:
+            self.held.pop(url, None)
+            self.capacity.pop(url, None)
+            # `assigned` is kept: a worker that comes back under the same URL is restored
+
+
+def _name(victim: str | bool) -> str | None:
+    return victim if isinstance(victim, str) else None
+
+
+@dataclass
+class _Load:
+    """A decided load, awaited by the request that needs it (`await target`)."""
+
+    adapters: Adapters
+    url: str
+    model: str
+    victim: str | None
+    reason: str
+
+    def __await__(self):  # type: ignore[no-untyped-def]
+        return self.adapters.load(self.url, self.model, self.reason, self.victim).__await__()
+
+
+def check_adapter_body(body: object) -> AdapterSpec:
+    """`POST /admin/adapters` body -> AdapterSpec (400 naming the field otherwise)."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("expected a JSON object {name, path, base?, pinned?}",
+                                  param="body")
+    unknown = sorted(set(body) - {"name", "path", "base", "pinned"})
+    if unknown:
+        raise InvalidRequestError(f"unknown adapter field(s): {', '.join(unknown)}",
+                                  param=unknown[0])
+    for key in ("name", "path"):
+        if not isinstance(body.get(key), str) or not body[key]:
+            raise InvalidRequestError(f"'{key}' must be a non-empty string", param=key)
+    return AdapterSpec(body["name"], body["path"], body.get("base"), bool(body.get("pinned")))
