@@ -67,6 +67,7 @@ class SeqChunk:
     block_table: list[int]  # KV block ids covering >= start_pos+len tokens
     need_logits: bool  # True if the last token's logits are needed
     lora: LoRAAdapter | None = None  # the sequence's adapter (multi-LoRA), or the base
+    num_logits: int = 1  # logit rows: the last `num_logits` tokens' (speculative verify)
 
 
 # CPU flags of native bfloat16 math: AVX512-BF16's dot products, AMX's tiles. Without
@@ -214,7 +215,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk]) -> Tensor:
-        """Run one step; float32 logits `[num chunks with need_logits, vocab]`, in order.
+        """Run one step; float32 logits, in order: one row per chunk with need_logits,
+        `num_logits` rows (its last tokens') for a chunk verifying drafts.
 
         Mutates the KV pool: every new token's K/V is written at its slot.
         """
@@ -224,7 +226,8 @@ class ModelRunner:
         tokens, positions, slots, last_row = self._flatten(chunks, order)
         meta = AttentionMetadata(self._tensor(slots), self._groups(chunks, order),
                                  self.native.paged_decode_attention if self.native else None)
-        wanted = [last_row[i] for i, c in enumerate(chunks) if c.need_logits]
+        wanted = [row for i, c in enumerate(chunks) if c.need_logits
+                  for row in range(last_row[i] - c.num_logits + 1, last_row[i] + 1)]
         if self.lora_slots is not None:
             self.lora_slots.prepare([(chunks[i].lora, len(chunks[i].token_ids)) for i in order],
                                     self.device, self.dtype)
