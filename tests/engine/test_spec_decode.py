@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +22,14 @@ from sluice.engine.llm_engine import LLMEngine
 from sluice.engine.messages import CoreOutputs, decode, encode
 from sluice.engine.outputs import RequestOutput
 from sluice.engine.sampling_params import SamplingParams
-from sluice.engine.spec_decode import NgramProposer, StepCost, SuffixProposer
+from sluice.engine.sequence import Sequence as Sequence_
+from sluice.engine.spec_decode import (
+    NgramProposer,
+    Proposer,
+    SpecDecoder,
+    StepCost,
+    SuffixProposer,
+)
 from sluice.engine.stats import EngineStats
 from sluice.protocol.errors import InvalidRequestError
 from sluice.worker.metrics import EngineStatsCollector
@@ -289,3 +298,73 @@ def test_config_parses_vllm_json() -> None:
         '"prompt_lookup_max": 4}'))
     assert config.speculative == SpeculativeConfig("ngram", 3, 2, 4)
     assert math.isclose(SpeculativeConfig(method="suffix").suffix_decoding_min_token_prob, 0.1)
+
+
+class OracleProposer(Proposer):
+    """Drafts the plain output it was told (a random tiny model repeats nothing, so no
+    n-gram would match), with every third drafted position wrong: real forwards verify
+    drafts that are accepted and drafts that are rejected."""
+
+    def __init__(self, config: SpeculativeConfig | None = None,
+                 answers: dict[tuple[int, ...], list[int]] | None = None) -> None:
+        self.answers = answers or {}
+        self.calls = 0
+
+    def propose(self, seq: Sequence_, k: int) -> list[int]:
+        answer = self.answers[tuple(seq.token_ids[:seq.num_prompt_tokens])]
+        draft = list(answer[seq.num_output_tokens:seq.num_output_tokens + k])
+        for i in range(len(draft)):
+            self.calls += 1
+            if self.calls % 3 == 0:
+                draft[i] = (draft[i] + 1) % 40000
+        return draft
+
+    def forget(self, seq: Sequence_) -> None:
+        pass
+
+
+def test_tiny_model_outputs_equal_plain(tiny_llama_dir: Path) -> None:
+    """The real forward: k+1 logit rows per drafted sequence over the paged cache, KV of
+    rejected drafts rolled back. Random prompts, n = 2, max_tokens mid-draft, a stop
+    string, chunked prefill and preemption (a small pool): greedy outputs equal to the
+    same engine's with speculation detached, for ngram, suffix and an oracle proposer
+    (drafts partly right, so verification accepts and rejects on the real model)."""
+    from sluice.engine.llm import LLM
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=14, block_size=8,
+              max_num_batched_tokens=24, max_num_seqs=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 5,
+                                  "prompt_lookup_min": 1, "adaptive": False})
+    core = llm.engine.core
+    rng = random.Random(0)
+    cycle = [rng.randrange(300, 40000) for _ in range(5)]
+    prompts: list[list[int]] = [cycle * 5, [rng.randrange(300, 40000) for _ in range(19)],
+                                cycle * 3 + [77, 78], [rng.randrange(300, 40000) for _ in range(7)]]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, n=n)
+              for m, n in ((31, 1), (22, 2), (13, 1), (26, 1))]
+    ngram, core.spec = core.spec, None
+    plain = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, greedy)]
+    text = llm.generate([prompts[0]], greedy[0])[0].outputs[0].text
+    stop = [dataclasses.replace(greedy[0], stop=[text[len(text) // 2:len(text) // 2 + 3]])]
+    plain_stop = llm.generate([prompts[0]], stop)[0].outputs[0]
+    assert plain_stop.finish_reason == "stop"
+    assert core.scheduler.num_preemptions > 0
+
+    def decoder(method: str) -> SpecDecoder:
+        return SpecDecoder(SpeculativeConfig(method=method, num_speculative_tokens=5,
+                                             adaptive=False), core.sampler,
+                           core.block_manager, core.info.max_model_len)
+
+    oracle = decoder("ngram")
+    oracle.proposer = OracleProposer(answers={tuple(p): o[0] for p, o in zip(prompts, plain,
+                                                                              strict=True)})
+    for spec in (ngram, decoder("suffix"), oracle):
+        core.spec = spec
+        got = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, greedy)]
+        assert got == plain
+        got_stop = llm.generate([prompts[0]], stop)[0].outputs[0]
+        assert (got_stop.token_ids, got_stop.text) == (plain_stop.token_ids, plain_stop.text)
+    counts = oracle.stats()
+    assert 0 < counts["num_accepted_tokens"] < counts["num_draft_tokens"]
+    assert counts["accepted_per_pos"][1] > 0  # several drafts accepted in one forward
+    assert core.block_manager.num_free_blocks == 14
