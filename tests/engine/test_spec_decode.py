@@ -368,3 +368,20 @@ def test_tiny_model_outputs_equal_plain(tiny_llama_dir: Path) -> None:
     assert 0 < counts["num_accepted_tokens"] < counts["num_draft_tokens"]
     assert counts["accepted_per_pos"][1] > 0  # several drafts accepted in one forward
     assert core.block_manager.num_free_blocks == 14
+
+
+def test_worker_and_serve_flag() -> None:
+    from sluice.cli import build_parser
+    from sluice.serve import worker_flags
+    from sluice.worker.cli import engine_config
+
+    value = '{"method": "suffix", "num_speculative_tokens": 6}'
+    for cmd in ("worker", "serve"):
+        args = build_parser([cmd]).parse_args([cmd, "--speculative-config", value])
+        config = engine_config(args)
+        assert config.speculative == SpeculativeConfig(method="suffix", num_speculative_tokens=6)
+    assert worker_flags(args)[-2:] == ["--speculative-config", value]  # serve -> its workers
+    bad = build_parser(["worker"]).parse_args(["worker", "--speculative-config", '{"k": 1}'])
+    with pytest.raises(InvalidRequestError) as exc:
+        engine_config(bad)
+    assert exc.value.param == "speculative_config.k"

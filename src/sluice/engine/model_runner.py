@@ -239,10 +239,17 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
     @staticmethod
-    def _flat_order(chunks: list[SeqChunk]) -> list[int]:
-        """Chunk indices in flat order: single-token chunks (decodes) first, then prefills."""
-        decodes = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
-        return decodes + [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
+    def _decode_like(c: SeqChunk) -> bool:
+        """A decode, or a speculative verify (every token's logits wanted): its tokens run
+        as one-query decodes of growing context over the same block table (K/V are
+        written before attention reads them, so each draft sees the ones before it)."""
+        return len(c.token_ids) == 1 or c.num_logits == len(c.token_ids)
+
+    @classmethod
+    def _flat_order(cls, chunks: list[SeqChunk]) -> list[int]:
+        """Chunk indices in flat order: decodes (and verifies) first, then prefills."""
+        decodes = [i for i, c in enumerate(chunks) if cls._decode_like(c)]
+        return decodes + [i for i, c in enumerate(chunks) if not cls._decode_like(c)]
 
     def _flatten(self, chunks: list[SeqChunk],
                  order: list[int]) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -284,17 +291,22 @@ class ModelRunner:
                             self.dtype)
         groups, start = [], 0
         num_decodes = self._num_decodes(chunks)
-        for members in (order[:num_decodes], order[num_decodes:]):
+        for decodes, members in ((True, order[:num_decodes]), (False, order[num_decodes:])):
             if not members:
                 continue
             picked = [chunks[i] for i in members]
-            group = build_group(start, [len(c.token_ids) for c in picked],
-                                [c.start_pos for c in picked], [c.block_table for c in picked],
-                                layout)
+            if decodes:  # one query per token (a verify's tokens: growing contexts)
+                starts = [c.start_pos + j for c in picked for j in range(len(c.token_ids))]
+                tables = [c.block_table for c in picked for _ in c.token_ids]
+                group = build_group(start, [1] * len(starts), starts, tables, layout)
+            else:
+                group = build_group(start, [len(c.token_ids) for c in picked],
+                                    [c.start_pos for c in picked],
+                                    [c.block_table for c in picked], layout)
             groups.append(group)
             start = group.end
         return groups
 
-    @staticmethod
-    def _num_decodes(chunks: list[SeqChunk]) -> int:
-        return sum(1 for c in chunks if len(c.token_ids) == 1)
+    @classmethod
+    def _num_decodes(cls, chunks: list[SeqChunk]) -> int:
+        return sum(1 for c in chunks if cls._decode_like(c))

@@ -347,8 +347,9 @@ class SpecDecoder:
         self.accepted_per_pos = [0] * self.k
 
     def calibrate(self, runner: Any, chunk_cls: Any, max_tokens: int) -> None:
-        """Time forwards of 1.. `max_tokens` tokens (block 0's slots only, as warm-up)
-        to seed the step-time curve."""
+        """Time forwards of 1.. `max_tokens` tokens shaped as verifies (one query and one
+        logit row per token; block 0's slots only, as warm-up) to seed the step-time
+        curve."""
         bs, sizes, n = runner.block_size, [], 1
         while n <= max_tokens:
             sizes.append(n)
@@ -357,6 +358,7 @@ class SpecDecoder:
             best = float("inf")
             for _ in range(2):
                 chunk = chunk_cls([0] * n, 0, [0] * blocks_needed(n, bs), True)
+                chunk.num_logits = n  # a verify's shape: n decode queries, n logit rows
                 start = time.perf_counter()
                 runner.execute([chunk])
                 best = min(best, time.perf_counter() - start)
