@@ -427,6 +427,8 @@ class SpecDecoder:
                drafts: dict[Sequence, list[int]], plain: Any) -> list[list[SampleResult]]:
         """Tokens for every sampled sequence: `plain(rows, seqs)` for those without
         drafts (one row each), verification for the others (len(draft) + 1 rows each)."""
+        if not drafts:  # nothing drafted this step: the plain path, no row copies
+            return [[r] for r in plain(logits, seqs)]
         starts, row = [], 0
         for seq in seqs:
             starts.append(row)
