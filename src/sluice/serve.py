@@ -1,6 +1,7 @@
 """`sluice serve`: the all-in-one entry point, gateway + router + workers on one machine.
 
     --workers 1 (default)                 --workers N, or --min-workers A --max-workers B
+                                          (--pd P:D: P prefill and D decode workers)
     :8000  gateway ─▶ worker app          :8000  gateway ─▶ router ─▶ `sluice worker`s from
            (engine core in a child process)   (cost policy)   a backend (local processes
                                                  │            on free ports, or Ray actors),
@@ -28,11 +29,13 @@ without keys (the bare worker or router).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Any
 
 from sluice import env
+from sluice.control.flags import add_scaling_arguments, scaling_options
 from sluice.observe.cli import buckets as observe_buckets
 from sluice.observe.cli import observe_flags, tracing_config
 from sluice.protocol.errors import InvalidRequestError
@@ -82,21 +85,13 @@ def add_control_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     g.add_argument("--worker-url", action="append", default=[], metavar="URL",
                    help="--backend external: a worker (or a Service in front of them)")
-    g.add_argument("--min-workers", type=int, default=None,
-                   help="autoscale: fewest workers; 0 scales to zero when idle")
-    g.add_argument("--max-workers", type=int, default=None, help="autoscale: most workers")
+    add_scaling_arguments(g, "autoscale: fewest workers; 0 scales to zero when idle")
     g.add_argument("--slo", default="ttft=2s,itl=200ms",
                    help="targets of the slo planner policy: p90 TTFT and mean ITL "
                         "(default: %(default)s)")
     g.add_argument("--planner-policy", default="slo", choices=["slo", "queue", "kv"],
                    help="slo: fewest workers predicted to meet --slo; queue: requests per "
                         "worker; kv: KV-cache usage (default: %(default)s)")
-    g.add_argument("--scale-up-delay", type=float, default=5.0,
-                   help="seconds a larger count must be wanted before scaling up "
-                        "(default: %(default)s)")
-    g.add_argument("--scale-down-delay", type=float, default=60.0,
-                   help="seconds a smaller count must be wanted before scaling down "
-                        "(default: %(default)s)")
     g.add_argument("--lookahead", type=float, default=30.0,
                    help="slo policy: also meet the SLO for the demand forecast this many "
                         "seconds ahead, about a new worker's start time; 0: today's only "
@@ -112,6 +107,19 @@ def add_control_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     g.add_argument("--ray-address", default=None,
                    help="--backend ray: the cluster to join (default: start a local one)")
+    g = p.add_argument_group("prefill/decode disaggregation (with a router)")
+    g.add_argument("--pd", default=None, metavar="P:D",
+                   help="a disaggregated pool: P prefill and D decode workers (e.g. --workers 4 "
+                        "--pd 1:3; autoscaled pools keep the ratio); each worker gets --role")
+    g.add_argument("--pd-mode", default="conditional", choices=["conditional", "always", "never"],
+                   help="--pd: when a request is prefilled on a prefill worker "
+                        "(default: %(default)s)")
+    g.add_argument("--pd-min-uncached-tokens", type=int, default=2048, metavar="N",
+                   help="--pd conditional: uncached prompt tokens needed to prefill remotely "
+                        "(default: %(default)s)")
+    g.add_argument("--no-pd-rebalance", dest="pd_rebalance", action="store_false",
+                   help="--pd: keep the P:D ratio (default: move workers between the sides by "
+                        "switching their role live when one side is over its target)")
 
 
 def worker_bounds(args: argparse.Namespace) -> tuple[int, int]:
@@ -126,7 +134,23 @@ def worker_bounds(args: argparse.Namespace) -> tuple[int, int]:
 
 def uses_router(args: argparse.Namespace) -> bool:
     return (args.workers > 1 or args.min_workers is not None or args.max_workers is not None
-            or args.backend != "local")
+            or args.backend != "local" or args.pd is not None)
+
+
+def pd_ratio(args: argparse.Namespace) -> tuple[int, int] | None:
+    """`--pd P:D` as (P, D); with a fixed pool P + D must be --workers."""
+    if args.pd is None:
+        return None
+    p, sep, d = args.pd.partition(":")
+    if not (sep and p.strip().isdigit() and d.strip().isdigit()) or int(p) < 1 or int(d) < 1:
+        raise InvalidRequestError(f"--pd wants P:D with P, D >= 1 (e.g. 1:3), got {args.pd!r}",
+                                  param="pd")
+    ratio = int(p), int(d)
+    lo, hi = worker_bounds(args)
+    if lo == hi and sum(ratio) != hi:
+        raise InvalidRequestError(f"--pd {args.pd} needs {sum(ratio)} workers, not {hi} "
+                                  f"(--workers {sum(ratio)})", param="pd")
+    return ratio
 
 
 def say(message: str) -> None:
@@ -230,9 +254,8 @@ def planner_config(args: argparse.Namespace) -> Any:
 
     lo, hi = worker_bounds(args)
     return PlannerConfig(policy=args.planner_policy, min_replicas=lo, max_replicas=hi,
-                         slo=SLO.parse(args.slo), scale_up_delay_s=args.scale_up_delay,
-                         scale_down_delay_s=args.scale_down_delay,
-                         lookahead_s=args.lookahead,
+                         slo=SLO.parse(args.slo), lookahead_s=args.lookahead,
+                         **scaling_options(args),
                          scale_to_zero_after_s=args.scale_to_zero_after if lo == 0 else None)
 
 
@@ -246,16 +269,18 @@ def backend_options(args: argparse.Namespace, flags: list[str]) -> dict[str, Any
 def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
     from sluice.control.backend import ModelSpec, make_backend
     from sluice.control.controller import Controller, ControllerConfig, attach
-    from sluice.control.planner import Planner
+    from sluice.control.pd import PDController
+    from sluice.control.planner import PDRatioConfig, PDRatioPlanner, Planner
     from sluice.engine.tokenizer import default_served_name, resolve_model
     from sluice.observe.asgi import traced_gateway
     from sluice.observe.tracing import start_tracing
     from sluice.router.app import build_app
     from sluice.router.cli import flow_overrides
-    from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
+    from sluice.router.config import PDConfig, PoolConfig, RouterConfig, WorkerSpec
     from sluice.router.server import run
 
     planning = planner_config(args)
+    ratio = pd_ratio(args)
     name = default_served_name(args.model)
     flags = (worker_flags(args) + ["--log-level", args.log_level, "--served-model-name", name]
              + observe_flags(args))
@@ -264,7 +289,10 @@ def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
     initial = max(1, planning.min_replicas)
     pool_config = PoolConfig(model=name, policy=args.policy, tokenizer=resolve_model(args.model),
                              block_size=args.block_size or 16,
-                             workers=tuple(WorkerSpec(url) for url in args.worker_url))
+                             workers=tuple(WorkerSpec(url) for url in args.worker_url),
+                             pd=PDConfig(mode=args.pd_mode,
+                                         min_uncached_tokens=args.pd_min_uncached_tokens)
+                             if ratio else None)
     config = flow_overrides(args, RouterConfig(
         pools=(pool_config,), host=args.host, port=args.port,
         admin_key=args.admin_key or env.get("ADMIN_KEY"), buffer_timeout_s=args.buffer_timeout))
@@ -274,9 +302,19 @@ def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
     wrap = traced_gateway(wrap, tracing) if wrap and tracing is not None else wrap
     control = ControllerConfig(drain_grace_s=args.drain_timeout)
     model = ModelSpec(resolve_model(args.model))  # a swap replaces it (POST .../model)
-    attach(app, lambda state: [Controller(name, state, state.pools[0], backend,
-                                          Planner(planning, initial=initial), control,
-                                          model=model)])
+
+    def controllers(state: Any) -> list[Controller]:
+        controller = Controller(name, state, state.pools[0], backend,
+                                Planner(planning, initial=initial), control, model=model)
+        if ratio is not None:  # the P:D split, and live role switches (control/pd.py)
+            rebalance = PDRatioPlanner(PDRatioConfig(delay_s=10.0 if args.pd_rebalance
+                                                     else math.inf))
+            controller.pd = PDController(name, state, state.pools[0], rebalance,
+                                         prefill_share=ratio[0] / sum(ratio),
+                                         drain_timeout_s=args.drain_timeout)
+        return [controller]
+
+    attach(app, controllers)
     show_control_logs(args.log_level)
     if backend is not None:
         say(f"starting {initial} of {planning.min_replicas}-{planning.max_replicas} workers on "
@@ -318,6 +356,7 @@ def handler(args: argparse.Namespace) -> int:
     try:
         if uses_router(args):
             planner_config(args)  # flag errors before anything starts
+            pd_ratio(args)
             if (args.backend == "external") != bool(args.worker_url):
                 raise InvalidRequestError("--worker-url goes with --backend external (and "
                                           "--backend external needs one)", param="worker_url")

@@ -22,6 +22,7 @@ def parse(*argv: str) -> argparse.Namespace:
     (["--backend", "external"], "--worker-url"),
     (["--worker-url", "http://w:1", "--workers", "2"], "--worker-url"),
     (["--max-workers", "2", "--lookahead", "-1"], "lookahead_s must be >= 0"),
+    (["--max-workers", "2", "--scale-down-margin", "1.5"], "scale_down_margin must be in"),
 ])
 def test_bad_flags_exit_2_before_starting(argv: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -41,6 +42,10 @@ def test_bounds_and_the_planner_config() -> None:
         .scale_to_zero_after_s is None
     assert planner_config(parse("--max-workers", "2")).lookahead_s == 30.0
     assert planner_config(parse("--max-workers", "2", "--lookahead", "0")).lookahead_s == 0.0
+    tuned = planner_config(parse("--max-workers", "2", "--scale-up-delay", "1",
+                                 "--scale-down-delay", "9", "--scale-down-margin", "0.8"))
+    assert (tuned.scale_up_delay_s, tuned.scale_down_delay_s, tuned.scale_down_margin) \
+        == (1.0, 9.0, 0.8)
 
 
 def test_chat_flags_reach_every_worker(tmp_path: object) -> None:

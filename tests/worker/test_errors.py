@@ -62,7 +62,6 @@ def test_infinite_temperature_is_refused(http: httpx.Client) -> None:
     ("functions", [{"name": "f"}]),
     ("logit_bias", {"50": 10}),
     ("audio", {"voice": "alloy", "format": "wav"}),
-    ("kv_transfer_params", {"do_remote_prefill": True}),
 ])
 def test_unsupported_parameters_are_refused(http: httpx.Client, field: str, value: Any) -> None:
     err = openai_error(http.post("/v1/chat/completions",

@@ -53,7 +53,7 @@ def test_chat_request_errors_name_the_field(body: dict, param: str) -> None:
 
 @pytest.mark.parametrize(("field", "value"), [
     ("functions", [{}]), ("function_call", "auto"), ("logit_bias", {"1": 2}),
-    ("audio", {"voice": "x"}), ("kv_transfer_params", {"do_remote_decode": True}),
+    ("audio", {"voice": "x"}),
     ("modalities", ["text", "audio"]),
 ])
 def test_unsupported_chat_fields_are_refused_by_name(field: str, value: object) -> None:

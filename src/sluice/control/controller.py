@@ -5,6 +5,9 @@
                   replaced below, because the pool is now short of the desired count)
       scrape      the workers' latency histograms into the window (TTFT p90, ITL)
       decide      planner.decide(pool_signals(...), now)
+      P:D         a disaggregated pool: move a worker between prefill and decode by a
+                  live role switch (control/pd.py); new workers start with the role
+                  the ratio wants (`sluice worker --role`)
       reconcile   short: start workers of the pool's current model (each joins the
                         router once /health is 200 and its probe passed)
                   over: cancel starting workers first, then drain the ready worker
@@ -41,6 +44,7 @@ from typing import Any
 import httpx
 
 from sluice.control.backend import Backend, ModelSpec, WorkerHandle, WorkerHealth
+from sluice.control.pd import PDController
 from sluice.control.planner import Decision, Planner
 from sluice.control.signals import LatencyWindow, parse_latency, pool_signals
 from sluice.control.swap import Swap, describe_spec, parse_model_spec
@@ -89,6 +93,7 @@ class Controller:
         self.model, self.revision = model, 1
         self.swap: Swap | None = None  # the running or last swap
         self.swap_task: asyncio.Task[None] | None = None
+        self.pd: PDController | None = None  # a disaggregated pool's P:D ratio (pd.py)
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -116,6 +121,8 @@ class Controller:
         self.last = self.planner.decide(signals, now)
         if self.backend is not None and not self.swapping:
             self.reconcile(self.last.desired)
+        if self.pd is not None:
+            self.pd.step()
         return self.last
 
     @property
@@ -187,11 +194,18 @@ class Controller:
     async def _start(self) -> None:
         """One worker of the pool's current model, routable once its probe passed."""
         started = self.clock()
+        role = self.pd.next_role() if self.pd is not None else None
+        model = self.model
+        if role is not None and model is not None:  # `sluice worker --role ROLE`
+            model = ModelSpec(model.model, {**model.options, "role": role})
         try:
-            handle = await self.boot(self.model, self.revision)
+            handle = await self.boot(model, self.revision)
         except (OSError, RuntimeError, TimeoutError):
             return
-        (await self.join(handle, self.revision, started)).draining = False
+        finally:
+            if role is not None and self.pd is not None:
+                self.pd.started(role)
+        (await self.join(handle, self.revision, started, role)).draining = False
 
     async def boot(self, model: ModelSpec | None, revision: int) -> WorkerHandle:
         """Start one worker of `model` through the backend, until /health 200; a failure
@@ -205,10 +219,11 @@ class Controller:
             self.event("start_failed", error=str(exc)[:500])
             raise
 
-    async def join(self, handle: WorkerHandle, revision: int, started: float) -> Endpoint:
+    async def join(self, handle: WorkerHandle, revision: int, started: float,
+                   role: str | None = None) -> Endpoint:
         """Add a started worker to the router, held back (draining) until the caller lets
         it take requests; probed first (health, the model ids it serves)."""
-        endpoint = self.pool.add(WorkerSpec(handle.url, kv_events=handle.kv_events))
+        endpoint = self.pool.add(WorkerSpec(handle.url, kv_events=handle.kv_events, role=role))
         endpoint.draining = True
         self.state.start_subscriber(self.pool, endpoint)
         try:
@@ -307,7 +322,8 @@ class Controller:
                 "workers": sorted(self.workers), "draining": sorted(self.draining),
                 "starting": len(self.starting), "revision": self.revision,
                 "swap": self.swap.describe() if self.swap is not None else None,
-                **self.planner.describe(), "events": list(self.events)}
+                **self.planner.describe(), "events": list(self.events),
+                **({"pd": self.pd.describe()} if self.pd is not None else {})}
 
     async def close(self) -> None:
         """Cancel starts and a running swap, let drains finish, stop every worker the

@@ -578,3 +578,121 @@ class Planner:
         return {"config": asdict(self.config), "desired": self.desired,
                 "idle_since": self.idle_since,
                 "decisions": [d.to_dict() for d in self.decisions]}
+
+
+# --- prefill/decode disaggregation: the P:D ratio ------------------------------------------
+
+
+@dataclass(frozen=True)
+class PDSignals:
+    """A disaggregated pool's two sides at one moment (router/pd.py; plain data).
+
+    Prefill side: workers, the router's requests in prefill there, the uncached prompt
+    tokens queued on them and their learned seconds per token. Decode side (decode and
+    `both` workers): workers, running and waiting sequences, mean KV-cache usage.
+    """
+
+    pool: str
+    prefill_workers: int = 0
+    decode_workers: int = 0
+    prefill_inflight: int = 0
+    prefill_queued_tokens: float = 0.0
+    prefill_seconds_per_token: float = PRIOR_SECONDS_PER_TOKEN
+    decode_running: float = 0.0
+    decode_waiting: float = 0.0
+    decode_kv_usage: float = 0.0
+
+
+@dataclass(frozen=True)
+class PDRatioConfig:
+    """When to move a worker from one side to the other. A side's utilisation is its
+    load per worker over its target (1.0: at target): prefill, the queued prefill
+    seconds per prefill worker over `target_prefill_wait_s`; decode, the larger of the
+    sequences per decode worker over `target_decode_running` and the KV usage over
+    `target_kv_usage`. A move must be wanted for `delay_s` before it is made."""
+
+    target_prefill_wait_s: float = 1.0
+    target_decode_running: float = 16.0
+    target_kv_usage: float = 0.8
+    delay_s: float = 10.0
+    min_prefill: int = 1
+    min_decode: int = 1
+
+    def __post_init__(self) -> None:
+        if min(self.target_prefill_wait_s, self.target_decode_running) <= 0 \
+                or not 0 < self.target_kv_usage <= 1:
+            raise InvalidRequestError("P:D targets must be positive (kv <= 1)",
+                                      param="target_prefill_wait_s")
+        if self.delay_s < 0 or self.min_prefill < 0 or self.min_decode < 1:
+            raise InvalidRequestError("need delay_s >= 0, min_prefill >= 0, min_decode >= 1",
+                                      param="min_decode")
+
+
+def prefill_utilisation(s: PDSignals, n: int, config: PDRatioConfig) -> float:
+    if n <= 0:
+        return math.inf if s.prefill_queued_tokens > 0 else 0.0
+    return s.prefill_queued_tokens * s.prefill_seconds_per_token / n / config.target_prefill_wait_s
+
+
+def decode_utilisation(s: PDSignals, n: int, config: PDRatioConfig) -> float:
+    if n <= 0:
+        return math.inf
+    running = (s.decode_running + s.decode_waiting) / n / config.target_decode_running
+    kv = s.decode_kv_usage * s.decode_workers / n / config.target_kv_usage
+    return max(running, kv)
+
+
+@dataclass(frozen=True)
+class PDMove:
+    """One P:D step: the role a worker should move to (None: stay), and why."""
+
+    pool: str
+    at: float
+    to_role: str | None
+    reason: str
+    prefill_utilisation: float
+    decode_utilisation: float
+    signals: PDSignals
+
+    def to_dict(self) -> dict[str, Any]:
+        return _finite(asdict(self))  # type: ignore[no-any-return]
+
+
+class PDRatioPlanner:
+    """Moves one worker at a time between the sides of a disaggregated pool, toward the
+    side over its target when the other side stays within its own with one worker
+    fewer (so a move never just shifts the overload). Pure in the caller's time, as
+    `Planner`; owns only the pending move."""
+
+    def __init__(self, config: PDRatioConfig | None = None) -> None:
+        self.config = config or PDRatioConfig()
+        self.pending: tuple[str, float] | None = None  # (role, wanted since)
+        self.moves: deque[PDMove] = deque(maxlen=50)
+
+    def want(self, s: PDSignals) -> tuple[str | None, str, float, float]:
+        cfg, p, d = self.config, s.prefill_workers, s.decode_workers
+        up, ud = prefill_utilisation(s, p, cfg), decode_utilisation(s, d, cfg)
+        if up > 1 and d > cfg.min_decode and decode_utilisation(s, d - 1, cfg) <= 1:
+            return "prefill", f"prefill at {up:.2f} of target, decode holds with {d - 1}", up, ud
+        if ud > 1 and p > cfg.min_prefill and prefill_utilisation(s, p - 1, cfg) <= 1:
+            return "decode", f"decode at {ud:.2f} of target, prefill holds with {p - 1}", up, ud
+        return None, "both sides within target or neither can spare a worker", up, ud
+
+    def decide(self, s: PDSignals, now: float) -> PDMove:
+        """The move to make now (after it was wanted for `delay_s`). Mutates `pending`."""
+        role, reason, up, ud = self.want(s)
+        if role is None or (self.pending is not None and self.pending[0] != role):
+            self.pending = (role, now) if role is not None else None
+        elif self.pending is None:
+            self.pending = (role, now)
+        act = role is not None and self.pending is not None \
+            and now - self.pending[1] >= self.config.delay_s
+        if role is not None and not act:
+            reason += f"; held for the delay ({self.config.delay_s:g}s)"
+        if act:
+            self.pending = None
+        move = PDMove(s.pool, now, role if act else None, reason, up, ud, s)
+        if act:
+            self.moves.append(move)
+            log.info("pool %s: move a worker to %s (%s)", s.pool, role, reason)
+        return move

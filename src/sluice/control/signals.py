@@ -3,6 +3,8 @@
     router Pool (per endpoint)   ready, in flight, waiting / running estimates, prefill
                                  tokens queued, KV usage, mean prompt, learned TTFT line
     RequestBuffer                requests held for want of a ready worker
+    router RoleTable (pd.py)     a disaggregated pool's sides: prefill queue and busy,
+                                 decode running, waiting and KV usage (`pd_signals`)
     workers' /metrics            vllm:time_to_first_token_seconds (histogram) -> p90
                                  vllm:inter_token_latency_seconds (sum, count) -> mean
                                  over the last `window_s`, from each worker's deltas
@@ -23,9 +25,11 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from sluice.control.planner import PoolSignals
+from sluice.control.planner import PDSignals, PoolSignals
 from sluice.router.buffer import RequestBuffer
+from sluice.router.config import PREFILL
 from sluice.router.endpoints import Endpoint
+from sluice.router.pd import RoleTable
 from sluice.router.pool import Pool
 
 TTFT = "vllm:time_to_first_token_seconds"
@@ -147,3 +151,20 @@ def _hit_rate(endpoints: Iterable[Endpoint]) -> float | None:
     queries = sum(e.scraped.prefix_queries for e in endpoints)
     hits = sum(e.scraped.prefix_hits for e in endpoints)
     return hits / queries if queries > 0 else None
+
+
+def pd_signals(name: str, pool: Pool, roles: RoleTable) -> PDSignals:
+    """A disaggregated pool's per-side load (`PDSignals`) from the router's endpoints and
+    the roles it last read (available workers only; `both` counts as decode)."""
+    prefill = [e for e in pool.endpoints.values() if e.available and roles.get(e).role == PREFILL]
+    decode = [e for e in pool.endpoints.values() if e.available and roles.get(e).role != PREFILL]
+    ps, ds = [e.stats() for e in prefill], [e.stats() for e in decode]
+    return PDSignals(
+        pool=name, prefill_workers=len(prefill), decode_workers=len(decode),
+        prefill_inflight=sum(e.inflight for e in prefill),
+        prefill_queued_tokens=sum(s.queued_prefill_tokens
+                                  + s.external_waiting * s.mean_prompt_tokens for s in ps),
+        prefill_seconds_per_token=(sum(s.seconds_per_token for s in ps) / len(ps) if ps
+                                   else pool.fit.slope),
+        decode_running=sum(s.running for s in ds), decode_waiting=sum(s.waiting for s in ds),
+        decode_kv_usage=sum(s.kv_usage for s in ds) / len(ds) if ds else 0.0)

@@ -7,7 +7,7 @@ instead keeps one template, started once and pre-imported (Android's zygote, Pyt
 forkserver), and each scale-up forks it:
 
     controller (LocalBackend)                 zygote: python -m sluice.control.zygote
-      Zygote(env, log)    ───── Popen ─────▶  OMP_WAIT_POLICY set, then PRELOAD imported
+      Zygote(env, log)    ───── Popen ─────▶  OpenMP wait set, then PRELOAD imported
                           ◀── {"ready"} ────  then waits on its socket, no thread started
       fork(argv, log)     ─ {"argv", ...} ─▶  fork(); the child runs `sluice ARGV`
                           ◀─ {"pid": P} ────
@@ -273,12 +273,14 @@ def zygote_main(argv: Sequence[str] | None = None) -> int:
 
 def preload() -> None:
     """Import what a worker and its engine core import, and load the CPU kernels (built
-    once per machine), with OpenMP told to sleep when idle, as the engine core does.
+    once per machine), with OpenMP's wait policy set as the engine core sets it.
 
     numpy's OpenBLAS would start its thread pool when imported: told to use one thread
     (the engine's matmuls are torch's, not numpy's), it starts none.
     """
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from sluice.engine.openmp import set_wait_policy  # imports no torch
+
+    set_wait_policy()
     blas_threads = os.environ.get("OPENBLAS_NUM_THREADS")
     os.environ["OPENBLAS_NUM_THREADS"] = "1"
     for module in PRELOAD:

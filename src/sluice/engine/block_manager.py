@@ -31,6 +31,7 @@ hold into free blocks, which then hit like any cached block.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -325,6 +326,69 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_ids[block_id] = None
         del seq.block_table[keep:]
+
+    # -- P/D hand-off (sluice.engine.kv_transfer) --------------------------------------
+    def hold(self, block_ids: Seq[int]) -> None:
+        """Take one more reference on each block (a lease: kept while a decode engine
+        pulls them). Mutates ref counts and the free list."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_ids[block_id]
+            block.ref_count += 1
+
+    def release(self, block_ids: Seq[int]) -> None:
+        """Drop a `hold`: blocks reaching zero join the free list's tail (cached ones stay
+        hittable), last block first, as `free` does."""
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_ids[block_id] = None
+
+    def install(self, chain: Seq[tuple[int, tuple[int, ...]]], parent: int | None,
+                write: Callable[[list[int], list[int]], None], lora_id: int | None = None,
+                keep: Seq[int] = ()) -> list[int]:
+        """Cache `chain` ((hash, tokens) of consecutive full blocks chained on `parent`) in
+        free pool blocks whose K/V `write(block_ids, chain_indices)` fills (imported from
+        another engine): unreferenced, most recently used, announced by BlockStored, so
+        the next lookup hits them like any cached block. Blocks already cached here are
+        skipped, blocks `keep` (cached parents) are never evicted for them; fewer are
+        installed when the pool has fewer free blocks. Returns the blocks written."""
+        todo = [(i, h, chunk) for i, (h, chunk) in enumerate(chain) if h not in self.cached]
+        exclude = set(keep) | {self.cached[h] for h, _ in chain if h in self.cached}
+        targets = self._free_blocks_except(exclude, len(todo))
+        todo = todo[:len(targets)]
+        if not targets:
+            return []
+        for block_id in targets:
+            del self.free_ids[block_id]
+            self._evict(self.blocks[block_id])
+        self.flush_evicted()  # the targets' old contents go down a tier first
+        write(targets, [i for i, _, _ in todo])
+        run: list[tuple[int, tuple[int, ...]]] = []
+        run_parent, prev = parent, -2
+        for block_id, (i, h, chunk) in zip(targets, todo, strict=True):
+            block = self.blocks[block_id]
+            block.hash, block.token_ids = h, chunk
+            self.cached[h] = block_id
+            self.free_ids[block_id] = None
+            if run and i != prev + 1:  # a block cached here already splits the run
+                self._emit_installed(run, run_parent, lora_id)
+                run = []
+            if not run:
+                run_parent = chain[i - 1][0] if i else parent
+            run.append((h, chunk))
+            prev = i
+        self._emit_installed(run, run_parent, lora_id)
+        return targets
+
+    def _emit_installed(self, run: list[tuple[int, tuple[int, ...]]], parent: int | None,
+                        lora_id: int | None) -> None:
+        if run:
+            self.events.append(BlockStored([h for h, _ in run], parent,
+                                           [t for _, chunk in run for t in chunk],
+                                           self.block_size, lora_id))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (only when no block is in use); emits AllBlocksCleared."""

@@ -219,6 +219,34 @@ class SpeculativeConfig:
                                       param="speculative_config") from None
 
 
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation (see sluice.engine.kv_transfer): where this engine
+    serves the KV of finished prefills, how long it holds it, and what a decode does when
+    pulling it fails (vLLM's `kv_load_failure_policy`)."""
+
+    kv_transfer_host: str = "127.0.0.1"  # the transfer server's address (bound, advertised)
+    kv_transfer_port: int = 0  # 0: any free port
+    kv_lease_timeout: float = 30.0  # seconds a prefill's blocks are held for the decode side
+    kv_transfer_timeout: float = 10.0  # seconds a pull may take before it counts as failed
+    kv_load_failure_policy: str = "recompute"  # recompute locally | fail the request (503)
+
+    def __post_init__(self) -> None:
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise InvalidRequestError(f"kv_load_failure_policy must be one of "
+                                      f"{KV_LOAD_FAILURE_POLICIES}",
+                                      param="kv_load_failure_policy")
+        if not 0 <= self.kv_transfer_port <= 65535:
+            raise InvalidRequestError("kv_transfer_port must be in [0, 65535]",
+                                      param="kv_transfer_port")
+        for name in ("kv_lease_timeout", "kv_transfer_timeout"):
+            if getattr(self, name) <= 0:
+                raise InvalidRequestError(f"{name} must be positive", param=name)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -226,17 +254,20 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     speculative: SpeculativeConfig | None = None  # --speculative-config
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> EngineConfig:
         """Build from flat options; raise InvalidRequestError naming an unknown one."""
         layers: dict[str, dict[str, Any]] = {"model": {"model": model}, "cache": {},
-                                             "scheduler": {}, "structured": {}, "lora": {}}
+                                             "scheduler": {}, "structured": {}, "lora": {},
+                                             "kv_transfer": {}}
         speculative = SpeculativeConfig.parse(options.pop("speculative_config", None))
         owners = {f.name: name for name, klass in
                   (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
-                   ("structured", StructuredOutputsConfig), ("lora", LoRAConfig))
+                   ("structured", StructuredOutputsConfig), ("lora", LoRAConfig),
+                   ("kv_transfer", KVTransferConfig))
                   for f in dataclasses.fields(klass)}
         for key, value in options.items():
             if key not in owners:
@@ -245,4 +276,4 @@ class EngineConfig:
         return cls(ModelConfig(**layers["model"]), CacheConfig(**layers["cache"]),
                    SchedulerConfig(**layers["scheduler"]),
                    StructuredOutputsConfig(**layers["structured"]), LoRAConfig(**layers["lora"]),
-                   speculative)
+                   KVTransferConfig(**layers["kv_transfer"]), speculative)

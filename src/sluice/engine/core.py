@@ -28,6 +28,7 @@ import torch
 
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.config import EngineConfig
+from sluice.engine.kv_transfer import KVTransfer, KVTransferError
 from sluice.engine.lora import LoRAAdapter, LoRACache
 from sluice.engine.messages import CoreInfo, CoreRequest, SeqUpdate
 from sluice.engine.outputs import RequestMetrics
@@ -37,6 +38,7 @@ from sluice.engine.sequence import Request, Sequence
 from sluice.engine.spec_decode import SpecDecoder
 from sluice.engine.stats import EngineStats
 from sluice.engine.structured_output import BACKENDS, StructuredOutputManager
+from sluice.engine.tokenizer import default_served_name
 from sluice.protocol.errors import InvalidRequestError, SluiceError
 from sluice.protocol.kv_events import KVEvent
 
@@ -57,6 +59,8 @@ class EngineCore:
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size,
                                           config.cache.enable_prefix_caching)
         self.block_manager.attach_offload(self._build_offload(config))
+        self.kv_transfer = KVTransfer(config.kv_transfer, self.block_manager,
+                                      default_served_name(config.model.model), self._pool)
         lc = config.lora
         self.scheduler = Scheduler(config.scheduler, self.block_manager,
                                    lc.max_loras if lc.enable_lora else 0)
@@ -100,10 +104,47 @@ class EngineCore:
                           RequestMetrics(arrival_time=req.arrival_time),
                           siblings_pending=req.params.n > 1)
         self.requests[req.request_id] = request
-        if req.params.structured_outputs is not None:  # scheduled once its grammar compiled
+        if KVTransfer.wants_pull(req.params.kv_transfer_params) and self._pull(request):
+            return  # queued once its KV arrived (`_admit_pulled`)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        if request.params.structured_outputs is not None:  # scheduled once compiled
             self.structured.submit(request, time.monotonic())
         else:
-            self.scheduler.add(seqs[0])
+            self.scheduler.add(request.seqs[0])
+
+    def _pull(self, request: Request) -> bool:
+        """P/D decode side: start pulling the prompt's KV; True while the request waits
+        for it. A failure to start fails the request (policy fail) or recomputes."""
+        try:
+            return self.kv_transfer.start(request.seqs[0])
+        except KVTransferError as exc:
+            if self.kv_transfer.failed(request.request_id, exc) is not None:
+                del self.requests[request.request_id]
+                self.failed.append((request.request_id, exc))
+                return True
+            return False
+
+    def _admit_pulled(self) -> None:
+        """Queue requests whose KV pull finished (hits on what arrived, or recompute);
+        fail those whose pull failed under kv_load_failure_policy=fail."""
+        for request_id, error in self.kv_transfer.poll():
+            request = self.requests.get(request_id)
+            if request is None:  # aborted while pulling
+                continue
+            if error is not None:
+                del self.requests[request_id]
+                self.failed.append((request_id, error))
+            else:
+                self._enqueue(request)
+
+    def _pool(self) -> Any:
+        from sluice.engine.kv_offload import PoolAccess
+
+        layers: Any = self.runner.model.layers
+        return PoolAccess([(layer.attention.kv_cache.k, layer.attention.kv_cache.v)
+                           for layer in layers])
 
     def _build_spec(self, config: EngineConfig) -> SpecDecoder | None:
         """Speculative decoding (--speculative-config); the step-time curve is measured
@@ -188,12 +229,14 @@ class EngineCore:
     def step(self) -> list[SeqUpdate]:
         """Schedule, run, sample; one update per sequence that got a token."""
         self._admit_compiled()
+        self._admit_pulled()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running, self.config.scheduler.max_num_batched_tokens)
         chunks = self.scheduler.schedule()
         drafts = self.spec.fit(chunks) if self.spec is not None else {}
         if not chunks:
-            self.structured.wait(0.01)  # only grammars pending: do not spin
+            self.structured.wait(0.01)  # only grammars or KV pulls pending: do not spin
+            self.kv_transfer.wait(0.01)
             return []
         self._mark_scheduled(chunks)
         self.block_manager.flush_evicted()  # evicted blocks go down a tier before overwrites
@@ -278,7 +321,9 @@ class EngineCore:
                 new_logprobs = (new_logprobs or []) + [result.top_logprobs]
             if seq.finish_reason is not None:
                 break
+        kv_params = None
         if seq.finish_reason is not None:
+            kv_params = self.kv_transfer.on_finished(seq)  # P/D prefill side: hold its KV
             self.scheduler.finish(seq)
             if request.finished:
                 del self.requests[seq.request_id]
@@ -290,7 +335,7 @@ class EngineCore:
                          seq.stop_reason,
                          max(request.seqs[0].num_cached_tokens, 0),
                          request.metrics.first_scheduled_time, seq.num_preemptions,
-                         request.seqs[0].num_prefill_chunks)
+                         request.seqs[0].num_prefill_chunks, kv_params)
 
     def _append(self, request: Request, seq: Sequence, result: SampleResult) -> int:
         token = result.token_id
@@ -334,6 +379,11 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self.requests or self.failed)
 
+    def tick(self) -> bool:
+        """Housekeeping the loop runs even when idle (P/D leases past their TTL release
+        their blocks); whether anything changed that the stats show."""
+        return self.kv_transfer.tick()
+
     def stats(self) -> EngineStats:
         bm, sched = self.block_manager, self.scheduler
         return EngineStats(
@@ -344,7 +394,7 @@ class EngineCore:
             kv_offload=bm.offload.stats() if bm.offload is not None else {},
             running_lora_adapters=_adapter_names(sched.running),
             waiting_lora_adapters=_adapter_names(sched.waiting),
-            max_lora=sched.max_loras,
+            max_lora=sched.max_loras, kv_transfer=self.kv_transfer.stats_dict(),
             spec_decode=self.spec.stats() if self.spec is not None else {})
 
     def drain_kv_events(self) -> list[KVEvent]:
@@ -358,6 +408,7 @@ class EngineCore:
         """Stop the compile thread's queue (a compile already running ends by itself) and
         the offload writer (after the writes it has queued)."""
         self.structured.close()
+        self.kv_transfer.close()
         if self.block_manager.offload is not None:
             self.block_manager.offload.close()
 

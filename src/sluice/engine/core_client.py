@@ -53,6 +53,7 @@ from sluice.engine.messages import (
     decode,
     encode,
 )
+from sluice.engine.openmp import set_wait_policy
 from sluice.protocol.errors import SluiceError
 
 if TYPE_CHECKING:
@@ -97,6 +98,8 @@ def run_core(core: EngineCore, inbox: Inbox, emit: Callable[[Event], None],
             if any(isinstance(c, Shutdown) for c in commands):
                 return
             errors = _apply(core, commands)
+            if core.tick() and not (commands or core.has_work()):
+                emit(CoreOutputs([], core.stats(), []))  # e.g. a P/D lease released blocks
             if not (commands or core.has_work()):
                 continue
             updates = _step(core, errors)
@@ -371,12 +374,7 @@ def _core_main(config: EngineConfig, commands_addr: str, events_addr: str,
                kv_events_endpoint: str | None, parent_pid: int) -> None:
     """The child process: load the model, say Ready (or Failed), run the loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    # Before torch loads OpenMP (a template that forks workers sets it before its own
-    # imports, see sluice.control.zygote): idle OpenMP threads sleep instead of spinning, so the
-    # core's Python between ops leaves a CPU to the HTTP front end rather than making
-    # it preempt a working OpenMP thread (which stalls the whole parallel op). On 2
-    # cores a tiny model's 300-token stream took 10.5 s spinning, 1.5 s passive.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    set_wait_policy()  # before torch loads OpenMP (a zygote sets it before its imports)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
     events, commands = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)

@@ -133,16 +133,25 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloa
 
 
 def encode_block(namespace: str, block_hash: int, block: StoredBlock) -> bytes:
+    return b"".join(encode_block_parts(namespace, block_hash, block))
+
+
+def encode_block_parts(namespace: str, block_hash: int,
+                       block: StoredBlock) -> tuple[bytes, memoryview, bytes]:
+    """`encode_block` as (header, K/V bytes, checksum) without joining them: a socket
+    sends the tensor's memory as it is (sluice.engine.kv_transfer)."""
     kv = block.kv.contiguous()
     meta = json.dumps({"ns": namespace, "hash": block_hash, "tokens": list(block.token_ids),
                        "dtype": str(kv.dtype).removeprefix("torch."),
                        "shape": list(kv.shape)}).encode()
-    body = _HEAD.pack(_MAGIC, 1, len(meta)) + meta + kv.view(torch.uint8).numpy().tobytes()
-    return body + struct.pack("<I", zlib.crc32(body))
+    head = _HEAD.pack(_MAGIC, 1, len(meta)) + meta
+    data = kv.view(torch.uint8).numpy().data.cast("B")
+    return head, data, struct.pack("<I", zlib.crc32(data, zlib.crc32(head)))
 
 
-def decode_block(namespace: str, block_hash: int, blob: bytes) -> StoredBlock:
-    """The block in `blob`, or CorruptBlock; never returns data that failed a check."""
+def decode_block(namespace: str, block_hash: int, blob: bytes | memoryview) -> StoredBlock:
+    """The block in `blob`, or CorruptBlock; never returns data that failed a check. A
+    writable memoryview is not copied: the block's tensor shares its memory."""
     if len(blob) < _HEAD.size + 4:
         raise CorruptBlock("truncated (shorter than a header)")
     body, (crc,) = blob[:-4], struct.unpack("<I", blob[-4:])
@@ -151,10 +160,13 @@ def decode_block(namespace: str, block_hash: int, blob: bytes) -> StoredBlock:
     magic, version, meta_len = _HEAD.unpack_from(body)
     if magic != _MAGIC or version != 1:
         raise CorruptBlock("not a sluice KV block")
-    meta = json.loads(body[_HEAD.size:_HEAD.size + meta_len])
+    meta = json.loads(bytes(body[_HEAD.size:_HEAD.size + meta_len]))
     if meta["ns"] != namespace or meta["hash"] != block_hash:
         raise CorruptBlock("another namespace or block")
-    kv = torch.frombuffer(bytearray(body[_HEAD.size + meta_len:]), dtype=torch.uint8)
+    data: bytes | bytearray | memoryview = body[_HEAD.size + meta_len:]
+    if not (isinstance(data, memoryview) and not data.readonly):
+        data = bytearray(data)
+    kv = torch.frombuffer(data, dtype=torch.uint8)
     kv = kv.view(_DTYPES[meta["dtype"]])
     if kv.numel() != _numel(meta["shape"]):
         raise CorruptBlock("payload size does not match its shape")

@@ -89,6 +89,7 @@ class LLMEngine:
             self.outputs.abort(request_id)
         if failed:
             raise failed[0][1]
+        self.core.tick()  # P/D leases that ended release their blocks
         outputs, stops = self.outputs.process(self.core.step())
         for request_id, index in stops:
             self.core.finish(request_id, index)

@@ -27,7 +27,7 @@ from sluice.engine.sampling_params import (
     StructuredOutputsParams,
 )
 from sluice.engine.stats import EngineStats
-from sluice.protocol.errors import InvalidRequestError, SluiceError
+from sluice.protocol.errors import InvalidRequestError, ServiceUnavailableError, SluiceError
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +60,8 @@ class SeqUpdate:
     scheduled_time: float | None = None  # when the request was first scheduled
     num_preemptions: int = 0  # of this sequence so far
     num_prefill_chunks: int = 0  # chunks its prompt took before the first token
+    # a finished do_remote_decode prefill: where its held KV is (vLLM's response params)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +143,7 @@ def _to_wire(m: Command | Event) -> list[Any]:
     if isinstance(m, CoreOutputs):
         return ["out", [dataclasses.astuple(u) for u in m.updates],
                 dataclasses.astuple(m.stats),
-                [[rid, e.status_code, e.message, e.param] for rid, e in m.errors]]
+                [[rid, e.status_code, e.message, e.param, e.code] for rid, e in m.errors]]
     if isinstance(m, Add):
         r = m.request
         lora = None if r.lora is None else [r.lora.lora_name, r.lora.lora_path,
@@ -164,7 +166,7 @@ def _from_wire(w: list[Any]) -> Command | Event:
     if kind == "out":
         updates, stats, errors = args
         return CoreOutputs([SeqUpdate(*u) for u in updates], EngineStats(*stats),
-                           [(rid, _error(status, msg, param)) for rid, status, msg, param in errors])
+                           [(rid, _error(*e)) for rid, *e in errors])
     if kind == "add":
         rid, ids, params, priority, arrival, max_tokens, num_output, lora = args
         return Add(CoreRequest(rid, ids, _params_from_wire(params), priority, arrival, max_tokens,
@@ -197,7 +199,10 @@ def _params_from_wire(d: dict[str, Any]) -> SamplingParams:
                              if so is not None else None})
 
 
-def _error(status: int, message: str, param: str | None) -> SluiceError:
+def _error(status: int, message: str, param: str | None, code: str | None = None
+           ) -> SluiceError:
     if status == 400:
-        return InvalidRequestError(message, param=param)
-    return SluiceError(message, param=param)
+        return InvalidRequestError(message, param=param, code=code)
+    if status == 503:  # e.g. a KV transfer that failed under kv_load_failure_policy=fail
+        return ServiceUnavailableError(message, param=param, code=code)
+    return SluiceError(message, param=param, code=code)

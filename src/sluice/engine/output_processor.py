@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from sluice.engine.detokenizer import Decoder, IncrementalDetokenizer
 from sluice.engine.messages import SeqUpdate
@@ -64,6 +65,7 @@ class _RequestText:
     seqs: list[_SeqText]
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None  # a P/D prefill's, once finished
 
     @property
     def finished(self) -> bool:
@@ -130,6 +132,8 @@ class OutputProcessor:
             metrics.first_token_time = time.time()
             metrics.first_scheduled_time = update.scheduled_time
         request.num_cached_tokens = update.num_cached_tokens
+        if update.kv_transfer_params is not None:
+            request.kv_transfer_params = update.kv_transfer_params
         metrics.num_prefill_chunks = update.num_prefill_chunks
         seq.num_preemptions = update.num_preemptions
         seq.token_ids += update.new_token_ids
@@ -192,7 +196,8 @@ class OutputProcessor:
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              [s.completion(delta) for s in seqs], finished,
                              num_cached_tokens=request.num_cached_tokens,
-                             metrics=request.metrics)
+                             metrics=request.metrics,
+                             kv_transfer_params=request.kv_transfer_params)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Forget the request; its final output, every unfinished sequence "abort"."""

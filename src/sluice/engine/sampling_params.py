@@ -105,6 +105,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # P/D disaggregation (vLLM's `kv_transfer_params`, checked by the worker):
+    # do_remote_decode: hold the prompt's KV for a decode engine; do_remote_prefill: pull
+    # it from the prefill engine named here before computing (sluice.engine.kv_transfer)
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -28,3 +28,6 @@ class EngineStats:
     # speculative decoding (SpecDecoder.stats): num_drafts, num_draft_tokens,
     # num_accepted_tokens, accepted_per_pos; empty when off
     spec_decode: dict[str, Any] = field(default_factory=dict)
+    # P/D KV transfer (sluice.engine.kv_transfer.TransferStats): bytes/blocks sent and
+    # received, held blocks, failures by reason, the pull-time histogram
+    kv_transfer: dict[str, float] = field(default_factory=dict)

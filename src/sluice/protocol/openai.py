@@ -18,9 +18,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
 
 from sluice.protocol.errors import InvalidRequestError
 
@@ -60,7 +69,6 @@ def _no_tools(value: Any) -> bool:
 
 UNSUPPORTED_COMMON: dict[str, Acceptable] = {
     "logit_bias": _is_empty,
-    "kv_transfer_params": lambda v: v is None,
     "guided_json": lambda v: v is None,
     "guided_regex": lambda v: v is None,
     "guided_choice": lambda v: v is None,
@@ -237,6 +245,25 @@ class NamedToolChoice(OpenAIModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+class KVTransferParams(OpenAIModel):
+    """vLLM's `kv_transfer_params` for prefill/decode disaggregation (docs/pd.md):
+
+    - to a prefill worker: `do_remote_decode: true`, the rest null; its response carries
+      the params below with `do_remote_prefill: true`;
+    - to a decode worker: those params unchanged; it pulls the prompt's KV blocks
+      `remote_block_ids` of request `remote_request_id` from `remote_host:remote_port`.
+    Types are strict (no "1" for 1); the worker checks what each side needs."""
+
+    do_remote_decode: StrictBool = False
+    do_remote_prefill: StrictBool = False
+    remote_engine_id: StrictStr | None = None
+    remote_block_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
+    remote_host: StrictStr | None = None
+    remote_port: Annotated[StrictInt, Field(ge=0, le=65535)] | None = None
+    remote_request_id: StrictStr | None = None
+    tp_size: Annotated[StrictInt, Field(ge=1)] = 1
+
+
 class SamplingFields(OpenAIModel):
     """Sampling fields shared by chat and completions (OpenAI's plus vLLM's extras)."""
 
@@ -263,6 +290,7 @@ class SamplingFields(OpenAIModel):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     return_token_ids: bool = False  # vLLM: each streamed choice carries its `token_ids`
+    kv_transfer_params: KVTransferParams | None = None  # P/D hand-off (vLLM's)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -2,7 +2,7 @@
 
     GET    /admin/workers              every worker with its health and load
     POST   /admin/workers              {"url", "model"?, "kv_events"?, "group"?,
-                                        "version"?}                              add
+                                        "version"?, "role"?}                     add
     DELETE /admin/workers              {"url"} (or ?url=)                          remove
     POST   /admin/workers/drain        {"url", "drain": true|false}                drain
     GET    /admin/pools/{model}/admission   the pool's admission settings and queue
@@ -36,6 +36,7 @@ class AddWorker(BaseModel):
     kv_events: str | None = None
     group: str = SHORT
     version: str = BASELINE  # or canary, shadow (release.py)
+    role: str | None = None  # prefill, decode, both (a disaggregated pool: pd.py)
 
 
 class WorkerRef(BaseModel):
@@ -112,7 +113,7 @@ def admin_router() -> APIRouter:
         _check_key(request)
         body: AddWorker = _parse(AddWorker, await request.body())
         spec = WorkerSpec(url=body.url, kv_events=body.kv_events, group=body.group,
-                          version=body.version)
+                          version=body.version, role=body.role)
         endpoint = await request.app.state.router.add_worker(spec, body.model)
         return describe(endpoint)
 

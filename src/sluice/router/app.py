@@ -94,12 +94,16 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
         for pool in state.pools:
             for endpoint in pool.endpoints.values():
                 state.start_subscriber(pool, endpoint)
-        await asyncio.gather(state.monitor.probe_all(), state.monitor.scrape_all())
+        await asyncio.gather(state.monitor.probe_all(), state.monitor.scrape_all(),
+                             state.pd.roles.refresh_all(state.pools))
         tasks = [asyncio.create_task(state.monitor.run(config.health_interval_s,
                                                        state.monitor.probe_all)),
                  asyncio.create_task(state.monitor.run(config.scrape_interval_s,
                                                        state.monitor.scrape_all)),
-                 asyncio.create_task(state.releases.run())]  # canary judge (release.py)
+                 asyncio.create_task(state.releases.run()),  # canary judge (release.py)
+                 asyncio.create_task(state.pd.run(lambda: state.pools,  # P/D roles (pd.py)
+                                                  min((p.pd.role_refresh_s for p in config.pools
+                                                       if p.pd), default=2.0)))]
         try:
             yield
         finally:

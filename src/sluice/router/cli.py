@@ -4,7 +4,8 @@ Workers come from `--worker URL` flags (one pool, model names discovered from th
 workers' /v1/models unless `--model` names it), from a YAML/JSON `--config` file
 (several pools), or at runtime from the admin API (`POST /admin/workers`).
 `--canary-worker` and `--shadow-worker` add a canary and a shadow to the `--worker`
-pool (docs/router.md, Releases).
+pool (docs/router.md, Releases). `--prefill-worker` and `--decode-worker` make it a
+disaggregated pool (prefill on one worker, KV handed to a decode worker: router/pd.py).
 It serves on its own HTTP/1.1 server (httptools, uvloop): see `router/server.py`.
 """
 
@@ -20,8 +21,12 @@ from sluice.observe.tracing import start_tracing
 from sluice.protocol.errors import InvalidRequestError
 from sluice.router.config import (
     CANARY,
+    DECODE,
     LONG,
+    PD_MODES,
+    PREFILL,
     SHADOW,
+    PDConfig,
     PoolConfig,
     ReleaseConfig,
     RouterConfig,
@@ -58,6 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16,
                    help="the workers' KV block size (prefix hashes must match the engine's)")
     add_release_arguments(p)
+    add_pd_arguments(p)
     p.add_argument("--config", default=None, help="YAML or JSON router config file")
     p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port to listen on (default 8000)")
@@ -142,6 +148,36 @@ def flow_overrides(args: argparse.Namespace, config: RouterConfig) -> RouterConf
                    breaker=replace(breaker, **breaks), **migration)
 
 
+def add_pd_arguments(p: argparse.ArgumentParser) -> None:
+    defaults = PDConfig()
+    g = p.add_argument_group("prefill/decode disaggregation of the --worker pool "
+                             "(docs/router.md#prefilldecode-disaggregation)")
+    g.add_argument("--prefill-worker", action="append", default=[], metavar="URL",
+                   help="a prefill worker (repeat for more); makes the pool disaggregated")
+    g.add_argument("--decode-worker", action="append", default=[], metavar="URL",
+                   help="a decode worker (repeat for more); makes the pool disaggregated")
+    g.add_argument("--pd-mode", default=None, choices=PD_MODES,
+                   help="conditional: prefill remotely when --pd-min-uncached-tokens and the "
+                        "prefill side's predicted wait allow; always; never (default "
+                        "conditional; given alone, the --worker pool is disaggregated with the "
+                        "roles its workers report on GET /v1/pd_role)")
+    g.add_argument("--pd-min-uncached-tokens", type=int, default=defaults.min_uncached_tokens,
+                   metavar="N", help="conditional: prompt tokens not cached on the decode "
+                                     "worker needed to prefill remotely")
+    g.add_argument("--pd-max-prefill-wait-ratio", type=float,
+                   default=defaults.max_prefill_wait_ratio, metavar="R",
+                   help="conditional: prefill remotely only while the prefill worker's "
+                        "predicted queueing is at most R x the local prefill's predicted time")
+
+
+def pd_from_args(args: argparse.Namespace) -> PDConfig | None:
+    if not (args.prefill_worker or args.decode_worker or args.pd_mode):
+        return None
+    return PDConfig(mode=args.pd_mode or "conditional",
+                    min_uncached_tokens=args.pd_min_uncached_tokens,
+                    max_prefill_wait_ratio=args.pd_max_prefill_wait_ratio)
+
+
 def add_release_arguments(p: argparse.ArgumentParser) -> None:
     defaults = ReleaseConfig()
     g = p.add_argument_group("releases (canary, pins, shadow) of the --worker pool")
@@ -190,9 +226,13 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """Flags over the config file: --worker flags add one pool."""
     base = load_config_file(args.config) if args.config else RouterConfig()
     pools = list(base.pools)
-    if args.worker or args.long_worker or args.canary_worker or args.shadow_worker:
+    if args.worker or args.long_worker or args.canary_worker or args.shadow_worker \
+            or args.prefill_worker or args.decode_worker:
         kv = parse_kv_event_flags(args.worker_kv_events)
         workers = [WorkerSpec(u, kv_events=kv.get(u.rstrip("/"))) for u in args.worker]
+        workers += [WorkerSpec(u, kv_events=kv.get(u.rstrip("/")), role=role)
+                    for role, urls in ((PREFILL, args.prefill_worker),
+                                       (DECODE, args.decode_worker)) for u in urls]
         workers += [WorkerSpec(u, kv_events=kv.get(u.rstrip("/")), group=LONG)
                     for u in args.long_worker]
         workers += [WorkerSpec(u, kv_events=kv.get(u.rstrip("/")), version=CANARY)
@@ -202,7 +242,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                                 workers=tuple(workers), policy=args.policy,
                                 long_prompt_tokens=args.long_prompt_tokens,
                                 tokenizer=args.tokenizer, block_size=args.block_size,
-                                release=release_from_args(args)))
+                                release=release_from_args(args), pd=pd_from_args(args)))
     return flow_overrides(args, base.with_overrides(
         pools=tuple(pools), host=args.host, port=args.port,
         admin_key=args.admin_key or env.get("ROUTER_ADMIN_KEY"), max_retries=args.max_retries,

@@ -34,17 +34,25 @@ BASELINE = "baseline"
 CANARY = "canary"
 SHADOW = "shadow"
 VERSIONS = (BASELINE, CANARY, SHADOW)
+# prefill/decode disaggregation (router/pd.py): a worker's role, as `sluice worker --role`
+PREFILL = "prefill"
+DECODE = "decode"
+BOTH = "both"
+PD_ROLES = (PREFILL, DECODE, BOTH)
+PD_MODES = ("conditional", "always", "never")
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
     """One worker: its base URL, its KV-events ZMQ endpoint (if it publishes), its group,
-    its release version (baseline, canary or shadow)."""
+    its release version (baseline, canary or shadow), its prefill/decode role in a
+    disaggregated pool (None: as the worker's `GET /v1/pd_role` says, else `both`)."""
 
     url: str
     kv_events: str | None = None
     group: str = SHORT
     version: str = BASELINE
+    role: str | None = None
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -60,6 +68,38 @@ class WorkerSpec:
         if self.kv_events is not None and "://" not in self.kv_events:
             raise InvalidRequestError(f"kv_events must be a ZMQ endpoint like tcp://host:port, "
                                       f"got {self.kv_events!r}", param="kv_events")
+        if self.role is not None and self.role not in PD_ROLES:
+            raise InvalidRequestError(f"worker role must be one of {PD_ROLES}, got {self.role!r}",
+                                      param="role")
+
+
+@dataclass(frozen=True)
+class PDConfig:
+    """A disaggregated pool's rules (router/pd.py): when a request's prompt is prefilled
+    on a prefill worker and its KV handed to a decode worker (vLLM's `kv_transfer_params`).
+
+    `mode`: `conditional` (Dynamo's rule, on the router's cost model): disaggregate when
+    the prompt's tokens not cached on the chosen decode worker are at least
+    `min_uncached_tokens` and the best prefill worker's predicted queueing is at most
+    `max_prefill_wait_ratio` x the local prefill's predicted seconds; `always`; `never`
+    (every request prefills on its decode worker). `role_refresh_s`: how often each
+    worker's `GET /v1/pd_role` is read.
+    """
+
+    mode: str = "conditional"
+    min_uncached_tokens: int = 2048
+    max_prefill_wait_ratio: float = 1.0
+    role_refresh_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in PD_MODES:
+            raise InvalidRequestError(f"pd mode must be one of {PD_MODES}, got {self.mode!r}",
+                                      param="pd_mode")
+        if self.min_uncached_tokens < 0 or self.max_prefill_wait_ratio < 0:
+            raise InvalidRequestError("min_uncached_tokens and max_prefill_wait_ratio must be "
+                                      ">= 0", param="pd_min_uncached_tokens")
+        if self.role_refresh_s <= 0:
+            raise InvalidRequestError("role_refresh_s must be positive", param="role_refresh_s")
 
 
 # --- flow control (router/admission.py, router/breaker.py) --------------------------------
@@ -223,6 +263,7 @@ class PoolConfig:
     policy_options: Mapping[str, Any] = field(default_factory=dict)
     admission: AdmissionConfig | None = None  # None: the router's `admission`
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
+    pd: PDConfig | None = None  # prefill/decode disaggregation (router/pd.py); None: off
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -325,6 +366,8 @@ def pool_from_dict(raw: Mapping[str, Any]) -> PoolConfig:
         data["admission"] = admission_from_dict(data["admission"])
     if "release" in data:
         data["release"] = ReleaseConfig(**_known(ReleaseConfig, data["release"] or {}, "release"))
+    if data.get("pd") is not None:
+        data["pd"] = PDConfig(**_known(PDConfig, data["pd"], "pd"))
     return PoolConfig(**data)
 
 

@@ -4,7 +4,8 @@
                                 -> buffer (only while the pool has no ready worker)
                                 -> request metadata
                                 -> admission (waits only while no worker has room)
-                                -> Proxy.forward
+                                -> Proxy.forward (a disaggregated pool: PD.forward,
+                                   prefill then decode worker: pd.py)
                                    (through the pool's Release when it has a canary or
                                    shadow worker: release.py)
                                 -> Relay (stream it back, then close it); a stream
@@ -28,7 +29,7 @@ from sluice.protocol.errors import SluiceError
 from sluice.protocol.prompt import IDS_HEADER, RESUME_HEADER, IdsHint
 from sluice.router.migrate import MigratingRelay, migratable, with_token_ids
 from sluice.router.parse import CHAT, COMPLETION, MESSAGES, SESSION_HEADER, parse_request
-from sluice.router.proxy import Relay, forward_block
+from sluice.router.proxy import Proxy, Relay, forward_block
 from sluice.router.state import RouterState
 
 ROUTED = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/messages": MESSAGES}
@@ -82,14 +83,18 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
         migrating = bool(limit) and migratable(req)
         sent = with_token_ids(req) if migrating else req
         target = path.encode("latin-1")
-        if pool.release_workers:  # a canary or shadow: the release picks the version
+        proxy: Proxy = state.proxy
+        if pool.config.pd is not None:  # prefill/decode disaggregation (pd.py)
+            relay = await state.pd.forward(pool, sent, meta, target, block)
+            proxy = state.pd.local  # a stream resumes on a decode worker, prefilling there
+        elif pool.release_workers:  # a canary or shadow: the release picks the version
             relay = await state.releases.get(pool).forward(state.proxy, sent, meta, target,
                                                            block, headers)
         else:
             relay = await state.proxy.forward(pool, sent, meta, target, block)
         if not migrating or relay.status != 200:
             return relay
-        return MigratingRelay(relay, state.proxy, pool, sent, meta, target, block, limit,
+        return MigratingRelay(relay, proxy, pool, sent, meta, target, block, limit,
                               show_ids=bool(req.body.get("return_token_ids")))
     except SluiceError as exc:
         return error_reply(exc, path)

@@ -12,6 +12,7 @@
      ├── admission        per-pool admission queues (priority bands, tenant fairness)
      ├── breakers         per-worker circuit breakers, retry backoff and budget
  ├── releases         each pool's canary weight, pins, shadow and judge (release.py)
+     ├── pd               prefill/decode disaggregation: roles, the two-step flow (pd.py)
      ├── metrics          the router's own Prometheus registry
      └── tracing          OpenTelemetry tracer, or None (off)
 """
@@ -39,6 +40,7 @@ from sluice.router.kv_subscriber import KVEventSubscriber
 from sluice.router.metrics import RouterMetrics
 from sluice.router.monitor import Monitor
 from sluice.router.parse import ParsedRequest
+from sluice.router.pd import PD
 from sluice.router.policies import RequestMeta
 from sluice.router.pool import Pool
 from sluice.router.proxy import Proxy
@@ -89,6 +91,8 @@ class RouterState:
         self.buffer = RequestBuffer(self.config.buffer_max_requests, self.config.buffer_timeout_s)
         self.releases = Releases(lambda: self.pools, self.upstream, self.breakers,
                                  self.metrics.registry, self.rng)
+        self.pd = PD(self.client, self.upstream, self.metrics, self.config.max_retries,
+                     self.config.eject_after_failures, self.breakers, self.buckets)
         for pool_config in self.config.pools:
             self.add_pool(pool_config)
 

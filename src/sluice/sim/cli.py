@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 from sluice import env
+from sluice.control.flags import add_scaling_arguments
 from sluice.protocol.errors import SluiceError
 
 
@@ -105,14 +106,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="replica planner: fixed (--workers), or the production planner's "
                    "policy slo | queue | kv between --min-workers and --max-workers "
                    "(default %(default)s)")
-    c.add_argument("--min-workers", type=int, default=None, help="autoscale: fewest (>= 1)")
-    c.add_argument("--max-workers", type=int, default=None, help="autoscale: most")
-    c.add_argument("--scale-up-delay", type=float, default=5.0,
-                   help="seconds a larger count must be wanted before scaling up "
-                   "(default %(default)s)")
-    c.add_argument("--scale-down-delay", type=float, default=60.0,
-                   help="seconds a smaller count must be wanted before scaling down "
-                   "(default %(default)s)")
+    add_scaling_arguments(c, "autoscale: fewest workers (>= 1)")
     c.add_argument("--planner-interval", type=float, default=1.0,
                    help="seconds between planner ticks (default %(default)s, the "
                    "controller's)")

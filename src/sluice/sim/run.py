@@ -23,6 +23,7 @@ from sluice.bench import report
 from sluice.bench.load import LoadConfig
 from sluice.bench.metrics import parse_slos
 from sluice.bench.workloads import Session, WorkloadConfig
+from sluice.control.flags import scaling_options
 from sluice.control.planner import SLO, PlannerConfig
 from sluice.protocol.errors import InvalidRequestError
 from sluice.sim.cluster import SimConfig, SimResult, Simulation
@@ -113,8 +114,7 @@ def planner_config(args: argparse.Namespace, slos: dict[str, float]) -> PlannerC
     slo = SLO(ttft_s=slos.get("ttft", default.ttft_s), itl_s=slos.get("tpot", default.itl_s))
     return PlannerConfig(policy=args.planner, min_replicas=args.min_workers,
                          max_replicas=args.max_workers, slo=slo,
-                         scale_up_delay_s=args.scale_up_delay,
-                         scale_down_delay_s=args.scale_down_delay)
+                         **scaling_options(args))
 
 
 def initial_workers(args: argparse.Namespace, planning: PlannerConfig | None) -> int:

@@ -3,6 +3,7 @@
     build_app(engine, config) -> FastAPI
       POST /v1/chat/completions  /v1/completions  /v1/messages   (JSON or SSE)
       GET  /v1/models  /health  /metrics        POST /tokenize  /detokenize
+      GET/POST /v1/pd_role (P/D role, epoch fencing: sluice.worker.pd)
 
 The engine core runs in its own process (AsyncEngine.spawn); handlers only await
 its output queues, so a long prefill never blocks this event loop. Bodies are parsed by hand
@@ -64,6 +65,7 @@ from sluice.worker.chat import chat_chunks, chat_response, prepare_chat
 from sluice.worker.completions import completion_chunks, completion_response, prepare_completion
 from sluice.worker.config import WorkerConfig
 from sluice.worker.lora import add_lora_routes
+from sluice.worker.pd import add_pd_routes, check_epoch
 from sluice.worker.sampling import chat_prompt, check_token_ids
 from sluice.worker.state import WorkerState
 
@@ -97,6 +99,7 @@ def build_app(engine: AsyncEngine | None, config: WorkerConfig) -> FastAPI:
 def _add_routes(app: FastAPI, state: WorkerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
+        check_epoch(request, state)
         body = await parse_body(request)
         reject_unsupported(body, UNSUPPORTED_CHAT)
         req = parse_request(ChatCompletionRequest, body)
@@ -108,6 +111,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        check_epoch(request, state)
         body = await parse_body(request)
         reject_unsupported(body, UNSUPPORTED_COMPLETION)
         req = parse_request(CompletionRequest, body)
@@ -119,6 +123,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
+        check_epoch(request, state)
         body = await parse_body(request)
         anthropic.reject_unsupported(body)
         req = parse_request(anthropic.MessagesRequest, body)
@@ -151,6 +156,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         return ModelList(data=cards).model_dump()
 
     add_lora_routes(app, state)
+    add_pd_routes(app, state)
 
     @app.get("/health")
     async def health() -> Response:

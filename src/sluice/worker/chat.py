@@ -34,6 +34,7 @@ from sluice.protocol.openai import (
 from sluice.protocol.prompt import IdsHint, encode_prompt
 from sluice.worker.generation import Run
 from sluice.worker.logprobs import chat_logprobs
+from sluice.worker.pd import transfer_params
 from sluice.worker.sampling import chat_prompt, sampling_params
 from sluice.worker.state import WorkerState
 from sluice.worker.tool_parsers import CallDelta, ToolCallStream, ToolParser
@@ -105,6 +106,7 @@ async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_i
         forced = state.tool_parser.constraint(tools, name, req.parallel_tool_calls,
                                               engine.inputs.info.structured_outputs_backend)
     params = sampling_params(req, req.requested_max_tokens(), num_logprobs, forced)
+    params.kv_transfer_params = transfer_params(req, 1)
     prompt = chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt, tools)
     ids = await encode_prompt(engine.tokenizer, prompt, special=False, hint=hint)
     run = await Run.start(state, [ids], params, request_id, req.priority, param="messages",
@@ -132,14 +134,17 @@ def _replay(job: ChatJob, text: str) -> DeltaMessage:
 
 async def chat_response(job: ChatJob) -> ChatCompletionResponse:
     """Run to completion and build the whole response."""
+    extra: dict[str, Any] = {}  # a P/D prefill's kv_transfer_params (vLLM's top-level field)
     async with job.run:
         async for _, out in job.run.outputs():
             job.cached_tokens = out.num_cached_tokens
             for c in out.outputs:
                 _accumulate(job, c)
+            if out.kv_transfer_params is not None:
+                extra["kv_transfer_params"] = out.kv_transfer_params
     choices = [_whole_choice(job, i, ch) for i, ch in sorted(job.choices.items())]
     return ChatCompletionResponse(id=job.id, created=job.created, model=job.model,
-                                  choices=choices, usage=job.usage())
+                                  choices=choices, usage=job.usage(), **extra)
 
 
 def _whole_choice(job: ChatJob, index: int, ch: _Choice) -> ChatChoice:

@@ -10,7 +10,11 @@ import argparse
 import dataclasses
 from typing import Any
 
-from sluice.engine.config import KERNEL_BACKENDS, STRUCTURED_OUTPUTS_BACKENDS
+from sluice.engine.config import (
+    KERNEL_BACKENDS,
+    KV_LOAD_FAILURE_POLICIES,
+    STRUCTURED_OUTPUTS_BACKENDS,
+)
 from sluice.observe.cli import add_observe_arguments, tracing_config
 from sluice.observe.cli import buckets as observe_buckets
 from sluice.protocol.errors import InvalidRequestError
@@ -50,6 +54,16 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
                                 "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' or "
                                 "method \"suffix\" (suffix_decoding_* fields); the engine "
                                 "drafts only where measured acceptance and step cost pay"),
+    "kv_load_failure_policy": (str, "P/D decode side, when pulling a prefill's KV fails: "
+                                    "recompute the prompt here (same output) or fail the "
+                                    "request (503 kv_transfer_failed)"),
+    "kv_transfer_host": (str, "P/D prefill side: address the KV transfer server listens on "
+                              "and advertises in kv_transfer_params.remote_host"),
+    "kv_transfer_port": (int, "P/D prefill side: its port (0: any free one)"),
+    "kv_lease_timeout": (float, "P/D prefill side: seconds a finished prefill's KV blocks "
+                                "are held for the decode worker (extended when it pulls)"),
+    "kv_transfer_timeout": (float, "P/D decode side: seconds a KV pull may take before it "
+                                   "counts as failed"),
 }
 ENGINE_SWITCHES: dict[str, str] = {
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
@@ -63,6 +77,7 @@ CHOICES: dict[str, list[str]] = {
     "dtype": ["auto", "float32", "bfloat16", "float16"],
     "kernel_backend": list(KERNEL_BACKENDS),
     "structured_outputs_backend": list(STRUCTURED_OUTPUTS_BACKENDS),
+    "kv_load_failure_policy": list(KV_LOAD_FAILURE_POLICIES),
 }
 
 
@@ -70,6 +85,7 @@ def engine_defaults() -> dict[str, Any]:
     """EngineConfig's own defaults, flat, for --help."""
     from sluice.engine.config import (
         CacheConfig,
+        KVTransferConfig,
         LoRAConfig,
         ModelConfig,
         SchedulerConfig,
@@ -77,7 +93,8 @@ def engine_defaults() -> dict[str, Any]:
     )
 
     return {f.name: f.default for layer in (ModelConfig, CacheConfig, SchedulerConfig,
-                                            StructuredOutputsConfig, LoRAConfig)
+                                            StructuredOutputsConfig, LoRAConfig,
+                                            KVTransferConfig)
             for f in dataclasses.fields(layer)}
 
 
@@ -131,6 +148,10 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters (PEFT directories) to serve under these model names; "
                         "needs --enable-lora")
+    p.add_argument("--role", default="both", choices=["prefill", "decode", "both"],
+                   help="P/D disaggregation: where a router sends this worker's requests "
+                        "(prefill, decode, both); it serves any request whatever its role; "
+                        "switch live with POST /v1/pd_role (default: %(default)s)")
     add_observe_arguments(p)
     add_chat_arguments(p)
 
@@ -180,7 +201,8 @@ def worker_config(args: argparse.Namespace) -> Any:
                         chat_template=read_chat_template(args.chat_template),
                         tracing=tracing_config(args, "sluice-worker"),
                         metrics_buckets=observe_buckets(args),
-                        lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)))
+                        lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)),
+                        role=getattr(args, "role", "both"))
 
 
 def read_chat_template(path: str | None) -> str | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from sluice.engine.outputs import CompletionOutput
 from sluice.protocol.errors import InvalidRequestError
@@ -24,6 +25,7 @@ from sluice.protocol.prompt import IdsHint, encode_prompt
 from sluice.worker.chat import token_ids
 from sluice.worker.generation import Run
 from sluice.worker.logprobs import completion_logprobs
+from sluice.worker.pd import transfer_params
 from sluice.worker.sampling import check_token_ids, sampling_params
 from sluice.worker.state import WorkerState
 
@@ -120,6 +122,7 @@ async def prepare_completion(state: WorkerState, req: CompletionRequest, request
             texts.append(tok.decode(p, skip_special_tokens=False) if req.echo else "")
     if any(not ids for ids in prompts):
         raise InvalidRequestError("prompt must not be empty", param="prompt")
+    params.kv_transfer_params = transfer_params(req, len(prompts))
     run = await Run.start(state, prompts, params, request_id, req.priority, param="prompt",
                           resumed=resumed or (), lora=state.lora_for(req.model))
     return CompletionJob(req, run, f"cmpl-{request_id}", model, state, texts,
@@ -127,17 +130,20 @@ async def prepare_completion(state: WorkerState, req: CompletionRequest, request
 
 
 async def completion_response(job: CompletionJob) -> CompletionResponse:
+    extra: dict[str, Any] = {}  # a P/D prefill's kv_transfer_params (vLLM's top-level field)
     async with job.run:
         async for p, out in job.run.outputs():
             for c in out.outputs:
                 job.step(p, c)
+            if out.kv_transfer_params is not None:
+                extra["kv_transfer_params"] = out.kv_transfer_params
     logprobs = job.req.logprobs is not None
     choices = [CompletionChoice(index=i, text="".join(ch.text),
                                 logprobs=ch.logprobs if logprobs else None,
                                 finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)
                for i, ch in sorted(job.choices.items())]
     return CompletionResponse(id=job.id, created=job.created, model=job.model,
-                              choices=choices, usage=job.usage())
+                              choices=choices, usage=job.usage(), **extra)
 
 
 async def completion_chunks(job: CompletionJob) -> AsyncIterator[CompletionResponse]:

@@ -36,6 +36,8 @@ class WorkerConfig:
     metrics_buckets: LatencyBuckets = field(default_factory=LatencyBuckets)
     # --lora-modules name=path: LoRA adapters registered at start (needs --enable-lora)
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # P/D disaggregation: where a router sends this worker's requests (it serves any)
+    role: str = "both"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -52,6 +54,8 @@ class WorkerConfig:
             raise InvalidRequestError(f"unknown tool_call_parser {self.tool_call_parser!r} "
                                       f"(known: {', '.join(sorted(TOOL_PARSERS))})",
                                       param="tool_call_parser")
+        if self.role not in ("prefill", "decode", "both"):
+            raise InvalidRequestError("role must be prefill, decode or both", param="role")
         if self.kv_events_interval <= 0:
             raise InvalidRequestError("kv_events_interval must be positive",
                                       param="kv_events_interval")

@@ -24,7 +24,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from sluice.engine.outputs import RequestMetrics
@@ -75,6 +80,7 @@ class EngineStatsCollector(Collector):
             yield from kv_offload_metrics(stats.kv_offload, label[0])
         if stats.spec_decode:
             yield from spec_decode_metrics(stats.spec_decode, label[0])
+        yield from kv_transfer_metrics(stats.kv_transfer, label[0])  # zeros until used
         if stats.max_lora:  # vLLM's gauge for LoRA-aware routers; the value is a timestamp
             info = GaugeMetricFamily(
                 "vllm:lora_requests_info", "Running stats on lora requests.",
@@ -144,6 +150,42 @@ def kv_offload_metrics(tiers: dict[str, dict[str, float]], model_name: str) -> I
                               labels=["model_name"])
     gauge.add_metric([model_name], engine.get("prefill_s_per_block", 0.0))
     yield gauge
+
+
+# sluice.engine.kv_transfer's (repeated here: the front end does not import torch)
+PULL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+FAILURE_REASONS = ("connect", "timeout", "lease", "mismatch", "corrupt", "protocol",
+                   "no_prefix_cache")
+
+
+def kv_transfer_metrics(t: dict[str, float], model_name: str) -> Iterator[Metric]:
+    """P/D KV hand-off (sluice.engine.kv_transfer.TransferStats.as_dict): bytes and
+    blocks by direction, held blocks, failures by reason, the pull-time histogram."""
+    for what, doc in (("bytes", "KV bytes handed off between engines."),
+                      ("blocks", "KV blocks handed off between engines.")):
+        family = CounterMetricFamily(f"sluice:kv_transfer_{what}", doc,
+                                     labels=["model_name", "direction"])
+        for direction in ("sent", "received"):
+            family.add_metric([model_name, direction], t.get(f"{what}_{direction}", 0.0))
+        yield family
+    failures = CounterMetricFamily("sluice:kv_transfer_failures",
+                                   "KV pulls that failed, by reason (recomputed or failed).",
+                                   labels=["model_name", "reason"])
+    for reason in FAILURE_REASONS:
+        failures.add_metric([model_name, reason], t.get(f"failure:{reason}", 0.0))
+    yield failures
+    held = GaugeMetricFamily("sluice:kv_transfer_held_blocks",
+                             "KV blocks held under a lease for a decode engine.",
+                             labels=["model_name"])
+    held.add_metric([model_name], t.get("held_blocks", 0.0))
+    yield held
+    buckets = [(str(bound), t.get(f"le:{bound}", 0.0)) for bound in PULL_BUCKETS]
+    hist = HistogramMetricFamily("sluice:kv_transfer_seconds",
+                                 "Decode side: time to pull a prefill's KV blocks.",
+                                 labels=["model_name"])
+    hist.add_metric([model_name], [*buckets, ("+Inf", t.get("seconds_count", 0.0))],
+                    t.get("seconds_sum", 0.0))
+    yield hist
 
 
 class WorkerMetrics:

@@ -16,6 +16,7 @@ from sluice.worker.config import WorkerConfig
 from sluice.worker.generation import Admission
 from sluice.worker.lora import LoRARegistry
 from sluice.worker.metrics import WorkerMetrics
+from sluice.worker.pd import PDCollector, PDRole
 from sluice.worker.tool_parsers import get_tool_parser
 
 if TYPE_CHECKING:
@@ -36,6 +37,8 @@ class WorkerState:
         self.tracing = start_tracing(config.tracing)  # None: tracing off
         self.tool_parser = get_tool_parser(config.tool_call_parser)
         self.loras = LoRARegistry(self)
+        self.pd = PDRole(config.role)  # P/D role and epoch (sluice.worker.pd)
+        self.metrics.registry.register(PDCollector(self.pd, lambda: self.model_name))
         if engine is not None:
             self.attach(engine)
 

@@ -1,0 +1,32 @@
+"""The planner's scaling flags, declared once for `sluice serve`, `sluice sim` and the
+autoscaling benchmarks, and read back into `PlannerConfig` keywords."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_scaling_arguments(g: argparse._ActionsContainer, min_help: str,
+                          min_default: int | None = None) -> None:
+    """--min-workers, --max-workers, --scale-up-delay, --scale-down-delay and
+    --scale-down-margin (the defaults are PlannerConfig's)."""
+    g.add_argument("--min-workers", type=int, default=min_default, help=min_help)
+    g.add_argument("--max-workers", type=int, default=None, help="autoscale: most workers")
+    g.add_argument("--scale-up-delay", type=float, default=5.0,
+                   help="seconds a larger count must be wanted before scaling up "
+                        "(default: %(default)s)")
+    g.add_argument("--scale-down-delay", type=float, default=60.0,
+                   help="seconds a smaller count must be wanted before scaling down "
+                        "(default: %(default)s)")
+    g.add_argument("--scale-down-margin", type=float, default=0.6,
+                   help="slo policy: a smaller count must be predicted to beat this x SLO "
+                        "(default: %(default)s)")
+
+
+def scaling_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The PlannerConfig keywords those flags set (bounds are the caller's: each checks
+    them its own way)."""
+    return {"scale_up_delay_s": args.scale_up_delay,
+            "scale_down_delay_s": args.scale_down_delay,
+            "scale_down_margin": args.scale_down_margin}
