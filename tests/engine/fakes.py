@@ -69,6 +69,7 @@ class PagedFakeRunner:
         self.slots: dict[int, tuple[int, int]] = {}  # slot -> (position, token)
         self.num_calls = 0
         self.step_delay = step_delay  # seconds per execute: lets tests act mid-request
+        self.logits_fn = fake_logits  # context -> logits (tests may swap in another model)
 
     def _slot(self, block_table: list[int], pos: int) -> int:
         return block_table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -83,8 +84,10 @@ class PagedFakeRunner:
                 c.token_ids)
             for i, tok in enumerate(c.token_ids):
                 self.slots[self._slot(c.block_table, c.start_pos + i)] = (c.start_pos + i, tok)
-            if c.need_logits:
-                rows.append(fake_logits(self._read_context(c)))
+            if c.need_logits:  # speculative verify: the last num_logits tokens' rows
+                context = self._read_context(c)
+                for cut in range(getattr(c, "num_logits", 1) - 1, -1, -1):
+                    rows.append(self.logits_fn(context[:len(context) - cut]))
         return torch.stack(rows) if rows else torch.empty(0, VOCAB)
 
     def _read_context(self, c: Any) -> list[int]:

@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-flops", action="store_true", help="skip the matmul reference")
+    parser.add_argument("--speculative-config", default=None,
+                        help="sluice: speculative decoding, vLLM's JSON (benchmarks/"
+                             "spec_decode.py compares it with plain decoding)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="weights and activations, for sluice and the peer alike")
 
@@ -395,7 +398,8 @@ def run(args: argparse.Namespace) -> int:
     output_len = args.output_len or (32 if args.workload == "prefix" else 128)
     progress(f"loading sluice: {args.model or 'default SmolLM2 GGUF'}, torch threads "
              f"{torch.get_num_threads()}")
-    llm = LLM(args.model, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype)
+    llm = LLM(args.model, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
+              speculative_config=args.speculative_config)
     rec = StepRecorder(llm.engine.runner)
     flops = None if args.no_flops else FlopModel(llm.engine.runner.model_config,
                                                   getattr(torch, args.dtype))

@@ -316,6 +316,17 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
+    def trim(self, seq: Sequence) -> None:
+        """Drop `seq`'s blocks past those its tokens need (speculative decoding: slots
+        allocated for rejected drafts). Never a cached block: those are all computed."""
+        keep = blocks_needed(len(seq.token_ids), self.block_size)
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_ids[block_id] = None
+        del seq.block_table[keep:]
+
     # -- P/D hand-off (sluice.engine.kv_transfer) --------------------------------------
     def hold(self, block_ids: Seq[int]) -> None:
         """Take one more reference on each block (a lease: kept while a decode engine

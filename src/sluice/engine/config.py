@@ -8,6 +8,7 @@ files each under its layer. Unknown options are an error, never ignored.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,6 +139,86 @@ class LoRAConfig:
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix")  # vLLM's names; draft_model: not yet
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config` in vLLM's JSON shape (see sluice.engine.spec_decode).
+
+    `adaptive` (sluice's): speculate only when the measured acceptance and step-time
+    curve say the step gains tokens per second; False always drafts (tests).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2  # ngram: shortest suffix looked up
+    prompt_lookup_max: int = 5  # ngram: longest suffix looked up
+    # suffix decoding (Arctic; vLLM's field names)
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    disable_by_batch_size: int | None = None  # no speculation above this many running
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        checks: list[tuple[bool, str, str]] = [
+            (self.method in SPECULATIVE_METHODS, "method",
+             f"must be one of {SPECULATIVE_METHODS}"),
+            (1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens",
+             "must be in [1, 16]"),
+            (self.prompt_lookup_min >= 1, "prompt_lookup_min", "must be at least 1"),
+            (self.prompt_lookup_max >= self.prompt_lookup_min, "prompt_lookup_max",
+             "must be >= prompt_lookup_min"),
+            (self.suffix_decoding_max_tree_depth >= 1, "suffix_decoding_max_tree_depth",
+             "must be at least 1"),
+            (self.suffix_decoding_max_cached_requests >= 0,
+             "suffix_decoding_max_cached_requests", "must be non-negative"),
+            (self.suffix_decoding_max_spec_factor > 0, "suffix_decoding_max_spec_factor",
+             "must be positive"),
+            (0.0 <= self.suffix_decoding_min_token_prob <= 1.0,
+             "suffix_decoding_min_token_prob", "must be in [0, 1]"),
+            (self.disable_by_batch_size is None or self.disable_by_batch_size >= 1,
+             "disable_by_batch_size", "must be at least 1"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise InvalidRequestError(
+                    f"speculative_config.{name} {why}, got {getattr(self, name)!r}",
+                    param=f"speculative_config.{name}")
+
+    @classmethod
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None
+              ) -> SpeculativeConfig | None:
+        """From the flag's JSON text or a dict; unknown fields are an error naming them."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequestError(f"speculative_config is not valid JSON: {exc}",
+                                          param="speculative_config") from None
+        if not isinstance(value, dict):
+            raise InvalidRequestError("speculative_config must be a JSON object",
+                                      param="speculative_config")
+        if value.get("method") == "draft_model" or "model" in value:
+            raise InvalidRequestError("speculative_config.method 'draft_model' is not "
+                                      f"supported yet; use one of {SPECULATIVE_METHODS}",
+                                      param="speculative_config.method")
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in value:
+            if key not in known:
+                raise InvalidRequestError(f"unknown speculative_config field {key!r}",
+                                          param=f"speculative_config.{key}")
+        try:
+            return cls(**value)
+        except TypeError as exc:
+            raise InvalidRequestError(f"speculative_config: {exc}",
+                                      param="speculative_config") from None
+
+
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
@@ -174,6 +255,7 @@ class EngineConfig:
     structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    speculative: SpeculativeConfig | None = None  # --speculative-config
 
     @classmethod
     def from_options(cls, model: str | None = None, **options: Any) -> EngineConfig:
@@ -181,6 +263,7 @@ class EngineConfig:
         layers: dict[str, dict[str, Any]] = {"model": {"model": model}, "cache": {},
                                              "scheduler": {}, "structured": {}, "lora": {},
                                              "kv_transfer": {}}
+        speculative = SpeculativeConfig.parse(options.pop("speculative_config", None))
         owners = {f.name: name for name, klass in
                   (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
                    ("structured", StructuredOutputsConfig), ("lora", LoRAConfig),
@@ -193,4 +276,4 @@ class EngineConfig:
         return cls(ModelConfig(**layers["model"]), CacheConfig(**layers["cache"]),
                    SchedulerConfig(**layers["scheduler"]),
                    StructuredOutputsConfig(**layers["structured"]), LoRAConfig(**layers["lora"]),
-                   KVTransferConfig(**layers["kv_transfer"]))
+                   KVTransferConfig(**layers["kv_transfer"]), speculative)

@@ -35,6 +35,7 @@ from sluice.engine.outputs import RequestMetrics
 from sluice.engine.sampler import Sampler, SampleResult
 from sluice.engine.scheduler import ScheduledChunk, Scheduler
 from sluice.engine.sequence import Request, Sequence
+from sluice.engine.spec_decode import SpecDecoder
 from sluice.engine.stats import EngineStats
 from sluice.engine.structured_output import BACKENDS, StructuredOutputManager
 from sluice.engine.tokenizer import default_served_name
@@ -84,6 +85,7 @@ class EngineCore:
         self.failed: list[tuple[str, SluiceError]] = []  # requests the core refused after add
         self._next_seq_id = 0
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_steps": 0}
+        self.spec = self._build_spec(config)
 
     # -- admission ----------------------------------------------------------------
     def add(self, req: CoreRequest) -> None:
@@ -143,6 +145,21 @@ class EngineCore:
         layers: Any = self.runner.model.layers
         return PoolAccess([(layer.attention.kv_cache.k, layer.attention.kv_cache.v)
                            for layer in layers])
+
+    def _build_spec(self, config: EngineConfig) -> SpecDecoder | None:
+        """Speculative decoding (--speculative-config); the step-time curve is measured
+        now on a real model runner (fakes in tests have no cost to measure)."""
+        if config.speculative is None:
+            return None
+        spec = SpecDecoder(config.speculative, self.sampler, self.block_manager,
+                           self.info.max_model_len)
+        if config.speculative.adaptive and hasattr(self.runner, "model"):
+            sc = config.scheduler
+            spec.calibrate(self.runner, self._chunk_cls,
+                           min(sc.max_num_batched_tokens,
+                               sc.max_num_seqs * (config.speculative.num_speculative_tokens + 1),
+                               self.info.max_model_len))
+        return spec
 
     def _build_offload(self, config: EngineConfig) -> Any:
         cache = config.cache
@@ -213,7 +230,10 @@ class EngineCore:
         """Schedule, run, sample; one update per sequence that got a token."""
         self._admit_compiled()
         self._admit_pulled()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, self.config.scheduler.max_num_batched_tokens)
         chunks = self.scheduler.schedule()
+        drafts = self.spec.fit(chunks) if self.spec is not None else {}
         if not chunks:
             self.structured.wait(0.01)  # only grammars or KV pulls pending: do not spin
             self.kv_transfer.wait(0.01)
@@ -221,19 +241,32 @@ class EngineCore:
         self._mark_scheduled(chunks)
         self.block_manager.flush_evicted()  # evicted blocks go down a tier before overwrites
         start = time.perf_counter()
-        logits = self.runner.execute([self._seq_chunk(c) for c in chunks])
-        self.scheduler.update_from_output(chunks)
+        logits = self.runner.execute([self._seq_chunk(c, drafts) for c in chunks])
+        self.scheduler.update_from_output(  # drafted chunks: after verification (commit)
+            [c for c in chunks if c.seq not in drafts] if drafts else chunks)
         self._after_forward(chunks, time.perf_counter() - start)
         sampled = [c.seq for c in chunks if c.need_logits]
-        self.structured.mask(logits, sampled)
-        results = self.sampler(logits, sampled) if sampled else []
+        results = self._sample(logits, sampled, drafts)
         self._counters["num_steps"] += 1
-        return [self._postprocess(seq, result)
+        return [self._postprocess(seq, result, seq in drafts)
                 for seq, result in zip(sampled, results, strict=True)]
+
+    def _sample(self, logits: torch.Tensor, sampled: list[Sequence],
+                drafts: dict[Sequence, list[int]]) -> list[list[SampleResult]]:
+        """Each sampled sequence's new tokens: one, or a verified draft's 1..k+1."""
+        if self.spec is not None:
+            return self.spec.sample(logits, sampled, drafts, self._sample_plain)
+        return [[r] for r in self._sample_plain(logits, sampled)]
+
+    def _sample_plain(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+        self.structured.mask(logits, seqs)
+        return self.sampler(logits, seqs) if seqs else []
 
     def _after_forward(self, chunks: list[ScheduledChunk], seconds: float) -> None:
         """Offload tiers: write newly cached blocks through; learn the prefill cost per
         token from steps that are mostly prefill (what a load from a tier must beat)."""
+        if self.spec is not None:
+            self.spec.observe_step(sum(c.num_tokens for c in chunks), seconds)
         offload = self.block_manager.offload
         if offload is None:
             return
@@ -258,10 +291,13 @@ class EngineCore:
         failed, self.failed = self.failed, []
         return failed
 
-    def _seq_chunk(self, chunk: ScheduledChunk) -> Any:
+    def _seq_chunk(self, chunk: ScheduledChunk, drafts: dict[Sequence, list[int]]) -> Any:
         seq, start = chunk.seq, chunk.start_pos
-        return self._chunk_cls(seq.token_ids[start:start + chunk.num_tokens], start,
-                               seq.block_table, chunk.need_logits, seq.adapter)
+        out = self._chunk_cls(seq.token_ids[start:start + chunk.num_tokens], start,
+                              seq.block_table, chunk.need_logits, seq.adapter)
+        if drafts and seq in drafts:
+            out.num_logits = len(drafts[seq]) + 1  # the last token's row and each draft's
+        return out
 
     def _mark_scheduled(self, chunks: list[ScheduledChunk]) -> None:
         now = time.time()
@@ -272,33 +308,48 @@ class EngineCore:
             if chunk.seq.num_output_tokens == 0:
                 chunk.seq.num_prefill_chunks += 1
 
-    def _postprocess(self, seq: Sequence, result: SampleResult) -> SeqUpdate:
+    def _postprocess(self, seq: Sequence, results: list[SampleResult],
+                     drafted: bool = False) -> SeqUpdate:
+        """Append the tokens one by one, each through the stop checks (a verified draft
+        stops where plain decoding would, the rest dropped)."""
         request = self.requests[seq.request_id]
-        token = result.token_id
-        seq.token_ids.append(token)
-        if seq.grammar is not None:
-            self.structured.accept(seq, token)
-        self._counters["generation_tokens"] += 1
-        new_logprobs = None
-        if seq.logprobs is not None and result.top_logprobs is not None:
-            seq.logprobs.append(result.top_logprobs)
-            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + (result.logprob or 0.0)
-            new_logprobs = [result.top_logprobs]
-        if seq.num_output_tokens == 1:
-            self._on_first_token(request, seq)
-        self._check_stop(seq, token)
+        tokens: list[int] = []
+        new_logprobs: list[Any] | None = None
+        for result in results:
+            tokens.append(self._append(request, seq, result))
+            if seq.logprobs is not None and result.top_logprobs is not None:
+                new_logprobs = (new_logprobs or []) + [result.top_logprobs]
+            if seq.finish_reason is not None:
+                break
         kv_params = None
         if seq.finish_reason is not None:
             kv_params = self.kv_transfer.on_finished(seq)  # P/D prefill side: hold its KV
             self.scheduler.finish(seq)
             if request.finished:
                 del self.requests[seq.request_id]
-        return SeqUpdate(seq.request_id, seq.index, [token], new_logprobs,
+        elif drafted:
+            assert self.spec is not None
+            self.spec.commit(seq)
+        return SeqUpdate(seq.request_id, seq.index, tokens, new_logprobs,
                          seq.cumulative_logprob, seq.finish_reason,
                          seq.stop_reason,
                          max(request.seqs[0].num_cached_tokens, 0),
                          request.metrics.first_scheduled_time, seq.num_preemptions,
                          request.seqs[0].num_prefill_chunks, kv_params)
+
+    def _append(self, request: Request, seq: Sequence, result: SampleResult) -> int:
+        token = result.token_id
+        seq.token_ids.append(token)
+        if seq.grammar is not None:
+            self.structured.accept(seq, token)
+        self._counters["generation_tokens"] += 1
+        if seq.logprobs is not None and result.top_logprobs is not None:
+            seq.logprobs.append(result.top_logprobs)
+            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + (result.logprob or 0.0)
+        if seq.num_output_tokens == 1:
+            self._on_first_token(request, seq)
+        self._check_stop(seq, token)
+        return token
 
     def _on_first_token(self, request: Request, seq: Sequence) -> None:
         if seq.index == 0:
@@ -343,7 +394,8 @@ class EngineCore:
             kv_offload=bm.offload.stats() if bm.offload is not None else {},
             running_lora_adapters=_adapter_names(sched.running),
             waiting_lora_adapters=_adapter_names(sched.waiting),
-            max_lora=sched.max_loras, kv_transfer=self.kv_transfer.stats_dict())
+            max_lora=sched.max_loras, kv_transfer=self.kv_transfer.stats_dict(),
+            spec_decode=self.spec.stats() if self.spec is not None else {})
 
     def drain_kv_events(self) -> list[KVEvent]:
         """KV events since the last call."""

@@ -67,6 +67,7 @@ class SeqChunk:
     block_table: list[int]  # KV block ids covering >= start_pos+len tokens
     need_logits: bool  # True if the last token's logits are needed
     lora: LoRAAdapter | None = None  # the sequence's adapter (multi-LoRA), or the base
+    num_logits: int = 1  # logit rows: the last `num_logits` tokens' (speculative verify)
 
 
 # CPU flags of native bfloat16 math: AVX512-BF16's dot products, AMX's tiles. Without
@@ -214,7 +215,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk]) -> Tensor:
-        """Run one step; float32 logits `[num chunks with need_logits, vocab]`, in order.
+        """Run one step; float32 logits, in order: one row per chunk with need_logits,
+        `num_logits` rows (its last tokens') for a chunk verifying drafts.
 
         Mutates the KV pool: every new token's K/V is written at its slot.
         """
@@ -224,7 +226,8 @@ class ModelRunner:
         tokens, positions, slots, last_row = self._flatten(chunks, order)
         meta = AttentionMetadata(self._tensor(slots), self._groups(chunks, order),
                                  self.native.paged_decode_attention if self.native else None)
-        wanted = [last_row[i] for i, c in enumerate(chunks) if c.need_logits]
+        wanted = [row for i, c in enumerate(chunks) if c.need_logits
+                  for row in range(last_row[i] - c.num_logits + 1, last_row[i] + 1)]
         if self.lora_slots is not None:
             self.lora_slots.prepare([(chunks[i].lora, len(chunks[i].token_ids)) for i in order],
                                     self.device, self.dtype)
@@ -236,10 +239,17 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
     @staticmethod
-    def _flat_order(chunks: list[SeqChunk]) -> list[int]:
-        """Chunk indices in flat order: single-token chunks (decodes) first, then prefills."""
-        decodes = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
-        return decodes + [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
+    def _decode_like(c: SeqChunk) -> bool:
+        """A decode, or a speculative verify (every token's logits wanted): its tokens run
+        as one-query decodes of growing context over the same block table (K/V are
+        written before attention reads them, so each draft sees the ones before it)."""
+        return len(c.token_ids) == 1 or c.num_logits == len(c.token_ids)
+
+    @classmethod
+    def _flat_order(cls, chunks: list[SeqChunk]) -> list[int]:
+        """Chunk indices in flat order: decodes (and verifies) first, then prefills."""
+        decodes = [i for i, c in enumerate(chunks) if cls._decode_like(c)]
+        return decodes + [i for i, c in enumerate(chunks) if not cls._decode_like(c)]
 
     def _flatten(self, chunks: list[SeqChunk],
                  order: list[int]) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -281,17 +291,22 @@ class ModelRunner:
                             self.dtype)
         groups, start = [], 0
         num_decodes = self._num_decodes(chunks)
-        for members in (order[:num_decodes], order[num_decodes:]):
+        for decodes, members in ((True, order[:num_decodes]), (False, order[num_decodes:])):
             if not members:
                 continue
             picked = [chunks[i] for i in members]
-            group = build_group(start, [len(c.token_ids) for c in picked],
-                                [c.start_pos for c in picked], [c.block_table for c in picked],
-                                layout)
+            if decodes:  # one query per token (a verify's tokens: growing contexts)
+                starts = [c.start_pos + j for c in picked for j in range(len(c.token_ids))]
+                tables = [c.block_table for c in picked for _ in c.token_ids]
+                group = build_group(start, [1] * len(starts), starts, tables, layout)
+            else:
+                group = build_group(start, [len(c.token_ids) for c in picked],
+                                    [c.start_pos for c in picked],
+                                    [c.block_table for c in picked], layout)
             groups.append(group)
             start = group.end
         return groups
 
-    @staticmethod
-    def _num_decodes(chunks: list[SeqChunk]) -> int:
-        return sum(1 for c in chunks if len(c.token_ids) == 1)
+    @classmethod
+    def _num_decodes(cls, chunks: list[SeqChunk]) -> int:
+        return sum(1 for c in chunks if cls._decode_like(c))

@@ -144,9 +144,23 @@ class OutputProcessor:
         last = len(update.new_token_ids) - 1
         for i, token in enumerate(update.new_token_ids):
             if self._add_text(seq, params, token, update, last=i == last):
+                if i < last:  # several tokens (a verified draft): drop those after the stop
+                    self._drop_after_stop(seq, update, last - i)
                 return True
         seq.finish_reason, seq.stop_reason = update.finish_reason, update.stop_reason
         return False
+
+    @staticmethod
+    def _drop_after_stop(seq: _SeqText, update: SeqUpdate, count: int) -> None:
+        """The last `count` tokens came after a stop string: plain decoding never made them."""
+        dropped = seq.token_ids[-count:]
+        del seq.token_ids[-count:]
+        if seq.logprobs is not None and update.new_logprobs is not None:
+            gone = seq.logprobs[-count:]
+            del seq.logprobs[-count:]
+            if seq.cumulative_logprob is not None:
+                seq.cumulative_logprob -= sum(lp.get(t, 0.0) for t, lp in
+                                              zip(dropped, gone, strict=True))
 
     @staticmethod
     def _add_text(seq: _SeqText, params: SamplingParams, token: int, update: SeqUpdate,

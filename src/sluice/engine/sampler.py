@@ -140,6 +140,10 @@ class Sampler:
         tokens = self._choose(logits, seqs)
         return self._results(raw, tokens, seqs)
 
+    def is_plain_greedy(self, seq: Sequence) -> bool:
+        """Greedy with nothing to apply (no penalties, logprobs, pending min_tokens)."""
+        return self._is_plain_greedy(seq)
+
     def _is_plain_greedy(self, seq: Sequence) -> bool:
         p = seq.params
         return (p.greedy and p.logprobs is None and not _needs_penalties(seq)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class EngineStats:
     running_lora_adapters: str = ""
     waiting_lora_adapters: str = ""
     max_lora: int = 0  # --max-loras (0: LoRA off)
+    # speculative decoding (SpecDecoder.stats): num_drafts, num_draft_tokens,
+    # num_accepted_tokens, accepted_per_pos; empty when off
+    spec_decode: dict[str, Any] = field(default_factory=dict)
     # P/D KV transfer (sluice.engine.kv_transfer.TransferStats): bytes/blocks sent and
     # received, held blocks, failures by reason, the pull-time histogram
     kv_transfer: dict[str, float] = field(default_factory=dict)

@@ -49,6 +49,11 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "max_loras": (int, "LoRA adapters in one batch (with --enable-lora)"),
     "max_lora_rank": (int, "largest LoRA rank accepted (with --enable-lora)"),
     "max_cpu_loras": (int, "LoRA adapters kept loaded in host memory (>= --max-loras)"),
+    "speculative_config": (str, "speculative decoding, vLLM's JSON: "
+                                "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                                "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' or "
+                                "method \"suffix\" (suffix_decoding_* fields); the engine "
+                                "drafts only where measured acceptance and step cost pay"),
     "kv_load_failure_policy": (str, "P/D decode side, when pulling a prefill's KV fails: "
                                     "recompute the prompt here (same output) or fail the "
                                     "request (503 kv_transfer_failed)"),
@@ -102,7 +107,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 
 NONE_MEANS: dict[str, str] = {"max_model_len": "the model's own", "kv_offload": "off",
-                              "kv_store": "off", "max_cpu_loras": "--max-loras"}
+                              "kv_store": "off", "max_cpu_loras": "--max-loras",
+                              "speculative_config": "off"}
 
 
 def _default_text(dest: str, value: Any) -> str:
@@ -118,7 +124,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     for dest, (kind, text) in ENGINE_FLAGS.items():
         p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=kind, default=None,
                        choices=CHOICES.get(dest),
-                       help=f"{text} (default: {_default_text(dest, defaults[dest])})")
+                       help=f"{text} (default: {_default_text(dest, defaults.get(dest))})")
     for dest, text in ENGINE_SWITCHES.items():
         p.add_argument("--" + dest.replace("_", "-"), dest=dest, default=None,
                        action=argparse.BooleanOptionalAction,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import (
@@ -77,6 +78,8 @@ class EngineStatsCollector(Collector):
             yield counter
         if stats.kv_offload:
             yield from kv_offload_metrics(stats.kv_offload, label[0])
+        if stats.spec_decode:
+            yield from spec_decode_metrics(stats.spec_decode, label[0])
         yield from kv_transfer_metrics(stats.kv_transfer, label[0])  # zeros until used
         if stats.max_lora:  # vLLM's gauge for LoRA-aware routers; the value is a timestamp
             info = GaugeMetricFamily(
@@ -85,6 +88,28 @@ class EngineStatsCollector(Collector):
             info.add_metric([stats.running_lora_adapters, stats.waiting_lora_adapters,
                              str(stats.max_lora)], time.time())
             yield info
+
+
+SPEC_DECODE_SERIES = [
+    ("vllm:spec_decode_num_drafts", "Verified drafts (a sequence's drafted tokens in one step).",
+     "num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "Drafted tokens verified.", "num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Drafted tokens accepted.", "num_accepted_tokens"),
+]
+
+
+def spec_decode_metrics(spec: dict[str, Any], model_name: str) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters (`_total` is added on exposition)."""
+    for name, doc, key in SPEC_DECODE_SERIES:
+        counter = CounterMetricFamily(name, doc, labels=["model_name"])
+        counter.add_metric([model_name], float(spec.get(key, 0)))
+        yield counter
+    per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                  "Drafted tokens accepted, by position in the draft.",
+                                  labels=["model_name", "position"])
+    for pos, count in enumerate(spec.get("accepted_per_pos", [])):
+        per_pos.add_metric([model_name, str(pos)], float(count))
+    yield per_pos
 
 
 # (metric, kind, doc, key in the engine's per-medium stats)

@@ -1,0 +1,192 @@
+"""Speculative decoding against plain decoding, same engine, same weights, one run.
+
+    flock /tmp/sluice-heavy.lock python benchmarks/spec_decode.py [--model M]
+        [--methods ngram suffix] [--output-len 192] [--streams 32]
+
+1. Input-grounded, one stream: chat prompts that ask the model to repeat, edit or
+   continue a given text or code (the output copies long runs of the input); greedy,
+   each request alone; output tokens/s of plain decoding and of each method
+   (target >= 2x), the acceptance counters, and whether the outputs were identical.
+2. Random, `--streams` at once: random-token prompts, ignore_eos, greedy; plain against
+   each method with the adaptive planner on (target >= 0.95x: it must not hurt).
+
+The plain runs use the same loaded engine with its `SpecDecoder` detached, so weights,
+KV pool and kernels are shared. Runs alternate (plain, methods, plain, ...) `--repeats`
+times; medians are reported. Last stdout line: one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+from typing import Any
+
+from sluice.engine.llm import LLM
+from sluice.engine.sampling_params import SamplingParams
+
+TEXT = ("The river had been rising for three days when the ferryman finally agreed to "
+        "take us across. He said the current was stronger than it looked, that the "
+        "water near the far bank hid a line of old posts from the bridge that burned "
+        "down before his father was born, and that we should sit still and keep our "
+        "hands inside the boat. We did as he said. Halfway across, the fog lifted and "
+        "we could see the village on the hill, its windows bright with morning sun.")
+CODE = '''def moving_average(values, window):
+    """Return the moving averages of values over window items."""
+    if window <= 0:
+        raise ValueError("window must be positive")
+    out = []
+    total = 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            out.append(total / window)
+    return out
+
+
+def median(values):
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[middle]
+    return (ordered[middle - 1] + ordered[middle]) / 2
+'''
+GROUNDED = [
+    f"Repeat the following text exactly, word for word:\n\n{TEXT}",
+    f"Rewrite this code with the function renamed to rolling_mean. Output the whole "
+    f"code:\n\n{CODE}",
+    f"Copy this paragraph, replacing 'ferryman' with 'boatman':\n\n{TEXT}",
+    f"Here is some Python code:\n\n{CODE}\nRepeat the code above exactly.",
+]
+
+
+def grounded_prompts(llm: LLM) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
+                       add_special_tokens=False) for p in GROUNDED]
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
+
+
+def run(llm: LLM, spec: Any, prompts: list[list[int]], params: SamplingParams,
+        one_at_a_time: bool, tag: str) -> tuple[float, list[list[int]], dict[str, Any]]:
+    """(output tokens/s, outputs, spec counters of this run) with `spec` attached."""
+    engine = llm.engine
+    core = engine.core
+    core.spec = spec
+    before = dict(spec.stats()) if spec is not None else {}
+    batches = [[p] for p in prompts] if one_at_a_time else [prompts]
+    outputs: list[list[int]] = []
+    tokens, start = 0, time.perf_counter()
+    for b, batch in enumerate(batches):
+        for i, prompt in enumerate(batch):
+            engine.add_request(f"{tag}-{b}-{i}", prompt, params)
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        for i in range(len(batch)):
+            outputs.append(done[f"{tag}-{b}-{i}"])
+            tokens += len(done[f"{tag}-{b}-{i}"])
+    seconds = time.perf_counter() - start
+    counters = {}
+    if spec is not None:
+        after = spec.stats()
+        counters = {k: after[k] - before[k] for k in
+                    ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    core.block_manager.reset_prefix_cache()
+    return tokens / seconds, outputs, counters
+
+
+def bench(llm: LLM, specs: dict[str, Any], prompts: list[list[int]], params: SamplingParams,
+          one_at_a_time: bool, repeats: int, label: str) -> dict[str, Any]:
+    rates: dict[str, list[float]] = {name: [] for name in ["plain", *specs]}
+    counters: dict[str, dict[str, int]] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    for r in range(repeats):
+        for name in rates:
+            rate, outs, count = run(llm, specs.get(name), prompts, params, one_at_a_time,
+                                    f"{label}-{name}-{r}")
+            rates[name].append(rate)
+            outputs[name] = outs
+            for k, v in count.items():
+                counters.setdefault(name, {}).setdefault(k, 0)
+                counters[name][k] += v
+            print(f"  {label} {name} run {r}: {rate:.1f} tok/s", flush=True)
+    medians = {name: statistics.median(v) for name, v in rates.items()}
+    return {"tok_s": medians,
+            "speedup": {n: medians[n] / medians["plain"] for n in specs},
+            "identical_to_plain": {n: outputs[n] == outputs["plain"] for n in specs},
+            "counters": counters,
+            "acceptance": {n: c["num_accepted_tokens"] / max(c["num_draft_tokens"], 1)
+                           for n, c in counters.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--methods", nargs="+", default=["ngram", "suffix"])
+    ap.add_argument("--num-speculative-tokens", type=int, default=8)
+    ap.add_argument("--output-len", type=int, default=192)
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--random-input-len", type=int, default=128)
+    ap.add_argument("--random-output-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    k = args.num_speculative_tokens
+    configs = {"ngram": {"method": "ngram", "num_speculative_tokens": k,
+                         "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+               "suffix": {"method": "suffix", "num_speculative_tokens": k}}
+    llm = LLM(args.model, max_num_seqs=max(args.streams, 1),
+              speculative_config=configs[args.methods[0]])
+    from sluice.engine.spec_decode import SpecDecoder
+
+    core = llm.engine.core
+    first = core.spec
+    specs: dict[str, Any] = {}
+    for name in args.methods:
+        spec = first if name == args.methods[0] else SpecDecoder(
+            llm.config.speculative.__class__(**configs[name]), core.sampler,
+            core.block_manager, core.info.max_model_len)
+        if spec is not first:
+            spec.planner.cost = first.planner.cost  # the same step-time curve
+        specs[name] = spec
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len)
+    warm = grounded_prompts(llm)[:1]
+    run(llm, None, warm, SamplingParams(temperature=0.0, max_tokens=16), True, "warm")
+    print(f"# spec decode bench: {platform.processor() or platform.machine()}, "
+          f"model {llm.engine.model_name}", flush=True)
+    grounded = bench(llm, specs, grounded_prompts(llm), greedy, True, args.repeats,
+                     "grounded-1")
+    rand = random_prompts(args.streams, args.random_input_len, llm.engine.core.info.vocab_size,
+                          0)
+    rparams = SamplingParams(temperature=0.0, max_tokens=args.random_output_len,
+                             ignore_eos=True)
+    random_res = bench(llm, specs, rand, rparams, False, args.repeats,
+                       f"random-{args.streams}")
+    print(f"\n{'workload':<22}{'engine':<10}{'tok/s':>9}{'x plain':>9}{'accept':>8}"
+          f"{'identical':>10}")
+    for label, res in (("grounded, 1 stream", grounded),
+                       (f"random, {args.streams} streams", random_res)):
+        for name, rate in res["tok_s"].items():
+            x = res["speedup"].get(name, 1.0)
+            acc = res["acceptance"].get(name)
+            same = res["identical_to_plain"].get(name, "")
+            print(f"{label:<22}{name:<10}{rate:>9.1f}{x:>9.2f}"
+                  f"{'' if acc is None else f'{acc:.2f}':>8}{str(same):>10}")
+    print(json.dumps({"grounded_single_stream": grounded, "random": random_res,
+                      "streams": args.streams, "output_len": args.output_len,
+                      "num_speculative_tokens": k}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,506 @@
+"""Speculative decoding: guess a few tokens per sequence, verify them in one forward.
+
+    before schedule   token_ids [... t] + drafts [d1 d2 d3]     (proposer: ngram | suffix)
+    the step          chunk [t d1 d2 d3] at positions p..p+3: one forward, K/V written
+                      at all four slots, logits for all four rows
+    verify            row 0 is the distribution of p+1: d1 accepted? row 1 -> d2? ...
+                      the first rejection ends it; the row after the last accepted draft
+                      gives one more token (the correction, or a bonus): 1..k+1 tokens
+    roll back         token_ids [... t d1 x], num_computed_tokens = p + 2 (t and d1's K/V
+                      stay valid); blocks past the last token's are freed, rejected slots
+                      in the kept block are overwritten before anything reads them
+
+The drafts ride in `seq.token_ids` from `propose` until the forward, so the scheduler
+plans them like any uncomputed tokens (budget, blocks, preemption) with no code of its
+own; `fit` trims what the step did not schedule. Acceptance keeps outputs exactly those
+of plain decoding: each position is sampled by the plain sampler, with the sequence
+state plain decoding would have there (earlier tokens appended: penalties, min_tokens,
+the per-position seed), and the draft is accepted iff the sample equals it. For a
+point-mass draft (n-gram and suffix drafts are certain) that *is* rejection sampling:
+the draft t is accepted with probability p(t), and on rejection the token is drawn from
+p with t removed, renormalised; so each token is distributed as plain sampling's, and a
+seeded request gets the very tokens it gets without speculation (greedy: the argmax).
+The core appends the tokens one by one through its usual stop checks (EOS, stop ids,
+max_tokens).
+
+Structured output: constrained sequences do not speculate (their masks would have to
+advance through the drafts; they decode plainly beside speculating ones).
+
+When to speculate (`SpecPlanner`): the forward's time grows slowly with its tokens only
+while the step is bandwidth-bound. The planner keeps the measured step-time curve
+(calibrated at start, then a moving average of real steps) and each sequence's measured
+acceptance rate, and adds a sequence's drafts only while the expected tokens per second
+of the step rise: at one stream with predictable text it drafts deep; at a large batch
+of unpredictable text it drafts nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from abc import ABC, abstractmethod
+from bisect import bisect_left
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sluice.engine.block_manager import BlockManager, blocks_needed
+from sluice.engine.config import SpeculativeConfig
+from sluice.engine.sampler import Sampler, SampleResult
+from sluice.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from sluice.engine.scheduler import ScheduledChunk
+
+PRIOR_ACCEPTANCE = 0.5  # a sequence's acceptance rate before it has drafted
+MIN_POSITION_PROB = 0.15  # draft position j only while rate**j reaches this
+ACCEPTANCE_DECAY = 0.8  # weight of a sequence's past drafts against its last one
+MIN_GAIN = 1.03  # a draft must raise the step's expected tokens/s by this factor
+
+
+# -- proposers ------------------------------------------------------------------------
+class Proposer(ABC):
+    """Drafts tokens for a sequence from text it has seen. `propose` may keep per-sequence
+    state; `forget` drops it when the sequence finishes."""
+
+    @abstractmethod
+    def __init__(self, config: SpeculativeConfig) -> None:
+        """Built from the engine's speculative config."""
+
+    @abstractmethod
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """Up to `k` tokens that may follow `seq.token_ids` (may be empty)."""
+
+    @abstractmethod
+    def forget(self, seq: Sequence) -> None:
+        """`seq` finished (its tokens may feed later drafts)."""
+
+
+class _NgramIndex:
+    __slots__ = ("last", "upto")
+
+    def __init__(self) -> None:
+        self.last: dict[tuple[int, ...], int] = {}  # n-gram -> end of its latest occurrence
+        self.upto = 0  # n-grams ending at 1..upto are indexed
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup (vLLM's `ngram`): the longest suffix of `prompt_lookup_min..max`
+    tokens that occurred before; propose the tokens that followed its latest occurrence.
+    An incremental index per sequence (n-gram -> latest end), so a step costs O(max)."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.lo, self.hi = config.prompt_lookup_min, config.prompt_lookup_max
+        self.index: dict[Sequence, _NgramIndex] = {}
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        tokens = seq.token_ids
+        idx = self.index.get(seq)
+        if idx is None:
+            idx = self.index[seq] = _NgramIndex()
+        last, lo, hi = idx.last, self.lo, self.hi
+        for end in range(idx.upto + 1, len(tokens)):  # not the current suffix itself
+            for n in range(lo, min(hi, end) + 1):
+                last[tuple(tokens[end - n:end])] = end
+        idx.upto = max(idx.upto, len(tokens) - 1)
+        for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+            found = last.get(tuple(tokens[-n:]))
+            if found is not None:
+                return tokens[found:found + k]
+        return []
+
+    def forget(self, seq: Sequence) -> None:
+        self.index.pop(seq, None)
+
+
+Counts = dict[tuple[int, ...], dict[int, int]]  # context (last n tokens) -> next-token counts
+
+
+def count_next(table: Counts, tokens: list[int], end: int, depth: int, delta: int) -> None:
+    """Add `delta` to the count of `tokens[end]` after each context of 1..depth tokens."""
+    nxt = tokens[end]
+    for n in range(1, min(depth, end) + 1):
+        key = tuple(tokens[end - n:end])
+        row = table.get(key)
+        if row is None:
+            row = table[key] = {}
+        count = row.get(nxt, 0) + delta
+        if count > 0:
+            row[nxt] = count
+        else:
+            row.pop(nxt, None)
+            if not row:
+                del table[key]
+
+
+class SuffixProposer(Proposer):
+    """Suffix decoding (Arctic's, vLLM's `suffix`): next-token counts after every context
+    of up to `suffix_decoding_max_tree_depth` tokens, over the sequence itself (prompt
+    and output) and over the outputs of the last `suffix_decoding_max_cached_requests`
+    finished sequences (a suffix tree's paths, stored as context -> counts). A draft
+    follows the most frequent continuation of the longest matching context; its depth
+    adapts: at most `max_spec_factor` x the match length, and only while the product of
+    the continuation's frequencies stays above `min_token_prob`."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.depth = config.suffix_decoding_max_tree_depth
+        self.factor = config.suffix_decoding_max_spec_factor
+        self.min_prob = config.suffix_decoding_min_token_prob
+        self.max_cached = config.suffix_decoding_max_cached_requests
+        self.local: dict[Sequence, tuple[Counts, list[int]]] = {}  # counts, [indexed upto]
+        self.shared: Counts = {}
+        self.cached: deque[tuple[list[int], int]] = deque()  # (tokens, first output index)
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        tokens = seq.token_ids
+        table, upto = self.local.setdefault(seq, ({}, [1]))
+        for end in range(upto[0], len(tokens)):
+            count_next(table, tokens, end, self.depth, 1)
+        upto[0] = max(upto[0], len(tokens))
+        ctx = tokens[-self.depth:]
+        match = self._match_len(table, ctx)
+        limit = min(k, int(self.factor * match))
+        out: list[int] = []
+        prob = 1.0
+        while len(out) < limit:
+            best = self._next(table, ctx)
+            if best is None:
+                break
+            token, p = best
+            prob *= p
+            if prob < self.min_prob:
+                break
+            out.append(token)
+            ctx = (ctx + [token])[-self.depth:]
+        return out
+
+    def _match_len(self, table: Counts, ctx: list[int]) -> int:
+        n = 0
+        while n < len(ctx):
+            key = tuple(ctx[len(ctx) - n - 1:])
+            if key not in table and key not in self.shared:
+                break
+            n += 1
+        return n
+
+    def _next(self, table: Counts, ctx: list[int]) -> tuple[int, float] | None:
+        """The most frequent next token after the longest known context, and its share."""
+        found: dict[int, int] | None = None
+        for n in range(1, len(ctx) + 1):
+            key = tuple(ctx[-n:])
+            mine, theirs = table.get(key), self.shared.get(key)
+            if mine is None and theirs is None:
+                break
+            found = dict(theirs or {})
+            for tok, c in (mine or {}).items():
+                found[tok] = found.get(tok, 0) + c
+        if not found:
+            return None
+        token = max(found, key=found.__getitem__)
+        return token, found[token] / sum(found.values())
+
+    def forget(self, seq: Sequence) -> None:
+        self.local.pop(seq, None)
+        if self.max_cached == 0 or seq.num_output_tokens == 0:
+            return
+        tokens = list(seq.token_ids)
+        self._count(tokens, seq.num_prompt_tokens, 1)
+        self.cached.append((tokens, seq.num_prompt_tokens))
+        if len(self.cached) > self.max_cached:
+            old, first = self.cached.popleft()
+            self._count(old, first, -1)
+
+    def _count(self, tokens: list[int], first: int, delta: int) -> None:
+        for end in range(max(first, 1), len(tokens)):
+            count_next(self.shared, tokens, end, self.depth, delta)
+
+
+PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer, "suffix": SuffixProposer}
+
+
+# -- when and how deep ------------------------------------------------------------------
+class StepCost:
+    """Forward seconds against tokens in the step: points (mean tokens, mean seconds) per
+    power-of-two bucket, moving averages of real steps, linearly interpolated."""
+
+    def __init__(self) -> None:
+        self.points: dict[int, list[float]] = {}  # bucket -> [tokens, seconds]
+
+    def observe(self, tokens: int, seconds: float, weight: float = 0.1) -> None:
+        if tokens <= 0:
+            return
+        bucket = round(math.log2(tokens) * 4)  # quarter octaves
+        point = self.points.get(bucket)
+        if point is None:
+            self.points[bucket] = [float(tokens), seconds]
+            return
+        point[0] += weight * (tokens - point[0])
+        point[1] += weight * (seconds - point[1])
+
+    def seconds(self, tokens: float) -> float:
+        pts = sorted(self.points.values())
+        if not pts:
+            return 1.0
+        xs = [p[0] for p in pts]
+        i = bisect_left(xs, tokens)
+        if i == 0:
+            return pts[0][1]
+        if i == len(pts):  # past the largest point: proportional
+            return pts[-1][1] * tokens / pts[-1][0]
+        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0) if x1 > x0 else y1
+
+
+@dataclass
+class _Candidate:
+    seq: Sequence
+    draft: list[int]
+    gain: float  # expected accepted tokens
+
+
+class SpecPlanner:
+    """Per-sequence acceptance rates and the step-time curve; picks the drafts that pay."""
+
+    def __init__(self, adaptive: bool, disable_by_batch_size: int | None) -> None:
+        self.adaptive = adaptive
+        self.disable_by_batch_size = disable_by_batch_size
+        self.cost = StepCost()
+        self.rates: dict[Sequence, list[float]] = {}  # seq -> [accepted, drafted] (decayed)
+        self.prior = PRIOR_ACCEPTANCE  # across sequences, moving average
+
+    def rate(self, seq: Sequence) -> float:
+        acc, drafted = self.rates.get(seq, (0.0, 0.0))
+        return (acc + 2 * self.prior) / (drafted + 2)
+
+    def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A verify's outcome. Trials: accepted ones, plus the rejected one if any."""
+        trials = accepted + (1 if accepted < drafted else 0)
+        state = self.rates.setdefault(seq, [0.0, 0.0])
+        state[0] = ACCEPTANCE_DECAY * state[0] + accepted
+        state[1] = ACCEPTANCE_DECAY * state[1] + trials
+        self.prior += 0.02 * (accepted / trials - self.prior) if trials else 0.0
+
+    def depth(self, seq: Sequence, k: int) -> int:
+        """Positions whose chance of being reached (rate**j) is worth a row."""
+        rate, j = self.rate(seq), 0
+        while j < k and rate ** (j + 1) >= MIN_POSITION_PROB:
+            j += 1
+        return j
+
+    def may_pay(self, step_tokens: int, num_decodes: int, k: int) -> bool:
+        """Whether any draft could pay this step: `k` drafted tokens, nearly all accepted
+        (an optimistic bound; skips proposing at all in a large, compute-bound step)."""
+        if self.disable_by_batch_size is not None and num_decodes > self.disable_by_batch_size:
+            return False
+        if not self.adaptive or num_decodes == 0:
+            return num_decodes > 0
+        out, tokens = max(num_decodes, 1), max(step_tokens, 1)
+        best = (out + 0.9 * k) / self.cost.seconds(tokens + k)
+        return best >= out / self.cost.seconds(tokens) * MIN_GAIN
+
+    def choose(self, cands: list[_Candidate], step_tokens: int,
+               num_decodes: int) -> list[_Candidate]:
+        """The drafts to run: best expected gain per token first, each only while the
+        step's expected tokens per second rise (every candidate when not adaptive)."""
+        if self.disable_by_batch_size is not None and num_decodes > self.disable_by_batch_size:
+            return []
+        if not self.adaptive:
+            return cands
+        cands = sorted(cands, key=lambda c: c.gain / len(c.draft), reverse=True)
+        out_tokens, tokens = float(max(num_decodes, 1)), float(max(step_tokens, 1))
+        rate = out_tokens / self.cost.seconds(tokens)
+        chosen = []
+        for c in cands:
+            new = (out_tokens + c.gain) / self.cost.seconds(tokens + len(c.draft))
+            if new < rate * MIN_GAIN:
+                break
+            chosen.append(c)
+            out_tokens, tokens, rate = out_tokens + c.gain, tokens + len(c.draft), new
+        return chosen
+
+    def forget(self, seq: Sequence) -> None:
+        self.rates.pop(seq, None)
+
+
+# -- the component the core hooks in ------------------------------------------------------
+class SpecDecoder:
+    """Drafts, trims, verifies and rolls back; owns the spec-decode counters. Called only
+    from the engine loop. Mutates sequences' `token_ids`, `num_computed_tokens` and block
+    tables (through the block manager)."""
+
+    def __init__(self, config: SpeculativeConfig, sampler: Sampler,
+                 block_manager: BlockManager, max_model_len: int) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.proposer = PROPOSERS[config.method](config)
+        self.planner = SpecPlanner(config.adaptive, config.disable_by_batch_size)
+        self.sampler = sampler
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.pending: dict[Sequence, list[int]] = {}  # drafts appended, not yet scheduled
+        self.known: set[Sequence] = set()  # sequences with proposer / planner state
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * self.k
+
+    def calibrate(self, runner: Any, chunk_cls: Any, max_tokens: int) -> None:
+        """Time forwards of 1.. `max_tokens` tokens shaped as verifies (one query and one
+        logit row per token; block 0's slots only, as warm-up) to seed the step-time
+        curve."""
+        bs, sizes, n = runner.block_size, [], 1
+        while n <= max_tokens:
+            sizes.append(n)
+            n = n + 1 if n < 8 else n * 3 // 2
+        for n in sizes:
+            best = float("inf")
+            for _ in range(2):
+                chunk = chunk_cls([0] * n, 0, [0] * blocks_needed(n, bs), True)
+                chunk.num_logits = n  # a verify's shape: n decode queries, n logit rows
+                start = time.perf_counter()
+                runner.execute([chunk])
+                best = min(best, time.perf_counter() - start)
+            self.planner.cost.observe(n, best, weight=1.0)
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        self.planner.cost.observe(tokens, seconds)
+
+    # -- before and after scheduling --------------------------------------------------
+    def propose(self, running: list[Sequence], budget: int) -> None:
+        """Append the chosen drafts to running decodes' `token_ids` (`fit` trims them)."""
+        self._forget_finished()
+        decodes = [s for s in running if s.num_computed_tokens == len(s.token_ids) - 1
+                   and s.grammar is None]
+        step_tokens = min(budget, sum(len(s.token_ids) - s.num_computed_tokens
+                                      for s in running))
+        if not self.planner.may_pay(step_tokens, len(decodes), self.k):
+            return
+        cands = []
+        for seq in decodes:
+            room = min(self.k, seq.max_tokens - seq.num_output_tokens - 1,
+                       self.max_model_len - len(seq.token_ids) - 1,
+                       self.planner.depth(seq, self.k) if self.config.adaptive else self.k)
+            if room < 1:
+                continue
+            self.known.add(seq)
+            draft = self.proposer.propose(seq, room)[:room]
+            if draft:
+                rate = self.planner.rate(seq)
+                cands.append(_Candidate(seq, draft, sum(rate ** j
+                                                        for j in range(1, len(draft) + 1))))
+        free = self.block_manager.num_free_blocks - len(running)
+        left = budget - step_tokens
+        for c in self.planner.choose(cands, step_tokens, len(decodes)):
+            seq, bs = c.seq, self.block_manager.block_size
+            extra = blocks_needed(len(seq.token_ids) + len(c.draft), bs) - len(seq.block_table)
+            if extra > free or len(c.draft) > left:
+                continue  # never preempt or crowd out a prompt for a guess
+            free, left = free - max(extra, 0), left - len(c.draft)
+            seq.token_ids.extend(c.draft)
+            self.pending[seq] = c.draft
+
+    def fit(self, chunks: list[ScheduledChunk]) -> dict[Sequence, list[int]]:
+        """Cut drafts to what the step scheduled; drop those of sequences it did not
+        (preempted, out of budget). Returns the drafts to verify, by sequence."""
+        scheduled: dict[Sequence, list[int]] = {}
+        if not self.pending:
+            return scheduled
+        for chunk in chunks:
+            draft = self.pending.pop(chunk.seq, None)
+            if draft is None:
+                continue
+            keep = chunk.num_tokens - 1  # the chunk starts at the last real token
+            if keep < len(draft):
+                del chunk.seq.token_ids[len(chunk.seq.token_ids) - len(draft) + keep:]
+                draft, chunk.need_logits = draft[:keep], True
+            if draft:
+                scheduled[chunk.seq] = draft
+        for seq, draft in self.pending.items():
+            del seq.token_ids[-len(draft):]
+        self.pending = {}
+        return scheduled
+
+    # -- after the forward --------------------------------------------------------------
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               drafts: dict[Sequence, list[int]], plain: Any) -> list[list[SampleResult]]:
+        """Tokens for every sampled sequence: `plain(rows, seqs)` for those without
+        drafts (one row each), verification for the others (len(draft) + 1 rows each)."""
+        if not drafts:  # nothing drafted this step: the plain path, no row copies
+            return [[r] for r in plain(logits, seqs)]
+        starts, row = [], 0
+        for seq in seqs:
+            starts.append(row)
+            row += len(drafts.get(seq, ())) + 1
+        out: list[list[SampleResult]] = [[] for _ in seqs]
+        plain_ix = [i for i, s in enumerate(seqs) if s not in drafts]
+        if plain_ix:
+            rows = logits[[starts[i] for i in plain_ix]]
+            for i, res in zip(plain_ix, plain(rows, [seqs[i] for i in plain_ix]), strict=True):
+                out[i] = [res]
+        for i, seq in enumerate(seqs):
+            draft = drafts.get(seq)
+            if draft is not None:
+                out[i] = self.verify(seq, logits[starts[i]:starts[i] + len(draft) + 1], draft)
+        return out
+
+    def verify(self, seq: Sequence, logits: torch.Tensor,
+               draft: list[int]) -> list[SampleResult]:
+        """Strip the draft from `seq.token_ids`; the tokens plain decoding would emit,
+        1..len(draft)+1 of them. Counts the outcome."""
+        del seq.token_ids[-len(draft):]
+        if self.sampler.is_plain_greedy(seq):
+            out = []
+            for i, token in enumerate(logits.argmax(dim=-1).tolist()):
+                out.append(SampleResult(token))
+                if i == len(draft) or token != draft[i]:
+                    break
+        else:
+            out = self._verify_sampled(seq, logits.float().cpu(), draft)
+        self._count(seq, len(draft), len(out) - 1)
+        return out
+
+    def _verify_sampled(self, seq: Sequence, logits: torch.Tensor,
+                        draft: list[int]) -> list[SampleResult]:
+        base = len(seq.token_ids)
+        out: list[SampleResult] = []
+        try:  # each position sees the state plain decoding would: earlier tokens appended
+            for i in range(len(draft) + 1):
+                res = self.sampler(logits[i:i + 1], [seq])[0]
+                out.append(res)
+                if i == len(draft) or res.token_id != draft[i]:
+                    break
+                seq.token_ids.append(res.token_id)
+        finally:
+            del seq.token_ids[base:]
+        return out
+
+    def _count(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+        self.planner.record(seq, drafted, accepted)
+
+    def commit(self, seq: Sequence) -> None:
+        """After the verified tokens were appended (and `seq` did not finish): every token
+        but the last has valid K/V; cache blocks that filled, free blocks past the end."""
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        bm = self.block_manager
+        if seq.num_computed_tokens // bm.block_size > len(seq.block_hashes):
+            bm.cache_full_blocks(seq)
+        bm.trim(seq)
+
+    def _forget_finished(self) -> None:
+        done = [s for s in self.known if s.is_finished]
+        for seq in done:
+            self.known.discard(seq)
+            self.proposer.forget(seq)
+            self.planner.forget(seq)
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "accepted_per_pos": list(self.accepted_per_pos)}
