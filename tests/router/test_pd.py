@@ -161,6 +161,21 @@ async def test_failures_fall_back_to_a_local_prefill_on_a_decode_worker(failure:
     no_errors(p, d)
 
 
+async def test_a_request_the_prefill_worker_refuses_is_answered_locally_not_as_a_fallback(
+        ) -> None:
+    """A 4xx from the prefill worker is about the request (too long, a bad field): the
+    decode worker answers it as a local request, with no failure counted."""
+    store = KVStore()
+    p, d = PDStub("p", store, role="prefill"), PDStub("d", store, role="decode")
+    p.fail_status = 400
+    async with pd_cluster([p, d], PDConfig(mode="always"), max_retries=0) as (url, state), \
+            httpx.AsyncClient(timeout=10) as c:
+        r = await c.post(url + "/v1/chat/completions", json=chat(LONG, max_tokens=3))
+        assert r.status_code == 200, r.text
+        assert len(d.locals) == 1 and not d.decodes
+        assert pd_counts(state) == {"disaggregated": 0.0, "local": 1.0, "fallback": 0.0}
+
+
 async def test_roles_come_from_the_workers_and_a_stale_epoch_is_re_routed() -> None:
     """Roles read from GET /v1/pd_role; requests carry the epoch; a worker that switched
     behind the router's back answers 409 stale_pd_epoch and the request is served

@@ -81,6 +81,11 @@ PREFILL_REQUEST_PARAMS: dict[str, Any] = {
 _ERROR_BODY_MAX = 64 * 1024
 
 
+class RequestRefused(Exception):
+    """The prefill worker refused the request itself (a 4xx other than 409): not a
+    failure to fall back from; the client gets a decode worker's answer to it."""
+
+
 class KVTransferFailed(Exception):
     """The decode worker answered 503 kv_transfer_failed: it could not pull the KV."""
 
@@ -408,13 +413,17 @@ class PD:
         migrate) on the pool's prefill and decode workers; raises as Proxy.forward."""
         how = self.plan(pool, req, meta)
         if how == DISAGGREGATED:
-            params = await self._prefill(pool, req, meta, path, headers)
+            try:
+                params = await self._prefill(pool, req, meta, path, headers)
+            except RequestRefused:  # the request itself is bad: a decode worker says why
+                params, how = None, LOCAL
             if params is not None:
                 try:
                     return await self._decode(pool, req, meta, path, headers, params)
                 except KVTransferFailed as exc:
                     log.warning("%s; prefilling on a decode worker", exc)
-            how = FALLBACK
+            if how == DISAGGREGATED:
+                how = FALLBACK
         self.metrics.paths[how].inc()
         return await self.local.forward(pool, req, meta, path, headers)
 
@@ -437,6 +446,8 @@ class PD:
             return None
         finally:
             relay.close()
+        if 400 <= relay.status < 500 and relay.status != 409:
+            raise RequestRefused(relay.status)
         if relay.status != 200:
             log.warning("prefill on %s answered %d: %s", relay.ticket.endpoint.url, relay.status,
                         body[:200].decode("utf-8", "replace"))
