@@ -24,9 +24,11 @@ from sluice.engine.outputs import RequestOutput
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.sequence import Sequence as Sequence_
 from sluice.engine.spec_decode import (
+    EXPLORE_EVERY,
     NgramProposer,
     Proposer,
     SpecDecoder,
+    SpecPlanner,
     StepCost,
     SuffixProposer,
 )
@@ -232,6 +234,20 @@ def test_step_cost_interpolates() -> None:
     assert cost.seconds(1) == pytest.approx(0.010)
     assert cost.seconds(36) == pytest.approx(0.031)
     assert cost.seconds(128) == pytest.approx(0.100)
+
+
+def test_a_fallen_acceptance_rate_is_measured_again() -> None:
+    """After every draft failed (the sequence's rate and the prior near 0), a sequence
+    still drafts one token every EXPLORE_EVERY steps, and drafts deeper once those pay."""
+    planner = SpecPlanner(adaptive=True, disable_by_batch_size=None)
+    seq = object()
+    for _ in range(40):
+        planner.record(seq, drafted=3, accepted=0)  # type: ignore[arg-type]
+    depths = [planner.depth(seq, 4) for _ in range(2 * EXPLORE_EVERY)]  # type: ignore[arg-type]
+    assert depths.count(1) == 2 and set(depths) == {0, 1}
+    for _ in range(10):
+        planner.record(seq, drafted=1, accepted=1)  # type: ignore[arg-type]
+    assert planner.depth(seq, 4) >= 2  # type: ignore[arg-type]
 
 
 def test_adaptive_planner_turns_off_when_verification_costs() -> None:

@@ -58,6 +58,7 @@ PRIOR_ACCEPTANCE = 0.5  # a sequence's acceptance rate before it has drafted
 MIN_POSITION_PROB = 0.15  # draft position j only while rate**j reaches this
 ACCEPTANCE_DECAY = 0.8  # weight of a sequence's past drafts against its last one
 MIN_GAIN = 1.03  # a draft must raise the step's expected tokens/s by this factor
+EXPLORE_EVERY = 16  # a sequence too unlikely to draft still tries one token this often
 
 
 # -- proposers ------------------------------------------------------------------------
@@ -269,6 +270,7 @@ class SpecPlanner:
         self.cost = StepCost()
         self.rates: dict[Sequence, list[float]] = {}  # seq -> [accepted, drafted] (decayed)
         self.prior = PRIOR_ACCEPTANCE  # across sequences, moving average
+        self.idle: dict[Sequence, int] = {}  # seq -> decode steps since it last drafted
 
     def rate(self, seq: Sequence) -> float:
         acc, drafted = self.rates.get(seq, (0.0, 0.0))
@@ -283,10 +285,16 @@ class SpecPlanner:
         self.prior += 0.02 * (accepted / trials - self.prior) if trials else 0.0
 
     def depth(self, seq: Sequence, k: int) -> int:
-        """Positions whose chance of being reached (rate**j) is worth a row."""
+        """Positions whose chance of being reached (rate**j) is worth a row; at least one
+        every EXPLORE_EVERY steps, so a rate that fell (a sequence's, or the prior every
+        new sequence starts from) is measured again instead of staying off for good."""
         rate, j = self.rate(seq), 0
         while j < k and rate ** (j + 1) >= MIN_POSITION_PROB:
             j += 1
+        idle = 0 if j else self.idle.get(seq, 0) + 1
+        if idle >= EXPLORE_EVERY and k > 0:
+            j, idle = 1, 0
+        self.idle[seq] = idle
         return j
 
     def may_pay(self, step_tokens: int, num_decodes: int, k: int) -> bool:
@@ -322,6 +330,7 @@ class SpecPlanner:
 
     def forget(self, seq: Sequence) -> None:
         self.rates.pop(seq, None)
+        self.idle.pop(seq, None)
 
 
 # -- the component the core hooks in ------------------------------------------------------
