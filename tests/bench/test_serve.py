@@ -62,7 +62,7 @@ def test_measured_timings_match_the_injected_ones(stub: Stub) -> None:
     assert 19.5 <= r["p50_itl_ms"] <= 20 * 1.6 and 19.5 <= r["mean_tpot_ms"] <= 20 * 1.6
     assert 80 + 7 * 20 - 1 <= r["p50_e2e_ms"] <= (80 + 7 * 20) * 1.5
     # the stub's own clock, request by request
-    overheads, itl_err = [], []
+    overheads, itl_err, tpot_err = [], [], []
     for x in r["requests"]:
         t = state.timings[x["request_id"]]
         chunks = t["chunks"]
@@ -74,8 +74,11 @@ def test_measured_timings_match_the_injected_ones(stub: Stub) -> None:
         gaps = [b - a for a, b in zip(chunks, chunks[1:], strict=False)]
         assert len(x["itls"]) == len(gaps) == 7 and x["output_tokens"] == 8
         itl_err += [abs(a - b) for a, b in zip(x["itls"], gaps, strict=True)]
-        assert x["tpot"] == pytest.approx((chunks[-1] - chunks[0]) / 7, abs=0.005)
-    assert statistics.median(itl_err) < 0.002 and max(itl_err) < 0.02
+        tpot_err.append(abs(x["tpot"] - (chunks[-1] - chunks[0]) / 7))
+    # a measuring error is systematic (the medians); one stall of a loaded 2-core box
+    # (tens of ms, seen in CI) delays one chunk of one request (the maxima)
+    assert statistics.median(itl_err) < 0.002 and max(itl_err) < 0.1
+    assert statistics.median(tpot_err) < 0.002 and max(tpot_err) < 0.015
     assert statistics.median(overheads) < 0.05  # ~3 ms idle; a loaded 2-core box: tens of ms
     assert r["request_throughput"] == pytest.approx(12 / r["duration_s"])
     # 12 requests, 3 at a time, ~220 ms each: four waves
