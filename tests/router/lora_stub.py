@@ -1,6 +1,7 @@
 """A stub worker with vLLM's LoRA surface, for router placement tests and benchmarks/lora_routing.py.
 
-Serves /health, /v1/models (the base model and each registered adapter with `parent`),
+Serves /health, /v1/models (the base model and each registered adapter with `parent` and
+`content_hash`),
 /metrics (`vllm:num_requests_*` and `vllm:lora_requests_info{max_lora}`), /tokenize,
 `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter` (vLLM's messages and codes), and
 /v1/chat/completions (JSON or SSE). A request for an unregistered adapter gets vLLM's 404.
@@ -15,6 +16,7 @@ Answers are deterministic: "<model> says <n words>".
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 import zlib
@@ -136,8 +138,8 @@ class LoraStub:
 
     async def models(self, _: Request) -> Response:
         data = [{"id": self.model, "object": "model", "root": self.model, "parent": None}]
-        data += [{"id": n, "object": "model", "root": p, "parent": self.model}
-                 for n, p in self.adapters.items()]
+        data += [{"id": n, "object": "model", "root": p, "parent": self.model,
+                  "content_hash": content_hash(p)} for n, p in self.adapters.items()]
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, _: Request) -> Response:
@@ -163,6 +165,11 @@ def _error(message: str, status: int) -> Response:
     kind = "BadRequestError" if status == 400 else "NotFoundError"
     return JSONResponse({"error": {"message": message, "type": kind, "param": None,
                                    "code": status}}, status_code=status)
+
+
+def content_hash(path: str) -> str:
+    """The stub's stand-in for an adapter's content hash (the engine hashes the weights)."""
+    return hashlib.sha256(path.encode()).hexdigest()
 
 
 def chat(model: str, words: int = 8, salt: int = 0, **extra: Any) -> dict[str, Any]:

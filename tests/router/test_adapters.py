@@ -10,18 +10,24 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.router.lora_stub import LoraStub, chat
+from tests.router.lora_stub import LoraStub, chat, content_hash
 from tests.router.router_stubs import serve, serve_router
 
+from sluice.protocol.block_hash import hash_blocks
+from sluice.protocol.kv_events import BlockStored
 from sluice.router.app import build_app
 from sluice.router.config import (
+    CANARY,
+    SHADOW,
     AdapterPlacement,
     AdapterSpec,
     PoolConfig,
+    ReleaseConfig,
     RouterConfig,
     WorkerSpec,
     router_from_dict,
 )
+from sluice.router.kv_subscriber import apply_event
 from sluice.router.state import RouterState
 
 ADMIN = "admin-secret"
@@ -125,6 +131,100 @@ async def test_zipf_mix_does_not_thrash() -> None:
         # a burst found no free slot: over the slots only until those adapters are idle
         await until(lambda: all(len(h) <= 2 for h in state.adapters.held.values()), 6.0)
         assert all(len(s.adapters) <= 2 for s in stubs)
+
+
+async def test_zipf_mix_spreads_the_two_hottest_adapters() -> None:
+    """The hottest adapter (40% of requests) is replicated, the second (19%) placed on the
+    worker that holds neither copy: they never share a worker, and neither is loaded
+    again (anti-affinity by adapter share, replication by the adapter's own in-flight)."""
+    stubs = [LoraStub(n, service_s=0.02, max_num_seqs=2) for n in "abc"]
+    names = [f"lora{i}" for i in range(8)]
+    specs = tuple(AdapterSpec(n, f"/a/{n}") for n in names)
+    weights = [1 / (i + 1) ** 1.1 for i in range(8)]
+    mix = ["lora0", "lora1"] + random.Random(3).choices(names, weights, k=180)
+    async with fleet(stubs, specs, max_adapter_replicas=2, load_s=0.01, min_residency_s=30) \
+            as (router, state, _), httpx.AsyncClient(base_url=router, timeout=30) as c:
+        sem = asyncio.Semaphore(8)
+
+        async def one(name: str) -> int:
+            async with sem:
+                return (await c.post("/v1/chat/completions", json=chat(name))).status_code
+
+        assert set(await asyncio.gather(*(one(n) for n in mix))) == {200}
+        hot, second = state.adapters.holders("lora0"), state.adapters.holders("lora1")
+        by = state.adapters.counts.loads_by_adapter
+        assert len(hot) == 2 and len(second) == 1 and not set(hot) & set(second), (hot, by)
+        assert by["lora0"] == 2 and by["lora1"] == 1, by
+        assert state.adapters.counts.loads["replicate"] == 1
+        assert state.adapters.counts.total_loads() <= 0.15 * len(mix), by
+
+
+async def test_prefix_hits_are_keyed_by_adapter() -> None:
+    """Worker a holds the base model's KV blocks of a prompt, worker b the adapter's
+    (hashed with the adapter's content hash, as the engine's KV events are): the adapter
+    request goes to b, the base request to a; neither counts the other's blocks."""
+    stubs = [LoraStub("a"), LoraStub("b")]
+    for s in stubs:
+        s.adapters["sql"] = "/adapters/sql"
+    async with AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(serve(s.app())) for s in stubs]
+        workers = tuple(WorkerSpec(u, kv_events=f"tcp://127.0.0.1:{1 + i}")
+                        for i, u in enumerate(urls))
+        config = RouterConfig(pools=(PoolConfig(model="base", workers=workers),),
+                              health_interval_s=0.05, scrape_interval_s=0.05, seed=0,
+                              adapter_placement=AdapterPlacement(sync_interval_s=0.05))
+        app = build_app(config, rng=random.Random(0))
+        router = await stack.enter_async_context(serve_router(app))
+        state: RouterState = app.state.router
+        c = await stack.enter_async_context(httpx.AsyncClient(base_url=router, timeout=10))
+        await until(lambda: state.adapters.holders("sql") == sorted(urls))
+        salt = bytes.fromhex(content_hash("/adapters/sql"))
+        assert state.adapters.cache_salt("sql") == salt
+        assert state.adapters.cache_salt("base") == b""
+        pool = state.pools[0]
+        body = chat("sql", words=64)
+        ids = (await c.post(urls[0] + "/tokenize", json=body)).json()["tokens"]
+        bs = pool.block_size
+        base_blocks, sql_blocks = hash_blocks(ids, bs), hash_blocks(ids, bs, salt)
+        assert len(base_blocks) >= 3 and not set(base_blocks) & set(sql_blocks)
+        apply_event(pool.precise, urls[0], BlockStored(base_blocks, None, ids, bs))
+        apply_event(pool.precise, urls[1], BlockStored(sql_blocks, None, ids, bs, 7))
+        assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+        assert (await c.post("/v1/chat/completions", json={**body, "model": "base"})
+                ).status_code == 200
+        assert stubs[0].served == ["base"] and stubs[1].served == ["sql"]
+
+
+async def test_canary_and_shadow_requests_go_only_to_workers_holding_the_adapter() -> None:
+    """A pool with a canary and a shadow worker: a canary request's adapter is loaded on
+    the canary, a baseline one's on a baseline worker; a shadow copy goes only to a shadow
+    worker that holds the adapter (never served there as the base model)."""
+    stubs = [LoraStub("a"), LoraStub("b"), LoraStub("canary"), LoraStub("shadow")]
+    async with AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(serve(s.app())) for s in stubs]
+        workers = (WorkerSpec(urls[0]), WorkerSpec(urls[1]),
+                   WorkerSpec(urls[2], version=CANARY), WorkerSpec(urls[3], version=SHADOW))
+        release = ReleaseConfig(canary_weight=0, auto=False, shadow_percent=100)
+        config = RouterConfig(
+            pools=(PoolConfig(model="base", workers=workers, release=release),),
+            adapters=(AdapterSpec("sql", "/a/sql"),), health_interval_s=0.05,
+            scrape_interval_s=0.05, seed=0,
+            adapter_placement=AdapterPlacement(sync_interval_s=0.05))
+        app = build_app(config, rng=random.Random(0))
+        router = await stack.enter_async_context(serve_router(app))
+        state: RouterState = app.state.router
+        c = await stack.enter_async_context(httpx.AsyncClient(base_url=router, timeout=10))
+        canary = {"x-sluice-version": CANARY}
+        r = await c.post("/v1/chat/completions", json=chat("sql"), headers=canary)
+        assert r.status_code == 200 and stubs[2].served == ["sql"], r.text
+        assert (await c.post("/v1/chat/completions", json=chat("sql"))).status_code == 200
+        assert stubs[0].served + stubs[1].served == ["sql"]
+        assert state.adapters.counts.loads == {"demand": 2}
+        stubs[3].adapters["sql"] = "/a/sql"  # the shadow worker gets it (--lora-modules)
+        await until(lambda: urls[3] in state.adapters.holders("sql"))
+        assert (await c.post("/v1/chat/completions", json=chat("sql"))).status_code == 200
+        await until(lambda: stubs[3].served)
+        assert stubs[3].served == ["sql"]  # the two copies before it were dropped
 
 
 async def test_a_restarted_worker_gets_its_adapters_back() -> None:

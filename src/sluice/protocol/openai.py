@@ -515,6 +515,9 @@ class ModelCard(ResponseModel):
     root: str | None = None
     parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: int | None = None
+    # sluice: a LoRA adapter's content hash, the key of its KV blocks (the router's
+    # prefix index hashes an adapter request's tokens with it, as the engine does)
+    content_hash: str | None = None
 
 
 class ModelList(ResponseModel):

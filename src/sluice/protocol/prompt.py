@@ -215,12 +215,15 @@ class PromptTokens:
     """A prompt's token ids and, computed once per block size, their block hashes."""
 
     ids: list[int]
-    _hashes: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    _hashes: dict[tuple[int, bytes], tuple[int, ...]] = field(default_factory=dict)
 
-    def block_hashes(self, block_size: int) -> tuple[int, ...]:
-        hashes = self._hashes.get(block_size)
+    def block_hashes(self, block_size: int, extra: bytes = b"") -> tuple[int, ...]:
+        """`hash_blocks` of the ids, cached per (block size, `extra`: a LoRA adapter's
+        cache salt, so an adapter's blocks are never a base model's)."""
+        hashes = self._hashes.get((block_size, extra))
         if hashes is None:
-            hashes = self._hashes[block_size] = tuple(hash_blocks(self.ids, block_size))
+            hashes = tuple(hash_blocks(self.ids, block_size, extra))
+            self._hashes[(block_size, extra)] = hashes
         return hashes
 
 

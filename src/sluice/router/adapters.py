@@ -8,14 +8,25 @@ was loaded over HTTP (vLLM RFC #12174). Here the router owns placement:
     request for adapter A (a model id that is a registered or a discovered adapter)
       cost(w)  = the `cost` policy's seconds for this request on worker w
       holders  = available workers holding A
-      none     -> load A on the cheapest worker with room (else evict the adapter there
-                  least recently used, never one with a request in flight), wait, go
+      heat(w)  = the share of adapter requests w's other adapters bring it (each one's
+                 share split over its replicas), in steps of 5%: a new copy goes to the
+                 coolest worker first, then the cheapest (hot adapters never pile up)
+      none     -> load A on the coolest, cheapest worker with room (else evict the adapter
+                  there least recently used, never one with a request in flight), wait, go
       some     -> replicate when  min cost(non-holder with room) + load_s < min cost(holders)
-                  and A has fewer than `max_adapter_replicas` replicas; the room may be
+                  or A is hot: its own requests in flight on its holders (2+) and its
+                  share of recent requests are both more than the holders' share of the
+                  pool (holders / workers), and a non-holder costs less;
+                  while A has fewer than `max_adapter_replicas` replicas; the room may be
                   free, or an *extra* replica of another adapter (one with 2+) resident
                   for `min_residency_s` and idle; an adapter's last copy is never evicted
                   to replicate another
-      the request may go to holders only (the proxy excludes the other workers)
+      the request may go to holders only (the proxy excludes the other workers; in a
+      pool with a canary, among the workers of the version the request goes to)
+
+    prefix cache: an adapter request's blocks are hashed with the adapter's content hash
+    (`cache_salt`, as the worker lists it; the engine keys its KV blocks and events so),
+    so no base-model block is a hit for it, nor one of another adapter or older weights
 
     every sync_interval_s, per worker (`sync`):
       GET /v1/models -> the adapters it holds (entries with a `parent`)
@@ -60,6 +71,8 @@ LOAD_EWMA = 0.2  # weight of each measured load duration in `load_s`
 DEMAND_EWMA = 0.1  # weight of each sync interval's request count in an adapter's demand
 DEFAULT_CAPACITY = 8  # adapters per worker when neither the config nor the worker says
 WAIT = "wait"  # a decided "load" that only waits for another request's load
+HOT_MIN_INFLIGHT = 2  # an adapter with fewer in flight is never "hot" (`_hot`)
+HEAT_STEP = 0.05  # request shares closer than this are equally hot (`_heat`)
 _MAX_LORA = re.compile(r'max_lora="(\d+)"')
 
 
@@ -105,6 +118,7 @@ class Adapters:
         self.inflight: dict[tuple[str, str], int] = {}  # (worker, adapter) -> requests
         self.demand: dict[str, float] = {}  # adapter -> requests per sync interval (EWMA)
         self.recent: dict[str, int] = {}  # adapter -> requests since the last sync
+        self.content: dict[str, str] = {}  # adapter -> content hash, as a worker lists it
         self.counts = AdapterCounts()
         self._loads = Counter("sluice_router_adapter_loads", "adapter loads the router made",
                               ["adapter", "reason"], registry=registry)
@@ -135,6 +149,22 @@ class Adapters:
         spec = self.specs.get(model)
         return spec.base if spec is not None else None
 
+    def cache_salt(self, model: str) -> bytes:
+        """What the engine mixes into `model`'s KV block hashes (`hash_block`'s `extra`):
+        b"" for a base model; for an adapter, its content hash as a worker lists it (the
+        engine's `cache_salt`, so the router's hashes equal those of the KV events), else
+        one derived from its name (only the router's own dispatch records match it; never
+        a base model's block, never another adapter's)."""
+        if not self.is_adapter(model):
+            return b""
+        content = self.content.get(model)
+        if content:
+            try:
+                return bytes.fromhex(content)
+            except ValueError:
+                pass
+        return b"lora-name:" + model.encode()
+
     def holders(self, model: str) -> list[str]:
         return sorted(url for url, held in self.held.items() if model in held)
 
@@ -163,7 +193,8 @@ class Adapters:
             urls = [e.url for e in endpoints]
             seconds = dict(zip(urls, costs(meta, pool._stats(meta, endpoints)), strict=True))
             holders = [u for u in urls if model in self.held.get(u, {})]
-            target = self._target(model, urls, holders, seconds)
+            pool_inflight = sum(e.inflight for e in endpoints)
+            target = self._target(model, urls, holders, seconds, pool_inflight)
             if target is None:
                 break
             loaded = await target
@@ -211,7 +242,7 @@ class Adapters:
             and self.clock() - max(holding.last_used, holding.decided) < MIN_IDLE_S)
 
     def _target(self, model: str, urls: list[str], holders: list[str],
-                seconds: dict[str, float]) -> _Load | None:
+                seconds: dict[str, float], pool_inflight: int = 0) -> _Load | None:
         spec = self.specs.get(model)
         if spec is None:
             return None  # discovered, not registered: its path is unknown
@@ -223,23 +254,68 @@ class Adapters:
         if len(holders) + len(pending) >= self._cap(model, len(urls)):
             return None
         best_holder = min(seconds[u] for u in holders)
-        options = [(seconds[u], u) for u in urls if u not in holders and u not in pending]
-        for cost, url in sorted(options):
-            if cost + self.load_s >= best_holder:
-                return None
+        hot = self._hot(model, holders, len(urls), pool_inflight)
+        options = [u for u in urls if u not in holders and u not in pending
+                   and (seconds[u] + self.load_s < best_holder
+                        or (hot and seconds[u] < best_holder))]
+        if not options:
+            return None
+        heat = self._heat(model)
+        for url in sorted(options, key=lambda u: (heat(u), seconds[u])):
             victim = self._room(url, extra_only=True)
             if victim is not False:
                 return _Load(self, url, model, _name(victim), "replicate")
         return None
+
+    def _hot(self, model: str, holders: list[str], workers: int, pool_inflight: int) -> bool:
+        """The adapter's own requests in flight on its holders (this one included) are
+        more than its holders' share of the pool's, and so is its share of recent
+        requests: its holders are busy because of it, whatever their queue looks like to
+        the cost model (which prices the time after a first token as cheap decode, and
+        sees a scrape late). The in-flight count is exact and immediate but noisy; the
+        share keeps a moderately hot adapter from replicating on a chance burst."""
+        own = 1 + sum(self.inflight.get((u, model), 0) for u in holders)
+        return (own >= HOT_MIN_INFLIGHT and own * workers > len(holders) * (pool_inflight + 1)
+                and self.shares().get(model, 0.0) * workers > len(holders))
+
+    def shares(self) -> dict[str, float]:
+        """Each adapter's share of recent adapter requests (demand EWMA plus this interval)."""
+        recent = {n: self.demand.get(n, 0.0) + self.recent.get(n, 0)
+                  for n in self.demand.keys() | self.recent.keys()}
+        total = sum(recent.values())
+        return {n: r / total for n, r in recent.items()} if total else {}
+
+    def _heat(self, model: str) -> Callable[[str], int]:
+        """Worker url -> the share of adapter requests its other adapters bring it (each
+        adapter's share split over its replicas, loads in progress counted), in steps of
+        HEAT_STEP: where a new copy of `model` goes first, so that hot adapters do not end
+        on one worker."""
+        on: dict[str, set[str]] = {u: set(held) for u, held in self.held.items()}
+        for u, name in self.loading:
+            on.setdefault(u, set()).add(name)
+        replicas: dict[str, int] = {}
+        for names in on.values():
+            for name in names:
+                replicas[name] = replicas.get(name, 0) + 1
+        shares = self.shares()
+        split = {name: shares.get(name, 0.0) / n for name, n in replicas.items()
+                 if name != model}
+
+        def heat(url: str) -> int:
+            return round(sum(split.get(name, 0.0) for name in on.get(url, ())) / HEAT_STEP)
+
+        return heat
 
     def _cap(self, model: str, workers: int) -> int:
         spec = self.specs.get(model)
         return workers if spec is not None and spec.pinned else self.placement.max_adapter_replicas
 
     def _place(self, model: str, urls: list[str], seconds: dict[str, float]) -> _Load:
-        """Where a request with no holder loads its adapter: the cheapest worker with room,
-        else the cheapest with an evictable adapter, else the cheapest (over capacity)."""
-        ordered = sorted(urls, key=lambda u: seconds[u])
+        """Where a request with no holder loads its adapter: the coolest (`_heat`), then
+        cheapest worker with room, else the coolest with an evictable adapter, else the
+        coolest (over capacity)."""
+        heat = self._heat(model)
+        ordered = sorted(urls, key=lambda u: (heat(u), seconds[u]))
         for extra_only in (True, False):
             for url in ordered:
                 victim = self._room(url, extra_only=extra_only, residency=extra_only)
@@ -385,6 +461,9 @@ class Adapters:
         if not isinstance(data, list):
             return None
         entries = [m for m in data if isinstance(m, dict) and "id" in m]
+        for m in entries:
+            if m.get("parent") and isinstance(m.get("content_hash"), str):
+                self.content[str(m["id"])] = m["content_hash"]
         return (tuple(str(m["id"]) for m in entries),
                 {str(m["id"]) for m in entries if m.get("parent")})
 

@@ -258,17 +258,21 @@ class Release:
                    for e in self.pool.endpoints.values())
 
     async def forward(self, proxy: Proxy, req: ParsedRequest, meta: RequestMeta, path: bytes,
-                      block: bytes, headers: list[tuple[bytes, bytes]]) -> Relay:
+                      block: bytes, headers: list[tuple[bytes, bytes]],
+                      chosen: tuple[str, bool] | None = None,
+                      held: frozenset[str] | None = None) -> Relay:
         """Route one request of this pool (see the module docstring); mutates the window
-        and starts a shadow copy when sampled."""
-        version, pinned = self.choose_version(req, headers)
+        and starts a shadow copy when sampled. `chosen`: `choose_version`'s answer if the
+        caller asked already; `held`: the workers holding the request's LoRA adapter
+        (None: not an adapter), the only ones of a version that holds it it may go to."""
+        version, pinned = chosen or self.choose_version(req, headers)
         if self.config.shadow_percent and self.rng.random() * 100 < self.config.shadow_percent:
-            self.start_shadow(req, meta, path, block)
+            self.start_shadow(req, meta, path, block, held)
         reachable = self.has_available(version)  # else a refusal, not a sample
         start = self.timer()
         try:
             relay = await proxy.forward(self.pool, req, replace(meta, version=version), path,
-                                        block)
+                                        block, self._without_adapter(version, held))
         except ServiceUnavailableError:
             if reachable:
                 self._outcome(version, failed=True)
@@ -276,7 +280,7 @@ class Release:
                 raise
             version = BASELINE  # the canary failed: the baseline answers, unmeasured
             relay = await proxy.forward(self.pool, req, replace(meta, version=version), path,
-                                        block)
+                                        block, self._without_adapter(version, held))
             relay.headers.append((VERSION_HEADER, version.encode()))
             return relay
         first_byte = self.timer()
@@ -285,6 +289,14 @@ class Release:
         relay.headers.append((VERSION_HEADER, version.encode()))
         relay.on_close = lambda ended: self._stream_ended(version, ended, first_byte, req.stream)
         return relay
+
+    def _without_adapter(self, version: str, held: frozenset[str] | None) -> tuple[str, ...]:
+        """The workers an adapter request must not go to: those without the adapter, when
+        a worker of `version` holds it (else none: a worker answers, 404 if it lacks it)."""
+        if held is None or not any(self.pool.endpoints[u].spec.version == version
+                                   for u in held if u in self.pool.endpoints):
+            return ()
+        return tuple(u for u in self.pool.endpoints if u not in held)
 
     def _stream_ended(self, version: str, relay: Relay, first_byte: float, stream: bool) -> None:
         """The relay closed: a worker failure mid-stream is an error; a client that went
@@ -305,13 +317,20 @@ class Release:
     # --- shadow ---------------------------------------------------------------------------
 
     def start_shadow(self, req: ParsedRequest, meta: RequestMeta, path: bytes,
-                     block: bytes) -> None:
-        """Send a copy to a shadow worker in a task of its own, or count it dropped."""
+                     block: bytes, held: frozenset[str] | None = None) -> None:
+        """Send a copy to a shadow worker in a task of its own, or count it dropped. A
+        copy of an adapter request (`held`: its holders) goes only to a shadow worker
+        holding the adapter (one without would answer with the base model or a 404)."""
         shadows = [e for e in self.pool.endpoints.values()
                    if e.available and e.spec.version == SHADOW]
         if not shadows:
             self.metrics.shadow_dropped.labels(self.name, "no_worker").inc()
             return
+        if held is not None:
+            shadows = [e for e in shadows if e.url in held]
+            if not shadows:
+                self.metrics.shadow_dropped.labels(self.name, "no_adapter").inc()
+                return
         if self.shadow_inflight >= self.config.shadow_max_concurrency:
             self.metrics.shadow_dropped.labels(self.name, "concurrency").inc()
             return

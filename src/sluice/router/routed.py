@@ -21,7 +21,7 @@ read the request and write the reply.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sluice.observe.route_span import traced_route
 from sluice.protocol.edge import error_headers, error_json
@@ -78,6 +78,11 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
             notes.update(model=req.model, policy=pool.policy.name)
         given = next((IdsHint.decode(v) for n, v in headers if n == _IDS), None)
         meta, hint = await state.request_meta(pool, req, given)
+        release = state.releases.get(pool) if pool.release_workers and pool.config.pd is None \
+            else None
+        chosen = release.choose_version(req, headers) if release is not None else None
+        if chosen is not None:  # a canary request's adapter is placed among canary workers
+            meta = replace(meta, version=chosen[0])
         holders_only = await state.adapters.prepare(pool, req.model, meta)  # adapters.py
         block = forward_block(h for h in headers if h[0] not in _INTERNAL)
         if hint is not None:  # the worker takes these ids instead of tokenizing again
@@ -91,9 +96,11 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
         if pool.config.pd is not None:  # prefill/decode disaggregation (pd.py)
             relay = await state.pd.forward(pool, sent, meta, target, block)
             proxy = state.pd.local  # a stream resumes on a decode worker, prefilling there
-        elif pool.release_workers:  # a canary or shadow: the release picks the version
-            relay = await state.releases.get(pool).forward(state.proxy, sent, meta, target,
-                                                           block, headers)
+        elif release is not None:  # a canary or shadow: the release picked the version
+            held = frozenset(state.adapters.holders(req.model)) \
+                if state.adapters.is_adapter(req.model) else None
+            relay = await release.forward(state.proxy, sent, meta, target, block, headers,
+                                          chosen, held)
         else:
             relay = await state.proxy.forward(pool, sent, meta, target, block, holders_only)
             if relay.status == 404 and holders_only:  # its adapter was just moved: once more

@@ -187,7 +187,9 @@ class RouterState:
         needs_tokens = pool.policy.uses_prefix or pool.config.long_prompt_tokens is not None
         found = await self._tokens(pool, req, hint) if needs_tokens else None
         tokens = found.tokens if found is not None else None
-        hashes = tokens.block_hashes(pool.block_size) if tokens and pool.policy.uses_prefix else ()
+        salt = self.adapters.cache_salt(req.model)  # an adapter's KV is never the base's
+        hashes = tokens.block_hashes(pool.block_size, salt) \
+            if tokens and pool.policy.uses_prefix else ()
         if tokens is not None:
             n = len(tokens.ids)
         elif req.prompt_ids is not None:

@@ -94,7 +94,7 @@ class LoRARegistry:
 
     def cards(self, parent: str, max_model_len: int) -> list[ModelCard]:
         return [ModelCard(id=name, root=lora.lora_path, parent=parent,
-                          max_model_len=max_model_len)
+                          max_model_len=max_model_len, content_hash=lora.content_hash or None)
                 for name, lora in self.adapters.items()]
 
 
