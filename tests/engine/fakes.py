@@ -97,3 +97,16 @@ class PagedFakeRunner:
             assert stored_pos == pos, "KV slot holds another position"
             context.append(tok)
         return context
+
+
+def run_all(engine: Any, max_steps: int = 5000) -> dict[str, Any]:
+    """Step `engine` (an LLMEngine) until every request finished: request id -> its final
+    RequestOutput; fails after `max_steps` steps."""
+    final: dict[str, Any] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return final
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    raise AssertionError("engine did not finish")

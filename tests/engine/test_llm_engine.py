@@ -13,7 +13,7 @@ from sluice.protocol.block_hash import hash_blocks
 from sluice.protocol.errors import ContextLengthError, InvalidRequestError
 from sluice.protocol.kv_events import BlockStored
 
-from .fakes import FakeTokenizer, PagedFakeRunner, reference_greedy
+from .fakes import FakeTokenizer, PagedFakeRunner, reference_greedy, run_all
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SHARED = [5, 9, 13, 2, 7, 7, 30, 41, 3, 8, 22]
@@ -25,17 +25,6 @@ def make_engine(num_kv_blocks: int = 64, budget: int = 64, caching: bool = True,
     config = EngineConfig.from_options(None, block_size=4, max_num_batched_tokens=budget,
                                        enable_prefix_caching=caching, **opts)
     return LLMEngine(config, PagedFakeRunner(num_kv_blocks, 4, max_model_len, tokenizer))
-
-
-def run_all(engine: LLMEngine, max_steps: int = 2000) -> dict[str, RequestOutput]:
-    final: dict[str, RequestOutput] = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return final
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    raise AssertionError("engine did not finish")
 
 
 def prompts() -> list[list[int]]:

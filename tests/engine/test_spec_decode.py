@@ -20,7 +20,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 from sluice.engine.config import EngineConfig, SpeculativeConfig
 from sluice.engine.llm_engine import LLMEngine
 from sluice.engine.messages import CoreOutputs, decode, encode
-from sluice.engine.outputs import RequestOutput
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.sequence import Sequence as Sequence_
 from sluice.engine.spec_decode import (
@@ -36,7 +35,7 @@ from sluice.engine.stats import EngineStats
 from sluice.protocol.errors import InvalidRequestError
 from sluice.worker.metrics import EngineStatsCollector
 
-from .fakes import VOCAB, FakeTokenizer, PagedFakeRunner, fake_logits
+from .fakes import VOCAB, FakeTokenizer, PagedFakeRunner, fake_logits, run_all
 
 METHODS = [{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3, "adaptive": False},
@@ -67,17 +66,6 @@ def make_engine(spec: dict | None, num_kv_blocks: int = 64, budget: int = 64,
     runner = PagedFakeRunner(num_kv_blocks, 4, 128, FakeTokenizer())
     runner.logits_fn = logits
     return LLMEngine(config, runner)
-
-
-def run_all(engine: LLMEngine, max_steps: int = 5000) -> dict[str, RequestOutput]:
-    final: dict[str, RequestOutput] = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return final
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    raise AssertionError("engine did not finish")
 
 
 PROMPTS = [[2, 5, 9, 13, 2, 7], [3, 17, 4, 9], [4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2],

@@ -238,16 +238,6 @@ class SideProxy(Proxy):
         whole = meta.num_prompt_tokens // max(1, meta.block_size)
         return Decision(pool.endpoints[chosen.url], Choice(chosen.url, whole, score), chosen)
 
-    def _decide(self, pool: Pool, meta: RequestMeta, tried: list[str]) -> Decision | None:
-        start = time.perf_counter()
-        decision = self.choose(pool, meta, tried)
-        policy = pool.policy.name
-        self.metrics.decision_seconds_for(policy).observe(time.perf_counter() - start)
-        if decision is not None:
-            self.metrics.decisions_for(policy, decision.endpoint.url).inc()
-            self.metrics.prompt_tokens_for(policy).inc(meta.num_prompt_tokens)
-        return decision
-
     async def _open(self, endpoint: Endpoint, pool: Pool, req: ParsedRequest, path: bytes,
                     headers: bytes) -> tuple[UpstreamConnection, bytes]:
         """Proxy._open with the worker's epoch. A 409 stale_pd_epoch: its role is read

@@ -177,11 +177,17 @@ class Proxy:
         raise ServiceUnavailableError(f"no healthy worker could serve model {req.model!r} "
                                       f"({last_error})", code="no_healthy_worker")
 
-    def _decide(self, pool: Pool, meta: RequestMeta, tried: list[str]) -> Decision | None:
-        start = time.perf_counter()
+    def choose(self, pool: Pool, meta: RequestMeta, tried: Iterable[str] = ()
+               ) -> Decision | None:
+        """The pool's policy's worker for `meta`, past open breakers and `tried`."""
         skip = self.breakers.blocked(pool)
         skip.update(tried)
-        decision = pool.decide(meta, skip)
+        return pool.decide(meta, skip)
+
+    def _decide(self, pool: Pool, meta: RequestMeta, tried: list[str]) -> Decision | None:
+        """`choose`, timed and counted per policy."""
+        start = time.perf_counter()
+        decision = self.choose(pool, meta, tried)
         policy = pool.policy.name
         self.metrics.decision_seconds_for(policy).observe(time.perf_counter() - start)
         if decision is not None:
