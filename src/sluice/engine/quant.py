@@ -36,7 +36,7 @@ QUANTIZATIONS = ("none", "gguf")
 GGUF_BLOCK_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # ggml type -> name; what the kernel takes
 # x [M, K], blocks [N, row_bytes] uint8, ggml type, bias -> [M, N] (NativeOps.gguf_linear)
 BlockLinear = Callable[[Tensor, Tensor, int, Tensor | None], Tensor]
-QUANT_MAX_ROWS = 8  # rows up to which a linear runs on the blocks (decode, small batches)
+QUANT_MAX_ROWS = 4  # rows up to which a linear runs on the blocks (decode, small batches)
 
 
 def fused_blocks(gguf: GGUFFile) -> Iterator[tuple[str, Tensor, int]]:

@@ -427,8 +427,8 @@ void lora_bgmv(torch::Tensor x, torch::Tensor y, torch::Tensor a, std::vector<to
 // Activations stay float: per block, dot(q, x) in float, times d, plus m * sum(x) (the
 // block sums of x are computed once per call). The weights are dequantized in registers
 // (AVX-512: 16 lanes, AVX2: 8) or, in the portable path, one block at a time into a tile.
-// Parallel over output rows n (at::parallel_for); rows of x in groups of up to 4, so a
-// weight block read from memory serves up to 4 activation rows.
+// Parallel over output rows n (at::parallel_for); rows of x in groups of up to 8, so a
+// weight block read from memory serves up to 8 activation rows.
 static inline float gguf_half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -575,12 +575,16 @@ template <int TYPE>
 static void gguf_linear_typed(const uint8_t* w, const float* x, const float* xsum,
                               const float* bias, float* y, int64_t M, int64_t K, int64_t N) {
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      switch (std::min<int64_t>(4, M - m0)) {
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      switch (std::min<int64_t>(8, M - m0)) {
         case 1: gguf_rows<TYPE, 1>(w, x, xsum, bias, y, K, N, m0, n0, n1); break;
         case 2: gguf_rows<TYPE, 2>(w, x, xsum, bias, y, K, N, m0, n0, n1); break;
         case 3: gguf_rows<TYPE, 3>(w, x, xsum, bias, y, K, N, m0, n0, n1); break;
-        default: gguf_rows<TYPE, 4>(w, x, xsum, bias, y, K, N, m0, n0, n1); break;
+        case 4: gguf_rows<TYPE, 4>(w, x, xsum, bias, y, K, N, m0, n0, n1); break;
+        case 5: gguf_rows<TYPE, 5>(w, x, xsum, bias, y, K, N, m0, n0, n1); break;
+        case 6: gguf_rows<TYPE, 6>(w, x, xsum, bias, y, K, N, m0, n0, n1); break;
+        case 7: gguf_rows<TYPE, 7>(w, x, xsum, bias, y, K, N, m0, n0, n1); break;
+        default: gguf_rows<TYPE, 8>(w, x, xsum, bias, y, K, N, m0, n0, n1); break;
       }
     }
   });
