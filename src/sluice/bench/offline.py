@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quantization", choices=["none", "gguf"], default="none",
+                        help="sluice's linears: dense (none) or on the GGUF file's blocks "
+                             "for decode rows (gguf); the peer is unchanged")
     parser.add_argument("--no-flops", action="store_true", help="skip the matmul reference")
     parser.add_argument("--speculative-config", default=None,
                         help="sluice: speculative decoding, vLLM's JSON (benchmarks/"
@@ -399,7 +402,7 @@ def run(args: argparse.Namespace) -> int:
     progress(f"loading sluice: {args.model or 'default SmolLM2 GGUF'}, torch threads "
              f"{torch.get_num_threads()}")
     llm = LLM(args.model, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
-              speculative_config=args.speculative_config)
+              speculative_config=args.speculative_config, quantization=args.quantization)
     rec = StepRecorder(llm.engine.runner)
     flops = None if args.no_flops else FlopModel(llm.engine.runner.model_config,
                                                   getattr(torch, args.dtype))
@@ -415,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
         results, summary = bench_random(args, llm, rec, peer, flops, output_len)
     print_table(results)
     doc = {"benchmark": "offline", "model": args.model or "default", "dtype": args.dtype,
-           "workload": args.workload,
+           "quantization": args.quantization, "workload": args.workload,
            "single_stream": args.single_stream, "input_len": args.input_len,
            "output_len": output_len, "num_requests": args.num_requests,
            "results": [dict(asdict(r), tok_s=round(r.tok_s, 2)) for r in results], **summary}

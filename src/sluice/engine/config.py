@@ -15,6 +15,7 @@ from typing import Any
 from sluice.protocol.errors import InvalidRequestError
 
 KERNEL_BACKENDS = ("auto", "torch", "native")  # see sluice.engine.native
+QUANTIZATIONS = ("none", "gguf")  # see sluice.engine.quant
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,14 @@ class ModelConfig:
     # CPU kernels (oneDNN linears, native attention, add+RMSNorm, SwiGLU): "auto" (when
     # they build), "torch", "native" (see sluice.engine.native)
     kernel_backend: str = "auto"
+    # linears on the weights' own format: "none" (dense, the reference), "gguf" (a GGUF
+    # file's Q4_0/Q4_1/Q8_0 blocks for decode rows; sluice.engine.quant)
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise InvalidRequestError(f"unsupported quantization {self.quantization!r} "
+                                      f"{QUANTIZATIONS}", param="quantization")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise InvalidRequestError(f"unsupported dtype {self.dtype!r}", param="dtype")
         if self.kernel_backend not in KERNEL_BACKENDS:

@@ -145,6 +145,8 @@ class ModelRunner:
             self.linear = with_small_rows(self.native, self.linear or F.linear)
         if self.linear is not None:
             self.model.use_linear(self.linear)
+        if mc.quantization == "gguf":
+            self._use_gguf_weights(mc)
         cfg = self.model_config
         self.lora_shapes = module_shapes(cfg.hidden_size, cfg.intermediate_size, cfg.q_size,
                                          cfg.kv_size)
@@ -152,6 +154,17 @@ class ModelRunner:
         if config.lora.enable_lora:
             self.lora_slots = self._add_lora_slots(config.lora)
         self.warm_up()
+
+    def _use_gguf_weights(self, mc: ModelConfig) -> None:
+        """Decode rows' linears on the GGUF file's own blocks (sluice.engine.quant)."""
+        from sluice.engine.quant import use_gguf_weights
+        from sluice.engine.tokenizer import local_model_path
+
+        path = local_model_path(mc.model, mc.revision)
+        if path.suffix != ".gguf":
+            raise InvalidRequestError("quantization 'gguf' needs a .gguf model",
+                                      param="quantization")
+        use_gguf_weights(self.model, path, self.native, self.linear or F.linear)
 
     def _add_lora_slots(self, lc: LoRAConfig) -> LoRASlots:
         """A LoRA side on every targetable linear (zero weights until an adapter is put in

@@ -1,4 +1,4 @@
-"""The engine's CPU kernels: four in C++, built on first use, and oneDNN's linear.
+"""The engine's CPU kernels: several in C++, built on first use, and oneDNN's linear.
 
 `csrc/cpu_kernels.cpp` holds four kernels (float32 or bfloat16 storage, float math):
 
@@ -10,6 +10,7 @@
 - `silu_and_mul`: SwiGLU's `silu(gate) * up` in one pass (vLLM's op of that name).
 - `small_rows_linear`: a float32 GEMV for 1-4 rows (one stream's decode), which streams
   the weights faster than oneDNN's on AVX2 (`with_small_rows` routes those rows to it).
+- `gguf_linear`: a linear on GGUF Q4_0 / Q4_1 / Q8_0 blocks (sluice.engine.quant).
 - `apply_token_bitmask`: structured output's grammar mask applied to the logits word by
   word (xgrammar's own CPU kernel tests every bit: ~6 ms for 32 rows of SmolLM2's vocab).
 
@@ -75,6 +76,9 @@ class NativeOps:
     # rank, num_slots, [column offset of each part in y]; y updated in place
     lora_bgmv: Callable[[Tensor, Tensor, Tensor, list[Tensor], Tensor, int, int, list[int]],
                         None] | None = None
+    # x [M, K] float32/bfloat16, GGUF blocks [N, bytes] uint8, ggml type, bias -> [M, N]
+    # (sluice.engine.quant)
+    gguf_linear: Callable[[Tensor, Tensor, int, Tensor | None], Tensor] | None = None
 
 
 @functools.cache
@@ -118,7 +122,7 @@ def load_kernels() -> NativeOps:
     log.info("CPU kernels ready in %.1fs", time.perf_counter() - t0)
     return NativeOps(module.paged_decode_attention, module.fused_add_rms_norm,
                      module.silu_and_mul, module.small_rows_linear, module.apply_token_bitmask,
-                     module.lora_bgmv)
+                     module.lora_bgmv, module.gguf_linear)
 
 
 def _stable_copy(name: str, source: bytes) -> Path:

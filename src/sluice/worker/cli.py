@@ -13,6 +13,7 @@ from typing import Any
 from sluice.engine.config import (
     KERNEL_BACKENDS,
     KV_LOAD_FAILURE_POLICIES,
+    QUANTIZATIONS,
     STRUCTURED_OUTPUTS_BACKENDS,
 )
 from sluice.observe.cli import add_observe_arguments, tracing_config
@@ -34,6 +35,9 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "seed": (int, "engine seed"),
     "kernel_backend": (str, "CPU kernels: auto (oneDNN linears; native attention, norm and "
                             "SwiGLU when they build), torch, native"),
+    "quantization": (str, "linears on quantized weights: none (dense, the reference) or gguf "
+                          "(a GGUF model's Q4_0/Q4_1/Q8_0 blocks, native CPU kernels, for "
+                          "decode rows; prefill keeps the dense weights)"),
     "structured_outputs_backend": (str, "grammar backend for structured output: auto "
                                         "(guidance where it can express the constraint, "
                                         "else xgrammar), xgrammar, guidance"),
@@ -76,6 +80,7 @@ CHOICES: dict[str, list[str]] = {
     "scheduling_policy": ["priority", "fcfs"],
     "dtype": ["auto", "float32", "bfloat16", "float16"],
     "kernel_backend": list(KERNEL_BACKENDS),
+    "quantization": list(QUANTIZATIONS),
     "structured_outputs_backend": list(STRUCTURED_OUTPUTS_BACKENDS),
     "kv_load_failure_policy": list(KV_LOAD_FAILURE_POLICIES),
 }

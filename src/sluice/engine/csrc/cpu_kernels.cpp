@@ -15,6 +15,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <vector>
 
@@ -415,7 +419,219 @@ void lora_bgmv(torch::Tensor x, torch::Tensor y, torch::Tensor a, std::vector<to
   }
 }
 
+// GGUF block-quantized linear: y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]), with W kept
+// in llama.cpp's block format (32 weights a block, rows of whole blocks):
+//   Q4_0 (type 2):  f16 d, u8 qs[16]          w[j] = (lo(qs[j]) - 8) d,  w[j+16] = (hi(qs[j]) - 8) d
+//   Q4_1 (type 3):  f16 d, f16 m, u8 qs[16]   w[j] = lo(qs[j]) d + m,    w[j+16] = hi(qs[j]) d + m
+//   Q8_0 (type 8):  f16 d, i8 qs[32]          w[j] = qs[j] d
+// Activations stay float: per block, dot(q, x) in float, times d, plus m * sum(x) (the
+// block sums of x are computed once per call). The weights are dequantized in registers
+// (AVX-512: 16 lanes, AVX2: 8) or, in the portable path, one block at a time into a tile.
+// Parallel over output rows n (at::parallel_for); rows of x in groups of up to 8, so a
+// weight block read from memory serves up to 8 activation rows.
+static inline float gguf_half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+struct GGUFType {
+  int64_t block_bytes;
+  int64_t header;  // bytes of d (and m) before qs
+};
+
+static GGUFType gguf_type(int64_t type) {
+  switch (type) {
+    case 2: return {18, 2};
+    case 3: return {20, 4};
+    case 8: return {34, 2};
+  }
+  TORCH_CHECK(false, "gguf_linear: unsupported ggml type ", type, " (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+  return {0, 0};
+}
+
+// The block's 32 quant values as floats (before d and m): the portable path's tile.
+template <int TYPE>
+static inline void gguf_block_values(const uint8_t* qs, float* out) {
+  if (TYPE == 8) {
+    for (int j = 0; j < 32; ++j) out[j] = static_cast<float>(static_cast<int8_t>(qs[j]));
+  } else {
+    const float off = TYPE == 2 ? -8.f : 0.f;
+    for (int j = 0; j < 16; ++j) {
+      out[j] = static_cast<float>(qs[j] & 0xF) + off;
+      out[j + 16] = static_cast<float>(qs[j] >> 4) + off;
+    }
+  }
+}
+
+// dot(q values of one block, x[0..32)) for R rows of x (stride K) into dots[R].
+template <int TYPE, int R>
+static inline void gguf_block_dots(const uint8_t* qs, const float* x, int64_t K, float* dots) {
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+  __m256 v[4];
+  if (TYPE == 8) {
+    for (int i = 0; i < 4; ++i)
+      v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * i))));
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m128i mask = _mm_set1_epi8(0xF);
+    const __m128i l = _mm_and_si128(raw, mask), h = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    __m256i parts[4] = {_mm256_cvtepu8_epi32(l), _mm256_cvtepu8_epi32(_mm_srli_si128(l, 8)),
+                        _mm256_cvtepu8_epi32(h), _mm256_cvtepu8_epi32(_mm_srli_si128(h, 8))};
+    for (int i = 0; i < 4; ++i) {
+      if (TYPE == 2) parts[i] = _mm256_sub_epi32(parts[i], _mm256_set1_epi32(8));
+      v[i] = _mm256_cvtepi32_ps(parts[i]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* xr = x + r * K;
+    __m256 acc = _mm256_mul_ps(v[0], _mm256_loadu_ps(xr));
+    for (int i = 1; i < 4; ++i) acc = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xr + 8 * i), acc);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    dots[r] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+  }
+#else
+  float tile[32];
+  gguf_block_values<TYPE>(qs, tile);
+  for (int r = 0; r < R; ++r) {
+    float s = 0.f;
+    for (int j = 0; j < 32; ++j) s += tile[j] * x[r * K + j];
+    dots[r] = s;
+  }
+#endif
+}
+
+// Output rows [n0, n1) for activation rows [m0, m0 + R).
+template <int TYPE, int R>
+static void gguf_rows(const uint8_t* w, const float* x, const float* xsum, const float* bias,
+                      float* y, int64_t K, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
+  const GGUFType t = gguf_type(TYPE);
+  const int64_t nb = K / 32, row_bytes = nb * t.block_bytes;
+  const float* xm = x + m0 * K;
+#if defined(__AVX512F__)
+  // AVX-512: the scaled block dots stay in one vector per row, reduced once per output
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m512 vacc[R];
+    float macc[R] = {};
+    for (int r = 0; r < R; ++r) vacc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * t.block_bytes;
+      const uint8_t* qs = blk + t.header;
+      __m512 lo, hi;
+      if (TYPE == 8) {
+        lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs))));
+        hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16))));
+      } else {
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+        __m512i l = _mm512_and_si512(q, _mm512_set1_epi32(0xF)), h = _mm512_srli_epi32(q, 4);
+        if (TYPE == 2) {
+          l = _mm512_sub_epi32(l, _mm512_set1_epi32(8));
+          h = _mm512_sub_epi32(h, _mm512_set1_epi32(8));
+        }
+        lo = _mm512_cvtepi32_ps(l);
+        hi = _mm512_cvtepi32_ps(h);
+      }
+      const __m512 d = _mm512_set1_ps(gguf_half(blk));
+      lo = _mm512_mul_ps(lo, d);
+      hi = _mm512_mul_ps(hi, d);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = xm + r * K + b * 32;
+        vacc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), vacc[r]);
+        vacc[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), vacc[r]);
+      }
+      if (TYPE == 3) {
+        const float m = gguf_half(blk + 2);
+        for (int r = 0; r < R; ++r) macc[r] += m * xsum[(m0 + r) * nb + b];
+      }
+    }
+    const float bn = bias ? bias[n] : 0.f;
+    for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = _mm512_reduce_add_ps(vacc[r]) + macc[r] + bn;
+  }
+  return;
+#endif
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    float acc[R] = {}, dots[R];
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * t.block_bytes;
+      if (b + 4 < nb) __builtin_prefetch(blk + 4 * t.block_bytes);
+      gguf_block_dots<TYPE, R>(blk + t.header, xm + b * 32, K, dots);
+      const float d = gguf_half(blk);
+      if (TYPE == 3) {
+        const float m = gguf_half(blk + 2);
+        for (int r = 0; r < R; ++r) acc[r] += d * dots[r] + m * xsum[(m0 + r) * nb + b];
+      } else {
+        for (int r = 0; r < R; ++r) acc[r] += d * dots[r];
+      }
+    }
+    const float bn = bias ? bias[n] : 0.f;
+    for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = acc[r] + bn;
+  }
+}
+
+template <int TYPE>
+static void gguf_linear_typed(const uint8_t* w, const float* x, const float* xsum,
+                              const float* bias, float* y, int64_t M, int64_t K, int64_t N) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      switch (std::min<int64_t>(8, M - m0)) {
+        case 1: gguf_rows<TYPE, 1>(w, x, xsum, bias, y, K, N, m0, n0, n1); break;
+        case 2: gguf_rows<TYPE, 2>(w, x, xsum, bias, y, K, N, m0, n0, n1); break;
+        case 3: gguf_rows<TYPE, 3>(w, x, xsum, bias, y, K, N, m0, n0, n1); break;
+        case 4: gguf_rows<TYPE, 4>(w, x, xsum, bias, y, K, N, m0, n0, n1); break;
+        case 5: gguf_rows<TYPE, 5>(w, x, xsum, bias, y, K, N, m0, n0, n1); break;
+        case 6: gguf_rows<TYPE, 6>(w, x, xsum, bias, y, K, N, m0, n0, n1); break;
+        case 7: gguf_rows<TYPE, 7>(w, x, xsum, bias, y, K, N, m0, n0, n1); break;
+        default: gguf_rows<TYPE, 8>(w, x, xsum, bias, y, K, N, m0, n0, n1); break;
+      }
+    }
+  });
+}
+
+// x [M, K] float32 or bfloat16; qweight [N, K / 32 * block_bytes] uint8; bias [N] float32
+// or None -> [M, N] in x's dtype.
+torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qweight, int64_t type,
+                          c10::optional<torch::Tensor> bias) {
+  const GGUFType t = gguf_type(type);
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && qweight.scalar_type() == torch::kByte &&
+                  qweight.is_contiguous(), "gguf_linear: x [M, K], qweight [N, bytes] uint8");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16,
+              "gguf_linear: x float32 or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0), nb = K / 32;
+  TORCH_CHECK(K % 32 == 0 && qweight.size(1) == nb * t.block_bytes,
+              "gguf_linear: K a multiple of 32 and qweight rows of K / 32 blocks");
+  const auto xf = x.to(torch::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  std::vector<float> xsum(M * nb);
+  for (int64_t i = 0; i < M * nb; ++i) {
+    float s = 0.f;
+    for (int j = 0; j < 32; ++j) s += xp[i * 32 + j];
+    xsum[i] = s;
+  }
+  const float* bp = nullptr;
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(torch::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "gguf_linear: bias [N]");
+    bp = b.data_ptr<float>();
+  }
+  auto out = torch::empty({M, N}, xf.options());
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  switch (type) {
+    case 2: gguf_linear_typed<2>(wp, xp, xsum.data(), bp, op, M, K, N); break;
+    case 3: gguf_linear_typed<3>(wp, xp, xsum.data(), bp, op, M, K, N); break;
+    default: gguf_linear_typed<8>(wp, xp, xsum.data(), bp, op, M, K, N); break;
+  }
+  return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gguf_linear", &gguf_linear,
+        "x @ dequant(qweight).T + bias on GGUF Q4_0 / Q4_1 / Q8_0 blocks (CPU)",
+        py::arg("x"), py::arg("qweight"), py::arg("type"), py::arg("bias") = py::none());
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "logits[r, t] = fill where bit t of bitmask[r] is 0, rows given (float32, CPU)");
   m.def("paged_decode_attention", &paged_decode_attention,
