@@ -27,7 +27,8 @@ NONE_HASH = 0
 
 _INT64 = struct.Struct("<q")
 # token ids as little-endian uint32: array("I") is that on a little-endian host with
-# 4-byte unsigned ints, and packs a 512-token block ~3x faster than struct.pack(*ids)
+# 4-byte unsigned ints, and packs faster than struct.pack(*ids) (a 16-token block's hash:
+# 1.03 -> 0.78 us; at 512 tokens SHA-256 itself dominates: 4.85 -> 4.75 us)
 _NATIVE_U32 = sys.byteorder == "little" and array("I").itemsize == 4
 
 
