@@ -99,12 +99,14 @@ class RealCluster:
         raise RuntimeError("sluice serve did not become ready")
 
     def worker_urls(self, log: Path) -> list[str]:
-        """The engines' own URLs, from `sluice serve`'s "workers ready:" line."""
+        """The engines' own URLs, from `sluice serve`'s "pool M: ready URL {...}" lines."""
+        urls: list[str] = []
         for line in log.read_text().splitlines():
-            if "workers ready:" in line:
-                part = line.split("workers ready:", 1)[1].split("(logs", 1)[0]
-                return [u.strip() for u in part.split(",") if u.strip()]
-        return []
+            if ": ready http" in line:
+                url = line.split(": ready ", 1)[1].split()[0]
+                if url not in urls:
+                    urls.append(url)
+        return urls
 
     def stop(self) -> None:
         self.proc.terminate()

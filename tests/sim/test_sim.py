@@ -164,8 +164,10 @@ def test_host_contention_stretches_steps_only_while_another_worker_is_busy() -> 
     assert stable(alone_shared.summary) | {"model": 0} == stable(alone) | {"model": 0}
     free = Simulation(config("round_robin", workers=2)).run(two).summary
     contended = Simulation(config("round_robin", workers=2, profile=shared)).run(two).summary
-    assert contended["mean_tpot_ms"] == pytest.approx(2 * free["mean_tpot_ms"], rel=0.15)
-    assert contended["p50_ttft_ms"] > 1.4 * free["p50_ttft_ms"]
+    # a step is stretched when it starts with the other worker busy: most are, but not
+    # the first request's prefill nor the later one's last decodes (the other is done)
+    for key in ("mean_tpot_ms", "p50_ttft_ms"):
+        assert 1.4 * free[key] < contended[key] <= 2 * free[key] + 1e-9
     with pytest.raises(InvalidRequestError) as err:
         PROFILE.with_overrides(host_contention=-1.0)
     assert err.value.param == "host_contention"
