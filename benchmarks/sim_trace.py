@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import hashlib
 import json
 import pstats
 import sys
@@ -36,11 +37,23 @@ from sluice.sim.workload import trace_sessions
 POLICIES = ["cost", "kv", "prefix", "least_load", "session", "round_robin"]
 
 
+def digest(records: list[Any], summary: dict[str, Any]) -> str:
+    """SHA-256 of every request record and of the summary without its wall times: two
+    runs with equal digests made the same decisions at the same virtual times."""
+    h = hashlib.sha256()
+    for rec in sorted(records, key=lambda r: r.request_id):
+        h.update(repr(vars(rec)).encode())
+    stable = {k: v for k, v in summary.items() if k not in ("wall_s", "events_per_s")}
+    h.update(json.dumps(stable, sort_keys=True, default=repr).encode())
+    return h.hexdigest()[:16]
+
+
 def one(cfg: SimConfig, sessions: list[Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
-    s = Simulation(cfg).run(sessions).summary
+    result = Simulation(cfg).run(sessions)
     wall = time.perf_counter() - t0
-    return {"workers": cfg.workers, "policy": cfg.router.policy, "wall_s": wall,
+    s = result.summary
+    return {"digest": digest(result.records, s), "workers": cfg.workers, "policy": cfg.router.policy, "wall_s": wall,
             "events": s["events"], "events_per_s": s["events"] / wall,
             "completed": s["completed"], "failed": s["failed"],
             "hit_rate": s["server_prefix_cache_hit_rate"],
@@ -102,7 +115,7 @@ def main() -> int:
                 rows.append(one(cfg, sessions))
             r = rows[-1]
             print(f"  {n:5d} workers {policy:12s} {r['wall_s']:6.1f}s "
-                  f"{r['events_per_s']:9.0f} ev/s", file=sys.stderr)
+                  f"{r['events_per_s']:9.0f} ev/s  digest {r['digest']}", file=sys.stderr)
 
     print(f"{'workers':>7} {'policy':12} {'hit':>6} {'oracle':>6} {'vs or.':>6} "
           f"{'goodput':>8} {'TTFT p50':>9} {'TTFT p90':>9} {'w-hours':>8} {'wall s':>7} "

@@ -1,6 +1,7 @@
 """Agreement with reality: 2 real workers under `sluice bench serve` vs `sluice sim`.
 
-For each workload (random, shared-prefix; small, seeded, at a fixed Poisson rate):
+For each workload (random, shared-prefix, multi-turn, a slice of the shared Mooncake
+trace; small, seeded, at a fixed Poisson rate or the trace's own times):
 
     real   `sluice serve --workers 2 --no-gateway --policy P` (2 engine processes, the
            router) driven by `sluice bench serve --ignore-eos`
@@ -38,12 +39,21 @@ from sluice.observe.prometheus import sum_samples
 from sluice.sim.cli import default_profile_path
 from sluice.sim.run import resolve_profile
 
-WORKLOADS: dict[str, list[str]] = {
-    "random": ["--workload", "random", "--input-len", "256", "--output-len", "32",
-               "--random-range-ratio", "0.5", "--num-prompts", "40"],
-    "shared-prefix": ["--workload", "shared-prefix", "--num-groups", "4",
-                      "--system-prompt-len", "512", "--input-len", "64", "--output-len", "32",
-                      "--num-prompts", "40"],
+TRACE = str(Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+            / "mooncake_synthetic_trace.jsonl")
+# (options for both sides, real-only, sim-only); arrivals: Poisson at --request-rate,
+# except the trace slice, which keeps the trace's own times (x4: ~1 req/s)
+WORKLOADS: dict[str, tuple[list[str], list[str], list[str]]] = {
+    "random": (["--workload", "random", "--input-len", "256", "--output-len", "32",
+                "--random-range-ratio", "0.5"], ["--num-prompts", "40"], ["--num-prompts", "40"]),
+    "shared-prefix": (["--workload", "shared-prefix", "--num-groups", "4",
+                       "--system-prompt-len", "512", "--input-len", "64", "--output-len", "32"],
+                      ["--num-prompts", "40"], ["--num-prompts", "40"]),
+    "multi-turn": (["--workload", "multi-turn", "--num-turns", "4", "--system-prompt-len",
+                    "256", "--input-len", "64", "--output-len", "32"],
+                   ["--num-sessions", "10"], ["--num-prompts", "10"]),
+    "trace": (["--workload", "trace", "--token-scale", "0.015625", "--output-token-scale",
+               "0.25", "--time-scale", "4", "--num-prompts", "40"], [], []),
 }
 METRICS = [("TTFT p50 (ms)", "p50_ttft_ms"), ("TTFT p90 (ms)", "p90_ttft_ms"),
            ("Request throughput (req/s)", "request_throughput"),
@@ -89,12 +99,14 @@ class RealCluster:
         raise RuntimeError("sluice serve did not become ready")
 
     def worker_urls(self, log: Path) -> list[str]:
-        """The engines' own URLs, from `sluice serve`'s "workers ready:" line."""
+        """The engines' own URLs, from `sluice serve`'s "pool M: ready URL {...}" lines."""
+        urls: list[str] = []
         for line in log.read_text().splitlines():
-            if "workers ready:" in line:
-                part = line.split("workers ready:", 1)[1].split("(logs", 1)[0]
-                return [u.strip() for u in part.split(",") if u.strip()]
-        return []
+            if ": ready http" in line:
+                url = line.split(": ready ", 1)[1].split()[0]
+                if url not in urls:
+                    urls.append(url)
+        return urls
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -131,6 +143,12 @@ def main() -> int:
     ap.add_argument("--request-rate", default="1.5")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     ap.add_argument("--seed", default="0")
+    ap.add_argument("--trace", default=TRACE, help="the trace slice's Mooncake file")
+    ap.add_argument("--request-overhead-ms", default=None,
+                    help="the simulator's HTTP + tokenizing time per request (profile's)")
+    ap.add_argument("--host-contention", default=None,
+                    help="the simulator's shared-host slowdown per other busy worker "
+                    "(profile's; both real workers share this machine's cores)")
     ap.add_argument("--log", default="/tmp/sim_vs_real_serve.log")
     ap.add_argument("--calibrate", action="store_true",
                     help="run `sluice sim calibrate` first (writes --profile)")
@@ -140,9 +158,12 @@ def main() -> int:
         calibrate(profile_path)
     profile = resolve_profile(profile_path if Path(profile_path).exists() else None,
                               default_profile_path())
-    common = ["--seed", args.seed, "--request-rate", args.request_rate]
     sim_args = ["--workers", "2", "--policy", args.policy, "--profile", profile_path] \
         if Path(profile_path).exists() else ["--workers", "2", "--policy", args.policy]
+    if args.request_overhead_ms is not None:
+        sim_args += ["--request-overhead-ms", args.request_overhead_ms]
+    if args.host_contention is not None:
+        sim_args += ["--host-contention", args.host_contention]
 
     results: dict[str, dict[str, Any]] = {}
     cluster = RealCluster(args.policy, profile.num_kv_blocks, Path(args.log))
@@ -150,12 +171,16 @@ def main() -> int:
         cluster.wait_ready()
         engines = cluster.worker_urls(Path(args.log))
         for name in args.workloads:
+            both, real_only, sim_only = WORKLOADS[name]
+            common = ["--seed", args.seed, *(["--trace", args.trace] if name == "trace"
+                                              else ["--request-rate", args.request_rate])]
             before = worker_counters(engines)
             real = cli("bench", "serve", "--base-url", cluster.url, "--ignore-eos",
-                       "--disable-tqdm", "--warmup", "0", *WORKLOADS[name], *common)["results"][0]
+                       "--disable-tqdm", "--warmup", "0", *both, *real_only,
+                       *common)["results"][0]
             deltas = server_deltas(before, worker_counters(engines))
             real |= {f"server_{k}": v for k, v in deltas.items()}
-            sim = cli("sim", *WORKLOADS[name], *common, *sim_args)["results"][0]
+            sim = cli("sim", *both, *sim_only, *common, *sim_args)["results"][0]
             results[name] = {"real": real, "sim": sim}
             print(f"  {name}: done", file=sys.stderr)
     finally:
@@ -176,7 +201,8 @@ def main() -> int:
             print(f"{name:14} {label:28} {fr:>10} {fs:>10} {fq:>9}")
     print(json.dumps({"benchmark": "sim_vs_real", "policy": args.policy,
                       "request_rate": args.request_rate, "profile": vars(profile),
-                      "workloads": {k: WORKLOADS[k] for k in results}, "results": table}))
+                      "sim_args": sim_args, "workloads": {k: WORKLOADS[k] for k in results},
+                      "results": table}))
     return 0
 
 

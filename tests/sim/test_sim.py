@@ -153,6 +153,26 @@ def test_step_time_model_sets_latency() -> None:
     assert s["mean_tpot_ms"] == pytest.approx(sum(decodes) / 4 * 1000)
 
 
+def test_host_contention_stretches_steps_only_while_another_worker_is_busy() -> None:
+    """Two requests at once on two workers of one CPU host: each step takes (1 + c) x the
+    model while both are busy; alone (one request) the model's time, contention or not."""
+    cfg = WorkloadConfig(seed=0, input_len=100, output_len=5)
+    two = synthetic_sessions("random", cfg, LoadConfig(), 2)
+    shared = PROFILE.with_overrides(host_contention=1.0)
+    alone = Simulation(config("round_robin", workers=1)).run(two[:1]).summary
+    alone_shared = Simulation(config("round_robin", workers=1, profile=shared)).run(two[:1])
+    assert stable(alone_shared.summary) | {"model": 0} == stable(alone) | {"model": 0}
+    free = Simulation(config("round_robin", workers=2)).run(two).summary
+    contended = Simulation(config("round_robin", workers=2, profile=shared)).run(two).summary
+    # a step is stretched when it starts with the other worker busy: most are, but not
+    # the first request's prefill nor the later one's last decodes (the other is done)
+    for key in ("mean_tpot_ms", "p50_ttft_ms"):
+        assert 1.4 * free[key] < contended[key] <= 2 * free[key] + 1e-9
+    with pytest.raises(InvalidRequestError) as err:
+        PROFILE.with_overrides(host_contention=-1.0)
+    assert err.value.param == "host_contention"
+
+
 def test_prompt_larger_than_the_kv_pool_fails_without_hanging() -> None:
     small = PROFILE.with_overrides(num_kv_blocks=8)
     cfg = WorkloadConfig(seed=0, input_len=400, output_len=4)

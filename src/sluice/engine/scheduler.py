@@ -120,16 +120,22 @@ class Scheduler:
             elif left > 1:
                 prefills.append(s)
         bm, scheduled = self.block_manager, plan.scheduled
+        bs, free, running_status = bm.block_size, bm.free_ids, SequenceStatus.RUNNING
         for seq in decodes + prefills if prefills else decodes:
             if plan.budget == 0:
                 return
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running_status:
                 continue  # preempted earlier in this step
             n = min(len(seq.token_ids) - seq.num_computed_tokens, plan.budget)
-            if bm.can_allocate(seq, n) or self._make_room(seq, n, plan):
+            # bm.can_allocate / bm.allocate spelled out: a running sequence has blocks, so
+            # allocate only appends fresh ones, and most decodes need none
+            fresh = (seq.num_computed_tokens + n + bs - 1) // bs - len(seq.block_table)
+            if fresh > 0:
+                if fresh > len(free) and not self._make_room(seq, n, plan):
+                    continue  # `seq` was the worst and got preempted
                 bm.allocate(seq, n)
-                scheduled[seq] = n
-                plan.budget -= n
+            scheduled[seq] = n
+            plan.budget -= n
 
     def _make_room(self, seq: Sequence, n: int, plan: _StepPlan) -> bool:
         """Preempt worst-first until `seq` can get blocks for `n` tokens; False if `seq`

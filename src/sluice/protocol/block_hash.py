@@ -18,9 +18,27 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 
 NONE_HASH = 0
+
+
+_INT64 = struct.Struct("<q")
+# token ids as little-endian uint32: array("I") is that on a little-endian host with
+# 4-byte unsigned ints, and packs faster than struct.pack(*ids) (a 16-token block's hash:
+# 1.03 -> 0.78 us; at 512 tokens SHA-256 itself dominates: 4.85 -> 4.75 us)
+_NATIVE_U32 = sys.byteorder == "little" and array("I").itemsize == 4
+
+
+def _pack_u32(token_ids: Sequence[int]) -> bytes:
+    if _NATIVE_U32:
+        try:
+            return array("I", token_ids).tobytes()
+        except OverflowError:
+            pass  # out of uint32 range: struct.pack raises its own error, as before
+    return struct.pack(f"<{len(token_ids)}I", *token_ids)
 
 
 def hash_block(parent: int | None, token_ids: Sequence[int], extra: bytes = b"") -> int:
@@ -28,12 +46,11 @@ def hash_block(parent: int | None, token_ids: Sequence[int], extra: bytes = b"")
 
     `extra` distinguishes caches that differ beyond tokens (a LoRA adapter name, say).
     """
-    h = hashlib.sha256()
-    h.update(struct.pack("<q", NONE_HASH if parent is None else parent))
-    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    h = hashlib.sha256(_INT64.pack(NONE_HASH if parent is None else parent))
+    h.update(_pack_u32(token_ids))
     if extra:
         h.update(extra)
-    return struct.unpack("<q", h.digest()[:8])[0]
+    return _INT64.unpack_from(h.digest())[0]
 
 
 def hash_blocks(token_ids: Sequence[int], block_size: int, extra: bytes = b"") -> list[int]:

@@ -99,6 +99,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="override the profile's")
     c.add_argument("--request-overhead-ms", type=float, default=None,
                    help="HTTP + routing time per request outside the engine (profile's)")
+    c.add_argument("--host-contention", type=float, default=None,
+                   help="workers share one CPU host: each other busy worker stretches a "
+                   "step by this fraction (profile's; 0: a device each)")
     c.add_argument("--scrape-interval", type=float, default=0.5, help="router scrape (s)")
     c.add_argument("--kv-event-lag-ms", type=float, default=2.0)
     c.add_argument("--prefix-index-blocks", type=int, default=200_000)

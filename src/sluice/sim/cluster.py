@@ -118,6 +118,7 @@ class Simulation:
         self._next_worker = 0
         self._oracle_seen: set[int] = set()
         self._touched: set[str] = set()  # workers changed since the last scrape
+        self._host = [0]  # busy workers (one host: profile.host_contention)
         self.oracle_queries = 0
         self.oracle_hits = 0
         for _ in range(cfg.workers):
@@ -167,7 +168,7 @@ class Simulation:
         flight = _Flight(session, k, answers, record)
         req = SimRequest(record.request_id, prompt, session.turns[k].output_len,
                          self.loop.now, token_seed=session.index * 1009 + k,
-                         session_key=session.session_id, on_token=self._on_token,
+                         session_key=session.session_id, on_first_token=self._on_first_token,
                          on_finish=self._on_finish, meta=flight)
         self.loop.after(self.cfg.profile.request_overhead_s / 2, self._route, req)
 
@@ -205,12 +206,10 @@ class Simulation:
             parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
             self._oracle_seen.add(parent)
 
-    def _on_token(self, req: SimRequest, now: float) -> None:
+    def _on_first_token(self, req: SimRequest, now: float) -> None:
+        """(Later tokens' ITLs go to the worker's `WorkerLatency` from the worker itself.)"""
         flight: _Flight = req.meta  # type: ignore[assignment]
-        times, latency = req.token_times, self.latency[req.worker]
-        if len(times) > 1:
-            latency.observe_itl(times[-1] - times[-2])
-            return
+        latency = self.latency[req.worker]
         latency.observe_ttft(now - req.arrival - self.cfg.profile.request_overhead_s / 2)
         if flight.ticket is not None:
             self.router.first_token(flight.ticket)
@@ -350,9 +349,10 @@ class Simulation:
             if url not in self.cold:
                 return  # cancelled during its cold start
             self.cold.remove(url)
+        latency = self.latency[url] = WorkerLatency()
         self.workers[url] = SimWorker(url, self.cfg.profile, self.loop, self.router.kv_events,
-                                      self._touched, self.cfg.scheduling_policy)
-        self.latency[url] = WorkerLatency()
+                                      self._touched, self.cfg.scheduling_policy, latency,
+                                      self._host)
         self.router.add_worker(url)
         self.serving.append(url)
 

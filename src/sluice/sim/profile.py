@@ -49,11 +49,15 @@ class StepProfile:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     request_overhead_s: float = 0.0  # HTTP, tokenizing, routing: outside the engine's steps
+    # CPU workers sharing one host's cores: each other worker busy when a step starts
+    # stretches it by this fraction (0: a device per worker, as GPUs; 1: two busy
+    # engines, each with threads for every core, run at half speed)
+    host_contention: float = 0.0
     source: str = ("built-in: sluice sim calibrate on a 2-core Intel Xeon (AVX-512) shared "
                    "with other jobs, 2026-12-01; run `sluice sim calibrate` for this machine")
 
     def __post_init__(self) -> None:
-        for name in (*FEATURES, "request_overhead_s"):
+        for name in (*FEATURES, "request_overhead_s", "host_contention"):
             if getattr(self, name) < 0:
                 raise InvalidRequestError(f"{name} must be >= 0", param=name)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -68,7 +68,8 @@ def profile_from_args(args: argparse.Namespace, default_path: str) -> StepProfil
     return resolve_profile(args.profile, default_path).with_overrides(
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        request_overhead_s=None if overhead is None else overhead / 1000.0)
+        request_overhead_s=None if overhead is None else overhead / 1000.0,
+        host_contention=args.host_contention)
 
 
 def _policy_options(items: Sequence[str]) -> dict[str, float]:

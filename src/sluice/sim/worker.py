@@ -26,6 +26,7 @@ from sluice.engine.scheduler import ScheduledChunk, Scheduler
 from sluice.engine.sequence import Sequence
 from sluice.protocol.kv_events import KVEvent
 from sluice.sim.loop import EventLoop
+from sluice.sim.planner import WorkerLatency
 from sluice.sim.profile import StepProfile
 
 TOKEN_SPACE = 32_000  # generated ids are drawn from [0, TOKEN_SPACE)
@@ -43,7 +44,7 @@ class SimRequest:
     priority: int = 0
     token_seed: int = 0  # generated ids are a function of this and the position
     session_key: str | None = None
-    on_token: Callable[[SimRequest, float], None] | None = None
+    on_first_token: Callable[[SimRequest, float], None] | None = None
     on_finish: Callable[[SimRequest], None] | None = None
     token_times: list[float] = field(default_factory=list)  # engine time of each token
     output: list[int] = field(default_factory=list)
@@ -58,10 +59,15 @@ class SimWorker:
 
     def __init__(self, url: str, profile: StepProfile, loop: EventLoop,
                  on_kv_events: Callable[[str, list[KVEvent]], None], changed: set[str],
-                 scheduling_policy: str = "priority") -> None:
+                 scheduling_policy: str = "priority", latency: WorkerLatency | None = None,
+                 host: list[int] | None = None) -> None:
         """`changed`: the cluster's set of workers whose gauges moved since the router's
-        last scrape; this worker adds its url on every change."""
+        last scrape; this worker adds its url on every change. `latency`: what its
+        /metrics would export; every inter-token latency goes there."""
         self.url = url
+        self.latency = latency if latency is not None else WorkerLatency()
+        # [busy workers] on this worker's host, shared by them (profile.host_contention)
+        self.host = host if host is not None else [0]
         self.profile = profile
         self.loop = loop
         self.on_kv_events = on_kv_events
@@ -113,12 +119,18 @@ class SimWorker:
         while True:
             chunks = self.scheduler.schedule()
             if chunks:
-                self.busy = True
+                if not self.busy:
+                    self.busy = True
+                    self.host[0] += 1
                 seconds = self.profile.step_seconds(chunks)
+                if self.profile.host_contention:
+                    seconds *= 1.0 + self.profile.host_contention * (self.host[0] - 1)
                 self.busy_seconds += seconds
                 self.loop.after(seconds, self._end_step, chunks)
                 return
-            self.busy = False
+            if self.busy:
+                self.busy = False
+                self.host[0] -= 1
             if not self.scheduler.waiting:
                 return
             self._reject_head()
@@ -136,20 +148,25 @@ class SimWorker:
         self._start_step()
 
     def _emit_token(self, seq: Sequence, now: float) -> None:
+        """Append the generated token (once per sequence per step: kept lean)."""
         req = self.requests[seq]
-        token_ids = seq.token_ids
+        token_ids, times = seq.token_ids, req.token_times
         token = (req.token_seed * 7919 + len(token_ids) * 104_729) % TOKEN_SPACE
         token_ids.append(token)
+        req.output.append(token)
         self.generation_tokens += 1
-        num_output = len(token_ids) - seq.num_prompt_tokens  # seq.num_output_tokens
-        if num_output == 1:
+        if times:
+            latency = self.latency  # WorkerLatency.observe_itl, spelled out
+            latency.itl_sum += now - times[-1]
+            latency.itl_count += 1
+            times.append(now)
+        else:
+            times.append(now)
             self.prompt_tokens += seq.num_prompt_tokens
             req.num_cached_tokens = max(seq.num_cached_tokens, 0)
-        req.output.append(token)
-        req.token_times.append(now)
-        if req.on_token is not None:
-            req.on_token(req, now)
-        if num_output >= seq.max_tokens:
+            if req.on_first_token is not None:
+                req.on_first_token(req, now)
+        if len(times) >= seq.max_tokens:  # seq.num_output_tokens: one time per token
             seq.finish_reason = "length"
             self._finish(seq, req)
 
