@@ -105,23 +105,35 @@ async def test_hot_adapter_replicated_up_to_the_cap_cold_one_not_everywhere() ->
         assert state.adapters.counts.loads == {"demand": 2, "replicate": 1}
 
 
+ZIPF_NAMES = [f"lora{i}" for i in range(8)]
+ZIPF_SPECS = tuple(AdapterSpec(n, f"/a/{n}") for n in ZIPF_NAMES)
+
+
+def zipf_mix(seed: int, k: int) -> list[str]:
+    """k adapter names drawn Zipf(1.1) over ZIPF_NAMES (lora0 the hottest)."""
+    weights = [1 / (i + 1) ** 1.1 for i in range(len(ZIPF_NAMES))]
+    return random.Random(seed).choices(ZIPF_NAMES, weights, k=k)
+
+
+async def statuses(c: httpx.AsyncClient, names: list[str], concurrency: int) -> set[int]:
+    """One chat request per name, `concurrency` at a time: the set of statuses."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(name: str) -> int:
+        async with sem:
+            return (await c.post("/v1/chat/completions", json=chat(name))).status_code
+
+    return set(await asyncio.gather(*(one(n) for n in names)))
+
+
 async def test_zipf_mix_does_not_thrash() -> None:
     """8 adapters, Zipf(1.1), 3 workers of 2 slots, 240 requests 6 at a time."""
     stubs = [LoraStub(n, service_s=0.01, max_num_seqs=4) for n in "abc"]
-    names = [f"lora{i}" for i in range(8)]
-    specs = tuple(AdapterSpec(n, f"/a/{n}") for n in names)
-    rng = random.Random(7)
-    weights = [1 / (i + 1) ** 1.1 for i in range(8)]
-    mix = rng.choices(names, weights, k=240)
-    async with fleet(stubs, specs, max_adapter_replicas=2, load_s=0.001, min_residency_s=30) \
+    mix = zipf_mix(seed=7, k=240)
+    async with fleet(stubs, ZIPF_SPECS, max_adapter_replicas=2, load_s=0.001,
+                     min_residency_s=30) \
             as (router, state, _), httpx.AsyncClient(base_url=router, timeout=30) as c:
-        sem = asyncio.Semaphore(6)
-
-        async def one(name: str) -> int:
-            async with sem:
-                return (await c.post("/v1/chat/completions", json=chat(name))).status_code
-
-        assert set(await asyncio.gather(*(one(n) for n in mix))) == {200}
+        assert await statuses(c, mix, concurrency=6) == {200}
         counts = state.adapters.counts
         # the two hot adapters: loaded once per replica, never evicted and loaded again
         assert counts.loads_by_adapter["lora0"] <= 2 and counts.loads_by_adapter["lora1"] <= 2
@@ -138,19 +150,11 @@ async def test_zipf_mix_spreads_the_two_hottest_adapters() -> None:
     worker that holds neither copy: they never share a worker, and neither is loaded
     again (anti-affinity by adapter share, replication by the adapter's own in-flight)."""
     stubs = [LoraStub(n, service_s=0.02, max_num_seqs=2) for n in "abc"]
-    names = [f"lora{i}" for i in range(8)]
-    specs = tuple(AdapterSpec(n, f"/a/{n}") for n in names)
-    weights = [1 / (i + 1) ** 1.1 for i in range(8)]
-    mix = ["lora0", "lora1"] + random.Random(3).choices(names, weights, k=180)
-    async with fleet(stubs, specs, max_adapter_replicas=2, load_s=0.01, min_residency_s=30) \
+    mix = ["lora0", "lora1"] + zipf_mix(seed=3, k=180)
+    async with fleet(stubs, ZIPF_SPECS, max_adapter_replicas=2, load_s=0.01,
+                     min_residency_s=30) \
             as (router, state, _), httpx.AsyncClient(base_url=router, timeout=30) as c:
-        sem = asyncio.Semaphore(8)
-
-        async def one(name: str) -> int:
-            async with sem:
-                return (await c.post("/v1/chat/completions", json=chat(name))).status_code
-
-        assert set(await asyncio.gather(*(one(n) for n in mix))) == {200}
+        assert await statuses(c, mix, concurrency=8) == {200}
         hot, second = state.adapters.holders("lora0"), state.adapters.holders("lora1")
         by = state.adapters.counts.loads_by_adapter
         assert len(hot) == 2 and len(second) == 1 and not set(hot) & set(second), (hot, by)
