@@ -1,6 +1,6 @@
 """The engine's CPU kernels: several in C++, built on first use, and oneDNN's linear.
 
-`csrc/cpu_kernels.cpp` holds four kernels (float32 or bfloat16 storage, float math):
+`csrc/cpu_kernels.cpp` holds these kernels (float32 or bfloat16 storage, float math):
 
 - `paged_decode_attention`: decode attention read straight from the paged pool. The
   torch path gathers each sequence's blocks into a dense tensor every layer, then runs

@@ -39,17 +39,19 @@ BlockLinear = Callable[[Tensor, Tensor, int, Tensor | None], Tensor]
 QUANT_MAX_ROWS = 4  # rows up to which a linear runs on the blocks (decode, small batches)
 
 
+# the model's fused linears -> the GGUF tensors each concatenates, in order
+FUSED_PARTS = {"attention.wqkv": ("attn_q", "attn_k", "attn_v"), "attention.wo": ("attn_output",),
+               "feed_forward.w13": ("ffn_gate", "ffn_up"), "feed_forward.w2": ("ffn_down",)}
+
+
 def fused_blocks(gguf: GGUFFile) -> Iterator[tuple[str, Tensor, int]]:
     """(module name, uint8 blocks [out, row_bytes], ggml type) for every linear whose
     GGUF tensors are all one supported block type, fused as the model fuses them."""
     cfg, permuted = config_from_gguf(gguf)
+    heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
     for i in range(cfg.num_layers):
         blk = f"blk.{i}."
-        parts = {"attention.wqkv": ["attn_q", "attn_k", "attn_v"],
-                 "attention.wo": ["attn_output"],
-                 "feed_forward.w13": ["ffn_gate", "ffn_up"], "feed_forward.w2": ["ffn_down"]}
-        for module, names in parts.items():
-            heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}
+        for module, names in FUSED_PARTS.items():
             tensors = [(blk + n + ".weight", heads.get(n) if permuted else None) for n in names]
             found = _blocks(gguf, tensors)
             if found is not None:
