@@ -237,7 +237,9 @@ async def test_a_restarted_worker_gets_its_adapters_back() -> None:
             httpx.AsyncClient(base_url=router) as c:
         assert (await c.post("/v1/chat/completions", json=chat("chat"))).status_code == 200
         stubs[0].restart()
-        await until(lambda: "chat" in stubs[0].adapters)
+        # the stub holds it as soon as the load arrives; the router counts it on the reply
+        await until(lambda: "restore" in state.adapters.counts.loads)
+        assert "chat" in stubs[0].adapters
         assert state.adapters.counts.loads == {"demand": 1, "restore": 1}
         assert (await c.post("/v1/chat/completions", json=chat("chat"))).status_code == 200
 
@@ -254,7 +256,8 @@ async def test_admin_registers_and_a_new_worker_gets_pinned_adapters() -> None:
             assert r.status_code == 201
             await until(lambda: "p" in stubs[0].adapters)
             assert (await c.post("/admin/workers", json={"url": late})).status_code in (200, 201)
-            await until(lambda: "p" in stubs[1].adapters)
+            await until(lambda: state.adapters.counts.loads.get("pinned") == 2)
+            assert "p" in stubs[1].adapters
             assert state.adapters.counts.loads == {"pinned": 2}
             listed = (await c.get("/admin/adapters")).json()["adapters"]
             assert listed[0]["name"] == "p" and len(listed[0]["workers"]) == 2
