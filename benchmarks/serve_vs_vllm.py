@@ -202,6 +202,8 @@ def bench(args: argparse.Namespace, url: str, concurrency: int) -> dict[str, Any
            "--seed", str(args.seed), "--request-rate", "inf",
            "--max-concurrency", str(concurrency), "--num-prompts", str(num_prompts(concurrency)),
            "--warmup", str(concurrency), "--disable-tqdm", "--request-timeout", "600"]
+    if args.tokenizer:  # a server without sluice's or vLLM's /tokenize (llama-server)
+        cmd += ["--tokenizer", args.tokenizer]
     print(f"$ {shlex.join(cmd)}", file=sys.stderr, flush=True)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.bench_timeout)
     lines = out.stdout.strip().splitlines()
@@ -334,6 +336,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=139)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default=None,
+                   help="the client's tokenizer (default: the server's /tokenize)")
     p.add_argument("--sluice", default=str(Path(sys.executable).parent / "sluice"),
                    help="the sluice CLI (worker and bench client) (default: beside this python)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",

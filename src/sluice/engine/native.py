@@ -97,7 +97,7 @@ def cpu_flags() -> frozenset[str]:
 def _cpu_flags() -> list[str]:
     """Vector flags the build machine has (the cache is per machine, keyed on flags)."""
     have = cpu_flags()
-    return [f"-m{f}" for f in ("avx2", "fma", "avx512f") if f in have]
+    return [f"-m{f}" for f in ("avx2", "fma", "f16c", "avx512f") if f in have]
 
 
 @functools.cache

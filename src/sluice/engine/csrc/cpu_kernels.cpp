@@ -432,7 +432,11 @@ void lora_bgmv(torch::Tensor x, torch::Tensor y, torch::Tensor a, std::vector<to
 static inline float gguf_half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
   return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
 }
 
 struct GGUFType {
@@ -464,34 +468,10 @@ static inline void gguf_block_values(const uint8_t* qs, float* out) {
   }
 }
 
-// dot(q values of one block, x[0..32)) for R rows of x (stride K) into dots[R].
+// dot(q values of one block, x[0..32)) for R rows of x (stride K) into dots[R]: the
+// portable path (the vector paths in gguf_rows keep whole rows in registers).
 template <int TYPE, int R>
 static inline void gguf_block_dots(const uint8_t* qs, const float* x, int64_t K, float* dots) {
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-  __m256 v[4];
-  if (TYPE == 8) {
-    for (int i = 0; i < 4; ++i)
-      v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * i))));
-  } else {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i mask = _mm_set1_epi8(0xF);
-    const __m128i l = _mm_and_si128(raw, mask), h = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    __m256i parts[4] = {_mm256_cvtepu8_epi32(l), _mm256_cvtepu8_epi32(_mm_srli_si128(l, 8)),
-                        _mm256_cvtepu8_epi32(h), _mm256_cvtepu8_epi32(_mm_srli_si128(h, 8))};
-    for (int i = 0; i < 4; ++i) {
-      if (TYPE == 2) parts[i] = _mm256_sub_epi32(parts[i], _mm256_set1_epi32(8));
-      v[i] = _mm256_cvtepi32_ps(parts[i]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    const float* xr = x + r * K;
-    __m256 acc = _mm256_mul_ps(v[0], _mm256_loadu_ps(xr));
-    for (int i = 1; i < 4; ++i) acc = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xr + 8 * i), acc);
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    dots[r] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-  }
-#else
   float tile[32];
   gguf_block_values<TYPE>(qs, tile);
   for (int r = 0; r < R; ++r) {
@@ -499,7 +479,6 @@ static inline void gguf_block_dots(const uint8_t* qs, const float* x, int64_t K,
     for (int j = 0; j < 32; ++j) s += tile[j] * x[r * K + j];
     dots[r] = s;
   }
-#endif
 }
 
 // Output rows [n0, n1) for activation rows [m0, m0 + R).
@@ -548,6 +527,52 @@ static void gguf_rows(const uint8_t* w, const float* x, const float* xsum, const
     }
     const float bn = bias ? bias[n] : 0.f;
     for (int r = 0; r < R; ++r) y[(m0 + r) * N + n] = _mm512_reduce_add_ps(vacc[r]) + macc[r] + bn;
+  }
+  return;
+#elif defined(__AVX2__) && defined(__FMA__)
+  // AVX2: as above with 8 lanes; a block's values scaled by d once, one accumulator per
+  // row, reduced once per output (not once per block)
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 vacc[R];
+    float macc[R] = {};
+    for (int r = 0; r < R; ++r) vacc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * t.block_bytes;
+      const uint8_t* qs = blk + t.header;
+      if (b + 4 < nb) __builtin_prefetch(blk + 4 * t.block_bytes);
+      __m256 v[4];
+      if (TYPE == 8) {
+        for (int i = 0; i < 4; ++i)
+          v[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * i))));
+      } else {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+        const __m128i mask = _mm_set1_epi8(0xF);
+        const __m128i l = _mm_and_si128(raw, mask), h = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+        __m256i parts[4] = {_mm256_cvtepu8_epi32(l), _mm256_cvtepu8_epi32(_mm_srli_si128(l, 8)),
+                            _mm256_cvtepu8_epi32(h), _mm256_cvtepu8_epi32(_mm_srli_si128(h, 8))};
+        for (int i = 0; i < 4; ++i) {
+          if (TYPE == 2) parts[i] = _mm256_sub_epi32(parts[i], _mm256_set1_epi32(8));
+          v[i] = _mm256_cvtepi32_ps(parts[i]);
+        }
+      }
+      const __m256 d = _mm256_set1_ps(gguf_half(blk));
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(v[i], d);
+      for (int r = 0; r < R; ++r) {
+        const float* xr = xm + r * K + b * 32;
+        for (int i = 0; i < 4; ++i) vacc[r] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xr + 8 * i), vacc[r]);
+      }
+      if (TYPE == 3) {
+        const float m = gguf_half(blk + 2);
+        for (int r = 0; r < R; ++r) macc[r] += m * xsum[(m0 + r) * nb + b];
+      }
+    }
+    const float bn = bias ? bias[n] : 0.f;
+    for (int r = 0; r < R; ++r) {
+      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(vacc[r]), _mm256_extractf128_ps(vacc[r], 1));
+      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      y[(m0 + r) * N + n] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2))) + macc[r] + bn;
+    }
   }
   return;
 #endif
