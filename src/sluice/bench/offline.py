@@ -28,6 +28,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from sluice.engine.config import QUANTIZATIONS
+
 SPEEDUP_TARGET = 1.5
 
 
@@ -65,9 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quantization", choices=["none", "gguf"], default="none",
-                        help="sluice's linears: dense (none) or on the GGUF file's blocks "
-                             "for decode rows (gguf); the peer is unchanged")
+    parser.add_argument("--quantization", choices=list(QUANTIZATIONS), default="none",
+                        help="sluice's linears: dense (none), on the GGUF file's blocks "
+                             "for decode rows (gguf) or on int8 weights (int8); the peer "
+                             "is unchanged")
     parser.add_argument("--no-flops", action="store_true", help="skip the matmul reference")
     parser.add_argument("--speculative-config", default=None,
                         help="sluice: speculative decoding, vLLM's JSON (benchmarks/"

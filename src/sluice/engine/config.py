@@ -15,7 +15,7 @@ from typing import Any
 from sluice.protocol.errors import InvalidRequestError
 
 KERNEL_BACKENDS = ("auto", "torch", "native")  # see sluice.engine.native
-QUANTIZATIONS = ("none", "gguf")  # see sluice.engine.quant
+QUANTIZATIONS = ("none", "gguf", "int8")  # see sluice.engine.quant
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,8 @@ class ModelConfig:
     # they build), "torch", "native" (see sluice.engine.native)
     kernel_backend: str = "auto"
     # linears on the weights' own format: "none" (dense, the reference), "gguf" (a GGUF
-    # file's Q4_0/Q4_1/Q8_0 blocks for decode rows; sluice.engine.quant)
+    # file's Q4_0/Q4_1/Q8_0 blocks for decode rows), "int8" (weight-only int8, one scale
+    # per output row, every linear; sluice.engine.quant)
     quantization: str = "none"
 
     def __post_init__(self) -> None:

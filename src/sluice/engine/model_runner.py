@@ -17,6 +17,7 @@ block ids.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -50,6 +51,8 @@ from sluice.protocol.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from sluice.engine.models.llama import Linear
+
+log = logging.getLogger("sluice.engine")
 
 CPU_KV_CACHE_CAP_BYTES = 4 * 1024**3
 WARM_UP_TOKENS = 9  # the warm-up's prefill (8 tokens) and decode (1)
@@ -147,6 +150,8 @@ class ModelRunner:
             self.model.use_linear(self.linear)
         if mc.quantization == "gguf":
             self._use_gguf_weights(mc)
+        elif mc.quantization == "int8":
+            self._use_int8_weights()
         cfg = self.model_config
         self.lora_shapes = module_shapes(cfg.hidden_size, cfg.intermediate_size, cfg.q_size,
                                          cfg.kv_size)
@@ -165,6 +170,17 @@ class ModelRunner:
             raise InvalidRequestError("quantization 'gguf' needs a .gguf model",
                                       param="quantization")
         use_gguf_weights(self.model, path, self.native, self.linear or F.linear)
+
+    def _use_int8_weights(self) -> None:
+        """Every linear on int8 weights with per-row scales (sluice.engine.quant)."""
+        from sluice.engine.quant import use_int8_weights
+
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise InvalidRequestError("quantization 'int8' needs float weights",
+                                      param="quantization")
+        size = use_int8_weights(self.model, self.native)
+        log.info("int8 weights: %.1f MB (%s)", size / 1e6,
+                 "native kernel" if self.native is not None else "torch ops")
 
     def _add_lora_slots(self, lc: LoRAConfig) -> LoRASlots:
         """A LoRA side on every targetable linear (zero weights until an adapter is put in

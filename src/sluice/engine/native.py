@@ -11,6 +11,8 @@
 - `small_rows_linear`: a float32 GEMV for 1-4 rows (one stream's decode), which streams
   the weights faster than oneDNN's on AVX2 (`with_small_rows` routes those rows to it).
 - `gguf_linear`: a linear on GGUF Q4_0 / Q4_1 / Q8_0 blocks (sluice.engine.quant).
+- `int8_linear`: a linear on int8 weights with one scale per output row
+  (`--quantization int8`, sluice.engine.quant).
 - `apply_token_bitmask`: structured output's grammar mask applied to the logits word by
   word (xgrammar's own CPU kernel tests every bit: ~6 ms for 32 rows of SmolLM2's vocab).
 
@@ -50,8 +52,8 @@ from sluice.protocol.errors import InvalidRequestError
 
 log = logging.getLogger("sluice.engine")
 
-CPU_DTYPES = (torch.float32, torch.bfloat16)
-SMALL_ROWS_MAX = 4  # rows up to which a float32 linear is a native GEMV (small_rows_linear)  # what the kernels and oneDNN take here
+CPU_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels and oneDNN take here
+SMALL_ROWS_MAX = 4  # rows up to which a float32 linear is a native GEMV (small_rows_linear)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 
 # q [B, H, D], k_pool, v_pool, block_tables [B, n], context_lens [B], scale -> [B, H, D]
@@ -79,6 +81,9 @@ class NativeOps:
     # x [M, K] float32/bfloat16, GGUF blocks [N, bytes] uint8, ggml type, bias -> [M, N]
     # (sluice.engine.quant)
     gguf_linear: Callable[[Tensor, Tensor, int, Tensor | None], Tensor] | None = None
+    # x [M, K] float32/bfloat16, int8 weight [N, K], float32 scales [N], bias, portable
+    # (the tile path, for tests) -> [M, N] (sluice.engine.quant)
+    int8_linear: Callable[[Tensor, Tensor, Tensor, Tensor | None, bool], Tensor] | None = None
 
 
 @functools.cache
@@ -122,7 +127,7 @@ def load_kernels() -> NativeOps:
     log.info("CPU kernels ready in %.1fs", time.perf_counter() - t0)
     return NativeOps(module.paged_decode_attention, module.fused_add_rms_norm,
                      module.silu_and_mul, module.small_rows_linear, module.apply_token_bitmask,
-                     module.lora_bgmv, module.gguf_linear)
+                     module.lora_bgmv, module.gguf_linear, module.int8_linear)
 
 
 def _stable_copy(name: str, source: bytes) -> Path:
@@ -197,6 +202,20 @@ def cpu_linear(backend: str, device: torch.device, dtype: torch.dtype) -> Linear
     return onednn_linear
 
 
+def route_rows(few: LinearKernel, many: LinearKernel, max_rows: int,
+               dtypes: tuple[torch.dtype, ...] = CPU_DTYPES) -> LinearKernel:
+    """A linear that sends inputs of 1 to `max_rows` rows in one of `dtypes` to `few` and
+    the rest (0 rows, more rows, another dtype) to `many`. How the small-rows GEMV and
+    the quantized linears (sluice.engine.quant) split decode rows from prefill rows."""
+
+    def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        if 0 < x.shape[0] <= max_rows and x.dtype in dtypes:
+            return few(x, weight, bias)
+        return many(x, weight, bias)
+
+    return linear
+
+
 def with_small_rows(ops: NativeOps, fallback: LinearKernel) -> LinearKernel:
     """A linear that sends float32 inputs of at most SMALL_ROWS_MAX rows (one stream's
     decode step, the output head of a few) to the native GEMV and the rest to `fallback`.
@@ -204,11 +223,4 @@ def with_small_rows(ops: NativeOps, fallback: LinearKernel) -> LinearKernel:
     On the AVX2 dev machine oneDNN reads a token's layer weights at ~14 GB/s in a one-row
     decode; the GEMV streams them at close to the memory's rate.
     """
-    small = ops.small_rows_linear
-
-    def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        if x.shape[0] <= SMALL_ROWS_MAX and x.dtype == torch.float32 and x.shape[0]:
-            return small(x, weight, bias)
-        return fallback(x, weight, bias)
-
-    return linear
+    return route_rows(ops.small_rows_linear, fallback, SMALL_ROWS_MAX, (torch.float32,))

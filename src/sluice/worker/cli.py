@@ -35,9 +35,10 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "seed": (int, "engine seed"),
     "kernel_backend": (str, "CPU kernels: auto (oneDNN linears; native attention, norm and "
                             "SwiGLU when they build), torch, native"),
-    "quantization": (str, "linears on quantized weights: none (dense, the reference) or gguf "
+    "quantization": (str, "linears on quantized weights: none (dense, the reference), gguf "
                           "(a GGUF model's Q4_0/Q4_1/Q8_0 blocks, native CPU kernels, for "
-                          "decode rows; prefill keeps the dense weights)"),
+                          "decode rows; prefill keeps the dense weights) or int8 "
+                          "(weight-only int8, one scale per output row, every linear)"),
     "structured_outputs_backend": (str, "grammar backend for structured output: auto "
                                         "(guidance where it can express the constraint, "
                                         "else xgrammar), xgrammar, guidance"),

@@ -653,7 +653,165 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qweight, int64_t type,
   return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
 }
 
+// Weight-only int8 linear (`--quantization int8`, sluice.engine.quant):
+//   y[m, n] = scale[n] * sum_k x[m, k] * q[n, k]  (+ bias[n])
+// q [N, K] int8, one float32 scale per output row (absmax / 127, symmetric). Activations
+// stay float: the int8 weights are widened to float in registers (AVX-512: 16 lanes,
+// AVX2: 8) and multiplied with the float rows of x; the row's scale is applied once to
+// the finished dot product. Blocks of MB activation rows times R weight rows share one
+// pass over K (MB * R vector accumulators), so a weight vector read and widened once
+// serves MB rows. The portable path (no AVX2, or asked for) dequantizes one weight row
+// at a time into a float tile and takes plain dot products with it.
+#if defined(__AVX512F__)
+typedef float vf_int8 __attribute__((vector_size(64)));
+constexpr int kInt8Lanes = 16;
+static inline vf_int8 int8_widen(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#elif defined(__AVX2__)
+typedef float vf_int8 __attribute__((vector_size(32)));
+constexpr int kInt8Lanes = 8;
+static inline vf_int8 int8_widen(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+template <int MB, int R>
+static void int8_block(const float* x, const int8_t* w, const float* scales, const float* bias,
+                       float* y, int64_t K, int64_t N, int64_t j) {
+  vf_int8 acc[MB][R];
+  for (int i = 0; i < MB; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = vf_int8{};
+  const int64_t KV = K / kInt8Lanes * kInt8Lanes;
+  for (int64_t d = 0; d < KV; d += kInt8Lanes) {
+    vf_int8 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = int8_widen(w + (j + r) * K + d);
+    for (int i = 0; i < MB; ++i) {
+      vf_int8 xv;
+      __builtin_memcpy(&xv, x + i * K + d, sizeof(xv));
+      for (int r = 0; r < R; ++r) acc[i][r] += xv * wv[r];
+    }
+  }
+  for (int i = 0; i < MB; ++i) {
+    for (int r = 0; r < R; ++r) {
+      float s = 0.f;
+      for (int l = 0; l < kInt8Lanes; ++l) s += acc[i][r][l];
+      for (int64_t d = KV; d < K; ++d) s += x[i * K + d] * static_cast<float>(w[(j + r) * K + d]);
+      s *= scales[j + r];
+      y[i * N + j + r] = bias != nullptr ? s + bias[j + r] : s;
+    }
+  }
+}
+
+// Output rows [j, j + R) for activation rows [0, M), MB rows at a time.
+template <int MB, int R>
+static void int8_column(const float* x, const int8_t* w, const float* scales, const float* bias,
+                        float* y, int64_t M, int64_t K, int64_t N, int64_t j) {
+  int64_t m = 0;
+  for (; m + MB <= M; m += MB) int8_block<MB, R>(x + m * K, w, scales, bias, y + m * N, K, N, j);
+  const int64_t left = M - m;
+  if constexpr (MB > 3) {
+    if (left == 3) int8_block<3, R>(x + m * K, w, scales, bias, y + m * N, K, N, j);
+  }
+  if constexpr (MB > 2) {
+    if (left == 2) int8_block<2, R>(x + m * K, w, scales, bias, y + m * N, K, N, j);
+  }
+  if (left == 1) int8_block<1, R>(x + m * K, w, scales, bias, y + m * N, K, N, j);
+}
+
+// Parallel over blocks of R output rows; activation rows in tiles of 64 (a tile of x
+// stays in cache while every weight row passes over it).
+template <int MB, int R>
+static void int8_tiles(const float* x, const int8_t* w, const float* scales, const float* bias,
+                       float* y, int64_t M, int64_t K, int64_t N) {
+  constexpr int64_t kTile = 64;
+  for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+    const int64_t rows = std::min(kTile, M - m0);
+    const float* xt = x + m0 * K;
+    float* yt = y + m0 * N;
+    at::parallel_for(0, (N + R - 1) / R, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t blk = begin; blk < end; ++blk) {
+        const int64_t j = blk * R;
+        if (j + R <= N) {
+          int8_column<MB, R>(xt, w, scales, bias, yt, rows, K, N, j);
+        } else {
+          for (int64_t jj = j; jj < N; ++jj) int8_column<MB, 1>(xt, w, scales, bias, yt, rows, K, N, jj);
+        }
+      }
+    });
+  }
+}
+
+// MB * R accumulators + R weight vectors fit 16 registers (x is a memory operand).
+static void int8_vector(const float* x, const int8_t* w, const float* scales, const float* bias,
+                        float* y, int64_t M, int64_t K, int64_t N) {
+  if (M == 1) int8_tiles<1, 4>(x, w, scales, bias, y, M, K, N);
+  else if (M == 2) int8_tiles<2, 4>(x, w, scales, bias, y, M, K, N);
+  else if (M == 3) int8_tiles<3, 3>(x, w, scales, bias, y, M, K, N);
+  else int8_tiles<4, 3>(x, w, scales, bias, y, M, K, N);
+}
+#endif
+
+static void int8_portable(const float* x, const int8_t* w, const float* scales, const float* bias,
+                          float* y, int64_t M, int64_t K, int64_t N) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> tile(K);
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* row = w + n * K;
+      for (int64_t k = 0; k < K; ++k) tile[k] = static_cast<float>(row[k]) * scales[n];
+      const float bn = bias != nullptr ? bias[n] : 0.f;
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xm = x + m * K;
+        float s = 0.f;
+        for (int64_t k = 0; k < K; ++k) s += tile[k] * xm[k];
+        y[m * N + n] = s + bn;
+      }
+    }
+  });
+}
+
+// x [M, K] float32 or bfloat16; qweight [N, K] int8; scales [N] float32; bias [N] or None
+// -> [M, N] in x's dtype. `portable`: the tile path even where a vector path exists (tests).
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                          c10::optional<torch::Tensor> bias, bool portable) {
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && qweight.scalar_type() == torch::kChar &&
+                  qweight.is_contiguous() && x.size(1) == qweight.size(1),
+              "int8_linear: x [M, K], qweight [N, K] int8, contiguous");
+  TORCH_CHECK(supported(x), "int8_linear: x float32 or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
+                  scales.numel() == N, "int8_linear: scales [N] float32");
+  const auto xf = x.to(torch::kFloat).contiguous();
+  const float* bp = nullptr;
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    b = bias->to(torch::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "int8_linear: bias [N]");
+    bp = b.data_ptr<float>();
+  }
+  auto out = torch::empty({M, N}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  const int8_t* wp = qweight.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+#if defined(__AVX2__) || defined(__AVX512F__)
+  if (!portable) {
+    int8_vector(xp, wp, sp, bp, op, M, K, N);
+  } else {
+    int8_portable(xp, wp, sp, bp, op, M, K, N);
+  }
+#else
+  int8_portable(xp, wp, sp, bp, op, M, K, N);
+#endif
+  return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_linear", &int8_linear,
+        "x @ (qweight * scales[:, None]).T + bias on int8 weights, per-row scales (CPU)",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("bias") = py::none(),
+        py::arg("portable") = false);
   m.def("gguf_linear", &gguf_linear,
         "x @ dequant(qweight).T + bias on GGUF Q4_0 / Q4_1 / Q8_0 blocks (CPU)",
         py::arg("x"), py::arg("qweight"), py::arg("type"), py::arg("bias") = py::none());
