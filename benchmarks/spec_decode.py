@@ -184,6 +184,8 @@ def main() -> None:
                     choices=["ngram", "suffix", "draft_model"])
     ap.add_argument("--draft-layers", type=int, default=4,
                     help="draft_model: layers of the target kept in the self-draft")
+    ap.add_argument("--not-adaptive", action="store_true",
+                    help="draft on every step (the planner off): raw acceptance and cost")
     ap.add_argument("--draft-dir", default=None,
                     help="draft_model: where the self-draft checkpoint is written (/tmp/...)")
     ap.add_argument("--draft-k", type=int, default=4,
@@ -205,6 +207,9 @@ def main() -> None:
         configs["draft_model"] = {
             "method": "draft_model", "num_speculative_tokens": args.draft_k,
             "model": str(truncated_draft(args.model, args.draft_layers, out))}
+    if args.not_adaptive:
+        for config in configs.values():
+            config["adaptive"] = False
     llm = LLM(args.model, max_num_seqs=max(args.streams, 1),
               speculative_config=configs[args.methods[0]])
     from sluice.engine.spec_decode import PROPOSERS, SpecDecoder

@@ -51,7 +51,7 @@ from sluice.engine.config import CacheConfig, EngineConfig, ModelConfig, Specula
 from sluice.engine.model_runner import DTYPES, ModelRunner, SeqChunk
 from sluice.engine.sequence import Sequence
 from sluice.engine.spec_decode import Proposer, StepCost
-from sluice.engine.tokenizer import load_tokenizer
+from sluice.engine.tokenizer import load_tokenizer, resolve_model
 from sluice.protocol.errors import InvalidRequestError
 
 PARAM = "speculative_config.model"
@@ -66,7 +66,7 @@ def load_draft_runner(spec: SpeculativeConfig, engine: EngineConfig | None,
     mc = engine.model if engine is not None else ModelConfig()
     gguf = str(spec.model).endswith(".gguf")
     config = EngineConfig(
-        ModelConfig(model=spec.model, tokenizer=mc.tokenizer or mc.model,
+        ModelConfig(model=spec.model, tokenizer=mc.tokenizer or resolve_model(mc.model),
                     dtype={v: k for k, v in DTYPES.items()}[target.dtype],
                     device=str(target.device), seed=mc.seed, kernel_backend=mc.kernel_backend,
                     quantization=mc.quantization if gguf else "none"),
