@@ -1,7 +1,8 @@
 """Speculative decoding against plain decoding, same engine, same weights, one run.
 
     flock /tmp/sluice-heavy.lock python benchmarks/spec_decode.py [--model M]
-        [--methods ngram suffix] [--output-len 192] [--streams 32]
+        [--methods ngram suffix draft_model] [--output-len 192] [--streams 32]
+        [--draft-layers 4] [--draft-k 4]
 
 1. Input-grounded, one stream: chat prompts that ask the model to repeat, edit or
    continue a given text or code (the output copies long runs of the input); greedy,
@@ -9,6 +10,12 @@
    (target >= 2x), the acceptance counters, and whether the outputs were identical.
 2. Random, `--streams` at once: random-token prompts, ignore_eos, greedy; plain against
    each method with the adaptive planner on (target >= 0.95x: it must not hurt).
+
+`draft_model` needs a smaller model with the default model's tokenizer; there is none
+here, so the draft is a truncated copy of the target (a LayerSkip-style self-draft):
+its first `--draft-layers` layers, the final norm and the (tied) LM head, written as a
+checkpoint directory (`truncated_draft`, `--draft-dir`, default under /tmp), drafting
+`--draft-k` tokens deep. The table also reports the seconds spent in draft forwards.
 
 The plain runs use the same loaded engine with its `SpecDecoder` detached, so weights,
 KV pool and kernels are shared. Runs alternate (plain, methods, plain, ...) `--repeats`
@@ -19,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 from sluice.engine.llm import LLM
@@ -71,6 +80,41 @@ def grounded_prompts(llm: LLM) -> list[list[int]]:
                        add_special_tokens=False) for p in GROUNDED]
 
 
+def truncated_draft(model: str | None, layers: int, out: Path) -> Path:
+    """A Hugging Face checkpoint of the GGUF `model`'s first `layers` layers (dequantized
+    to float32, Q/K un-permuted), its final norm and LM head; no tokenizer (a draft uses
+    the target's). Written once; reused if `out` has it."""
+    import torch
+    from safetensors.torch import save_file
+
+    from sluice.engine.models.gguf_file import read_gguf
+    from sluice.engine.models.gguf_loader import config_from_gguf, convert_weights
+    from sluice.engine.tokenizer import local_model_path
+
+    if (out / "model.safetensors").is_file():
+        return out
+    gguf = read_gguf(local_model_path(model))
+    cfg, permuted = config_from_gguf(gguf)
+    if cfg.rope.rope_type not in ("default", "none") or layers >= cfg.num_layers:
+        raise SystemExit(f"cannot truncate {model} to {layers} layers")
+    keep = {f"model.layers.{i}." for i in range(layers)}
+    weights = {name: w.contiguous().to(torch.float32)
+               for name, w in convert_weights(gguf, cfg, permuted).items()
+               if not name.startswith("model.layers.") or name[:name.index(".", 13) + 1] in keep}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out / "model.safetensors"))
+    config = {"architectures": [cfg.architecture], "vocab_size": cfg.vocab_size,
+              "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+              "num_hidden_layers": layers, "num_attention_heads": cfg.num_heads,
+              "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+              "rms_norm_eps": cfg.rms_norm_eps,
+              "max_position_embeddings": cfg.max_position_embeddings,
+              "rope_theta": cfg.rope.theta, "tie_word_embeddings": cfg.tie_word_embeddings,
+              "hidden_act": "silu"}
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
@@ -83,6 +127,7 @@ def run(llm: LLM, spec: Any, prompts: list[list[int]], params: SamplingParams,
     core = engine.core
     core.spec = spec
     before = dict(spec.stats()) if spec is not None else {}
+    draft_before = getattr(spec.proposer, "seconds", 0.0) if spec is not None else 0.0
     batches = [[p] for p in prompts] if one_at_a_time else [prompts]
     outputs: list[list[int]] = []
     tokens, start = 0, time.perf_counter()
@@ -98,11 +143,12 @@ def run(llm: LLM, spec: Any, prompts: list[list[int]], params: SamplingParams,
             outputs.append(done[f"{tag}-{b}-{i}"])
             tokens += len(done[f"{tag}-{b}-{i}"])
     seconds = time.perf_counter() - start
-    counters = {}
+    counters: dict[str, Any] = {}
     if spec is not None:
         after = spec.stats()
         counters = {k: after[k] - before[k] for k in
                     ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+        counters["draft_seconds"] = getattr(spec.proposer, "seconds", 0.0) - draft_before
     core.block_manager.reset_prefix_cache()
     return tokens / seconds, outputs, counters
 
@@ -134,7 +180,16 @@ def bench(llm: LLM, specs: dict[str, Any], prompts: list[list[int]], params: Sam
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--methods", nargs="+", default=["ngram", "suffix"])
+    ap.add_argument("--methods", nargs="+", default=["ngram", "suffix"],
+                    choices=["ngram", "suffix", "draft_model"])
+    ap.add_argument("--draft-layers", type=int, default=4,
+                    help="draft_model: layers of the target kept in the self-draft")
+    ap.add_argument("--not-adaptive", action="store_true",
+                    help="draft on every step (the planner off): raw acceptance and cost")
+    ap.add_argument("--draft-dir", default=None,
+                    help="draft_model: where the self-draft checkpoint is written (/tmp/...)")
+    ap.add_argument("--draft-k", type=int, default=4,
+                    help="draft_model: num_speculative_tokens")
     ap.add_argument("--num-speculative-tokens", type=int, default=8)
     ap.add_argument("--output-len", type=int, default=192)
     ap.add_argument("--streams", type=int, default=32)
@@ -146,19 +201,32 @@ def main() -> None:
     configs = {"ngram": {"method": "ngram", "num_speculative_tokens": k,
                          "prompt_lookup_min": 2, "prompt_lookup_max": 5},
                "suffix": {"method": "suffix", "num_speculative_tokens": k}}
+    if "draft_model" in args.methods:
+        out = Path(args.draft_dir or f"/tmp/sluice-selfdraft-{args.draft_layers}l-"
+                   f"{os.path.basename(args.model or 'default')}")
+        configs["draft_model"] = {
+            "method": "draft_model", "num_speculative_tokens": args.draft_k,
+            "model": str(truncated_draft(args.model, args.draft_layers, out))}
+    if args.not_adaptive:
+        for config in configs.values():
+            config["adaptive"] = False
     llm = LLM(args.model, max_num_seqs=max(args.streams, 1),
               speculative_config=configs[args.methods[0]])
-    from sluice.engine.spec_decode import SpecDecoder
+    from sluice.engine.spec_decode import PROPOSERS, SpecDecoder
 
     core = llm.engine.core
     first = core.spec
     specs: dict[str, Any] = {}
     for name in args.methods:
-        spec = first if name == args.methods[0] else SpecDecoder(
-            llm.config.speculative.__class__(**configs[name]), core.sampler,
-            core.block_manager, core.info.max_model_len)
-        if spec is not first:
+        if name == args.methods[0]:
+            spec = first
+        else:
+            config = llm.config.speculative.__class__(**configs[name])
+            spec = SpecDecoder(config, core.sampler, core.block_manager,
+                               core.info.max_model_len,
+                               PROPOSERS[name]().from_engine(config, llm.config, core.runner))
             spec.planner.cost = first.planner.cost  # the same step-time curve
+            spec.proposer.calibrate(max(args.streams, 1))
         specs[name] = spec
     greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len)
     warm = grounded_prompts(llm)[:1]
@@ -173,16 +241,18 @@ def main() -> None:
                              ignore_eos=True)
     random_res = bench(llm, specs, rand, rparams, False, args.repeats,
                        f"random-{args.streams}")
-    print(f"\n{'workload':<22}{'engine':<10}{'tok/s':>9}{'x plain':>9}{'accept':>8}"
-          f"{'identical':>10}")
+    print(f"\n{'workload':<22}{'engine':<12}{'tok/s':>9}{'x plain':>9}{'accept':>8}"
+          f"{'identical':>10}{'draft s':>9}")
     for label, res in (("grounded, 1 stream", grounded),
                        (f"random, {args.streams} streams", random_res)):
         for name, rate in res["tok_s"].items():
             x = res["speedup"].get(name, 1.0)
             acc = res["acceptance"].get(name)
             same = res["identical_to_plain"].get(name, "")
-            print(f"{label:<22}{name:<10}{rate:>9.1f}{x:>9.2f}"
-                  f"{'' if acc is None else f'{acc:.2f}':>8}{str(same):>10}")
+            secs = res["counters"].get(name, {}).get("draft_seconds")
+            print(f"{label:<22}{name:<12}{rate:>9.1f}{x:>9.2f}"
+                  f"{'' if acc is None else f'{acc:.2f}':>8}{str(same):>10}"
+                  f"{'' if not secs else f'{secs:.1f}':>9}")
     print(json.dumps({"grounded_single_stream": grounded, "random": random_res,
                       "streams": args.streams, "output_len": args.output_len,
                       "num_speculative_tokens": k}))

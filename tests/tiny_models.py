@@ -30,8 +30,10 @@ def save_smollm2_tokenizer(out: Path) -> None:
     tok.save_pretrained(str(out))
 
 
-def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0) -> Path:
-    """Write a tiny random `arch` ("llama" | "qwen2" | "mistral") checkpoint into `out`."""
+def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
+                         **overrides: object) -> Path:
+    """Write a tiny random `arch` ("llama" | "qwen2" | "mistral") checkpoint into `out`
+    (`overrides`: config fields, e.g. vocab_size)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
@@ -41,6 +43,7 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0) -> Path:
         rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
         tie_word_embeddings=arch != "mistral", torch_dtype="float32",
     )
+    common.update(overrides)
     config = AutoConfig.for_model(arch, **common)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)

@@ -279,7 +279,10 @@ def test_metrics_and_wire() -> None:
 
 @pytest.mark.parametrize("value,param", [
     ('{"method": "eagle"}', "speculative_config.method"),
-    ('{"method": "draft_model", "model": "x"}', "speculative_config.method"),
+    ('{"method": "draft_model"}', "speculative_config.model"),
+    ('{"method": "ngram", "model": "x"}', "speculative_config.model"),
+    ('{"method": "draft_model", "model": "x", "draft_num_kv_blocks": 0}',
+     "speculative_config.draft_num_kv_blocks"),
     ('{"method": "ngram", "num_speculative_tokens": 0}',
      "speculative_config.num_speculative_tokens"),
     ('{"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}',

@@ -147,7 +147,7 @@ class LoRAConfig:
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix")  # vLLM's names; draft_model: not yet
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")  # vLLM's names
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,8 @@ class SpeculativeConfig:
 
     `adaptive` (sluice's): speculate only when the measured acceptance and step-time
     curve say the step gains tokens per second; False always drafts (tests).
+    `draft_num_kv_blocks` (sluice's): blocks of the draft model's own KV pool (None: as
+    many as the target's pool, which holds every running sequence's context).
     """
 
     method: str = "ngram"
@@ -169,11 +171,18 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     disable_by_batch_size: int | None = None  # no speculation above this many running
     adaptive: bool = True
+    model: str | None = None  # draft_model: the draft's checkpoint dir, GGUF or hub name
+    draft_num_kv_blocks: int | None = None
 
     def __post_init__(self) -> None:
+        draft = self.method == "draft_model"
         checks: list[tuple[bool, str, str]] = [
             (self.method in SPECULATIVE_METHODS, "method",
              f"must be one of {SPECULATIVE_METHODS}"),
+            (not draft or bool(self.model), "model", "is required by method 'draft_model'"),
+            (draft or self.model is None, "model", "is only for method 'draft_model'"),
+            (self.draft_num_kv_blocks is None or self.draft_num_kv_blocks >= 1,
+             "draft_num_kv_blocks", "must be at least 1"),
             (1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens",
              "must be in [1, 16]"),
             (self.prompt_lookup_min >= 1, "prompt_lookup_min", "must be at least 1"),
@@ -211,10 +220,8 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise InvalidRequestError("speculative_config must be a JSON object",
                                       param="speculative_config")
-        if value.get("method") == "draft_model" or "model" in value:
-            raise InvalidRequestError("speculative_config.method 'draft_model' is not "
-                                      f"supported yet; use one of {SPECULATIVE_METHODS}",
-                                      param="speculative_config.method")
+        if "model" in value and "method" not in value:  # vLLM: a model alone is a draft
+            value = {**value, "method": "draft_model"}
         known = {f.name for f in dataclasses.fields(cls)}
         for key in value:
             if key not in known:

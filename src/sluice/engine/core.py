@@ -35,7 +35,7 @@ from sluice.engine.outputs import RequestMetrics
 from sluice.engine.sampler import Sampler, SampleResult
 from sluice.engine.scheduler import ScheduledChunk, Scheduler
 from sluice.engine.sequence import Request, Sequence
-from sluice.engine.spec_decode import SpecDecoder
+from sluice.engine.spec_decode import PROPOSERS, SpecDecoder
 from sluice.engine.stats import EngineStats
 from sluice.engine.structured_output import BACKENDS, StructuredOutputManager
 from sluice.engine.tokenizer import default_served_name
@@ -151,14 +151,16 @@ class EngineCore:
         now on a real model runner (fakes in tests have no cost to measure)."""
         if config.speculative is None:
             return None
-        spec = SpecDecoder(config.speculative, self.sampler, self.block_manager,
-                           self.info.max_model_len)
-        if config.speculative.adaptive and hasattr(self.runner, "model"):
+        sp = config.speculative
+        proposer = PROPOSERS[sp.method]().from_engine(sp, config, self.runner)
+        spec = SpecDecoder(sp, self.sampler, self.block_manager, self.info.max_model_len,
+                           proposer)
+        if sp.adaptive and hasattr(self.runner, "model"):
             sc = config.scheduler
             spec.calibrate(self.runner, self._chunk_cls,
                            min(sc.max_num_batched_tokens,
-                               sc.max_num_seqs * (config.speculative.num_speculative_tokens + 1),
-                               self.info.max_model_len))
+                               sc.max_num_seqs * (sp.num_speculative_tokens + 1),
+                               self.info.max_model_len), sc.max_num_seqs)
         return spec
 
     def _build_offload(self, config: EngineConfig) -> Any:

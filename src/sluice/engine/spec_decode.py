@@ -1,6 +1,6 @@
 """Speculative decoding: guess a few tokens per sequence, verify them in one forward.
 
-    before schedule   token_ids [... t] + drafts [d1 d2 d3]     (proposer: ngram | suffix)
+    before schedule   token_ids [... t] + drafts [d1 d2 d3]     (ngram | suffix | draft_model)
     the step          chunk [t d1 d2 d3] at positions p..p+3: one forward, K/V written
                       at all four slots, logits for all four rows
     verify            row 0 is the distribution of p+1: d1 accepted? row 1 -> d2? ...
@@ -23,6 +23,14 @@ seeded request gets the very tokens it gets without speculation (greedy: the arg
 The core appends the tokens one by one through its usual stop checks (EOS, stop ids,
 max_tokens).
 
+Draft model (`sluice.engine.spec_draft`): a smaller model with the target's vocabulary
+proposes greedily (its argmax), so its draft is a point mass too and the same acceptance
+rule is exact at any temperature. Unlike the text proposers its drafts cost forward
+time and always fill the depth asked for, so the planner chooses first (depths from the
+acceptance rates, the draft model's measured forward time in the cost) and the draft
+model then runs only for the chosen sequences. Drafts with a sampled draft
+distribution q and min(1, p/q) acceptance are not built.
+
 Structured output: constrained sequences do not speculate (their masks would have to
 advance through the drafts; they decode plainly beside speculating ones).
 
@@ -30,8 +38,9 @@ When to speculate (`SpecPlanner`): the forward's time grows slowly with its toke
 while the step is bandwidth-bound. The planner keeps the measured step-time curve
 (calibrated at start, then a moving average of real steps) and each sequence's measured
 acceptance rate, and adds a sequence's drafts only while the expected tokens per second
-of the step rise: at one stream with predictable text it drafts deep; at a large batch
-of unpredictable text it drafts nothing.
+of the step rise (counting the draft model's forwards, when there is one): at one
+stream with predictable text it drafts deep; at a large batch of unpredictable text it
+drafts nothing.
 """
 
 from __future__ import annotations
@@ -42,16 +51,18 @@ from abc import ABC, abstractmethod
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from sluice.engine.block_manager import BlockManager, blocks_needed
-from sluice.engine.config import SpeculativeConfig
+from sluice.engine.config import EngineConfig, SpeculativeConfig
 from sluice.engine.sampler import Sampler, SampleResult
-from sluice.engine.sequence import Sequence
+from sluice.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from sluice.engine.scheduler import ScheduledChunk
 
 PRIOR_ACCEPTANCE = 0.5  # a sequence's acceptance rate before it has drafted
@@ -64,15 +75,41 @@ EXPLORE_EVERY = 16  # a sequence too unlikely to draft still tries one token thi
 # -- proposers ------------------------------------------------------------------------
 class Proposer(ABC):
     """Drafts tokens for a sequence from text it has seen. `propose` may keep per-sequence
-    state; `forget` drops it when the sequence finishes."""
+    state; `forget` drops it when the sequence finishes.
+
+    A `blind` proposer (a draft model) fills every position it is asked for and costs
+    forward time: the planner picks sequences and depths before it drafts (pricing them
+    with `draft_seconds`), then `propose_batch` drafts for the chosen ones at once."""
+
+    blind: ClassVar[bool] = False
 
     @abstractmethod
     def __init__(self, config: SpeculativeConfig) -> None:
         """Built from the engine's speculative config."""
 
+    @classmethod
+    def from_engine(cls, config: SpeculativeConfig, engine: EngineConfig | None,
+                    runner: Any) -> Proposer:
+        """Built beside an engine (`runner` is the target's model runner)."""
+        return cls(config)
+
     @abstractmethod
     def propose(self, seq: Sequence, k: int) -> list[int]:
         """Up to `k` tokens that may follow `seq.token_ids` (may be empty)."""
+
+    def propose_batch(self, wants: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """`propose` for each (sequence, k)."""
+        return [self.propose(seq, k) for seq, k in wants]
+
+    def draft_seconds(self, wants: list[tuple[Sequence, int]]) -> float:
+        """Expected seconds `propose_batch(wants)` takes (0: text lookups are free)."""
+        return 0.0
+
+    def calibrate(self, max_seqs: int) -> None:  # noqa: B027 - optional hook
+        """Measure what `draft_seconds` needs (nothing for text proposers)."""
+
+    def pause(self, seq: Sequence) -> None:  # noqa: B027 - optional hook
+        """`seq` was preempted: drop what holds memory it will not need while waiting."""
 
     @abstractmethod
     def forget(self, seq: Sequence) -> None:
@@ -218,7 +255,15 @@ class SuffixProposer(Proposer):
             count_next(self.shared, tokens, end, self.depth, delta)
 
 
-PROPOSERS: dict[str, type[Proposer]] = {"ngram": NgramProposer, "suffix": SuffixProposer}
+def _draft_model() -> type[Proposer]:
+    from sluice.engine.spec_draft import DraftModelProposer  # torch models: loaded on use
+
+    return DraftModelProposer
+
+
+PROPOSERS: dict[str, Callable[[], type[Proposer]]] = {
+    "ngram": lambda: NgramProposer, "suffix": lambda: SuffixProposer,
+    "draft_model": _draft_model}
 
 
 # -- when and how deep ------------------------------------------------------------------
@@ -253,12 +298,37 @@ class StepCost:
         (x0, y0), (x1, y1) = pts[i - 1], pts[i]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0) if x1 > x0 else y1
 
+    def calibrate(self, runner: Any, chunk_cls: Any, max_tokens: int) -> None:
+        """Time forwards of 1.. `max_tokens` tokens shaped as verifies (one query and one
+        logit row per token; block 0's slots only, as warm-up) to seed the curve."""
+        bs, sizes, n = runner.block_size, [], 1
+        while n <= max_tokens:
+            sizes.append(n)
+            n = n + 1 if n < 8 else n * 3 // 2
+        for n in sizes:
+            best = float("inf")
+            for _ in range(2):
+                chunk = chunk_cls([0] * n, 0, [0] * blocks_needed(n, bs), True)
+                chunk.num_logits = n  # a verify's shape: n decode queries, n logit rows
+                start = time.perf_counter()
+                runner.execute([chunk])
+                best = min(best, time.perf_counter() - start)
+            self.observe(n, best, weight=1.0)
+
 
 @dataclass
 class _Candidate:
     seq: Sequence
-    draft: list[int]
+    size: int  # tokens to draft
     gain: float  # expected accepted tokens
+    draft: list[int] | None = None  # None: a blind proposer drafts after choosing
+
+
+def expected_accepted(rate: float, size: int) -> float:
+    """Expected accepted tokens of a `size`-token draft at acceptance `rate` per position."""
+    return sum(rate ** j for j in range(1, size + 1))
+
+
 
 
 class SpecPlanner:
@@ -297,35 +367,40 @@ class SpecPlanner:
         self.idle[seq] = idle
         return j
 
-    def may_pay(self, step_tokens: int, num_decodes: int, k: int) -> bool:
-        """Whether any draft could pay this step: `k` drafted tokens, nearly all accepted
-        (an optimistic bound; skips proposing at all in a large, compute-bound step)."""
+    def may_pay(self, step_tokens: int, num_decodes: int, k: int,
+                draft_seconds: float = 0.0) -> bool:
+        """Whether any draft could pay this step: `k` drafted tokens, nearly all accepted,
+        drafting them costing `draft_seconds` (an optimistic bound; skips proposing at
+        all in a large, compute-bound step)."""
         if self.disable_by_batch_size is not None and num_decodes > self.disable_by_batch_size:
             return False
         if not self.adaptive or num_decodes == 0:
             return num_decodes > 0
         out, tokens = max(num_decodes, 1), max(step_tokens, 1)
-        best = (out + 0.9 * k) / self.cost.seconds(tokens + k)
+        best = (out + 0.9 * k) / (self.cost.seconds(tokens + k) + draft_seconds)
         return best >= out / self.cost.seconds(tokens) * MIN_GAIN
 
-    def choose(self, cands: list[_Candidate], step_tokens: int,
-               num_decodes: int) -> list[_Candidate]:
+    def choose(self, cands: list[_Candidate], step_tokens: int, num_decodes: int,
+               draft_cost: Callable[[list[_Candidate]], float] | None = None
+               ) -> list[_Candidate]:
         """The drafts to run: best expected gain per token first, each only while the
-        step's expected tokens per second rise (every candidate when not adaptive)."""
+        step's expected tokens per second rise (every candidate when not adaptive).
+        `draft_cost(chosen)`: seconds drafting them takes (a draft model's forwards)."""
         if self.disable_by_batch_size is not None and num_decodes > self.disable_by_batch_size:
             return []
         if not self.adaptive:
             return cands
-        cands = sorted(cands, key=lambda c: c.gain / len(c.draft), reverse=True)
+        cands = sorted(cands, key=lambda c: c.gain / c.size, reverse=True)
         out_tokens, tokens = float(max(num_decodes, 1)), float(max(step_tokens, 1))
         rate = out_tokens / self.cost.seconds(tokens)
-        chosen = []
+        chosen: list[_Candidate] = []
         for c in cands:
-            new = (out_tokens + c.gain) / self.cost.seconds(tokens + len(c.draft))
+            extra = draft_cost(chosen + [c]) if draft_cost is not None else 0.0
+            new = (out_tokens + c.gain) / (self.cost.seconds(tokens + c.size) + extra)
             if new < rate * MIN_GAIN:
                 break
             chosen.append(c)
-            out_tokens, tokens, rate = out_tokens + c.gain, tokens + len(c.draft), new
+            out_tokens, tokens, rate = out_tokens + c.gain, tokens + c.size, new
         return chosen
 
     def forget(self, seq: Sequence) -> None:
@@ -340,10 +415,11 @@ class SpecDecoder:
     tables (through the block manager)."""
 
     def __init__(self, config: SpeculativeConfig, sampler: Sampler,
-                 block_manager: BlockManager, max_model_len: int) -> None:
+                 block_manager: BlockManager, max_model_len: int,
+                 proposer: Proposer | None = None) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
-        self.proposer = PROPOSERS[config.method](config)
+        self.proposer = proposer if proposer is not None else PROPOSERS[config.method]()(config)
         self.planner = SpecPlanner(config.adaptive, config.disable_by_batch_size)
         self.sampler = sampler
         self.block_manager = block_manager
@@ -355,23 +431,10 @@ class SpecDecoder:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k
 
-    def calibrate(self, runner: Any, chunk_cls: Any, max_tokens: int) -> None:
-        """Time forwards of 1.. `max_tokens` tokens shaped as verifies (one query and one
-        logit row per token; block 0's slots only, as warm-up) to seed the step-time
-        curve."""
-        bs, sizes, n = runner.block_size, [], 1
-        while n <= max_tokens:
-            sizes.append(n)
-            n = n + 1 if n < 8 else n * 3 // 2
-        for n in sizes:
-            best = float("inf")
-            for _ in range(2):
-                chunk = chunk_cls([0] * n, 0, [0] * blocks_needed(n, bs), True)
-                chunk.num_logits = n  # a verify's shape: n decode queries, n logit rows
-                start = time.perf_counter()
-                runner.execute([chunk])
-                best = min(best, time.perf_counter() - start)
-            self.planner.cost.observe(n, best, weight=1.0)
+    def calibrate(self, runner: Any, chunk_cls: Any, max_tokens: int, max_seqs: int) -> None:
+        """Seed the step-time curve (`StepCost.calibrate`) and the proposer's own costs."""
+        self.planner.cost.calibrate(runner, chunk_cls, max_tokens)
+        self.proposer.calibrate(max_seqs)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         self.planner.cost.observe(tokens, seconds)
@@ -384,31 +447,73 @@ class SpecDecoder:
                    and s.grammar is None]
         step_tokens = min(budget, sum(len(s.token_ids) - s.num_computed_tokens
                                       for s in running))
-        if not self.planner.may_pay(step_tokens, len(decodes), self.k):
+        one = self.proposer.draft_seconds([(decodes[0], self.k)]) if decodes else 0.0
+        if not self.planner.may_pay(step_tokens, len(decodes), self.k, one):
             return
-        cands = []
+        wants = []
         for seq in decodes:
             room = min(self.k, seq.max_tokens - seq.num_output_tokens - 1,
                        self.max_model_len - len(seq.token_ids) - 1,
                        self.planner.depth(seq, self.k) if self.config.adaptive else self.k)
-            if room < 1:
-                continue
-            self.known.add(seq)
-            draft = self.proposer.propose(seq, room)[:room]
+            if room >= 1:
+                self.known.add(seq)
+                wants.append((seq, room))
+        if self.proposer.blind:  # choose, then draft only for the chosen
+            cands = [self._candidate(seq, self._blind_size(seq, room, step_tokens,
+                                                           len(decodes)))
+                     for seq, room in wants]
+            chosen = self._room(self.planner.choose(cands, step_tokens, len(decodes),
+                                                    self._draft_cost),
+                                running, budget - step_tokens)
+            drafts = self.proposer.propose_batch([(c.seq, c.size) for c in chosen])
+        else:  # draft (cheap lookups), then choose among the drafts found
+            found = [d[:room] for (_, room), d in
+                     zip(wants, self.proposer.propose_batch(wants), strict=True)]
+            cands = [self._candidate(seq, len(d), d)
+                     for (seq, _), d in zip(wants, found, strict=True) if d]
+            chosen = self._room(self.planner.choose(cands, step_tokens, len(decodes)),
+                                running, budget - step_tokens)
+            drafts = [c.draft or [] for c in chosen]
+        for c, draft in zip(chosen, drafts, strict=True):
             if draft:
-                rate = self.planner.rate(seq)
-                cands.append(_Candidate(seq, draft, sum(rate ** j
-                                                        for j in range(1, len(draft) + 1))))
+                c.seq.token_ids.extend(draft)
+                self.pending[c.seq] = draft
+
+    def _candidate(self, seq: Sequence, size: int, draft: list[int] | None = None
+                   ) -> _Candidate:
+        return _Candidate(seq, size, expected_accepted(self.planner.rate(seq), size), draft)
+
+    def _blind_size(self, seq: Sequence, room: int, step_tokens: int, num_decodes: int) -> int:
+        """A blind proposer's depth for `seq`: of 1..room, the one whose expected tokens
+        per second (verify and drafting both timed) is best, `seq` drafting alone."""
+        if not self.config.adaptive:
+            return room
+        out, rate, cost = max(num_decodes, 1), self.planner.rate(seq), self.planner.cost
+        best, size = 0.0, room
+        for n in range(1, room + 1):
+            value = (out + expected_accepted(rate, n)) / (
+                cost.seconds(step_tokens + n) + self.proposer.draft_seconds([(seq, n)]))
+            if value > best:
+                best, size = value, n
+        return size
+
+    def _draft_cost(self, cands: list[_Candidate]) -> float:
+        return self.proposer.draft_seconds([(c.seq, c.size) for c in cands])
+
+    def _room(self, chosen: list[_Candidate], running: list[Sequence],
+              left: int) -> list[_Candidate]:
+        """The chosen drafts that free blocks and the token budget cover: never preempt
+        or crowd out a prompt for a guess."""
         free = self.block_manager.num_free_blocks - len(running)
-        left = budget - step_tokens
-        for c in self.planner.choose(cands, step_tokens, len(decodes)):
+        out = []
+        for c in chosen:
             seq, bs = c.seq, self.block_manager.block_size
-            extra = blocks_needed(len(seq.token_ids) + len(c.draft), bs) - len(seq.block_table)
-            if extra > free or len(c.draft) > left:
-                continue  # never preempt or crowd out a prompt for a guess
-            free, left = free - max(extra, 0), left - len(c.draft)
-            seq.token_ids.extend(c.draft)
-            self.pending[seq] = c.draft
+            extra = blocks_needed(len(seq.token_ids) + c.size, bs) - len(seq.block_table)
+            if extra > free or c.size > left:
+                continue
+            free, left = free - max(extra, 0), left - c.size
+            out.append(c)
+        return out
 
     def fit(self, chunks: list[ScheduledChunk]) -> dict[Sequence, list[int]]:
         """Cut drafts to what the step scheduled; drop those of sequences it did not
@@ -503,11 +608,15 @@ class SpecDecoder:
         bm.trim(seq)
 
     def _forget_finished(self) -> None:
-        done = [s for s in self.known if s.is_finished]
+        """Finished sequences: forget them; preempted ones: let the proposer free memory."""
+        done = [s for s in self.known if s.status is not SequenceStatus.RUNNING]
         for seq in done:
-            self.known.discard(seq)
-            self.proposer.forget(seq)
-            self.planner.forget(seq)
+            if seq.is_finished:
+                self.known.discard(seq)
+                self.proposer.forget(seq)
+                self.planner.forget(seq)
+            else:
+                self.proposer.pause(seq)
 
     def stats(self) -> dict[str, Any]:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,

@@ -57,7 +57,9 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "speculative_config": (str, "speculative decoding, vLLM's JSON: "
                                 "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                                 "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' or "
-                                "method \"suffix\" (suffix_decoding_* fields); the engine "
+                                "method \"suffix\" (suffix_decoding_* fields) or "
+                                "\"draft_model\" (\"model\": a smaller model with the same "
+                                "vocabulary; draft_num_kv_blocks); the engine "
                                 "drafts only where measured acceptance and step cost pay"),
     "kv_load_failure_policy": (str, "P/D decode side, when pulling a prefill's KV fails: "
                                     "recompute the prompt here (same output) or fail the "
