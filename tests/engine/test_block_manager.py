@@ -145,3 +145,38 @@ def test_duplicate_content_is_not_registered_twice() -> None:
     assert bm.cached == {a.block_hashes[0]: 0}
     assert b.block_hashes == a.block_hashes
     assert len(bm.drain_events()) == 1
+
+
+def test_known_block_hashes_are_taken_instead_of_hashing_again(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A prompt's hashes handed in (the simulator's router computed them) give the same
+    hits, block hashes and events as hashing, and only the blocks past them are hashed."""
+    import sluice.engine.block_manager as bm_module
+
+    tokens = list(range(10, 21))  # 11 tokens: 2 full prompt blocks + 3
+    plain, known = BlockManager(8, BS), BlockManager(8, BS)
+    first = make_seq(tokens)
+    compute_all(plain, first)
+    compute_all(known, make_seq(tokens))
+    hashed: list[tuple[int, ...]] = []
+    real = bm_module.hash_block
+
+    def counting(parent, chunk, extra=b""):  # type: ignore[no-untyped-def]
+        hashed.append(tuple(chunk))
+        return real(parent, chunk, extra)
+
+    monkeypatch.setattr(bm_module, "hash_block", counting)
+    longer = [*tokens, 99, 98, 97, 96, 95]  # 16 tokens: blocks 0-1 hit, 2-3 new
+    a = make_seq(longer, 2)
+    b = make_seq(longer, 2)
+    b.known_block_hashes = tuple(hash_blocks(tokens, BS))  # the prompt's first 2 blocks
+    plain.drain_events()
+    known.drain_events()
+    compute_all(plain, a)
+    hashed_plain, hashed[:] = list(hashed), []
+    compute_all(known, b)
+    assert b.block_table == a.block_table and b.block_hashes == a.block_hashes
+    assert known.drain_events() == plain.drain_events()
+    block2, block3 = tuple(longer[8:12]), tuple(longer[12:16])
+    # lookup: the miss past the known blocks; caching: blocks 2 and 3
+    assert hashed == [block2, block2, block3]
+    assert hashed_plain == [tuple(tokens[:4]), tuple(tokens[4:8]), block2, block2, block3]

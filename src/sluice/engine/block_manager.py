@@ -107,14 +107,14 @@ class BlockManager:
         self.load_pending = False
         if not self.enable_prefix_caching or seq.num_computed_tokens:
             return []
-        bs, tokens = self.block_size, seq.token_ids
+        bs, tokens, known = self.block_size, seq.token_ids, seq.known_block_hashes
         hits: list[int] = []
         parent: int | None = None
         for i in range((len(tokens) - 1) // bs):
-            chunk = tuple(tokens[i * bs : (i + 1) * bs])
-            h = hash_block(parent, chunk, seq.cache_salt)
+            chunk = tokens[i * bs : (i + 1) * bs]
+            h = known[i] if i < len(known) else hash_block(parent, chunk, seq.cache_salt)
             block_id = self.cached.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+            if block_id is None or self.blocks[block_id].token_ids != tuple(chunk):
                 if self.offload is not None and block_id is None:
                     hits.extend(self._load_from_tiers(seq, i, parent, hits))
                 break
@@ -275,10 +275,11 @@ class BlockManager:
             return
         run: list[int] = []
         run_parent: int | None = None
+        known = seq.known_block_hashes
         for i in range(first, full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             chunk = seq.token_ids[i * bs : (i + 1) * bs]
-            h = hash_block(parent, chunk, seq.cache_salt)
+            h = known[i] if i < len(known) else hash_block(parent, chunk, seq.cache_salt)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if h in self.cached or block.hash is not None:
@@ -300,9 +301,9 @@ class BlockManager:
         if not run:
             return
         bs = self.block_size
-        tokens = seq.token_ids[run[0] * bs : (run[-1] + 1) * bs]
+        tokens = seq.token_ids[run[0] * bs : (run[-1] + 1) * bs]  # a new list
         hashes = [seq.block_hashes[i] for i in run]
-        self.events.append(BlockStored(hashes, parent, list(tokens), bs, seq.lora_id))
+        self.events.append(BlockStored(hashes, parent, tokens, bs, seq.lora_id))
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references, last block first; blocks reaching zero join the tail of

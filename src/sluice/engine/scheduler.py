@@ -99,10 +99,10 @@ class Scheduler:
         plan = _StepPlan(self.config.max_num_batched_tokens)
         if self.running:
             self._schedule_running(plan)
-        if not plan.preempted and self.waiting:
+        if self.waiting and not plan.preempted:
             self._schedule_waiting(plan)
-        return [ScheduledChunk(s, s.num_computed_tokens, n,
-                               s.num_computed_tokens + n == len(s.token_ids))
+        return [ScheduledChunk(s, (start := s.num_computed_tokens), n,
+                               start + n == len(s.token_ids))
                 for s, n in plan.scheduled.items()]
 
     def _schedule_running(self, plan: _StepPlan) -> None:
@@ -122,14 +122,18 @@ class Scheduler:
         bm, scheduled = self.block_manager, plan.scheduled
         bs, free, running_status = bm.block_size, bm.free_ids, SequenceStatus.RUNNING
         for seq in decodes + prefills if prefills else decodes:
-            if plan.budget == 0:
+            budget = plan.budget
+            if budget == 0:
                 return
             if seq.status is not running_status:
                 continue  # preempted earlier in this step
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, plan.budget)
+            computed = seq.num_computed_tokens
+            n = len(seq.token_ids) - computed
+            if n > budget:  # min(), without the call
+                n = budget
             # bm.can_allocate / bm.allocate spelled out: a running sequence has blocks, so
             # allocate only appends fresh ones, and most decodes need none
-            fresh = (seq.num_computed_tokens + n + bs - 1) // bs - len(seq.block_table)
+            fresh = (computed + n + bs - 1) // bs - len(seq.block_table)
             if fresh > 0:
                 if fresh > len(free) and not self._make_room(seq, n, plan):
                     continue  # `seq` was the worst and got preempted

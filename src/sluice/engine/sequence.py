@@ -66,6 +66,11 @@ class Sequence:
     # keys its KV in the prefix cache beside the tokens: the adapter's content hash
     cache_salt: bytes = b""
     lora_id: int | None = None  # in KV events (vLLM's BlockStored.lora_id)
+    # chained hashes (`hash_block` with `cache_salt`) of the prompt's first full blocks,
+    # when the caller has them already (the simulator's router hashed the prompt): the
+    # block manager takes them instead of hashing those blocks again. Prompt blocks only:
+    # they never change (generated tokens can be taken back: speculative decoding).
+    known_block_hashes: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -175,6 +175,7 @@ class Simulation:
     def _route(self, req: SimRequest) -> None:
         flight: _Flight = req.meta  # type: ignore[assignment]
         hashes = flight.hashes = tuple(hash_blocks(req.prompt, self.cfg.profile.block_size))
+        req.block_hashes = hashes  # the engine's too (the same blocks: hashed once)
         self._oracle(hashes, len(req.prompt))
         self._arrivals += 1
         flight.ticket = self.router.route(len(req.prompt), hashes, req.session_key,
@@ -200,10 +201,11 @@ class Simulation:
 
     def _oracle_output(self, flight: _Flight, req: SimRequest) -> None:
         """The oracle caches the answer too (the engine does: a next turn resends it)."""
-        bs, tokens = self.cfg.profile.block_size, req.prompt + req.output
+        bs = self.cfg.profile.block_size
+        tail = req.prompt[len(flight.hashes) * bs:] + req.output  # past the hashed blocks
         parent = flight.hashes[-1] if flight.hashes else None
-        for i in range(len(flight.hashes), len(tokens) // bs):
-            parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
+        for i in range(len(tail) // bs):
+            parent = hash_block(parent, tail[i * bs:(i + 1) * bs])
             self._oracle_seen.add(parent)
 
     def _on_first_token(self, req: SimRequest, now: float) -> None:

@@ -52,6 +52,9 @@ class SimRequest:
     num_cached_tokens: int = 0
     error: str | None = None
     meta: object = None  # the cluster's own per-request state (router ticket, record)
+    # the prompt's full blocks' chained hashes, as the router computed them: the engine
+    # takes them instead of hashing the same blocks again (`Sequence.known_block_hashes`)
+    block_hashes: tuple[int, ...] = ()
 
 
 class SimWorker:
@@ -105,7 +108,8 @@ class SimWorker:
         """Queue `req` (as `EngineCore.add`); starts a step if the engine was idle."""
         self._next_seq_id += 1
         seq = Sequence(self._next_seq_id, req.request_id, 0, list(req.prompt), len(req.prompt),
-                       _PARAMS, req.max_tokens, req.priority, self.loop.now)
+                       _PARAMS, req.max_tokens, req.priority, self.loop.now,
+                       known_block_hashes=req.block_hashes)
         self.requests[seq] = req
         req.worker = self.url
         self.num_requests += 1
@@ -122,9 +126,10 @@ class SimWorker:
                 if not self.busy:
                     self.busy = True
                     self.host[0] += 1
-                seconds = self.profile.step_seconds(chunks)
-                if self.profile.host_contention:
-                    seconds *= 1.0 + self.profile.host_contention * (self.host[0] - 1)
+                profile = self.profile
+                seconds = profile.step_seconds(chunks)
+                if profile.host_contention:
+                    seconds *= 1.0 + profile.host_contention * (self.host[0] - 1)
                 self.busy_seconds += seconds
                 self.loop.after(seconds, self._end_step, chunks)
                 return
@@ -136,39 +141,43 @@ class SimWorker:
             self._reject_head()
 
     def _end_step(self, chunks: list[ScheduledChunk]) -> None:
+        """The step's tokens are computed: one token for each chunk that reached its
+        sequence's end (one call per step, the token bookkeeping inline: most steps
+        decode one or a few sequences)."""
         self.scheduler.update_from_output(chunks)
         self.num_steps += 1
         self.changed.add(self.url)
-        now = self.loop.now
+        now, requests = self.loop.now, self.requests
         for chunk in chunks:
-            if chunk.need_logits:
-                self._emit_token(chunk.seq, now)
+            if not chunk.need_logits:
+                continue
+            seq = chunk.seq
+            req = requests[seq]
+            token_ids, times = seq.token_ids, req.token_times
+            token = (req.token_seed * 7919 + len(token_ids) * 104_729) % TOKEN_SPACE
+            token_ids.append(token)
+            req.output.append(token)
+            self.generation_tokens += 1
+            if times:
+                latency = self.latency  # WorkerLatency.observe_itl, spelled out
+                latency.itl_sum += now - times[-1]
+                latency.itl_count += 1
+                times.append(now)
+            else:
+                self._first_token(seq, req, now)
+            if len(times) >= seq.max_tokens:  # seq.num_output_tokens: one time per token
+                seq.finish_reason = "length"
+                self._finish(seq, req)
         if self.block_manager.events:
             self.on_kv_events(self.url, self.block_manager.drain_events())
         self._start_step()
 
-    def _emit_token(self, seq: Sequence, now: float) -> None:
-        """Append the generated token (once per sequence per step: kept lean)."""
-        req = self.requests[seq]
-        token_ids, times = seq.token_ids, req.token_times
-        token = (req.token_seed * 7919 + len(token_ids) * 104_729) % TOKEN_SPACE
-        token_ids.append(token)
-        req.output.append(token)
-        self.generation_tokens += 1
-        if times:
-            latency = self.latency  # WorkerLatency.observe_itl, spelled out
-            latency.itl_sum += now - times[-1]
-            latency.itl_count += 1
-            times.append(now)
-        else:
-            times.append(now)
-            self.prompt_tokens += seq.num_prompt_tokens
-            req.num_cached_tokens = max(seq.num_cached_tokens, 0)
-            if req.on_first_token is not None:
-                req.on_first_token(req, now)
-        if len(times) >= seq.max_tokens:  # seq.num_output_tokens: one time per token
-            seq.finish_reason = "length"
-            self._finish(seq, req)
+    def _first_token(self, seq: Sequence, req: SimRequest, now: float) -> None:
+        req.token_times.append(now)
+        self.prompt_tokens += seq.num_prompt_tokens
+        req.num_cached_tokens = max(seq.num_cached_tokens, 0)
+        if req.on_first_token is not None:
+            req.on_first_token(req, now)
 
     def _finish(self, seq: Sequence, req: SimRequest) -> None:
         self.scheduler.finish(seq)
