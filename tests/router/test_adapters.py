@@ -28,6 +28,7 @@ from sluice.router.config import (
     router_from_dict,
 )
 from sluice.router.kv_subscriber import apply_event
+from sluice.router.policies import RequestMeta
 from sluice.router.state import RouterState
 
 ADMIN = "admin-secret"
@@ -161,6 +162,26 @@ async def test_zipf_mix_spreads_the_two_hottest_adapters() -> None:
         assert by["lora0"] == 2 and by["lora1"] == 1, by
         assert state.adapters.counts.loads["replicate"] == 1
         assert state.adapters.counts.total_loads() <= 0.15 * len(mix), by
+
+
+async def test_a_placed_request_keeps_its_adapter_until_it_is_sent() -> None:
+    """A request placed on `rare`'s holder (`prepare`) and not yet sent keeps `rare` there,
+    however long it takes to be sent (a wall-clock grace alone let a busy event loop
+    evict it first, and the request met a 404): `new` evicts `busy` instead, though
+    `rare` serves less; once the request is given up (`unplace`), `rare` is idle."""
+    stubs = [LoraStub("a")]
+    specs = tuple(AdapterSpec(n, f"/a/{n}") for n in ("rare", "busy", "new"))
+    async with fleet(stubs, specs) as (router, state, urls), \
+            httpx.AsyncClient(base_url=router, timeout=30) as c:
+        assert await statuses(c, ["busy"] * 3 + ["rare"], concurrency=1) == {200}
+        pool = state.pools[0]
+        assert await state.adapters.prepare(pool, "rare", RequestMeta("rare", 8)) == ()
+        await asyncio.sleep(0.1)  # both idle for longer than the grace (MIN_IDLE_S)
+        assert await statuses(c, ["new"], concurrency=1) == {200}
+        assert sorted(stubs[0].adapters) == ["new", "rare"]
+        assert state.adapters.busy(urls[0], "rare")
+        state.adapters.unplace("rare")
+        assert not state.adapters.busy(urls[0], "rare") and not state.adapters.placing
 
 
 async def test_prefix_hits_are_keyed_by_adapter() -> None:

@@ -116,6 +116,7 @@ class Adapters:
         self.capacity: dict[str, int] = {}  # worker url -> its max_lora, as scraped
         self.loading: dict[tuple[str, str], asyncio.Future[bool]] = {}
         self.inflight: dict[tuple[str, str], int] = {}  # (worker, adapter) -> requests
+        self.placing: dict[str, int] = {}  # adapter -> requests placed, not yet sent
         self.demand: dict[str, float] = {}  # adapter -> requests per sync interval (EWMA)
         self.recent: dict[str, int] = {}  # adapter -> requests since the last sync
         self.content: dict[str, str] = {}  # adapter -> content hash, as a worker lists it
@@ -181,6 +182,23 @@ class Adapters:
         model that is not an adapter."""
         if not self.is_adapter(model):
             return ()
+        self.placing[model] = self.placing.get(model, 0) + 1
+        try:
+            return await self._prepare(pool, model, meta)
+        except BaseException:
+            self.unplace(model)
+            raise
+
+    def unplace(self, model: str) -> None:
+        """A request `prepare` placed will not be sent as placed (an error, or a 404 that
+        places it again): its adapter is no longer kept for it."""
+        left = self.placing.get(model, 0) - 1
+        if left > 0:
+            self.placing[model] = left
+        else:
+            self.placing.pop(model, None)
+
+    async def _prepare(self, pool: Pool, model: str, meta: RequestMeta) -> tuple[str, ...]:
         self.recent[model] = self.recent.get(model, 0) + 1
         holders: list[str] = []
         for held in self.held.values():  # one may be chosen now: not evicted before it is sent
@@ -210,6 +228,8 @@ class Adapters:
     def served(self, relay: Relay, model: str) -> None:
         """A request for `model` is on `relay`'s worker until the relay closes: counted in
         flight there (never evicted meanwhile), and its last use is stamped."""
+        if model in self.placing:
+            self.unplace(model)
         if not self.is_adapter(model):
             return
         url = relay.ticket.endpoint.url
@@ -237,7 +257,7 @@ class Adapters:
         """In flight there, or used in the last MIN_IDLE_S (a request decided but not yet
         sent)."""
         holding = self.held.get(url, {}).get(model)
-        return self.inflight.get((url, model), 0) > 0 or (
+        return self.inflight.get((url, model), 0) > 0 or model in self.placing or (
             holding is not None
             and self.clock() - max(holding.last_used, holding.decided) < MIN_IDLE_S)
 

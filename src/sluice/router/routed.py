@@ -36,6 +36,10 @@ ROUTED = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/mess
 _SESSION = SESSION_HEADER.encode()
 _IDS = IDS_HEADER.encode()
 _INTERNAL = frozenset({_IDS, RESUME_HEADER.encode()})  # set by the router, never by a client
+# A 404 from a worker chosen as an adapter's holder: the adapter was unloaded there between
+# the placement and the request's arrival (a restart, an admin unload); placed again,
+# this often.
+ADAPTER_MOVED_RETRIES = 3
 
 
 @dataclass(frozen=True)
@@ -84,29 +88,36 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
         if chosen is not None:  # a canary request's adapter is placed among canary workers
             meta = replace(meta, version=chosen[0])
         holders_only = await state.adapters.prepare(pool, req.model, meta)  # adapters.py
-        block = forward_block(h for h in headers if h[0] not in _INTERNAL)
-        if hint is not None:  # the worker takes these ids instead of tokenizing again
-            block += _IDS + b": " + hint.encode() + b"\r\n"
-        await state.admission.admit(pool, headers)  # nothing awaits from here to dispatch
-        limit = state.config.migration_limit
-        migrating = bool(limit) and migratable(req)
-        sent = with_token_ids(req) if migrating else req
-        target = path.encode("latin-1")
-        proxy: Proxy = state.proxy
-        if pool.config.pd is not None:  # prefill/decode disaggregation (pd.py)
-            relay = await state.pd.forward(pool, sent, meta, target, block)
-            proxy = state.pd.local  # a stream resumes on a decode worker, prefilling there
-        elif release is not None:  # a canary or shadow: the release picked the version
-            held = frozenset(state.adapters.holders(req.model)) \
-                if state.adapters.is_adapter(req.model) else None
-            relay = await release.forward(state.proxy, sent, meta, target, block, headers,
-                                          chosen, held)
-        else:
-            relay = await state.proxy.forward(pool, sent, meta, target, block, holders_only)
-            if relay.status == 404 and holders_only:  # its adapter was just moved: once more
-                relay.close()
-                holders_only = await state.adapters.prepare(pool, req.model, meta)
+        try:  # until it is sent, its adapter is kept where it was placed
+            block = forward_block(h for h in headers if h[0] not in _INTERNAL)
+            if hint is not None:  # the worker takes these ids instead of tokenizing again
+                block += _IDS + b": " + hint.encode() + b"\r\n"
+            await state.admission.admit(pool, headers)  # nothing awaits from here to dispatch
+            limit = state.config.migration_limit
+            migrating = bool(limit) and migratable(req)
+            sent = with_token_ids(req) if migrating else req
+            target = path.encode("latin-1")
+            proxy: Proxy = state.proxy
+            if pool.config.pd is not None:  # prefill/decode disaggregation (pd.py)
+                relay = await state.pd.forward(pool, sent, meta, target, block)
+                proxy = state.pd.local  # a stream resumes on a decode worker, prefilling there
+            elif release is not None:  # a canary or shadow: the release picked the version
+                held = frozenset(state.adapters.holders(req.model)) \
+                    if state.adapters.is_adapter(req.model) else None
+                relay = await release.forward(state.proxy, sent, meta, target, block, headers,
+                                              chosen, held)
+            else:
                 relay = await state.proxy.forward(pool, sent, meta, target, block, holders_only)
+                for _ in range(ADAPTER_MOVED_RETRIES):  # its adapter was just moved: place again
+                    if relay.status != 404 or not holders_only:
+                        break
+                    relay.close()
+                    state.adapters.unplace(req.model)
+                    holders_only = await state.adapters.prepare(pool, req.model, meta)
+                    relay = await state.proxy.forward(pool, sent, meta, target, block, holders_only)
+        except BaseException:
+            state.adapters.unplace(req.model)
+            raise
         state.adapters.served(relay, req.model)
         if not migrating or relay.status != 200:
             return relay
