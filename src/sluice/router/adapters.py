@@ -514,7 +514,7 @@ class Adapters:
             spec = self.specs.get(name)
             if (h.by_router and spec is not None and not spec.pinned
                     and now - max(h.last_used, h.loaded_at) >= idle
-                    and len(self.holders(name)) > 1):
+                    and len(self.holders(name)) > 1 and not self.busy(url, name)):
                 await self._unload(url, name, "idle")
         over = len(held) - self._capacity(url)
         trimmable = sorted((h.last_used, name) for name, h in held.items()
