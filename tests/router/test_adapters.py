@@ -10,11 +10,13 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 from tests.router.lora_stub import LoraStub, chat, content_hash
 from tests.router.router_stubs import serve, serve_router
 
 from sluice.protocol.block_hash import hash_blocks
 from sluice.protocol.kv_events import BlockStored
+from sluice.router.adapters import MIN_SEEN, Adapters, Holding
 from sluice.router.app import build_app
 from sluice.router.config import (
     CANARY,
@@ -127,15 +129,6 @@ async def statuses(c: httpx.AsyncClient, names: list[str], concurrency: int) -> 
     return set(await asyncio.gather(*(one(n) for n in names)))
 
 
-# Known defect, open (docs/router.md, the closing note): on a slow 2-core AVX2 host about
-# one run in four of these two Zipf tests sees a request answered 404 (routed to a worker
-# whose adapter copy was just evicted) or one load over the bound. They run and report
-# (xfail, not strict) so the defect stays visible without failing unrelated work.
-ZIPF_FLAKE = pytest.mark.xfail(reason="adapter placement race under load: an occasional 404 "
-                               "or extra load on slow hosts (open defect)", strict=False)
-
-
-@ZIPF_FLAKE
 async def test_zipf_mix_does_not_thrash() -> None:
     """8 adapters, Zipf(1.1), 3 workers of 2 slots, 240 requests 6 at a time."""
     stubs = [LoraStub(n, service_s=0.01, max_num_seqs=4) for n in "abc"]
@@ -155,23 +148,118 @@ async def test_zipf_mix_does_not_thrash() -> None:
         assert all(len(s.adapters) <= 2 for s in stubs)
 
 
-@ZIPF_FLAKE
-async def test_zipf_mix_spreads_the_two_hottest_adapters() -> None:
-    """The hottest adapter (40% of requests) is replicated, the second (19%) placed on the
-    worker that holds neither copy: they never share a worker, and neither is loaded
-    again (anti-affinity by adapter share, replication by the adapter's own in-flight)."""
+async def test_zipf_mix_replicates_the_hottest_adapter_though_the_tail_fills_the_slots() -> None:
+    """The hottest adapter (40% of requests) gets its second copy though the tail fills
+    every slot (the copy takes a rare adapter's slot), and neither it nor the second
+    (19%) is evicted and loaded again. Where the copy goes among near-equal workers is a
+    matter of timing here; the rule itself is checked on fixed data below."""
     stubs = [LoraStub(n, service_s=0.02, max_num_seqs=2) for n in "abc"]
     mix = ["lora0", "lora1"] + zipf_mix(seed=3, k=180)
     async with fleet(stubs, ZIPF_SPECS, max_adapter_replicas=2, load_s=0.01,
                      min_residency_s=30) \
             as (router, state, _), httpx.AsyncClient(base_url=router, timeout=30) as c:
         assert await statuses(c, mix, concurrency=8) == {200}
-        hot, second = state.adapters.holders("lora0"), state.adapters.holders("lora1")
-        by = state.adapters.counts.loads_by_adapter
-        assert len(hot) == 2 and len(second) == 1 and not set(hot) & set(second), (hot, by)
-        assert by["lora0"] == 2 and by["lora1"] == 1, by
-        assert state.adapters.counts.loads["replicate"] == 1
-        assert state.adapters.counts.total_loads() <= 0.15 * len(mix), by
+        counts = state.adapters.counts
+        by = counts.loads_by_adapter
+        assert len(state.adapters.holders("lora0")) == 2 and by["lora0"] == 2, counts
+        assert by["lora1"] == len(state.adapters.holders("lora1")), counts
+        assert counts.total_loads() <= 0.15 * len(mix), by
+
+
+ZIPF_SHARES = {"lora0": 0.40, "lora1": 0.19, "lora2": 0.12, "lora3": 0.087, "lora4": 0.068,
+               "lora5": 0.055, "lora6": 0.047, "lora7": 0.040}
+
+
+def placed(held: dict[str, list[str]], seen: int = 100) -> Adapters:
+    """Adapters on fixed data: workers' holdings (2 slots each), recent shares as
+    ZIPF_SHARES, every copy resident for 10 s and idle (clock 100)."""
+    adapters = Adapters(ZIPF_SPECS, AdapterPlacement(adapters_per_worker=2, min_residency_s=30),
+                        httpx.AsyncClient(), list, CollectorRegistry(), clock=lambda: 100.0)
+    for url, names in held.items():
+        adapters.held[url] = {n: Holding(loaded_at=90.0, by_router=True,
+                                         last_used=90.0 - i) for i, n in enumerate(names)}
+    adapters.recent = {n: round(1000 * share) for n, share in ZIPF_SHARES.items()}
+    adapters.seen = seen
+    return adapters
+
+
+def test_a_hot_copy_goes_where_the_least_heat_stays_taking_a_rare_slot() -> None:
+    """lora0 is hot on a; b holds lora1 (19%) and lora7 (4%), c lora2 (12%) and lora3
+    (8.7%). Every slot is full and no adapter has a second copy: the copy takes the slot
+    of a copy at most half as used as it would be (1/2 of 40% / 2), and goes where the
+    heat left after that eviction is least: c without lora3 (12%), not b without lora7
+    (19%), though c is hotter before."""
+    adapters = placed({"a": ["lora0", "lora4"], "b": ["lora1", "lora7"],
+                       "c": ["lora2", "lora3"]})
+    adapters.placing["lora0"] = 3  # its own requests: placed, not yet answered
+    load = adapters._target("lora0", ["a", "b", "c"], ["a"], {"a": 0.2, "b": 0.1, "c": 0.1},
+                            pool_inflight=3)
+    assert load is not None and (load.url, load.victim, load.reason) == \
+        ("c", "lora3", "replicate")
+    # not hot (its requests are not more than its holder's share): no slot is taken
+    adapters.placing["lora0"] = 1
+    assert adapters._target("lora0", ["a", "b", "c"], ["a"], {"a": 0.2, "b": 0.1, "c": 0.1},
+                            pool_inflight=6) is None
+    # nor on the first MIN_SEEN requests, whatever they look like
+    adapters.placing["lora0"], adapters.seen = 3, MIN_SEEN - 1
+    assert adapters._target("lora0", ["a", "b", "c"], ["a"], {"a": 0.2, "b": 0.1, "c": 0.1},
+                            pool_inflight=3) is None
+
+
+def test_a_request_with_no_holder_evicts_the_least_used_copy_in_the_pool() -> None:
+    """lora6 has no holder and every slot is full: the copy evicted is the pool's least
+    used (lora7, 4%), not a worker's least recently used (lora1's, the oldest here), and
+    on whichever worker it is."""
+    adapters = placed({"a": ["lora0", "lora4"], "b": ["lora1", "lora7"],
+                       "c": ["lora2", "lora3"]})
+    adapters.held["b"]["lora1"].last_used = 0.0
+    load = adapters._target("lora6", ["a", "b", "c"], [], {"a": 0.1, "b": 0.2, "c": 0.1})
+    assert load is not None and (load.url, load.victim, load.reason) == ("b", "lora7", "demand")
+
+
+class SlowUnload(LoraStub):
+    """A stub whose unloads wait for `release` (a read of /v1/models meanwhile still
+    lists the adapter)."""
+
+    release: asyncio.Event
+
+    async def unload(self, request: Any) -> Any:
+        await self.release.wait()
+        return await super().unload(request)
+
+
+async def test_a_sync_during_an_unload_does_not_bring_the_adapter_back() -> None:
+    """The router unloads `x` on a worker; a sync reads the worker's list before the
+    worker has unloaded it: `x` stays gone from the router's view (else requests for it
+    go there and meet a 404), and comes back only if a later read lists it."""
+    stub = SlowUnload("a")
+    stub.release = asyncio.Event()
+    specs = (AdapterSpec("x", "/a/x"),)
+    async with fleet([stub], specs, sync_interval_s=3600) as (router, state, urls), \
+            httpx.AsyncClient(base_url=router, timeout=30) as c:
+        assert await statuses(c, ["x"], concurrency=1) == {200}
+        adapters, pool = state.adapters, state.pools[0]
+        await until(lambda: adapters.holders("x") == urls)
+        unload = asyncio.create_task(adapters._unload(urls[0], "x", "evict"))
+        await asyncio.sleep(0)  # the unload is sent and waits in the worker
+        await adapters.sync(pool, urls[0])
+        assert "x" in stub.adapters and adapters.holders("x") == []
+        stub.release.set()
+        await unload
+        await adapters.sync(pool, urls[0])
+        assert "x" not in stub.adapters and adapters.holders("x") == []
+
+
+async def test_a_404_from_a_holder_places_the_request_again() -> None:
+    """Worker a lost `x` behind the router's back (an unload the router did not make):
+    the 404 drops a as a holder and the request is placed again, loading `x` anew."""
+    stubs = [LoraStub("a")]
+    async with fleet(stubs, (AdapterSpec("x", "/a/x"),), sync_interval_s=3600) as \
+            (router, state, urls), httpx.AsyncClient(base_url=router, timeout=30) as c:
+        assert await statuses(c, ["x"], concurrency=1) == {200}
+        del stubs[0].adapters["x"]
+        assert await statuses(c, ["x"], concurrency=1) == {200}
+        assert state.adapters.counts.loads_by_adapter["x"] == 2 and stubs[0].load_calls == 2
 
 
 async def test_a_placed_request_keeps_its_adapter_until_it_is_sent() -> None:

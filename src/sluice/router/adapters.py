@@ -8,19 +8,23 @@ was loaded over HTTP (vLLM RFC #12174). Here the router owns placement:
     request for adapter A (a model id that is a registered or a discovered adapter)
       cost(w)  = the `cost` policy's seconds for this request on worker w
       holders  = available workers holding A
+      share(X) = X's share of recent adapter requests; worth(X) = share(X) / X's replicas
       heat(w)  = the share of adapter requests w's other adapters bring it (each one's
                  share split over its replicas), in steps of 5%: a new copy goes to the
                  coolest worker first, then the cheapest (hot adapters never pile up)
-      none     -> load A on the coolest, cheapest worker with room (else evict the adapter
-                  there least recently used, never one with a request in flight), wait, go
-      some     -> replicate when  min cost(non-holder with room) + load_s < min cost(holders)
-                  or A is hot: its own requests in flight on its holders (2+) and its
-                  share of recent requests are both more than the holders' share of the
-                  pool (holders / workers), and a non-holder costs less;
+      none     -> load A on the coolest, cheapest worker with a free slot (else evict the
+                  copy worth least in the pool, an extra replica first; never one with a
+                  request in flight or placed), wait, go
+      some     -> replicate, once MIN_SEEN adapter requests have been seen, when
+                  min cost(non-holder with room) + load_s < min cost(holders)
+                  or A is hot: its own requests placed or in flight (2+) and its share
+                  of recent requests are both more than the holders' share of the pool
+                  (holders / workers), and a non-holder costs less;
                   while A has fewer than `max_adapter_replicas` replicas; the room may be
                   free, or an *extra* replica of another adapter (one with 2+) resident
-                  for `min_residency_s` and idle; an adapter's last copy is never evicted
-                  to replicate another
+                  for `min_residency_s` and idle, or, for a hot A, the idle only copy of
+                  an adapter at most half as used as A's new copy would be (RARE_FACTOR);
+                  among those, where the heat left after the eviction is least
       the request may go to holders only (the proxy excludes the other workers; in a
       pool with a canary, among the workers of the version the request goes to)
 
@@ -33,11 +37,17 @@ was loaded over HTTP (vLLM RFC #12174). Here the router owns placement:
       router-loaded adapters it lacks (it restarted) -> loaded again
       a worker seen for the first time -> pinned adapters, then hot ones under the cap
       an extra replica idle for `idle_unload_s` -> unloaded
-      more adapters than slots (a request found no room) -> the idle LRU ones unloaded
+      more adapters than slots (a request found no room) -> the idle ones worth least
+      unloaded
+      a read started before the router's own load or unload there was answered does not
+      undo it (else a request meets a 404); a 404 from a holder drops it (routed.py
+      places the request again)
 
 Why it does not thrash: a replica is added only when the queue it saves is longer than
 a load, up to a cap; a replica is evicted only after its residency and only while idle;
-the last copy of an adapter is evicted only for a request that finds no holder at all.
+the last copy of an adapter is evicted only for a request that finds no holder at all,
+or for a hot adapter's copy when it is rarely used; the copy evicted is the one worth
+least (plain LRU evicts a busy adapter's only copy that happened to be idle a moment).
 `load_s` starts at the configured prior and learns the measured load durations.
 
 State is touched only on the event loop; a load in progress is one shared future per
@@ -48,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Iterable
@@ -73,6 +84,11 @@ DEFAULT_CAPACITY = 8  # adapters per worker when neither the config nor the work
 WAIT = "wait"  # a decided "load" that only waits for another request's load
 HOT_MIN_INFLIGHT = 2  # an adapter with fewer in flight is never "hot" (`_hot`)
 HEAT_STEP = 0.05  # request shares closer than this are equally hot (`_heat`)
+RARE_FACTOR = 2  # a hot adapter's new copy may evict the only copy of one this many times
+# rarer than the copy's share (`_target`)
+MIN_SEEN = 20  # adapter requests seen before any replica is added (`_target`): on the
+# first few, which worker is coolest (`_heat`) is a coin flip, and a replica placed by it
+# stays for its residency
 _MAX_LORA = re.compile(r'max_lora="(\d+)"')
 
 
@@ -117,8 +133,12 @@ class Adapters:
         self.loading: dict[tuple[str, str], asyncio.Future[bool]] = {}
         self.inflight: dict[tuple[str, str], int] = {}  # (worker, adapter) -> requests
         self.placing: dict[str, int] = {}  # adapter -> requests placed, not yet sent
+        # (worker, adapter) -> when the router's last load or unload there was answered
+        # (inf while an unload is on its way): a read started before knows less (`sync`)
+        self.changed: dict[tuple[str, str], float] = {}
         self.demand: dict[str, float] = {}  # adapter -> requests per sync interval (EWMA)
         self.recent: dict[str, int] = {}  # adapter -> requests since the last sync
+        self.seen = 0  # adapter requests placed since the router started
         self.content: dict[str, str] = {}  # adapter -> content hash, as a worker lists it
         self.counts = AdapterCounts()
         self._loads = Counter("sluice_router_adapter_loads", "adapter loads the router made",
@@ -200,6 +220,7 @@ class Adapters:
 
     async def _prepare(self, pool: Pool, model: str, meta: RequestMeta) -> tuple[str, ...]:
         self.recent[model] = self.recent.get(model, 0) + 1
+        self.seen += 1
         holders: list[str] = []
         for held in self.held.values():  # one may be chosen now: not evicted before it is sent
             if model in held:
@@ -248,6 +269,14 @@ class Adapters:
 
         relay.on_close = done
 
+    def lost(self, url: str, model: str) -> None:
+        """`url` answered 404 for `model`, which the router thought it held (a restart, an
+        unload the router did not make): not a holder until a sync reads it back (one the
+        router loaded is loaded again there by that sync)."""
+        if self.held.get(url, {}).pop(model, None) is not None:
+            self.changed[(url, model)] = self.clock()
+            self._set_listed(url, model, False)
+
     def _stamp(self, url: str, model: str) -> None:
         holding = self.held.get(url, {}).get(model)
         if holding is not None:
@@ -271,7 +300,8 @@ class Adapters:
             if pending:  # another request is loading it: wait for that load
                 return _Load(self, pending[0], model, None, WAIT)
             return self._place(model, urls, seconds)
-        if len(holders) + len(pending) >= self._cap(model, len(urls)):
+        if len(holders) + len(pending) >= self._cap(model, len(urls)) \
+                or self.seen < MIN_SEEN:
             return None
         best_holder = min(seconds[u] for u in holders)
         hot = self._hot(model, holders, len(urls), pool_inflight)
@@ -280,12 +310,19 @@ class Adapters:
                         or (hot and seconds[u] < best_holder))]
         if not options:
             return None
+        # a hot adapter's new copy may also take the slot of a rarely used one's only copy
+        # (idle, its share half of what the copy would serve or less): without it, a pool
+        # whose slots the tail fills never replicates its hottest adapter
+        shares = self.shares()
+        rare = shares.get(model, 0.0) / (len(holders) + 1) / RARE_FACTOR if hot else None
         heat = self._heat(model)
-        for url in sorted(options, key=lambda u: (heat(u), seconds[u])):
-            victim = self._room(url, extra_only=True)
-            if victim is not False:
-                return _Load(self, url, model, _name(victim), "replicate")
-        return None
+        rooms = [(url, self._room(url, extra_only=True, rare=rare)) for url in options]
+        feasible = [(heat(url) - round(shares.get(_name(v) or "", 0.0) / HEAT_STEP),
+                     seconds[url], url, v) for url, v in rooms if v is not False]
+        if not feasible:
+            return None
+        _, _, url, victim = min(feasible)  # coolest once the victim is gone, then cheapest
+        return _Load(self, url, model, _name(victim), "replicate")
 
     def _hot(self, model: str, holders: list[str], workers: int, pool_inflight: int) -> bool:
         """The adapter's own requests in flight on its holders (this one included) are
@@ -294,7 +331,7 @@ class Adapters:
         the cost model (which prices the time after a first token as cheap decode, and
         sees a scrape late). The in-flight count is exact and immediate but noisy; the
         share keeps a moderately hot adapter from replicating on a chance burst."""
-        own = 1 + sum(self.inflight.get((u, model), 0) for u in holders)
+        own = self.placing.get(model, 0) + sum(self.inflight.get((u, model), 0) for u in holders)
         return (own >= HOT_MIN_INFLIGHT and own * workers > len(holders) * (pool_inflight + 1)
                 and self.shares().get(model, 0.0) * workers > len(holders))
 
@@ -334,29 +371,60 @@ class Adapters:
         """Where a request with no holder loads its adapter: the coolest (`_heat`), then
         cheapest worker with room, else the coolest with an evictable adapter, else the
         coolest (over capacity)."""
-        heat = self._heat(model)
+        heat, worth = self._heat(model), self._worth()
         ordered = sorted(urls, key=lambda u: (heat(u), seconds[u]))
         for extra_only in (True, False):
-            for url in ordered:
-                victim = self._room(url, extra_only=extra_only, residency=extra_only)
-                if victim is not False:
-                    return _Load(self, url, model, _name(victim), "demand")
+            rooms = [(url, self._room(url, extra_only=extra_only, residency=extra_only))
+                     for url in ordered]
+            free = [url for url, victim in rooms if victim is True]
+            if free:
+                return _Load(self, free[0], model, None, "demand")
+            # the copy that serves least in the pool goes, wherever it is (a worker's own
+            # least-worth copy may be a busy adapter's only one)
+            victims = [(worth(v), i, url, v) for i, (url, v) in enumerate(rooms)
+                       if isinstance(v, str)]
+            if victims:
+                _, _, url, victim = min(victims)
+                return _Load(self, url, model, victim, "demand")
         return _Load(self, ordered[0], model, None, "demand")
 
-    def _room(self, url: str, *, extra_only: bool, residency: bool = True) -> str | bool:
+    def _room(self, url: str, *, extra_only: bool, residency: bool = True,
+              rare: float | None = None) -> str | bool:
         """True: `url` has a free slot; an adapter's name: room once it is evicted;
-        False: no room. `extra_only`: evict only an adapter with another replica."""
+        False: no room. `extra_only`: evict only an adapter with another replica (resident
+        `min_residency_s` when `residency`), or, given `rare`, the only copy of one whose
+        share of recent requests is at most `rare`."""
         held = self.held.get(url, {})
         busy = sum(1 for (u, _) in self.loading if u == url)
         if len(held) + busy < self._capacity(url):
             return True
         now = self.clock()
-        victims = [(h.last_used, name) for name, h in held.items()
-                   if name in self.specs and not self.specs[name].pinned
-                   and not self.busy(url, name)
-                   and (not residency or now - h.loaded_at >= self.placement.min_residency_s)
-                   and (not extra_only or len(self.holders(name)) > 1)]
-        return min(victims)[1] if victims else False
+        worth, shares = self._worth(), self.shares()
+
+        def evictable(name: str, h: Holding) -> bool:
+            if name not in self.specs or self.specs[name].pinned or self.busy(url, name):
+                return False
+            if not extra_only:
+                return not residency or now - h.loaded_at >= self.placement.min_residency_s
+            if len(self.holders(name)) > 1:
+                return not residency or now - h.loaded_at >= self.placement.min_residency_s
+            return rare is not None and shares.get(name, 0.0) <= rare
+
+        victims = [(worth(name), h.last_used, name) for name, h in held.items()
+                   if evictable(name, h)]
+        return min(victims)[2] if victims else False
+
+    def _worth(self) -> Callable[[str], float]:
+        """Adapter -> its share of recent requests per replica, in steps of HEAT_STEP: the
+        copy that serves least goes first (least recently used among equals), so a busy
+        adapter's only copy never makes room for a rarely used one because it happened
+        to be idle a moment (plain LRU evicts by that moment)."""
+        shares = self.shares()
+
+        def worth(name: str) -> float:
+            return round(shares.get(name, 0.0) / max(1, len(self.holders(name))) / HEAT_STEP)
+
+        return worth
 
     def _capacity(self, url: str) -> int:
         if self.placement.adapters_per_worker is not None:
@@ -379,6 +447,7 @@ class Adapters:
             ok = await self._post_load(url, self.specs[model])
             if ok:
                 now = self.clock()
+                self.changed[key] = now
                 self._set_listed(url, model, True)
                 self.held.setdefault(url, {})[model] = Holding(now, True, now)
                 self.assigned.setdefault(url, set()).add(model)
@@ -413,11 +482,14 @@ class Adapters:
         self.held.get(url, {}).pop(model, None)
         self.assigned.get(url, set()).discard(model)
         self._set_listed(url, model, False)
+        self.changed[(url, model)] = math.inf  # until answered, a read may list it still
         try:
             await self.client.post(url + "/v1/unload_lora_adapter", json={"lora_name": model})
         except httpx.HTTPError as exc:
             log.warning("unloading adapter %s on %s failed: %s", model, url, exc)
             return
+        finally:
+            self.changed[(url, model)] = self.clock()
         self.counts.unloads[reason] = self.counts.unloads.get(reason, 0) + 1
         self._unloads.labels(model, reason).inc()
 
@@ -455,11 +527,14 @@ class Adapters:
             pool.endpoints[url].models = ids
         first = url not in self.held
         old = self.held.get(url, {})
-        self.held[url] = {name: old.get(name) or Holding(started, False)
-                          for name in found}
-        for name, holding in old.items():  # loaded while the read was on its way
-            if holding.loaded_at > started and name not in found:
-                self.held[url][name] = holding
+        held: dict[str, Holding] = {}
+        for name in found | set(old):
+            if self.changed.get((url, name), -1.0) >= started or (url, name) in self.loading:
+                if name in old:  # the router loaded or unloaded it while the read was on
+                    held[name] = old[name]  # its way: what the router knows is newer
+            elif name in found:
+                held[name] = old.get(name) or Holding(started, False)
+        self.held[url] = held
         for name in sorted(self.assigned.get(url, set()) - set(self.held[url])):
             if name in self.specs:  # the worker restarted without it
                 await self.load(url, name, "restore")
@@ -517,10 +592,11 @@ class Adapters:
                     and len(self.holders(name)) > 1 and not self.busy(url, name)):
                 await self._unload(url, name, "idle")
         over = len(held) - self._capacity(url)
-        trimmable = sorted((h.last_used, name) for name, h in held.items()
+        worth = self._worth()
+        trimmable = sorted((worth(name), h.last_used, name) for name, h in held.items()
                            if h.by_router and name in self.specs and not self.specs[name].pinned
                            and not self.busy(url, name))
-        for _, name in trimmable[:max(0, over)]:
+        for _, _, name in trimmable[:max(0, over)]:
             await self._unload(url, name, "trim")
 
     def _forget_removed(self) -> None:

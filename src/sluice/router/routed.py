@@ -109,9 +109,10 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
             else:
                 relay = await state.proxy.forward(pool, sent, meta, target, block, holders_only)
                 for _ in range(ADAPTER_MOVED_RETRIES):  # its adapter was just moved: place again
-                    if relay.status != 404 or not holders_only:
+                    if relay.status != 404 or not state.adapters.is_adapter(req.model):
                         break
                     relay.close()
+                    state.adapters.lost(relay.ticket.endpoint.url, req.model)
                     state.adapters.unplace(req.model)
                     holders_only = await state.adapters.prepare(pool, req.model, meta)
                     relay = await state.proxy.forward(pool, sent, meta, target, block, holders_only)
