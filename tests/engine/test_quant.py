@@ -128,6 +128,11 @@ def greedy(runner: ModelRunner, ids: list[int], n: int, first_block: int) -> lis
     return out
 
 
+def first_difference(want: list[int], got: list[int]) -> int:
+    """How many tokens two greedy decodings agree on before they first differ."""
+    return next((j for j, (a, b) in enumerate(zip(want, got, strict=True)) if a != b), len(want))
+
+
 def mean_nll(runner: ModelRunner, ids: list[int]) -> float:
     """Mean next-token negative log-likelihood of `ids` (every row's logits)."""
     table = list(range(0, -(-len(ids) // runner.block_size)))
@@ -143,8 +148,8 @@ def test_default_model_on_gguf_blocks_follows_the_dequantized_path(default_gguf:
     agree = []
     for i, prompt in enumerate(GREEDY_PROMPTS):
         ids = tok.encode(prompt)
-        want, got = greedy(runner, ids, 24, 8 * i), greedy(quant, ids, 24, 8 * i)
-        agree.append(next((j for j, (a, b) in enumerate(zip(want, got, strict=True)) if a != b), len(want)))
+        agree.append(first_difference(greedy(runner, ids, 24, 8 * i),
+                                      greedy(quant, ids, 24, 8 * i)))
     print("greedy tokens agreeing before the first difference:", agree)
     assert sum(agree) >= 0.75 * 24 * len(GREEDY_PROMPTS) and min(agree) >= 4
     # perplexity: every row through the blocks (rows past QUANT_MAX_ROWS too)

@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.engine.test_quant import GREEDY_PROMPTS, PERPLEXITY_TEXT, greedy, mean_nll
+from tests.engine.test_quant import (
+    GREEDY_PROMPTS,
+    PERPLEXITY_TEXT,
+    first_difference,
+    greedy,
+    mean_nll,
+)
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.model_runner import ModelRunner, SeqChunk
@@ -103,10 +109,6 @@ def test_unknown_quantization_names_the_choices() -> None:
     with pytest.raises(InvalidRequestError, match="int8") as err:
         EngineConfig.from_options(None, quantization="int4")
     assert err.value.param == "quantization"
-
-
-def first_difference(want: list[int], got: list[int]) -> int:
-    return next((j for j, (a, b) in enumerate(zip(want, got, strict=True)) if a != b), len(want))
 
 
 def all_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
