@@ -20,8 +20,11 @@ from sluice.engine.models.llama import RMSNorm
 from sluice.engine.native import (
     SMALL_ROWS_MAX,
     NativeOps,
+    PackedLinear,
     cpu_linear,
     native_ops,
+    onednn_linear,
+    onednn_packing,
     with_small_rows,
 )
 from sluice.protocol.errors import InvalidRequestError
@@ -97,6 +100,29 @@ def test_onednn_linear_equals_f_linear_in_float32(rows: int) -> None:
     torch.testing.assert_close(linear(x, w, b), exact, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(linear(x, w, None), torch.nn.functional.linear(x, w),
                                rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_equals_the_plain_weight_and_falls_back(dtype: torch.dtype) -> None:
+    assert onednn_packing(dtype)
+    torch.manual_seed(0)
+    w, b = torch.randn(960, 576, dtype=dtype), torch.randn(960, dtype=dtype)
+    calls: list[int] = []
+
+    def fallback(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return onednn_linear(x, weight, bias)
+
+    packed = PackedLinear(w, fallback, few_rows=2)
+    for rows in (3, 32, 139):  # decode batches and a prefill, one layout
+        x = torch.randn(rows, 576, dtype=dtype)
+        for bias in (None, b):
+            torch.testing.assert_close(packed(x, w, bias), onednn_linear(x, w, bias),
+                                       rtol=1e-5, atol=1e-4)
+    assert calls == []
+    packed(torch.randn(2, 576, dtype=dtype), w, None)  # few rows
+    packed(torch.randn(8, 576, dtype=dtype), w.clone(), None)  # not the packed weight
+    assert calls == [2, 8]
 
 
 def test_linear_backend_choice() -> None:

@@ -13,6 +13,7 @@ from sluice.engine.sampler import (
     apply_repetition_penalty,
     apply_top_k,
     apply_top_p,
+    greedy,
 )
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.sequence import Sequence
@@ -67,6 +68,11 @@ def test_penalties_use_prompt_for_repetition_and_output_for_frequency() -> None:
     seq2 = make_seq(SamplingParams(temperature=0.0, frequency_penalty=2.0), prompt=[0])
     seq2.token_ids += [1, 1]  # token 1 generated twice: 3 - 4 = -1
     assert sampler(torch.tensor([[1.5, 3.0, 2.0]]), [seq2])[0].token_id == 2
+
+
+def test_greedy_picks_the_first_of_tied_maxima_as_argmax() -> None:
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [3.0, 3.0, 3.0, 3.0], [-1.0, -5.0, -1.0, -2.0]])
+    assert greedy(logits).tolist() == [1, 0, 0] == logits.argmax(dim=-1).tolist()
 
 
 def test_greedy_is_argmax_and_min_tokens_masks_eos() -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -43,14 +42,19 @@ from sluice.engine.lora import (
     load_adapter,
     module_shapes,
 )
-from sluice.engine.models.llama import LlamaConfig, TransformerBlock
+from sluice.engine.models.llama import Linear, LlamaConfig, TransformerBlock
 from sluice.engine.models.loader import load_model
-from sluice.engine.native import cpu_flags, cpu_linear, native_ops, with_small_rows
+from sluice.engine.native import (
+    SMALL_ROWS_MAX,
+    PackedLinear,
+    cpu_flags,
+    cpu_linear,
+    native_ops,
+    onednn_packing,
+    with_small_rows,
+)
 from sluice.engine.tokenizer import Tokenizer, default_served_name, load_tokenizer
 from sluice.protocol.errors import InvalidRequestError
-
-if TYPE_CHECKING:
-    from sluice.engine.models.llama import Linear
 
 log = logging.getLogger("sluice.engine")
 
@@ -152,6 +156,8 @@ class ModelRunner:
             self._use_gguf_weights(mc)
         elif mc.quantization == "int8":
             self._use_int8_weights()
+        elif self.linear is not None and onednn_packing(self.dtype):
+            self._pack_weights()
         cfg = self.model_config
         self.lora_shapes = module_shapes(cfg.hidden_size, cfg.intermediate_size, cfg.q_size,
                                          cfg.kv_size)
@@ -159,6 +165,14 @@ class ModelRunner:
         if config.lora.enable_lora:
             self.lora_slots = self._add_lora_slots(config.lora)
         self.warm_up()
+
+    def _pack_weights(self) -> None:
+        """Every linear on its weight reordered once for oneDNN (`PackedLinear`); float32
+        rows the native GEMV takes (one stream's decode) keep going there."""
+        few = SMALL_ROWS_MAX if self.native is not None and self.dtype == torch.float32 else 0
+        for module in self.model.modules():
+            if isinstance(module, Linear):
+                module.matmul = PackedLinear(module.weight, module.matmul, few)
 
     def _use_gguf_weights(self, mc: ModelConfig) -> None:
         """Decode rows' linears on the GGUF file's own blocks (sluice.engine.quant)."""

@@ -22,31 +22,49 @@
 #include <cmath>
 #include <vector>
 
-// One (sequence, KV head): G query heads against `len` context rows, accumulated in
-// float whatever the storage type T (float or bfloat16). HEAD_DIM > 0 fixes the head size
-// at compile time (unrolled, vectorized dot products); 0 reads `dim`.
-template <int HEAD_DIM, typename T>
-static void attend_one(const T* q, const T* k_pool, const T* v_pool, const int64_t* row_table,
-                       int64_t len, int64_t bs, int64_t kv_heads, int64_t h, int64_t G,
-                       int64_t dim, float scale, T* out, std::vector<float>& scores,
-                       std::vector<float>& acc) {
-  const int64_t D = HEAD_DIM > 0 ? HEAD_DIM : dim;
-  scores.resize(G * len);
-  acc.assign(G * D, 0.f);
-  float* qf = acc.data();  // the queries in float first; acc is zeroed again below
-  for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]);
-  for (int64_t t = 0; t < len; ++t) {
-    const int64_t slot = row_table[t / bs] * bs + t % bs;
-    const T* k = k_pool + (slot * kv_heads + h) * D;
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qf + g * D;
-      float s = 0.f;
-      for (int64_t d = 0; d < D; ++d) s += qg[d] * static_cast<float>(k[d]);
-      scores[g * len + t] = s * scale;
-    }
-  }
+// Vectors of 16 floats (GCC vector extensions: one zmm with AVX-512, two ymm with AVX2),
+// loaded from float or bfloat16 (a bfloat16 is a float's high 16 bits).
+typedef float vf16 __attribute__((vector_size(64)));
+typedef float vf8_t __attribute__((vector_size(32)));
+typedef float vf4_t __attribute__((vector_size(16)));
+typedef uint16_t vu16x16 __attribute__((vector_size(32)));
+typedef uint32_t vu32x16 __attribute__((vector_size(64)));
+
+static inline vf16 load16(const float* p) {
+  vf16 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+static inline vf16 load16(const c10::BFloat16* p) {
+  vu16x16 h;
+  __builtin_memcpy(&h, p, sizeof(h));
+  const vu32x16 w = __builtin_convertvector(h, vu32x16) << 16;
+  vf16 v;
+  __builtin_memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+static inline float hsum16(vf16 v) {
+  const vf8_t a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf4_t b = __builtin_shufflevector(a, a, 0, 1, 2, 3) +
+                  __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// Row `t` of a sequence's context for KV head h: block row_table[t / bs], row t % bs.
+// The walks below go block by block (no division per row); rows of one block are
+// `kv_heads * D` apart.
+template <typename T>
+static inline const T* block_rows(const T* pool, const int64_t* row_table, int64_t blk,
+                                  int64_t bs, int64_t kv_heads, int64_t h, int64_t D) {
+  return pool + (row_table[blk] * bs * kv_heads + h) * D;
+}
+
+static void softmax_rows(float* scores, int64_t G, int64_t len) {
   for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores.data() + g * len;
+    float* sg = scores + g * len;
     const float top = *std::max_element(sg, sg + len);
     float sum = 0.f;
     for (int64_t t = 0; t < len; ++t) {
@@ -56,17 +74,90 @@ static void attend_one(const T* q, const T* k_pool, const T* v_pool, const int64
     const float inv = 1.f / sum;
     for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
   }
-  std::fill(acc.begin(), acc.end(), 0.f);
-  for (int64_t t = 0; t < len; ++t) {
-    const int64_t slot = row_table[t / bs] * bs + t % bs;
-    const T* v = v_pool + (slot * kv_heads + h) * D;
-    for (int64_t g = 0; g < G; ++g) {
-      const float p = scores[g * len + t];
-      float* og = acc.data() + g * D;
-      for (int64_t d = 0; d < D; ++d) og[d] += p * static_cast<float>(v[d]);
+}
+
+// One (sequence, KV head): G query heads against `len` context rows, accumulated in
+// float whatever the storage type T (float or bfloat16). NV = D / 16 vectors per row,
+// fixed at compile time (64: 4, 128: 8); each K and V row is loaded once for all G heads.
+template <int NV, typename T>
+static void attend_one(const T* q, const T* k_pool, const T* v_pool, const int64_t* row_table,
+                       int64_t len, int64_t bs, int64_t kv_heads, int64_t h, int64_t G,
+                       float scale, T* out, std::vector<float>& scores,
+                       std::vector<float>& acc) {
+  constexpr int64_t D = NV * 16;
+  const int64_t stride = kv_heads * D;
+  scores.resize(G * len);
+  acc.assign(2 * G * D, 0.f);
+  float* qf = acc.data() + G * D;  // the queries in float, pre-scaled
+  for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, ++blk) {
+    const T* k = block_rows(k_pool, row_table, blk, bs, kv_heads, h, D);
+    const int64_t rows = std::min(bs, len - t0);
+    for (int64_t i = 0; i < rows; ++i, k += stride) {
+      vf16 kv[NV];
+      for (int j = 0; j < NV; ++j) kv[j] = load16(k + 16 * j);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qf + g * D;
+        vf16 s = load16(qg) * kv[0];
+        for (int j = 1; j < NV; ++j) s += load16(qg + 16 * j) * kv[j];
+        scores[g * len + t0 + i] = hsum16(s);
+      }
     }
   }
-  for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(acc[i]);
+  softmax_rows(scores.data(), G, len);
+  float* o = acc.data();
+  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, ++blk) {
+    const T* v = block_rows(v_pool, row_table, blk, bs, kv_heads, h, D);
+    const int64_t rows = std::min(bs, len - t0);
+    for (int64_t i = 0; i < rows; ++i, v += stride) {
+      vf16 vv[NV];
+      for (int j = 0; j < NV; ++j) vv[j] = load16(v + 16 * j);
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = scores[g * len + t0 + i];
+        float* og = o + g * D;
+        for (int j = 0; j < NV; ++j) {
+          const vf16 r = load16(og + 16 * j) + p * vv[j];
+          __builtin_memcpy(og + 16 * j, &r, sizeof(r));
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(o[i]);
+}
+
+// Any head size: the same walk with scalar loops.
+template <typename T>
+static void attend_one_any(const T* q, const T* k_pool, const T* v_pool,
+                           const int64_t* row_table, int64_t len, int64_t bs, int64_t kv_heads,
+                           int64_t h, int64_t G, int64_t D, float scale, T* out,
+                           std::vector<float>& scores, std::vector<float>& acc) {
+  const int64_t stride = kv_heads * D;
+  scores.resize(G * len);
+  acc.assign(2 * G * D, 0.f);
+  float* qf = acc.data() + G * D;
+  for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, ++blk) {
+    const T* k = block_rows(k_pool, row_table, blk, bs, kv_heads, h, D);
+    for (int64_t i = 0; i < std::min(bs, len - t0); ++i, k += stride) {
+      for (int64_t g = 0; g < G; ++g) {
+        float s = 0.f;
+        for (int64_t d = 0; d < D; ++d) s += qf[g * D + d] * static_cast<float>(k[d]);
+        scores[g * len + t0 + i] = s;
+      }
+    }
+  }
+  softmax_rows(scores.data(), G, len);
+  float* o = acc.data();
+  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, ++blk) {
+    const T* v = block_rows(v_pool, row_table, blk, bs, kv_heads, h, D);
+    for (int64_t i = 0; i < std::min(bs, len - t0); ++i, v += stride) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = scores[g * len + t0 + i];
+        for (int64_t d = 0; d < D; ++d) o[g * D + d] += p * static_cast<float>(v[d]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(o[i]);
 }
 
 template <typename T>
@@ -91,12 +182,12 @@ static void decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool
       T* ob = op + (b * H + h * G) * D;
       const int64_t* row_table = table + b * n_blocks;
       if (D == 64) {
-        attend_one<64>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, D, scale, ob, scores, acc);
+        attend_one<4>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, scale, ob, scores, acc);
       } else if (D == 128) {
-        attend_one<128>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, D, scale, ob, scores,
-                        acc);
+        attend_one<8>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, scale, ob, scores, acc);
       } else {
-        attend_one<0>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, D, scale, ob, scores, acc);
+        attend_one_any(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, D, scale, ob, scores,
+                       acc);
       }
     }
   });
