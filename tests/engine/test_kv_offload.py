@@ -413,3 +413,44 @@ def test_the_writer_drops_only_past_its_bound_and_counts_it() -> None:
     offload.flush()
     assert sorted(store.blobs) == [100, 101, 102, 200]
     engine.core.close()
+
+
+def test_an_idle_core_waits_on_the_fetcher_instead_of_spinning() -> None:
+    """A core whose only work is a request waiting for the store blocks in
+    `KVOffloadManager.wait` until the fetch is done: a spinning loop held the GIL that
+    the fetcher needs, so a fetch took ~30 ms a block and the store was skipped."""
+    blobs: dict[int, bytes] = {}
+    first, _ = store_engine(blobs)
+    prompt = sessions()[0]
+    run(first, "a", prompt)
+    first.core.close()
+    engine, store = store_engine(blobs)
+    bm, offload = engine.core.block_manager, engine.core.block_manager.offload
+    assert offload is not None
+    gate, read_many = threading.Event(), store.read_many
+    store.read_many = lambda hashes: (gate.wait(10), read_many(hashes))[1]  # type: ignore
+    seq = Sequence(1, "b", 0, list(prompt), len(prompt), SamplingParams(), 8)
+    assert bm.lookup(seq) == [] and bm.load_pending  # the fetch started; the request waits
+    assert not offload.wait(0.05)  # nothing finished (the store is held up)
+    assert bm.lookup(seq) == [] and bm.load_pending
+    gate.set()
+    assert offload.wait(10)  # woken by the fetch, not by the timeout
+    assert len(bm.lookup(seq)) == 9 and not offload.wait(10)  # none running: at once
+    engine.core.close()
+    # the core's hook: a step with nothing to run waits on the fetcher
+    third, store3 = store_engine(blobs)
+    offload3 = third.core.block_manager.offload
+    assert offload3 is not None
+    gate3, read3, wait3 = threading.Event(), store3.read_many, offload3.wait
+    store3.read_many = lambda hashes: (gate3.wait(10), read3(hashes))[1]  # type: ignore
+    waits: list[float] = []
+    offload3.wait = lambda timeout: (waits.append(timeout), wait3(timeout))[1]  # type: ignore
+    third.add_request("c", prompt, GREEDY)
+    assert third.step() == [] and waits == [0.01]
+    gate3.set()
+    while third.has_unfinished_requests():
+        for out in third.step():
+            final = out
+    assert final.num_cached_tokens == 36
+    assert final.outputs[0].token_ids == reference_greedy(prompt, 6)
+    third.core.close()
