@@ -36,6 +36,7 @@ from router_overhead import wait_http  # noqa: F401  (benchmarks/ on sys.path)
 from router_policies import pct, start_router, worker_counters
 
 from sluice.control.local import LocalWorkerPool
+from sluice.observe.prometheus import sum_samples
 
 BLOCK = 16
 
@@ -106,6 +107,34 @@ async def replay(url: str, model: str, reqs: list[tuple[float, list[int], int]])
             "errors": errors, "seconds": time.perf_counter() - t0}
 
 
+# the workers' offload counters (summed over media), whose deltas explain the store's hits
+STORE_COUNTERS = {
+    "hit_tokens": "vllm:external_prefix_cache_hits_total",
+    "query_tokens": "vllm:external_prefix_cache_queries_total",
+    "bytes_stored": "sluice:kv_offload_bytes_stored_total",
+    "errors": "sluice:kv_offload_errors_total",
+    "skipped": "sluice:kv_offload_skipped_blocks_total",
+    "write_drops": "sluice:kv_offload_write_drops_total",
+    "prefetch_absent": "sluice:kv_offload_prefetch_absent_total",
+    "prefetch_waits": "sluice:kv_offload_prefetch_waits_total",
+    "fetch_misses": "sluice:kv_offload_fetch_misses_total",
+}
+
+
+STORE_GAUGES = {  # the engines' measured costs at the end (one medium: the store)
+    "load_s_per_block": "sluice:kv_offload_load_seconds_per_block",
+    "prefill_s_per_block": "sluice:kv_offload_prefill_seconds_per_block",
+}
+
+
+def store_counters(urls: list[str]) -> dict[str, dict[str, float]]:
+    out = {}
+    for u in urls:
+        samples = sum_samples(httpx.get(u + "/metrics", timeout=10).text)
+        out[u] = {k: samples.get(name, 0.0) for k, name in (STORE_COUNTERS | STORE_GAUGES).items()}
+    return out
+
+
 def clear_store(url: str) -> None:
     import redis
 
@@ -118,8 +147,8 @@ def clear_store(url: str) -> None:
 def run(config: str, args: argparse.Namespace, model_path: str,
         reqs: list[tuple[float, list[int], int]]) -> dict[str, Any]:
     worker_args = ["--model", model_path, "--max-model-len", "4096"]
-    if args.pool_blocks:  # SmolLM2-135M fp32: 737,280 bytes a 16-token block
-        worker_args += ["--kv-cache-memory-bytes", str(args.pool_blocks * 737_280)]
+    if args.pool_blocks:  # blocks, whatever the dtype (was bytes: 2x the blocks in bf16)
+        worker_args += ["--num-kv-blocks", str(args.pool_blocks)]
     if config == "store":
         clear_store(args.store)
         worker_args += ["--kv-store", args.store]
@@ -138,15 +167,21 @@ def run(config: str, args: argparse.Namespace, model_path: str,
                 os.environ["PYTHONPATH"] = saved
         try:
             before = worker_counters(workers.urls)
+            store_before = store_counters(workers.urls)
             res = asyncio.run(replay(url, model, reqs))
             time.sleep(1.0)
             after = worker_counters(workers.urls)
+            store_after = store_counters(workers.urls)
         finally:
             proc.terminate()
             proc.wait(10)
     d = {k: sum(after[u][k] - before[u][k] for u in workers.urls) for k in ("hits", "queries")}
     res["hit_rate"] = d["hits"] / d["queries"] if d["queries"] else 0.0
     res["per_worker_requests"] = [after[u]["requests"] - before[u]["requests"] for u in workers.urls]
+    res["store"] = {k: sum(store_after[u][k] - store_before[u][k] for u in workers.urls)
+                    for k in STORE_COUNTERS}
+    res["store_costs_ms"] = {k: [round(store_after[u][k] * 1e3, 2) for u in workers.urls]
+                             for k in STORE_GAUGES}
     return res
 
 
@@ -184,6 +219,9 @@ def main() -> int:
         print(f"{config:8} {r['hit_rate']:9.3f} {oracle:7.3f} {r['hit_rate_vs_oracle']:9.2f} "
               f"{r['ttft_p50_s']:9.3f} {r['ttft_p90_s']:9.3f} {r['errors']:6d} "
               f"{str([int(x) for x in r['per_worker_requests']]):>16}")
+    for config, r in results.items():
+        print(f"{config:8} offload: " + ", ".join(f"{k} {v:.0f}" for k, v in r["store"].items())
+              + "; ms per block per worker: " + str(r["store_costs_ms"]))
     print(json.dumps({"benchmark": "kv_store_routing", "cores": os.cpu_count(), "oracle": oracle,
                       "args": vars(args), "results": results}))
     return 0

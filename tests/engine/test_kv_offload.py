@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,10 +19,14 @@ import torch
 from sluice.engine.attention import KVCache
 from sluice.engine.config import EngineConfig
 from sluice.engine.kv_offload import (
+    BlobTier,
     CorruptBlock,
     DiskTier,
+    Evicted,
     HostTier,
+    KVOffloadManager,
     KVOffloadSpec,
+    PoolAccess,
     RedisTier,
     StoredBlock,
     decode_block,
@@ -132,6 +137,21 @@ def test_redis_store_shares_blocks_and_survives_a_dead_store() -> None:
     assert dead.get(42) is None and dead.stats.errors == 1
     dead.put(42, block(42))
     assert dead.get(42) is None and dead.stats.errors == 1  # skipped while down
+
+
+def test_redis_store_reads_and_writes_many_blocks_at_once() -> None:
+    ns = uuid.uuid4().hex[:16]
+    a, b = RedisTier(REDIS_URL, ns), RedisTier(REDIS_URL, ns)
+    try:
+        a.put(1, block(1))
+        blobs = [(h, encode_block(ns, h, block(h))) for h in (1, 2, 3)]
+        assert b.write_many(blobs) == [False, True, True]  # 1 was there: not sent again
+        assert b.stats.blocks_stored == 2 and b.stats.bytes_stored == 2 * len(blobs[1][1])
+        got = a.get_many([3, 4, 1])
+        assert got[1] is None and got[0] is not None and got[2] is not None
+        assert torch.equal(got[0].kv, block(3).kv) and torch.equal(got[2].kv, block(1).kv)
+    finally:
+        a.client.delete(*(a._key(h) for h in (1, 2, 3)))
 
 
 # -- the engine loop over a tensor-backed fake runner -------------------------------------
@@ -267,8 +287,6 @@ def test_a_tier_slower_than_recomputing_is_skipped_but_probed() -> None:
 
 
 def test_a_request_waits_for_its_disk_blocks_while_others_run(tmp_path: Path) -> None:
-    import threading
-
     spec = f"disk={tmp_path}:1MiB"
     first = make_engine(32, kv_offload=spec)
     prompt, other = sessions()[0], sessions()[1][:9]
@@ -308,3 +326,131 @@ def test_a_tier_never_serves_one_adapters_kv_to_another_or_to_the_base() -> None
 
     assert bm.lookup(seq(b"\x01" * 16)) == []  # same tokens, an adapter's key: a miss
     assert len(bm.lookup(seq(b""))) == 9  # the base's chain comes back from the host tier
+
+
+class CountingStore(BlobTier):
+    """A shared store in a dict that counts its round trips: one per call, whether the
+    call carries one block (`read`, `write`, `contains`) or many (`read_many`,
+    `write_many`), as a remote store's would be."""
+
+    medium = "REDIS"
+
+    def __init__(self, blobs: dict[int, bytes]) -> None:
+        super().__init__("")
+        self.blobs = blobs
+        self.reads = self.writes = 0
+
+    def contains(self, block_hash: int) -> bool:
+        return block_hash in self.blobs
+
+    def read(self, block_hash: int) -> bytes | None:
+        self.reads += 1
+        return self.blobs.get(block_hash)
+
+    def write(self, block_hash: int, blob: bytes) -> None:
+        self.write_many([(block_hash, blob)])
+
+    def read_many(self, hashes: list[int]) -> list[bytes | None]:  # type: ignore[override]
+        self.reads += 1
+        return [self.blobs.get(h) for h in hashes]
+
+    def write_many(self, items: list[tuple[int, bytes]]) -> list[bool]:  # type: ignore[override]
+        self.writes += 1
+        out = [h not in self.blobs for h, _ in items]
+        for (h, blob), new in zip(items, out, strict=True):
+            if new:
+                self.blobs[h] = blob
+                self.stats.blocks_stored += 1
+        return out
+
+
+def store_engine(blobs: dict[int, bytes]) -> tuple[LLMEngine, CountingStore]:
+    """An engine whose only tier is a CountingStore over `blobs` (a worker of a pool)."""
+    engine = make_engine(32)
+    store = CountingStore(blobs)
+    caches = [(layer.attention.kv_cache.k, layer.attention.kv_cache.v)
+              for layer in engine.core.runner.model.layers]
+    engine.core.block_manager.attach_offload(KVOffloadManager(PoolAccess(caches), BS,
+                                                              blob_tiers=[store]))
+    return engine, store
+
+
+def test_a_store_round_trip_carries_a_step_or_a_chain_of_blocks_not_one() -> None:
+    """One round trip per block made a store's measured load time (on a busy worker,
+    each trip waits for the engine thread) look slower than recomputing, and the cost
+    model stopped asking the store: hits lost. A step's new blocks are written, and a
+    request's chain fetched, in one call each."""
+    blobs: dict[int, bytes] = {}
+    first, store = store_engine(blobs)
+    prompt = sessions()[0]
+    run(first, "a", prompt)
+    offload = first.core.block_manager.offload
+    assert offload is not None
+    offload.flush()
+    # the prefill step cached 10 blocks (one write), a decode step the 11th (another)
+    assert len(blobs) == 11 and store.writes == 2 and offload.write_drops == 0
+    second, other = store_engine(blobs)  # another worker, same store, empty pool
+    out = run(second, "b", prompt)
+    assert out.num_cached_tokens == 36  # 9 full blocks before the last token
+    assert out.outputs[0].token_ids == reference_greedy(prompt, 6)
+    assert other.reads == 1 and other.stats.hits == 9
+    first.core.close()
+    second.core.close()
+
+
+def test_the_writer_drops_only_past_its_bound_and_counts_it() -> None:
+    engine, store = store_engine({})
+    offload = engine.core.block_manager.offload
+    assert offload is not None
+    offload.queue_blocks = 4
+    gate = threading.Event()
+    write_many = store.write_many
+    store.write_many = lambda items: (gate.wait(10), write_many(items))[1]  # type: ignore
+    offload.write_through([Evicted(i, 100 + i, (i,) * BS) for i in range(3)])
+    offload.write_through([Evicted(i, 200 + i, (i,) * BS) for i in range(3)])  # 1 fits
+    assert offload.write_drops == 2
+    gate.set()
+    offload.flush()
+    assert sorted(store.blobs) == [100, 101, 102, 200]
+    engine.core.close()
+
+
+def test_an_idle_core_waits_on_the_fetcher_instead_of_spinning() -> None:
+    """A core whose only work is a request waiting for the store blocks in
+    `KVOffloadManager.wait` until the fetch is done: a spinning loop held the GIL that
+    the fetcher needs, so a fetch took ~30 ms a block and the store was skipped."""
+    blobs: dict[int, bytes] = {}
+    first, _ = store_engine(blobs)
+    prompt = sessions()[0]
+    run(first, "a", prompt)
+    first.core.close()
+    engine, store = store_engine(blobs)
+    bm, offload = engine.core.block_manager, engine.core.block_manager.offload
+    assert offload is not None
+    gate, read_many = threading.Event(), store.read_many
+    store.read_many = lambda hashes: (gate.wait(10), read_many(hashes))[1]  # type: ignore
+    seq = Sequence(1, "b", 0, list(prompt), len(prompt), SamplingParams(), 8)
+    assert bm.lookup(seq) == [] and bm.load_pending  # the fetch started; the request waits
+    assert not offload.wait(0.05)  # nothing finished (the store is held up)
+    assert bm.lookup(seq) == [] and bm.load_pending
+    gate.set()
+    assert offload.wait(10)  # woken by the fetch, not by the timeout
+    assert len(bm.lookup(seq)) == 9 and not offload.wait(10)  # none running: at once
+    engine.core.close()
+    # the core's hook: a step with nothing to run waits on the fetcher
+    third, store3 = store_engine(blobs)
+    offload3 = third.core.block_manager.offload
+    assert offload3 is not None
+    gate3, read3, wait3 = threading.Event(), store3.read_many, offload3.wait
+    store3.read_many = lambda hashes: (gate3.wait(10), read3(hashes))[1]  # type: ignore
+    waits: list[float] = []
+    offload3.wait = lambda timeout: (waits.append(timeout), wait3(timeout))[1]  # type: ignore
+    third.add_request("c", prompt, GREEDY)
+    assert third.step() == [] and waits == [0.01]
+    gate3.set()
+    while third.has_unfinished_requests():
+        for out in third.step():
+            final = out
+    assert final.num_cached_tokens == 36
+    assert final.outputs[0].token_ids == reference_greedy(prompt, 6)
+    third.core.close()

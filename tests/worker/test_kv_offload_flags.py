@@ -41,10 +41,12 @@ def test_bad_values_exit_2_with_the_reason(flag: str, value: str, words: str,
 def test_tier_series_on_metrics() -> None:
     row = {"hits": 3.0, "queries": 4.0, "bytes_loaded": 300.0, "load_seconds": 0.5,
            "blocks_stored": 9.0, "bytes_stored": 900.0, "errors": 1.0, "usage_bytes": 900.0,
-           "hit_tokens": 48.0, "query_tokens": 64.0, "load_s_per_block": 0.001}
+           "hit_tokens": 48.0, "query_tokens": 64.0, "load_s_per_block": 0.001,
+           "skipped": 2.0}
     stats = EngineStats(0, 0, 0.0, 8, 0, 0, 0, 0, 0, 0,
                         kv_offload={"CPU": row, "DISK": {**row, "hits": 1.0},
-                                    "ENGINE": {"prefill_s_per_block": 0.02}})
+                                    "ENGINE": {"prefill_s_per_block": 0.02,
+                                               "write_drops": 5.0, "fetch_misses": 1.0}})
     registry = CollectorRegistry()
     registry.register(EngineStatsCollector(lambda: stats, lambda: "m"))
     text = generate_latest(registry).decode()
@@ -52,4 +54,8 @@ def test_tier_series_on_metrics() -> None:
     assert 'sluice:kv_offload_bytes_loaded_total{medium="DISK",model_name="m"} 300.0' in text
     assert 'sluice:kv_offload_errors_total{medium="CPU",model_name="m"} 1.0' in text
     assert 'sluice:kv_offload_prefill_seconds_per_block{model_name="m"} 0.02' in text
+    assert 'sluice:kv_offload_skipped_blocks_total{medium="CPU",model_name="m"} 2.0' in text
+    assert 'sluice:kv_offload_write_drops_total{model_name="m"} 5.0' in text
+    assert 'sluice:kv_offload_fetch_misses_total{model_name="m"} 1.0' in text
+    assert 'sluice:kv_offload_prefetch_waits_total{model_name="m"} 0.0' in text
     assert "ENGINE" not in text

@@ -237,8 +237,10 @@ class EngineCore:
         chunks = self.scheduler.schedule()
         drafts = self.spec.fit(chunks) if self.spec is not None else {}
         if not chunks:
-            self.structured.wait(0.01)  # only grammars or KV pulls pending: do not spin
-            self.kv_transfer.wait(0.01)
+            self.structured.wait(0.01)  # only grammars, KV pulls or fetches from an
+            self.kv_transfer.wait(0.01)  # offload tier pending: do not spin
+            if self.block_manager.offload is not None:
+                self.block_manager.offload.wait(0.01)
             return []
         self._mark_scheduled(chunks)
         self.block_manager.flush_evicted()  # evicted blocks go down a tier before overwrites

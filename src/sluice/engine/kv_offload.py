@@ -268,8 +268,30 @@ class BlobTier(KVTier):
     @abstractmethod
     def write(self, block_hash: int, blob: bytes) -> None: ...
 
+    def read_many(self, hashes: Sequence[int]) -> list[bytes | None]:
+        """`read` of each (a remote store overrides this with one round trip)."""
+        return [self.read(h) for h in hashes]
+
+    def write_many(self, items: Sequence[tuple[int, bytes]]) -> list[bool]:
+        """`write` each blob not held yet; whether each was stored (a remote store
+        overrides this with one round trip for the checks and one for the writes)."""
+        out = []
+        for block_hash, blob in items:
+            stored = self.stats.blocks_stored
+            if not self.contains(block_hash):
+                self.write(block_hash, blob)
+            out.append(self.stats.blocks_stored > stored)
+        return out
+
     def get(self, block_hash: int) -> StoredBlock | None:
-        blob = self.read(block_hash)
+        return self._decode(block_hash, self.read(block_hash))
+
+    def get_many(self, hashes: Sequence[int]) -> list[StoredBlock | None]:
+        """`get` of each, read in one `read_many`."""
+        return [self._decode(h, blob) for h, blob in zip(hashes, self.read_many(hashes),
+                                                          strict=True)]
+
+    def _decode(self, block_hash: int, blob: bytes | None) -> StoredBlock | None:
         if blob is None:
             return None
         try:
@@ -398,8 +420,11 @@ class RedisTier(BlobTier):
 
         super().__init__(namespace)
         self.url = url
+        # 1 MiB a socket read (redis-py reads 64 KiB): a 16-block MGET is ~6 MB, and on a
+        # busy worker each read waits for the GIL
         self.client = redis.Redis.from_url(url, socket_timeout=timeout,
-                                           socket_connect_timeout=timeout)
+                                           socket_connect_timeout=timeout,
+                                           socket_read_size=1 << 20)
         self.errors: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
         self.retry_after = retry_after
         self.ttl = ttl
@@ -428,10 +453,44 @@ class RedisTier(BlobTier):
         return blob if isinstance(blob, bytes) else None
 
     def write(self, block_hash: int, blob: bytes) -> None:
-        if self._call(lambda: self.client.set(self._key(block_hash), blob, nx=True,
-                                              ex=self.ttl)):
-            self.stats.blocks_stored += 1
-            self.stats.bytes_stored += len(blob)
+        self.write_many([(block_hash, blob)])
+
+    def read_many(self, hashes: Sequence[int]) -> list[bytes | None]:
+        """One MGET: a chain of blocks costs one round trip, not one per block."""
+        blobs = self._call(lambda: self.client.mget([self._key(h) for h in hashes]))
+        if not isinstance(blobs, list):
+            return [None] * len(hashes)
+        return [b if isinstance(b, bytes) else None for b in blobs]
+
+    def write_many(self, items: Sequence[tuple[int, bytes]]) -> list[bool]:
+        """SET NX of each blob (with the TTL) in one pipelined round trip, after one
+        EXISTS round trip, so a block another worker stored is not sent again."""
+        keys = [self._key(h) for h, _ in items]
+
+        def held() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+            return pipe.execute()
+
+        def store(todo: list[int]) -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for i in todo:
+                pipe.set(keys[i], items[i][1], nx=True, ex=self.ttl)
+            return pipe.execute()
+
+        exists = self._call(held)
+        if not isinstance(exists, list):
+            return [False] * len(items)
+        todo = [i for i, e in enumerate(exists) if not e]
+        done = self._call(lambda: store(todo)) if todo else []
+        out = [False] * len(items)
+        for i, ok in zip(todo, done if isinstance(done, list) else [], strict=False):
+            if ok:
+                out[i] = True
+                self.stats.blocks_stored += 1
+                self.stats.bytes_stored += len(items[i][1])
+        return out
 
     def discard(self, block_hash: int) -> None:
         self._call(lambda: self.client.delete(self._key(block_hash)))
@@ -531,12 +590,15 @@ class KVOffloadManager:
             the request waits (others run); its next lookup finds the staged blocks
 
     Engine thread: `save_evicted`, `write_through`, `find`, `prefetch`, `load`. The
-    writer only calls the blob tiers' `put` (thread-safe) on copies it owns; the fetcher
-    their `get`; staging is under `_lock`."""
+    writer only calls the blob tiers' `write_many` (thread-safe) on copies it owns; the
+    fetcher their `get_many`; both `batch_blocks` blocks a call, so a remote store costs
+    a round trip per batch, not per block (per block, each trip also waited for the busy
+    engine thread, and the store measured slower than recomputing). Staging and the
+    queued-block count are under `_lock`."""
 
     def __init__(self, pool: PoolAccess, block_size: int, host: HostTier | None = None,
                  blob_tiers: Sequence[BlobTier] = (), queue_blocks: int = 256,
-                 max_staged: int = 1024) -> None:
+                 max_staged: int = 1024, batch_blocks: int = 16) -> None:
         self.pool = pool
         self.host = host
         self.blob_tiers = list(blob_tiers)
@@ -551,9 +613,15 @@ class KVOffloadManager:
         for tier in self.blob_tiers:
             if isinstance(tier, DiskTier):
                 tier.on_removed = lambda hashes, m=tier.medium: self._removed(hashes, m)
-        self.write_drops = 0
+        self.write_drops = 0  # blocks not written through (the writer was behind)
+        self.prefetch_absent = 0  # pool misses whose next block no blob tier held
+        self.prefetch_waits = 0  # pool misses that waited for a fetch
+        self.fetch_misses = 0  # of those, fetches that got not even the first block
         self._pending_load_s: dict[str, float] = {}  # last fetch time per tier
-        self._queue: queue.Queue[tuple[int, StoredBlock] | None] = queue.Queue(queue_blocks)
+        # batches of newly cached blocks for the writer; blocks in them (`_lock`)
+        self._queue: queue.Queue[list[tuple[int, StoredBlock]] | None] = queue.Queue()
+        self.queue_blocks = queue_blocks
+        self._queued_blocks = 0
         self._writer: threading.Thread | None = None
         # blocks fetched from the disk tier and the store, waiting for their request's
         # next lookup; blocks being fetched; first blocks of chains that missed lately
@@ -561,7 +629,13 @@ class KVOffloadManager:
         self._staged: OrderedDict[int, tuple[KVTier, StoredBlock]] = OrderedDict()
         self._pending: set[int] = set()
         self._missed: OrderedDict[int, float] = OrderedDict()
+        # chains fetched so far, and that count when a request last decided to wait
+        # (`wait` wakes when it moved on): the engine thread blocks instead of spinning
+        self._done = threading.Condition(self._lock)
+        self._fetches_done = 0
+        self._seen: int | None = None
         self.max_staged = max_staged
+        self.batch_blocks = batch_blocks  # blocks a store round trip reads or writes
         self.missed_ttl = 10.0
         self._fetch_queue: queue.Queue[list[tuple[int, tuple[int, ...]]] | None] = queue.Queue()
         self._fetcher: threading.Thread | None = None
@@ -596,27 +670,37 @@ class KVOffloadManager:
             self.events.append(BlockRemoved(hashes, medium=medium))
 
     def write_through(self, cached: Sequence[Evicted]) -> None:
-        """Queue newly cached blocks for the disk tier and the store (dropped, counted,
-        when the writer is behind: they stay in the pool and the host tier)."""
+        """Queue newly cached blocks (one step's, as one batch) for the disk tier and the
+        store. At most `queue_blocks` blocks wait: past that the batch's tail is dropped,
+        counted in `write_drops` (those blocks stay in the pool and the host tier)."""
         if not self.blob_tiers or not cached:
             return
-        kv = self.pool.read([c.block_id for c in cached])
-        for i, c in enumerate(cached):
-            try:
-                self._queue.put_nowait((c.block_hash, StoredBlock(c.token_ids, kv[i])))
-            except queue.Full:
-                self.write_drops += 1
+        with self._lock:
+            room = min(len(cached), self.queue_blocks - self._queued_blocks)
+            self._queued_blocks += max(room, 0)
+        self.write_drops += len(cached) - max(room, 0)
+        if room <= 0:
+            return
+        kv = self.pool.read([c.block_id for c in cached[:room]])
+        self._queue.put([(c.block_hash, StoredBlock(c.token_ids, kv[i]))
+                         for i, c in enumerate(cached[:room])])
 
     def _write_loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            block_hash, block = item
-            for tier in self.blob_tiers:
-                if not tier.contains(block_hash):
-                    stored = tier.stats.blocks_stored
-                    tier.put(block_hash, block)
-                    if tier.stats.blocks_stored > stored:
-                        self._stored(block_hash, block.token_ids, tier.medium)
+        """Write each queued batch, `batch_blocks` blocks a call (a store's round trips
+        are per call, not per block), until the None that `close` queues."""
+        while (blocks := self._queue.get()) is not None:
+            for i in range(0, len(blocks), self.batch_blocks):
+                self._write(blocks[i:i + self.batch_blocks])
+            with self._lock:
+                self._queued_blocks -= len(blocks)
             self._queue.task_done()
+
+    def _write(self, blocks: list[tuple[int, StoredBlock]]) -> None:
+        for tier in self.blob_tiers:
+            blobs = [(h, encode_block(tier.namespace, h, b)) for h, b in blocks]
+            for (h, b), stored in zip(blocks, tier.write_many(blobs), strict=True):
+                if stored:
+                    self._stored(h, b.token_ids, tier.medium)
 
     def flush(self, timeout: float = 10.0) -> None:
         """Wait until queued writes are done (tests, shutdown)."""
@@ -663,7 +747,22 @@ class KVOffloadManager:
     def fetching(self, chain: Sequence[tuple[int, tuple[int, ...]]]) -> bool:
         """Whether the fetcher is still reading a block of `chain`."""
         with self._lock:
-            return bool(self._pending) and any(h in self._pending for h, _ in chain)
+            waits = bool(self._pending) and any(h in self._pending for h, _ in chain)
+            if waits and self._seen is None:
+                self._seen = self._fetches_done
+            return waits
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to `timeout` s until a fetch finishes that a request decided to wait
+        for (`fetching`, `prefetch`) since the last `wait`; at once when none is running.
+        Returns whether one finished. An idle core waiting only on fetches must not
+        spin: its loop holds the GIL that the fetcher needs for every socket read, and a
+        16-block fetch measured ~30 ms a block, slower than recomputing."""
+        with self._done:
+            seen, self._seen = self._seen, None
+            if seen is None or not self._pending:
+                return seen is not None and seen != self._fetches_done
+            return self._done.wait_for(lambda: self._fetches_done != seen, timeout)
 
     def prefetch(self, chain: Sequence[tuple[int, tuple[int, ...]]]) -> bool:
         """Ask the disk tier and the store, on the fetcher thread, for `chain` (hash,
@@ -683,9 +782,13 @@ class KVOffloadManager:
         # a request waits only for a chain some tier holds the start of (a file's name, a
         # key's EXISTS): a new prefix never queues behind another request's fetch
         if not any(t.contains(first) for t in self.blob_tiers):
+            self.prefetch_absent += 1
             return False
+        self.prefetch_waits += 1
         with self._lock:
             self._pending.update(h for h, _ in chain)
+            if self._seen is None:
+                self._seen = self._fetches_done
         self._fetch_queue.put(list(chain))
         return True
 
@@ -697,19 +800,57 @@ class KVOffloadManager:
 
     def _fetch_loop(self) -> None:
         while (chain := self._fetch_queue.get()) is not None:
-            for i, (block_hash, token_ids) in enumerate(chain):
-                got = self._fetch(self.blob_tiers, block_hash, token_ids)
-                if got is None:
-                    if i == 0:  # held (`contains` said so) but unusable
-                        self._miss(block_hash)
-                    break
+            done = 0
+            while done < len(chain):  # `batch_blocks` a round trip, to the first miss
+                batch = chain[done:done + self.batch_blocks]
+                got = self._fetch_run(batch)
                 with self._lock:  # staged, then no longer pending: a lookup sees one
-                    self._staged[block_hash] = got
-                    self._pending.discard(block_hash)
+                    for (block_hash, _), found in zip(batch, got, strict=False):
+                        self._staged[block_hash] = found
+                        self._pending.discard(block_hash)
                     while len(self._staged) > self.max_staged:
                         self._staged.popitem(last=False)
-            with self._lock:
+                done += len(got)
+                if len(got) < len(batch):
+                    break
+            if done == 0:  # held (`contains` said so) but unusable, or not worth loading
+                self.fetch_misses += 1
+                self._miss(chain[0][0])
+            with self._done:
                 self._pending.difference_update(h for h, _ in chain)
+                self._fetches_done += 1
+                self._done.notify_all()
+
+    def _fetch_run(self, batch: Sequence[tuple[int, tuple[int, ...]]]
+                   ) -> list[tuple[KVTier, StoredBlock]]:
+        """The leading blocks of `batch` (hash, tokens) that the blob tiers hold with
+        these tokens: each tier, in order, is asked in one `get_many` for the blocks the
+        tiers before it lacked. Its measured time per block is that call's time shared
+        out to the blocks it gave."""
+        out: list[tuple[KVTier, StoredBlock]] = []
+        for tier in self.blob_tiers:
+            rest = batch[len(out):]
+            if not rest:
+                break
+            if not self.cost.worth_loading(tier.medium):
+                continue
+            start = time.perf_counter()
+            blocks = tier.get_many([h for h, _ in rest])
+            got = 0
+            for (_, token_ids), block in zip(rest, blocks, strict=True):
+                if block is None or block.token_ids != token_ids:
+                    break
+                if tuple(block.kv.shape) != self.pool.block_shape \
+                        or block.kv.dtype != self.pool.dtype:
+                    tier.stats.errors += 1
+                    break
+                out.append((tier, block))
+                got += 1
+            tier.stats.queries += got + (got < len(rest))
+            seconds = (time.perf_counter() - start) / max(got, 1)
+            for _, block in out[len(out) - got:]:
+                self._observe(tier, block, seconds)
+        return out
 
     def _observe(self, tier: KVTier, block: StoredBlock, seconds: float) -> None:
         tier.stats.hits += 1
@@ -740,8 +881,12 @@ class KVOffloadManager:
             row = out[tier.medium]
             row["hit_tokens"], row["query_tokens"] = row["hits"] * bs, row["queries"] * bs
             row["load_s_per_block"] = self.cost.load_s_per_block.get(tier.medium, 0.0)
+            row["skipped"] = float(self.cost.skipped.get(tier.medium, 0))
         out["ENGINE"] = {"prefill_s_per_block": (self.cost.prefill_s_per_token or 0.0) * bs,
-                         "write_drops": float(self.write_drops)}
+                         "write_drops": float(self.write_drops),
+                         "prefetch_absent": float(self.prefetch_absent),
+                         "prefetch_waits": float(self.prefetch_waits),
+                         "fetch_misses": float(self.fetch_misses)}
         return out
 
 

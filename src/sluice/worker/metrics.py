@@ -127,10 +127,24 @@ KV_OFFLOAD_SERIES = [
     ("sluice:kv_offload_errors", "counter",
      "Corrupt or truncated blocks and unreachable stores (each fell back to recompute).",
      "errors"),
+    ("sluice:kv_offload_skipped_blocks", "counter",
+     "Blocks not asked of the tier: its measured load time was slower than recomputing.",
+     "skipped"),
     ("sluice:kv_offload_usage_bytes", "gauge", "Bytes held by the tier (this worker's view).",
      "usage_bytes"),
     ("sluice:kv_offload_load_seconds_per_block", "gauge",
      "Measured time to load one block from the tier (moving average).", "load_s_per_block"),
+]
+
+KV_OFFLOAD_ENGINE_COUNTERS = [
+    ("sluice:kv_offload_write_drops", "Blocks not written through to the disk tier and the "
+     "store (the writer was behind).", "write_drops"),
+    ("sluice:kv_offload_prefetch_absent", "Pool misses whose next block no disk tier or "
+     "store held (recomputed).", "prefetch_absent"),
+    ("sluice:kv_offload_prefetch_waits", "Pool misses that waited for a fetch from the disk "
+     "tier or the store.", "prefetch_waits"),
+    ("sluice:kv_offload_fetch_misses", "Fetches that loaded not even the first block "
+     "(unusable, or not asked: slower than recomputing).", "fetch_misses"),
 ]
 
 
@@ -150,6 +164,10 @@ def kv_offload_metrics(tiers: dict[str, dict[str, float]], model_name: str) -> I
                               labels=["model_name"])
     gauge.add_metric([model_name], engine.get("prefill_s_per_block", 0.0))
     yield gauge
+    for name, doc, key in KV_OFFLOAD_ENGINE_COUNTERS:
+        counter = CounterMetricFamily(name, doc, labels=["model_name"])
+        counter.add_metric([model_name], engine.get(key, 0.0))
+        yield counter
 
 
 # sluice.engine.kv_transfer's (repeated here: the front end does not import torch)
