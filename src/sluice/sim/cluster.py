@@ -176,9 +176,9 @@ class Simulation:
         flight: _Flight = req.meta  # type: ignore[assignment]
         hashes = flight.hashes = tuple(hash_blocks(req.prompt, self.cfg.profile.block_size))
         req.block_hashes = hashes  # the engine's too (the same blocks: hashed once)
-        self._oracle(hashes, len(req.prompt))
+        self._oracle(hashes, req.num_prompt_tokens)
         self._arrivals += 1
-        flight.ticket = self.router.route(len(req.prompt), hashes, req.session_key,
+        flight.ticket = self.router.route(req.num_prompt_tokens, hashes, req.session_key,
                                           req.max_tokens)
         if flight.ticket is None:
             req.error = "no_worker"
@@ -202,7 +202,9 @@ class Simulation:
     def _oracle_output(self, flight: _Flight, req: SimRequest) -> None:
         """The oracle caches the answer too (the engine does: a next turn resends it)."""
         bs = self.cfg.profile.block_size
-        tail = req.prompt[len(flight.hashes) * bs:] + req.output  # past the hashed blocks
+        # past the hashed blocks: the prompt's tail, then the answer (`req.prompt` is the
+        # engine sequence's token list, which the answer was appended to)
+        tail = req.prompt[len(flight.hashes) * bs:]
         parent = flight.hashes[-1] if flight.hashes else None
         for i in range(len(tail) // bs):
             parent = hash_block(parent, tail[i * bs:(i + 1) * bs])
@@ -232,7 +234,7 @@ class Simulation:
         """Fill the client's record (times as the client sees them) and go on."""
         rec, half = flight.record, self.cfg.profile.request_overhead_s / 2
         rec.error = req.error
-        rec.prompt_tokens = len(req.prompt)
+        rec.prompt_tokens = req.num_prompt_tokens
         rec.output_tokens = len(req.output)
         times = [t + half - rec.start for t in req.token_times]
         rec.token_times = [rec.start + t for t in times]
