@@ -45,7 +45,7 @@ def digest(records: list[Any], summary: dict[str, Any]) -> str:
         h.update(repr(vars(rec)).encode())
     stable = {k: v for k, v in summary.items() if k not in ("wall_s", "events_per_s")}
     h.update(json.dumps(stable, sort_keys=True, default=repr).encode())
-    return h.hexdigest()[:16]
+    return h.hexdigest()
 
 
 def one(cfg: SimConfig, sessions: list[Any]) -> dict[str, Any]:
@@ -115,7 +115,7 @@ def main() -> int:
                 rows.append(one(cfg, sessions))
             r = rows[-1]
             print(f"  {n:5d} workers {policy:12s} {r['wall_s']:6.1f}s "
-                  f"{r['events_per_s']:9.0f} ev/s  digest {r['digest']}", file=sys.stderr)
+                  f"{r['events_per_s']:9.0f} ev/s  digest {r['digest'][:16]}", file=sys.stderr)
 
     print(f"{'workers':>7} {'policy':12} {'hit':>6} {'oracle':>6} {'vs or.':>6} "
           f"{'goodput':>8} {'TTFT p50':>9} {'TTFT p90':>9} {'w-hours':>8} {'wall s':>7} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from sluice.bench.workloads import WorkloadConfig
 from sluice.cli import main
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.scheduler import Scheduler
+from sluice.protocol.block_hash import hash_blocks
 from sluice.protocol.errors import InvalidRequestError
 from sluice.router.policies import POLICIES
 from sluice.router.pool import Pool
@@ -22,7 +24,7 @@ from sluice.sim.cluster import SimConfig, Simulation
 from sluice.sim.planner import FixedPlanner, PoolObservation
 from sluice.sim.profile import StepProfile
 from sluice.sim.router import RouterSimConfig
-from sluice.sim.workload import synthetic_sessions
+from sluice.sim.workload import KeyedSegment, synthetic_sessions, trace_sessions, turn_prompt
 
 SIM_DIR = Path(__file__).resolve().parents[2] / "src" / "sluice" / "sim"
 PROFILE = StepProfile(step_overhead_s=2e-3, s_per_token=2e-4, s_per_seq=1e-3, s_per_kpair=1e-6,
@@ -229,6 +231,28 @@ def _trace(path: Path, rows: int = 40) -> None:
         lines.append(json.dumps({"timestamp": i * 50, "input_length": 4 * 512 - 100,
                                  "output_length": 8, "hash_ids": hashes}))
     path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("block_size", [128, 64])
+def test_trace_prompts_hash_the_same_with_their_block_keys(tmp_path: Path, block_size: int
+                                                           ) -> None:
+    """A trace row's keyed blocks are hashed once per (parent, key): the same chained
+    hashes as hashing every prompt's tokens, at the trace's block length; at any other
+    block size the keys are not used."""
+    trace = tmp_path / "t.jsonl"
+    _trace(trace)
+    sessions = [s for s, _ in trace_sessions(str(trace), WorkloadConfig(token_scale=0.25)).timed()]
+    profile = replace(PROFILE, block_size=block_size)
+    sim = Simulation(SimConfig(workers=1, profile=profile,
+                               router=RouterSimConfig(block_size=block_size)))
+    for session in sessions:
+        prompt = turn_prompt(session, 0, [])
+        user = session.turns[0].user
+        assert isinstance(user, KeyedSegment) and user.block_len == 128
+        assert sim._prompt_hashes(prompt, user) == tuple(hash_blocks(prompt, block_size))
+    # blocks 0, 1 and 2 + i % 3 are shared: 3 keyed blocks of 128 tokens per row (the
+    # fourth is cut), 2 + 3 distinct (parent, key) pairs
+    assert len(sim._keyed_hashes) == (5 if block_size == 128 else 0)
 
 
 def test_cli_trace_compare_json(tmp_path: Path, capsys: pytest.CaptureFixture[str],

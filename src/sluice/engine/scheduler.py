@@ -56,7 +56,8 @@ class _StepPlan:
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self.scheduled: dict[Sequence, int] = {}  # seq -> num tokens
+        # seq -> its chunk, built when it is scheduled (a preempted one is popped again)
+        self.scheduled: dict[Sequence, ScheduledChunk] = {}
         self.preempted: set[Sequence] = set()
 
 
@@ -74,7 +75,8 @@ class Scheduler:
         self._sort_key = (attrgetter("priority", "arrival_time", "seq_id") if self.use_priority
                           else attrgetter("arrival_time", "seq_id"))
         self.waiting: list[Sequence] = []  # sorted by sort_key
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # sorted by sort_key at each step's start
+        self._running_sorted = True  # nothing appended since the last sort (keys never change)
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -101,16 +103,15 @@ class Scheduler:
             self._schedule_running(plan)
         if self.waiting and not plan.preempted:
             self._schedule_waiting(plan)
-        return [ScheduledChunk(s, (start := s.num_computed_tokens), n,
-                               start + n == len(s.token_ids))
-                for s, n in plan.scheduled.items()]
+        return list(plan.scheduled.values())
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         # Once per engine step: the sequence properties (num_uncomputed_tokens) and the
         # common case of _make_room (room already there) are spelled out.
         running = self.running
-        if len(running) > 1:
+        if not self._running_sorted:  # (removals keep the order)
             running.sort(key=self._sort_key)
+            self._running_sorted = True
         decodes: list[Sequence] = []
         prefills: list[Sequence] = []
         for s in running:
@@ -137,8 +138,8 @@ class Scheduler:
             if fresh > 0:
                 if fresh > len(free) and not self._make_room(seq, n, plan):
                     continue  # `seq` was the worst and got preempted
-                bm.allocate(seq, n)
-            scheduled[seq] = n
+                bm.allocate(seq, n)  # fresh blocks only (a running sequence has its hits)
+            scheduled[seq] = ScheduledChunk(seq, computed, n, computed + n == len(seq.token_ids))
             plan.budget -= n
 
     def _make_room(self, seq: Sequence, n: int, plan: _StepPlan) -> bool:
@@ -190,7 +191,9 @@ class Scheduler:
             bm.allocate(seq, n, hits)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            plan.scheduled[seq] = n
+            self._running_sorted = False
+            start = seq.num_computed_tokens  # past the hits
+            plan.scheduled[seq] = ScheduledChunk(seq, start, n, start + n == len(seq.token_ids))
             plan.budget -= n
 
     def _next_block_in_flight(self, seq: Sequence, num_hit_blocks: int) -> bool:
@@ -219,7 +222,9 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, plan: _StepPlan) -> None:
         self.running.remove(seq)
-        plan.budget += plan.scheduled.pop(seq, 0)
+        chunk = plan.scheduled.pop(seq, None)
+        if chunk is not None:
+            plan.budget += chunk.num_tokens
         plan.preempted.add(seq)
         self.block_manager.free(seq)
         seq.num_preemptions += 1

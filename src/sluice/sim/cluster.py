@@ -42,7 +42,7 @@ from sluice.sim.planner import FixedPlanner, PoolObservation, ReplicaPlanner, Wo
 from sluice.sim.profile import StepProfile
 from sluice.sim.router import MODEL, RouterSimConfig, SimRouter
 from sluice.sim.worker import SimRequest, SimWorker
-from sluice.sim.workload import turn_prompt
+from sluice.sim.workload import KeyedSegment, turn_prompt
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,7 @@ class _Flight:
     record: RequestRecord
     ticket: Ticket | None = None
     hashes: tuple[int, ...] = ()  # the prompt's full blocks
+    keyed: KeyedSegment | None = None  # the prompt, when it is a trace row's keyed blocks
 
 
 @dataclass
@@ -117,6 +118,7 @@ class Simulation:
         self._ttfts: list[float] = []
         self._next_worker = 0
         self._oracle_seen: set[int] = set()
+        self._keyed_hashes: dict[tuple[int | None, int], int] = {}  # (parent, block key) -> hash
         self._touched: set[str] = set()  # workers changed since the last scrape
         self._host = [0]  # busy workers (one host: profile.host_contention)
         self.oracle_queries = 0
@@ -166,6 +168,9 @@ class Simulation:
                                session.turns[k].output_len,
                                request_id=f"sim-{session.index}-{k}")
         flight = _Flight(session, k, answers, record)
+        user = session.turns[k].user
+        if k == 0 and session.system is None and isinstance(user, KeyedSegment):
+            flight.keyed = user  # the prompt is exactly its ids
         req = SimRequest(record.request_id, prompt, session.turns[k].output_len,
                          self.loop.now, token_seed=session.index * 1009 + k,
                          session_key=session.session_id, on_first_token=self._on_first_token,
@@ -174,11 +179,11 @@ class Simulation:
 
     def _route(self, req: SimRequest) -> None:
         flight: _Flight = req.meta  # type: ignore[assignment]
-        hashes = flight.hashes = tuple(hash_blocks(req.prompt, self.cfg.profile.block_size))
+        hashes = flight.hashes = self._prompt_hashes(req.prompt, flight.keyed)
         req.block_hashes = hashes  # the engine's too (the same blocks: hashed once)
-        self._oracle(hashes, len(req.prompt))
+        self._oracle(hashes, req.num_prompt_tokens)
         self._arrivals += 1
-        flight.ticket = self.router.route(len(req.prompt), hashes, req.session_key,
+        flight.ticket = self.router.route(req.num_prompt_tokens, hashes, req.session_key,
                                           req.max_tokens)
         if flight.ticket is None:
             req.error = "no_worker"
@@ -186,6 +191,26 @@ class Simulation:
             return
         self._touched.add(flight.ticket.endpoint.url)
         self.workers[flight.ticket.endpoint.url].add(req)
+
+    def _prompt_hashes(self, prompt: list[int], keyed: KeyedSegment | None) -> tuple[int, ...]:
+        """`hash_blocks(prompt)` (the router's chained hashes), each keyed block hashed once
+        per run: its hash is a function of its parent's and its key (its tokens are)."""
+        bs = self.cfg.profile.block_size
+        if keyed is None or keyed.block_len != bs:
+            return tuple(hash_blocks(prompt, bs))
+        memo, keys = self._keyed_hashes, keyed.block_keys
+        hashes: list[int] = []
+        parent: int | None = None
+        for i in range(len(prompt) // bs):
+            key = (parent, keys[i]) if i < len(keys) else None
+            h = memo.get(key) if key is not None else None
+            if h is None:
+                h = hash_block(parent, prompt[i * bs:(i + 1) * bs])
+                if key is not None:
+                    memo[key] = h
+            hashes.append(h)
+            parent = h
+        return tuple(hashes)
 
     def _oracle(self, hashes: tuple[int, ...], num_tokens: int) -> None:
         """One infinite cache that saw every earlier request: the best hit rate possible."""
@@ -202,7 +227,9 @@ class Simulation:
     def _oracle_output(self, flight: _Flight, req: SimRequest) -> None:
         """The oracle caches the answer too (the engine does: a next turn resends it)."""
         bs = self.cfg.profile.block_size
-        tail = req.prompt[len(flight.hashes) * bs:] + req.output  # past the hashed blocks
+        # past the hashed blocks: the prompt's tail, then the answer (`req.prompt` is the
+        # engine sequence's token list, which the answer was appended to)
+        tail = req.prompt[len(flight.hashes) * bs:]
         parent = flight.hashes[-1] if flight.hashes else None
         for i in range(len(tail) // bs):
             parent = hash_block(parent, tail[i * bs:(i + 1) * bs])
@@ -232,7 +259,7 @@ class Simulation:
         """Fill the client's record (times as the client sees them) and go on."""
         rec, half = flight.record, self.cfg.profile.request_overhead_s / 2
         rec.error = req.error
-        rec.prompt_tokens = len(req.prompt)
+        rec.prompt_tokens = req.num_prompt_tokens
         rec.output_tokens = len(req.output)
         times = [t + half - rec.start for t in req.token_times]
         rec.token_times = [rec.start + t for t in times]

@@ -40,8 +40,17 @@ class EventLoop:
     def run(self, until: float | None = None) -> None:
         """Run events in time order until none is left (or the next is after `until`)."""
         heap, pop = self._heap, heapq.heappop
+        if until is None:  # the whole run: one test per event fewer
+            while heap:
+                self.now, _, fn, arg = pop(heap)
+                self.events_run += 1
+                if arg is None:
+                    fn()
+                else:
+                    fn(arg)
+            return
         while heap:
-            if until is not None and heap[0][0] > until:
+            if heap[0][0] > until:
                 self.now = until
                 return
             self.now, _, fn, arg = pop(heap)

@@ -38,6 +38,8 @@ class SimRequest:
     """One request's life in the simulator; its hooks tell the cluster what happened."""
 
     request_id: str
+    # the prompt's ids; the worker's engine sequence takes this very list as its
+    # `token_ids` (no copy of a ~15k-token prompt), so once added it grows by the answer
     prompt: list[int]
     max_tokens: int
     arrival: float  # when the client sent it
@@ -47,7 +49,7 @@ class SimRequest:
     on_first_token: Callable[[SimRequest, float], None] | None = None
     on_finish: Callable[[SimRequest], None] | None = None
     token_times: list[float] = field(default_factory=list)  # engine time of each token
-    output: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)  # the generated ids, once finished
     worker: str = ""
     num_cached_tokens: int = 0
     error: str | None = None
@@ -55,6 +57,10 @@ class SimRequest:
     # the prompt's full blocks' chained hashes, as the router computed them: the engine
     # takes them instead of hashing the same blocks again (`Sequence.known_block_hashes`)
     block_hashes: tuple[int, ...] = ()
+    num_prompt_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt)
 
 
 class SimWorker:
@@ -89,6 +95,7 @@ class SimWorker:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self._next_seq_id = 0
+        self._end = self._end_step  # bound once (once per step otherwise)
 
     # -- what the router scrapes -------------------------------------------------------
     @property
@@ -107,7 +114,7 @@ class SimWorker:
     def add(self, req: SimRequest) -> None:
         """Queue `req` (as `EngineCore.add`); starts a step if the engine was idle."""
         self._next_seq_id += 1
-        seq = Sequence(self._next_seq_id, req.request_id, 0, list(req.prompt), len(req.prompt),
+        seq = Sequence(self._next_seq_id, req.request_id, 0, req.prompt, req.num_prompt_tokens,
                        _PARAMS, req.max_tokens, req.priority, self.loop.now,
                        known_block_hashes=req.block_hashes)
         self.requests[seq] = req
@@ -131,7 +138,7 @@ class SimWorker:
                 if profile.host_contention:
                     seconds *= 1.0 + profile.host_contention * (self.host[0] - 1)
                 self.busy_seconds += seconds
-                self.loop.after(seconds, self._end_step, chunks)
+                self.loop.after(seconds, self._end, chunks)
                 return
             if self.busy:
                 self.busy = False
@@ -147,39 +154,43 @@ class SimWorker:
         self.scheduler.update_from_output(chunks)
         self.num_steps += 1
         self.changed.add(self.url)
-        now, requests = self.loop.now, self.requests
+        now, requests, latency = self.loop.now, self.requests, self.latency
+        # WorkerLatency.observe_itl, spelled out: summed here in token order (the same
+        # float) and stored once; the hooks below never read it
+        itl_sum, itl_count = latency.itl_sum, latency.itl_count
         for chunk in chunks:
             if not chunk.need_logits:
                 continue
             seq = chunk.seq
             req = requests[seq]
             token_ids, times = seq.token_ids, req.token_times
-            token = (req.token_seed * 7919 + len(token_ids) * 104_729) % TOKEN_SPACE
-            token_ids.append(token)
-            req.output.append(token)
-            self.generation_tokens += 1
+            # the answer is `token_ids` past the prompt (req.output, set at the finish)
+            token_ids.append((req.token_seed * 7919 + len(token_ids) * 104_729) % TOKEN_SPACE)
             if times:
-                latency = self.latency  # WorkerLatency.observe_itl, spelled out
-                latency.itl_sum += now - times[-1]
-                latency.itl_count += 1
+                itl_sum += now - times[-1]
+                itl_count += 1
                 times.append(now)
             else:
                 self._first_token(seq, req, now)
             if len(times) >= seq.max_tokens:  # seq.num_output_tokens: one time per token
                 seq.finish_reason = "length"
                 self._finish(seq, req)
+        self.generation_tokens += itl_count - latency.itl_count  # one per token: the
+        latency.itl_sum, latency.itl_count = itl_sum, itl_count  # first ones below
         if self.block_manager.events:
             self.on_kv_events(self.url, self.block_manager.drain_events())
         self._start_step()
 
     def _first_token(self, seq: Sequence, req: SimRequest, now: float) -> None:
         req.token_times.append(now)
+        self.generation_tokens += 1
         self.prompt_tokens += seq.num_prompt_tokens
         req.num_cached_tokens = max(seq.num_cached_tokens, 0)
         if req.on_first_token is not None:
             req.on_first_token(req, now)
 
     def _finish(self, seq: Sequence, req: SimRequest) -> None:
+        req.output = seq.token_ids[seq.num_prompt_tokens:]
         self.scheduler.finish(seq)
         del self.requests[seq]
         if req.on_finish is not None:

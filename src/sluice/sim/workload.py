@@ -85,6 +85,17 @@ class DailyShape:
         return np.interp(fractions, self.demand(grid), grid)
 
 
+@dataclass(frozen=True)
+class KeyedSegment(Segment):
+    """A trace prompt that also names its full blocks: block i (`ids[i * block_len :
+    (i + 1) * block_len]`) is `BlockSynthesizer.block(block_keys[i])`, a pure function of
+    the key. The simulator hashes a (parent hash, key) pair once per run instead of the
+    block's tokens again for every prompt that repeats it (two thirds of the trace's)."""
+
+    block_len: int = 0
+    block_keys: tuple[int, ...] = ()
+
+
 @dataclass
 class TraceSessions:
     """A Mooncake trace as sessions of token ids (one single-turn session per row), at its
@@ -114,7 +125,10 @@ class TraceSessions:
         ids = tuple(self.synth.prompt(row.hash_ids, row.input_length, self.cfg.token_scale))
         n_out = max(1, round(row.output_length * self.cfg.output_token_scale))
         at = float(self.arrivals[i])
-        turn = Turn(Segment(text="", num_tokens=len(ids), ids=ids), n_out)
+        bl = self.synth.block_len  # blocks past the full ones: the cut last one
+        keys = tuple(row.hash_ids[:len(ids) // bl])
+        turn = Turn(KeyedSegment(text="", num_tokens=len(ids), ids=ids, block_len=bl,
+                                 block_keys=keys), n_out)
         return Session(index=i, turns=(turn,), arrival=at), at
 
     def timed(self) -> Iterator[tuple[Session, float]]:
