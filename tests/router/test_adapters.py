@@ -16,7 +16,7 @@ from tests.router.router_stubs import serve, serve_router
 
 from sluice.protocol.block_hash import hash_blocks
 from sluice.protocol.kv_events import BlockStored
-from sluice.router.adapters import MIN_SEEN, Adapters, Holding
+from sluice.router.adapters import Adapters, Holding
 from sluice.router.app import build_app
 from sluice.router.config import (
     CANARY,
@@ -86,8 +86,11 @@ async def test_a_registered_adapter_is_loaded_on_demand_once() -> None:
                                          for _ in range(5)))
         assert [r.status_code for r in replies] == [200] * 5, replies[0].text
         assert {r.json()["model"] for r in replies} == {"chat"}
-        assert state.adapters.counts.loads == {"demand": 1}
-        assert sum(s.load_calls for s in stubs) == 1
+        # one load on demand, which the other four wait for (none loads it again); the
+        # burst of five placed at once may make it hot enough for its second copy
+        loads = state.adapters.counts.loads
+        assert loads["demand"] == 1 and loads.get("replicate", 0) <= 1, loads
+        assert sum(s.load_calls for s in stubs) == state.adapters.counts.total_loads()
 
 
 async def test_hot_adapter_replicated_up_to_the_cap_cold_one_not_everywhere() -> None:
@@ -148,11 +151,11 @@ async def test_zipf_mix_does_not_thrash() -> None:
         assert all(len(s.adapters) <= 2 for s in stubs)
 
 
-async def test_zipf_mix_replicates_the_hottest_adapter_though_the_tail_fills_the_slots() -> None:
-    """The hottest adapter (40% of requests) gets its second copy though the tail fills
-    every slot (the copy takes a rare adapter's slot), and neither it nor the second
-    (19%) is loaded more often than it may have copies (never evicted and loaded again). Where the copy goes among near-equal workers is a
-    matter of timing here; the rule itself is checked on fixed data below."""
+async def test_zipf_mix_replicates_the_hottest_adapter_and_keeps_the_two_hottest() -> None:
+    """The hottest adapter (40% of requests) is replicated, and neither it nor the second
+    (19%) is loaded more often than it may have copies (never evicted and loaded again).
+    Which worker a copy goes to among near-equal ones is a matter of timing here; the
+    rule itself is checked on fixed data below."""
     stubs = [LoraStub(n, service_s=0.02, max_num_seqs=2) for n in "abc"]
     mix = ["lora0", "lora1"] + zipf_mix(seed=3, k=180)
     async with fleet(stubs, ZIPF_SPECS, max_adapter_replicas=2, load_s=0.01,
@@ -170,7 +173,7 @@ ZIPF_SHARES = {"lora0": 0.40, "lora1": 0.19, "lora2": 0.12, "lora3": 0.087, "lor
                "lora5": 0.055, "lora6": 0.047, "lora7": 0.040}
 
 
-def placed(held: dict[str, list[str]], seen: int = 100) -> Adapters:
+def placed(held: dict[str, list[str]]) -> Adapters:
     """Adapters on fixed data: workers' holdings (2 slots each), recent shares as
     ZIPF_SHARES, every copy resident for 10 s and idle (clock 100)."""
     adapters = Adapters(ZIPF_SPECS, AdapterPlacement(adapters_per_worker=2, min_residency_s=30),
@@ -179,31 +182,23 @@ def placed(held: dict[str, list[str]], seen: int = 100) -> Adapters:
         adapters.held[url] = {n: Holding(loaded_at=90.0, by_router=True,
                                          last_used=90.0 - i) for i, n in enumerate(names)}
     adapters.recent = {n: round(1000 * share) for n, share in ZIPF_SHARES.items()}
-    adapters.seen = seen
     return adapters
 
 
-def test_a_hot_copy_goes_where_the_least_heat_stays_taking_a_rare_slot() -> None:
-    """lora0 is hot on a; b holds lora1 (19%) and lora7 (4%), c lora2 (12%) and lora3
-    (8.7%). Every slot is full and no adapter has a second copy: the copy takes the slot
-    of a copy at most half as used as it would be (1/2 of 40% / 2), and goes where the
-    heat left after that eviction is least: c without lora3 (12%), not b without lora7
-    (19%), though c is hotter before."""
-    adapters = placed({"a": ["lora0", "lora4"], "b": ["lora1", "lora7"],
-                       "c": ["lora2", "lora3"]})
-    adapters.placing["lora0"] = 3  # its own requests: placed, not yet answered
-    load = adapters._target("lora0", ["a", "b", "c"], ["a"], {"a": 0.2, "b": 0.1, "c": 0.1},
-                            pool_inflight=3)
+def test_a_hot_copy_goes_to_the_coolest_worker_and_never_takes_a_last_copy() -> None:
+    """lora0 is hot on a (3 of its requests placed, 3 in flight in the pool); b holds
+    lora1 (19%), c lora2 (12%), each with a free slot: the copy goes to c, the cooler,
+    though b is as cheap. Once every slot holds some adapter's only copy, no copy is
+    made (the tail would pay more loads than the copy saves), hot or not."""
+    adapters = placed({"a": ["lora0", "lora4"], "b": ["lora1"], "c": ["lora2"]})
+    adapters.placing["lora0"] = 3
+    seconds = {"a": 0.2, "b": 0.1, "c": 0.1}
+    load = adapters._target("lora0", ["a", "b", "c"], ["a"], seconds, pool_inflight=3)
     assert load is not None and (load.url, load.victim, load.reason) == \
-        ("c", "lora3", "replicate")
-    # not hot (its requests are not more than its holder's share): no slot is taken
-    adapters.placing["lora0"] = 1
-    assert adapters._target("lora0", ["a", "b", "c"], ["a"], {"a": 0.2, "b": 0.1, "c": 0.1},
-                            pool_inflight=6) is None
-    # nor on the first MIN_SEEN requests, whatever they look like
-    adapters.placing["lora0"], adapters.seen = 3, MIN_SEEN - 1
-    assert adapters._target("lora0", ["a", "b", "c"], ["a"], {"a": 0.2, "b": 0.1, "c": 0.1},
-                            pool_inflight=3) is None
+        ("c", None, "replicate")
+    adapters.held["b"]["lora7"] = Holding(90.0, True, 80.0)
+    adapters.held["c"]["lora3"] = Holding(90.0, True, 80.0)
+    assert adapters._target("lora0", ["a", "b", "c"], ["a"], seconds, pool_inflight=3) is None
 
 
 def test_a_request_with_no_holder_evicts_the_least_used_copy_in_the_pool() -> None:

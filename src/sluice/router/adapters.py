@@ -15,16 +15,15 @@ was loaded over HTTP (vLLM RFC #12174). Here the router owns placement:
       none     -> load A on the coolest, cheapest worker with a free slot (else evict the
                   copy worth least in the pool, an extra replica first; never one with a
                   request in flight or placed), wait, go
-      some     -> replicate, once MIN_SEEN adapter requests have been seen, when
-                  min cost(non-holder with room) + load_s < min cost(holders)
+      some     -> replicate when  min cost(non-holder with room) + load_s < min cost(holders)
                   or A is hot: its own requests placed or in flight (2+) and its share
                   of recent requests are both more than the holders' share of the pool
                   (holders / workers), and a non-holder costs less;
                   while A has fewer than `max_adapter_replicas` replicas; the room may be
                   free, or an *extra* replica of another adapter (one with 2+) resident
-                  for `min_residency_s` and idle, or, for a hot A, the idle only copy of
-                  an adapter at most half as used as A's new copy would be (RARE_FACTOR);
-                  among those, where the heat left after the eviction is least
+                  for `min_residency_s` and idle; an adapter's last copy is never evicted
+                  to replicate another (a replica that takes the tail's slots costs the
+                  tail more loads than it saves: benchmarks/lora_routing.py)
       the request may go to holders only (the proxy excludes the other workers; in a
       pool with a canary, among the workers of the version the request goes to)
 
@@ -45,9 +44,9 @@ was loaded over HTTP (vLLM RFC #12174). Here the router owns placement:
 
 Why it does not thrash: a replica is added only when the queue it saves is longer than
 a load, up to a cap; a replica is evicted only after its residency and only while idle;
-the last copy of an adapter is evicted only for a request that finds no holder at all,
-or for a hot adapter's copy when it is rarely used; the copy evicted is the one worth
-least (plain LRU evicts a busy adapter's only copy that happened to be idle a moment).
+the last copy of an adapter is evicted only for a request that finds no holder at all;
+the copy evicted is the one worth least (plain LRU evicts a busy adapter's only copy
+that happened to be idle a moment).
 `load_s` starts at the configured prior and learns the measured load durations.
 
 State is touched only on the event loop; a load in progress is one shared future per
@@ -84,11 +83,6 @@ DEFAULT_CAPACITY = 8  # adapters per worker when neither the config nor the work
 WAIT = "wait"  # a decided "load" that only waits for another request's load
 HOT_MIN_INFLIGHT = 2  # an adapter with fewer in flight is never "hot" (`_hot`)
 HEAT_STEP = 0.05  # request shares closer than this are equally hot (`_heat`)
-RARE_FACTOR = 2  # a hot adapter's new copy may evict the only copy of one this many times
-# rarer than the copy's share (`_target`)
-MIN_SEEN = 20  # adapter requests seen before any replica is added (`_target`): on the
-# first few, which worker is coolest (`_heat`) is a coin flip, and a replica placed by it
-# stays for its residency
 _MAX_LORA = re.compile(r'max_lora="(\d+)"')
 
 
@@ -138,7 +132,6 @@ class Adapters:
         self.changed: dict[tuple[str, str], float] = {}
         self.demand: dict[str, float] = {}  # adapter -> requests per sync interval (EWMA)
         self.recent: dict[str, int] = {}  # adapter -> requests since the last sync
-        self.seen = 0  # adapter requests placed since the router started
         self.content: dict[str, str] = {}  # adapter -> content hash, as a worker lists it
         self.counts = AdapterCounts()
         self._loads = Counter("sluice_router_adapter_loads", "adapter loads the router made",
@@ -220,7 +213,6 @@ class Adapters:
 
     async def _prepare(self, pool: Pool, model: str, meta: RequestMeta) -> tuple[str, ...]:
         self.recent[model] = self.recent.get(model, 0) + 1
-        self.seen += 1
         holders: list[str] = []
         for held in self.held.values():  # one may be chosen now: not evicted before it is sent
             if model in held:
@@ -300,8 +292,7 @@ class Adapters:
             if pending:  # another request is loading it: wait for that load
                 return _Load(self, pending[0], model, None, WAIT)
             return self._place(model, urls, seconds)
-        if len(holders) + len(pending) >= self._cap(model, len(urls)) \
-                or self.seen < MIN_SEEN:
+        if len(holders) + len(pending) >= self._cap(model, len(urls)):
             return None
         best_holder = min(seconds[u] for u in holders)
         hot = self._hot(model, holders, len(urls), pool_inflight)
@@ -310,19 +301,12 @@ class Adapters:
                         or (hot and seconds[u] < best_holder))]
         if not options:
             return None
-        # a hot adapter's new copy may also take the slot of a rarely used one's only copy
-        # (idle, its share half of what the copy would serve or less): without it, a pool
-        # whose slots the tail fills never replicates its hottest adapter
-        shares = self.shares()
-        rare = shares.get(model, 0.0) / (len(holders) + 1) / RARE_FACTOR if hot else None
         heat = self._heat(model)
-        rooms = [(url, self._room(url, extra_only=True, rare=rare)) for url in options]
-        feasible = [(heat(url) - round(shares.get(_name(v) or "", 0.0) / HEAT_STEP),
-                     seconds[url], url, v) for url, v in rooms if v is not False]
-        if not feasible:
-            return None
-        _, _, url, victim = min(feasible)  # coolest once the victim is gone, then cheapest
-        return _Load(self, url, model, _name(victim), "replicate")
+        for url in sorted(options, key=lambda u: (heat(u), seconds[u])):
+            victim = self._room(url, extra_only=True)
+            if victim is not False:
+                return _Load(self, url, model, _name(victim), "replicate")
+        return None
 
     def _hot(self, model: str, holders: list[str], workers: int, pool_inflight: int) -> bool:
         """The adapter's own requests in flight on its holders (this one included) are
@@ -388,30 +372,21 @@ class Adapters:
                 return _Load(self, url, model, victim, "demand")
         return _Load(self, ordered[0], model, None, "demand")
 
-    def _room(self, url: str, *, extra_only: bool, residency: bool = True,
-              rare: float | None = None) -> str | bool:
-        """True: `url` has a free slot; an adapter's name: room once it is evicted;
-        False: no room. `extra_only`: evict only an adapter with another replica (resident
-        `min_residency_s` when `residency`), or, given `rare`, the only copy of one whose
-        share of recent requests is at most `rare`."""
+    def _room(self, url: str, *, extra_only: bool, residency: bool = True) -> str | bool:
+        """True: `url` has a free slot; an adapter's name: room once it is evicted (the
+        one worth least, `_worth`); False: no room. `extra_only`: evict only an adapter
+        with another replica."""
         held = self.held.get(url, {})
         busy = sum(1 for (u, _) in self.loading if u == url)
         if len(held) + busy < self._capacity(url):
             return True
         now = self.clock()
-        worth, shares = self._worth(), self.shares()
-
-        def evictable(name: str, h: Holding) -> bool:
-            if name not in self.specs or self.specs[name].pinned or self.busy(url, name):
-                return False
-            if not extra_only:
-                return not residency or now - h.loaded_at >= self.placement.min_residency_s
-            if len(self.holders(name)) > 1:
-                return not residency or now - h.loaded_at >= self.placement.min_residency_s
-            return rare is not None and shares.get(name, 0.0) <= rare
-
+        worth = self._worth()
         victims = [(worth(name), h.last_used, name) for name, h in held.items()
-                   if evictable(name, h)]
+                   if name in self.specs and not self.specs[name].pinned
+                   and not self.busy(url, name)
+                   and (not residency or now - h.loaded_at >= self.placement.min_residency_s)
+                   and (not extra_only or len(self.holders(name)) > 1)]
         return min(victims)[2] if victims else False
 
     def _worth(self) -> Callable[[str], float]:
