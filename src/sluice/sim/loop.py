@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -40,18 +41,10 @@ class EventLoop:
     def run(self, until: float | None = None) -> None:
         """Run events in time order until none is left (or the next is after `until`)."""
         heap, pop = self._heap, heapq.heappop
-        if until is None:  # the whole run: one test per event fewer
-            while heap:
-                self.now, _, fn, arg = pop(heap)
-                self.events_run += 1
-                if arg is None:
-                    fn()
-                else:
-                    fn(arg)
-            return
+        end = math.inf if until is None else until
         while heap:
-            if heap[0][0] > until:
-                self.now = until
+            if heap[0][0] > end:
+                self.now = end
                 return
             self.now, _, fn, arg = pop(heap)
             self.events_run += 1
