@@ -309,11 +309,11 @@ class Adapters:
         return None
 
     def _hot(self, model: str, holders: list[str], workers: int, pool_inflight: int) -> bool:
-        """The adapter's own requests in flight on its holders (this one included) are
-        more than its holders' share of the pool's, and so is its share of recent
-        requests: its holders are busy because of it, whatever their queue looks like to
-        the cost model (which prices the time after a first token as cheap decode, and
-        sees a scrape late). The in-flight count is exact and immediate but noisy; the
+        """The adapter's own requests, placed and not yet answered (this one included)
+        or in flight on its holders, are more than its holders' share of the pool's in
+        flight, and so is its share of recent requests: its holders are busy because of
+        it, whatever their queue looks like to the cost model (which prices the time
+        after a first token as cheap decode, and sees a scrape late). The in-flight count is exact and immediate but noisy; the
         share keeps a moderately hot adapter from replicating on a chance burst."""
         own = self.placing.get(model, 0) + sum(self.inflight.get((u, model), 0) for u in holders)
         return (own >= HOT_MIN_INFLIGHT and own * workers > len(holders) * (pool_inflight + 1)
@@ -353,8 +353,9 @@ class Adapters:
 
     def _place(self, model: str, urls: list[str], seconds: dict[str, float]) -> _Load:
         """Where a request with no holder loads its adapter: the coolest (`_heat`), then
-        cheapest worker with room, else the coolest with an evictable adapter, else the
-        coolest (over capacity)."""
+        cheapest worker with a free slot, else where the pool's evictable copy worth
+        least is (`_worth`; an extra replica past its residency first), else the coolest
+        (over capacity)."""
         heat, worth = self._heat(model), self._worth()
         ordered = sorted(urls, key=lambda u: (heat(u), seconds[u]))
         for extra_only in (True, False):
