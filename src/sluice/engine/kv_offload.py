@@ -735,14 +735,23 @@ class KVOffloadManager:
             tier.stats.queries += 1
             start = time.perf_counter()
             block = tier.get(block_hash)
-            if block is None or block.token_ids != token_ids:
+            if not self._usable(tier, block, token_ids):
                 continue
-            if tuple(block.kv.shape) != self.pool.block_shape or block.kv.dtype != self.pool.dtype:
-                tier.stats.errors += 1
-                continue
+            assert block is not None
             self._observe(tier, block, time.perf_counter() - start)
             return tier, block
         return None
+
+    def _usable(self, tier: KVTier, block: StoredBlock | None,
+                token_ids: tuple[int, ...]) -> bool:
+        """`block` holds these tokens in the pool's block shape and dtype (a wrong shape or
+        dtype counts as an error of `tier`)."""
+        if block is None or block.token_ids != token_ids:
+            return False
+        if tuple(block.kv.shape) != self.pool.block_shape or block.kv.dtype != self.pool.dtype:
+            tier.stats.errors += 1
+            return False
+        return True
 
     def fetching(self, chain: Sequence[tuple[int, tuple[int, ...]]]) -> bool:
         """Whether the fetcher is still reading a block of `chain`."""
@@ -838,12 +847,9 @@ class KVOffloadManager:
             blocks = tier.get_many([h for h, _ in rest])
             got = 0
             for (_, token_ids), block in zip(rest, blocks, strict=True):
-                if block is None or block.token_ids != token_ids:
+                if not self._usable(tier, block, token_ids):
                     break
-                if tuple(block.kv.shape) != self.pool.block_shape \
-                        or block.kv.dtype != self.pool.dtype:
-                    tier.stats.errors += 1
-                    break
+                assert block is not None
                 out.append((tier, block))
                 got += 1
             tier.stats.queries += got + (got < len(rest))
