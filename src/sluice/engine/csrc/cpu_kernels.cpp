@@ -53,13 +53,30 @@ static inline float hsum16(vf16 v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// Row `t` of a sequence's context for KV head h: block row_table[t / bs], row t % bs.
-// The walks below go block by block (no division per row); rows of one block are
-// `kv_heads * D` apart.
+// Calls f(row, t) for the first `len` context rows of KV head h. Row t lies in block
+// row_table[t / bs] at row t % bs; the walk goes block by block (no division per row),
+// and rows of one block are `kv_heads * D` apart.
+template <typename T, typename F>
+static inline void for_each_row(const T* pool, const int64_t* row_table, int64_t len,
+                                int64_t bs, int64_t kv_heads, int64_t h, int64_t D, F&& f) {
+  const int64_t stride = kv_heads * D;
+  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, ++blk) {
+    const T* row = pool + (row_table[blk] * bs * kv_heads + h) * D;
+    const int64_t rows = std::min(bs, len - t0);
+    for (int64_t i = 0; i < rows; ++i, row += stride) f(row, t0 + i);
+  }
+}
+
+// Sizes the scratch for G heads of D over `len` rows and returns the queries in float,
+// pre-scaled; acc's first G * D floats are the zeroed output accumulator.
 template <typename T>
-static inline const T* block_rows(const T* pool, const int64_t* row_table, int64_t blk,
-                                  int64_t bs, int64_t kv_heads, int64_t h, int64_t D) {
-  return pool + (row_table[blk] * bs * kv_heads + h) * D;
+static float* scaled_queries(const T* q, int64_t G, int64_t D, int64_t len, float scale,
+                             std::vector<float>& scores, std::vector<float>& acc) {
+  scores.resize(G * len);
+  acc.assign(2 * G * D, 0.f);
+  float* qf = acc.data() + G * D;
+  for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
+  return qf;
 }
 
 static void softmax_rows(float* scores, int64_t G, int64_t len) {
@@ -85,43 +102,31 @@ static void attend_one(const T* q, const T* k_pool, const T* v_pool, const int64
                        float scale, T* out, std::vector<float>& scores,
                        std::vector<float>& acc) {
   constexpr int64_t D = NV * 16;
-  const int64_t stride = kv_heads * D;
-  scores.resize(G * len);
-  acc.assign(2 * G * D, 0.f);
-  float* qf = acc.data() + G * D;  // the queries in float, pre-scaled
-  for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
-  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, ++blk) {
-    const T* k = block_rows(k_pool, row_table, blk, bs, kv_heads, h, D);
-    const int64_t rows = std::min(bs, len - t0);
-    for (int64_t i = 0; i < rows; ++i, k += stride) {
-      vf16 kv[NV];
-      for (int j = 0; j < NV; ++j) kv[j] = load16(k + 16 * j);
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = qf + g * D;
-        vf16 s = load16(qg) * kv[0];
-        for (int j = 1; j < NV; ++j) s += load16(qg + 16 * j) * kv[j];
-        scores[g * len + t0 + i] = hsum16(s);
-      }
+  const float* qf = scaled_queries(q, G, D, len, scale, scores, acc);
+  for_each_row(k_pool, row_table, len, bs, kv_heads, h, D, [&](const T* k, int64_t t) {
+    vf16 kv[NV];
+    for (int j = 0; j < NV; ++j) kv[j] = load16(k + 16 * j);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      vf16 s = load16(qg) * kv[0];
+      for (int j = 1; j < NV; ++j) s += load16(qg + 16 * j) * kv[j];
+      scores[g * len + t] = hsum16(s);
     }
-  }
+  });
   softmax_rows(scores.data(), G, len);
   float* o = acc.data();
-  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, ++blk) {
-    const T* v = block_rows(v_pool, row_table, blk, bs, kv_heads, h, D);
-    const int64_t rows = std::min(bs, len - t0);
-    for (int64_t i = 0; i < rows; ++i, v += stride) {
-      vf16 vv[NV];
-      for (int j = 0; j < NV; ++j) vv[j] = load16(v + 16 * j);
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = scores[g * len + t0 + i];
-        float* og = o + g * D;
-        for (int j = 0; j < NV; ++j) {
-          const vf16 r = load16(og + 16 * j) + p * vv[j];
-          __builtin_memcpy(og + 16 * j, &r, sizeof(r));
-        }
+  for_each_row(v_pool, row_table, len, bs, kv_heads, h, D, [&](const T* v, int64_t t) {
+    vf16 vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = load16(v + 16 * j);
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * len + t];
+      float* og = o + g * D;
+      for (int j = 0; j < NV; ++j) {
+        const vf16 r = load16(og + 16 * j) + p * vv[j];
+        __builtin_memcpy(og + 16 * j, &r, sizeof(r));
       }
     }
-  }
+  });
   for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(o[i]);
 }
 
@@ -131,32 +136,22 @@ static void attend_one_any(const T* q, const T* k_pool, const T* v_pool,
                            const int64_t* row_table, int64_t len, int64_t bs, int64_t kv_heads,
                            int64_t h, int64_t G, int64_t D, float scale, T* out,
                            std::vector<float>& scores, std::vector<float>& acc) {
-  const int64_t stride = kv_heads * D;
-  scores.resize(G * len);
-  acc.assign(2 * G * D, 0.f);
-  float* qf = acc.data() + G * D;
-  for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(q[i]) * scale;
-  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, ++blk) {
-    const T* k = block_rows(k_pool, row_table, blk, bs, kv_heads, h, D);
-    for (int64_t i = 0; i < std::min(bs, len - t0); ++i, k += stride) {
-      for (int64_t g = 0; g < G; ++g) {
-        float s = 0.f;
-        for (int64_t d = 0; d < D; ++d) s += qf[g * D + d] * static_cast<float>(k[d]);
-        scores[g * len + t0 + i] = s;
-      }
+  const float* qf = scaled_queries(q, G, D, len, scale, scores, acc);
+  for_each_row(k_pool, row_table, len, bs, kv_heads, h, D, [&](const T* k, int64_t t) {
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s += qf[g * D + d] * static_cast<float>(k[d]);
+      scores[g * len + t] = s;
     }
-  }
+  });
   softmax_rows(scores.data(), G, len);
   float* o = acc.data();
-  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, ++blk) {
-    const T* v = block_rows(v_pool, row_table, blk, bs, kv_heads, h, D);
-    for (int64_t i = 0; i < std::min(bs, len - t0); ++i, v += stride) {
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = scores[g * len + t0 + i];
-        for (int64_t d = 0; d < D; ++d) o[g * D + d] += p * static_cast<float>(v[d]);
-      }
+  for_each_row(v_pool, row_table, len, bs, kv_heads, h, D, [&](const T* v, int64_t t) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * len + t];
+      for (int64_t d = 0; d < D; ++d) o[g * D + d] += p * static_cast<float>(v[d]);
     }
-  }
+  });
   for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(o[i]);
 }
 
