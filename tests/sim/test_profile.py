@@ -32,12 +32,24 @@ def test_step_seconds_weighs_tokens_sequences_and_attention_pairs() -> None:
     # a 4-token prefill from 0 (pairs 4 * 2.5 = 10) and a decode at context 99 (pairs 100)
     chunks = [chunk(0, 4), chunk(99, 1)]
     assert p.step_seconds(chunks) == pytest.approx(1.0 + 0.1 * 5 + 0.01 * 2 + 0.5 * 110 / 1000)
-    assert chunk_features([(0, 4), (99, 1)]) == (1.0, 5.0, 2.0, 0.11)
+    assert chunk_features([(0, 4), (99, 1)]) == (1.0, 5.0, 2.0, 0.01, 0.1)
+
+
+def test_decode_pairs_have_their_own_term_when_the_profile_has_one() -> None:
+    one = StepProfile(step_overhead_s=1.0, s_per_token=0.1, s_per_seq=0.01, s_per_kpair=0.5)
+    split = one.with_overrides(s_per_decode_kpair=3.0)
+    chunks = [chunk(0, 4), chunk(99, 1)]  # prefill pairs 10, decode pairs 100
+    base = 1.0 + 0.1 * 5 + 0.01 * 2
+    assert split.step_seconds(chunks) == pytest.approx(base + (0.5 * 10 + 3.0 * 100) / 1000)
+    assert one.coefficients[4] == 0.5 and split.coefficients[4] == 3.0
+    with pytest.raises(InvalidRequestError) as exc:
+        one.with_overrides(s_per_decode_kpair=-1.0)
+    assert exc.value.param == "s_per_decode_kpair"
 
 
 def test_fit_recovers_known_coefficients() -> None:
     truth = StepProfile(step_overhead_s=3e-3, s_per_token=2.5e-4, s_per_seq=4e-4,
-                        s_per_kpair=2e-6)
+                        s_per_kpair=2e-6, s_per_decode_kpair=9e-6)
     rng = random.Random(0)
     steps = []
     for _ in range(60):
@@ -51,7 +63,7 @@ def test_fit_recovers_known_coefficients() -> None:
 
 
 def test_fit_is_non_negative() -> None:
-    rows = [(1.0, float(x), 1.0, 0.0) for x in range(1, 30)]
+    rows = [(1.0, float(x), 1.0, 0.0, 0.0) for x in range(1, 30)]
     seconds = [0.5 - 0.001 * x for x in range(1, 30)]  # time falls with tokens: no slope
     coef = fit_coefficients(rows, seconds)
     assert all(c >= 0 for c in coef)

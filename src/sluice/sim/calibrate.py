@@ -187,5 +187,5 @@ def calibrate_from_args(args: argparse.Namespace, out: str) -> int:
     save_profile(profile, out)
     print(f"wrote {out}: " + ", ".join(f"{k}={getattr(profile, k):.3g}" for k in
                                         ("step_overhead_s", "s_per_token", "s_per_seq",
-                                         "s_per_kpair")))
+                                         "s_per_kpair", "s_per_decode_kpair")))
     return 0

@@ -7,10 +7,19 @@ computed from the step's scheduled chunks:
     step_s = step_overhead_s                              fixed cost of a step
            + s_per_token    × Σ chunk.num_tokens          new tokens (prefill chunks, decodes)
            + s_per_seq      × number of chunks            per-sequence cost (decode batch)
-           + s_per_kpair    × Σ pairs(chunk) / 1000       attention: query × key pairs
+           + s_per_kpair    × Σ pairs(prefill chunk) / 1000   attention: query × key pairs
+           + s_per_decode_kpair × Σ pairs(decode) / 1000
     pairs(chunk) = num_tokens × (start_pos + (num_tokens + 1) / 2)
                  (a decode at context L reads L keys; a prefill chunk of n at start s
                   reads s + 1 .. s + n keys per query)
+
+Decode attention has its own term because it costs far more per pair than a prefill's:
+a decode reads every key once for one query (memory-bound, the paged kernel), a prefill
+reuses each key across its chunk's queries (SDPA). Calibrated on a 2-core AMD EPYC
+(2026-12-02): 0.7 ms per 1k pairs in prefills against 4 ms in decodes; one shared term
+fitted 2.3 ms, so the model put a 2,048-token prefill at 7.3 s (measured 4.9 s) and a
+16-sequence decode at 1,024 tokens 12% short. `s_per_decode_kpair` None (profiles
+fitted before, the built-in one) means the same as `s_per_kpair`.
 
 `sluice sim calibrate` measures single prefills of several lengths and decode batches of
 several sizes and contexts on the real engine, and fits the four coefficients by
@@ -31,7 +40,7 @@ from typing import Any
 from sluice.engine.scheduler import ScheduledChunk
 from sluice.protocol.errors import InvalidRequestError
 
-FEATURES = ("step_overhead_s", "s_per_token", "s_per_seq", "s_per_kpair")
+FEATURES = ("step_overhead_s", "s_per_token", "s_per_seq", "s_per_kpair", "s_per_decode_kpair")
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,7 @@ class StepProfile:
     s_per_token: float = 1.85e-3
     s_per_seq: float = 3.1e-3
     s_per_kpair: float = 1.75e-3
+    s_per_decode_kpair: float | None = None  # None: s_per_kpair (one attention term)
     block_size: int = 16
     num_kv_blocks: int = 6856
     max_num_seqs: int = 128
@@ -58,7 +68,8 @@ class StepProfile:
 
     def __post_init__(self) -> None:
         for name in (*FEATURES, "request_overhead_s", "host_contention"):
-            if getattr(self, name) < 0:
+            value = getattr(self, name)
+            if value is not None and value < 0:
                 raise InvalidRequestError(f"{name} must be >= 0", param=name)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise InvalidRequestError("block_size must be a power of two", param="block_size")
@@ -67,18 +78,31 @@ class StepProfile:
                 raise InvalidRequestError(f"{name} must be >= 1", param=name)
 
     @property
-    def coefficients(self) -> tuple[float, float, float, float]:
-        return (self.step_overhead_s, self.s_per_token, self.s_per_seq, self.s_per_kpair)
+    def coefficients(self) -> tuple[float, float, float, float, float]:
+        decode = self.s_per_kpair if self.s_per_decode_kpair is None else self.s_per_decode_kpair
+        return (self.step_overhead_s, self.s_per_token, self.s_per_seq, self.s_per_kpair, decode)
 
     def step_seconds(self, chunks: Sequence[ScheduledChunk]) -> float:
         """Virtual duration of one engine step that runs `chunks`."""
         tokens = pairs = 0.0
+        decode = self.s_per_decode_kpair
+        if decode is None:  # one attention term: no split (the simulator's inner loop)
+            for c in chunks:
+                n = c.num_tokens
+                tokens += n
+                pairs += n * (c.start_pos + (n + 1) * 0.5)
+            return (self.step_overhead_s + self.s_per_token * tokens
+                    + self.s_per_seq * len(chunks) + self.s_per_kpair * pairs * 1e-3)
+        decode_pairs = 0.0
         for c in chunks:
             n = c.num_tokens
             tokens += n
-            pairs += n * (c.start_pos + (n + 1) * 0.5)
+            if n == 1:
+                decode_pairs += c.start_pos + 1
+            else:
+                pairs += n * (c.start_pos + (n + 1) * 0.5)
         return (self.step_overhead_s + self.s_per_token * tokens + self.s_per_seq * len(chunks)
-                + self.s_per_kpair * pairs * 1e-3)
+                + (self.s_per_kpair * pairs + decode * decode_pairs) * 1e-3)
 
     def with_overrides(self, **changes: Any) -> StepProfile:
         """A copy with the given (non-None) fields replaced, validated again."""
@@ -89,21 +113,25 @@ class StepProfile:
         return StepProfile(**{**asdict(self), **{k: v for k, v in changes.items() if v is not None}})
 
 
-def chunk_features(chunks: Iterable[tuple[int, int]]) -> tuple[float, float, float, float]:
+def chunk_features(chunks: Iterable[tuple[int, int]]
+                   ) -> tuple[float, float, float, float, float]:
     """The regression row of one step from (start_pos, num_tokens) pairs: the same terms
-    `StepProfile.step_seconds` weighs."""
-    tokens = seqs = pairs = 0.0
+    `StepProfile.step_seconds` weighs (prefill and decode pairs apart)."""
+    tokens = seqs = pairs = decode_pairs = 0.0
     for start, n in chunks:
         tokens += n
         seqs += 1
-        pairs += n * (start + (n + 1) * 0.5)
-    return (1.0, tokens, seqs, pairs * 1e-3)
+        if n == 1:
+            decode_pairs += start + 1
+        else:
+            pairs += n * (start + (n + 1) * 0.5)
+    return (1.0, tokens, seqs, pairs * 1e-3, decode_pairs * 1e-3)
 
 
 def fit_coefficients(rows: Sequence[Sequence[float]], seconds: Sequence[float]
                      ) -> tuple[float, ...]:
     """Non-negative least squares (Lawson-Hanson active set, small and exact enough for
-    four columns), each row and target weighted by 1/target so that short steps count
+    five columns), each row and target weighted by 1/target so that short steps count
     as much as long ones (relative error)."""
     import numpy as np
 
