@@ -266,6 +266,19 @@ def backend_options(args: argparse.Namespace, flags: list[str]) -> dict[str, Any
     return options
 
 
+def local_cpu_threads(args: argparse.Namespace, max_workers: int) -> list[str]:
+    """`--cpu-threads` for local workers: this machine's cores split between the most
+    workers it runs at once, unless given (a CUDA engine ignores it). Engines that each
+    start one OpenMP thread per core on shared cores stall at every parallel op's barrier
+    waiting for a thread the other engine displaced: on a 2-core AMD EPYC (2026-12-02), two
+    workers under load decoded at 1.2 s per token with 2 threads each and 46 ms with 1
+    (docs/worker.md)."""
+    if args.backend != "local" or args.cpu_threads is not None:
+        return []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return ["--cpu-threads", str(max(1, (cores or 1) // max(1, max_workers)))]
+
+
 def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
     from sluice.control.backend import ModelSpec, make_backend
     from sluice.control.controller import Controller, ControllerConfig, attach
@@ -283,7 +296,7 @@ def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
     ratio = pd_ratio(args)
     name = default_served_name(args.model)
     flags = (worker_flags(args) + ["--log-level", args.log_level, "--served-model-name", name]
-             + observe_flags(args))
+             + observe_flags(args) + local_cpu_threads(args, planning.max_replicas))
     external = args.backend == "external"
     backend = None if external else make_backend(args.backend, **backend_options(args, flags))
     initial = max(1, planning.min_replicas)

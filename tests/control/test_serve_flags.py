@@ -61,3 +61,23 @@ def test_chat_flags_reach_every_worker(tmp_path: object) -> None:
     assert flags[flags.index("--tool-call-parser") + 1] == "hermes"
     assert flags[flags.index("--chat-template") + 1] == str(template.resolve())
     assert "--chat-template" not in worker_flags(parse("--workers", "2"))
+
+
+def test_local_workers_split_the_machines_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each local worker gets cores / (most workers at once) threads, at least 1; a given
+    `--cpu-threads` or a non-local backend is left alone."""
+    import os
+
+    from sluice.serve import local_cpu_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(8)), raising=False)
+    assert local_cpu_threads(parse("--workers", "2"), 2) == ["--cpu-threads", "4"]
+    assert local_cpu_threads(parse("--min-workers", "1", "--max-workers", "3"), 3) \
+        == ["--cpu-threads", "2"]
+    assert local_cpu_threads(parse("--workers", "16"), 16) == ["--cpu-threads", "1"]
+    assert local_cpu_threads(parse("--workers", "2", "--cpu-threads", "3"), 2) == []
+    assert local_cpu_threads(parse("--workers", "2", "--backend", "ray"), 2) == []
+    from sluice.serve import worker_flags
+
+    given = worker_flags(parse("--workers", "2", "--cpu-threads", "3"))
+    assert given[given.index("--cpu-threads") + 1] == "3"

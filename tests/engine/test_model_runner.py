@@ -172,3 +172,16 @@ def test_the_runner_warms_up_every_layer_before_it_is_used(tiny_llama_dir: Path)
         assert kv is not None
         for pool in (kv.k, kv.v):
             assert pool[0].abs().sum() > 0 and not pool[1:].any()
+
+
+def test_cpu_threads_sets_the_forward_pass_threads(tiny_llama_dir: Path) -> None:
+    before = torch.get_num_threads()
+    try:
+        ModelRunner(EngineConfig.from_options(str(tiny_llama_dir), num_kv_blocks=8,
+                                              block_size=BLOCK, dtype="float32", cpu_threads=1))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(InvalidRequestError) as exc:
+        EngineConfig.from_options(str(tiny_llama_dir), cpu_threads=0)
+    assert exc.value.param == "cpu_threads"

@@ -72,6 +72,9 @@ class RayBackend(Backend):
         self.num_cpus = num_cpus
         self.num_gpus = num_gpus if num_gpus is not None else (
             1.0 if ray.cluster_resources().get("GPU", 0) else 0.0)
+        if not self.num_gpus and "--cpu-threads" not in self.worker_args:
+            # the actor's CPUs, not every core of its node (docs/worker.md, CPU threads)
+            self.worker_args += ["--cpu-threads", str(max(1, int(num_cpus)))]
         self.host = host
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s

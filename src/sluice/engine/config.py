@@ -35,8 +35,14 @@ class ModelConfig:
     # file's Q4_0/Q4_1/Q8_0 blocks for decode rows), "int8" (weight-only int8, one scale
     # per output row, every linear; sluice.engine.quant)
     quantization: str = "none"
+    # threads for the CPU forward pass (torch.set_num_threads in the engine core); None:
+    # torch's default, one per core. Engines sharing a host's cores should split them:
+    # `sluice serve --workers N` does (sluice.serve.local_cpu_threads)
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise InvalidRequestError("cpu_threads must be at least 1", param="cpu_threads")
         if self.quantization not in QUANTIZATIONS:
             raise InvalidRequestError(f"unsupported quantization {self.quantization!r} "
                                       f"{QUANTIZATIONS}", param="quantization")

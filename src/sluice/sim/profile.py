@@ -15,10 +15,9 @@ computed from the step's scheduled chunks:
 
 Decode attention has its own term because it costs far more per pair than a prefill's:
 a decode reads every key once for one query (memory-bound, the paged kernel), a prefill
-reuses each key across its chunk's queries (SDPA). Calibrated on a 2-core AMD EPYC
-(2026-12-02): 0.7 ms per 1k pairs in prefills against 4 ms in decodes; one shared term
-fitted 2.3 ms, so the model put a 2,048-token prefill at 7.3 s (measured 4.9 s) and a
-16-sequence decode at 1,024 tokens 12% short. `s_per_decode_kpair` None (profiles
+reuses each key across its chunk's queries (SDPA). Fitted on a 2-core AMD EPYC
+(2026-12-02, one thread): 2.1 ms per 1k pairs in prefills against 4.4 ms in decodes; one
+shared term had fitted 2.3 ms and put a 16-sequence decode at 1,024 tokens 12% short. `s_per_decode_kpair` None (profiles
 fitted before, the built-in one) means the same as `s_per_kpair`.
 
 `sluice sim calibrate` measures single prefills of several lengths and decode batches of

@@ -33,6 +33,9 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
                     "with native bfloat16 (avx512_bf16 or AMX), float32 otherwise"),
     "device": (str, "auto | cpu | cuda"),
     "seed": (int, "engine seed"),
+    "cpu_threads": (int, "threads for the CPU forward pass (default: one per core); engines "
+                         "that share a machine's cores should split them (`sluice serve "
+                         "--workers N` gives each local worker cores / N)"),
     "kernel_backend": (str, "CPU kernels: auto (oneDNN linears; native attention, norm and "
                             "SwiGLU when they build), torch, native"),
     "quantization": (str, "linears on quantized weights: none (dense, the reference), gguf "
