@@ -128,9 +128,12 @@ def worker_counters(urls: list[str]) -> dict[str, float]:
 
 def calibrate(path: str) -> None:
     """`sluice sim calibrate` now, in this locked session: the real run sees the same
-    machine (on a shared host, minutes apart can differ by 2x)."""
+    machine (on a shared host, minutes apart can differ by 2x), with the threads each of
+    the 2 real workers gets (`sluice serve --workers 2` splits the cores)."""
+    threads = str(max(1, len(os.sched_getaffinity(0)) // 2))
     proc = subprocess.run([sys.executable, "-m", "sluice.cli", "sim", "calibrate", "--out",
-                           path], capture_output=True, text=True, env=os.environ.copy())
+                           path, "--cpu-threads", threads], capture_output=True, text=True,
+                          env=os.environ.copy())
     if proc.returncode != 0:
         raise RuntimeError(f"calibrate failed: {proc.stderr[-2000:]}")
     print(proc.stdout, file=sys.stderr)

@@ -52,13 +52,16 @@ def _plan(quick: bool) -> tuple[list[int], list[tuple[int, int]]]:
 class Calibrator:
     """Drives one `EngineCore` through the plan, timing every step."""
 
-    def __init__(self, model: str | None, num_kv_blocks: int | None) -> None:
+    def __init__(self, model: str | None, num_kv_blocks: int | None,
+                 cpu_threads: int | None = None) -> None:
         from sluice.engine.config import EngineConfig
         from sluice.engine.core import EngineCore
 
         options: dict[str, Any] = {"enable_prefix_caching": False}
         if num_kv_blocks is not None:
             options["num_kv_blocks"] = num_kv_blocks
+        if cpu_threads is not None:
+            options["cpu_threads"] = cpu_threads
         self.config = EngineConfig.from_options(model, **options)
         self.core = EngineCore(self.config)
         self.scheduler = RecordingScheduler(self.config.scheduler, self.core.block_manager)
@@ -101,9 +104,9 @@ class Calibrator:
         self._drain(record=True)
 
 
-def calibrate(model: str | None, quick: bool, repeats: int, num_kv_blocks: int | None
-              ) -> tuple[StepProfile, list[Point]]:
-    cal = Calibrator(model, num_kv_blocks)
+def calibrate(model: str | None, quick: bool, repeats: int, num_kv_blocks: int | None,
+              cpu_threads: int | None = None) -> tuple[StepProfile, list[Point]]:
+    cal = Calibrator(model, num_kv_blocks, cpu_threads)
     cal.warm_up()
     prefills, decodes = _plan(quick)
     for n in prefills:
@@ -180,7 +183,8 @@ def fit_report(profile: StepProfile, points: list[Point]) -> tuple[str, float]:
 
 
 def calibrate_from_args(args: argparse.Namespace, out: str) -> int:
-    profile, points = calibrate(args.model, args.quick, max(1, args.repeats), args.num_kv_blocks)
+    profile, points = calibrate(args.model, args.quick, max(1, args.repeats), args.num_kv_blocks,
+                                args.cpu_threads)
     text, err = fit_report(profile, points)
     print(text)
     print(f"median |error| (model vs fastest) over shapes: {100 * err:.1f}%")

@@ -134,6 +134,9 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per point")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pool of the profiled engine (default: what the engine sizes)")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="the engine's CPU threads, as the workers to model run it (`sluice "
+                   "serve --workers N` gives each cores / N; default: one per core)")
 
 
 def _run(args: argparse.Namespace) -> int:
