@@ -271,8 +271,8 @@ def local_cpu_threads(args: argparse.Namespace, max_workers: int) -> list[str]:
     workers it runs at once, unless given (a CUDA engine ignores it). Engines that each
     start one OpenMP thread per core on shared cores stall at every parallel op's barrier
     waiting for a thread the other engine displaced: on a 2-core AMD EPYC (2026-12-02), two
-    workers under load decoded at 1.2 s per token with 2 threads each and 46 ms with 1
-    (docs/worker.md)."""
+    workers at 16 concurrent streams served 17 tokens/s with 2 threads each and 107 with 1
+    (benchmarks/serve_threads.py, docs/worker.md)."""
     if args.backend != "local" or args.cpu_threads is not None:
         return []
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
