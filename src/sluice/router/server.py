@@ -583,7 +583,7 @@ def run(app: ASGIApp, host: str, port: int, *, state: Callable[[], RouterState] 
         server = RouterServer(app, host, port, state=state, direct=direct)
         await server.start()
         gc.freeze()  # what startup made (modules, tokenizers, tables) lives as long as the
-        # process: out of the collector's sight, a full collection is ~10x shorter here
+        # process: out of the collector's sight, full collections walk only what serving made
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
