@@ -213,7 +213,7 @@ from sluice.gateway.middleware import GatewayMiddleware
 from sluice.gateway.state import GatewayState
 from sluice.gateway.tokens import PromptTokenCounter
 from sluice.protocol.prompt import TokenCache
-from sluice.router.app import build_app
+from sluice.router.app import build_app, routed_first
 from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
 spec = json.loads(sys.argv[1])
 cache, source = TokenCache(), resolve_model(None)  # as `sluice serve` composes them
@@ -222,7 +222,7 @@ app = build_app(RouterConfig(pools=(pool,), admin_key="bench"), token_cache=cach
 config = GatewayConfig(database_url=spec["db"], table_prefix=spec["prefix"], admin_key="bench",
                        await_ledger=spec["await_ledger"],
                        limiter=LimiterConfig(redis_url=spec["redis"], key_prefix=spec["rl"]))
-gw = GatewayMiddleware(app, GatewayState.from_config(
+gw = GatewayMiddleware(routed_first(app), GatewayState.from_config(
     config, count_prompt_tokens=PromptTokenCounter(default_source=source, cache=cache)))
 if spec["front"] == "server":
     from sluice.router.server import run

@@ -287,7 +287,7 @@ def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
     from sluice.engine.tokenizer import default_served_name, resolve_model
     from sluice.observe.asgi import traced_gateway
     from sluice.observe.tracing import start_tracing
-    from sluice.router.app import build_app
+    from sluice.router.app import build_app, routed_first
     from sluice.router.cli import flow_overrides
     from sluice.router.config import PDConfig, PoolConfig, RouterConfig, WorkerSpec
     from sluice.router.server import run
@@ -338,7 +338,7 @@ def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
     # the router's own server, the gateway (if any) a layer of it; the controller runs
     # in its lifespan (workers ready before it listens); SIGINT/SIGTERM drain, then the
     # workers stop and this exits 0
-    run(wrap(app) if wrap else app, args.host, args.port,
+    run(wrap(routed_first(app)) if wrap else app, args.host, args.port,
         state=lambda: app.state.router, direct=wrap is None)
     say("stopped")
     return 0

@@ -233,3 +233,27 @@ def test_the_plain_counter_reads_anthropic_tool_bodies_as_anthropic() -> None:
     bare = estimate_view(prompt_view(MESSAGES, {"messages": [U]}))
     with_tools = estimate_view(prompt_view(MESSAGES, {"messages": [U, use], "tools": [A_TOOL]}))
     assert with_tools - bare >= len(json.dumps(SCHEMA)) // 4
+
+
+def test_the_cache_renders_each_chat_view_once_and_only_equal_views_share_a_text(
+        tok: Any) -> None:
+    """`TokenCache.chat_text`: every table row (and the tool calls with other arguments)
+    gets `templated`'s own text; a row seen again is not rendered again."""
+    cache, renders = TokenCache(), []
+    real = tok.apply_chat_template
+
+    def counting(*args: Any, **kwargs: Any) -> str:
+        renders.append(1)
+        return real(*args, **kwargs)
+
+    other_call = {**CALL, "function": {**CALL["function"], "arguments": '{"city": "Rome"}'}}
+    bodies = [body for _, kind, body in TABLE if kind == CHAT] + [{"messages": [
+        U, {"role": "assistant", "content": None, "tool_calls": [other_call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]}]
+    views = [prompt_view(CHAT, body) for body in bodies]
+    expected = [tok.apply_chat_template(v.messages, add_generation_prompt=True,
+                                        tools=v.tools) for v in views]
+    tok_counting = SimpleNamespace(apply_chat_template=counting, chat_template="")
+    for _ in range(2):
+        assert [cache.chat_text(tok_counting, M, v) for v in views] == expected
+    assert len(renders) == len(set(expected)) < len(views)  # rows that repeat a view

@@ -3,11 +3,13 @@ any replica (or by the CLI) is seen by every gateway on its next request."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Iterator
 
 import pytest
 
-from sluice.gateway.keycache import KeyCache
+from sluice.gateway.keycache import KeyCache, VersionReads
 from sluice.gateway.middleware import GatewayMiddleware
 from sluice.gateway.store import KeySettings, SQLStore, TenantSettings
 
@@ -111,3 +113,42 @@ async def test_tenant_change_is_seen_on_the_next_request(any_store: SQLStore) ->
         r = await client.post("/v1/chat/completions", json=CHAT)
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     await gw.state.aclose()
+
+
+async def test_shared_version_reads_start_after_each_caller_arrived() -> None:
+    """Callers arriving while a read runs wait for the next read (which sees what
+    committed before they arrived); all of them share that one."""
+    started, release = threading.Event(), threading.Event()
+    reads: list[int] = []
+
+    def read() -> int:
+        reads.append(len(reads) + 1)
+        started.set()
+        release.wait(10)
+        return reads[-1]
+
+    versions = VersionReads(read)
+    first = asyncio.ensure_future(versions.current())
+    assert await asyncio.to_thread(started.wait, 10)  # read 1 is running
+    started.clear()
+    later = [asyncio.ensure_future(versions.current()) for _ in range(5)]
+    await asyncio.sleep(0)  # they are queued behind read 1
+    release.set()
+    assert await first == 1
+    assert await asyncio.gather(*later) == [2] * 5  # one read, started after they came
+    assert reads == [1, 2]
+
+
+async def test_a_failed_shared_read_fails_its_callers_only() -> None:
+    calls = []
+
+    def read() -> int:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("database down")
+        return 7
+
+    versions = VersionReads(read)
+    with pytest.raises(RuntimeError):
+        await versions.current()
+    assert await versions.current() == 7

@@ -99,3 +99,43 @@ async def test_shadow_and_canary_behind_the_gateway_bill_the_primary_only(
     records = sqlite_store.query_usage(UsageQuery())
     assert [(r.tenant_id == acme_id, r.status, r.completion_tokens) for r in records] == [
         (True, "ok", 5), (True, "ok", 5), (False, "ok", 5)]
+
+
+async def test_gateway_over_routed_first_on_the_routers_server(sqlite_store: SQLStore) -> None:
+    """`sluice serve`'s composition: the router's own server (direct=False), the gateway
+    over `routed_first(app)` (routed POSTs skip FastAPI's layers). Answers, streams, and a
+    client that hangs up mid-stream: the worker's stream is cancelled and the ledger row
+    is written once, as aborted."""
+    import asyncio
+
+    from sluice.router.app import build_app, routed_first
+    from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
+    from sluice.router.server import RouterServer
+
+    worker = StubUpstream(chunk_delay=0.05)
+    key = new_key(sqlite_store)
+    headers = {"Authorization": f"Bearer {key}"}
+    state = make_state(sqlite_store)
+    async with serve(worker) as worker_url:
+        config = RouterConfig(pools=(PoolConfig(model="stub-model",
+                                                workers=(WorkerSpec(worker_url),)),), seed=0)
+        app = build_app(config)
+        server = RouterServer(GatewayMiddleware(routed_first(app), state), port=0,
+                              state=lambda: app.state.router, direct=False)
+        async with server, httpx.AsyncClient(base_url=server.url, timeout=10) as c:
+            r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2},
+                             headers=headers)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+            assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 401
+            async with c.stream("POST", "/v1/chat/completions", headers=headers,
+                                json={**CHAT, "stream": True}) as r:
+                async for _ in r.aiter_bytes():
+                    break  # the first event, then hang up
+            for _ in range(200):
+                if worker.streams_cancelled == 1 and not state.background:
+                    break
+                await asyncio.sleep(0.02)
+    assert worker.streams_cancelled == 1
+    await state.flush()
+    records = sqlite_store.query_usage(UsageQuery())
+    assert [r.status for r in records] == ["ok", "aborted"]

@@ -14,6 +14,13 @@ The version is read *before* the lookup, so a change that commits between the tw
 leaves the entry stale-tagged and the next request reads the store again. A revoked
 key is refused on every replica sharing the store from the next request on.
 
+Where the version read is a network round trip (PostgreSQL), requests share reads
+(`VersionReads`): a request waits for the next read that *starts after it arrived*, so
+it sees every change committed before it arrived, exactly as a read of its own would;
+the requests that arrive while one read runs are all answered by the next one. At
+1,000 req/s that is one round trip on a worker thread per read in flight, not one per
+request.
+
 Not cached: unknown or revoked keys (nothing to reuse), and tenants with a budget or a
 soft budget, whose `spend_usd` changes with every request and is read at admission.
 Any change bumps the one counter, so it empties every replica's cache at once; changes
@@ -22,6 +29,8 @@ are rare next to requests.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sluice.gateway.keys import hash_key
@@ -45,13 +54,17 @@ class KeyCache:
         self.store = store
         self.max_entries = max_entries
         self.inline = store.local_reads
+        self.versions = VersionReads(store.auth_version)
         self._entries: dict[str, _Entry] = {}
 
-    def cached(self, plaintext: str) -> Principal | None:
-        """The cached principal if still current at the store's version, else None (a
-        miss: ask `authenticate`)."""
+    def cached(self, plaintext: str, version: int | None = None) -> Principal | None:
+        """The cached principal if still current at the store's version (`version`: one
+        read for this request, `VersionReads`; None: read it now), else None (a miss:
+        ask `authenticate`)."""
         entry = self._entries.get(hash_key(plaintext))
-        if entry is not None and entry.version == self.store.auth_version():
+        if entry is None:
+            return None
+        if entry.version == (self.store.auth_version() if version is None else version):
             return entry.principal
         return None
 
@@ -70,6 +83,41 @@ class KeyCache:
             self._entries.clear()
         self._entries[digest] = _Entry(version, principal)
         return principal
+
+
+class VersionReads:
+    """`read()` (blocking: a worker thread runs it) shared by the requests waiting for it.
+
+    `await current()` returns the result of a read that started after the call: one read
+    runs at a time; callers that arrive meanwhile wait together for the next. Mutates
+    only its own waiters list; one event loop at a time (a new loop starts afresh)."""
+
+    def __init__(self, read: Callable[[], int]) -> None:
+        self.read = read
+        self._waiting: list[asyncio.Future[int]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def current(self) -> int:
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[int] = loop.create_future()
+        self._waiting.append(waiter)
+        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
+            self._task = loop.create_task(self._run())
+        return await waiter
+
+    async def _run(self) -> None:
+        while self._waiting:
+            batch, self._waiting = self._waiting, []  # all arrived before this read starts
+            try:
+                version = await asyncio.to_thread(self.read)
+            except Exception as exc:
+                for waiter in batch:
+                    if not waiter.done():
+                        waiter.set_exception(exc)
+                continue
+            for waiter in batch:
+                if not waiter.done():
+                    waiter.set_result(version)
 
 
 def reads_spend(principal: Principal) -> bool:

@@ -284,10 +284,12 @@ class Exchange:
         return (await asyncio.to_thread(json.dumps, payload)).encode()  # as large as the parse
 
     async def authenticate(self, key: str) -> Principal | None:
-        """From the key cache; inline when its check is a local read (SQLite), else
-        (or on a miss) on a worker thread."""
+        """From the key cache, checked against the store's auth version: read inline when
+        that is a local read (SQLite), else shared with the requests arriving meanwhile
+        (`VersionReads`); a miss is looked up on a worker thread."""
         keys = self.state.keys
-        if keys.inline and (principal := keys.cached(key)) is not None:
+        version = None if keys.inline else await keys.versions.current()
+        if (principal := keys.cached(key, version)) is not None:
             return principal
         return await asyncio.to_thread(keys.authenticate, key)
 

@@ -33,7 +33,6 @@ from sluice.protocol.prompt import (
     fingerprint,
     make_hint,
     prompt_view,
-    templated,
 )
 
 logger = logging.getLogger(__name__)
@@ -121,7 +120,7 @@ class PromptTokenCounter:
         name = model or ""
         if view.messages is None:
             return self.cache.count(tok, name, view), None
-        text = templated(tok, view)
+        text = self.cache.chat_text(tok, name, view)
         ids = self.cache.tokens(tok, name, text, special=False).ids
         return len(ids), make_hint(fp, text, ids)
 

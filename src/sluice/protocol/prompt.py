@@ -9,7 +9,9 @@ here, and one token-id cache:
                                  completion prompt(s) as text or client token ids
     templated(tok, view)      -> the text that is tokenized (chat template applied)
     TokenCache                   LRU {(model, templated text): PromptTokens}, one per
-                                 process, shared by whoever needs ids there
+                                 process, shared by whoever needs ids there; also the
+                                 templated texts, by (tokenizer, model, messages, tools)
+                                 (`chat_text`: a template render costs ~200 us, a lookup ~1)
     PromptTokens                 ids, their block hashes (per block size, computed once)
     IdsHint                      the ids sent to the next hop (`x-sluice-prompt-ids`):
                                  tokenizer fingerprint, digest of the templated text,
@@ -210,6 +212,19 @@ def templated(tok: Tokenizer, view: PromptView) -> str:
     return tok.apply_chat_template(view.messages, add_generation_prompt=True)
 
 
+ViewKey = tuple[tuple[tuple[str, str, str | None, str | None], ...], str | None]
+
+
+def view_key(view: PromptView) -> ViewKey:
+    """A chat view as a hashable value: equal keys, equal views (JSON text for the
+    nested tool calls and tools; their key order is part of the prompt)."""
+    assert view.messages is not None
+    messages = tuple((m["role"], m["content"], m.get("tool_call_id"),
+                      json.dumps(m["tool_calls"]) if "tool_calls" in m else None)
+                     for m in view.messages)
+    return messages, json.dumps(view.tools) if view.tools else None
+
+
 @dataclass
 class PromptTokens:
     """A prompt's token ids and, computed once per block size, their block hashes."""
@@ -236,6 +251,8 @@ class TokenCache:
         self.size = size
         self._items: OrderedDict[tuple[str, str], PromptTokens] = OrderedDict()
         self._lock = threading.Lock()  # long prompts are tokenized on worker threads
+        self._texts: OrderedDict[tuple[int, str, ViewKey], str] = OrderedDict()
+        self._keep: dict[int, Tokenizer] = {}
         self.hits = self.misses = 0
 
     def get(self, model: str, text: str) -> PromptTokens | None:
@@ -255,6 +272,27 @@ class TokenCache:
                 self._items.popitem(last=False)
             return tokens
 
+    def chat_text(self, tok: Tokenizer, model: str, view: PromptView) -> str:
+        """`templated(tok, view)`, rendered once per (tokenizer, model, messages, tools):
+        the view's messages hold only role, content, tool calls and tool call id, all
+        in the key, so equal keys render equal text. A template that reads the clock
+        (`strftime_now`) is rendered every time."""
+        if "strftime_now" in (getattr(tok, "chat_template", None) or ""):
+            return templated(tok, view)
+        key = (id(tok), model, view_key(view))
+        with self._lock:
+            text = self._texts.get(key)
+            if text is not None:
+                self._texts.move_to_end(key)
+                return text
+        text = templated(tok, view)
+        with self._lock:
+            self._keep[id(tok)] = tok  # the id in the key stays this tokenizer's
+            self._texts[key] = text
+            if len(self._texts) > self.size:
+                self._texts.popitem(last=False)
+        return text
+
     def tokens(self, tok: Tokenizer, model: str, text: str, *, special: bool) -> PromptTokens:
         """Look up or tokenize `text` (`special`: add the tokenizer's special tokens, as
         a completion prompt is; a templated chat prompt already holds them)."""
@@ -263,7 +301,7 @@ class TokenCache:
             text, add_special_tokens=special))
 
     def chat_tokens(self, tok: Tokenizer, model: str, view: PromptView) -> PromptTokens:
-        return self.tokens(tok, model, templated(tok, view), special=False)
+        return self.tokens(tok, model, self.chat_text(tok, model, view), special=False)
 
     def count(self, tok: Tokenizer, model: str, view: PromptView) -> int:
         if view.messages is not None:

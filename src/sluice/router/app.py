@@ -135,6 +135,13 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
     return app
 
 
+def routed_first(app: FastAPI) -> RoutedFastPath:
+    """The router app with its routed POSTs answered before FastAPI's layers are entered
+    (its error, telemetry and body-limit middleware): what a layer over the app (the
+    gateway under `sluice serve`) wraps, so a routed request crosses no FastAPI code."""
+    return RoutedFastPath(app, state=lambda: app.state.router)
+
+
 class RoutedFastPath:
     """Pure-ASGI middleware: POSTs to the routed OpenAI paths go straight to `routed.route`.
 
@@ -145,15 +152,16 @@ class RoutedFastPath:
     Everything else (models, metrics, admin, lifespan) continues into FastAPI.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, state: Callable[[], RouterState] | None = None) -> None:
         self.app = app
+        self.state = state  # None: the FastAPI app's, from the scope (inside it)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = ROUTED.get(scope.get("path", "")) if scope["type"] == "http" else None
         if kind is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        state: RouterState = scope["app"].state.router
+        state: RouterState = self.state() if self.state else scope["app"].state.router
         try:
             body = await read_body(receive, state.config.max_body_bytes)
         except SluiceError as exc:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import gc
 import logging
 import signal
 import time
@@ -119,7 +120,7 @@ class _Connection(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
         self.cancel_on_loss = False
         self.lost = False
-        self.lost_event = asyncio.Event()
+        self.on_lost: asyncio.Future[None] | None = None  # an ASGI call's disconnect wait
         self.write_paused = False
         self.read_paused = False
         self.writable: asyncio.Future[None] | None = None
@@ -154,7 +155,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        self.lost_event.set()
+        if self.on_lost is not None and not self.on_lost.done():
+            self.on_lost.set_result(None)
         self.server.connections.discard(self)
         if self.idle_timer is not None:
             self.idle_timer.cancel()
@@ -434,7 +436,8 @@ class _AsgiCall:
         self.server, self.conn, self.req = server, conn, req
         self.head_only = req.method == b"HEAD"
         self.body_given = False
-        self.done = asyncio.Event()  # the response is complete (or the app returned)
+        self.done = False  # the response is complete (or the app returned)
+        self.wake: asyncio.Future[None] | None = None  # a `receive` waiting for either
         self.head: tuple[int, list[tuple[bytes, bytes]]] | None = None
         self.started = self.complete = self.chunked = False
         self.keep = req.keep_alive
@@ -461,7 +464,7 @@ class _AsgiCall:
             log.exception("error in the app serving %s", self.req.target[:200].decode("latin-1"))
             self.keep = False
         finally:
-            self.done.set()
+            self._finish()
         if not self.started:
             self.conn.write(_status_line(500) + self.server.date.get()
                             + _header_lines(_INTERNAL.headers) + b"\r\n" + _INTERNAL.body)
@@ -472,15 +475,19 @@ class _AsgiCall:
         if not self.body_given:
             self.body_given = True
             return {"type": "http.request", "body": self.req.body, "more_body": False}
-        if not self.conn.lost and not self.done.is_set():  # wait for either
-            waiters = [asyncio.ensure_future(self.conn.lost_event.wait()),
-                       asyncio.ensure_future(self.done.wait())]
-            try:
-                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waiters:
-                    w.cancel()
+        if not self.conn.lost and not self.done:  # wait for either, on one future
+            if self.wake is None:
+                self.wake = self.conn.on_lost = self.conn.loop.create_future()
+            await asyncio.shield(self.wake)  # a cancelled waiter leaves it to the others
         return {"type": "http.disconnect"}
+
+    def _finish(self) -> None:
+        self.done = True
+        if self.wake is not None:
+            if not self.wake.done():
+                self.wake.set_result(None)
+            if self.conn.on_lost is self.wake:
+                self.conn.on_lost = None
 
     async def send(self, message: MutableMapping[str, Any]) -> None:
         if message["type"] == "http.response.start":
@@ -500,7 +507,7 @@ class _AsgiCall:
                 out += b"0\r\n\r\n"
         self.conn.write(out)
         if not more:
-            self.done.set()
+            self._finish()
         await self.conn.drain()
 
     def _head_bytes(self, first_len: int, more: bool) -> bytes:
@@ -575,6 +582,8 @@ def run(app: ASGIApp, host: str, port: int, *, state: Callable[[], RouterState] 
     async def main() -> None:
         server = RouterServer(app, host, port, state=state, direct=direct)
         await server.start()
+        gc.freeze()  # what startup made (modules, tokenizers, tables) lives as long as the
+        # process: out of the collector's sight, full collections walk only what serving made
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -37,7 +37,6 @@ from sluice.protocol.prompt import (
     cache_key,
     fingerprint,
     make_hint,
-    templated,
 )
 from sluice.protocol.prompt import Tokenizer as LocalTokenizer
 from sluice.router.parse import ParsedRequest
@@ -121,7 +120,7 @@ class PromptTokenizer:
 
     def _local(self, tok: LocalTokenizer, fp: str, model: str, view: PromptView) -> Tokenized:
         if view.messages is not None:
-            text, special = templated(tok, view), False
+            text, special = self.cache.chat_text(tok, model, view), False
         else:
             text, special = str(view.texts[0]), True
         tokens = self.cache.tokens(tok, model, text, special=special)
