@@ -18,13 +18,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from sluice.control.local import free_port
+from sim_vs_real import RealCluster  # this folder is on sys.path when run as a script
 
 LOADS = {
     "rate 1.5": ["--request-rate", "1.5", "--num-prompts", "40"],
@@ -33,26 +30,6 @@ LOADS = {
 WORKLOAD = ["--workload", "random", "--input-len", "256", "--output-len", "32",
             "--random-range-ratio", "0.5", "--seed", "0"]
 METRICS = ("p50_ttft_ms", "p50_tpot_ms", "output_throughput")
-
-
-def serve(extra: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "serve", "--workers", "2",
-                             "--no-gateway", "--port", str(port), *extra],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"sluice serve exited; see {log}")
-        try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError("sluice serve did not become ready")
 
 
 def bench(url: str, load: list[str]) -> dict[str, Any]:
@@ -71,16 +48,16 @@ def main() -> int:
     configs = {"split (default)": [], f"{cores} threads each": ["--cpu-threads", str(cores)]}
     results: dict[str, dict[str, dict[str, float]]] = {}
     for name, extra in configs.items():
-        proc, url = serve(extra, Path(args.log))
+        cluster = RealCluster(extra, Path(args.log))
         try:
+            cluster.wait_ready()
             results[name] = {}
             for load in args.loads:
-                r = bench(url, LOADS[load])
+                r = bench(cluster.url, LOADS[load])
                 results[name][load] = {k: float(r[k]) for k in METRICS}
                 print(f"  {name}, {load}: done", file=sys.stderr)
         finally:
-            os.killpg(proc.pid, 15)
-            proc.wait(60)
+            cluster.stop()
     print(f"{'config':22} {'load':16} {'TTFT p50 ms':>12} {'TPOT p50 ms':>12} {'out tok/s':>10}")
     for name, per_load in results.items():
         for load, r in per_load.items():

@@ -75,15 +75,14 @@ def cli(*argv: str, timeout: float = 900) -> dict[str, Any]:
 
 
 class RealCluster:
-    """`sluice serve --workers 2` in its own process group."""
+    """`sluice serve --workers 2 --no-gateway [extra]` (benchmarks/serve_threads.py too)."""
 
-    def __init__(self, policy: str, num_kv_blocks: int, log: Path) -> None:
+    def __init__(self, extra: list[str], log: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sluice.cli", "serve", "--workers", "2", "--no-gateway",
-             "--policy", policy, "--port", str(self.port), "--num-kv-blocks", str(num_kv_blocks)],
-            stdout=log.open("w"), stderr=subprocess.STDOUT)
+             "--port", str(self.port), *extra], stdout=log.open("w"), stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
@@ -169,7 +168,8 @@ def main() -> int:
         sim_args += ["--host-contention", args.host_contention]
 
     results: dict[str, dict[str, Any]] = {}
-    cluster = RealCluster(args.policy, profile.num_kv_blocks, Path(args.log))
+    cluster = RealCluster(["--policy", args.policy, "--num-kv-blocks",
+                           str(profile.num_kv_blocks)], Path(args.log))
     try:
         cluster.wait_ready()
         engines = cluster.worker_urls(Path(args.log))
