@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from sluice.bench.load import LoadConfig
-from sluice.bench.workloads import WorkloadConfig
+from sluice.bench.workloads import BlockSynthesizer, WorkloadConfig
 from sluice.cli import main
 from sluice.engine.block_manager import BlockManager
 from sluice.engine.scheduler import Scheduler
@@ -21,10 +21,17 @@ from sluice.protocol.errors import InvalidRequestError
 from sluice.router.policies import POLICIES
 from sluice.router.pool import Pool
 from sluice.sim.cluster import SimConfig, Simulation
+from sluice.sim.loop import EventLoop
 from sluice.sim.planner import FixedPlanner, PoolObservation
 from sluice.sim.profile import StepProfile
 from sluice.sim.router import RouterSimConfig
-from sluice.sim.workload import KeyedSegment, synthetic_sessions, trace_sessions, turn_prompt
+from sluice.sim.workload import (
+    KeyedSegment,
+    SharedIdsSynthesizer,
+    synthetic_sessions,
+    trace_sessions,
+    turn_prompt,
+)
 
 SIM_DIR = Path(__file__).resolve().parents[2] / "src" / "sluice" / "sim"
 PROFILE = StepProfile(step_overhead_s=2e-3, s_per_token=2e-4, s_per_seq=1e-3, s_per_kpair=1e-6,
@@ -308,3 +315,36 @@ def test_same_seed_same_result_across_processes(tmp_path: Path) -> None:
         return doc
 
     assert run("1") == run("2")
+
+
+# -- speed devices that must not change a run ---------------------------------------------
+
+def test_at_each_runs_as_the_same_at_calls() -> None:
+    """Arrivals fed to the heap one at a time run in the order (and with the tie-breaks)
+    they would have had scheduled all up front."""
+    def trace(feed: bool) -> list[tuple[float, str]]:
+        loop, seen = EventLoop(), []
+
+        def arrive(name: str) -> None:
+            seen.append((loop.now, name))
+            loop.after(0.0, lambda: seen.append((loop.now, name + "'")))
+
+        timed = [(2.0, "a"), (1.0, "b"), (1.0, "c"), (-1.0, "d"), (2.0, "e")]
+        if feed:
+            loop.at_each(arrive, timed)
+        else:
+            for when, name in timed:
+                loop.at(when, arrive, name)
+        loop.at(1.0, lambda: seen.append((loop.now, "tick")))
+        loop.run()
+        return seen
+
+    assert trace(feed=True) == trace(feed=False)
+
+
+def test_shared_ids_synthesizer_makes_the_same_blocks() -> None:
+    plain = BlockSynthesizer(32_000, 64, 500, seed=3)
+    shared = SharedIdsSynthesizer(32_000, 64, 500, seed=3)
+    for h in (0, 7, 499, 7):
+        assert shared.block(h) == plain.block(h)
+    assert all(x is shared._ids[x] for x in shared.block(11))  # one int object per id

@@ -107,22 +107,35 @@ class Scheduler:
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         # Once per engine step: the sequence properties (num_uncomputed_tokens) and the
-        # common case of _make_room (room already there) are spelled out.
+        # common case of _make_room (room already there) are spelled out. Decodes are
+        # scheduled in the pass that finds them (most steps have nothing else); the
+        # unfinished prompts after them, in order.
         running = self.running
         if not self._running_sorted:  # (removals keep the order)
             running.sort(key=self._sort_key)
             self._running_sorted = True
-        decodes: list[Sequence] = []
-        prefills: list[Sequence] = []
-        for s in running:
-            left = len(s.token_ids) - s.num_computed_tokens
-            if left == 1:
-                decodes.append(s)
-            elif left > 1:
-                prefills.append(s)
         bm, scheduled = self.block_manager, plan.scheduled
         bs, free, running_status = bm.block_size, bm.free_ids, SequenceStatus.RUNNING
-        for seq in decodes + prefills if prefills else decodes:
+        prefills: list[Sequence] = []
+        for seq in tuple(running):  # (a preemption removes from `running`)
+            computed = seq.num_computed_tokens
+            if len(seq.token_ids) - computed != 1:
+                prefills.append(seq)  # (or nothing left to compute: skipped there)
+                continue
+            if plan.budget == 0:
+                return
+            if seq.status is not running_status:
+                continue  # preempted earlier in this step
+            # bm.can_allocate / bm.allocate spelled out: a running sequence has blocks, so
+            # allocate only appends fresh ones, and most decodes need none
+            fresh = (computed + bs) // bs - len(seq.block_table)
+            if fresh > 0:
+                if fresh > len(free) and not self._make_room(seq, 1, plan):
+                    continue  # `seq` was the worst and got preempted
+                bm.allocate(seq, 1)
+            scheduled[seq] = ScheduledChunk(seq, computed, 1, True)
+            plan.budget -= 1
+        for seq in prefills:
             budget = plan.budget
             if budget == 0:
                 return
@@ -130,15 +143,15 @@ class Scheduler:
                 continue  # preempted earlier in this step
             computed = seq.num_computed_tokens
             n = len(seq.token_ids) - computed
+            if n < 1:
+                continue
             if n > budget:  # min(), without the call
                 n = budget
-            # bm.can_allocate / bm.allocate spelled out: a running sequence has blocks, so
-            # allocate only appends fresh ones, and most decodes need none
             fresh = (computed + n + bs - 1) // bs - len(seq.block_table)
             if fresh > 0:
                 if fresh > len(free) and not self._make_room(seq, n, plan):
-                    continue  # `seq` was the worst and got preempted
-                bm.allocate(seq, n)  # fresh blocks only (a running sequence has its hits)
+                    continue
+                bm.allocate(seq, n)
             scheduled[seq] = ScheduledChunk(seq, computed, n, computed + n == len(seq.token_ids))
             plan.budget -= n
 

@@ -25,8 +25,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from sluice.bench.client import RequestRecord
 from sluice.bench.metrics import summarize
 from sluice.bench.workloads import Session
@@ -129,9 +127,9 @@ class Simulation:
     # -- the run -----------------------------------------------------------------------
     def run(self, timed: Iterable[tuple[Session, float]]) -> SimResult:
         wall = time.perf_counter()
-        for session, at in timed:
-            self._outstanding += 1
-            self.loop.at(at, self._arrive, session)
+        arrivals = [(at, session) for session, at in timed]
+        self._outstanding += len(arrivals)
+        self.loop.at_each(self._arrive, arrivals)
         self.loop.at(0.0, self._scrape)
         self.loop.at(0.0, self._plan)
         # No cyclic GC while the loop runs: a run allocates millions of short-lived
@@ -320,7 +318,7 @@ class Simulation:
             now=now, replicas=len(serving), starting=len(self.cold),
             waiting=waiting, running=running, kv_usage=usage / max(1, len(serving)),
             arrivals=self._arrivals,
-            ttft_p90_s=float(np.percentile(ttfts, 90)) if ttfts else None,
+            ttfts=ttfts,
             read_signals=self._signals)
         self._arrivals = 0
         self._resize(self.planner.desired_replicas(obs))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -37,6 +37,29 @@ class EventLoop:
         """`at(now + delay)` (a negative delay is now), without the extra call."""
         when = self.now + delay if delay > 0 else self.now
         heapq.heappush(self._heap, (when, next(self._order), fn, arg))
+
+    def at_each(self, fn: Callable[[Any], None], timed: Iterable[tuple[float, Any]]) -> None:
+        """`at(when, fn, arg)` for each `(when, arg)` of `timed`, in that order: the same
+        run, event for event (each keeps the tie-break it would have had), but the heap
+        holds one of them at a time. A trace's thousands of arrivals, all scheduled up
+        front, would otherwise deepen every other event's push and pop."""
+        now = self.now
+        items = [(max(when, now), arg) for when, arg in timed]
+        base = next(self._order)  # the tie-breaks base .. base + len(items) - 1
+        self._order = itertools.count(base + len(items))
+        queue = iter(sorted(range(len(items)), key=lambda i: items[i][0]))  # stable
+        heap = self._heap
+
+        def push_next() -> None:
+            i = next(queue, None)
+            if i is not None:
+                heapq.heappush(heap, (items[i][0], base + i, run_one, i))
+
+        def run_one(i: int) -> None:
+            push_next()  # the next one in time order, before anything this one schedules
+            fn(items[i][1])
+
+        push_next()
 
     def run(self, until: float | None = None) -> None:
         """Run events in time order until none is left (or the next is after `until`)."""

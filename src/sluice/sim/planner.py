@@ -29,6 +29,8 @@ from functools import cached_property
 from types import MappingProxyType
 from typing import Protocol
 
+import numpy as np
+
 from sluice.control.planner import POLICIES as CONTROL_POLICIES
 from sluice.control.planner import Planner, PlannerConfig, PoolSignals
 from sluice.control.signals import LatencySnapshot
@@ -51,8 +53,13 @@ class PoolObservation:
     running: int  # requests running in the engines
     kv_usage: float  # mean over serving workers, 0..1
     arrivals: int  # requests that arrived since the last tick
-    ttft_p90_s: float | None  # over first tokens since the last tick (None: none)
+    ttfts: list[float]  # of the first tokens since the last tick, seconds
     read_signals: Callable[[], PoolSignals] = field(repr=False, compare=False)
+
+    @cached_property
+    def ttft_p90_s(self) -> float | None:
+        """p90 of `ttfts` (None: none), on first use (a fixed pool never asks)."""
+        return float(np.percentile(self.ttfts, 90)) if self.ttfts else None
 
     @cached_property
     def signals(self) -> PoolSignals:

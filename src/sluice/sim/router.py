@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.protocol.errors import InvalidRequestError
-from sluice.protocol.kv_events import KVEvent
+from sluice.protocol.kv_events import BlockRemoved, KVEvent
 from sluice.router.config import PoolConfig, WorkerSpec
 from sluice.router.endpoints import Ticket
 from sluice.router.kv_subscriber import apply_event
@@ -101,11 +101,31 @@ class SimRouter:
         self.loop.after(self.cfg.kv_event_lag_s, self._apply, (url, events))
 
     def _apply(self, item: tuple[str, list[KVEvent]]) -> None:
+        """A step's events into the precise index, in order; a run of `BlockRemoved`
+        (one per evicted block) as one (the same removals, one index call). Skipped when
+        the policy never reads the index (`uses_prefix` false: `Pool` neither matches
+        nor predicts there), which changes no decision; the event is still counted."""
         url, events = item
-        if url not in self.pool.endpoints:
-            return  # the worker left; its entries went with it
+        if not self.uses_prefix or url not in self.pool.endpoints:
+            return  # (or the worker left; its entries went with it)
+        index = self.pool.precise
+        removed: list[int] = []
+        medium: str | None = None
         for ev in events:
-            apply_event(self.pool.precise, url, ev)
+            if type(ev) is BlockRemoved and (not removed or ev.medium == medium):
+                removed += ev.block_hashes
+                medium = ev.medium
+                continue
+            if removed:
+                apply_event(index, url, BlockRemoved(removed, medium))
+                removed = []
+            if type(ev) is BlockRemoved:
+                removed += ev.block_hashes
+                medium = ev.medium
+            else:
+                apply_event(index, url, ev)
+        if removed:
+            apply_event(index, url, BlockRemoved(removed, medium))
 
     def scrape(self, loads: Iterable[tuple[str, WorkerLoad]]) -> None:
         """Fresh `/metrics` gauges for each worker."""
