@@ -205,6 +205,15 @@ def profile_from(args: argparse.Namespace) -> StepProfile:
         s_per_seq=profile.s_per_seq / f, s_per_kpair=profile.s_per_kpair / f)
 
 
+def itl_floor(spec: str, profile: StepProfile) -> float | None:
+    """`--itl-floor`: the profile's one-sequence decode step, none (learn), or seconds."""
+    if spec == "learn":
+        return None
+    if spec == "profile":
+        return profile.step_overhead_s + profile.s_per_token + profile.s_per_seq
+    return float(spec)
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", required=True)
@@ -234,6 +243,19 @@ def parse_args() -> argparse.Namespace:
                     help="the planner's pool at the start of the day (default: the peak-sized "
                     "pool times --trough-ratio, rounded up: where a planner that ran through "
                     "the previous day stands at its trough)")
+    ap.add_argument("--itl-floor", default="profile",
+                    help="the slo planner's ITL floor (a decode step's fixed cost): 'profile' "
+                    "(default: the step profile's one-sequence decode step, as an offline "
+                    "profile gives it), 'learn' (only the least ITL the planner sees), or "
+                    "seconds")
+    ap.add_argument("--lookahead", type=float, default=30.0,
+                    help="the slo planner's look-ahead, seconds (default %(default)s)")
+    ap.add_argument("--trend-window", type=float, default=20.0,
+                    help="the slo planner fits the demand's growth over this many seconds "
+                    "(default %(default)s)")
+    ap.add_argument("--max-step", type=int, default=1,
+                    help="the planner's most workers added or removed per decision "
+                    "(default %(default)s)")
     ap.add_argument("--planner-interval", type=float, default=1.0)
     ap.add_argument("--cold-start", type=float, default=11.0,
                     help="seconds per worker start (default %(default)s: a CPU worker's "
@@ -281,6 +303,9 @@ def main() -> int:
         target = SLO(ttft_s=slos.get("ttft", target.ttft_s), itl_s=slos.get("tpot", target.itl_s))
     planning = PlannerConfig(policy=args.planner, min_replicas=args.min_workers,
                              max_replicas=args.max_workers or peak_n, slo=target,
+                             itl_floor_s=itl_floor(args.itl_floor, profile),
+                             lookahead_s=args.lookahead, max_step=args.max_step,
+                             trend_window_s=args.trend_window,
                              **scaling_options(args))
     initial = args.initial_workers or math.ceil(peak_n * args.trough_ratio - 1e-9)
     initial = min(planning.max_replicas, max(1, planning.min_replicas, initial))

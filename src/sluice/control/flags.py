@@ -20,7 +20,7 @@ def add_scaling_arguments(g: argparse._ActionsContainer, min_help: str,
                    help="seconds a smaller count must be wanted before scaling down "
                         "(default: %(default)s)")
     g.add_argument("--scale-down-margin", type=float, default=0.6,
-                   help="slo policy: a smaller count must be predicted to beat this x SLO "
+                   help="slo policy: a smaller count must meet the SLO with the load / this "
                         "(default: %(default)s)")
 
 

@@ -15,7 +15,9 @@ simulator every tick in virtual time, with the same results for the same inputs.
 
 Hysteresis comes from two places, so the count never flaps under oscillating load:
 the `slo` policy scales up when its prediction misses the SLO but down only when the
-smaller count is predicted to beat `scale_down_margin` × SLO; and the delays take the
+smaller count is predicted to meet it with the load grown by 1 / `scale_down_margin`
+(headroom in load, not in latency: an ITL floor close to the SLO leaves no latency band
+to shrink into, while the load a step down adds is known); and the delays take the
 max (down) or min (up) of the recommendations over their window, as Kubernetes' HPA
 stabilization window does, so a dip shorter than the down delay never shrinks the pool.
 
@@ -25,23 +27,28 @@ TTFT of a request joining the back of the queue on an average worker when the po
 queued and running work is spread over n workers (its own prefill less the pool's
 prefix-hit share), calibrated upward by the observed p90 TTFT when the model
 under-predicts it. ITL: a decode step has a fixed cost that more workers do not
-lower, and a part that grows with the requests each worker holds. The planner takes
-the fixed part as the least ITL it has seen over `itl_floor_window_s` (the floor,
-reached at light load) and scales only the part above it with the requests per
-worker: ITL(n) = floor + (ITL_obs - floor) × n_now / n. Before it has seen enough, the
-ITL scales as if the step time grew by one request's share per request,
-ITL(n) = ITL_obs × (1 + running/n) / (1 + running/n_now), which over-provisions a pool
-whose fixed step cost dominates.
-Dynamo's planner maps forecast load through profiled curves instead; sluice has no
-offline profile, so it uses the lines the router and the planner fit online.
+lower (the floor: the least ITL seen over `itl_floor_window_s`, or `itl_floor_s` from
+a profile when that is lower), and the time above it is work the load brings, which
+is the same per request at any count. A worker busy the share `1 - floor / ITL_obs`
+of its time with that work puts the pool's load at `busy = n_now × (1 - floor /
+ITL_obs)` workers' worth; at n workers each is busy `busy / n`, and
+ITL(n) = floor / (1 - busy / n): it grows faster than the load per worker, because a
+slower step keeps each request longer. (In the simulator's fixed pools of 4 to 9
+workers over a day, `n × (1 - floor / ITL)` per 30 s agrees within ~5 % across n.)
+Before the floor is known, the ITL scales as if the step time grew by one request's
+share per request, ITL(n) = ITL_obs × (1 + running/n) / (1 + running/n_now), which
+over-provisions a pool whose fixed step cost dominates.
+Dynamo's planner maps forecast load through profiled curves; sluice fits its lines
+online and takes at most the floor from a profile.
 
 Look-ahead: a worker started now serves only after its cold start, so the `slo` policy
 also predicts the pool at `lookahead_s` from now, with the demand (requests in flight
 and queued) extrapolated along its growth over the last `trend_window_s` (a
 least-squares slope; growth only). Under a load step the backlog grows linearly long
 before today's TTFT misses: scaling on the forecast starts the worker that much
-earlier. At a steady load the slope is noise around zero, and a forecast that merely
-stays inside the SLO changes nothing.
+earlier; the forecast's ITL load grows in the same proportion (`PoolSignals.grown`).
+At a steady load the slope is noise around zero, and a forecast that merely stays
+inside the SLO changes nothing.
 """
 
 from __future__ import annotations
@@ -118,13 +125,14 @@ class PlannerConfig:
     scale_down_delay_s: float = 60.0
     max_step: int = 1
     scale_to_zero_after_s: float | None = None
-    scale_down_margin: float = 0.6  # slo: a smaller count must beat margin × SLO
+    scale_down_margin: float = 0.6  # slo: a smaller count must meet the SLO at load / margin
     target_ongoing_requests: float = 8.0  # queue: in flight + queued per worker
     target_kv_usage: float = 0.8  # kv: mean KV-cache usage per worker
     tolerance: float = 0.1  # queue, kv: no change while the ratio is within 1 ± this
     lookahead_s: float = 30.0  # slo: also meet the SLO for the demand forecast this far ahead
     trend_window_s: float = 20.0  # the demand growth is fitted over this much history
     itl_floor_window_s: float = 3600.0  # slo: the ITL floor is the least ITL this long
+    itl_floor_s: float | None = None  # slo: a decode step's fixed cost, profiled (optional)
     history: int = 120  # decisions kept for /admin/planner
 
     def __post_init__(self) -> None:
@@ -142,6 +150,8 @@ class PlannerConfig:
                 self.scale_to_zero_after_s < 0 or self.min_replicas > 0):
             raise InvalidRequestError("scale_to_zero_after_s needs min_replicas=0 and a "
                                       "value >= 0", param="scale_to_zero_after_s")
+        if self.itl_floor_s is not None and self.itl_floor_s <= 0:
+            raise InvalidRequestError("itl_floor_s must be > 0", param="itl_floor_s")
         if self.itl_floor_window_s <= 0:
             raise InvalidRequestError("itl_floor_window_s must be > 0",
                                       param="itl_floor_window_s")
@@ -185,6 +195,7 @@ class PoolSignals:
     itl_s: float | None = None
     prefix_hit_rate: float | None = None
     itl_floor_s: float | None = None  # the least ITL seen lately (the planner's history)
+    load_scale: float = 1.0  # the load these signals stand for over the observed one
 
     @property
     def idle(self) -> bool:
@@ -208,7 +219,8 @@ class PoolSignals:
         f = (self.demand + extra) / self.demand
         return replace(self, inflight=round(self.inflight * f), queued=round(self.queued * f),
                        waiting=self.waiting * f, running=self.running * f,
-                       queued_prefill_tokens=self.queued_prefill_tokens * f)
+                       queued_prefill_tokens=self.queued_prefill_tokens * f,
+                       load_scale=self.load_scale * f)
 
 
 @dataclass(frozen=True)
@@ -271,22 +283,35 @@ def model_ttft(s: PoolSignals, n: int) -> float:
 
 
 def predict_itl(s: PoolSignals, now: int, n: int) -> float | None:
-    """The ITL at `n` workers from the one observed at `now` workers. With a known floor
-    (the least ITL seen: a decode step's fixed cost, which more workers do not lower),
-    the part above it scales with the requests per worker. Without one: as if the step
-    time grew by one request's share per request (over-provisions a pool whose fixed
-    step cost dominates)."""
+    """The ITL at `n` workers from the one observed at `now` workers.
+
+    With a known floor (the least ITL seen: a decode step's fixed cost, which more
+    workers do not lower), the step time above the floor is work the load brings: new
+    tokens and prefill chunks, in proportion to the requests arriving per worker. A
+    worker spends the share `1 - floor / ITL` of its time on that work, so the pool holds
+    `busy = now × (1 - floor / ITL)` workers' worth of it, and at `n` workers each spends
+    `busy / n`; the rest of its time goes to steps' fixed costs, so one step takes
+    `ITL(n) = floor / (1 - busy / n)` (infinite once `busy >= n`: the pool cannot keep
+    up). The work per request is the same at any count, so the share scales with the
+    load per worker alone; the ITL grows faster than it (a slower step keeps each
+    request longer, so each step carries more of them). `s.load_scale` scales the load
+    for a forecast or a headroom check (`PoolSignals.grown`).
+
+    Without a floor: as if the step time grew by one request's share per request
+    (over-provisions a pool whose fixed step cost dominates)."""
     if s.itl_s is None or n <= 0:
         return None if n > 0 else math.inf
-    if s.itl_floor_s is not None:
+    if s.itl_floor_s is not None and s.itl_s > 0:
         floor = min(s.itl_floor_s, s.itl_s)
-        return floor + (s.itl_s - floor) * max(1, now) / n
+        busy = (1.0 - floor / s.itl_s) * max(1, now) * s.load_scale
+        return floor / (1.0 - busy / n) if busy < n else math.inf
     return s.itl_s * (1 + s.running / n) / (1 + s.running / max(1, now))
 
 
 class SLOPolicy(PlannerPolicy):
     """The smallest count whose predicted TTFT and ITL meet the SLO (scale up), and
-    that beats `scale_down_margin` × SLO to go below today's count (scale down)."""
+    that meets it with the load grown by 1 / `scale_down_margin` to go below today's
+    count (scale down)."""
 
     name = "slo"
 
@@ -316,7 +341,17 @@ class SLOPolicy(PlannerPolicy):
                          if self._meets(p, config.slo, factor)
                          and self._meets(q, config.slo, factor)), best)
 
-        up, down = first(1.0), first(config.scale_down_margin)
+        up = first(1.0)
+        # down: the smaller count must meet the SLO with the load grown by 1/margin (now
+        # and forecast): headroom in load, which a step down changes, not in latency
+        grow = 1.0 / config.scale_down_margin - 1.0
+        heavy = s.grown(s.demand * grow)
+        heavy_later = ahead.grown(ahead.demand * grow) if ahead is not None else heavy
+        hp = [self.predict(heavy, current, n) for n in counts]
+        hq = [self.predict(heavy_later, current, n) for n in counts] if ahead is not None else hp
+        down = next((p for p, q in zip(hp, hq, strict=True)
+                     if self._meets(p, config.slo, 1.0) and self._meets(q, config.slo, 1.0)),
+                    best)
         if current < 1 or up.replicas > current:
             today = next((p for p in preds if self._meets(p, config.slo, 1.0)), best)
             reason = ("predicted to miss the SLO with fewer" if today.replicas >= up.replicas
@@ -324,8 +359,9 @@ class SLOPolicy(PlannerPolicy):
             return Recommendation(up.replicas, reason if up.replicas > 1
                                   else "smallest count meeting the SLO", now, up)
         if down.replicas < current:
-            return Recommendation(down.replicas, f"beats {config.scale_down_margin:g} x SLO "
-                                  "with fewer", now, down)
+            return Recommendation(down.replicas, f"meets the SLO with fewer at "
+                                  f"{1 / config.scale_down_margin:.3g}x the load",
+                                  now, self.predict(s, current, down.replicas))
         return Recommendation(current, "within the SLO band", now, now)
 
 
@@ -530,9 +566,11 @@ class Planner:
             self.itl_seen += 1
         while self.itl_points and self.itl_points[0][0] < now - self.config.itl_floor_window_s:
             self.itl_points.popleft()
+        profiled = self.config.itl_floor_s
         if self.itl_seen < MIN_ITL_POINTS or not self.itl_points:
-            return None
-        return self.itl_points[0][1]
+            return profiled
+        seen = self.itl_points[0][1]
+        return seen if profiled is None else min(profiled, seen)
 
     def _zero_rule(self, s: PoolSignals, now: float) -> tuple[int | None, str]:
         """Zero after `scale_to_zero_after_s` idle (its own delay: the scale-down delay does
