@@ -141,21 +141,27 @@ async def test_zipf_mix_does_not_thrash() -> None:
             as (router, state, _), httpx.AsyncClient(base_url=router, timeout=30) as c:
         assert await statuses(c, mix, concurrency=6) == {200}
         counts = state.adapters.counts
-        # the two hot adapters: loaded once per replica, never evicted and loaded again
-        assert counts.loads_by_adapter["lora0"] <= 2 and counts.loads_by_adapter["lora1"] <= 2
+        # the hottest: loaded once per replica, never evicted and loaded again; the second
+        # (19%): its second copy is an extra replica, the first copy to go when a request
+        # finds no holder (the rule), so timing may cost it one load more (1 run in ~10
+        # of this file after the simulator's tests, on an idle 2-core machine)
+        assert counts.loads_by_adapter["lora0"] <= 2 and counts.loads_by_adapter["lora1"] <= 3
         # 8 adapters for 6 slots: the tail rotates through the free slot, but a load is
         # rare: an engine's LRU behind round robin reads weights on ~60% of requests, this
         # at most a quarter of that (about 10% on an idle machine; 12% seen in a CI run
         # beside other jobs, where requests are held longer and tail adapters overlap more);
         assert counts.total_loads() <= 0.15 * len(mix), counts.loads_by_adapter
-        # a burst found no free slot: over the slots only until those adapters are idle
-        await until(lambda: all(len(h) <= 2 for h in state.adapters.held.values()), 6.0)
-        assert all(len(s.adapters) <= 2 for s in stubs)
+        # a burst found no free slot: over the slots only until those adapters are idle;
+        # the router's view and the workers' own (an unload is on its way a moment after
+        # the router counts it gone)
+        await until(lambda: all(len(h) <= 2 for h in state.adapters.held.values())
+                    and all(len(s.adapters) <= 2 for s in stubs), 6.0)
 
 
 async def test_zipf_mix_replicates_the_hottest_adapter_and_keeps_the_two_hottest() -> None:
-    """The hottest adapter (40% of requests) is replicated, and neither it nor the second
-    (19%) is loaded more often than it may have copies (never evicted and loaded again).
+    """The hottest adapter (40% of requests) is replicated and loaded no more often than
+    it may have copies (never evicted and loaded again); the second (19%) at most once
+    more (its extra replica is the first copy to go when a request finds no holder).
     Which worker a copy goes to among near-equal ones is a matter of timing here; the
     rule itself is checked on fixed data below."""
     stubs = [LoraStub(n, service_s=0.02, max_num_seqs=2) for n in "abc"]
@@ -167,7 +173,7 @@ async def test_zipf_mix_replicates_the_hottest_adapter_and_keeps_the_two_hottest
         counts = state.adapters.counts
         by = counts.loads_by_adapter
         assert len(state.adapters.holders("lora0")) == 2 and by["lora0"] == 2, counts
-        assert by["lora1"] <= 2, counts  # its copies (up to the cap), never loaded again
+        assert by["lora1"] <= 3, counts  # its copies (up to the cap), and one reload at most
         assert counts.total_loads() <= 0.15 * len(mix), by
 
 
