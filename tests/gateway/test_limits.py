@@ -130,9 +130,12 @@ async def test_both_limiters_agree_on_rpm_tpm_concurrency(redis_prefix: str) -> 
 @pytest.mark.services
 async def test_redis_burst_admits_exactly_the_limit(redis_prefix: str) -> None:
     # two replicas, each with a small connection pool: a burst far wider than the pool
-    # waits for connections (no spurious "unavailable") and admits exactly the limit
-    a = RedisLimiter(REDIS_URL, prefix=redis_prefix, max_connections=8)
-    b = RedisLimiter(REDIS_URL, prefix=redis_prefix, max_connections=8)
+    # waits for connections (no spurious "unavailable") and admits exactly the limit.
+    # Connect timeout 10 s, not 1: 300 coroutines on one loop of a busy 2-core machine
+    # once held a loopback connect past 1 s (a CI run, 2026-12-02); timeouts are tested
+    # below
+    a = RedisLimiter(REDIS_URL, prefix=redis_prefix, max_connections=8, timeout_s=10.0)
+    b = RedisLimiter(REDIS_URL, prefix=redis_prefix, max_connections=8, timeout_s=10.0)
     scope = [Scope("key:burst", rpm=25)]
     results = await asyncio.gather(*[(a if i % 2 else b).acquire(scope, 1) for i in range(300)])
     assert sum(d.allowed for d in results) == 25
