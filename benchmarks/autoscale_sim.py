@@ -198,11 +198,9 @@ def plot(path: str, bench: Bench, runs: Sequence[tuple[str, SimResult]]) -> None
 def profile_from(args: argparse.Namespace) -> StepProfile:
     profile = resolve_profile(args.profile, default_profile_path())
     f = args.speedup
-    return profile.with_overrides(
+    return profile.faster(f).with_overrides(
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        name=f"{profile.name} / {f:g}" if f != 1 else profile.name,
-        step_overhead_s=profile.step_overhead_s / f, s_per_token=profile.s_per_token / f,
-        s_per_seq=profile.s_per_seq / f, s_per_kpair=profile.s_per_kpair / f)
+        name=f"{profile.name} / {f:g}" if f != 1 else profile.name)
 
 
 def itl_floor(spec: str, profile: StepProfile) -> float | None:

@@ -92,11 +92,9 @@ def main() -> int:
 
     profile = resolve_profile(args.profile, default_profile_path())
     f = args.speedup
-    profile = profile.with_overrides(
+    profile = profile.faster(f).with_overrides(
         num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-        name=f"{profile.name} / {f:g}" if f != 1 else profile.name,
-        step_overhead_s=profile.step_overhead_s / f, s_per_token=profile.s_per_token / f,
-        s_per_seq=profile.s_per_seq / f, s_per_kpair=profile.s_per_kpair / f)
+        name=f"{profile.name} / {f:g}" if f != 1 else profile.name)
     t0 = time.perf_counter()
     wl = WorkloadConfig(time_scale=args.time_scale)
     sessions = list(trace_sessions(args.trace, wl, args.limit).timed())

@@ -81,3 +81,10 @@ def test_profile_file_round_trip_and_unknown_field(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequestError) as exc:
         StepProfile(block_size=12)
     assert exc.value.param == "block_size"
+
+
+def test_faster_divides_every_coefficient_and_keeps_an_absent_decode_term() -> None:
+    p = StepProfile(step_overhead_s=1.0, s_per_token=0.1, s_per_seq=0.01, s_per_kpair=0.5)
+    assert p.faster(2).coefficients == pytest.approx((0.5, 0.05, 0.005, 0.25, 0.25))
+    assert p.faster(2).s_per_decode_kpair is None
+    assert p.with_overrides(s_per_decode_kpair=3.0).faster(2).s_per_decode_kpair == 1.5

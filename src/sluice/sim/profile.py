@@ -103,6 +103,12 @@ class StepProfile:
         return (self.step_overhead_s + self.s_per_token * tokens + self.s_per_seq * len(chunks)
                 + (self.s_per_kpair * pairs + decode * decode_pairs) * 1e-3)
 
+    def faster(self, factor: float) -> StepProfile:
+        """Every step-time coefficient divided by `factor` (a faster device); an absent
+        decode term stays absent (it follows `s_per_kpair`)."""
+        return self.with_overrides(**{k: getattr(self, k) / factor for k in FEATURES
+                                      if getattr(self, k) is not None})
+
     def with_overrides(self, **changes: Any) -> StepProfile:
         """A copy with the given (non-None) fields replaced, validated again."""
         known = {f.name for f in fields(self)}
