@@ -72,6 +72,24 @@ async def test_same_tokens_as_the_thread_core(engine: AsyncEngine, config: Engin
     assert engine.client.info.max_model_len == 512
 
 
+async def test_step_log_records_what_each_step_ran(tiny_llama_dir: Path,
+                                                   tmp_path: Path) -> None:
+    """`--step-log DIR`: the child core writes its shape, then one line per step with the
+    chunks it ran (a 5-token prompt, then 11 single-token decodes) and their seconds."""
+    from sluice.engine.step_log import read_step_logs
+
+    eng = AsyncEngine.spawn(EngineConfig.from_options(str(tiny_llama_dir), **OPTIONS,
+                                                      step_log=str(tmp_path / "steps")))
+    try:
+        await final(eng, [5, 9, 13, 2, 7], "s0")
+    finally:
+        eng.shutdown()
+    header, points = read_step_logs([str(tmp_path / "steps")])
+    assert (header["block_size"], header["num_kv_blocks"], header["max_num_seqs"]) == (16, 256, 8)
+    assert [chunks for chunks, _ in points] == [[(0, 5)]] + [[(p, 1)] for p in range(5, 16)]
+    assert all(0 < seconds < 60 for _, seconds in points)
+
+
 async def test_aclose_aborts_in_the_child(engine: AsyncEngine) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)

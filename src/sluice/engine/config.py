@@ -95,6 +95,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "priority"  # "fcfs" | "priority" (lower value runs first)
+    # a directory: each engine core appends every step's chunks and seconds to
+    # steps-<pid>.jsonl there (sluice.engine.step_log; `sluice sim calibrate --from-steps`)
+    step_log: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

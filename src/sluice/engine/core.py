@@ -86,6 +86,7 @@ class EngineCore:
         self._next_seq_id = 0
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_steps": 0}
         self.spec = self._build_spec(config)
+        self.last_chunks: list[ScheduledChunk] = []  # what the last step() ran
 
     # -- admission ----------------------------------------------------------------
     def add(self, req: CoreRequest) -> None:
@@ -235,6 +236,7 @@ class EngineCore:
         if self.spec is not None:
             self.spec.propose(self.scheduler.running, self.config.scheduler.max_num_batched_tokens)
         chunks = self.scheduler.schedule()
+        self.last_chunks = chunks
         drafts = self.spec.fit(chunks) if self.spec is not None else {}
         if not chunks:
             self.structured.wait(0.01)  # only grammars, KV pulls or fetches from an

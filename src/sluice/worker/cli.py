@@ -33,6 +33,9 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
                     "with native bfloat16 (avx512_bf16 or AMX), float32 otherwise"),
     "device": (str, "auto | cpu | cuda"),
     "seed": (int, "engine seed"),
+    "step_log": (str, "a directory: each engine core appends what every step ran and its "
+                      "seconds to steps-<pid>.jsonl there (`sluice sim calibrate "
+                      "--from-steps DIR` fits the simulator to it)"),
     "cpu_threads": (int, "threads for the CPU forward pass (default: one per core); engines "
                          "that share a machine's cores should split them (`sluice serve "
                          "--workers N` gives each local worker cores / N)"),
@@ -119,7 +122,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 
 NONE_MEANS: dict[str, str] = {"max_model_len": "the model's own", "kv_offload": "off",
                               "kv_store": "off", "max_cpu_loras": "--max-loras",
-                              "speculative_config": "off"}
+                              "speculative_config": "off", "step_log": "off",
+                              "cpu_threads": "one per core"}
 
 
 def _default_text(dest: str, value: Any) -> str:
