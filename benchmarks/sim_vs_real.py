@@ -11,7 +11,10 @@ trace; small, seeded, at a fixed Poisson rate or the trace's own times):
 and print TTFT p50/p90, request and output throughput, and prefix-cache hit rate side by
 side (sim / real); the real hit rate is from the engines' own /metrics counters. The real
 workers get the profile's KV pool (`--num-kv-blocks`) so both sides have the same cache.
-`--calibrate` fits the profile first, in the same locked session as the real run. Run under `flock /tmp/sluice-heavy.lock`:
+`--calibrate` fits the profile first, in the same locked session as the real run, by
+timing one engine alone; `--calibrate-served` fits it to the steps the real workers
+log (`--step-log`) while serving a first pass of the same workloads with seed + 1 on a
+cluster of their own. Run under `flock /tmp/sluice-heavy.lock`:
 
     flock /tmp/sluice-heavy.lock env PYTHONPATH=src python benchmarks/sim_vs_real.py
 
@@ -25,8 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,7 @@ import httpx
 from sluice.bench.metrics import server_deltas
 from sluice.control.local import free_port
 from sluice.observe.prometheus import sum_samples
+from sluice.sim.calibrate import outside_engine_s
 from sluice.sim.cli import default_profile_path
 from sluice.sim.run import resolve_profile
 
@@ -138,6 +144,52 @@ def calibrate(path: str) -> None:
     print(proc.stdout, file=sys.stderr)
 
 
+def calibrate_served(path: str, args: argparse.Namespace, kv_blocks: int) -> None:
+    """Fit the profile to the steps the real workers log while serving a first pass of
+    every workload (seed + 1), on a cluster of its own (the compared pass then starts
+    with cold caches): the served step times, host contention included."""
+    steps = tempfile.mkdtemp(prefix="sluice-steps-")
+    cluster = RealCluster(["--policy", args.policy, "--num-kv-blocks", str(kv_blocks),
+                           "--step-log", steps], Path(args.log + ".fit"))
+    outside: list[float] = []
+    try:
+        cluster.wait_ready()
+        engines = cluster.worker_urls(Path(args.log + ".fit"))
+        for name in args.workloads:
+            before = worker_counters(engines)
+            real = run_real(cluster, name, str(int(args.seed) + 1), args)
+            outside.append(outside_engine_s(float(real["mean_ttft_ms"]) / 1e3, before,
+                                            worker_counters(engines)))
+            print(f"  fit pass {name}: {outside[-1] * 1e3:.1f} ms a request outside the "
+                  "engine", file=sys.stderr)
+    finally:
+        cluster.stop()
+    proc = subprocess.run([sys.executable, "-m", "sluice.cli", "sim", "calibrate", "--out",
+                           path, "--from-steps", steps], capture_output=True, text=True,
+                          env=os.environ.copy())
+    if proc.returncode != 0:
+        raise RuntimeError(f"calibrate --from-steps failed: {proc.stderr[-2000:]}")
+    print(proc.stdout, file=sys.stderr)
+    if args.request_overhead_ms is None:  # measured, unless given
+        profile = json.loads(Path(path).read_text())
+        profile["request_overhead_s"] = max(0.0, statistics.median(outside))
+        Path(path).write_text(json.dumps(profile, indent=2) + "\n")
+
+
+def workload_args(name: str, seed: str, args: argparse.Namespace) -> list[str]:
+    """Both sides' options for one workload: its own, the seed, the arrivals."""
+    both, _, _ = WORKLOADS[name]
+    return [*both, "--seed", seed, *(["--trace", args.trace] if name == "trace"
+                                     else ["--request-rate", args.request_rate])]
+
+
+def run_real(cluster: RealCluster, name: str, seed: str,
+             args: argparse.Namespace) -> dict[str, Any]:
+    return cli("bench", "serve", "--base-url", cluster.url, "--ignore-eos", "--disable-tqdm",
+               "--warmup", "0", *workload_args(name, seed, args),
+               *WORKLOADS[name][1])["results"][0]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--profile", default=None)
@@ -153,11 +205,20 @@ def main() -> int:
                     "(profile's; both real workers share this machine's cores)")
     ap.add_argument("--log", default="/tmp/sim_vs_real_serve.log")
     ap.add_argument("--calibrate", action="store_true",
-                    help="run `sluice sim calibrate` first (writes --profile)")
+                    help="run `sluice sim calibrate` first (one engine alone; writes --profile)")
+    ap.add_argument("--calibrate-served", action="store_true",
+                    help="fit --profile to the steps the real workers log serving a first "
+                    "pass of the workloads (seed + 1; `sluice sim calibrate --from-steps`), "
+                    "and its request overhead to their TTFT outside the engines (median "
+                    "over the workloads) unless --request-overhead-ms is given")
     args = ap.parse_args()
     profile_path = args.profile or default_profile_path()
     if args.calibrate:
         calibrate(profile_path)
+    if args.calibrate_served:
+        kv_blocks = resolve_profile(profile_path if Path(profile_path).exists() else None,
+                                    default_profile_path()).num_kv_blocks
+        calibrate_served(profile_path, args, kv_blocks)
     profile = resolve_profile(profile_path if Path(profile_path).exists() else None,
                               default_profile_path())
     sim_args = ["--workers", "2", "--policy", args.policy, "--profile", profile_path] \
@@ -174,16 +235,12 @@ def main() -> int:
         cluster.wait_ready()
         engines = cluster.worker_urls(Path(args.log))
         for name in args.workloads:
-            both, real_only, sim_only = WORKLOADS[name]
-            common = ["--seed", args.seed, *(["--trace", args.trace] if name == "trace"
-                                              else ["--request-rate", args.request_rate])]
             before = worker_counters(engines)
-            real = cli("bench", "serve", "--base-url", cluster.url, "--ignore-eos",
-                       "--disable-tqdm", "--warmup", "0", *both, *real_only,
-                       *common)["results"][0]
+            real = run_real(cluster, name, args.seed, args)
             deltas = server_deltas(before, worker_counters(engines))
             real |= {f"server_{k}": v for k, v in deltas.items()}
-            sim = cli("sim", *both, *sim_only, *common, *sim_args)["results"][0]
+            sim = cli("sim", *workload_args(name, args.seed, args), *WORKLOADS[name][2],
+                      *sim_args)["results"][0]
             results[name] = {"real": real, "sim": sim}
             print(f"  {name}: done", file=sys.stderr)
     finally:

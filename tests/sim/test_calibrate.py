@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from sluice.sim.calibrate import calibrate, fastest_per_shape, fit_report
-from sluice.sim.profile import chunk_features
+from sluice.protocol.errors import InvalidRequestError
+from sluice.sim.calibrate import calibrate, fastest_per_shape, fit_report, from_steps
+from sluice.sim.profile import FEATURES, StepProfile, chunk_features
 
-pytestmark = pytest.mark.model
 
-
+@pytest.mark.model
 def test_quick_calibration_fits_the_real_engine() -> None:
     profile, points = calibrate(None, quick=True, repeats=2, num_kv_blocks=256)
     assert profile.num_kv_blocks == 256 and profile.block_size == 16
@@ -27,3 +30,38 @@ def test_quick_calibration_fits_the_real_engine() -> None:
     assert len(shapes) >= 4
     table, err = fit_report(profile, points)
     assert "fastest ms" in table and err < 1.0
+
+
+def test_from_steps_fits_each_shapes_median_step(tmp_path: Path) -> None:
+    """Steps real workers logged while serving (two files, as two engines write them):
+    the fit recovers the model that made them, through a slow outlier per shape, and a
+    line cut short by a killed worker is skipped."""
+    truth = StepProfile(step_overhead_s=0.02, s_per_token=3e-4, s_per_seq=5e-4,
+                        s_per_kpair=2e-3, s_per_decode_kpair=5e-3)
+    shapes = [[(0, n)] for n in (32, 128, 512, 1024)]
+    shapes += [[(ctx + i, 1) for i in range(b)] for b in (1, 4, 16) for ctx in (100, 900)]
+    shapes += [[(0, 200), (300, 1), (310, 1)]]
+    header = {"model": "m", "block_size": 16, "num_kv_blocks": 512, "max_num_seqs": 64,
+              "max_num_batched_tokens": 1024}
+    for worker, extra in enumerate(("", '{"chunks": [[0, 5]], "s"')):
+        lines = [json.dumps(header)]
+        for chunks in shapes:
+            seconds = sum(c * f for c, f in zip(truth.coefficients, chunk_features(chunks),
+                                                strict=True))
+            for factor in (1.0, 1.0, 4.0):  # a step that waited for a core
+                lines.append(json.dumps({"chunks": chunks, "s": seconds * factor}))
+        (tmp_path / f"steps-{worker}.jsonl").write_text("\n".join(lines) + "\n" + extra)
+    profile, points = from_steps([str(tmp_path)])
+    assert len(points) == 2 * 3 * len(shapes)
+    assert (profile.block_size, profile.num_kv_blocks, profile.max_num_seqs,
+            profile.max_num_batched_tokens) == (16, 512, 64, 1024)
+    for name in FEATURES:
+        assert getattr(profile, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+    assert "served steps" in profile.source
+
+
+def test_from_steps_without_steps_names_the_parameter(tmp_path: Path) -> None:
+    (tmp_path / "steps-1.jsonl").write_text('{"model": "m", "block_size": 16}\n')
+    with pytest.raises(InvalidRequestError) as err:
+        from_steps([str(tmp_path)])
+    assert err.value.param == "from_steps"

@@ -143,6 +143,47 @@ def fastest_per_shape(points: list[Point]) -> list[Point]:
     return list(best.values())
 
 
+def median_per_shape(points: list[Point]) -> list[Point]:
+    """The median step of each shape: for steps logged while serving (`--from-steps`),
+    where what else runs on the host is part of what a request sees, not noise."""
+    groups: dict[tuple[int, int, int], list[Point]] = {}
+    for point in points:
+        groups.setdefault(_shape(point[0]), []).append(point)
+    return [sorted(group, key=lambda p: p[1])[(len(group) - 1) // 2]
+            for group in groups.values()]
+
+
+def from_steps(paths: list[str]) -> tuple[StepProfile, list[Point]]:
+    """A profile fitted to the steps real engines logged while serving (`--step-log`)."""
+    from sluice.engine.step_log import read_step_logs
+
+    header, points = read_step_logs(paths)
+    base = StepProfile(block_size=int(header["block_size"]),
+                       num_kv_blocks=int(header["num_kv_blocks"]),
+                       max_num_seqs=int(header["max_num_seqs"]),
+                       max_num_batched_tokens=int(header["max_num_batched_tokens"]))
+    source = (f"sluice sim calibrate --from-steps on {_cpu()}, {len(points)} served steps, "
+              f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC")
+    profile = fit_profile(base, median_per_shape(points), f"{header['model']}@{_host()}",
+                          source)
+    return profile, points
+
+
+def outside_engine_s(client_mean_ttft_s: float, before: dict[str, float],
+                     after: dict[str, float]) -> float:
+    """Mean seconds of a request's TTFT spent outside the engines (HTTP, router,
+    tokenizing, IPC, detokenizing), the profile's `request_overhead_s`: the clients' mean
+    TTFT less the engines' own mean queue + prefill time, from their /metrics summed over
+    the workers (`sum_samples`) before and after the run."""
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    count = delta("vllm:request_queue_time_seconds_count")
+    inside = (delta("vllm:request_queue_time_seconds_sum")
+              + delta("vllm:request_prefill_time_seconds_sum"))
+    return client_mean_ttft_s - inside / count if count else 0.0
+
+
 def _cpu() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
@@ -160,8 +201,10 @@ def _host() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def fit_report(profile: StepProfile, points: list[Point]) -> tuple[str, float]:
-    """A table of measured vs fitted step times (grouped by shape) and the median error."""
+def fit_report(profile: StepProfile, points: list[Point],
+               typical: str = "fastest") -> tuple[str, float]:
+    """A table of measured vs fitted step times (grouped by shape) and the median error
+    against each shape's `typical` step ("fastest" or "median", what the fit used)."""
     from sluice.sim.profile import chunk_features
 
     groups: dict[tuple[int, int, int], list[tuple[float, float]]] = {}
@@ -173,8 +216,8 @@ def fit_report(profile: StepProfile, points: list[Point]) -> tuple[str, float]:
              f"{'median ms':>10} {'model ms':>9} {'error':>7}"]
     errors = []
     for (seqs, tokens, ctx), vals in sorted(groups.items()):
-        meas = min(v for v, _ in vals)
         median = statistics.median(v for v, _ in vals)
+        meas = median if typical == "median" else min(v for v, _ in vals)
         pred = statistics.median(p for _, p in vals)
         errors.append(abs(pred - meas) / meas)
         lines.append(f"{seqs:5d} {tokens:7d} {ctx:6d} {len(vals):4d} {meas * 1e3:11.2f} "
@@ -183,11 +226,16 @@ def fit_report(profile: StepProfile, points: list[Point]) -> tuple[str, float]:
 
 
 def calibrate_from_args(args: argparse.Namespace, out: str) -> int:
-    profile, points = calibrate(args.model, args.quick, max(1, args.repeats), args.num_kv_blocks,
-                                args.cpu_threads)
-    text, err = fit_report(profile, points)
+    if args.from_steps:
+        profile, points = from_steps(args.from_steps)
+        typical = "median"
+    else:
+        profile, points = calibrate(args.model, args.quick, max(1, args.repeats),
+                                    args.num_kv_blocks, args.cpu_threads)
+        typical = "fastest"
+    text, err = fit_report(profile, points, typical)
     print(text)
-    print(f"median |error| (model vs fastest) over shapes: {100 * err:.1f}%")
+    print(f"median |error| (model vs {typical}) over shapes: {100 * err:.1f}%")
     save_profile(profile, out)
     print(f"wrote {out}: " + ", ".join(f"{k}={getattr(profile, k):.3g}" for k in
                                         ("step_overhead_s", "s_per_token", "s_per_seq",

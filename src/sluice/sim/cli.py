@@ -6,6 +6,7 @@
     sluice sim --trace FILE --rate-shape daily --duration 3600 --planner slo \\
                --min-workers 1 --max-workers 12 --slo ttft=2s,itl=200ms
     sluice sim calibrate              # fit the step-time model on this machine's engine
+    sluice sim calibrate --from-steps DIR   # ... or to steps workers logged while serving
 
 Options are parsed here (the edge) into `SimConfig`s; `sluice.sim.run` does the rest.
 The step-time profile is `--profile FILE`, else the one `calibrate` wrote to
@@ -137,6 +138,10 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="the engine's CPU threads, as the workers to model run it (`sluice "
                    "serve --workers N` gives each cores / N; default: one per core)")
+    p.add_argument("--from-steps", nargs="+", default=None, metavar="PATH",
+                   help="fit to the steps real workers logged while serving (their "
+                   "`--step-log DIR`; files or directories) instead of timing an engine "
+                   "alone: each step shape's median, host contention included")
 
 
 def _run(args: argparse.Namespace) -> int:
