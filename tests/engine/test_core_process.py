@@ -187,3 +187,14 @@ def test_messages_round_trip_through_msgpack() -> None:
     assert back.updates == out.updates and back.stats == out.stats
     (rid, err), = back.errors
     assert rid == "q" and isinstance(err, InvalidRequestError) and err.param == "request_id"
+
+
+def test_an_unwritable_step_log_fails_the_start_with_its_own_error(tiny_llama_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    config = EngineConfig.from_options(str(tiny_llama_dir), **OPTIONS,
+                                       step_log=str(tmp_path / "file" / "steps"))
+    core = ProcessCore(config)
+    with pytest.raises(CoreDied, match="cannot write the step log in .*file/steps"):
+        core.wait_ready()
+    assert not core.process.is_alive()

@@ -37,6 +37,7 @@ from sluice.engine.scheduler import ScheduledChunk, Scheduler
 from sluice.engine.sequence import Request, Sequence
 from sluice.engine.spec_decode import PROPOSERS, SpecDecoder
 from sluice.engine.stats import EngineStats
+from sluice.engine.step_log import StepLog
 from sluice.engine.structured_output import BACKENDS, StructuredOutputManager
 from sluice.engine.tokenizer import default_served_name
 from sluice.protocol.errors import InvalidRequestError, SluiceError
@@ -87,6 +88,7 @@ class EngineCore:
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_steps": 0}
         self.spec = self._build_spec(config)
         self.last_chunks: list[ScheduledChunk] = []  # what the last step() ran
+        self.step_log = self._open_step_log(config)  # the loop records into it
 
     # -- admission ----------------------------------------------------------------
     def add(self, req: CoreRequest) -> None:
@@ -412,11 +414,23 @@ class EngineCore:
 
     def close(self) -> None:
         """Stop the compile thread's queue (a compile already running ends by itself) and
-        the offload writer (after the writes it has queued)."""
+        the offload writer (after the writes it has queued); close the step log."""
         self.structured.close()
         self.kv_transfer.close()
         if self.block_manager.offload is not None:
             self.block_manager.offload.close()
+        if self.step_log is not None:
+            self.step_log.close()
+
+    def _open_step_log(self, config: EngineConfig) -> StepLog | None:
+        """`--step-log DIR`: this core's file, the engine's shape as its first line."""
+        if config.scheduler.step_log is None:
+            return None
+        sched = config.scheduler
+        return StepLog(config.scheduler.step_log, {
+            "model": self.info.model_name, "block_size": self.block_manager.block_size,
+            "num_kv_blocks": self.block_manager.num_blocks, "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens})
 
 
 def _adapter_names(seqs: list[Sequence]) -> str:

@@ -54,7 +54,6 @@ from sluice.engine.messages import (
     encode,
 )
 from sluice.engine.openmp import set_wait_policy
-from sluice.engine.step_log import StepLog
 from sluice.protocol.errors import SluiceError
 
 if TYPE_CHECKING:
@@ -93,7 +92,7 @@ def run_core(core: EngineCore, inbox: Inbox, emit: Callable[[Event], None],
 
     publisher = KVEventPublisher(kv_events_endpoint) if kv_events_endpoint else None
     published = time.monotonic()
-    steps = _step_log(core)
+    steps = core.step_log
     try:
         while parent_alive():
             commands = inbox.get(block=not core.has_work())
@@ -119,21 +118,6 @@ def run_core(core: EngineCore, inbox: Inbox, emit: Callable[[Event], None],
         core.close()
         if publisher is not None:
             publisher.close()
-        if steps is not None:
-            steps.close()
-
-
-def _step_log(core: EngineCore) -> StepLog | None:
-    """The `--step-log` file of this core, with the engine's shape as its first line."""
-    directory = core.config.scheduler.step_log
-    if directory is None:
-        return None
-    sched = core.config.scheduler
-    return StepLog(directory, {"model": core.info.model_name,
-                               "block_size": core.block_manager.block_size,
-                               "num_kv_blocks": core.block_manager.num_blocks,
-                               "max_num_seqs": sched.max_num_seqs,
-                               "max_num_batched_tokens": sched.max_num_batched_tokens})
 
 
 def _apply(core: EngineCore, commands: list[Command]) -> list[tuple[str, SluiceError]]:

@@ -31,9 +31,13 @@ class StepLog:
     """One engine core's log file (line-buffered: a killed worker keeps its lines)."""
 
     def __init__(self, directory: str, header: dict[str, Any]) -> None:
-        Path(directory).mkdir(parents=True, exist_ok=True)
         self.path = Path(directory) / f"steps-{os.getpid()}.jsonl"
-        self._file: IO[str] = self.path.open("a", encoding="utf-8", buffering=1)
+        try:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            self._file: IO[str] = self.path.open("a", encoding="utf-8", buffering=1)
+        except OSError as exc:
+            raise InvalidRequestError(f"cannot write the step log in {directory}: {exc}",
+                                      param="step_log") from exc
         self._file.write(json.dumps(header) + "\n")
 
     def record(self, chunks: Chunks, seconds: float) -> None:
