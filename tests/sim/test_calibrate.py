@@ -65,3 +65,13 @@ def test_from_steps_without_steps_names_the_parameter(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequestError) as err:
         from_steps([str(tmp_path)])
     assert err.value.param == "from_steps"
+
+
+def test_from_steps_rejects_the_engine_timing_options(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from sluice.cli import main
+
+    rc = main(["sim", "calibrate", "--from-steps", str(tmp_path), "--cpu-threads", "1",
+               "--out", str(tmp_path / "p.json")])
+    assert rc == 2 and "--cpu-threads" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()

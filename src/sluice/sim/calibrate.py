@@ -12,6 +12,9 @@ forward, sample, postprocess) becomes one `(chunks, seconds)` point:
 `sluice.sim.profile.fit_profile` fits the step-time model to the fastest point of each
 step shape (non-negative least squares, relative error); the engine's block size, KV pool and scheduler limits
 are written with it. The table printed compares each point with the fitted model.
+
+`--from-steps DIR` fits the same model to the steps real workers logged while serving
+(`--step-log DIR`, sluice.engine.step_log), each shape's median instead of its fastest.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import time
 from typing import Any
 
 from sluice.engine.scheduler import ScheduledChunk, Scheduler
+from sluice.protocol.errors import InvalidRequestError
 from sluice.sim.profile import StepProfile, fit_profile, save_profile
 
 Point = tuple[list[tuple[int, int]], float]
@@ -212,7 +216,7 @@ def fit_report(profile: StepProfile, points: list[Point],
         pred = sum(c * f for c, f in zip(profile.coefficients, chunk_features(chunks),
                                           strict=True))
         groups.setdefault(_shape(chunks), []).append((seconds, pred))
-    lines = [f"{'seqs':>5} {'tokens':>7} {'ctx~':>6} {'n':>4} {'fastest ms':>11} "
+    lines = [f"{'seqs':>5} {'tokens':>7} {'ctx~':>6} {'n':>4} {typical + ' ms':>11} "
              f"{'median ms':>10} {'model ms':>9} {'error':>7}"]
     errors = []
     for (seqs, tokens, ctx), vals in sorted(groups.items()):
@@ -227,6 +231,12 @@ def fit_report(profile: StepProfile, points: list[Point],
 
 def calibrate_from_args(args: argparse.Namespace, out: str) -> int:
     if args.from_steps:
+        timing = [f for f in ("model", "quick", "num_kv_blocks", "cpu_threads")
+                  if getattr(args, f) not in (None, False)]
+        if timing:
+            raise InvalidRequestError(f"--{timing[0].replace('_', '-')} sets up an engine to "
+                                      "time; --from-steps fits steps already logged",
+                                      param=timing[0])
         profile, points = from_steps(args.from_steps)
         typical = "median"
     else:
