@@ -208,6 +208,8 @@ class TieredKVIndex:
         the worker's pool, one of its tiers or the shared store holds it."""
         url_list = list(urls)
         device = self.device.match(hashes, url_list)
+        if not len(self.lower) and not self.store_members:  # no tier holds anything:
+            return {url: (d, d, 0.0) for url, d in device.items()}  # (the loop's answer)
         out: dict[str, tuple[int, int, float]] = {}
         store_run: list[bool] = []  # whether the store holds block i (asked once)
         for url in url_list:
