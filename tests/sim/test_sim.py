@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import gc
 import json
 import math
 from dataclasses import replace
@@ -109,6 +110,21 @@ def test_same_seed_same_result() -> None:
     b = Simulation(config("cost")).run(shared_prefix())
     assert stable(a.summary) == stable(b.summary)
     assert [r.to_dict() for r in a.records] == [r.to_dict() for r in b.records]
+
+
+def test_a_run_leaves_the_collector_on_and_others_frozen_objects_frozen() -> None:
+    """The run turns the cyclic GC off and back on (its survivors counted as old); a
+    process's own frozen objects (`sluice router` freezes its startup) stay frozen."""
+    sim = Simulation(config("cost"))
+    sim.run(shared_prefix(5))
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        Simulation(config("cost")).run(shared_prefix(5))
+        assert gc.isenabled() and 0 < gc.get_freeze_count() <= frozen  # (some died)
+    finally:
+        gc.unfreeze()
 
 
 def test_another_seed_another_result() -> None:
