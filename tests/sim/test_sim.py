@@ -259,12 +259,13 @@ def _trace(path: Path, rows: int = 40) -> None:
 @pytest.mark.parametrize("block_size", [128, 64])
 def test_trace_prompts_hash_the_same_with_their_block_keys(tmp_path: Path, block_size: int
                                                            ) -> None:
-    """A trace row's keyed blocks are hashed once per (parent, key): the same chained
-    hashes as hashing every prompt's tokens, at the trace's block length; at any other
-    block size the keys are not used."""
+    """A trace row's keyed blocks are hashed once per (parent, key), with the trace: the
+    same chained hashes as hashing every prompt's tokens, at the trace's block length; at
+    any other block size the keys are not used."""
     trace = tmp_path / "t.jsonl"
     _trace(trace)
-    sessions = [s for s, _ in trace_sessions(str(trace), WorkloadConfig(token_scale=0.25)).timed()]
+    built = trace_sessions(str(trace), WorkloadConfig(token_scale=0.25))
+    sessions = [s for s, _ in built.timed()]
     profile = replace(PROFILE, block_size=block_size)
     sim = Simulation(SimConfig(workers=1, profile=profile,
                                router=RouterSimConfig(block_size=block_size)))
@@ -275,7 +276,7 @@ def test_trace_prompts_hash_the_same_with_their_block_keys(tmp_path: Path, block
         assert sim._prompt_hashes(prompt, user) == tuple(hash_blocks(prompt, block_size))
     # blocks 0, 1 and 2 + i % 3 are shared: 3 keyed blocks of 128 tokens per row (the
     # fourth is cut), 2 + 3 distinct (parent, key) pairs
-    assert len(sim._keyed_hashes) == (5 if block_size == 128 else 0)
+    assert len(built.hashes) == 5
 
 
 def test_cli_trace_compare_json(tmp_path: Path, capsys: pytest.CaptureFixture[str],

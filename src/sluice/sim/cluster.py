@@ -132,7 +132,6 @@ class Simulation:
         self._ttfts: list[float] = []
         self._next_worker = 0
         self._oracle_seen: set[int] = set()
-        self._keyed_hashes: dict[tuple[int | None, int], int] = {}  # (parent, block key) -> hash
         self._touched: set[str] = set()  # workers changed since the last scrape
         self._host = [0]  # busy workers (one host: profile.host_contention)
         self.oracle_queries = 0
@@ -207,24 +206,20 @@ class Simulation:
         self.workers[flight.ticket.endpoint.url].add(req)
 
     def _prompt_hashes(self, prompt: list[int], keyed: KeyedSegment | None) -> tuple[int, ...]:
-        """`hash_blocks(prompt)` (the router's chained hashes), each keyed block hashed once
-        per run: its hash is a function of its parent's and its key (its tokens are)."""
+        """`hash_blocks(prompt)` (the router's chained hashes); a trace row's keyed blocks
+        come hashed with the trace (`KeyedSegment.block_hashes`), at its block length."""
         bs = self.cfg.profile.block_size
         if keyed is None or keyed.block_len != bs:
             return tuple(hash_blocks(prompt, bs))
-        memo, keys = self._keyed_hashes, keyed.block_keys
-        hashes: list[int] = []
-        parent: int | None = None
-        for i in range(len(prompt) // bs):
-            key = (parent, keys[i]) if i < len(keys) else None
-            h = memo.get(key) if key is not None else None
-            if h is None:
-                h = hash_block(parent, prompt[i * bs:(i + 1) * bs])
-                if key is not None:
-                    memo[key] = h
-            hashes.append(h)
-            parent = h
-        return tuple(hashes)
+        hashes = keyed.block_hashes
+        if len(hashes) == len(prompt) // bs:
+            return hashes
+        out = list(hashes)  # full blocks past the row's hash ids: from their tokens
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), len(prompt) // bs):
+            parent = hash_block(parent, prompt[i * bs:(i + 1) * bs])
+            out.append(parent)
+        return tuple(out)
 
     def _oracle(self, hashes: tuple[int, ...], num_tokens: int) -> None:
         """One infinite cache that saw every earlier request: the best hit rate possible."""
