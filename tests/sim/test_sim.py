@@ -359,6 +359,31 @@ def test_at_each_runs_as_the_same_at_calls() -> None:
     assert trace(feed=True) == trace(feed=False)
 
 
+def test_events_run_in_time_then_scheduling_order() -> None:
+    """`after` keeps its latest event out of the heap; events still run by (time, the
+    order they were scheduled in), `run(until)` stops before later ones and counts them
+    as pending, and every event run is counted."""
+    loop, seen = EventLoop(), []
+
+    def step(name: str, left: int, delay: float) -> None:
+        seen.append((loop.now, name))
+        if left:
+            loop.after(delay, start, (name, left - 1, delay))
+
+    def start(args: tuple[str, int, float]) -> None:
+        step(*args)
+
+    loop.at(0.0, start, ("a", 3, 1.0))
+    loop.at(0.0, start, ("b", 2, 1.0))  # the same times as a's: after a's, each time
+    loop.at(0.5, start, ("c", 1, 2.0))
+    loop.run(until=1.0)
+    assert seen == [(0.0, "a"), (0.0, "b"), (0.5, "c"), (1.0, "a"), (1.0, "b")]
+    assert len(loop) == 3 and loop.now == 1.0
+    loop.run()
+    assert seen[5:] == [(2.0, "a"), (2.0, "b"), (2.5, "c"), (3.0, "a")]
+    assert loop.events_run == 9 and len(loop) == 0
+
+
 def test_shared_ids_synthesizer_makes_the_same_blocks() -> None:
     plain = BlockSynthesizer(32_000, 64, 500, seed=3)
     shared = SharedIdsSynthesizer(32_000, 64, 500, seed=3)
