@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import gc
 import json
 import math
 from dataclasses import replace
@@ -109,6 +110,21 @@ def test_same_seed_same_result() -> None:
     b = Simulation(config("cost")).run(shared_prefix())
     assert stable(a.summary) == stable(b.summary)
     assert [r.to_dict() for r in a.records] == [r.to_dict() for r in b.records]
+
+
+def test_a_run_leaves_the_collector_on_and_others_frozen_objects_frozen() -> None:
+    """The run turns the cyclic GC off and back on (its survivors counted as old); a
+    process's own frozen objects (`sluice router` freezes its startup) stay frozen."""
+    sim = Simulation(config("cost"))
+    sim.run(shared_prefix(5))
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        Simulation(config("cost")).run(shared_prefix(5))
+        assert gc.isenabled() and 0 < gc.get_freeze_count() <= frozen  # (some died)
+    finally:
+        gc.unfreeze()
 
 
 def test_another_seed_another_result() -> None:
@@ -243,12 +259,13 @@ def _trace(path: Path, rows: int = 40) -> None:
 @pytest.mark.parametrize("block_size", [128, 64])
 def test_trace_prompts_hash_the_same_with_their_block_keys(tmp_path: Path, block_size: int
                                                            ) -> None:
-    """A trace row's keyed blocks are hashed once per (parent, key): the same chained
-    hashes as hashing every prompt's tokens, at the trace's block length; at any other
-    block size the keys are not used."""
+    """A trace row's keyed blocks are hashed once per (parent, key), with the trace: the
+    same chained hashes as hashing every prompt's tokens, at the trace's block length; at
+    any other block size the keys are not used."""
     trace = tmp_path / "t.jsonl"
     _trace(trace)
-    sessions = [s for s, _ in trace_sessions(str(trace), WorkloadConfig(token_scale=0.25)).timed()]
+    built = trace_sessions(str(trace), WorkloadConfig(token_scale=0.25))
+    sessions = [s for s, _ in built.timed()]
     profile = replace(PROFILE, block_size=block_size)
     sim = Simulation(SimConfig(workers=1, profile=profile,
                                router=RouterSimConfig(block_size=block_size)))
@@ -259,7 +276,7 @@ def test_trace_prompts_hash_the_same_with_their_block_keys(tmp_path: Path, block
         assert sim._prompt_hashes(prompt, user) == tuple(hash_blocks(prompt, block_size))
     # blocks 0, 1 and 2 + i % 3 are shared: 3 keyed blocks of 128 tokens per row (the
     # fourth is cut), 2 + 3 distinct (parent, key) pairs
-    assert len(sim._keyed_hashes) == (5 if block_size == 128 else 0)
+    assert len(built.hashes) == 5
 
 
 def test_cli_trace_compare_json(tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -340,6 +357,31 @@ def test_at_each_runs_as_the_same_at_calls() -> None:
         return seen
 
     assert trace(feed=True) == trace(feed=False)
+
+
+def test_events_run_in_time_then_scheduling_order() -> None:
+    """`after` keeps its latest event out of the heap; events still run by (time, the
+    order they were scheduled in), `run(until)` stops before later ones and counts them
+    as pending, and every event run is counted."""
+    loop, seen = EventLoop(), []
+
+    def step(name: str, left: int, delay: float) -> None:
+        seen.append((loop.now, name))
+        if left:
+            loop.after(delay, start, (name, left - 1, delay))
+
+    def start(args: tuple[str, int, float]) -> None:
+        step(*args)
+
+    loop.at(0.0, start, ("a", 3, 1.0))
+    loop.at(0.0, start, ("b", 2, 1.0))  # the same times as a's: after a's, each time
+    loop.at(0.5, start, ("c", 1, 2.0))
+    loop.run(until=1.0)
+    assert seen == [(0.0, "a"), (0.0, "b"), (0.5, "c"), (1.0, "a"), (1.0, "b")]
+    assert len(loop) == 3 and loop.now == 1.0
+    loop.run()
+    assert seen[5:] == [(2.0, "a"), (2.0, "b"), (2.5, "c"), (3.0, "a")]
+    assert loop.events_run == 9 and len(loop) == 0
 
 
 def test_shared_ids_synthesizer_makes_the_same_blocks() -> None:

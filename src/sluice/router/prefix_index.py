@@ -58,15 +58,19 @@ class BlockIndex:
         A predicted entry never shortens a confirmed one.
         """
         expiry = CONFIRMED if ttl is None else self._clock() + ttl
+        blocks, counts = self._blocks, self._counts
+        get, touch = blocks.get, blocks.move_to_end  # (every block of every dispatch)
         for h in hashes:
-            holders = self._blocks.get(h)
+            holders = get(h)
             if holders is None:
-                holders = self._blocks[h] = {}
+                holders = blocks[h] = {}
             else:
-                self._blocks.move_to_end(h)
-            if url not in holders:
-                self._counts[url] = self._counts.get(url, 0) + 1
-            if holders.get(url, 0.0) < expiry:
+                touch(h)
+            held = holders.get(url)
+            if held is None:
+                counts[url] = counts.get(url, 0) + 1
+                held = 0.0
+            if held < expiry:
                 holders[url] = expiry
         while len(self._blocks) > self.max_blocks:
             _, evicted = self._blocks.popitem(last=False)
@@ -107,21 +111,29 @@ class BlockIndex:
         """
         counts = dict.fromkeys(urls, 0)
         now = self._clock()
-        blocks = self._blocks
+        get, touch = self._blocks.get, self._blocks.move_to_end
         alive: set[str] | None = None  # None: every one of `urls` (before the first hash)
-        for i, h in enumerate(hashes):
-            holders = blocks.get(h)
+        depth = 0  # leading hashes that every one of `alive` holds
+        for h in hashes:
+            holders = get(h)
             if holders is None:
                 break
             if alive is None:  # from the block's holders, not from all of `urls` (O(workers))
                 alive = {u for u, expiry in holders.items() if expiry > now and u in counts}
             else:
-                alive = {u for u in alive if holders.get(u, 0.0) > now}
+                for u in alive:
+                    if holders.get(u, 0.0) <= now:  # one drops out here: its count is depth
+                        held = {u for u in alive if holders.get(u, 0.0) > now}
+                        for gone in alive - held:
+                            counts[gone] = depth
+                        alive = held
+                        break
             if not alive:
                 break
-            blocks.move_to_end(h)
-            for u in alive:
-                counts[u] = i + 1
+            touch(h)
+            depth += 1
+        for u in alive or ():
+            counts[u] = depth
         return counts
 
 
@@ -208,6 +220,8 @@ class TieredKVIndex:
         the worker's pool, one of its tiers or the shared store holds it."""
         url_list = list(urls)
         device = self.device.match(hashes, url_list)
+        if not len(self.lower) and not self.store_members:  # no tier holds anything:
+            return {url: (d, d, 0.0) for url, d in device.items()}  # (the loop's answer)
         out: dict[str, tuple[int, int, float]] = {}
         store_run: list[bool] = []  # whether the store holds block i (asked once)
         for url in url_list:

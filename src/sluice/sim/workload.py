@@ -41,6 +41,7 @@ from sluice.bench.workloads import (
     build_workload,
     load_trace,
 )
+from sluice.protocol.block_hash import hash_block
 from sluice.protocol.errors import InvalidRequestError
 
 VOCAB_SIZE = 32_000
@@ -89,11 +90,14 @@ class DailyShape:
 class KeyedSegment(Segment):
     """A trace prompt that also names its full blocks: block i (`ids[i * block_len :
     (i + 1) * block_len]`) is `BlockSynthesizer.block(block_keys[i])`, a pure function of
-    the key. The simulator hashes a (parent hash, key) pair once per run instead of the
-    block's tokens again for every prompt that repeats it (two thirds of the trace's)."""
+    the key. `block_hashes` are those blocks' chained hashes (`hash_block`, no salt), which
+    the simulator takes when its block size is `block_len`: a block's hash is a function of
+    its parent's and its key, so the trace hashes each (parent, key) pair once, when it
+    is built, not once per run and prompt (two thirds of the trace's blocks repeat)."""
 
     block_len: int = 0
     block_keys: tuple[int, ...] = ()
+    block_hashes: tuple[int, ...] = ()
 
 
 class SharedIdsSynthesizer(BlockSynthesizer):
@@ -130,6 +134,7 @@ class TraceSessions:
         block_len = max(1, round(512 * self.cfg.token_scale))
         max_id = max((max(r.hash_ids) for r in self.rows if r.hash_ids), default=0)
         self.synth = SharedIdsSynthesizer(VOCAB_SIZE, block_len, max_id, self.cfg.seed)
+        self.hashes: dict[tuple[int | None, int], int] = {}  # (parent, block key) -> hash
         stamps = np.array([r.timestamp_ms for r in self.rows], dtype=float)
         offsets = stamps - stamps.min() if len(stamps) else stamps
         if self.shape is None:
@@ -148,8 +153,21 @@ class TraceSessions:
         bl = self.synth.block_len  # blocks past the full ones: the cut last one
         keys = tuple(row.hash_ids[:len(ids) // bl])
         turn = Turn(KeyedSegment(text="", num_tokens=len(ids), ids=ids, block_len=bl,
-                                 block_keys=keys), n_out)
+                                 block_keys=keys, block_hashes=self._chain(ids, keys)), n_out)
         return Session(index=i, turns=(turn,), arrival=at), at
+
+    def _chain(self, ids: tuple[int, ...], keys: tuple[int, ...]) -> tuple[int, ...]:
+        """`hash_blocks` of the keyed blocks of `ids`, each (parent, key) hashed once."""
+        bl, memo = self.synth.block_len, self.hashes
+        out: list[int] = []
+        parent: int | None = None
+        for i, key in enumerate(keys):
+            h = memo.get((parent, key))
+            if h is None:
+                h = memo[parent, key] = hash_block(parent, ids[i * bl:(i + 1) * bl])
+            out.append(h)
+            parent = h
+        return tuple(out)
 
     def timed(self) -> Iterator[tuple[Session, float]]:
         return (self.session(i) for i in range(len(self.rows)))
