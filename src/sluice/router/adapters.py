@@ -16,8 +16,9 @@ was loaded over HTTP (vLLM RFC #12174). Here the router owns placement:
                   copy worth least in the pool, an extra replica first; never one with a
                   request in flight or placed, nor one of an adapter more used than A),
                   wait, go; no such copy: wait for one to go idle (up to ROOM_WAITS x
-                  MIN_IDLE_S), then drain the copy worth least (no new requests; unloaded
-                  once its requests end) rather than put a worker over its slots
+                  MIN_IDLE_S), then evict any idle copy as above, else drain the copy
+                  worth least (no new requests; unloaded once its requests end) rather
+                  than put a worker over its slots
       some     -> replicate when  min cost(non-holder with room) + load_s < min cost(holders)
                   or A is hot: its own requests placed or in flight (2+) and its share
                   of recent requests are both more than the holders' share of the pool
