@@ -181,11 +181,12 @@ ZIPF_SHARES = {"lora0": 0.40, "lora1": 0.19, "lora2": 0.12, "lora3": 0.087, "lor
                "lora5": 0.055, "lora6": 0.047, "lora7": 0.040}
 
 
-def placed(held: dict[str, list[str]]) -> Adapters:
+def placed(held: dict[str, list[str]], client: httpx.AsyncClient | None = None) -> Adapters:
     """Adapters on fixed data: workers' holdings (2 slots each), recent shares as
     ZIPF_SHARES, every copy resident for 10 s and idle (clock 100)."""
     adapters = Adapters(ZIPF_SPECS, AdapterPlacement(adapters_per_worker=2, min_residency_s=30),
-                        httpx.AsyncClient(), list, CollectorRegistry(), clock=lambda: 100.0)
+                        client or httpx.AsyncClient(), list, CollectorRegistry(),
+                        clock=lambda: 100.0)
     for url, names in held.items():
         adapters.held[url] = {n: Holding(loaded_at=90.0, by_router=True,
                                          last_used=90.0 - i) for i, n in enumerate(names)}
@@ -193,11 +194,14 @@ def placed(held: dict[str, list[str]]) -> Adapters:
     return adapters
 
 
-def test_a_hot_copy_goes_to_the_coolest_worker_and_never_takes_a_last_copy() -> None:
+def test_a_hot_copy_goes_to_the_coolest_worker_else_takes_a_rare_last_copy() -> None:
     """lora0 is hot on a (3 of its requests placed, 3 in flight in the pool); b holds
     lora1 (19%), c lora2 (12%), each with a free slot: the copy goes to c, the cooler,
-    though b is as cheap. Once every slot holds some adapter's only copy, no copy is
-    made (the tail would pay more loads than the copy saves), hot or not."""
+    though b is as cheap. Once every slot holds some adapter's only copy, the copy takes
+    the idle one worth least among those at most half as used as the copy would be
+    (20% / 2: lora7's 4% on b, lora3's 8.7% on c), on the worker coolest once it is gone
+    (c: lora2's 12% left, b: lora1's 19%), never a busy one nor one more used (lora1,
+    lora2); an adapter that is not hot (lora1) takes no last copy."""
     adapters = placed({"a": ["lora0", "lora4"], "b": ["lora1"], "c": ["lora2"]})
     adapters.placing["lora0"] = 3
     seconds = {"a": 0.2, "b": 0.1, "c": 0.1}
@@ -206,7 +210,62 @@ def test_a_hot_copy_goes_to_the_coolest_worker_and_never_takes_a_last_copy() -> 
         ("c", None, "replicate")
     adapters.held["b"]["lora7"] = Holding(90.0, True, 80.0)
     adapters.held["c"]["lora3"] = Holding(90.0, True, 80.0)
-    assert adapters._target("lora0", ["a", "b", "c"], ["a"], seconds, pool_inflight=3) is None
+    load = adapters._target("lora0", ["a", "b", "c"], ["a"], seconds, pool_inflight=3)
+    assert load is not None and (load.url, load.victim, load.reason) == \
+        ("c", "lora3", "replicate")
+    adapters.inflight[("c", "lora3")] = 1
+    load = adapters._target("lora0", ["a", "b", "c"], ["a"], seconds, pool_inflight=4)
+    assert load is not None and (load.url, load.victim) == ("b", "lora7")
+    adapters.inflight[("b", "lora7")] = 1
+    assert adapters._target("lora0", ["a", "b", "c"], ["a"], seconds, pool_inflight=5) is None
+    adapters.inflight.clear()
+    adapters.placing, adapters.load_s = {"lora1": 3}, 0.0  # a and c cheap enough for a copy
+    assert adapters._target("lora1", ["a", "b", "c"], ["b"], {"a": 0.1, "b": 0.2, "c": 0.1},
+                            pool_inflight=3) is None
+
+
+def test_a_request_with_no_holder_waits_rather_than_evict_a_more_used_copy() -> None:
+    """lora6 has no holder; every copy is busy but lora0's two (20% each, idle a
+    moment): while the request may wait (`patient`), no copy of an adapter more used
+    than lora6 is evicted and no worker goes over its slots (the load is `over`: wait).
+    Once it has waited long enough, an idle copy is evicted as before (lora0's on a, the
+    cheaper of two equal); with none idle, the copy worth least among adapters no more
+    used than lora6 (lora4 on a) is drained for it, busy as it is."""
+    adapters = placed({"a": ["lora0", "lora4"], "b": ["lora0", "lora7"],
+                       "c": ["lora1", "lora2"]})
+    for key in (("a", "lora4"), ("b", "lora7"), ("c", "lora1"), ("c", "lora2")):
+        adapters.inflight[key] = 1
+    seconds = {"a": 0.1, "b": 0.2, "c": 0.1}
+    load = adapters._target("lora6", ["a", "b", "c"], [], seconds, patient=True)
+    assert load is not None and (load.victim, load.over) == (None, True)
+    load = adapters._target("lora6", ["a", "b", "c"], [], seconds, patient=False)
+    assert load is not None and (load.url, load.victim, load.drain) == ("a", "lora0", False)
+    adapters.inflight[("a", "lora0")] = adapters.inflight[("b", "lora0")] = 1
+    load = adapters._target("lora6", ["a", "b", "c"], [], seconds, patient=False)
+    assert load is not None and (load.url, load.victim, load.drain) == ("a", "lora4", True)
+
+
+async def test_a_drained_copy_takes_no_requests_and_is_unloaded_once_idle() -> None:
+    """A drained copy is no holder at once (its slot is the new adapter's), and is
+    unloaded on the worker only once its requests there have ended."""
+    posts: list[str] = []
+
+    def worker(request: httpx.Request) -> httpx.Response:
+        posts.append(f"{request.url.path} {request.read().decode()}")
+        return httpx.Response(200, text="Success")
+
+    a = "http://a"
+    adapters = placed({a: ["lora0", "lora4"]},
+                      httpx.AsyncClient(transport=httpx.MockTransport(worker)))
+    adapters.inflight[(a, "lora4")] = 1
+    adapters._drain(a, "lora4")
+    assert adapters.holders("lora4") == [] and adapters.holders("lora0") == [a]
+    await adapters._drop_idle(a)
+    assert posts == [] and adapters.draining == {(a, "lora4")}
+    adapters.inflight[(a, "lora4")] = 0
+    await adapters._drop_idle(a)
+    assert posts == ['/v1/unload_lora_adapter {"lora_name":"lora4"}']
+    assert adapters.draining == set() and adapters.counts.unloads == {"evict": 1}
 
 
 def test_a_request_with_no_holder_evicts_the_least_used_copy_in_the_pool() -> None:
@@ -218,6 +277,35 @@ def test_a_request_with_no_holder_evicts_the_least_used_copy_in_the_pool() -> No
     adapters.held["b"]["lora1"].last_used = 0.0
     load = adapters._target("lora6", ["a", "b", "c"], [], {"a": 0.1, "b": 0.2, "c": 0.1})
     assert load is not None and (load.url, load.victim, load.reason) == ("b", "lora7", "demand")
+
+
+class CountingStub(LoraStub):
+    """A stub that records the most adapters it held at once."""
+
+    most: int = 0
+
+    async def load(self, request: Any) -> Any:
+        reply = await super().load(request)
+        self.most = max(self.most, len(self.adapters))
+        return reply
+
+
+async def test_a_request_with_no_room_waits_for_a_copy_to_go_idle() -> None:
+    """One worker of one slot; `x` has a request in flight there when one for `y`
+    arrives: `y` waits until `x` is idle and takes its slot (an eviction), rather than
+    loading beside it over the slot (the worker would swap weights on each request)."""
+    stub = CountingStub("a", service_s=0.1, max_num_seqs=2)
+    specs = (AdapterSpec("x", "/a/x"), AdapterSpec("y", "/a/y"))
+    async with fleet([stub], specs, adapters_per_worker=1) as (router, state, urls), \
+            httpx.AsyncClient(base_url=router, timeout=30) as c:
+        first = asyncio.create_task(statuses(c, ["x"], concurrency=1))
+        await until(lambda: state.adapters.inflight.get((urls[0], "x")) or "x" in stub.served)
+        assert await statuses(c, ["y"], concurrency=1) == {200}
+        assert await first == {200}
+        assert stub.served == ["x", "y"] and sorted(stub.adapters) == ["y"]
+        assert state.adapters.counts.loads == {"demand": 2}
+        assert state.adapters.counts.unloads == {"evict": 1}  # not "trim": never over
+        assert stub.most == 1
 
 
 class SlowUnload(LoraStub):

@@ -14,16 +14,21 @@ was loaded over HTTP (vLLM RFC #12174). Here the router owns placement:
                  coolest worker first, then the cheapest (hot adapters never pile up)
       none     -> load A on the coolest, cheapest worker with a free slot (else evict the
                   copy worth least in the pool, an extra replica first; never one with a
-                  request in flight or placed), wait, go
+                  request in flight or placed, nor one of an adapter more used than A),
+                  wait, go; no such copy: wait for one to go idle (up to ROOM_WAITS x
+                  MIN_IDLE_S), then evict any idle copy as above, else drain the copy
+                  worth least (no new requests; unloaded once its requests end) rather
+                  than put a worker over its slots
       some     -> replicate when  min cost(non-holder with room) + load_s < min cost(holders)
                   or A is hot: its own requests placed or in flight (2+) and its share
                   of recent requests are both more than the holders' share of the pool
                   (holders / workers), and a non-holder costs less;
                   while A has fewer than `max_adapter_replicas` replicas; the room may be
                   free, or an *extra* replica of another adapter (one with 2+) resident
-                  for `min_residency_s` and idle; an adapter's last copy is never evicted
-                  to replicate another (a replica that takes the tail's slots costs the
-                  tail more loads than it saves: benchmarks/lora_routing.py)
+                  for `min_residency_s` and idle; for a hot A only, also the idle last
+                  copy of an adapter at most 1/RARE_FACTOR as used as A's new copy would
+                  be (left on too few copies, a hot A keeps its workers over their share
+                  of the pool however the rest is placed)
       the request may go to holders only (the proxy excludes the other workers; in a
       pool with a canary, among the workers of the version the request goes to)
 
@@ -36,6 +41,7 @@ was loaded over HTTP (vLLM RFC #12174). Here the router owns placement:
       router-loaded adapters it lacks (it restarted) -> loaded again
       a worker seen for the first time -> pinned adapters, then hot ones under the cap
       an extra replica idle for `idle_unload_s` -> unloaded
+      a drained copy whose requests there have ended -> unloaded
       more adapters than slots (a request found no room) -> the idle ones worth least
       unloaded
       a read started before the router's own load or unload there was answered does not
@@ -44,9 +50,12 @@ was loaded over HTTP (vLLM RFC #12174). Here the router owns placement:
 
 Why it does not thrash: a replica is added only when the queue it saves is longer than
 a load, up to a cap; a replica is evicted only after its residency and only while idle;
-the last copy of an adapter is evicted only for a request that finds no holder at all;
-the copy evicted is the one worth least (plain LRU evicts a busy adapter's only copy
-that happened to be idle a moment).
+the last copy of an adapter is evicted only for a request that finds no holder at all,
+or for a hot adapter's copy when it is rarely used; the copy evicted is the one worth
+least (plain LRU evicts a busy adapter's only copy that happened to be idle a moment);
+a request does not evict a copy more used than its own adapter while it may still wait
+for another; no worker is pushed over its slots (its engine would read weights on
+every other request, and while its adapters stay busy none is ever idle to trim).
 `load_s` starts at the configured prior and learns the measured load durations.
 
 State is touched only on the event loop; a load in progress is one shared future per
@@ -83,6 +92,9 @@ DEFAULT_CAPACITY = 8  # adapters per worker when neither the config nor the work
 WAIT = "wait"  # a decided "load" that only waits for another request's load
 HOT_MIN_INFLIGHT = 2  # an adapter with fewer in flight is never "hot" (`_hot`)
 HEAT_STEP = 0.05  # request shares closer than this are equally hot (`_heat`)
+ROOM_WAITS = 10  # MIN_IDLE_S waits for an idle copy before a load goes over a worker's slots
+RARE_FACTOR = 2  # a hot adapter's new copy may take the last copy of one this many times
+# less used than the copy would be (`_displace`)
 _MAX_LORA = re.compile(r'max_lora="(\d+)"')
 
 
@@ -127,6 +139,8 @@ class Adapters:
         self.loading: dict[tuple[str, str], asyncio.Future[bool]] = {}
         self.inflight: dict[tuple[str, str], int] = {}  # (worker, adapter) -> requests
         self.placing: dict[str, int] = {}  # adapter -> requests placed, not yet sent
+        self.draining: set[tuple[str, str]] = set()  # (worker, adapter): no new requests,
+        # unloaded once its requests there end (`_drain`)
         # (worker, adapter) -> when the router's last load or unload there was answered
         # (inf while an unload is on its way): a read started before knows less (`sync`)
         self.changed: dict[tuple[str, str], float] = {}
@@ -217,7 +231,8 @@ class Adapters:
         for held in self.held.values():  # one may be chosen now: not evicted before it is sent
             if model in held:
                 held[model].decided = self.clock()
-        for attempt in range(2):  # once more after waiting for another request's load
+        waited, full_waits = False, 0
+        while True:  # once more after waiting for another request's load, or for room
             endpoints = pool.candidates(meta.num_prompt_tokens, (), meta.version)
             if not endpoints:
                 return ()
@@ -225,11 +240,17 @@ class Adapters:
             seconds = dict(zip(urls, costs(meta, pool._stats(meta, endpoints)), strict=True))
             holders = [u for u in urls if model in self.held.get(u, {})]
             pool_inflight = sum(e.inflight for e in endpoints)
-            target = self._target(model, urls, holders, seconds, pool_inflight)
+            patient = full_waits < ROOM_WAITS  # every copy worth keeping is busy: one
+            target = self._target(model, urls, holders, seconds, pool_inflight, patient)
             if target is None:
                 break
+            if target.over and patient:  # will be idle soon, and a worker over its slots
+                full_waits += 1  # swaps weights on every other request
+                await asyncio.sleep(MIN_IDLE_S)
+                continue
             loaded = await target
-            if target.reason == WAIT and not attempt:
+            if target.reason == WAIT and not waited:
+                waited = True
                 continue
             if loaded and target.url not in holders:
                 holders.append(target.url)
@@ -283,7 +304,8 @@ class Adapters:
             and self.clock() - max(holding.last_used, holding.decided) < MIN_IDLE_S)
 
     def _target(self, model: str, urls: list[str], holders: list[str],
-                seconds: dict[str, float], pool_inflight: int = 0) -> _Load | None:
+                seconds: dict[str, float], pool_inflight: int = 0,
+                patient: bool = False) -> _Load | None:
         spec = self.specs.get(model)
         if spec is None:
             return None  # discovered, not registered: its path is unknown
@@ -291,7 +313,7 @@ class Adapters:
         if not holders:
             if pending:  # another request is loading it: wait for that load
                 return _Load(self, pending[0], model, None, WAIT)
-            return self._place(model, urls, seconds)
+            return self._place(model, urls, seconds, patient)
         if len(holders) + len(pending) >= self._cap(model, len(urls)):
             return None
         best_holder = min(seconds[u] for u in holders)
@@ -302,11 +324,30 @@ class Adapters:
         if not options:
             return None
         heat = self._heat(model)
-        for url in sorted(options, key=lambda u: (heat(u), seconds[u])):
+        ordered = sorted(options, key=lambda u: (heat(u), seconds[u]))
+        for url in ordered:
             victim = self._room(url, extra_only=True)
             if victim is not False:
                 return _Load(self, url, model, _name(victim), "replicate")
-        return None
+        return self._displace(model, ordered, len(holders)) if hot else None
+
+    def _displace(self, model: str, urls: list[str], replicas: int) -> _Load | None:
+        """A hot adapter's new copy when every slot of `urls` holds some adapter's last
+        copy: it takes the idle last copy of an adapter at most 1/RARE_FACTOR as used as
+        the new copy would be, on the worker coolest once it is gone (`_heat`), the one
+        worth least among equals (a hot adapter is one whose copies alone bring their
+        workers more than a worker's share of the pool, `_hot`: left on one copy it keeps
+        that worker over its share however the rest is placed)."""
+        shares, worth, heat = self.shares(), self._worth(), self._heat(model)
+        rare = shares.get(model, 0.0) / (replicas + 1) / RARE_FACTOR
+        victims = [(heat(url, name), worth(name), i, url, name) for i, url in enumerate(urls)
+                   for name in self.held.get(url, {})
+                   if shares.get(name, 0.0) <= rare and self._evictable(url, name)
+                   and len(self.holders(name)) == 1]
+        if not victims:
+            return None
+        *_, url, victim = min(victims)
+        return _Load(self, url, model, victim, "replicate")
 
     def _hot(self, model: str, holders: list[str], workers: int, pool_inflight: int) -> bool:
         """The adapter's own requests, placed and not yet answered (this one included)
@@ -320,17 +361,20 @@ class Adapters:
                 and self.shares().get(model, 0.0) * workers > len(holders))
 
     def shares(self) -> dict[str, float]:
-        """Each adapter's share of recent adapter requests (demand EWMA plus this interval)."""
-        recent = {n: self.demand.get(n, 0.0) + self.recent.get(n, 0)
+        """Each adapter's share of recent adapter requests: the demand EWMA as if this
+        interval ended now (its partial count weighs as one interval, not as the whole
+        history: else a few requests since the last sync swing every share)."""
+        recent = {n: (1 - DEMAND_EWMA) * self.demand.get(n, 0.0)
+                  + DEMAND_EWMA * self.recent.get(n, 0)
                   for n in self.demand.keys() | self.recent.keys()}
         total = sum(recent.values())
         return {n: r / total for n, r in recent.items()} if total else {}
 
-    def _heat(self, model: str) -> Callable[[str], int]:
-        """Worker url -> the share of adapter requests its other adapters bring it (each
-        adapter's share split over its replicas, loads in progress counted), in steps of
-        HEAT_STEP: where a new copy of `model` goes first, so that hot adapters do not end
-        on one worker."""
+    def _heat(self, model: str) -> Callable[..., int]:
+        """Worker url (and an adapter `gone` from it) -> the share of adapter requests
+        its other adapters bring it (each adapter's share split over its replicas, loads
+        in progress counted), in steps of HEAT_STEP: where a new copy of `model` goes
+        first, so that hot adapters do not end on one worker."""
         on: dict[str, set[str]] = {u: set(held) for u, held in self.held.items()}
         for u, name in self.loading:
             on.setdefault(u, set()).add(name)
@@ -342,8 +386,9 @@ class Adapters:
         split = {name: shares.get(name, 0.0) / n for name, n in replicas.items()
                  if name != model}
 
-        def heat(url: str) -> int:
-            return round(sum(split.get(name, 0.0) for name in on.get(url, ())) / HEAT_STEP)
+        def heat(url: str, gone: str | None = None) -> int:
+            return round(sum(split.get(name, 0.0) for name in on.get(url, ()) if name != gone)
+                         / HEAT_STEP)
 
         return heat
 
@@ -351,13 +396,20 @@ class Adapters:
         spec = self.specs.get(model)
         return workers if spec is not None and spec.pinned else self.placement.max_adapter_replicas
 
-    def _place(self, model: str, urls: list[str], seconds: dict[str, float]) -> _Load:
+    def _place(self, model: str, urls: list[str], seconds: dict[str, float],
+               patient: bool = False) -> _Load:
         """Where a request with no holder loads its adapter: the coolest (`_heat`), then
         cheapest worker with a free slot, else where the pool's evictable copy worth
         least is (`_worth`; an extra replica past its residency first), else the coolest
-        (over capacity)."""
-        heat, worth = self._heat(model), self._worth()
+        (over capacity). `patient`: no copy of an adapter more used than `model` (in
+        HEAT_STEP steps) is evicted, and no worker goes over its slots: the load is `over`
+        instead (the request waits for such a copy to go idle: a hot adapter's extra
+        replica idle a moment is not given to the tail, to be taken back a moment later).
+        Not `patient` (waited long enough): the copy worth least, busy or not, of an
+        adapter no more used than `model` first, is drained (`_drain`) for it."""
+        heat, worth, steps = self._heat(model), self._worth(), self._steps()
         ordered = sorted(urls, key=lambda u: (heat(u), seconds[u]))
+        most = steps(model) if patient else math.inf
         for extra_only in (True, False):
             rooms = [(url, self._room(url, extra_only=extra_only, residency=extra_only))
                      for url in ordered]
@@ -367,11 +419,18 @@ class Adapters:
             # the copy that serves least in the pool goes, wherever it is (a worker's own
             # least-worth copy may be a busy adapter's only one)
             victims = [(worth(v), i, url, v) for i, (url, v) in enumerate(rooms)
-                       if isinstance(v, str)]
+                       if isinstance(v, str) and steps(v) <= most]
             if victims:
                 _, _, url, victim = min(victims)
                 return _Load(self, url, model, victim, "demand")
-        return _Load(self, ordered[0], model, None, "demand")
+        if not patient:
+            drains = [(steps(v) > steps(model), worth(v), i, url, v)
+                      for i, url in enumerate(ordered) for v in self.held.get(url, {})
+                      if v in self.specs and not self.specs[v].pinned]
+            if drains:
+                *_, url, victim = min(drains)
+                return _Load(self, url, model, victim, "demand", drain=True)
+        return _Load(self, ordered[0], model, None, "demand", over=True)
 
     def _room(self, url: str, *, extra_only: bool, residency: bool = True) -> str | bool:
         """True: `url` has a free slot; an adapter's name: room once it is evicted (the
@@ -384,11 +443,14 @@ class Adapters:
         now = self.clock()
         worth = self._worth()
         victims = [(worth(name), h.last_used, name) for name, h in held.items()
-                   if name in self.specs and not self.specs[name].pinned
-                   and not self.busy(url, name)
+                   if self._evictable(url, name)
                    and (not residency or now - h.loaded_at >= self.placement.min_residency_s)
                    and (not extra_only or len(self.holders(name)) > 1)]
         return min(victims)[2] if victims else False
+
+    def _evictable(self, url: str, name: str) -> bool:
+        """Registered, not pinned and idle (`busy`)."""
+        return name in self.specs and not self.specs[name].pinned and not self.busy(url, name)
 
     def _worth(self) -> Callable[[str], float]:
         """Adapter -> its share of recent requests per replica, in steps of HEAT_STEP: the
@@ -402,6 +464,11 @@ class Adapters:
 
         return worth
 
+    def _steps(self) -> Callable[[str], int]:
+        """Adapter -> its share of recent requests, in steps of HEAT_STEP."""
+        shares = self.shares()
+        return lambda name: round(shares.get(name, 0.0) / HEAT_STEP)
+
     def _capacity(self, url: str) -> int:
         if self.placement.adapters_per_worker is not None:
             return self.placement.adapters_per_worker
@@ -409,16 +476,20 @@ class Adapters:
 
     # --- loading and unloading ------------------------------------------------------------
 
-    async def load(self, url: str, model: str, reason: str, victim: str | None = None) -> bool:
-        """Load `model` on `url` (after unloading `victim` there); True once it holds it.
-        One load per (worker, adapter) at a time: a second caller waits for the first."""
+    async def load(self, url: str, model: str, reason: str, victim: str | None = None,
+                   drain: bool = False) -> bool:
+        """Load `model` on `url` (after unloading `victim` there, or draining it: `drain`);
+        True once it holds it. One load per (worker, adapter) at a time: a second caller
+        waits for the first."""
         key = (url, model)
         if key in self.loading:
             return await self.loading[key]
         future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self.loading[key] = future
         try:
-            if victim is not None:
+            if drain and victim is not None:
+                self._drain(url, victim)
+            elif victim is not None:
                 await self._unload(url, victim, "evict")
             ok = await self._post_load(url, self.specs[model])
             if ok:
@@ -452,6 +523,17 @@ class Adapters:
         log.warning("loading adapter %s on %s: %d %s", spec.name, url, resp.status_code,
                     resp.text[:200])
         return False
+
+    def _drain(self, url: str, model: str) -> None:
+        """Stop routing `model` to `url` at once (its slot is another's now) and unload it
+        there once its requests there have ended (`_drop_idle`): a busy copy is never
+        unloaded under its requests, and a worker kept over its slots by busy adapters
+        would swap weights on every other request."""
+        self.held.get(url, {}).pop(model, None)
+        self.assigned.get(url, set()).discard(model)
+        self._set_listed(url, model, False)
+        self.changed[(url, model)] = math.inf  # a read meanwhile still lists it (`sync`)
+        self.draining.add((url, model))
 
     async def _unload(self, url: str, model: str, reason: str) -> None:
         """Stop routing `model` to `url` at once, then unload it there."""
@@ -559,6 +641,10 @@ class Adapters:
         """Unload extra replicas idle for `idle_unload_s`; and while the worker holds more
         than its slots (a request found no room anywhere), its least recently used
         router-loaded adapters idle for MIN_IDLE_S."""
+        for u, name in sorted(self.draining):
+            if u == url and not self.inflight.get((u, name), 0):
+                self.draining.discard((u, name))
+                await self._unload(u, name, "evict")
         now, idle = self.clock(), self.placement.idle_unload_s
         held = self.held.get(url, {})
         for name, h in list(held.items()):
@@ -596,9 +682,12 @@ class _Load:
     model: str
     victim: str | None
     reason: str
+    over: bool = False  # no free slot nor idle copy anywhere: the worker goes over its slots
+    drain: bool = False  # the victim is busy: drained (`Adapters._drain`), not unloaded now
 
     def __await__(self):  # type: ignore[no-untyped-def]
-        return self.adapters.load(self.url, self.model, self.reason, self.victim).__await__()
+        return self.adapters.load(self.url, self.model, self.reason, self.victim,
+                                  self.drain).__await__()
 
 
 def check_adapter_body(body: object) -> AdapterSpec:
