@@ -252,8 +252,8 @@ def parse_args() -> argparse.Namespace:
                     help="the slo planner fits the demand's growth over this many seconds "
                     "(default %(default)s)")
     ap.add_argument("--max-step", type=int, default=1,
-                    help="the planner's most workers added or removed per decision "
-                    "(default %(default)s)")
+                    help="the planner's most workers added per decision, and removed "
+                    "unless --max-step-down says otherwise (default %(default)s)")
     ap.add_argument("--planner-interval", type=float, default=1.0)
     ap.add_argument("--cold-start", type=float, default=11.0,
                     help="seconds per worker start (default %(default)s: a CPU worker's "

@@ -379,3 +379,25 @@ def test_the_pool_shrinks_by_one_step_per_scale_down_delay() -> None:
     # t=10: held since t=0; the next window starts at t=11, and so on
     assert desired[9:12] == [4, 3, 3] and desired[20:23] == [3, 2, 2]
     assert desired[31:] == [2, 1, 1, 1]
+
+
+def test_max_step_down_removes_several_workers_in_one_step_to_the_window_max() -> None:
+    # idle wants 1 from 4: with max_step_down 4 the pool goes 4 -> 1 at the first down
+    # delay (every recommendation in the window was 1); with 2, 4 -> 2, then 2 -> 1 one
+    # delay later; up steps stay one per decision (max_step 1)
+    def shrink(step_down: int) -> list[int]:
+        cfg = PlannerConfig(max_replicas=4, scale_down_delay_s=10, max_step=1,
+                            max_step_down=step_down)
+        return run(Planner(cfg, initial=4), [idle(4)] * 25)
+
+    assert shrink(4)[9:12] == [4, 1, 1]
+    desired = shrink(2)
+    assert desired[9:12] == [4, 2, 2] and desired[20:23] == [2, 1, 1]
+    # a busy moment in the window (wants 2, as in the test above) bounds the step: 3 -> 2
+    medium = PoolSignals(ready=3, inflight=8, waiting=6, running=2,
+                         queued_prefill_tokens=1200, **BASE)  # type: ignore[arg-type]
+    cfg = PlannerConfig(max_replicas=4, scale_down_delay_s=10, max_step_down=3)
+    planner = Planner(cfg, initial=3)
+    assert run(planner, [idle(3)] * 3 + [medium] + [idle(3)] * 8)[10] == 2
+    with pytest.raises(InvalidRequestError):
+        PlannerConfig(max_step_down=0)

@@ -9,8 +9,8 @@ from typing import Any
 
 def add_scaling_arguments(g: argparse._ActionsContainer, min_help: str,
                           min_default: int | None = None) -> None:
-    """--min-workers, --max-workers, --scale-up-delay, --scale-down-delay and
-    --scale-down-margin (the defaults are PlannerConfig's)."""
+    """--min-workers, --max-workers, --scale-up-delay, --scale-down-delay,
+    --scale-down-margin and --max-step-down (the defaults are PlannerConfig's)."""
     g.add_argument("--min-workers", type=int, default=min_default, help=min_help)
     g.add_argument("--max-workers", type=int, default=None, help="autoscale: most workers")
     g.add_argument("--scale-up-delay", type=float, default=5.0,
@@ -22,6 +22,9 @@ def add_scaling_arguments(g: argparse._ActionsContainer, min_help: str,
     g.add_argument("--scale-down-margin", type=float, default=0.6,
                    help="slo policy: a smaller count must meet the SLO with the load / this "
                         "(default: %(default)s)")
+    g.add_argument("--max-step-down", type=int, default=None,
+                   help="most workers removed per scale-down, toward the largest count "
+                        "recommended over the scale-down delay (default: the max step, 1)")
 
 
 def scaling_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -29,4 +32,5 @@ def scaling_options(args: argparse.Namespace) -> dict[str, Any]:
     them its own way)."""
     return {"scale_up_delay_s": args.scale_up_delay,
             "scale_down_delay_s": args.scale_down_delay,
-            "scale_down_margin": args.scale_down_margin}
+            "scale_down_margin": args.scale_down_margin,
+            "max_step_down": args.max_step_down}

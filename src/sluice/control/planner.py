@@ -6,7 +6,8 @@
       -> delays: up only once every recommendation for `scale_up_delay_s` was above the
          current count (to the smallest of them); down once every one for
          `scale_down_delay_s` was below it (to the largest of them)
-      -> clamp to [min, max] and to `max_step` per decision
+      -> clamp to [min, max], to `max_step` workers added per decision and
+         `max_step_down` removed (default: `max_step`)
       -> Decision: desired count, the reason, the inputs and the predictions behind it
 
 `Planner.decide(signals, now)` is a pure step in the caller's time (no clock is read
@@ -123,7 +124,8 @@ class PlannerConfig:
     slo: SLO = field(default_factory=SLO)
     scale_up_delay_s: float = 5.0
     scale_down_delay_s: float = 60.0
-    max_step: int = 1
+    max_step: int = 1  # most workers added per decision
+    max_step_down: int | None = None  # most removed per decision (None: max_step)
     scale_to_zero_after_s: float | None = None
     scale_down_margin: float = 0.6  # slo: a smaller count must meet the SLO at load / margin
     target_ongoing_requests: float = 8.0  # queue: in flight + queued per worker
@@ -144,8 +146,9 @@ class PlannerConfig:
                                       "max_replicas >= 1", param="min_replicas")
         if self.scale_up_delay_s < 0 or self.scale_down_delay_s < 0:
             raise InvalidRequestError("scale delays must be >= 0", param="scale_down_delay_s")
-        if self.max_step < 1:
-            raise InvalidRequestError("max_step must be >= 1", param="max_step")
+        if self.max_step < 1 or (self.max_step_down is not None and self.max_step_down < 1):
+            raise InvalidRequestError("max_step and max_step_down must be >= 1",
+                                      param="max_step")
         if self.scale_to_zero_after_s is not None and (
                 self.scale_to_zero_after_s < 0 or self.min_replicas > 0):
             raise InvalidRequestError("scale_to_zero_after_s needs min_replicas=0 and a "
@@ -527,10 +530,11 @@ class Planner:
         stable, reason = self._zero_rule(signals, now)
         if stable is None:
             stable, reason = self._stabilize(now, previous, target, rec.reason)
-        desired = max(previous - cfg.max_step, min(previous + cfg.max_step, stable))
+        down = cfg.max_step if cfg.max_step_down is None else cfg.max_step_down
+        desired = max(previous - down, min(previous + cfg.max_step, stable))
         if desired < previous or (desired > previous and desired == stable):
-            # a step down, or all the way up: the delays restart, so the pool shrinks by
-            # at most `max_step` per scale-down delay and sees each step's effect first
+            # a step down, or all the way up: the delays restart, so the pool shrinks at
+            # most once per scale-down delay and sees each step's effect first
             self.up.reset()
             self.down.reset()
         self.desired = desired
