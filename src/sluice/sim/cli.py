@@ -141,7 +141,7 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-steps", nargs="+", default=None, metavar="PATH",
                    help="fit to the steps real workers logged while serving (their "
                    "`--step-log DIR`; files or directories) instead of timing an engine "
-                   "alone: each step shape's median, host contention included")
+                   "alone: each step shape's mean, host contention included")
 
 
 def _run(args: argparse.Namespace) -> int:
