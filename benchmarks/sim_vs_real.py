@@ -135,12 +135,16 @@ def calibrate(path: str) -> None:
     """`sluice sim calibrate` now, in this locked session: the real run sees the same
     machine (on a shared host, minutes apart can differ by 2x), with the threads each of
     the 2 real workers gets (`sluice serve --workers 2` splits the cores)."""
-    threads = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    sim_calibrate(path, "--cpu-threads", str(max(1, len(os.sched_getaffinity(0)) // 2)))
+
+
+def sim_calibrate(path: str, *options: str) -> None:
+    """`sluice sim calibrate --out path OPTIONS`; its table to stderr."""
     proc = subprocess.run([sys.executable, "-m", "sluice.cli", "sim", "calibrate", "--out",
-                           path, "--cpu-threads", threads], capture_output=True, text=True,
+                           path, *options], capture_output=True, text=True,
                           env=os.environ.copy())
     if proc.returncode != 0:
-        raise RuntimeError(f"calibrate failed: {proc.stderr[-2000:]}")
+        raise RuntimeError(f"calibrate {' '.join(options)} failed: {proc.stderr[-2000:]}")
     print(proc.stdout, file=sys.stderr)
 
 
@@ -164,12 +168,7 @@ def calibrate_served(path: str, args: argparse.Namespace, kv_blocks: int) -> Non
                   "engine", file=sys.stderr)
     finally:
         cluster.stop()
-    proc = subprocess.run([sys.executable, "-m", "sluice.cli", "sim", "calibrate", "--out",
-                           path, "--from-steps", steps], capture_output=True, text=True,
-                          env=os.environ.copy())
-    if proc.returncode != 0:
-        raise RuntimeError(f"calibrate --from-steps failed: {proc.stderr[-2000:]}")
-    print(proc.stdout, file=sys.stderr)
+    sim_calibrate(path, "--from-steps", steps)
     if args.request_overhead_ms is None:  # measured, unless given
         profile = json.loads(Path(path).read_text())
         profile["request_overhead_s"] = max(0.0, statistics.median(outside))
