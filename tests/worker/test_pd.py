@@ -227,7 +227,10 @@ def test_pd_role_switch_drains_and_fences(workers: dict[str, str]) -> None:
         assert time.monotonic() < deadline
     switched = httpx.post(url + "/v1/pd_role", json={"role": "prefill", "expected_epoch": 0,
                                                      "drain_timeout": 60}, timeout=90)
-    assert done.is_set()  # it answered only after the stream finished
+    # it answered only after the stream finished at the server (the client's thread may
+    # read the stream's last bytes a moment after this thread reads the switch's answer)
+    assert metric(url, "sluice:http_requests_pending") == 0
+    assert done.wait(30)
     worker.join()
     assert switched.json() == {"role": "prefill", "epoch": 1, "draining": False}
     assert metric(url, "sluice:pd_role", role="prefill") == 1.0
