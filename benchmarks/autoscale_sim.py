@@ -246,8 +246,6 @@ def parse_args() -> argparse.Namespace:
                     "(default: the step profile's one-sequence decode step, as an offline "
                     "profile gives it), 'learn' (only the least ITL the planner sees), or "
                     "seconds")
-    ap.add_argument("--lookahead", type=float, default=30.0,
-                    help="the slo planner's look-ahead, seconds (default %(default)s)")
     ap.add_argument("--trend-window", type=float, default=20.0,
                     help="the slo planner fits the demand's growth over this many seconds "
                     "(default %(default)s)")
@@ -302,7 +300,7 @@ def main() -> int:
     planning = PlannerConfig(policy=args.planner, min_replicas=args.min_workers,
                              max_replicas=args.max_workers or peak_n, slo=target,
                              itl_floor_s=itl_floor(args.itl_floor, profile),
-                             lookahead_s=args.lookahead, max_step=args.max_step,
+                             max_step=args.max_step,
                              trend_window_s=args.trend_window,
                              **scaling_options(args))
     initial = args.initial_workers or math.ceil(peak_n * args.trough_ratio - 1e-9)

@@ -92,10 +92,6 @@ def add_control_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--planner-policy", default="slo", choices=["slo", "queue", "kv"],
                    help="slo: fewest workers predicted to meet --slo; queue: requests per "
                         "worker; kv: KV-cache usage (default: %(default)s)")
-    g.add_argument("--lookahead", type=float, default=30.0,
-                   help="slo policy: also meet the SLO for the demand forecast this many "
-                        "seconds ahead, about a new worker's start time; 0: today's only "
-                        "(default: %(default)s)")
     g.add_argument("--scale-to-zero-after", type=float, default=300.0,
                    help="with --min-workers 0: seconds idle before stopping the last worker "
                         "(default: %(default)s)")
@@ -254,7 +250,7 @@ def planner_config(args: argparse.Namespace) -> Any:
 
     lo, hi = worker_bounds(args)
     return PlannerConfig(policy=args.planner_policy, min_replicas=lo, max_replicas=hi,
-                         slo=SLO.parse(args.slo), lookahead_s=args.lookahead,
+                         slo=SLO.parse(args.slo),
                          **scaling_options(args),
                          scale_to_zero_after_s=args.scale_to_zero_after if lo == 0 else None)
 

@@ -10,7 +10,7 @@ from typing import Any
 def add_scaling_arguments(g: argparse._ActionsContainer, min_help: str,
                           min_default: int | None = None) -> None:
     """--min-workers, --max-workers, --scale-up-delay, --scale-down-delay,
-    --scale-down-margin and --max-step-down (the defaults are PlannerConfig's)."""
+    --scale-down-margin, --max-step-down and --lookahead (the defaults are PlannerConfig's)."""
     g.add_argument("--min-workers", type=int, default=min_default, help=min_help)
     g.add_argument("--max-workers", type=int, default=None, help="autoscale: most workers")
     g.add_argument("--scale-up-delay", type=float, default=5.0,
@@ -25,6 +25,10 @@ def add_scaling_arguments(g: argparse._ActionsContainer, min_help: str,
     g.add_argument("--max-step-down", type=int, default=None,
                    help="most workers removed per scale-down, toward the largest count "
                         "recommended over the scale-down delay (default: the max step, 1)")
+    g.add_argument("--lookahead", type=float, default=30.0,
+                   help="slo policy: also meet the SLO for the demand forecast this many "
+                        "seconds ahead, about a new worker's start time; 0: today's only "
+                        "(default: %(default)s)")
 
 
 def scaling_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -33,4 +37,5 @@ def scaling_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"scale_up_delay_s": args.scale_up_delay,
             "scale_down_delay_s": args.scale_down_delay,
             "scale_down_margin": args.scale_down_margin,
-            "max_step_down": args.max_step_down}
+            "max_step_down": args.max_step_down,
+            "lookahead_s": args.lookahead}
