@@ -326,37 +326,35 @@ class SLOPolicy(PlannerPolicy):
         ttft = model_ttft(s, n) * _calibration(s, model_ttft(s, ref))
         return Prediction(n, ttft, predict_itl(s, ref, n))
 
-    def _meets(self, p: Prediction, slo: SLO, factor: float) -> bool:
-        ttft_ok = p.ttft_s is None or p.ttft_s <= slo.ttft_s * factor
-        itl_ok = p.itl_s is None or p.itl_s <= slo.itl_s * factor
+    def _meets(self, p: Prediction, slo: SLO) -> bool:
+        ttft_ok = p.ttft_s is None or p.ttft_s <= slo.ttft_s
+        itl_ok = p.itl_s is None or p.itl_s <= slo.itl_s
         return ttft_ok and itl_ok
 
     def recommend(self, s: PoolSignals, current: int, config: PlannerConfig,
                   ahead: PoolSignals | None = None) -> Recommendation:
         counts = range(1, config.max_replicas + 1)
         preds = [self.predict(s, current, n) for n in counts]
-        later = [self.predict(ahead, current, n) for n in counts] if ahead is not None else preds
         now = self.predict(s, current, max(1, current))
         best = _best(preds)  # when no count meets it: the fewest that do best
 
-        def first(factor: float) -> Prediction:
-            return next((p for p, q in zip(preds, later, strict=True)
-                         if self._meets(p, config.slo, factor)
-                         and self._meets(q, config.slo, factor)), best)
+        def first(today: list[Prediction], later: PoolSignals | None) -> Prediction:
+            """The fewest workers meeting the SLO in `today`'s predictions and, with a
+            forecast, in `later`'s."""
+            forecast = [self.predict(later, current, n) for n in counts] \
+                if later is not None else today
+            return next((p for p, q in zip(today, forecast, strict=True)
+                         if self._meets(p, config.slo) and self._meets(q, config.slo)), best)
 
-        up = first(1.0)
+        up = first(preds, ahead)
         # down: the smaller count must meet the SLO with the load grown by 1/margin (now
         # and forecast): headroom in load, which a step down changes, not in latency
         grow = 1.0 / config.scale_down_margin - 1.0
         heavy = s.grown(s.demand * grow)
-        heavy_later = ahead.grown(ahead.demand * grow) if ahead is not None else heavy
-        hp = [self.predict(heavy, current, n) for n in counts]
-        hq = [self.predict(heavy_later, current, n) for n in counts] if ahead is not None else hp
-        down = next((p for p, q in zip(hp, hq, strict=True)
-                     if self._meets(p, config.slo, 1.0) and self._meets(q, config.slo, 1.0)),
-                    best)
+        down = first([self.predict(heavy, current, n) for n in counts],
+                     ahead.grown(ahead.demand * grow) if ahead is not None else None)
         if current < 1 or up.replicas > current:
-            today = next((p for p in preds if self._meets(p, config.slo, 1.0)), best)
+            today = next((p for p in preds if self._meets(p, config.slo)), best)
             reason = ("predicted to miss the SLO with fewer" if today.replicas >= up.replicas
                       else f"forecast to miss the SLO with fewer in {config.lookahead_s:g}s")
             return Recommendation(up.replicas, reason if up.replicas > 1
