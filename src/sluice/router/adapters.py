@@ -529,18 +529,12 @@ class Adapters:
         there once its requests there have ended (`_drop_idle`): a busy copy is never
         unloaded under its requests, and a worker kept over its slots by busy adapters
         would swap weights on every other request."""
-        self.held.get(url, {}).pop(model, None)
-        self.assigned.get(url, set()).discard(model)
-        self._set_listed(url, model, False)
-        self.changed[(url, model)] = math.inf  # a read meanwhile still lists it (`sync`)
+        self._stop_routing(url, model)
         self.draining.add((url, model))
 
     async def _unload(self, url: str, model: str, reason: str) -> None:
         """Stop routing `model` to `url` at once, then unload it there."""
-        self.held.get(url, {}).pop(model, None)
-        self.assigned.get(url, set()).discard(model)
-        self._set_listed(url, model, False)
-        self.changed[(url, model)] = math.inf  # until answered, a read may list it still
+        self._stop_routing(url, model)
         try:
             await self.client.post(url + "/v1/unload_lora_adapter", json={"lora_name": model})
         except httpx.HTTPError as exc:
@@ -550,6 +544,14 @@ class Adapters:
             self.changed[(url, model)] = self.clock()
         self.counts.unloads[reason] = self.counts.unloads.get(reason, 0) + 1
         self._unloads.labels(model, reason).inc()
+
+    def _stop_routing(self, url: str, model: str) -> None:
+        """`url` no longer holds `model` for routing; until its unload there is answered,
+        a read of the worker's adapters may still list it (`sync`)."""
+        self.held.get(url, {}).pop(model, None)
+        self.assigned.get(url, set()).discard(model)
+        self._set_listed(url, model, False)
+        self.changed[(url, model)] = math.inf
 
     def _set_listed(self, url: str, model: str, listed: bool) -> None:
         """Keep the worker's model ids (what the proxy may send it unchanged) in step."""
