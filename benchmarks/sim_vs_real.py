@@ -40,8 +40,7 @@ import httpx
 
 from sluice.bench.metrics import server_deltas
 from sluice.control.local import free_port
-from sluice.observe.prometheus import sum_samples
-from sluice.sim.calibrate import outside_engine_s
+from sluice.sim.calibrate import outside_engine_s, workers_metrics
 from sluice.sim.cli import default_profile_path
 from sluice.sim.run import resolve_profile
 
@@ -121,16 +120,6 @@ class RealCluster:
             self.proc.kill()
 
 
-def worker_counters(urls: list[str]) -> dict[str, float]:
-    """The workers' /metrics summed (the router does not re-export engine counters)."""
-    total: dict[str, float] = {}
-    for url in urls:
-        samples = sum_samples(httpx.get(url + "/metrics", timeout=10).text)
-        for key, value in samples.items():
-            total[key] = total.get(key, 0.0) + value
-    return total
-
-
 def calibrate(path: str) -> None:
     """`sluice sim calibrate` now, in this locked session: the real run sees the same
     machine (on a shared host, minutes apart can differ by 2x), with the threads each of
@@ -160,10 +149,10 @@ def calibrate_served(path: str, args: argparse.Namespace, kv_blocks: int) -> Non
         cluster.wait_ready()
         engines = cluster.worker_urls(Path(args.log + ".fit"))
         for name in args.workloads:
-            before = worker_counters(engines)
+            before = workers_metrics(engines)
             real = run_real(cluster, name, str(int(args.seed) + 1), args)
             outside.append(outside_engine_s(float(real["mean_ttft_ms"]) / 1e3, before,
-                                            worker_counters(engines)))
+                                            workers_metrics(engines)))
             print(f"  fit pass {name}: {outside[-1] * 1e3:.1f} ms a request outside the "
                   "engine", file=sys.stderr)
     finally:
@@ -234,9 +223,9 @@ def main() -> int:
         cluster.wait_ready()
         engines = cluster.worker_urls(Path(args.log))
         for name in args.workloads:
-            before = worker_counters(engines)
+            before = workers_metrics(engines)
             real = run_real(cluster, name, args.seed, args)
-            deltas = server_deltas(before, worker_counters(engines))
+            deltas = server_deltas(before, workers_metrics(engines))
             real |= {f"server_{k}": v for k, v in deltas.items()}
             sim = cli("sim", *workload_args(name, args.seed, args), *WORKLOADS[name][2],
                       *sim_args)["results"][0]

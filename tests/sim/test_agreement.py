@@ -14,12 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from sluice.control.local import free_port
-from sluice.observe.prometheus import sum_samples
-from sluice.sim.calibrate import from_steps, outside_engine_s
+from sluice.sim.calibrate import from_steps, outside_engine_s, workers_metrics
 from sluice.sim.profile import save_profile
 
 pytestmark = pytest.mark.model
@@ -34,14 +32,6 @@ def cli(*argv: str) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stderr[-2000:]
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])["results"][0]
     return result
-
-
-def counters(urls: list[str]) -> dict[str, float]:
-    total: dict[str, float] = {}
-    for url in urls:
-        for key, value in sum_samples(httpx.get(url + "/metrics", timeout=10).text).items():
-            total[key] = total.get(key, 0.0) + value
-    return total
 
 
 def test_sim_fitted_to_served_steps_agrees_with_real_workers(tmp_path: Path,
@@ -61,10 +51,10 @@ def test_sim_fitted_to_served_steps_agrees_with_real_workers(tmp_path: Path,
             time.sleep(0.5)
             engines = sorted({line.split(": ready ", 1)[1].split()[0]
                               for line in log.read_text().splitlines() if ": ready http" in line})
-        before = counters(engines)
+        before = workers_metrics(engines)
         fit = cli("bench", "serve", "--base-url", url, "--ignore-eos", "--disable-tqdm",
                   "--warmup", "0", *LOAD, "--seed", "1")
-        overhead = outside_engine_s(fit["mean_ttft_ms"] / 1e3, before, counters(engines))
+        overhead = outside_engine_s(fit["mean_ttft_ms"] / 1e3, before, workers_metrics(engines))
         real = cli("bench", "serve", "--base-url", url, "--ignore-eos", "--disable-tqdm",
                    "--warmup", "0", *LOAD, "--seed", "0")
     finally:

@@ -173,12 +173,27 @@ def from_steps(paths: list[str]) -> tuple[StepProfile, list[Point]]:
     return profile, points
 
 
+def workers_metrics(urls: list[str]) -> dict[str, float]:
+    """The workers' /metrics, each metric summed over them (`sum_samples`): what
+    `outside_engine_s` reads before and after a run (the router does not re-export the
+    engines' histograms)."""
+    import httpx
+
+    from sluice.observe.prometheus import sum_samples
+
+    total: dict[str, float] = {}
+    for url in urls:
+        for key, value in sum_samples(httpx.get(url + "/metrics", timeout=10).text).items():
+            total[key] = total.get(key, 0.0) + value
+    return total
+
+
 def outside_engine_s(client_mean_ttft_s: float, before: dict[str, float],
                      after: dict[str, float]) -> float:
     """Mean seconds of a request's TTFT spent outside the engines (HTTP, router,
     tokenizing, IPC, detokenizing), the profile's `request_overhead_s`: the clients' mean
     TTFT less the engines' own mean queue + prefill time, from their /metrics summed over
-    the workers (`sum_samples`) before and after the run."""
+    the workers (`workers_metrics`) before and after the run."""
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
