@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import uuid
 from pathlib import Path
 
 import httpx
@@ -17,7 +18,11 @@ from .test_shutdown import _start_worker
 from .worker_helpers import free_port, wait_until
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
-MESSAGES = [{"role": "user", "content": "tell me about rivers and their deltas " * 20}]
+# A prompt of this run's own: the store skips a block Redis already holds (SET NX after
+# EXISTS), so blocks left by an earlier run (one killed before its clean-up, or another
+# checkout's run) would keep this run's first worker from storing anything.
+MESSAGES = [{"role": "user",
+             "content": f"run {uuid.uuid4().hex}: " + "tell me about rivers and their deltas " * 20}]
 
 
 def healthy(url: str) -> bool:
@@ -69,7 +74,7 @@ def test_store_shares_a_prefix_and_disk_survives_a_restart(tiny_llama_dir: Path,
     try:
         assert cached_tokens(url) == 0
         assert wait_until(lambda: metric(url, "sluice:kv_offload_bytes_stored_total",
-                                         "REDIS") > 0, 10)
+                                         "REDIS") > 0, 30)
         second, url2, _ = start(tiny_llama_dir, "--kv-store", REDIS_URL)
         try:
             assert cached_tokens(url2) > 0  # the first worker's blocks, through Redis
