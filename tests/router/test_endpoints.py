@@ -10,8 +10,15 @@ import time
 import pytest
 
 from sluice.router.config import PoolConfig, WorkerSpec
-from sluice.router.endpoints import BASE_UNITS, EWMA_ALPHA, Endpoint
-from sluice.router.policies import RequestMeta
+from sluice.router.endpoints import (
+    BASE_UNITS,
+    EWMA_ALPHA,
+    MAX_OVERHEAD_SHARE,
+    Endpoint,
+    EndpointStats,
+    TTFTFit,
+)
+from sluice.router.policies import RequestMeta, make_policy
 from sluice.router.pool import Pool
 from sluice.router.scrape import WorkerLoad
 
@@ -155,6 +162,27 @@ def test_identical_workers_tie_on_speed_despite_noisy_ttfts() -> None:
     assert a.stats().seconds_per_token == b.stats().seconds_per_token
     pool.remove(b.url)
     assert set(pool.fit.log_speeds) == {a.url}
+
+
+def test_ttfts_that_stop_tracking_queued_work_still_price_a_queue() -> None:
+    """An overloaded worker's TTFTs (20-30 s, mostly waits for a sequence slot that its
+    queued prefill tokens do not measure) once fitted a line of ~25 s overhead and a
+    slope near 0; `cost` then sent requests to a worker with 300k queued tokens and a
+    lucky speed factor over an idle one. The overhead is held to a share of the mean TTFT
+    and the line goes through the mean point, so queued work keeps its price."""
+    rng = random.Random(7)
+    fit = TTFTFit()
+    for _ in range(400):
+        units = rng.uniform(0.0, 200_000.0)
+        fit.observe(units, 25.0 + 2e-6 * units + rng.uniform(-5.0, 5.0))
+    overhead, slope = fit.line()
+    assert overhead <= MAX_OVERHEAD_SHARE * fit.my + 1e-9
+    assert fit.predict(fit.mx - BASE_UNITS) == pytest.approx(fit.my)  # through the mean
+    request = RequestMeta(model="m", num_prompt_tokens=1000, block_hashes=(), block_size=16)
+    queued = EndpointStats("http://queued", queued_prefill_tokens=300_000.0,
+                           seconds_per_token=slope * 0.5, overhead_s=overhead * 0.5)
+    idle = EndpointStats("http://idle", seconds_per_token=slope, overhead_s=overhead)
+    assert make_policy("cost", random.Random(0)).choose(request, [queued, idle]).url == idle.url
 
 
 def test_a_lone_worker_learning_noisy_ttfts_does_not_drift() -> None:

@@ -52,6 +52,7 @@ BASE_UNITS = 32.0  # fixed per-request work (HTTP, tokenization, one step) in to
 EWMA_ALPHA = 0.05
 DECODE_EQUIV_TOKENS = 16.0  # prefill-token cost of one running sequence during our wait
 MIN_FIT_SPREAD = 64.0  # std-dev of observed units (tokens) needed before fitting a slope
+MAX_OVERHEAD_SHARE = 0.5  # of the mean TTFT, at most, is a fixed overhead (TTFTFit.line)
 
 
 @dataclass
@@ -108,20 +109,26 @@ class TTFTFit:
 
     @property
     def slope(self) -> float:
-        fitted = self._fitted_slope()
-        return fitted if fitted is not None else self.my / self.mx
+        return self.line()[1]
 
     @property
     def overhead(self) -> float:
-        fitted = self._fitted_slope()
-        return 0.0 if fitted is None else max(0.0, self.my - fitted * self.mx)
+        return self.line()[0]
 
     def line(self) -> tuple[float, float]:
-        """(overhead, slope) at once: one fit for both (a decision reads them per worker)."""
+        """(overhead, slope) at once: one fit for both (a decision reads them per worker).
+
+        The overhead is at most MAX_OVERHEAD_SHARE of the mean TTFT, the line through the
+        mean point: a fixed cost per request cannot be most of every TTFT. An overloaded
+        worker's TTFTs (waits for a sequence slot, which its queued prefill tokens do not
+        measure) fitted a line of ~20 s overhead and a slope near 0, and `cost` then
+        stopped seeing queues at all (found by `sluice sim` with a pool grown from one
+        worker: one worker took 100+ requests while others stood idle)."""
         fitted = self._fitted_slope()
         if fitted is None:
             return 0.0, self.my / self.mx
-        return max(0.0, self.my - fitted * self.mx), fitted
+        overhead = min(max(0.0, self.my - fitted * self.mx), MAX_OVERHEAD_SHARE * self.my)
+        return overhead, (self.my - overhead) / self.mx
 
     def predict(self, units: float) -> float:
         return self.overhead + self.slope * (units + BASE_UNITS)
