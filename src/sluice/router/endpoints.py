@@ -53,6 +53,7 @@ EWMA_ALPHA = 0.05
 DECODE_EQUIV_TOKENS = 16.0  # prefill-token cost of one running sequence during our wait
 MIN_FIT_SPREAD = 64.0  # std-dev of observed units (tokens) needed before fitting a slope
 MAX_OVERHEAD_SHARE = 0.5  # of the mean TTFT, at most, is a fixed overhead (TTFTFit.line)
+MAX_SPEED_RATIO = 2.0  # a worker's speed factor stays within 1/this..this (Endpoint.speed)
 
 
 @dataclass
@@ -225,7 +226,16 @@ class Endpoint:
         line alone: the line learns TTFTs divided by this factor, and a factor that
         carried the level too fed back into the line it is measured against (a
         one-worker pool drifted to speed 0 and a math domain error after ~120k requests;
-        found by benchmarks/soak.py)."""
+        found by benchmarks/soak.py).
+
+        Bounded to 1/MAX_SPEED_RATIO..MAX_SPEED_RATIO of the pool's mean: in the first
+        minutes of a pool grown under a burst, or on a trace of 15-60k-token prompts, the
+        line fits a mix of overloaded and idle workers and the raw factors swung 0.2-14;
+        `cost` then piled requests onto a "fast" worker behind a queue of 300k tokens
+        (`sluice sim`, Mooncake trace, 1,000 workers: bounded, `cost` went from 0.85 to
+        0.97 of the oracle's hit rate, docs/sim.md). Workers of one model's
+        pool rarely differ by more than 2x either way; a larger difference still shows,
+        as 2x."""
         if not self.speed_samples:  # most of a large pool, most of the time: no call
             return 1.0
         pool_mean = self.fit.mean_log_speed()
@@ -235,7 +245,7 @@ class Endpoint:
         var = max(0.0, self.log_speed_sq - self.log_speed ** 2)
         n_eff = min(float(self.speed_samples), (2.0 - EWMA_ALPHA) / EWMA_ALPHA)
         shrink = max(0.0, 1.0 - var / n_eff / diff ** 2)
-        return math.exp(shrink * diff)
+        return min(MAX_SPEED_RATIO, max(1.0 / MAX_SPEED_RATIO, math.exp(shrink * diff)))
 
     @property
     def available(self) -> bool:
