@@ -69,6 +69,7 @@ class RedisSteps:
         if loop is not self._loop:  # a new loop: nothing of the old one carries over
             self._loop, self._conn, self._sending = loop, None, False
             self._in_flight.clear()
+            self._queue.clear()
         future: asyncio.Future[Any] = loop.create_future()
         self._queue.append((op, future))
         self._kick()
@@ -145,10 +146,19 @@ class RedisSteps:
             with contextlib.suppress(Exception):
                 await self.pool.release(conn)
         self.on_step(exc)
+        self._kick()  # what queued behind the failed steps goes in a new one
 
     async def close(self) -> None:
+        """Fail what is queued or in flight, and close the connection."""
         if self._reader is not None and not self._reader.done():
             self._reader.cancel()
+        error = self.error(ConnectionError("limiter closed"))
+        for step in (*self._in_flight, self._queue):
+            for _, future in step:
+                if not future.done():
+                    future.set_exception(error)
+        self._in_flight.clear()
+        self._queue = []
         if self._conn is not None:
             conn, self._conn = self._conn, None
             with contextlib.suppress(Exception):
