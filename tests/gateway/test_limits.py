@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
@@ -206,6 +207,7 @@ class SlowProxy:
         self.delay_s = delay_s
         self.server: asyncio.Server | None = None
         self.tasks: set[asyncio.Task[None]] = set()
+        self.writers: list[asyncio.StreamWriter] = []
 
     async def __aenter__(self) -> str:
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
@@ -217,8 +219,16 @@ class SlowProxy:
         for task in self.tasks:
             task.cancel()
 
+    def cut(self) -> None:
+        """Drop every connection at once (what is held is never passed on)."""
+        for task in self.tasks:
+            task.cancel()
+        for writer in self.writers:
+            writer.transport.abort()
+
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", 6379)
+        self.writers += [writer, up_writer]
         for pipe in (self._pipe(reader, up_writer, self.delay_s),
                      self._pipe(up_reader, writer, 0.0)):
             task = asyncio.create_task(pipe)
@@ -259,3 +269,37 @@ async def test_a_caller_cancelled_during_acquire_gets_its_slot_returned(
         assert d.allowed, d.reason
         await slow.close()
         await fast.close()
+
+
+@pytest.mark.services
+async def test_a_connection_lost_under_steps_fails_them_and_the_next_call_recovers(
+        redis_prefix: str) -> None:
+    """The connection breaks with steps in flight: every call in them fails as
+    unavailable, their leases are kept (they may have run), and the next call opens a
+    new connection and finishes them."""
+    scope = [Scope("key:cut", max_concurrent=100)]
+    proxy = SlowProxy(0.5)
+    async with proxy as url:
+        lim = RedisLimiter(url, prefix=redis_prefix, timeout_s=10.0, retry_interval_s=0.0)
+        assert (await lim.acquire([Scope("warm")], 0)).allowed
+        calls = [asyncio.create_task(lim.acquire(scope, 1)) for _ in range(10)]
+        await asyncio.sleep(0.05)  # sent, held by the proxy
+        proxy.cut()
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(o, LimiterUnavailableError) for o in outcomes)
+        assert len(lim._unfinished) == 10 and lim.down_since is not None
+        d = await lim.acquire(scope, 1)  # a new connection through the proxy
+        assert d.allowed and lim.down_since is None
+        await until_true(lambda: not lim._unfinished)
+        fast = RedisLimiter(REDIS_URL, prefix=redis_prefix)
+        d2 = await fast.acquire(scope, 0)
+        assert d2.states[0].requests_used == 2  # the held calls never reached Redis
+        await lim.close()
+        await fast.close()
+
+
+async def until_true(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
