@@ -19,7 +19,10 @@ request runs in **one Lua script**. Redis runs a script atomically (no other com
 interleaves), so there is no read-modify-write race between replicas, and time comes
 from the Redis server (`TIME`), so replica clock skew cannot stretch a window. All
 scopes are checked before any is charged: a request refused by its tenant does not use
-up its key's quota. `LocalLimiter` is the same algorithm in one process under a lock.
+up its key's quota. Calls are batched into steps (`redis_steps.py`: one script call
+carries every acquire and finish that arrived meanwhile, applied in arrival order), so
+a replica pays one round trip per step, not per call. `LocalLimiter` is the same
+algorithm in one process under a lock.
 
 If Redis fails, `RedisLimiter` raises `LimiterUnavailableError`; the middleware
 decides (fail closed: 503; fail open: admit and count the error). A request that ends
