@@ -235,6 +235,7 @@ else:
 SERVE_CONFIGS = {
     "sqlite": (None, False), "postgres+redis": ("postgresql+psycopg://postgres@127.0.0.1:5432/test",
                                                 True)}
+BENCH_REDIS = "redis://127.0.0.1:6379/7"  # benchmarks keep to db 7; tests use db 0
 
 
 def serve_target(stub: str, policy: str, config: str, front: str, tmp: str,
@@ -252,12 +253,19 @@ def serve_target(stub: str, policy: str, config: str, front: str, tmp: str,
     store.create_tenant("bench", TenantSettings(rpm=10**8, tpm=10**10))
     _, key = store.create_key("bench", KeySettings())
     spec = {"stub": stub, "policy": policy, "db": db, "prefix": prefix, "front": front,
-            "redis": "redis://127.0.0.1:6379/0" if redis else None, "rl": rl,
+            "redis": BENCH_REDIS if redis else None, "rl": rl,
             "port": free_port(), "await_ledger": await_ledger}
 
     def cleanup() -> None:
         store.drop_all()
         store.close()
+        if redis:  # this run's limiter keys (they would expire, the slots after 1 h)
+            import redis as sync_redis
+
+            client = sync_redis.Redis.from_url(BENCH_REDIS)
+            for key in client.scan_iter(match=f"{rl}*"):
+                client.delete(key)
+            client.close()
 
     return spec, f"Authorization: Bearer {key}\r\n", cleanup
 

@@ -302,3 +302,43 @@ def test_an_old_usage_table_gains_record_id_and_its_unique_index(database: Any) 
             == [True]
     finally:
         store.close()
+
+
+def test_a_batch_with_duplicates_and_nulls_writes_each_record_once(any_store: SQLStore) -> None:
+    """Nullable columns null in some rows and set in others, a record twice in one
+    batch, a record with no record_id (rows from before it existed), then the batch
+    again with one new record: each record is one row with its values, in batch order,
+    and its cost is counted once. (Before, a record twice in one batch was one row but
+    its cost was added twice.)"""
+    t = any_store.create_tenant("acme", TenantSettings())
+    plain = rec(t.id, 0, model=None)
+    bodies = rec(t.id, 1, cost=0.25, request_body="q", response_body=None, latency_ms=3.5)
+    legacy = rec(t.id, 2, cost=0.0, record_id=None, response_body="a")
+    any_store.record_usage_many([plain, bodies, plain, legacy])
+    any_store.record_usage_many([bodies, rec(t.id, 3, prompt_tokens=7, completion_tokens=9)])
+    written = rows(any_store)
+    assert [r.request_id for r in written] == ["r0", "r1", "r2", "r3"]
+    assert written[:3] == [plain, bodies, legacy]
+    assert (written[3].prompt_tokens, written[3].completion_tokens) == (7, 9)
+    assert any_store.get_tenant(t.id).spend_usd == pytest.approx(0.5 + 0.25 + 0.5)
+
+
+@pytest.mark.services
+def test_postgres_batch_insert_is_one_constant_statement(pg_store: SQLStore) -> None:
+    """Batches of any size send the same INSERT text (arrays unnested), so psycopg and
+    the server prepare it once; before, each batch size was its own multi-row VALUES
+    statement."""
+    t = pg_store.create_tenant("acme", TenantSettings())
+    inserts: list[str] = []
+
+    def seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if "INSERT INTO" in statement and "usage" in statement:
+            inserts.append(statement)
+
+    sa.event.listen(pg_store.engine, "before_cursor_execute", seen)
+    n = 0
+    for size in (1, 3, 8, 2):
+        pg_store.record_usage_many([rec(t.id, n + i) for i in range(size)])
+        n += size
+    assert len(inserts) == 4 and len(set(inserts)) == 1 and "unnest(" in inserts[0]
+    assert [r.request_id for r in rows(pg_store)] == [f"r{i}" for i in range(n)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
@@ -129,13 +130,13 @@ async def test_both_limiters_agree_on_rpm_tpm_concurrency(redis_prefix: str) -> 
 
 @pytest.mark.services
 async def test_redis_burst_admits_exactly_the_limit(redis_prefix: str) -> None:
-    # two replicas, each with a small connection pool: a burst far wider than the pool
-    # waits for connections (no spurious "unavailable") and admits exactly the limit.
+    # two replicas, each sending its calls in steps on one connection: a burst far
+    # wider than a step admits exactly the limit (no spurious "unavailable").
     # Connect timeout 10 s, not 1: 300 coroutines on one loop of a busy 2-core machine
     # once held a loopback connect past 1 s (a CI run, 2026-12-02); timeouts are tested
     # below
-    a = RedisLimiter(REDIS_URL, prefix=redis_prefix, max_connections=8, timeout_s=10.0)
-    b = RedisLimiter(REDIS_URL, prefix=redis_prefix, max_connections=8, timeout_s=10.0)
+    a = RedisLimiter(REDIS_URL, prefix=redis_prefix, timeout_s=10.0)
+    b = RedisLimiter(REDIS_URL, prefix=redis_prefix, timeout_s=10.0)
     scope = [Scope("key:burst", rpm=25)]
     results = await asyncio.gather(*[(a if i % 2 else b).acquire(scope, 1) for i in range(300)])
     assert sum(d.allowed for d in results) == 25
@@ -157,11 +158,148 @@ async def test_redis_unreachable_fails_fast_then_retries_and_recovers(redis_pref
     await lim.close()
     import redis.asyncio as aioredis
 
-    lim.client = aioredis.Redis.from_url(REDIS_URL)  # Redis "comes back"
-    lim._acquire_script = lim.client.register_script(lim._acquire_script.script)
-    lim._finish_script = lim.client.register_script(lim._finish_script.script)
+    lim.steps.pool = aioredis.ConnectionPool.from_url(REDIS_URL)  # Redis "comes back"
     assert len(lim._unfinished) == 1  # the first, tried acquire may have taken a slot
     clock.now += 1.0
     assert (await lim.acquire([Scope("k", rpm=1)], 0)).allowed
     assert lim.down_since is None and not lim._unfinished  # ...freed once Redis answered
     await lim.close()
+
+
+@pytest.mark.services
+async def test_redis_steps_admit_exactly_the_first_calls_in_arrival_order(
+        redis_prefix: str) -> None:
+    """A burst goes out in a few steps (one script call each, at most two in flight),
+    and Redis applies the calls in the order they arrived: exactly the first 25 of 300
+    are admitted. (Before, one call per pooled connection: the 25 admitted were whichever
+    connections got to Redis first.)"""
+    lim = RedisLimiter(REDIS_URL, prefix=redis_prefix, timeout_s=10.0)
+    scope = [Scope("key:order", rpm=25)]
+    results = await asyncio.gather(*[lim.acquire(scope, 1) for _ in range(300)])
+    assert [i for i, d in enumerate(results) if d.allowed] == list(range(25))
+    assert [d.states[0].requests_used for d in results[:25]] == list(range(1, 26))
+    assert lim.steps.steps_sent < 20 and lim.steps.most_in_flight <= 2
+    await lim.close()
+
+
+@pytest.mark.services
+async def test_redis_finish_and_acquire_apply_in_arrival_order(redis_prefix: str) -> None:
+    """A finish that arrived before an acquire frees its slot for it; one that arrived
+    after does not (both in the same step)."""
+    lim = RedisLimiter(REDIS_URL, prefix=redis_prefix, timeout_s=10.0)
+    scope = [Scope("key:conc", max_concurrent=2)]
+    held = [await lim.acquire(scope, 0) for _ in range(2)]
+    assert all(d.lease is not None for d in held)
+    _, after = await asyncio.gather(lim.finish(held[0].lease, 0), lim.acquire(scope, 0))  # type: ignore[arg-type]
+    assert after.allowed
+    before, _ = await asyncio.gather(lim.acquire(scope, 0), lim.finish(held[1].lease, 0))  # type: ignore[arg-type]
+    assert before.reason == "concurrency"
+    assert (await lim.acquire(scope, 0)).allowed
+    await lim.close()
+
+
+class SlowProxy:
+    """A TCP proxy to Redis that holds what the client sends for `delay_s` before
+    passing it on (replies come back at once), and passes it on even after the client
+    hung up: a call is then still in flight when its caller is cancelled."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.server: asyncio.Server | None = None
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        for task in self.tasks:
+            task.cancel()
+
+    def cut(self) -> None:
+        """Drop every connection at once (what is held is never passed on)."""
+        for task in self.tasks:
+            task.cancel()
+        for writer in self.writers:
+            writer.transport.abort()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", 6379)
+        self.writers += [writer, up_writer]
+        for pipe in (self._pipe(reader, up_writer, self.delay_s),
+                     self._pipe(up_reader, writer, 0.0)):
+            task = asyncio.create_task(pipe)
+            self.tasks.add(task)
+
+    @staticmethod
+    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    delay_s: float) -> None:
+        try:
+            while data := await reader.read(65536):
+                await asyncio.sleep(delay_s)
+                writer.write(data)
+                await writer.drain()
+            await asyncio.sleep(delay_s)
+        except (OSError, ConnectionError):
+            pass
+        writer.close()
+
+
+@pytest.mark.services
+async def test_a_caller_cancelled_during_acquire_gets_its_slot_returned(
+        redis_prefix: str) -> None:
+    """The client goes away while its acquire is on the wire: Redis still admits it,
+    and the slot must come back (before, it stayed taken for the whole 1 h lease, so
+    with max_concurrent=1 the key was locked out)."""
+    scope = [Scope("key:cancel", max_concurrent=1)]
+    async with SlowProxy(0.3) as url:
+        slow = RedisLimiter(url, prefix=redis_prefix, timeout_s=10.0)
+        fast = RedisLimiter(REDIS_URL, prefix=redis_prefix)
+        assert (await slow.acquire([Scope("warm")], 0)).allowed  # connected, script loaded
+        task = asyncio.create_task(slow.acquire(scope, 10))
+        await asyncio.sleep(0.1)  # sent; the proxy holds it until 0.3 s
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(1.0)  # Redis admits it at 0.3 s; the give-back takes 0.3 more
+        d = await fast.acquire(scope, 0)
+        assert d.allowed, d.reason
+        await slow.close()
+        await fast.close()
+
+
+@pytest.mark.services
+async def test_a_connection_lost_under_steps_fails_them_and_the_next_call_recovers(
+        redis_prefix: str) -> None:
+    """The connection breaks with steps in flight: every call in them fails as
+    unavailable, their leases are kept (they may have run), and the next call opens a
+    new connection and finishes them."""
+    scope = [Scope("key:cut", max_concurrent=100)]
+    proxy = SlowProxy(0.5)
+    async with proxy as url:
+        lim = RedisLimiter(url, prefix=redis_prefix, timeout_s=10.0, retry_interval_s=0.0)
+        assert (await lim.acquire([Scope("warm")], 0)).allowed
+        calls = [asyncio.create_task(lim.acquire(scope, 1)) for _ in range(10)]
+        await asyncio.sleep(0.05)  # sent, held by the proxy
+        proxy.cut()
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(o, LimiterUnavailableError) for o in outcomes)
+        assert len(lim._unfinished) == 10 and lim.down_since is not None
+        d = await lim.acquire(scope, 1)  # a new connection through the proxy
+        assert d.allowed and lim.down_since is None
+        await until_true(lambda: not lim._unfinished)
+        fast = RedisLimiter(REDIS_URL, prefix=redis_prefix)
+        d2 = await fast.acquire(scope, 0)
+        assert d2.states[0].requests_used == 2  # the held calls never reached Redis
+        await lim.close()
+        await fast.close()
+
+
+async def until_true(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)

@@ -19,7 +19,10 @@ request runs in **one Lua script**. Redis runs a script atomically (no other com
 interleaves), so there is no read-modify-write race between replicas, and time comes
 from the Redis server (`TIME`), so replica clock skew cannot stretch a window. All
 scopes are checked before any is charged: a request refused by its tenant does not use
-up its key's quota. `LocalLimiter` is the same algorithm in one process under a lock.
+up its key's quota. Calls are batched into steps (`redis_steps.py`: one script call
+carries every acquire and finish that arrived meanwhile, applied in arrival order), so
+a replica pays one round trip per step, not per call. `LocalLimiter` is the same
+algorithm in one process under a lock.
 
 If Redis fails, `RedisLimiter` raises `LimiterUnavailableError`; the middleware
 decides (fail closed: 503; fail open: admit and count the error). A request that ends
@@ -30,7 +33,7 @@ tests/reliability/test_stores.py).
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import logging
 import math
 import threading
@@ -42,6 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sluice.gateway.redis_steps import RedisSteps
 from sluice.protocol.errors import ServiceUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -274,18 +278,33 @@ class LocalLimiter(Limiter):
 
 # -- shared through Redis ---------------------------------------------------------------
 
-# KEYS: 4 per scope (requests zset, tokens zset, token amounts hash + "__sum", in-flight zset)
-# ARGV: rid, need, window, lease, then rpm, tpm, max_concurrent per scope (-1 = unlimited)
-# Returns: {allowed, retry_after, reason, then per scope: requests, req_reset, tokens, tok_reset}
-_ACQUIRE_LUA = """
+# One step (redis_steps.py): ARGV[1] is JSON {prefix, window, lease, ops}; ops run in
+# order, all at one `now`:
+#   ["a", rid, need, [[scope, rpm, tpm, max_concurrent], ...]]   (-1 = unlimited)
+#       -> [allowed, retry_after, reason, [requests, req_reset, tokens, tok_reset] per scope]
+#   ["f", rid, reserved, actual, [scope, ...]]                    -> 1
+# Keys per scope: <prefix><scope>:req (zset), :tok (zset), :amt (hash + "__sum"), :conc
+# (zset of lease expiries). They are named in the JSON, not KEYS: a step touches the
+# scopes of many requests (one Redis, not a cluster; the old per-call script's keys
+# spanned slots too).
+_STEP_LUA = """
+local step = cjson.decode(ARGV[1])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local rid, need = ARGV[1], tonumber(ARGV[2])
-local window, lease = tonumber(ARGV[3]), tonumber(ARGV[4])
-local n = #KEYS / 4
+local window, lease, prefix = step.window, step.lease, step.prefix
 local cutoff = now - window
+local ttl = math.ceil(window * 1000) + 1000
+local purged = {}
 
-local function purge(req, tok, amt, conc)
+local function keys(scope)
+  local p = prefix .. scope
+  return p .. ':req', p .. ':tok', p .. ':amt', p .. ':conc'
+end
+
+local function purge(scope)
+  if purged[scope] then return end  -- one `now` per step: once is enough
+  purged[scope] = true
+  local req, tok, amt, conc = keys(scope)
   redis.call('ZREMRANGEBYSCORE', req, '-inf', cutoff)
   while true do
     local old = redis.call('ZRANGEBYSCORE', tok, '-inf', cutoff, 'LIMIT', 0, 500)
@@ -300,7 +319,7 @@ local function purge(req, tok, amt, conc)
   redis.call('ZREMRANGEBYSCORE', conc, '-inf', now)
 end
 
-local function tokens_retry(tok, amt, used, limit)
+local function tokens_retry(tok, amt, used, need, limit)
   -- bounded scan (only on refusal): past 2000 entries, answer the full window
   local entries = redis.call('ZRANGE', tok, 0, 1999, 'WITHSCORES')
   local freed = 0
@@ -317,88 +336,88 @@ local function newest(z)
   return tonumber(last[2]) + window - now
 end
 
-local reason, retry = '', 0
-local counts = {}
-for i = 0, n - 1 do
-  local req, tok, amt, conc = KEYS[4*i+1], KEYS[4*i+2], KEYS[4*i+3], KEYS[4*i+4]
-  local rpm, tpm, maxc = tonumber(ARGV[5+3*i]), tonumber(ARGV[6+3*i]), tonumber(ARGV[7+3*i])
-  purge(req, tok, amt, conc)
-  local rc = redis.call('ZCARD', req)
-  local tu = tonumber(redis.call('HGET', amt, '__sum') or '0')
-  local why, r = '', 0
-  if rpm >= 0 and rc + 1 > rpm then
-    why = 'requests'
-    local first = redis.call('ZRANGE', req, 0, 0, 'WITHSCORES')
-    r = window
-    if #first > 0 then r = tonumber(first[2]) + window - now end
-  elseif tpm >= 0 and need > tpm then
-    why, r = 'too_large', window
-  elseif tpm >= 0 and tu + need > tpm then
-    why, r = 'tokens', tokens_retry(tok, amt, tu, tpm)
-  elseif maxc >= 0 and redis.call('ZCARD', conc) + 1 > maxc then
-    why, r = 'concurrency', 1
+local function acquire(rid, need, scopes)
+  local reason, retry, counts = '', 0, {}
+  for i, s in ipairs(scopes) do
+    local req, tok, amt, conc = keys(s[1])
+    local rpm, tpm, maxc = s[2], s[3], s[4]
+    purge(s[1])
+    local rc = redis.call('ZCARD', req)
+    local tu = tonumber(redis.call('HGET', amt, '__sum') or '0')
+    local why, r = '', 0
+    if rpm >= 0 and rc + 1 > rpm then
+      why = 'requests'
+      local first = redis.call('ZRANGE', req, 0, 0, 'WITHSCORES')
+      r = window
+      if #first > 0 then r = tonumber(first[2]) + window - now end
+    elseif tpm >= 0 and need > tpm then
+      why, r = 'too_large', window
+    elseif tpm >= 0 and tu + need > tpm then
+      why, r = 'tokens', tokens_retry(tok, amt, tu, need, tpm)
+    elseif maxc >= 0 and redis.call('ZCARD', conc) + 1 > maxc then
+      why, r = 'concurrency', 1
+    end
+    if why ~= '' then
+      if reason == '' then reason = why end
+      if r > retry then retry = r end
+    end
+    counts[i] = {rc, tu}
   end
-  if why ~= '' then
-    if reason == '' then reason = why end
-    if r > retry then retry = r end
+  local allowed = 0
+  if reason == '' then
+    allowed = 1
+    for i, s in ipairs(scopes) do
+      local req, tok, amt, conc = keys(s[1])
+      redis.call('ZADD', req, now, rid)
+      redis.call('ZADD', tok, now, rid)
+      redis.call('HSET', amt, rid, need)
+      redis.call('HINCRBY', amt, '__sum', need)
+      redis.call('ZADD', conc, now + lease, rid)
+      redis.call('PEXPIRE', req, ttl)
+      redis.call('PEXPIRE', tok, ttl)
+      redis.call('PEXPIRE', amt, ttl)
+      redis.call('PEXPIRE', conc, math.ceil(lease * 1000))
+      counts[i] = {counts[i][1] + 1, counts[i][2] + need}
+    end
   end
-  counts[i] = {rc, tu}
+  local states = {}
+  for i, s in ipairs(scopes) do
+    local req, tok = keys(s[1])
+    states[i] = {counts[i][1], newest(req), counts[i][2], newest(tok)}
+  end
+  return {allowed, retry, reason, states}
 end
 
-local allowed = 0
-if reason == '' then
-  allowed = 1
-  local ttl = math.ceil(window * 1000) + 1000
-  for i = 0, n - 1 do
-    local req, tok, amt, conc = KEYS[4*i+1], KEYS[4*i+2], KEYS[4*i+3], KEYS[4*i+4]
-    redis.call('ZADD', req, now, rid)
-    redis.call('ZADD', tok, now, rid)
-    redis.call('HSET', amt, rid, need)
-    redis.call('HINCRBY', amt, '__sum', need)
-    redis.call('ZADD', conc, now + lease, rid)
-    redis.call('PEXPIRE', req, ttl)
-    redis.call('PEXPIRE', tok, ttl)
-    redis.call('PEXPIRE', amt, ttl)
-    redis.call('PEXPIRE', conc, math.ceil(lease * 1000))
-    counts[i] = {counts[i][1] + 1, counts[i][2] + need}
+local function finish(rid, reserved, actual, scopes)
+  for _, scope in ipairs(scopes) do
+    local _, tok, amt, conc = keys(scope)
+    redis.call('ZREM', conc, rid)
+    local ts = redis.call('ZSCORE', tok, rid)
+    local old = redis.call('HGET', amt, rid)
+    if ts and old and tonumber(ts) > cutoff then
+      redis.call('HSET', amt, rid, actual)
+      redis.call('HINCRBY', amt, '__sum', actual - tonumber(old))
+    elseif actual > reserved then
+      local late = rid .. ':late'
+      redis.call('ZADD', tok, now, late)
+      redis.call('HSET', amt, late, actual - reserved)
+      redis.call('HINCRBY', amt, '__sum', actual - reserved)
+      redis.call('PEXPIRE', tok, ttl)
+      redis.call('PEXPIRE', amt, ttl)
+    end
   end
+  return 1
 end
 
-local out = {allowed, tostring(retry), reason}
-for i = 0, n - 1 do
-  local req, tok = KEYS[4*i+1], KEYS[4*i+2]
-  table.insert(out, counts[i][1])
-  table.insert(out, tostring(newest(req)))
-  table.insert(out, counts[i][2])
-  table.insert(out, tostring(newest(tok)))
-end
-return out
-"""
-
-# KEYS: 3 per scope (tokens zset, amounts hash, in-flight zset); ARGV: rid, reserved, actual, window
-_FINISH_LUA = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local rid, reserved, actual = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local window = tonumber(ARGV[4])
-for i = 0, #KEYS / 3 - 1 do
-  local tok, amt, conc = KEYS[3*i+1], KEYS[3*i+2], KEYS[3*i+3]
-  redis.call('ZREM', conc, rid)
-  local ts = redis.call('ZSCORE', tok, rid)
-  local old = redis.call('HGET', amt, rid)
-  if ts and old and tonumber(ts) > now - window then
-    redis.call('HSET', amt, rid, actual)
-    redis.call('HINCRBY', amt, '__sum', actual - tonumber(old))
-  elseif actual > reserved then
-    local late = rid .. ':late'
-    redis.call('ZADD', tok, now, late)
-    redis.call('HSET', amt, late, actual - reserved)
-    redis.call('HINCRBY', amt, '__sum', actual - reserved)
-    redis.call('PEXPIRE', tok, math.ceil(window * 1000) + 1000)
-    redis.call('PEXPIRE', amt, math.ceil(window * 1000) + 1000)
+local out = {}
+for i, op in ipairs(step.ops) do
+  if op[1] == 'a' then
+    out[i] = acquire(op[2], op[3], op[4])
+  else
+    out[i] = finish(op[2], op[3], op[4], op[5])
   end
 end
-return 1
+return cjson.encode(out)
 """
 
 
@@ -409,14 +428,19 @@ def _limit_arg(value: int | None) -> int:
 class RedisLimiter(Limiter):
     """The sliding-window log in Redis, shared by every gateway replica.
 
-    Owns one `redis.asyncio.Redis` client (injected or built from `url`). Keys are
+    Calls go to Redis in steps (`redis_steps.RedisSteps`: one script call carries every
+    acquire and finish that arrived meanwhile, on one connection, at most two steps in
+    flight); each call is still checked atomically, in arrival order. Keys are
     `<prefix><scope>:{req,tok,amt,conc}`; each expires on its own when idle.
+
+    A caller cancelled while its acquire is in flight (client gone, shutdown) does not
+    keep the slot it may have been given: the step still runs, and if it admitted the
+    request the limiter finishes the lease itself (tokens as reserved).
     """
 
-    def __init__(self, url: str | None = None, *, client: object | None = None,
-                 prefix: str = "sluice:rl:", window_s: float = 60.0,
-                 lease_s: float = 3600.0, timeout_s: float = 1.0,
-                 retry_interval_s: float = 1.0, max_connections: int = 64,
+    def __init__(self, url: str | None = None, *, prefix: str = "sluice:rl:",
+                 window_s: float = 60.0, lease_s: float = 3600.0, timeout_s: float = 1.0,
+                 retry_interval_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         import redis.asyncio as aioredis
 
@@ -428,117 +452,119 @@ class RedisLimiter(Limiter):
         self.window_s = window_s
         self.lease_s = lease_s
         self.prefix = prefix
-        # A blocking pool: a burst waits for a free connection instead of failing with
-        # "Too many connections" (which would read as Redis being down).
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url or "redis://127.0.0.1:6379/0", max_connections=max_connections, timeout=10,
-            socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        self.client = client or aioredis.Redis.from_pool(pool)
-        self._acquire_script = self.client.register_script(_ACQUIRE_LUA)  # type: ignore[attr-defined]
-        self._finish_script = self.client.register_script(_FINISH_LUA)  # type: ignore[attr-defined]
-
-    def _keys(self, scope: Scope, kinds: Sequence[str]) -> list[str]:
-        return [f"{self.prefix}{scope.name}:{kind}" for kind in kinds]
+        pool = aioredis.ConnectionPool.from_url(
+            url or "redis://127.0.0.1:6379/0", socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s)
+        self.steps = RedisSteps(pool, _STEP_LUA,
+                                {"prefix": prefix, "window": window_s, "lease": lease_s},
+                                on_step=self._after_step, error=_unavailable)
 
     async def acquire(self, scopes: Sequence[Scope], tokens: int) -> Decision:
         scopes = tuple(scopes)
-        rid = _new_request_id()
-        keys = [k for s in scopes for k in self._keys(s, ("req", "tok", "amt", "conc"))]
-        args: list[object] = [rid, tokens, self.window_s, self.lease_s]
-        for s in scopes:
-            args += [_limit_arg(s.rpm), _limit_arg(s.tpm), _limit_arg(s.max_concurrent)]
+        lease = Lease(_new_request_id(), scopes, tokens)
+        limits = [[s.name, _limit_arg(s.rpm), _limit_arg(s.tpm), _limit_arg(s.max_concurrent)]
+                  for s in scopes]
         try:
-            raw = await self._call(self._acquire_script, keys, args)
+            future = self._submit(["a", lease.request_id, tokens, limits])
         except _NotTried:
             raise
+        try:
+            answer = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # the step runs without its caller: give back what it may admit
+            future.add_done_callback(lambda done: self._abandoned(lease, done))
+            raise
         except LimiterUnavailableError:
-            # the script may have run before the connection broke, taking a slot nobody
+            # the step may have run before the connection broke, taking a slot nobody
             # will free: finish it once Redis answers (with actual == reserved a finish
             # only removes the slot, if there is one; found by tests/reliability)
-            if len(self._unfinished) < MAX_UNFINISHED:
-                self._unfinished.append((Lease(rid, scopes, tokens), tokens))
+            self._keep(lease, tokens)
             raise
-        if self._unfinished:
-            with contextlib.suppress(LimiterUnavailableError):
-                await self._finish_unfinished()
-        allowed, retry, reason = int(raw[0]), float(raw[1]), _text(raw[2])
-        states = tuple(
-            ScopeState(int(raw[3 + 4 * i]), float(raw[4 + 4 * i]), int(raw[5 + 4 * i]),
-                       float(raw[6 + 4 * i]))
-            for i in range(len(scopes)))
+        self._finish_unfinished()
+        allowed, retry, reason, states = answer
+        decided = tuple(ScopeState(int(st[0]), float(st[1]), int(st[2]), float(st[3]))
+                        for st in states)
         if not allowed:
-            return Decision(False, reason, retry, scopes, states)
-        return Decision(True, None, 0.0, scopes, states, Lease(rid, scopes, tokens))
+            return Decision(False, reason, float(retry), scopes, decided)
+        return Decision(True, None, 0.0, scopes, decided, lease)
+
+    def _abandoned(self, lease: Lease, done: asyncio.Future[Any]) -> None:
+        """An acquire whose caller left: free the slot if the step admitted it (or may
+        have: the step failed)."""
+        if done.cancelled():
+            return
+        if done.exception() is not None:
+            self._keep(lease, lease.reserved_tokens)
+        elif done.result()[0]:
+            self._finish_later(lease, lease.reserved_tokens)
 
     async def finish(self, lease: Lease, actual_tokens: int) -> None:
         """Reconcile tokens and free the slot. If Redis is unreachable the lease is kept
         (up to MAX_UNFINISHED) and finished once Redis answers again, so an outage does
-        not hold concurrency slots for the whole lease; the error is still raised."""
+        not hold concurrency slots for the whole lease; the error is still raised. The
+        finish is applied even if the caller is cancelled meanwhile."""
         try:
-            await self._finish(lease, actual_tokens)
+            future = self._finish_later(lease, actual_tokens)
         except LimiterUnavailableError:
-            if len(self._unfinished) < MAX_UNFINISHED:
-                self._unfinished.append((lease, actual_tokens))
+            self._keep(lease, actual_tokens)
             raise
-        if self._unfinished:
-            with contextlib.suppress(LimiterUnavailableError):
-                await self._finish_unfinished()
+        await asyncio.shield(future)
+        self._finish_unfinished()
 
-    async def _finish(self, lease: Lease, actual_tokens: int) -> None:
-        keys = [k for s in lease.scopes for k in self._keys(s, ("tok", "amt", "conc"))]
-        args = [lease.request_id, lease.reserved_tokens, actual_tokens, self.window_s]
-        await self._call(self._finish_script, keys, args)
+    def _finish_later(self, lease: Lease, actual_tokens: int) -> asyncio.Future[Any]:
+        """Submit the finish; if its step fails, the lease is kept for after the outage."""
+        future = self._submit(["f", lease.request_id, lease.reserved_tokens, actual_tokens,
+                               [s.name for s in lease.scopes]])
+        future.add_done_callback(lambda done: self._kept_if_failed(lease, actual_tokens, done))
+        return future
 
-    async def _finish_unfinished(self) -> None:
-        """Finish the leases an outage left (the finish script is idempotent: a slot is
-        removed by id, tokens set to the actual count). The list is taken whole, so
-        concurrent callers never finish one lease twice; if Redis fails again, what is
-        left goes back and the error is raised."""
+    def _kept_if_failed(self, lease: Lease, actual_tokens: int,
+                        done: asyncio.Future[Any]) -> None:
+        if not done.cancelled() and done.exception() is not None:
+            self._keep(lease, actual_tokens)
+
+    def _keep(self, lease: Lease, actual_tokens: int) -> None:
+        if len(self._unfinished) < MAX_UNFINISHED:
+            self._unfinished.append((lease, actual_tokens))
+
+    def _finish_unfinished(self) -> None:
+        """Finish the leases an outage left (the finish is idempotent: a slot is removed
+        by id, tokens set to the actual count); they join the next step. The list is
+        taken whole, so no lease is finished twice; one whose step fails is kept again."""
+        if not self._unfinished:
+            return
         pending, self._unfinished = self._unfinished, []
         for i, (lease, actual_tokens) in enumerate(pending):
             try:
-                await self._finish(lease, actual_tokens)
+                self._finish_later(lease, actual_tokens)
             except LimiterUnavailableError:
                 self._unfinished.extend(pending[i:])
-                raise
+                return
 
-    async def _call(self, script: object, keys: list[str], args: list[object]) -> list[Any]:
-        """Run a script; while Redis is down, try it at most once per `retry_interval_s`
-        (other calls fail at once instead of each waiting out a connect timeout)."""
-        from redis.exceptions import RedisError
-
-        now = self.clock()
-        if self.down_since is not None and now < self._next_try:
+    def _submit(self, op: list[Any]) -> asyncio.Future[Any]:
+        """Queue one op for the next step; while Redis is down, let ops through at most
+        once per `retry_interval_s` (others fail at once instead of each waiting out a
+        connect timeout). The future fails with `LimiterUnavailableError`."""
+        if self.down_since is not None and self.clock() < self._next_try:
             raise _NotTried("rate limiter store unreachable (retrying shortly)")
-        try:
-            result = await script(keys=keys, args=args)  # type: ignore[operator]
-        except (RedisError, OSError, TimeoutError) as exc:
+        if self.down_since is not None:
+            self._next_try = self.clock() + self.retry_interval_s  # this one is the try
+        return self.steps.submit(op)
+
+    def _after_step(self, error: BaseException | None) -> None:
+        now = self.clock()
+        if error is not None:
             if self.down_since is None:
                 self.down_since = now
-                logger.error("rate limiter: Redis unreachable: %s", exc)
+                logger.error("rate limiter: Redis unreachable: %s", error)
             self._next_try = now + self.retry_interval_s
-            await self._drop_idle_connections()
-            raise LimiterUnavailableError(f"rate limiter store unreachable: {exc}") from exc
-        if self.down_since is not None:
-            logger.warning("rate limiter: Redis back after %.1f s",
-                           self.clock() - self.down_since)
+        elif self.down_since is not None:
+            logger.warning("rate limiter: Redis back after %.1f s", now - self.down_since)
             self.down_since = None
-        return result  # type: ignore[no-any-return]
-
-    async def _drop_idle_connections(self) -> None:
-        """Close the pool's idle connections: they died with Redis (or the network), but
-        while it is down calls are gated and never use them, so after the restore each
-        would fail one try (a second apart) before being replaced: 503s for seconds
-        after Redis was back (found by tests/reliability/test_stores.py)."""
-        pool = getattr(self.client, "connection_pool", None)
-        if pool is not None:
-            with contextlib.suppress(Exception):
-                await pool.disconnect(inuse_connections=False)
 
     async def close(self) -> None:
-        await self.client.aclose()  # type: ignore[attr-defined]
+        await self.steps.close()
 
 
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
+def _unavailable(exc: BaseException) -> Exception:
+    return LimiterUnavailableError(f"rate limiter store unreachable: {exc}")
