@@ -313,6 +313,19 @@ def test_cli_loads_a_profile_file(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert math.isclose(doc["config"]["profile"]["s_per_token"], 0.01)
 
 
+def test_cli_speedup_divides_the_profiles_step_times(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"name": "slow", "s_per_token": 0.01, "step_overhead_s": 0.0,
+                                "s_per_seq": 0.0, "s_per_kpair": 0.0}))
+    assert main(["sim", "--num-prompts", "1", "--input-len", "50", "--output-len", "1",
+                 "--workers", "1", "--profile", str(prof), "--speedup", "10"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["results"][0]["p50_ttft_ms"] == pytest.approx(50.0)
+    assert main(["sim", "--num-prompts", "1", "--speedup", "0"]) == 2
+    assert "--speedup" in capsys.readouterr().err
+
+
 def test_same_seed_same_result_across_processes(tmp_path: Path) -> None:
     """Nothing depends on Python's per-process string hashing (set order, hash())."""
     import os

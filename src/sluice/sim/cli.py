@@ -93,6 +93,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="passed to the policy (numbers), e.g. prefix_weight=3")
     c.add_argument("--profile", default=None, help="step-time profile JSON (default: "
                    "$SLUICE_HOME/sim-profile.json if present, else built-in)")
+    c.add_argument("--speedup", type=float, default=1.0,
+                   help="divide the profile's step times by this: a device this many times "
+                   "faster (e.g. 100 gives the CPU profile's 15k-token prefill ~2 s, the "
+                   "order of an 8B model on one datacenter GPU; docs/sim.md) (default 1)")
     c.add_argument("--block-size", type=int, default=None, help="override the profile's")
     c.add_argument("--num-kv-blocks", type=int, default=None, help="override the profile's")
     c.add_argument("--max-num-seqs", type=int, default=None, help="override the profile's")

@@ -65,7 +65,12 @@ def resolve_profile(path: str | None, default_path: str) -> StepProfile:
 
 def profile_from_args(args: argparse.Namespace, default_path: str) -> StepProfile:
     overhead = args.request_overhead_ms
-    return resolve_profile(args.profile, default_path).with_overrides(
+    if not args.speedup > 0:
+        raise InvalidRequestError("--speedup must be > 0", param="speedup")
+    profile = resolve_profile(args.profile, default_path)
+    if args.speedup != 1:
+        profile = profile.faster(args.speedup)
+    return profile.with_overrides(
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         request_overhead_s=None if overhead is None else overhead / 1000.0,
