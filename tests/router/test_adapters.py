@@ -148,9 +148,11 @@ async def test_zipf_mix_does_not_thrash() -> None:
         assert counts.loads_by_adapter["lora0"] <= 2 and counts.loads_by_adapter["lora1"] <= 3
         # 8 adapters for 6 slots: the tail rotates through the free slot, but a load is
         # rare: an engine's LRU behind round robin reads weights on ~60% of requests, this
-        # at most a quarter of that (about 10% on an idle machine; 12% seen in a CI run
-        # beside other jobs, where requests are held longer and tail adapters overlap more);
-        assert counts.total_loads() <= 0.15 * len(mix), counts.loads_by_adapter
+        # at most a third of that. The tail shares its slots (a tail request takes an idle
+        # tail copy rather than wait for its own kind to go idle): 11.7-15.8% of requests
+        # in 58 runs of this body on a 2-core host, against 10.4-12.9% in 42 runs when the
+        # tail waited (docs/router.md, "The tail shares its slots");
+        assert counts.total_loads() <= 0.20 * len(mix), counts.loads_by_adapter
         # a burst found no free slot: over the slots only until those adapters are idle;
         # the router's view and the workers' own (an unload is on its way a moment after
         # the router counts it gone)
@@ -243,6 +245,25 @@ def test_a_request_with_no_holder_waits_rather_than_evict_a_more_used_copy() -> 
     adapters.inflight[("a", "lora0")] = adapters.inflight[("b", "lora0")] = 1
     load = adapters._target("lora6", ["a", "b", "c"], [], seconds, patient=False)
     assert load is not None and (load.url, load.victim, load.drain) == ("a", "lora4", True)
+
+
+def test_a_tail_request_takes_an_idle_tail_copy_more_used_than_its_own() -> None:
+    """lora6 (4.7%) has no holder; 6 slots, so one slot's worth is 1/6 (17%) and the tail
+    is below 17% - 2.5%. The only idle copies are on b: lora3 (8.7%, a step more used
+    than lora6) and lora1 (19%). While the request may wait, it takes lora3's copy: a
+    tail adapter shares its slot with the rest of the tail rather than keep a request
+    waiting for another tail copy to go idle. lora1 is hot: busy lora3, the request waits
+    (`over`) rather than take lora1's only copy."""
+    adapters = placed({"a": ["lora0", "lora4"], "b": ["lora1", "lora3"],
+                       "c": ["lora0", "lora2"]})
+    for key in (("a", "lora0"), ("a", "lora4"), ("c", "lora0"), ("c", "lora2")):
+        adapters.inflight[key] = 1
+    seconds = {"a": 0.1, "b": 0.2, "c": 0.1}
+    load = adapters._target("lora6", ["a", "b", "c"], [], seconds, patient=True)
+    assert load is not None and (load.url, load.victim, load.over) == ("b", "lora3", False)
+    adapters.inflight[("b", "lora3")] = 1
+    load = adapters._target("lora6", ["a", "b", "c"], [], seconds, patient=True)
+    assert load is not None and (load.victim, load.over) == (None, True)
 
 
 async def test_a_drained_copy_takes_no_requests_and_is_unloaded_once_idle() -> None:

@@ -14,7 +14,8 @@ was loaded over HTTP (vLLM RFC #12174). Here the router owns placement:
                  coolest worker first, then the cheapest (hot adapters never pile up)
       none     -> load A on the coolest, cheapest worker with a free slot (else evict the
                   copy worth least in the pool, an extra replica first; never one with a
-                  request in flight or placed, nor one of an adapter more used than A),
+                  request in flight or placed, nor one of an adapter more used than A
+                  unless it is in the tail: share < 1/slots of the pool - HEAT_STEP/2),
                   wait, go; no such copy: wait for one to go idle (up to ROOM_WAITS x
                   MIN_IDLE_S), then evict any idle copy as above, else drain the copy
                   worth least (no new requests; unloaded once its requests end) rather
@@ -54,8 +55,10 @@ the last copy of an adapter is evicted only for a request that finds no holder a
 or for a hot adapter's copy when it is rarely used; the copy evicted is the one worth
 least (plain LRU evicts a busy adapter's only copy that happened to be idle a moment);
 a request does not evict a copy more used than its own adapter while it may still wait
-for another; no worker is pushed over its slots (its engine would read weights on
-every other request, and while its adapters stay busy none is ever idle to trim).
+for another (unless that adapter is in the tail: the tail's adapters, each well under one
+slot's worth of requests, share the slots the hot ones leave); no worker is pushed over
+its slots (its engine would read weights on every other request, and while its adapters
+stay busy none is ever idle to trim).
 `load_s` starts at the configured prior and learns the measured load durations.
 
 State is touched only on the event loop; a load in progress is one shared future per
@@ -402,14 +405,17 @@ class Adapters:
         cheapest worker with a free slot, else where the pool's evictable copy worth
         least is (`_worth`; an extra replica past its residency first), else the coolest
         (over capacity). `patient`: no copy of an adapter more used than `model` (in
-        HEAT_STEP steps) is evicted, and no worker goes over its slots: the load is `over`
-        instead (the request waits for such a copy to go idle: a hot adapter's extra
-        replica idle a moment is not given to the tail, to be taken back a moment later).
+        HEAT_STEP steps) is evicted unless that adapter is in the tail (`_tail`: an idle
+        tail copy is taken, however its share compares with `model`'s), and no worker
+        goes over its slots: the load is `over` instead (the request waits for such a
+        copy to go idle: a hot adapter's extra replica idle a moment is not given to the
+        tail, to be taken back a moment later).
         Not `patient` (waited long enough): the copy worth least, busy or not, of an
         adapter no more used than `model` first, is drained (`_drain`) for it."""
         heat, worth, steps = self._heat(model), self._worth(), self._steps()
         ordered = sorted(urls, key=lambda u: (heat(u), seconds[u]))
         most = steps(model) if patient else math.inf
+        tail = self._tail(urls)
         for extra_only in (True, False):
             rooms = [(url, self._room(url, extra_only=extra_only, residency=extra_only))
                      for url in ordered]
@@ -419,7 +425,7 @@ class Adapters:
             # the copy that serves least in the pool goes, wherever it is (a worker's own
             # least-worth copy may be a busy adapter's only one)
             victims = [(worth(v), i, url, v) for i, (url, v) in enumerate(rooms)
-                       if isinstance(v, str) and steps(v) <= most]
+                       if isinstance(v, str) and (steps(v) <= most or tail(v))]
             if victims:
                 _, _, url, victim = min(victims)
                 return _Load(self, url, model, victim, "demand")
@@ -468,6 +474,16 @@ class Adapters:
         """Adapter -> its share of recent requests, in steps of HEAT_STEP."""
         shares = self.shares()
         return lambda name: round(shares.get(name, 0.0) / HEAT_STEP)
+
+    def _tail(self, urls: list[str]) -> Callable[[str], bool]:
+        """Adapter -> whether it is in the tail: its share of recent requests is under one
+        slot's worth of `urls` (1 / their slots) by more than half a HEAT_STEP. The tail's
+        adapters share the slots the hot ones leave: a tail request that waited for an
+        idle copy of one only a step more used than its own waited for a slot that serves
+        no more than it would (`_place`)."""
+        shares = self.shares()
+        below = 1 / max(1, sum(self._capacity(u) for u in urls)) - HEAT_STEP / 2
+        return lambda name: shares.get(name, 0.0) < below
 
     def _capacity(self, url: str) -> int:
         if self.placement.adapters_per_worker is not None:
