@@ -464,10 +464,8 @@ class RedisLimiter(Limiter):
         lease = Lease(_new_request_id(), scopes, tokens)
         limits = [[s.name, _limit_arg(s.rpm), _limit_arg(s.tpm), _limit_arg(s.max_concurrent)]
                   for s in scopes]
-        try:
-            future = self._submit(["a", lease.request_id, tokens, limits])
-        except _NotTried:
-            raise
+        # between retries while Redis is down this raises _NotTried: nothing sent, nothing kept
+        future = self._submit(["a", lease.request_id, tokens, limits])
         try:
             answer = await asyncio.shield(future)
         except asyncio.CancelledError:
