@@ -10,8 +10,8 @@ default and PostgreSQL when given a URL. Two properties matter for exactness:
   insert skips a record already there (`ON CONFLICT DO NOTHING`), and only the rows it
   inserted add to spend, each once (also a record that appears twice in one batch).
   On PostgreSQL the batch is one constant statement over column arrays (`unnest`), so
-  it is prepared once per connection instead of parsed per batch. A commit whose reply was lost (the connection broke during
-  `COMMIT`) may or may not have been applied; `LedgerWriter` writes the batch again
+  it is prepared once per connection instead of parsed per batch. A commit whose reply
+  was lost (the connection broke during `COMMIT`) may or may not have been applied; `LedgerWriter` writes the batch again
   and neither the row nor its cost is counted twice;
 * a budget holds under concurrency: admission reserves a request's worst-case cost
   with one conditional UPDATE (`reserve_spend`: reserved += cost only where
@@ -365,29 +365,26 @@ def _key_settings(text: str) -> KeySettings:
     return KeySettings(**data)
 
 
-# The ledger's columns, each with the PostgreSQL array type its values travel in.
-_USAGE_COLUMNS = {
-    "request_id": "text", "ts": "float8", "tenant_id": "text", "key_id": "text",
-    "endpoint": "text", "model": "text", "status": "text", "http_status": "int4",
-    "prompt_tokens": "int4", "completion_tokens": "int4", "cost_usd": "float8",
-    "latency_ms": "float8", "request_body": "text", "response_body": "text",
-    "record_id": "text"}
-
-
-def _unnest_insert(engine: sa.Engine, usage: sa.Table) -> str | None:
+def _unnest_insert(engine: sa.Engine, usage: sa.Table) -> tuple[str, list[str]] | None:
     """PostgreSQL's batch insert as one constant statement: one array parameter per
     column, unnested into rows in batch order. The multi-row VALUES statement it replaces
     had a different text for every batch size, so psycopg split and the server parsed
     and planned it per batch (20% of the commit thread's samples under load); this text
-    never changes, so psycopg prepares it once per connection. None on SQLite."""
+    never changes, so psycopg prepares it once per connection. Returns the statement and
+    its columns (the table's, but its own `seq`); None on SQLite. Strings travel as
+    `text[]`: a cast to `varchar(n)[]` would cut a long value where the insert refuses it."""
     if engine.dialect.name != "postgresql":
         return None
+    columns = [c for c in usage.columns if not c.primary_key]
     quote = engine.dialect.identifier_preparer.quote
-    names = ", ".join(quote(name) for name in _USAGE_COLUMNS)
-    arrays = ", ".join(f"%({name})s::{kind}[]" for name, kind in _USAGE_COLUMNS.items())
+    names = ", ".join(quote(c.name) for c in columns)
+    arrays = ", ".join(
+        f"%({c.name})s::{'text' if isinstance(c.type, sa.String) else c.type.compile(engine.dialect)}[]"
+        for c in columns)
     return (f"INSERT INTO {quote(usage.name)} ({names}) "
             f"SELECT {names} FROM unnest({arrays}) WITH ORDINALITY AS batch({names}, n) "
-            f"ORDER BY n ON CONFLICT DO NOTHING RETURNING record_id")
+            f"ORDER BY n ON CONFLICT DO NOTHING RETURNING record_id",
+            [c.name for c in columns])
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -705,8 +702,9 @@ class SQLStore(Store):
         if not records:
             return set()
         if self._insert_unnest is not None:
-            columns = {name: [getattr(r, name) for r in records] for name in _USAGE_COLUMNS}
-            return {row[0] for row in conn.exec_driver_sql(self._insert_unnest, columns)}
+            statement, names = self._insert_unnest
+            columns = {name: [getattr(r, name) for r in records] for name in names}
+            return {row[0] for row in conn.exec_driver_sql(statement, columns)}
         return set(conn.execute(self._insert_usage, [asdict(r) for r in records]).scalars())
 
     def query_usage(self, query: UsageQuery) -> list[UsageRecord]:
