@@ -33,12 +33,12 @@ from typing import Any
 
 from sluice.bench.metrics import parse_slos
 from sluice.bench.workloads import WorkloadConfig
-from sluice.control.planner import SLO, PlannerConfig
+from sluice.control.planner import PlannerConfig
 from sluice.sim.cli import default_profile_path
 from sluice.sim.cluster import SimConfig, Simulation
 from sluice.sim.planner import ReplicaPlanner, make_planner
 from sluice.sim.router import RouterSimConfig
-from sluice.sim.run import resolve_profile
+from sluice.sim.run import planner_slo, resolve_profile
 from sluice.sim.workload import trace_sessions
 
 POLICIES = ["cost", "kv", "prefix", "least_load", "session", "round_robin"]
@@ -80,12 +80,9 @@ def one(cfg: SimConfig, sessions: list[Any], planner: ReplicaPlanner | None = No
 
 def autoscaled(cfg: SimConfig, sessions: list[Any], policy: str, most: int,
                slos: dict[str, float]) -> dict[str, Any]:
-    """The production planner (`policy`) between 1 and `most` workers, its SLO `--slo`'s
-    ttft and tpot (a request's TPOT is its mean ITL, the planner's target)."""
-    default = SLO()
+    """The production planner (`policy`) between 1 and `most` workers, its SLO `--slo`'s."""
     planning = PlannerConfig(policy=policy, min_replicas=1, max_replicas=most,
-                             slo=SLO(ttft_s=slos.get("ttft", default.ttft_s),
-                                     itl_s=slos.get("tpot", default.itl_s)))
+                             slo=planner_slo(slos))
     row = one(replace(cfg, workers=1), sessions, make_planner(policy, 1, planning))
     return row | {"workers": most, "planner": policy}
 

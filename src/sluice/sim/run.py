@@ -116,11 +116,16 @@ def planner_config(args: argparse.Namespace, slos: dict[str, float]) -> PlannerC
     if None in bounds:
         raise InvalidRequestError(f"--planner {args.planner} needs --min-workers and "
                                   "--max-workers", param="min_workers")
-    default = SLO()
-    slo = SLO(ttft_s=slos.get("ttft", default.ttft_s), itl_s=slos.get("tpot", default.itl_s))
     return PlannerConfig(policy=args.planner, min_replicas=args.min_workers,
-                         max_replicas=args.max_workers, slo=slo,
+                         max_replicas=args.max_workers, slo=planner_slo(slos),
                          **scaling_options(args))
+
+
+def planner_slo(slos: dict[str, float]) -> SLO:
+    """The planner's SLO from `--slo`'s targets: ttft (p90) and tpot as the mean ITL (a
+    request's TPOT is its mean ITL); the planner's defaults for what is not given."""
+    default = SLO()
+    return SLO(ttft_s=slos.get("ttft", default.ttft_s), itl_s=slos.get("tpot", default.itl_s))
 
 
 def initial_workers(args: argparse.Namespace, planning: PlannerConfig | None) -> int:
