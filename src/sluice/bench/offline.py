@@ -71,6 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sluice's linears: dense (none), on the GGUF file's blocks "
                              "for decode rows (gguf) or on int8 weights (int8); the peer "
                              "is unchanged")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="sluice: every step through the torch model (no decode graph)")
     parser.add_argument("--no-flops", action="store_true", help="skip the matmul reference")
     parser.add_argument("--speculative-config", default=None,
                         help="sluice: speculative decoding, vLLM's JSON (benchmarks/"
@@ -405,7 +407,8 @@ def run(args: argparse.Namespace) -> int:
     progress(f"loading sluice: {args.model or 'default SmolLM2 GGUF'}, torch threads "
              f"{torch.get_num_threads()}")
     llm = LLM(args.model, max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
-              speculative_config=args.speculative_config, quantization=args.quantization)
+              speculative_config=args.speculative_config, quantization=args.quantization,
+              enforce_eager=args.enforce_eager)
     rec = StepRecorder(llm.engine.runner)
     flops = None if args.no_flops else FlopModel(llm.engine.runner.model_config,
                                                   getattr(torch, args.dtype))
@@ -421,7 +424,8 @@ def run(args: argparse.Namespace) -> int:
         results, summary = bench_random(args, llm, rec, peer, flops, output_len)
     print_table(results)
     doc = {"benchmark": "offline", "model": args.model or "default", "dtype": args.dtype,
-           "quantization": args.quantization, "workload": args.workload,
+           "quantization": args.quantization, "enforce_eager": args.enforce_eager,
+           "workload": args.workload,
            "single_stream": args.single_stream, "input_len": args.input_len,
            "output_len": output_len, "num_requests": args.num_requests,
            "results": [dict(asdict(r), tok_s=round(r.tok_s, 2)) for r in results], **summary}

@@ -35,6 +35,9 @@ class ModelConfig:
     # file's Q4_0/Q4_1/Q8_0 blocks for decode rows), "int8" (weight-only int8, one scale
     # per output row, every linear; sluice.engine.quant)
     quantization: str = "none"
+    # vLLM's name: True runs every step through the torch model; False lets decode steps
+    # run as one native call where the model allows it (sluice.engine.decode_graph)
+    enforce_eager: bool = False
     # threads for the CPU forward pass (torch.set_num_threads in the engine core); None:
     # torch's default, one per core. Engines sharing a host's cores should split them:
     # `sluice serve --workers N` does (sluice.serve.local_cpu_threads)

@@ -33,6 +33,7 @@ from sluice.engine.attention import (
     build_group,
 )
 from sluice.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
+from sluice.engine.decode_graph import DecodeGraph
 from sluice.engine.lora import (
     FUSED_PARTS,
     LoRAAdapter,
@@ -154,8 +155,9 @@ class ModelRunner:
             self.linear = with_small_rows(self.native, self.linear or F.linear)
         if self.linear is not None:
             self.model.use_linear(self.linear)
+        self.gguf_blocks: dict[str, tuple[Tensor, int]] = {}  # linears on GGUF blocks
         if mc.quantization == "gguf":
-            self._use_gguf_weights(mc)
+            self.gguf_blocks = self._use_gguf_weights(mc)
         elif mc.quantization == "int8":
             self._use_int8_weights()
         elif self.linear is not None and onednn_packing(self.dtype):
@@ -166,6 +168,9 @@ class ModelRunner:
         self.lora_slots: LoRASlots | None = None
         if config.lora.enable_lora:
             self.lora_slots = self._add_lora_slots(config.lora)
+        self.decode_graph: DecodeGraph | None = None
+        if self.gguf_blocks and not mc.enforce_eager:
+            self.decode_graph = DecodeGraph.build(self.model, self.gguf_blocks, self.native)
         self.warm_up()
 
     def _pack_weights(self) -> None:
@@ -176,7 +181,7 @@ class ModelRunner:
             if isinstance(module, Linear):
                 module.matmul = PackedLinear(module.weight, module.matmul, few)
 
-    def _use_gguf_weights(self, mc: ModelConfig) -> None:
+    def _use_gguf_weights(self, mc: ModelConfig) -> dict[str, tuple[Tensor, int]]:
         """Decode rows' linears on the GGUF file's own blocks (sluice.engine.quant)."""
         from sluice.engine.quant import use_gguf_weights
         from sluice.engine.tokenizer import local_model_path
@@ -185,7 +190,7 @@ class ModelRunner:
         if path.suffix != ".gguf":
             raise InvalidRequestError("quantization 'gguf' needs a .gguf model",
                                       param="quantization")
-        use_gguf_weights(self.model, path, self.native, self.linear or F.linear)
+        return use_gguf_weights(self.model, path, self.native, self.linear or F.linear)
 
     def _use_int8_weights(self) -> None:
         """Every linear on int8 weights with per-row scales (sluice.engine.quant)."""
@@ -267,6 +272,8 @@ class ModelRunner:
         """
         if not chunks:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        if self.decode_graph is not None and self._graph_takes(chunks):
+            return self._execute_graph(chunks)
         order = self._flat_order(chunks)
         tokens, positions, slots, last_row = self._flatten(chunks, order)
         meta = AttentionMetadata(self._tensor(slots), self._groups(chunks, order),
@@ -279,6 +286,36 @@ class ModelRunner:
         logits = self.model(self._tensor(tokens), self._tensor(positions), meta,
                             self._tensor(wanted))
         return logits.float()
+
+    def _graph_takes(self, chunks: list[SeqChunk]) -> bool:
+        """Whether the decode graph runs this step: every chunk one-query rows (decodes,
+        verifies), at most its row limit in all."""
+        assert self.decode_graph is not None
+        rows = sum(len(c.token_ids) for c in chunks)
+        return rows <= self.decode_graph.max_rows and all(self._decode_like(c) for c in chunks)
+
+    def _execute_graph(self, chunks: list[SeqChunk]) -> Tensor:
+        """`execute` through the decode graph (sluice.engine.decode_graph): rows in chunk
+        order, the logits of the rows `execute` returns."""
+        assert self.decode_graph is not None
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        wanted: list[int] = []
+        bs = self.block_size
+        for c in chunks:
+            self._check(c)
+            for j, token in enumerate(c.token_ids):
+                pos = c.start_pos + j
+                if c.need_logits and j >= len(c.token_ids) - c.num_logits:
+                    wanted.append(len(tokens))
+                tokens.append(token)
+                positions.append(pos)
+                slots.append(c.block_table[pos // bs] * bs + pos % bs)
+                tables.append(c.block_table)
+        logits = self.decode_graph.forward(tokens, positions, slots, tables)
+        return logits if len(wanted) == len(tokens) else logits[wanted]
 
     def _tensor(self, values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

@@ -13,6 +13,8 @@
 - `gguf_linear`: a linear on GGUF Q4_0 / Q4_1 / Q8_0 blocks (sluice.engine.quant).
 - `int8_linear`: a linear on int8 weights with one scale per output row
   (`--quantization int8`, sluice.engine.quant).
+- `DecodeGraph`: a whole decode step (every layer and the head) of a model whose linears
+  are all GGUF blocks, in one call (sluice.engine.decode_graph).
 - `apply_token_bitmask`: structured output's grammar mask applied to the logits word by
   word (xgrammar's own CPU kernel tests every bit: ~6 ms for 32 rows of SmolLM2's vocab).
 
@@ -43,6 +45,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +88,8 @@ class NativeOps:
     # x [M, K] float32/bfloat16, int8 weight [N, K], float32 scales [N], bias, portable
     # (the tile path, for tests) -> [M, N] (sluice.engine.quant)
     int8_linear: Callable[[Tensor, Tensor, Tensor, Tensor | None, bool], Tensor] | None = None
+    # the C++ class behind sluice.engine.decode_graph (its constructor)
+    decode_graph: Callable[..., Any] | None = None
 
 
 @functools.cache
@@ -128,7 +133,8 @@ def load_kernels() -> NativeOps:
     log.info("CPU kernels ready in %.1fs", time.perf_counter() - t0)
     return NativeOps(module.paged_decode_attention, module.fused_add_rms_norm,
                      module.silu_and_mul, module.small_rows_linear, module.apply_token_bitmask,
-                     module.lora_bgmv, module.gguf_linear, module.int8_linear)
+                     module.lora_bgmv, module.gguf_linear, module.int8_linear,
+                     module.DecodeGraph)
 
 
 def _stable_copy(name: str, source: bytes) -> Path:

@@ -96,8 +96,10 @@ def quantized_linear(blocks: Tensor, ggml_type: int, kernel: BlockLinear,
 
 
 def use_gguf_weights(model: Transformer, gguf_path: Path, native: NativeOps | None,
-                     dense: LinearKernel, max_rows: int = QUANT_MAX_ROWS) -> dict[str, int]:
-    """Point every linear with supported blocks at them; returns {ggml type name: count}.
+                     dense: LinearKernel,
+                     max_rows: int = QUANT_MAX_ROWS) -> dict[str, tuple[Tensor, int]]:
+    """Point every linear with supported blocks at them; returns {module name: (blocks,
+    ggml type)} of those linears (what the decode graph runs on).
 
     Mutates the model's Linear modules (their `matmul`); the dense weights stay."""
     if native is None or native.gguf_linear is None:
@@ -107,14 +109,14 @@ def use_gguf_weights(model: Transformer, gguf_path: Path, native: NativeOps | No
     from sluice.engine.models.gguf_file import read_gguf
 
     modules: dict[str, nn.Module] = dict(model.named_modules())
-    counts: dict[str, int] = {}
+    used: dict[str, tuple[Tensor, int]] = {}
     for name, blocks, ggml_type in fused_blocks(read_gguf(gguf_path)):
         module = modules.get(name)
         if not isinstance(module, Linear) or blocks.shape[0] != module.weight.shape[0]:
             continue
         module.matmul = quantized_linear(blocks, ggml_type, native.gguf_linear, dense, max_rows)
-        counts[GGUF_BLOCK_TYPES[ggml_type]] = counts.get(GGUF_BLOCK_TYPES[ggml_type], 0) + 1
-    return counts
+        used[name] = (blocks, ggml_type)
+    return used
 
 
 # x [M, K], int8 weight [N, K], float32 scales [N], bias, portable -> [M, N]

@@ -69,8 +69,8 @@ static inline void for_each_row(const T* pool, const int64_t* row_table, int64_t
 
 // Sizes the scratch for G heads of D over `len` rows and returns the queries in float,
 // pre-scaled; acc's first G * D floats are the zeroed output accumulator.
-template <typename T>
-static float* scaled_queries(const T* q, int64_t G, int64_t D, int64_t len, float scale,
+template <typename Q>
+static float* scaled_queries(const Q* q, int64_t G, int64_t D, int64_t len, float scale,
                              std::vector<float>& scores, std::vector<float>& acc) {
   scores.resize(G * len);
   acc.assign(2 * G * D, 0.f);
@@ -94,12 +94,13 @@ static void softmax_rows(float* scores, int64_t G, int64_t len) {
 }
 
 // One (sequence, KV head): G query heads against `len` context rows, accumulated in
-// float whatever the storage type T (float or bfloat16). NV = D / 16 vectors per row,
-// fixed at compile time (64: 4, 128: 8); each K and V row is loaded once for all G heads.
-template <int NV, typename T>
-static void attend_one(const T* q, const T* k_pool, const T* v_pool, const int64_t* row_table,
+// float whatever the storage type T (float or bfloat16); queries and output in Q (T, or
+// float for the decode graph). NV = D / 16 vectors per row, fixed at compile time (64: 4,
+// 128: 8); each K and V row is loaded once for all G heads.
+template <int NV, typename T, typename Q = T>
+static void attend_one(const Q* q, const T* k_pool, const T* v_pool, const int64_t* row_table,
                        int64_t len, int64_t bs, int64_t kv_heads, int64_t h, int64_t G,
-                       float scale, T* out, std::vector<float>& scores,
+                       float scale, Q* out, std::vector<float>& scores,
                        std::vector<float>& acc) {
   constexpr int64_t D = NV * 16;
   const float* qf = scaled_queries(q, G, D, len, scale, scores, acc);
@@ -127,14 +128,14 @@ static void attend_one(const T* q, const T* k_pool, const T* v_pool, const int64
       }
     }
   });
-  for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(o[i]);
+  for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<Q>(o[i]);
 }
 
 // Any head size: the same walk with scalar loops.
-template <typename T>
-static void attend_one_any(const T* q, const T* k_pool, const T* v_pool,
+template <typename T, typename Q = T>
+static void attend_one_any(const Q* q, const T* k_pool, const T* v_pool,
                            const int64_t* row_table, int64_t len, int64_t bs, int64_t kv_heads,
-                           int64_t h, int64_t G, int64_t D, float scale, T* out,
+                           int64_t h, int64_t G, int64_t D, float scale, Q* out,
                            std::vector<float>& scores, std::vector<float>& acc) {
   const float* qf = scaled_queries(q, G, D, len, scale, scores, acc);
   for_each_row(k_pool, row_table, len, bs, kv_heads, h, D, [&](const T* k, int64_t t) {
@@ -152,7 +153,7 @@ static void attend_one_any(const T* q, const T* k_pool, const T* v_pool,
       for (int64_t d = 0; d < D; ++d) o[g * D + d] += p * static_cast<float>(v[d]);
     }
   });
-  for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(o[i]);
+  for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<Q>(o[i]);
 }
 
 template <typename T>
@@ -893,7 +894,243 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
 }
 
+// The decode graph (sluice.engine.decode_graph): a whole decode step of a Llama-family
+// model whose linears are all GGUF blocks, in one call. Per layer:
+//
+//   residual += h;  xn = rms_norm(residual) * attention_norm    (layer 0: residual = x)
+//   qkv = xn @ Wqkv;  RoPE on the Q and K heads;  K, V written at the rows' slots
+//   attn = paged decode attention (each row: its block table, its context length)
+//   h = attn @ Wo;  residual += h;  xn = rms_norm(residual) * ffn_norm
+//   h = silu(xn @ Wgate) * (xn @ Wup) @ Wdown
+//
+// then the final norm and the output head: logits [B, V] float32. The torch model runs
+// the same step as ~10 calls a layer from Python (each a dispatch, an allocation, and
+// for the parallel ones an OpenMP fork/join); here the activations stay float32 in a few
+// reused buffers, the linears (gguf_linear_typed, parallel over output rows) and the
+// attention (over rows x KV heads) are the only parallel parts, and norms, RoPE and
+// the K/V writes (a few thousand floats at one row) run on the calling thread.
+// Rows are decodes or a speculative verify's tokens (each a one-query decode whose
+// context ends at its own token): every row's K/V is written before any attends.
+struct GraphLinear {
+  torch::Tensor blocks;  // uint8 [N, K / 32 * block_bytes]
+  int64_t type, N, K;
+  torch::Tensor bias;  // float32 [N], or empty
+};
+
+static void graph_linear(const GraphLinear& l, const float* x, int64_t M, float* y,
+                         std::vector<float>& xsum) {
+  const int64_t nb = l.K / 32;
+  xsum.resize(M * nb);
+  for (int64_t i = 0; i < M * nb; ++i) {
+    float s = 0.f;
+    for (int j = 0; j < 32; ++j) s += x[i * 32 + j];
+    xsum[i] = s;
+  }
+  const float* bp = l.bias.numel() ? l.bias.data_ptr<float>() : nullptr;
+  const uint8_t* wp = l.blocks.data_ptr<uint8_t>();
+  switch (l.type) {
+    case 2: gguf_linear_typed<2>(wp, x, xsum.data(), bp, y, M, l.K, l.N); break;
+    case 3: gguf_linear_typed<3>(wp, x, xsum.data(), bp, y, M, l.K, l.N); break;
+    default: gguf_linear_typed<8>(wp, x, xsum.data(), bp, y, M, l.K, l.N); break;
+  }
+}
+
+// residual[i] += h[i] (unless h is null); out = rms_norm(residual) * w, one row.
+static void graph_add_norm(float* residual, const float* h, const float* w, float* out,
+                           int64_t H, float eps) {
+  float squares = 0.f;
+  for (int64_t i = 0; i < H; ++i) {
+    if (h) residual[i] += h[i];
+    squares += residual[i] * residual[i];
+  }
+  const float inv = 1.f / std::sqrt(squares / static_cast<float>(H) + eps);
+  for (int64_t i = 0; i < H; ++i) out[i] = residual[i] * inv * w[i];
+}
+
+// Hugging Face's rotation of one head in place: x * cos + rotate_half(x) * sin, with
+// the tables as the model keeps them (cos = [c, c], signed sin = [-s, s]).
+static void graph_rope(float* x, const float* cos, const float* ssin, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos[i] + b * ssin[i];
+    x[i + half] = b * cos[i + half] + a * ssin[i + half];
+  }
+}
+
+class DecodeGraph {
+ public:
+  // linears: 4 per layer (qkv, o, gate_up, down) then the output head, as GGUF blocks of
+  // `types`, with `biases` (empty tensors for none); norms: 2 per layer then the final
+  // norm, float32; k_pools, v_pools: the layers' KV pools (float32 or bfloat16).
+  DecodeGraph(std::vector<torch::Tensor> linears, std::vector<int64_t> types,
+              std::vector<torch::Tensor> biases, std::vector<torch::Tensor> norms,
+              std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools,
+              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps)
+      : norms_(std::move(norms)), k_pools_(std::move(k_pools)), v_pools_(std::move(v_pools)),
+        H_(num_heads), KVH_(num_kv_heads), D_(head_dim), eps_(static_cast<float>(eps)) {
+    const int64_t L = static_cast<int64_t>(k_pools_.size());
+    TORCH_CHECK(L > 0 && static_cast<int64_t>(linears.size()) == 4 * L + 1 &&
+                    types.size() == linears.size() && biases.size() == linears.size() &&
+                    static_cast<int64_t>(norms_.size()) == 2 * L + 1 &&
+                    v_pools_.size() == k_pools_.size(),
+                "DecodeGraph: 4 linears and 2 norms a layer, then the head and final norm");
+    TORCH_CHECK(H_ % KVH_ == 0 && D_ % 2 == 0, "DecodeGraph: head shapes");
+    for (size_t i = 0; i < linears.size(); ++i) {
+      const GGUFType t = gguf_type(types[i]);
+      const torch::Tensor& w = linears[i];
+      TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kByte && w.is_contiguous() &&
+                      w.size(1) % t.block_bytes == 0,
+                  "DecodeGraph: linears are contiguous uint8 [N, blocks * block_bytes]");
+      const torch::Tensor& b = biases[i];
+      TORCH_CHECK(b.numel() == 0 || (b.scalar_type() == torch::kFloat && b.numel() == w.size(0) &&
+                                     b.is_contiguous()),
+                  "DecodeGraph: biases float32 [N] or empty");
+      linears_.push_back({w, types[i], w.size(0), w.size(1) / t.block_bytes * 32, b});
+    }
+    hidden_ = linears_[0].K;
+    for (const auto& n : norms_)
+      TORCH_CHECK(n.scalar_type() == torch::kFloat && n.is_contiguous() && n.numel() == hidden_,
+                  "DecodeGraph: norms float32 [hidden]");
+    for (int64_t l = 0; l < L; ++l) {
+      const GraphLinear *qkv = &linears_[4 * l], *o = &linears_[4 * l + 1],
+                        *gu = &linears_[4 * l + 2], *down = &linears_[4 * l + 3];
+      TORCH_CHECK(qkv->N == (H_ + 2 * KVH_) * D_ && o->K == H_ * D_ && o->N == hidden_ &&
+                      gu->K == hidden_ && gu->N % 2 == 0 && down->K == gu->N / 2 &&
+                      down->N == hidden_,
+                  "DecodeGraph: layer ", l, "'s linear shapes");
+      const torch::Tensor& k = k_pools_[l];
+      TORCH_CHECK(k.dim() == 4 && k.size(2) == KVH_ && k.size(3) == D_ && k.is_contiguous() &&
+                      v_pools_[l].sizes() == k.sizes() && v_pools_[l].is_contiguous() &&
+                      v_pools_[l].scalar_type() == k.scalar_type() && supported(k) &&
+                      k.scalar_type() == k_pools_[0].scalar_type(),
+                  "DecodeGraph: pools [blocks, block_size, kv_heads, head_dim], one dtype");
+    }
+    TORCH_CHECK(linears_.back().K == hidden_, "DecodeGraph: the head's input is hidden");
+  }
+
+  // x [B, hidden] float32 (the tokens' embeddings); cos, sin [B, head_dim] float32 (the
+  // rows' RoPE table rows); slots [B], block_tables [B, n], context_lens [B] int64.
+  // Writes the rows' K/V into the pools; returns float32 logits [B, vocab].
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                        torch::Tensor slots, torch::Tensor block_tables,
+                        torch::Tensor context_lens) {
+    const int64_t B = x.size(0);
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == torch::kFloat &&
+                    cos.sizes() == sin.sizes() && cos.size(0) == B && cos.size(1) == D_ &&
+                    cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat &&
+                    slots.numel() == B && context_lens.numel() == B &&
+                    block_tables.dim() == 2 && block_tables.size(0) == B &&
+                    slots.scalar_type() == torch::kLong &&
+                    block_tables.scalar_type() == torch::kLong &&
+                    context_lens.scalar_type() == torch::kLong,
+                "DecodeGraph.forward: x [B, hidden], cos/sin [B, head_dim] float32; slots, "
+                "block_tables, context_lens int64");
+    auto xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+    auto st = slots.contiguous(), bt = block_tables.contiguous(), cl = context_lens.contiguous();
+    auto logits = torch::empty({B, linears_.back().N}, x.options());
+    if (k_pools_[0].scalar_type() == torch::kFloat) {
+      run<float>(xc, cc, sc, st, bt, cl, logits);
+    } else {
+      run<c10::BFloat16>(xc, cc, sc, st, bt, cl, logits);
+    }
+    return logits;
+  }
+
+ private:
+  template <typename T>
+  void run(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+           const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& lens,
+           torch::Tensor& logits) {
+    const int64_t B = x.size(0), Hd = hidden_, L = static_cast<int64_t>(k_pools_.size());
+    const int64_t q_size = H_ * D_, kv_size = KVH_ * D_, qkv_n = q_size + 2 * kv_size;
+    const int64_t I = linears_[2].N / 2;
+    residual_.assign(x.data_ptr<float>(), x.data_ptr<float>() + B * Hd);
+    xn_.resize(B * Hd);
+    h_.resize(B * std::max(Hd, I));
+    qkv_.resize(B * qkv_n);
+    attn_.resize(B * q_size);
+    gate_up_.resize(B * 2 * I);
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int64_t* table = tables.data_ptr<int64_t>();
+    const int64_t* len = lens.data_ptr<int64_t>();
+    const int64_t n_blocks = tables.size(1);
+    const float scale = 1.f / std::sqrt(static_cast<float>(D_));
+    for (int64_t l = 0; l < L; ++l) {
+      const float* attn_norm = norms_[2 * l].data_ptr<float>();
+      for (int64_t b = 0; b < B; ++b)
+        graph_add_norm(&residual_[b * Hd], l ? &h_[b * Hd] : nullptr, attn_norm, &xn_[b * Hd],
+                       Hd, eps_);
+      graph_linear(linears_[4 * l], xn_.data(), B, qkv_.data(), xsum_);
+      T* kp = k_pools_[l].data_ptr<T>();
+      T* vp = v_pools_[l].data_ptr<T>();
+      const int64_t bs = k_pools_[l].size(1);
+      for (int64_t b = 0; b < B; ++b) {
+        float* row = &qkv_[b * qkv_n];
+        for (int64_t h = 0; h < H_ + KVH_; ++h) graph_rope(row + h * D_, cp + b * D_, sp + b * D_, D_);
+        for (int64_t i = 0; i < kv_size; ++i) {
+          kp[slot[b] * kv_size + i] = static_cast<T>(row[q_size + i]);
+          vp[slot[b] * kv_size + i] = static_cast<T>(row[q_size + kv_size + i]);
+        }
+      }
+      const int64_t G = H_ / KVH_;
+      at::parallel_for(0, B * KVH_, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores, acc;
+        for (int64_t unit = begin; unit < end; ++unit) {
+          const int64_t b = unit / KVH_, h = unit % KVH_;
+          const float* q = &qkv_[b * qkv_n + h * G * D_];
+          float* out = &attn_[b * q_size + h * G * D_];
+          const int64_t* rows = table + b * n_blocks;
+          if (D_ == 64) {
+            attend_one<4, T, float>(q, kp, vp, rows, len[b], bs, KVH_, h, G, scale, out, scores, acc);
+          } else if (D_ == 128) {
+            attend_one<8, T, float>(q, kp, vp, rows, len[b], bs, KVH_, h, G, scale, out, scores, acc);
+          } else {
+            attend_one_any<T, float>(q, kp, vp, rows, len[b], bs, KVH_, h, G, D_, scale, out,
+                                     scores, acc);
+          }
+        }
+      });
+      graph_linear(linears_[4 * l + 1], attn_.data(), B, h_.data(), xsum_);
+      const float* ffn_norm = norms_[2 * l + 1].data_ptr<float>();
+      for (int64_t b = 0; b < B; ++b)
+        graph_add_norm(&residual_[b * Hd], &h_[b * Hd], ffn_norm, &xn_[b * Hd], Hd, eps_);
+      graph_linear(linears_[4 * l + 2], xn_.data(), B, gate_up_.data(), xsum_);
+      for (int64_t b = 0; b < B; ++b) {
+        const float* gate = &gate_up_[b * 2 * I];
+        float* act = &gate_up_[b * 2 * I];  // in place: act[i] reads gate[i], up[i] first
+        for (int64_t i = 0; i < I; ++i) act[i] = gate[i] / (1.f + std::exp(-gate[i])) * gate[I + i];
+      }
+      // the activations [B, I] sit in the first I floats of each 2I row: pack them
+      for (int64_t b = 1; b < B; ++b)
+        std::memmove(&gate_up_[b * I], &gate_up_[b * 2 * I], I * sizeof(float));
+      graph_linear(linears_[4 * l + 3], gate_up_.data(), B, h_.data(), xsum_);
+    }
+    const float* final_norm = norms_.back().data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b)
+      graph_add_norm(&residual_[b * Hd], &h_[b * Hd], final_norm, &xn_[b * Hd], Hd, eps_);
+    graph_linear(linears_.back(), xn_.data(), B, logits.data_ptr<float>(), xsum_);
+  }
+
+  std::vector<GraphLinear> linears_;
+  std::vector<torch::Tensor> norms_, k_pools_, v_pools_;
+  int64_t H_, KVH_, D_, hidden_ = 0;
+  float eps_;
+  std::vector<float> residual_, xn_, h_, qkv_, attn_, gate_up_, xsum_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<DecodeGraph>(m, "DecodeGraph")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>,
+                    std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                    std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double>(),
+           py::arg("linears"), py::arg("types"), py::arg("biases"), py::arg("norms"),
+           py::arg("k_pools"), py::arg("v_pools"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"))
+      .def("forward", &DecodeGraph::forward,
+           "a decode step of every layer and the head: logits [B, vocab] (CPU)");
   m.def("int8_linear", &int8_linear,
         "x @ (qweight * scales[:, None]).T + bias on int8 weights, per-row scales (CPU)",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("bias") = py::none(),

@@ -1,0 +1,107 @@
+"""A decode step of every layer and the head in one native call, on GGUF blocks.
+
+One stream's decode step is small: at one row SmolLM2-135M's linears read ~96 MB of
+GGUF blocks, a few milliseconds of memory traffic. The torch model runs it as ~10 ops
+a layer called from Python (norms, the fused QKV, RoPE's reshapes, the K/V write, the
+attention, SwiGLU, the residuals), each with its dispatch, its output allocation and,
+for the parallel ones, an OpenMP fork/join: 30 layers make ~300 of them, and their
+overhead was as large as the weights' reading (docs/bench.md, llama.cpp comparison).
+llama.cpp runs the same step as one C graph.
+
+`DecodeGraph` is that for sluice: with `--quantization gguf`, when every linear of the
+model (layers and head) is on supported GGUF blocks (sluice.engine.quant), the runner
+builds the native `DecodeGraph` once over the blocks, the norms' weights and the layers'
+KV pools, and sends it every step whose chunks are all decodes or speculative verifies
+(one query a row) of at most `max_rows` rows and no LoRA adapter; other steps (prefill,
+larger batches) take the torch model. Both write the same K/V rows into the same pools,
+so a sequence moves between the two paths from step to step. Activations are float32
+in the graph (the KV pool keeps its dtype); it follows the torch path on the same
+blocks within float rounding (tests/engine/test_decode_graph.py).
+
+    rows        token   position   slot                       block table   context
+    decode A    a41     41         table_A[41 // bs] * bs + 41 % bs    table_A  42
+    verify B    b9 b10  9, 10      ...                        table_B x2    10, 11
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sluice.engine.models.llama import (
+    Linear,
+    RMSNorm,
+    Transformer,
+    TransformerBlock,
+    rope_tables,
+)
+from sluice.engine.native import NativeOps
+
+GRAPH_MAX_ROWS = 8  # rows up to which a decode step runs as the graph (gguf_rows' group)
+
+
+class DecodeGraph:
+    """The native graph over a model's GGUF blocks and KV pools, and the step filter."""
+
+    def __init__(self, model: Transformer, graph: Any, max_rows: int) -> None:
+        self.model = model
+        self.graph = graph
+        self.max_rows = max_rows
+        assert model.rope_cos is not None, "init_rope first"
+        # float32 RoPE tables (the model's are in its dtype, bfloat16 on some CPUs)
+        self.cos, self.sin = rope_tables(model.cfg.rope, model.cfg.head_dim,
+                                         model.rope_cos.shape[0])
+
+    @classmethod
+    def build(cls, model: Transformer, blocks: Mapping[str, tuple[Tensor, int]],
+              native: NativeOps | None,
+              max_rows: int = GRAPH_MAX_ROWS) -> DecodeGraph | None:
+        """The graph, or None where it cannot run: no native kernels, or a linear that is
+        not on GGUF blocks (a type the kernel does not take, or a LoRA side)."""
+        if native is None or native.decode_graph is None:
+            return None
+        names = [f"layers.{i}.{part}" for i in range(len(model.layers))
+                 for part in ("attention.wqkv", "attention.wo", "feed_forward.w13",
+                              "feed_forward.w2")] + ["output"]
+        modules = dict(model.named_modules())
+        if any(n not in blocks for n in names):
+            return None
+        linears = [modules[n] for n in names]
+        if any(not isinstance(m, Linear) or m.lora is not None for m in linears):
+            return None
+        norms: list[RMSNorm] = []
+        k_pools, v_pools = [], []
+        for layer in model.layers:
+            assert isinstance(layer, TransformerBlock)
+            norms += [layer.attention_norm, layer.ffn_norm]
+            assert layer.attention.kv_cache is not None, "KV cache not allocated"
+            k_pools.append(layer.attention.kv_cache.k)
+            v_pools.append(layer.attention.kv_cache.v)
+        norms.append(model.norm)
+        cfg = model.cfg
+        graph = native.decode_graph(
+            [blocks[n][0] for n in names], [blocks[n][1] for n in names],
+            [_float(m.bias) if isinstance(m, Linear) and m.bias is not None else torch.empty(0)
+             for m in linears],
+            [_float(n.weight) for n in norms], k_pools, v_pools,
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+        return cls(model, graph, max_rows)
+
+    def forward(self, tokens: list[int], positions: list[int], slots: list[int],
+                tables: list[list[int]]) -> Tensor:
+        """float32 logits `[rows, vocab]` of one-query rows: each row's token, position,
+        KV slot and block table (its context is positions 0..position). Writes the rows'
+        K/V into the pools."""
+        pos = torch.tensor(positions, dtype=torch.long)
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        x = self.model.tok_embeddings(torch.tensor(tokens, dtype=torch.long)).float()
+        return self.graph.forward(x, self.cos[pos], self.sin[pos],
+                                  torch.tensor(slots, dtype=torch.long), padded, pos + 1)
+
+
+def _float(t: Tensor) -> Tensor:
+    return t.detach().float().contiguous()
