@@ -61,9 +61,12 @@ def llama_bench(args: argparse.Namespace, gguf: str) -> dict[str, Any]:
 
 
 def sluice_single(args: argparse.Namespace, quantization: str) -> dict[str, Any]:
+    """`sluice bench offline --single-stream`; `quantization` is a --quantization value,
+    with `-eager` appended for --enforce-eager (e.g. gguf-eager: no decode graph)."""
+    kind, _, mode = quantization.partition("-")
     cmd = [args.sluice, "bench", "offline", "--single-stream", "--peer", "none", "--no-flops",
            "--input-len", "8", "--output-len", str(args.output_len), "--dtype", args.dtype,
-           "--quantization", quantization]
+           "--quantization", kind, *(["--enforce-eager"] if mode == "eager" else [])]
     print(f"$ {shlex.join(cmd)}", file=sys.stderr, flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
@@ -142,7 +145,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--llama-bin", required=True, help="folder with llama-bench and llama-server")
     p.add_argument("--model", default=None, help="GGUF file (default: the SmolLM2 GGUF)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--quantization", nargs="+", default=["gguf", "none"])
+    p.add_argument("--quantization", nargs="+", default=["gguf", "none"],
+                   help="sluice's --quantization per offline run; NAME-eager adds "
+                        "--enforce-eager (e.g. gguf-eager: the torch model, no decode graph)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="sluice's activations and dense weights")
     p.add_argument("--rounds", type=int, default=2)

@@ -15,8 +15,14 @@ KV pools, and sends it every step whose chunks are all decodes or speculative ve
 (one query a row) of at most `max_rows` rows and no LoRA adapter; other steps (prefill,
 larger batches) take the torch model. Both write the same K/V rows into the same pools,
 so a sequence moves between the two paths from step to step. Activations are float32
-in the graph (the KV pool keeps its dtype); it follows the torch path on the same
-blocks within float rounding (tests/engine/test_decode_graph.py).
+in the graph (the KV pool keeps its dtype). Where the CPU has AVX2 (`q4_int8_path`), the
+Q4 linears take them as integers: each 32-value block as two int8 vectors with one
+scale, x ~ dx (q1 + q2 / 256), so a block's dot product with the nibbles is integer
+multiply-adds (AVX512-VNNI's vpdpbusd: 64 a instruction) instead of converting every
+weight to float. llama.cpp keeps q1 alone; that cost this model 1.4% of perplexity,
+the pair < 0.01% (csrc/cpu_kernels.cpp, tests/engine/test_decode_graph.py). With float
+activations (`int8_activations=False`) the graph follows the torch path on the same
+blocks within float rounding.
 
     rows        token   position   slot                       block table   context
     decode A    a41     41         table_A[41 // bs] * bs + 41 % bs    table_A  42
@@ -41,6 +47,7 @@ from sluice.engine.models.llama import (
 from sluice.engine.native import NativeOps
 
 GRAPH_MAX_ROWS = 8  # rows up to which a decode step runs as the graph (gguf_rows' group)
+Q8_0 = 8  # ggml type: its blocks keep float activations (the head: bound by memory)
 
 
 class DecodeGraph:
@@ -57,12 +64,16 @@ class DecodeGraph:
 
     @classmethod
     def build(cls, model: Transformer, blocks: Mapping[str, tuple[Tensor, int]],
-              native: NativeOps | None,
-              max_rows: int = GRAPH_MAX_ROWS) -> DecodeGraph | None:
+              native: NativeOps | None, max_rows: int = GRAPH_MAX_ROWS,
+              int8_activations: bool | None = None) -> DecodeGraph | None:
         """The graph, or None where it cannot run: no native kernels, or a linear that is
-        not on GGUF blocks (a type the kernel does not take, or a LoRA side)."""
-        if native is None or native.decode_graph is None:
+        not on GGUF blocks (a type the kernel does not take, or a LoRA side).
+        `int8_activations`: the Q4 linears' activations as int8 pairs per block (None:
+        where this machine's build has a vector path for it)."""
+        if native is None or native.decode_graph is None or native.q4_int8_path is None:
             return None
+        if int8_activations is None:
+            int8_activations = bool(native.q4_int8_path())
         names = [f"layers.{i}.{part}" for i in range(len(model.layers))
                  for part in ("attention.wqkv", "attention.wo", "feed_forward.w13",
                               "feed_forward.w2")] + ["output"]
@@ -72,6 +83,7 @@ class DecodeGraph:
         linears = [modules[n] for n in names]
         if any(not isinstance(m, Linear) or m.lora is not None for m in linears):
             return None
+        int8 = [int8_activations and blocks[n][1] != Q8_0 for n in names]
         norms: list[RMSNorm] = []
         k_pools, v_pools = [], []
         for layer in model.layers:
@@ -87,7 +99,7 @@ class DecodeGraph:
             [_float(m.bias) if isinstance(m, Linear) and m.bias is not None else torch.empty(0)
              for m in linears],
             [_float(n.weight) for n in norms], k_pools, v_pools,
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, int8)
         return cls(model, graph, max_rows)
 
     def forward(self, tokens: list[int], positions: list[int], slots: list[int],

@@ -14,7 +14,9 @@
 - `int8_linear`: a linear on int8 weights with one scale per output row
   (`--quantization int8`, sluice.engine.quant).
 - `DecodeGraph`: a whole decode step (every layer and the head) of a model whose linears
-  are all GGUF blocks, in one call (sluice.engine.decode_graph).
+  are all GGUF blocks, in one call (sluice.engine.decode_graph); its Q4 linears take
+  int8 activations (`q4_int8_path` says which vector path: AVX512-VNNI, AVX-512BW or
+  AVX2, each compiled where /proc/cpuinfo has it).
 - `apply_token_bitmask`: structured output's grammar mask applied to the logits word by
   word (xgrammar's own CPU kernel tests every bit: ~6 ms for 32 rows of SmolLM2's vocab).
 
@@ -88,8 +90,12 @@ class NativeOps:
     # x [M, K] float32/bfloat16, int8 weight [N, K], float32 scales [N], bias, portable
     # (the tile path, for tests) -> [M, N] (sluice.engine.quant)
     int8_linear: Callable[[Tensor, Tensor, Tensor, Tensor | None, bool], Tensor] | None = None
-    # the C++ class behind sluice.engine.decode_graph (its constructor)
+    # the C++ class behind sluice.engine.decode_graph (its constructor), and the vector
+    # path its Q4 x int8 dot products were built with here ("" for none)
     decode_graph: Callable[..., Any] | None = None
+    q4_int8_path: Callable[[], str] | None = None
+    # x [1-8, K] float32, Q4 blocks, ggml type, bias: the graph's Q4 x int8 linear alone
+    gguf_linear_int8: Callable[[Tensor, Tensor, int, Tensor | None], Tensor] | None = None
 
 
 @functools.cache
@@ -105,10 +111,16 @@ def cpu_flags() -> frozenset[str]:
                           "").split())
 
 
+# /proc/cpuinfo flag -> the compiler's option for it: the instructions the kernels use
+BUILD_FLAGS = {"avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c", "avx512f": "-mavx512f",
+               "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
+               "avx512_vnni": "-mavx512vnni"}
+
+
 def _cpu_flags() -> list[str]:
     """Vector flags the build machine has (the cache is per machine, keyed on flags)."""
     have = cpu_flags()
-    return [f"-m{f}" for f in ("avx2", "fma", "f16c", "avx512f") if f in have]
+    return [option for flag, option in BUILD_FLAGS.items() if flag in have]
 
 
 @functools.cache
@@ -134,7 +146,7 @@ def load_kernels() -> NativeOps:
     return NativeOps(module.paged_decode_attention, module.fused_add_rms_norm,
                      module.silu_and_mul, module.small_rows_linear, module.apply_token_bitmask,
                      module.lora_bgmv, module.gguf_linear, module.int8_linear,
-                     module.DecodeGraph)
+                     module.DecodeGraph, module.q4_int8_path, module.gguf_linear_int8)
 
 
 def _stable_copy(name: str, source: bytes) -> Path:

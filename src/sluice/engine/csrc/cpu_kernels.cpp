@@ -894,6 +894,326 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
 }
 
+// Q4 linears with integer activations, for the decode graph. Each 32-value block of an
+// activation row is written as two int8 vectors with one scale (dx = absmax / 127):
+//
+//   x_j  ~  dx * (q1_j + q2_j / 256),   q1 = round(x / dx),  q2 = round(256 (x / dx - q1))
+//
+// (llama.cpp quantizes activations to the int8 q1 alone; that cost this model 1.4% of
+// perplexity, against its < 0.01% here: tests/engine/test_decode_graph.py). A Q4 block's
+// dot product with it is then integer work, sum(q * q1) and sum(q * q2) over unsigned
+// nibbles q and signed bytes: AVX512-VNNI's vpdpbusd does 64 of those multiply-adds in
+// one instruction (AVX-512BW and AVX2: maddubs + madd), and
+//
+//   dot(w, x) = sum_b d_b * dx_b / 256 * (256 sum_j q_bj q1_bj + sum_j q_bj q2_bj)
+//               + m_b * sum_j x_bj
+//
+// with m = the block's min (Q4_1) or -8 d (Q4_0), and sum_j x_bj the float sum of the
+// block. Against float activations (gguf_rows) this drops the per-value conversions to
+// float, the work that made a one-row Q4 linear compute-bound (12 GB/s of blocks on the
+// dev machine, whose memory gives 2 threads ~40 GB/s).
+//
+// The weights are repacked once (the file's bits, reordered, as llama.cpp repacks Q4_0
+// for its SIMD paths): a row holds its nb blocks' 16-byte nibble arrays contiguously,
+// then nb f16 d, then nb f16 m (Q4_1 only), so four blocks' nibbles (a group) are one
+// 64-byte load. An activation row is laid out to match, a group at a time: q1 of the four
+// blocks' low halves (values 0-15, the low nibbles' partners), q1 of their high halves,
+// then the same for q2 (256 bytes a group); a last group of fewer blocks is zero-padded.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SLUICE_Q4_INT8 1
+
+struct Q4Packed {
+  std::vector<uint8_t> data;
+  int64_t type, N, K, nb, row_bytes;
+};
+
+static Q4Packed q4_pack(const torch::Tensor& blocks, int64_t type) {
+  const GGUFType t = gguf_type(type);
+  Q4Packed p;
+  p.type = type;
+  p.N = blocks.size(0);
+  p.nb = blocks.size(1) / t.block_bytes;
+  p.K = p.nb * 32;
+  p.row_bytes = p.nb * (16 + 2 + (type == 3 ? 2 : 0));
+  p.data.resize(p.N * p.row_bytes);
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < p.N; ++n) {
+    uint8_t* row = p.data.data() + n * p.row_bytes;
+    for (int64_t b = 0; b < p.nb; ++b) {
+      const uint8_t* blk = src + (n * p.nb + b) * t.block_bytes;
+      std::memcpy(row + b * 16, blk + t.header, 16);
+      std::memcpy(row + p.nb * 16 + b * 2, blk, 2);  // d
+      if (type == 3) std::memcpy(row + p.nb * 18 + b * 2, blk + 2, 2);  // m
+    }
+  }
+  return p;
+}
+
+// One activation row, quantized per block: q (the group layout, 256 bytes a group), and
+// per group 16 floats of each of its blocks' dx / 256 (dxe) and float sum / 4 (xse), each
+// 4 times: the lanes vpdpbusd fills for the block (a zero-padded last group is zero).
+struct Q8Row {
+  std::vector<int8_t> q;
+  std::vector<float> dxe, xse;
+};
+
+static void q8_quantize(const float* x, int64_t nb, Q8Row& out) {
+  const int64_t groups = (nb + 3) / 4;
+  out.q.assign(groups * 256, 0);
+  out.dxe.assign(groups * 16, 0.f);
+  out.xse.assign(groups * 16, 0.f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * 32;
+    float amax = 0.f, sum = 0.f;
+    for (int j = 0; j < 32; ++j) {
+      amax = std::max(amax, std::fabs(xb[j]));
+      sum += xb[j];
+    }
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    const int64_t g = b / 4, k = b % 4;
+    for (int j = 0; j < 4; ++j) {
+      out.dxe[g * 16 + k * 4 + j] = amax / 127.f / 256.f;
+      out.xse[g * 16 + k * 4 + j] = sum / 4.f;
+    }
+    int8_t* q1 = out.q.data() + g * 256 + k * 16;
+    int8_t* q2 = q1 + 128;
+    for (int j = 0; j < 32; ++j) {
+      const float v = xb[j] * inv;
+      const float r = std::nearbyint(v);
+      const int at = (j < 16 ? j : 64 + j - 16);  // low half, or the high halves' run
+      q1[at] = static_cast<int8_t>(r);
+      q2[at] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint((v - r) * 256.f))));
+    }
+  }
+}
+
+// The rows' bytes are streamed from memory once a step; at ~25 vector instructions a
+// 64-byte group the core has too few loads in flight to keep the memory busy (the weight
+// loads were a third of the kernel's cycles), so each row asks for a later row's lines
+// (~3 KB ahead) before it starts.
+constexpr int64_t Q4_PREFETCH_BYTES = 3072;
+
+static inline void q4_prefetch_row(const uint8_t* row, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(row + o), _MM_HINT_T0);
+}
+
+// The 4 f16 of a group (d or m) as floats; a last group's missing blocks are zero.
+static inline __m128 q4_group_halves(const uint16_t* h, int64_t count) {
+  if (count == 4) return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h)));
+  uint16_t part[4] = {0, 0, 0, 0};
+  for (int64_t i = 0; i < count; ++i) part[i] = h[i];
+  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(part)));
+}
+
+#if defined(__AVX512BW__)
+static inline __m512i q4_dot64(__m512i acc, __m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+
+// 16 int32 lanes (4 a block) of 256 sum(q q1) + sum(q q2) for one group
+static inline __m512i q4_group_dot(__m512i lo, __m512i hi, const int8_t* q) {
+  const __m512i s1 = q4_dot64(q4_dot64(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q)), hi,
+                              _mm512_loadu_si512(q + 64));
+  const __m512i s2 = q4_dot64(q4_dot64(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q + 128)),
+                              hi, _mm512_loadu_si512(q + 192));
+  return _mm512_add_epi32(_mm512_slli_epi32(s1, 8), s2);
+}
+#else
+static inline __m256i q4_dot32(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+// 8 int32 lanes (blocks 2h, 2h + 1 of the group) of 256 sum(q q1) + sum(q q2)
+static inline __m256i q4_half_dot(__m256i lo, __m256i hi, const int8_t* q, int h) {
+  const __m256i* v = reinterpret_cast<const __m256i*>(q);
+  const __m256i s1 = q4_dot32(q4_dot32(_mm256_setzero_si256(), lo, _mm256_loadu_si256(v + h)),
+                              hi, _mm256_loadu_si256(v + 2 + h));
+  const __m256i s2 = q4_dot32(q4_dot32(_mm256_setzero_si256(), lo, _mm256_loadu_si256(v + 4 + h)),
+                              hi, _mm256_loadu_si256(v + 6 + h));
+  return _mm256_add_epi32(_mm256_slli_epi32(s1, 8), s2);
+}
+#endif
+
+#if defined(__AVX512BW__)
+// One group of a weight row against R activation rows: the nibbles split once, the
+// block scales d (and mins m) widened to the group's 16 lanes once, then per activation
+// row acc += (256 sum(q q1) + sum(q q2)) * d * dx / 256 and mins += m * xsum / 4 in
+// each lane (two chains, so their FMAs overlap).
+template <int R>
+static inline void q4_group(const uint8_t* qs, const uint16_t* d, const uint16_t* m,
+                            int64_t g, int64_t count, bool q4_1, const Q8Row* xs,
+                            __m512 (&acc)[R], __m512 (&mins)[R]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512i v = count == 4 ? _mm512_loadu_si512(qs + g * 64)
+                               : _mm512_maskz_loadu_epi8((1ULL << (16 * count)) - 1, qs + g * 64);
+  const __m512i lo = _mm512_and_si512(v, low4);
+  const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  const __m512 de = _mm512_permutexvar_ps(
+      spread, _mm512_castps128_ps512(q4_group_halves(d + 4 * g, count)));
+  const __m512 me = q4_1 ? _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(
+                               q4_group_halves(m + 4 * g, count)))
+                         : _mm512_mul_ps(de, _mm512_set1_ps(-8.f));
+  for (int r = 0; r < R; ++r) {
+    const __m512i s = q4_group_dot(lo, hi, xs[r].q.data() + g * 256);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
+                             _mm512_mul_ps(de, _mm512_loadu_ps(xs[r].dxe.data() + g * 16)), acc[r]);
+    mins[r] = _mm512_fmadd_ps(me, _mm512_loadu_ps(xs[r].xse.data() + g * 16), mins[r]);
+  }
+}
+
+// Output rows [n0, n1) for R activation rows.
+template <int R>
+static void q4_int8_rows(const Q4Packed& w, const Q8Row* xs, const float* bias, float* y,
+                         int64_t n0, int64_t n1) {
+  const int64_t nb = w.nb, whole = nb / 4;
+  const bool q4_1 = w.type == 3;
+  const int64_t ahead = std::max<int64_t>(1, Q4_PREFETCH_BYTES / w.row_bytes);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qs = w.data.data() + n * w.row_bytes;
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(qs + nb * 16);
+    const uint16_t* m = d + nb;  // Q4_1
+    if (n + ahead < n1) q4_prefetch_row(qs + ahead * w.row_bytes, w.row_bytes);
+    __m512 acc[R], mins[R];
+    for (int r = 0; r < R; ++r) acc[r] = mins[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < whole; ++g) q4_group<R>(qs, d, m, g, 4, q4_1, xs, acc, mins);
+    if (whole * 4 < nb) q4_group<R>(qs, d, m, whole, nb - whole * 4, q4_1, xs, acc, mins);
+    const float bn = bias ? bias[n] : 0.f;
+    for (int r = 0; r < R; ++r)
+      y[r * w.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], mins[r])) + bn;
+  }
+}
+#else
+// Output rows [n0, n1) for R activation rows. Per group: the nibbles split once, the
+// block scales d (and mins m) widened to the group's lanes once, then per activation
+// row acc += (256 sum(q q1) + sum(q q2)) * d * dx / 256 + m * xsum / 4 in each lane.
+template <int R>
+static void q4_int8_rows(const Q4Packed& w, const Q8Row* xs, const float* bias, float* y,
+                         int64_t n0, int64_t n1) {
+  const int64_t nb = w.nb, groups = (nb + 3) / 4;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i spread_lo = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
+  const __m256i spread_hi = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
+  const int64_t ahead = std::max<int64_t>(1, Q4_PREFETCH_BYTES / w.row_bytes);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qs = w.data.data() + n * w.row_bytes;
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(qs + nb * 16);
+    const uint16_t* m = d + nb;  // Q4_1
+    if (n + ahead < n1) q4_prefetch_row(qs + ahead * w.row_bytes, w.row_bytes);
+    __m256 acc[R], mins[R];
+    for (int r = 0; r < R; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t count = std::min<int64_t>(4, nb - 4 * g);
+      const uint8_t* src = qs + g * 64;
+      __m256i v0, v1;
+      if (count == 4) {
+        v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+        v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+      } else {  // 4-byte lanes of the count * 16 bytes there are
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i words = _mm256_set1_epi32(static_cast<int>(count * 4));
+        v0 = _mm256_maskload_epi32(reinterpret_cast<const int*>(src), _mm256_cmpgt_epi32(words, lane));
+        v1 = _mm256_maskload_epi32(reinterpret_cast<const int*>(src + 32),
+                                   _mm256_cmpgt_epi32(words, _mm256_add_epi32(lane, _mm256_set1_epi32(8))));
+      }
+      const __m256i lo0 = _mm256_and_si256(v0, low4), lo1 = _mm256_and_si256(v1, low4);
+      const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+      const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+      const __m256 d4 = _mm256_castps128_ps256(q4_group_halves(d + 4 * g, count));
+      const __m256 m4 = w.type == 3 ? _mm256_castps128_ps256(q4_group_halves(m + 4 * g, count))
+                                    : _mm256_mul_ps(d4, _mm256_set1_ps(-8.f));
+      const __m256 de0 = _mm256_permutevar8x32_ps(d4, spread_lo);
+      const __m256 de1 = _mm256_permutevar8x32_ps(d4, spread_hi);
+      const __m256 me0 = _mm256_permutevar8x32_ps(m4, spread_lo);
+      const __m256 me1 = _mm256_permutevar8x32_ps(m4, spread_hi);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = xs[r].q.data() + g * 256;
+        const float* dx = xs[r].dxe.data() + g * 16;
+        const float* xe = xs[r].xse.data() + g * 16;
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_half_dot(lo0, hi0, q, 0)),
+                                 _mm256_mul_ps(de0, _mm256_loadu_ps(dx)), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_half_dot(lo1, hi1, q, 1)),
+                                 _mm256_mul_ps(de1, _mm256_loadu_ps(dx + 8)), acc[r]);
+        mins[r] = _mm256_fmadd_ps(me0, _mm256_loadu_ps(xe), mins[r]);
+        mins[r] = _mm256_fmadd_ps(me1, _mm256_loadu_ps(xe + 8), mins[r]);
+      }
+    }
+    const float bn = bias ? bias[n] : 0.f;
+    for (int r = 0; r < R; ++r) {
+      const __m256 t = _mm256_add_ps(acc[r], mins[r]);
+      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      y[r * w.N + n] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2))) + bn;
+    }
+  }
+}
+#endif
+
+// y [M, N] = x [M, K] @ W^T (+ bias) on repacked Q4 blocks, M <= 8 (the graph's rows).
+static void q4_int8_linear(const Q4Packed& w, const float* x, int64_t M, const float* bias,
+                           float* y, std::vector<Q8Row>& rows) {
+  rows.resize(std::max<size_t>(rows.size(), M));
+  for (int64_t m = 0; m < M; ++m) q8_quantize(x + m * w.K, w.nb, rows[m]);
+  at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
+    switch (M) {
+      case 1: q4_int8_rows<1>(w, rows.data(), bias, y, n0, n1); break;
+      case 2: q4_int8_rows<2>(w, rows.data(), bias, y, n0, n1); break;
+      case 3: q4_int8_rows<3>(w, rows.data(), bias, y, n0, n1); break;
+      case 4: q4_int8_rows<4>(w, rows.data(), bias, y, n0, n1); break;
+      case 5: q4_int8_rows<5>(w, rows.data(), bias, y, n0, n1); break;
+      case 6: q4_int8_rows<6>(w, rows.data(), bias, y, n0, n1); break;
+      case 7: q4_int8_rows<7>(w, rows.data(), bias, y, n0, n1); break;
+      default: q4_int8_rows<8>(w, rows.data(), bias, y, n0, n1); break;
+    }
+  });
+}
+#endif  // AVX2
+
+// x [M, K] float32 (M <= 8) @ Q4 blocks [N, bytes]^T (+ bias) on int8 activations,
+// repacking the blocks on each call: q4_int8_linear alone, for tests.
+torch::Tensor gguf_linear_int8(torch::Tensor x, torch::Tensor qweight, int64_t type,
+                               c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(type == 2 || type == 3, "gguf_linear_int8: Q4_0 (2) or Q4_1 (3)");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 8 &&
+                  x.scalar_type() == torch::kFloat && qweight.scalar_type() == torch::kByte &&
+                  qweight.dim() == 2 && qweight.is_contiguous() &&
+                  qweight.size(1) == x.size(1) / 32 * gguf_type(type).block_bytes &&
+                  x.size(1) % 32 == 0,
+              "gguf_linear_int8: x [1-8, K] float32, qweight [N, K / 32 blocks] uint8");
+#ifdef SLUICE_Q4_INT8
+  const Q4Packed packed = q4_pack(qweight, type);
+  const auto xc = x.contiguous();
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) b = bias->to(torch::kFloat).contiguous();
+  auto out = torch::empty({x.size(0), packed.N}, xc.options());
+  std::vector<Q8Row> rows;
+  q4_int8_linear(packed, xc.data_ptr<float>(), x.size(0), b.defined() ? b.data_ptr<float>() : nullptr,
+                 out.data_ptr<float>(), rows);
+  return out;
+#else
+  TORCH_CHECK(false, "gguf_linear_int8: not built on this machine (no AVX2)");
+  return x;
+#endif
+}
+
+// The vector path q4_int8_linear was built with on this machine, or "" (none: the decode
+// graph keeps float activations).
+std::string q4_int8_path() {
+#if defined(SLUICE_Q4_INT8) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return "avx512_vnni";
+#elif defined(SLUICE_Q4_INT8) && defined(__AVX512BW__)
+  return "avx512bw";
+#elif defined(SLUICE_Q4_INT8)
+  return "avx2";
+#else
+  return "";
+#endif
+}
+
 // The decode graph (sluice.engine.decode_graph): a whole decode step of a Llama-family
 // model whose linears are all GGUF blocks, in one call. Per layer:
 //
@@ -915,10 +1235,29 @@ struct GraphLinear {
   torch::Tensor blocks;  // uint8 [N, K / 32 * block_bytes]
   int64_t type, N, K;
   torch::Tensor bias;  // float32 [N], or empty
+#ifdef SLUICE_Q4_INT8
+  std::shared_ptr<Q4Packed> packed;  // Q4 blocks repacked for int8 activations, or null
+#endif
+};
+
+// The graph's scratch for its linears' inputs.
+struct GraphScratch {
+  std::vector<float> xsum;
+#ifdef SLUICE_Q4_INT8
+  std::vector<Q8Row> q8;
+#endif
 };
 
 static void graph_linear(const GraphLinear& l, const float* x, int64_t M, float* y,
-                         std::vector<float>& xsum) {
+                         GraphScratch& scratch) {
+  const float* bp = l.bias.numel() ? l.bias.data_ptr<float>() : nullptr;
+#ifdef SLUICE_Q4_INT8
+  if (l.packed) {
+    q4_int8_linear(*l.packed, x, M, bp, y, scratch.q8);
+    return;
+  }
+#endif
+  std::vector<float>& xsum = scratch.xsum;
   const int64_t nb = l.K / 32;
   xsum.resize(M * nb);
   for (int64_t i = 0; i < M * nb; ++i) {
@@ -926,7 +1265,6 @@ static void graph_linear(const GraphLinear& l, const float* x, int64_t M, float*
     for (int j = 0; j < 32; ++j) s += x[i * 32 + j];
     xsum[i] = s;
   }
-  const float* bp = l.bias.numel() ? l.bias.data_ptr<float>() : nullptr;
   const uint8_t* wp = l.blocks.data_ptr<uint8_t>();
   switch (l.type) {
     case 2: gguf_linear_typed<2>(wp, x, xsum.data(), bp, y, M, l.K, l.N); break;
@@ -962,17 +1300,21 @@ class DecodeGraph {
  public:
   // linears: 4 per layer (qkv, o, gate_up, down) then the output head, as GGUF blocks of
   // `types`, with `biases` (empty tensors for none); norms: 2 per layer then the final
-  // norm, float32; k_pools, v_pools: the layers' KV pools (float32 or bfloat16).
+  // norm, float32; k_pools, v_pools: the layers' KV pools (float32 or bfloat16);
+  // int8_activations, one per linear: a Q4 linear on int8 activations (q4_int8_linear;
+  // needs q4_int8_path()), else on float activations (gguf_rows).
   DecodeGraph(std::vector<torch::Tensor> linears, std::vector<int64_t> types,
               std::vector<torch::Tensor> biases, std::vector<torch::Tensor> norms,
               std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools,
-              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps)
+              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+              std::vector<bool> int8_activations)
       : norms_(std::move(norms)), k_pools_(std::move(k_pools)), v_pools_(std::move(v_pools)),
         H_(num_heads), KVH_(num_kv_heads), D_(head_dim), eps_(static_cast<float>(eps)) {
     const int64_t L = static_cast<int64_t>(k_pools_.size());
     TORCH_CHECK(L > 0 && static_cast<int64_t>(linears.size()) == 4 * L + 1 &&
                     types.size() == linears.size() && biases.size() == linears.size() &&
                     static_cast<int64_t>(norms_.size()) == 2 * L + 1 &&
+                    int8_activations.size() == linears.size() &&
                     v_pools_.size() == k_pools_.size(),
                 "DecodeGraph: 4 linears and 2 norms a layer, then the head and final norm");
     TORCH_CHECK(H_ % KVH_ == 0 && D_ % 2 == 0, "DecodeGraph: head shapes");
@@ -987,6 +1329,12 @@ class DecodeGraph {
                                      b.is_contiguous()),
                   "DecodeGraph: biases float32 [N] or empty");
       linears_.push_back({w, types[i], w.size(0), w.size(1) / t.block_bytes * 32, b});
+      TORCH_CHECK(!int8_activations[i] || (!q4_int8_path().empty() && types[i] != 8),
+                  "DecodeGraph: int8 activations need AVX2 (q4_int8_path) and Q4 blocks");
+#ifdef SLUICE_Q4_INT8
+      if (int8_activations[i])
+        linears_.back().packed = std::make_shared<Q4Packed>(q4_pack(w, types[i]));
+#endif
     }
     hidden_ = linears_[0].K;
     for (const auto& n : norms_)
@@ -1063,7 +1411,7 @@ class DecodeGraph {
       for (int64_t b = 0; b < B; ++b)
         graph_add_norm(&residual_[b * Hd], l ? &h_[b * Hd] : nullptr, attn_norm, &xn_[b * Hd],
                        Hd, eps_);
-      graph_linear(linears_[4 * l], xn_.data(), B, qkv_.data(), xsum_);
+      graph_linear(linears_[4 * l], xn_.data(), B, qkv_.data(), scratch_);
       T* kp = k_pools_[l].data_ptr<T>();
       T* vp = v_pools_[l].data_ptr<T>();
       const int64_t bs = k_pools_[l].size(1);
@@ -1093,11 +1441,11 @@ class DecodeGraph {
           }
         }
       });
-      graph_linear(linears_[4 * l + 1], attn_.data(), B, h_.data(), xsum_);
+      graph_linear(linears_[4 * l + 1], attn_.data(), B, h_.data(), scratch_);
       const float* ffn_norm = norms_[2 * l + 1].data_ptr<float>();
       for (int64_t b = 0; b < B; ++b)
         graph_add_norm(&residual_[b * Hd], &h_[b * Hd], ffn_norm, &xn_[b * Hd], Hd, eps_);
-      graph_linear(linears_[4 * l + 2], xn_.data(), B, gate_up_.data(), xsum_);
+      graph_linear(linears_[4 * l + 2], xn_.data(), B, gate_up_.data(), scratch_);
       for (int64_t b = 0; b < B; ++b) {
         const float* gate = &gate_up_[b * 2 * I];
         float* act = &gate_up_[b * 2 * I];  // in place: act[i] reads gate[i], up[i] first
@@ -1106,31 +1454,39 @@ class DecodeGraph {
       // the activations [B, I] sit in the first I floats of each 2I row: pack them
       for (int64_t b = 1; b < B; ++b)
         std::memmove(&gate_up_[b * I], &gate_up_[b * 2 * I], I * sizeof(float));
-      graph_linear(linears_[4 * l + 3], gate_up_.data(), B, h_.data(), xsum_);
+      graph_linear(linears_[4 * l + 3], gate_up_.data(), B, h_.data(), scratch_);
     }
     const float* final_norm = norms_.back().data_ptr<float>();
     for (int64_t b = 0; b < B; ++b)
       graph_add_norm(&residual_[b * Hd], &h_[b * Hd], final_norm, &xn_[b * Hd], Hd, eps_);
-    graph_linear(linears_.back(), xn_.data(), B, logits.data_ptr<float>(), xsum_);
+    graph_linear(linears_.back(), xn_.data(), B, logits.data_ptr<float>(), scratch_);
   }
 
   std::vector<GraphLinear> linears_;
   std::vector<torch::Tensor> norms_, k_pools_, v_pools_;
   int64_t H_, KVH_, D_, hidden_ = 0;
   float eps_;
-  std::vector<float> residual_, xn_, h_, qkv_, attn_, gate_up_, xsum_;
+  std::vector<float> residual_, xn_, h_, qkv_, attn_, gate_up_;
+  GraphScratch scratch_;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeGraph>(m, "DecodeGraph")
       .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                    std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double>(),
+                    std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double,
+                    std::vector<bool>>(),
            py::arg("linears"), py::arg("types"), py::arg("biases"), py::arg("norms"),
            py::arg("k_pools"), py::arg("v_pools"), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"))
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
+           py::arg("int8_activations"))
       .def("forward", &DecodeGraph::forward,
            "a decode step of every layer and the head: logits [B, vocab] (CPU)");
+  m.def("gguf_linear_int8", &gguf_linear_int8,
+        "x @ dequant(qweight).T + bias on Q4 blocks with int8 activations (tests; CPU)",
+        py::arg("x"), py::arg("qweight"), py::arg("type"), py::arg("bias") = py::none());
+  m.def("q4_int8_path", &q4_int8_path,
+        "the vector path of the Q4 x int8 dot products built here, or '' (none)");
   m.def("int8_linear", &int8_linear,
         "x @ (qweight * scales[:, None]).T + bias on int8 weights, per-row scales (CPU)",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("bias") = py::none(),
