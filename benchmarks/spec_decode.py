@@ -2,7 +2,7 @@
 
     flock /tmp/sluice-heavy.lock python benchmarks/spec_decode.py [--model M]
         [--methods ngram suffix draft_model] [--output-len 192] [--streams 32]
-        [--draft-layers 4] [--draft-k 4]
+        [--draft-layers 4] [--draft-k 4] [--quantization gguf] [--dtype float32]
 
 1. Input-grounded, one stream: chat prompts that ask the model to repeat, edit or
    continue a given text or code (the output copies long runs of the input); greedy,
@@ -196,6 +196,10 @@ def main() -> None:
     ap.add_argument("--random-input-len", type=int, default=128)
     ap.add_argument("--random-output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quantization", default="none",
+                    help="the engine's --quantization (gguf: one stream's steps, verifies "
+                         "of up to 8 rows included, run as the decode graph)")
+    ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
     k = args.num_speculative_tokens
     configs = {"ngram": {"method": "ngram", "num_speculative_tokens": k,
@@ -211,7 +215,8 @@ def main() -> None:
         for config in configs.values():
             config["adaptive"] = False
     llm = LLM(args.model, max_num_seqs=max(args.streams, 1),
-              speculative_config=configs[args.methods[0]])
+              speculative_config=configs[args.methods[0]], quantization=args.quantization,
+              dtype=args.dtype)
     from sluice.engine.spec_decode import PROPOSERS, SpecDecoder
 
     core = llm.engine.core

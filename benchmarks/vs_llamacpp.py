@@ -190,13 +190,13 @@ def main() -> int:
 def print_offline(args: argparse.Namespace, off: dict[str, Any]) -> None:
     names = list(off["rounds"][0])
     print(f"\none stream, tg{args.output_len} tok/s (sluice: 8-token prompt), per round")
-    print(f"{'engine':<14}" + "".join(f"{f'round {i + 1}':>10}" for i in range(args.rounds))
-          + f"{'vs llama.cpp':>14}")
+    print(f"{'engine':<18}" + "".join(f"{f'round {i + 1}':>10}" for i in range(args.rounds))
+          + f"  {'vs llama.cpp'}")
     for name in names:
         vals = [r[name]["tok_s"] for r in off["rounds"]]
         ratio = [r[name]["tok_s"] / r["llama.cpp"]["tok_s"] for r in off["rounds"]]
-        print(f"{name:<14}" + "".join(f"{v:>10.1f}" for v in vals)
-              + f"{' / '.join(f'{x:.2f}' for x in ratio):>14}")
+        print(f"{name:<18}" + "".join(f"{v:>10.1f}" for v in vals)
+              + "  " + " / ".join(f"{x:.2f}" for x in ratio))
 
 
 def print_http(args: argparse.Namespace, h: dict[str, Any], logs: Path) -> None:
