@@ -173,13 +173,14 @@ def test_only_rows_that_want_logits_come_back(pair: tuple[ModelRunner, ModelRunn
 
 @pytest.mark.model
 def test_steps_it_takes(pair: tuple[ModelRunner, ModelRunner]) -> None:
-    _, graph = pair
+    graph = pair[1].decode_graph
+    assert graph is not None
     table = list(range(8))
     decode = SeqChunk([1], 20, table, True)
-    assert graph._graph_takes([decode] * GRAPH_MAX_ROWS)
-    assert not graph._graph_takes([decode] * (GRAPH_MAX_ROWS + 1))  # oneDNN's batch
-    assert graph._graph_takes([SeqChunk([1, 2, 3], 20, table, True, num_logits=3)])
-    assert not graph._graph_takes([decode, SeqChunk([1, 2], 20, table, True)])  # a prefill
+    assert graph.takes([decode] * GRAPH_MAX_ROWS)
+    assert not graph.takes([decode] * (GRAPH_MAX_ROWS + 1))  # oneDNN's batch
+    assert graph.takes([SeqChunk([1, 2, 3], 20, table, True, num_logits=3)])
+    assert not graph.takes([decode, SeqChunk([1, 2], 20, table, True)])  # a prefill
 
 
 @pytest.mark.model

@@ -158,8 +158,7 @@ def test_default_model_on_gguf_blocks_follows_the_dequantized_path(default_gguf:
     # perplexity: every row through the blocks (rows past QUANT_MAX_ROWS too)
     ids = tok.encode(PERPLEXITY_TEXT)
     reference = math.exp(mean_nll(runner, ids))
-    use_gguf_weights(quant.model, default_gguf, quant.native, F.linear,
-                     max_rows=1 << 20)
+    use_gguf_weights(quant.model, default_gguf, quant.native, max_rows=1 << 20)
     ppl = math.exp(mean_nll(quant, ids))
     print(f"perplexity: dequantized {reference:.4f}, gguf blocks {ppl:.4f}")
     assert abs(ppl / reference - 1) < 0.01

@@ -32,7 +32,7 @@ blocks within float rounding.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -45,6 +45,9 @@ from sluice.engine.models.llama import (
     rope_tables,
 )
 from sluice.engine.native import NativeOps
+
+if TYPE_CHECKING:
+    from sluice.engine.model_runner import SeqChunk
 
 GRAPH_MAX_ROWS = 8  # rows up to which a decode step runs as the graph (gguf_rows' group)
 Q8_0 = 8  # ggml type: its blocks keep float activations (the head: bound by memory)
@@ -101,6 +104,32 @@ class DecodeGraph:
             [_float(n.weight) for n in norms], k_pools, v_pools,
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, int8)
         return cls(model, graph, max_rows)
+
+    def takes(self, chunks: list[SeqChunk]) -> bool:
+        """Whether this step runs here: every chunk one-query rows (a decode, or a verify:
+        every token's logits wanted), at most `max_rows` rows in all."""
+        rows = sum(len(c.token_ids) for c in chunks)
+        return rows <= self.max_rows and all(c.one_query_rows for c in chunks)
+
+    def execute(self, chunks: list[SeqChunk], block_size: int) -> Tensor:
+        """`ModelRunner.execute` of a step it `takes` (chunks already checked): rows in
+        chunk order, the logits of the rows that want them."""
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        wanted: list[int] = []
+        for c in chunks:
+            for j, token in enumerate(c.token_ids):
+                pos = c.start_pos + j
+                if c.need_logits and j >= len(c.token_ids) - c.num_logits:
+                    wanted.append(len(tokens))
+                tokens.append(token)
+                positions.append(pos)
+                slots.append(c.block_table[pos // block_size] * block_size + pos % block_size)
+                tables.append(c.block_table)
+        logits = self.forward(tokens, positions, slots, tables)
+        return logits if len(wanted) == len(tokens) else logits[wanted]
 
     def forward(self, tokens: list[int], positions: list[int], slots: list[int],
                 tables: list[list[int]]) -> Tensor:

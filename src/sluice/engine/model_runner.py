@@ -77,6 +77,13 @@ class SeqChunk:
     lora: LoRAAdapter | None = None  # the sequence's adapter (multi-LoRA), or the base
     num_logits: int = 1  # logit rows: the last `num_logits` tokens' (speculative verify)
 
+    @property
+    def one_query_rows(self) -> bool:
+        """A decode, or a speculative verify (every token's logits wanted): its tokens run
+        as one-query decodes of growing context over the same block table (K/V are
+        written before attention reads them, so each draft sees the ones before it)."""
+        return len(self.token_ids) == 1 or self.num_logits == len(self.token_ids)
+
 
 # CPU flags of native bfloat16 math: AVX512-BF16's dot products, AMX's tiles. Without
 # them torch emulates bfloat16 (convert, compute in float32, round), slower than float32.
@@ -156,12 +163,12 @@ class ModelRunner:
         if self.linear is not None:
             self.model.use_linear(self.linear)
         self.gguf_blocks: dict[str, tuple[Tensor, int]] = {}  # linears on GGUF blocks
-        if mc.quantization == "gguf":
-            self.gguf_blocks = self._use_gguf_weights(mc)
-        elif mc.quantization == "int8":
+        if mc.quantization == "int8":
             self._use_int8_weights()
         elif self.linear is not None and onednn_packing(self.dtype):
             self._pack_weights()
+        if mc.quantization == "gguf":  # the blocks for a few rows, the (packed) dense above
+            self.gguf_blocks = self._use_gguf_weights(mc)
         cfg = self.model_config
         self.lora_shapes = module_shapes(cfg.hidden_size, cfg.intermediate_size, cfg.q_size,
                                          cfg.kv_size)
@@ -190,7 +197,7 @@ class ModelRunner:
         if path.suffix != ".gguf":
             raise InvalidRequestError("quantization 'gguf' needs a .gguf model",
                                       param="quantization")
-        return use_gguf_weights(self.model, path, self.native, self.linear or F.linear)
+        return use_gguf_weights(self.model, path, self.native)
 
     def _use_int8_weights(self) -> None:
         """Every linear on int8 weights with per-row scales (sluice.engine.quant)."""
@@ -272,8 +279,10 @@ class ModelRunner:
         """
         if not chunks:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        if self.decode_graph is not None and self._graph_takes(chunks):
-            return self._execute_graph(chunks)
+        if self.decode_graph is not None and self.decode_graph.takes(chunks):
+            for c in chunks:
+                self._check(c)
+            return self.decode_graph.execute(chunks, self.block_size)
         order = self._flat_order(chunks)
         tokens, positions, slots, last_row = self._flatten(chunks, order)
         meta = AttentionMetadata(self._tensor(slots), self._groups(chunks, order),
@@ -287,51 +296,14 @@ class ModelRunner:
                             self._tensor(wanted))
         return logits.float()
 
-    def _graph_takes(self, chunks: list[SeqChunk]) -> bool:
-        """Whether the decode graph runs this step: every chunk one-query rows (decodes,
-        verifies), at most its row limit in all."""
-        assert self.decode_graph is not None
-        rows = sum(len(c.token_ids) for c in chunks)
-        return rows <= self.decode_graph.max_rows and all(self._decode_like(c) for c in chunks)
-
-    def _execute_graph(self, chunks: list[SeqChunk]) -> Tensor:
-        """`execute` through the decode graph (sluice.engine.decode_graph): rows in chunk
-        order, the logits of the rows `execute` returns."""
-        assert self.decode_graph is not None
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        tables: list[list[int]] = []
-        wanted: list[int] = []
-        bs = self.block_size
-        for c in chunks:
-            self._check(c)
-            for j, token in enumerate(c.token_ids):
-                pos = c.start_pos + j
-                if c.need_logits and j >= len(c.token_ids) - c.num_logits:
-                    wanted.append(len(tokens))
-                tokens.append(token)
-                positions.append(pos)
-                slots.append(c.block_table[pos // bs] * bs + pos % bs)
-                tables.append(c.block_table)
-        logits = self.decode_graph.forward(tokens, positions, slots, tables)
-        return logits if len(wanted) == len(tokens) else logits[wanted]
-
     def _tensor(self, values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
-
-    @staticmethod
-    def _decode_like(c: SeqChunk) -> bool:
-        """A decode, or a speculative verify (every token's logits wanted): its tokens run
-        as one-query decodes of growing context over the same block table (K/V are
-        written before attention reads them, so each draft sees the ones before it)."""
-        return len(c.token_ids) == 1 or c.num_logits == len(c.token_ids)
 
     @classmethod
     def _flat_order(cls, chunks: list[SeqChunk]) -> list[int]:
         """Chunk indices in flat order: decodes (and verifies) first, then prefills."""
-        decodes = [i for i, c in enumerate(chunks) if cls._decode_like(c)]
-        return decodes + [i for i, c in enumerate(chunks) if not cls._decode_like(c)]
+        decodes = [i for i, c in enumerate(chunks) if c.one_query_rows]
+        return decodes + [i for i, c in enumerate(chunks) if not c.one_query_rows]
 
     def _flatten(self, chunks: list[SeqChunk],
                  order: list[int]) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -391,4 +363,4 @@ class ModelRunner:
 
     @classmethod
     def _num_decodes(cls, chunks: list[SeqChunk]) -> int:
-        return sum(1 for c in chunks if cls._decode_like(c))
+        return sum(1 for c in chunks if c.one_query_rows)

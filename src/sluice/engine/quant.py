@@ -96,10 +96,10 @@ def quantized_linear(blocks: Tensor, ggml_type: int, kernel: BlockLinear,
 
 
 def use_gguf_weights(model: Transformer, gguf_path: Path, native: NativeOps | None,
-                     dense: LinearKernel,
                      max_rows: int = QUANT_MAX_ROWS) -> dict[str, tuple[Tensor, int]]:
-    """Point every linear with supported blocks at them; returns {module name: (blocks,
-    ggml type)} of those linears (what the decode graph runs on).
+    """Point every linear with supported blocks at them for up to `max_rows` rows, its
+    current matmul (the runner's: oneDNN on the packed dense weight) above; returns
+    {module name: (blocks, ggml type)} of those linears (what the decode graph runs on).
 
     Mutates the model's Linear modules (their `matmul`); the dense weights stay."""
     if native is None or native.gguf_linear is None:
@@ -114,7 +114,8 @@ def use_gguf_weights(model: Transformer, gguf_path: Path, native: NativeOps | No
         module = modules.get(name)
         if not isinstance(module, Linear) or blocks.shape[0] != module.weight.shape[0]:
             continue
-        module.matmul = quantized_linear(blocks, ggml_type, native.gguf_linear, dense, max_rows)
+        module.matmul = quantized_linear(blocks, ggml_type, native.gguf_linear, module.matmul,
+                                         max_rows)
         used[name] = (blocks, ggml_type)
     return used
 
