@@ -15,6 +15,7 @@ Speculative decoding: a drafted sequence has one verify row per draft plus one; 
 gets the mask of the state after drafts 1..i (`GrammarBackend.mask` fills a row, accepts
 a draft, and at the end rolls the matcher back), and `draftable` cuts a draft where
 the grammar refuses it before it is verified.
+
 A matcher belongs to its `Sequence` and advances only on tokens the sequence keeps, so
 preemption (recompute) and `n > 1` need nothing more: recomputing a preempted
 sequence's KV re-reads tokens its matcher has already accepted.
