@@ -261,13 +261,14 @@ class EngineCore:
 
     def _sample(self, logits: torch.Tensor, sampled: list[Sequence],
                 drafts: dict[Sequence, list[int]]) -> list[list[SampleResult]]:
-        """Each sampled sequence's new tokens: one, or a verified draft's 1..k+1."""
+        """Each sampled sequence's new tokens: one, or a verified draft's 1..k+1. Grammar
+        masks first, on every row (a drafted sequence's verify rows follow its draft)."""
+        self.structured.mask(logits, sampled, drafts)
         if self.spec is not None:
             return self.spec.sample(logits, sampled, drafts, self._sample_plain)
         return [[r] for r in self._sample_plain(logits, sampled)]
 
     def _sample_plain(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-        self.structured.mask(logits, seqs)
         return self.sampler(logits, seqs) if seqs else []
 
     def _after_forward(self, chunks: list[ScheduledChunk], seconds: float) -> None:

@@ -31,8 +31,12 @@ acceptance rates, the draft model's measured forward time in the cost) and the d
 model then runs only for the chosen sequences. Drafts with a sampled draft
 distribution q and min(1, p/q) acceptance are not built.
 
-Structured output: constrained sequences do not speculate (their masks would have to
-advance through the drafts; they decode plainly beside speculating ones).
+Structured output: a constrained sequence drafts too. `propose` cuts its draft at the
+first token the grammar refuses (and before a stop token): such a draft could never be
+accepted. Before sampling, the core masks every verify row, row i in the grammar state
+after drafts 1..i (`StructuredOutputManager.mask` walks the matcher through the draft
+and rolls it back), so verification samples each position exactly as plain decoding
+would, and the core's per-token `accept` advances the matcher over the kept tokens.
 
 When to speculate (`SpecPlanner`): the forward's time grows slowly with its tokens only
 while the step is bandwidth-bound. The planner keeps the measured step-time curve
@@ -59,6 +63,7 @@ from sluice.engine.block_manager import BlockManager, blocks_needed
 from sluice.engine.config import EngineConfig, SpeculativeConfig
 from sluice.engine.sampler import Sampler, SampleResult
 from sluice.engine.sequence import Sequence, SequenceStatus
+from sluice.engine.structured_output import draftable
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -324,6 +329,12 @@ class _Candidate:
     draft: list[int] | None = None  # None: a blind proposer drafts after choosing
 
 
+def grammatical(seq: Sequence, draft: list[int]) -> list[int]:
+    """`draft` up to the first token `seq`'s grammar refuses (and before a stop token):
+    a refused draft could never be accepted, so verifying it wastes its rows."""
+    return draft if seq.grammar is None else draft[:draftable(seq.grammar, draft)]
+
+
 def expected_accepted(rate: float, size: int) -> float:
     """Expected accepted tokens of a `size`-token draft at acceptance `rate` per position."""
     return sum(rate ** j for j in range(1, size + 1))
@@ -443,8 +454,7 @@ class SpecDecoder:
     def propose(self, running: list[Sequence], budget: int) -> None:
         """Append the chosen drafts to running decodes' `token_ids` (`fit` trims them)."""
         self._forget_finished()
-        decodes = [s for s in running if s.num_computed_tokens == len(s.token_ids) - 1
-                   and s.grammar is None]
+        decodes = [s for s in running if s.num_computed_tokens == len(s.token_ids) - 1]
         step_tokens = min(budget, sum(len(s.token_ids) - s.num_computed_tokens
                                       for s in running))
         one = self.proposer.draft_seconds([(decodes[0], self.k)]) if decodes else 0.0
@@ -465,9 +475,11 @@ class SpecDecoder:
             chosen = self._room(self.planner.choose(cands, step_tokens, len(decodes),
                                                     self._draft_cost),
                                 running, budget - step_tokens)
-            drafts = self.proposer.propose_batch([(c.seq, c.size) for c in chosen])
+            drafts = [grammatical(c.seq, d) for c, d in zip(
+                chosen, self.proposer.propose_batch([(c.seq, c.size) for c in chosen]),
+                strict=True)]
         else:  # draft (cheap lookups), then choose among the drafts found
-            found = [d[:room] for (_, room), d in
+            found = [grammatical(seq, d[:room]) for (seq, room), d in
                      zip(wants, self.proposer.propose_batch(wants), strict=True)]
             cands = [self._candidate(seq, len(d), d)
                      for (seq, _), d in zip(wants, found, strict=True) if d]

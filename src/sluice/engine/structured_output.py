@@ -6,10 +6,16 @@ token bitmask per constrained row, filled for the whole batch once per step.
                                  failed, or still compiling past the timeout -> 400
                            logits = forward(...)
                            mask(logits, rows)       one batched fill, applied in place
+                                                    (a drafted sequence: one per verify row)
                            sample -> accept(seq, token) advances that sequence's matcher
 
 The mask is applied before the sampler, so every sampler (greedy, top-k/p, seeded)
 and the returned logprobs see only tokens the grammar allows (vLLM does the same).
+Speculative decoding: a drafted sequence has one verify row per draft plus one; row i
+gets the mask of the state after drafts 1..i (`GrammarBackend.mask` fills a row, accepts
+a draft, and at the end rolls the matcher back), and `draftable` cuts a draft where
+the grammar refuses it before it is verified.
+
 A matcher belongs to its `Sequence` and advances only on tokens the sequence keeps, so
 preemption (recompute) and `n > 1` need nothing more: recomputing a preempted
 sequence's KV re-reads tokens its matcher has already accepted.
@@ -65,10 +71,29 @@ MASK_SAMPLES = 100_000  # recent (seconds, rows) of mask fills, for benchmarks
 
 
 class Matcher(Protocol):
-    """One sequence's position in its grammar."""
+    """One sequence's position in its grammar. A token it refuses leaves it where it was;
+    `rollback(n)` undoes the last `n` accepted tokens (never past a stop token: drafts
+    stop before one, `draftable`)."""
 
+    @property
+    def stop_token_ids(self) -> list[int]: ...
     def accept_token(self, token_id: int) -> bool: ...
     def is_terminated(self) -> bool: ...
+    def rollback(self, num_tokens: int) -> Any: ...
+
+
+def draftable(matcher: Matcher, draft: list[int]) -> int:
+    """How many of `draft`'s leading tokens the grammar takes, stopping at the first it
+    refuses and before a stop token (it would end the sequence: nothing may follow it);
+    `matcher` is left where it was (accepted, then rolled back)."""
+    stops, n = set(matcher.stop_token_ids), 0
+    for token in draft:
+        if token in stops or not matcher.accept_token(token):
+            break
+        n += 1
+    if n:
+        matcher.rollback(n)
+    return n
 
 
 # logits [B, V] float32, bitmask [B, W] int32, rows [R] int64, fill (the native kernel)
@@ -83,9 +108,10 @@ class GrammarBackend(abc.ABC):
     Contract: `check` needs no tokenizer and is cheap (the HTTP front end calls it to
     refuse bad input before admission); `compile` may run on any thread and raises
     `InvalidRequestError` naming `params.param` for a constraint it cannot compile;
-    `mask` mutates `logits` rows in place (minus infinity where a token is not allowed)
-    and fills bitmask rows in xgrammar's layout (int32 words, bit `t % 32` of word
-    `t // 32` set where token `t` is allowed), so one apply kernel serves every backend.
+    `fill` writes bitmask rows in xgrammar's layout (int32 words, bit `t % 32` of word
+    `t // 32` set where token `t` is allowed) for matchers in their current state, and
+    `apply` sets `logits` rows to minus infinity where a bit is clear, so one apply kernel
+    serves every backend; `mask` (here) is the two, walking matchers through drafts.
     `supports` says whether the backend can express a kind of constraint at all (`auto`
     skips a backend that cannot; `check` refuses it with a 400 that says so).
     """
@@ -109,7 +135,41 @@ class GrammarBackend(abc.ABC):
     def matcher(self, compiled: Any) -> Matcher: ...
 
     @abc.abstractmethod
-    def mask(self, logits: torch.Tensor, matchers: list[Matcher], rows: list[int]) -> None: ...
+    def bitmask(self, batch: int) -> torch.Tensor:
+        """A reused [batch, W] int32 buffer."""
+
+    @abc.abstractmethod
+    def fill(self, bitmask: torch.Tensor, matchers: list[Matcher], rows: list[int]) -> None:
+        """Bitmask row `rows[i]` := what `matchers[i]` allows next (one batched fill)."""
+
+    @abc.abstractmethod
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Minus infinity in `logits` rows `rows` where their bitmask bit is clear."""
+
+    def mask(self, logits: torch.Tensor, matchers: list[Matcher], rows: list[int],
+             drafts: list[list[int]] | None = None) -> None:
+        """Mask `logits` in place: row `rows[i]` for `matchers[i]`, and with `drafts`, the
+        verify rows `rows[i] + j` (j = 0..len(drafts[i])) each in the state after the
+        first j drafts. The walk is batched by depth (fill row j, accept draft j) and
+        rolled back, so the matchers end where they began."""
+        bitmask = self.bitmask(logits.shape[0])
+        if drafts is None:
+            self.fill(bitmask, matchers, rows)
+            self.apply(logits, bitmask, rows)
+            return
+        index = [r + j for r, d in zip(rows, drafts, strict=True) for j in range(len(d) + 1)]
+        bitmask[index] = -1  # a row the walk does not reach allows all (it is never used)
+        walking, taken = list(range(len(matchers))), [0] * len(matchers)
+        for depth in range(max(len(d) for d in drafts) + 1):
+            self.fill(bitmask, [matchers[i] for i in walking], [rows[i] + depth for i in walking])
+            walking = [i for i in walking if depth < len(drafts[i])
+                       and matchers[i].accept_token(drafts[i][depth])]
+            for i in walking:
+                taken[i] += 1
+        for matcher, n in zip(matchers, taken, strict=True):
+            if n:
+                matcher.rollback(n)
+        self.apply(logits, bitmask, index)
 
 
 # --------------------------------------------------------------------------- xgrammar
@@ -247,15 +307,19 @@ class XGrammarBackend(GrammarBackend):
     def matcher(self, compiled: Any) -> Matcher:
         return self._xgr.GrammarMatcher(compiled)  # type: ignore[no-any-return]
 
-    def mask(self, logits: torch.Tensor, matchers: list[Matcher], rows: list[int]) -> None:
+    def bitmask(self, batch: int) -> torch.Tensor:
+        if batch > self._bitmask.shape[0]:  # bitmask rows line up with logits rows
+            self._bitmask = self._xgr.allocate_token_bitmask(batch, self.vocab_size)
+        return self._bitmask[:batch]  # type: ignore[no-any-return]
+
+    def fill(self, bitmask: torch.Tensor, matchers: list[Matcher], rows: list[int]) -> None:
+        if matchers:
+            self.batch.batch_fill_next_token_bitmask(matchers,  # type: ignore[arg-type]
+                                                     bitmask, indices=rows)
+
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         import torch
 
-        batch = logits.shape[0]  # bitmask rows line up with logits rows (`indices`)
-        if batch > self._bitmask.shape[0]:
-            self._bitmask = self._xgr.allocate_token_bitmask(batch, self.vocab_size)
-        bitmask = self._bitmask[:batch]
-        self.batch.batch_fill_next_token_bitmask(matchers, bitmask,  # type: ignore[arg-type]
-                                                 indices=rows)
         if self._apply_bitmask is not None and logits.dtype == torch.float32 \
                 and logits.device.type == "cpu" and logits.is_contiguous():
             self._apply_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.long),
@@ -423,19 +487,32 @@ def _guidance_invalid(params: StructuredOutputsParams, error: str) -> InvalidReq
 
 class GuidanceMatcher:
     """An `LLMatcher` behind sluice's `Matcher` protocol: terminated once it takes an EOS
-    token (as xgrammar's), or once it is in error."""
+    token (as xgrammar's), or once it is in error. A refused token leaves it where it was
+    (`try_consume_tokens`; `consume_token` would put it in error), as xgrammar's does."""
 
     __slots__ = ("inner", "_eos", "_done")
 
     def __init__(self, inner: Any, eos: frozenset[int]) -> None:
         self.inner, self._eos, self._done = inner, eos, False
 
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return sorted(self._eos)
+
     def accept_token(self, token_id: int) -> bool:
-        self._done = self._done or token_id in self._eos
-        return bool(self.inner.consume_token(token_id))
+        if token_id in self._eos:
+            self._done = True
+            return bool(self.inner.consume_token(token_id))
+        return bool(self.inner.try_consume_tokens([token_id]) == 1)
 
     def is_terminated(self) -> bool:
         return self._done or bool(self.inner.is_error())
+
+    def rollback(self, num_tokens: int) -> bool:
+        """Undo the last `num_tokens` (llguidance does not count a consumed EOS, so this
+        is never called past one: drafts stop before a stop token)."""
+        assert not self._done, "rollback past a stop token"
+        return bool(self.inner.rollback(num_tokens))
 
 
 class LLGuidanceBackend(GrammarBackend):
@@ -502,16 +579,22 @@ class LLGuidanceBackend(GrammarBackend):
     def matcher(self, compiled: Any) -> Matcher:
         return GuidanceMatcher(compiled.deep_copy(), self.eos)
 
-    def mask(self, logits: torch.Tensor, matchers: list[Matcher], rows: list[int]) -> None:
+    def bitmask(self, batch: int) -> torch.Tensor:
         import torch
 
-        batch = logits.shape[0]  # bitmask rows line up with logits rows
-        if batch > self._bitmask.shape[0]:
+        if batch > self._bitmask.shape[0]:  # bitmask rows line up with logits rows
             self._bitmask = torch.full((batch, self._bitmask.shape[1]), -1, dtype=torch.int32)
-        bitmask = self._bitmask[:batch]
+        return self._bitmask[:batch]
+
+    def fill(self, bitmask: torch.Tensor, matchers: list[Matcher], rows: list[int]) -> None:
         pairs = [(m.inner, row) for m, row in zip(matchers, rows, strict=True)]  # type: ignore[attr-defined]
-        self.executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4,
-                                              batch)
+        if pairs:
+            self.executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(),
+                                                  bitmask.shape[1] * 4, bitmask.shape[0])
+
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        import torch
+
         index = torch.tensor(rows, dtype=torch.long)
         if self._apply_bitmask is not None and logits.dtype == torch.float32 \
                 and logits.device.type == "cpu" and logits.is_contiguous():
@@ -722,18 +805,29 @@ class StructuredOutputManager:
         return bool(self._pending)
 
     # -- the step -----------------------------------------------------------------
-    def mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Mask the rows of constrained sequences (one batched fill); no-op otherwise."""
-        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
-        if not rows:
+    def mask(self, logits: torch.Tensor, seqs: list[Sequence],
+             drafts: dict[Sequence, list[int]] | None = None) -> None:
+        """Mask the rows of constrained sequences (one batched fill per backend); no-op
+        otherwise. A sequence has one row, or with a draft (speculative decoding) its
+        len(draft) + 1 verify rows, each masked in the grammar state after the drafts
+        before it (`GrammarBackend.mask`); matchers end where they began."""
+        drafts = drafts or {}
+        by_backend: dict[GrammarBackend, tuple[list[Sequence], list[int]]] = {}
+        row = 0
+        for seq in seqs:  # one batched fill per backend (one, unless auto mixes them)
+            if seq.grammar is not None:
+                own, rows = by_backend.setdefault(self._owners[type(seq.grammar)], ([], []))
+                own.append(seq)
+                rows.append(row)
+            row += len(drafts.get(seq, ())) + 1
+        if not by_backend:
             return
         start = time.perf_counter()
-        by_backend: dict[GrammarBackend, list[int]] = {}
-        for i in rows:  # one batched fill per backend (one, unless auto mixes them)
-            by_backend.setdefault(self._owners[type(seqs[i].grammar)], []).append(i)
-        for backend, own in by_backend.items():
-            backend.mask(logits, [seqs[i].grammar for i in own], own)
-        self.mask_samples.append((time.perf_counter() - start, len(rows)))
+        for backend, (own, rows) in by_backend.items():
+            walks = [drafts.get(s, []) for s in own] if drafts else None
+            backend.mask(logits, [s.grammar for s in own], rows, walks)
+        self.mask_samples.append((time.perf_counter() - start,
+                                  sum(len(rows) for _, rows in by_backend.values())))
 
     @staticmethod
     def accept(seq: Sequence, token: int) -> None:
