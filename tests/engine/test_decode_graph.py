@@ -71,7 +71,7 @@ def int8_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> tor
 
 
 @pytest.mark.parametrize("ggml_type", [2, 3])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 11])
 @pytest.mark.parametrize("cols", [96, 160, 576])  # 3 and 5 blocks: a group and a tail
 def test_q4_int8_linear_matches_its_float64_reference(ops: NativeOps, ggml_type: int,
                                                       rows: int, cols: int) -> None:

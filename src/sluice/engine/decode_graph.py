@@ -49,7 +49,10 @@ from sluice.engine.native import NativeOps
 if TYPE_CHECKING:
     from sluice.engine.model_runner import SeqChunk
 
-GRAPH_MAX_ROWS = 8  # rows up to which a decode step runs as the graph (gguf_rows' group)
+# rows up to which a decode step runs as the graph: past 8 the torch model's oneDNN GEMM
+# on the dense weights wins (bfloat16, AVX512-BF16 here: 9 rows 23.3 vs 29.2 ms, 16 rows
+# 29.2 vs 43.3; 8 rows 23.9 vs 24.6; 1 row 9.7 vs 6.3)
+GRAPH_MAX_ROWS = 8
 Q8_0 = 8  # ggml type: its blocks keep float activations (the head: bound by memory)
 
 

@@ -94,7 +94,7 @@ class NativeOps:
     # path its Q4 x int8 dot products were built with here ("" for none)
     decode_graph: Callable[..., Any] | None = None
     q4_int8_path: Callable[[], str] | None = None
-    # x [1-8, K] float32, Q4 blocks, ggml type, bias: the graph's Q4 x int8 linear alone
+    # x [M, K] float32, Q4 blocks, ggml type, bias: the graph's Q4 x int8 linear alone
     gguf_linear_int8: Callable[[Tensor, Tensor, int, Tensor | None], Tensor] | None = None
 
 

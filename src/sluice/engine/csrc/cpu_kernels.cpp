@@ -1153,37 +1153,42 @@ static void q4_int8_rows(const Q4Packed& w, const Q8Row* xs, const float* bias, 
 }
 #endif
 
-// y [M, N] = x [M, K] @ W^T (+ bias) on repacked Q4 blocks, M <= 8 (the graph's rows).
+// y [M, N] = x [M, K] @ W^T (+ bias) on repacked Q4 blocks, activation rows in groups of
+// up to 8 (a weight row read once serves a group).
 static void q4_int8_linear(const Q4Packed& w, const float* x, int64_t M, const float* bias,
                            float* y, std::vector<Q8Row>& rows) {
   rows.resize(std::max<size_t>(rows.size(), M));
   for (int64_t m = 0; m < M; ++m) q8_quantize(x + m * w.K, w.nb, rows[m]);
   at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
-    switch (M) {
-      case 1: q4_int8_rows<1>(w, rows.data(), bias, y, n0, n1); break;
-      case 2: q4_int8_rows<2>(w, rows.data(), bias, y, n0, n1); break;
-      case 3: q4_int8_rows<3>(w, rows.data(), bias, y, n0, n1); break;
-      case 4: q4_int8_rows<4>(w, rows.data(), bias, y, n0, n1); break;
-      case 5: q4_int8_rows<5>(w, rows.data(), bias, y, n0, n1); break;
-      case 6: q4_int8_rows<6>(w, rows.data(), bias, y, n0, n1); break;
-      case 7: q4_int8_rows<7>(w, rows.data(), bias, y, n0, n1); break;
-      default: q4_int8_rows<8>(w, rows.data(), bias, y, n0, n1); break;
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const Q8Row* xs = rows.data() + m0;
+      float* ym = y + m0 * w.N;
+      switch (std::min<int64_t>(8, M - m0)) {
+        case 1: q4_int8_rows<1>(w, xs, bias, ym, n0, n1); break;
+        case 2: q4_int8_rows<2>(w, xs, bias, ym, n0, n1); break;
+        case 3: q4_int8_rows<3>(w, xs, bias, ym, n0, n1); break;
+        case 4: q4_int8_rows<4>(w, xs, bias, ym, n0, n1); break;
+        case 5: q4_int8_rows<5>(w, xs, bias, ym, n0, n1); break;
+        case 6: q4_int8_rows<6>(w, xs, bias, ym, n0, n1); break;
+        case 7: q4_int8_rows<7>(w, xs, bias, ym, n0, n1); break;
+        default: q4_int8_rows<8>(w, xs, bias, ym, n0, n1); break;
+      }
     }
   });
 }
 #endif  // AVX2
 
-// x [M, K] float32 (M <= 8) @ Q4 blocks [N, bytes]^T (+ bias) on int8 activations,
+// x [M, K] float32 @ Q4 blocks [N, bytes]^T (+ bias) on int8 activations,
 // repacking the blocks on each call: q4_int8_linear alone, for tests.
 torch::Tensor gguf_linear_int8(torch::Tensor x, torch::Tensor qweight, int64_t type,
                                c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(type == 2 || type == 3, "gguf_linear_int8: Q4_0 (2) or Q4_1 (3)");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 8 &&
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 &&
                   x.scalar_type() == torch::kFloat && qweight.scalar_type() == torch::kByte &&
                   qweight.dim() == 2 && qweight.is_contiguous() &&
                   qweight.size(1) == x.size(1) / 32 * gguf_type(type).block_bytes &&
                   x.size(1) % 32 == 0,
-              "gguf_linear_int8: x [1-8, K] float32, qweight [N, K / 32 blocks] uint8");
+              "gguf_linear_int8: x [M, K] float32, qweight [N, K / 32 blocks] uint8");
 #ifdef SLUICE_Q4_INT8
   const Q4Packed packed = q4_pack(qweight, type);
   const auto xc = x.contiguous();
