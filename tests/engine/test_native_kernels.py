@@ -155,6 +155,18 @@ def test_silu_and_mul_equals_torch(ops: NativeOps, rows: int) -> None:
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_at_large_gates(ops: NativeOps, dtype: torch.dtype) -> None:
+    """Gates far below zero (a real model's, e.g. -100) give 0, not NaN: exp(-gate)
+    overflowed in the compiler's vector expf under -ffast-math (the AVX-512 build)."""
+    gate = torch.tensor([-1000.0, -100.0, -90.0, -88.5, -50.0, 0.0, 50.0, 1000.0] * 4)
+    x = torch.cat([gate, torch.full_like(gate, 2.0)])[None].to(dtype)
+    got = ops.silu_and_mul(x).float()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, (torch.nn.functional.silu(gate) * 2)[None].to(dtype).float(),
+                               rtol=1e-2, atol=1e-6)
+
+
 def test_bfloat16_kernels_equal_torch_within_bfloat16_rounding(ops: NativeOps) -> None:
     torch.manual_seed(5)
     bf16 = torch.bfloat16

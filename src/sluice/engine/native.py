@@ -111,10 +111,10 @@ def cpu_flags() -> frozenset[str]:
                           "").split())
 
 
-# /proc/cpuinfo flag -> the compiler's option for it: the instructions the kernels use
+# /proc/cpuinfo flag -> the compiler's option for it: the instructions the kernels use;
+# the -D ones enable a section's own target (the decode graph's Q4 x int8 dot products)
 BUILD_FLAGS = {"avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c", "avx512f": "-mavx512f",
-               "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
-               "avx512_vnni": "-mavx512vnni"}
+               "avx512bw": "-DSLUICE_AVX512BW", "avx512_vnni": "-DSLUICE_AVX512VNNI"}
 
 
 def _cpu_flags() -> list[str]:
@@ -136,8 +136,8 @@ def load_kernels() -> NativeOps:
     # checkouts) never loads a build for another CPU, nor rebuilds back and forth
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source).hexdigest()[:10]
-    name = "_".join(["sluice_kernels", *(f.removeprefix("-m") for f in flags or ["-mbase"]),
-                     digest])
+    name = "_".join(["sluice_kernels", *(f.removeprefix("-m").removeprefix("-DSLUICE_").lower()
+                                         for f in flags or ["-mbase"]), digest])
     t0 = time.perf_counter()
     log.info("loading the engine's CPU kernels (built once per machine, ~45 s)")
     module = load(name=name, sources=[str(_stable_copy(name, source))], extra_cflags=cflags,

@@ -262,6 +262,11 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
   }
 }
 
+// silu(g) = g / (1 + exp(-g)), its exponent capped: under -ffast-math the compiler's
+// vector expf (AVX-512) returns garbage for arguments past ~88 instead of inf, which made
+// silu(-100) NaN; exp(80) is finite and g / (1 + exp(80)) is 0 to float precision.
+static inline float silu(float g) { return g / (1.f + std::exp(std::min(-g, 80.f))); }
+
 // SwiGLU's activation: x [T, 2I] = gate | up -> silu(gate) * up [T, I] (vLLM's
 // silu_and_mul): one pass instead of torch's silu, then the multiply, each over the
 // whole [T, I] (9% of a 2,048-token prefill step on the dev machine).
@@ -276,8 +281,7 @@ static void silu_mul(const torch::Tensor& x, torch::Tensor& out) {
       const T* up = gate + I;
       T* o = op + t * I;
       for (int64_t i = 0; i < I; ++i) {
-        const float g = static_cast<float>(gate[i]);
-        o[i] = static_cast<T>(g / (1.f + std::exp(-g)) * static_cast<float>(up[i]));
+        o[i] = static_cast<T>(silu(static_cast<float>(gate[i])) * static_cast<float>(up[i]));
       }
     }
   });
@@ -921,6 +925,16 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 // then the same for q2 (256 bytes a group); a last group of fewer blocks is zero-padded.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SLUICE_Q4_INT8 1
+// AVX-512BW / VL / VNNI for this section only (SLUICE_AVX512BW, SLUICE_AVX512VNNI: the
+// build's -D flags, from the CPU's): the rest of the file keeps its flags, since letting
+// the compiler use them everywhere changed how it vectorized other kernels' expf, and
+// with it the default bfloat16 model's greedy answer to the README's question.
+#pragma GCC push_options
+#if defined(SLUICE_AVX512VNNI)
+#pragma GCC target("avx512bw,avx512vl,avx512vnni")
+#elif defined(SLUICE_AVX512BW)
+#pragma GCC target("avx512bw,avx512vl")
+#endif
 
 struct Q4Packed {
   std::vector<uint8_t> data;
@@ -1005,9 +1019,9 @@ static inline __m128 q4_group_halves(const uint16_t* h, int64_t count) {
   return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(part)));
 }
 
-#if defined(__AVX512BW__)
+#if defined(SLUICE_AVX512BW)
 static inline __m512i q4_dot64(__m512i acc, __m512i u, __m512i s) {
-#if defined(__AVX512VNNI__)
+#if defined(SLUICE_AVX512VNNI)
   return _mm512_dpbusd_epi32(acc, u, s);
 #else
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
@@ -1038,15 +1052,20 @@ static inline __m256i q4_half_dot(__m256i lo, __m256i hi, const int8_t* q, int h
 }
 #endif
 
-#if defined(__AVX512BW__)
 // One group of a weight row against R activation rows: the nibbles split once, the
-// block scales d (and mins m) widened to the group's 16 lanes once, then per activation
+// block scales d (and mins m) widened to the group's lanes once, then per activation
 // row acc += (256 sum(q q1) + sum(q q2)) * d * dx / 256 and mins += m * xsum / 4 in
-// each lane (two chains, so their FMAs overlap).
+// each lane (two chains, so their FMAs overlap). `count`: the group's blocks (a last
+// group may have fewer; the missing ones read as zero). Q4Acc: 16 lanes (AVX-512) or 8.
+#if defined(SLUICE_AVX512BW)
+typedef __m512 Q4Acc;
+static inline Q4Acc q4_zero() { return _mm512_setzero_ps(); }
+static inline float q4_total(Q4Acc acc, Q4Acc mins) { return _mm512_reduce_add_ps(_mm512_add_ps(acc, mins)); }
+
 template <int R>
 static inline void q4_group(const uint8_t* qs, const uint16_t* d, const uint16_t* m,
                             int64_t g, int64_t count, bool q4_1, const Q8Row* xs,
-                            __m512 (&acc)[R], __m512 (&mins)[R]) {
+                            Q4Acc (&acc)[R], Q4Acc (&mins)[R]) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   const __m512i v = count == 4 ? _mm512_loadu_si512(qs + g * 64)
@@ -1065,6 +1084,59 @@ static inline void q4_group(const uint8_t* qs, const uint16_t* d, const uint16_t
     mins[r] = _mm512_fmadd_ps(me, _mm512_loadu_ps(xs[r].xse.data() + g * 16), mins[r]);
   }
 }
+#else
+typedef __m256 Q4Acc;
+static inline Q4Acc q4_zero() { return _mm256_setzero_ps(); }
+static inline float q4_total(Q4Acc acc, Q4Acc mins) {
+  const __m256 t = _mm256_add_ps(acc, mins);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
+// AVX2: a group in two halves of two blocks each (8 lanes, 4 a block)
+template <int R>
+static inline void q4_group(const uint8_t* qs, const uint16_t* d, const uint16_t* m,
+                            int64_t g, int64_t count, bool q4_1, const Q8Row* xs,
+                            Q4Acc (&acc)[R], Q4Acc (&mins)[R]) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i spread_lo = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
+  const __m256i spread_hi = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
+  const uint8_t* src = qs + g * 64;
+  __m256i v0, v1;
+  if (count == 4) {
+    v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+  } else {  // 4-byte lanes of the count * 16 bytes there are
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i words = _mm256_set1_epi32(static_cast<int>(count * 4));
+    v0 = _mm256_maskload_epi32(reinterpret_cast<const int*>(src), _mm256_cmpgt_epi32(words, lane));
+    v1 = _mm256_maskload_epi32(reinterpret_cast<const int*>(src + 32),
+                               _mm256_cmpgt_epi32(words, _mm256_add_epi32(lane, _mm256_set1_epi32(8))));
+  }
+  const __m256i lo0 = _mm256_and_si256(v0, low4), lo1 = _mm256_and_si256(v1, low4);
+  const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+  const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+  const __m256 d4 = _mm256_castps128_ps256(q4_group_halves(d + 4 * g, count));
+  const __m256 m4 = q4_1 ? _mm256_castps128_ps256(q4_group_halves(m + 4 * g, count))
+                         : _mm256_mul_ps(d4, _mm256_set1_ps(-8.f));
+  const __m256 de0 = _mm256_permutevar8x32_ps(d4, spread_lo);
+  const __m256 de1 = _mm256_permutevar8x32_ps(d4, spread_hi);
+  const __m256 me0 = _mm256_permutevar8x32_ps(m4, spread_lo);
+  const __m256 me1 = _mm256_permutevar8x32_ps(m4, spread_hi);
+  for (int r = 0; r < R; ++r) {
+    const int8_t* q = xs[r].q.data() + g * 256;
+    const float* dx = xs[r].dxe.data() + g * 16;
+    const float* xe = xs[r].xse.data() + g * 16;
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_half_dot(lo0, hi0, q, 0)),
+                             _mm256_mul_ps(de0, _mm256_loadu_ps(dx)), acc[r]);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_half_dot(lo1, hi1, q, 1)),
+                             _mm256_mul_ps(de1, _mm256_loadu_ps(dx + 8)), acc[r]);
+    mins[r] = _mm256_fmadd_ps(me0, _mm256_loadu_ps(xe), mins[r]);
+    mins[r] = _mm256_fmadd_ps(me1, _mm256_loadu_ps(xe + 8), mins[r]);
+  }
+}
+#endif
 
 // Output rows [n0, n1) for R activation rows.
 template <int R>
@@ -1078,80 +1150,14 @@ static void q4_int8_rows(const Q4Packed& w, const Q8Row* xs, const float* bias, 
     const uint16_t* d = reinterpret_cast<const uint16_t*>(qs + nb * 16);
     const uint16_t* m = d + nb;  // Q4_1
     if (n + ahead < n1) q4_prefetch_row(qs + ahead * w.row_bytes, w.row_bytes);
-    __m512 acc[R], mins[R];
-    for (int r = 0; r < R; ++r) acc[r] = mins[r] = _mm512_setzero_ps();
+    Q4Acc acc[R], mins[R];
+    for (int r = 0; r < R; ++r) acc[r] = mins[r] = q4_zero();
     for (int64_t g = 0; g < whole; ++g) q4_group<R>(qs, d, m, g, 4, q4_1, xs, acc, mins);
     if (whole * 4 < nb) q4_group<R>(qs, d, m, whole, nb - whole * 4, q4_1, xs, acc, mins);
     const float bn = bias ? bias[n] : 0.f;
-    for (int r = 0; r < R; ++r)
-      y[r * w.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], mins[r])) + bn;
+    for (int r = 0; r < R; ++r) y[r * w.N + n] = q4_total(acc[r], mins[r]) + bn;
   }
 }
-#else
-// Output rows [n0, n1) for R activation rows. Per group: the nibbles split once, the
-// block scales d (and mins m) widened to the group's lanes once, then per activation
-// row acc += (256 sum(q q1) + sum(q q2)) * d * dx / 256 + m * xsum / 4 in each lane.
-template <int R>
-static void q4_int8_rows(const Q4Packed& w, const Q8Row* xs, const float* bias, float* y,
-                         int64_t n0, int64_t n1) {
-  const int64_t nb = w.nb, groups = (nb + 3) / 4;
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i spread_lo = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
-  const __m256i spread_hi = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
-  const int64_t ahead = std::max<int64_t>(1, Q4_PREFETCH_BYTES / w.row_bytes);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* qs = w.data.data() + n * w.row_bytes;
-    const uint16_t* d = reinterpret_cast<const uint16_t*>(qs + nb * 16);
-    const uint16_t* m = d + nb;  // Q4_1
-    if (n + ahead < n1) q4_prefetch_row(qs + ahead * w.row_bytes, w.row_bytes);
-    __m256 acc[R], mins[R];
-    for (int r = 0; r < R; ++r) acc[r] = mins[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t count = std::min<int64_t>(4, nb - 4 * g);
-      const uint8_t* src = qs + g * 64;
-      __m256i v0, v1;
-      if (count == 4) {
-        v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-        v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
-      } else {  // 4-byte lanes of the count * 16 bytes there are
-        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        const __m256i words = _mm256_set1_epi32(static_cast<int>(count * 4));
-        v0 = _mm256_maskload_epi32(reinterpret_cast<const int*>(src), _mm256_cmpgt_epi32(words, lane));
-        v1 = _mm256_maskload_epi32(reinterpret_cast<const int*>(src + 32),
-                                   _mm256_cmpgt_epi32(words, _mm256_add_epi32(lane, _mm256_set1_epi32(8))));
-      }
-      const __m256i lo0 = _mm256_and_si256(v0, low4), lo1 = _mm256_and_si256(v1, low4);
-      const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
-      const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
-      const __m256 d4 = _mm256_castps128_ps256(q4_group_halves(d + 4 * g, count));
-      const __m256 m4 = w.type == 3 ? _mm256_castps128_ps256(q4_group_halves(m + 4 * g, count))
-                                    : _mm256_mul_ps(d4, _mm256_set1_ps(-8.f));
-      const __m256 de0 = _mm256_permutevar8x32_ps(d4, spread_lo);
-      const __m256 de1 = _mm256_permutevar8x32_ps(d4, spread_hi);
-      const __m256 me0 = _mm256_permutevar8x32_ps(m4, spread_lo);
-      const __m256 me1 = _mm256_permutevar8x32_ps(m4, spread_hi);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* q = xs[r].q.data() + g * 256;
-        const float* dx = xs[r].dxe.data() + g * 16;
-        const float* xe = xs[r].xse.data() + g * 16;
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_half_dot(lo0, hi0, q, 0)),
-                                 _mm256_mul_ps(de0, _mm256_loadu_ps(dx)), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_half_dot(lo1, hi1, q, 1)),
-                                 _mm256_mul_ps(de1, _mm256_loadu_ps(dx + 8)), acc[r]);
-        mins[r] = _mm256_fmadd_ps(me0, _mm256_loadu_ps(xe), mins[r]);
-        mins[r] = _mm256_fmadd_ps(me1, _mm256_loadu_ps(xe + 8), mins[r]);
-      }
-    }
-    const float bn = bias ? bias[n] : 0.f;
-    for (int r = 0; r < R; ++r) {
-      const __m256 t = _mm256_add_ps(acc[r], mins[r]);
-      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-      y[r * w.N + n] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2))) + bn;
-    }
-  }
-}
-#endif
 
 // y [M, N] = x [M, K] @ W^T (+ bias) on repacked Q4 blocks, activation rows in groups of
 // up to 8 (a weight row read once serves a group).
@@ -1176,6 +1182,7 @@ static void q4_int8_linear(const Q4Packed& w, const float* x, int64_t M, const f
     }
   });
 }
+#pragma GCC pop_options
 #endif  // AVX2
 
 // x [M, K] float32 @ Q4 blocks [N, bytes]^T (+ bias) on int8 activations,
@@ -1208,9 +1215,9 @@ torch::Tensor gguf_linear_int8(torch::Tensor x, torch::Tensor qweight, int64_t t
 // The vector path q4_int8_linear was built with on this machine, or "" (none: the decode
 // graph keeps float activations).
 std::string q4_int8_path() {
-#if defined(SLUICE_Q4_INT8) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(SLUICE_Q4_INT8) && defined(SLUICE_AVX512VNNI) && defined(SLUICE_AVX512BW)
   return "avx512_vnni";
-#elif defined(SLUICE_Q4_INT8) && defined(__AVX512BW__)
+#elif defined(SLUICE_Q4_INT8) && defined(SLUICE_AVX512BW)
   return "avx512bw";
 #elif defined(SLUICE_Q4_INT8)
   return "avx2";
@@ -1454,7 +1461,7 @@ class DecodeGraph {
       for (int64_t b = 0; b < B; ++b) {
         const float* gate = &gate_up_[b * 2 * I];
         float* act = &gate_up_[b * 2 * I];  // in place: act[i] reads gate[i], up[i] first
-        for (int64_t i = 0; i < I; ++i) act[i] = gate[i] / (1.f + std::exp(-gate[i])) * gate[I + i];
+        for (int64_t i = 0; i < I; ++i) act[i] = silu(gate[i]) * gate[I + i];
       }
       // the activations [B, I] sit in the first I floats of each 2I row: pack them
       for (int64_t b = 1; b < B; ++b)
