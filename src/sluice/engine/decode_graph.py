@@ -24,9 +24,10 @@ the pair < 0.01% (csrc/cpu_kernels.cpp, tests/engine/test_decode_graph.py). With
 activations (`int8_activations=False`) the graph follows the torch path on the same
 blocks within float rounding.
 
-    rows        token   position   slot                       block table   context
-    decode A    a41     41         table_A[41 // bs] * bs + 41 % bs    table_A  42
-    verify B    b9 b10  9, 10      ...                        table_B x2    10, 11
+    row          token  position  KV slot                            table    attends to
+    decode A     a41    41        table_A[41 // bs] * bs + 41 % bs   table_A  0..41
+    verify B, 0  b9     9         table_B[9 // bs] * bs + 9 % bs     table_B  0..9
+    verify B, 1  b10    10        table_B[10 // bs] * bs + 10 % bs   table_B  0..10
 """
 
 from __future__ import annotations
