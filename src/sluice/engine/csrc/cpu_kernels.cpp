@@ -1238,9 +1238,9 @@ std::string q4_int8_path() {
 // then the final norm and the output head: logits [B, V] float32. The torch model runs
 // the same step as ~10 calls a layer from Python (each a dispatch, an allocation, and
 // for the parallel ones an OpenMP fork/join); here the activations stay float32 in a few
-// reused buffers, the linears (gguf_linear_typed, parallel over output rows) and the
-// attention (over rows x KV heads) are the only parallel parts, and norms, RoPE and
-// the K/V writes (a few thousand floats at one row) run on the calling thread.
+// reused buffers, the linears (q4_int8_linear or gguf_linear_typed, parallel over output
+// rows) and the attention (over rows x KV heads) are the only parallel parts, and norms,
+// RoPE and the K/V writes (a few thousand floats at one row) run on the calling thread.
 // Rows are decodes or a speculative verify's tokens (each a one-query decode whose
 // context ends at its own token): every row's K/V is written before any attends.
 struct GraphLinear {
