@@ -706,6 +706,24 @@ static void gguf_linear_typed(const uint8_t* w, const float* x, const float* xsu
   });
 }
 
+// y [M, N] = x [M, K] @ W^T (+ bias) on GGUF blocks of `type`, float x: the block sums
+// of x (into `xsum`, the caller's scratch), then the typed kernel.
+static void gguf_matmul(const uint8_t* w, int64_t type, const float* x, const float* bias,
+                        float* y, int64_t M, int64_t K, int64_t N, std::vector<float>& xsum) {
+  const int64_t blocks = M * (K / 32);
+  xsum.resize(blocks);
+  for (int64_t i = 0; i < blocks; ++i) {
+    float s = 0.f;
+    for (int j = 0; j < 32; ++j) s += x[i * 32 + j];
+    xsum[i] = s;
+  }
+  switch (type) {
+    case 2: gguf_linear_typed<2>(w, x, xsum.data(), bias, y, M, K, N); break;
+    case 3: gguf_linear_typed<3>(w, x, xsum.data(), bias, y, M, K, N); break;
+    default: gguf_linear_typed<8>(w, x, xsum.data(), bias, y, M, K, N); break;
+  }
+}
+
 // x [M, K] float32 or bfloat16; qweight [N, K / 32 * block_bytes] uint8; bias [N] float32
 // or None -> [M, N] in x's dtype.
 torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qweight, int64_t type,
@@ -719,13 +737,6 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qweight, int64_t type,
   TORCH_CHECK(K % 32 == 0 && qweight.size(1) == nb * t.block_bytes,
               "gguf_linear: K a multiple of 32 and qweight rows of K / 32 blocks");
   const auto xf = x.to(torch::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
-  std::vector<float> xsum(M * nb);
-  for (int64_t i = 0; i < M * nb; ++i) {
-    float s = 0.f;
-    for (int j = 0; j < 32; ++j) s += xp[i * 32 + j];
-    xsum[i] = s;
-  }
   const float* bp = nullptr;
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) {
@@ -734,13 +745,9 @@ torch::Tensor gguf_linear(torch::Tensor x, torch::Tensor qweight, int64_t type,
     bp = b.data_ptr<float>();
   }
   auto out = torch::empty({M, N}, xf.options());
-  const uint8_t* wp = qweight.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  switch (type) {
-    case 2: gguf_linear_typed<2>(wp, xp, xsum.data(), bp, op, M, K, N); break;
-    case 3: gguf_linear_typed<3>(wp, xp, xsum.data(), bp, op, M, K, N); break;
-    default: gguf_linear_typed<8>(wp, xp, xsum.data(), bp, op, M, K, N); break;
-  }
+  std::vector<float> xsum;
+  gguf_matmul(qweight.data_ptr<uint8_t>(), type, xf.data_ptr<float>(), bp, out.data_ptr<float>(),
+              M, K, N, xsum);
   return x.scalar_type() == torch::kFloat ? out : out.to(x.scalar_type());
 }
 
@@ -1269,20 +1276,7 @@ static void graph_linear(const GraphLinear& l, const float* x, int64_t M, float*
     return;
   }
 #endif
-  std::vector<float>& xsum = scratch.xsum;
-  const int64_t nb = l.K / 32;
-  xsum.resize(M * nb);
-  for (int64_t i = 0; i < M * nb; ++i) {
-    float s = 0.f;
-    for (int j = 0; j < 32; ++j) s += x[i * 32 + j];
-    xsum[i] = s;
-  }
-  const uint8_t* wp = l.blocks.data_ptr<uint8_t>();
-  switch (l.type) {
-    case 2: gguf_linear_typed<2>(wp, x, xsum.data(), bp, y, M, l.K, l.N); break;
-    case 3: gguf_linear_typed<3>(wp, x, xsum.data(), bp, y, M, l.K, l.N); break;
-    default: gguf_linear_typed<8>(wp, x, xsum.data(), bp, y, M, l.K, l.N); break;
-  }
+  gguf_matmul(l.blocks.data_ptr<uint8_t>(), l.type, x, bp, y, M, l.K, l.N, scratch.xsum);
 }
 
 // residual[i] += h[i] (unless h is null); out = rms_norm(residual) * w, one row.
