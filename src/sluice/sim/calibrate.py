@@ -188,19 +188,20 @@ def workers_metrics(urls: list[str]) -> dict[str, float]:
     return total
 
 
-def outside_engine_s(client_mean_ttft_s: float, before: dict[str, float],
+def outside_engine_s(client_ttft_s: float, before: dict[str, float],
                      after: dict[str, float]) -> float:
-    """Mean seconds of a request's TTFT spent outside the engines (HTTP, router,
-    tokenizing, IPC, detokenizing), the profile's `request_overhead_s`: the clients' mean
-    TTFT less the engines' own mean queue + prefill time, from their /metrics summed over
-    the workers (`workers_metrics`) before and after the run."""
+    """Seconds of a request's TTFT spent outside the engines (HTTP, router, tokenizing,
+    IPC, detokenizing), the profile's `request_overhead_s`: the clients' TTFT (their mean,
+    or their median where a few slow requests should not set every request's overhead)
+    less the engines' own mean queue + prefill time, from their /metrics summed over the
+    workers (`workers_metrics`) before and after the run."""
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     count = delta("vllm:request_queue_time_seconds_count")
     inside = (delta("vllm:request_queue_time_seconds_sum")
               + delta("vllm:request_prefill_time_seconds_sum"))
-    return client_mean_ttft_s - inside / count if count else 0.0
+    return client_ttft_s - inside / count if count else 0.0
 
 
 def _cpu() -> str:
