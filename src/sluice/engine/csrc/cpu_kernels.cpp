@@ -920,9 +920,10 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 //               + m_b * sum_j x_bj
 //
 // with m = the block's min (Q4_1) or -8 d (Q4_0), and sum_j x_bj the float sum of the
-// block. Against float activations (gguf_rows) this drops the per-value conversions to
-// float, the work that made a one-row Q4 linear compute-bound (12 GB/s of blocks on the
-// dev machine, whose memory gives 2 threads ~40 GB/s).
+// block (the second sum in a short pass of its own per weight row). Against float
+// activations (gguf_rows) this drops the per-value conversions to float, the work that
+// made a one-row Q4 linear compute-bound (12 GB/s of blocks on the dev machine, whose
+// memory gives 2 threads ~40 GB/s).
 //
 // The weights are repacked once (the file's bits, reordered, as llama.cpp repacks Q4_0
 // for its SIMD paths): a row holds its nb blocks' 16-byte nibble arrays contiguously,
@@ -970,19 +971,20 @@ static Q4Packed q4_pack(const torch::Tensor& blocks, int64_t type) {
   return p;
 }
 
-// One activation row, quantized per block: q (the group layout, 256 bytes a group), and
-// per group 16 floats of each of its blocks' dx / 256 (dxe) and float sum / 4 (xse), each
-// 4 times: the lanes vpdpbusd fills for the block (a zero-padded last group is zero).
+// One activation row, quantized per block: q (the group layout, 256 bytes a group), dxe
+// (per group 16 floats: each block's dx / 256, 4 times, the lanes vpdpbusd fills for the
+// block) and xs (each block's float sum, padded with zeros to a multiple of 16 blocks).
+// A zero-padded last group is zero.
 struct Q8Row {
   std::vector<int8_t> q;
-  std::vector<float> dxe, xse;
+  std::vector<float> dxe, xs;
 };
 
 static void q8_quantize(const float* x, int64_t nb, Q8Row& out) {
   const int64_t groups = (nb + 3) / 4;
   out.q.assign(groups * 256, 0);
   out.dxe.assign(groups * 16, 0.f);
-  out.xse.assign(groups * 16, 0.f);
+  out.xs.assign((nb + 15) / 16 * 16, 0.f);
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + b * 32;
     float amax = 0.f, sum = 0.f;
@@ -992,10 +994,8 @@ static void q8_quantize(const float* x, int64_t nb, Q8Row& out) {
     }
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     const int64_t g = b / 4, k = b % 4;
-    for (int j = 0; j < 4; ++j) {
-      out.dxe[g * 16 + k * 4 + j] = amax / 127.f / 256.f;
-      out.xse[g * 16 + k * 4 + j] = sum / 4.f;
-    }
+    for (int j = 0; j < 4; ++j) out.dxe[g * 16 + k * 4 + j] = amax / 127.f / 256.f;
+    out.xs[b] = sum;
     int8_t* q1 = out.q.data() + g * 256 + k * 16;
     int8_t* q2 = q1 + 128;
     for (int j = 0; j < 32; ++j) {
@@ -1018,7 +1018,7 @@ static inline void q4_prefetch_row(const uint8_t* row, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(row + o), _MM_HINT_T0);
 }
 
-// The 4 f16 of a group (d or m) as floats; a last group's missing blocks are zero.
+// The 4 f16 of a group (d) as floats; a last group's missing blocks are zero.
 static inline __m128 q4_group_halves(const uint16_t* h, int64_t count) {
   if (count == 4) return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h)));
   uint16_t part[4] = {0, 0, 0, 0};
@@ -1026,6 +1026,20 @@ static inline __m128 q4_group_halves(const uint16_t* h, int64_t count) {
   return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(part)));
 }
 
+// The weight rows a pass computes together (their activation loads shared): AVX-512 has
+// the 32 registers for 2 weight rows x 4 activation rows; AVX2's 16 hold one.
+#if defined(SLUICE_AVX512BW)
+constexpr int Q4_NW = 2;
+#else
+constexpr int Q4_NW = 1;
+#endif
+constexpr int Q4_MAX_ROWS = 4;  // activation rows a pass computes together
+constexpr int64_t Q4_TILE = 16;  // weight rows a pass over the activation row groups revisits (in L1)
+
+// One group of NW weight rows against R activation rows: each weight row's nibbles split
+// once, its d widened to the group's lanes once; then per activation row (its 256 bytes
+// loaded once for the NW weight rows) and weight row, the 16 lanes (4 a block) of
+// s = 256 sum(q q1) + sum(q q2), and acc += s * d * dx / 256.
 #if defined(SLUICE_AVX512BW)
 static inline __m512i q4_dot64(__m512i acc, __m512i u, __m512i s) {
 #if defined(SLUICE_AVX512VNNI)
@@ -1035,15 +1049,58 @@ static inline __m512i q4_dot64(__m512i acc, __m512i u, __m512i s) {
 #endif
 }
 
-// 16 int32 lanes (4 a block) of 256 sum(q q1) + sum(q q2) for one group
-static inline __m512i q4_group_dot(__m512i lo, __m512i hi, const int8_t* q) {
-  const __m512i s1 = q4_dot64(q4_dot64(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q)), hi,
-                              _mm512_loadu_si512(q + 64));
-  const __m512i s2 = q4_dot64(q4_dot64(_mm512_setzero_si512(), lo, _mm512_loadu_si512(q + 128)),
-                              hi, _mm512_loadu_si512(q + 192));
-  return _mm512_add_epi32(_mm512_slli_epi32(s1, 8), s2);
+typedef __m512 Q4Acc;
+static inline Q4Acc q4_zero() { return _mm512_setzero_ps(); }
+static inline float q4_total(Q4Acc acc) { return _mm512_reduce_add_ps(acc); }
+
+template <int R, int NW>
+static inline void q4_group(const uint8_t* const (&qs)[NW], const uint16_t* const (&d)[NW],
+                            int64_t g, int64_t count, const Q8Row* xs, Q4Acc (&acc)[NW][R]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512i lo[NW], hi[NW];
+  __m512 de[NW];
+  for (int w = 0; w < NW; ++w) {
+    const __m512i v = count == 4 ? _mm512_loadu_si512(qs[w] + g * 64)
+                                 : _mm512_maskz_loadu_epi8((1ULL << (16 * count)) - 1, qs[w] + g * 64);
+    lo[w] = _mm512_and_si512(v, low4);
+    hi[w] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    de[w] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(q4_group_halves(d[w] + 4 * g, count)));
+  }
+  for (int r = 0; r < R; ++r) {
+    const int8_t* q = xs[r].q.data() + g * 256;
+    const __m512i q1l = _mm512_loadu_si512(q), q1h = _mm512_loadu_si512(q + 64);
+    const __m512i q2l = _mm512_loadu_si512(q + 128), q2h = _mm512_loadu_si512(q + 192);
+    const __m512 dx = _mm512_loadu_ps(xs[r].dxe.data() + g * 16);
+    for (int w = 0; w < NW; ++w) {
+      const __m512i s1 = q4_dot64(q4_dot64(_mm512_setzero_si512(), lo[w], q1l), hi[w], q1h);
+      const __m512i s2 = q4_dot64(q4_dot64(_mm512_setzero_si512(), lo[w], q2l), hi[w], q2h);
+      const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(s1, 8), s2);
+      acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(de[w], dx), acc[w][r]);
+    }
+  }
+}
+
+// sum_b c_b * xs_b over a row's nb blocks (c: f16, times `scale`) into 16 lanes
+static inline Q4Acc q4_block_terms(const uint16_t* c, float scale, int64_t nb, const float* xs,
+                                   Q4Acc acc) {
+  for (int64_t b = 0; b < nb; b += 16) {
+    const __mmask16 mask = nb - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nb - b)) - 1);
+    const __m512 cv = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, c + b)),
+                                    _mm512_set1_ps(scale));
+    acc = _mm512_fmadd_ps(cv, _mm512_loadu_ps(xs + b), acc);
+  }
+  return acc;
 }
 #else
+typedef __m256 Q4Acc;
+static inline Q4Acc q4_zero() { return _mm256_setzero_ps(); }
+static inline float q4_total(Q4Acc t) {
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+
 static inline __m256i q4_dot32(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
@@ -1057,134 +1114,116 @@ static inline __m256i q4_half_dot(__m256i lo, __m256i hi, const int8_t* q, int h
                               hi, _mm256_loadu_si256(v + 6 + h));
   return _mm256_add_epi32(_mm256_slli_epi32(s1, 8), s2);
 }
-#endif
-
-// One group of a weight row against R activation rows: the nibbles split once, the
-// block scales d (and mins m) widened to the group's lanes once, then per activation
-// row acc += (256 sum(q q1) + sum(q q2)) * d * dx / 256 and mins += m * xsum / 4 in
-// each lane (two chains, so their FMAs overlap). `count`: the group's blocks (a last
-// group may have fewer; the missing ones read as zero). Q4Acc: 16 lanes (AVX-512) or 8.
-#if defined(SLUICE_AVX512BW)
-typedef __m512 Q4Acc;
-static inline Q4Acc q4_zero() { return _mm512_setzero_ps(); }
-static inline float q4_total(Q4Acc acc, Q4Acc mins) { return _mm512_reduce_add_ps(_mm512_add_ps(acc, mins)); }
-
-template <int R>
-static inline void q4_group(const uint8_t* qs, const uint16_t* d, const uint16_t* m,
-                            int64_t g, int64_t count, bool q4_1, const Q8Row* xs,
-                            Q4Acc (&acc)[R], Q4Acc (&mins)[R]) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  const __m512i v = count == 4 ? _mm512_loadu_si512(qs + g * 64)
-                               : _mm512_maskz_loadu_epi8((1ULL << (16 * count)) - 1, qs + g * 64);
-  const __m512i lo = _mm512_and_si512(v, low4);
-  const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-  const __m512 de = _mm512_permutexvar_ps(
-      spread, _mm512_castps128_ps512(q4_group_halves(d + 4 * g, count)));
-  const __m512 me = q4_1 ? _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(
-                               q4_group_halves(m + 4 * g, count)))
-                         : _mm512_mul_ps(de, _mm512_set1_ps(-8.f));
-  for (int r = 0; r < R; ++r) {
-    const __m512i s = q4_group_dot(lo, hi, xs[r].q.data() + g * 256);
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s),
-                             _mm512_mul_ps(de, _mm512_loadu_ps(xs[r].dxe.data() + g * 16)), acc[r]);
-    mins[r] = _mm512_fmadd_ps(me, _mm512_loadu_ps(xs[r].xse.data() + g * 16), mins[r]);
-  }
-}
-#else
-typedef __m256 Q4Acc;
-static inline Q4Acc q4_zero() { return _mm256_setzero_ps(); }
-static inline float q4_total(Q4Acc acc, Q4Acc mins) {
-  const __m256 t = _mm256_add_ps(acc, mins);
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-}
 
 // AVX2: a group in two halves of two blocks each (8 lanes, 4 a block)
-template <int R>
-static inline void q4_group(const uint8_t* qs, const uint16_t* d, const uint16_t* m,
-                            int64_t g, int64_t count, bool q4_1, const Q8Row* xs,
-                            Q4Acc (&acc)[R], Q4Acc (&mins)[R]) {
+template <int R, int NW>
+static inline void q4_group(const uint8_t* const (&qs)[NW], const uint16_t* const (&d)[NW],
+                            int64_t g, int64_t count, const Q8Row* xs, Q4Acc (&acc)[NW][R]) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i spread_lo = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
   const __m256i spread_hi = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
-  const uint8_t* src = qs + g * 64;
-  __m256i v0, v1;
-  if (count == 4) {
-    v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-    v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
-  } else {  // 4-byte lanes of the count * 16 bytes there are
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i words = _mm256_set1_epi32(static_cast<int>(count * 4));
-    v0 = _mm256_maskload_epi32(reinterpret_cast<const int*>(src), _mm256_cmpgt_epi32(words, lane));
-    v1 = _mm256_maskload_epi32(reinterpret_cast<const int*>(src + 32),
-                               _mm256_cmpgt_epi32(words, _mm256_add_epi32(lane, _mm256_set1_epi32(8))));
+  for (int w = 0; w < NW; ++w) {
+    const uint8_t* src = qs[w] + g * 64;
+    __m256i v0, v1;
+    if (count == 4) {
+      v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+      v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+    } else {  // 4-byte lanes of the count * 16 bytes there are
+      const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+      const __m256i words = _mm256_set1_epi32(static_cast<int>(count * 4));
+      v0 = _mm256_maskload_epi32(reinterpret_cast<const int*>(src), _mm256_cmpgt_epi32(words, lane));
+      v1 = _mm256_maskload_epi32(reinterpret_cast<const int*>(src + 32),
+                                 _mm256_cmpgt_epi32(words, _mm256_add_epi32(lane, _mm256_set1_epi32(8))));
+    }
+    const __m256i lo0 = _mm256_and_si256(v0, low4), lo1 = _mm256_and_si256(v1, low4);
+    const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+    const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+    const __m256 d4 = _mm256_castps128_ps256(q4_group_halves(d[w] + 4 * g, count));
+    const __m256 de0 = _mm256_permutevar8x32_ps(d4, spread_lo);
+    const __m256 de1 = _mm256_permutevar8x32_ps(d4, spread_hi);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* q = xs[r].q.data() + g * 256;
+      const float* dx = xs[r].dxe.data() + g * 16;
+      acc[w][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_half_dot(lo0, hi0, q, 0)),
+                                  _mm256_mul_ps(de0, _mm256_loadu_ps(dx)), acc[w][r]);
+      acc[w][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_half_dot(lo1, hi1, q, 1)),
+                                  _mm256_mul_ps(de1, _mm256_loadu_ps(dx + 8)), acc[w][r]);
+    }
   }
-  const __m256i lo0 = _mm256_and_si256(v0, low4), lo1 = _mm256_and_si256(v1, low4);
-  const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
-  const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
-  const __m256 d4 = _mm256_castps128_ps256(q4_group_halves(d + 4 * g, count));
-  const __m256 m4 = q4_1 ? _mm256_castps128_ps256(q4_group_halves(m + 4 * g, count))
-                         : _mm256_mul_ps(d4, _mm256_set1_ps(-8.f));
-  const __m256 de0 = _mm256_permutevar8x32_ps(d4, spread_lo);
-  const __m256 de1 = _mm256_permutevar8x32_ps(d4, spread_hi);
-  const __m256 me0 = _mm256_permutevar8x32_ps(m4, spread_lo);
-  const __m256 me1 = _mm256_permutevar8x32_ps(m4, spread_hi);
-  for (int r = 0; r < R; ++r) {
-    const int8_t* q = xs[r].q.data() + g * 256;
-    const float* dx = xs[r].dxe.data() + g * 16;
-    const float* xe = xs[r].xse.data() + g * 16;
-    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_half_dot(lo0, hi0, q, 0)),
-                             _mm256_mul_ps(de0, _mm256_loadu_ps(dx)), acc[r]);
-    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_half_dot(lo1, hi1, q, 1)),
-                             _mm256_mul_ps(de1, _mm256_loadu_ps(dx + 8)), acc[r]);
-    mins[r] = _mm256_fmadd_ps(me0, _mm256_loadu_ps(xe), mins[r]);
-    mins[r] = _mm256_fmadd_ps(me1, _mm256_loadu_ps(xe + 8), mins[r]);
+}
+
+// sum_b c_b * xs_b over a row's nb blocks (c: f16, times `scale`) into 8 lanes
+static inline Q4Acc q4_block_terms(const uint16_t* c, float scale, int64_t nb, const float* xs,
+                                   Q4Acc acc) {
+  for (int64_t b = 0; b < nb; b += 8) {
+    uint16_t part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(part, c + b, std::min<int64_t>(8, nb - b) * 2);
+    const __m256 cv = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(part))),
+                                    _mm256_set1_ps(scale));
+    acc = _mm256_fmadd_ps(cv, _mm256_loadu_ps(xs + b), acc);
   }
+  return acc;
 }
 #endif
 
-// Output rows [n0, n1) for R activation rows.
-template <int R>
-static void q4_int8_rows(const Q4Packed& w, const Q8Row* xs, const float* bias, float* y,
-                         int64_t n0, int64_t n1) {
+// Output rows [n, n + NW) for R activation rows: the groups' integer dots, then the
+// blocks' constant terms sum_b m_b * sum_j x_bj (m: the min (Q4_1) or -8 d (Q4_0)) in
+// one short pass over the row's f16 m (or d). `ahead`: a row this far ahead is
+// prefetched where it is below `limit`.
+template <int R, int NW>
+static inline void q4_int8_tile(const Q4Packed& w, const Q8Row* xs, const float* bias, float* y,
+                                int64_t n, int64_t ahead, int64_t limit) {
   const int64_t nb = w.nb, whole = nb / 4;
-  const bool q4_1 = w.type == 3;
-  const int64_t ahead = std::max<int64_t>(1, Q4_PREFETCH_BYTES / w.row_bytes);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* qs = w.data.data() + n * w.row_bytes;
-    const uint16_t* d = reinterpret_cast<const uint16_t*>(qs + nb * 16);
-    const uint16_t* m = d + nb;  // Q4_1
-    if (n + ahead < n1) q4_prefetch_row(qs + ahead * w.row_bytes, w.row_bytes);
-    Q4Acc acc[R], mins[R];
-    for (int r = 0; r < R; ++r) acc[r] = mins[r] = q4_zero();
-    for (int64_t g = 0; g < whole; ++g) q4_group<R>(qs, d, m, g, 4, q4_1, xs, acc, mins);
-    if (whole * 4 < nb) q4_group<R>(qs, d, m, whole, nb - whole * 4, q4_1, xs, acc, mins);
-    const float bn = bias ? bias[n] : 0.f;
-    for (int r = 0; r < R; ++r) y[r * w.N + n] = q4_total(acc[r], mins[r]) + bn;
+  const uint8_t* qs[NW];
+  const uint16_t* d[NW];
+  for (int k = 0; k < NW; ++k) {
+    qs[k] = w.data.data() + (n + k) * w.row_bytes;
+    d[k] = reinterpret_cast<const uint16_t*>(qs[k] + nb * 16);
+    if (n + k + ahead < limit) q4_prefetch_row(qs[k] + ahead * w.row_bytes, w.row_bytes);
+  }
+  Q4Acc acc[NW][R];
+  for (int k = 0; k < NW; ++k)
+    for (int r = 0; r < R; ++r) acc[k][r] = q4_zero();
+  for (int64_t g = 0; g < whole; ++g) q4_group<R, NW>(qs, d, g, 4, xs, acc);
+  if (whole * 4 < nb) q4_group<R, NW>(qs, d, whole, nb - whole * 4, xs, acc);
+  for (int k = 0; k < NW; ++k) {
+    const uint16_t* c = w.type == 3 ? d[k] + nb : d[k];  // Q4_1: m; Q4_0: d, times -8
+    const float scale = w.type == 3 ? 1.f : -8.f;
+    const float bn = bias ? bias[n + k] : 0.f;
+    for (int r = 0; r < R; ++r)
+      y[r * w.N + n + k] = q4_total(q4_block_terms(c, scale, nb, xs[r].xs.data(), acc[k][r])) + bn;
   }
 }
 
-// y [M, N] = x [M, K] @ W^T (+ bias) on repacked Q4 blocks, activation rows in groups of
-// up to 8 (a weight row read once serves a group).
+// Output rows [n0, n1) for R activation rows, NW rows at a time.
+template <int R>
+static void q4_int8_rows(const Q4Packed& w, const Q8Row* xs, const float* bias, float* y,
+                         int64_t n0, int64_t n1, int64_t limit) {
+  const int64_t ahead = std::max<int64_t>(Q4_NW, Q4_PREFETCH_BYTES / w.row_bytes);
+  int64_t n = n0;
+  for (; n + Q4_NW <= n1; n += Q4_NW) q4_int8_tile<R, Q4_NW>(w, xs, bias, y, n, ahead, limit);
+  for (; n < n1; ++n) q4_int8_tile<R, 1>(w, xs, bias, y, n, ahead, limit);
+}
+
+// y [M, N] = x [M, K] @ W^T (+ bias) on repacked Q4 blocks. Per thread's output rows, a
+// tile of Q4_TILE weight rows at a time against every activation row in passes of up to
+// Q4_MAX_ROWS: the tile is read from memory once and from L1 by the later passes.
 static void q4_int8_linear(const Q4Packed& w, const float* x, int64_t M, const float* bias,
                            float* y, std::vector<Q8Row>& rows) {
   rows.resize(std::max<size_t>(rows.size(), M));
   for (int64_t m = 0; m < M; ++m) q8_quantize(x + m * w.K, w.nb, rows[m]);
-  at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
-      const Q8Row* xs = rows.data() + m0;
-      float* ym = y + m0 * w.N;
-      switch (std::min<int64_t>(8, M - m0)) {
-        case 1: q4_int8_rows<1>(w, xs, bias, ym, n0, n1); break;
-        case 2: q4_int8_rows<2>(w, xs, bias, ym, n0, n1); break;
-        case 3: q4_int8_rows<3>(w, xs, bias, ym, n0, n1); break;
-        case 4: q4_int8_rows<4>(w, xs, bias, ym, n0, n1); break;
-        case 5: q4_int8_rows<5>(w, xs, bias, ym, n0, n1); break;
-        case 6: q4_int8_rows<6>(w, xs, bias, ym, n0, n1); break;
-        case 7: q4_int8_rows<7>(w, xs, bias, ym, n0, n1); break;
-        default: q4_int8_rows<8>(w, xs, bias, ym, n0, n1); break;
+  at::parallel_for(0, w.N, Q4_TILE, [&](int64_t n0, int64_t n1) {
+    for (int64_t t0 = n0; t0 < n1; t0 += Q4_TILE) {
+      const int64_t t1 = std::min(n1, t0 + Q4_TILE);
+      for (int64_t m0 = 0; m0 < M; m0 += Q4_MAX_ROWS) {
+        const Q8Row* xs = rows.data() + m0;
+        float* ym = y + m0 * w.N;
+        switch (std::min<int64_t>(Q4_MAX_ROWS, M - m0)) {
+          case 1: q4_int8_rows<1>(w, xs, bias, ym, t0, t1, n1); break;
+          case 2: q4_int8_rows<2>(w, xs, bias, ym, t0, t1, n1); break;
+          case 3: q4_int8_rows<3>(w, xs, bias, ym, t0, t1, n1); break;
+          default: q4_int8_rows<4>(w, xs, bias, ym, t0, t1, n1); break;
+        }
       }
     }
   });
