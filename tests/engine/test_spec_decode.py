@@ -12,6 +12,7 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -30,6 +31,8 @@ from sluice.engine.spec_decode import (
     SpecPlanner,
     StepCost,
     SuffixProposer,
+    _Candidate,
+    expected_accepted,
 )
 from sluice.engine.stats import EngineStats
 from sluice.protocol.errors import InvalidRequestError
@@ -222,6 +225,28 @@ def test_step_cost_interpolates() -> None:
     assert cost.seconds(1) == pytest.approx(0.010)
     assert cost.seconds(36) == pytest.approx(0.031)
     assert cost.seconds(128) == pytest.approx(0.100)
+
+
+def test_proposers_are_skipped_exactly_where_no_draft_could_be_chosen() -> None:
+    """`worth_drafting` against `choose` itself over every draft size of every sequence,
+    on a flat and a steep step-time curve, with sequences that drafted well or badly."""
+    outcomes = set()
+    for slope in (0.0002, 0.004):  # seconds a token
+        for good in (0, 1, 3):
+            planner = SpecPlanner(adaptive=True, disable_by_batch_size=None)
+            for tokens in (1, 8, 32, 40, 48, 64):
+                planner.cost.observe(tokens, 0.1 + slope * tokens, weight=1.0)
+            seqs = cast(list[Sequence_], [object() for _ in range(4)])
+            for i, seq in enumerate(seqs):  # the first `good` accept every draft
+                for _ in range(20):
+                    planner.record(seq, drafted=4, accepted=4 if i < good else 0)
+            worth = planner.worth_drafting([(seq, 8) for seq in seqs], 32, 32)
+            chosen = any(planner.choose([_Candidate(seq, n, expected_accepted(planner.rate(seq), n))],
+                                        32, 32)
+                         for seq in seqs for n in range(1, 9))
+            assert worth == chosen, (slope, good)
+            outcomes.add(worth)
+    assert outcomes == {True, False}
 
 
 def test_a_fallen_acceptance_rate_is_measured_again() -> None:

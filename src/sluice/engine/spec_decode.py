@@ -391,6 +391,29 @@ class SpecPlanner:
         best = (out + 0.9 * k) / (self.cost.seconds(tokens + k) + draft_seconds)
         return best >= out / self.cost.seconds(tokens) * MIN_GAIN
 
+    def worth_drafting(self, wants: list[tuple[Sequence, int]], step_tokens: int,
+                       num_decodes: int) -> bool:
+        """Whether `choose` could take any draft of up to `room` tokens from these
+        sequences this step. `choose` tries the draft with the best gain per token first
+        and stops at the first that does not pay, so if no sequence's draft of any size
+        1..room would pay alone, at that sequence's own acceptance rate, it takes none:
+        the proposer need not run (at a large batch of unpredictable text, drafting for
+        every sequence was most of what speculation cost)."""
+        if not self.adaptive:
+            return bool(wants)
+        out, tokens = float(max(num_decodes, 1)), float(max(step_tokens, 1))
+        bar = out / self.cost.seconds(tokens) * MIN_GAIN
+        tried: set[tuple[float, int]] = set()
+        for seq, room in wants:
+            rate = self.rate(seq)
+            if (rate, room) in tried:
+                continue
+            tried.add((rate, room))
+            for n in range(1, room + 1):
+                if (out + expected_accepted(rate, n)) / self.cost.seconds(tokens + n) >= bar:
+                    return True
+        return False
+
     def choose(self, cands: list[_Candidate], step_tokens: int, num_decodes: int,
                draft_cost: Callable[[list[_Candidate]], float] | None = None
                ) -> list[_Candidate]:
@@ -468,6 +491,8 @@ class SpecDecoder:
             if room >= 1:
                 self.known.add(seq)
                 wants.append((seq, room))
+        if not self.planner.worth_drafting(wants, step_tokens, len(decodes)):
+            return
         if self.proposer.blind:  # choose, then draft only for the chosen
             cands = [self._candidate(seq, self._blind_size(seq, room, step_tokens,
                                                            len(decodes)))
