@@ -24,6 +24,7 @@ pytestmark = pytest.mark.model
 
 LOAD = ["--workload", "random", "--input-len", "128", "--output-len", "16",
         "--num-prompts", "24", "--request-rate", "8"]
+WARM = [*LOAD[:6], "--num-prompts", "8", "--request-rate", "8"]
 
 
 def cli(*argv: str) -> dict[str, Any]:
@@ -51,11 +52,9 @@ def test_sim_fitted_to_served_steps_agrees_with_real_workers(tmp_path: Path,
             time.sleep(0.5)
             engines = sorted({line.split(": ready ", 1)[1].split()[0]
                               for line in log.read_text().splitlines() if ": ready http" in line})
-        # a first load warms both workers (the first requests' TTFTs carry one-off
-        # costs that would pass for per-request overhead in the fit's mean TTFT)
+        # a first load warms both workers (the first requests carry one-off costs)
         cli("bench", "serve", "--base-url", url, "--ignore-eos", "--disable-tqdm",
-            "--warmup", "0", *LOAD[:-4], "--num-prompts", "8", "--request-rate", "8",
-            "--seed", "2")
+            "--warmup", "0", *WARM, "--seed", "2")
         before = workers_metrics(engines)
         fit = cli("bench", "serve", "--base-url", url, "--ignore-eos", "--disable-tqdm",
                   "--warmup", "0", *LOAD, "--seed", "1")
@@ -68,7 +67,7 @@ def test_sim_fitted_to_served_steps_agrees_with_real_workers(tmp_path: Path,
         proc.terminate()
         proc.wait(60)
     profile, points = from_steps([str(steps)])
-    assert len(points) >= 2 * 16  # both workers' steps: prefills and decodes of 48 requests
+    assert len(points) >= 2 * 16  # both workers' steps: prefills and decodes of 56 requests
     assert 0 < overhead < 1.0
     save_profile(profile.with_overrides(request_overhead_s=overhead), tmp_path / "p.json")
     sim = cli("sim", *LOAD, "--seed", "0", "--workers", "2", "--policy", "cost",

@@ -396,9 +396,9 @@ class SpecPlanner:
         """Whether `choose` could take any draft of up to `room` tokens from these
         sequences this step. `choose` tries the draft with the best gain per token first
         and stops at the first that does not pay, so if no sequence's draft of any size
-        1..room would pay alone, at that sequence's own acceptance rate, it takes none:
-        the proposer need not run (at a large batch of unpredictable text, drafting for
-        every sequence was most of what speculation cost)."""
+        1..room would pay alone, at that sequence's own acceptance rate, it takes none
+        and the proposer need not run (a text proposer drafts for every sequence before
+        `choose`: at 32 streams that was most of what speculation cost)."""
         if not self.adaptive:
             return bool(wants)
         out, tokens = float(max(num_decodes, 1)), float(max(step_tokens, 1))
