@@ -231,6 +231,7 @@ def main() -> None:
                                core.info.max_model_len,
                                PROPOSERS[name]().from_engine(config, llm.config, core.runner))
             spec.planner.cost = first.planner.cost  # the same step-time curve
+            spec.graph_rows = first.graph_rows  # verifies capped to the decode graph's rows
             spec.proposer.calibrate(max(args.streams, 1))
         specs[name] = spec
     greedy = SamplingParams(temperature=0.0, max_tokens=args.output_len)

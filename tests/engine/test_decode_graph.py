@@ -243,3 +243,36 @@ def test_int8_activations_keep_perplexity_and_greedy_tokens(ops: NativeOps) -> N
              for i, p in enumerate(GREEDY_PROMPTS)]
     print("greedy tokens agreeing before the first difference:", agree)
     assert sum(agree) >= 0.5 * 24 * len(GREEDY_PROMPTS)
+
+
+@pytest.mark.model
+def test_speculative_verifies_stay_in_the_graph(default_gguf: Path) -> None:
+    """One stream drafting up to 8 tokens: each draft is cut to the graph's 8 rows (7
+    drafts and the last token), so every decode and verify step runs as the graph and
+    the greedy tokens are plain decoding's (past the graph's rows the torch model would
+    compute the rows, rounding differently)."""
+    llm = LLM(str(default_gguf), quantization="gguf", num_kv_blocks=64, max_num_seqs=1,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 8,
+                                  "prompt_lookup_min": 2, "prompt_lookup_max": 5,
+                                  "adaptive": False})  # drafts whatever it finds: no timing
+    graph, core = llm.engine.runner.decode_graph, llm.engine.core
+    assert graph is not None and core.spec is not None
+    takes, left_out = graph.takes, []
+
+    def spy(chunks: list[SeqChunk]) -> bool:
+        taken = takes(chunks)
+        if not taken and all(c.one_query_rows for c in chunks):
+            left_out.append(sum(len(c.token_ids) for c in chunks))
+        return taken
+
+    graph.takes = spy  # type: ignore[method-assign]
+    text = PERPLEXITY_TEXT[:400]
+    prompt = f"Copy this text exactly.\n\n{text}\n\nCopy:\n{text[:60]}"
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    spec = core.spec
+    drafted = llm.generate([prompt], params)[0].outputs[0].token_ids
+    core.spec = None
+    plain = llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert spec.num_draft_tokens >= 8 and spec.num_accepted_tokens > 0
+    assert left_out == []
+    assert drafted == plain

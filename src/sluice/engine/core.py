@@ -158,6 +158,8 @@ class EngineCore:
         proposer = PROPOSERS[sp.method]().from_engine(sp, config, self.runner)
         spec = SpecDecoder(sp, self.sampler, self.block_manager, self.info.max_model_len,
                            proposer)
+        graph = getattr(self.runner, "decode_graph", None)
+        spec.graph_rows = graph.max_rows if graph is not None else None
         if sp.adaptive and hasattr(self.runner, "model"):
             sc = config.scheduler
             spec.calibrate(self.runner, self._chunk_cls,

@@ -460,6 +460,8 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.pending: dict[Sequence, list[int]] = {}  # drafts appended, not yet scheduled
         self.known: set[Sequence] = set()  # sequences with proposer / planner state
+        # steps of up to this many one-query rows run as the decode graph (None: no graph)
+        self.graph_rows: int | None = None
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -480,14 +482,23 @@ class SpecDecoder:
         decodes = [s for s in running if s.num_computed_tokens == len(s.token_ids) - 1]
         step_tokens = min(budget, sum(len(s.token_ids) - s.num_computed_tokens
                                       for s in running))
-        one = self.proposer.draft_seconds([(decodes[0], self.k)]) if decodes else 0.0
-        if not self.planner.may_pay(step_tokens, len(decodes), self.k, one):
+        if self.graph_rows is not None and step_tokens == len(decodes) <= self.graph_rows:
+            # plain decoding's step runs as the decode graph: the verify stays there too,
+            # so each row is computed as plain decoding computes it (past the graph's rows
+            # the torch model's batched GEMM rounds differently) and the outputs stay
+            # plain decoding's
+            budget = min(budget, self.graph_rows)
+        k = min(self.k, budget - step_tokens)  # a longer draft would never be scheduled
+        if k < 1:
+            return
+        one = self.proposer.draft_seconds([(decodes[0], k)]) if decodes else 0.0
+        if not self.planner.may_pay(step_tokens, len(decodes), k, one):
             return
         wants = []
         for seq in decodes:
-            room = min(self.k, seq.max_tokens - seq.num_output_tokens - 1,
+            room = min(k, seq.max_tokens - seq.num_output_tokens - 1,
                        self.max_model_len - len(seq.token_ids) - 1,
-                       self.planner.depth(seq, self.k) if self.config.adaptive else self.k)
+                       self.planner.depth(seq, k) if self.config.adaptive else k)
             if room >= 1:
                 self.known.add(seq)
                 wants.append((seq, room))
