@@ -18,6 +18,10 @@ from .test_shutdown import _start_worker
 from .worker_helpers import free_port, wait_until
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
+# The workers' store: redis-py's URL options override the tier's 0.5 s timeouts. One
+# round trip over 0.5 s (a busy 2-core host at the end of a CI run) drops the write of
+# the prompt's blocks, the only blocks this test's request makes, and nothing is stored.
+STORE_URL = REDIS_URL + "?socket_timeout=5&socket_connect_timeout=5"
 # A prompt of this run's own: the store skips a block Redis already holds (SET NX after
 # EXISTS), so blocks left by an earlier run (one killed before its clean-up, or another
 # checkout's run) would keep this run's first worker from storing anything.
@@ -70,12 +74,12 @@ def test_store_shares_a_prefix_and_disk_survives_a_restart(tiny_llama_dir: Path,
     disk = f"disk={tmp_path}:64MiB"
     client = redis.Redis.from_url(REDIS_URL)
     before = set(client.scan_iter(match="sluice:kv:*"))
-    first, url, _ = start(tiny_llama_dir, "--kv-offload", disk, "--kv-store", REDIS_URL)
+    first, url, log = start(tiny_llama_dir, "--kv-offload", disk, "--kv-store", STORE_URL)
     try:
         assert cached_tokens(url) == 0
         assert wait_until(lambda: metric(url, "sluice:kv_offload_bytes_stored_total",
-                                         "REDIS") > 0, 30)
-        second, url2, _ = start(tiny_llama_dir, "--kv-store", REDIS_URL)
+                                         "REDIS") > 0, 30), "".join(log)
+        second, url2, _ = start(tiny_llama_dir, "--kv-store", STORE_URL)
         try:
             assert cached_tokens(url2) > 0  # the first worker's blocks, through Redis
             assert metric(url2, "vllm:external_prefix_cache_hits_total", "REDIS") > 0
