@@ -20,7 +20,7 @@ Q4 linears take them as integers: each 32-value block as two int8 vectors with o
 scale, x ~ dx (q1 + q2 / 256), so a block's dot product with the nibbles is integer
 multiply-adds (AVX512-VNNI's vpdpbusd: 64 a instruction) instead of converting every
 weight to float. llama.cpp keeps q1 alone; that cost this model 1.4% of perplexity,
-the pair < 0.01% (csrc/cpu_kernels.cpp, tests/engine/test_decode_graph.py). With float
+the pair 0.02% (csrc/cpu_kernels.cpp, tests/engine/test_decode_graph.py). With float
 activations (`int8_activations=False`) the graph follows the torch path on the same
 blocks within float rounding.
 

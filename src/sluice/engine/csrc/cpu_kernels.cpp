@@ -981,8 +981,10 @@ struct Q8Row {
 };
 
 // One block's 32 values into its q1 / q2 bytes (low half at q1[0..16), high half at
-// q1[64..80); q2 128 bytes after q1), its dx / 256 (4 lanes) and its float sum.
-static inline void q8_block_scalar(const float* xb, int8_t* q1, float* dxe, float* xs) {
+// q1[64..80); q2 128 bytes after q1), its dx / 256 (4 lanes) and its float sum. The
+// scalar code (AVX2 builds), then the same with 16-lane vectors (AVX-512 builds).
+#if !defined(SLUICE_AVX512BW)
+static inline void q8_block(const float* xb, int8_t* q1, float* dxe, float* xs) {
   float amax = 0.f, sum = 0.f;
   for (int j = 0; j < 32; ++j) {
     amax = std::max(amax, std::fabs(xb[j]));
@@ -1000,10 +1002,9 @@ static inline void q8_block_scalar(const float* xb, int8_t* q1, float* dxe, floa
     q2[at] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint((v - r) * 256.f))));
   }
 }
-
-#if defined(SLUICE_AVX512BW)
-// The same with 16-lane vectors (round half to even, as nearbyint): the graph quantizes
-// every linear's input rows on the calling thread, ~100k values a row a step.
+#else
+// Rounding half to even, as nearbyint: the graph quantizes every linear's input rows on
+// the calling thread, ~100k values a row a step.
 static inline void q8_block(const float* xb, int8_t* q1, float* dxe, float* xs) {
   const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
@@ -1022,10 +1023,6 @@ static inline void q8_block(const float* xb, int8_t* q1, float* dxe, float* xs) 
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + 64 * h), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + 128 + 64 * h), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(c2)));
   }
-}
-#else
-static inline void q8_block(const float* xb, int8_t* q1, float* dxe, float* xs) {
-  q8_block_scalar(xb, q1, dxe, xs);
 }
 #endif
 
@@ -1114,16 +1111,17 @@ static inline void q4_group(const uint8_t* const (&qs)[NW], const uint16_t* cons
   }
 }
 
-// sum_b c_b * xs_b over a row's nb blocks (c: f16, times `scale`) into 16 lanes
-static inline Q4Acc q4_block_terms(const uint16_t* c, float scale, int64_t nb, const float* xs,
-                                   Q4Acc acc) {
+// acc[r] += sum_b c_b * xs[r].xs_b over a weight row's nb blocks (c: f16, times
+// `scale`), in 16 lanes; c widened once for the R activation rows
+template <int R>
+static inline void q4_block_terms(const uint16_t* c, float scale, int64_t nb, const Q8Row* xs,
+                                  Q4Acc (&acc)[R]) {
   for (int64_t b = 0; b < nb; b += 16) {
     const __mmask16 mask = nb - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nb - b)) - 1);
     const __m512 cv = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, c + b)),
                                     _mm512_set1_ps(scale));
-    acc = _mm512_fmadd_ps(cv, _mm512_loadu_ps(xs + b), acc);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(cv, _mm512_loadu_ps(xs[r].xs.data() + b), acc[r]);
   }
-  return acc;
 }
 #else
 typedef __m256 Q4Acc;
@@ -1185,17 +1183,17 @@ static inline void q4_group(const uint8_t* const (&qs)[NW], const uint16_t* cons
   }
 }
 
-// sum_b c_b * xs_b over a row's nb blocks (c: f16, times `scale`) into 8 lanes
-static inline Q4Acc q4_block_terms(const uint16_t* c, float scale, int64_t nb, const float* xs,
-                                   Q4Acc acc) {
+// the same in 8 lanes
+template <int R>
+static inline void q4_block_terms(const uint16_t* c, float scale, int64_t nb, const Q8Row* xs,
+                                  Q4Acc (&acc)[R]) {
   for (int64_t b = 0; b < nb; b += 8) {
     uint16_t part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     std::memcpy(part, c + b, std::min<int64_t>(8, nb - b) * 2);
     const __m256 cv = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(part))),
                                     _mm256_set1_ps(scale));
-    acc = _mm256_fmadd_ps(cv, _mm256_loadu_ps(xs + b), acc);
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(xs[r].xs.data() + b), acc[r]);
   }
-  return acc;
 }
 #endif
 
@@ -1223,8 +1221,8 @@ static inline void q4_int8_tile(const Q4Packed& w, const Q8Row* xs, const float*
     const uint16_t* c = w.type == 3 ? d[k] + nb : d[k];  // Q4_1: m; Q4_0: d, times -8
     const float scale = w.type == 3 ? 1.f : -8.f;
     const float bn = bias ? bias[n + k] : 0.f;
-    for (int r = 0; r < R; ++r)
-      y[r * w.N + n + k] = q4_total(q4_block_terms(c, scale, nb, xs[r].xs.data(), acc[k][r])) + bn;
+    q4_block_terms<R>(c, scale, nb, xs, acc[k]);
+    for (int r = 0; r < R; ++r) y[r * w.N + n + k] = q4_total(acc[k][r]) + bn;
   }
 }
 
