@@ -93,42 +93,117 @@ static void softmax_rows(float* scores, int64_t G, int64_t len) {
   }
 }
 
+static inline vf8_t load8(const float* p) {
+  vf8_t v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+static inline vf8_t load8(const c10::BFloat16* p) {
+  typedef uint16_t vu16x8 __attribute__((vector_size(16)));
+  typedef uint32_t vu32x8 __attribute__((vector_size(32)));
+  vu16x8 h;
+  __builtin_memcpy(&h, p, sizeof(h));
+  const vu32x8 w = __builtin_convertvector(h, vu32x8) << 16;
+  vf8_t v;
+  __builtin_memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+static inline void store8(float* p, vf8_t v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+static inline void store8(c10::BFloat16* p, vf8_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<c10::BFloat16>(v[i]);
+}
+
+// The four horizontal sums of a0..a3, as one vector (a transpose of adds, no scalars).
+static inline vf4_t sum4(vf8_t a0, vf8_t a1, vf8_t a2, vf8_t a3) {
+  const vf4_t b0 = __builtin_shufflevector(a0, a0, 0, 1, 2, 3) + __builtin_shufflevector(a0, a0, 4, 5, 6, 7);
+  const vf4_t b1 = __builtin_shufflevector(a1, a1, 0, 1, 2, 3) + __builtin_shufflevector(a1, a1, 4, 5, 6, 7);
+  const vf4_t b2 = __builtin_shufflevector(a2, a2, 0, 1, 2, 3) + __builtin_shufflevector(a2, a2, 4, 5, 6, 7);
+  const vf4_t b3 = __builtin_shufflevector(a3, a3, 0, 1, 2, 3) + __builtin_shufflevector(a3, a3, 4, 5, 6, 7);
+  const vf4_t u0 = __builtin_shufflevector(b0, b1, 0, 4, 1, 5) + __builtin_shufflevector(b0, b1, 2, 6, 3, 7);
+  const vf4_t u1 = __builtin_shufflevector(b2, b3, 0, 4, 1, 5) + __builtin_shufflevector(b2, b3, 2, 6, 3, 7);
+  return __builtin_shufflevector(u0, u1, 0, 1, 4, 5) + __builtin_shufflevector(u0, u1, 2, 3, 6, 7);
+}
+
+// Where a unit's `len` context rows start in the pool (in elements), walking its block
+// table block by block.
+static void row_offsets(const int64_t* row_table, int64_t len, int64_t bs, int64_t kv_heads,
+                        int64_t h, int64_t D, std::vector<int64_t>& rows) {
+  rows.resize(len);
+  const int64_t stride = kv_heads * D;
+  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, ++blk) {
+    int64_t off = (row_table[blk] * bs * kv_heads + h) * D;
+    const int64_t n = std::min(bs, len - t0);
+    for (int64_t i = 0; i < n; ++i, off += stride) rows[t0 + i] = off;
+  }
+}
+
 // One (sequence, KV head): G query heads against `len` context rows, accumulated in
 // float whatever the storage type T (float or bfloat16); queries and output in Q (T, or
-// float for the decode graph). NV = D / 16 vectors per row, fixed at compile time (64: 4,
-// 128: 8); each K and V row is loaded once for all G heads.
+// float for the decode graph). NV = D / 16 (64: 4, 128: 8), fixed at compile time.
+// Vectors are 8 floats (one ymm), so AVX2 and AVX-512 builds run the same code:
+// - scores: 4 K rows at a time (read once, for all G heads), their 4 sums per head
+//   reduced together by `sum4`;
+// - values: per head, the output's 64-float chunks live in 8 registers while the V rows
+//   stream past (one FMA per vector, no accumulator in memory).
 template <int NV, typename T, typename Q = T>
 static void attend_one(const Q* q, const T* k_pool, const T* v_pool, const int64_t* row_table,
                        int64_t len, int64_t bs, int64_t kv_heads, int64_t h, int64_t G,
                        float scale, Q* out, std::vector<float>& scores,
                        std::vector<float>& acc) {
-  constexpr int64_t D = NV * 16;
+  constexpr int NV8 = 2 * NV;
+  constexpr int64_t D = NV8 * 8;
+  constexpr int CH = NV8 < 8 ? NV8 : 8;  // vectors of the output held in registers
+  static_assert(NV8 % CH == 0, "head size");
+  thread_local std::vector<int64_t> rows;
+  row_offsets(row_table, len, bs, kv_heads, h, D, rows);
   const float* qf = scaled_queries(q, G, D, len, scale, scores, acc);
-  for_each_row(k_pool, row_table, len, bs, kv_heads, h, D, [&](const T* k, int64_t t) {
-    vf16 kv[NV];
-    for (int j = 0; j < NV; ++j) kv[j] = load16(k + 16 * j);
+  int64_t t = 0;
+  for (; t + 4 <= len; t += 4) {
+    const T* k0 = k_pool + rows[t];
+    const T* k1 = k_pool + rows[t + 1];
+    const T* k2 = k_pool + rows[t + 2];
+    const T* k3 = k_pool + rows[t + 3];
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qf + g * D;
-      vf16 s = load16(qg) * kv[0];
-      for (int j = 1; j < NV; ++j) s += load16(qg + 16 * j) * kv[j];
-      scores[g * len + t] = hsum16(s);
-    }
-  });
-  softmax_rows(scores.data(), G, len);
-  float* o = acc.data();
-  for_each_row(v_pool, row_table, len, bs, kv_heads, h, D, [&](const T* v, int64_t t) {
-    vf16 vv[NV];
-    for (int j = 0; j < NV; ++j) vv[j] = load16(v + 16 * j);
-    for (int64_t g = 0; g < G; ++g) {
-      const float p = scores[g * len + t];
-      float* og = o + g * D;
-      for (int j = 0; j < NV; ++j) {
-        const vf16 r = load16(og + 16 * j) + p * vv[j];
-        __builtin_memcpy(og + 16 * j, &r, sizeof(r));
+      vf8_t a0 = {}, a1 = {}, a2 = {}, a3 = {};
+#pragma GCC unroll 16
+      for (int j = 0; j < NV8; ++j) {
+        const vf8_t qj = load8(qg + 8 * j);
+        a0 += qj * load8(k0 + 8 * j);
+        a1 += qj * load8(k1 + 8 * j);
+        a2 += qj * load8(k2 + 8 * j);
+        a3 += qj * load8(k3 + 8 * j);
       }
+      const vf4_t s = sum4(a0, a1, a2, a3);
+      __builtin_memcpy(&scores[g * len + t], &s, sizeof(s));
     }
-  });
-  for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<Q>(o[i]);
+  }
+  for (; t < len; ++t) {
+    const T* k = k_pool + rows[t];
+    for (int64_t g = 0; g < G; ++g) {
+      vf8_t a = {};
+      for (int j = 0; j < NV8; ++j) a += load8(qf + g * D + 8 * j) * load8(k + 8 * j);
+      scores[g * len + t] = (a[0] + a[4]) + (a[1] + a[5]) + (a[2] + a[6]) + (a[3] + a[7]);
+    }
+  }
+  softmax_rows(scores.data(), G, len);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* pg = scores.data() + g * len;
+    for (int c = 0; c < NV8; c += CH) {
+      vf8_t o[CH] = {};
+      for (int64_t r = 0; r < len; ++r) {
+        const T* v = v_pool + rows[r] + 8 * c;
+        const float p = pg[r];
+#pragma GCC unroll 8
+        for (int j = 0; j < CH; ++j) o[j] += p * load8(v + 8 * j);
+      }
+#pragma GCC unroll 8
+      for (int j = 0; j < CH; ++j) store8(out + g * D + 8 * (c + j), o[j]);
+    }
+  }
 }
 
 // Any head size: the same walk with scalar loops.
@@ -306,13 +381,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 // (GCC vector extensions: ymm on AVX2, zmm-width loads are not needed to saturate memory).
 // Every output is the same dot product whatever M is, so a row's result does not depend on
 // what else is in the batch.
-typedef float vfloat8 __attribute__((vector_size(32)));
-
-static inline vfloat8 load8(const float* p) {
-  vfloat8 v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
+typedef vf8_t vfloat8;  // load8 (above) reads one
 
 static inline float hsum8(vfloat8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
