@@ -18,9 +18,11 @@ from sluice.engine.attention import (
 )
 from sluice.engine.models.llama import RMSNorm
 from sluice.engine.native import (
+    PANEL_ROWS_MAX,
     SMALL_ROWS_MAX,
     NativeOps,
     PackedLinear,
+    PanelLinear,
     cpu_linear,
     native_ops,
     onednn_linear,
@@ -232,6 +234,46 @@ def test_with_small_rows_sends_only_few_float32_rows_to_the_gemv(ops: NativeOps)
         linear(torch.randn(rows, 64), w, None)
     linear(torch.randn(2, 64, dtype=torch.bfloat16), w.bfloat16(), None)
     assert calls == [SMALL_ROWS_MAX + 1, 0, 2]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 7, 8, 13, 32, 64])  # 7, 8: a remainder split 4 + 3 / 4
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (100, 37)])  # 37: a partial panel
+def test_panel_linear_equals_float64(ops: NativeOps, rows: int, k: int, n: int) -> None:
+    assert ops.pack_panels is not None and ops.panel_linear is not None
+    torch.manual_seed(rows * k + n)
+    x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
+    panels = ops.pack_panels(w)
+    assert panels.shape == ((n + 15) // 16, k, 16)
+    exact = x.double() @ w.double().T
+    torch.testing.assert_close(ops.panel_linear(x, panels, n, b), (exact + b.double()).float(),
+                               rtol=1e-5, atol=1e-4)
+    got = ops.panel_linear(x, panels, n, None)
+    torch.testing.assert_close(got, exact.float(), rtol=1e-5, atol=1e-4)
+    # each row's result is the same whatever else is in the batch (same order of sums)
+    for i in (0, rows - 1):
+        assert torch.equal(got[i], ops.panel_linear(x[i:i + 1], panels, n, None)[0])
+
+
+def test_panel_linear_routes_rows_and_refuses_bad_shapes(ops: NativeOps) -> None:
+    calls: list[int] = []
+
+    def fallback(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return torch.nn.functional.linear(x, w, b)
+
+    w = torch.randn(40, 64)
+    linear = PanelLinear(w, fallback, ops, few_rows=SMALL_ROWS_MAX)
+    for rows in (SMALL_ROWS_MAX, SMALL_ROWS_MAX + 1, PANEL_ROWS_MAX, PANEL_ROWS_MAX + 1, 0):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(linear(x, w, None), x @ w.T, rtol=1e-5, atol=1e-4)
+    linear(torch.randn(8, 64), w.clone(), None)  # not the packed weight
+    linear(torch.randn(8, 64, dtype=torch.bfloat16), w.bfloat16(), None)
+    assert calls == [SMALL_ROWS_MAX, PANEL_ROWS_MAX + 1, 0, 8, 8]
+    assert ops.panel_linear is not None
+    with pytest.raises(RuntimeError, match="panel_linear"):
+        ops.panel_linear(torch.randn(3, 63), linear.panels, 40, None)  # K differs
+    with pytest.raises(RuntimeError, match="panel_linear"):
+        ops.panel_linear(torch.randn(3, 64), linear.panels, 60, None)  # N needs 4 panels
 
 
 @pytest.mark.parametrize("vocab", [49152, 100])  # 100: a partial last word

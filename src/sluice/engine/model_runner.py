@@ -47,7 +47,9 @@ from sluice.engine.models.llama import Linear, LlamaConfig, TransformerBlock
 from sluice.engine.models.loader import load_model
 from sluice.engine.native import (
     SMALL_ROWS_MAX,
+    NativeOps,
     PackedLinear,
+    PanelLinear,
     cpu_flags,
     cpu_linear,
     native_ops,
@@ -165,6 +167,8 @@ class ModelRunner:
         self.gguf_blocks: dict[str, tuple[Tensor, int]] = {}  # linears on GGUF blocks
         if mc.quantization == "int8":
             self._use_int8_weights()
+        elif self.native is not None and self.dtype == torch.float32:
+            self._use_panels(self.native)
         elif self.linear is not None and onednn_packing(self.dtype):
             self._pack_weights()
         if mc.quantization == "gguf":  # the blocks for a few rows, the (packed) dense above
@@ -179,6 +183,14 @@ class ModelRunner:
         if self.gguf_blocks and not mc.enforce_eager:
             self.decode_graph = DecodeGraph.build(self.model, self.gguf_blocks, self.native)
         self.warm_up()
+
+    def _use_panels(self, native: NativeOps) -> None:
+        """Every float32 linear's decode batches on the native panel kernel
+        (`PanelLinear`); one stream's rows keep going to the GEMV, long prefill chunks to
+        oneDNN."""
+        for module in self.model.modules():
+            if isinstance(module, Linear):
+                module.matmul = PanelLinear(module.weight, module.matmul, native, SMALL_ROWS_MAX)
 
     def _pack_weights(self) -> None:
         """Every linear on its weight reordered once for oneDNN (`PackedLinear`); float32
