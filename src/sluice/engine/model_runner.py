@@ -185,9 +185,8 @@ class ModelRunner:
         self.warm_up()
 
     def _use_panels(self, native: NativeOps) -> None:
-        """Every float32 linear's decode batches on the native panel kernel
-        (`PanelLinear`); one stream's rows keep going to the GEMV, long prefill chunks to
-        oneDNN."""
+        """Every float32 linear on the native panel kernel (`PanelLinear`); one stream's
+        rows keep going to the GEMV."""
         for module in self.model.modules():
             if isinstance(module, Linear):
                 module.matmul = PanelLinear(module.weight, module.matmul, native, SMALL_ROWS_MAX)

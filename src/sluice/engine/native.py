@@ -292,21 +292,19 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
-PANEL_ROWS_MAX = 512  # rows up to which a float32 linear runs on panels (`PanelLinear`)
-
-
 class PanelLinear:
     """A float32 Linear's matmul on its weight packed once into the native kernel's
-    panels (`pack_panels`: 16 output columns, k-major) for inputs of `few_rows` + 1 to
-    PANEL_ROWS_MAX rows (a decode batch, a short prefill); `fallback` for the rest, for
-    another weight (the module's was replaced) or another dtype.
+    panels (`pack_panels`: 16 output columns, k-major) for inputs of more than `few_rows`
+    rows (decode batches and prefill chunks); `fallback` for the rest, for another weight
+    (the module's was replaced) or another dtype.
 
-    On the 2-core AMD EPYC (AVX2 only) a decode step's linears over all 30 layers and the
-    head, weights cold as in a step, against oneDNN on its own reordered weight: 32 rows
-    95 -> 72 ms (120 GFLOP/s, ~60% of the FMA units' rate), 64 rows 161 -> 129 ms; about
-    even at 1,024 rows, where prefill chunks stay on oneDNN. The panels replace oneDNN's
-    reordered copy (the same memory; the plain weight stays, for the other kernels and
-    for LoRA).
+    On the 2-core AMD EPYC (AVX2 only), the linears of all 30 layers and the head with
+    the weights cold, as in a step, against oneDNN on its own reordered weight: 32 rows
+    96 -> 72 ms (120 GFLOP/s, ~60% of the FMA units' rate), 64 rows 161 -> 129 ms, 256
+    rows 1.27x, 1,024 rows about even; a step of 14 prompts of 139 tokens 1.6x against
+    oneDNN on the plain weight (which it reorders on every call). The panels replace
+    oneDNN's reordered copy (the same memory; the plain weight stays, for the other
+    kernels and for LoRA).
     """
 
     def __init__(self, weight: Tensor, fallback: LinearKernel, ops: NativeOps,
@@ -319,8 +317,6 @@ class PanelLinear:
         self.few_rows = few_rows
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        if (weight is not self.weight or x.dtype != torch.float32
-                or not self.few_rows < x.shape[0] <= PANEL_ROWS_MAX):
+        if weight is not self.weight or x.dtype != torch.float32 or x.shape[0] <= self.few_rows:
             return self.fallback(x, weight, bias)
         return self.kernel(x, self.panels, weight.shape[0], bias)
-

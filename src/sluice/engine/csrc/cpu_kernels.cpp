@@ -466,7 +466,7 @@ torch::Tensor small_rows_linear(torch::Tensor x, torch::Tensor weight,
 // a panel (16 x K floats, 36 KB at K = 576) is read from memory once and then from L2 for
 // every 6 rows of x: per k, two vector loads of the panel and one broadcast per row feed
 // 2 x 6 FMAs into 12 registers. On the AVX2 dev machine oneDNN's packed matmul reaches
-// ~47% of the FMA units' rate at 32 rows (the weights cold, as in a step), this ~3/4.
+// ~47% of the FMA units' rate at 32 rows (the weights cold, as in a step), this ~2/3.
 constexpr int64_t kPanel = 16;
 
 torch::Tensor pack_panels(torch::Tensor weight) {
