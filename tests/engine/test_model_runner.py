@@ -14,6 +14,8 @@ import torch
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.model_runner import ModelRunner, SeqChunk, auto_dtype
+from sluice.engine.models.llama import Linear
+from sluice.engine.native import cpu_flags
 from sluice.protocol.errors import InvalidRequestError
 
 BLOCK = 4
@@ -147,6 +149,14 @@ def test_runner_attributes(pair: tuple[ModelRunner, torch.nn.Module]) -> None:
     assert runner.model_name.startswith("tiny-")
     assert runner.device.type == "cpu" and runner.dtype == torch.float32
     assert runner.tokenizer.eos_token_ids == {2}
+
+
+def test_float32_linears_run_on_panels_where_the_cpu_has_no_avx512(
+        pair: tuple[ModelRunner, torch.nn.Module]) -> None:
+    """The scenarios above run through whichever this CPU gets; this pins the choice."""
+    runner, _ = pair
+    kinds = {type(m.matmul).__name__ for m in runner.model.modules() if isinstance(m, Linear)}
+    assert kinds == ({"PackedLinear"} if "avx512f" in cpu_flags() else {"PanelLinear"})
 
 
 @pytest.mark.parametrize("device,flags,want", [

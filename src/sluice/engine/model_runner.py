@@ -167,7 +167,8 @@ class ModelRunner:
         self.gguf_blocks: dict[str, tuple[Tensor, int]] = {}  # linears on GGUF blocks
         if mc.quantization == "int8":
             self._use_int8_weights()
-        elif self.native is not None and self.dtype == torch.float32:
+        elif (self.native is not None and self.dtype == torch.float32
+              and "avx512f" not in cpu_flags()):  # measured on AVX2 only (docs/engine.md)
             self._use_panels(self.native)
         elif self.linear is not None and onednn_packing(self.dtype):
             self._pack_weights()

@@ -245,9 +245,12 @@ static void decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool
   const int64_t* table = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+  // (sequence, KV head) units handed out as threads free up (see panel_linear)
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
     std::vector<float> scores, acc;
-    for (int64_t unit = begin; unit < end; ++unit) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t unit = 0; unit < B * KVH; ++unit) {
       const int64_t b = unit / KVH, h = unit % KVH;
       const T* qb = qp + (b * H + h * G) * D;
       T* ob = op + (b * H + h * G) * D;
@@ -261,7 +264,7 @@ static void decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool
                        acc);
       }
     }
-  });
+  }
 }
 
 static bool supported(const torch::Tensor& t) {
@@ -528,29 +531,35 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
   const float* xp = xc.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
+  // rows in blocks of at most 6, as even as they go (32: 6, 6, 5, 5, 5, 5): a block of
+  // fewer rows has fewer independent FMA chains
+  const int64_t blocks = (M + 5) / 6;
+  const int64_t chunk = std::max<int64_t>(1, P / (8 * at::get_num_threads()));
+  // chunks of panels handed out as threads free up: a thread that loses its core for a
+  // while (the front end, the client) does less of the step instead of holding it up
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t first = 0; first < P; first += chunk) {
+    for (int64_t p = first; p < std::min(P, first + chunk); ++p) {
       const float* panel = wp + p * K * kPanel;
       const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
       const float* bias_p = bp ? bp + n0 : nullptr;
-      // blocks of 6 rows; a remainder of 1 or 2 joins the last 6 as 4 + 3 or 4 + 4
-      const int64_t tail = M % 6 != 0 && M % 6 < 3 && M > 6 ? 6 + M % 6 : M % 6;
       int64_t m = 0;
-      for (; m + tail < M; m += 6) panel_rows<6>(xp + m * K, K, panel, bias_p, op + m * N + n0, N, cols);
-      if (tail > 6) {
-        panel_rows<4>(xp + m * K, K, panel, bias_p, op + m * N + n0, N, cols);
-        m += 4;
-      }
-      switch (M - m) {
-        case 1: panel_rows<1>(xp + m * K, K, panel, bias_p, op + m * N + n0, N, cols); break;
-        case 2: panel_rows<2>(xp + m * K, K, panel, bias_p, op + m * N + n0, N, cols); break;
-        case 3: panel_rows<3>(xp + m * K, K, panel, bias_p, op + m * N + n0, N, cols); break;
-        case 4: panel_rows<4>(xp + m * K, K, panel, bias_p, op + m * N + n0, N, cols); break;
-        case 5: panel_rows<5>(xp + m * K, K, panel, bias_p, op + m * N + n0, N, cols); break;
-        default: break;
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        const int64_t rows = M / blocks + (blk < M % blocks ? 1 : 0);
+        const float* xb = xp + m * K;
+        float* yb = op + m * N + n0;
+        switch (rows) {
+          case 1: panel_rows<1>(xb, K, panel, bias_p, yb, N, cols); break;
+          case 2: panel_rows<2>(xb, K, panel, bias_p, yb, N, cols); break;
+          case 3: panel_rows<3>(xb, K, panel, bias_p, yb, N, cols); break;
+          case 4: panel_rows<4>(xb, K, panel, bias_p, yb, N, cols); break;
+          case 5: panel_rows<5>(xb, K, panel, bias_p, yb, N, cols); break;
+          default: panel_rows<6>(xb, K, panel, bias_p, yb, N, cols); break;
+        }
+        m += rows;
       }
     }
-  });
+  }
   return out;
 }
 
