@@ -273,6 +273,8 @@ def test_panel_linear_routes_rows_and_refuses_bad_shapes(ops: NativeOps) -> None
         ops.panel_linear(torch.randn(3, 63), linear.panels, 40, None)  # K differs
     with pytest.raises(RuntimeError, match="panel_linear"):
         ops.panel_linear(torch.randn(3, 64), linear.panels, 60, None)  # N needs 4 panels
+    with pytest.raises(RuntimeError, match="panel_linear: bias"):
+        ops.panel_linear(torch.randn(3, 64), linear.panels, 40, torch.randn(39))
 
 
 @pytest.mark.parametrize("vocab", [49152, 100])  # 100: a partial last word

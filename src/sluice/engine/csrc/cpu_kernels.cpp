@@ -22,35 +22,32 @@
 #include <cmath>
 #include <vector>
 
-// Vectors of 16 floats (GCC vector extensions: one zmm with AVX-512, two ymm with AVX2),
-// loaded from float or bfloat16 (a bfloat16 is a float's high 16 bits).
-typedef float vf16 __attribute__((vector_size(64)));
+// Vectors of 8 floats (GCC vector extensions: one ymm with AVX2, the lower half of a zmm
+// with AVX-512), loaded from float or bfloat16 (a bfloat16 is a float's high 16 bits).
 typedef float vf8_t __attribute__((vector_size(32)));
 typedef float vf4_t __attribute__((vector_size(16)));
-typedef uint16_t vu16x16 __attribute__((vector_size(32)));
-typedef uint32_t vu32x16 __attribute__((vector_size(64)));
 
-static inline vf16 load16(const float* p) {
-  vf16 v;
+static inline vf8_t load8(const float* p) {
+  vf8_t v;
   __builtin_memcpy(&v, p, sizeof(v));
   return v;
 }
 
-static inline vf16 load16(const c10::BFloat16* p) {
-  vu16x16 h;
+static inline vf8_t load8(const c10::BFloat16* p) {
+  typedef uint16_t vu16x8 __attribute__((vector_size(16)));
+  typedef uint32_t vu32x8 __attribute__((vector_size(32)));
+  vu16x8 h;
   __builtin_memcpy(&h, p, sizeof(h));
-  const vu32x16 w = __builtin_convertvector(h, vu32x16) << 16;
-  vf16 v;
+  const vu32x8 w = __builtin_convertvector(h, vu32x8) << 16;
+  vf8_t v;
   __builtin_memcpy(&v, &w, sizeof(v));
   return v;
 }
 
-static inline float hsum16(vf16 v) {
-  const vf8_t a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const vf4_t b = __builtin_shufflevector(a, a, 0, 1, 2, 3) +
-                  __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
+static inline void store8(float* p, vf8_t v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+static inline void store8(c10::BFloat16* p, vf8_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<c10::BFloat16>(v[i]);
 }
 
 // Calls f(row, t) for the first `len` context rows of KV head h. Row t lies in block
@@ -91,29 +88,6 @@ static void softmax_rows(float* scores, int64_t G, int64_t len) {
     const float inv = 1.f / sum;
     for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
   }
-}
-
-static inline vf8_t load8(const float* p) {
-  vf8_t v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-static inline vf8_t load8(const c10::BFloat16* p) {
-  typedef uint16_t vu16x8 __attribute__((vector_size(16)));
-  typedef uint32_t vu32x8 __attribute__((vector_size(32)));
-  vu16x8 h;
-  __builtin_memcpy(&h, p, sizeof(h));
-  const vu32x8 w = __builtin_convertvector(h, vu32x8) << 16;
-  vf8_t v;
-  __builtin_memcpy(&v, &w, sizeof(v));
-  return v;
-}
-
-static inline void store8(float* p, vf8_t v) { __builtin_memcpy(p, &v, sizeof(v)); }
-
-static inline void store8(c10::BFloat16* p, vf8_t v) {
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<c10::BFloat16>(v[i]);
 }
 
 // The four horizontal sums of a0..a3, as one vector (a transpose of adds, no scalars).
@@ -430,6 +404,15 @@ static void small_rows_gemv(const float* x, const float* w, const float* bias, f
   });
 }
 
+// A float32 linear's optional bias [N], made contiguous in `holder`; nullptr for none.
+static const float* float_bias(const c10::optional<torch::Tensor>& bias, int64_t N,
+                               const char* op, torch::Tensor& holder) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  holder = bias->contiguous();
+  TORCH_CHECK(holder.scalar_type() == torch::kFloat && holder.numel() == N, op, ": bias [N]");
+  return holder.data_ptr<float>();
+}
+
 constexpr int64_t kSmallRowsMax = 4;
 
 torch::Tensor small_rows_linear(torch::Tensor x, torch::Tensor weight,
@@ -443,13 +426,8 @@ torch::Tensor small_rows_linear(torch::Tensor x, torch::Tensor weight,
               "small_rows_linear: float32, contiguous weight");
   const auto xc = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const float* bp = nullptr;
   torch::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == N, "small_rows_linear: bias [N]");
-    bp = b.data_ptr<float>();
-  }
+  const float* bp = float_bias(bias, N, "small_rows_linear", b);
   auto out = torch::empty({M, N}, x.options());
   const float* xp = xc.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
@@ -520,13 +498,8 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
               "panel_linear: float32, a pack_panels weight");
   const auto xc = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
-  const float* bp = nullptr;
   torch::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->contiguous();
-    TORCH_CHECK(b.scalar_type() == torch::kFloat && b.numel() == N, "panel_linear: bias [N]");
-    bp = b.data_ptr<float>();
-  }
+  const float* bp = float_bias(bias, N, "panel_linear", b);
   auto out = torch::empty({M, N}, x.options());
   const float* xp = xc.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
