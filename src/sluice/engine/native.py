@@ -100,7 +100,7 @@ class NativeOps:
     # x [M, K] float32, Q4 blocks, ggml type, bias: the graph's Q4 x int8 linear alone
     gguf_linear_int8: Callable[[Tensor, Tensor, int, Tensor | None], Tensor] | None = None
     # float32 weight [N, K] -> panels [ceil(N / 16), K, 16]; x [M, K], panels, N, bias ->
-    # [M, N]: a decode batch's linear (`PanelLinear`)
+    # [M, N]: a float32 linear of 5 or more rows (`PanelLinear`)
     pack_panels: Callable[[Tensor], Tensor] | None = None
     panel_linear: Callable[[Tensor, Tensor, int, Tensor | None], Tensor] | None = None
 

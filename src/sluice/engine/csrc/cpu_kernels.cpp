@@ -50,20 +50,6 @@ static inline void store8(c10::BFloat16* p, vf8_t v) {
   for (int i = 0; i < 8; ++i) p[i] = static_cast<c10::BFloat16>(v[i]);
 }
 
-// Calls f(row, t) for the first `len` context rows of KV head h. Row t lies in block
-// row_table[t / bs] at row t % bs; the walk goes block by block (no division per row),
-// and rows of one block are `kv_heads * D` apart.
-template <typename T, typename F>
-static inline void for_each_row(const T* pool, const int64_t* row_table, int64_t len,
-                                int64_t bs, int64_t kv_heads, int64_t h, int64_t D, F&& f) {
-  const int64_t stride = kv_heads * D;
-  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, ++blk) {
-    const T* row = pool + (row_table[blk] * bs * kv_heads + h) * D;
-    const int64_t rows = std::min(bs, len - t0);
-    for (int64_t i = 0; i < rows; ++i, row += stride) f(row, t0 + i);
-  }
-}
-
 // Sizes the scratch for G heads of D over `len` rows and returns the queries in float,
 // pre-scaled; acc's first G * D floats are the zeroed output accumulator.
 template <typename Q>
@@ -101,8 +87,9 @@ static inline vf4_t sum4(vf8_t a0, vf8_t a1, vf8_t a2, vf8_t a3) {
   return __builtin_shufflevector(u0, u1, 0, 1, 4, 5) + __builtin_shufflevector(u0, u1, 2, 3, 6, 7);
 }
 
-// Where a unit's `len` context rows start in the pool (in elements), walking its block
-// table block by block.
+// Where a unit's `len` context rows of KV head h start in the pool (in elements): row t
+// lies in block row_table[t / bs] at row t % bs, rows of one block `kv_heads * D` apart;
+// the walk goes block by block (no division per row).
 static void row_offsets(const int64_t* row_table, int64_t len, int64_t bs, int64_t kv_heads,
                         int64_t h, int64_t D, std::vector<int64_t>& rows) {
   rows.resize(len);
@@ -186,22 +173,26 @@ static void attend_one_any(const Q* q, const T* k_pool, const T* v_pool,
                            const int64_t* row_table, int64_t len, int64_t bs, int64_t kv_heads,
                            int64_t h, int64_t G, int64_t D, float scale, Q* out,
                            std::vector<float>& scores, std::vector<float>& acc) {
+  thread_local std::vector<int64_t> rows;
+  row_offsets(row_table, len, bs, kv_heads, h, D, rows);
   const float* qf = scaled_queries(q, G, D, len, scale, scores, acc);
-  for_each_row(k_pool, row_table, len, bs, kv_heads, h, D, [&](const T* k, int64_t t) {
+  for (int64_t t = 0; t < len; ++t) {
+    const T* k = k_pool + rows[t];
     for (int64_t g = 0; g < G; ++g) {
       float s = 0.f;
       for (int64_t d = 0; d < D; ++d) s += qf[g * D + d] * static_cast<float>(k[d]);
       scores[g * len + t] = s;
     }
-  });
+  }
   softmax_rows(scores.data(), G, len);
   float* o = acc.data();
-  for_each_row(v_pool, row_table, len, bs, kv_heads, h, D, [&](const T* v, int64_t t) {
+  for (int64_t t = 0; t < len; ++t) {
+    const T* v = v_pool + rows[t];
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * len + t];
       for (int64_t d = 0; d < D; ++d) o[g * D + d] += p * static_cast<float>(v[d]);
     }
-  });
+  }
   for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<Q>(o[i]);
 }
 
