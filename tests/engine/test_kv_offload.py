@@ -415,6 +415,25 @@ def test_the_writer_drops_only_past_its_bound_and_counts_it() -> None:
     engine.core.close()
 
 
+def test_an_idle_core_reports_blocks_the_writer_stored_after_its_last_step() -> None:
+    """The engine process sends stats with each step and, when idle, only when `tick`
+    says they changed: a write-through that ends after the request's last step (a slow
+    store, a busy host) must still reach /metrics, not wait for the next request."""
+    engine, store = store_engine({})
+    core, offload = engine.core, engine.core.block_manager.offload
+    assert offload is not None
+    gate, write_many = threading.Event(), store.write_many
+    store.write_many = lambda items: (gate.wait(10), write_many(items))[1]  # type: ignore
+    run(engine, "a", sessions()[0])
+    core.tick()  # (whatever the steps wrote so far)
+    assert not core.tick() and core.stats().kv_offload["REDIS"]["blocks_stored"] == 0
+    gate.set()
+    offload.flush()
+    assert core.tick() and not core.tick()  # changed once, then idle again
+    assert core.stats().kv_offload["REDIS"]["blocks_stored"] > 0
+    core.close()
+
+
 def test_an_idle_core_waits_on_the_fetcher_instead_of_spinning() -> None:
     """A core whose only work is a request waiting for the store blocks in
     `KVOffloadManager.wait` until the fetch is done: a spinning loop held the GIL that

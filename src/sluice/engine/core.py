@@ -86,6 +86,7 @@ class EngineCore:
         self.failed: list[tuple[str, SluiceError]] = []  # requests the core refused after add
         self._next_seq_id = 0
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_steps": 0}
+        self._batches_seen = 0  # the offload writer's, when `tick` last looked
         self.spec = self._build_spec(config)
         self.last_chunks: list[ScheduledChunk] = []  # what the last step() ran
         self.step_log = self._open_step_log(config)  # the loop records into it
@@ -392,8 +393,14 @@ class EngineCore:
 
     def tick(self) -> bool:
         """Housekeeping the loop runs even when idle (P/D leases past their TTL release
-        their blocks); whether anything changed that the stats show."""
-        return self.kv_transfer.tick()
+        their blocks); whether anything changed that the stats show (that too, or the
+        offload writer stored blocks after the last step: the stored bytes changed)."""
+        changed = self.kv_transfer.tick()
+        offload = self.block_manager.offload
+        if offload is not None and offload.batches_written != self._batches_seen:
+            self._batches_seen = offload.batches_written
+            changed = True
+        return changed
 
     def stats(self) -> EngineStats:
         bm, sched = self.block_manager, self.scheduler

@@ -622,6 +622,7 @@ class KVOffloadManager:
         self._queue: queue.Queue[list[tuple[int, StoredBlock]] | None] = queue.Queue()
         self.queue_blocks = queue_blocks
         self._queued_blocks = 0
+        self.batches_written = 0  # the writer's finished batches: stats an idle core resends
         self._writer: threading.Thread | None = None
         # blocks fetched from the disk tier and the store, waiting for their request's
         # next lookup; blocks being fetched; first blocks of chains that missed lately
@@ -693,6 +694,7 @@ class KVOffloadManager:
                 self._write(blocks[i:i + self.batch_blocks])
             with self._lock:
                 self._queued_blocks -= len(blocks)
+                self.batches_written += 1
             self._queue.task_done()
 
     def _write(self, blocks: list[tuple[int, StoredBlock]]) -> None:
