@@ -8,7 +8,10 @@ head in one native call on the GGUF blocks.
   the pools, the same greedy tokens; which steps it takes.
 - With int8 activations (the default where the CPU has AVX2): perplexity within 1% of
   the dequantized float32 model, teacher-forced through the graph one token a step,
-  and greedy agreement with it, printed."""
+  and greedy agreement with it, printed.
+- On float32 weights and their native panels (`build_float`, CPUs without AVX-512;
+  here on any CPU): every decode step, 1 row or 40, against the torch model on the same
+  weights; the same greedy tokens through the engine."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sluice.engine import model_runner
 from sluice.engine.config import EngineConfig
 from sluice.engine.decode_graph import GRAPH_MAX_ROWS, DecodeGraph
 from sluice.engine.llm import LLM
@@ -120,11 +124,15 @@ def pool_rows(r: ModelRunner, slots: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.model
-def test_built_for_gguf_only_and_not_when_eager(pair: tuple[ModelRunner, ModelRunner]) -> None:
+def test_built_for_gguf_or_panels_and_not_when_eager(
+        pair: tuple[ModelRunner, ModelRunner]) -> None:
     eager, graph = pair
     assert graph.decode_graph is not None and eager.decode_graph is None
     dense = ModelRunner(EngineConfig.from_options(None, num_kv_blocks=16, dtype="float32"))
-    assert dense.decode_graph is None  # no GGUF blocks: the torch model runs every step
+    # no GGUF blocks: the graph where float32 is on panels (no AVX-512), else the torch model
+    assert (dense.decode_graph is not None) == dense.panels
+    bf16 = ModelRunner(EngineConfig.from_options(None, num_kv_blocks=16, dtype="bfloat16"))
+    assert bf16.decode_graph is None and not bf16.panels
 
 
 @pytest.mark.model
@@ -276,3 +284,75 @@ def test_speculative_verifies_stay_in_the_graph(default_gguf: Path) -> None:
     assert spec.num_draft_tokens >= 8 and spec.num_accepted_tokens > 0
     assert left_out == []
     assert drafted == plain
+
+
+# -- float32 on panels -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def float_pair() -> tuple[ModelRunner, ModelRunner]:
+    """(torch model, graph), float32 on panels: the runner puts float32 on panels where
+    the CPU has no AVX-512, so it is told so here (the kernels run on any AVX2 CPU)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model_runner, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+        pair = tuple(ModelRunner(EngineConfig.from_options(None, num_kv_blocks=64,
+                                                           dtype="float32", enforce_eager=eager))
+                     for eager in (True, False))
+    assert all(r.panels for r in pair)
+    return pair  # type: ignore[return-value]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("copies", [1, 13])  # 3 and 39 rows: the GEMV, then the panels
+def test_float_graph_decodes_match_the_torch_model(
+        float_pair: tuple[ModelRunner, ModelRunner], copies: int) -> None:
+    """Sequences at different lengths, then one step of their decodes and a 3-token
+    verify each: logits and the K/V rows written agree with the torch model's."""
+    eager, graph = float_pair
+    assert graph.decode_graph is not None and eager.decode_graph is None
+    bs = graph.block_size
+    chunks, slots = [], []
+    for i in range(copies):
+        for j, prompt in enumerate(PROMPTS[:2]):
+            ids = eager.tokenizer.encode(f"{i}. {prompt}")
+            table = list(range(2 * (2 * i + j), 2 * (2 * i + j) + 2))
+            first = prefill(eager, ids, table)
+            assert prefill(graph, ids, table) == first
+            tokens = [first] if j == 0 else [first, 11, 12]
+            chunks.append(SeqChunk(tokens, len(ids), table, True, num_logits=len(tokens)))
+            slots += [table[p // bs] * bs + p % bs for p in range(len(ids), len(ids) + len(tokens))]
+    calls = []
+    forward = graph.decode_graph.forward
+    graph.decode_graph.forward = lambda *args: calls.append(1) or forward(*args)  # type: ignore
+    try:
+        got = graph.execute(chunks)
+    finally:
+        del graph.decode_graph.forward  # type: ignore[method-assign]
+    want = eager.execute(chunks)
+    assert calls == [1] and got.shape == want.shape == (4 * copies, graph.vocab_size)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    torch.testing.assert_close(pool_rows(graph, slots), pool_rows(eager, slots),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.model
+def test_float_graph_takes_every_decode_step(float_pair: tuple[ModelRunner, ModelRunner]) -> None:
+    graph = float_pair[1].decode_graph
+    assert graph is not None
+    decode = SeqChunk([1], 20, list(range(8)), True)
+    assert graph.takes([decode] * 256)
+    assert not graph.takes([decode, SeqChunk([1, 2], 20, list(range(8)), True)])  # a prefill
+
+
+@pytest.mark.model
+def test_float_graph_greedy_generation_matches_the_torch_model() -> None:
+    """Whole requests through the engine, six at a time: the same greedy tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [f"{i}. {p}" for i in range(2) for p in PROMPTS]
+    outs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model_runner, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+        for eager in (True, False):
+            llm = LLM(dtype="float32", enforce_eager=eager, num_kv_blocks=64, max_num_seqs=6)
+            assert (llm.engine.runner.decode_graph is None) == eager
+            outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert outs[True] == outs[False]

@@ -54,7 +54,11 @@ if TYPE_CHECKING:
 # on the dense weights wins (bfloat16, AVX512-BF16 here: 9 rows 23.3 vs 29.2 ms, 16 rows
 # 29.2 vs 43.3; 8 rows 23.9 vs 24.6; 1 row 9.7 vs 6.3)
 GRAPH_MAX_ROWS = 8
+# float32 on panels: the graph runs the same kernels as the torch model, without its
+# ~10 calls a layer from Python, so it takes every decode step
+FLOAT_GRAPH_MAX_ROWS = 1 << 16
 Q8_0 = 8  # ggml type: its blocks keep float activations (the head: bound by memory)
+F32 = 0  # ggml type: the graph's float32 linears (a weight and its panels)
 
 
 class DecodeGraph:
@@ -81,16 +85,41 @@ class DecodeGraph:
             return None
         if int8_activations is None:
             int8_activations = bool(native.q4_int8_path())
-        names = [f"layers.{i}.{part}" for i in range(len(model.layers))
-                 for part in ("attention.wqkv", "attention.wo", "feed_forward.w13",
-                              "feed_forward.w2")] + ["output"]
-        modules = dict(model.named_modules())
-        if any(n not in blocks for n in names):
-            return None
-        linears = [modules[n] for n in names]
-        if any(not isinstance(m, Linear) or m.lora is not None for m in linears):
+        names = _linear_names(model)
+        linears = _linears(model, names)
+        if linears is None or any(n not in blocks for n in names):
             return None
         int8 = [int8_activations and blocks[n][1] != Q8_0 for n in names]
+        return cls._build(model, native, linears, [blocks[n][0] for n in names],
+                          [blocks[n][1] for n in names], int8, [torch.empty(0)] * len(names),
+                          max_rows)
+
+    @classmethod
+    def build_float(cls, model: Transformer, native: NativeOps | None,
+                    max_rows: int = FLOAT_GRAPH_MAX_ROWS) -> DecodeGraph | None:
+        """The graph over a float32 model whose every linear is on native panels
+        (`PanelLinear`, CPUs without AVX-512): the panels for more than 4 rows, the plain
+        weight (the GEMV) for up to 4. None where it cannot run (no native kernels, a
+        LoRA side, a linear not on panels)."""
+        from sluice.engine.native import PanelLinear
+
+        if native is None or native.decode_graph is None:
+            return None
+        linears = _linears(model, _linear_names(model))
+        if linears is None:
+            return None
+        panels = [m.matmul for m in linears if isinstance(m.matmul, PanelLinear)
+                  and m.matmul.weight is m.weight]
+        if len(panels) != len(linears):
+            return None
+        return cls._build(model, native, linears, [p.weight for p in panels], [F32] * len(panels),
+                          [False] * len(panels), [p.panels for p in panels], max_rows)
+
+    @classmethod
+    def _build(cls, model: Transformer, native: NativeOps, linears: list[Linear],
+               weights: list[Tensor], types: list[int], int8: list[bool],
+               panels: list[Tensor], max_rows: int) -> DecodeGraph:
+        assert native.decode_graph is not None
         norms: list[RMSNorm] = []
         k_pools, v_pools = [], []
         for layer in model.layers:
@@ -102,11 +131,10 @@ class DecodeGraph:
         norms.append(model.norm)
         cfg = model.cfg
         graph = native.decode_graph(
-            [blocks[n][0] for n in names], [blocks[n][1] for n in names],
-            [_float(m.bias) if isinstance(m, Linear) and m.bias is not None else torch.empty(0)
-             for m in linears],
+            weights, types,
+            [_float(m.bias) if m.bias is not None else torch.empty(0) for m in linears],
             [_float(n.weight) for n in norms], k_pools, v_pools,
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, int8)
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, int8, panels)
         return cls(model, graph, max_rows)
 
     def takes(self, chunks: list[SeqChunk]) -> bool:
@@ -146,6 +174,22 @@ class DecodeGraph:
         x = self.model.tok_embeddings(torch.tensor(tokens, dtype=torch.long)).float()
         return self.graph.forward(x, self.cos[pos], self.sin[pos],
                                   torch.tensor(slots, dtype=torch.long), padded, pos + 1)
+
+
+def _linear_names(model: Transformer) -> list[str]:
+    """The graph's linears: 4 a layer, then the head."""
+    return [f"layers.{i}.{part}" for i in range(len(model.layers))
+            for part in ("attention.wqkv", "attention.wo", "feed_forward.w13",
+                         "feed_forward.w2")] + ["output"]
+
+
+def _linears(model: Transformer, names: list[str]) -> list[Linear] | None:
+    """The modules of `names`, or None if one is not a plain Linear (a LoRA side)."""
+    modules = dict(model.named_modules())
+    linears = [modules.get(n) for n in names]
+    if any(not isinstance(m, Linear) or m.lora is not None for m in linears):
+        return None
+    return linears  # type: ignore[return-value]
 
 
 def _float(t: Tensor) -> Tensor:

@@ -165,11 +165,13 @@ class ModelRunner:
         if self.linear is not None:
             self.model.use_linear(self.linear)
         self.gguf_blocks: dict[str, tuple[Tensor, int]] = {}  # linears on GGUF blocks
+        self.panels = False  # float32 linears on native panels
         if mc.quantization == "int8":
             self._use_int8_weights()
         elif (self.native is not None and self.dtype == torch.float32
               and "avx512f" not in cpu_flags()):  # measured on AVX2 only (docs/engine.md)
             self._use_panels(self.native)
+            self.panels = True
         elif self.linear is not None and onednn_packing(self.dtype):
             self._pack_weights()
         if mc.quantization == "gguf":  # the blocks for a few rows, the (packed) dense above
@@ -183,6 +185,8 @@ class ModelRunner:
         self.decode_graph: DecodeGraph | None = None
         if self.gguf_blocks and not mc.enforce_eager:
             self.decode_graph = DecodeGraph.build(self.model, self.gguf_blocks, self.native)
+        elif self.panels and not mc.enforce_eager:
+            self.decode_graph = DecodeGraph.build_float(self.model, self.native)
         self.warm_up()
 
     def _use_panels(self, native: NativeOps) -> None:

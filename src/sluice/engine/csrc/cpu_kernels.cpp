@@ -406,6 +406,16 @@ static const float* float_bias(const c10::optional<torch::Tensor>& bias, int64_t
 
 constexpr int64_t kSmallRowsMax = 4;
 
+static void small_rows_matmul(const float* x, const float* w, const float* bias, float* y,
+                              int64_t M, int64_t K, int64_t N) {
+  switch (M) {
+    case 1: small_rows_gemv<1>(x, w, bias, y, K, N); break;
+    case 2: small_rows_gemv<2>(x, w, bias, y, K, N); break;
+    case 3: small_rows_gemv<3>(x, w, bias, y, K, N); break;
+    default: small_rows_gemv<4>(x, w, bias, y, K, N); break;
+  }
+}
+
 torch::Tensor small_rows_linear(torch::Tensor x, torch::Tensor weight,
                                 c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
@@ -422,13 +432,8 @@ torch::Tensor small_rows_linear(torch::Tensor x, torch::Tensor weight,
   auto out = torch::empty({M, N}, x.options());
   const float* xp = xc.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  switch (M) {
-    case 1: small_rows_gemv<1>(xp, wp, bp, op, K, N); break;
-    case 2: small_rows_gemv<2>(xp, wp, bp, op, K, N); break;
-    case 3: small_rows_gemv<3>(xp, wp, bp, op, K, N); break;
-    default: small_rows_gemv<4>(xp, wp, bp, op, K, N); break;
-  }
+  small_rows_matmul(xc.data_ptr<float>(), weight.data_ptr<float>(), bp, out.data_ptr<float>(),
+                    M, K, N);
   return out;
 }
 
@@ -479,22 +484,9 @@ static inline void panel_rows(const float* x, int64_t K, const float* panel, con
   }
 }
 
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
-                           c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kPanel &&
-                  x.size(1) == packed.size(1) && packed.size(0) == (N + kPanel - 1) / kPanel,
-              "panel_linear: x [M, K], packed [ceil(N / 16), K, 16]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && packed.scalar_type() == torch::kFloat &&
-                  packed.is_contiguous(),
-              "panel_linear: float32, a pack_panels weight");
-  const auto xc = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
-  torch::Tensor b;
-  const float* bp = float_bias(bias, N, "panel_linear", b);
-  auto out = torch::empty({M, N}, x.options());
-  const float* xp = xc.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+static void panel_matmul(const float* xp, const float* wp, const float* bp, float* op, int64_t M,
+                         int64_t K, int64_t N) {
+  const int64_t P = (N + kPanel - 1) / kPanel;
   // rows in blocks of at most 6, as even as they go (32: 6, 6, 5, 5, 5, 5): a block of
   // fewer rows has fewer independent FMA chains
   const int64_t blocks = (M + 5) / 6;
@@ -524,6 +516,23 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
       }
     }
   }
+}
+
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
+                           c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kPanel &&
+                  x.size(1) == packed.size(1) && packed.size(0) == (N + kPanel - 1) / kPanel,
+              "panel_linear: x [M, K], packed [ceil(N / 16), K, 16]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && packed.scalar_type() == torch::kFloat &&
+                  packed.is_contiguous(),
+              "panel_linear: float32, a pack_panels weight");
+  const auto xc = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  torch::Tensor b;
+  const float* bp = float_bias(bias, N, "panel_linear", b);
+  auto out = torch::empty({M, N}, x.options());
+  panel_matmul(xc.data_ptr<float>(), packed.data_ptr<float>(), bp, out.data_ptr<float>(), M, K,
+               N);
   return out;
 }
 
@@ -1440,7 +1449,8 @@ std::string q4_int8_path() {
 }
 
 // The decode graph (sluice.engine.decode_graph): a whole decode step of a Llama-family
-// model whose linears are all GGUF blocks, in one call. Per layer:
+// model whose linears are all GGUF blocks, or all float32 weights on panels, in one
+// call. Per layer:
 //
 //   residual += h;  xn = rms_norm(residual) * attention_norm    (layer 0: residual = x)
 //   qkv = xn @ Wqkv;  RoPE on the Q and K heads;  K, V written at the rows' slots
@@ -1451,15 +1461,21 @@ std::string q4_int8_path() {
 // then the final norm and the output head: logits [B, V] float32. The torch model runs
 // the same step as ~10 calls a layer from Python (each a dispatch, an allocation, and
 // for the parallel ones an OpenMP fork/join); here the activations stay float32 in a few
-// reused buffers, the linears (q4_int8_linear or gguf_linear_typed, parallel over output
-// rows) and the attention (over rows x KV heads) are the only parallel parts, and norms,
-// RoPE and the K/V writes (a few thousand floats at one row) run on the calling thread.
+// reused buffers; the linears (q4_int8_linear or gguf_linear_typed, parallel over output
+// rows; panel_matmul or the GEMV for float32) and the attention (over rows x KV heads)
+// are parallel, and norms, RoPE, the K/V writes and SwiGLU's activation are parallel
+// over rows from kGraphRowGrain rows (below that, a few thousand floats a row, on the
+// calling thread).
 // Rows are decodes or a speculative verify's tokens (each a one-query decode whose
 // context ends at its own token): every row's K/V is written before any attends.
+constexpr int64_t kGraphFloat = 0;  // ggml's type of float32 weights
+constexpr int64_t kGraphRowGrain = 8;
+
 struct GraphLinear {
-  torch::Tensor blocks;  // uint8 [N, K / 32 * block_bytes]
+  torch::Tensor blocks;  // uint8 [N, K / 32 * block_bytes], or float32 [N, K] (kGraphFloat)
   int64_t type, N, K;
   torch::Tensor bias;  // float32 [N], or empty
+  torch::Tensor panels;  // kGraphFloat: pack_panels(blocks), for more than kSmallRowsMax rows
 #ifdef SLUICE_Q4_INT8
   std::shared_ptr<Q4Packed> packed;  // Q4 blocks repacked for int8 activations, or null
 #endif
@@ -1476,6 +1492,14 @@ struct GraphScratch {
 static void graph_linear(const GraphLinear& l, const float* x, int64_t M, float* y,
                          GraphScratch& scratch) {
   const float* bp = l.bias.numel() ? l.bias.data_ptr<float>() : nullptr;
+  if (l.type == kGraphFloat) {
+    if (M <= kSmallRowsMax) {
+      small_rows_matmul(x, l.blocks.data_ptr<float>(), bp, y, M, l.K, l.N);
+    } else {
+      panel_matmul(x, l.panels.data_ptr<float>(), bp, y, M, l.K, l.N);
+    }
+    return;
+  }
 #ifdef SLUICE_Q4_INT8
   if (l.packed) {
     q4_int8_linear(*l.packed, x, M, bp, y, scratch.q8);
@@ -1511,15 +1535,16 @@ static void graph_rope(float* x, const float* cos, const float* ssin, int64_t D)
 class DecodeGraph {
  public:
   // linears: 4 per layer (qkv, o, gate_up, down) then the output head, as GGUF blocks of
-  // `types`, with `biases` (empty tensors for none); norms: 2 per layer then the final
-  // norm, float32; k_pools, v_pools: the layers' KV pools (float32 or bfloat16);
-  // int8_activations, one per linear: a Q4 linear on int8 activations (q4_int8_linear;
-  // needs q4_int8_path()), else on float activations (gguf_rows).
+  // `types`, or float32 weights [N, K] (type 0) with their pack_panels in `panels` (empty
+  // tensors for GGUF blocks), with `biases` (empty tensors for none); norms: 2 per layer
+  // then the final norm, float32; k_pools, v_pools: the layers' KV pools (float32 or
+  // bfloat16); int8_activations, one per linear: a Q4 linear on int8 activations
+  // (q4_int8_linear; needs q4_int8_path()), else on float activations (gguf_rows).
   DecodeGraph(std::vector<torch::Tensor> linears, std::vector<int64_t> types,
               std::vector<torch::Tensor> biases, std::vector<torch::Tensor> norms,
               std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools,
               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-              std::vector<bool> int8_activations)
+              std::vector<bool> int8_activations, std::vector<torch::Tensor> panels)
       : norms_(std::move(norms)), k_pools_(std::move(k_pools)), v_pools_(std::move(v_pools)),
         H_(num_heads), KVH_(num_kv_heads), D_(head_dim), eps_(static_cast<float>(eps)) {
     const int64_t L = static_cast<int64_t>(k_pools_.size());
@@ -1527,20 +1552,31 @@ class DecodeGraph {
                     types.size() == linears.size() && biases.size() == linears.size() &&
                     static_cast<int64_t>(norms_.size()) == 2 * L + 1 &&
                     int8_activations.size() == linears.size() &&
-                    v_pools_.size() == k_pools_.size(),
+                    panels.size() == linears.size() && v_pools_.size() == k_pools_.size(),
                 "DecodeGraph: 4 linears and 2 norms a layer, then the head and final norm");
     TORCH_CHECK(H_ % KVH_ == 0 && D_ % 2 == 0, "DecodeGraph: head shapes");
     for (size_t i = 0; i < linears.size(); ++i) {
-      const GGUFType t = gguf_type(types[i]);
       const torch::Tensor& w = linears[i];
-      TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kByte && w.is_contiguous() &&
-                      w.size(1) % t.block_bytes == 0,
-                  "DecodeGraph: linears are contiguous uint8 [N, blocks * block_bytes]");
       const torch::Tensor& b = biases[i];
       TORCH_CHECK(b.numel() == 0 || (b.scalar_type() == torch::kFloat && b.numel() == w.size(0) &&
                                      b.is_contiguous()),
                   "DecodeGraph: biases float32 [N] or empty");
-      linears_.push_back({w, types[i], w.size(0), w.size(1) / t.block_bytes * 32, b});
+      if (types[i] == kGraphFloat) {
+        const torch::Tensor& p = panels[i];
+        TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat && w.is_contiguous() &&
+                        p.dim() == 3 && p.scalar_type() == torch::kFloat && p.is_contiguous() &&
+                        p.size(0) == (w.size(0) + kPanel - 1) / kPanel && p.size(1) == w.size(1) &&
+                        p.size(2) == kPanel && !int8_activations[i],
+                    "DecodeGraph: a float32 linear is a contiguous weight [N, K] and its "
+                    "pack_panels");
+        linears_.push_back({w, kGraphFloat, w.size(0), w.size(1), b, p});
+        continue;
+      }
+      const GGUFType t = gguf_type(types[i]);
+      TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kByte && w.is_contiguous() &&
+                      w.size(1) % t.block_bytes == 0,
+                  "DecodeGraph: linears are contiguous uint8 [N, blocks * block_bytes]");
+      linears_.push_back({w, types[i], w.size(0), w.size(1) / t.block_bytes * 32, b, {}});
       TORCH_CHECK(!int8_activations[i] || (!q4_int8_path().empty() && types[i] != 8),
                   "DecodeGraph: int8 activations need AVX2 (q4_int8_path) and Q4 blocks");
 #ifdef SLUICE_Q4_INT8
@@ -1611,6 +1647,7 @@ class DecodeGraph {
     qkv_.resize(B * qkv_n);
     attn_.resize(B * q_size);
     gate_up_.resize(B * 2 * I);
+    act_.resize(B * I);
     const float* cp = cos.data_ptr<float>();
     const float* sp = sin.data_ptr<float>();
     const int64_t* slot = slots.data_ptr<int64_t>();
@@ -1619,26 +1656,29 @@ class DecodeGraph {
     const int64_t n_blocks = tables.size(1);
     const float scale = 1.f / std::sqrt(static_cast<float>(D_));
     for (int64_t l = 0; l < L; ++l) {
-      const float* attn_norm = norms_[2 * l].data_ptr<float>();
-      for (int64_t b = 0; b < B; ++b)
-        graph_add_norm(&residual_[b * Hd], l ? &h_[b * Hd] : nullptr, attn_norm, &xn_[b * Hd],
-                       Hd, eps_);
+      add_norm_rows(B, l ? h_.data() : nullptr, norms_[2 * l].data_ptr<float>());
       graph_linear(linears_[4 * l], xn_.data(), B, qkv_.data(), scratch_);
       T* kp = k_pools_[l].data_ptr<T>();
       T* vp = v_pools_[l].data_ptr<T>();
       const int64_t bs = k_pools_[l].size(1);
-      for (int64_t b = 0; b < B; ++b) {
-        float* row = &qkv_[b * qkv_n];
-        for (int64_t h = 0; h < H_ + KVH_; ++h) graph_rope(row + h * D_, cp + b * D_, sp + b * D_, D_);
-        for (int64_t i = 0; i < kv_size; ++i) {
-          kp[slot[b] * kv_size + i] = static_cast<T>(row[q_size + i]);
-          vp[slot[b] * kv_size + i] = static_cast<T>(row[q_size + kv_size + i]);
+      at::parallel_for(0, B, kGraphRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+          float* row = &qkv_[b * qkv_n];
+          for (int64_t h = 0; h < H_ + KVH_; ++h)
+            graph_rope(row + h * D_, cp + b * D_, sp + b * D_, D_);
+          for (int64_t i = 0; i < kv_size; ++i) {
+            kp[slot[b] * kv_size + i] = static_cast<T>(row[q_size + i]);
+            vp[slot[b] * kv_size + i] = static_cast<T>(row[q_size + kv_size + i]);
+          }
         }
-      }
+      });
       const int64_t G = H_ / KVH_;
-      at::parallel_for(0, B * KVH_, 1, [&](int64_t begin, int64_t end) {
+      // (row, KV head) units handed out as threads free up, as in decode_attention
+#pragma omp parallel num_threads(at::get_num_threads())
+      {
         std::vector<float> scores, acc;
-        for (int64_t unit = begin; unit < end; ++unit) {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t unit = 0; unit < B * KVH_; ++unit) {
           const int64_t b = unit / KVH_, h = unit % KVH_;
           const float* q = &qkv_[b * qkv_n + h * G * D_];
           float* out = &attn_[b * q_size + h * G * D_];
@@ -1652,33 +1692,37 @@ class DecodeGraph {
                                      scores, acc);
           }
         }
-      });
-      graph_linear(linears_[4 * l + 1], attn_.data(), B, h_.data(), scratch_);
-      const float* ffn_norm = norms_[2 * l + 1].data_ptr<float>();
-      for (int64_t b = 0; b < B; ++b)
-        graph_add_norm(&residual_[b * Hd], &h_[b * Hd], ffn_norm, &xn_[b * Hd], Hd, eps_);
-      graph_linear(linears_[4 * l + 2], xn_.data(), B, gate_up_.data(), scratch_);
-      for (int64_t b = 0; b < B; ++b) {
-        const float* gate = &gate_up_[b * 2 * I];
-        float* act = &gate_up_[b * 2 * I];  // in place: act[i] reads gate[i], up[i] first
-        for (int64_t i = 0; i < I; ++i) act[i] = silu(gate[i]) * gate[I + i];
       }
-      // the activations [B, I] sit in the first I floats of each 2I row: pack them
-      for (int64_t b = 1; b < B; ++b)
-        std::memmove(&gate_up_[b * I], &gate_up_[b * 2 * I], I * sizeof(float));
-      graph_linear(linears_[4 * l + 3], gate_up_.data(), B, h_.data(), scratch_);
+      graph_linear(linears_[4 * l + 1], attn_.data(), B, h_.data(), scratch_);
+      add_norm_rows(B, h_.data(), norms_[2 * l + 1].data_ptr<float>());
+      graph_linear(linears_[4 * l + 2], xn_.data(), B, gate_up_.data(), scratch_);
+      at::parallel_for(0, B, kGraphRowGrain, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+          const float* gate = &gate_up_[b * 2 * I];
+          float* act = &act_[b * I];
+          for (int64_t i = 0; i < I; ++i) act[i] = silu(gate[i]) * gate[I + i];
+        }
+      });
+      graph_linear(linears_[4 * l + 3], act_.data(), B, h_.data(), scratch_);
     }
-    const float* final_norm = norms_.back().data_ptr<float>();
-    for (int64_t b = 0; b < B; ++b)
-      graph_add_norm(&residual_[b * Hd], &h_[b * Hd], final_norm, &xn_[b * Hd], Hd, eps_);
+    add_norm_rows(B, h_.data(), norms_.back().data_ptr<float>());
     graph_linear(linears_.back(), xn_.data(), B, logits.data_ptr<float>(), scratch_);
+  }
+
+  // Each row: residual += h (unless h is null), xn = rms_norm(residual) * w.
+  void add_norm_rows(int64_t B, const float* h, const float* w) {
+    const int64_t Hd = hidden_;
+    at::parallel_for(0, B, kGraphRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b)
+        graph_add_norm(&residual_[b * Hd], h ? h + b * Hd : nullptr, w, &xn_[b * Hd], Hd, eps_);
+    });
   }
 
   std::vector<GraphLinear> linears_;
   std::vector<torch::Tensor> norms_, k_pools_, v_pools_;
   int64_t H_, KVH_, D_, hidden_ = 0;
   float eps_;
-  std::vector<float> residual_, xn_, h_, qkv_, attn_, gate_up_;
+  std::vector<float> residual_, xn_, h_, qkv_, attn_, gate_up_, act_;
   GraphScratch scratch_;
 };
 
@@ -1687,11 +1731,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double,
-                    std::vector<bool>>(),
+                    std::vector<bool>, std::vector<torch::Tensor>>(),
            py::arg("linears"), py::arg("types"), py::arg("biases"), py::arg("norms"),
            py::arg("k_pools"), py::arg("v_pools"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
-           py::arg("int8_activations"))
+           py::arg("int8_activations"), py::arg("panels"))
       .def("forward", &DecodeGraph::forward,
            "a decode step of every layer and the head: logits [B, vocab] (CPU)");
   m.def("gguf_linear_int8", &gguf_linear_int8,
