@@ -101,6 +101,19 @@ static void row_offsets(const int64_t* row_table, int64_t len, int64_t bs, int64
   }
 }
 
+// Asks for the cache lines of context row `off` (its D values) ahead of their use. A
+// unit reads D of every kv_heads * D values of a block, and the blocks of a long-running
+// server lie anywhere in the pool: the hardware prefetchers miss that walk. Rows 8 ahead
+// took a layer of 32 sequences x 250 rows from 1.58 to 1.30 ms with the blocks shuffled
+// through the pool, 0.83 to 0.78 ms with them in order (2-core AMD EPYC, AVX2).
+constexpr int64_t kRowsAhead = 8;
+
+template <typename T>
+static inline void prefetch_row(const T* row, int64_t D) {
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(row) + b);
+}
+
 // One (sequence, KV head): G query heads against `len` context rows, accumulated in
 // float whatever the storage type T (float or bfloat16); queries and output in Q (T, or
 // float for the decode graph). NV = D / 16 (64: 4, 128: 8), fixed at compile time.
@@ -108,7 +121,9 @@ static void row_offsets(const int64_t* row_table, int64_t len, int64_t bs, int64
 // - scores: 4 K rows at a time (read once, for all G heads), their 4 sums per head
 //   reduced together by `sum4`;
 // - values: per head, the output's 64-float chunks live in 8 registers while the V rows
-//   stream past (one FMA per vector, no accumulator in memory).
+//   stream past (one FMA per vector, no accumulator in memory);
+// - K and V rows are prefetched kRowsAhead rows ahead (V in the first head's pass; the
+//   other heads find the rows in L2).
 template <int NV, typename T, typename Q = T>
 static void attend_one(const Q* q, const T* k_pool, const T* v_pool, const int64_t* row_table,
                        int64_t len, int64_t bs, int64_t kv_heads, int64_t h, int64_t G,
@@ -121,8 +136,11 @@ static void attend_one(const Q* q, const T* k_pool, const T* v_pool, const int64
   thread_local std::vector<int64_t> rows;
   row_offsets(row_table, len, bs, kv_heads, h, D, rows);
   const float* qf = scaled_queries(q, G, D, len, scale, scores, acc);
+  for (int64_t i = 0; i < std::min(kRowsAhead, len); ++i) prefetch_row(k_pool + rows[i], D);
   int64_t t = 0;
   for (; t + 4 <= len; t += 4) {
+    for (int64_t i = t + kRowsAhead; i < std::min(t + kRowsAhead + 4, len); ++i)
+      prefetch_row(k_pool + rows[i], D);
     const T* k0 = k_pool + rows[t];
     const T* k1 = k_pool + rows[t + 1];
     const T* k2 = k_pool + rows[t + 2];
@@ -150,12 +168,15 @@ static void attend_one(const Q* q, const T* k_pool, const T* v_pool, const int64
       scores[g * len + t] = (a[0] + a[4]) + (a[1] + a[5]) + (a[2] + a[6]) + (a[3] + a[7]);
     }
   }
+  for (int64_t i = 0; i < std::min(kRowsAhead, len); ++i) prefetch_row(v_pool + rows[i], D);
   softmax_rows(scores.data(), G, len);
   for (int64_t g = 0; g < G; ++g) {
     const float* pg = scores.data() + g * len;
     for (int c = 0; c < NV8; c += CH) {
       vf8_t o[CH] = {};
+      const bool first = g == 0 && c == 0;
       for (int64_t r = 0; r < len; ++r) {
+        if (first && r + kRowsAhead < len) prefetch_row(v_pool + rows[r + kRowsAhead], D);
         const T* v = v_pool + rows[r] + 8 * c;
         const float p = pg[r];
 #pragma GCC unroll 8
