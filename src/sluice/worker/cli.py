@@ -82,9 +82,9 @@ ENGINE_SWITCHES: dict[str, str] = {
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "enable_chunked_prefill": "split long prompts across steps beside running decodes",
     "enable_lora": "serve LoRA adapters (--lora-modules, /v1/load_lora_adapter)",
-    "enforce_eager": "run every step through the torch model; without it, with "
-                     "--quantization gguf a decode step of up to 8 rows is one native call "
-                     "(the decode graph)",
+    "enforce_eager": "run every step through the torch model; without it a decode step "
+                     "is one native call (the decode graph): with --quantization gguf up "
+                     "to 8 rows, float32 on native panels (CPUs without AVX-512) any rows",
 }
 
 
