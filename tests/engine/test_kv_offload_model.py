@@ -97,6 +97,7 @@ def test_every_tier_gives_the_recomputed_tokens(tmp_path: Path) -> None:
     (res,) = other.generate([prompts[0]], GREEDY)
     assert res.num_cached_tokens == 144 and list(res.outputs[0].token_ids) == want[0]
     assert offload_stats(other)["REDIS"]["hits"] == 9
+    clear_store(other)  # leave the shared Redis as it was
     close(other)
 
 
