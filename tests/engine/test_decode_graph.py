@@ -123,6 +123,18 @@ def pool_rows(r: ModelRunner, slots: list[int]) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def graph_execute(r: ModelRunner, chunks: list[SeqChunk]) -> tuple[torch.Tensor, int]:
+    """`r.execute(chunks)` and how many times it called the decode graph."""
+    assert r.decode_graph is not None
+    calls = []
+    forward = r.decode_graph.forward
+    r.decode_graph.forward = lambda *args: calls.append(1) or forward(*args)  # type: ignore
+    try:
+        return r.execute(chunks), len(calls)
+    finally:
+        del r.decode_graph.forward  # type: ignore[method-assign]
+
+
 @pytest.mark.model
 def test_built_for_gguf_or_panels_and_not_when_eager(
         pair: tuple[ModelRunner, ModelRunner]) -> None:
@@ -149,15 +161,9 @@ def test_mixed_decodes_and_a_verify_match_the_torch_model(
     chunks = [SeqChunk([firsts[0][0]], len(a), ta, True),
               SeqChunk([firsts[1][0], 11, 12], len(b), tb, True, num_logits=3),
               SeqChunk([firsts[2][0]], len(c), tc, True)]
-    calls = []
-    forward = graph.decode_graph.forward  # type: ignore[union-attr]
-    graph.decode_graph.forward = lambda *args: calls.append(1) or forward(*args)  # type: ignore
-    try:
-        got = graph.execute(chunks)
-    finally:
-        del graph.decode_graph.forward  # type: ignore[union-attr]
+    got, calls = graph_execute(graph, chunks)
     want = eager.execute(chunks)
-    assert calls == [1] and got.shape == want.shape == (5, graph.vocab_size)
+    assert calls == 1 and got.shape == want.shape == (5, graph.vocab_size)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-3 * float(want.abs().max()))
     assert (got.argmax(-1) == want.argmax(-1)).all()
     bs = graph.block_size
@@ -319,15 +325,9 @@ def test_float_graph_decodes_match_the_torch_model(
             tokens = [first] if j == 0 else [first, 11, 12]
             chunks.append(SeqChunk(tokens, len(ids), table, True, num_logits=len(tokens)))
             slots += [table[p // bs] * bs + p % bs for p in range(len(ids), len(ids) + len(tokens))]
-    calls = []
-    forward = graph.decode_graph.forward
-    graph.decode_graph.forward = lambda *args: calls.append(1) or forward(*args)  # type: ignore
-    try:
-        got = graph.execute(chunks)
-    finally:
-        del graph.decode_graph.forward  # type: ignore[method-assign]
+    got, calls = graph_execute(graph, chunks)
     want = eager.execute(chunks)
-    assert calls == [1] and got.shape == want.shape == (4 * copies, graph.vocab_size)
+    assert calls == 1 and got.shape == want.shape == (4 * copies, graph.vocab_size)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
     assert (got.argmax(-1) == want.argmax(-1)).all()
     torch.testing.assert_close(pool_rows(graph, slots), pool_rows(eager, slots),
