@@ -217,40 +217,49 @@ static void attend_one_any(const Q* q, const T* k_pool, const T* v_pool,
   for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<Q>(o[i]);
 }
 
-template <typename T>
-static void decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
-                             const torch::Tensor& v_pool, const torch::Tensor& block_tables,
-                             const torch::Tensor& context_lens, float scale,
-                             torch::Tensor& out) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t bs = k_pool.size(1), KVH = k_pool.size(2), G = H / KVH;
-  const int64_t n_blocks = block_tables.size(1);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_pool.data_ptr<T>();
-  const T* vp = v_pool.data_ptr<T>();
-  const int64_t* table = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  // (sequence, KV head) units handed out as threads free up (see panel_linear)
+// B rows of H query heads against their contexts: row b's queries at q + b * q_stride,
+// its output at out + b * out_stride (H * D values each; the decode graph's queries sit
+// inside its fused QKV rows). (row, KV head) units are handed out as threads free up
+// (see panel_matmul).
+template <typename T, typename Q>
+static void attend_rows(const Q* q, int64_t q_stride, Q* out, int64_t out_stride,
+                        const T* kp, const T* vp, const int64_t* table, int64_t n_blocks,
+                        const int64_t* lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                        int64_t bs, float scale) {
+  const int64_t G = H / KVH;
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<float> scores, acc;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t unit = 0; unit < B * KVH; ++unit) {
       const int64_t b = unit / KVH, h = unit % KVH;
-      const T* qb = qp + (b * H + h * G) * D;
-      T* ob = op + (b * H + h * G) * D;
+      const Q* qb = q + b * q_stride + h * G * D;
+      Q* ob = out + b * out_stride + h * G * D;
       const int64_t* row_table = table + b * n_blocks;
       if (D == 64) {
-        attend_one<4>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, scale, ob, scores, acc);
+        attend_one<4, T, Q>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, scale, ob, scores,
+                            acc);
       } else if (D == 128) {
-        attend_one<8>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, scale, ob, scores, acc);
+        attend_one<8, T, Q>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, scale, ob, scores,
+                            acc);
       } else {
-        attend_one_any(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, D, scale, ob, scores,
-                       acc);
+        attend_one_any<T, Q>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, D, scale, ob,
+                             scores, acc);
       }
     }
   }
+}
+
+template <typename T>
+static void decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
+                             const torch::Tensor& v_pool, const torch::Tensor& block_tables,
+                             const torch::Tensor& context_lens, float scale,
+                             torch::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  attend_rows<T, T>(q.data_ptr<T>(), H * D, out.data_ptr<T>(), H * D, k_pool.data_ptr<T>(),
+                    v_pool.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
+                    block_tables.size(1), context_lens.data_ptr<int64_t>(), B, H,
+                    k_pool.size(2), D, k_pool.size(1), scale);
 }
 
 static bool supported(const torch::Tensor& t) {
@@ -1691,27 +1700,8 @@ class DecodeGraph {
           }
         }
       });
-      const int64_t G = H_ / KVH_;
-      // (row, KV head) units handed out as threads free up, as in decode_attention
-#pragma omp parallel num_threads(at::get_num_threads())
-      {
-        std::vector<float> scores, acc;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t unit = 0; unit < B * KVH_; ++unit) {
-          const int64_t b = unit / KVH_, h = unit % KVH_;
-          const float* q = &qkv_[b * qkv_n + h * G * D_];
-          float* out = &attn_[b * q_size + h * G * D_];
-          const int64_t* rows = table + b * n_blocks;
-          if (D_ == 64) {
-            attend_one<4, T, float>(q, kp, vp, rows, len[b], bs, KVH_, h, G, scale, out, scores, acc);
-          } else if (D_ == 128) {
-            attend_one<8, T, float>(q, kp, vp, rows, len[b], bs, KVH_, h, G, scale, out, scores, acc);
-          } else {
-            attend_one_any<T, float>(q, kp, vp, rows, len[b], bs, KVH_, h, G, D_, scale, out,
-                                     scores, acc);
-          }
-        }
-      }
+      attend_rows<T, float>(qkv_.data(), qkv_n, attn_.data(), q_size, kp, vp, table, n_blocks,
+                            len, B, H_, KVH_, D_, bs, scale);
       graph_linear(linears_[4 * l + 1], attn_.data(), B, h_.data(), scratch_);
       add_norm_rows(B, h_.data(), norms_[2 * l + 1].data_ptr<float>());
       graph_linear(linears_[4 * l + 2], xn_.data(), B, gate_up_.data(), scratch_);
