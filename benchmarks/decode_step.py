@@ -6,8 +6,8 @@ runners in one process, their steps alternating, so a noisy host slows both alik
 
 Per B: B sequences of `--context` prompt tokens are prefilled in each runner, then
 `--steps` decode steps of all B are timed in each, alternating; the medians and their
-ratio. Where float32 is not on the native panels (a CPU with AVX-512) the runner builds
-no float32 graph and the script says so. Last stdout line: one JSON document.
+ratio. Where the native kernels are not built the runner has no float32 graph and the
+script says so. Last stdout line: one JSON document.
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sluice.engine import model_runner
 from sluice.engine.config import EngineConfig
 from sluice.engine.decode_graph import GRAPH_MAX_ROWS, DecodeGraph
 from sluice.engine.llm import LLM
@@ -295,13 +294,10 @@ def test_speculative_verifies_stay_in_the_graph(default_gguf: Path) -> None:
 # -- float32 on panels -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def float_pair() -> tuple[ModelRunner, ModelRunner]:
-    """(torch model, graph), float32 on panels: the runner puts float32 on panels where
-    the CPU has no AVX-512, so it is told so here (the kernels run on any AVX2 CPU)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(model_runner, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-        pair = tuple(ModelRunner(EngineConfig.from_options(None, num_kv_blocks=64,
-                                                           dtype="float32", enforce_eager=eager))
-                     for eager in (True, False))
+    """(torch model, graph), float32 on panels."""
+    pair = tuple(ModelRunner(EngineConfig.from_options(None, num_kv_blocks=64, dtype="float32",
+                                                       enforce_eager=eager))
+                 for eager in (True, False))
     assert all(r.panels for r in pair)
     return pair  # type: ignore[return-value]
 
@@ -349,10 +345,8 @@ def test_float_graph_greedy_generation_matches_the_torch_model() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = [f"{i}. {p}" for i in range(2) for p in PROMPTS]
     outs = {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(model_runner, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-        for eager in (True, False):
-            llm = LLM(dtype="float32", enforce_eager=eager, num_kv_blocks=64, max_num_seqs=6)
-            assert (llm.engine.runner.decode_graph is None) == eager
-            outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    for eager in (True, False):
+        llm = LLM(dtype="float32", enforce_eager=eager, num_kv_blocks=64, max_num_seqs=6)
+        assert (llm.engine.runner.decode_graph is None) == eager
+        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outs[True] == outs[False]

@@ -235,8 +235,11 @@ def test_with_small_rows_sends_only_few_float32_rows_to_the_gemv(ops: NativeOps)
     assert calls == [SMALL_ROWS_MAX + 1, 0, 2]
 
 
-@pytest.mark.parametrize("rows", [1, 5, 7, 8, 13, 32, 64])  # 7, 8: a remainder split 4 + 3 / 4
-@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (100, 37)])  # 37: a partial panel
+# rows 7, 8: blocks of 4 + 3 / 4 (AVX2's 6-row blocks); 13, 25: 7 + 6 / 9 + 8 + 8 (AVX-512's 12)
+@pytest.mark.parametrize("rows", [1, 5, 7, 8, 13, 25, 32, 64])
+# panels (AVX-512 takes them in pairs): 60; 36; 3, the last partial (a pair and one alone);
+# 2, the last partial (in the pair)
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (100, 37), (64, 20)])
 def test_panel_linear_equals_float64(ops: NativeOps, rows: int, k: int, n: int) -> None:
     assert ops.pack_panels is not None and ops.panel_linear is not None
     torch.manual_seed(rows * k + n)

@@ -98,8 +98,8 @@ class DecodeGraph:
     def build_float(cls, model: Transformer, native: NativeOps | None,
                     max_rows: int = FLOAT_GRAPH_MAX_ROWS) -> DecodeGraph | None:
         """The graph over a float32 model whose every linear is on native panels
-        (`PanelLinear`, CPUs without AVX-512): the panels for more than 4 rows, the plain
-        weight (the GEMV) for up to 4. None where it cannot run (no native kernels, a
+        (`PanelLinear`): the panels for more than 4 rows, the plain weight (the GEMV) for
+        up to 4. None where it cannot run (no native kernels, a
         LoRA side, a linear not on panels)."""
         from sluice.engine.native import PanelLinear
 

@@ -46,6 +46,7 @@ from sluice.engine.lora import (
 from sluice.engine.models.llama import Linear, LlamaConfig, TransformerBlock
 from sluice.engine.models.loader import load_model
 from sluice.engine.native import (
+    PANEL_ROWS_MAX_AVX512,
     SMALL_ROWS_MAX,
     NativeOps,
     PackedLinear,
@@ -168,8 +169,7 @@ class ModelRunner:
         self.panels = False  # float32 linears on native panels
         if mc.quantization == "int8":
             self._use_int8_weights()
-        elif (self.native is not None and self.dtype == torch.float32
-              and "avx512f" not in cpu_flags()):  # measured on AVX2 only (docs/engine.md)
+        elif self.native is not None and self.dtype == torch.float32:
             self._use_panels(self.native)
             self.panels = True
         elif self.linear is not None and onednn_packing(self.dtype):
@@ -191,10 +191,12 @@ class ModelRunner:
 
     def _use_panels(self, native: NativeOps) -> None:
         """Every float32 linear on the native panel kernel (`PanelLinear`); one stream's
-        rows keep going to the GEMV."""
+        rows keep going to the GEMV, and on AVX-512 prefill-sized inputs to oneDNN."""
+        most = PANEL_ROWS_MAX_AVX512 if "avx512f" in cpu_flags() else None
         for module in self.model.modules():
             if isinstance(module, Linear):
-                module.matmul = PanelLinear(module.weight, module.matmul, native, SMALL_ROWS_MAX)
+                module.matmul = PanelLinear(module.weight, module.matmul, native, SMALL_ROWS_MAX,
+                                            most)
 
     def _pack_weights(self) -> None:
         """Every linear on its weight reordered once for oneDNN (`PackedLinear`); float32
