@@ -313,3 +313,31 @@ def test_every_checkout_builds_from_one_path_per_source(
     assert tmp_path / "home" in first.parents
     other = native._stable_copy("sluice_kernels_x_2", b"int f() { return 2; }")
     assert other != first and other.read_bytes() == b"int f() { return 2; }"
+
+
+def need_amx(ops: NativeOps) -> None:
+    assert ops.amx_bf16_ready is not None
+    if not ops.amx_bf16_ready():
+        pytest.skip("no AMX here: the CPU lacks amx_bf16 / amx_tile, or Linux refused the "
+                    "tile state")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 70])  # 70: two passes of 4 row blocks
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (32, 16)])
+def test_amx_bf16_linear_equals_float64(ops: NativeOps, rows: int, k: int, n: int) -> None:
+    """x rounded to bfloat16 times the bfloat16 weight, summed in float32."""
+    need_amx(ops)
+    assert ops.pack_amx_bf16 is not None and ops.amx_bf16_linear is not None
+    torch.manual_seed(rows * k + n)
+    x, w, b = torch.randn(rows, k), torch.randn(n, k).bfloat16(), torch.randn(n)
+    tiles = ops.pack_amx_bf16(w)
+    assert tiles.shape == (n // 16, k // 32, 16, 32)
+    exact = x.bfloat16().double() @ w.double().T
+    torch.testing.assert_close(ops.amx_bf16_linear(x, tiles, b), (exact + b.double()).float(),
+                               rtol=1e-5, atol=1e-4)
+    got = ops.amx_bf16_linear(x, tiles, None)
+    torch.testing.assert_close(got, exact.float(), rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match="amx_bf16_linear"):
+        ops.amx_bf16_linear(torch.randn(rows, k + 32), tiles, None)  # K differs
+    with pytest.raises(RuntimeError, match="pack_amx_bf16"):
+        ops.pack_amx_bf16(torch.randn(n + 8, k).bfloat16())  # N not a multiple of 16

@@ -28,6 +28,9 @@ blocks within float rounding.
     decode A     a41    41        table_A[41 // bs] * bs + 41 % bs   table_A  0..41
     verify B, 0  b9     9         table_B[9 // bs] * bs + 9 % bs     table_B  0..9
     verify B, 1  b10    10        table_B[10 // bs] * bs + 10 % bs   table_B  0..10
+
+The same graph runs over float32 weights on the native panels (`build_float`) and over
+bfloat16 weights on AMX tiles (`build_bf16`); those take every decode step, any rows.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ GRAPH_MAX_ROWS = 8
 FLOAT_GRAPH_MAX_ROWS = 1 << 16
 Q8_0 = 8  # ggml type: its blocks keep float activations (the head: bound by memory)
 F32 = 0  # ggml type: the graph's float32 linears (a weight and its panels)
+BF16 = 30  # ggml type: the graph's bfloat16 linears on AMX (a weight and its tiles)
 
 
 class DecodeGraph:
@@ -114,6 +118,28 @@ class DecodeGraph:
             return None
         return cls._build(model, native, linears, [p.weight for p in panels], [F32] * len(panels),
                           [False] * len(panels), [p.panels for p in panels], max_rows)
+
+    @classmethod
+    def build_bf16(cls, model: Transformer, native: NativeOps | None,
+                   max_rows: int = FLOAT_GRAPH_MAX_ROWS) -> DecodeGraph | None:
+        """The graph over a bfloat16 model on AMX: each linear's weight packed once into
+        the kernel's tiles (`pack_amx_bf16`), activations float32 between the linears and
+        rounded to bfloat16 at each linear's input (the torch model rounds every op's
+        output). None where it cannot run (no AMX granted here, a LoRA side, a shape the
+        tiles do not divide: N % 16, K % 32)."""
+        if (native is None or native.decode_graph is None or native.amx_bf16_ready is None
+                or native.pack_amx_bf16 is None or not native.amx_bf16_ready()):
+            return None
+        linears = _linears(model, _linear_names(model))
+        if linears is None:
+            return None
+        weights = [m.weight.detach() for m in linears]
+        if any(w.dtype != torch.bfloat16 or w.shape[0] % 16 or w.shape[1] % 32
+               for w in weights):
+            return None
+        tiles = [native.pack_amx_bf16(w) for w in weights]
+        return cls._build(model, native, linears, weights, [BF16] * len(weights),
+                          [False] * len(weights), tiles, max_rows)
 
     @classmethod
     def _build(cls, model: Transformer, native: NativeOps, linears: list[Linear],

@@ -187,6 +187,8 @@ class ModelRunner:
             self.decode_graph = DecodeGraph.build(self.model, self.gguf_blocks, self.native)
         elif self.panels and not mc.enforce_eager:
             self.decode_graph = DecodeGraph.build_float(self.model, self.native)
+        elif self.dtype == torch.bfloat16 and not mc.enforce_eager:
+            self.decode_graph = DecodeGraph.build_bf16(self.model, self.native)
         self.warm_up()
 
     def _use_panels(self, native: NativeOps) -> None:

@@ -105,6 +105,12 @@ class NativeOps:
     # [M, N]: a float32 linear of 5 or more rows (`PanelLinear`)
     pack_panels: Callable[[Tensor], Tensor] | None = None
     panel_linear: Callable[[Tensor, Tensor, int, Tensor | None], Tensor] | None = None
+    # bfloat16 linears on AMX (the decode graph's): whether they run here; bfloat16
+    # weight [N, K] -> its tiles int16 [N / 16, K / 32, 16, 32]; x [M, K] float32, tiles,
+    # bias -> [M, N] float32 (x rounded to bfloat16, float32 sums)
+    amx_bf16_ready: Callable[[], bool] | None = None
+    pack_amx_bf16: Callable[[Tensor], Tensor] | None = None
+    amx_bf16_linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None
 
 
 @functools.cache
@@ -123,7 +129,8 @@ def cpu_flags() -> frozenset[str]:
 # /proc/cpuinfo flag -> the compiler's option for it: the instructions the kernels use;
 # the -D ones enable a section's own target (the decode graph's Q4 x int8 dot products)
 BUILD_FLAGS = {"avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c", "avx512f": "-mavx512f",
-               "avx512bw": "-DSLUICE_AVX512BW", "avx512_vnni": "-DSLUICE_AVX512VNNI"}
+               "avx512bw": "-DSLUICE_AVX512BW", "avx512_vnni": "-DSLUICE_AVX512VNNI",
+               "amx_tile": "-mamx-tile", "amx_bf16": "-mamx-bf16"}
 
 
 def _cpu_flags() -> list[str]:
@@ -146,7 +153,8 @@ def load_kernels() -> NativeOps:
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source).hexdigest()[:10]
     name = "_".join(["sluice_kernels", *(f.removeprefix("-m").removeprefix("-DSLUICE_").lower()
-                                         for f in flags or ["-mbase"]), digest])
+                                         .replace("-", "") for f in flags or ["-mbase"]),
+                     digest])
     t0 = time.perf_counter()
     log.info("loading the engine's CPU kernels (built once per machine, ~45 s)")
     module = load(name=name, sources=[str(_stable_copy(name, source))], extra_cflags=cflags,
@@ -156,7 +164,8 @@ def load_kernels() -> NativeOps:
                      module.silu_and_mul, module.small_rows_linear, module.apply_token_bitmask,
                      module.lora_bgmv, module.gguf_linear, module.int8_linear,
                      module.DecodeGraph, module.q4_int8_path, module.gguf_linear_int8,
-                     module.pack_panels, module.panel_linear)
+                     module.pack_panels, module.panel_linear, module.amx_bf16_ready,
+                     module.pack_amx_bf16, module.amx_bf16_linear)
 
 
 def _stable_copy(name: str, source: bytes) -> Path:

@@ -84,7 +84,7 @@ ENGINE_SWITCHES: dict[str, str] = {
     "enable_lora": "serve LoRA adapters (--lora-modules, /v1/load_lora_adapter)",
     "enforce_eager": "run every step through the torch model; without it a decode step "
                      "is one native call (the decode graph): with --quantization gguf up "
-                     "to 8 rows, float32 any rows",
+                     "to 8 rows, float32 and bfloat16 on AMX any rows",
 }
 
 

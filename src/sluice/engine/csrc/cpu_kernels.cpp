@@ -1569,14 +1569,153 @@ std::string q4_int8_path() {
 // calling thread).
 // Rows are decodes or a speculative verify's tokens (each a one-query decode whose
 // context ends at its own token): every row's K/V is written before any attends.
+// bfloat16 linears on AMX (Sapphire Rapids and later; built where /proc/cpuinfo has
+// amx_bf16 and amx_tile, used where the kernel grants this process the tile state). The
+// weight [N, K] is packed once into tiles of 16 outputs x 32 inputs, each stored as
+// tdpbf16ps's B operand: 16 rows of input pairs, each row the 16 outputs' two values
+// (packed[p][kb][kp][n][2] = w[16p + n][32kb + 2kp + {0, 1}]), 1 KB a tile, a panel's
+// tiles contiguous. x (float32) is rounded to bfloat16 once per linear into row blocks
+// of 16 (zero rows past M); each panel takes up to 4 row blocks a pass in 4 float32
+// accumulator tiles, loading a weight tile once for all of them. Sums are float32.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define SLUICE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static bool amx_granted() {
+  // Linux hands out the tile data state on request (ARCH_REQ_XCOMP_PERM, XTILEDATA)
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+static void amx_configure() {
+  TileConfig c;
+  for (int t = 0; t < 6; ++t) {  // 0-3: accumulators, 4: weights, 5: activations
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+static inline uint16_t bf16_round(float f) {  // round to nearest even (no NaNs here)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+// y [M, N] = x [M, K] @ w.T (+ bias); packed as above, K % 32 == 0, N % 16 == 0.
+static void amx_matmul(const float* x, const uint16_t* packed, const float* bias, float* y,
+                       int64_t M, int64_t K, int64_t N, std::vector<uint16_t>& xb) {
+  const int64_t Mp = (M + 15) / 16 * 16, KB = K / 32, P = N / 16;
+  xb.assign(Mp * K, 0);
+  for (int64_t i = 0; i < M * K; ++i) xb[i] = bf16_round(x[i]);
+  const uint16_t* xp = xb.data();
+  const int64_t chunk = std::max<int64_t>(1, P / (8 * at::get_num_threads()));
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    amx_configure();
+    alignas(64) float out[4][16 * 16];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t first = 0; first < P; first += chunk) {
+      for (int64_t p = first; p < std::min(P, first + chunk); ++p) {
+        const uint16_t* panel = packed + p * KB * 512;
+        for (int64_t m0 = 0; m0 < Mp; m0 += 64) {
+          const int64_t blocks = std::min<int64_t>(4, (Mp - m0) / 16);
+          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+          const uint16_t* a = xp + m0 * K;
+          for (int64_t kb = 0; kb < KB; ++kb) {
+            _tile_loadd(4, panel + kb * 512, 64);
+            _tile_loadd(5, a + kb * 32, K * 2);
+            _tile_dpbf16ps(0, 5, 4);
+            if (blocks > 1) { _tile_loadd(5, a + 16 * K + kb * 32, K * 2); _tile_dpbf16ps(1, 5, 4); }
+            if (blocks > 2) { _tile_loadd(5, a + 32 * K + kb * 32, K * 2); _tile_dpbf16ps(2, 5, 4); }
+            if (blocks > 3) { _tile_loadd(5, a + 48 * K + kb * 32, K * 2); _tile_dpbf16ps(3, 5, 4); }
+          }
+          _tile_stored(0, out[0], 64); _tile_stored(1, out[1], 64);
+          _tile_stored(2, out[2], 64); _tile_stored(3, out[3], 64);
+          for (int64_t r = 0; r < blocks * 16 && m0 + r < M; ++r) {
+            const float* o = out[r / 16] + (r % 16) * 16;
+            float* yr = y + (m0 + r) * N + p * 16;
+            for (int c = 0; c < 16; ++c) yr[c] = o[c] + (bias ? bias[p * 16 + c] : 0.f);
+          }
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+#endif
+
+// Whether bfloat16 linears can run on AMX in this process (built for it, and granted).
+bool amx_bf16_ready() {
+#ifdef SLUICE_AMX
+  return amx_granted();
+#else
+  return false;
+#endif
+}
+
+// weight [N, K] bfloat16 -> its AMX tiles as above (int16 [N / 16, K / 32, 16, 32]).
+torch::Tensor pack_amx_bf16(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16 &&
+                  weight.size(0) % 16 == 0 && weight.size(1) % 32 == 0,
+              "pack_amx_bf16: bfloat16 weight [N, K], N % 16 == 0, K % 32 == 0");
+  const auto w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), P = N / 16, KB = K / 32;
+  auto packed = torch::empty({P, KB, 16, 32}, w.options().dtype(torch::kShort));
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<int16_t>());
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t kb = 0; kb < KB; ++kb)
+        for (int64_t kp = 0; kp < 16; ++kp)
+          for (int64_t n = 0; n < 16; ++n)
+            for (int64_t e = 0; e < 2; ++e)
+              dst[(((p * KB + kb) * 16 + kp) * 16 + n) * 2 + e] =
+                  src[(p * 16 + n) * K + kb * 32 + 2 * kp + e];
+  });
+  return packed;
+}
+
+// x [M, K] float32 (rounded to bfloat16) @ the packed weight's [N, K].T (+ bias) -> [M, N]
+// float32: the graph's AMX linear alone.
+torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor packed,
+                              c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(amx_bf16_ready(), "amx_bf16_linear: no AMX here");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && packed.dim() == 4 &&
+                  packed.scalar_type() == torch::kShort && packed.is_contiguous() &&
+                  packed.size(2) == 16 && packed.size(3) == 32 &&
+                  x.size(1) == packed.size(1) * 32,
+              "amx_bf16_linear: x [M, K] float32, a pack_amx_bf16 weight");
+  const auto xc = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
+  torch::Tensor b;
+  const float* bp = float_bias(bias, N, "amx_bf16_linear", b);
+  auto out = torch::empty({M, N}, x.options());
+#ifdef SLUICE_AMX
+  std::vector<uint16_t> xb;
+  amx_matmul(xc.data_ptr<float>(), reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>()),
+             bp, out.data_ptr<float>(), M, K, N, xb);
+#endif
+  return out;
+}
+
 constexpr int64_t kGraphFloat = 0;  // ggml's type of float32 weights
+constexpr int64_t kGraphBF16 = 30;  // ggml's type of bfloat16 weights (on AMX)
 constexpr int64_t kGraphRowGrain = 8;
 
 struct GraphLinear {
   torch::Tensor blocks;  // uint8 [N, K / 32 * block_bytes], or float32 [N, K] (kGraphFloat)
   int64_t type, N, K;
   torch::Tensor bias;  // float32 [N], or empty
-  torch::Tensor panels;  // kGraphFloat: pack_panels(blocks), for more than kSmallRowsMax rows
+  torch::Tensor panels;  // kGraphFloat: pack_panels(blocks), for more than kSmallRowsMax rows;
+                         // kGraphBF16: pack_amx_bf16(blocks)
 #ifdef SLUICE_Q4_INT8
   std::shared_ptr<Q4Packed> packed;  // Q4 blocks repacked for int8 activations, or null
 #endif
@@ -1585,6 +1724,7 @@ struct GraphLinear {
 // The graph's scratch for its linears' inputs.
 struct GraphScratch {
   std::vector<float> xsum;
+  std::vector<uint16_t> xb;  // kGraphBF16: x in bfloat16
 #ifdef SLUICE_Q4_INT8
   std::vector<Q8Row> q8;
 #endif
@@ -1601,6 +1741,13 @@ static void graph_linear(const GraphLinear& l, const float* x, int64_t M, float*
     }
     return;
   }
+#ifdef SLUICE_AMX
+  if (l.type == kGraphBF16) {
+    amx_matmul(x, reinterpret_cast<const uint16_t*>(l.panels.data_ptr<int16_t>()), bp, y, M,
+               l.K, l.N, scratch.xb);
+    return;
+  }
+#endif
 #ifdef SLUICE_Q4_INT8
   if (l.packed) {
     q4_int8_linear(*l.packed, x, M, bp, y, scratch.q8);
@@ -1636,8 +1783,9 @@ static void graph_rope(float* x, const float* cos, const float* ssin, int64_t D)
 class DecodeGraph {
  public:
   // linears: 4 per layer (qkv, o, gate_up, down) then the output head, as GGUF blocks of
-  // `types`, or float32 weights [N, K] (type 0) with their pack_panels in `panels` (empty
-  // tensors for GGUF blocks), with `biases` (empty tensors for none); norms: 2 per layer
+  // `types`, or float32 weights [N, K] (type 0) with their pack_panels in `panels`, or
+  // bfloat16 weights (type 30) with their pack_amx_bf16 there (empty tensors for GGUF
+  // blocks), with `biases` (empty tensors for none); norms: 2 per layer
   // then the final norm, float32; k_pools, v_pools: the layers' KV pools (float32 or
   // bfloat16); int8_activations, one per linear: a Q4 linear on int8 activations
   // (q4_int8_linear; needs q4_int8_path()), else on float activations (gguf_rows).
@@ -1671,6 +1819,17 @@ class DecodeGraph {
                     "DecodeGraph: a float32 linear is a contiguous weight [N, K] and its "
                     "pack_panels");
         linears_.push_back({w, kGraphFloat, w.size(0), w.size(1), b, p});
+        continue;
+      }
+      if (types[i] == kGraphBF16) {
+        const torch::Tensor& p = panels[i];
+        TORCH_CHECK(amx_bf16_ready() && w.dim() == 2 && w.scalar_type() == torch::kBFloat16 &&
+                        p.dim() == 4 && p.scalar_type() == torch::kShort && p.is_contiguous() &&
+                        p.size(0) * 16 == w.size(0) && p.size(1) * 32 == w.size(1) &&
+                        !int8_activations[i],
+                    "DecodeGraph: a bfloat16 linear is a weight [N, K] and its pack_amx_bf16 "
+                    "(needs AMX)");
+        linears_.push_back({w, kGraphBF16, w.size(0), w.size(1), b, p});
         continue;
       }
       const GGUFType t = gguf_type(types[i]);
@@ -1823,6 +1982,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear_int8", &gguf_linear_int8,
         "x @ dequant(qweight).T + bias on Q4 blocks with int8 activations (tests; CPU)",
         py::arg("x"), py::arg("qweight"), py::arg("type"), py::arg("bias") = py::none());
+  m.def("amx_bf16_ready", &amx_bf16_ready,
+        "whether bfloat16 linears run on AMX here (built for it, tile state granted)");
+  m.def("pack_amx_bf16", &pack_amx_bf16, "bfloat16 weight [N, K] -> its AMX tiles");
+  m.def("amx_bf16_linear", &amx_bf16_linear, py::arg("x"), py::arg("packed"),
+        py::arg("bias") = py::none(), "x [M, K] float32 @ a pack_amx_bf16 weight's .T (AMX)");
   m.def("q4_int8_path", &q4_int8_path,
         "the vector path of the Q4 x int8 dot products built here, or '' (none)");
   m.def("int8_linear", &int8_linear,
