@@ -135,15 +135,19 @@ def graph_execute(r: ModelRunner, chunks: list[SeqChunk]) -> tuple[torch.Tensor,
 
 
 @pytest.mark.model
-def test_built_for_gguf_or_panels_and_not_when_eager(
+def test_built_for_gguf_panels_or_amx_and_not_when_eager(
         pair: tuple[ModelRunner, ModelRunner]) -> None:
     eager, graph = pair
     assert graph.decode_graph is not None and eager.decode_graph is None
     dense = ModelRunner(EngineConfig.from_options(None, num_kv_blocks=16, dtype="float32"))
-    # no GGUF blocks: the graph where float32 is on panels (no AVX-512), else the torch model
-    assert (dense.decode_graph is not None) == dense.panels
+    assert dense.panels and dense.decode_graph is not None  # float32: on panels
     bf16 = ModelRunner(EngineConfig.from_options(None, num_kv_blocks=16, dtype="bfloat16"))
-    assert bf16.decode_graph is None and not bf16.panels
+    assert bf16.native is not None and bf16.native.amx_bf16_ready is not None
+    assert not bf16.panels
+    assert (bf16.decode_graph is not None) == bf16.native.amx_bf16_ready()  # on AMX tiles
+    eager_bf16 = ModelRunner(EngineConfig.from_options(None, num_kv_blocks=16, dtype="bfloat16",
+                                                       enforce_eager=True))
+    assert eager_bf16.decode_graph is None
 
 
 @pytest.mark.model
@@ -291,6 +295,25 @@ def test_speculative_verifies_stay_in_the_graph(default_gguf: Path) -> None:
     assert drafted == plain
 
 
+def decodes_and_verifies(eager: ModelRunner, graph: ModelRunner,
+                         copies: int) -> tuple[list[SeqChunk], list[int]]:
+    """`copies` x two prompts prefilled in both runners (the same first token), then a
+    step of chunks: the first prompt's decode, the second's 3-token verify (4 rows a
+    copy); and the KV slots those rows write."""
+    bs = graph.block_size
+    chunks, slots = [], []
+    for i in range(copies):
+        for j, prompt in enumerate(PROMPTS[:2]):
+            ids = eager.tokenizer.encode(f"{i}. {prompt}")
+            table = list(range(2 * (2 * i + j), 2 * (2 * i + j) + 2))
+            first = prefill(eager, ids, table)
+            assert prefill(graph, ids, table) == first
+            tokens = [first] if j == 0 else [first, 11, 12]
+            chunks.append(SeqChunk(tokens, len(ids), table, True, num_logits=len(tokens)))
+            slots += [table[p // bs] * bs + p % bs for p in range(len(ids), len(ids) + len(tokens))]
+    return chunks, slots
+
+
 # -- float32 on panels -----------------------------------------------------------------
 @pytest.fixture(scope="module")
 def float_pair() -> tuple[ModelRunner, ModelRunner]:
@@ -310,17 +333,7 @@ def test_float_graph_decodes_match_the_torch_model(
     verify each: logits and the K/V rows written agree with the torch model's."""
     eager, graph = float_pair
     assert graph.decode_graph is not None and eager.decode_graph is None
-    bs = graph.block_size
-    chunks, slots = [], []
-    for i in range(copies):
-        for j, prompt in enumerate(PROMPTS[:2]):
-            ids = eager.tokenizer.encode(f"{i}. {prompt}")
-            table = list(range(2 * (2 * i + j), 2 * (2 * i + j) + 2))
-            first = prefill(eager, ids, table)
-            assert prefill(graph, ids, table) == first
-            tokens = [first] if j == 0 else [first, 11, 12]
-            chunks.append(SeqChunk(tokens, len(ids), table, True, num_logits=len(tokens)))
-            slots += [table[p // bs] * bs + p % bs for p in range(len(ids), len(ids) + len(tokens))]
+    chunks, slots = decodes_and_verifies(eager, graph, copies)
     got, calls = graph_execute(graph, chunks)
     want = eager.execute(chunks)
     assert calls == 1 and got.shape == want.shape == (4 * copies, graph.vocab_size)
@@ -368,17 +381,7 @@ def test_bf16_graph_decodes_agree_with_the_torch_model() -> None:
         ops = graph.native
         assert ops is not None and ops.amx_bf16_ready is not None and not ops.amx_bf16_ready()
         pytest.skip("no AMX here: the bfloat16 decode graph needs amx_bf16 and amx_tile")
-    bs = graph.block_size
-    chunks, slots = [], []
-    for i in range(10):
-        for j, prompt in enumerate(PROMPTS[:2]):
-            ids = eager.tokenizer.encode(f"{i}. {prompt}")
-            table = list(range(2 * (2 * i + j), 2 * (2 * i + j) + 2))
-            first = prefill(eager, ids, table)
-            assert prefill(graph, ids, table) == first
-            tokens = [first] if j == 0 else [first, 11, 12]
-            chunks.append(SeqChunk(tokens, len(ids), table, True, num_logits=len(tokens)))
-            slots += [table[p // bs] * bs + p % bs for p in range(len(ids), len(ids) + len(tokens))]
+    chunks, slots = decodes_and_verifies(eager, graph, 10)
     got, calls = graph_execute(graph, chunks)
     want = eager.execute(chunks).float()
     assert calls == 1 and got.shape == want.shape == (40, graph.vocab_size)

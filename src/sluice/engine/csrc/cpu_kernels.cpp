@@ -490,14 +490,22 @@ torch::Tensor pack_panels(torch::Tensor weight) {
   return packed;
 }
 
-template <int MR>
-static inline void panel_rows(const float* x, int64_t K, const float* panel, const float* bias,
-                              float* y, int64_t N, int64_t cols) {
-  vf8_t acc[MR][2];
-  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = vf8_t{};
+// MR rows of x against two vectors of weights a k: per k, b0 = v0[k * kPanel..] and
+// b1 = v1[k * kPanel..], one broadcast of x a row, 2 x MR FMAs into registers; the row's
+// outputs are b0's lanes then b1's (`cols` of them written, plus the bias). The AVX2
+// loop takes one panel's two halves in 8-float vectors (V = vf8_t, v1 = v0 + 8); AVX-512
+// two adjacent panels in 16-float vectors (below).
+template <typename V, int MR>
+static inline void panel_rows(const float* x, int64_t K, const float* v0, const float* v1,
+                              const float* bias, float* y, int64_t N, int64_t cols) {
+  constexpr int W = sizeof(V) / sizeof(float);
+  V acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = V{};
   for (int64_t k = 0; k < K; ++k) {
-    const vf8_t b0 = load8(panel + k * kPanel), b1 = load8(panel + k * kPanel + 8);
-#pragma GCC unroll 6
+    V b0, b1;
+    __builtin_memcpy(&b0, v0 + k * kPanel, sizeof(V));
+    __builtin_memcpy(&b1, v1 + k * kPanel, sizeof(V));
+#pragma GCC unroll 12
     for (int i = 0; i < MR; ++i) {
       const float a = x[i * K + k];
       acc[i][0] += a * b0;
@@ -505,9 +513,9 @@ static inline void panel_rows(const float* x, int64_t K, const float* panel, con
     }
   }
   for (int i = 0; i < MR; ++i) {
-    float out[kPanel];
-    store8(out, acc[i][0]);
-    store8(out + 8, acc[i][1]);
+    float out[2 * W];
+    __builtin_memcpy(out, &acc[i][0], sizeof(V));
+    __builtin_memcpy(out + W, &acc[i][1], sizeof(V));
     for (int64_t c = 0; c < cols; ++c) y[i * N + c] = out[c] + (bias ? bias[c] : 0.f);
   }
 }
@@ -517,35 +525,6 @@ static inline void panel_rows(const float* x, int64_t K, const float* panel, con
 // loads and a broadcast per row feed 2 x 12 FMAs into 24 of the 32 registers (the AVX2
 // loop's 6 rows x 2 ymm would leave half of each FMA and register unused).
 typedef float vf16_t __attribute__((vector_size(64)));
-
-static inline vf16_t load16(const float* p) {
-  vf16_t v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-template <int MR>
-static inline void panel_pair_rows(const float* x, int64_t K, const float* panel0,
-                                   const float* panel1, const float* bias, float* y, int64_t N,
-                                   int64_t cols) {
-  vf16_t acc[MR][2];
-  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = vf16_t{};
-  for (int64_t k = 0; k < K; ++k) {
-    const vf16_t b0 = load16(panel0 + k * kPanel), b1 = load16(panel1 + k * kPanel);
-#pragma GCC unroll 12
-    for (int i = 0; i < MR; ++i) {
-      const float a = x[i * K + k];
-      acc[i][0] += a * b0;
-      acc[i][1] += a * b1;
-    }
-  }
-  for (int i = 0; i < MR; ++i) {
-    float out[2 * kPanel];
-    __builtin_memcpy(out, &acc[i][0], sizeof(acc[i][0]));
-    __builtin_memcpy(out + kPanel, &acc[i][1], sizeof(acc[i][1]));
-    for (int64_t c = 0; c < cols; ++c) y[i * N + c] = out[c] + (bias ? bias[c] : 0.f);
-  }
-}
 
 static void panel_pairs(const float* xp, const float* wp, const float* bp, float* op,
                         int64_t M, int64_t K, int64_t N) {
@@ -565,11 +544,11 @@ static void panel_pairs(const float* xp, const float* wp, const float* bp, float
         float* yb = op + m * N + n0;
         switch (rows) {
 #define SLUICE_PAIR_ROWS(R) \
-  case R: panel_pair_rows<R>(xb, K, panel0, panel0 + K * kPanel, bias_q, yb, N, cols); break;
+  case R: panel_rows<vf16_t, R>(xb, K, panel0, panel0 + K * kPanel, bias_q, yb, N, cols); break;
           SLUICE_PAIR_ROWS(1) SLUICE_PAIR_ROWS(2) SLUICE_PAIR_ROWS(3) SLUICE_PAIR_ROWS(4)
           SLUICE_PAIR_ROWS(5) SLUICE_PAIR_ROWS(6) SLUICE_PAIR_ROWS(7) SLUICE_PAIR_ROWS(8)
           SLUICE_PAIR_ROWS(9) SLUICE_PAIR_ROWS(10) SLUICE_PAIR_ROWS(11)
-          default: panel_pair_rows<12>(xb, K, panel0, panel0 + K * kPanel, bias_q, yb, N, cols);
+          default: panel_rows<vf16_t, 12>(xb, K, panel0, panel0 + K * kPanel, bias_q, yb, N, cols);
 #undef SLUICE_PAIR_ROWS
         }
         m += rows;
@@ -606,12 +585,12 @@ static void panel_matmul(const float* xp, const float* wp, const float* bp, floa
         const float* xb = xp + m * K;
         float* yb = op + m * N + n0;
         switch (rows) {
-          case 1: panel_rows<1>(xb, K, panel, bias_p, yb, N, cols); break;
-          case 2: panel_rows<2>(xb, K, panel, bias_p, yb, N, cols); break;
-          case 3: panel_rows<3>(xb, K, panel, bias_p, yb, N, cols); break;
-          case 4: panel_rows<4>(xb, K, panel, bias_p, yb, N, cols); break;
-          case 5: panel_rows<5>(xb, K, panel, bias_p, yb, N, cols); break;
-          default: panel_rows<6>(xb, K, panel, bias_p, yb, N, cols); break;
+          case 1: panel_rows<vf8_t, 1>(xb, K, panel, panel + 8, bias_p, yb, N, cols); break;
+          case 2: panel_rows<vf8_t, 2>(xb, K, panel, panel + 8, bias_p, yb, N, cols); break;
+          case 3: panel_rows<vf8_t, 3>(xb, K, panel, panel + 8, bias_p, yb, N, cols); break;
+          case 4: panel_rows<vf8_t, 4>(xb, K, panel, panel + 8, bias_p, yb, N, cols); break;
+          case 5: panel_rows<vf8_t, 5>(xb, K, panel, panel + 8, bias_p, yb, N, cols); break;
+          default: panel_rows<vf8_t, 6>(xb, K, panel, panel + 8, bias_p, yb, N, cols); break;
         }
         m += rows;
       }
