@@ -122,16 +122,18 @@ def pool_rows(r: ModelRunner, slots: list[int]) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def graph_execute(r: ModelRunner, chunks: list[SeqChunk]) -> tuple[torch.Tensor, int]:
-    """`r.execute(chunks)` and how many times it called the decode graph."""
-    assert r.decode_graph is not None
+def graph_execute(r: ModelRunner, chunks: list[SeqChunk],
+                  graph: DecodeGraph | None = None) -> tuple[torch.Tensor, int]:
+    """`r.execute(chunks)` and how many times it called `graph` (its decode graph)."""
+    graph = graph or r.decode_graph
+    assert graph is not None
     calls = []
-    forward = r.decode_graph.forward
-    r.decode_graph.forward = lambda *args: calls.append(1) or forward(*args)  # type: ignore
+    forward = graph.forward
+    graph.forward = lambda *args: calls.append(1) or forward(*args)  # type: ignore
     try:
         return r.execute(chunks), len(calls)
     finally:
-        del r.decode_graph.forward  # type: ignore[method-assign]
+        del graph.forward  # type: ignore[method-assign]
 
 
 @pytest.mark.model
@@ -196,9 +198,28 @@ def test_steps_it_takes(pair: tuple[ModelRunner, ModelRunner]) -> None:
     table = list(range(8))
     decode = SeqChunk([1], 20, table, True)
     assert graph.takes([decode] * GRAPH_MAX_ROWS)
-    assert not graph.takes([decode] * (GRAPH_MAX_ROWS + 1))  # oneDNN's batch
+    assert not graph.takes([decode] * (GRAPH_MAX_ROWS + 1))  # the dense weights' batch
     assert graph.takes([SeqChunk([1, 2, 3], 20, table, True, num_logits=3)])
     assert not graph.takes([decode, SeqChunk([1, 2], 20, table, True)])  # a prefill
+
+
+@pytest.mark.model
+def test_steps_past_the_gguf_graph_take_the_dense_graph(
+        pair: tuple[ModelRunner, ModelRunner]) -> None:
+    """float32 + GGUF: 8 rows on the blocks, 9 and more on the dense weights' graph (the
+    panels), which agrees with the torch model on those weights."""
+    eager, graph = pair
+    wide = graph.wide_graph
+    assert wide is not None and eager.wide_graph is None
+    ids = eager.tokenizer.encode(PROMPTS[0])
+    tables = [list(range(2 * i, 2 * i + 2)) for i in range(GRAPH_MAX_ROWS + 2)]
+    firsts = [prefill(eager, ids, t) for t in tables]
+    assert [prefill(graph, ids, t) for t in tables] == firsts
+    chunks = [SeqChunk([f], len(ids), t, True) for f, t in zip(firsts, tables, strict=True)]
+    got, calls = graph_execute(graph, chunks, wide)
+    want = eager.execute(chunks)
+    assert calls == 1 and got.shape == want.shape == (GRAPH_MAX_ROWS + 2, graph.vocab_size)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
 
 
 @pytest.mark.model

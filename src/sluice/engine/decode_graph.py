@@ -100,11 +100,12 @@ class DecodeGraph:
 
     @classmethod
     def build_float(cls, model: Transformer, native: NativeOps | None,
+                    panel_of: Mapping[Linear, Any] | None = None,
                     max_rows: int = FLOAT_GRAPH_MAX_ROWS) -> DecodeGraph | None:
         """The graph over a float32 model whose every linear is on native panels
-        (`PanelLinear`): the panels for more than 4 rows, the plain weight (the GEMV) for
-        up to 4. None where it cannot run (no native kernels, a
-        LoRA side, a linear not on panels)."""
+        (`PanelLinear`: each linear's matmul, or its entry in `panel_of`): the panels for
+        more than 4 rows, the plain weight (the GEMV) for up to 4. None where it cannot run
+        (no native kernels, a LoRA side, a linear not on panels)."""
         from sluice.engine.native import PanelLinear
 
         if native is None or native.decode_graph is None:
@@ -112,8 +113,10 @@ class DecodeGraph:
         linears = _linears(model, _linear_names(model))
         if linears is None:
             return None
-        panels = [m.matmul for m in linears if isinstance(m.matmul, PanelLinear)
-                  and m.matmul.weight is m.weight]
+        of = panel_of or {}
+        found = [of.get(m, m.matmul) for m in linears]
+        panels = [p for p, m in zip(found, linears, strict=True)
+                  if isinstance(p, PanelLinear) and p.weight is m.weight]
         if len(panels) != len(linears):
             return None
         return cls._build(model, native, linears, [p.weight for p in panels], [F32] * len(panels),

@@ -167,10 +167,11 @@ class ModelRunner:
             self.model.use_linear(self.linear)
         self.gguf_blocks: dict[str, tuple[Tensor, int]] = {}  # linears on GGUF blocks
         self.panels = False  # float32 linears on native panels
+        panel_of: dict[Linear, PanelLinear] = {}
         if mc.quantization == "int8":
             self._use_int8_weights()
         elif self.native is not None and self.dtype == torch.float32:
-            self._use_panels(self.native)
+            panel_of = self._use_panels(self.native)
             self.panels = True
         elif self.linear is not None and onednn_packing(self.dtype):
             self._pack_weights()
@@ -182,23 +183,34 @@ class ModelRunner:
         self.lora_slots: LoRASlots | None = None
         if config.lora.enable_lora:
             self.lora_slots = self._add_lora_slots(config.lora)
+        # decode steps as one native call: `decode_graph` first; with GGUF blocks (a graph
+        # of up to 8 rows) `wide_graph` takes the larger steps on the dense weights
         self.decode_graph: DecodeGraph | None = None
-        if self.gguf_blocks and not mc.enforce_eager:
-            self.decode_graph = DecodeGraph.build(self.model, self.gguf_blocks, self.native)
-        elif self.panels and not mc.enforce_eager:
-            self.decode_graph = DecodeGraph.build_float(self.model, self.native)
-        elif self.dtype == torch.bfloat16 and not mc.enforce_eager:
-            self.decode_graph = DecodeGraph.build_bf16(self.model, self.native)
+        self.wide_graph: DecodeGraph | None = None
+        if not mc.enforce_eager:
+            dense = None
+            if self.panels:
+                dense = DecodeGraph.build_float(self.model, self.native, panel_of)
+            elif self.dtype == torch.bfloat16:
+                dense = DecodeGraph.build_bf16(self.model, self.native)
+            if self.gguf_blocks:
+                self.decode_graph = DecodeGraph.build(self.model, self.gguf_blocks, self.native)
+                self.wide_graph = dense
+            else:
+                self.decode_graph = dense
         self.warm_up()
 
-    def _use_panels(self, native: NativeOps) -> None:
+    def _use_panels(self, native: NativeOps) -> dict[Linear, PanelLinear]:
         """Every float32 linear on the native panel kernel (`PanelLinear`); one stream's
-        rows keep going to the GEMV, and on AVX-512 prefill-sized inputs to oneDNN."""
+        rows keep going to the GEMV, and on AVX-512 prefill-sized inputs to oneDNN.
+        Returns each linear's panels (a GGUF route may wrap them later)."""
         most = PANEL_ROWS_MAX_AVX512 if "avx512f" in cpu_flags() else None
+        panel_of = {}
         for module in self.model.modules():
             if isinstance(module, Linear):
-                module.matmul = PanelLinear(module.weight, module.matmul, native, SMALL_ROWS_MAX,
-                                            most)
+                module.matmul = panel_of[module] = PanelLinear(module.weight, module.matmul,
+                                                               native, SMALL_ROWS_MAX, most)
+        return panel_of
 
     def _pack_weights(self) -> None:
         """Every linear on its weight reordered once for oneDNN (`PackedLinear`); float32
@@ -299,10 +311,11 @@ class ModelRunner:
         """
         if not chunks:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        if self.decode_graph is not None and self.decode_graph.takes(chunks):
-            for c in chunks:
-                self._check(c)
-            return self.decode_graph.execute(chunks, self.block_size)
+        for graph in (self.decode_graph, self.wide_graph):
+            if graph is not None and graph.takes(chunks):
+                for c in chunks:
+                    self._check(c)
+                return graph.execute(chunks, self.block_size)
         order = self._flat_order(chunks)
         tokens, positions, slots, last_row = self._flatten(chunks, order)
         meta = AttentionMetadata(self._tensor(slots), self._groups(chunks, order),

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -141,23 +142,30 @@ static void attend_one(const Q* q, const T* k_pool, const T* v_pool, const int64
   for (; t + 4 <= len; t += 4) {
     for (int64_t i = t + kRowsAhead; i < std::min(t + kRowsAhead + 4, len); ++i)
       prefetch_row(k_pool + rows[i], D);
-    const T* k0 = k_pool + rows[t];
-    const T* k1 = k_pool + rows[t + 1];
-    const T* k2 = k_pool + rows[t + 2];
-    const T* k3 = k_pool + rows[t + 3];
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qf + g * D;
-      vf8_t a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    auto score4 = [&](const auto* k0, const auto* k1, const auto* k2, const auto* k3) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qf + g * D;
+        vf8_t a0 = {}, a1 = {}, a2 = {}, a3 = {};
 #pragma GCC unroll 16
-      for (int j = 0; j < NV8; ++j) {
-        const vf8_t qj = load8(qg + 8 * j);
-        a0 += qj * load8(k0 + 8 * j);
-        a1 += qj * load8(k1 + 8 * j);
-        a2 += qj * load8(k2 + 8 * j);
-        a3 += qj * load8(k3 + 8 * j);
+        for (int j = 0; j < NV8; ++j) {
+          const vf8_t qj = load8(qg + 8 * j);
+          a0 += qj * load8(k0 + 8 * j);
+          a1 += qj * load8(k1 + 8 * j);
+          a2 += qj * load8(k2 + 8 * j);
+          a3 += qj * load8(k3 + 8 * j);
+        }
+        const vf4_t s = sum4(a0, a1, a2, a3);
+        __builtin_memcpy(&scores[g * len + t], &s, sizeof(s));
       }
-      const vf4_t s = sum4(a0, a1, a2, a3);
-      __builtin_memcpy(&scores[g * len + t], &s, sizeof(s));
+    };
+    if constexpr (std::is_same_v<T, float>) {
+      score4(k_pool + rows[t], k_pool + rows[t + 1], k_pool + rows[t + 2], k_pool + rows[t + 3]);
+    } else {  // bfloat16: the 4 rows widened once, not once per query head
+      alignas(64) float kf[4 * D];
+      for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 16
+        for (int j = 0; j < NV8; ++j) store8(kf + r * D + 8 * j, load8(k_pool + rows[t + r] + 8 * j));
+      score4(kf, kf + D, kf + 2 * D, kf + 3 * D);
     }
   }
   for (; t < len; ++t) {
@@ -520,82 +528,61 @@ static inline void panel_rows(const float* x, int64_t K, const float* v0, const 
   }
 }
 
-#if defined(__AVX512F__)
-// AVX-512: two adjacent panels at once, one zmm each, for up to 12 rows: per k two vector
-// loads and a broadcast per row feed 2 x 12 FMAs into 24 of the 32 registers (the AVX2
-// loop's 6 rows x 2 ymm would leave half of each FMA and register unused).
-typedef float vf16_t __attribute__((vector_size(64)));
+// panel_rows for `rows` (1..R) rows: the row count as a template argument.
+template <typename V, int R>
+static inline void panel_rows_n(int64_t rows, const float* x, int64_t K, const float* v0,
+                                const float* v1, const float* bias, float* y, int64_t N,
+                                int64_t cols) {
+  if constexpr (R > 1) {
+    if (rows < R) return panel_rows_n<V, R - 1>(rows, x, K, v0, v1, bias, y, N, cols);
+  }
+  panel_rows<V, R>(x, K, v0, v1, bias, y, N, cols);
+}
 
-static void panel_pairs(const float* xp, const float* wp, const float* bp, float* op,
-                        int64_t M, int64_t K, int64_t N) {
-  const int64_t P = (N + kPanel - 1) / kPanel, pairs = P / 2;
-  const int64_t blocks = (M + 11) / 12;  // rows in blocks of at most 12, as even as they go
-  const int64_t chunk = std::max<int64_t>(1, pairs / (8 * at::get_num_threads()));
+// y = x @ w.T (+ bias) over units [u0, u1) of `per_unit` (1 or 2) panels each, rows in
+// blocks of at most R, as even as they go (32 rows, R = 6: 6, 6, 5, 5, 5, 5; a block of
+// fewer rows has fewer independent FMA chains). Chunks of units are handed out as
+// threads free up: a thread that loses its core for a while (the front end, the client)
+// does less of the step instead of holding it up.
+template <typename V, int R>
+static void panel_units(const float* xp, const float* wp, const float* bp, float* op,
+                        int64_t M, int64_t K, int64_t N, int64_t u0, int64_t u1,
+                        int64_t per_unit) {
+  const int64_t blocks = (M + R - 1) / R;
+  const int64_t chunk = std::max<int64_t>(1, (u1 - u0) / (8 * at::get_num_threads()));
 #pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
-  for (int64_t first = 0; first < pairs; first += chunk) {
-    for (int64_t q = first; q < std::min(pairs, first + chunk); ++q) {
-      const float* panel0 = wp + 2 * q * K * kPanel;
-      const int64_t n0 = 2 * q * kPanel, cols = std::min(2 * kPanel, N - n0);
-      const float* bias_q = bp ? bp + n0 : nullptr;
+  for (int64_t first = u0; first < u1; first += chunk) {
+    for (int64_t u = first; u < std::min(u1, first + chunk); ++u) {
+      const float* v0 = wp + u * per_unit * K * kPanel;
+      const float* v1 = per_unit == 2 ? v0 + K * kPanel : v0 + 8;  // the next panel, or half
+      const int64_t n0 = u * per_unit * kPanel, cols = std::min(per_unit * kPanel, N - n0);
+      const float* bias_u = bp ? bp + n0 : nullptr;
       int64_t m = 0;
       for (int64_t blk = 0; blk < blocks; ++blk) {
         const int64_t rows = M / blocks + (blk < M % blocks ? 1 : 0);
-        const float* xb = xp + m * K;
-        float* yb = op + m * N + n0;
-        switch (rows) {
-#define SLUICE_PAIR_ROWS(R) \
-  case R: panel_rows<vf16_t, R>(xb, K, panel0, panel0 + K * kPanel, bias_q, yb, N, cols); break;
-          SLUICE_PAIR_ROWS(1) SLUICE_PAIR_ROWS(2) SLUICE_PAIR_ROWS(3) SLUICE_PAIR_ROWS(4)
-          SLUICE_PAIR_ROWS(5) SLUICE_PAIR_ROWS(6) SLUICE_PAIR_ROWS(7) SLUICE_PAIR_ROWS(8)
-          SLUICE_PAIR_ROWS(9) SLUICE_PAIR_ROWS(10) SLUICE_PAIR_ROWS(11)
-          default: panel_rows<vf16_t, 12>(xb, K, panel0, panel0 + K * kPanel, bias_q, yb, N, cols);
-#undef SLUICE_PAIR_ROWS
-        }
+        panel_rows_n<V, R>(rows, xp + m * K, K, v0, v1, bias_u, op + m * N + n0, N, cols);
         m += rows;
       }
     }
   }
 }
+
+#if defined(__AVX512F__)
+// AVX-512: two adjacent panels at once, one zmm each, for up to 12 rows: per k two vector
+// loads and a broadcast per row feed 2 x 12 FMAs into 24 of the 32 registers (the AVX2
+// loop's 6 rows x 2 ymm would leave half of each FMA and register unused).
+typedef float vf16_t __attribute__((vector_size(64)));
 #endif
 
 static void panel_matmul(const float* xp, const float* wp, const float* bp, float* op, int64_t M,
                          int64_t K, int64_t N) {
   const int64_t P = (N + kPanel - 1) / kPanel;
-  int64_t p0 = 0;  // the panels from p0 on go through the loop below
 #if defined(__AVX512F__)
-  if (P >= 2) panel_pairs(xp, wp, bp, op, M, K, N);
-  p0 = P - P % 2;  // an odd last panel
-  if (p0 == P) return;
+  if (P >= 2) panel_units<vf16_t, 12>(xp, wp, bp, op, M, K, N, 0, P / 2, 2);
+  if (P % 2) panel_units<vf8_t, 6>(xp, wp, bp, op, M, K, N, P - 1, P, 1);  // the last one
+#else
+  panel_units<vf8_t, 6>(xp, wp, bp, op, M, K, N, 0, P, 1);
 #endif
-  // rows in blocks of at most 6, as even as they go (32: 6, 6, 5, 5, 5, 5): a block of
-  // fewer rows has fewer independent FMA chains
-  const int64_t blocks = (M + 5) / 6;
-  const int64_t chunk = std::max<int64_t>(1, (P - p0) / (8 * at::get_num_threads()));
-  // chunks of panels handed out as threads free up: a thread that loses its core for a
-  // while (the front end, the client) does less of the step instead of holding it up
-#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
-  for (int64_t first = p0; first < P; first += chunk) {
-    for (int64_t p = first; p < std::min(P, first + chunk); ++p) {
-      const float* panel = wp + p * K * kPanel;
-      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
-      const float* bias_p = bp ? bp + n0 : nullptr;
-      int64_t m = 0;
-      for (int64_t blk = 0; blk < blocks; ++blk) {
-        const int64_t rows = M / blocks + (blk < M % blocks ? 1 : 0);
-        const float* xb = xp + m * K;
-        float* yb = op + m * N + n0;
-        switch (rows) {
-          case 1: panel_rows<vf8_t, 1>(xb, K, panel, panel + 8, bias_p, yb, N, cols); break;
-          case 2: panel_rows<vf8_t, 2>(xb, K, panel, panel + 8, bias_p, yb, N, cols); break;
-          case 3: panel_rows<vf8_t, 3>(xb, K, panel, panel + 8, bias_p, yb, N, cols); break;
-          case 4: panel_rows<vf8_t, 4>(xb, K, panel, panel + 8, bias_p, yb, N, cols); break;
-          case 5: panel_rows<vf8_t, 5>(xb, K, panel, panel + 8, bias_p, yb, N, cols); break;
-          default: panel_rows<vf8_t, 6>(xb, K, panel, panel + 8, bias_p, yb, N, cols); break;
-        }
-        m += rows;
-      }
-    }
-  }
 }
 
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor packed, int64_t N,
