@@ -117,9 +117,14 @@ def http(args: argparse.Namespace, gguf: str, logs: Path, tok: Any) -> dict[str,
     port = free_port()
     llama = [str(Path(args.llama_bin) / "llama-server"), "-m", gguf, "-t", str(args.threads),
              "-np", "1", "-c", "4096", "--host", "127.0.0.1", "--port", str(port)]
-    with server(llama, port, logs / "llama-server.log", 300) as (url, startup, _):
-        out["llama.cpp"] = {"startup_s": startup, "bench": bench(args, url, 1),
-                            "tokens": [completion_tokens(url, "m", p, tok, args.agree_len) for p in prompts]}
+    try:
+        with server(llama, port, logs / "llama-server.log", 300) as (url, startup, _):
+            out["llama.cpp"] = {"startup_s": startup, "bench": bench(args, url, 1),
+                                "tokens": [completion_tokens(url, "m", p, tok, args.agree_len)
+                                           for p in prompts]}
+    except RuntimeError as e:  # llama-server died at start (seen on a Sapphire Rapids VM)
+        print(f"llama-server failed: {e}", file=sys.stderr, flush=True)
+        out["llama.cpp"] = {"error": str(e).splitlines()[0]}
     for quantization in ("gguf", "none"):  # `none` (dequantized weights): agreement only
         port = free_port()
         worker = [args.sluice, "worker", "--host", "127.0.0.1", "--port", str(port),
@@ -134,6 +139,7 @@ def http(args: argparse.Namespace, gguf: str, logs: Path, tok: Any) -> dict[str,
                 side["bench"] = bench(args, url, 1)
     pairs = (("llama.cpp", "sluice gguf"), ("llama.cpp", "sluice none"),
              ("sluice gguf", "sluice none"))
+    pairs = tuple((a, b) for a, b in pairs if "tokens" in out[a])
     out["agreement"] = {
         f"{a} vs {b}": [common_prefix(x, y) for x, y in zip(out[a]["tokens"], out[b]["tokens"],
                                                            strict=True)] for a, b in pairs}
@@ -203,12 +209,16 @@ def print_http(args: argparse.Namespace, h: dict[str, Any], logs: Path) -> None:
     print(f"\nHTTP, one stream, {args.input_len}-token prompts, {args.output_len} tokens "
           f"(logs in {logs})")
     for name in ("llama.cpp", "sluice gguf"):
+        if "error" in h[name]:
+            print(f"{name:<14}failed: {h[name]['error']}")
+            continue
         b = h[name]["bench"]
         print(f"{name:<14}{b['output_throughput']:>8.1f} tok/s  TTFT p50 "
               f"{b['p50_ttft_ms']:.0f} ms  TPOT p50 {b['p50_tpot_ms']:.1f} ms")
-    ratio = h["sluice gguf"]["bench"]["output_throughput"] / h["llama.cpp"]["bench"][
-        "output_throughput"]
-    print(f"sluice / llama-server: {ratio:.2f}")
+    if "bench" in h["llama.cpp"]:
+        ratio = h["sluice gguf"]["bench"]["output_throughput"] / h["llama.cpp"]["bench"][
+            "output_throughput"]
+        print(f"sluice / llama-server: {ratio:.2f}")
     print(f"greedy agreement, tokens before the first difference (of {args.agree_len}) per "
           "prompt:")
     for pair, same in h["agreement"].items():
