@@ -35,17 +35,26 @@ static inline vf8_t load8(const float* p) {
 }
 
 static inline vf8_t load8(const c10::BFloat16* p) {
+#if defined(__AVX2__)  // one vpmovzxwd (GCC builds the generic form below from two halves)
+  const __m256i w = _mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+#else
   typedef uint16_t vu16x8 __attribute__((vector_size(16)));
   typedef uint32_t vu32x8 __attribute__((vector_size(32)));
   vu16x8 h;
   __builtin_memcpy(&h, p, sizeof(h));
   const vu32x8 w = __builtin_convertvector(h, vu32x8) << 16;
+#endif
   vf8_t v;
   __builtin_memcpy(&v, &w, sizeof(v));
   return v;
 }
 
 static inline void store8(float* p, vf8_t v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+#if defined(__AVX512F__)
+typedef float vf16_t __attribute__((vector_size(64)));  // one zmm (AVX-512 builds only)
+#endif
 
 static inline void store8(c10::BFloat16* p, vf8_t v) {
   for (int i = 0; i < 8; ++i) p[i] = static_cast<c10::BFloat16>(v[i]);
@@ -196,6 +205,117 @@ static void attend_one(const Q* q, const T* k_pool, const T* v_pool, const int64
   }
 }
 
+#if defined(__AVX512F__)
+static inline vf16_t load16f(const float* p) {
+  vf16_t v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+static inline vf16_t load16f(const c10::BFloat16* p) {
+  const __m512i w = _mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  vf16_t v;
+  __builtin_memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+static inline vf8_t fold16(vf16_t a) {  // the two halves added: 8 lanes, the same sum
+  return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+// attend_one on AVX-512, for GT query heads a KV head (GT x NV16 <= 16): 16-float
+// vectors, each K row widened once (bfloat16), and the values in one pass: each V row is
+// read and widened once for all GT heads, whose outputs stay in GT x NV16 registers
+// (attend_one reads every V row once per head).
+template <int NV16, int GT, typename T, typename Q>
+static void attend_one16(const Q* q, const T* k_pool, const T* v_pool, const int64_t* row_table,
+                         int64_t len, int64_t bs, int64_t kv_heads, int64_t h, float scale,
+                         Q* out, std::vector<float>& scores, std::vector<float>& acc) {
+  constexpr int64_t D = NV16 * 16;
+  static_assert(GT * NV16 <= 16, "registers");
+  thread_local std::vector<int64_t> rows;
+  row_offsets(row_table, len, bs, kv_heads, h, D, rows);
+  const float* qf = scaled_queries(q, GT, D, len, scale, scores, acc);
+  for (int64_t i = 0; i < std::min(kRowsAhead, len); ++i) prefetch_row(k_pool + rows[i], D);
+  int64_t t = 0;
+  for (; t + 4 <= len; t += 4) {
+    for (int64_t i = t + kRowsAhead; i < std::min(t + kRowsAhead + 4, len); ++i)
+      prefetch_row(k_pool + rows[i], D);
+    vf16_t k[4][NV16];
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r)
+#pragma GCC unroll 8
+      for (int j = 0; j < NV16; ++j) k[r][j] = load16f(k_pool + rows[t + r] + 16 * j);
+#pragma GCC unroll 4
+    for (int g = 0; g < GT; ++g) {
+      vf16_t a0 = {}, a1 = {}, a2 = {}, a3 = {};
+#pragma GCC unroll 8
+      for (int j = 0; j < NV16; ++j) {
+        const vf16_t qj = load16f(qf + g * D + 16 * j);
+        a0 += qj * k[0][j];
+        a1 += qj * k[1][j];
+        a2 += qj * k[2][j];
+        a3 += qj * k[3][j];
+      }
+      const vf4_t s4 = sum4(fold16(a0), fold16(a1), fold16(a2), fold16(a3));
+      __builtin_memcpy(&scores[g * len + t], &s4, sizeof(s4));
+    }
+  }
+  for (; t < len; ++t) {
+    for (int g = 0; g < GT; ++g) {
+      vf16_t a = {};
+      for (int j = 0; j < NV16; ++j)
+        a += load16f(qf + g * D + 16 * j) * load16f(k_pool + rows[t] + 16 * j);
+      const vf8_t f = fold16(a);
+      scores[g * len + t] = (f[0] + f[4]) + (f[1] + f[5]) + (f[2] + f[6]) + (f[3] + f[7]);
+    }
+  }
+  for (int64_t i = 0; i < std::min(kRowsAhead, len); ++i) prefetch_row(v_pool + rows[i], D);
+  softmax_rows(scores.data(), GT, len);
+  vf16_t o[GT][NV16];
+  for (int g = 0; g < GT; ++g)
+    for (int j = 0; j < NV16; ++j) o[g][j] = vf16_t{};
+  for (int64_t r = 0; r < len; ++r) {
+    if (r + kRowsAhead < len) prefetch_row(v_pool + rows[r + kRowsAhead], D);
+    vf16_t v[NV16];
+#pragma GCC unroll 8
+    for (int j = 0; j < NV16; ++j) v[j] = load16f(v_pool + rows[r] + 16 * j);
+#pragma GCC unroll 4
+    for (int g = 0; g < GT; ++g) {
+      const float p = scores[g * len + r];
+#pragma GCC unroll 8
+      for (int j = 0; j < NV16; ++j) o[g][j] += p * v[j];
+    }
+  }
+  for (int g = 0; g < GT; ++g)
+    for (int j = 0; j < NV16; ++j) {
+      const vf16_t x = o[g][j];
+      store8(out + g * D + 16 * j, __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7));
+      store8(out + g * D + 16 * j + 8, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
+    }
+}
+
+// attend_one16 where it takes this head shape; false where it does not.
+template <typename T, typename Q>
+static bool attend_one16_for(int64_t D, int64_t G, const Q* q, const T* k_pool,
+                             const T* v_pool, const int64_t* row_table, int64_t len, int64_t bs,
+                             int64_t kv_heads, int64_t h, float scale, Q* out,
+                             std::vector<float>& scores, std::vector<float>& acc) {
+#define SLUICE_ATTEND16(NV, GG)                                                              \
+  if (D == 16 * NV && G == GG) {                                                             \
+    attend_one16<NV, GG, T, Q>(q, k_pool, v_pool, row_table, len, bs, kv_heads, h, scale, out, \
+                               scores, acc);                                                 \
+    return true;                                                                             \
+  }
+  SLUICE_ATTEND16(4, 1) SLUICE_ATTEND16(4, 2) SLUICE_ATTEND16(4, 3) SLUICE_ATTEND16(4, 4)
+  SLUICE_ATTEND16(8, 1) SLUICE_ATTEND16(8, 2)
+#undef SLUICE_ATTEND16
+  return false;
+}
+#endif
+
 // Any head size: the same walk with scalar loops.
 template <typename T, typename Q = T>
 static void attend_one_any(const Q* q, const T* k_pool, const T* v_pool,
@@ -244,6 +364,11 @@ static void attend_rows(const Q* q, int64_t q_stride, Q* out, int64_t out_stride
       const Q* qb = q + b * q_stride + h * G * D;
       Q* ob = out + b * out_stride + h * G * D;
       const int64_t* row_table = table + b * n_blocks;
+#if defined(__AVX512F__)
+      if (attend_one16_for<T, Q>(D, G, qb, kp, vp, row_table, lens[b], bs, KVH, h, scale, ob,
+                                 scores, acc))
+        continue;
+#endif
       if (D == 64) {
         attend_one<4, T, Q>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, scale, ob, scores,
                             acc);
@@ -567,17 +692,14 @@ static void panel_units(const float* xp, const float* wp, const float* bp, float
   }
 }
 
-#if defined(__AVX512F__)
-// AVX-512: two adjacent panels at once, one zmm each, for up to 12 rows: per k two vector
-// loads and a broadcast per row feed 2 x 12 FMAs into 24 of the 32 registers (the AVX2
-// loop's 6 rows x 2 ymm would leave half of each FMA and register unused).
-typedef float vf16_t __attribute__((vector_size(64)));
-#endif
 
 static void panel_matmul(const float* xp, const float* wp, const float* bp, float* op, int64_t M,
                          int64_t K, int64_t N) {
   const int64_t P = (N + kPanel - 1) / kPanel;
 #if defined(__AVX512F__)
+  // two adjacent panels at once, one zmm each, for up to 12 rows: per k two vector loads
+  // and a broadcast per row feed 2 x 12 FMAs into 24 of the 32 registers (the AVX2 loop's
+  // 6 rows x 2 ymm would leave half of each FMA and register unused)
   if (P >= 2) panel_units<vf16_t, 12>(xp, wp, bp, op, M, K, N, 0, P / 2, 2);
   if (P % 2) panel_units<vf8_t, 6>(xp, wp, bp, op, M, K, N, P - 1, P, 1);  // the last one
 #else
