@@ -124,6 +124,26 @@ static inline void prefetch_row(const T* row, int64_t D) {
     __builtin_prefetch(reinterpret_cast<const char*>(row) + b);
 }
 
+// prefetch_row for the context rows [first, end) of a unit (offsets in `rows`).
+template <typename T>
+static inline void prefetch_rows(const T* pool, const int64_t* rows, int64_t first, int64_t end,
+                                 int64_t D) {
+  for (int64_t i = first; i < end; ++i) prefetch_row(pool + rows[i], D);
+}
+
+// A unit's start: its context rows' offsets, its queries in float (scaled), and the
+// first K rows asked for.
+template <typename T, typename Q>
+static const float* start_unit(const Q* q, const T* k_pool, const int64_t* row_table,
+                               int64_t len, int64_t bs, int64_t kv_heads, int64_t h, int64_t G,
+                               int64_t D, float scale, std::vector<int64_t>& rows,
+                               std::vector<float>& scores, std::vector<float>& acc) {
+  row_offsets(row_table, len, bs, kv_heads, h, D, rows);
+  const float* qf = scaled_queries(q, G, D, len, scale, scores, acc);
+  prefetch_rows(k_pool, rows.data(), 0, std::min(kRowsAhead, len), D);
+  return qf;
+}
+
 // One (sequence, KV head): G query heads against `len` context rows, accumulated in
 // float whatever the storage type T (float or bfloat16); queries and output in Q (T, or
 // float for the decode graph). NV = D / 16 (64: 4, 128: 8), fixed at compile time.
@@ -144,13 +164,11 @@ static void attend_one(const Q* q, const T* k_pool, const T* v_pool, const int64
   constexpr int CH = NV8 < 8 ? NV8 : 8;  // vectors of the output held in registers
   static_assert(NV8 % CH == 0, "head size");
   thread_local std::vector<int64_t> rows;
-  row_offsets(row_table, len, bs, kv_heads, h, D, rows);
-  const float* qf = scaled_queries(q, G, D, len, scale, scores, acc);
-  for (int64_t i = 0; i < std::min(kRowsAhead, len); ++i) prefetch_row(k_pool + rows[i], D);
+  const float* qf = start_unit(q, k_pool, row_table, len, bs, kv_heads, h, G, D, scale, rows,
+                               scores, acc);
   int64_t t = 0;
   for (; t + 4 <= len; t += 4) {
-    for (int64_t i = t + kRowsAhead; i < std::min(t + kRowsAhead + 4, len); ++i)
-      prefetch_row(k_pool + rows[i], D);
+    prefetch_rows(k_pool, rows.data(), t + kRowsAhead, std::min(t + kRowsAhead + 4, len), D);
     auto score4 = [&](const auto* k0, const auto* k1, const auto* k2, const auto* k3) {
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = qf + g * D;
@@ -236,13 +254,11 @@ static void attend_one16(const Q* q, const T* k_pool, const T* v_pool, const int
   constexpr int64_t D = NV16 * 16;
   static_assert(GT * NV16 <= 16, "registers");
   thread_local std::vector<int64_t> rows;
-  row_offsets(row_table, len, bs, kv_heads, h, D, rows);
-  const float* qf = scaled_queries(q, GT, D, len, scale, scores, acc);
-  for (int64_t i = 0; i < std::min(kRowsAhead, len); ++i) prefetch_row(k_pool + rows[i], D);
+  const float* qf = start_unit(q, k_pool, row_table, len, bs, kv_heads, h, GT, D, scale, rows,
+                               scores, acc);
   int64_t t = 0;
   for (; t + 4 <= len; t += 4) {
-    for (int64_t i = t + kRowsAhead; i < std::min(t + kRowsAhead + 4, len); ++i)
-      prefetch_row(k_pool + rows[i], D);
+    prefetch_rows(k_pool, rows.data(), t + kRowsAhead, std::min(t + kRowsAhead + 4, len), D);
     vf16_t k[4][NV16];
 #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r)
