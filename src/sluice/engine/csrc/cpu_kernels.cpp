@@ -52,13 +52,13 @@ static inline vf8_t load8(const c10::BFloat16* p) {
 
 static inline void store8(float* p, vf8_t v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
-#if defined(__AVX512F__)
-typedef float vf16_t __attribute__((vector_size(64)));  // one zmm (AVX-512 builds only)
-#endif
-
 static inline void store8(c10::BFloat16* p, vf8_t v) {
   for (int i = 0; i < 8; ++i) p[i] = static_cast<c10::BFloat16>(v[i]);
 }
+
+#if defined(__AVX512F__)
+typedef float vf16_t __attribute__((vector_size(64)));  // one zmm (AVX-512 builds only)
+#endif
 
 // Sizes the scratch for G heads of D over `len` rows and returns the queries in float,
 // pre-scaled; acc's first G * D floats are the zeroed output accumulator.
@@ -131,17 +131,22 @@ static inline void prefetch_rows(const T* pool, const int64_t* rows, int64_t fir
   for (int64_t i = first; i < end; ++i) prefetch_row(pool + rows[i], D);
 }
 
-// A unit's start: its context rows' offsets, its queries in float (scaled), and the
-// first K rows asked for.
+// A unit's start: its queries in float (scaled), its context rows' offsets (in this
+// thread's buffer, valid until its next unit), and the first K rows asked for.
+struct UnitStart {
+  const float* qf;
+  const int64_t* rows;
+};
+
 template <typename T, typename Q>
-static const float* start_unit(const Q* q, const T* k_pool, const int64_t* row_table,
-                               int64_t len, int64_t bs, int64_t kv_heads, int64_t h, int64_t G,
-                               int64_t D, float scale, std::vector<int64_t>& rows,
-                               std::vector<float>& scores, std::vector<float>& acc) {
+static UnitStart start_unit(const Q* q, const T* k_pool, const int64_t* row_table, int64_t len,
+                            int64_t bs, int64_t kv_heads, int64_t h, int64_t G, int64_t D,
+                            float scale, std::vector<float>& scores, std::vector<float>& acc) {
+  thread_local std::vector<int64_t> rows;
   row_offsets(row_table, len, bs, kv_heads, h, D, rows);
   const float* qf = scaled_queries(q, G, D, len, scale, scores, acc);
   prefetch_rows(k_pool, rows.data(), 0, std::min(kRowsAhead, len), D);
-  return qf;
+  return {qf, rows.data()};
 }
 
 // One (sequence, KV head): G query heads against `len` context rows, accumulated in
@@ -163,12 +168,11 @@ static void attend_one(const Q* q, const T* k_pool, const T* v_pool, const int64
   constexpr int64_t D = NV8 * 8;
   constexpr int CH = NV8 < 8 ? NV8 : 8;  // vectors of the output held in registers
   static_assert(NV8 % CH == 0, "head size");
-  thread_local std::vector<int64_t> rows;
-  const float* qf = start_unit(q, k_pool, row_table, len, bs, kv_heads, h, G, D, scale, rows,
-                               scores, acc);
+  const auto [qf, rows] = start_unit(q, k_pool, row_table, len, bs, kv_heads, h, G, D, scale,
+                                    scores, acc);
   int64_t t = 0;
   for (; t + 4 <= len; t += 4) {
-    prefetch_rows(k_pool, rows.data(), t + kRowsAhead, std::min(t + kRowsAhead + 4, len), D);
+    prefetch_rows(k_pool, rows, t + kRowsAhead, std::min(t + kRowsAhead + 4, len), D);
     auto score4 = [&](const auto* k0, const auto* k1, const auto* k2, const auto* k3) {
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = qf + g * D;
@@ -203,7 +207,7 @@ static void attend_one(const Q* q, const T* k_pool, const T* v_pool, const int64
       scores[g * len + t] = (a[0] + a[4]) + (a[1] + a[5]) + (a[2] + a[6]) + (a[3] + a[7]);
     }
   }
-  for (int64_t i = 0; i < std::min(kRowsAhead, len); ++i) prefetch_row(v_pool + rows[i], D);
+  prefetch_rows(v_pool, rows, 0, std::min(kRowsAhead, len), D);
   softmax_rows(scores.data(), G, len);
   for (int64_t g = 0; g < G; ++g) {
     const float* pg = scores.data() + g * len;
@@ -253,12 +257,11 @@ static void attend_one16(const Q* q, const T* k_pool, const T* v_pool, const int
                          Q* out, std::vector<float>& scores, std::vector<float>& acc) {
   constexpr int64_t D = NV16 * 16;
   static_assert(GT * NV16 <= 16, "registers");
-  thread_local std::vector<int64_t> rows;
-  const float* qf = start_unit(q, k_pool, row_table, len, bs, kv_heads, h, GT, D, scale, rows,
-                               scores, acc);
+  const auto [qf, rows] = start_unit(q, k_pool, row_table, len, bs, kv_heads, h, GT, D, scale,
+                                    scores, acc);
   int64_t t = 0;
   for (; t + 4 <= len; t += 4) {
-    prefetch_rows(k_pool, rows.data(), t + kRowsAhead, std::min(t + kRowsAhead + 4, len), D);
+    prefetch_rows(k_pool, rows, t + kRowsAhead, std::min(t + kRowsAhead + 4, len), D);
     vf16_t k[4][NV16];
 #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r)
@@ -288,7 +291,7 @@ static void attend_one16(const Q* q, const T* k_pool, const T* v_pool, const int
       scores[g * len + t] = (f[0] + f[4]) + (f[1] + f[5]) + (f[2] + f[6]) + (f[3] + f[7]);
     }
   }
-  for (int64_t i = 0; i < std::min(kRowsAhead, len); ++i) prefetch_row(v_pool + rows[i], D);
+  prefetch_rows(v_pool, rows, 0, std::min(kRowsAhead, len), D);
   softmax_rows(scores.data(), GT, len);
   vf16_t o[GT][NV16];
   for (int g = 0; g < GT; ++g)
@@ -707,7 +710,6 @@ static void panel_units(const float* xp, const float* wp, const float* bp, float
     }
   }
 }
-
 
 static void panel_matmul(const float* xp, const float* wp, const float* bp, float* op, int64_t M,
                          int64_t K, int64_t N) {
@@ -1653,26 +1655,6 @@ std::string q4_int8_path() {
 #endif
 }
 
-// The decode graph (sluice.engine.decode_graph): a whole decode step of a Llama-family
-// model whose linears are all GGUF blocks, or all float32 weights on panels, in one
-// call. Per layer:
-//
-//   residual += h;  xn = rms_norm(residual) * attention_norm    (layer 0: residual = x)
-//   qkv = xn @ Wqkv;  RoPE on the Q and K heads;  K, V written at the rows' slots
-//   attn = paged decode attention (each row: its block table, its context length)
-//   h = attn @ Wo;  residual += h;  xn = rms_norm(residual) * ffn_norm
-//   h = silu(xn @ Wgate) * (xn @ Wup) @ Wdown
-//
-// then the final norm and the output head: logits [B, V] float32. The torch model runs
-// the same step as ~10 calls a layer from Python (each a dispatch, an allocation, and
-// for the parallel ones an OpenMP fork/join); here the activations stay float32 in a few
-// reused buffers; the linears (q4_int8_linear or gguf_linear_typed, parallel over output
-// rows; panel_matmul or the GEMV for float32) and the attention (over rows x KV heads)
-// are parallel, and norms, RoPE, the K/V writes and SwiGLU's activation are parallel
-// over rows from kGraphRowGrain rows (below that, a few thousand floats a row, on the
-// calling thread).
-// Rows are decodes or a speculative verify's tokens (each a one-query decode whose
-// context ends at its own token): every row's K/V is written before any attends.
 // bfloat16 linears on AMX (Sapphire Rapids and later; built where /proc/cpuinfo has
 // amx_bf16 and amx_tile, used where the kernel grants this process the tile state). The
 // weight [N, K] is packed once into tiles of 16 outputs x 32 inputs, each stored as
@@ -1717,8 +1699,9 @@ static inline uint16_t bf16_round(float f) {  // round to nearest even (no NaNs 
 static void amx_matmul(const float* x, const uint16_t* packed, const float* bias, float* y,
                        int64_t M, int64_t K, int64_t N, std::vector<uint16_t>& xb) {
   const int64_t Mp = (M + 15) / 16 * 16, KB = K / 32, P = N / 16;
-  xb.assign(Mp * K, 0);
+  xb.resize(Mp * K);
   for (int64_t i = 0; i < M * K; ++i) xb[i] = bf16_round(x[i]);
+  std::fill(xb.begin() + M * K, xb.end(), uint16_t{0});  // the last row block's padding
   const uint16_t* xp = xb.data();
   const int64_t chunk = std::max<int64_t>(1, P / (8 * at::get_num_threads()));
 #pragma omp parallel num_threads(at::get_num_threads())
@@ -1810,12 +1793,34 @@ torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor packed,
   return out;
 }
 
+// The decode graph (sluice.engine.decode_graph): a whole decode step of a Llama-family
+// model whose linears are all GGUF blocks, all float32 weights on panels, or all
+// bfloat16 weights on AMX tiles, in one call. Per layer:
+//
+//   residual += h;  xn = rms_norm(residual) * attention_norm    (layer 0: residual = x)
+//   qkv = xn @ Wqkv;  RoPE on the Q and K heads;  K, V written at the rows' slots
+//   attn = paged decode attention (each row: its block table, its context length)
+//   h = attn @ Wo;  residual += h;  xn = rms_norm(residual) * ffn_norm
+//   h = silu(xn @ Wgate) * (xn @ Wup) @ Wdown
+//
+// then the final norm and the output head: logits [B, V] float32. The torch model runs
+// the same step as ~10 calls a layer from Python (each a dispatch, an allocation, and
+// for the parallel ones an OpenMP fork/join); here the activations stay float32 in a few
+// reused buffers; the linears (q4_int8_linear or gguf_linear_typed, parallel over output
+// rows; panel_matmul or the GEMV for float32; amx_matmul for bfloat16) and the attention
+// (over rows x KV heads)
+// are parallel, and norms, RoPE, the K/V writes and SwiGLU's activation are parallel
+// over rows from kGraphRowGrain rows (below that, a few thousand floats a row, on the
+// calling thread).
+// Rows are decodes or a speculative verify's tokens (each a one-query decode whose
+// context ends at its own token): every row's K/V is written before any attends.
 constexpr int64_t kGraphFloat = 0;  // ggml's type of float32 weights
 constexpr int64_t kGraphBF16 = 30;  // ggml's type of bfloat16 weights (on AMX)
 constexpr int64_t kGraphRowGrain = 8;
 
 struct GraphLinear {
-  torch::Tensor blocks;  // uint8 [N, K / 32 * block_bytes], or float32 [N, K] (kGraphFloat)
+  torch::Tensor blocks;  // uint8 [N, K / 32 * block_bytes], float32 [N, K] (kGraphFloat),
+                         // or bfloat16 [N, K] (kGraphBF16)
   int64_t type, N, K;
   torch::Tensor bias;  // float32 [N], or empty
   torch::Tensor panels;  // kGraphFloat: pack_panels(blocks), for more than kSmallRowsMax rows;
