@@ -1000,10 +1000,19 @@ static void gguf_rows(const uint8_t* w, const float* x, const float* xsum, const
         }
       }
       const __m256 d = _mm256_set1_ps(gguf_half(blk));
-      for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(v[i], d);
-      for (int r = 0; r < R; ++r) {
-        const float* xr = xm + r * K + b * 32;
-        for (int i = 0; i < 4; ++i) vacc[r] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xr + 8 * i), vacc[r]);
+      if (R <= 2) {  // the block's dot as a tree, then one FMA by d: one FMA's latency a block
+        for (int r = 0; r < R; ++r) {
+          const float* xr = xm + r * K + b * 32;
+          const __m256 p01 = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xr + 8), _mm256_mul_ps(v[0], _mm256_loadu_ps(xr)));
+          const __m256 p23 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xr + 24), _mm256_mul_ps(v[2], _mm256_loadu_ps(xr + 16)));
+          vacc[r] = _mm256_fmadd_ps(_mm256_add_ps(p01, p23), d, vacc[r]);
+        }
+      } else {  // rows enough to overlap the chains: scale the block once for all of them
+        for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(v[i], d);
+        for (int r = 0; r < R; ++r) {
+          const float* xr = xm + r * K + b * 32;
+          for (int i = 0; i < 4; ++i) vacc[r] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xr + 8 * i), vacc[r]);
+        }
       }
       if (TYPE == 3) {
         const float m = gguf_half(blk + 2);
@@ -1309,7 +1318,7 @@ static Q4Packed q4_pack(const torch::Tensor& blocks, int64_t type) {
   p.nb = blocks.size(1) / t.block_bytes;
   p.K = p.nb * 32;
   p.row_bytes = p.nb * (16 + 2 + (type == 3 ? 2 : 0));
-  p.data.resize(p.N * p.row_bytes);
+  p.data.resize(p.N * p.row_bytes + 16);  // + a whole 8-f16 load past the last row's scales
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   for (int64_t n = 0; n < p.N; ++n) {
     uint8_t* row = p.data.data() + n * p.row_bytes;
@@ -1334,29 +1343,47 @@ struct Q8Row {
 
 // One block's 32 values into its q1 / q2 bytes (low half at q1[0..16), high half at
 // q1[64..80); q2 128 bytes after q1), its dx / 256 (4 lanes) and its float sum. The
-// scalar code (AVX2 builds), then the same with 16-lane vectors (AVX-512 builds).
+// same bytes with 8-lane vectors (AVX2 builds) or 16-lane vectors (AVX-512 builds), both
+// rounding half to even, as nearbyint, as the tests' float64 model does. The graph
+// quantizes every linear's input rows on the calling thread, ~100k values a row a step.
 #if !defined(SLUICE_AVX512BW)
+// 16 whole floats (a, b) as 16 int8 in order
+static inline __m128i q8_pack16(__m256 a, __m256 b) {
+  const __m256i p = _mm256_packs_epi32(_mm256_cvtps_epi32(a), _mm256_cvtps_epi32(b));  // a0-3 b0-3 | a4-7 b4-7
+  const __m256i o = _mm256_permute4x64_epi64(p, 0xD8);                                  // a0-7 | b0-7
+  return _mm_packs_epi16(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1));
+}
+
 static inline void q8_block(const float* xb, int8_t* q1, float* dxe, float* xs) {
-  float amax = 0.f, sum = 0.f;
-  for (int j = 0; j < 32; ++j) {
-    amax = std::max(amax, std::fabs(xb[j]));
-    sum += xb[j];
-  }
+  const __m256 x[4] = {_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8), _mm256_loadu_ps(xb + 16),
+                       _mm256_loadu_ps(xb + 24)};
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x[0]), _mm256_andnot_ps(sign, x[1])),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, x[2]), _mm256_andnot_ps(sign, x[3])));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
   for (int j = 0; j < 4; ++j) dxe[j] = amax / 127.f / 256.f;
-  *xs = sum;
-  int8_t* q2 = q1 + 128;
-  for (int j = 0; j < 32; ++j) {
-    const float v = xb[j] * inv;
-    const float r = std::nearbyint(v);
-    const int at = (j < 16 ? j : 64 + j - 16);  // low half, or the high halves' run
-    q1[at] = static_cast<int8_t>(r);
-    q2[at] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint((v - r) * 256.f))));
+  const __m256 s8 = _mm256_add_ps(_mm256_add_ps(x[0], x[1]), _mm256_add_ps(x[2], x[3]));
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  *xs = _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
+  const __m256 vinv = _mm256_set1_ps(inv), k256 = _mm256_set1_ps(256.f);
+  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int h = 0; h < 2; ++h) {
+    __m256 r[2], c2[2];
+    for (int k = 0; k < 2; ++k) {
+      const __m256 v = _mm256_mul_ps(x[2 * h + k], vinv);
+      r[k] = _mm256_round_ps(v, nearest);
+      c2[k] = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(v, r[k]), k256), nearest), lo), hi);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + 64 * h), q8_pack16(r[0], r[1]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + 128 + 64 * h), q8_pack16(c2[0], c2[1]));
   }
 }
 #else
-// Rounding half to even, as nearbyint: the graph quantizes every linear's input rows on
-// the calling thread, ~100k values a row a step.
 static inline void q8_block(const float* xb, int8_t* q1, float* dxe, float* xs) {
   const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
@@ -1400,12 +1427,15 @@ static inline void q4_prefetch_row(const uint8_t* row, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(row + o), _MM_HINT_T0);
 }
 
-// The 4 f16 of a group (d) as floats; a last group's missing blocks are zero.
+// The 4 f16 of a group (d) as floats; a last group's missing blocks are zero (their
+// halves read past the row's d, into its m, the next row or the packing's padding, and
+// masked: a copy to the stack stalled on the store-to-load forward).
 static inline __m128 q4_group_halves(const uint16_t* h, int64_t count) {
-  if (count == 4) return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(h)));
-  uint16_t part[4] = {0, 0, 0, 0};
-  for (int64_t i = 0; i < count; ++i) part[i] = h[i];
-  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(part)));
+  __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(h));
+  if (count < 4)
+    v = _mm_and_si128(v, _mm_cmpgt_epi16(_mm_set1_epi16(static_cast<int16_t>(count)),
+                                         _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7)));
+  return _mm_cvtph_ps(v);
 }
 
 // The weight rows a pass computes together (their activation loads shared): AVX-512 has
@@ -1434,10 +1464,12 @@ static inline __m512i q4_dot64(__m512i acc, __m512i u, __m512i s) {
 typedef __m512 Q4Acc;
 static inline Q4Acc q4_zero() { return _mm512_setzero_ps(); }
 static inline float q4_total(Q4Acc acc) { return _mm512_reduce_add_ps(acc); }
+static inline Q4Acc q4_add(Q4Acc a, Q4Acc b) { return _mm512_add_ps(a, b); }
 
 template <int R, int NW>
 static inline void q4_group(const uint8_t* const (&qs)[NW], const uint16_t* const (&d)[NW],
-                            int64_t g, int64_t count, const Q8Row* xs, Q4Acc (&acc)[NW][R]) {
+                            int64_t g, int64_t count, const Q8Row* xs, Q4Acc (&acc)[NW][R],
+                            Q4Acc (&)[NW][R]) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   __m512i lo[NW], hi[NW];
@@ -1478,30 +1510,34 @@ static inline void q4_block_terms(const uint16_t* c, float scale, int64_t nb, co
 #else
 typedef __m256 Q4Acc;
 static inline Q4Acc q4_zero() { return _mm256_setzero_ps(); }
+static inline Q4Acc q4_add(Q4Acc a, Q4Acc b) { return _mm256_add_ps(a, b); }
 static inline float q4_total(Q4Acc t) {
   const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
   const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
 }
 
-static inline __m256i q4_dot32(__m256i acc, __m256i u, __m256i s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
-
-// 8 int32 lanes (blocks 2h, 2h + 1 of the group) of 256 sum(q q1) + sum(q q2)
+// 8 int32 lanes (blocks 2h, 2h + 1 of the group) of 256 sum(q q1) + sum(q q2). The
+// nibble x int8 pair sums of the low and high nibbles are added as int16 before the one
+// widening per vector (|4 x 15 x 127| < 2^15), and the widening multiplies by 256 or 1:
+// 4 maddubs, 2 int16 adds, 2 madds and one int32 add a half.
 static inline __m256i q4_half_dot(__m256i lo, __m256i hi, const int8_t* q, int h) {
   const __m256i* v = reinterpret_cast<const __m256i*>(q);
-  const __m256i s1 = q4_dot32(q4_dot32(_mm256_setzero_si256(), lo, _mm256_loadu_si256(v + h)),
-                              hi, _mm256_loadu_si256(v + 2 + h));
-  const __m256i s2 = q4_dot32(q4_dot32(_mm256_setzero_si256(), lo, _mm256_loadu_si256(v + 4 + h)),
-                              hi, _mm256_loadu_si256(v + 6 + h));
-  return _mm256_add_epi32(_mm256_slli_epi32(s1, 8), s2);
+  const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(v + h)),
+                                      _mm256_maddubs_epi16(hi, _mm256_loadu_si256(v + 2 + h)));
+  const __m256i p2 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(v + 4 + h)),
+                                      _mm256_maddubs_epi16(hi, _mm256_loadu_si256(v + 6 + h)));
+  return _mm256_add_epi32(_mm256_madd_epi16(p1, _mm256_set1_epi16(256)),
+                          _mm256_madd_epi16(p2, _mm256_set1_epi16(1)));
 }
 
-// AVX2: a group in two halves of two blocks each (8 lanes, 4 a block)
+// AVX2: a group in two halves of two blocks each (8 lanes, 4 a block). Up to 2 rows the
+// second half sums into acc2, so a group's two FMAs do not wait on each other (one row
+// was bound by that chain: two FMA latencies a group).
 template <int R, int NW>
 static inline void q4_group(const uint8_t* const (&qs)[NW], const uint16_t* const (&d)[NW],
-                            int64_t g, int64_t count, const Q8Row* xs, Q4Acc (&acc)[NW][R]) {
+                            int64_t g, int64_t count, const Q8Row* xs, Q4Acc (&acc)[NW][R],
+                            Q4Acc (&acc2)[NW][R]) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i spread_lo = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
   const __m256i spread_hi = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
@@ -1529,21 +1565,26 @@ static inline void q4_group(const uint8_t* const (&qs)[NW], const uint16_t* cons
       const float* dx = xs[r].dxe.data() + g * 16;
       acc[w][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_half_dot(lo0, hi0, q, 0)),
                                   _mm256_mul_ps(de0, _mm256_loadu_ps(dx)), acc[w][r]);
-      acc[w][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_half_dot(lo1, hi1, q, 1)),
-                                  _mm256_mul_ps(de1, _mm256_loadu_ps(dx + 8)), acc[w][r]);
+      Q4Acc& second = R <= 2 ? acc2[w][r] : acc[w][r];
+      second = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q4_half_dot(lo1, hi1, q, 1)),
+                               _mm256_mul_ps(de1, _mm256_loadu_ps(dx + 8)), second);
     }
   }
 }
 
-// the same in 8 lanes
+// the same in 8 lanes. A last load of fewer than 8 blocks reads past c into the next
+// row or the packing's padding (Q4Packed) and zeroes those lanes: copying the part to the
+// stack first stalled every load on a failed store-to-load forward (a quarter of the
+// kernel's samples).
 template <int R>
 static inline void q4_block_terms(const uint16_t* c, float scale, int64_t nb, const Q8Row* xs,
                                   Q4Acc (&acc)[R]) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t b = 0; b < nb; b += 8) {
-    uint16_t part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    std::memcpy(part, c + b, std::min<int64_t>(8, nb - b) * 2);
-    const __m256 cv = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(part))),
-                                    _mm256_set1_ps(scale));
+    __m256 cv = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b))),
+                              _mm256_set1_ps(scale));
+    if (nb - b < 8)
+      cv = _mm256_and_ps(cv, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nb - b)), lane)));
     for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(xs[r].xs.data() + b), acc[r]);
   }
 }
@@ -1564,12 +1605,13 @@ static inline void q4_int8_tile(const Q4Packed& w, const Q8Row* xs, const float*
     d[k] = reinterpret_cast<const uint16_t*>(qs[k] + nb * 16);
     if (n + k + ahead < limit) q4_prefetch_row(qs[k] + ahead * w.row_bytes, w.row_bytes);
   }
-  Q4Acc acc[NW][R];
+  Q4Acc acc[NW][R], acc2[NW][R];
   for (int k = 0; k < NW; ++k)
-    for (int r = 0; r < R; ++r) acc[k][r] = q4_zero();
-  for (int64_t g = 0; g < whole; ++g) q4_group<R, NW>(qs, d, g, 4, xs, acc);
-  if (whole * 4 < nb) q4_group<R, NW>(qs, d, whole, nb - whole * 4, xs, acc);
+    for (int r = 0; r < R; ++r) acc[k][r] = acc2[k][r] = q4_zero();
+  for (int64_t g = 0; g < whole; ++g) q4_group<R, NW>(qs, d, g, 4, xs, acc, acc2);
+  if (whole * 4 < nb) q4_group<R, NW>(qs, d, whole, nb - whole * 4, xs, acc, acc2);
   for (int k = 0; k < NW; ++k) {
+    for (int r = 0; r < R; ++r) acc[k][r] = q4_add(acc[k][r], acc2[k][r]);
     const uint16_t* c = w.type == 3 ? d[k] + nb : d[k];  // Q4_1: m; Q4_0: d, times -8
     const float scale = w.type == 3 ? 1.f : -8.f;
     const float bn = bias ? bias[n + k] : 0.f;
