@@ -18,8 +18,9 @@ checkpoint directory (`truncated_draft`, `--draft-dir`, default under /tmp), dra
 `--draft-k` tokens deep. The table also reports the seconds spent in draft forwards.
 
 The plain runs use the same loaded engine with its `SpecDecoder` detached, so weights,
-KV pool and kernels are shared. Runs alternate (plain, methods, plain, ...) `--repeats`
-times; medians are reported. Last stdout line: one JSON document.
+KV pool and kernels are shared. Runs alternate `--repeats` times, even repeats in the
+order plain, methods, odd ones in reverse (so a drifting host tilts no method); medians
+are reported. Last stdout line: one JSON document.
 """
 
 from __future__ import annotations
@@ -159,7 +160,9 @@ def bench(llm: LLM, specs: dict[str, Any], prompts: list[list[int]], params: Sam
     counters: dict[str, dict[str, int]] = {}
     outputs: dict[str, list[list[int]]] = {}
     for r in range(repeats):
-        for name in rates:
+        # ABBA: odd repeats run the methods in reverse, so a host that slows (or speeds
+        # up) during the run tilts no method's median
+        for name in (list(rates) if r % 2 == 0 else list(rates)[::-1]):
             rate, outs, count = run(llm, specs.get(name), prompts, params, one_at_a_time,
                                     f"{label}-{name}-{r}")
             rates[name].append(rate)
