@@ -50,16 +50,20 @@ def int8_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> tor
     """x @ W^T as the kernel computes it, in float64: per 32-block, v = x * 127 / absmax
     (float32), q1 = round(v), q2 = round(256 (v - q1)) (half to even), so x ~ dx (q1 +
     q2 / 256) with dx = absmax / 127; d * dx / 256 * (256 sum(q q1) + sum(q q2)) with the
-    nibbles q, plus m (Q4_1) or -8 d (Q4_0) times the block's float sum of x."""
+    nibbles q, plus m (Q4_1) or -8 d (Q4_0) times the block's float sum of x; Q8_0: q the
+    signed bytes, no m (the kernel's +128 offset on them comes back out exactly)."""
     raw = blocks.numpy()
-    size = 20 if ggml_type == 3 else 18
+    size = {2: 18, 3: 20, 8: 34}[ggml_type]
     n, nb = raw.shape[0], raw.shape[1] // size
     blk = raw.reshape(n, nb, size)
     d = blk[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
     m = blk[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64) if ggml_type == 3 \
-        else -8 * d
-    qs = blk[:, :, size - 16:]
-    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.float64)  # [n, nb, 32]
+        else -8 * d if ggml_type == 2 else 0 * d
+    if ggml_type == 8:
+        q = blk[:, :, 2:].copy().view(np.int8).astype(np.float64)  # [n, nb, 32]
+    else:
+        qs = blk[:, :, size - 16:]
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.float64)  # [n, nb, 32]
     xb = x.numpy().reshape(x.shape[0], nb, 32)
     amax = np.abs(xb).max(-1)
     dx = (amax / np.float32(127) / np.float32(256)).astype(np.float32).astype(np.float64)
@@ -73,12 +77,18 @@ def int8_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> tor
     return torch.from_numpy(out)
 
 
-@pytest.mark.parametrize("ggml_type", [2, 3])
+@pytest.mark.parametrize("ggml_type", [2, 3, 8])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 11])
 @pytest.mark.parametrize("cols", [96, 160, 576])  # 3 and 5 blocks: a group and a tail
 def test_q4_int8_linear_matches_its_float64_reference(ops: NativeOps, ggml_type: int,
                                                       rows: int, cols: int) -> None:
-    assert ops.gguf_linear_int8 is not None
+    assert ops.gguf_linear_int8 is not None and ops.int8_activation_types is not None
+    if ggml_type not in ops.int8_activation_types():
+        # Q8_0 needs vpdpbusd (AVX512-VNNI): the graph keeps its float activations
+        assert ggml_type == 8 and ops.q4_int8_path() != "avx512_vnni"
+        with pytest.raises(RuntimeError, match="int8_activation_types"):
+            ops.gguf_linear_int8(torch.randn(1, 32), quantized(8, 1, 32, seed=0)[0], 8, None)
+        return
     # 41 output rows: an odd one left after the pairs of weight rows a pass computes
     blocks, dense = quantized(ggml_type, 41, cols, seed=ggml_type * 1000 + rows * 10 + cols)
     torch.manual_seed(rows + cols)

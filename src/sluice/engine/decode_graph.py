@@ -60,7 +60,6 @@ GRAPH_MAX_ROWS = 8
 # float32 on panels: the graph runs the same kernels as the torch model, without its
 # ~10 calls a layer from Python, so it takes every decode step
 FLOAT_GRAPH_MAX_ROWS = 1 << 16
-Q8_0 = 8  # ggml type: its blocks keep float activations (the head: bound by memory)
 F32 = 0  # ggml type: the graph's float32 linears (a weight and its panels)
 BF16 = 30  # ggml type: the graph's bfloat16 linears on AMX (a weight and its tiles)
 
@@ -83,8 +82,9 @@ class DecodeGraph:
               int8_activations: bool | None = None) -> DecodeGraph | None:
         """The graph, or None where it cannot run: no native kernels, or a linear that is
         not on GGUF blocks (a type the kernel does not take, or a LoRA side).
-        `int8_activations`: the Q4 linears' activations as int8 pairs per block (None:
-        where this machine's build has a vector path for it)."""
+        `int8_activations`: the activations of the linears whose type the build takes
+        (`int8_activation_types`: Q4_0 and Q4_1; the Q8_0 head too with AVX512-VNNI) as
+        int8 pairs per block (None: where this machine's build has a vector path)."""
         if native is None or native.decode_graph is None or native.q4_int8_path is None:
             return None
         if int8_activations is None:
@@ -93,7 +93,8 @@ class DecodeGraph:
         linears = _linears(model, names)
         if linears is None or any(n not in blocks for n in names):
             return None
-        int8 = [int8_activations and blocks[n][1] != Q8_0 for n in names]
+        int8_types = set(native.int8_activation_types()) if native.int8_activation_types else set()
+        int8 = [int8_activations and blocks[n][1] in int8_types for n in names]
         return cls._build(model, native, linears, [blocks[n][0] for n in names],
                           [blocks[n][1] for n in names], int8, [torch.empty(0)] * len(names),
                           max_rows)

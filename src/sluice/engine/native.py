@@ -19,7 +19,8 @@
 - `DecodeGraph`: a whole decode step (every layer and the head) of a model whose linears
   are all GGUF blocks, in one call (sluice.engine.decode_graph); its Q4 linears take
   int8 activations (`q4_int8_path` says which vector path: AVX512-VNNI, AVX-512BW or
-  AVX2, each compiled where /proc/cpuinfo has it).
+  AVX2, each compiled where /proc/cpuinfo has it), and with AVX512-VNNI its Q8_0 head
+  too (`int8_activation_types`).
 - `apply_token_bitmask`: structured output's grammar mask applied to the logits word by
   word (xgrammar's own CPU kernel tests every bit: ~6 ms for 32 rows of SmolLM2's vocab).
 
@@ -111,6 +112,9 @@ class NativeOps:
     amx_bf16_ready: Callable[[], bool] | None = None
     pack_amx_bf16: Callable[[Tensor], Tensor] | None = None
     amx_bf16_linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None
+    # the ggml types those int8-activation linears take here: Q4_0, Q4_1, and Q8_0 where
+    # the build has AVX512-VNNI ([] where q4_int8_path is "")
+    int8_activation_types: Callable[[], list[int]] | None = None
 
 
 @functools.cache
@@ -165,7 +169,8 @@ def load_kernels() -> NativeOps:
                      module.lora_bgmv, module.gguf_linear, module.int8_linear,
                      module.DecodeGraph, module.q4_int8_path, module.gguf_linear_int8,
                      module.pack_panels, module.panel_linear, module.amx_bf16_ready,
-                     module.pack_amx_bf16, module.amx_bf16_linear)
+                     module.pack_amx_bf16, module.amx_bf16_linear,
+                     module.int8_activation_types)
 
 
 def _stable_copy(name: str, source: bytes) -> Path:

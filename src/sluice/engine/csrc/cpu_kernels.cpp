@@ -1308,8 +1308,15 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 struct Q4Packed {
   std::vector<uint8_t> data;
   int64_t type, N, K, nb, row_bytes;
+  int64_t scales;  // offset of a row's f16 d from the row's start
 };
 
+// Q8_0 (the output head's type in the default model) takes the same path: its signed
+// bytes are stored offset by 128 as unsigned ones (vpdpbusd's unsigned operand; w + 128
+// in 0..255), in groups of 4 blocks laid out as the activations are (values 0-15 of the
+// four blocks, then values 16-31: 128 bytes a group, a last group padded with 128, i.e.
+// zeros), then the row's f16 d. The offset comes back out exactly: sum((w + 128) q) =
+// sum(w q) + 128 sum(q), with sum(q) the activation block's integer sum (Q8Row::qsum).
 static Q4Packed q4_pack(const torch::Tensor& blocks, int64_t type) {
   const GGUFType t = gguf_type(type);
   Q4Packed p;
@@ -1317,16 +1324,23 @@ static Q4Packed q4_pack(const torch::Tensor& blocks, int64_t type) {
   p.N = blocks.size(0);
   p.nb = blocks.size(1) / t.block_bytes;
   p.K = p.nb * 32;
-  p.row_bytes = p.nb * (16 + 2 + (type == 3 ? 2 : 0));
-  p.data.resize(p.N * p.row_bytes + 16);  // + a whole 8-f16 load past the last row's scales
+  p.scales = type == 8 ? (p.nb + 3) / 4 * 128 : p.nb * 16;
+  p.row_bytes = p.scales + p.nb * (2 + (type == 3 ? 2 : 0));
+  p.data.assign(p.N * p.row_bytes + 16, 128);  // + a whole 8-f16 load past the last row's scales
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   for (int64_t n = 0; n < p.N; ++n) {
     uint8_t* row = p.data.data() + n * p.row_bytes;
     for (int64_t b = 0; b < p.nb; ++b) {
       const uint8_t* blk = src + (n * p.nb + b) * t.block_bytes;
-      std::memcpy(row + b * 16, blk + t.header, 16);
-      std::memcpy(row + p.nb * 16 + b * 2, blk, 2);  // d
-      if (type == 3) std::memcpy(row + p.nb * 18 + b * 2, blk + 2, 2);  // m
+      if (type == 8) {
+        uint8_t* group = row + b / 4 * 128 + b % 4 * 16;
+        for (int j = 0; j < 32; ++j)
+          group[(j / 16) * 64 + j % 16] = static_cast<uint8_t>(static_cast<int8_t>(blk[2 + j]) + 128);
+      } else {
+        std::memcpy(row + b * 16, blk + t.header, 16);
+      }
+      std::memcpy(row + p.scales + b * 2, blk, 2);  // d
+      if (type == 3) std::memcpy(row + p.scales + p.nb * 2 + b * 2, blk + 2, 2);  // m
     }
   }
   return p;
@@ -1334,11 +1348,12 @@ static Q4Packed q4_pack(const torch::Tensor& blocks, int64_t type) {
 
 // One activation row, quantized per block: q (the group layout, 256 bytes a group), dxe
 // (per group 16 floats: each block's dx / 256, 4 times, the lanes vpdpbusd fills for the
-// block) and xs (each block's float sum, padded with zeros to a multiple of 16 blocks).
-// A zero-padded last group is zero.
+// block), xs (each block's float sum, padded with zeros to a multiple of 16 blocks) and
+// qsum (each block's quantized sum, dx / 256 (256 sum(q1) + sum(q2)), padded the same
+// way: Q8_0's offset). A zero-padded last group is zero.
 struct Q8Row {
   std::vector<int8_t> q;
-  std::vector<float> dxe, xs;
+  std::vector<float> dxe, xs, qsum;
 };
 
 // One block's 32 values into its q1 / q2 bytes (low half at q1[0..16), high half at
@@ -1354,7 +1369,7 @@ static inline __m128i q8_pack16(__m256 a, __m256 b) {
   return _mm_packs_epi16(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1));
 }
 
-static inline void q8_block(const float* xb, int8_t* q1, float* dxe, float* xs) {
+static inline void q8_block(const float* xb, int8_t* q1, float* dxe, float* xs, float* qsum) {
   const __m256 x[4] = {_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8), _mm256_loadu_ps(xb + 16),
                        _mm256_loadu_ps(xb + 24)};
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -1372,19 +1387,24 @@ static inline void q8_block(const float* xb, int8_t* q1, float* dxe, float* xs) 
   const __m256 vinv = _mm256_set1_ps(inv), k256 = _mm256_set1_ps(256.f);
   const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
   constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m256 sum = _mm256_setzero_ps();  // 256 q1 + q2, summed exactly (|sum| < 2^24)
   for (int h = 0; h < 2; ++h) {
     __m256 r[2], c2[2];
     for (int k = 0; k < 2; ++k) {
       const __m256 v = _mm256_mul_ps(x[2 * h + k], vinv);
       r[k] = _mm256_round_ps(v, nearest);
       c2[k] = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(v, r[k]), k256), nearest), lo), hi);
+      sum = _mm256_add_ps(sum, _mm256_fmadd_ps(r[k], k256, c2[k]));
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + 64 * h), q8_pack16(r[0], r[1]));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + 128 + 64 * h), q8_pack16(c2[0], c2[1]));
   }
+  __m128 q4 = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+  q4 = _mm_add_ps(q4, _mm_movehl_ps(q4, q4));
+  *qsum = _mm_cvtss_f32(_mm_add_ss(q4, _mm_movehdup_ps(q4))) * dxe[0];
 }
 #else
-static inline void q8_block(const float* xb, int8_t* q1, float* dxe, float* xs) {
+static inline void q8_block(const float* xb, int8_t* q1, float* dxe, float* xs, float* qsum) {
   const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
@@ -1393,15 +1413,18 @@ static inline void q8_block(const float* xb, int8_t* q1, float* dxe, float* xs) 
   const __m512 vinv = _mm512_set1_ps(inv), k256 = _mm512_set1_ps(256.f);
   const __m512 lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
   const __m512 halves[2] = {x0, x1};
+  __m512 sum = _mm512_setzero_ps();  // 256 q1 + q2, summed exactly (|sum| < 2^24)
   for (int h = 0; h < 2; ++h) {
     const __m512 v = _mm512_mul_ps(halves[h], vinv);
     const __m512 r = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r2 = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v, r), k256),
                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 c2 = _mm512_min_ps(_mm512_max_ps(r2, lo), hi);
+    sum = _mm512_add_ps(sum, _mm512_fmadd_ps(r, k256, c2));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + 64 * h), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + 128 + 64 * h), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(c2)));
   }
+  *qsum = _mm512_reduce_add_ps(sum) * dxe[0];
 }
 #endif
 
@@ -1410,10 +1433,11 @@ static void q8_quantize(const float* x, int64_t nb, Q8Row& out) {
   out.q.assign(groups * 256, 0);
   out.dxe.assign(groups * 16, 0.f);
   out.xs.assign((nb + 15) / 16 * 16, 0.f);
+  out.qsum.assign((nb + 15) / 16 * 16, 0.f);
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t g = b / 4, k = b % 4;
     q8_block(x + b * 32, out.q.data() + g * 256 + k * 16, out.dxe.data() + g * 16 + k * 4,
-             out.xs.data() + b);
+             out.xs.data() + b, out.qsum.data() + b);
   }
 }
 
@@ -1437,6 +1461,12 @@ static inline __m128 q4_group_halves(const uint16_t* h, int64_t count) {
                                          _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7)));
   return _mm_cvtph_ps(v);
 }
+
+// Q8_0 blocks (the offset bytes up to 255) need vpdpbusd's int32 sums: maddubs would
+// saturate its int16 pairs.
+#if defined(SLUICE_AVX512VNNI) && defined(SLUICE_AVX512BW)
+#define SLUICE_Q8_INT8 1
+#endif
 
 // The weight rows a pass computes together (their activation loads shared): AVX-512 has
 // the 32 registers for 2 weight rows x 4 activation rows; AVX2's 16 hold one.
@@ -1466,7 +1496,7 @@ static inline Q4Acc q4_zero() { return _mm512_setzero_ps(); }
 static inline float q4_total(Q4Acc acc) { return _mm512_reduce_add_ps(acc); }
 static inline Q4Acc q4_add(Q4Acc a, Q4Acc b) { return _mm512_add_ps(a, b); }
 
-template <int R, int NW>
+template <int R, int NW, bool Q8>
 static inline void q4_group(const uint8_t* const (&qs)[NW], const uint16_t* const (&d)[NW],
                             int64_t g, int64_t count, const Q8Row* xs, Q4Acc (&acc)[NW][R],
                             Q4Acc (&)[NW][R]) {
@@ -1475,10 +1505,15 @@ static inline void q4_group(const uint8_t* const (&qs)[NW], const uint16_t* cons
   __m512i lo[NW], hi[NW];
   __m512 de[NW];
   for (int w = 0; w < NW; ++w) {
-    const __m512i v = count == 4 ? _mm512_loadu_si512(qs[w] + g * 64)
-                                 : _mm512_maskz_loadu_epi8((1ULL << (16 * count)) - 1, qs[w] + g * 64);
-    lo[w] = _mm512_and_si512(v, low4);
-    hi[w] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    if constexpr (Q8) {  // whole padded groups: values 0-15, then 16-31, of the 4 blocks
+      lo[w] = _mm512_loadu_si512(qs[w] + g * 128);
+      hi[w] = _mm512_loadu_si512(qs[w] + g * 128 + 64);
+    } else {
+      const __m512i v = count == 4 ? _mm512_loadu_si512(qs[w] + g * 64)
+                                   : _mm512_maskz_loadu_epi8((1ULL << (16 * count)) - 1, qs[w] + g * 64);
+      lo[w] = _mm512_and_si512(v, low4);
+      hi[w] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    }
     de[w] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(q4_group_halves(d[w] + 4 * g, count)));
   }
   for (int r = 0; r < R; ++r) {
@@ -1499,12 +1534,12 @@ static inline void q4_group(const uint8_t* const (&qs)[NW], const uint16_t* cons
 // `scale`), in 16 lanes; c widened once for the R activation rows
 template <int R>
 static inline void q4_block_terms(const uint16_t* c, float scale, int64_t nb, const Q8Row* xs,
-                                  Q4Acc (&acc)[R]) {
+                                  std::vector<float> Q8Row::*sums, Q4Acc (&acc)[R]) {
   for (int64_t b = 0; b < nb; b += 16) {
     const __mmask16 mask = nb - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nb - b)) - 1);
     const __m512 cv = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, c + b)),
                                     _mm512_set1_ps(scale));
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(cv, _mm512_loadu_ps(xs[r].xs.data() + b), acc[r]);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(cv, _mm512_loadu_ps((xs[r].*sums).data() + b), acc[r]);
   }
 }
 #else
@@ -1534,10 +1569,11 @@ static inline __m256i q4_half_dot(__m256i lo, __m256i hi, const int8_t* q, int h
 // AVX2: a group in two halves of two blocks each (8 lanes, 4 a block). Up to 2 rows the
 // second half sums into acc2, so a group's two FMAs do not wait on each other (one row
 // was bound by that chain: two FMA latencies a group).
-template <int R, int NW>
+template <int R, int NW, bool Q8>
 static inline void q4_group(const uint8_t* const (&qs)[NW], const uint16_t* const (&d)[NW],
                             int64_t g, int64_t count, const Q8Row* xs, Q4Acc (&acc)[NW][R],
                             Q4Acc (&acc2)[NW][R]) {
+  static_assert(!Q8, "Q8_0 on int8 activations needs vpdpbusd (maddubs saturates at 255 x 127 x 2)");
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i spread_lo = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
   const __m256i spread_hi = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
@@ -1578,23 +1614,24 @@ static inline void q4_group(const uint8_t* const (&qs)[NW], const uint16_t* cons
 // kernel's samples).
 template <int R>
 static inline void q4_block_terms(const uint16_t* c, float scale, int64_t nb, const Q8Row* xs,
-                                  Q4Acc (&acc)[R]) {
+                                  std::vector<float> Q8Row::*sums, Q4Acc (&acc)[R]) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t b = 0; b < nb; b += 8) {
     __m256 cv = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b))),
                               _mm256_set1_ps(scale));
     if (nb - b < 8)
       cv = _mm256_and_ps(cv, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nb - b)), lane)));
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(xs[r].xs.data() + b), acc[r]);
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(cv, _mm256_loadu_ps((xs[r].*sums).data() + b), acc[r]);
   }
 }
 #endif
 
 // Output rows [n, n + NW) for R activation rows: the groups' integer dots, then the
-// blocks' constant terms sum_b m_b * sum_j x_bj (m: the min (Q4_1) or -8 d (Q4_0)) in
-// one short pass over the row's f16 m (or d). `ahead`: a row this far ahead is
+// blocks' constant terms sum_b c_b * s_b in one short pass over the row's f16 c: Q4_1
+// c = m, s = sum_j x_bj (float); Q4_0 c = -8 d, the same s; Q8_0 c = -128 d, s = the
+// block's quantized sum (the offset, exactly). `ahead`: a row this far ahead is
 // prefetched where it is below `limit`.
-template <int R, int NW>
+template <int R, int NW, bool Q8>
 static inline void q4_int8_tile(const Q4Packed& w, const Q8Row* xs, const float* bias, float* y,
                                 int64_t n, int64_t ahead, int64_t limit) {
   const int64_t nb = w.nb, whole = nb / 4;
@@ -1602,32 +1639,43 @@ static inline void q4_int8_tile(const Q4Packed& w, const Q8Row* xs, const float*
   const uint16_t* d[NW];
   for (int k = 0; k < NW; ++k) {
     qs[k] = w.data.data() + (n + k) * w.row_bytes;
-    d[k] = reinterpret_cast<const uint16_t*>(qs[k] + nb * 16);
+    d[k] = reinterpret_cast<const uint16_t*>(qs[k] + w.scales);
     if (n + k + ahead < limit) q4_prefetch_row(qs[k] + ahead * w.row_bytes, w.row_bytes);
   }
   Q4Acc acc[NW][R], acc2[NW][R];
   for (int k = 0; k < NW; ++k)
     for (int r = 0; r < R; ++r) acc[k][r] = acc2[k][r] = q4_zero();
-  for (int64_t g = 0; g < whole; ++g) q4_group<R, NW>(qs, d, g, 4, xs, acc, acc2);
-  if (whole * 4 < nb) q4_group<R, NW>(qs, d, whole, nb - whole * 4, xs, acc, acc2);
+  for (int64_t g = 0; g < whole; ++g) q4_group<R, NW, Q8>(qs, d, g, 4, xs, acc, acc2);
+  if (whole * 4 < nb) q4_group<R, NW, Q8>(qs, d, whole, nb - whole * 4, xs, acc, acc2);
   for (int k = 0; k < NW; ++k) {
     for (int r = 0; r < R; ++r) acc[k][r] = q4_add(acc[k][r], acc2[k][r]);
-    const uint16_t* c = w.type == 3 ? d[k] + nb : d[k];  // Q4_1: m; Q4_0: d, times -8
-    const float scale = w.type == 3 ? 1.f : -8.f;
+    const uint16_t* c = w.type == 3 ? d[k] + nb : d[k];  // Q4_1: m; else d
+    const float scale = w.type == 3 ? 1.f : w.type == 2 ? -8.f : -128.f;
     const float bn = bias ? bias[n + k] : 0.f;
-    q4_block_terms<R>(c, scale, nb, xs, acc[k]);
+    q4_block_terms<R>(c, scale, nb, xs, Q8 ? &Q8Row::qsum : &Q8Row::xs, acc[k]);
     for (int r = 0; r < R; ++r) y[r * w.N + n + k] = q4_total(acc[k][r]) + bn;
   }
 }
 
 // Output rows [n0, n1) for R activation rows, NW rows at a time.
-template <int R>
+template <int R, bool Q8>
 static void q4_int8_rows(const Q4Packed& w, const Q8Row* xs, const float* bias, float* y,
                          int64_t n0, int64_t n1, int64_t limit) {
   const int64_t ahead = std::max<int64_t>(Q4_NW, Q4_PREFETCH_BYTES / w.row_bytes);
   int64_t n = n0;
-  for (; n + Q4_NW <= n1; n += Q4_NW) q4_int8_tile<R, Q4_NW>(w, xs, bias, y, n, ahead, limit);
-  for (; n < n1; ++n) q4_int8_tile<R, 1>(w, xs, bias, y, n, ahead, limit);
+  for (; n + Q4_NW <= n1; n += Q4_NW) q4_int8_tile<R, Q4_NW, Q8>(w, xs, bias, y, n, ahead, limit);
+  for (; n < n1; ++n) q4_int8_tile<R, 1, Q8>(w, xs, bias, y, n, ahead, limit);
+}
+
+template <bool Q8>
+static void q4_int8_pass(const Q4Packed& w, const Q8Row* xs, int64_t rows, const float* bias,
+                         float* y, int64_t t0, int64_t t1, int64_t n1) {
+  switch (rows) {
+    case 1: q4_int8_rows<1, Q8>(w, xs, bias, y, t0, t1, n1); break;
+    case 2: q4_int8_rows<2, Q8>(w, xs, bias, y, t0, t1, n1); break;
+    case 3: q4_int8_rows<3, Q8>(w, xs, bias, y, t0, t1, n1); break;
+    default: q4_int8_rows<4, Q8>(w, xs, bias, y, t0, t1, n1); break;
+  }
 }
 
 // y [M, N] = x [M, K] @ W^T (+ bias) on repacked Q4 blocks. Per thread's output rows, a
@@ -1643,12 +1691,14 @@ static void q4_int8_linear(const Q4Packed& w, const float* x, int64_t M, const f
       for (int64_t m0 = 0; m0 < M; m0 += Q4_MAX_ROWS) {
         const Q8Row* xs = rows.data() + m0;
         float* ym = y + m0 * w.N;
-        switch (std::min<int64_t>(Q4_MAX_ROWS, M - m0)) {
-          case 1: q4_int8_rows<1>(w, xs, bias, ym, t0, t1, n1); break;
-          case 2: q4_int8_rows<2>(w, xs, bias, ym, t0, t1, n1); break;
-          case 3: q4_int8_rows<3>(w, xs, bias, ym, t0, t1, n1); break;
-          default: q4_int8_rows<4>(w, xs, bias, ym, t0, t1, n1); break;
+        const int64_t rows = std::min<int64_t>(Q4_MAX_ROWS, M - m0);
+#if defined(SLUICE_Q8_INT8)
+        if (w.type == 8) {
+          q4_int8_pass<true>(w, xs, rows, bias, ym, t0, t1, n1);
+          continue;
         }
+#endif
+        q4_int8_pass<false>(w, xs, rows, bias, ym, t0, t1, n1);
       }
     }
   });
@@ -1656,11 +1706,26 @@ static void q4_int8_linear(const Q4Packed& w, const float* x, int64_t M, const f
 #pragma GCC pop_options
 #endif  // AVX2
 
+// The ggml types q4_int8_linear takes here: Q4_0 and Q4_1 wherever it is built, Q8_0
+// with AVX512-VNNI too.
+std::vector<int64_t> int8_activation_types() {
+#if defined(SLUICE_Q8_INT8)
+  return {2, 3, 8};
+#elif defined(SLUICE_Q4_INT8)
+  return {2, 3};
+#else
+  return {};
+#endif
+}
+
 // x [M, K] float32 @ Q4 blocks [N, bytes]^T (+ bias) on int8 activations,
 // repacking the blocks on each call: q4_int8_linear alone, for tests.
 torch::Tensor gguf_linear_int8(torch::Tensor x, torch::Tensor qweight, int64_t type,
                                c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(type == 2 || type == 3, "gguf_linear_int8: Q4_0 (2) or Q4_1 (3)");
+  const auto types = int8_activation_types();
+  TORCH_CHECK(std::find(types.begin(), types.end(), type) != types.end(),
+              "gguf_linear_int8: a ggml type of int8_activation_types() (Q4_0 2, Q4_1 3; Q8_0 8 "
+              "with AVX512-VNNI)");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 &&
                   x.scalar_type() == torch::kFloat && qweight.scalar_type() == torch::kByte &&
                   qweight.dim() == 2 && qweight.is_contiguous() &&
@@ -1988,8 +2053,10 @@ class DecodeGraph {
                       w.size(1) % t.block_bytes == 0,
                   "DecodeGraph: linears are contiguous uint8 [N, blocks * block_bytes]");
       linears_.push_back({w, types[i], w.size(0), w.size(1) / t.block_bytes * 32, b, {}});
-      TORCH_CHECK(!int8_activations[i] || (!q4_int8_path().empty() && types[i] != 8),
-                  "DecodeGraph: int8 activations need AVX2 (q4_int8_path) and Q4 blocks");
+      const auto int8_types = int8_activation_types();
+      TORCH_CHECK(!int8_activations[i] ||
+                      std::find(int8_types.begin(), int8_types.end(), types[i]) != int8_types.end(),
+                  "DecodeGraph: int8 activations need a type of int8_activation_types()");
 #ifdef SLUICE_Q4_INT8
       if (int8_activations[i])
         linears_.back().packed = std::make_shared<Q4Packed>(q4_pack(w, types[i]));
@@ -2130,6 +2197,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("int8_activations"), py::arg("panels"))
       .def("forward", &DecodeGraph::forward,
            "a decode step of every layer and the head: logits [B, vocab] (CPU)");
+  m.def("int8_activation_types", &int8_activation_types,
+        "ggml types the int8-activation linears take here (Q4_0 2, Q4_1 3; Q8_0 8 with VNNI)");
   m.def("gguf_linear_int8", &gguf_linear_int8,
         "x @ dequant(qweight).T + bias on Q4 blocks with int8 activations (tests; CPU)",
         py::arg("x"), py::arg("qweight"), py::arg("type"), py::arg("bias") = py::none());
