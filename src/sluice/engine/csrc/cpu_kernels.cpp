@@ -1443,13 +1443,12 @@ static void q8_quantize(const float* x, int64_t nb, Q8Row& out) {
 
 // The rows' bytes are streamed from memory once a step; at ~25 vector instructions a
 // 64-byte group the core has too few loads in flight to keep the memory busy (the weight
-// loads were a third of the kernel's cycles), so each row asks for a later row's lines
-// (~3 KB ahead) before it starts.
-constexpr int64_t Q4_PREFETCH_BYTES = 3072;
-
-static inline void q4_prefetch_row(const uint8_t* row, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(row + o), _MM_HINT_T0);
-}
+// loads were a third of the kernel's cycles), so each tile asks for the lines of rows
+// ~12 KB ahead into L2, a few with each group. Asked all at once into L1, 3 KB ahead (as
+// before), the prefetches waited on L1's fill buffers: 38% of the tile's samples sat on
+// the prefetch loop; spread, into L2 and 4x as far, a one-row step took 13% less on a
+// Xeon with AVX-512 and 8% less on its AVX2 path (docs/engine.md).
+constexpr int64_t Q4_PREFETCH_BYTES = 12288;
 
 // The 4 f16 of a group (d) as floats; a last group's missing blocks are zero (their
 // halves read past the row's d, into its m, the next row or the packing's padding, and
@@ -1630,23 +1629,37 @@ static inline void q4_block_terms(const uint16_t* c, float scale, int64_t nb, co
 // blocks' constant terms sum_b c_b * s_b in one short pass over the row's f16 c: Q4_1
 // c = m, s = sum_j x_bj (float); Q4_0 c = -8 d, the same s; Q8_0 c = -128 d, s = the
 // block's quantized sum (the offset, exactly). `ahead`: a row this far ahead is
-// prefetched where it is below `limit`.
+// prefetched (the NW rows' lines, contiguous, a share with each group) where it is below
+// `limit`.
 template <int R, int NW, bool Q8>
 static inline void q4_int8_tile(const Q4Packed& w, const Q8Row* xs, const float* bias, float* y,
                                 int64_t n, int64_t ahead, int64_t limit) {
-  const int64_t nb = w.nb, whole = nb / 4;
+  const int64_t nb = w.nb, whole = nb / 4, groups = whole + (whole * 4 < nb);
   const uint8_t* qs[NW];
   const uint16_t* d[NW];
   for (int k = 0; k < NW; ++k) {
     qs[k] = w.data.data() + (n + k) * w.row_bytes;
     d[k] = reinterpret_cast<const uint16_t*>(qs[k] + w.scales);
-    if (n + k + ahead < limit) q4_prefetch_row(qs[k] + ahead * w.row_bytes, w.row_bytes);
   }
+  const bool prefetch = n + NW + ahead <= limit;
+  const uintptr_t from = reinterpret_cast<uintptr_t>(qs[0]) + ahead * w.row_bytes;
+  const uintptr_t first = from & ~uintptr_t{63};
+  const int64_t lines = prefetch ? (from + NW * w.row_bytes - first + 63) / 64 : 0;
+  const auto prefetch_share = [&](int64_t g) {
+    for (int64_t i = g * lines / groups; i < (g + 1) * lines / groups; ++i)
+      _mm_prefetch(reinterpret_cast<const char*>(first + i * 64), _MM_HINT_T1);
+  };
   Q4Acc acc[NW][R], acc2[NW][R];
   for (int k = 0; k < NW; ++k)
     for (int r = 0; r < R; ++r) acc[k][r] = acc2[k][r] = q4_zero();
-  for (int64_t g = 0; g < whole; ++g) q4_group<R, NW, Q8>(qs, d, g, 4, xs, acc, acc2);
-  if (whole * 4 < nb) q4_group<R, NW, Q8>(qs, d, whole, nb - whole * 4, xs, acc, acc2);
+  for (int64_t g = 0; g < whole; ++g) {
+    prefetch_share(g);
+    q4_group<R, NW, Q8>(qs, d, g, 4, xs, acc, acc2);
+  }
+  if (whole < groups) {
+    prefetch_share(whole);
+    q4_group<R, NW, Q8>(qs, d, whole, nb - whole * 4, xs, acc, acc2);
+  }
   for (int k = 0; k < NW; ++k) {
     for (int r = 0; r < R; ++r) acc[k][r] = q4_add(acc[k][r], acc2[k][r]);
     const uint16_t* c = w.type == 3 ? d[k] + nb : d[k];  // Q4_1: m; else d
@@ -2186,7 +2199,7 @@ class DecodeGraph {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  py::class_<DecodeGraph>(m, "DecodeGraph")
+  py::class_<DecodeGraph>(m, "DecodeGraph", py::module_local())
       .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double,
