@@ -3,8 +3,10 @@
 Three comparisons, each with both sides measured in this run, one after the other:
 
 1. Offline, one stream: llama.cpp's `llama-bench` tg128 (`-p 0 -n 128 -t T`, its own
-   repetitions) against `sluice bench offline --single-stream` with an 8-token prompt
-   and 128 output tokens, for each `--quantization` given (default: gguf and none).
+   repetitions: generation alone, no prompt) against `sluice bench offline
+   --single-stream` with an 8-token prompt and 128 output tokens, for each
+   `--quantization` given (default: gguf and none): the whole request, and its decode
+   alone after the first token (the same count as tg's).
    Rounds alternate the two programs (`--rounds`), so drift on a shared machine hits
    both.
 2. HTTP, one stream: `llama-server -np 1` (one slot) against `sluice worker
@@ -73,7 +75,9 @@ def sluice_single(args: argparse.Namespace, quantization: str) -> dict[str, Any]
     lines = out.stdout.strip().splitlines()
     if out.returncode or not lines or not lines[-1].startswith("{"):
         raise RuntimeError(f"sluice bench offline failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    return {"tok_s": json.loads(lines[-1])["single_stream_tok_s"]}
+    summary = json.loads(lines[-1])
+    return {"tok_s": summary["single_stream_tok_s"],
+            "decode_tok_s": summary["single_stream_decode_tok_s"]}
 
 
 def offline(args: argparse.Namespace, gguf: str) -> dict[str, Any]:
@@ -196,13 +200,17 @@ def main() -> int:
 def print_offline(args: argparse.Namespace, off: dict[str, Any]) -> None:
     names = list(off["rounds"][0])
     print(f"\none stream, tg{args.output_len} tok/s (sluice: 8-token prompt), per round")
-    print(f"{'engine':<18}" + "".join(f"{f'round {i + 1}':>10}" for i in range(args.rounds))
+    print(f"{'engine':<22}" + "".join(f"{f'round {i + 1}':>10}" for i in range(args.rounds))
           + f"  {'vs llama.cpp'}")
-    for name in names:
-        vals = [r[name]["tok_s"] for r in off["rounds"]]
-        ratio = [r[name]["tok_s"] / r["llama.cpp"]["tok_s"] for r in off["rounds"]]
-        print(f"{name:<18}" + "".join(f"{v:>10.1f}" for v in vals)
+    rows = [(name, name, "tok_s") for name in names] + [
+        (f"{name} decode", name, "decode_tok_s") for name in names if name != "llama.cpp"]
+    for label, name, key in rows:
+        vals = [r[name][key] for r in off["rounds"]]
+        ratio = [r[name][key] / r["llama.cpp"]["tok_s"] for r in off["rounds"]]
+        print(f"{label:<22}" + "".join(f"{v:>10.1f}" for v in vals)
               + "  " + " / ".join(f"{x:.2f}" for x in ratio))
+    print("(sluice: the whole request, 8-token prompt included; decode: after its first "
+          "token, as tg counts)")
 
 
 def print_http(args: argparse.Namespace, h: dict[str, Any], logs: Path) -> None:

@@ -45,3 +45,18 @@ def test_offline_prefix_cache_on_off(tiny_llama_dir: Path,
     assert on["label"] == "prefix-cache on" and off["label"] == "prefix-cache off"
     # 6 prompts share a 64-token (4-block) prefix: all but the first batch's can hit it
     assert on["extra"]["prefix_cache_hits"] > 0 and off["extra"]["prefix_cache_hits"] == 0
+
+
+def test_offline_single_stream_reports_the_decode_alone(
+        tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "offline", "--model", str(tiny_llama_dir), "--single-stream",
+                 "--input-len", "8", "--output-len", "6", "--peer", "none", "--no-flops"])
+    assert code == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (ours,) = doc["results"]
+    first = ours["extra"]["first_output_s"]
+    assert 0 < first < ours["wall_s"] and ours["output_tokens"] == 6
+    # the 5 tokens after the first, over the time after it (llama-bench's tg counts so)
+    assert doc["single_stream_decode_tok_s"] == pytest.approx(
+        5 / (ours["wall_s"] - first), rel=0.01)
+    assert doc["single_stream_tok_s"] == pytest.approx(6 / ours["wall_s"], rel=0.01)

@@ -7,7 +7,9 @@ Workloads (seeded random token prompts, so every engine sees the same ids):
   transformers' batched greedy `generate` in batches of that size (`--peer transformers`).
 - `prefix`: N requests sharing a `--prefix-len` token prefix with distinct
   `--suffix-len` suffixes, run by sluice with the prefix cache on and off.
-- `--single-stream`: one request, reporting decode tokens/s for sluice (and the peer).
+- `--single-stream`: one request, reporting its tokens/s for sluice (and the peer), and
+  sluice's decode alone after the first token (`single_stream_decode_tok_s`: what
+  llama-bench's tg counts, no prompt).
 
 Every engine gets a warm-up first. Besides wall time and output tokens/s, the sluice
 runs report the model's FLOP rate (linear-layer plus attention FLOPs over the time
@@ -63,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-len", type=int, default=1024)
     parser.add_argument("--suffix-len", type=int, default=32)
     parser.add_argument("--single-stream", action="store_true",
-                        help="one request: report single-stream decode tokens/s")
+                        help="one request: its tokens/s, and its decode alone after the first token")
     parser.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
@@ -128,9 +130,12 @@ def run_sluice(llm: Any, prompts: list[list[int]], output_len: int, label: str) 
     engine = llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{label}-{i}", prompt, params)
-    done, t0, last = 0, time.perf_counter(), 0.0
+    done, t0, last, first = 0, time.perf_counter(), 0.0, None
     while engine.has_unfinished_requests():
-        done += sum(1 for o in engine.step() if o.finished)
+        outputs = engine.step()
+        if first is None and outputs:
+            first = time.perf_counter() - t0  # one stream: its prefill and first token
+        done += sum(1 for o in outputs if o.finished)
         if time.perf_counter() - last > 5:
             last = time.perf_counter()
             progress(f"sluice {label}: {done}/{len(prompts)} done, {last - t0:.1f}s")
@@ -138,7 +143,7 @@ def run_sluice(llm: Any, prompts: list[list[int]], output_len: int, label: str) 
     stats = engine.stats()
     return Result("sluice", label, len(prompts), len(prompts) * output_len, wall,
                   extra={"prefix_cache_hits": stats.prefix_cache_hits,
-                         "num_preemptions": stats.num_preemptions})
+                         "num_preemptions": stats.num_preemptions, "first_output_s": first})
 
 
 def configure(llm: Any, batch: int, caching: bool = True) -> None:
@@ -357,7 +362,11 @@ def bench_single(args: argparse.Namespace, llm: Any, rec: StepRecorder, peer: An
     configure(llm, 1)
     run_sluice(llm, prompt, 4, "warmup")
     ours = timed_sluice(llm, rec, prompt, output_len, "single-stream", flops)
-    results, summary = [ours], {"single_stream_tok_s": round(ours.tok_s, 2)}
+    # decode alone (after the first token), as llama-bench's tg counts: no prompt
+    decode_s = ours.wall_s - ours.extra["first_output_s"]
+    results, summary = [ours], {"single_stream_tok_s": round(ours.tok_s, 2),
+                                "single_stream_decode_tok_s":
+                                    round((output_len - 1) / decode_s, 2) if decode_s > 0 else None}
     if peer is not None:
         run_peer(peer, prompt, 4, 1, "warmup")
         theirs = run_peer(peer, prompt, output_len, 1, "single-stream")
