@@ -1305,18 +1305,53 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 #pragma GCC target("avx512bw,avx512vl")
 #endif
 
+// Q8_0 blocks (the offset bytes up to 255) need vpdpbusd's int32 sums: maddubs would
+// saturate its int16 pairs. The same builds lay Q4 out in column tiles (below).
+#if defined(SLUICE_AVX512VNNI) && defined(SLUICE_AVX512BW)
+#define SLUICE_Q8_INT8 1
+#endif
+
 struct Q4Packed {
   std::vector<uint8_t> data;
   int64_t type, N, K, nb, row_bytes;
-  int64_t scales;  // offset of a row's f16 d from the row's start
+  // In column tiles (AVX512-VNNI builds): 16 output rows a tile, a tile's blocks in
+  // order, each tile_block bytes, lane j of each 64-byte vector output row j. Q4: 4
+  // vectors of nibbles (row j's qs bytes 4v..4v+3 in vector v: values 4v..4v+3 in the
+  // low nibbles, 16+4v..16+4v+3 in the high ones), then the 16 rows' f16 d, then (Q4_1)
+  // their m. Q8_0: 8 vectors (values 4v..4v+3 in vector v), each byte offset by 128 as
+  // an unsigned one (vpdpbusd's unsigned operand), then the 16 d. The offset comes back
+  // out exactly: sum((w + 128) q) = sum(w q) + 128 sum(q), with sum(q) the activation
+  // block's integer sum (Q8Row::qsum).
+  bool tiled = false;
+  int64_t tile_block = 0;
 };
 
-// Q8_0 (the output head's type in the default model) takes the same path: its signed
-// bytes are stored offset by 128 as unsigned ones (vpdpbusd's unsigned operand; w + 128
-// in 0..255), in groups of 4 blocks laid out as the activations are (values 0-15 of the
-// four blocks, then values 16-31: 128 bytes a group, a last group padded with 128, i.e.
-// zeros), then the row's f16 d. The offset comes back out exactly: sum((w + 128) q) =
-// sum(w q) + 128 sum(q), with sum(q) the activation block's integer sum (Q8Row::qsum).
+constexpr int64_t Q4_TILE_ROWS = 16;
+
+// Q4 blocks [N, nb * block] in the column tiles above (rows past N: zeros).
+static void q4_pack_tiles(Q4Packed& p, const uint8_t* src, const GGUFType& t) {
+  const int64_t tiles = (p.N + Q4_TILE_ROWS - 1) / Q4_TILE_ROWS;
+  const int64_t weights = p.type == 8 ? 512 : 256;
+  p.tiled = true;
+  p.tile_block = weights + 32 + (p.type == 3 ? 32 : 0);
+  p.data.assign(tiles * p.nb * p.tile_block + 64, 0);
+  for (int64_t n = 0; n < p.N; ++n) {
+    const int64_t tile = n / Q4_TILE_ROWS, j = n % Q4_TILE_ROWS;
+    for (int64_t b = 0; b < p.nb; ++b) {
+      const uint8_t* blk = src + (n * p.nb + b) * t.block_bytes;
+      uint8_t* out = p.data.data() + (tile * p.nb + b) * p.tile_block;
+      if (p.type == 8) {
+        for (int i = 0; i < 32; ++i)
+          out[64 * (i / 4) + 4 * j + i % 4] = static_cast<uint8_t>(static_cast<int8_t>(blk[2 + i]) + 128);
+      } else {
+        for (int v = 0; v < 4; ++v) std::memcpy(out + 64 * v + 4 * j, blk + t.header + 4 * v, 4);
+      }
+      std::memcpy(out + weights + 2 * j, blk, 2);  // d
+      if (p.type == 3) std::memcpy(out + weights + 32 + 2 * j, blk + 2, 2);  // m
+    }
+  }
+}
+
 static Q4Packed q4_pack(const torch::Tensor& blocks, int64_t type) {
   const GGUFType t = gguf_type(type);
   Q4Packed p;
@@ -1324,23 +1359,20 @@ static Q4Packed q4_pack(const torch::Tensor& blocks, int64_t type) {
   p.N = blocks.size(0);
   p.nb = blocks.size(1) / t.block_bytes;
   p.K = p.nb * 32;
-  p.scales = type == 8 ? (p.nb + 3) / 4 * 128 : p.nb * 16;
-  p.row_bytes = p.scales + p.nb * (2 + (type == 3 ? 2 : 0));
-  p.data.assign(p.N * p.row_bytes + 16, 128);  // + a whole 8-f16 load past the last row's scales
+#if defined(SLUICE_Q8_INT8)
+  q4_pack_tiles(p, blocks.data_ptr<uint8_t>(), t);
+  return p;
+#endif
+  p.row_bytes = p.nb * (16 + 2 + (type == 3 ? 2 : 0));
+  p.data.resize(p.N * p.row_bytes + 16);  // + a whole 8-f16 load past the last row's scales
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   for (int64_t n = 0; n < p.N; ++n) {
     uint8_t* row = p.data.data() + n * p.row_bytes;
     for (int64_t b = 0; b < p.nb; ++b) {
       const uint8_t* blk = src + (n * p.nb + b) * t.block_bytes;
-      if (type == 8) {
-        uint8_t* group = row + b / 4 * 128 + b % 4 * 16;
-        for (int j = 0; j < 32; ++j)
-          group[(j / 16) * 64 + j % 16] = static_cast<uint8_t>(static_cast<int8_t>(blk[2 + j]) + 128);
-      } else {
-        std::memcpy(row + b * 16, blk + t.header, 16);
-      }
-      std::memcpy(row + p.scales + b * 2, blk, 2);  // d
-      if (type == 3) std::memcpy(row + p.scales + p.nb * 2 + b * 2, blk + 2, 2);  // m
+      std::memcpy(row + b * 16, blk + t.header, 16);
+      std::memcpy(row + p.nb * 16 + b * 2, blk, 2);  // d
+      if (type == 3) std::memcpy(row + p.nb * 18 + b * 2, blk + 2, 2);  // m
     }
   }
   return p;
@@ -1461,12 +1493,6 @@ static inline __m128 q4_group_halves(const uint16_t* h, int64_t count) {
   return _mm_cvtph_ps(v);
 }
 
-// Q8_0 blocks (the offset bytes up to 255) need vpdpbusd's int32 sums: maddubs would
-// saturate its int16 pairs.
-#if defined(SLUICE_AVX512VNNI) && defined(SLUICE_AVX512BW)
-#define SLUICE_Q8_INT8 1
-#endif
-
 // The weight rows a pass computes together (their activation loads shared): AVX-512 has
 // the 32 registers for 2 weight rows x 4 activation rows; AVX2's 16 hold one.
 #if defined(SLUICE_AVX512BW)
@@ -1482,12 +1508,9 @@ constexpr int64_t Q4_TILE = 16;  // weight rows a pass over the activation row g
 // loaded once for the NW weight rows) and weight row, the 16 lanes (4 a block) of
 // s = 256 sum(q q1) + sum(q q2), and acc += s * d * dx / 256.
 #if defined(SLUICE_AVX512BW)
+// (The row layout runs where there is no VNNI: those builds take the column tiles.)
 static inline __m512i q4_dot64(__m512i acc, __m512i u, __m512i s) {
-#if defined(SLUICE_AVX512VNNI)
-  return _mm512_dpbusd_epi32(acc, u, s);
-#else
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
-#endif
 }
 
 typedef __m512 Q4Acc;
@@ -1495,7 +1518,7 @@ static inline Q4Acc q4_zero() { return _mm512_setzero_ps(); }
 static inline float q4_total(Q4Acc acc) { return _mm512_reduce_add_ps(acc); }
 static inline Q4Acc q4_add(Q4Acc a, Q4Acc b) { return _mm512_add_ps(a, b); }
 
-template <int R, int NW, bool Q8>
+template <int R, int NW>
 static inline void q4_group(const uint8_t* const (&qs)[NW], const uint16_t* const (&d)[NW],
                             int64_t g, int64_t count, const Q8Row* xs, Q4Acc (&acc)[NW][R],
                             Q4Acc (&)[NW][R]) {
@@ -1504,15 +1527,10 @@ static inline void q4_group(const uint8_t* const (&qs)[NW], const uint16_t* cons
   __m512i lo[NW], hi[NW];
   __m512 de[NW];
   for (int w = 0; w < NW; ++w) {
-    if constexpr (Q8) {  // whole padded groups: values 0-15, then 16-31, of the 4 blocks
-      lo[w] = _mm512_loadu_si512(qs[w] + g * 128);
-      hi[w] = _mm512_loadu_si512(qs[w] + g * 128 + 64);
-    } else {
-      const __m512i v = count == 4 ? _mm512_loadu_si512(qs[w] + g * 64)
-                                   : _mm512_maskz_loadu_epi8((1ULL << (16 * count)) - 1, qs[w] + g * 64);
-      lo[w] = _mm512_and_si512(v, low4);
-      hi[w] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-    }
+    const __m512i v = count == 4 ? _mm512_loadu_si512(qs[w] + g * 64)
+                                 : _mm512_maskz_loadu_epi8((1ULL << (16 * count)) - 1, qs[w] + g * 64);
+    lo[w] = _mm512_and_si512(v, low4);
+    hi[w] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
     de[w] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(q4_group_halves(d[w] + 4 * g, count)));
   }
   for (int r = 0; r < R; ++r) {
@@ -1533,12 +1551,12 @@ static inline void q4_group(const uint8_t* const (&qs)[NW], const uint16_t* cons
 // `scale`), in 16 lanes; c widened once for the R activation rows
 template <int R>
 static inline void q4_block_terms(const uint16_t* c, float scale, int64_t nb, const Q8Row* xs,
-                                  std::vector<float> Q8Row::*sums, Q4Acc (&acc)[R]) {
+                                  Q4Acc (&acc)[R]) {
   for (int64_t b = 0; b < nb; b += 16) {
     const __mmask16 mask = nb - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nb - b)) - 1);
     const __m512 cv = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, c + b)),
                                     _mm512_set1_ps(scale));
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(cv, _mm512_loadu_ps((xs[r].*sums).data() + b), acc[r]);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(cv, _mm512_loadu_ps(xs[r].xs.data() + b), acc[r]);
   }
 }
 #else
@@ -1568,11 +1586,10 @@ static inline __m256i q4_half_dot(__m256i lo, __m256i hi, const int8_t* q, int h
 // AVX2: a group in two halves of two blocks each (8 lanes, 4 a block). Up to 2 rows the
 // second half sums into acc2, so a group's two FMAs do not wait on each other (one row
 // was bound by that chain: two FMA latencies a group).
-template <int R, int NW, bool Q8>
+template <int R, int NW>
 static inline void q4_group(const uint8_t* const (&qs)[NW], const uint16_t* const (&d)[NW],
                             int64_t g, int64_t count, const Q8Row* xs, Q4Acc (&acc)[NW][R],
                             Q4Acc (&acc2)[NW][R]) {
-  static_assert(!Q8, "Q8_0 on int8 activations needs vpdpbusd (maddubs saturates at 255 x 127 x 2)");
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   const __m256i spread_lo = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
   const __m256i spread_hi = _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2);
@@ -1613,14 +1630,14 @@ static inline void q4_group(const uint8_t* const (&qs)[NW], const uint16_t* cons
 // kernel's samples).
 template <int R>
 static inline void q4_block_terms(const uint16_t* c, float scale, int64_t nb, const Q8Row* xs,
-                                  std::vector<float> Q8Row::*sums, Q4Acc (&acc)[R]) {
+                                  Q4Acc (&acc)[R]) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t b = 0; b < nb; b += 8) {
     __m256 cv = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + b))),
                               _mm256_set1_ps(scale));
     if (nb - b < 8)
       cv = _mm256_and_ps(cv, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nb - b)), lane)));
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(cv, _mm256_loadu_ps((xs[r].*sums).data() + b), acc[r]);
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(cv, _mm256_loadu_ps(xs[r].xs.data() + b), acc[r]);
   }
 }
 #endif
@@ -1631,7 +1648,7 @@ static inline void q4_block_terms(const uint16_t* c, float scale, int64_t nb, co
 // block's quantized sum (the offset, exactly). `ahead`: a row this far ahead is
 // prefetched (the NW rows' lines, contiguous, a share with each group) where it is below
 // `limit`.
-template <int R, int NW, bool Q8>
+template <int R, int NW>
 static inline void q4_int8_tile(const Q4Packed& w, const Q8Row* xs, const float* bias, float* y,
                                 int64_t n, int64_t ahead, int64_t limit) {
   const int64_t nb = w.nb, whole = nb / 4, groups = whole + (whole * 4 < nb);
@@ -1639,7 +1656,7 @@ static inline void q4_int8_tile(const Q4Packed& w, const Q8Row* xs, const float*
   const uint16_t* d[NW];
   for (int k = 0; k < NW; ++k) {
     qs[k] = w.data.data() + (n + k) * w.row_bytes;
-    d[k] = reinterpret_cast<const uint16_t*>(qs[k] + w.scales);
+    d[k] = reinterpret_cast<const uint16_t*>(qs[k] + nb * 16);
   }
   const bool prefetch = n + NW + ahead <= limit;
   const uintptr_t from = reinterpret_cast<uintptr_t>(qs[0]) + ahead * w.row_bytes;
@@ -1654,67 +1671,160 @@ static inline void q4_int8_tile(const Q4Packed& w, const Q8Row* xs, const float*
     for (int r = 0; r < R; ++r) acc[k][r] = acc2[k][r] = q4_zero();
   for (int64_t g = 0; g < whole; ++g) {
     prefetch_share(g);
-    q4_group<R, NW, Q8>(qs, d, g, 4, xs, acc, acc2);
+    q4_group<R, NW>(qs, d, g, 4, xs, acc, acc2);
   }
   if (whole < groups) {
     prefetch_share(whole);
-    q4_group<R, NW, Q8>(qs, d, whole, nb - whole * 4, xs, acc, acc2);
+    q4_group<R, NW>(qs, d, whole, nb - whole * 4, xs, acc, acc2);
   }
   for (int k = 0; k < NW; ++k) {
     for (int r = 0; r < R; ++r) acc[k][r] = q4_add(acc[k][r], acc2[k][r]);
-    const uint16_t* c = w.type == 3 ? d[k] + nb : d[k];  // Q4_1: m; else d
-    const float scale = w.type == 3 ? 1.f : w.type == 2 ? -8.f : -128.f;
+    const uint16_t* c = w.type == 3 ? d[k] + nb : d[k];  // Q4_1: m; Q4_0: d, times -8
+    const float scale = w.type == 3 ? 1.f : -8.f;
     const float bn = bias ? bias[n + k] : 0.f;
-    q4_block_terms<R>(c, scale, nb, xs, Q8 ? &Q8Row::qsum : &Q8Row::xs, acc[k]);
+    q4_block_terms<R>(c, scale, nb, xs, acc[k]);
     for (int r = 0; r < R; ++r) y[r * w.N + n + k] = q4_total(acc[k][r]) + bn;
   }
 }
 
 // Output rows [n0, n1) for R activation rows, NW rows at a time.
-template <int R, bool Q8>
+template <int R>
 static void q4_int8_rows(const Q4Packed& w, const Q8Row* xs, const float* bias, float* y,
                          int64_t n0, int64_t n1, int64_t limit) {
   const int64_t ahead = std::max<int64_t>(Q4_NW, Q4_PREFETCH_BYTES / w.row_bytes);
   int64_t n = n0;
-  for (; n + Q4_NW <= n1; n += Q4_NW) q4_int8_tile<R, Q4_NW, Q8>(w, xs, bias, y, n, ahead, limit);
-  for (; n < n1; ++n) q4_int8_tile<R, 1, Q8>(w, xs, bias, y, n, ahead, limit);
+  for (; n + Q4_NW <= n1; n += Q4_NW) q4_int8_tile<R, Q4_NW>(w, xs, bias, y, n, ahead, limit);
+  for (; n < n1; ++n) q4_int8_tile<R, 1>(w, xs, bias, y, n, ahead, limit);
+}
+
+#if defined(SLUICE_Q8_INT8)
+// One column tile (16 output rows, one per lane) against R activation rows: per block
+// its weights as 8 vectors of 4 values a lane (Q4: nibbles split once; Q8_0: loaded);
+// per activation row 4 bytes of q1 and of q2 broadcast to every lane, 16 vpdpbusd in 4
+// independent chains, then acc += (256 s1 + s2) * d * dx / 256 and the block's constant
+// term (Q4_1 m, Q4_0 -8 d times the block's float sum; Q8_0 -128 d times its quantized
+// sum), 16 rows at once: no horizontal sums, no per-lane scale shuffles. The lines
+// Q4_PREFETCH_BYTES on (short of `end`) are prefetched into L2, a block's with each block.
+template <int R, bool Q8>
+static inline void q4_tile_rows(const Q4Packed& w, const Q8Row* xs, const float* bias, float* y,
+                                int64_t tile, const uint8_t* end) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const uint8_t* base = w.data.data() + tile * w.nb * w.tile_block;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < w.nb; ++b) {
+    const uint8_t* blk = base + b * w.tile_block;
+    const uintptr_t ahead = reinterpret_cast<uintptr_t>(blk) + Q4_PREFETCH_BYTES;
+    for (int64_t o = 0; o < w.tile_block; o += 64)
+      if (ahead + o < reinterpret_cast<uintptr_t>(end))
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + o), _MM_HINT_T1);
+    __m512i q[8];  // values 4v..4v+3 of the 16 rows' block
+    for (int v = 0; v < 4; ++v) {
+      const __m512i bytes = _mm512_loadu_si512(blk + 64 * v);
+      if constexpr (Q8) {
+        q[v] = bytes;
+        q[4 + v] = _mm512_loadu_si512(blk + 256 + 64 * v);
+      } else {
+        q[v] = _mm512_and_si512(bytes, low4);
+        q[4 + v] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+      }
+    }
+    const int64_t weights = Q8 ? 512 : 256;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + weights)));
+    // the block's constant term's factor: Q4_1 m; Q4_0 -8 d; Q8_0 -128 d (the offset)
+    const __m512 c = w.type == 3
+        ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + weights + 32)))
+        : _mm512_mul_ps(d, _mm512_set1_ps(Q8 ? -128.f : -8.f));
+    const int64_t g = b / 4, k = b % 4;
+    for (int r = 0; r < R; ++r) {
+      const int8_t* a = xs[r].q.data() + g * 256 + k * 16;  // q1 0-15, +64: 16-31, +128: q2
+      __m512i s[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                      _mm512_setzero_si512()};
+      for (int v = 0; v < 4; ++v) {
+        int32_t a4[4];
+        std::memcpy(&a4[0], a + 4 * v, 4);
+        std::memcpy(&a4[1], a + 64 + 4 * v, 4);
+        std::memcpy(&a4[2], a + 128 + 4 * v, 4);
+        std::memcpy(&a4[3], a + 192 + 4 * v, 4);
+        s[0] = _mm512_dpbusd_epi32(s[0], q[v], _mm512_set1_epi32(a4[0]));
+        s[1] = _mm512_dpbusd_epi32(s[1], q[4 + v], _mm512_set1_epi32(a4[1]));
+        s[2] = _mm512_dpbusd_epi32(s[2], q[v], _mm512_set1_epi32(a4[2]));
+        s[3] = _mm512_dpbusd_epi32(s[3], q[4 + v], _mm512_set1_epi32(a4[3]));
+      }
+      const __m512i sum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(s[0], s[1]), 8),
+                                           _mm512_add_epi32(s[2], s[3]));
+      const __m512 dx = _mm512_set1_ps(xs[r].dxe[g * 16 + k * 4]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, dx), acc[r]);
+      acc[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(Q8 ? xs[r].qsum[b] : xs[r].xs[b]), acc[r]);
+    }
+  }
+  const int64_t n0 = tile * Q4_TILE_ROWS, valid = std::min<int64_t>(Q4_TILE_ROWS, w.N - n0);
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * w.N + n0, mask, _mm512_add_ps(acc[r], bv));
 }
 
 template <bool Q8>
-static void q4_int8_pass(const Q4Packed& w, const Q8Row* xs, int64_t rows, const float* bias,
-                         float* y, int64_t t0, int64_t t1, int64_t n1) {
+static void q4_tile_pass(const Q4Packed& w, const Q8Row* xs, int64_t rows, const float* bias,
+                         float* y, int64_t tile, const uint8_t* end) {
   switch (rows) {
-    case 1: q4_int8_rows<1, Q8>(w, xs, bias, y, t0, t1, n1); break;
-    case 2: q4_int8_rows<2, Q8>(w, xs, bias, y, t0, t1, n1); break;
-    case 3: q4_int8_rows<3, Q8>(w, xs, bias, y, t0, t1, n1); break;
-    default: q4_int8_rows<4, Q8>(w, xs, bias, y, t0, t1, n1); break;
+    case 1: q4_tile_rows<1, Q8>(w, xs, bias, y, tile, end); break;
+    case 2: q4_tile_rows<2, Q8>(w, xs, bias, y, tile, end); break;
+    case 3: q4_tile_rows<3, Q8>(w, xs, bias, y, tile, end); break;
+    default: q4_tile_rows<4, Q8>(w, xs, bias, y, tile, end); break;
   }
 }
 
-// y [M, N] = x [M, K] @ W^T (+ bias) on repacked Q4 blocks. Per thread's output rows, a
-// tile of Q4_TILE weight rows at a time against every activation row in passes of up to
-// Q4_MAX_ROWS: the tile is read from memory once and from L1 by the later passes.
+// q4_int8_linear on column tiles: each thread's tiles, each against the activation rows
+// in passes of up to Q4_MAX_ROWS (a tile, 5-15 KB, is read from memory once).
+static void q4_tiles_linear(const Q4Packed& w, const std::vector<Q8Row>& rows, int64_t M,
+                            const float* bias, float* y) {
+  const int64_t tiles = (w.N + Q4_TILE_ROWS - 1) / Q4_TILE_ROWS;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    const uint8_t* end = w.data.data() + t1 * w.nb * w.tile_block;
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t m0 = 0; m0 < M; m0 += Q4_MAX_ROWS) {
+        const Q8Row* xs = rows.data() + m0;
+        float* ym = y + m0 * w.N;
+        const int64_t r = std::min<int64_t>(Q4_MAX_ROWS, M - m0);
+        if (w.type == 8) {
+          q4_tile_pass<true>(w, xs, r, bias, ym, t, end);
+        } else {
+          q4_tile_pass<false>(w, xs, r, bias, ym, t, end);
+        }
+      }
+    }
+  });
+}
+#endif
+
+// y [M, N] = x [M, K] @ W^T (+ bias) on repacked blocks: the column tiles with
+// AVX512-VNNI; elsewhere the row layout, per thread's output rows a tile of Q4_TILE
+// weight rows at a time against every activation row in passes of up to Q4_MAX_ROWS
+// (the tile is read from memory once and from L1 by the later passes).
 static void q4_int8_linear(const Q4Packed& w, const float* x, int64_t M, const float* bias,
                            float* y, std::vector<Q8Row>& rows) {
   rows.resize(std::max<size_t>(rows.size(), M));
   for (int64_t m = 0; m < M; ++m) q8_quantize(x + m * w.K, w.nb, rows[m]);
+#if defined(SLUICE_Q8_INT8)
+  q4_tiles_linear(w, rows, M, bias, y);
+#else
   at::parallel_for(0, w.N, Q4_TILE, [&](int64_t n0, int64_t n1) {
     for (int64_t t0 = n0; t0 < n1; t0 += Q4_TILE) {
       const int64_t t1 = std::min(n1, t0 + Q4_TILE);
       for (int64_t m0 = 0; m0 < M; m0 += Q4_MAX_ROWS) {
         const Q8Row* xs = rows.data() + m0;
         float* ym = y + m0 * w.N;
-        const int64_t rows = std::min<int64_t>(Q4_MAX_ROWS, M - m0);
-#if defined(SLUICE_Q8_INT8)
-        if (w.type == 8) {
-          q4_int8_pass<true>(w, xs, rows, bias, ym, t0, t1, n1);
-          continue;
+        switch (std::min<int64_t>(Q4_MAX_ROWS, M - m0)) {
+          case 1: q4_int8_rows<1>(w, xs, bias, ym, t0, t1, n1); break;
+          case 2: q4_int8_rows<2>(w, xs, bias, ym, t0, t1, n1); break;
+          case 3: q4_int8_rows<3>(w, xs, bias, ym, t0, t1, n1); break;
+          default: q4_int8_rows<4>(w, xs, bias, ym, t0, t1, n1); break;
         }
-#endif
-        q4_int8_pass<false>(w, xs, rows, bias, ym, t0, t1, n1);
       }
     }
   });
+#endif
 }
 #pragma GCC pop_options
 #endif  // AVX2
