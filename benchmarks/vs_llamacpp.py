@@ -120,7 +120,8 @@ def http(args: argparse.Namespace, gguf: str, logs: Path, tok: Any) -> dict[str,
     prompts = agreement_ids(tok)
     port = free_port()
     llama = [str(Path(args.llama_bin) / "llama-server"), "-m", gguf, "-t", str(args.threads),
-             "-np", "1", "-c", "4096", "--host", "127.0.0.1", "--port", str(port)]
+             "-np", "1", "-c", "4096", "--host", "127.0.0.1", "--port", str(port),
+             *shlex.split(args.llama_server_args)]
     try:
         with server(llama, port, logs / "llama-server.log", 300) as (url, startup, _):
             out["llama.cpp"] = {"startup_s": startup, "bench": bench(args, url, 1),
@@ -166,6 +167,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=139, help="HTTP prompts (tokens)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--agree-len", type=int, default=48, help="greedy tokens compared")
+    p.add_argument("--llama-server-args", default="",
+                   help="more llama-server options, e.g. '--no-repack' where its AMX path dies "
+                        "at start (SIGILL in its AMX tile kernel on some VMs)")
     p.add_argument("--parts", nargs="+", choices=("offline", "http"), default=["offline", "http"])
     p.add_argument("--bench-timeout", type=float, default=900.0)
     p.add_argument("--sluice", default=str(Path(sys.executable).parent / "sluice"))
