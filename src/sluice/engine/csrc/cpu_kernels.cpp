@@ -1328,7 +1328,7 @@ struct Q4Packed {
 
 constexpr int64_t Q4_TILE_ROWS = 16;
 
-// Q4 blocks [N, nb * block] in the column tiles above (rows past N: zeros).
+// Q4_0, Q4_1 or Q8_0 blocks [N, nb * block] in the column tiles above (rows past N: zeros).
 static void q4_pack_tiles(Q4Packed& p, const uint8_t* src, const GGUFType& t) {
   const int64_t tiles = (p.N + Q4_TILE_ROWS - 1) / Q4_TILE_ROWS;
   const int64_t weights = p.type == 8 ? 512 : 256;
@@ -1643,9 +1643,8 @@ static inline void q4_block_terms(const uint16_t* c, float scale, int64_t nb, co
 #endif
 
 // Output rows [n, n + NW) for R activation rows: the groups' integer dots, then the
-// blocks' constant terms sum_b c_b * s_b in one short pass over the row's f16 c: Q4_1
-// c = m, s = sum_j x_bj (float); Q4_0 c = -8 d, the same s; Q8_0 c = -128 d, s = the
-// block's quantized sum (the offset, exactly). `ahead`: a row this far ahead is
+// blocks' constant terms sum_b m_b * sum_j x_bj (m: the min (Q4_1) or -8 d (Q4_0)) in
+// one short pass over the row's f16 m (or d). `ahead`: a row this far ahead is
 // prefetched (the NW rows' lines, contiguous, a share with each group) where it is below
 // `limit`.
 template <int R, int NW>
