@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from sluice.engine.config import EngineConfig
-from sluice.engine.decode_graph import GRAPH_MAX_ROWS, DecodeGraph
+from sluice.engine.decode_graph import F32, GRAPH_MAX_ROWS, DecodeGraph, _with_head
 from sluice.engine.llm import LLM
 from sluice.engine.model_runner import ModelRunner, SeqChunk
 from sluice.engine.models.llama import TransformerBlock
@@ -83,6 +83,7 @@ def int8_reference(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int) -> tor
 def test_q4_int8_linear_matches_its_float64_reference(ops: NativeOps, ggml_type: int,
                                                       rows: int, cols: int) -> None:
     assert ops.gguf_linear_int8 is not None and ops.int8_activation_types is not None
+    assert ops.q4_int8_path is not None
     if ggml_type not in ops.int8_activation_types():
         # Q8_0 needs vpdpbusd (AVX512-VNNI): the graph keeps its float activations
         assert ggml_type == 8 and ops.q4_int8_path() != "avx512_vnni"
@@ -230,6 +231,24 @@ def test_steps_past_the_gguf_graph_take_the_dense_graph(
     want = eager.execute(chunks)
     assert calls == 1 and got.shape == want.shape == (GRAPH_MAX_ROWS + 2, graph.vocab_size)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
+
+
+def test_the_dense_graph_takes_the_gguf_head_where_the_gguf_graph_does(ops: NativeOps) -> None:
+    """The LM head of the dense graph (steps past 8 rows) runs on the GGUF blocks on int8
+    activations wherever the GGUF graph's does (Q8_0 with VNNI), so a sequence's logits
+    come from one head kernel whatever its step's size; elsewhere it stays on the panels."""
+    assert ops.int8_activation_types is not None
+    blocks = quantized(8, 16, 64, seed=3)[0]
+    dense = [torch.zeros(16, 64)] * 2, [F32] * 2, [False] * 2, [torch.zeros(2, 64, 16)] * 2
+    weights, types, int8, panels = _with_head(ops, (blocks, 8), *dense)
+    if 8 in ops.int8_activation_types():
+        assert weights[-1] is blocks and types == [F32, 8] and int8 == [False, True]
+        assert panels[-1].numel() == 0 and weights[0] is dense[0][0]
+    else:
+        assert (weights, types, int8, panels) == dense
+    assert _with_head(ops, None, *dense) == dense
+    assert _with_head(ops, (quantized(3, 16, 64, seed=4)[0], 3), *dense)[1] == \
+        ([F32, 3] if 3 in ops.int8_activation_types() else [F32] * 2)
 
 
 @pytest.mark.model

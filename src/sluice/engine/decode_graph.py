@@ -102,11 +102,13 @@ class DecodeGraph:
     @classmethod
     def build_float(cls, model: Transformer, native: NativeOps | None,
                     panel_of: Mapping[Linear, Any] | None = None,
-                    max_rows: int = FLOAT_GRAPH_MAX_ROWS) -> DecodeGraph | None:
+                    max_rows: int = FLOAT_GRAPH_MAX_ROWS,
+                    head: tuple[Tensor, int] | None = None) -> DecodeGraph | None:
         """The graph over a float32 model whose every linear is on native panels
         (`PanelLinear`: each linear's matmul, or its entry in `panel_of`): the panels for
         more than 4 rows, the plain weight (the GEMV) for up to 4. None where it cannot run
-        (no native kernels, a LoRA side, a linear not on panels)."""
+        (no native kernels, a LoRA side, a linear not on panels). `head`: the LM head's
+        GGUF blocks and type, run as the GGUF graph runs them (`_with_head`)."""
         from sluice.engine.native import PanelLinear
 
         if native is None or native.decode_graph is None:
@@ -120,12 +122,14 @@ class DecodeGraph:
                   if isinstance(p, PanelLinear) and p.weight is m.weight]
         if len(panels) != len(linears):
             return None
-        return cls._build(model, native, linears, [p.weight for p in panels], [F32] * len(panels),
-                          [False] * len(panels), [p.panels for p in panels], max_rows)
+        return cls._build(model, native, linears, *_with_head(
+            native, head, [p.weight for p in panels], [F32] * len(panels), [False] * len(panels),
+            [p.panels for p in panels]), max_rows)
 
     @classmethod
     def build_bf16(cls, model: Transformer, native: NativeOps | None,
-                   max_rows: int = FLOAT_GRAPH_MAX_ROWS) -> DecodeGraph | None:
+                   max_rows: int = FLOAT_GRAPH_MAX_ROWS,
+                   head: tuple[Tensor, int] | None = None) -> DecodeGraph | None:
         """The graph over a bfloat16 model on AMX: each linear's weight packed once into
         the kernel's tiles (`pack_amx_bf16`), activations float32 between the linears and
         rounded to bfloat16 at each linear's input (the torch model rounds every op's
@@ -142,8 +146,9 @@ class DecodeGraph:
                for w in weights):
             return None
         tiles = [native.pack_amx_bf16(w) for w in weights]
-        return cls._build(model, native, linears, weights, [BF16] * len(weights),
-                          [False] * len(weights), tiles, max_rows)
+        return cls._build(model, native, linears, *_with_head(
+            native, head, weights, [BF16] * len(weights), [False] * len(weights), tiles),
+            max_rows)
 
     @classmethod
     def _build(cls, model: Transformer, native: NativeOps, linears: list[Linear],
@@ -204,6 +209,23 @@ class DecodeGraph:
         x = self.model.tok_embeddings(torch.tensor(tokens, dtype=torch.long)).float()
         return self.graph.forward(x, self.cos[pos], self.sin[pos],
                                   torch.tensor(slots, dtype=torch.long), padded, pos + 1)
+
+
+def _with_head(native: NativeOps, head: tuple[Tensor, int] | None, weights: list[Tensor],
+               types: list[int], int8: list[bool], panels: list[Tensor]
+               ) -> tuple[list[Tensor], list[int], list[bool], list[Tensor]]:
+    """The dense graph's linears with its LM head (the last) on the GGUF blocks where
+    the GGUF graph takes them on integer activations (the Q8_0 head with AVX512-VNNI):
+    a sequence's logits then come from one kernel whether its step had up to 8 rows
+    (the GGUF graph) or more (this one), so its greedy tokens do not depend on how many
+    rows shared its steps as often."""
+    if head is None or native.int8_activation_types is None:
+        return weights, types, int8, panels
+    blocks, ggml_type = head
+    if ggml_type not in native.int8_activation_types():
+        return weights, types, int8, panels
+    return ([*weights[:-1], blocks], [*types[:-1], ggml_type], [*int8[:-1], True],
+            [*panels[:-1], torch.empty(0)])
 
 
 def _linear_names(model: Transformer) -> list[str]:

@@ -189,10 +189,11 @@ class ModelRunner:
         self.wide_graph: DecodeGraph | None = None
         if not mc.enforce_eager:
             dense = None
+            head = self.gguf_blocks.get("output")  # the GGUF graph's head kernel, both graphs
             if self.panels:
-                dense = DecodeGraph.build_float(self.model, self.native, panel_of)
+                dense = DecodeGraph.build_float(self.model, self.native, panel_of, head=head)
             elif self.dtype == torch.bfloat16:
-                dense = DecodeGraph.build_bf16(self.model, self.native)
+                dense = DecodeGraph.build_bf16(self.model, self.native, head=head)
             if self.gguf_blocks:
                 self.decode_graph = DecodeGraph.build(self.model, self.gguf_blocks, self.native)
                 self.wide_graph = dense
