@@ -24,7 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from sluice.engine.config import EngineConfig
-from sluice.engine.decode_graph import F32, GRAPH_MAX_ROWS, DecodeGraph, _with_head
+from sluice.engine.decode_graph import (
+    F32,
+    GRAPH_MAX_ROWS,
+    TILES_GRAPH_MAX_ROWS,
+    DecodeGraph,
+    _with_head,
+)
 from sluice.engine.llm import LLM
 from sluice.engine.model_runner import ModelRunner, SeqChunk
 from sluice.engine.models.llama import TransformerBlock
@@ -233,10 +239,38 @@ def test_steps_past_the_gguf_graph_take_the_dense_graph(
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
 
 
+@pytest.mark.model
+def test_a_rows_logits_do_not_depend_on_its_steps_size(ops: NativeOps) -> None:
+    """The default GGUF graph (int8 activations) takes steps of up to 64 rows on the
+    column tiles (AVX512-VNNI), 8 elsewhere, and computes every row alike: a sequence's
+    logits in a step of that many rows equal, bit for bit, its logits alone, so greedy
+    outputs do not depend on what shares a step (speculation included)."""
+    r = runner("float32", False)
+    graph = r.decode_graph
+    assert graph is not None and ops.q4_int8_path is not None
+    assert graph.max_rows == (TILES_GRAPH_MAX_ROWS if ops.q4_int8_path() == "avx512_vnni"
+                              else GRAPH_MAX_ROWS)
+    base = r.tokenizer.encode("The capital of France is")
+    assert len(base) + 2 <= r.block_size  # each sequence in one block of its own
+    rows = graph.max_rows
+    chunks = []
+    for i in range(rows):
+        ids = [*base, 100 + 7 * i]
+        first = prefill(r, ids, [i])
+        chunks.append(SeqChunk([first], len(ids), [i], True))
+    together, calls = graph_execute(r, chunks)
+    assert calls == 1 and together.shape == (rows, r.vocab_size)
+    for i in (0, 1, rows // 2, rows - 1):
+        alone, calls = graph_execute(r, [chunks[i]])
+        assert calls == 1
+        assert torch.equal(alone[0], together[i]), i
+
+
 def test_the_dense_graph_takes_the_gguf_head_where_the_gguf_graph_does(ops: NativeOps) -> None:
-    """The LM head of the dense graph (steps past 8 rows) runs on the GGUF blocks on int8
-    activations wherever the GGUF graph's does (Q8_0 with VNNI), so a sequence's logits
-    come from one head kernel whatever its step's size; elsewhere it stays on the panels."""
+    """The LM head of the dense graph (steps past the GGUF graph's rows) runs on the GGUF
+    blocks on int8 activations wherever the GGUF graph's does (Q8_0 with VNNI), so a
+    sequence's logits come from one head kernel whatever its step's size; elsewhere it
+    stays on the panels."""
     assert ops.int8_activation_types is not None
     blocks = quantized(8, 16, 64, seed=3)[0]
     dense = [torch.zeros(16, 64)] * 2, [F32] * 2, [False] * 2, [torch.zeros(2, 64, 16)] * 2

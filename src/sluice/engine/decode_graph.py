@@ -57,6 +57,12 @@ if TYPE_CHECKING:
 # on the dense weights wins (bfloat16, AVX512-BF16 here: 9 rows 23.3 vs 29.2 ms, 16 rows
 # 29.2 vs 43.3; 8 rows 23.9 vs 24.6; 1 row 9.7 vs 6.3)
 GRAPH_MAX_ROWS = 8
+# ... except on the column tiles (AVX512-VNNI builds), where the GGUF graph stays ahead
+# of the dense weights through 64 rows (Zen 4, context 200, ms: 32 rows 45.0 vs 61.8 on
+# the float32 panels' graph, 47.5 vs 56.3 on the bfloat16 torch model; 64 rows 90.7 vs
+# 114.6 and 90.8 vs 97.4; 96 rows 162.9 vs 142.5 bfloat16). Up to here a sequence's
+# greedy tokens do not depend on how many rows share its steps (every row computed alike).
+TILES_GRAPH_MAX_ROWS = 64
 # float32 on panels: the graph runs the same kernels as the torch model, without its
 # ~10 calls a layer from Python, so it takes every decode step
 FLOAT_GRAPH_MAX_ROWS = 1 << 16
@@ -78,17 +84,21 @@ class DecodeGraph:
 
     @classmethod
     def build(cls, model: Transformer, blocks: Mapping[str, tuple[Tensor, int]],
-              native: NativeOps | None, max_rows: int = GRAPH_MAX_ROWS,
+              native: NativeOps | None, max_rows: int | None = None,
               int8_activations: bool | None = None) -> DecodeGraph | None:
         """The graph, or None where it cannot run: no native kernels, or a linear that is
         not on GGUF blocks (a type the kernel does not take, or a LoRA side).
         `int8_activations`: the activations of the linears whose type the build takes
         (`int8_activation_types`: Q4_0 and Q4_1; the Q8_0 head too with AVX512-VNNI) as
-        int8 pairs per block (None: where this machine's build has a vector path)."""
+        int8 pairs per block (None: where this machine's build has a vector path).
+        `max_rows`: the steps it takes (None: 64 rows on the column tiles, else 8)."""
         if native is None or native.decode_graph is None or native.q4_int8_path is None:
             return None
         if int8_activations is None:
             int8_activations = bool(native.q4_int8_path())
+        if max_rows is None:
+            tiles = int8_activations and native.q4_int8_path() == "avx512_vnni"
+            max_rows = TILES_GRAPH_MAX_ROWS if tiles else GRAPH_MAX_ROWS
         names = _linear_names(model)
         linears = _linears(model, names)
         if linears is None or any(n not in blocks for n in names):
@@ -216,8 +226,8 @@ def _with_head(native: NativeOps, head: tuple[Tensor, int] | None, weights: list
                ) -> tuple[list[Tensor], list[int], list[bool], list[Tensor]]:
     """The dense graph's linears with its LM head (the last) on the GGUF blocks where
     the GGUF graph takes them on integer activations (the Q8_0 head with AVX512-VNNI):
-    a sequence's logits then come from one kernel whether its step had up to 8 rows
-    (the GGUF graph) or more (this one), so its greedy tokens do not depend on how many
+    a sequence's logits then come from one kernel whether its step ran on the GGUF
+    graph or (past its rows) this one, so its greedy tokens do not depend on how many
     rows shared its steps as often."""
     if head is None or native.int8_activation_types is None:
         return weights, types, int8, panels

@@ -184,7 +184,8 @@ class ModelRunner:
         if config.lora.enable_lora:
             self.lora_slots = self._add_lora_slots(config.lora)
         # decode steps as one native call: `decode_graph` first; with GGUF blocks (a graph
-        # of up to 8 rows) `wide_graph` takes the larger steps on the dense weights
+        # of up to 8 rows, 64 on the column tiles) `wide_graph` takes the larger steps on
+        # the dense weights
         self.decode_graph: DecodeGraph | None = None
         self.wide_graph: DecodeGraph | None = None
         if not mc.enforce_eager:
