@@ -13,6 +13,7 @@ import torch
 
 from sluice.engine.llm import LLM
 from sluice.engine.sampling_params import SamplingParams
+from sluice.protocol.errors import InvalidRequestError
 
 SHARED = ("You are a careful assistant. Answer briefly and precisely, using plain words, "
           "and never more than one sentence. Question: ")
@@ -99,6 +100,26 @@ def test_llm_text_and_chat_api(tiny_llama_dir: Path) -> None:
     templated = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert chat[0].prompt_token_ids == tok.encode(templated, add_special_tokens=False)
 
+
+
+def test_llm_takes_vllms_prompt_dicts(tiny_llama_dir: Path) -> None:
+    """vLLM's `TextPrompt` / `TokensPrompt` dicts give what plain text and ids give; any
+    other key is refused naming it (nothing is left running)."""
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    ids = llm.get_tokenizer().encode("Hello")
+    plain = llm.generate(["Hello", ids], params)
+    dicts = llm.generate([{"prompt": "Hello"}, {"prompt_token_ids": ids}], params)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert dicts[0].prompt == "Hello" and dicts[1].prompt_token_ids == ids
+    one = llm.generate({"prompt_token_ids": ids}, params)
+    assert one[0].outputs[0].token_ids == plain[1].outputs[0].token_ids
+    for bad, match in (({"prompt": "Hi", "multi_modal_data": {}}, "multi_modal_data"),
+                       ({"prompt_token_ids": "1 2"}, "prompt_token_ids"), ({}, "one of")):
+        with pytest.raises(InvalidRequestError, match=match) as exc:
+            llm.generate(["Hello", bad], params)
+        assert exc.value.param == "prompt"
+    assert not llm.engine.has_unfinished_requests()
 
 @pytest.mark.model
 def test_default_gguf_greedy_equals_transformers(default_gguf: Path) -> None:

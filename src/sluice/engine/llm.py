@@ -20,8 +20,12 @@ from sluice.engine.llm_engine import LLMEngine
 from sluice.engine.lora import LoRARequest
 from sluice.engine.outputs import RequestOutput
 from sluice.engine.sampling_params import RequestOutputKind, SamplingParams
+from sluice.protocol.errors import InvalidRequestError
 
-Prompts = str | list[str] | list[list[int]]
+# vLLM's prompt shapes: text, token ids, or a dict (`TextPrompt` {"prompt": ...},
+# `TokensPrompt` {"prompt_token_ids": [...]}); one or a list of them
+Prompt = str | list[int] | dict[str, Any]
+Prompts = Prompt | Sequence[Prompt]
 ParamsArg = SamplingParams | Sequence[SamplingParams] | None
 LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
 
@@ -92,12 +96,29 @@ class LLM:
 
 
 def _normalize_prompts(prompts: Prompts) -> list[str | list[int]]:
-    if isinstance(prompts, str):
-        return [prompts]
-    items = list(prompts)
+    if isinstance(prompts, str | dict):
+        return [_prompt(prompts)]
+    items: list[Any] = list(prompts)
     if items and isinstance(items[0], int):  # a single prompt given as token ids
-        return [list(items)]  # type: ignore[arg-type]
-    return items  # type: ignore[return-value]
+        return [_prompt(items)]
+    return [_prompt(p) for p in items]
+
+
+def _prompt(prompt: Prompt) -> str | list[int]:
+    """Text or token ids from one of vLLM's prompt shapes; an unsupported one (a dict
+    with other keys, e.g. `multi_modal_data`) is an `InvalidRequestError` naming it."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt)
+    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], list):
+        return prompt["prompt_token_ids"]
+    extra = sorted(keys - {"prompt", "prompt_token_ids"})
+    raise InvalidRequestError(
+        f"unsupported prompt key {extra[0]!r}" if extra else
+        "a prompt dict takes one of 'prompt' (a string) or 'prompt_token_ids' (a list of "
+        "token ids)", param="prompt")
 
 
 def _normalize_params(params: ParamsArg, count: int) -> list[SamplingParams]:
