@@ -242,14 +242,16 @@ def test_steps_past_the_gguf_graph_take_the_dense_graph(
 @pytest.mark.model
 def test_a_rows_logits_do_not_depend_on_its_steps_size(ops: NativeOps) -> None:
     """The default GGUF graph (int8 activations) takes steps of up to 64 rows on the
-    column tiles (AVX512-VNNI), 8 elsewhere, and computes every row alike: a sequence's
-    logits in a step of that many rows equal, bit for bit, its logits alone, so greedy
-    outputs do not depend on what shares a step (speculation included)."""
+    column tiles (AVX512-VNNI), 8 elsewhere. On the tiles it computes every row alike: a
+    sequence's logits in a step of 64 rows equal, bit for bit, its logits alone, so
+    greedy outputs do not depend on what shares a step (speculation included). The row
+    layout (AVX2, AVX-512BW) sums one or two rows of a pass in another order than three
+    or four, so there the rows agree only closely."""
     r = runner("float32", False)
     graph = r.decode_graph
     assert graph is not None and ops.q4_int8_path is not None
-    assert graph.max_rows == (TILES_GRAPH_MAX_ROWS if ops.q4_int8_path() == "avx512_vnni"
-                              else GRAPH_MAX_ROWS)
+    tiles = ops.q4_int8_path() == "avx512_vnni"
+    assert graph.max_rows == (TILES_GRAPH_MAX_ROWS if tiles else GRAPH_MAX_ROWS)
     base = r.tokenizer.encode("The capital of France is")
     assert len(base) + 2 <= r.block_size  # each sequence in one block of its own
     rows = graph.max_rows
@@ -263,7 +265,11 @@ def test_a_rows_logits_do_not_depend_on_its_steps_size(ops: NativeOps) -> None:
     for i in (0, 1, rows // 2, rows - 1):
         alone, calls = graph_execute(r, [chunks[i]])
         assert calls == 1
-        assert torch.equal(alone[0], together[i]), i
+        if tiles:
+            assert torch.equal(alone[0], together[i]), i
+        else:
+            torch.testing.assert_close(alone[0], together[i], rtol=0,
+                                       atol=1e-3 * float(alone.abs().max()))
 
 
 def test_the_dense_graph_takes_the_gguf_head_where_the_gguf_graph_does(ops: NativeOps) -> None:
