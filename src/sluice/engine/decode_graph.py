@@ -58,10 +58,11 @@ if TYPE_CHECKING:
 # 29.2 vs 43.3; 8 rows 23.9 vs 24.6; 1 row 9.7 vs 6.3)
 GRAPH_MAX_ROWS = 8
 # ... except on the column tiles (AVX512-VNNI builds), where the GGUF graph stays ahead
-# of the dense weights through 64 rows (Zen 4, context 200, ms: 32 rows 45.0 vs 61.8 on
-# the float32 panels' graph, 47.5 vs 56.3 on the bfloat16 torch model; 64 rows 90.7 vs
-# 114.6 and 90.8 vs 97.4; 96 rows 162.9 vs 142.5 bfloat16). Up to here a sequence's
-# greedy tokens do not depend on how many rows share its steps (every row computed alike).
+# of the dense weights through 64 rows (Zen 4, R decodes at context 200, ms: 32 rows
+# 43.9 vs 60.6 on the float32 panels' graph, 36.8 vs 45.6 on the bfloat16 torch model;
+# 64 rows 103.0 vs 137.8 and 75.4 vs 81.7; 96 rows 115.5 vs 112.2 bfloat16:
+# benchmarks/decode_graph_rows.py --decodes --vs-dense). Up to here a sequence's greedy
+# tokens do not depend on how many rows share its steps (every row computed alike).
 TILES_GRAPH_MAX_ROWS = 64
 # float32 on panels: the graph runs the same kernels as the torch model, without its
 # ~10 calls a layer from Python, so it takes every decode step
