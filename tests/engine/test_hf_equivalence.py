@@ -101,7 +101,6 @@ def test_llm_text_and_chat_api(tiny_llama_dir: Path) -> None:
     assert chat[0].prompt_token_ids == tok.encode(templated, add_special_tokens=False)
 
 
-
 def test_llm_takes_vllms_prompt_dicts(tiny_llama_dir: Path) -> None:
     """vLLM's `TextPrompt` / `TokensPrompt` dicts give what plain text and ids give; any
     other key is refused naming it (nothing is left running)."""
@@ -120,6 +119,7 @@ def test_llm_takes_vllms_prompt_dicts(tiny_llama_dir: Path) -> None:
             llm.generate(["Hello", bad], params)
         assert exc.value.param == "prompt"
     assert not llm.engine.has_unfinished_requests()
+
 
 @pytest.mark.model
 def test_default_gguf_greedy_equals_transformers(default_gguf: Path) -> None:

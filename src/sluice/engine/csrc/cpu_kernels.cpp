@@ -1804,10 +1804,15 @@ static void q4_tiles_linear(const Q4Packed& w, const std::vector<Q8Row>& rows, i
 static void q4_int8_linear(const Q4Packed& w, const float* x, int64_t M, const float* bias,
                            float* y, std::vector<Q8Row>& rows) {
   rows.resize(std::max<size_t>(rows.size(), M));
-  // a few thousand values a row: split over threads only past 8 rows (8 or more each)
-  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+  // a few thousand values a row: on the calling thread up to 8 rows, split past that
+  const auto quantize = [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) q8_quantize(x + m * w.K, w.nb, rows[m]);
-  });
+  };
+  if (M > 8) {
+    at::parallel_for(0, M, 4, quantize);
+  } else {
+    quantize(0, M);
+  }
 #if defined(SLUICE_Q8_INT8)
   q4_tiles_linear(w, rows, M, bias, y);
 #else
