@@ -1322,7 +1322,6 @@ struct Q4Packed {
   // an unsigned one (vpdpbusd's unsigned operand), then the 16 d. The offset comes back
   // out exactly: sum((w + 128) q) = sum(w q) + 128 sum(q), with sum(q) the activation
   // block's integer sum (Q8Row::qsum).
-  bool tiled = false;
   int64_t tile_block = 0;
 };
 
@@ -1332,7 +1331,6 @@ constexpr int64_t Q4_TILE_ROWS = 16;
 static void q4_pack_tiles(Q4Packed& p, const uint8_t* src, const GGUFType& t) {
   const int64_t tiles = (p.N + Q4_TILE_ROWS - 1) / Q4_TILE_ROWS;
   const int64_t weights = p.type == 8 ? 512 : 256;
-  p.tiled = true;
   p.tile_block = weights + 32 + (p.type == 3 ? 32 : 0);
   p.data.assign(tiles * p.nb * p.tile_block + 64, 0);
   for (int64_t n = 0; n < p.N; ++n) {
@@ -1361,8 +1359,7 @@ static Q4Packed q4_pack(const torch::Tensor& blocks, int64_t type) {
   p.K = p.nb * 32;
 #if defined(SLUICE_Q8_INT8)
   q4_pack_tiles(p, blocks.data_ptr<uint8_t>(), t);
-  return p;
-#endif
+#else
   p.row_bytes = p.nb * (16 + 2 + (type == 3 ? 2 : 0));
   p.data.resize(p.N * p.row_bytes + 16);  // + a whole 8-f16 load past the last row's scales
   const uint8_t* src = blocks.data_ptr<uint8_t>();
@@ -1375,6 +1372,7 @@ static Q4Packed q4_pack(const torch::Tensor& blocks, int64_t type) {
       if (type == 3) std::memcpy(row + p.nb * 18 + b * 2, blk + 2, 2);  // m
     }
   }
+#endif
   return p;
 }
 
@@ -1848,12 +1846,16 @@ std::vector<int64_t> int8_activation_types() {
 #endif
 }
 
+static bool takes_int8_activations(int64_t type) {
+  const auto types = int8_activation_types();
+  return std::find(types.begin(), types.end(), type) != types.end();
+}
+
 // x [M, K] float32 @ Q4 blocks [N, bytes]^T (+ bias) on int8 activations,
 // repacking the blocks on each call: q4_int8_linear alone, for tests.
 torch::Tensor gguf_linear_int8(torch::Tensor x, torch::Tensor qweight, int64_t type,
                                c10::optional<torch::Tensor> bias) {
-  const auto types = int8_activation_types();
-  TORCH_CHECK(std::find(types.begin(), types.end(), type) != types.end(),
+  TORCH_CHECK(takes_int8_activations(type),
               "gguf_linear_int8: a ggml type of int8_activation_types() (Q4_0 2, Q4_1 3; Q8_0 8 "
               "with AVX512-VNNI)");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 &&
@@ -2183,9 +2185,7 @@ class DecodeGraph {
                       w.size(1) % t.block_bytes == 0,
                   "DecodeGraph: linears are contiguous uint8 [N, blocks * block_bytes]");
       linears_.push_back({w, types[i], w.size(0), w.size(1) / t.block_bytes * 32, b, {}});
-      const auto int8_types = int8_activation_types();
-      TORCH_CHECK(!int8_activations[i] ||
-                      std::find(int8_types.begin(), int8_types.end(), types[i]) != int8_types.end(),
+      TORCH_CHECK(!int8_activations[i] || takes_int8_activations(types[i]),
                   "DecodeGraph: int8 activations need a type of int8_activation_types()");
 #ifdef SLUICE_Q4_INT8
       if (int8_activations[i])
@@ -2316,6 +2316,8 @@ class DecodeGraph {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // module_local: two builds of these kernels (e.g. an A/B of two sources) may be loaded
+  // in one process, each registering its own DecodeGraph type
   py::class_<DecodeGraph>(m, "DecodeGraph", py::module_local())
       .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>,
