@@ -1,5 +1,6 @@
 """The key cache: keys are looked up once, yet a revocation or a tenant change made on
-any replica (or by the CLI) is seen by every gateway on its next request."""
+any replica (or by the CLI) is seen by every gateway on its next request: through the
+store's auth version, or (PostgreSQL + a Redis limiter) its mirror in Redis."""
 
 from __future__ import annotations
 
@@ -7,13 +8,18 @@ import asyncio
 import threading
 from collections.abc import Iterator
 
+import httpx
 import pytest
+import sqlalchemy as sa
 
+from sluice.gateway import auth_mirror
 from sluice.gateway.keycache import KeyCache, VersionReads
+from sluice.gateway.limits import RedisLimiter
 from sluice.gateway.middleware import GatewayMiddleware
 from sluice.gateway.store import KeySettings, SQLStore, TenantSettings
+from sluice.protocol.errors import ServiceUnavailableError
 
-from .conftest import CHAT, client_for, make_state, new_key
+from .conftest import CHAT, REDIS_URL, client_for, make_state, new_key
 from .stub import StubUpstream
 
 
@@ -152,3 +158,145 @@ async def test_a_failed_shared_read_fails_its_callers_only() -> None:
     with pytest.raises(RuntimeError):
         await versions.current()
     assert await versions.current() == 7
+
+
+# -- the auth version's Redis mirror (gateway/auth_mirror.py) ----------------------------
+class VersionCountingStore(SQLStore):
+    """Counts the store's auth-version reads (a round trip each on PostgreSQL)."""
+
+    version_reads = 0
+
+    def auth_version(self) -> int:
+        self.version_reads += 1
+        return super().auth_version()
+
+
+@pytest.fixture
+def mirrored(pg_store: SQLStore, redis_prefix: str,
+             monkeypatch: pytest.MonkeyPatch) -> Iterator[list[GatewayMiddleware]]:
+    """Two replicas on PostgreSQL + the Redis limiter, so with the mirror; no periodic
+    check unless a test asks (CHECK_EVERY_S); the mirror's Redis keys deleted after."""
+    monkeypatch.setattr(auth_mirror, "CHECK_EVERY_S", 3600.0)
+    prefix = pg_store.tenants.name.removesuffix("tenants")
+    stub = StubUpstream()
+    replicas = [GatewayMiddleware(stub, make_state(
+        VersionCountingStore(pg_store.url, table_prefix=prefix),
+        RedisLimiter(REDIS_URL, prefix=redis_prefix))) for _ in range(2)]
+    yield replicas
+    import redis
+
+    with pg_store.engine.connect() as conn:
+        keys = [r.redis_key for r in conn.execute(sa.select(pg_store.mirrors.c.redis_key))]
+    client = redis.Redis.from_url(REDIS_URL)
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+async def chat(client: httpx.AsyncClient) -> int:
+    return (await client.post("/v1/chat/completions", json=CHAT)).status_code
+
+
+@pytest.mark.services
+async def test_mirror_a_revocation_by_another_process_is_refused_on_the_next_request(
+        pg_store: SQLStore, mirrored: list[GatewayMiddleware]) -> None:
+    """With the mirror a warm replica reads no version from the store per request; a key
+    revoked by another process (the CLI's own store) is still refused by every replica
+    on its next request."""
+    key = new_key(pg_store)
+    clients = [client_for(gw, key) for gw in mirrored]
+    stores = [gw.state.store for gw in mirrored]
+    assert all(gw.state.keys.mirror is not None for gw in mirrored)
+    try:
+        for c in clients:
+            assert [await chat(c) for _ in range(2)] == [200, 200]
+        reads = [s.version_reads for s in stores]  # type: ignore[attr-defined]
+        for c in clients:
+            assert [await chat(c) for _ in range(5)] == [200] * 5
+        assert [s.version_reads for s in stores] == reads  # type: ignore[attr-defined]
+        cli = twin(pg_store)
+        cli.revoke_key(pg_store.list_keys()[0].id)
+        cli.close()
+        for c in clients:
+            assert await chat(c) == 401
+    finally:
+        for c in clients:
+            await c.aclose()
+        for gw in mirrored:
+            await gw.state.aclose()
+
+
+@pytest.mark.services
+async def test_mirror_a_tenant_change_is_applied_also_where_the_stale_answer_refused(
+        pg_store: SQLStore, mirrored: list[GatewayMiddleware]) -> None:
+    """A cached answer is used before the step confirms it; a refusal it caused stands
+    only if the store confirms it too: a tenant allowed a model again is served at once."""
+    key = new_key(pg_store, allowed_models=("another-model",))
+    gw = mirrored[0]
+    other = twin(pg_store)
+    async with client_for(gw, key) as client:
+        assert await chat(client) == 404
+        assert await chat(client) == 404  # now from the cache
+        other.update_tenant("acme", {"allowed_models": None})
+        assert await chat(client) == 200
+        other.update_tenant("acme", {"allowed_models": ("another-model",)})
+        assert await chat(client) == 404
+    other.close()
+    for replica in mirrored:
+        await replica.state.aclose()
+
+
+@pytest.mark.services
+def test_mirror_a_change_is_saved_when_one_mirror_cannot_be_told(
+        pg_store: SQLStore, mirrored: list[GatewayMiddleware]) -> None:
+    """One unreachable mirror: the change commits, the reachable mirror is told, and the
+    caller gets a 503 that says so."""
+    import redis
+
+    key = new_key(pg_store)
+    pg_store.register_auth_mirror("redis://127.0.0.1:1/0")
+    with pytest.raises(ServiceUnavailableError) as exc:
+        pg_store.revoke_key(pg_store.list_keys()[0].id)
+    assert exc.value.code == "auth_mirror_unreachable" and "saved" in exc.value.message
+    assert pg_store.authenticate(key) is None
+    mirror = mirrored[0].state.keys.mirror
+    assert mirror is not None
+    told = redis.Redis.from_url(REDIS_URL).get(mirror.key)
+    assert told is not None and int(told) == pg_store.auth_version()
+
+
+@pytest.mark.services
+async def test_mirror_gateways_catch_up_with_a_change_redis_was_not_told_of(
+        pg_store: SQLStore, mirrored: list[GatewayMiddleware],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A revocation whose process could not reach Redis (made here by raising nothing in
+    Redis), and a mirror key lost with a Redis restart: requests read the store's version
+    while the key is missing, and the periodic check brings the mirror up to the store."""
+    import redis
+
+    key = new_key(pg_store)
+    gw = mirrored[0]
+    mirror = gw.state.keys.mirror
+    assert mirror is not None
+    client = redis.Redis.from_url(REDIS_URL)
+    async with client_for(gw, key) as http:
+        assert await chat(http) == 200
+        monkeypatch.setattr(auth_mirror, "tell", lambda *args: None)  # Redis unreachable
+        other = twin(pg_store)
+        other.revoke_key(pg_store.list_keys()[0].id)
+        other.close()
+        monkeypatch.undo()
+        monkeypatch.setattr(auth_mirror, "CHECK_EVERY_S", 0.0)
+        assert await chat(http) in (200, 401)  # within the check's bound
+        assert mirror._task is not None
+        await mirror._task  # the check raised the mirror to the store's version
+        assert int(client.get(mirror.key)) == pg_store.auth_version()
+        assert await chat(http) == 401
+        client.delete(mirror.key)  # Redis lost it: the store's version is read instead
+        monkeypatch.setattr(auth_mirror, "CHECK_EVERY_S", 3600.0)
+        reads = gw.state.store.version_reads  # type: ignore[attr-defined]
+        assert await chat(http) == 401
+        assert gw.state.store.version_reads > reads  # type: ignore[attr-defined]
+    client.close()
+    for replica in mirrored:
+        await replica.state.aclose()

@@ -322,7 +322,10 @@ def test_postgres_cut_under_load(stub_url: str, pg_schema: str, tmp_path: Path) 
         with Load(gw.url, key) as load:
             run_phases(load, pg)
         assert not bad_answers(load), (len(bad_answers(load)), bad_answers(load)[:5], gw.text())
-        assert 503 in load.statuses("cut"), load.statuses("cut")
+        # the key is cached and the Redis limiter's step confirms it (the auth version's
+        # mirror): served through the cut, its records waiting for the database
+        during = load.statuses("cut")
+        assert during and set(during) == {200}, during
         assert load.statuses("after") and set(load.statuses("after")) == {200}, \
             load.statuses("after")
         lost = wait_for_rows(load, pg_schema)  # written by the retry, not by the shutdown

@@ -21,6 +21,11 @@ the requests that arrive while one read runs are all answered by the next one. A
 1,000 req/s that is one round trip on a worker thread per read in flight, not one per
 request.
 
+With a Redis limiter the version is not read from the store at all: it is mirrored in
+Redis and read by the step that admits the request (`auth_mirror.py`). The cached
+answer is used at once and confirmed by that step (`Mirror`); an answer found stale
+there is dropped, its admission undone, and the request admitted again on a fresh one.
+
 Not cached: unknown or revoked keys (nothing to reuse), and tenants with a budget or a
 soft budget, whose `spend_usd` changes with every request and is read at admission.
 Any change bumps the one counter, so it empties every replica's cache at once; changes
@@ -30,11 +35,16 @@ are rare next to requests.
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sluice.gateway import auth_mirror
 from sluice.gateway.keys import hash_key
-from sluice.gateway.store import Principal, Store
+from sluice.gateway.store import Principal, SQLStore, Store
+
+logger = logging.getLogger(__name__)
 
 MAX_ENTRIES = 10_000
 
@@ -55,7 +65,27 @@ class KeyCache:
         self.max_entries = max_entries
         self.inline = store.local_reads
         self.versions = VersionReads(store.auth_version)
+        self.mirror: Mirror | None = None  # `use_mirror`
         self._entries: dict[str, _Entry] = {}
+
+    def use_mirror(self, url: str) -> str | None:
+        """Mirror the store's auth version in Redis at `url` (`auth_mirror.py`): returns
+        the key the limiter's step reads, or None where the store has no version to
+        mirror (SQLite reads it locally; other stores keep their reads)."""
+        if self.inline or not isinstance(self.store, SQLStore):
+            return None
+        key, version = self.store.register_auth_mirror(url)
+        try:
+            auth_mirror.tell(url, key, version)
+        except Exception as exc:  # requests read the store's version until a check seeds it
+            logger.warning("auth mirror %s not seeded: %s", url, exc)
+        self.mirror = Mirror(url, key, self.store.auth_version)
+        return key
+
+    def entry(self, plaintext: str) -> tuple[Principal, int] | None:
+        """The cached (principal, version it was read at), whatever the version now."""
+        entry = self._entries.get(hash_key(plaintext))
+        return None if entry is None else (entry.principal, entry.version)
 
     def cached(self, plaintext: str, version: int | None = None) -> Principal | None:
         """The cached principal if still current at the store's version (`version`: one
@@ -124,3 +154,33 @@ def reads_spend(principal: Principal) -> bool:
     """Admission reads this tenant's spend, which changes with every request."""
     s = principal.tenant.settings
     return s.budget_usd is not None or s.soft_budget_usd is not None
+
+
+class Mirror:
+    """The auth version's Redis mirror as one gateway uses it: the key its limiter reads,
+    and `check`, which raises the mirror to the store's version at most every
+    `auth_mirror.CHECK_EVERY_S` (a change whose process could not reach Redis, a key lost
+    with a Redis restart), off the requests' path."""
+
+    def __init__(self, url: str, key: str, store_version: Callable[[], int],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.url, self.key = url, key
+        self.store_version = store_version
+        self.clock = clock
+        self._last = clock()
+        self._task: asyncio.Task[None] | None = None
+
+    def check(self) -> None:
+        now = self.clock()
+        if now - self._last < auth_mirror.CHECK_EVERY_S or (
+                self._task is not None and not self._task.done()):
+            return
+        self._last = now
+        self._task = asyncio.get_running_loop().create_task(self._raise())
+
+    async def _raise(self) -> None:
+        try:
+            version = await asyncio.to_thread(self.store_version)
+            await asyncio.to_thread(auth_mirror.tell, self.url, self.key, version)
+        except Exception as exc:  # the store or Redis down: requests fail on their own
+            logger.debug("auth mirror check failed: %s", exc)

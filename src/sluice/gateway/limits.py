@@ -97,6 +97,9 @@ class Decision:
     scopes: tuple[Scope, ...]
     states: tuple[ScopeState, ...]
     lease: Lease | None = None
+    # the auth version's Redis mirror, read atomically with this decision (RedisLimiter
+    # with a mirror key: gateway/auth_mirror.py); None where there is none (or no key)
+    auth_version: int | None = None
 
     def headers(self) -> dict[str, str]:
         """OpenAI's x-ratelimit-* headers for the tightest scope of each kind."""
@@ -295,6 +298,9 @@ local window, lease, prefix = step.window, step.lease, step.prefix
 local cutoff = now - window
 local ttl = math.ceil(window * 1000) + 1000
 local purged = {}
+-- the auth version's mirror (gateway/auth_mirror.py), once per step; -1: no key
+local auth = -1
+if step.mirror then auth = tonumber(redis.call('GET', step.mirror) or '-1') end
 
 local function keys(scope)
   local p = prefix .. scope
@@ -385,7 +391,7 @@ local function acquire(rid, need, scopes)
     local req, tok = keys(s[1])
     states[i] = {counts[i][1], newest(req), counts[i][2], newest(tok)}
   end
-  return {allowed, retry, reason, states}
+  return {allowed, retry, reason, states, auth}
 end
 
 local function finish(rid, reserved, actual, scopes)
@@ -452,12 +458,18 @@ class RedisLimiter(Limiter):
         self.window_s = window_s
         self.lease_s = lease_s
         self.prefix = prefix
+        self.url = url or "redis://127.0.0.1:6379/0"
         pool = aioredis.ConnectionPool.from_url(
-            url or "redis://127.0.0.1:6379/0", socket_timeout=timeout_s,
+            self.url, socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s)
         self.steps = RedisSteps(pool, _STEP_LUA,
                                 {"prefix": prefix, "window": window_s, "lease": lease_s},
                                 on_step=self._after_step, error=_unavailable)
+
+    def mirror_auth_version(self, key: str) -> None:
+        """Read the auth version's mirror at `key` in every admission's step (returned as
+        `Decision.auth_version`)."""
+        self.steps.header["mirror"] = key
 
     async def acquire(self, scopes: Sequence[Scope], tokens: int) -> Decision:
         scopes = tuple(scopes)
@@ -479,12 +491,13 @@ class RedisLimiter(Limiter):
             self._keep(lease, tokens)
             raise
         self._finish_unfinished()
-        allowed, retry, reason, states = answer
+        allowed, retry, reason, states, auth = answer
         decided = tuple(ScopeState(int(st[0]), float(st[1]), int(st[2]), float(st[3]))
                         for st in states)
+        version = None if auth < 0 else int(auth)
         if not allowed:
-            return Decision(False, reason, float(retry), scopes, decided)
-        return Decision(True, None, 0.0, scopes, decided, lease)
+            return Decision(False, reason, float(retry), scopes, decided, auth_version=version)
+        return Decision(True, None, 0.0, scopes, decided, lease, version)
 
     def _abandoned(self, lease: Lease, done: asyncio.Future[Any]) -> None:
         """An acquire whose caller left: free the slot if the step admitted it (or may

@@ -108,6 +108,10 @@ def api_key_of(scope: Scope_) -> str | None:
     return _header(scope, b"x-api-key") or None
 
 
+class _Stale(Exception):
+    """A cached key answer found stale while admitting (auth_mirror.py): admit again."""
+
+
 @dataclass
 class Admission:
     """Everything decided before forwarding one request."""
@@ -127,6 +131,7 @@ class Admission:
     decision: Decision | None = None
     hint: IdsHint | None = None  # the prompt's ids, for the router and the worker
     limiter_degraded: bool = False
+    confirmed: bool = False  # the limiter's step confirmed a cached key answer (auth_mirror.py)
     headers: dict[str, str] = field(default_factory=dict)
     added: dict[str, Any] = field(default_factory=dict)  # top-level fields the gateway added
     rewritten: bool = False  # a field the client sent was changed: the body is re-encoded
@@ -255,20 +260,43 @@ class Exchange:
         if not key:
             raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>' "
                                       "or 'x-api-key: <key>'")
-        principal = await self.authenticate(key)
-        if principal is None:
-            raise AuthenticationError("invalid or revoked API key")
-        adm = Admission(principal, self.endpoint, self.protocol,
-                        _header(self.scope, b"x-request-id") or uuid.uuid4().hex)
-        self.adm = adm
-        raw = await read_body(self.receive, self.state.config.max_body_bytes)
-        if raw is None:
-            raise InvalidRequestError("client disconnected while sending the body")
+        principal, unconfirmed = await self.authenticate(key)
+        request_id = _header(self.scope, b"x-request-id") or uuid.uuid4().hex
+        raw: bytes | None = None
+        while True:
+            if principal is None:
+                self.adm = None  # nobody to audit
+                raise AuthenticationError("invalid or revoked API key")
+            self.adm = Admission(principal, self.endpoint, self.protocol, request_id)
+            if raw is None:
+                raw = await read_body(self.receive, self.state.config.max_body_bytes)
+                if raw is None:
+                    raise InvalidRequestError("client disconnected while sending the body")
+            try:
+                return await self.admit_as(self.adm, raw, unconfirmed)
+            except (SluiceError, _Stale) as exc:
+                # a cached answer not yet confirmed (auth_mirror.py) refuses nothing: a
+                # refusal stands only if the store's version says the answer is current
+                if unconfirmed is None or self.adm.confirmed or (
+                        not isinstance(exc, _Stale) and await self.current(unconfirmed)):
+                    raise
+            principal, unconfirmed = await asyncio.to_thread(self.state.keys.authenticate,
+                                                             key), None
+
+    async def admit_as(self, adm: Admission, raw: bytes, unconfirmed: int | None) -> Admission:
         payload = await self.parse_payload(raw) if self.scope["method"] == "POST" else None
         self.apply_policy(adm, payload)
         adm.body = await self.outgoing_body(adm, raw, payload)
-        await self.reserve(adm, payload)
+        await self.reserve(adm, payload, unconfirmed)
         return adm
+
+    async def current(self, version: int, decision: Decision | None = None) -> bool:
+        """Whether an answer cached at `version` is still the store's: against the
+        mirror `decision` read (no round trip), else the store's own version."""
+        known = decision.auth_version if decision is not None else None
+        if known is None:
+            known = await self.state.keys.versions.current()
+        return version >= known
 
     async def outgoing_body(self, adm: Admission, raw: bytes,
                             payload: dict[str, Any] | None) -> bytes:
@@ -283,15 +311,22 @@ class Exchange:
             return json.dumps(payload).encode()
         return (await asyncio.to_thread(json.dumps, payload)).encode()  # as large as the parse
 
-    async def authenticate(self, key: str) -> Principal | None:
-        """From the key cache, checked against the store's auth version: read inline when
-        that is a local read (SQLite), else shared with the requests arriving meanwhile
-        (`VersionReads`); a miss is looked up on a worker thread."""
+    async def authenticate(self, key: str) -> tuple[Principal | None, int | None]:
+        """(principal, the version it still has to be confirmed at, or None). From the
+        key cache: with a mirror (Redis limiter), at once, confirmed later by the step
+        that admits the request; else checked against the store's auth version, read
+        inline when that is a local read (SQLite), else shared with the requests arriving
+        meanwhile (`VersionReads`). A miss is looked up on a worker thread."""
         keys = self.state.keys
-        version = None if keys.inline else await keys.versions.current()
-        if (principal := keys.cached(key, version)) is not None:
-            return principal
-        return await asyncio.to_thread(keys.authenticate, key)
+        if keys.mirror is not None:
+            keys.mirror.check()
+            if (found := keys.entry(key)) is not None:
+                return found
+        else:
+            version = None if keys.inline else await keys.versions.current()
+            if (principal := keys.cached(key, version)) is not None:
+                return principal, None
+        return await asyncio.to_thread(keys.authenticate, key), None
 
     async def parse_payload(self, raw: bytes) -> dict[str, Any] | None:
         """The JSON object of a generation request (400 for anything else); a large body
@@ -342,7 +377,8 @@ class Exchange:
         if self.endpoint in PRIORITY_BODY_ENDPOINTS and asked != adm.priority:
             set_field(adm, payload, "priority", adm.priority)
 
-    async def reserve(self, adm: Admission, payload: dict[str, Any] | None) -> None:
+    async def reserve(self, adm: Admission, payload: dict[str, Any] | None,
+                      unconfirmed: int | None = None) -> None:
         if payload is not None:
             adm.prompt_tokens = await self.count_prompt(adm, payload)
             adm.reserved_tokens = adm.prompt_tokens + self.completion_reserve(payload)
@@ -352,7 +388,15 @@ class Exchange:
             decision = await self.state.limiter.acquire(scopes, adm.reserved_tokens)
         except LimiterUnavailableError as exc:
             self.on_limiter_error(exc, adm)
+            if unconfirmed is not None and not await self.current(unconfirmed):
+                raise _Stale() from None
+            adm.confirmed = True
             return
+        if unconfirmed is not None and not await self.current(unconfirmed, decision):
+            if decision.lease is not None:  # admitted on a stale answer: give it back
+                await self.state.limiter.finish(decision.lease, 0)
+            raise _Stale()
+        adm.confirmed = True
         adm.decision = decision
         adm.headers = decision.headers()
         if not decision.allowed:

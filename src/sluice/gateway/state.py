@@ -56,6 +56,10 @@ class GatewayState:
         self.budgets = BudgetReservations(self.store, self.config.budget_lease_s)
         self.keys = KeyCache(self.store)
         self.background = set()
+        if isinstance(self.limiter, RedisLimiter):  # the auth version rides its steps
+            key = self.keys.use_mirror(self.limiter.url)
+            if key is not None:
+                self.limiter.mirror_auth_version(key)
 
     def later(self, work: Coroutine[Any, Any, None]) -> None:
         """Run `work` off the request's critical path; `flush` (and `aclose`) wait for it.

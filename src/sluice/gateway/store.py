@@ -27,7 +27,9 @@ default and PostgreSQL when given a URL. Two properties matter for exactness:
   one counter row (`auth_version`) in the same transaction; gateways cache
   authenticated keys (`gateway/keycache.py`) and read only that row per request, so
   a revoked key is refused by every replica sharing the database from the next
-  request on, without a join or settings parse per request.
+  request on, without a join or settings parse per request. Redis mirrors of that
+  row (`gateway/auth_mirror.py`) are registered in `auth_mirrors`; a change tells
+  each of them its new version after it commits, before it returns.
 
 All methods are synchronous (SQLAlchemy Core); the middleware calls them through
 `asyncio.to_thread`. Timestamps are float seconds since the epoch.
@@ -52,6 +54,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import sqlite
 
 from sluice import env
+from sluice.gateway import auth_mirror
 from sluice.gateway.config import priority_value
 from sluice.gateway.keys import generate_key, hash_key, new_id
 from sluice.protocol.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
@@ -291,7 +294,7 @@ AUTH_VERSION_ROW = "auth"
 
 
 def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.Table,
-                                  sa.Table]:
+                                  sa.Table, sa.Table]:
     md = sa.MetaData()
     tenants = sa.Table(
         f"{prefix}tenants", md,
@@ -344,7 +347,12 @@ def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.
         sa.Column("name", sa.String(40), primary_key=True),
         sa.Column("version", sa.BigInteger, nullable=False),
     )
-    return md, tenants, keys, usage, reservations, versions
+    mirrors = sa.Table(  # Redis copies of the auth version (gateway/auth_mirror.py)
+        f"{prefix}auth_mirrors", md,
+        sa.Column("url", sa.String(500), primary_key=True),
+        sa.Column("redis_key", sa.String(100), nullable=False),
+    )
+    return md, tenants, keys, usage, reservations, versions, mirrors
 
 
 def _dump(settings: TenantSettings | KeySettings) -> str:
@@ -410,7 +418,7 @@ class SQLStore(Store):
         self.engine = self._make_engine(url)
         self.local_reads = self.engine.dialect.name == "sqlite"
         (self.metadata, self.tenants, self.keys, self.usage,
-         self.reservations, self.versions) = _tables(table_prefix)
+         self.reservations, self.versions, self.mirrors) = _tables(table_prefix)
         self.metadata.create_all(self.engine)
         self._add_column(self.tenants, "reserved_usd", "FLOAT NOT NULL DEFAULT 0")
         if self._add_column(self.usage, "record_id", "VARCHAR(40)"):
@@ -463,7 +471,7 @@ class SQLStore(Store):
         self._version_conn: Any = None
         self._version_lock = threading.Lock()
         self._bump_stmt = (v.update().where(v.c.name == AUTH_VERSION_ROW)
-                           .values(version=v.c.version + 1))
+                           .values(version=v.c.version + 1).returning(v.c.version))
         self._settle = (t.update().where(t.c.id == sa.bindparam("tid"))
                         .values(spend_usd=t.c.spend_usd + sa.bindparam("cost"),
                                 reserved_usd=t.c.reserved_usd - sa.bindparam("released")))
@@ -509,7 +517,8 @@ class SQLStore(Store):
             settings = replace(tenant.settings, **changes)
             conn.execute(self.tenants.update().where(self.tenants.c.id == tenant.id)
                          .values(settings=_dump(settings)))
-            conn.execute(self._bump_stmt)
+            announced = self._bump(conn)
+        self._tell_mirrors(*announced)
         return replace(tenant, settings=settings)
 
     def get_tenant(self, ref: str) -> Tenant:
@@ -562,11 +571,53 @@ class SQLStore(Store):
             k = self.keys
             conn.execute(k.update().where(k.c.id == key_id, k.c.revoked_at.is_(None))
                          .values(revoked_at=time.time()))
-            conn.execute(self._bump_stmt)
+            announced = self._bump(conn)
             row = conn.execute(k.select().where(k.c.id == key_id)).first()
         if row is None:
             raise NotFoundError(f"key {key_id!r} not found", param="key_id", code="key_not_found")
+        self._tell_mirrors(*announced)
         return self._key(row)
+
+    # -- the auth version and its Redis mirrors (gateway/auth_mirror.py) --------------
+
+    def _bump(self, conn: sa.Connection) -> tuple[int, list[tuple[str, str]]]:
+        """Bump the auth version (taking its row lock) and read the registered mirrors
+        after it, in the change's transaction: (new version, [(url, key)])."""
+        version = int(conn.execute(self._bump_stmt).scalar_one())
+        mirrors = conn.execute(sa.select(self.mirrors.c.url, self.mirrors.c.redis_key))
+        return version, [(r.url, r.redis_key) for r in mirrors]
+
+    def _tell_mirrors(self, version: int, mirrors: list[tuple[str, str]]) -> None:
+        """After the change committed: raise every mirror to its version, so that every
+        gateway applies it from its next request on. One that cannot be told: 503 (the
+        change stands; gateways catch up within `auth_mirror.CHECK_EVERY_S`)."""
+        failed = []
+        for url, key in mirrors:
+            try:
+                auth_mirror.tell(url, key, version)
+            except Exception as exc:
+                logger.error("auth mirror %s not told of version %d: %s", url, version, exc)
+                failed.append(url)
+        if failed:
+            raise ServiceUnavailableError(
+                f"the change is saved, but the gateways' key cache in Redis ({', '.join(failed)})"
+                f" could not be told: gateways apply it within {auth_mirror.CHECK_EVERY_S:g} s",
+                code="auth_mirror_unreachable")
+
+    def register_auth_mirror(self, url: str) -> tuple[str, int]:
+        """Register Redis at `url` as a mirror of the auth version: (its key, the version
+        to seed it with). Takes the version's row lock like every change, so a change
+        either commits before (the seed covers it) or sees this registration."""
+        m = self.mirrors
+        with self.engine.begin() as conn:
+            version = int(conn.execute(self._bump_stmt).scalar_one())
+            row = conn.execute(sa.select(m.c.redis_key).where(m.c.url == url)).first()
+            if row is not None:
+                key = str(row.redis_key)
+            else:
+                key = f"sluice:auth-version:{secrets.token_hex(8)}"
+                conn.execute(m.insert().values(url=url, redis_key=key))
+        return key, version
 
     def auth_version(self) -> int:
         """One primary-key read on a connection of its own, below SQLAlchemy's pool and
