@@ -15,7 +15,7 @@ import torch
 from sluice.engine.config import EngineConfig
 from sluice.engine.model_runner import ModelRunner, SeqChunk, auto_dtype
 from sluice.engine.models.llama import Linear
-from sluice.engine.native import PANEL_ROWS_MAX_AVX512, PanelLinear, cpu_flags
+from sluice.engine.native import PANEL_ROWS_MAX_AVX512, PanelLinear, cpu_flags, panel_rows_max
 from sluice.protocol.errors import InvalidRequestError
 
 BLOCK = 4
@@ -152,13 +152,22 @@ def test_runner_attributes(pair: tuple[ModelRunner, torch.nn.Module]) -> None:
 
 
 def test_float32_linears_run_on_panels(pair: tuple[ModelRunner, torch.nn.Module]) -> None:
-    """The scenarios above run through the panels; on AVX-512 prefill-sized inputs leave
-    them for oneDNN."""
+    """The scenarios above run through the panels; on AMX machines prefill-sized inputs
+    leave them for oneDNN."""
     runner, _ = pair
     panels = [m.matmul for m in runner.model.modules() if isinstance(m, Linear)]
     assert panels and all(isinstance(p, PanelLinear) for p in panels)
-    want = PANEL_ROWS_MAX_AVX512 if "avx512f" in cpu_flags() else None
-    assert {p.most_rows for p in panels} == {want}
+    assert {p.most_rows for p in panels} == {panel_rows_max(cpu_flags())}
+
+
+@pytest.mark.parametrize("flags,want", [
+    ({"avx2", "fma"}, None),  # AVX2: the panels at every size
+    ({"avx2", "avx512f", "avx512_bf16", "avx512_vnni"}, None),  # AMD Zen 4/5
+    ({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}, PANEL_ROWS_MAX_AVX512),
+])
+def test_prefill_leaves_the_panels_only_where_onednn_measured_ahead(
+        flags: set[str], want: int | None) -> None:
+    assert panel_rows_max(frozenset(flags)) == want
 
 
 @pytest.mark.parametrize("device,flags,want", [

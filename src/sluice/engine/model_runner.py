@@ -46,7 +46,6 @@ from sluice.engine.lora import (
 from sluice.engine.models.llama import Linear, LlamaConfig, TransformerBlock
 from sluice.engine.models.loader import load_model
 from sluice.engine.native import (
-    PANEL_ROWS_MAX_AVX512,
     SMALL_ROWS_MAX,
     NativeOps,
     PackedLinear,
@@ -55,6 +54,7 @@ from sluice.engine.native import (
     cpu_linear,
     native_ops,
     onednn_packing,
+    panel_rows_max,
     with_small_rows,
 )
 from sluice.engine.tokenizer import Tokenizer, default_served_name, load_tokenizer
@@ -204,9 +204,10 @@ class ModelRunner:
 
     def _use_panels(self, native: NativeOps) -> dict[Linear, PanelLinear]:
         """Every float32 linear on the native panel kernel (`PanelLinear`); one stream's
-        rows keep going to the GEMV, and on AVX-512 prefill-sized inputs to oneDNN.
-        Returns each linear's panels (a GGUF route may wrap them later)."""
-        most = PANEL_ROWS_MAX_AVX512 if "avx512f" in cpu_flags() else None
+        rows keep going to the GEMV, and on AMX machines prefill-sized inputs to oneDNN
+        (`panel_rows_max`). Returns each linear's panels (a GGUF route may wrap them
+        later)."""
+        most = panel_rows_max(cpu_flags())
         panel_of = {}
         for module in self.model.modules():
             if isinstance(module, Linear):

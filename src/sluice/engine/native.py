@@ -64,7 +64,8 @@ log = logging.getLogger("sluice.engine")
 
 CPU_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels and oneDNN take here
 SMALL_ROWS_MAX = 4  # rows up to which a float32 linear is a native GEMV (small_rows_linear)
-# on AVX-512, rows above which a float32 linear leaves the panels for oneDNN (PanelLinear)
+# rows above which a float32 linear leaves the panels for oneDNN (PanelLinear), where
+# oneDNN was measured ahead at prefill sizes: `panel_rows_max`
 PANEL_ROWS_MAX_AVX512 = 128
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 
@@ -311,6 +312,21 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
+def panel_rows_max(flags: frozenset[str]) -> int | None:
+    """Rows above which float32 linears leave the panels for oneDNN, or None (never).
+
+    Only on Intel's AMX generation (`amx_tile`; a 2-core Sapphire Rapids, hot cache:
+    oneDNN 402-432 GFLOP/s at 2,048 rows against the panels' 300-324, even at 128-192).
+    On AMD's AVX-512 the panels lead at every size in the model, weights cold as in a
+    step: a 2-core Zen 5 (family 26, 2026-12-04), one prompt prefilled alone, medians,
+    panels / oneDNN on the plain weight (the fallback) / oneDNN on its packed copy:
+    139 tokens 84.9 / 102.9 / 87.0 ms, 512 tokens 365.5 / 532.3 / 514.3 ms, 2,048
+    tokens 2,077 / 2,281 / 2,101 ms (a second run: 84.5 / 100.0 / 89.1, 363.6 / 390.0 /
+    513.9, 2,063 / 2,144 / 2,386). AVX2 builds keep the panels everywhere too (their
+    docstring's measurements)."""
+    return PANEL_ROWS_MAX_AVX512 if "amx_tile" in flags and "avx512f" in flags else None
+
+
 class PanelLinear:
     """A float32 Linear's matmul on its weight packed once into the native kernel's
     panels (`pack_panels`: 16 output columns, k-major) for inputs of more than `few_rows`
@@ -325,10 +341,11 @@ class PanelLinear:
     oneDNN's reordered copy (the same memory; the plain weight stays, for the other
     kernels and for LoRA).
 
-    On AVX-512 the kernel takes two panels at a time in 16-float vectors, and `most_rows`
-    sends larger inputs (prefill) to `fallback`: on a 2-core Sapphire Rapids (hot cache)
-    the panels ran 317-350 GFLOP/s at 32 rows against oneDNN's 194-253, but 300-324 at
-    2,048 rows against its 402-432 (about even at 128-192).
+    On AVX-512 the kernel takes two panels at a time in 16-float vectors; `most_rows`
+    sends larger inputs (prefill) to `fallback` where that was measured faster
+    (`panel_rows_max`): on a 2-core Sapphire Rapids (hot cache) the panels ran 317-350
+    GFLOP/s at 32 rows against oneDNN's 194-253, but 300-324 at 2,048 rows against its
+    402-432 (about even at 128-192).
     """
 
     def __init__(self, weight: Tensor, fallback: LinearKernel, ops: NativeOps,
