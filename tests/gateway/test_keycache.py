@@ -10,7 +10,6 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import sqlalchemy as sa
 
 from sluice.gateway import auth_mirror
 from sluice.gateway.keycache import KeyCache, VersionReads
@@ -175,22 +174,14 @@ class VersionCountingStore(SQLStore):
 def mirrored(pg_store: SQLStore, redis_prefix: str,
              monkeypatch: pytest.MonkeyPatch) -> Iterator[list[GatewayMiddleware]]:
     """Two replicas on PostgreSQL + the Redis limiter, so with the mirror; no periodic
-    check unless a test asks (CHECK_EVERY_S); the mirror's Redis keys deleted after."""
+    check unless a test asks (CHECK_EVERY_S)."""
     monkeypatch.setattr(auth_mirror, "CHECK_EVERY_S", 3600.0)
     prefix = pg_store.tenants.name.removesuffix("tenants")
     stub = StubUpstream()
     replicas = [GatewayMiddleware(stub, make_state(
         VersionCountingStore(pg_store.url, table_prefix=prefix),
         RedisLimiter(REDIS_URL, prefix=redis_prefix))) for _ in range(2)]
-    yield replicas
-    import redis
-
-    with pg_store.engine.connect() as conn:
-        keys = [r.redis_key for r in conn.execute(sa.select(pg_store.mirrors.c.redis_key))]
-    client = redis.Redis.from_url(REDIS_URL)
-    if keys:
-        client.delete(*keys)
-    client.close()
+    yield replicas  # pg_store.drop_all deletes the mirror's Redis key
 
 
 async def chat(client: httpx.AsyncClient) -> int:

@@ -191,6 +191,12 @@ def pg_schema() -> Iterator[str]:
         conn.execute(f"CREATE SCHEMA {name}")
     yield name
     with psycopg.connect("postgresql://postgres@127.0.0.1:5432/test", autocommit=True) as conn:
+        with contextlib.suppress(psycopg.errors.UndefinedTable):  # the gateway's auth mirror
+            mirrors = conn.execute(f"SELECT redis_key FROM {name}.sluice_auth_mirrors").fetchall()
+            if mirrors:
+                import redis
+
+                redis.Redis.from_url("redis://127.0.0.1:6379/0").delete(*[m[0] for m in mirrors])
         conn.execute(f"DROP SCHEMA {name} CASCADE")
 
 

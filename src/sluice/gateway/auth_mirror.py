@@ -74,3 +74,8 @@ def read(url: str, key: str) -> int | None:
     """The mirror's version, or None if the key is missing."""
     value = _client(url).get(key)
     return None if value is None else int(value)
+
+
+def forget(url: str, key: str) -> None:
+    """Delete the mirror `key` at `url` (its store's tables are being dropped)."""
+    _client(url).delete(key)

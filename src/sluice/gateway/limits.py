@@ -148,6 +148,11 @@ class Limiter(ABC):
     @abstractmethod
     async def finish(self, lease: Lease, actual_tokens: int) -> None: ...
 
+    async def give_back(self, lease: Lease) -> None:
+        """Undo an admission nothing was sent for (instead of `finish`): frees its slot
+        and tokens and, where the limiter can, takes the request off the window's count."""
+        await self.finish(lease, 0)
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
 
@@ -394,10 +399,11 @@ local function acquire(rid, need, scopes)
   return {allowed, retry, reason, states, auth}
 end
 
-local function finish(rid, reserved, actual, scopes)
+local function finish(rid, reserved, actual, scopes, undo)
   for _, scope in ipairs(scopes) do
-    local _, tok, amt, conc = keys(scope)
+    local req, tok, amt, conc = keys(scope)
     redis.call('ZREM', conc, rid)
+    if undo then redis.call('ZREM', req, rid) end  -- given back: not a request at all
     local ts = redis.call('ZSCORE', tok, rid)
     local old = redis.call('HGET', amt, rid)
     if ts and old and tonumber(ts) > cutoff then
@@ -420,7 +426,7 @@ for i, op in ipairs(step.ops) do
   if op[1] == 'a' then
     out[i] = acquire(op[2], op[3], op[4])
   else
-    out[i] = finish(op[2], op[3], op[4], op[5])
+    out[i] = finish(op[2], op[3], op[4], op[5], op[6])
   end
 end
 return cjson.encode(out)
@@ -522,10 +528,22 @@ class RedisLimiter(Limiter):
         await asyncio.shield(future)
         self._finish_unfinished()
 
-    def _finish_later(self, lease: Lease, actual_tokens: int) -> asyncio.Future[Any]:
+    async def give_back(self, lease: Lease) -> None:
+        """`finish` with no tokens that also takes the request off each scope's request
+        log (the window's count), in one step."""
+        try:
+            future = self._finish_later(lease, 0, undo=True)
+        except LimiterUnavailableError:
+            self._keep(lease, 0)
+            raise
+        await asyncio.shield(future)
+
+    def _finish_later(self, lease: Lease, actual_tokens: int,
+                      undo: bool = False) -> asyncio.Future[Any]:
         """Submit the finish; if its step fails, the lease is kept for after the outage."""
-        future = self._submit(["f", lease.request_id, lease.reserved_tokens, actual_tokens,
-                               [s.name for s in lease.scopes]])
+        op = ["f", lease.request_id, lease.reserved_tokens, actual_tokens,
+              [s.name for s in lease.scopes]]
+        future = self._submit(op + [True] if undo else op)
         future.add_done_callback(lambda done: self._kept_if_failed(lease, actual_tokens, done))
         return future
 

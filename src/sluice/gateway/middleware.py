@@ -394,7 +394,7 @@ class Exchange:
             return
         if unconfirmed is not None and not await self.current(unconfirmed, decision):
             if decision.lease is not None:  # admitted on a stale answer: give it back
-                await self.state.limiter.finish(decision.lease, 0)
+                await self.state.limiter.give_back(decision.lease)
             raise _Stale()
         adm.confirmed = True
         adm.decision = decision

@@ -784,7 +784,12 @@ class SQLStore(Store):
         return int(result.rowcount or 0)
 
     def drop_all(self) -> None:
-        """Drop this store's tables (tests use it to clean up a per-run prefix)."""
+        """Drop this store's tables (tests use it to clean up a per-run prefix), and the
+        Redis keys of its auth version's mirrors where Redis answers."""
+        with contextlib.suppress(sa.exc.DBAPIError), self.engine.connect() as conn:
+            for url, key in conn.execute(sa.select(self.mirrors.c.url, self.mirrors.c.redis_key)):
+                with contextlib.suppress(Exception):
+                    auth_mirror.forget(url, key)
         self.metadata.drop_all(self.engine)
 
     def close(self) -> None:
