@@ -19,8 +19,11 @@ checkpoint directory (`truncated_draft`, `--draft-dir`, default under /tmp), dra
 
 The plain runs use the same loaded engine with its `SpecDecoder` detached, so weights,
 KV pool and kernels are shared. Runs alternate `--repeats` times, even repeats in the
-order plain, methods, odd ones in reverse (so a drifting host tilts no method); medians
-are reported. Last stdout line: one JSON document.
+order plain, methods, odd ones in reverse (so a drifting host tilts no method); the
+rates are medians, each method's speed-up the median of its passes' ratios to the plain
+run of the same pass. The suffix proposer forgets earlier requests' outputs before each
+pass (the passes repeat the same prompts; within a pass it learns as it goes). Last
+stdout line: one JSON document.
 """
 
 from __future__ import annotations
@@ -163,7 +166,10 @@ def bench(llm: LLM, specs: dict[str, Any], prompts: list[list[int]], params: Sam
         # ABBA: odd repeats run the methods in reverse, so a host that slows (or speeds
         # up) during the run tilts no method's median
         for name in (list(rates) if r % 2 == 0 else list(rates)[::-1]):
-            rate, outs, count = run(llm, specs.get(name), prompts, params, one_at_a_time,
+            spec = specs.get(name)
+            if spec is not None and hasattr(spec.proposer, "reset"):
+                spec.proposer.reset()  # suffix: no drafts from the last pass's answers
+            rate, outs, count = run(llm, spec, prompts, params, one_at_a_time,
                                     f"{label}-{name}-{r}")
             rates[name].append(rate)
             outputs[name] = outs
@@ -172,8 +178,12 @@ def bench(llm: LLM, specs: dict[str, Any], prompts: list[list[int]], params: Sam
                 counters[name][k] += v
             print(f"  {label} {name} run {r}: {rate:.1f} tok/s", flush=True)
     medians = {name: statistics.median(v) for name, v in rates.items()}
+    # each pass's ratio to the plain run of the same pass, then their median: the host's
+    # speed drifts between passes (3x within one run, 2026-12-04), less within one
+    paired = {n: [a / b for a, b in zip(rates[n], rates["plain"], strict=True)] for n in specs}
     return {"tok_s": medians,
-            "speedup": {n: medians[n] / medians["plain"] for n in specs},
+            "speedup": {n: statistics.median(v) for n, v in paired.items()},
+            "speedup_per_pass": paired,
             "identical_to_plain": {n: outputs[n] == outputs["plain"] for n in specs},
             "counters": counters,
             "acceptance": {n: c["num_accepted_tokens"] / max(c["num_draft_tokens"], 1)

@@ -259,6 +259,12 @@ class SuffixProposer(Proposer):
         for end in range(max(first, 1), len(tokens)):
             count_next(self.shared, tokens, end, self.depth, delta)
 
+    def reset(self) -> None:
+        """Forget every finished sequence's output (benchmarks/spec_decode.py, so a pass
+        over the same prompts does not draft from the last pass's answers)."""
+        self.shared.clear()
+        self.cached.clear()
+
 
 def _draft_model() -> type[Proposer]:
     from sluice.engine.spec_draft import DraftModelProposer  # torch models: loaded on use
