@@ -146,6 +146,25 @@ async def test_redis_burst_admits_exactly_the_limit(redis_prefix: str) -> None:
 
 
 @pytest.mark.services
+async def test_redis_give_back_takes_the_request_off_the_window(redis_prefix: str) -> None:
+    """An admission given back (the gateway found its key answer stale) frees its slot
+    and tokens and is not counted as a request; a finished one stays counted."""
+    lim = RedisLimiter(REDIS_URL, prefix=redis_prefix)
+    scope = [Scope("key:back", rpm=2, tpm=100, max_concurrent=1)]
+    first = await lim.acquire(scope, 60)
+    assert first.allowed and first.lease is not None
+    assert (await lim.acquire(scope, 10)).reason == "concurrency"
+    await lim.give_back(first.lease)
+    second = await lim.acquire(scope, 90)  # slot, tokens and the request count all back
+    assert second.allowed and second.lease is not None
+    assert second.headers()["x-ratelimit-remaining-requests"] == "1"
+    await lim.finish(second.lease, 90)
+    third = await lim.acquire(scope, 5)
+    assert third.allowed and third.headers()["x-ratelimit-remaining-requests"] == "0"
+    await lim.close()
+
+
+@pytest.mark.services
 async def test_redis_unreachable_fails_fast_then_retries_and_recovers(redis_prefix: str) -> None:
     clock = Clock()
     lim = RedisLimiter("redis://127.0.0.1:1/0", timeout_s=0.2, clock=clock,
