@@ -315,6 +315,23 @@ def test_the_itl_floor_is_the_least_itl_seen_in_its_window_after_enough_observat
     assert later.signals.itl_floor_s == pytest.approx(0.25)
 
 
+def test_a_new_model_learns_its_own_itl_floor(
+        ) -> None:
+    """After a model swap (`forget_itl`) the old model's lower floor is gone at once, not
+    after its window: the profiled floor stands in, then the new model's is learned."""
+    planner = Planner(PlannerConfig(itl_floor_window_s=3600, itl_floor_s=0.3), initial=2)
+    for t in range(MIN_ITL_POINTS):
+        planner.decide(PoolSignals(ready=2, itl_s=0.1, **BASE), t)  # type: ignore[arg-type]
+    assert planner.itl_floor(PoolSignals(ready=0, **BASE), MIN_ITL_POINTS) == 0.1  # type: ignore[arg-type]
+    planner.forget_itl()
+    t0 = MIN_ITL_POINTS + 1
+    for t in range(t0, t0 + MIN_ITL_POINTS - 1):
+        s = PoolSignals(ready=2, itl_s=0.4, **BASE)  # type: ignore[arg-type]
+        assert planner.decide(s, t).signals.itl_floor_s == 0.3  # the profile until then
+    s = PoolSignals(ready=2, itl_s=0.2, **BASE)  # type: ignore[arg-type]
+    assert planner.decide(s, t0 + MIN_ITL_POINTS).signals.itl_floor_s == pytest.approx(0.2)
+
+
 def test_with_a_floor_the_itl_grows_as_the_floor_over_the_share_left_from_the_load() -> None:
     # 16 running on 1 worker at 0.3 s over a 0.15 s floor: busy half its time, so the
     # pool's load is 0.5 workers' worth; at n: 0.15 / (1 - 0.5 / n)

@@ -557,6 +557,13 @@ class Planner:
         var = sum((t - mt) ** 2 for t, _ in points)
         return sum((t - mt) * (d - md) for t, d in points) / var if var > 0 else 0.0
 
+    def forget_itl(self) -> None:
+        """Drop the ITL history: the pool now serves another model (a blue/green swap),
+        whose decode step has a floor of its own (a lower or a higher one); it is learned
+        afresh, the profiled `itl_floor_s` standing in until then."""
+        self.itl_points.clear()
+        self.itl_seen = 0
+
     def itl_floor(self, signals: PoolSignals, now: float) -> float | None:
         """The lowest ITL observed over the last `itl_floor_window_s`: the decode step's
         cost at the lightest load seen, which more workers cannot lower (None before

@@ -168,6 +168,7 @@ class Swap:
         for endpoint in joined:
             endpoint.draining = False
         ctl.model, ctl.revision = self.model, self.revision
+        ctl.planner.forget_itl()  # the new model's decode step: its own ITL floor
         self.old = [e.url for e in old]
         self.state = "draining"
         ctl.event("swap_moved", revision=self.revision, new=self.new, old=self.old)
