@@ -520,23 +520,21 @@ class RedisLimiter(Limiter):
         (up to MAX_UNFINISHED) and finished once Redis answers again, so an outage does
         not hold concurrency slots for the whole lease; the error is still raised. The
         finish is applied even if the caller is cancelled meanwhile."""
+        await self._end(lease, actual_tokens)
+
+    async def give_back(self, lease: Lease) -> None:
+        """`finish` with no tokens that also takes the request off each scope's request
+        log (the window's count), in the same step."""
+        await self._end(lease, 0, undo=True)
+
+    async def _end(self, lease: Lease, actual_tokens: int, undo: bool = False) -> None:
         try:
-            future = self._finish_later(lease, actual_tokens)
+            future = self._finish_later(lease, actual_tokens, undo)
         except LimiterUnavailableError:
             self._keep(lease, actual_tokens)
             raise
         await asyncio.shield(future)
         self._finish_unfinished()
-
-    async def give_back(self, lease: Lease) -> None:
-        """`finish` with no tokens that also takes the request off each scope's request
-        log (the window's count), in one step."""
-        try:
-            future = self._finish_later(lease, 0, undo=True)
-        except LimiterUnavailableError:
-            self._keep(lease, 0)
-            raise
-        await asyncio.shield(future)
 
     def _finish_later(self, lease: Lease, actual_tokens: int,
                       undo: bool = False) -> asyncio.Future[Any]:
