@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from sluice.control.local import free_port
+from sluice.control.local import free_port, stop_process
 
 ADMIN_KEY = "serve-ttft-admin"
 WORDS = ("river stone cloud lantern orbit meadow copper signal harbor violet engine quiet "
@@ -143,11 +143,7 @@ def main() -> int:
                     times[name].append(ttft(url, k, model, prompt, args.max_tokens))
             inside = edge_means(before, edge_sums(front))
         finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc, drain=True, timeout_s=60)
     p50 = {name: statistics.median(v) for name, v in times.items()}
     mean = {name: statistics.fmean(v) for name, v in times.items()}
     print(f"{'path':<8}{'TTFT p50 ms':>13}{'mean ms':>10}{'min ms':>9}{'max ms':>9}")

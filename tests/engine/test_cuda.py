@@ -16,8 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from tests.worker.worker_helpers import free_port, wait_until
+from tests.worker.worker_helpers import free_port, healthy, wait_until
 
+from sluice.control.local import stop_process
 from sluice.engine.llm import LLM
 from sluice.engine.sampling_params import SamplingParams
 
@@ -101,13 +102,7 @@ def test_worker_serves_a_chat_from_the_gpu(tiny_llama_dir: Path) -> None:
          "--served-model-name", "tiny", "--log-level", "warning"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        def healthy() -> bool:
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert wait_until(healthy, 120, 0.2), "worker did not become healthy"
+        assert wait_until(lambda: healthy(url), 120, 0.2), "worker did not become healthy"
         body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
                 "max_tokens": 8, "ignore_eos": True, "temperature": 0}
         first = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
@@ -121,9 +116,4 @@ def test_worker_serves_a_chat_from_the_gpu(tiny_llama_dir: Path) -> None:
         streamed = "".join(d.get("content") or "" for d in deltas)
         assert streamed == first.json()["choices"][0]["message"]["content"]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, drain=True, timeout_s=60)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from .worker_helpers import free_port, wait_until
+from .worker_helpers import free_port, healthy, wait_until
 
 
 def _collect(stream: object, sink: list[str]) -> None:
@@ -47,13 +47,7 @@ def test_sigterm_drains_in_flight_stream_and_exits_zero(tiny_llama_dir: Path) ->
     url = f"http://127.0.0.1:{port}"
     proc, log = _start_worker(tiny_llama_dir, port, "--shutdown-timeout", "30")
     try:
-        def healthy() -> bool:
-            try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert wait_until(healthy, 90, 0.1), "".join(log)
+        assert wait_until(lambda: healthy(url), 90, 0.1), "".join(log)
         assert wait_until(lambda: any(f"listening on {url} (model: tiny)" in x for x in log), 5)
 
         lines: list[str] = []

@@ -7,6 +7,7 @@ import threading
 import time
 from typing import Any
 
+import httpx
 import uvicorn
 
 from sluice.control.local import free_port
@@ -44,3 +45,11 @@ def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.02) ->
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def healthy(url: str) -> bool:
+    """Whether a server at `url` answers 200 on /health now."""
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

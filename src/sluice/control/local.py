@@ -59,7 +59,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -124,7 +124,7 @@ def launch_worker(index: int, worker_args: Sequence[str], host: str, kv_events: 
     return LocalWorker(f"http://{host}:{port}", port, kv, proc, log_path, index)
 
 
-def stop_process(proc: subprocess.Popen[bytes] | ForkedProcess, drain: bool,
+def stop_process(proc: subprocess.Popen[Any] | ForkedProcess, drain: bool,
                  timeout_s: float) -> None:
     """SIGTERM (drain) and wait up to `timeout_s`, then SIGKILL; or SIGKILL now. Reaps it."""
     if proc.poll() is None:
