@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
+import sqlalchemy as sa
 
 from sluice.gateway import auth_mirror
 from sluice.gateway.keycache import KeyCache, VersionReads
@@ -254,6 +256,44 @@ def test_mirror_a_change_is_saved_when_one_mirror_cannot_be_told(
     assert mirror is not None
     told = redis.Redis.from_url(REDIS_URL).get(mirror.key)
     assert told is not None and int(told) == pg_store.auth_version()
+
+
+@pytest.mark.services
+async def test_mirror_a_stale_registration_is_dropped_and_a_gateway_registers_again(
+        pg_store: SQLStore, mirrored: list[GatewayMiddleware],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mirror unreachable and unused for `STALE_S` (Redis moved) no longer fails every
+    change: it is dropped. A gateway still reading its mirror marks it in use, and
+    registers it again (same key) if it was dropped."""
+    import redis
+
+    key = new_key(pg_store)
+    pg_store.register_auth_mirror("redis://127.0.0.1:1/0")
+    m = pg_store.mirrors
+    with pg_store.engine.begin() as conn:  # nobody used it for longer than STALE_S
+        conn.execute(m.update().where(m.c.url == "redis://127.0.0.1:1/0")
+                     .values(seen_at=time.time() - auth_mirror.STALE_S - 1))
+    pg_store.update_tenant("acme", {"rpm": 1000})  # no 503: the stale one is dropped
+    with pg_store.engine.connect() as conn:
+        urls = {r.url for r in conn.execute(sa.select(m.c.url))}
+    assert urls == {REDIS_URL}
+    gw = mirrored[0]
+    mirror = gw.state.keys.mirror
+    assert mirror is not None
+    with pg_store.engine.begin() as conn:  # the live one dropped too (a long Redis outage)
+        conn.execute(m.delete())
+    monkeypatch.setattr(auth_mirror, "CHECK_EVERY_S", 0.0)
+    monkeypatch.setattr(auth_mirror, "TOUCH_EVERY_S", 0.0)
+    async with client_for(gw, key) as http:
+        assert await chat(http) == 200
+        assert mirror._task is not None
+        await mirror._task  # the check registered it again, under the key the steps read
+    with pg_store.engine.connect() as conn:
+        rows = [(r.url, r.redis_key) for r in conn.execute(sa.select(m.c.url, m.c.redis_key))]
+    assert rows == [(REDIS_URL, mirror.key)]
+    assert int(redis.Redis.from_url(REDIS_URL).get(mirror.key)) == pg_store.auth_version()
+    for replica in mirrored:
+        await replica.state.aclose()
 
 
 @pytest.mark.services

@@ -27,7 +27,10 @@ the registration seeds the mirror with. A change whose process cannot reach Redi
 commits all the same and says so (503, `auth_mirror_unreachable`); gateways compare
 the mirror with the store every `CHECK_EVERY_S` and raise it, so the change is in force
 within that bound. A mirror key that is missing (Redis restarted) makes requests read
-the store's version as before until the next check seeds it again.
+the store's version as before until the next check seeds it again. Gateways mark their
+registration as in use every `TOUCH_EVERY_S`; one unreachable and unmarked for
+`STALE_S` (Redis moved to another address) is dropped instead of failing every change,
+and a gateway that still reads it registers it again at its next check.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 CHECK_EVERY_S = 1.0  # a gateway compares the mirror with the store at most this often
+TOUCH_EVERY_S = 60.0  # ... and marks its registration as in use at most this often
+STALE_S = 3600.0  # a registration no gateway marked for this long may be dropped
 
 # SET KEYS[1] to ARGV[1] unless it already holds a version at least as new
 _RAISE_LUA = """

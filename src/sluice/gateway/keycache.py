@@ -79,7 +79,7 @@ class KeyCache:
             auth_mirror.tell(url, key, version)
         except Exception as exc:  # requests read the store's version until a check seeds it
             logger.warning("auth mirror %s not seeded: %s", url, exc)
-        self.mirror = Mirror(url, key, self.store.auth_version)
+        self.mirror = Mirror(url, key, self.store)
         return key
 
     def entry(self, plaintext: str) -> tuple[Principal, int] | None:
@@ -160,14 +160,14 @@ class Mirror:
     """The auth version's Redis mirror as one gateway uses it: the key its limiter reads,
     and `check`, which raises the mirror to the store's version at most every
     `auth_mirror.CHECK_EVERY_S` (a change whose process could not reach Redis, a key lost
-    with a Redis restart), off the requests' path."""
+    with a Redis restart) and marks the registration in use every
+    `auth_mirror.TOUCH_EVERY_S`, off the requests' path."""
 
-    def __init__(self, url: str, key: str, store_version: Callable[[], int],
+    def __init__(self, url: str, key: str, store: SQLStore,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.url, self.key = url, key
-        self.store_version = store_version
+        self.url, self.key, self.store = url, key, store
         self.clock = clock
-        self._last = clock()
+        self._last = self._touched = clock()
         self._task: asyncio.Task[None] | None = None
 
     def check(self) -> None:
@@ -176,11 +176,16 @@ class Mirror:
                 self._task is not None and not self._task.done()):
             return
         self._last = now
-        self._task = asyncio.get_running_loop().create_task(self._raise())
+        touch = now - self._touched >= auth_mirror.TOUCH_EVERY_S
+        if touch:
+            self._touched = now
+        self._task = asyncio.get_running_loop().create_task(self._raise(touch))
 
-    async def _raise(self) -> None:
+    async def _raise(self, touch: bool) -> None:
         try:
-            version = await asyncio.to_thread(self.store_version)
+            if touch:  # before the version read: a re-registration is then covered by it
+                await asyncio.to_thread(self.store.touch_auth_mirror, self.url, self.key)
+            version = await asyncio.to_thread(self.store.auth_version)
             await asyncio.to_thread(auth_mirror.tell, self.url, self.key, version)
         except Exception as exc:  # the store or Redis down: requests fail on their own
             logger.debug("auth mirror check failed: %s", exc)

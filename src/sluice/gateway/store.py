@@ -351,6 +351,7 @@ def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.
         f"{prefix}auth_mirrors", md,
         sa.Column("url", sa.String(500), primary_key=True),
         sa.Column("redis_key", sa.String(100), nullable=False),
+        sa.Column("seen_at", sa.Float, nullable=False),  # a gateway used it (touch)
     )
     return md, tenants, keys, usage, reservations, versions, mirrors
 
@@ -580,22 +581,32 @@ class SQLStore(Store):
 
     # -- the auth version and its Redis mirrors (gateway/auth_mirror.py) --------------
 
-    def _bump(self, conn: sa.Connection) -> tuple[int, list[tuple[str, str]]]:
+    def _bump(self, conn: sa.Connection) -> tuple[int, list[tuple[str, str, float]]]:
         """Bump the auth version (taking its row lock) and read the registered mirrors
-        after it, in the change's transaction: (new version, [(url, key)])."""
+        after it, in the change's transaction: (new version, [(url, key, seen at)])."""
         version = int(conn.execute(self._bump_stmt).scalar_one())
-        mirrors = conn.execute(sa.select(self.mirrors.c.url, self.mirrors.c.redis_key))
-        return version, [(r.url, r.redis_key) for r in mirrors]
+        m = self.mirrors
+        mirrors = conn.execute(sa.select(m.c.url, m.c.redis_key, m.c.seen_at))
+        return version, [(r.url, r.redis_key, r.seen_at) for r in mirrors]
 
-    def _tell_mirrors(self, version: int, mirrors: list[tuple[str, str]]) -> None:
+    def _tell_mirrors(self, version: int, mirrors: list[tuple[str, str, float]]) -> None:
         """After the change committed: raise every mirror to its version, so that every
         gateway applies it from its next request on. One that cannot be told: 503 (the
-        change stands; gateways catch up within `auth_mirror.CHECK_EVERY_S`)."""
+        change stands; gateways catch up within `auth_mirror.CHECK_EVERY_S`), unless no
+        gateway has used it for `auth_mirror.STALE_S` (Redis moved, say): then it is
+        dropped from the registry (a gateway still using it registers it again when it
+        next checks, and raises it to the store's version then)."""
         failed = []
-        for url, key in mirrors:
+        for url, key, seen_at in mirrors:
             try:
                 auth_mirror.tell(url, key, version)
             except Exception as exc:
+                if seen_at < time.time() - auth_mirror.STALE_S:
+                    logger.warning("auth mirror %s unused since %.0f s and unreachable (%s): "
+                                   "dropped", url, time.time() - seen_at, exc)
+                    with self.engine.begin() as conn:
+                        conn.execute(self.mirrors.delete().where(self.mirrors.c.url == url))
+                    continue
                 logger.error("auth mirror %s not told of version %d: %s", url, version, exc)
                 failed.append(url)
         if failed:
@@ -604,20 +615,31 @@ class SQLStore(Store):
                 f" could not be told: gateways apply it within {auth_mirror.CHECK_EVERY_S:g} s",
                 code="auth_mirror_unreachable")
 
-    def register_auth_mirror(self, url: str) -> tuple[str, int]:
+    def register_auth_mirror(self, url: str, key: str | None = None) -> tuple[str, int]:
         """Register Redis at `url` as a mirror of the auth version: (its key, the version
         to seed it with). Takes the version's row lock like every change, so a change
-        either commits before (the seed covers it) or sees this registration."""
+        either commits before (the seed covers it) or sees this registration. `key`: the
+        one a gateway already reads (registering again after its row was dropped)."""
         m = self.mirrors
         with self.engine.begin() as conn:
             version = int(conn.execute(self._bump_stmt).scalar_one())
             row = conn.execute(sa.select(m.c.redis_key).where(m.c.url == url)).first()
             if row is not None:
                 key = str(row.redis_key)
+                conn.execute(m.update().where(m.c.url == url).values(seen_at=time.time()))
             else:
-                key = f"sluice:auth-version:{secrets.token_hex(8)}"
-                conn.execute(m.insert().values(url=url, redis_key=key))
+                key = key or f"sluice:auth-version:{secrets.token_hex(8)}"
+                conn.execute(m.insert().values(url=url, redis_key=key, seen_at=time.time()))
         return key, version
+
+    def touch_auth_mirror(self, url: str, key: str) -> None:
+        """A gateway still reads the mirror at `url`: mark it seen; register it again
+        (with `key`) if it was dropped as stale."""
+        m = self.mirrors
+        with self.engine.begin() as conn:
+            seen = conn.execute(m.update().where(m.c.url == url).values(seen_at=time.time()))
+        if not seen.rowcount:
+            self.register_auth_mirror(url, key)
 
     def auth_version(self) -> int:
         """One primary-key read on a connection of its own, below SQLAlchemy's pool and
