@@ -36,7 +36,6 @@ and a gateway that still reads it registers it again at its next check.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -54,33 +53,14 @@ end
 return 1
 """
 
-_clients: dict[str, Any] = {}
-_clients_lock = threading.Lock()
-
-
-def _client(url: str) -> Any:
+def connect(url: str) -> Any:
+    """A Redis client for the mirror at `url` (its owner, the store, closes it)."""
     import redis
 
-    with _clients_lock:
-        client = _clients.get(url)
-        if client is None:
-            client = _clients[url] = redis.Redis.from_url(url, socket_timeout=2.0,
-                                                          socket_connect_timeout=2.0)
-        return client
+    return redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
 
 
-def tell(url: str, key: str, version: int) -> None:
-    """Raise the mirror `key` at `url` to `version` (never lowers it). Raises redis-py's
-    error if Redis cannot be reached."""
-    _client(url).eval(_RAISE_LUA, 1, key, version)
-
-
-def read(url: str, key: str) -> int | None:
-    """The mirror's version, or None if the key is missing."""
-    value = _client(url).get(key)
-    return None if value is None else int(value)
-
-
-def forget(url: str, key: str) -> None:
-    """Delete the mirror `key` at `url` (its store's tables are being dropped)."""
-    _client(url).delete(key)
+def tell(client: Any, key: str, version: int) -> None:
+    """Raise the mirror `key` to `version` (never lowers it). Raises redis-py's error if
+    Redis cannot be reached."""
+    client.eval(_RAISE_LUA, 1, key, version)

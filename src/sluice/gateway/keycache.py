@@ -76,7 +76,7 @@ class KeyCache:
             return None
         key, version = self.store.register_auth_mirror(url)
         try:
-            auth_mirror.tell(url, key, version)
+            self.store.tell_auth_mirror(url, key, version)
         except Exception as exc:  # requests read the store's version until a check seeds it
             logger.warning("auth mirror %s not seeded: %s", url, exc)
         self.mirror = Mirror(url, key, self.store)
@@ -186,6 +186,6 @@ class Mirror:
             if touch:  # before the version read: a re-registration is then covered by it
                 await asyncio.to_thread(self.store.touch_auth_mirror, self.url, self.key)
             version = await asyncio.to_thread(self.store.auth_version)
-            await asyncio.to_thread(auth_mirror.tell, self.url, self.key, version)
+            await asyncio.to_thread(self.store.tell_auth_mirror, self.url, self.key, version)
         except Exception as exc:  # the store or Redis down: requests fail on their own
             logger.debug("auth mirror check failed: %s", exc)

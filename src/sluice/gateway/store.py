@@ -471,6 +471,8 @@ class SQLStore(Store):
                                 .compile(self.engine, compile_kwargs={"literal_binds": True}))
         self._version_conn: Any = None
         self._version_lock = threading.Lock()
+        self._mirror_clients: dict[str, Any] = {}  # Redis URL -> client (auth mirrors)
+        self._mirror_lock = threading.Lock()
         self._bump_stmt = (v.update().where(v.c.name == AUTH_VERSION_ROW)
                            .values(version=v.c.version + 1).returning(v.c.version))
         self._settle = (t.update().where(t.c.id == sa.bindparam("tid"))
@@ -596,14 +598,14 @@ class SQLStore(Store):
         gateway has used it for `auth_mirror.STALE_S` (Redis moved, say): then it is
         dropped from the registry (a gateway still using it registers it again when it
         next checks, and raises it to the store's version then)."""
-        failed = []
+        failed, now = [], time.time()
         for url, key, seen_at in mirrors:
             try:
-                auth_mirror.tell(url, key, version)
+                self.tell_auth_mirror(url, key, version)
             except Exception as exc:
-                if seen_at < time.time() - auth_mirror.STALE_S:
+                if seen_at < now - auth_mirror.STALE_S:
                     logger.warning("auth mirror %s unused since %.0f s and unreachable (%s): "
-                                   "dropped", url, time.time() - seen_at, exc)
+                                   "dropped", url, now - seen_at, exc)
                     with self.engine.begin() as conn:
                         conn.execute(self.mirrors.delete().where(self.mirrors.c.url == url))
                     continue
@@ -631,6 +633,18 @@ class SQLStore(Store):
                 key = key or f"sluice:auth-version:{secrets.token_hex(8)}"
                 conn.execute(m.insert().values(url=url, redis_key=key, seen_at=time.time()))
         return key, version
+
+    def tell_auth_mirror(self, url: str, key: str, version: int) -> None:
+        """Raise the mirror `key` at `url` to `version` (`auth_mirror.tell`)."""
+        auth_mirror.tell(self._mirror_client(url), key, version)
+
+    def _mirror_client(self, url: str) -> Any:
+        """The Redis client for the mirror at `url`: one per URL, closed with the store."""
+        with self._mirror_lock:
+            client = self._mirror_clients.get(url)
+            if client is None:
+                client = self._mirror_clients[url] = auth_mirror.connect(url)
+            return client
 
     def touch_auth_mirror(self, url: str, key: str) -> None:
         """A gateway still reads the mirror at `url`: mark it seen; register it again
@@ -811,10 +825,14 @@ class SQLStore(Store):
         with contextlib.suppress(sa.exc.DBAPIError), self.engine.connect() as conn:
             for url, key in conn.execute(sa.select(self.mirrors.c.url, self.mirrors.c.redis_key)):
                 with contextlib.suppress(Exception):
-                    auth_mirror.forget(url, key)
+                    self._mirror_client(url).delete(key)
         self.metadata.drop_all(self.engine)
 
     def close(self) -> None:
         with self._version_lock:
             self._drop_version_conn()
+        with self._mirror_lock:
+            for client in self._mirror_clients.values():
+                client.close()
+            self._mirror_clients.clear()
         self.engine.dispose()
