@@ -41,16 +41,19 @@ def ops() -> NativeOps:
 
 
 # AVX-512 builds take 64-wide heads with 1-4 query heads a KV head and 128-wide with 1-2
-# in one pass over V (attend_one16), the rest (12 / 2, 24-wide) the per-head loops
+# in one pass over V (attend_one16), the rest (12 / 2, 24-wide) the per-head loops; a
+# step of 4 rows gives each (row, KV head) a unit, one of 40 rows each row all its KV
+# heads (attend_rows, from 4 rows a thread)
+@pytest.mark.parametrize("rows", [4, 40])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 128), (4, 2, 24),
                                                      (8, 2, 64), (4, 2, 128), (12, 2, 64)])
 def test_decode_attention_equals_gather_and_sdpa(ops: NativeOps, heads: int, kv_heads: int,
-                                                 head_dim: int) -> None:
-    torch.manual_seed(heads * head_dim)
-    bs, num_blocks = 4, 40
+                                                 head_dim: int, rows: int) -> None:
+    torch.manual_seed(heads * head_dim + rows)
+    bs, num_blocks = 4, 240
     cache = KVCache(torch.randn(num_blocks, bs, kv_heads, head_dim),
                     torch.randn(num_blocks, bs, kv_heads, head_dim))
-    lens = [1, 5, 16, 9]  # tokens before this step's one
+    lens = [1, 5, 16, 9] * (rows // 4)  # tokens before this step's one
     order = torch.randperm(num_blocks).tolist()  # scattered, unordered blocks
     tables, used = [], 0
     for n in lens:
