@@ -328,8 +328,10 @@ def need_amx(ops: NativeOps) -> None:
                     "tile state")
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 70])  # 70: two passes of 4 row blocks
-@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (32, 16)])
+# rows: passes of 2 row blocks (70: the last with one); n: pairs of 16-output panels
+# (48, 16: the last pair with one panel)
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 70])
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (64, 48), (32, 16)])
 def test_amx_bf16_linear_equals_float64(ops: NativeOps, rows: int, k: int, n: int) -> None:
     """x rounded to bfloat16 times the bfloat16 weight, summed in float32."""
     need_amx(ops)
