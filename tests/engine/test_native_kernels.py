@@ -16,7 +16,7 @@ from sluice.engine.attention import (
     build_group,
     paged_attention,
 )
-from sluice.engine.models.llama import RMSNorm
+from sluice.engine.models.llama import RMSNorm, RopeConfig, apply_rope, rope_tables
 from sluice.engine.native import (
     SMALL_ROWS_MAX,
     NativeOps,
@@ -84,6 +84,34 @@ def test_fused_add_rms_norm_equals_torch(ops: NativeOps, rows: int) -> None:
     torch.testing.assert_close(got_residual, expected_residual, rtol=0, atol=0)  # same adds
     torch.testing.assert_close(got_x, expected_x, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(expected_residual, x + residual)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_rotates_q_and_k_in_place(ops: NativeOps, dtype: torch.dtype) -> None:
+    """The native RoPE on the Q and K heads of a QKV output equals apply_rope (float32: to
+    rounding; bfloat16: rounded once, so within half a bfloat16 step of the exact
+    rotation, where torch's ops round twice); V's columns are not touched."""
+    assert ops.rotary_embedding is not None
+    torch.manual_seed(0)
+    rows, heads, kv_heads, d = 37, 6, 2, 64
+    cos_t, sin_t = rope_tables(RopeConfig(theta=10000.0), d, 512)
+    positions = torch.randint(0, 512, (rows,))
+    cos, sin = cos_t.to(dtype)[positions].unsqueeze(1), sin_t.to(dtype)[positions].unsqueeze(1)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d).to(dtype)
+    before = qkv.clone()
+    qk = qkv[:, :(heads + kv_heads) * d].view(rows, heads + kv_heads, d)
+    ops.rotary_embedding(qk, cos, sin)
+    src = before[:, :(heads + kv_heads) * d].view(rows, heads + kv_heads, d)
+    exact = apply_rope(src.double(), cos.double(), sin.double())
+    if dtype == torch.float32:
+        torch.testing.assert_close(qk, apply_rope(src, cos, sin), rtol=1e-6, atol=1e-6)
+    else:  # each value the exact rotation rounded to bfloat16: within half its step
+        step = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-3)
+        assert ((qk.double() - exact).abs() <= step / 2 + 1e-9).all()
+    assert not torch.equal(qk, src)  # it rotated
+    assert torch.equal(qkv[:, (heads + kv_heads) * d:], before[:, (heads + kv_heads) * d:])
+    with pytest.raises(RuntimeError, match="rotary_embedding"):
+        ops.rotary_embedding(qk, cos[:-1], sin[:-1])  # a row's tables missing
 
 
 def test_backend_choice() -> None:

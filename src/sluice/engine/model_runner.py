@@ -159,7 +159,7 @@ class ModelRunner:
         self.native = native_ops(mc.kernel_backend, self.device, self.dtype)
         if self.native is not None:
             self.model.use_fused_kernels(self.native.fused_add_rms_norm,
-                                         self.native.silu_and_mul)
+                                         self.native.silu_and_mul, self.native.rotary_embedding)
         self.linear = cpu_linear(mc.kernel_backend, self.device, self.dtype)
         if self.native is not None:  # a few rows' linears (one stream's decode): a GEMV
             self.linear = with_small_rows(self.native, self.linear or F.linear)

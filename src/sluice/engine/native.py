@@ -8,6 +8,8 @@
 - `fused_add_rms_norm`: the residual add and the RMSNorm after it in one pass, in
   place (vLLM's op of that name); torch's add plus RMSNorm cost ~20 us a call at one row.
 - `silu_and_mul`: SwiGLU's `silu(gate) * up` in one pass (vLLM's op of that name).
+- `rotary_embedding`: RoPE in place on a step's Q and K heads, one pass (vLLM's op of
+  that name, on sluice's cos / signed-sin tables).
 - `small_rows_linear`: a float32 GEMV for 1-4 rows (one stream's decode), which streams
   the weights faster than oneDNN's on AVX2 (`with_small_rows` routes those rows to it).
 - `pack_panels` / `panel_linear`: a float32 linear of 5 or more rows on its weight
@@ -75,6 +77,9 @@ DecodeKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
 AddNormKernel = Callable[[Tensor, Tensor, Tensor, float], None]
 # [T, 2I] = gate | up -> silu(gate) * up [T, I]
 ActivationKernel = Callable[[Tensor], Tensor]
+# x [T, heads, D] (a view: rows apart, heads D apart), cos, signed sin [T, 1, D]: x
+# rotated in place (llama.apply_rope)
+RopeKernel = Callable[[Tensor, Tensor, Tensor], None]
 # x [T, in], weight [out, in], bias [out] | None -> [T, out]  (F.linear's signature)
 LinearKernel = Callable[[Tensor, Tensor, Tensor | None], Tensor]
 
@@ -116,6 +121,7 @@ class NativeOps:
     # the ggml types those int8-activation linears take here: Q4_0, Q4_1, and Q8_0 where
     # the build has AVX512-VNNI ([] where q4_int8_path is "")
     int8_activation_types: Callable[[], list[int]] | None = None
+    rotary_embedding: RopeKernel | None = None
 
 
 @functools.cache
@@ -171,7 +177,7 @@ def load_kernels() -> NativeOps:
                      module.DecodeGraph, module.q4_int8_path, module.gguf_linear_int8,
                      module.pack_panels, module.panel_linear, module.amx_bf16_ready,
                      module.pack_amx_bf16, module.amx_bf16_linear,
-                     module.int8_activation_types)
+                     module.int8_activation_types, module.rotary_embedding)
 
 
 def _stable_copy(name: str, source: bytes) -> Path:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sluice.engine.attention import AttentionMetadata, KVCache, paged_attention
-from sluice.engine.native import ActivationKernel, AddNormKernel, LinearKernel
+from sluice.engine.native import ActivationKernel, AddNormKernel, LinearKernel, RopeKernel
 from sluice.protocol.errors import InvalidRequestError
 
 
@@ -187,12 +187,17 @@ class Attention(nn.Module):
         self.wqkv = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.wo = Linear(cfg.q_size, cfg.hidden_size)
         self.kv_cache: KVCache | None = None
+        self.rope: RopeKernel | None = None  # native RoPE in place, set by the runner
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata) -> Tensor:
         cfg, t = self.cfg, x.shape[0]
         qkv = self.wqkv(x)
         # Q and K heads rotate together: one RoPE over [T, heads + kv_heads, head_dim]
-        qk = apply_rope(qkv[:, :cfg.q_size + cfg.kv_size].view(t, -1, cfg.head_dim), cos, sin)
+        qk = qkv[:, :cfg.q_size + cfg.kv_size].view(t, -1, cfg.head_dim)
+        if self.rope is not None:  # in place: qkv is this step's own output
+            self.rope(qk, cos, sin)
+        else:
+            qk = apply_rope(qk, cos, sin)
         q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         assert self.kv_cache is not None, "KV cache not allocated"
@@ -286,14 +291,17 @@ class Transformer(nn.Module):
         x, _ = self.norm.add(x[logits_index], residual[logits_index])
         return self.output(x)
 
-    def use_fused_kernels(self, add_norm: AddNormKernel, activation: ActivationKernel) -> None:
-        """Route every residual add + RMSNorm and every SwiGLU activation through the
-        native kernels (the runner's choice)."""
+    def use_fused_kernels(self, add_norm: AddNormKernel, activation: ActivationKernel,
+                          rope: RopeKernel | None = None) -> None:
+        """Route every residual add + RMSNorm, every SwiGLU activation and (given) every
+        RoPE through the native kernels (the runner's choice)."""
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.fused = add_norm
             elif isinstance(module, FeedForward):
                 module.fused = activation
+            elif isinstance(module, Attention):
+                module.rope = rope
 
     def use_linear(self, kernel: LinearKernel) -> None:
         """Run every matmul through `kernel` (the runner's choice)."""
