@@ -225,9 +225,15 @@ def sweep(args: argparse.Namespace, name: str, url: str, pgid: int | None
     """Every concurrency against one server. Each result notes how busy the machine was
     with other work meanwhile (see `CpuMeter`): on a shared machine it moves the numbers."""
     out = {}
-    for c in args.concurrency:
+    for i, c in enumerate(args.concurrency):
         meter = CpuMeter(pgid)
         result = bench(args, url, c)
+        if i == 0 and result.get("server_prefix_cache_hits"):
+            # a fresh sweep's first prompts share nothing: these hits are an earlier run's
+            # prompts (the same --seed) still in a server kept across runs
+            print(f"warning: {name} c={c}: {result['server_prefix_cache_hits']:.0f} prefix-cache "
+                  "hits on the first prompts; a server kept across runs remembers them: give "
+                  "each run its own --seed", file=sys.stderr, flush=True)
         out[str(c)] = result | {"measured_at": utc_now(), "loadavg_1m_before": meter.load,
                                 "other_cpu_share": meter.other_share()}
         share = out[str(c)]["other_cpu_share"]
@@ -348,7 +354,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vllm-args", default="", help="extra `vllm serve` flags, one string")
     p.add_argument("--vllm-preload", choices=("auto", "none"), default="auto",
                    help="auto: LD_PRELOAD tcmalloc and libiomp5 where found (vLLM's advice)")
-    p.add_argument("--vllm-url", default=None, help="an already running vLLM (not started or stopped here)")
+    p.add_argument("--vllm-url", default=None,
+                   help="an already running vLLM (not started or stopped here; its prefix cache "
+                        "keeps earlier runs' prompts: give each run its own --seed)")
     p.add_argument("--skip-sluice", action="store_true")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--sluice-start-timeout", type=float, default=300.0)
