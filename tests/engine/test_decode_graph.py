@@ -480,3 +480,28 @@ def test_bf16_graph_decodes_agree_with_the_torch_model() -> None:
     kv_got, kv_want = pool_rows(graph, slots).float(), pool_rows(eager, slots).float()
     assert (kv_got - kv_want).abs().max() < 0.05 * kv_want.abs().max()
     assert (kv_got - kv_want).abs().mean() < 0.01 * kv_want.abs().mean()
+
+
+@pytest.mark.model
+def test_bf16_graph_rows_do_not_depend_on_the_steps_size() -> None:
+    """On AMX a row's logits in a 40-row step (3 passes of 2 row blocks, the attention
+    taking whole rows) equal, bit for bit, its logits alone: each output's sum runs over
+    the inputs in the same order whatever the step's rows, so greedy tokens and
+    speculation's verifies do not depend on what shares a graph step."""
+    r = ModelRunner(EngineConfig.from_options(None, num_kv_blocks=64, dtype="bfloat16"))
+    if r.decode_graph is None:
+        ops = r.native
+        assert ops is not None and ops.amx_bf16_ready is not None and not ops.amx_bf16_ready()
+        pytest.skip("no AMX here: the bfloat16 decode graph needs amx_bf16 and amx_tile")
+    base = r.tokenizer.encode("The capital of France is")
+    assert len(base) + 2 <= r.block_size  # each sequence in one block of its own
+    chunks = []
+    for i in range(40):
+        ids = [*base, 100 + 7 * i]
+        chunks.append(SeqChunk([prefill(r, ids, [i])], len(ids), [i], True))
+    together, calls = graph_execute(r, chunks)
+    assert calls == 1 and together.shape == (40, r.vocab_size)
+    for i in (0, 1, 17, 39):
+        alone, calls = graph_execute(r, [chunks[i]])
+        assert calls == 1 and torch.equal(alone[0], together[i]), i
+    assert not torch.equal(together[0], together[1])  # the rows differ
