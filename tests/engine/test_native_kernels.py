@@ -21,11 +21,14 @@ from sluice.engine.native import (
     SMALL_ROWS_MAX,
     NativeOps,
     PackedLinear,
+    PackedSwiGLU,
     PanelLinear,
     cpu_linear,
     native_ops,
     onednn_linear,
     onednn_packing,
+    onednn_swiglu,
+    swiglu_rows_min,
     with_small_rows,
 )
 from sluice.protocol.errors import InvalidRequestError
@@ -88,9 +91,9 @@ def test_fused_add_rms_norm_equals_torch(ops: NativeOps, rows: int) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_embedding_rotates_q_and_k_in_place(ops: NativeOps, dtype: torch.dtype) -> None:
-    """The native RoPE on the Q and K heads of a QKV output equals apply_rope (float32: to
-    rounding; bfloat16: rounded once, so within half a bfloat16 step of the exact
-    rotation, where torch's ops round twice); V's columns are not touched."""
+    """The native RoPE on the Q and K heads of a QKV output equals apply_rope: float32 to
+    rounding, bfloat16 bit for bit (x * cos rounded first, as torch's two ops round); V's
+    columns are not touched."""
     assert ops.rotary_embedding is not None
     torch.manual_seed(0)
     rows, heads, kv_heads, d = 37, 6, 2, 64
@@ -102,12 +105,11 @@ def test_rotary_embedding_rotates_q_and_k_in_place(ops: NativeOps, dtype: torch.
     qk = qkv[:, :(heads + kv_heads) * d].view(rows, heads + kv_heads, d)
     ops.rotary_embedding(qk, cos, sin)
     src = before[:, :(heads + kv_heads) * d].view(rows, heads + kv_heads, d)
-    exact = apply_rope(src.double(), cos.double(), sin.double())
+    want = apply_rope(src, cos, sin)
     if dtype == torch.float32:
-        torch.testing.assert_close(qk, apply_rope(src, cos, sin), rtol=1e-6, atol=1e-6)
-    else:  # each value the exact rotation rounded to bfloat16: within half its step
-        step = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-3)
-        assert ((qk.double() - exact).abs() <= step / 2 + 1e-9).all()
+        torch.testing.assert_close(qk, want, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(qk, want)
     assert not torch.equal(qk, src)  # it rotated
     assert torch.equal(qkv[:, (heads + kv_heads) * d:], before[:, (heads + kv_heads) * d:])
     with pytest.raises(RuntimeError, match="rotary_embedding"):
@@ -163,6 +165,62 @@ def test_packed_linear_equals_the_plain_weight_and_falls_back(dtype: torch.dtype
     packed(torch.randn(2, 576, dtype=dtype), w, None)  # few rows
     packed(torch.randn(8, 576, dtype=dtype), w.clone(), None)  # not the packed weight
     assert calls == [2, 8]
+
+
+def test_packed_swiglu_equals_silu_and_mul_and_feed_forward_uses_it_only_on_its_linear(
+        ops: NativeOps) -> None:
+    """bfloat16 SwiGLU as two oneDNN matmuls with swish and mul epilogues: within
+    bfloat16 rounding of silu(x @ gate.T) * (x @ up.T) in float64; a FeedForward takes it
+    only while its gate|up linear runs on the PackedLinear it was made from, without a
+    LoRA side, in its dtype and from min_rows rows (else the unfused path: its linear,
+    then silu_and_mul). Where it is used: Intel's AMX generation only."""
+    assert swiglu_rows_min(frozenset({"avx512f", "amx_bf16", "amx_tile"})) == 256
+    assert swiglu_rows_min(frozenset({"avx512f", "avx512_bf16"})) is None
+    from sluice.engine.models.llama import FeedForward, LlamaConfig
+
+    dtype = torch.bfloat16
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert not onednn_swiglu(dtype)  # no bfloat16 reorder here: the runner keeps it off
+        return
+    assert onednn_swiglu(dtype)
+    torch.manual_seed(0)
+    cfg = LlamaConfig("LlamaForCausalLM", vocab_size=32, hidden_size=64, intermediate_size=96,
+                      num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32,
+                      rms_norm_eps=1e-5, max_position_embeddings=64)
+    ff = FeedForward(cfg).to(dtype).requires_grad_(False)
+    for lin in (ff.w13, ff.w2):
+        lin.weight.data.normal_(0, 0.1)
+        lin.matmul = PackedLinear(lin.weight, torch.nn.functional.linear)
+    ff.fused = ops.silu_and_mul
+    fused = ff.swiglu = PackedSwiGLU(ff.w13.matmul, 8)
+    x = torch.randn(37, 64, dtype=dtype)
+    gate, up = (x.double() @ ff.w13.weight.double().T).chunk(2, dim=-1)
+    exact = torch.nn.functional.silu(gate) * up
+    got = fused(x).double()
+    assert ((got - exact).abs() <= 0.02 * exact.abs() + 0.02 * float(exact.abs().mean())).all()
+    calls: list[int] = []
+    fused_call = PackedSwiGLU.__call__
+
+    def counted(self: PackedSwiGLU, x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return fused_call(self, x)
+
+    PackedSwiGLU.__call__ = counted  # type: ignore[method-assign]
+    try:
+        unfused = ff.w2.matmul(ops.silu_and_mul(ff.w13.matmul(x, ff.w13.weight, None)),
+                               ff.w2.weight, None)
+        torch.testing.assert_close(ff(x).float(), ff.w2.matmul(fused(x), ff.w2.weight,
+                                                                 None).float())
+        assert calls == [37, 37]
+        torch.testing.assert_close(ff(x[:7]), unfused[:7])  # under min_rows: unfused
+        ff.w13.lora = lambda x, y: None  # a LoRA side: the unfused path
+        torch.testing.assert_close(ff(x), unfused)
+        ff.w13.lora = None
+        ff.w13.matmul = torch.nn.functional.linear  # another route in front: unfused
+        torch.testing.assert_close(ff(x).float(), unfused.float(), rtol=2e-2, atol=2e-2)
+        assert calls == [37, 37]
+    finally:
+        PackedSwiGLU.__call__ = fused_call  # type: ignore[method-assign]
 
 
 def test_linear_backend_choice() -> None:

@@ -43,18 +43,21 @@ from sluice.engine.lora import (
     load_adapter,
     module_shapes,
 )
-from sluice.engine.models.llama import Linear, LlamaConfig, TransformerBlock
+from sluice.engine.models.llama import FeedForward, Linear, LlamaConfig, TransformerBlock
 from sluice.engine.models.loader import load_model
 from sluice.engine.native import (
     SMALL_ROWS_MAX,
     NativeOps,
     PackedLinear,
+    PackedSwiGLU,
     PanelLinear,
     cpu_flags,
     cpu_linear,
     native_ops,
     onednn_packing,
+    onednn_swiglu,
     panel_rows_max,
+    swiglu_rows_min,
     with_small_rows,
 )
 from sluice.engine.tokenizer import Tokenizer, default_served_name, load_tokenizer
@@ -222,6 +225,12 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, Linear):
                 module.matmul = PackedLinear(module.weight, module.matmul, few)
+        min_rows = swiglu_rows_min(cpu_flags())  # prefill's SwiGLU as two fused matmuls
+        if self.dtype == torch.bfloat16 and min_rows is not None and onednn_swiglu(self.dtype):
+            for module in self.model.modules():
+                if (isinstance(module, FeedForward) and module.w13.bias is None
+                        and isinstance(module.w13.matmul, PackedLinear)):
+                    module.swiglu = PackedSwiGLU(module.w13.matmul, min_rows)
 
     def _use_gguf_weights(self, mc: ModelConfig) -> dict[str, tuple[Tensor, int]]:
         """Decode rows' linears on the GGUF file's own blocks (sluice.engine.quant)."""

@@ -528,8 +528,13 @@ static void rope_rows(torch::Tensor& x, const torch::Tensor& cos, const torch::T
         T* r = xp + t * stride + h * D;
         for (int64_t i = 0; i < half; ++i) {
           const float a = static_cast<float>(r[i]), b = static_cast<float>(r[i + half]);
-          r[i] = static_cast<T>(a * c[i] + b * s[i]);
-          r[i + half] = static_cast<T>(b * c[i + half] + a * s[i + half]);
+          // x * cos in T first, as torch's multiply then addcmul (the bfloat16 default
+          // model's answers are those of that rounding; one rounding changed the README
+          // question's)
+          const float ac = static_cast<float>(static_cast<T>(a * c[i]));
+          const float bc = static_cast<float>(static_cast<T>(b * c[i + half]));
+          r[i] = static_cast<T>(ac + b * s[i]);
+          r[i + half] = static_cast<T>(bc + a * s[i + half]);
         }
       }
     }

@@ -29,7 +29,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sluice.engine.attention import AttentionMetadata, KVCache, paged_attention
-from sluice.engine.native import ActivationKernel, AddNormKernel, LinearKernel, RopeKernel
+from sluice.engine.native import (
+    ActivationKernel,
+    AddNormKernel,
+    LinearKernel,
+    PackedSwiGLU,
+    RopeKernel,
+)
 from sluice.protocol.errors import InvalidRequestError
 
 
@@ -210,8 +216,14 @@ class FeedForward(nn.Module):
         self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size)
         self.fused: ActivationKernel | None = None  # native silu(gate) * up, set by the runner
+        # the whole silu(x @ gate.T) * (x @ up.T) (native.PackedSwiGLU), set by the runner
+        self.swiglu: PackedSwiGLU | None = None
 
     def forward(self, x: Tensor) -> Tensor:
+        fused = self.swiglu
+        if (fused is not None and x.shape[0] >= fused.min_rows and x.dtype == fused.dtype
+                and self.w13.matmul is fused.packed and self.w13.lora is None):
+            return self.w2(fused(x))
         gate_up = self.w13(x)
         if self.fused is not None and gate_up.is_contiguous():
             return self.w2(self.fused(gate_up))
