@@ -507,9 +507,9 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
 // RoPE in place on a step's Q and K heads (vLLM's rotary_embedding, on sluice's tables):
 // x [T, heads, D] (rows x.stride(0) apart: a view into the QKV projection's output, heads
 // D apart), cos and signed sin [T, 1, D] in x's dtype (llama.py's rope_tables gathered at
-// the rows' positions). apply_rope's half-split rotation in float, rounded once: one pass
-// where torch's flip, multiply and addcmul made three and two temporaries (37 ms of a
-// 1,946-token bfloat16 prefill step on a 2-core Sapphire Rapids).
+// the rows' positions). apply_rope's half-split rotation in float, with torch's rounding
+// (below): one pass where torch's flip, multiply and addcmul made three and two
+// temporaries (37 ms of a 1,946-token bfloat16 prefill step on a 2-core Sapphire Rapids).
 template <typename T>
 static void rope_rows(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& ssin) {
   const int64_t rows = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
@@ -1970,8 +1970,8 @@ std::string q4_int8_path() {
 // tdpbf16ps's B operand: 16 rows of input pairs, each row the 16 outputs' two values
 // (packed[p][kb][kp][n][2] = w[16p + n][32kb + 2kp + {0, 1}]), 1 KB a tile, a panel's
 // tiles contiguous. x (float32) is rounded to bfloat16 once per linear into row blocks
-// of 16 (zero rows past M); each panel takes up to 4 row blocks a pass in 4 float32
-// accumulator tiles, loading a weight tile once for all of them. Sums are float32.
+// of 16 (zero rows past M); a pass takes 2 panels and 2 row blocks in 4 float32
+// accumulator tiles (amx_matmul). Sums are float32.
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define SLUICE_AMX 1
 #include <sys/syscall.h>
