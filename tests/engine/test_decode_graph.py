@@ -139,6 +139,18 @@ def pool_rows(r: ModelRunner, slots: list[int]) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def one_block_decodes(r: ModelRunner, rows: int) -> list[SeqChunk]:
+    """`rows` sequences, each a short prompt prefilled into block i of its own (the last
+    token varies), as the decode chunks of their next step."""
+    base = r.tokenizer.encode("The capital of France is")
+    assert len(base) + 2 <= r.block_size  # each sequence in one block of its own
+    chunks = []
+    for i in range(rows):
+        ids = [*base, 100 + 7 * i]
+        chunks.append(SeqChunk([prefill(r, ids, [i])], len(ids), [i], True))
+    return chunks
+
+
 def graph_execute(r: ModelRunner, chunks: list[SeqChunk],
                   graph: DecodeGraph | None = None) -> tuple[torch.Tensor, int]:
     """`r.execute(chunks)` and how many times it called `graph` (its decode graph)."""
@@ -252,14 +264,8 @@ def test_a_rows_logits_do_not_depend_on_its_steps_size(ops: NativeOps) -> None:
     assert graph is not None and ops.q4_int8_path is not None
     tiles = ops.q4_int8_path() == "avx512_vnni"
     assert graph.max_rows == (TILES_GRAPH_MAX_ROWS if tiles else GRAPH_MAX_ROWS)
-    base = r.tokenizer.encode("The capital of France is")
-    assert len(base) + 2 <= r.block_size  # each sequence in one block of its own
     rows = graph.max_rows
-    chunks = []
-    for i in range(rows):
-        ids = [*base, 100 + 7 * i]
-        first = prefill(r, ids, [i])
-        chunks.append(SeqChunk([first], len(ids), [i], True))
+    chunks = one_block_decodes(r, rows)
     together, calls = graph_execute(r, chunks)
     assert calls == 1 and together.shape == (rows, r.vocab_size)
     for i in (0, 1, rows // 2, rows - 1):
@@ -484,8 +490,8 @@ def test_bf16_graph_decodes_agree_with_the_torch_model() -> None:
 
 @pytest.mark.model
 def test_bf16_graph_rows_do_not_depend_on_the_steps_size() -> None:
-    """On AMX a row's logits in a 40-row step (3 passes of 2 row blocks, the attention
-    taking whole rows) equal, bit for bit, its logits alone: each output's sum runs over
+    """On AMX a row's logits in a 40-row step (a pass of 2 row blocks, then one of 1;
+    the attention taking whole rows) equal, bit for bit, its logits alone: each output's sum runs over
     the inputs in the same order whatever the step's rows, so greedy tokens and
     speculation's verifies do not depend on what shares a graph step."""
     r = ModelRunner(EngineConfig.from_options(None, num_kv_blocks=64, dtype="bfloat16"))
@@ -493,12 +499,7 @@ def test_bf16_graph_rows_do_not_depend_on_the_steps_size() -> None:
         ops = r.native
         assert ops is not None and ops.amx_bf16_ready is not None and not ops.amx_bf16_ready()
         pytest.skip("no AMX here: the bfloat16 decode graph needs amx_bf16 and amx_tile")
-    base = r.tokenizer.encode("The capital of France is")
-    assert len(base) + 2 <= r.block_size  # each sequence in one block of its own
-    chunks = []
-    for i in range(40):
-        ids = [*base, 100 + 7 * i]
-        chunks.append(SeqChunk([prefill(r, ids, [i])], len(ids), [i], True))
+    chunks = one_block_decodes(r, 40)
     together, calls = graph_execute(r, chunks)
     assert calls == 1 and together.shape == (40, r.vocab_size)
     for i in (0, 1, 17, 39):
