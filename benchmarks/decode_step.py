@@ -1,13 +1,13 @@
-"""A decode step of B sequences, the decode graph against the torch model, float32: both
-runners in one process, their steps alternating, so a noisy host slows both alike.
+"""A decode step of B sequences, the decode graph against the torch model: both runners
+in one process, their steps alternating, so a noisy host slows both alike.
 
     flock /tmp/sluice-heavy.lock python benchmarks/decode_step.py \
-        [--rows 1 8 32 64] [--context 200] [--steps 30]
+        [--rows 1 8 32 64] [--context 200] [--steps 30] [--dtype float32|bfloat16]
 
 Per B: B sequences of `--context` prompt tokens are prefilled in each runner, then
 `--steps` decode steps of all B are timed in each, alternating; the medians and their
-ratio. Where the native kernels are not built the runner has no float32 graph and the
-script says so. Last stdout line: one JSON document.
+ratio. Where the runner has no graph for the dtype (float32: the native kernels not
+built; bfloat16: neither AMX nor AVX512-BF16) the script says so. Last stdout line: one JSON document.
 """
 
 from __future__ import annotations
@@ -30,15 +30,19 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--context", type=int, default=200, help="prompt tokens a sequence")
     parser.add_argument("--steps", type=int, default=30, help="timed decode steps per B")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="weights, activations and KV (bfloat16: the graph on AMX tiles "
+                        "or AVX512-BF16)")
     args = parser.parse_args()
 
     blocks_per_seq = -(-(args.context + args.steps) // 16)
-    options = {"num_kv_blocks": max(args.rows) * blocks_per_seq + 1, "dtype": "float32",
+    options = {"num_kv_blocks": max(args.rows) * blocks_per_seq + 1, "dtype": args.dtype,
                "block_size": 16}
     runners = {name: ModelRunner(EngineConfig.from_options(None, enforce_eager=eager, **options))
                for name, eager in (("torch", True), ("graph", False))}
     if runners["graph"].decode_graph is None:
-        raise SystemExit("no float32 decode graph here (float32 is not on native panels)")
+        raise SystemExit(f"no {args.dtype} decode graph here (float32: the native panels not "
+                         "built; bfloat16: neither AMX nor AVX512-BF16)")
     results = []
     for rows in args.rows:
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(rows)]
@@ -58,7 +62,8 @@ def main() -> None:
                         "ratio": torch_ms / graph_ms})
         print(f"rows {rows:4d}: torch model {torch_ms:7.1f} ms   graph {graph_ms:7.1f} ms   "
               f"{torch_ms / graph_ms:.2f}x", flush=True)
-    print(json.dumps({"benchmark": "decode_step", "cpu": cpu_info(), "context": args.context,
+    print(json.dumps({"benchmark": "decode_step", "cpu": cpu_info(), "dtype": args.dtype,
+                      "context": args.context,
                       "steps": args.steps, "results": results}))
 
 

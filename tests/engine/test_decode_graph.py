@@ -166,16 +166,17 @@ def graph_execute(r: ModelRunner, chunks: list[SeqChunk],
 
 
 @pytest.mark.model
-def test_built_for_gguf_panels_or_amx_and_not_when_eager(
+def test_built_for_gguf_panels_or_bf16_and_not_when_eager(
         pair: tuple[ModelRunner, ModelRunner]) -> None:
     eager, graph = pair
     assert graph.decode_graph is not None and eager.decode_graph is None
     dense = ModelRunner(EngineConfig.from_options(None, num_kv_blocks=16, dtype="float32"))
     assert dense.panels and dense.decode_graph is not None  # float32: on panels
     bf16 = ModelRunner(EngineConfig.from_options(None, num_kv_blocks=16, dtype="bfloat16"))
-    assert bf16.native is not None and bf16.native.amx_bf16_ready is not None
+    assert bf16.native is not None and bf16.native.bf16_linear_path is not None
     assert not bf16.panels
-    assert (bf16.decode_graph is not None) == bf16.native.amx_bf16_ready()  # on AMX tiles
+    # on AMX tiles or AVX512-BF16
+    assert (bf16.decode_graph is not None) == bool(bf16.native.bf16_linear_path())
     eager_bf16 = ModelRunner(EngineConfig.from_options(None, num_kv_blocks=16, dtype="bfloat16",
                                                        enforce_eager=True))
     assert eager_bf16.decode_graph is None
@@ -466,7 +467,7 @@ def test_float_graph_greedy_generation_matches_the_torch_model() -> None:
 def test_bf16_graph_decodes_agree_with_the_torch_model() -> None:
     """Sequences at different lengths, then one step of their decodes and a 3-token verify
     each, 40 rows: the graph (float32 activations, each linear's input rounded to
-    bfloat16, AMX tiles) against the bfloat16 torch model (every op's output rounded):
+    bfloat16, AMX tiles or AVX512-BF16) against the bfloat16 torch model (every op's output rounded):
     logits within bfloat16's rounding, the same greedy token on nearly every row, and the
     K/V rows written close (the two round at different places, so deep layers drift)."""
     pair = [ModelRunner(EngineConfig.from_options(None, num_kv_blocks=64, dtype="bfloat16",
@@ -475,8 +476,9 @@ def test_bf16_graph_decodes_agree_with_the_torch_model() -> None:
     eager, graph = pair
     if graph.decode_graph is None:
         ops = graph.native
-        assert ops is not None and ops.amx_bf16_ready is not None and not ops.amx_bf16_ready()
-        pytest.skip("no AMX here: the bfloat16 decode graph needs amx_bf16 and amx_tile")
+        assert ops is not None and ops.bf16_linear_path is not None
+        assert not ops.bf16_linear_path()
+        pytest.skip("no bfloat16 graph here: it needs AMX (amx_bf16, amx_tile) or avx512_bf16")
     chunks, slots = decodes_and_verifies(eager, graph, 10)
     got, calls = graph_execute(graph, chunks)
     want = eager.execute(chunks).float()
@@ -490,15 +492,17 @@ def test_bf16_graph_decodes_agree_with_the_torch_model() -> None:
 
 @pytest.mark.model
 def test_bf16_graph_rows_do_not_depend_on_the_steps_size() -> None:
-    """On AMX a row's logits in a 40-row step (a pass of 2 row blocks, then one of 1;
-    the attention taking whole rows) equal, bit for bit, its logits alone: each output's sum runs over
-    the inputs in the same order whatever the step's rows, so greedy tokens and
-    speculation's verifies do not depend on what shares a graph step."""
+    """A row's logits in a 40-row step (on AMX a pass of 2 row blocks, then one of 1; on
+    AVX512-BF16 4 blocks of 10; the attention taking whole rows) equal, bit for bit, its
+    logits alone: each output's sum runs over the inputs in the same order whatever the
+    step's rows, so greedy tokens and speculation's verifies do not depend on what shares
+    a graph step."""
     r = ModelRunner(EngineConfig.from_options(None, num_kv_blocks=64, dtype="bfloat16"))
     if r.decode_graph is None:
         ops = r.native
-        assert ops is not None and ops.amx_bf16_ready is not None and not ops.amx_bf16_ready()
-        pytest.skip("no AMX here: the bfloat16 decode graph needs amx_bf16 and amx_tile")
+        assert ops is not None and ops.bf16_linear_path is not None
+        assert not ops.bf16_linear_path()
+        pytest.skip("no bfloat16 graph here: it needs AMX (amx_bf16, amx_tile) or avx512_bf16")
     chunks = one_block_decodes(r, 40)
     together, calls = graph_execute(r, chunks)
     assert calls == 1 and together.shape == (40, r.vocab_size)

@@ -407,31 +407,38 @@ def test_every_checkout_builds_from_one_path_per_source(
     assert other != first and other.read_bytes() == b"int f() { return 2; }"
 
 
-def need_amx(ops: NativeOps) -> None:
-    assert ops.amx_bf16_ready is not None
-    if not ops.amx_bf16_ready():
-        pytest.skip("no AMX here: the CPU lacks amx_bf16 / amx_tile, or Linux refused the "
-                    "tile state")
+def need_bf16_path(ops: NativeOps) -> str:
+    assert ops.bf16_linear_path is not None
+    path = ops.bf16_linear_path()
+    if not path:
+        pytest.skip("no bfloat16 linear path here: the CPU has neither AMX (amx_bf16, "
+                    "amx_tile, the tile state granted) nor avx512_bf16")
+    assert path in ("amx", "avx512_bf16"), path
+    return path
 
 
-# rows: passes of 2 row blocks (70: the last with one); n: pairs of 16-output panels
-# (48, 16: the last pair with one panel)
+# rows: passes of 2 row blocks on AMX (70: the last with one), row blocks of up to 12 on
+# AVX512-BF16 (5, 17, 70: uneven); n: pairs of 16-output panels (48, 16: the last pair
+# with one panel)
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 70])
 @pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (64, 48), (32, 16)])
-def test_amx_bf16_linear_equals_float64(ops: NativeOps, rows: int, k: int, n: int) -> None:
-    """x rounded to bfloat16 times the bfloat16 weight, summed in float32."""
-    need_amx(ops)
-    assert ops.pack_amx_bf16 is not None and ops.amx_bf16_linear is not None
+def test_bf16_linear_equals_float64(ops: NativeOps, rows: int, k: int, n: int) -> None:
+    """x rounded to bfloat16 times the bfloat16 weight, summed in float32, on whichever
+    path this machine has (AMX tiles or AVX512-BF16's pair dot products)."""
+    need_bf16_path(ops)
+    assert ops.pack_bf16 is not None and ops.bf16_linear is not None
     torch.manual_seed(rows * k + n)
     x, w, b = torch.randn(rows, k), torch.randn(n, k).bfloat16(), torch.randn(n)
-    tiles = ops.pack_amx_bf16(w)
-    assert tiles.shape == (n // 16, k // 32, 16, 32)
+    packed = ops.pack_bf16(w)
+    assert packed.shape == (n // 16, k // 32, 16, 32)
     exact = x.bfloat16().double() @ w.double().T
-    torch.testing.assert_close(ops.amx_bf16_linear(x, tiles, b), (exact + b.double()).float(),
+    torch.testing.assert_close(ops.bf16_linear(x, packed, b), (exact + b.double()).float(),
                                rtol=1e-5, atol=1e-4)
-    got = ops.amx_bf16_linear(x, tiles, None)
+    got = ops.bf16_linear(x, packed, None)
     torch.testing.assert_close(got, exact.float(), rtol=1e-5, atol=1e-4)
-    with pytest.raises(RuntimeError, match="amx_bf16_linear"):
-        ops.amx_bf16_linear(torch.randn(rows, k + 32), tiles, None)  # K differs
-    with pytest.raises(RuntimeError, match="pack_amx_bf16"):
-        ops.pack_amx_bf16(torch.randn(n + 8, k).bfloat16())  # N not a multiple of 16
+    for i in (0, rows - 1):  # a row alone: the same sums, bit for bit
+        assert torch.equal(ops.bf16_linear(x[i:i + 1], packed, None)[0], got[i])
+    with pytest.raises(RuntimeError, match="bf16_linear"):
+        ops.bf16_linear(torch.randn(rows, k + 32), packed, None)  # K differs
+    with pytest.raises(RuntimeError, match="pack_bf16"):
+        ops.pack_bf16(torch.randn(n + 8, k).bfloat16())  # N not a multiple of 16

@@ -30,7 +30,8 @@ blocks within float rounding.
     verify B, 1  b10    10        table_B[10 // bs] * bs + 10 % bs   table_B  0..10
 
 The same graph runs over float32 weights on the native panels (`build_float`) and over
-bfloat16 weights on AMX tiles (`build_bf16`); those take every decode step, any rows.
+bfloat16 weights on AMX tiles or with AVX512-BF16's pair dot products (`build_bf16`);
+those take every decode step, any rows.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ TILES_GRAPH_MAX_ROWS = 64
 # ~10 calls a layer from Python, so it takes every decode step
 FLOAT_GRAPH_MAX_ROWS = 1 << 16
 F32 = 0  # ggml type: the graph's float32 linears (a weight and its panels)
-BF16 = 30  # ggml type: the graph's bfloat16 linears on AMX (a weight and its tiles)
+BF16 = 30  # ggml type: the graph's bfloat16 linears (a weight and its pack_bf16)
 
 
 class DecodeGraph:
@@ -141,13 +142,13 @@ class DecodeGraph:
     def build_bf16(cls, model: Transformer, native: NativeOps | None,
                    max_rows: int = FLOAT_GRAPH_MAX_ROWS,
                    head: tuple[Tensor, int] | None = None) -> DecodeGraph | None:
-        """The graph over a bfloat16 model on AMX: each linear's weight packed once into
-        the kernel's tiles (`pack_amx_bf16`), activations float32 between the linears and
-        rounded to bfloat16 at each linear's input (the torch model rounds every op's
-        output). None where it cannot run (no AMX granted here, a LoRA side, a shape the
-        tiles do not divide: N % 16, K % 32)."""
-        if (native is None or native.decode_graph is None or native.amx_bf16_ready is None
-                or native.pack_amx_bf16 is None or not native.amx_bf16_ready()):
+        """The graph over a bfloat16 model on AMX tiles or AVX512-BF16
+        (`bf16_linear_path`): each linear's weight packed once (`pack_bf16`), activations
+        float32 between the linears and rounded to bfloat16 at each linear's input (the
+        torch model rounds every op's output). None where it cannot run (neither path
+        here, a LoRA side, a shape the packing does not divide: N % 16, K % 32)."""
+        if (native is None or native.decode_graph is None or native.bf16_linear_path is None
+                or native.pack_bf16 is None or not native.bf16_linear_path()):
             return None
         linears = _linears(model, _linear_names(model))
         if linears is None:
@@ -156,7 +157,7 @@ class DecodeGraph:
         if any(w.dtype != torch.bfloat16 or w.shape[0] % 16 or w.shape[1] % 32
                for w in weights):
             return None
-        tiles = [native.pack_amx_bf16(w) for w in weights]
+        tiles = [native.pack_bf16(w) for w in weights]
         return cls._build(model, native, linears, *_with_head(
             native, head, weights, [BF16] * len(weights), [False] * len(weights), tiles),
             max_rows)

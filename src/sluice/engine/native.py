@@ -112,12 +112,13 @@ class NativeOps:
     # [M, N]: a float32 linear of 5 or more rows (`PanelLinear`)
     pack_panels: Callable[[Tensor], Tensor] | None = None
     panel_linear: Callable[[Tensor, Tensor, int, Tensor | None], Tensor] | None = None
-    # bfloat16 linears on AMX (the decode graph's): whether they run here; bfloat16
-    # weight [N, K] -> its tiles int16 [N / 16, K / 32, 16, 32]; x [M, K] float32, tiles,
-    # bias -> [M, N] float32 (x rounded to bfloat16, float32 sums)
-    amx_bf16_ready: Callable[[], bool] | None = None
-    pack_amx_bf16: Callable[[Tensor], Tensor] | None = None
-    amx_bf16_linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None
+    # bfloat16 linears (the decode graph's): where they run here ("amx", "avx512_bf16"
+    # or "" for neither); bfloat16 weight [N, K] -> its packed pairs int16 [N / 16, K /
+    # 32, 16, 32] (AMX's tiles); x [M, K] float32, packed, bias -> [M, N] float32 (x
+    # rounded to bfloat16, float32 sums)
+    bf16_linear_path: Callable[[], str] | None = None
+    pack_bf16: Callable[[Tensor], Tensor] | None = None
+    bf16_linear: Callable[[Tensor, Tensor, Tensor | None], Tensor] | None = None
     # the ggml types those int8-activation linears take here: Q4_0, Q4_1, and Q8_0 where
     # the build has AVX512-VNNI ([] where q4_int8_path is "")
     int8_activation_types: Callable[[], list[int]] | None = None
@@ -138,9 +139,11 @@ def cpu_flags() -> frozenset[str]:
 
 
 # /proc/cpuinfo flag -> the compiler's option for it: the instructions the kernels use;
-# the -D ones enable a section's own target (the decode graph's Q4 x int8 dot products)
+# the -D ones enable a section's own target (the decode graph's Q4 x int8 dot products,
+# its bfloat16 linears on AVX512-BF16)
 BUILD_FLAGS = {"avx2": "-mavx2", "fma": "-mfma", "f16c": "-mf16c", "avx512f": "-mavx512f",
                "avx512bw": "-DSLUICE_AVX512BW", "avx512_vnni": "-DSLUICE_AVX512VNNI",
+               "avx512_bf16": "-DSLUICE_AVX512BF16",
                "amx_tile": "-mamx-tile", "amx_bf16": "-mamx-bf16"}
 
 
@@ -175,8 +178,8 @@ def load_kernels() -> NativeOps:
                      module.silu_and_mul, module.small_rows_linear, module.apply_token_bitmask,
                      module.lora_bgmv, module.gguf_linear, module.int8_linear,
                      module.DecodeGraph, module.q4_int8_path, module.gguf_linear_int8,
-                     module.pack_panels, module.panel_linear, module.amx_bf16_ready,
-                     module.pack_amx_bf16, module.amx_bf16_linear,
+                     module.pack_panels, module.panel_linear, module.bf16_linear_path,
+                     module.pack_bf16, module.bf16_linear,
                      module.int8_activation_types, module.rotary_embedding)
 
 

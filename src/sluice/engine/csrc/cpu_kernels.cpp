@@ -1964,6 +1964,14 @@ std::string q4_int8_path() {
 #endif
 }
 
+// A float rounded to bfloat16's bits, to nearest even (no NaNs here): the bfloat16
+// linears' inputs, as torch rounds.
+static inline uint16_t bf16_round(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
 // bfloat16 linears on AMX (Sapphire Rapids and later; built where /proc/cpuinfo has
 // amx_bf16 and amx_tile, used where the kernel grants this process the tile state). The
 // weight [N, K] is packed once into tiles of 16 outputs x 32 inputs, each stored as
@@ -1996,12 +2004,6 @@ static void amx_configure() {
     c.colsb[t] = 64;
   }
   _tile_loadconfig(&c);
-}
-
-static inline uint16_t bf16_round(float f) {  // round to nearest even (no NaNs here)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
 // One accumulator tile's 16 x 16 sums (rows m0.. of M, panel p) into y (+ bias).
@@ -2081,20 +2083,126 @@ static void amx_matmul(const float* x, const uint16_t* packed, const float* bias
 }
 #endif
 
-// Whether bfloat16 linears can run on AMX in this process (built for it, and granted).
-bool amx_bf16_ready() {
+// bfloat16 linears with AVX512-BF16 (AMD Zen 4 and later, Intel Cooper Lake; built where
+// /proc/cpuinfo has avx512_bf16: SLUICE_AVX512BF16), where AMX is not there or not
+// granted. The weight is packed as for AMX: within a panel of 16 outputs, one 64-byte row
+// per input pair (lane n holds w[16p + n][2j] and w[16p + n][2j + 1]), which is
+// vdpbf16ps's operand for 16 outputs against one row's input pair broadcast. A pass
+// takes 2 panels x up to 12 rows in 24 accumulators, as the float32 panels do (per input
+// pair: two 64-byte loads, one broadcast a row, 2 x 12 vdpbf16ps); a panel is read from
+// memory once a step and from L2 for each further 12 rows. A row's sums run in the same
+// order whatever else shares its step.
+#if defined(SLUICE_AVX512BF16)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+template <int MR, bool TWO>
+static inline void bf16_rows(const uint16_t* x, int64_t K, const uint16_t* w0, const uint16_t* w1,
+                             const float* bias, float* y, int64_t N, int64_t cols) {
+  __m512 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < K / 2; ++j) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w0 + j * 32);
+    const __m512bh b1 = TWO ? (__m512bh)_mm512_loadu_si512(w1 + j * 32) : b0;
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, x + i * K + 2 * j, 4);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], b0, a);
+      if (TWO) acc[i][1] = _mm512_dpbf16_ps(acc[i][1], b1, a);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    alignas(64) float out[32];
+    _mm512_store_ps(out, acc[i][0]);
+    _mm512_store_ps(out + 16, acc[i][1]);
+    for (int64_t c = 0; c < cols; ++c) y[i * N + c] = out[c] + (bias ? bias[c] : 0.f);
+  }
+}
+
+// bf16_rows for `rows` (1..R) rows and one or two panels.
+template <int R>
+static inline void bf16_rows_n(int64_t rows, bool two, const uint16_t* x, int64_t K,
+                               const uint16_t* w0, const uint16_t* w1, const float* bias,
+                               float* y, int64_t N) {
+  if constexpr (R > 1) {
+    if (rows < R) return bf16_rows_n<R - 1>(rows, two, x, K, w0, w1, bias, y, N);
+  }
+  if (two) {
+    bf16_rows<R, true>(x, K, w0, w1, bias, y, N, 32);
+  } else {
+    bf16_rows<R, false>(x, K, w0, w1, bias, y, N, 16);
+  }
+}
+
+// y [M, N] = x [M, K] @ w.T (+ bias) on the packed weight: x rounded to bfloat16 by all
+// threads, then units of 2 panels handed out in chunks as threads free up (as
+// panel_units), rows in even blocks of at most 12.
+static void avx512_bf16_matmul(const float* x, const uint16_t* packed, const float* bias,
+                               float* y, int64_t M, int64_t K, int64_t N,
+                               std::vector<uint16_t>& xb) {
+  const int64_t P = N / 16, units = (P + 1) / 2, blocks = (M + 11) / 12;
+  xb.resize(M * K);
+  uint16_t* xw = xb.data();
+  const int threads = at::get_num_threads();
+  const int64_t chunk = std::max<int64_t>(1, units / (8 * threads));
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t i = 0; i < K; ++i) xw[r * K + i] = bf16_round(x[r * K + i]);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t first = 0; first < units; first += chunk) {
+      for (int64_t u = first; u < std::min(units, first + chunk); ++u) {
+        const int64_t p = 2 * u;
+        const bool two = p + 1 < P;
+        const uint16_t* w0 = packed + p * K * 16;
+        const float* bias_u = bias ? bias + p * 16 : nullptr;
+        int64_t m = 0;
+        for (int64_t blk = 0; blk < blocks; ++blk) {
+          const int64_t rows = M / blocks + (blk < M % blocks ? 1 : 0);
+          bf16_rows_n<12>(rows, two, xw + m * K, K, w0, w0 + K * 16, bias_u, y + m * N + p * 16,
+                          N);
+          m += rows;
+        }
+      }
+    }
+  }
+}
+#pragma GCC pop_options
+#endif
+
+// Where bfloat16 linears (the decode graph's, bf16_linear) run in this process: "amx"
+// (built for it and the tile state granted), "avx512_bf16", or "" (neither).
+std::string bf16_linear_path() {
 #ifdef SLUICE_AMX
-  return amx_granted();
+  if (amx_granted()) return "amx";
+#endif
+#ifdef SLUICE_AVX512BF16
+  return "avx512_bf16";
 #else
-  return false;
+  return "";
 #endif
 }
 
-// weight [N, K] bfloat16 -> its AMX tiles as above (int16 [N / 16, K / 32, 16, 32]).
-torch::Tensor pack_amx_bf16(torch::Tensor weight) {
+// y [M, N] = x [M, K] @ w.T (+ bias) on a pack_bf16 weight, on the path above (one of
+// them is there: callers check bf16_linear_path()).
+static void bf16_matmul(const float* x, const uint16_t* packed, const float* bias, float* y,
+                        int64_t M, int64_t K, int64_t N, std::vector<uint16_t>& xb) {
+#ifdef SLUICE_AMX
+  if (amx_granted()) return amx_matmul(x, packed, bias, y, M, K, N, xb);
+#endif
+#ifdef SLUICE_AVX512BF16
+  avx512_bf16_matmul(x, packed, bias, y, M, K, N, xb);
+#endif
+}
+
+// weight [N, K] bfloat16 -> the layout above (int16 [N / 16, K / 32, 16, 32]: AMX's tiles,
+// AVX512-BF16's pair rows).
+torch::Tensor pack_bf16(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16 &&
                   weight.size(0) % 16 == 0 && weight.size(1) % 32 == 0,
-              "pack_amx_bf16: bfloat16 weight [N, K], N % 16 == 0, K % 32 == 0");
+              "pack_bf16: bfloat16 weight [N, K], N % 16 == 0, K % 32 == 0");
   const auto w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1), P = N / 16, KB = K / 32;
   auto packed = torch::empty({P, KB, 16, 32}, w.options().dtype(torch::kShort));
@@ -2113,31 +2221,29 @@ torch::Tensor pack_amx_bf16(torch::Tensor weight) {
 }
 
 // x [M, K] float32 (rounded to bfloat16) @ the packed weight's [N, K].T (+ bias) -> [M, N]
-// float32: the graph's AMX linear alone.
-torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor packed,
-                              c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(amx_bf16_ready(), "amx_bf16_linear: no AMX here");
+// float32: the graph's bfloat16 linear alone.
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed,
+                          c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(!bf16_linear_path().empty(), "bf16_linear: no AMX or AVX512-BF16 here");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && packed.dim() == 4 &&
                   packed.scalar_type() == torch::kShort && packed.is_contiguous() &&
                   packed.size(2) == 16 && packed.size(3) == 32 &&
                   x.size(1) == packed.size(1) * 32,
-              "amx_bf16_linear: x [M, K] float32, a pack_amx_bf16 weight");
+              "bf16_linear: x [M, K] float32, a pack_bf16 weight");
   const auto xc = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
   torch::Tensor b;
-  const float* bp = float_bias(bias, N, "amx_bf16_linear", b);
+  const float* bp = float_bias(bias, N, "bf16_linear", b);
   auto out = torch::empty({M, N}, x.options());
-#ifdef SLUICE_AMX
   std::vector<uint16_t> xb;
-  amx_matmul(xc.data_ptr<float>(), reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>()),
-             bp, out.data_ptr<float>(), M, K, N, xb);
-#endif
+  bf16_matmul(xc.data_ptr<float>(), reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>()),
+              bp, out.data_ptr<float>(), M, K, N, xb);
   return out;
 }
 
 // The decode graph (sluice.engine.decode_graph): a whole decode step of a Llama-family
 // model whose linears are all GGUF blocks, all float32 weights on panels, or all
-// bfloat16 weights on AMX tiles, in one call. Per layer:
+// bfloat16 weights on AMX tiles or AVX512-BF16 pairs, in one call. Per layer:
 //
 //   residual += h;  xn = rms_norm(residual) * attention_norm    (layer 0: residual = x)
 //   qkv = xn @ Wqkv;  RoPE on the Q and K heads;  K, V written at the rows' slots
@@ -2149,7 +2255,7 @@ torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor packed,
 // the same step as ~10 calls a layer from Python (each a dispatch, an allocation, and
 // for the parallel ones an OpenMP fork/join); here the activations stay float32 in a few
 // reused buffers; the linears (q4_int8_linear or gguf_linear_typed, parallel over output
-// rows; panel_matmul or the GEMV for float32; amx_matmul for bfloat16) and the attention
+// rows; panel_matmul or the GEMV for float32; bf16_matmul for bfloat16) and the attention
 // (over rows x KV heads)
 // are parallel, and norms, RoPE, the K/V writes and SwiGLU's activation are parallel
 // over rows from kGraphRowGrain rows (below that, a few thousand floats a row, on the
@@ -2157,7 +2263,7 @@ torch::Tensor amx_bf16_linear(torch::Tensor x, torch::Tensor packed,
 // Rows are decodes or a speculative verify's tokens (each a one-query decode whose
 // context ends at its own token): every row's K/V is written before any attends.
 constexpr int64_t kGraphFloat = 0;  // ggml's type of float32 weights
-constexpr int64_t kGraphBF16 = 30;  // ggml's type of bfloat16 weights (on AMX)
+constexpr int64_t kGraphBF16 = 30;  // ggml's type of bfloat16 weights (AMX or AVX512-BF16)
 constexpr int64_t kGraphRowGrain = 8;
 
 struct GraphLinear {
@@ -2166,7 +2272,7 @@ struct GraphLinear {
   int64_t type, N, K;
   torch::Tensor bias;  // float32 [N], or empty
   torch::Tensor panels;  // kGraphFloat: pack_panels(blocks), for more than kSmallRowsMax rows;
-                         // kGraphBF16: pack_amx_bf16(blocks)
+                         // kGraphBF16: pack_bf16(blocks)
 #ifdef SLUICE_Q4_INT8
   std::shared_ptr<Q4Packed> packed;  // Q4 blocks repacked for int8 activations, or null
 #endif
@@ -2192,13 +2298,11 @@ static void graph_linear(const GraphLinear& l, const float* x, int64_t M, float*
     }
     return;
   }
-#ifdef SLUICE_AMX
   if (l.type == kGraphBF16) {
-    amx_matmul(x, reinterpret_cast<const uint16_t*>(l.panels.data_ptr<int16_t>()), bp, y, M,
-               l.K, l.N, scratch.xb);
+    bf16_matmul(x, reinterpret_cast<const uint16_t*>(l.panels.data_ptr<int16_t>()), bp, y, M,
+                l.K, l.N, scratch.xb);
     return;
   }
-#endif
 #ifdef SLUICE_Q4_INT8
   if (l.packed) {
     q4_int8_linear(*l.packed, x, M, bp, y, scratch.q8);
@@ -2235,7 +2339,7 @@ class DecodeGraph {
  public:
   // linears: 4 per layer (qkv, o, gate_up, down) then the output head, as GGUF blocks of
   // `types`, or float32 weights [N, K] (type 0) with their pack_panels in `panels`, or
-  // bfloat16 weights (type 30) with their pack_amx_bf16 there (empty tensors for GGUF
+  // bfloat16 weights (type 30) with their pack_bf16 there (empty tensors for GGUF
   // blocks), with `biases` (empty tensors for none); norms: 2 per layer
   // then the final norm, float32; k_pools, v_pools: the layers' KV pools (float32 or
   // bfloat16); int8_activations, one per linear: a Q4 linear on int8 activations
@@ -2274,12 +2378,12 @@ class DecodeGraph {
       }
       if (types[i] == kGraphBF16) {
         const torch::Tensor& p = panels[i];
-        TORCH_CHECK(amx_bf16_ready() && w.dim() == 2 && w.scalar_type() == torch::kBFloat16 &&
+        TORCH_CHECK(!bf16_linear_path().empty() && w.dim() == 2 && w.scalar_type() == torch::kBFloat16 &&
                         p.dim() == 4 && p.scalar_type() == torch::kShort && p.is_contiguous() &&
                         p.size(0) * 16 == w.size(0) && p.size(1) * 32 == w.size(1) &&
                         !int8_activations[i],
-                    "DecodeGraph: a bfloat16 linear is a weight [N, K] and its pack_amx_bf16 "
-                    "(needs AMX)");
+                    "DecodeGraph: a bfloat16 linear is a weight [N, K] and its pack_bf16 "
+                    "(needs AMX or AVX512-BF16)");
         linears_.push_back({w, kGraphBF16, w.size(0), w.size(1), b, p});
         continue;
       }
@@ -2437,11 +2541,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear_int8", &gguf_linear_int8,
         "x @ dequant(qweight).T + bias on Q4 blocks with int8 activations (tests; CPU)",
         py::arg("x"), py::arg("qweight"), py::arg("type"), py::arg("bias") = py::none());
-  m.def("amx_bf16_ready", &amx_bf16_ready,
-        "whether bfloat16 linears run on AMX here (built for it, tile state granted)");
-  m.def("pack_amx_bf16", &pack_amx_bf16, "bfloat16 weight [N, K] -> its AMX tiles");
-  m.def("amx_bf16_linear", &amx_bf16_linear, py::arg("x"), py::arg("packed"),
-        py::arg("bias") = py::none(), "x [M, K] float32 @ a pack_amx_bf16 weight's .T (AMX)");
+  m.def("bf16_linear_path", &bf16_linear_path,
+        "where bfloat16 linears run here: \"amx\" (built for it, tile state granted), "
+        "\"avx512_bf16\", or \"\"");
+  m.def("pack_bf16", &pack_bf16, "bfloat16 weight [N, K] -> its AMX tiles / AVX512-BF16 pairs");
+  m.def("bf16_linear", &bf16_linear, py::arg("x"), py::arg("packed"),
+        py::arg("bias") = py::none(), "x [M, K] float32 @ a pack_bf16 weight's .T (AMX or AVX512-BF16)");
   m.def("q4_int8_path", &q4_int8_path,
         "the vector path of the Q4 x int8 dot products built here, or '' (none)");
   m.def("int8_linear", &int8_linear,
