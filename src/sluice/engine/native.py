@@ -18,11 +18,14 @@
 - `gguf_linear`: a linear on GGUF Q4_0 / Q4_1 / Q8_0 blocks (sluice.engine.quant).
 - `int8_linear`: a linear on int8 weights with one scale per output row
   (`--quantization int8`, sluice.engine.quant).
-- `DecodeGraph`: a whole decode step (every layer and the head) of a model whose linears
-  are all GGUF blocks, in one call (sluice.engine.decode_graph); its Q4 linears take
-  int8 activations (`q4_int8_path` says which vector path: AVX512-VNNI, AVX-512BW or
-  AVX2, each compiled where /proc/cpuinfo has it), and with AVX512-VNNI its Q8_0 head
-  too (`int8_activation_types`).
+- `pack_bf16` / `bf16_linear`: a bfloat16 linear on its weight packed once into pairs
+  of inputs per 16 outputs, on AMX tiles or AVX512-BF16's `vdpbf16ps`
+  (`bf16_linear_path` says which, each compiled where /proc/cpuinfo has it).
+- `DecodeGraph`: a whole decode step (every layer and the head) in one call
+  (sluice.engine.decode_graph), over GGUF blocks, float32 panels or bfloat16 pairs; its
+  Q4 linears take int8 activations (`q4_int8_path` says which vector path: AVX512-VNNI,
+  AVX-512BW or AVX2, each compiled where /proc/cpuinfo has it), and with AVX512-VNNI its
+  Q8_0 head too (`int8_activation_types`).
 - `apply_token_bitmask`: structured output's grammar mask applied to the logits word by
   word (xgrammar's own CPU kernel tests every bit: ~6 ms for 32 rows of SmolLM2's vocab).
 

@@ -1972,6 +1972,21 @@ static inline uint16_t bf16_round(float f) {
   return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
+// x [M, K] rounded to bfloat16 into xw [Mp, K] (rows M..Mp zeros: a row block's padding),
+// the rows shared by the threads of the enclosing parallel region.
+static void round_rows_bf16(const float* x, uint16_t* xw, int64_t M, int64_t Mp, int64_t K) {
+#pragma omp for schedule(static)
+  for (int64_t r = 0; r < Mp; ++r) {
+    uint16_t* xr = xw + r * K;
+    if (r < M) {
+      const float* src = x + r * K;
+      for (int64_t i = 0; i < K; ++i) xr[i] = bf16_round(src[i]);
+    } else {
+      std::fill(xr, xr + K, uint16_t{0});
+    }
+  }
+}
+
 // bfloat16 linears on AMX (Sapphire Rapids and later; built where /proc/cpuinfo has
 // amx_bf16 and amx_tile, used where the kernel grants this process the tile state). The
 // weight [N, K] is packed once into tiles of 16 outputs x 32 inputs, each stored as
@@ -2032,16 +2047,7 @@ static void amx_matmul(const float* x, const uint16_t* packed, const float* bias
   const int64_t chunk = std::max<int64_t>(1, pairs / (8 * threads));
 #pragma omp parallel num_threads(threads)
   {
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < Mp; ++r) {  // rounded once; the last row block's padding zeros
-      uint16_t* xr = xw + r * K;
-      if (r < M) {
-        const float* src = x + r * K;
-        for (int64_t i = 0; i < K; ++i) xr[i] = bf16_round(src[i]);
-      } else {
-        std::fill(xr, xr + K, uint16_t{0});
-      }
-    }
+    round_rows_bf16(x, xw, M, Mp, K);  // once; the last row block's padding zeros
     amx_configure();
     alignas(64) float out[4][16 * 16];
 #pragma omp for schedule(dynamic, 1)
@@ -2148,9 +2154,7 @@ static void avx512_bf16_matmul(const float* x, const uint16_t* packed, const flo
   const int64_t chunk = std::max<int64_t>(1, units / (8 * threads));
 #pragma omp parallel num_threads(threads)
   {
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t i = 0; i < K; ++i) xw[r * K + i] = bf16_round(x[r * K + i]);
+    round_rows_bf16(x, xw, M, M, K);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t first = 0; first < units; first += chunk) {
       for (int64_t u = first; u < std::min(units, first + chunk); ++u) {
