@@ -2096,17 +2096,25 @@ static void amx_matmul(const float* x, const uint16_t* packed, const float* bias
 // vdpbf16ps's operand for 16 outputs against one row's input pair broadcast. A pass
 // takes 2 panels x up to 12 rows in 24 accumulators, as the float32 panels do (per input
 // pair: two 64-byte loads, one broadcast a row, 2 x 12 vdpbf16ps); a panel is read from
-// memory once a step and from L2 for each further 12 rows. A row's sums run in the same
-// order whatever else shares its step.
+// memory once a step and from L2 for each further 12 rows, and while a thread computes a
+// unit's later row blocks from L2 it prefetches its next unit's panels (`pf`, one or two
+// lines an input pair; off, `pf` is the line being loaded anyway), so the next unit's
+// first block does not wait for memory: a 32-row decode-graph step 45.0 -> 42.0 ms, 64
+// rows 76.8 -> 73.7 (Zen 4, both in one process, alternated step by step, medians of 24).
+// A row's sums run in the same order whatever else shares its step.
 #if defined(SLUICE_AVX512BF16)
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
 template <int MR, bool TWO>
 static inline void bf16_rows(const uint16_t* x, int64_t K, const uint16_t* w0, const uint16_t* w1,
-                             const float* bias, float* y, int64_t N, int64_t cols) {
+                             const float* bias, float* y, int64_t N, int64_t cols,
+                             const uint16_t* pf, int64_t pf_step) {
   __m512 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t j = 0; j < K / 2; ++j) {
+    // __builtin_prefetch, not _mm_prefetch: with the latter GCC kept acc in memory
+    __builtin_prefetch(pf + j * pf_step, 0, 3);
+    __builtin_prefetch(pf + j * pf_step + pf_step / 2, 0, 3);
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w0 + j * 32);
     const __m512bh b1 = TWO ? (__m512bh)_mm512_loadu_si512(w1 + j * 32) : b0;
 #pragma GCC unroll 12
@@ -2130,20 +2138,21 @@ static inline void bf16_rows(const uint16_t* x, int64_t K, const uint16_t* w0, c
 template <int R>
 static inline void bf16_rows_n(int64_t rows, bool two, const uint16_t* x, int64_t K,
                                const uint16_t* w0, const uint16_t* w1, const float* bias,
-                               float* y, int64_t N) {
+                               float* y, int64_t N, const uint16_t* pf, int64_t pf_step) {
   if constexpr (R > 1) {
-    if (rows < R) return bf16_rows_n<R - 1>(rows, two, x, K, w0, w1, bias, y, N);
+    if (rows < R) return bf16_rows_n<R - 1>(rows, two, x, K, w0, w1, bias, y, N, pf, pf_step);
   }
   if (two) {
-    bf16_rows<R, true>(x, K, w0, w1, bias, y, N, 32);
+    bf16_rows<R, true>(x, K, w0, w1, bias, y, N, 32, pf, pf_step);
   } else {
-    bf16_rows<R, false>(x, K, w0, w1, bias, y, N, 16);
+    bf16_rows<R, false>(x, K, w0, w1, bias, y, N, 16, pf, pf_step);
   }
 }
 
 // y [M, N] = x [M, K] @ w.T (+ bias) on the packed weight: x rounded to bfloat16 by all
 // threads, then units of 2 panels handed out in chunks as threads free up (as
-// panel_units), rows in even blocks of at most 12.
+// panel_units; at least 3 units a chunk past 12 rows, so a unit has a next one to
+// prefetch), rows in even blocks of at most 12.
 static void avx512_bf16_matmul(const float* x, const uint16_t* packed, const float* bias,
                                float* y, int64_t M, int64_t K, int64_t N,
                                std::vector<uint16_t>& xb) {
@@ -2151,13 +2160,17 @@ static void avx512_bf16_matmul(const float* x, const uint16_t* packed, const flo
   xb.resize(M * K);
   uint16_t* xw = xb.data();
   const int threads = at::get_num_threads();
-  const int64_t chunk = std::max<int64_t>(1, units / (8 * threads));
+  const int64_t chunk = std::max<int64_t>(blocks > 1 ? 3 : 1, units / (8 * threads));
+  // the next unit's K lines (2 panels of K / 2) over the row blocks after the first: two
+  // lines an input pair in block 1 when there are 2 blocks, else one in blocks 1 and 2
+  const int64_t per = blocks == 2 ? 2 : 1;
 #pragma omp parallel num_threads(threads)
   {
     round_rows_bf16(x, xw, M, M, K);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t first = 0; first < units; first += chunk) {
-      for (int64_t u = first; u < std::min(units, first + chunk); ++u) {
+      const int64_t last = std::min(units, first + chunk);
+      for (int64_t u = first; u < last; ++u) {
         const int64_t p = 2 * u;
         const bool two = p + 1 < P;
         const uint16_t* w0 = packed + p * K * 16;
@@ -2165,8 +2178,10 @@ static void avx512_bf16_matmul(const float* x, const uint16_t* packed, const flo
         int64_t m = 0;
         for (int64_t blk = 0; blk < blocks; ++blk) {
           const int64_t rows = M / blocks + (blk < M % blocks ? 1 : 0);
+          const bool ahead = blk >= 1 && blk <= 2 / per && u + 1 < last;
+          const uint16_t* pf = ahead ? w0 + K * 32 + (blk - 1) * (K / 2) * per * 32 : w0;
           bf16_rows_n<12>(rows, two, xw + m * K, K, w0, w0 + K * 16, bias_u, y + m * N + p * 16,
-                          N);
+                          N, pf, ahead ? per * 32 : 32);
           m += rows;
         }
       }
