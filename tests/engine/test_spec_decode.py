@@ -227,6 +227,28 @@ def test_step_cost_interpolates() -> None:
     assert cost.seconds(128) == pytest.approx(0.100)
 
 
+def test_calibrated_sizes_follow_the_real_steps_drift() -> None:
+    """Calibrated while the host was twice as slow: real one-token steps at half the time
+    pull the sizes no real step has met down with them (else a verify that looked dear
+    at start never runs again), and a size a real step meets goes on from there."""
+    cost = StepCost()
+    for tokens, seconds in ((1, 0.020), (8, 0.024), (16, 0.040)):
+        cost.observe(tokens, seconds, weight=1.0)
+    for _ in range(80):
+        cost.observe(1, 0.010)
+    assert cost.seconds(1) == pytest.approx(0.010, rel=0.01)
+    assert cost.seconds(8) == pytest.approx(0.012, rel=0.01)
+    assert cost.seconds(12) == pytest.approx(0.016, rel=0.01)
+    cost.observe(8, 0.013)  # met: from the drifted 0.012, not the calibrated 0.024
+    assert cost.seconds(8) == pytest.approx(0.0121, rel=0.01)
+    planner = SpecPlanner(adaptive=True, disable_by_batch_size=None)
+    planner.cost = cost
+    assert planner.may_pay(1, 1, 8)  # 1 + 7.2 tokens for 1.6x a step's time
+    for tokens, seconds in ((1, 0.020), (9, 0.2)):  # a steep curve stays steep
+        planner.cost.observe(tokens, seconds, weight=1.0)
+    assert not planner.may_pay(1, 1, 8)
+
+
 def test_proposers_are_skipped_exactly_where_no_draft_could_be_chosen() -> None:
     """`worth_drafting` against `choose` itself over every draft size of every sequence,
     on a flat and a steep step-time curve, with sequences that drafted well or badly."""

@@ -280,24 +280,48 @@ PROPOSERS: dict[str, Callable[[], type[Proposer]]] = {
 # -- when and how deep ------------------------------------------------------------------
 class StepCost:
     """Forward seconds against tokens in the step: points (mean tokens, mean seconds) per
-    power-of-two bucket, moving averages of real steps, linearly interpolated."""
+    power-of-two bucket, moving averages of real steps, linearly interpolated.
+
+    A point only calibrated (`observe` with weight 1: `calibrate`, or a test's set
+    point) and not yet met by a real step follows the real steps' drift: the moving
+    average of real over calibrated seconds in the buckets that have both. Without it a
+    calibration taken while the host was slower than later (a shared VM moves by 30%
+    from minute to minute) kept its verify sizes' times while real one-token steps
+    pulled that size down, so every draft looked dear and none ran to be measured again
+    (a whole `benchmarks/spec_decode.py` run on a Zen 4 drafted 3 times, the next run of
+    the same code 304)."""
 
     def __init__(self) -> None:
         self.points: dict[int, list[float]] = {}  # bucket -> [tokens, seconds]
+        self.calibrated: dict[int, float] = {}  # bucket -> seconds when calibrated
+        self.real: set[int] = set()  # buckets real steps have met since
+        self.drift = 1.0  # real over calibrated seconds, moving average
 
     def observe(self, tokens: int, seconds: float, weight: float = 0.1) -> None:
+        """A step's time; weight 1 calibrates (sets) that size's point."""
         if tokens <= 0:
             return
         bucket = round(math.log2(tokens) * 4)  # quarter octaves
+        if weight >= 1.0:
+            self.points[bucket] = [float(tokens), seconds]
+            self.calibrated[bucket] = seconds
+            self.real.discard(bucket)
+            return
+        if self.calibrated.get(bucket, 0.0) > 0.0:
+            self.drift += weight * (seconds / self.calibrated[bucket] - self.drift)
         point = self.points.get(bucket)
         if point is None:
             self.points[bucket] = [float(tokens), seconds]
-            return
-        point[0] += weight * (tokens - point[0])
-        point[1] += weight * (seconds - point[1])
+        else:
+            if bucket not in self.real:  # from the calibrated time as it stands now
+                point[1] *= self.drift
+            point[0] += weight * (tokens - point[0])
+            point[1] += weight * (seconds - point[1])
+        self.real.add(bucket)
 
     def seconds(self, tokens: float) -> float:
-        pts = sorted(self.points.values())
+        pts = sorted((p[0], p[1] if b in self.real else p[1] * self.drift)
+                     for b, p in self.points.items())
         if not pts:
             return 1.0
         xs = [p[0] for p in pts]
