@@ -357,8 +357,10 @@ def swiglu_rows_min(flags: frozenset[str]) -> int | None:
     14): prompts of 139 tokens prefilled 1 / 2 / 4 / 8 / 14 at a time 46.2 / 78.9 / 141.8
     / 249.0 / 376.3 ms unfused, 46.4 / 71.9 / 120.0 / 222.0 / 313.1 fused; a step of 31
     decodes and one prompt (170 rows) 61.1 unfused, 64.2 fused: two half-width matmuls
-    lose to one under ~200 rows. Elsewhere (AMD's AVX-512 with avx512_bf16, where the
-    torch model also runs every bfloat16 decode) unmeasured, so unchanged.
+    lose to one under ~200 rows. On a 2-core AMD Zen 4 (avx512_bf16, no AMX; 2026-12-05,
+    the same check, medians of 8): 1 / 4 / 14 prompts 115.2 / 399.0 / 1,311.9 ms unfused,
+    111.2 / 386.4 / 1,277.1 fused, 3%, within that host's noise, so off there; elsewhere
+    unmeasured.
     """
     return 256 if "amx_bf16" in flags else None
 

@@ -2179,19 +2179,23 @@ static void avx512_bf16_matmul(const float* x, const uint16_t* packed, const flo
         const int64_t p = 2 * u;
         const bool two = p + 1 < P;
         const uint16_t* w0 = packed + p * K * 16;
+        const uint16_t* w1 = w0 + K * 16;
         const float* bias_u = bias ? bias + p * 16 : nullptr;
         int64_t m = 0;
         for (int64_t blk = 0; blk < blocks; ++blk) {
           const int64_t rows = M / blocks + (blk < M % blocks ? 1 : 0);
-          const bool ahead = blk >= 1 && blk <= 2 / per && u + 1 < last;
-          const uint16_t* pf = ahead ? w0 + K * 32 + (blk - 1) * (K / 2) * per * 32 : w0;
-          const uint16_t* pf2 = ahead && per == 2 ? pf + 32 : pf;
+          const uint16_t *pf = w0, *pf2 = w0;  // off: the line being loaded anyway
+          int64_t pf_step = 32;
           if (stream_ahead) {
             pf = w0 + 32 * 32;
-            pf2 = w0 + K * 16 + 32 * 32;
+            pf2 = w1 + 32 * 32;
+          } else if (blk >= 1 && blk <= 2 / per && u + 1 < last) {  // the next unit
+            pf = w0 + K * 32 + (blk - 1) * (K / 2) * per * 32;
+            pf2 = per == 2 ? pf + 32 : pf;
+            pf_step = per * 32;
           }
-          bf16_rows_n<12>(rows, two, xw + m * K, K, w0, w0 + K * 16, bias_u, y + m * N + p * 16,
-                          N, pf, pf2, ahead ? per * 32 : 32);
+          bf16_rows_n<12>(rows, two, xw + m * K, K, w0, w1, bias_u, y + m * N + p * 16, N, pf,
+                          pf2, pf_step);
           m += rows;
         }
       }
