@@ -17,7 +17,18 @@ safetensors copy of the same SmolLM2-135M-Instruct (docs/bench.md), cast at load
     flock /tmp/sluice-heavy.lock .venv/bin/python benchmarks/serve_vs_vllm.py \\
         [--concurrency 1 8 32 64] [--vllm-python /opt/vllm-venv/bin/python] \\
         [--vllm-model /opt/smollm2-fp32 | --vllm-url http://127.0.0.1:8100] \\
-        [--skip-sluice | --skip-vllm] [--worker-args "--max-num-seqs 64"]
+        [--skip-sluice | --skip-vllm] [--worker-args "--max-num-seqs 64"] \\
+        [--rounds 3 [--pause 5]]
+
+`--rounds N` (N > 1) keeps both servers up and alternates them: per round, every
+concurrency runs on one server then the other (the order flips each round), with
+`--pause` seconds before each run so that the previous server's threads stop spinning
+(vLLM's OpenMP threads keep two cores busy for a while after a run: a sluice run right
+after one measured half its speed). Each (round, concurrency) has its own seed, shared by
+both servers. The table then shows medians over the rounds, and the ratio is the median
+of each round's paired ratio, with its range: on a VM whose speed drifts (a 2-core
+Emerald Rapids moved 2x between minutes, 2026-12-05), runs minutes apart are not
+comparable, paired neighbours are.
 
 vLLM's first start takes minutes (`--vllm-start-timeout`, default 900 s). Server logs
 go to `--log-dir` (default: a temporary folder, printed). Servers are stopped, with
@@ -35,6 +46,7 @@ import os
 import resource
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -194,12 +206,12 @@ def server_version(url: str) -> str | None:
 # ---------------------------------------------------------------- the client
 
 
-def bench(args: argparse.Namespace, url: str, concurrency: int) -> dict[str, Any]:
+def bench(args: argparse.Namespace, url: str, concurrency: int, seed: int) -> dict[str, Any]:
     """One `sluice bench serve` run at `concurrency`; its summary for this endpoint."""
     cmd = [args.sluice, "bench", "serve", "--base-url", url, "--endpoint", "/v1/completions",
            "--workload", "random", "--input-len", str(args.input_len),
            "--output-len", str(args.output_len), "--ignore-eos", "--temperature", "0",
-           "--seed", str(args.seed), "--request-rate", "inf",
+           "--seed", str(seed), "--request-rate", "inf",
            "--max-concurrency", str(concurrency), "--num-prompts", str(num_prompts(concurrency)),
            "--warmup", str(concurrency), "--disable-tqdm", "--request-timeout", "600"]
     if args.tokenizer:  # a server without sluice's or vLLM's /tokenize (llama-server)
@@ -226,20 +238,27 @@ def sweep(args: argparse.Namespace, name: str, url: str, pgid: int | None
     with other work meanwhile (see `CpuMeter`): on a shared machine it moves the numbers."""
     out = {}
     for i, c in enumerate(args.concurrency):
-        meter = CpuMeter(pgid)
-        result = bench(args, url, c)
-        if i == 0 and result.get("server_prefix_cache_hits"):
-            # a fresh sweep's first prompts share nothing: these hits are an earlier run's
-            # prompts (the same --seed) still in a server kept across runs
-            print(f"warning: {name} c={c}: {result['server_prefix_cache_hits']:.0f} prefix-cache "
-                  "hits on the first prompts; a server kept across runs remembers them: give "
-                  "each run its own --seed", file=sys.stderr, flush=True)
-        out[str(c)] = result | {"measured_at": utc_now(), "loadavg_1m_before": meter.load,
-                                "other_cpu_share": meter.other_share()}
-        share = out[str(c)]["other_cpu_share"]
-        print(f"{name} c={c}: {result['output_throughput']:.1f} output tok/s, other work "
-              f"{'-' if share is None else f'{100 * share:.0f}%'} of the CPU",
-              file=sys.stderr, flush=True)
+        out[str(c)] = measure(args, name, url, pgid, c, args.seed, first=i == 0)
+    return out
+
+
+def measure(args: argparse.Namespace, name: str, url: str, pgid: int | None, c: int,
+            seed: int, first: bool) -> dict[str, Any]:
+    """One run at concurrency `c`, with the share of the CPU other work took meanwhile."""
+    meter = CpuMeter(pgid)
+    result = bench(args, url, c, seed)
+    if first and result.get("server_prefix_cache_hits"):
+        # a fresh sweep's first prompts share nothing: these hits are an earlier run's
+        # prompts (the same --seed) still in a server kept across runs
+        print(f"warning: {name} c={c}: {result['server_prefix_cache_hits']:.0f} prefix-cache "
+              "hits on the first prompts; a server kept across runs remembers them: give "
+              "each run its own --seed", file=sys.stderr, flush=True)
+    out = result | {"measured_at": utc_now(), "loadavg_1m_before": meter.load,
+                    "other_cpu_share": meter.other_share()}
+    share = out["other_cpu_share"]
+    print(f"{name} c={c}: {result['output_throughput']:.1f} output tok/s, other work "
+          f"{'-' if share is None else f'{100 * share:.0f}%'} of the CPU",
+          file=sys.stderr, flush=True)
     return out
 
 
@@ -285,27 +304,71 @@ def group_cpu_s(pgid: int) -> float:
     return total / CLOCK_TICKS
 
 
-def run_sluice(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+@contextmanager
+def sluice_server(args: argparse.Namespace, logs: Path) -> Iterator[tuple[str, int, dict[str, Any]]]:
+    """A `sluice worker` started here: (URL, process group, the side's record)."""
     port = free_port()
     with server(sluice_cmd(args, port), port, logs / "sluice-worker.log",
                 args.sluice_start_timeout) as (url, startup, pgid):
-        return {"startup_s": startup, "version": git_rev(),
-                "results": sweep(args, "sluice", url, pgid)}
+        yield url, pgid, {"startup_s": startup, "version": git_rev()}
 
 
-def run_vllm(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+@contextmanager
+def vllm_server(args: argparse.Namespace, logs: Path
+                ) -> Iterator[tuple[str, int | None, dict[str, Any]]]:
+    """`--vllm-url`'s server, or one started here: (URL, process group or None, record)."""
     if args.vllm_url:
         url = args.vllm_url.rstrip("/")
         wait_healthy(url, 30, None, None)
-        return {"startup_s": None, "version": server_version(url),
-                "results": sweep(args, "vllm", url, None)}
+        yield url, None, {"startup_s": None, "version": server_version(url)}
+        return
     port = free_port()
     env = vllm_env(args)
     with server(vllm_cmd(args, port), port, logs / "vllm.log", args.vllm_start_timeout,
                 env) as (url, startup, pgid):
         print(f"vLLM healthy after {startup:.0f} s", file=sys.stderr, flush=True)
-        return {"startup_s": startup, "version": server_version(url), "env": env,
-                "results": sweep(args, "vllm", url, pgid)}
+        yield url, pgid, {"startup_s": startup, "version": server_version(url), "env": env}
+
+
+def run_sluice(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    with sluice_server(args, logs) as (url, pgid, side):
+        return side | {"results": sweep(args, "sluice", url, pgid)}
+
+
+def run_vllm(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    with vllm_server(args, logs) as (url, pgid, side):
+        return side | {"results": sweep(args, "vllm", url, pgid)}
+
+
+def run_alternating(args: argparse.Namespace, logs: Path
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`--rounds` rounds with both servers up (vLLM started first: its start takes
+    minutes), each concurrency on both in turn; the order flips every round."""
+    with vllm_server(args, logs) as (v_url, v_pgid, vllm), \
+            sluice_server(args, logs) as (s_url, s_pgid, sluice):
+        servers = {"sluice": (s_url, s_pgid, sluice), "vllm": (v_url, v_pgid, vllm)}
+        for side in (sluice, vllm):
+            side["rounds"] = {str(c): [] for c in args.concurrency}
+        for r in range(args.rounds):
+            order = ("sluice", "vllm") if r % 2 == 0 else ("vllm", "sluice")
+            for c in args.concurrency:
+                seed = args.seed + 1000 * r + c  # both servers see this run's prompts once
+                for name in order:
+                    url, pgid, side = servers[name]
+                    time.sleep(args.pause)
+                    print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
+                    side["rounds"][str(c)].append(
+                        measure(args, name, url, pgid, c, seed, first=r == 0 and c == args.concurrency[0]))
+        for side in (sluice, vllm):
+            side["results"] = {c: median_run(runs) for c, runs in side["rounds"].items()}
+        return sluice, vllm
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The rounds' medians of the reported numbers (the other fields: the first run's)."""
+    keys = ("output_throughput", "p50_ttft_ms", "p50_tpot_ms", "other_cpu_share")
+    return runs[0] | {k: statistics.median(r[k] for r in runs) if all(r.get(k) is not None for r in runs)
+                      else None for k in keys}
 
 
 # ---------------------------------------------------------------- report
@@ -316,8 +379,13 @@ def row(c: int, sluice: dict[str, Any] | None, vllm: dict[str, Any] | None) -> d
         return side["results"][str(c)].get(key) if side else None
 
     s_tps, v_tps = get(sluice, "output_throughput"), get(vllm, "output_throughput")
+    ratio, low, high = s_tps / v_tps if s_tps and v_tps else None, None, None
+    if sluice and vllm and "rounds" in sluice:  # each round's pair, then their median
+        pairs = [s["output_throughput"] / v["output_throughput"]
+                 for s, v in zip(sluice["rounds"][str(c)], vllm["rounds"][str(c)], strict=True)]
+        ratio, low, high = statistics.median(pairs), min(pairs), max(pairs)
     return {"concurrency": c, "sluice_tok_s": s_tps, "vllm_tok_s": v_tps,
-            "ratio_sluice_over_vllm": s_tps / v_tps if s_tps and v_tps else None,
+            "ratio_sluice_over_vllm": ratio, "ratio_min": low, "ratio_max": high,
             "sluice_ttft_p50_ms": get(sluice, "p50_ttft_ms"), "vllm_ttft_p50_ms": get(vllm, "p50_ttft_ms"),
             "sluice_tpot_p50_ms": get(sluice, "p50_tpot_ms"), "vllm_tpot_p50_ms": get(vllm, "p50_tpot_ms"),
             "sluice_other_cpu": get(sluice, "other_cpu_share"),
@@ -327,6 +395,7 @@ def row(c: int, sluice: dict[str, Any] | None, vllm: dict[str, Any] | None) -> d
 def print_table(rows: list[dict[str, Any]]) -> None:
     cols = (("streams", "concurrency", "d"), ("sluice tok/s", "sluice_tok_s", ".1f"),
             ("vLLM tok/s", "vllm_tok_s", ".1f"), ("ratio s/v", "ratio_sluice_over_vllm", ".2f"),
+            ("ratio min", "ratio_min", ".2f"), ("ratio max", "ratio_max", ".2f"),
             ("TTFT p50 s", "sluice_ttft_p50_ms", ".0f"), ("TTFT p50 v", "vllm_ttft_p50_ms", ".0f"),
             ("TPOT p50 s", "sluice_tpot_p50_ms", ".1f"), ("TPOT p50 v", "vllm_tpot_p50_ms", ".1f"),
             ("other CPU s", "sluice_other_cpu", ".0%"), ("other CPU v", "vllm_other_cpu", ".0%"))
@@ -357,6 +426,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vllm-url", default=None,
                    help="an already running vLLM (not started or stopped here; its prefix cache "
                         "keeps earlier runs' prompts: give each run its own --seed)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="N > 1: both servers up, alternated N times (medians, paired ratios)")
+    p.add_argument("--pause", type=float, default=5.0,
+                   help="seconds before each run with --rounds (the other server's threads "
+                        "stop spinning)")
     p.add_argument("--skip-sluice", action="store_true")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--sluice-start-timeout", type=float, default=300.0)
@@ -366,6 +440,10 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.skip_sluice and args.skip_vllm:
         p.error("nothing to run: both --skip-sluice and --skip-vllm")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    if args.rounds > 1 and (args.skip_sluice or args.skip_vllm):
+        p.error("--rounds alternates the two servers: not with --skip-sluice or --skip-vllm")
     return args
 
 
@@ -378,8 +456,13 @@ def main() -> int:
     print(f"CPU: {cpu['model_name']}, {cpu['cores']} cores, flags: "
           f"{' '.join(cpu['flags']) or 'none of ' + ' '.join(CPU_FLAGS)}")
     print(f"started {started}, sluice {git_rev()}, logs in {logs}", flush=True)
-    sluice = None if args.skip_sluice else run_sluice(args, logs)
-    vllm = None if args.skip_vllm else run_vllm(args, logs)
+    sluice: dict[str, Any] | None
+    vllm: dict[str, Any] | None
+    if args.rounds > 1:
+        sluice, vllm = run_alternating(args, logs)
+    else:
+        sluice = None if args.skip_sluice else run_sluice(args, logs)
+        vllm = None if args.skip_vllm else run_vllm(args, logs)
     rows = [row(c, sluice, vllm) for c in args.concurrency]
     print(f"\n{args.dtype}, {args.input_len}-token prompts, {args.output_len} output tokens, ignore_eos, "
           f"temperature 0; vLLM {vllm['version'] if vllm else '-'}, finished {utc_now()}")
