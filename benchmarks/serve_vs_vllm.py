@@ -24,11 +24,11 @@ safetensors copy of the same SmolLM2-135M-Instruct (docs/bench.md), cast at load
 concurrency runs on one server then the other (the order flips each round), with
 `--pause` seconds before each run so that the previous server's threads stop spinning
 (vLLM's OpenMP threads keep both cores busy for a while after its work: a one-prompt
-request to sluice right after one to vLLM took ~1 s instead of ~0.1 s). Each (round, concurrency) has its own seed, shared by
-both servers. The table then shows medians over the rounds, and the ratio is the median
-of each round's paired ratio, with its range: on a VM whose speed drifts (a 2-core
-Emerald Rapids moved 2x between minutes, 2026-12-05), runs minutes apart are not
-comparable, paired neighbours are.
+request to sluice right after one to vLLM took ~1 s instead of ~0.1 s). Each (round,
+concurrency) has its own seed, shared by both servers. The table then shows medians
+over the rounds, and the ratio is the median of each round's paired ratio, with its
+range: on a VM whose speed drifts (a 2-core Emerald Rapids moved 2x between minutes,
+2026-12-05), runs minutes apart are not comparable, paired neighbours are.
 
 vLLM's first start takes minutes (`--vllm-start-timeout`, default 900 s). Server logs
 go to `--log-dir` (default: a temporary folder, printed). Servers are stopped, with

@@ -218,47 +218,6 @@ def test_proposers() -> None:
     assert SuffixProposer(strict).propose(seq, 4) == []
 
 
-def test_suffix_drafts_follow_the_longest_known_context() -> None:
-    """The proposer's next token is the most frequent continuation of the longest
-    context found in its own or the finished sequences' counts, both added, ties to the
-    first counted: checked against that rule written out plainly, over random streams
-    of a small vocabulary (long shared contexts) with finished sequences in the counts."""
-
-    def reference(table, shared, ctx):  # type: ignore[no-untyped-def]
-        found = None
-        for n in range(1, len(ctx) + 1):
-            key = tuple(ctx[-n:])
-            if key not in table and key not in shared:
-                break
-            found = dict(shared.get(key, {}))
-            for tok, c in table.get(key, {}).items():
-                found[tok] = found.get(tok, 0) + c
-        if not found:
-            return None
-        token = max(found, key=found.__getitem__)
-        return token, found[token] / sum(found.values())
-
-    rng = random.Random(7)
-    engine = make_engine(None)
-    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=1))
-    seq = engine.core.requests["a"].seqs[0]
-    suffix = SuffixProposer(SpeculativeConfig(method="suffix", suffix_decoding_max_tree_depth=6,
-                                              suffix_decoding_max_spec_factor=3.0,
-                                              suffix_decoding_min_token_prob=0.0))
-    checked = 0
-    for round_ in range(12):
-        seq.token_ids[:] = [rng.randrange(4 + round_ % 3) for _ in range(rng.randrange(2, 60))]
-        suffix.propose(seq, 8)  # indexes the sequence's own counts
-        table = suffix.local[seq][0]
-        for cut in range(1, len(seq.token_ids) + 1):
-            ctx = seq.token_ids[max(0, cut - 6):cut]
-            assert suffix._next(table, ctx) == reference(table, suffix.shared, ctx)
-            checked += 1
-        seq.num_prompt_tokens = len(seq.token_ids) // 2  # the rest counts as its output
-        suffix.forget(seq)  # into the shared counts for the next rounds
-    assert checked > 100 and suffix.shared
-
-
 def test_step_cost_interpolates() -> None:
     cost = StepCost()
     for tokens, seconds in ((1, 0.010), (8, 0.012), (64, 0.050)):
