@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,14 @@ def cli(*argv: str) -> dict[str, Any]:
     return result
 
 
+def router_up(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
 def test_sim_fitted_to_served_steps_agrees_with_real_workers(tmp_path: Path,
                                                              tiny_llama_dir: Path) -> None:
     steps, log = tmp_path / "steps", tmp_path / "serve.log"
@@ -52,6 +61,10 @@ def test_sim_fitted_to_served_steps_agrees_with_real_workers(tmp_path: Path,
             time.sleep(0.5)
             engines = sorted({line.split(": ready ", 1)[1].split()[0]
                               for line in log.read_text().splitlines() if ": ready http" in line})
+        # the router starts listening after its workers are ready: wait for it too
+        while not router_up(url):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.5)
         # a first load warms both workers (the first requests carry one-off costs)
         cli("bench", "serve", "--base-url", url, "--ignore-eos", "--disable-tqdm",
             "--warmup", "0", *WARM, "--seed", "2")
