@@ -158,14 +158,22 @@ class NgramProposer(Proposer):
         self.index.pop(seq, None)
 
 
-Counts = dict[tuple[int, ...], dict[int, int]]  # context (last n tokens) -> next-token counts
+Counts = dict[int, dict[int, int]]  # context key -> next-token counts
+# A context's key is a 64-bit FNV-1a hash of its tokens read back from its last one
+# (`tokens[end - 1]`, then `end - 2`, ...): the keys of all of one position's contexts,
+# 1..depth tokens, come one multiply each (tuple keys cost a slice and a tuple each, 2.5x
+# the whole proposer's time). Two contexts could share a key; that only makes a draft
+# worse, never an output (every draft is verified).
+_KEY_SEED = 0xCBF29CE484222325  # FNV-1a's 64-bit offset basis and prime
+_KEY_PRIME = 0x100000001B3
+_KEY_MASK = (1 << 64) - 1
 
 
 def count_next(table: Counts, tokens: list[int], end: int, depth: int, delta: int) -> None:
     """Add `delta` to the count of `tokens[end]` after each context of 1..depth tokens."""
-    nxt = tokens[end]
-    for n in range(1, min(depth, end) + 1):
-        key = tuple(tokens[end - n:end])
+    nxt, key = tokens[end], _KEY_SEED
+    for token in reversed(tokens[max(0, end - depth):end]):
+        key = ((key ^ token) * _KEY_PRIME) & _KEY_MASK
         row = table.get(key)
         if row is None:
             row = table[key] = {}
@@ -182,7 +190,7 @@ class SuffixProposer(Proposer):
     """Suffix decoding (Arctic's, vLLM's `suffix`): next-token counts after every context
     of up to `suffix_decoding_max_tree_depth` tokens, over the sequence itself (prompt
     and output) and over the outputs of the last `suffix_decoding_max_cached_requests`
-    finished sequences (a suffix tree's paths, stored as context -> counts). A draft
+    finished sequences (a suffix tree's paths, stored as context key -> counts). A draft
     follows the most frequent continuation of the longest matching context; its depth
     adapts: at most `max_spec_factor` x the match length, and only while the product of
     the continuation's frequencies stays above `min_token_prob`."""
@@ -203,46 +211,37 @@ class SuffixProposer(Proposer):
             count_next(table, tokens, end, self.depth, 1)
         upto[0] = max(upto[0], len(tokens))
         ctx = tokens[-self.depth:]
-        match = self._match_len(table, ctx)
+        match, mine, theirs = self._longest(table, ctx)
         limit = min(k, int(self.factor * match))
         out: list[int] = []
         prob = 1.0
-        while len(out) < limit:
-            best = self._next(table, ctx)
-            if best is None:
-                break
-            token, p = best
-            prob *= p
+        while len(out) < limit and match:
+            found = dict(theirs or {})  # the counts after the longest known context
+            for tok, c in (mine or {}).items():
+                found[tok] = found.get(tok, 0) + c
+            token = max(found, key=found.__getitem__)
+            prob *= found[token] / sum(found.values())
             if prob < self.min_prob:
                 break
             out.append(token)
             ctx = (ctx + [token])[-self.depth:]
+            match, mine, theirs = self._longest(table, ctx)
         return out
 
-    def _match_len(self, table: Counts, ctx: list[int]) -> int:
-        n = 0
-        while n < len(ctx):
-            key = tuple(ctx[len(ctx) - n - 1:])
-            if key not in table and key not in self.shared:
+    def _longest(self, table: Counts, ctx: list[int]
+                 ) -> tuple[int, dict[int, int] | None, dict[int, int] | None]:
+        """The longest suffix of `ctx` seen in this sequence or in the shared outputs,
+        read back from its end while each longer one was seen: its length and the two
+        tables' counts after it."""
+        shared, key = self.shared, _KEY_SEED
+        n, mine, theirs = 0, None, None
+        for token in reversed(ctx):
+            key = ((key ^ token) * _KEY_PRIME) & _KEY_MASK
+            m, t = table.get(key), shared.get(key)
+            if m is None and t is None:
                 break
-            n += 1
-        return n
-
-    def _next(self, table: Counts, ctx: list[int]) -> tuple[int, float] | None:
-        """The most frequent next token after the longest known context, and its share."""
-        found: dict[int, int] | None = None
-        for n in range(1, len(ctx) + 1):
-            key = tuple(ctx[-n:])
-            mine, theirs = table.get(key), self.shared.get(key)
-            if mine is None and theirs is None:
-                break
-            found = dict(theirs or {})
-            for tok, c in (mine or {}).items():
-                found[tok] = found.get(tok, 0) + c
-        if not found:
-            return None
-        token = max(found, key=found.__getitem__)
-        return token, found[token] / sum(found.values())
+            n, mine, theirs = n + 1, m, t
+        return n, mine, theirs
 
     def forget(self, seq: Sequence) -> None:
         self.local.pop(seq, None)
