@@ -283,6 +283,25 @@ def test_suffix_proposer_drafts_what_counting_occurrences_gives() -> None:
     assert drafted > 100  # the texts repeat: most proposals draft
 
 
+def test_step_cost_keeps_a_point_per_size_where_steps_jump() -> None:
+    """Rows past a multiple of 16 start a new AMX tile: 32 decodes 23.4 ms, 33-40 rows
+    27-29 ms (measured). Each size keeps its own point up to EXACT_TOKENS, so the planner
+    sees that 8 draft rows on 32 decodes cost 5.6 ms and does not take them; where the
+    same rows cost 0.6 ms it does."""
+    for cost_40, chosen in ((0.029, False), (0.024, True)):
+        planner = SpecPlanner(adaptive=True, disable_by_batch_size=None)
+        for tokens, seconds in ((1, 0.010), (32, 0.0234), (33, cost_40 - 0.0009),
+                                (40, cost_40), (64, 0.045)):
+            planner.cost.observe(tokens, seconds, weight=1.0)
+        assert planner.cost.seconds(32) == pytest.approx(0.0234)
+        assert planner.cost.seconds(33) == pytest.approx(cost_40 - 0.0009)
+        seq = cast(Sequence_, object())
+        for _ in range(20):
+            planner.record(seq, drafted=8, accepted=8)
+        draft = _Candidate(seq, 8, expected_accepted(planner.rate(seq), 8))
+        assert bool(planner.choose([draft], 32, 32)) == chosen
+
+
 def test_step_cost_interpolates() -> None:
     cost = StepCost()
     for tokens, seconds in ((1, 0.010), (8, 0.012), (64, 0.050)):

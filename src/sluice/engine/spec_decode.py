@@ -75,6 +75,7 @@ MIN_POSITION_PROB = 0.15  # draft position j only while rate**j reaches this
 ACCEPTANCE_DECAY = 0.8  # weight of a sequence's past drafts against its last one
 MIN_GAIN = 1.03  # a draft must raise the step's expected tokens/s by this factor
 EXPLORE_EVERY = 16  # a sequence too unlikely to draft still tries one token this often
+EXACT_TOKENS = 64  # the step-time curve keeps a point per size up to this many tokens
 
 
 # -- proposers ------------------------------------------------------------------------
@@ -279,7 +280,12 @@ PROPOSERS: dict[str, Callable[[], type[Proposer]]] = {
 # -- when and how deep ------------------------------------------------------------------
 class StepCost:
     """Forward seconds against tokens in the step: points (mean tokens, mean seconds) per
-    power-of-two bucket, moving averages of real steps, linearly interpolated.
+    bucket, moving averages of real steps, linearly interpolated. Up to `EXACT_TOKENS`
+    a bucket is one size: a step's time jumps where its rows start a new block of the
+    kernels' (an AMX tile is 16 rows: 32 decodes took 23.4 ms and 33-40 rows 27-29 on an
+    Intel Xeon with AMX, which quarter-octave buckets averaged into one point, so the
+    planner priced 4-8 draft rows on 32 decodes at 1-2 ms and drafted at a loss); past
+    it, quarter octaves.
 
     A point only calibrated (`observe` with weight 1: `calibrate`, or a test's set
     point) and not yet met by a real step follows the real steps' drift: the moving
@@ -300,7 +306,7 @@ class StepCost:
         """A step's time; weight 1 calibrates (sets) that size's point."""
         if tokens <= 0:
             return
-        bucket = round(math.log2(tokens) * 4)  # quarter octaves
+        bucket = tokens if tokens <= EXACT_TOKENS else EXACT_TOKENS + round(math.log2(tokens) * 4)
         if weight >= 1.0:
             self.points[bucket] = [float(tokens), seconds]
             self.calibrated[bucket] = seconds
@@ -334,12 +340,14 @@ class StepCost:
 
     def calibrate(self, runner: Any, chunk_cls: Any, max_tokens: int) -> None:
         """Time forwards of 1.. `max_tokens` tokens shaped as verifies (one query and one
-        logit row per token; block 0's slots only, as warm-up) to seed the curve."""
-        bs, sizes, n = runner.block_size, [], 1
-        while n <= max_tokens:
-            sizes.append(n)
-            n = n + 1 if n < 8 else n * 3 // 2
-        for n in sizes:
+        logit row per token; block 0's slots only, as warm-up) to seed the curve: every
+        size to 8, each side of the multiples of 16 to 64 (where the kernels' row blocks
+        end), then growing by half."""
+        bs, sizes = runner.block_size, [*range(1, 9), 12, 16, 17, 24, 32, 33, 40, 48, 49,
+                                         56, 64, 65]
+        while sizes[-1] * 3 // 2 <= max_tokens:
+            sizes.append(sizes[-1] * 3 // 2)
+        for n in (n for n in sizes if n <= max_tokens):
             best = float("inf")
             for _ in range(2):
                 chunk = chunk_cls([0] * n, 0, [0] * blocks_needed(n, bs), True)
