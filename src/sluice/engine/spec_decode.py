@@ -162,9 +162,9 @@ class NgramProposer(Proposer):
 Counts = dict[int, dict[int, int]]  # context key -> next-token counts
 # A context's key is a 64-bit FNV-1a hash of its tokens read back from its last one
 # (`tokens[end - 1]`, then `end - 2`, ...): the keys of all of one position's contexts,
-# 1..depth tokens, come one multiply each (tuple keys cost a slice and a tuple each, 2.5x
-# the whole proposer's time). Two contexts could share a key; that only makes a draft
-# worse, never an output (every draft is verified).
+# 1..depth tokens, come one multiply each (with a tuple per length, a slice and a tuple
+# each, the proposer took 2.5x as long). Two contexts could share a key; that only makes
+# a draft worse, never an output (every draft is verified).
 _KEY_SEED = 0xCBF29CE484222325  # FNV-1a's 64-bit offset basis and prime
 _KEY_PRIME = 0x100000001B3
 _KEY_MASK = (1 << 64) - 1
