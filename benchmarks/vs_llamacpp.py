@@ -124,7 +124,7 @@ def http(args: argparse.Namespace, gguf: str, logs: Path, tok: Any) -> dict[str,
              *shlex.split(args.llama_server_args)]
     try:
         with server(llama, port, logs / "llama-server.log", 300) as (url, startup, _):
-            out["llama.cpp"] = {"startup_s": startup, "bench": bench(args, url, 1),
+            out["llama.cpp"] = {"startup_s": startup, "bench": bench(args, url, 1, args.seed),
                                 "tokens": [completion_tokens(url, "m", p, tok, args.agree_len)
                                            for p in prompts]}
     except RuntimeError as e:  # llama-server died at start (seen on a Sapphire Rapids VM)
@@ -141,7 +141,7 @@ def http(args: argparse.Namespace, gguf: str, logs: Path, tok: Any) -> dict[str,
                 "startup_s": startup,
                 "tokens": [completion_tokens(url, model, p, tok, args.agree_len) for p in prompts]}
             if quantization == "gguf":
-                side["bench"] = bench(args, url, 1)
+                side["bench"] = bench(args, url, 1, args.seed)
     pairs = (("llama.cpp", "sluice gguf"), ("llama.cpp", "sluice none"),
              ("sluice gguf", "sluice none"))
     pairs = tuple((a, b) for a, b in pairs if "tokens" in out[a])
