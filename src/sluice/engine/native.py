@@ -357,10 +357,13 @@ def swiglu_rows_min(flags: frozenset[str]) -> int | None:
     14): prompts of 139 tokens prefilled 1 / 2 / 4 / 8 / 14 at a time 46.2 / 78.9 / 141.8
     / 249.0 / 376.3 ms unfused, 46.4 / 71.9 / 120.0 / 222.0 / 313.1 fused; a step of 31
     decodes and one prompt (170 rows) 61.1 unfused, 64.2 fused: two half-width matmuls
-    lose to one under ~200 rows. On a 2-core AMD Zen 4 (avx512_bf16, no AMX; 2026-12-05,
-    the same check, medians of 8): 1 / 4 / 14 prompts 115.2 / 399.0 / 1,311.9 ms unfused,
-    111.2 / 386.4 / 1,277.1 fused, 3%, within that host's noise, so off there; elsewhere
-    unmeasured.
+    lose to one under ~200 rows. Again on a 2-core Xeon with AMX (family 6 model 167,
+    2026-12-05, medians of 10 alternated): 4 / 14 prompts 137 / 369 ms unfused, 121 /
+    314 fused (single steps swung up to 2.4x their median on that host, so a profile of
+    one step can show either as the slow one). On a 2-core AMD Zen 4 (avx512_bf16, no
+    AMX; 2026-12-05, the same check, medians of 8): 1 / 4 / 14 prompts 115.2 / 399.0 /
+    1,311.9 ms unfused, 111.2 / 386.4 / 1,277.1 fused, 3%, within that host's noise, so
+    off there; elsewhere unmeasured.
     """
     return 256 if "amx_bf16" in flags else None
 
