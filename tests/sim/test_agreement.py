@@ -56,15 +56,12 @@ def test_sim_fitted_to_served_steps_agrees_with_real_workers(tmp_path: Path,
     try:
         engines: list[str] = []
         deadline = time.monotonic() + 150
-        while len(engines) < 2:
+        # both workers ready, then the router listening (it binds after they are ready)
+        while len(engines) < 2 or not router_up(url):
             assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
             time.sleep(0.5)
             engines = sorted({line.split(": ready ", 1)[1].split()[0]
                               for line in log.read_text().splitlines() if ": ready http" in line})
-        # the router starts listening after its workers are ready: wait for it too
-        while not router_up(url):
-            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.5)
         # a first load warms both workers (the first requests carry one-off costs)
         cli("bench", "serve", "--base-url", url, "--ignore-eos", "--disable-tqdm",
             "--warmup", "0", *WARM, "--seed", "2")
