@@ -719,11 +719,16 @@ torch::Tensor pack_panels(torch::Tensor weight) {
 // two adjacent panels in 16-float vectors (below).
 template <typename V, int MR>
 static inline void panel_rows(const float* x, int64_t K, const float* v0, const float* v1,
-                              const float* bias, float* y, int64_t N, int64_t cols) {
+                              const float* bias, float* y, int64_t N, int64_t cols,
+                              const float* pf, int64_t pf_step) {
   constexpr int W = sizeof(V) / sizeof(float);
   V acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = V{};
   for (int64_t k = 0; k < K; ++k) {
+    if (pf) {  // the next unit's panels: one line a k, or two (pf_step past a panel's 16)
+      __builtin_prefetch(pf + k * pf_step, 0, 3);
+      if (pf_step > kPanel) __builtin_prefetch(pf + k * pf_step + kPanel, 0, 3);
+    }
     V b0, b1;
     __builtin_memcpy(&b0, v0 + k * kPanel, sizeof(V));
     __builtin_memcpy(&b1, v1 + k * kPanel, sizeof(V));
@@ -746,27 +751,36 @@ static inline void panel_rows(const float* x, int64_t K, const float* v0, const 
 template <typename V, int R>
 static inline void panel_rows_n(int64_t rows, const float* x, int64_t K, const float* v0,
                                 const float* v1, const float* bias, float* y, int64_t N,
-                                int64_t cols) {
+                                int64_t cols, const float* pf, int64_t pf_step) {
   if constexpr (R > 1) {
-    if (rows < R) return panel_rows_n<V, R - 1>(rows, x, K, v0, v1, bias, y, N, cols);
+    if (rows < R)
+      return panel_rows_n<V, R - 1>(rows, x, K, v0, v1, bias, y, N, cols, pf, pf_step);
   }
-  panel_rows<V, R>(x, K, v0, v1, bias, y, N, cols);
+  panel_rows<V, R>(x, K, v0, v1, bias, y, N, cols, pf, pf_step);
 }
 
 // y = x @ w.T (+ bias) over units [u0, u1) of `per_unit` (1 or 2) panels each, rows in
 // blocks of at most R, as even as they go (32 rows, R = 6: 6, 6, 5, 5, 5, 5; a block of
 // fewer rows has fewer independent FMA chains). Chunks of units are handed out as
 // threads free up: a thread that loses its core for a while (the front end, the client)
-// does less of the step instead of holding it up.
+// does less of the step instead of holding it up. A unit's first block reads its panels
+// from memory, the later ones from L2; during blocks 1 and 2 the thread prefetches the
+// next unit's panels (spread over both; over block 1 alone when there are 2 blocks),
+// so the memory works while the FMA units do instead of before them (bf16_matmul does
+// the same).
 template <typename V, int R>
 static void panel_units(const float* xp, const float* wp, const float* bp, float* op,
                         int64_t M, int64_t K, int64_t N, int64_t u0, int64_t u1,
                         int64_t per_unit) {
   const int64_t blocks = (M + R - 1) / R;
-  const int64_t chunk = std::max<int64_t>(1, (u1 - u0) / (8 * at::get_num_threads()));
+  const int64_t pf_blocks = blocks >= 3 ? 2 : 0;  // blocks that prefetch the next unit
+  const int64_t chunk = std::max<int64_t>(pf_blocks ? 3 : 1,
+                                          (u1 - u0) / (8 * at::get_num_threads()));
+  const int64_t lines = per_unit * kPanel;  // floats of the next unit's panels a k
 #pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
   for (int64_t first = u0; first < u1; first += chunk) {
-    for (int64_t u = first; u < std::min(u1, first + chunk); ++u) {
+    const int64_t last = std::min(u1, first + chunk);
+    for (int64_t u = first; u < last; ++u) {
       const float* v0 = wp + u * per_unit * K * kPanel;
       const float* v1 = per_unit == 2 ? v0 + K * kPanel : v0 + 8;  // the next panel, or half
       const int64_t n0 = u * per_unit * kPanel, cols = std::min(per_unit * kPanel, N - n0);
@@ -774,7 +788,14 @@ static void panel_units(const float* xp, const float* wp, const float* bp, float
       int64_t m = 0;
       for (int64_t blk = 0; blk < blocks; ++blk) {
         const int64_t rows = M / blocks + (blk < M % blocks ? 1 : 0);
-        panel_rows_n<V, R>(rows, xp + m * K, K, v0, v1, bias_u, op + m * N + n0, N, cols);
+        const float* pf = nullptr;
+        int64_t pf_step = 0;
+        if (blk >= 1 && blk <= pf_blocks && u + 1 < last) {
+          pf_step = lines / pf_blocks;
+          pf = v0 + per_unit * K * kPanel + (blk - 1) * K * pf_step;
+        }
+        panel_rows_n<V, R>(rows, xp + m * K, K, v0, v1, bias_u, op + m * N + n0, N, cols, pf,
+                           pf_step);
         m += rows;
       }
     }
