@@ -725,10 +725,7 @@ static inline void panel_rows(const float* x, int64_t K, const float* v0, const 
   V acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = V{};
   for (int64_t k = 0; k < K; ++k) {
-    if (pf) {  // the next unit's panels: one line a k, or two (pf_step past a panel's 16)
-      __builtin_prefetch(pf + k * pf_step, 0, 3);
-      if (pf_step > kPanel) __builtin_prefetch(pf + k * pf_step + kPanel, 0, 3);
-    }
+    if (pf) __builtin_prefetch(pf + k * pf_step, 0, 3);  // the next unit's panels
     V b0, b1;
     __builtin_memcpy(&b0, v0 + k * kPanel, sizeof(V));
     __builtin_memcpy(&b1, v1 + k * kPanel, sizeof(V));
@@ -773,10 +770,10 @@ static void panel_units(const float* xp, const float* wp, const float* bp, float
                         int64_t M, int64_t K, int64_t N, int64_t u0, int64_t u1,
                         int64_t per_unit) {
   const int64_t blocks = (M + R - 1) / R;
-  const int64_t pf_blocks = blocks >= 3 ? 2 : 0;  // blocks that prefetch the next unit
-  const int64_t chunk = std::max<int64_t>(pf_blocks ? 3 : 1,
+  const bool prefetch = blocks >= 3;  // blocks 1 and 2 prefetch the next unit, half each
+  const int64_t chunk = std::max<int64_t>(prefetch ? 3 : 1,
                                           (u1 - u0) / (8 * at::get_num_threads()));
-  const int64_t lines = per_unit * kPanel;  // floats of the next unit's panels a k
+  const int64_t pf_step = per_unit * kPanel / 2;  // half a k's floats of the next unit
 #pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
   for (int64_t first = u0; first < u1; first += chunk) {
     const int64_t last = std::min(u1, first + chunk);
@@ -788,12 +785,9 @@ static void panel_units(const float* xp, const float* wp, const float* bp, float
       int64_t m = 0;
       for (int64_t blk = 0; blk < blocks; ++blk) {
         const int64_t rows = M / blocks + (blk < M % blocks ? 1 : 0);
-        const float* pf = nullptr;
-        int64_t pf_step = 0;
-        if (blk >= 1 && blk <= pf_blocks && u + 1 < last) {
-          pf_step = lines / pf_blocks;
-          pf = v0 + per_unit * K * kPanel + (blk - 1) * K * pf_step;
-        }
+        const float* pf = prefetch && (blk == 1 || blk == 2) && u + 1 < last
+                              ? v0 + per_unit * K * kPanel + (blk - 1) * K * pf_step
+                              : nullptr;
         panel_rows_n<V, R>(rows, xp + m * K, K, v0, v1, bias_u, op + m * N + n0, N, cols, pf,
                            pf_step);
         m += rows;
