@@ -71,6 +71,7 @@ def test_greedy_equals_transformers(tiny: tuple[Path, list[list[int]], list[list
     torch_ops = "kernel_backend" in options
     assert (llm.engine.runner.native is None) == torch_ops
     assert (llm.engine.runner.linear is None) == torch_ops
+    assert llm.engine.runner.native_prefill != torch_ops  # prefill attention from the pool
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(prompts, params)
     got = [o.outputs[0].token_ids for o in outs]

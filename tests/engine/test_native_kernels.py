@@ -75,6 +75,71 @@ def test_decode_attention_equals_gather_and_sdpa(ops: NativeOps, heads: int, kv_
     assert not torch.equal(got[0], got[1])  # rows really differ: each read its own blocks
 
 
+# 64-row units (kPrefillTile): chunks of 1-150 rows, starting at position 0 (a fresh
+# prompt) or after context already in the pool (a prefix hit, a later chunk)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 128), (4, 1, 16),
+                                                     (6, 2, 48)])
+def test_prefill_attention_equals_padded_sdpa(ops: NativeOps, heads: int, kv_heads: int,
+                                              head_dim: int, dtype: torch.dtype) -> None:
+    """Prefill chunks through `paged_prefill_attention` equal the masked SDPA over the
+    padded batch (the path without the kernel): causal within a chunk, each chunk reading
+    only its own blocks, scattered through the pool."""
+    assert ops.paged_prefill_attention is not None
+    torch.manual_seed(heads * head_dim)
+    bs, num_blocks = 16, 120
+    cache = KVCache(torch.randn(num_blocks, bs, kv_heads, head_dim, dtype=dtype),
+                    torch.randn(num_blocks, bs, kv_heads, head_dim, dtype=dtype))
+    chunks = [(139, 0), (1, 0), (70, 200), (150, 33), (2, 5)]  # (rows, start position)
+    order = torch.randperm(num_blocks).tolist()
+    tables, used = [], 0
+    for n, start in chunks:
+        need = (start + n + bs - 1) // bs
+        tables.append(order[used:used + need])
+        used += need
+    q_lens, starts = [n for n, _ in chunks], [s for _, s in chunks]
+    slots = torch.tensor([t[p // bs] * bs + p % bs for t, (n, s) in zip(tables, chunks, strict=True)
+                          for p in range(s, s + n)])
+    rows = sum(q_lens)
+    q = torch.randn(rows, heads, head_dim, dtype=dtype)
+    k = torch.randn(rows, kv_heads, head_dim, dtype=dtype)
+    v = torch.randn(rows, kv_heads, head_dim, dtype=dtype)
+    plain = StepLayout(bs, heads // kv_heads, CPU, dtype)
+    native = StepLayout(bs, heads // kv_heads, CPU, dtype, native_prefill=True)
+    expected = paged_attention(q, k, v, cache, AttentionMetadata(
+        slots, [build_group(0, q_lens, starts, tables, plain)]))
+    group = build_group(0, q_lens, starts, tables, native)
+    assert group.mask is None and group.q_starts is not None
+    got = paged_attention(q, k, v, cache, AttentionMetadata(
+        slots, [group], prefill_kernel=ops.paged_prefill_attention))
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+    # a chunk's first row sees only the context before it and itself: its output does not
+    # change when the chunk's later rows' K/V do
+    k2 = k.clone()
+    k2[1:139] = torch.randn(138, kv_heads, head_dim, dtype=dtype)
+    again = paged_attention(q, k2, v, cache, AttentionMetadata(
+        slots, [group], prefill_kernel=ops.paged_prefill_attention))
+    assert torch.equal(again[0], got[0]) and not torch.equal(again[1], got[1])
+
+
+def test_prefill_attention_refuses_bad_inputs(ops: NativeOps) -> None:
+    kernel = ops.paged_prefill_attention
+    assert kernel is not None
+    pool = torch.zeros(4, 16, 1, 64)
+    q, table = torch.zeros(10, 2, 64), torch.zeros(1, 4, dtype=torch.long)
+    lens, starts = torch.tensor([10]), torch.tensor([0, 10])
+    assert kernel(q, pool, pool, table, starts, lens, 0.125).shape == (10, 2, 64)
+    with pytest.raises(RuntimeError, match="q_starts span q"):
+        kernel(q, pool, pool, table, torch.tensor([0, 9]), lens, 0.125)
+    with pytest.raises(RuntimeError, match="rows / context / blocks"):
+        kernel(q, pool, pool, table, starts, torch.tensor([65]), 0.125)  # past its blocks
+    with pytest.raises(RuntimeError, match="head size a multiple of 16"):
+        kernel(torch.zeros(10, 2, 24), torch.zeros(4, 16, 1, 24), torch.zeros(4, 16, 1, 24),
+               table, starts, lens, 0.125)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_fused_add_rms_norm_equals_torch(ops: NativeOps, rows: int) -> None:
     torch.manual_seed(rows)

@@ -24,7 +24,10 @@ every layer, so nothing inside a layer loops over sequences in Python.
 
 On CPU (float32, bfloat16), decodes skip the gather: `sluice.engine.native`'s kernel
 reads K and V rows straight from the pool through the block tables (same results; the
-gather copied every sequence's context once per layer).
+gather copied every sequence's context once per layer). Prefill chunks too, where the
+native kernels are built (`StepLayout.native_prefill`): each chunk's rows against its
+own context, causal, without padding or a mask (`paged_prefill_attention`; SDPA over the
+padded, masked batch computed every row against every column).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sluice.engine.native import DecodeKernel
+from sluice.engine.native import DecodeKernel, PrefillKernel
 
 
 @dataclass
@@ -84,6 +87,9 @@ class AttentionGroup:
     scatter: Tensor | None = None
     fresh: bool = False
     context_lens: Tensor | None = None  # [batch] int64: tokens each query attends to
+    # prefill chunks for the native kernel: chunk i is the group's rows q_starts[i] ..
+    # q_starts[i + 1], its last row attends to context_lens[i] tokens (no mask, no padding)
+    q_starts: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,7 @@ class StepLayout:
     gqa: int  # query heads per KV head
     device: torch.device
     dtype: torch.dtype
+    native_prefill: bool = False  # prefill groups for `paged_prefill_attention`
 
 
 @dataclass
@@ -101,6 +108,7 @@ class AttentionMetadata:
     slots: Tensor  # [T] int64, where each new token's K/V goes
     groups: list[AttentionGroup]
     decode_kernel: DecodeKernel | None = None  # native decode attention, if in use
+    prefill_kernel: PrefillKernel | None = None  # native prefill attention, if in use
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache,
@@ -113,19 +121,25 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache,
     cache.write(meta.slots, k, v)
     t, heads, d = q.shape
     if len(meta.groups) == 1:
-        return _group_attention(q, k, v, cache, meta.groups[0], meta.decode_kernel)
+        return _group_attention(q, k, v, cache, meta.groups[0], meta)
     out = q.new_empty(t, heads * d)
     for group in meta.groups:  # at most two: decode, prefill
-        out[group.start:group.end] = _group_attention(q, k, v, cache, group, meta.decode_kernel)
+        out[group.start:group.end] = _group_attention(q, k, v, cache, group, meta)
     return out
 
 
 def _group_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, g: AttentionGroup,
-                     decode_kernel: DecodeKernel | None) -> Tensor:
+                     meta: AttentionMetadata) -> Tensor:
     _, heads, d = q.shape
     kv_heads = k.shape[1]
     gqa = heads // kv_heads
     q = q[g.start:g.end]
+    decode_kernel = meta.decode_kernel
+    if g.q_starts is not None and meta.prefill_kernel is not None:
+        assert g.context_lens is not None
+        o = meta.prefill_kernel(q.contiguous(), cache.k, cache.v, g.block_tables, g.q_starts,
+                                g.context_lens, d ** -0.5)
+        return o.view(g.end - g.start, heads * d)
     if g.fresh:
         return _causal_attention(q, k[g.start:g.end], v[g.start:g.end])
     if g.q_len == 1 and decode_kernel is not None and g.context_lens is not None:
@@ -163,6 +177,8 @@ def build_group(start: int, q_lens: list[int], start_positions: list[int],
     """Metadata for one group of sequences (the step's decodes, or its prefill chunks)."""
     batch, q_len, bs = len(q_lens), max(q_lens), layout.block_size
     end = start + sum(q_lens)
+    if layout.native_prefill and q_len > 1:
+        return _native_prefill_group(start, end, q_lens, start_positions, block_tables, layout)
     if batch == 1 and start_positions[0] == 0:
         return AttentionGroup(start, end, 1, q_len, torch.empty(0, 1, dtype=torch.long),
                               None, fresh=True)
@@ -186,3 +202,20 @@ def build_group(start: int, q_lens: list[int], start_positions: list[int],
                         dtype=torch.long, device=layout.device)
     return AttentionGroup(start, end, batch, q_len, table.to(layout.device),
                           mask.to(layout.device), scatter=scatter, context_lens=lens)
+
+
+def _native_prefill_group(start: int, end: int, q_lens: list[int], start_positions: list[int],
+                          block_tables: list[list[int]], layout: StepLayout) -> AttentionGroup:
+    """Prefill chunks as `paged_prefill_attention` takes them: block tables, each chunk's
+    first row in the group and the tokens its last row sees; no padding, no mask."""
+    bs = layout.block_size
+    lens = [s + n for s, n in zip(start_positions, q_lens, strict=True)]
+    n_blocks = max((n + bs - 1) // bs for n in lens)
+    table = torch.tensor([bt[:n_blocks] + [0] * (n_blocks - len(bt[:n_blocks]))
+                          for bt in block_tables], dtype=torch.long)
+    q_starts = [0]
+    for n in q_lens:
+        q_starts.append(q_starts[-1] + n)
+    return AttentionGroup(start, end, len(q_lens), max(q_lens), table, None,
+                          context_lens=torch.tensor(lens, dtype=torch.long),
+                          q_starts=torch.tensor(q_starts, dtype=torch.long))

@@ -160,6 +160,10 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.model.init_rope(self.max_model_len)
         self.native = native_ops(mc.kernel_backend, self.device, self.dtype)
+        # prefill chunks' attention straight from the pool (sluice.engine.attention)
+        self.native_prefill = (self.native is not None
+                                and self.native.paged_prefill_attention is not None
+                                and self.model_config.head_dim % 16 == 0)
         if self.native is not None:
             self.model.use_fused_kernels(self.native.fused_add_rms_norm,
                                          self.native.silu_and_mul, self.native.rotary_embedding)
@@ -330,8 +334,11 @@ class ModelRunner:
                 return graph.execute(chunks, self.block_size)
         order = self._flat_order(chunks)
         tokens, positions, slots, last_row = self._flatten(chunks, order)
+        native = self.native
         meta = AttentionMetadata(self._tensor(slots), self._groups(chunks, order),
-                                 self.native.paged_decode_attention if self.native else None)
+                                 native.paged_decode_attention if native else None,
+                                 native.paged_prefill_attention
+                                 if native and self.native_prefill else None)
         wanted = [row for i, c in enumerate(chunks) if c.need_logits
                   for row in range(last_row[i] - c.num_logits + 1, last_row[i] + 1)]
         if self.lora_slots is not None:
@@ -387,7 +394,7 @@ class ModelRunner:
     def _groups(self, chunks: list[SeqChunk], order: list[int]) -> list[AttentionGroup]:
         cfg = self.model_config
         layout = StepLayout(self.block_size, cfg.num_heads // cfg.num_kv_heads, self.device,
-                            self.dtype)
+                            self.dtype, self.native_prefill)
         groups, start = [], 0
         num_decodes = self._num_decodes(chunks)
         for decodes, members in ((True, order[:num_decodes]), (False, order[num_decodes:])):

@@ -76,6 +76,10 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 
 # q [B, H, D], k_pool, v_pool, block_tables [B, n], context_lens [B], scale -> [B, H, D]
 DecodeKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
+# q [T, H, D] (chunks' rows back to back), k_pool, v_pool, block_tables [B, n],
+# q_starts [B + 1], context_lens [B], scale -> [T, H, D]: causal, each chunk's rows
+# against its sequence's context in the pool (its own K/V written there first)
+PrefillKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
 # x, residual [T, hidden], weight [hidden], eps: residual += x; x = norm(residual) * w
 AddNormKernel = Callable[[Tensor, Tensor, Tensor, float], None]
 # [T, 2I] = gate | up -> silu(gate) * up [T, I]
@@ -126,6 +130,7 @@ class NativeOps:
     # the build has AVX512-VNNI ([] where q4_int8_path is "")
     int8_activation_types: Callable[[], list[int]] | None = None
     rotary_embedding: RopeKernel | None = None
+    paged_prefill_attention: PrefillKernel | None = None
 
 
 @functools.cache
@@ -183,7 +188,8 @@ def load_kernels() -> NativeOps:
                      module.DecodeGraph, module.q4_int8_path, module.gguf_linear_int8,
                      module.pack_panels, module.panel_linear, module.bf16_linear_path,
                      module.pack_bf16, module.bf16_linear,
-                     module.int8_activation_types, module.rotary_embedding)
+                     module.int8_activation_types, module.rotary_embedding,
+                     module.paged_prefill_attention)
 
 
 def _stable_copy(name: str, source: bytes) -> Path:
