@@ -5,6 +5,9 @@
 - `paged_decode_attention`: decode attention read straight from the paged pool. The
   torch path gathers each sequence's blocks into a dense tensor every layer, then runs
   SDPA: the context is read twice and written once; the kernel reads it once.
+- `paged_prefill_attention`: prefill chunks' causal attention from the pool, each
+  chunk as long as it is (SDPA took them padded to one length, with a mask, computing
+  every row against every column).
 - `fused_add_rms_norm`: the residual add and the RMSNorm after it in one pass, in
   place (vLLM's op of that name); torch's add plus RMSNorm cost ~20 us a call at one row.
 - `silu_and_mul`: SwiGLU's `silu(gate) * up` in one pass (vLLM's op of that name).

@@ -503,44 +503,27 @@ static inline vf16g_t ld16(const float* p) {
 
 static inline void st16(float* p, vf16g_t v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
-// s[r][k0 .. k0 + 16 KV) = <qf[r], key k> for R rows of qf (D apart); kt: D rows of Lp keys
-template <int R, int KV>
-static inline void score_block(const float* qf, int64_t D, const float* kt, int64_t Lp,
-                               int64_t k0, float* s) {
-  vf16g_t acc[R][KV] = {};
-  for (int64_t d = 0; d < D; ++d) {
-    vf16g_t kv[KV];
-#pragma GCC unroll 2
-    for (int v = 0; v < KV; ++v) kv[v] = ld16(kt + d * Lp + k0 + 16 * v);
+// out[r][0 .. 16 V) = sum over i < n of a[r][i] * b[i][0 .. 16 V), for R rows: both
+// products' micro-kernel (rows a_stride, b_stride and out_stride floats apart). Scores:
+// a the queries, b the transposed keys (D rows of Lp keys); values: a the weights, b V.
+template <int R, int V>
+static inline void rows_times_panel(const float* a, int64_t a_stride, const float* b,
+                                    int64_t b_stride, int64_t n, float* out,
+                                    int64_t out_stride) {
+  vf16g_t acc[R][V] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    vf16g_t bv[V];
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) bv[v] = ld16(b + i * b_stride + 16 * v);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const float qd = qf[r * D + d];
-#pragma GCC unroll 2
-      for (int v = 0; v < KV; ++v) acc[r][v] += qd * kv[v];
+      const float x = a[r * a_stride + i];
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) acc[r][v] += x * bv[v];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < KV; ++v) st16(s + r * Lp + k0 + 16 * v, acc[r][v]);
-}
-
-// o[r][c0 .. c0 + 16 C) = sum over k < len of s[r][k] * vf[k][c0 ..]: R rows, C vectors
-template <int R, int C>
-static inline void value_block(const float* s, int64_t Lp, int64_t len, const float* vf,
-                               int64_t D, int64_t c0, float* o) {
-  vf16g_t acc[R][C] = {};
-  for (int64_t k = 0; k < len; ++k) {
-    vf16g_t v[C];
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) v[c] = ld16(vf + k * D + c0 + 16 * c);
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const float p = s[r * Lp + k];
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) acc[r][c] += p * v[c];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) st16(o + r * D + c0 + 16 * c, acc[r][c]);
+    for (int v = 0; v < V; ++v) st16(out + r * out_stride + 16 * v, acc[r][v]);
 }
 
 // One unit: `rows` query rows from q row `first_row` (position `first_pos`), KV head h.
@@ -580,28 +563,21 @@ static void prefill_unit(const T* q, T* out, const T* kp, const T* vp, const int
   for (int64_t m = 0; m < Mp; m += kScoreRows) {
     const int64_t seen = first_pos + (std::min(m + kScoreRows, M) - 1) / G + 1;
     for (int64_t k0 = 0; k0 < seen; k0 += step)
-      score_block<kScoreRows, kScoreVecs>(qf + m * D, D, kt, Lp, k0, s + m * Lp);
+      rows_times_panel<kScoreRows, kScoreVecs>(qf + m * D, D, kt + k0, Lp, D,
+                                                s + m * Lp + k0, Lp);
   }
   for (int64_t m = 0; m < M; ++m) {  // softmax over the row's own keys; zeros past them
     const int64_t n = first_pos + m / G + 1;
-    float* sm = s + m * Lp;
-    const float top = *std::max_element(sm, sm + n);
-    float sum = 0.f;
-    for (int64_t t = 0; t < n; ++t) {
-      sm[t] = std::exp(sm[t] - top);
-      sum += sm[t];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < n; ++t) sm[t] *= inv;
-    std::fill(sm + n, sm + Lp, 0.f);
+    softmax_rows(s + m * Lp, 1, n);
+    std::fill(s + m * Lp + n, s + (m + 1) * Lp, 0.f);
   }
   for (int64_t m = 0; m < M; m += kValueRows) {
     const int64_t seen = first_pos + (std::min(m + kValueRows, M) - 1) / G + 1;
     int64_t c0 = 0;
     for (; c0 + 64 <= D; c0 += 64)
-      value_block<kValueRows, 4>(s + m * Lp, Lp, seen, vf, D, c0, o + m * D);
+      rows_times_panel<kValueRows, 4>(s + m * Lp, Lp, vf + c0, D, seen, o + m * D + c0, D);
     for (; c0 < D; c0 += 16)
-      value_block<kValueRows, 1>(s + m * Lp, Lp, seen, vf, D, c0, o + m * D);
+      rows_times_panel<kValueRows, 1>(s + m * Lp, Lp, vf + c0, D, seen, o + m * D + c0, D);
   }
   for (int64_t j = 0; j < rows; ++j)
     for (int64_t g = 0; g < G; ++g) {
