@@ -463,8 +463,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool,
 // chunk's own, already written there). torch's SDPA took the chunks padded to one length
 // with an additive mask and computed every row against every column: ~95 GFLOP/s on a
 // 2-core Zen 4 for 14 chunks of 139 tokens, 15% of the prefill step. Here a unit is
-// (chunk, up to kPrefillTile of its rows, KV head): the keys its last row sees are
-// converted to float once (K transposed: 16 keys a vector), then the scores of the unit's
+// (chunk, KV head), or (up to kPrefillTile of a chunk's rows, KV head) where there are
+// few chunks: the keys its last row sees are converted to float once (K transposed: a
+// vector holds kLanes keys), then the scores of the unit's
 // rows x G query heads, each block of rows only as far as its last row sees, a softmax
 // per row over its own keys, and the values.
 //
@@ -472,14 +473,19 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool,
 // block_tables [B, n] int64; q_starts [B + 1] int64 (chunk b is rows q_starts[b] ..
 // q_starts[b + 1]); context_lens [B] int64 (the tokens chunk b's last row sees, its own
 // included). -> [T, H, D]
-typedef float vf16g_t __attribute__((vector_size(64)));  // one zmm; two ymm on AVX2
+//
+// Vectors of 16 floats on AVX-512, 8 on AVX2 (GCC's generic 64-byte vectors on AVX2 went
+// through memory: 30x slower). Scores: 4 rows x 2 vectors of keys in 8 accumulators;
+// values: 4 rows x 4 vectors (AVX-512, 16 of 32 registers) or 2 x 4 (AVX2, 8 of 16).
 #if defined(__AVX512F__)
-constexpr int kScoreRows = 4, kScoreVecs = 2;  // 8 accumulators of 16 keys
-constexpr int kValueRows = 4;                   // 4 rows x 4 vectors of 16 values
+typedef vf16_t pvec_t;
+constexpr int kValueRows = 4;
 #else
-constexpr int kScoreRows = 4, kScoreVecs = 1;  // 4 x 2 ymm
-constexpr int kValueRows = 1;                   // 1 row x 4 vectors (8 ymm)
+typedef vf8_t pvec_t;
+constexpr int kValueRows = 2;
 #endif
+constexpr int kLanes = sizeof(pvec_t) / sizeof(float);
+constexpr int kScoreRows = 4, kScoreVecs = 2, kValueVecs = 4;
 // query rows a unit (x G heads): whole chunks up to kPrefillWholeRows where there are
 // enough (chunk, KV head) pairs to share out, so each converts its context once; else
 // tiles of kPrefillTile rows, so that one long chunk still spreads over the threads
@@ -495,26 +501,26 @@ static inline void row_to_float(const c10::BFloat16* src, float* dst, int64_t D)
   for (int64_t d = 0; d < D; d += 8) store8(dst + d, load8(src + d));
 }
 
-static inline vf16g_t ld16(const float* p) {
-  vf16g_t v;
+static inline pvec_t ldp(const float* p) {
+  pvec_t v;
   __builtin_memcpy(&v, p, sizeof(v));
   return v;
 }
 
-static inline void st16(float* p, vf16g_t v) { __builtin_memcpy(p, &v, sizeof(v)); }
+static inline void stp(float* p, pvec_t v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
-// out[r][0 .. 16 V) = sum over i < n of a[r][i] * b[i][0 .. 16 V), for R rows: both
+// out[r][0 .. kLanes V) = sum over i < n of a[r][i] * b[i][0 .. kLanes V), R rows: both
 // products' micro-kernel (rows a_stride, b_stride and out_stride floats apart). Scores:
 // a the queries, b the transposed keys (D rows of Lp keys); values: a the weights, b V.
 template <int R, int V>
 static inline void rows_times_panel(const float* a, int64_t a_stride, const float* b,
                                     int64_t b_stride, int64_t n, float* out,
                                     int64_t out_stride) {
-  vf16g_t acc[R][V] = {};
+  pvec_t acc[R][V] = {};
   for (int64_t i = 0; i < n; ++i) {
-    vf16g_t bv[V];
+    pvec_t bv[V];
 #pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) bv[v] = ld16(b + i * b_stride + 16 * v);
+    for (int v = 0; v < V; ++v) bv[v] = ldp(b + i * b_stride + kLanes * v);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const float x = a[r * a_stride + i];
@@ -523,7 +529,7 @@ static inline void rows_times_panel(const float* a, int64_t a_stride, const floa
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) st16(out + r * out_stride + 16 * v, acc[r][v]);
+    for (int v = 0; v < V; ++v) stp(out + r * out_stride + kLanes * v, acc[r][v]);
 }
 
 // One unit: `rows` query rows from q row `first_row` (position `first_pos`), KV head h.
@@ -534,7 +540,7 @@ static void prefill_unit(const T* q, T* out, const T* kp, const T* vp, const int
                          std::vector<float>& buf, std::vector<int64_t>& offs) {
   const int64_t G = H / KVH;
   const int64_t len = first_pos + rows;  // keys the unit's last row sees
-  constexpr int64_t step = 16 * kScoreVecs;
+  constexpr int64_t step = kLanes * kScoreVecs;
   const int64_t Lp = (len + step - 1) / step * step;
   const int64_t M = rows * G;  // score rows: row j's head g is m = j * G + g
   const int64_t Mp = (M + kScoreRows - 1) / kScoreRows * kScoreRows;
@@ -574,9 +580,10 @@ static void prefill_unit(const T* q, T* out, const T* kp, const T* vp, const int
   for (int64_t m = 0; m < M; m += kValueRows) {
     const int64_t seen = first_pos + (std::min(m + kValueRows, M) - 1) / G + 1;
     int64_t c0 = 0;
-    for (; c0 + 64 <= D; c0 += 64)
-      rows_times_panel<kValueRows, 4>(s + m * Lp, Lp, vf + c0, D, seen, o + m * D + c0, D);
-    for (; c0 < D; c0 += 16)
+    for (; c0 + kLanes * kValueVecs <= D; c0 += kLanes * kValueVecs)
+      rows_times_panel<kValueRows, kValueVecs>(s + m * Lp, Lp, vf + c0, D, seen,
+                                               o + m * D + c0, D);
+    for (; c0 < D; c0 += kLanes)
       rows_times_panel<kValueRows, 1>(s + m * Lp, Lp, vf + c0, D, seen, o + m * D + c0, D);
   }
   for (int64_t j = 0; j < rows; ++j)
