@@ -135,8 +135,8 @@ def _group_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, g: Attenti
     gqa = heads // kv_heads
     q = q[g.start:g.end]
     decode_kernel = meta.decode_kernel
-    if g.q_starts is not None and meta.prefill_kernel is not None:
-        assert g.context_lens is not None
+    if g.q_starts is not None:  # built for the native kernel (StepLayout.native_prefill)
+        assert meta.prefill_kernel is not None and g.context_lens is not None
         o = meta.prefill_kernel(q.contiguous(), cache.k, cache.v, g.block_tables, g.q_starts,
                                 g.context_lens, d ** -0.5)
         return o.view(g.end - g.start, heads * d)
