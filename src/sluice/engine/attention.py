@@ -32,6 +32,7 @@ padded, masked batch computed every row against every column).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -174,17 +175,25 @@ def _causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 def build_group(start: int, q_lens: list[int], start_positions: list[int],
                 block_tables: list[list[int]], layout: StepLayout) -> AttentionGroup:
-    """Metadata for one group of sequences (the step's decodes, or its prefill chunks)."""
+    """Metadata for one group of sequences (the step's decodes, or its prefill chunks).
+    Prefill chunks for the native kernel (`layout.native_prefill`) get their block
+    tables, each chunk's first row in the group and the tokens its last row sees; no
+    padding, no mask."""
     batch, q_len, bs = len(q_lens), max(q_lens), layout.block_size
     end = start + sum(q_lens)
-    if layout.native_prefill and q_len > 1:
-        return _native_prefill_group(start, end, q_lens, start_positions, block_tables, layout)
-    if batch == 1 and start_positions[0] == 0:
+    native = layout.native_prefill and q_len > 1
+    if batch == 1 and start_positions[0] == 0 and not native:
         return AttentionGroup(start, end, 1, q_len, torch.empty(0, 1, dtype=torch.long),
                               None, fresh=True)
     n_blocks = max((s + n + bs - 1) // bs for s, n in zip(start_positions, q_lens, strict=True))
     table = torch.tensor([bt[:n_blocks] + [0] * (n_blocks - len(bt[:n_blocks]))
-                          for bt in block_tables], dtype=torch.long)
+                          for bt in block_tables], dtype=torch.long).to(layout.device)
+    lens = torch.tensor([s + n for s, n in zip(start_positions, q_lens, strict=True)],
+                        dtype=torch.long, device=layout.device)
+    if native:
+        q_starts = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.long)
+        return AttentionGroup(start, end, batch, q_len, table, None, context_lens=lens,
+                              q_starts=q_starts)
     # query positions [B, Q]: padding rows get position 0 (they see one real key: no NaN)
     q_pos = torch.zeros(batch, q_len, dtype=torch.long)
     rows: list[int] = []
@@ -198,24 +207,5 @@ def build_group(start: int, q_lens: list[int], start_positions: list[int],
         mask = mask.repeat(1, 1, layout.gqa, 1)
     dense = all(n == q_len for n in q_lens)
     scatter = None if dense else torch.tensor(rows, dtype=torch.long, device=layout.device)
-    lens = torch.tensor([s + n for s, n in zip(start_positions, q_lens, strict=True)],
-                        dtype=torch.long, device=layout.device)
-    return AttentionGroup(start, end, batch, q_len, table.to(layout.device),
-                          mask.to(layout.device), scatter=scatter, context_lens=lens)
-
-
-def _native_prefill_group(start: int, end: int, q_lens: list[int], start_positions: list[int],
-                          block_tables: list[list[int]], layout: StepLayout) -> AttentionGroup:
-    """Prefill chunks as `paged_prefill_attention` takes them: block tables, each chunk's
-    first row in the group and the tokens its last row sees; no padding, no mask."""
-    bs = layout.block_size
-    lens = [s + n for s, n in zip(start_positions, q_lens, strict=True)]
-    n_blocks = max((n + bs - 1) // bs for n in lens)
-    table = torch.tensor([bt[:n_blocks] + [0] * (n_blocks - len(bt[:n_blocks]))
-                          for bt in block_tables], dtype=torch.long)
-    q_starts = [0]
-    for n in q_lens:
-        q_starts.append(q_starts[-1] + n)
-    return AttentionGroup(start, end, len(q_lens), max(q_lens), table, None,
-                          context_lens=torch.tensor(lens, dtype=torch.long),
-                          q_starts=torch.tensor(q_starts, dtype=torch.long))
+    return AttentionGroup(start, end, batch, q_len, table, mask.to(layout.device),
+                          scatter=scatter, context_lens=lens)

@@ -564,8 +564,9 @@ static void prefill_unit(const T* q, T* out, const T* kp, const T* vp, const int
       row_to_float(q + (first_row + j) * H * D + (h * G + g) * D, qm, D);
       for (int64_t d = 0; d < D; ++d) qm[d] *= scale;
     }
+  // padding rows (up to Mp): zero queries, so their scores (as far as the real rows of
+  // their block see, all the value pass reads) are zero weights; their outputs go unused
   std::fill(qf + M * D, qf + Mp * D, 0.f);
-  std::fill(s + M * Lp, s + Mp * Lp, 0.f);  // padding rows: zero weights, unused outputs
   for (int64_t m = 0; m < Mp; m += kScoreRows) {
     const int64_t seen = first_pos + (std::min(m + kScoreRows, M) - 1) / G + 1;
     for (int64_t k0 = 0; k0 < seen; k0 += step)
