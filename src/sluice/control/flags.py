@@ -10,7 +10,8 @@ from typing import Any
 def add_scaling_arguments(g: argparse._ActionsContainer, min_help: str,
                           min_default: int | None = None) -> None:
     """--min-workers, --max-workers, --scale-up-delay, --scale-down-delay,
-    --scale-down-margin, --max-step-down and --lookahead (the defaults are PlannerConfig's)."""
+    --scale-down-margin, --max-step-down, --lookahead, --target-ongoing-requests and
+    --target-kv-usage (the defaults are PlannerConfig's)."""
     g.add_argument("--min-workers", type=int, default=min_default, help=min_help)
     g.add_argument("--max-workers", type=int, default=None, help="autoscale: most workers")
     g.add_argument("--scale-up-delay", type=float, default=5.0,
@@ -29,6 +30,12 @@ def add_scaling_arguments(g: argparse._ActionsContainer, min_help: str,
                    help="slo policy: also meet the SLO for the demand forecast this many "
                         "seconds ahead, about a new worker's start time; 0: today's only "
                         "(default: %(default)s)")
+    g.add_argument("--target-ongoing-requests", type=float, default=8.0,
+                   help="queue policy: requests in flight or queued per worker to hold "
+                        "(Ray Serve's name; default: %(default)s)")
+    g.add_argument("--target-kv-usage", type=float, default=0.8,
+                   help="kv policy: mean KV-cache usage to hold, 0..1 (llm-d's threshold; "
+                        "default: %(default)s)")
 
 
 def scaling_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -38,4 +45,6 @@ def scaling_options(args: argparse.Namespace) -> dict[str, Any]:
             "scale_down_delay_s": args.scale_down_delay,
             "scale_down_margin": args.scale_down_margin,
             "max_step_down": args.max_step_down,
-            "lookahead_s": args.lookahead}
+            "lookahead_s": args.lookahead,
+            "target_ongoing_requests": args.target_ongoing_requests,
+            "target_kv_usage": args.target_kv_usage}

@@ -164,9 +164,12 @@ class PlannerConfig:
         if not 0 < self.scale_down_margin <= 1:
             raise InvalidRequestError("scale_down_margin must be in (0, 1]",
                                       param="scale_down_margin")
-        if self.target_ongoing_requests <= 0 or not 0 < self.target_kv_usage <= 1:
-            raise InvalidRequestError("queue/kv targets must be positive (kv <= 1)",
+        if not self.target_ongoing_requests > 0:
+            raise InvalidRequestError("target_ongoing_requests must be > 0",
                                       param="target_ongoing_requests")
+        if not 0 < self.target_kv_usage <= 1:
+            raise InvalidRequestError("target_kv_usage must be in (0, 1]",
+                                      param="target_kv_usage")
 
 
 @dataclass(frozen=True)
