@@ -38,7 +38,6 @@ import logging
 import math
 import threading
 import time
-import uuid
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -47,6 +46,7 @@ from typing import Any
 
 from sluice.gateway.redis_steps import RedisSteps
 from sluice.protocol.errors import ServiceUnavailableError
+from sluice.protocol.ids import unique_hex
 
 logger = logging.getLogger(__name__)
 MAX_UNFINISHED = 100_000  # leases kept for finishing after an outage; the rest expire
@@ -158,7 +158,7 @@ class Limiter(ABC):
 
 
 def _new_request_id() -> str:
-    return uuid.uuid4().hex
+    return unique_hex()
 
 
 # -- in process -----------------------------------------------------------------------

@@ -39,7 +39,6 @@ import contextlib
 import json
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +67,7 @@ from sluice.protocol.errors import (
     ServiceUnavailableError,
     SluiceError,
 )
+from sluice.protocol.ids import unique_hex
 from sluice.protocol.prompt import IDS_HEADER, KIND_OF_PATH, IdsHint, prompt_view
 
 logger = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ class Exchange:
             raise AuthenticationError("missing API key: send 'Authorization: Bearer <key>' "
                                       "or 'x-api-key: <key>'")
         principal, unconfirmed = await self.authenticate(key)
-        request_id = _header(self.scope, b"x-request-id") or uuid.uuid4().hex
+        request_id = _header(self.scope, b"x-request-id") or unique_hex()
         raw: bytes | None = None
         while True:
             if principal is None:

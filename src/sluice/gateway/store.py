@@ -58,6 +58,7 @@ from sluice.gateway import auth_mirror
 from sluice.gateway.config import priority_value
 from sluice.gateway.keys import generate_key, hash_key, new_id
 from sluice.protocol.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
+from sluice.protocol.ids import unique_hex
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +137,8 @@ class Principal:
 
 
 def new_record_id() -> str:
-    """128 random bits: two records never share one, so a duplicate is a retry."""
-    return secrets.token_hex(16)
+    """Unique (protocol/ids.py): two records never share one, so a duplicate is a retry."""
+    return unique_hex()
 
 
 @dataclass(frozen=True)
