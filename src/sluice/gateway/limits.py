@@ -157,10 +157,6 @@ class Limiter(ABC):
         """Release connections."""
 
 
-def _new_request_id() -> str:
-    return unique_hex()
-
-
 # -- in process -----------------------------------------------------------------------
 
 
@@ -241,7 +237,7 @@ class LocalLimiter(Limiter):
         if reason is not None:
             states = tuple(log.state(now, self.window_s) for log in logs)
             return Decision(False, reason, retry, scopes, states)
-        rid = _new_request_id()
+        rid = unique_hex()
         for log in logs:
             log.requests.append(now)
             log.add_tokens(rid, now, need)
@@ -479,7 +475,7 @@ class RedisLimiter(Limiter):
 
     async def acquire(self, scopes: Sequence[Scope], tokens: int) -> Decision:
         scopes = tuple(scopes)
-        lease = Lease(_new_request_id(), scopes, tokens)
+        lease = Lease(unique_hex(), scopes, tokens)
         limits = [[s.name, _limit_arg(s.rpm), _limit_arg(s.tpm), _limit_arg(s.max_concurrent)]
                   for s in scopes]
         # between retries while Redis is down this raises _NotTried: nothing sent, nothing kept
