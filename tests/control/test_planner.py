@@ -189,8 +189,25 @@ def test_kv_policy_targets_kv_usage() -> None:
     cfg = PlannerConfig(policy="kv", max_replicas=8, target_kv_usage=0.8,
                         scale_up_delay_s=0, max_step=8)
     planner = Planner(cfg, initial=2)
-    assert planner.decide(PoolSignals(pool="m", ready=2, kv_usage=0.95, inflight=4),
-                          0.0).desired == 3  # ceil(2 × 0.95 / 0.8)
+    d = planner.decide(PoolSignals(pool="m", ready=2, kv_usage=0.95, inflight=4), 0.0)
+    assert d.desired == 3 and d.reason.startswith("kv usage")  # ceil(2 × 0.95 / 0.8)
+
+
+def test_kv_policy_scales_on_waiting_requests_when_the_cache_is_not_full() -> None:
+    """llm-d's second saturation signal: a pool whose compute saturates while its KV cache
+    is mostly free (a CPU worker) queues requests; the larger count of the two metrics
+    wins, as in an HPA with two metrics."""
+    cfg = PlannerConfig(policy="kv", max_replicas=8, target_kv_usage=0.8,
+                        target_queue_length=5, scale_up_delay_s=0, max_step=8)
+    planner = Planner(cfg, initial=2)
+    d = planner.decide(PoolSignals(pool="m", ready=2, kv_usage=0.3, running=256, waiting=20,
+                                   inflight=276), 0.0)
+    assert d.desired == 4  # ceil(2 × (20 / 2) / 5); the KV usage alone asks for 1
+    assert d.reason == "waiting 10 per worker vs target 5"
+    assert d.current.per_replica == 0.3  # the KV usage per worker, as before
+    within = PoolSignals(pool="m", ready=4, kv_usage=0.3, running=256, waiting=21, inflight=277)
+    d = planner.decide(within, 1.0)  # 5.25 waiting per worker: inside ±10 %
+    assert d.desired == 4 and d.reason == "waiting within 0.1 of the target"
 
 
 def test_every_change_is_logged_with_its_inputs_and_predictions(

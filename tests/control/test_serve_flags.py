@@ -25,6 +25,7 @@ def parse(*argv: str) -> argparse.Namespace:
     (["--max-workers", "2", "--scale-down-margin", "1.5"], "scale_down_margin must be in"),
     (["--max-workers", "2", "--target-ongoing-requests", "0"], "target_ongoing_requests must be"),
     (["--max-workers", "2", "--target-kv-usage", "1.2"], "target_kv_usage must be in"),
+    (["--max-workers", "2", "--target-queue-length", "0"], "target_queue_length must be"),
 ])
 def test_bad_flags_exit_2_before_starting(argv: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -48,10 +49,13 @@ def test_bounds_and_the_planner_config() -> None:
                                  "--scale-down-delay", "9", "--scale-down-margin", "0.8"))
     assert (tuned.scale_up_delay_s, tuned.scale_down_delay_s, tuned.scale_down_margin) \
         == (1.0, 9.0, 0.8)
-    assert (tuned.target_ongoing_requests, tuned.target_kv_usage) == (8.0, 0.8)  # the defaults
+    assert (tuned.target_ongoing_requests, tuned.target_kv_usage, tuned.target_queue_length) \
+        == (8.0, 0.8, 5.0)  # the defaults
     targets = planner_config(parse("--max-workers", "2", "--planner-policy", "queue",
-                                   "--target-ongoing-requests", "16", "--target-kv-usage", "0.7"))
-    assert (targets.target_ongoing_requests, targets.target_kv_usage) == (16.0, 0.7)
+                                   "--target-ongoing-requests", "16", "--target-kv-usage", "0.7",
+                                   "--target-queue-length", "3"))
+    assert (targets.target_ongoing_requests, targets.target_kv_usage,
+            targets.target_queue_length) == (16.0, 0.7, 3.0)
 
 
 def test_chat_flags_reach_every_worker(tmp_path: object) -> None:

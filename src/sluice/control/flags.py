@@ -36,6 +36,10 @@ def add_scaling_arguments(g: argparse._ActionsContainer, min_help: str,
     g.add_argument("--target-kv-usage", type=float, default=0.8,
                    help="kv policy: mean KV-cache usage to hold, 0..1 (llm-d's threshold; "
                         "default: %(default)s)")
+    g.add_argument("--target-queue-length", type=float, default=5.0,
+                   help="kv policy: requests waiting for prefill per worker to hold, the "
+                        "policy's second metric (llm-d's queue threshold; default: "
+                        "%(default)s)")
 
 
 def scaling_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -47,4 +51,5 @@ def scaling_options(args: argparse.Namespace) -> dict[str, Any]:
             "max_step_down": args.max_step_down,
             "lookahead_s": args.lookahead,
             "target_ongoing_requests": args.target_ongoing_requests,
-            "target_kv_usage": args.target_kv_usage}
+            "target_kv_usage": args.target_kv_usage,
+            "target_queue_length": args.target_queue_length}

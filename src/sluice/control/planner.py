@@ -130,6 +130,7 @@ class PlannerConfig:
     scale_down_margin: float = 0.6  # slo: a smaller count must meet the SLO at load / margin
     target_ongoing_requests: float = 8.0  # queue: in flight + queued per worker
     target_kv_usage: float = 0.8  # kv: mean KV-cache usage per worker
+    target_queue_length: float = 5.0  # kv: requests waiting for prefill per worker
     tolerance: float = 0.1  # queue, kv: no change while the ratio is within 1 ± this
     lookahead_s: float = 30.0  # slo: also meet the SLO for the demand forecast this far ahead
     trend_window_s: float = 20.0  # the demand growth is fitted over this much history
@@ -170,6 +171,9 @@ class PlannerConfig:
         if not 0 < self.target_kv_usage <= 1:
             raise InvalidRequestError("target_kv_usage must be in (0, 1]",
                                       param="target_kv_usage")
+        if not self.target_queue_length > 0:
+            raise InvalidRequestError("target_queue_length must be > 0",
+                                      param="target_queue_length")
 
 
 @dataclass(frozen=True)
@@ -382,27 +386,32 @@ def _best(preds: list[Prediction]) -> Prediction:
 
 
 class _RatioPolicy(PlannerPolicy):
-    """HPA's rule: desired = ceil(current × metric / target), held within the tolerance."""
+    """HPA's rule: desired = ceil(current × metric / target), held within the tolerance;
+    with several metrics, the largest count any of them asks for (as HPA does)."""
 
-    def per_replica(self, s: PoolSignals, n: int) -> float:
+    def metrics(self, s: PoolSignals, n: int) -> list[tuple[str, float]]:
+        """Each metric's name and value per worker at `n` workers; the first is the one
+        `Prediction.per_replica` reports."""
         raise NotImplementedError
 
-    def target(self, config: PlannerConfig) -> float:
+    def targets(self, config: PlannerConfig) -> list[float]:
+        """The metrics' targets, in their order."""
         raise NotImplementedError
 
     def predict(self, s: PoolSignals, current: int, n: int) -> Prediction:
-        return Prediction(n, per_replica=self.per_replica(s, n))
+        return Prediction(n, per_replica=self.metrics(s, n)[0][1])
 
     def recommend(self, s: PoolSignals, current: int, config: PlannerConfig,
                   ahead: PoolSignals | None = None) -> Recommendation:
         ref = max(1, current)
-        metric, target = self.per_replica(s, ref), self.target(config)
+        (name, metric), target = max(zip(self.metrics(s, ref), self.targets(config),
+                                         strict=True), key=lambda m: m[0][1] / m[1])
         ratio = metric / target
         if current >= 1 and abs(ratio - 1.0) <= config.tolerance:
-            n, reason = current, f"within {config.tolerance:g} of the target"
+            n, reason = current, f"{name} within {config.tolerance:g} of the target"
         else:
-            n, reason = max(1, math.ceil(ref * ratio - 1e-9)), f"{metric:.3g} per worker vs " \
-                                                               f"target {target:g}"
+            n = max(1, math.ceil(ref * ratio - 1e-9))
+            reason = f"{name} {metric:.3g} per worker vs target {target:g}"
         return Recommendation(n, reason, self.predict(s, current, ref),
                               self.predict(s, current, n))
 
@@ -413,25 +422,30 @@ class QueuePolicy(_RatioPolicy):
 
     name = "queue"
 
-    def per_replica(self, s: PoolSignals, n: int) -> float:
-        return s.demand / max(1, n)
+    def metrics(self, s: PoolSignals, n: int) -> list[tuple[str, float]]:
+        return [("ongoing requests", s.demand / max(1, n))]
 
-    def target(self, config: PlannerConfig) -> float:
-        return config.target_ongoing_requests
+    def targets(self, config: PlannerConfig) -> list[float]:
+        return [config.target_ongoing_requests]
 
 
 class KVPolicy(_RatioPolicy):
-    """Mean KV-cache usage against `target_kv_usage` (llm-d's WVA threshold: 0.8); queued
-    requests count as a full worker's worth each so that a cold pool activates."""
+    """llm-d's saturation signals, as an HPA with two metrics: mean KV-cache usage against
+    `target_kv_usage` (WVA's kvCacheThreshold, 0.8; requests the router holds count as a
+    full worker's worth, so that a cold pool activates) and requests waiting for prefill
+    (on the workers or held by the router) per worker against `target_queue_length` (its
+    queueLengthThreshold, 5). The KV metric alone never fires where the cache outlasts
+    the compute: a CPU worker with a large pool slows every stream long before its cache
+    fills, and then only the engines' queues show it (docs/control.md)."""
 
     name = "kv"
 
-    def per_replica(self, s: PoolSignals, n: int) -> float:
-        total = s.kv_usage * max(1, s.ready) + (1.0 if s.queued else 0.0)
-        return total / max(1, n)
+    def metrics(self, s: PoolSignals, n: int) -> list[tuple[str, float]]:
+        kv = s.kv_usage * max(1, s.ready) + (1.0 if s.queued else 0.0)
+        return [("kv usage", kv / max(1, n)), ("waiting", (s.waiting + s.queued) / max(1, n))]
 
-    def target(self, config: PlannerConfig) -> float:
-        return config.target_kv_usage
+    def targets(self, config: PlannerConfig) -> list[float]:
+        return [config.target_kv_usage, config.target_queue_length]
 
 
 POLICIES: Mapping[str, type[PlannerPolicy]] = MappingProxyType({
