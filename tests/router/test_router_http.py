@@ -558,6 +558,8 @@ async def test_every_admin_route_is_closed_without_a_key_and_needs_it(cluster: C
             r = await c.request(method, path, json=body, headers=ADMIN)
             assert r.status_code == 403, (method, path, r.text)
             assert r.json()["error"]["type"] == "permission_error"
+            # it names the setting for both ways a router runs
+            assert "SLUICE_ROUTER_ADMIN_KEY" in r.text and "SLUICE_ADMIN_KEY " in r.text
     async with cluster([StubState("a")]) as (router, urls), \
             httpx.AsyncClient(base_url=router) as c:
         for method, path, body in ADMIN_ROUTES:

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 
 from sluice.protocol.edge import check_admin_key, load_json_object
 from sluice.router.adapters import check_adapter_body
+from sluice.router.config import ADMIN_KEY_SETTING
 from sluice.router.state import RouterState
 
 
@@ -27,7 +28,7 @@ def adapter_router() -> APIRouter:
     def router_state(request: Request) -> RouterState:
         state: RouterState = request.app.state.router
         check_admin_key(state.config.admin_key, request.headers.raw,
-                        setting="--admin-key or SLUICE_ROUTER_ADMIN_KEY")
+                        setting=ADMIN_KEY_SETTING)
         return state
 
     @api.get("/adapters")

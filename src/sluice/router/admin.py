@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from sluice.protocol.edge import check_admin_key
 from sluice.protocol.errors import InvalidRequestError
-from sluice.router.config import BASELINE, SHORT, BandLimits, WorkerSpec
+from sluice.router.config import ADMIN_KEY_SETTING, BASELINE, SHORT, BandLimits, WorkerSpec
 from sluice.router.endpoints import Endpoint
 from sluice.router.state import RouterState
 
@@ -85,7 +85,7 @@ def describe(endpoint: Endpoint) -> dict[str, Any]:
 
 def _check_key(request: Request) -> None:
     key: str | None = request.app.state.router.config.admin_key
-    check_admin_key(key, request.headers.raw, setting="--admin-key or SLUICE_ROUTER_ADMIN_KEY")
+    check_admin_key(key, request.headers.raw, setting=ADMIN_KEY_SETTING)
 
 
 def _parse(model: type[BaseModel], raw: bytes) -> Any:

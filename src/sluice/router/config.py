@@ -28,6 +28,10 @@ from typing import Any
 from sluice.protocol.edge import DEFAULT_MAX_BODY_BYTES
 from sluice.protocol.errors import InvalidRequestError
 
+# what a 403 from a router /admin route tells the operator to set (`sluice serve` passes
+# its own --admin-key / SLUICE_ADMIN_KEY to the router it runs)
+ADMIN_KEY_SETTING = ("--admin-key (SLUICE_ROUTER_ADMIN_KEY for `sluice router`, SLUICE_ADMIN_KEY "
+                     "for `sluice serve`)")
 SHORT = "short"
 LONG = "long"
 GROUPS = (SHORT, LONG)

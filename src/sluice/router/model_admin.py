@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 
 from sluice.protocol.edge import check_admin_key
 from sluice.protocol.errors import NotFoundError
+from sluice.router.config import ADMIN_KEY_SETTING
 from sluice.router.pool import Pool
 from sluice.router.state import RouterState
 
@@ -38,7 +39,7 @@ def model_router(find: Callable[[Pool], ModelSwapper | None]) -> APIRouter:
     def swapper(request: Request, name: str) -> ModelSwapper:
         state: RouterState = request.app.state.router
         check_admin_key(state.config.admin_key, request.headers.raw,
-                        setting="--admin-key or SLUICE_ROUTER_ADMIN_KEY")
+                        setting=ADMIN_KEY_SETTING)
         found = find(state.resolve(name))
         if found is None:
             raise NotFoundError(f"pool {name!r} has no controller in this router",

@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from sluice.protocol.edge import check_admin_key
+from sluice.router.config import ADMIN_KEY_SETTING
 
 
 def planner_router(view: Callable[[], dict[str, Any]]) -> APIRouter:
@@ -28,7 +29,7 @@ def planner_router(view: Callable[[], dict[str, Any]]) -> APIRouter:
     async def planner(request: Request) -> dict[str, Any]:
         key: str | None = request.app.state.router.config.admin_key
         check_admin_key(key, request.headers.raw,
-                        setting="--admin-key or SLUICE_ROUTER_ADMIN_KEY")
+                        setting=ADMIN_KEY_SETTING)
         return view()
 
     return api

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from sluice.protocol.edge import check_admin_key
 from sluice.protocol.errors import InvalidRequestError
+from sluice.router.config import ADMIN_KEY_SETTING
 from sluice.router.release import Release, Releases
 
 
@@ -31,7 +32,7 @@ class ReleaseChange(BaseModel):
 
 def _release(request: Request, pool: str) -> Release:
     key: str | None = request.app.state.router.config.admin_key
-    check_admin_key(key, request.headers.raw, setting="--admin-key or SLUICE_ROUTER_ADMIN_KEY")
+    check_admin_key(key, request.headers.raw, setting=ADMIN_KEY_SETTING)
     releases: Releases = request.app.state.router.releases
     return releases.find(pool)
 
