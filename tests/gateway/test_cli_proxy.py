@@ -64,6 +64,49 @@ def test_parse_time_forms() -> None:
     assert parse_time("1700000000") == 1700000000.0
     assert parse_time("2024-01-01T00:00:00+00:00") == 1704067200.0
     assert parse_time(None) is None
+    for bad in ("1x", "nan", "1e400", "-5h"):
+        with pytest.raises(ValueError, match="is not a time"):
+            parse_time(bad)
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["usage", "--since", "1x"], "--since"),  # was a ValueError traceback
+    (["usage", "--until", "yesterday"], "--until"),
+    (["usage", "--since", "nan"], "--since"),  # was exit 1 from the store's check
+    (["usage", "--limit", "0"], "--limit"),
+    (["usage", "--limit", "100001"], "--limit"),
+    (["usage", "--limit", "ten"], "--limit"),
+    (["gateway", "purge", "--older-than", "-3"], "--older-than"),  # purged the future
+    (["gateway", "purge", "--older-than", "nan"], "--older-than"),
+    (["tenants", "create", "acme", "--rpm", "-1"], "--rpm"),
+    (["tenants", "create", "acme", "--budget-usd", "nan"], "--budget-usd"),  # was accepted
+    (["tenants", "update", "acme", "--soft-budget-usd", "-1"], "--soft-budget-usd"),
+    (["keys", "create", "--tenant", "acme", "--tpm", "1.5"], "--tpm"),
+    (["keys", "create", "--tenant", "acme", "--max-concurrent", "x"], "--max-concurrent"),
+    (["gateway", "--port", "70000"], "--port"),
+    (["gateway", "--upstream", "http://x", "--prices", "/nonexistent.yaml"], "--prices"),
+])
+def test_cli_bad_values_are_usage_errors(argv: list[str], flag: str, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A value a flag cannot take is argparse's usage error: one line on stderr naming
+    the flag, exit status 2, no traceback, nothing done to the database."""
+    db = ["--database-url", f"sqlite:///{tmp_path / 'cli.db'}"]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, *db])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {flag}: " in err and "Traceback" not in err
+    assert not (tmp_path / "cli.db").exists()
+
+
+def test_cli_bad_price_table_is_a_usage_error(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    prices = tmp_path / "prices.yaml"
+    prices.write_text("m: [1, 2]\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["gateway", "--upstream", "http://x", "--prices", str(prices)])
+    assert exc.value.code == 2
+    assert "argument --prices: cannot read the price table" in capsys.readouterr().err
 
 
 def test_dev_key_is_created_once_and_reused(sqlite_store: SQLStore, tmp_path: Path) -> None:

@@ -5,12 +5,17 @@ else `SLUICE_DATABASE_URL`, else SQLite at `$SLUICE_HOME/sluice.db`), so they ne
 running gateway. `sluice gateway --upstream URL` runs the gateway as its own process
 in front of a remote router or worker; `sluice gateway purge --older-than DAYS`
 applies the retention policy to the usage ledger.
+
+Every parsed flag is checked by argparse through a `type=` function below (times,
+counts, dollars, days, the port, the price file), so a bad value is argparse's usage
+error naming the flag, exit status 2, never a traceback or a silently odd value.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 import time
@@ -21,7 +26,9 @@ from typing import Any
 
 from sluice import env
 from sluice.gateway.config import FAILURE_MODES, PRIORITY_CLASSES, GatewayConfig, LimiterConfig
+from sluice.gateway.pricing import PriceTable
 from sluice.gateway.store import (
+    MAX_USAGE_ROWS,
     KeySettings,
     SQLStore,
     TenantSettings,
@@ -49,7 +56,7 @@ def _db_flag(p: argparse.ArgumentParser) -> None:
 
 def _limit_flags(p: argparse.ArgumentParser, with_models: bool = True) -> None:
     for flag, what in _LIMIT_FLAGS:
-        p.add_argument(flag, type=int, default=None, help=f"limit: {what}")
+        p.add_argument(flag, type=count, default=None, help=f"limit: {what}")
     if with_models:
         p.add_argument("--allowed-models", default=None,
                        help="comma-separated model names this principal may use")
@@ -63,14 +70,14 @@ def _register_gateway(sub: argparse._SubParsersAction) -> None:  # type: ignore[
                                    "process in front of --upstream.")
     p.add_argument("--upstream", help="base URL of the router or worker, e.g. http://127.0.0.1:8001")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=port, default=8080)
     _db_flag(p)
     p.add_argument("--redis-url", default=None,
                    help="share limit counters through Redis (default: SLUICE_REDIS_URL; "
                         "unset = in process)")
     p.add_argument("--on-redis-error", choices=FAILURE_MODES, default="closed",
                    help="when Redis is unreachable: closed = 503, open = admit unlimited")
-    p.add_argument("--prices", type=Path, default=None,
+    p.add_argument("--prices", type=price_file, default=None,
                    help="price table (JSON/YAML: model -> input/output_per_million)")
     p.add_argument("--admin-key", default=None, help="admin API key (default: SLUICE_ADMIN_KEY)")
     p.add_argument("--tokenizer", default=None,
@@ -79,7 +86,7 @@ def _register_gateway(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.set_defaults(func=run_gateway)
     actions = p.add_subparsers(dest="gateway_action", metavar="ACTION")
     purge = actions.add_parser("purge", help="delete usage records older than DAYS")
-    purge.add_argument("--older-than", type=float, required=True, metavar="DAYS")
+    purge.add_argument("--older-than", type=days, required=True, metavar="DAYS")
     _db_flag(purge)
     purge.set_defaults(func=run_purge)
 
@@ -106,8 +113,8 @@ def _register_keys(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
 
 def _tenant_flags(p: argparse.ArgumentParser) -> None:
     _limit_flags(p)
-    p.add_argument("--budget-usd", type=float, default=None, help="hard budget in USD")
-    p.add_argument("--soft-budget-usd", type=float, default=None,
+    p.add_argument("--budget-usd", type=dollars, default=None, help="hard budget in USD")
+    p.add_argument("--soft-budget-usd", type=dollars, default=None,
                    help="soft budget in USD (only a metric)")
     p.add_argument("--store-bodies", choices=("yes", "no"), default=None,
                    help="store redacted prompt/completion bodies in the audit log")
@@ -136,9 +143,11 @@ def _register_usage(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p = sub.add_parser("usage", help="query the usage ledger")
     p.add_argument("--tenant", default=None, help="tenant id or name")
     p.add_argument("--key", default=None, help="key id")
-    p.add_argument("--since", default=None, help="epoch seconds, ISO 8601, or an age like 24h/7d")
-    p.add_argument("--until", default=None, help="same forms as --since")
-    p.add_argument("--limit", type=int, default=1000)
+    p.add_argument("--since", type=moment, default=None,
+                   help="epoch seconds, ISO 8601, or an age like 24h/7d")
+    p.add_argument("--until", type=moment, default=None, help="same forms as --since")
+    p.add_argument("--limit", type=rows, default=1000,
+                   help=f"at most this many records, 1-{MAX_USAGE_ROWS} (default 1000)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     _db_flag(p)
     p.set_defaults(func=usage)
@@ -152,7 +161,8 @@ def open_store(args: argparse.Namespace) -> SQLStore:
 
 
 def parse_time(text: str | None, now: float | None = None) -> float | None:
-    """Epoch seconds, ISO 8601, or an age (`30m`, `24h`, `7d`) before now."""
+    """Epoch seconds, ISO 8601, or an age (`30m`, `24h`, `7d`) before now. Anything
+    else, or a time that is not finite, is a ValueError that says which forms work."""
     if text is None:
         return None
     now = time.time() if now is None else now
@@ -161,9 +171,80 @@ def parse_time(text: str | None, now: float | None = None) -> float | None:
         unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}[age.group(2)]
         return now - float(age.group(1)) * unit
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
-        return datetime.fromisoformat(text).timestamp()
+        try:
+            value = datetime.fromisoformat(text).timestamp()
+        except (ValueError, OverflowError, OSError):
+            value = math.nan
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a time: give epoch seconds, an ISO 8601 time "
+                         "(2026-01-31T12:00:00) or an age like 30m, 24h or 7d")
+    return value
+
+
+# -- argparse types: a bad value is a usage error naming the flag (exit status 2) ---------
+
+
+def moment(text: str) -> float:
+    try:
+        value = parse_time(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    assert value is not None
+    return value
+
+
+def _integer(text: str, low: int, high: int | None, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = low - 1
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return value
+
+
+def count(text: str) -> int:
+    """A limit: a whole number >= 0."""
+    return _integer(text, 0, None, "a whole number >= 0")
+
+
+def rows(text: str) -> int:
+    return _integer(text, 1, MAX_USAGE_ROWS, f"a whole number from 1 to {MAX_USAGE_ROWS}")
+
+
+def port(text: str) -> int:
+    return _integer(text, 0, 65535, "a TCP port (0-65535)")
+
+
+def _number(text: str, *, positive: bool, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return value
+
+
+def dollars(text: str) -> float:
+    return _number(text, positive=False, what="an amount in USD >= 0")
+
+
+def days(text: str) -> float:
+    return _number(text, positive=True, what="a number of days > 0")
+
+
+def price_file(text: str) -> Path:
+    """A price table that loads (read here once, so a typo fails before the server starts)."""
+    try:
+        PriceTable.load(text)
+    except Exception as exc:  # unreadable, not JSON/YAML, the wrong shape: not a table
+        detail = exc.message if isinstance(exc, SluiceError) else str(exc)
+        raise argparse.ArgumentTypeError(f"cannot read the price table {text!r}: "
+                                         f"{detail}") from None
+    return Path(text)
 
 
 def _models(text: str | None) -> tuple[str, ...] | None:
@@ -268,8 +349,8 @@ def keys_revoke(args: argparse.Namespace) -> int:
 def usage(args: argparse.Namespace) -> int:
     store = open_store(args)
     tenant_id = store.get_tenant(args.tenant).id if args.tenant else None
-    records = store.query_usage(UsageQuery(tenant_id, args.key, parse_time(args.since),
-                                           parse_time(args.until), args.limit))
+    records = store.query_usage(UsageQuery(tenant_id, args.key, args.since, args.until,
+                                           args.limit))
     totals = {"requests": len(records), "prompt_tokens": sum(r.prompt_tokens for r in records),
               "completion_tokens": sum(r.completion_tokens for r in records),
               "cost_usd": sum(r.cost_usd for r in records)}
