@@ -10,7 +10,7 @@ import pytest
 
 from sluice.gateway.middleware import GatewayMiddleware
 from sluice.gateway.pricing import Price, PriceTable
-from sluice.gateway.store import KeySettings, SQLStore, UsageQuery
+from sluice.gateway.store import KeySettings, SQLStore, TenantSettings, UsageQuery
 
 from .conftest import ADMIN_KEY, CHAT, client_for, make_state, new_key
 from .stub import PROMPT_TOKENS, StubUpstream
@@ -283,6 +283,69 @@ async def test_revoked_key_rejected_at_once_and_admin_api(sqlite_store: SQLStore
             assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 401
         async with client_for(gw, "wrong") as bad:
             assert (await bad.get("/admin/tenants")).status_code == 401
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("POST", "/admin/tenants"), ("PATCH", "/admin/tenants/a"), ("POST", "/admin/keys"),
+    ("POST", "/admin/purge")])
+async def test_admin_bodies_that_are_not_a_json_object_are_a_400_naming_body(
+        sqlite_store: SQLStore, stub: StubUpstream, method: str, path: str) -> None:
+    """Every admin route that takes a body answers as /v1 does (`load_json_object`):
+    before, `xx` was "0: JSON decode error" with param "0", and `[1]` "None: Input
+    should be a valid dictionary" with param null."""
+    sqlite_store.create_tenant("a", TenantSettings())
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    async with client_for(gw, ADMIN_KEY) as admin:
+        for raw, message in ((b"xx", "the request body is not valid JSON"),
+                             (b"", "the request body is not valid JSON"),
+                             (b"[1]", "the request body must be a JSON object"),
+                             (b'"a"', "the request body must be a JSON object"),
+                             (b'{"a": ' * 200 + b"1" + b"}" * 200,
+                              "the request body nests deeper than 100 levels"),
+                             (b'{"name": "\\ud800"}', "the request body holds a lone UTF-16 surrogate")):
+            r = await admin.request(method, path, content=raw,
+                                    headers={"content-type": "application/json"})
+            assert r.status_code == 400, (raw, r.text)
+            error = r.json()["error"]
+            assert error["param"] == "body" and error["type"] == "invalid_request_error"
+            assert error["message"].startswith(message), error
+    async with client_for(gw) as anonymous:  # the admin key is checked before the body
+        assert (await anonymous.request(method, path, content=b"xx")).status_code == 401
+
+
+@pytest.mark.parametrize(("method", "path", "field", "body"), [
+    ("POST", "/admin/tenants", "rpm", {"name": "t10", "rpm": True}),  # was a tenant, rpm 1
+    ("POST", "/admin/tenants", "tpm", {"name": "t10", "tpm": "50"}),
+    ("POST", "/admin/tenants", "max_concurrent", {"name": "t10", "max_concurrent": 2.0}),
+    ("POST", "/admin/tenants", "budget_usd", {"name": "t10", "budget_usd": False}),
+    ("POST", "/admin/tenants", "soft_budget_usd", {"name": "t10", "soft_budget_usd": "1.5"}),
+    ("POST", "/admin/tenants", "budget_usd", {"name": "t10", "budget_usd": float("nan")}),
+    ("POST", "/admin/tenants", "store_bodies", {"name": "t10", "store_bodies": "yes"}),
+    ("POST", "/admin/tenants", "name", {"name": 10}),
+    ("PATCH", "/admin/tenants/a", "rpm", {"rpm": True}),
+    ("PATCH", "/admin/tenants/a", "budget_usd", {"budget_usd": float("inf")}),
+    ("POST", "/admin/keys", "tpm", {"tenant": "a", "tpm": True}),
+    ("POST", "/admin/keys", "rpm", {"tenant": "a", "rpm": "5"}),
+    ("POST", "/admin/keys", "allowed_models.0", {"tenant": "a", "allowed_models": [1]}),
+    ("POST", "/admin/purge", "older_than_days", {"older_than_days": True}),
+    ("POST", "/admin/purge", "older_than_days", {"older_than_days": "30"}),
+])
+async def test_admin_fields_are_strict(sqlite_store: SQLStore, stub: StubUpstream, method: str,
+                                       path: str, field: str, body: dict[str, object]) -> None:
+    """Booleans and numeric strings are not numbers: a 400 naming the field, and nothing
+    is created or changed."""
+    sqlite_store.create_tenant("a", TenantSettings(rpm=7))
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    async with client_for(gw, ADMIN_KEY) as admin:
+        r = await admin.request(method, path, content=json.dumps(body).encode())
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field
+        assert r.json()["error"]["message"].startswith(f"{field}: ")
+        r = await admin.post("/admin/tenants", json={"name": "ok", "rpm": 3, "budget_usd": 2})
+        assert r.status_code == 201 and (r.json()["rpm"], r.json()["budget_usd"]) == (3, 2.0)
+    assert [t.name for t in sqlite_store.list_tenants()] == ["a", "ok"]
+    assert sqlite_store.get_tenant("a").settings.rpm == 7
+    assert sqlite_store.list_keys() == []
 
 
 async def test_tenant_never_sees_another_tenants_usage(sqlite_store: SQLStore,

@@ -15,18 +15,23 @@ usage only: the tenant is taken from the key, never from the query.
     GET    /admin/usage?tenant=&key=&since=&until=&limit=
     POST   /admin/purge                 {older_than_days}
     GET    /v1/usage?key=&since=&until=&limit=
+
+Bodies are read by `json_body`: the shared `load_json_object` (not valid JSON, not an
+object: a 400 naming `body`, as on /v1), then the payload model in strict mode, so
+`"rpm": true` or `"rpm": "5"` is a 400 naming `rpm` instead of a limit of 1 or 5.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sluice.gateway.state import GatewayState
@@ -39,7 +44,7 @@ from sluice.gateway.store import (
     UsageQuery,
     UsageRecord,
 )
-from sluice.protocol.edge import check_admin_key, http_status_error
+from sluice.protocol.edge import check_admin_key, http_status_error, load_json_object
 from sluice.protocol.errors import (
     AuthenticationError,
     InvalidRequestError,
@@ -49,15 +54,18 @@ from sluice.protocol.errors import (
 
 
 class _Payload(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Strict: JSON's types as they are (no `true` -> 1, no `"5"` -> 5); unknown fields
+    are refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class TenantLimits(_Payload):
     rpm: int | None = Field(None, ge=0)
     tpm: int | None = Field(None, ge=0)
     max_concurrent: int | None = Field(None, ge=0)
-    budget_usd: float | None = Field(None, ge=0)
-    soft_budget_usd: float | None = Field(None, ge=0)
+    budget_usd: float | None = Field(None, ge=0, allow_inf_nan=False)
+    soft_budget_usd: float | None = Field(None, ge=0, allow_inf_nan=False)
     allowed_models: list[str] | None = None
 
 
@@ -83,7 +91,30 @@ class KeyCreate(_Payload):
 
 
 class Purge(_Payload):
-    older_than_days: float = Field(gt=0)
+    older_than_days: float = Field(gt=0, allow_inf_nan=False)
+
+
+P = TypeVar("P", bound=_Payload)
+
+
+def invalid(errors: Sequence[Any]) -> InvalidRequestError:
+    """Pydantic's first error as a 400 naming the field (`rpm`, `allowed_models.0`)."""
+    err = errors[0] if errors else {}
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path")]
+    param = ".".join(loc) or None
+    return InvalidRequestError(f"{param}: {err.get('msg', 'invalid')}", param=param)
+
+
+def json_body(model: type[P]) -> Callable[[Request], Awaitable[P]]:
+    """A dependency that reads the request body as `model`: a 400 naming `body` when it
+    is not a JSON object (`load_json_object`, as on /v1), else one naming the field."""
+    async def parse(request: Request) -> P:
+        data = load_json_object(await request.body(), param="body")
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            raise invalid(exc.errors()) from None
+    return parse
 
 
 def tenant_json(t: Tenant) -> dict[str, Any]:
@@ -142,11 +173,7 @@ def build_admin_app(state: GatewayState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        err = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path")]
-        param = ".".join(loc) or None
-        error = InvalidRequestError(f"{param}: {err.get('msg', 'invalid')}", param=param)
-        return JSONResponse(error.to_dict(), status_code=400)
+        return JSONResponse(invalid(exc.errors()).to_dict(), status_code=400)
 
     def admin(request: Request) -> None:
         check_admin_key(state.config.admin_key, request.headers.raw,
@@ -161,7 +188,8 @@ def build_admin_app(state: GatewayState) -> FastAPI:
     guarded = [Depends(admin)]
 
     @app.post("/admin/tenants", dependencies=guarded, status_code=201)
-    def create_tenant(body: TenantCreate) -> dict[str, Any]:
+    def create_tenant(body: Annotated[TenantCreate, Depends(json_body(TenantCreate))]
+                      ) -> dict[str, Any]:
         data = body.model_dump(exclude={"name"})
         data["allowed_models"] = _models(body.allowed_models)
         return tenant_json(store.create_tenant(body.name, TenantSettings(**data)))
@@ -175,14 +203,15 @@ def build_admin_app(state: GatewayState) -> FastAPI:
         return tenant_json(store.get_tenant(ref))
 
     @app.patch("/admin/tenants/{ref}", dependencies=guarded)
-    def update_tenant(ref: str, body: TenantUpdate) -> dict[str, Any]:
+    def update_tenant(ref: str, body: Annotated[TenantUpdate, Depends(json_body(TenantUpdate))]
+                      ) -> dict[str, Any]:
         changes = body.model_dump(exclude_unset=True)
         if "allowed_models" in changes:
             changes["allowed_models"] = _models(body.allowed_models)
         return tenant_json(store.update_tenant(ref, changes))
 
     @app.post("/admin/keys", dependencies=guarded, status_code=201)
-    def create_key(body: KeyCreate) -> dict[str, Any]:
+    def create_key(body: Annotated[KeyCreate, Depends(json_body(KeyCreate))]) -> dict[str, Any]:
         data = body.model_dump(exclude={"tenant"})
         data["allowed_models"] = _models(body.allowed_models)
         key, plaintext = store.create_key(body.tenant, KeySettings(**data))
@@ -206,7 +235,7 @@ def build_admin_app(state: GatewayState) -> FastAPI:
         return usage_json(store.query_usage(UsageQuery(tenant_id, key, since, until, limit)))
 
     @app.post("/admin/purge", dependencies=guarded)
-    def purge(body: Purge) -> dict[str, Any]:
+    def purge(body: Annotated[Purge, Depends(json_body(Purge))]) -> dict[str, Any]:
         deleted = store.purge(time.time() - body.older_than_days * 86400)
         return {"deleted": deleted}
 
