@@ -3,7 +3,9 @@
 Answers /v1/chat/completions, /v1/completions (JSON and SSE, honouring
 `stream_options.include_usage`), /v1/messages (Anthropic JSON and SSE), /v1/models
 (the names in `model_ids`), /v1/models/{id}, /health and /metrics. It records every body it receives, can hold requests on a gate
-(concurrency tests) and can pace stream chunks (abort tests). Usage is exact and
+(concurrency tests), can pace stream chunks (abort tests) and can hold a JSON answer
+until the client hangs up, then answer 499 as the sluice worker does (`hold_json`,
+abort tests). Usage is exact and
 deterministic: prompt_tokens = PROMPT_TOKENS, completion_tokens = min(max_tokens, 8).
 """
 
@@ -35,6 +37,8 @@ class StubUpstream:
         self.max_reply = max_reply
         self.streams_finished = 0
         self.streams_cancelled = 0
+        self.hold_json = False  # a non-streamed answer waits for the client to hang up
+        self.json_cancelled = 0
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.chat, methods=["POST"]),
@@ -71,6 +75,13 @@ class StubUpstream:
         if body.get("stream"):
             return StreamingResponse(self._chat_stream(body, n, chat, usage),
                                      media_type="text/event-stream")
+        if self.hold_json:  # "generating" until the client goes: the worker's 499
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self.json_cancelled += 1
+            return JSONResponse({"error": {"message": "the client disconnected", "type":
+                                           "client_disconnected", "param": None,
+                                           "code": None}}, status_code=499)
         text = " ".join(["tok"] * n)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text},
                    "finish_reason": "length", "logprobs": None} if chat else

@@ -50,3 +50,41 @@ async def test_client_abort_mid_stream_records_once_with_tokens_so_far(
     statuses = [r.status for r in sqlite_store.query_usage(UsageQuery())]
     assert statuses == ["aborted", "ok"]
     assert state.metrics.inflight._value.get() == 0
+
+
+async def test_client_hang_up_on_a_json_request_is_aborted_with_its_prompt_tokens(
+        sqlite_store: SQLStore) -> None:
+    """The non-streamed twin of the test above: the client hangs up while the upstream
+    generates; the upstream (like the sluice worker) cancels and answers 499. The record
+    was status "error" with 0 tokens; it is "aborted" with the prompt tokens counted at
+    admission, once, and the slot and the tokens reserved come back."""
+    stub = StubUpstream()
+    stub.hold_json = True
+    state = make_state(sqlite_store)
+    key = new_key(sqlite_store, max_concurrent=1, tpm=1000)
+    gw = GatewayMiddleware(stub, state)
+    body = {**CHAT, "max_tokens": 500}
+    headers = {"Authorization": f"Bearer {key}"}
+    async with serve(gw) as url, httpx.AsyncClient(base_url=url, timeout=10) as client:
+        hanging = asyncio.create_task(client.post("/v1/chat/completions", json=body,
+                                                  headers=headers))
+        while not stub.received:
+            await asyncio.sleep(0.01)
+        hanging.cancel()  # the client hangs up (its connection is closed)
+        await wait_for_records(sqlite_store, 1)
+        [rec] = sqlite_store.query_usage(UsageQuery())
+        admitted = state.count_prompt_tokens("stub-model", body)
+        assert (rec.status, rec.http_status) == ("aborted", 499)
+        assert (rec.prompt_tokens, rec.completion_tokens) == (admitted, 0)
+        assert stub.json_cancelled == 1
+        stub.hold_json = False  # the slot came back; of the tokens, the prompt stays spent
+        over = {**CHAT, "max_tokens": 1001 - 2 * admitted}  # fits only if nothing was spent
+        r = await client.post("/v1/chat/completions", json=over, headers=headers)
+        assert r.status_code == 429, r.text
+        r = await client.post("/v1/chat/completions", headers=headers,
+                              json={**CHAT, "max_tokens": 1000 - 2 * admitted})
+        assert r.status_code == 200 and r.headers["x-ratelimit-remaining-tokens"] == "0"
+        await wait_for_records(sqlite_store, 3)
+    statuses = [r.status for r in sqlite_store.query_usage(UsageQuery())]
+    assert statuses == ["aborted", "rejected", "ok"]
+    assert state.metrics.inflight._value.get() == 0

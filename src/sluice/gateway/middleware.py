@@ -536,9 +536,18 @@ class Exchange:
         out = self.meter.feed(message.get("body", b""))
         if not more:
             out += self.meter.finish()
-            await self.settle("ok" if 200 <= self.status < 400 else "error")
+            await self.settle(self.outcome())
         if out or not more:
             await self.send({"type": "http.response.body", "body": out, "more_body": more})
+
+    def outcome(self) -> str:
+        """How a response that ran to its end is recorded: `aborted` once the client has
+        gone (the upstream's answer then reaches nobody: the sluice worker's 499 for a
+        JSON request it cancelled on the hang-up), as for a stream cut short; else `ok`
+        or `error` by the upstream's status."""
+        if self.disconnected:
+            return "aborted"
+        return "ok" if 200 <= self.status < 400 else "error"
 
     async def on_start(self, message: Message) -> None:
         assert self.adm is not None
