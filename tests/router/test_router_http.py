@@ -87,6 +87,10 @@ async def test_proxies_plain_and_streamed_responses_and_models(cluster: Cluster)
         assert json.loads(lines[0][5:])["choices"][0]["text"] == "a-0 "
         models = (await c.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["stub-model", "alias"]
+        one = await c.get("/v1/models/alias")  # the OpenAI SDK's models.retrieve
+        assert one.status_code == 200 and one.json() == models["data"][1]
+        missing = await c.get("/v1/models/nope")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
         # an alias is rewritten to the model the worker serves
         r = await c.post("/v1/chat/completions", json={**chat("hi"), "model": "alias"})
         assert r.status_code == 200 and a.requests[-1]["model"] == "stub-model"

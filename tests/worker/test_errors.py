@@ -50,6 +50,65 @@ def test_wrong_values_name_the_field(http: httpx.Client, body: dict, param: str)
     openai_error(http.post("/v1/chat/completions", json=body), 400, param)
 
 
+@pytest.mark.parametrize(("path", "body", "param"), [
+    # found by a new-user pass: a top_k of 2**63 failed the whole engine step (every
+    # request in it), larger integers failed msgpack on the way to the engine core
+    ("/v1/chat/completions", {"messages": USER, "top_k": 2**63}, "top_k"),
+    ("/v1/chat/completions", {"messages": USER, "top_k": 2 * 10**21}, "top_k"),
+    ("/v1/completions", {"prompt": "a", "top_k": 2**63}, "top_k"),
+    ("/v1/chat/completions", {"messages": USER, "stop_token_ids": [2 * 10**21]}, "stop_token_ids.0"),
+    ("/v1/chat/completions", {"messages": USER, "stop_token_ids": [10**9]}, "stop_token_ids"),
+    ("/v1/chat/completions", {"messages": USER, "stop_token_ids": [-1]}, "stop_token_ids.0"),
+    ("/v1/chat/completions", {"messages": USER, "priority": 2**64}, "priority"),
+    ("/v1/completions", {"prompt": "a", "priority": 2**64}, "priority"),
+    ("/v1/chat/completions", {"messages": USER, "min_tokens": 2**64}, "min_tokens"),
+    # strict types: OpenAI's API refuses a string or a boolean where a number goes
+    ("/v1/chat/completions", {"messages": USER, "max_tokens": "10"}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": USER, "n": True}, "n"),
+    ("/v1/chat/completions", {"messages": USER, "temperature": True}, "temperature"),
+    ("/v1/chat/completions", {"messages": USER, "logprobs": "yes"}, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "echo": "yes"}, "echo"),
+])
+def test_out_of_range_and_mistyped_numbers_are_400(http: httpx.Client, path: str, body: dict,
+                                                   param: str) -> None:
+    openai_error(http.post(path, json=body), 400, param)
+    assert http.get("/health").status_code == 200
+
+
+def test_a_refused_top_k_leaves_other_streams_running(http: httpx.Client) -> None:
+    body = {"messages": USER, "max_tokens": 40, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as stream:
+        lines = stream.iter_lines()
+        assert next(x for x in lines if x.startswith("data: "))  # the stream is running
+        openai_error(http.post("/v1/chat/completions",
+                               json={"messages": USER, "max_tokens": 1, "top_k": 2**63}),
+                     400, "top_k")
+        rest = [x for x in lines if x.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and not any('"error"' in x for x in rest)
+
+
+def test_null_means_the_default(http: httpx.Client) -> None:
+    """OpenAI's nullable fields: null for n, stream, logprobs, parallel_tool_calls (chat)
+    or echo (completions) is their default, and a harmless unsupported one is dropped."""
+    chat = http.post("/v1/chat/completions", json={
+        "messages": USER, "max_tokens": 2, "n": None, "stream": None, "logprobs": None,
+        "parallel_tool_calls": None, "store": False, "metadata": None})
+    assert chat.status_code == 200, chat.text
+    assert len(chat.json()["choices"]) == 1 and chat.json()["choices"][0]["logprobs"] is None
+    done = http.post("/v1/completions", json={"prompt": "zqxv", "max_tokens": 2, "echo": None,
+                                              "n": None, "suffix": None, "temperature": 0})
+    assert done.status_code == 200, done.text
+    assert not done.json()["choices"][0]["text"].startswith("zqxv")  # no echo
+
+
+def test_top_k_zero_is_disabled(http: httpx.Client) -> None:
+    ok = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "top_k": 0})
+    assert ok.status_code == 200, ok.text
+    err = openai_error(http.post("/v1/chat/completions",
+                                 json={"messages": USER, "top_k": -5}), 400, "top_k")
+    assert "-1 or 0 (disabled)" in err["message"]
+
+
 def test_infinite_temperature_is_refused(http: httpx.Client) -> None:
     """1e309 parses as infinity: refused, not sampled uniformly (found by the reliability
     suite's fuzzing)."""

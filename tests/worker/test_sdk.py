@@ -256,6 +256,25 @@ def test_anthropic_forced_tool_use_whole_and_streamed(claude: anthropic.Anthropi
     assert final.usage.input_tokens == msg.usage.input_tokens > 0
 
 
+def test_openai_stream_helper_assembles_a_forced_tool_call(client: openai.OpenAI) -> None:
+    """The SDK's `chat.completions.stream()` accumulates the pieces of a tool call; a
+    later piece that carried `"type": null` overwrote the first one's type and failed
+    its assertion (found by a new-user pass)."""
+    tool = {"type": "function", "function": {"name": WEATHER["name"],
+                                             "parameters": WEATHER["input_schema"]}}
+    kw: dict = dict(model="tiny", messages=ASK, tools=[tool], max_tokens=64, temperature=0.0,
+                    tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                    parallel_tool_calls=False)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    with client.chat.completions.stream(**kw) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_completion().choices[0].message.tool_calls
+    assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in final] == [
+        (c.type, c.function.name, json.loads(c.function.arguments)) for c in whole]
+    assert final[0].type == "function" and final[0].function.name == "get_weather"
+
+
 def test_anthropic_tool_round_trip(claude: anthropic.Anthropic, tiny_llama_dir: Path) -> None:
     """tool_use -> the client runs the tool -> tool_result -> the final answer; the worker
     templates the history exactly as the one prompt view reads it."""
@@ -286,6 +305,9 @@ def test_anthropic_tool_round_trip(claude: anthropic.Anthropic, tiny_llama_dir: 
 def test_openai_sdk_errors(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=USER)
+    assert client.models.retrieve("tiny").id == "tiny"  # GET /v1/models/{id}
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny", messages=USER,
                                        tools=[{"type": "function",

@@ -75,10 +75,12 @@ UNSUPPORTED_MESSAGES: tuple[str, ...] = (
 )
 
 
-def reject_unsupported(body: dict[str, Any]) -> None:
+def reject_unsupported(body: dict[str, Any]) -> dict[str, Any]:
+    """A 400 for the first of those set; the body without the ones left empty."""
     for name in UNSUPPORTED_MESSAGES:
         if body.get(name) not in (None, [], {}):
             raise InvalidRequestError(f"'{name}' is not supported by this server", param=name)
+    return {k: v for k, v in body.items() if k not in UNSUPPORTED_MESSAGES}
 
 
 # --------------------------------------------------------------------------- requests

@@ -3,10 +3,13 @@
 Requests are parsed in two passes so that every refusal names its parameter:
 
 1. `reject_unsupported(body, table)` turns a parameter sluice knows but does not
-   implement (tools, response_format other than text, logit_bias, audio, ...) into a
-   400 with a message saying so;
-2. `parse_request(Model, body)` validates with pydantic (`extra="forbid"`), so an
-   unknown field or a wrong type is a 400 naming the field (`messages.0.content`).
+   implement (logit_bias, audio, a `suffix`, ...) into a 400 with a message saying so,
+   and drops the ones whose value asks for nothing (`"store": false`, `"suffix": null`);
+2. `parse_request(Model, body)` validates with pydantic (`extra="forbid"`, strict
+   types: `"10"` or `true` is not a number, as OpenAI's API has it), so an unknown
+   field or a wrong type is a 400 naming the field (`messages.0.content`). A `null`
+   for a field that has a default but cannot be null (`n`, `stream`, `logprobs`, ...)
+   means the default, as it does for OpenAI.
 
 Field names and shapes follow OpenAI, plus vLLM's extra sampling fields (`top_k`,
 `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `priority`, ...) so that
@@ -16,7 +19,10 @@ clients written for vLLM work unchanged. Responses carry vLLM's `stop_reason` ne
 
 from __future__ import annotations
 
+import functools
 import time
+import types
+import typing
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -24,20 +30,49 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     StrictBool,
     StrictInt,
     StrictStr,
     ValidationError,
     field_validator,
+    model_serializer,
+    model_validator,
 )
 
 from sluice.protocol.errors import InvalidRequestError
 
 
 class OpenAIModel(BaseModel):
-    """Base of every request model: unknown fields are an error, never ignored."""
+    """Base of every request model: unknown fields are an error, never ignored; `null`
+    for a field that has a default but cannot be None is that default."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and None in data.values():
+            not_null = _defaults_not_null(cls)
+            return {k: v for k, v in data.items() if v is not None or k not in not_null}
+        return data
+
+
+@functools.cache
+def _defaults_not_null(cls: type[BaseModel]) -> frozenset[str]:
+    """The field names (and aliases) of `cls` that have a default and do not admit None."""
+    names: set[str] = set()
+    for name, info in cls.model_fields.items():
+        if not info.is_required() and not _admits_none(info.annotation):
+            names.update(n for n in (name, info.alias) if n)
+    return frozenset(names)
+
+
+def _admits_none(annotation: Any) -> bool:
+    if annotation is None or annotation is type(None) or annotation is Any:
+        return True
+    return any(_admits_none(a) for a in typing.get_args(annotation)
+               if typing.get_origin(annotation) in (typing.Union, types.UnionType))
 
 
 class ResponseModel(BaseModel):
@@ -96,13 +131,16 @@ UNSUPPORTED_COMPLETION: dict[str, Acceptable] = {
 }
 
 
-def reject_unsupported(body: Mapping[str, Any], table: Mapping[str, Acceptable]) -> None:
-    """Raise InvalidRequestError for the first parameter sluice does not implement."""
+def reject_unsupported(body: Mapping[str, Any], table: Mapping[str, Acceptable]
+                       ) -> dict[str, Any]:
+    """Raise InvalidRequestError for the first parameter sluice does not implement; the
+    body without the table's parameters (each one left asks for nothing)."""
     for name, acceptable in table.items():
         if name in body and not acceptable(body[name]):
             raise InvalidRequestError(
                 f"'{name}' is not supported by this server (value {body[name]!r})", param=name
             )
+    return {k: v for k, v in body.items() if k not in table}
 
 
 def parse_request(model: type[M], body: Any) -> M:
@@ -110,7 +148,7 @@ def parse_request(model: type[M], body: Any) -> M:
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
     try:
-        return model.model_validate(body)
+        return model.model_validate(body, strict=True)
     except ValidationError as exc:
         raise validation_error(exc) from None
 
@@ -277,14 +315,14 @@ class SamplingFields(OpenAIModel):
     repetition_penalty: float | None = None
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] | None = None
     n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    priority: int = 0
+    priority: int = Field(default=0, ge=-(2**63), lt=2**63)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(default=0, ge=0, lt=2**31)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
@@ -435,12 +473,22 @@ class AssistantMessage(ResponseModel):
     tool_calls: list[ToolCallOut] | None = None
 
 
-class DeltaFunctionCall(ResponseModel):
+class _WithoutNulls(ResponseModel):
+    """Serialized without its None fields: OpenAI's streamed tool-call pieces leave out
+    what they do not carry, and its SDK's stream helper copies a `"type": null` over the
+    first piece's `"function"` (and then fails)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_WithoutNulls):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(ResponseModel):
+class DeltaToolCall(_WithoutNulls):
     """A streamed piece of a tool call: the first carries id, type and the name (with
     `arguments: ""`), the later ones only argument text, all under the same index."""
 

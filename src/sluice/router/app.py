@@ -40,7 +40,7 @@ from sluice.protocol.edge import (
     read_body,
     send_error,
 )
-from sluice.protocol.errors import SluiceError
+from sluice.protocol.errors import NotFoundError, SluiceError
 from sluice.protocol.prompt import TokenCache
 from sluice.router.adapter_admin import adapter_router
 from sluice.router.admin import admin_router
@@ -125,6 +125,7 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
     app.add_route("/tokenize", _passthrough("/tokenize"), methods=["POST"])
     app.add_route("/detokenize", _passthrough("/detokenize"), methods=["POST"])
     app.add_route("/v1/models", models, methods=["GET"])
+    app.add_route("/v1/models/{model_id:path}", model, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
     app.add_route("/metrics", metrics, methods=["GET"])
     app.add_route("/status", status_page, methods=["GET"])
@@ -233,7 +234,20 @@ def _passthrough(path: str) -> Callable[[Request], Awaitable[Response]]:
 
 
 async def models(request: Request) -> Response:
-    state: RouterState = request.app.state.router
+    return JSONResponse({"object": "list", "data": _model_entries(request.app.state.router)})
+
+
+async def model(request: Request) -> Response:
+    """`GET /v1/models/{id}`: one entry of the list, or 404 `model_not_found`."""
+    model_id = request.path_params["model_id"]
+    entry = next((m for m in _model_entries(request.app.state.router) if m["id"] == model_id),
+                 None)
+    if entry is None:
+        raise NotFoundError(f"The model `{model_id}` does not exist.", param="model")
+    return JSONResponse(entry)
+
+
+def _model_entries(state: RouterState) -> list[dict[str, Any]]:
     now = int(time.time())
     ids = dict.fromkeys(name for pool in state.pools for name in pool.names())
     entries = [{"id": name, "object": "model", "created": now, "owned_by": "sluice"}
@@ -244,7 +258,7 @@ async def models(request: Request) -> Response:
                             "owned_by": "sluice", "parent": spec.base, "root": spec.path})
     entries += [{"id": name, "object": "model", "created": now, "owned_by": "sluice"}
                 for name in state.aliases.names() if name not in ids]
-    return JSONResponse({"object": "list", "data": entries})
+    return entries
 
 
 async def health(request: Request) -> Response:

@@ -36,6 +36,7 @@ from sluice.protocol.edge import BodyLimit, http_status_error, load_json_object
 from sluice.protocol.errors import (
     ClientDisconnected,
     InvalidRequestError,
+    NotFoundError,
     SluiceError,
 )
 from sluice.protocol.openai import (
@@ -101,8 +102,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
     async def chat(request: Request) -> Response:
         check_epoch(request, state)
         body = await parse_body(request)
-        reject_unsupported(body, UNSUPPORTED_CHAT)
-        req = parse_request(ChatCompletionRequest, body)
+        req = parse_request(ChatCompletionRequest, reject_unsupported(body, UNSUPPORTED_CHAT))
         job = await until_disconnect(request, prepare_chat(
             state, req, request_id(request), ids_hint(request), resumed_ids(request, state)))
         if req.stream:
@@ -113,8 +113,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
     async def completions(request: Request) -> Response:
         check_epoch(request, state)
         body = await parse_body(request)
-        reject_unsupported(body, UNSUPPORTED_COMPLETION)
-        req = parse_request(CompletionRequest, body)
+        req = parse_request(CompletionRequest, reject_unsupported(body, UNSUPPORTED_COMPLETION))
         job = await until_disconnect(request, prepare_completion(
             state, req, request_id(request), ids_hint(request), resumed_ids(request, state)))
         if req.stream:
@@ -125,8 +124,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
     async def messages(request: Request) -> Response:
         check_epoch(request, state)
         body = await parse_body(request)
-        anthropic.reject_unsupported(body)
-        req = parse_request(anthropic.MessagesRequest, body)
+        req = parse_request(anthropic.MessagesRequest, anthropic.reject_unsupported(body))
         chat_body = anthropic.to_chat_body(req)
         if (priority := header_priority(request)) is not None:
             chat_body["priority"] = priority
@@ -147,13 +145,22 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         resp = await until_disconnect(request, chat_response(job))
         return JSONResponse(anthropic.from_chat_response(resp.model_dump(), req).model_dump())
 
+    def cards() -> list[ModelCard]:
+        engine = state.require_engine()
+        served = [ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
+                  for name in state.served_names]
+        return served + state.loras.cards(state.model_name, engine.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        engine = state.require_engine()
-        cards = [ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
-                 for name in state.served_names]
-        cards += state.loras.cards(state.model_name, engine.max_model_len)
-        return ModelList(data=cards).model_dump()
+        return ModelList(data=cards()).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        card = next((c for c in cards() if c.id == model_id), None)
+        if card is None:
+            raise NotFoundError(f"The model `{model_id}` does not exist.", param="model")
+        return card.model_dump()
 
     add_lora_routes(app, state)
     add_pd_routes(app, state)

@@ -105,7 +105,8 @@ async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_i
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
         forced = state.tool_parser.constraint(tools, name, req.parallel_tool_calls,
                                               engine.inputs.info.structured_outputs_backend)
-    params = sampling_params(req, req.requested_max_tokens(), num_logprobs, forced)
+    params = sampling_params(req, req.requested_max_tokens(), num_logprobs,
+                             engine.tokenizer.vocab_size, forced)
     params.kv_transfer_params = transfer_params(req, 1)
     prompt = chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt, tools)
     ids = await encode_prompt(engine.tokenizer, prompt, special=False, hint=hint)

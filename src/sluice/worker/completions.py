@@ -109,8 +109,8 @@ async def prepare_completion(state: WorkerState, req: CompletionRequest, request
                                 or not req.stream):
         raise InvalidRequestError("a resumed request must be a stream of one prompt, with "
                                   "n=1 and no echo", param="prompt")
-    params = sampling_params(req, req.max_tokens, req.logprobs)
     tok = engine.tokenizer
+    params = sampling_params(req, req.max_tokens, req.logprobs, tok.vocab_size)
     prompts: list[list[int]] = []
     texts: list[str] = []
     for p in req.prompts():

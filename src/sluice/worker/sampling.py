@@ -21,15 +21,18 @@ OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    tool_constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+                    vocab_size: int, tool_constraint: StructuredOutputsParams | None = None
+                    ) -> SamplingParams:
     """The engine's SamplingParams (DELTA outputs); raises InvalidRequestError naming a field.
-    `tool_constraint`: the grammar that forces a tool call (tool_choice required/named)."""
+    `vocab_size`: the tokenizer's (stop token ids must be in it). `tool_constraint`: the
+    grammar that forces a tool call (tool_choice required/named)."""
     options: dict[str, Any] = {name: getattr(req, name) for name in OPTIONAL_FIELDS
                                if getattr(req, name) is not None}
+    stop_ids = check_token_ids(list(req.stop_token_ids or []), vocab_size, "stop_token_ids")
     return SamplingParams(
         structured_outputs=structured_outputs(req, tool_constraint),
         n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop_list(),
-        stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+        stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
         logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         output_kind=RequestOutputKind.DELTA, **options)
