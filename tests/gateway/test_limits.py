@@ -14,6 +14,7 @@ from sluice.gateway.limits import (
     RedisLimiter,
     Scope,
     format_reset,
+    too_large_for,
 )
 
 from .conftest import REDIS_URL
@@ -126,6 +127,31 @@ async def test_both_limiters_agree_on_rpm_tpm_concurrency(redis_prefix: str) -> 
         d4 = await lim.acquire(scope, 40)
         assert d4.allowed and d4.headers()["x-ratelimit-remaining-requests"] == "2"
         await lim.close()
+
+
+async def check_too_large_wins(lim: Limiter) -> None:
+    key, tenant = Scope("key:big", rpm=1, max_concurrent=1), Scope("tenant:big", tpm=50)
+    held = await lim.acquire([key, tenant], 50)
+    assert held.allowed
+    for scopes in ([key, tenant], [tenant, key]):  # the key is out of requests and slots
+        d = await lim.acquire(scopes, 51)
+        assert (d.allowed, d.reason) == (False, "too_large")
+        assert too_large_for(d.scopes, 51) == 50
+    assert (await lim.acquire([key, tenant], 1)).reason == "requests"  # a wait cures it
+    assert too_large_for([key, tenant], 50) is None
+    assert too_large_for([Scope("a", tpm=80), Scope("b", tpm=60)], 90) == 60
+    await lim.close()
+
+
+async def test_too_large_wins_over_a_limit_that_a_wait_would_cure() -> None:
+    """A request over a TPM limit on its own is `too_large` even when another limit also
+    refuses it (before, that one's reason won and the client was told to wait)."""
+    await check_too_large_wins(LocalLimiter(clock=Clock()))
+
+
+@pytest.mark.services
+async def test_too_large_wins_in_redis_too(redis_prefix: str) -> None:
+    await check_too_large_wins(RedisLimiter(REDIS_URL, prefix=redis_prefix))
 
 
 @pytest.mark.services

@@ -147,6 +147,54 @@ async def test_tokens_per_minute_reserve_then_reconcile(sqlite_store: SQLStore,
         assert r.status_code == 429 and "too large" in r.json()["error"]["message"]
 
 
+async def test_a_request_over_the_tpm_limit_alone_is_told_not_to_retry(
+        sqlite_store: SQLStore, stub: StubUpstream) -> None:
+    """tpm 50, max_tokens 100: it can never fit. OpenAI's answer: 429 rate_limit_exceeded,
+    "Request too large ... Limit X, Requested Y", naming the field; no Retry-After (it was
+    `Retry-After: 60` and `param: null`, so the SDKs retried it), `x-should-retry: false`.
+    Also when another limit refuses it too (that one's wait would not help), on
+    /v1/messages in Anthropic's shape, and nothing is charged for it."""
+    key = new_key(sqlite_store, tpm=50, key_settings=KeySettings(rpm=3))
+    state = make_state(sqlite_store)
+    gw = GatewayMiddleware(stub, state)
+    cases = [("/v1/chat/completions", {**CHAT, "max_tokens": 100}, "max_tokens"),
+             ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 60},
+              "max_completion_tokens"),
+             ("/v1/completions", {"model": "stub-model", "prompt": "hi", "max_tokens": 49,
+                                  "n": 2}, "max_tokens")]
+    async with client_for(gw, key) as c:
+        for path, body, field in cases:
+            r = await c.post(path, json=body)
+            requested = state.count_prompt_tokens("stub-model", body) + (
+                body.get(field, 0) * body.get("n", 1))  # type: ignore[operator]
+            assert r.status_code == 429, r.text
+            assert "retry-after" not in r.headers and r.headers["x-should-retry"] == "false"
+            assert r.headers["x-ratelimit-limit-tokens"] == "50"
+            error = r.json()["error"]
+            assert (error["code"], error["type"], error["param"]) == (
+                "rate_limit_exceeded", "rate_limit_error", field)
+            assert error["message"].startswith(
+                f"Request too large for tokens per minute (TPM): Limit 50, Requested "
+                f"{requested}. The request alone (its prompt plus {field}) exceeds the limit")
+        r = await c.post("/v1/messages", json={"model": "stub-model", "max_tokens": 100,
+                                               "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 429 and "retry-after" not in r.headers
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] == "rate_limit_error"
+        assert "Limit 50" in r.json()["error"]["message"]
+        assert "max_tokens" in r.json()["error"]["message"]
+        # nothing was charged: the key's 3 requests a minute are all still there
+        for _ in range(3):
+            assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 100})
+        assert r.status_code == 429 and r.json()["error"]["param"] == "max_tokens"
+        assert "retry-after" not in r.headers  # over rpm as well: still too large
+        r = await c.post("/v1/chat/completions", json=CHAT)  # over rpm only: retry later
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["param"] is None and "x-should-retry" not in r.headers
+    statuses = [rec.status for rec in sqlite_store.query_usage(UsageQuery())]
+    assert statuses == ["rejected"] * 4 + ["ok"] * 3 + ["rejected"] * 2
+
+
 async def test_concurrency_limit(sqlite_store: SQLStore, stub: StubUpstream) -> None:
     key = new_key(sqlite_store, max_concurrent=2)
     stub.gate = asyncio.Event()

@@ -72,3 +72,26 @@ async def test_anthropic_sdk_messages_and_stream(sqlite_store: SQLStore) -> None
     with pytest.raises(anthropic.AuthenticationError):
         await wrong.messages.create(model="stub-model", max_tokens=2,
                                     messages=[{"role": "user", "content": "hi"}])
+
+
+async def test_sdks_do_not_retry_a_request_over_the_tpm_limit_alone(
+        sqlite_store: SQLStore) -> None:
+    """With their default retries on, the OpenAI and Anthropic SDKs send a request that
+    can never fit the tenant's TPM once (they retried the 429 before), and see the field."""
+    key = new_key(sqlite_store, tpm=50)
+    gw = GatewayMiddleware(StubUpstream(), make_state(sqlite_store))
+    client = openai.AsyncOpenAI(api_key=key, base_url="http://gateway/v1",
+                                http_client=transport(gw))
+    with pytest.raises(openai.RateLimitError) as exc:
+        await client.chat.completions.create(
+            model="stub-model", messages=[{"role": "user", "content": "hi"}], max_tokens=100)
+    assert exc.value.param == "max_tokens" and "Limit 50" in exc.value.message
+    claude = anthropic.AsyncAnthropic(api_key=key, base_url="http://gateway",
+                                      http_client=transport2(gw))
+    with pytest.raises(anthropic.RateLimitError) as aexc:
+        await claude.messages.create(model="stub-model", max_tokens=100,
+                                     messages=[{"role": "user", "content": "hi"}])
+    assert "Limit 50" in aexc.value.message
+    records = sqlite_store.query_usage(UsageQuery())
+    assert [(r.endpoint, r.status) for r in records] == [
+        ("/v1/chat/completions", "rejected"), ("/v1/messages", "rejected")]

@@ -10,7 +10,10 @@ holds more than the limit**, and a burst admits exactly the limit. The cost is m
 proportional to the limit per scope, which is small for per-minute limits.
 
 Tokens: a request reserves `prompt_tokens + max_tokens` at admission; when it ends,
-`finish` replaces the reservation with the real count (reconciliation). Concurrency:
+`finish` replaces the reservation with the real count (reconciliation). A request whose
+reservation alone is over a scope's tokens-per-minute limit can never be admitted: its
+reason is `too_large` whatever else also refuses it (`too_large_for` names the limit),
+so the gateway can tell the client not to retry. Concurrency:
 an in-flight set with a lease expiry, so a crashed replica's slots come back by
 themselves.
 
@@ -104,6 +107,13 @@ class Decision:
     def headers(self) -> dict[str, str]:
         """OpenAI's x-ratelimit-* headers for the tightest scope of each kind."""
         return rate_limit_headers(self.scopes, self.states)
+
+
+def too_large_for(scopes: Sequence[Scope], tokens: int) -> int | None:
+    """The lowest tokens-per-minute limit that `tokens` alone exceed (such a request is
+    refused whatever the window holds, now and later), or None."""
+    limits = [s.tpm for s in scopes if s.tpm is not None and tokens > s.tpm]
+    return min(limits) if limits else None
 
 
 def format_reset(seconds: float) -> str:
@@ -232,8 +242,9 @@ class LocalLimiter(Limiter):
         reason, retry = None, 0.0
         for scope, log in zip(scopes, logs, strict=True):
             r, why = self._check(scope, log, need, now)
-            if why is not None:
-                reason, retry = reason or why, max(retry, r)
+            if why is not None:  # too_large wins: no retry can cure it
+                reason = why if reason is None or why == "too_large" else reason
+                retry = max(retry, r)
         if reason is not None:
             states = tuple(log.state(now, self.window_s) for log in logs)
             return Decision(False, reason, retry, scopes, states)
@@ -253,10 +264,10 @@ class LocalLimiter(Limiter):
 
     def _check(self, scope: Scope, log: _Log, need: int, now: float) -> tuple[float, str | None]:
         w = self.window_s
-        if scope.rpm is not None and len(log.requests) + 1 > scope.rpm:
-            return (log.requests[0] + w - now if log.requests else w), "requests"
         if scope.tpm is not None and need > scope.tpm:
             return w, "too_large"
+        if scope.rpm is not None and len(log.requests) + 1 > scope.rpm:
+            return (log.requests[0] + w - now if log.requests else w), "requests"
         if scope.tpm is not None and log.token_sum + need > scope.tpm:
             return log.tokens_retry(need, scope.tpm, now, w), "tokens"
         if scope.max_concurrent is not None and len(log.inflight) + 1 > scope.max_concurrent:
@@ -352,20 +363,20 @@ local function acquire(rid, need, scopes)
     local rc = redis.call('ZCARD', req)
     local tu = tonumber(redis.call('HGET', amt, '__sum') or '0')
     local why, r = '', 0
-    if rpm >= 0 and rc + 1 > rpm then
+    if tpm >= 0 and need > tpm then
+      why, r = 'too_large', window
+    elseif rpm >= 0 and rc + 1 > rpm then
       why = 'requests'
       local first = redis.call('ZRANGE', req, 0, 0, 'WITHSCORES')
       r = window
       if #first > 0 then r = tonumber(first[2]) + window - now end
-    elseif tpm >= 0 and need > tpm then
-      why, r = 'too_large', window
     elseif tpm >= 0 and tu + need > tpm then
       why, r = 'tokens', tokens_retry(tok, amt, tu, need, tpm)
     elseif maxc >= 0 and redis.call('ZCARD', conc) + 1 > maxc then
       why, r = 'concurrency', 1
     end
     if why ~= '' then
-      if reason == '' then reason = why end
+      if reason == '' or why == 'too_large' then reason = why end  -- no retry cures it
       if r > retry then retry = r end
     end
     counts[i] = {rc, tu}

@@ -52,6 +52,7 @@ from sluice.gateway.limits import (
     RedisLimiter,
     Scope,
     rate_limit_headers,
+    too_large_for,
 )
 from sluice.gateway.meter import ResponseMeter
 from sluice.gateway.models import MODEL_PREFIX, MODELS_PATH, ModelListFilter, allowed_models
@@ -127,6 +128,7 @@ class Admission:
     strip_usage_chunk: bool = False
     prompt_tokens: int = 0
     reserved_tokens: int = 0
+    tokens_param: str = "max_tokens"  # the field that sized the completion's reservation
     reservation: str | None = None  # the budget reservation, given back at settlement
     decision: Decision | None = None
     hint: IdsHint | None = None  # the prompt's ids, for the router and the worker
@@ -381,7 +383,7 @@ class Exchange:
                       unconfirmed: int | None = None) -> None:
         if payload is not None:
             adm.prompt_tokens = await self.count_prompt(adm, payload)
-            adm.reserved_tokens = adm.prompt_tokens + self.completion_reserve(payload)
+            adm.reserved_tokens = adm.prompt_tokens + self.completion_reserve(adm, payload)
             await self.reserve_budget(adm)
         scopes = limit_scopes(adm.principal)
         try:
@@ -400,7 +402,7 @@ class Exchange:
         adm.decision = decision
         adm.headers = decision.headers()
         if not decision.allowed:
-            raise limit_error(decision)
+            raise limit_error(decision, adm)
 
     async def reserve_budget(self, adm: Admission) -> None:
         """Reserve the request's worst-case cost against its tenant's budget, or refuse
@@ -447,13 +449,16 @@ class Exchange:
             return counter(model, body)
         return await asyncio.to_thread(self.state.count_prompt_tokens, model, body)
 
-    def completion_reserve(self, payload: dict[str, Any]) -> int:
-        """Tokens to reserve for the completion: max_tokens (or the default) times n. More
-        than MAX_COMPLETION_TOKENS is a 400 here: no model generates that much, and the
-        worst case is priced in floats (`10**400` tokens overflowed into a 500)."""
+    def completion_reserve(self, adm: Admission, payload: dict[str, Any]) -> int:
+        """Tokens to reserve for the completion: max_tokens (or the default) times n, the
+        field named in `adm.tokens_param`. More than MAX_COMPLETION_TOKENS is a 400 here:
+        no model generates that much, and the worst case is priced in floats (`10**400`
+        tokens overflowed into a 500)."""
         if self.endpoint == "/v1/embeddings":
+            adm.tokens_param = "input"
             return 0
         name = "max_completion_tokens" if "max_completion_tokens" in payload else "max_tokens"
+        adm.tokens_param = name
         limit = payload.get(name)
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             limit = self.state.config.default_reserve_tokens
@@ -693,16 +698,33 @@ def limit_scopes(principal: Principal) -> list[Scope]:
 _REASONS = {
     "requests": "Rate limit reached for requests per minute",
     "tokens": "Rate limit reached for tokens per minute",
-    "too_large": "Request too large: its prompt plus max_tokens exceed the tokens-per-minute limit",
     "concurrency": "Too many concurrent requests",
 }
 
 
-def limit_error(decision: Decision) -> RateLimitError:
-    message = _REASONS.get(decision.reason or "", "Rate limit reached")
+def limit_error(decision: Decision, adm: Admission) -> RateLimitError:
     headers = rate_limit_headers(decision.scopes, decision.states)
+    limit = too_large_for(decision.scopes, adm.reserved_tokens)
+    if decision.reason == "too_large" and limit is not None:
+        return too_large_error(limit, adm, headers)
+    message = _REASONS.get(decision.reason or "", "Rate limit reached")
     return RateLimitError(f"{message}. Please retry after the time in Retry-After.",
                           retry_after=decision.retry_after_s, headers=headers)
+
+
+def too_large_error(limit: int, adm: Admission, headers: dict[str, str]) -> RateLimitError:
+    """OpenAI's answer to a request over the TPM limit on its own: 429, "Request too
+    large ... Limit X, Requested Y", naming the field that sized it. No Retry-After (no
+    wait makes it fit) and `x-should-retry: false`, which the OpenAI and Anthropic SDKs
+    obey (they retried a 429 on their own backoff)."""
+    field = adm.tokens_param
+    what, cure = (("its input", "shorten the input") if field == "input" else
+                  (f"its prompt plus {field}", f"lower {field} or shorten the prompt"))
+    return RateLimitError(
+        f"Request too large for tokens per minute (TPM): Limit {limit}, Requested "
+        f"{adm.reserved_tokens}. The request alone ({what}) exceeds the limit, so it can "
+        f"never be admitted; {cure}.",
+        param=field, headers={**headers, "x-should-retry": "false"})
 
 
 __all__ = ["GatewayMiddleware", "GatewayState", "LocalLimiter", "RedisLimiter"]
