@@ -69,10 +69,20 @@ def test_wrong_values_name_the_field(http: httpx.Client, body: dict, param: str)
     ("/v1/chat/completions", {"messages": USER, "logprobs": "yes"}, "logprobs"),
     ("/v1/completions", {"prompt": "a", "echo": "yes"}, "echo"),
 ])
+
 def test_out_of_range_and_mistyped_numbers_are_400(http: httpx.Client, path: str, body: dict,
                                                    param: str) -> None:
     openai_error(http.post(path, json=body), 400, param)
     assert http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize(("parts", "index"), [([{"type": "text"}], 0),
+                                              ([{"type": "text", "text": "a"},
+                                                {"type": "text", "text": 5}], 1)])
+def test_a_text_part_without_text_says_so(http: httpx.Client, parts: list, index: int) -> None:
+    err = openai_error(http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": parts}]}), 400, "messages.0.content")
+    assert f"content part {index} is a text part without 'text'" in err["message"]
 
 
 def test_a_refused_top_k_leaves_other_streams_running(http: httpx.Client) -> None:

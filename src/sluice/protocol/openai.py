@@ -206,10 +206,12 @@ class ChatMessage(OpenAIModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, value: Any) -> Any:
-        for part in value if isinstance(value, list) else []:
+        for i, part in enumerate(value if isinstance(value, list) else []):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text":
                 raise ValueError(f"content part type {kind!r} is not supported (only 'text')")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {i} is a text part without 'text', a string")
         return value
 
     def text(self) -> str:

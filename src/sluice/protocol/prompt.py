@@ -107,12 +107,14 @@ def content_text(content: Any, param: str) -> str:
         raise InvalidRequestError("content must be a string or a list of text parts",
                                   param=param)
     parts = []
-    for part in content:
-        if not (isinstance(part, dict) and part.get("type") == "text"
-                and isinstance(part.get("text"), str)):
+    for i, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text"):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise InvalidRequestError(f"only text content is supported, got {kind!r}",
                                       param=param)
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequestError("a text part needs 'text', a string",
+                                      param=f"{param}.{i}.text")
         parts.append(part["text"])
     return "".join(parts)
 
