@@ -87,6 +87,7 @@ async def test_proxies_plain_and_streamed_responses_and_models(cluster: Cluster)
         assert json.loads(lines[0][5:])["choices"][0]["text"] == "a-0 "
         models = (await c.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["stub-model", "alias"]
+        assert (await c.get("/liveness")).json() == {"status": "alive"}
         one = await c.get("/v1/models/alias")  # the OpenAI SDK's models.retrieve
         assert one.status_code == 200 and one.json() == models["data"][1]
         missing = await c.get("/v1/models/nope")
@@ -332,6 +333,21 @@ async def test_tokenize_passes_through_and_health_reports_workers(cluster: Clust
         assert r.status_code == 200 and r.json()["count"] == 3
         h = await c.get("/health")
         assert h.status_code == 200 and h.json()["healthy_workers"] == 1
+
+
+async def test_liveness_answers_while_no_worker_is_healthy(cluster: Cluster) -> None:
+    """`/health` is 503 without a healthy worker; `/liveness` (what an orchestrator
+    probes: the router holds requests while workers start) stays 200."""
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    async with cluster([], extra_urls=(dead,)) as (router, _), \
+            httpx.AsyncClient(base_url=router) as c:
+        for _ in range(200):  # bounded: the first probe marks the worker down
+            if (await c.get("/health")).status_code == 503:
+                break
+            await asyncio.sleep(0.05)
+        assert (await c.get("/health")).json()["healthy_workers"] == 0
+        r = await c.get("/liveness")
+        assert r.status_code == 200 and r.json() == {"status": "alive"}
 
 
 async def test_anthropic_messages_are_routed_with_the_body_unchanged(cluster: Cluster) -> None:

@@ -69,7 +69,6 @@ def test_wrong_values_name_the_field(http: httpx.Client, body: dict, param: str)
     ("/v1/chat/completions", {"messages": USER, "logprobs": "yes"}, "logprobs"),
     ("/v1/completions", {"prompt": "a", "echo": "yes"}, "echo"),
 ])
-
 def test_out_of_range_and_mistyped_numbers_are_400(http: httpx.Client, path: str, body: dict,
                                                    param: str) -> None:
     openai_error(http.post(path, json=body), 400, param)

@@ -127,6 +127,7 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
     app.add_route("/v1/models", models, methods=["GET"])
     app.add_route("/v1/models/{model_id:path}", model, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
+    app.add_route("/liveness", liveness, methods=["GET"])
     app.add_route("/metrics", metrics, methods=["GET"])
     app.add_route("/status", status_page, methods=["GET"])
     app.add_route("/status.json", status_json, methods=["GET"])
@@ -259,6 +260,13 @@ def _model_entries(state: RouterState) -> list[dict[str, Any]]:
     entries += [{"id": name, "object": "model", "created": now, "owned_by": "sluice"}
                 for name in state.aliases.names() if name not in ids]
     return entries
+
+
+async def liveness(request: Request) -> Response:
+    """200 while the router serves, whatever its workers' state (sglang-router's name):
+    what an orchestrator probes, since a router with no ready worker still holds
+    requests for the workers being started (`/health` then answers 503)."""
+    return JSONResponse({"status": "alive"})
 
 
 async def health(request: Request) -> Response:
