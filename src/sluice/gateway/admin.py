@@ -117,6 +117,13 @@ def json_body(model: type[P]) -> Callable[[Request], Awaitable[P]]:
     return parse
 
 
+def documented(model: type[_Payload]) -> dict[str, Any]:
+    """`openapi_extra` for a route whose body `json_body` reads: the app's OpenAPI
+    document still describes it (tests/reliability/test_fuzz.py fuzzes from it)."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": model.model_json_schema()}}}}
+
+
 def tenant_json(t: Tenant) -> dict[str, Any]:
     return {"id": t.id, "name": t.name, "spend_usd": t.spend_usd,
             "reserved_usd": t.reserved_usd, "created_at": t.created_at,
@@ -187,7 +194,8 @@ def build_admin_app(state: GatewayState) -> FastAPI:
 
     guarded = [Depends(admin)]
 
-    @app.post("/admin/tenants", dependencies=guarded, status_code=201)
+    @app.post("/admin/tenants", dependencies=guarded, status_code=201,
+              openapi_extra=documented(TenantCreate))
     def create_tenant(body: Annotated[TenantCreate, Depends(json_body(TenantCreate))]
                       ) -> dict[str, Any]:
         data = body.model_dump(exclude={"name"})
@@ -202,7 +210,8 @@ def build_admin_app(state: GatewayState) -> FastAPI:
     def get_tenant(ref: str) -> dict[str, Any]:
         return tenant_json(store.get_tenant(ref))
 
-    @app.patch("/admin/tenants/{ref}", dependencies=guarded)
+    @app.patch("/admin/tenants/{ref}", dependencies=guarded,
+               openapi_extra=documented(TenantUpdate))
     def update_tenant(ref: str, body: Annotated[TenantUpdate, Depends(json_body(TenantUpdate))]
                       ) -> dict[str, Any]:
         changes = body.model_dump(exclude_unset=True)
@@ -210,7 +219,8 @@ def build_admin_app(state: GatewayState) -> FastAPI:
             changes["allowed_models"] = _models(body.allowed_models)
         return tenant_json(store.update_tenant(ref, changes))
 
-    @app.post("/admin/keys", dependencies=guarded, status_code=201)
+    @app.post("/admin/keys", dependencies=guarded, status_code=201,
+              openapi_extra=documented(KeyCreate))
     def create_key(body: Annotated[KeyCreate, Depends(json_body(KeyCreate))]) -> dict[str, Any]:
         data = body.model_dump(exclude={"tenant"})
         data["allowed_models"] = _models(body.allowed_models)
@@ -234,7 +244,7 @@ def build_admin_app(state: GatewayState) -> FastAPI:
         tenant_id = store.get_tenant(tenant).id if tenant else None
         return usage_json(store.query_usage(UsageQuery(tenant_id, key, since, until, limit)))
 
-    @app.post("/admin/purge", dependencies=guarded)
+    @app.post("/admin/purge", dependencies=guarded, openapi_extra=documented(Purge))
     def purge(body: Annotated[Purge, Depends(json_body(Purge))]) -> dict[str, Any]:
         deleted = store.purge(time.time() - body.older_than_days * 86400)
         return {"deleted": deleted}
