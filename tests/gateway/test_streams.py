@@ -7,6 +7,7 @@ import asyncio
 import httpx
 
 from sluice.gateway.middleware import GatewayMiddleware
+from sluice.gateway.pricing import Price, PriceTable
 from sluice.gateway.store import SQLStore, UsageQuery
 
 from .conftest import CHAT, make_state, new_key, serve
@@ -88,3 +89,31 @@ async def test_client_hang_up_on_a_json_request_is_aborted_with_its_prompt_token
     statuses = [r.status for r in sqlite_store.query_usage(UsageQuery())]
     assert statuses == ["aborted", "rejected", "ok"]
     assert state.metrics.inflight._value.get() == 0
+
+
+async def test_json_hang_up_of_a_budgeted_tenant_settles_its_budget_once(
+        sqlite_store: SQLStore) -> None:
+    """The same hang-up with a priced model and a budget: the worst-case reservation is
+    given back and the prompt's cost is spent, once (one transaction with the record)."""
+    stub = StubUpstream()
+    stub.hold_json = True
+    prices = PriceTable({"stub-model": Price(1_000_000.0, 2_000_000.0)})  # $1 / $2 a token
+    state = make_state(sqlite_store, prices=prices)
+    key = new_key(sqlite_store, budget_usd=10_000.0)
+    gw = GatewayMiddleware(stub, state)
+    body = {**CHAT, "max_tokens": 500}
+    async with serve(gw) as url, httpx.AsyncClient(base_url=url, timeout=10) as client:
+        hanging = asyncio.create_task(client.post(
+            "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}))
+        while not stub.received:
+            await asyncio.sleep(0.01)
+        assert sqlite_store.get_tenant("acme").reserved_usd > 1000  # 500 tokens at $2
+        hanging.cancel()
+        await wait_for_records(sqlite_store, 1)
+    await state.flush()
+    [rec] = sqlite_store.query_usage(UsageQuery())
+    admitted = state.count_prompt_tokens("stub-model", body)
+    assert (rec.status, rec.prompt_tokens, rec.completion_tokens) == ("aborted", admitted, 0)
+    assert rec.cost_usd == float(admitted)
+    tenant = sqlite_store.get_tenant("acme")
+    assert (tenant.spend_usd, tenant.reserved_usd) == (float(admitted), 0.0)
