@@ -35,11 +35,13 @@ import sys
 from typing import Any
 
 from sluice import env
-from sluice.control.flags import add_scaling_arguments, scaling_options
+from sluice.control.flags import add_scaling_arguments, named_by_flags, scaling_options
 from sluice.observe.cli import buckets as observe_buckets
 from sluice.observe.cli import observe_flags, tracing_config
 from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.prompt import TokenCache
+
+SCALE_TO_ZERO_AFTER_S = 300.0  # --scale-to-zero-after's default with --min-workers 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -51,9 +53,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p)
-    p.add_argument("--workers", type=int, default=1,
-                   help="engine worker processes behind the router (default: %(default)s: "
-                        "one engine in this process, no router)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="a fixed number of engine worker processes behind the router "
+                        "(default: 1, one engine in this process, no router); not with "
+                        "--min-workers/--max-workers")
     add_control_arguments(p)
     add_flow_arguments(p)
     p.add_argument("--policy", default="cost",
@@ -92,9 +95,9 @@ def add_control_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--planner-policy", default="slo", choices=["slo", "queue", "kv"],
                    help="slo: fewest workers predicted to meet --slo; queue: requests per "
                         "worker; kv: KV-cache usage (default: %(default)s)")
-    g.add_argument("--scale-to-zero-after", type=float, default=300.0,
+    g.add_argument("--scale-to-zero-after", type=float, default=None,
                    help="with --min-workers 0: seconds idle before stopping the last worker "
-                        "(default: %(default)s)")
+                        f"(default: {SCALE_TO_ZERO_AFTER_S:g})")
     g.add_argument("--buffer-timeout", type=float, default=60.0,
                    help="seconds the router holds a request while no worker is ready, then "
                         "503 + Retry-After; 0 answers 503 at once (default: %(default)s)")
@@ -119,18 +122,34 @@ def add_control_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def worker_bounds(args: argparse.Namespace) -> tuple[int, int]:
-    """(min, max) workers: --min/--max-workers when given, else --workers for both."""
-    lo = args.min_workers if args.min_workers is not None else args.workers
-    hi = args.max_workers if args.max_workers is not None else max(lo, args.workers)
-    if lo < 0 or hi < 1 or lo > hi:
-        raise InvalidRequestError(f"need 0 <= --min-workers <= --max-workers and "
-                                  f"--max-workers >= 1, got {lo} and {hi}", param="min_workers")
+    """(min, max) workers: `--workers N` for both, or --min-workers (default 1) and
+    --max-workers (default: the min); errors name the flags given."""
+    autoscaled = args.min_workers is not None or args.max_workers is not None
+    if args.workers is not None and autoscaled:
+        raise InvalidRequestError("--workers fixes the pool size: it cannot be combined with "
+                                  "--min-workers/--max-workers", param="workers")
+    if not autoscaled:
+        n = 1 if args.workers is None else args.workers
+        if n < 1:
+            raise InvalidRequestError(f"--workers must be >= 1, got {n}", param="workers")
+        return n, n
+    if args.min_workers is not None and args.min_workers < 0:
+        raise InvalidRequestError(f"--min-workers must be >= 0, got {args.min_workers}",
+                                  param="min_workers")
+    if args.max_workers is not None and args.max_workers < 1:
+        raise InvalidRequestError(f"--max-workers must be >= 1, got {args.max_workers}",
+                                  param="max_workers")
+    lo = 1 if args.min_workers is None else args.min_workers
+    hi = max(1, lo) if args.max_workers is None else args.max_workers
+    if lo > hi:
+        raise InvalidRequestError(f"--min-workers must be <= --max-workers ({hi}), got {lo}",
+                                  param="min_workers")
     return lo, hi
 
 
 def uses_router(args: argparse.Namespace) -> bool:
-    return (args.workers > 1 or args.min_workers is not None or args.max_workers is not None
-            or args.backend != "local" or args.pd is not None)
+    return ((args.workers or 1) > 1 or args.min_workers is not None
+            or args.max_workers is not None or args.backend != "local" or args.pd is not None)
 
 
 def pd_ratio(args: argparse.Namespace) -> tuple[int, int] | None:
@@ -246,13 +265,30 @@ def with_status(args: argparse.Namespace, wrap: Any, local: Any) -> Any:
 
 
 def planner_config(args: argparse.Namespace) -> Any:
+    """The pool's `PlannerConfig`; errors name the flags (`control/flags.py`)."""
     from sluice.control.planner import SLO, PlannerConfig
 
     lo, hi = worker_bounds(args)
-    return PlannerConfig(policy=args.planner_policy, min_replicas=lo, max_replicas=hi,
-                         slo=SLO.parse(args.slo),
-                         **scaling_options(args),
-                         scale_to_zero_after_s=args.scale_to_zero_after if lo == 0 else None)
+    after = args.scale_to_zero_after
+    if after is not None and lo != 0:
+        raise InvalidRequestError("--scale-to-zero-after needs --min-workers 0",
+                                  param="scale_to_zero_after")
+    if lo == 0 and after is None:
+        after = SCALE_TO_ZERO_AFTER_S
+    return named_by_flags(lambda: PlannerConfig(
+        policy=args.planner_policy, min_replicas=lo, max_replicas=hi, slo=SLO.parse(args.slo),
+        **scaling_options(args), scale_to_zero_after_s=after))
+
+
+def controller_config(args: argparse.Namespace) -> Any:
+    """The controller's settings, and `--buffer-timeout` checked (the router's config
+    takes it later); errors name the flags."""
+    from sluice.control.controller import ControllerConfig
+    from sluice.control.planner import check
+
+    named_by_flags(lambda: check("buffer_timeout_s", args.buffer_timeout, "must be >= 0",
+                                 lambda v: v >= 0))
+    return named_by_flags(lambda: ControllerConfig(drain_grace_s=args.drain_timeout))
 
 
 def backend_options(args: argparse.Namespace, flags: list[str]) -> dict[str, Any]:
@@ -277,7 +313,7 @@ def local_cpu_threads(args: argparse.Namespace, max_workers: int) -> list[str]:
 
 def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
     from sluice.control.backend import ModelSpec, make_backend
-    from sluice.control.controller import Controller, ControllerConfig, attach
+    from sluice.control.controller import Controller, attach
     from sluice.control.pd import PDController
     from sluice.control.planner import PDRatioConfig, PDRatioPlanner, Planner
     from sluice.engine.tokenizer import default_served_name, resolve_model
@@ -309,7 +345,7 @@ def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
     app = build_app(config, token_cache=cache, tracing=tracing, buckets=observe_buckets(args),
                     status_metrics=[wrap.metrics] if wrap else [])
     wrap = traced_gateway(wrap, tracing) if wrap and tracing is not None else wrap
-    control = ControllerConfig(drain_grace_s=args.drain_timeout)
+    control = controller_config(args)
     model = ModelSpec(resolve_model(args.model))  # a swap replaces it (POST .../model)
 
     def controllers(state: Any) -> list[Controller]:
@@ -359,12 +395,10 @@ def show_control_logs(level: str) -> None:
 def handler(args: argparse.Namespace) -> int:
     from sluice.protocol.errors import SluiceError
 
-    if args.workers < 1:
-        print("sluice serve: error: --workers must be at least 1", file=sys.stderr)
-        return 2
     try:
+        planner_config(args)  # flag errors before anything starts (with a router or not)
+        controller_config(args)
         if uses_router(args):
-            planner_config(args)  # flag errors before anything starts
             pd_ratio(args)
             if (args.backend == "external") != bool(args.worker_url):
                 raise InvalidRequestError("--worker-url goes with --backend external (and "

@@ -179,3 +179,40 @@ async def test_a_worker_drained_while_supervision_runs_is_not_reported_dead() ->
         await wait_for(lambda: len(controller.planner.decisions) >= steps + 3, 15)
     assert [e["event"] for e in controller.events if e["event"] in ("stopped", "dead")] \
         == ["stopped", "stopped"]
+
+
+class FailingPlanner(Planner):
+    """A planner with a bug: every other decision raises (as `PoolSignals.grown` did on a
+    NaN look-ahead)."""
+
+    calls = 0
+
+    def decide(self, signals: Any, now: float) -> Any:
+        self.calls += 1
+        if self.calls % 2:
+            raise ValueError("cannot convert float NaN to integer")
+        return super().decide(signals, now)
+
+
+async def test_a_failing_step_is_logged_and_the_loop_goes_on_supervising(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An unexpected error in a step is logged with its traceback, and the loop lives:
+    the next steps still take a dead worker out and start its replacement."""
+    backend = StubBackend()
+    config = RouterConfig(pools=(PoolConfig(model=MODEL, policy="least_load"),),
+                          admin_key="k", health_interval_s=0.2, scrape_interval_s=0.2)
+    app = build_app(config, rng=random.Random(0))
+    made: list[Controller] = []
+    fixed = PlannerConfig(min_replicas=1, max_replicas=1)
+    attach(app, lambda state: made.append(Controller(
+        "stub", state, state.pools[0], backend, FailingPlanner(fixed, initial=1),
+        ControllerConfig(interval_s=0.05))) or made)
+    with caplog.at_level("ERROR", logger="sluice.control.controller"):
+        async with serve_router(app):
+            (ctl,) = made
+            await wait_for(lambda: len(caplog.records) >= 2)  # two steps failed, not one
+            await backend.kill("s0")
+            await wait_for(lambda: list(ctl.workers) == [backend.workers["s1"].handle.url])
+    failed = [r for r in caplog.records if "control step for pool stub failed" in r.message]
+    assert len(failed) >= 2 and all(r.exc_info and r.exc_info[0] is ValueError for r in failed)
+    assert [e["event"] for e in ctl.events][-3:] == ["dead", "start", "ready"]

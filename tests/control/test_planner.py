@@ -237,6 +237,32 @@ def test_config_and_slo_parsing() -> None:
         PlannerConfig(min_replicas=1, scale_to_zero_after_s=10)
 
 
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("scale_up_delay_s", -1.0, "scale_up_delay_s must be >= 0, got -1"),
+    ("scale_down_delay_s", -1.0, "scale_down_delay_s must be >= 0, got -1"),
+    ("scale_up_delay_s", math.nan, "scale_up_delay_s must be a finite number, got nan"),
+    ("lookahead_s", math.nan, "lookahead_s must be a finite number, got nan"),
+    ("lookahead_s", -1.0, "lookahead_s must be >= 0, got -1"),
+    ("trend_window_s", 0.0, "trend_window_s must be > 0, got 0"),
+    ("target_ongoing_requests", math.inf,
+     "target_ongoing_requests must be a finite number, got inf"),
+    ("max_step", 0, "max_step must be >= 1, got 0"),
+    ("max_step_down", 0, "max_step_down must be >= 1, got 0"),
+    ("tolerance", 1.0, "tolerance must be in [0, 1), got 1"),
+    ("itl_floor_s", math.nan, "itl_floor_s must be a finite number, got nan"),
+])
+def test_each_setting_is_checked_on_its_own_and_named(field: str, value: float,
+                                                      message: str) -> None:
+    """One check per field, its own message and `param` (the API user's name; the CLIs
+    put the flag in its place), and no NaN or infinity where it means nothing."""
+    with pytest.raises(InvalidRequestError) as exc:
+        PlannerConfig(**{field: value})  # type: ignore[arg-type]
+    assert str(exc.value) == message and exc.value.param == field
+    with pytest.raises(InvalidRequestError) as exc:
+        SLO(ttft_s=math.inf)
+    assert exc.value.param == "slo"
+
+
 def test_degenerate_predictions_pick_a_count_instead_of_failing_the_step() -> None:
     """A NaN prediction (a degenerate signal) is the worst, never a StopIteration that
     fails every control step ("coroutine raised StopIteration", seen under a soak)."""

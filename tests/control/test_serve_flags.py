@@ -17,20 +17,53 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--min-workers", "3", "--max-workers", "2"], "--min-workers <= --max-workers"),
+    (["--min-workers", "3", "--max-workers", "2"], "--min-workers must be <= --max-workers (2), got 3"),
+    (["--min-workers", "-1"], "--min-workers must be >= 0, got -1"),
+    (["--max-workers", "0"], "--max-workers must be >= 1, got 0"),
+    (["--workers", "0"], "--workers must be >= 1, got 0"),
     (["--min-workers", "1", "--slo", "p99=1s"], "ttft=..,itl=.."),
     (["--backend", "external"], "--worker-url"),
     (["--worker-url", "http://w:1", "--workers", "2"], "--worker-url"),
-    (["--max-workers", "2", "--lookahead", "-1"], "lookahead_s must be >= 0"),
-    (["--max-workers", "2", "--scale-down-margin", "1.5"], "scale_down_margin must be in"),
-    (["--max-workers", "2", "--target-ongoing-requests", "0"], "target_ongoing_requests must be"),
-    (["--max-workers", "2", "--target-kv-usage", "1.2"], "target_kv_usage must be in"),
-    (["--max-workers", "2", "--target-queue-length", "0"], "target_queue_length must be"),
+    # each message names the flag typed, one check per flag (not the config's fields)
+    (["--max-workers", "2", "--lookahead", "-1"], "--lookahead must be >= 0, got -1"),
+    (["--max-workers", "2", "--scale-up-delay", "-2"], "--scale-up-delay must be >= 0, got -2"),
+    (["--max-workers", "2", "--scale-down-delay", "-1"],
+     "--scale-down-delay must be >= 0, got -1"),
+    (["--max-workers", "2", "--max-step-down", "0"], "--max-step-down must be >= 1, got 0"),
+    (["--max-workers", "2", "--scale-down-margin", "1.5"],
+     "--scale-down-margin must be in (0, 1], got 1.5"),
+    (["--max-workers", "2", "--target-ongoing-requests", "0"],
+     "--target-ongoing-requests must be > 0, got 0"),
+    (["--max-workers", "2", "--target-kv-usage", "1.2"], "--target-kv-usage must be in (0, 1]"),
+    (["--max-workers", "2", "--target-queue-length", "0"], "--target-queue-length must be > 0"),
+    (["--min-workers", "0", "--max-workers", "2", "--scale-to-zero-after", "-1"],
+     "--scale-to-zero-after must be >= 0, got -1"),
+    (["--max-workers", "2", "--buffer-timeout", "-1"], "--buffer-timeout must be >= 0, got -1"),
+    # a NaN or an infinity means nothing here (`--scale-up-delay nan`: never scale up)
+    (["--max-workers", "2", "--lookahead", "nan"], "--lookahead must be a finite number, got nan"),
+    (["--max-workers", "2", "--scale-up-delay", "nan"], "--scale-up-delay must be a finite"),
+    (["--max-workers", "2", "--target-ongoing-requests", "inf"],
+     "--target-ongoing-requests must be a finite number, got inf"),
+    (["--max-workers", "2", "--buffer-timeout", "nan"], "--buffer-timeout must be a finite"),
+    (["--max-workers", "2", "--drain-timeout", "inf"], "--drain-timeout must be a finite"),
+    # the controller's own setting, checked before anything starts (it was a traceback)
+    (["--min-workers", "1", "--max-workers", "2", "--drain-timeout", "-1"],
+     "--drain-timeout must be >= 0, got -1"),
+    # contradictions name the flags given
+    (["--workers", "2", "--min-workers", "1", "--max-workers", "3"],
+     "--workers fixes the pool size: it cannot be combined with --min-workers/--max-workers"),
+    (["--workers", "4", "--max-workers", "2"], "--workers fixes the pool size"),
+    (["--min-workers", "1", "--max-workers", "2", "--scale-to-zero-after", "10"],
+     "--scale-to-zero-after needs --min-workers 0"),
+    (["--workers", "2", "--scale-to-zero-after", "10"], "--scale-to-zero-after needs"),
+    (["--scale-to-zero-after", "10"], "--scale-to-zero-after needs --min-workers 0"),
 ])
 def test_bad_flags_exit_2_before_starting(argv: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--no-gateway", *argv]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert "_s " not in err and "replicas" not in err  # no config field names
 
 
 def test_bounds_and_the_planner_config() -> None:
@@ -43,6 +76,10 @@ def test_bounds_and_the_planner_config() -> None:
     assert config.slo == SLO(1.0, 0.05) and config.scale_to_zero_after_s == 30
     assert planner_config(parse("--min-workers", "1", "--max-workers", "2")) \
         .scale_to_zero_after_s is None
+    assert planner_config(parse("--min-workers", "0", "--max-workers", "2")) \
+        .scale_to_zero_after_s == 300.0  # the default, with --min-workers 0 only
+    assert worker_bounds(parse("--max-workers", "3")) == (1, 3)
+    assert worker_bounds(parse("--min-workers", "2")) == (2, 2)
     assert planner_config(parse("--max-workers", "2")).lookahead_s == 30.0
     assert planner_config(parse("--max-workers", "2", "--lookahead", "0")).lookahead_s == 0.0
     tuned = planner_config(parse("--max-workers", "2", "--scale-up-delay", "1",
@@ -91,3 +128,17 @@ def test_local_workers_split_the_machines_cores(monkeypatch: pytest.MonkeyPatch)
 
     given = worker_flags(parse("--workers", "2", "--cpu-threads", "3"))
     assert given[given.index("--cpu-threads") + 1] == "3"
+
+
+def test_flag_errors_carry_the_flag_as_param() -> None:
+    from sluice.protocol.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as exc:
+        planner_config(parse("--max-workers", "2", "--scale-down-delay", "-1"))
+    assert exc.value.param == "scale_down_delay"
+    from sluice.serve import controller_config
+
+    with pytest.raises(InvalidRequestError) as exc:
+        controller_config(parse("--max-workers", "2", "--drain-timeout", "-1"))
+    assert exc.value.param == "drain_timeout"
+    assert controller_config(parse("--drain-timeout", "5")).drain_grace_s == 5.0

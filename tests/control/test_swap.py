@@ -129,6 +129,24 @@ async def test_a_new_model_that_fails_to_start_rolls_back_with_nothing_failed() 
     assert "swap_failed" in [e["event"] for e in ctl.events]
 
 
+async def test_every_swap_attempt_gets_its_own_revision() -> None:
+    """A failed swap's revision is not handed out again: the events of the failed attempt
+    and of the next one are told apart by their revision (the pool's own revision skips
+    the failed number)."""
+    backend = StubBackend(broken=frozenset({"bad"}))
+    async with stack(backend, FIXED, initial=2) as (url, (ctl,)):
+        async with httpx.AsyncClient(timeout=10, headers=ADMIN) as admin:
+            for model in ("bad", "v2"):
+                assert (await admin.post(url + SWAP, json={"model": model})).status_code == 202
+                await wait_for(lambda: ctl.swap is not None and not ctl.swap.running)
+            view = (await admin.get(url + SWAP)).json()
+    swaps = [(e["event"], e["revision"]) for e in ctl.events if e["event"].startswith("swap")]
+    assert swaps == [("swap_start", 2), ("swap_failed", 2),
+                     ("swap_start", 3), ("swap_moved", 3), ("swap_done", 3)]
+    assert view["revision"] == 3 and view["swap"]["previous_revision"] == 1
+    assert [w["revision"] for w in view["workers"]] == [3, 3]
+
+
 async def test_new_workers_that_do_not_serve_the_pool_are_stopped_unused() -> None:
     backend = StubBackend(model=MODEL)
     async with stack(backend, FIXED, initial=2) as (url, (ctl,)):

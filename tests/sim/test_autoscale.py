@@ -211,6 +211,15 @@ def test_cli_slo_planner_on_a_daily_trace(tmp_path: Path, capsys: pytest.Capture
     (["--rate-shape", "daily"], "--duration"),
     (["--duration", "60"], "--rate-shape daily"),
     (["--slo", "itl=1s,tpot=1s"], "itl or tpot"),
+    # the planner's own checks, with the flag in place of its field
+    (["--planner", "slo", "--min-workers", "3", "--max-workers", "2"],
+     "--min-workers must be <= --max-workers (2), got 3"),
+    (["--planner", "slo", "--min-workers", "1", "--max-workers", "2", "--scale-down-delay",
+      "-1"], "--scale-down-delay must be >= 0, got -1"),
+    (["--planner", "queue", "--min-workers", "1", "--max-workers", "2", "--lookahead", "nan"],
+     "--lookahead must be a finite number, got nan"),
+    (["--planner", "queue", "--min-workers", "1", "--max-workers", "2",
+      "--target-ongoing-requests", "inf"], "--target-ongoing-requests must be a finite number"),
 ])
 def test_cli_errors_name_the_flag(argv: list[str], param: str,
                                   capsys: pytest.CaptureFixture[str]) -> None:

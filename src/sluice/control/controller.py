@@ -45,7 +45,7 @@ import httpx
 
 from sluice.control.backend import Backend, ModelSpec, WorkerHandle, WorkerHealth
 from sluice.control.pd import PDController
-from sluice.control.planner import Decision, Planner
+from sluice.control.planner import Decision, Planner, check
 from sluice.control.signals import LatencyWindow, parse_latency, pool_signals
 from sluice.control.swap import Swap, describe_spec, parse_model_spec
 from sluice.protocol.errors import ConflictError, InvalidRequestError
@@ -65,15 +65,18 @@ class ControllerConfig:
     events: int = 200  # scale events kept for /admin/planner
 
     def __post_init__(self) -> None:
-        if self.interval_s <= 0 or self.drain_grace_s < 0 or self.latency_window_s <= 0:
-            raise ValueError("controller intervals must be positive")
+        check("interval_s", self.interval_s, "must be > 0", lambda v: v > 0)
+        check("drain_grace_s", self.drain_grace_s, "must be >= 0", lambda v: v >= 0)
+        check("latency_window_s", self.latency_window_s, "must be > 0", lambda v: v > 0)
+        check("events", self.events, "must be >= 1", lambda v: v >= 1)
 
 
 class Controller:
     """Keeps one pool's workers at the planner's count; owns the pool's membership.
 
     `model`: what the pool's workers load (None: the backend's own worker arguments);
-    a swap replaces it and bumps `revision` (1 for the model the pool started with)."""
+    a swap replaces it and bumps `revision` (1 for the model the pool started with). Each
+    swap attempt takes the next revision number, so a failed one leaves a gap."""
 
     def __init__(self, name: str, state: RouterState, pool: Pool, backend: Backend | None,
                  planner: Planner, config: ControllerConfig | None = None,
@@ -103,13 +106,17 @@ class Controller:
         return len(self.workers) - len(self.draining) + len(self.starting)
 
     async def run(self) -> None:
-        """Step every `interval_s` until cancelled; a failing step is logged, not fatal."""
+        """Step every `interval_s` until cancelled. A failing step is logged and the next
+        one runs: any error (a planner bug, a degenerate signal) must not end the loop,
+        which also replaces dead workers. Cancellation ends it."""
         while True:
             await asyncio.sleep(self.config.interval_s)
             try:
                 await self.step()
-            except (httpx.HTTPError, OSError, RuntimeError) as exc:
+            except (httpx.HTTPError, OSError) as exc:  # a worker or the backend, passing
                 log.warning("control step for pool %s failed: %s", self.name, exc)
+            except Exception:
+                log.exception("control step for pool %s failed", self.name)
 
     async def step(self) -> Decision:
         now = self.clock()
@@ -301,7 +308,9 @@ class Controller:
             raise ConflictError(f"pool {self.name} is already swapping to revision "
                                 f"{running.revision} ({running.state})",
                                 code="swap_in_progress")
-        self.swap = Swap(self, spec, self.revision + 1, workers=max(1, self.live))
+        # every attempt its own revision: a failed swap's number is not handed out again
+        last = running.revision if running is not None else self.revision
+        self.swap = Swap(self, spec, max(self.revision, last) + 1, workers=max(1, self.live))
         self.swap_task = asyncio.create_task(self.swap.run())
         return self.model_view()
 

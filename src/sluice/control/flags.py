@@ -1,10 +1,45 @@
 """The planner's scaling flags, declared once for `sluice serve`, `sluice sim` and the
-autoscaling benchmarks, and read back into `PlannerConfig` keywords."""
+autoscaling benchmarks, and read back into `PlannerConfig` keywords.
+
+The configs check their own fields and name them (`scale_down_delay_s must be >= 0, got
+-1`, param `scale_down_delay_s`), which is what an API user wrote; `named_by_flags` puts
+the flag a command-line user typed in each field's place (`--scale-down-delay must be >=
+0, got -1`, param `scale_down_delay`), from one table, `FLAGS`.
+"""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import re
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from sluice.protocol.errors import InvalidRequestError
+
+T = TypeVar("T")
+
+FLAGS = {  # config field -> the flag that sets it (sluice serve, sluice sim)
+    "min_replicas": "--min-workers", "max_replicas": "--max-workers",
+    "scale_up_delay_s": "--scale-up-delay", "scale_down_delay_s": "--scale-down-delay",
+    "scale_down_margin": "--scale-down-margin", "max_step_down": "--max-step-down",
+    "lookahead_s": "--lookahead", "target_ongoing_requests": "--target-ongoing-requests",
+    "target_kv_usage": "--target-kv-usage", "target_queue_length": "--target-queue-length",
+    "scale_to_zero_after_s": "--scale-to-zero-after", "drain_grace_s": "--drain-timeout",
+    "buffer_timeout_s": "--buffer-timeout",
+}
+_FIELD = re.compile(r"\b(" + "|".join(FLAGS) + r")\b")
+
+
+def named_by_flags(make: Callable[[], T]) -> T:
+    """`make()` (a config's constructor), its field-named errors re-raised naming flags."""
+    try:
+        return make()
+    except InvalidRequestError as exc:
+        if exc.param not in FLAGS:
+            raise
+        flag = FLAGS[exc.param]
+        raise InvalidRequestError(_FIELD.sub(lambda m: FLAGS[m[1]], exc.message),
+                                  param=flag[2:].replace("-", "_")) from exc
 
 
 def add_scaling_arguments(g: argparse._ActionsContainer, min_help: str,

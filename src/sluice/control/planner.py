@@ -59,7 +59,7 @@ import math
 import re
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, ClassVar
@@ -94,8 +94,10 @@ class SLO:
     itl_s: float = 0.2
 
     def __post_init__(self) -> None:
-        if self.ttft_s <= 0 or self.itl_s <= 0:
-            raise InvalidRequestError("SLO targets must be positive", param="slo")
+        for name, value in (("ttft", self.ttft_s), ("itl", self.itl_s)):
+            if not (math.isfinite(value) and value > 0):
+                raise InvalidRequestError(f"slo: {name} must be a finite number > 0, got "
+                                          f"{value}", param="slo")
 
     @classmethod
     def parse(cls, text: str) -> SLO:
@@ -142,38 +144,44 @@ class PlannerConfig:
         if self.policy not in POLICIES:
             raise InvalidRequestError(f"unknown planner policy {self.policy!r}; choose from "
                                       f"{sorted(POLICIES)}", param="planner_policy")
-        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
-            raise InvalidRequestError("need 0 <= min_replicas <= max_replicas and "
-                                      "max_replicas >= 1", param="min_replicas")
-        if self.scale_up_delay_s < 0 or self.scale_down_delay_s < 0:
-            raise InvalidRequestError("scale delays must be >= 0", param="scale_down_delay_s")
-        if self.max_step < 1 or (self.max_step_down is not None and self.max_step_down < 1):
-            raise InvalidRequestError("max_step and max_step_down must be >= 1",
-                                      param="max_step")
-        if self.scale_to_zero_after_s is not None and (
-                self.scale_to_zero_after_s < 0 or self.min_replicas > 0):
-            raise InvalidRequestError("scale_to_zero_after_s needs min_replicas=0 and a "
-                                      "value >= 0", param="scale_to_zero_after_s")
-        if self.itl_floor_s is not None and self.itl_floor_s <= 0:
-            raise InvalidRequestError("itl_floor_s must be > 0", param="itl_floor_s")
-        if self.itl_floor_window_s <= 0:
-            raise InvalidRequestError("itl_floor_window_s must be > 0",
-                                      param="itl_floor_window_s")
-        if self.lookahead_s < 0 or self.trend_window_s <= 0:
-            raise InvalidRequestError("lookahead_s must be >= 0 and trend_window_s > 0",
-                                      param="lookahead_s")
-        if not 0 < self.scale_down_margin <= 1:
-            raise InvalidRequestError("scale_down_margin must be in (0, 1]",
-                                      param="scale_down_margin")
-        if not self.target_ongoing_requests > 0:
-            raise InvalidRequestError("target_ongoing_requests must be > 0",
-                                      param="target_ongoing_requests")
-        if not 0 < self.target_kv_usage <= 1:
-            raise InvalidRequestError("target_kv_usage must be in (0, 1]",
-                                      param="target_kv_usage")
-        if not self.target_queue_length > 0:
-            raise InvalidRequestError("target_queue_length must be > 0",
-                                      param="target_queue_length")
+        for name, (rule, ok) in _RULES.items():
+            check(name, getattr(self, name), rule, ok)
+        if self.min_replicas > self.max_replicas:
+            raise InvalidRequestError(f"min_replicas must be <= max_replicas "
+                                      f"({self.max_replicas}), got {self.min_replicas}",
+                                      param="min_replicas")
+        if self.scale_to_zero_after_s is not None and self.min_replicas > 0:
+            raise InvalidRequestError(f"scale_to_zero_after_s needs min_replicas 0, got "
+                                      f"min_replicas {self.min_replicas}",
+                                      param="scale_to_zero_after_s")
+
+
+def check(param: str, value: float | None, rule: str, ok: Callable[[float], bool]) -> None:
+    """One setting's check: a number (finite: no setting here means anything at NaN or
+    infinity) within `rule`; None passes (unset). The message names `param`, the field;
+    the command lines name their flag in its place (`control/flags.py`)."""
+    if value is None:
+        return
+    if not math.isfinite(value):
+        raise InvalidRequestError(f"{param} must be a finite number, got {value}", param=param)
+    if not ok(value):
+        raise InvalidRequestError(f"{param} {rule}, got {value:g}", param=param)
+
+
+_AT_LEAST_0 = ("must be >= 0", lambda v: v >= 0)
+_AT_LEAST_1 = ("must be >= 1", lambda v: v >= 1)
+_ABOVE_0 = ("must be > 0", lambda v: v > 0)
+_SHARE = ("must be in (0, 1]", lambda v: 0 < v <= 1)
+_RULES: dict[str, tuple[str, Callable[[float], bool]]] = {
+    "min_replicas": _AT_LEAST_0, "max_replicas": _AT_LEAST_1,
+    "scale_up_delay_s": _AT_LEAST_0, "scale_down_delay_s": _AT_LEAST_0,
+    "max_step": _AT_LEAST_1, "max_step_down": _AT_LEAST_1,
+    "scale_to_zero_after_s": _AT_LEAST_0, "scale_down_margin": _SHARE,
+    "target_ongoing_requests": _ABOVE_0, "target_kv_usage": _SHARE,
+    "target_queue_length": _ABOVE_0, "tolerance": ("must be in [0, 1)", lambda v: 0 <= v < 1),
+    "lookahead_s": _AT_LEAST_0, "trend_window_s": _ABOVE_0,
+    "itl_floor_window_s": _ABOVE_0, "itl_floor_s": _ABOVE_0, "history": _AT_LEAST_1,
+}  # PlannerConfig's numbers: field -> (what it must be, the test)
 
 
 @dataclass(frozen=True)

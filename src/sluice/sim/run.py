@@ -23,7 +23,7 @@ from sluice.bench import report
 from sluice.bench.load import LoadConfig
 from sluice.bench.metrics import parse_slos
 from sluice.bench.workloads import Session, WorkloadConfig
-from sluice.control.flags import scaling_options
+from sluice.control.flags import named_by_flags, scaling_options
 from sluice.control.planner import SLO, PlannerConfig
 from sluice.protocol.errors import InvalidRequestError
 from sluice.sim.cluster import SimConfig, SimResult, Simulation
@@ -116,9 +116,9 @@ def planner_config(args: argparse.Namespace, slos: dict[str, float]) -> PlannerC
     if None in bounds:
         raise InvalidRequestError(f"--planner {args.planner} needs --min-workers and "
                                   "--max-workers", param="min_workers")
-    return PlannerConfig(policy=args.planner, min_replicas=args.min_workers,
-                         max_replicas=args.max_workers, slo=planner_slo(slos),
-                         **scaling_options(args))
+    return named_by_flags(lambda: PlannerConfig(
+        policy=args.planner, min_replicas=args.min_workers, max_replicas=args.max_workers,
+        slo=planner_slo(slos), **scaling_options(args)))
 
 
 def planner_slo(slos: dict[str, float]) -> SLO:
