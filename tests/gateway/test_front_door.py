@@ -46,6 +46,29 @@ async def test_every_admin_route_needs_the_admin_key(
         assert r.status_code not in (401, 403)
 
 
+@pytest.mark.parametrize("path", ["/v1/pd_role", "/v1/load_lora_adapter",
+                                  "/v1/unload_lora_adapter"])
+async def test_a_tenant_key_cannot_reach_a_workers_control_routes(
+        sqlite_store: SQLStore, stub: StubUpstream, path: str) -> None:
+    """Found by a new-user pass: any API key could POST /v1/pd_role through the gateway
+    (switching the worker's role, bumping its epoch, draining it)."""
+    body = {"role": "prefill", "expected_epoch": 0, "lora_name": "x", "lora_path": "/x"}
+    state = make_state(sqlite_store)
+    state.config = GatewayConfig(admin_key=None)
+    user_key = new_key(sqlite_store)
+    async with client_for(GatewayMiddleware(stub, state)) as c:
+        r = await c.post(path, json=body, headers={"authorization": f"Bearer {user_key}"})
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    async with client_for(GatewayMiddleware(stub, make_state(sqlite_store))) as c:
+        for method in ("GET", "POST"):
+            r = await c.request(method, path, json=body,
+                                headers={"authorization": f"Bearer {user_key}"})
+            assert r.status_code == 401, r.text
+        r = await c.post(path, json=body, headers={"authorization": f"Bearer {ADMIN_KEY}"})
+        assert r.status_code == 404  # the admin's request reached the upstream (no such route)
+    assert stub.received == []  # no tenant request was forwarded
+
+
 def small_gateway(store: SQLStore, stub: StubUpstream, max_body_bytes: int) -> GatewayMiddleware:
     state = make_state(store)
     state.config = GatewayConfig(admin_key=ADMIN_KEY, max_body_bytes=max_body_bytes)

@@ -59,7 +59,13 @@ from sluice.gateway.models import MODEL_PREFIX, MODELS_PATH, ModelListFilter, al
 from sluice.gateway.state import GatewayState
 from sluice.gateway.store import Principal, UsageRecord
 from sluice.gateway.tokens import estimate_view
-from sluice.protocol.edge import BodyLimit, load_json_object, read_body, send_error
+from sluice.protocol.edge import (
+    BodyLimit,
+    check_admin_key,
+    load_json_object,
+    read_body,
+    send_error,
+)
 from sluice.protocol.errors import (
     AuthenticationError,
     InvalidRequestError,
@@ -85,6 +91,9 @@ GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages
 ANTHROPIC_ENDPOINTS = ("/v1/messages",)
 STREAM_USAGE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 PRIORITY_BODY_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+# a worker's control routes (its P/D role; vLLM's runtime LoRA loading): an operator's,
+# never a tenant's, so they take the admin key and pass through without metering
+WORKER_CONTROL_PATHS = ("/v1/pd_role", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 # The gateway's own admin routes; other /admin/... paths (the router's /admin/workers)
 # pass through to the inner app, which guards them with its own admin key.
 GATEWAY_ADMIN_PREFIXES = ("/admin/tenants", "/admin/keys", "/admin/usage", "/admin/purge")
@@ -188,6 +197,13 @@ class GatewayMiddleware:
             return await self.admin_app(scope, receive, send)
         if path == "/metrics":
             return await self._metrics(scope, receive, send)
+        if path in WORKER_CONTROL_PATHS:
+            try:
+                check_admin_key(self.state.config.admin_key, scope.get("headers") or [],
+                                setting="SLUICE_ADMIN_KEY or --admin-key")
+            except SluiceError as exc:
+                return await send_error(send, exc, path)
+            return await self.app(scope, receive, send)
         if path.startswith("/v1/"):
             return await Exchange(self, scope, receive, send).run()
         return await self.app(scope, receive, send)
