@@ -51,7 +51,7 @@ def test_every_rendered_manifest_validates(tmp_path: Path) -> None:
     (trigger,) = so["spec"]["triggers"]
     assert trigger["type"] == "prometheus"
     assert trigger["metadata"]["query"] == \
-        'max(sluice:desired_replicas{pool="SmolLM2-135M-Instruct"})'
+        'max(sluice:desired_replicas{pool="SmolLM2-135M-Instruct.Q4_1"})'
     deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
     worker_spec = deployments[so["spec"]["scaleTargetRef"]["name"]]["spec"]
     assert worker_spec["strategy"]["rollingUpdate"] == {"maxSurge": "100%", "maxUnavailable": 0}
@@ -63,7 +63,50 @@ def test_every_rendered_manifest_validates(tmp_path: Path) -> None:
     router = deployments["sluice-router"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert router[router.index("--slo") + 1] == "ttft=1s,itl=100ms"
     assert router[router.index("--worker-url") + 1] == \
-        "http://sluice-worker-smollm2-135m-instruct:8000"
+        "http://sluice-worker-smollm2-135m-instruct-q4-1:8000"
+
+
+def test_the_default_render_loads_the_bundled_model_under_its_served_name(
+        tmp_path: Path) -> None:
+    """Without --model, workers and router start without one (the image's bundled GGUF:
+    `SmolLM2-135M-Instruct` is no name `--model` can load), and the served name and the
+    pool label are the name that model is served under, as `sluice serve` names it."""
+    from sluice.engine.tokenizer import default_served_name
+
+    docs = rendered(tmp_path)
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    name = default_served_name(None)
+    assert name == "SmolLM2-135M-Instruct.Q4_1"
+    worker = deployments["sluice-worker-smollm2-135m-instruct-q4-1"]
+    (w,) = worker["spec"]["template"]["spec"]["containers"]
+    (r,) = deployments["sluice-router"]["spec"]["template"]["spec"]["containers"]
+    assert "--model" not in w["args"] and "--model" not in r["args"]
+    assert w["args"][w["args"].index("--served-model-name") + 1] == name
+    (so,) = [d for d in docs if d["kind"] == "ScaledObject"]
+    assert so["spec"]["triggers"][0]["metadata"]["query"] == \
+        f'max(sluice:desired_replicas{{pool="{name}"}})'
+    given = rendered(tmp_path / "given", "--model", "/models/Qwen2-0.5B.Q4_0.gguf")
+    (w,) = [d for d in given if d["kind"] == "Deployment"
+            and d["metadata"]["name"].startswith("sluice-worker")][0]["spec"]["template"][
+        "spec"]["containers"]
+    assert w["args"][1:5] == ["--model", "/models/Qwen2-0.5B.Q4_0.gguf",
+                              "--served-model-name", "Qwen2-0.5B.Q4_0"]
+
+
+def test_router_probes_are_on_liveness_so_a_pool_at_zero_keeps_its_router(
+        tmp_path: Path) -> None:
+    """The router's /health is 503 with no healthy worker: probed there, at zero workers
+    it would leave its Service (no request held, the pool never wakes) and be restarted
+    during every cold start. Its probes are on /liveness; the workers' stay on /health."""
+    docs = rendered(tmp_path, "--min-workers", "0")
+    containers = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
+                  for d in docs if d["kind"] == "Deployment"}
+    router = containers["sluice-router"]
+    assert router["readinessProbe"]["httpGet"]["path"] == "/liveness"
+    assert router["livenessProbe"]["httpGet"]["path"] == "/liveness"
+    worker = containers["sluice-worker-smollm2-135m-instruct-q4-1"]
+    assert {worker[p]["httpGet"]["path"] for p in
+            ("startupProbe", "readinessProbe", "livenessProbe")} == {"/health"}
 
 
 def test_the_validators_reject_broken_manifests() -> None:

@@ -17,8 +17,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                                          "ScaledObject on sluice:desired_replicas")
     k8s.add_argument("--render", required=True, metavar="DIR", type=Path,
                      help="directory to write the YAML files into (created)")
-    k8s.add_argument("--model", default=d.model,
-                     help="what workers load: a path or hub id in the image (default: %(default)s)")
+    k8s.add_argument("--model", default=None,
+                     help="what workers load: a path or hub id in the image (default: the "
+                          "image's bundled SmolLM2-135M-Instruct Q4_1 GGUF, served as "
+                          f"{d.served_name})")
     k8s.add_argument("--served-model-name", default=None,
                      help="the model id clients use (default: derived from --model)")
     k8s.add_argument("--image", default=d.image, help="container image (default: %(default)s)")
@@ -36,12 +38,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def render_k8s(args: argparse.Namespace) -> int:
-    from sluice.control.k8s import K8sOptions, write
+    from sluice.control.k8s import DEFAULT_SERVED_NAME, K8sOptions, write
     from sluice.control.planner import SLO
     from sluice.protocol.errors import InvalidRequestError
 
-    name = args.served_model_name or args.model.rstrip("/").rsplit("/", 1)[-1].removesuffix(
-        ".gguf")
+    name = args.served_model_name or (
+        args.model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf") if args.model
+        else DEFAULT_SERVED_NAME)
     try:
         SLO.parse(args.slo)
         options = K8sOptions(model=args.model, served_name=name, image=args.image,

