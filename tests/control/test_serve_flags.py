@@ -142,3 +142,17 @@ def test_flag_errors_carry_the_flag_as_param() -> None:
         controller_config(parse("--max-workers", "2", "--drain-timeout", "-1"))
     assert exc.value.param == "drain_timeout"
     assert controller_config(parse("--drain-timeout", "5")).drain_grace_s == 5.0
+
+
+def test_help_states_the_real_model_default(capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--model`'s default is the bundled GGUF, served (and its pool named) as
+    SmolLM2-135M-Instruct.Q4_1, not a name `--model` could not load."""
+    from sluice.engine.tokenizer import default_served_name
+
+    monkeypatch.setenv("COLUMNS", "400")  # no line breaks inside the names
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "bundled SmolLM2-135M-Instruct Q4_1 GGUF" in help_text
+    assert f"served as {default_served_name(None)}" in help_text
