@@ -507,3 +507,33 @@ def test_bf16_linear_equals_float64(ops: NativeOps, rows: int, k: int, n: int) -
         ops.bf16_linear(torch.randn(rows, k + 32), packed, None)  # K differs
     with pytest.raises(RuntimeError, match="pack_bf16"):
         ops.pack_bf16(torch.randn(n + 8, k).bfloat16())  # N not a multiple of 16
+
+
+def test_a_process_without_the_virtualenv_on_path_reuses_the_build() -> None:
+    """The kernels are built with the `ninja` package's binary whatever PATH says: a
+    process whose PATH finds another ninja first (a system ninja 1.11 beside the
+    package's 1.13) rebuilt them (~40 s), and the next process with the virtualenv's
+    PATH rebuilt them again (found by a new-user pass: 15 rebuilds in 40 minutes)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import ninja  # type: ignore[import-untyped]
+    from torch.utils.cpp_extension import get_default_build_root
+
+    from sluice.engine.native import load_kernels, pinned_ninja
+
+    load_kernels()  # built (or found) by this process
+    saved = os.environ.get("PATH")
+    with pinned_ninja():
+        assert shutil.which("ninja") == os.path.join(ninja.BIN_DIR, "ninja")
+    assert os.environ.get("PATH") == saved
+    logs = sorted(Path(get_default_build_root()).glob("sluice_kernels_*/.ninja_log"))
+    before = {p: p.read_text() for p in logs}
+    path = os.pathsep.join(d for d in (os.environ.get("PATH") or "").split(os.pathsep)
+                           if Path(d).resolve() != Path(ninja.BIN_DIR).resolve())
+    subprocess.run([sys.executable, "-c", "from sluice.engine.native import load_kernels; "
+                    "load_kernels()"], env={**os.environ, "PATH": path or "/usr/bin:/bin"},
+                   check=True, timeout=600)
+    assert {p: p.read_text() for p in logs} == before  # nothing was built again

@@ -50,13 +50,14 @@ weight reordered once into oneDNN's own blocked layout.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,8 +183,9 @@ def load_kernels() -> NativeOps:
                      digest])
     t0 = time.perf_counter()
     log.info("loading the engine's CPU kernels (built once per machine, ~45 s)")
-    module = load(name=name, sources=[str(_stable_copy(name, source))], extra_cflags=cflags,
-                  extra_ldflags=["-fopenmp"], verbose=False)
+    with pinned_ninja():
+        module = load(name=name, sources=[str(_stable_copy(name, source))],
+                      extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False)
     log.info("CPU kernels ready in %.1fs", time.perf_counter() - t0)
     return NativeOps(module.paged_decode_attention, module.fused_add_rms_norm,
                      module.silu_and_mul, module.small_rows_linear, module.apply_token_bitmask,
@@ -193,6 +195,29 @@ def load_kernels() -> NativeOps:
                      module.pack_bf16, module.bf16_linear,
                      module.int8_activation_types, module.rotary_embedding,
                      module.paged_prefill_attention)
+
+
+@contextlib.contextmanager
+def pinned_ninja() -> Iterator[None]:
+    """torch builds with the first `ninja` on PATH; this puts the `ninja` package's (a
+    dependency) first while it builds. Two ninja versions sharing one build folder each
+    read the other's log as a changed command (1.11 and 1.13 hash commands differently)
+    and rebuild, ~40 s, whenever the other built last: a process started with the
+    virtualenv's bin on PATH and one without (a system ninja) took turns rebuilding."""
+    try:
+        import ninja  # type: ignore[import-untyped]
+    except ImportError:
+        yield
+        return
+    saved = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join(p for p in (ninja.BIN_DIR, saved) if p)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = saved
 
 
 def _stable_copy(name: str, source: bytes) -> Path:
