@@ -204,6 +204,38 @@ def test_unknown_route_and_method(http: httpx.Client) -> None:
     openai_error(http.get("/v1/chat/completions"), 405)
 
 
+USE = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
+
+
+@pytest.mark.parametrize(("messages", "says"), [
+    ([{"role": "user", "content": ""}], "non-empty content"),
+    ([{"role": "user", "content": []}], "non-empty content"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""},
+      {"role": "user", "content": "again"}], "non-empty content"),
+    ([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope"}]}],
+     "unexpected tool_use_id 'nope'"),
+    ([*USER, {"role": "assistant", "content": [USE]},
+      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2"}]}],
+     "unexpected tool_use_id 't2'"),
+])
+def test_anthropic_conversation_rules(http: httpx.Client, messages: list, says: str) -> None:
+    """Anthropic's API refuses these turns; so does the worker (found by a new-user pass)."""
+    r = http.post("/v1/messages", json={"model": "tiny", "max_tokens": 2, "messages": messages})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert says in r.json()["error"]["message"]
+
+
+def test_anthropic_prefill_and_a_matching_tool_result_are_served(http: httpx.Client) -> None:
+    tools = [{"name": "f", "input_schema": {"type": "object"}}]
+    for messages in ([*USER, {"role": "assistant", "content": ""}],
+                     [*USER, {"role": "assistant", "content": [USE]},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                    "content": "42"}]}]):
+        r = http.post("/v1/messages", json={"model": "tiny", "max_tokens": 2, "tools": tools,
+                                            "messages": messages})
+        assert r.status_code == 200, r.text
+
+
 def test_anthropic_errors_use_anthropic_shape(http: httpx.Client) -> None:
     cases = [
         (b"{", 400),

@@ -397,8 +397,34 @@ def anthropic_param(param: str | None) -> str | None:
     return param
 
 
+def check_conversation(req: MessagesRequest) -> None:
+    """Anthropic's rules for the turns themselves, as its API refuses them (400): every
+    message has content but a final assistant one (a prefill), and each `tool_result`
+    answers a `tool_use` of the assistant message just before it."""
+    last = len(req.messages) - 1
+    for i, m in enumerate(req.messages):
+        if not m.content and not (i == last and m.role == "assistant"):
+            raise InvalidRequestError("all messages must have non-empty content except for "
+                                      "the optional final assistant message",
+                                      param=f"messages.{i}.content")
+        asked = _tool_use_ids(req.messages[i - 1]) if i else set()
+        for j, b in enumerate(m.content if isinstance(m.content, list) else []):
+            if isinstance(b, ToolResultBlock) and b.tool_use_id not in asked:
+                raise InvalidRequestError(
+                    f"unexpected tool_use_id {b.tool_use_id!r} in a tool_result block: each "
+                    "tool_result must answer a tool_use block of the previous message",
+                    param=f"messages.{i}.content.{j}.tool_use_id")
+
+
+def _tool_use_ids(m: Message) -> set[str]:
+    blocks = m.content if m.role == "assistant" and isinstance(m.content, list) else []
+    return {b.id for b in blocks if isinstance(b, ToolUseBlock)}
+
+
 def to_chat_body(req: MessagesRequest) -> dict[str, Any]:
-    """The OpenAI chat request equivalent to an Anthropic Messages request."""
+    """The OpenAI chat request equivalent to an Anthropic Messages request (whose turns
+    `check_conversation` has passed)."""
+    check_conversation(req)
     body: dict[str, Any] = {"model": req.model, **chat_prompt(req.model_dump()),
                             "max_tokens": req.max_tokens, **chat_tool_choice(req.tool_choice)}
     optional = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
