@@ -199,7 +199,9 @@ class LocalBackend(Backend):
         except zygote.ZygoteError as exc:  # start workers as fresh processes instead
             log.warning("worker zygote unusable, starting fresh processes: %s", exc)
             self.use_zygote = False
-            current.close()
+            # on a thread: close() waits for the zygote's lock, which another start's
+            # wait_ready can hold for its whole timeout (it blocked the router's loop)
+            await asyncio.to_thread(current.close)
             return None
         return current
 
