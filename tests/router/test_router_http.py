@@ -122,6 +122,34 @@ async def test_no_healthy_worker_is_503_with_retry_after(cluster: Cluster) -> No
         assert len(a.requests) == 1  # the only worker is not retried twice
 
 
+async def test_a_request_no_worker_reached_is_held_for_a_replacement(cluster: Cluster) -> None:
+    """With buffering on, a request whose only worker is unreachable (it just died, and
+    still looks ready until the probes eject it) waits for a worker to be ready again
+    (here one the admin API adds, as the backend's replacement) instead of a 503 at once
+    (found by a new-user pass: `kill -9` of a one-worker pool's worker gave 503s for the
+    ~2 s its replacement took). A worker that answers with an error is not waited for."""
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: connect errors
+    async with serve(make_stub(StubState("b"))) as replacement, \
+            cluster([], extra_urls=(dead,), buffer_timeout_s=10.0, health_interval_s=60) \
+            as (router, _), httpx.AsyncClient(base_url=router, timeout=20) as c:
+        async def replace() -> None:
+            await asyncio.sleep(0.3)
+            r = await c.post("/admin/workers", json={"url": replacement},
+                             headers={"authorization": f"Bearer {ADMIN_KEY}"})
+            assert r.status_code == 201, r.text
+
+        adding = asyncio.ensure_future(replace())
+        r = await c.post("/v1/chat/completions", json=chat("hi"))
+        await adding
+        assert r.status_code == 200 and r.json()["worker"] == "b", r.text
+    busy = StubState("a", fail_status=503)
+    async with cluster([busy], max_retries=1, buffer_timeout_s=10.0) as (router, _), \
+            httpx.AsyncClient(base_url=router) as c:
+        r = await c.post("/v1/chat/completions", json=chat("hi"))
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_worker"
+        assert len(busy.requests) == 1  # answered at once, not held
+
+
 async def test_retries_before_first_byte_on_another_worker(cluster: Cluster) -> None:
     bad = StubState("bad", fail_status=500)
     good = StubState("good")

@@ -7,6 +7,11 @@
                else wait (polling every 50 ms) until a worker is available
                     -> go on; or after `timeout_s` -> 503 + Retry-After
 
+The same holding area takes a request that found no worker able to take it although
+the pool looked ready (`hold`: every worker refused it before the first byte, as a
+worker that just died does until the router's probes see it): it waits until a worker
+is ready again (the backend's replacement) and is tried again, until the timeout.
+
 A pool scaled to zero thereby answers its first requests once the planner's new worker
 is ready, instead of failing them; the number held per pool (`queued`) is one of the
 planner's inputs, so a request arriving at zero is what wakes the pool. Polling rather
@@ -18,9 +23,15 @@ are held. Knative's activator buffers the same way in front of a scaled-to-zero 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from sluice.protocol.errors import ServiceUnavailableError
 from sluice.router.pool import Pool
+
+T = TypeVar("T")
 
 
 class RequestBuffer:
@@ -58,6 +69,30 @@ class RequestBuffer:
                 code="no_ready_worker") from None
         finally:
             self._held[id(pool)] -= 1
+
+    async def hold(self, pool: Pool, attempt: Callable[[], Awaitable[T]],
+                   refused: type[ServiceUnavailableError]) -> T:
+        """`attempt()`; while it raises `refused` (no worker took the request) and
+        buffering is on, the request is held (counted in `queued`, the planner's input)
+        and tried again every poll once a worker looks ready, until `timeout_s`; then
+        the last error is raised."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return await attempt()
+            except ServiceUnavailableError as exc:
+                if (self.timeout_s <= 0 or not isinstance(exc, refused)
+                        or time.monotonic() >= deadline
+                        or self.queued(pool) >= self.max_requests):
+                    raise
+            self._held[id(pool)] = self.queued(pool) + 1
+            try:  # a dead worker still looks ready until it is ejected: at least one poll
+                await asyncio.sleep(self.poll_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._until_ready(pool),
+                                           max(0.0, deadline - time.monotonic()))
+            finally:
+                self._held[id(pool)] -= 1
 
     async def _until_ready(self, pool: Pool) -> None:
         while not self.ready(pool):

@@ -51,9 +51,17 @@ class RetryableError(Exception):
     shedding load, not a broken one: retried elsewhere, never ejected for it).
     """
 
-    def __init__(self, message: str, counts: bool = True) -> None:
+    def __init__(self, message: str, counts: bool = True, answered: bool = False) -> None:
         super().__init__(message)
         self.counts = counts
+        self.answered = answered  # the worker answered (an error status): it is up
+
+
+class NoWorkerReached(ServiceUnavailableError):
+    """The 503 of a request no worker answered at all (none available, or every one
+    unreachable: a worker that just died looks ready until the probes eject it); the
+    router may hold it for a replacement (`RequestBuffer.hold`). A worker's own error
+    status is a plain ServiceUnavailableError."""
 
 
 def forward_block(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
@@ -134,6 +142,7 @@ class Proxy:
         the first byte. Raises ServiceUnavailableError (503) when no attempt succeeds."""
         tried: list[str] = list(exclude)
         last_error = "no worker is available"
+        answered = False
         start = time.perf_counter()
         policy = pool.policy.name
         budget = self.breakers.budget(pool)
@@ -160,6 +169,7 @@ class Proxy:
                 self._failed(pool, endpoint, exc)
                 tried.append(endpoint.url)
                 last_error = f"{endpoint.url}: {exc}"
+                answered = answered or exc.answered
                 continue
             except BaseException:  # cancelled: the client went away before the first byte
                 endpoint.finish(ticket)
@@ -174,8 +184,9 @@ class Proxy:
             relay.retries = len(tried)  # (a migration's excluded workers included)
             return relay
         self.metrics.requests_for(req.model, 503).inc()
-        raise ServiceUnavailableError(f"no healthy worker could serve model {req.model!r} "
-                                      f"({last_error})", code="no_healthy_worker")
+        error = ServiceUnavailableError if answered else NoWorkerReached
+        raise error(f"no healthy worker could serve model {req.model!r} ({last_error})",
+                    code="no_healthy_worker")
 
     def choose(self, pool: Pool, meta: RequestMeta, tried: Iterable[str] = ()
                ) -> Decision | None:
@@ -231,7 +242,8 @@ class Proxy:
             raise RetryableError(f"{type(exc).__name__}: {exc}") from exc
         try:
             if upstream.status >= 500:
-                raise RetryableError(f"status {upstream.status}", counts=upstream.status != 503)
+                raise RetryableError(f"status {upstream.status}", counts=upstream.status != 503,
+                                     answered=True)
             first = await upstream.read()
         except RetryableError:
             upstream.close()

@@ -29,7 +29,7 @@ from sluice.protocol.errors import SluiceError
 from sluice.protocol.prompt import IDS_HEADER, RESUME_HEADER, IdsHint
 from sluice.router.migrate import MigratingRelay, migratable, with_token_ids
 from sluice.router.parse import CHAT, COMPLETION, MESSAGES, SESSION_HEADER, parse_request
-from sluice.router.proxy import Proxy, Relay, forward_block
+from sluice.router.proxy import NoWorkerReached, Proxy, Relay, forward_block
 from sluice.router.state import RouterState
 
 ROUTED = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/messages": MESSAGES}
@@ -106,8 +106,9 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
                     if state.adapters.is_adapter(req.model) else None
                 relay = await release.forward(state.proxy, sent, meta, target, block, headers,
                                               chosen, held)
-            else:
-                relay = await state.proxy.forward(pool, sent, meta, target, block, holders_only)
+            else:  # held and tried again where no worker could take it (buffer.py)
+                relay = await state.buffer.hold(pool, lambda: state.proxy.forward(
+                    pool, sent, meta, target, block, holders_only), NoWorkerReached)
                 for _ in range(ADAPTER_MOVED_RETRIES):  # its adapter was just moved: place again
                     if relay.status != 404 or not state.adapters.is_adapter(req.model):
                         break
