@@ -84,7 +84,9 @@ TOOL_TABLE: list[tuple[str, str, dict[str, Any]]] = [
             U, {"role": "assistant", "content": [
                 {"type": "text", "text": "Checking."},
                 {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
-                 "input": {"city": "Paris", "unit": "C"}}]},
+                 "input": {"city": "Paris", "unit": "C"}},
+                {"type": "tool_use", "id": "toolu_2", "name": "get_weather",
+                 "input": {"city": "Rome", "unit": "C"}}]},
             {"role": "user", "content": [
                 {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
                     {"type": "text", "text": "18 C, sunny"}]},
