@@ -302,6 +302,37 @@ async def test_past_the_migration_limit_an_error_event_then_a_broken_stream(
     assert error["code"] == "migration_failed" and "limit (1)" in error["message"]
 
 
+async def test_a_stream_whose_only_worker_fails_waits_for_a_replacement(
+        workers: LocalWorkerPool) -> None:
+    """With buffering on, a stream whose only worker fails mid-way is resumed on the
+    worker that replaces it (here added through the admin API) instead of ending with
+    `migration_failed` (found by a new-user pass: `kill -9` of a one-worker pool)."""
+    body = {"model": await model_of(workers.urls[0]), "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True, "prompt": "The sea", "stream": True}
+    cuts = Cuts(after=[3])
+    async with serve(cutter(workers.urls[0], cuts)) as a, httpx.AsyncClient(timeout=60) as c:
+        direct = text_of(one_stream(await stream(c, workers.urls[1] + "/v1/completions", body)))
+        pool = PoolConfig(workers=(WorkerSpec(a),), policy="round_robin")
+        app = build_app(RouterConfig(pools=(pool,), seed=0, health_interval_s=0.5,
+                                     scrape_interval_s=0.2, buffer_timeout_s=30,
+                                     admin_key="k"), rng=random.Random(0))
+        async with serve_router(app) as router:
+            async def replace() -> None:
+                for _ in range(200):  # bounded: until the stream has started (and been cut)
+                    if not cuts.after:
+                        break
+                    await asyncio.sleep(0.02)
+                await asyncio.sleep(0.5)
+                r = await c.post(router + "/admin/workers", json={"url": workers.urls[1]},
+                                 headers={"authorization": "Bearer k"})
+                assert r.status_code == 201, r.text
+
+            adding = asyncio.create_task(replace())
+            chunks = one_stream(await stream(c, router + "/v1/completions", body))
+            await adding
+    assert text_of(chunks) == direct
+
+
 async def test_non_streamed_request_is_retried_whole(workers: LocalWorkerPool,
                                                      routed: tuple[str, Cuts]) -> None:
     router, cuts = routed

@@ -40,11 +40,12 @@ from typing import Any
 from sluice.protocol.edge import error_json
 from sluice.protocol.errors import SluiceError
 from sluice.protocol.prompt import RESUME_HEADER, TOKENIZER_HEADER, ResumeIds
+from sluice.router.buffer import RequestBuffer
 from sluice.router.config import BASELINE
 from sluice.router.parse import CHAT, COMPLETION, MESSAGES, ParsedRequest
 from sluice.router.policies import RequestMeta
 from sluice.router.pool import Pool
-from sluice.router.proxy import Proxy, Relay
+from sluice.router.proxy import NoWorkerReached, Proxy, Relay
 from sluice.router.release import VERSION_HEADER
 from sluice.router.upstream import ReadError, UpstreamError
 
@@ -114,11 +115,11 @@ class MigratingRelay(Relay):
 
     __slots__ = ("proxy", "pool", "req", "meta", "path", "block", "limit", "show_ids", "ids",
                  "tokenizer", "dialect", "pending", "buffer", "done", "finished", "id",
-                 "created", "broken")
+                 "created", "broken", "held")
 
     def __init__(self, relay: Relay, proxy: Proxy, pool: Pool, req: ParsedRequest,
                  meta: RequestMeta, path: bytes, block: bytes, limit: int,
-                 show_ids: bool) -> None:
+                 show_ids: bool, held: RequestBuffer | None = None) -> None:
         for name in Relay.__slots__:
             setattr(self, name, getattr(relay, name))
         self.proxy, self.pool, self.req, self.path, self.block = proxy, pool, req, path, block
@@ -136,6 +137,7 @@ class MigratingRelay(Relay):
         self.id: Any = None  # the first worker's chunk `id` and `created` (OpenAI)
         self.created: Any = None
         self.broken: str | None = None  # why the stream could not go on (after its event)
+        self.held = held  # where a resume that reached no worker waits for one (buffer.py)
 
     @property
     def complete(self) -> bool:
@@ -243,8 +245,13 @@ class MigratingRelay(Relay):
 
     async def _resume(self, block: bytes, failed: str) -> Relay:
         """The resumed request's relay: on a worker of the stream's release version, or
-        the baseline's when that version has none left."""
+        the baseline's when that version has none left. Where no worker is reached (a
+        one-worker pool's worker died) it waits in the pool's buffer for the replacement."""
         try:
+            if self.held is not None:
+                return await self.held.hold(self.pool, lambda: self.proxy.forward(
+                    self.pool, self.req, self.meta, self.path, block, exclude=(failed,)),
+                    NoWorkerReached)
             return await self.proxy.forward(self.pool, self.req, self.meta, self.path, block,
                                             exclude=(failed,))
         except SluiceError:

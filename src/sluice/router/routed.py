@@ -124,6 +124,7 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
         if not migrating or relay.status != 200:
             return relay
         return MigratingRelay(relay, proxy, pool, sent, meta, target, block, limit,
-                              show_ids=bool(req.body.get("return_token_ids")))
+                              show_ids=bool(req.body.get("return_token_ids")),
+                              held=state.buffer)
     except SluiceError as exc:
         return error_reply(exc, path)
