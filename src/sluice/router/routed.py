@@ -106,9 +106,14 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
                     if state.adapters.is_adapter(req.model) else None
                 relay = await release.forward(state.proxy, sent, meta, target, block, headers,
                                               chosen, held)
-            else:  # held and tried again where no worker could take it (buffer.py)
-                relay = await state.buffer.hold(pool, lambda: state.proxy.forward(
-                    pool, sent, meta, target, block, holders_only), NoWorkerReached)
+            else:
+                try:
+                    relay = await state.proxy.forward(pool, sent, meta, target, block,
+                                                      holders_only)
+                except NoWorkerReached:  # held until a worker is ready (buffer.py); tried
+                    # first outside the hold, so the common path costs what it did
+                    relay = await state.buffer.hold(pool, lambda: state.proxy.forward(
+                        pool, sent, meta, target, block, holders_only), NoWorkerReached)
                 for _ in range(ADAPTER_MOVED_RETRIES):  # its adapter was just moved: place again
                     if relay.status != 404 or not state.adapters.is_adapter(req.model):
                         break
