@@ -21,6 +21,7 @@ read the request and write the reply.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 
 from sluice.observe.route_span import traced_route
@@ -107,13 +108,14 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
                 relay = await release.forward(state.proxy, sent, meta, target, block, headers,
                                               chosen, held)
             else:
+                def forward() -> Awaitable[Relay]:  # to the adapter's holders as last placed
+                    return state.proxy.forward(pool, sent, meta, target, block, holders_only)
+
                 try:
-                    relay = await state.proxy.forward(pool, sent, meta, target, block,
-                                                      holders_only)
+                    relay = await forward()
                 except NoWorkerReached:  # held until a worker is ready (buffer.py); tried
                     # first outside the hold, so the common path costs what it did
-                    relay = await state.buffer.hold(pool, lambda: state.proxy.forward(
-                        pool, sent, meta, target, block, holders_only), NoWorkerReached)
+                    relay = await state.buffer.hold(pool, forward, NoWorkerReached)
                 for _ in range(ADAPTER_MOVED_RETRIES):  # its adapter was just moved: place again
                     if relay.status != 404 or not state.adapters.is_adapter(req.model):
                         break
@@ -121,7 +123,7 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
                     state.adapters.lost(relay.ticket.endpoint.url, req.model)
                     state.adapters.unplace(req.model)
                     holders_only = await state.adapters.prepare(pool, req.model, meta)
-                    relay = await state.proxy.forward(pool, sent, meta, target, block, holders_only)
+                    relay = await forward()
         except BaseException:
             state.adapters.unplace(req.model)
             raise
