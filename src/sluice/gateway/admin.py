@@ -44,7 +44,7 @@ from sluice.gateway.store import (
     UsageQuery,
     UsageRecord,
 )
-from sluice.protocol.edge import check_admin_key, http_status_error, load_json_object
+from sluice.protocol.edge import http_status_error, load_json_object
 from sluice.protocol.errors import (
     AuthenticationError,
     InvalidRequestError,
@@ -183,8 +183,7 @@ def build_admin_app(state: GatewayState) -> FastAPI:
         return JSONResponse(invalid(exc.errors()).to_dict(), status_code=400)
 
     def admin(request: Request) -> None:
-        check_admin_key(state.config.admin_key, request.headers.raw,
-                        setting="SLUICE_ADMIN_KEY or --admin-key")
+        state.config.check_admin(request.headers.raw)
 
     def caller(request: Request) -> Principal:
         principal = store.authenticate(_bearer(request) or "")

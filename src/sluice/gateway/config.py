@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sluice.protocol.edge import DEFAULT_MAX_BODY_BYTES
+from sluice.protocol.edge import DEFAULT_MAX_BODY_BYTES, Headers, check_admin_key
 from sluice.protocol.errors import InvalidRequestError
 
 # vLLM-compatible priorities: lower runs first; a request without `priority` is 0.
@@ -101,3 +101,8 @@ class GatewayConfig:
                                       param="ledger_max_waiting")
         if self.ledger_close_s < 0:
             raise InvalidRequestError("ledger_close_s must be >= 0", param="ledger_close_s")
+
+    def check_admin(self, headers: Headers) -> None:
+        """The gateway's admin routes and the worker control routes it passes on: 403
+        without an admin key configured, 401 for a missing or wrong one."""
+        check_admin_key(self.admin_key, headers, setting="SLUICE_ADMIN_KEY or --admin-key")

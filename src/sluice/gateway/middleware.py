@@ -59,13 +59,7 @@ from sluice.gateway.models import MODEL_PREFIX, MODELS_PATH, ModelListFilter, al
 from sluice.gateway.state import GatewayState
 from sluice.gateway.store import Principal, UsageRecord
 from sluice.gateway.tokens import estimate_view
-from sluice.protocol.edge import (
-    BodyLimit,
-    check_admin_key,
-    load_json_object,
-    read_body,
-    send_error,
-)
+from sluice.protocol.edge import BodyLimit, load_json_object, read_body, send_error
 from sluice.protocol.errors import (
     AuthenticationError,
     InvalidRequestError,
@@ -199,8 +193,7 @@ class GatewayMiddleware:
             return await self._metrics(scope, receive, send)
         if path in WORKER_CONTROL_PATHS:
             try:
-                check_admin_key(self.state.config.admin_key, scope.get("headers") or [],
-                                setting="SLUICE_ADMIN_KEY or --admin-key")
+                self.state.config.check_admin(scope.get("headers") or [])
             except SluiceError as exc:
                 return await send_error(send, exc, path)
             return await self.app(scope, receive, send)
