@@ -173,6 +173,23 @@ def test_bad_constraints_and_tools_name_the_field(http: httpx.Client, extra: dic
     assert http.get("/health").status_code == 200  # and the worker keeps serving
 
 
+@pytest.mark.parametrize("choice", [{}, {"tool_choice": "auto"}, {"tool_choice": "none"},
+                                    {"tool_choice": {"type": "function",
+                                                     "function": {"name": "f"}}}])
+@pytest.mark.parametrize("schema", [{"type": "objectx"},
+                                    {"type": "object", "properties": {"a": {"type": 5}}}])
+def test_a_bad_tool_schema_is_refused_whatever_the_tool_choice(
+        http: httpx.Client, choice: dict, schema: dict) -> None:
+    """Found by a new-user pass: with tool_choice auto (or none, or no tool_choice) a tool
+    whose parameters were no JSON schema was accepted and generated from, while required
+    and named choices refused it; every tool is checked, as OpenAI's API does (here the
+    named tool is `f` and the bad one `g`)."""
+    tools = [TOOL, {"type": "function", "function": {"name": "g", "parameters": schema}}]
+    openai_error(http.post("/v1/chat/completions", json={
+        "messages": USER, "max_tokens": 2, "tools": tools, **choice}),
+        400, "tools.1.function.parameters")
+
+
 def test_completion_specific_refusals(http: httpx.Client) -> None:
     openai_error(http.post("/v1/completions", json={"prompt": "a", "suffix": "z"}), 400, "suffix")
     openai_error(http.post("/v1/completions", json={"prompt": "a", "best_of": 3}), 400, "best_of")

@@ -37,7 +37,12 @@ from sluice.worker.logprobs import chat_logprobs
 from sluice.worker.pd import transfer_params
 from sluice.worker.sampling import chat_prompt, sampling_params
 from sluice.worker.state import WorkerState
-from sluice.worker.tool_parsers import CallDelta, ToolCallStream, ToolParser
+from sluice.worker.tool_parsers import (
+    CallDelta,
+    ToolCallStream,
+    ToolParser,
+    check_tool_schemas,
+)
 
 
 @dataclass
@@ -101,6 +106,8 @@ async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_i
     choice = req.effective_tool_choice()
     tools = [t.model_dump(exclude_unset=True) for t in req.tools] if req.tools else None
     forced = None
+    if tools:
+        check_tool_schemas(tools)
     if tools and (choice == "required" or isinstance(choice, NamedToolChoice)):
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
         forced = state.tool_parser.constraint(tools, name, req.parallel_tool_calls,

@@ -263,6 +263,16 @@ def _checked_schema(schema: Any, param: str, backend: str) -> Any:
     return schema
 
 
+def check_tool_schemas(tools: list[dict[str, Any]]) -> None:
+    """Every tool's `parameters` is a JSON schema, whatever `tool_choice` says (OpenAI's
+    API checks them all): a 400 naming the first bad one. `auto`: a schema one backend
+    reads passes, since a call that is not forced compiles nothing; `constraint` checks a
+    forced call's schemas for the engine's own backend."""
+    for i, t in enumerate(tools):
+        _checked_schema(t["function"].get("parameters") or {"type": "object"},
+                        f"tools.{i}.function.parameters", "auto")
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser}
 
 
