@@ -53,6 +53,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                               description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p)
+    p.add_argument("--served-model-name", nargs=1, default=None, metavar="NAME",
+                   help="the model id clients ask for, the router's pool and the planner's "
+                        "pool label (default: derived from --model)")
     p.add_argument("--workers", type=int, default=None,
                    help="a fixed number of engine worker processes behind the router "
                         "(default: 1, one engine in this process, no router); not with "
@@ -311,12 +314,20 @@ def local_cpu_threads(args: argparse.Namespace, max_workers: int) -> list[str]:
     return ["--cpu-threads", str(max(1, (cores or 1) // max(1, max_workers)))]
 
 
+def pool_name(args: argparse.Namespace) -> str:
+    """The model id the pool serves: the router's pool, the workers' served name and the
+    planner's `pool` label are this one name."""
+    from sluice.engine.tokenizer import default_served_name
+
+    return (args.served_model_name or [default_served_name(args.model)])[0]
+
+
 def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
     from sluice.control.backend import ModelSpec, make_backend
     from sluice.control.controller import Controller, attach
     from sluice.control.pd import PDController
     from sluice.control.planner import PDRatioConfig, PDRatioPlanner, Planner
-    from sluice.engine.tokenizer import default_served_name, resolve_model
+    from sluice.engine.tokenizer import resolve_model
     from sluice.observe.asgi import traced_gateway
     from sluice.observe.tracing import start_tracing
     from sluice.router.app import build_app, routed_first
@@ -326,7 +337,7 @@ def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
 
     planning = planner_config(args)
     ratio = pd_ratio(args)
-    name = default_served_name(args.model)
+    name = pool_name(args)
     flags = (worker_flags(args) + ["--log-level", args.log_level, "--served-model-name", name]
              + observe_flags(args) + local_cpu_threads(args, planning.max_replicas))
     external = args.backend == "external"

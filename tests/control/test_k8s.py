@@ -134,3 +134,28 @@ def test_bad_options_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
                  "--max-workers", "2"]) == 2
     assert "min_workers <= max_workers" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.yaml"))
+
+
+def test_router_and_workers_serve_the_pool_under_one_name(tmp_path: Path) -> None:
+    """The router's pool, the workers' served name and KEDA's `pool` label are one name:
+    the router is given `--served-model-name` too. Before, it derived its own from
+    `--model` (a hub id's full name, where the workers were told its last part; a given
+    `--served-model-name` only reached the workers), so it answered 404 for the model the
+    workers served and the planner's gauge carried a label KEDA never queried."""
+    from sluice.cli import build_parser
+    from sluice.serve import pool_name
+
+    cases = [(["--model", "meta-llama/Llama-3.2-1B"], "Llama-3.2-1B"),
+             (["--model", "/models/qwen", "--served-model-name", "chat"], "chat")]
+    for i, (flags, name) in enumerate(cases):
+        docs = rendered(tmp_path / str(i), *flags)
+        containers = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
+                      for d in docs if d["kind"] == "Deployment"}
+        (worker,) = [c for n, c in containers.items() if n.startswith("sluice-worker")]
+        router = containers["sluice-router"]["args"]
+        assert worker["args"][worker["args"].index("--served-model-name") + 1] == name
+        served = pool_name(build_parser(router).parse_args(router))
+        assert served == name
+        (so,) = [d for d in docs if d["kind"] == "ScaledObject"]
+        assert so["spec"]["triggers"][0]["metadata"]["query"] == \
+            f'max(sluice:desired_replicas{{pool="{name}"}})'

@@ -183,7 +183,7 @@ def router(o: K8sOptions) -> list[dict[str, Any]]:
     container = {
         "name": "router", "image": o.image,
         "args": ["serve", "--no-gateway", "--host", "0.0.0.0", "--port", str(HTTP),
-                 *_model_args(o), "--backend", "external",
+                 *_model_args(o), "--served-model-name", o.served_name, "--backend", "external",
                  "--worker-url", f"http://{o.worker_name}:{HTTP}",
                  "--min-workers", str(o.min_workers), "--max-workers", str(o.max_workers),
                  "--slo", o.slo],
