@@ -77,6 +77,26 @@ def test_hf_directory_tokenizer_equals_gguf_one(tiny_llama_dir: Path, gguf_tok: 
     assert tok.apply_chat_template(MESSAGES).endswith("<|im_start|>assistant\n")
 
 
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_join_into_the_text(gguf_tok: Tokenizer, text: str) -> None:
+    """Each token's own bytes (logprobs' `bytes`), also for a piece of a character."""
+    ids = gguf_tok.encode(text, add_special_tokens=False)
+    assert b"".join(gguf_tok.token_bytes(i) for i in ids) == text.encode()
+
+
+def test_token_bytes_of_byte_fallback_tokens() -> None:
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "a": 1, "<0xE4>": 2, "<0xBD>": 3, "<0xA0>": 4}
+    backend = Backend(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.ByteFallback()
+    tok = Tokenizer(backend, eos_token_ids=set(), bos_token_id=None)
+    ids = tok.encode("a你", add_special_tokens=False)
+    assert ids == [1, 2, 3, 4]
+    assert [tok.token_bytes(i) for i in ids] == [b"a", b"\xe4", b"\xbd", b"\xa0"]
+
+
 def test_template_from_tokenizer_config_and_raise_exception(tmp_path: Path,
                                                             tiny_llama_dir: Path) -> None:
     (tmp_path / "tokenizer.json").write_bytes((tiny_llama_dir / "tokenizer.json").read_bytes())

@@ -89,6 +89,23 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
         assert bytes(entry.bytes).decode() == entry.token
 
 
+def test_chat_logprobs_bytes_of_a_split_character_are_its_own(client: openai.OpenAI) -> None:
+    """OpenAI's `bytes` exist for characters spread over several tokens; found by a
+    new-user pass: every piece of 你好 had U+FFFD's bytes ([239, 191, 189]), the text of
+    an incomplete character, so the pieces never joined back into the text."""
+    resp = client.chat.completions.create(
+        model="tiny", messages=USER, max_tokens=12, logprobs=True, top_logprobs=2,
+        extra_body={"structured_outputs": {"regex": "你好"}})
+    choice = resp.choices[0]
+    assert choice.message.content == "你好" and choice.finish_reason == "stop"
+    entries = choice.logprobs.content
+    assert len(entries) > 2  # the characters are split over tokens
+    text = b"".join(bytes(e.bytes) for e in entries if e.token != "<|im_end|>")  # the EOS
+    assert text == "你好".encode()
+    replacement = list("\ufffd".encode())
+    assert all(t.bytes != replacement for e in entries for t in e.top_logprobs)
+
+
 async def test_async_chat_n_choices_and_stream(aclient: openai.AsyncOpenAI) -> None:
     resp = await aclient.chat.completions.create(model="tiny", messages=USER, n=3, seed=1,
                                                  temperature=1.0, max_tokens=6,

@@ -104,6 +104,12 @@ def bytes_to_unicode() -> dict[int, str]:
     return table
 
 
+@lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[str, int]:
+    """`bytes_to_unicode` inverted: a byte-level token's character -> its byte."""
+    return {ch: b for b, ch in bytes_to_unicode().items()}
+
+
 @dataclass
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the model's special ids and chat template.
@@ -130,6 +136,27 @@ class Tokenizer:
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return [self.backend.id_to_token(int(i)) or "" for i in ids]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, also when they are part of a UTF-8 character
+        (which `decode` shows as U+FFFD): byte-level BPE's token string read back through
+        its byte alphabet, or a byte-fallback token `<0xE4>`; else the decoded text."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode()
+        token = self.backend.id_to_token(int(token_id)) or ""
+        if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            return bytes.fromhex(token[3:5])
+        alphabet = _byte_alphabet()
+        if self._byte_level and all(ch in alphabet for ch in token):
+            return bytes(alphabet[ch] for ch in token)
+        return text.encode()
+
+    @property
+    def _byte_level(self) -> bool:
+        from tokenizers import decoders
+
+        return isinstance(self.backend.decoder, decoders.ByteLevel)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,

@@ -2,8 +2,9 @@
 
 Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`.
 Completions: `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`.
-Token strings are the decoded text of each token (as OpenAI and vLLM show them), and
--inf becomes -9999.0 because JSON has no infinity.
+Token strings are the decoded text of each token (as OpenAI and vLLM show them), `bytes`
+the token's own bytes (a piece of a multi-byte character is U+FFFD as text, its real
+bytes here, so the pieces join), and -inf becomes -9999.0 because JSON has no infinity.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ def chat_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int],
     content = []
     for token_id, entry in zip(token_ids, entries, strict=False):
         text = _text(tokenizer, token_id)
-        top = [TopLogprob(token=(t := _text(tokenizer, i)), logprob=_finite(lp),
-                          bytes=list(t.encode()))
+        top = [TopLogprob(token=_text(tokenizer, i), logprob=_finite(lp),
+                          bytes=list(tokenizer.token_bytes(i)))
                for i, lp in _top(entry, k)]
         content.append(TokenLogprob(token=text, logprob=_finite(entry.get(token_id, -math.inf)),
-                                    bytes=list(text.encode()), top_logprobs=top))
+                                    bytes=list(tokenizer.token_bytes(token_id)),
+                                    top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
