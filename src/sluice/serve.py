@@ -284,14 +284,19 @@ def planner_config(args: argparse.Namespace) -> Any:
 
 
 def controller_config(args: argparse.Namespace) -> Any:
-    """The controller's settings, and `--buffer-timeout` checked (the router's config
-    takes it later); errors name the flags."""
+    """The controller's settings; errors name the flags."""
     from sluice.control.controller import ControllerConfig
-    from sluice.control.planner import check
 
-    named_by_flags(lambda: check("buffer_timeout_s", args.buffer_timeout, "must be >= 0",
-                                 lambda v: v >= 0))
     return named_by_flags(lambda: ControllerConfig(drain_grace_s=args.drain_timeout))
+
+
+def check_router_flags(args: argparse.Namespace) -> None:
+    """`--buffer-timeout` as the router's config checks it (`RouterConfig`, which
+    `serve_many` builds later), so a bad value stops `sluice serve` before anything starts;
+    the error names the flag."""
+    from sluice.router.config import RouterConfig
+
+    named_by_flags(lambda: RouterConfig(buffer_timeout_s=args.buffer_timeout))
 
 
 def backend_options(args: argparse.Namespace, flags: list[str]) -> dict[str, Any]:
@@ -409,6 +414,7 @@ def handler(args: argparse.Namespace) -> int:
     try:
         planner_config(args)  # flag errors before anything starts (with a router or not)
         controller_config(args)
+        check_router_flags(args)
         if uses_router(args):
             pd_ratio(args)
             if (args.backend == "external") != bool(args.worker_url):

@@ -14,7 +14,7 @@ from router_stubs import StubState, free_port, make_stub, serve
 from sluice.cli import build_parser
 from sluice.protocol.errors import InvalidRequestError
 from sluice.router.cli import config_from_args
-from sluice.router.config import PoolConfig, WorkerSpec, load_config_file
+from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec, load_config_file
 
 
 def parse(*argv: str):  # type: ignore[no-untyped-def]
@@ -64,6 +64,31 @@ def test_bad_config_is_rejected_naming_the_field(tmp_path: Path) -> None:
         PoolConfig(workers=(WorkerSpec("http://a"), WorkerSpec("http://a/")))
     with pytest.raises(InvalidRequestError):
         config_from_args(parse("--worker", "http://a", "--worker-kv-events", "http://a"))
+
+
+YAML_NUMBERS = {"nan": ".nan", "inf": ".inf"}
+
+
+@pytest.mark.parametrize("value, message", [
+    ("nan", "buffer_timeout_s must be a finite number, got nan"),
+    ("inf", "buffer_timeout_s must be a finite number, got inf"),
+    ("-1", "buffer_timeout_s must be >= 0, got -1"),
+])
+def test_buffer_timeout_is_checked_by_the_router_config(tmp_path: Path, value: str,
+                                                        message: str) -> None:
+    """RouterConfig itself refuses a NaN, infinite or negative buffer timeout (it took NaN:
+    `sluice serve` checked its --buffer-timeout beside it), so `sluice router --config`
+    refuses it as `sluice serve` does."""
+    with pytest.raises(InvalidRequestError) as err:
+        RouterConfig(buffer_timeout_s=float(value))
+    assert err.value.param == "buffer_timeout_s" and err.value.message == message
+    path = tmp_path / "r.yaml"
+    path.write_text(f"buffer_timeout_s: {YAML_NUMBERS.get(value, value)}\n")
+    with pytest.raises(InvalidRequestError) as err:
+        load_config_file(path)
+    assert err.value.message == message
+    path.write_text("buffer_timeout_s: 2.5\n")
+    assert config_from_args(parse("--config", str(path))).buffer_timeout_s == 2.5
 
 
 async def test_sluice_router_process_routes_to_a_worker() -> None:

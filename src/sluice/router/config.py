@@ -20,7 +20,8 @@ load, learned costs) lives in `endpoints.py`, never in these objects.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,16 @@ class PDConfig:
                                       ">= 0", param="pd_min_uncached_tokens")
         if self.role_refresh_s <= 0:
             raise InvalidRequestError("role_refresh_s must be positive", param="role_refresh_s")
+
+
+def check_number(param: str, value: float, rule: str, ok: Callable[[float], bool]) -> None:
+    """One numeric setting's check: finite (NaN or infinity means nothing as a timeout or
+    a limit) and within `rule`; the error names `param`, the field (the command lines
+    name their flag in its place)."""
+    if not math.isfinite(value):
+        raise InvalidRequestError(f"{param} must be a finite number, got {value}", param=param)
+    if not ok(value):
+        raise InvalidRequestError(f"{param} {rule}, got {value:g}", param=param)
 
 
 # --- flow control (router/admission.py, router/breaker.py) --------------------------------
@@ -431,9 +442,10 @@ class RouterConfig:
             raise InvalidRequestError("max_body_bytes must be positive", param="max_body_bytes")
         if self.scrape_interval_s <= 0 or self.health_interval_s <= 0:
             raise InvalidRequestError("intervals must be positive", param="scrape_interval_s")
-        if self.buffer_timeout_s < 0 or self.buffer_max_requests < 0:
-            raise InvalidRequestError("buffer_timeout_s and buffer_max_requests must be >= 0",
-                                      param="buffer_timeout_s")
+        check_number("buffer_timeout_s", self.buffer_timeout_s, "must be >= 0", lambda v: v >= 0)
+        if self.buffer_max_requests < 0:
+            raise InvalidRequestError("buffer_max_requests must be >= 0",
+                                      param="buffer_max_requests")
 
     def with_overrides(self, **changes: Any) -> RouterConfig:
         """A copy with the non-None `changes` applied (CLI flags over a config file)."""
