@@ -101,6 +101,31 @@ def test_load_use_unload(client: httpx.Client, adapter_dirs: dict) -> None:
     assert _error(gone)["message"] == "The lora adapter 'chat-b' cannot be found."
 
 
+@pytest.mark.parametrize(("path", "extra", "param"), [
+    ("/v1/load_lora_adapter", {"lora_path_typo": "x"}, "lora_path_typo"),
+    ("/v1/load_lora_adapter", {"load_inplace": True}, "load_inplace"),
+    ("/v1/unload_lora_adapter", {"lora_int_id": 3}, "lora_int_id"),
+])
+def test_unknown_or_unsupported_fields_are_refused(client: httpx.Client, adapter_dirs: dict,
+                                                   path: str, extra: dict, param: str) -> None:
+    """Found by a new-user pass: an unknown field (or vLLM's load_inplace: true, a reload
+    of a loaded name) was silently ignored and the adapter loaded as if it were absent."""
+    body = {"lora_name": "extra-field", **extra}
+    if path == "/v1/load_lora_adapter":
+        body["lora_path"] = str(adapter_dirs["b"])
+    resp = client.post(path, json=body)
+    assert resp.status_code == 400 and _error(resp)["param"] == param, resp.text
+    assert "extra-field" not in {m["id"] for m in client.get("/v1/models").json()["data"]}
+
+
+def test_vllms_optional_fields_at_their_defaults_are_accepted(client: httpx.Client,
+                                                              adapter_dirs: dict) -> None:
+    body = {"lora_name": "defaults", "lora_path": str(adapter_dirs["b"]), "load_inplace": False}
+    assert client.post("/v1/load_lora_adapter", json=body).status_code == 200
+    assert client.post("/v1/unload_lora_adapter", json={
+        "lora_name": "defaults", "lora_int_id": None}).status_code == 200
+
+
 def test_broken_adapters_are_400_and_the_worker_keeps_serving(
         client: httpx.Client, adapter_dirs: dict, tmp_path: Path) -> None:
     no_weights = shutil.copytree(adapter_dirs["b"], tmp_path / "no-weights")

@@ -26,7 +26,7 @@ from fastapi.responses import Response
 from sluice.engine.lora import LoRARequest, read_adapter
 from sluice.protocol.edge import load_json_object
 from sluice.protocol.errors import InvalidRequestError, NotFoundError
-from sluice.protocol.openai import ModelCard
+from sluice.protocol.openai import Acceptable, ModelCard, reject_unsupported
 
 if TYPE_CHECKING:
     from sluice.worker.state import WorkerState
@@ -98,6 +98,24 @@ class LoRARegistry:
                 for name, lora in self.adapters.items()]
 
 
+# vLLM's optional fields, taken at their defaults only: `load_inplace` reloads a loaded
+# name (here: unload, then load), `lora_int_id` is the engine's own numbering.
+_LOAD_UNSUPPORTED: dict[str, Acceptable] = {"load_inplace": lambda v: v is None or v is False}
+_UNLOAD_UNSUPPORTED: dict[str, Acceptable] = {"lora_int_id": lambda v: v is None}
+
+
+def _body(raw: bytes, fields: tuple[str, ...], unsupported: dict[str, Acceptable]
+          ) -> dict[str, Any]:
+    """The JSON object of a load/unload request; a field it does not know, or one it
+    does not implement, is a 400 naming it."""
+    body = reject_unsupported(load_json_object(raw, param="body"), unsupported)
+    for name in body:
+        if name not in fields:
+            raise InvalidRequestError(f"Unrecognized request argument supplied: {name}",
+                                      param=name)
+    return body
+
+
 def _field(body: dict[str, Any], name: str) -> str:
     value = body.get(name)
     if value is None:
@@ -110,14 +128,14 @@ def _field(body: dict[str, Any], name: str) -> str:
 def add_lora_routes(app: FastAPI, state: WorkerState) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
-        body = load_json_object(await request.body(), param="body")
+        body = _body(await request.body(), ("lora_name", "lora_path"), _LOAD_UNSUPPORTED)
         name = _field(body, "lora_name")
         await state.loras.add_async(name, _field(body, "lora_path"))
         return Response(f"Success: LoRA adapter '{name}' added successfully.", status_code=200)
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> Response:
-        body = load_json_object(await request.body(), param="body")
+        body = _body(await request.body(), ("lora_name",), _UNLOAD_UNSUPPORTED)
         name = _field(body, "lora_name")
         state.loras.remove(name)
         return Response(f"Success: LoRA adapter '{name}' removed successfully.",
