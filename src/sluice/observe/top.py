@@ -11,6 +11,7 @@ key) and the latest errors. `--once` prints one frame and exits (scripts, tests)
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from typing import Any
 
@@ -29,9 +30,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--url", default="http://127.0.0.1:8000",
                    help="the router or `sluice serve` base URL (default: %(default)s)")
     p.add_argument("--admin-key", default=None, help="show per-tenant usage (the admin key)")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument("--interval", type=_seconds, default=1.0,
+                   help="seconds between refreshes (default %(default)s)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.set_defaults(func=handler)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 def _ms(seconds: float | None) -> str:
