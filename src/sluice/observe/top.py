@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from typing import Any
 
@@ -44,6 +45,10 @@ def _seconds(text: str) -> float:
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
     return value
+
+
+class NotAStatus(Exception):
+    """The URL answered, but not with a sluice /status.json snapshot."""
 
 
 def _ms(seconds: float | None) -> str:
@@ -115,8 +120,17 @@ def fetch(client: httpx.Client, url: str, key: str | None) -> dict[str, Any]:
     headers = {"x-admin-key": key} if key else {}
     resp = client.get(url.rstrip("/") + "/status.json", headers=headers)
     resp.raise_for_status()
-    data: dict[str, Any] = resp.json()
+    try:
+        data = resp.json()
+    except ValueError:
+        data = None
+    if not isinstance(data, dict) or not _SNAPSHOT_KEYS <= data.keys():
+        raise NotAStatus(f"{resp.url} is not a sluice status snapshot (is --url a sluice "
+                         "router or `sluice serve`?)")
     return data
+
+
+_SNAPSHOT_KEYS = {"time", "totals", "workers", "responses", "errors"}
 
 
 def handler(args: argparse.Namespace) -> int:
@@ -131,7 +145,10 @@ def handler(args: argparse.Namespace) -> int:
                     live.update(render(fetch(client, args.url, args.admin_key)), refresh=True)
                     time.sleep(args.interval)
         except httpx.HTTPError as exc:
-            console.print(f"sluice top: cannot read {args.url}/status.json: {exc}", style="red")
+            print(f"sluice top: cannot read {args.url}/status.json: {exc}", file=sys.stderr)
+            return 1
+        except NotAStatus as exc:
+            print(f"sluice top: {exc}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             return 0
