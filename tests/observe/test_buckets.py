@@ -28,7 +28,8 @@ def test_environment_then_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     assert b.itl == (0.3,) and b.e2e == (1.0, 2.0)
 
 
-@pytest.mark.parametrize("spec", ["itl=0.2,0.1", "itl=0,1", "nope=1", "itl", "itl=a,b"])
+@pytest.mark.parametrize("spec", ["itl=0.2,0.1", "itl=0,1", "nope=1", "itl", "itl=a,b",
+                                  "itl=nan", "itl=0.001,nan,0.01", "itl=0.1,inf"])
 def test_bad_specs_name_the_parameter(spec: str) -> None:
     with pytest.raises(InvalidRequestError) as err:
         LatencyBuckets.parse(spec)

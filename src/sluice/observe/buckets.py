@@ -12,11 +12,12 @@ defaults start at 0.5 ms for ITL and 1 ms for the request latencies and keep rou
 Names: `ttft`, `itl`, `tpot`, `e2e`, `queue`, `prefill`, `decode`, `inference` (worker),
 `decision`, `first_byte` (router), `admission` (gateway); the router's admission-queue
 wait uses `queue` too. Bounds are seconds, strictly
-increasing and positive; `+Inf` is implicit.
+increasing, positive and finite; `+Inf` is implicit.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 
 from sluice import env
@@ -56,11 +57,11 @@ class LatencyBuckets:
     def __post_init__(self) -> None:
         for f in fields(self):
             bounds = getattr(self, f.name)
-            if not bounds or any(b <= 0 for b in bounds) \
+            if not bounds or not all(0 < b < math.inf for b in bounds) \
                     or any(a >= b for a, b in zip(bounds, bounds[1:], strict=False)):
                 raise InvalidRequestError(
-                    f"buckets for {f.name!r} must be positive and strictly increasing, "
-                    f"got {bounds}", param="metrics_buckets")
+                    f"buckets for {f.name!r} must be positive, finite (+Inf is implicit) "
+                    f"and strictly increasing, got {bounds}", param="metrics_buckets")
 
     @classmethod
     def parse(cls, spec: str | None, base: LatencyBuckets | None = None) -> LatencyBuckets:
