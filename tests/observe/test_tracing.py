@@ -247,3 +247,14 @@ def test_standard_sampler_variables_are_honoured(monkeypatch: pytest.MonkeyPatch
     assert not Sampler("always_off").sample(sampled_parent, 1)
     with pytest.raises(InvalidRequestError):
         Sampler("jaeger_remote")
+
+
+@pytest.mark.parametrize("arg", ["half", "nan"])
+def test_a_sampler_ratio_that_is_not_a_number_is_refused(
+        arg: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`nan` parsed as a float and failed later in `round()` with a ValueError traceback
+    from `sluice serve`, instead of the InvalidRequestError its CLI prints as an error."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", arg)
+    with pytest.raises(InvalidRequestError, match="OTEL_TRACES_SAMPLER_ARG must be a number"):
+        Sampler.from_env()

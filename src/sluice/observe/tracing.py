@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import math
 import random
 import re
 import time
@@ -239,8 +240,10 @@ class Sampler:
         try:
             ratio = float(arg) if arg else 1.0
         except ValueError:
+            ratio = math.nan
+        if math.isnan(ratio):
             raise InvalidRequestError(f"OTEL_TRACES_SAMPLER_ARG must be a number, got "
-                                      f"{arg!r}", param="OTEL_TRACES_SAMPLER_ARG") from None
+                                      f"{arg!r}", param="OTEL_TRACES_SAMPLER_ARG")
         return cls(name, ratio)
 
     def sample(self, parent: SpanContext | None, trace_id: int) -> bool:
