@@ -150,6 +150,24 @@ async def test_a_request_no_worker_reached_is_held_for_a_replacement(cluster: Cl
         assert len(busy.requests) == 1  # answered at once, not held
 
 
+async def test_a_request_no_worker_reached_is_sent_once_when_not_held(cluster: Cluster) -> None:
+    """Buffering off (`sluice router`'s default): a request whose only worker is
+    unreachable is tried there once and answered 503. It was forwarded twice back to back
+    (the buffer's hold made an attempt of its own right after the router's first one),
+    so the dead worker took two connect errors per request toward its breaker, and
+    `sluice_router_requests_total{status="503"}` counted one request twice. Held (timeout
+    on), the second attempt waits a poll."""
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: connect errors
+    async with cluster([], extra_urls=(dead,), health_interval_s=60) as (router, _), \
+            httpx.AsyncClient(base_url=router) as c:
+        r = await c.post("/v1/chat/completions", json=chat("hi"))
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_worker"
+        metrics = (await c.get("/metrics")).text
+    assert f'sluice_router_retries_total{{reason="ConnectError",worker="{dead}"}} 1.0' \
+        in metrics, metrics
+    assert 'sluice_router_requests_total{model="stub-model",status="503"} 1.0' in metrics
+
+
 async def test_retries_before_first_byte_on_another_worker(cluster: Cluster) -> None:
     bad = StubState("bad", fail_status=500)
     good = StubState("good")

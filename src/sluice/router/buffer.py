@@ -8,9 +8,10 @@
                     -> go on; or after `timeout_s` -> 503 + Retry-After
 
 The same holding area takes a request that found no worker able to take it although
-the pool looked ready (`hold`: every worker refused it before the first byte, as a
-worker that just died does until the router's probes see it): it waits until a worker
-is ready again (the backend's replacement) and is tried again, until the timeout.
+the pool looked ready (`hold`, or `retry` after the caller's own first attempt: every
+worker refused it before the first byte, as a worker that just died does until the
+router's probes see it): it waits at least one poll, until a worker is ready again (the
+backend's replacement), and is tried again, until the timeout.
 
 A pool scaled to zero thereby answers its first requests once the planner's new worker
 is ready, instead of failing them; the number held per pool (`queued`) is one of the
@@ -72,19 +73,27 @@ class RequestBuffer:
 
     async def hold(self, pool: Pool, attempt: Callable[[], Awaitable[T]],
                    refused: type[ServiceUnavailableError]) -> T:
-        """`attempt()`; while it raises `refused` (no worker took the request) and
-        buffering is on, the request is held (counted in `queued`, the planner's input)
-        and tried again every poll once a worker looks ready, until `timeout_s`; then
-        the last error is raised."""
+        """`attempt()`; while it raises `refused` (no worker took the request), `retry`."""
+        try:
+            return await attempt()
+        except ServiceUnavailableError as exc:
+            return await self.retry(pool, attempt, refused, exc)
+
+    async def retry(self, pool: Pool, attempt: Callable[[], Awaitable[T]],
+                    refused: type[ServiceUnavailableError], error: ServiceUnavailableError
+                    ) -> T:
+        """`attempt()` just raised `error`. If that is `refused` and buffering is on, the
+        request is held (counted in `queued`, the planner's input) and tried again every
+        poll once a worker looks ready, until `timeout_s`; else, or then, the last error is
+        raised. Never tried again before a poll: the workers it just failed on still look
+        ready until the probes eject them, so at once it would fail there again (counting
+        toward their breakers and the requests metric a second time)."""
         deadline = time.monotonic() + self.timeout_s
         while True:
-            try:
-                return await attempt()
-            except ServiceUnavailableError as exc:
-                if (self.timeout_s <= 0 or not isinstance(exc, refused)
-                        or time.monotonic() >= deadline
-                        or self.queued(pool) >= self.max_requests):
-                    raise
+            if (self.timeout_s <= 0 or not isinstance(error, refused)
+                    or time.monotonic() >= deadline
+                    or self.queued(pool) >= self.max_requests):
+                raise error
             self._held[id(pool)] = self.queued(pool) + 1
             try:  # a dead worker still looks ready until it is ejected: at least one poll
                 await asyncio.sleep(self.poll_s)
@@ -93,6 +102,10 @@ class RequestBuffer:
                                            max(0.0, deadline - time.monotonic()))
             finally:
                 self._held[id(pool)] -= 1
+            try:
+                return await attempt()
+            except ServiceUnavailableError as exc:
+                error = exc
 
     async def _until_ready(self, pool: Pool) -> None:
         while not self.ready(pool):

@@ -113,9 +113,10 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
 
                 try:
                     relay = await forward()
-                except NoWorkerReached:  # held until a worker is ready (buffer.py); tried
-                    # first outside the hold, so the common path costs what it did
-                    relay = await state.buffer.hold(pool, forward, NoWorkerReached)
+                except NoWorkerReached as exc:  # held until a worker is ready, then tried
+                    # again (buffer.py); the first try outside, so the common path costs
+                    # what it did
+                    relay = await state.buffer.retry(pool, forward, NoWorkerReached, exc)
                 for _ in range(ADAPTER_MOVED_RETRIES):  # its adapter was just moved: place again
                     if relay.status != 404 or not state.adapters.is_adapter(req.model):
                         break
