@@ -203,6 +203,19 @@ def test_trace_rejects_bad_rows(tmp_path: Path) -> None:
         load_trace(bad)
 
 
+def test_trace_files_that_cannot_be_read_are_clear_errors(tmp_path: Path) -> None:
+    """A missing file or a directory raised FileNotFoundError / IsADirectoryError, which
+    `sluice bench serve` and `sluice sim` let out as tracebacks; an empty file ran nothing."""
+    (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00")
+    for name, message in [("missing.jsonl", "cannot read trace file"), (".", "cannot read trace file"),
+                          ("binary.jsonl", "cannot read trace file"),
+                          ("empty.jsonl", "holds no Mooncake trace rows")]:
+        with pytest.raises(InvalidRequestError, match=message) as e:
+            load_trace(tmp_path / name)
+        assert e.value.param == "trace"
+
+
 def test_sharegpt_filters_and_is_seeded(tmp_path: Path, tok: LocalTokenizer, vocab: Vocab) -> None:
     words = list(WORDS)
     convs = [

@@ -224,26 +224,29 @@ class TraceRow:
 
 
 def load_trace(path: str | Path) -> list[TraceRow]:
-    rows = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-                rows.append(
-                    TraceRow(
-                        float(d["timestamp"]),
-                        int(d["input_length"]),
-                        int(d["output_length"]),
-                        tuple(int(h) for h in d["hash_ids"]),
-                    )
-                )
-            except (KeyError, ValueError, TypeError) as exc:
-                raise InvalidRequestError(
-                    f"{path}:{lineno}: not a Mooncake trace row ({exc})", param="trace"
-                ) from exc
+    try:
+        with open(path, encoding="utf-8") as fh:
+            rows = [_trace_row(line, path, n) for n, line in enumerate(fh, 1) if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"cannot read trace file {path}: {exc}", param="trace") from exc
+    if not rows:
+        raise InvalidRequestError(f"{path} holds no Mooncake trace rows", param="trace")
     return rows
+
+
+def _trace_row(line: str, path: str | Path, lineno: int) -> TraceRow:
+    try:
+        d = json.loads(line)
+        return TraceRow(
+            float(d["timestamp"]),
+            int(d["input_length"]),
+            int(d["output_length"]),
+            tuple(int(h) for h in d["hash_ids"]),
+        )
+    except (KeyError, ValueError, TypeError) as exc:
+        raise InvalidRequestError(
+            f"{path}:{lineno}: not a Mooncake trace row ({exc})", param="trace"
+        ) from exc
 
 
 @dataclass
