@@ -118,6 +118,22 @@ def test_top_k_zero_is_disabled(http: httpx.Client) -> None:
     assert "-1 or 0 (disabled)" in err["message"]
 
 
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": USER}),
+    ("/v1/completions", {"prompt": "a"}),
+])
+def test_stream_options_without_stream_are_refused(http: httpx.Client, path: str,
+                                                   body: dict) -> None:
+    """Found by a new-user pass: ignored before; OpenAI's API and vLLM refuse them."""
+    for stream in ({}, {"stream": False}):
+        openai_error(http.post(path, json={**body, **stream, "max_tokens": 2,
+                                           "stream_options": {"include_usage": True}}),
+                     400, "stream_options")
+    for options in (None, {}):  # asks for nothing
+        resp = http.post(path, json={**body, "max_tokens": 2, "stream_options": options})
+        assert resp.status_code == 200, resp.text
+
+
 def test_infinite_temperature_is_refused(http: httpx.Client) -> None:
     """1e309 parses as infinity: refused, not sampled uniformly (found by the reliability
     suite's fuzzing)."""

@@ -332,6 +332,14 @@ class SamplingFields(OpenAIModel):
     return_token_ids: bool = False  # vLLM: each streamed choice carries its `token_ids`
     kv_transfer_params: KVTransferParams | None = None  # P/D hand-off (vLLM's)
 
+    def check_stream_options(self) -> None:
+        """`stream_options` only with `stream: true` (OpenAI's API and vLLM refuse them
+        otherwise; an empty object asks for nothing)."""
+        if self.stream_options is not None and self.stream_options.model_fields_set \
+                and not self.stream:
+            raise InvalidRequestError("The 'stream_options' parameter is only allowed when "
+                                      "'stream' is enabled.", param="stream_options")
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []

@@ -26,6 +26,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
     """The engine's SamplingParams (DELTA outputs); raises InvalidRequestError naming a field.
     `vocab_size`: the tokenizer's (stop token ids must be in it). `tool_constraint`: the
     grammar that forces a tool call (tool_choice required/named)."""
+    req.check_stream_options()
     options: dict[str, Any] = {name: getattr(req, name) for name in OPTIONAL_FIELDS
                                if getattr(req, name) is not None}
     stop_ids = check_token_ids(list(req.stop_token_ids or []), vocab_size, "stop_token_ids")
