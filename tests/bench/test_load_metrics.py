@@ -42,7 +42,9 @@ def test_arrivals_are_seeded_and_inf_is_all_at_once() -> None:
 
 
 def test_load_config_validation() -> None:
-    for bad in ({"request_rate": 0}, {"burstiness": -1}, {"max_concurrency": 0}, {"duration": 0}):
+    for bad in ({"request_rate": 0}, {"burstiness": -1}, {"max_concurrency": 0}, {"duration": 0},
+                {"request_rate": math.nan}, {"burstiness": math.nan}, {"burstiness": math.inf},
+                {"duration": math.nan}, {"duration": math.inf}):
         with pytest.raises(InvalidRequestError) as e:
             LoadConfig(**bad)  # type: ignore[arg-type]
         assert e.value.param == next(iter(bad))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -242,3 +243,14 @@ def test_config_validation() -> None:
     assert e.value.param == "input_len"
     with pytest.raises(InvalidRequestError):
         WorkloadConfig(length_dist="zipf")
+
+
+@pytest.mark.parametrize("name", ["range_ratio", "token_scale", "output_token_scale", "time_scale"])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_nan_and_inf_options_are_refused(name: str, value: float) -> None:
+    """They passed `< 0` / `> 0` checks and failed later: nan and inf lengths in int() with
+    a ValueError / OverflowError traceback, an infinite time scale with a run that never
+    ended."""
+    with pytest.raises(InvalidRequestError) as e:
+        WorkloadConfig(**{name: value})
+    assert e.value.param == name

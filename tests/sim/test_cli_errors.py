@@ -14,3 +14,18 @@ def test_a_trace_that_cannot_be_read_is_an_error(
         trace: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "--trace", str(tmp_path / trace), "--workers", "2"]) == 2
     assert "sluice sim: error: cannot read trace file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["--random-range-ratio", "nan"], ["--workload", "trace", "--token-scale", "inf"],
+    ["--workload", "trace", "--output-token-scale", "inf"],
+    ["--workload", "trace", "--time-scale", "inf"], ["--burstiness", "inf", "--request-rate", "2"],
+])
+def test_nan_and_inf_workload_options_are_errors(
+        argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 40, "output_length": 2, "hash_ids": [1]}\n')
+    if "trace" in argv:
+        argv = [*argv, "--trace", str(trace)]
+    assert main(["sim", "--num-prompts", "2", "--workers", "2", *argv]) == 2
+    assert "must be >" in (err := capsys.readouterr().err) and "finite" in err

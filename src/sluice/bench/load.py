@@ -40,12 +40,12 @@ class LoadConfig:
     def __post_init__(self) -> None:
         if not self.request_rate > 0:
             raise InvalidRequestError("request_rate must be > 0 (or inf)", param="request_rate")
-        if not self.burstiness > 0:
-            raise InvalidRequestError("burstiness must be > 0", param="burstiness")
+        if not 0 < self.burstiness < math.inf:
+            raise InvalidRequestError("burstiness must be > 0 and finite", param="burstiness")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise InvalidRequestError("max_concurrency must be >= 1", param="max_concurrency")
-        if self.duration is not None and self.duration <= 0:
-            raise InvalidRequestError("duration must be > 0", param="duration")
+        if self.duration is not None and not 0 < self.duration < math.inf:
+            raise InvalidRequestError("duration must be > 0 and finite", param="duration")
 
 
 def arrival_times(rate: float, burstiness: float, seed: int) -> Iterator[float]:

@@ -98,10 +98,10 @@ class WorkloadConfig:
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1", param=name)
         for name in ("token_scale", "output_token_scale", "time_scale"):
-            if not getattr(self, name) > 0:
-                raise InvalidRequestError(f"{name} must be > 0", param=name)
-        if self.range_ratio < 0:
-            raise InvalidRequestError("range_ratio must be >= 0", param="range_ratio")
+            if not 0 < getattr(self, name) < math.inf:
+                raise InvalidRequestError(f"{name} must be > 0 and finite", param=name)
+        if not 0 <= self.range_ratio < math.inf:
+            raise InvalidRequestError("range_ratio must be >= 0 and finite", param="range_ratio")
         if self.length_dist not in LENGTH_DISTS:
             raise InvalidRequestError(
                 f"length_dist must be one of {sorted(LENGTH_DISTS)}", param="length_dist"
