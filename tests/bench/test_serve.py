@@ -257,6 +257,28 @@ def test_bad_options_fail_clearly(argv: list[str], message: str, capsys: pytest.
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--warmup", "-1"], "--warmup must be >= 0"),
+        (["--workload", "multi-turn", "--num-sessions", "0"], "--num-sessions must be >= 1"),
+        (["--workload", "multi-turn", "--num-sessions", "-1"], "--num-sessions must be >= 1"),
+        (["--request-timeout", "0"], "--request-timeout must be > 0"),
+        (["--request-timeout", "nan"], "--request-timeout must be > 0"),
+        (["--temperature", "nan"], "--temperature must be >= 0"),
+        (["--endpoint", "/v1/embeddings"], "--endpoint must end in /completions"),
+    ],
+)
+def test_bad_values_exit_2_with_one_line(argv: list[str], message: str,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Each of these was a traceback (`--warmup -1`, `--num-sessions -1`: islice's
+    ValueError; `--endpoint`: a bare ValueError), a silent default (`--num-sessions 0`
+    ran 8 sessions) or a run whose every request failed (`--request-timeout 0`)."""
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", *argv]) == 2
+    err = capsys.readouterr().err
+    assert f"sluice bench serve: error: {message}" in err and "Traceback" not in err
+
+
 def test_cli_reports_errors_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "serve", "--model", "m", "--workload", "random", "--trace", "x"]) == 2
     assert "does not use --trace" in capsys.readouterr().err

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from sluice.bench.workloads import Segment, Session, Turn
+from sluice.protocol.errors import InvalidRequestError
 
 History = list[tuple[Segment, str]]  # (user segment, assistant answer) of earlier turns
 
@@ -130,7 +131,8 @@ def endpoint_kind(path: str) -> str:
         return "chat"
     if p.endswith("/completions"):
         return "completions"
-    raise ValueError(f"--endpoint must end in /completions or /chat/completions, not {path!r}")
+    raise InvalidRequestError(
+        f"--endpoint must end in /completions or /chat/completions, not {path!r}", param="endpoint")
 
 
 # ---------------------------------------------------------------- the client

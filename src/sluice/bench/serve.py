@@ -86,6 +86,15 @@ class ServeBenchConfig:
     request_timeout: float = 600.0
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        if self.warmup < 0:
+            raise InvalidRequestError("--warmup must be >= 0", param="warmup")
+        if not 0 < self.request_timeout < math.inf:
+            raise InvalidRequestError("--request-timeout must be > 0 and finite",
+                                      param="request_timeout")
+        if self.temperature is not None and not 0 <= self.temperature < math.inf:
+            raise InvalidRequestError("--temperature must be >= 0 and finite", param="temperature")
+
     def describe(self) -> dict[str, Any]:
         used = {WORKLOAD_OPTIONS[k][0] for k in WORKLOADS[self.workload].uses} | {"seed"}
         used |= {"sharegpt_output_len"} if self.workload == "sharegpt" else set()
@@ -164,6 +173,8 @@ def _session_count(args: argparse.Namespace, finite: bool) -> int | None:
     if args.workload == "multi-turn":
         if args.num_prompts is not None:
             raise InvalidRequestError("multi-turn counts --num-sessions, not --num-prompts", param="num_prompts")
+        if args.num_sessions is not None and args.num_sessions < 1:
+            raise InvalidRequestError("--num-sessions must be >= 1", param="num_sessions")
         return args.num_sessions or (None if args.duration else DEFAULT_NUM_SESSIONS)
     if args.num_prompts is not None:
         if args.num_prompts < 1:
