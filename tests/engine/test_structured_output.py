@@ -132,6 +132,39 @@ def test_slow_compile_times_out_with_a_400_and_others_run(tiny_llama_dir: Path) 
     assert "plain" in finished and not engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_grammar_that_breaks_mid_output_fails_its_request(tiny_llama_dir: Path,
+                                                            n: int) -> None:
+    """Found by a new-user pass: guidance admits `a{1000000}` and masks the first token
+    ("aaaa"), then its lexer refuses that token (too many expressions constructed); the
+    request ended as `stop` with no text, a 200 answer breaking its constraint. It fails
+    with a 400 naming the constraint now, every sequence's blocks are freed, and a plain
+    request beside it finishes. Again with the compiled constraint cached (the template's
+    lexer already broken: the mask then allowed only EOS, an empty `stop` answer)."""
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=16, max_model_len=512,
+              structured_outputs_backend="guidance")
+    engine = llm.engine
+    free = engine.block_manager.num_free_blocks
+    broken = StructuredOutputsParams(regex="a{1000000}", param="structured_outputs")
+    for attempt in range(2):
+        engine.add_request(f"broken{attempt}", PROMPT, SamplingParams(
+            max_tokens=8, n=n, structured_outputs=broken))
+        engine.add_request(f"plain{attempt}", PROMPT, SamplingParams(temperature=0.0,
+                                                                     max_tokens=4))
+        finished: set[str] = set()
+        with pytest.raises(InvalidRequestError) as info:
+            for _ in range(50):
+                finished |= {o.request_id for o in engine.step() if o.finished}
+        assert info.value.param == "structured_outputs", info.value.message
+        assert "too many expressions" in info.value.message
+        for _ in range(50):
+            if not engine.has_unfinished_requests():
+                break
+            finished |= {o.request_id for o in engine.step() if o.finished}
+        assert finished == {f"plain{attempt}"} and not engine.has_unfinished_requests()
+        assert engine.block_manager.num_free_blocks == free
+
+
 def test_structured_params_cross_the_process_boundary() -> None:
     from sluice.engine.messages import Add, CoreRequest, decode, encode
 

@@ -135,3 +135,21 @@ def test_auto_calls_are_parsed_and_parallel_false_keeps_one(client: openai.OpenA
                 names += [d.function.name for d in c.delta.tool_calls or [] if d.function.name]
     assert names == ["get_time"] * (2 if parallel else 1)
     assert content == "Checking." and finish == "tool_calls"
+
+
+def test_a_grammar_that_breaks_mid_output_is_an_error_not_an_answer(
+        client: openai.OpenAI) -> None:
+    """Found by a new-user pass: `a{1000000}` (guidance, the default backend for a regex)
+    was a 200 with empty text and finish_reason stop; its lexer refuses the first token.
+    Whole: a 400 naming the constraint; streamed: the stream ends with an error event."""
+    body: dict[str, Any] = dict(model="tiny", messages=USER, max_tokens=8,
+                                extra_body={"structured_outputs": {"regex": "a{1000000}"}})
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**body)
+    assert info.value.body["param"] == "structured_outputs"  # type: ignore[index]
+    with pytest.raises(openai.APIError) as streamed:
+        for _ in client.chat.completions.create(stream=True, **body):
+            pass
+    assert "could not follow this constraint" in streamed.value.message
+    ok = client.chat.completions.create(model="tiny", messages=USER, max_tokens=4)
+    assert ok.choices[0].finish_reason == "length"  # and the worker goes on

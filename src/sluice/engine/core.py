@@ -259,8 +259,9 @@ class EngineCore:
         sampled = [c.seq for c in chunks if c.need_logits]
         results = self._sample(logits, sampled, drafts)
         self._counters["num_steps"] += 1
-        return [self._postprocess(seq, result, seq in drafts)
-                for seq, result in zip(sampled, results, strict=True)]
+        updates = [self._postprocess(seq, result, seq in drafts)
+                   for seq, result in zip(sampled, results, strict=True)]
+        return [u for u in updates if u is not None]
 
     def _sample(self, logits: torch.Tensor, sampled: list[Sequence],
                 drafts: dict[Sequence, list[int]]) -> list[list[SampleResult]]:
@@ -299,7 +300,8 @@ class EngineCore:
             self.failed.append((request_id, error))
 
     def drain_failed(self) -> list[tuple[str, SluiceError]]:
-        """Requests refused since the last call (a constraint that did not compile)."""
+        """Requests refused since the last call (a constraint that did not compile, or
+        whose grammar refused a token the mask allowed)."""
         failed, self.failed = self.failed, []
         return failed
 
@@ -321,10 +323,13 @@ class EngineCore:
                 chunk.seq.num_prefill_chunks += 1
 
     def _postprocess(self, seq: Sequence, results: list[SampleResult],
-                     drafted: bool = False) -> SeqUpdate:
+                     drafted: bool = False) -> SeqUpdate | None:
         """Append the tokens one by one, each through the stop checks (a verified draft
-        stops where plain decoding would, the rest dropped)."""
-        request = self.requests[seq.request_id]
+        stops where plain decoding would, the rest dropped). None: the request failed
+        (its grammar refused a token), in this sequence or a sibling before it."""
+        request = self.requests.get(seq.request_id)
+        if request is None:
+            return None
         tokens: list[int] = []
         new_logprobs: list[Any] | None = None
         for result in results:
@@ -333,6 +338,8 @@ class EngineCore:
                 new_logprobs = (new_logprobs or []) + [result.top_logprobs]
             if seq.finish_reason is not None:
                 break
+        if seq.request_id not in self.requests:
+            return None
         kv_params = None
         if seq.finish_reason is not None:
             kv_params = self.kv_transfer.on_finished(seq)  # P/D prefill side: hold its KV
@@ -353,7 +360,11 @@ class EngineCore:
         token = result.token_id
         seq.token_ids.append(token)
         if seq.grammar is not None:
-            self.structured.accept(seq, token)
+            error = self.structured.accept(seq, token)
+            if error is not None:  # fail the request: every sequence ends, blocks freed
+                self.abort(request.request_id)
+                self.failed.append((request.request_id, error))
+                return token
         self._counters["generation_tokens"] += 1
         if seq.logprobs is not None and result.top_logprobs is not None:
             seq.logprobs.append(result.top_logprobs)

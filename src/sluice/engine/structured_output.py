@@ -488,7 +488,9 @@ def _guidance_invalid(params: StructuredOutputsParams, error: str) -> InvalidReq
 class GuidanceMatcher:
     """An `LLMatcher` behind sluice's `Matcher` protocol: terminated once it takes an EOS
     token (as xgrammar's), or once it is in error. A refused token leaves it where it was
-    (`try_consume_tokens`; `consume_token` would put it in error), as xgrammar's does."""
+    (`try_consume_tokens`; `consume_token` would put it in error), as xgrammar's does. In
+    error (its lexer's limits, say, hit while consuming or masking) it refuses every
+    token, so the request fails rather than ending on the EOS its mask then allows."""
 
     __slots__ = ("inner", "_eos", "_done")
 
@@ -500,6 +502,8 @@ class GuidanceMatcher:
         return sorted(self._eos)
 
     def accept_token(self, token_id: int) -> bool:
+        if self.inner.is_error():  # a limit hit while masking (the mask then allows EOS)
+            return False
         if token_id in self._eos:
             self._done = True
             return bool(self.inner.consume_token(token_id))
@@ -830,12 +834,22 @@ class StructuredOutputManager:
                                   sum(len(rows) for _, rows in by_backend.values())))
 
     @staticmethod
-    def accept(seq: Sequence, token: int) -> None:
-        """Advance the sequence's matcher; a token the grammar refuses (impossible after
-        the mask, unless the model's vocabulary outgrows the tokenizer's) ends it."""
-        if not seq.grammar.accept_token(token):
-            log.error("grammar refused token %d of request %s", token, seq.request_id)
-            seq.finish_reason = "stop"
+    def accept(seq: Sequence, token: int) -> InvalidRequestError | None:
+        """Advance the sequence's matcher; the error to fail the request with when the
+        grammar refuses the token (the mask allowed it: a backend's own limit, such as
+        llguidance's lexer on `a{1000000}`, or a vocabulary that outgrew the tokenizer's)."""
+        if seq.grammar.accept_token(token):
+            return None
+        log.error("grammar refused token %d of request %s", token, seq.request_id)
+        reason = f"token {token} was refused"
+        if isinstance(seq.grammar, GuidanceMatcher) and seq.grammar.inner.is_error():
+            reason = seq.grammar.inner.get_error().splitlines()[0]
+        constraint = seq.params.structured_outputs
+        return InvalidRequestError(
+            f"the structured-output backend could not follow this constraint after "
+            f"{seq.num_output_tokens - 1} tokens ({reason}); simplify it or try "
+            f"structured_outputs_backend xgrammar",
+            param=constraint.param if constraint is not None else None)
 
     def close(self) -> None:
         if self._executor is not None:
