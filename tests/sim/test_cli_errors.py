@@ -29,3 +29,28 @@ def test_nan_and_inf_workload_options_are_errors(
         argv = [*argv, "--trace", str(trace)]
     assert main(["sim", "--num-prompts", "2", "--workers", "2", *argv]) == 2
     assert "must be >" in (err := capsys.readouterr().err) and "finite" in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--scrape-interval", "0"], "scrape_interval_s must be > 0 and finite"),
+    (["--scrape-interval", "nan"], "scrape_interval_s must be > 0 and finite"),
+    (["--planner-interval", "nan"], "planner_interval_s and latency_window_s must be > 0"),
+    (["--cold-start", "nan"], "cold_start_s >= 0, all finite"),
+    (["--kv-event-lag-ms", "nan"], "kv_event_lag_s must be >= 0 and finite"),
+    (["--prefix-index-blocks", "0"], "prefix_index_blocks must be >= 1"),
+    (["--request-overhead-ms", "nan"], "request_overhead_s must be >= 0 and finite"),
+    (["--host-contention", "nan"], "host_contention must be >= 0 and finite"),
+    (["--speedup", "inf"], "--speedup must be > 0 and finite"),
+    (["--rate-shape", "daily", "--duration", "inf"], "duration must be > 0 and finite"),
+])
+def test_bad_cluster_options_are_errors(argv: list[str], message: str, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: `--scrape-interval 0` or nan, `--planner-interval nan` and a daily shape of
+    infinite duration never ended; `--prefix-index-blocks 0` and `--request-overhead-ms nan`
+    were tracebacks; nan cold starts, KV event lags and host contention ran and reported
+    nan; `--speedup inf` made every step take no time."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 40, "output_length": 2, "hash_ids": [1]}\n')
+    assert main(["sim", "--trace", str(trace), "--workers", "2", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "sluice sim: error: " in err and message in err

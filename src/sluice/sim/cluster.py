@@ -19,6 +19,7 @@ scale events, goodput per worker-second, per-worker load, events/s.
 from __future__ import annotations
 
 import gc
+import math
 import operator
 import time
 from collections import deque
@@ -66,9 +67,10 @@ class SimConfig:
                                       param="block_size")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise InvalidRequestError("max_concurrency must be >= 1", param="max_concurrency")
-        if self.planner_interval_s <= 0 or self.cold_start_s < 0 or self.latency_window_s <= 0:
+        if not (0 < self.planner_interval_s < math.inf and 0 < self.latency_window_s < math.inf
+                and 0 <= self.cold_start_s < math.inf):
             raise InvalidRequestError("planner_interval_s and latency_window_s must be > 0, "
-                                      "cold_start_s >= 0", param="planner_interval_s")
+                                      "cold_start_s >= 0, all finite", param="planner_interval_s")
 
 
 def _enable_gc_as_old() -> None:

@@ -31,6 +31,7 @@ engine that was measured.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -68,8 +69,8 @@ class StepProfile:
     def __post_init__(self) -> None:
         for name in (*FEATURES, "request_overhead_s", "host_contention"):
             value = getattr(self, name)
-            if value is not None and value < 0:
-                raise InvalidRequestError(f"{name} must be >= 0", param=name)
+            if value is not None and not 0 <= value < math.inf:
+                raise InvalidRequestError(f"{name} must be >= 0 and finite", param=name)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise InvalidRequestError("block_size must be a power of two", param="block_size")
         for name in ("num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):

@@ -14,6 +14,7 @@ What the HTTP path costs is not simulated here; the cluster adds the profile's
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -47,9 +48,15 @@ class RouterSimConfig:
         if self.policy not in POLICIES:
             raise InvalidRequestError(f"unknown policy {self.policy!r}; choose from "
                                       f"{sorted(POLICIES)}", param="policy")
-        for name in ("scrape_interval_s", "kv_event_lag_s", "predicted_block_ttl_s"):
-            if getattr(self, name) < 0:
-                raise InvalidRequestError(f"{name} must be >= 0", param=name)
+        if not 0 < self.scrape_interval_s < math.inf:  # 0: scrapes forever at one instant
+            raise InvalidRequestError("scrape_interval_s must be > 0 and finite",
+                                      param="scrape_interval_s")
+        for name in ("kv_event_lag_s", "predicted_block_ttl_s"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise InvalidRequestError(f"{name} must be >= 0 and finite", param=name)
+        if self.prefix_index_blocks < 1:
+            raise InvalidRequestError("prefix_index_blocks must be >= 1",
+                                      param="prefix_index_blocks")
 
 
 class SimRouter:

@@ -65,8 +65,8 @@ def resolve_profile(path: str | None, default_path: str) -> StepProfile:
 
 def profile_from_args(args: argparse.Namespace, default_path: str) -> StepProfile:
     overhead = args.request_overhead_ms
-    if not args.speedup > 0:
-        raise InvalidRequestError("--speedup must be > 0", param="speedup")
+    if not 0 < args.speedup < math.inf:
+        raise InvalidRequestError("--speedup must be > 0 and finite", param="speedup")
     profile = resolve_profile(args.profile, default_path)
     if args.speedup != 1:
         profile = profile.faster(args.speedup)

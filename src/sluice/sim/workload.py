@@ -61,8 +61,8 @@ class DailyShape:
     trough_ratio: float = 0.25
 
     def __post_init__(self) -> None:
-        if not self.duration_s > 0:
-            raise InvalidRequestError("duration must be > 0", param="duration")
+        if not 0 < self.duration_s < math.inf:
+            raise InvalidRequestError("duration must be > 0 and finite", param="duration")
         if not 0 < self.trough_ratio <= 1:
             raise InvalidRequestError("trough_ratio must be in (0, 1]", param="trough_ratio")
 
