@@ -54,3 +54,16 @@ def test_bad_cluster_options_are_errors(argv: list[str], message: str, tmp_path:
     assert main(["sim", "--trace", str(trace), "--workers", "2", *argv]) == 2
     err = capsys.readouterr().err
     assert "sluice sim: error: " in err and message in err
+
+
+@pytest.mark.parametrize("trace", [True, False])
+@pytest.mark.parametrize("count", ["0", "-1"])
+def test_num_prompts_below_one_is_an_error(count: str, trace: bool, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """It was taken as 'not given': 0 ran 100 synthetic requests or every trace row, and
+    -1 ran every trace row but the last (`rows[:-1]`)."""
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 40, "output_length": 2, "hash_ids": [1]}\n' * 3)
+    argv = ["--trace", str(path)] if trace else []
+    assert main(["sim", "--workers", "2", "--num-prompts", count, *argv]) == 2
+    assert "sluice sim: error: --num-prompts must be >= 1" in capsys.readouterr().err

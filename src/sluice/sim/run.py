@@ -153,6 +153,8 @@ def rate_shape(args: argparse.Namespace) -> DailyShape | None:
 def sessions_from_args(args: argparse.Namespace) -> list[tuple[Session, float]]:
     workload = args.workload or ("trace" if args.trace else "random")
     shape = rate_shape(args)
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise InvalidRequestError("--num-prompts must be >= 1", param="num_prompts")
     if workload == "trace":
         if not args.trace:
             raise InvalidRequestError("--workload trace needs --trace FILE", param="trace")
@@ -171,7 +173,8 @@ def sessions_from_args(args: argparse.Namespace) -> list[tuple[Session, float]]:
                          system_prompt_len=system, num_turns=args.num_turns)
     rate = math.inf if args.request_rate is None else args.request_rate
     load = LoadConfig(request_rate=rate, burstiness=args.burstiness, seed=args.seed)
-    return synthetic_sessions(workload, cfg, load, args.num_prompts or DEFAULT_NUM_PROMPTS)
+    count = DEFAULT_NUM_PROMPTS if args.num_prompts is None else args.num_prompts
+    return synthetic_sessions(workload, cfg, load, count)
 
 
 def configs_from_args(args: argparse.Namespace, profile: StepProfile,

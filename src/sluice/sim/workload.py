@@ -176,7 +176,7 @@ class TraceSessions:
 def trace_sessions(path: str, cfg: WorkloadConfig, limit: int | None = None,
                    shape: DailyShape | None = None) -> TraceSessions:
     rows = load_trace(path)
-    return TraceSessions(rows[:limit] if limit else rows, cfg, shape)
+    return TraceSessions(rows if limit is None else rows[:limit], cfg, shape)
 
 
 def synthetic_sessions(name: str, cfg: WorkloadConfig, load: LoadConfig, count: int
