@@ -59,7 +59,9 @@ def test_spec_parses_sizes_and_names_bad_parts() -> None:
         4 * 2**30, "/tmp/kv", 20 * 2**30)
     assert KVOffloadSpec.parse("disk=C:/a:b:1KiB").disk_dir == "C:/a:b"
     for bad in ("host", "host=", "host=4XB", "ram=1GiB", "disk=/tmp/kv", "disk=:1GiB",
-                "host=0", ""):
+                "host=0", "",
+                # found by a new-user pass: a repeated tier was taken, the last one winning
+                "host=1GiB,host=2GiB", "disk=/tmp/a:1GiB,host=1GiB,disk=/tmp/b:1GiB"):
         with pytest.raises(InvalidRequestError) as exc:
             KVOffloadSpec.parse(bad)
         assert exc.value.param == "kv_offload"

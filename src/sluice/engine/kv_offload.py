@@ -80,11 +80,16 @@ class KVOffloadSpec:
     @classmethod
     def parse(cls, text: str) -> KVOffloadSpec:
         host, disk_dir, disk = 0, None, 0
+        seen: set[str] = set()
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
             if not sep or not value:
                 raise InvalidRequestError(f"kv_offload part {part!r} is not key=value "
                                           "(host=SIZE or disk=DIR:SIZE)", param="kv_offload")
+            if key in seen:
+                raise InvalidRequestError(f"kv_offload names the {key} tier twice",
+                                          param="kv_offload")
+            seen.add(key)
             if key == "host":
                 host = parse_size(value, "kv_offload")
             elif key == "disk":
