@@ -423,6 +423,18 @@ def test_metrics_and_wire() -> None:
      "speculative_config.suffix_decoding_min_token_prob"),
     ("{not json", "speculative_config"),
     ("[1, 2]", "speculative_config"),
+    # found by a new-user pass: a wrong type leaked Python's TypeError ("'<=' not
+    # supported between instances of 'int' and 'str'"), a float count passed and failed
+    # the engine core's start (can't multiply sequence by non-int), "no" was a true bool
+    ('{"method": "ngram", "num_speculative_tokens": "4"}',
+     "speculative_config.num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 4.0}',
+     "speculative_config.num_speculative_tokens"),
+    ('{"method": "ngram", "prompt_lookup_max": true}', "speculative_config.prompt_lookup_max"),
+    ('{"method": "ngram", "adaptive": "no"}', "speculative_config.adaptive"),
+    ('{"method": 3}', "speculative_config.method"),
+    ('{"method": "suffix", "suffix_decoding_max_spec_factor": "2"}',
+     "speculative_config.suffix_decoding_max_spec_factor"),
 ])
 def test_bad_config_names_the_field(value: str, param: str) -> None:
     with pytest.raises(InvalidRequestError) as exc:
@@ -435,6 +447,10 @@ def test_config_parses_vllm_json() -> None:
         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, '
         '"prompt_lookup_max": 4}'))
     assert config.speculative == SpeculativeConfig("ngram", 3, 2, 4)
+    suffix = EngineConfig.from_options(None, speculative_config=(  # an int for a float
+        '{"method": "suffix", "suffix_decoding_max_spec_factor": 2, "adaptive": false, '
+        '"disable_by_batch_size": null}')).speculative
+    assert suffix is not None and suffix.suffix_decoding_max_spec_factor == 2
     assert math.isclose(SpeculativeConfig(method="suffix").suffix_decoding_min_token_prob, 0.1)
 
 

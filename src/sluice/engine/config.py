@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,16 +235,34 @@ class SpeculativeConfig:
                                       param="speculative_config")
         if "model" in value and "method" not in value:  # vLLM: a model alone is a draft
             value = {**value, "method": "draft_model"}
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in value:
-            if key not in known:
+        hints = typing.get_type_hints(cls)
+        for key, item in value.items():
+            if key not in hints:
                 raise InvalidRequestError(f"unknown speculative_config field {key!r}",
                                           param=f"speculative_config.{key}")
+            if not _is_a(item, hints[key]):
+                raise InvalidRequestError(
+                    f"speculative_config.{key} must be {_type_name(hints[key])}, "
+                    f"got {item!r}", param=f"speculative_config.{key}")
         try:
             return cls(**value)
         except TypeError as exc:
             raise InvalidRequestError(f"speculative_config: {exc}",
                                       param="speculative_config") from None
+
+
+def _is_a(value: Any, hint: Any) -> bool:
+    """JSON's types, strictly: a bool is no number, a float no int (4.0 is not 4)."""
+    return any(value is None if t is type(None) else
+               isinstance(value, bool) == (t is bool)
+               and isinstance(value, (int, float) if t is float else t)
+               for t in typing.get_args(hint) or (hint,))
+
+
+def _type_name(hint: Any) -> str:
+    names = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
+             type(None): "null"}
+    return " or ".join(names[t] for t in typing.get_args(hint) or (hint,))
 
 
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
