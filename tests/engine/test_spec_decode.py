@@ -435,6 +435,10 @@ def test_metrics_and_wire() -> None:
     ('{"method": 3}', "speculative_config.method"),
     ('{"method": "suffix", "suffix_decoding_max_spec_factor": "2"}',
      "speculative_config.suffix_decoding_max_spec_factor"),
+    # and another method's field was ignored: ngram's lookup under suffix decoding
+    ('{"method": "suffix", "prompt_lookup_min": 2}', "speculative_config.prompt_lookup_min"),
+    ('{"suffix_decoding_max_tree_depth": 8}', "speculative_config.suffix_decoding_max_tree_depth"),
+    ('{"method": "ngram", "draft_num_kv_blocks": 8}', "speculative_config.draft_num_kv_blocks"),
 ])
 def test_bad_config_names_the_field(value: str, param: str) -> None:
     with pytest.raises(InvalidRequestError) as exc:

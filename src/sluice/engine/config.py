@@ -244,11 +244,25 @@ class SpeculativeConfig:
                 raise InvalidRequestError(
                     f"speculative_config.{key} must be {_type_name(hints[key])}, "
                     f"got {item!r}", param=f"speculative_config.{key}")
+            owner = _method_of(key)
+            if owner is not None and owner != value.get("method", cls.method):
+                raise InvalidRequestError(
+                    f"speculative_config.{key} is only for method {owner!r}",
+                    param=f"speculative_config.{key}")
         try:
             return cls(**value)
         except TypeError as exc:
             raise InvalidRequestError(f"speculative_config: {exc}",
                                       param="speculative_config") from None
+
+
+def _method_of(field_name: str) -> str | None:
+    """The speculative method a field configures (None: every method's)."""
+    if field_name.startswith("prompt_lookup_"):
+        return "ngram"
+    if field_name.startswith("suffix_decoding_"):
+        return "suffix"
+    return "draft_model" if field_name in ("model", "draft_num_kv_blocks") else None
 
 
 def _is_a(value: Any, hint: Any) -> bool:
