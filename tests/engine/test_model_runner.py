@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sluice.engine.config import EngineConfig
-from sluice.engine.model_runner import ModelRunner, SeqChunk, auto_dtype
+from sluice.engine.model_runner import ModelRunner, SeqChunk, auto_dtype, resolve_device
 from sluice.engine.models.llama import Linear
 from sluice.engine.native import PANEL_ROWS_MAX_AVX512, PanelLinear, cpu_flags, panel_rows_max
 from sluice.protocol.errors import InvalidRequestError
@@ -181,6 +181,26 @@ def test_prefill_leaves_the_panels_only_where_onednn_measured_ahead(
 def test_auto_dtype_is_bfloat16_only_with_native_bfloat16(device: str, flags: set[str],
                                                           want: torch.dtype) -> None:
     assert auto_dtype(torch.device(device), frozenset(flags)) == want
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cpu:0:1", ""])
+def test_an_unknown_device_is_refused_by_name(device: str) -> None:
+    """Found by a new-user pass: `--device tpu` passed the flag and failed the engine
+    core's start with torch's RuntimeError listing twenty device types."""
+    with pytest.raises(InvalidRequestError) as info:
+        EngineConfig.from_options(None, device=device)
+    assert info.value.param == "device"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_a_gpu_is_refused_by_name() -> None:
+    """`--device cuda` on a machine without one failed with torch's AssertionError
+    ("Torch not compiled with CUDA enabled")."""
+    for device in ("cuda", "cuda:0"):
+        with pytest.raises(InvalidRequestError) as info:
+            resolve_device(EngineConfig.from_options(None, device=device).model)
+        assert info.value.param == "device" and "no CUDA device" in info.value.message
+    assert resolve_device(EngineConfig.from_options(None, device="cpu").model)[0].type == "cpu"
 
 
 def test_the_runner_warms_up_every_layer_before_it_is_used(tiny_llama_dir: Path) -> None:

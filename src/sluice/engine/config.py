@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,9 @@ class ModelConfig:
                                       f"{QUANTIZATIONS}", param="quantization")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise InvalidRequestError(f"unsupported dtype {self.dtype!r}", param="dtype")
+        if re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device) is None:
+            raise InvalidRequestError(f"unsupported device {self.device!r} (auto, cpu, cuda, "
+                                      "cuda:N)", param="device")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise InvalidRequestError(f"unsupported kernel_backend {self.kernel_backend!r}"
                                       f" {KERNEL_BACKENDS}", param="kernel_backend")

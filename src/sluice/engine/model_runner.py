@@ -109,6 +109,9 @@ def resolve_device(cfg: ModelConfig) -> tuple[torch.device, torch.dtype]:
     name = cfg.device
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidRequestError(f"device {name!r}: no CUDA device is available to torch "
+                                  f"(torch {torch.__version__})", param="device")
     device = torch.device(name)
     if cfg.dtype != "auto":
         return device, DTYPES[cfg.dtype]
