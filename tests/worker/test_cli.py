@@ -38,3 +38,28 @@ def test_invalid_engine_option_exits_2(capsys: pytest.CaptureFixture[str]) -> No
 def test_serve_defaults() -> None:
     args = parse("serve")
     assert (args.host, args.port, args.model) == ("127.0.0.1", 8000, None)
+
+
+@pytest.mark.parametrize("flag", ["--structured-outputs-compile-timeout", "--kv-lease-timeout",
+                                  "--kv-transfer-timeout", "--shutdown-timeout"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_float_flags_must_be_finite(flag: str, value: str,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a new-user pass: `--structured-outputs-compile-timeout nan` passed the
+    "must be positive" check (nan <= 0 is false) and no compile ever timed out."""
+    with pytest.raises(SystemExit) as info:
+        parse("worker", flag, value)
+    assert info.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["structured_outputs_compile_timeout", "kv_lease_timeout",
+                                    "kv_transfer_timeout"])
+def test_engine_timeouts_must_be_finite(option: str) -> None:
+    from sluice.engine.config import EngineConfig
+    from sluice.protocol.errors import InvalidRequestError
+
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(InvalidRequestError) as info:
+            EngineConfig.from_options(None, **{option: value})
+        assert info.value.param == option

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -135,7 +136,7 @@ class StructuredOutputsConfig:
             raise InvalidRequestError(
                 f"unsupported structured_outputs_backend {self.structured_outputs_backend!r} "
                 f"{STRUCTURED_OUTPUTS_BACKENDS}", param="structured_outputs_backend")
-        if self.structured_outputs_compile_timeout <= 0:
+        if not 0 < self.structured_outputs_compile_timeout < math.inf:  # nan too
             raise InvalidRequestError("structured_outputs_compile_timeout must be positive",
                                       param="structured_outputs_compile_timeout")
 
@@ -307,7 +308,7 @@ class KVTransferConfig:
             raise InvalidRequestError("kv_transfer_port must be in [0, 65535]",
                                       param="kv_transfer_port")
         for name in ("kv_lease_timeout", "kv_transfer_timeout"):
-            if getattr(self, name) <= 0:
+            if not 0 < getattr(self, name) < math.inf:  # nan too
                 raise InvalidRequestError(f"{name} must be positive", param=name)
 
 

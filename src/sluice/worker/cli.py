@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from typing import Any
 
 from sluice.engine.config import (
@@ -19,6 +20,16 @@ from sluice.engine.config import (
 from sluice.observe.cli import add_observe_arguments, tracing_config
 from sluice.observe.cli import buckets as observe_buckets
 from sluice.protocol.errors import InvalidRequestError
+
+
+def finite_float(text: str) -> float:
+    """argparse's type for seconds: `float` takes "nan" and "inf", which slip
+    past range checks (nan <= 0 is false)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
 
 # flag dest -> type, help. All default to None (= engine default).
 ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
@@ -143,7 +154,8 @@ def _default_text(dest: str, value: Any) -> str:
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     defaults = engine_defaults()
     for dest, (kind, text) in ENGINE_FLAGS.items():
-        p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=kind, default=None,
+        p.add_argument("--" + dest.replace("_", "-"), dest=dest, default=None,
+                       type=finite_float if kind is float else kind,
                        choices=CHOICES.get(dest),
                        help=f"{text} (default: {_default_text(dest, defaults.get(dest))})")
     for dest, text in ENGINE_SWITCHES.items():
@@ -158,7 +170,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-pending-requests", type=int, default=1024,
                    help="requests in flight beyond this get 503 with Retry-After "
                         "(default: %(default)s)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+    p.add_argument("--shutdown-timeout", type=finite_float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM "
                         "(default: %(default)s)")
     p.add_argument("--kv-events-endpoint", default=None,
