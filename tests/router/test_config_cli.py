@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import httpx
 import pytest
 from router_stubs import StubState, free_port, make_stub, serve
 
-from sluice.cli import build_parser
+from sluice.cli import build_parser, main
 from sluice.protocol.errors import InvalidRequestError
 from sluice.router.cli import config_from_args
 from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec, load_config_file
@@ -89,6 +90,50 @@ def test_buffer_timeout_is_checked_by_the_router_config(tmp_path: Path, value: s
     assert err.value.message == message
     path.write_text("buffer_timeout_s: 2.5\n")
     assert config_from_args(parse("--config", str(path))).buffer_timeout_s == 2.5
+
+
+@pytest.mark.parametrize("argv, text, message", [
+    (["--config", "{dir}/missing.yaml"], None, "No such file or directory"),
+    (["--config", "{dir}/r.yaml"], "[1, 2]\n", "the settings must be a mapping, got list"),
+    (["--config", "{dir}/r.yaml"], "pools: [{workerz: []}\n", "r.yaml: while parsing"),
+    (["--config", "{dir}/r.json"], "{bad", "r.json: Expecting property name"),
+    (["--config", "{dir}/r.yaml"], "pools: 5\n", "r.yaml: 'int' object is not iterable"),
+    (["--config", "{dir}/r.yaml"], "port: abc\n", "port must be an integer in 0..65535"),
+    (["--config", "{dir}/r.yaml"], "buffer_timeout_s: .nan\n",
+     "buffer_timeout_s must be a finite number, got nan"),
+    (["--worker", "http://a:1", "--max-retries", "-1"], None, "max_retries must be >= 0"),
+    (["--worker", "notaurl"], None, "worker url must start with http://"),
+    (["--worker", "http://a:1", "--port", "70000"], None, "port must be an integer in 0..65535"),
+])
+def test_a_bad_flag_or_config_file_exits_2_with_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], text: str | None,
+        message: str) -> None:
+    """`sluice router` with a bad flag value or config file: exit 2 and one line naming
+    what is wrong, as argparse's errors (it was a traceback and exit 1)."""
+    argv = [a.format(dir=tmp_path) for a in argv]
+    if text is not None:
+        Path(argv[1]).write_text(text)
+    assert main(["router", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sluice router: error: ") and message in err, err
+    assert "Traceback" not in err
+
+
+def test_a_port_in_use_is_one_line_and_exit_1() -> None:
+    """The router cannot listen (the port is taken): one line and exit 1, not a traceback
+    and the lifespan's 'shutdown failed' noise."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "sluice.cli", "router", "--worker", "http://127.0.0.1:1",
+             "--port", str(port), "--log-level", "warning"],
+            capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("sluice router: error: ") and "address already in use" \
+        in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "lifespan" not in done.stderr, done.stderr
 
 
 async def test_sluice_router_process_routes_to_a_worker() -> None:

@@ -12,13 +12,14 @@ It serves on its own HTTP/1.1 server (httptools, uvloop): see `router/server.py`
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 
 from sluice import env
 from sluice.observe.cli import add_observe_arguments, tracing_config
 from sluice.observe.cli import buckets as observe_buckets
 from sluice.observe.tracing import start_tracing
-from sluice.protocol.errors import InvalidRequestError
+from sluice.protocol.errors import InvalidRequestError, SluiceError
 from sluice.router.config import (
     CANARY,
     DECODE,
@@ -285,8 +286,16 @@ def handler(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe and scrape
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except SluiceError as exc:  # a bad flag or config file: a usage error, as argparse's
+        print(f"sluice router: error: {exc}", file=sys.stderr)
+        return 2
     tracing = start_tracing(tracing_config(args, "sluice-router"))
-    run(build_app(config, tracing=tracing, buckets=observe_buckets(args)),
-        host=config.host, port=config.port)
+    try:
+        run(build_app(config, tracing=tracing, buckets=observe_buckets(args)),
+            host=config.host, port=config.port)
+    except OSError as exc:  # the address is taken, or not this machine's
+        print(f"sluice router: error: {exc}", file=sys.stderr)
+        return 1
     return 0

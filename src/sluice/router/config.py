@@ -431,6 +431,9 @@ class RouterConfig:
     aliases: tuple[AliasSpec, ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise InvalidRequestError(f"port must be an integer in 0..65535, got {self.port!r}",
+                                      param="port")
         if self.max_retries < 0:
             raise InvalidRequestError("max_retries must be >= 0", param="max_retries")
         if self.migration_limit < 0:
@@ -536,15 +539,26 @@ def parse_alias_flags(items: Sequence[str]) -> tuple[AliasSpec, ...]:
 
 
 def load_config_file(path: str | Path) -> RouterConfig:
-    """Read a YAML (.yaml/.yml) or JSON router config file."""
-    text = Path(path).read_text()
-    if str(path).endswith((".yaml", ".yml")):
-        import yaml
+    """Read a YAML (.yaml/.yml) or JSON router config file. Every way it can be wrong
+    (unreadable, not YAML/JSON, not a mapping, a value of the wrong shape) is an
+    InvalidRequestError, so `sluice router` says so in one line."""
+    import yaml
 
-        raw = yaml.safe_load(text) or {}
-    else:
-        raw = json.loads(text)
-    return router_from_dict(raw)
+    try:
+        text = Path(path).read_text()
+        raw = (yaml.safe_load(text) or {}) if str(path).endswith((".yaml", ".yml")) \
+            else json.loads(text)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise InvalidRequestError(f"config file {path}: {exc}", param="config") from exc
+    if not isinstance(raw, Mapping):
+        raise InvalidRequestError(f"config file {path}: the settings must be a mapping, got "
+                                  f"{type(raw).__name__}", param="config")
+    try:
+        return router_from_dict(raw)
+    except InvalidRequestError:  # names the setting
+        raise
+    except (TypeError, AttributeError, ValueError) as exc:  # a value of the wrong shape
+        raise InvalidRequestError(f"config file {path}: {exc}", param="config") from exc
 
 
 def parse_kv_event_flags(items: Sequence[str]) -> dict[str, str]:

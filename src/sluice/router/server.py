@@ -343,8 +343,13 @@ class RouterServer:
         await self._lifespan.startup()
         self.state = self._state_getter()
         self.max_body = self.state.config.max_body_bytes
-        self._server = await self.loop.create_server(
-            lambda: _Connection(self), self.host, self.port, backlog=2048, reuse_address=True)
+        try:
+            self._server = await self.loop.create_server(
+                lambda: _Connection(self), self.host, self.port, backlog=2048,
+                reuse_address=True)
+        except BaseException:  # the address is taken: what the startup made ends here
+            await self._lifespan.shutdown()
+            raise
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
