@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from sluice import env
+from sluice.protocol.errors import SluiceError
 
 
 def register(subparsers: Any) -> None:
@@ -56,7 +57,12 @@ def _run_offline(args: argparse.Namespace) -> int:
         return 2
     parser = argparse.ArgumentParser(prog="sluice bench offline")
     offline.add_arguments(parser)
-    return int(offline.run(parser.parse_args(args.offline_args)) or 0)
+    options = parser.parse_args(args.offline_args)
+    try:
+        return int(offline.run(options) or 0)
+    except SluiceError as exc:  # a model that is not there, a bad --speculative-config, ...
+        print(f"sluice bench offline: error: {exc.message}", file=sys.stderr)
+        return 2
 
 
 def _rate(text: str) -> float:

@@ -27,6 +27,7 @@ import random
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -53,21 +54,34 @@ class Result:
         return self.output_tokens / self.wall_s if self.wall_s else 0.0
 
 
+def _count(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+        return value
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    positive = _count(1)
     parser.add_argument("--model", default=None, help="model path (default: SmolLM2 GGUF)")
     parser.add_argument("--workload", choices=["random", "prefix"], default="random")
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=None,
+    parser.add_argument("--num-requests", type=positive, default=64)
+    parser.add_argument("--input-len", type=positive, default=128)
+    parser.add_argument("--output-len", type=positive, default=None,
                         help="output tokens per request (default 128; 32 for prefix)")
-    parser.add_argument("--batch", type=int, nargs="+", default=[32, 64],
+    parser.add_argument("--batch", type=positive, nargs="+", default=[32, 64],
                         help="concurrency: sluice max_num_seqs and the peer's batch size")
-    parser.add_argument("--prefix-len", type=int, default=1024)
-    parser.add_argument("--suffix-len", type=int, default=32)
+    parser.add_argument("--prefix-len", type=_count(0), default=1024)
+    parser.add_argument("--suffix-len", type=positive, default=32)
     parser.add_argument("--single-stream", action="store_true",
                         help="one request: its tokens/s, and its decode alone after the first token")
     parser.add_argument("--peer", choices=["transformers", "none"], default="transformers")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=positive, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quantization", choices=list(QUANTIZATIONS), default="none",
                         help="sluice's linears: dense (none), on the GGUF file's blocks "
