@@ -3,7 +3,7 @@ while the database is down, the bounded buffer, and shutdown. On SQLite and Post
 
 An outage is made where SQLAlchemy meets the driver: a hook raises the driver's own
 `OperationalError` before each statement, which is what a refused or broken connection
-raises, so the store's classification of it is exercised too.
+raises, so the store's classification of it is exercised too (and the admin API's).
 """
 
 from __future__ import annotations
@@ -127,6 +127,35 @@ def test_an_unreachable_database_is_reported_as_unavailable(any_store: SQLStore)
         any_store.record_usage_many([rec(t.id, 1)])
     outage.down = False
     assert rows(any_store) == []
+
+
+async def test_the_admin_api_answers_503_while_the_database_is_down(
+        any_store: SQLStore, stub: StubUpstream) -> None:
+    """The gateway's admin routes and /v1/usage, like the request path: a lost database is
+    a 503 the client may retry (OpenAI's error JSON, `store_unavailable`, Retry-After),
+    not a driver error's 500; they answer again once it is back."""
+    from .conftest import ADMIN_KEY, make_state
+
+    key = new_key(any_store)
+    gw = GatewayMiddleware(stub, make_state(any_store))
+    outage = Outage(any_store)
+    calls = [("GET", "/admin/tenants", None), ("POST", "/admin/tenants", {"name": "b"}),
+             ("GET", "/admin/keys", None), ("GET", "/admin/usage", None),
+             ("POST", "/admin/purge", {"older_than_days": 30})]
+    async with client_for(gw, ADMIN_KEY) as admin, client_for(gw, key) as tenant:
+        outage.down = True
+        for method, path, body in calls:
+            r = await admin.request(method, path, json=body)
+            assert r.status_code == 503, (path, r.text)
+            assert r.json()["error"]["code"] == "store_unavailable"
+            assert r.headers["retry-after"] == "1"
+        r = await tenant.get("/v1/usage")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
+        outage.down = False
+        for method, path, body in calls:
+            r = await admin.request(method, path, json=body)
+            assert r.status_code in (200, 201), (path, r.text)
+        assert (await tenant.get("/v1/usage")).status_code == 200
 
 
 class LostReplyStore(SQLStore):

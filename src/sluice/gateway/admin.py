@@ -19,6 +19,8 @@ usage only: the tenant is taken from the key, never from the query.
 Bodies are read by `json_body`: the shared `load_json_object` (not valid JSON, not an
 object: a 400 naming `body`, as on /v1), then the payload model in strict mode, so
 `"rpm": true` or `"rpm": "5"` is a 400 naming `rpm` instead of a limit of 1 or 5.
+While the database is unreachable every route answers 503 `store_unavailable` with
+Retry-After, as the request path does.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sluice.gateway.state import GatewayState
 from sluice.gateway.store import (
+    OUTAGES,
     ApiKey,
     KeySettings,
     Principal,
@@ -49,6 +52,7 @@ from sluice.protocol.errors import (
     AuthenticationError,
     InvalidRequestError,
     PermissionDeniedError,
+    ServiceUnavailableError,
     SluiceError,
 )
 
@@ -181,6 +185,16 @@ def build_admin_app(state: GatewayState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse(invalid(exc.errors()).to_dict(), status_code=400)
+
+    async def _unreachable(_: Request, exc: Exception) -> JSONResponse:
+        # the database lost (refused, broken, pool exhausted): a 503 the client may retry,
+        # as on the request path, instead of an unhandled driver error's 500
+        error = ServiceUnavailableError("gateway database unreachable; retry shortly",
+                                        code="store_unavailable")
+        return JSONResponse(error.to_dict(), status_code=503, headers=error.headers)
+
+    for outage in OUTAGES:
+        app.add_exception_handler(outage, _unreachable)
 
     def admin(request: Request) -> None:
         state.config.check_admin(request.headers.raw)

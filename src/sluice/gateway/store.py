@@ -278,7 +278,7 @@ class Store(ABC):
 
 # What a lost database looks like through SQLAlchemy: refused or broken connections
 # (OperationalError, also SQLite's "database is locked"), a closed one, an exhausted pool.
-_OUTAGES = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError)
+OUTAGES = (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError)
 
 # Rounding slack when a reservation is compared with a budget: float sums of costs
 # that fit a budget exactly must not be refused for the last bit.
@@ -779,7 +779,7 @@ class SQLStore(Store):
                     if r.cost_usd:
                         spend[r.tenant_id] = spend.get(r.tenant_id, 0.0) + r.cost_usd
                 self._settle_tenants(conn, spend, freed)
-        except _OUTAGES as exc:
+        except OUTAGES as exc:
             raise ServiceUnavailableError("gateway database unreachable",
                                           code="store_unavailable") from exc
 
