@@ -191,6 +191,39 @@ def test_guidance_compiles_the_slow_schema_at_once(tiny_llama_dir: Path) -> None
     assert out[0].outputs[0].finish_reason == "length" and text.startswith('{"f0": '), text
 
 
+INTS = {"type": "array", "items": {"type": "integer"}}
+OBJ = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("schema", [
+    {**INTS, "uniqueItems": True}, {**INTS, "contains": {"const": 5}},
+    {**OBJ, "not": {"required": ["a"]}}, {"type": "integer", "not": {"const": 2}},
+    {**OBJ, "if": {"required": ["a"]}, "then": {"required": ["b"]}},
+    {**OBJ, "dependentRequired": {"a": ["b"]}}, {**OBJ, "unevaluatedProperties": False},
+    {"type": "object", "properties": {"x": {**INTS, "uniqueItems": True}}},
+])
+@pytest.mark.parametrize("backend", ["xgrammar", "auto"])
+def test_schema_keywords_xgrammar_ignores_are_refused(schema: dict, backend: str) -> None:
+    """Found by a new-user pass: guidance refuses these keywords, so `auto` fell back to
+    xgrammar, which reads them and enforces nothing (its grammar is the same without
+    them): {"uniqueItems": true} answered [1, 2, 2] with finish_reason stop. vLLM refuses
+    them for xgrammar too."""
+    with pytest.raises(InvalidRequestError) as info:
+        check_constraint(StructuredOutputsParams.from_schema(schema, "response_format"),
+                         backend)
+    assert info.value.param == "response_format"
+
+
+@pytest.mark.parametrize("schema", [
+    {**INTS, "uniqueItems": False},  # asks for nothing
+    {"type": "object", "properties": {"not": {"type": "integer"}, "if": {"type": "string"},
+                                      "contains": {"type": "boolean"}}},  # property names
+    {"type": "object", "properties": {"a": {"type": "string", "default": {"not": 1}}}},
+])
+def test_schemas_that_only_look_unenforced_pass_xgrammar(schema: dict) -> None:
+    check_constraint(StructuredOutputsParams.from_schema(schema, "response_format"), "xgrammar")
+
+
 # xgrammar's structural tag with a `grammar` content: guidance has no translation for it
 TAGGED = json.dumps({"type": "structural_tag", "format": {
     "type": "tag", "begin": "<n>", "content": {"type": "grammar", "grammar": 'root ::= [0-9]+'},

@@ -118,6 +118,25 @@ def test_top_k_zero_is_disabled(http: httpx.Client) -> None:
     assert "-1 or 0 (disabled)" in err["message"]
 
 
+UNIQUE = {"type": "object", "properties": {"tags": {
+    "type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True}}}
+
+
+def test_a_schema_keyword_no_backend_enforces_is_refused(http: httpx.Client) -> None:
+    """Found by a new-user pass: {"uniqueItems": true} answered [1, 2, 2], finish_reason
+    stop (auto fell back to xgrammar, which ignores it). A tool whose call is not forced
+    compiles nothing, so its schema only has to be one."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": UNIQUE}}
+    openai_error(http.post("/v1/chat/completions", json={
+        "messages": USER, "max_tokens": 2, "response_format": fmt}), 400, "response_format")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": UNIQUE}}]
+    assert http.post("/v1/chat/completions", json={
+        "messages": USER, "max_tokens": 2, "tools": tools}).status_code == 200
+    openai_error(http.post("/v1/chat/completions", json={
+        "messages": USER, "max_tokens": 2, "tools": tools, "tool_choice": "required"}),
+        400, "tools.0.function.parameters")
+
+
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/chat/completions", {"messages": USER}),
     ("/v1/completions", {"prompt": "a"}),

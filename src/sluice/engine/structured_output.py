@@ -267,6 +267,19 @@ class XGrammarBackend(GrammarBackend):
 
     @staticmethod
     def check(params: StructuredOutputsParams) -> None:
+        XGrammarBackend.read(params)
+        if params.json is not None:
+            where = unenforced_keyword(json.loads(params.json))
+            if where is not None:
+                raise InvalidRequestError(
+                    f"the xgrammar structured-output backend does not enforce the JSON "
+                    f"schema keyword at {where}; the output would not follow it",
+                    param=params.param)
+
+    @staticmethod
+    def read(params: StructuredOutputsParams) -> None:
+        """Build the constraint's grammar, enforceable or not (a 400 naming its field
+        when xgrammar cannot read it)."""
         import xgrammar as xgr
 
         builders: dict[str, Callable[[Any], Any]] = {
@@ -365,6 +378,30 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
 _SCHEMA_ONES = ("items", "additionalProperties", "not", "contains", "propertyNames", "if",
                 "then", "else")
+
+
+# Keywords xgrammar 0.2.9 reads and enforces nothing of (its grammar is the same without
+# them; `uniqueItems: true` and `not` accept violating text), as vLLM lists them for it.
+XGRAMMAR_UNENFORCED = frozenset({"not", "if", "then", "else", "contains", "minContains",
+                                 "maxContains", "dependentRequired", "dependentSchemas",
+                                 "unevaluatedItems", "unevaluatedProperties"})
+
+
+def unenforced_keyword(schema: Any, path: str = "#") -> str | None:
+    """The JSON pointer of the first keyword in `schema` (walked as a schema: property
+    names and `default`/`const` values are not keywords) that xgrammar does not enforce."""
+    if not isinstance(schema, dict):
+        return None
+    for key, value in schema.items():
+        if key in XGRAMMAR_UNENFORCED or (key == "uniqueItems" and value is True):
+            return f"{path}/{key}"
+    subschemas = [(f"{path}/{key}/{name}", sub) for key in _SCHEMA_MAPS
+                  if isinstance(schema.get(key), dict) for name, sub in schema[key].items()]
+    subschemas += [(f"{path}/{key}/{i}", sub) for key in _SCHEMA_LISTS
+                   if isinstance(schema.get(key), list) for i, sub in enumerate(schema[key])]
+    subschemas += [(f"{path}/{key}", schema[key]) for key in _SCHEMA_ONES if key in schema]
+    return next((found for sub_path, sub in subschemas
+                 if (found := unenforced_keyword(sub, sub_path)) is not None), None)
 
 
 def closed_objects(schema: Any) -> Any:
@@ -660,6 +697,15 @@ def check_constraint(params: StructuredOutputsParams, backend: str = "auto") -> 
         resolve_backend(backend, params)
     else:
         BACKENDS[backend].check(params)
+
+
+def check_json_schema(params: StructuredOutputsParams) -> None:
+    """A JSON schema that a backend reads, whether or not one could enforce all of it: a
+    tool's `parameters` when no call is forced (nothing compiles them)."""
+    try:
+        check_constraint(params, "auto")
+    except InvalidRequestError:
+        XGrammarBackend.read(params)  # raises when xgrammar cannot read it either
 
 
 # --------------------------------------------------------------------------- the manager

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.engine.sampling_params import StructuredOutputsParams
-from sluice.engine.structured_output import check_constraint
+from sluice.engine.structured_output import check_constraint, check_json_schema
 from sluice.protocol.errors import InvalidRequestError
 
 
@@ -265,12 +265,13 @@ def _checked_schema(schema: Any, param: str, backend: str) -> Any:
 
 def check_tool_schemas(tools: list[dict[str, Any]]) -> None:
     """Every tool's `parameters` is a JSON schema, whatever `tool_choice` says (OpenAI's
-    API checks them all): a 400 naming the first bad one. `auto`: a schema one backend
-    reads passes, since a call that is not forced compiles nothing; `constraint` checks a
-    forced call's schemas for the engine's own backend."""
+    API checks them all): a 400 naming the first bad one. A schema a backend reads passes,
+    enforceable or not, since a call that is not forced compiles nothing; `constraint`
+    checks a forced call's schemas for the engine's own backend."""
     for i, t in enumerate(tools):
-        _checked_schema(t["function"].get("parameters") or {"type": "object"},
-                        f"tools.{i}.function.parameters", "auto")
+        check_json_schema(StructuredOutputsParams.from_schema(
+            t["function"].get("parameters") or {"type": "object"},
+            f"tools.{i}.function.parameters"))
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser}
