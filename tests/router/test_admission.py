@@ -189,6 +189,44 @@ async def test_thresholds_change_at_runtime_through_the_admin_api() -> None:
         assert all(r.status_code == 200 for r in await asyncio.gather(blocker, *tasks))
 
 
+async def test_a_nan_or_infinite_setting_is_a_400_naming_it() -> None:
+    """An infinite band timeout was accepted through the admin API (and `--queue-timeout
+    inf`), and the next 429 of that band was a 500: its Retry-After (the timeout, rounded
+    up) overflowed. NaN passed every check too. Both are now refused, naming the field;
+    the settings stay as they were."""
+    stub = StubState("a", gate=asyncio.Event())
+    async with router(stub, AdmissionConfig(max_inflight_per_worker=1)) as c:
+        for body, param in (
+                (b'{"default_band": {"capacity": 0, "timeout_s": 1e999}}', "timeout_s"),
+                (b'{"bands": {"1": {"capacity": 0, "timeout_s": NaN}}}', "timeout_s"),
+                (b'{"max_predicted_wait_s": NaN}', "max_predicted_wait_s"),
+                (b'{"tenant_weights": {"acme": Infinity}}', "tenant_weights")):
+            r = await c.put(URL, content=body, headers=ADMIN)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        settings = (await c.get(URL, headers=ADMIN)).json()
+        assert settings["default_band"] == {"capacity": 1000, "timeout_s": 60.0}
+        assert settings["max_predicted_wait_s"] == 0.0 and settings["tenant_weights"] == {}
+        blocker = post(c, "blocker")
+        await until(lambda: len(stub.requests) == 1)
+        r = await c.put(URL, json={"default_band": {"capacity": 0, "timeout_s": 1e300}},
+                        headers=ADMIN)
+        assert r.status_code == 200, r.text  # large but finite: a full band is still a 429
+        full = await c.post("/v1/chat/completions", json=chat("x"))
+        assert full.status_code == 429 and full.json()["error"]["code"] == "queue_full"
+        stub.gate.set()  # type: ignore[union-attr]
+        assert (await blocker).status_code == 200
+    for flags, param in ((["--queue-timeout", "inf"], "timeout_s"),
+                         (["--max-predicted-wait", "nan"], "max_predicted_wait_s"),
+                         (["--scrape-interval", "nan"], "scrape_interval_s"),
+                         (["--breaker-open", "inf"], "open_s"),
+                         (["--pd-mode", "always", "--pd-max-prefill-wait-ratio", "nan"],
+                          "max_prefill_wait_ratio")):
+        argv = ["router", "--worker", "http://a:1", *flags]
+        with pytest.raises(InvalidRequestError) as err:
+            config_from_args(build_parser(argv).parse_args(argv))
+        assert err.value.param == param, flags
+
+
 @pytest.mark.parametrize("front", sorted(FRONTS))
 async def test_a_client_that_hangs_up_while_queued_leaves_the_queue(front: str) -> None:
     stub = StubState("a", gate=asyncio.Event())

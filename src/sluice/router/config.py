@@ -100,6 +100,7 @@ class PDConfig:
     role_refresh_s: float = 2.0
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.mode not in PD_MODES:
             raise InvalidRequestError(f"pd mode must be one of {PD_MODES}, got {self.mode!r}",
                                       param="pd_mode")
@@ -120,6 +121,19 @@ def check_number(param: str, value: float, rule: str, ok: Callable[[float], bool
         raise InvalidRequestError(f"{param} {rule}, got {value:g}", param=param)
 
 
+def check_finite(config: object) -> None:
+    """Every float setting of the dataclass `config` finite: a NaN passes every `<`
+    test and an infinity breaks arithmetic later (an infinite queue timeout made the
+    429's Retry-After an OverflowError, a 500), so neither is a setting; the error names
+    the field."""
+    for f in fields(config):  # type: ignore[arg-type]
+        value = getattr(config, f.name)
+        values = value if isinstance(value, tuple) else (value,)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            raise InvalidRequestError(f"{f.name} must be a finite number, got {value}",
+                                      param=f.name)
+
+
 # --- flow control (router/admission.py, router/breaker.py) --------------------------------
 
 
@@ -131,6 +145,7 @@ class BandLimits:
     timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.capacity < 0 or self.timeout_s <= 0:
             raise InvalidRequestError("a band's capacity must be >= 0 and timeout_s > 0",
                                       param="bands")
@@ -156,11 +171,13 @@ class AdmissionConfig:
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.max_inflight_per_worker < 0 or self.max_predicted_wait_s < 0:
             raise InvalidRequestError("admission limits must be >= 0 (0: off)",
                                       param="max_inflight_per_worker")
-        if any(w <= 0 for w in self.tenant_weights.values()):
-            raise InvalidRequestError("tenant weights must be positive", param="tenant_weights")
+        if any(not (0 < w < math.inf) for w in self.tenant_weights.values()):
+            raise InvalidRequestError("tenant weights must be positive and finite",
+                                      param="tenant_weights")
 
     @property
     def enabled(self) -> bool:
@@ -199,6 +216,7 @@ class BreakerConfig:
     budget_min: int = 10
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.failures < 0 or self.successes < 1 or self.min_closed < 0:
             raise InvalidRequestError("breaker failures must be >= 0, successes >= 1, "
                                       "min_closed >= 0", param="breaker")
@@ -237,6 +255,7 @@ class ReleaseConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "steps", tuple(float(s) for s in self.steps))
+        check_finite(self)
         percentages = {"canary_weight": self.canary_weight, "shadow_percent": self.shadow_percent,
                        **{f"steps.{i}": step for i, step in enumerate(self.steps)}}
         for name, value in percentages.items():
@@ -339,6 +358,7 @@ class AdapterPlacement:
     sync_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.max_adapter_replicas < 1:
             raise InvalidRequestError("max_adapter_replicas must be >= 1",
                                       param="max_adapter_replicas")
@@ -431,6 +451,7 @@ class RouterConfig:
     aliases: tuple[AliasSpec, ...] = ()
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise InvalidRequestError(f"port must be an integer in 0..65535, got {self.port!r}",
                                       param="port")
