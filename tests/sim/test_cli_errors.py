@@ -67,3 +67,39 @@ def test_num_prompts_below_one_is_an_error(count: str, trace: bool, tmp_path: Pa
     argv = ["--trace", str(path)] if trace else []
     assert main(["sim", "--workers", "2", "--num-prompts", count, *argv]) == 2
     assert "sluice sim: error: --num-prompts must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "flags"), [
+    (["--trace", "TRACE", "--request-rate", "2"], "--request-rate"),
+    (["--trace", "TRACE", "--burstiness", "0.5", "--input-len", "5"], "--input-len, --burstiness"),
+    (["--time-scale", "5"], "--time-scale"),
+    (["--token-scale", "0.1"], "--token-scale"),
+    (["--workload", "random", "--trace", "TRACE"], "--trace"),
+    (["--workload", "random", "--num-turns", "3"], "--num-turns"),
+    (["--workload", "shared-prefix", "--random-range-ratio", "0.5"], "--random-range-ratio"),
+])
+def test_an_option_the_workload_does_not_read_is_an_error(
+        argv: list[str], flags: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """As `sluice bench serve` does; `sluice sim` ran without them and said nothing (a
+    trace replayed at its own times under `--request-rate 2`, a random workload at
+    `--time-scale 5`, a `--trace` with `--workload random` unread)."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 40, "output_length": 2, "hash_ids": [1]}\n')
+    argv = [str(trace) if a == "TRACE" else a for a in argv]
+    assert main(["sim", "--num-prompts", "2", "--workers", "2", *argv]) == 2
+    workload = argv[1] if argv[0] == "--workload" else ("trace" if "--trace" in argv else "random")
+    assert f"sluice sim: error: --workload {workload} does not use {flags}" in capsys.readouterr().err
+
+
+def test_the_options_a_workload_reads_still_work(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 40, "output_length": 2, "hash_ids": [1]}\n')
+    assert main(["sim", "--trace", str(trace), "--workers", "2", "--token-scale", "0.5",
+                 "--output-token-scale", "2", "--time-scale", "2"]) == 0
+    assert main(["sim", "--workload", "multi-turn", "--num-prompts", "2", "--workers", "2",
+                 "--input-len", "8", "--output-len", "2", "--num-turns", "2",
+                 "--random-range-ratio", "0.5", "--request-rate", "4", "--burstiness", "2"]) == 0
+    assert main(["sim", "--workload", "shared-prefix", "--num-prompts", "2", "--workers", "2",
+                 "--num-groups", "1", "--system-prompt-len", "16", "--input-len", "4"]) == 0
+    capsys.readouterr()

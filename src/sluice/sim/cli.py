@@ -57,18 +57,22 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--num-prompts", type=int, default=None,
                    help="requests (sessions for multi-turn); default 100, or every trace row")
-    w.add_argument("--input-len", type=int, default=128)
-    w.add_argument("--output-len", type=int, default=128)
-    w.add_argument("--random-range-ratio", type=float, default=0.0)
-    w.add_argument("--num-groups", type=int, default=4, help="shared-prefix groups")
+    w.add_argument("--input-len", type=int, default=None, help="synthetic (default 128)")
+    w.add_argument("--output-len", type=int, default=None, help="synthetic (default 128)")
+    w.add_argument("--random-range-ratio", type=float, default=None,
+                   help="random, multi-turn: length spread (default 0)")
+    w.add_argument("--num-groups", type=int, default=None,
+                   help="shared-prefix groups (default 4)")
     w.add_argument("--system-prompt-len", type=int, default=None,
                    help="shared-prefix / multi-turn system prompt tokens (default 256 / 0)")
-    w.add_argument("--num-turns", type=int, default=4, help="multi-turn turns per session")
-    w.add_argument("--token-scale", type=float, default=1.0, help="trace: scale input tokens")
-    w.add_argument("--output-token-scale", type=float, default=1.0,
-                   help="trace: scale output tokens")
-    w.add_argument("--time-scale", type=float, default=1.0,
-                   help="trace: multiply timestamps (0.5 replays at twice the rate)")
+    w.add_argument("--num-turns", type=int, default=None,
+                   help="multi-turn turns per session (default 4)")
+    w.add_argument("--token-scale", type=float, default=None,
+                   help="trace: scale input tokens (default 1)")
+    w.add_argument("--output-token-scale", type=float, default=None,
+                   help="trace: scale output tokens (default 1)")
+    w.add_argument("--time-scale", type=float, default=None,
+                   help="trace: multiply timestamps (0.5 replays at twice the rate; default 1)")
     w.add_argument("--rate-shape", choices=["trace", "daily"], default="trace",
                    help="trace: its own times; daily: the rows, in order, re-timed so the "
                    "rate follows a day (a sinusoid from trough at 0 to peak at half "
@@ -79,7 +83,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="--rate-shape daily: lowest rate over highest (default %(default)s)")
     w.add_argument("--request-rate", type=float, default=None,
                    help="synthetic: requests/s, Poisson (default inf: all at once)")
-    w.add_argument("--burstiness", type=float, default=1.0)
+    w.add_argument("--burstiness", type=float, default=None,
+                   help="synthetic: gamma shape of the gaps (default 1: Poisson)")
     w.add_argument("--max-concurrency", type=int, default=None)
 
     c = p.add_argument_group("cluster")

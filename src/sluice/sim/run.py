@@ -15,14 +15,14 @@ import argparse
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
 from sluice.bench import report
 from sluice.bench.load import LoadConfig
 from sluice.bench.metrics import parse_slos
-from sluice.bench.workloads import Session, WorkloadConfig
+from sluice.bench.workloads import WORKLOADS, Session, WorkloadConfig
 from sluice.control.flags import named_by_flags, scaling_options
 from sluice.control.planner import SLO, PlannerConfig
 from sluice.protocol.errors import InvalidRequestError
@@ -33,6 +33,22 @@ from sluice.sim.router import RouterSimConfig
 from sluice.sim.workload import DailyShape, synthetic_sessions, trace_sessions
 
 DEFAULT_NUM_PROMPTS = 100
+# `sluice sim` flag dest -> (the option's name in the bench's WORKLOADS[...].uses, flag)
+WORKLOAD_FLAGS: dict[str, tuple[str, str]] = {
+    "trace": ("trace_path", "--trace"),
+    "input_len": ("input_len", "--input-len"),
+    "output_len": ("output_len", "--output-len"),
+    "random_range_ratio": ("range_ratio", "--random-range-ratio"),
+    "num_groups": ("num_groups", "--num-groups"),
+    "system_prompt_len": ("system_prompt_len", "--system-prompt-len"),
+    "num_turns": ("num_turns", "--num-turns"),
+    "token_scale": ("token_scale", "--token-scale"),
+    "output_token_scale": ("output_token_scale", "--output-token-scale"),
+    "time_scale": ("time_scale", "--time-scale"),
+    "request_rate": ("request_rate", "--request-rate"),
+    "burstiness": ("burstiness", "--burstiness"),
+}
+_CONFIG_FIELDS = {f.name for f in fields(WorkloadConfig)} - {"trace_path"}
 DEFAULT_SHARED_PREFIX_LEN = 256
 DEFAULT_WORKERS = 16
 
@@ -144,10 +160,26 @@ def rate_shape(args: argparse.Namespace) -> DailyShape | None:
     if args.duration is None:
         raise InvalidRequestError("--rate-shape daily needs --duration SECONDS",
                                   param="duration")
-    if args.time_scale != 1.0:
+    if args.time_scale is not None:
         raise InvalidRequestError("--rate-shape daily sets the arrival times; drop "
                                   "--time-scale", param="time_scale")
     return DailyShape(args.duration, args.trough_ratio)
+
+
+def workload_options(args: argparse.Namespace, workload: str) -> dict[str, Any]:
+    """The `WorkloadConfig` fields given on the command line (the others keep its
+    defaults). An option the workload would not read is an error, as in `sluice bench
+    serve`: a trace brings its own lengths and times, a synthetic workload has no trace."""
+    arrivals = set() if workload == "trace" else {"request_rate", "burstiness"}
+    uses = WORKLOADS[workload].uses | arrivals
+    given = {dest: field for dest, (field, _) in WORKLOAD_FLAGS.items()
+             if getattr(args, dest) is not None}
+    unused = [dest for dest, field in given.items() if field not in uses]
+    if unused:
+        flags = ", ".join(WORKLOAD_FLAGS[dest][1] for dest in unused)
+        raise InvalidRequestError(f"--workload {workload} does not use {flags}", param=unused[0])
+    return {field: getattr(args, dest) for dest, field in given.items()
+            if field in _CONFIG_FIELDS}
 
 
 def sessions_from_args(args: argparse.Namespace) -> list[tuple[Session, float]]:
@@ -155,24 +187,21 @@ def sessions_from_args(args: argparse.Namespace) -> list[tuple[Session, float]]:
     shape = rate_shape(args)
     if args.num_prompts is not None and args.num_prompts < 1:
         raise InvalidRequestError("--num-prompts must be >= 1", param="num_prompts")
+    if workload == "trace" and not args.trace:
+        raise InvalidRequestError("--workload trace needs --trace FILE", param="trace")
+    options = workload_options(args, workload)
     if workload == "trace":
-        if not args.trace:
-            raise InvalidRequestError("--workload trace needs --trace FILE", param="trace")
-        cfg = WorkloadConfig(seed=args.seed, token_scale=args.token_scale,
-                             output_token_scale=args.output_token_scale,
-                             time_scale=args.time_scale)
+        cfg = WorkloadConfig(seed=args.seed, **options)
         return list(trace_sessions(args.trace, cfg, args.num_prompts, shape).timed())
     if shape is not None:
         raise InvalidRequestError("--rate-shape daily reshapes a trace's arrivals: it needs "
                                   "--trace", param="rate_shape")
-    system = args.system_prompt_len
-    if system is None:
-        system = DEFAULT_SHARED_PREFIX_LEN if workload == "shared-prefix" else 0
-    cfg = WorkloadConfig(seed=args.seed, input_len=args.input_len, output_len=args.output_len,
-                         range_ratio=args.random_range_ratio, num_groups=args.num_groups,
-                         system_prompt_len=system, num_turns=args.num_turns)
+    options.setdefault("system_prompt_len",
+                       DEFAULT_SHARED_PREFIX_LEN if workload == "shared-prefix" else 0)
+    cfg = WorkloadConfig(seed=args.seed, **options)
     rate = math.inf if args.request_rate is None else args.request_rate
-    load = LoadConfig(request_rate=rate, burstiness=args.burstiness, seed=args.seed)
+    burstiness = 1.0 if args.burstiness is None else args.burstiness
+    load = LoadConfig(request_rate=rate, burstiness=burstiness, seed=args.seed)
     count = DEFAULT_NUM_PROMPTS if args.num_prompts is None else args.num_prompts
     return synthetic_sessions(workload, cfg, load, count)
 
