@@ -133,8 +133,15 @@ def fetch(client: httpx.Client, url: str, key: str | None) -> dict[str, Any]:
 _SNAPSHOT_KEYS = {"time", "totals", "workers", "responses", "errors"}
 
 
+# piped (`--once` in a script, `> file`): rich's default of 80 columns cut each worker's
+# URL to "htt…" and its health to "hea…"; a row needs about 140
+PIPED_WIDTH = 160
+
+
 def handler(args: argparse.Namespace) -> int:
     console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, PIPED_WIDTH)
     with httpx.Client(timeout=5.0) as client:
         try:
             if args.once:
