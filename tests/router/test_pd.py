@@ -29,15 +29,17 @@ LONG = " ".join(f"w{i}" for i in range(120))  # 120 words = 120 stub tokens
 
 @asynccontextmanager
 async def pd_cluster(stubs: list[PDStub], pd: PDConfig, roles: bool = True,
+                     configured: dict[str, str] | None = None,
                      **router_kw: Any) -> AsyncIterator[tuple[str, RouterState]]:
     """The stubs behind a router whose pool is disaggregated; `roles`: configure each
-    worker's role (else the router reads them from /v1/pd_role). Each stub's `url` is
-    set."""
+    worker's role (its stub's, or by name from `configured`; else the router reads them
+    from /v1/pd_role). Each stub's `url` is set."""
+    configured = configured or {}
     async with AsyncExitStack() as stack:
         urls = [await stack.enter_async_context(serve(make_pd_stub(s))) for s in stubs]
         for s, u in zip(stubs, urls, strict=True):
             s.url = u
-        workers = tuple(WorkerSpec(u, role=s.role if roles else None)
+        workers = tuple(WorkerSpec(u, role=configured.get(s.name, s.role) if roles else None)
                         for s, u in zip(stubs, urls, strict=True))
         config = RouterConfig(pools=(PoolConfig(model="stub-model", workers=workers, pd=pd),),
                               seed=0, health_interval_s=30, scrape_interval_s=30, **router_kw)
@@ -102,6 +104,29 @@ async def test_the_router_drives_vllm_workers_with_exactly_vllms_fields() -> Non
         assert "sluice_router_pd_transfer_seconds_count 1.0" in metrics  # the stream
         assert "sluice_router_pd_decode_seconds_count 2.0" in metrics
         assert p.epochs_seen == [None, None]  # vLLM workers: no epoch known, none sent
+    no_errors(p, d)
+
+
+async def test_a_worker_started_without_a_role_takes_the_configured_one() -> None:
+    """`--prefill-worker URL` in front of a sluice worker started without `--role` (it
+    reports `both`, epoch 0): the router prefills there. The worker's `both` replaced the
+    configured role, so no worker was a prefill worker and every request went local,
+    silently (a new-user pass: `sluice router --prefill-worker A --decode-worker B
+    --pd-mode always` with A a default worker counted only `local`). A worker switched
+    since (epoch > 0) is taken at its word."""
+    store = KVStore()
+    p = PDStub("p", store, role="both", pd_api=True)
+    d = PDStub("d", store, role="decode", pd_api=True)
+    async with pd_cluster([p, d], PDConfig(mode="always"), configured={"p": "prefill"}) \
+            as (url, state), httpx.AsyncClient(timeout=10) as c:
+        r = await c.post(url + "/v1/chat/completions", json=chat(LONG, max_tokens=3))
+        assert r.status_code == 200 and r.json()["worker"] == "d", r.text
+        assert len(p.prefills) == 1 and len(d.decodes) == 1
+        assert pd_counts(state) == {"disaggregated": 1.0, "local": 0.0, "fallback": 0.0}
+        pool = state.pools[0]
+        p.epoch = 1  # switched to both since: its word stands
+        await state.pd.roles.refresh(pool.endpoints[p.url])
+        assert state.pd.roles.count(pool) == {"prefill": 0, "decode": 1, "both": 1}
     no_errors(p, d)
 
 

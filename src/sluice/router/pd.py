@@ -150,9 +150,13 @@ class RoleTable:
         except (httpx.HTTPError, ValueError):
             return entry
         if isinstance(data, dict) and data.get("role") in PD_ROLES:
-            entry.role = data["role"]
             epoch = data.get("epoch")
             entry.epoch = epoch if isinstance(epoch, int) else None
+            entry.role = data["role"]
+            if entry.role == BOTH and entry.epoch == 0 and endpoint.spec.role is not None:
+                # started without --role and never switched: it serves either step, and
+                # the router's configuration says which it gets (--prefill-worker)
+                entry.role = endpoint.spec.role
             entry.draining = bool(data.get("draining", False))
         return entry
 
