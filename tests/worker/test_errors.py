@@ -225,6 +225,28 @@ def test_a_bad_tool_schema_is_refused_whatever_the_tool_choice(
         400, "tools.1.function.parameters")
 
 
+ASKED = {"role": "assistant", "content": None, "tool_calls": [CALL]}
+
+
+@pytest.mark.parametrize(("messages", "param"), [
+    ([*USER, {"role": "tool", "tool_call_id": "c1", "content": "x"}], "messages.1.role"),
+    ([*USER, ASKED, {"role": "tool", "tool_call_id": "c2", "content": "x"}],
+     "messages.2.tool_call_id"),
+    ([*USER, ASKED, *USER, {"role": "tool", "tool_call_id": "c1", "content": "x"}],
+     "messages.3.role"),
+])
+def test_a_tool_message_must_answer_a_call(http: httpx.Client, messages: list,
+                                           param: str) -> None:
+    """Found by a new-user pass: a tool result answering no call (none asked, another id,
+    or a user turn in between) reached the template; OpenAI's API refuses it, as the
+    worker's /v1/messages does for Anthropic's tool_result."""
+    openai_error(http.post("/v1/chat/completions", json={
+        "messages": messages, "max_tokens": 2, "tools": [TOOL]}), 400, param)
+    ok = [*USER, ASKED, {"role": "tool", "tool_call_id": "c1", "content": "x"}]
+    assert http.post("/v1/chat/completions", json={
+        "messages": ok, "max_tokens": 2, "tools": [TOOL]}).status_code == 200
+
+
 def test_completion_specific_refusals(http: httpx.Client) -> None:
     openai_error(http.post("/v1/completions", json={"prompt": "a", "suffix": "z"}), 400, "suffix")
     openai_error(http.post("/v1/completions", json={"prompt": "a", "best_of": 3}), 400, "best_of")

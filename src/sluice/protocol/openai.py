@@ -379,6 +379,26 @@ class ChatCompletionRequest(SamplingFields):
                     f"tools ({', '.join(sorted(names))})", param="tool_choice")
         return choice
 
+    def check_tool_turns(self) -> None:
+        """OpenAI's rule: each `tool` message answers a call of the assistant message that
+        its run of tool messages follows (a 400 naming it else). Not for translated
+        Anthropic requests: `protocol.anthropic` checks their turns by Anthropic's rules."""
+        calls: set[str] | None = None  # the ids the current run of tool messages may answer
+        for i, m in enumerate(self.messages):
+            if m.role != "tool":
+                calls = {c.id for c in m.tool_calls or ()} if m.tool_calls else None
+            elif m.tool_call_id is None:
+                continue  # the template's check names the missing field
+            elif calls is None:
+                raise InvalidRequestError("messages with role 'tool' must be a response to a "
+                                          "preceding message with 'tool_calls'",
+                                          param=f"messages.{i}.role")
+            elif m.tool_call_id not in calls:
+                raise InvalidRequestError(
+                    f"tool_call_id {m.tool_call_id!r} answers none of the preceding "
+                    f"assistant message's tool_calls ({', '.join(sorted(calls))})",
+                    param=f"messages.{i}.tool_call_id")
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens

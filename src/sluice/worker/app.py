@@ -103,6 +103,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         check_epoch(request, state)
         body = await parse_body(request)
         req = parse_request(ChatCompletionRequest, reject_unsupported(body, UNSUPPORTED_CHAT))
+        req.check_tool_turns()
         job = await until_disconnect(request, prepare_chat(
             state, req, request_id(request), ids_hint(request), resumed_ids(request, state)))
         if req.stream:
