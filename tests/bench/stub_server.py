@@ -40,6 +40,7 @@ class StubConfig:
     expose_metrics: bool = True
     total_suffix: bool = True  # `_total` on counter names, as prometheus_client writes them
     old_tokenize: bool = False  # /tokenize rejects add_special_tokens and always adds <s>
+    api_key: str | None = None  # /v1/models answers 401 without `Authorization: Bearer KEY`
 
 
 @dataclass
@@ -133,7 +134,10 @@ def build_stub_app(cfg: StubConfig) -> tuple[FastAPI, StubState]:
         return await complete(request, chat=True)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> Any:
+        if cfg.api_key and request.headers.get("authorization") != f"Bearer {cfg.api_key}":
+            return JSONResponse({"error": {"message": "missing API key", "type": "authentication_error",
+                                           "code": "invalid_api_key"}}, status_code=401)
         return {"object": "list", "data": [{"id": cfg.model, "object": "model"}]}
 
     @app.post("/tokenize")

@@ -279,6 +279,20 @@ def test_bad_values_exit_2_with_one_line(argv: list[str], message: str,
     assert f"sluice bench serve: error: {message}" in err and "Traceback" not in err
 
 
+def test_a_refused_model_listing_asks_for_the_key(tokenizer_file: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Against `sluice serve` (keys on) without a key, this said "cannot list models at URL
+    ('data'); pass --model", and with --model every request then failed with a 401."""
+    from sluice.bench.serve import resolve_model
+
+    monkeypatch.delenv("SLUICE_API_KEY", raising=False)
+    with running_stub(StubConfig(tokenizer_path=str(tokenizer_file), api_key="sk-test")) as (url, _):
+        assert main(["bench", "serve", "--base-url", url, "--num-prompts", "1", "--warmup", "0"]) == 2
+        err = capsys.readouterr().err
+        assert f"GET {url}/v1/models answered 401" in err and "pass --api-key or set SLUICE_API_KEY" in err
+        assert resolve_model(url, "sk-test") == "stub-model"
+
+
 def test_cli_reports_errors_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "serve", "--model", "m", "--workload", "random", "--trace", "x"]) == 2
     assert "does not use --trace" in capsys.readouterr().err

@@ -207,12 +207,20 @@ async def scrape(http: httpx.AsyncClient, base_url: str, headers: dict[str, str]
 def resolve_model(base_url: str, api_key: str | None) -> str:
     """The first model `GET /v1/models` lists."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = base_url.rstrip("/") + "/v1/models"
     try:
         with httpx.Client(trust_env=False, timeout=10.0) as http:
-            data = http.get(base_url.rstrip("/") + "/v1/models", headers=headers).json()["data"]
-        return str(data[0]["id"])
+            resp = http.get(url, headers=headers)
+    except httpx.HTTPError as exc:
+        raise InvalidRequestError(f"cannot list models at {base_url} ({exc!r}); pass --model", param="model") from exc
+    if resp.status_code in (401, 403):  # the request would be refused too: --model cannot help
+        raise InvalidRequestError(f"GET {url} answered {resp.status_code} ({resp.text[:200]}); pass --api-key "
+                                  "or set SLUICE_API_KEY", param="api_key")
+    try:
+        resp.raise_for_status()
+        return str(resp.json()["data"][0]["id"])
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
-        raise InvalidRequestError(f"cannot list models at {base_url} ({exc}); pass --model", param="model") from exc
+        raise InvalidRequestError(f"cannot list models at {base_url} ({exc!r}); pass --model", param="model") from exc
 
 
 @dataclass
