@@ -187,7 +187,7 @@ def gateway_wrap(args: argparse.Namespace, cache: TokenCache) -> Any:
     config = GatewayConfig(
         database_url=args.database_url or env.get("DATABASE_URL"),
         admin_key=args.admin_key or env.get("ADMIN_KEY"),
-        limiter=LimiterConfig(redis_url=args.redis_url or env.get("REDIS_URL")))
+        limiter=LimiterConfig(redis_url=args.redis_url or env.get("REDIS_URL"))).with_spool()
     state = GatewayState.from_config(
         config, count_prompt_tokens=PromptTokenCounter(default_source=resolve_model(args.model),
                                                        cache=cache),

@@ -23,6 +23,7 @@ from sluice.gateway.config import GatewayConfig
 from sluice.gateway.ledger import LedgerWriter
 from sluice.gateway.limits import LocalLimiter
 from sluice.gateway.middleware import GatewayMiddleware
+from sluice.gateway.spool import LedgerSpool
 from sluice.gateway.state import GatewayState
 from sluice.gateway.store import SQLStore, TenantSettings, UsageQuery, UsageRecord
 from sluice.protocol.errors import ServiceUnavailableError
@@ -264,6 +265,62 @@ async def test_close_counts_what_it_could_not_write(sqlite_store: SQLStore, capl
         await writer.close(0.2)
     assert "2 usage records not written" in caplog.text
     assert not writer.waiting and dropped(writer) == 2
+
+
+async def test_a_writer_that_dies_during_an_outage_leaves_its_records_to_the_next(
+        any_store: SQLStore, tmp_path: Path) -> None:
+    """With a spool, the records waiting for the database are also in a local file: a
+    gateway that dies before the database is back (here: its writer dropped, no close)
+    loses none; the next one on the same spool writes them, each once, also the one
+    the first had committed just before it died (still in the spool)."""
+    t = any_store.create_tenant("acme", TenantSettings(budget_usd=10.0))
+    reservation = any_store.reserve_spend(t.id, 2.0, 10.0, 60)
+    path = tmp_path / "spool.db"
+    outage = Outage(any_store)
+    outage.down = True
+    first = LedgerWriter(any_store, retry_s=(10.0, 10.0), spool=LedgerSpool(path))
+    await first.write(rec(t.id, 1, cost=1.25), reservation)
+    await asyncio.gather(*(first.write(rec(t.id, i)) for i in (2, 3)))
+    assert [r.request_id for r, _ in LedgerSpool(path).load()] == ["r1", "r2", "r3"]
+    assert first._retry is not None
+    first._retry.cancel()  # it dies: nothing more from it
+    outage.down = False
+    any_store.record_usage_many([first.waiting[1][0]])  # r2 made it before the end
+    second = LedgerWriter(any_store, retry_s=(0.01, 0.05), spool=LedgerSpool(path))
+    second.recover()
+    assert waiting(second) == 3
+    await until(lambda: not second.waiting)
+    assert sorted(r.request_id for r in rows(any_store)) == ["r1", "r2", "r3"]
+    tenant = any_store.get_tenant(t.id)
+    assert (tenant.spend_usd, tenant.reserved_usd) == pytest.approx((2.25, 0.0), abs=1e-9)
+    assert len(LedgerSpool(path)) == 0 and dropped(second) == 0
+    await second.close(1)
+
+
+async def test_close_leaves_what_it_could_not_write_in_the_spool(
+        sqlite_store: SQLStore, tmp_path: Path, caplog: Any) -> None:
+    t = sqlite_store.create_tenant("acme", TenantSettings())
+    outage = Outage(sqlite_store)
+    outage.down = True
+    writer = LedgerWriter(sqlite_store, retry_s=(0.01, 0.05),
+                          spool=LedgerSpool(tmp_path / "spool.db"))
+    await asyncio.gather(*(writer.write(rec(t.id, i)) for i in range(2)))
+    with caplog.at_level(logging.ERROR):
+        await writer.close(0.2)
+    assert "kept in" in caplog.text and not dropped(writer)
+    outage.down = False
+    after = LedgerWriter(sqlite_store, spool=LedgerSpool(tmp_path / "spool.db"))
+    after.recover()
+    await until(lambda: not after.waiting)
+    assert sorted(r.request_id for r in rows(sqlite_store)) == ["r0", "r1"]
+    await after.close(1)
+
+
+def test_no_spool_file_without_an_outage(sqlite_store: SQLStore, tmp_path: Path) -> None:
+    spool = LedgerSpool(tmp_path / "spool" / "s.db")
+    assert spool.load() == [] and len(spool) == 0
+    spool.remove(["x"])
+    assert not (tmp_path / "spool").exists()
 
 
 async def test_the_gateway_refuses_requests_while_the_buffer_is_full(

@@ -344,3 +344,50 @@ def test_postgres_cut_under_load(stub_url: str, pg_schema: str, tmp_path: Path) 
     assert not [o for o in load.outcomes if o.status == 503 and o.request_id in rows]
     lost = lost_rows(load, pg_schema)  # and exactly one row each (no duplicate)
     assert not lost, (len(lost), lost[:5])
+
+
+def test_records_outlive_a_gateway_killed_while_postgres_is_down(
+        stub_url: str, pg_schema: str, tmp_path: Path) -> None:
+    """The records of requests served during a PostgreSQL cut wait in the gateway's
+    memory and in its spool file (SLUICE_HOME/ledger-spool): a gateway killed with
+    SIGKILL before the database is back loses none; the next one started on the same
+    database and home writes them, each once."""
+    with FaultProxy(PG) as pg, FaultProxy(REDIS) as redis:
+        with gateway(stub_url, pg, redis, pg_schema, "closed", tmp_path) as (gw, key, _):
+            with Load(gw.url, key, threads=2) as load:
+                time.sleep(1.0)
+                load.phase = "cut"
+                pg.cut()
+                time.sleep(2.0)
+            served = [o for o in load.outcomes if o.phase == "cut" and o.status == 200]
+            assert served, load.statuses("cut")
+            metrics = httpx.get(gw.url + "/metrics", timeout=10).text
+            assert metric(metrics, "sluice_gateway_ledger_waiting") > 0
+            gw.proc.kill()
+            gw.proc.wait(10)
+        assert lost_rows(load, pg_schema), "the cut's records were written before the kill"
+        pg.restore()
+        again = start("gateway", ["gateway", "--upstream", stub_url, "--database-url",
+                                  f"postgresql://postgres@127.0.0.1:{pg.port}/test"
+                                  f"?options=-csearch_path%3D{pg_schema}",
+                                  "--redis-url", f"redis://127.0.0.1:{redis.port}/0",
+                                  "--admin-key", ADMIN_KEY], tmp_path)
+        try:
+            wait_healthy(again, 60)
+            lost = wait_for_rows(load, pg_schema)
+            assert not lost, (len(lost), lost[:5], again.text())
+        finally:
+            stop(again)
+    assert not lost_rows(load, pg_schema)  # one row each: no duplicate either
+    assert not list((tmp_path / "ledger-spool").glob("*.db")) or all(
+        _spool_empty(p) for p in (tmp_path / "ledger-spool").glob("*.db"))
+
+
+def _spool_empty(path: Path) -> bool:
+    from sluice.gateway.spool import LedgerSpool
+
+    spool = LedgerSpool(path)
+    try:
+        return len(spool) == 0
+    finally:
+        spool.close()

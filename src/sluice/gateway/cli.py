@@ -377,7 +377,7 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
                             on_redis_error=args.on_redis_error)
     return GatewayConfig(database_url=args.database_url or env.get("DATABASE_URL"),
                          admin_key=args.admin_key or env.get("ADMIN_KEY"), limiter=limiter,
-                         prices_file=args.prices)
+                         prices_file=args.prices).with_spool()
 
 
 @_guard

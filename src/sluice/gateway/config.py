@@ -9,9 +9,11 @@ a request that names no priority, so `interactive` is 0 and the others sit below
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from sluice import env
 from sluice.protocol.edge import DEFAULT_MAX_BODY_BYTES, Headers, check_admin_key
 from sluice.protocol.errors import InvalidRequestError
 
@@ -72,7 +74,10 @@ class GatewayConfig:
     limiter's reconciliation for requests no concurrency or TPM limit counts.
     While the database is unreachable, up to `ledger_max_waiting` usage records wait in
     memory and are retried (new requests are refused while that many wait); shutdown
-    waits up to `ledger_close_s` for them (`gateway/ledger.py`).
+    waits up to `ledger_close_s` for them (`gateway/ledger.py`). `ledger_spool`: a local
+    file that also keeps them until the database has them, so a gateway killed or
+    stopped during an outage loses none (`gateway/spool.py`; None: memory only;
+    `sluice serve` and `sluice gateway` use `ledger_spool_path`).
     """
 
     database_url: str | None = None
@@ -88,6 +93,7 @@ class GatewayConfig:
     await_ledger: bool = False
     ledger_max_waiting: int = 10_000
     ledger_close_s: float = 10.0
+    ledger_spool: Path | None = None
 
     def __post_init__(self) -> None:
         if self.default_reserve_tokens < 0:
@@ -102,7 +108,20 @@ class GatewayConfig:
         if self.ledger_close_s < 0:
             raise InvalidRequestError("ledger_close_s must be >= 0", param="ledger_close_s")
 
+    def with_spool(self) -> GatewayConfig:
+        """This config with `ledger_spool` at its default place, `ledger_spool_path`."""
+        return replace(self, ledger_spool=ledger_spool_path(self.database_url,
+                                                            self.table_prefix))
+
     def check_admin(self, headers: Headers) -> None:
         """The gateway's admin routes and the worker control routes it passes on: 403
         without an admin key configured, 401 for a missing or wrong one."""
         check_admin_key(self.admin_key, headers, setting="SLUICE_ADMIN_KEY or --admin-key")
+
+
+def ledger_spool_path(database_url: str | None, table_prefix: str = "sluice_") -> Path:
+    """Where a gateway keeps the usage records waiting for this database: under
+    SLUICE_HOME, one file per database URL and table prefix, so gateways on other stores
+    never take up each other's records."""
+    store = f"{database_url or 'sqlite (default)'}|{table_prefix}"
+    return env.home() / "ledger-spool" / f"{hashlib.sha256(store.encode()).hexdigest()[:16]}.db"

@@ -27,6 +27,12 @@ A record the store refuses for itself (not an outage) is written alone, so it do
 take its batch down, and dropped if refused again. Every dropped record is logged with
 its request id and counted in `sluice_gateway_ledger_errors_total`; `close` waits a
 bounded time at shutdown for the waiting ones and counts what is left as dropped.
+
+With a `spool` (`spool.py`; `sluice serve` and `sluice gateway` keep one under
+SLUICE_HOME) every waiting record is also in a local file until the database has it:
+`close` then leaves what still waits there instead of dropping it, and `recover` (at
+the next start on the same database) writes it, so a gateway killed or stopped during
+an outage loses no record.
 """
 
 from __future__ import annotations
@@ -38,12 +44,11 @@ from collections.abc import Sequence
 
 from sluice.gateway.group_commit import GroupCommit
 from sluice.gateway.metrics import GatewayMetrics
+from sluice.gateway.spool import Item, LedgerSpool
 from sluice.gateway.store import Store, UsageRecord
 from sluice.protocol.errors import ServiceUnavailableError
 
 logger = logging.getLogger(__name__)
-
-Item = tuple[UsageRecord, str | None]  # a record and the budget reservation it gives back
 
 
 class LedgerWriter:
@@ -51,8 +56,10 @@ class LedgerWriter:
 
     def __init__(self, store: Store, metrics: GatewayMetrics | None = None, *,
                  max_batch: int = 256, max_waiting: int = 10_000,
-                 retry_s: tuple[float, float] = (0.05, 2.0)) -> None:
+                 retry_s: tuple[float, float] = (0.05, 2.0),
+                 spool: LedgerSpool | None = None) -> None:
         self.store = store
+        self.spool = spool
         self.metrics = metrics or GatewayMetrics()
         self.max_batch = max_batch
         self.max_waiting = max_waiting
@@ -81,18 +88,37 @@ class LedgerWriter:
         if error is not None:
             self._keep(self._sort([item], [error]))
 
+    def recover(self) -> None:
+        """Take up the records a previous gateway on this database left in the spool
+        (killed, or stopped while the database was down): they wait, oldest first, ahead
+        of any new one, and are written once the store answers. Call once, at start."""
+        left = self.spool.load() if self.spool is not None else []
+        if not left:
+            return
+        logger.warning("%d usage records left in %s by an earlier gateway: writing them",
+                       len(left), self.spool.path if self.spool is not None else "")
+        self.waiting[:0] = left
+        self._keep([])
+
     async def close(self, timeout_s: float) -> None:
         """Wait up to `timeout_s` for the waiting records to be written, then stop
-        retrying; those still waiting are logged and counted as dropped."""
+        retrying; those still waiting stay in the spool for the next start, or without
+        one are logged and counted as dropped."""
         if self._retry is not None:
             await asyncio.wait([self._retry], timeout=timeout_s)
             self._retry.cancel()
-        if self.waiting:
+        if self.waiting and self.spool is not None:
+            logger.error("%d usage records not written yet: the database was still "
+                         "unreachable at shutdown (waited %.0f s); kept in %s for the next "
+                         "start", len(self.waiting), timeout_s, self.spool.path)
+        elif self.waiting:
             logger.error("%d usage records not written: the database was still unreachable "
                          "at shutdown (waited %.0f s)", len(self.waiting), timeout_s)
             self.metrics.ledger_errors.inc(len(self.waiting))
-            self.waiting.clear()
-            self.metrics.ledger_waiting.set(0)
+        self.waiting.clear()
+        self.metrics.ledger_waiting.set(0)
+        if self.spool is not None:
+            self.spool.close()
 
     def _commit(self, batch: list[Item]) -> list[Exception | None]:
         """Write `batch` in one transaction (in a worker thread); per item, None or the
@@ -107,6 +133,15 @@ class LedgerWriter:
             return [self._commit([item])[0] for item in batch]
         return [None] * len(batch)
 
+    def _commit_and_unspool(self, batch: list[Item]) -> list[Exception | None]:
+        """`_commit`, then the spool forgets the records that are no longer waiting
+        (written, or refused for good)."""
+        errors = self._commit(batch)
+        if self.spool is not None:
+            self.spool.remove(r.record_id for (r, _), e in zip(batch, errors, strict=True)
+                              if not isinstance(e, ServiceUnavailableError))
+        return errors
+
     def _sort(self, batch: list[Item], errors: Sequence[BaseException | None]) -> list[Item]:
         """The items to retry (the store was down); refused ones are dropped."""
         retry = []
@@ -118,13 +153,17 @@ class LedgerWriter:
         return retry
 
     def _keep(self, items: list[Item]) -> None:
-        """Append `items` to `waiting` (beyond `max_waiting`: drop them) and make sure the
-        retry task runs."""
+        """Append `items` to `waiting` and the spool (beyond `max_waiting`: drop them)
+        and make sure the retry task runs."""
+        kept = []
         for item in items:
             if self.full:
                 self._drop(item, f"{self.max_waiting} records already wait for the database")
             else:
                 self.waiting.append(item)
+                kept.append(item)
+        if self.spool is not None and kept:
+            self.spool.add(kept)  # a local file: ~0.1 ms, and only during an outage
         self.metrics.ledger_waiting.set(len(self.waiting))
         if self.waiting and (self._retry is None or self._retry.done()):
             logger.warning("gateway database unreachable: usage records kept and retried")
@@ -137,7 +176,7 @@ class LedgerWriter:
         while self.waiting:
             await asyncio.sleep(delay)
             batch = self.waiting[: self.max_batch]
-            errors = await asyncio.to_thread(self._commit, batch)
+            errors = await asyncio.to_thread(self._commit_and_unspool, batch)
             del self.waiting[: len(batch)]  # only appended to meanwhile
             retry = self._sort(batch, errors)
             self.waiting[:0] = retry

@@ -202,8 +202,11 @@ class GatewayMiddleware:
         return await self.app(scope, receive, send)
 
     async def _lifespan(self, scope: Scope_, receive: Receive, send: Send) -> None:
-        """The inner app's lifespan; on shutdown also close the limiter and the store."""
+        """The inner app's lifespan; at startup also take up the records an earlier
+        gateway left in the ledger's spool, on shutdown close the limiter and the store."""
         async def on_send(message: Message) -> None:
+            if message["type"] == "lifespan.startup.complete":
+                self.state.start()
             if message["type"] == "lifespan.shutdown.complete":
                 await self.state.aclose()
             await send(message)

@@ -21,6 +21,7 @@ from sluice.gateway.limits import Limiter, LocalLimiter, RedisLimiter
 from sluice.gateway.metrics import GatewayMetrics
 from sluice.gateway.pricing import PriceTable
 from sluice.gateway.redact import Redactor, default_redactor
+from sluice.gateway.spool import LedgerSpool
 from sluice.gateway.store import SQLStore, Store
 from sluice.gateway.tokens import CountPromptTokens, PromptTokenCounter
 from sluice.observe.buckets import LatencyBuckets
@@ -51,8 +52,10 @@ class GatewayState:
     background: set[asyncio.Task[None]] = field(init=False)
 
     def __post_init__(self) -> None:
+        spool = self.config.ledger_spool
         self.ledger = LedgerWriter(self.store, self.metrics,
-                                   max_waiting=self.config.ledger_max_waiting)
+                                   max_waiting=self.config.ledger_max_waiting,
+                                   spool=LedgerSpool(spool) if spool is not None else None)
         self.budgets = BudgetReservations(self.store, self.config.budget_lease_s)
         self.keys = KeyCache(self.store)
         self.background = set()
@@ -95,6 +98,11 @@ class GatewayState:
             redactor=redactor or default_redactor,
             metrics=GatewayMetrics(buckets),
         )
+
+    def start(self) -> None:
+        """At startup, on the serving loop: take up the usage records an earlier gateway
+        on this database left waiting in the spool."""
+        self.ledger.recover()
 
     async def aclose(self) -> None:
         await self.flush()  # every ledger row is written exactly once, also at shutdown
