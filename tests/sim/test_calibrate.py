@@ -76,3 +76,41 @@ def test_from_steps_rejects_the_engine_timing_options(tmp_path: Path,
                "--out", str(tmp_path / "p.json")])
     assert rc == 2 and "--cpu-threads" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+def _write_steps(directory: Path) -> None:
+    """One engine's step log, a few shapes: enough for `from_steps` to fit."""
+    header = {"model": "m", "block_size": 16, "num_kv_blocks": 512, "max_num_seqs": 64,
+              "max_num_batched_tokens": 1024}
+    shapes = [[[0, n]] for n in (32, 128, 512)] + [[[100 + i, 1] for i in range(b)]
+                                                   for b in (1, 4, 16)]
+    lines = [json.dumps(header)] + [json.dumps({"chunks": c, "s": 0.01 + 0.001 * len(c)})
+                                    for c in shapes for _ in range(2)]
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "steps-1.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_an_out_path_that_cannot_be_written_is_an_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It was a FileNotFoundError traceback after the fit (after minutes of timing,
+    without --from-steps), and the profile was lost."""
+    from sluice.cli import main
+
+    _write_steps(tmp_path / "steps")
+    out = tmp_path / "missing" / "p.json"
+    assert main(["sim", "calibrate", "--from-steps", str(tmp_path / "steps"),
+                 "--out", str(out)]) == 2
+    assert f"cannot write the profile to {out}: no such directory" in capsys.readouterr().err
+
+
+def test_the_default_out_creates_sluice_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """$SLUICE_HOME (./.sluice) does not exist until something creates it: on a machine
+    where `sluice serve` never ran, the default --out failed after the fit."""
+    from sluice.cli import main
+
+    _write_steps(tmp_path / "steps")
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path / "home"))
+    assert main(["sim", "calibrate", "--from-steps", str(tmp_path / "steps")]) == 0
+    assert StepProfile(**json.loads((tmp_path / "home" / "sim-profile.json").read_text()))
+    capsys.readouterr()

@@ -24,6 +24,7 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from sluice.engine.scheduler import ScheduledChunk, Scheduler
@@ -247,6 +248,9 @@ def fit_report(profile: StepProfile, points: list[Point],
 
 
 def calibrate_from_args(args: argparse.Namespace, out: str) -> int:
+    if not Path(out).resolve().parent.is_dir():  # before minutes of timing, not after
+        raise InvalidRequestError(f"cannot write the profile to {out}: no such directory",
+                                  param="out")
     if args.from_steps:
         timing = [f for f in ("model", "quick", "num_kv_blocks", "cpu_threads")
                   if getattr(args, f) not in (None, False)]
@@ -263,7 +267,10 @@ def calibrate_from_args(args: argparse.Namespace, out: str) -> int:
     text, err = fit_report(profile, points, typical)
     print(text)
     print(f"median |error| (model vs {typical}) over shapes: {100 * err:.1f}%")
-    save_profile(profile, out)
+    try:
+        save_profile(profile, out)
+    except OSError as exc:
+        raise InvalidRequestError(f"cannot write the profile to {out}: {exc}", param="out") from exc
     print(f"wrote {out}: " + ", ".join(f"{k}={getattr(profile, k):.3g}" for k in
                                         ("step_overhead_s", "s_per_token", "s_per_seq",
                                          "s_per_kpair", "s_per_decode_kpair")))

@@ -166,6 +166,8 @@ def _run(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from sluice.sim.calibrate import calibrate_from_args
 
+    if args.out is None:  # $SLUICE_HOME may not exist yet (no `sluice serve` has run here)
+        env.home().mkdir(parents=True, exist_ok=True)
     try:
         return calibrate_from_args(args, args.out or default_profile_path())
     except SluiceError as exc:
