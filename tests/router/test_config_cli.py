@@ -104,6 +104,17 @@ def test_buffer_timeout_is_checked_by_the_router_config(tmp_path: Path, value: s
     (["--worker", "http://a:1", "--max-retries", "-1"], None, "max_retries must be >= 0"),
     (["--worker", "notaurl"], None, "worker url must start with http://"),
     (["--worker", "http://a:1", "--port", "70000"], None, "port must be an integer in 0..65535"),
+    # aliases that lead back to themselves were accepted, and each request for one was
+    # routed as the next until Python's recursion limit: a 500 (a new-user pass)
+    (["--worker", "http://a:1", "--alias", "a=b", "--alias", "b=a"], None,
+     "aliases form a cycle: a -> b -> a"),
+    (["--config", "{dir}/r.yaml"],
+     "aliases: {auto: {policy: cascade, small: auto, large: big}}\n",
+     "aliases form a cycle: auto -> auto"),
+    # an empty name was listed by /v1/models as ""; an empty target answered 400 "'model'
+    # is required" to a request that had named one
+    (["--worker", "http://a:1", "--alias", "=x"], None, "an alias needs a name and a target"),
+    (["--worker", "http://a:1", "--alias", "c="], None, "an alias needs a name and a target"),
 ])
 def test_a_bad_flag_or_config_file_exits_2_with_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], text: str | None,

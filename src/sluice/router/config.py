@@ -417,6 +417,33 @@ class AliasSpec:
         if (self.target is None) == (self.cascade is None):
             raise InvalidRequestError(f"alias {self.name!r} needs a target or a cascade, "
                                       "not both", param="aliases")
+        if not self.name or self.target == "":
+            raise InvalidRequestError(f"an alias needs a name and a target, got "
+                                      f"{self.name!r} -> {self.target!r}", param="aliases")
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The model names a request for this alias is routed as."""
+        if self.cascade is not None:
+            return (self.cascade.small, self.cascade.large)
+        return (self.target,) if self.target is not None else ()
+
+
+def check_alias_cycles(aliases: Sequence[AliasSpec]) -> None:
+    """Refuse aliases that lead back to themselves (`a -> b -> a`, a cascade whose small
+    or large model is itself): a request for one was routed as the next, forever, and
+    answered 500 after Python's recursion limit."""
+    by_name = {a.name: a.targets for a in aliases}
+
+    def walk(name: str, path: tuple[str, ...]) -> None:
+        for target in by_name.get(name, ()):
+            if target in path:
+                cycle = " -> ".join((*path[path.index(target):], target))
+                raise InvalidRequestError(f"aliases form a cycle: {cycle}", param="aliases")
+            walk(target, (*path, target))
+
+    for name in by_name:
+        walk(name, (name,))
 
 
 @dataclass(frozen=True)
@@ -467,6 +494,7 @@ class RouterConfig:
         if self.scrape_interval_s <= 0 or self.health_interval_s <= 0:
             raise InvalidRequestError("intervals must be positive", param="scrape_interval_s")
         check_number("buffer_timeout_s", self.buffer_timeout_s, "must be >= 0", lambda v: v >= 0)
+        check_alias_cycles(self.aliases)
         if self.buffer_max_requests < 0:
             raise InvalidRequestError("buffer_max_requests must be >= 0",
                                       param="buffer_max_requests")
