@@ -267,6 +267,8 @@ def test_bad_options_fail_clearly(argv: list[str], message: str, capsys: pytest.
         (["--request-timeout", "nan"], "--request-timeout must be > 0"),
         (["--temperature", "nan"], "--temperature must be >= 0"),
         (["--endpoint", "/v1/embeddings"], "--endpoint must end in /completions"),
+        (["--json", "/nonexistent/dir/out.json"], "--json /nonexistent/dir/out.json: no such directory"),
+        (["--plot", "/nonexistent/dir/out.png"], "--plot /nonexistent/dir/out.png: no such directory"),
     ],
 )
 def test_bad_values_exit_2_with_one_line(argv: list[str], message: str,

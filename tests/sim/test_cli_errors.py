@@ -103,3 +103,14 @@ def test_the_options_a_workload_reads_still_work(tmp_path: Path,
     assert main(["sim", "--workload", "shared-prefix", "--num-prompts", "2", "--workers", "2",
                  "--num-groups", "1", "--system-prompt-len", "16", "--input-len", "4"]) == 0
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+@pytest.mark.parametrize("where", ["missing/out", "."])
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_run(
+        flag: str, where: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """It was a FileNotFoundError / IsADirectoryError traceback after the simulation."""
+    assert main(["sim", "--num-prompts", "2", "--workers", "2", flag, str(tmp_path / where)]) == 2
+    captured = capsys.readouterr()
+    assert f"sluice sim: error: {flag} " in captured.err and "no such directory" in captured.err
+    assert "Simulation Result" not in captured.out  # nothing ran

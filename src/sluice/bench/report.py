@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.bench.client import RequestRecord
+from sluice.protocol.errors import InvalidRequestError
 
 # (label, key in the summary, format)
 ROWS: tuple[tuple[str, str, str], ...] = (
@@ -94,6 +95,14 @@ def throughput_over_time(records: Sequence[RequestRecord], bin_s: float = 1.0) -
     if not bins:
         return []
     return [{"t": k * bin_s, "tokens_per_s": bins.get(k, 0.0) / bin_s} for k in range(max(bins) + 1)]
+
+
+def check_output(path: str | None, flag: str) -> None:
+    """Refuse an output file that cannot be created, before the run whose results it
+    would hold (`--json`, `--plot`), not after it."""
+    if path and (Path(path).is_dir() or not Path(path).resolve().parent.is_dir()):
+        raise InvalidRequestError(f"{flag} {path}: no such directory, or a directory",
+                                  param=flag.lstrip("-"))
 
 
 def write_json(path: str | Path, document: dict[str, Any]) -> None:

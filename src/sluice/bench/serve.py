@@ -146,6 +146,8 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
     if count is None and math.isinf(load.request_rate) and not load.max_concurrency and not spec.finite:
         raise InvalidRequestError("--duration with --request-rate inf needs --max-concurrency", param="max_concurrency")
     endpoint_kind(args.endpoint)  # raises on an unknown endpoint
+    report.check_output(args.json, "--json")
+    report.check_output(args.plot, "--plot")
     return ServeBenchConfig(
         base_urls=(args.base_url, *(args.compare or [])),
         endpoint=args.endpoint,

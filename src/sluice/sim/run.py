@@ -274,6 +274,8 @@ def document(configs: Sequence[SimConfig], results: Sequence[SimResult], workloa
 def run_from_args(args: argparse.Namespace) -> int:
     from sluice.sim.cli import default_profile_path
 
+    report.check_output(args.json, "--json")
+    report.check_output(args.plot, "--plot")
     profile = profile_from_args(args, default_profile_path())
     if args.planner not in PLANNERS:
         raise InvalidRequestError(f"unknown planner {args.planner!r}; choose from "
