@@ -63,3 +63,19 @@ def test_dashboards_cover_the_path() -> None:
                    "sluice_router_estimated_prefix_hit_tokens_total",
                    "sluice_gateway_spend_usd_total", "sluice_gateway_rejections_total"):
         assert metric in exprs, metric
+
+
+def test_the_generator_takes_help_and_a_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m sluice.observe.dashboards --help` wrote the four dashboards into a new
+    directory named `--help`."""
+    from sluice.observe.dashboards import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0 and "out_dir" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+    assert main(["out"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        f"{uid}.json" for uid in DASHBOARDS)

@@ -20,8 +20,8 @@ generated JSON is committed beside the Prometheus rules; a test keeps it in sync
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -194,6 +194,16 @@ def write_all(out_dir: Path) -> list[Path]:
     return paths
 
 
-if __name__ == "__main__":
-    for written in write_all(Path(sys.argv[1] if len(sys.argv) > 1 else "deploy/grafana")):
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sluice.observe.dashboards",
+                                     description="Write the Grafana dashboards' JSON.")
+    parser.add_argument("out_dir", nargs="?", default="deploy/grafana",
+                        help="directory to write sluice-*.json into (default %(default)s)")
+    args = parser.parse_args(argv)
+    for written in write_all(Path(args.out_dir)):
         print(written)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
