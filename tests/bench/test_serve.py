@@ -295,6 +295,17 @@ def test_a_refused_model_listing_asks_for_the_key(tokenizer_file: Path, monkeypa
         assert resolve_model(url, "sk-test") == "stub-model"
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--request-rate", "fast"), ("--request-rate", "0"),
+                                             ("--burstiness", "nan")])
+def test_a_bad_rate_is_a_usage_error_that_names_it(flag: str, value: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """`fast` read "invalid _rate value: 'fast'" (the name of a private function)."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "serve", "--model", "m", flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: must be a number > 0 or inf, got {value!r}" in capsys.readouterr().err
+
+
 def test_cli_reports_errors_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "serve", "--model", "m", "--workload", "random", "--trace", "x"]) == 2
     assert "does not use --trace" in capsys.readouterr().err

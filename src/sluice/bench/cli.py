@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 from typing import Any
 
@@ -66,9 +67,12 @@ def _run_offline(args: argparse.Namespace) -> int:
 
 
 def _rate(text: str) -> float:
-    value = float(text)  # accepts "inf"
+    try:
+        value = float(text)  # accepts "inf"
+    except ValueError:
+        value = math.nan
     if not value > 0:
-        raise argparse.ArgumentTypeError("must be > 0 or inf")
+        raise argparse.ArgumentTypeError(f"must be a number > 0 or inf, got {text!r}")
     return value
 
 
