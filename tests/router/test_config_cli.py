@@ -115,6 +115,13 @@ def test_buffer_timeout_is_checked_by_the_router_config(tmp_path: Path, value: s
     # is required" to a request that had named one
     (["--worker", "http://a:1", "--alias", "=x"], None, "an alias needs a name and a target"),
     (["--worker", "http://a:1", "--alias", "c="], None, "an alias needs a name and a target"),
+    # settings that were accepted and never used: a long worker with no threshold got
+    # requests only when every short worker was down; the events of a URL that is no
+    # worker were never read
+    (["--worker", "http://a:1", "--long-worker", "http://b:1"], None,
+     "worker http://b:1 is in group 'long', but the pool has no long_prompt_tokens"),
+    (["--worker", "http://a:1", "--worker-kv-events", "http://b:1=tcp://127.0.0.1:5557"],
+     None, "--worker-kv-events names no worker: http://b:1"),
 ])
 def test_a_bad_flag_or_config_file_exits_2_with_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], text: str | None,

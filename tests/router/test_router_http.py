@@ -354,6 +354,10 @@ async def test_admin_add_drain_remove_with_key(cluster: Cluster) -> None:
         assert r.status_code == 401
         r = await c.post("/admin/workers", json={"url": b_url, "bogus": 1}, headers=key)
         assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
+        # the pool has no long_prompt_tokens: a long worker would never be chosen
+        r = await c.post("/admin/workers", json={"url": b_url, "group": "long"}, headers=key)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "long_prompt_tokens"
         r = await c.post("/admin/workers", json={"url": b_url}, headers=key)
         assert r.status_code == 201 and r.json()["models"] == ["stub-model"]
         for _ in range(4):

@@ -247,6 +247,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         workers += [WorkerSpec(u, kv_events=kv.get(u.rstrip("/")), version=CANARY)
                     for u in args.canary_worker]
         workers += [WorkerSpec(u, version=SHADOW) for u in args.shadow_worker]
+        unknown = sorted(set(kv) - {w.url for w in workers})
+        if unknown:  # a typo'd URL: its events were never read
+            raise InvalidRequestError(f"--worker-kv-events names no worker: {unknown[0]}",
+                                      param="worker-kv-events")
         pools.append(PoolConfig(model=args.model,
                                 aliases=tuple(a for a in args.alias if "=" not in a),
                                 workers=tuple(workers), policy=args.policy,

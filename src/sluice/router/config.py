@@ -311,6 +311,16 @@ class PoolConfig:
         urls = [w.url for w in self.workers]
         if len(set(urls)) != len(urls):
             raise InvalidRequestError("a worker is listed twice in a pool", param="workers")
+        for worker in self.workers:
+            self.check_group(worker)
+
+    def check_group(self, worker: WorkerSpec) -> None:
+        """A `long` worker needs `long_prompt_tokens`: without it no prompt is long, and
+        the worker got requests only when every short worker was down."""
+        if worker.group == LONG and self.long_prompt_tokens is None:
+            raise InvalidRequestError(f"worker {worker.url} is in group 'long', but the pool "
+                                      "has no long_prompt_tokens (--long-prompt-tokens)",
+                                      param="long_prompt_tokens")
 
     @property
     def names(self) -> tuple[str, ...]:

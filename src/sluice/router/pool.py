@@ -72,6 +72,7 @@ class Pool:
     def add(self, spec: WorkerSpec) -> Endpoint:
         if spec.url in self.endpoints:
             raise InvalidRequestError(f"worker {spec.url} is already in the pool", param="url")
+        self.config.check_group(spec)
         endpoint = self.endpoints[spec.url] = Endpoint(spec, fit=self.fit, clock=self.clock,
                                                        on_finish=self._finished)
         self.release_workers += spec.version != BASELINE
