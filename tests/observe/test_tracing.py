@@ -258,3 +258,21 @@ def test_a_sampler_ratio_that_is_not_a_number_is_refused(
     monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", arg)
     with pytest.raises(InvalidRequestError, match="OTEL_TRACES_SAMPLER_ARG must be a number"):
         Sampler.from_env()
+
+
+def test_grpc_without_its_exporter_is_refused_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The export process died on the import at the first span (a ModuleNotFoundError
+    traceback, then "tracing stops"), after the server had started as if tracing."""
+    import importlib.util
+
+    from sluice.observe.tracing import GRPC_EXPORTER, TracingConfig, start_tracing
+
+    try:
+        installed = importlib.util.find_spec(GRPC_EXPORTER) is not None
+    except ModuleNotFoundError:
+        installed = False
+    if installed:
+        pytest.skip("the grpc exporter is installed here")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
+    with pytest.raises(InvalidRequestError, match="opentelemetry-exporter-otlp-proto-grpc"):
+        start_tracing(TracingConfig.resolve("http://127.0.0.1:4317", "sluice-test"))

@@ -40,6 +40,7 @@ package installed).
 from __future__ import annotations
 
 import contextvars
+import importlib.util
 import logging
 import math
 import random
@@ -97,11 +98,27 @@ class TracingConfig:
         return cls(endpoint, env.otel("SERVICE_NAME") or service_name, protocol)
 
 
+GRPC_EXPORTER = "opentelemetry.exporter.otlp.proto.grpc"
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
 def start_tracing(config: TracingConfig) -> Tracing | None:
     """A Tracing exporting to `config.endpoint` through a child process, or None when
     tracing is off."""
     if not config.enabled:
         return None
+    if config.protocol == "grpc" and not _installed(GRPC_EXPORTER):
+        # else the export process dies on its import at the first span, tracing stops
+        raise InvalidRequestError("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc needs the "
+                                  "opentelemetry-exporter-otlp-proto-grpc package; install "
+                                  "it or use http/protobuf",
+                                  param="OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
     from sluice.observe.span_export import SpanPipe
 
     return Tracing(SpanPipe(config), Sampler.from_env())
