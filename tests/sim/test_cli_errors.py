@@ -114,3 +114,13 @@ def test_an_output_file_that_cannot_be_written_is_refused_before_the_run(
     captured = capsys.readouterr()
     assert f"sluice sim: error: {flag} " in captured.err and "no such directory" in captured.err
     assert "Simulation Result" not in captured.out  # nothing ran
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_policy_option_that_is_not_finite_is_an_error(
+        value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`prefix_weight=nan` made every worker's score nan: the router's pick found no
+    lowest one and the run died in `random.choice([])` with an IndexError traceback."""
+    assert main(["sim", "--workload", "shared-prefix", "--num-prompts", "4", "--workers", "2",
+                 "--policy", "kv", "--policy-option", f"prefix_weight={value}"]) == 2
+    assert "--policy-option" in (err := capsys.readouterr().err) and "(finite)" in err

@@ -101,9 +101,9 @@ def _policy_options(items: Sequence[str]) -> dict[str, float]:
             out[key.strip()] = float(value)
         except ValueError:
             sep = ""
-        if not sep:
-            raise InvalidRequestError(f"--policy-option {item!r}: expected KEY=NUMBER",
-                                      param="policy_option")
+        if not sep or not math.isfinite(out[key.strip()]):  # nan: no worker scores lowest
+            raise InvalidRequestError(f"--policy-option {item!r}: expected KEY=NUMBER "
+                                      "(finite)", param="policy_option")
     return out
 
 
