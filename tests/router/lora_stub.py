@@ -39,6 +39,7 @@ class LoraStub:
     load_s: float = 0.0  # seconds to read an adapter's weights (an LRU miss)
     service_s: float = 0.0  # seconds a request runs once admitted
     max_num_seqs: int = 8
+    lora_enabled: bool = True  # False: loads refused, as a worker without --enable-lora
     adapters: dict[str, str] = field(default_factory=dict)  # registered: name -> path
     weights: OrderedDict[str, None] = field(default_factory=OrderedDict)  # LRU of loaded
     weight_loads: int = 0
@@ -123,6 +124,8 @@ class LoraStub:
         self.load_calls += 1
         if not name or not path:
             return _error("Both 'lora_name' and 'lora_path' must be provided.", 400)
+        if not self.lora_enabled:
+            return _error("LoRA is not enabled on this worker (--enable-lora)", 400)
         if name in self.adapters:
             return _error(f"The lora adapter '{name}' has already been loaded.", 400)
         self.adapters[name] = path

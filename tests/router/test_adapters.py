@@ -380,6 +380,22 @@ async def test_a_404_from_a_holder_places_the_request_again() -> None:
         assert state.adapters.counts.loads_by_adapter["x"] == 2 and stubs[0].load_calls == 2
 
 
+async def test_an_adapter_no_worker_could_load_is_never_served_by_the_base_model() -> None:
+    """The adapter could be loaded nowhere (the worker refuses loads, as a sluice worker
+    without --enable-lora does): the request goes to a worker as the adapter's and its 404
+    reaches the client. The router rewrote the adapter's name to the base model's (as it
+    does a pool alias), so the base model answered 200 in the adapter's place (a new-user
+    pass: `POST /admin/adapters` then a chat for it, against default workers)."""
+    stubs = [LoraStub("a", lora_enabled=False)]
+    async with fleet(stubs, (AdapterSpec("x", "/a/x"),)) as (router, _, _urls), \
+            httpx.AsyncClient(base_url=router, timeout=30) as c:
+        r = await c.post("/v1/chat/completions", json=chat("x"))
+        assert r.status_code == 404 and "`x`" in r.json()["error"]["message"], r.text
+        assert stubs[0].served == [] and stubs[0].load_calls >= 1
+        r = await c.post("/v1/chat/completions", json=chat("base"))  # the base is served
+        assert r.status_code == 200 and stubs[0].served == ["base"]
+
+
 async def test_a_placed_request_keeps_its_adapter_until_it_is_sent() -> None:
     """A request placed on `rare`'s holder (`prepare`) and not yet sent keeps `rare` there,
     however long it takes to be sent (a wall-clock grace alone let a busy event loop

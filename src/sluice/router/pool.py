@@ -101,8 +101,11 @@ class Pool:
     # --- routing --------------------------------------------------------------------------
 
     def upstream_model(self, requested: str, endpoint: Endpoint) -> str:
-        """The model id to send to `endpoint` (aliases are rewritten to what it serves)."""
-        if not endpoint.models or requested in endpoint.models:
+        """The model id to send to `endpoint`: a name of the pool (its model, an alias,
+        what another of its workers lists) is rewritten to what this worker serves; any
+        other (an adapter no worker lists) goes as it is, so a worker without it answers
+        404 instead of its base model answering in its place."""
+        if not endpoint.models or requested in endpoint.models or not self.serves(requested):
             return requested
         return self.config.model if self.config.model in endpoint.models else endpoint.models[0]
 
