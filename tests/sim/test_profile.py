@@ -88,3 +88,25 @@ def test_faster_divides_every_coefficient_and_keeps_an_absent_decode_term() -> N
     assert p.faster(2).coefficients == pytest.approx((0.5, 0.05, 0.005, 0.25, 0.25))
     assert p.faster(2).s_per_decode_kpair is None
     assert p.with_overrides(s_per_decode_kpair=3.0).faster(2).s_per_decode_kpair == 1.5
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ('{"s_per_token": "abc"}', "s_per_token must be a number, got 'abc'"),
+    ('{"num_kv_blocks": 1.5}', "num_kv_blocks must be an integer, got 1.5"),
+    ('{"block_size": true}', "block_size must be an integer, got True"),
+    ('{"name": 3}', "name must be a string, got 3"),
+])
+def test_a_profile_field_of_the_wrong_type_is_refused(content: str, message: str,
+                                                       tmp_path: Path) -> None:
+    """A string coefficient and a float block count were TypeError tracebacks of
+    `sluice sim --profile FILE` (from the range checks and from `range()`)."""
+    path = tmp_path / "profile.json"
+    path.write_text(content)
+    with pytest.raises(InvalidRequestError, match=message) as err:
+        load_profile(path)
+    assert err.value.param == "profile"
+
+
+def test_a_saved_profile_loads_with_its_null_decode_term(tmp_path: Path) -> None:
+    save_profile(StepProfile(), tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json") == StepProfile()

@@ -172,7 +172,28 @@ def load_profile(path: str | Path) -> StepProfile:
         raise InvalidRequestError(f"cannot read profile {path}: {exc}", param="profile") from exc
     if not isinstance(raw, dict):
         raise InvalidRequestError(f"profile {path} is not a JSON object", param="profile")
+    for key, value in raw.items():
+        want = _JSON_TYPES.get(key)
+        if want is not None and not _is(value, want):
+            raise InvalidRequestError(f"profile {path}: {key} must be {want}, got {value!r}",
+                                      param="profile")
     return StepProfile().with_overrides(**raw)
+
+
+# what each field's JSON value must be (a bool is no number here)
+_JSON_TYPES = {f.name: "an integer" if f.type == "int" else "a string" if f.type == "str"
+               else "a number or null" if "None" in str(f.type) else "a number"
+               for f in fields(StepProfile)}
+
+
+def _is(value: Any, want: str) -> bool:
+    if value is None:
+        return want == "a number or null"
+    if want == "a string":
+        return isinstance(value, str)
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) if want == "an integer" else isinstance(value, int | float)
 
 
 def save_profile(profile: StepProfile, path: str | Path) -> None:
