@@ -142,6 +142,11 @@ async def test_a_request_no_worker_reached_is_held_for_a_replacement(cluster: Cl
         r = await c.post("/v1/chat/completions", json=chat("hi"))
         await adding
         assert r.status_code == 200 and r.json()["worker"] == "b", r.text
+        # one request, one count: each try while held (every poll, the dead worker still
+        # looking ready) counted a 503 of its own in sluice_router_requests_total
+        metrics = (await c.get("/metrics")).text
+        assert 'sluice_router_requests_total{model="stub-model",status="200"} 1.0' in metrics
+        assert 'status="503"' not in metrics, metrics
     busy = StubState("a", fail_status=503)
     async with cluster([busy], max_retries=1, buffer_timeout_s=10.0) as (router, _), \
             httpx.AsyncClient(base_url=router) as c:

@@ -60,8 +60,14 @@ class RetryableError(Exception):
 class NoWorkerReached(ServiceUnavailableError):
     """The 503 of a request no worker answered at all (none available, or every one
     unreachable: a worker that just died looks ready until the probes eject it); the
-    router may hold it for a replacement (`RequestBuffer.hold`). A worker's own error
-    status is a plain ServiceUnavailableError."""
+    router may hold it for a replacement (`RequestBuffer.hold`) or serve it otherwise (a
+    P/D fallback), so it is counted in `sluice_router_requests_total` where it reaches the
+    client (routed.py), once. A worker's own error status is a plain
+    ServiceUnavailableError, counted by the proxy."""
+
+    def __init__(self, message: str, model: str) -> None:
+        super().__init__(message, code="no_healthy_worker")
+        self.model = model
 
 
 def forward_block(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
@@ -183,10 +189,11 @@ class Proxy:
             relay = Relay(upstream, first, ticket)
             relay.retries = len(tried)  # (a migration's excluded workers included)
             return relay
+        message = f"no healthy worker could serve model {req.model!r} ({last_error})"
+        if not answered:
+            raise NoWorkerReached(message, req.model)
         self.metrics.requests_for(req.model, 503).inc()
-        error = ServiceUnavailableError if answered else NoWorkerReached
-        raise error(f"no healthy worker could serve model {req.model!r} ({last_error})",
-                    code="no_healthy_worker")
+        raise ServiceUnavailableError(message, code="no_healthy_worker")
 
     def choose(self, pool: Pool, meta: RequestMeta, tried: Iterable[str] = ()
                ) -> Decision | None:
