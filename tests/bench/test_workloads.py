@@ -204,6 +204,22 @@ def test_trace_rejects_bad_rows(tmp_path: Path) -> None:
         load_trace(bad)
 
 
+@pytest.mark.parametrize("row", [
+    '{"timestamp": NaN, "input_length": 40, "output_length": 2, "hash_ids": [1]}',
+    '{"timestamp": "inf", "input_length": 40, "output_length": 2, "hash_ids": [1]}',
+    '{"timestamp": -5, "input_length": 40, "output_length": 2, "hash_ids": [1]}',
+    '{"timestamp": 0, "input_length": -5, "output_length": 2, "hash_ids": [1]}',
+    '{"timestamp": 0, "input_length": 40, "output_length": 0, "hash_ids": [1]}',
+])
+def test_trace_rows_out_of_range_are_refused(row: str, tmp_path: Path) -> None:
+    """A nan timestamp made `sluice sim --trace` run forever; negative lengths ran as 1
+    token, silently."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(row + "\n")
+    with pytest.raises(InvalidRequestError, match="t.jsonl:1: not a Mooncake trace row"):
+        load_trace(path)
+
+
 def test_trace_files_that_cannot_be_read_are_clear_errors(tmp_path: Path) -> None:
     """A missing file or a directory raised FileNotFoundError / IsADirectoryError, which
     `sluice bench serve` and `sluice sim` let out as tracebacks; an empty file ran nothing."""

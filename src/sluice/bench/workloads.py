@@ -237,12 +237,17 @@ def load_trace(path: str | Path) -> list[TraceRow]:
 def _trace_row(line: str, path: str | Path, lineno: int) -> TraceRow:
     try:
         d = json.loads(line)
-        return TraceRow(
+        row = TraceRow(
             float(d["timestamp"]),
             int(d["input_length"]),
             int(d["output_length"]),
             tuple(int(h) for h in d["hash_ids"]),
         )
+        if not 0 <= row.timestamp_ms < math.inf:
+            raise ValueError(f"timestamp {row.timestamp_ms} is not a time >= 0")
+        if row.input_length < 1 or row.output_length < 1:
+            raise ValueError("input_length and output_length must be >= 1")
+        return row
     except (KeyError, ValueError, TypeError) as exc:
         raise InvalidRequestError(
             f"{path}:{lineno}: not a Mooncake trace row ({exc})", param="trace"
