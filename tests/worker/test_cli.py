@@ -63,3 +63,16 @@ def test_engine_timeouts_must_be_finite(option: str) -> None:
         with pytest.raises(InvalidRequestError) as info:
             EngineConfig.from_options(None, **{option: value})
         assert info.value.param == option
+
+
+@pytest.mark.parametrize("flag", ["--max-loras", "--max-lora-rank", "--max-cpu-loras"])
+def test_lora_sizes_need_enable_lora(flag: str) -> None:
+    """Found by a new-user pass: `--max-loras 2` without `--enable-lora` started a worker
+    that served no adapter and said nothing (`--lora-modules` without it is an error)."""
+    from sluice.protocol.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as info:
+        engine_config(parse("worker", flag, "4"))
+    assert info.value.param == flag[2:].replace("-", "_")
+    assert "enable_lora" in info.value.message
+    assert engine_config(parse("worker", "--enable-lora", flag, "4")).lora.enable_lora

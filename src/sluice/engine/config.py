@@ -338,6 +338,11 @@ class EngineConfig:
             if key not in owners:
                 raise InvalidRequestError(f"unknown engine option {key!r}", param=key)
             layers[owners[key]][key] = value
+        lora = layers["lora"]
+        sizes = [key for key in lora if key != "enable_lora" and lora[key] is not None]
+        if sizes and not lora.get("enable_lora"):  # vLLM ignores them; here they'd do nothing
+            raise InvalidRequestError(f"{sizes[0]} needs enable_lora (--enable-lora)",
+                                      param=sizes[0])
         return cls(ModelConfig(**layers["model"]), CacheConfig(**layers["cache"]),
                    SchedulerConfig(**layers["scheduler"]),
                    StructuredOutputsConfig(**layers["structured"]), LoRAConfig(**layers["lora"]),
