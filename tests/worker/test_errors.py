@@ -172,6 +172,22 @@ def test_unsupported_parameters_are_refused(http: httpx.Client, field: str, valu
     assert "not supported" in err["message"]
 
 
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "a"})])
+@pytest.mark.parametrize(("field", "value", "instead"), [
+    ("guided_json", {"type": "object"}, 'structured_outputs: {"json": ...}'),
+    ("guided_regex", "a+", 'structured_outputs: {"regex": ...}'),
+    ("guided_choice", ["a", "b"], 'structured_outputs: {"choice": ...}'),
+    ("guided_grammar", "root ::= \"a\"", 'structured_outputs: {"grammar": ...}'),
+])
+def test_vllms_removed_guided_fields_say_what_replaces_them(
+        http: httpx.Client, path: str, body: dict, field: str, value: Any,
+        instead: str) -> None:
+    """A vLLM user's guided_json was refused without a word on structured_outputs."""
+    err = openai_error(http.post(path, json={**body, field: value}), 400, field)
+    assert instead in err["message"]
+
+
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 

@@ -131,15 +131,22 @@ UNSUPPORTED_COMPLETION: dict[str, Acceptable] = {
 }
 
 
+# What replaces a refused parameter, where something does.
+INSTEAD: dict[str, str] = {
+    f"guided_{kind}": f'vLLM removed it: use structured_outputs: {{"{kind}": ...}}'
+    for kind in ("json", "regex", "choice", "grammar")}
+
+
 def reject_unsupported(body: Mapping[str, Any], table: Mapping[str, Acceptable]
                        ) -> dict[str, Any]:
     """Raise InvalidRequestError for the first parameter sluice does not implement; the
     body without the table's parameters (each one left asks for nothing)."""
     for name, acceptable in table.items():
         if name in body and not acceptable(body[name]):
+            instead = f"; {INSTEAD[name]}" if name in INSTEAD else ""
             raise InvalidRequestError(
-                f"'{name}' is not supported by this server (value {body[name]!r})", param=name
-            )
+                f"'{name}' is not supported by this server (value {body[name]!r}){instead}",
+                param=name)
     return {k: v for k, v in body.items() if k not in table}
 
 
