@@ -40,6 +40,7 @@ class LoraStub:
     service_s: float = 0.0  # seconds a request runs once admitted
     max_num_seqs: int = 8
     lora_enabled: bool = True  # False: loads refused, as a worker without --enable-lora
+    tokenize_refused: int = 0  # /tokenize calls for a model it does not serve (404)
     adapters: dict[str, str] = field(default_factory=dict)  # registered: name -> path
     weights: OrderedDict[str, None] = field(default_factory=OrderedDict)  # LRU of loaded
     weight_loads: int = 0
@@ -158,6 +159,10 @@ class LoraStub:
 
     async def tokenize(self, request: Request) -> Response:
         body = await request.json()
+        model = body.get("model")
+        if model is not None and model != self.model and model not in self.adapters:
+            self.tokenize_refused += 1  # as a worker does: a model it does not serve
+            return _error(f"The model `{model}` does not exist.", 404)
         text = " ".join(str(m.get("content", "")) for m in body.get("messages", [])) \
             or str(body.get("prompt", ""))
         ids = [zlib.crc32(w.encode()) % 30000 for w in text.split()]

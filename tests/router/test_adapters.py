@@ -396,6 +396,21 @@ async def test_an_adapter_no_worker_could_load_is_never_served_by_the_base_model
         assert r.status_code == 200 and stubs[0].served == ["base"]
 
 
+async def test_an_adapter_prompt_is_tokenized_as_the_base_models() -> None:
+    """The router counts and hashes an adapter request's prompt on a worker's /tokenize
+    under the base model's name (an adapter shares its tokenizer), whichever worker it
+    asks, also one that does not hold the adapter: a worker refuses a model it does not
+    serve (404), and the prompt was then routed on load alone."""
+    stubs = [LoraStub("a"), LoraStub("b")]
+    async with fleet(stubs, (AdapterSpec("x", "/a/x"),)) as (router, _, _urls), \
+            httpx.AsyncClient(base_url=router, timeout=30) as c:
+        for i in range(4):
+            r = await c.post("/v1/chat/completions", json=chat("x", salt=i))
+            assert r.status_code == 200, r.text
+        asked = sum(s.tokenize_refused for s in stubs)
+        assert asked == 0, [s.tokenize_refused for s in stubs]
+
+
 async def test_a_placed_request_keeps_its_adapter_until_it_is_sent() -> None:
     """A request placed on `rare`'s holder (`prepare`) and not yet sent keeps `rare` there,
     however long it takes to be sent (a wall-clock grace alone let a busy event loop

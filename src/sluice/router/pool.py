@@ -107,6 +107,18 @@ class Pool:
         404 instead of its base model answering in its place."""
         if not endpoint.models or requested in endpoint.models or not self.serves(requested):
             return requested
+        return self.worker_model(endpoint)
+
+    def tokenizer_model(self, requested: str, endpoint: Endpoint) -> str:
+        """The model id to ask `endpoint`'s /tokenize for `requested`'s prompt: what the
+        worker serves, whatever the name (an adapter shares its base model's tokenizer,
+        and a worker refuses a model it does not hold)."""
+        if not endpoint.models or requested in endpoint.models:
+            return requested
+        return self.worker_model(endpoint)
+
+    def worker_model(self, endpoint: Endpoint) -> str:
+        """The pool's model under the name `endpoint` serves it (it lists some)."""
         return self.config.model if self.config.model in endpoint.models else endpoint.models[0]
 
     def candidates(self, num_prompt_tokens: int, exclude: Iterable[str] = (),

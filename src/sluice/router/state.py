@@ -206,7 +206,7 @@ class RouterState:
         local = self.local_tokenizers.get(pool.config.tokenizer or "")
         avail = [e for e in pool.endpoints.values() if e.available]
         worker = min(avail, key=lambda e: e.inflight) if avail else None
-        model = pool.upstream_model(req.model, worker) if worker else req.model
+        model = pool.tokenizer_model(req.model, worker) if worker else req.model
         return await self.tokenizer.tokens(req, model, local, worker.url if worker else None,
                                            hint)
 
