@@ -165,6 +165,16 @@ def test_a_grammar_that_breaks_mid_output_fails_its_request(tiny_llama_dir: Path
         assert engine.block_manager.num_free_blocks == free
 
 
+def test_a_complete_grammar_ends_the_output_before_min_tokens(llm: LLM) -> None:
+    """Found by a new-user pass: choice ["yes", "no"] with min_tokens 5 masked the EOS the
+    finished grammar allowed and nothing else, so a masked-out token was sampled (and
+    then refused). The constraint wins: min_tokens holds only while it allows more."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=5,
+                            structured_outputs=CONSTRAINTS[2][0])
+    out = llm.generate([PROMPT], params)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text in ("alpha", "beta", "gamma delta")
+
+
 def test_structured_params_cross_the_process_boundary() -> None:
     from sluice.engine.messages import Add, CoreRequest, decode, encode
 

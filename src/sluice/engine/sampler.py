@@ -163,10 +163,15 @@ class Sampler:
         return sorted(ids)
 
     def _apply_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Stop ids -> -inf while the output is short, unless the row's grammar (masked
+        already) allows nothing else: a complete constraint ends the output."""
         for i, seq in enumerate(seqs):
             if seq.num_output_tokens < seq.params.min_tokens:
                 ids = [t for t in self._stop_ids(seq) if t < logits.shape[1]]
-                logits[i, ids] = NEG_INF
+                masked = logits[i].clone()
+                masked[ids] = NEG_INF
+                if seq.grammar is None or not torch.isneginf(masked).all():
+                    logits[i] = masked
         return logits
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
