@@ -124,3 +124,13 @@ def test_a_policy_option_that_is_not_finite_is_an_error(
     assert main(["sim", "--workload", "shared-prefix", "--num-prompts", "4", "--workers", "2",
                  "--policy", "kv", "--policy-option", f"prefix_weight={value}"]) == 2
     assert "--policy-option" in (err := capsys.readouterr().err) and "(finite)" in err
+
+
+def test_a_start_outside_the_planners_bounds_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--workers 5 --max-workers 2` started 5 workers, above the bound the planner holds."""
+    assert main(["sim", "--num-prompts", "2", "--workers", "5", "--planner", "slo",
+                 "--min-workers", "1", "--max-workers", "2"]) == 2
+    assert "--workers 5 is outside --min-workers 1 .. --max-workers 2" in capsys.readouterr().err
+    assert main(["sim", "--num-prompts", "2", "--workers", "2", "--planner", "slo",
+                 "--min-workers", "1", "--max-workers", "2"]) == 0
+    capsys.readouterr()

@@ -148,6 +148,11 @@ def initial_workers(args: argparse.Namespace, planning: PlannerConfig | None) ->
     """`--workers`, else 16 for a fixed pool and `--min-workers` for an autoscaled one
     (as `sluice serve` starts)."""
     if args.workers is not None:
+        if planning is not None and not (planning.min_replicas <= args.workers
+                                         <= planning.max_replicas):
+            raise InvalidRequestError(f"--workers {args.workers} is outside --min-workers "
+                                      f"{planning.min_replicas} .. --max-workers "
+                                      f"{planning.max_replicas}", param="workers")
         return int(args.workers)
     return DEFAULT_WORKERS if planning is None else max(1, planning.min_replicas)
 
