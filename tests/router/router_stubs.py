@@ -59,6 +59,7 @@ class StubState:
     block_size: int = 16
     has_tokenize: bool = True
     tokenize_calls: int = 0
+    tokenized_models: list[Any] = field(default_factory=list)  # `model` of each /tokenize
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     gate: asyncio.Event | None = None  # generation requests wait for it (held in flight)
@@ -136,6 +137,7 @@ def make_stub(state: StubState) -> Starlette:
         if not state.has_tokenize:
             return JSONResponse({"detail": "Not Found"}, status_code=404)
         body = await request.json()
+        state.tokenized_models.append(body.get("model"))
         ids = prompt_ids(body)
         return JSONResponse({"count": len(ids), "max_model_len": 4096, "tokens": ids,
                              "worker": state.name})

@@ -383,9 +383,14 @@ async def test_admin_add_drain_remove_with_key(cluster: Cluster) -> None:
 
 
 async def test_tokenize_passes_through_and_health_reports_workers(cluster: Cluster) -> None:
-    async with cluster([StubState("a")]) as (router, _), httpx.AsyncClient(base_url=router) as c:
+    a = StubState("a")
+    async with cluster([a]) as (router, _), httpx.AsyncClient(base_url=router) as c:
         r = await c.post("/tokenize", json={"model": "stub-model", "prompt": "one two three"})
         assert r.status_code == 200 and r.json()["count"] == 3
+        # a pool alias reaches the worker as the model it serves, as on /v1/chat (it went
+        # as the alias, which a worker refuses: 404 for a name the router had accepted)
+        r = await c.post("/tokenize", json={"model": "alias", "prompt": "one two"})
+        assert r.status_code == 200 and a.tokenized_models[-1] == "stub-model"
         h = await c.get("/health")
         assert h.status_code == 200 and h.json()["healthy_workers"] == 1
 

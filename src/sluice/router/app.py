@@ -16,6 +16,7 @@ All state is created in the lifespan (`RouterState`); errors leave as OpenAI JSO
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import time
@@ -223,8 +224,12 @@ def _passthrough(path: str) -> Callable[[Request], Awaitable[Response]]:
     async def passthrough(request: Request) -> Response:
         state: RouterState = request.app.state.router
         raw = await request.body()
-        model = load_json_object(raw, param="body").get("model")
-        _, endpoint = state.any_worker(model if isinstance(model, str) else None)
+        body = load_json_object(raw, param="body")
+        model = body.get("model")
+        pool, endpoint = state.any_worker(model if isinstance(model, str) else None)
+        served = pool.tokenizer_model(model, endpoint) if isinstance(model, str) else model
+        if served != model:  # an alias (or adapter): the worker knows it by its own name
+            raw = json.dumps({**body, "model": served}).encode()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP_STR}
         resp = await state.client.post(endpoint.url + path, content=raw, headers=headers)
         return Response(resp.content, status_code=resp.status_code,
