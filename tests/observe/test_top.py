@@ -82,3 +82,12 @@ def test_once_into_a_pipe_prints_whole_rows(not_sluice: str) -> None:
     assert result.returncode == 0, result.stderr
     row = next(line for line in result.stdout.splitlines() if WORKER in line)
     assert "healthy" in row and "33.7%" in row and "400.0 ms" in row and "970.0 ms" in row
+
+
+def test_a_refused_admin_key_is_said(not_sluice: str) -> None:
+    """A mistyped --admin-key showed the board without tenants and said nothing."""
+    result = subprocess.run([sys.executable, "-m", "sluice.cli", "top", "--url",
+                             not_sluice + "/sluice", "--once", "--admin-key", "wrong"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "tenants: the admin key was not accepted" in result.stdout

@@ -86,8 +86,9 @@ def workers_table(snap: dict[str, Any]) -> Table:
     return table
 
 
-def render(snap: dict[str, Any]) -> Group:
-    """One frame of the view from a /status.json snapshot."""
+def render(snap: dict[str, Any], admin_key_sent: bool = False) -> Group:
+    """One frame of the view from a /status.json snapshot (`admin_key_sent`: a snapshot
+    without tenants says the key was refused)."""
     t = snap["totals"]
     served = sum(snap["responses"].values())
     head = Text.assemble(
@@ -110,6 +111,8 @@ def render(snap: dict[str, Any]) -> Group:
             tenants.add_row(r["tenant"], f"{r['requests']:.0f}", f"{r['tokens']:.0f}",
                             f"{r['spend_usd']:.6f}")
         parts.append(tenants)
+    elif admin_key_sent:
+        parts.append(Text("tenants: the admin key was not accepted", style="yellow"))
     for e in snap["errors"][-5:]:
         parts.append(Text(f"{time.strftime('%H:%M:%S', time.localtime(e['time']))} "
                           f"{e['level']} {e['message']}", style="red"))
@@ -145,11 +148,13 @@ def handler(args: argparse.Namespace) -> int:
     with httpx.Client(timeout=5.0) as client:
         try:
             if args.once:
-                console.print(render(fetch(client, args.url, args.admin_key)))
+                console.print(render(fetch(client, args.url, args.admin_key),
+                                     bool(args.admin_key)))
                 return 0
             with Live(console=console, auto_refresh=False, screen=False) as live:
                 while True:
-                    live.update(render(fetch(client, args.url, args.admin_key)), refresh=True)
+                    snap = fetch(client, args.url, args.admin_key)
+                    live.update(render(snap, bool(args.admin_key)), refresh=True)
                     time.sleep(args.interval)
         except httpx.HTTPError as exc:
             print(f"sluice top: cannot read {args.url}/status.json: {exc}", file=sys.stderr)
