@@ -106,6 +106,26 @@ def test_chat_logprobs_bytes_of_a_split_character_are_its_own(client: openai.Ope
     assert all(t.bytes != replacement for e in entries for t in e.top_logprobs)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_report_cached_prompt_tokens(client: openai.OpenAI, stream: bool) -> None:
+    """Found by a new-user pass: chat reported usage.prompt_tokens_details.cached_tokens,
+    completions always null (400 of 401 prompt tokens were cached)."""
+    prompt = f"Completion cache check {stream}: " + "one two three four " * 20
+
+    def usage() -> object:
+        if not stream:
+            return client.completions.create(model="tiny", prompt=[prompt, prompt[:40]],
+                                              max_tokens=2).usage
+        chunks = list(client.completions.create(
+            model="tiny", prompt=[prompt, prompt[:40]], max_tokens=2, stream=True,
+            stream_options={"include_usage": True}))
+        return chunks[-1].usage
+
+    usage()
+    again = usage()  # both prompts' full blocks are cached (summed over prompts)
+    assert again.prompt_tokens_details.cached_tokens >= again.prompt_tokens - 16 * 2
+
+
 async def test_async_chat_n_choices_and_stream(aclient: openai.AsyncOpenAI) -> None:
     resp = await aclient.chat.completions.create(model="tiny", messages=USER, n=3, seed=1,
                                                  temperature=1.0, max_tokens=6,

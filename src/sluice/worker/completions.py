@@ -48,13 +48,15 @@ class CompletionJob:
     state: WorkerState
     prompt_texts: list[str]
     completion_tokens: int = 0
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # by prompt index
     choices: dict[int, _Choice] = field(default_factory=dict)
     created: int = field(default_factory=now)  # one for every chunk, as vLLM's
 
     def usage(self) -> UsageInfo:
         prompt = sum(self.run.prompt_lens)
         return UsageInfo(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
-                         total_tokens=prompt + self.completion_tokens)
+                         total_tokens=prompt + self.completion_tokens,
+                         prompt_tokens_details={"cached_tokens": sum(self.cached_tokens.values())})
 
     def step(self, prompt_index: int, c: CompletionOutput) -> tuple[int, str,
                                                                      CompletionLogprobs | None]:
@@ -133,6 +135,7 @@ async def completion_response(job: CompletionJob) -> CompletionResponse:
     extra: dict[str, Any] = {}  # a P/D prefill's kv_transfer_params (vLLM's top-level field)
     async with job.run:
         async for p, out in job.run.outputs():
+            job.cached_tokens[p] = out.num_cached_tokens
             for c in out.outputs:
                 job.step(p, c)
             if out.kv_transfer_params is not None:
@@ -150,6 +153,7 @@ async def completion_chunks(job: CompletionJob) -> AsyncIterator[CompletionRespo
     continuous = job.req.continuous_usage
     async with job.run:
         async for p, out in job.run.outputs():
+            job.cached_tokens[p] = out.num_cached_tokens
             choices = []
             for c in out.outputs:
                 index, text, lp = job.step(p, c)
