@@ -17,7 +17,10 @@ def test_quick_calibration_fits_the_real_engine() -> None:
     profile, points = calibrate(None, quick=True, repeats=2, num_kv_blocks=256)
     assert profile.num_kv_blocks == 256 and profile.block_size == 16
     assert len(points) >= 8
-    assert profile.s_per_token > 0
+    # no single coefficient is held (a prefill chunk's tokens and its attention pairs grow
+    # together, so on a busy host the non-negative fit may put all of a prefill's cost on
+    # one of them: s_per_token came out 0.0 once beside other jobs); what a fit is for is
+    # that bigger steps are predicted to cost more
 
     def predict(chunks: list[tuple[int, int]]) -> float:
         return sum(c * f for c, f in zip(profile.coefficients, chunk_features(chunks),
