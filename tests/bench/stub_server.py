@@ -41,6 +41,7 @@ class StubConfig:
     total_suffix: bool = True  # `_total` on counter names, as prometheus_client writes them
     old_tokenize: bool = False  # /tokenize rejects add_special_tokens and always adds <s>
     api_key: str | None = None  # /v1/models answers 401 without `Authorization: Bearer KEY`
+    status_workers: tuple[str, ...] = ()  # /status.json lists these, as a sluice router's does
 
 
 @dataclass
@@ -147,6 +148,12 @@ def build_stub_app(cfg: StubConfig) -> tuple[FastAPI, StubState]:
             return JSONResponse({"error": {"message": "extra field", "param": "add_special_tokens"}}, status_code=400)
         ids = ([1] if cfg.old_tokenize else []) + encode(body["prompt"])
         return {"tokens": ids, "count": len(ids), "max_model_len": 4096}
+
+    @app.get("/status.json")
+    async def status() -> Any:
+        if not cfg.status_workers:
+            return PlainTextResponse("not found", status_code=404)
+        return {"workers": [{"url": url, "healthy": True} for url in cfg.status_workers]}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

@@ -13,6 +13,7 @@ import statistics
 import sys
 import types
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -304,6 +305,33 @@ def test_a_bad_rate_is_a_usage_error_that_names_it(flag: str, value: str,
         main(["bench", "serve", "--model", "m", flag, value])
     assert exit_.value.code == 2
     assert f"argument {flag}: must be a number > 0 or inf, got {value!r}" in capsys.readouterr().err
+
+
+def test_a_router_without_engine_counters_is_scraped_through_its_workers(tokenizer_file: Path) -> None:
+    """Against `sluice serve --workers 2` the front port's /metrics has the router's and
+    gateway's series only, so the report had no server prefix-cache hit rate or
+    preemptions: the counters are the sums over the workers /status.json lists."""
+    import asyncio
+
+    import httpx
+
+    from sluice.bench.serve import scrape
+
+    cfg = StubConfig(tokenizer_path=str(tokenizer_file))
+    with running_stub(cfg) as (w1, s1), running_stub(cfg) as (w2, s2), \
+            running_stub(replace(cfg, expose_metrics=False, status_workers=(w1, w2))) as (front, _):
+        s1.queries, s1.hits, s2.queries, s2.hits, s2.preemptions = 10, 4, 30, 20, 2
+
+        async def both() -> tuple[dict[str, float] | None, dict[str, float] | None]:
+            async with httpx.AsyncClient() as http:
+                return await scrape(http, front, {}), await scrape(http, w1, {})
+
+        via_router, worker = asyncio.run(both())
+    assert via_router is not None and worker is not None
+    assert via_router["vllm:prefix_cache_queries_total"] == 40.0
+    assert via_router["vllm:prefix_cache_hits_total"] == 24.0
+    assert via_router["vllm:num_preemptions_total"] == 2.0
+    assert worker["vllm:prefix_cache_queries_total"] == 10.0  # a worker: its own only
 
 
 def test_cli_reports_errors_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:

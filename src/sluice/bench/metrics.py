@@ -114,6 +114,11 @@ SERVER_COUNTERS = {
 }
 
 
+def has_engine_counters(samples: dict[str, float]) -> bool:
+    """Whether a scrape holds any of the engine counters the report reads."""
+    return any(_counter(samples, base) is not None for base in SERVER_COUNTERS.values())
+
+
 def server_deltas(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float | None]:
     """Counter increases during the run, and the prefix-cache hit rate they imply."""
     out: dict[str, float | None] = {}

@@ -29,7 +29,7 @@ import httpx
 from sluice.bench import report
 from sluice.bench.client import ClientOptions, RequestRecord, StreamingClient, endpoint_kind
 from sluice.bench.load import LoadConfig, run_load, schedule
-from sluice.bench.metrics import parse_slos, server_deltas, summarize
+from sluice.bench.metrics import has_engine_counters, parse_slos, server_deltas, summarize
 from sluice.bench.tokens import ServerTokenizer, TextEncoder, discover_vocab, open_tokenizer
 from sluice.bench.workloads import (
     WORKLOADS,
@@ -198,12 +198,34 @@ def _auth(cfg: ServeBenchConfig) -> dict[str, str]:
 
 
 async def scrape(http: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> dict[str, float] | None:
-    """The server's `/metrics` counters, or None when it exposes none."""
+    """The server's `/metrics` counters, or None when it exposes none. A sluice router
+    (`sluice serve --workers N`) has no engine counters of its own: then the sums over the
+    workers its `/status.json` lists."""
+    counters = await _scrape_one(http, base_url, headers)
+    if counters is None or not has_engine_counters(counters):
+        workers = await _status_workers(http, base_url, headers)
+        scrapes = [s for url in workers if (s := await _scrape_one(http, url, {})) is not None]
+        if scrapes:
+            return {name: sum(s.get(name, 0.0) for s in scrapes) for name in set().union(*scrapes)}
+    return counters
+
+
+async def _scrape_one(http: httpx.AsyncClient, url: str, headers: dict[str, str]) -> dict[str, float] | None:
     try:
-        resp = await http.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10.0)
+        resp = await http.get(url.rstrip("/") + "/metrics", headers=headers, timeout=10.0)
     except httpx.HTTPError:
         return None
     return sum_samples(resp.text) if resp.status_code == 200 else None
+
+
+async def _status_workers(http: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> list[str]:
+    """The worker URLs a sluice router's `/status.json` lists (none from another server)."""
+    try:
+        resp = await http.get(base_url.rstrip("/") + "/status.json", headers=headers, timeout=10.0)
+        workers = resp.json()["workers"] if resp.status_code == 200 else []
+        return [str(w["url"]) for w in workers]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return []
 
 
 def resolve_model(base_url: str, api_key: str | None) -> str:
