@@ -510,3 +510,33 @@ def test_bf16_graph_rows_do_not_depend_on_the_steps_size() -> None:
         alone, calls = graph_execute(r, [chunks[i]])
         assert calls == 1 and torch.equal(alone[0], together[i]), i
     assert not torch.equal(together[0], together[1])  # the rows differ
+
+
+@pytest.mark.model
+def test_bf16_prompt_logits_are_float32_and_pick_as_a_decode_step_does() -> None:
+    """A bfloat16 model's prompt logits come from its head in float32 (`FloatHead`, the
+    decode graph's packed head). Through oneDNN they were rounded to bfloat16, 0.125
+    apart at these logits' size: "The" and "L", 0.08 apart for this prompt, tied and the
+    lower id won, where a decode step (the graph, float32 logits) picks "The"; so the
+    same prompt answered "L'Étoile, ..." uncached and "The capital of France is Paris."
+    with its prefix cached (its last token then runs as a one-token step)."""
+    r = ModelRunner(EngineConfig.from_options(None, num_kv_blocks=64, dtype="bfloat16"))
+    if r.decode_graph is None:
+        ops = r.native
+        assert ops is not None and ops.bf16_linear_path is not None
+        assert not ops.bf16_linear_path()
+        pytest.skip("no bfloat16 graph here: it needs AMX (amx_bf16, amx_tile) or avx512_bf16")
+    text = r.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}])
+    ids = r.tokenizer.encode(text)
+    n = -(-len(ids) // r.block_size)
+    whole = r.execute([SeqChunk(ids, 0, list(range(n)), True)])[0]
+    assert whole.dtype == torch.float32
+    assert not torch.equal(whole, whole.bfloat16().float())  # not rounded to bfloat16
+    table = list(range(n, 2 * n))
+    r.execute([SeqChunk(ids[:-1], 0, table, False)])  # the prefix, then its last token
+    last, calls = graph_execute(r, [SeqChunk(ids[-1:], len(ids) - 1, table, True)])
+    assert calls == 1
+    assert int(whole.argmax()) == int(last[0].argmax())
+    assert r.tokenizer.decode([int(whole.argmax())]) == "The"
+    assert (whole - last[0]).abs().max() < 0.05 * last[0].abs().max()

@@ -79,6 +79,7 @@ class DecodeGraph:
         self.model = model
         self.graph = graph
         self.max_rows = max_rows
+        self.head_tiles: Tensor | None = None  # a bfloat16 graph's packed output head
         assert model.rope_cos is not None, "init_rope first"
         # float32 RoPE tables (the model's are in its dtype, bfloat16 on some CPUs)
         self.cos, self.sin = rope_tables(model.cfg.rope, model.cfg.head_dim,
@@ -158,9 +159,11 @@ class DecodeGraph:
                for w in weights):
             return None
         tiles = [native.pack_bf16(w) for w in weights]
-        return cls._build(model, native, linears, *_with_head(
+        graph = cls._build(model, native, linears, *_with_head(
             native, head, weights, [BF16] * len(weights), [False] * len(weights), tiles),
             max_rows)
+        graph.head_tiles = tiles[-1]  # the prefill's head shares them (`FloatHead`)
+        return graph
 
     @classmethod
     def _build(cls, model: Transformer, native: NativeOps, linears: list[Linear],

@@ -47,6 +47,7 @@ from sluice.engine.models.llama import FeedForward, Linear, LlamaConfig, Transfo
 from sluice.engine.models.loader import load_model
 from sluice.engine.native import (
     SMALL_ROWS_MAX,
+    FloatHead,
     NativeOps,
     PackedLinear,
     PackedSwiGLU,
@@ -210,7 +211,20 @@ class ModelRunner:
                 self.wide_graph = dense
             else:
                 self.decode_graph = dense
+        if self.dtype == torch.bfloat16 and not self.gguf_blocks:
+            self._float_logits(self.decode_graph)
         self.warm_up()
+
+    def _float_logits(self, graph: DecodeGraph | None) -> None:
+        """A bfloat16 model's prefill logits in float32, as its decode graph's are
+        (`FloatHead`), on the graph's packed head where there is one."""
+        head = self.model.output
+        if head.lora is not None:
+            return
+        packed = graph.head_tiles if graph is not None else None
+        float_head = FloatHead.build(head.weight, self.native, head.matmul, packed)
+        if float_head is not None:
+            head.matmul = float_head
 
     def _use_panels(self, native: NativeOps) -> dict[Linear, PanelLinear]:
         """Every float32 linear on the native panel kernel (`PanelLinear`); one stream's

@@ -358,6 +358,45 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
+class FloatHead:
+    """A bfloat16 model's output head with float32 logits: `bf16_linear` (AMX tiles or
+    AVX512-BF16, float32 accumulation and output) on the head weight packed once, the
+    decode graph's own packing where it has one. Through oneDNN the logits came out in
+    bfloat16, whose steps are 0.125 apart at SmolLM2's logit sizes (16-32): the prompt's
+    first token was picked from logits rounded so coarsely that two tokens 0.08 apart
+    tied, and the tie went to the lower id, where the decode graph (float32 logits)
+    would pick the other; the same prompt then answered differently with its prefix
+    cached (a one-token step, on the graph) and without. `fallback` for another weight
+    or a shape the packing does not take."""
+
+    def __init__(self, weight: Tensor, packed: Tensor, ops: NativeOps,
+                 fallback: LinearKernel) -> None:
+        assert ops.bf16_linear is not None
+        self.weight, self.packed = weight, packed
+        self.linear = ops.bf16_linear
+        self.fallback = fallback
+
+    @classmethod
+    def build(cls, weight: Tensor, ops: NativeOps | None, fallback: LinearKernel,
+              packed: Tensor | None = None) -> FloatHead | None:
+        """The head on `packed` (or a new packing of `weight`), or None where there is no
+        native bfloat16 linear or the weight is not a bfloat16 `[N % 16, K % 32]`."""
+        if (ops is None or ops.bf16_linear is None or ops.pack_bf16 is None
+                or ops.bf16_linear_path is None or not ops.bf16_linear_path()
+                or weight.dtype != torch.bfloat16 or weight.shape[0] % 16
+                or weight.shape[1] % 32):
+            return None
+        tiles = packed if packed is not None else ops.pack_bf16(weight.detach())
+        return cls(weight, tiles, ops, fallback)
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        if weight is not self.weight:
+            return self.fallback(x, weight, bias)
+        if x.shape[0] == 0:  # a prefill chunk that wants no logits (the kernel takes rows)
+            return x.new_empty((0, weight.shape[0]), dtype=torch.float32)
+        return self.linear(x.float(), self.packed, bias)
+
+
 class PackedSwiGLU:
     """SwiGLU's `silu(x @ gate.T) * (x @ up.T)` as two oneDNN matmuls with fused
     epilogues, on the gate and up halves of a fused gate|up weight, each reordered once:
