@@ -35,6 +35,15 @@ def test_registry_lists_all_policies_and_rejects_unknown() -> None:
     assert make_policy("prefix", options={"balance_abs": 4}).balance_abs == 4  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_an_option_that_is_not_finite_is_refused(value: float) -> None:
+    """A NaN or infinite weight made every score NaN, and picking among them failed the
+    request (`min` of NaNs keeps none within its tie limit: random.choice([]))."""
+    with pytest.raises(InvalidRequestError) as err:
+        make_policy("kv", options={"prefix_weight": value})
+    assert err.value.param == "policy_options.prefix_weight"
+
+
 def test_round_robin_cycles_in_url_order() -> None:
     p = make_policy("round_robin", random.Random(0))
     picks = [p.choose(meta(), eps(C, A, B)).url for _ in range(6)]

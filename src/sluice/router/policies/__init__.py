@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -25,6 +26,10 @@ def make_policy(name: str, rng: random.Random | None = None,
     if cls is None:
         raise InvalidRequestError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}",
                                   param="policy")
+    for key, value in (options or {}).items():  # a NaN weight makes every score NaN
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidRequestError(f"policy option {key} must be a finite number, got "
+                                      f"{value}", param=f"policy_options.{key}")
     try:
         return cls(rng, **dict(options or {}))
     except (TypeError, ValueError) as exc:
