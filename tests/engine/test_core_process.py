@@ -198,3 +198,16 @@ def test_an_unwritable_step_log_fails_the_start_with_its_own_error(tiny_llama_di
     with pytest.raises(CoreDied, match="cannot write the step log in .*file/steps"):
         core.wait_ready()
     assert not core.process.is_alive()
+
+
+@pytest.mark.parametrize("endpoint", ["notazmq", "tcp://999.1.1.1:5"])
+def test_a_kv_events_endpoint_that_does_not_bind_fails_the_start(tiny_llama_dir: Path,
+                                                                  endpoint: str) -> None:
+    """Found by a new-user pass: the worker said it was listening, then the core died with
+    zmq's traceback at its first loop (the publisher was bound after Ready)."""
+    config = EngineConfig.from_options(str(tiny_llama_dir), **OPTIONS)
+    core = ProcessCore(config, endpoint)
+    with pytest.raises(CoreDied, match="cannot publish KV events on"):
+        core.wait_ready()
+    core.process.join(timeout=10)
+    assert not core.process.is_alive()

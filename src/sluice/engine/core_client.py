@@ -54,10 +54,11 @@ from sluice.engine.messages import (
     encode,
 )
 from sluice.engine.openmp import set_wait_policy
-from sluice.protocol.errors import SluiceError
+from sluice.protocol.errors import InvalidRequestError, SluiceError
 
 if TYPE_CHECKING:
     from sluice.engine.core import EngineCore
+    from sluice.engine.kv_events import KVEventPublisher
     from sluice.engine.model_runner import ModelRunner
     from sluice.engine.tokenizer import Tokenizer
 
@@ -84,13 +85,24 @@ class Inbox(abc.ABC):
         """Every command queued now; if `block`, wait up to IDLE_POLL_S for the first."""
 
 
-def run_core(core: EngineCore, inbox: Inbox, emit: Callable[[Event], None],
-             kv_events_endpoint: str | None = None, kv_events_interval: float = 0.02,
-             parent_alive: Callable[[], bool] = lambda: True) -> None:
-    """Serve `core` until Shutdown (or the parent is gone); see the module docstring."""
+def open_publisher(endpoint: str | None) -> KVEventPublisher | None:
+    """The KV event publisher bound to `endpoint` (None: no events); one that does not
+    bind is an error naming kv_events_endpoint, raised before the core says Ready."""
     from sluice.engine.kv_events import KVEventPublisher
 
-    publisher = KVEventPublisher(kv_events_endpoint) if kv_events_endpoint else None
+    if not endpoint:
+        return None
+    try:
+        return KVEventPublisher(endpoint)
+    except zmq.ZMQError as exc:
+        raise InvalidRequestError(f"cannot publish KV events on {endpoint!r}: {exc}",
+                                  param="kv_events_endpoint") from None
+
+
+def run_core(core: EngineCore, inbox: Inbox, emit: Callable[[Event], None],
+             publisher: KVEventPublisher | None = None, kv_events_interval: float = 0.02,
+             parent_alive: Callable[[], bool] = lambda: True) -> None:
+    """Serve `core` until Shutdown (or the parent is gone); see the module docstring."""
     published = time.monotonic()
     steps = core.step_log
     try:
@@ -202,13 +214,13 @@ class ThreadCore(CoreClient):
         self.info, self.tokenizer = self.core.info, self.core.tokenizer
         self._inbox = _QueueInbox()
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        self._thread = threading.Thread(
-            target=self._run, args=(kv_events_endpoint,), name="sluice-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(
+            open_publisher(kv_events_endpoint),), name="sluice-engine", daemon=True)
         self._thread.start()
 
-    def _run(self, kv_events_endpoint: str | None) -> None:
+    def _run(self, publisher: KVEventPublisher | None) -> None:
         try:
-            run_core(self.core, self._inbox, self._events.put, kv_events_endpoint)
+            run_core(self.core, self._inbox, self._events.put, publisher)
         except BaseException as exc:  # noqa: BLE001 - reported to the front end as a death
             log.exception("engine core thread failed")
             self._events.put(Failed(f"engine core thread failed: {exc}"))
@@ -394,13 +406,14 @@ def _core_main(config: EngineConfig, commands_addr: str, events_addr: str,
         from sluice.engine.core import EngineCore
 
         core = EngineCore(config)
+        publisher = open_publisher(kv_events_endpoint)
     except Exception as exc:
         emit(Failed(str(exc) if isinstance(exc, SluiceError) else f"{type(exc).__name__}: {exc}"))
         events.close()
         ctx.term()
         raise SystemExit(1) from None
     emit(Ready(core.info))
-    run_core(core, _SocketInbox(commands), emit, kv_events_endpoint,
+    run_core(core, _SocketInbox(commands), emit, publisher,
              parent_alive=lambda: os.getppid() == parent_pid)
     events.close()
     commands.close(0)
