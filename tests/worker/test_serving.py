@@ -104,8 +104,14 @@ def test_metrics_use_vllm_names(http: httpx.Client) -> None:
     assert m["vllm:prefix_cache_hits_total" + label] > 0
     assert m["vllm:request_success_total{finished_reason=length,model_name=tiny}"] >= 2
     for hist in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                 "vllm:e2e_request_latency_seconds"):
+                 "vllm:e2e_request_latency_seconds", "vllm:request_prompt_tokens",
+                 "vllm:request_generation_tokens", "vllm:request_params_n",
+                 "vllm:request_params_max_tokens"):
         assert m[hist + "_count" + label] >= 2
+    # vLLM's dashboard reads these per request: 4 generated tokens each, max_tokens 4
+    assert m["vllm:request_generation_tokens_bucket{le=5.0,model_name=tiny}"] >= 2
+    assert m["vllm:request_params_max_tokens_bucket{le=5.0,model_name=tiny}"] >= 2
+    assert m["vllm:request_params_n_bucket{le=1.0,model_name=tiny}"] >= 2
 
 
 def test_health_answers_while_a_long_request_runs(server: ServerThread, engine: Any,

@@ -130,6 +130,7 @@ class Run(AbstractAsyncContextManager["Run"]):
                 engine_id = f"{request_id}-{i}-{uuid.uuid4().hex[:8]}"
                 run.streams.append(Stream(engine.generate(ids, params, engine_id, priority,
                                                           resumed, lora_request=lora)))
+                run.timer.params(params.n, params.max_tokens)
             for stream in run.streams:
                 await stream.prime()
         except BaseException:
@@ -170,6 +171,7 @@ class Run(AbstractAsyncContextManager["Run"]):
     def _finished(self, index: int, out: RequestOutput) -> None:
         """One prompt's engine request ended: its engine-phase histograms and spans."""
         self.timer.engine_times(out.metrics, self.generated[index])
+        self.timer.request_tokens(self.prompt_lens[index], self.generated[index])
         if self.trace is not None:
             self.trace.finished(out, self.generated[index])
 

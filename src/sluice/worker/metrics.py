@@ -10,7 +10,11 @@ can live in one process, as in tests):
   (`RequestTimer`): time to first token, inter-token latency, end-to-end latency,
   and `vllm:request_success_total{finished_reason}`; when a request finishes, the
   engine core's timestamps (arrival, first scheduled, first token, finished) give
-  vLLM's queue / prefill / decode / inference time histograms.
+  vLLM's queue / prefill / decode / inference time histograms, and its prompt and
+  generated token counts vLLM's `vllm:request_prompt_tokens` /
+  `vllm:request_generation_tokens`; each request's `n` and `max_tokens` are observed
+  as it starts (`vllm:request_params_n`, `vllm:request_params_max_tokens`), as vLLM's
+  Grafana dashboard reads them.
 
 Buckets are `observe.buckets.LatencyBuckets` (finer than vLLM's; configurable).
 
@@ -37,6 +41,9 @@ from sluice.engine.stats import EngineStats
 from sluice.observe.buckets import LatencyBuckets
 
 StatsSource = Callable[[], EngineStats | None]
+# token-count buckets: vLLM's 1-2-5 series (it stops at the model's context length)
+TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
+N_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0)
 
 
 class EngineStatsCollector(Collector):
@@ -234,6 +241,14 @@ class WorkerMetrics:
                            "Time from the first token to the last.", b.decode)
         self.inference = hist("vllm:request_inference_time_seconds",
                               "Time from first scheduled to the last token.", b.inference)
+        self.prompt_tokens = hist("vllm:request_prompt_tokens",
+                                  "Prompt tokens of each finished request.", TOKEN_BUCKETS)
+        self.generation_tokens = hist("vllm:request_generation_tokens",
+                                      "Generated tokens of each finished request.",
+                                      TOKEN_BUCKETS)
+        self.params_n = hist("vllm:request_params_n", "The n of each request.", N_BUCKETS)
+        self.params_max_tokens = hist("vllm:request_params_max_tokens",
+                                      "The max_tokens of each request.", TOKEN_BUCKETS)
         self.success = Counter("vllm:request_success", "Finished requests by reason.",
                                labels + ["finished_reason"], registry=r)
         self.pending = Gauge("sluice:http_requests_pending", "HTTP generation requests in flight.",
@@ -272,6 +287,17 @@ class RequestTimer:
         self.metrics.e2e.labels(self.model_name).observe(time.perf_counter() - self.start)
         for reason in reasons:
             self.metrics.success.labels(self.model_name, reason).inc()
+
+    def params(self, n: int, max_tokens: int | None) -> None:
+        """Observe one engine request's `n` and `max_tokens` as it starts."""
+        self.metrics.params_n.labels(self.model_name).observe(n)
+        if max_tokens is not None:
+            self.metrics.params_max_tokens.labels(self.model_name).observe(max_tokens)
+
+    def request_tokens(self, prompt_tokens: int, generated_tokens: int) -> None:
+        """Observe one finished engine request's prompt and generated token counts."""
+        self.metrics.prompt_tokens.labels(self.model_name).observe(prompt_tokens)
+        self.metrics.generation_tokens.labels(self.model_name).observe(generated_tokens)
 
     def engine_times(self, times: RequestMetrics | None, num_output_tokens: int) -> None:
         """Observe one finished engine request's queue, prefill, decode, inference and
