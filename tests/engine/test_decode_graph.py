@@ -463,6 +463,18 @@ def test_float_graph_greedy_generation_matches_the_torch_model() -> None:
 
 
 # -- bfloat16 on AMX -------------------------------------------------------------------
+
+def bf16_runner() -> ModelRunner:
+    """A bfloat16 runner on the default model with its decode graph; the test is skipped
+    where this CPU has no native bfloat16 linears."""
+    r = ModelRunner(EngineConfig.from_options(None, num_kv_blocks=64, dtype="bfloat16"))
+    if r.decode_graph is None:
+        ops = r.native
+        assert ops is not None and ops.bf16_linear_path is not None
+        assert not ops.bf16_linear_path()
+        pytest.skip("no bfloat16 graph here: it needs AMX (amx_bf16, amx_tile) or avx512_bf16")
+    return r
+
 @pytest.mark.model
 def test_bf16_graph_decodes_agree_with_the_torch_model() -> None:
     """Sequences at different lengths, then one step of their decodes and a 3-token verify
@@ -470,15 +482,9 @@ def test_bf16_graph_decodes_agree_with_the_torch_model() -> None:
     bfloat16, AMX tiles or AVX512-BF16) against the bfloat16 torch model (every op's output rounded):
     logits within bfloat16's rounding, the same greedy token on nearly every row, and the
     K/V rows written close (the two round at different places, so deep layers drift)."""
-    pair = [ModelRunner(EngineConfig.from_options(None, num_kv_blocks=64, dtype="bfloat16",
-                                                  enforce_eager=eager))
-            for eager in (True, False)]
-    eager, graph = pair
-    if graph.decode_graph is None:
-        ops = graph.native
-        assert ops is not None and ops.bf16_linear_path is not None
-        assert not ops.bf16_linear_path()
-        pytest.skip("no bfloat16 graph here: it needs AMX (amx_bf16, amx_tile) or avx512_bf16")
+    graph = bf16_runner()
+    eager = ModelRunner(EngineConfig.from_options(None, num_kv_blocks=64, dtype="bfloat16",
+                                                  enforce_eager=True))
     chunks, slots = decodes_and_verifies(eager, graph, 10)
     got, calls = graph_execute(graph, chunks)
     want = eager.execute(chunks).float()
@@ -497,12 +503,7 @@ def test_bf16_graph_rows_do_not_depend_on_the_steps_size() -> None:
     logits alone: each output's sum runs over the inputs in the same order whatever the
     step's rows, so greedy tokens and speculation's verifies do not depend on what shares
     a graph step."""
-    r = ModelRunner(EngineConfig.from_options(None, num_kv_blocks=64, dtype="bfloat16"))
-    if r.decode_graph is None:
-        ops = r.native
-        assert ops is not None and ops.bf16_linear_path is not None
-        assert not ops.bf16_linear_path()
-        pytest.skip("no bfloat16 graph here: it needs AMX (amx_bf16, amx_tile) or avx512_bf16")
+    r = bf16_runner()
     chunks = one_block_decodes(r, 40)
     together, calls = graph_execute(r, chunks)
     assert calls == 1 and together.shape == (40, r.vocab_size)
@@ -520,12 +521,7 @@ def test_bf16_prompt_logits_are_float32_and_pick_as_a_decode_step_does() -> None
     lower id won, where a decode step (the graph, float32 logits) picks "The"; so the
     same prompt answered "L'Étoile, ..." uncached and "The capital of France is Paris."
     with its prefix cached (its last token then runs as a one-token step)."""
-    r = ModelRunner(EngineConfig.from_options(None, num_kv_blocks=64, dtype="bfloat16"))
-    if r.decode_graph is None:
-        ops = r.native
-        assert ops is not None and ops.bf16_linear_path is not None
-        assert not ops.bf16_linear_path()
-        pytest.skip("no bfloat16 graph here: it needs AMX (amx_bf16, amx_tile) or avx512_bf16")
+    r = bf16_runner()
     text = r.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}])
     ids = r.tokenizer.encode(text)
