@@ -45,10 +45,10 @@ import httpx
 
 from sluice.control.backend import Backend, ModelSpec, WorkerHandle, WorkerHealth
 from sluice.control.pd import PDController
-from sluice.control.planner import Decision, Planner, check
+from sluice.control.planner import Decision, Planner
 from sluice.control.signals import LatencyWindow, parse_latency, pool_signals
 from sluice.control.swap import Swap, describe_spec, parse_model_spec
-from sluice.protocol.errors import ConflictError, InvalidRequestError
+from sluice.protocol.errors import ConflictError, InvalidRequestError, check_number
 from sluice.router.config import WorkerSpec
 from sluice.router.endpoints import Endpoint
 from sluice.router.pool import Pool
@@ -65,10 +65,10 @@ class ControllerConfig:
     events: int = 200  # scale events kept for /admin/planner
 
     def __post_init__(self) -> None:
-        check("interval_s", self.interval_s, "must be > 0", lambda v: v > 0)
-        check("drain_grace_s", self.drain_grace_s, "must be >= 0", lambda v: v >= 0)
-        check("latency_window_s", self.latency_window_s, "must be > 0", lambda v: v > 0)
-        check("events", self.events, "must be >= 1", lambda v: v >= 1)
+        check_number("interval_s", self.interval_s, "must be > 0", lambda v: v > 0)
+        check_number("drain_grace_s", self.drain_grace_s, "must be >= 0", lambda v: v >= 0)
+        check_number("latency_window_s", self.latency_window_s, "must be > 0", lambda v: v > 0)
+        check_number("events", self.events, "must be >= 1", lambda v: v >= 1)
 
 
 class Controller:

@@ -64,7 +64,7 @@ from dataclasses import asdict, dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-from sluice.protocol.errors import InvalidRequestError
+from sluice.protocol.errors import InvalidRequestError, check_number
 from sluice.router.endpoints import PRIOR_SECONDS_PER_TOKEN, EndpointStats
 from sluice.router.policies.base import RequestMeta
 from sluice.router.policies.cost import estimate_seconds
@@ -145,7 +145,7 @@ class PlannerConfig:
             raise InvalidRequestError(f"unknown planner policy {self.policy!r}; choose from "
                                       f"{sorted(POLICIES)}", param="planner_policy")
         for name, (rule, ok) in _RULES.items():
-            check(name, getattr(self, name), rule, ok)
+            check_number(name, getattr(self, name), rule, ok)
         if self.min_replicas > self.max_replicas:
             raise InvalidRequestError(f"min_replicas must be <= max_replicas "
                                       f"({self.max_replicas}), got {self.min_replicas}",
@@ -154,18 +154,6 @@ class PlannerConfig:
             raise InvalidRequestError(f"scale_to_zero_after_s needs min_replicas 0, got "
                                       f"min_replicas {self.min_replicas}",
                                       param="scale_to_zero_after_s")
-
-
-def check(param: str, value: float | None, rule: str, ok: Callable[[float], bool]) -> None:
-    """One setting's check: a number (finite: no setting here means anything at NaN or
-    infinity) within `rule`; None passes (unset). The message names `param`, the field;
-    the command lines name their flag in its place (`control/flags.py`)."""
-    if value is None:
-        return
-    if not math.isfinite(value):
-        raise InvalidRequestError(f"{param} must be a finite number, got {value}", param=param)
-    if not ok(value):
-        raise InvalidRequestError(f"{param} {rule}, got {value:g}", param=param)
 
 
 _AT_LEAST_0 = ("must be >= 0", lambda v: v >= 0)

@@ -21,6 +21,8 @@ it is also a `ValueError`, offline users can catch it as the standard exception.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 
@@ -125,3 +127,16 @@ class ClientDisconnected(SluiceError):
 
     status_code = 499
     error_type = "client_disconnected"
+
+
+def check_number(param: str, value: float | None, rule: str, ok: Callable[[float], bool]
+                 ) -> None:
+    """One numeric setting's check: a number (finite: no setting means anything at NaN or
+    infinity) within `rule`; None passes (unset). The message names `param`, the field;
+    the command lines name their flag in its place (`control/flags.py`)."""
+    if value is None:
+        return
+    if not math.isfinite(value):
+        raise InvalidRequestError(f"{param} must be a finite number, got {value}", param=param)
+    if not ok(value):
+        raise InvalidRequestError(f"{param} {rule}, got {value:g}", param=param)

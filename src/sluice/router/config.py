@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from sluice.protocol.edge import DEFAULT_MAX_BODY_BYTES
-from sluice.protocol.errors import InvalidRequestError
+from sluice.protocol.errors import InvalidRequestError, check_number
 
 # what a 403 from a router /admin route tells the operator to set (`sluice serve` passes
 # its own --admin-key / SLUICE_ADMIN_KEY to the router it runs)
@@ -109,16 +109,6 @@ class PDConfig:
                                       ">= 0", param="pd_min_uncached_tokens")
         if self.role_refresh_s <= 0:
             raise InvalidRequestError("role_refresh_s must be positive", param="role_refresh_s")
-
-
-def check_number(param: str, value: float, rule: str, ok: Callable[[float], bool]) -> None:
-    """One numeric setting's check: finite (NaN or infinity means nothing as a timeout or
-    a limit) and within `rule`; the error names `param`, the field (the command lines
-    name their flag in its place)."""
-    if not math.isfinite(value):
-        raise InvalidRequestError(f"{param} must be a finite number, got {value}", param=param)
-    if not ok(value):
-        raise InvalidRequestError(f"{param} {rule}, got {value:g}", param=param)
 
 
 def check_finite(config: object) -> None:
