@@ -95,8 +95,9 @@ class LedgerWriter:
         left = self.spool.load() if self.spool is not None else []
         if not left:
             return
+        assert self.spool is not None
         logger.warning("%d usage records left in %s by an earlier gateway: writing them",
-                       len(left), self.spool.path if self.spool is not None else "")
+                       len(left), self.spool.path)
         self.waiting[:0] = left
         self._keep([])
 
