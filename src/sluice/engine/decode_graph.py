@@ -49,7 +49,7 @@ from sluice.engine.models.llama import (
     TransformerBlock,
     rope_tables,
 )
-from sluice.engine.native import NativeOps
+from sluice.engine.native import NativeOps, bf16_packable
 
 if TYPE_CHECKING:
     from sluice.engine.model_runner import SeqChunk
@@ -155,8 +155,7 @@ class DecodeGraph:
         if linears is None:
             return None
         weights = [m.weight.detach() for m in linears]
-        if any(w.dtype != torch.bfloat16 or w.shape[0] % 16 or w.shape[1] % 32
-               for w in weights):
+        if not all(bf16_packable(w) for w in weights):
             return None
         tiles = [native.pack_bf16(w) for w in weights]
         graph = cls._build(model, native, linears, *_with_head(

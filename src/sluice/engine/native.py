@@ -358,6 +358,12 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
 
 
+def bf16_packable(weight: Tensor) -> bool:
+    """Whether `pack_bf16` takes `weight`: bfloat16 `[N, K]` with N % 16 == 0 and
+    K % 32 == 0 (tiles of 16 outputs x 32 inputs)."""
+    return weight.dtype == torch.bfloat16 and not weight.shape[0] % 16 and not weight.shape[1] % 32
+
+
 class FloatHead:
     """A bfloat16 model's output head with float32 logits: `bf16_linear` (AMX tiles or
     AVX512-BF16, float32 accumulation and output) on the head weight packed once, the
@@ -383,8 +389,7 @@ class FloatHead:
         native bfloat16 linear or the weight is not a bfloat16 `[N % 16, K % 32]`."""
         if (ops is None or ops.bf16_linear is None or ops.pack_bf16 is None
                 or ops.bf16_linear_path is None or not ops.bf16_linear_path()
-                or weight.dtype != torch.bfloat16 or weight.shape[0] % 16
-                or weight.shape[1] % 32):
+                or not bf16_packable(weight)):
             return None
         tiles = packed if packed is not None else ops.pack_bf16(weight.detach())
         return cls(weight, tiles, ops, fallback)
