@@ -129,11 +129,38 @@ def test_the_validators_reject_broken_manifests() -> None:
         kubernetes_validate.validate(deployment, K8S_VERSION, strict=True)
 
 
-def test_bad_options_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["deploy", "k8s", "--render", str(tmp_path), "--min-workers", "5",
-                 "--max-workers", "2"]) == 2
-    assert "min_workers <= max_workers" in capsys.readouterr().err
+@pytest.mark.parametrize("argv, message", [
+    (["--min-workers", "5", "--max-workers", "2"], "--min-workers must be <= --max-workers (2), got 5"),
+    (["--min-workers", "-1"], "--min-workers must be >= 0, got -1"),
+    (["--max-workers", "0"], "--max-workers must be >= 1, got 0"),
+    (["--drain-seconds", "-1"], "--drain-seconds must be >= 0, got -1"),
+    # each was a traceback (the Deployment's name is made while writing), or a manifest
+    # the API server refuses, or a container that cannot start
+    (["--served-model-name", "!!!"], "--served-model-name '!!!' has no letter or digit"),
+    (["--model", "/models/+++"], "(derived from --model: name it with --served-model-name)"),
+    (["--served-model-name", 'a"b'], "--served-model-name must not hold a double quote"),
+    (["--namespace", "Bad_NS"], "--namespace must be a DNS-1123 label"),
+    (["--image", ""], "--image must not be empty"),
+    (["--model", " "], "--model must not be empty"),
+    (["--prometheus-url", ""], "--prometheus-url must not be empty"),
+])
+def test_bad_options_exit_2_naming_the_flag(argv: list[str], message: str, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["deploy", "k8s", "--render", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert "_workers" not in err and "_name " not in err  # flags, not K8sOptions' fields
     assert not list(tmp_path.glob("*.yaml"))
+
+
+def test_a_render_dir_that_cannot_be_made_exits_2(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A file in the way, or a missing parent: an error naming the directory, not
+    mkdir's traceback."""
+    (tmp_path / "file").write_text("")
+    for target in (tmp_path / "file", tmp_path / "file" / "sub"):
+        assert main(["deploy", "k8s", "--render", str(target)]) == 2
+        assert f"cannot write the manifests into '{target}'" in capsys.readouterr().err
 
 
 def test_router_and_workers_serve_the_pool_under_one_name(tmp_path: Path) -> None:

@@ -37,7 +37,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     k8s.set_defaults(func=render_k8s)
 
 
+K8S_FLAGS = {  # K8sOptions field -> the flag that sets it
+    "model": "--model", "served_name": "--served-model-name", "image": "--image",
+    "namespace": "--namespace", "min_workers": "--min-workers", "max_workers": "--max-workers",
+    "slo": "--slo", "prometheus_url": "--prometheus-url", "drain_seconds": "--drain-seconds",
+}
+
+
 def render_k8s(args: argparse.Namespace) -> int:
+    from sluice.control.flags import named_by_flags
     from sluice.control.k8s import DEFAULT_SERVED_NAME, K8sOptions, write
     from sluice.control.planner import SLO
     from sluice.protocol.errors import InvalidRequestError
@@ -47,14 +55,24 @@ def render_k8s(args: argparse.Namespace) -> int:
         else DEFAULT_SERVED_NAME)
     try:
         SLO.parse(args.slo)
-        options = K8sOptions(model=args.model, served_name=name, image=args.image,
-                             namespace=args.namespace, min_workers=args.min_workers,
-                             max_workers=args.max_workers, slo=args.slo,
-                             prometheus_url=args.prometheus_url,
-                             drain_seconds=args.drain_seconds)
+        options = named_by_flags(lambda: K8sOptions(
+            model=args.model, served_name=name, image=args.image, namespace=args.namespace,
+            min_workers=args.min_workers, max_workers=args.max_workers, slo=args.slo,
+            prometheus_url=args.prometheus_url, drain_seconds=args.drain_seconds), K8S_FLAGS)
     except InvalidRequestError as exc:
-        print(f"sluice deploy k8s: error: {exc}", file=sys.stderr)
-        return 2
-    for path in write(options, args.render):
+        derived = exc.param == "served_model_name" and args.served_model_name is None
+        return fail(str(exc) + (" (derived from --model: name it with --served-model-name)"
+                                if derived else ""))
+    try:
+        paths = write(options, args.render)
+    except OSError as exc:  # a file in the way, no such parent, no permission
+        return fail(f"cannot write the manifests into {str(args.render)!r}: "
+                    f"{exc.strerror or exc}")
+    for path in paths:
         print(path)
     return 0
+
+
+def fail(message: str) -> int:
+    print(f"sluice deploy k8s: error: {message}", file=sys.stderr)
+    return 2

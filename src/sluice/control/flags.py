@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from sluice.protocol.errors import InvalidRequestError
@@ -27,19 +27,19 @@ FLAGS = {  # config field -> the flag that sets it (sluice serve, sluice sim)
     "scale_to_zero_after_s": "--scale-to-zero-after", "drain_grace_s": "--drain-timeout",
     "buffer_timeout_s": "--buffer-timeout",
 }
-_FIELD = re.compile(r"\b(" + "|".join(FLAGS) + r")\b")
 
 
-def named_by_flags(make: Callable[[], T]) -> T:
-    """`make()` (a config's constructor), its field-named errors re-raised naming flags."""
+def named_by_flags(make: Callable[[], T], flags: Mapping[str, str] = FLAGS) -> T:
+    """`make()` (a config's constructor), its field-named errors re-raised naming the
+    flags (`flags`: field -> flag; the planner's by default)."""
     try:
         return make()
     except InvalidRequestError as exc:
-        if exc.param not in FLAGS:
+        if exc.param is None or exc.param not in flags:
             raise
-        flag = FLAGS[exc.param]
-        raise InvalidRequestError(_FIELD.sub(lambda m: FLAGS[m[1]], exc.message),
-                                  param=flag[2:].replace("-", "_")) from exc
+        field = re.compile(r"\b(" + "|".join(map(re.escape, flags)) + r")\b")
+        raise InvalidRequestError(field.sub(lambda m: flags[m[1]], exc.message),
+                                  param=flags[exc.param][2:].replace("-", "_")) from exc
 
 
 def add_scaling_arguments(g: argparse._ActionsContainer, min_help: str,

@@ -51,9 +51,10 @@ from typing import Any
 import yaml
 
 from sluice.engine.tokenizer import DEFAULT_GGUF_NAME
-from sluice.protocol.errors import InvalidRequestError
+from sluice.protocol.errors import InvalidRequestError, check_number
 
 _NAME = re.compile(r"[^a-z0-9-]+")
+_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # DNS-1123 label
 HTTP = 8000
 GATEWAY_PORT = 8080
 DEFAULT_SERVED_NAME = Path(DEFAULT_GGUF_NAME).stem  # what the bundled model is served as
@@ -63,7 +64,8 @@ def dns_name(text: str) -> str:
     """A DNS-1123 label from a model name (`SmolLM2-135M-Instruct` -> `smollm2-135m-instruct`)."""
     name = _NAME.sub("-", text.lower()).strip("-")[:40].strip("-")
     if not name:
-        raise InvalidRequestError(f"cannot make a Kubernetes name from {text!r}", param="model")
+        raise InvalidRequestError(f"served_name {text!r} has no letter or digit to make a "
+                                  "Kubernetes name of", param="served_name")
     return name
 
 
@@ -87,12 +89,30 @@ class K8sOptions:
     polling_interval_s: int = 15
 
     def __post_init__(self) -> None:
-        if not 0 <= self.min_workers <= self.max_workers or self.max_workers < 1:
-            raise InvalidRequestError("need 0 <= min_workers <= max_workers, max >= 1",
+        """One check per field, naming it (`sluice deploy k8s` names its flag instead):
+        a value the API server or the container would refuse is refused here, before a
+        file is written."""
+        check_number("min_workers", self.min_workers, "must be >= 0", lambda v: v >= 0)
+        check_number("max_workers", self.max_workers, "must be >= 1", lambda v: v >= 1)
+        if self.min_workers > self.max_workers:
+            raise InvalidRequestError(f"min_workers must be <= max_workers "
+                                      f"({self.max_workers}), got {self.min_workers}",
                                       param="min_workers")
-        if self.drain_seconds < 0 or self.polling_interval_s < 1:
-            raise InvalidRequestError("drain_seconds >= 0 and polling_interval_s >= 1",
-                                      param="drain_seconds")
+        check_number("drain_seconds", self.drain_seconds, "must be >= 0", lambda v: v >= 0)
+        check_number("polling_interval_s", self.polling_interval_s, "must be >= 1",
+                     lambda v: v >= 1)
+        if not _LABEL.fullmatch(self.namespace):
+            raise InvalidRequestError(f"namespace must be a DNS-1123 label (lower-case "
+                                      f"letters, digits and '-', at most 63), got "
+                                      f"{self.namespace!r}", param="namespace")
+        for param in ("image", "prometheus_url", "model", "served_name"):
+            value = getattr(self, param)
+            if value is not None and not value.strip():
+                raise InvalidRequestError(f"{param} must not be empty", param=param)
+        if '"' in self.served_name or "\\" in self.served_name:  # in KEDA's PromQL query
+            raise InvalidRequestError(f"served_name must not hold a double quote or a "
+                                      f"backslash, got {self.served_name!r}", param="served_name")
+        dns_name(self.served_name)  # the worker Deployment's name comes from it
 
     @property
     def worker_name(self) -> str:
