@@ -95,6 +95,34 @@ async def test_allowed_models_narrowed_by_key(sqlite_store: SQLStore, stub: Stub
     assert statuses == ["rejected", "ok"]
 
 
+async def test_a_missing_or_mistyped_model_is_a_400_naming_model(
+        sqlite_store: SQLStore, stub: StubUpstream) -> None:
+    """Before, a model that was not a string was read as none, and a key with an allow
+    list got a 404 `model_not_found` for "The model None"; a missing model (the upstream's
+    default) passes only for a key without a list."""
+    listed = new_key(sqlite_store, key_settings=KeySettings(allowed_models=("stub-model",)))
+    free = new_key(sqlite_store)
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    no_model = {k: v for k, v in CHAT.items() if k != "model"}
+    async with client_for(gw, listed) as c:
+        for path, body in (("/v1/chat/completions", no_model),
+                           ("/v1/chat/completions", {**CHAT, "model": 5}),
+                           ("/v1/messages", {**no_model, "model": ["stub-model"]})):
+            r = await c.post(path, json=body)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["type"] == "invalid_request_error" and "None" not in error["message"]
+            if path != "/v1/messages":
+                assert error["param"] == "model"
+        r = await c.post("/v1/messages", json=no_model)
+        assert r.json()["type"] == "error" and "model" in r.json()["error"]["message"]
+    async with client_for(gw, free) as c:
+        r = await c.post("/v1/chat/completions", json={**CHAT, "model": {"id": "x"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+        assert (await c.post("/v1/chat/completions", json=no_model)).status_code == 200
+    assert len(stub.received) == 1
+
+
 async def test_bad_json_is_a_400_naming_body(gateway: GatewayMiddleware,
                                              sqlite_store: SQLStore) -> None:
     key = new_key(sqlite_store)

@@ -366,7 +366,7 @@ class Exchange:
             raise InvalidRequestError("kv_transfer_params is set by the router between "
                                       "prefill and decode workers, not by clients",
                                       param="kv_transfer_params")
-        adm.model = payload.get("model") if isinstance(payload.get("model"), str) else None
+        adm.model = model_of(payload, allowed_models(adm.principal) is not None)
         check_model_allowed(adm.model, tenant.settings.allowed_models, key.settings.allowed_models)
         adm.stream = payload.get("stream") is True
         self.set_priority(adm, payload)
@@ -691,6 +691,20 @@ def effective_priority(principal: Principal) -> int:
     tenant_value = priority_value(principal.tenant.settings.priority_class)
     key_class = principal.key.settings.priority_class
     return max(tenant_value, priority_value(key_class)) if key_class else tenant_value
+
+
+def model_of(payload: dict[str, Any], restricted: bool) -> str | None:
+    """The body's `model`. Not a string is a 400 naming `model` (it was read as no model,
+    and a key with an allow list got a 404 for "The model None"); absent, the upstream
+    serves its default model, which a key limited to listed models must name."""
+    model = payload.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequestError(f"Invalid value for 'model': expected a string, got "
+                                  f"{type(model).__name__}", param="model")
+    if model is None and restricted:
+        raise InvalidRequestError("you must provide a model parameter: this key may use "
+                                  "only the models GET /v1/models lists", param="model")
+    return model
 
 
 def check_model_allowed(model: str | None, *allow_lists: tuple[str, ...] | None) -> None:
