@@ -123,6 +123,21 @@ async def test_a_missing_or_mistyped_model_is_a_400_naming_model(
     assert len(stub.received) == 1
 
 
+async def test_a_completion_too_large_names_the_field_that_makes_it_so(
+        sqlite_store: SQLStore, stub: StubUpstream) -> None:
+    """max_tokens x n above 2^31 - 1 is a 400: naming `n` when max_tokens alone is fine
+    (it named max_tokens for `max_tokens: 2, n: 10**12`)."""
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    async with client_for(gw, new_key(sqlite_store)) as c:
+        for extra, param in (({"n": 10**12}, "n"), ({"max_tokens": 10**12}, "max_tokens"),
+                             ({"max_completion_tokens": 2**40, "n": 2},
+                              "max_completion_tokens"),
+                             ({"max_completion_tokens": 2**20, "n": 2**20}, "n")):
+            r = await c.post("/v1/chat/completions", json={**CHAT, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    assert stub.received == []
+
+
 async def test_bad_json_is_a_400_naming_body(gateway: GatewayMiddleware,
                                              sqlite_store: SQLStore) -> None:
     key = new_key(sqlite_store)

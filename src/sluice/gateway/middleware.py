@@ -475,11 +475,12 @@ class Exchange:
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             limit = self.state.config.default_reserve_tokens
         n = payload.get("n", 1)
-        reserve = limit * (n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1)
-        if reserve > MAX_COMPLETION_TOKENS:
+        n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+        if limit * n > MAX_COMPLETION_TOKENS:  # named: the field that alone is too large, else n
+            param = name if limit > MAX_COMPLETION_TOKENS else "n"
             raise InvalidRequestError(f"{name} (times n) asks for more than "
-                                      f"{MAX_COMPLETION_TOKENS} tokens", param=name)
-        return reserve
+                                      f"{MAX_COMPLETION_TOKENS} tokens", param=param)
+        return limit * n
 
     def on_limiter_error(self, exc: LimiterUnavailableError, adm: Admission) -> None:
         mode = self.state.config.limiter.on_redis_error
