@@ -186,3 +186,48 @@ def test_router_and_workers_serve_the_pool_under_one_name(tmp_path: Path) -> Non
         (so,) = [d for d in docs if d["kind"] == "ScaledObject"]
         assert so["spec"]["triggers"][0]["metadata"]["query"] == \
             f'max(sluice:desired_replicas{{pool="{name}"}})'
+
+
+def test_pods_are_sized_to_their_requests_not_to_the_node(tmp_path: Path) -> None:
+    """A worker sizes its KV pool from the machine's RAM (a tenth, up to 4 GiB) and its
+    CPU threads from the machine's cores; in a pod both are the node's, so on a 32 GiB
+    node the default worker allocated 3.2 GiB of KV cache against its 2Gi limit
+    (OOMKilled before ready) and ran an OpenMP thread per node core beside its
+    neighbours. The render passes both from the pod's requests; router and gateway
+    carry requests too (without, they were BestEffort: the first pods evicted)."""
+    from sluice.cli import build_parser
+    from sluice.worker.cli import engine_config
+
+    for flags, threads, kv in [([], 2, 512 * 2**20),
+                               (["--worker-cpu", "1500m", "--worker-memory", "8Gi"], 1, 2**31)]:
+        docs = rendered(tmp_path / str(threads), *flags)
+        pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]
+                for d in docs if d["kind"] == "Deployment"}
+        (worker,) = [c for n, c in pods.items() if n.startswith("sluice-worker")]
+        config = engine_config(build_parser(worker["args"]).parse_args(worker["args"]))
+        assert config.model.cpu_threads == threads
+        assert config.cache.kv_cache_memory_bytes == kv
+        assert kv <= worker_limit(worker) // 4
+        for name in ("sluice-router", "sluice-gateway"):
+            assert set(pods[name]["resources"]["requests"]) == {"cpu", "memory"}
+        for doc in docs:
+            if doc["kind"] != "ScaledObject":
+                kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def worker_limit(container: dict[str, Any]) -> int:
+    from sluice.control.k8s import memory_bytes
+
+    return memory_bytes(container["resources"]["limits"]["memory"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--worker-cpu", "0"], "--worker-cpu must be a CPU quantity"),
+    (["--worker-cpu", "two"], "--worker-cpu must be a CPU quantity"),
+    (["--worker-memory", "2GB"], "--worker-memory must be a memory quantity"),
+    (["--worker-memory", "100Mi"], "of at least 256Mi"),
+])
+def test_bad_worker_sizes_exit_2(argv: list[str], message: str, tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["deploy", "k8s", "--render", str(tmp_path), *argv]) == 2
+    assert message in capsys.readouterr().err

