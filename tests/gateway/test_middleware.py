@@ -559,3 +559,31 @@ async def test_usage_queries_out_of_range_are_400s_naming_the_parameter(
     async with client_for(gw, ADMIN_KEY) as admin:
         r = await admin.get("/admin/usage", params={"limit": -1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+
+
+async def test_usage_and_admin_routes_refuse_query_parameters_they_do_not_take(
+        sqlite_store: SQLStore, stub: StubUpstream) -> None:
+    """`/v1/usage?start_date=...` (LiteLLM's spelling) answered every record, unfiltered;
+    now an unknown query parameter is a 400 naming it, after the key is checked."""
+    key = new_key(sqlite_store, tenant="A")
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    async with client_for(gw, key) as c:
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        r = await c.get("/v1/usage", params={"start_date": "2026-12-01", "limit": 5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "start_date", r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
+        assert (await c.get("/v1/usage", params={"key": "x", "since": 0, "until": 1e12,
+                                                 "limit": 5})).status_code == 200
+    async with client_for(gw) as anonymous:
+        assert (await anonymous.get("/v1/usage", params={"x": 1})).status_code == 401
+    async with client_for(gw, ADMIN_KEY) as admin:
+        for path, param in (("/admin/usage", "tenant_id"), ("/admin/keys", "team_id"),
+                            ("/admin/tenants", "limit"), ("/admin/tenants/A", "x")):
+            r = await admin.get(path, params={param: "A"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+        assert (await admin.get("/admin/usage", params={"tenant": "A"})).status_code == 200
+        assert (await admin.get("/admin/keys", params={"tenant": "A"})).status_code == 200
+        r = await admin.post("/admin/purge", params={"dry_run": 1}, json={"older_than_days": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "dry_run"
+    async with client_for(gw, "wrong") as wrong:
+        assert (await wrong.get("/admin/usage", params={"x": 1})).status_code == 401

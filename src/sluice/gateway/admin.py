@@ -19,6 +19,8 @@ usage only: the tenant is taken from the key, never from the query.
 Bodies are read by `json_body`: the shared `load_json_object` (not valid JSON, not an
 object: a 400 naming `body`, as on /v1), then the payload model in strict mode, so
 `"rpm": true` or `"rpm": "5"` is a 400 naming `rpm` instead of a limit of 1 or 5.
+A query parameter the route does not take is a 400 naming it (`only_query`), never
+ignored.
 While the database is unreachable every route answers 503 `store_unavailable` with
 Retry-After, as the request path does.
 """
@@ -121,6 +123,23 @@ def json_body(model: type[P]) -> Callable[[Request], Awaitable[P]]:
     return parse
 
 
+def only_query(*names: str) -> Callable[[Request], None]:
+    """A dependency refusing query parameters other than `names` with a 400 naming the
+    first one: `/v1/usage?start_date=...` (LiteLLM's spelling) answered every record."""
+    known = frozenset(names)
+
+    def check(request: Request) -> None:
+        unknown = sorted(set(request.query_params) - known)
+        if unknown:
+            raise InvalidRequestError(f"Unrecognized query parameter: {unknown[0]} (this "
+                                      f"route takes {sorted(known) or 'none'})",
+                                      param=unknown[0])
+    return check
+
+
+USAGE_QUERY = ("tenant", "key", "since", "until", "limit")
+
+
 def documented(model: type[_Payload]) -> dict[str, Any]:
     """`openapi_extra` for a route whose body `json_body` reads: the app's OpenAPI
     document still describes it (tests/reliability/test_fuzz.py fuzzes from it)."""
@@ -205,7 +224,7 @@ def build_admin_app(state: GatewayState) -> FastAPI:
             raise AuthenticationError("invalid or revoked API key")
         return principal
 
-    guarded = [Depends(admin)]
+    guarded = [Depends(admin), Depends(only_query())]
 
     @app.post("/admin/tenants", dependencies=guarded, status_code=201,
               openapi_extra=documented(TenantCreate))
@@ -240,7 +259,7 @@ def build_admin_app(state: GatewayState) -> FastAPI:
         key, plaintext = store.create_key(body.tenant, KeySettings(**data))
         return {**key_json(key), "key": plaintext}
 
-    @app.get("/admin/keys", dependencies=guarded)
+    @app.get("/admin/keys", dependencies=[Depends(admin), Depends(only_query("tenant"))])
     def list_keys(tenant: str | None = None) -> dict[str, Any]:
         tenant_id = store.get_tenant(tenant).id if tenant else None
         return {"object": "list", "data": [key_json(k) for k in store.list_keys(tenant_id)]}
@@ -250,7 +269,7 @@ def build_admin_app(state: GatewayState) -> FastAPI:
     def revoke_key(key_id: str) -> dict[str, Any]:
         return key_json(store.revoke_key(key_id))
 
-    @app.get("/admin/usage", dependencies=guarded)
+    @app.get("/admin/usage", dependencies=[Depends(admin), Depends(only_query(*USAGE_QUERY))])
     def admin_usage(tenant: str | None = None, key: str | None = None,
                     since: float | None = None, until: float | None = None,
                     limit: int = 1000) -> dict[str, Any]:
@@ -263,7 +282,8 @@ def build_admin_app(state: GatewayState) -> FastAPI:
         return {"deleted": deleted}
 
     @app.get("/v1/usage")
-    def own_usage(principal: Principal = Depends(caller), tenant: str | None = None,
+    def own_usage(principal: Principal = Depends(caller),
+                  _: None = Depends(only_query(*USAGE_QUERY)), tenant: str | None = None,
                   key: str | None = None, since: float | None = None,
                   until: float | None = None, limit: int = 1000) -> dict[str, Any]:
         own = principal.tenant
