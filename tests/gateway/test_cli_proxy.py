@@ -50,6 +50,12 @@ def test_cli_tenants_keys_usage_purge(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["usage", "--tenant", "acme", "--since", "1d", "--json", *db]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["request_id"] for r in out["data"]] == ["new"] and out["totals"]["prompt_tokens"] == 3
+    assert main(["usage", "--tenant", "acme", "--limit", "1", "--json", *db]) == 0
+    out = json.loads(capsys.readouterr().out)  # totals of both records, not only the one shown
+    assert [r["request_id"] for r in out["data"]] == ["old"] and out["has_more"] is True
+    assert out["totals"]["requests"] == 2 and out["totals"]["prompt_tokens"] == 3
+    assert main(["usage", "--tenant", "acme", "--limit", "1", *db]) == 0
+    assert '"requests": 2' in (text := capsys.readouterr().out) and "1 shown, --limit 1" in text
     assert main(["gateway", "purge", "--older-than", "30", *db]) == 0
     assert "deleted 1" in capsys.readouterr().out
     assert main(["keys", "revoke", listed["id"], *db]) == 0

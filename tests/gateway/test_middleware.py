@@ -587,3 +587,22 @@ async def test_usage_and_admin_routes_refuse_query_parameters_they_do_not_take(
         assert r.status_code == 400 and r.json()["error"]["param"] == "dry_run"
     async with client_for(gw, "wrong") as wrong:
         assert (await wrong.get("/admin/usage", params={"x": 1})).status_code == 401
+
+
+async def test_usage_totals_count_every_record_of_the_window_with_has_more(
+        sqlite_store: SQLStore, stub: StubUpstream) -> None:
+    """`totals` summed only the `limit` rows returned; they now cover the whole query,
+    and `has_more` says that rows were left out."""
+    key = new_key(sqlite_store, tenant="A")
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    async with client_for(gw, key) as c:
+        for _ in range(3):
+            assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        page = (await c.get("/v1/usage", params={"limit": 2})).json()
+        assert len(page["data"]) == 2 and page["has_more"] is True
+        assert page["totals"] == {"requests": 3, "prompt_tokens": 3 * PROMPT_TOKENS,
+                                  "completion_tokens": 15, "cost_usd": 0.0}
+        assert (await c.get("/v1/usage")).json()["has_more"] is False
+    async with client_for(gw, ADMIN_KEY) as admin:
+        page = (await admin.get("/admin/usage", params={"tenant": "A", "limit": 1})).json()
+        assert page["totals"]["requests"] == 3 and page["has_more"] is True

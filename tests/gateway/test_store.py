@@ -8,7 +8,14 @@ import pytest
 import sqlalchemy as sa
 
 from sluice.gateway.keys import KEY_PREFIX, generate_key, hash_key
-from sluice.gateway.store import KeySettings, SQLStore, TenantSettings, UsageQuery, UsageRecord
+from sluice.gateway.store import (
+    KeySettings,
+    SQLStore,
+    TenantSettings,
+    UsageQuery,
+    UsageRecord,
+    UsageTotals,
+)
 from sluice.protocol.errors import InvalidRequestError, NotFoundError
 
 
@@ -82,3 +89,20 @@ def test_ledger_spend_equals_sum_of_records_and_purge(any_store: SQLStore) -> No
     assert any_store.purge(now - 86400 * 2.5) == 2  # r3, r4
     assert len(any_store.query_usage(UsageQuery())) == 3
     assert any_store.get_tenant("a").spend_usd == pytest.approx(0.75)  # spend is not refunded
+
+
+def test_usage_totals_cover_every_matching_record_not_only_the_limit(
+        any_store: SQLStore) -> None:
+    """The HTTP and CLI totals summed the rows a query returned (the oldest 1,000 by
+    default), so a busy tenant's day was under-reported; `usage_totals` sums them all."""
+    a = any_store.create_tenant("a", TenantSettings())
+    for i in range(5):
+        any_store.record_usage(UsageRecord(
+            request_id=f"r{i}", tenant_id=a.id, key_id="k", endpoint="/v1/completions",
+            model="m", status="ok", http_status=200, prompt_tokens=10, completion_tokens=i,
+            cost_usd=0.25, ts=1000.0 + i))
+    query = UsageQuery(tenant_id=a.id, limit=2)
+    assert [r.request_id for r in any_store.query_usage(query)] == ["r0", "r1"]
+    assert any_store.usage_totals(query) == UsageTotals(5, 50, 10, 1.25)
+    assert any_store.usage_totals(UsageQuery(since=1003.0)) == UsageTotals(2, 20, 7, 0.5)
+    assert any_store.usage_totals(UsageQuery(key_id="other")) == UsageTotals()

@@ -44,10 +44,10 @@ from sluice.gateway.store import (
     ApiKey,
     KeySettings,
     Principal,
+    Store,
     Tenant,
     TenantSettings,
     UsageQuery,
-    UsageRecord,
 )
 from sluice.protocol.edge import http_status_error, load_json_object
 from sluice.protocol.errors import (
@@ -166,12 +166,14 @@ def _settings_json(settings: TenantSettings | KeySettings) -> dict[str, Any]:
     return data
 
 
-def usage_json(records: list[UsageRecord]) -> dict[str, Any]:
-    totals = {"requests": len(records),
-              "prompt_tokens": sum(r.prompt_tokens for r in records),
-              "completion_tokens": sum(r.completion_tokens for r in records),
-              "cost_usd": sum(r.cost_usd for r in records)}
-    return {"object": "list", "data": [asdict(r) for r in records], "totals": totals}
+def usage_json(store: Store, query: UsageQuery) -> dict[str, Any]:
+    """The first `limit` records and the totals of *all* records the query matches
+    (they summed the rows returned: the oldest 1,000 by default); `has_more` says
+    whether rows were left out."""
+    records = store.query_usage(query)
+    totals = store.usage_totals(query)
+    return {"object": "list", "data": [asdict(r) for r in records], "totals": asdict(totals),
+            "has_more": totals.requests > len(records)}
 
 
 def _models(values: list[str] | None) -> tuple[str, ...] | None:
@@ -274,7 +276,7 @@ def build_admin_app(state: GatewayState) -> FastAPI:
                     since: float | None = None, until: float | None = None,
                     limit: int = 1000) -> dict[str, Any]:
         tenant_id = store.get_tenant(tenant).id if tenant else None
-        return usage_json(store.query_usage(UsageQuery(tenant_id, key, since, until, limit)))
+        return usage_json(store, UsageQuery(tenant_id, key, since, until, limit))
 
     @app.post("/admin/purge", dependencies=guarded, openapi_extra=documented(Purge))
     def purge(body: Annotated[Purge, Depends(json_body(Purge))]) -> dict[str, Any]:
@@ -290,6 +292,6 @@ def build_admin_app(state: GatewayState) -> FastAPI:
         if tenant is not None and tenant not in (own.id, own.name):
             raise PermissionDeniedError("a key can only read its own tenant's usage",
                                         param="tenant")
-        return usage_json(store.query_usage(UsageQuery(own.id, key, since, until, limit)))
+        return usage_json(store, UsageQuery(own.id, key, since, until, limit))
 
     return app

@@ -349,19 +349,19 @@ def keys_revoke(args: argparse.Namespace) -> int:
 def usage(args: argparse.Namespace) -> int:
     store = open_store(args)
     tenant_id = store.get_tenant(args.tenant).id if args.tenant else None
-    records = store.query_usage(UsageQuery(tenant_id, args.key, args.since, args.until,
-                                           args.limit))
-    totals = {"requests": len(records), "prompt_tokens": sum(r.prompt_tokens for r in records),
-              "completion_tokens": sum(r.completion_tokens for r in records),
-              "cost_usd": sum(r.cost_usd for r in records)}
+    query = UsageQuery(tenant_id, args.key, args.since, args.until, args.limit)
+    records = store.query_usage(query)
+    totals = asdict(store.usage_totals(query))  # every matching record, not only --limit
     if args.json:
-        print(json.dumps({"data": [asdict(r) for r in records], "totals": totals}))
+        print(json.dumps({"data": [asdict(r) for r in records], "totals": totals,
+                          "has_more": totals["requests"] > len(records)}))
         return 0
     rows = [{**asdict(r), "time": datetime.fromtimestamp(r.ts).isoformat(timespec="seconds"),
              "latency_ms": round(r.latency_ms, 1)} for r in records]
     print(_table(rows, ["time", "tenant_id", "key_id", "endpoint", "model", "status",
                         "prompt_tokens", "completion_tokens", "cost_usd", "latency_ms"]))
-    print(f"total: {json.dumps(totals)}")
+    shown = f" ({len(records)} shown, --limit {args.limit})" if totals["requests"] > len(records) else ""
+    print(f"total: {json.dumps(totals)}{shown}")
     return 0
 
 

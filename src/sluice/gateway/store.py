@@ -170,6 +170,16 @@ MAX_USAGE_ROWS = 100_000  # one usage query's `limit` at most
 
 
 @dataclass(frozen=True)
+class UsageTotals:
+    """Sums over every record a `UsageQuery` matches, whatever its `limit`."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cost_usd: float = 0.0
+
+
+@dataclass(frozen=True)
 class UsageQuery:
     tenant_id: str | None = None
     key_id: str | None = None
@@ -266,7 +276,12 @@ class Store(ABC):
         error means the store refused these records."""
 
     @abstractmethod
-    def query_usage(self, query: UsageQuery) -> list[UsageRecord]: ...
+    def query_usage(self, query: UsageQuery) -> list[UsageRecord]:
+        """The first `query.limit` matching records, oldest first."""
+
+    @abstractmethod
+    def usage_totals(self, query: UsageQuery) -> UsageTotals:
+        """Totals over every record `query` matches, not only the first `limit`."""
 
     @abstractmethod
     def purge(self, older_than: float) -> int:
@@ -803,6 +818,16 @@ class SQLStore(Store):
         stmt = stmt.order_by(u.c.seq).limit(query.limit)
         with self.engine.connect() as conn:
             return [UsageRecord(**row._asdict()) for row in conn.execute(stmt)]
+
+    def usage_totals(self, query: UsageQuery) -> UsageTotals:
+        u = self.usage
+        stmt = sa.select(sa.func.count(), *[sa.func.coalesce(sa.func.sum(c), 0) for c in (
+            u.c.prompt_tokens, u.c.completion_tokens, u.c.cost_usd)])
+        for condition in self._filters(query):
+            stmt = stmt.where(condition)
+        with self.engine.connect() as conn:
+            requests, prompt, completion, cost = conn.execute(stmt).one()
+        return UsageTotals(int(requests), int(prompt), int(completion), float(cost))
 
     def _filters(self, q: UsageQuery) -> Iterator[Any]:
         u = self.usage
