@@ -346,7 +346,9 @@ def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
     flags = (worker_flags(args) + ["--log-level", args.log_level, "--served-model-name", name]
              + observe_flags(args) + local_cpu_threads(args, planning.max_replicas))
     external = args.backend == "external"
-    backend = None if external else make_backend(args.backend, **backend_options(args, flags))
+    backend = None if external else named_by_flags(
+        lambda: make_backend(args.backend, **backend_options(args, flags)),
+        {"address": "--ray-address"})
     initial = max(1, planning.min_replicas)
     pool_config = PoolConfig(model=name, policy=args.policy, tokenizer=resolve_model(args.model),
                              block_size=args.block_size or 16,

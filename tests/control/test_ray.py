@@ -54,3 +54,40 @@ async def test_workers_spread_over_two_nodes_and_a_removed_node_is_dead(
         await backend.close()
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_an_address_where_no_cluster_answers_is_refused_at_once(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`sluice serve --backend ray --ray-address 127.0.0.1:1` hung (Ray retries the GCS
+    for minutes, 2 min here before it was killed), and `--ray-address auto` with no
+    cluster running was ConnectionError's traceback: both exit 2 naming the flag, and
+    no Ray is started."""
+    import time
+
+    from sluice.cli import main
+    from sluice.control.local import free_port
+    from sluice.control.ray import join
+    from sluice.protocol.errors import InvalidRequestError
+
+    closed = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    for address in (closed, f"ray://{closed}"):
+        with pytest.raises(InvalidRequestError, match="no Ray cluster answers there") as err:
+            join(address)
+        assert err.value.param == "address"
+    with pytest.raises(InvalidRequestError, match="must be HOST:PORT"):
+        join("head-node")
+    assert time.monotonic() - started < 10 and not ray.is_initialized()
+
+    def no_cluster(**_: object) -> None:
+        raise ConnectionError("Could not find any running Ray instance. Please specify ...")
+
+    monkeypatch.setattr(ray, "init", no_cluster)
+    with pytest.raises(InvalidRequestError, match="'auto': cannot join a Ray cluster: "
+                                                  "Could not find any running Ray instance$"):
+        join("auto")
+    monkeypatch.undo()
+    assert main(["serve", "--no-gateway", "--backend", "ray", "--ray-address", closed,
+                 "--workers", "1"]) == 2
+    err_text = capsys.readouterr().err
+    assert f"--ray-address '{closed}': no Ray cluster answers there" in err_text

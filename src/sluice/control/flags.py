@@ -37,7 +37,7 @@ def named_by_flags(make: Callable[[], T], flags: Mapping[str, str] = FLAGS) -> T
     except InvalidRequestError as exc:
         if exc.param is None or exc.param not in flags:
             raise
-        field = re.compile(r"\b(" + "|".join(map(re.escape, flags)) + r")\b")
+        field = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, flags)) + r")(?![\w-])")
         raise InvalidRequestError(field.sub(lambda m: flags[m[1]], exc.message),
                                   param=flags[exc.param][2:].replace("-", "_")) from exc
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import tempfile
 import time
 from collections.abc import Sequence
@@ -34,6 +35,31 @@ import ray
 
 from sluice.control.backend import Backend, ModelSpec, WorkerHandle, WorkerHealth
 from sluice.control.local import health_ok, launch_worker, stop_process
+from sluice.protocol.errors import InvalidRequestError
+
+CONNECT_TIMEOUT_S = 5.0
+
+
+def join(address: str | None) -> None:
+    """`ray.init(address)`: a local instance for None, else the cluster there. An
+    address where nothing answers is refused at once (Ray itself retries for minutes:
+    `sluice serve --ray-address 127.0.0.1:1` hung), as is `auto` with no cluster
+    running; the errors name `address`."""
+    if address not in (None, "auto"):
+        host, _, port = address.removeprefix("ray://").rpartition(":")
+        if not host or not port.isdigit():
+            raise InvalidRequestError(f"address must be HOST:PORT or ray://HOST:PORT, got "
+                                      f"{address!r}", param="address")
+        try:
+            socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+        except OSError as exc:
+            raise InvalidRequestError(f"address {address!r}: no Ray cluster answers there "
+                                      f"({exc.strerror or exc})", param="address") from exc
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise InvalidRequestError(f"address {address!r}: cannot join a Ray cluster: "
+                                  f"{str(exc).split('. ')[0]}", param="address") from exc
 
 
 @ray.remote
@@ -68,7 +94,7 @@ class RayBackend(Backend):
         self.worker_args = list(worker_args)
         self.owns_ray = address is None and not ray.is_initialized()
         if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            join(address)
         self.num_cpus = num_cpus
         self.num_gpus = num_gpus if num_gpus is not None else (
             1.0 if ray.cluster_resources().get("GPU", 0) else 0.0)
