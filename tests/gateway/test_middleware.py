@@ -606,3 +606,60 @@ async def test_usage_totals_count_every_record_of_the_window_with_has_more(
     async with client_for(gw, ADMIN_KEY) as admin:
         page = (await admin.get("/admin/usage", params={"tenant": "A", "limit": 1})).json()
         assert page["totals"]["requests"] == 3 and page["has_more"] is True
+
+
+class TrailingEmptyUpstream:
+    """Sends a JSON answer the way the `--upstream` proxy does: every byte with
+    `more_body`, then an empty last message, which the first request holds back until
+    `release` is set (the client has its whole answer, by content-length, before)."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.calls = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        while (await receive()).get("more_body"):
+            pass
+        self.calls += 1
+        body = json.dumps({"model": "stub-model", "usage": {"prompt_tokens": 3,
+                                                            "completion_tokens": 2}}).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body[:10], "more_body": True})
+        await send({"type": "http.response.body", "body": body[10:], "more_body": True})
+        if self.calls == 1:
+            await self.release.wait()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def test_settles_once_the_content_length_is_sent_before_a_trailing_empty_message(
+        sqlite_store: SQLStore) -> None:
+    """Under `sluice gateway --upstream` a JSON answer ended with an empty message after
+    its last bytes, and the slot, the tokens and a budgeted tenant's ledger row were
+    settled only then: a client with `max_concurrent: 1` that sent its next request
+    once it had the answer got a 429, and the spend was not yet there to read."""
+    import httpx
+
+    from .conftest import serve
+
+    key = new_key(sqlite_store, max_concurrent=1, budget_usd=10.0)
+    upstream = TrailingEmptyUpstream()
+    state = make_state(sqlite_store, await_ledger=False, prices=PriceTable(
+        {"stub-model": Price(input_per_million=1e5, output_per_million=1e5)}))
+    gw = GatewayMiddleware(upstream, state)
+    headers = {"Authorization": f"Bearer {key}"}
+    async with serve(gw) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=10, headers=headers) as c:
+            first = await c.post("/v1/chat/completions", json=CHAT)
+        assert first.status_code == 200 and first.json()["usage"]["completion_tokens"] == 2
+        assert sqlite_store.get_tenant("acme").spend_usd == pytest.approx(0.5)
+        # the next request on a connection of its own (one connection waits for the first
+        # answer's end: the server reads nothing more on it until then)
+        async with httpx.AsyncClient(base_url=url, timeout=10, headers=headers) as c:
+            second = await c.post("/v1/chat/completions", json=CHAT)
+        upstream.release.set()
+        assert second.status_code == 200, second.text
+    records = sqlite_store.query_usage(UsageQuery())
+    assert [(r.status, r.prompt_tokens, r.completion_tokens) for r in records] == [
+        ("ok", 3, 2), ("ok", 3, 2)]
+    assert sqlite_store.get_tenant("acme").reserved_usd == pytest.approx(0.0)

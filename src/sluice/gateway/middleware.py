@@ -248,6 +248,7 @@ class Exchange:
         self.response_started = False
         self.disconnected = False
         self.settled = False
+        self.body_left: int | None = None  # a JSON response's bytes not yet sent, by its length
 
     # -- 1 + 2: authenticate and admit ---------------------------------------------------
 
@@ -551,8 +552,14 @@ class Exchange:
         if message["type"] != "http.response.body":
             return await self.send(message)
         more = bool(message.get("more_body", False))
-        out = self.meter.feed(message.get("body", b""))
-        if not more:
+        body = message.get("body", b"")
+        out = self.meter.feed(body)
+        if self.body_left is not None:
+            self.body_left -= len(body)
+        if not self.settled and (not more or self.body_left is not None and self.body_left <= 0):
+            # the last bytes: by `more_body`, or by content-length when an app (the
+            # `--upstream` proxy) sends them with more_body and then an empty message; the
+            # client has its answer then, so settle before, not after
             out += self.meter.finish()
             await self.settle(self.outcome())
         if out or not more:
@@ -573,6 +580,9 @@ class Exchange:
         headers = list(message.get("headers") or [])
         ctype = next((v for k, v in headers if k.lower() == b"content-type"), b"")
         self.meter.streaming = ctype.startswith(b"text/event-stream")
+        length = next((v for k, v in headers if k.lower() == b"content-length"), None)
+        if not self.meter.streaming and length is not None and length.strip().isdigit():
+            self.body_left = int(length)
         if self.meter.streaming and self.adm.strip_usage_chunk:
             headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
         extra = {**self.adm.headers, "x-request-id": self.adm.request_id}
