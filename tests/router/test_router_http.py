@@ -382,6 +382,46 @@ async def test_admin_add_drain_remove_with_key(cluster: Cluster) -> None:
         assert r.status_code == 404
 
 
+async def test_a_pool_the_admin_api_made_for_a_mistyped_model_goes_with_its_workers(
+        cluster: Cluster) -> None:
+    """`POST /admin/workers {"model": "stub-modle"}` (a typo) makes a pool of that name;
+    once its worker is removed the name is gone again (/v1/models, /admin/workers, a
+    request for it is 404 as for any unknown model). The empty pool stayed: listed as a
+    served model, and a request for the typo was held, then 503. A worker already in a
+    pool is refused under another model's name, and an add that fails leaves no pool."""
+    a, b = StubState("a"), StubState("b")
+    async with serve(make_stub(b)) as b_url, cluster([a]) as (router, urls), \
+            httpx.AsyncClient(base_url=router, headers=ADMIN) as c:
+        async def models() -> list[str]:
+            return [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
+
+        async def pools() -> list[list[str]]:
+            return [p["models"] for p in (await c.get("/admin/workers")).json()["pools"]]
+
+        r = await c.post("/admin/workers", json={"url": b_url, "model": "stub-modle"})
+        assert r.status_code == 201, r.text
+        assert "stub-modle" in await models()
+        r = await c.request("DELETE", "/admin/workers", params={"url": b_url})
+        assert r.status_code == 200, r.text
+        assert await models() == ["stub-model", "alias"]
+        assert await pools() == [["stub-model", "alias"]]
+        r = await c.post("/v1/chat/completions", json={**chat("x"), "model": "stub-modle"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        # a worker is in one pool: not added again under a mistyped name
+        r = await c.post("/admin/workers", json={"url": urls["a"], "model": "stub-modle"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "url", r.text
+        # an add refused by the new pool (a long worker, no long_prompt_tokens)
+        r = await c.post("/admin/workers", json={"url": b_url, "model": "other",
+                                                 "group": "long"})
+        assert r.status_code == 400, r.text
+        assert await models() == ["stub-model", "alias"]
+        assert await pools() == [["stub-model", "alias"]]
+        # a pool named in the configuration stays when its last worker leaves
+        r = await c.request("DELETE", "/admin/workers", params={"url": urls["a"]})
+        assert r.status_code == 200
+        assert await pools() == [["stub-model", "alias"]]
+
+
 async def test_tokenize_passes_through_and_health_reports_workers(cluster: Cluster) -> None:
     a = StubState("a")
     async with cluster([a]) as (router, _), httpx.AsyncClient(base_url=router) as c:

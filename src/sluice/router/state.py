@@ -31,10 +31,15 @@ import zmq.asyncio
 
 from sluice.observe.buckets import LatencyBuckets
 from sluice.observe.tracing import Tracing
-from sluice.protocol.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
+from sluice.protocol.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    ServiceUnavailableError,
+    SluiceError,
+)
 from sluice.protocol.prompt import IdsHint, TokenCache
 from sluice.router.adapters import Adapters
-from sluice.router.admission import Admission, AdmissionCollector
+from sluice.router.admission import Admission, AdmissionCollector, pool_label
 from sluice.router.breaker import BreakerCollector, Breakers
 from sluice.router.buffer import RequestBuffer
 from sluice.router.cascade import Aliases
@@ -62,6 +67,8 @@ class RouterState:
     rng: random.Random
     local_tokenizers: Mapping[str, LocalTokenizer] = field(default_factory=dict)
     pools: list[Pool] = field(default_factory=list)
+    transient: set[Pool] = field(default_factory=set)  # made by the admin API: see
+    # `pool_for_admin`; dropped when empty
     subscribers: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     token_cache: TokenCache | None = None  # shared with the gateway in one process
     transport: httpx.AsyncBaseTransport | None = None  # tests: a mock for probes/scrapes
@@ -129,16 +136,38 @@ class RouterState:
         raise NotFoundError(f"The model `{model}` does not exist.", param="model")
 
     def pool_for_admin(self, model: str | None) -> Pool:
+        """The pool a worker added at runtime joins: the one serving `model` (the only
+        one, when `model` is None), else a new one, which lasts only while it has workers
+        (`add_worker`, `remove_worker`)."""
         if model is not None:
             for pool in self.pools:
                 if pool.serves(model):
                     return pool
-            return self.add_pool(PoolConfig(model=model, policy=self._default_policy()))
+            return self._add_transient_pool(PoolConfig(model=model,
+                                                       policy=self._default_policy()))
         if len(self.pools) == 1:
             return self.pools[0]
         if not self.pools:
-            return self.add_pool(PoolConfig(policy=self._default_policy()))
+            return self._add_transient_pool(PoolConfig(policy=self._default_policy()))
         raise InvalidRequestError("several pools exist: name the worker's 'model'", param="model")
+
+    def _add_transient_pool(self, pool_config: PoolConfig) -> Pool:
+        pool = self.add_pool(pool_config)
+        self.transient.add(pool)
+        return pool
+
+    def _drop_if_empty(self, pool: Pool) -> None:
+        """Forget a pool the admin API made once its last worker is gone (or its first
+        could not join): its name is no model anyone configured, and an empty pool kept
+        answering to it (listed by /v1/models, requests held, then 503) after a mistyped
+        `model`. Configured pools stay, empty or not (scale from zero)."""
+        if pool.endpoints or pool not in self.transient:
+            return
+        self.transient.discard(pool)
+        self.pools.remove(pool)
+        self.admission.queues.pop(id(pool), None)
+        self.breakers.budgets.pop(id(pool), None)
+        self.releases.by_pool.pop(pool, None)
 
     def _default_policy(self) -> str:
         return self.pools[0].config.policy if self.pools else "cost"
@@ -150,8 +179,18 @@ class RouterState:
         raise NotFoundError(f"no worker {url}", param="url", code="worker_not_found")
 
     async def add_worker(self, spec: WorkerSpec, model: str | None) -> Endpoint:
+        """Add a worker at runtime (POST /admin/workers). A worker is in one pool: a URL
+        already in one is refused (400), whatever `model` names."""
+        for pool in self.pools:
+            if spec.url in pool.endpoints:
+                raise InvalidRequestError(f"worker {spec.url} is already in the pool of "
+                                          f"{pool_label(pool)!r}", param="url")
         pool = self.pool_for_admin(model)
-        endpoint = pool.add(spec)
+        try:
+            endpoint = pool.add(spec)
+        except SluiceError:
+            self._drop_if_empty(pool)
+            raise
         self.start_subscriber(pool, endpoint)
         await self.monitor.probe(endpoint)
         return endpoint
@@ -160,7 +199,9 @@ class RouterState:
         pool, endpoint = self.find_endpoint(url)
         await self.stop_subscriber(endpoint.url)
         self.breakers.forget(endpoint.url)
-        return pool.remove(endpoint.url)
+        removed = pool.remove(endpoint.url)
+        self._drop_if_empty(pool)
+        return removed
 
     # --- KV events ------------------------------------------------------------------------
 
