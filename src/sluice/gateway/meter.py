@@ -6,9 +6,11 @@ each `data:` payload is parsed on the way through:
 
     OpenAI      any chunk with a non-null `usage` (with `stream_options.include_usage`
                 the last chunk: `"choices": []`); content from `choices[].delta.content`
-                or `choices[].text`
+                or `choices[].text`, and tool calls' names and argument pieces from
+                `choices[].delta.tool_calls[].function`
     Anthropic   `message_start.message.usage.input_tokens`, `message_delta.usage
-                .output_tokens` (cumulative); content from `content_block_delta`
+                .output_tokens` (cumulative); content from `content_block_delta` (its
+                `text`, or a tool call's `partial_json`) and a `tool_use` block's name
 
 The first `model` a response names (the JSON body's, the first chunk's, Anthropic's
 `message_start.message.model`) is `served_model`: the model that really answered (an
@@ -121,8 +123,14 @@ class ResponseMeter:
             self._take_usage((obj.get("message") or {}).get("usage"))
         elif kind == "message_delta":
             self._take_usage(obj.get("usage"))
+        elif kind == "content_block_start":
+            block = obj.get("content_block") or {}
+            if isinstance(block, dict) and block.get("type") == "tool_use":
+                self.text_parts.append(str(block.get("name") or ""))
         elif kind == "content_block_delta":
-            self.text_parts.append(str((obj.get("delta") or {}).get("text") or ""))
+            delta = obj.get("delta") or {}
+            if isinstance(delta, dict):
+                self.text_parts.append(str(delta.get("text") or delta.get("partial_json") or ""))
 
     def _take_model(self, model: Any) -> None:
         if self.served_model is None and isinstance(model, str) and model:
@@ -146,6 +154,9 @@ class ResponseMeter:
             for block in obj.get("content") or []:
                 if isinstance(block, dict) and block.get("type") == "text":
                     self.text_parts.append(str(block.get("text") or ""))
+                elif isinstance(block, dict) and block.get("type") == "tool_use":
+                    self.text_parts += [str(block.get("name") or ""),
+                                        json.dumps(block.get("input"))]
             return
         for choice in obj.get("choices") or []:
             if not isinstance(choice, dict):
@@ -155,3 +166,16 @@ class ResponseMeter:
             text = text if text is not None else choice.get("text")
             if isinstance(text, str):
                 self.text_parts.append(text)
+            if isinstance(delta, dict):
+                self._take_tool_calls(delta.get("tool_calls"))
+
+    def _take_tool_calls(self, calls: Any) -> None:
+        """A tool call's name and arguments (streamed: in pieces), what the model generated
+        for it: for the audit log and for counting an aborted stream's tokens (both saw
+        only `content`, so a stream of tool calls was recorded empty and, cut short, as
+        0 completion tokens)."""
+        for call in calls if isinstance(calls, list) else []:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict):
+                self.text_parts += [str(function[k]) for k in ("name", "arguments")
+                                    if isinstance(function.get(k), str)]
