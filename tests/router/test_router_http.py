@@ -382,6 +382,31 @@ async def test_admin_add_drain_remove_with_key(cluster: Cluster) -> None:
         assert r.status_code == 404
 
 
+async def test_a_worker_added_at_runtime_takes_requests_only_once_a_probe_answered(
+        cluster: Cluster) -> None:
+    """`POST /admin/workers` for a worker whose /health does not answer 200 yet (still
+    loading its model): it is listed, not healthy, and gets no request until a probe
+    passes; that first pass is an admission, not a re-admission. It was healthy from the
+    moment it was added, so requests went to it until three probes had failed."""
+    a, b = StubState("a"), StubState("b", healthy=False)
+    async with serve(make_stub(b)) as b_url, cluster([a]) as (router, _), \
+            httpx.AsyncClient(base_url=router) as c:
+        r = await c.post("/admin/workers", json={"url": b_url}, headers=ADMIN)
+        assert r.status_code == 201 and r.json()["healthy"] is False, r.text
+        for _ in range(6):
+            r = await c.post("/v1/chat/completions", json=chat("x"))
+            assert r.status_code == 200 and r.json()["worker"] == "a"
+        assert b.requests == []
+        b.healthy = True
+        await wait_for(lambda: worker(c, b_url), lambda w: w["healthy"])
+        for _ in range(4):
+            assert (await c.post("/v1/chat/completions", json=chat("x"))).status_code == 200
+        assert len(b.requests) == 2  # round robin, now over both
+        metrics = (await c.get("/metrics")).text
+        assert f'sluice_router_readmissions_total{{worker="{b_url}"}}' not in metrics
+        assert f'sluice_router_ejections_total{{worker="{b_url}"}}' not in metrics
+
+
 async def test_a_pool_the_admin_api_made_for_a_mistyped_model_goes_with_its_workers(
         cluster: Cluster) -> None:
     """`POST /admin/workers {"model": "stub-modle"}` (a typo) makes a pool of that name;

@@ -187,6 +187,7 @@ class Endpoint:
     spec: WorkerSpec
     healthy: bool = True
     draining: bool = False
+    probed: bool = True  # False: added at runtime, no probe answered yet (`hold_until_probed`)
     models: tuple[str, ...] = ()
     consecutive_failures: int = 0
     consecutive_successes: int = 0
@@ -357,10 +358,19 @@ class Endpoint:
             return True
         return False
 
+    def hold_until_probed(self) -> None:
+        """Take no requests until a health probe answers (a worker added at runtime: it
+        may still be starting, or be a mistyped URL); that first answer admits it."""
+        self.healthy = self.probed = False
+
     def record_success(self, readmit_after: int) -> bool:
-        """Count a success; returns True if this one re-admitted the endpoint."""
+        """Count a success; returns True if this one re-admitted the endpoint (a worker's
+        first answer admits it, which is not a re-admission)."""
         self.consecutive_failures = 0
         self.consecutive_successes += 1
+        if not self.probed:
+            self.healthy = self.probed = True
+            return False
         if not self.healthy and self.consecutive_successes >= readmit_after:
             self.healthy = True
             return True

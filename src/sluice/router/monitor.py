@@ -1,6 +1,8 @@
 """Active health probes and load scraping, each on its own interval.
 
     every health_interval_s:  GET /health   -> success re-admits after N, failure ejects after M
+                                                (a worker added at runtime: its first success
+                                                admits it, Endpoint.hold_until_probed)
                               GET /v1/models   (once per worker, to learn the ids it serves)
     every scrape_interval_s:  GET /metrics  -> Endpoint.load (running, waiting, KV usage)
 
@@ -51,11 +53,11 @@ class Monitor:
                 self.metrics.ejections.labels(endpoint.url).inc()
                 log.warning("health probe ejected %s", endpoint.url)
             return False
+        if not endpoint.models:  # before a worker's first request: the names it serves
+            await self._discover(endpoint)
         if endpoint.record_success(self.readmit_after):
             self.metrics.readmissions.labels(endpoint.url).inc()
             log.info("re-admitted %s", endpoint.url)
-        if not endpoint.models:
-            await self._discover(endpoint)
         return True
 
     async def _discover(self, endpoint: Endpoint) -> None:

@@ -179,7 +179,8 @@ class RouterState:
         raise NotFoundError(f"no worker {url}", param="url", code="worker_not_found")
 
     async def add_worker(self, spec: WorkerSpec, model: str | None) -> Endpoint:
-        """Add a worker at runtime (POST /admin/workers). A worker is in one pool: a URL
+        """Add a worker at runtime (POST /admin/workers); it takes requests once a health
+        probe has answered (this one, else a later round). A worker is in one pool: a URL
         already in one is refused (400), whatever `model` names."""
         for pool in self.pools:
             if spec.url in pool.endpoints:
@@ -191,6 +192,7 @@ class RouterState:
         except SluiceError:
             self._drop_if_empty(pool)
             raise
+        endpoint.hold_until_probed()
         self.start_subscriber(pool, endpoint)
         await self.monitor.probe(endpoint)
         return endpoint
