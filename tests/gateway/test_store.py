@@ -106,3 +106,18 @@ def test_usage_totals_cover_every_matching_record_not_only_the_limit(
     assert any_store.usage_totals(query) == UsageTotals(5, 50, 10, 1.25)
     assert any_store.usage_totals(UsageQuery(since=1003.0)) == UsageTotals(2, 20, 7, 0.5)
     assert any_store.usage_totals(UsageQuery(key_id="other")) == UsageTotals()
+
+
+def test_a_record_with_strings_longer_than_their_columns_is_written_cut(
+        any_store: SQLStore) -> None:
+    """A client's 100-character `x-request-id` made PostgreSQL refuse the record (value too
+    long for varchar(64)): the request was neither audited nor billed. Each string is cut
+    to its column instead, and the spend is added."""
+    a = any_store.create_tenant("a", TenantSettings())
+    any_store.record_usage(UsageRecord(
+        request_id="r" * 100, tenant_id=a.id, key_id="k", endpoint="/v1/" + "p" * 200,
+        model="m" * 300, status="ok", http_status=200, prompt_tokens=1, cost_usd=0.5))
+    [row] = any_store.query_usage(UsageQuery(tenant_id=a.id))
+    assert (row.request_id, row.model) == ("r" * 64, "m" * 200)
+    assert len(row.endpoint) == 100 and row.prompt_tokens == 1
+    assert any_store.get_tenant("a").spend_usd == pytest.approx(0.5)

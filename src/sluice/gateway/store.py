@@ -481,6 +481,8 @@ class SQLStore(Store):
             .join(t, t.c.id == k.c.tenant_id)
             .where(k.c.digest == sa.bindparam("digest"), k.c.revoked_at.is_(None)))
         self._insert_usage = sqlite.insert(u).on_conflict_do_nothing().returning(u.c.record_id)
+        self._widths = {c.name: c.type.length for c in u.columns
+                        if isinstance(c.type, sa.String) and c.type.length}
         self._insert_unnest = _unnest_insert(self.engine, u)
         v = self.versions
         self._version_sql = str(sa.select(v.c.version).where(v.c.name == AUTH_VERSION_ROW)
@@ -804,11 +806,20 @@ class SQLStore(Store):
         multi-row insert (a local library call, nothing to prepare)."""
         if not records:
             return set()
+        records = [self._fit(r) for r in records]
         if self._insert_unnest is not None:
             statement, names = self._insert_unnest
             columns = {name: [getattr(r, name) for r in records] for name in names}
             return {row[0] for row in conn.exec_driver_sql(statement, columns)}
         return set(conn.execute(self._insert_usage, [asdict(r) for r in records]).scalars())
+
+    def _fit(self, record: UsageRecord) -> UsageRecord:
+        """`record` with each string cut to its column's width: a client's 100-character
+        `x-request-id`, a long model name or path, made PostgreSQL refuse the row (SQLite
+        keeps any length), so the request went unrecorded and unbilled."""
+        long: dict[str, Any] = {name: value[:width] for name, width in self._widths.items()
+                if isinstance(value := getattr(record, name), str) and len(value) > width}
+        return replace(record, **long) if long else record
 
     def query_usage(self, query: UsageQuery) -> list[UsageRecord]:
         u = self.usage
