@@ -121,3 +121,12 @@ def test_a_record_with_strings_longer_than_their_columns_is_written_cut(
     assert (row.request_id, row.model) == ("r" * 64, "m" * 200)
     assert len(row.endpoint) == 100 and row.prompt_tokens == 1
     assert any_store.get_tenant("a").spend_usd == pytest.approx(0.5)
+
+
+def test_a_tenant_name_longer_than_its_column_is_a_400_naming_name(any_store: SQLStore) -> None:
+    """`sluice tenants create <300 characters>` was a traceback on PostgreSQL (and took
+    the name on SQLite, which the admin API refuses past 200)."""
+    with pytest.raises(InvalidRequestError) as exc:
+        any_store.create_tenant("a" * 201, TenantSettings())
+    assert exc.value.param == "name"
+    assert any_store.create_tenant("a" * 200, TenantSettings()).name == "a" * 200

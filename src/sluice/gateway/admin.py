@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sluice.gateway.state import GatewayState
 from sluice.gateway.store import (
+    MAX_TENANT_NAME,
     OUTAGES,
     ApiKey,
     KeySettings,
@@ -76,7 +77,7 @@ class TenantLimits(_Payload):
 
 
 class TenantCreate(TenantLimits):
-    name: str = Field(min_length=1, max_length=200)
+    name: str = Field(min_length=1, max_length=MAX_TENANT_NAME)
     priority_class: str = "standard"
     store_bodies: bool = False
 

@@ -307,6 +307,7 @@ def default_database_url() -> str:
 
 
 AUTH_VERSION_ROW = "auth"
+MAX_TENANT_NAME = 200  # characters: the tenants.name column
 
 
 def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.Table,
@@ -315,7 +316,7 @@ def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.
     tenants = sa.Table(
         f"{prefix}tenants", md,
         sa.Column("id", sa.String(40), primary_key=True),
-        sa.Column("name", sa.String(200), nullable=False, unique=True),
+        sa.Column("name", sa.String(MAX_TENANT_NAME), nullable=False, unique=True),
         sa.Column("settings", sa.Text, nullable=False),
         sa.Column("spend_usd", sa.Float, nullable=False, default=0.0),
         sa.Column("created_at", sa.Float, nullable=False),
@@ -518,6 +519,9 @@ class SQLStore(Store):
     def create_tenant(self, name: str, settings: TenantSettings) -> Tenant:
         if not name:
             raise InvalidRequestError("tenant name must not be empty", param="name")
+        if len(name) > MAX_TENANT_NAME:  # PostgreSQL refused it: a traceback, a 500
+            raise InvalidRequestError(f"tenant name is longer than {MAX_TENANT_NAME} "
+                                      "characters", param="name")
         tenant = Tenant(new_id("tn"), name, settings, 0.0, time.time())
         try:
             with self.engine.begin() as conn:
