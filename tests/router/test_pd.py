@@ -103,6 +103,9 @@ async def test_the_router_drives_vllm_workers_with_exactly_vllms_fields() -> Non
         assert "sluice_router_pd_prefill_seconds_count 2.0" in metrics
         assert "sluice_router_pd_transfer_seconds_count 1.0" in metrics  # the stream
         assert "sluice_router_pd_decode_seconds_count 2.0" in metrics
+        # two client requests, counted once each (the prefill step counted a third and
+        # a fourth)
+        assert 'sluice_router_requests_total{model="stub-model",status="200"} 2.0' in metrics
         assert p.epochs_seen == [None, None]  # vLLM workers: no epoch known, none sent
     no_errors(p, d)
 

@@ -23,10 +23,15 @@ from router_stubs import (
     serve_router,
     word_ids,
 )
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from sluice.engine.kv_events import KVEventPublisher
 from sluice.protocol.block_hash import hash_blocks
 from sluice.protocol.kv_events import BlockRemoved, BlockStored
+from sluice.protocol.prompt import RESUME_HEADER, TOKENIZER_HEADER, ResumeIds
 from sluice.router.app import build_app
 from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
 from sluice.router.server import RouterServer
@@ -688,6 +693,57 @@ async def test_a_worker_failing_mid_stream_breaks_the_client_response(cluster: C
             await c.post("/v1/chat/completions", json=chat("x", stream=True))
         pools = (await c.get("/admin/workers", headers=ADMIN)).json()["pools"]
         assert pools[0]["workers"][0]["inflight"] == 0
+
+
+def resumable_worker(cut: list[bool]) -> Starlette:
+    """A worker that streams four tokens with their ids (`x-sluice-tokenizer`: it can
+    resume a stream), dies after two while `cut` holds a True (one pop per stream), and
+    on `x-sluice-resume-ids` continues after the ids it is given."""
+    async def generate(request: Request) -> Response:
+        resumed = ResumeIds.decode(request.headers.get(RESUME_HEADER, ""))
+        dies = bool(cut) and cut.pop()
+
+        async def events() -> AsyncIterator[bytes]:
+            for i in range(len(resumed.ids) if resumed else 0, 4):
+                if dies and i == 2:
+                    raise RuntimeError("the worker died mid-stream")
+                chunk = {"id": "x", "created": 1, "model": "stub-model", "choices": [
+                    {"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None,
+                     "token_ids": [i]}]}
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={TOKENIZER_HEADER: "stub"})
+
+    async def models(_: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "stub-model"}]})
+
+    async def health(_: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    return Starlette(routes=[Route("/v1/chat/completions", generate, methods=["POST"]),
+                             Route("/v1/models", models), Route("/health", health)])
+
+
+async def test_a_migrated_stream_counts_once_in_requests_total(cluster: Cluster) -> None:
+    """A stream whose worker dies mid-way resumes on the other worker: the client sees
+    one stream, and `sluice_router_requests_total` counts one request (it counted the
+    original and the resume: 2 for 1, so dashboards' request rates and error ratios
+    counted every migration twice)."""
+    cut = [True]
+    async with serve(resumable_worker(cut)) as a, serve(resumable_worker(cut)) as b, \
+            cluster([], extra_urls=(a, b)) as (router, _), \
+            httpx.AsyncClient(base_url=router) as c:
+        r = await c.post("/v1/chat/completions", json=chat("x", stream=True))
+        assert r.status_code == 200 and not cut
+        events = [e[6:] for e in r.text.split("\n\n") if e.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        text = "".join(json.loads(e)["choices"][0]["delta"]["content"] for e in events[:-1])
+        assert text == "t0 t1 t2 t3 "
+        metrics = (await c.get("/metrics")).text
+    assert 'sluice_router_migrations_total{reason="read_error"} 1.0' in metrics
+    assert 'sluice_router_requests_total{model="stub-model",status="200"} 1.0' in metrics
 
 
 ADMIN_ROUTES = [("GET", "/admin/workers", None), ("POST", "/admin/workers", {"url": "http://x"}),

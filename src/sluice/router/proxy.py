@@ -57,17 +57,21 @@ class RetryableError(Exception):
         self.answered = answered  # the worker answered (an error status): it is up
 
 
-class NoWorkerReached(ServiceUnavailableError):
-    """The 503 of a request no worker answered at all (none available, or every one
-    unreachable: a worker that just died looks ready until the probes eject it); the
-    router may hold it for a replacement (`RequestBuffer.hold`) or serve it otherwise (a
-    P/D fallback), so it is counted in `sluice_router_requests_total` where it reaches the
-    client (routed.py), once. A worker's own error status is a plain
-    ServiceUnavailableError, counted by the proxy."""
+class WorkersFailed(ServiceUnavailableError):
+    """The 503 of a request that no attempt could serve (every worker tried answered 5xx,
+    or none was reached). The router may still serve it otherwise (a P/D fallback, a
+    canary's baseline), so, like every answer, it is counted in
+    `sluice_router_requests_total` where it reaches the client (routed.py), once."""
 
     def __init__(self, message: str, model: str) -> None:
         super().__init__(message, code="no_healthy_worker")
         self.model = model
+
+
+class NoWorkerReached(WorkersFailed):
+    """No worker answered at all (none available, or every one unreachable: a worker that
+    just died looks ready until the probes eject it): the router may hold the request
+    for a replacement (`RequestBuffer.hold`)."""
 
 
 def forward_block(headers: Iterable[tuple[bytes, bytes]]) -> bytes:
@@ -145,7 +149,9 @@ class Proxy:
                       headers: bytes, exclude: Iterable[str] = ()) -> Relay:
         """Send `req` (its raw body, `headers` already encoded by `forward_block`) to
         `path` on the best worker but those in `exclude` (URLs), retrying elsewhere before
-        the first byte. Raises ServiceUnavailableError (503) when no attempt succeeds."""
+        the first byte. Raises WorkersFailed (503) when no attempt succeeds. Counts no
+        request: one client request may take several forwards (a P/D prefill, a resume
+        after a mid-stream failure, a canary's fallback), and routed.py counts its answer."""
         tried: list[str] = list(exclude)
         last_error = "no worker is available"
         answered = False
@@ -184,7 +190,6 @@ class Proxy:
             endpoint.consecutive_failures = 0
             self.breakers.success(endpoint.url)
             endpoint.on_first_byte(ticket, learn=req.stream)
-            self.metrics.requests_for(req.model, upstream.status).inc()
             self.metrics.first_byte_seconds_for(req.model).observe(time.perf_counter() - start)
             relay = Relay(upstream, first, ticket)
             relay.retries = len(tried)  # (a migration's excluded workers included)
@@ -192,8 +197,7 @@ class Proxy:
         message = f"no healthy worker could serve model {req.model!r} ({last_error})"
         if not answered:
             raise NoWorkerReached(message, req.model)
-        self.metrics.requests_for(req.model, 503).inc()
-        raise ServiceUnavailableError(message, code="no_healthy_worker")
+        raise WorkersFailed(message, req.model)
 
     def choose(self, pool: Pool, meta: RequestMeta, tried: Iterable[str] = ()
                ) -> Decision | None:

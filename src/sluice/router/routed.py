@@ -8,7 +8,8 @@
                                    prefill then decode worker: pd.py)
                                    (through the pool's Release when it has a canary or
                                    shadow worker: release.py)
-                                -> Relay (stream it back, then close it); a stream
+                                -> Relay (stream it back, then close it), counted once in
+                                   sluice_router_requests_total by its status; a stream
                                    that can migrate: a MigratingRelay (migrate.py),
                                    also on a release's version
     a SluiceError at any step   -> ErrorReply (OpenAI JSON, Anthropic's on /v1/messages;
@@ -30,7 +31,7 @@ from sluice.protocol.errors import SluiceError
 from sluice.protocol.prompt import IDS_HEADER, RESUME_HEADER, IdsHint
 from sluice.router.migrate import MigratingRelay, migratable, with_token_ids
 from sluice.router.parse import CHAT, COMPLETION, MESSAGES, SESSION_HEADER, parse_request
-from sluice.router.proxy import NoWorkerReached, Proxy, Relay, forward_block
+from sluice.router.proxy import NoWorkerReached, Proxy, Relay, WorkersFailed, forward_block
 from sluice.router.state import RouterState
 
 ROUTED = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/messages": MESSAGES}
@@ -129,12 +130,13 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
             state.adapters.unplace(req.model)
             raise
         state.adapters.served(relay, req.model)
+        state.metrics.requests_for(req.model, relay.status).inc()  # once, whatever it took
         if not migrating or relay.status != 200:
             return relay
         return MigratingRelay(relay, proxy, pool, sent, meta, target, block, limit,
                               show_ids=bool(req.body.get("return_token_ids")),
                               held=state.buffer)
-    except NoWorkerReached as exc:  # counted once, however often it was held and tried
+    except WorkersFailed as exc:  # counted once, however often it was held and tried
         state.metrics.requests_for(exc.model, 503).inc()
         return error_reply(exc, path)
     except SluiceError as exc:
