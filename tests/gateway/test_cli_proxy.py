@@ -65,6 +65,15 @@ def test_cli_tenants_keys_usage_purge(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["gateway", *db]) == 2  # no --upstream
 
 
+@pytest.mark.parametrize("url", ["postgresql://postgres@127.0.0.1:1/test", "nodriver://x"])
+def test_cli_reports_a_database_it_cannot_use_in_one_line(
+        url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """An unreachable database, or a URL naming no driver, was a ~100-line traceback."""
+    assert main(["tenants", "list", "--database-url", url]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: the gateway database: ") and err.count("\n") == 1, err
+
+
 def test_parse_time_forms() -> None:
     assert parse_time("24h", now=100000.0) == 100000.0 - 86400
     assert parse_time("1700000000") == 1700000000.0

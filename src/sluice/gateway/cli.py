@@ -24,6 +24,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import sqlalchemy as sa
+
 from sluice import env
 from sluice.gateway.config import FAILURE_MODES, PRIORITY_CLASSES, GatewayConfig, LimiterConfig
 from sluice.gateway.pricing import PriceTable
@@ -271,12 +273,19 @@ def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
 
 
 def _guard(fn: Any) -> Any:
-    """Report SluiceErrors as one line on stderr with exit code 1."""
+    """Report SluiceErrors, and the database's own errors (unreachable, a URL naming no
+    driver: they were a 100-line traceback), as one line on stderr with exit code 1."""
     def wrapper(args: argparse.Namespace) -> int:
         try:
             return int(fn(args) or 0)
         except SluiceError as exc:
             print(f"error: {exc.message}", file=sys.stderr)
+            return 1
+        except sa.exc.SQLAlchemyError as exc:
+            cause = exc.orig if isinstance(exc, sa.exc.DBAPIError) else exc
+            detail = " ".join(str(cause).split("\n")[0].split())
+            print(f"error: the gateway database: {type(cause).__name__}: {detail}",
+                  file=sys.stderr)
             return 1
     wrapper.__name__ = fn.__name__
     return wrapper
