@@ -278,6 +278,38 @@ async def test_budget_exhaustion_gives_insufficient_quota(sqlite_store: SQLStore
     assert state.metrics.soft_budget.labels(tenant=tenant.id)._value.get() == 4
 
 
+async def test_a_spent_budget_is_reset_by_the_admin_api_and_the_cli(
+        sqlite_store: SQLStore, stub: StubUpstream, tmp_path: Any,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A tenant that reached its budget was refused for good: no route or command set its
+    spend back (LiteLLM resets on `budget_duration`); an operator had to raise the budget
+    or edit the table. `POST /admin/tenants/{ref}/reset_spend` and `sluice tenants
+    reset-spend` start a new period; the ledger keeps its rows."""
+    from sluice.cli import main
+
+    prices = PriceTable({"stub-model": Price(1_000_000.0, 2_000_000.0)})
+    key = new_key(sqlite_store, budget_usd=20.0)
+    gw = GatewayMiddleware(stub, make_state(sqlite_store, prices=prices))
+    async with client_for(gw, key) as c, client_for(gw, ADMIN_KEY) as admin:
+        assert [(await c.post("/v1/chat/completions", json=CHAT)).status_code
+                for _ in range(2)] == [200, 429]
+        r = await admin.post("/admin/tenants/acme/reset_spend")
+        assert r.status_code == 200 and r.json()["spend_usd"] == 0.0, r.text
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 429
+        db = ["--database-url", str(sqlite_store.engine.url)]
+        assert main(["tenants", "reset-spend", "acme", *db]) == 0
+        assert "reset the spend of tenant acme to 0" in capsys.readouterr().out
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        r = await admin.post("/admin/tenants/nobody/reset_spend")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "tenant_not_found"
+        assert (await c.post("/admin/tenants/acme/reset_spend")).status_code == 401
+    assert main(["tenants", "reset-spend", "nobody", *db]) == 1
+    assert sqlite_store.get_tenant("acme").spend_usd == pytest.approx(17.0)
+    assert [r.status for r in sqlite_store.query_usage(UsageQuery())] == [
+        "ok", "rejected", "ok", "rejected", "ok"]
+
+
 async def test_streaming_usage_is_metered_and_extra_chunk_stripped(
         sqlite_store: SQLStore, stub: StubUpstream) -> None:
     key = new_key(sqlite_store)

@@ -130,3 +130,18 @@ def test_a_tenant_name_longer_than_its_column_is_a_400_naming_name(any_store: SQ
         any_store.create_tenant("a" * 201, TenantSettings())
     assert exc.value.param == "name"
     assert any_store.create_tenant("a" * 200, TenantSettings()).name == "a" * 200
+
+
+def test_reset_spend_keeps_reservations_and_the_ledger(any_store: SQLStore) -> None:
+    a = any_store.create_tenant("a", TenantSettings(budget_usd=1.0))
+    any_store.record_usage(UsageRecord(
+        request_id="r", tenant_id=a.id, key_id="k", endpoint="/v1/completions", model="m",
+        status="ok", http_status=200, cost_usd=0.75))
+    rid = any_store.reserve_spend(a.id, 0.25, 1.0, lease_s=60)
+    assert rid is not None and any_store.reserve_spend(a.id, 0.01, 1.0, lease_s=60) is None
+    tenant = any_store.reset_spend("a")
+    assert (tenant.spend_usd, tenant.reserved_usd) == (0.0, pytest.approx(0.25))
+    assert any_store.reserve_spend(a.id, 0.75, 1.0, lease_s=60) is not None
+    assert len(any_store.query_usage(UsageQuery(tenant_id=a.id))) == 1
+    with pytest.raises(NotFoundError):
+        any_store.reset_spend("nobody")

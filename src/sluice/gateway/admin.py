@@ -9,6 +9,7 @@ usage only: the tenant is taken from the key, never from the query.
     GET    /admin/tenants               list
     GET    /admin/tenants/{ref}         one (id or name)
     PATCH  /admin/tenants/{ref}         update settings
+    POST   /admin/tenants/{ref}/reset_spend   spend back to 0 (a new budget period)
     POST   /admin/keys                  create        {tenant, name, rpm, ...} -> key shown once
     GET    /admin/keys?tenant=          list (no secrets)
     DELETE /admin/keys/{id}             revoke (also POST /admin/keys/{id}/revoke)
@@ -253,6 +254,10 @@ def build_admin_app(state: GatewayState) -> FastAPI:
         if "allowed_models" in changes:
             changes["allowed_models"] = _models(body.allowed_models)
         return tenant_json(store.update_tenant(ref, changes))
+
+    @app.post("/admin/tenants/{ref}/reset_spend", dependencies=guarded)
+    def reset_spend(ref: str) -> dict[str, Any]:
+        return tenant_json(store.reset_spend(ref))
 
     @app.post("/admin/keys", dependencies=guarded, status_code=201,
               openapi_extra=documented(KeyCreate))

@@ -139,6 +139,11 @@ def _register_tenants(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     _tenant_flags(update)
     _db_flag(update)
     update.set_defaults(func=tenants_update)
+    reset = actions.add_parser("reset-spend", help="set a tenant's spend back to 0 (a new "
+                                                   "budget period; run it from cron)")
+    reset.add_argument("name", help="tenant id or name")
+    _db_flag(reset)
+    reset.set_defaults(func=tenants_reset_spend)
 
 
 def _register_usage(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -306,6 +311,13 @@ def tenants_create(args: argparse.Namespace) -> int:
 def tenants_update(args: argparse.Namespace) -> int:
     tenant = open_store(args).update_tenant(args.name, _limits(args))
     print(f"updated tenant {tenant.name}: {json.dumps(asdict(tenant.settings))}")
+    return 0
+
+
+@_guard
+def tenants_reset_spend(args: argparse.Namespace) -> int:
+    tenant = open_store(args).reset_spend(args.name)
+    print(f"reset the spend of tenant {tenant.name} to 0")
     return 0
 
 

@@ -218,6 +218,11 @@ class Store(ABC):
         """By id or name; raises NotFoundError."""
 
     @abstractmethod
+    def reset_spend(self, ref: str) -> Tenant:
+        """Set the tenant's spend to 0 (a new budget period), atomically against the
+        settlements adding to it; its requests in flight keep their reservations."""
+
+    @abstractmethod
     def list_tenants(self) -> list[Tenant]: ...
 
     @abstractmethod
@@ -549,6 +554,14 @@ class SQLStore(Store):
     def get_tenant(self, ref: str) -> Tenant:
         with self.engine.connect() as conn:
             return self._tenant_row(conn, ref)
+
+    def reset_spend(self, ref: str) -> Tenant:
+        with self.engine.begin() as conn:
+            tenant = self._tenant_row(conn, ref)
+            t = self.tenants
+            row = conn.execute(t.update().where(t.c.id == tenant.id).values(spend_usd=0.0)
+                               .returning(*t.c)).one()
+        return self._tenant(row)
 
     def _tenant_row(self, conn: sa.Connection, ref: str) -> Tenant:
         t = self.tenants
