@@ -156,3 +156,34 @@ def test_help_states_the_real_model_default(capsys: pytest.CaptureFixture[str],
     help_text = " ".join(capsys.readouterr().out.split())
     assert "bundled SmolLM2-135M-Instruct Q4_1 GGUF" in help_text
     assert f"served as {default_served_name(None)}" in help_text
+
+
+@pytest.mark.parametrize("argv", [
+    ["--workers", "2"],  # would start two workers first
+    ["--backend", "external", "--worker-url", "http://127.0.0.1:1", "--min-workers", "0",
+     "--max-workers", "1"],  # a router only: it was OSError's traceback once started
+    [],  # one worker in this process
+])
+def test_a_port_in_use_exits_2_before_anything_starts(argv: list[str],
+                                                      capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--no-gateway", "--port", str(port), *argv]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in err
+    assert "starting" not in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "70000"], "--port must be in 0..65535, got 70000"),
+    (["--host", "nohost.invalid"], "--host 'nohost.invalid': cannot resolve it"),
+])
+def test_a_bad_address_exits_2(argv: list[str], message: str,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--no-gateway", "--workers", "2", *argv]) == 2
+    assert message in capsys.readouterr().err
