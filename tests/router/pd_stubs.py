@@ -66,6 +66,8 @@ class PDStub:
     stale: int = 0
     running: int = 0
     url: str = ""  # set by the test once it serves
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA: name -> path (vLLM's
+    # /v1/models entries with a `parent`; POST /v1/load_lora_adapter adds one)
 
 
 def answer(body: dict[str, Any], n: int) -> list[str]:
@@ -130,6 +132,10 @@ async def _stream(stub: PDStub, body: dict[str, Any], chat: bool, words: list[st
 def make_pd_stub(stub: PDStub) -> Starlette:
     async def generate(request: Request) -> Response:
         body = await request.json()
+        if body.get("model") not in ("stub-model", *stub.adapters):  # vLLM's 404
+            return JSONResponse({"error": {"message": f"The model `{body.get('model')}` "
+                                           "does not exist.", "type": "NotFoundError",
+                                           "param": "model", "code": 404}}, status_code=404)
         chat = request.url.path.endswith("chat/completions")
         epoch = request.headers.get("x-sluice-pd-epoch")
         stub.epochs_seen.append(epoch)
@@ -179,7 +185,15 @@ def make_pd_stub(stub: PDStub) -> Starlette:
         return PlainTextResponse("ok")
 
     async def models(_: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": "stub-model", "object": "model"}]})
+        data = [{"id": "stub-model", "object": "model"}]
+        data += [{"id": n, "object": "model", "root": path, "parent": "stub-model"}
+                 for n, path in stub.adapters.items()]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def load_lora(request: Request) -> Response:
+        body = await request.json()
+        stub.adapters[body["lora_name"]] = body["lora_path"]
+        return PlainTextResponse("Success")
 
     async def metrics(_: Request) -> Response:
         return PlainTextResponse(f"vllm:num_requests_running {stub.running}\n"
@@ -195,4 +209,5 @@ def make_pd_stub(stub: PDStub) -> Starlette:
         Route("/v1/pd_role", pd_role, methods=["GET", "POST"]),
         Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
         Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/v1/load_lora_adapter", load_lora, methods=["POST"]),
     ])

@@ -20,7 +20,14 @@ from sluice.control.signals import pd_signals
 from sluice.protocol.errors import ConflictError, InvalidRequestError
 from sluice.router.app import build_app
 from sluice.router.cli import config_from_args
-from sluice.router.config import PDConfig, PoolConfig, RouterConfig, WorkerSpec, pool_from_dict
+from sluice.router.config import (
+    AdapterSpec,
+    PDConfig,
+    PoolConfig,
+    RouterConfig,
+    WorkerSpec,
+    pool_from_dict,
+)
 from sluice.router.server import RouterServer
 from sluice.router.state import RouterState
 
@@ -29,7 +36,7 @@ LONG = " ".join(f"w{i}" for i in range(120))  # 120 words = 120 stub tokens
 
 @asynccontextmanager
 async def pd_cluster(stubs: list[PDStub], pd: PDConfig, roles: bool = True,
-                     configured: dict[str, str] | None = None,
+                     configured: dict[str, str] | None = None, policy: str = "cost",
                      **router_kw: Any) -> AsyncIterator[tuple[str, RouterState]]:
     """The stubs behind a router whose pool is disaggregated; `roles`: configure each
     worker's role (its stub's, or by name from `configured`; else the router reads them
@@ -41,7 +48,8 @@ async def pd_cluster(stubs: list[PDStub], pd: PDConfig, roles: bool = True,
             s.url = u
         workers = tuple(WorkerSpec(u, role=configured.get(s.name, s.role) if roles else None)
                         for s, u in zip(stubs, urls, strict=True))
-        config = RouterConfig(pools=(PoolConfig(model="stub-model", workers=workers, pd=pd),),
+        config = RouterConfig(pools=(PoolConfig(model="stub-model", workers=workers, pd=pd,
+                                                policy=policy),),
                               seed=0, health_interval_s=30, scrape_interval_s=30, **router_kw)
         server = await stack.enter_async_context(RouterServer(build_app(config), "127.0.0.1", 0,
                                                               shutdown_timeout_s=5))
@@ -202,6 +210,41 @@ async def test_a_request_the_prefill_worker_refuses_is_answered_locally_not_as_a
         assert r.status_code == 200, r.text
         assert len(d.locals) == 1 and not d.decodes
         assert pd_counts(state) == {"disaggregated": 0.0, "local": 1.0, "fallback": 0.0}
+
+
+async def test_an_adapter_request_goes_only_to_the_workers_holding_its_adapter() -> None:
+    """LoRA placement on the P/D path as on the plain one: an adapter's request is
+    prefilled and decoded only where the adapter is (a prefill worker without it: the
+    decode worker holding it prefills), and a registered adapter is loaded on a decode
+    worker, which can serve the request whole. `PD.forward` ignored the holders: the
+    prefill went to a prefill worker without the adapter (its 404 sent the request
+    local) and the local or decode step to any decode worker, which answered 404."""
+    store = KVStore()
+    p = PDStub("p", store, role="prefill")
+    d1, d2 = PDStub("d1", store, role="decode"), PDStub("d2", store, role="decode")
+    d2.adapters["sql"] = "/adapters/sql"  # --lora-modules on d2 only
+    async with pd_cluster([p, d1, d2], PDConfig(mode="always"), policy="round_robin",
+                          adapters=(AdapterSpec("chat", "/adapters/chat"),)) as (url, state), \
+            httpx.AsyncClient(timeout=10) as c:
+        assert state.adapters.holders("sql") == [d2.url]
+        for i in range(4):
+            r = await c.post(url + "/v1/chat/completions",
+                             json=chat(f"{i} {LONG}", model="sql", max_tokens=3))
+            assert r.status_code == 200 and r.json()["worker"] == "d2", r.text
+        assert not p.prefills and len(d2.locals) == 4 and not d1.locals + d1.decodes
+        p.adapters["sql"] = "/adapters/sql"  # now on the prefill worker too
+        await state.adapters.sync_all()
+        for i in range(4):
+            r = await c.post(url + "/v1/chat/completions",
+                             json=chat(f"{i} {LONG}", model="sql", max_tokens=3))
+            assert r.status_code == 200 and r.json()["worker"] == "d2", r.text
+        assert len(p.prefills) == 4 and len(d2.decodes) == 4 and not d1.locals + d1.decodes
+        r = await c.post(url + "/v1/chat/completions", json=chat(LONG, model="chat"))
+        assert r.status_code == 200, r.text
+        assert "chat" not in p.adapters and set(state.adapters.holders("chat")) == {
+            d.url for d in (d1, d2) if "chat" in d.adapters} != set()
+        assert r.json()["worker"] in [d.name for d in (d1, d2) if "chat" in d.adapters]
+    no_errors(p, d1, d2)
 
 
 async def test_roles_come_from_the_workers_and_a_stale_epoch_is_re_routed() -> None:

@@ -206,15 +206,17 @@ class Adapters:
 
     # --- per request --------------------------------------------------------------------
 
-    async def prepare(self, pool: Pool, model: str, meta: RequestMeta) -> tuple[str, ...]:
-        """Make sure a worker that is worth it holds `model` (loading it if needed) and
-        return the workers the request must not go to (those without it). Nothing for a
-        model that is not an adapter."""
+    async def prepare(self, pool: Pool, model: str, meta: RequestMeta,
+                      unplaceable: Iterable[str] = ()) -> tuple[str, ...]:
+        """Make sure a worker that is worth it holds `model` (loading it if needed; never
+        one of `unplaceable`: a disaggregated pool's prefill workers, which cannot serve
+        a request whole) and return the workers the request must not go to (those without
+        it). Nothing for a model that is not an adapter."""
         if not self.is_adapter(model):
             return ()
         self.placing[model] = self.placing.get(model, 0) + 1
         try:
-            return await self._prepare(pool, model, meta)
+            return await self._prepare(pool, model, meta, unplaceable)
         except BaseException:
             self.unplace(model)
             raise
@@ -228,7 +230,8 @@ class Adapters:
         else:
             self.placing.pop(model, None)
 
-    async def _prepare(self, pool: Pool, model: str, meta: RequestMeta) -> tuple[str, ...]:
+    async def _prepare(self, pool: Pool, model: str, meta: RequestMeta,
+                       unplaceable: Iterable[str]) -> tuple[str, ...]:
         self.recent[model] = self.recent.get(model, 0) + 1
         holders: list[str] = []
         for held in self.held.values():  # one may be chosen now: not evicted before it is sent
@@ -236,7 +239,7 @@ class Adapters:
                 held[model].decided = self.clock()
         waited, full_waits = False, 0
         while True:  # once more after waiting for another request's load, or for room
-            endpoints = pool.candidates(meta.num_prompt_tokens, (), meta.version)
+            endpoints = pool.candidates(meta.num_prompt_tokens, unplaceable, meta.version)
             if not endpoints:
                 return ()
             urls = [e.url for e in endpoints]
@@ -260,7 +263,8 @@ class Adapters:
             break
         if not holders:
             return ()  # could not load it anywhere: let the workers answer (404)
-        return tuple(u for u in pool.endpoints if u not in holders)
+        return tuple(u for u in pool.endpoints  # a prefill worker holding it may prefill
+                     if u not in holders and model not in self.held.get(u, {}))
 
     def served(self, relay: Relay, model: str) -> None:
         """A request for `model` is on `relay`'s worker until the relay closes: counted in

@@ -380,17 +380,24 @@ class PD:
         self.metrics = PDMetrics(metrics.registry, buckets)
         self.clock = clock
 
-    def plan(self, pool: Pool, req: ParsedRequest, meta: RequestMeta) -> str:
+    def unplaceable(self, pool: Pool) -> set[str]:
+        """Workers of `pool` a LoRA adapter is not placed on for a request (adapters.py):
+        a disaggregated pool's prefill workers, which cannot serve a request whole (one
+        holding the adapter anyway, pinned, may still prefill its requests)."""
+        return self.roles.excluded(pool, DECODE) if pool.config.pd is not None else set()
+
+    def plan(self, pool: Pool, req: ParsedRequest, meta: RequestMeta,
+             exclude: Iterable[str] = ()) -> str:
         """DISAGGREGATED or LOCAL for this request (see the module docstring)."""
         config = pool.config.pd
         if config is None or config.mode == "never" or req.kind not in (CHAT, COMPLETION):
             return LOCAL
-        prefill = self.prefill.choose(pool, meta)
+        prefill = self.prefill.choose(pool, meta, exclude)
         if prefill is None:
             return LOCAL
         if config.mode == "always":
             return DISAGGREGATED
-        local = self.local.choose(pool, meta)
+        local = self.local.choose(pool, meta, exclude)
         if local is None:
             return DISAGGREGATED
         if uncached_tokens(meta, local.choice.cached_blocks) < config.min_uncached_tokens:
@@ -402,32 +409,34 @@ class PD:
             else LOCAL
 
     async def forward(self, pool: Pool, req: ParsedRequest, meta: RequestMeta, path: bytes,
-                      headers: bytes) -> Relay:
+                      headers: bytes, exclude: Iterable[str] = ()) -> Relay:
         """Serve `req` (the body to decode, `return_token_ids` included when it may
-        migrate) on the pool's prefill and decode workers; raises as Proxy.forward."""
-        how = self.plan(pool, req, meta)
+        migrate) on the pool's prefill and decode workers but those in `exclude` (those
+        without the request's LoRA adapter: both steps run where it is); raises as
+        Proxy.forward."""
+        how = self.plan(pool, req, meta, exclude)
         if how == DISAGGREGATED:
             try:
-                params = await self._prefill(pool, req, meta, path, headers)
+                params = await self._prefill(pool, req, meta, path, headers, exclude)
             except RequestRefused:  # the request itself is bad: a decode worker says why
                 params, how = None, LOCAL
             if params is not None:
                 try:
-                    return await self._decode(pool, req, meta, path, headers, params)
+                    return await self._decode(pool, req, meta, path, headers, params, exclude)
                 except KVTransferFailed as exc:
                     log.warning("%s; prefilling on a decode worker", exc)
             if how == DISAGGREGATED:
                 how = FALLBACK
         self.metrics.paths[how].inc()
-        return await self.local.forward(pool, req, meta, path, headers)
+        return await self.local.forward(pool, req, meta, path, headers, exclude)
 
     async def _prefill(self, pool: Pool, req: ParsedRequest, meta: RequestMeta, path: bytes,
-                       headers: bytes) -> dict[str, Any] | None:
+                       headers: bytes, exclude: Iterable[str]) -> dict[str, Any] | None:
         """Step 1: the prefill worker's kv_transfer_params, or None (fall back)."""
         start = self.clock()
         try:
             relay = await self.prefill.forward(pool, _request(req, prefill_body(req.body), True),
-                                               meta, path, headers)
+                                               meta, path, headers, exclude)
         except ServiceUnavailableError as exc:
             log.warning("no prefill worker answered (%s); prefilling on a decode worker", exc)
             return None
@@ -458,12 +467,13 @@ class PD:
         return params
 
     async def _decode(self, pool: Pool, req: ParsedRequest, meta: RequestMeta, path: bytes,
-                      headers: bytes, params: dict[str, Any]) -> Relay:
+                      headers: bytes, params: dict[str, Any], exclude: Iterable[str]) -> Relay:
         """Step 2: the client's body with the prefill's kv_transfer_params, on a decode
         worker; its relay times the decode to its end."""
         handed = self.clock()
         body = {**req.body, "kv_transfer_params": params}
-        relay = await self.decode.forward(pool, _request(req, body, False), meta, path, headers)
+        relay = await self.decode.forward(pool, _request(req, body, False), meta, path, headers,
+                                          exclude)
         first = self.clock()
         self.metrics.paths[DISAGGREGATED].inc()
         if req.stream:

@@ -89,7 +89,9 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
         chosen = release.choose_version(req, headers) if release is not None else None
         if chosen is not None:  # a canary request's adapter is placed among canary workers
             meta = replace(meta, version=chosen[0])
-        holders_only = await state.adapters.prepare(pool, req.model, meta)  # adapters.py
+        unplaceable = state.pd.unplaceable(pool)  # a P/D pool's prefill workers
+        holders_only = await state.adapters.prepare(pool, req.model, meta,  # adapters.py
+                                                    unplaceable)
         try:  # until it is sent, its adapter is kept where it was placed
             block = forward_block(h for h in headers if h[0] not in _INTERNAL)
             if hint is not None:  # the worker takes these ids instead of tokenizing again
@@ -101,7 +103,7 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
             target = path.encode("latin-1")
             proxy: Proxy = state.proxy
             if pool.config.pd is not None:  # prefill/decode disaggregation (pd.py)
-                relay = await state.pd.forward(pool, sent, meta, target, block)
+                relay = await state.pd.forward(pool, sent, meta, target, block, holders_only)
                 proxy = state.pd.local  # a stream resumes on a decode worker, prefilling there
             elif release is not None:  # a canary or shadow: the release picked the version
                 held = frozenset(state.adapters.holders(req.model)) \
@@ -124,7 +126,8 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
                     relay.close()
                     state.adapters.lost(relay.ticket.endpoint.url, req.model)
                     state.adapters.unplace(req.model)
-                    holders_only = await state.adapters.prepare(pool, req.model, meta)
+                    holders_only = await state.adapters.prepare(pool, req.model, meta,
+                                                                unplaceable)
                     relay = await forward()
         except BaseException:
             state.adapters.unplace(req.model)
