@@ -695,13 +695,17 @@ async def test_a_worker_failing_mid_stream_breaks_the_client_response(cluster: C
         assert pools[0]["workers"][0]["inflight"] == 0
 
 
-def resumable_worker(cut: list[bool]) -> Starlette:
+def resumable_worker(cut: list[bool], adapters: tuple[str, ...] = (),
+                     served: list[str] | None = None) -> Starlette:
     """A worker that streams four tokens with their ids (`x-sluice-tokenizer`: it can
     resume a stream), dies after two while `cut` holds a True (one pop per stream), and
-    on `x-sluice-resume-ids` continues after the ids it is given."""
+    on `x-sluice-resume-ids` continues after the ids it is given. `adapters`: LoRA
+    adapters it lists (vLLM's `parent`); `served`: the model of each request it took."""
     async def generate(request: Request) -> Response:
         resumed = ResumeIds.decode(request.headers.get(RESUME_HEADER, ""))
         dies = bool(cut) and cut.pop()
+        if served is not None:
+            served.append((await request.json())["model"])
 
         async def events() -> AsyncIterator[bytes]:
             for i in range(len(resumed.ids) if resumed else 0, 4):
@@ -717,7 +721,8 @@ def resumable_worker(cut: list[bool]) -> Starlette:
                                  headers={TOKENIZER_HEADER: "stub"})
 
     async def models(_: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": "stub-model"}]})
+        return JSONResponse({"object": "list", "data": [{"id": "stub-model"}] + [
+            {"id": name, "parent": "stub-model"} for name in adapters]})
 
     async def health(_: Request) -> Response:
         return PlainTextResponse("ok")
@@ -744,6 +749,28 @@ async def test_a_migrated_stream_counts_once_in_requests_total(cluster: Cluster)
         metrics = (await c.get("/metrics")).text
     assert 'sluice_router_migrations_total{reason="read_error"} 1.0' in metrics
     assert 'sluice_router_requests_total{model="stub-model",status="200"} 1.0' in metrics
+
+
+async def test_an_adapter_stream_never_resumes_where_its_adapter_is_not(
+        cluster: Cluster) -> None:
+    """A LoRA adapter's stream whose worker dies mid-way resumes only on a worker holding
+    the adapter; with none left it ends with migration_failed. The resume went to any
+    other worker, and one without the adapter continued the stream with its base model
+    (the router sends a name another worker of the pool lists as the model this worker
+    serves), so the client got the adapter's first tokens and the base model's rest."""
+    cut, held, other = [True], list[str](), list[str]()
+    async with serve(resumable_worker(cut, ("sql",), held)) as a, \
+            serve(resumable_worker([], (), other)) as b, \
+            cluster([], extra_urls=(a, b)) as (router, _), \
+            httpx.AsyncClient(base_url=router) as c:
+        lines: list[str] = []
+        with pytest.raises(httpx.RemoteProtocolError):  # a broken stream, not a short one
+            async with c.stream("POST", "/v1/chat/completions",
+                                json={**chat("x", stream=True), "model": "sql"}) as r:
+                async for line in r.aiter_lines():
+                    lines.append(line)
+        assert held == ["sql"] and other == []
+        assert "migration_failed" in [x for x in lines if x][-1], lines
 
 
 ADMIN_ROUTES = [("GET", "/admin/workers", None), ("POST", "/admin/workers", {"url": "http://x"}),

@@ -14,9 +14,9 @@ worker; so does sluice, with the generated tokens as ids (nothing re-tokenized):
              worker fails (read error, closed, an error event, no end event) first
                -> same body + `x-sluice-resume-ids: <tokenizer>.<ids so far>` to another
                   worker of the same release version (proxy.forward without the one
-                  that just failed; one that failed earlier may serve again unless
-                  ejected; the baseline when the version has no other), at most
-                  `limit` times
+                  that just failed, nor one without the request's LoRA adapter; one
+                  that failed earlier may serve again unless ejected; the baseline when
+                  the version has no other), at most `limit` times
                -> the new worker templates the same prompt, appends the ids as output
                   (engine: detokenizer, grammar, seeded sampling continue from them;
                   tool-call parser and Anthropic event state replay their text), sends
@@ -115,11 +115,14 @@ class MigratingRelay(Relay):
 
     __slots__ = ("proxy", "pool", "req", "meta", "path", "block", "limit", "show_ids", "ids",
                  "tokenizer", "dialect", "pending", "buffer", "done", "finished", "id",
-                 "created", "broken", "held")
+                 "created", "broken", "held", "exclude")
 
     def __init__(self, relay: Relay, proxy: Proxy, pool: Pool, req: ParsedRequest,
                  meta: RequestMeta, path: bytes, block: bytes, limit: int,
-                 show_ids: bool, held: RequestBuffer | None = None) -> None:
+                 show_ids: bool, held: RequestBuffer | None = None,
+                 exclude: tuple[str, ...] = ()) -> None:
+        """`exclude`: workers the stream may never resume on (those without its LoRA
+        adapter: a worker without it would answer 404, or its base model in its place)."""
         for name in Relay.__slots__:
             setattr(self, name, getattr(relay, name))
         self.proxy, self.pool, self.req, self.path, self.block = proxy, pool, req, path, block
@@ -138,6 +141,7 @@ class MigratingRelay(Relay):
         self.created: Any = None
         self.broken: str | None = None  # why the stream could not go on (after its event)
         self.held = held  # where a resume that reached no worker waits for one (buffer.py)
+        self.exclude = exclude
 
     @property
     def complete(self) -> bool:
@@ -247,19 +251,20 @@ class MigratingRelay(Relay):
         """The resumed request's relay: on a worker of the stream's release version, or
         the baseline's when that version has none left. Where no worker is reached (a
         one-worker pool's worker died) it waits in the pool's buffer for the replacement."""
+        exclude = (*self.exclude, failed)
         try:
             if self.held is not None:
                 return await self.held.hold(self.pool, lambda: self.proxy.forward(
-                    self.pool, self.req, self.meta, self.path, block, exclude=(failed,)),
+                    self.pool, self.req, self.meta, self.path, block, exclude=exclude),
                     NoWorkerReached)
             return await self.proxy.forward(self.pool, self.req, self.meta, self.path, block,
-                                            exclude=(failed,))
+                                            exclude=exclude)
         except SluiceError:
             if self.meta.version == BASELINE:
                 raise
             self.meta = replace(self.meta, version=BASELINE)
             return await self.proxy.forward(self.pool, self.req, self.meta, self.path, block,
-                                            exclude=(failed,))
+                                            exclude=exclude)
 
     def _give_up(self, message: str) -> bytes:
         self.broken = message

@@ -138,7 +138,7 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
             return relay
         return MigratingRelay(relay, proxy, pool, sent, meta, target, block, limit,
                               show_ids=bool(req.body.get("return_token_ids")),
-                              held=state.buffer)
+                              held=state.buffer, exclude=holders_only)
     except WorkersFailed as exc:  # counted once, however often it was held and tried
         state.metrics.requests_for(exc.model, 503).inc()
         return error_reply(exc, path)
