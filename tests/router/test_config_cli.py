@@ -34,6 +34,20 @@ def test_flags_make_one_pool_with_kv_events_and_long_group() -> None:
     assert (pool.policy, pool.names, cfg.port) == ("prefix", ("m", "gpt"), 9000)
 
 
+def test_help_states_each_default_once_and_never_none(capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    """`sluice router --help` said "(default 127.0.0.1) (default: None)" for --host (and
+    so for every flag whose default lives in RouterConfig), "(default: None)" for --seed
+    (it is random), and "(default: True)" for --no-canary-auto (a switch, off)."""
+    with pytest.raises(SystemExit):
+        parse("--help")
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text and "(default: [])" not in text
+    assert "(default 127.0.0.1) --port" in text and "(default: True)" not in text
+    assert "seed of the tie-breaking RNG (default: random)" in text
+    assert "routing policy of the --worker pool (default: cost)" in text
+
+
 def test_config_file_yaml_and_flag_overrides(tmp_path: Path) -> None:
     path = tmp_path / "router.yaml"
     path.write_text("""

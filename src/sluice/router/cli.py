@@ -40,12 +40,25 @@ from sluice.router.config import (
 )
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's `(default: X)` after each flag's help, but where the help names its own
+    default, or the flag's is None (its default lives in RouterConfig, so that a config
+    file's value stands) or empty, or the flag is a switch: `--host` read "(default
+    127.0.0.1) (default: None)", `--no-canary-auto` "(default: True)"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default == [] \
+                or isinstance(action, argparse._StoreConstAction):  # an on/off flag
+            return text
+        return super()._get_help_string(action)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     from sluice.router.policies import POLICIES
 
     p = subparsers.add_parser("router", help="route OpenAI requests over a pool of workers",
-                              description=__doc__,
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              description=__doc__, formatter_class=_Help)
     p.add_argument("--worker", action="append", default=[], metavar="URL",
                    help="a worker's base URL (repeat for more)")
     p.add_argument("--long-worker", action="append", default=[], metavar="URL",
@@ -85,7 +98,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds between /metrics scrapes of each worker (default 0.5)")
     p.add_argument("--health-interval", type=float, default=None, dest="health_interval_s",
                    help="seconds between /health probes (default 1.0)")
-    p.add_argument("--seed", type=int, default=None, help="seed of the tie-breaking RNG")
+    p.add_argument("--seed", type=int, default=None, help="seed of the tie-breaking RNG (default: random)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     add_flow_arguments(p)
     add_observe_arguments(p)
