@@ -389,9 +389,12 @@ def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
     control = controller_config(args)
     model = ModelSpec(resolve_model(args.model))  # a swap replaces it (POST .../model)
 
+    made: list[Controller] = []
+
     def controllers(state: Any) -> list[Controller]:
         controller = Controller(name, state, state.pools[0], backend,
                                 Planner(planning, initial=initial), control, model=model)
+        made.append(controller)
         if ratio is not None:  # the P:D split, and live role switches (control/pd.py)
             rebalance = PDRatioPlanner(PDRatioConfig(delay_s=10.0 if args.pd_rebalance
                                                      else math.inf))
@@ -411,10 +414,32 @@ def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
     # the router's own server, the gateway (if any) a layer of it; the controller runs
     # in its lifespan (workers ready before it listens); SIGINT/SIGTERM drain, then the
     # workers stop and this exits 0
-    run(wrap(routed_first(app)) if wrap else app, args.host, args.port,
-        state=lambda: app.state.router, direct=wrap is None)
+    try:
+        run(wrap(routed_first(app)) if wrap else app, args.host, args.port,
+            state=lambda: app.state.router, direct=wrap is None)
+    except RuntimeError:  # the lifespan's startup failed: its cause, if it is the pool's
+        failed = [c.initial_error for c in made if c.initial_error]
+        if not failed:
+            raise
+        print(f"sluice serve: error: {failed[0]}", file=sys.stderr)
+        silence_reported(failed[0])
+        return 1
     say("stopped")
     return 0
+
+
+def silence_reported(message: str) -> None:
+    """Drop asyncio's 'Task exception was never retrieved' (a traceback, logged when the
+    task is collected) for the error `message` already printed: the router server's
+    lifespan task ends with the startup's exception and `router/server.py` does not
+    retrieve it."""
+    import logging
+
+    def keep(record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return exc is None or str(exc) != message
+
+    logging.getLogger("asyncio").addFilter(keep)
 
 
 def show_control_logs(level: str) -> None:

@@ -114,6 +114,35 @@ async def test_a_dead_worker_is_replaced_and_readmitted() -> None:
             assert [(await stream(client, url))[0] for _ in range(4)] == [200] * 4
 
 
+async def test_a_pool_whose_workers_all_fail_to_start_fails_the_startup() -> None:
+    """A model that does not load: the router listened with no worker, answered 503
+    after the buffer timeout and started another doomed worker every second, for good.
+    Now the startup fails with the worker's error and nothing is left running; one
+    worker of two starting is a pool (the other is replaced later)."""
+    from sluice.control.backend import ModelSpec
+
+    backend = StubBackend(start_delay_s=0.05, broken=frozenset({"bad"}))
+    fixed = PlannerConfig(min_replicas=2, max_replicas=2)
+    config = RouterConfig(pools=(PoolConfig(model=MODEL, policy="least_load"),))
+    app = build_app(config, rng=random.Random(0))
+    made: list[Controller] = []
+
+    def controllers(state: RouterState) -> list[Controller]:
+        made.append(Controller("stub", state, state.pools[0], backend,
+                               Planner(fixed, initial=2), model=ModelSpec("bad")))
+        return made
+
+    attach(app, controllers)
+    with pytest.raises(RuntimeError, match="startup"):
+        async with serve_router(app):
+            pass
+    (ctl,) = made
+    assert ctl.initial_error == \
+        "no worker of pool stub started: worker exited with 1: cannot load bad"
+    assert not backend.workers and not ctl.starting
+    assert [e["event"] for e in ctl.events] == ["start", "start", "start_failed", "start_failed"]
+
+
 async def test_scale_to_zero_then_a_buffered_request_wakes_the_pool() -> None:
     backend = StubBackend(start_delay_s=0.3)
     cfg = PlannerConfig(min_replicas=0, max_replicas=1, scale_to_zero_after_s=0.3)

@@ -187,3 +187,26 @@ def test_a_bad_address_exits_2(argv: list[str], message: str,
                                capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--no-gateway", "--workers", "2", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_pool_whose_workers_all_fail_to_start_exits_1(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A model that is found but does not load (a corrupt GGUF, a flag the worker
+    refuses): `sluice serve --workers 2` listened with no worker, answered 503 after
+    the buffer timeout and started a doomed worker every second. Now it exits 1 with
+    the worker's error, and without asyncio's never-retrieved traceback."""
+    import gc
+
+    from control.stub_backend import StubBackend
+    from sluice.engine.tokenizer import resolve_model
+
+    broken = frozenset({str(resolve_model(None))})
+    monkeypatch.setattr("sluice.control.backend.make_backend",
+                        lambda name, **_: StubBackend(broken=broken))
+    assert main(["serve", "--no-gateway", "--workers", "2", "--port", "0"]) == 1
+    gc.collect()
+    err = capsys.readouterr().err
+    assert ("sluice serve: error: no worker of pool SmolLM2-135M-Instruct.Q4_1 started: "
+            "worker exited with 1: cannot load") in err
+    assert "Traceback" not in err and "never retrieved" not in caplog.text

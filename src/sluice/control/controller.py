@@ -48,7 +48,12 @@ from sluice.control.pd import PDController
 from sluice.control.planner import Decision, Planner
 from sluice.control.signals import LatencyWindow, parse_latency, pool_signals
 from sluice.control.swap import Swap, describe_spec, parse_model_spec
-from sluice.protocol.errors import ConflictError, InvalidRequestError, check_number
+from sluice.protocol.errors import (
+    ConflictError,
+    InvalidRequestError,
+    ServiceUnavailableError,
+    check_number,
+)
 from sluice.router.config import WorkerSpec
 from sluice.router.endpoints import Endpoint
 from sluice.router.pool import Pool
@@ -97,6 +102,8 @@ class Controller:
         self.swap: Swap | None = None  # the running or last swap
         self.swap_task: asyncio.Task[None] | None = None
         self.pd: PDController | None = None  # a disaggregated pool's P:D ratio (pd.py)
+        self.last_start_error: str | None = None
+        self.initial_error: str | None = None  # start_initial: no worker started
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -137,11 +144,18 @@ class Controller:
         return self.swap is not None and self.swap.running
 
     async def start_initial(self) -> None:
-        """Start the planner's initial count and wait until they are ready (or failed)."""
+        """Start the planner's initial count and wait until they are ready (or failed).
+        When every one failed (a model that does not load, a flag the worker refuses)
+        raises `ServiceUnavailableError` with the last failure (the worker's log tail),
+        kept in `initial_error`: the pool would retry it every second, and `sluice serve`
+        listened with no worker, answering 503 after the buffer timeout."""
         if self.backend is None:
             return
         self.reconcile(self.planner.desired)
         await asyncio.gather(*self.starting, return_exceptions=True)
+        if not self.workers and self.last_start_error is not None:
+            self.initial_error = f"no worker of pool {self.name} started: {self.last_start_error}"
+            raise ServiceUnavailableError(self.initial_error, code="no_worker_started")
 
     async def supervise(self) -> None:
         """Take dead workers out of the router; the next reconcile replaces them."""
@@ -224,6 +238,7 @@ class Controller:
         except (OSError, RuntimeError, TimeoutError) as exc:
             log.warning("pool %s: a worker failed to start: %s", self.name, exc)
             self.event("start_failed", error=str(exc)[:500])
+            self.last_start_error = str(exc)
             raise
 
     async def join(self, handle: WorkerHandle, revision: int, started: float,
@@ -367,9 +382,10 @@ def attach(app: Any, controllers: Sequence[Controller] | Callable[[RouterState],
             made = controllers(state) if callable(controllers) else controllers
             running[:] = list(made)
             state.metrics.registry.register(PlannerCollector(lambda: running))
-            await asyncio.gather(*(c.start_initial() for c in running))
-            tasks = [asyncio.create_task(c.run()) for c in running]
-            try:
+            tasks: list[asyncio.Task[None]] = []
+            try:  # a pool whose workers all failed to start fails the startup
+                await asyncio.gather(*(c.start_initial() for c in running))
+                tasks = [asyncio.create_task(c.run()) for c in running]
                 yield
             finally:
                 for task in tasks:
