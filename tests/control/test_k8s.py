@@ -143,6 +143,7 @@ def test_the_validators_reject_broken_manifests() -> None:
     (["--image", ""], "--image must not be empty"),
     (["--model", " "], "--model must not be empty"),
     (["--prometheus-url", ""], "--prometheus-url must not be empty"),
+    (["--slo", "ttft=0s"], "--slo: ttft must be a finite number > 0, got 0.0"),
 ])
 def test_bad_options_exit_2_naming_the_flag(argv: list[str], message: str, tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:

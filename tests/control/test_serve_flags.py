@@ -21,7 +21,9 @@ def parse(*argv: str) -> argparse.Namespace:
     (["--min-workers", "-1"], "--min-workers must be >= 0, got -1"),
     (["--max-workers", "0"], "--max-workers must be >= 1, got 0"),
     (["--workers", "0"], "--workers must be >= 1, got 0"),
-    (["--min-workers", "1", "--slo", "p99=1s"], "ttft=..,itl=.."),
+    (["--min-workers", "1", "--slo", "p99=1s"], "--slo: expected ttft=..,itl=.., got 'p99=1s'"),
+    (["--min-workers", "1", "--slo", "ttft=fast"], "--slo: expected a duration like 2s or 200ms"),
+    (["--min-workers", "1", "--slo", "itl=0ms"], "--slo: itl must be a finite number > 0"),
     (["--backend", "external"], "--worker-url"),
     (["--worker-url", "http://w:1", "--workers", "2"], "--worker-url"),
     # each message names the flag typed, one check per flag (not the config's fields)

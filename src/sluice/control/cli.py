@@ -61,7 +61,7 @@ def render_k8s(args: argparse.Namespace) -> int:
         args.model.rstrip("/").rsplit("/", 1)[-1].removesuffix(".gguf") if args.model
         else DEFAULT_SERVED_NAME)
     try:
-        SLO.parse(args.slo)
+        named_by_flags(lambda: SLO.parse(args.slo), K8S_FLAGS)
         options = named_by_flags(lambda: K8sOptions(
             model=args.model, served_name=name, image=args.image, namespace=args.namespace,
             min_workers=args.min_workers, max_workers=args.max_workers, slo=args.slo,

@@ -25,7 +25,7 @@ FLAGS = {  # config field -> the flag that sets it (sluice serve, sluice sim)
     "lookahead_s": "--lookahead", "target_ongoing_requests": "--target-ongoing-requests",
     "target_kv_usage": "--target-kv-usage", "target_queue_length": "--target-queue-length",
     "scale_to_zero_after_s": "--scale-to-zero-after", "drain_grace_s": "--drain-timeout",
-    "buffer_timeout_s": "--buffer-timeout",
+    "buffer_timeout_s": "--buffer-timeout", "slo": "--slo",
 }
 
 
