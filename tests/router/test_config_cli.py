@@ -136,6 +136,12 @@ def test_buffer_timeout_is_checked_by_the_router_config(tmp_path: Path, value: s
      "worker http://b:1 is in group 'long', but the pool has no long_prompt_tokens"),
     (["--worker", "http://a:1", "--worker-kv-events", "http://b:1=tcp://127.0.0.1:5557"],
      None, "--worker-kv-events names no worker: http://b:1"),
+    # read after the others, each was a traceback and exit 1
+    (["--worker", "http://a:1", "--metrics-buckets", "bogus"], None,
+     "bad metrics bucket spec 'bogus'"),
+    (["--worker", "http://a:1", "--tokenizer", "{dir}/none"], None, "none' not found"),
+    (["--worker", "http://a:1", "--otlp-traces-endpoint", "notaurl"], None,
+     "--otlp-traces-endpoint must be a URL"),
 ])
 def test_a_bad_flag_or_config_file_exits_2_with_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], text: str | None,

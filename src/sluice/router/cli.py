@@ -297,20 +297,23 @@ def adapter_overrides(args: argparse.Namespace, config: RouterConfig) -> RouterC
 def handler(args: argparse.Namespace) -> int:
     import logging
 
-    from sluice.router.app import build_app
+    from sluice.router.app import build_app, load_tokenizers
     from sluice.router.server import run
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe and scrape
-    try:
+    try:  # every setting checked before anything starts (--metrics-buckets, --tokenizer
+        # and --otlp-traces-endpoint were read after this and ended in a traceback)
         config = config_from_args(args)
+        buckets = observe_buckets(args)
+        tokenizers = load_tokenizers(config)
+        tracing = start_tracing(tracing_config(args, "sluice-router"))
     except SluiceError as exc:  # a bad flag or config file: a usage error, as argparse's
         print(f"sluice router: error: {exc}", file=sys.stderr)
         return 2
-    tracing = start_tracing(tracing_config(args, "sluice-router"))
     try:
-        run(build_app(config, tracing=tracing, buckets=observe_buckets(args)),
+        run(build_app(config, tracing=tracing, buckets=buckets, local_tokenizers=tokenizers),
             host=config.host, port=config.port)
     except OSError as exc:  # the address is taken, or not this machine's
         print(f"sluice router: error: {exc}", file=sys.stderr)
