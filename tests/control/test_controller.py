@@ -143,6 +143,40 @@ async def test_a_pool_whose_workers_all_fail_to_start_fails_the_startup() -> Non
     assert [e["event"] for e in ctl.events] == ["start", "start", "start_failed", "start_failed"]
 
 
+async def test_a_worker_that_cannot_start_is_retried_with_backoff() -> None:
+    """The pool's worker dies and its replacement cannot start (its model went bad): the
+    controller started another every second (each failure logging a worker's log tail);
+    now it waits 0.2 s, 0.4 s, 0.8 s ... between tries, and a start that works again
+    ends the backoff."""
+    from sluice.control.backend import ModelSpec
+
+    backend = StubBackend(start_delay_s=0.02, broken=frozenset({"bad"}))
+    fixed = PlannerConfig(min_replicas=1, max_replicas=1)
+    config = RouterConfig(pools=(PoolConfig(model=MODEL, policy="least_load"),),
+                          health_interval_s=0.2)
+    app = build_app(config, rng=random.Random(0))
+    made: list[Controller] = []
+
+    def controllers(state: RouterState) -> list[Controller]:
+        made.append(Controller("stub", state, state.pools[0], backend,
+                               Planner(fixed, initial=1),
+                               ControllerConfig(interval_s=0.05, start_backoff_s=0.2,
+                                                start_backoff_max_s=0.8)))
+        return made
+
+    attach(app, controllers)
+    async with serve_router(app):
+        (ctl,) = made
+        ctl.model = ModelSpec("bad")
+        await backend.kill("s0")
+        await asyncio.sleep(2.0)  # 40 steps: tries at ~0, 0.2, 0.6, 1.4 s (then 2.2)
+        failed = [e for e in ctl.events if e["event"] == "start_failed"]
+        assert 3 <= len(failed) <= 5 and ctl.start_failures == len(failed)
+        ctl.model = None  # the model is loadable again: the next try starts it
+        await wait_for(lambda: len(ctl.workers) == 1, timeout=3.0)
+        assert ctl.start_failures == 0 and ctl.next_start_at == 0.0
+
+
 async def test_scale_to_zero_then_a_buffered_request_wakes_the_pool() -> None:
     backend = StubBackend(start_delay_s=0.3)
     cfg = PlannerConfig(min_replicas=0, max_replicas=1, scale_to_zero_after_s=0.3)

@@ -68,12 +68,19 @@ class ControllerConfig:
     drain_grace_s: float = 30.0  # a draining worker's streams may take this long
     latency_window_s: float = 30.0
     events: int = 200  # scale events kept for /admin/planner
+    # after a worker failed to start, the next start waits this long, doubled per failure
+    # in a row up to the max (Kubernetes' CrashLoopBackOff: 10 s doubling to 5 min)
+    start_backoff_s: float = 1.0
+    start_backoff_max_s: float = 60.0
 
     def __post_init__(self) -> None:
         check_number("interval_s", self.interval_s, "must be > 0", lambda v: v > 0)
         check_number("drain_grace_s", self.drain_grace_s, "must be >= 0", lambda v: v >= 0)
         check_number("latency_window_s", self.latency_window_s, "must be > 0", lambda v: v > 0)
         check_number("events", self.events, "must be >= 1", lambda v: v >= 1)
+        check_number("start_backoff_s", self.start_backoff_s, "must be >= 0", lambda v: v >= 0)
+        check_number("start_backoff_max_s", self.start_backoff_max_s,
+                     "must be >= start_backoff_s", lambda v: v >= self.start_backoff_s)
 
 
 class Controller:
@@ -103,6 +110,8 @@ class Controller:
         self.swap_task: asyncio.Task[None] | None = None
         self.pd: PDController | None = None  # a disaggregated pool's P:D ratio (pd.py)
         self.last_start_error: str | None = None
+        self.start_failures = 0  # in a row, by the pool's own starts (not a swap's)
+        self.next_start_at = 0.0  # reconcile starts no worker before this (backoff)
         self.initial_error: str | None = None  # start_initial: no worker started
 
     # --- the loop -------------------------------------------------------------------------
@@ -189,9 +198,11 @@ class Controller:
         return resp.text if resp.status_code == 200 else None
 
     def reconcile(self, desired: int) -> None:
-        """Start or drain workers toward `desired` (tasks; returns at once)."""
-        for _ in range(desired - self.live):
-            self._spawn(self._start())
+        """Start or drain workers toward `desired` (tasks; returns at once). Starts wait
+        out the backoff after failed ones (`next_start_at`)."""
+        if self.clock() >= self.next_start_at:
+            for _ in range(desired - self.live):
+                self._spawn(self._start())
         excess = self.live - desired
         for task in sorted(self.starting, key=id)[:max(0, excess)]:
             task.cancel()  # the backend kills a worker whose start is cancelled
@@ -222,11 +233,23 @@ class Controller:
         try:
             handle = await self.boot(model, self.revision)
         except (OSError, RuntimeError, TimeoutError):
+            self.back_off()
             return
         finally:
             if role is not None and self.pd is not None:
                 self.pd.started(role)
         (await self.join(handle, self.revision, started, role)).draining = False
+
+    def back_off(self) -> None:
+        """A start failed: the next waits `start_backoff_s`, doubled per failure in a row.
+        Without it a worker that cannot start (its model gone, its port range used up)
+        was started again every second, each failure logging its worker's log tail."""
+        self.start_failures += 1
+        delay = min(self.config.start_backoff_s * 2 ** (self.start_failures - 1),
+                    self.config.start_backoff_max_s)
+        self.next_start_at = self.clock() + delay
+        log.warning("pool %s: %d worker start(s) failed in a row; the next in %gs",
+                    self.name, self.start_failures, delay)
 
     async def boot(self, model: ModelSpec | None, revision: int) -> WorkerHandle:
         """Start one worker of `model` through the backend, until /health 200; a failure
@@ -254,6 +277,7 @@ class Controller:
             await self.discard(handle)
             raise
         self.workers[handle.url], self.revisions[handle.url] = handle, revision
+        self.start_failures, self.next_start_at = 0, 0.0  # workers start again
         self.event("ready", handle, seconds=round(self.clock() - started, 3))
         return endpoint
 
