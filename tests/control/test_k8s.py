@@ -107,6 +107,11 @@ def test_router_probes_are_on_liveness_so_a_pool_at_zero_keeps_its_router(
     worker = containers["sluice-worker-smollm2-135m-instruct-q4-1"]
     assert {worker[p]["httpGet"]["path"] for p in
             ("startupProbe", "readinessProbe", "livenessProbe")} == {"/health"}
+    # the gateways pass /health to the router: probed there, at zero workers they left
+    # their Service and no request reached the router to wake the pool
+    gateway = containers["sluice-gateway"]
+    assert gateway["readinessProbe"]["httpGet"]["path"] == "/liveness"
+    assert "tcpSocket" in gateway["livenessProbe"]
 
 
 def test_the_validators_reject_broken_manifests() -> None:

@@ -18,12 +18,13 @@ has), so KEDA follows the planner's number within one polling interval.
 Drain on scale-down: the worker's preStop hook sleeps while Kubernetes takes the pod
 out of the Service's endpoints (no new connections), then SIGTERM makes the worker
 finish its in-flight streams (`--shutdown-timeout`) within the grace period. Probes on
-`/health`: the workers' startup (model load), readiness and liveness; the gateway's
-readiness (its liveness is its port, since its /health is the router's). The router's
+`/health`: the workers' startup (model load), readiness and liveness. The router's
 readiness and liveness are on `/liveness` (200 while it serves, whatever its workers):
 its `/health` is 503 with no healthy worker, which at zero workers would take it out of
 its Service (no request held, so the pool never wakes) and restart it during every
-worker cold start.
+worker cold start. The gateways pass both paths to the router: their readiness is the
+router's `/liveness` for the same reason (ready while the router answers), their
+liveness their port.
 
 A worker is sized to its pod, not to the node under it: `--cpu-threads` from its CPU
 request and its KV pool from its memory (`K8sOptions.worker_threads`, `kv_cache_bytes`);
@@ -280,9 +281,11 @@ def gateway(o: K8sOptions) -> list[dict[str, Any]]:
                 {"name": "SLUICE_DATABASE_URL", "valueFrom": {"secretKeyRef": {
                     "name": "sluice-db", "key": "url"}}}],
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}},
-        # /health is passed to the router: ready when the path to it is, but a router
-        # outage must not restart the gateways (liveness: the port only)
-        "readinessProbe": _probe("http", 5, 2),
+        # paths it does not serve go to the router: ready when the router answers its
+        # /liveness (its /health is 503 at zero workers: the gateways would leave their
+        # Service, no request reach the router, the pool never wake); a router outage
+        # must not restart the gateways (liveness: the port only)
+        "readinessProbe": _probe("http", 5, 2, "/liveness"),
         "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10,
                           "failureThreshold": 6},
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
