@@ -136,6 +136,10 @@ def test_buffer_timeout_is_checked_by_the_router_config(tmp_path: Path, value: s
      "worker http://b:1 is in group 'long', but the pool has no long_prompt_tokens"),
     (["--worker", "http://a:1", "--worker-kv-events", "http://b:1=tcp://127.0.0.1:5557"],
      None, "--worker-kv-events names no worker: http://b:1"),
+    # two endpoints for one worker: the last was taken, the first dropped unsaid
+    (["--worker", "http://a:1", "--worker-kv-events", "http://a:1=tcp://127.0.0.1:5557",
+      "--worker-kv-events", "http://a:1/=tcp://127.0.0.1:5558"], None,
+     "--worker-kv-events gives http://a:1/ twice"),
     # read after the others, each was a traceback and exit 1
     (["--worker", "http://a:1", "--metrics-buckets", "bogus"], None,
      "bad metrics bucket spec 'bogus'"),

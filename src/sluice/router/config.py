@@ -618,6 +618,9 @@ def parse_kv_event_flags(items: Sequence[str]) -> dict[str, str]:
         if not sep or not endpoint:
             raise InvalidRequestError(f"--worker-kv-events wants URL=tcp://host:port, got {item!r}",
                                       param="worker-kv-events")
+        if url.rstrip("/") in out:  # the last one was taken, the others dropped unsaid
+            raise InvalidRequestError(f"--worker-kv-events gives {url} twice",
+                                      param="worker-kv-events")
         out[url.rstrip("/")] = endpoint
     return out
 
