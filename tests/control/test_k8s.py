@@ -237,3 +237,18 @@ def test_bad_worker_sizes_exit_2(argv: list[str], message: str, tmp_path: Path,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["deploy", "k8s", "--render", str(tmp_path), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_worker_deployment_leaves_its_replicas_to_keda(tmp_path: Path) -> None:
+    """With `spec.replicas` in the worker Deployment, every `kubectl apply` of the
+    rendered files (how a model rollout is done: a new --model in its args) set the pool
+    back to that count (min-workers), draining the workers the planner had added under
+    load until KEDA's next poll; Kubernetes' HPA docs say to leave it out. Router and
+    gateway keep theirs."""
+    docs = rendered(tmp_path, "--min-workers", "2", "--max-workers", "6")
+    deployments = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "Deployment"}
+    assert "replicas" not in deployments["sluice-worker-smollm2-135m-instruct-q4-1"]
+    assert deployments["sluice-router"]["replicas"] == 1
+    assert deployments["sluice-gateway"]["replicas"] == 2
+    (so,) = [d for d in docs if d["kind"] == "ScaledObject"]
+    assert (so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"]) == (2, 6)

@@ -240,8 +240,10 @@ def workers(o: K8sOptions) -> list[dict[str, Any]]:
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", "10"]}}},
     }
     name = o.worker_name
-    replicas = max(1, o.min_workers)
-    deployment = _deployment(name, o, "worker", replicas, container, o.drain_seconds + 15)
+    deployment = _deployment(name, o, "worker", 1, container, o.drain_seconds + 15)
+    # no replicas: KEDA's HPA owns the count; with one here every `kubectl apply` of these
+    # files (a model rollout) reset the pool to it, draining what the planner had added
+    del deployment["spec"]["replicas"]
     # a model change rolls out blue/green: all new pods ready before an old one goes
     deployment["spec"]["strategy"] = {"type": "RollingUpdate", "rollingUpdate": {
         "maxSurge": "100%", "maxUnavailable": 0}}
