@@ -252,3 +252,15 @@ def test_the_worker_deployment_leaves_its_replicas_to_keda(tmp_path: Path) -> No
     assert deployments["sluice-gateway"]["replicas"] == 2
     (so,) = [d for d in docs if d["kind"] == "ScaledObject"]
     assert (so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"]) == (2, 6)
+
+
+def test_a_missing_planner_series_holds_the_count(tmp_path: Path) -> None:
+    """KEDA's Prometheus scaler reads an empty result as 0 unless told otherwise
+    (`ignoreNullValues`, default true). With no stabilization window (the planner's
+    delays stand in for it), a router restart (its series gone until the new pod is
+    scraped) scaled the workers to their minimum at once, under load. False makes the
+    empty result an error, on which the HPA holds its count."""
+    (so,) = [d for d in rendered(tmp_path, "--min-workers", "0") if d["kind"] == "ScaledObject"]
+    (trigger,) = so["spec"]["triggers"]
+    assert trigger["metadata"]["ignoreNullValues"] == "false"
+    keda_validator().validate(so)

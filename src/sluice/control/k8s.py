@@ -315,7 +315,11 @@ def scaled_object(o: K8sOptions) -> dict[str, Any]:
                 "scaleUp": no_extra_window(), "scaleDown": no_extra_window()}}},
             "triggers": [{"type": "prometheus", "metricType": "AverageValue", "metadata": {
                 "serverAddress": o.prometheus_url, "query": query, "threshold": "1",
-                "activationThreshold": "0"}}],
+                "activationThreshold": "0",
+                # no series (the router restarting, not scraped yet) is an error, which
+                # holds the count; KEDA's default read it as 0 and, with no second
+                # stabilization window, took the pool down to its minimum at once
+                "ignoreNullValues": "false"}}],
         },
     }
 
