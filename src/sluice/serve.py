@@ -465,12 +465,12 @@ def handler(args: argparse.Namespace) -> int:
         planner_config(args)  # flag errors before anything starts (with a router or not)
         controller_config(args)
         check_router_flags(args)
-        check_listen(args.host, args.port)
         if uses_router(args):
             pd_ratio(args)
             if (args.backend == "external") != bool(args.worker_url):
                 raise InvalidRequestError("--worker-url goes with --backend external (and "
                                           "--backend external needs one)", param="worker_url")
+        check_listen(args.host, args.port)  # the flags first: they do not depend on the host
         cache = TokenCache()  # one per process: the gateway counts, the router hashes
         wrap = gateway_wrap(args, cache) if args.gateway else None
         if not uses_router(args):

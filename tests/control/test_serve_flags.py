@@ -212,3 +212,21 @@ def test_a_pool_whose_workers_all_fail_to_start_exits_1(
     assert ("sluice serve: error: no worker of pool SmolLM2-135M-Instruct.Q4_1 started: "
             "worker exited with 1: cannot load") in err
     assert "Traceback" not in err and "never retrieved" not in caplog.text
+
+
+def test_flag_errors_come_before_the_port_check(capsys: pytest.CaptureFixture[str]) -> None:
+    """A flag mistake is reported as such whatever the port: with the port checked
+    first, `--backend external` without `--worker-url` said 'cannot listen' where 8000
+    was taken (the flag tests failed on a machine with a server on 8000)."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        assert main(["serve", "--no-gateway", "--port", port, "--backend", "external"]) == 2
+        assert main(["serve", "--no-gateway", "--port", port, "--min-workers", "3",
+                     "--max-workers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--worker-url goes with --backend external" in err
+    assert "--min-workers must be <= --max-workers" in err and "cannot listen" not in err
