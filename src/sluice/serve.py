@@ -301,6 +301,10 @@ def planner_config(args: argparse.Namespace) -> Any:
                                   param="scale_to_zero_after")
     if lo == 0 and after is None:
         after = SCALE_TO_ZERO_AFTER_S
+    if lo == 0 and args.buffer_timeout == 0:  # the planner wakes a pool on requests held
+        raise InvalidRequestError("--buffer-timeout 0 answers 503 at once and holds no "
+                                  "request, so a pool at zero would never wake: with "
+                                  "--min-workers 0 give it > 0", param="buffer_timeout")
     return named_by_flags(lambda: PlannerConfig(
         policy=args.planner_policy, min_replicas=lo, max_replicas=hi, slo=SLO.parse(args.slo),
         **scaling_options(args), scale_to_zero_after_s=after))

@@ -59,6 +59,10 @@ def parse(*argv: str) -> argparse.Namespace:
      "--scale-to-zero-after needs --min-workers 0"),
     (["--workers", "2", "--scale-to-zero-after", "10"], "--scale-to-zero-after needs"),
     (["--scale-to-zero-after", "10"], "--scale-to-zero-after needs --min-workers 0"),
+    # nothing is held for the planner to see, so a pool at zero never woke (all 503)
+    (["--min-workers", "0", "--max-workers", "2", "--buffer-timeout", "0"],
+     "--buffer-timeout 0 answers 503 at once and holds no request, so a pool at zero "
+     "would never wake"),
 ])
 def test_bad_flags_exit_2_before_starting(argv: list[str], message: str,
                                           capsys: pytest.CaptureFixture[str]) -> None:
