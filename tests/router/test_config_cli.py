@@ -136,6 +136,11 @@ def test_buffer_timeout_is_checked_by_the_router_config(tmp_path: Path, value: s
      "worker http://b:1 is in group 'long', but the pool has no long_prompt_tokens"),
     (["--worker", "http://a:1", "--worker-kv-events", "http://b:1=tcp://127.0.0.1:5557"],
      None, "--worker-kv-events names no worker: http://b:1"),
+    # a role in a pool that is not disaggregated was ignored: the prefill worker got
+    # whole requests
+    (["--config", "{dir}/r.yaml"],
+     "pools: [{workers: [{url: 'http://a:1', role: prefill}, 'http://b:1']}]\n",
+     "worker http://a:1 has role 'prefill', but the pool is not disaggregated"),
     # two endpoints for one worker: the last was taken, the first dropped unsaid
     (["--worker", "http://a:1", "--worker-kv-events", "http://a:1=tcp://127.0.0.1:5557",
       "--worker-kv-events", "http://a:1/=tcp://127.0.0.1:5558"], None,

@@ -368,6 +368,10 @@ async def test_admin_add_drain_remove_with_key(cluster: Cluster) -> None:
         r = await c.post("/admin/workers", json={"url": b_url, "group": "long"}, headers=key)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "long_prompt_tokens"
+        # nor is it disaggregated: a prefill worker's role was ignored (it got whole
+        # requests)
+        r = await c.post("/admin/workers", json={"url": b_url, "role": "prefill"}, headers=key)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "role", r.text
         r = await c.post("/admin/workers", json={"url": b_url}, headers=key)
         assert r.status_code == 201 and r.json()["models"] == ["stub-model"]
         for _ in range(4):

@@ -306,11 +306,16 @@ class PoolConfig:
 
     def check_group(self, worker: WorkerSpec) -> None:
         """A `long` worker needs `long_prompt_tokens`: without it no prompt is long, and
-        the worker got requests only when every short worker was down."""
+        the worker got requests only when every short worker was down. A `prefill` or
+        `decode` worker needs a disaggregated pool (`pd`): without it the role was
+        ignored, and a prefill worker got whole requests."""
         if worker.group == LONG and self.long_prompt_tokens is None:
             raise InvalidRequestError(f"worker {worker.url} is in group 'long', but the pool "
                                       "has no long_prompt_tokens (--long-prompt-tokens)",
                                       param="long_prompt_tokens")
+        if worker.role in (PREFILL, DECODE) and self.pd is None:
+            raise InvalidRequestError(f"worker {worker.url} has role {worker.role!r}, but the "
+                                      "pool is not disaggregated (pd, --pd-mode)", param="role")
 
     @property
     def names(self) -> tuple[str, ...]:
