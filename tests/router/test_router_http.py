@@ -416,6 +416,30 @@ async def test_a_worker_added_at_runtime_takes_requests_only_once_a_probe_answer
         assert f'sluice_router_ejections_total{{worker="{b_url}"}}' not in metrics
 
 
+async def test_a_worker_of_another_model_does_not_join_a_pool_unnamed(
+        cluster: Cluster) -> None:
+    """`POST /admin/workers {"url"}` without `model` joins the only pool; a worker that
+    serves none of that pool's models is refused (400 naming `model`) instead of taking
+    its requests: its answers were another model's (the router sends a pool's name as
+    the model the worker lists). Named, it makes a pool of its own."""
+    a, other = StubState("a"), StubState("o", model="other-model")
+    async with serve(make_stub(other)) as o_url, cluster([a]) as (router, urls), \
+            httpx.AsyncClient(base_url=router, headers=ADMIN) as c:
+        r = await c.post("/admin/workers", json={"url": o_url})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+        assert "other-model" in r.json()["error"]["message"]
+        pools = (await c.get("/admin/workers")).json()["pools"]
+        assert [[w["url"] for w in p["workers"]] for p in pools] == [[urls["a"]]]
+        for _ in range(4):
+            r = await c.post("/v1/chat/completions", json=chat("x"))
+            assert r.status_code == 200 and r.json()["worker"] == "a"
+        r = await c.post("/admin/workers", json={"url": o_url, "model": "other-model"})
+        assert r.status_code == 201, r.text
+        r = await c.post("/v1/chat/completions", json={**chat("x"), "model": "other-model"})
+        assert r.status_code == 200 and r.json()["worker"] == "o"
+        assert other.requests[0]["model"] == "other-model"
+
+
 async def test_a_pool_the_admin_api_made_for_a_mistyped_model_goes_with_its_workers(
         cluster: Cluster) -> None:
     """`POST /admin/workers {"model": "stub-modle"}` (a typo) makes a pool of that name;

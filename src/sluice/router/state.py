@@ -181,7 +181,10 @@ class RouterState:
     async def add_worker(self, spec: WorkerSpec, model: str | None) -> Endpoint:
         """Add a worker at runtime (POST /admin/workers); it takes requests once a health
         probe has answered (this one, else a later round). A worker is in one pool: a URL
-        already in one is refused (400), whatever `model` names."""
+        already in one is refused (400), whatever `model` names; so is one that serves
+        none of the models its pool's other workers serve (without `model` it joins the
+        only pool: another model's worker answered that pool's requests, under its own
+        model's name)."""
         for pool in self.pools:
             if spec.url in pool.endpoints:
                 raise InvalidRequestError(f"worker {spec.url} is already in the pool of "
@@ -195,6 +198,13 @@ class RouterState:
         endpoint.hold_until_probed()
         self.start_subscriber(pool, endpoint)
         await self.monitor.probe(endpoint)
+        others = {m for e in pool.endpoints.values() if e is not endpoint for m in e.models}
+        if endpoint.models and others and others.isdisjoint(endpoint.models):
+            endpoint.draining = True  # (no request reaches it before it is gone)
+            await self.remove_worker(endpoint.url)
+            raise InvalidRequestError(
+                f"worker {spec.url} serves {', '.join(endpoint.models)}, none of what the "
+                f"pool of {pool_label(pool)!r} serves: name its 'model'", param="model")
         return endpoint
 
     async def remove_worker(self, url: str) -> Endpoint:
