@@ -451,6 +451,23 @@ async def test_admin_release_api() -> None:
         assert (await c.release())["workers"]["shadow"] == ["http://127.0.0.1:9"]
 
 
+async def test_a_pool_named_with_a_slash_has_its_release_api() -> None:
+    """Hugging Face names have a slash (`org/model`): GET and PUT
+    /admin/pools/org/model/release reach that pool's release, as the admission routes do;
+    they were a 404 'no route' (the path parameter took one segment)."""
+    a, canary = StubState("a", model="org/model"), StubState("c", model="org/model")
+    async with AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(serve(make_stub(s))) for s in (a, canary)]
+        pool = PoolConfig(workers=(WorkerSpec(urls[0]), WorkerSpec(urls[1], version=CANARY)))
+        app = build_app(RouterConfig(pools=(pool,), admin_key=ADMIN_KEY, seed=0))
+        url = await stack.enter_async_context(serve_router(app))
+        c = await stack.enter_async_context(httpx.AsyncClient(base_url=url, headers=ADMIN))
+        r = await c.get("/admin/pools/org/model/release")
+        assert r.status_code == 200 and r.json()["workers"]["canary"] == [urls[1]], r.text
+        r = await c.put("/admin/pools/org/model/release", json={"weight": 30})
+        assert r.status_code == 200 and r.json()["weight"] == 30, r.text
+
+
 # --- statistics on known inputs ---------------------------------------------------------------
 
 

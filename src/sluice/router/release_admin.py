@@ -52,11 +52,11 @@ def _change(raw: bytes) -> ReleaseChange:
 def release_router() -> APIRouter:
     api = APIRouter(prefix="/admin")
 
-    @api.get("/pools/{pool}/release")
+    @api.get("/pools/{pool:path}/release")
     async def get_release(request: Request, pool: str) -> dict[str, Any]:
         return _release(request, pool).describe()
 
-    @api.put("/pools/{pool}/release")
+    @api.put("/pools/{pool:path}/release")
     async def put_release(request: Request, pool: str) -> dict[str, Any]:
         release = _release(request, pool)
         change = _change(await request.body())
