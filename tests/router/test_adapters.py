@@ -512,6 +512,28 @@ async def test_a_restarted_worker_gets_its_adapters_back() -> None:
         assert (await c.post("/v1/chat/completions", json=chat("chat"))).status_code == 200
 
 
+async def test_admin_refuses_an_adapter_named_as_the_model_or_on_a_base_no_pool_serves(
+        ) -> None:
+    """`POST /admin/adapters` with the pool's model as the adapter's name (the router then
+    loaded a LoRA called `base` and placed the base model's requests as its), or with a
+    base no pool serves (a typo: listed by /v1/models, never loaded, and each request a
+    404 naming the base): 400 naming the field, nothing registered or loaded."""
+    stubs = [LoraStub("a")]
+    async with fleet(stubs) as (router, state, _), \
+            httpx.AsyncClient(base_url=router, headers={"x-admin-key": ADMIN}) as c:
+        r = await c.post("/admin/adapters", json={"name": "base", "path": "/a/z"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "name", r.text
+        r = await c.post("/admin/adapters", json={"name": "x", "path": "/a/x", "base": "bse"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "base", r.text
+        assert (await c.get("/admin/adapters")).json()["adapters"] == []
+        r = await c.post("/v1/chat/completions", json=chat("base"))
+        assert r.status_code == 200 and stubs[0].load_calls == 0
+        r = await c.post("/admin/adapters", json={"name": "x", "path": "/a/x", "base": "base"})
+        assert r.status_code == 201, r.text
+        r = await c.post("/admin/adapters", json={"name": "x", "path": "/a/x2"})  # replaced
+        assert r.status_code == 201, r.text
+
+
 async def test_admin_registers_and_a_new_worker_gets_pinned_adapters() -> None:
     stubs = [LoraStub("a"), LoraStub("b")]
     async with AsyncExitStack() as stack:
