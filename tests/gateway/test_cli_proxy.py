@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -11,13 +12,14 @@ import httpx
 import pytest
 
 from sluice.cli import main
-from sluice.gateway.cli import parse_time
+from sluice.gateway.cli import parse_time, price_file
 from sluice.gateway.dev import ensure_dev_key
 from sluice.gateway.middleware import GatewayMiddleware
 from sluice.gateway.pricing import PriceTable
 from sluice.gateway.proxy import UpstreamProxy
 from sluice.gateway.redact import default_redactor
 from sluice.gateway.store import SQLStore, UsageQuery, UsageRecord
+from sluice.protocol.errors import InvalidRequestError
 
 from .conftest import CHAT, make_state, new_key, serve
 from .stub import StubUpstream
@@ -122,6 +124,27 @@ def test_cli_bad_price_table_is_a_usage_error(tmp_path: Path,
         main(["gateway", "--upstream", "http://x", "--prices", str(prices)])
     assert exc.value.code == 2
     assert "argument --prices: cannot read the price table" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("text", "named"), [
+    ("m: {input_per_million: .nan}\n", "input_per_million must be a finite number"),
+    ("m: {output_per_million: .inf}\n", "output_per_million must be a finite number"),
+    ("m: {input_per_million: true}\n", "input_per_million must be a finite number"),
+    ("m: {input_per_million: '0.15'}\n", "input_per_million must be a finite number"),
+    ("m: {input: 1}\n", "the price of 'm' must be a mapping with"),
+    ("- m\n", "a price table maps model names to prices"),
+])
+def test_price_table_values_that_are_not_prices_are_refused(
+        text: str, named: str, tmp_path: Path) -> None:
+    """NaN, infinity and `true` were taken as prices (`sluice gateway --prices` started:
+    a NaN cost passes every budget check, `true` was $1); the others failed with
+    Python's own words. `--prices` reports the message as its usage error."""
+    prices = tmp_path / "prices.yaml"
+    prices.write_text(text)
+    with pytest.raises(InvalidRequestError, match=named):
+        PriceTable.load(prices)
+    with pytest.raises(argparse.ArgumentTypeError, match=named):
+        price_file(str(prices))
 
 
 def test_dev_key_is_created_once_and_reused(sqlite_store: SQLStore, tmp_path: Path) -> None:

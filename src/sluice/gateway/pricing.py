@@ -9,6 +9,7 @@ for models not listed.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,14 @@ class Price:
     output_per_million: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.input_per_million < 0 or self.output_per_million < 0:
-            raise InvalidRequestError("prices must be >= 0", param="price")
+        """Finite numbers >= 0: a price of NaN made every cost NaN, which no budget
+        comparison refuses, and `true` was a price of 1."""
+        for name in ("input_per_million", "output_per_million"):
+            value = getattr(self, name)
+            if (not isinstance(value, int | float) or isinstance(value, bool)
+                    or not math.isfinite(value) or value < 0):
+                raise InvalidRequestError(f"{name} must be a finite number >= 0, got "
+                                          f"{value!r}", param=name)
 
 
 @dataclass(frozen=True)
@@ -41,8 +48,13 @@ class PriceTable:
                 + completion_tokens * p.output_per_million) / 1_000_000
 
     @classmethod
-    def from_mapping(cls, data: dict[str, Any]) -> PriceTable:
-        prices = {name: Price(**spec) for name, spec in data.items()}
+    def from_mapping(cls, data: Any) -> PriceTable:
+        """`{model: {input_per_million, output_per_million}}`; anything else is an
+        InvalidRequestError naming the model (or the field) at fault."""
+        if not isinstance(data, dict):
+            raise InvalidRequestError("a price table maps model names to prices, got "
+                                      f"{type(data).__name__}", param="prices")
+        prices = {str(name): _price(str(name), spec) for name, spec in data.items()}
         default = prices.pop("*", Price())
         return cls(prices, default)
 
@@ -55,3 +67,14 @@ class PriceTable:
         import yaml
 
         return cls.from_mapping(yaml.safe_load(text) or {})
+
+
+def _price(model: str, spec: Any) -> Price:
+    fields = ("input_per_million", "output_per_million")
+    if not isinstance(spec, dict) or not set(spec) <= set(fields):
+        raise InvalidRequestError(f"the price of {model!r} must be a mapping with "
+                                  f"{' and/or '.join(fields)}, got {spec!r}", param=model)
+    try:
+        return Price(**spec)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"the price of {model!r}: {exc.message}", param=model) from None
