@@ -76,6 +76,20 @@ def test_cli_reports_a_database_it_cannot_use_in_one_line(
     assert err.startswith("error: the gateway database: ") and err.count("\n") == 1, err
 
 
+def test_cli_tenants_update_lifts_a_limit_or_budget_given_as_none(tmp_path: Path) -> None:
+    """A limit or budget once set could not be removed from the command line (only
+    raised); `none` lifts it, and leaves the other settings as they are."""
+    db = ["--database-url", f"sqlite:///{tmp_path / 'cli.db'}"]
+    assert main(["tenants", "create", "acme", "--rpm", "5", "--tpm", "900",
+                 "--budget-usd", "3", "--soft-budget-usd", "2", *db]) == 0
+    assert main(["tenants", "update", "acme", "--rpm", "none", "--budget-usd", "None",
+                 "--soft-budget-usd", "none", *db]) == 0
+    settings = SQLStore(db[1]).get_tenant("acme").settings
+    assert (settings.rpm, settings.tpm, settings.budget_usd, settings.soft_budget_usd) == (
+        None, 900, None, None)
+    assert main(["keys", "create", "--tenant", "acme", "--max-concurrent", "none", *db]) == 0
+
+
 def test_parse_time_forms() -> None:
     assert parse_time("24h", now=100000.0) == 100000.0 - 86400
     assert parse_time("1700000000") == 1700000000.0

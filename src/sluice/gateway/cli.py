@@ -58,7 +58,8 @@ def _db_flag(p: argparse.ArgumentParser) -> None:
 
 def _limit_flags(p: argparse.ArgumentParser, with_models: bool = True) -> None:
     for flag, what in _LIMIT_FLAGS:
-        p.add_argument(flag, type=count, default=None, help=f"limit: {what}")
+        p.add_argument(flag, type=count, default=None,
+                       help=f"limit: {what} ('none': no limit, on update lifts it)")
     if with_models:
         p.add_argument("--allowed-models", default=None,
                        help="comma-separated model names this principal may use")
@@ -115,9 +116,10 @@ def _register_keys(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
 
 def _tenant_flags(p: argparse.ArgumentParser) -> None:
     _limit_flags(p)
-    p.add_argument("--budget-usd", type=dollars, default=None, help="hard budget in USD")
+    p.add_argument("--budget-usd", type=dollars, default=None,
+                   help="hard budget in USD ('none': no budget, on update lifts it)")
     p.add_argument("--soft-budget-usd", type=dollars, default=None,
-                   help="soft budget in USD (only a metric)")
+                   help="soft budget in USD (only a metric; 'none' lifts it)")
     p.add_argument("--store-bodies", choices=("yes", "no"), default=None,
                    help="store redacted prompt/completion bodies in the audit log")
 
@@ -212,9 +214,21 @@ def _integer(text: str, low: int, high: int | None, what: str) -> int:
     return value
 
 
-def count(text: str) -> int:
-    """A limit: a whole number >= 0."""
-    return _integer(text, 0, None, "a whole number >= 0")
+class _Lifted:
+    """The value of a limit or budget flag given as `none`: the setting is removed."""
+
+
+LIFTED = _Lifted()
+
+
+def _lifted(text: str) -> bool:
+    return text.strip().lower() == "none"
+
+
+def count(text: str) -> int | _Lifted:
+    """A limit: a whole number >= 0, or `none` (no limit: `tenants update --rpm none`
+    lifts one; before, a limit or budget once set could not be removed from here)."""
+    return LIFTED if _lifted(text) else _integer(text, 0, None, "a whole number >= 0 or 'none'")
 
 
 def rows(text: str) -> int:
@@ -235,8 +249,9 @@ def _number(text: str, *, positive: bool, what: str) -> float:
     return value
 
 
-def dollars(text: str) -> float:
-    return _number(text, positive=False, what="an amount in USD >= 0")
+def dollars(text: str) -> float | _Lifted:
+    return LIFTED if _lifted(text) else _number(text, positive=False,
+                                                what="an amount in USD >= 0 or 'none'")
 
 
 def days(text: str) -> float:
@@ -266,7 +281,7 @@ def _limits(args: argparse.Namespace) -> dict[str, Any]:
             out[name] = getattr(args, name)
     if getattr(args, "store_bodies", None) is not None:
         out["store_bodies"] = args.store_bodies == "yes"
-    return {k: v for k, v in out.items() if v is not None}
+    return {k: None if v is LIFTED else v for k, v in out.items() if v is not None}
 
 
 def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
