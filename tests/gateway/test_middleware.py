@@ -695,3 +695,27 @@ async def test_settles_once_the_content_length_is_sent_before_a_trailing_empty_m
     assert [(r.status, r.prompt_tokens, r.completion_tokens) for r in records] == [
         ("ok", 3, 2), ("ok", 3, 2)]
     assert sqlite_store.get_tenant("acme").reserved_usd == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize(("tenant", "key", "named"), [
+    ({"rpm": 0}, KeySettings(), "Its tenant's requests per minute (RPM) limit is 0"),
+    ({"max_concurrent": 0}, KeySettings(rpm=5), "Its tenant's concurrent requests limit is 0"),
+    ({"rpm": 9}, KeySettings(rpm=0), "This key's requests per minute (RPM) limit is 0"),
+])
+async def test_a_limit_of_zero_is_a_429_that_says_not_to_retry(
+        sqlite_store: SQLStore, stub: StubUpstream, tenant: dict[str, int], key: KeySettings,
+        named: str) -> None:
+    """A limit of 0 (a paused key or tenant) admits nothing, now or later; its 429 had
+    `Retry-After: 60` (1 for concurrency), so the OpenAI and Anthropic SDKs waited and
+    retried in vain. Like a request over the TPM limit alone: no Retry-After,
+    `x-should-retry: false`, a message that says which limit."""
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    async with client_for(gw, new_key(sqlite_store, key_settings=key, **tenant)) as c:
+        for path, body in (("/v1/chat/completions", CHAT), ("/v1/messages", {
+                "model": "stub-model", "max_tokens": 5,
+                "messages": [{"role": "user", "content": "hi"}]})):
+            r = await c.post(path, json=body)
+            assert r.status_code == 429 and "retry-after" not in r.headers, r.headers
+            assert r.headers["x-should-retry"] == "false"
+            assert named in r.text
+    assert stub.received == []

@@ -39,7 +39,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -744,9 +744,26 @@ def limit_error(decision: Decision, adm: Admission) -> RateLimitError:
     limit = too_large_for(decision.scopes, adm.reserved_tokens)
     if decision.reason == "too_large" and limit is not None:
         return too_large_error(limit, adm, headers)
+    if (zero := zero_limit(decision.scopes)) is not None:
+        return RateLimitError(
+            f"{zero} is 0: no request is admitted until it is raised, so "
+            "retrying does not help.", headers={**headers, "x-should-retry": "false"})
     message = _REASONS.get(decision.reason or "", "Rate limit reached")
     return RateLimitError(f"{message}. Please retry after the time in Retry-After.",
                           retry_after=decision.retry_after_s, headers=headers)
+
+
+def zero_limit(scopes: Sequence[Scope]) -> str | None:
+    """The limit that admits nothing (requests per minute or concurrent requests set to
+    0, a paused key or tenant), named for the client, or None. Such a refusal had
+    `Retry-After: 60` (or 1), so the SDKs waited and retried in vain."""
+    for scope in scopes:
+        owner = "This key's" if scope.name.startswith("key:") else "Its tenant's"
+        if scope.rpm == 0:
+            return f"{owner} requests per minute (RPM) limit"
+        if scope.max_concurrent == 0:
+            return f"{owner} concurrent requests limit"
+    return None
 
 
 def too_large_error(limit: int, adm: Admission, headers: dict[str, str]) -> RateLimitError:
