@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from sluice.gateway.middleware import GatewayMiddleware
-from sluice.gateway.store import SQLStore, UsageQuery
+from sluice.gateway.store import SQLStore, UsageQuery, UsageRecord
 
 from .conftest import make_state, new_key
 from .stub import PROMPT_TOKENS, StubUpstream
@@ -95,3 +95,32 @@ async def test_sdks_do_not_retry_a_request_over_the_tpm_limit_alone(
     records = sqlite_store.query_usage(UsageQuery())
     assert [(r.endpoint, r.status) for r in records] == [
         ("/v1/chat/completions", "rejected"), ("/v1/messages", "rejected")]
+
+
+async def test_sdks_do_not_retry_a_spent_budget(sqlite_store: SQLStore) -> None:
+    """A tenant whose spend reached its budget is refused until a reset: with their default
+    retries on, the SDKs sent each such request three times (three refused records)."""
+    from sluice.gateway.pricing import Price, PriceTable
+
+    key = new_key(sqlite_store, budget_usd=1.0)
+    sqlite_store.record_usage(UsageRecord(
+        request_id="spent", tenant_id=sqlite_store.get_tenant("acme").id, key_id="k",
+        endpoint="/v1/chat/completions", model="stub-model", status="ok", http_status=200,
+        cost_usd=1.0))
+    prices = PriceTable({"stub-model": Price(1.0, 1.0)})
+    gw = GatewayMiddleware(StubUpstream(), make_state(sqlite_store, prices=prices))
+    client = openai.AsyncOpenAI(api_key=key, base_url="http://gateway/v1",
+                                http_client=transport(gw))
+    with pytest.raises(openai.RateLimitError) as exc:
+        await client.chat.completions.create(
+            model="stub-model", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    assert exc.value.code == "insufficient_quota"
+    claude = anthropic.AsyncAnthropic(api_key=key, base_url="http://gateway",
+                                      http_client=transport2(gw))
+    with pytest.raises(anthropic.RateLimitError):
+        await claude.messages.create(model="stub-model", max_tokens=1,
+                                     messages=[{"role": "user", "content": "hi"}])
+    records = sqlite_store.query_usage(UsageQuery())
+    assert [(r.endpoint, r.status) for r in records] == [
+        ("/v1/chat/completions", "ok"), ("/v1/chat/completions", "rejected"),
+        ("/v1/messages", "rejected")]

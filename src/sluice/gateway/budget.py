@@ -47,9 +47,12 @@ def check_budget(tenant: Tenant, metrics: GatewayMetrics) -> None:
     if s.budget_usd:
         metrics.child(metrics.budget_used, tenant.id).set(tenant.spend_usd / s.budget_usd)
     if s.budget_usd is not None and tenant.spend_usd >= s.budget_usd:
+        # no wait helps (until a reset): `x-should-retry: false`, which the OpenAI and
+        # Anthropic SDKs obey (they retried it twice, three refused records per call)
         raise InsufficientQuotaError(
             f"You exceeded your current quota: tenant {tenant.name!r} spent "
-            f"${tenant.spend_usd:.6f} of its ${s.budget_usd:.6f} budget.")
+            f"${tenant.spend_usd:.6f} of its ${s.budget_usd:.6f} budget.",
+            headers={"x-should-retry": "false"})
     if s.soft_budget_usd is not None and tenant.spend_usd >= s.soft_budget_usd:
         metrics.child(metrics.soft_budget, tenant.id).inc()
 
