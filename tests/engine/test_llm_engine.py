@@ -208,3 +208,13 @@ def test_priority_runs_first_when_slots_are_scarce() -> None:
     engine.add_request("high", [3, 4], SamplingParams(max_tokens=3), priority=0, arrival_time=2.0)
     order = [o.request_id for _ in range(10) for o in engine.step() if o.finished]
     assert order == ["high", "low"]
+
+
+def test_a_priority_under_fcfs_is_refused_naming_it() -> None:
+    """fcfs never reads a priority: one other than 0 was accepted and ignored. vLLM
+    refuses it ("Got priority 5 but Priority scheduling is not enabled")."""
+    engine = make_engine(scheduling_policy="fcfs")
+    with pytest.raises(InvalidRequestError, match="Priority scheduling is not enabled") as info:
+        engine.add_request("r", [1, 2], SamplingParams(max_tokens=3), priority=5)
+    assert info.value.param == "priority" and not engine.has_unfinished_requests()
+    engine.add_request("r", [1, 2], SamplingParams(max_tokens=3), priority=0)  # the default

@@ -1,14 +1,23 @@
 """The gateway passes a tenant's priority to Anthropic Messages requests in the
 `x-sluice-priority` header (the Messages body has no `priority` field); the worker hands
-it to the engine, and refuses a header that is not an integer."""
+it to the engine, and refuses a header that is not an integer. A worker whose policy is
+fcfs refuses a priority other than 0, as vLLM does."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+
+from sluice.engine.config import EngineConfig
+from sluice.worker.app import build_app
+from sluice.worker.config import WorkerConfig
+
+from .conftest import TINY_OPTIONS
+from .worker_helpers import ServerThread
 
 BODY = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -41,3 +50,33 @@ def test_a_non_integer_priority_header_is_refused(http: httpx.Client) -> None:
     assert resp.status_code == 400
     assert resp.json()["type"] == "error"
     assert "x-sluice-priority" in resp.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def fcfs_url(tiny_llama_dir: Path) -> Iterator[str]:
+    from sluice.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(EngineConfig.from_options(str(tiny_llama_dir), **TINY_OPTIONS,
+                                                   scheduling_policy="fcfs"))
+    server = ServerThread(build_app(engine, WorkerConfig(served_model_names=("tiny",)))).start()
+    yield server.url
+    server.stop()
+    engine.shutdown()
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": BODY["messages"], "max_tokens": 2}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+])
+def test_a_priority_under_fcfs_is_refused(fcfs_url: str, path: str, body: dict) -> None:
+    """fcfs never reads a priority: one other than 0 answered 200 and was ignored. vLLM
+    refuses it ("Got priority 3 but Priority scheduling is not enabled"); so does the
+    worker, with OpenAI's error JSON naming `priority`."""
+    resp = httpx.post(fcfs_url + path, json={**body, "priority": 3}, timeout=30)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "priority" and "Priority scheduling is not enabled" in err["message"]
+    assert httpx.post(fcfs_url + path, json={**body, "priority": 0}, timeout=30).status_code == 200
+    resp = httpx.post(fcfs_url + "/v1/messages", json=BODY, headers={"x-sluice-priority": "3"},
+                      timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"

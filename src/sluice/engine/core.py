@@ -80,7 +80,8 @@ class EngineCore:
                              getattr(getattr(self.runner, "model_config", None),
                                      "num_layers", 0),
                              {k: list(v) for k, v in
-                              getattr(self.runner, "lora_shapes", {}).items()})
+                              getattr(self.runner, "lora_shapes", {}).items()},
+                             config.scheduler.scheduling_policy)
         self.structured = StructuredOutputManager(config.structured, self._grammar_backend)
         self.requests: dict[str, Request] = {}
         self.failed: list[tuple[str, SluiceError]] = []  # requests the core refused after add

@@ -1,8 +1,9 @@
 """The front end's check of a request before the core sees it: tokens, lengths, KV room.
 
-`InputProcessor.prepare` tokenizes a text prompt, checks token ids against the
-vocabulary, the prompt plus `max_tokens` against the context length and the KV pool,
-a structured-output constraint for syntax (no compile: that is the core's, off its loop),
+`InputProcessor.prepare` refuses a non-zero priority under fcfs (vLLM's rule: nothing
+would read it), tokenizes a text prompt, checks token ids against the vocabulary, the
+prompt plus `max_tokens` against the context length and the KV pool, a
+structured-output constraint for syntax (no compile: that is the core's, off its loop),
 and returns the `CoreRequest` the core queues. Every failure is an
 `InvalidRequestError` / `ContextLengthError` naming the parameter, raised in the
 caller's thread before anything is sent to the core, so an HTTP handler can answer
@@ -38,6 +39,7 @@ class InputProcessor:
                 resumed: Sequence[int] = (), lora: LoRARequest | None = None) -> CoreRequest:
         """`resumed`: tokens already generated for this request elsewhere (a migrated
         stream); the core appends them to the prompt as output and continues after them."""
+        self.check_priority(priority)
         ids = self.tokenize(prompt)
         max_tokens = self.check_lengths(len(ids), params)
         if resumed:
@@ -53,6 +55,15 @@ class InputProcessor:
                                       "is not enabled (--enable-lora)", param="model")
         return CoreRequest(request_id, ids, params, priority, arrival, max_tokens, len(resumed),
                            lora)
+
+    def check_priority(self, priority: int) -> None:
+        """A priority other than 0 needs the priority policy: under fcfs the scheduler
+        would ignore it, so it is refused as vLLM refuses it."""
+        if priority != 0 and self.info.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"Got priority {priority} but Priority scheduling is not enabled "
+                f"(this worker's scheduling_policy is {self.info.scheduling_policy})",
+                param="priority")
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

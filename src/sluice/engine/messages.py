@@ -80,6 +80,7 @@ class CoreInfo:
     max_lora_rank: int = 0
     num_layers: int = 0
     lora_shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # (in, out)
+    scheduling_policy: str = "priority"  # under fcfs the front end refuses a priority
 
 
 @dataclass(frozen=True, slots=True)
