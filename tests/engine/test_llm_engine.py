@@ -210,6 +210,23 @@ def test_priority_runs_first_when_slots_are_scarce() -> None:
     assert order == ["high", "low"]
 
 
+def test_iteration_tokens_counts_each_step_with_output() -> None:
+    """vLLM's vllm:iteration_tokens_total (missing from /metrics): one observation per
+    step that produced tokens, of its generated tokens plus the whole prompt of each
+    request it gave a first token; a step of prompt chunks only is not observed."""
+    engine = make_engine(budget=8)
+    three = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request("a", list(range(1, 18)), three)  # 17 prompt tokens: 3 chunks
+    engine.add_request("b", [4, 5], three)
+    run_all(engine)
+    stats = engine.stats()
+    # steps: a 8 | a 8 | a 1 + b 2 (first tokens: 17 + 2 + 2) | 2 | 2
+    expected = [0] * 14
+    expected[1], expected[3] = 2, 1  # le=8: two steps of 2 tokens; le=32: 21 tokens
+    assert stats.iteration_tokens == expected and stats.iteration_tokens_sum == 25
+    assert stats.iteration_tokens_sum == stats.prompt_tokens + stats.generation_tokens
+
+
 def test_a_priority_under_fcfs_is_refused_naming_it() -> None:
     """fcfs never reads a priority: one other than 0 was accepted and ignored. vLLM
     refuses it ("Got priority 5 but Priority scheduling is not enabled")."""

@@ -112,6 +112,14 @@ def test_metrics_use_vllm_names(http: httpx.Client) -> None:
     assert m["vllm:request_generation_tokens_bucket{le=5.0,model_name=tiny}"] >= 2
     assert m["vllm:request_params_max_tokens_bucket{le=5.0,model_name=tiny}"] >= 2
     assert m["vllm:request_params_n_bucket{le=1.0,model_name=tiny}"] >= 2
+    # vLLM's engine-step histogram: its buckets; its sum grows with the token counters
+    steps = {k for k in m if k.startswith("vllm:iteration_tokens_total_bucket")}
+    assert steps == {f"vllm:iteration_tokens_total_bucket{{le={b},model_name=tiny}}"
+                     for b in ("1.0", "8.0", "16.0", "32.0", "64.0", "128.0", "256.0", "512.0",
+                               "1024.0", "2048.0", "4096.0", "8192.0", "16384.0", "+Inf")}
+    assert m["vllm:iteration_tokens_total_count" + label] >= 8  # 4 steps with output each
+    assert m["vllm:iteration_tokens_total_sum" + label] == (
+        m["vllm:prompt_tokens_total" + label] + m["vllm:generation_tokens_total" + label])
 
 
 def test_health_answers_while_a_long_request_runs(server: ServerThread, engine: Any,

@@ -36,7 +36,7 @@ from sluice.engine.sampler import Sampler, SampleResult
 from sluice.engine.scheduler import ScheduledChunk, Scheduler
 from sluice.engine.sequence import Request, Sequence
 from sluice.engine.spec_decode import PROPOSERS, SpecDecoder
-from sluice.engine.stats import EngineStats
+from sluice.engine.stats import EngineStats, IterationTokens
 from sluice.engine.step_log import StepLog
 from sluice.engine.structured_output import BACKENDS, StructuredOutputManager
 from sluice.engine.tokenizer import default_served_name
@@ -87,6 +87,7 @@ class EngineCore:
         self.failed: list[tuple[str, SluiceError]] = []  # requests the core refused after add
         self._next_seq_id = 0
         self._counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_steps": 0}
+        self.iteration_tokens = IterationTokens()  # tokens per step with output
         self._batches_seen = 0  # the offload writer's, when `tick` last looked
         self.spec = self._build_spec(config)
         self.last_chunks: list[ScheduledChunk] = []  # what the last step() ran
@@ -260,9 +261,16 @@ class EngineCore:
         sampled = [c.seq for c in chunks if c.need_logits]
         results = self._sample(logits, sampled, drafts)
         self._counters["num_steps"] += 1
+        counted = self._tokens_counted()
         updates = [self._postprocess(seq, result, seq in drafts)
                    for seq, result in zip(sampled, results, strict=True)]
+        self.iteration_tokens.observe(self._tokens_counted() - counted)
         return [u for u in updates if u is not None]
+
+    def _tokens_counted(self) -> int:
+        """Prompt plus generated tokens counted so far (vllm:prompt_tokens' and
+        vllm:generation_tokens' way: a prompt once, at its request's first token)."""
+        return self._counters["prompt_tokens"] + self._counters["generation_tokens"]
 
     def _sample(self, logits: torch.Tensor, sampled: list[Sequence],
                 drafts: dict[Sequence, list[int]]) -> list[list[SampleResult]]:
@@ -425,7 +433,9 @@ class EngineCore:
             running_lora_adapters=_adapter_names(sched.running),
             waiting_lora_adapters=_adapter_names(sched.waiting),
             max_lora=sched.max_loras, kv_transfer=self.kv_transfer.stats_dict(),
-            spec_decode=self.spec.stats() if self.spec is not None else {})
+            spec_decode=self.spec.stats() if self.spec is not None else {},
+            iteration_tokens=list(self.iteration_tokens.counts),
+            iteration_tokens_sum=self.iteration_tokens.total)
 
     def drain_kv_events(self) -> list[KVEvent]:
         """KV events since the last call."""

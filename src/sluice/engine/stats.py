@@ -2,8 +2,30 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any
+
+# vLLM's buckets for vllm:iteration_tokens_total (upper bounds, inclusive; then +Inf)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+@dataclass
+class IterationTokens:
+    """vLLM's `vllm:iteration_tokens_total`: a histogram of the tokens of each engine step
+    that produced output, counted as vLLM counts them: the tokens generated in the step
+    plus the whole prompt of each request whose first token it produced (so its sum
+    grows as `vllm:prompt_tokens` + `vllm:generation_tokens` do). A step that only ran
+    prompt chunks produces no output and is not observed, as in vLLM."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
+    total: int = 0
+
+    def observe(self, tokens: int) -> None:
+        """Count one step of `tokens` tokens (0: a step without output, not counted)."""
+        if tokens > 0:
+            self.counts[bisect_left(ITERATION_TOKEN_BUCKETS, tokens)] += 1
+            self.total += tokens
 
 
 @dataclass(frozen=True)
@@ -31,3 +53,7 @@ class EngineStats:
     # P/D KV transfer (sluice.engine.kv_transfer.TransferStats): bytes/blocks sent and
     # received, held blocks, failures by reason, the pull-time histogram
     kv_transfer: dict[str, float] = field(default_factory=dict)
+    # vllm:iteration_tokens_total: steps per ITERATION_TOKEN_BUCKETS bucket (not
+    # cumulative; the last is +Inf), and the sum of their tokens
+    iteration_tokens: list[int] = field(default_factory=list)
+    iteration_tokens_sum: int = 0

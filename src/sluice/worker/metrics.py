@@ -5,7 +5,8 @@ can live in one process, as in tests):
 
 - engine state and cumulative counters come from `engine.stats()` at scrape time
   (`EngineStatsCollector`): running/waiting requests, KV usage, prefix-cache queries
-  and hits, preemptions, prompt and generation tokens;
+  and hits, preemptions, prompt and generation tokens, and the engine-step histogram
+  `vllm:iteration_tokens_total` (tokens per step, counted in the core);
 - per-request latencies are observed by the worker as outputs stream out
   (`RequestTimer`): time to first token, inter-token latency, end-to-end latency,
   and `vllm:request_success_total{finished_reason}`; when a request finishes, the
@@ -37,7 +38,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from sluice.engine.outputs import RequestMetrics
-from sluice.engine.stats import EngineStats
+from sluice.engine.stats import ITERATION_TOKEN_BUCKETS, EngineStats
 from sluice.observe.buckets import LatencyBuckets
 
 StatsSource = Callable[[], EngineStats | None]
@@ -83,6 +84,7 @@ class EngineStatsCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(label, float(value))
             yield counter
+        yield iteration_tokens_metric(stats, label[0])
         if stats.kv_offload:
             yield from kv_offload_metrics(stats.kv_offload, label[0])
         if stats.spec_decode:
@@ -95,6 +97,20 @@ class EngineStatsCollector(Collector):
             info.add_metric([stats.running_lora_adapters, stats.waiting_lora_adapters,
                              str(stats.max_lora)], time.time())
             yield info
+
+
+def iteration_tokens_metric(stats: EngineStats, model_name: str) -> Metric:
+    """vLLM's `vllm:iteration_tokens_total` histogram (its buckets; a histogram despite
+    the `_total`): tokens per engine step, as `stats.IterationTokens` counts them."""
+    counts = stats.iteration_tokens or [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+    cumulative = [sum(counts[:i + 1]) for i in range(len(counts))]
+    bounds = [str(float(b)) for b in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
+    hist = HistogramMetricFamily("vllm:iteration_tokens_total",
+                                 "Histogram of number of tokens per engine_step.",
+                                 labels=["model_name"])
+    hist.add_metric([model_name], list(zip(bounds, map(float, cumulative), strict=True)),
+                    float(stats.iteration_tokens_sum))
+    return hist
 
 
 SPEC_DECODE_SERIES = [
