@@ -234,6 +234,40 @@ def test_schemas_that_only_look_unenforced_pass_xgrammar(schema: dict) -> None:
     check_constraint(StructuredOutputsParams.from_schema(schema, "response_format"), "xgrammar")
 
 
+def _tool_tag(schema: dict[str, Any]) -> str:
+    """A structural tag shaped like a forced tool call: the schema inside a tag inside
+    tags_with_separator."""
+    return json.dumps({"type": "structural_tag", "format": {
+        "type": "tags_with_separator", "separator": "\n", "tags": [{
+            "type": "tag", "begin": "<f>", "end": "</f>",
+            "content": {"type": "json_schema", "json_schema": schema}}]}})
+
+
+@pytest.mark.parametrize("schema", [
+    {**INTS, "uniqueItems": True}, {**OBJ, "not": {"required": ["a"]}},
+    {**OBJ, "if": {"required": ["a"]}, "then": {"required": ["b"]}},
+    {"type": "object", "properties": {"x": {**INTS, "contains": {"const": 5}}}},
+])
+@pytest.mark.parametrize("backend", ["xgrammar", "auto"])
+def test_structural_tag_schema_keywords_xgrammar_ignores_are_refused(schema: dict,
+                                                                     backend: str) -> None:
+    """The json_schema check (7ae9061) did not look inside a structural tag: guidance
+    refuses these keywords there too, so auto fell back to xgrammar, which compiled the
+    tag and enforced none of them."""
+    with pytest.raises(InvalidRequestError) as info:
+        check_constraint(StructuredOutputsParams(structural_tag=_tool_tag(schema),
+                                                 param="structured_outputs"), backend)
+    assert info.value.param == "structured_outputs"
+    if backend == "xgrammar":
+        assert "format.tags.0.content.json_schema#/" in info.value.message
+
+
+def test_structural_tag_schemas_that_only_look_unenforced_pass_xgrammar() -> None:
+    schema = {"type": "object", "properties": {"not": {"type": "integer"},
+                                               "u": {**INTS, "uniqueItems": False}}}
+    check_constraint(StructuredOutputsParams(structural_tag=_tool_tag(schema)), "xgrammar")
+
+
 # xgrammar's structural tag with a `grammar` content: guidance has no translation for it
 TAGGED = json.dumps({"type": "structural_tag", "format": {
     "type": "tag", "begin": "<n>", "content": {"type": "grammar", "grammar": 'root ::= [0-9]+'},

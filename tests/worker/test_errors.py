@@ -137,6 +137,19 @@ def test_a_schema_keyword_no_backend_enforces_is_refused(http: httpx.Client) -> 
         400, "tools.0.function.parameters")
 
 
+def test_a_structural_tag_schema_keyword_no_backend_enforces_is_refused(
+        http: httpx.Client) -> None:
+    """As for response_format's schema: a structural tag's json_schema with
+    {"uniqueItems": true} was compiled by xgrammar (auto's fallback), which ignores it."""
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<t>", "end": "</t>",
+                                                "content": {"type": "json_schema",
+                                                            "json_schema": UNIQUE}}}
+    for path, body in (("/v1/chat/completions", {"messages": USER}),
+                       ("/v1/completions", {"prompt": "a"})):
+        openai_error(http.post(path, json={**body, "max_tokens": 2, "structured_outputs": {
+            "structural_tag": json.dumps(tag)}}), 400, "structured_outputs")
+
+
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/chat/completions", {"messages": USER}),
     ("/v1/completions", {"prompt": "a"}),

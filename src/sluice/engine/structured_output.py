@@ -268,13 +268,17 @@ class XGrammarBackend(GrammarBackend):
     @staticmethod
     def check(params: StructuredOutputsParams) -> None:
         XGrammarBackend.read(params)
+        where = None
         if params.json is not None:
             where = unenforced_keyword(json.loads(params.json))
-            if where is not None:
-                raise InvalidRequestError(
-                    f"the xgrammar structured-output backend does not enforce the JSON "
-                    f"schema keyword at {where}; the output would not follow it",
-                    param=params.param)
+        elif params.structural_tag is not None:
+            where = next((found for at, schema in tag_schemas(json.loads(params.structural_tag))
+                          if (found := unenforced_keyword(schema, at)) is not None), None)
+        if where is not None:
+            raise InvalidRequestError(
+                f"the xgrammar structured-output backend does not enforce the JSON "
+                f"schema keyword at {where}; the output would not follow it",
+                param=params.param)
 
     @staticmethod
     def read(params: StructuredOutputsParams) -> None:
@@ -402,6 +406,21 @@ def unenforced_keyword(schema: Any, path: str = "#") -> str | None:
     subschemas += [(f"{path}/{key}", schema[key]) for key in _SCHEMA_ONES if key in schema]
     return next((found for sub_path, sub in subschemas
                  if (found := unenforced_keyword(sub, sub_path)) is not None), None)
+
+
+def tag_schemas(tag: Any, path: str = "") -> list[tuple[str, Any]]:
+    """The JSON schemas inside a structural tag, each with where it is (`format.content.
+    json_schema#`): every `json_schema` format's, and each of the legacy form's
+    `structures[i].schema` (vLLM's tool-call tags)."""
+    if isinstance(tag, list):
+        return [found for i, v in enumerate(tag) for found in tag_schemas(v, f"{path}.{i}")]
+    if not isinstance(tag, dict):
+        return []
+    here = [(f"{path}.{key}#".lstrip("."), tag[key]) for key in ("json_schema", "schema")
+            if isinstance(tag.get(key), dict) and (key == "schema" or tag.get("type") ==
+                                                   "json_schema")]
+    return here + [found for key, value in tag.items() if key not in ("json_schema", "schema")
+                   for found in tag_schemas(value, f"{path}.{key}")]
 
 
 def closed_objects(schema: Any) -> Any:
