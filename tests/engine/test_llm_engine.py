@@ -160,6 +160,24 @@ def test_n_siblings_share_prompt_blocks_and_seeds_reproduce() -> None:
     assert len({tuple(c.token_ids) for c in a.outputs}) == 3
 
 
+def test_sibling_i_of_a_seeded_request_is_the_request_seeded_seed_plus_i() -> None:
+    """vLLM gives the i-th of n children the seed `seed + i`
+    (ParentRequest._get_child_sampling_params), so sibling i is what a single request
+    with that seed gets; the same here, whatever else shares the batch."""
+    prompt = list(range(1, 18))
+    kw = dict(temperature=1.0, max_tokens=8, ignore_eos=True)
+    engine = make_engine()
+    engine.add_request("n", prompt, SamplingParams(n=3, seed=11, **kw))
+    engine.add_request("other", [5, 6], SamplingParams(n=2, seed=3, **kw))
+    siblings = [c.token_ids for c in run_all(engine)["n"].outputs]
+    singles = []
+    for i in range(3):
+        alone = make_engine()
+        alone.add_request("one", prompt, SamplingParams(seed=11 + i, **kw))
+        singles.append(run_all(alone)["one"].outputs[0].token_ids)
+    assert siblings == singles
+
+
 def test_delta_outputs_join_to_the_cumulative_result() -> None:
     prompt = [7, 1, 7, 1]
     engine = make_engine()
