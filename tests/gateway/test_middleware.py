@@ -719,3 +719,18 @@ async def test_a_limit_of_zero_is_a_429_that_says_not_to_retry(
             assert r.headers["x-should-retry"] == "false"
             assert named in r.text
     assert stub.received == []
+
+
+async def test_an_embeddings_input_that_is_not_text_or_ids_is_a_400_naming_input(
+        sqlite_store: SQLStore, stub: StubUpstream) -> None:
+    """The prompt counter's error named `prompt`, a field an embeddings body lacks."""
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    async with client_for(gw, new_key(sqlite_store)) as c:
+        for bad in ({"a": 1}, 5, [1.5], [["x"]]):
+            r = await c.post("/v1/embeddings", json={"model": "stub-model", "input": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+        for good in ("hello", ["a", "b"], [1, 2], [[1], [2, 3]]):
+            r = await c.post("/v1/embeddings", json={"model": "stub-model", "input": good})
+            assert r.status_code == 404  # passed on: the stub serves no embeddings
+    statuses = [r.status for r in sqlite_store.query_usage(UsageQuery())]
+    assert statuses == ["rejected"] * 4 + ["error"] * 4

@@ -69,7 +69,13 @@ from sluice.protocol.errors import (
     SluiceError,
 )
 from sluice.protocol.ids import unique_hex
-from sluice.protocol.prompt import IDS_HEADER, KIND_OF_PATH, IdsHint, prompt_view
+from sluice.protocol.prompt import (
+    IDS_HEADER,
+    KIND_OF_PATH,
+    IdsHint,
+    completion_texts,
+    prompt_view,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +89,7 @@ ASGIApp = Callable[[Scope_, Receive, Send], Awaitable[None]]
 GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages",
                         "/v1/embeddings")
 ANTHROPIC_ENDPOINTS = ("/v1/messages",)
+EMBEDDINGS_PATH = "/v1/embeddings"
 STREAM_USAGE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 PRIORITY_BODY_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 # a worker's control routes (its P/D role; vLLM's runtime LoRA loading): an operator's,
@@ -440,6 +447,8 @@ class Exchange:
         counter = self.state.count_prompt_tokens
         tokens = getattr(counter, "prompt_tokens", None)
         kind = KIND_OF_PATH.get(self.endpoint)
+        if self.endpoint == EMBEDDINGS_PATH:
+            check_embeddings_input(payload)
         if tokens is None or kind is None:
             return await self.count(adm.model, payload, len(adm.body))
         view = prompt_view(kind, payload)
@@ -467,7 +476,7 @@ class Exchange:
         field named in `adm.tokens_param`. More than MAX_COMPLETION_TOKENS is a 400 here:
         no model generates that much, and the worst case is priced in floats (`10**400`
         tokens overflowed into a 500)."""
-        if self.endpoint == "/v1/embeddings":
+        if self.endpoint == EMBEDDINGS_PATH:
             adm.tokens_param = "input"
             return 0
         name = "max_completion_tokens" if "max_completion_tokens" in payload else "max_tokens"
@@ -716,6 +725,17 @@ def model_of(payload: dict[str, Any], restricted: bool) -> str | None:
         raise InvalidRequestError("you must provide a model parameter: this key may use "
                                   "only the models GET /v1/models lists", param="model")
     return model
+
+
+def check_embeddings_input(payload: dict[str, Any]) -> None:
+    """An embeddings body's `input` is counted as a completion prompt is; a bad one is a
+    400 naming `input` (the counter's error named `prompt`, a field embeddings lack)."""
+    try:
+        completion_texts(payload.get("input", ""))
+    except InvalidRequestError:
+        raise InvalidRequestError("input must be a string, a list of strings, a list of "
+                                  "token ids, or a list of token id lists",
+                                  param="input") from None
 
 
 def check_model_allowed(model: str | None, *allow_lists: tuple[str, ...] | None) -> None:
