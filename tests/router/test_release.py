@@ -451,6 +451,19 @@ async def test_admin_release_api() -> None:
         assert (await c.release())["workers"]["shadow"] == ["http://127.0.0.1:9"]
 
 
+async def test_the_version_header_is_checked_in_a_pool_without_a_release() -> None:
+    """`x-sluice-version` in a pool with no canary or shadow worker: a bad value is the
+    same 400 as in a pool with a release, and `canary` a 503 (as a release whose canary
+    workers are all gone answers a request pinned to it). Both were ignored, and the
+    baseline answered a request pinned to the canary."""
+    async with cluster([(StubState("base"), BASELINE)], ReleaseConfig()) as c:
+        r = await c.chat(headers={"x-sluice-version": "cnary"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "x-sluice-version"
+        r = await c.chat(headers={"x-sluice-version": "canary"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_canary_worker"
+        assert served_by(await c.chat(headers={"x-sluice-version": "baseline"})) == "base"
+
+
 async def test_a_pool_named_with_a_slash_has_its_release_api() -> None:
     """Hugging Face names have a slash (`org/model`): GET and PUT
     /admin/pools/org/model/release reach that pool's release, as the admission routes do;

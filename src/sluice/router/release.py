@@ -182,6 +182,17 @@ class _WeightCollector(Collector):
         yield gauge
 
 
+def version_asked(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The version the request's `x-sluice-version` header pins (None: no header);
+    400 for anything but baseline or canary."""
+    asked = next((v.decode("latin-1").strip().lower() for n, v in headers
+                  if n == VERSION_HEADER), None)
+    if asked is not None and asked not in (BASELINE, CANARY):
+        raise InvalidRequestError(f"x-sluice-version must be {BASELINE!r} or {CANARY!r}, "
+                                  f"got {asked!r}", param="x-sluice-version")
+    return asked
+
+
 def pool_name(pool: Pool) -> str:
     """The name a pool goes by in release metrics and the admin path."""
     return pool.config.model or next(iter(pool.names()), "default")
@@ -221,12 +232,8 @@ class Release:
                        ) -> tuple[str, bool]:
         """(version, pinned by header). Header pins are kept even after a rollback (an
         operator testing by hand); tenant pins and the split are not."""
-        asked = next((v.decode("latin-1").strip().lower() for n, v in headers
-                      if n == VERSION_HEADER), None)
+        asked = version_asked(headers)
         if asked is not None:
-            if asked not in (BASELINE, CANARY):
-                raise InvalidRequestError(f"x-sluice-version must be {BASELINE!r} or "
-                                          f"{CANARY!r}, got {asked!r}", param="x-sluice-version")
             return asked, True
         tenant = next((v.decode("latin-1") for n, v in headers if n == TENANT_HEADER), None)
         pinned = self.config.pin_tenants.get(tenant) if tenant is not None else None

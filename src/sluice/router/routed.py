@@ -27,11 +27,13 @@ from dataclasses import dataclass, replace
 
 from sluice.observe.route_span import traced_route
 from sluice.protocol.edge import error_headers, error_json
-from sluice.protocol.errors import SluiceError
+from sluice.protocol.errors import ServiceUnavailableError, SluiceError
 from sluice.protocol.prompt import IDS_HEADER, RESUME_HEADER, IdsHint
+from sluice.router.config import CANARY
 from sluice.router.migrate import MigratingRelay, migratable, with_token_ids
 from sluice.router.parse import CHAT, COMPLETION, MESSAGES, SESSION_HEADER, parse_request
 from sluice.router.proxy import NoWorkerReached, Proxy, Relay, WorkersFailed, forward_block
+from sluice.router.release import version_asked
 from sluice.router.state import RouterState
 
 ROUTED = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/messages": MESSAGES}
@@ -86,6 +88,10 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
         meta, hint = await state.request_meta(pool, req, given)
         release = state.releases.get(pool) if pool.release_workers and pool.config.pd is None \
             else None
+        if release is None and version_asked(headers) == CANARY:  # (a bad value: 400)
+            raise ServiceUnavailableError(f"x-sluice-version: canary, but no canary serves "
+                                          f"{req.model!r} (its pool has no canary worker, "
+                                          "or is disaggregated)", code="no_canary_worker")
         chosen = release.choose_version(req, headers) if release is not None else None
         if chosen is not None:  # a canary request's adapter is placed among canary workers
             meta = replace(meta, version=chosen[0])
