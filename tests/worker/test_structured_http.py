@@ -153,3 +153,38 @@ def test_a_grammar_that_breaks_mid_output_is_an_error_not_an_answer(
     assert "could not follow this constraint" in streamed.value.message
     ok = client.chat.completions.create(model="tiny", messages=USER, max_tokens=4)
     assert ok.choices[0].finish_reason == "length"  # and the worker goes on
+
+
+def test_response_format_structural_tag_in_both_of_vllms_forms(client: openai.OpenAI) -> None:
+    """vLLM takes response_format {"type": "structural_tag"} with xgrammar's `format`, or
+    the legacy `structures` + `triggers`; the worker refused the type (400 naming
+    response_format.type). The legacy form is xgrammar's conversion: free text until a
+    trigger, then one of the tags."""
+    fmt = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "id="}, {"type": "regex", "pattern": "[0-9]{3}"}]}}
+    resp = client.chat.completions.create(model="tiny", messages=USER, max_tokens=20,
+                                          response_format=fmt)
+    text = resp.choices[0].message.content or ""
+    assert resp.choices[0].finish_reason == "stop" and len(text) == 6 and text[:3] == "id=", text
+    schema = {"type": "object", "properties": {"k": {"enum": [1, 2]}}, "required": ["k"]}
+    legacy = {"type": "structural_tag", "triggers": ["<f"],
+              "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}]}
+    resp = client.chat.completions.create(model="tiny", messages=USER, max_tokens=40,
+                                          temperature=0.0, response_format=legacy)
+    text = resp.choices[0].message.content or ""
+    for call in text.split("<f>")[1:]:  # every tag the model opened holds the schema's JSON
+        if "</f>" in call:
+            assert json.loads(call[:call.index("</f>")])["k"] in (1, 2), text
+    unique = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    with pytest.raises(openai.BadRequestError) as info:  # as response_format's json_schema
+        client.chat.completions.create(model="tiny", messages=USER, max_tokens=4, response_format={
+            "type": "structural_tag", "triggers": ["<f"],
+            "structures": [{"begin": "<f>", "schema": unique, "end": "</f>"}]})
+    assert info.value.body["param"] == "response_format"
+    for bad in ({"type": "structural_tag"}, {"type": "structural_tag", "structures": []},
+                {"type": "json_schema", "format": fmt["format"]},
+                {"type": "structural_tag", "format": fmt["format"], "triggers": ["<"]}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny", messages=USER, max_tokens=4,
+                                           response_format=bad)
+        assert info.value.body["param"] == "response_format", bad

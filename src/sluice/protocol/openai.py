@@ -20,6 +20,7 @@ clients written for vLLM work unchanged. Responses carry vLLM's `stop_reason` ne
 from __future__ import annotations
 
 import functools
+import json
 import time
 import types
 import typing
@@ -250,9 +251,53 @@ class JsonSchemaFormat(OpenAIModel):
     strict: bool | None = None  # outputs always follow the schema (strict or not)
 
 
+class LegacyStructuralTag(OpenAIModel):
+    """One tag of vLLM's legacy structural-tag response format: a JSON value following
+    `schema` between `begin` and `end`."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    begin: str
+    schema_: dict[str, Any] = Field(alias="schema")
+    end: str
+
+
 class ResponseFormat(OpenAIModel):
-    type: Literal["text", "json_object", "json_schema"]
+    """OpenAI's `text` / `json_object` / `json_schema`, and vLLM's `structural_tag`: an
+    xgrammar structural tag's `format`, or the legacy `structures` + `triggers` (free
+    text until a trigger, then one of the tags). A field of another type is a 400."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[LegacyStructuralTag] | None = None
+    triggers: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_its_type(self) -> ResponseFormat:
+        tag_fields = ("format", "structures", "triggers")
+        given = [f for f in ("json_schema", *tag_fields) if getattr(self, f) is not None]
+        allowed = {"json_schema": ("json_schema",), "structural_tag": tag_fields}.get(
+            self.type, ())
+        for name in given:
+            if name not in allowed:
+                raise ValueError(f"a response_format of type {self.type} takes no '{name}'")
+        legacy = [f for f in ("structures", "triggers") if getattr(self, f) is not None]
+        if self.type == "structural_tag" and len(legacy) != (0 if self.format else 2):
+            raise ValueError("a response_format of type structural_tag takes either 'format' "
+                             "or both 'structures' and 'triggers'")
+        return self
+
+    def structural_tag(self) -> str:
+        """The structural tag as xgrammar's JSON (the legacy form as xgrammar converts it:
+        `triggered_tags` of JSON-schema tags)."""
+        fmt = self.format
+        if fmt is None:
+            fmt = {"type": "triggered_tags", "triggers": self.triggers, "tags": [
+                {"type": "tag", "begin": s.begin, "end": s.end,
+                 "content": {"type": "json_schema", "json_schema": s.schema_}}
+                for s in self.structures or ()]}
+        return json.dumps({"type": "structural_tag", "format": fmt}, ensure_ascii=False)
 
 
 class StructuredOutputs(OpenAIModel):

@@ -45,7 +45,8 @@ from sluice.protocol.errors import NotFoundError, SluiceError
 from sluice.protocol.prompt import TokenCache
 from sluice.router.adapter_admin import adapter_router
 from sluice.router.admin import admin_router
-from sluice.router.config import RouterConfig
+from sluice.router.config import DnsTarget, RouterConfig
+from sluice.router.discovery import DnsDiscovery
 from sluice.router.proxy import Relay
 from sluice.router.release_admin import release_router
 from sluice.router.routed import ROUTED, ErrorReply, route
@@ -99,6 +100,10 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
         await asyncio.gather(state.monitor.probe_all(), state.monitor.scrape_all(),
                              state.pd.roles.refresh_all(state.pools))
         await state.adapters.sync_all()  # which worker holds which adapter, its slots
+        discoveries = [DnsDiscovery(state, pool, DnsTarget.parse(url),
+                                    interval_s=config.discovery_interval_s)
+                       for pool in state.pools for url in pool.config.discover]
+        await asyncio.gather(*(d.first_sync() for d in discoveries))  # workers by DNS
         tasks = [asyncio.create_task(state.monitor.run(config.health_interval_s,
                                                        state.monitor.probe_all)),
                  asyncio.create_task(state.monitor.run(config.scrape_interval_s,
@@ -108,7 +113,8 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
                                                   min((p.pd.role_refresh_s for p in config.pools
                                                        if p.pd), default=2.0))),
                  asyncio.create_task(state.monitor.run(  # LoRA placement (adapters.py)
-                     config.adapter_placement.sync_interval_s, state.adapters.sync_all))]
+                     config.adapter_placement.sync_interval_s, state.adapters.sync_all)),
+                 *(asyncio.create_task(d.run()) for d in discoveries)]
         try:
             yield
         finally:

@@ -61,6 +61,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__, formatter_class=_Help)
     p.add_argument("--worker", action="append", default=[], metavar="URL",
                    help="a worker's base URL (repeat for more)")
+    p.add_argument("--worker-dns", action="append", default=[], metavar="URL",
+                   help="http://NAME:PORT: every address NAME resolves to is a worker on "
+                        "PORT, re-resolved every 5 s (a Kubernetes headless Service: one "
+                        "per ready pod; docs/router.md#workers-found-by-dns)")
     p.add_argument("--long-worker", action="append", default=[], metavar="URL",
                    help="a worker for prompts above --long-prompt-tokens (repeat for more)")
     p.add_argument("--worker-kv-events", action="append", default=[], metavar="URL=ENDPOINT",
@@ -248,8 +252,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """Flags over the config file: --worker flags add one pool."""
     base = load_config_file(args.config) if args.config else RouterConfig()
     pools = list(base.pools)
-    if args.worker or args.long_worker or args.canary_worker or args.shadow_worker \
-            or args.prefill_worker or args.decode_worker:
+    if args.worker or args.worker_dns or args.long_worker or args.canary_worker \
+            or args.shadow_worker or args.prefill_worker or args.decode_worker:
         kv = parse_kv_event_flags(args.worker_kv_events)
         workers = [WorkerSpec(u, kv_events=kv.get(u.rstrip("/"))) for u in args.worker]
         workers += [WorkerSpec(u, kv_events=kv.get(u.rstrip("/")), role=role)
@@ -266,7 +270,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                                       param="worker-kv-events")
         pools.append(PoolConfig(model=args.model,
                                 aliases=tuple(a for a in args.alias if "=" not in a),
-                                workers=tuple(workers), policy=args.policy,
+                                workers=tuple(workers), discover=tuple(args.worker_dns),
+                                policy=args.policy,
                                 long_prompt_tokens=args.long_prompt_tokens,
                                 tokenizer=args.tokenizer, block_size=args.block_size,
                                 release=release_from_args(args), pd=pd_from_args(args)))

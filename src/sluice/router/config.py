@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from sluice.protocol.edge import DEFAULT_MAX_BODY_BYTES
 from sluice.protocol.errors import InvalidRequestError, check_number
@@ -48,6 +49,35 @@ DECODE = "decode"
 BOTH = "both"
 PD_ROLES = (PREFILL, DECODE, BOTH)
 PD_MODES = ("conditional", "always", "never")
+
+
+@dataclass(frozen=True)
+class DnsTarget:
+    """`http(s)://NAME[:PORT]` whose every address is a worker on PORT (a Kubernetes
+    headless Service's name: one address per ready pod; router/discovery.py)."""
+
+    scheme: str
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, url: str) -> DnsTarget:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise InvalidRequestError(f"a discovered worker URL is http(s)://NAME[:PORT], got "
+                                      f"{url!r}", param="discover")
+        if parts.path.strip("/") or parts.query or parts.username:
+            raise InvalidRequestError(f"a discovered worker URL has no path, query or user: "
+                                      f"{url!r}", param="discover")
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError as exc:
+            raise InvalidRequestError(f"{url!r}: {exc}", param="discover") from None
+        return cls(parts.scheme, parts.hostname, port)
+
+    def url(self, address: str) -> str:
+        host = f"[{address}]" if ":" in address else address
+        return f"{self.scheme}://{host}:{self.port}"
 
 
 @dataclass(frozen=True)
@@ -291,6 +321,8 @@ class PoolConfig:
     admission: AdmissionConfig | None = None  # None: the router's `admission`
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
     pd: PDConfig | None = None  # prefill/decode disaggregation (router/pd.py); None: off
+    # DNS names whose addresses are workers of this pool (router/discovery.py)
+    discover: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -303,6 +335,8 @@ class PoolConfig:
             raise InvalidRequestError("a worker is listed twice in a pool", param="workers")
         for worker in self.workers:
             self.check_group(worker)
+        for url in self.discover:
+            DnsTarget.parse(url)
 
     def check_group(self, worker: WorkerSpec) -> None:
         """A `long` worker needs `long_prompt_tokens`: without it no prompt is long, and
@@ -462,6 +496,7 @@ class RouterConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     scrape_interval_s: float = 0.5
     health_interval_s: float = 1.0
+    discovery_interval_s: float = 5.0  # pools' `discover` names re-resolved this often
     eject_after_failures: int = 3
     readmit_after_successes: int = 1
     max_retries: int = 2
@@ -498,6 +533,8 @@ class RouterConfig:
             raise InvalidRequestError("max_body_bytes must be positive", param="max_body_bytes")
         if self.scrape_interval_s <= 0 or self.health_interval_s <= 0:
             raise InvalidRequestError("intervals must be positive", param="scrape_interval_s")
+        check_number("discovery_interval_s", self.discovery_interval_s, "must be > 0",
+                     lambda v: v > 0)
         check_number("buffer_timeout_s", self.buffer_timeout_s, "must be >= 0", lambda v: v >= 0)
         check_alias_cycles(self.aliases)
         if self.buffer_max_requests < 0:
@@ -542,6 +579,7 @@ def pool_from_dict(raw: Mapping[str, Any]) -> PoolConfig:
     data = _known(PoolConfig, raw, "pool")
     data["workers"] = tuple(_worker_from(w) for w in data.get("workers", ()))
     data["aliases"] = tuple(data.get("aliases", ()))
+    data["discover"] = tuple(data.get("discover", ()))
     if data.get("admission") is not None:
         data["admission"] = admission_from_dict(data["admission"])
     if "release" in data:

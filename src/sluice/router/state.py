@@ -178,18 +178,19 @@ class RouterState:
                 return pool, pool.endpoints[url.rstrip("/")]
         raise NotFoundError(f"no worker {url}", param="url", code="worker_not_found")
 
-    async def add_worker(self, spec: WorkerSpec, model: str | None) -> Endpoint:
+    async def add_worker(self, spec: WorkerSpec, model: str | None,
+                         pool: Pool | None = None) -> Endpoint:
         """Add a worker at runtime (POST /admin/workers); it takes requests once a health
         probe has answered (this one, else a later round). A worker is in one pool: a URL
         already in one is refused (400), whatever `model` names; so is one that serves
         none of the models its pool's other workers serve (without `model` it joins the
         only pool: another model's worker answered that pool's requests, under its own
         model's name)."""
-        for pool in self.pools:
-            if spec.url in pool.endpoints:
+        for other in self.pools:
+            if spec.url in other.endpoints:
                 raise InvalidRequestError(f"worker {spec.url} is already in the pool of "
-                                          f"{pool_label(pool)!r}", param="url")
-        pool = self.pool_for_admin(model)
+                                          f"{pool_label(other)!r}", param="url")
+        pool = pool or self.pool_for_admin(model)  # `pool`: DNS discovery's own
         try:
             endpoint = pool.add(spec)
         except SluiceError:

@@ -55,6 +55,9 @@ def _response_format(req: SamplingFields) -> StructuredOutputsParams | None:
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
         return None
+    if fmt.type == "structural_tag":
+        return StructuredOutputsParams(structural_tag=fmt.structural_tag(),
+                                       param="response_format")
     if fmt.type == "json_object" or (fmt.json_schema is not None
                                      and fmt.json_schema.schema_ is None):
         return StructuredOutputsParams(json_object=True, param="response_format")
