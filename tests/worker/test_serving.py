@@ -83,6 +83,14 @@ def test_tokenize_detokenize(http: httpx.Client) -> None:
                       json={"messages": USER, "max_tokens": 1}).json()["usage"]
     assert usage["prompt_tokens"] == chat["count"]
     assert http.post("/tokenize", json={"prompt": "a", "messages": USER}).status_code == 400
+    # vLLM's /tokenize takes the chat request's `tools` (the template renders them): the
+    # count is then the chat's usage.prompt_tokens (the worker refused the field)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with_tools = http.post("/tokenize", json={"messages": USER, "tools": tools}).json()
+    usage = http.post("/v1/chat/completions", json={"messages": USER, "tools": tools,
+                                                    "max_tokens": 1}).json()["usage"]
+    assert usage["prompt_tokens"] == with_tools["count"] > chat["count"]
+    assert http.post("/tokenize", json={"prompt": "a", "tools": tools}).status_code == 400
     assert http.post("/detokenize", json={"tokens": [-1]}).status_code == 400
 
 

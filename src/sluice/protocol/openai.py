@@ -488,11 +488,13 @@ class CompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(OpenAIModel):
-    """vLLM's /tokenize: either `prompt` (completion) or `messages` (chat)."""
+    """vLLM's /tokenize: either `prompt` (completion) or `messages` (chat, with the
+    `tools` the chat template renders, as a chat request's prompt has them)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False

@@ -199,8 +199,11 @@ def _tokenize(state: WorkerState, req: TokenizeRequest) -> dict[str, Any]:
     tok = engine.tokenizer
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequestError("give exactly one of 'prompt' or 'messages'", param="prompt")
+    if req.tools is not None and req.messages is None:
+        raise InvalidRequestError("'tools' goes with 'messages'", param="tools")
     if req.messages is not None:
-        text = chat_prompt(tok, req.messages, req.add_generation_prompt)
+        tools = [t.model_dump(exclude_unset=True) for t in req.tools] if req.tools else None
+        text = chat_prompt(tok, req.messages, req.add_generation_prompt, tools)
         ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
     else:
         special = True if req.add_special_tokens is None else req.add_special_tokens
