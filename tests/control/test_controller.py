@@ -177,6 +177,39 @@ async def test_a_worker_that_cannot_start_is_retried_with_backoff() -> None:
         assert ctl.start_failures == 0 and ctl.next_start_at == 0.0
 
 
+async def test_a_hung_worker_is_killed_and_replaced() -> None:
+    """A worker stopped with SIGSTOP (or wedged) is alive to its backend but answers no
+    /health: it held its place in the pool for good (`sluice serve --workers 2` served
+    on one worker, the planner counting two). Failing /health for `liveness_timeout_s`
+    kills it and a replacement starts; a shorter outage is forgiven."""
+    backend = StubBackend(start_delay_s=0.05)
+    fixed = PlannerConfig(min_replicas=2, max_replicas=2)
+    config = RouterConfig(pools=(PoolConfig(model=MODEL, policy="least_load"),),
+                          health_interval_s=0.1)
+    app = build_app(config, rng=random.Random(0))
+    made: list[Controller] = []
+
+    def controllers(state: RouterState) -> list[Controller]:
+        made.append(Controller("stub", state, state.pools[0], backend,
+                               Planner(fixed, initial=2),
+                               ControllerConfig(interval_s=0.05, liveness_timeout_s=0.6)))
+        return made
+
+    attach(app, controllers)
+    async with serve_router(app):
+        (ctl,) = made
+        blip, hung = backend.workers["s0"], backend.workers["s1"]
+        blip.state.healthy = hung.state.healthy = False
+        await asyncio.sleep(0.3)
+        blip.state.healthy = True  # back within the timeout: kept
+        await wait_for(lambda: hung.handle.id not in backend.workers, timeout=3.0)
+        assert hung.stopped_with_drain is False  # killed: it serves nothing to drain
+        await wait_for(lambda: len(ctl.workers) == 2 and all(
+            e.available for e in ctl.pool.endpoints.values()), timeout=3.0)
+        assert blip.handle.url in ctl.workers and hung.handle.url not in ctl.pool.endpoints
+        assert [e["event"] for e in ctl.events][-3:] == ["unresponsive", "start", "ready"]
+
+
 async def test_scale_to_zero_then_a_buffered_request_wakes_the_pool() -> None:
     backend = StubBackend(start_delay_s=0.3)
     cfg = PlannerConfig(min_replicas=0, max_replicas=1, scale_to_zero_after_s=0.3)

@@ -2,7 +2,8 @@
 
     every interval_s:
       supervise   each worker the backend reports DEAD leaves the router (it is
-                  replaced below, because the pool is now short of the desired count)
+                  replaced below, because the pool is now short of the desired count);
+                  one whose /health failed for `liveness_timeout_s` is killed likewise
       scrape      the workers' latency histograms into the window (TTFT p90, ITL)
       decide      planner.decide(pool_signals(...), now)
       P:D         a disaggregated pool: move a worker between prefill and decode by a
@@ -72,6 +73,9 @@ class ControllerConfig:
     # in a row up to the max (Kubernetes' CrashLoopBackOff: 10 s doubling to 5 min)
     start_backoff_s: float = 1.0
     start_backoff_max_s: float = 60.0
+    # a ready worker whose /health fails this long (hung, stopped, wedged) is killed and
+    # replaced, as the rendered Kubernetes liveness probe does (10 s x 6)
+    liveness_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         check_number("interval_s", self.interval_s, "must be > 0", lambda v: v > 0)
@@ -79,6 +83,8 @@ class ControllerConfig:
         check_number("latency_window_s", self.latency_window_s, "must be > 0", lambda v: v > 0)
         check_number("events", self.events, "must be >= 1", lambda v: v >= 1)
         check_number("start_backoff_s", self.start_backoff_s, "must be >= 0", lambda v: v >= 0)
+        check_number("liveness_timeout_s", self.liveness_timeout_s, "must be > 0",
+                     lambda v: v > 0)
         check_number("start_backoff_max_s", self.start_backoff_max_s,
                      "must be >= start_backoff_s", lambda v: v >= self.start_backoff_s)
 
@@ -111,6 +117,7 @@ class Controller:
         self.pd: PDController | None = None  # a disaggregated pool's P:D ratio (pd.py)
         self.last_start_error: str | None = None
         self.start_failures = 0  # in a row, by the pool's own starts (not a swap's)
+        self.unhealthy_since: dict[str, float] = {}  # url -> when its /health began failing
         self.next_start_at = 0.0  # reconcile starts no worker before this (backoff)
         self.initial_error: str | None = None  # start_initial: no worker started
 
@@ -167,7 +174,10 @@ class Controller:
             raise ServiceUnavailableError(self.initial_error, code="no_worker_started")
 
     async def supervise(self) -> None:
-        """Take dead workers out of the router; the next reconcile replaces them."""
+        """Take dead workers out of the router, and kill those whose /health has failed
+        for `liveness_timeout_s` (a hung process is alive to its backend but serves
+        nothing: it held its place in the pool for good); the next reconcile replaces
+        them."""
         assert self.backend is not None
         for url, handle in list(self.workers.items()):
             if url in self.draining:
@@ -177,10 +187,21 @@ class Controller:
             if self.workers.get(url) is not handle or url in self.draining:
                 continue
             if health is WorkerHealth.DEAD:
-                self.forget(url)
-                if url in self.pool.endpoints:
-                    await self.state.remove_worker(url)
+                await self.remove(url)
                 self.event("dead", handle)
+            elif health is WorkerHealth.READY:
+                self.unhealthy_since.pop(url, None)
+            elif self.clock() - self.unhealthy_since.setdefault(url, self.clock()) \
+                    >= self.config.liveness_timeout_s:
+                await self.remove(url)
+                await self.backend.stop(handle, drain=False)
+                self.event("unresponsive", handle, seconds=self.config.liveness_timeout_s)
+
+    async def remove(self, url: str) -> None:
+        """Forget a worker and take it out of the router."""
+        self.forget(url)
+        if url in self.pool.endpoints:
+            await self.state.remove_worker(url)
 
     async def scrape(self, now: float) -> None:
         urls = list(self.workers) if self.backend is not None else list(self.pool.endpoints)
@@ -283,9 +304,7 @@ class Controller:
 
     async def discard(self, handle: WorkerHandle) -> None:
         """Take a worker that never took a request out of the router and stop it now."""
-        self.forget(handle.url)
-        if handle.url in self.pool.endpoints:
-            await self.state.remove_worker(handle.url)
+        await self.remove(handle.url)
         assert self.backend is not None
         await self.backend.stop(handle, drain=False)
         self.event("stopped", handle, unfinished=0)
@@ -300,6 +319,7 @@ class Controller:
     def forget(self, url: str) -> None:
         self.workers.pop(url, None)
         self.revisions.pop(url, None)
+        self.unhealthy_since.pop(url, None)
 
     def drain(self, endpoint: Endpoint) -> None:
         """Stop routing to `endpoint` now (this event-loop turn); a task lets its requests
