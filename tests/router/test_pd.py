@@ -114,6 +114,9 @@ async def test_the_router_drives_vllm_workers_with_exactly_vllms_fields() -> Non
         # two client requests, counted once each (the prefill step counted a third and
         # a fourth)
         assert 'sluice_router_requests_total{model="stub-model",status="200"} 2.0' in metrics
+        # and their first bytes timed once each, from routing to the decode worker's first
+        # bytes (the prefill step's answer was a sample of its own)
+        assert 'sluice_router_first_byte_seconds_count{model="stub-model"} 2.0' in metrics
         assert p.epochs_seen == [None, None]  # vLLM workers: no epoch known, none sent
     no_errors(p, d)
 

@@ -777,6 +777,8 @@ async def test_a_migrated_stream_counts_once_in_requests_total(cluster: Cluster)
         metrics = (await c.get("/metrics")).text
     assert 'sluice_router_migrations_total{reason="read_error"} 1.0' in metrics
     assert 'sluice_router_requests_total{model="stub-model",status="200"} 1.0' in metrics
+    # one time to first byte: the resume's was a second sample of the same request
+    assert 'sluice_router_first_byte_seconds_count{model="stub-model"} 1.0' in metrics
 
 
 async def test_an_adapter_stream_never_resumes_where_its_adapter_is_not(

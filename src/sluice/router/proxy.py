@@ -150,12 +150,12 @@ class Proxy:
         """Send `req` (its raw body, `headers` already encoded by `forward_block`) to
         `path` on the best worker but those in `exclude` (URLs), retrying elsewhere before
         the first byte. Raises WorkersFailed (503) when no attempt succeeds. Counts no
-        request: one client request may take several forwards (a P/D prefill, a resume
-        after a mid-stream failure, a canary's fallback), and routed.py counts its answer."""
+        request and times no first byte: one client request may take several forwards (a
+        P/D prefill, a resume after a mid-stream failure, a canary's fallback), and
+        routed.py counts and times its answer."""
         tried: list[str] = list(exclude)
         last_error = "no worker is available"
         answered = False
-        start = time.perf_counter()
         policy = pool.policy.name
         budget = self.breakers.budget(pool)
         budget.request()
@@ -190,7 +190,6 @@ class Proxy:
             endpoint.consecutive_failures = 0
             self.breakers.success(endpoint.url)
             endpoint.on_first_byte(ticket, learn=req.stream)
-            self.metrics.first_byte_seconds_for(req.model).observe(time.perf_counter() - start)
             relay = Relay(upstream, first, ticket)
             relay.retries = len(tried)  # (a migration's excluded workers included)
             return relay

@@ -9,7 +9,8 @@
                                    (through the pool's Release when it has a canary or
                                    shadow worker: release.py)
                                 -> Relay (stream it back, then close it), counted once in
-                                   sluice_router_requests_total by its status; a stream
+                                   sluice_router_requests_total by its status, its first
+                                   bytes timed once (first_byte_seconds); a stream
                                    that can migrate: a MigratingRelay (migrate.py),
                                    also on a release's version
     a SluiceError at any step   -> ErrorReply (OpenAI JSON, Anthropic's on /v1/messages;
@@ -22,6 +23,7 @@ read the request and write the reply.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 
@@ -103,6 +105,7 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
             if hint is not None:  # the worker takes these ids instead of tokenizing again
                 block += _IDS + b": " + hint.encode() + b"\r\n"
             await state.admission.admit(pool, headers)  # nothing awaits from here to dispatch
+            start = time.perf_counter()
             limit = state.config.migration_limit
             migrating = bool(limit) and migratable(req)
             sent = with_token_ids(req) if migrating else req
@@ -140,6 +143,7 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
             raise
         state.adapters.served(relay, req.model)
         state.metrics.requests_for(req.model, relay.status).inc()  # once, whatever it took
+        state.metrics.first_byte_seconds_for(req.model).observe(time.perf_counter() - start)
         if not migrating or relay.status != 200:
             return relay
         return MigratingRelay(relay, proxy, pool, sent, meta, target, block, limit,
