@@ -156,3 +156,20 @@ def test_anthropic_error_shape() -> None:
     named = anthropic.error_body(InvalidRequestError("'x' is bad", param="x"))
     assert named["error"]["message"] == "'x' is bad"  # already named: left alone
     assert anthropic.error_body(SluiceError("boom"))["error"]["type"] == "api_error"
+
+
+def test_completion_top_logprobs_hold_the_sampled_token_first() -> None:
+    """Up to logprobs + 1 entries, as OpenAI documents and vLLM answers: the sampled token
+    (first, also when it is not among the likeliest), then the `logprobs` likeliest."""
+    from sluice.worker.logprobs import completion_logprobs
+
+    class FakeTokenizer:  # token i is the i-th letter
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return "".join(chr(96 + i) for i in ids)
+
+    entries = [{5: -3.0, 1: -0.5, 2: -1.0}, {1: -0.5, 2: -1.0}]  # token 5 sampled, then 1
+    out = completion_logprobs(FakeTokenizer(), [5, 1], entries, 2, 0)
+    assert out.top_logprobs == [{"e": -3.0, "a": -0.5, "b": -1.0}, {"a": -0.5, "b": -1.0}]
+    assert [list(t) for t in out.top_logprobs] == [["e", "a", "b"], ["a", "b"]]
+    out = completion_logprobs(FakeTokenizer(), [5], entries[:1], 0, 0)
+    assert out.top_logprobs == [{"e": -3.0}]

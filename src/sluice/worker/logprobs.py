@@ -1,7 +1,8 @@
 """Engine logprobs ({token_id: logprob} per position) in OpenAI's two shapes.
 
 Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`.
-Completions: `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`.
+Completions: `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`,
+each `top_logprobs` the sampled token and the `logprobs` likeliest (up to `logprobs` + 1).
 Token strings are the decoded text of each token (as OpenAI and vLLM show them), `bytes`
 the token's own bytes (a piece of a multi-byte character is U+FFFD as text, its real
 bytes here, so the pieces join), and -inf becomes -9999.0 because JSON has no infinity.
@@ -51,14 +52,18 @@ def chat_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int],
 def completion_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int],
                         entries: Sequence[TokenLogprobs], k: int,
                         offset: int) -> CompletionLogprobs:
-    """Completion logprobs; `offset` is where the first token's text starts in the choice."""
+    """Completion logprobs; `offset` is where the first token's text starts in the choice.
+    Each `top_logprobs` holds the sampled token and the `k` likeliest (up to k + 1, as
+    OpenAI documents and vLLM answers: the sampled one first)."""
     out = CompletionLogprobs()
     for token_id, entry in zip(token_ids, entries, strict=False):
         text = _text(tokenizer, token_id)
         out.tokens.append(text)
         out.token_logprobs.append(_finite(entry.get(token_id, -math.inf)))
-        out.top_logprobs.append({_text(tokenizer, i): _finite(lp) for i, lp in _top(entry, k)}
-                                if k else None)
+        top = {text: _finite(entry.get(token_id, -math.inf))}  # the sampled one wins a
+        for i, lp in _top(entry, k):  # text another token also decodes to
+            top.setdefault(_text(tokenizer, i), _finite(lp))
+        out.top_logprobs.append(top)
         out.text_offset.append(offset)
         offset += len(text)
     return out
