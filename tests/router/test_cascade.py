@@ -54,8 +54,16 @@ class ModelStub:
     def app(self) -> Starlette:
         return Starlette(routes=[
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/v1/models", self.models), Route("/health", self.health),
             Route("/metrics", self.health)])
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await request.json()
+        self.bodies.append(body)
+        if body.get("model") != self.model:  # as a worker: a model it does not serve
+            return JSONResponse({"error": {"message": "no such model"}}, status_code=404)
+        return JSONResponse({"count": 2, "max_model_len": 4096, "tokens": [1, 2]})
 
     async def health(self, _: Request) -> Response:
         return PlainTextResponse("")
@@ -161,6 +169,18 @@ async def test_client_asked_logprobs_are_kept_and_a_plain_alias_is_rewritten() -
         assert r.json()["model"] == "small" and small.bodies[-1]["model"] == "small"
         listed = {m["id"] for m in (await c.get("/v1/models")).json()["data"]}
         assert {"auto", "fast", "small", "large"} <= listed
+
+
+async def test_tokenize_with_an_alias_reaches_its_target() -> None:
+    """POST /tokenize (and /detokenize) with a router-wide alias are its target's, as
+    /v1/chat/completions is; they were a 404 'The model `fast` does not exist' for a
+    name /v1/models lists. A cascade has two models: 400 naming model."""
+    async with cascade_router() as (router, small, _, _), httpx.AsyncClient(base_url=router) as c:
+        r = await c.post("/tokenize", json={"model": "fast", "prompt": "a b"})
+        assert r.status_code == 200 and r.json()["count"] == 2, r.text
+        assert small.bodies[-1]["model"] == "small"
+        r = await c.post("/tokenize", json={"model": "auto", "prompt": "a b"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
 
 
 async def test_the_gateway_ledger_records_and_prices_the_serving_model(sqlite_store: Any) -> None:

@@ -231,10 +231,12 @@ def _passthrough(path: str) -> Callable[[Request], Awaitable[Response]]:
         state: RouterState = request.app.state.router
         raw = await request.body()
         body = load_json_object(raw, param="body")
-        model = body.get("model")
+        asked = body.get("model")
+        model = state.aliases.model_of(asked) if isinstance(asked, str) else asked  # a
+        # router-wide alias is its target's (as on /v1/chat/completions), not a 404
         pool, endpoint = state.any_worker(model if isinstance(model, str) else None)
         served = pool.tokenizer_model(model, endpoint) if isinstance(model, str) else model
-        if served != model:  # an alias (or adapter): the worker knows it by its own name
+        if served != asked:  # an alias (or adapter): the worker knows it by its own name
             raw = json.dumps({**body, "model": served}).encode()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP_STR}
         resp = await state.client.post(endpoint.url + path, content=raw, headers=headers)

@@ -154,6 +154,18 @@ class Aliases:
     def names(self) -> list[str]:
         return list(self.by_name)
 
+    def model_of(self, model: str) -> str:
+        """The model an alias's requests are served by, through aliases of aliases (they
+        form no cycle: config.py); `model` itself when it is no alias. A cascade has two
+        models: 400 naming `model` (ask for its small or large one)."""
+        found = self.get(model)
+        if found is None:
+            return model
+        if isinstance(found, Cascade):
+            raise InvalidRequestError(f"{model!r} is a cascade of {found.spec.small!r} and "
+                                      f"{found.spec.large!r}: name one of them", param="model")
+        return self.model_of(found.target)
+
 
 def with_model(body: dict[str, Any], model: str, **extra: Any) -> bytes:
     return json.dumps({**body, "model": model, **extra}).encode()
