@@ -74,6 +74,29 @@ async def test_a_discovered_adapter_goes_only_to_its_holder() -> None:
         assert state.adapters.counts.total_loads() == 0  # no path: never loaded elsewhere
 
 
+async def test_v1_models_lists_every_adapter_with_its_parent() -> None:
+    """/v1/models gives an adapter vLLM's `parent` and `root`, whether a worker lists it
+    (--lora-modules) or the router registered it, loaded or not. Once a worker listed an
+    adapter, its entry was a base model's (no parent): a discovered one always, a
+    registered one from its first load on."""
+    stubs = [LoraStub("a")]
+    stubs[0].adapters["sql"] = "/adapters/sql"
+    async with fleet(stubs, (AdapterSpec("chat", "/adapters/chat"),)) as (router, state, _), \
+            httpx.AsyncClient(base_url=router) as c:
+        async def listed() -> dict[str, dict[str, Any]]:
+            return {m["id"]: m for m in (await c.get("/v1/models")).json()["data"]}
+
+        models = await listed()
+        assert "parent" not in models["base"]
+        assert (models["sql"]["parent"], models["sql"]["root"]) == ("base", "/adapters/sql")
+        assert (models["chat"]["parent"], models["chat"]["root"]) == (None, "/adapters/chat")
+        assert (await c.post("/v1/chat/completions", json=chat("chat"))).status_code == 200
+        await until(lambda: "chat" in state.pools[0].names())  # the worker lists it now
+        models = await listed()
+        assert (models["chat"]["parent"], models["chat"]["root"]) == (None, "/adapters/chat")
+        assert list(models).count("chat") == 1
+
+
 async def test_a_registered_adapter_is_loaded_on_demand_once() -> None:
     stubs = [LoraStub("a"), LoraStub("b")]
     spec = AdapterSpec("chat", "/adapters/chat")

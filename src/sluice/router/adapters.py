@@ -150,6 +150,8 @@ class Adapters:
         self.demand: dict[str, float] = {}  # adapter -> requests per sync interval (EWMA)
         self.recent: dict[str, int] = {}  # adapter -> requests since the last sync
         self.content: dict[str, str] = {}  # adapter -> content hash, as a worker lists it
+        self.listed: dict[str, tuple[str, str | None]] = {}  # adapter -> (parent, root),
+        # as a worker lists it
         self.counts = AdapterCounts()
         self._loads = Counter("sluice_router_adapter_loads", "adapter loads the router made",
                               ["adapter", "reason"], registry=registry)
@@ -195,6 +197,14 @@ class Adapters:
             except ValueError:
                 pass
         return b"lora-name:" + model.encode()
+
+    def lineage(self, model: str) -> tuple[str | None, str | None] | None:
+        """An adapter's (parent, root) for /v1/models, vLLM's shape: a registered one's
+        base and path, else what a worker listing it says; None for a base model."""
+        spec = self.specs.get(model)
+        if spec is not None:
+            return spec.base, spec.path
+        return self.listed.get(model) if self.is_adapter(model) else None
 
     def holders(self, model: str) -> list[str]:
         return sorted(url for url, held in self.held.items() if model in held)
@@ -639,6 +649,10 @@ class Adapters:
         for m in entries:
             if m.get("parent") and isinstance(m.get("content_hash"), str):
                 self.content[str(m["id"])] = m["content_hash"]
+            if m.get("parent"):
+                root = m.get("root")
+                self.listed[str(m["id"])] = (str(m["parent"]),
+                                             root if isinstance(root, str) else None)
         return (tuple(str(m["id"]) for m in entries),
                 {str(m["id"]) for m in entries if m.get("parent")})
 

@@ -264,12 +264,15 @@ async def model(request: Request) -> Response:
 def _model_entries(state: RouterState) -> list[dict[str, Any]]:
     now = int(time.time())
     ids = dict.fromkeys(name for pool in state.pools for name in pool.names())
-    entries = [{"id": name, "object": "model", "created": now, "owned_by": "sluice"}
-               for name in ids]
-    for spec in state.adapters.specs.values():  # registered adapters, vLLM's `parent` shape
-        if spec.name not in ids:
-            entries.append({"id": spec.name, "object": "model", "created": now,
-                            "owned_by": "sluice", "parent": spec.base, "root": spec.path})
+    ids.update(dict.fromkeys(state.adapters.specs))  # registered, loaded anywhere or not
+    entries: list[dict[str, Any]] = []
+    for name in ids:
+        entry: dict[str, Any] = {"id": name, "object": "model", "created": now,
+                                 "owned_by": "sluice"}
+        lineage = state.adapters.lineage(name)
+        if lineage is not None:  # an adapter: vLLM's `parent` and `root` (once a worker
+            entry["parent"], entry["root"] = lineage  # listed it, they were left out)
+        entries.append(entry)
     entries += [{"id": name, "object": "model", "created": now, "owned_by": "sluice"}
                 for name in state.aliases.names() if name not in ids]
     return entries
