@@ -92,6 +92,10 @@ def add_control_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     g.add_argument("--worker-url", action="append", default=[], metavar="URL",
                    help="--backend external: a worker (or a Service in front of them)")
+    g.add_argument("--worker-dns", action="append", default=[], metavar="URL",
+                   help="--backend external: http://NAME:PORT, every address NAME resolves "
+                        "to is a worker, re-resolved every 5 s (a Kubernetes headless "
+                        "Service: one per ready pod; docs/router.md)")
     add_scaling_arguments(g, "autoscale: fewest workers; 0 scales to zero when idle")
     g.add_argument("--slo", default="ttft=2s,itl=200ms",
                    help="targets of the slo planner policy: p90 TTFT and mean ITL "
@@ -380,6 +384,7 @@ def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
     pool_config = PoolConfig(model=name, policy=args.policy, tokenizer=resolve_model(args.model),
                              block_size=args.block_size or 16,
                              workers=tuple(WorkerSpec(url) for url in args.worker_url),
+                             discover=tuple(args.worker_dns),
                              pd=PDConfig(mode=args.pd_mode,
                                          min_uncached_tokens=args.pd_min_uncached_tokens)
                              if ratio else None)
@@ -471,9 +476,10 @@ def handler(args: argparse.Namespace) -> int:
         check_router_flags(args)
         if uses_router(args):
             pd_ratio(args)
-            if (args.backend == "external") != bool(args.worker_url):
-                raise InvalidRequestError("--worker-url goes with --backend external (and "
-                                          "--backend external needs one)", param="worker_url")
+            if (args.backend == "external") != bool(args.worker_url or args.worker_dns):
+                raise InvalidRequestError("--worker-url and --worker-dns go with --backend "
+                                          "external (and --backend external needs one)",
+                                          param="worker_url")
         check_listen(args.host, args.port)  # the flags first: they do not depend on the host
         cache = TokenCache()  # one per process: the gateway counts, the router hashes
         wrap = gateway_wrap(args, cache) if args.gateway else None

@@ -40,7 +40,7 @@ def test_every_rendered_manifest_validates(tmp_path: Path) -> None:
                     "--slo", "ttft=1s,itl=100ms")
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == ["Deployment"] * 3 + ["Namespace"] + ["PodDisruptionBudget"] * 2 \
-        + ["ScaledObject"] + ["Service"] * 3
+        + ["ScaledObject"] + ["Service"] * 4
     for doc in docs:
         if doc["kind"] == "ScaledObject":
             keda_validator().validate(doc)
@@ -62,8 +62,13 @@ def test_every_rendered_manifest_validates(tmp_path: Path) -> None:
     assert worker["terminationGracePeriodSeconds"] > 60  # --shutdown-timeout 60 fits
     router = deployments["sluice-router"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert router[router.index("--slo") + 1] == "ttft=1s,itl=100ms"
-    assert router[router.index("--worker-url") + 1] == \
-        "http://sluice-worker-smollm2-135m-instruct-q4-1:8000"
+    # the router resolves a headless Service: each ready pod is a worker of its own
+    (ns,) = {d["metadata"]["namespace"] for d in docs if d["kind"] == "Deployment"}
+    assert router[router.index("--worker-dns") + 1] == \
+        f"http://sluice-worker-smollm2-135m-instruct-q4-1-pods.{ns}.svc:8000"
+    services = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "Service"}
+    pods = services["sluice-worker-smollm2-135m-instruct-q4-1-pods"]
+    assert pods["clusterIP"] == "None" and pods["selector"] == worker_spec["selector"]["matchLabels"]
 
 
 def test_the_default_render_loads_the_bundled_model_under_its_served_name(

@@ -26,6 +26,9 @@ def parse(*argv: str) -> argparse.Namespace:
     (["--min-workers", "1", "--slo", "itl=0ms"], "--slo: itl must be a finite number > 0"),
     (["--backend", "external"], "--worker-url"),
     (["--worker-url", "http://w:1", "--workers", "2"], "--worker-url"),
+    (["--worker-dns", "http://w:1", "--workers", "2"], "--worker-dns go with --backend external"),
+    (["--backend", "external", "--worker-dns", "w:8000"],
+     "a discovered worker URL is http(s)://NAME[:PORT], got 'w:8000'"),
     # each message names the flag typed, one check per flag (not the config's fields)
     (["--max-workers", "2", "--lookahead", "-1"], "--lookahead must be >= 0, got -1"),
     (["--max-workers", "2", "--scale-up-delay", "-2"], "--scale-up-delay must be >= 0, got -2"),
@@ -232,5 +235,5 @@ def test_flag_errors_come_before_the_port_check(capsys: pytest.CaptureFixture[st
         assert main(["serve", "--no-gateway", "--port", port, "--min-workers", "3",
                      "--max-workers", "2"]) == 2
     err = capsys.readouterr().err
-    assert "--worker-url goes with --backend external" in err
+    assert "--worker-url and --worker-dns go with --backend external" in err
     assert "--min-workers must be <= --max-workers" in err and "cannot listen" not in err

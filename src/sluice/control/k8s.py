@@ -3,8 +3,9 @@
     gateway  Deployment (2) + Service :8080 + PDB     keys, limits, ledger
       │ http://sluice-router:8000
     router   Deployment (1) + Service :8000           `sluice serve --backend external`:
-      │ http://sluice-worker-MODEL:8000                routes, and runs the planner, which
+      │ each pod of sluice-worker-MODEL-pods           routes, and runs the planner, which
     workers  Deployment + Service :8000 + PDB          exports sluice:desired_replicas
+             + headless Service (one DNS address a ready pod: the router's --worker-dns)
       ▲
     KEDA ScaledObject: Prometheus trigger on max(sluice:desired_replicas{pool="MODEL"}),
                        threshold 1 (AverageValue), so replicas = the planner's count
@@ -247,7 +248,11 @@ def workers(o: K8sOptions) -> list[dict[str, Any]]:
     # a model change rolls out blue/green: all new pods ready before an old one goes
     deployment["spec"]["strategy"] = {"type": "RollingUpdate", "rollingUpdate": {
         "maxSurge": "100%", "maxUnavailable": 0}}
-    return [deployment, _service(name, o, "worker", HTTP), _pdb(name, o, "worker")]
+    # headless: one DNS address per ready pod, which the router routes to one by one
+    # (--worker-dns); behind the plain Service's one IP, kube-proxy hid the pods
+    pods = _service(f"{name}-pods", o, "worker", HTTP)
+    pods["spec"]["clusterIP"] = "None"
+    return [deployment, _service(name, o, "worker", HTTP), pods, _pdb(name, o, "worker")]
 
 
 def router(o: K8sOptions) -> list[dict[str, Any]]:
@@ -255,7 +260,7 @@ def router(o: K8sOptions) -> list[dict[str, Any]]:
         "name": "router", "image": o.image,
         "args": ["serve", "--no-gateway", "--host", "0.0.0.0", "--port", str(HTTP),
                  *_model_args(o), "--served-model-name", o.served_name, "--backend", "external",
-                 "--worker-url", f"http://{o.worker_name}:{HTTP}",
+                 "--worker-dns", f"http://{o.worker_name}-pods.{o.namespace}.svc:{HTTP}",
                  "--min-workers", str(o.min_workers), "--max-workers", str(o.max_workers),
                  "--slo", o.slo],
         "ports": [{"name": "http", "containerPort": HTTP}],

@@ -190,7 +190,8 @@ class RouterState:
             if spec.url in other.endpoints:
                 raise InvalidRequestError(f"worker {spec.url} is already in the pool of "
                                           f"{pool_label(other)!r}", param="url")
-        pool = pool or self.pool_for_admin(model)  # `pool`: DNS discovery's own
+        if pool is None:  # (given: DNS discovery's own)
+            pool = self.pool_for_admin(model)
         try:
             endpoint = pool.add(spec)
         except SluiceError:
