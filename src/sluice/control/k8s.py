@@ -41,8 +41,9 @@ new image) with `maxSurge: 100%, maxUnavailable: 0`: every new pod starts and pa
 its readiness probe before any old pod is taken away, and old pods drain as above:
 the same blue/green order as `POST /admin/pools/{pool}/model` in `sluice serve`.
 
-The router reaches the workers through their Service (kube-proxy spreads connections);
-per-pod routing needs the router to discover pod endpoints, which it does not yet do.
+The router finds each worker pod through the headless Service (`--worker-dns`: one DNS
+address a ready pod, re-resolved every 5 s), so it routes and the planner counts per
+pod; the plain Service stays for clients of the workers themselves.
 With `--min-workers 0` KEDA scales the workers to zero and the router holds requests
 (`--buffer-timeout`) while the planner, seeing them queued, asks for one again.
 """
