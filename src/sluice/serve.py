@@ -73,6 +73,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         "postgresql://... for PostgreSQL)")
     p.add_argument("--redis-url", default=None,
                    help="shared limit counters across gateway replicas (default: in process)")
+    p.add_argument("--prices", type=price_file, default=None,
+                   help="the gateway's price table (JSON/YAML: model -> input/output_per_million; "
+                        "docs/gateway.md); without one every cost is 0 and budgets never bite")
     p.add_argument("--admin-key", default=None,
                    help="key for the gateway's and the router's /admin APIs (default: "
                         "SLUICE_ADMIN_KEY; without one they answer 403)")
@@ -202,6 +205,13 @@ def say(message: str) -> None:
     print(f"sluice: {message}", file=sys.stderr, flush=True)
 
 
+def price_file(text: str) -> Any:
+    """`--prices`: a price table that loads (as `sluice gateway --prices` checks it)."""
+    from sluice.gateway.cli import price_file as checked
+
+    return checked(text)
+
+
 def gateway_wrap(args: argparse.Namespace, cache: TokenCache) -> Any:
     """A function wrapping an ASGI app in the gateway; prints the dev key on the way."""
     from sluice.engine.tokenizer import resolve_model
@@ -214,7 +224,8 @@ def gateway_wrap(args: argparse.Namespace, cache: TokenCache) -> Any:
     config = GatewayConfig(
         database_url=args.database_url or env.get("DATABASE_URL"),
         admin_key=args.admin_key or env.get("ADMIN_KEY"),
-        limiter=LimiterConfig(redis_url=args.redis_url or env.get("REDIS_URL"))).with_spool()
+        limiter=LimiterConfig(redis_url=args.redis_url or env.get("REDIS_URL")),
+        prices_file=args.prices).with_spool()
     state = GatewayState.from_config(
         config, count_prompt_tokens=PromptTokenCounter(default_source=resolve_model(args.model),
                                                        cache=cache),

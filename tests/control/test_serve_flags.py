@@ -4,6 +4,7 @@ anything starts; the planner config they make."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -237,3 +238,25 @@ def test_flag_errors_come_before_the_port_check(capsys: pytest.CaptureFixture[st
     err = capsys.readouterr().err
     assert "--worker-url and --worker-dns go with --backend external" in err
     assert "--min-workers must be <= --max-workers" in err and "cannot listen" not in err
+
+
+def test_serve_prices_reach_its_gateway(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """`sluice serve --prices FILE`: its gateway costs requests by the table (without the
+    flag every cost behind `sluice serve` was 0, so budgets never bit); a table that does
+    not load exits 2 before anything starts."""
+    from sluice.protocol.prompt import TokenCache
+    from sluice.serve import gateway_wrap
+
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path))
+    prices = tmp_path / "prices.yaml"
+    prices.write_text("m:\n  input_per_million: 2\n  output_per_million: 4\n")
+    argv = ["serve", "--prices", str(prices)]
+    wrap = gateway_wrap(build_parser(argv).parse_args(argv), TokenCache())
+    state = wrap(None).state
+    assert state.prices.cost("m", 1_000_000, 500_000) == 4.0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("m:\n  input_per_million: .nan\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--prices", str(bad)])
+    assert exit_.value.code == 2 and "cannot read the price table" in capsys.readouterr().err
