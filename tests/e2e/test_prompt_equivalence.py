@@ -25,6 +25,7 @@ from sluice.protocol.prompt import (
     TokenCache,
     fingerprint,
     prompt_view,
+    templated,
 )
 from sluice.router.parse import parse_request as router_parse
 from sluice.router.tokens import PromptTokenizer
@@ -53,6 +54,14 @@ TABLE: list[tuple[str, str, dict[str, Any]]] = [
     ("anthropic, content blocks", MESSAGES, {"max_tokens": 8, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "Capital of France?"}]}]}),
     ("completion, text", COMPLETION, {"prompt": "The capital of France is"}),
+    # a final message continued: Anthropic's prefill, vLLM's continue_final_message (the
+    # `system` makes the body Anthropic's to the plain counter's guess, gateway.tokens.kind_of:
+    # read as a chat body, a final assistant message is answered, not continued)
+    ("anthropic, prefill", MESSAGES, {"max_tokens": 8, "system": "Be brief.", "messages": [
+        U, {"role": "assistant", "content": "The capital is"}]}),
+    ("chat, continue_final_message", CHAT, {
+        "messages": [U, {"role": "assistant", "content": "The capital is"}],
+        "continue_final_message": True, "add_generation_prompt": False}),
 ]
 
 # Tools, tool calls and tool results: the template writes the schemas and the calls' JSON.
@@ -253,8 +262,7 @@ def test_the_cache_renders_each_chat_view_once_and_only_equal_views_share_a_text
         U, {"role": "assistant", "content": None, "tool_calls": [other_call]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]}]
     views = [prompt_view(CHAT, body) for body in bodies]
-    expected = [tok.apply_chat_template(v.messages, add_generation_prompt=True,
-                                        tools=v.tools) for v in views]
+    expected = [templated(tok, v) for v in views]
     tok_counting = SimpleNamespace(apply_chat_template=counting, chat_template="")
     for _ in range(2):
         assert [cache.chat_text(tok_counting, M, v) for v in views] == expected

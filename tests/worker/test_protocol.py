@@ -173,3 +173,21 @@ def test_completion_top_logprobs_hold_the_sampled_token_first() -> None:
     assert [list(t) for t in out.top_logprobs] == [["e", "a", "b"], ["a", "b"]]
     out = completion_logprobs(FakeTokenizer(), [5], entries[:1], 0, 0)
     assert out.top_logprobs == [{"e": -3.0}]
+
+
+def test_continue_final_cuts_after_the_final_message() -> None:
+    from sluice.protocol.prompt import MESSAGES, continue_final, prompt_view
+
+    rendered = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nThe answer is<|im_end|>\n"
+    assert continue_final(rendered, "The answer is").endswith("assistant\nThe answer is")
+    assert continue_final(rendered, " The answer is  ").endswith("assistant\nThe answer is")
+    with pytest.raises(InvalidRequestError):
+        continue_final(rendered, "not there")
+    body = {"model": "m", "max_tokens": 1, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]}
+    assert prompt_view(MESSAGES, body).continue_final  # an Anthropic prefill
+    body["messages"][1]["content"] = ""
+    assert not prompt_view(MESSAGES, body).continue_final  # an empty one asks for nothing
+    translated = anthropic.to_chat_body(anthropic.MessagesRequest.model_validate({
+        **body, "messages": [body["messages"][0], {"role": "assistant", "content": "So"}]}))
+    assert translated["continue_final_message"] and not translated["add_generation_prompt"]

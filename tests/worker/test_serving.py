@@ -94,6 +94,28 @@ def test_tokenize_detokenize(http: httpx.Client) -> None:
     assert http.post("/detokenize", json={"tokens": [-1]}).status_code == 400
 
 
+def test_a_final_message_is_continued(http: httpx.Client) -> None:
+    """Anthropic's prefill (a last assistant message with text) and vLLM's
+    continue_final_message: the template closed that message and opened a new assistant
+    turn, so the model answered the prefill instead of going on from it (and vLLM's
+    field was a 400)."""
+    convo = [{"role": "user", "content": "hi"},
+             {"role": "assistant", "content": "The answer is"}]
+    go_on = {"messages": convo, "continue_final_message": True, "add_generation_prompt": False}
+    tok = http.post("/tokenize", json=go_on).json()
+    text = http.post("/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\nThe answer is"), text
+    chat = http.post("/v1/chat/completions", json={**go_on, "max_tokens": 1}).json()
+    assert chat["usage"]["prompt_tokens"] == tok["count"]
+    msg = http.post("/v1/messages", json={"model": "tiny", "max_tokens": 1,
+                                          "messages": convo}).json()
+    assert msg["usage"]["input_tokens"] == tok["count"]
+    resp = http.post("/v1/chat/completions", json={"messages": convo, "max_tokens": 1,
+                                                   "continue_final_message": True})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "continue_final_message"
+
+
 def test_metrics_use_vllm_names(http: httpx.Client) -> None:
     for _ in range(2):
         http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 4,

@@ -427,6 +427,8 @@ def to_chat_body(req: MessagesRequest) -> dict[str, Any]:
     check_conversation(req)
     body: dict[str, Any] = {"model": req.model, **chat_prompt(req.model_dump()),
                             "max_tokens": req.max_tokens, **chat_tool_choice(req.tool_choice)}
+    if is_prefill(body["messages"]):  # the answer continues the final assistant text
+        body.update(add_generation_prompt=False, continue_final_message=True)
     optional = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
                 "stop": req.stop_sequences or None,
                 "user": req.metadata.user_id if req.metadata else None}
@@ -437,6 +439,14 @@ def to_chat_body(req: MessagesRequest) -> dict[str, Any]:
     if req.return_token_ids:
         body["return_token_ids"] = True
     return body
+
+
+def is_prefill(messages: list[dict[str, Any]]) -> bool:
+    """Whether translated messages end in an assistant turn with text (Anthropic's
+    prefill: the response continues it; an empty one asks for nothing)."""
+    last = messages[-1] if messages else {}
+    return last.get("role") == "assistant" and isinstance(last.get("content"), str) \
+        and bool(last["content"].strip()) and not last.get("tool_calls")
 
 
 def stop_reason(finish_reason: str | None, matched: Any,

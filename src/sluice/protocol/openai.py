@@ -406,6 +406,15 @@ class SamplingFields(OpenAIModel):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
+def check_continue(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    """vLLM's rule: continuing the final message and opening a new one exclude each other
+    (a 400 naming continue_final_message)."""
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequestError("Cannot set both `continue_final_message` and "
+                                  "`add_generation_prompt` to True.",
+                                  param="continue_final_message")
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -413,9 +422,13 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: continue the last message (a prefill)
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
     parallel_tool_calls: bool = True
+
+    def check_continue(self) -> None:
+        check_continue(self.continue_final_message, self.add_generation_prompt)
 
     def effective_tool_choice(self) -> str | NamedToolChoice:
         """The tool choice after OpenAI's defaults; a 400 for a choice without tools or
@@ -497,6 +510,7 @@ class TokenizeRequest(OpenAIModel):
     tools: list[Tool] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 

@@ -41,6 +41,10 @@ hops to them):
   messages; `tools` as OpenAI tools.
 - the template is applied with `add_generation_prompt=True` and tokenized without
   special tokens (the template writes them); a completion prompt is tokenized with them.
+- a final message to continue (vLLM's `continue_final_message`; an Anthropic request
+  whose last message is an assistant one with text, a prefill): the template is applied
+  without the generation prompt and its text cut after that message's content
+  (`continue_final`, Hugging Face's rule), so the model goes on from it.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ class PromptView:
     messages: list[dict[str, Any]] | None = None
     texts: tuple[str | list[int], ...] = ()
     tools: list[dict[str, Any]] | None = None
+    continue_final: bool = False  # continue the last message rather than answer it
 
     @property
     def chars(self) -> int:
@@ -197,8 +202,10 @@ def prompt_view(kind: str, body: Mapping[str, Any]) -> PromptView:
     if kind == MESSAGES:
         body = anthropic.chat_prompt(body)
     if kind in (CHAT, MESSAGES):
-        return PromptView(messages=chat_messages(body.get("messages")),
-                          tools=template_tools(body.get("tools")))
+        messages = chat_messages(body.get("messages"))
+        prefill = kind == MESSAGES and anthropic.is_prefill(messages)
+        return PromptView(messages=messages, tools=template_tools(body.get("tools")),
+                          continue_final=prefill or body.get("continue_final_message") is True)
     return PromptView(texts=completion_texts(body.get("prompt", body.get("input", ""))))
 
 
@@ -208,13 +215,31 @@ def prompt_view(kind: str, body: Mapping[str, Any]) -> PromptView:
 def templated(tok: Tokenizer, view: PromptView) -> str:
     """The chat template applied to the view's messages (chat views only)."""
     assert view.messages is not None
+    answer = not view.continue_final
     if view.tools:
-        return tok.apply_chat_template(view.messages, add_generation_prompt=True,
+        text = tok.apply_chat_template(view.messages, add_generation_prompt=answer,
                                        tools=view.tools)
-    return tok.apply_chat_template(view.messages, add_generation_prompt=True)
+    else:
+        text = tok.apply_chat_template(view.messages, add_generation_prompt=answer)
+    return text if answer else continue_final(text, view.messages[-1]["content"])
 
 
-ViewKey = tuple[tuple[tuple[str, str, str | None, str | None], ...], str | None]
+def continue_final(rendered: str, final: str) -> str:
+    """`rendered` (a template applied without the generation prompt) cut right after the
+    final message's content, so generation continues it (Hugging Face's
+    `continue_final_message`: the last occurrence of the stripped content; its trailing
+    whitespace kept where the template kept it). 400 if the template dropped it."""
+    stripped = final.strip()
+    at = rendered.rfind(stripped) if stripped else -1
+    if at < 0:
+        raise InvalidRequestError("the final message to continue is empty or does not appear "
+                                  "in the chat template's text", param="messages")
+    kept = final.lstrip()
+    end = at + (len(kept) if rendered[at:at + len(kept)] == kept else len(stripped))
+    return rendered[:end]
+
+
+ViewKey = tuple[tuple[tuple[str, str, str | None, str | None], ...], str | None, bool]
 
 
 def view_key(view: PromptView) -> ViewKey:
@@ -224,7 +249,7 @@ def view_key(view: PromptView) -> ViewKey:
     messages = tuple((m["role"], m["content"], m.get("tool_call_id"),
                       json.dumps(m["tool_calls"]) if "tool_calls" in m else None)
                      for m in view.messages)
-    return messages, json.dumps(view.tools) if view.tools else None
+    return messages, json.dumps(view.tools) if view.tools else None, view.continue_final
 
 
 @dataclass

@@ -51,6 +51,7 @@ from sluice.protocol.openai import (
     SamplingFields,
     TokenizeRequest,
     TokenizeResponse,
+    check_continue,
     parse_request,
     reject_unsupported,
 )
@@ -203,7 +204,9 @@ def _tokenize(state: WorkerState, req: TokenizeRequest) -> dict[str, Any]:
         raise InvalidRequestError("'tools' goes with 'messages'", param="tools")
     if req.messages is not None:
         tools = [t.model_dump(exclude_unset=True) for t in req.tools] if req.tools else None
-        text = chat_prompt(tok, req.messages, req.add_generation_prompt, tools)
+        check_continue(req.continue_final_message, req.add_generation_prompt)
+        text = chat_prompt(tok, req.messages, req.add_generation_prompt, tools,
+                           req.continue_final_message)
         ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
     else:
         special = True if req.add_special_tokens is None else req.add_special_tokens

@@ -11,6 +11,7 @@ from sluice.engine.sampling_params import (
 )
 from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.openai import ChatMessage, SamplingFields
+from sluice.protocol.prompt import continue_final
 
 if TYPE_CHECKING:
     from sluice.engine.tokenizer import Tokenizer
@@ -83,12 +84,14 @@ def _vllm_structured(req: SamplingFields) -> StructuredOutputsParams | None:
 
 def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage],
                 add_generation_prompt: bool = True,
-                tools: list[dict[str, Any]] | None = None) -> str:
-    """The model's chat template applied to `messages` (and `tools`); a template error is
-    a 400."""
+                tools: list[dict[str, Any]] | None = None,
+                continue_final_message: bool = False) -> str:
+    """The model's chat template applied to `messages` (and `tools`), cut after the last
+    message's content to continue it (`protocol.prompt.continue_final`); a template error
+    is a 400."""
+    turns = [m.as_template_dict(f"messages.{i}") for i, m in enumerate(messages)]
     try:
-        return tokenizer.apply_chat_template([m.as_template_dict(f"messages.{i}")
-                                              for i, m in enumerate(messages)],
+        text = tokenizer.apply_chat_template(turns,
                                              add_generation_prompt=add_generation_prompt,
                                              tools=tools)
     except InvalidRequestError:
@@ -96,6 +99,7 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage],
     except Exception as exc:  # jinja2 errors raised by the model's own template
         raise InvalidRequestError(f"the chat template rejected the messages: {exc}",
                                   param="messages") from exc
+    return continue_final(text, turns[-1]["content"]) if continue_final_message else text
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
