@@ -225,7 +225,7 @@ def main() -> int:
         for name in args.workloads:
             before = workers_metrics(engines)
             real = run_real(cluster, name, args.seed, args)
-            deltas = server_deltas(before, workers_metrics(engines))
+            deltas = server_deltas({"workers": before}, {"workers": workers_metrics(engines)})
             real |= {f"server_{k}": v for k, v in deltas.items()}
             sim = cli("sim", *workload_args(name, args.seed, args), *WORKLOADS[name][2],
                       *sim_args)["results"][0]

@@ -108,17 +108,30 @@ def test_sum_samples_sums_label_sets() -> None:
 def test_server_deltas_with_and_without_total_suffix() -> None:
     before = sum_samples(PROM)
     after = sum_samples(PROM.replace("100.0", "300.0").replace("30.0", "130.0").replace(" 2\n", " 5\n"))
-    d = server_deltas(before, after)
+    d = server_deltas({"w": before}, {"w": after})
     assert d == {"prefix_cache_queries": 200.0, "prefix_cache_hits": 100.0, "num_preemptions": 3.0,
                  "prefix_cache_hit_rate": 0.5}
     bare = {k.removesuffix("_total"): v for k, v in before.items()}
     bare_after = {k.removesuffix("_total"): v for k, v in after.items()}
-    assert server_deltas(bare, bare_after) == d
+    assert server_deltas({"w": bare}, {"w": bare_after}) == d
+
+
+def test_server_deltas_over_workers_that_came_went_or_restarted_during_the_run() -> None:
+    """A worker scaled away, swapped or restarted during a run: each worker's increase,
+    as Prometheus's increase() (the sums over the workers made the deltas negative)."""
+    def c(q: float, h: float) -> dict[str, float]:
+        return {"vllm:prefix_cache_queries_total": q, "vllm:prefix_cache_hits_total": h}
+
+    before = {"a": c(100, 50), "b": c(5000, 300), "r": c(400, 40)}
+    after = {"a": c(160, 80), "n": c(20, 5), "r": c(30, 3)}  # b gone, n new, r restarted
+    d = server_deltas(before, after)
+    assert d["prefix_cache_queries"] == 60 + 20 + 30 and d["prefix_cache_hits"] == 30 + 5 + 3
+    assert d["prefix_cache_hit_rate"] == 38 / 110
 
 
 def test_server_deltas_tolerate_missing_metrics() -> None:
     assert server_deltas(None, None) == {"prefix_cache_queries": None, "prefix_cache_hits": None,
                                          "num_preemptions": None, "prefix_cache_hit_rate": None}
     only = {"vllm:num_preemptions_total": 1.0}
-    d = server_deltas(only, {"vllm:num_preemptions_total": 4.0})
+    d = server_deltas({"w": only}, {"w": {"vllm:num_preemptions_total": 4.0}})
     assert d["num_preemptions"] == 3.0 and d["prefix_cache_hit_rate"] is None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -100,7 +100,7 @@ def summarize(
 # ---------------------------------------------------------------- /metrics
 
 
-def _counter(samples: dict[str, float], base: str) -> float | None:
+def _counter(samples: Mapping[str, float], base: str) -> float | None:
     for name in (base + "_total", base):
         if name in samples:
             return samples[name]
@@ -119,13 +119,25 @@ def has_engine_counters(samples: dict[str, float]) -> bool:
     return any(_counter(samples, base) is not None for base in SERVER_COUNTERS.values())
 
 
-def server_deltas(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float | None]:
-    """Counter increases during the run, and the prefix-cache hit rate they imply."""
-    out: dict[str, float | None] = {}
-    for key, base in SERVER_COUNTERS.items():
-        b = _counter(before, base) if before is not None else None
-        a = _counter(after, base) if after is not None else None
-        out[key] = a - b if a is not None and b is not None else None
+def server_deltas(before: Mapping[str, Mapping[str, float]] | None,
+                  after: Mapping[str, Mapping[str, float]] | None) -> dict[str, float | None]:
+    """Counter increases during the run, and the prefix-cache hit rate they imply.
+
+    `before` and `after` map each server scraped (a worker's URL) to its samples. The
+    increase is summed over the servers scraped after the run, as Prometheus's
+    `increase()` reads counters: a server not scraped before (a worker started during
+    the run) or whose counter went down (a restarted worker) counts from 0; one gone by
+    the end is not counted. (The sums over all workers before and after were compared,
+    so a worker swapped or scaled away during the run made the deltas negative.)"""
+    out: dict[str, float | None] = {key: None for key in SERVER_COUNTERS}
+    first = before if before is not None else {}
+    for url, samples in (after or {}).items() if before is not None else ():  # else unknown
+        prev = first.get(url)
+        for key, base in SERVER_COUNTERS.items():
+            a = _counter(samples, base)
+            b = _counter(prev, base) if prev is not None else 0.0
+            if a is not None and b is not None:
+                out[key] = (out[key] or 0.0) + (a - b if a >= b else a)
     q, h = out["prefix_cache_queries"], out["prefix_cache_hits"]
     out["prefix_cache_hit_rate"] = h / q if q and h is not None else None
     return out

@@ -197,17 +197,19 @@ def _auth(cfg: ServeBenchConfig) -> dict[str, str]:
     return {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
 
 
-async def scrape(http: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> dict[str, float] | None:
-    """The server's `/metrics` counters, or None when it exposes none. A sluice router
-    (`sluice serve --workers N`) has no engine counters of its own: then the sums over the
-    workers its `/status.json` lists."""
+async def scrape(http: httpx.AsyncClient, base_url: str,
+                 headers: dict[str, str]) -> dict[str, dict[str, float]] | None:
+    """The server's `/metrics` samples, {base_url: samples}, or None when it exposes none.
+    A sluice router (`sluice serve --workers N`) has no engine counters of its own: then
+    each worker's that its `/status.json` lists, by the worker's URL (`server_deltas`
+    sums their increases)."""
     counters = await _scrape_one(http, base_url, headers)
     if counters is None or not has_engine_counters(counters):
-        workers = await _status_workers(http, base_url, headers)
-        scrapes = [s for url in workers if (s := await _scrape_one(http, url, {})) is not None]
+        scrapes = {url: s for url in await _status_workers(http, base_url, headers)
+                   if (s := await _scrape_one(http, url, {})) is not None}
         if scrapes:
-            return {name: sum(s.get(name, 0.0) for s in scrapes) for name in set().union(*scrapes)}
-    return counters
+            return scrapes
+    return {base_url: counters} if counters is not None else None
 
 
 async def _scrape_one(http: httpx.AsyncClient, url: str, headers: dict[str, str]) -> dict[str, float] | None:
