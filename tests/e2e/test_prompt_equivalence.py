@@ -59,6 +59,9 @@ TABLE: list[tuple[str, str, dict[str, Any]]] = [
     # read as a chat body, a final assistant message is answered, not continued)
     ("anthropic, prefill", MESSAGES, {"max_tokens": 8, "system": "Be brief.", "messages": [
         U, {"role": "assistant", "content": "The capital is"}]}),
+    ("chat, no generation prompt", CHAT, {
+        "messages": [U, {"role": "assistant", "content": "Paris."}],
+        "add_generation_prompt": False}),
     ("chat, continue_final_message", CHAT, {
         "messages": [U, {"role": "assistant", "content": "The capital is"}],
         "continue_final_message": True, "add_generation_prompt": False}),

@@ -39,8 +39,9 @@ hops to them):
   first, as a system message, only when its text is non-empty; text blocks joined;
   `tool_use` blocks as the assistant's `tool_calls`, `tool_result` blocks as `tool`
   messages; `tools` as OpenAI tools.
-- the template is applied with `add_generation_prompt=True` and tokenized without
-  special tokens (the template writes them); a completion prompt is tokenized with them.
+- the template is applied with `add_generation_prompt=True` (a chat request's own
+  `add_generation_prompt: false` without it) and tokenized without special tokens (the
+  template writes them); a completion prompt is tokenized with them.
 - a final message to continue (vLLM's `continue_final_message`; an Anthropic request
   whose last message is an assistant one with text, a prefill): the template is applied
   without the generation prompt and its text cut after that message's content
@@ -91,6 +92,7 @@ class PromptView:
     texts: tuple[str | list[int], ...] = ()
     tools: list[dict[str, Any]] | None = None
     continue_final: bool = False  # continue the last message rather than answer it
+    generation_prompt: bool = True  # chat's add_generation_prompt (open the answer's turn)
 
     @property
     def chars(self) -> int:
@@ -205,7 +207,8 @@ def prompt_view(kind: str, body: Mapping[str, Any]) -> PromptView:
         messages = chat_messages(body.get("messages"))
         prefill = kind == MESSAGES and anthropic.is_prefill(messages)
         return PromptView(messages=messages, tools=template_tools(body.get("tools")),
-                          continue_final=prefill or body.get("continue_final_message") is True)
+                          continue_final=prefill or body.get("continue_final_message") is True,
+                          generation_prompt=body.get("add_generation_prompt") is not False)
     return PromptView(texts=completion_texts(body.get("prompt", body.get("input", ""))))
 
 
@@ -215,13 +218,15 @@ def prompt_view(kind: str, body: Mapping[str, Any]) -> PromptView:
 def templated(tok: Tokenizer, view: PromptView) -> str:
     """The chat template applied to the view's messages (chat views only)."""
     assert view.messages is not None
-    answer = not view.continue_final
+    answer = view.generation_prompt and not view.continue_final
     if view.tools:
         text = tok.apply_chat_template(view.messages, add_generation_prompt=answer,
                                        tools=view.tools)
     else:
         text = tok.apply_chat_template(view.messages, add_generation_prompt=answer)
-    return text if answer else continue_final(text, view.messages[-1]["content"])
+    if not view.continue_final:
+        return text
+    return continue_final(text, view.messages[-1]["content"])
 
 
 def continue_final(rendered: str, final: str) -> str:
@@ -239,7 +244,7 @@ def continue_final(rendered: str, final: str) -> str:
     return rendered[:end]
 
 
-ViewKey = tuple[tuple[tuple[str, str, str | None, str | None], ...], str | None, bool]
+ViewKey = tuple[tuple[tuple[str, str, str | None, str | None], ...], str | None, bool, bool]
 
 
 def view_key(view: PromptView) -> ViewKey:
@@ -249,7 +254,8 @@ def view_key(view: PromptView) -> ViewKey:
     messages = tuple((m["role"], m["content"], m.get("tool_call_id"),
                       json.dumps(m["tool_calls"]) if "tool_calls" in m else None)
                      for m in view.messages)
-    return messages, json.dumps(view.tools) if view.tools else None, view.continue_final
+    return (messages, json.dumps(view.tools) if view.tools else None, view.continue_final,
+            view.generation_prompt)
 
 
 @dataclass
