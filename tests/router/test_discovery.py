@@ -117,6 +117,11 @@ async def test_each_address_is_a_worker_and_a_vanished_one_drains_then_leaves() 
         assert reply.status_code == 200 and "b-1" in reply.text
         await discovery.sync()
         assert set(discovery.pool.endpoints) == {f"http://{ADDRESSES[0]}:{port}"}
+        # nothing of b is kept: its target and its idle keep-alive connections
+        proxy = discovery.state.proxy
+        assert b_url not in proxy._targets
+        assert not [k for k in proxy.upstream.idle if k[1] == ADDRESSES[1]]
+        assert [k for k in proxy.upstream.idle if k[1] == ADDRESSES[0]]  # a's are kept
 
         # the name has no address (no ready pod): the pool is empty, not an error
         names.addresses = []

@@ -145,6 +145,13 @@ class Proxy:
             target = self._targets[endpoint.url] = Target.of(endpoint.url)
         return target
 
+    def forget(self, url: str) -> None:
+        """A worker left its pool: drop its target and close its idle connections (with
+        workers found by DNS, pods come and go for the router's whole life)."""
+        target = self._targets.pop(url, None)
+        if target is not None:
+            self.upstream.forget(target.key)
+
     async def forward(self, pool: Pool, req: ParsedRequest, meta: RequestMeta, path: bytes,
                       headers: bytes, exclude: Iterable[str] = ()) -> Relay:
         """Send `req` (its raw body, `headers` already encoded by `forward_block`) to

@@ -213,6 +213,7 @@ class RouterState:
         pool, endpoint = self.find_endpoint(url)
         await self.stop_subscriber(endpoint.url)
         self.breakers.forget(endpoint.url)
+        self.proxy.forget(endpoint.url)
         removed = pool.remove(endpoint.url)
         self._drop_if_empty(pool)
         return removed

@@ -332,6 +332,12 @@ class UpstreamPool:
         else:
             conn.close()
 
+    def forget(self, key: tuple[str, str, int]) -> None:
+        """Close a removed worker's idle connections (a connection still in use comes
+        back through `give` and is kept until the worker closes it)."""
+        for conn in self.idle.pop(key, ()):
+            conn.close()
+
     async def _dial(self, target: Target) -> UpstreamConnection:
         loop = asyncio.get_running_loop()
         tls = None
