@@ -26,7 +26,7 @@ async def test_missing_and_wrong_keys_get_401_in_openai_shape(gateway: GatewayMi
         assert r.status_code == 401
 
 
-async def test_request_passes_with_priority_injected_and_is_recorded(
+async def test_request_passes_with_its_class_priority_in_a_header_and_is_recorded(
         sqlite_store: SQLStore, stub: StubUpstream) -> None:
     key = new_key(sqlite_store, rpm=10, tpm=1000, priority_class="interactive")
     gw = GatewayMiddleware(stub, make_state(sqlite_store))
@@ -38,8 +38,8 @@ async def test_request_passes_with_priority_injected_and_is_recorded(
         assert r.headers["x-ratelimit-remaining-requests"] == "9"
         assert r.headers["x-ratelimit-limit-tokens"] == "1000"
         assert r.headers["x-ratelimit-reset-requests"].endswith("s")
-    sent = stub.received[-1]
-    assert sent["priority"] == 0 and sent["model"] == "stub-model"
+    sent = stub.received[-1]  # the class goes as a header, the body as the client sent it
+    assert "priority" not in sent and sent["model"] == "stub-model"
     headers = stub.headers[-1]
     assert "authorization" not in headers and headers["x-sluice-priority"] == "0"
     [rec] = sqlite_store.query_usage(UsageQuery())
@@ -80,7 +80,7 @@ async def test_key_class_narrows_tenant_class(sqlite_store: SQLStore, stub: Stub
     gw = GatewayMiddleware(stub, make_state(sqlite_store))
     async with client_for(gw, key) as c:
         assert (await c.post("/v1/completions", json={"model": "m", "prompt": "hi"})).is_success
-    assert stub.received[-1]["priority"] == 2
+    assert stub.headers[-1]["x-sluice-priority"] == "2" and "priority" not in stub.received[-1]
 
 
 async def test_allowed_models_narrowed_by_key(sqlite_store: SQLStore, stub: StubUpstream) -> None:
@@ -557,9 +557,10 @@ class RawUpstream:
     # nothing to change: the client's bytes, spacing and all
     (b'{ "model":"m",  "messages":[{"role":"user","content":"hi \\u00e9"}], "priority": 1 }',
      b'{ "model":"m",  "messages":[{"role":"user","content":"hi \\u00e9"}], "priority": 1 }'),
-    # priority missing: appended, the rest untouched
+    # no priority: none added (the class goes as x-sluice-priority, which a worker under
+    # fcfs ignores, where it refuses a priority in the body as vLLM does)
     (b'{"model":"m","messages":[{"role":"user","content":"hi"}]}\n',
-     b'{"model":"m","messages":[{"role":"user","content":"hi"}], "priority": 1}'),
+     b'{"model":"m","messages":[{"role":"user","content":"hi"}]}\n'),
     # stream_options sent without include_usage: re-encoded
     (b'{"model":"m","messages":[],"stream":true,"stream_options":{},"priority":1}',
      b'{"model": "m", "messages": [], "stream": true, "stream_options": '
@@ -574,7 +575,6 @@ async def test_body_is_forwarded_as_sent_unless_policy_changes_it(
                               headers={"content-type": "application/json"})
     assert r.status_code == 200, r.text
     assert upstream.bodies == [forwarded]
-    assert json.loads(forwarded)["priority"] == 1
 
 
 async def test_usage_queries_out_of_range_are_400s_naming_the_parameter(

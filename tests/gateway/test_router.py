@@ -47,7 +47,8 @@ async def test_gateway_over_router(sqlite_store: SQLStore) -> None:
             assert (await c.get("/admin/workers")).status_code == 401
             workers = await c.get("/admin/workers", headers={"x-admin-key": ADMIN_KEY})
             assert workers.status_code == 200 and worker_url in workers.text
-    assert [b.get("priority") for b in worker.received] == [0, 0, None]
+    assert [b.get("priority") for b in worker.received] == [None, None, None]  # a header:
+    assert [h.get("x-sluice-priority") for h in worker.headers] == ["0", "0", "0"]
     assert worker.received[1]["stream_options"] == {"include_usage": True}
     records = sqlite_store.query_usage(UsageQuery())
     assert [(r.endpoint, r.status, r.prompt_tokens, r.completion_tokens) for r in records] == [

@@ -1,6 +1,6 @@
 """The gateway in front of a real sluice worker (tiny random Llama, SmolLM2 tokenizer):
-prompt tokens counted at admission equal the engine's own count, the injected priority
-is accepted by the worker, usage from JSON and SSE (OpenAI and Anthropic) lands in the
+prompt tokens counted at admission equal the engine's own count, the class priority
+(a header) is taken by the worker, usage from JSON and SSE (OpenAI and Anthropic) lands in the
 ledger."""
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""The gateway passes a tenant's priority to Anthropic Messages requests in the
-`x-sluice-priority` header (the Messages body has no `priority` field); the worker hands
-it to the engine, and refuses a header that is not an integer. A worker whose policy is
-fcfs refuses a priority other than 0, as vLLM does."""
+"""The gateway passes a tenant's priority class in the `x-sluice-priority` header (the
+Messages body has no `priority` field, and a body priority would be refused by a worker
+under fcfs); the worker hands it to the engine where the body names none, and refuses a
+header that is not an integer. A worker whose policy is fcfs refuses a `priority` other
+than 0 in the body, as vLLM does, and ignores the header."""
 
 from __future__ import annotations
 
@@ -45,6 +46,18 @@ def test_messages_take_priority_from_the_header(http: httpx.Client,
     assert seen_priorities == [2, 0]
 
 
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"model": "tiny", "messages": BODY["messages"], "max_tokens": 2}),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2}),
+])
+def test_openai_routes_take_the_class_from_the_header_unless_the_body_says(
+        http: httpx.Client, seen_priorities: list[int], path: str, body: dict) -> None:
+    assert http.post(path, json=body, headers={"x-sluice-priority": "2"}).status_code == 200
+    assert http.post(path, json={**body, "priority": 3},
+                     headers={"x-sluice-priority": "2"}).status_code == 200
+    assert seen_priorities == [2, 3]
+
+
 def test_a_non_integer_priority_header_is_refused(http: httpx.Client) -> None:
     resp = http.post("/v1/messages", json=BODY, headers={"x-sluice-priority": "high"})
     assert resp.status_code == 400
@@ -77,6 +90,8 @@ def test_a_priority_under_fcfs_is_refused(fcfs_url: str, path: str, body: dict) 
     err = resp.json()["error"]
     assert err["param"] == "priority" and "Priority scheduling is not enabled" in err["message"]
     assert httpx.post(fcfs_url + path, json={**body, "priority": 0}, timeout=30).status_code == 200
-    resp = httpx.post(fcfs_url + "/v1/messages", json=BODY, headers={"x-sluice-priority": "3"},
-                      timeout=30)
-    assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
+    # the gateway's class (x-sluice-priority, sent for every tenant: "standard" is 1) is a
+    # hint a worker under fcfs ignores; refused, every request of such a tenant failed
+    for p, b in ((path, body), ("/v1/messages", BODY)):
+        resp = httpx.post(fcfs_url + p, json=b, headers={"x-sluice-priority": "3"}, timeout=30)
+        assert resp.status_code == 200, resp.text

@@ -91,7 +91,6 @@ GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages
 ANTHROPIC_ENDPOINTS = ("/v1/messages",)
 EMBEDDINGS_PATH = "/v1/embeddings"
 STREAM_USAGE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
-PRIORITY_BODY_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 # a worker's control routes (its P/D role; vLLM's runtime LoRA loading): an operator's,
 # never a tenant's, so they take the admin key and pass through without metering
 WORKER_CONTROL_PATHS = ("/v1/pd_role", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
@@ -396,8 +395,6 @@ class Exchange:
                     f"priority {asked} is above this key's class (lowest value allowed: "
                     f"{adm.priority}; lower values run first)", param="priority")
             adm.priority = asked
-        if self.endpoint in PRIORITY_BODY_ENDPOINTS and asked != adm.priority:
-            set_field(adm, payload, "priority", adm.priority)
 
     async def reserve(self, adm: Admission, payload: dict[str, Any] | None,
                       unconfirmed: int | None = None) -> None:

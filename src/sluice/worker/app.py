@@ -102,7 +102,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         check_epoch(request, state)
-        body = await parse_body(request)
+        body = with_header_priority(request, state, await parse_body(request))
         req = parse_request(ChatCompletionRequest, reject_unsupported(body, UNSUPPORTED_CHAT))
         req.check_tool_turns()
         job = await until_disconnect(request, prepare_chat(
@@ -114,7 +114,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         check_epoch(request, state)
-        body = await parse_body(request)
+        body = with_header_priority(request, state, await parse_body(request))
         req = parse_request(CompletionRequest, reject_unsupported(body, UNSUPPORTED_COMPLETION))
         job = await until_disconnect(request, prepare_completion(
             state, req, request_id(request), ids_hint(request), resumed_ids(request, state)))
@@ -128,7 +128,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         body = await parse_body(request)
         req = parse_request(anthropic.MessagesRequest, anthropic.reject_unsupported(body))
         chat_body = anthropic.to_chat_body(req)
-        if (priority := header_priority(request)) is not None:
+        if (priority := header_priority(request, state)) is not None:
             chat_body["priority"] = priority
         try:
             chat_req = parse_request(ChatCompletionRequest, chat_body)
@@ -260,17 +260,28 @@ def request_id(request: Request) -> str:
 PRIORITY_HEADER = "x-sluice-priority"
 
 
-def header_priority(request: Request) -> int | None:
-    """The gateway's priority for a request whose body has no `priority` field (Anthropic
-    Messages): the `x-sluice-priority` header, an integer, lower runs first."""
+def header_priority(request: Request, state: WorkerState) -> int | None:
+    """The gateway's priority for a request (its tenant's class): the `x-sluice-priority`
+    header, an integer, lower runs first; a `priority` in the body wins. None under the
+    fcfs policy: the class is a hint the gateway sends every worker, which a worker that
+    does not schedule by priority ignores (a `priority` in the body is the client's own,
+    and is refused there as vLLM refuses it)."""
     value = request.headers.get(PRIORITY_HEADER)
-    if value is None:
+    if value is None or state.require_engine().inputs.info.scheduling_policy != "priority":
         return None
     try:
         return int(value)
     except ValueError:
         raise InvalidRequestError(f"{PRIORITY_HEADER} must be an integer, got {value!r}",
                                   param=PRIORITY_HEADER) from None
+
+
+def with_header_priority(request: Request, state: WorkerState,
+                         body: dict[str, Any]) -> dict[str, Any]:
+    """`body` with the gateway's class priority (`header_priority`) where it has none."""
+    if "priority" not in body and (priority := header_priority(request, state)) is not None:
+        body["priority"] = priority
+    return body
 
 
 async def _json(result: Awaitable[BaseModel]) -> JSONResponse:
