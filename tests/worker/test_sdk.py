@@ -375,3 +375,30 @@ def test_openai_sdk_errors(client: openai.OpenAI) -> None:
                                        tool_choice={"type": "function",
                                                     "function": {"name": "g"}})
     assert info.value.param == "tool_choice"
+
+
+def test_anthropic_count_tokens_is_what_a_messages_request_reports(
+        claude: anthropic.Anthropic) -> None:
+    """`messages.count_tokens` (POST /v1/messages/count_tokens, Anthropic's and vLLM's):
+    the prompt's tokens exactly as a Messages request with the same prompt counts them
+    (system, tools, a prefill continued); it was a 404 'no route'."""
+    prefill = [*ASK, {"role": "assistant", "content": "The weather in"}]
+    prompts: list[dict] = [
+        {"messages": USER},
+        {"messages": ASK, "system": "You are terse.", "tools": [WEATHER, CLOCK]},
+        {"messages": prefill},
+    ]
+    for prompt in prompts:
+        counted = claude.messages.count_tokens(model="tiny", **prompt)
+        sent = claude.messages.create(model="tiny", max_tokens=1, **prompt)
+        assert counted.input_tokens == sent.usage.input_tokens > 0, prompt
+    assert claude.messages.count_tokens(model="tiny", messages=ASK, tools=[WEATHER]) \
+        .input_tokens > claude.messages.count_tokens(model="tiny", messages=ASK).input_tokens
+    for extra, named in [({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+                         ({"tools": [{"type": "web_search_20250305", "name": "s"}]},
+                          "tools.0.type")]:
+        with pytest.raises(anthropic.BadRequestError) as bad:
+            claude.messages.count_tokens(model="tiny", messages=ASK, **extra)
+        assert bad.value.body["type"] == "error" and named in bad.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.count_tokens(model="claude-nope", messages=ASK)

@@ -88,7 +88,7 @@ ASGIApp = Callable[[Scope_, Receive, Send], Awaitable[None]]
 # Endpoints whose JSON body names a model and produces tokens.
 GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages",
                         "/v1/embeddings")
-ANTHROPIC_ENDPOINTS = ("/v1/messages",)
+ANTHROPIC_ENDPOINTS = ("/v1/messages", "/v1/messages/count_tokens")
 EMBEDDINGS_PATH = "/v1/embeddings"
 STREAM_USAGE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 # a worker's control routes (its P/D role; vLLM's runtime LoRA loading): an operator's,

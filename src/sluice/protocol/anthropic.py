@@ -197,6 +197,21 @@ class MessagesRequest(AnthropicModel):
     _check = field_validator("system", mode="before")(_text_blocks_only)
 
 
+class CountTokensRequest(AnthropicModel):
+    """`POST /v1/messages/count_tokens` (Anthropic's, and vLLM's): the prompt half of a
+    Messages request; the answer is `{"input_tokens": N}`, what a Messages request with
+    the same prompt reports as `usage.input_tokens`."""
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    cache_control: dict[str, Any] | None = None
+
+    _check = field_validator("system", mode="before")(_text_blocks_only)
+
+
 class Usage(BaseModel):
     input_tokens: int = 0
     output_tokens: int = 0
@@ -397,7 +412,7 @@ def anthropic_param(param: str | None) -> str | None:
     return param
 
 
-def check_conversation(req: MessagesRequest) -> None:
+def check_conversation(req: MessagesRequest | CountTokensRequest) -> None:
     """Anthropic's rules for the turns themselves, as its API refuses them (400): every
     message has content but a final assistant one (a prefill), and each `tool_result`
     answers a `tool_use` of the assistant message just before it."""
@@ -439,6 +454,17 @@ def to_chat_body(req: MessagesRequest) -> dict[str, Any]:
     if req.return_token_ids:
         body["return_token_ids"] = True
     return body
+
+
+def count_tokens_prompt(req: CountTokensRequest) -> dict[str, Any]:
+    """The `/tokenize` request (vLLM's, with messages) whose count is the input tokens of
+    a Messages request with `req`'s prompt: its messages and tools, the answer's turn
+    opened, or a final assistant text continued (a prefill), as `to_chat_body` does."""
+    check_conversation(req)
+    prompt: dict[str, Any] = {"model": req.model, **chat_prompt(req.model_dump())}
+    if is_prefill(prompt["messages"]):
+        prompt.update(add_generation_prompt=False, continue_final_message=True)
+    return prompt
 
 
 def is_prefill(messages: list[dict[str, Any]]) -> bool:

@@ -47,7 +47,7 @@ Headers = Iterable[tuple[bytes, bytes]]
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # ~500k tokens of text: above any context here
 MAX_JSON_DEPTH = 100
-ANTHROPIC_PATHS = frozenset({"/v1/messages"})
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
     b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"host", b"content-length",

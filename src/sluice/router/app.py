@@ -2,7 +2,7 @@
 
     POST /v1/chat/completions, /v1/completions, /v1/messages   routed and streamed
     GET  /v1/models                                            union of the pools
-    POST /tokenize, /detokenize                                passed to a worker
+    POST /tokenize, /detokenize, /v1/messages/count_tokens     passed to a worker
     GET  /health, /metrics                                     the router's own
     GET  /status, /status.json                                 live status page (status.py)
     /admin/...                                                 see admin.py
@@ -131,6 +131,8 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)  # outermost: 413 first
     app.add_route("/tokenize", _passthrough("/tokenize"), methods=["POST"])
     app.add_route("/detokenize", _passthrough("/detokenize"), methods=["POST"])
+    app.add_route("/v1/messages/count_tokens", _passthrough("/v1/messages/count_tokens"),
+                  methods=["POST"])
     app.add_route("/v1/models", models, methods=["GET"])
     app.add_route("/v1/models/{model_id:path}", model, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])

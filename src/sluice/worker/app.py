@@ -3,12 +3,13 @@
     build_app(engine, config) -> FastAPI
       POST /v1/chat/completions  /v1/completions  /v1/messages   (JSON or SSE)
       GET  /v1/models  /health  /metrics        POST /tokenize  /detokenize
+      POST /v1/messages/count_tokens (Anthropic's, as vLLM serves it)
       GET/POST /v1/pd_role (P/D role, epoch fencing: sluice.worker.pd)
 
 The engine core runs in its own process (AsyncEngine.spawn); handlers only await
 its output queues, so a long prefill never blocks this event loop. Bodies are parsed by hand
 (`parse_body`) so every failure is one of sluice's errors, rendered by one handler:
-OpenAI's error JSON everywhere, Anthropic's on `/v1/messages`. A stream that ends
+OpenAI's error JSON everywhere, Anthropic's on `/v1/messages` (and count_tokens). A stream that ends
 early (client disconnect) closes its `Run`, which aborts the request in the engine.
 """
 
@@ -76,7 +77,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sluice.worker")
 
-ANTHROPIC_PATHS = ("/v1/messages",)
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 
 
 def build_app(engine: AsyncEngine | None, config: WorkerConfig) -> FastAPI:
@@ -146,6 +147,17 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
                                _ids_headers(state, chat_req))
         resp = await until_disconnect(request, chat_response(job))
         return JSONResponse(anthropic.from_chat_response(resp.model_dump(), req).model_dump())
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict[str, Any]:
+        body = await parse_body(request)
+        req = parse_request(anthropic.CountTokensRequest, anthropic.reject_unsupported(body))
+        try:
+            prompt = parse_request(TokenizeRequest, anthropic.count_tokens_prompt(req))
+            return {"input_tokens": _tokenize(state, prompt)["count"]}
+        except InvalidRequestError as exc:  # name the field as the Anthropic client wrote it
+            exc.param = anthropic.anthropic_param(exc.param)
+            raise
 
     def cards() -> list[ModelCard]:
         engine = state.require_engine()
