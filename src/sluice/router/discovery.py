@@ -30,7 +30,6 @@ from collections.abc import Awaitable, Callable
 
 from sluice.protocol.errors import SluiceError
 from sluice.router.config import DnsTarget, WorkerSpec
-from sluice.router.endpoints import Endpoint
 from sluice.router.pool import Pool
 from sluice.router.state import RouterState
 
@@ -73,13 +72,18 @@ class DnsDiscovery:
         wanted = {self.target.url(a) for a in addresses}
         for url in sorted(wanted - self.found):
             await self._add(url)
+        self.found &= self.pool.endpoints.keys()  # (again: the adds awaited probes)
         for url in sorted(self.found & wanted):
             if self.gone_at.pop(url, None) is not None:  # came back
-                self._endpoint(url).draining = False
+                self.pool.endpoints[url].draining = False
                 log.info("discovered worker %s is back", url)
         now = self.clock()
         for url in sorted(self.found - wanted):
-            endpoint = self._endpoint(url)
+            endpoint = self.pool.endpoints.get(url)
+            if endpoint is None:  # removed elsewhere while this round awaited
+                self.found.discard(url)
+                self.gone_at.pop(url, None)
+                continue
             if url not in self.gone_at:
                 self.gone_at[url] = now
                 endpoint.draining = True
@@ -100,9 +104,6 @@ class DnsDiscovery:
             return
         self.found.add(url)
         log.info("discovered worker %s (%s)", url, self.target.host)
-
-    def _endpoint(self, url: str) -> Endpoint:
-        return self.pool.endpoints[url]
 
     async def first_sync(self) -> None:
         """The first round, before the router listens; a failure is logged (the name may
