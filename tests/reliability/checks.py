@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from sluice.protocol.edge import ANTHROPIC_PATHS
+
 OPENAI_ERROR_FIELDS = {"message", "type", "param", "code"}
 
 
@@ -28,7 +30,7 @@ def error_shape(path: str, status: int, body: bytes) -> dict[str, Any]:
     """The error object of a 4xx/5xx answer, after checking its shape for `path`."""
     assert 400 <= status < 600, status
     doc = json.loads(body)
-    if path.split("?")[0] == "/v1/messages":
+    if path.split("?")[0] in ANTHROPIC_PATHS:  # /v1/messages and its count_tokens
         assert doc.get("type") == "error", doc
         assert isinstance(doc["error"]["type"], str) and isinstance(doc["error"]["message"], str)
         return dict(doc["error"])

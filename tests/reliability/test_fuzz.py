@@ -56,6 +56,7 @@ def body_models() -> dict[str, type[BaseModel]]:
     return {"/v1/chat/completions": openai.ChatCompletionRequest,
             "/v1/completions": openai.CompletionRequest,
             "/v1/messages": anthropic.MessagesRequest,
+            "/v1/messages/count_tokens": anthropic.CountTokensRequest,
             "/tokenize": openai.TokenizeRequest,
             "/detokenize": openai.DetokenizeRequest}
 
