@@ -30,23 +30,31 @@ ADMIN = {"authorization": "Bearer k"}
 MODEL = "stub-model"
 
 
-@asynccontextmanager
-async def stack(backend: StubBackend, planner: PlannerConfig, initial: int,
-                interval_s: float = 0.1, **router_kw: Any
-                ) -> AsyncIterator[tuple[str, list[Controller]]]:
-    config = RouterConfig(pools=(PoolConfig(model=MODEL, policy="least_load"),),
-                          admin_key="k", health_interval_s=0.2, scrape_interval_s=0.2,
-                          **router_kw)
+def one_pool(backend: StubBackend, planner: Planner, control: ControllerConfig | None = None,
+             model: Any = None, **router_kw: Any) -> tuple[Any, list[Controller]]:
+    """A router app with one pool run by one controller over `backend`, and the list
+    the controller lands in once the app's lifespan has made it."""
+    config = RouterConfig(pools=(PoolConfig(model=MODEL, policy="least_load"),), **router_kw)
     app = build_app(config, rng=random.Random(0))
     made: list[Controller] = []
 
     def controllers(state: RouterState) -> list[Controller]:
-        made.append(Controller("stub", state, state.pools[0], backend,
-                               Planner(planner, initial=initial),
-                               ControllerConfig(interval_s=interval_s, drain_grace_s=10)))
+        made.append(Controller("stub", state, state.pools[0], backend, planner,
+                               control or ControllerConfig(), model=model))
         return made
 
     attach(app, controllers)
+    return app, made
+
+
+@asynccontextmanager
+async def stack(backend: StubBackend, planner: PlannerConfig, initial: int,
+                interval_s: float = 0.1, **router_kw: Any
+                ) -> AsyncIterator[tuple[str, list[Controller]]]:
+    app, made = one_pool(backend, Planner(planner, initial=initial),
+                         ControllerConfig(interval_s=interval_s, drain_grace_s=10),
+                         admin_key="k", health_interval_s=0.2, scrape_interval_s=0.2,
+                         **router_kw)
     async with serve_router(app) as url:
         yield url, made
 
@@ -123,16 +131,7 @@ async def test_a_pool_whose_workers_all_fail_to_start_fails_the_startup() -> Non
 
     backend = StubBackend(start_delay_s=0.05, broken=frozenset({"bad"}))
     fixed = PlannerConfig(min_replicas=2, max_replicas=2)
-    config = RouterConfig(pools=(PoolConfig(model=MODEL, policy="least_load"),))
-    app = build_app(config, rng=random.Random(0))
-    made: list[Controller] = []
-
-    def controllers(state: RouterState) -> list[Controller]:
-        made.append(Controller("stub", state, state.pools[0], backend,
-                               Planner(fixed, initial=2), model=ModelSpec("bad")))
-        return made
-
-    attach(app, controllers)
+    app, made = one_pool(backend, Planner(fixed, initial=2), model=ModelSpec("bad"))
     with pytest.raises(RuntimeError, match="startup"):
         async with serve_router(app):
             pass
@@ -152,19 +151,9 @@ async def test_a_worker_that_cannot_start_is_retried_with_backoff() -> None:
 
     backend = StubBackend(start_delay_s=0.02, broken=frozenset({"bad"}))
     fixed = PlannerConfig(min_replicas=1, max_replicas=1)
-    config = RouterConfig(pools=(PoolConfig(model=MODEL, policy="least_load"),),
-                          health_interval_s=0.2)
-    app = build_app(config, rng=random.Random(0))
-    made: list[Controller] = []
-
-    def controllers(state: RouterState) -> list[Controller]:
-        made.append(Controller("stub", state, state.pools[0], backend,
-                               Planner(fixed, initial=1),
-                               ControllerConfig(interval_s=0.05, start_backoff_s=0.2,
-                                                start_backoff_max_s=0.8)))
-        return made
-
-    attach(app, controllers)
+    app, made = one_pool(backend, Planner(fixed, initial=1),
+                         ControllerConfig(interval_s=0.05, start_backoff_s=0.2,
+                                          start_backoff_max_s=0.8), health_interval_s=0.2)
     async with serve_router(app):
         (ctl,) = made
         ctl.model = ModelSpec("bad")
@@ -184,18 +173,9 @@ async def test_a_hung_worker_is_killed_and_replaced() -> None:
     kills it and a replacement starts; a shorter outage is forgiven."""
     backend = StubBackend(start_delay_s=0.05)
     fixed = PlannerConfig(min_replicas=2, max_replicas=2)
-    config = RouterConfig(pools=(PoolConfig(model=MODEL, policy="least_load"),),
-                          health_interval_s=0.1)
-    app = build_app(config, rng=random.Random(0))
-    made: list[Controller] = []
-
-    def controllers(state: RouterState) -> list[Controller]:
-        made.append(Controller("stub", state, state.pools[0], backend,
-                               Planner(fixed, initial=2),
-                               ControllerConfig(interval_s=0.05, liveness_timeout_s=0.6)))
-        return made
-
-    attach(app, controllers)
+    app, made = one_pool(backend, Planner(fixed, initial=2),
+                         ControllerConfig(interval_s=0.05, liveness_timeout_s=0.6),
+                         health_interval_s=0.1)
     async with serve_router(app):
         (ctl,) = made
         blip, hung = backend.workers["s0"], backend.workers["s1"]
@@ -295,14 +275,10 @@ async def test_a_failing_step_is_logged_and_the_loop_goes_on_supervising(
     """An unexpected error in a step is logged with its traceback, and the loop lives:
     the next steps still take a dead worker out and start its replacement."""
     backend = StubBackend()
-    config = RouterConfig(pools=(PoolConfig(model=MODEL, policy="least_load"),),
-                          admin_key="k", health_interval_s=0.2, scrape_interval_s=0.2)
-    app = build_app(config, rng=random.Random(0))
-    made: list[Controller] = []
     fixed = PlannerConfig(min_replicas=1, max_replicas=1)
-    attach(app, lambda state: made.append(Controller(
-        "stub", state, state.pools[0], backend, FailingPlanner(fixed, initial=1),
-        ControllerConfig(interval_s=0.05))) or made)
+    app, made = one_pool(backend, FailingPlanner(fixed, initial=1),
+                         ControllerConfig(interval_s=0.05), admin_key="k",
+                         health_interval_s=0.2, scrape_interval_s=0.2)
     with caplog.at_level("ERROR", logger="sluice.control.controller"):
         async with serve_router(app):
             (ctl,) = made
