@@ -278,7 +278,8 @@ async def run_phase(cluster: Cluster, load: Workload, phase: Phase) -> Phase:
     cache = TokenCache()  # one per process, as in `sluice serve`: the gateway counts
     app = build_app(config, token_cache=cache)
     wrap = gateway_wrap(argparse.Namespace(model=cluster.model_path, admin_key=None,
-                                           database_url=cluster.database_url, redis_url=None),
+                                           database_url=cluster.database_url, redis_url=None,
+                                           prices=None),
                         cache)
     key = (env.home() / "dev-key").read_text().strip()  # saved by gateway_wrap
     async with RouterServer(wrap(app), "127.0.0.1", 0, shutdown_timeout_s=5,
