@@ -436,14 +436,23 @@ def _tool_use_ids(m: Message) -> set[str]:
     return {b.id for b in blocks if isinstance(b, ToolUseBlock)}
 
 
-def to_chat_body(req: MessagesRequest) -> dict[str, Any]:
-    """The OpenAI chat request equivalent to an Anthropic Messages request (whose turns
-    `check_conversation` has passed)."""
+def prompt_body(req: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
+    """The prompt half of the OpenAI chat request: the model, messages and tools, and for
+    a prefill the final assistant text continued instead of the answer's turn opened;
+    what the worker templates for `/v1/messages` and `/v1/messages/count_tokens` alike.
+    Turns that `check_conversation` refuses are a 400."""
     check_conversation(req)
-    body: dict[str, Any] = {"model": req.model, **chat_prompt(req.model_dump()),
-                            "max_tokens": req.max_tokens, **chat_tool_choice(req.tool_choice)}
-    if is_prefill(body["messages"]):  # the answer continues the final assistant text
-        body.update(add_generation_prompt=False, continue_final_message=True)
+    prompt: dict[str, Any] = {"model": req.model, **chat_prompt(req.model_dump())}
+    if is_prefill(prompt["messages"]):  # the answer continues the final assistant text
+        prompt.update(add_generation_prompt=False, continue_final_message=True)
+    return prompt
+
+
+def to_chat_body(req: MessagesRequest) -> dict[str, Any]:
+    """The OpenAI chat request equivalent to an Anthropic Messages request: its
+    `prompt_body`, then the sampling fields."""
+    body = {**prompt_body(req), "max_tokens": req.max_tokens,
+            **chat_tool_choice(req.tool_choice)}
     optional = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
                 "stop": req.stop_sequences or None,
                 "user": req.metadata.user_id if req.metadata else None}
@@ -458,13 +467,8 @@ def to_chat_body(req: MessagesRequest) -> dict[str, Any]:
 
 def count_tokens_prompt(req: CountTokensRequest) -> dict[str, Any]:
     """The `/tokenize` request (vLLM's, with messages) whose count is the input tokens of
-    a Messages request with `req`'s prompt: its messages and tools, the answer's turn
-    opened, or a final assistant text continued (a prefill), as `to_chat_body` does."""
-    check_conversation(req)
-    prompt: dict[str, Any] = {"model": req.model, **chat_prompt(req.model_dump())}
-    if is_prefill(prompt["messages"]):
-        prompt.update(add_generation_prompt=False, continue_final_message=True)
-    return prompt
+    a Messages request with `req`'s prompt: `prompt_body`, as `to_chat_body` sends it."""
+    return prompt_body(req)
 
 
 def is_prefill(messages: list[dict[str, Any]]) -> bool:
