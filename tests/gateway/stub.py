@@ -43,6 +43,7 @@ class StubUpstream:
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.chat, methods=["POST"]),
             Route("/v1/messages", self.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
             Route("/v1/models", self.models),
             Route("/v1/models/{model_id:path}", self.model),
             Route("/health", self.health),
@@ -127,6 +128,10 @@ class StubUpstream:
             "content": [{"type": "text", "text": " ".join(["tok"] * n)}],
             "stop_reason": "max_tokens", "stop_sequence": None,
             "usage": {"input_tokens": PROMPT_TOKENS, "output_tokens": n}})
+
+    async def count_tokens(self, request: Request) -> Response:
+        await self._take(request)
+        return JSONResponse({"input_tokens": PROMPT_TOKENS})
 
     async def _messages_stream(self, body: dict[str, Any], n: int) -> AsyncIterator[bytes]:
         def event(kind: str, data: dict[str, Any]) -> bytes:

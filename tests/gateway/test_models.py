@@ -6,6 +6,7 @@ models; the official `openai` SDK and raw httpx as clients.
 
 from __future__ import annotations
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -73,3 +74,24 @@ async def test_tenant_list_alone_restricts_the_listing(sqlite_store: SQLStore,
     async with serve(gw) as url:
         client = openai.AsyncOpenAI(api_key=key, base_url=url + "/v1", max_retries=0)
         assert [m.id for m in (await client.models.list()).data] == ["small", "large"]
+
+
+async def test_count_tokens_applies_the_allow_list_and_records_the_model(
+        sqlite_store: SQLStore, upstream: StubUpstream) -> None:
+    # Anthropic's token counting names a model: a key may count only for models it may
+    # use, and the ledger row names the model; it reserves and records no tokens
+    key = new_key(sqlite_store, allowed_models=("small",))
+    gw = GatewayMiddleware(upstream, make_state(sqlite_store))
+    messages = [{"role": "user", "content": "hi"}]
+    async with serve(gw) as url:
+        client = anthropic.AsyncAnthropic(api_key=key, base_url=url, max_retries=0)
+        counted = await client.messages.count_tokens(model="small", messages=messages)
+        assert counted.input_tokens == 7  # the stub's count, passed through
+        with pytest.raises(anthropic.NotFoundError) as refused:
+            await client.messages.count_tokens(model="large", messages=messages)
+        assert refused.value.body["error"]["type"] == "not_found_error"
+    assert [b["model"] for b in upstream.received] == ["small"]  # the refused one stayed
+    rows = sorted((r.model or "", r.status, r.prompt_tokens, r.completion_tokens)
+                  for r in sqlite_store.query_usage(UsageQuery())
+                  if r.endpoint == "/v1/messages/count_tokens")
+    assert rows == [("large", "rejected", 0, 0), ("small", "ok", 0, 0)]

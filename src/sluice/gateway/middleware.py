@@ -89,6 +89,10 @@ ASGIApp = Callable[[Scope_, Receive, Send], Awaitable[None]]
 GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages",
                         "/v1/embeddings")
 ANTHROPIC_ENDPOINTS = ("/v1/messages", "/v1/messages/count_tokens")
+# Endpoints whose JSON body names a model but produces no tokens (Anthropic's token
+# counting, free of tokens and limited by requests only, as Anthropic rates it): the
+# model is checked against the key's allow-list and recorded; nothing is reserved.
+MODEL_ONLY_ENDPOINTS = ("/v1/messages/count_tokens",)
 EMBEDDINGS_PATH = "/v1/embeddings"
 STREAM_USAGE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 # a worker's control routes (its P/D role; vLLM's runtime LoRA loading): an operator's,
@@ -308,7 +312,8 @@ class Exchange:
         payload = await self.parse_payload(raw) if self.scope["method"] == "POST" else None
         self.apply_policy(adm, payload)
         adm.body = await self.outgoing_body(adm, raw, payload)
-        await self.reserve(adm, payload, unconfirmed)
+        await self.reserve(adm, None if self.endpoint in MODEL_ONLY_ENDPOINTS else payload,
+                           unconfirmed)
         return adm
 
     async def current(self, version: int, decision: Decision | None = None) -> bool:
@@ -352,7 +357,7 @@ class Exchange:
     async def parse_payload(self, raw: bytes) -> dict[str, Any] | None:
         """The JSON object of a generation request (400 for anything else); a large body
         is parsed on a worker thread, so one request's parse never stalls the others."""
-        if self.endpoint not in GENERATION_ENDPOINTS:
+        if self.endpoint not in GENERATION_ENDPOINTS and self.endpoint not in MODEL_ONLY_ENDPOINTS:
             return None
         if len(raw) <= INLINE_PARSE_BYTES:
             return load_json_object(raw, param="body")
@@ -375,6 +380,8 @@ class Exchange:
                                       param="kv_transfer_params")
         adm.model = model_of(payload, allowed_models(adm.principal) is not None)
         check_model_allowed(adm.model, tenant.settings.allowed_models, key.settings.allowed_models)
+        if self.endpoint in MODEL_ONLY_ENDPOINTS:
+            return
         adm.stream = payload.get("stream") is True
         self.set_priority(adm, payload)
         if adm.stream and self.endpoint in STREAM_USAGE_ENDPOINTS:
