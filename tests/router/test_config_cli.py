@@ -15,7 +15,13 @@ from router_stubs import StubState, free_port, make_stub, serve
 from sluice.cli import build_parser, main
 from sluice.protocol.errors import InvalidRequestError
 from sluice.router.cli import config_from_args
-from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec, load_config_file
+from sluice.router.config import (
+    AdapterSpec,
+    PoolConfig,
+    RouterConfig,
+    WorkerSpec,
+    load_config_file,
+)
 
 
 def parse(*argv: str):  # type: ignore[no-untyped-def]
@@ -79,6 +85,24 @@ def test_bad_config_is_rejected_naming_the_field(tmp_path: Path) -> None:
         PoolConfig(workers=(WorkerSpec("http://a"), WorkerSpec("http://a/")))
     with pytest.raises(InvalidRequestError):
         config_from_args(parse("--worker", "http://a", "--worker-kv-events", "http://a"))
+
+
+def test_an_adapter_base_is_checked_against_the_pools_that_name_their_model() -> None:
+    """A base is one of the pools' names (a model or a pool alias); a pool with no model
+    serves what its workers list, and a config with no pools gets them from the flags:
+    those are checked by the config that has them (above)."""
+    sql = AdapterSpec("sql", "/adapters/sql", base="gpt-4o")
+    named = PoolConfig(model="llama", aliases=("gpt-4o",))
+    assert RouterConfig(pools=(named,), adapters=(sql,)).adapters == (sql,)
+    assert RouterConfig(adapters=(sql,)).adapters == (sql,)
+    assert RouterConfig(pools=(PoolConfig(model="qwen"), PoolConfig()),
+                        adapters=(sql,)).adapters == (sql,)
+    with pytest.raises(InvalidRequestError) as err:
+        RouterConfig(pools=(PoolConfig(model="qwen"), PoolConfig(model="mistral")),
+                     adapters=(AdapterSpec("free", "/adapters/free"), sql))
+    assert err.value.param == "base"
+    assert err.value.message == ("adapter 'sql': no pool serves its base model 'gpt-4o' "
+                                 "(the pools serve mistral, qwen)")
 
 
 YAML_NUMBERS = {"nan": ".nan", "inf": ".inf"}
@@ -145,6 +169,15 @@ def test_buffer_timeout_is_checked_by_the_router_config(tmp_path: Path, value: s
     (["--worker", "http://a:1", "--worker-kv-events", "http://a:1=tcp://127.0.0.1:5557",
       "--worker-kv-events", "http://a:1/=tcp://127.0.0.1:5558"], None,
      "--worker-kv-events gives http://a:1/ twice"),
+    # an adapter's base that no pool serves (a typo) was accepted, and each request for
+    # the adapter was a 404 naming the base
+    (["--config", "{dir}/r.yaml"],
+     "pools: [{model: llama, workers: ['http://a:1']}]\n"
+     "adapters: [{name: sql, path: /adapters/sql, base: lama}]\n",
+     "adapter 'sql': no pool serves its base model 'lama' (the pools serve llama)"),
+    (["--config", "{dir}/r.yaml", "--worker", "http://a:1", "--model", "llama"],
+     "adapters: [{name: sql, path: /adapters/sql, base: lama}]\n",
+     "adapter 'sql': no pool serves its base model 'lama'"),
     # read after the others, each was a traceback and exit 1
     (["--worker", "http://a:1", "--metrics-buckets", "bogus"], None,
      "bad metrics bucket spec 'bogus'"),

@@ -485,6 +485,22 @@ def check_alias_cycles(aliases: Sequence[AliasSpec]) -> None:
         walk(name, (name,))
 
 
+def check_adapter_bases(adapters: Sequence[AdapterSpec], pools: Sequence[PoolConfig]) -> None:
+    """Refuse an adapter whose `base` no pool serves (a typo): it was accepted, listed in
+    /v1/models, never loaded, and each request for it was a 404 naming the base. Checked
+    where every pool names its model; one with `model: null` serves what its workers
+    list, known only once they answer, and no pools yet (the --worker flags add one)
+    leaves the check to the config that has them."""
+    if not pools or any(not p.model for p in pools):
+        return
+    served = {name for p in pools for name in p.names}
+    for spec in adapters:
+        if spec.base is not None and spec.base not in served:
+            raise InvalidRequestError(f"adapter {spec.name!r}: no pool serves its base model "
+                                      f"{spec.base!r} (the pools serve "
+                                      f"{', '.join(sorted(served))})", param="base")
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """Everything the router process needs; `build_app(config)` reads nothing else."""
@@ -537,6 +553,7 @@ class RouterConfig:
                      lambda v: v > 0)
         check_number("buffer_timeout_s", self.buffer_timeout_s, "must be >= 0", lambda v: v >= 0)
         check_alias_cycles(self.aliases)
+        check_adapter_bases(self.adapters, self.pools)
         if self.buffer_max_requests < 0:
             raise InvalidRequestError("buffer_max_requests must be >= 0",
                                       param="buffer_max_requests")
