@@ -385,3 +385,17 @@ async def test_malformed_stream_is_a_bad_stream_error() -> None:
         session = Session(0, (Turn(Segment(" a", 1, (5,)), 2),))
         rec = await client.send(session, 0, [], 0.0)
     assert rec.error == "bad_stream" and not rec.ok
+
+
+@pytest.mark.parametrize("content", ["root:x:0:0:root:/root:/bin/bash\n", '{"version": "1.0"}'])
+def test_a_file_that_is_no_tokenizer_is_one_error_line(content: str, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """`--tokenizer /etc/passwd` (or a JSON file without a model) was a traceback from
+    `tokenizers` ("Exception: expected value at line 1 column 1")."""
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text(content)
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m",
+                 "--tokenizer", str(bad), "--num-prompts", "1", "--disable-tqdm"]) == 2
+    err = capsys.readouterr().err
+    assert f"sluice bench serve: error: {bad} is not a tokenizers file (" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

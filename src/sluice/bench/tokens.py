@@ -86,7 +86,11 @@ class LocalTokenizer:
             file = file / "tokenizer.json"
         if not file.is_file():
             raise InvalidRequestError(f"no tokenizer file at {file}", param="tokenizer")
-        self._tok = Tokenizer.from_file(str(file))
+        try:
+            self._tok = Tokenizer.from_file(str(file))
+        except Exception as exc:  # tokenizers raises a bare Exception for any bad file
+            raise InvalidRequestError(f"{file} is not a tokenizers file ({exc})",
+                                      param="tokenizer") from exc
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
