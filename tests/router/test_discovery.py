@@ -5,9 +5,12 @@ resolver is the edge), the workers, the router and the requests are real."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import random
+import socket
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -188,10 +191,56 @@ def test_target_urls() -> None:
     assert (t.host, t.port, t.url("10.1.2.3")) == ("sluice-workers-pods.ns.svc.cluster.local",
                                                     8000, "http://10.1.2.3:8000")
     assert DnsTarget.parse("https://w").url("fd00::1") == "https://[fd00::1]:443"
+    assert t.url("fe80::1%eth0") == "http://[fe80::1%eth0]:8000"  # the zone the clients read
     for bad in ("w:8000", "http://w:8000/v1", "http://w:99999", "ftp://w"):
         with pytest.raises(InvalidRequestError) as err:
             DnsTarget.parse(bad)
         assert err.value.param == "discover"
+
+
+async def test_a_link_local_address_keeps_its_zone() -> None:
+    """getaddrinfo gives an IPv6 scope as a number beside the address (Python 3.7+ drops
+    `%zone` from the string): the address alone names no interface and cannot be
+    reached, so the zone is put back, by name."""
+    index, name = socket.if_nameindex()[0]
+    assert await resolve_addresses(f"fe80::1%{index}", 80) == [f"fe80::1%{name}"]
+    assert await resolve_addresses("::1", 80) == ["::1"]  # no scope: no zone
+
+
+def link_local() -> tuple[str, str] | None:
+    """(address, interface) of one of this machine's IPv6 link-local addresses."""
+    try:
+        lines = Path("/proc/net/if_inet6").read_text().splitlines()
+    except OSError:
+        return None
+    for hexed, _, _, scope, _, name in (line.split() for line in lines):
+        if scope == "20":  # link
+            return str(ipaddress.IPv6Address(bytes.fromhex(hexed))), name
+    return None
+
+
+async def test_a_link_local_worker_is_reached_through_its_zone() -> None:
+    """A link-local address is reachable only through its interface: the resolver's
+    scope id, which getaddrinfo gives beside the address (Python 3.7+ drops `%zone`
+    from the string), was dropped, the worker joined as `http://[fe80::...]:PORT`,
+    its probe failed, and the pool never had a ready worker."""
+    found = link_local()
+    if found is None:
+        pytest.skip("no IPv6 link-local address here")
+    address, interface = found
+    a, port = StubState("a"), free_port()
+    config = RouterConfig(pools=(PoolConfig(model="stub-model"),), health_interval_s=0.1,
+                          seed=0)
+    app = build_app(config, rng=random.Random(0))
+    numeric = f"{address}%{socket.if_nametoindex(interface)}"  # as a resolver answers
+    async with stub_at(a, f"{address}%{interface}", port), serve_router(app) as router, \
+            httpx.AsyncClient(base_url=router, timeout=10) as client:
+        state = app.state.router
+        discovery = DnsDiscovery(state, state.pools[0], DnsTarget("http", numeric, port))
+        await discovery.sync()
+        assert discovery.found == {f"http://[{address}%{interface}]:{port}"}
+        r = await client.post("/v1/chat/completions", json=chat("hi"))
+        assert r.status_code == 200 and r.json()["worker"] == "a", r.text
 
 
 async def test_a_pool_discovers_its_workers_from_the_config_with_the_system_resolver() -> None:

@@ -76,6 +76,8 @@ class DnsTarget:
         return cls(parts.scheme, parts.hostname, port)
 
     def url(self, address: str) -> str:
+        """IPv6 in brackets, a link-local zone as the resolver gave it, `[fe80::1%eth0]`
+        (not RFC 6874's `%25eth0`, which neither httpx nor upstream.Target resolves)."""
         host = f"[{address}]" if ":" in address else address
         return f"{self.scheme}://{host}:{self.port}"
 

@@ -9,7 +9,9 @@ sglang-router's `--service-discovery` do the same through the Kubernetes API; DN
 no RBAC and works with any resolver, Consul's and docker compose's included):
 
 - a new address joins as `scheme://ADDRESS:PORT` (`RouterState.add_worker`: it takes
-  requests once a health probe answered);
+  requests once a health probe answered); an IPv6 one as `scheme://[ADDRESS]:PORT`, a
+  link-local one with its zone, `http://[fe80::1%eth0]:8000` (the form the probes'
+  httpx and upstream.Target connect to; RFC 6874's `%25eth0` neither resolves);
 - an address that is gone (its pod not ready, or terminating) stops getting requests
   at once (draining) and leaves the pool when its in-flight requests have finished, or
   after `grace_s`; one that comes back within that time is routed to again;
@@ -27,6 +29,7 @@ import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from sluice.protocol.errors import SluiceError
 from sluice.router.config import DnsTarget, WorkerSpec
@@ -40,7 +43,9 @@ NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONA
 
 
 async def resolve_addresses(host: str, port: int) -> list[str]:
-    """Every address `host` resolves to (IPv4 and IPv6); [] when the name has none."""
+    """Every address `host` resolves to (IPv4 and IPv6); [] when the name has none. An
+    IPv6 address with a scope (link-local) keeps its zone, `fe80::1%eth0`: without it
+    the address cannot be reached."""
     loop = asyncio.get_running_loop()
     try:
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -48,7 +53,20 @@ async def resolve_addresses(host: str, port: int) -> list[str]:
         if exc.errno in NO_SUCH_NAME:
             return []
         raise
-    return sorted({str(info[4][0]) for info in infos})
+    return sorted({_with_zone(info[4]) for info in infos})
+
+
+def _with_zone(sockaddr: tuple[Any, ...]) -> str:
+    """`getaddrinfo`'s address; for IPv6 with a scope id, `ADDRESS%ZONE` (the interface's
+    name, else the id: RFC 4007)."""
+    address = str(sockaddr[0])
+    scope = sockaddr[3] if len(sockaddr) == 4 else 0
+    if not scope or "%" in address:
+        return address
+    try:
+        return f"{address}%{socket.if_indextoname(scope)}"
+    except OSError:  # no interface of that index here: the number is a zone too
+        return f"{address}%{scope}"
 
 
 class DnsDiscovery:
