@@ -29,6 +29,13 @@ CASES = {
     "escaped name and string": ('<tool_call>{"name": "a\\u0062", "arguments": '
                                 '{"s": "a\\\\\\"}b"}}</tool_call>', None,
                                 [("ab", '{"s": "a\\\\\\"}b"}')]),
+    # what is not a call stays content (vLLM's hermes parser), never dropped
+    "head cut by max_tokens": ('Let me see <tool_call>\n{"name": "get_wea',
+                               'Let me see <tool_call>\n{"name": "get_wea', []),
+    "block that is not JSON": ("a <tool_call>oops</tool_call> b",
+                               "a <tool_call>oops</tool_call> b", []),
+    "block without a name": ('<tool_call>{"nam": "f"}</tool_call>',
+                             '<tool_call>{"nam": "f"}</tool_call>', []),
 }
 
 

@@ -163,10 +163,12 @@ class HermesStream(ToolCallStream):
         return "".join(content), deltas
 
     def finish(self) -> tuple[str, list[CallDelta]]:
-        """End of output: text still held (a partial `<tool_call>`) is content; an
-        unterminated call's text was already sent as it came."""
-        rest, self.buffer = (self.buffer if self.state == "text" else ""), ""
-        return rest, []
+        """End of output: text still held is content (a partial `<tool_call>`, or a block
+        whose head never parsed: cut by `max_tokens` or a stop, as vLLM's hermes parser
+        returns it); a call whose arguments began was already sent as it came."""
+        held = {"text": self.buffer, "head": OPEN + self.buffer}.get(self.state, "")
+        self.buffer = ""
+        return held, []
 
     def _advance(self, content: list[str], deltas: list[CallDelta]) -> bool:
         """Consume what the buffer allows in the current state; True to go again."""
@@ -195,16 +197,18 @@ class HermesStream(ToolCallStream):
                 JsonValueScanner()
             return True
         end = self.buffer.find(CLOSE)  # never matched the head: keys in another order
-        return self._whole_call(end, deltas) if end >= 0 else False
+        return self._whole_call(end, content, deltas) if end >= 0 else False
 
-    def _whole_call(self, end: int, deltas: list[CallDelta]) -> bool:
-        """A call with its keys in another order: read it whole once it closes."""
+    def _whole_call(self, end: int, content: list[str], deltas: list[CallDelta]) -> bool:
+        """A call with its keys in another order: read it whole once it closes. A block
+        that is no call (not JSON, no name) is content, as vLLM's hermes parser has it."""
         body, self.buffer, self.state = self.buffer[:end], self.buffer[end + len(CLOSE):], "text"
         try:
             call = json.loads(body)
             name, args = call["name"], call.get("arguments", {})
         except (ValueError, KeyError, TypeError):
-            return True  # not a call after all: dropped, like any malformed block
+            content.append(OPEN + body + CLOSE)
+            return True
         self.index += 1
         deltas.append(CallDelta(self.index, new_call_id(), str(name), json.dumps(args)))
         return True
