@@ -270,13 +270,15 @@ def test_bad_options_fail_clearly(argv: list[str], message: str, capsys: pytest.
         (["--endpoint", "/v1/embeddings"], "--endpoint must end in /completions"),
         (["--json", "/nonexistent/dir/out.json"], "--json /nonexistent/dir/out.json: no such directory"),
         (["--plot", "/nonexistent/dir/out.png"], "--plot /nonexistent/dir/out.png: no such directory"),
+        (["--plot", "/tmp/out.txt"], "--plot /tmp/out.txt: matplotlib does not write .txt (use one of"),
     ],
 )
 def test_bad_values_exit_2_with_one_line(argv: list[str], message: str,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     """Each of these was a traceback (`--warmup -1`, `--num-sessions -1`: islice's
     ValueError; `--endpoint`: a bare ValueError), a silent default (`--num-sessions 0`
-    ran 8 sessions) or a run whose every request failed (`--request-timeout 0`)."""
+    ran 8 sessions) or a run whose every request failed (`--request-timeout 0`); `--plot
+    out.txt` ran the whole benchmark, then was a ValueError traceback from savefig."""
     assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", "m", *argv]) == 2
     err = capsys.readouterr().err
     assert f"sluice bench serve: error: {message}" in err and "Traceback" not in err

@@ -134,3 +134,14 @@ def test_a_start_outside_the_planners_bounds_is_an_error(capsys: pytest.CaptureF
     assert main(["sim", "--num-prompts", "2", "--workers", "2", "--planner", "slo",
                  "--min-workers", "1", "--max-workers", "2"]) == 0
     capsys.readouterr()
+
+
+def test_a_plot_format_matplotlib_cannot_write_is_refused_before_the_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--plot out.txt` ran the whole simulation, then was a ValueError traceback from
+    matplotlib's savefig ("Format 'txt' is not supported")."""
+    out = tmp_path / "out.txt"
+    assert main(["sim", "--num-prompts", "2", "--workers", "2", "--plot", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert f"sluice sim: error: --plot {out}: matplotlib does not write .txt" in captured.err
+    assert "Simulation Result" not in captured.out and not out.exists()

@@ -105,6 +105,20 @@ def check_output(path: str | None, flag: str) -> None:
                                   param=flag.lstrip("-"))
 
 
+def check_plot(path: str | None) -> None:
+    """`--plot FILE`: a writable place (`check_output`) in a format matplotlib writes,
+    refused before the run, not by `savefig` after it."""
+    check_output(path, "--plot")
+    suffix = Path(path).suffix.lstrip(".").lower() if path else ""
+    if suffix:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if suffix not in formats:
+            raise InvalidRequestError(f"--plot {path}: matplotlib does not write .{suffix} "
+                                      f"(use one of {', '.join(sorted(formats))})", param="plot")
+
+
 def write_json(path: str | Path, document: dict[str, Any]) -> None:
     text = json.dumps(_finite(document), indent=2, default=str, allow_nan=False)
     Path(path).write_text(text, encoding="utf-8")

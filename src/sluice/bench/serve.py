@@ -147,7 +147,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         raise InvalidRequestError("--duration with --request-rate inf needs --max-concurrency", param="max_concurrency")
     endpoint_kind(args.endpoint)  # raises on an unknown endpoint
     report.check_output(args.json, "--json")
-    report.check_output(args.plot, "--plot")
+    report.check_plot(args.plot)
     return ServeBenchConfig(
         base_urls=(args.base_url, *(args.compare or [])),
         endpoint=args.endpoint,

@@ -280,7 +280,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     from sluice.sim.cli import default_profile_path
 
     report.check_output(args.json, "--json")
-    report.check_output(args.plot, "--plot")
+    report.check_plot(args.plot)
     profile = profile_from_args(args, default_profile_path())
     if args.planner not in PLANNERS:
         raise InvalidRequestError(f"unknown planner {args.planner!r}; choose from "
