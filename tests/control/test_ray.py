@@ -91,3 +91,68 @@ def test_an_address_where_no_cluster_answers_is_refused_at_once(
                  "--workers", "1"]) == 2
     err_text = capsys.readouterr().err
     assert f"--ray-address '{closed}': no Ray cluster answers there" in err_text
+
+
+def test_a_request_no_node_could_hold_is_told_from_a_busy_cluster() -> None:
+    from sluice.control.ray import unplaceable
+
+    def node(alive: bool = True, **resources: float) -> dict[str, object]:
+        return {"Alive": alive, "Resources": {"memory": 1e9, **resources}}
+
+    two = [node(CPU=2.0), node(CPU=4.0, GPU=1.0), node(alive=False, CPU=64.0, GPU=8.0)]
+    assert unplaceable({"CPU": 4.0, "GPU": 1.0}, two) is None  # fits node 2, idle or not
+    assert unplaceable({"CPU": 2.0, "GPU": 0.0}, two) is None
+    assert unplaceable({"CPU": 8.0, "GPU": 0.0}, two) == \
+        "a worker asks 8 CPU: no node of the Ray cluster has that many " \
+        "(its 2 nodes have at most 4 each)"
+    assert unplaceable({"CPU": 1.0, "GPU": 2.0}, two) == \
+        "a worker asks 2 GPU: no node of the Ray cluster has that many " \
+        "(its 2 nodes have at most 1 each)"
+    split = [node(CPU=8.0), node(CPU=1.0, GPU=1.0)]
+    assert unplaceable({"CPU": 4.0, "GPU": 1.0}, split) == \
+        "a worker asks 4 CPU and 1 GPU: no node of the Ray cluster has them together " \
+        "(its 2 nodes)"
+
+
+@ray.remote
+class Holder:
+    """Holds its CPUs while it lives (the cluster is busy, not too small)."""
+
+    def ready(self) -> bool:
+        return True
+
+
+async def test_a_worker_too_big_for_every_node_fails_at_once_a_busy_one_waits(
+        tiny_llama_dir: Path) -> None:
+    """Two one-CPU nodes: a worker asking 2 CPUs (the cluster's sum, but no node's) waited
+    out the whole startup timeout (300 s by default, 30 s here) as a pending actor; now its start
+    fails at once naming the resource. A worker that fits but finds both nodes busy
+    still waits, up to the timeout."""
+    import time
+
+    from sluice.control.ray import RayBackend
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    args = ["--model", str(tiny_llama_dir), "--max-model-len", "256"]
+    big = RayBackend(args, address=cluster.address, num_cpus=2, startup_timeout_s=30)
+    fits = RayBackend(args, address=cluster.address, num_cpus=1, startup_timeout_s=3)
+    holders = [Holder.options(num_cpus=1).remote() for _ in range(2)]
+    try:
+        ray.get([h.ready.remote() for h in holders], timeout=60)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"^a worker asks 2 CPU: no node of the Ray "
+                                               r"cluster has that many \(its 2 nodes have "
+                                               r"at most 1 each\)$"):
+            await big.start()
+        assert time.monotonic() - started < 5 and not big.list()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await fits.start()
+        assert time.monotonic() - started >= 3 and not fits.list()
+    finally:
+        for backend in (big, fits):
+            await backend.close()
+        ray.shutdown()
+        cluster.shutdown()

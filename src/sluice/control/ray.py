@@ -13,7 +13,10 @@
 The router reaches workers over HTTP at the node's address, as with any backend, so
 the cluster's nodes must be reachable from the router (loopback for a local cluster).
 Resources are declared per actor (`num_cpus`, `num_gpus`: 1 when the node has a GPU
-unless set), so Ray's scheduler spreads workers over the nodes that have room.
+unless set), so Ray's scheduler spreads workers over the nodes that have room. A start
+that no node could hold even idle (more CPUs or GPUs than any node has) fails at once,
+naming the resource (Ray would keep the actor pending: the start waited out its whole
+timeout); one that only waits for busy nodes waits, up to `startup_timeout_s`.
 With no `address`, a local Ray instance is started (and shut down by `close`).
 Ray Serve's own replicas are actors the same way; sluice keeps its router and
 planner and uses Ray only for placement.
@@ -26,7 +29,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +63,23 @@ def join(address: str | None) -> None:
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise InvalidRequestError(f"address {address!r}: cannot join a Ray cluster: "
                                   f"{str(exc).split('. ')[0]}", param="address") from exc
+
+
+def unplaceable(need: Mapping[str, float], nodes: Sequence[Mapping[str, Any]]) -> str | None:
+    """Why an actor asking `need` (resource -> amount) can never be placed on these
+    nodes (`ray.nodes()`): no alive node has that much of each in all, however idle. None
+    when one has (busy now or not: Ray then places it once room frees up)."""
+    totals = [node["Resources"] for node in nodes if node.get("Alive")]
+    asked = {name: amount for name, amount in need.items() if amount > 0}
+    if any(all(t.get(name, 0.0) >= amount for name, amount in asked.items()) for t in totals):
+        return None
+    for name, amount in asked.items():
+        most = max((t.get(name, 0.0) for t in totals), default=0.0)
+        if most < amount:
+            return (f"a worker asks {amount:g} {name}: no node of the Ray cluster has "
+                    f"that many (its {len(totals)} nodes have at most {most:g} each)")
+    return (f"a worker asks {' and '.join(f'{a:g} {n}' for n, a in asked.items())}: no "
+            f"node of the Ray cluster has them together (its {len(totals)} nodes)")
 
 
 @ray.remote
@@ -112,6 +132,10 @@ class RayBackend(Backend):
         return [handle for handle, _ in self.actors.values()]
 
     async def start(self, model: ModelSpec | None = None) -> WorkerHandle:
+        need = {"CPU": self.num_cpus, "GPU": self.num_gpus}
+        error = unplaceable(need, await asyncio.to_thread(ray.nodes))
+        if error is not None:
+            raise RuntimeError(error)
         self._index += 1
         args = self.worker_args + (model.flags() if model is not None else [])
         actor = WorkerActor.options(num_cpus=self.num_cpus,  # type: ignore[attr-defined]
