@@ -190,6 +190,51 @@ async def test_a_hung_worker_is_killed_and_replaced() -> None:
         assert [e["event"] for e in ctl.events][-3:] == ["unresponsive", "start", "ready"]
 
 
+class SickOnStart(StubBackend):
+    """While `sick`, its workers answer /health 200 to the backend, then fail the
+    router's probe."""
+
+    sick = True
+
+    async def start(self, model: Any = None) -> WorkerHandle:
+        handle = await super().start(model)
+        self.workers[handle.id].state.healthy = not self.sick
+        return handle
+
+
+@pytest.mark.parametrize("fault", ["another model", "unhealthy"])
+async def test_a_started_worker_takes_requests_only_once_its_probe_passed(fault: str) -> None:
+    """A replacement that lists none of the models the pool's other workers serve, or
+    whose /health fails the router's probe, was routable all the same (`join` probed it
+    and ignored the answer; a failed probe ejects only at the third). Now, as POST
+    /admin/workers gates a worker, it is stopped without a request and counts as a failed
+    start (backoff); the next start that passes its probe takes requests."""
+    backend = SickOnStart()
+    backend.sick = False
+    fixed = PlannerConfig(min_replicas=2, max_replicas=2)
+    app, made = one_pool(backend, Planner(fixed, initial=2),
+                         ControllerConfig(interval_s=0.05, start_backoff_s=0.5),
+                         health_interval_s=60)
+    async with serve_router(app) as url:
+        (ctl,) = made
+        if fault == "another model":
+            backend.model = "other-name"
+        else:
+            backend.sick = True
+        await backend.kill("s0")
+        await wait_for(lambda: ctl.start_failures == 1, timeout=5.0)
+        (refused,) = backend.gone
+        assert refused.handle.url not in ctl.pool.endpoints
+        assert list(ctl.workers) == [backend.workers["s1"].handle.url]
+        assert refused.stopped_with_drain is False and not refused.state.requests
+        assert [e["event"] for e in ctl.events][-4:] == ["dead", "start", "refused", "stopped"]
+        backend.model, backend.sick = MODEL, False  # the next worker passes its probe
+        await wait_for(lambda: len(ctl.workers) == 2, timeout=5.0)
+        async with httpx.AsyncClient(timeout=10) as client:
+            assert [(await stream(client, url))[0] for _ in range(4)] == [200] * 4
+    assert ctl.start_failures == 0 and not refused.state.requests
+
+
 async def test_scale_to_zero_then_a_buffered_request_wakes_the_pool() -> None:
     backend = StubBackend(start_delay_s=0.3)
     cfg = PlannerConfig(min_replicas=0, max_replicas=1, scale_to_zero_after_s=0.3)

@@ -259,7 +259,11 @@ class Controller:
         finally:
             if role is not None and self.pd is not None:
                 self.pd.started(role)
-        (await self.join(handle, self.revision, started, role)).draining = False
+        endpoint = await self.join(handle, self.revision, started, role)
+        if endpoint is None:
+            self.back_off()
+            return
+        endpoint.draining = False
 
     def back_off(self) -> None:
         """A start failed: the next waits `start_backoff_s`, doubled per failure in a row.
@@ -286,21 +290,47 @@ class Controller:
             raise
 
     async def join(self, handle: WorkerHandle, revision: int, started: float,
-                   role: str | None = None) -> Endpoint:
+                   role: str | None = None) -> Endpoint | None:
         """Add a started worker to the router, held back (draining) until the caller lets
-        it take requests; probed first (health, the model ids it serves)."""
+        it take requests, once its probe passed (`serves`), as POST /admin/workers holds
+        a worker until probed. One that fails it is stopped without a request (event
+        `refused`, recorded in `last_start_error`) and None is returned."""
         endpoint = self.pool.add(WorkerSpec(handle.url, kv_events=handle.kv_events, role=role))
         endpoint.draining = True
+        endpoint.hold_until_probed()
         self.state.start_subscriber(self.pool, endpoint)
         try:
             await self.state.monitor.probe(endpoint)
         except asyncio.CancelledError:  # a start cancelled here would leak the worker
             await self.discard(handle)
             raise
+        if not self.serves(endpoint):
+            await self.refuse(handle, endpoint)
+            return None
         self.workers[handle.url], self.revisions[handle.url] = handle, revision
         self.start_failures, self.next_start_at = 0, 0.0  # workers start again
         self.event("ready", handle, seconds=round(self.clock() - started, 3))
         return endpoint
+
+    def serves(self, endpoint: Endpoint) -> bool:
+        """Its probe passed, by POST /admin/workers's rule: /health answered 200, and
+        /v1/models lists the pool's model or one the pool's other workers list (a pool
+        may serve its workers' model under a name of its own: the router rewrites it);
+        a pool's only worker is not compared."""
+        others = {m for e in self.pool.endpoints.values() if e is not endpoint
+                  for m in e.models}
+        names = others | {self.pool.config.model}
+        return endpoint.healthy and not (endpoint.models and others
+                                         and names.isdisjoint(endpoint.models))
+
+    async def refuse(self, handle: WorkerHandle, endpoint: Endpoint) -> None:
+        """A started worker failed its probe: record why, then stop it unused."""
+        error = (f"worker {handle.url} is not healthy or does not serve "
+                 f"{self.pool.config.model!r} (it lists {list(endpoint.models)})")
+        log.warning("pool %s: %s", self.name, error)
+        self.event("refused", handle, error=error)
+        self.last_start_error = error
+        await self.discard(handle)
 
     async def discard(self, handle: WorkerHandle) -> None:
         """Take a worker that never took a request out of the router and stop it now."""

@@ -4,8 +4,9 @@
       start   as many workers of the new model as the pool counts now (at least one),
               all at once, through the pool's backend, each until /health 200; the
               pool's own starts still in flight (old model) are cancelled
-      join    each joins the router held back (draining) and is probed: it must be
-              healthy and list the pool's model id
+      join    each joins the router held back (draining) and is probed as any new
+              worker (`Controller.join`): healthy, listing the pool's model or what its
+              other workers list
       move    in one event-loop turn the new workers become routable and the old ones
               draining: the router picks only new workers from then on
       drain   the old workers' in-flight streams finish (up to the drain timeout), they
@@ -134,13 +135,14 @@ class Swap:
             return
         self.state = "joining"
         joined = [await ctl.join(h, self.revision, self.started_at) for h in self.handles]
-        self.new = [e.url for e in joined]
-        refused = [e.url for e in joined if not self._serves(e)]
-        if refused:
-            await self._fail(self.handles, f"not healthy or not serving "
-                                           f"{ctl.pool.config.model!r}: {refused}")
+        self.new = [h.url for h in self.handles]
+        refused = [url for url, e in zip(self.new, joined, strict=True) if e is None]
+        if refused:  # `join` stopped those; the others are stopped here
+            await self._fail([h for h, e in zip(self.handles, joined, strict=True) if e],
+                             f"not healthy or not serving {ctl.pool.config.model!r}: "
+                             f"{refused}")
             return
-        self._move(joined)
+        self._move([e for e in joined if e is not None])
         await asyncio.gather(*(ctl.draining[url] for url in self.old if url in ctl.draining),
                              return_exceptions=True)
         self._finish("done")
@@ -156,10 +158,6 @@ class Swap:
             await self._fail(self.handles, f"a worker of the new model failed to start: "
                                            f"{str(errors[0])[:500]}")
         return not errors
-
-    def _serves(self, endpoint: Endpoint) -> bool:
-        name = self.ctl.pool.config.model
-        return endpoint.healthy and (name is None or name in endpoint.models)
 
     def _move(self, joined: list[Endpoint]) -> None:
         """Traffic moves, in one event-loop turn: new workers routable, old ones draining."""
