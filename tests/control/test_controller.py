@@ -19,7 +19,7 @@ import pytest
 
 from control.stub_backend import StubBackend
 from router.router_stubs import serve_router
-from sluice.control.backend import WorkerHandle, WorkerHealth
+from sluice.control.backend import Backend, WorkerHandle, WorkerHealth
 from sluice.control.controller import Controller, ControllerConfig, attach
 from sluice.control.planner import Planner, PlannerConfig
 from sluice.router.app import build_app
@@ -30,7 +30,7 @@ ADMIN = {"authorization": "Bearer k"}
 MODEL = "stub-model"
 
 
-def one_pool(backend: StubBackend, planner: Planner, control: ControllerConfig | None = None,
+def one_pool(backend: Backend, planner: Planner, control: ControllerConfig | None = None,
              model: Any = None, **router_kw: Any) -> tuple[Any, list[Controller]]:
     """A router app with one pool run by one controller over `backend`, and the list
     the controller lands in once the app's lifespan has made it."""

@@ -15,15 +15,18 @@ import random
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from control.stub_backend import StubBackend
-from control.test_controller import ADMIN, MODEL, stack, stream, wait_for
+from control.test_controller import ADMIN, MODEL, one_pool, stack, stream, wait_for
 from router.router_stubs import serve_router
 from sluice.control.backend import ModelSpec
 from sluice.control.controller import Controller, attach
+from sluice.control.local import LocalBackend
 from sluice.control.planner import Planner, PlannerConfig
 from sluice.router.app import build_app
 from sluice.router.config import PoolConfig, RouterConfig
@@ -215,6 +218,67 @@ async def test_the_api_checks_key_body_and_pool() -> None:
     async with bare_router("k", None) as url, httpx.AsyncClient(timeout=10) as c:
         external = await c.post(url + SWAP, headers=ADMIN, json={"model": "v2"})
     assert external.status_code == 400 and external.json()["error"]["param"] == "pool"
+
+
+async def test_a_model_path_missing_here_is_refused_before_anything_starts(
+        tmp_path: Path) -> None:
+    """A swap of a local-backend pool to a path that does not exist on this machine was
+    accepted (202): the pool's own starts were cancelled and the swap rolled back only
+    once a new worker had failed to load it. Now it is a 400 naming `model`, and no swap
+    and no worker start."""
+    backend = LocalBackend(zygote=False)
+    at_zero = Planner(PlannerConfig(min_replicas=0, max_replicas=1, scale_to_zero_after_s=0),
+                      initial=0)
+    app, made = one_pool(backend, at_zero, admin_key="k")
+    missing = [str(tmp_path / "v2.gguf"), str(tmp_path / "v2"), "./no-such-model",
+               "~/no-such-model", "no-such-model", "a/b/c"]
+    async with serve_router(app) as url, httpx.AsyncClient(timeout=10, headers=ADMIN) as c:
+        answers = [await c.post(url + SWAP, json={"model": m}) for m in missing]
+        view = (await c.get(url + SWAP)).json()
+    for model, resp in zip(missing, answers, strict=True):
+        assert resp.status_code == 400, (model, resp.text)
+        assert resp.json()["error"] == {
+            "message": f"model {model!r} not found: no such file or directory",
+            "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    assert view["swap"] is None and view["revision"] == 1 and not backend.workers
+    assert [e["event"] for e in made[0].events] == []
+
+
+def test_the_local_backend_refuses_exactly_what_the_worker_would_not_find(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LocalBackend.check_model` refuses the names the worker's `local_model_path`
+    refuses without a download (missing local paths), and lets through what it finds or
+    would download (a hub id); the check itself downloads nothing (the hub is the edge
+    replaced here)."""
+    from sluice.engine import tokenizer
+
+    downloads: list[str] = []
+    monkeypatch.setattr(tokenizer, "_snapshot_download",
+                        lambda repo, revision: downloads.append(repo) or tmp_path)
+    (tmp_path / "v2.gguf").write_bytes(b"GGUF")
+    (tmp_path / "v3").mkdir()
+    monkeypatch.chdir(tmp_path)
+    missing = ["org/model.gguf", "/org", "org/a/b", "no-such-model", "./org/name", "~/org",
+               str(tmp_path / "v4")]
+    names = [str(tmp_path / "v2.gguf"), str(tmp_path / "v3"), "v3", "./v3", "v2.gguf",
+             "HuggingFaceTB/SmolLM2-135M-Instruct", *missing]
+    backend = LocalBackend(zygote=False)
+    refused_here = [n for n in names if refuses(backend.check_model, ModelSpec(n))]
+    assert not downloads
+    refused_by_worker = [n for n in names if refuses(tokenizer.local_model_path, n)]
+    assert refused_here == refused_by_worker == missing
+    assert downloads == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
+
+
+def refuses(check: Any, arg: Any) -> bool:
+    """Whether `check(arg)` raises `ModelNotFoundError`."""
+    from sluice.engine.tokenizer import ModelNotFoundError
+
+    try:
+        check(arg)
+    except ModelNotFoundError:
+        return True
+    return False
 
 
 def test_a_model_spec_becomes_worker_flags_that_win() -> None:

@@ -9,6 +9,7 @@ new worker to the router once the backend reports it ready.
     worker = await backend.start()            # launched and answering /health 200
     worker = await backend.start(ModelSpec("/models/v2"))   # another model (a swap)
     backend.list()                            # [WorkerHandle(...), ...] it still owns
+    backend.check_model(ModelSpec("/nope"))   # InvalidRequestError where it cannot be found
     await backend.health(worker)              # READY | STARTING | DEAD
     await backend.stop(worker, drain=True)    # SIGTERM: its streams finish (bounded)
     await backend.close()                     # stop every worker
@@ -97,6 +98,12 @@ class Backend(ABC):
     @abstractmethod
     async def health(self, worker: WorkerHandle) -> WorkerHealth:
         """Where `worker` stands now. A DEAD worker is reaped and forgotten."""
+
+    def check_model(self, model: ModelSpec) -> None:
+        """Refuse a model its workers could not find, before any of them starts (a swap's
+        400): raises `InvalidRequestError` naming `model`. Here nothing is checked: the
+        workers read the model on their own machines."""
+        return None
 
     async def close(self) -> None:
         """Stop every worker (drained)."""

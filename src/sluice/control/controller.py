@@ -385,13 +385,15 @@ class Controller:
 
     def swap_model(self, body: bytes) -> dict[str, Any]:
         """Start a blue/green swap to the model in `body` (POST /admin/pools/{pool}/model):
-        400 for a bad body or a pool without a backend, 409 while a swap runs. Returns
+        400 for a bad body, a pool without a backend or a model its backend cannot find
+        (`Backend.check_model`), 409 while a swap runs. Returns
         the pool's model view at once; the swap runs as a task (`control/swap.py`)."""
         spec = parse_model_spec(body)
         if self.backend is None:
             raise InvalidRequestError(f"pool {self.name} has no backend here (its workers are "
                                       "placed outside sluice): roll out their Deployment "
                                       "instead", param="pool", code="external_workers")
+        self.backend.check_model(spec)
         running = self.swap
         if running is not None and running.running:
             raise ConflictError(f"pool {self.name} is already swapping to revision "

@@ -169,6 +169,10 @@ class LocalBackend(Backend):
     def list(self) -> list[WorkerHandle]:
         return [w.handle for w in self.workers.values()]
 
+    def check_model(self, model: ModelSpec) -> None:
+        """A model the workers would read as a path of this machine must exist here."""
+        check_model_path(model.model)
+
     async def start(self, model: ModelSpec | None = None) -> WorkerHandle:
         zygote = await self._ready_zygote()
         args = self.worker_args + (model.flags() if model is not None else [])
@@ -237,6 +241,18 @@ class LocalBackend(Backend):
                                                  self.stop_timeout_s) for w in workers))
         if self.zygote is not None:
             await asyncio.to_thread(self.zygote.close)
+
+
+def check_model_path(model: str) -> None:
+    """Raise `ModelNotFoundError` (400, `param: model`) where `sluice worker --model MODEL`
+    would not find a local path: the worker's own `local_model_path`, called for every
+    name but a hub id (`org/name`: the worker downloads it; so would the call)."""
+    from sluice.engine.tokenizer import local_model_path
+
+    hub_id = (model.count("/") == 1 and not model.endswith(".gguf")
+              and not model.startswith((".", "/", "~")))
+    if not hub_id:
+        local_model_path(model)
 
 
 async def health_ok(client: httpx.AsyncClient, url: str) -> bool:

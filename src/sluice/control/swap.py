@@ -12,7 +12,9 @@
       drain   the old workers' in-flight streams finish (up to the drain timeout), they
               leave the router and the backend stops them
     a failure in start or join: the new workers are stopped (they never got a request),
-    the old ones were never touched; the swap ends `failed` with the reason.
+    the old ones were never touched; the swap ends `failed` with the reason. A model the
+backend can tell is missing (a local path not on this machine: `Backend.check_model`)
+is a 400 before any of this.
 
 The controller holds its reconcile step while a swap runs (the planner goes on deciding;
 the count it wants is applied once the swap ends) and starts every later worker on the
