@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -31,11 +32,14 @@ def test_nan_and_inf_workload_options_are_errors(
     assert "must be >" in (err := capsys.readouterr().err) and "finite" in err
 
 
+AUTOSCALE = ["--planner", "slo", "--min-workers", "1", "--max-workers", "2"]
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--scrape-interval", "0"], "scrape_interval_s must be > 0 and finite"),
     (["--scrape-interval", "nan"], "scrape_interval_s must be > 0 and finite"),
-    (["--planner-interval", "nan"], "planner_interval_s and latency_window_s must be > 0"),
-    (["--cold-start", "nan"], "cold_start_s >= 0, all finite"),
+    (["--planner-interval", "nan", *AUTOSCALE], "planner_interval_s and latency_window_s must be > 0"),
+    (["--cold-start", "nan", *AUTOSCALE], "cold_start_s >= 0, all finite"),
     (["--kv-event-lag-ms", "nan"], "kv_event_lag_s must be >= 0 and finite"),
     (["--prefix-index-blocks", "0"], "prefix_index_blocks must be >= 1"),
     (["--request-overhead-ms", "nan"], "request_overhead_s must be >= 0 and finite"),
@@ -145,3 +149,38 @@ def test_a_plot_format_matplotlib_cannot_write_is_refused_before_the_run(
     captured = capsys.readouterr()
     assert f"sluice sim: error: --plot {out}: matplotlib does not write .txt" in captured.err
     assert "Simulation Result" not in captured.out and not out.exists()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--trough-ratio", "0.5"], "--trough-ratio needs --rate-shape daily"),
+    (["--planner-interval", "5"], "--planner fixed does not use --planner-interval: they need"),
+    (["--cold-start", "5"], "--planner fixed does not use --cold-start: they need"),
+    (["--scale-up-delay", "1", "--lookahead", "5"],
+     "--planner fixed does not use --scale-up-delay, --lookahead: they need"),
+    (["--target-kv-usage", "0.5", "--cold-start", "2"],
+     "--planner fixed does not use --cold-start, --target-kv-usage: they need"),
+])
+def test_an_option_the_run_would_not_read_is_an_error(
+        argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each ran and said nothing: `--trough-ratio` without `--rate-shape daily` replayed the
+    trace at its own times; a fixed pool never asks a planner, so its interval, a worker's
+    cold start and the planner's delays and targets were not read."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 40, "output_length": 2, "hash_ids": [1]}\n')
+    assert main(["sim", "--trace", str(trace), "--workers", "2", *argv]) == 2
+    captured = capsys.readouterr()
+    assert f"sluice sim: error: {message}" in captured.err
+    assert "Simulation Result" not in captured.out
+
+
+def test_the_planner_options_still_reach_an_autoscaled_pool(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 40, "output_length": 2, "hash_ids": [1]}\n' * 4)
+    out = tmp_path / "sim.json"
+    assert main(["sim", "--trace", str(trace), *AUTOSCALE, "--rate-shape", "daily",
+                 "--duration", "20", "--trough-ratio", "0.5", "--cold-start", "3",
+                 "--planner-interval", "2", "--scale-up-delay", "1", "--json", str(out)]) == 0
+    capsys.readouterr()
+    config = json.loads(out.read_text())["config"]
+    assert config["cold_start_s"] == 3.0 and config["planner_config"]["scale_up_delay_s"] == 1.0

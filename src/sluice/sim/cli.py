@@ -79,8 +79,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    "--duration) (default %(default)s)")
     w.add_argument("--duration", type=float, default=None,
                    help="--rate-shape daily: the simulated day in seconds")
-    w.add_argument("--trough-ratio", type=float, default=0.25,
-                   help="--rate-shape daily: lowest rate over highest (default %(default)s)")
+    w.add_argument("--trough-ratio", type=float, default=None,
+                   help="--rate-shape daily: lowest rate over highest (default 0.25)")
     w.add_argument("--request-rate", type=float, default=None,
                    help="synthetic: requests/s, Poisson (default inf: all at once)")
     w.add_argument("--burstiness", type=float, default=None,
@@ -120,12 +120,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    "policy slo | queue | kv between --min-workers and --max-workers "
                    "(default %(default)s)")
     add_scaling_arguments(c, "autoscale: fewest workers (>= 1)")
-    c.add_argument("--planner-interval", type=float, default=1.0,
-                   help="seconds between planner ticks (default %(default)s, the "
+    c.add_argument("--planner-interval", type=float, default=None,
+                   help="autoscale: seconds between planner ticks (default 1.0, the "
                    "controller's)")
-    c.add_argument("--cold-start", type=float, default=11.0,
-                   help="seconds from a worker's start to serving, paid for (default "
-                   "%(default)s: measured on CPU, docs/control.md)")
+    c.add_argument("--cold-start", type=float, default=None,
+                   help="autoscale: seconds from a worker's start to serving, paid for "
+                   "(default 11.0: measured on CPU, docs/control.md)")
 
     o = p.add_argument_group("output")
     o.add_argument("--slo", default=None,

@@ -23,7 +23,7 @@ from sluice.bench import report
 from sluice.bench.load import LoadConfig
 from sluice.bench.metrics import parse_slos
 from sluice.bench.workloads import WORKLOADS, Session, WorkloadConfig
-from sluice.control.flags import named_by_flags, scaling_options
+from sluice.control.flags import FLAGS, named_by_flags, scaling_options
 from sluice.control.planner import SLO, PlannerConfig
 from sluice.protocol.errors import InvalidRequestError
 from sluice.sim.cluster import SimConfig, SimResult, Simulation
@@ -122,12 +122,18 @@ def parse_sim_slos(text: str | None) -> dict[str, float]:
 
 def planner_config(args: argparse.Namespace, slos: dict[str, float]) -> PlannerConfig | None:
     """The production planner's config, or None for `--planner fixed` (which takes none of
-    the autoscaling flags). Its SLO is `--slo`'s ttft and itl (default 2 s, 200 ms)."""
+    the autoscaling flags: one given is an error, as it would be ignored). Its SLO is
+    `--slo`'s ttft and itl (default 2 s, 200 ms)."""
     bounds = (args.min_workers, args.max_workers)
     if args.planner == "fixed":
         if bounds != (None, None):
             raise InvalidRequestError("--min-workers/--max-workers need an autoscaling "
                                       "--planner (slo, queue, kv)", param="planner")
+        given = _fixed_pool_ignores(args)
+        if given:
+            raise InvalidRequestError(f"--planner fixed does not use {', '.join(given)}: "
+                                      "they need an autoscaling --planner (slo, queue, kv)",
+                                      param="planner")
         return None
     if None in bounds:
         raise InvalidRequestError(f"--planner {args.planner} needs --min-workers and "
@@ -135,6 +141,17 @@ def planner_config(args: argparse.Namespace, slos: dict[str, float]) -> PlannerC
     return named_by_flags(lambda: PlannerConfig(
         policy=args.planner, min_replicas=args.min_workers, max_replicas=args.max_workers,
         slo=planner_slo(slos), **scaling_options(args)))
+
+
+def _fixed_pool_ignores(args: argparse.Namespace) -> list[str]:
+    """The autoscaling flags given to a fixed pool: the sim's own (None unless given) and
+    the planner's shared ones set away from their defaults (their parser has defaults)."""
+    given = [flag for dest, flag in (("planner_interval", "--planner-interval"),
+                                     ("cold_start", "--cold-start"))
+             if getattr(args, dest) is not None]
+    defaults = {f.name: f.default for f in fields(PlannerConfig)}
+    return given + [FLAGS[name] for name, value in scaling_options(args).items()
+                    if value != defaults[name]]
 
 
 def planner_slo(slos: dict[str, float]) -> SLO:
@@ -159,8 +176,9 @@ def initial_workers(args: argparse.Namespace, planning: PlannerConfig | None) ->
 
 def rate_shape(args: argparse.Namespace) -> DailyShape | None:
     if args.rate_shape == "trace":
-        if args.duration is not None:
-            raise InvalidRequestError("--duration needs --rate-shape daily", param="duration")
+        for dest, flag in (("duration", "--duration"), ("trough_ratio", "--trough-ratio")):
+            if getattr(args, dest) is not None:
+                raise InvalidRequestError(f"{flag} needs --rate-shape daily", param=dest)
         return None
     if args.duration is None:
         raise InvalidRequestError("--rate-shape daily needs --duration SECONDS",
@@ -168,6 +186,8 @@ def rate_shape(args: argparse.Namespace) -> DailyShape | None:
     if args.time_scale is not None:
         raise InvalidRequestError("--rate-shape daily sets the arrival times; drop "
                                   "--time-scale", param="time_scale")
+    if args.trough_ratio is None:
+        return DailyShape(args.duration)
     return DailyShape(args.duration, args.trough_ratio)
 
 
@@ -218,10 +238,12 @@ def configs_from_args(args: argparse.Namespace, profile: StepProfile,
         block_size=profile.block_size, scrape_interval_s=args.scrape_interval,
         kv_event_lag_s=args.kv_event_lag_ms / 1000.0,
         prefix_index_blocks=args.prefix_index_blocks, seed=args.seed)
+    timing = {field: value for field, value in (("planner_interval_s", args.planner_interval),
+                                                ("cold_start_s", args.cold_start))
+              if value is not None}  # else SimConfig's defaults
     base = SimConfig(workers=initial_workers(args, planning), profile=profile, router=router,
-                     max_concurrency=args.max_concurrency,
-                     planner_interval_s=args.planner_interval, cold_start_s=args.cold_start,
-                     slos=parse_sim_slos(args.slo))
+                     max_concurrency=args.max_concurrency, slos=parse_sim_slos(args.slo),
+                     **timing)
     policies = list(dict.fromkeys([args.policy, *args.compare]))
     return [replace(base, router=replace(router, policy=p,
                                          policy_options=router.policy_options
