@@ -247,11 +247,9 @@ def check_model_path(model: str) -> None:
     """Raise `ModelNotFoundError` (400, `param: model`) where `sluice worker --model MODEL`
     would not find a local path: the worker's own `local_model_path`, called for every
     name but a hub id (`org/name`: the worker downloads it; so would the call)."""
-    from sluice.engine.tokenizer import local_model_path
+    from sluice.engine.tokenizer import is_hub_id, local_model_path
 
-    hub_id = (model.count("/") == 1 and not model.endswith(".gguf")
-              and not model.startswith((".", "/", "~")))
-    if not hub_id:
+    if not is_hub_id(model):
         local_model_path(model)
 
 

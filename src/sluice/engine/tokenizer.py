@@ -72,10 +72,17 @@ def local_model_path(model: str | None, revision: str | None = None) -> Path:
     path = Path(resolved).expanduser()
     if path.exists():
         return path
-    if resolved.endswith(".gguf") or resolved.startswith((".", "/", "~")) or resolved.count("/") != 1:
+    if not is_hub_id(resolved):
         raise ModelNotFoundError(f"model {resolved!r} not found: no such file or directory",
                                  param="model")
     return _snapshot_download(resolved, revision)
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether a model name that is no local path is read as a hub repository
+    (`org/name`, which `local_model_path` downloads) rather than a missing file."""
+    return name.count("/") == 1 and not name.endswith(".gguf") \
+        and not name.startswith((".", "/", "~"))
 
 
 def _snapshot_download(repo_id: str, revision: str | None) -> Path:  # pragma: no cover - needs network
