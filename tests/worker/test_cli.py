@@ -76,3 +76,18 @@ def test_lora_sizes_need_enable_lora(flag: str) -> None:
     assert info.value.param == flag[2:].replace("-", "_")
     assert "enable_lora" in info.value.message
     assert engine_config(parse("worker", "--enable-lora", flag, "4")).lora.enable_lora
+
+
+def test_lora_modules_need_enable_lora(monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a new-user pass: `--lora-modules a=DIR` without `--enable-lora` loaded the
+    model first and then failed with exit 1, where the sizes exit 2 at once."""
+    import sluice.worker.server
+
+    started: list[object] = []
+    monkeypatch.setattr(sluice.worker.server, "run_worker", lambda *a: started.append(a) or 0)
+    args = parse("worker", "--lora-modules", "a=/adapters/a")
+    assert args.func(args) == 2 and not started
+    assert "enable_lora" in capsys.readouterr().out
+    args = parse("worker", "--enable-lora", "--lora-modules", "a=/adapters/a")
+    assert args.func(args) == 0 and len(started) == 1

@@ -254,6 +254,9 @@ def handler(args: argparse.Namespace) -> int:
 
     try:
         engine, worker = engine_config(args), worker_config(args)
+        if worker.lora_modules and not engine.lora.enable_lora:  # before loading the model
+            raise InvalidRequestError("lora_modules needs enable_lora (--enable-lora)",
+                                      param="lora_modules")
     except InvalidRequestError as exc:
         print(f"sluice worker: error: {exc}")
         return 2
