@@ -299,8 +299,10 @@ class Controller:
         endpoint.draining = True
         endpoint.hold_until_probed()
         self.state.start_subscriber(self.pool, endpoint)
-        try:
-            await self.state.monitor.probe(endpoint)
+        try:  # a probe lost to a busy moment is tried again, as the monitor ejects
+            for _ in range(self.state.monitor.eject_after):  # only at the third failure
+                if await self.state.monitor.probe(endpoint):
+                    break
         except asyncio.CancelledError:  # a start cancelled here would leak the worker
             await self.discard(handle)
             raise
