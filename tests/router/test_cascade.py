@@ -168,8 +168,6 @@ def requests_total(metrics: str) -> dict[str, float]:
             for line in metrics.splitlines() if line.startswith(prefix)}
 
 
-@pytest.mark.xfail(strict=True, reason="counted per attempt by routed._route, which an "
-                   "alias calls once per model it tries: the fix is in routed.py")
 async def test_a_cascade_request_is_counted_once_by_the_model_asked() -> None:
     """One client request, one count, by the model the client named and the status it
     got (docs/router.md, Metrics): an escalated request was counted once per model the

@@ -73,15 +73,26 @@ async def route(state: RouterState, kind: str, path: str, body: bytes,
 
 
 async def _route(state: RouterState, kind: str, path: str, body: bytes,
-                 headers: list[tuple[bytes, bytes]], notes: dict[str, str] | None = None
-                 ) -> Relay | ErrorReply:
-    """`route` itself; `notes` (when tracing) gets the request's model and policy."""
+                 headers: list[tuple[bytes, bytes]], notes: dict[str, str] | None = None,
+                 reached: list[bool] | None = None) -> Relay | ErrorReply:
+    """`route` itself; `notes` (when tracing) gets the request's model and policy.
+    `reached`: an alias's attempt, not counted here; True is appended once a worker
+    answered (or none could), and the alias's request is counted once, by its name."""
     try:
         session = next((v.decode("latin-1") for n, v in headers if n == _SESSION), None)
         req = parse_request(kind, body, {SESSION_HEADER: session} if session else {})
         alias = state.aliases.get(req.model)
         if alias is not None:  # another model's name, or a cascade (cascade.py)
-            return await alias.serve(req, lambda raw: _route(state, kind, path, raw, headers))
+            start, tried = time.perf_counter(), list[bool]()
+            reply = await alias.serve(req, lambda raw: _route(state, kind, path, raw, headers,
+                                                              reached=tried))
+            if tried and reached is not None:  # an alias of an alias: the outer counts
+                reached.append(True)
+            elif tried:  # once, whatever the alias tried
+                state.metrics.requests_for(req.model, reply.status).inc()
+                state.metrics.first_byte_seconds_for(req.model).observe(
+                    time.perf_counter() - start)
+            return reply
         pool = state.resolve(req.model)
         await state.buffer.admit(pool)  # held while the pool has no ready worker
         if notes is not None:
@@ -142,15 +153,21 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
             state.adapters.unplace(req.model)
             raise
         state.adapters.served(relay, req.model)
-        state.metrics.requests_for(req.model, relay.status).inc()  # once, whatever it took
-        state.metrics.first_byte_seconds_for(req.model).observe(time.perf_counter() - start)
+        if reached is None:
+            state.metrics.requests_for(req.model, relay.status).inc()  # once, whatever it took
+            state.metrics.first_byte_seconds_for(req.model).observe(time.perf_counter() - start)
+        else:
+            reached.append(True)
         if not migrating or relay.status != 200:
             return relay
         return MigratingRelay(relay, proxy, pool, sent, meta, target, block, limit,
                               show_ids=bool(req.body.get("return_token_ids")),
                               held=state.buffer, exclude=holders_only)
     except WorkersFailed as exc:  # counted once, however often it was held and tried
-        state.metrics.requests_for(exc.model, 503).inc()
+        if reached is None:
+            state.metrics.requests_for(exc.model, 503).inc()
+        else:
+            reached.append(True)
         return error_reply(exc, path)
     except SluiceError as exc:
         return error_reply(exc, path)
