@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sluice.engine.config import QUANTIZATIONS
+from sluice.protocol.errors import InvalidRequestError
 
 SPEEDUP_TARGET = 1.5
 
@@ -70,17 +71,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     positive = _count(1)
     parser.add_argument("--model", default=None, help="model path (default: SmolLM2 GGUF)")
     parser.add_argument("--workload", choices=["random", "prefix"], default="random")
-    parser.add_argument("--num-requests", type=positive, default=64)
-    parser.add_argument("--input-len", type=positive, default=128)
+    parser.add_argument("--num-requests", type=positive, default=None,
+                        help="random, prefix: requests (default 64)")
+    parser.add_argument("--input-len", type=positive, default=None,
+                        help="random, --single-stream: prompt tokens (default 128)")
     parser.add_argument("--output-len", type=positive, default=None,
                         help="output tokens per request (default 128; 32 for prefix)")
-    parser.add_argument("--batch", type=positive, nargs="+", default=[32, 64],
-                        help="concurrency: sluice max_num_seqs and the peer's batch size")
-    parser.add_argument("--prefix-len", type=_count(0), default=1024)
-    parser.add_argument("--suffix-len", type=positive, default=32)
+    parser.add_argument("--batch", type=positive, nargs="+", default=None,
+                        help="random: each concurrency to run, sluice max_num_seqs and the "
+                             "peer's batch size (default 32 64); prefix: one (default 64)")
+    parser.add_argument("--prefix-len", type=_count(0), default=None,
+                        help="prefix: shared prompt tokens (default 1024)")
+    parser.add_argument("--suffix-len", type=positive, default=None,
+                        help="prefix: each request's own prompt tokens (default 32)")
     parser.add_argument("--single-stream", action="store_true",
-                        help="one request: its tokens/s, and its decode alone after the first token")
-    parser.add_argument("--peer", choices=["transformers", "none"], default="transformers")
+                        help="one random request: its tokens/s, and its decode alone after "
+                             "the first token")
+    parser.add_argument("--peer", choices=["transformers", "none"], default=None,
+                        help="random, --single-stream: the engine to compare with (default "
+                             "transformers; prefix runs sluice with its cache on and off)")
     parser.add_argument("--max-num-batched-tokens", type=positive, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quantization", choices=list(QUANTIZATIONS), default="none",
@@ -95,6 +104,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "spec_decode.py compares it with plain decoding)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="weights and activations, for sluice and the peer alike")
+
+
+# the options each mode reads, with their defaults; one given to a mode that does not
+# read it is an error (it would be ignored)
+MODE_OPTIONS: dict[str, dict[str, Any]] = {
+    "random": {"num_requests": 64, "input_len": 128, "batch": [32, 64], "peer": "transformers"},
+    "prefix": {"num_requests": 64, "prefix_len": 1024, "suffix_len": 32, "batch": [64]},
+    "single-stream": {"input_len": 128, "peer": "transformers"},
+}
+
+
+def resolve_options(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with the mode's defaults filled in; raises InvalidRequestError naming the
+    flags given that the mode (`--workload`, or `--single-stream`) does not read."""
+    if args.single_stream and args.workload != "random":
+        raise InvalidRequestError("--single-stream runs one random prompt: it does not use "
+                                  f"--workload {args.workload}", param="workload")
+    mode = "single-stream" if args.single_stream else args.workload
+    reads = MODE_OPTIONS[mode]
+    unused = [dest for options in MODE_OPTIONS.values() for dest in options
+              if dest not in reads and getattr(args, dest) is not None]
+    if unused:
+        flags = ", ".join(dict.fromkeys("--" + d.replace("_", "-") for d in unused))
+        where = "--single-stream" if args.single_stream else f"--workload {mode}"
+        raise InvalidRequestError(f"{where} does not use {flags}", param=unused[0])
+    if mode == "prefix" and args.batch is not None and len(args.batch) > 1:
+        raise InvalidRequestError("--workload prefix runs at one --batch", param="batch")
+    filled = {dest: default for dest, default in reads.items() if getattr(args, dest) is None}
+    return argparse.Namespace(**(vars(args) | filled))
 
 
 def progress(msg: str) -> None:
@@ -429,6 +467,7 @@ def run(args: argparse.Namespace) -> int:
 
     from sluice.engine.llm import LLM
 
+    args = resolve_options(args)
     torch.manual_seed(args.seed)
     output_len = args.output_len or (32 if args.workload == "prefix" else 128)
     progress(f"loading sluice: {args.model or 'default SmolLM2 GGUF'}, torch threads "
@@ -443,7 +482,7 @@ def run(args: argparse.Namespace) -> int:
     flops = None if args.no_flops or device.type != "cpu" else FlopModel(
         llm.engine.runner.model_config, getattr(torch, args.dtype))
     peer = None
-    if args.peer == "transformers" and args.workload == "random":
+    if args.peer == "transformers":  # random and --single-stream read it, prefix does not
         progress("loading the transformers peer")
         peer = load_peer(args.model, args.dtype, device)
     if args.single_stream:
@@ -456,8 +495,12 @@ def run(args: argparse.Namespace) -> int:
     doc = {"benchmark": "offline", "model": args.model or "default", "dtype": args.dtype,
            "quantization": args.quantization, "enforce_eager": args.enforce_eager,
            "workload": args.workload,
-           "single_stream": args.single_stream, "input_len": args.input_len,
-           "output_len": output_len, "num_requests": args.num_requests,
+           "single_stream": args.single_stream,
+           **({"prefix_len": args.prefix_len, "suffix_len": args.suffix_len}
+              if args.workload == "prefix" and not args.single_stream else {}),
+           "input_len": args.input_len if args.input_len is not None
+           else args.prefix_len + args.suffix_len,
+           "output_len": output_len, "num_requests": 1 if args.single_stream else args.num_requests,
            "results": [dict(asdict(r), tok_s=round(r.tok_s, 2)) for r in results], **summary}
     ratios = [r.model_gflops / r.matmul_gflops for r in results
               if r.model_gflops and r.matmul_gflops]
