@@ -439,7 +439,8 @@ def _tool_use_ids(m: Message) -> set[str]:
 def prompt_body(req: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
     """The prompt half of the OpenAI chat request: the model, messages and tools, and for
     a prefill the final assistant text continued instead of the answer's turn opened;
-    what the worker templates for `/v1/messages` and `/v1/messages/count_tokens` alike.
+    what the worker templates for `/v1/messages`, and the `/tokenize` request (vLLM's,
+    with messages) that `/v1/messages/count_tokens` counts.
     Turns that `check_conversation` refuses are a 400."""
     check_conversation(req)
     prompt: dict[str, Any] = {"model": req.model, **chat_prompt(req.model_dump())}
@@ -463,12 +464,6 @@ def to_chat_body(req: MessagesRequest) -> dict[str, Any]:
     if req.return_token_ids:
         body["return_token_ids"] = True
     return body
-
-
-def count_tokens_prompt(req: CountTokensRequest) -> dict[str, Any]:
-    """The `/tokenize` request (vLLM's, with messages) whose count is the input tokens of
-    a Messages request with `req`'s prompt: `prompt_body`, as `to_chat_body` sends it."""
-    return prompt_body(req)
 
 
 def is_prefill(messages: list[dict[str, Any]]) -> bool:

@@ -153,7 +153,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         body = await parse_body(request)
         req = parse_request(anthropic.CountTokensRequest, anthropic.reject_unsupported(body))
         try:
-            prompt = parse_request(TokenizeRequest, anthropic.count_tokens_prompt(req))
+            prompt = parse_request(TokenizeRequest, anthropic.prompt_body(req))
             return {"input_tokens": _tokenize(state, prompt)["count"]}
         except InvalidRequestError as exc:  # name the field as the Anthropic client wrote it
             exc.param = anthropic.anthropic_param(exc.param)
