@@ -402,3 +402,34 @@ def test_anthropic_count_tokens_is_what_a_messages_request_reports(
         assert bad.value.body["type"] == "error" and named in bad.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError):
         claude.messages.count_tokens(model="claude-nope", messages=ASK)
+
+
+def test_anthropic_structured_output_follows_the_schema(claude: anthropic.Anthropic) -> None:
+    """Anthropic's structured outputs (`output_config.format`, the SDK's
+    `messages.parse(output_format=...)`): the text is JSON that matches the schema, whole
+    and streamed alike; it was a 400 "Unrecognized request argument". `effort` is a 400
+    naming it; count_tokens takes the field and counts the same prompt."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):  # short values: the random model would ramble in a string
+        ok: bool
+        size: Literal["s", "m", "l"]
+
+    kw: dict = dict(model="tiny", max_tokens=60, messages=USER,
+                    extra_body={"temperature": 0.0})
+    parsed = claude.messages.parse(output_format=Answer, **kw)
+    assert isinstance(parsed.parsed_output, Answer), parsed
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}},
+              "required": ["n"], "additionalProperties": False}
+    config = {"format": {"type": "json_schema", "schema": schema}}
+    msg = claude.messages.create(output_config=config, **kw)  # type: ignore[arg-type]
+    jsonschema.validate(json.loads(msg.content[0].text), schema)
+    with claude.messages.stream(output_config=config, **kw) as stream:  # type: ignore[arg-type]
+        assert stream.get_final_message().content[0].text == msg.content[0].text
+    assert claude.messages.count_tokens(model="tiny", messages=USER, output_config=config) \
+        .input_tokens == msg.usage.input_tokens
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        claude.messages.create(output_config={"effort": "high"}, **kw)
+    assert "effort" in bad.value.body["error"]["message"]

@@ -174,6 +174,29 @@ class Metadata(AnthropicModel):
     user_id: str | None = None
 
 
+class JsonOutputFormat(AnthropicModel):
+    """Anthropic's structured outputs: the answer's text is JSON matching `schema`."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(AnthropicModel):
+    """`output_config`: `format` is enforced by the structured-output engine, as the chat
+    route's `response_format: json_schema` with `strict` (the schema is not added to
+    the prompt, as vLLM's is not); `effort`, a reasoning model's setting, is a 400."""
+
+    format: JsonOutputFormat | None = None
+    effort: str | None = None
+
+    @model_validator(mode="after")
+    def _no_effort(self) -> OutputConfig:
+        if self.effort is not None:
+            raise ValueError("'effort' is not supported by this server (no reasoning model)")
+        return self
+
+
 class MessagesRequest(AnthropicModel):
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -187,6 +210,7 @@ class MessagesRequest(AnthropicModel):
     metadata: Metadata | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    output_config: OutputConfig | None = None
     # Accepted and honoured implicitly: sluice's prefix cache caches every prompt.
     cache_control: dict[str, Any] | None = None
     # sluice's extension, vLLM's field on the OpenAI routes: each streamed event carries
@@ -207,6 +231,7 @@ class CountTokensRequest(AnthropicModel):
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    output_config: OutputConfig | None = None  # checked; it adds no prompt tokens here
     cache_control: dict[str, Any] | None = None
 
     _check = field_validator("system", mode="before")(_text_blocks_only)
@@ -463,6 +488,9 @@ def to_chat_body(req: MessagesRequest) -> dict[str, Any]:
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     if req.return_token_ids:
         body["return_token_ids"] = True
+    if req.output_config is not None and req.output_config.format is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": req.output_config.format.json_schema, "strict": True}}
     return body
 
 
