@@ -250,6 +250,8 @@ def test_max_concurrency_caps_in_flight(fresh_stub: Stub) -> None:
         (["--duration", "3"], "needs --max-concurrency"),
         (["--endpoint", "/v1/embeddings"], "--endpoint"),
         (["--slo", "speed=3"], "bad SLO"),
+        (["--burstiness", "0.5"], "--burstiness shapes the gaps between arrivals: it needs a finite --request-rate"),
+        (["--burstiness", "0.5", "--request-rate", "inf"], "needs a finite --request-rate"),
     ],
 )
 def test_bad_options_fail_clearly(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -184,3 +184,14 @@ def test_the_planner_options_still_reach_an_autoscaled_pool(
     capsys.readouterr()
     config = json.loads(out.read_text())["config"]
     assert config["cold_start_s"] == 3.0 and config["planner_config"]["scale_up_delay_s"] == 1.0
+
+
+@pytest.mark.parametrize("rate", [[], ["--request-rate", "inf"]])
+def test_burstiness_without_a_finite_rate_is_an_error(rate: list[str],
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """It ran and was not read: with no rate every request arrives at 0, there are no gaps
+    for the gamma shape to change (`sluice bench serve` ignored it the same way)."""
+    assert main(["sim", "--num-prompts", "2", "--workers", "2", "--burstiness", "0.5", *rate]) == 2
+    err = capsys.readouterr().err
+    assert "sluice sim: error: --burstiness shapes the gaps between arrivals: it needs a finite " \
+        "--request-rate" in err

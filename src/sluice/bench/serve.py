@@ -135,6 +135,10 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
     trace = args.workload == "trace"
     if trace and (args.request_rate is not None or args.burstiness is not None):
         raise InvalidRequestError("--workload trace replays its own timestamps; drop --request-rate/--burstiness", param="request_rate")
+    if args.burstiness is not None and not math.isfinite(args.request_rate or math.inf):
+        raise InvalidRequestError("--burstiness shapes the gaps between arrivals: it needs a "
+                                  "finite --request-rate (inf sends everything at once)",
+                                  param="burstiness")
     load = LoadConfig(
         request_rate=math.inf if args.request_rate is None else args.request_rate,
         burstiness=1.0 if args.burstiness is None else args.burstiness,

@@ -225,6 +225,10 @@ def sessions_from_args(args: argparse.Namespace) -> list[tuple[Session, float]]:
                        DEFAULT_SHARED_PREFIX_LEN if workload == "shared-prefix" else 0)
     cfg = WorkloadConfig(seed=args.seed, **options)
     rate = math.inf if args.request_rate is None else args.request_rate
+    if args.burstiness is not None and math.isinf(rate):
+        raise InvalidRequestError("--burstiness shapes the gaps between arrivals: it needs a "
+                                  "finite --request-rate (inf sends everything at once)",
+                                  param="burstiness")
     burstiness = 1.0 if args.burstiness is None else args.burstiness
     load = LoadConfig(request_rate=rate, burstiness=burstiness, seed=args.seed)
     count = DEFAULT_NUM_PROMPTS if args.num_prompts is None else args.num_prompts
