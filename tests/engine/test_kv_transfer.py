@@ -8,6 +8,9 @@ recompute the same output, or fail the request under kv_load_failure_policy=fail
 from __future__ import annotations
 
 import gc
+import socket
+import struct
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -181,6 +184,46 @@ def test_nobody_listening_recomputes_or_fails(engines: dict[str, LLM],
         assert "127.0.0.1:9" in err.message
     finally:
         strict.engine.core.close()
+
+
+def _trickle(listener: socket.socket, stop: threading.Event) -> None:
+    """A peer that takes the pull, then sends a frame promising a 64-byte header and
+    trickles it one byte per 0.2 s: every read gets a byte well inside any per-read
+    timeout, so only a deadline on the whole pull ends it."""
+    conn, _ = listener.accept()
+    with conn:
+        conn.recv(65536)
+        conn.sendall(struct.pack("<IQ", 64, 0))
+        while not stop.wait(0.2):
+            try:
+                conn.sendall(b"\x00")
+            except OSError:
+                return
+
+
+def test_a_trickling_peer_times_out_on_the_whole_pull(engines: dict[str, LLM],
+                                                      tiny_llama_dir: Path) -> None:
+    """--kv-transfer-timeout bounds the pull, not each read: a prefill side that answers
+    a byte at a time must not hold the request (before, it waited as long as bytes came)."""
+    (prompt,) = prompts(1, 40, seed=23)
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+    peer = threading.Thread(target=_trickle, args=(listener, stop), daemon=True)
+    peer.start()
+    params = {**prefill(engines["prefill"], prompt), "remote_port": listener.getsockname()[1]}
+    slow = LLM(str(tiny_llama_dir), **POOL, kv_transfer_timeout=1.0)
+    try:
+        start = time.monotonic()
+        tokens, cached = decode(slow, prompt, params)
+        elapsed = time.monotonic() - start
+        assert tokens == local(engines, prompt) and cached == 0  # recomputed
+        assert stat(slow, "failure:timeout") == 1
+        assert elapsed < 4.0, f"the pull took {elapsed:.1f} s with a 1 s timeout"
+    finally:
+        stop.set()
+        listener.close()
+        peer.join(timeout=5)
+        slow.engine.core.close()
 
 
 @pytest.mark.parametrize(("option", "words"), [

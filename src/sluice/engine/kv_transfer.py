@@ -342,22 +342,35 @@ def send_message(sock: socket.socket, header: dict[str, Any],
         sock.sendall(part)
 
 
-def recv_message(sock: socket.socket, max_payload: int = 1 << 34
-                 ) -> tuple[dict[str, Any], memoryview]:
-    """One message; EOFError if the peer closed first, ValueError if it is malformed."""
-    head_len, payload_len = _FRAME.unpack(_recv_exact(sock, _FRAME.size))
+def recv_message(sock: socket.socket, max_payload: int = 1 << 34,
+                 deadline: float | None = None) -> tuple[dict[str, Any], memoryview]:
+    """One message; EOFError if the peer closed first, ValueError if it is malformed,
+    TimeoutError past `deadline` (time.monotonic; None: the socket's own timeout per
+    read, so a peer that trickles bytes could hold it for ever)."""
+    head_len, payload_len = _FRAME.unpack(_recv_exact(sock, _FRAME.size, deadline))
     if head_len > MAX_HEADER or payload_len > max_payload:
         raise ValueError("KV transfer message too large")
-    header = msgpack.unpackb(_recv_exact(sock, head_len), raw=False, strict_map_key=False)
+    header = msgpack.unpackb(_recv_exact(sock, head_len, deadline), raw=False,
+                             strict_map_key=False)
     if not isinstance(header, dict):
         raise ValueError("KV transfer header is not a map")
-    return header, memoryview(_recv_exact(sock, payload_len))
+    return header, memoryview(_recv_exact(sock, payload_len, deadline))
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+def _until(sock: socket.socket, deadline: float | None) -> None:
+    """Give the socket's next call what is left before `deadline`."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("KV transfer deadline passed")
+        sock.settimeout(left)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
+        _until(sock, deadline)
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise EOFError("the KV transfer peer closed the connection")
@@ -428,12 +441,14 @@ class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         server: TransferServer = self.server  # type: ignore[assignment]
         sock: socket.socket = self.request
-        sock.settimeout(server.connector.config.kv_transfer_timeout)
+        timeout = server.connector.config.kv_transfer_timeout
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         while True:
-            try:
-                header, _ = recv_message(sock, max_payload=0)
+            try:  # each message within the timeout, however its bytes arrive
+                header, _ = recv_message(sock, max_payload=0,
+                                         deadline=time.monotonic() + timeout)
                 reply, blobs = server.answer(header)
+                sock.settimeout(timeout)
                 send_message(sock, reply, blobs)
             except (EOFError, OSError, ValueError):
                 return
@@ -487,18 +502,21 @@ class TCPConnector(KVConnector):
         p = job.params
         where = f"{p['remote_host']}:{p['remote_port']}"
         timeout = self.config.kv_transfer_timeout
+        deadline = time.monotonic() + timeout  # the whole pull, not each read
         try:
             with socket.create_connection((p["remote_host"], p["remote_port"]),
                                           timeout=timeout) as sock:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                _until(sock, deadline)
                 send_message(sock, {"op": "pull", "request_id": p["remote_request_id"],
                                     "block_ids": job.block_ids,
                                     "identity": self.identity.as_dict()})
-                header, payload = recv_message(sock)
+                header, payload = recv_message(sock, deadline=deadline)
                 blocks = self._check(job, header, payload)
                 if done:
+                    _until(sock, deadline)
                     send_message(sock, {"op": "done", "request_id": p["remote_request_id"]})
-                    recv_message(sock, max_payload=0)
+                    recv_message(sock, max_payload=0, deadline=deadline)
         except TimeoutError:
             raise KVTransferError(f"KV transfer from {where} timed out after {timeout} s",
                                   "timeout") from None
