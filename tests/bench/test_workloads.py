@@ -270,3 +270,18 @@ def test_nan_and_inf_options_are_refused(name: str, value: float) -> None:
     with pytest.raises(InvalidRequestError) as e:
         WorkloadConfig(**{name: value})
     assert e.value.param == name
+
+
+@pytest.mark.parametrize("ratio", [1.0, 2.0])
+def test_a_uniform_spread_of_one_or_more_is_refused(ratio: float, vocab: Vocab) -> None:
+    """`--random-range-ratio 2` was taken: uniform in [L(1-r), L(1+r)] reaches below one
+    token, and every draw there became one token, so at L=128 a quarter of the prompts were
+    1 token long and the mean was not L (vLLM refuses a range ratio >= 1 too). Normal and
+    lognormal take any spread."""
+    with pytest.raises(InvalidRequestError, match="range_ratio must be < 1 for uniform lengths") as e:
+        WorkloadConfig(input_len=128, range_ratio=ratio)
+    assert e.value.param == "range_ratio"
+    WorkloadConfig(input_len=128, range_ratio=ratio, length_dist="lognormal")
+    lens = [s.turns[0].user.num_tokens
+            for s in take(RandomWorkload(WorkloadConfig(input_len=128, range_ratio=0.99), vocab), 400)]
+    assert min(lens) >= 1 and statistics.mean(lens) == pytest.approx(128, rel=0.08)

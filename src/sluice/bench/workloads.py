@@ -106,6 +106,12 @@ class WorkloadConfig:
             raise InvalidRequestError(
                 f"length_dist must be one of {sorted(LENGTH_DISTS)}", param="length_dist"
             )
+        if self.length_dist == "uniform" and self.range_ratio >= 1:
+            # [L(1-r), L(1+r)] would reach below one token, where every draw is one token
+            raise InvalidRequestError(
+                f"range_ratio must be < 1 for uniform lengths in [L(1-r), L(1+r)], got "
+                f"{self.range_ratio:g} (normal and lognormal take any spread)", param="range_ratio"
+            )
 
 
 # ---------------------------------------------------------------- lengths
