@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -135,3 +136,18 @@ def test_server_deltas_tolerate_missing_metrics() -> None:
     only = {"vllm:num_preemptions_total": 1.0}
     d = server_deltas({"w": only}, {"w": {"vllm:num_preemptions_total": 4.0}})
     assert d["num_preemptions"] == 3.0 and d["prefix_cache_hit_rate"] is None
+
+
+def test_every_plot_panel_draws_a_run_shorter_than_a_second(tmp_path: Path) -> None:
+    """A 0.5 s run has one throughput bin, and one request one point per CDF: drawn as a
+    bare line through one point, those panels were empty in the PNG."""
+    from sluice.bench.report import figure, plot
+
+    rec = _rec(0.1, [0.02] * 4)
+    rec.token_times = [0.1, 0.12, 0.14, 0.16, 0.18]
+    fig = figure([("http://a", [rec])])
+    for ax in fig.axes:
+        (line,) = ax.get_lines()
+        assert len(line.get_xdata()) >= 2 or line.get_marker() not in (None, "None", "", " ")
+    plot(tmp_path / "out.png", [("http://a", [rec])])
+    assert (tmp_path / "out.png").stat().st_size > 0

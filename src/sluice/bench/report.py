@@ -144,6 +144,16 @@ def summary_line(document: dict[str, Any]) -> str:
 
 def plot(path: str | Path, runs: Sequence[tuple[str, Sequence[RequestRecord]]]) -> None:
     """Latency CDFs (TTFT, TPOT, E2E) and output throughput over time, one line per endpoint."""
+    fig = figure(runs)
+    import matplotlib.pyplot as plt
+
+    fig.savefig(str(path), dpi=100)
+    plt.close(fig)
+
+
+def figure(runs: Sequence[tuple[str, Sequence[RequestRecord]]]) -> Any:
+    """`plot`'s figure. Each series has markers too: a run shorter than a second has one
+    throughput bin, and a line through one point draws nothing."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,18 +165,19 @@ def plot(path: str | Path, runs: Sequence[tuple[str, Sequence[RequestRecord]]]) 
         for label, records in runs:
             xs = sorted(v * 1000.0 for r in records if r.ok and (v := get(r)) is not None)
             if xs:
-                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label,
+                        marker=".", markersize=4)
         ax.set(title=f"{name} CDF", xlabel=f"{name} (ms)", ylabel="fraction of requests")
         ax.grid(alpha=0.3)
     ax = axes.flat[3]
     for label, records in runs:
         series = throughput_over_time(records)
-        ax.plot([p["t"] for p in series], [p["tokens_per_s"] for p in series], label=label)
+        ax.plot([p["t"] for p in series], [p["tokens_per_s"] for p in series], label=label,
+                marker=".", markersize=4)
     ax.set(title="Output throughput", xlabel="time (s)", ylabel="tokens/s")
     ax.grid(alpha=0.3)
     for a in axes.flat:
         if a.get_legend_handles_labels()[0]:
             a.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(str(path), dpi=100)
-    plt.close(fig)
+    return fig
