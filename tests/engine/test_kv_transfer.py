@@ -186,6 +186,30 @@ def test_nobody_listening_recomputes_or_fails(engines: dict[str, LLM],
         strict.engine.core.close()
 
 
+def test_a_decode_that_caches_every_block_ends_the_lease_without_a_pull(
+        engines: dict[str, LLM]) -> None:
+    """The decode engine needs none of the blocks (its own prefix cache has them): it
+    pulls nothing but still tells the prefill engine, which frees them at once (before,
+    they stayed held for the whole --kv-lease-timeout, 30 s; vLLM's NIXL connector
+    notifies the prefill side the same way)."""
+    p, d = engines["prefill"], engines["decode"]
+    (prompt,) = prompts(1, 50, seed=29)
+    decode(d, prompt, prefill(p, prompt))  # now the decode engine caches all 3 blocks
+    p.engine.core.tick()
+    before = stat(p, "held_blocks")  # earlier tests' leases that were never pulled
+    params = prefill(p, prompt)
+    assert stat(p, "held_blocks") == before + 3
+    received = stat(d, "blocks_received")
+    tokens, cached = decode(d, prompt, params)
+    assert tokens == local(engines, prompt) and cached == 48
+    assert stat(d, "blocks_received") == received  # nothing travelled
+    deadline = time.monotonic() + 5.0
+    while stat(p, "held_blocks") > before and time.monotonic() < deadline:
+        time.sleep(0.02)
+        p.engine.core.tick()
+    assert stat(p, "held_blocks") <= before
+
+
 def _trickle(listener: socket.socket, stop: threading.Event) -> None:
     """A peer that takes the pull, then sends a frame promising a 64-byte header and
     trickles it one byte per 0.2 s: every read gets a byte well inside any per-read

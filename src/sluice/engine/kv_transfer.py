@@ -32,8 +32,8 @@ same output); under `fail` it ends with `KVTransferError` (503, code
 `kv_transfer_failed`, param `kv_transfer_params`).
 
 `KVConnector` is the seam where a GPU transport (NIXL, LMCache, P2P NCCL) would plug in:
-the engine calls `publish` (prefill side) and `start_pull` / `finished_pulls` / `wait`
-(decode side) and never sees sockets. `TCPConnector` is the one here: a
+the engine calls `publish` (prefill side) and `start_pull` / `release` /
+`finished_pulls` / `wait` (decode side) and never sees sockets. `TCPConnector` is the one here: a
 threaded TCP server in the engine core's process and one short-lived connection per pull.
 
 Threads: the engine thread owns the block manager and the pool writes; the server's
@@ -319,6 +319,12 @@ class KVConnector(ABC):
     def start_pull(self, job: PullJob) -> None: ...
 
     @abstractmethod
+    def release(self, params: dict[str, Any]) -> None:
+        """The decode side caches every block of `params`' lease: end it without a pull
+        (the prefill side frees them now, not at its TTL). Must not block; a failure
+        only costs the prefill side its lease timeout."""
+
+    @abstractmethod
     def finished_pulls(self) -> list[PullResult]: ...
 
     @abstractmethod
@@ -485,6 +491,23 @@ class TCPConnector(KVConnector):
         threading.Thread(target=self._run, args=(job,), name="kv-transfer-pull",
                          daemon=True).start()
 
+    def release(self, params: dict[str, Any]) -> None:
+        threading.Thread(target=self._release, args=(params,), name="kv-transfer-release",
+                         daemon=True).start()
+
+    def _release(self, params: dict[str, Any]) -> None:
+        where = f"{params.get('remote_host')}:{params.get('remote_port')}"
+        timeout = self.config.kv_transfer_timeout
+        deadline = time.monotonic() + timeout
+        try:
+            with socket.create_connection((params["remote_host"], params["remote_port"]),
+                                          timeout=timeout) as sock:
+                send_message(sock, {"op": "done", "request_id": params["remote_request_id"]})
+                recv_message(sock, max_payload=0, deadline=deadline)
+        except (OSError, EOFError, ValueError, KeyError) as exc:
+            log.info("kv transfer: could not end the lease on %s (%s); it ends at its "
+                     "timeout", where, exc)
+
     def _run(self, job: PullJob) -> None:
         try:
             result = self.pull(job)
@@ -586,7 +609,8 @@ class KVTransfer:
     """The engine core's P/D hooks (engine thread only), over one connector:
 
         on_finished(seq)  prefill done: hold its blocks, return the response's params
-        start(seq)        a decode request: pull what is not cached here (or nothing)
+        start(seq)        a decode request: pull what is not cached here (or nothing,
+                          and end the prefill side's lease)
         poll()            finished pulls installed in the pool -> requests to queue/fail
         tick()            leases that ended release their blocks
 
@@ -675,6 +699,8 @@ class KVTransfer:
         while first < n and self._cached(*chain[first]):
             first += 1
         if first == n:
+            if n:  # all cached here: the prefill side may free them now
+                self.connector.release(params)
             return False
         self.pending[seq.request_id] = job = PullJob(
             seq.request_id, params, remote[first:n], chain[first:],
