@@ -91,3 +91,18 @@ def test_a_refused_admin_key_is_said(not_sluice: str) -> None:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "tenants: the admin key was not accepted" in result.stdout
+
+
+def test_the_per_token_columns_say_they_are_inter_token_latency() -> None:
+    """They read "TPOT p50/p99" over the workers' `vllm:inter_token_latency_seconds`
+    percentiles (every gap between tokens; a request's TPOT is the mean of its gaps, and a
+    p99 of gaps is not a p99 of TPOTs): 690 ms "TPOT p99" on a worker whose requests' TPOT
+    stayed under 200 ms. The status page had the same headers."""
+    from pathlib import Path
+
+    from sluice.observe.top import workers_table
+
+    headers = [c.header for c in workers_table(SNAPSHOT).columns]
+    assert "ITL p50" in headers and "ITL p99" in headers and not any("TPOT" in h for h in headers)
+    page = (Path(__file__).parents[2] / "src/sluice/observe/status.html").read_text()
+    assert "<th>ITL p50</th><th>ITL p99</th>" in page and "TPOT" not in page

@@ -4,7 +4,7 @@
 
 Polls the router's `/status.json` (the same snapshot the `/status` page draws) and
 redraws with rich: totals, one row per worker (health, load, KV usage, prefix hit rate,
-TTFT / TPOT p50 and p99, request rate), responses by status, tenants (with the admin
+TTFT / ITL p50 and p99, request rate), responses by status, tenants (with the admin
 key) and the latest errors. `--once` prints one frame and exits (scripts, tests).
 """
 
@@ -76,7 +76,7 @@ def _health(w: dict[str, Any]) -> Text:
 def workers_table(snap: dict[str, Any]) -> Table:
     table = Table(title="workers", expand=True)
     for name in ("worker", "health", "in flight", "running", "waiting", "KV", "hit",
-                 "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "req/s"):
+                 "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "req/s"):
         table.add_column(name, justify="left" if name == "worker" else "right")
     for w in snap["workers"]:
         table.add_row(w["url"], _health(w), _num(w.get("inflight")), _num(w.get("running")),
