@@ -178,6 +178,25 @@ async def test_seeded_completion_continues_token_exact_at_temperature_1(
     assert text_of(migrated) == text_of(direct)
 
 
+async def test_a_stream_that_declines_token_ids_still_migrates(
+        workers: LocalWorkerPool, routed: tuple[str, Cuts]) -> None:
+    """`return_token_ids: false` from the client (a vLLM field, sent explicitly) does not
+    turn migration off: the router still asks the worker for the ids and cuts them from
+    what the client sees (before, the field was left false, no ids came back, and a cut
+    stream ended in a `migration_failed` error event)."""
+    router, cuts = routed
+    body = {"model": await model_of(workers.urls[0]), "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": False,
+            "messages": [{"role": "user", "content": "Name three rivers."}]}
+    async with httpx.AsyncClient(timeout=60) as c:
+        direct = one_stream(await stream(c, workers.urls[0] + "/v1/chat/completions", body))
+        cuts.after = [5]
+        migrated = one_stream(await stream(c, router + "/v1/chat/completions", body))
+    assert len(cuts.resumed) == 1
+    assert text_of(migrated) == text_of(direct)
+    assert not ids_of(migrated)  # declined: not shown
+
+
 async def anthropic_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]
                            ) -> list[tuple[str, dict[str, Any]]]:
     """(event, data) of one streamed Messages request."""

@@ -86,15 +86,21 @@ def migratable(req: ParsedRequest) -> bool:
 
 def with_token_ids(req: ParsedRequest) -> ParsedRequest:
     """The request with vLLM's `return_token_ids: true` (its raw body spliced, not
-    re-encoded); unchanged when the client set the field itself."""
-    if "return_token_ids" in req.body:
+    re-encoded); unchanged when the client asked for the ids itself. A client's `false`
+    is overridden (re-encoded: a spliced duplicate key would lose to the client's), and
+    the relay cuts the ids from what it sees."""
+    if req.body.get("return_token_ids") is True:
         return req
-    start = req.raw.index(b"{") + 1
-    rest = req.raw[start:].lstrip()
-    sep = b"" if rest.startswith(b"}") else b","
-    raw = req.raw[:start] + b'"return_token_ids":true' + sep + req.raw[start:]
-    return ParsedRequest(req.kind, {**req.body, "return_token_ids": True}, req.model,
-                         req.stream, raw, req.view, req.session_key, req.max_tokens)
+    body = {**req.body, "return_token_ids": True}
+    if "return_token_ids" in req.body:
+        raw = json.dumps(body).encode()
+    else:
+        start = req.raw.index(b"{") + 1
+        rest = req.raw[start:].lstrip()
+        sep = b"" if rest.startswith(b"}") else b","
+        raw = req.raw[:start] + b'"return_token_ids":true' + sep + req.raw[start:]
+    return ParsedRequest(req.kind, body, req.model, req.stream, raw, req.view,
+                         req.session_key, req.max_tokens)
 
 
 class _Failed(Exception):
