@@ -195,3 +195,18 @@ def test_burstiness_without_a_finite_rate_is_an_error(rate: list[str],
     err = capsys.readouterr().err
     assert "sluice sim: error: --burstiness shapes the gaps between arrivals: it needs a finite " \
         "--request-rate" in err
+
+
+def test_the_last_line_leaves_the_series_over_time_to_the_json_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The last stdout line held the replica count at every planner tick: it grows with
+    the simulated time (86,400 entries for a day at the default interval), where the
+    bench's line leaves its per-request records and series over time to `--json`."""
+    out = tmp_path / "sim.json"
+    assert main(["sim", "--num-prompts", "4", "--workers", "2", "--input-len", "8",
+                 "--output-len", "2", "--request-rate", "1", "--json", str(out)]) == 0
+    (line,) = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()[-1:]]
+    (result,) = line["results"]
+    assert "replicas_over_time" not in result and "requests" not in result
+    assert result["completed"] == 4 and "worker_hours" in result
+    assert json.loads(out.read_text())["results"][0]["replicas_over_time"]

@@ -135,10 +135,14 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
-def summary_line(document: dict[str, Any]) -> str:
-    """The last stdout line: everything but the per-request records, on one line."""
+PER_RUN_SERIES = ("requests", "throughput_over_time")
+
+
+def summary_line(document: dict[str, Any], series: Sequence[str] = PER_RUN_SERIES) -> str:
+    """The last stdout line: everything but each result's `series` (the per-request
+    records and the series over time, which `--json` holds), on one line."""
     slim = {k: v for k, v in document.items() if k != "results"}
-    slim["results"] = [{k: v for k, v in r.items() if k not in ("requests", "throughput_over_time")} for r in document["results"]]
+    slim["results"] = [{k: v for k, v in r.items() if k not in series} for r in document["results"]]
     return json.dumps(_finite(slim), default=str, allow_nan=False)
 
 
