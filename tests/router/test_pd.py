@@ -215,6 +215,26 @@ async def test_a_request_the_prefill_worker_refuses_is_answered_locally_not_as_a
         assert pd_counts(state) == {"disaggregated": 0.0, "local": 1.0, "fallback": 0.0}
 
 
+@pytest.mark.parametrize("kind", ["chat n=2", "two prompts"])
+async def test_a_request_no_prefill_can_hand_off_is_local_without_asking_one(kind: str
+                                                                              ) -> None:
+    """n > 1 or several prompts: a prefill hands off one sequence (sluice's worker answers
+    such a prefill 400 `n` / `prompt`), so the router plans them local at once instead of
+    sending each one to a prefill worker first for a refusal."""
+    store = KVStore()
+    p, d = PDStub("p", store, role="prefill"), PDStub("d", store, role="decode")
+    path, body = (("/v1/chat/completions", chat(LONG, max_tokens=3, n=2)) if kind == "chat n=2"
+                  else ("/v1/completions", {"model": "stub-model", "prompt": [LONG, LONG],
+                                            "max_tokens": 3}))
+    async with pd_cluster([p, d], PDConfig(mode="always")) as (url, state), \
+            httpx.AsyncClient(timeout=10) as c:
+        r = await c.post(url + path, json=body)
+        assert r.status_code == 200, r.text
+        assert not p.prefills and len(d.locals) == 1 and not d.decodes
+        assert pd_counts(state) == {"disaggregated": 0.0, "local": 1.0, "fallback": 0.0}
+    no_errors(p, d)
+
+
 async def test_an_adapter_request_goes_only_to_the_workers_holding_its_adapter() -> None:
     """LoRA placement on the P/D path as on the plain one: an adapter's request is
     prefilled and decoded only where the adapter is (a prefill worker without it: the

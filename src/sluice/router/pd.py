@@ -5,7 +5,7 @@ prefill workers and decode workers (`both` workers serve as decode workers). Eac
 request of such a pool goes through `PD.forward` instead of the plain proxy:
 
     plan (chat and completions; messages always local)
-      never / no prefill worker                       -> local
+      never / no prefill worker / n > 1 / several prompts -> local
       always                                          -> disaggregated
       conditional: on the decode worker the pool's policy would pick, uncached prompt
         tokens >= min_uncached_tokens (Dynamo's 2,048), and the best prefill worker's
@@ -325,6 +325,14 @@ def _error_code(body: bytes) -> str | None:
 # --- the two-step flow -------------------------------------------------------------------
 
 
+def one_sequence(body: dict[str, Any]) -> bool:
+    """Whether a prefill can hand `body` off: one prompt, one choice (a prefill worker
+    answers n > 1 or a batch of prompts with a 400)."""
+    prompt = body.get("prompt")
+    several = isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
+    return body.get("n") in (None, 1) and not several
+
+
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     """The prefill worker's request: as vLLM's disaggregated proxy sends it."""
     out = {k: v for k, v in body.items() if k != "stream_options"}
@@ -390,7 +398,8 @@ class PD:
              exclude: Iterable[str] = ()) -> str:
         """DISAGGREGATED or LOCAL for this request (see the module docstring)."""
         config = pool.config.pd
-        if config is None or config.mode == "never" or req.kind not in (CHAT, COMPLETION):
+        if config is None or config.mode == "never" or req.kind not in (CHAT, COMPLETION) \
+                or not one_sequence(req.body):
             return LOCAL
         prefill = self.prefill.choose(pool, meta, exclude)
         if prefill is None:
