@@ -30,8 +30,13 @@ def test_registry_lists_all_policies_and_rejects_unknown() -> None:
     with pytest.raises(InvalidRequestError) as err:
         make_policy("fastest")
     assert err.value.param == "policy"
-    with pytest.raises(InvalidRequestError):
-        make_policy("prefix", options={"no_such": 1})
+    with pytest.raises(InvalidRequestError) as err:  # it read "CostModel.__init__() got
+        make_policy("cost", options={"no_such": 1})  # an unexpected keyword argument"
+    assert err.value.param == "policy_options.no_such"
+    assert str(err.value) == ("policy 'cost' has no option 'no_such'; its options: "
+                              "decode_equiv_tokens")
+    with pytest.raises(InvalidRequestError, match="its options: none"):
+        make_policy("round_robin", options={"balance_abs": 4})
     assert make_policy("prefix", options={"balance_abs": 4}).balance_abs == 4  # type: ignore[attr-defined]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
 from collections.abc import Mapping
@@ -26,7 +27,12 @@ def make_policy(name: str, rng: random.Random | None = None,
     if cls is None:
         raise InvalidRequestError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}",
                                   param="policy")
+    known = [p for p in inspect.signature(cls).parameters if p != "rng"]
     for key, value in (options or {}).items():  # a NaN weight makes every score NaN
+        if key not in known:
+            raise InvalidRequestError(f"policy {name!r} has no option {key!r}; its options: "
+                                      f"{', '.join(known) or 'none'}",
+                                      param=f"policy_options.{key}")
         if isinstance(value, float) and not math.isfinite(value):
             raise InvalidRequestError(f"policy option {key} must be a finite number, got "
                                       f"{value}", param=f"policy_options.{key}")
