@@ -36,7 +36,12 @@ import sys
 from typing import Any
 
 from sluice import env
-from sluice.control.flags import add_scaling_arguments, named_by_flags, scaling_options
+from sluice.control.flags import (
+    add_scaling_arguments,
+    check_policy_flags,
+    named_by_flags,
+    scaling_options,
+)
 from sluice.observe.cli import buckets as observe_buckets
 from sluice.observe.cli import observe_flags, tracing_config
 from sluice.protocol.errors import InvalidRequestError
@@ -320,9 +325,11 @@ def planner_config(args: argparse.Namespace) -> Any:
         raise InvalidRequestError("--buffer-timeout 0 answers 503 at once and holds no "
                                   "request, so a pool at zero would never wake: with "
                                   "--min-workers 0 give it > 0", param="buffer_timeout")
-    return named_by_flags(lambda: PlannerConfig(
+    config = named_by_flags(lambda: PlannerConfig(
         policy=args.planner_policy, min_replicas=lo, max_replicas=hi, slo=SLO.parse(args.slo),
         **scaling_options(args), scale_to_zero_after_s=after))
+    check_policy_flags(args.planner_policy, args)  # after the values' own checks
+    return config
 
 
 def controller_config(args: argparse.Namespace) -> Any:

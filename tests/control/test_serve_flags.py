@@ -10,6 +10,7 @@ import pytest
 
 from sluice.cli import build_parser, main
 from sluice.control.planner import SLO
+from sluice.protocol.errors import InvalidRequestError
 from sluice.serve import planner_config, uses_router, worker_bounds
 
 
@@ -98,11 +99,22 @@ def test_bounds_and_the_planner_config() -> None:
         == (1.0, 9.0, 0.8)
     assert (tuned.target_ongoing_requests, tuned.target_kv_usage, tuned.target_queue_length) \
         == (8.0, 0.8, 5.0)  # the defaults
-    targets = planner_config(parse("--max-workers", "2", "--planner-policy", "queue",
-                                   "--target-ongoing-requests", "16", "--target-kv-usage", "0.7",
-                                   "--target-queue-length", "3"))
-    assert (targets.target_ongoing_requests, targets.target_kv_usage,
-            targets.target_queue_length) == (16.0, 0.7, 3.0)
+    queue = planner_config(parse("--max-workers", "2", "--planner-policy", "queue",
+                                 "--target-ongoing-requests", "16"))
+    kv = planner_config(parse("--max-workers", "2", "--planner-policy", "kv",
+                              "--target-kv-usage", "0.7", "--target-queue-length", "3"))
+    assert (queue.target_ongoing_requests, kv.target_kv_usage, kv.target_queue_length) \
+        == (16.0, 0.7, 3.0)
+    # a setting only another policy reads was taken and never read: now a 400 naming it
+    for policy, flag, value in [("slo", "--target-kv-usage", "0.5"),
+                                ("queue", "--scale-down-margin", "0.9"),
+                                ("kv", "--lookahead", "10"),
+                                ("slo", "--target-ongoing-requests", "12")]:
+        with pytest.raises(InvalidRequestError) as err:
+            planner_config(parse("--max-workers", "2", "--planner-policy", policy, flag, value))
+        assert err.value.param == flag[2:].replace("-", "_")
+        assert str(err.value).startswith(f"{flag} is read by the ") and f"not by {policy}" \
+            in str(err.value)
 
 
 def test_chat_flags_reach_every_worker(tmp_path: object) -> None:

@@ -88,3 +88,25 @@ def scaling_options(args: argparse.Namespace) -> dict[str, Any]:
             "target_ongoing_requests": args.target_ongoing_requests,
             "target_kv_usage": args.target_kv_usage,
             "target_queue_length": args.target_queue_length}
+
+
+# The settings one planner policy reads and the others ignore (control/planner.py).
+POLICY_ONLY = {"scale_down_margin": "slo", "lookahead_s": "slo",
+               "target_ongoing_requests": "queue",
+               "target_kv_usage": "kv", "target_queue_length": "kv"}
+
+
+def check_policy_flags(policy: str, args: argparse.Namespace) -> None:
+    """A flag set away from its default that only another policy reads is a 400 naming
+    it (`--planner slo --target-kv-usage 0.5` ran and never read it)."""
+    from dataclasses import fields
+
+    from sluice.control.planner import PlannerConfig
+
+    defaults = {f.name: f.default for f in fields(PlannerConfig)}
+    for name, value in scaling_options(args).items():
+        owner = POLICY_ONLY.get(name)
+        if owner is not None and owner != policy and value != defaults[name]:
+            flag = FLAGS[name]
+            raise InvalidRequestError(f"{flag} is read by the {owner} planner policy only, "
+                                      f"not by {policy}", param=flag[2:].replace("-", "_"))

@@ -23,7 +23,7 @@ from sluice.bench import report
 from sluice.bench.load import LoadConfig
 from sluice.bench.metrics import parse_slos
 from sluice.bench.workloads import WORKLOADS, Session, WorkloadConfig
-from sluice.control.flags import FLAGS, named_by_flags, scaling_options
+from sluice.control.flags import FLAGS, check_policy_flags, named_by_flags, scaling_options
 from sluice.control.planner import SLO, PlannerConfig
 from sluice.protocol.errors import InvalidRequestError
 from sluice.sim.cluster import SimConfig, SimResult, Simulation
@@ -138,9 +138,11 @@ def planner_config(args: argparse.Namespace, slos: dict[str, float]) -> PlannerC
     if None in bounds:
         raise InvalidRequestError(f"--planner {args.planner} needs --min-workers and "
                                   "--max-workers", param="min_workers")
-    return named_by_flags(lambda: PlannerConfig(
+    config = named_by_flags(lambda: PlannerConfig(
         policy=args.planner, min_replicas=args.min_workers, max_replicas=args.max_workers,
         slo=planner_slo(slos), **scaling_options(args)))
+    check_policy_flags(args.planner, args)  # after the values' own checks
+    return config
 
 
 def _fixed_pool_ignores(args: argparse.Namespace) -> list[str]:
