@@ -126,12 +126,12 @@ def add_control_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pd", default=None, metavar="P:D",
                    help="a disaggregated pool: P prefill and D decode workers (e.g. --workers 4 "
                         "--pd 1:3; autoscaled pools keep the ratio); each worker gets --role")
-    g.add_argument("--pd-mode", default="conditional", choices=["conditional", "always", "never"],
+    g.add_argument("--pd-mode", default=None, choices=["conditional", "always", "never"],
                    help="--pd: when a request is prefilled on a prefill worker "
-                        "(default: %(default)s)")
-    g.add_argument("--pd-min-uncached-tokens", type=int, default=2048, metavar="N",
+                        "(default: conditional)")
+    g.add_argument("--pd-min-uncached-tokens", type=int, default=None, metavar="N",
                    help="--pd conditional: uncached prompt tokens needed to prefill remotely "
-                        "(default: %(default)s)")
+                        "(default: 2048, the router's)")
     g.add_argument("--no-pd-rebalance", dest="pd_rebalance", action="store_false",
                    help="--pd: keep the P:D ratio (default: move workers between the sides by "
                         "switching their role live when one side is over its target)")
@@ -169,8 +169,16 @@ def uses_router(args: argparse.Namespace) -> bool:
 
 
 def pd_ratio(args: argparse.Namespace) -> tuple[int, int] | None:
-    """`--pd P:D` as (P, D); with a fixed pool P + D must be --workers."""
+    """`--pd P:D` as (P, D); with a fixed pool P + D must be --workers. The other --pd
+    flags without it are a 400 naming the first (they were taken and never read)."""
     if args.pd is None:
+        given = [flag for flag, value in (("--pd-mode", args.pd_mode),
+                                          ("--pd-min-uncached-tokens",
+                                           args.pd_min_uncached_tokens))
+                 if value is not None] + ([] if args.pd_rebalance else ["--no-pd-rebalance"])
+        if given:
+            raise InvalidRequestError(f"{given[0]} needs --pd P:D (a disaggregated pool)",
+                                      param=given[0][2:].replace("-", "_"))
         return None
     p, sep, d = args.pd.partition(":")
     if not (sep and p.strip().isdigit() and d.strip().isdigit()) or int(p) < 1 or int(d) < 1:
@@ -403,9 +411,10 @@ def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
                              block_size=args.block_size or 16,
                              workers=tuple(WorkerSpec(url) for url in args.worker_url),
                              discover=tuple(args.worker_dns),
-                             pd=PDConfig(mode=args.pd_mode,
-                                         min_uncached_tokens=args.pd_min_uncached_tokens)
-                             if ratio else None)
+                             pd=PDConfig(**{k: v for k, v in (
+                                 ("mode", args.pd_mode),
+                                 ("min_uncached_tokens", args.pd_min_uncached_tokens))
+                                 if v is not None}) if ratio else None)
     config = flow_overrides(args, RouterConfig(
         pools=(pool_config,), host=args.host, port=args.port,
         admin_key=args.admin_key or env.get("ADMIN_KEY"), buffer_timeout_s=args.buffer_timeout))
@@ -492,8 +501,8 @@ def handler(args: argparse.Namespace) -> int:
         planner_config(args)  # flag errors before anything starts (with a router or not)
         controller_config(args)
         check_router_flags(args)
+        pd_ratio(args)  # the --pd flags without --pd, with a router or not
         if uses_router(args):
-            pd_ratio(args)
             if (args.backend == "external") != bool(args.worker_url or args.worker_dns):
                 raise InvalidRequestError("--worker-url and --worker-dns go with --backend "
                                           "external (and --backend external needs one)",

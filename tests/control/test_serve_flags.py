@@ -272,3 +272,17 @@ def test_serve_prices_reach_its_gateway(tmp_path: Path, monkeypatch: pytest.Monk
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--prices", str(bad)])
     assert exit_.value.code == 2 and "cannot read the price table" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--pd-mode", "always"], ["--pd-min-uncached-tokens", "10"],
+                                   ["--no-pd-rebalance"]])
+def test_pd_flags_without_pd_are_refused(flags: list[str]) -> None:
+    """`--pd-mode always` and the other --pd flags without `--pd P:D` started a plain
+    worker and read none of them; now exit 2 naming the flag, before anything starts."""
+    from sluice.serve import pd_ratio
+
+    with pytest.raises(InvalidRequestError) as err:
+        pd_ratio(parse("--workers", "2", *flags))
+    assert err.value.param == flags[0][2:].replace("-", "_")
+    assert str(err.value) == f"{flags[0]} needs --pd P:D (a disaggregated pool)"
+    assert pd_ratio(parse("--workers", "2", "--pd", "1:1", *flags)) == (1, 1)

@@ -165,6 +165,11 @@ def test_buffer_timeout_is_checked_by_the_router_config(tmp_path: Path, value: s
     (["--config", "{dir}/r.yaml"],
      "pools: [{workers: [{url: 'http://a:1', role: prefill}, 'http://b:1']}]\n",
      "worker http://a:1 has role 'prefill', but the pool is not disaggregated"),
+    # the conditional mode's tuning without a disaggregated pool was taken and never read
+    (["--worker", "http://a:1", "--pd-min-uncached-tokens", "10"], None,
+     "--pd-min-uncached-tokens needs a disaggregated pool"),
+    (["--worker", "http://a:1", "--pd-max-prefill-wait-ratio", "2"], None,
+     "--pd-max-prefill-wait-ratio needs a disaggregated pool"),
     # two endpoints for one worker: the last was taken, the first dropped unsaid
     (["--worker", "http://a:1", "--worker-kv-events", "http://a:1=tcp://127.0.0.1:5557",
       "--worker-kv-events", "http://a:1/=tcp://127.0.0.1:5558"], None,

@@ -197,7 +197,19 @@ def add_pd_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def pd_from_args(args: argparse.Namespace) -> PDConfig | None:
+    """The --worker pool's P/D settings; the conditional mode's tuning flags without a
+    disaggregated pool are a 400 naming the first (they were taken and never read)."""
     if not (args.prefill_worker or args.decode_worker or args.pd_mode):
+        defaults = PDConfig()
+        for flag, value, default in (
+                ("--pd-min-uncached-tokens", args.pd_min_uncached_tokens,
+                 defaults.min_uncached_tokens),
+                ("--pd-max-prefill-wait-ratio", args.pd_max_prefill_wait_ratio,
+                 defaults.max_prefill_wait_ratio)):
+            if value != default:
+                raise InvalidRequestError(f"{flag} needs a disaggregated pool (--pd-mode, "
+                                          "--prefill-worker or --decode-worker)",
+                                          param=flag[2:].replace("-", "_"))
         return None
     return PDConfig(mode=args.pd_mode or "conditional",
                     min_uncached_tokens=args.pd_min_uncached_tokens,
