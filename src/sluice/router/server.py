@@ -546,6 +546,10 @@ class _Lifespan:
         loop = asyncio.get_running_loop()
         self.events = {"startup": loop.create_future(), "shutdown": loop.create_future()}
         self.task = asyncio.create_task(self._run())
+        # a failed phase is raised by `_step` (the app's "failed" message, or the task's
+        # own exception): marked retrieved here, so asyncio does not also log it as
+        # "never retrieved" when the task is collected (it did, or not, by gc timing)
+        self.task.add_done_callback(lambda t: t.cancelled() or t.exception())
         await self._step("startup")
 
     async def shutdown(self) -> None:
