@@ -59,7 +59,13 @@ from sluice.gateway.models import MODEL_PREFIX, MODELS_PATH, ModelListFilter, al
 from sluice.gateway.state import GatewayState
 from sluice.gateway.store import Principal, UsageRecord
 from sluice.gateway.tokens import estimate_view
-from sluice.protocol.edge import BodyLimit, load_json_object, read_body, send_error
+from sluice.protocol.edge import (
+    ANTHROPIC_PATHS,
+    BodyLimit,
+    load_json_object,
+    read_body,
+    send_error,
+)
 from sluice.protocol.errors import (
     AuthenticationError,
     InvalidRequestError,
@@ -88,7 +94,6 @@ ASGIApp = Callable[[Scope_, Receive, Send], Awaitable[None]]
 # Endpoints whose JSON body names a model and produces tokens.
 GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages",
                         "/v1/embeddings")
-ANTHROPIC_ENDPOINTS = ("/v1/messages", "/v1/messages/count_tokens")
 # Endpoints whose JSON body names a model but produces no tokens (Anthropic's token
 # counting, free of tokens and limited by requests only, as Anthropic rates it): the
 # model is checked against the key's allow-list and recorded; nothing is reserved.
@@ -250,7 +255,7 @@ class Exchange:
         self.scope, self.receive, self.send = scope, receive, send
         path: str = scope["path"]
         self.endpoint = path
-        self.protocol = "anthropic" if path in ANTHROPIC_ENDPOINTS else "openai"
+        self.protocol = "anthropic" if path in ANTHROPIC_PATHS else "openai"
         self.started = time.perf_counter()
         self.adm: Admission | None = None
         self.meter = ResponseMeter(protocol=self.protocol)

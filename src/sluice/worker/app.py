@@ -33,7 +33,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice.observe.asgi import TraceContext
 from sluice.protocol import anthropic
-from sluice.protocol.edge import BodyLimit, http_status_error, load_json_object
+from sluice.protocol.edge import (
+    ANTHROPIC_PATHS,
+    BodyLimit,
+    http_status_error,
+    load_json_object,
+)
 from sluice.protocol.errors import (
     ClientDisconnected,
     InvalidRequestError,
@@ -76,8 +81,6 @@ if TYPE_CHECKING:
     from sluice.engine.async_engine import AsyncEngine
 
 log = logging.getLogger("sluice.worker")
-
-ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 
 
 def build_app(engine: AsyncEngine | None, config: WorkerConfig) -> FastAPI:
