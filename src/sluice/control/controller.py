@@ -318,12 +318,8 @@ class Controller:
         """Its probe passed, by POST /admin/workers's rule: /health answered 200, and
         /v1/models lists the pool's model or one the pool's other workers list (a pool
         may serve its workers' model under a name of its own: the router rewrites it);
-        a pool's only worker is not compared."""
-        others = {m for e in self.pool.endpoints.values() if e is not endpoint
-                  for m in e.models}
-        names = others | {self.pool.config.model}
-        return endpoint.healthy and not (endpoint.models and others
-                                         and names.isdisjoint(endpoint.models))
+        a pool's only worker is not compared (`Pool.foreign`)."""
+        return endpoint.healthy and not self.pool.foreign(endpoint, self.pool.config.model)
 
     async def refuse(self, handle: WorkerHandle, endpoint: Endpoint) -> None:
         """A started worker failed its probe: record why, then stop it unused."""

@@ -69,6 +69,14 @@ class Pool:
     def serves(self, model: str) -> bool:
         return model in self.config.names or any(model in e.models for e in self.endpoints.values())
 
+    def foreign(self, endpoint: Endpoint, *names: str | None) -> bool:
+        """Whether `endpoint` serves another model: it lists models and none of those the
+        pool's other workers list (nor `names`), while they list some. A pool's only
+        worker is never foreign."""
+        others = {m for e in self.endpoints.values() if e is not endpoint for m in e.models}
+        return bool(endpoint.models and others) \
+            and others.union(n for n in names if n).isdisjoint(endpoint.models)
+
     def add(self, spec: WorkerSpec) -> Endpoint:
         if spec.url in self.endpoints:
             raise InvalidRequestError(f"worker {spec.url} is already in the pool", param="url")

@@ -200,8 +200,7 @@ class RouterState:
         endpoint.hold_until_probed()
         self.start_subscriber(pool, endpoint)
         await self.monitor.probe(endpoint)
-        others = {m for e in pool.endpoints.values() if e is not endpoint for m in e.models}
-        if endpoint.models and others and others.isdisjoint(endpoint.models):
+        if pool.foreign(endpoint):
             endpoint.draining = True  # (no request reaches it before it is gone)
             await self.remove_worker(endpoint.url)
             raise InvalidRequestError(
