@@ -90,6 +90,18 @@ def scaling_options(args: argparse.Namespace) -> dict[str, Any]:
             "target_queue_length": args.target_queue_length}
 
 
+def changed_scaling_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`scaling_options` set away from `PlannerConfig`'s defaults: the ones the user gave
+    (their parser has defaults, so a given flag is told by its value)."""
+    from dataclasses import fields
+
+    from sluice.control.planner import PlannerConfig
+
+    defaults = {f.name: f.default for f in fields(PlannerConfig)}
+    return {name: value for name, value in scaling_options(args).items()
+            if value != defaults[name]}
+
+
 # The settings one planner policy reads and the others ignore (control/planner.py).
 POLICY_ONLY = {"scale_down_margin": "slo", "lookahead_s": "slo",
                "target_ongoing_requests": "queue",
@@ -99,14 +111,9 @@ POLICY_ONLY = {"scale_down_margin": "slo", "lookahead_s": "slo",
 def check_policy_flags(policy: str, args: argparse.Namespace) -> None:
     """A flag set away from its default that only another policy reads is a 400 naming
     it (`--planner slo --target-kv-usage 0.5` ran and never read it)."""
-    from dataclasses import fields
-
-    from sluice.control.planner import PlannerConfig
-
-    defaults = {f.name: f.default for f in fields(PlannerConfig)}
-    for name, value in scaling_options(args).items():
+    for name in changed_scaling_options(args):
         owner = POLICY_ONLY.get(name)
-        if owner is not None and owner != policy and value != defaults[name]:
+        if owner is not None and owner != policy:
             flag = FLAGS[name]
             raise InvalidRequestError(f"{flag} is read by the {owner} planner policy only, "
                                       f"not by {policy}", param=flag[2:].replace("-", "_"))

@@ -23,7 +23,13 @@ from sluice.bench import report
 from sluice.bench.load import LoadConfig
 from sluice.bench.metrics import parse_slos
 from sluice.bench.workloads import WORKLOADS, Session, WorkloadConfig
-from sluice.control.flags import FLAGS, check_policy_flags, named_by_flags, scaling_options
+from sluice.control.flags import (
+    FLAGS,
+    changed_scaling_options,
+    check_policy_flags,
+    named_by_flags,
+    scaling_options,
+)
 from sluice.control.planner import SLO, PlannerConfig
 from sluice.protocol.errors import InvalidRequestError
 from sluice.sim.cluster import SimConfig, SimResult, Simulation
@@ -151,9 +157,7 @@ def _fixed_pool_ignores(args: argparse.Namespace) -> list[str]:
     given = [flag for dest, flag in (("planner_interval", "--planner-interval"),
                                      ("cold_start", "--cold-start"))
              if getattr(args, dest) is not None]
-    defaults = {f.name: f.default for f in fields(PlannerConfig)}
-    return given + [FLAGS[name] for name, value in scaling_options(args).items()
-                    if value != defaults[name]]
+    return given + [FLAGS[name] for name in changed_scaling_options(args)]
 
 
 def planner_slo(slos: dict[str, float]) -> SLO:
