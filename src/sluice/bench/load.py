@@ -48,6 +48,15 @@ class LoadConfig:
             raise InvalidRequestError("duration must be > 0 and finite", param="duration")
 
 
+def check_burstiness(request_rate: float, burstiness: float | None) -> None:
+    """A given `--burstiness` needs a finite rate (`bench serve` and `sim` alike): with
+    every request at t=0 there are no gaps for its gamma shape to change."""
+    if burstiness is not None and not math.isfinite(request_rate):
+        raise InvalidRequestError("--burstiness shapes the gaps between arrivals: it needs a "
+                                  "finite --request-rate (inf sends everything at once)",
+                                  param="burstiness")
+
+
 def arrival_times(rate: float, burstiness: float, seed: int) -> Iterator[float]:
     """Offsets in seconds of successive arrivals: 0, g1, g1+g2, ... (gamma gaps)."""
     if math.isinf(rate):

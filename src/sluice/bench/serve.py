@@ -28,7 +28,7 @@ import httpx
 
 from sluice.bench import report
 from sluice.bench.client import ClientOptions, RequestRecord, StreamingClient, endpoint_kind
-from sluice.bench.load import LoadConfig, run_load, schedule
+from sluice.bench.load import LoadConfig, check_burstiness, run_load, schedule
 from sluice.bench.metrics import has_engine_counters, parse_slos, server_deltas, summarize
 from sluice.bench.tokens import ServerTokenizer, TextEncoder, discover_vocab, open_tokenizer
 from sluice.bench.workloads import (
@@ -135,10 +135,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
     trace = args.workload == "trace"
     if trace and (args.request_rate is not None or args.burstiness is not None):
         raise InvalidRequestError("--workload trace replays its own timestamps; drop --request-rate/--burstiness", param="request_rate")
-    if args.burstiness is not None and not math.isfinite(args.request_rate or math.inf):
-        raise InvalidRequestError("--burstiness shapes the gaps between arrivals: it needs a "
-                                  "finite --request-rate (inf sends everything at once)",
-                                  param="burstiness")
+    check_burstiness(args.request_rate or math.inf, args.burstiness)
     load = LoadConfig(
         request_rate=math.inf if args.request_rate is None else args.request_rate,
         burstiness=1.0 if args.burstiness is None else args.burstiness,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sluice.bench import report
-from sluice.bench.load import LoadConfig
+from sluice.bench.load import LoadConfig, check_burstiness
 from sluice.bench.metrics import parse_slos
 from sluice.bench.workloads import WORKLOADS, Session, WorkloadConfig
 from sluice.control.flags import (
@@ -231,10 +231,7 @@ def sessions_from_args(args: argparse.Namespace) -> list[tuple[Session, float]]:
                        DEFAULT_SHARED_PREFIX_LEN if workload == "shared-prefix" else 0)
     cfg = WorkloadConfig(seed=args.seed, **options)
     rate = math.inf if args.request_rate is None else args.request_rate
-    if args.burstiness is not None and math.isinf(rate):
-        raise InvalidRequestError("--burstiness shapes the gaps between arrivals: it needs a "
-                                  "finite --request-rate (inf sends everything at once)",
-                                  param="burstiness")
+    check_burstiness(rate, args.burstiness)
     burstiness = 1.0 if args.burstiness is None else args.burstiness
     load = LoadConfig(request_rate=rate, burstiness=burstiness, seed=args.seed)
     count = DEFAULT_NUM_PROMPTS if args.num_prompts is None else args.num_prompts
