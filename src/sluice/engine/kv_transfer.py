@@ -372,6 +372,14 @@ def _until(sock: socket.socket, deadline: float | None) -> None:
         sock.settimeout(left)
 
 
+def _end_lease(sock: socket.socket, request_id: str, deadline: float) -> None:
+    """Tell the prefill side its lease on `request_id`'s blocks is over (`done`), and
+    wait for its answer, both before `deadline`."""
+    _until(sock, deadline)
+    send_message(sock, {"op": "done", "request_id": request_id})
+    recv_message(sock, max_payload=0, deadline=deadline)
+
+
 def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
@@ -502,8 +510,7 @@ class TCPConnector(KVConnector):
         try:
             with socket.create_connection((params["remote_host"], params["remote_port"]),
                                           timeout=timeout) as sock:
-                send_message(sock, {"op": "done", "request_id": params["remote_request_id"]})
-                recv_message(sock, max_payload=0, deadline=deadline)
+                _end_lease(sock, params["remote_request_id"], deadline)
         except (OSError, EOFError, ValueError, KeyError) as exc:
             log.info("kv transfer: could not end the lease on %s (%s); it ends at its "
                      "timeout", where, exc)
@@ -537,9 +544,7 @@ class TCPConnector(KVConnector):
                 header, payload = recv_message(sock, deadline=deadline)
                 blocks = self._check(job, header, payload)
                 if done:
-                    _until(sock, deadline)
-                    send_message(sock, {"op": "done", "request_id": p["remote_request_id"]})
-                    recv_message(sock, max_payload=0, deadline=deadline)
+                    _end_lease(sock, p["remote_request_id"], deadline)
         except TimeoutError:
             raise KVTransferError(f"KV transfer from {where} timed out after {timeout} s",
                                   "timeout") from None
