@@ -200,6 +200,34 @@ async def test_failures_fall_back_to_a_local_prefill_on_a_decode_worker(failure:
     no_errors(p, d)
 
 
+@pytest.mark.parametrize("mode, decode", [("always", "ejected"), ("conditional", "ejected"),
+                                          ("always", "failing")])
+async def test_with_no_decode_worker_left_a_prefill_worker_serves_the_request_whole(
+        mode: str, decode: str) -> None:
+    """A pool whose decode workers are all ejected (or all answer 5xx) is served by its
+    prefill workers, whole engines, instead of answering 503 (before: a prefill, then
+    no decode worker to hand off to, then 503 `no_healthy_worker`)."""
+    store = KVStore()
+    p, d = PDStub("p", store, role="prefill"), PDStub("d", store, role="decode")
+    d.fail_status = 500 if decode == "failing" else None
+    async with pd_cluster([p, d], PDConfig(mode=mode, min_uncached_tokens=1),
+                          max_retries=0) as (url, state), httpx.AsyncClient(timeout=10) as c:
+        if decode == "ejected":
+            state.pools[0].endpoints[d.url].healthy = False
+        for stream in (False, True):
+            body = chat(LONG, max_tokens=3, stream=stream)
+            r = await c.post(url + "/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            got = r.text if stream else r.json()["choices"][0]["message"]["content"]
+            assert all(w in got for w in answer(body, 3))
+        assert len(p.locals) == 2 and "kv_transfer_params" not in p.locals[0]
+        assert not d.locals and not d.decodes
+        assert pd_counts(state)["fallback"] == 2.0
+        if decode == "ejected":  # planned local at once: no prefill whose KV nobody pulls
+            assert not p.prefills
+    no_errors(p, d)
+
+
 async def test_a_request_the_prefill_worker_refuses_is_answered_locally_not_as_a_fallback(
         ) -> None:
     """A 4xx from the prefill worker is about the request (too long, a bad field): the

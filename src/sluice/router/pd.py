@@ -5,7 +5,7 @@ prefill workers and decode workers (`both` workers serve as decode workers). Eac
 request of such a pool goes through `PD.forward` instead of the plain proxy:
 
     plan (chat and completions; messages always local)
-      never / no prefill worker / n > 1 / several prompts -> local
+      never / no prefill worker / no decode worker / n > 1 / several prompts -> local
       always                                          -> disaggregated
       conditional: on the decode worker the pool's policy would pick, uncached prompt
         tokens >= min_uncached_tokens (Dynamo's 2,048), and the best prefill worker's
@@ -24,7 +24,9 @@ request of such a pool goes through `PD.forward` instead of the plain proxy:
          stream migrates mid-stream as any stream, to decode workers, prefilling there).
          503 `kv_transfer_failed` (the worker could not pull the KV, policy `fail`)
          -> the client's body on a decode worker ("fallback")
-    local: the client's body on a decode worker chosen by the pool's policy
+    local: the client's body on a decode worker chosen by the pool's policy; none could
+      serve it (every decode worker ejected, dead, failing or switching) -> the client's
+      body on a prefill worker ("fallback": a prefill worker is a whole engine)
 
 Roles are the workers' own: `GET /v1/pd_role` -> {role, epoch, draining}, read every
 `role_refresh_s` (a worker without the endpoint, e.g. vLLM, keeps its configured
@@ -65,7 +67,7 @@ from sluice.router.policies import Choice, RequestMeta
 from sluice.router.policies.base import pick_min
 from sluice.router.policies.cost import estimate_seconds, prefill_tokens, uncached_tokens
 from sluice.router.pool import Decision, Pool
-from sluice.router.proxy import Proxy, Relay, RetryableError
+from sluice.router.proxy import Proxy, Relay, RetryableError, WorkersFailed
 from sluice.router.upstream import UpstreamConnection, UpstreamError, UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -299,6 +301,27 @@ class SideProxy(Proxy):
             raise RetryableError("status 503", counts=False)
 
 
+class LocalSide(SideProxy):
+    """The `local` side (decode workers prefilling themselves) with a last resort: when
+    no decode worker could serve the request (each ejected, dead, failing or being
+    switched), a prefill worker serves it whole, since it is a whole engine, rather than
+    the client getting a 503. A stream that migrates resumes here too."""
+
+    def __init__(self, prefill: SideProxy, *args: Any) -> None:
+        super().__init__(LOCAL_SIDE, *args)
+        self.prefill = prefill
+
+    async def forward(self, pool: Pool, req: ParsedRequest, meta: RequestMeta, path: bytes,
+                      headers: bytes, exclude: Iterable[str] = ()) -> Relay:
+        try:
+            return await super().forward(pool, req, meta, path, headers, exclude)
+        except WorkersFailed as exc:
+            if pool.config.pd is None or self.prefill.choose(pool, meta, exclude) is None:
+                raise
+            log.warning("%s; serving it whole on a prefill worker", exc)
+            return await self.prefill.forward(pool, req, meta, path, headers, exclude)
+
+
 class _Stale(Exception):
     """The worker answered 409 stale_pd_epoch."""
 
@@ -384,7 +407,7 @@ class PD:
         args = (self.roles, upstream, metrics, max_retries, eject_after_failures, breakers)
         self.prefill = SideProxy(PREFILL, *args)
         self.decode = SideProxy(DECODE, *args)
-        self.local = SideProxy(LOCAL_SIDE, *args)
+        self.local = LocalSide(self.prefill, *args)
         self.metrics = PDMetrics(metrics.registry, buckets)
         self.clock = clock
 
@@ -404,11 +427,11 @@ class PD:
         prefill = self.prefill.choose(pool, meta, exclude)
         if prefill is None:
             return LOCAL
-        if config.mode == "always":
-            return DISAGGREGATED
+        if config.mode == "always":  # no decode worker to hand off to: LOCAL's fallback
+            return LOCAL if self.decode.choose(pool, meta, exclude) is None else DISAGGREGATED
         local = self.local.choose(pool, meta, exclude)
-        if local is None:
-            return DISAGGREGATED
+        if local is None:  # no decode worker at all: LOCAL falls back to a prefill worker
+            return LOCAL
         if uncached_tokens(meta, local.choice.cached_blocks) < config.min_uncached_tokens:
             return LOCAL
         d, p = local.stats, prefill.stats
@@ -434,10 +457,15 @@ class PD:
                     return await self._decode(pool, req, meta, path, headers, params, exclude)
                 except KVTransferFailed as exc:
                     log.warning("%s; prefilling on a decode worker", exc)
+                except WorkersFailed as exc:
+                    log.warning("no decode worker could take the hand-off (%s)", exc)
             if how == DISAGGREGATED:
                 how = FALLBACK
+        relay = await self.local.forward(pool, req, meta, path, headers, exclude)
+        if self.roles.get(relay.ticket.endpoint).role == PREFILL:
+            how = FALLBACK  # LocalSide's last resort
         self.metrics.paths[how].inc()
-        return await self.local.forward(pool, req, meta, path, headers, exclude)
+        return relay
 
     async def _prefill(self, pool: Pool, req: ParsedRequest, meta: RequestMeta, path: bytes,
                        headers: bytes, exclude: Iterable[str]) -> dict[str, Any] | None:
