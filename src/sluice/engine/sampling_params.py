@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,14 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
+        if isinstance(self.json, dict | bool):  # vLLM's `json` takes a parsed schema too
+            object.__setattr__(self, "json", _schema_text(self.json))
+        for kind in ("json", "regex", "grammar", "structural_tag"):
+            if getattr(self, kind) is not None and not isinstance(getattr(self, kind), str):
+                raise InvalidRequestError(f"{kind} must be a string"
+                                          f"{' or a dict' if kind == 'json' else ''}, got "
+                                          f"{type(getattr(self, kind)).__name__}",
+                                          param=self.param)
         if sum(1 for kind in STRUCTURED_KINDS if getattr(self, kind)) != 1:
             raise InvalidRequestError(
                 f"exactly one of {', '.join(STRUCTURED_KINDS)} must be set", param=self.param)
@@ -63,8 +72,7 @@ class StructuredOutputsParams:
         """A JSON-schema constraint from a parsed schema (a dict, or `true`)."""
         if not isinstance(schema, dict | bool):
             raise InvalidRequestError("a JSON schema must be an object", param=param)
-        return cls(json=json.dumps(schema, ensure_ascii=False, separators=(",", ":")),
-                   param=param)
+        return cls(json=_schema_text(schema), param=param)
 
     @property
     def kind(self) -> str:
@@ -82,6 +90,24 @@ class StructuredOutputsParams:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StructuredOutputsParams:
         return cls(**{d["kind"]: d["value"], "param": d["param"]})
+
+
+def _schema_text(schema: dict[str, Any] | bool) -> str:
+    """A parsed JSON schema as the JSON text constraints carry (key order kept)."""
+    return json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+
+
+# Fields checked for their type before their range (a wrong type is a 400 naming the
+# field, not a TypeError from a comparison); ints and floats come out as Python's own.
+_INTS = ("n", "top_k", "min_tokens")
+_OPTIONAL_INTS = ("seed", "max_tokens", "logprobs")
+_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+           "repetition_penalty")
+_BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass
@@ -111,13 +137,49 @@ class SamplingParams:
     kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._check_types()
         if self.top_k == 0:
             self.top_k = -1
         self._validate()
+
+    def _check_types(self) -> None:
+        """Normalize each field's type (numpy numbers become Python's, `stop` a list);
+        raise InvalidRequestError naming a field of the wrong type."""
+        def bad(param: str, expected: str) -> InvalidRequestError:
+            value = getattr(self, param)
+            return InvalidRequestError(f"{param} must be {expected}, got {value!r}", param=param)
+
+        for name in _INTS + _OPTIONAL_INTS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL_INTS:
+                continue
+            if not _is_int(value):
+                raise bad(name, "an integer" + (" or None" if name in _OPTIONAL_INTS else ""))
+            setattr(self, name, int(value))
+        for name in _FLOATS:
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise bad(name, "a number")
+            setattr(self, name, float(value))
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "True or False")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, list | tuple | type(None)):
+            raise bad("stop", "a string or a list of strings")
+        self.stop = list(self.stop or [])
+        if not isinstance(self.stop_token_ids, list | tuple | type(None)) or not all(
+                _is_int(t) for t in self.stop_token_ids or []):
+            raise bad("stop_token_ids", "a list of token ids")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "a RequestOutputKind")
+        if not isinstance(self.structured_outputs, StructuredOutputsParams | type(None)):
+            raise bad("structured_outputs", "a StructuredOutputsParams (e.g. "
+                      "StructuredOutputsParams(json=schema)) or None")
+        if not isinstance(self.kv_transfer_params, dict | type(None)):
+            raise bad("kv_transfer_params", "a dict or None")
 
     def _validate(self) -> None:
         checks: list[tuple[bool, str, str]] = [
@@ -131,6 +193,8 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
             (self.repetition_penalty > 0.0, "repetition_penalty", "must be greater than 0"),
+            (self.seed is None or -(2**63) <= self.seed < 2**64, "seed",
+             "must be in [-2**63, 2**64)"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
             (0 <= self.min_tokens < 2**31, "min_tokens", "must be in [0, 2**31)"),
             (self.max_tokens is None or self.max_tokens < 2**31, "max_tokens",
