@@ -3,6 +3,7 @@ alert fires and resolves); the committed Grafana JSON is what the generator writ
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -79,3 +80,23 @@ def test_the_generator_takes_help_and_a_directory(tmp_path: Path, monkeypatch: p
     assert main(["out"]) == 0
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
         f"{uid}.json" for uid in DASHBOARDS)
+
+
+@needs_promtool
+def test_the_5xx_ratio_panel_reads_0_while_nothing_failed(tmp_path: Path) -> None:
+    """With no 5xx series (a healthy stack), `sum(5xx) / sum(all)` had no result and the
+    overview's "5xx ratio" panel showed "No data" instead of 0."""
+    from sluice.observe.dashboards import OVERVIEW
+
+    (panel,) = [p for p in OVERVIEW if p.title == "5xx ratio"]
+    expr = panel.queries[0][0].replace("$__rate_interval", "5m")
+    test = {"evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [{"series": 'sluice_router_requests_total{model="m",status="200"}',
+                          "values": "0+60x10"}],
+        "promql_expr_test": [{"expr": expr, "eval_time": "10m",
+                              "exp_samples": [{"labels": "{}", "value": 0}]}]}]}
+    path = tmp_path / "panel.test.yml"
+    path.write_text(json.dumps(test))  # JSON is YAML
+    result = _promtool("test", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr

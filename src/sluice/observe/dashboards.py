@@ -4,7 +4,8 @@
 
 Four dashboards, one per layer an operator asks about:
 
-    overview   requests/s, errors, TTFT and TPOT p50/p99, tokens/s, queue, KV, hit rate
+    overview   requests/s, errors, TTFT and inter-token latency p50/p99, tokens/s, queue,
+               KV, hit rate
     engine     per worker: running/waiting, KV usage, preemptions, queue/prefill/decode
                time, e2e latency, prompt and generation tokens, engine steps
     router     decisions per worker (share), decision latency, first byte latency,
@@ -53,13 +54,14 @@ def _rate(metric: str, by: str) -> str:
 OVERVIEW = (
     Panel("Requests/s by status (router)", "reqps",
           ((_rate("sluice_router_requests_total", "status"), "{{status}}"),)),
-    Panel("5xx ratio", "percentunit",
-          (('sum(rate(sluice_router_requests_total{status=~"5.."}[$__rate_interval])) / '
-            "sum(rate(sluice_router_requests_total[$__rate_interval]))", "5xx"),)),
+    Panel("5xx ratio", "percentunit",  # 0, not "No data", while no 5xx series exists
+          (('(sum(rate(sluice_router_requests_total{status=~"5.."}[$__rate_interval])) '
+            "or vector(0)) / sum(rate(sluice_router_requests_total[$__rate_interval]))",
+            "5xx"),)),
     Panel("Time to first token", "s",
           ((_q(0.5, "vllm:time_to_first_token_seconds"), "p50 {{model_name}}"),
            (_q(0.99, "vllm:time_to_first_token_seconds"), "p99 {{model_name}}"))),
-    Panel("Time per output token", "s",
+    Panel("Inter-token latency", "s",
           ((_q(0.5, "vllm:inter_token_latency_seconds"), "p50 {{model_name}}"),
            (_q(0.99, "vllm:inter_token_latency_seconds"), "p99 {{model_name}}"))),
     Panel("Output tokens/s", "short",
