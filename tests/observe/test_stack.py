@@ -135,13 +135,16 @@ def test_one_request_is_one_trace_across_every_process(stack: Stack) -> None:
     assert gateway.service == router.service == "sluice-serve"
     assert worker.service == "sluice-worker"
     assert gateway.attributes["sluice.tenant"].startswith("tn_") and "admitted" in gateway.events
-    assert router.attributes["server.address"] in stack.workers
+    assert router.attributes["sluice.router.worker"] in stack.workers
+    assert f"http://{router.attributes['server.address']}:{router.attributes['server.port']}" \
+        == router.attributes["sluice.router.worker"]
     assert router.attributes["sluice.router.prompt_tokens"] > 0
     a = worker.attributes
     assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == stack.model
     assert a["gen_ai.usage.input_tokens"] == usage["prompt_tokens"]
     assert a["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
     assert a["gen_ai.latency.time_to_first_token"] > 0 and a["gen_ai.latency.e2e"] > 0
+    assert a["gen_ai.response.id"] == resp.json()["id"]
     assert gateway.start_ns <= router.start_ns <= worker.start_ns <= worker.end_ns <= gateway.end_ns
 
 

@@ -25,6 +25,7 @@ from sluice.observe.tracing import (
     TracingConfig,
     WorkerSpan,
     parse_traceparent,
+    set_error,
     start_tracing,
 )
 from sluice.protocol.errors import InvalidRequestError
@@ -102,7 +103,10 @@ async def test_router_span_parents_the_worker_request(
     assert f"{ctx.trace_id:032x}" == CLIENT_TRACE
     assert span.parent is not None and f"{span.parent.span_id:016x}" == CLIENT_PARENT
     attrs = dict(span.attributes or {})
-    assert attrs["server.address"] == worker_url and attrs["sluice.router.policy"] == "cost"
+    host, port = worker_url.removeprefix("http://").rsplit(":", 1)
+    # OpenTelemetry's server.address is a host (no scheme), server.port its port
+    assert (attrs["server.address"], attrs["server.port"]) == (host, int(port))
+    assert attrs["sluice.router.worker"] == worker_url and attrs["sluice.router.policy"] == "cost"
     assert attrs["http.response.status_code"] == 200 and attrs["sluice.router.prompt_tokens"] > 0
     assert attrs["sluice.router.retries"] == 0
     sent = stub.headers[-1]["traceparent"]
@@ -158,7 +162,10 @@ def test_worker_span_has_gen_ai_attributes_and_engine_phases(
     assert a["gen_ai.operation.name"] == "chat" and a["gen_ai.request.model"] == "m"
     assert a["gen_ai.request.max_tokens"] == 7 and a["gen_ai.request.temperature"] == 0.5
     assert a["gen_ai.usage.input_tokens"] == 4 and a["gen_ai.usage.output_tokens"] == 2
-    assert a["sluice.usage.cached_input_tokens"] == 2 and a["sluice.engine.preemptions"] == 1
+    assert a["gen_ai.usage.cache_read.input_tokens"] == 2 and a["sluice.engine.preemptions"] == 1
+    assert a["sluice.usage.cached_input_tokens"] == 2
+    assert a["gen_ai.response.id"] == "chatcmpl-req-1"  # the id the client's response carries
+    assert "gen_ai.request.top_k" not in a  # -1: top-k off, not a setting
     assert spans["engine prefill"].attributes["sluice.engine.prefill_chunks"] == 3
     assert spans["engine decode"].attributes["sluice.engine.preemptions"] == 1
     assert a["gen_ai.response.finish_reasons"] == ("length",)
@@ -224,7 +231,8 @@ async def test_router_span_counts_retries_on_other_workers(
                 assert resp.status_code == 200
     spans = [s for s in sink.finished() if s.name.startswith("route")]
     assert len(spans) == 2
-    assert all(s.attributes is not None and s.attributes["server.address"] == b for s in spans)
+    assert all(s.attributes is not None and s.attributes["sluice.router.worker"] == b
+               for s in spans)
     assert max(int((s.attributes or {})["sluice.router.retries"]) for s in spans) == 1
 
 
@@ -276,3 +284,17 @@ def test_grpc_without_its_exporter_is_refused_at_start(monkeypatch: pytest.Monke
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
     with pytest.raises(InvalidRequestError, match="opentelemetry-exporter-otlp-proto-grpc"):
         start_tracing(TracingConfig.resolve("http://127.0.0.1:4317", "sluice-test"))
+
+
+def test_a_5xx_is_an_error_with_its_error_type(traced: tuple[Tracing, MemorySink]) -> None:
+    """OpenTelemetry's HTTP conventions: a failed request's span has `error.type` (the
+    status code) beside the Error status; a 4xx is the client's and is neither."""
+    tracing, sink = traced
+    for status in (503, 429):
+        span = tracing.start(f"s{status}", None, "SERVER")
+        set_error(span, status)
+        span.end()
+    spans = {s.name: s for s in sink.finished()}
+    failed, refused = dict(spans["s503"].attributes or {}), dict(spans["s429"].attributes or {})
+    assert failed["error.type"] == "503" and not spans["s503"].status.is_ok
+    assert "error.type" not in refused and refused["http.response.status_code"] == 429

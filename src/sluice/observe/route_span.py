@@ -5,10 +5,12 @@ last byte relayed back.
 worker sees: the `traceparent` in the headers sent on is replaced by the span's before
 routing. It ends when the relay closes (the whole stream), or at once for an error reply.
 
-Attributes: `gen_ai.request.model`, `sluice.router.policy`, `server.address` (the
-chosen worker), `sluice.router.prompt_tokens` and `sluice.router.estimated_cached_tokens`
-(what the policy expected cached there; the worker's span has the actual
-`sluice.usage.cached_input_tokens`), `sluice.router.retries` (attempts that failed
+Attributes: `gen_ai.request.model`, `sluice.router.policy`, the chosen worker as
+`server.address` + `server.port` (host and port, as OpenTelemetry's conventions define
+them) and `sluice.router.worker` (its URL, the `worker` label of the router's metrics),
+`sluice.router.prompt_tokens` and `sluice.router.estimated_cached_tokens` (what the
+policy expected cached there; the worker's span has the actual
+`gen_ai.usage.cache_read.input_tokens`), `sluice.router.retries` (attempts that failed
 elsewhere first), `http.response.status_code`.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 from sluice.observe.tracing import Tracing, replace_trace_headers, set_error
 
@@ -43,7 +46,7 @@ async def traced_route(tracing: Tracing, inner: Inner, state: Any, kind: str, pa
                       "sluice.router.policy": notes["policy"]})
     ticket = getattr(reply, "ticket", None)
     if ticket is not None:
-        attrs.update({"server.address": ticket.endpoint.url,
+        attrs.update({**_server(ticket.endpoint.url),
                       "sluice.router.retries": reply.retries,
                       "sluice.router.prompt_tokens": ticket.prompt_tokens,
                       "sluice.router.estimated_cached_tokens":
@@ -54,6 +57,14 @@ async def traced_route(tracing: Tracing, inner: Inner, state: Any, kind: str, pa
     else:  # after what the routed path hung there (release.py's stream record)
         reply.on_close = _then(reply.on_close, span.end)
     return reply
+
+
+def _server(url: str) -> dict[str, Any]:
+    """`server.address` (host, no scheme) and `server.port` of a worker URL, and the URL."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return {"server.address": parts.hostname or url, "server.port": port,
+            "sluice.router.worker": url}
 
 
 def _then(first: Callable[[Any], None] | None, second: Callable[[], None]

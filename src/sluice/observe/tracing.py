@@ -358,9 +358,11 @@ def replace_trace_headers(headers: Headers, tracing: Tracing,
 
 def set_error(span: Span, status: int, attributes: dict[str, Any] | None = None) -> None:
     """Record an HTTP status (with `attributes`, in one call) on a span; 5xx marks it an
-    error (4xx is the client's)."""
+    error, with `error.type` the status code as OpenTelemetry's HTTP conventions say (4xx
+    is the client's)."""
     span.set_attributes({**(attributes or {}), "http.response.status_code": status})
     if status >= 500:
+        span.set_attribute("error.type", str(status))
         span.set_status(ERROR, f"HTTP {status}")
 
 
@@ -372,6 +374,8 @@ def ns(wall_seconds: float) -> int:
 
 
 OPERATIONS = {"messages": "chat", "prompt": "text_completion"}
+# the id the client's response carries (`chatcmpl-{request id}`, `cmpl-{request id}`)
+RESPONSE_ID_PREFIXES = {"chat": "chatcmpl-", "text_completion": "cmpl-"}
 
 
 class WorkerSpan:
@@ -389,7 +393,7 @@ class WorkerSpan:
             "gen_ai.provider.name": "sluice",
             "gen_ai.request.model": model,
             "gen_ai.response.model": model,
-            "gen_ai.response.id": request_id,
+            "gen_ai.response.id": RESPONSE_ID_PREFIXES.get(operation, "") + request_id,
             **_request_attributes(params, num_prompts),
         })
         self.input_tokens = self.output_tokens = self.cached_tokens = self.preemptions = 0
@@ -435,12 +439,15 @@ class WorkerSpan:
         set_ = self.span.set_attribute
         set_("gen_ai.usage.input_tokens", self.input_tokens)
         set_("gen_ai.usage.output_tokens", self.output_tokens)
-        set_("sluice.usage.cached_input_tokens", self.cached_tokens)
+        set_("gen_ai.usage.cache_read.input_tokens", self.cached_tokens)
+        set_("sluice.usage.cached_input_tokens", self.cached_tokens)  # its name before
         set_("sluice.engine.preemptions", self.preemptions)
         if self.reasons:
             set_("gen_ai.response.finish_reasons", self.reasons)
         if error is not None:
             self.span.record_exception(error)
+            set_("error.type", type(error).__qualname__)
+            self.span.set_status(ERROR, str(error)[:200])
         self.span.end()
 
 
@@ -453,6 +460,8 @@ def _request_attributes(params: Any, num_prompts: int) -> dict[str, Any]:
              "gen_ai.request.frequency_penalty"}
     attrs = {key: getattr(params, field) for field, key in names.items()
              if isinstance(getattr(params, field, None), int | float)}
+    if attrs.get("gen_ai.request.top_k", 1) < 1:  # -1 (or 0): top-k off, not a setting
+        del attrs["gen_ai.request.top_k"]
     if num_prompts > 1:
         attrs["sluice.request.num_prompts"] = num_prompts
     return attrs
