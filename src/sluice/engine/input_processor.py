@@ -13,6 +13,7 @@ torch, no engine state.
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -52,7 +53,8 @@ class InputProcessor:
         arrival = time.time() if arrival_time is None else arrival_time
         if lora is not None and not self.info.enable_lora:
             raise InvalidRequestError(f"the model {lora.lora_name!r} is a LoRA adapter, but LoRA "
-                                      "is not enabled (--enable-lora)", param="model")
+                                      "is not enabled (--enable-lora; offline, "
+                                      "LLM(enable_lora=True))", param="model")
         return CoreRequest(request_id, ids, params, priority, arrival, max_tokens, len(resumed),
                            lora)
 
@@ -69,6 +71,11 @@ class InputProcessor:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
+            wrong = [t for t in prompt
+                     if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+            if wrong:  # int() would truncate 1.5 to 1 and turn "7" into 7
+                raise InvalidRequestError(f"prompt token ids must be integers, got "
+                                          f"{wrong[0]!r}", param="prompt")
             ids = [int(t) for t in prompt]
             vocab = self.info.vocab_size
             bad = [t for t in ids if not 0 <= t < vocab]

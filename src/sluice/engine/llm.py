@@ -5,14 +5,19 @@
     outs[0].outputs[0].text
 
 All prompts are queued at once and the engine is stepped until every one finishes, so
-they share batches (continuous batching); results come back in prompt order.
+they share batches (continuous batching); results come back in prompt order. An argument
+of the wrong shape is an `InvalidRequestError` naming it, raised before any prompt is
+queued. `chat` templates conversations by the worker's rules (`protocol.prompt`), so a
+conversation reads here as it does through `/v1/chat/completions`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 from collections.abc import Sequence
+from types import TracebackType
 from typing import Any
 
 from sluice.engine.config import EngineConfig
@@ -21,6 +26,8 @@ from sluice.engine.lora import LoRARequest
 from sluice.engine.outputs import RequestOutput
 from sluice.engine.sampling_params import RequestOutputKind, SamplingParams
 from sluice.protocol.errors import InvalidRequestError
+from sluice.protocol.openai import check_continue
+from sluice.protocol.prompt import CHAT, prompt_view, templated
 
 # vLLM's prompt shapes: text, token ids, or a dict (`TextPrompt` {"prompt": ...},
 # `TokensPrompt` {"prompt_token_ids": [...]}); one or a list of them
@@ -28,52 +35,85 @@ Prompt = str | list[int] | dict[str, Any]
 Prompts = Prompt | Sequence[Prompt]
 ParamsArg = SamplingParams | Sequence[SamplingParams] | None
 LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
+Messages = list[dict[str, Any]]
 
 
 class LLM:
-    """One engine driven synchronously in the caller's thread."""
+    """One engine driven synchronously in the caller's thread. `shutdown()`, or leaving
+    `with LLM(...) as llm:`, stops its threads; the model's memory goes with the object."""
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         self.config = EngineConfig.from_options(model, **engine_options)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
+        self._closed = False
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the engine's threads (grammar compiles, KV offload writer, KV transfer
+        server); later `generate` / `chat` calls raise. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.engine.core.close()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompts, sampling_params: ParamsArg = None,
-                 use_tqdm: bool = False, lora_request: LoRAArg = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora_request: LoRAArg = None, *,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; one output per prompt, in order.
-        `lora_request`: one adapter for all prompts, or one (or None) per prompt."""
+        `sampling_params`, `lora_request` (None: the base model) and `priority` (vLLM's:
+        lower first; needs the `priority` scheduling policy, the default): one for all
+        prompts, or one per prompt."""
         items = _normalize_prompts(prompts)
-        params = _normalize_params(sampling_params, len(items))
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras: list[LoRARequest | None] = [lora_request] * len(items)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(items):
-                raise ValueError(f"got {len(loras)} lora_requests for {len(items)} prompts")
-        ids = self._add_all(items, params, loras)
-        return self._run(ids, use_tqdm)
+        params = _per_prompt(sampling_params, len(items), "sampling_params", SamplingParams,
+                             SamplingParams())
+        loras = _per_prompt(lora_request, len(items), "lora_request", LoRARequest, None)
+        priorities = _priorities(priority, len(items))
+        return self._run(self._add_all(items, params, loras, priorities), use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: ParamsArg = None) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+    def chat(self, messages: Messages | list[Messages], sampling_params: ParamsArg = None,
+             use_tqdm: bool = False, lora_request: LoRAArg = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+        """Apply the chat template to each conversation (one, or a list of them), then
+        generate. Messages and `tools` take OpenAI's shapes, read by the worker's rules;
+        `chat_template`: a Jinja template used instead of the model's."""
+        check_continue(continue_final_message, add_generation_prompt)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not isinstance(conversations, list):
+            raise InvalidRequestError("messages must be a list of messages, or a list of "
+                                      "conversations", param="messages")
         tok = self.engine.tokenizer
-        prompts = [tok.encode(tok.apply_chat_template(list(c), add_generation_prompt=True),
-                              add_special_tokens=False) for c in conversations]
-        return self.generate(prompts, sampling_params)
+        if chat_template is not None:
+            tok = dataclasses.replace(tok, chat_template=chat_template)
+        body = {"tools": tools, "continue_final_message": continue_final_message,
+                "add_generation_prompt": add_generation_prompt}
+        prompts: list[Prompt] = [
+            tok.encode(_templated(tok, {**body, "messages": c}), add_special_tokens=False)
+            for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _add_all(self, prompts: list[str | list[int]], params: list[SamplingParams],
-                 loras: list[LoRARequest | None] | None = None) -> list[str]:
+                  loras: list[LoRARequest | None], priorities: list[int]) -> list[str]:
+        if self._closed:
+            raise RuntimeError("this LLM was shut down")
         ids: list[str] = []
-        loras = loras or [None] * len(prompts)
         try:
-            for prompt, p, lora in zip(prompts, params, loras, strict=True):
+            for prompt, p, lora, priority in zip(prompts, params, loras, priorities,
+                                                 strict=True):
                 request_id = f"llm-{next(self._ids)}"
                 final = dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
-                self.engine.add_request(request_id, prompt, final, lora_request=lora)
+                self.engine.add_request(request_id, prompt, final, priority=priority,
+                                        lora_request=lora)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:
@@ -95,25 +135,49 @@ class LLM:
         return [done[i] for i in ids]
 
 
+def _templated(tok: Any, body: dict[str, Any]) -> str:
+    """One conversation through the worker's template rules; an error the model's own
+    template raises (jinja2) is an InvalidRequestError naming `messages`."""
+    view = prompt_view(CHAT, body)
+    try:
+        return templated(tok, view)
+    except InvalidRequestError:
+        raise
+    except Exception as exc:
+        raise InvalidRequestError(f"the chat template rejected the messages: {exc}",
+                                  param="messages") from exc
+
+
 def _normalize_prompts(prompts: Prompts) -> list[str | list[int]]:
     if isinstance(prompts, str | dict):
         return [_prompt(prompts)]
+    if not _is_sequence(prompts):
+        raise InvalidRequestError(
+            f"prompts must be a string, a list of token ids, a prompt dict, or a list of "
+            f"them; got {type(prompts).__name__}", param="prompts")
     items: list[Any] = list(prompts)
-    if items and isinstance(items[0], int):  # a single prompt given as token ids
+    if items and _is_token(items[0]):  # a single prompt given as token ids
         return [_prompt(items)]
     return [_prompt(p) for p in items]
 
 
-def _prompt(prompt: Prompt) -> str | list[int]:
+def _prompt(prompt: Any) -> str | list[int]:
     """Text or token ids from one of vLLM's prompt shapes; an unsupported one (a dict
-    with other keys, e.g. `multi_modal_data`) is an `InvalidRequestError` naming it."""
-    if not isinstance(prompt, dict):
+    with other keys, e.g. `multi_modal_data`) is an `InvalidRequestError` naming it.
+    Token ids' own checks (integers, in the vocabulary) are the input processor's."""
+    if isinstance(prompt, str):
         return prompt
+    if _is_sequence(prompt):
+        return list(prompt)
+    if not isinstance(prompt, dict):
+        raise InvalidRequestError(
+            f"a prompt must be a string, a list of token ids or a prompt dict; got "
+            f"{type(prompt).__name__}", param="prompts")
     keys = set(prompt)
     if keys == {"prompt"} and isinstance(prompt["prompt"], str):
         return prompt["prompt"]
-    if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], list):
-        return prompt["prompt_token_ids"]
+    if keys == {"prompt_token_ids"} and _is_sequence(prompt["prompt_token_ids"]):
+        return list(prompt["prompt_token_ids"])
     extra = sorted(keys - {"prompt", "prompt_token_ids"})
     raise InvalidRequestError(
         f"unsupported prompt key {extra[0]!r}" if extra else
@@ -121,14 +185,42 @@ def _prompt(prompt: Prompt) -> str | list[int]:
         "token ids)", param="prompt")
 
 
-def _normalize_params(params: ParamsArg, count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    if len(params) != count:
-        raise ValueError(f"got {len(params)} sampling_params for {count} prompts")
-    return list(params)
+def _is_sequence(value: Any) -> bool:
+    """A list, tuple, numpy array or generator of items; not text, bytes or a dict."""
+    return not isinstance(value, str | bytes | dict) and hasattr(value, "__iter__")
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _per_prompt(value: Any, count: int, param: str, kind: type, default: Any) -> list[Any]:
+    """`value` for every prompt: one (or None: `default`) for all, or a list of one per
+    prompt; each a `kind` (or None, where `default` is None)."""
+    if value is None or isinstance(value, kind):
+        return [default if value is None else value] * count
+    if not isinstance(value, list | tuple):
+        raise InvalidRequestError(f"{param} must be a {kind.__name__} or a list of them, got "
+                                  f"{type(value).__name__}", param=param)
+    if len(value) != count:
+        raise InvalidRequestError(f"got {len(value)} {param} for {count} prompts", param=param)
+    wrong = [v for v in value if not (isinstance(v, kind) or v is None and default is None)]
+    if wrong:
+        raise InvalidRequestError(f"{param} must be a {kind.__name__} or a list of them, got "
+                                  f"a {type(wrong[0]).__name__} in the list", param=param)
+    return list(value)
+
+
+def _priorities(priority: Sequence[int] | None, count: int) -> list[int]:
+    if priority is None:
+        return [0] * count
+    if not isinstance(priority, list | tuple) or not all(_is_token(p) for p in priority):
+        raise InvalidRequestError("priority must be a list of integers, one per prompt",
+                                  param="priority")
+    if len(priority) != count:
+        raise InvalidRequestError(f"got {len(priority)} priorities for {count} prompts",
+                                  param="priority")
+    return [int(p) for p in priority]
 
 
 def _progress(total: int) -> Any:

@@ -72,6 +72,18 @@ class LoRARequest:
     lora_path: str
     content_hash: str = ""
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise _bad(f"lora_name must be a non-empty string, got {self.lora_name!r}",
+                       "lora_name")
+        if isinstance(self.lora_path, os.PathLike):
+            object.__setattr__(self, "lora_path", os.fspath(self.lora_path))
+        if not isinstance(self.lora_path, str) or not isinstance(self.content_hash, str):
+            # vLLM's LoRARequest(name, int_id, path) put the id here and the path after
+            raise _bad(f"lora_path must be a path, got {self.lora_path!r}: sluice's "
+                       "LoRARequest is LoRARequest(lora_name, lora_path), with no "
+                       "lora_int_id (adapters are told apart by their weights' hash)")
+
 
 @dataclass(frozen=True, slots=True)
 class AdapterMeta:
