@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from collections.abc import AsyncIterator, MutableMapping
+from typing import Any
 
 import httpx
 
@@ -117,3 +120,67 @@ async def test_json_hang_up_of_a_budgeted_tenant_settles_its_budget_once(
     assert rec.cost_usd == float(admitted)
     tenant = sqlite_store.get_tenant("acme")
     assert (tenant.spend_usd, tenant.reserved_usd) == (float(admitted), 0.0)
+
+
+async def test_a_hang_up_right_after_the_last_event_keeps_the_record(
+        sqlite_store: SQLStore) -> None:
+    """`sluice gateway --upstream`: the proxy sends a stream's last event, then an empty
+    closing message, at which the gateway settles. A client that closes its connection
+    on `data: [DONE]` (the OpenAI SDK does) makes the proxy cancel its forwarding task,
+    and that cancellation landed inside the settlement already begun: the record was
+    never written (1 stream in 3 through two replicas lost its ledger row). The limiter
+    here holds the settlement until the proxy has returned, so it lands every time."""
+    from sluice.gateway.limits import Lease, LocalLimiter
+    from sluice.gateway.proxy import UpstreamProxy
+
+    events = (b'data: {"id":"c","object":"chat.completion.chunk","model":"stub-model",'
+              b'"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+              b'data: {"id":"c","object":"chat.completion.chunk","model":"stub-model",'
+              b'"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":1,'
+              b'"total_tokens":8}}\n\ndata: [DONE]\n\n')
+
+    async def stream() -> AsyncIterator[bytes]:
+        yield events
+
+    upstream = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(
+        200, headers={"content-type": "text/event-stream"}, content=stream())))
+    settling, proxy_returned = asyncio.Event(), asyncio.Event()
+
+    class HeldLimiter(LocalLimiter):
+        async def finish(self, lease: Lease, actual_tokens: int) -> None:
+            settling.set()
+            await proxy_returned.wait()
+            await super().finish(lease, actual_tokens)
+
+    proxy = UpstreamProxy("http://upstream", client=upstream)
+
+    async def inner(scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await proxy(scope, receive, send)
+        finally:
+            proxy_returned.set()
+
+    key = new_key(sqlite_store, tpm=10_000)  # a TPM limit: the limiter settles first
+    gw = GatewayMiddleware(inner, make_state(sqlite_store, HeldLimiter()))
+    body = json.dumps({**CHAT, "stream": True}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> MutableMapping[str, Any]:
+        if messages:
+            return messages.pop()
+        await settling.wait()  # the client has [DONE] and closes its connection
+        return {"type": "http.disconnect"}
+
+    sent: list[MutableMapping[str, Any]] = []
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+             "query_string": b"", "headers": [(b"authorization", f"Bearer {key}".encode()),
+                                              (b"content-type", b"application/json")]}
+    await gw(scope, receive, send)
+    await gw.state.aclose()
+    assert b"data: [DONE]" in b"".join(m.get("body", b"") for m in sent)
+    [rec] = sqlite_store.query_usage(UsageQuery())
+    assert (rec.status, rec.prompt_tokens, rec.completion_tokens) == ("ok", 7, 1)

@@ -262,7 +262,7 @@ class Exchange:
         self.status = 0
         self.response_started = False
         self.disconnected = False
-        self.settled = False
+        self.settling: asyncio.Future[None] | None = None  # the settlement, once begun
         self.body_left: int | None = None  # a JSON response's bytes not yet sent, by its length
 
     # -- 1 + 2: authenticate and admit ---------------------------------------------------
@@ -559,10 +559,9 @@ class Exchange:
             await self.gw.app(self.upstream_scope(adm), receive, send)
         except Exception as exc:
             await self.on_upstream_failure(exc)
-        finally:
-            if not self.settled:
-                await asyncio.shield(self.settle("aborted" if self.disconnected or
-                                                 self.response_started else "error"))
+        finally:  # settles here, or waits for the settlement on_send began
+            await asyncio.shield(self.settle("aborted" if self.disconnected or
+                                             self.response_started else "error"))
 
     async def on_send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -574,7 +573,7 @@ class Exchange:
         out = self.meter.feed(body)
         if self.body_left is not None:
             self.body_left -= len(body)
-        if not self.settled and (not more or self.body_left is not None and self.body_left <= 0):
+        if self.settling is None and (not more or self.body_left is not None and self.body_left <= 0):
             # the last bytes: by `more_body`, or by content-length when an app (the
             # `--upstream` proxy) sends them with more_body and then an empty message; the
             # client has its answer then, so settle before, not after
@@ -626,11 +625,20 @@ class Exchange:
     async def settle(self, status: str) -> None:
         """Exactly once: reconcile tokens, free the slot, write ledger + spend and release
         the budget reservation (one transaction), count; each before the response's last
-        bytes where admission reads it (`release_now`, `ledger_now`), else just after."""
-        if self.settled or self.adm is None:
+        bytes where admission reads it (`release_now`, `ledger_now`), else just after.
+
+        The first call starts the work as a task of its own and every call waits for
+        it: a caller cancelled meanwhile does not cancel it. The `--upstream` proxy
+        cancels its forwarding task, inside which on_send settles, when the client
+        hangs up, and a client that closes on a stream's `data: [DONE]` did so while the
+        settlement ran: its ledger row was never written. `forward` waits for it too."""
+        if self.adm is None:
             return
-        self.settled = True
-        adm = self.adm
+        if self.settling is None:
+            self.settling = asyncio.ensure_future(self._settle(self.adm, status))
+        await asyncio.shield(self.settling)
+
+    async def _settle(self, adm: Admission, status: str) -> None:
         prompt, completion = await self.final_tokens(status)
         release = self.release(adm, prompt + completion)
         if self.release_now(adm):
