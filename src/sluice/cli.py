@@ -43,10 +43,25 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def chosen(parser: argparse.ArgumentParser,
+           args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost (sub)command parser `args` came through, so that an error names
+    `sluice bench serve` with its usage rather than the top level's `COMMAND ...`."""
+    while True:
+        action = next((a for a in parser._actions
+                       if isinstance(a, argparse._SubParsersAction)), None)
+        name = getattr(args, action.dest, None) if action else None
+        if action is None or name not in action.choices:
+            return parser
+        parser = action.choices[name]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        chosen(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from sluice.cli import build_parser
+from sluice.cli import build_parser, main
 from sluice.worker.cli import engine_config, worker_config
 
 
@@ -91,3 +93,25 @@ def test_lora_modules_need_enable_lora(monkeypatch: pytest.MonkeyPatch,
     assert "enable_lora" in capsys.readouterr().out
     args = parse("worker", "--enable-lora", "--lora-modules", "a=/adapters/a")
     assert args.func(args) == 0 and len(started) == 1
+
+
+@pytest.mark.parametrize("command", ["worker", "serve"])
+def test_each_flag_states_its_default_once(command: str) -> None:
+    sub = next(a for a in build_parser([command])._actions
+               if isinstance(a, argparse._SubParsersAction))
+    helps = [a.help or "" for a in sub.choices[command]._actions]
+    assert [h for h in helps if h.count("(default:") > 1] == []
+
+
+@pytest.mark.parametrize(("argv", "command"), [
+    (["serve", "--bogus"], "sluice serve"), (["worker", "--port", "1", "x"], "sluice worker"),
+    (["bench", "serve", "--bogus"], "sluice bench serve"),
+    (["sim", "calibrate", "--bogus"], "sluice sim calibrate")])
+def test_an_unknown_argument_is_refused_with_its_subcommands_usage(
+        argv: list[str], command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.startswith(f"usage: {command} [-h]")
+    assert f"{command}: error: unrecognized arguments: {argv[-1]}" in err

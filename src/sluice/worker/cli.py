@@ -47,9 +47,9 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "step_log": (str, "a directory: each engine core appends what every step ran and its "
                       "seconds to steps-<pid>.jsonl there (`sluice sim calibrate "
                       "--from-steps DIR` fits the simulator to it)"),
-    "cpu_threads": (int, "threads for the CPU forward pass (default: one per core); engines "
-                         "that share a machine's cores should split them (`sluice serve "
-                         "--workers N` gives each local worker cores / N)"),
+    "cpu_threads": (int, "threads for the CPU forward pass; engines that share a machine's "
+                         "cores should split them (`sluice serve --workers N` gives each "
+                         "local worker cores / N)"),
     "kernel_backend": (str, "CPU kernels: auto (oneDNN linears; native attention, norm and "
                             "SwiGLU when they build), torch, native"),
     "quantization": (str, "linears on quantized weights: none (dense, the reference), gguf "
