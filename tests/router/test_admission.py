@@ -290,7 +290,9 @@ pools:
     admission: {max_inflight_per_worker: 2}
 """)
     cfg = config_from_args(parse("--config", str(path), "--queue-timeout", "5",
-                                 "--tenant-weight", "b=3", "--retry-budget", "0.1"))
+                                 "--tenant-weight", "b=3", "--retry-budget", "0.1",
+                                 "--stalled-stream-timeout", "4"))
+    assert cfg.stalled_stream_timeout_s == 4 and cfg.migration_limit == 3
     assert cfg.admission.max_inflight_per_worker == 8
     assert cfg.admission.bands == {0: BandLimits(capacity=5, timeout_s=2)}
     assert cfg.admission.default_band == BandLimits(capacity=1000, timeout_s=5)
@@ -305,6 +307,9 @@ pools:
     with pytest.raises(InvalidRequestError) as err:
         router_from_dict({"admission": {"tenant_weights": {"a": 0}}})
     assert err.value.param == "tenant_weights"
+    with pytest.raises(InvalidRequestError) as err:
+        config_from_args(parse("--stalled-stream-timeout", "0"))
+    assert err.value.param == "stalled_stream_timeout_s"
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import signal
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -387,3 +389,84 @@ async def test_kill_9_of_a_worker_under_streaming_load_fails_no_stream(
             metrics = (await c.get(router + "/metrics")).text
     assert all(r[-1]["usage"]["completion_tokens"] == 40 for r in results)
     assert "sluice_router_migrations_total" in metrics
+
+
+async def test_a_frozen_worker_s_streams_migrate_once_its_probes_time_out(
+        tiny_llama_dir: Path) -> None:
+    """SIGSTOP of a worker mid-stream: its connections stay open and nothing arrives, so
+    only the read timeout (600 s) ended those streams. Its probes time out, it is
+    ejected, and its streams silent past `stalled_stream_timeout_s` are cut and resume
+    on the other worker (found on 2026-12-06: the client's own 45 s timeout fired first)."""
+    with LocalWorkerPool(2, ["--model", str(tiny_llama_dir), *WORKER_ARGS],
+                         startup_timeout_s=150) as pool:
+        model = await model_of(pool.urls[0])
+        body = {"model": model, "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        config = RouterConfig(
+            pools=(PoolConfig(workers=tuple(WorkerSpec(u) for u in pool.urls),
+                              policy="round_robin"),),
+            seed=0, health_interval_s=0.3, scrape_interval_s=0.2, connect_timeout_s=0.5,
+            eject_after_failures=2, stalled_stream_timeout_s=1.0)
+        frozen = pool.workers[0].process
+        events = 0
+        async with serve_router(build_app(config, rng=random.Random(0))) as router, \
+                httpx.AsyncClient(timeout=30) as c:
+            async def one(i: int) -> list[dict[str, Any]]:
+                nonlocal events
+                lines = []
+                async with c.stream("POST", router + "/v1/completions",
+                                    json={**body, "prompt": f"Request {i} says"}) as s:
+                    assert s.status_code == 200, await s.aread()
+                    async for line in s.aiter_lines():
+                        if line.startswith("data: "):
+                            lines.append(line[6:])
+                            events += 1
+                return one_stream(lines)
+
+            tasks = [asyncio.create_task(one(i)) for i in range(6)]
+            try:
+                for _ in range(300):  # bounded: until every stream is under way
+                    if events >= 18:
+                        break
+                    await asyncio.sleep(0.02)
+                frozen.send_signal(signal.SIGSTOP)
+                start = time.monotonic()
+                results = await asyncio.gather(*tasks)
+                took = time.monotonic() - start
+            finally:
+                frozen.send_signal(signal.SIGCONT)
+            metrics = (await c.get(router + "/metrics")).text
+    assert all(r[-1]["usage"]["completion_tokens"] == 60 for r in results)
+    assert 'sluice_router_migrations_total{reason="read_error"}' in metrics
+    assert took < 20, took  # ejection (~1.6 s) + silence (1 s) + the rest elsewhere
+
+
+class _Probed:
+    """A /health that fails as told: a timeout (a frozen worker) or a refusal (one
+    shutting down, whose streams still run)."""
+
+    def __init__(self, error: type[httpx.HTTPError]) -> None:
+        self.error = error
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        raise self.error("probe failed", request=request)
+
+
+@pytest.mark.parametrize("error, cuts", [(httpx.ReadTimeout, True), (httpx.ConnectError, False)])
+async def test_only_a_worker_whose_probes_time_out_has_its_requests_cut(
+        error: type[httpx.HTTPError], cuts: bool) -> None:
+    from sluice.router.endpoints import Endpoint
+    from sluice.router.metrics import RouterMetrics
+    from sluice.router.monitor import Monitor
+
+    endpoint = Endpoint(WorkerSpec("http://127.0.0.1:9"), models=("m",))
+    hung: list[Endpoint] = []
+    async with httpx.AsyncClient(transport=httpx.MockTransport(_Probed(error))) as client:
+        monitor = Monitor(client, lambda: [], RouterMetrics(lambda: []), timeout_s=1,
+                          eject_after=2, readmit_after=1, on_hung=hung.append)
+        await monitor.probe(endpoint)
+        assert endpoint.healthy and not hung  # one failure: not ejected, nothing cut
+        await monitor.probe(endpoint)
+        await monitor.probe(endpoint)
+    assert not endpoint.healthy
+    assert hung == ([endpoint, endpoint] if cuts else [])

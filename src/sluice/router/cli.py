@@ -135,6 +135,12 @@ def add_flow_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--migration-limit", type=int, default=None, metavar="N",
                    help="times a stream whose worker fails mid-stream is resumed on another "
                         "worker, with the tokens so far; 0: off (default 3)")
+    g.add_argument("--stalled-stream-timeout", type=float, default=None, metavar="SECONDS",
+                   dest="stalled_stream_timeout_s",
+                   help="on a worker ejected because its health probes time out (frozen, "
+                        "hung, partitioned), requests that have received nothing for this "
+                        "long are cut: streams migrate, the others are retried elsewhere "
+                        "(default 10)")
     g.add_argument("--retry-budget", type=float, default=None, metavar="RATIO",
                    help="retries allowed as a fraction of the pool's requests over 10 s, "
                         "plus 10 (default 0.2)")
@@ -169,9 +175,11 @@ def flow_overrides(args: argparse.Namespace, config: RouterConfig) -> RouterConf
     breaks = {k: v for k, v in (("failures", args.breaker_failures),
                                 ("open_s", args.breaker_open_s),
                                 ("budget_ratio", args.retry_budget)) if v is not None}
-    migration = {} if args.migration_limit is None else {"migration_limit": args.migration_limit}
+    streams = {k: v for k, v in (("migration_limit", args.migration_limit),
+                                 ("stalled_stream_timeout_s", args.stalled_stream_timeout_s))
+               if v is not None}
     return replace(config, admission=replace(admission, **changes),
-                   breaker=replace(breaker, **breaks), **migration)
+                   breaker=replace(breaker, **breaks), **streams)
 
 
 def add_pd_arguments(p: argparse.ArgumentParser) -> None:

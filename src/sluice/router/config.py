@@ -519,6 +519,8 @@ class RouterConfig:
     readmit_after_successes: int = 1
     max_retries: int = 2
     migration_limit: int = 3  # mid-stream resumes per request on other workers; 0: off
+    # requests silent this long on a worker whose probes time out are cut (monitor.py)
+    stalled_stream_timeout_s: float = 10.0
     connect_timeout_s: float = 2.0
     read_timeout_s: float = 600.0
     max_connections: int = 1024
@@ -554,6 +556,8 @@ class RouterConfig:
         check_number("discovery_interval_s", self.discovery_interval_s, "must be > 0",
                      lambda v: v > 0)
         check_number("buffer_timeout_s", self.buffer_timeout_s, "must be >= 0", lambda v: v >= 0)
+        check_number("stalled_stream_timeout_s", self.stalled_stream_timeout_s, "must be > 0",
+                     lambda v: v > 0)
         check_alias_cycles(self.aliases)
         check_adapter_bases(self.adapters, self.pools)
         if self.buffer_max_requests < 0:

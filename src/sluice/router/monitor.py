@@ -8,6 +8,14 @@
 
 Passive failures (proxy) and active ones share one counter, so a worker that refuses
 connections is ejected by whichever notices first, and only a probe brings it back.
+
+A worker that is alive but answers nothing (SIGSTOP, a hung process, a partition that
+drops packets) never closes its connections: its probes time out. Once such probes
+have ejected it, each further timed-out probe calls `on_hung(endpoint)`, which cuts the
+requests there that have received nothing for a while (state.py), so their streams
+migrate and the requests before their first byte are retried elsewhere, instead of
+waiting for the read timeout (600 s). A worker that refuses connections (shutting down,
+draining its streams) is not hung: its streams go on.
 """
 
 from __future__ import annotations
@@ -30,8 +38,10 @@ log = logging.getLogger(__name__)
 class Monitor:
     def __init__(self, client: httpx.AsyncClient, pools: Callable[[], Iterable[Pool]],
                  metrics: RouterMetrics, *, timeout_s: float, eject_after: int,
-                 readmit_after: int) -> None:
+                 readmit_after: int,
+                 on_hung: Callable[[Endpoint], object] | None = None) -> None:
         self.client = client
+        self.on_hung = on_hung
         self.pools = pools
         self.metrics = metrics
         self.timeout = httpx.Timeout(timeout_s)
@@ -43,15 +53,20 @@ class Monitor:
 
     async def probe(self, endpoint: Endpoint) -> bool:
         """One health probe; updates health (and discovers models). Returns success."""
+        hung = False
         try:
             resp = await self.client.get(endpoint.url + "/health", timeout=self.timeout)
             ok = resp.status_code == 200
+        except httpx.TimeoutException:
+            ok, hung = False, True
         except httpx.HTTPError:
             ok = False
         if not ok:
             if endpoint.record_failure(self.eject_after):
                 self.metrics.ejections.labels(endpoint.url).inc()
                 log.warning("health probe ejected %s", endpoint.url)
+            if hung and not endpoint.healthy and self.on_hung is not None:
+                self.on_hung(endpoint)
             return False
         if not endpoint.models:  # before a worker's first request: the names it serves
             await self._discover(endpoint)

@@ -145,6 +145,20 @@ class Proxy:
             target = self._targets[endpoint.url] = Target.of(endpoint.url)
         return target
 
+    def cut_stalled(self, endpoint: Endpoint, silent_s: float) -> int:
+        """Cut the requests on `endpoint` (a hung worker, monitor.py) that have received
+        nothing for `silent_s`: each read fails as if the connection had dropped, so a
+        stream migrates (migrate.py) or ends with an error event, and a request before its
+        first byte is retried elsewhere. Returns how many (the P/D proxy's requests share
+        the connection pool, so they are cut too)."""
+        cut = self.upstream.cut_silent(
+            self._target(endpoint).key, silent_s, f"the worker answered nothing for {silent_s:g} s and its "
+            "health probes time out")
+        if cut:
+            log.warning("cut %d request(s) silent for %g s on hung worker %s", cut, silent_s,
+                        endpoint.url)
+        return cut
+
     def forget(self, url: str) -> None:
         """A worker left its pool: drop its target and close its idle connections (with
         workers found by DNS, pods come and go for the router's whole life)."""

@@ -95,7 +95,9 @@ class RouterState:
         self.monitor = Monitor(self.client, lambda: self.pools, self.metrics,
                                timeout_s=self.config.connect_timeout_s,
                                eject_after=self.config.eject_after_failures,
-                               readmit_after=self.config.readmit_after_successes)
+                               readmit_after=self.config.readmit_after_successes,
+                               on_hung=lambda endpoint: self.proxy.cut_stalled(
+                                   endpoint, self.config.stalled_stream_timeout_s))
         self.tokenizer = PromptTokenizer(
             self.client, self.token_cache or TokenCache(self.config.tokenize_cache_size))
         self.zmq_ctx = zmq.asyncio.Context()

@@ -108,6 +108,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.closed = False
         self.reused = False
         self.paused = False
+        self.last_bytes_at = 0.0  # loop time of the last bytes received (or of the send)
         self._reset()
 
     def _reset(self) -> None:
@@ -133,6 +134,8 @@ class UpstreamConnection(asyncio.Protocol):
         assert self.transport is not None
         self._reset()
         head = self._head = self.loop.create_future()
+        self.last_bytes_at = self.loop.time()
+        self.pool.busy.setdefault(self.key, set()).add(self)
         try:
             self.transport.write(payload)
         except (RuntimeError, OSError) as exc:  # closed under us between take and write
@@ -188,14 +191,22 @@ class UpstreamConnection(asyncio.Protocol):
         """Done with the response: keep the connection if it is reusable, else close it."""
         if self.complete and self.keep_alive and not self.closed and self.error is None:
             self._reset()
+            self.pool.done(self)
             self.pool.give(self)
         else:
             self.close()
 
     def close(self) -> None:
         self.closed = True
+        self.pool.done(self)
         if self.transport is not None:
             self.transport.close()
+
+    def cut(self, reason: str) -> None:
+        """Fail the exchange in progress with ReadError(reason) and close the socket: what
+        a dead connection does, for one that is alive but silent (a frozen worker)."""
+        self._fail(ReadError(reason))
+        self.close()
 
     # --- asyncio.Protocol ---------------------------------------------------------------
 
@@ -204,6 +215,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
+        self.last_bytes_at = self.loop.time()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -299,6 +311,8 @@ class UpstreamPool:
         self.read_timeout = read_timeout
         self.max_idle_per_host = max_idle_per_host
         self.idle: dict[tuple[str, str, int], list[UpstreamConnection]] = {}
+        # connections with an exchange in progress (a request sent, its response not done)
+        self.busy: dict[tuple[str, str, int], set[UpstreamConnection]] = {}
         self._ssl = ssl_context
 
     async def send(self, target: Target, payload: bytes) -> UpstreamConnection:
@@ -331,6 +345,21 @@ class UpstreamPool:
             stack.append(conn)
         else:
             conn.close()
+
+    def done(self, conn: UpstreamConnection) -> None:
+        """`conn`'s exchange ended (released or closed)."""
+        busy = self.busy.get(conn.key)
+        if busy is not None:
+            busy.discard(conn)
+
+    def cut_silent(self, key: tuple[str, str, int], silent_s: float, reason: str) -> int:
+        """Fail every exchange with the worker at `key` that has received nothing for
+        `silent_s` seconds (`UpstreamConnection.cut`); returns how many."""
+        now = asyncio.get_running_loop().time()
+        stalled = [c for c in self.busy.get(key, ()) if now - c.last_bytes_at >= silent_s]
+        for conn in stalled:
+            conn.cut(reason)
+        return len(stalled)
 
     def forget(self, key: tuple[str, str, int]) -> None:
         """Close a removed worker's idle connections (a connection still in use comes
