@@ -145,3 +145,51 @@ def test_reset_spend_keeps_reservations_and_the_ledger(any_store: SQLStore) -> N
     assert len(any_store.query_usage(UsageQuery(tenant_id=a.id))) == 1
     with pytest.raises(NotFoundError):
         any_store.reset_spend("nobody")
+
+
+
+def start_together(url: str, prefix: str, n: int) -> tuple[list[SQLStore], list[Exception]]:
+    """`n` stores on `prefix` constructed at the same moment, one thread each."""
+    import threading
+
+    barrier = threading.Barrier(n)
+    stores: list[SQLStore] = []
+    errors: list[Exception] = []
+
+    def start() -> None:
+        barrier.wait()
+        try:
+            stores.append(SQLStore(url, table_prefix=prefix))
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return stores, errors
+
+
+@pytest.mark.services
+def test_replicas_starting_together_on_a_new_postgres_database_all_start() -> None:
+    """Two gateways started at once on a database without the tables (a first deploy
+    of two replicas) both ran CREATE TABLE; the loser failed at start with "duplicate
+    key value violates unique constraint pg_type_typname_nsp_index". The schema is made
+    under an advisory lock; each round here starts four stores at once on fresh tables."""
+    import uuid
+
+    from .conftest import PG_URL
+
+    for _ in range(3):
+        prefix = f"t{uuid.uuid4().hex[:10]}_"
+        stores, errors = start_together(PG_URL, prefix, 4)
+        try:
+            assert errors == [] and len(stores) == 4
+            stores[0].create_tenant("acme", TenantSettings())
+            assert stores[3].get_tenant("acme").name == "acme"
+        finally:
+            cleanup = stores[0] if stores else SQLStore(PG_URL, table_prefix=prefix)
+            cleanup.drop_all()
+            for store in stores or [cleanup]:
+                store.close()

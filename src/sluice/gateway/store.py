@@ -442,12 +442,23 @@ class SQLStore(Store):
         self.local_reads = self.engine.dialect.name == "sqlite"
         (self.metadata, self.tenants, self.keys, self.usage,
          self.reservations, self.versions, self.mirrors) = _tables(table_prefix)
-        self.metadata.create_all(self.engine)
-        self._add_column(self.tenants, "reserved_usd", "FLOAT NOT NULL DEFAULT 0")
-        if self._add_column(self.usage, "record_id", "VARCHAR(40)"):
-            self._add_unique_index(self.usage, "record_id")
+        self._create_schema(table_prefix)
         self._add_version_row()
         self._prepare()
+
+    def _create_schema(self, prefix: str) -> None:
+        """The tables, and the columns a table made by an older sluice lacks, in one
+        transaction; on PostgreSQL under an advisory lock named after the prefix, so
+        replicas starting together on a new database make them once (each ran CREATE
+        TABLE, and all but one failed at start on a duplicate `pg_type` row)."""
+        with self.engine.begin() as conn:
+            if self.engine.dialect.name == "postgresql":
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext(:name))"),
+                             {"name": f"sluice schema {prefix}"})
+            self.metadata.create_all(conn)
+            self._add_column(conn, self.tenants, "reserved_usd", "FLOAT NOT NULL DEFAULT 0")
+            if self._add_column(conn, self.usage, "record_id", "VARCHAR(40)"):
+                self._add_unique_index(conn, self.usage, "record_id")
 
     def _add_version_row(self) -> None:
         """The `auth` counter row, once (replicas starting together may race: fine)."""
@@ -458,25 +469,23 @@ class SQLStore(Store):
         with contextlib.suppress(sa.exc.IntegrityError), self.engine.begin() as conn:
             conn.execute(v.insert().values(name=AUTH_VERSION_ROW, version=0))
 
-    def _add_column(self, table: sa.Table, column: str, ddl: str) -> bool:
+    def _add_column(self, conn: sa.Connection, table: sa.Table, column: str, ddl: str) -> bool:
         """Tables created by an older sluice lack later columns (`tenants.reserved_usd`,
         `usage.record_id`): add `column` if missing; True if it was."""
-        if column in {c["name"] for c in sa.inspect(self.engine).get_columns(table.name)}:
+        if column in {c["name"] for c in sa.inspect(conn).get_columns(table.name)}:
             return False
         quoted = self.engine.dialect.identifier_preparer.quote(table.name)
         guard = "IF NOT EXISTS " if self.engine.dialect.name == "postgresql" else ""
-        with self.engine.begin() as conn:
-            conn.execute(sa.text(f"ALTER TABLE {quoted} ADD COLUMN {guard}{column} {ddl}"))
+        conn.execute(sa.text(f"ALTER TABLE {quoted} ADD COLUMN {guard}{column} {ddl}"))
         return True
 
-    def _add_unique_index(self, table: sa.Table, column: str) -> None:
+    def _add_unique_index(self, conn: sa.Connection, table: sa.Table, column: str) -> None:
         """The unique index `create_all` makes on a new table, on an old one (its rows
         keep NULL there, which a unique index allows any number of)."""
         quote = self.engine.dialect.identifier_preparer.quote
         index = next(i for i in table.indexes if column in i.columns)
-        with self.engine.begin() as conn:
-            conn.execute(sa.text(f"CREATE UNIQUE INDEX IF NOT EXISTS {quote(str(index.name))} "
-                                 f"ON {quote(table.name)} ({column})"))
+        conn.execute(sa.text(f"CREATE UNIQUE INDEX IF NOT EXISTS {quote(str(index.name))} "
+                             f"ON {quote(table.name)} ({column})"))
 
     def _prepare(self) -> None:
         """Build the per-request statements once (they run on every request)."""
