@@ -112,3 +112,30 @@ async def test_status_routes_serve_the_page_and_json_in_front_of_any_app() -> No
         admin = (await client.get("/status.json", headers={"x-admin-key": "k"})).json()
     assert anonymous["workers"][0]["url"] == "http://me" and "tenants" not in anonymous
     assert anonymous["workers"][0]["ttft_p50"] is not None and admin["tenants"] == []
+
+
+async def test_percentiles_of_an_idle_window_are_empty_not_the_old_ones(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that served nothing in the last minute showed the TTFT percentiles of
+    requests long gone (the board fell back to everything since start), beside a request
+    rate of 0 and a hit rate of "–"; the page says its percentiles are the last minute's."""
+    w = FakeWorker()
+    clock = [1000.0]
+    monkeypatch.setattr("sluice.observe.status.time.time", lambda: clock[0])
+
+    async def fetch(_url: str) -> str:
+        return w.text()
+
+    board = StatusBoard(lambda: [{"url": "http://w1", "healthy": True}], fetch, lambda: [],
+                        window_s=60)
+    w.serve(0.3, 5)
+    first = (await board.snapshot())["workers"][0]
+    assert first["ttft_p50"] == pytest.approx(0.3, rel=0.5)  # one scrape: since start
+    clock[0] += 5
+    idle = (await board.snapshot())["workers"][0]
+    assert idle["ttft_p50"] is None and idle["ttft_p99"] is None and idle["itl_p99"] is None
+    assert idle["requests_per_s"] == 0.0
+    w.serve(0.01, 5)
+    clock[0] += 5
+    busy = (await board.snapshot())["workers"][0]
+    assert busy["ttft_p99"] is not None and busy["ttft_p99"] < 0.05  # only the window's

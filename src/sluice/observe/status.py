@@ -17,8 +17,10 @@ The board reads what already exists, nothing on the request path changes:
 
 Percentiles and rates are "live": computed over the difference between the newest
 scrape and the oldest one inside `window_s` (as Prometheus' `rate` would), falling
-back to everything since start while the window holds a single scrape. Percentiles are
-interpolated inside histogram buckets the way `histogram_quantile` does.
+back to everything since start while the window holds a single scrape. A window in
+which a worker produced no token has no percentiles (None, "–" on the page), as it has
+no hit rate, rather than those of requests long gone. Percentiles are interpolated
+inside histogram buckets the way `histogram_quantile` does.
 """
 
 from __future__ import annotations
@@ -240,10 +242,8 @@ def _window(new: Scrape, old: Scrape | None) -> dict[str, Any]:
         out["tokens_per_s"] = delta.get("generation_tokens", 0.0) / span
     queries = delta.get("prefix_queries", 0.0)
     out["hit_rate"] = delta.get("prefix_hits", 0.0) / queries if queries > 0 else None
-    for key, name in (("ttft", TTFT), ("itl", ITL)):
+    for key, name in (("ttft", TTFT), ("itl", ITL)):  # None when the window saw nothing
         buckets = _diff(new.histograms.get(name, {}), old.histograms.get(name) if old else None)
-        if not any(buckets.values()):  # nothing in the window: since start
-            buckets = new.histograms.get(name, {})
         out[f"{key}_p50"] = quantile(0.5, buckets)
         out[f"{key}_p99"] = quantile(0.99, buckets)
     return out
