@@ -145,3 +145,22 @@ def test_shutdown_stops_the_engine_threads(tiny_llama_dir: Path) -> None:
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate("a", GREEDY)
     llm.shutdown()  # again: nothing to do
+
+
+def test_an_interrupted_generate_leaves_nothing_running(llm: LLM,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (or a request's compile failure raised by a step) out of `generate` aborts
+    the call's other prompts: the next call does not step them to the end unseen."""
+    step, calls = llm.engine.step, []
+
+    def interrupted() -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=50, ignore_eos=True))
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.usage == 0.0

@@ -122,16 +122,25 @@ class LLM:
         return ids
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request finishes; if a step raises (Ctrl-C, a constraint that
+        failed to compile), the call's unfinished requests are aborted first."""
         done: dict[str, RequestOutput] = {}
         bar = _progress(len(ids)) if use_tqdm else None
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
-                    done[output.request_id] = output
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        done[output.request_id] = output
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for request_id in ids:
+                if request_id not in done:
+                    self.engine.abort_request(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [done[i] for i in ids]
 
 
