@@ -270,6 +270,8 @@ def test_status_page_renders_workers_and_updates_in_chromium(stack: Stack) -> No
             assert stack.chat("status page test").status_code == 200
         assert _wait(lambda: served() >= before + 2, 15), (before, served())
         assert browser.find_element(By.ID, "conn").text == "live"
+        message = "return getComputedStyle(document.querySelector('#errors tbody td:last-child'))"
+        assert browser.execute_script(message + ".textAlign") == "left"  # was right-aligned
         tenants = browser.find_elements(By.CSS_SELECTOR, "#tenants tbody tr")
         assert tenants and tenants[0].get_attribute("data-tenant").startswith("tn_")
         shot = os.environ.get("SLUICE_STATUS_SCREENSHOT")
