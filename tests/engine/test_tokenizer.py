@@ -66,6 +66,12 @@ def test_gguf_special_ids_and_template(gguf_tok: Tokenizer, hf_reference) -> Non
     assert gguf_tok.apply_chat_template(MESSAGES) == want
     assert gguf_tok.apply_chat_template(MESSAGES, add_generation_prompt=False) == \
         hf_reference.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=False)
+    # what vLLM users write (`tokenize=False`), and transformers' ids
+    assert gguf_tok.apply_chat_template(MESSAGES, tokenize=False,
+                                        add_generation_prompt=True) == want
+    assert gguf_tok.apply_chat_template(MESSAGES, tokenize=True) == \
+        list(hf_reference.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=True,
+                                              return_dict=False))
 
 
 def test_hf_directory_tokenizer_equals_gguf_one(tiny_llama_dir: Path, gguf_tok: Tokenizer) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from sluice.protocol.errors import InvalidRequestError
 
@@ -165,15 +165,32 @@ class Tokenizer:
 
         return isinstance(self.backend.decoder, decoders.ByteLevel)
 
+    @overload
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None, *,
+                            tokenize: Literal[False] = False) -> str: ...
+
+    @overload
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, *,
+                            tokenize: Literal[True]) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, *,
+                            tokenize: bool = False) -> str | list[int]:
         """Render `messages` ({"role", "content"}, and `tool_calls` / `tool_call_id`) and
         `tools` (OpenAI's shape) with the model's template, or with sluice's ChatML tool
-        template when tools are involved and the model's own cannot render them."""
-        return _compile_template(self._template_for(messages, tools))(
+        template when tools are involved and the model's own cannot render them.
+        `tokenize=True`: the text's token ids (without added special tokens: the template
+        writes them), as transformers' `tokenize` gives; unlike transformers, the default
+        is the text (`tokenize=False`, what vLLM users pass)."""
+        text = _compile_template(self._template_for(messages, tools))(
             messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
             **self.special_tokens)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _template_for(self, messages: list[dict[str, Any]],
                       tools: list[dict[str, Any]] | None) -> str:
