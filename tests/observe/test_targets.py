@@ -31,6 +31,15 @@ def test_target_groups_are_the_workers_host_and_port() -> None:
     assert target_groups(_snapshot()) == []
 
 
+def test_a_worker_at_the_polled_port_is_left_out(tmp_path: Path) -> None:
+    """`sluice serve` with one worker lists itself in /status.json; as a worker target
+    too, Prometheus scraped its vllm:* series under both jobs and every sum doubled."""
+    path = tmp_path / "sluice-workers.json"
+    with _client([httpx.Response(200, json=_snapshot("http://127.0.0.1:8000"))]) as client:
+        assert run(client, "http://127.0.0.1:8000", path, 1.0, once=True) == 0
+    assert json.loads(path.read_text()) == []
+
+
 def test_the_file_is_written_only_when_the_workers_change(tmp_path: Path) -> None:
     path = tmp_path / "sluice-workers.json"
     groups = target_groups(_snapshot("http://127.0.0.1:1"))

@@ -31,10 +31,12 @@ from urllib.parse import urlsplit
 import httpx
 
 
-def target_groups(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
+def target_groups(snapshot: dict[str, Any], front: str = "") -> list[dict[str, Any]]:
     """file_sd target groups for the workers of a `/status.json` snapshot: one group,
-    each worker's `host:port` once, sorted."""
-    targets = sorted({urlsplit(w["url"]).netloc for w in snapshot.get("workers", [])})
+    each worker's `host:port` once, sorted. A worker at `front` (the `host:port` polled)
+    is left out: `sluice serve` with one worker lists itself, and the `sluice` job
+    already scrapes that port (twice, every vllm:* sum would double)."""
+    targets = sorted({urlsplit(w["url"]).netloc for w in snapshot.get("workers", [])} - {front})
     return [{"targets": targets, "labels": {}}] if targets else []
 
 
@@ -62,7 +64,7 @@ def sync(client: httpx.Client, url: str, path: Path) -> list[str] | None:
     """One poll: the router's workers into `path`; their targets if the file changed."""
     resp = client.get(url.rstrip("/") + "/status.json")
     resp.raise_for_status()
-    groups = target_groups(resp.json())
+    groups = target_groups(resp.json(), front=urlsplit(url).netloc)
     if not write_if_changed(path, groups):
         return None
     return [t for g in groups for t in g["targets"]]
