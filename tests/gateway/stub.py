@@ -144,6 +144,8 @@ class StubUpstream:
         yield event("content_block_start", {"index": 0,
                                             "content_block": {"type": "text", "text": ""}})
         for i in range(n):
+            if self.chunk_delay:
+                await asyncio.sleep(self.chunk_delay)
             yield event("content_block_delta", {"index": 0, "delta": {
                 "type": "text_delta", "text": "tok" if i == 0 else " tok"}})
         yield event("content_block_stop", {"index": 0})

@@ -184,3 +184,30 @@ async def test_a_hang_up_right_after_the_last_event_keeps_the_record(
     assert b"data: [DONE]" in b"".join(m.get("body", b"") for m in sent)
     [rec] = sqlite_store.query_usage(UsageQuery())
     assert (rec.status, rec.prompt_tokens, rec.completion_tokens) == ("ok", 7, 1)
+
+
+async def test_anthropic_abort_mid_stream_is_charged_the_tokens_streamed(
+        sqlite_store: SQLStore) -> None:
+    """Anthropic's `message_start` carries `usage.output_tokens` (0 from sluice's worker,
+    1 from Anthropic's), a count at the start, not of the stream: the meter took it as
+    the completion count, so a client that hung up after some text was charged 0 (or 1)
+    completion tokens instead of the text streamed so far, as an OpenAI stream is."""
+    stub = StubUpstream(chunk_delay=0.03, max_reply=60)
+    key = new_key(sqlite_store)
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    body = {"model": "stub-model", "max_tokens": 60, "stream": True,
+            "messages": [{"role": "user", "content": "Hello there"}]}
+    async with serve(gw) as url, httpx.AsyncClient(base_url=url, timeout=10) as client:
+        async with client.stream("POST", "/v1/messages", json=body,
+                                 headers={"x-api-key": key}) as r:
+            assert r.status_code == 200
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line == "event: content_block_delta"
+                if seen == 8:
+                    break  # hang up mid-stream: " tok" x 8 received
+        await wait_for_records(sqlite_store, 1)
+    [rec] = sqlite_store.query_usage(UsageQuery())
+    assert rec.status == "aborted"
+    assert 8 <= rec.completion_tokens < 60
+    assert rec.prompt_tokens == 7  # message_start's input_tokens

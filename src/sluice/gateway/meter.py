@@ -9,8 +9,11 @@ each `data:` payload is parsed on the way through:
                 or `choices[].text`, and tool calls' names and argument pieces from
                 `choices[].delta.tool_calls[].function`
     Anthropic   `message_start.message.usage.input_tokens`, `message_delta.usage
-                .output_tokens` (cumulative); content from `content_block_delta` (its
-                `text`, or a tool call's `partial_json`) and a `tool_use` block's name
+                .output_tokens` (cumulative; `message_start`'s own output_tokens, 0 or
+                1 before anything streamed, is not read, so a stream cut before its
+                `message_delta` is counted from its text); content from
+                `content_block_delta` (its `text`, or a tool call's `partial_json`)
+                and a `tool_use` block's name
 
 The first `model` a response names (the JSON body's, the first chunk's, Anthropic's
 `message_start.message.model`) is `served_model`: the model that really answered (an
@@ -118,9 +121,12 @@ class ResponseMeter:
 
     def _on_anthropic_event(self, obj: dict[str, Any]) -> None:
         kind = obj.get("type")
-        if kind == "message_start":
-            self._take_model((obj.get("message") or {}).get("model"))
-            self._take_usage((obj.get("message") or {}).get("usage"))
+        if kind == "message_start":  # its output_tokens (0, or 1) counts nothing streamed
+            message = obj.get("message") or {}
+            self._take_model(message.get("model"))
+            usage = message.get("usage")
+            if isinstance(usage, dict):
+                self._take_usage({k: v for k, v in usage.items() if k != "output_tokens"})
         elif kind == "message_delta":
             self._take_usage(obj.get("usage"))
         elif kind == "content_block_start":
