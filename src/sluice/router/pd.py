@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -77,6 +78,7 @@ STALE_EPOCH = "stale_pd_epoch"
 KV_TRANSFER_FAILED = "kv_transfer_failed"
 DISAGGREGATED, LOCAL, FALLBACK = "disaggregated", "local", "fallback"
 LOCAL_SIDE = "local"  # a decode worker that prefills itself
+WARN_EVERY_S = 10.0
 PREFILL_REQUEST_PARAMS: dict[str, Any] = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
     "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -310,6 +312,7 @@ class LocalSide(SideProxy):
     def __init__(self, prefill: SideProxy, *args: Any) -> None:
         super().__init__(LOCAL_SIDE, *args)
         self.prefill = prefill
+        self.warned_at = -math.inf  # one warning per WARN_EVERY_S, not one per request
 
     async def forward(self, pool: Pool, req: ParsedRequest, meta: RequestMeta, path: bytes,
                       headers: bytes, exclude: Iterable[str] = ()) -> Relay:
@@ -318,7 +321,12 @@ class LocalSide(SideProxy):
         except WorkersFailed as exc:
             if pool.config.pd is None or self.prefill.choose(pool, meta, exclude) is None:
                 raise
-            log.warning("%s; serving it whole on a prefill worker", exc)
+            now = time.monotonic()
+            if now - self.warned_at >= WARN_EVERY_S:
+                self.warned_at = now
+                log.warning("no decode worker could serve a request of %r (%s); serving it "
+                            "whole on a prefill worker (sluice_router_pd_requests_total"
+                            "{path=\"fallback\"} counts each)", req.model, exc)
             return await self.prefill.forward(pool, req, meta, path, headers, exclude)
 
 
