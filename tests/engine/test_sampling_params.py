@@ -1,15 +1,18 @@
-"""SamplingParams and StructuredOutputsParams as a vLLM user builds them in Python: a
-value of the wrong type is an InvalidRequestError naming the field (never a TypeError
-from a comparison, nor a value silently kept: n=2.5, max_tokens=1.5, ignore_eos="yes"),
-numpy numbers become Python's, and a parsed JSON schema is taken as vLLM takes it."""
+"""SamplingParams, StructuredOutputsParams and engine options as a vLLM user builds them in
+Python: a value of the wrong type is an InvalidRequestError naming the field (never a
+TypeError from a comparison, nor a value silently kept: n=2.5, max_tokens=1.5,
+ignore_eos="yes", enable_prefix_caching="False"), numpy numbers become Python's, and a
+parsed JSON schema is taken as vLLM takes it."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from sluice.engine.config import EngineConfig
 from sluice.engine.messages import _params_from_wire, _params_to_wire
 from sluice.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from sluice.protocol.errors import InvalidRequestError
@@ -51,3 +54,27 @@ def test_a_json_constraint_takes_a_parsed_schema_as_vllm_does() -> None:
     assert StructuredOutputsParams(json=empty).json == "{}"
     with pytest.raises(InvalidRequestError, match="regex must be a string"):
         StructuredOutputsParams(regex=5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("enable_prefix_caching", "False"), ("enable_chunked_prefill", "no"),  # both were true
+    ("enforce_eager", 1), ("max_num_seqs", 2.5), ("max_num_seqs", "8"), ("block_size", "16"),
+    ("num_kv_blocks", 1.5), ("kv_cache_memory_bytes", "1G"), ("seed", "x"),
+    ("max_model_len", "x"), ("tokenizer", 5), ("kv_lease_timeout", "30"),
+    ("model", 5),
+])
+def test_an_engine_option_of_the_wrong_type_names_it(option: str, value: Any) -> None:
+    """`LLM(model, **options)` as vLLM users write them: a string for a switch was taken
+    as true, a float batch size was kept, "8" failed in a comparison."""
+    kwargs: dict[str, Any] = {"model": value} if option == "model" else {option: value}
+    with pytest.raises(InvalidRequestError) as err:
+        EngineConfig.from_options(**kwargs)
+    assert err.value.param == option and option in str(err.value)
+
+
+def test_engine_options_of_the_right_type_are_kept() -> None:
+    config = EngineConfig.from_options(Path("/models/m.gguf"), gpu_memory_utilization=1,
+                                       tokenizer=Path("/tok"), seed=None,
+                                       enable_prefix_caching=False)
+    assert config.model.model == "/models/m.gguf" and config.model.tokenizer == "/tok"
+    assert config.cache.gpu_memory_utilization == 1 and not config.cache.enable_prefix_caching

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -278,6 +279,18 @@ def _is_a(value: Any, hint: Any) -> bool:
                for t in typing.get_args(hint) or (hint,))
 
 
+def _checked_option(key: str, value: Any, hint: Any) -> Any:
+    """An engine option's value if it has its field's type (None: the field's own check);
+    a path is taken for a string. `enable_prefix_caching="False"` would be true, and
+    `max_num_seqs=2.5` a batch of 2.5, so a wrong type is an error naming the option."""
+    if isinstance(value, os.PathLike) and _is_a("", hint):
+        value = os.fspath(value)
+    if value is None or _is_a(value, hint):
+        return value
+    wanted = " or ".join(n for n in _type_name(hint).split(" or ") if n != "null")
+    raise InvalidRequestError(f"{key} must be {wanted}, got {value!r}", param=key)
+
+
 def _type_name(hint: Any) -> str:
     names = {int: "an integer", float: "a number", bool: "a boolean", str: "a string",
              type(None): "null"}
@@ -323,21 +336,22 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # --speculative-config
 
     @classmethod
-    def from_options(cls, model: str | None = None, **options: Any) -> EngineConfig:
+    def from_options(cls, model: str | os.PathLike[str] | None = None,
+                     **options: Any) -> EngineConfig:
         """Build from flat options; raise InvalidRequestError naming an unknown one."""
-        layers: dict[str, dict[str, Any]] = {"model": {"model": model}, "cache": {},
-                                             "scheduler": {}, "structured": {}, "lora": {},
-                                             "kv_transfer": {}}
+        layers: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {},
+                                             "structured": {}, "lora": {}, "kv_transfer": {}}
         speculative = SpeculativeConfig.parse(options.pop("speculative_config", None))
-        owners = {f.name: name for name, klass in
-                  (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
+        classes = (("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig),
                    ("structured", StructuredOutputsConfig), ("lora", LoRAConfig),
                    ("kv_transfer", KVTransferConfig))
-                  for f in dataclasses.fields(klass)}
+        owners = {f.name: name for name, klass in classes for f in dataclasses.fields(klass)}
+        hints = {k: v for _, klass in classes for k, v in typing.get_type_hints(klass).items()}
+        layers["model"]["model"] = _checked_option("model", model, hints["model"])
         for key, value in options.items():
             if key not in owners:
                 raise InvalidRequestError(f"unknown engine option {key!r}", param=key)
-            layers[owners[key]][key] = value
+            layers[owners[key]][key] = _checked_option(key, value, hints[key])
         lora = layers["lora"]
         sizes = [key for key in lora if key != "enable_lora" and lora[key] is not None]
         if sizes and not lora.get("enable_lora"):  # vLLM ignores them; here they'd do nothing

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import numbers
+import os
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -42,7 +43,8 @@ class LLM:
     """One engine driven synchronously in the caller's thread. `shutdown()`, or leaving
     `with LLM(...) as llm:`, stops its threads; the model's memory goes with the object."""
 
-    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+    def __init__(self, model: str | os.PathLike[str] | None = None,
+                 **engine_options: Any) -> None:
         self.config = EngineConfig.from_options(model, **engine_options)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
