@@ -100,8 +100,8 @@ ENGINE = (
           ((_rate("vllm:request_success_total", "finished_reason"), "{{finished_reason}}"),)),
     Panel("Engine steps/s", "short",
           ((_rate("sluice:engine_steps_total", "instance"), "{{instance}}"),)),
-    Panel("Requests refused by the worker", "short",
-          ((_rate("sluice:requests_rejected_total", "reason"), "{{reason}}"),)),
+    Panel("HTTP generation requests in flight per worker", "short",
+          (("sluice:http_requests_pending", "{{instance}}"),)),
 )
 
 ROUTER = (
