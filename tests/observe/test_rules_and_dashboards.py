@@ -100,4 +100,3 @@ def test_the_5xx_ratio_panel_reads_0_while_nothing_failed(tmp_path: Path) -> Non
     path.write_text(json.dumps(test))  # JSON is YAML
     result = _promtool("test", "rules", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
-
