@@ -46,6 +46,9 @@ address a ready pod, re-resolved every 5 s), so it routes and the planner counts
 pod; the plain Service stays for clients of the workers themselves.
 With `--min-workers 0` KEDA scales the workers to zero and the router holds requests
 (`--buffer-timeout`) while the planner, seeing them queued, asks for one again.
+
+The same manifests are a Helm chart, `deploy/helm/sluice`: a change here is a change
+there too (tests/control/test_helm.py renders both and compares them).
 """
 
 from __future__ import annotations
