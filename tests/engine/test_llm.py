@@ -6,6 +6,7 @@ rules; `shutdown()` / the context manager stop the engine's threads."""
 
 from __future__ import annotations
 
+import pickle
 import threading
 from pathlib import Path
 from typing import Any
@@ -164,3 +165,29 @@ def test_an_interrupted_generate_leaves_nothing_running(llm: LLM,
         llm.generate(["a", "b"], SamplingParams(max_tokens=50, ignore_eos=True))
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.usage == 0.0
+
+
+def test_logprobs_read_as_vllms_logprob_objects_and_as_floats(llm: LLM) -> None:
+    """vLLM code reads `lp[t].logprob`, `.rank`, `.decoded_token`; sluice's reads floats."""
+    tok = llm.get_tokenizer()
+    greedy = llm.generate("The capital of France is",
+                          SamplingParams(temperature=0.0, max_tokens=4, logprobs=3))[0].outputs[0]
+    sampled = llm.generate("The capital of France is", SamplingParams(
+        temperature=1.0, seed=1, max_tokens=16, logprobs=1))[0].outputs[0]
+    assert greedy.logprobs is not None and sampled.logprobs is not None
+    for t, entry in zip(greedy.token_ids, greedy.logprobs, strict=True):
+        lp: Any = entry[t]
+        assert lp.rank == 1 and lp.logprob == float(lp) <= 0.0
+        assert sorted(e.rank for e in entry.values()) == [1, 2, 3]
+        assert all(e.decoded_token == tok.decode([k], skip_special_tokens=False)
+                   for k, e in entry.items())
+    assert greedy.cumulative_logprob == pytest.approx(
+        sum(lp[t] for lp, t in zip(greedy.logprobs, greedy.token_ids, strict=True)))
+    # a sampled token outside the top 1 is listed first, rank unknown; the top one is rank 1
+    outside = [e for t, e in zip(sampled.token_ids, sampled.logprobs, strict=True) if len(e) == 2]
+    assert outside, "seed 1 should sample some token that is not the most likely"
+    for entry in outside:
+        first, best = entry.values()
+        assert first.rank is None and best.rank == 1 and best >= first  # type: ignore[attr-defined]
+    lp = greedy.logprobs[0][greedy.token_ids[0]]
+    assert pickle.loads(pickle.dumps(lp)).rank == 1 and repr(lp).startswith("Logprob(logprob=")

@@ -24,7 +24,7 @@ from typing import Any
 from sluice.engine.config import EngineConfig
 from sluice.engine.llm_engine import LLMEngine
 from sluice.engine.lora import LoRARequest
-from sluice.engine.outputs import RequestOutput
+from sluice.engine.outputs import RequestOutput, ranked
 from sluice.engine.sampling_params import RequestOutputKind, SamplingParams
 from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.openai import check_continue
@@ -79,7 +79,7 @@ class LLM:
                              SamplingParams())
         loras = _per_prompt(lora_request, len(items), "lora_request", LoRARequest, None)
         priorities = _priorities(priority, len(items))
-        return self._run(self._add_all(items, params, loras, priorities), use_tqdm)
+        return self._run(self._add_all(items, params, loras, priorities), params, use_tqdm)
 
     def chat(self, messages: Messages | list[Messages], sampling_params: ParamsArg = None,
              use_tqdm: bool = False, lora_request: LoRAArg = None, *,
@@ -123,7 +123,8 @@ class LLM:
             raise
         return ids
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
         """Step until every request finishes; if a step raises (Ctrl-C, a constraint that
         failed to compile), the call's unfinished requests are aborted first."""
         done: dict[str, RequestOutput] = {}
@@ -143,7 +144,19 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [done[i] for i in ids]
+        return [self._vllm_logprobs(done[i], p.logprobs) for i, p in zip(ids, params,
+                                                                            strict=True)]
+
+    def _vllm_logprobs(self, out: RequestOutput, top: int | None) -> RequestOutput:
+        """Each logprob as a `Logprob`: a float with vLLM's `.logprob`, `.rank` and
+        `.decoded_token` (`top`: the request's `logprobs`)."""
+        tok = self.engine.tokenizer
+        for c in out.outputs:
+            if c.logprobs is not None and top is not None:
+                c.logprobs = [ranked(entry, top,
+                                     lambda t: tok.decode([t], skip_special_tokens=False))
+                              for entry in c.logprobs]
+        return out
 
 
 def _templated(tok: Any, body: dict[str, Any]) -> str:

@@ -2,10 +2,46 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # One entry per generated token: {token_id: logprob} for the sampled token and the top-k.
 TokenLogprobs = dict[int, float]
+
+
+class Logprob(float):
+    """A logprob that is also vLLM's `Logprob` (`.logprob`, `.rank`, `.decoded_token`), as
+    `LLM` hands them out: code written for vLLM (`lp[t].logprob`) and for sluice's floats
+    (`lp[t]`, sums) both read it. `rank`: 1 for the most likely token; None for a sampled
+    token outside the top `logprobs` (its rank is not computed)."""
+
+    rank: int | None
+    decoded_token: str | None
+
+    def __new__(cls, logprob: float, rank: int | None = None,
+                decoded_token: str | None = None) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank, self.decoded_token = rank, decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return (f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, "
+                f"decoded_token={self.decoded_token!r})")
+
+    def __reduce__(self) -> tuple[type[Logprob], tuple[float, int | None, str | None]]:
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+
+def ranked(entry: TokenLogprobs, top: int, decode: Callable[[int], str]) -> TokenLogprobs:
+    """One token's entry (the sampled token first, then the `top` most likely) as
+    `Logprob`s with ranks and decoded tokens, in the same order."""
+    best = sorted(entry, key=lambda t: -entry[t])[:top]
+    rank = {t: i + 1 for i, t in enumerate(best)}
+    return {t: Logprob(v, rank.get(t), decode(t)) for t, v in entry.items()}
 
 
 @dataclass
