@@ -366,6 +366,8 @@ class UpstreamPool:
         back through `give` and is kept until the worker closes it)."""
         for conn in self.idle.pop(key, ()):
             conn.close()
+        if not self.busy.get(key):
+            self.busy.pop(key, None)
 
     async def _dial(self, target: Target) -> UpstreamConnection:
         loop = asyncio.get_running_loop()
