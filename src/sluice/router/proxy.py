@@ -151,9 +151,8 @@ class Proxy:
         stream migrates (migrate.py) or ends with an error event, and a request before its
         first byte is retried elsewhere. Returns how many (the P/D proxy's requests share
         the connection pool, so they are cut too)."""
-        cut = self.upstream.cut_silent(
-            self._target(endpoint).key, silent_s, f"the worker answered nothing for {silent_s:g} s and its "
-            "health probes time out")
+        reason = f"the worker answered nothing for {silent_s:g} s and its probes time out"
+        cut = self.upstream.cut_silent(self._target(endpoint).key, silent_s, reason)
         if cut:
             log.warning("cut %d request(s) silent for %g s on hung worker %s", cut, silent_s,
                         endpoint.url)

@@ -354,9 +354,11 @@ class UpstreamPool:
 
     def cut_silent(self, key: tuple[str, str, int], silent_s: float, reason: str) -> int:
         """Fail every exchange with the worker at `key` that has received nothing for
-        `silent_s` seconds (`UpstreamConnection.cut`); returns how many."""
+        `silent_s` seconds (`UpstreamConnection.cut`); returns how many. One paused for a
+        slow client is silent by our doing, and is left alone."""
         now = asyncio.get_running_loop().time()
-        stalled = [c for c in self.busy.get(key, ()) if now - c.last_bytes_at >= silent_s]
+        stalled = [c for c in self.busy.get(key, ())
+                   if not c.paused and now - c.last_bytes_at >= silent_s]
         for conn in stalled:
             conn.cut(reason)
         return len(stalled)
