@@ -78,3 +78,16 @@ def test_engine_options_of_the_right_type_are_kept() -> None:
                                        enable_prefix_caching=False)
     assert config.model.model == "/models/m.gguf" and config.model.tokenizer == "/tok"
     assert config.cache.gpu_memory_utilization == 1 and not config.cache.enable_prefix_caching
+
+
+def test_an_engine_seed_of_none_is_a_random_one_as_in_vllm() -> None:
+    """LLM(seed=None) failed in torch's manual_seed after the weights had loaded."""
+    from sluice.engine.sampler import Sampler
+
+    assert EngineConfig.from_options(seed=None).model.seed is None
+    seeds = {Sampler({2}, None).generator.initial_seed() for _ in range(3)}
+    assert len(seeds) == 3
+    assert Sampler({2}, 7).generator.initial_seed() == 7
+    with pytest.raises(InvalidRequestError) as err:
+        EngineConfig.from_options(seed=2**64)
+    assert err.value.param == "seed"

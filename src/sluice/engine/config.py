@@ -30,7 +30,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto: bfloat16 on CUDA or a CPU with native bf16, else float32
     device: str = "auto"  # auto: cuda if available, else cpu
     max_model_len: int | None = None  # None: the model's own limit
-    seed: int = 0
+    seed: int | None = 0  # of unseeded sampled requests' generator; None: a random one
     revision: str | None = None
     # CPU kernels (oneDNN linears, native attention, add+RMSNorm, SwiGLU): "auto" (when
     # they build), "torch", "native" (see sluice.engine.native)
@@ -48,6 +48,8 @@ class ModelConfig:
     cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise InvalidRequestError("seed must be in [-2**63, 2**64)", param="seed")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise InvalidRequestError("cpu_threads must be at least 1", param="cpu_threads")
         if self.quantization not in QUANTIZATIONS:

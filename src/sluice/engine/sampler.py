@@ -133,9 +133,14 @@ def _seeded(seq: Sequence) -> torch.Generator | None:
 class Sampler:
     """Builds per-row parameter tensors from sequences and applies the functions above."""
 
-    def __init__(self, eos_token_ids: set[int], seed: int = 0) -> None:
+    def __init__(self, eos_token_ids: set[int], seed: int | None = 0) -> None:
+        """`seed`: of the generator unseeded sampled requests share; None: a random one."""
         self.eos_token_ids = set(eos_token_ids)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         logits = logits.float().cpu()
