@@ -103,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sluice: speculative decoding, vLLM's JSON (benchmarks/"
                              "spec_decode.py compares it with plain decoding)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="weights and activations, for sluice and the peer alike")
+                        help="weights and activations, for sluice and the peer alike "
+                             "(default float32, not the engine's auto)")
 
 
 # the options each mode reads, with their defaults; one given to a mode that does not
