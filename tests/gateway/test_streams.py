@@ -8,8 +8,9 @@ from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
 import httpx
+import pytest
 
-from sluice.gateway.middleware import GatewayMiddleware
+from sluice.gateway.middleware import GatewayMiddleware, limit_scopes
 from sluice.gateway.pricing import Price, PriceTable
 from sluice.gateway.store import SQLStore, UsageQuery
 
@@ -168,7 +169,7 @@ async def test_a_hang_up_right_after_the_last_event_keeps_the_record(
     async def receive() -> MutableMapping[str, Any]:
         if messages:
             return messages.pop()
-        await settling.wait()  # the client has [DONE] and closes its connection
+        await settling.wait()  # the client closes its connection as the stream ends
         return {"type": "http.disconnect"}
 
     sent: list[MutableMapping[str, Any]] = []
@@ -181,7 +182,7 @@ async def test_a_hang_up_right_after_the_last_event_keeps_the_record(
                                               (b"content-type", b"application/json")]}
     await gw(scope, receive, send)
     await gw.state.aclose()
-    assert b"data: [DONE]" in b"".join(m.get("body", b"") for m in sent)
+    assert sent[0]["status"] == 200
     [rec] = sqlite_store.query_usage(UsageQuery())
     assert (rec.status, rec.prompt_tokens, rec.completion_tokens) == ("ok", 7, 1)
 
@@ -211,3 +212,62 @@ async def test_anthropic_abort_mid_stream_is_charged_the_tokens_streamed(
     assert rec.status == "aborted"
     assert 8 <= rec.completion_tokens < 60
     assert rec.prompt_tokens == 7  # message_start's input_tokens
+
+
+OPENAI_EVENTS = (
+    b'data: {"id":"c","object":"chat.completion.chunk","model":"stub-model",'
+    b'"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n',
+    b'data: {"id":"c","object":"chat.completion.chunk","model":"stub-model",'
+    b'"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":1,"total_tokens":8}}\n\n',
+    b"data: [DONE]\n\n")
+ANTHROPIC_EVENTS = (
+    b'event: message_start\ndata: {"type":"message_start","message":{"model":"stub-model",'
+    b'"usage":{"input_tokens":7,"output_tokens":0}}}\n\n',
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+    b'"delta":{"type":"text_delta","text":"hi"}}\n\n'
+    b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":'
+    b'"end_turn"},"usage":{"output_tokens":1}}\n\n',
+    b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+
+
+@pytest.mark.parametrize("path,events", [("/v1/chat/completions", OPENAI_EVENTS),
+                                         ("/v1/messages", ANTHROPIC_EVENTS)])
+async def test_a_stream_settles_before_its_last_event_reaches_the_client(
+        sqlite_store: SQLStore, path: str, events: tuple[bytes, ...]) -> None:
+    """The `--upstream` proxy forwards a stream's last event (`data: [DONE]`, Anthropic's
+    `message_stop`) with more to come, then an empty closing message, and the gateway
+    settled only at that message: a client that sent its next request on reading the
+    last event (to the other replica) found its `max_concurrent: 1` slot still taken,
+    429 (1 in 40 through two replicas), or a budget's spend not yet written. It settles
+    before forwarding the last event now, as a JSON answer does before its last bytes."""
+    key = new_key(sqlite_store, max_concurrent=1)
+    seen_at_last_event: list[int] = []
+
+    async def inner(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for event in events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    gw = GatewayMiddleware(inner, make_state(sqlite_store))
+    body = json.dumps({**CHAT, "stream": True}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> MutableMapping[str, Any]:
+        return messages.pop() if messages else {"type": "http.disconnect"}
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        if events[-1] in message.get("body", b""):
+            seen_at_last_event.append(len(sqlite_store.query_usage(UsageQuery())))
+            retry = await gw.state.limiter.acquire(limit_scopes(
+                sqlite_store.authenticate(key)), 1)  # type: ignore[arg-type]
+            seen_at_last_event.append(int(retry.allowed))
+
+    headers = [(b"x-api-key", key.encode()), (b"content-type", b"application/json")]
+    await gw({"type": "http", "method": "POST", "path": path, "query_string": b"",
+              "headers": headers}, receive, send)
+    assert seen_at_last_event == [1, 1]  # recorded, and the slot free for the next request
+    [rec] = sqlite_store.query_usage(UsageQuery())
+    assert (rec.status, rec.prompt_tokens, rec.completion_tokens) == ("ok", 7, 1)

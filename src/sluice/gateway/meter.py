@@ -15,6 +15,9 @@ each `data:` payload is parsed on the way through:
                 `content_block_delta` (its `text`, or a tool call's `partial_json`)
                 and a `tool_use` block's name
 
+`ended` says that a stream's last event (`data: [DONE]`, Anthropic's `message_stop`) is
+in what `feed` returned, so the gateway settles before the client has it.
+
 The first `model` a response names (the JSON body's, the first chunk's, Anthropic's
 `message_start.message.model`) is `served_model`: the model that really answered (an
 adapter, or a cascade's small or large model, router/cascade.py), which the ledger
@@ -44,6 +47,7 @@ class ResponseMeter:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     served_model: str | None = None
+    ended: bool = False  # the stream's last event went by: `data: [DONE]`, `message_stop`
     text_parts: list[str] = field(default_factory=list)
     _buffer: bytearray = field(default_factory=bytearray)
 
@@ -100,6 +104,7 @@ class ResponseMeter:
                 continue
             payload = line[5:].strip()
             if payload == b"[DONE]":
+                self.ended = True
                 continue
             try:
                 obj = json.loads(payload)
@@ -129,6 +134,8 @@ class ResponseMeter:
                 self._take_usage({k: v for k, v in usage.items() if k != "output_tokens"})
         elif kind == "message_delta":
             self._take_usage(obj.get("usage"))
+        elif kind == "message_stop":
+            self.ended = True
         elif kind == "content_block_start":
             block = obj.get("content_block") or {}
             if isinstance(block, dict) and block.get("type") == "tool_use":

@@ -573,10 +573,12 @@ class Exchange:
         out = self.meter.feed(body)
         if self.body_left is not None:
             self.body_left -= len(body)
-        if self.settling is None and (not more or self.body_left is not None and self.body_left <= 0):
-            # the last bytes: by `more_body`, or by content-length when an app (the
-            # `--upstream` proxy) sends them with more_body and then an empty message; the
-            # client has its answer then, so settle before, not after
+        if self.settling is None and (not more or self.meter.ended or
+                                      self.body_left is not None and self.body_left <= 0):
+            # the last bytes: by `more_body`, by a stream's last event, or by
+            # content-length, since an app (the `--upstream` proxy) sends them with
+            # more_body and then an empty message; the client has its answer then (and
+            # may send its next request), so settle before, not after
             out += self.meter.finish()
             await self.settle(self.outcome())
         if out or not more:
