@@ -91,6 +91,7 @@ def test_chat_reads_messages_and_tools_as_the_worker_does(llm: LLM) -> None:
     worker = chat_prompt(tok, [ChatMessage(role="user", content="Hi")], tools=TOOLS)
     assert out.prompt_token_ids == tok.encode(worker, add_special_tokens=False)
     assert "get_weather" in _text(llm, out)
+    assert out.prompt == worker  # the templated text, as vLLM's chat outputs carry
     conversations: list[Any] = [CHAT, parts]
     batch = llm.chat(conversations, GREEDY, use_tqdm=False)
     assert batch[0].prompt_token_ids == batch[1].prompt_token_ids
@@ -175,14 +176,15 @@ def test_logprobs_read_as_vllms_logprob_objects_and_as_floats(llm: LLM) -> None:
     sampled = llm.generate("The capital of France is", SamplingParams(
         temperature=1.0, seed=1, max_tokens=16, logprobs=1))[0].outputs[0]
     assert greedy.logprobs is not None and sampled.logprobs is not None
-    for t, entry in zip(greedy.token_ids, greedy.logprobs, strict=True):
-        lp: Any = entry[t]
+    entries: list[dict[int, Any]] = list(greedy.logprobs)
+    for t, entry in zip(greedy.token_ids, entries, strict=True):
+        lp = entry[t]
         assert lp.rank == 1 and lp.logprob == float(lp) <= 0.0
         assert sorted(e.rank for e in entry.values()) == [1, 2, 3]
         assert all(e.decoded_token == tok.decode([k], skip_special_tokens=False)
                    for k, e in entry.items())
     assert greedy.cumulative_logprob == pytest.approx(
-        sum(lp[t] for lp, t in zip(greedy.logprobs, greedy.token_ids, strict=True)))
+        sum(e[t] for e, t in zip(greedy.logprobs, greedy.token_ids, strict=True)))
     # a sampled token outside the top 1 is listed first, rank unknown; the top one is rank 1
     outside = [e for t, e in zip(sampled.token_ids, sampled.logprobs, strict=True) if len(e) == 2]
     assert outside, "seed 1 should sample some token that is not the most likely"

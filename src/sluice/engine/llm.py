@@ -99,10 +99,12 @@ class LLM:
             tok = dataclasses.replace(tok, chat_template=chat_template)
         body = {"tools": tools, "continue_final_message": continue_final_message,
                 "add_generation_prompt": add_generation_prompt}
-        prompts: list[Prompt] = [
-            tok.encode(_templated(tok, {**body, "messages": c}), add_special_tokens=False)
-            for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+        texts = [_templated(tok, {**body, "messages": c}) for c in conversations]
+        prompts: list[Prompt] = [tok.encode(t, add_special_tokens=False) for t in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm, lora_request)
+        for out, text in zip(outputs, texts, strict=True):
+            out.prompt = text  # the templated conversation, as vLLM's chat outputs carry
+        return outputs
 
     def _add_all(self, prompts: list[str | list[int]], params: list[SamplingParams],
                   loras: list[LoRARequest | None], priorities: list[int]) -> list[str]:
