@@ -298,3 +298,37 @@ def test_a_5xx_is_an_error_with_its_error_type(traced: tuple[Tracing, MemorySink
     failed, refused = dict(spans["s503"].attributes or {}), dict(spans["s429"].attributes or {})
     assert failed["error.type"] == "503" and not spans["s503"].status.is_ok
     assert "error.type" not in refused and refused["http.response.status_code"] == 429
+
+
+async def test_a_migrated_stream_names_the_worker_that_finished_it(
+        traced: tuple[Tracing, MemorySink]) -> None:
+    """A stream whose worker died mid-way and that another worker resumed (migrate.py)
+    ended with a route span naming only the dead worker and nothing of the move (seen
+    killing a worker of sluice serve --workers 2 under streams)."""
+    from types import SimpleNamespace
+
+    from sluice.observe.route_span import traced_route
+
+    tracing, sink = traced
+
+    def ticket(url: str) -> Any:
+        return SimpleNamespace(endpoint=SimpleNamespace(url=url), prompt_tokens=8,
+                               uncached_tokens=8)
+
+    reply = SimpleNamespace(status=200, retries=0, migrations=0, on_close=None,
+                            ticket=ticket("http://10.0.0.1:8001"))
+
+    async def inner(*args: Any) -> Any:
+        args[-1].update(model="m", policy="cost")
+        return reply
+
+    assert await traced_route(tracing, inner, None, "chat", "/v1/chat/completions", b"",
+                              []) is reply
+    reply.migrations, reply.ticket = 1, ticket("http://10.0.0.2:8002")  # as _migrate does
+    reply.on_close(reply)
+    (span,) = sink.finished()
+    a = dict(span.attributes or {})
+    assert (a["server.address"], a["server.port"]) == ("10.0.0.2", 8002)
+    assert a["sluice.router.worker"] == "http://10.0.0.2:8002"
+    assert a["sluice.router.first_worker"] == "http://10.0.0.1:8001"
+    assert a["sluice.router.migrations"] == 1

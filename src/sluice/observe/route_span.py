@@ -11,7 +11,10 @@ them) and `sluice.router.worker` (its URL, the `worker` label of the router's me
 `sluice.router.prompt_tokens` and `sluice.router.estimated_cached_tokens` (what the
 policy expected cached there; the worker's span has the actual
 `gen_ai.usage.cache_read.input_tokens`), `sluice.router.retries` (attempts that failed
-elsewhere first), `http.response.status_code`.
+elsewhere first), `http.response.status_code`. A stream that migrated to another worker
+mid-way (migrate.py) ends naming the worker that finished it, with
+`sluice.router.first_worker` and `sluice.router.migrations`; the resumed request's
+worker span is a second child of the route span.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from sluice.observe.tracing import Tracing, replace_trace_headers, set_error
+from sluice.observe.tracing import Span, Tracing, replace_trace_headers, set_error
 
 Headers = list[tuple[bytes, bytes]]
 Inner = Callable[..., Awaitable[Any]]
@@ -55,8 +58,20 @@ async def traced_route(tracing: Tracing, inner: Inner, state: Any, kind: str, pa
     if ticket is None:  # an error reply: nothing streams
         span.end()
     else:  # after what the routed path hung there (release.py's stream record)
-        reply.on_close = _then(reply.on_close, span.end)
+        reply.on_close = _then(reply.on_close, lambda relay: _ended(span, relay))
     return reply
+
+
+def _ended(span: Span, relay: Any) -> None:
+    """End the span; a stream that migrated (migrate.py) names the worker that finished
+    it, keeps the first as `sluice.router.first_worker`, and counts the moves."""
+    migrations = getattr(relay, "migrations", 0)
+    if migrations:
+        first = span.attributes.get("sluice.router.worker")
+        span.set_attributes({**_server(relay.ticket.endpoint.url),
+                             "sluice.router.first_worker": first,
+                             "sluice.router.migrations": migrations})
+    span.end()
 
 
 def _server(url: str) -> dict[str, Any]:
@@ -67,13 +82,13 @@ def _server(url: str) -> dict[str, Any]:
             "sluice.router.worker": url}
 
 
-def _then(first: Callable[[Any], None] | None, second: Callable[[], None]
+def _then(first: Callable[[Any], None] | None, second: Callable[[Any], None]
           ) -> Callable[[Any], None]:
     def both(relay: Any) -> None:
         try:
             if first is not None:
                 first(relay)
         finally:
-            second()
+            second(relay)
 
     return both
