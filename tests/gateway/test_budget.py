@@ -287,3 +287,28 @@ async def test_cancelled_while_reserving_gives_the_reservation_back(
     [record] = sqlite_store.query_usage(UsageQuery())
     assert record.status == "error"
     assert sqlite_store.get_tenant("acme").reserved_usd == pytest.approx(0.0, abs=1e-9)
+
+
+async def test_a_worst_case_only_a_new_budget_fits_is_told_not_to_retry(
+        sqlite_store: SQLStore) -> None:
+    """A request whose worst case does not fit what its tenant has left, with nothing
+    in flight that could give budget back, can only pass after a reset or a larger
+    budget, as a spent budget: `x-should-retry: false` (the SDKs retried it twice, three
+    refused records per call). Where requests in flight hold the rest, they may give it
+    back, so a retry may pass: that refusal keeps no such header."""
+    key = new_key(sqlite_store, budget_usd=1.5 * COST)
+    stub = StubUpstream()
+    gw = GatewayMiddleware(stub, priced_state(sqlite_store))
+    async with client_for(gw, key) as c:
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        r = await c.post("/v1/chat/completions", json=CHAT)  # $8.50 left, $17 asked
+        assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota"
+        assert r.headers["x-should-retry"] == "false"
+        sqlite_store.reset_spend("acme")
+        stub.gate = asyncio.Event()  # one request in flight holds $17 of $25.50
+        held = asyncio.create_task(c.post("/v1/chat/completions", json=CHAT))
+        await until(lambda: len(stub.received) == 2)
+        r = await c.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 429 and "x-should-retry" not in r.headers
+        stub.gate.set()
+        assert (await held).status_code == 200

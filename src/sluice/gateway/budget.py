@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 from sluice.gateway.group_commit import GroupCommit
 from sluice.gateway.metrics import GatewayMetrics
-from sluice.gateway.store import Store, Tenant
+from sluice.gateway.store import BUDGET_SLACK_USD, Store, Tenant
 from sluice.protocol.errors import InsufficientQuotaError
 
 logger = logging.getLogger(__name__)
@@ -58,12 +58,20 @@ def check_budget(tenant: Tenant, metrics: GatewayMetrics) -> None:
 
 
 def over_budget_error(tenant: Tenant, worst_case_usd: float) -> InsufficientQuotaError:
-    """The refusal when a request's worst case does not fit what is left of the budget."""
+    """The refusal when a request's worst case does not fit what is left of the budget.
+    Where its spend alone (as read at admission) leaves too little, nothing in flight
+    can give enough back and only a reset or a larger budget helps: `x-should-retry:
+    false`, as for a spent budget (the SDKs retried it twice). Else requests in flight
+    hold the rest, and a retry after they end may pass."""
+    budget = tenant.settings.budget_usd
+    assert budget is not None
+    final = tenant.spend_usd + worst_case_usd > budget + BUDGET_SLACK_USD
     return InsufficientQuotaError(
         f"You exceeded your current quota: tenant {tenant.name!r} has less than "
-        f"${worst_case_usd:.6f} left of its ${tenant.settings.budget_usd:.6f} budget once "
+        f"${worst_case_usd:.6f} left of its ${budget:.6f} budget once "
         "its spend and its requests in flight are counted; this request's worst case "
-        "(prompt + max_tokens) costs that much. Lower max_tokens or raise the budget.")
+        "(prompt + max_tokens) costs that much. Lower max_tokens or raise the budget.",
+        headers={"x-should-retry": "false"} if final else {})
 
 
 class BudgetReservations:
