@@ -92,3 +92,11 @@ def test_the_shipped_prometheus_config_reads_the_file(tmp_path: Path) -> None:
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
     assert "SUCCESS: 21 rules found" in out and "WARNING" not in out, out
+
+
+def test_a_file_that_cannot_be_written_is_an_error_not_a_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "missing-dir" / "sluice-workers.json"
+    with _client([httpx.Response(200, json=_snapshot("http://127.0.0.1:1"))]) as client:
+        assert run(client, "http://router", path, 1.0, once=True) == 1
+    assert "the file is left as it was" in capsys.readouterr().err

@@ -77,8 +77,9 @@ def run(client: httpx.Client, url: str, path: Path, interval_s: float, once: boo
             changed = sync(client, url, path)
             if changed is not None:
                 print(f"{path}: {' '.join(changed) or 'no workers'}", file=sys.stderr)
-        except (httpx.HTTPError, ValueError) as exc:
-            print(f"{url}/status.json: {exc} (keeping {path})", file=sys.stderr)
+        except (httpx.HTTPError, ValueError, OSError) as exc:  # OSError: writing the file
+            print(f"{url}/status.json -> {path}: {exc} (the file is left as it was)",
+                  file=sys.stderr)
             if once:
                 return 1
         if once:
