@@ -79,7 +79,8 @@ async def test_redis_down_fails_as_configured(sqlite_store: SQLStore, mode: str,
         responses = [await c.post("/v1/chat/completions", json=CHAT) for _ in range(2)]
     assert [r.status_code for r in responses] == [expected, expected]
     if mode == "closed":
-        assert responses[0].json()["error"]["type"] == "service_unavailable"
+        error = responses[0].json()["error"]
+        assert (error["type"], error["code"]) == ("service_unavailable", "limiter_unavailable")
         assert responses[0].headers["retry-after"] == "1"
     assert state.metrics.limiter_errors.labels(mode=mode)._value.get() == 2
     statuses = [r.status for r in sqlite_store.query_usage(UsageQuery())]

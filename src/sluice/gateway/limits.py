@@ -56,7 +56,10 @@ MAX_UNFINISHED = 100_000  # leases kept for finishing after an outage; the rest 
 
 
 class LimiterUnavailableError(ServiceUnavailableError):
-    """The shared counter store could not be reached."""
+    """The shared counter store could not be reached (503 `limiter_unavailable`, as the
+    database's is `store_unavailable`; its code was null)."""
+
+    default_code = "limiter_unavailable"
 
 
 class _NotTried(LimiterUnavailableError):
