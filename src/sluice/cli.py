@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import Any
 
 # subcommand -> module that defines `register(subparsers)`
 COMMANDS: dict[str, str] = {
@@ -27,9 +28,30 @@ COMMANDS: dict[str, str] = {
 }
 
 
+class CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser. An unknown option's value is not taken for a subcommand:
+    `sluice sim --num-sessions 4` (a bench flag) is "unrecognized arguments:
+    --num-sessions 4", not "argument SIM: invalid choice: '4'"."""
+
+    _argv: tuple[str, ...] = ()  # what the last parse_known_args was given
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._argv = tuple(args or ())
+        return super().parse_known_args(args, namespace)
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        if isinstance(action, argparse._SubParsersAction) and value not in (action.choices or {}):
+            for before, word in zip(self._argv, self._argv[1:], strict=False):
+                option = before.split("=", 1)[0]
+                if (word == value and option.startswith("-")
+                        and option not in self._option_string_actions):
+                    raise argparse.ArgumentError(None, f"unrecognized arguments: {before} {word}")
+        super()._check_value(action, value)
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="sluice: an LLM serving stack")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     wanted = argv[0] if argv and argv[0] in COMMANDS else None
     modules = [COMMANDS[wanted]] if wanted else list(dict.fromkeys(COMMANDS.values()))
     for name in modules:

@@ -210,3 +210,23 @@ def test_the_last_line_leaves_the_series_over_time_to_the_json_file(
     assert "replicas_over_time" not in result and "requests" not in result
     assert result["completed"] == 4 and "worker_hours" in result
     assert json.loads(out.read_text())["results"][0]["replicas_over_time"]
+
+
+@pytest.mark.parametrize("argv", [["sim", "--num-sessions", "4"], ["gateway", "--bogus", "4"],
+                                  ["sim", "--num-sessions=4", "4"]])
+def test_an_unknown_options_value_is_not_taken_for_a_subcommand(
+        argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by the docs new-user pass: `sluice sim --num-sessions 4` (the bench's flag)
+    said "argument SIM: invalid choice: '4' (choose from 'calibrate')"."""
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "invalid choice" not in err
+    assert f"sluice {argv[0]}: error: unrecognized arguments: {argv[1]} 4" in err
+
+
+def test_a_command_that_needs_a_subcommand_still_lists_them(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "bogus"])
+    assert "invalid choice: 'bogus' (choose from 'serve', 'offline')" in capsys.readouterr().err
