@@ -5,8 +5,10 @@ with its engine core process), tracing on to an in-test OTLP/HTTP receiver:
 
 - one request makes one trace with spans from the serve process and a worker process,
   parent links gateway -> router -> worker -> engine phases, attributes filled;
-- the Debian `prometheus` binary scrapes every process, answers TTFT p99 and the
-  prefix hit rate over its HTTP API, and evaluates the shipped rules without error;
+- the Debian `prometheus` binary, run on the shipped `deploy/prometheus/prometheus.yml`
+  (its workers from the file `python -m sluice.observe.targets` writes), scrapes every
+  process, answers TTFT p99 and the prefix hit rate over its HTTP API, evaluates the
+  shipped rules without error, and answers every Grafana panel's query;
 - every metric name the Grafana dashboards query is exported by some process;
 - the `/status` page renders in headless Chromium, lists both workers, updates after
   requests, and shows tenants to the admin;
@@ -29,10 +31,12 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.control.local import free_port
 from sluice.observe.dashboards import queries
+from sluice.observe.targets import run as run_targets
 
 from .otlp_receiver import OTLPReceiver, ReceivedSpan
 
@@ -189,14 +193,19 @@ def test_real_prometheus_scrapes_the_stack_and_evaluates_the_rules(
         stack: Stack, tmp_path: Path) -> None:
     port = free_port()
     prom = f"http://127.0.0.1:{port}"
+    # the shipped config, pointed at this stack and hurried; its workers from the file
+    # `python -m sluice.observe.targets` writes
+    config = yaml.safe_load((RULES.parent / "prometheus.yml").read_text())
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    config["rule_files"] = [str(RULES)]
+    front, workers = config["scrape_configs"]
+    front["static_configs"] = [{"targets": [stack.url.removeprefix("http://")]}]
+    workers["file_sd_configs"][0].update(files=[str(tmp_path / "sluice-workers.json")],
+                                         refresh_interval="1s")
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    with httpx.Client(timeout=10) as client:
+        assert run_targets(client, stack.url, tmp_path / "sluice-workers.json", 1, once=True) == 0
     config = tmp_path / "prometheus.yml"
-    targets = ", ".join(f"'{w.removeprefix('http://')}'" for w in stack.workers)
-    config.write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        f"rule_files: ['{RULES}']\n"
-        "scrape_configs:\n"
-        f"  - {{job_name: sluice, static_configs: [{{targets: ['{stack.url[7:]}']}}]}}\n"
-        f"  - {{job_name: sluice-workers, static_configs: [{{targets: [{targets}]}}]}}\n")
     proc = subprocess.Popen(["prometheus", f"--config.file={config}",
                              f"--storage.tsdb.path={tmp_path / 'data'}",
                              f"--web.listen-address=127.0.0.1:{port}"],
