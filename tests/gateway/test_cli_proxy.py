@@ -90,6 +90,21 @@ def test_cli_tenants_update_lifts_a_limit_or_budget_given_as_none(tmp_path: Path
     assert main(["keys", "create", "--tenant", "acme", "--max-concurrent", "none", *db]) == 0
 
 
+def test_cli_allowed_models_none_lifts_the_list(tmp_path: Path) -> None:
+    """`--allowed-models none` allowed one model named "none" (so none of the real ones),
+    and nothing on the command line could lift a list once set; `none` lifts it now, as
+    it does a limit, and an empty value (which was ignored) is a usage error."""
+    db = ["--database-url", f"sqlite:///{tmp_path / 'cli.db'}"]
+    assert main(["tenants", "create", "acme", "--allowed-models", "a, b", *db]) == 0
+    assert SQLStore(db[1]).get_tenant("acme").settings.allowed_models == ("a", "b")
+    assert main(["tenants", "update", "acme", "--allowed-models", "none", "--rpm", "3", *db]) == 0
+    settings = SQLStore(db[1]).get_tenant("acme").settings
+    assert (settings.allowed_models, settings.rpm) == (None, 3)
+    with pytest.raises(SystemExit) as exc:
+        main(["keys", "create", "--tenant", "acme", "--allowed-models", " , ", *db])
+    assert exc.value.code == 2
+
+
 def test_parse_time_forms() -> None:
     assert parse_time("24h", now=100000.0) == 100000.0 - 86400
     assert parse_time("1700000000") == 1700000000.0
@@ -114,6 +129,7 @@ def test_parse_time_forms() -> None:
     (["tenants", "update", "acme", "--soft-budget-usd", "-1"], "--soft-budget-usd"),
     (["keys", "create", "--tenant", "acme", "--tpm", "1.5"], "--tpm"),
     (["keys", "create", "--tenant", "acme", "--max-concurrent", "x"], "--max-concurrent"),
+    (["tenants", "create", "acme", "--allowed-models", ""], "--allowed-models"),
     (["gateway", "--port", "70000"], "--port"),
     (["gateway", "--upstream", "http://x", "--prices", "/nonexistent.yaml"], "--prices"),
 ])

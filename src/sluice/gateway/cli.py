@@ -61,8 +61,9 @@ def _limit_flags(p: argparse.ArgumentParser, with_models: bool = True) -> None:
         p.add_argument(flag, type=count, default=None,
                        help=f"limit: {what} ('none': no limit, on update lifts it)")
     if with_models:
-        p.add_argument("--allowed-models", default=None,
-                       help="comma-separated model names this principal may use")
+        p.add_argument("--allowed-models", type=models, default=None,
+                       help="comma-separated model names this principal may use "
+                            "('none': any model, on update lifts the list)")
     p.add_argument("--priority-class", choices=sorted(PRIORITY_CLASSES), default=None,
                    help="priority class (interactive=0, standard=1, batch=2; lower runs first)")
 
@@ -269,13 +270,22 @@ def price_file(text: str) -> Path:
     return Path(text)
 
 
-def _models(text: str | None) -> tuple[str, ...] | None:
-    return tuple(m.strip() for m in text.split(",") if m.strip()) if text else None
+def models(text: str) -> tuple[str, ...] | _Lifted:
+    """Comma-separated model names, or `none` (any model: `tenants update
+    --allowed-models none` lifts the list; it allowed one model named "none"). A value
+    naming no model was ignored; it is a usage error."""
+    if _lifted(text):
+        return LIFTED
+    names = tuple(m.strip() for m in text.split(",") if m.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names no model: give comma-separated "
+                                         "model names, or 'none' for any model")
+    return names
 
 
 def _limits(args: argparse.Namespace) -> dict[str, Any]:
     out = {"rpm": args.rpm, "tpm": args.tpm, "max_concurrent": args.max_concurrent,
-           "allowed_models": _models(args.allowed_models), "priority_class": args.priority_class}
+           "allowed_models": args.allowed_models, "priority_class": args.priority_class}
     for name in ("budget_usd", "soft_budget_usd"):
         if hasattr(args, name):
             out[name] = getattr(args, name)
