@@ -138,12 +138,13 @@ def test_shutdown_stops_the_engine_threads(tiny_llama_dir: Path) -> None:
                                  structured_outputs=StructuredOutputsParams(json_object=True))
     with LLM(str(tiny_llama_dir), num_kv_blocks=32, block_size=16, max_model_len=256,
              dtype="float32", structured_outputs_backend="guidance") as llm:
+        before = set(threading.enumerate())
         llm.generate("{", json_object)
-        assert any(t.name.startswith("sluice-grammar") for t in threading.enumerate())
-    for thread in threading.enumerate():
-        if thread.name.startswith("sluice-grammar"):
-            thread.join(timeout=5)
-            assert not thread.is_alive()
+        started = [t for t in set(threading.enumerate()) - before
+                   if t.name.startswith("sluice-grammar")]
+        assert len(started) == 1  # this engine's compile thread
+    started[0].join(timeout=5)
+    assert not started[0].is_alive()
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate("a", GREEDY)
     llm.shutdown()  # again: nothing to do

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -363,3 +366,31 @@ def test_listed_properties_close_an_object_in_both_backends(tiny_llama_dir: Path
     assert not accepts(schema, '{"a": 1, "z": 2}')
     assert not accepts(schema, '{"a": 1, "o": {"b": 2, "z": 3}}')
     assert accepts({"type": "object"}, '{"z": 3}')  # no properties listed: open
+
+
+_SLOW_COMPILE_THEN_EXIT = """
+import time
+from sluice.engine.config import StructuredOutputsConfig
+from sluice.engine.sampling_params import StructuredOutputsParams
+from sluice.engine.structured_output import StructuredOutputManager
+
+class Slow:
+    def compile(self, params):
+        time.sleep(60)
+
+manager = StructuredOutputManager(StructuredOutputsConfig(), lambda name: Slow())
+manager._compile_async(StructuredOutputsParams(regex="a+"))
+time.sleep(0.5)  # the compile is running
+manager.close()
+print(time.time(), flush=True)
+"""
+
+
+def test_a_compile_still_running_does_not_hold_the_process_at_exit() -> None:
+    """A compile cannot be stopped; its thread is a daemon, so a process that is done
+    (its request failed by the timeout, or Ctrl-C) exits at once instead of after the
+    compile (ThreadPoolExecutor's threads are joined at exit: 60 s here)."""
+    done = subprocess.run([sys.executable, "-c", _SLOW_COMPILE_THEN_EXIT],
+                          capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stderr
+    assert time.time() - float(done.stdout) < 10

@@ -45,12 +45,13 @@ import abc
 import json
 import logging
 import os
+import queue
 import re
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -740,6 +741,49 @@ def _lowest_cpu_priority() -> None:
         pass
 
 
+class CompileThread:
+    """One daemon thread that runs compiles in the order submitted, at nice 19.
+
+    Not a `ThreadPoolExecutor`: the interpreter joins those at exit, and a compile cannot
+    be stopped once running, so a process whose last request had a slow constraint (one
+    past its compile timeout, already failed) stayed alive until the compile ended
+    (minutes for a pathological schema). Nothing waits for a compile's result once the
+    core is gone, so a daemon thread may die with the process."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = \
+            queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="sluice-grammar", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._queue.put((future, fn))
+        return future
+
+    def _run(self) -> None:
+        _lowest_cpu_priority()
+        while (item := self._queue.get()) is not None:
+            future, fn = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to whoever reads the future
+                future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        """Cancel the compiles not started; the running one ends by itself."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        self._queue.put(None)
+
+
 @dataclass(frozen=True)
 class _Compiled:
     backend: GrammarBackend
@@ -767,7 +811,7 @@ class StructuredOutputManager:
         self._owners: dict[type, GrammarBackend] = {}  # matcher type -> its backend
         self._backend_lock = threading.Lock()
         self._loading = False  # a backend is loading (the compile thread sets it)
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: CompileThread | None = None
         self._compiled: OrderedDict[tuple[str, Any], Future[_Compiled]] = OrderedDict()
         self._pending: dict[str, _Pending] = {}
         self.mask_samples: deque[tuple[float, int]] = deque(maxlen=MASK_SAMPLES)
@@ -788,9 +832,9 @@ class StructuredOutputManager:
 
     def _compile_async(self, params: StructuredOutputsParams) -> Future[_Compiled]:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-grammar",
-                                                initializer=_lowest_cpu_priority)
-        future = self._compiled[params.key] = self._executor.submit(self._compile, params)
+            self._executor = CompileThread()
+        future = self._compiled[params.key] = self._executor.submit(
+            lambda: self._compile(params))
         return future
 
     def _compile(self, params: StructuredOutputsParams) -> _Compiled:
@@ -918,4 +962,5 @@ class StructuredOutputManager:
 
     def close(self) -> None:
         if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor.shutdown()
+            self._executor = None
