@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 import sys
 from typing import Any
 
@@ -44,6 +43,7 @@ from sluice.control.flags import (
 )
 from sluice.observe.cli import buckets as observe_buckets
 from sluice.observe.cli import observe_flags, tracing_config
+from sluice.protocol.edge import check_listen
 from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.prompt import TokenCache
 
@@ -190,28 +190,6 @@ def pd_ratio(args: argparse.Namespace) -> tuple[int, int] | None:
         raise InvalidRequestError(f"--pd {args.pd} needs {sum(ratio)} workers, not {hi} "
                                   f"(--workers {sum(ratio)})", param="pd")
     return ratio
-
-
-def check_listen(host: str, port: int) -> None:
-    """That this process can listen on `host`:`port` now, before any worker or database is
-    started: a port in use was OSError's traceback once the workers had started (and a
-    router at `--min-workers 2` had loaded two models first). Binds and closes at once
-    (SO_REUSEADDR, as the servers bind); port 0 picks a free one later."""
-    if not 0 <= port <= 65535:
-        raise InvalidRequestError(f"--port must be in 0..65535, got {port}", param="port")
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise InvalidRequestError(f"--host {host!r}: cannot resolve it ({exc.strerror})",
-                                  param="host") from exc
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(address)
-        except OSError as exc:
-            raise InvalidRequestError(f"cannot listen on {host}:{port}: {exc.strerror} (--port "
-                                      f"{port}; another server there?)", param="port") from exc
 
 
 def say(message: str) -> None:

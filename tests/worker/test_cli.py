@@ -34,7 +34,7 @@ def test_worker_flags_reach_the_engine_and_worker_configs() -> None:
 def test_invalid_engine_option_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     args = parse("worker", "--block-size", "3")
     assert args.func(args) == 2
-    assert "block_size" in capsys.readouterr().out
+    assert "block_size" in capsys.readouterr().err
 
 
 def test_serve_defaults() -> None:
@@ -90,7 +90,7 @@ def test_lora_modules_need_enable_lora(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(sluice.worker.server, "run_worker", lambda *a: started.append(a) or 0)
     args = parse("worker", "--lora-modules", "a=/adapters/a")
     assert args.func(args) == 2 and not started
-    assert "enable_lora" in capsys.readouterr().out
+    assert "enable_lora" in capsys.readouterr().err
     args = parse("worker", "--enable-lora", "--lora-modules", "a=/adapters/a")
     assert args.func(args) == 0 and len(started) == 1
 
@@ -115,3 +115,24 @@ def test_an_unknown_argument_is_refused_with_its_subcommands_usage(
     assert exit_.value.code == 2
     assert err.startswith(f"usage: {command} [-h]")
     assert f"{command}: error: unrecognized arguments: {argv[-1]}" in err
+
+
+def test_a_port_in_use_exits_2_before_the_model_loads(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by the docs new-user pass: `sluice worker --port P` with P taken loaded the
+    model, then uvicorn logged 'address already in use' and exited 3 (`sluice serve`
+    says so up front, exit 2)."""
+    import socket
+
+    import sluice.worker.server
+
+    started: list[object] = []
+    monkeypatch.setattr(sluice.worker.server, "run_worker", lambda *a: started.append(a) or 0)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        args = parse("worker", "--port", str(taken.getsockname()[1]))
+        assert args.func(args) == 2 and not started
+    captured = capsys.readouterr()
+    assert "sluice worker: error: cannot listen on 127.0.0.1:" in captured.err
+    assert captured.out == ""

@@ -16,6 +16,8 @@ router, gateway) does the same way, written once, below all of them.
                                        default: admin is closed), 401 for a wrong key
     HOP_BY_HOP                         headers a proxy never forwards (RFC 9110 7.6.1)
     wait_disconnect(receive)           returns when the client has gone
+    check_listen(host, port)           that a server can listen there, before it loads
+                                       anything (`sluice serve`, `sluice worker`)
 
 Why here: the router and the gateway both proxy, and the gateway sits above the router,
 so helpers they share must live below both; `protocol/` is that level, next to the
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import socket
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
@@ -251,3 +254,25 @@ def check_admin_key(expected: str | None, headers: Headers, *, setting: str) -> 
         raise PermissionDeniedError(f"admin API disabled: set {setting}")
     if not hmac.compare_digest(admin_key_given(headers).encode(), expected.encode()):
         raise AuthenticationError("admin key missing or wrong")
+
+
+def check_listen(host: str, port: int) -> None:
+    """That this process can listen on `host`:`port` now, before any worker or database is
+    started: a port in use was OSError's traceback once the workers had started (and a
+    router at `--min-workers 2` had loaded two models first). Binds and closes at once
+    (SO_REUSEADDR, as the servers bind); port 0 picks a free one later."""
+    if not 0 <= port <= 65535:
+        raise InvalidRequestError(f"--port must be in 0..65535, got {port}", param="port")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise InvalidRequestError(f"--host {host!r}: cannot resolve it ({exc.strerror})",
+                                  param="host") from exc
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            raise InvalidRequestError(f"cannot listen on {host}:{port}: {exc.strerror} (--port "
+                                      f"{port}; another server there?)", param="port") from exc

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import sys
 from typing import Any
 
 from sluice.engine.config import (
@@ -19,6 +20,7 @@ from sluice.engine.config import (
 )
 from sluice.observe.cli import add_observe_arguments, tracing_config
 from sluice.observe.cli import buckets as observe_buckets
+from sluice.protocol.edge import check_listen
 from sluice.protocol.errors import InvalidRequestError
 
 
@@ -257,7 +259,8 @@ def handler(args: argparse.Namespace) -> int:
         if worker.lora_modules and not engine.lora.enable_lora:  # before loading the model
             raise InvalidRequestError("lora_modules needs enable_lora (--enable-lora)",
                                       param="lora_modules")
+        check_listen(worker.host, worker.port)  # before loading the model, as serve does
     except InvalidRequestError as exc:
-        print(f"sluice worker: error: {exc}")
+        print(f"sluice worker: error: {exc}", file=sys.stderr)
         return 2
     return run_worker(engine, worker)
