@@ -62,6 +62,7 @@ def test_dashboards_cover_the_path() -> None:
     for metric in ("vllm:time_to_first_token_seconds_bucket", "vllm:kv_cache_usage_perc",
                    "vllm:request_queue_time_seconds_bucket", "sluice_router_decision_seconds",
                    "sluice_router_estimated_prefix_hit_tokens_total",
+                   "sluice_router_migrations_total",
                    "sluice_gateway_spend_usd_total", "sluice_gateway_rejections_total"):
         assert metric in exprs, metric
 

@@ -46,6 +46,7 @@ ADMIN = "obs-admin"
 PROMPT = "Tell me about the rivers of the world and the cities along them, please."
 # metrics with a series only once their event happened (or a tenant has a budget)
 EVENT_ONLY = ("sluice_router_retries_total", "sluice_router_ejections_total",
+              "sluice_router_migrations_total",
               "sluice_gateway_rejections_total", "sluice_gateway_limiter_errors_total",
               "sluice_gateway_budget_used_ratio")
 

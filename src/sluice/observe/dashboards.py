@@ -9,7 +9,8 @@ Four dashboards, one per layer an operator asks about:
     engine     per worker: running/waiting, KV usage, preemptions, queue/prefill/decode
                time, e2e latency, prompt and generation tokens, engine steps
     router     decisions per worker (share), decision latency, first byte latency,
-               estimated vs observed prefix hits, retries, ejections, worker health
+               estimated vs observed prefix hits, retries, migrations, ejections, worker
+               health
     gateway    per tenant: requests, tokens, spend; refusals by reason, limiter errors,
                admission latency, budget used
 
@@ -118,8 +119,9 @@ ROUTER = (
             "sum(rate(sluice_router_prompt_tokens_total[$__rate_interval]))", "estimated"),
            ("sum(rate(vllm:prefix_cache_hits_total[$__rate_interval])) / "
             "sum(rate(vllm:prefix_cache_queries_total[$__rate_interval]))", "observed"))),
-    Panel("Retries and ejections", "short",
+    Panel("Retries, mid-stream migrations and ejections", "short",
           ((_rate("sluice_router_retries_total", "reason"), "retry {{reason}}"),
+           (_rate("sluice_router_migrations_total", "reason"), "migrated {{reason}}"),
            (_rate("sluice_router_ejections_total", "worker"), "ejected {{worker}}"))),
     Panel("Worker health and in flight", "short",
           (("sluice_router_worker_healthy", "healthy {{worker}}"),
