@@ -348,3 +348,54 @@ async def until_true(condition: Callable[[], bool], timeout_s: float = 5.0) -> N
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
+
+
+@pytest.mark.services
+async def test_redis_slots_of_live_requests_are_renewed_and_a_dead_replicas_expire(
+        redis_prefix: str) -> None:
+    """A concurrency slot is a lease that its replica renews every third of it while the
+    request runs, so the lease can be short: a replica killed with requests in flight
+    (kill -9, the OOM killer) held their slots for the whole lease, an hour, and a
+    `max_concurrent: 1` key was refused (`Retry-After: 1`) for that hour. Here a lease of
+    0.6 s: a live request holds its slot across four leases; a dead replica's slot is
+    back within one lease and a renewal."""
+    scope = [Scope("key:lease", max_concurrent=1)]
+    live = RedisLimiter(REDIS_URL, prefix=redis_prefix, lease_s=0.6)
+    other = RedisLimiter(REDIS_URL, prefix=redis_prefix, lease_s=0.6)
+    held = await live.acquire(scope, 1)
+    assert held.allowed and held.lease is not None
+    await asyncio.sleep(2.4)  # four leases: renewed, not expired
+    assert (await other.acquire(scope, 1)).reason == "concurrency"
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(REDIS_URL)
+    slots = f"{redis_prefix}key:lease:conc"
+    await client.delete(slots)  # lost (a Redis restart, a flush): the next renewal retakes it
+    for _ in range(100):
+        if await client.zscore(slots, held.lease.request_id) is not None:
+            break
+        await asyncio.sleep(0.02)
+    assert await client.zscore(slots, held.lease.request_id) is not None
+    await client.aclose()
+    await live.close()  # the replica dies: its lease is renewed no more, never finished
+    admitted, waited = False, 0.0
+    while not admitted and waited < 5.0:
+        await asyncio.sleep(0.05)
+        waited += 0.05
+        decision = await other.acquire(scope, 1)
+        admitted = decision.allowed
+    assert admitted and waited < 1.5
+    await other.close()
+
+
+def test_the_redis_lease_of_a_slot_is_a_minute_at_most() -> None:
+    """What a killed replica's in-flight requests hold (the lease) is bounded by a
+    minute by default, not an hour; the in-process limiter (no replica to outlive it)
+    keeps its hour."""
+    from sluice.gateway.config import LimiterConfig
+    from sluice.gateway.state import build_limiter
+
+    redis = build_limiter(LimiterConfig(redis_url=REDIS_URL))
+    assert isinstance(redis, RedisLimiter) and redis.lease_s <= 60
+    assert isinstance(local := build_limiter(LimiterConfig()), LocalLimiter)
+    assert local.lease_s == 3600

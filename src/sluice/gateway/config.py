@@ -47,7 +47,7 @@ class LimiterConfig:
     on_redis_error: str = "closed"
     key_prefix: str = "sluice:rl:"
     window_s: float = 60.0
-    concurrency_lease_s: float = 3600.0
+    concurrency_lease_s: float = 60.0  # Redis: renewed while the request runs
 
     def __post_init__(self) -> None:
         if self.on_redis_error not in FAILURE_MODES:
@@ -57,6 +57,9 @@ class LimiterConfig:
             )
         if self.window_s <= 0:
             raise InvalidRequestError("window_s must be > 0", param="window_s")
+        if self.concurrency_lease_s <= 0:
+            raise InvalidRequestError("concurrency_lease_s must be > 0",
+                                      param="concurrency_lease_s")
 
 
 @dataclass(frozen=True)

@@ -301,6 +301,7 @@ class LocalLimiter(Limiter):
 #   ["a", rid, need, [[scope, rpm, tpm, max_concurrent], ...]]   (-1 = unlimited)
 #       -> [allowed, retry_after, reason, [requests, req_reset, tokens, tok_reset] per scope]
 #   ["f", rid, reserved, actual, [scope, ...]]                    -> 1
+#   ["r", [[rid, [scope, ...]], ...]]   (each live slot's lease: now + lease)  -> 1
 # Keys per scope: <prefix><scope>:req (zset), :tok (zset), :amt (hash + "__sum"), :conc
 # (zset of lease expiries). They are named in the JSON, not KEYS: a step touches the
 # scopes of many requests (one Redis, not a cluster; the old per-call script's keys
@@ -431,10 +432,25 @@ local function finish(rid, reserved, actual, scopes, undo)
   return 1
 end
 
+local function renew(leases)
+  -- only live slots are sent (a finish is sent after its slot left the list), so a
+  -- slot lost meanwhile (an outage past the lease, a Redis restart) is taken again
+  for _, l in ipairs(leases) do
+    for _, scope in ipairs(l[2]) do
+      local req, tok, amt, conc = keys(scope)
+      redis.call('ZADD', conc, now + lease, l[1])
+      redis.call('PEXPIRE', conc, math.ceil(lease * 1000))
+    end
+  end
+  return 1
+end
+
 local out = {}
 for i, op in ipairs(step.ops) do
   if op[1] == 'a' then
     out[i] = acquire(op[2], op[3], op[4])
+  elseif op[1] == 'r' then
+    out[i] = renew(op[2])
   else
     out[i] = finish(op[2], op[3], op[4], op[5], op[6])
   end
@@ -458,10 +474,16 @@ class RedisLimiter(Limiter):
     A caller cancelled while its acquire is in flight (client gone, shutdown) does not
     keep the slot it may have been given: the step still runs, and if it admitted the
     request the limiter finishes the lease itself (tokens as reserved).
+
+    A concurrency slot is a lease of `lease_s` (60 s) that this replica renews every
+    third of it, in one op for all its requests in flight (`_live`), until each one
+    finishes: a replica that dies without finishing them (kill -9, the OOM killer)
+    holds their slots one lease at most. The lease was an hour, never renewed, so that
+    no request outlived it, and a `max_concurrent: 1` key was refused for that hour.
     """
 
     def __init__(self, url: str | None = None, *, prefix: str = "sluice:rl:",
-                 window_s: float = 60.0, lease_s: float = 3600.0, timeout_s: float = 1.0,
+                 window_s: float = 60.0, lease_s: float = 60.0, timeout_s: float = 1.0,
                  retry_interval_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         import redis.asyncio as aioredis
@@ -470,6 +492,8 @@ class RedisLimiter(Limiter):
         self.clock = clock
         self.down_since: float | None = None  # set while Redis is failing
         self._unfinished: list[tuple[Lease, int]] = []  # finishes Redis missed (outage)
+        self._live: dict[str, Lease] = {}  # admitted here, not finished: slots to renew
+        self._renewer: asyncio.Task[None] | None = None
         self._next_try = 0.0
         self.window_s = window_s
         self.lease_s = lease_s
@@ -513,7 +537,33 @@ class RedisLimiter(Limiter):
         version = None if auth < 0 else int(auth)
         if not allowed:
             return Decision(False, reason, float(retry), scopes, decided, auth_version=version)
+        self._live[lease.request_id] = lease
+        self._renew_soon()
         return Decision(True, None, 0.0, scopes, decided, lease, version)
+
+    def _renew_soon(self) -> None:
+        """Start the renewing task on this loop if it is not running."""
+        loop = asyncio.get_running_loop()
+        task = self._renewer
+        if task is None or task.done() or task.get_loop() is not loop:
+            self._renewer = loop.create_task(self._renew())
+
+    async def _renew(self) -> None:
+        """Every third of the lease, push the expiry of each live slot a lease ahead (one
+        op per 500 slots; the ids and scopes are read and submitted in one turn of the
+        loop, so no slot finished meanwhile is taken again). A failed renewal (Redis
+        down) is tried at the next turn, and retakes a slot that an outage past the
+        lease, or a Redis restart, let go."""
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            live = [[rid, [s.name for s in lease.scopes]] for rid, lease in self._live.items()]
+            futures = []
+            for i in range(0, len(live), 500):
+                try:
+                    futures.append(self._submit(["r", live[i:i + 500]]))
+                except LimiterUnavailableError:
+                    break
+            await asyncio.gather(*futures, return_exceptions=True)
 
     def _abandoned(self, lease: Lease, done: asyncio.Future[Any]) -> None:
         """An acquire whose caller left: free the slot if the step admitted it (or may
@@ -538,6 +588,7 @@ class RedisLimiter(Limiter):
         await self._end(lease, 0, undo=True)
 
     async def _end(self, lease: Lease, actual_tokens: int, undo: bool = False) -> None:
+        self._live.pop(lease.request_id, None)
         try:
             future = self._finish_later(lease, actual_tokens, undo)
         except LimiterUnavailableError:
@@ -600,6 +651,11 @@ class RedisLimiter(Limiter):
             self.down_since = None
 
     async def close(self) -> None:
+        task, self._renewer = self._renewer, None
+        if task is not None and not task.done():
+            task.cancel()
+            if task.get_loop() is asyncio.get_running_loop():
+                await asyncio.gather(task, return_exceptions=True)
         await self.steps.close()
 
 

@@ -34,7 +34,7 @@ def build_limiter(config: LimiterConfig) -> Limiter:
     if config.redis_url:
         return RedisLimiter(config.redis_url, prefix=config.key_prefix, window_s=config.window_s,
                             lease_s=config.concurrency_lease_s)
-    return LocalLimiter(window_s=config.window_s, lease_s=config.concurrency_lease_s)
+    return LocalLimiter(window_s=config.window_s)  # its slots die with the process
 
 
 @dataclass
