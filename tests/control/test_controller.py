@@ -9,6 +9,7 @@ planner's decisions show on /admin/planner and /metrics.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -106,9 +107,11 @@ async def test_scale_down_under_load_drains_with_zero_failed_requests() -> None:
         ["drain", "stopped"]
 
 
-async def test_a_dead_worker_is_replaced_and_readmitted() -> None:
+async def test_a_dead_worker_is_replaced_and_readmitted(
+        caplog: pytest.LogCaptureFixture) -> None:
     backend = StubBackend(start_delay_s=0.2)
     fixed = PlannerConfig(min_replicas=2, max_replicas=2)
+    caplog.set_level(logging.INFO, "sluice.control.controller")
     async with stack(backend, fixed, initial=2) as (url, (ctl,)):
         pool = ctl.pool
         first = set(pool.endpoints)
@@ -118,6 +121,11 @@ async def test_a_dead_worker_is_replaced_and_readmitted() -> None:
         assert all(e.available for e in pool.endpoints.values())
         assert sorted(w.state.name for w in backend.workers.values()) == ["s1", "s2"]
         assert [e["event"] for e in ctl.events][-3:] == ["dead", "start", "ready"]
+        # a lost worker is a WARNING (the status page's recent errors list those), its
+        # replacement's start an INFO
+        levels = {r.getMessage().split()[2]: r.levelname for r in caplog.records
+                  if r.getMessage().startswith("pool ")}
+        assert levels["dead"] == "WARNING" and levels["ready"] == "INFO"
         async with httpx.AsyncClient(timeout=10) as client:
             assert [(await stream(client, url))[0] for _ in range(4)] == [200] * 4
 

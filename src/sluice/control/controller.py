@@ -61,6 +61,7 @@ from sluice.router.pool import Pool
 from sluice.router.state import RouterState
 
 log = logging.getLogger(__name__)
+LOST = frozenset({"dead", "unresponsive"})  # events of a worker lost, not stopped
 
 
 @dataclass(frozen=True)
@@ -373,11 +374,13 @@ class Controller:
             self.draining.pop(endpoint.url, None)
 
     def event(self, kind: str, handle: WorkerHandle | None = None, **extra: Any) -> None:
-        """Record a scale or swap event (GET /admin/planner) and log it (INFO)."""
+        """Record a scale or swap event (GET /admin/planner) and log it: INFO, WARNING for
+        a worker lost (`LOST`), which the status page's recent errors then show."""
         event = {"at": self.clock(), "pool": self.name, "event": kind,
                  "worker": handle.url if handle else None, **extra}
         self.events.append(event)
-        log.info("pool %s: %s %s %s", self.name, kind, event["worker"] or "", extra or "")
+        log.log(logging.WARNING if kind in LOST else logging.INFO, "pool %s: %s %s %s",
+                self.name, kind, event["worker"] or "", extra or "")
 
     # --- model swap -------------------------------------------------------------------------
 
