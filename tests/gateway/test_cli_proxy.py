@@ -18,7 +18,7 @@ from sluice.gateway.middleware import GatewayMiddleware
 from sluice.gateway.pricing import PriceTable
 from sluice.gateway.proxy import UpstreamProxy
 from sluice.gateway.redact import default_redactor
-from sluice.gateway.store import SQLStore, UsageQuery, UsageRecord
+from sluice.gateway.store import KeySettings, SQLStore, UsageQuery, UsageRecord
 from sluice.protocol.errors import InvalidRequestError
 
 from .conftest import CHAT, make_state, new_key, serve
@@ -88,6 +88,29 @@ def test_cli_tenants_update_lifts_a_limit_or_budget_given_as_none(tmp_path: Path
     assert (settings.rpm, settings.tpm, settings.budget_usd, settings.soft_budget_usd) == (
         None, 900, None, None)
     assert main(["keys", "create", "--tenant", "acme", "--max-concurrent", "none", *db]) == 0
+
+
+def test_cli_keys_update_changes_a_key_in_place(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A key's settings could only be set when it was minted; `keys update` changes
+    them (the plaintext stays the same), `none` lifting a limit or the model list."""
+    db = ["--database-url", f"sqlite:///{tmp_path / 'cli.db'}"]
+    assert main(["tenants", "create", "acme", *db]) == 0
+    capsys.readouterr()
+    assert main(["keys", "create", "--tenant", "acme", "--rpm", "5", *db]) == 0
+    plaintext = capsys.readouterr().out.strip()
+    store = SQLStore(db[1])
+    [key] = store.list_keys()
+    assert main(["keys", "update", key.id, "--rpm", "none", "--tpm", "900", "--name", "ci",
+                 "--allowed-models", "m1,m2", "--priority-class", "batch", *db]) == 0
+    principal = store.authenticate(plaintext)
+    assert principal is not None and principal.key.settings == KeySettings(
+        name="ci", rpm=None, tpm=900, allowed_models=("m1", "m2"), priority_class="batch")
+    assert main(["keys", "update", key.id, "--allowed-models", "none", *db]) == 0
+    assert store.list_keys()[0].settings.allowed_models is None
+    capsys.readouterr()
+    assert main(["keys", "update", "key_nope", "--rpm", "1", *db]) == 1
+    assert "not found" in capsys.readouterr().err
 
 
 def test_cli_allowed_models_none_lifts_the_list(tmp_path: Path) -> None:

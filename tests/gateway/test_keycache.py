@@ -20,7 +20,7 @@ from sluice.gateway.middleware import GatewayMiddleware
 from sluice.gateway.store import KeySettings, SQLStore, TenantSettings
 from sluice.protocol.errors import ServiceUnavailableError
 
-from .conftest import CHAT, REDIS_URL, client_for, make_state, new_key
+from .conftest import ADMIN_KEY, CHAT, REDIS_URL, client_for, make_state, new_key
 from .stub import StubUpstream
 
 
@@ -331,3 +331,41 @@ async def test_mirror_gateways_catch_up_with_a_change_redis_was_not_told_of(
     client.close()
     for replica in mirrored:
         await replica.state.aclose()
+
+
+@pytest.mark.services
+async def test_mirror_a_key_changed_on_one_replica_is_applied_by_the_other_at_once(
+        pg_store: SQLStore, mirrored: list[GatewayMiddleware]) -> None:
+    """A key's limits, models and class could not be changed (LiteLLM's /key/update): an
+    operator had to mint a key and hand it out again. `PATCH /admin/keys/{id}` (and
+    `sluice keys update`) changes them and bumps the auth version, so every replica
+    applies the change from its next request."""
+    key = new_key(pg_store)
+    key_id = pg_store.list_keys()[0].id
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    first, second = (client_for(gw, key) for gw in mirrored)
+    try:
+        assert [await chat(first), await chat(second)] == [200, 200]
+        r = await first.patch(f"/admin/keys/{key_id}", headers=admin,
+                              json={"allowed_models": ["another-model"], "rpm": 7})
+        assert r.status_code == 200
+        assert (r.json()["allowed_models"], r.json()["rpm"], "key" in r.json()) == (
+            ["another-model"], 7, False)
+        assert await chat(second) == 404
+        r = await second.patch(f"/admin/keys/{key_id}", headers=admin,
+                               json={"allowed_models": None})
+        assert r.status_code == 200 and await chat(first) == 200
+        assert (await first.post(
+            "/v1/chat/completions", json=CHAT)).headers["x-ratelimit-limit-requests"] == "7"
+        bad = await first.patch(f"/admin/keys/{key_id}", headers=admin, json={"rpm": "5"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "rpm"
+        gone = await first.patch("/admin/keys/key_nope", headers=admin, json={"rpm": 1})
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "key_not_found"
+        tenant = await first.patch(f"/admin/keys/{key_id}", headers=admin,
+                                   json={"tenant": "other"})
+        assert tenant.status_code == 400 and tenant.json()["error"]["param"] == "tenant"
+    finally:
+        for c in (first, second):
+            await c.aclose()
+        for gw in mirrored:
+            await gw.state.aclose()

@@ -12,6 +12,7 @@ usage only: the tenant is taken from the key, never from the query.
     POST   /admin/tenants/{ref}/reset_spend   spend back to 0 (a new budget period)
     POST   /admin/keys                  create        {tenant, name, rpm, ...} -> key shown once
     GET    /admin/keys?tenant=          list (no secrets)
+    PATCH  /admin/keys/{id}             update settings (limits, models, class, name)
     DELETE /admin/keys/{id}             revoke (also POST /admin/keys/{id}/revoke)
     GET    /admin/usage?tenant=&key=&since=&until=&limit=
     POST   /admin/purge                 {older_than_days}
@@ -91,6 +92,15 @@ class TenantUpdate(TenantLimits):
 class KeyCreate(_Payload):
     tenant: str
     name: str = ""
+    rpm: int | None = Field(None, ge=0)
+    tpm: int | None = Field(None, ge=0)
+    max_concurrent: int | None = Field(None, ge=0)
+    allowed_models: list[str] | None = None
+    priority_class: str | None = None
+
+
+class KeyUpdate(_Payload):
+    name: str | None = None
     rpm: int | None = Field(None, ge=0)
     tpm: int | None = Field(None, ge=0)
     max_concurrent: int | None = Field(None, ge=0)
@@ -271,6 +281,17 @@ def build_admin_app(state: GatewayState) -> FastAPI:
     def list_keys(tenant: str | None = None) -> dict[str, Any]:
         tenant_id = store.get_tenant(tenant).id if tenant else None
         return {"object": "list", "data": [key_json(k) for k in store.list_keys(tenant_id)]}
+
+    @app.patch("/admin/keys/{key_id}", dependencies=guarded,
+               openapi_extra=documented(KeyUpdate))
+    def update_key(key_id: str, body: Annotated[KeyUpdate, Depends(json_body(KeyUpdate))]
+                   ) -> dict[str, Any]:
+        changes = body.model_dump(exclude_unset=True)
+        if "allowed_models" in changes:
+            changes["allowed_models"] = _models(body.allowed_models)
+        if changes.get("name", "") is None:
+            raise InvalidRequestError("name must be a string", param="name")
+        return key_json(store.update_key(key_id, changes))
 
     @app.delete("/admin/keys/{key_id}", dependencies=guarded)
     @app.post("/admin/keys/{key_id}/revoke", dependencies=guarded)

@@ -109,6 +109,13 @@ def _register_keys(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     listing.add_argument("--json", action="store_true")
     _db_flag(listing)
     listing.set_defaults(func=keys_list)
+    update = actions.add_parser("update", help="change a key's limits, models, class or "
+                                               "name by id (effective at once)")
+    update.add_argument("key_id")
+    update.add_argument("--name", default=None, help="a new label for the key")
+    _limit_flags(update)
+    _db_flag(update)
+    update.set_defaults(func=keys_update)
     revoke = actions.add_parser("revoke", help="revoke a key by id (effective at once)")
     revoke.add_argument("key_id")
     _db_flag(revoke)
@@ -381,6 +388,16 @@ def keys_list(args: argparse.Namespace) -> int:
     else:
         print(_table(rows, ["id", "tenant_id", "name", "display", "priority_class", "rpm",
                             "tpm", "revoked"]))
+    return 0
+
+
+@_guard
+def keys_update(args: argparse.Namespace) -> int:
+    changes = _limits(args)
+    if args.name is not None:
+        changes["name"] = args.name
+    key = open_store(args).update_key(args.key_id, changes)
+    print(f"updated key {key.id}: {json.dumps(asdict(key.settings))}")
     return 0
 
 

@@ -233,6 +233,11 @@ class Store(ABC):
     def list_keys(self, tenant_id: str | None = None) -> list[ApiKey]: ...
 
     @abstractmethod
+    def update_key(self, key_id: str, changes: dict[str, Any]) -> ApiKey:
+        """Change a key's settings (its limits, models, class, name); bumps the auth
+        version as a tenant change does. Raises NotFoundError."""
+
+    @abstractmethod
     def revoke_key(self, key_id: str) -> ApiKey: ...
 
     @abstractmethod
@@ -612,6 +617,24 @@ class SQLStore(Store):
             stmt = stmt.where(self.keys.c.tenant_id == tenant_id)
         with self.engine.connect() as conn:
             return [self._key(r) for r in conn.execute(stmt)]
+
+    def update_key(self, key_id: str, changes: dict[str, Any]) -> ApiKey:
+        known = {f.name for f in fields(KeySettings)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise InvalidRequestError(f"unknown key setting(s): {unknown}", param=unknown[0])
+        k = self.keys
+        with self.engine.begin() as conn:
+            row = conn.execute(k.select().where(k.c.id == key_id)).first()
+            if row is None:
+                raise NotFoundError(f"key {key_id!r} not found", param="key_id",
+                                    code="key_not_found")
+            key = self._key(row)
+            settings = replace(key.settings, **changes)
+            conn.execute(k.update().where(k.c.id == key_id).values(settings=_dump(settings)))
+            announced = self._bump(conn)
+        self._tell_mirrors(*announced)
+        return replace(key, settings=settings)
 
     def revoke_key(self, key_id: str) -> ApiKey:
         with self.engine.begin() as conn:
