@@ -194,3 +194,26 @@ def test_logprobs_read_as_vllms_logprob_objects_and_as_floats(llm: LLM) -> None:
         assert first.rank is None and best.rank == 1 and best >= first  # type: ignore[attr-defined]
     lp = greedy.logprobs[0][greedy.token_ids[0]]
     assert pickle.loads(pickle.dumps(lp)).rank == 1 and repr(lp).startswith("Logprob(logprob=")
+
+
+def test_use_tqdm_takes_a_tqdm_like_factory_as_vllm_does(llm: LLM) -> None:
+    """It was called with the standard tqdm whatever the caller passed."""
+    bars: list[dict[str, Any]] = []
+
+    class Bar:
+        def __init__(self, **kwargs: Any) -> None:
+            self.updates = 0
+            bars.append({"kwargs": kwargs, "bar": self})
+
+        def update(self, n: int) -> None:
+            self.updates += n
+
+        def close(self) -> None:
+            bars[-1]["closed"] = True
+
+    llm.generate(["a", "b", "c"], GREEDY, use_tqdm=Bar)
+    assert len(bars) == 1 and bars[0]["kwargs"]["total"] == 3
+    assert bars[0]["bar"].updates == 3 and bars[0]["closed"]
+    with pytest.raises(InvalidRequestError) as err:
+        llm.generate(["a"], GREEDY, use_tqdm="yes")  # type: ignore[arg-type]
+    assert err.value.param == "use_tqdm" and not llm.engine.has_unfinished_requests()

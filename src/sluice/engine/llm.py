@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 import numbers
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -37,6 +37,7 @@ Prompts = Prompt | Sequence[Prompt]
 ParamsArg = SamplingParams | Sequence[SamplingParams] | None
 LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
 Messages = list[dict[str, Any]]
+Progress = bool | Callable[..., Any]  # use_tqdm: a bar or not, or a tqdm-like factory
 
 
 class LLM:
@@ -68,7 +69,7 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompts, sampling_params: ParamsArg = None,
-                 use_tqdm: bool = False, lora_request: LoRAArg = None, *,
+                 use_tqdm: Progress = False, lora_request: LoRAArg = None, *,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; one output per prompt, in order.
         `sampling_params`, `lora_request` (None: the base model) and `priority` (vLLM's:
@@ -82,7 +83,7 @@ class LLM:
         return self._run(self._add_all(items, params, loras, priorities), params, use_tqdm)
 
     def chat(self, messages: Messages | list[Messages], sampling_params: ParamsArg = None,
-             use_tqdm: bool = False, lora_request: LoRAArg = None, *,
+             use_tqdm: Progress = False, lora_request: LoRAArg = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
              tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
@@ -126,12 +127,13 @@ class LLM:
         return ids
 
     def _run(self, ids: list[str], params: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+             use_tqdm: Progress) -> list[RequestOutput]:
         """Step until every request finishes; if a step raises (Ctrl-C, a constraint that
         failed to compile), the call's unfinished requests are aborted first."""
         done: dict[str, RequestOutput] = {}
-        bar = _progress(len(ids)) if use_tqdm else None
+        bar = None
         try:
+            bar = _progress(use_tqdm, len(ids))
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:
@@ -249,7 +251,16 @@ def _priorities(priority: Sequence[int] | None, count: int) -> list[int]:
     return [int(p) for p in priority]
 
 
-def _progress(total: int) -> Any:
-    from tqdm import tqdm
+def _progress(use_tqdm: Progress, total: int) -> Any:
+    """A progress bar (None for none): tqdm's, or the caller's `tqdm`-like factory
+    (vLLM's `use_tqdm` takes one too)."""
+    if use_tqdm is False or use_tqdm is None:
+        return None
+    if use_tqdm is True:
+        from tqdm import tqdm
 
-    return tqdm(total=total, desc="Processed prompts")
+        return tqdm(total=total, desc="Processed prompts")
+    if not callable(use_tqdm):
+        raise InvalidRequestError(f"use_tqdm must be True, False or a tqdm-like callable, "
+                                  f"got {use_tqdm!r}", param="use_tqdm")
+    return use_tqdm(total=total, desc="Processed prompts")
