@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -468,3 +469,24 @@ def test_serve_pd_flags(argv: list[str], message: str,
     assert pd_ratio(args) == (1, 3) and uses_router(args)
     assert main(["serve", "--no-gateway", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+async def test_the_status_page_and_the_admin_api_show_each_worker_s_role() -> None:
+    """A disaggregated pool's workers carry their P/D role in /status.json (the page shows
+    it beside the URL) and GET /admin/workers; a plain pool's say null."""
+    store = KVStore()
+    p, d = PDStub("p", store, role="prefill"), PDStub("d", store, role="decode")
+    async with pd_cluster([p, d], PDConfig(), admin_key="k") as (url, state), \
+            httpx.AsyncClient(timeout=10) as c:
+        status = (await c.get(url + "/status.json")).json()
+        admin = (await c.get(url + "/admin/workers", headers={"authorization": "Bearer k"})
+                 ).json()
+    assert {w["url"]: w["role"] for w in status["workers"]} == {p.url: "prefill",
+                                                                 d.url: "decode"}
+    assert {w["url"]: w["role"] for w in admin["pools"][0]["workers"]} == {
+        p.url: "prefill", d.url: "decode"}
+    plain = RouterState(RouterConfig(pools=(PoolConfig(model="m", workers=(
+        WorkerSpec("http://127.0.0.1:9"),)),)), random.Random(0))
+    pool = plain.pools[0]
+    assert plain.pd_role(pool, pool.endpoints["http://127.0.0.1:9"]) is None
+    await plain.close()

@@ -71,11 +71,13 @@ class AdmissionUpdate(BaseModel):
         return out
 
 
-def describe(endpoint: Endpoint) -> dict[str, Any]:
+def describe(endpoint: Endpoint, role: str | None = None) -> dict[str, Any]:
+    """One worker as the admin API and the status page show it; `role`: its P/D role
+    (`RouterState.pd_role`)."""
     s = endpoint.stats()
     return {
         "url": endpoint.url, "models": list(endpoint.models), "group": endpoint.spec.group,
-        "version": endpoint.spec.version,
+        "version": endpoint.spec.version, "role": role,
         "kv_events": endpoint.spec.kv_events, "healthy": endpoint.healthy,
         "draining": endpoint.draining, "inflight": endpoint.inflight,
         "running": s.running, "waiting": s.waiting, "kv_usage": s.kv_usage,
@@ -105,7 +107,8 @@ def admin_router() -> APIRouter:
         _check_key(request)
         state: RouterState = request.app.state.router
         return {"pools": [{"models": pool.names(), "policy": pool.policy.name,
-                           "workers": [describe(e) for e in pool.endpoints.values()]}
+                           "workers": [describe(e, state.pd_role(pool, e))
+                                       for e in pool.endpoints.values()]}
                           for pool in state.pools]}
 
     @api.post("/workers", status_code=201)
@@ -114,8 +117,9 @@ def admin_router() -> APIRouter:
         body: AddWorker = _parse(AddWorker, await request.body())
         spec = WorkerSpec(url=body.url, kv_events=body.kv_events, group=body.group,
                           version=body.version, role=body.role)
-        endpoint = await request.app.state.router.add_worker(spec, body.model)
-        return describe(endpoint)
+        state: RouterState = request.app.state.router
+        endpoint = await state.add_worker(spec, body.model)
+        return describe(endpoint, state.pd_role(state.find_endpoint(endpoint.url)[0], endpoint))
 
     @api.delete("/workers")
     async def remove_worker(request: Request) -> dict[str, Any]:
@@ -129,9 +133,10 @@ def admin_router() -> APIRouter:
     async def drain_worker(request: Request) -> dict[str, Any]:
         _check_key(request)
         ref: WorkerRef = _parse(WorkerRef, await request.body())
-        _, endpoint = request.app.state.router.find_endpoint(ref.url)
+        state: RouterState = request.app.state.router
+        pool, endpoint = state.find_endpoint(ref.url)
         endpoint.draining = ref.drain
-        return describe(endpoint)
+        return describe(endpoint, state.pd_role(pool, endpoint))
 
     @api.get("/pools/{model:path}/admission")
     async def get_admission(request: Request, model: str) -> dict[str, Any]:

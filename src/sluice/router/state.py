@@ -174,6 +174,11 @@ class RouterState:
     def _default_policy(self) -> str:
         return self.pools[0].config.policy if self.pools else "cost"
 
+    def pd_role(self, pool: Pool, endpoint: Endpoint) -> str | None:
+        """A worker's P/D role in a disaggregated pool, as the router last read it; None
+        in a plain pool, where roles route nothing."""
+        return self.pd.roles.get(endpoint).role if pool.config.pd is not None else None
+
     def find_endpoint(self, url: str) -> tuple[Pool, Endpoint]:
         for pool in self.pools:
             if url.rstrip("/") in pool.endpoints:

@@ -32,7 +32,8 @@ def open_board(state: RouterState, extra: Sequence[LocalMetrics] = ()) -> Status
         return [render().decode() for render in (state.metrics.render, *extra)]
 
     board = StatusBoard(
-        lambda: [describe(e) for pool in state.pools for e in pool.endpoints.values()],
+        lambda: [describe(e, state.pd_role(pool, e))
+                 for pool in state.pools for e in pool.endpoints.values()],
         fetch, local)
     board.open()
     return board
