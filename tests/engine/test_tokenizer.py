@@ -59,6 +59,7 @@ def test_gguf_tokenizer_matches_transformers(gguf_tok: Tokenizer, hf_reference, 
 def test_gguf_special_ids_and_template(gguf_tok: Tokenizer, hf_reference) -> None:  # type: ignore[no-untyped-def]
     assert gguf_tok.vocab_size == 49152
     assert gguf_tok.eos_token_ids == {hf_reference.eos_token_id}
+    assert gguf_tok.eos_token_id == hf_reference.eos_token_id  # what vLLM users read
     assert gguf_tok.bos_token_id == hf_reference.bos_token_id
     assert gguf_tok.encode("<|im_end|>") == [hf_reference.eos_token_id]  # special stays whole
     assert gguf_tok.decode(gguf_tok.encode("<|im_start|>hi<|im_end|>")) == "hi"
@@ -78,7 +79,7 @@ def test_hf_directory_tokenizer_equals_gguf_one(tiny_llama_dir: Path, gguf_tok: 
     tok = load_tokenizer(str(tiny_llama_dir))
     for text in TEXTS:
         assert tok.encode(text) == gguf_tok.encode(text)
-    assert tok.eos_token_ids == {2} and tok.bos_token_id == 1
+    assert tok.eos_token_ids == {2} and tok.bos_token_id == 1 and tok.eos_token_id == 2
     assert tok.apply_chat_template(MESSAGES) == gguf_tok.apply_chat_template(MESSAGES)
     assert tok.apply_chat_template(MESSAGES).endswith("<|im_start|>assistant\n")
 

@@ -135,6 +135,14 @@ class Tokenizer:
         if not self.vocab_size:
             self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def eos_token_id(self) -> int | None:
+        """The model's end-of-sequence token (transformers' `eos_token_id`: its
+        `eos_token`); `eos_token_ids` holds every id that ends a sequence."""
+        eos = self.special_tokens.get("eos_token")
+        token = self.backend.token_to_id(eos) if eos else None
+        return token if token is not None else min(self.eos_token_ids, default=None)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
