@@ -369,3 +369,21 @@ async def test_mirror_a_key_changed_on_one_replica_is_applied_by_the_other_at_on
             await c.aclose()
         for gw in mirrored:
             await gw.state.aclose()
+
+
+@pytest.mark.services
+def test_mirror_a_gateway_whose_redis_is_unreachable_at_start_registers_none(
+        pg_store: SQLStore) -> None:
+    """A gateway started once with a Redis URL that answered nothing (a typo, a Redis not
+    up yet) registered it as a mirror, and every change after, from any process (the
+    CLI, the admin API), failed with 503 `auth_mirror_unreachable` (exit status 1) for
+    the hour a registration takes to go stale. It registers nothing now and reads the
+    store's version, as without a mirror (logged)."""
+    cache = KeyCache(SQLStore(pg_store.url, table_prefix=pg_store.tenants.name.removesuffix(
+        "tenants")))
+    assert cache.use_mirror("redis://127.0.0.1:1/0") is None and cache.mirror is None
+    with pg_store.engine.connect() as conn:
+        assert conn.execute(sa.select(pg_store.mirrors)).all() == []
+    pg_store.create_tenant("acme", TenantSettings())
+    pg_store.update_tenant("acme", {"rpm": 5})  # no 503: nothing to tell
+    cache.store.close()

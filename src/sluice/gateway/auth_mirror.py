@@ -30,7 +30,9 @@ within that bound. A mirror key that is missing (Redis restarted) makes requests
 the store's version as before until the next check seeds it again. Gateways mark their
 registration as in use every `TOUCH_EVERY_S`; one unreachable and unmarked for
 `STALE_S` (Redis moved to another address) is dropped instead of failing every change,
-and a gateway that still reads it registers it again at its next check.
+and a gateway that still reads it registers it again at its next check. A gateway whose
+Redis does not answer when it starts registers no mirror (a mistyped URL made every
+change fail for `STALE_S`) and reads the store's version for its life.
 """
 
 from __future__ import annotations
@@ -58,6 +60,18 @@ def connect(url: str) -> Any:
     import redis
 
     return redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+
+
+def reachable(url: str) -> bool:
+    """Whether Redis at `url` answers a PING now (a gateway registers a mirror only
+    then: `KeyCache.use_mirror`)."""
+    client = connect(url)
+    try:
+        return bool(client.ping())
+    except Exception:
+        return False
+    finally:
+        client.close()
 
 
 def tell(client: Any, key: str, version: int) -> None:

@@ -71,8 +71,16 @@ class KeyCache:
     def use_mirror(self, url: str) -> str | None:
         """Mirror the store's auth version in Redis at `url` (`auth_mirror.py`): returns
         the key the limiter's step reads, or None where the store has no version to
-        mirror (SQLite reads it locally; other stores keep their reads)."""
+        mirror (SQLite reads it locally; other stores keep their reads) or Redis does
+        not answer now: a registration nobody can reach made every change, from any
+        process, fail with a 503 for an hour (`auth_mirror.STALE_S`), so this gateway
+        reads the store's version instead, for its life."""
         if self.inline or not isinstance(self.store, SQLStore):
+            return None
+        if not auth_mirror.reachable(url):
+            logger.warning("auth mirror not used: Redis at %s does not answer; the auth "
+                           "version is read from the database per request (restart the "
+                           "gateway once Redis is up)", url)
             return None
         key, version = self.store.register_auth_mirror(url)
         try:
