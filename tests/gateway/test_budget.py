@@ -312,3 +312,18 @@ async def test_a_worst_case_only_a_new_budget_fits_is_told_not_to_retry(
         assert r.status_code == 429 and "x-should-retry" not in r.headers
         stub.gate.set()
         assert (await held).status_code == 200
+
+
+async def test_a_budget_over_an_unpriced_model_is_logged_once(
+        sqlite_store: SQLStore, caplog: pytest.LogCaptureFixture) -> None:
+    """A tenant's budget over a model the price table does not price (no `--prices` at
+    all, the common first setup) never bites: every request costs $0. That was silent;
+    the gateway says so in its log, once per model."""
+    key = new_key(sqlite_store, budget_usd=1.0)
+    gw = GatewayMiddleware(StubUpstream(), make_state(sqlite_store))  # no price table
+    with caplog.at_level("WARNING", logger="sluice.gateway.middleware"):
+        async with client_for(gw, key) as c:
+            for _ in range(3):
+                assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 200
+    warned = [r.getMessage() for r in caplog.records if "no price" in r.getMessage()]
+    assert len(warned) == 1 and "'stub-model'" in warned[0] and "acme" in warned[0]

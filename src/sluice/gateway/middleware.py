@@ -56,6 +56,7 @@ from sluice.gateway.limits import (
 )
 from sluice.gateway.meter import ResponseMeter
 from sluice.gateway.models import MODEL_PREFIX, MODELS_PATH, ModelListFilter, allowed_models
+from sluice.gateway.pricing import Price
 from sluice.gateway.state import GatewayState
 from sluice.gateway.store import Principal, UsageRecord
 from sluice.gateway.tokens import estimate_view
@@ -439,7 +440,10 @@ class Exchange:
         tenant = adm.principal.tenant
         worst = self.state.prices.cost(adm.model, adm.prompt_tokens,
                                        adm.reserved_tokens - adm.prompt_tokens)
-        if tenant.settings.budget_usd is None or worst <= 0:
+        if tenant.settings.budget_usd is None:
+            return
+        if worst <= 0:
+            self.warn_unpriced(adm.model, tenant.name)
             return
         reserving = asyncio.ensure_future(self.state.budgets.reserve(tenant, worst))
         try:
@@ -448,6 +452,17 @@ class Exchange:
             with contextlib.suppress(Exception):
                 adm.reservation = await reserving
             raise
+
+    def warn_unpriced(self, model: str | None, tenant: str) -> None:
+        """A budget over a model priced 0 never bites (no `--prices`, or no entry for the
+        model and no "*"): said once per model, in the log (it was silent)."""
+        unpriced = self.state.unpriced_models
+        if model in unpriced or self.state.prices.price(model) != Price():
+            return
+        unpriced.add(model)
+        logger.warning("tenant %r has a budget, but the model %r has no price (no --prices "
+                       "file, or no entry for it and no '*'): its requests cost $0 and do "
+                       "not count against the budget", tenant, model)
 
     async def count_prompt(self, adm: Admission, payload: dict[str, Any]) -> int:
         """The prompt's tokens, read through the one prompt view (an image or another

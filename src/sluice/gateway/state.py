@@ -50,6 +50,7 @@ class GatewayState:
     budgets: BudgetReservations = field(init=False)
     keys: KeyCache = field(init=False)
     background: set[asyncio.Task[None]] = field(init=False)
+    unpriced_models: set[str | None] = field(init=False)  # budgets warned of: priced 0
 
     def __post_init__(self) -> None:
         spool = self.config.ledger_spool
@@ -59,6 +60,7 @@ class GatewayState:
         self.budgets = BudgetReservations(self.store, self.config.budget_lease_s)
         self.keys = KeyCache(self.store)
         self.background = set()
+        self.unpriced_models = set()
         if isinstance(self.limiter, RedisLimiter):  # the auth version rides its steps
             key = self.keys.use_mirror(self.limiter.url)
             if key is not None:
