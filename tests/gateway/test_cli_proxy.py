@@ -269,3 +269,20 @@ async def test_proxy_reports_unreachable_upstream_as_502(sqlite_store: SQLStore)
     assert r.status_code == 502 and r.json()["error"]["code"] == "bad_gateway"
     [rec] = sqlite_store.query_usage(UsageQuery())
     assert (rec.status, rec.http_status) == ("error", 502)
+
+
+async def test_proxy_reports_unreachable_upstream_in_anthropics_shape_on_messages(
+        sqlite_store: SQLStore) -> None:
+    """The proxy's 502 was OpenAI's error JSON on every path; on /v1/messages the
+    Anthropic SDK reads `{"type": "error", "error": {"type", "message"}}`."""
+    key = new_key(sqlite_store)
+    gw = GatewayMiddleware(UpstreamProxy("http://127.0.0.1:1"), make_state(sqlite_store))
+    body = {"model": "stub-model", "max_tokens": 5,
+            "messages": [{"role": "user", "content": "Hello"}]}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=gw),  # type: ignore[arg-type]
+                                 base_url="http://gw") as c:
+        r = await c.post("/v1/messages", json=body, headers={"x-api-key": key})
+    assert r.status_code == 502
+    error = r.json()
+    assert error["type"] == "error" and error["error"]["type"] == "api_error"
+    assert "unreachable" in error["error"]["message"]

@@ -10,11 +10,13 @@ is closed at once, which aborts the request in the engine.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import httpx
+
+from sluice.protocol.edge import send_error
+from sluice.protocol.errors import SluiceError
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -60,7 +62,8 @@ class UpstreamProxy:
         try:
             response = await self.client.send(self._request(scope, body), stream=True)
         except httpx.HTTPError as exc:
-            return await _bad_gateway(send, f"upstream {self.upstream} unreachable: {exc}")
+            return await _bad_gateway(send, f"upstream {self.upstream} unreachable: {exc}",
+                                      scope["path"])
         try:
             headers = [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP_BY_HOP
                        or k.lower() == b"content-length"]
@@ -99,9 +102,15 @@ async def _wait_disconnect(receive: Receive) -> None:
         pass
 
 
-async def _bad_gateway(send: Send, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "upstream_error", "param": None,
-                                 "code": "bad_gateway"}}).encode()
-    await send({"type": "http.response.start", "status": 502, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+class UpstreamUnreachableError(SluiceError):
+    """The upstream could not be reached: 502 `bad_gateway`."""
+
+    status_code = 502
+    error_type = "upstream_error"
+    default_code = "bad_gateway"
+
+
+async def _bad_gateway(send: Send, message: str, path: str) -> None:
+    """In the error shape the client of `path` reads: Anthropic's on /v1/messages (it
+    was OpenAI's on every path), OpenAI's elsewhere."""
+    await send_error(send, UpstreamUnreachableError(message), path)
