@@ -271,3 +271,49 @@ async def test_a_stream_settles_before_its_last_event_reaches_the_client(
     assert seen_at_last_event == [1, 1]  # recorded, and the slot free for the next request
     [rec] = sqlite_store.query_usage(UsageQuery())
     assert (rec.status, rec.prompt_tokens, rec.completion_tokens) == ("ok", 7, 1)
+
+
+@pytest.mark.parametrize("path,first", [("/v1/chat/completions", OPENAI_EVENTS[0]),
+                                        ("/v1/messages", ANTHROPIC_EVENTS[0])])
+async def test_an_upstream_failing_mid_stream_ends_it_with_an_error_event(
+        sqlite_store: SQLStore, path: str, first: bytes) -> None:
+    """An upstream that fails after the first events (a worker killed mid-stream behind
+    `--upstream`) left the client's response unfinished: uvicorn cut the connection
+    ("ASGI callable returned without completing response") and the SDKs raised a bare
+    transport error (httpx.RemoteProtocolError, not openai.APIError). The stream now
+    ends with the error event each API streams (OpenAI's `data: {"error": ...}`,
+    Anthropic's `event: error`), which the SDKs raise as their own errors; the record
+    keeps the tokens streamed so far, as for a stream cut short."""
+    import anthropic
+    import openai
+
+    async def inner(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": first + first[:20],
+                    "more_body": True})  # and a cut event, never forwarded
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete "
+                                        "message body (incomplete chunked read)")
+
+    key = new_key(sqlite_store)
+    gw = GatewayMiddleware(inner, make_state(sqlite_store))
+    messages: Any = [{"role": "user", "content": "Hi"}]
+    async with serve(gw) as url:
+        if path == "/v1/messages":
+            claude = anthropic.AsyncAnthropic(base_url=url, api_key=key, max_retries=0)
+            stream = await claude.messages.create(model="stub-model", max_tokens=5,
+                                                  stream=True, messages=messages)
+            with pytest.raises(anthropic.APIStatusError, match="upstream failed mid-stream"):
+                async for _ in stream:
+                    pass
+        else:
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+            chunks = await client.chat.completions.create(
+                model="stub-model", max_tokens=5, stream=True, messages=messages)
+            with pytest.raises(openai.APIError, match="upstream failed mid-stream"):
+                async for _ in chunks:
+                    pass
+        await gw.state.aclose()
+    [rec] = sqlite_store.query_usage(UsageQuery())
+    assert rec.status == "aborted"

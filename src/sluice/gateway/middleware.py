@@ -60,6 +60,7 @@ from sluice.gateway.pricing import Price
 from sluice.gateway.state import GatewayState
 from sluice.gateway.store import Principal, UsageRecord
 from sluice.gateway.tokens import estimate_view
+from sluice.protocol import anthropic
 from sluice.protocol.edge import (
     ANTHROPIC_PATHS,
     BodyLimit,
@@ -630,12 +631,33 @@ class Exchange:
             return  # the client went away mid-response; settle() records the abort
         logger.exception("upstream app failed for request %s", self.adm and self.adm.request_id)
         if self.response_started:
+            if self.meter.streaming:
+                await self.end_stream(exc)
             return
         self.status = 502
         await self.settle("error")
         error = SluiceError(f"upstream failed: {type(exc).__name__}")
         error.status_code = 502
         await send_error(self.send, error, self.endpoint)
+
+    async def end_stream(self, exc: Exception) -> None:
+        """An upstream that failed mid-stream: settle as a stream cut short (the tokens
+        streamed so far), then end the client's stream with the error event its API
+        streams (OpenAI's `data: {"error": ...}`, Anthropic's `event: error`), which the
+        SDKs raise as their own errors; a cut event is not forwarded. The response was
+        left unfinished: uvicorn cut the connection and the SDKs raised a bare transport
+        error. After the stream's last event, it is only closed."""
+        await self.settle("aborted")
+        event = b""
+        if not self.meter.ended:
+            error = SluiceError(f"upstream failed mid-stream: {type(exc).__name__}: {exc}")
+            error.status_code = 502
+            if self.protocol == "anthropic":
+                event = b"event: error\ndata: " + json.dumps(anthropic.error_body(error)).encode()
+            else:
+                event = b"data: " + json.dumps(error.to_dict()).encode()
+            event += b"\n\n"
+        await self.send({"type": "http.response.body", "body": event, "more_body": False})
 
     # -- 5: settle ---------------------------------------------------------------------
 
