@@ -423,8 +423,9 @@ def serve_many(args: argparse.Namespace, wrap: Any, cache: TokenCache) -> int:
         say(f"starting {initial} of {planning.min_replicas}-{planning.max_replicas} workers on "
             f"{args.backend} (model load shows in their logs"
             + (f", in {backend.log_dir})" if hasattr(backend, "log_dir") else ")") + " ...")
-    say(f"router ({args.policy}) on http://{args.host}:{args.port}, listening once the "
-        "first workers are ready; planner: GET /admin/planner")
+    where = f"http://{args.host}:{args.port}" if args.port else f"a free port of {args.host}"
+    say(f"router ({args.policy}) on {where}, listening once the first workers are ready; "
+        "planner: GET /admin/planner")
     # the router's own server, the gateway (if any) a layer of it; the controller runs
     # in its lifespan (workers ready before it listens); SIGINT/SIGTERM drain, then the
     # workers stop and this exits 0
@@ -457,8 +458,10 @@ def silence_reported(message: str) -> None:
 
 
 def show_control_logs(level: str) -> None:
-    """Scale events and planner decisions that change the count go to stderr (INFO); the
-    rest of the process (router, gateway) logs at `level`, as `sluice router` does."""
+    """Scale events and planner decisions that change the count, and the router's one
+    INFO line (`listening on http://HOST:PORT`, the real port under `--port 0`), go to
+    stderr; the rest of the process (router, gateway) logs at `level`, as `sluice router`
+    does."""
     import logging
 
     logging.basicConfig(level=level.upper(),
@@ -466,10 +469,11 @@ def show_control_logs(level: str) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per probe and scrape
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("sluice: %(message)s"))
-    logger = logging.getLogger("sluice.control")
-    logger.addHandler(handler)
-    logger.propagate = False
-    logger.setLevel(min(logging.INFO, logging.getLevelName(level.upper())))
+    for name in ("sluice.control", "sluice.router.server"):
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.propagate = False
+        logger.setLevel(min(logging.INFO, logging.getLevelName(level.upper())))
 
 
 def handler(args: argparse.Namespace) -> int:

@@ -66,6 +66,31 @@ def test_serve_answers_a_chat_question(tmp_path: Path) -> None:
         assert key_again == key
 
 
+def test_serve_with_a_router_says_where_it_listens(tmp_path: Path,
+                                                  tiny_llama_dir: Path) -> None:
+    """Found by the docs new-user pass: `sluice serve --workers 2 --port 0` printed
+    'router (cost) on http://127.0.0.1:0' and never the port it took (the router's
+    'listening on' line was an INFO log under serve's default --log-level warning)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sluice.cli", "serve", "--workers", "2", "--port", "0",
+         "--no-gateway", "--model", str(tiny_llama_dir), "--num-kv-blocks", "64"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        env={**os.environ, "SLUICE_HOME": str(tmp_path)})
+    log: list[str] = []
+    threading.Thread(target=lambda: log.extend(iter(proc.stderr.readline, "")),  # type: ignore[union-attr]
+                     daemon=True).start()
+    try:
+        assert wait_until(lambda: any("listening on http" in x for x in log), 150, 0.2), \
+            "".join(log)
+        line = next(x for x in log if "listening on http" in x)
+        url = line.split("listening on ", 1)[1].split()[0]
+        assert not url.endswith(":0") and httpx.get(url + "/health", timeout=10).status_code == 200
+        assert not any("127.0.0.1:0" in x for x in log), "".join(log)
+    finally:
+        proc.terminate()
+        assert proc.wait(60) == 0, "".join(log)
+
+
 def test_serve_many_workers_behind_router_and_gateway(tmp_path: Path,
                                                       tiny_llama_dir: Path) -> None:
     args = ["--workers", "2", "--model", str(tiny_llama_dir), "--num-kv-blocks", "256"]
