@@ -403,3 +403,21 @@ def test_a_file_that_is_no_tokenizer_is_one_error_line(content: str, tmp_path: P
     err = capsys.readouterr().err
     assert f"sluice bench serve: error: {bad} is not a tokenizers file (" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_sharegpt_through_the_servers_tokenizer(stub: Stub, tmp_path: Path) -> None:
+    """Found by the docs new-user pass: `--workload sharegpt` without `--tokenizer` failed
+    with a RuntimeError traceback ('the client has been closed'): the prompts were
+    counted through the server's /tokenize lazily, during the run, after the client that
+    asks it had closed. They are counted before the run, as vLLM's sampling does."""
+    url, state = stub
+    convs = [{"conversations": [{"from": "human", "value": "the cat sat on the mat " * (i + 1)},
+                                {"from": "gpt", "value": "and then it went to sleep again"}]}
+             for i in range(5)]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps(convs))
+    n0 = len(state.bodies)
+    doc = bench(["--base-url", url, "--workload", "sharegpt", "--dataset-path", str(path),
+                 "--compare", url])
+    assert [r["completed"] for r in doc["results"]] == [5, 5]
+    assert len(state.bodies) - n0 == 10

@@ -35,6 +35,7 @@ from sluice.bench.workloads import (
     WORKLOADS,
     RandomWorkload,
     Session,
+    ShareGPTWorkload,
     TraceWorkload,
     Workload,
     WorkloadConfig,
@@ -328,11 +329,21 @@ def run_benchmark(cfg: ServeBenchConfig) -> dict[str, Any]:
         vocab = discover_vocab(encoder)
         workload = build_workload(cfg.workload, cfg.workload_cfg, vocab, encoder)
         total = _total_requests(cfg, workload)
+        # a dataset's texts are counted by the encoder (the server's /tokenize): all of
+        # them now, while its client is open and before any clock starts
+        counted = (list(_sessions(workload, cfg.num_sessions))
+                   if isinstance(workload, ShareGPTWorkload) else None)
+    if counted is not None and cfg.load.duration is None:
+        total = len(counted)
+
+    def sessions() -> Iterator[Session]:
+        return iter(counted) if counted is not None else _sessions(workload, cfg.num_sessions)
+
     wc = cfg.workload_cfg
     warm_cfg = replace(wc, seed=wc.seed + 1_000_003, output_len=min(wc.output_len, 16))
     warmup = list(itertools.islice(RandomWorkload(warm_cfg, vocab).sessions(), cfg.warmup))
     runs = [
-        asyncio.run(bench_endpoint(cfg, url, model, _sessions(workload, cfg.num_sessions), warmup, total))
+        asyncio.run(bench_endpoint(cfg, url, model, sessions(), warmup, total))
         for url in cfg.base_urls
     ]
     results = [
