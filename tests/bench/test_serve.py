@@ -421,3 +421,15 @@ def test_sharegpt_through_the_servers_tokenizer(stub: Stub, tmp_path: Path) -> N
                  "--compare", url])
     assert [r["completed"] for r in doc["results"]] == [5, 5]
     assert len(state.bodies) - n0 == 10
+
+
+@pytest.mark.parametrize(("argv", "options"), [
+    ([], {"seed": 0, "dataset_path": "sg.json"}),
+    (["--output-len", "7"], {"seed": 0, "dataset_path": "sg.json", "sharegpt_output_len": 7})])
+def test_a_sharegpt_runs_json_says_which_output_length_it_used(
+        argv: list[str], options: dict[str, Any]) -> None:
+    """Without --output-len each request asks for its dataset reply's length; the JSON
+    said output_len 128 (the random workload's default, which it never read)."""
+    cfg = config_from_args(parse(["--base-url", "http://127.0.0.1:1", "--model", "m",
+                                  "--workload", "sharegpt", "--dataset-path", "sg.json", *argv]))
+    assert cfg.describe()["workload_options"] == options

@@ -98,7 +98,8 @@ class ServeBenchConfig:
 
     def describe(self) -> dict[str, Any]:
         used = {WORKLOAD_OPTIONS[k][0] for k in WORKLOADS[self.workload].uses} | {"seed"}
-        used |= {"sharegpt_output_len"} if self.workload == "sharegpt" else set()
+        if self.workload == "sharegpt":  # --output-len lands here; without it, each reply's
+            used = (used - {"output_len"}) | {"sharegpt_output_len"}
         wl = {k: v for k, v in vars(self.workload_cfg).items() if k in used and v is not None}
         return {
             "endpoint": self.endpoint,
