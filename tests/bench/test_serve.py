@@ -273,6 +273,13 @@ def test_bad_options_fail_clearly(argv: list[str], message: str, capsys: pytest.
         (["--json", "/nonexistent/dir/out.json"], "--json /nonexistent/dir/out.json: no such directory"),
         (["--plot", "/nonexistent/dir/out.png"], "--plot /nonexistent/dir/out.png: no such directory"),
         (["--plot", "/tmp/out.txt"], "--plot /tmp/out.txt: matplotlib does not write .txt (use one of"),
+        # found by the docs new-user pass: these said "cannot list models ...; pass --model"
+        (["--base-url", "http://127.0.0.1:9/v1"],
+         "--base-url http://127.0.0.1:9/v1 ends in /v1: give the server's root"),
+        (["--compare", "http://127.0.0.1:9/v1/"],
+         "--compare http://127.0.0.1:9/v1/ ends in /v1: give the server's root"),
+        (["--base-url", "127.0.0.1:9"], "--base-url 127.0.0.1:9: not an http(s)://HOST:PORT URL"),
+        (["--base-url", "http://[::1"], "--base-url http://[::1: not an http(s)://HOST:PORT URL"),
     ],
 )
 def test_bad_values_exit_2_with_one_line(argv: list[str], message: str,

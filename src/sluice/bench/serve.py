@@ -118,6 +118,22 @@ class ServeBenchConfig:
         }
 
 
+def check_base_url(url: str, flag: str) -> None:
+    """A server's root, `http://HOST:PORT` (`--endpoint` adds `/v1/...`): the OpenAI
+    SDK's `.../v1` would be asked for /v1/v1/models, a URL without a scheme for nothing."""
+    try:
+        parsed = httpx.URL(url) if "://" in url else None
+    except httpx.InvalidURL:
+        parsed = None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+        raise InvalidRequestError(f"{flag} {url}: not an http(s)://HOST:PORT URL", param="base_url")
+    if parsed.path.rstrip("/").endswith("/v1"):
+        root = str(parsed.copy_with(path=parsed.path.rstrip("/")[:-3] or "/")).rstrip("/")
+        raise InvalidRequestError(f"{flag} {url} ends in /v1: give the server's root ({root}); "
+                                  "--endpoint adds /v1/completions or /v1/chat/completions",
+                                  param="base_url")
+
+
 def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
     """Validate the CLI options into a config; options a workload would ignore are errors."""
     spec = WORKLOADS[args.workload]
@@ -149,6 +165,9 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
     if count is None and math.isinf(load.request_rate) and not load.max_concurrency and not spec.finite:
         raise InvalidRequestError("--duration with --request-rate inf needs --max-concurrency", param="max_concurrency")
     endpoint_kind(args.endpoint)  # raises on an unknown endpoint
+    check_base_url(args.base_url, "--base-url")
+    for url in args.compare or []:
+        check_base_url(url, "--compare")
     report.check_output(args.json, "--json")
     report.check_plot(args.plot)
     return ServeBenchConfig(
