@@ -858,3 +858,22 @@ async def test_deep_nesting_and_lone_surrogates_are_400(cluster: Cluster) -> Non
         for body in (deep, lone, lone.replace(b"\\udc00", b"\xed\xb0\x80")):
             r = await c.post("/v1/chat/completions", content=body)
             assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_a_client_s_kv_transfer_params_are_refused(cluster: Cluster) -> None:
+    """`kv_transfer_params` names a host and port the worker dials to pull KV: passed on,
+    any client could make a worker connect anywhere it can reach (found by the docs pass:
+    the worker's kv_transfer_failures_total{reason="connect"} counted a dial to port 1).
+    The router refuses it, as the gateway does; its own P/D requests are not parsed."""
+    a = StubState("a")
+    params = {"do_remote_prefill": True, "remote_engine_id": "x", "remote_block_ids": [0],
+              "remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": "r"}
+    async with cluster([a]) as (router, _), httpx.AsyncClient(base_url=router) as c:
+        for path, body in (("/v1/chat/completions", chat("x")),
+                           ("/v1/completions", {"model": "stub-model", "prompt": "x"})):
+            r = await c.post(path, json={**body, "kv_transfer_params": params})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "kv_transfer_params"
+        assert (await c.post("/v1/chat/completions",
+                             json={**chat("x"), "kv_transfer_params": None})).status_code == 200
+    assert len(a.requests) == 1

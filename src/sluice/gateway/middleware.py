@@ -66,6 +66,7 @@ from sluice.protocol.edge import (
     BodyLimit,
     load_json_object,
     read_body,
+    refuse_kv_transfer_params,
     send_error,
 )
 from sluice.protocol.errors import (
@@ -381,10 +382,7 @@ class Exchange:
                                 key.settings.allowed_models)
         if payload is None:
             return
-        if payload.get("kv_transfer_params") is not None:  # it names hosts a worker dials
-            raise InvalidRequestError("kv_transfer_params is set by the router between "
-                                      "prefill and decode workers, not by clients",
-                                      param="kv_transfer_params")
+        refuse_kv_transfer_params(payload)
         adm.model = model_of(payload, allowed_models(adm.principal) is not None)
         check_model_allowed(adm.model, tenant.settings.allowed_models, key.settings.allowed_models)
         if self.endpoint in MODEL_ONLY_ENDPOINTS:

@@ -169,6 +169,16 @@ def load_json_object(raw: bytes | str, *, param: str | None = None) -> dict[str,
     return body
 
 
+def refuse_kv_transfer_params(body: dict[str, Any]) -> None:
+    """A client's `kv_transfer_params` is a 400 at the front doors (gateway, router): it
+    names a host and port the worker dials to pull KV (an open relay to any address the
+    worker can reach); only the router sets it, between prefill and decode workers."""
+    if body.get("kv_transfer_params") is not None:
+        raise InvalidRequestError("kv_transfer_params is set by the router between prefill "
+                                  "and decode workers, not by clients",
+                                  param="kv_transfer_params")
+
+
 def _depth(value: Any) -> int:
     """Nesting depth of a parsed JSON value, without recursion."""
     deepest, stack = 0, [(value, 1)]

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.protocol.edge import load_json_object
+from sluice.protocol.edge import load_json_object, refuse_kv_transfer_params
 from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.prompt import CHAT, COMPLETION, MESSAGES, PromptView, prompt_view
 
@@ -55,6 +55,7 @@ def _view(kind: str, body: dict[str, Any]) -> PromptView | None:
 def parse_request(kind: str, raw: bytes, headers: Mapping[str, str]) -> ParsedRequest:
     """Read the routing-relevant fields of an OpenAI / Anthropic request body."""
     body = load_json_object(raw, param="body")
+    refuse_kv_transfer_params(body)  # the router's own P/D requests are made, not parsed
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequestError("'model' is required and must be a string", param="model")
