@@ -204,9 +204,10 @@ def test_a_bad_flag_or_config_file_exits_2_with_one_line(
     assert "Traceback" not in err
 
 
-def test_a_port_in_use_is_one_line_and_exit_1() -> None:
-    """The router cannot listen (the port is taken): one line and exit 1, not a traceback
-    and the lifespan's 'shutdown failed' noise."""
+def test_a_port_in_use_is_one_line_and_exit_2() -> None:
+    """The router cannot listen (the port is taken): one line and exit 2 before anything
+    starts (as serve and worker say it), not a traceback and the lifespan's 'shutdown
+    failed' noise."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -215,9 +216,9 @@ def test_a_port_in_use_is_one_line_and_exit_1() -> None:
             [sys.executable, "-m", "sluice.cli", "router", "--worker", "http://127.0.0.1:1",
              "--port", str(port), "--log-level", "warning"],
             capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1, done.stderr
-    assert done.stderr.startswith("sluice router: error: ") and "address already in use" \
-        in done.stderr, done.stderr
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"sluice router: error: cannot listen on 127.0.0.1:{port}: "
+                                  "Address already in use"), done.stderr
     assert "Traceback" not in done.stderr and "lifespan" not in done.stderr, done.stderr
 
 
@@ -290,3 +291,18 @@ pools:
     with pytest.raises(InvalidRequestError) as err:
         load_config_file(path)
     assert err.value.param == "canary_wieght"
+
+
+def test_the_gateway_on_a_port_in_use_exits_2_naming_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """As the router, `sluice serve` and `sluice worker` say it: the gateway exited 3 with
+    uvicorn's bind error (found by the docs pass)."""
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["gateway", "--upstream", "http://127.0.0.1:9", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in err

@@ -37,6 +37,7 @@ from sluice.gateway.store import (
     UsageQuery,
 )
 from sluice.observe.cli import add_observe_arguments, buckets
+from sluice.protocol.edge import check_listen
 from sluice.protocol.errors import SluiceError
 
 _LIMIT_FLAGS = (("--rpm", "requests per minute"), ("--tpm", "tokens per minute"),
@@ -447,6 +448,11 @@ def build_config(args: argparse.Namespace) -> GatewayConfig:
 def run_gateway(args: argparse.Namespace) -> int:
     if not args.upstream:
         print("error: --upstream URL is required to run the gateway", file=sys.stderr)
+        return 2
+    try:
+        check_listen(args.host, args.port)  # a busy port: as serve and worker say it
+    except SluiceError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
         return 2
     import uvicorn
 

@@ -19,6 +19,7 @@ from sluice import env
 from sluice.observe.cli import add_observe_arguments, tracing_config
 from sluice.observe.cli import buckets as observe_buckets
 from sluice.observe.tracing import start_tracing
+from sluice.protocol.edge import check_listen
 from sluice.protocol.errors import InvalidRequestError, SluiceError
 from sluice.router.config import (
     CANARY,
@@ -333,6 +334,7 @@ def handler(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         buckets = observe_buckets(args)
         tokenizers = load_tokenizers(config)
+        check_listen(config.host, config.port)  # a busy port: as serve and worker say it
         tracing = start_tracing(tracing_config(args, "sluice-router"))
     except SluiceError as exc:  # a bad flag or config file: a usage error, as argparse's
         print(f"sluice router: error: {exc}", file=sys.stderr)
