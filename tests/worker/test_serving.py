@@ -152,6 +152,24 @@ def test_metrics_use_vllm_names(http: httpx.Client) -> None:
         m["vllm:prompt_tokens_total" + label] + m["vllm:generation_tokens_total" + label])
 
 
+def test_refused_generation_requests_are_counted_by_reason(http: httpx.Client) -> None:
+    """sluice:requests_rejected_total was declared and never counted (found by the
+    observability pass); a generation request refused before its answer counts under its
+    error's code, else its type. Other routes' errors (a 404 path) do not."""
+    def count(reason: str) -> float:
+        return metrics(http).get(
+            f"sluice:requests_rejected_total{{model_name=tiny,reason={reason}}}", 0.0)
+
+    too_long, bad = count("context_length_exceeded"), count("invalid_request_error")
+    r = http.post("/v1/completions", json={"prompt": "a " * 5000, "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": -1})
+    assert r.status_code == 400
+    assert http.post("/v1/nowhere", json={}).status_code == 404
+    assert count("context_length_exceeded") == too_long + 1
+    assert count("invalid_request_error") == bad + 1
+
+
 def test_health_answers_while_a_long_request_runs(server: ServerThread, engine: Any,
                                                   http: httpx.Client) -> None:
     """The engine runs on its own thread: /health stays fast during a long prefill+decode."""

@@ -269,7 +269,9 @@ class WorkerMetrics:
                                labels + ["finished_reason"], registry=r)
         self.pending = Gauge("sluice:http_requests_pending", "HTTP generation requests in flight.",
                              labels, registry=r)
-        self.rejected = Counter("sluice:requests_rejected", "Requests refused, by reason.",
+        self.rejected = Counter("sluice:requests_rejected",
+                                "Generation requests refused before their answer (an error "
+                                "status), by reason: the error's code, else its type.",
                                 labels + ["reason"], registry=r)
 
     def timer(self) -> RequestTimer:
