@@ -214,6 +214,31 @@ def test_client_disconnect_aborts_the_stream(server: ServerThread, engine: Any,
     assert generated < 800  # stopped early: the request was aborted, not run to the end
 
 
+def test_an_aborted_request_s_span_says_so(server: ServerThread, engine: Any,
+                                           http: httpx.Client) -> None:
+    """A stream the client left: the worker's span carries its usage so far and vLLM's
+    finish reason `abort` (it read 0 / 0 tokens and no reason: a success to whoever read
+    the trace; found by the observability pass)."""
+    from sluice.observe.span_export import MemorySink
+    from sluice.observe.tracing import Tracing
+
+    state = server.server.config.app.state.worker
+    sink = MemorySink()
+    state.tracing = Tracing(sink)
+    try:
+        started = threading.Event()
+        body = {"messages": USER, "max_tokens": 800, "ignore_eos": True, "stream": True}
+        assert stream_lines(server.url + "/v1/chat/completions", body, 4, started) == 4
+        assert wait_until(lambda: engine.stats().num_running == 0 and sink.records, 10)
+    finally:
+        state.tracing = None
+    (span,) = [r for r in sink.records if r.kind == "SERVER"]
+    a = span.attributes
+    assert a["gen_ai.response.finish_reasons"] == ["abort"]
+    assert a["sluice.request.aborted"] is True
+    assert a["gen_ai.usage.input_tokens"] > 0 and 3 <= a["gen_ai.usage.output_tokens"] < 800
+
+
 def test_client_timeout_aborts_a_non_streaming_request(server: ServerThread, engine: Any,
                                                        http: httpx.Client) -> None:
     before = metrics(http)["vllm:generation_tokens_total{model_name=tiny}"]

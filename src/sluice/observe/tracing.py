@@ -382,7 +382,8 @@ class WorkerSpan:
     """The worker's span of one HTTP generation request, and its engine child spans.
 
     Created by `Run.start` when tracing is on; `finished(out)` for each prompt's final
-    output adds the engine's queue/prefill/decode spans and usage; `end()` closes it.
+    output adds the engine's queue/prefill/decode spans and usage, `aborted` a prompt's
+    usage so far when it ends unfinished; `end()` closes it.
     """
 
     def __init__(self, tracing: Tracing, parent: SpanContext | None, operation: str, model: str,
@@ -423,6 +424,14 @@ class WorkerSpan:
                 span.end(end_time=ns(max(end, start)))
         self._latency(times.arrival_time, times.first_scheduled_time, times.first_token_time,
                       times.finished_time)
+
+    def aborted(self, input_tokens: int, output_tokens: int) -> None:
+        """One prompt's engine request was aborted before its end (the client went away,
+        or the request failed): its usage so far and vLLM's finish reason `abort`."""
+        self.input_tokens += input_tokens
+        self.output_tokens += output_tokens
+        self.reasons.append("abort")
+        self.span.set_attribute("sluice.request.aborted", True)
 
     def _latency(self, arrival: float, scheduled: float, first: float | None,
                  done: float | None) -> None:

@@ -106,6 +106,7 @@ class Run(AbstractAsyncContextManager["Run"]):
     admitted: bool = False
     trace: WorkerSpan | None = None  # when tracing is on
     generated: list[int] = field(default_factory=list)  # output tokens per prompt
+    ended: set[int] = field(default_factory=set)  # prompts whose engine request finished
 
     @classmethod
     async def start(cls, state: WorkerState, prompts: Sequence[list[int]],
@@ -154,6 +155,9 @@ class Run(AbstractAsyncContextManager["Run"]):
                 if self.reasons:
                     self.timer.finished(self.reasons)
             if self.trace is not None:
+                for i, prompt_len in enumerate(self.prompt_lens):
+                    if i not in self.ended:  # aborted: the client went away, or a failure
+                        self.trace.aborted(prompt_len, self.generated[i])
                 self.trace.end()
                 self.trace = None
 
@@ -170,6 +174,7 @@ class Run(AbstractAsyncContextManager["Run"]):
 
     def _finished(self, index: int, out: RequestOutput) -> None:
         """One prompt's engine request ended: its engine-phase histograms and spans."""
+        self.ended.add(index)
         self.timer.engine_times(out.metrics, self.generated[index])
         self.timer.request_tokens(self.prompt_lens[index], self.generated[index])
         if self.trace is not None:
