@@ -408,6 +408,27 @@ async def test_revoked_key_rejected_at_once_and_admin_api(sqlite_store: SQLStore
             assert (await bad.get("/admin/tenants")).status_code == 401
 
 
+async def test_admin_reads_one_key_without_its_secret(sqlite_store: SQLStore,
+                                                      stub: StubUpstream) -> None:
+    """`GET /admin/keys/{id}` (LiteLLM's /key/info) was a 405: one key's settings and
+    state took listing them all; it never shows the secret or its digest."""
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+    async with client_for(gw, ADMIN_KEY) as admin:
+        assert (await admin.post("/admin/tenants", json={"name": "a"})).status_code == 201
+        created = (await admin.post("/admin/keys", json={
+            "tenant": "a", "name": "ci", "rpm": 3, "allowed_models": ["m"]})).json()
+        r = await admin.get(f"/admin/keys/{created['id']}")
+        assert r.status_code == 200, r.text
+        one = r.json()
+        assert one == {k: v for k, v in created.items() if k != "key"}
+        assert (one["rpm"], one["allowed_models"], one["revoked_at"]) == (3, ["m"], None)
+        assert created["key"] not in r.text and "digest" not in one
+        assert (await admin.delete(f"/admin/keys/{created['id']}")).status_code == 200
+        assert (await admin.get(f"/admin/keys/{created['id']}")).json()["revoked_at"] is not None
+        r = await admin.get("/admin/keys/key_nope")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "key_not_found", r.text
+
+
 @pytest.mark.parametrize(("method", "path"), [
     ("POST", "/admin/tenants"), ("PATCH", "/admin/tenants/a"), ("POST", "/admin/keys"),
     ("POST", "/admin/purge")])

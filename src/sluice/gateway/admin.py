@@ -12,6 +12,7 @@ usage only: the tenant is taken from the key, never from the query.
     POST   /admin/tenants/{ref}/reset_spend   spend back to 0 (a new budget period)
     POST   /admin/keys                  create        {tenant, name, rpm, ...} -> key shown once
     GET    /admin/keys?tenant=          list (no secrets)
+    GET    /admin/keys/{id}             one key's settings and state (no secret)
     PATCH  /admin/keys/{id}             update settings (limits, models, class, name)
     DELETE /admin/keys/{id}             revoke (also POST /admin/keys/{id}/revoke)
     GET    /admin/usage?tenant=&key=&since=&until=&limit=
@@ -281,6 +282,10 @@ def build_admin_app(state: GatewayState) -> FastAPI:
     def list_keys(tenant: str | None = None) -> dict[str, Any]:
         tenant_id = store.get_tenant(tenant).id if tenant else None
         return {"object": "list", "data": [key_json(k) for k in store.list_keys(tenant_id)]}
+
+    @app.get("/admin/keys/{key_id}", dependencies=guarded)
+    def get_key(key_id: str) -> dict[str, Any]:
+        return key_json(store.get_key(key_id))
 
     @app.patch("/admin/keys/{key_id}", dependencies=guarded,
                openapi_extra=documented(KeyUpdate))

@@ -233,6 +233,10 @@ class Store(ABC):
     def list_keys(self, tenant_id: str | None = None) -> list[ApiKey]: ...
 
     @abstractmethod
+    def get_key(self, key_id: str) -> ApiKey:
+        """One key's settings and state (never its secret); raises NotFoundError."""
+
+    @abstractmethod
     def update_key(self, key_id: str, changes: dict[str, Any]) -> ApiKey:
         """Change a key's settings (its limits, models, class, name); bumps the auth
         version as a tenant change does. Raises NotFoundError."""
@@ -617,6 +621,13 @@ class SQLStore(Store):
             stmt = stmt.where(self.keys.c.tenant_id == tenant_id)
         with self.engine.connect() as conn:
             return [self._key(r) for r in conn.execute(stmt)]
+
+    def get_key(self, key_id: str) -> ApiKey:
+        with self.engine.connect() as conn:
+            row = conn.execute(self.keys.select().where(self.keys.c.id == key_id)).first()
+        if row is None:
+            raise NotFoundError(f"key {key_id!r} not found", param="key_id", code="key_not_found")
+        return self._key(row)
 
     def update_key(self, key_id: str, changes: dict[str, Any]) -> ApiKey:
         known = {f.name for f in fields(KeySettings)}
