@@ -230,3 +230,27 @@ def test_a_command_that_needs_a_subcommand_still_lists_them(
     with pytest.raises(SystemExit):
         main(["bench", "bogus"])
     assert "invalid choice: 'bogus' (choose from 'serve', 'offline')" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["--planner", "bogus"], ["--num-prompts", "0"], ["--policy", "nope"], ["--slo", "ttft=x"],
+    ["--workload", "trace"], ["--policy-option", "x"], ["--prefix-index-blocks", "0"],
+    ["--planner", "slo", "--min-workers", "0", "--max-workers", "2"],
+])
+def test_a_bad_option_is_reported_before_the_no_profile_note(
+        argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """With no calibrated profile, 'no calibrated profile ...; using the built-in default'
+    came first and the option's error after it: a note for a run that never started."""
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path))  # no sim-profile.json there
+    assert main(["sim", "--num-prompts", "2", "--workers", "2", *argv]) == 2
+    assert (err := capsys.readouterr().err).startswith("sluice sim: error: ")
+    assert "no calibrated profile" not in err
+
+
+def test_the_no_profile_note_is_said_when_the_run_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path))
+    assert main(["sim", "--num-prompts", "2", "--workers", "2"]) == 0
+    assert "sluice sim: no calibrated profile" in capsys.readouterr().err

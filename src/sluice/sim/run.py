@@ -75,21 +75,35 @@ SIM_ROWS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def resolve_profile(path: str | None, default_path: str) -> StepProfile:
+NO_PROFILE_NOTE = ("sluice sim: no calibrated profile (run `sluice sim calibrate`); using "
+                   "the built-in default")
+
+
+def profile_path(path: str | None, default_path: str) -> str | None:
+    """The profile to load: `--profile`, else the one `calibrate` wrote, if there is one;
+    None is the built-in default."""
     if path:
-        return load_profile(path)
-    if Path(default_path).exists():
-        return load_profile(default_path)
-    print("sluice sim: no calibrated profile (run `sluice sim calibrate`); using the built-in "
-          "default", file=sys.stderr)
-    return StepProfile()
+        return path
+    return default_path if Path(default_path).exists() else None
+
+
+def resolve_profile(path: str | None, default_path: str) -> StepProfile:
+    """The profile as `profile_path` picks it; the built-in default is said on stderr."""
+    found = profile_path(path, default_path)
+    if found is None:
+        print(NO_PROFILE_NOTE, file=sys.stderr)
+        return StepProfile()
+    return load_profile(found)
 
 
 def profile_from_args(args: argparse.Namespace, default_path: str) -> StepProfile:
+    """The profile with `args`' overrides; silent (`run_from_args` says when it is the
+    built-in default, once every option has been checked)."""
     overhead = args.request_overhead_ms
     if not 0 < args.speedup < math.inf:
         raise InvalidRequestError("--speedup must be > 0 and finite", param="speedup")
-    profile = resolve_profile(args.profile, default_path)
+    found = profile_path(args.profile, default_path)
+    profile = StepProfile() if found is None else load_profile(found)
     if args.speedup != 1:
         profile = profile.faster(args.speedup)
     return profile.with_overrides(
@@ -316,11 +330,15 @@ def run_from_args(args: argparse.Namespace) -> int:
                                   f"{sorted(PLANNERS)}", param="planner")
     planning = planner_config(args, parse_sim_slos(args.slo))
     configs = configs_from_args(args, profile, planning)
+    make_planner(args.planner, configs[0].workers, planning)  # its checks: --min-workers 0
+    sessions = sessions_from_args(args)
+    # notes come after every option is checked: a bad one is its error alone
+    if profile_path(args.profile, default_profile_path()) is None:
+        print(NO_PROFILE_NOTE, file=sys.stderr)
     if args.trace and profile.block_size < 512 and configs[0].workers >= 100:
         print("sluice sim: hint: a Mooncake trace's content is 512-token blocks; "
               "--block-size 512 gives the same hit rates with 32x fewer hashes and KV "
               "blocks (see docs/sim.md)", file=sys.stderr)
-    sessions = sessions_from_args(args)
     results = simulate(configs, sessions, args.planner, planning=planning)
     workload = args.workload or ("trace" if args.trace else "random")
     doc = document(configs, results, workload, args.seed, args.planner, planning)
