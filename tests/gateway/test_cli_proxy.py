@@ -113,6 +113,22 @@ def test_cli_keys_update_changes_a_key_in_place(tmp_path: Path,
     assert "not found" in capsys.readouterr().err
 
 
+def test_cli_keys_list_table_shows_concurrency_and_models(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The table left out `max_concurrent` and `allowed_models` (only --json had them)."""
+    db = ["--database-url", f"sqlite:///{tmp_path / 'cli.db'}"]
+    assert main(["tenants", "create", "acme", *db]) == 0
+    assert main(["keys", "create", "--tenant", "acme", "--max-concurrent", "7",
+                 "--allowed-models", "m1,m2", *db]) == 0
+    assert main(["keys", "create", "--tenant", "acme", *db]) == 0
+    capsys.readouterr()
+    assert main(["keys", "list", *db]) == 0
+    header, limited, free = capsys.readouterr().out.splitlines()
+    assert header.split()[-3:] == ["max_concurrent", "allowed_models", "revoked"]
+    assert limited.split()[-3:] == ["7", "m1,m2", "False"]
+    assert free.split()[-3:] == ["None", "None", "False"]
+
+
 def test_cli_allowed_models_none_lifts_the_list(tmp_path: Path) -> None:
     """`--allowed-models none` allowed one model named "none" (so none of the real ones),
     and nothing on the command line could lift a list once set; `none` lifts it now, as

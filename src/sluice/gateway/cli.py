@@ -387,8 +387,11 @@ def keys_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows))
     else:
+        for row in rows:  # as --allowed-models takes them: m1,m2 (None: any model)
+            if row["allowed_models"] is not None:
+                row["allowed_models"] = ",".join(row["allowed_models"])
         print(_table(rows, ["id", "tenant_id", "name", "display", "priority_class", "rpm",
-                            "tpm", "revoked"]))
+                            "tpm", "max_concurrent", "allowed_models", "revoked"]))
     return 0
 
 
