@@ -207,7 +207,10 @@ def test_a_kv_events_endpoint_that_does_not_bind_fails_the_start(tiny_llama_dir:
     zmq's traceback at its first loop (the publisher was bound after Ready)."""
     config = EngineConfig.from_options(str(tiny_llama_dir), **OPTIONS)
     core = ProcessCore(config, endpoint)
-    with pytest.raises(CoreDied, match="cannot publish KV events on"):
+    with pytest.raises(CoreDied, match="cannot publish KV events on") as died:
         core.wait_ready()
+    # the setting's name crosses the process boundary: the worker names its flag, where it
+    # said 'failed to load the model' (found by the docs pass)
+    assert died.value.param == "kv_events_endpoint"
     core.process.join(timeout=10)
     assert not core.process.is_alive()

@@ -236,7 +236,7 @@ class ThreadCore(CoreClient):
                 raise CoreDied("the engine core thread stopped") from None
             return None
         if isinstance(event, Failed):
-            raise CoreDied(event.message)
+            raise CoreDied(event.message, param=event.param)
         return event
 
     def close(self) -> None:
@@ -332,7 +332,7 @@ class ProcessCore(CoreClient):
         if self._in in ready:
             event = decode(self._in.recv(copy=False).bytes)
             if isinstance(event, Failed):
-                raise CoreDied(event.message)
+                raise CoreDied(event.message, param=event.param)
             return event  # type: ignore[return-value]
         if ready:  # the sentinel: the child has exited
             self.process.join(timeout=1)
@@ -407,8 +407,9 @@ def _core_main(config: EngineConfig, commands_addr: str, events_addr: str,
 
         core = EngineCore(config)
         publisher = open_publisher(kv_events_endpoint)
-    except Exception as exc:
-        emit(Failed(str(exc) if isinstance(exc, SluiceError) else f"{type(exc).__name__}: {exc}"))
+    except Exception as exc:  # a setting's error keeps its name across the process boundary
+        emit(Failed(str(exc), exc.param) if isinstance(exc, SluiceError)
+             else Failed(f"{type(exc).__name__}: {exc}"))
         events.close()
         ctx.term()
         raise SystemExit(1) from None

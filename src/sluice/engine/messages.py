@@ -2,7 +2,7 @@
 
     front end ──► core   Add(CoreRequest) | Abort(request_id) | Finish(request_id, index)
                          | Shutdown
-    core ──► front end   Ready(CoreInfo) | Failed(message) | CoreOutputs(updates, stats, errors)
+    core ──► front end   Ready(CoreInfo) | Failed(message, param) | CoreOutputs(updates, stats, errors)
 
 One `CoreOutputs` per engine step carries every sequence's new tokens, so the IPC
 cost is one small message per step, not one per token per stream. On a thread the
@@ -115,6 +115,7 @@ class Ready:
 @dataclass(frozen=True, slots=True)
 class Failed:
     message: str
+    param: str | None = None  # the setting it names (an InvalidRequestError's), if any
 
 
 @dataclass(slots=True)
@@ -158,7 +159,7 @@ def _to_wire(m: Command | Event) -> list[Any]:
     if isinstance(m, Ready):
         return ["ready", *dataclasses.astuple(m.info)]
     if isinstance(m, Failed):
-        return ["failed", m.message]
+        return ["failed", m.message, m.param]
     return ["shutdown"]
 
 
@@ -179,7 +180,7 @@ def _from_wire(w: list[Any]) -> Command | Event:
     if kind == "ready":
         return Ready(CoreInfo(*args))
     if kind == "failed":
-        return Failed(args[0])
+        return Failed(*args)
     if kind == "shutdown":
         return Shutdown()
     raise ValueError(f"unknown engine message {kind!r}")

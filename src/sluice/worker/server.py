@@ -78,7 +78,9 @@ async def _load_and_attach(app_state: WorkerState, engine_config: EngineConfig,
     try:
         engine = await asyncio.to_thread(load_engine, engine_config, core)
     except Exception as exc:
-        say(f"failed to load the model: {exc}")
+        param = exc.param if isinstance(exc, SluiceError) else None
+        say(f"failed to start: {exc} (--{param.replace('_', '-')})"  # another setting's
+            if param and param != "model" else f"failed to load the model: {exc}")
         if not isinstance(exc, SluiceError):  # a bad --model needs no traceback
             log.exception("model load failed")
         server.should_exit = True
