@@ -71,6 +71,16 @@ def pd_counts(state: RouterState) -> dict[str, float]:
     return out
 
 
+async def answered_both_ways(c: httpx.AsyncClient, url: str) -> None:
+    """A chat of LONG, non-streamed then streamed, answered 200 with the stub's words."""
+    for stream in (False, True):
+        body = chat(LONG, max_tokens=3, stream=stream)
+        r = await c.post(url + "/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        got = r.text if stream else r.json()["choices"][0]["message"]["content"]
+        assert all(w in got for w in answer(body, 3))
+
+
 def no_errors(*stubs: PDStub) -> None:
     assert [e for s in stubs for e in s.errors] == []
 
@@ -188,12 +198,7 @@ async def test_failures_fall_back_to_a_local_prefill_on_a_decode_worker(failure:
     d.fail_pull = failure == "kv_pull"
     async with pd_cluster([p, d], PDConfig(mode="always"), max_retries=0) as (url, state), \
             httpx.AsyncClient(timeout=10) as c:
-        for stream in (False, True):
-            body = chat(LONG, max_tokens=3, stream=stream)
-            r = await c.post(url + "/v1/chat/completions", json=body)
-            assert r.status_code == 200, r.text
-            got = r.text if stream else r.json()["choices"][0]["message"]["content"]
-            assert all(w in got for w in answer(body, 3))
+        await answered_both_ways(c, url)
         assert len(d.locals) == 2 and "kv_transfer_params" not in d.locals[0]
         assert pd_counts(state)["fallback"] == 2.0
         if failure == "kv_pull":
@@ -215,12 +220,7 @@ async def test_with_no_decode_worker_left_a_prefill_worker_serves_the_request_wh
                           max_retries=0) as (url, state), httpx.AsyncClient(timeout=10) as c:
         if decode == "ejected":
             state.pools[0].endpoints[d.url].healthy = False
-        for stream in (False, True):
-            body = chat(LONG, max_tokens=3, stream=stream)
-            r = await c.post(url + "/v1/chat/completions", json=body)
-            assert r.status_code == 200, r.text
-            got = r.text if stream else r.json()["choices"][0]["message"]["content"]
-            assert all(w in got for w in answer(body, 3))
+        await answered_both_ways(c, url)
         assert len(p.locals) == 2 and "kv_transfer_params" not in p.locals[0]
         assert not d.locals and not d.decodes
         assert pd_counts(state)["fallback"] == 2.0
