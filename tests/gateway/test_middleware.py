@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from sluice.gateway.middleware import GatewayMiddleware
 from sluice.gateway.pricing import Price, PriceTable
-from sluice.gateway.store import KeySettings, SQLStore, TenantSettings, UsageQuery
+from sluice.gateway.store import (
+    KeySettings,
+    SQLStore,
+    TenantSettings,
+    UsageQuery,
+    UsageRecord,
+)
 
 from .conftest import ADMIN_KEY, CHAT, client_for, make_state, new_key
 from .stub import PROMPT_TOKENS, StubUpstream
@@ -612,6 +619,40 @@ async def test_usage_queries_out_of_range_are_400s_naming_the_parameter(
     async with client_for(gw, ADMIN_KEY) as admin:
         r = await admin.get("/admin/usage", params={"limit": -1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
+
+
+async def test_usage_since_and_until_take_what_the_cli_takes(
+        sqlite_store: SQLStore, stub: StubUpstream) -> None:
+    """`since=24h` or an ISO time was a 400 ("Input should be a valid number") on
+    /v1/usage and /admin/usage while `sluice usage --since 24h` took it: the routes
+    now read them with the CLI's own parser (`parse_time`)."""
+    key = new_key(sqlite_store, tenant="A")
+    principal = sqlite_store.authenticate(key)
+    assert principal is not None
+    for request_id, ts in (("old", 1704067200.0 - 3600), ("new", None)):
+        record = UsageRecord(request_id=request_id, tenant_id=principal.tenant.id,
+                             key_id=principal.key.id, endpoint="/v1/completions",
+                             model="m", status="ok", http_status=200)
+        sqlite_store.record_usage(record if ts is None else replace(record, ts=ts))
+    gw = GatewayMiddleware(stub, make_state(sqlite_store))
+
+    async def ids(client: Any, path: str, **params: str) -> list[str]:
+        r = await client.get(path, params=params)
+        assert r.status_code == 200, r.text
+        return [row["request_id"] for row in r.json()["data"]]
+
+    async with client_for(gw, key) as c, client_for(gw, ADMIN_KEY) as admin:
+        for client, path in ((c, "/v1/usage"), (admin, "/admin/usage")):
+            assert await ids(client, path, since="1h") == ["new"]
+            assert await ids(client, path, until="30m") == ["old"]
+            assert await ids(client, path, since="2024-01-01T00:00:00+00:00") == ["new"]
+            assert await ids(client, path, until="2024-01-01T00:00:00+00:00") == ["old"]
+            assert await ids(client, path, since="0", until="1d") == ["old"]
+            for name in ("since", "until"):
+                r = await client.get(path, params={name: "1x"})
+                error = r.json()["error"]
+                assert r.status_code == 400 and error["param"] == name, r.text
+                assert "24h" in error["message"], error
 
 
 async def test_usage_and_admin_routes_refuse_query_parameters_they_do_not_take(

@@ -19,6 +19,9 @@ usage only: the tenant is taken from the key, never from the query.
     POST   /admin/purge                 {older_than_days}
     GET    /v1/usage?key=&since=&until=&limit=
 
+`since`/`until` take what `sluice usage` takes (`store.parse_time`, the one parser:
+epoch seconds, ISO 8601, an age like `24h`); anything else is a 400 naming it.
+
 Bodies are read by `json_body`: the shared `load_json_object` (not valid JSON, not an
 object: a 400 naming `body`, as on /v1), then the payload model in strict mode, so
 `"rpm": true` or `"rpm": "5"` is a 400 naming `rpm` instead of a limit of 1 or 5.
@@ -52,6 +55,7 @@ from sluice.gateway.store import (
     Tenant,
     TenantSettings,
     UsageQuery,
+    parse_time,
 )
 from sluice.protocol.edge import http_status_error, load_json_object
 from sluice.protocol.errors import (
@@ -151,6 +155,19 @@ def only_query(*names: str) -> Callable[[Request], None]:
 
 
 USAGE_QUERY = ("tenant", "key", "since", "until", "limit")
+
+
+def usage_query(tenant_id: str | None, key: str | None, since: str | None,
+                until: str | None, limit: int) -> UsageQuery:
+    """`since`/`until` in the forms `sluice usage` takes (`parse_time`: epoch seconds,
+    ISO 8601, an age like `24h`); anything else is a 400 naming the parameter."""
+    times: dict[str, float | None] = {}
+    for name, text in (("since", since), ("until", until)):
+        try:
+            times[name] = parse_time(text)
+        except ValueError as exc:
+            raise InvalidRequestError(f"{name}: {exc}", param=name) from None
+    return UsageQuery(tenant_id, key, times["since"], times["until"], limit)
 
 
 def documented(model: type[_Payload]) -> dict[str, Any]:
@@ -305,10 +322,10 @@ def build_admin_app(state: GatewayState) -> FastAPI:
 
     @app.get("/admin/usage", dependencies=[Depends(admin), Depends(only_query(*USAGE_QUERY))])
     def admin_usage(tenant: str | None = None, key: str | None = None,
-                    since: float | None = None, until: float | None = None,
+                    since: str | None = None, until: str | None = None,
                     limit: int = 1000) -> dict[str, Any]:
         tenant_id = store.get_tenant(tenant).id if tenant else None
-        return usage_json(store, UsageQuery(tenant_id, key, since, until, limit))
+        return usage_json(store, usage_query(tenant_id, key, since, until, limit))
 
     @app.post("/admin/purge", dependencies=guarded, openapi_extra=documented(Purge))
     def purge(body: Annotated[Purge, Depends(json_body(Purge))]) -> dict[str, Any]:
@@ -318,12 +335,12 @@ def build_admin_app(state: GatewayState) -> FastAPI:
     @app.get("/v1/usage")
     def own_usage(principal: Principal = Depends(caller),
                   _: None = Depends(only_query(*USAGE_QUERY)), tenant: str | None = None,
-                  key: str | None = None, since: float | None = None,
-                  until: float | None = None, limit: int = 1000) -> dict[str, Any]:
+                  key: str | None = None, since: str | None = None,
+                  until: str | None = None, limit: int = 1000) -> dict[str, Any]:
         own = principal.tenant
         if tenant is not None and tenant not in (own.id, own.name):
             raise PermissionDeniedError("a key can only read its own tenant's usage",
                                         param="tenant")
-        return usage_json(store, UsageQuery(own.id, key, since, until, limit))
+        return usage_json(store, usage_query(own.id, key, since, until, limit))
 
     return app

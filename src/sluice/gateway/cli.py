@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 import time
 from dataclasses import asdict
@@ -35,6 +34,7 @@ from sluice.gateway.store import (
     SQLStore,
     TenantSettings,
     UsageQuery,
+    parse_time,
 )
 from sluice.observe.cli import add_observe_arguments, buckets
 from sluice.protocol.edge import check_listen
@@ -176,29 +176,6 @@ def _register_usage(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def open_store(args: argparse.Namespace) -> SQLStore:
     return SQLStore(args.database_url or env.get("DATABASE_URL"))
-
-
-def parse_time(text: str | None, now: float | None = None) -> float | None:
-    """Epoch seconds, ISO 8601, or an age (`30m`, `24h`, `7d`) before now. Anything
-    else, or a time that is not finite, is a ValueError that says which forms work."""
-    if text is None:
-        return None
-    now = time.time() if now is None else now
-    age = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text.strip())
-    if age:
-        unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}[age.group(2)]
-        return now - float(age.group(1)) * unit
-    try:
-        value = float(text)
-    except ValueError:
-        try:
-            value = datetime.fromisoformat(text).timestamp()
-        except (ValueError, OverflowError, OSError):
-            value = math.nan
-    if not math.isfinite(value):
-        raise ValueError(f"{text!r} is not a time: give epoch seconds, an ISO 8601 time "
-                         "(2026-01-31T12:00:00) or an age like 30m, 24h or 7d")
-    return value
 
 
 # -- argparse types: a bad value is a usage error naming the flag (exit status 2) ---------

@@ -41,12 +41,14 @@ import contextlib
 import json
 import logging
 import math
+import re
 import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +179,30 @@ class UsageTotals:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cost_usd: float = 0.0
+
+
+def parse_time(text: str | None, now: float | None = None) -> float | None:
+    """Epoch seconds, ISO 8601, or an age (`30m`, `24h`, `7d`) before now. Anything
+    else, or a time that is not finite, is a ValueError that says which forms work.
+    The one parser of `since`/`until`: `sluice usage` and `/v1/usage`, `/admin/usage`."""
+    if text is None:
+        return None
+    now = time.time() if now is None else now
+    age = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text.strip())
+    if age:
+        unit = {"s": 1, "m": 60, "h": 3600, "d": 86400}[age.group(2)]
+        return now - float(age.group(1)) * unit
+    try:
+        value = float(text)
+    except ValueError:
+        try:
+            value = datetime.fromisoformat(text).timestamp()
+        except (ValueError, OverflowError, OSError):
+            value = math.nan
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a time: give epoch seconds, an ISO 8601 time "
+                         "(2026-01-31T12:00:00) or an age like 30m, 24h or 7d")
+    return value
 
 
 @dataclass(frozen=True)
