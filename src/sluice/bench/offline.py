@@ -70,7 +70,9 @@ def _count(low: int) -> Callable[[str], int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     positive = _count(1)
     parser.add_argument("--model", default=None, help="model path (default: SmolLM2 GGUF)")
-    parser.add_argument("--workload", choices=["random", "prefix"], default="random")
+    parser.add_argument("--workload", choices=["random", "prefix"], default="random",
+                        help="random prompts, or one shared prefix and each its own "
+                             "suffix (default %(default)s)")
     parser.add_argument("--num-requests", type=positive, default=None,
                         help="random, prefix: requests (default 64)")
     parser.add_argument("--input-len", type=positive, default=None,
@@ -79,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output tokens per request (default 128; 32 for prefix)")
     parser.add_argument("--batch", type=positive, nargs="+", default=None,
                         help="random: each concurrency to run, sluice max_num_seqs and the "
-                             "peer's batch size (default 32 64); prefix: one (default 64)")
+                             "peer's batch size; prefix: one (default 32 64; prefix: 64)")
     parser.add_argument("--prefix-len", type=_count(0), default=None,
                         help="prefix: shared prompt tokens (default 1024)")
     parser.add_argument("--suffix-len", type=positive, default=None,
@@ -90,18 +92,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer", choices=["transformers", "none"], default=None,
                         help="random, --single-stream: the engine to compare with (default "
                              "transformers; prefix runs sluice with its cache on and off)")
-    parser.add_argument("--max-num-batched-tokens", type=positive, default=2048)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-batched-tokens", type=positive, default=2048,
+                        help="sluice: tokens per engine step (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="random prompts and torch's RNG (default %(default)s)")
     parser.add_argument("--quantization", choices=list(QUANTIZATIONS), default="none",
                         help="sluice's linears: dense (none), on the GGUF file's blocks "
                              "for decode rows (gguf) or on int8 weights (int8); the peer "
-                             "is unchanged")
+                             "is unchanged (default %(default)s)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="sluice: every step through the torch model (no decode graph)")
     parser.add_argument("--no-flops", action="store_true", help="skip the matmul reference")
     parser.add_argument("--speculative-config", default=None,
                         help="sluice: speculative decoding, vLLM's JSON (benchmarks/"
-                             "spec_decode.py compares it with plain decoding)")
+                             "spec_decode.py compares it with plain decoding) (default: off)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="weights and activations, for sluice and the peer alike "
                              "(default float32, not the engine's auto)")

@@ -51,10 +51,12 @@ def _policies(text: str) -> list[str]:
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
-    w.add_argument("--trace", default=None, help="Mooncake JSONL trace (implies --workload trace)")
+    w.add_argument("--trace", default=None, help="Mooncake JSONL trace (implies --workload "
+                   "trace; default: none)")
     w.add_argument("--workload", choices=["random", "shared-prefix", "multi-turn", "trace"],
                    default=None, help="default: trace with --trace, else random")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=0,
+                   help="workload, arrival and router RNG (default %(default)s)")
     w.add_argument("--num-prompts", type=int, default=None,
                    help="requests (sessions for multi-turn); default 100, or every trace row")
     w.add_argument("--input-len", type=int, default=None, help="synthetic (default 128)")
@@ -78,14 +80,16 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    "rate follows a day (a sinusoid from trough at 0 to peak at half "
                    "--duration) (default %(default)s)")
     w.add_argument("--duration", type=float, default=None,
-                   help="--rate-shape daily: the simulated day in seconds")
+                   help="--rate-shape daily: the simulated day in seconds (default: none; "
+                   "--rate-shape daily needs it)")
     w.add_argument("--trough-ratio", type=float, default=None,
                    help="--rate-shape daily: lowest rate over highest (default 0.25)")
     w.add_argument("--request-rate", type=float, default=None,
                    help="synthetic: requests/s, Poisson (default inf: all at once)")
     w.add_argument("--burstiness", type=float, default=None,
                    help="synthetic: gamma shape of the gaps (default 1: Poisson)")
-    w.add_argument("--max-concurrency", type=int, default=None)
+    w.add_argument("--max-concurrency", type=int, default=None,
+                   help="cap on requests in flight (default: no cap)")
 
     c = p.add_argument_group("cluster")
     c.add_argument("--workers", type=int, default=None,
@@ -93,33 +97,40 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    "--min-workers)")
     c.add_argument("--policy", default="cost", help="router policy (default %(default)s)")
     c.add_argument("--compare", type=_policies, default=[], metavar="P1,P2",
-                   help="also run these policies on the same workload, one column each")
+                   help="also run these policies on the same workload, one column each "
+                   "(default: none)")
     c.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="passed to the policy (numbers), e.g. prefix_weight=3")
+                   help="passed to the policy (numbers), e.g. prefix_weight=3 (default: none)")
     c.add_argument("--profile", default=None, help="step-time profile JSON (default: "
                    "$SLUICE_HOME/sim-profile.json if present, else built-in)")
     c.add_argument("--speedup", type=float, default=1.0,
                    help="divide the profile's step times by this: a device this many times "
                    "faster (e.g. 100 gives the CPU profile's 15k-token prefill ~2 s, the "
                    "order of an 8B model on one datacenter GPU; docs/sim.md) (default 1)")
-    c.add_argument("--block-size", type=int, default=None, help="override the profile's")
-    c.add_argument("--num-kv-blocks", type=int, default=None, help="override the profile's")
-    c.add_argument("--max-num-seqs", type=int, default=None, help="override the profile's")
+    c.add_argument("--block-size", type=int, default=None, help="(default: the profile's)")
+    c.add_argument("--num-kv-blocks", type=int, default=None, help="per worker (default: the "
+                   "profile's)")
+    c.add_argument("--max-num-seqs", type=int, default=None, help="(default: the profile's)")
     c.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="override the profile's")
+                   help="(default: the profile's)")
     c.add_argument("--request-overhead-ms", type=float, default=None,
-                   help="HTTP + routing time per request outside the engine (profile's)")
+                   help="HTTP + routing time per request outside the engine (default: the "
+                   "profile's)")
     c.add_argument("--host-contention", type=float, default=None,
                    help="workers share one CPU host: each other busy worker stretches a "
-                   "step by this fraction (profile's; 0: a device each)")
-    c.add_argument("--scrape-interval", type=float, default=0.5, help="router scrape (s)")
-    c.add_argument("--kv-event-lag-ms", type=float, default=2.0)
-    c.add_argument("--prefix-index-blocks", type=int, default=200_000)
+                   "step by this fraction; 0: a device each (default: the profile's)")
+    c.add_argument("--scrape-interval", type=float, default=0.5,
+                   help="seconds between the router's scrapes (default %(default)s)")
+    c.add_argument("--kv-event-lag-ms", type=float, default=2.0,
+                   help="engine step end to the router's prefix index (default %(default)s)")
+    c.add_argument("--prefix-index-blocks", type=int, default=200_000,
+                   help="blocks the router's prefix index holds (default %(default)s)")
     c.add_argument("--planner", default="fixed",
                    help="replica planner: fixed (--workers), or the production planner's "
                    "policy slo | queue | kv between --min-workers and --max-workers "
                    "(default %(default)s)")
-    add_scaling_arguments(c, "autoscale: fewest workers (>= 1)")
+    add_scaling_arguments(c, "autoscale: fewest workers, >= 1 (default: none; an "
+                          "autoscaling --planner needs it)")
     c.add_argument("--planner-interval", type=float, default=None,
                    help="autoscale: seconds between planner ticks (default 1.0, the "
                    "controller's)")
@@ -132,16 +143,19 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="goodput SLOs, e.g. ttft=2s,tpot=100ms (itl = tpot: a request's mean "
                    "ITL); with an autoscaling --planner also its targets (p90 TTFT, mean "
                    "ITL; default ttft=2s,itl=200ms)")
-    o.add_argument("--json", default=None, metavar="FILE", help="everything, per request too")
-    o.add_argument("--plot", default=None, metavar="PNG", help="latency CDFs, throughput")
+    o.add_argument("--json", default=None, metavar="FILE",
+                   help="everything, per request too (default: not written)")
+    o.add_argument("--plot", default=None, metavar="PNG",
+                   help="latency CDFs, throughput (default: not drawn)")
 
 
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="profile file (default $SLUICE_HOME/"
                    "sim-profile.json)")
-    p.add_argument("--model", default=None, help="model (default: the default SmolLM2)")
+    p.add_argument("--model", default=None, help="model (default: sluice's SmolLM2)")
     p.add_argument("--quick", action="store_true", help="fewer points (a smoke test)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per point")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed repeats per point (default %(default)s)")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pool of the profiled engine (default: what the engine sizes)")
     p.add_argument("--cpu-threads", type=int, default=None,
@@ -150,7 +164,8 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-steps", nargs="+", default=None, metavar="PATH",
                    help="fit to the steps real workers logged while serving (their "
                    "`--step-log DIR`; files or directories) instead of timing an engine "
-                   "alone: each step shape's mean, host contention included")
+                   "alone: each step shape's mean, host contention included (default: "
+                   "time an engine)")
 
 
 def _run(args: argparse.Namespace) -> int:
