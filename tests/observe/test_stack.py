@@ -46,7 +46,7 @@ ADMIN = "obs-admin"
 PROMPT = "Tell me about the rivers of the world and the cities along them, please."
 # metrics with a series only once their event happened (or a tenant has a budget)
 EVENT_ONLY = ("sluice_router_retries_total", "sluice_router_ejections_total",
-              "sluice_router_migrations_total",
+              "sluice_router_migrations_total", "sluice:requests_rejected_total",
               "sluice_gateway_rejections_total", "sluice_gateway_limiter_errors_total",
               "sluice_gateway_budget_used_ratio")
 
@@ -240,7 +240,7 @@ def test_real_prometheus_scrapes_the_stack_and_evaluates_the_rules(
         assert alerts["SluiceWorkerDown"] == "inactive" and alerts["SluiceTargetDown"] == "inactive"
         # every Grafana panel answers on a healthy stack, but those of events that have
         # not happened (docs/observe.md); the 5xx ratio answered nothing, and the worker's
-        # "refused" panel read a counter nothing increments
+        # "refused" panel read a counter nothing incremented (it counts since 2ddf723)
         empty = [expr for expr in queries()
                  if not _query(prom, expr.replace("$__rate_interval", "1m"))
                  and not any(m in expr for m in EVENT_ONLY)]

@@ -103,6 +103,8 @@ ENGINE = (
           ((_rate("sluice:engine_steps_total", "instance"), "{{instance}}"),)),
     Panel("HTTP generation requests in flight per worker", "short",
           (("sluice:http_requests_pending", "{{instance}}"),)),
+    Panel("Generation requests refused by the worker/s, by reason", "reqps",
+          ((_rate("sluice:requests_rejected_total", "reason"), "{{reason}}"),)),
 )
 
 ROUTER = (
