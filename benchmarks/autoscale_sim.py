@@ -213,7 +213,7 @@ def itl_floor(spec: str, profile: StepProfile) -> float | None:
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", required=True)
     ap.add_argument("--duration", type=float, default=3600.0,
                     help="the simulated day, seconds (default %(default)s)")

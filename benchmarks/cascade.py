@@ -61,7 +61,7 @@ def evaluate(name: str, rows: list[dict[str, str]], escalate: list[bool]) -> dic
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--train", action="store_true", help="refit and write the classifier")
     args = ap.parse_args()
     rows = load()

@@ -186,7 +186,7 @@ def run(config: str, args: argparse.Namespace, model_path: str,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", required=True)
     ap.add_argument("--rows", type=int, default=4000)
     ap.add_argument("--every", type=int, default=10)

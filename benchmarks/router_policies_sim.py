@@ -405,7 +405,7 @@ def replay_one(policy: str | None, sessions: list[list[Any]], args: argparse.Nam
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--policies", nargs="+",
                     default=["round_robin", "least_load", "session", "prefix", "kv", "cost"])
     ap.add_argument("--workers", type=int, default=4)

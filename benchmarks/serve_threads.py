@@ -40,7 +40,7 @@ def bench(url: str, load: list[str]) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--loads", nargs="+", default=list(LOADS), choices=list(LOADS))
     ap.add_argument("--log", default="/tmp/serve_threads.log")
     args = ap.parse_args()

@@ -99,7 +99,7 @@ def start_serve(args: argparse.Namespace, home: str, port: int) -> tuple[subproc
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--requests", type=int, default=40, help="per path")
     ap.add_argument("--max-tokens", type=int, default=8)

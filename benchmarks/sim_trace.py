@@ -88,7 +88,7 @@ def autoscaled(cfg: SimConfig, sessions: list[Any], policy: str, most: int,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", required=True)
     ap.add_argument("--workers", type=int, nargs="+", default=[16, 128, 1000])
     ap.add_argument("--policies", nargs="+", default=POLICIES)

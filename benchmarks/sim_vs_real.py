@@ -179,7 +179,7 @@ def run_real(cluster: RealCluster, name: str, seed: str,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default=None)
     ap.add_argument("--policy", default="cost")
     ap.add_argument("--request-rate", default="1.5")

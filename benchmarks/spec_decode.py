@@ -191,7 +191,7 @@ def bench(llm: LLM, specs: dict[str, Any], prompts: list[list[int]], params: Sam
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--methods", nargs="+", default=["ngram", "suffix"],
                     choices=["ngram", "suffix", "draft_model"])

@@ -189,7 +189,7 @@ def _counted_beside(fn: Any) -> tuple[float, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--backend", default="auto", choices=STRUCTURED_OUTPUTS_BACKENDS,
                         help="structured_outputs_backend (default: %(default)s)")

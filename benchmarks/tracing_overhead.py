@@ -159,7 +159,7 @@ def engine_part(args: argparse.Namespace, sink: str, procs: list[Any]) -> dict[s
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=2,
                     help="router: rounds of (off, on); engine: runs per target, ABBA order")
     ap.add_argument("--seconds", type=float, default=3.0, help="router: seconds per phase")

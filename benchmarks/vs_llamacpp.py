@@ -152,7 +152,7 @@ def http(args: argparse.Namespace, gguf: str, logs: Path, tok: Any) -> dict[str,
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--llama-bin", required=True, help="folder with llama-bench and llama-server")
     p.add_argument("--model", default=None, help="GGUF file (default: the SmolLM2 GGUF)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))

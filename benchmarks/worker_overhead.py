@@ -156,7 +156,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="default: the SmolLM2-135M GGUF")
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=256)
