@@ -129,6 +129,36 @@ def test_cli_keys_list_table_shows_concurrency_and_models(
     assert free.split()[-3:] == ["None", "None", "False"]
 
 
+def test_cli_tenants_delete_revokes_its_keys_and_keeps_its_usage(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """There was no way to delete a tenant: `tenants delete` revokes its keys at once
+    and keeps its ledger records (still read by its name); exit 1 for an unknown one."""
+    db = ["--database-url", f"sqlite:///{tmp_path / 'cli.db'}"]
+    assert main(["tenants", "create", "acme", *db]) == 0
+    capsys.readouterr()
+    assert main(["keys", "create", "--tenant", "acme", *db]) == 0
+    plaintext = capsys.readouterr().out.strip()
+    store = SQLStore(db[1])
+    principal = store.authenticate(plaintext)
+    assert principal is not None
+    store.record_usage(UsageRecord(request_id="r", tenant_id=principal.tenant.id,
+                                   key_id=principal.key.id, endpoint="/v1/completions",
+                                   model="m", status="ok", http_status=200))
+    assert main(["tenants", "delete", "acme", *db]) == 0
+    assert "revoked 1 key(s)" in capsys.readouterr().out
+    assert store.authenticate(plaintext) is None
+    assert store.list_tenants() == []
+    assert main(["usage", "--tenant", "acme", "--json", *db]) == 0
+    assert [r["request_id"] for r in json.loads(capsys.readouterr().out)["data"]] == ["r"]
+    assert main(["keys", "list", "--tenant", "acme", "--json", *db]) == 0
+    assert [k["revoked"] for k in json.loads(capsys.readouterr().out)] == [True]
+    assert main(["tenants", "delete", "acme", *db]) == 1
+    assert "not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["tenants", "delete", *db])
+    assert exc.value.code == 2
+
+
 def test_cli_allowed_models_none_lifts_the_list(tmp_path: Path) -> None:
     """`--allowed-models none` allowed one model named "none" (so none of the real ones),
     and nothing on the command line could lift a list once set; `none` lifts it now, as

@@ -20,6 +20,7 @@ from .stub import StubUpstream
 
 ADMIN_ROUTES = [("POST", "/admin/tenants"), ("GET", "/admin/tenants"),
                 ("GET", "/admin/tenants/acme"), ("PATCH", "/admin/tenants/acme"),
+                ("DELETE", "/admin/tenants/acme"),
                 ("POST", "/admin/keys"), ("GET", "/admin/keys"), ("GET", "/admin/keys/k1"),
                 ("DELETE", "/admin/keys/k1"),
                 ("POST", "/admin/keys/k1/revoke"), ("GET", "/admin/usage"),

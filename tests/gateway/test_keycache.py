@@ -191,11 +191,12 @@ async def chat(client: httpx.AsyncClient) -> int:
 
 
 @pytest.mark.services
+@pytest.mark.parametrize("change", ["revoke_key", "delete_tenant"])
 async def test_mirror_a_revocation_by_another_process_is_refused_on_the_next_request(
-        pg_store: SQLStore, mirrored: list[GatewayMiddleware]) -> None:
+        pg_store: SQLStore, mirrored: list[GatewayMiddleware], change: str) -> None:
     """With the mirror a warm replica reads no version from the store per request; a key
-    revoked by another process (the CLI's own store) is still refused by every replica
-    on its next request."""
+    revoked by another process (the CLI's own store), itself or with its whole tenant
+    (`delete_tenant`), is still refused by every replica on its next request."""
     key = new_key(pg_store)
     clients = [client_for(gw, key) for gw in mirrored]
     stores = [gw.state.store for gw in mirrored]
@@ -208,7 +209,10 @@ async def test_mirror_a_revocation_by_another_process_is_refused_on_the_next_req
             assert [await chat(c) for _ in range(5)] == [200] * 5
         assert [s.version_reads for s in stores] == reads  # type: ignore[attr-defined]
         cli = twin(pg_store)
-        cli.revoke_key(pg_store.list_keys()[0].id)
+        if change == "revoke_key":
+            cli.revoke_key(pg_store.list_keys()[0].id)
+        else:
+            cli.delete_tenant("acme")
         cli.close()
         for c in clients:
             assert await chat(c) == 401

@@ -390,6 +390,22 @@ def test_an_old_usage_table_gains_record_id_and_its_unique_index(database: Any) 
         store.close()
 
 
+def test_an_old_tenants_table_gains_deleted_at(database: Any) -> None:
+    url, prefix = database
+    store = SQLStore(url, prefix)
+    t = store.create_tenant("acme", TenantSettings())
+    with store.engine.begin() as conn:  # back to the table as it was before deleted_at
+        conn.execute(sa.text(f"ALTER TABLE {prefix}tenants DROP COLUMN deleted_at"))
+    store.close()
+    store = SQLStore(url, prefix)
+    try:
+        assert [x.id for x in store.list_tenants()] == [t.id]
+        assert store.delete_tenant("acme")[0].deleted_at is not None
+        assert store.list_tenants() == []
+    finally:
+        store.close()
+
+
 def test_a_batch_with_duplicates_and_nulls_writes_each_record_once(any_store: SQLStore) -> None:
     """Nullable columns null in some rows and set in others, a record twice in one
     batch, a record with no record_id (rows from before it existed), then the batch

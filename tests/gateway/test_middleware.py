@@ -436,6 +436,54 @@ async def test_admin_reads_one_key_without_its_secret(sqlite_store: SQLStore,
         assert r.status_code == 404 and r.json()["error"]["code"] == "key_not_found", r.text
 
 
+async def test_deleting_a_tenant_revokes_its_keys_everywhere_and_keeps_its_ledger(
+        sqlite_store: SQLStore, stub: StubUpstream) -> None:
+    """`DELETE /admin/tenants/{ref}` (LiteLLM's /team/delete) was a 405. It revokes
+    every key of the tenant in one transaction that bumps the auth version, so another
+    replica (its own store on the same file) refuses a key it had cached at its next
+    request; a request in flight finishes and is recorded, spend included; the ledger
+    keeps the tenant's records, still read by its name."""
+    prices = PriceTable({"stub-model": Price(1_000_000.0, 2_000_000.0)})
+    replica_a = GatewayMiddleware(stub, make_state(sqlite_store, prices=prices))
+    replica_b = GatewayMiddleware(stub, make_state(SQLStore(sqlite_store.url), prices=prices))
+    async with client_for(replica_a, ADMIN_KEY) as admin:
+        assert (await admin.post("/admin/tenants", json={"name": "a"})).status_code == 201
+        keys = [(await admin.post("/admin/keys", json={"tenant": "a"})).json()
+                for _ in range(2)]
+        async with client_for(replica_b, keys[0]["key"]) as b, \
+                client_for(replica_a, keys[1]["key"]) as a:
+            assert (await b.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            stub.gate = asyncio.Event()
+            in_flight = asyncio.create_task(a.post("/v1/chat/completions", json=CHAT))
+            while len(stub.received) < 2:
+                await asyncio.sleep(0.01)
+            r = await admin.delete("/admin/tenants/a")
+            assert r.status_code == 200, r.text
+            deleted = r.json()
+            assert deleted["name"] == "a" and deleted["deleted_at"] is not None
+            assert deleted["revoked_keys"] == sorted(k["id"] for k in keys)
+            assert (await b.post("/v1/chat/completions", json=CHAT)).status_code == 401
+            stub.gate.set()
+            assert (await in_flight).status_code == 200
+            assert (await a.post("/v1/chat/completions", json=CHAT)).status_code == 401
+        usage = (await admin.get("/admin/usage", params={"tenant": "a"})).json()
+        assert [row["status"] for row in usage["data"]] == ["ok", "ok"]
+        tenant = sqlite_store.get_tenant("a", deleted=True)
+        assert tenant.spend_usd == pytest.approx(usage["totals"]["cost_usd"]) and tenant.spend_usd > 0
+        assert tenant.reserved_usd == 0
+        listed = (await admin.get("/admin/keys", params={"tenant": "a"})).json()["data"]
+        assert [k["revoked_at"] is not None for k in listed] == [True, True]
+        assert (await admin.get("/admin/tenants")).json()["data"] == []
+        for method, path, body in (("GET", "/admin/tenants/a", None),
+                                   ("DELETE", "/admin/tenants/a", None),
+                                   ("PATCH", "/admin/tenants/a", {"rpm": 1}),
+                                   ("POST", "/admin/keys", {"tenant": "a"})):
+            r = await admin.request(method, path, json=body)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "tenant_not_found", r.text
+        r = await admin.post("/admin/tenants", json={"name": "a"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "name"
+
+
 @pytest.mark.parametrize(("method", "path"), [
     ("POST", "/admin/tenants"), ("PATCH", "/admin/tenants/a"), ("POST", "/admin/keys"),
     ("POST", "/admin/purge")])

@@ -148,6 +148,42 @@ def test_reset_spend_keeps_reservations_and_the_ledger(any_store: SQLStore) -> N
 
 
 
+def test_delete_tenant_revokes_its_keys_with_a_version_bump_and_keeps_its_ledger(
+        any_store: SQLStore) -> None:
+    """One transaction marks the tenant deleted, revokes its live keys and bumps the
+    auth version; a request in flight still settles (record, spend, its reservation
+    given back); the records stay; a deleted tenant is found only with deleted=True."""
+    a = any_store.create_tenant("a", TenantSettings(budget_usd=1.0))
+    b = any_store.create_tenant("b", TenantSettings())
+    (k1, p1), (k2, _) = (any_store.create_key("a", KeySettings()) for _ in range(2))
+    any_store.revoke_key(k2.id)
+    _, other = any_store.create_key("b", KeySettings())
+    rid = any_store.reserve_spend(a.id, 0.25, 1.0, lease_s=60)
+    assert rid is not None
+    version = any_store.auth_version()
+    tenant, revoked = any_store.delete_tenant("a")
+    assert tenant.deleted_at is not None and revoked == [k1.id]  # k2 was revoked already
+    assert any_store.auth_version() > version
+    assert any_store.authenticate(p1) is None and any_store.authenticate(other) is not None
+    any_store.record_usage_many([UsageRecord(
+        request_id="in-flight", tenant_id=a.id, key_id=k1.id, endpoint="/v1/completions",
+        model="m", status="ok", http_status=200, cost_usd=0.1)], released=[rid])
+    kept = any_store.get_tenant(a.id, deleted=True)
+    assert (kept.spend_usd, kept.reserved_usd) == (pytest.approx(0.1), pytest.approx(0.0))
+    assert [r.request_id for r in any_store.query_usage(UsageQuery(tenant_id=a.id))] == [
+        "in-flight"]
+    assert [t.id for t in any_store.list_tenants()] == [b.id]
+    for call in (lambda: any_store.get_tenant("a"), lambda: any_store.delete_tenant(a.id),
+                 lambda: any_store.create_key("a", KeySettings()),
+                 lambda: any_store.update_tenant("a", {"rpm": 1}),
+                 lambda: any_store.reset_spend("a")):
+        with pytest.raises(NotFoundError):
+            call()
+    with pytest.raises(InvalidRequestError) as exc:
+        any_store.create_tenant("a", TenantSettings())
+    assert exc.value.param == "name"
+
+
 def start_together(url: str, prefix: str, n: int) -> tuple[list[SQLStore], list[Exception]]:
     """`n` stores on `prefix` constructed at the same moment, one thread each."""
     import threading

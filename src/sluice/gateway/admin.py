@@ -9,6 +9,7 @@ usage only: the tenant is taken from the key, never from the query.
     GET    /admin/tenants               list
     GET    /admin/tenants/{ref}         one (id or name)
     PATCH  /admin/tenants/{ref}         update settings
+    DELETE /admin/tenants/{ref}         delete: its keys revoked, its usage records kept
     POST   /admin/tenants/{ref}/reset_spend   spend back to 0 (a new budget period)
     POST   /admin/keys                  create        {tenant, name, rpm, ...} -> key shown once
     GET    /admin/keys?tenant=          list (no secrets)
@@ -283,6 +284,11 @@ def build_admin_app(state: GatewayState) -> FastAPI:
             changes["allowed_models"] = _models(body.allowed_models)
         return tenant_json(store.update_tenant(ref, changes))
 
+    @app.delete("/admin/tenants/{ref}", dependencies=guarded)
+    def delete_tenant(ref: str) -> dict[str, Any]:
+        tenant, revoked = store.delete_tenant(ref)
+        return {**tenant_json(tenant), "deleted_at": tenant.deleted_at, "revoked_keys": revoked}
+
     @app.post("/admin/tenants/{ref}/reset_spend", dependencies=guarded)
     def reset_spend(ref: str) -> dict[str, Any]:
         return tenant_json(store.reset_spend(ref))
@@ -297,7 +303,7 @@ def build_admin_app(state: GatewayState) -> FastAPI:
 
     @app.get("/admin/keys", dependencies=[Depends(admin), Depends(only_query("tenant"))])
     def list_keys(tenant: str | None = None) -> dict[str, Any]:
-        tenant_id = store.get_tenant(tenant).id if tenant else None
+        tenant_id = store.get_tenant(tenant, deleted=True).id if tenant else None
         return {"object": "list", "data": [key_json(k) for k in store.list_keys(tenant_id)]}
 
     @app.get("/admin/keys/{key_id}", dependencies=guarded)
@@ -324,7 +330,7 @@ def build_admin_app(state: GatewayState) -> FastAPI:
     def admin_usage(tenant: str | None = None, key: str | None = None,
                     since: str | None = None, until: str | None = None,
                     limit: int = 1000) -> dict[str, Any]:
-        tenant_id = store.get_tenant(tenant).id if tenant else None
+        tenant_id = store.get_tenant(tenant, deleted=True).id if tenant else None
         return usage_json(store, usage_query(tenant_id, key, since, until, limit))
 
     @app.post("/admin/purge", dependencies=guarded, openapi_extra=documented(Purge))

@@ -134,7 +134,7 @@ def _tenant_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _register_tenants(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("tenants", help="create, list and update tenants")
+    p = sub.add_parser("tenants", help="create, list, update and delete tenants")
     actions = p.add_subparsers(dest="tenants_action", metavar="ACTION", required=True)
     create = actions.add_parser("create", help="create a tenant")
     create.add_argument("name")
@@ -150,6 +150,11 @@ def _register_tenants(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     _tenant_flags(update)
     _db_flag(update)
     update.set_defaults(func=tenants_update)
+    delete = actions.add_parser("delete", help="delete a tenant: revoke all its keys (at "
+                                               "once); its usage records are kept")
+    delete.add_argument("name", help="tenant id or name")
+    _db_flag(delete)
+    delete.set_defaults(func=tenants_delete)
     reset = actions.add_parser("reset-spend", help="set a tenant's spend back to 0 (a new "
                                                    "budget period; run it from cron)")
     reset.add_argument("name", help="tenant id or name")
@@ -325,6 +330,14 @@ def tenants_update(args: argparse.Namespace) -> int:
 
 
 @_guard
+def tenants_delete(args: argparse.Namespace) -> int:
+    tenant, revoked = open_store(args).delete_tenant(args.name)
+    print(f"deleted tenant {tenant.name} ({tenant.id}): revoked {len(revoked)} key(s); "
+          "its usage records are kept")
+    return 0
+
+
+@_guard
 def tenants_reset_spend(args: argparse.Namespace) -> int:
     tenant = open_store(args).reset_spend(args.name)
     print(f"reset the spend of tenant {tenant.name} to 0")
@@ -357,7 +370,7 @@ def keys_create(args: argparse.Namespace) -> int:
 @_guard
 def keys_list(args: argparse.Namespace) -> int:
     store = open_store(args)
-    tenant_id = store.get_tenant(args.tenant).id if args.tenant else None
+    tenant_id = store.get_tenant(args.tenant, deleted=True).id if args.tenant else None
     rows = [{"id": k.id, "tenant_id": k.tenant_id, "display": k.display,
              "revoked": k.revoked_at is not None, **asdict(k.settings)}
             for k in store.list_keys(tenant_id)]
@@ -392,7 +405,7 @@ def keys_revoke(args: argparse.Namespace) -> int:
 @_guard
 def usage(args: argparse.Namespace) -> int:
     store = open_store(args)
-    tenant_id = store.get_tenant(args.tenant).id if args.tenant else None
+    tenant_id = store.get_tenant(args.tenant, deleted=True).id if args.tenant else None
     query = UsageQuery(tenant_id, args.key, args.since, args.until, args.limit)
     records = store.query_usage(query)
     totals = asdict(store.usage_totals(query))  # every matching record, not only --limit

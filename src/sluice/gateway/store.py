@@ -23,7 +23,8 @@ default and PostgreSQL when given a URL. Two properties matter for exactness:
   with requests in flight leaves their rows behind; `expire_reservations` gives back
   the ones past their lease. Whoever deletes a reservation row (settlement or sweep)
   is the one that subtracts it, so it is released exactly once;
-* every change that matters for admission (`revoke_key`, `update_tenant`) also bumps
+* every change that matters for admission (`revoke_key`, `update_key`, `update_tenant`,
+  `delete_tenant`) also bumps
   one counter row (`auth_version`) in the same transaction; gateways cache
   authenticated keys (`gateway/keycache.py`) and read only that row per request, so
   a revoked key is refused by every replica sharing the database from the next
@@ -118,6 +119,7 @@ class Tenant:
     spend_usd: float
     created_at: float
     reserved_usd: float = 0.0  # worst-case cost of this tenant's requests in flight
+    deleted_at: float | None = None  # `delete_tenant`: its keys revoked, its row kept
 
 
 @dataclass(frozen=True)
@@ -240,8 +242,18 @@ class Store(ABC):
     def update_tenant(self, ref: str, changes: dict[str, Any]) -> Tenant: ...
 
     @abstractmethod
-    def get_tenant(self, ref: str) -> Tenant:
-        """By id or name; raises NotFoundError."""
+    def get_tenant(self, ref: str, *, deleted: bool = False) -> Tenant:
+        """By id or name; raises NotFoundError. A deleted tenant is found only with
+        `deleted=True` (its usage records are still read by it)."""
+
+    @abstractmethod
+    def delete_tenant(self, ref: str) -> tuple[Tenant, list[str]]:
+        """Mark the tenant deleted and revoke every live key of it in one transaction
+        that bumps the auth version (as `revoke_key`), so every replica refuses them
+        from its next request; returns the tenant and the ids of the keys revoked.
+        Its usage records stay (the ledger is an audit record), its row too (the
+        records name it, and its requests in flight still settle their spend into it);
+        its name stays taken. Raises NotFoundError (also for one already deleted)."""
 
     @abstractmethod
     def reset_spend(self, ref: str) -> Tenant:
@@ -361,6 +373,7 @@ def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.
         sa.Column("spend_usd", sa.Float, nullable=False, default=0.0),
         sa.Column("created_at", sa.Float, nullable=False),
         sa.Column("reserved_usd", sa.Float, nullable=False, default=0.0, server_default="0"),
+        sa.Column("deleted_at", sa.Float, nullable=True),
     )
     keys = sa.Table(
         f"{prefix}keys", md,
@@ -492,6 +505,7 @@ class SQLStore(Store):
                              {"name": f"sluice schema {prefix}"})
             self.metadata.create_all(conn)
             self._add_column(conn, self.tenants, "reserved_usd", "FLOAT NOT NULL DEFAULT 0")
+            self._add_column(conn, self.tenants, "deleted_at", "FLOAT")
             if self._add_column(conn, self.usage, "record_id", "VARCHAR(40)"):
                 self._add_unique_index(conn, self.usage, "record_id")
 
@@ -529,7 +543,8 @@ class SQLStore(Store):
             sa.select(k, t.c.name, t.c.settings.label("t_settings"), t.c.spend_usd,
                       t.c.created_at.label("t_created"), t.c.reserved_usd)
             .join(t, t.c.id == k.c.tenant_id)
-            .where(k.c.digest == sa.bindparam("digest"), k.c.revoked_at.is_(None)))
+            .where(k.c.digest == sa.bindparam("digest"), k.c.revoked_at.is_(None),
+                   t.c.deleted_at.is_(None)))
         self._insert_usage = sqlite.insert(u).on_conflict_do_nothing().returning(u.c.record_id)
         self._widths = {c.name: c.type.length for c in u.columns
                         if isinstance(c.type, sa.String) and c.type.length}
@@ -578,7 +593,9 @@ class SQLStore(Store):
                     id=tenant.id, name=name, settings=_dump(settings),
                     spend_usd=0.0, created_at=tenant.created_at))
         except sa.exc.IntegrityError:
-            raise InvalidRequestError(f"tenant {name!r} already exists", param="name") from None
+            raise InvalidRequestError(f"tenant {name!r} already exists (a deleted tenant's "
+                                      "name stays with its usage records)",
+                                      param="name") from None
         return tenant
 
     def update_tenant(self, ref: str, changes: dict[str, Any]) -> Tenant:
@@ -595,9 +612,21 @@ class SQLStore(Store):
         self._tell_mirrors(*announced)
         return replace(tenant, settings=settings)
 
-    def get_tenant(self, ref: str) -> Tenant:
+    def get_tenant(self, ref: str, *, deleted: bool = False) -> Tenant:
         with self.engine.connect() as conn:
-            return self._tenant_row(conn, ref)
+            return self._tenant_row(conn, ref, deleted=deleted)
+
+    def delete_tenant(self, ref: str) -> tuple[Tenant, list[str]]:
+        t, k, now = self.tenants, self.keys, time.time()
+        with self.engine.begin() as conn:
+            tenant = self._tenant_row(conn, ref)
+            conn.execute(t.update().where(t.c.id == tenant.id).values(deleted_at=now))
+            revoked = conn.execute(k.update().where(k.c.tenant_id == tenant.id,
+                                                    k.c.revoked_at.is_(None))
+                                   .values(revoked_at=now).returning(k.c.id)).scalars().all()
+            announced = self._bump(conn)
+        self._tell_mirrors(*announced)
+        return replace(tenant, deleted_at=now), sorted(revoked)
 
     def reset_spend(self, ref: str) -> Tenant:
         with self.engine.begin() as conn:
@@ -607,9 +636,13 @@ class SQLStore(Store):
                                .returning(*t.c)).one()
         return self._tenant(row)
 
-    def _tenant_row(self, conn: sa.Connection, ref: str) -> Tenant:
+    def _tenant_row(self, conn: sa.Connection, ref: str, *, deleted: bool = False) -> Tenant:
+        """A live tenant by id or name (with `deleted`, a deleted one too)."""
         t = self.tenants
-        row = conn.execute(t.select().where(sa.or_(t.c.id == ref, t.c.name == ref))).first()
+        stmt = t.select().where(sa.or_(t.c.id == ref, t.c.name == ref))
+        if not deleted:
+            stmt = stmt.where(t.c.deleted_at.is_(None))
+        row = conn.execute(stmt).first()
         if row is None:
             raise NotFoundError(f"tenant {ref!r} not found", param="tenant", code="tenant_not_found")
         return self._tenant(row)
@@ -617,11 +650,13 @@ class SQLStore(Store):
     @staticmethod
     def _tenant(row: Any) -> Tenant:
         return Tenant(row.id, row.name, _tenant_settings(row.settings), row.spend_usd,
-                      row.created_at, row.reserved_usd)
+                      row.created_at, row.reserved_usd, row.deleted_at)
 
     def list_tenants(self) -> list[Tenant]:
         with self.engine.connect() as conn:
-            rows = conn.execute(self.tenants.select().order_by(self.tenants.c.created_at))
+            t = self.tenants
+            rows = conn.execute(t.select().where(t.c.deleted_at.is_(None))
+                                .order_by(t.c.created_at))
             return [self._tenant(r) for r in rows]
 
     # -- keys ------------------------------------------------------------------------
