@@ -49,3 +49,23 @@ def test_json_tool_calls_are_kept_as_text() -> None:
         "type": "tool_use", "id": "t", "name": "f", "input": {"a": 1}}]}).encode())
     claude.finish()
     assert claude.text == 'ok f{"a": 1}'
+
+
+def test_usage_null_is_taken_out_only_when_the_gateway_asked_for_usage() -> None:
+    """OpenAI puts `"usage": null` on every chunk when include_usage is on; when the
+    gateway added the option (the client did not ask) the client saw it on every chunk.
+    Now it sees the chunks as without the option: no null usage, no usage-only chunk.
+    Cut mid-event (the null's chunk split across feeds, CRLF endings) it is the same."""
+    chunk = {"id": "c", "choices": [{"index": 0, "delta": {"content": "h\u00e9"}}],
+             "usage": None}
+    last = {"id": "c", "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 1}}
+    raw = (f"data: {json.dumps(chunk)}\r\n\r\n".encode() + sse(last) + b"data: [DONE]\n\n")
+    meter = ResponseMeter(strip_usage_chunk=True, streaming=True)
+    out = b"".join(meter.feed(raw[i:i + 7]) for i in range(0, len(raw), 7)) + meter.finish()
+    events = [e for e in out.replace(b"\r\n", b"\n").split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]" and len(events) == 2
+    assert json.loads(events[0][6:]) == {k: v for k, v in chunk.items() if k != "usage"}
+    assert out.startswith(b"data: ") and b"\r\n\r\n" in out
+    assert (meter.prompt_tokens, meter.completion_tokens, meter.text) == (2, 1, "h\u00e9")
+    asked = ResponseMeter(streaming=True)
+    assert asked.feed(raw) + asked.finish() == raw  # the client's own option: as sent

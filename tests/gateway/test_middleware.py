@@ -328,9 +328,12 @@ async def test_streaming_usage_is_metered_and_extra_chunk_stripped(
         assert events[-1] == "data: [DONE]"
         chunks = [json.loads(e[6:]) for e in events[:-1]]
         assert len(chunks) == 5 and all(ch["choices"] for ch in chunks)  # no usage chunk
+        assert not any("usage" in ch for ch in chunks)  # nor the option's usage: null
         r = await c.post("/v1/chat/completions", json={
             **CHAT, "stream": True, "stream_options": {"include_usage": True}})
-        last = json.loads([e for e in r.text.split("\n\n") if e][-2][6:])
+        chunks = [json.loads(e[6:]) for e in r.text.split("\n\n") if e and e != "data: [DONE]"]
+        assert all(ch["usage"] is None for ch in chunks[:-1])  # asked for: as sent
+        last = chunks[-1]
         assert last["choices"] == [] and last["usage"]["completion_tokens"] == 5
     records = sqlite_store.query_usage(UsageQuery())
     assert [(x.status, x.prompt_tokens, x.completion_tokens) for x in records] == [

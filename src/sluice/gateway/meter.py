@@ -24,7 +24,9 @@ adapter, or a cascade's small or large model, router/cascade.py), which the ledg
 records and prices.
 
 When the gateway itself asked for `include_usage` (the client did not), the meter drops
-that usage-only chunk so the client sees the stream it asked for. The accumulated
+that usage-only chunk, and takes the `"usage": null` an upstream that follows OpenAI
+puts on every other chunk then out of them (such a chunk is re-encoded), so the client
+sees the stream it would have seen without the option. The accumulated
 content lets an aborted stream be charged for the tokens it produced so far.
 """
 
@@ -70,8 +72,7 @@ class ResponseMeter:
         while (match := _EVENT_END.search(self._buffer)) is not None:
             event = bytes(self._buffer[: match.end()])
             del self._buffer[: match.end()]
-            if self._on_event(event):
-                out += event
+            out += self._on_event(event)
         return bytes(out)
 
     def finish(self) -> bytes:
@@ -81,9 +82,7 @@ class ResponseMeter:
             return b""
         rest = bytes(self._buffer)
         self._buffer.clear()
-        if rest.strip() and not self._on_event(rest):
-            return b""
-        return rest
+        return self._on_event(rest) if rest.strip() else rest
 
     # -- parsing -----------------------------------------------------------------------
 
@@ -97,9 +96,11 @@ class ResponseMeter:
             self._take_usage(obj.get("usage"))
             self._take_text(obj)
 
-    def _on_event(self, event: bytes) -> bool:
-        """Parse one SSE event; False if it must not reach the client."""
-        for line in event.splitlines():
+    def _on_event(self, event: bytes) -> bytes:
+        """Parse one SSE event; the bytes of it the client gets (b"": none)."""
+        lines = event.splitlines(keepends=True)
+        changed = False
+        for i, line in enumerate(lines):
             if not line.startswith(b"data:"):
                 continue
             payload = line[5:].strip()
@@ -110,9 +111,16 @@ class ResponseMeter:
                 obj = json.loads(payload)
             except ValueError:
                 continue
-            if isinstance(obj, dict) and not self._on_chunk(obj):
-                return False
-        return True
+            if not isinstance(obj, dict):
+                continue
+            if not self._on_chunk(obj):
+                return b""
+            if self.strip_usage_chunk and "usage" in obj and obj["usage"] is None:
+                del obj["usage"]  # OpenAI's null on every chunk, there only for the option
+                end = line[len(line.rstrip(b"\r\n")):]
+                lines[i] = b"data: " + json.dumps(obj, separators=(",", ":")).encode() + end
+                changed = True
+        return b"".join(lines) if changed else event
 
     def _on_chunk(self, obj: dict[str, Any]) -> bool:
         if self.protocol == "anthropic":
