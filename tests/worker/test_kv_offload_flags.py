@@ -35,7 +35,7 @@ def test_bad_values_exit_2_with_the_reason(flag: str, value: str, words: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     args = parse("worker", flag, value)
     assert args.func(args) == 2
-    assert words in capsys.readouterr().out
+    assert words in capsys.readouterr().err  # flag errors go to stderr (37e18aa)
 
 
 def test_tier_series_on_metrics() -> None:
