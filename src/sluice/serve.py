@@ -222,7 +222,9 @@ def gateway_wrap(args: argparse.Namespace, cache: TokenCache) -> Any:
                                                        cache=cache),
         buckets=observe_buckets(args))
     key = ensure_dev_key(state.store)
-    say(f"API key for the dev tenant: {key}  (saved in {env.home() / 'dev-key'})")
+    say(f"API key for the dev tenant: {key}  (saved in {env.home() / 'dev-key'})" if key else
+        "no dev key: the dev tenant was deleted; send a key of another tenant (sluice keys "
+        "create --tenant NAME)")
 
     def wrap(app: Any) -> Any:
         return GatewayMiddleware(app, state)

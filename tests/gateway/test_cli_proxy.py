@@ -258,6 +258,19 @@ def test_dev_key_is_created_once_and_reused(sqlite_store: SQLStore, tmp_path: Pa
     assert fresh != key and sqlite_store.authenticate(fresh) is not None
 
 
+def test_a_deleted_dev_tenant_leaves_serve_without_a_dev_key(sqlite_store: SQLStore,
+                                                              tmp_path: Path) -> None:
+    """Deleting the dev tenant took its key away; `sluice serve` used to fail at start
+    ('tenant dev already exists': a deleted tenant's name stays taken). It starts without
+    a dev key instead, and mints none (that would undo the deletion)."""
+    path = tmp_path / "home" / "dev-key"
+    key = ensure_dev_key(sqlite_store, path)
+    sqlite_store.delete_tenant("dev")
+    assert sqlite_store.authenticate(key) is None
+    assert ensure_dev_key(sqlite_store, path) is None
+    assert [k for k in sqlite_store.list_keys() if k.revoked_at is None] == []
+
+
 def test_price_table_file_and_default(tmp_path: Path) -> None:
     f = tmp_path / "prices.yaml"
     f.write_text("gpt-x: {input_per_million: 2.0, output_per_million: 8.0}\n"

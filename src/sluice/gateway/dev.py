@@ -12,11 +12,13 @@ from sluice.protocol.errors import NotFoundError
 DEV_TENANT = "dev"
 
 
-def ensure_dev_key(store: Store, path: Path | None = None) -> str:
+def ensure_dev_key(store: Store, path: Path | None = None) -> str | None:
     """The dev tenant's key, stored in `sluice.env.home()/dev-key` (mode 0600).
 
     Returns the saved key if it still authenticates; otherwise creates the `dev` tenant
-    (interactive class, no limits) if missing, mints a key, saves and returns it.
+    (interactive class, no limits) if missing, mints a key, saves and returns it. None if
+    the `dev` tenant was deleted (`sluice tenants delete dev`): that took the dev key
+    away, and minting another would undo it; the server starts without one.
     """
     path = path or env.home() / "dev-key"
     if path.exists():
@@ -24,7 +26,8 @@ def ensure_dev_key(store: Store, path: Path | None = None) -> str:
         if saved and store.authenticate(saved) is not None:
             return saved
     try:
-        store.get_tenant(DEV_TENANT)
+        if store.get_tenant(DEV_TENANT, deleted=True).deleted_at is not None:
+            return None
     except NotFoundError:
         store.create_tenant(DEV_TENANT, TenantSettings(priority_class="interactive"))
     _, plaintext = store.create_key(DEV_TENANT, KeySettings(name="dev"))
