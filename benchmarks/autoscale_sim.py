@@ -236,7 +236,8 @@ def parse_args() -> argparse.Namespace:
                     "ITL to its target while goodput counts each request's TPOT, so a "
                     "tighter ITL here keeps the requests above the mean good")
     ap.add_argument("--planner", default="slo", help="slo | queue | kv (default %(default)s)")
-    add_scaling_arguments(ap, "the planner's fewest (default %(default)s)", min_default=1)
+    add_scaling_arguments(ap, "the planner's fewest (default %(default)s)",
+                          "the planner's most (default: the peak-sized pool)", min_default=1)
     ap.add_argument("--initial-workers", type=int, default=None,
                     help="the planner's pool at the start of the day (default: the peak-sized "
                     "pool times --trough-ratio, rounded up: where a planner that ran through "

@@ -104,7 +104,8 @@ def add_control_arguments(p: argparse.ArgumentParser) -> None:
                    help="--backend external: http://NAME:PORT, every address NAME resolves "
                         "to is a worker, re-resolved every 5 s (a Kubernetes headless "
                         "Service: one per ready pod; docs/router.md)")
-    add_scaling_arguments(g, "autoscale: fewest workers; 0 scales to zero when idle")
+    add_scaling_arguments(g, "autoscale: fewest workers; 0 scales to zero when idle",
+                          "autoscale: most workers (default: --min-workers, at least 1)")
     g.add_argument("--slo", default="ttft=2s,itl=200ms",
                    help="targets of the slo planner policy: p90 TTFT and mean ITL "
                         "(default: %(default)s)")

@@ -11,7 +11,6 @@ import pytest
 from sluice.sim.cli import add_calibrate_arguments, add_run_arguments
 
 SWITCHES = (argparse._HelpAction, argparse._StoreTrueAction, argparse._StoreFalseAction)
-NOT_OURS = {"--max-workers"}  # sluice.control.flags' help, shared with `sluice serve`
 
 
 def options_without_one_default(add: Callable[[argparse.ArgumentParser], None]) -> list[str]:
@@ -19,8 +18,7 @@ def options_without_one_default(add: Callable[[argparse.ArgumentParser], None]) 
     add(parser)
     formatter = parser._get_formatter()
     return [f"{action.option_strings[0]}: {text!r}" for action in parser._actions
-            if not isinstance(action, SWITCHES) and action.option_strings[0] not in NOT_OURS
-            and ((text := formatter._expand_help(action) if action.help else "")
+            if not isinstance(action, SWITCHES) and ((text := formatter._expand_help(action) if action.help else "")
                  .count("default") != 1 or "None" in text)]
 
 

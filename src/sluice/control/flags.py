@@ -42,13 +42,13 @@ def named_by_flags(make: Callable[[], T], flags: Mapping[str, str] = FLAGS) -> T
                                   param=flags[exc.param][2:].replace("-", "_")) from exc
 
 
-def add_scaling_arguments(g: argparse._ActionsContainer, min_help: str,
+def add_scaling_arguments(g: argparse._ActionsContainer, min_help: str, max_help: str,
                           min_default: int | None = None) -> None:
     """--min-workers, --max-workers, --scale-up-delay, --scale-down-delay,
     --scale-down-margin, --max-step-down, --lookahead, --target-ongoing-requests and
-    --target-kv-usage (the defaults are PlannerConfig's)."""
+    --target-kv-usage (the defaults are PlannerConfig's; the bounds' each command says)."""
     g.add_argument("--min-workers", type=int, default=min_default, help=min_help)
-    g.add_argument("--max-workers", type=int, default=None, help="autoscale: most workers")
+    g.add_argument("--max-workers", type=int, default=None, help=max_help)
     g.add_argument("--scale-up-delay", type=float, default=5.0,
                    help="seconds a larger count must be wanted before scaling up "
                         "(default: %(default)s)")

@@ -130,7 +130,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    "policy slo | queue | kv between --min-workers and --max-workers "
                    "(default %(default)s)")
     add_scaling_arguments(c, "autoscale: fewest workers, >= 1 (default: none; an "
-                          "autoscaling --planner needs it)")
+                          "autoscaling --planner needs it)",
+                          "autoscale: most workers (default: none; an autoscaling "
+                          "--planner needs it)")
     c.add_argument("--planner-interval", type=float, default=None,
                    help="autoscale: seconds between planner ticks (default 1.0, the "
                    "controller's)")
