@@ -8,18 +8,8 @@ from collections.abc import Callable
 
 import pytest
 
+from help_text import options_without_one_default
 from sluice.sim.cli import add_calibrate_arguments, add_run_arguments
-
-SWITCHES = (argparse._HelpAction, argparse._StoreTrueAction, argparse._StoreFalseAction)
-
-
-def options_without_one_default(add: Callable[[argparse.ArgumentParser], None]) -> list[str]:
-    parser = argparse.ArgumentParser()
-    add(parser)
-    formatter = parser._get_formatter()
-    return [f"{action.option_strings[0]}: {text!r}" for action in parser._actions
-            if not isinstance(action, SWITCHES) and ((text := formatter._expand_help(action) if action.help else "")
-                 .count("default") != 1 or "None" in text)]
 
 
 @pytest.mark.parametrize("add", [add_run_arguments, add_calibrate_arguments],
