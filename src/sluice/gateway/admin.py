@@ -211,6 +211,15 @@ def _models(values: list[str] | None) -> tuple[str, ...] | None:
     return tuple(values) if values is not None else None
 
 
+def _changes(body: TenantUpdate | KeyUpdate) -> dict[str, Any]:
+    """A PATCH body's fields that were sent (`null` included: it lifts a setting), the
+    allowed models as the store keeps them."""
+    changes = body.model_dump(exclude_unset=True)
+    if "allowed_models" in changes:
+        changes["allowed_models"] = _models(body.allowed_models)
+    return changes
+
+
 def _bearer(request: Request) -> str | None:
     auth = request.headers.get("authorization", "")
     if auth.lower().startswith("bearer "):
@@ -279,10 +288,7 @@ def build_admin_app(state: GatewayState) -> FastAPI:
                openapi_extra=documented(TenantUpdate))
     def update_tenant(ref: str, body: Annotated[TenantUpdate, Depends(json_body(TenantUpdate))]
                       ) -> dict[str, Any]:
-        changes = body.model_dump(exclude_unset=True)
-        if "allowed_models" in changes:
-            changes["allowed_models"] = _models(body.allowed_models)
-        return tenant_json(store.update_tenant(ref, changes))
+        return tenant_json(store.update_tenant(ref, _changes(body)))
 
     @app.delete("/admin/tenants/{ref}", dependencies=guarded)
     def delete_tenant(ref: str) -> dict[str, Any]:
@@ -314,9 +320,7 @@ def build_admin_app(state: GatewayState) -> FastAPI:
                openapi_extra=documented(KeyUpdate))
     def update_key(key_id: str, body: Annotated[KeyUpdate, Depends(json_body(KeyUpdate))]
                    ) -> dict[str, Any]:
-        changes = body.model_dump(exclude_unset=True)
-        if "allowed_models" in changes:
-            changes["allowed_models"] = _models(body.allowed_models)
+        changes = _changes(body)
         if changes.get("name", "") is None:
             raise InvalidRequestError("name must be a string", param="name")
         return key_json(store.update_key(key_id, changes))
