@@ -58,6 +58,7 @@ class StubState:
     publisher: Any = None  # KVEventPublisher
     block_size: int = 16
     has_tokenize: bool = True
+    tokenize_delay_s: float = 0.0  # /tokenize answers after this long (a hung worker's)
     tokenize_calls: int = 0
     tokenized_models: list[Any] = field(default_factory=list)  # `model` of each /tokenize
     requests: list[dict[str, Any]] = field(default_factory=list)
@@ -134,6 +135,8 @@ def make_stub(state: StubState) -> Starlette:
 
     async def tokenize(request: Request) -> Response:
         state.tokenize_calls += 1
+        if state.tokenize_delay_s:
+            await asyncio.sleep(state.tokenize_delay_s)
         if not state.has_tokenize:
             return JSONResponse({"detail": "Not Found"}, status_code=404)
         body = await request.json()

@@ -8,6 +8,7 @@ import asyncio
 import functools
 import json
 import random
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -556,6 +557,21 @@ async def test_prompt_tokens_come_from_worker_tokenize_cached_and_skipped_when_m
             r = await c.post("/v1/chat/completions", json=chat(f"prompt {i}"))
             assert r.status_code == 200
         assert b.tokenize_calls == 1  # a 404 is not asked again for a while
+
+
+async def test_a_tokenize_that_hangs_leaves_the_request_routed_without_tokens(
+        cluster: Cluster) -> None:
+    """A worker whose /tokenize answers nothing (frozen, before the probes eject it) held
+    each request that asked it for the read timeout (600 s); it waits the probes' timeout
+    (`connect_timeout_s`), then the request is routed without its tokens."""
+    a = StubState("a", tokenize_delay_s=2.5)  # (the stub's shutdown waits for it)
+    async with cluster([a], policy="cost", connect_timeout_s=0.3) as (router, _), \
+            httpx.AsyncClient(base_url=router, timeout=10) as c:
+        start = time.monotonic()
+        r = await c.post("/v1/chat/completions", json=chat("a prompt"))
+        took = time.monotonic() - start
+    assert r.status_code == 200 and a.tokenize_calls == 1
+    assert took < 2.0, took  # the tokenize's timeout, not its answer
 
 
 # --- `sluice router`'s own server: HTTP/1.1 details the ASGI front leaves to uvicorn ---------

@@ -99,7 +99,8 @@ class RouterState:
                                on_hung=lambda endpoint: self.proxy.cut_stalled(
                                    endpoint, self.config.stalled_stream_timeout_s))
         self.tokenizer = PromptTokenizer(
-            self.client, self.token_cache or TokenCache(self.config.tokenize_cache_size))
+            self.client, self.token_cache or TokenCache(self.config.tokenize_cache_size),
+            timeout_s=self.config.connect_timeout_s)
         self.zmq_ctx = zmq.asyncio.Context()
         self.buffer = RequestBuffer(self.config.buffer_max_requests, self.config.buffer_timeout_s)
         self.releases = Releases(lambda: self.pools, self.upstream, self.breakers,

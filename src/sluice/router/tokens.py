@@ -11,7 +11,9 @@ boundary. The router therefore hashes token blocks of the *templated, tokenized*
    names one, through the process's `TokenCache`; the ids then go on to the worker in
    the same header, so the worker does not tokenize again;
 3. otherwise the worker's `/tokenize` (vLLM's shape; `messages` for chat); a worker
-   whose /tokenize fails or is missing is not asked again for a minute.
+   whose /tokenize fails or is missing is not asked again for a minute; one that has
+   not answered within the probes' timeout (a hung worker) leaves the request routed
+   without its tokens.
 
 Repeated prompts cost one dictionary lookup. A failure yields None and the request is
 routed on load alone.
@@ -75,9 +77,13 @@ class Tokenized:
 class PromptTokenizer:
     """Token ids for prompts; one per router, shared by its pools."""
 
-    def __init__(self, client: httpx.AsyncClient, cache: TokenCache) -> None:
+    def __init__(self, client: httpx.AsyncClient, cache: TokenCache,
+                 timeout_s: float = 2.0) -> None:
+        """`timeout_s`: how long a worker's /tokenize may take before the request is
+        routed without its tokens (a hung worker held every request asking it)."""
         self.client = client
         self.cache = cache
+        self.timeout = httpx.Timeout(timeout_s)
         self._remote_cache: OrderedDict[RemoteKey, PromptTokens] = OrderedDict()
         self._unsupported: dict[str, float] = {}  # worker url -> retry /tokenize after
         self._fingerprints: dict[int, str] = {}  # id(local tokenizer) -> fingerprint
@@ -135,7 +141,7 @@ class PromptTokenizer:
         if self._unsupported.get(url, 0.0) > time.monotonic():
             return None
         try:
-            resp = await self.client.post(f"{url}/tokenize", json=body)
+            resp = await self.client.post(f"{url}/tokenize", json=body, timeout=self.timeout)
             tokens = resp.json().get("tokens") if resp.status_code == 200 else None
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             log.debug("tokenize via %s failed: %s", url, exc)
