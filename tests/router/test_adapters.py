@@ -606,3 +606,26 @@ def test_cli_flags_register_adapters_aliases_and_the_replica_cap() -> None:
     assert [(a.name, a.target) for a in config.aliases] == [("fast", "sql")]
     assert [(a.name, a.path) for a in config.adapters] == [("sql", "/a/sql")]
     assert config.adapter_placement.max_adapter_replicas == 3
+
+
+async def test_a_hung_worker_s_model_list_does_not_hold_the_sync_round() -> None:
+    """A sync round read each worker's /v1/models with the read timeout (600 s), so a hung
+    worker held the round (and a router starting beside it, which syncs first); it waits
+    the probes' timeout, then that worker is skipped this round."""
+    import time
+
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def hung(_: Any) -> JSONResponse:
+        await asyncio.sleep(2.5)  # (the stub's shutdown waits for it)
+        return JSONResponse({"data": []})
+
+    async with serve(Starlette(routes=[Route("/v1/models", hung)])) as url, \
+            httpx.AsyncClient() as client:
+        adapters = Adapters([], AdapterPlacement(), client, lambda: [], CollectorRegistry(),
+                            read_timeout_s=0.3)
+        start = time.monotonic()
+        assert await adapters._read_adapters(url) is None
+        assert time.monotonic() - start < 2.0

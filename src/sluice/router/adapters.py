@@ -128,11 +128,14 @@ class Adapters:
 
     def __init__(self, specs: Iterable[AdapterSpec], placement: AdapterPlacement,
                  client: httpx.AsyncClient, pools: Callable[[], list[Pool]],
-                 registry: CollectorRegistry, clock: Callable[[], float] = time.monotonic
-                 ) -> None:
+                 registry: CollectorRegistry, clock: Callable[[], float] = time.monotonic,
+                 read_timeout_s: float = 2.0) -> None:
+        """`read_timeout_s`: a worker's /v1/models and /metrics in a sync round (a hung
+        worker's would hold the round, and a router starting beside it)."""
         self.specs: dict[str, AdapterSpec] = {s.name: s for s in specs}
         self.placement = placement
         self.client = client
+        self.read_timeout = httpx.Timeout(read_timeout_s)
         self.pools = pools
         self.clock = clock
         self.load_s = placement.load_s
@@ -634,10 +637,10 @@ class Adapters:
     async def _read_adapters(self, url: str) -> tuple[tuple[str, ...], set[str]] | None:
         """The worker's model ids, and which of them are adapters (have a `parent`)."""
         try:
-            resp = await self.client.get(url + "/v1/models")
+            resp = await self.client.get(url + "/v1/models", timeout=self.read_timeout)
             data = resp.json().get("data", []) if resp.status_code == 200 else None
             if self.placement.adapters_per_worker is None and url not in self.capacity:
-                metrics = await self.client.get(url + "/metrics")
+                metrics = await self.client.get(url + "/metrics", timeout=self.read_timeout)
                 match = _MAX_LORA.search(metrics.text)
                 if match:
                     self.capacity[url] = int(match.group(1))

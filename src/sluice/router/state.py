@@ -108,7 +108,8 @@ class RouterState:
         self.pd = PD(self.client, self.upstream, self.metrics, self.config.max_retries,
                      self.config.eject_after_failures, self.breakers, self.buckets)
         self.adapters = Adapters(self.config.adapters, self.config.adapter_placement,
-                                 self.client, lambda: self.pools, self.metrics.registry)
+                                 self.client, lambda: self.pools, self.metrics.registry,
+                                 read_timeout_s=self.config.connect_timeout_s)
         self.aliases = Aliases(self.config.aliases)
         for pool_config in self.config.pools:
             self.add_pool(pool_config)
