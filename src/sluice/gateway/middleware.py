@@ -60,10 +60,10 @@ from sluice.gateway.pricing import Price
 from sluice.gateway.state import GatewayState
 from sluice.gateway.store import Principal, UsageRecord
 from sluice.gateway.tokens import estimate_view
-from sluice.protocol import anthropic
 from sluice.protocol.edge import (
     ANTHROPIC_PATHS,
     BodyLimit,
+    error_event,
     load_json_object,
     read_body,
     refuse_kv_transfer_params,
@@ -650,11 +650,7 @@ class Exchange:
         if not self.meter.ended:
             error = SluiceError(f"upstream failed mid-stream: {type(exc).__name__}: {exc}")
             error.status_code = 502
-            if self.protocol == "anthropic":
-                event = b"event: error\ndata: " + json.dumps(anthropic.error_body(error)).encode()
-            else:
-                event = b"data: " + json.dumps(error.to_dict()).encode()
-            event += b"\n\n"
+            event = error_event(error, self.endpoint)
         await self.send({"type": "http.response.body", "body": event, "more_body": False})
 
     # -- 5: settle ---------------------------------------------------------------------

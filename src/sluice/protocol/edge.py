@@ -211,6 +211,13 @@ def error_json(exc: SluiceError, path: str = "") -> bytes:
     return json.dumps(body).encode()
 
 
+def error_event(exc: SluiceError, path: str = "") -> bytes:
+    """A stream's error event for a client of `path`, the way its API streams one:
+    Anthropic's `event: error` on the Messages API, OpenAI's `data: {"error": ...}`."""
+    head = b"event: error\ndata: " if path in ANTHROPIC_PATHS else b"data: "
+    return head + error_json(exc, path) + b"\n\n"
+
+
 def error_headers(exc: SluiceError, body: bytes, *, close: bool = False
                   ) -> list[tuple[bytes, bytes]]:
     headers = [(b"content-type", b"application/json"),

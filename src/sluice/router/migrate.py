@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-from sluice.protocol.edge import error_json
+from sluice.protocol.edge import error_event
 from sluice.protocol.errors import SluiceError
 from sluice.protocol.prompt import RESUME_HEADER, TOKENIZER_HEADER, ResumeIds
 from sluice.router.buffer import RequestBuffer
@@ -66,15 +66,14 @@ class Dialect:
     error: bytes  # a worker's mid-stream error event starts with it
     finished: bytes  # in the event after which only the end is missing
     end: bytes  # the end event the router sends when only it is missing
-    error_event: bytes  # what precedes an error's JSON in its event
     rewrite: bool  # resumed events get the first worker's `id` and `created`
 
 
 OPENAI = Dialect(b"data: [DONE]", b'data: {"error"', b'"finish_reason":"',
-                 b"data: [DONE]\n\n", b"data: ", rewrite=True)
+                 b"data: [DONE]\n\n", rewrite=True)
 ANTHROPIC = Dialect(b"event: message_stop", b"event: error", b"event: message_delta",
                     b'event: message_stop\ndata: {"type": "message_stop"}\n\n',
-                    b"event: error\ndata: ", rewrite=False)
+                    rewrite=False)
 
 
 def migratable(req: ParsedRequest) -> bool:
@@ -274,9 +273,8 @@ class MigratingRelay(Relay):
 
     def _give_up(self, message: str) -> bytes:
         self.broken = message
-        body = error_json(SluiceError(message, code="migration_failed"),
-                          self.path.decode("latin-1"))
-        return self.dialect.error_event + body + b"\n\n"
+        return error_event(SluiceError(message, code="migration_failed"),
+                           self.path.decode("latin-1"))
 
 
 def _json(event: bytes) -> dict[str, Any]:
