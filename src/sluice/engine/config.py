@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from sluice.engine.sampling_params import seed_in_range
 from sluice.protocol.errors import InvalidRequestError
 
 KERNEL_BACKENDS = ("auto", "torch", "native")  # see sluice.engine.native
@@ -48,7 +49,7 @@ class ModelConfig:
     cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+        if not seed_in_range(self.seed):
             raise InvalidRequestError("seed must be in [-2**63, 2**64)", param="seed")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise InvalidRequestError("cpu_threads must be at least 1", param="cpu_threads")

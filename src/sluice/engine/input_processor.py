@@ -13,7 +13,6 @@ torch, no engine state.
 
 from __future__ import annotations
 
-import numbers
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -21,7 +20,7 @@ from typing import Protocol
 from sluice.engine.block_manager import blocks_needed
 from sluice.engine.lora import LoRARequest
 from sluice.engine.messages import CoreInfo, CoreRequest
-from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.sampling_params import SamplingParams, is_integer
 from sluice.engine.structured_output import check_constraint
 from sluice.protocol.errors import ContextLengthError, InvalidRequestError
 
@@ -71,8 +70,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
         else:
-            wrong = [t for t in prompt
-                     if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+            wrong = [t for t in prompt if not is_integer(t)]
             if wrong:  # int() would truncate 1.5 to 1 and turn "7" into 7
                 raise InvalidRequestError(f"prompt token ids must be integers, got "
                                           f"{wrong[0]!r}", param="prompt")

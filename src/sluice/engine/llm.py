@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import numbers
 import os
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -25,7 +24,7 @@ from sluice.engine.config import EngineConfig
 from sluice.engine.llm_engine import LLMEngine
 from sluice.engine.lora import LoRARequest
 from sluice.engine.outputs import RequestOutput, ranked
-from sluice.engine.sampling_params import RequestOutputKind, SamplingParams
+from sluice.engine.sampling_params import RequestOutputKind, SamplingParams, is_integer
 from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.openai import check_continue
 from sluice.protocol.prompt import CHAT, prompt_view, templated
@@ -184,7 +183,7 @@ def _normalize_prompts(prompts: Prompts) -> list[str | list[int]]:
             f"prompts must be a string, a list of token ids, a prompt dict, or a list of "
             f"them; got {type(prompts).__name__}", param="prompts")
     items: list[Any] = list(prompts)
-    if items and _is_token(items[0]):  # a single prompt given as token ids
+    if items and is_integer(items[0]):  # a single prompt given as token ids
         return [_prompt(items)]
     return [_prompt(p) for p in items]
 
@@ -218,10 +217,6 @@ def _is_sequence(value: Any) -> bool:
     return not isinstance(value, str | bytes | dict) and hasattr(value, "__iter__")
 
 
-def _is_token(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _per_prompt(value: Any, count: int, param: str, kind: type, default: Any) -> list[Any]:
     """`value` for every prompt: one (or None: `default`) for all, or a list of one per
     prompt; each a `kind` (or None, where `default` is None)."""
@@ -242,7 +237,7 @@ def _per_prompt(value: Any, count: int, param: str, kind: type, default: Any) ->
 def _priorities(priority: Sequence[int] | None, count: int) -> list[int]:
     if priority is None:
         return [0] * count
-    if not isinstance(priority, list | tuple) or not all(_is_token(p) for p in priority):
+    if not isinstance(priority, list | tuple) or not all(is_integer(p) for p in priority):
         raise InvalidRequestError("priority must be a list of integers, one per prompt",
                                   param="priority")
     if len(priority) != count:

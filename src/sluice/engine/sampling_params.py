@@ -106,8 +106,16 @@ _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penal
 _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 
 
-def _is_int(value: Any) -> bool:
+def is_integer(value: Any) -> bool:
+    """An integer of any kind (Python's, numpy's), not a bool: what a count, a seed or a
+    token id may be (int() would truncate 1.5 and read "7")."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def seed_in_range(seed: int | None) -> bool:
+    """A seed the generator takes (None: unseeded): [-2**63, 2**64), as the worker's
+    `seed` field bounds it."""
+    return seed is None or -(2**63) <= seed < 2**64
 
 
 @dataclass
@@ -153,7 +161,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is None and name in _OPTIONAL_INTS:
                 continue
-            if not _is_int(value):
+            if not is_integer(value):
                 raise bad(name, "an integer" + (" or None" if name in _OPTIONAL_INTS else ""))
             setattr(self, name, int(value))
         for name in _FLOATS:
@@ -170,7 +178,7 @@ class SamplingParams:
             raise bad("stop", "a string or a list of strings")
         self.stop = list(self.stop or [])
         if not isinstance(self.stop_token_ids, list | tuple | type(None)) or not all(
-                _is_int(t) for t in self.stop_token_ids or []):
+                is_integer(t) for t in self.stop_token_ids or []):
             raise bad("stop_token_ids", "a list of token ids")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
         if not isinstance(self.output_kind, RequestOutputKind):
@@ -193,8 +201,7 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
             (self.repetition_penalty > 0.0, "repetition_penalty", "must be greater than 0"),
-            (self.seed is None or -(2**63) <= self.seed < 2**64, "seed",
-             "must be in [-2**63, 2**64)"),
+            (seed_in_range(self.seed), "seed", "must be in [-2**63, 2**64)"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
             (0 <= self.min_tokens < 2**31, "min_tokens", "must be in [0, 2**31)"),
             (self.max_tokens is None or self.max_tokens < 2**31, "max_tokens",
