@@ -95,8 +95,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope_, Receive, Send], Awaitable[None]]
 
 # Endpoints whose JSON body names a model and produces tokens.
-GENERATION_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages",
-                        "/v1/embeddings")
+GENERATION_ENDPOINTS = (*KIND_OF_PATH, "/v1/embeddings")
 # Endpoints whose JSON body names a model but produces no tokens (Anthropic's token
 # counting, free of tokens and limited by requests only, as Anthropic rates it): the
 # model is checked against the key's allow-list and recorded; nothing is reserved.

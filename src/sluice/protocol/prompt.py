@@ -66,6 +66,7 @@ from sluice.protocol.block_hash import hash_blocks
 from sluice.protocol.errors import InvalidRequestError
 
 CHAT, COMPLETION, MESSAGES = "chat", "completion", "messages"
+# the generation endpoints and the kind of prompt each takes (router, worker, gateway)
 KIND_OF_PATH = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION,
                 "/v1/messages": MESSAGES}
 IDS_HEADER = "x-sluice-prompt-ids"

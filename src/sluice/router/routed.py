@@ -30,15 +30,15 @@ from dataclasses import dataclass, replace
 from sluice.observe.route_span import traced_route
 from sluice.protocol.edge import error_headers, error_json
 from sluice.protocol.errors import ServiceUnavailableError, SluiceError
-from sluice.protocol.prompt import IDS_HEADER, RESUME_HEADER, IdsHint
+from sluice.protocol.prompt import IDS_HEADER, KIND_OF_PATH, RESUME_HEADER, IdsHint
 from sluice.router.config import CANARY
 from sluice.router.migrate import MigratingRelay, migratable, with_token_ids
-from sluice.router.parse import CHAT, COMPLETION, MESSAGES, SESSION_HEADER, parse_request
+from sluice.router.parse import SESSION_HEADER, parse_request
 from sluice.router.proxy import NoWorkerReached, Proxy, Relay, WorkersFailed, forward_block
 from sluice.router.release import version_asked
 from sluice.router.state import RouterState
 
-ROUTED = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/v1/messages": MESSAGES}
+ROUTED = KIND_OF_PATH  # the paths routed to a worker, and their prompt kinds
 _SESSION = SESSION_HEADER.encode()
 _IDS = IDS_HEADER.encode()
 _INTERNAL = frozenset({_IDS, RESUME_HEADER.encode()})  # set by the router, never by a client

@@ -63,6 +63,7 @@ from sluice.protocol.openai import (
 )
 from sluice.protocol.prompt import (
     IDS_HEADER,
+    KIND_OF_PATH,
     RESUME_HEADER,
     TOKENIZER_HEADER,
     IdsHint,
@@ -416,13 +417,10 @@ class RequestIdMiddleware:
 # --------------------------------------------------------------------------- errors
 
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages"})
-
-
 def _error_response(request: Request, exc: SluiceError) -> JSONResponse:
     anthropic_path = request.url.path in ANTHROPIC_PATHS
     body = anthropic.error_body(exc) if anthropic_path else exc.to_dict()
-    if request.url.path in GENERATION_PATHS:  # a generation request refused before its answer
+    if request.url.path in KIND_OF_PATH:  # a generation request refused before its answer
         metrics = request.app.state.worker.metrics
         metrics.rejected.labels(metrics.model_name(), exc.code or exc.error_type).inc()
     return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
