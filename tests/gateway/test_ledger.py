@@ -111,6 +111,22 @@ def test_writing_a_batch_again_adds_no_row_and_no_spend(any_store: SQLStore) -> 
     assert (tenant.spend_usd, tenant.reserved_usd) == pytest.approx((2.0, 0.0), abs=1e-9)
 
 
+def test_a_batch_past_one_statement_writes_each_record_once(any_store: SQLStore) -> None:
+    """SQLite takes a batch in statements of 64 rows: a batch of 140 whose records
+    repeat across those statements, some already written, adds each record once and
+    charges each once."""
+    t = any_store.create_tenant("acme", TenantSettings())
+    old = [rec(t.id, i) for i in range(10)]
+    any_store.record_usage_many(old)
+    new = [rec(t.id, i) for i in range(10, 120)]
+    batch = new[:70] + old + new[:5] + new[70:] + new[60:75]
+    assert len(batch) == 140
+    any_store.record_usage_many(batch)
+    got = rows(any_store)
+    assert sorted(r.record_id for r in got) == sorted(r.record_id for r in old + new)
+    assert any_store.get_tenant(t.id).spend_usd == pytest.approx(0.5 * 120)
+
+
 def test_two_requests_may_share_a_client_request_id(any_store: SQLStore) -> None:
     """`x-request-id` is the client's: a second request with the same one is a new row
     (and is charged), only the gateway's `record_id` is unique."""
