@@ -105,8 +105,9 @@ async def test_shadow_and_canary_behind_the_gateway_bill_the_primary_only(
 async def test_gateway_over_routed_first_on_the_routers_server(sqlite_store: SQLStore) -> None:
     """`sluice serve`'s composition: the router's own server (direct=False), the gateway
     over `routed_first(app)` (routed POSTs skip FastAPI's layers). Answers, streams, and a
-    client that hangs up mid-stream: the worker's stream is cancelled and the ledger row
-    is written once, as aborted."""
+    client that hangs up mid-stream or before a JSON answer's first byte (the server's
+    `ON_DISCONNECT`, through the gateway): the worker's request is cancelled and the
+    ledger row is written once, as aborted."""
     import asyncio
 
     from sluice.router.app import build_app, routed_first
@@ -136,7 +137,20 @@ async def test_gateway_over_routed_first_on_the_routers_server(sqlite_store: SQL
                 if worker.streams_cancelled == 1 and not state.background:
                     break
                 await asyncio.sleep(0.02)
-    assert worker.streams_cancelled == 1
+            worker.hold_json = True  # no byte of the answer before the client hangs up
+            hanging = asyncio.create_task(c.post("/v1/chat/completions", json=CHAT,
+                                                 headers=headers))
+            for _ in range(200):
+                if len(worker.received) == 3:
+                    break
+                await asyncio.sleep(0.02)
+            hanging.cancel()
+            for _ in range(200):
+                if worker.json_cancelled == 1 and len(state.background) == 0 \
+                        and len(sqlite_store.query_usage(UsageQuery())) == 3:
+                    break
+                await asyncio.sleep(0.02)
+    assert (worker.streams_cancelled, worker.json_cancelled) == (1, 1)
     await state.flush()
     records = sqlite_store.query_usage(UsageQuery())
-    assert [r.status for r in records] == ["ok", "aborted"]
+    assert [r.status for r in records] == ["ok", "aborted", "aborted"]

@@ -62,9 +62,11 @@ from sluice.gateway.store import Principal, UsageRecord
 from sluice.gateway.tokens import estimate_view
 from sluice.protocol.edge import (
     ANTHROPIC_PATHS,
+    ON_DISCONNECT,
     BodyLimit,
     error_event,
     load_json_object,
+    on_disconnect,
     read_body,
     refuse_kv_transfer_params,
     send_error,
@@ -547,7 +549,17 @@ class Exchange:
                     (b"x-sluice-priority", str(adm.priority).encode())]
         if adm.hint is not None:
             headers.append((IDS_HEADER.encode(), adm.hint.encode()))
-        return {**self.scope, "headers": headers}
+        scope = {**self.scope, "headers": headers}
+        watch = on_disconnect(self.scope)
+        if watch is not None:  # the server's hang-up callback, seen here as `receive`'s
+            def watch_here(callback: Callable[[], None]) -> Callable[[], None]:
+                def gone() -> None:
+                    self.disconnected = True
+                    callback()
+                return watch(gone)
+
+            scope["extensions"] = {**self.scope["extensions"], ON_DISCONNECT: watch_here}
+        return scope
 
     async def forward(self) -> None:
         assert self.adm is not None

@@ -101,6 +101,22 @@ async def read_body(receive: Receive, max_bytes: int | None = None) -> bytes | N
             return b"".join(parts)
 
 
+# An ASGI extension of sluice's own server (router/server.py), which learns of a client's
+# hang-up from its socket: `scope["extensions"][ON_DISCONNECT](callback)` has `callback`
+# run once if the client goes away (at once if it has), until the function it returns
+# is called. An app that would otherwise keep a task waiting on `receive` for
+# `http.disconnect` through a whole request (the router's routed path) uses it instead;
+# a layer between (the gateway) may wrap it, as it wraps `receive`.
+ON_DISCONNECT = "sluice.on_disconnect"
+OnDisconnect = Callable[[Callable[[], None]], Callable[[], None]]
+
+
+def on_disconnect(scope: MutableMapping[str, Any]) -> OnDisconnect | None:
+    """The server's `ON_DISCONNECT` extension, or None (uvicorn, a test's transport)."""
+    extensions = scope.get("extensions")
+    return extensions.get(ON_DISCONNECT) if extensions else None
+
+
 async def wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass

@@ -38,6 +38,7 @@ from sluice.protocol.edge import (
     error_json,
     http_status_error,
     load_json_object,
+    on_disconnect,
     read_body,
     send_error,
 )
@@ -158,9 +159,11 @@ class RoutedFastPath:
 
     The hot path thereby skips FastAPI's exception, exit-stack and routing layers and
     Starlette's request and streaming-response objects; the reply is written with plain
-    ASGI messages. One watcher task per request waits for `http.disconnect` and cancels
-    the request (before the first byte or mid-stream), so the worker sees the hang-up.
-    Everything else (models, metrics, admin, lifespan) continues into FastAPI.
+    ASGI messages. A client's hang-up cancels the request (before the first byte or
+    mid-stream), so the worker sees it: on sluice's own server through its
+    `ON_DISCONNECT` extension (protocol/edge.py), elsewhere by a watcher task that waits
+    for `http.disconnect`. Everything else (models, metrics, admin, lifespan) continues
+    into FastAPI.
     """
 
     def __init__(self, app: ASGIApp, state: Callable[[], RouterState] | None = None) -> None:
@@ -181,25 +184,37 @@ class RoutedFastPath:
             return  # the client went away while sending
         task = asyncio.current_task()
         assert task is not None
-        gone = asyncio.Event()
-        watcher = asyncio.create_task(_cancel_on_disconnect(receive, task, gone))
+        gone: list[bool] = []  # once the client hung up
+
+        def hang_up() -> None:
+            gone.append(True)
+            task.cancel()
+
+        stop = _watch(scope, receive, hang_up)
         try:
             reply = await route(state, kind, scope["path"], body, list(scope["headers"]))
             await _send_reply(reply, send)
         except asyncio.CancelledError:
-            if not gone.is_set():
+            if not gone:
                 raise  # shutdown, not a hang-up
             task.uncancel()
         finally:
-            watcher.cancel()
+            stop()
 
 
-async def _cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any],
-                                gone: asyncio.Event) -> None:
+def _watch(scope: Scope, receive: Receive, hang_up: Callable[[], None]) -> Callable[[], object]:
+    """`hang_up` runs once the client goes away; returns what stops the watching. The
+    server's `ON_DISCONNECT` where it offers it, else a task that waits on `receive`."""
+    watch = on_disconnect(scope)
+    if watch is not None:
+        return watch(hang_up)
+    return asyncio.create_task(_on_disconnect(receive, hang_up)).cancel
+
+
+async def _on_disconnect(receive: Receive, hang_up: Callable[[], None]) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-    gone.set()
-    task.cancel()
+    hang_up()
 
 
 async def _send_reply(reply: Relay | ErrorReply, send: Send) -> None:

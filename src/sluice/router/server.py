@@ -14,7 +14,8 @@ with httptools (llhttp) in an asyncio Protocol and writes replies to the socket 
             -> the FastAPI app over ASGI (`_AsgiCall` below)
     connection_lost -> cancel the routed request's task: the proxy closes the worker
                        connection, so the worker aborts the generation; an ASGI request
-                       gets `http.disconnect` instead
+                       gets `http.disconnect` instead, and the callbacks it registered
+                       through the `ON_DISCONNECT` extension (protocol/edge.py) run
 
 Requests on one connection are answered one at a time, in order (pipelined ones wait).
 The app's ASGI lifespan runs around serving, so both paths share one `RouterState`.
@@ -47,6 +48,7 @@ import httptools
 
 from sluice.protocol.edge import (
     DEFAULT_MAX_BODY_BYTES,
+    ON_DISCONNECT,
     content_length,
     error_headers,
     error_json,
@@ -121,6 +123,7 @@ class _Connection(asyncio.Protocol):
         self.cancel_on_loss = False
         self.lost = False
         self.on_lost: asyncio.Future[None] | None = None  # an ASGI call's disconnect wait
+        self.lost_callbacks: list[Callable[[], None]] = []  # ON_DISCONNECT's (protocol/edge)
         self.write_paused = False
         self.read_paused = False
         self.writable: asyncio.Future[None] | None = None
@@ -164,6 +167,9 @@ class _Connection(asyncio.Protocol):
             self.writable.set_result(None)
         if self.task is not None and self.cancel_on_loss:
             self.task.cancel()
+        callbacks, self.lost_callbacks = self.lost_callbacks, []
+        for callback in callbacks:
+            callback()
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -459,7 +465,23 @@ class _AsgiCall:
             "client": conn.peername[:2] if conn.peername else None,
             "server": conn.sockname[:2] if conn.sockname else None,
             "state": dict(lifespan.state) if lifespan is not None else {},
+            "extensions": {ON_DISCONNECT: self.on_disconnect},
         }
+
+    def on_disconnect(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """`ON_DISCONNECT` (protocol/edge.py): `callback` runs once when the connection is
+        lost, unless the function returned is called first."""
+        conn = self.conn
+        if conn.lost:
+            conn.loop.call_soon(callback)
+            return _nothing
+        conn.lost_callbacks.append(callback)
+
+        def stop() -> None:
+            if callback in conn.lost_callbacks:
+                conn.lost_callbacks.remove(callback)
+
+        return stop
 
     async def run(self) -> bool:
         """Run the app; returns whether the connection may be kept."""
@@ -530,6 +552,10 @@ class _AsgiCall:
         if not self.keep:
             headers.append((b"connection", b"close"))
         return _status_line(status) + self.server.date.get() + _header_lines(headers) + b"\r\n"
+
+
+def _nothing() -> None:
+    pass
 
 
 class _Lifespan:
