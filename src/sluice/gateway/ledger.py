@@ -75,13 +75,20 @@ class LedgerWriter:
     async def write(self, record: UsageRecord, reservation: str | None = None) -> None:
         """Return once `record` is committed (and `reservation`, if any, given back) or
         kept in `waiting`; a record dropped instead is logged and counted, not raised."""
+        await asyncio.wait([self.submit(record, reservation)])  # cancelled: written all the same
+
+    def submit(self, record: UsageRecord,
+               reservation: str | None = None) -> asyncio.Future[Exception | None]:
+        """`write` without waiting: the future is done when `write` would return."""
         item = (record, reservation)
         if self.waiting:  # the store is down: queue behind the records already waiting
             self._keep([item])
-            return
+            kept: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
+            kept.set_result(None)
+            return kept
         future = self._queue.submit(item)
-        future.add_done_callback(lambda done: self._after(item, done))  # also if the caller left
-        await asyncio.wait([future])
+        future.add_done_callback(lambda done: self._after(item, done))
+        return future
 
     def _after(self, item: Item, done: asyncio.Future[Exception | None]) -> None:
         error = done.exception() or done.result()

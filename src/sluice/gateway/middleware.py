@@ -693,7 +693,8 @@ class Exchange:
         if self.ledger_now(adm):
             await self.write(record, adm.reservation)
         else:  # nothing at admission reads this row: written just after the response
-            self.state.later(self.write(record, adm.reservation))
+            self.state.after(self.state.ledger.submit(record, adm.reservation),
+                             lambda: self.counted(record))
 
     def release_now(self, adm: Admission) -> bool:
         """The limiter is reconciled before the last bytes when a concurrency or
@@ -760,6 +761,9 @@ class Exchange:
     async def write(self, record: UsageRecord, reservation: str | None) -> None:
         """Committed, or kept until the database is back (`LedgerWriter`); then counted."""
         await self.state.ledger.write(record, reservation)
+        self.counted(record)
+
+    def counted(self, record: UsageRecord) -> None:
         self.state.metrics.settled(record.tenant_id, record.status, record.prompt_tokens,
                                    record.completion_tokens, record.cost_usd)
 

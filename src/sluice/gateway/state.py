@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +49,7 @@ class GatewayState:
     ledger: LedgerWriter = field(init=False)
     budgets: BudgetReservations = field(init=False)
     keys: KeyCache = field(init=False)
-    background: set[asyncio.Task[None]] = field(init=False)
+    background: set[asyncio.Future[Any]] = field(init=False)
     unpriced_models: set[str | None] = field(init=False)  # budgets warned of: priced 0
 
     def __post_init__(self) -> None:
@@ -73,7 +73,19 @@ class GatewayState:
         self.background.add(task)
         task.add_done_callback(self._done)
 
-    def _done(self, task: asyncio.Task[None]) -> None:
+    def after(self, work: asyncio.Future[Any], then: Callable[[], None]) -> None:
+        """`later` for work already under way: `then` runs once it is done, unless it
+        failed (logged); `flush` waits for both."""
+        self.background.add(work)
+
+        def done(future: asyncio.Future[Any]) -> None:
+            self._done(future)
+            if not future.cancelled() and future.exception() is None:
+                then()
+
+        work.add_done_callback(done)
+
+    def _done(self, task: asyncio.Future[Any]) -> None:
         self.background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             logger.error("background settlement failed", exc_info=task.exception())
