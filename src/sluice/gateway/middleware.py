@@ -585,8 +585,12 @@ class Exchange:
         except Exception as exc:
             await self.on_upstream_failure(exc)
         finally:  # settles here, or waits for the settlement on_send began
-            await asyncio.shield(self.settle("aborted" if self.disconnected or
-                                             self.response_started else "error"))
+            settling = self.begin_settling("aborted" if self.disconnected or
+                                           self.response_started else "error")
+            if settling is not None and settling.done():  # mostly: on_send settled
+                settling.result()
+            elif settling is not None:
+                await asyncio.shield(settling)
 
     async def on_send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -676,11 +680,17 @@ class Exchange:
         cancels its forwarding task, inside which on_send settles, when the client
         hangs up, and a client that closes on a stream's `data: [DONE]` did so while the
         settlement ran: its ledger row was never written. `forward` waits for it too."""
+        settling = self.begin_settling(status)
+        if settling is not None:
+            await asyncio.shield(settling)
+
+    def begin_settling(self, status: str) -> asyncio.Future[None] | None:
+        """The settlement's task, started by the first call (None before admission)."""
         if self.adm is None:
-            return
+            return None
         if self.settling is None:
             self.settling = asyncio.ensure_future(self._settle(self.adm, status))
-        await asyncio.shield(self.settling)
+        return self.settling
 
     async def _settle(self, adm: Admission, status: str) -> None:
         prompt, completion = await self.final_tokens(status)
