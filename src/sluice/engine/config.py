@@ -47,8 +47,15 @@ class ModelConfig:
     # torch's default, one per core. Engines sharing a host's cores should split them:
     # `sluice serve --workers N` does (sluice.serve.local_cpu_threads)
     cpu_threads: int | None = None
+    # vLLM's name: where requests' sampling defaults come from: "auto" (the model's
+    # generation_config.json), "vllm" (none: SamplingParams' own), or a folder holding a
+    # generation_config.json (sluice.engine.generation_config; read by the front end)
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
+        if not self.generation_config:
+            raise InvalidRequestError("generation_config must be 'auto', 'vllm' or a folder",
+                                      param="generation_config")
         if not seed_in_range(self.seed):
             raise InvalidRequestError("seed must be in [-2**63, 2**64)", param="seed")
         if self.cpu_threads is not None and self.cpu_threads < 1:

@@ -4,6 +4,10 @@
     outs = llm.generate(["Hello", "Hi"], SamplingParams(temperature=0, max_tokens=32))
     outs[0].outputs[0].text
 
+`sampling_params=None` is `get_default_sampling_params()`: SamplingParams() with the
+model's generation_config.json defaults over it (`generation_config="auto"`, as vLLM's;
+"vllm" leaves SamplingParams' own; sluice.engine.generation_config).
+
 All prompts are queued at once and the engine is stepped until every one finishes, so
 they share batches (continuous batching); results come back in prompt order. An argument
 of the wrong shape is an `InvalidRequestError` naming it, raised before any prompt is
@@ -15,12 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
 from sluice.engine.config import EngineConfig
+from sluice.engine.generation_config import model_defaults, overridden_warning
 from sluice.engine.llm_engine import LLMEngine
 from sluice.engine.lora import LoRARequest
 from sluice.engine.outputs import RequestOutput, ranked
@@ -38,6 +44,8 @@ LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
 Messages = list[dict[str, Any]]
 Progress = bool | Callable[..., Any]  # use_tqdm: a bar or not, or a tqdm-like factory
 
+log = logging.getLogger("sluice.engine")
+
 
 class LLM:
     """One engine driven synchronously in the caller's thread. `shutdown()`, or leaving
@@ -46,7 +54,11 @@ class LLM:
     def __init__(self, model: str | os.PathLike[str] | None = None,
                  **engine_options: Any) -> None:
         self.config = EngineConfig.from_options(model, **engine_options)
+        self.sampling_defaults = model_defaults(self.config.model)  # a bad file: raises here
         self.engine = LLMEngine(self.config)
+        if self.sampling_defaults:
+            log.warning(overridden_warning(self.sampling_defaults,
+                                           "LLM(..., generation_config=\"vllm\")"))
         self._ids = itertools.count()
         self._closed = False
 
@@ -67,16 +79,21 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """A new SamplingParams with the model's generation_config.json defaults
+        (`generation_config`; none: SamplingParams()); what `sampling_params=None` uses."""
+        return SamplingParams(**self.sampling_defaults)
+
     def generate(self, prompts: Prompts, sampling_params: ParamsArg = None,
                  use_tqdm: Progress = False, lora_request: LoRAArg = None, *,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; one output per prompt, in order.
         `sampling_params`, `lora_request` (None: the base model) and `priority` (vLLM's:
         lower first; needs the `priority` scheduling policy, the default): one for all
-        prompts, or one per prompt."""
+        prompts, or one per prompt; `sampling_params=None`: `get_default_sampling_params()`."""
         items = _normalize_prompts(prompts)
         params = _per_prompt(sampling_params, len(items), "sampling_params", SamplingParams,
-                             SamplingParams())
+                             self.get_default_sampling_params())
         loras = _per_prompt(lora_request, len(items), "lora_request", LoRARequest, None)
         priorities = _priorities(priority, len(items))
         return self._run(self._add_all(items, params, loras, priorities), params, use_tqdm)
