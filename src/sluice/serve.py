@@ -262,17 +262,20 @@ def traced(args: argparse.Namespace, wrap: Any) -> Any:
 
 
 def serve_one(args: argparse.Namespace, wrap: Any) -> int:
+    from sluice.engine.generation_config import model_defaults
     from sluice.worker.cli import engine_config, read_chat_template
     from sluice.worker.config import WorkerConfig
     from sluice.worker.server import run_worker
 
+    engine = engine_config(args)
     worker = WorkerConfig(host=args.host, port=args.port, log_level=args.log_level,
                           tool_call_parser=args.tool_call_parser,
                           chat_template=read_chat_template(args.chat_template),
                           tracing=tracing_config(args, "sluice-serve"),
-                          metrics_buckets=observe_buckets(args))
-    return run_worker(engine_config(args), worker, wrap=with_status(args, traced(args, wrap),
-                                                                getattr(wrap, "metrics", None)))
+                          metrics_buckets=observe_buckets(args),
+                          generation_defaults=model_defaults(engine.model))
+    return run_worker(engine, worker, wrap=with_status(args, traced(args, wrap),
+                                                       getattr(wrap, "metrics", None)))
 
 
 def with_status(args: argparse.Namespace, wrap: Any, local: Any) -> Any:

@@ -113,7 +113,8 @@ async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_i
         forced = state.tool_parser.constraint(tools, name, req.parallel_tool_calls,
                                               engine.inputs.info.structured_outputs_backend)
     params = sampling_params(req, req.requested_max_tokens(), num_logprobs,
-                             engine.tokenizer.vocab_size, forced)
+                             engine.tokenizer.vocab_size, forced,
+                             state.config.generation_defaults)
     params.kv_transfer_params = transfer_params(req, 1)
     req.check_continue()
     prompt = chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt, tools,

@@ -17,6 +17,7 @@ from sluice.engine.config import (
     KV_LOAD_FAILURE_POLICIES,
     QUANTIZATIONS,
     STRUCTURED_OUTPUTS_BACKENDS,
+    EngineConfig,
 )
 from sluice.observe.cli import add_observe_arguments, tracing_config
 from sluice.observe.cli import buckets as observe_buckets
@@ -46,6 +47,12 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
                     "with native bfloat16 (avx512_bf16 or AMX), float32 otherwise"),
     "device": (str, "auto | cpu | cuda"),
     "seed": (int, "engine seed"),
+    "generation_config": (str, "sampling settings for requests that leave them out: auto "
+                               "(the model's generation_config.json: temperature, top_p, "
+                               "top_k, min_p, repetition_penalty, max_new_tokens as "
+                               "max_tokens; a GGUF has none), vllm (none: the engine's "
+                               "own), or a folder holding a generation_config.json; a "
+                               "request's own values win"),
     "step_log": (str, "a directory: each engine core appends what every step ran and its "
                       "seconds to steps-<pid>.jsonl there (`sluice sim calibrate "
                       "--from-steps DIR` fits the simulator to it)"),
@@ -223,10 +230,15 @@ def engine_config(args: argparse.Namespace) -> Any:
     return EngineConfig.from_options(args.model, **options)
 
 
-def worker_config(args: argparse.Namespace) -> Any:
+def worker_config(args: argparse.Namespace, engine: EngineConfig | None = None) -> Any:
+    """The worker's config from its flags; `engine` (its EngineConfig): whose
+    `generation_config` gives the sampling defaults (read here, so a bad file stops the
+    worker before the model loads)."""
+    from sluice.engine.generation_config import model_defaults
     from sluice.worker.config import WorkerConfig
     from sluice.worker.lora import parse_lora_modules
 
+    defaults = model_defaults(engine.model) if engine is not None else {}
     return WorkerConfig(host=args.host, port=args.port,
                         served_model_names=tuple(args.served_model_name or ()),
                         max_pending_requests=args.max_pending_requests,
@@ -237,7 +249,7 @@ def worker_config(args: argparse.Namespace) -> Any:
                         tracing=tracing_config(args, "sluice-worker"),
                         metrics_buckets=observe_buckets(args),
                         lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)),
-                        role=getattr(args, "role", "both"))
+                        role=getattr(args, "role", "both"), generation_defaults=defaults)
 
 
 def read_chat_template(path: str | None) -> str | None:
@@ -255,7 +267,8 @@ def handler(args: argparse.Namespace) -> int:
     from sluice.worker.server import run_worker
 
     try:
-        engine, worker = engine_config(args), worker_config(args)
+        engine = engine_config(args)
+        worker = worker_config(args, engine)
         if worker.lora_modules and not engine.lora.enable_lora:  # before loading the model
             raise InvalidRequestError("lora_modules needs enable_lora (--enable-lora)",
                                       param="lora_modules")

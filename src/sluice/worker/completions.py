@@ -112,7 +112,10 @@ async def prepare_completion(state: WorkerState, req: CompletionRequest, request
         raise InvalidRequestError("a resumed request must be a stream of one prompt, with "
                                   "n=1 and no echo", param="prompt")
     tok = engine.tokenizer
-    params = sampling_params(req, req.max_tokens, req.logprobs, tok.vocab_size)
+    # max_tokens left out is OpenAI's 16 here, as in vLLM: the model's max_new_tokens
+    # applies to an explicit null only (the other defaults to any field left out)
+    params = sampling_params(req, req.max_tokens, req.logprobs, tok.vocab_size,
+                             defaults=state.config.generation_defaults)
     prompts: list[list[int]] = []
     texts: list[str] = []
     for p in req.prompts():

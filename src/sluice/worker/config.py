@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from sluice.observe.buckets import LatencyBuckets
 from sluice.observe.tracing import TracingConfig
@@ -31,6 +32,10 @@ class WorkerConfig:
     tool_call_parser: str = "hermes"
     # A chat template (the text of --chat-template FILE) replacing the model's own.
     chat_template: str | None = None
+    # The model's sampling defaults (its generation_config.json under --generation-config
+    # auto; sluice.engine.generation_config), read at start: SamplingParams field -> value
+    # for requests that leave the field out (max_tokens: still capped by the context).
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
     # OpenTelemetry export (off unless an endpoint is set) and histogram buckets.
     tracing: TracingConfig = field(default_factory=TracingConfig)
     metrics_buckets: LatencyBuckets = field(default_factory=LatencyBuckets)

@@ -7,7 +7,8 @@ uses it as an async context manager:
         async for prompt_index, output in run.outputs():
             ...
 
-`Run.start` admits the request (503 past `max_pending_requests`), checks every
+`Run.start` admits the request (503 past `max_pending_requests`), gives a prompt
+without max_tokens the model's default one (`default_max_tokens`), checks every
 prompt against the context length, and pulls each engine stream's first output, so
 admission errors from the engine surface before any HTTP status is sent. Leaving the
 block (normally, by an error, or by cancellation when the client disconnects) closes
@@ -17,6 +18,7 @@ every engine stream, which aborts unfinished requests and frees their KV blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -69,6 +71,17 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int,
             param=param)
 
 
+def default_max_tokens(params: SamplingParams, default: int | None, prompt_len: int,
+                       max_model_len: int) -> SamplingParams:
+    """`params` for one prompt: a request without max_tokens takes the model's `default`
+    (generation_config.json's max_new_tokens) up to what the context leaves, as vLLM
+    caps it; an explicit max_tokens, or no default, stays as it is."""
+    room = max_model_len - prompt_len
+    if params.max_tokens is not None or default is None or room < 1:  # room: the 400's
+        return params
+    return dataclasses.replace(params, max_tokens=min(default, room))
+
+
 @dataclass
 class Stream:
     """One engine request's output stream, primed with its first output."""
@@ -116,22 +129,25 @@ class Run(AbstractAsyncContextManager["Run"]):
         """`resumed`: output ids a migrated request already generated (one prompt only):
         the engine continues after them. `lora`: the adapter to run with."""
         engine = state.require_engine()
-        for ids in prompts:
-            check_context(len(ids), params.max_tokens, engine.max_model_len, param)
+        default = state.config.generation_defaults.get("max_tokens")
+        each = [default_max_tokens(params, default, len(ids), engine.max_model_len)
+                for ids in prompts]
+        for ids, p in zip(prompts, each, strict=True):
+            check_context(len(ids), p.max_tokens, engine.max_model_len, param)
         state.admission.acquire()
         run = cls(state, [], state.metrics.timer(), [len(p) for p in prompts], admitted=True,
                   generated=[0] * len(prompts))
         if state.tracing is not None:
             run.trace = WorkerSpan(state.tracing, REQUEST_PARENT.get(),
                                    OPERATIONS.get(param, param), state.model_name, request_id,
-                                   params, len(prompts))
+                                   each[0], len(prompts))
         state.metrics.pending.labels(state.model_name).inc()
         try:
-            for i, ids in enumerate(prompts):
+            for i, (ids, p) in enumerate(zip(prompts, each, strict=True)):
                 engine_id = f"{request_id}-{i}-{uuid.uuid4().hex[:8]}"
-                run.streams.append(Stream(engine.generate(ids, params, engine_id, priority,
+                run.streams.append(Stream(engine.generate(ids, p, engine_id, priority,
                                                           resumed, lora_request=lora)))
-                run.timer.params(params.n, params.max_tokens)
+                run.timer.params(p.n, p.max_tokens)
             for stream in run.streams:
                 await stream.prime()
         except BaseException:

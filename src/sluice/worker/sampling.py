@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from sluice.engine.sampling_params import (
@@ -22,14 +23,19 @@ OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    vocab_size: int, tool_constraint: StructuredOutputsParams | None = None
-                    ) -> SamplingParams:
+                    vocab_size: int, tool_constraint: StructuredOutputsParams | None = None,
+                    defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """The engine's SamplingParams (DELTA outputs); raises InvalidRequestError naming a field.
     `vocab_size`: the tokenizer's (stop token ids must be in it). `tool_constraint`: the
-    grammar that forces a tool call (tool_choice required/named)."""
+    grammar that forces a tool call (tool_choice required/named). `defaults`: the model's
+    (WorkerConfig.generation_defaults) for the OPTIONAL_FIELDS the client left out; their
+    `max_tokens` is not applied here but per prompt, capped by the context
+    (`generation.default_max_tokens`)."""
     req.check_stream_options()
-    options: dict[str, Any] = {name: getattr(req, name) for name in OPTIONAL_FIELDS
-                               if getattr(req, name) is not None}
+    options: dict[str, Any] = {name: value for name, value in (defaults or {}).items()
+                               if name in OPTIONAL_FIELDS}
+    options |= {name: getattr(req, name) for name in OPTIONAL_FIELDS
+                if getattr(req, name) is not None}
     stop_ids = check_token_ids(list(req.stop_token_ids or []), vocab_size, "stop_token_ids")
     return SamplingParams(
         structured_outputs=structured_outputs(req, tool_constraint),

@@ -7,8 +7,10 @@ until then generation endpoints answer 503 with Retry-After.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
+from sluice.engine.generation_config import overridden_warning
 from sluice.engine.stats import EngineStats
 from sluice.observe.tracing import start_tracing
 from sluice.protocol.errors import NotFoundError, ServiceUnavailableError
@@ -22,6 +24,8 @@ from sluice.worker.tool_parsers import get_tool_parser
 if TYPE_CHECKING:
     from sluice.engine.async_engine import AsyncEngine
     from sluice.engine.lora import LoRARequest
+
+log = logging.getLogger("sluice.worker")
 
 
 class WorkerState:
@@ -46,6 +50,9 @@ class WorkerState:
         if self.config.chat_template is not None:  # --chat-template replaces the model's
             engine.tokenizer.chat_template = self.config.chat_template
         self.engine = engine
+        if self.config.generation_defaults:  # once: the engine is attached once
+            log.warning(overridden_warning(self.config.generation_defaults,
+                                           "--generation-config vllm"))
         for name, path in self.config.lora_modules:  # --lora-modules: a bad one stops start-up
             self.loras.add(name, path)
 
