@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from sluice.engine.config import ModelConfig
 
 FILE_NAME = "generation_config.json"
-SETTINGS = ("auto", "vllm")  # or a folder holding a generation_config.json
 
 # the file's key -> SamplingParams' field
 KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",

@@ -113,7 +113,7 @@ async def prepare_completion(state: WorkerState, req: CompletionRequest, request
                                   "n=1 and no echo", param="prompt")
     tok = engine.tokenizer
     # max_tokens left out is OpenAI's 16 here, as in vLLM: the model's max_new_tokens
-    # applies to an explicit null only (the other defaults to any field left out)
+    # applies to an explicit null only (its other defaults, to any field left out)
     params = sampling_params(req, req.max_tokens, req.logprobs, tok.vocab_size,
                              defaults=state.config.generation_defaults)
     prompts: list[list[int]] = []
