@@ -217,3 +217,20 @@ def test_use_tqdm_takes_a_tqdm_like_factory_as_vllm_does(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError) as err:
         llm.generate(["a"], GREEDY, use_tqdm="yes")  # type: ignore[arg-type]
     assert err.value.param == "use_tqdm" and not llm.engine.has_unfinished_requests()
+
+
+def test_logit_bias_steers_the_offline_api_and_a_token_past_the_vocab_names_it(
+        llm: LLM) -> None:
+    """`SamplingParams(logit_bias=...)` as vLLM's: +100 on a token makes greedy decoding
+    repeat it; an id past the vocabulary is refused naming logit_bias (it would index
+    past the logits)."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    plain = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    forced = next(t for t in range(100, 110) if t not in plain)
+    biased = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                            logit_bias={forced: 100.0})
+    out = llm.generate([[5, 6, 7]], biased, use_tqdm=False)[0].outputs[0]
+    assert list(out.token_ids) == [forced] * 3
+    with pytest.raises(InvalidRequestError) as err:
+        llm.generate([[5, 6, 7]], SamplingParams(logit_bias={10**7: 1.0}), use_tqdm=False)
+    assert err.value.param == "logit_bias"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from sluice.engine.sampler import (
@@ -146,3 +147,23 @@ def test_logprobs_are_raw_log_softmax_with_sampled_first() -> None:
     assert list(result.top_logprobs) == [2, 1]  # ... sampled first, then the top-2
     assert math.isclose(result.top_logprobs[1], float(raw[1]), rel_tol=1e-6)
     assert math.isclose(result.logprob or 0.0, float(raw[2]), rel_tol=1e-6)  # raw, not penalized
+
+
+def test_logit_bias_moves_the_choice_and_leaves_logprobs_raw() -> None:
+    """+100 on a token makes greedy pick it, -100 on the argmax makes it the runner-up;
+    the logprobs are the model's own (vLLM's default `raw_logprobs`)."""
+    sampler = Sampler(eos_token_ids=set())
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0]])
+    assert sampler(logits, [make_seq(SamplingParams(temperature=0.0,
+                                                    logit_bias={0: 100.0}))])[0].token_id == 0
+    banned = sampler(logits, [make_seq(SamplingParams(temperature=0.0, logprobs=0,
+                                                      logit_bias={2: -100.0}))])[0]
+    assert banned.token_id == 3
+    assert banned.logprob == pytest.approx(float(logits.log_softmax(-1)[0, 3]))
+    # a row without a bias beside one with it: only the biased row moves
+    rows = sampler(logits.repeat(2, 1), [make_seq(SamplingParams(temperature=0.0), 1),
+                                         make_seq(SamplingParams(temperature=0.0,
+                                                                 logit_bias={1: 50.0}), 2)])
+    assert [r.token_id for r in rows] == [2, 1]
+    sampled = make_seq(SamplingParams(temperature=1.0, seed=3, logit_bias={0: 100.0}))
+    assert all(sampler(logits, [sampled])[0].token_id == 0 for _ in range(5))

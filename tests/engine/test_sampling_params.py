@@ -25,6 +25,8 @@ from sluice.protocol.errors import InvalidRequestError
     ("logprobs", 1.0), ("stop", 5), ("stop_token_ids", 5), ("stop_token_ids", [1.5]),
     ("ignore_eos", "yes"), ("skip_special_tokens", 0), ("output_kind", "delta"),
     ("structured_outputs", {"choice": ["a", "b"]}), ("kv_transfer_params", "x"),
+    ("logit_bias", [1, 2]), ("logit_bias", {"a": 1.0}), ("logit_bias", {1: "x"}),
+    ("logit_bias", {1: 101.0}), ("logit_bias", {-1: 1.0}),
 ])
 def test_a_value_of_the_wrong_type_names_its_field(field: str, value: Any) -> None:
     with pytest.raises(InvalidRequestError) as err:
@@ -44,6 +46,9 @@ def test_numpy_numbers_and_tuples_become_python_values() -> None:
     assert type(p.temperature) is float
     # what crosses the pipe to a core process comes back equal
     assert _params_from_wire(_params_to_wire(p)) == p
+    biased = SamplingParams(logit_bias={np.int64(7): np.float32(-100), 3: 5})
+    assert biased.logit_bias == {7: -100.0, 3: 5.0}
+    assert _params_from_wire(_params_to_wire(biased)) == biased
 
 
 def test_a_json_constraint_takes_a_parsed_schema_as_vllm_does() -> None:

@@ -176,7 +176,7 @@ def test_infinite_temperature_is_refused(http: httpx.Client) -> None:
 
 @pytest.mark.parametrize(("field", "value"), [
     ("functions", [{"name": "f"}]),
-    ("logit_bias", {"50": 10}),
+    ("prediction", {"type": "content", "content": "x"}),
     ("audio", {"voice": "alloy", "format": "wav"}),
 ])
 def test_unsupported_parameters_are_refused(http: httpx.Client, field: str, value: Any) -> None:
@@ -448,3 +448,28 @@ def test_bodies_over_the_limit_are_413(engine: Any) -> None:
 def test_the_worker_has_no_admin_surface(http: httpx.Client) -> None:
     for method in ("GET", "POST", "DELETE"):
         assert http.request(method, "/admin/workers").status_code == 404
+
+
+def test_logit_bias_steers_the_answer_and_bad_ones_name_it(http: httpx.Client) -> None:
+    """OpenAI's logit_bias: +100 on one token makes a greedy answer that token over and
+    over; a key that is no token id, one past the vocabulary, or a bias past 100 is a 400
+    naming logit_bias (it was refused whole as unsupported)."""
+    body = {"messages": USER, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    completion = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                  "stream": True, "return_token_ids": True}
+
+    def token_ids(extra: dict[str, Any]) -> list[int]:
+        r = http.post("/v1/completions", json={**completion, **extra})
+        assert r.status_code == 200, r.text
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        return [t for c in chunks for choice in c["choices"] for t in choice["token_ids"]]
+
+    plain = token_ids({})
+    forced = next(t for t in range(100, 110) if t not in plain)
+    assert token_ids({"logit_bias": {str(forced): 100}}) == [forced] * 4
+    chat = http.post("/v1/chat/completions", json={**body, "logit_bias": {str(forced): 100}})
+    assert chat.status_code == 200, chat.text
+    for bias in ({"abc": 1}, {"99999999": 1}, {"5": 101}):
+        openai_error(http.post("/v1/chat/completions", json={**body, "logit_bias": bias}),
+                     400, "logit_bias")

@@ -52,7 +52,7 @@ def test_chat_request_errors_name_the_field(body: dict, param: str) -> None:
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("functions", [{}]), ("function_call", "auto"), ("logit_bias", {"1": 2}),
+    ("functions", [{}]), ("function_call", "auto"), ("prediction", {"type": "content"}),
     ("audio", {"voice": "x"}),
     ("modalities", ["text", "audio"]),
 ])
@@ -64,7 +64,7 @@ def test_unsupported_chat_fields_are_refused_by_name(field: str, value: object) 
 
 
 def test_harmless_values_of_unsupported_fields_pass() -> None:
-    body = {"messages": USER, "logit_bias": {}, "functions": [], "function_call": "none"}
+    body = {"messages": USER, "metadata": {}, "functions": [], "function_call": "none"}
     reject_unsupported(body, UNSUPPORTED_CHAT)
     with pytest.raises(InvalidRequestError, match="suffix"):
         reject_unsupported({"prompt": "a", "suffix": "b"}, UNSUPPORTED_COMPLETION)

@@ -49,6 +49,7 @@ class InputProcessor:
             ids = ids + self.tokenize(list(resumed))
         if params.structured_outputs is not None:
             check_constraint(params.structured_outputs, self.info.structured_outputs_backend)
+        self.check_logit_bias(params)
         arrival = time.time() if arrival_time is None else arrival_time
         if lora is not None and not self.info.enable_lora:
             raise InvalidRequestError(f"the model {lora.lora_name!r} is a LoRA adapter, but LoRA "
@@ -65,6 +66,13 @@ class InputProcessor:
                 f"Got priority {priority} but Priority scheduling is not enabled "
                 f"(this worker's scheduling_policy is {self.info.scheduling_policy})",
                 param="priority")
+
+    def check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.info.vocab_size
+        bad = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"logit_bias token id {bad[0]} is out of vocabulary "
+                                      f"range [0, {vocab})", param="logit_bias")
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -148,6 +148,7 @@ class Sampler:
             return [SampleResult(t) for t in greedy(logits).tolist()]
         raw = logits
         logits = self._apply_min_tokens(logits.clone(), seqs)
+        logits = self._apply_logit_bias(logits, seqs)
         logits = self._apply_penalties(logits, seqs)
         tokens = self._choose(logits, seqs)
         return self._results(raw, tokens, seqs)
@@ -159,7 +160,7 @@ class Sampler:
     def _is_plain_greedy(self, seq: Sequence) -> bool:
         p = seq.params
         return (p.greedy and p.logprobs is None and not _needs_penalties(seq)
-                and seq.num_output_tokens >= p.min_tokens)
+                and seq.num_output_tokens >= p.min_tokens and not p.logit_bias)
 
     def _stop_ids(self, seq: Sequence) -> list[int]:
         ids = set(seq.params.stop_token_ids)
@@ -177,6 +178,17 @@ class Sampler:
                 masked[ids] = NEG_INF
                 if seq.grammar is None or not torch.isneginf(masked).all():
                     logits[i] = masked
+        return logits
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Each row's `logit_bias` added to its logits (ids past the logits' width, which
+        the input processor refuses, are left out)."""
+        for i, seq in enumerate(seqs):
+            bias = seq.params.logit_bias
+            if bias:
+                ids = [t for t in bias if t < logits.shape[1]]
+                logits[i, ids] += torch.tensor([bias[t] for t in ids])
         return logits
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -139,6 +139,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # token id -> a number in [-100, 100] added to its logit before sampling (OpenAI's
+    # logit_bias; -100 all but bans a token, 100 all but forces it). Logprobs stay the
+    # model's own, as vLLM's default `raw_logprobs`
+    logit_bias: dict[int, float] | None = None
     # P/D disaggregation (vLLM's `kv_transfer_params`, checked by the worker):
     # do_remote_decode: hold the prompt's KV for a decode engine; do_remote_prefill: pull
     # it from the prefill engine named here before computing (sluice.engine.kv_transfer)
@@ -188,6 +192,13 @@ class SamplingParams:
                       "StructuredOutputsParams(json=schema)) or None")
         if not isinstance(self.kv_transfer_params, dict | type(None)):
             raise bad("kv_transfer_params", "a dict or None")
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            if not isinstance(bias, dict) or not all(
+                    is_integer(t) and isinstance(v, numbers.Real) and not isinstance(v, bool)
+                    for t, v in bias.items()):
+                raise bad("logit_bias", "a dict of token ids to numbers")
+            self.logit_bias = {int(t): float(v) for t, v in bias.items()} or None
 
     def _validate(self) -> None:
         checks: list[tuple[bool, str, str]] = [
@@ -213,6 +224,9 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop",
              "must be non-empty strings"),
+            (all(0 <= t < 2**31 and -100.0 <= v <= 100.0
+                 for t, v in (self.logit_bias or {}).items()), "logit_bias",
+             "must map token ids in [0, 2**31) to numbers in [-100, 100]"),
         ]
         for ok, param, why in checks:
             if not ok:

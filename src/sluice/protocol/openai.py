@@ -3,7 +3,7 @@
 Requests are parsed in two passes so that every refusal names its parameter:
 
 1. `reject_unsupported(body, table)` turns a parameter sluice knows but does not
-   implement (logit_bias, audio, a `suffix`, ...) into a 400 with a message saying so,
+   implement (audio, a `suffix`, `best_of`, ...) into a 400 with a message saying so,
    and drops the ones whose value asks for nothing (`"store": false`, `"suffix": null`);
 2. `parse_request(Model, body)` validates with pydantic (`extra="forbid"`, strict
    types: `"10"` or `true` is not a number, as OpenAI's API has it), so an unknown
@@ -104,7 +104,6 @@ def _no_tools(value: Any) -> bool:
 
 
 UNSUPPORTED_COMMON: dict[str, Acceptable] = {
-    "logit_bias": _is_empty,
     "guided_json": lambda v: v is None,
     "guided_regex": lambda v: v is None,
     "guided_choice": lambda v: v is None,
@@ -370,6 +369,8 @@ class SamplingFields(OpenAIModel):
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, lt=2**31)]] | None = None
+    # OpenAI's: token id (a string, as JSON keys are) -> a bias in [-100, 100]
+    logit_bias: dict[str, float] | None = None
     n: int = Field(default=1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -391,6 +392,18 @@ class SamplingFields(OpenAIModel):
                 and not self.stream:
             raise InvalidRequestError("The 'stream_options' parameter is only allowed when "
                                       "'stream' is enabled.", param="stream_options")
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """`logit_bias` by integer token id; a key that is not one is a 400 naming it."""
+        if not self.logit_bias:
+            return None
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            if not key.strip().isdecimal():
+                raise InvalidRequestError(f"logit_bias keys must be token ids, got {key!r}",
+                                          param="logit_bias")
+            bias[int(key)] = value
+        return bias
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -37,13 +37,15 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
     options |= {name: getattr(req, name) for name in OPTIONAL_FIELDS
                 if getattr(req, name) is not None}
     stop_ids = check_token_ids(list(req.stop_token_ids or []), vocab_size, "stop_token_ids")
+    bias = req.logit_bias_ids()
+    check_token_ids(list(bias or {}), vocab_size, "logit_bias")
     return SamplingParams(
         structured_outputs=structured_outputs(req, tool_constraint),
         n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop_list(),
         stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
         logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
-        output_kind=RequestOutputKind.DELTA, **options)
+        output_kind=RequestOutputKind.DELTA, logit_bias=bias, **options)
 
 
 def structured_outputs(req: SamplingFields, tool_constraint: StructuredOutputsParams | None
