@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+import sluice
 from sluice.engine.kv_events import KVEventPublisher
 from sluice.protocol.block_hash import hash_blocks
 from sluice.protocol.kv_events import BlockRemoved, BlockStored
@@ -507,6 +508,8 @@ async def test_liveness_answers_while_no_worker_is_healthy(cluster: Cluster) -> 
         assert (await c.get("/health")).json()["healthy_workers"] == 0
         r = await c.get("/liveness")
         assert r.status_code == 200 and r.json() == {"status": "alive"}
+        r = await c.get("/version")  # vLLM's, the router's own as /liveness
+        assert r.status_code == 200 and r.json() == {"version": sluice.__version__}
 
 
 async def test_anthropic_messages_are_routed_with_the_body_unchanged(cluster: Cluster) -> None:

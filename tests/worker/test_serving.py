@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+import sluice
 from sluice.engine.config import EngineConfig
 from sluice.worker.app import build_app
 from sluice.worker.config import WorkerConfig
@@ -168,6 +169,11 @@ def test_refused_generation_requests_are_counted_by_reason(http: httpx.Client) -
     assert http.post("/v1/nowhere", json={}).status_code == 404
     assert count("context_length_exceeded") == too_long + 1
     assert count("invalid_request_error") == bad + 1
+
+
+def test_version_answers_as_vllms(http: httpx.Client) -> None:
+    r = http.get("/version")
+    assert r.status_code == 200 and r.json() == {"version": sluice.__version__}
 
 
 def test_health_answers_while_a_long_request_runs(server: ServerThread, engine: Any,

@@ -3,7 +3,7 @@
     POST /v1/chat/completions, /v1/completions, /v1/messages   routed and streamed
     GET  /v1/models                                            union of the pools
     POST /tokenize, /detokenize, /v1/messages/count_tokens     passed to a worker
-    GET  /health, /metrics                                     the router's own
+    GET  /health, /metrics, /version                           the router's own
     GET  /status, /status.json                                 live status page (status.py)
     /admin/...                                                 see admin.py
     /admin/pools/{pool}/release                                see release_admin.py
@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from sluice import __version__
 from sluice.observe.buckets import LatencyBuckets
 from sluice.observe.tracing import Tracing
 from sluice.protocol.edge import (
@@ -138,6 +139,7 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
     app.add_route("/v1/models/{model_id:path}", model, methods=["GET"])
     app.add_route("/health", health, methods=["GET"])
     app.add_route("/liveness", liveness, methods=["GET"])
+    app.add_route("/version", version, methods=["GET"])
     app.add_route("/metrics", metrics, methods=["GET"])
     app.add_route("/status", status_page, methods=["GET"])
     app.add_route("/status.json", status_json, methods=["GET"])
@@ -300,6 +302,11 @@ async def liveness(request: Request) -> Response:
     what an orchestrator probes, since a router with no ready worker still holds
     requests for the workers being started (`/health` then answers 503)."""
     return JSONResponse({"status": "alive"})
+
+
+async def version(request: Request) -> Response:
+    """vLLM's `GET /version`, for clients and probes that read it."""
+    return JSONResponse({"version": __version__})
 
 
 async def health(request: Request) -> Response:

@@ -2,7 +2,7 @@
 
     build_app(engine, config) -> FastAPI
       POST /v1/chat/completions  /v1/completions  /v1/messages   (JSON or SSE)
-      GET  /v1/models  /health  /metrics        POST /tokenize  /detokenize
+      GET  /v1/models  /health  /metrics  /version        POST /tokenize  /detokenize
       POST /v1/messages/count_tokens (Anthropic's, as vLLM serves it)
       GET/POST /v1/pd_role (P/D role, epoch fencing: sluice.worker.pd)
 
@@ -31,6 +31,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sluice import __version__
 from sluice.observe.asgi import TraceContext
 from sluice.protocol import anthropic
 from sluice.protocol.edge import (
@@ -192,6 +193,11 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
             return JSONResponse({"status": "loading"}, status_code=503,
                                 headers={"Retry-After": "1"})
         return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """vLLM's `GET /version`: the server's version."""
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:
