@@ -31,6 +31,7 @@ from sluice.router.parse import parse_request as router_parse
 from sluice.router.tokens import PromptTokenizer
 from sluice.worker import chat as worker_chat
 from sluice.worker import completions as worker_completions
+from sluice.worker.config import WorkerConfig
 from sluice.worker.tool_parsers import HermesToolParser
 
 M = "tiny"
@@ -126,6 +127,7 @@ class _FakeState:
         self.engine = SimpleNamespace(tokenizer=tokenizer, max_model_len=4096,
                                       inputs=SimpleNamespace(info=info))
         self.tool_parser = HermesToolParser()
+        self.config = WorkerConfig()  # no generation_config defaults: the GGUF has none
 
     def check_model(self, model: str | None) -> str:
         return model or M
