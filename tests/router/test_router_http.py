@@ -11,6 +11,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -521,6 +522,22 @@ async def test_anthropic_messages_are_routed_with_the_body_unchanged(cluster: Cl
         assert r.status_code == 200 and r.json()["worker"] == "a"
         assert a.requests[-1] == body
         assert a.headers[-1]["anthropic-version"] == "2023-06-01"
+
+
+async def test_token_ids_past_u32_go_to_a_worker_unhashed(cluster: Cluster,
+                                                         tiny_llama_dir: Path) -> None:
+    """A completion prompt of ids outside [0, 2**32) (the fuzzer's, through `sluice
+    serve`): the router's block hash failed on it, a 500 (502 through the gateway). Now
+    the one prompt view refuses it, so the router routes it without tokens and the
+    worker judges it (a sluice worker's 400 naming `prompt`; this stub answers)."""
+    a = StubState("a")
+    async with cluster([a], policy="cost", pool_kw={"tokenizer": str(tiny_llama_dir)}) \
+            as (router, _), httpx.AsyncClient(base_url=router) as c:
+        for prompt in ([-1] + [5] * 40, [[2**40] * 40]):  # in a full block: hashed
+            body = {"model": "stub-model", "prompt": prompt, "max_tokens": 2}
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert a.requests[-1] == body
 
 
 async def test_disconnect_before_the_first_token_cancels_upstream(cluster: Cluster) -> None:

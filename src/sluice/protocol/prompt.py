@@ -187,16 +187,27 @@ def template_tools(raw: Any) -> list[dict[str, Any]] | None:
 
 
 def completion_texts(prompt: Any) -> tuple[str | list[int], ...]:
-    """`prompt`: a string, a list of token ids, or a list of either."""
+    """`prompt`: a string, a list of token ids, or a list of either. A token id outside
+    [0, 2**32) is no token of any vocabulary (nor can it be hashed into a block): a 400
+    naming `prompt` here, at whichever hop reads it first (it was a 502 through `sluice
+    serve`: the router's block hash failed on it)."""
     if isinstance(prompt, str):
         return (prompt,)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return (list(prompt),)
+        return (_token_ids(prompt),)
     if isinstance(prompt, list) and all(isinstance(p, str) or isinstance(p, list) and all(
             isinstance(t, int) for t in p) for p in prompt):
-        return tuple(prompt)
+        return tuple(p if isinstance(p, str) else _token_ids(p) for p in prompt)
     raise InvalidRequestError("prompt must be a string, a list of token ids, or a list of "
                               "either", param="prompt")
+
+
+def _token_ids(ids: list[int]) -> list[int]:
+    bad = next((t for t in ids if not 0 <= t < 2**32), None)
+    if bad is not None:
+        raise InvalidRequestError(f"prompt token id {bad} is out of range [0, 2**32)",
+                                  param="prompt")
+    return list(ids)
 
 
 def prompt_view(kind: str, body: Mapping[str, Any]) -> PromptView:
