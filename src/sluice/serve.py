@@ -495,6 +495,11 @@ def handler(args: argparse.Namespace) -> int:
                 raise InvalidRequestError("--worker-url and --worker-dns go with --backend "
                                           "external (and --backend external needs one)",
                                           param="worker_url")
+        if uses_router(args) and args.backend == "local":
+            # its workers read the model's generation_config.json on this machine, and a
+            # bad one stopped each of them (exit 2, started again): refused here first
+            from sluice.engine.generation_config import generation_defaults
+            generation_defaults(args.model, args.generation_config or "auto")
         check_listen(args.host, args.port)  # the flags first: they do not depend on the host
         cache = TokenCache()  # one per process: the gateway counts, the router hashes
         wrap = gateway_wrap(args, cache) if args.gateway else None

@@ -286,3 +286,13 @@ def test_pd_flags_without_pd_are_refused(flags: list[str]) -> None:
     assert err.value.param == flags[0][2:].replace("-", "_")
     assert str(err.value) == f"{flags[0]} needs --pd P:D (a disaggregated pool)"
     assert pd_ratio(parse("--workers", "2", "--pd", "1:1", *flags)) == (1, 1)
+
+
+def test_a_bad_generation_config_exits_2_before_any_worker_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With a router, each local worker read the file and exited 2, and the controller
+    started them again; now `sluice serve` reads it first, as it does without one."""
+    (tmp_path / "generation_config.json").write_text('{"temperature": "hot"}')
+    argv = ["serve", "--no-gateway", "--generation-config", str(tmp_path)]
+    assert main([*argv, "--workers", "2"]) == 2
+    assert "temperature must be a number" in capsys.readouterr().err
