@@ -400,19 +400,17 @@ async def test_a_frozen_worker_s_streams_migrate_once_its_probes_time_out(
     with LocalWorkerPool(2, ["--model", str(tiny_llama_dir), *WORKER_ARGS],
                          startup_timeout_s=150) as pool:
         model = await model_of(pool.urls[0])
-        body = {"model": model, "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+        body = {"model": model, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}}
         config = RouterConfig(
             pools=(PoolConfig(workers=tuple(WorkerSpec(u) for u in pool.urls),
                               policy="round_robin"),),
             seed=0, health_interval_s=0.3, scrape_interval_s=0.2, connect_timeout_s=0.5,
             eject_after_failures=2, stalled_stream_timeout_s=1.0)
-        frozen = pool.workers[0].process
-        events = 0
+        events = [0] * 6
         async with serve_router(build_app(config, rng=random.Random(0))) as router, \
                 httpx.AsyncClient(timeout=30) as c:
             async def one(i: int) -> list[dict[str, Any]]:
-                nonlocal events
                 lines = []
                 async with c.stream("POST", router + "/v1/completions",
                                     json={**body, "prompt": f"Request {i} says"}) as s:
@@ -420,15 +418,24 @@ async def test_a_frozen_worker_s_streams_migrate_once_its_probes_time_out(
                     async for line in s.aiter_lines():
                         if line.startswith("data: "):
                             lines.append(line[6:])
-                            events += 1
+                            events[i] += 1
                 return one_stream(lines)
 
             tasks = [asyncio.create_task(one(i)) for i in range(6)]
+            for _ in range(500):  # bounded: until every stream is under way
+                if min(events) >= 3:
+                    break
+                await asyncio.sleep(0.02)
+            # The worker holding the most streams: under a loaded host a probe can time
+            # out before the first request, and round robin then sends them all to one
+            # (found in CI on 2026-12-06: the frozen worker held none, nothing migrated).
+            decided = (await c.get(router + "/metrics")).text
+            held = [sum(float(ln.rsplit(" ", 1)[1]) for ln in decided.splitlines()
+                        if ln.startswith("sluice_router_decisions_total") and f'"{u}"' in ln)
+                    for u in pool.urls]
+            frozen = pool.workers[held.index(max(held))].process
+            assert min(events) >= 3 and not any(t.done() for t in tasks), (events, held)
             try:
-                for _ in range(300):  # bounded: until every stream is under way
-                    if events >= 18:
-                        break
-                    await asyncio.sleep(0.02)
                 frozen.send_signal(signal.SIGSTOP)
                 start = time.monotonic()
                 results = await asyncio.gather(*tasks)
@@ -436,9 +443,9 @@ async def test_a_frozen_worker_s_streams_migrate_once_its_probes_time_out(
             finally:
                 frozen.send_signal(signal.SIGCONT)
             metrics = (await c.get(router + "/metrics")).text
-    assert all(r[-1]["usage"]["completion_tokens"] == 60 for r in results)
+    assert all(r[-1]["usage"]["completion_tokens"] == 200 for r in results)
     assert 'sluice_router_migrations_total{reason="read_error"}' in metrics
-    assert took < 20, took  # ejection (~1.6 s) + silence (1 s) + the rest elsewhere
+    assert took < 30, took  # ejection (~1.6 s) + silence (1 s) + the rest elsewhere
 
 
 class _Probed:
