@@ -5,6 +5,8 @@ store's auth version, or (PostgreSQL + a Redis limiter) its mirror in Redis."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -109,6 +111,39 @@ async def test_revoked_key_is_refused_on_the_next_request_by_every_replica(
         for gw in replicas:
             await gw.state.aclose()
     assert len(stub.received) == 4
+
+
+class ReadCountingStore(SQLStore):
+    """Counts the auth version's queries."""
+
+    reads = 0
+
+    def _read_version(self) -> int:
+        self.reads += 1
+        return super()._read_version()
+
+
+def test_sqlite_auth_version_is_read_again_only_after_a_commit(sqlite_store: SQLStore) -> None:
+    """The version is queried again only once some connection has committed (the WAL
+    header changed): by this process's other store, or by another process."""
+    new_key(sqlite_store)
+    store = ReadCountingStore(sqlite_store.url)
+    try:
+        first = store.auth_version()
+        for _ in range(5):
+            assert store.auth_version() == first
+        assert store.reads == 2  # the first, and the one that took the header's snapshot
+        sqlite_store.revoke_key(sqlite_store.list_keys()[0].id)  # a version bump
+        assert store.auth_version() == first + 1 and store.reads == 3
+        assert store.auth_version() == first + 1 and store.reads == 3
+        path = sqlite_store.url.split("///", 1)[1]
+        table = sqlite_store.versions.name
+        subprocess.run([sys.executable, "-c", "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]);"
+                        f" c.execute('UPDATE {table} SET version = version + 5'); c.commit()",
+                        path], check=True, timeout=60)
+        assert store.auth_version() == first + 6 and store.reads == 4
+    finally:
+        store.close()
 
 
 async def test_tenant_change_is_seen_on_the_next_request(any_store: SQLStore) -> None:

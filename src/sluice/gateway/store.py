@@ -43,6 +43,7 @@ import functools
 import json
 import logging
 import math
+import mmap
 import re
 import secrets
 import threading
@@ -495,6 +496,39 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
+class WalCommits:
+    """Whether any connection committed to a SQLite database in WAL mode since the last
+    look, without a query: every transaction changes the wal-index header, the first 96
+    bytes of the `<database>-shm` file (two copies of a header whose `iChange` counter
+    each transaction increments; https://www.sqlite.org/walformat.html), which every
+    connection on the machine maps. A header that differs in any byte, a torn read
+    included, counts as a commit, so the answer errs only towards a query."""
+
+    def __init__(self, shm: Path) -> None:
+        with open(shm, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 96, access=mmap.ACCESS_READ)
+        self._seen = b""
+
+    @classmethod
+    def of(cls, engine: sa.Engine) -> WalCommits | None:
+        """For a SQLite file database whose -shm file exists (a connection is open in
+        WAL mode); None otherwise (a query each time, as before)."""
+        path = engine.url.database if engine.dialect.name == "sqlite" else None
+        if not path or path == ":memory:" or path.startswith("file:"):
+            return None
+        try:
+            return cls(Path(path + "-shm"))
+        except (OSError, ValueError):  # no -shm yet (not WAL), or shorter than a header
+            return None
+
+    def since_last_look(self) -> bool:
+        header = self._map[:96]
+        if header == self._seen:
+            return False
+        self._seen = header
+        return True
+
+
 class SQLStore(Store):
     """`Store` on SQLAlchemy Core. `url=None` means SQLite at `sluice.env.home()/sluice.db`.
 
@@ -574,6 +608,8 @@ class SQLStore(Store):
         self._version_sql = str(sa.select(v.c.version).where(v.c.name == AUTH_VERSION_ROW)
                                 .compile(self.engine, compile_kwargs={"literal_binds": True}))
         self._version_conn: Any = None
+        self._version: int | None = None  # as last read (SQLite: while `_commits` says so)
+        self._commits: WalCommits | None = None
         self._version_lock = threading.Lock()
         self._mirror_clients: dict[str, Any] = {}  # Redis URL -> client (auth mirrors)
         self._mirror_lock = threading.Lock()
@@ -818,11 +854,18 @@ class SQLStore(Store):
     def auth_version(self) -> int:
         """One primary-key read on a connection of its own, below SQLAlchemy's pool and
         result layers (~5 us on SQLite against ~120 us through them): it runs on every
-        request. Thread-safe (a lock); a broken connection is replaced once."""
+        request. On SQLite the read is skipped while no connection has committed since
+        the last one (`WalCommits`): a read releases the GIL, and under load the ledger's
+        writer thread took it each time (~30 us a request). Thread-safe (a lock); a
+        broken connection is replaced once."""
         with self._version_lock:
             for attempt in (0, 1):
                 try:
-                    return self._read_version()
+                    if self._commits is not None and not self._commits.since_last_look() \
+                            and self._version is not None:
+                        return self._version
+                    self._version = self._read_version()
+                    return self._version
                 except Exception as exc:
                     self._drop_version_conn()
                     if attempt:
@@ -844,6 +887,7 @@ class SQLStore(Store):
             if self.engine.dialect.name == "postgresql":
                 conn.driver_connection.autocommit = True  # type: ignore[union-attr]
             self._version_conn = conn
+            self._commits = WalCommits.of(self.engine)  # its -shm lives while conn is open
         cursor = self._version_conn.cursor()
         try:
             cursor.execute(self._version_sql)
@@ -852,6 +896,7 @@ class SQLStore(Store):
             cursor.close()
 
     def _drop_version_conn(self) -> None:
+        self._version, self._commits = None, None
         if self._version_conn is not None:
             with contextlib.suppress(Exception):
                 self._version_conn.invalidate()
