@@ -40,10 +40,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import math
 import mmap
+import operator
 import re
 import secrets
 import threading
@@ -470,22 +472,31 @@ def _unnest_insert(engine: sa.Engine, usage: sa.Table) -> tuple[str, list[str]] 
 _ROWS_A_STATEMENT = 64  # x 15 columns: under SQLite's oldest limit of 999 parameters
 
 
-def _rows_insert(engine: sa.Engine, usage: sa.Table) -> tuple[Callable[[int], str], list[str]]:
+def _rows_insert(engine: sa.Engine, usage: sa.Table
+                 ) -> tuple[Callable[[int], str], Callable[[list[UsageRecord]], tuple[Any, ...]]]:
     """SQLite's batch insert: a multi-row VALUES statement for n rows (its text, cached
-    per n) and its columns in order. Run below SQLAlchemy's insert construct (its
-    `insertmanyvalues` bound and sorted each row in Python: ~20 us a record against ~5
-    here, the commit thread's GIL taken from the requests it serves)."""
-    columns = [c.name for c in usage.columns if not c.primary_key]
+    per n) and the function that lays records out as its parameters. Run below
+    SQLAlchemy's insert construct (its `insertmanyvalues` bound and sorted each row in
+    Python: ~20 us a record against ~5 here, the commit thread's GIL taken from the
+    requests it serves). Strings are cut to their column's width by the statement
+    (`substr`), as `SQLStore._fit` cuts them for PostgreSQL, without a Python pass."""
+    columns = [c for c in usage.columns if not c.primary_key]
     quote = engine.dialect.identifier_preparer.quote
-    head = (f"INSERT INTO {quote(usage.name)} ({', '.join(quote(c) for c in columns)}) "
+    head = (f"INSERT INTO {quote(usage.name)} ({', '.join(quote(c.name) for c in columns)}) "
             "VALUES ")
-    row = "(" + ", ".join("?" * len(columns)) + ")"
+    row = "(" + ", ".join(f"substr(?, 1, {c.type.length})"
+                          if isinstance(c.type, sa.String) and c.type.length else "?"
+                          for c in columns) + ")"
+    fields_of = operator.attrgetter(*(c.name for c in columns))
 
     @functools.cache
     def statement_for(n: int) -> str:
         return head + ", ".join([row] * n) + " ON CONFLICT DO NOTHING RETURNING record_id"
 
-    return statement_for, columns
+    def values(records: list[UsageRecord]) -> tuple[Any, ...]:
+        return tuple(itertools.chain.from_iterable(map(fields_of, records)))
+
+    return statement_for, values
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -993,18 +1004,17 @@ class SQLStore(Store):
         multi-row insert per `_ROWS_A_STATEMENT` records (`_rows_insert`)."""
         if not records:
             return set()
-        records = [self._fit(r) for r in records]
         if self._insert_unnest is not None:
             statement, names = self._insert_unnest
+            records = [self._fit(r) for r in records]
             columns = {name: [getattr(r, name) for r in records] for name in names}
             return {row[0] for row in conn.exec_driver_sql(statement, columns)}
-        statement_for, names = self._insert_rows
+        statement_for, values = self._insert_rows
         inserted: set[str] = set()
         for at in range(0, len(records), _ROWS_A_STATEMENT):
             part = records[at: at + _ROWS_A_STATEMENT]
-            values = tuple(getattr(r, name) for r in part for name in names)
             inserted.update(row[0] for row in conn.exec_driver_sql(statement_for(len(part)),
-                                                                    values))
+                                                                    values(part)))
         return inserted
 
     def _fit(self, record: UsageRecord) -> UsageRecord:
