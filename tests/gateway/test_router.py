@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 
 from sluice.gateway.middleware import GatewayMiddleware
 from sluice.gateway.store import SQLStore, UsageQuery
+from sluice.protocol.edge import load_json_object
 
 from .conftest import ADMIN_KEY, CHAT, make_state, new_key, serve
 from .stub import PROMPT_TOKENS, StubUpstream
@@ -154,3 +156,48 @@ async def test_gateway_over_routed_first_on_the_routers_server(sqlite_store: SQL
     await state.flush()
     records = sqlite_store.query_usage(UsageQuery())
     assert [r.status for r in records] == ["ok", "aborted", "aborted"]
+
+
+async def test_the_router_behind_the_gateway_reads_no_body_again(
+        sqlite_store: SQLStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In one process the router takes the gateway's reading of the body (its object and
+    prompt view, `ReadRequest`) instead of parsing the same bytes again, and routes what
+    the gateway sends: here with the `stream_options` it added to a stream."""
+    from sluice.router import parse
+    from sluice.router.app import build_app, routed_first
+    from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
+    from sluice.router.server import RouterServer
+
+    parsed: list[bytes] = []
+
+    def counting(raw: bytes, param: str) -> dict:  # type: ignore[type-arg]
+        parsed.append(raw)
+        return load_json_object(raw, param=param)
+
+    monkeypatch.setattr(parse, "load_json_object", counting)
+    worker = StubUpstream()
+    key = new_key(sqlite_store)
+    headers = {"Authorization": f"Bearer {key}"}
+    async with serve(worker) as worker_url:
+        config = RouterConfig(pools=(PoolConfig(model="stub-model",
+                                                workers=(WorkerSpec(worker_url),)),), seed=0)
+        app = build_app(config)
+        state = make_state(sqlite_store)
+        server = RouterServer(GatewayMiddleware(routed_first(app), state), port=0,
+                              state=lambda: app.state.router, direct=False)
+        async with server, httpx.AsyncClient(base_url=server.url, timeout=10) as c:
+            r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2},
+                             headers=headers)
+            assert r.status_code == 200, r.text
+            async with c.stream("POST", "/v1/chat/completions", headers=headers,
+                                json={**CHAT, "stream": True}) as s:
+                events = [ln async for ln in s.aiter_lines() if ln.startswith("data: ")]
+            assert s.status_code == 200 and events[-1] == "data: [DONE]"
+            # the router alone (no gateway in front) reads the body itself
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=routed_first(app)),
+                                         base_url="http://router") as direct:
+                assert (await direct.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        await state.aclose()
+    assert len(parsed) == 1 and json.loads(parsed[0]) == CHAT
+    assert worker.received[1]["stream_options"] == {"include_usage": True}
+    assert len(worker.received) == 3

@@ -83,7 +83,10 @@ from sluice.protocol.ids import unique_hex
 from sluice.protocol.prompt import (
     IDS_HEADER,
     KIND_OF_PATH,
+    READ_REQUEST,
     IdsHint,
+    PromptView,
+    ReadRequest,
     completion_texts,
     prompt_view,
 )
@@ -154,6 +157,8 @@ class Admission:
     reservation: str | None = None  # the budget reservation, given back at settlement
     decision: Decision | None = None
     hint: IdsHint | None = None  # the prompt's ids, for the router and the worker
+    payload: dict[str, Any] | None = None  # the body's object (as `body` says, once sent)
+    view: PromptView | None = None  # its prompt, as the one prompt view read it
     limiter_degraded: bool = False
     confirmed: bool = False  # the limiter's step confirmed a cached key answer (auth_mirror.py)
     headers: dict[str, str] = field(default_factory=dict)
@@ -320,7 +325,7 @@ class Exchange:
     async def admit_as(self, adm: Admission, raw: bytes, unconfirmed: int | None) -> Admission:
         payload = await self.parse_payload(raw) if self.scope["method"] == "POST" else None
         self.apply_policy(adm, payload)
-        adm.body = await self.outgoing_body(adm, raw, payload)
+        adm.body, adm.payload = await self.outgoing_body(adm, raw, payload), payload
         await self.reserve(adm, None if self.endpoint in MODEL_ONLY_ENDPOINTS else payload,
                            unconfirmed)
         return adm
@@ -475,7 +480,7 @@ class Exchange:
             check_embeddings_input(payload)
         if tokens is None or kind is None:
             return await self.count(adm.model, payload, len(adm.body))
-        view = prompt_view(kind, payload)
+        view = adm.view = prompt_view(kind, payload)
         ready = getattr(counter, "is_ready", None)
         if view.chars <= INLINE_COUNT_BYTES and (ready is None or ready(adm.model)):
             counted = tokens(adm.model, view)
@@ -550,6 +555,10 @@ class Exchange:
         if adm.hint is not None:
             headers.append((IDS_HEADER.encode(), adm.hint.encode()))
         scope = {**self.scope, "headers": headers}
+        if adm.payload is not None:  # what the router behind, in this process, need not read again
+            scope["extensions"] = {**(self.scope.get("extensions") or {}), READ_REQUEST:
+                                   ReadRequest(adm.body, adm.payload, KIND_OF_PATH.get(self.endpoint),
+                                               adm.view, adm.hint)}
         watch = on_disconnect(self.scope)
         if watch is not None:  # the server's hang-up callback, seen here as `receive`'s
             def watch_here(callback: Callable[[], None]) -> Callable[[], None]:
@@ -558,7 +567,7 @@ class Exchange:
                     callback()
                 return watch(gone)
 
-            scope["extensions"] = {**self.scope["extensions"], ON_DISCONNECT: watch_here}
+            scope["extensions"] = {**scope["extensions"], ON_DISCONNECT: watch_here}
         return scope
 
     async def forward(self) -> None:

@@ -402,6 +402,25 @@ class IdsHint:
         return None
 
 
+# A request as a layer in front read it in this process, for the layer behind it (the
+# gateway's, for the router in `sluice serve`): `scope["extensions"][READ_REQUEST]`.
+READ_REQUEST = "sluice.read_request"
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """What the layer in front read from a request's body: its JSON object, its prompt
+    view (None: not read) and the prompt's ids (None: not tokenized). Valid only for
+    exactly these `body` bytes (the reader checks identity), which the object describes
+    field for field: the layer that made it changed both together."""
+
+    body: bytes
+    payload: dict[str, Any]
+    kind: str | None = None  # the prompt kind `view` was read as (KIND_OF_PATH)
+    view: PromptView | None = None
+    hint: IdsHint | None = None
+
+
 @dataclass(frozen=True)
 class ResumeIds:
     """Output ids a migrated request already generated, and the tokenizer they are of

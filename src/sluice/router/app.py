@@ -44,7 +44,7 @@ from sluice.protocol.edge import (
     send_error,
 )
 from sluice.protocol.errors import NotFoundError, SluiceError
-from sluice.protocol.prompt import TokenCache
+from sluice.protocol.prompt import READ_REQUEST, TokenCache
 from sluice.router.adapter_admin import adapter_router
 from sluice.router.admin import admin_router
 from sluice.router.config import DnsTarget, RouterConfig
@@ -194,7 +194,8 @@ class RoutedFastPath:
 
         stop = _watch(scope, receive, hang_up)
         try:
-            reply = await route(state, kind, scope["path"], body, list(scope["headers"]))
+            read = (scope.get("extensions") or {}).get(READ_REQUEST)  # the gateway's, in front
+            reply = await route(state, kind, scope["path"], body, list(scope["headers"]), read)
             await _send_reply(reply, send)
         except asyncio.CancelledError:
             if not gone:

@@ -15,7 +15,14 @@ from typing import Any
 
 from sluice.protocol.edge import load_json_object, refuse_kv_transfer_params
 from sluice.protocol.errors import InvalidRequestError
-from sluice.protocol.prompt import CHAT, COMPLETION, MESSAGES, PromptView, prompt_view
+from sluice.protocol.prompt import (
+    CHAT,
+    COMPLETION,
+    MESSAGES,
+    PromptView,
+    ReadRequest,
+    prompt_view,
+)
 
 SESSION_HEADER = "x-session-id"
 __all__ = ["CHAT", "COMPLETION", "MESSAGES", "ParsedRequest", "parse_request"]
@@ -52,9 +59,15 @@ def _view(kind: str, body: dict[str, Any]) -> PromptView | None:
         return None
 
 
-def parse_request(kind: str, raw: bytes, headers: Mapping[str, str]) -> ParsedRequest:
-    """Read the routing-relevant fields of an OpenAI / Anthropic request body."""
-    body = load_json_object(raw, param="body")
+def parse_request(kind: str, raw: bytes, headers: Mapping[str, str],
+                  read: ReadRequest | None = None) -> ParsedRequest:
+    """Read the routing-relevant fields of an OpenAI / Anthropic request body. `read`:
+    what the gateway in front, in this process, read from these very bytes (its object
+    and prompt view), taken instead of reading them again."""
+    if read is not None and read.body is raw:
+        body, view = read.payload, read.view if read.kind == kind else None
+    else:
+        body, view = load_json_object(raw, param="body"), None
     refuse_kv_transfer_params(body)  # the router's own P/D requests are made, not parsed
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -63,5 +76,5 @@ def parse_request(kind: str, raw: bytes, headers: Mapping[str, str]) -> ParsedRe
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     return ParsedRequest(
         kind=kind, body=body, raw=raw, model=model, stream=bool(body.get("stream", False)),
-        view=_view(kind, body), session_key=str(session) if session else None,
+        view=view if view is not None else _view(kind, body), session_key=str(session) if session else None,
         max_tokens=max_tokens if isinstance(max_tokens, int) else None)

@@ -23,6 +23,7 @@ read the request and write the reply.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, replace
@@ -30,7 +31,7 @@ from dataclasses import dataclass, replace
 from sluice.observe.route_span import traced_route
 from sluice.protocol.edge import error_headers, error_json
 from sluice.protocol.errors import ServiceUnavailableError, SluiceError
-from sluice.protocol.prompt import IDS_HEADER, KIND_OF_PATH, RESUME_HEADER, IdsHint
+from sluice.protocol.prompt import IDS_HEADER, KIND_OF_PATH, RESUME_HEADER, IdsHint, ReadRequest
 from sluice.router.config import CANARY
 from sluice.router.migrate import MigratingRelay, migratable, with_token_ids
 from sluice.router.parse import SESSION_HEADER, parse_request
@@ -62,25 +63,29 @@ def error_reply(exc: SluiceError, path: str = "") -> ErrorReply:
 
 
 async def route(state: RouterState, kind: str, path: str, body: bytes,
-                headers: list[tuple[bytes, bytes]]) -> Relay | ErrorReply:
+                headers: list[tuple[bytes, bytes]], read: ReadRequest | None = None
+                ) -> Relay | ErrorReply:
     """Route one POST to a worker; the caller streams the Relay back and closes it.
 
     `headers`: the client's, names lower-case (as ASGI and the server give them).
+    `read`: what the gateway in front, in this process, read from `body` (protocol/prompt.py).
     Cancelling this (the client went away) closes the worker connection."""
     if state.tracing is not None:
-        return await traced_route(state.tracing, _route, state, kind, path, body, headers)
-    return await _route(state, kind, path, body, headers)
+        return await traced_route(state.tracing, functools.partial(_route, read=read), state,
+                                  kind, path, body, headers)
+    return await _route(state, kind, path, body, headers, read=read)
 
 
 async def _route(state: RouterState, kind: str, path: str, body: bytes,
                  headers: list[tuple[bytes, bytes]], notes: dict[str, str] | None = None,
-                 reached: list[bool] | None = None) -> Relay | ErrorReply:
+                 reached: list[bool] | None = None, read: ReadRequest | None = None
+                 ) -> Relay | ErrorReply:
     """`route` itself; `notes` (when tracing) gets the request's model and policy.
     `reached`: an alias's attempt, not counted here; True is appended once a worker
     answered (or none could), and the alias's request is counted once, by its name."""
     try:
         session = next((v.decode("latin-1") for n, v in headers if n == _SESSION), None)
-        req = parse_request(kind, body, {SESSION_HEADER: session} if session else {})
+        req = parse_request(kind, body, {SESSION_HEADER: session} if session else {}, read)
         alias = state.aliases.get(req.model)
         if alias is not None:  # another model's name, or a cascade (cascade.py)
             start, tried = time.perf_counter(), list[bool]()
@@ -97,7 +102,8 @@ async def _route(state: RouterState, kind: str, path: str, body: bytes,
         await state.buffer.admit(pool)  # held while the pool has no ready worker
         if notes is not None:
             notes.update(model=req.model, policy=pool.policy.name)
-        given = next((IdsHint.decode(v) for n, v in headers if n == _IDS), None)
+        given = read.hint if read is not None and read.body is body and read.hint else \
+            next((IdsHint.decode(v) for n, v in headers if n == _IDS), None)
         meta, hint = await state.request_meta(pool, req, given)
         release = state.releases.get(pool) if pool.release_workers and pool.config.pd is None \
             else None
