@@ -40,15 +40,35 @@ def rec(tenant_id: str, i: int, cost: float = 0.5, **changes: Any) -> UsageRecor
 
 class Outage:
     """Makes `store`'s database unreachable while `down` is set (every statement fails
-    as a refused connection does)."""
+    as a refused connection does): through SQLAlchemy, and on the ledger's own DBAPI
+    connection (`SQLStore._record_on_ledger_connection`), dropped as a broken one is,
+    whose reconnection is refused."""
 
     def __init__(self, store: SQLStore) -> None:
-        self.down = False
+        self._down = False
+        self.store = store
         self.error = store.engine.dialect.dbapi.OperationalError  # type: ignore[union-attr]
         sa.event.listen(store.engine, "before_cursor_execute", self._check)
+        connect = store.engine.raw_connection
+
+        def raw_connection() -> Any:
+            self._check()
+            return connect()
+
+        store.engine.raw_connection = raw_connection  # type: ignore[method-assign]
+
+    @property
+    def down(self) -> bool:
+        return self._down
+
+    @down.setter
+    def down(self, down: bool) -> None:
+        self._down = down
+        if down:  # as if it broke: the next batch connects again (refused)
+            self.store._drop_ledger_conn()
 
     def _check(self, *_: Any) -> None:
-        if self.down:
+        if self._down:
             raise self.error("connection refused (test outage)")
 
 
@@ -94,6 +114,29 @@ async def test_ledger_writer_group_commits(tmp_path: Path) -> None:
     assert sum(store.batches) == 40 and len(store.batches) < 40
     assert len(rows(store)) == 40
     assert store.get_tenant("t").spend_usd == pytest.approx(20.0)
+    store.close()
+
+
+async def test_rows_after_their_responses_are_committed_in_spaced_batches(
+        tmp_path: Path) -> None:
+    """Records nobody awaits go in one commit per `batch_interval_s` at most (the first
+    at once); a record a request awaits (`write`) is committed at once, with those
+    waiting, instead of waiting out the interval."""
+    store = CountingStore(f"sqlite:///{tmp_path / 'l.db'}")
+    tenant = store.create_tenant("t", TenantSettings())
+    writer = LedgerWriter(store, batch_interval_s=2.0)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    await writer.submit(rec(tenant.id, 0))  # the first commit: at once
+    later = [writer.submit(rec(tenant.id, i)) for i in range(1, 4)]
+    await asyncio.sleep(0.1)
+    assert not any(f.done() for f in later)  # waiting for the interval
+    await writer.write(rec(tenant.id, 4))  # awaited on a request's path: no wait
+    assert all(f.done() for f in later) and loop.time() - start < 1.8
+    assert store.batches == [1, 4] and len(rows(store)) == 5
+    spaced = [writer.submit(rec(tenant.id, i)) for i in range(5, 7)]
+    await asyncio.gather(*spaced)
+    assert loop.time() - start >= 1.95 and store.batches == [1, 4, 2]  # after the interval
     store.close()
 
 
@@ -449,11 +492,15 @@ def test_postgres_batch_insert_is_one_constant_statement(pg_store: SQLStore) -> 
     t = pg_store.create_tenant("acme", TenantSettings())
     inserts: list[str] = []
 
-    def seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        if "INSERT INTO" in statement and "usage" in statement:
-            inserts.append(statement)
+    insert = pg_store._insert_records
 
-    sa.event.listen(pg_store.engine, "before_cursor_execute", seen)
+    def seen(run: Any, records: Any) -> set[str]:  # the statements sent, whatever the path
+        def noted(statement: str, params: Any) -> Any:
+            inserts.append(statement)
+            return run(statement, params)
+        return insert(noted, records)
+
+    pg_store._insert_records = seen  # type: ignore[method-assign]
     n = 0
     for size in (1, 3, 8, 2):
         pg_store.record_usage_many([rec(t.id, n + i) for i in range(size)])

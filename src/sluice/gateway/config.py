@@ -96,6 +96,9 @@ class GatewayConfig:
     await_ledger: bool = False
     ledger_max_waiting: int = 10_000
     ledger_close_s: float = 10.0
+    # the least time between two ledger commits of rows written after their responses
+    # (LiteLLM's `proxy_batch_write_at`, 10 s there): fewer, larger commits
+    ledger_batch_interval_s: float = 0.02
     ledger_spool: Path | None = None
 
     def __post_init__(self) -> None:
@@ -110,6 +113,9 @@ class GatewayConfig:
                                       param="ledger_max_waiting")
         if self.ledger_close_s < 0:
             raise InvalidRequestError("ledger_close_s must be >= 0", param="ledger_close_s")
+        if not 0 <= self.ledger_batch_interval_s <= 10:
+            raise InvalidRequestError("ledger_batch_interval_s must be in [0, 10] seconds",
+                                      param="ledger_batch_interval_s")
 
     def with_spool(self) -> GatewayConfig:
         """This config with `ledger_spool` at its default place, `ledger_spool_path`."""

@@ -57,7 +57,7 @@ class LedgerWriter:
     def __init__(self, store: Store, metrics: GatewayMetrics | None = None, *,
                  max_batch: int = 256, max_waiting: int = 10_000,
                  retry_s: tuple[float, float] = (0.05, 2.0),
-                 spool: LedgerSpool | None = None) -> None:
+                 spool: LedgerSpool | None = None, batch_interval_s: float = 0.0) -> None:
         self.store = store
         self.spool = spool
         self.metrics = metrics or GatewayMetrics()
@@ -65,7 +65,8 @@ class LedgerWriter:
         self.max_waiting = max_waiting
         self.first_retry_s, self.max_retry_s = retry_s
         self.waiting: list[Item] = []  # not written because the store was down; oldest first
-        self._queue: GroupCommit[Item, Exception | None] = GroupCommit(self._commit, max_batch)
+        self._queue: GroupCommit[Item, Exception | None] = GroupCommit(
+            self._commit, max_batch, spacing_s=batch_interval_s)  # (`write`s go at once)
         self._retry: asyncio.Task[None] | None = None
 
     @property
@@ -74,19 +75,22 @@ class LedgerWriter:
 
     async def write(self, record: UsageRecord, reservation: str | None = None) -> None:
         """Return once `record` is committed (and `reservation`, if any, given back) or
-        kept in `waiting`; a record dropped instead is logged and counted, not raised."""
-        await asyncio.wait([self.submit(record, reservation)])  # cancelled: written all the same
+        kept in `waiting`; a record dropped instead is logged and counted, not raised.
+        Cancelled, it is written all the same."""
+        await asyncio.wait([self.submit(record, reservation, urgent=True)])
 
-    def submit(self, record: UsageRecord,
-               reservation: str | None = None) -> asyncio.Future[Exception | None]:
-        """`write` without waiting: the future is done when `write` would return."""
+    def submit(self, record: UsageRecord, reservation: str | None = None, *,
+               urgent: bool = False) -> asyncio.Future[Exception | None]:
+        """`write` without waiting: the future is done when `write` would return. Not
+        `urgent` (nobody awaits it on a request's path): committed with the next batch,
+        at most `batch_interval_s` after the previous one began."""
         item = (record, reservation)
         if self.waiting:  # the store is down: queue behind the records already waiting
             self._keep([item])
             kept: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
             kept.set_result(None)
             return kept
-        future = self._queue.submit(item)
+        future = self._queue.submit(item, urgent=urgent)
         future.add_done_callback(lambda done: self._after(item, done))
         return future
 

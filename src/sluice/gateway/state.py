@@ -56,6 +56,7 @@ class GatewayState:
         spool = self.config.ledger_spool
         self.ledger = LedgerWriter(self.store, self.metrics,
                                    max_waiting=self.config.ledger_max_waiting,
+                                   batch_interval_s=self.config.ledger_batch_interval_s,
                                    spool=LedgerSpool(spool) if spool is not None else None)
         self.budgets = BudgetReservations(self.store, self.config.budget_lease_s)
         self.keys = KeyCache(self.store)
