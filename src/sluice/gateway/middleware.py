@@ -555,10 +555,10 @@ class Exchange:
         if adm.hint is not None:
             headers.append((IDS_HEADER.encode(), adm.hint.encode()))
         scope = {**self.scope, "headers": headers}
-        if adm.payload is not None:  # what the router behind, in this process, need not read again
-            scope["extensions"] = {**(self.scope.get("extensions") or {}), READ_REQUEST:
-                                   ReadRequest(adm.body, adm.payload, KIND_OF_PATH.get(self.endpoint),
-                                               adm.view, adm.hint)}
+        if adm.payload is not None:  # the router behind, in this process, reads no more
+            read = ReadRequest(adm.body, adm.payload, KIND_OF_PATH.get(self.endpoint),
+                               adm.view, adm.hint)
+            scope["extensions"] = {**(self.scope.get("extensions") or {}), READ_REQUEST: read}
         watch = on_disconnect(self.scope)
         if watch is not None:  # the server's hang-up callback, seen here as `receive`'s
             def watch_here(callback: Callable[[], None]) -> Callable[[], None]:

@@ -76,5 +76,6 @@ def parse_request(kind: str, raw: bytes, headers: Mapping[str, str],
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     return ParsedRequest(
         kind=kind, body=body, raw=raw, model=model, stream=bool(body.get("stream", False)),
-        view=view if view is not None else _view(kind, body), session_key=str(session) if session else None,
+        view=view if view is not None else _view(kind, body),
+        session_key=str(session) if session else None,
         max_tokens=max_tokens if isinstance(max_tokens, int) else None)
