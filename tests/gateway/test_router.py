@@ -3,17 +3,42 @@ compose it), the router in front of a stub worker on a real server."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
 from sluice.gateway.middleware import GatewayMiddleware
+from sluice.gateway.state import GatewayState
 from sluice.gateway.store import SQLStore, UsageQuery
 from sluice.protocol.edge import load_json_object
 
 from .conftest import ADMIN_KEY, CHAT, make_state, new_key, serve
 from .stub import PROMPT_TOKENS, StubUpstream
+
+
+@contextlib.asynccontextmanager
+async def front_door(worker: StubUpstream, store: SQLStore
+                     ) -> AsyncIterator[tuple[httpx.AsyncClient, dict[str, str], GatewayState]]:
+    """`sluice serve`'s composition in front of `worker`: the router's own server
+    (direct=False), the gateway over `routed_first(app)`; a client of it, a key's
+    headers and the gateway's state."""
+    from sluice.router.app import build_app, routed_first
+    from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
+    from sluice.router.server import RouterServer
+
+    headers = {"Authorization": f"Bearer {new_key(store)}"}
+    state = make_state(store)
+    async with serve(worker) as worker_url:
+        config = RouterConfig(pools=(PoolConfig(model="stub-model",
+                                                workers=(WorkerSpec(worker_url),)),), seed=0)
+        app = build_app(config)
+        async with RouterServer(GatewayMiddleware(routed_first(app), state), port=0,
+                                state=lambda: app.state.router, direct=False) as server, \
+                httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+            yield client, headers, state
 
 
 async def test_gateway_over_router(sqlite_store: SQLStore) -> None:
@@ -112,46 +137,33 @@ async def test_gateway_over_routed_first_on_the_routers_server(sqlite_store: SQL
     ledger row is written once, as aborted."""
     import asyncio
 
-    from sluice.router.app import build_app, routed_first
-    from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
-    from sluice.router.server import RouterServer
-
     worker = StubUpstream(chunk_delay=0.05)
-    key = new_key(sqlite_store)
-    headers = {"Authorization": f"Bearer {key}"}
-    state = make_state(sqlite_store)
-    async with serve(worker) as worker_url:
-        config = RouterConfig(pools=(PoolConfig(model="stub-model",
-                                                workers=(WorkerSpec(worker_url),)),), seed=0)
-        app = build_app(config)
-        server = RouterServer(GatewayMiddleware(routed_first(app), state), port=0,
-                              state=lambda: app.state.router, direct=False)
-        async with server, httpx.AsyncClient(base_url=server.url, timeout=10) as c:
-            r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2},
-                             headers=headers)
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
-            assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 401
-            async with c.stream("POST", "/v1/chat/completions", headers=headers,
-                                json={**CHAT, "stream": True}) as r:
-                async for _ in r.aiter_bytes():
-                    break  # the first event, then hang up
-            for _ in range(200):
-                if worker.streams_cancelled == 1 and not state.background:
-                    break
-                await asyncio.sleep(0.02)
-            worker.hold_json = True  # no byte of the answer before the client hangs up
-            hanging = asyncio.create_task(c.post("/v1/chat/completions", json=CHAT,
-                                                 headers=headers))
-            for _ in range(200):
-                if len(worker.received) == 3:
-                    break
-                await asyncio.sleep(0.02)
-            hanging.cancel()
-            for _ in range(200):
-                if worker.json_cancelled == 1 and len(state.background) == 0 \
-                        and len(sqlite_store.query_usage(UsageQuery())) == 3:
-                    break
-                await asyncio.sleep(0.02)
+    async with front_door(worker, sqlite_store) as (c, headers, state):
+        r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2},
+                         headers=headers)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert (await c.post("/v1/chat/completions", json=CHAT)).status_code == 401
+        async with c.stream("POST", "/v1/chat/completions", headers=headers,
+                            json={**CHAT, "stream": True}) as r:
+            async for _ in r.aiter_bytes():
+                break  # the first event, then hang up
+        for _ in range(200):
+            if worker.streams_cancelled == 1 and not state.background:
+                break
+            await asyncio.sleep(0.02)
+        worker.hold_json = True  # no byte of the answer before the client hangs up
+        hanging = asyncio.create_task(c.post("/v1/chat/completions", json=CHAT,
+                                             headers=headers))
+        for _ in range(200):
+            if len(worker.received) == 3:
+                break
+            await asyncio.sleep(0.02)
+        hanging.cancel()
+        for _ in range(200):
+            if worker.json_cancelled == 1 and len(state.background) == 0 \
+                    and len(sqlite_store.query_usage(UsageQuery())) == 3:
+                break
+            await asyncio.sleep(0.02)
     assert (worker.streams_cancelled, worker.json_cancelled) == (1, 1)
     await state.flush()
     records = sqlite_store.query_usage(UsageQuery())
@@ -166,7 +178,6 @@ async def test_the_router_behind_the_gateway_reads_no_body_again(
     from sluice.router import parse
     from sluice.router.app import build_app, routed_first
     from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
-    from sluice.router.server import RouterServer
 
     parsed: list[bytes] = []
 
@@ -176,28 +187,21 @@ async def test_the_router_behind_the_gateway_reads_no_body_again(
 
     monkeypatch.setattr(parse, "load_json_object", counting)
     worker = StubUpstream()
-    key = new_key(sqlite_store)
-    headers = {"Authorization": f"Bearer {key}"}
-    async with serve(worker) as worker_url:
-        config = RouterConfig(pools=(PoolConfig(model="stub-model",
-                                                workers=(WorkerSpec(worker_url),)),), seed=0)
-        app = build_app(config)
-        state = make_state(sqlite_store)
-        server = RouterServer(GatewayMiddleware(routed_first(app), state), port=0,
-                              state=lambda: app.state.router, direct=False)
-        async with server, httpx.AsyncClient(base_url=server.url, timeout=10) as c:
-            r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2},
-                             headers=headers)
-            assert r.status_code == 200, r.text
-            async with c.stream("POST", "/v1/chat/completions", headers=headers,
-                                json={**CHAT, "stream": True}) as s:
-                events = [ln async for ln in s.aiter_lines() if ln.startswith("data: ")]
-            assert s.status_code == 200 and events[-1] == "data: [DONE]"
-            # the router alone (no gateway in front) reads the body itself
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=routed_first(app)),
-                                         base_url="http://router") as direct:
-                assert (await direct.post("/v1/chat/completions", json=CHAT)).status_code == 200
-        await state.aclose()
+    async with front_door(worker, sqlite_store) as (c, headers, state):
+        r = await c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2},
+                         headers=headers)
+        assert r.status_code == 200, r.text
+        async with c.stream("POST", "/v1/chat/completions", headers=headers,
+                            json={**CHAT, "stream": True}) as s:
+            events = [ln async for ln in s.aiter_lines() if ln.startswith("data: ")]
+        assert s.status_code == 200 and events[-1] == "data: [DONE]"
+    async with serve(worker) as worker_url:  # a router alone reads the body itself
+        app = build_app(RouterConfig(pools=(PoolConfig(model="stub-model",
+                                                       workers=(WorkerSpec(worker_url),)),)))
+        async with serve(routed_first(app), lifespan="on") as router, \
+                httpx.AsyncClient() as plain:
+            assert (await plain.post(router + "/v1/chat/completions", json=CHAT)).status_code == 200
+    await state.aclose()
     assert len(parsed) == 1 and json.loads(parsed[0]) == CHAT
     assert worker.received[1]["stream_options"] == {"include_usage": True}
     assert len(worker.received) == 3
