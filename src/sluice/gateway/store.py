@@ -641,10 +641,10 @@ class SQLStore(Store):
         self._mirror_lock = threading.Lock()
         self._bump_stmt = (v.update().where(v.c.name == AUTH_VERSION_ROW)
                            .values(version=v.c.version + 1).returning(v.c.version))
-        self._settle = (t.update().where(t.c.id == sa.bindparam("tid"))
-                        .values(spend_usd=t.c.spend_usd + sa.bindparam("cost"),
-                                reserved_usd=t.c.reserved_usd - sa.bindparam("released")))
-        settle = self._settle.compile(dialect=self.engine.dialect)  # the DBAPI's own text
+        settle = (t.update().where(t.c.id == sa.bindparam("tid"))
+                  .values(spend_usd=t.c.spend_usd + sa.bindparam("cost"),
+                          reserved_usd=t.c.reserved_usd - sa.bindparam("released"))
+                  .compile(dialect=self.engine.dialect))  # the DBAPI's own text
         self._settle_sql, self._settle_order = str(settle), settle.positiontup
         self._ledger_conn: Any = None
         self._ledger_lock = threading.Lock()
@@ -975,7 +975,7 @@ class SQLStore(Store):
                    .with_for_update(skip_locked=True).scalar_subquery())
         with self.engine.begin() as conn:
             freed = self._delete_reservations(conn, r.c.id.in_(expired))
-            self._settle_tenants(conn, {}, freed)
+            self._settle_tenants(conn.exec_driver_sql, {}, freed)
         return sum(n for _, n in freed.values())
 
     def _delete_reservations(self, conn: sa.Connection,
@@ -989,11 +989,16 @@ class SQLStore(Store):
             freed[tenant_id] = (usd + cost, n + 1)
         return freed
 
-    def _settle_tenants(self, conn: sa.Connection, spend: dict[str, float],
+    def _settle_tenants(self, run: Callable[[str, Any], Any], spend: dict[str, float],
                         freed: dict[str, tuple[float, int]]) -> None:
+        """Add `spend` to the tenants and take `freed` off their reservations, by
+        `run(sql, params)` in the caller's transaction (SQLAlchemy's or the ledger's own
+        connection: the statement is the DBAPI's text)."""
         for tenant_id in sorted(spend.keys() | freed.keys()):  # fixed order: no deadlock
-            conn.execute(self._settle, {"tid": tenant_id, "cost": spend.get(tenant_id, 0.0),
-                                        "released": freed.get(tenant_id, (0.0, 0))[0]})
+            values = {"tid": tenant_id, "cost": spend.get(tenant_id, 0.0),
+                      "released": freed.get(tenant_id, (0.0, 0))[0]}
+            run(self._settle_sql, values if self._settle_order is None
+                else tuple(values[name] for name in self._settle_order))
 
     def record_usage_many(self, records: list[UsageRecord],
                           released: Sequence[str] = ()) -> None:
@@ -1008,7 +1013,7 @@ class SQLStore(Store):
                 freed = self._delete_reservations(conn, self.reservations.c.id.in_(released))
                 inserted = self._insert_records(
                     lambda sql, params: list(conn.exec_driver_sql(sql, params)), records)
-                self._settle_tenants(conn, _spend(records, inserted), freed)
+                self._settle_tenants(conn.exec_driver_sql, _spend(records, inserted), freed)
         except OUTAGES as exc:
             raise ServiceUnavailableError("gateway database unreachable",
                                           code="store_unavailable") from exc
@@ -1031,10 +1036,7 @@ class SQLStore(Store):
                         return cursor.fetchall()
 
                     inserted = self._insert_records(run, records)
-                    for tenant_id, cost in sorted(_spend(records, inserted).items()):
-                        values = {"tid": tenant_id, "cost": cost, "released": 0.0}
-                        cursor.execute(self._settle_sql, values if self._settle_order is None
-                                       else tuple(values[n] for n in self._settle_order))
+                    self._settle_tenants(cursor.execute, _spend(records, inserted), {})
                     conn.commit()
                 finally:
                     cursor.close()
