@@ -383,7 +383,13 @@ class IdsHint:
     ids: list[int]
 
     def encode(self) -> bytes:
-        return f"{self.fingerprint}.{self.digest}.".encode() + _pack(self.ids)
+        """The header value; made once per hint (a cached prompt's hint is one object, and
+        in `sluice serve` the gateway's header and the router's are the same bytes)."""
+        encoded: bytes | None = self.__dict__.get("_encoded")
+        if encoded is None:
+            encoded = f"{self.fingerprint}.{self.digest}.".encode() + _pack(self.ids)
+            object.__setattr__(self, "_encoded", encoded)  # not a field: eq, hash unchanged
+        return encoded
 
     @classmethod
     def decode(cls, value: bytes | str) -> IdsHint | None:
