@@ -1,4 +1,5 @@
-"""One table of equivalences: for OpenAI and Anthropic requests, the gateway's counted
+"""One table of equivalences: for OpenAI (chat, completions, Responses) and Anthropic
+requests, the gateway's counted
 tokens, the router's hashed tokens and the engine's tokens are the same ids, because all
 three read the prompt through `sluice.protocol.prompt`; and the ids the gateway passes
 downstream are taken by the worker only when they are its own tokenizer's for its text."""
@@ -14,13 +15,14 @@ import pytest
 
 from sluice.engine.tokenizer import load_tokenizer
 from sluice.gateway.tokens import PromptTokenCounter, estimate_view, kind_of
-from sluice.protocol import anthropic
+from sluice.protocol import anthropic, responses
 from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.openai import ChatCompletionRequest, CompletionRequest, parse_request
 from sluice.protocol.prompt import (
     CHAT,
     COMPLETION,
     MESSAGES,
+    RESPONSES,
     IdsHint,
     TokenCache,
     fingerprint,
@@ -66,6 +68,15 @@ TABLE: list[tuple[str, str, dict[str, Any]]] = [
     ("chat, continue_final_message", CHAT, {
         "messages": [U, {"role": "assistant", "content": "The capital is"}],
         "continue_final_message": True, "add_generation_prompt": False}),
+    ("responses, string input", RESPONSES, {"input": U["content"]}),
+    ("responses, instructions", RESPONSES, {"instructions": "Be brief.", "input": U["content"]}),
+    ("responses, items, developer and text parts", RESPONSES, {"input": [
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "What is "}, {"type": "input_text",
+                                                         "text": "the capital?"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Paris."}]},
+        {"role": "user", "content": "And of Spain?"}]}),
 ]
 
 # Tools, tool calls and tool results: the template writes the schemas and the calls' JSON.
@@ -106,6 +117,12 @@ TOOL_TABLE: list[tuple[str, str, dict[str, Any]]] = [
                 {"type": "tool_result", "tool_use_id": "toolu_2", "is_error": True,
                  "content": "timeout"},
                 {"type": "text", "text": "And tomorrow?"}]}]}),
+    ("responses, tools, a call and its output", RESPONSES, {
+        "instructions": "Be brief.", "tools": [{"type": "function", **FN}], "input": [
+            U, {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                "arguments": '{"city": "Paris", "unit": "C"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "18 C, sunny"},
+            {"role": "user", "content": "And tomorrow?"}]}),
     ("anthropic, tool history without system", MESSAGES, {"max_tokens": 8, "messages": [
         U, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
                                               "input": {}}]},
@@ -165,6 +182,10 @@ async def engine_ids(tok: Any, kind: str, body: dict[str, Any], monkeypatch: pyt
             if kind == MESSAGES:
                 body = anthropic.to_chat_body(parse_request(anthropic.MessagesRequest,
                                                             {"model": M, **body}))
+            elif kind == RESPONSES:
+                raw = {"model": M, **body}
+                body = responses.to_chat_body(parse_request(responses.ResponsesRequest, raw),
+                                              raw)
             req = parse_request(ChatCompletionRequest, {"model": M, **body})
             await worker_chat.prepare_chat(state, req, "r", hint)
     except _Captured as got:
@@ -187,7 +208,10 @@ async def test_gateway_router_and_engine_see_the_same_tokens(
     engine = await engine_ids(tok, kind, body, monkeypatch)
     assert count == len(hashed.tokens.ids) == len(engine), name
     assert hashed.tokens.ids == engine, name
-    assert counter(M, {"model": M, **body}) == count  # the plain counter agrees
+    if kind_of(body) == kind or kind != RESPONSES:  # the plain counter agrees (it reads a
+        # Responses body's bare string `input` as an embeddings or completion input; the
+        # gateway counts /v1/responses by its path's view)
+        assert counter(M, {"model": M, **body}) == count
     if kind != COMPLETION:
         assert hint is not None and hint.ids == engine
         # the worker takes the gateway's ids as they are, without tokenizing (marked ids
@@ -245,6 +269,13 @@ def test_the_plain_counter_reads_anthropic_tool_bodies_as_anthropic() -> None:
     assert kind_of({"messages": [U, use]}) == MESSAGES
     assert kind_of({"messages": [U], "tools": [TOOL]}) == CHAT
     assert kind_of({"messages": [U]}) == CHAT
+    # a body without messages: a Responses request's by its items or instructions; a
+    # bare string input is an embeddings (completion) input, estimated the same either way
+    assert kind_of({"input": [U]}) == RESPONSES
+    assert kind_of({"input": "x", "instructions": "Be brief."}) == RESPONSES
+    assert kind_of({"input": "x"}) == kind_of({"input": ["x", "y"]}) == COMPLETION
+    assert estimate_view(prompt_view(COMPLETION, {"input": "What is it?"})) == \
+        estimate_view(prompt_view(RESPONSES, {"input": "What is it?"}))
     # without a tokenizer, the chars/4 estimate charges the schemas and the calls too
     bare = estimate_view(prompt_view(MESSAGES, {"messages": [U]}))
     with_tools = estimate_view(prompt_view(MESSAGES, {"messages": [U, use], "tools": [A_TOOL]}))

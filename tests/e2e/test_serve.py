@@ -120,7 +120,8 @@ ASK = [{"role": "user", "content": "Weather in Rome?"}]
 
 
 def _tools_and_structured_output_pass_through(url: str, key: str, model: str) -> None:
-    """gateway -> router -> worker leave tools, tool_choice and response_format intact:
+    """gateway -> router -> worker leave tools, tool_choice and response_format intact
+    (chat, Anthropic's Messages and OpenAI's Responses API):
     forced calls and schema'd answers come back valid (the tiny model is random, so only
     the grammar can make them so)."""
     client = openai.OpenAI(base_url=url + "/v1", api_key=key)
@@ -142,6 +143,25 @@ def _tools_and_structured_output_pass_through(url: str, key: str, model: str) ->
         tool_choice={"type": "tool", "name": "get_weather"})
     assert msg.stop_reason == "tool_use" and msg.content[0].type == "tool_use"
     jsonschema.validate(msg.content[0].input, SCHEMA)
+    # OpenAI's Responses API, through the same hops: a forced function call, a schema'd
+    # text, and a stream whose last event carries the usage
+    resp = client.responses.create(
+        model=model, max_output_tokens=64, temperature=0, input=ASK,
+        tools=[{"type": "function", "name": "get_weather", "parameters": SCHEMA}],
+        tool_choice={"type": "function", "name": "get_weather"})
+    [call] = resp.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), SCHEMA)
+    resp = client.responses.create(
+        model=model, max_output_tokens=64, temperature=0, input=ASK,
+        text={"format": {"type": "json_schema", "name": "weather", "schema": SCHEMA,
+                         "strict": True}})
+    jsonschema.validate(json.loads(resp.output_text), SCHEMA)
+    events = list(client.responses.create(model=model, max_output_tokens=5, input="hello",
+                                          stream=True))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].response.usage is not None
+    assert events[-1].response.usage.output_tokens >= 1
 
 
 def _healthy(url: str) -> bool:

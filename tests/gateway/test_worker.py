@@ -85,6 +85,43 @@ async def test_gateway_over_real_worker(engine: Any, counter: PromptTokenCounter
         anthropic_usage["input_tokens"], anthropic_usage["output_tokens"])
 
 
+async def test_responses_through_the_gateway_are_counted_reserved_and_recorded(
+        engine: Any, counter: PromptTokenCounter, sqlite_store: SQLStore) -> None:
+    """`/v1/responses`: its prompt counted by the Responses view, `max_output_tokens`
+    reserved against TPM, usage read off the JSON body and off the stream's
+    `response.completed` (or `.incomplete`) event, one ledger row each."""
+    from sluice.protocol.prompt import RESPONSES, prompt_view
+    from sluice.worker.app import build_app
+    from sluice.worker.config import WorkerConfig
+
+    worker = build_app(engine, WorkerConfig(served_model_names=("tiny",)))
+    key = new_key(sqlite_store, tpm=10_000, rpm=100)
+    gw = GatewayMiddleware(worker, make_state(sqlite_store, count=counter))
+    body = {"model": "tiny", "instructions": "Be brief.", "input": "Count to three, please.",
+            "max_output_tokens": 6, "temperature": 0}
+    counted = counter.prompt_tokens("tiny", prompt_view(RESPONSES, body))
+    assert counted is not None
+    async with client_for(gw, key) as c:
+        r = await c.post("/v1/responses", json=body)
+        assert r.status_code == 200, r.text
+        whole = r.json()
+        assert whole["usage"]["input_tokens"] == counted[0]  # admission's count is exact
+        assert r.headers["x-ratelimit-remaining-tokens"] == str(10_000 - counted[0] - 6)
+        r = await c.post("/v1/responses", json={**body, "stream": True})
+        assert r.status_code == 200, r.text
+        events = [json.loads(e.split("\ndata: ", 1)[1]) for e in r.text.split("\n\n") if e]
+        assert events[-1]["type"] in ("response.completed", "response.incomplete")
+        assert "[DONE]" not in r.text  # (the gateway added nothing to the stream)
+        r = await c.post("/v1/responses", json={**body, "store": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "store"
+    records = sqlite_store.query_usage(UsageQuery())
+    assert [(x.endpoint, x.status) for x in records] == [
+        ("/v1/responses", "ok"), ("/v1/responses", "ok"), ("/v1/responses", "error")]
+    for record in records[:2]:
+        assert (record.prompt_tokens, record.completion_tokens) == (
+            whole["usage"]["input_tokens"], whole["usage"]["output_tokens"])
+
+
 WEATHER_SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string", "enum": ["Paris", "Rome"]},
     "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"],

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from sluice.engine.tokenizer import load_tokenizer
-from sluice.protocol.prompt import MESSAGES, prompt_view, templated
+from sluice.protocol.prompt import MESSAGES, RESPONSES, prompt_view, templated
 
 USER = [{"role": "user", "content": "Say something."}]
 GREEDY = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -433,3 +433,91 @@ def test_anthropic_structured_output_follows_the_schema(claude: anthropic.Anthro
     with pytest.raises(anthropic.BadRequestError) as bad:
         claude.messages.create(output_config={"effort": "high"}, **kw)
     assert "effort" in bad.value.body["error"]["message"]
+
+
+# --------------------------------------------------------------------- the Responses API
+
+RESPONSE_TOOL = {"type": "function", "name": WEATHER["name"],
+                 "description": WEATHER["description"], "parameters": WEATHER["input_schema"]}
+
+
+def test_responses_text_is_the_chat_answer_with_its_usage(client: openai.OpenAI) -> None:
+    resp = client.responses.create(model="tiny", instructions="You are terse.", input=USER,
+                                   max_output_tokens=12, temperature=0.0)
+    expected = client.chat.completions.create(
+        model="tiny", temperature=0.0, max_tokens=12,
+        messages=[{"role": "system", "content": "You are terse."}, *USER])
+    assert resp.object == "response" and resp.id.startswith("resp_") and resp.model == "tiny"
+    assert resp.output_text == expected.choices[0].message.content
+    assert resp.usage is not None
+    assert (resp.usage.input_tokens, resp.usage.output_tokens) == (
+        expected.usage.prompt_tokens, expected.usage.completion_tokens)
+    cut = expected.choices[0].finish_reason == "length"
+    assert resp.status == ("incomplete" if cut else "completed")
+    assert (resp.incomplete_details is not None) == cut
+
+
+def test_responses_stream_matches_the_whole_answer(client: openai.OpenAI) -> None:
+    kw: dict = dict(model="tiny", input="Say something.", max_output_tokens=12,
+                    temperature=0.0)
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == f"response.{whole.status}"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text
+    final = events[-1].response
+    assert final.output_text == whole.output_text
+    assert final.usage is not None and whole.usage is not None  # (its cached tokens differ)
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (
+        whole.usage.input_tokens, whole.usage.output_tokens)
+    with client.responses.stream(**kw) as stream:  # the SDK's helper reads it too (its
+        last = list(stream)[-1]  # get_final_response wants `completed`, not `incomplete`)
+    assert last.type == events[-1].type and last.response.output_text == whole.output_text
+
+
+def test_responses_forced_function_call_whole_streamed_and_answered(
+        client: openai.OpenAI, tiny_llama_dir: Path) -> None:
+    kw: dict = dict(model="tiny", input=ASK, tools=[RESPONSE_TOOL], temperature=0.0,
+                    max_output_tokens=64, tool_choice={"type": "function", "name": "get_weather"})
+    resp = client.responses.create(**kw)
+    [call] = resp.output  # forced: the call and nothing else
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), WEATHER["input_schema"])
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    [streamed] = final.output
+    assert (streamed.name, json.loads(streamed.arguments)) == (call.name,
+                                                               json.loads(call.arguments))
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert "".join(pieces) == streamed.arguments
+    # the client runs the tool and sends its output back with the call
+    history = [*ASK, {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                      "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}]
+    answer = client.responses.create(model="tiny", input=history, tools=[RESPONSE_TOOL],
+                                     tool_choice="none", max_output_tokens=8, temperature=0.0)
+    assert [i.type for i in answer.output] == ["message"]
+    tok = load_tokenizer(str(tiny_llama_dir))
+    view = prompt_view(RESPONSES, {"input": history, "tools": [RESPONSE_TOOL]})
+    assert answer.usage is not None
+    assert answer.usage.input_tokens == len(tok.encode(templated(tok, view),
+                                                       add_special_tokens=False))
+
+
+@pytest.mark.parametrize(("kw", "param"), [
+    ({"previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"store": True}, "store"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image",
+                                               "image_url": "https://x/y.png"}]}]},
+     "input.0.content.0"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools to choose from
+])
+def test_responses_refusals_name_the_field(client: openai.OpenAI, kw: dict, param: str) -> None:
+    args: dict = {"model": "tiny", "input": "Hi", **kw}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(**args)
+    assert info.value.param == param, info.value

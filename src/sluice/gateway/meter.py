@@ -14,8 +14,14 @@ each `data:` payload is parsed on the way through:
                 `message_delta` is counted from its text); content from
                 `content_block_delta` (its `text`, or a tool call's `partial_json`)
                 and a `tool_use` block's name
+    Responses   the `usage` of the Response (`input_tokens`, `output_tokens`): the JSON
+                body's, the last event's (`response.completed`, `.incomplete` or
+                `.failed`); content from `response.output_text.delta` and
+                `response.function_call_arguments.delta`, a function call's name from
+                its `response.output_item.added`
 
-`ended` says that a stream's last event (`data: [DONE]`, Anthropic's `message_stop`) is
+`ended` says that a stream's last event (`data: [DONE]`, Anthropic's `message_stop`, the
+Responses API's `response.completed`) is
 in what `feed` returned, so the gateway settles before the client has it.
 
 The first `model` a response names (the JSON body's, the first chunk's, Anthropic's
@@ -42,7 +48,7 @@ _EVENT_END = re.compile(rb"\r?\n\r?\n")
 
 @dataclass
 class ResponseMeter:
-    protocol: str = "openai"  # openai | anthropic
+    protocol: str = "openai"  # openai | anthropic | responses
     strip_usage_chunk: bool = False
     max_body_bytes: int = 16 * 1024 * 1024
     streaming: bool = False
@@ -126,6 +132,9 @@ class ResponseMeter:
         if self.protocol == "anthropic":
             self._on_anthropic_event(obj)
             return True
+        if self.protocol == "responses":
+            self._on_responses_event(obj)
+            return True
         usage = obj.get("usage")
         self._take_model(obj.get("model"))
         self._take_usage(usage)
@@ -153,6 +162,21 @@ class ResponseMeter:
             if isinstance(delta, dict):
                 self.text_parts.append(str(delta.get("text") or delta.get("partial_json") or ""))
 
+    def _on_responses_event(self, obj: dict[str, Any]) -> None:
+        kind = obj.get("type")
+        response = obj.get("response")
+        if isinstance(response, dict):  # created / in_progress: the model; the end: usage
+            self._take_model(response.get("model"))
+            self._take_usage(response.get("usage"))
+        if kind in ("response.completed", "response.incomplete", "response.failed"):
+            self.ended = True
+        elif kind in ("response.output_text.delta", "response.function_call_arguments.delta"):
+            self.text_parts.append(str(obj.get("delta") or ""))
+        elif kind == "response.output_item.added":
+            item = obj.get("item") or {}
+            if isinstance(item, dict) and item.get("type") == "function_call":
+                self.text_parts.append(str(item.get("name") or ""))
+
     def _take_model(self, model: Any) -> None:
         if self.served_model is None and isinstance(model, str) and model:
             self.served_model = model
@@ -171,6 +195,17 @@ class ResponseMeter:
             self.completion_tokens = int(usage.get("output_tokens") or 0)
 
     def _take_text(self, obj: dict[str, Any]) -> None:
+        if self.protocol == "responses":
+            for item in obj.get("output") or []:
+                if not isinstance(item, dict):
+                    continue
+                if item.get("type") == "function_call":
+                    self.text_parts += [str(item.get("name") or ""),
+                                        str(item.get("arguments") or "")]
+                for part in item.get("content") or [] if item.get("type") == "message" else []:
+                    if isinstance(part, dict) and part.get("type") == "output_text":
+                        self.text_parts.append(str(part.get("text") or ""))
+            return
         if self.protocol == "anthropic":
             for block in obj.get("content") or []:
                 if isinstance(block, dict) and block.get("type") == "text":

@@ -106,6 +106,7 @@ GENERATION_ENDPOINTS = (*KIND_OF_PATH, "/v1/embeddings")
 # model is checked against the key's allow-list and recorded; nothing is reserved.
 MODEL_ONLY_ENDPOINTS = ("/v1/messages/count_tokens",)
 EMBEDDINGS_PATH = "/v1/embeddings"
+RESPONSES_PATH = "/v1/responses"  # OpenAI's Responses API: usage as input/output_tokens
 STREAM_USAGE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 # a worker's control routes (its P/D role; vLLM's runtime LoRA loading): an operator's,
 # never a tenant's, so they take the admin key and pass through without metering
@@ -267,7 +268,8 @@ class Exchange:
         self.protocol = "anthropic" if path in ANTHROPIC_PATHS else "openai"
         self.started = time.perf_counter()
         self.adm: Admission | None = None
-        self.meter = ResponseMeter(protocol=self.protocol)
+        self.meter = ResponseMeter(protocol="responses" if path == RESPONSES_PATH else
+                                   self.protocol)
         self.status = 0
         self.response_started = False
         self.disconnected = False
@@ -508,7 +510,8 @@ class Exchange:
         if self.endpoint == EMBEDDINGS_PATH:
             adm.tokens_param = "input"
             return 0
-        name = "max_completion_tokens" if "max_completion_tokens" in payload else "max_tokens"
+        name = "max_output_tokens" if self.endpoint == RESPONSES_PATH else \
+            "max_completion_tokens" if "max_completion_tokens" in payload else "max_tokens"
         adm.tokens_param = name
         limit = payload.get(name)
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:

@@ -26,6 +26,7 @@ from sluice.protocol.prompt import (
     CHAT,
     COMPLETION,
     MESSAGES,
+    RESPONSES,
     IdsHint,
     PromptView,
     TokenCache,
@@ -43,9 +44,13 @@ CountPromptTokens = Callable[[str | None, dict[str, Any]], int]
 def kind_of(body: Mapping[str, Any]) -> str:
     """The request kind a body is: Anthropic's carries `system`, which OpenAI chat bodies
     may not (the worker refuses it), or Anthropic-only shapes (tools with `input_schema`,
-    `tool_use` / `tool_result` blocks); without them both read the same."""
-    if "messages" not in body:
-        return COMPLETION
+    `tool_use` / `tool_result` blocks); without them both read the same. A body without
+    `messages` is a completion's, or a Responses request's (input items, instructions)."""
+    if "messages" not in body:  # a Responses body's list of input items (a string input
+        # reads the same as a completion prompt)
+        items = body.get("input")
+        responses = isinstance(items, list) and any(isinstance(i, dict) for i in items)
+        return RESPONSES if responses or "instructions" in body else COMPLETION
     return MESSAGES if "system" in body or _anthropic_tools(body) else CHAT
 
 

@@ -39,6 +39,11 @@ hops to them):
   first, as a system message, only when its text is non-empty; text blocks joined;
   `tool_use` blocks as the assistant's `tool_calls`, `tool_result` blocks as `tool`
   messages; `tools` as OpenAI tools.
+- Responses (`/v1/responses`): the chat view of its translation (`responses.chat_prompt`,
+  the worker's own): `instructions` first, as a system message, when non-empty; the
+  `input` string as a user message, or its items: messages (text parts joined,
+  `developer` as `system`), `function_call` items as the assistant's `tool_calls`,
+  `function_call_output` items as `tool` messages; function `tools` as OpenAI tools.
 - the template is applied with `add_generation_prompt=True` (a chat request's own
   `add_generation_prompt: false` without it) and tokenized without special tokens (the
   template writes them); a completion prompt is tokenized with them.
@@ -61,14 +66,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from sluice.protocol import anthropic
+from sluice.protocol import anthropic, responses
 from sluice.protocol.block_hash import hash_blocks
 from sluice.protocol.errors import InvalidRequestError
 
-CHAT, COMPLETION, MESSAGES = "chat", "completion", "messages"
+CHAT, COMPLETION, MESSAGES, RESPONSES = "chat", "completion", "messages", "responses"
 # the generation endpoints and the kind of prompt each takes (router, worker, gateway)
 KIND_OF_PATH = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION,
-                "/v1/messages": MESSAGES}
+                "/v1/messages": MESSAGES, "/v1/responses": RESPONSES}
 IDS_HEADER = "x-sluice-prompt-ids"
 RESUME_HEADER = "x-sluice-resume-ids"
 TOKENIZER_HEADER = "x-sluice-tokenizer"  # a worker's fingerprint, on responses with token ids
@@ -215,7 +220,9 @@ def prompt_view(kind: str, body: Mapping[str, Any]) -> PromptView:
     prompt the worker would refuse too."""
     if kind == MESSAGES:
         body = anthropic.chat_prompt(body)
-    if kind in (CHAT, MESSAGES):
+    elif kind == RESPONSES:
+        body = responses.chat_prompt(body)
+    if kind in (CHAT, MESSAGES, RESPONSES):
         messages = chat_messages(body.get("messages"))
         prefill = kind == MESSAGES and anthropic.is_prefill(messages)
         return PromptView(messages=messages, tools=template_tools(body.get("tools")),

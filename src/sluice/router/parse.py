@@ -19,6 +19,7 @@ from sluice.protocol.prompt import (
     CHAT,
     COMPLETION,
     MESSAGES,
+    RESPONSES,
     PromptView,
     ReadRequest,
     prompt_view,
@@ -73,7 +74,8 @@ def parse_request(kind: str, raw: bytes, headers: Mapping[str, str],
     if not isinstance(model, str) or not model:
         raise InvalidRequestError("'model' is required and must be a string", param="model")
     session = headers.get(SESSION_HEADER) or body.get("user")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = body.get("max_output_tokens") if kind == RESPONSES else \
+        body.get("max_completion_tokens", body.get("max_tokens"))
     return ParsedRequest(
         kind=kind, body=body, raw=raw, model=model, stream=bool(body.get("stream", False)),
         view=view if view is not None else _view(kind, body),

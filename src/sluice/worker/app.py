@@ -2,6 +2,7 @@
 
     build_app(engine, config) -> FastAPI
       POST /v1/chat/completions  /v1/completions  /v1/messages   (JSON or SSE)
+      POST /v1/responses  (OpenAI's Responses API, stateless: protocol/responses.py)
       GET  /v1/models  /health  /metrics  /version        POST /tokenize  /detokenize
       POST /v1/messages/count_tokens (Anthropic's, as vLLM serves it)
       GET/POST /v1/pd_role (P/D role, epoch fencing: sluice.worker.pd)
@@ -33,7 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice import __version__
 from sluice.observe.asgi import TraceContext
-from sluice.protocol import anthropic
+from sluice.protocol import anthropic, responses
 from sluice.protocol.edge import (
     ANTHROPIC_PATHS,
     BodyLimit,
@@ -152,6 +153,27 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
                                _ids_headers(state, chat_req))
         resp = await until_disconnect(request, chat_response(job))
         return JSONResponse(anthropic.from_chat_response(resp.model_dump(), req).model_dump())
+
+    @app.post(responses.PATH)
+    async def create_response(request: Request) -> Response:
+        check_epoch(request, state)
+        body = responses.reject_unsupported(await parse_body(request))
+        req = parse_request(responses.ResponsesRequest, body)
+        if (priority := header_priority(request, state)) is not None:
+            req.priority = priority
+        try:
+            chat_req = parse_request(ChatCompletionRequest, responses.to_chat_body(req, body))
+            chat_req.check_tool_turns()
+            job = await until_disconnect(request, prepare_chat(
+                state, chat_req, request_id(request), ids_hint(request), None))
+        except InvalidRequestError as exc:  # name the field as the Responses client wrote it
+            exc.param = responses.responses_param(exc.param)
+            raise
+        if req.stream:
+            return SSEResponse(responses_sse(chat_chunks(job), responses.StreamTranslator(req)),
+                               _ids_headers(state, chat_req))
+        resp = await until_disconnect(request, chat_response(job))
+        return JSONResponse(responses.from_chat_response(resp.model_dump(), req))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
@@ -366,6 +388,27 @@ async def anthropic_sse(chunks: AsyncIterator[BaseModel],
             log.exception("stream failed")
             exc = SluiceError(f"internal error: {exc}")
         yield anthropic.sse(("error", anthropic.error_body(exc)))
+
+
+async def responses_sse(chunks: AsyncIterator[BaseModel],
+                        translator: responses.StreamTranslator) -> AsyncIterator[str]:
+    """The Responses API's SSE events, translated from OpenAI chat chunks; an error
+    mid-stream ends it with `response.failed`."""
+    for event in translator.start():
+        yield responses.sse(event)
+    try:
+        async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+            async for chunk in chunks:
+                for event in translator.feed(chunk.model_dump()):
+                    yield responses.sse(event)
+        for event in translator.finish():
+            yield responses.sse(event)
+    except Exception as exc:
+        if not isinstance(exc, SluiceError):
+            log.exception("stream failed")
+            exc = SluiceError(f"internal error: {exc}")
+        for event in translator.failed(exc.code or exc.error_type, exc.message):
+            yield responses.sse(event)
 
 
 class SSEResponse(StreamingResponse):

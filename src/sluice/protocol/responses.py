@@ -1,0 +1,536 @@
+"""OpenAI's Responses API (`POST /v1/responses`), served by translating to and from chat.
+
+As `/v1/messages` (protocol/anthropic.py), the request becomes an OpenAI chat request
+(`to_chat_body`) and the chat response or stream comes back as a Response
+(`from_chat_response`, `StreamTranslator`); both directions work on plain dicts, and
+the prompt half (`chat_prompt`) is the Responses prompt view of `sluice.protocol.prompt`,
+so the gateway counts, the router hashes and the worker templates one translation.
+
+    Responses                                   OpenAI chat
+    instructions                           ->   messages[0] {"role": "system"} (if given)
+    input "text"                           ->   {"role": "user", "content": text}
+    input message items {role, content}    ->   {"role", "content": text parts joined};
+      (type "message" or absent; content a       "developer" is "system"
+      string or input_text / output_text /
+      refusal parts)
+    function_call items {call_id, name,    ->   the assistant message's tool_calls (a run
+      arguments}                                 of them after an assistant message joins it)
+    function_call_output {call_id, output} ->   {"role": "tool", "tool_call_id", "content"}
+    tools [{type "function", name,         ->   tools [{"type": "function", "function":
+           description, parameters, strict}]           {name, description, parameters, strict}}]
+    tool_choice auto | none | required |   ->   tool_choice, the same; a named function as
+                {type "function", name}          {"type": "function", "function": {name}}
+    max_output_tokens                      ->   max_tokens
+    text.format json_schema | json_object  ->   response_format
+    output [message {output_text}?,        <-   message.content, message.tool_calls
+            function_call...]
+    status completed | incomplete          <-   finish_reason ("length": incomplete,
+      (incomplete_details.reason                 reason "max_output_tokens")
+       "max_output_tokens")
+    usage {input_tokens, output_tokens}    <-   usage {prompt_tokens, completion_tokens}
+
+sluice keeps no responses: `store` may only be false (or absent; the Response says
+`"store": false`), and what needs a stored response or conversation
+(`previous_response_id`, `conversation`, `background`) is a 400 naming it, as are
+hosted tools, images and files, and reasoning items. The stream is OpenAI's event
+sequence (`response.created`, `response.in_progress`, per output item
+`response.output_item.added`, its deltas and `...done` events, then
+`response.completed` or `response.incomplete` with the usage), each event with its
+`sequence_number`; there is no `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+
+from sluice.protocol.errors import InvalidRequestError
+from sluice.protocol.openai import TOOL_NAME
+
+PATH = "/v1/responses"
+
+# Parameters of OpenAI's that sluice does not implement: a 400 naming them (the value
+# each may take, which asks for nothing).
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "previous_response_id": (None,),
+    "conversation": (None,),
+    "background": (None, False),
+    "include": (None, []),
+    "reasoning": (None, {}),
+    "prompt": (None,),
+    "top_logprobs": (None, 0),
+    "max_tool_calls": (None,),
+    "service_tier": (None, "auto", "default"),
+    "truncation": (None, "disabled"),
+    "stream_options": (None, {}),
+}
+_WHY = {
+    "previous_response_id": "this server stores no responses; send the whole conversation "
+                            "as input",
+    "conversation": "this server stores no conversations; send the whole conversation as input",
+    "background": "this server runs responses in the foreground only",
+}
+
+
+def reject_unsupported(body: dict[str, Any]) -> dict[str, Any]:
+    """A 400 for the first unsupported parameter set to something; `store: true` too
+    (nothing is stored: its response id would be one that nothing can find). Returns
+    the body without the parameters left at a value that asks for nothing."""
+    for name, fine in UNSUPPORTED.items():
+        value = body.get(name)
+        if not any(value == v and type(value) is type(v) for v in fine):
+            why = _WHY.get(name, "not supported by this server")
+            raise InvalidRequestError(f"'{name}' is not supported: {why} (value {value!r})",
+                                      param=name)
+    if body.get("store") is True:
+        raise InvalidRequestError("'store': true is not supported: this server keeps no "
+                                  "responses; send 'store': false", param="store")
+    return {k: v for k, v in body.items() if k not in UNSUPPORTED}
+
+
+class ResponsesModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FunctionTool(ResponsesModel):
+    type: Literal["function"]
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(ResponsesModel):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(ResponsesModel):
+    """`text.format`: plain text, a JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class TextConfig(ResponsesModel):
+    format: TextFormat | None = None
+    verbosity: Literal["medium"] | None = None  # the only one a non-reasoning model has
+
+
+class ResponsesRequest(ResponsesModel):
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    stream: StrictBool = False
+    store: StrictBool | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: TextConfig | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    # Accepted and honoured implicitly: sluice's prefix cache caches every prompt.
+    prompt_cache_key: str | None = None
+    priority: int = Field(default=0, ge=-(2**63), lt=2**63)  # vLLM's extension, as on chat
+
+
+# --------------------------------------------------------------------------- requests
+
+
+def chat_prompt(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The prompt half of the OpenAI chat request for a Responses request: `messages`,
+    and `tools` when there are any (module docstring). Reads a raw body (the gateway's
+    and the router's prompt view; the worker's too), so all three see one translation;
+    a shape it cannot translate is a 400 naming the Responses parameter."""
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise InvalidRequestError("'instructions' must be a string", param="instructions")
+    messages = [{"role": "system", "content": instructions}] if instructions else []
+    raw = body.get("input")
+    if isinstance(raw, str):
+        messages.append({"role": "user", "content": raw})
+    elif isinstance(raw, list):
+        messages += _items(raw)
+    else:
+        raise InvalidRequestError("'input' must be a string or a list of input items",
+                                  param="input")
+    if not messages:
+        raise InvalidRequestError("'input' has no items", param="input")
+    prompt: dict[str, Any] = {"messages": messages}
+    if tools := _tools(body.get("tools")):
+        prompt["tools"] = tools
+    return prompt
+
+
+_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _items(items: list[Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        param = f"input.{i}"
+        if not isinstance(item, Mapping):
+            raise InvalidRequestError("an input item must be an object", param=param)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            if role is None:
+                raise InvalidRequestError("a message's role must be 'user', 'assistant', "
+                                          "'system' or 'developer'", param=f"{param}.role")
+            out.append({"role": role, "content": _text(item.get("content"), f"{param}.content")})
+        elif kind == "function_call":
+            call = _call(item, param)
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+                if out[-1]["content"] == "":
+                    out[-1]["content"] = None
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            out.append(_tool_message(item, param))
+        else:
+            raise InvalidRequestError(
+                f"input item type {kind!r} is not supported (only 'message', "
+                "'function_call' and 'function_call_output')", param=f"{param}.type")
+    return out
+
+
+def _text(content: Any, param: str) -> str:
+    """A string, or text parts joined without separator; images, files and audio are a
+    400 (the model reads text only)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError("content must be a string or a list of content parts",
+                                  param=param)
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+        if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            parts.append(part["text"])
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            parts.append(part["refusal"])
+        else:
+            raise InvalidRequestError(f"content part type {kind!r} is not supported (only "
+                                      "text: this model reads no images, files or audio)",
+                                      param=f"{param}.{j}")
+    return "".join(parts)
+
+
+def _call(item: Mapping[str, Any], param: str) -> dict[str, Any]:
+    for name in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(name), str):
+            raise InvalidRequestError(f"a function_call item needs a string '{name}'",
+                                      param=f"{param}.{name}")
+    return {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
+
+
+def _tool_message(item: Mapping[str, Any], param: str) -> dict[str, Any]:
+    if not isinstance(item.get("call_id"), str):
+        raise InvalidRequestError("a function_call_output item needs a string 'call_id'",
+                                  param=f"{param}.call_id")
+    output = item.get("output")
+    if not isinstance(output, str):
+        output = _text(output, f"{param}.output")
+    return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
+
+
+def _tools(raw: Any) -> list[dict[str, Any]]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise InvalidRequestError("'tools' must be a list", param="tools")
+    out = []
+    for i, tool in enumerate(raw):
+        param = f"tools.{i}"
+        if not isinstance(tool, Mapping):
+            raise InvalidRequestError("a tool must be an object", param=param)
+        if tool.get("type") != "function":
+            raise InvalidRequestError(f"tool type {tool.get('type')!r} is not supported (only "
+                                      "'function': this server runs no hosted tools)",
+                                      param=f"{param}.type")
+        if not isinstance(tool.get("name"), str):
+            raise InvalidRequestError("a function tool needs a string 'name'",
+                                      param=f"{param}.name")
+        function: dict[str, Any] = {"name": tool["name"]}
+        if tool.get("description") is not None:
+            function["description"] = tool["description"]
+        function["parameters"] = tool.get("parameters") or {"type": "object", "properties": {}}
+        if tool.get("strict") is not None:
+            function["strict"] = tool["strict"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def to_chat_body(req: ResponsesRequest, body: Mapping[str, Any]) -> dict[str, Any]:
+    """The OpenAI chat request equivalent to a Responses request (`body`: its JSON, which
+    `req` validated): the prompt, then the sampling fields."""
+    chat: dict[str, Any] = {"model": req.model, **chat_prompt(body)}
+    optional = {"max_tokens": req.max_output_tokens, "temperature": req.temperature,
+                "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
+                "user": req.user or req.safety_identifier}
+    chat.update({k: v for k, v in optional.items() if v is not None})
+    if isinstance(req.tool_choice, NamedFunction):
+        chat["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
+    elif req.tool_choice is not None:
+        chat["tool_choice"] = req.tool_choice
+    form = req.text.format if req.text is not None else None
+    if form is not None and form.type == "json_object":
+        chat["response_format"] = {"type": "json_object"}
+    elif form is not None and form.type == "json_schema":
+        if form.schema_ is None:
+            raise InvalidRequestError("a json_schema format needs a 'schema'",
+                                      param="text.format.schema")
+        chat["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": form.name or "output", "schema": form.schema_,
+            **({"strict": form.strict} if form.strict is not None else {})}}
+    if req.priority:
+        chat["priority"] = req.priority
+    if req.stream:
+        chat["stream"] = True
+        chat["stream_options"] = {"include_usage": True}
+    return chat
+
+
+_CHAT_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format",
+                "messages": "input", "stop": "input"}
+
+
+def responses_param(param: str | None) -> str | None:
+    """A parameter named by the chat path (which serves /v1/responses after translation)
+    as the Responses client wrote it: `max_tokens` is `max_output_tokens`,
+    `tools.N.function.parameters` is `tools.N.parameters`."""
+    parts = (param or "").split(".")
+    if len(parts) >= 3 and parts[0] == "tools" and parts[2] == "function":
+        return ".".join([*parts[:2], *parts[3:]])
+    if parts[0] in _CHAT_PARAMS:
+        return ".".join([_CHAT_PARAMS[parts[0]], *parts[1:]]) if parts[0] != "messages" \
+            else "input"
+    return param
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def usage(chat_usage: Mapping[str, Any] | None) -> dict[str, Any]:
+    u = chat_usage or {}
+    prompt, completion = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
+    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + completion}
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [text_part(text)] if status == "completed" else []}
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def call_item(item_id: str, call_id: str, name: str, arguments: str,
+              status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+def response(req: ResponsesRequest, response_id: str, created_at: int, *,
+             status: str = "completed", output: list[dict[str, Any]] | None = None,
+             chat_usage: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The Response object; `status` in_progress (a stream's first events), completed
+    or incomplete (the answer reached max_output_tokens)."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    choice = req.tool_choice
+    text = req.text.model_dump(exclude_none=True, by_alias=True) \
+        if req.text is not None and req.text.format is not None else {"format": {"type": "text"}}
+    return {
+        "id": response_id, "object": "response", "created_at": created_at, "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+        "model": req.model, "output": output or [],
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": None, "reasoning": None, "store": False,
+        "temperature": req.temperature if req.temperature is not None else 1.0,
+        "text": text,
+        "tool_choice": choice.model_dump() if isinstance(choice, NamedFunction) else
+        choice or "auto",
+        "tools": tools, "top_p": req.top_p if req.top_p is not None else 1.0,
+        "truncation": "disabled", "user": req.user, "metadata": req.metadata or {},
+        "usage": usage(chat_usage) if status != "in_progress" else None,
+    }
+
+
+def from_chat_response(resp: Mapping[str, Any], req: ResponsesRequest) -> dict[str, Any]:
+    """The Response for an OpenAI chat completion (its first choice): a message item
+    with the text (left out when empty and there are calls), then a function_call item
+    per tool call."""
+    choice = resp["choices"][0]
+    message = choice.get("message") or {}
+    calls = message.get("tool_calls") or []
+    text = message.get("content") or ""
+    output = [message_item(new_id("msg"), text)] if text or not calls else []
+    for call in calls:
+        function = call.get("function") or {}
+        output.append(call_item(new_id("fc"), call.get("id") or "", function.get("name") or "",
+                                function.get("arguments") or ""))
+    status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
+    return response(req, new_id("resp"), int(resp.get("created") or time.time()),
+                    status=status, output=output, chat_usage=resp.get("usage"))
+
+
+Event = dict[str, Any]
+
+
+class StreamTranslator:
+    """Turns a stream of OpenAI chat chunks (dicts) into Responses stream events.
+
+    `start` gives the opening events, `feed` those of each chunk, `finish` the closing
+    ones; each event is numbered (`sequence_number`) as it is made. Output items open
+    as their first piece arrives (a message on text, a function_call on a tool call's
+    first delta, closing the item before it), numbered from 0 in order."""
+
+    def __init__(self, req: ResponsesRequest) -> None:
+        self.req = req
+        self.id = new_id("resp")
+        self.created_at = int(time.time())
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []  # items done, and the open one (last)
+        self.open: dict[str, Any] | None = None
+        self.calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its item
+        self.chat_usage: Mapping[str, Any] | None = None
+        self.finish_reason: str | None = None
+
+    def _event(self, kind: str, **fields: Any) -> Event:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+    def _response(self, status: str) -> dict[str, Any]:
+        return response(self.req, self.id, self.created_at, status=status,
+                        output=[dict(item) for item in self.output], chat_usage=self.chat_usage)
+
+    def start(self) -> list[Event]:
+        return [self._event("response.created", response=self._response("in_progress")),
+                self._event("response.in_progress", response=self._response("in_progress"))]
+
+    def feed(self, chunk: Mapping[str, Any]) -> list[Event]:
+        if chunk.get("usage"):
+            self.chat_usage = chunk["usage"]
+        events: list[Event] = []
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                events += self._text(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                events += self._tool_call(call)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return events
+
+    def _index(self) -> int:
+        return len(self.output) - 1
+
+    def _open(self, item: dict[str, Any]) -> list[Event]:
+        events = self._close()
+        self.open = item
+        self.output.append(item)
+        return events + [self._event("response.output_item.added", output_index=self._index(),
+                                     item=dict(item))]
+
+    def _open_message(self) -> list[Event]:
+        item = message_item(new_id("msg"), "", status="in_progress")
+        events = self._open(item)
+        item["text"] = ""  # what it said so far; its content once it is done
+        return events + [self._event("response.content_part.added", item_id=item["id"],
+                                     output_index=self._index(), content_index=0,
+                                     part=text_part(""))]
+
+    def _text(self, text: str) -> list[Event]:
+        events: list[Event] = []
+        if self.open is None or self.open["type"] != "message":
+            events = self._open_message()
+        assert self.open is not None
+        self.open["text"] += text
+        return events + [self._event("response.output_text.delta", item_id=self.open["id"],
+                                     output_index=self._index(), content_index=0, delta=text,
+                                     logprobs=[])]
+
+    def _tool_call(self, call: Mapping[str, Any]) -> list[Event]:
+        function = call.get("function") or {}
+        index = call.get("index", 0)
+        events: list[Event] = []
+        if function.get("name") is not None:
+            opened = call_item(new_id("fc"), call.get("id") or "", function["name"], "",
+                               status="in_progress")
+            events = self._open(opened)
+            self.calls[index] = opened
+        item = self.calls.get(index)
+        if function.get("arguments") and item is not None and item is self.open:
+            item["arguments"] += function["arguments"]
+            events.append(self._event("response.function_call_arguments.delta",
+                                      item_id=item["id"], output_index=self._index(),
+                                      delta=function["arguments"]))
+        return events
+
+    def _close(self) -> list[Event]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index, events = self._index(), []
+        if item["type"] == "message":
+            text = item.pop("text", "")
+            item.update(status="completed", content=[text_part(text)])
+            events += [self._event("response.output_text.done", item_id=item["id"],
+                                   output_index=index, content_index=0, text=text, logprobs=[]),
+                       self._event("response.content_part.done", item_id=item["id"],
+                                   output_index=index, content_index=0, part=text_part(text))]
+        else:
+            item["status"] = "completed"
+            events.append(self._event("response.function_call_arguments.done",
+                                      item_id=item["id"], output_index=index,
+                                      name=item["name"], arguments=item["arguments"]))
+        return events + [self._event("response.output_item.done", output_index=index,
+                                     item=dict(item))]
+
+    def finish(self) -> list[Event]:
+        """The closing events: the open item's, then `response.completed` (or
+        `response.incomplete` when the answer reached max_output_tokens)."""
+        events: list[Event] = []
+        if not self.output:  # nothing was said: one empty message, as non-streamed
+            events += self._open_message()
+        events += self._close()
+        status = "incomplete" if self.finish_reason == "length" else "completed"
+        return events + [self._event(f"response.{status}", response=self._response(status))]
+
+    def failed(self, code: str, message: str) -> list[Event]:
+        """A stream that broke: `response.failed` with the error (as OpenAI ends one)."""
+        failed = self._response("failed")
+        failed["error"] = {"code": code, "message": message}
+        return [self._event("response.failed", response=failed)]
+
+
+def sse(event: Event) -> str:
+    """One Responses server-sent event (named by its type, as OpenAI sends them)."""
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
