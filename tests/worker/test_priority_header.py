@@ -49,6 +49,7 @@ def test_messages_take_priority_from_the_header(http: httpx.Client,
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/chat/completions", {"model": "tiny", "messages": BODY["messages"], "max_tokens": 2}),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2}),
+    ("/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 2}),
 ])
 def test_openai_routes_take_the_class_from_the_header_unless_the_body_says(
         http: httpx.Client, seen_priorities: list[int], path: str, body: dict) -> None:
@@ -80,6 +81,7 @@ def fcfs_url(tiny_llama_dir: Path) -> Iterator[str]:
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/chat/completions", {"messages": BODY["messages"], "max_tokens": 2}),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
 ])
 def test_a_priority_under_fcfs_is_refused(fcfs_url: str, path: str, body: dict) -> None:
     """fcfs never reads a priority: one other than 0 answered 200 and was ignored. vLLM

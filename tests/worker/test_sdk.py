@@ -521,3 +521,17 @@ def test_responses_refusals_name_the_field(client: openai.OpenAI, kw: dict, para
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(**args)
     assert info.value.param == param, info.value
+
+
+def test_a_response_without_a_model_is_the_default_model_s(server) -> None:  # noqa: ANN001
+    """As on chat, the worker serves its model when the request names none, and the
+    Response says which (whole and in the stream's first event)."""
+    body = {"input": "Hi", "max_output_tokens": 2}
+    resp = httpx.post(server.url + "/v1/responses", json=body, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["model"] == "tiny"
+    stream = httpx.post(server.url + "/v1/responses", json={**body, "stream": True}, timeout=30)
+    first = json.loads(stream.text.split("\n\n")[0].split("data: ", 1)[1])
+    assert first["type"] == "response.created" and first["response"]["model"] == "tiny"
+    assert json.loads(stream.text.strip().split("\n\n")[-1].split("data: ", 1)[1])[
+        "response"]["model"] == "tiny"

@@ -21,8 +21,8 @@ each `data:` payload is parsed on the way through:
                 its `response.output_item.added`
 
 `ended` says that a stream's last event (`data: [DONE]`, Anthropic's `message_stop`, the
-Responses API's `response.completed`) is
-in what `feed` returned, so the gateway settles before the client has it.
+Responses API's `response.completed`) is in what `feed` returned, so the gateway
+settles before the client has it.
 
 The first `model` a response names (the JSON body's, the first chunk's, Anthropic's
 `message_start.message.model`) is `served_model`: the model that really answered (an

@@ -128,7 +128,7 @@ class TextConfig(ResponsesModel):
 
 
 class ResponsesRequest(ResponsesModel):
-    model: str
+    model: str | None = None  # the served model, as on chat (the router requires one)
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
@@ -281,7 +281,8 @@ def _tools(raw: Any) -> list[dict[str, Any]]:
 def to_chat_body(req: ResponsesRequest, body: Mapping[str, Any]) -> dict[str, Any]:
     """The OpenAI chat request equivalent to a Responses request (`body`: its JSON, which
     `req` validated): the prompt, then the sampling fields."""
-    chat: dict[str, Any] = {"model": req.model, **chat_prompt(body)}
+    chat: dict[str, Any] = {"model": req.model, **chat_prompt(body)} if req.model else \
+        chat_prompt(body)
     optional = {"max_tokens": req.max_output_tokens, "temperature": req.temperature,
                 "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
                 "user": req.user or req.safety_identifier}
@@ -308,8 +309,7 @@ def to_chat_body(req: ResponsesRequest, body: Mapping[str, Any]) -> dict[str, An
     return chat
 
 
-_CHAT_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format",
-                "messages": "input", "stop": "input"}
+_CHAT_PARAMS = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
 def responses_param(param: str | None) -> str | None:
@@ -319,9 +319,10 @@ def responses_param(param: str | None) -> str | None:
     parts = (param or "").split(".")
     if len(parts) >= 3 and parts[0] == "tools" and parts[2] == "function":
         return ".".join([*parts[:2], *parts[3:]])
+    if parts[0] == "messages":  # a turn of the translation: the input as a whole
+        return "input"
     if parts[0] in _CHAT_PARAMS:
-        return ".".join([_CHAT_PARAMS[parts[0]], *parts[1:]]) if parts[0] != "messages" \
-            else "input"
+        return ".".join([_CHAT_PARAMS[parts[0]], *parts[1:]])
     return param
 
 
@@ -358,9 +359,11 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str,
 
 def response(req: ResponsesRequest, response_id: str, created_at: int, *,
              status: str = "completed", output: list[dict[str, Any]] | None = None,
-             chat_usage: Mapping[str, Any] | None = None) -> dict[str, Any]:
+             chat_usage: Mapping[str, Any] | None = None,
+             model: str | None = None) -> dict[str, Any]:
     """The Response object; `status` in_progress (a stream's first events), completed
-    or incomplete (the answer reached max_output_tokens)."""
+    or incomplete (the answer reached max_output_tokens). `model`: the name that served
+    it (the request's, or the default model's where it named none)."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     choice = req.tool_choice
     text = req.text.model_dump(exclude_none=True, by_alias=True) \
@@ -370,7 +373,7 @@ def response(req: ResponsesRequest, response_id: str, created_at: int, *,
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-        "model": req.model, "output": output or [],
+        "model": model or req.model, "output": output or [],
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": None, "reasoning": None, "store": False,
         "temperature": req.temperature if req.temperature is not None else 1.0,
@@ -398,7 +401,8 @@ def from_chat_response(resp: Mapping[str, Any], req: ResponsesRequest) -> dict[s
                                 function.get("arguments") or ""))
     status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
     return response(req, new_id("resp"), int(resp.get("created") or time.time()),
-                    status=status, output=output, chat_usage=resp.get("usage"))
+                    status=status, output=output, chat_usage=resp.get("usage"),
+                    model=resp.get("model"))
 
 
 Event = dict[str, Any]
@@ -412,8 +416,9 @@ class StreamTranslator:
     as their first piece arrives (a message on text, a function_call on a tool call's
     first delta, closing the item before it), numbered from 0 in order."""
 
-    def __init__(self, req: ResponsesRequest) -> None:
+    def __init__(self, req: ResponsesRequest, model: str | None = None) -> None:
         self.req = req
+        self.model = model  # the served name, where the request named none
         self.id = new_id("resp")
         self.created_at = int(time.time())
         self.seq = 0
@@ -429,7 +434,8 @@ class StreamTranslator:
 
     def _response(self, status: str) -> dict[str, Any]:
         return response(self.req, self.id, self.created_at, status=status,
-                        output=[dict(item) for item in self.output], chat_usage=self.chat_usage)
+                        output=[dict(item) for item in self.output], chat_usage=self.chat_usage,
+                        model=self.model)
 
     def start(self) -> list[Event]:
         return [self._event("response.created", response=self._response("in_progress")),

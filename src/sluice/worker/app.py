@@ -157,10 +157,9 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
     @app.post(responses.PATH)
     async def create_response(request: Request) -> Response:
         check_epoch(request, state)
-        body = responses.reject_unsupported(await parse_body(request))
+        body = with_header_priority(request, state,
+                                    responses.reject_unsupported(await parse_body(request)))
         req = parse_request(responses.ResponsesRequest, body)
-        if (priority := header_priority(request, state)) is not None:
-            req.priority = priority
         try:
             chat_req = parse_request(ChatCompletionRequest, responses.to_chat_body(req, body))
             chat_req.check_tool_turns()
@@ -170,7 +169,8 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
             exc.param = responses.responses_param(exc.param)
             raise
         if req.stream:
-            return SSEResponse(responses_sse(chat_chunks(job), responses.StreamTranslator(req)),
+            translator = responses.StreamTranslator(req, state.check_model(req.model))
+            return SSEResponse(responses_sse(chat_chunks(job), translator),
                                _ids_headers(state, chat_req))
         resp = await until_disconnect(request, chat_response(job))
         return JSONResponse(responses.from_chat_response(resp.model_dump(), req))
