@@ -191,3 +191,42 @@ def test_continue_final_cuts_after_the_final_message() -> None:
     translated = anthropic.to_chat_body(anthropic.MessagesRequest.model_validate({
         **body, "messages": [body["messages"][0], {"role": "assistant", "content": "So"}]}))
     assert translated["continue_final_message"] and not translated["add_generation_prompt"]
+
+
+@pytest.mark.parametrize("api", ["anthropic", "responses"])
+async def test_a_translated_stream_that_breaks_ends_with_its_api_s_error_event(api: str) -> None:
+    """`translated_sse`: chunks that fail mid-stream (the engine core died, say) end the
+    stream with the API's own error event: Anthropic's `error`, the Responses API's
+    `response.failed` carrying the error."""
+    import json
+    from collections.abc import AsyncIterator
+
+    from pydantic import BaseModel
+
+    from sluice.protocol import responses
+    from sluice.protocol.openai import ChatCompletionChunk
+    from sluice.worker.app import translated_sse
+
+    async def chunks() -> AsyncIterator[BaseModel]:
+        yield ChatCompletionChunk.model_validate({
+            "id": "c", "created": 0, "model": "m",
+            "choices": [{"index": 0, "delta": {"content": "Hel"}}]})
+        raise SluiceError("engine core died")
+
+    if api == "anthropic":
+        req = anthropic.MessagesRequest.model_validate(
+            {"model": "m", "max_tokens": 5, "messages": USER})
+        frames = [f async for f in translated_sse(chunks(), anthropic.StreamTranslator(req),
+                                                  anthropic.sse)]
+        assert frames[-1].startswith("event: error\n")
+        assert "engine core died" in frames[-1]
+        assert any("Hel" in f for f in frames)
+        return
+    rreq = responses.ResponsesRequest.model_validate({"model": "m", "input": "hi"})
+    frames = [f async for f in translated_sse(chunks(), responses.StreamTranslator(rreq),
+                                              responses.sse)]
+    events = [json.loads(f.split("data: ", 1)[1]) for f in frames]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.failed"
+    assert events[-1]["response"]["error"]["message"] == "engine core died"
+    assert "Hel" in "".join(e.get("delta", "") for e in events)

@@ -581,6 +581,10 @@ class StreamTranslator:
         return [("message_start", {"type": "message_start", "message": message.model_dump()}),
                 ("ping", {"type": "ping"})]
 
+    def start(self) -> list[Event]:
+        """Nothing: `message_start` waits for the first chunk, whose usage it reports."""
+        return []
+
     def feed(self, chunk: dict[str, Any]) -> list[Event]:
         if chunk.get("usage"):
             self.usage = Usage(input_tokens=chunk["usage"].get("prompt_tokens", 0),
@@ -660,6 +664,10 @@ class StreamTranslator:
                                "usage": {"output_tokens": self.usage.output_tokens}}),
             ("message_stop", {"type": "message_stop"}),
         ]
+
+    def failed(self, exc: SluiceError) -> list[Event]:
+        """A stream that broke: Anthropic's `error` event."""
+        return [("error", error_body(exc))]
 
 
 def sse(event: Event) -> str:

@@ -49,7 +49,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from sluice.protocol.errors import InvalidRequestError
+from sluice.protocol.errors import InvalidRequestError, SluiceError
 from sluice.protocol.openai import TOOL_NAME
 
 PATH = "/v1/responses"
@@ -530,10 +530,10 @@ class StreamTranslator:
         status = "incomplete" if self.finish_reason == "length" else "completed"
         return events + [self._event(f"response.{status}", response=self._response(status))]
 
-    def failed(self, code: str, message: str) -> list[Event]:
+    def failed(self, exc: SluiceError) -> list[Event]:
         """A stream that broke: `response.failed` with the error (as OpenAI ends one)."""
         failed = self._response("failed")
-        failed["error"] = {"code": code, "message": message}
+        failed["error"] = {"code": exc.code or exc.error_type, "message": exc.message}
         return [self._event("response.failed", response=failed)]
 
 

@@ -21,8 +21,8 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 from fastapi import FastAPI, Request
@@ -149,7 +149,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
             translator = anthropic.StreamTranslator(req)
             if job.replayed is not None:  # a resumed stream: its events were sent before
                 translator.replay(job.replayed.model_dump())
-            return SSEResponse(anthropic_sse(chat_chunks(job), translator),
+            return SSEResponse(translated_sse(chat_chunks(job), translator, anthropic.sse),
                                _ids_headers(state, chat_req))
         resp = await until_disconnect(request, chat_response(job))
         return JSONResponse(anthropic.from_chat_response(resp.model_dump(), req).model_dump())
@@ -170,7 +170,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
             raise
         if req.stream:
             translator = responses.StreamTranslator(req, state.check_model(req.model))
-            return SSEResponse(responses_sse(chat_chunks(job), translator),
+            return SSEResponse(translated_sse(chat_chunks(job), translator, responses.sse),
                                _ids_headers(state, chat_req))
         resp = await until_disconnect(request, chat_response(job))
         return JSONResponse(responses.from_chat_response(resp.model_dump(), req))
@@ -373,42 +373,35 @@ async def openai_sse(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
     yield _sse_data("[DONE]")
 
 
-async def anthropic_sse(chunks: AsyncIterator[BaseModel],
-                        translator: anthropic.StreamTranslator) -> AsyncIterator[str]:
-    """Anthropic's SSE events, translated from OpenAI chat chunks."""
+class Translator(Protocol):
+    """A stream translator from OpenAI chat chunks to another API's events
+    (`anthropic.StreamTranslator`, `responses.StreamTranslator`)."""
+
+    def start(self) -> list[Any]: ...
+    def feed(self, chunk: dict[str, Any]) -> list[Any]: ...
+    def finish(self) -> list[Any]: ...
+    def failed(self, exc: SluiceError) -> list[Any]: ...
+
+
+async def translated_sse(chunks: AsyncIterator[BaseModel], translator: Translator,
+                         sse: Callable[[Any], str]) -> AsyncIterator[str]:
+    """Another API's SSE events (`sse` frames one), translated from OpenAI chat chunks;
+    an error mid-stream ends the stream with that API's error event."""
     try:
+        for event in translator.start():
+            yield sse(event)
         async with contextlib.aclosing(chunks):  # type: ignore[type-var]
             async for chunk in chunks:
                 for event in translator.feed(chunk.model_dump()):
-                    yield anthropic.sse(event)
+                    yield sse(event)
         for event in translator.finish():
-            yield anthropic.sse(event)
+            yield sse(event)
     except Exception as exc:
         if not isinstance(exc, SluiceError):
             log.exception("stream failed")
             exc = SluiceError(f"internal error: {exc}")
-        yield anthropic.sse(("error", anthropic.error_body(exc)))
-
-
-async def responses_sse(chunks: AsyncIterator[BaseModel],
-                        translator: responses.StreamTranslator) -> AsyncIterator[str]:
-    """The Responses API's SSE events, translated from OpenAI chat chunks; an error
-    mid-stream ends it with `response.failed`."""
-    for event in translator.start():
-        yield responses.sse(event)
-    try:
-        async with contextlib.aclosing(chunks):  # type: ignore[type-var]
-            async for chunk in chunks:
-                for event in translator.feed(chunk.model_dump()):
-                    yield responses.sse(event)
-        for event in translator.finish():
-            yield responses.sse(event)
-    except Exception as exc:
-        if not isinstance(exc, SluiceError):
-            log.exception("stream failed")
-            exc = SluiceError(f"internal error: {exc}")
-        for event in translator.failed(exc.code or exc.error_type, exc.message):
-            yield responses.sse(event)
+        for event in translator.failed(exc):
+            yield sse(event)
 
 
 class SSEResponse(StreamingResponse):
