@@ -523,6 +523,15 @@ def test_responses_refusals_name_the_field(client: openai.OpenAI, kw: dict, para
     assert info.value.param == param, info.value
 
 
+def test_a_stored_response_is_a_404_that_says_none_is_kept(client: openai.OpenAI) -> None:
+    resp = client.responses.create(model="tiny", input="Hi", max_output_tokens=2)
+    for call in (client.responses.retrieve, client.responses.delete, client.responses.cancel,
+                 client.responses.input_items.list):
+        with pytest.raises(openai.NotFoundError) as info:
+            call(resp.id)
+        assert info.value.param == "response_id" and "stores no responses" in info.value.message
+
+
 def test_a_response_without_a_model_is_the_default_model_s(server) -> None:  # noqa: ANN001
     """As on chat, the worker serves its model when the request names none, and the
     Response says which (whole and in the stream's first event)."""

@@ -30,8 +30,9 @@ so the gateway counts, the router hashes and the worker templates one translatio
     usage {input_tokens, output_tokens}    <-   usage {prompt_tokens, completion_tokens}
 
 sluice keeps no responses: `store` may only be false (or absent; the Response says
-`"store": false`), and what needs a stored response or conversation
-(`previous_response_id`, `conversation`, `background`) is a 400 naming it, as are
+`"store": false`; retrieving, deleting or cancelling one is a 404 saying so), and what
+needs a stored response or conversation (`previous_response_id`, `conversation`,
+`background`) is a 400 naming it, as are
 hosted tools, images and files, and reasoning items. The stream is OpenAI's event
 sequence (`response.created`, `response.in_progress`, per output item
 `response.output_item.added`, its deltas and `...done` events, then
@@ -49,7 +50,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from sluice.protocol.errors import InvalidRequestError, SluiceError
+from sluice.protocol.errors import InvalidRequestError, NotFoundError, SluiceError
 from sluice.protocol.openai import TOOL_NAME
 
 PATH = "/v1/responses"
@@ -91,6 +92,18 @@ def reject_unsupported(body: dict[str, Any]) -> dict[str, Any]:
         raise InvalidRequestError("'store': true is not supported: this server keeps no "
                                   "responses; send 'store': false", param="store")
     return {k: v for k, v in body.items() if k not in UNSUPPORTED}
+
+
+# What OpenAI serves on a stored response (retrieve, delete, cancel, its input items):
+# here a 404 that says why, since no response is ever stored.
+STORED_PATHS = (PATH + "/{response_id}", PATH + "/{response_id}/cancel",
+                PATH + "/{response_id}/input_items")
+
+
+def not_stored(response_id: str) -> NotFoundError:
+    return NotFoundError(f"No response with id {response_id!r}: this server stores no "
+                         "responses (every response is store: false)", param="response_id",
+                         code="response_not_found")
 
 
 class ResponsesModel(BaseModel):

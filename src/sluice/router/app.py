@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from sluice import __version__
 from sluice.observe.buckets import LatencyBuckets
 from sluice.observe.tracing import Tracing
+from sluice.protocol import responses
 from sluice.protocol.edge import (
     HOP_BY_HOP_STR,
     BodyLimit,
@@ -137,6 +138,8 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
                   methods=["POST"])
     app.add_route("/v1/models", models, methods=["GET"])
     app.add_route("/v1/models/{model_id:path}", model, methods=["GET"])
+    for path in responses.STORED_PATHS:  # a 404 saying why, as the worker's
+        app.add_route(path, stored_response, methods=["GET", "POST", "DELETE"])
     app.add_route("/health", health, methods=["GET"])
     app.add_route("/liveness", liveness, methods=["GET"])
     app.add_route("/version", version, methods=["GET"])
@@ -279,6 +282,11 @@ async def model(request: Request) -> Response:
     if entry is None:
         raise NotFoundError(f"The model `{model_id}` does not exist.", param="model")
     return JSONResponse(entry)
+
+
+async def stored_response(request: Request) -> Response:
+    """A stored response's routes (retrieve, delete, cancel, input items): none is kept."""
+    raise responses.not_stored(request.path_params["response_id"])
 
 
 def _model_entries(state: RouterState) -> list[dict[str, Any]]:

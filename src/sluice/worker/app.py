@@ -175,6 +175,13 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         resp = await until_disconnect(request, chat_response(job))
         return JSONResponse(responses.from_chat_response(resp.model_dump(), req))
 
+    async def stored_response(request: Request) -> Response:
+        raise responses.not_stored(request.path_params["response_id"])
+
+    for path in responses.STORED_PATHS:
+        app.add_api_route(path, stored_response, methods=["GET", "POST", "DELETE"],
+                          include_in_schema=False)
+
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
         body = await parse_body(request)
