@@ -162,6 +162,8 @@ def _tools_and_structured_output_pass_through(url: str, key: str, model: str) ->
     assert events[-1].type in ("response.completed", "response.incomplete")
     assert events[-1].response.usage is not None
     assert events[-1].response.usage.output_tokens >= 1
+    count = client.responses.input_tokens.count(model=model, input="hello")
+    assert count.input_tokens == events[-1].response.usage.input_tokens  # through every hop
     with pytest.raises(openai.NotFoundError, match="stores no responses"):
         client.responses.retrieve(events[-1].response.id)  # the router's 404, not a bare one
 

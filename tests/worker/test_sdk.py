@@ -523,6 +523,21 @@ def test_responses_refusals_name_the_field(client: openai.OpenAI, kw: dict, para
     assert info.value.param == param, info.value
 
 
+def test_responses_input_tokens_is_what_a_response_reports(client: openai.OpenAI) -> None:
+    """`POST /v1/responses/input_tokens` (the SDK's `responses.input_tokens.count`)."""
+    prompt: dict = dict(model="tiny", instructions="Be brief.", input=ASK,
+                        tools=[RESPONSE_TOOL])
+    counted = client.responses.input_tokens.count(**prompt)
+    assert counted.object == "response.input_tokens"
+    resp = client.responses.create(max_output_tokens=2, **prompt)
+    assert resp.usage is not None and counted.input_tokens == resp.usage.input_tokens
+    assert client.responses.input_tokens.count(model="tiny", input="Hi").input_tokens < \
+        counted.input_tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.input_tokens.count(model="tiny", input="Hi", previous_response_id="r")
+    assert info.value.param == "previous_response_id"
+
+
 def test_a_stored_response_is_a_404_that_says_none_is_kept(client: openai.OpenAI) -> None:
     resp = client.responses.create(model="tiny", input="Hi", max_output_tokens=2)
     for call in (client.responses.retrieve, client.responses.delete, client.responses.cancel,

@@ -102,9 +102,10 @@ ASGIApp = Callable[[Scope_, Receive, Send], Awaitable[None]]
 # Endpoints whose JSON body names a model and produces tokens.
 GENERATION_ENDPOINTS = (*KIND_OF_PATH, "/v1/embeddings")
 # Endpoints whose JSON body names a model but produces no tokens (Anthropic's token
-# counting, free of tokens and limited by requests only, as Anthropic rates it): the
+# counting and OpenAI's for the Responses API, free of tokens and limited by requests
+# only, as Anthropic rates it): the
 # model is checked against the key's allow-list and recorded; nothing is reserved.
-MODEL_ONLY_ENDPOINTS = ("/v1/messages/count_tokens",)
+MODEL_ONLY_ENDPOINTS = ("/v1/messages/count_tokens", "/v1/responses/input_tokens")
 EMBEDDINGS_PATH = "/v1/embeddings"
 RESPONSES_PATH = "/v1/responses"  # OpenAI's Responses API: usage as input/output_tokens
 STREAM_USAGE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")

@@ -94,6 +94,7 @@ def reject_unsupported(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k not in UNSUPPORTED}
 
 
+INPUT_TOKENS_PATH = PATH + "/input_tokens"  # OpenAI's count of a request's input tokens
 # What OpenAI serves on a stored response (retrieve, delete, cancel, its input items):
 # here a 404 that says why, since no response is ever stored.
 STORED_PATHS = (PATH + "/{response_id}", PATH + "/{response_id}/cancel",
@@ -159,6 +160,20 @@ class ResponsesRequest(ResponsesModel):
     # Accepted and honoured implicitly: sluice's prefix cache caches every prompt.
     prompt_cache_key: str | None = None
     priority: int = Field(default=0, ge=-(2**63), lt=2**63)  # vLLM's extension, as on chat
+
+
+class InputTokensRequest(ResponsesModel):
+    """`POST /v1/responses/input_tokens` (OpenAI's): the prompt half of a Responses
+    request; the answer is `{"object": "response.input_tokens", "input_tokens": N}`, what
+    a Responses request with the same prompt reports as `usage.input_tokens`."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
+    parallel_tool_calls: StrictBool | None = None  # checked; they add no prompt tokens
+    text: TextConfig | None = None
 
 
 # --------------------------------------------------------------------------- requests

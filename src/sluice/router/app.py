@@ -1,8 +1,10 @@
 """The router's ASGI app: the worker's OpenAI endpoints, fronting a pool of workers.
 
-    POST /v1/chat/completions, /v1/completions, /v1/messages   routed and streamed
+    POST /v1/chat/completions, /v1/completions, /v1/messages,
+         /v1/responses                                         routed and streamed
     GET  /v1/models                                            union of the pools
     POST /tokenize, /detokenize, /v1/messages/count_tokens     passed to a worker
+    POST /v1/responses/input_tokens                            (the same)
     GET  /health, /metrics, /version                           the router's own
     GET  /status, /status.json                                 live status page (status.py)
     /admin/...                                                 see admin.py
@@ -138,6 +140,8 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
                   methods=["POST"])
     app.add_route("/v1/models", models, methods=["GET"])
     app.add_route("/v1/models/{model_id:path}", model, methods=["GET"])
+    app.add_route(responses.INPUT_TOKENS_PATH, _passthrough(responses.INPUT_TOKENS_PATH),
+                  methods=["POST"])
     for path in responses.STORED_PATHS:  # a 404 saying why, as the worker's
         app.add_route(path, stored_response, methods=["GET", "POST", "DELETE"])
     app.add_route("/health", health, methods=["GET"])

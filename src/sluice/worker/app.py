@@ -5,6 +5,7 @@
       POST /v1/responses  (OpenAI's Responses API, stateless: protocol/responses.py)
       GET  /v1/models  /health  /metrics  /version        POST /tokenize  /detokenize
       POST /v1/messages/count_tokens (Anthropic's, as vLLM serves it)
+      POST /v1/responses/input_tokens (OpenAI's count of a Responses request's input)
       GET/POST /v1/pd_role (P/D role, epoch fencing: sluice.worker.pd)
 
 The engine core runs in its own process (AsyncEngine.spawn); handlers only await
@@ -174,6 +175,19 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
                                _ids_headers(state, chat_req))
         resp = await until_disconnect(request, chat_response(job))
         return JSONResponse(responses.from_chat_response(resp.model_dump(), req))
+
+    @app.post(responses.INPUT_TOKENS_PATH)  # (before the stored-response routes below)
+    async def input_tokens(request: Request) -> dict[str, Any]:
+        body = responses.reject_unsupported(await parse_body(request))
+        req = parse_request(responses.InputTokensRequest, body)
+        try:
+            prompt = {"model": req.model, **responses.chat_prompt(body)} if req.model else \
+                responses.chat_prompt(body)
+            count = _tokenize(state, parse_request(TokenizeRequest, prompt))["count"]
+        except InvalidRequestError as exc:  # name the field as the Responses client wrote it
+            exc.param = responses.responses_param(exc.param)
+            raise
+        return {"object": "response.input_tokens", "input_tokens": count}
 
     async def stored_response(request: Request) -> Response:
         raise responses.not_stored(request.path_params["response_id"])
