@@ -65,6 +65,15 @@ def test_items_become_turns_with_calls_and_their_outputs() -> None:
          "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]}]
 
 
+def test_the_prompt_view_names_a_bad_field_as_the_responses_client_wrote_it() -> None:
+    """The gateway refuses by the view: a call's arguments that are no JSON text are the
+    chat view's `messages.0.tool_calls...`, which a Responses client never wrote."""
+    with pytest.raises(InvalidRequestError) as err:
+        prompt_view(RESPONSES, {"input": [{"type": "function_call", "call_id": "c",
+                                           "name": "f", "arguments": "{not json"}]})
+    assert err.value.param == "input"
+
+
 def test_the_prompt_view_is_the_chat_view_of_the_translation() -> None:
     body = {"model": "m", "instructions": "Be brief.", "input": "Hi", "tools": [WEATHER]}
     view = prompt_view(RESPONSES, body)
@@ -79,6 +88,10 @@ def test_the_prompt_view_is_the_chat_view_of_the_translation() -> None:
      "input.0.content.0"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input.0.role"),
+    ({"input": [{"role": ["user"], "content": "x"}]}, "input.0.role"),
+    ({"input": [{"role": "user", "content": [["x"]]}]}, "input.0.content.0"),
+    ({"input": [{"role": "user", "content": {"text": "x"}}]}, "input.0.content"),
+    ({"input": ["x"]}, "input.0"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
      "input.0.call_id"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),

@@ -218,17 +218,27 @@ def _token_ids(ids: list[int]) -> list[int]:
 def prompt_view(kind: str, body: Mapping[str, Any]) -> PromptView:
     """The one view of a request's prompt (rules in the module docstring); 400 for a
     prompt the worker would refuse too."""
+    if kind == RESPONSES:
+        try:
+            return _chat_view(kind, responses.chat_prompt(body))
+        except InvalidRequestError as exc:  # named as the Responses client wrote it
+            exc.param = responses.responses_param(exc.param)
+            raise
     if kind == MESSAGES:
-        body = anthropic.chat_prompt(body)
-    elif kind == RESPONSES:
-        body = responses.chat_prompt(body)
-    if kind in (CHAT, MESSAGES, RESPONSES):
-        messages = chat_messages(body.get("messages"))
-        prefill = kind == MESSAGES and anthropic.is_prefill(messages)
-        return PromptView(messages=messages, tools=template_tools(body.get("tools")),
-                          continue_final=prefill or body.get("continue_final_message") is True,
-                          generation_prompt=body.get("add_generation_prompt") is not False)
+        return _chat_view(kind, anthropic.chat_prompt(body))
+    if kind == CHAT:
+        return _chat_view(kind, body)
     return PromptView(texts=completion_texts(body.get("prompt", body.get("input", ""))))
+
+
+def _chat_view(kind: str, body: Mapping[str, Any]) -> PromptView:
+    """The view of a chat request's prompt half (a translation's, for Anthropic's and
+    the Responses API's)."""
+    messages = chat_messages(body.get("messages"))
+    prefill = kind == MESSAGES and anthropic.is_prefill(messages)
+    return PromptView(messages=messages, tools=template_tools(body.get("tools")),
+                      continue_final=prefill or body.get("continue_final_message") is True,
+                      generation_prompt=body.get("add_generation_prompt") is not False)
 
 
 # -- tokens --------------------------------------------------------------------------------

@@ -216,7 +216,8 @@ def _items(items: list[Any]) -> list[dict[str, Any]]:
             raise InvalidRequestError("an input item must be an object", param=param)
         kind = item.get("type", "message")
         if kind == "message":
-            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            role = item.get("role")
+            role = _ROLES.get(role) if isinstance(role, str) else None
             if role is None:
                 raise InvalidRequestError("a message's role must be 'user', 'assistant', "
                                           "'system' or 'developer'", param=f"{param}.role")
