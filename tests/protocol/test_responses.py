@@ -9,6 +9,7 @@ import pytest
 
 from sluice.protocol import responses
 from sluice.protocol.errors import InvalidRequestError
+from sluice.protocol.openai import parse_request, reject_unsupported
 from sluice.protocol.prompt import RESPONSES, prompt_view
 
 WEATHER = {"type": "function", "name": "weather", "description": "Weather of a city",
@@ -109,17 +110,24 @@ def test_what_cannot_be_translated_is_a_400_naming_the_responses_field(
 @pytest.mark.parametrize(("field", "value"), [
     ("previous_response_id", "resp_1"), ("background", True), ("conversation", "conv_1"),
     ("include", ["reasoning.encrypted_content"]), ("reasoning", {"effort": "high"}),
-    ("truncation", "auto"), ("top_logprobs", 2), ("store", True)])
+    ("truncation", "auto"), ("top_logprobs", 2), ("top_logprobs", False)])
 def test_unsupported_parameters_are_refused_by_name(field: str, value: Any) -> None:
     with pytest.raises(InvalidRequestError) as err:
-        responses.reject_unsupported({"model": "m", "input": "x", field: value})
+        reject_unsupported({"model": "m", "input": "x", field: value}, responses.UNSUPPORTED)
     assert err.value.param == field
+
+
+def test_store_true_is_refused_by_name() -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        parse_request(responses.ResponsesRequest, {"model": "m", "input": "x", "store": True})
+    assert err.value.param == "store" and "keeps no responses" in err.value.message
 
 
 def test_parameters_left_at_what_asks_for_nothing_pass() -> None:
     body = {"model": "m", "input": "x", "store": False, "truncation": "disabled",
             "include": [], "background": False, "previous_response_id": None}
-    assert responses.reject_unsupported(body) == {"model": "m", "input": "x", "store": False}
+    assert reject_unsupported(body, responses.UNSUPPORTED) == {"model": "m", "input": "x",
+                                                              "store": False}
 
 
 def test_the_chat_request_carries_the_sampling_fields_and_the_format() -> None:

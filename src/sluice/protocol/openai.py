@@ -133,8 +133,15 @@ UNSUPPORTED_COMPLETION: dict[str, Acceptable] = {
 
 # What replaces a refused parameter, where something does.
 INSTEAD: dict[str, str] = {
-    f"guided_{kind}": f'vLLM removed it: use structured_outputs: {{"{kind}": ...}}'
-    for kind in ("json", "regex", "choice", "grammar")}
+    **{f"guided_{kind}": f'vLLM removed it: use structured_outputs: {{"{kind}": ...}}'
+       for kind in ("json", "regex", "choice", "grammar")},
+    # the Responses API's (protocol/responses.py), which need a stored response
+    "previous_response_id": "this server stores no responses: send the whole "
+                            "conversation as input",
+    "conversation": "this server stores no conversations: send the whole conversation "
+                    "as input",
+    "background": "this server runs responses in the foreground only",
+}
 
 
 def reject_unsupported(body: Mapping[str, Any], table: Mapping[str, Acceptable]

@@ -48,52 +48,29 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from sluice.protocol.errors import InvalidRequestError, NotFoundError, SluiceError
-from sluice.protocol.openai import TOOL_NAME
+from sluice.protocol.openai import TOOL_NAME, Acceptable
 
 PATH = "/v1/responses"
 
-# Parameters of OpenAI's that sluice does not implement: a 400 naming them (the value
-# each may take, which asks for nothing).
-UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "previous_response_id": (None,),
-    "conversation": (None,),
-    "background": (None, False),
-    "include": (None, []),
-    "reasoning": (None, {}),
-    "prompt": (None,),
-    "top_logprobs": (None, 0),
-    "max_tool_calls": (None,),
-    "service_tier": (None, "auto", "default"),
-    "truncation": (None, "disabled"),
-    "stream_options": (None, {}),
+# Parameters of OpenAI's Responses API that sluice does not implement, each with what
+# asks for nothing (`reject_unsupported(body, UNSUPPORTED)` of protocol/openai.py: a
+# 400 naming the first set to more; its INSTEAD says what to do for the stored ones).
+UNSUPPORTED: dict[str, Acceptable] = {
+    "previous_response_id": lambda v: v is None,
+    "conversation": lambda v: v is None,
+    "background": lambda v: v is None or v is False,
+    "include": lambda v: v is None or v == [],
+    "reasoning": lambda v: v is None or v == {},
+    "prompt": lambda v: v is None,
+    "top_logprobs": lambda v: v is None or type(v) is int and v == 0,
+    "max_tool_calls": lambda v: v is None,
+    "service_tier": lambda v: v is None or v in ("auto", "default"),
+    "truncation": lambda v: v is None or v == "disabled",
+    "stream_options": lambda v: v is None or v == {},
 }
-_WHY = {
-    "previous_response_id": "this server stores no responses; send the whole conversation "
-                            "as input",
-    "conversation": "this server stores no conversations; send the whole conversation as input",
-    "background": "this server runs responses in the foreground only",
-}
-
-
-def reject_unsupported(body: dict[str, Any]) -> dict[str, Any]:
-    """A 400 for the first unsupported parameter set to something; `store: true` too
-    (nothing is stored: its response id would be one that nothing can find). Returns
-    the body without the parameters left at a value that asks for nothing."""
-    for name, fine in UNSUPPORTED.items():
-        value = body.get(name)
-        if not any(value == v and type(value) is type(v) for v in fine):
-            why = _WHY.get(name, "not supported by this server")
-            raise InvalidRequestError(f"'{name}' is not supported: {why} (value {value!r})",
-                                      param=name)
-    if body.get("store") is True:
-        raise InvalidRequestError("'store': true is not supported: this server keeps no "
-                                  "responses; send 'store': false", param="store")
-    return {k: v for k, v in body.items() if k not in UNSUPPORTED}
-
-
 INPUT_TOKENS_PATH = PATH + "/input_tokens"  # OpenAI's count of a request's input tokens
 # What OpenAI serves on a stored response (retrieve, delete, cancel, its input items):
 # here a 404 that says why, since no response is ever stored.
@@ -149,7 +126,7 @@ class ResponsesRequest(ResponsesModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     stream: StrictBool = False
-    store: StrictBool | None = None
+    store: StrictBool | None = None  # false only: nothing is stored
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
     parallel_tool_calls: StrictBool | None = None
@@ -160,6 +137,14 @@ class ResponsesRequest(ResponsesModel):
     # Accepted and honoured implicitly: sluice's prefix cache caches every prompt.
     prompt_cache_key: str | None = None
     priority: int = Field(default=0, ge=-(2**63), lt=2**63)  # vLLM's extension, as on chat
+
+    @field_validator("store")
+    @classmethod
+    def _not_stored(cls, value: bool | None) -> bool | None:
+        if value:  # its response id would be one that nothing can find
+            raise ValueError("'store': true is not supported: this server keeps no "
+                             "responses; send 'store': false")
+        return value
 
 
 class InputTokensRequest(ResponsesModel):

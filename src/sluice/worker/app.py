@@ -159,7 +159,8 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
     async def create_response(request: Request) -> Response:
         check_epoch(request, state)
         body = with_header_priority(request, state,
-                                    responses.reject_unsupported(await parse_body(request)))
+                                    reject_unsupported(await parse_body(request),
+                                                       responses.UNSUPPORTED))
         req = parse_request(responses.ResponsesRequest, body)
         try:
             chat_req = parse_request(ChatCompletionRequest, responses.to_chat_body(req, body))
@@ -178,7 +179,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
 
     @app.post(responses.INPUT_TOKENS_PATH)  # (before the stored-response routes below)
     async def input_tokens(request: Request) -> dict[str, Any]:
-        body = responses.reject_unsupported(await parse_body(request))
+        body = reject_unsupported(await parse_body(request), responses.UNSUPPORTED)
         req = parse_request(responses.InputTokensRequest, body)
         try:
             prompt = {"model": req.model, **responses.chat_prompt(body)} if req.model else \
