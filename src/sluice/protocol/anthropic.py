@@ -62,7 +62,7 @@ from pydantic import (
 )
 
 from sluice.protocol.errors import InvalidRequestError, SluiceError
-from sluice.protocol.openai import TOOL_NAME
+from sluice.protocol.openai import TOOL_NAME, function_tool
 
 
 class AnthropicModel(BaseModel):
@@ -401,13 +401,8 @@ def _tool(tool: Any, param: str) -> dict[str, Any]:
     if not isinstance(tool.get("input_schema"), Mapping):
         raise InvalidRequestError("a tool needs an 'input_schema' object",
                                   param=f"{param}.input_schema")
-    function: dict[str, Any] = {"name": tool["name"]}
-    if tool.get("description") is not None:
-        function["description"] = tool["description"]
-    function["parameters"] = tool["input_schema"]
-    if tool.get("strict") is not None:
-        function["strict"] = tool["strict"]
-    return {"type": "function", "function": function}
+    return function_tool(tool["name"], tool.get("description"), tool["input_schema"],
+                         tool.get("strict"))
 
 
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}

@@ -331,6 +331,19 @@ class Tool(OpenAIModel):
     function: FunctionDefinition
 
 
+def function_tool(name: str, description: Any, parameters: Any, strict: Any) -> dict[str, Any]:
+    """OpenAI's chat tool for a function, as the Anthropic and Responses translations
+    make it: `description` and `strict` left out when None, the keys in the order the
+    template writes them (name, description, parameters, strict)."""
+    function: dict[str, Any] = {"name": name}
+    if description is not None:
+        function["description"] = description
+    function["parameters"] = parameters
+    if strict is not None:
+        function["strict"] = strict
+    return {"type": "function", "function": function}
+
+
 class ToolChoiceFunction(OpenAIModel):
     name: str
 

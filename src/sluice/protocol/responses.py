@@ -51,7 +51,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from sluice.protocol.errors import InvalidRequestError, NotFoundError, SluiceError
-from sluice.protocol.openai import TOOL_NAME, Acceptable
+from sluice.protocol.openai import TOOL_NAME, Acceptable, function_tool
 
 PATH = "/v1/responses"
 
@@ -118,19 +118,28 @@ class TextConfig(ResponsesModel):
     verbosity: Literal["medium"] | None = None  # the only one a non-reasoning model has
 
 
-class ResponsesRequest(ResponsesModel):
+class InputTokensRequest(ResponsesModel):
+    """The prompt half of a Responses request; alone, `POST /v1/responses/input_tokens`
+    (OpenAI's), answered `{"object": "response.input_tokens", "input_tokens": N}`: what a
+    Responses request with the same prompt reports as `usage.input_tokens`."""
+
     model: str | None = None  # the served model, as on chat (the router requires one)
     input: str | list[dict[str, Any]]
     instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
+    parallel_tool_calls: StrictBool | None = None  # (no prompt tokens: checked, for a count)
+    text: TextConfig | None = None
+
+
+class ResponsesRequest(InputTokensRequest):
+    """A Responses request: its prompt half (`InputTokensRequest`) and how to answer."""
+
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     stream: StrictBool = False
     store: StrictBool | None = None  # false only: nothing is stored
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
-    parallel_tool_calls: StrictBool | None = None
-    text: TextConfig | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
     safety_identifier: str | None = None
@@ -145,20 +154,6 @@ class ResponsesRequest(ResponsesModel):
             raise ValueError("'store': true is not supported: this server keeps no "
                              "responses; send 'store': false")
         return value
-
-
-class InputTokensRequest(ResponsesModel):
-    """`POST /v1/responses/input_tokens` (OpenAI's): the prompt half of a Responses
-    request; the answer is `{"object": "response.input_tokens", "input_tokens": N}`, what
-    a Responses request with the same prompt reports as `usage.input_tokens`."""
-
-    model: str | None = None
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
-    parallel_tool_calls: StrictBool | None = None  # checked; they add no prompt tokens
-    text: TextConfig | None = None
 
 
 # --------------------------------------------------------------------------- requests
@@ -282,21 +277,23 @@ def _tools(raw: Any) -> list[dict[str, Any]]:
         if not isinstance(tool.get("name"), str):
             raise InvalidRequestError("a function tool needs a string 'name'",
                                       param=f"{param}.name")
-        function: dict[str, Any] = {"name": tool["name"]}
-        if tool.get("description") is not None:
-            function["description"] = tool["description"]
-        function["parameters"] = tool.get("parameters") or {"type": "object", "properties": {}}
-        if tool.get("strict") is not None:
-            function["strict"] = tool["strict"]
-        out.append({"type": "function", "function": function})
+        out.append(function_tool(tool["name"], tool.get("description"),
+                                 tool.get("parameters") or {"type": "object", "properties": {}},
+                                 tool.get("strict")))
     return out
+
+
+def prompt_body(req: InputTokensRequest, body: Mapping[str, Any]) -> dict[str, Any]:
+    """The prompt half of the OpenAI chat request (`body`: the JSON `req` validated): the
+    model where it names one, the messages and tools; what `/v1/responses/input_tokens`
+    counts (as vLLM's `/tokenize` with messages)."""
+    return {"model": req.model, **chat_prompt(body)} if req.model else chat_prompt(body)
 
 
 def to_chat_body(req: ResponsesRequest, body: Mapping[str, Any]) -> dict[str, Any]:
     """The OpenAI chat request equivalent to a Responses request (`body`: its JSON, which
-    `req` validated): the prompt, then the sampling fields."""
-    chat: dict[str, Any] = {"model": req.model, **chat_prompt(body)} if req.model else \
-        chat_prompt(body)
+    `req` validated): its `prompt_body`, then the sampling fields."""
+    chat = prompt_body(req, body)
     optional = {"max_tokens": req.max_output_tokens, "temperature": req.temperature,
                 "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
                 "user": req.user or req.safety_identifier}

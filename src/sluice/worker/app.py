@@ -182,9 +182,8 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         body = reject_unsupported(await parse_body(request), responses.UNSUPPORTED)
         req = parse_request(responses.InputTokensRequest, body)
         try:
-            prompt = {"model": req.model, **responses.chat_prompt(body)} if req.model else \
-                responses.chat_prompt(body)
-            count = _tokenize(state, parse_request(TokenizeRequest, prompt))["count"]
+            prompt = parse_request(TokenizeRequest, responses.prompt_body(req, body))
+            count = _tokenize(state, prompt)["count"]
         except InvalidRequestError as exc:  # name the field as the Responses client wrote it
             exc.param = responses.responses_param(exc.param)
             raise
