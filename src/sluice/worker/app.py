@@ -171,7 +171,7 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
             exc.param = responses.responses_param(exc.param)
             raise
         if req.stream:
-            translator = responses.StreamTranslator(req, state.check_model(req.model))
+            translator = responses.StreamTranslator(req, job.model)  # the served name
             return SSEResponse(translated_sse(chat_chunks(job), translator, responses.sse),
                                _ids_headers(state, chat_req))
         resp = await until_disconnect(request, chat_response(job))
