@@ -229,4 +229,6 @@ async def test_a_translated_stream_that_breaks_ends_with_its_api_s_error_event(a
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.failed"
     assert events[-1]["response"]["error"]["message"] == "engine core died"
+    [item] = events[-1]["response"]["output"]  # the message it was saying, as the API has it
+    assert item["type"] == "message" and set(item) == {"type", "id", "status", "role", "content"}
     assert "Hel" in "".join(e.get("delta", "") for e in events)

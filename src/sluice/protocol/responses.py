@@ -435,6 +435,7 @@ class StreamTranslator:
         self.seq = 0
         self.output: list[dict[str, Any]] = []  # items done, and the open one (last)
         self.open: dict[str, Any] | None = None
+        self.said = ""  # the open message's text so far (its content once it is done)
         self.calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its item
         self.chat_usage: Mapping[str, Any] | None = None
         self.finish_reason: str | None = None
@@ -449,8 +450,9 @@ class StreamTranslator:
                         model=self.model)
 
     def start(self) -> list[Event]:
-        return [self._event("response.created", response=self._response("in_progress")),
-                self._event("response.in_progress", response=self._response("in_progress"))]
+        begun = self._response("in_progress")
+        return [self._event("response.created", response=begun),
+                self._event("response.in_progress", response=begun)]
 
     def feed(self, chunk: Mapping[str, Any]) -> list[Event]:
         if chunk.get("usage"):
@@ -479,7 +481,7 @@ class StreamTranslator:
     def _open_message(self) -> list[Event]:
         item = message_item(new_id("msg"), "", status="in_progress")
         events = self._open(item)
-        item["text"] = ""  # what it said so far; its content once it is done
+        self.said = ""
         return events + [self._event("response.content_part.added", item_id=item["id"],
                                      output_index=self._index(), content_index=0,
                                      part=text_part(""))]
@@ -489,7 +491,7 @@ class StreamTranslator:
         if self.open is None or self.open["type"] != "message":
             events = self._open_message()
         assert self.open is not None
-        self.open["text"] += text
+        self.said += text
         return events + [self._event("response.output_text.delta", item_id=self.open["id"],
                                      output_index=self._index(), content_index=0, delta=text,
                                      logprobs=[])]
@@ -517,7 +519,7 @@ class StreamTranslator:
             return []
         index, events = self._index(), []
         if item["type"] == "message":
-            text = item.pop("text", "")
+            text = self.said
             item.update(status="completed", content=[text_part(text)])
             events += [self._event("response.output_text.done", item_id=item["id"],
                                    output_index=index, content_index=0, text=text, logprobs=[]),
