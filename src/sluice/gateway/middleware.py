@@ -266,11 +266,11 @@ class Exchange:
         self.scope, self.receive, self.send = scope, receive, send
         path: str = scope["path"]
         self.endpoint = path
-        self.protocol = "anthropic" if path in ANTHROPIC_PATHS else "openai"
+        self.protocol = ("anthropic" if path in ANTHROPIC_PATHS else
+                         "responses" if path == RESPONSES_PATH else "openai")
         self.started = time.perf_counter()
         self.adm: Admission | None = None
-        self.meter = ResponseMeter(protocol="responses" if path == RESPONSES_PATH else
-                                   self.protocol)
+        self.meter = ResponseMeter(protocol=self.protocol)
         self.status = 0
         self.response_started = False
         self.disconnected = False
