@@ -175,11 +175,12 @@ def test_messages_round_trip_through_msgpack() -> None:
     from sluice.protocol.errors import InvalidRequestError
 
     params = SamplingParams(n=2, temperature=0.5, stop=["x"], logprobs=2, seed=3,
-                            output_kind=RequestOutputKind.DELTA)
+                            output_kind=RequestOutputKind.DELTA, prompt_logprobs=1)
     add = Add(CoreRequest("r", [1, 2], params, 3, 12.5, 7))
     assert decode(encode(add)) == add
     assert decode(encode(Abort("r"))) == Abort("r")
-    out = CoreOutputs([SeqUpdate("r", 1, [5], [{5: -0.1, 6: -2.0}], -0.1, "stop", 5, 16, 1.0)],
+    out = CoreOutputs([SeqUpdate("r", 1, [5], [{5: -0.1, 6: -2.0}], -0.1, "stop", 5, 16, 1.0),
+                       SeqUpdate("p", 0, [7], prompt_logprobs=[None, {2: -1.5, 9: -0.2}])],
                       EngineStats(1, 2, 0.5, 64, 10, 4, 0, 20, 30, 5),
                       [("q", InvalidRequestError("dup", param="request_id"))])
     back = decode(encode(out))

@@ -90,6 +90,35 @@ def test_greedy_equals_transformers(tiny: tuple[Path, list[list[int]], list[list
     assert llm.engine.stats().prefix_cache_hits > stats.prefix_cache_hits
 
 
+@pytest.mark.parametrize("budget", [16, 2048])
+def test_prompt_logprobs_equal_transformers(tiny_llama_dir: Path, budget: int) -> None:
+    """Each prompt token's logprob given those before it, and its likeliest tokens, as
+    transformers' one forward over the prompt gives them; in chunks of 16 or in one, on a
+    prompt whose prefix the cache holds (computed again, not served)."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = hf_prompts(tiny_llama_dir, [TEXTS[0]])[0]
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, dtype="float32",
+              max_num_batched_tokens=budget)
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))  # cache it
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2,
+                                                prompt_logprobs=2))[0]
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    with torch.inference_mode():
+        want = model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    got = out.prompt_logprobs
+    assert out.num_cached_tokens == 0 and got is not None and len(got) == len(prompt)
+    assert got[0] is None
+    for i in range(1, len(prompt)):
+        entry, row = got[i], want[i - 1]
+        assert entry is not None
+        assert float(entry[prompt[i]]) == pytest.approx(float(row[prompt[i]]), abs=2e-4)
+        top = row.topk(2)
+        for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+            assert float(entry[t]) == pytest.approx(v, abs=2e-4)
+            assert entry[t].rank == top.indices.tolist().index(t) + 1  # type: ignore[attr-defined]
+
+
 def test_llm_text_and_chat_api(tiny_llama_dir: Path) -> None:
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=64)
     tok = llm.get_tokenizer()

@@ -208,6 +208,8 @@ class EngineCore:
                        generator=gen, seed=None if params.seed is None else params.seed + index)
         if params.logprobs is not None:
             seq.logprobs, seq.cumulative_logprob = [], 0.0
+        if params.prompt_logprobs is not None and index == 0 and not req.num_output_tokens:
+            seq.prompt_logprobs = [None]  # the first token: nothing before it predicts it
         return seq
 
     def abort(self, request_id: str) -> None:
@@ -254,7 +256,10 @@ class EngineCore:
         self._mark_scheduled(chunks)
         self.block_manager.flush_evicted()  # evicted blocks go down a tier before overwrites
         start = time.perf_counter()
-        logits = self.runner.execute([self._seq_chunk(c, drafts) for c in chunks])
+        seq_chunks = [self._seq_chunk(c, drafts) for c in chunks]
+        logits = self.runner.execute(seq_chunks)
+        if any(c.prompt_logits for c in seq_chunks):
+            logits = self._take_prompt_logprobs(chunks, seq_chunks, logits)
         self.scheduler.update_from_output(  # drafted chunks: after verification (commit)
             [c for c in chunks if c.seq not in drafts] if drafts else chunks)
         self._after_forward(chunks, time.perf_counter() - start)
@@ -320,7 +325,51 @@ class EngineCore:
                               seq.block_table, chunk.need_logits, seq.adapter)
         if drafts and seq in drafts:
             out.num_logits = len(drafts[seq]) + 1  # the last token's row and each draft's
+        elif seq.wants_prompt_logits:
+            out.need_logits, out.prompt_logits, out.num_logits = True, True, chunk.num_tokens
         return out
+
+    def _take_prompt_logprobs(self, chunks: list[ScheduledChunk], seq_chunks: list[Any],
+                              logits: torch.Tensor) -> torch.Tensor:
+        """Record the prompt logprobs that this step's prompt-logits rows give (row j of a
+        chunk at `start` predicts the token at start + j + 1); the logits of the rows to
+        sample from, in chunk order, as a plain step returns them."""
+        keep: list[int] = []
+        row = 0
+        for chunk, sc in zip(chunks, seq_chunks, strict=True):
+            rows = sc.num_logits if sc.need_logits else 0
+            if sc.prompt_logits:
+                self._prompt_logprobs(chunk.seq, chunk.start_pos, logits[row:row + rows])
+                if chunk.need_logits:  # the prompt's last token: sampled from as usual
+                    keep.append(row + rows - 1)
+            else:
+                keep.extend(range(row, row + rows))
+            row += rows
+        return logits[keep]
+
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence, start: int, rows: torch.Tensor) -> None:
+        """Append the prompt positions these rows predict and `seq` has not recorded (a
+        recompute after preemption predicts them again): {prompt token: logprob} and the
+        `prompt_logprobs` likeliest, as a sampled token's entry. In slices, so a long
+        chunk's log-softmax does not double its logits' memory at once."""
+        assert seq.prompt_logprobs is not None
+        top = seq.params.prompt_logprobs or 0
+        first = len(seq.prompt_logprobs) - 1 - start  # the row predicting the next position
+        end = min(rows.shape[0], seq.num_prompt_tokens - 1 - start)
+        for lo in range(max(first, 0), end, 256):
+            hi = min(lo + 256, end)
+            lp = rows[lo:hi].log_softmax(dim=-1)
+            actual = seq.token_ids[start + lo + 1:start + hi + 1]
+            own = lp.gather(1, torch.tensor(actual).unsqueeze(1)).squeeze(1).tolist()
+            best = lp.topk(top, dim=-1) if top else None
+            for j, (token, value) in enumerate(zip(actual, own, strict=True)):
+                entry = {token: value}
+                if best is not None:
+                    for tid, v in zip(best.indices[j].tolist(), best.values[j].tolist(),
+                                      strict=True):
+                        entry.setdefault(tid, v)
+                seq.prompt_logprobs.append(entry)
 
     def _mark_scheduled(self, chunks: list[ScheduledChunk]) -> None:
         now = time.time()
@@ -358,12 +407,15 @@ class EngineCore:
         elif drafted:
             assert self.spec is not None
             self.spec.commit(seq)
+        prompt_logprobs = None
+        if seq.prompt_logprobs is not None and seq.num_output_tokens == len(tokens):
+            prompt_logprobs = seq.prompt_logprobs  # with the first token, once
         return SeqUpdate(seq.request_id, seq.index, tokens, new_logprobs,
                          seq.cumulative_logprob, seq.finish_reason,
                          seq.stop_reason,
                          max(request.seqs[0].num_cached_tokens, 0),
                          request.metrics.first_scheduled_time, seq.num_preemptions,
-                         request.seqs[0].num_prefill_chunks, kv_params)
+                         request.seqs[0].num_prefill_chunks, kv_params, prompt_logprobs)
 
     def _append(self, request: Request, seq: Sequence, result: SampleResult) -> int:
         token = result.token_id

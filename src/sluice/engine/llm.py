@@ -164,18 +164,24 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        return [self._vllm_logprobs(done[i], p.logprobs) for i, p in zip(ids, params,
-                                                                            strict=True)]
+        return [self._vllm_logprobs(done[i], p) for i, p in zip(ids, params, strict=True)]
 
-    def _vllm_logprobs(self, out: RequestOutput, top: int | None) -> RequestOutput:
+    def _vllm_logprobs(self, out: RequestOutput, params: SamplingParams) -> RequestOutput:
         """Each logprob as a `Logprob`: a float with vLLM's `.logprob`, `.rank` and
-        `.decoded_token` (`top`: the request's `logprobs`)."""
+        `.decoded_token` (ranked among the request's `logprobs` / `prompt_logprobs`)."""
         tok = self.engine.tokenizer
+
+        def decode(t: int) -> str:
+            return tok.decode([t], skip_special_tokens=False)
+
+        top = params.logprobs
         for c in out.outputs:
             if c.logprobs is not None and top is not None:
-                c.logprobs = [ranked(entry, top,
-                                     lambda t: tok.decode([t], skip_special_tokens=False))
-                              for entry in c.logprobs]
+                c.logprobs = [ranked(entry, top, decode) for entry in c.logprobs]
+        if out.prompt_logprobs is not None:
+            k = params.prompt_logprobs or 0
+            out.prompt_logprobs = [None if entry is None else ranked(entry, k, decode)
+                                   for entry in out.prompt_logprobs]
         return out
 
 

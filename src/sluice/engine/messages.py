@@ -62,6 +62,8 @@ class SeqUpdate:
     num_prefill_chunks: int = 0  # chunks its prompt took before the first token
     # a finished do_remote_decode prefill: where its held KV is (vLLM's response params)
     kv_transfer_params: dict[str, Any] | None = None
+    # prompt_logprobs: every prompt position's entry (None first), with the first token
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

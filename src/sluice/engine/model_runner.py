@@ -83,13 +83,15 @@ class SeqChunk:
     need_logits: bool  # True if the last token's logits are needed
     lora: LoRAAdapter | None = None  # the sequence's adapter (multi-LoRA), or the base
     num_logits: int = 1  # logit rows: the last `num_logits` tokens' (speculative verify)
+    prompt_logits: bool = False  # every token's logits, run as a prefill (prompt logprobs)
 
     @property
     def one_query_rows(self) -> bool:
         """A decode, or a speculative verify (every token's logits wanted): its tokens run
         as one-query decodes of growing context over the same block table (K/V are
         written before attention reads them, so each draft sees the ones before it)."""
-        return len(self.token_ids) == 1 or self.num_logits == len(self.token_ids)
+        return len(self.token_ids) == 1 or (self.num_logits == len(self.token_ids)
+                                            and not self.prompt_logits)
 
 
 # CPU flags of native bfloat16 math: AVX512-BF16's dot products, AMX's tiles. Without

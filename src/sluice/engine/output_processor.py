@@ -66,6 +66,8 @@ class _RequestText:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None  # a P/D prefill's, once finished
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # once the core sent them
+    prompt_logprobs_sent: bool = False  # (DELTA outputs carry them once)
 
     @property
     def finished(self) -> bool:
@@ -134,6 +136,8 @@ class OutputProcessor:
         request.num_cached_tokens = update.num_cached_tokens
         if update.kv_transfer_params is not None:
             request.kv_transfer_params = update.kv_transfer_params
+        if update.prompt_logprobs is not None:
+            request.prompt_logprobs = update.prompt_logprobs
         metrics.num_prefill_chunks = update.num_prefill_chunks
         seq.num_preemptions = update.num_preemptions
         seq.token_ids += update.new_token_ids
@@ -193,11 +197,17 @@ class OutputProcessor:
     @staticmethod
     def _make(request: _RequestText, seqs: list[_SeqText], delta: bool,
               finished: bool) -> RequestOutput:
+        prompt_logprobs = request.prompt_logprobs
+        if delta and prompt_logprobs is not None:
+            if request.prompt_logprobs_sent:
+                prompt_logprobs = None
+            request.prompt_logprobs_sent = True
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
                              [s.completion(delta) for s in seqs], finished,
                              num_cached_tokens=request.num_cached_tokens,
                              metrics=request.metrics,
-                             kv_transfer_params=request.kv_transfer_params)
+                             kv_transfer_params=request.kv_transfer_params,
+                             prompt_logprobs=prompt_logprobs)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Forget the request; its final output, every unfinished sequence "abort"."""

@@ -79,3 +79,6 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
     kv_transfer_params: dict | None = field(default=None)
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
+    # (vLLM's shape); in a DELTA stream, in the first output only
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -100,7 +100,7 @@ def _schema_text(schema: dict[str, Any] | bool) -> str:
 # Fields checked for their type before their range (a wrong type is a 400 naming the
 # field, not a TypeError from a comparison); ints and floats come out as Python's own.
 _INTS = ("n", "top_k", "min_tokens")
-_OPTIONAL_INTS = ("seed", "max_tokens", "logprobs")
+_OPTIONAL_INTS = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
            "repetition_penalty")
 _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
@@ -136,6 +136,10 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0: only the sampled one)
+    # vLLM's: the logprob of each prompt token after the first, given those before it, and
+    # this many likeliest tokens at its position (0: only the prompt's own). Such a
+    # request computes its whole prompt (no prefix-cache hits), as in vLLM
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
@@ -222,6 +226,8 @@ class SamplingParams:
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              "must not exceed max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+             "must be in [0, 20]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop",
              "must be non-empty strings"),
             (all(0 <= t < 2**31 and -100.0 <= v <= 100.0

@@ -56,6 +56,9 @@ class Sequence:
     seed: int | None = None  # the request's seed + index
     logprobs: list[TokenLogprobs] | None = None
     cumulative_logprob: float | None = None
+    # prompt_logprobs: one entry per prompt position computed so far (None for the first
+    # token, which nothing predicts); sequence 0 of its request only
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | None = None  # the stop token id (stop strings are the front end's)
     num_preemptions: int = 0
@@ -87,6 +90,13 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Whether some prompt position still needs its logprob: every computed token's
+        logits are wanted, and the prefix cache is not looked up."""
+        return self.prompt_logprobs is not None \
+            and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
