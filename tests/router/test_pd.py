@@ -244,17 +244,26 @@ async def test_a_request_the_prefill_worker_refuses_is_answered_locally_not_as_a
         assert pd_counts(state) == {"disaggregated": 0.0, "local": 1.0, "fallback": 0.0}
 
 
-@pytest.mark.parametrize("kind", ["chat n=2", "two prompts"])
+HAND_OFF_REFUSED = {
+    "chat n=2": ("/v1/chat/completions", chat(LONG, max_tokens=3, n=2)),
+    "two prompts": ("/v1/completions", {"model": "stub-model", "prompt": [LONG, LONG],
+                                        "max_tokens": 3}),
+    "prompt_logprobs": ("/v1/chat/completions", chat(LONG, max_tokens=3, prompt_logprobs=0)),
+    "echo with logprobs": ("/v1/completions", {"model": "stub-model", "prompt": LONG,
+                                               "max_tokens": 1, "echo": True, "logprobs": 1}),
+}
+
+
+@pytest.mark.parametrize("kind", list(HAND_OFF_REFUSED))
 async def test_a_request_no_prefill_can_hand_off_is_local_without_asking_one(kind: str
                                                                               ) -> None:
     """n > 1 or several prompts: a prefill hands off one sequence (sluice's worker answers
     such a prefill 400 `n` / `prompt`), so the router plans them local at once instead of
-    sending each one to a prefill worker first for a refusal."""
+    sending each one to a prefill worker first for a refusal. Prompt logprobs: the
+    prefill worker would compute them and the decode worker answer without them."""
     store = KVStore()
     p, d = PDStub("p", store, role="prefill"), PDStub("d", store, role="decode")
-    path, body = (("/v1/chat/completions", chat(LONG, max_tokens=3, n=2)) if kind == "chat n=2"
-                  else ("/v1/completions", {"model": "stub-model", "prompt": [LONG, LONG],
-                                            "max_tokens": 3}))
+    path, body = HAND_OFF_REFUSED[kind]
     async with pd_cluster([p, d], PDConfig(mode="always")) as (url, state), \
             httpx.AsyncClient(timeout=10) as c:
         r = await c.post(url + path, json=body)

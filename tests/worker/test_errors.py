@@ -279,8 +279,14 @@ def test_a_tool_message_must_answer_a_call(http: httpx.Client, messages: list,
 def test_completion_specific_refusals(http: httpx.Client) -> None:
     openai_error(http.post("/v1/completions", json={"prompt": "a", "suffix": "z"}), 400, "suffix")
     openai_error(http.post("/v1/completions", json={"prompt": "a", "best_of": 3}), 400, "best_of")
-    openai_error(http.post("/v1/completions", json={"prompt": "a", "echo": True, "logprobs": 1}),
-                 400, "echo")
+    openai_error(http.post("/v1/completions", json={"prompt": "a", "max_tokens": 0}),
+                 400, "max_tokens")  # 0 only with echo (the prompt alone)
+    for path, body in (("/v1/completions", {"prompt": "a"}), ("/v1/chat/completions",
+                                                               {"messages": USER})):
+        openai_error(http.post(path, json={**body, "prompt_logprobs": 1, "stream": True}),
+                     400, "prompt_logprobs")
+        openai_error(http.post(path, json={**body, "prompt_logprobs": 21}), 400,
+                     "prompt_logprobs")
     openai_error(http.post("/v1/completions", json={"prompt": [10**9]}), 400, "prompt")
     openai_error(http.post("/v1/completions", json={"prompt": ""}), 400, "prompt")
 

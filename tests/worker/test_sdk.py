@@ -206,6 +206,71 @@ def test_completions_stream_echo_and_token_prompt(client: openai.OpenAI) -> None
     assert "Hello there" + by_ids == whole
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_an_eval_harness_asks(
+        client: openai.OpenAI) -> None:
+    """lm-evaluation-harness's loglikelihood request: token ids, echo, logprobs 1, one
+    token (and OpenAI's max_tokens 0: the prompt alone). The prompt's tokens come first
+    in the choice's logprobs, the first null; each equals vLLM's `prompt_logprobs` for the
+    same prompt; a batch of prompts scores each."""
+    ids = httpx.post(str(client.base_url).replace("/v1/", "/tokenize"),
+                     json={"prompt": "The capital of France is Paris"}).json()["tokens"]
+    scored = client.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0.0,
+                                       echo=True, logprobs=1)
+    choice = scored.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) + 1 and choice.text.startswith(
+        "The capital of France is Paris")
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert all(top[t] == pytest.approx(v) and 1 <= len(top) <= 2 for t, v, top in
+               zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True))
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert lp.text_offset[-1] == len("The capital of France is Paris")
+    assert scored.usage.prompt_tokens == len(ids) and scored.usage.completion_tokens == 1
+    vllm = client.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0.0,
+                                     extra_body={"prompt_logprobs": 0})
+    extra = vllm.choices[0].model_extra["prompt_logprobs"]
+    assert extra[0] is None and len(extra) == len(ids)
+    for token_id, entry, want in zip(ids[1:], extra[1:], lp.token_logprobs[1:-1], strict=True):
+        assert entry[str(token_id)]["logprob"] == pytest.approx(want, abs=1e-5)
+    alone = client.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True,
+                                      logprobs=0)
+    assert alone.choices[0].text == "The capital of France is Paris"
+    assert alone.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:-1])
+    assert alone.usage.completion_tokens == 0
+    batch = client.completions.create(model="tiny", prompt=[ids, ids[:4]], max_tokens=1,
+                                      temperature=0.0, echo=True, logprobs=1)
+    assert [len(c.logprobs.tokens) for c in batch.choices] == [len(ids) + 1, 5]
+    assert batch.choices[1].logprobs.token_logprobs[:4] == pytest.approx(
+        lp.token_logprobs[:4])
+
+
+def test_echo_logprobs_stream_and_chat_prompt_logprobs(client: openai.OpenAI) -> None:
+    """A streamed echo sends the prompt's text and logprobs first, then the answer's, the
+    same as the whole response; a chat's `prompt_logprobs` (vLLM's top-level field) score
+    the templated prompt, with ranks and decoded tokens."""
+    kw = dict(model="tiny", prompt="Hello there", max_tokens=4, temperature=0.0, echo=True,
+              logprobs=2, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [t for c in chunks for t in c.logprobs.tokens] == whole.logprobs.tokens
+    assert [v for c in chunks for v in c.logprobs.token_logprobs] == pytest.approx(
+        whole.logprobs.token_logprobs)
+    assert [o for c in chunks for o in c.logprobs.text_offset] == whole.logprobs.text_offset
+    resp = client.chat.completions.create(model="tiny", messages=USER, max_tokens=2,
+                                          extra_body={"prompt_logprobs": 3})
+    scored = resp.model_extra["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == resp.usage.prompt_tokens
+    for entry in scored[1:]:
+        ranks = sorted(e["rank"] for e in entry.values() if e["rank"] is not None)
+        assert ranks == [1, 2, 3] and 3 <= len(entry) <= 4
+        assert all(e["logprob"] <= 0 and isinstance(e["decoded_token"], str)
+                   for e in entry.values())
+    plain = client.chat.completions.create(model="tiny", messages=USER, max_tokens=2)
+    assert "prompt_logprobs" not in (plain.model_extra or {})
+
+
 def test_raw_response_echoes_request_id(client: openai.OpenAI) -> None:
     raw = client.chat.completions.with_raw_response.create(
         model="tiny", messages=USER, max_tokens=2, extra_headers={"x-request-id": "req-42"})

@@ -404,6 +404,9 @@ class SamplingFields(OpenAIModel):
     structured_outputs: StructuredOutputs | None = None
     return_token_ids: bool = False  # vLLM: each streamed choice carries its `token_ids`
     kv_transfer_params: KVTransferParams | None = None  # P/D hand-off (vLLM's)
+    # vLLM's: each prompt token's logprob and this many likeliest at its position, in the
+    # response's `prompt_logprobs` (not with stream, as in vLLM)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def check_stream_options(self) -> None:
         """`stream_options` only with `stream: true` (OpenAI's API and vLLM refuse them
@@ -412,6 +415,12 @@ class SamplingFields(OpenAIModel):
                 and not self.stream:
             raise InvalidRequestError("The 'stream_options' parameter is only allowed when "
                                       "'stream' is enabled.", param="stream_options")
+
+    def check_prompt_logprobs(self) -> None:
+        """vLLM's rule: prompt logprobs come with the whole response, not in a stream."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError("prompt_logprobs are not available when stream is true",
+                                      param="prompt_logprobs")
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         """`logit_bias` by integer token id; a key that is not one is a 400 naming it."""

@@ -356,12 +356,16 @@ def _error_code(body: bytes) -> str | None:
 # --- the two-step flow -------------------------------------------------------------------
 
 
-def one_sequence(body: dict[str, Any]) -> bool:
+def can_hand_off(body: dict[str, Any]) -> bool:
     """Whether a prefill can hand `body` off: one prompt, one choice (a prefill worker
-    answers n > 1 or a batch of prompts with a 400)."""
+    answers n > 1 or a batch of prompts with a 400), and no prompt logprobs (vLLM's
+    `prompt_logprobs`, or completions' `echo` with `logprobs`: the prefill worker would
+    compute them and the decode worker, which answers, would not have them)."""
     prompt = body.get("prompt")
     several = isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
-    return body.get("n") in (None, 1) and not several
+    scores_prompt = body.get("prompt_logprobs") is not None or (
+        bool(body.get("echo")) and body.get("logprobs") is not None)
+    return body.get("n") in (None, 1) and not several and not scores_prompt
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -430,7 +434,7 @@ class PD:
         """DISAGGREGATED or LOCAL for this request (see the module docstring)."""
         config = pool.config.pd
         if config is None or config.mode == "never" or req.kind not in (CHAT, COMPLETION) \
-                or not one_sequence(req.body):
+                or not can_hand_off(req.body):
             return LOCAL
         prefill = self.prefill.choose(pool, meta, exclude)
         if prefill is None:

@@ -33,7 +33,7 @@ from sluice.protocol.openai import (
 )
 from sluice.protocol.prompt import IdsHint, encode_prompt
 from sluice.worker.generation import Run
-from sluice.worker.logprobs import chat_logprobs
+from sluice.worker.logprobs import chat_logprobs, prompt_logprobs
 from sluice.worker.pd import transfer_params
 from sluice.worker.sampling import chat_prompt, sampling_params
 from sluice.worker.state import WorkerState
@@ -114,7 +114,7 @@ async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_i
                                               engine.inputs.info.structured_outputs_backend)
     params = sampling_params(req, req.requested_max_tokens(), num_logprobs,
                              engine.tokenizer.vocab_size, forced,
-                             state.config.generation_defaults)
+                             state.config.generation_defaults, req.prompt_logprobs)
     params.kv_transfer_params = transfer_params(req, 1)
     req.check_continue()
     prompt = chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt, tools,
@@ -145,7 +145,8 @@ def _replay(job: ChatJob, text: str) -> DeltaMessage:
 
 async def chat_response(job: ChatJob) -> ChatCompletionResponse:
     """Run to completion and build the whole response."""
-    extra: dict[str, Any] = {}  # a P/D prefill's kv_transfer_params (vLLM's top-level field)
+    extra: dict[str, Any] = {}  # vLLM's top-level fields: a P/D prefill's
+    #                             kv_transfer_params, the prompt_logprobs asked for
     async with job.run:
         async for _, out in job.run.outputs():
             job.cached_tokens = out.num_cached_tokens
@@ -153,6 +154,10 @@ async def chat_response(job: ChatJob) -> ChatCompletionResponse:
                 _accumulate(job, c)
             if out.kv_transfer_params is not None:
                 extra["kv_transfer_params"] = out.kv_transfer_params
+            if out.prompt_logprobs is not None and job.req.prompt_logprobs is not None:
+                extra["prompt_logprobs"] = prompt_logprobs(
+                    job.state.require_engine().tokenizer, out.prompt_logprobs,
+                    job.req.prompt_logprobs)
     choices = [_whole_choice(job, i, ch) for i, ch in sorted(job.choices.items())]
     return ChatCompletionResponse(id=job.id, created=job.created, model=job.model,
                                   choices=choices, usage=job.usage(), **extra)

@@ -1,8 +1,11 @@
 """POST /v1/completions: one or more prompts (text or token ids), n choices each.
 
 Choice indices follow OpenAI: prompt `p`'s choice `i` is index `p * n + i`. `echo`
-prepends the prompt text to each choice (echo with logprobs would need prompt
-logprobs, which the engine does not compute: refused with a 400).
+prepends the prompt text to each choice, and with `logprobs` the prompt tokens' logprobs
+(the first null) to its logprobs: how evaluation harnesses score a text (lm-evaluation-
+harness's loglikelihood: token ids in, `echo`, `logprobs: 1`, `max_tokens` 0 or 1).
+`max_tokens: 0` with `echo` answers the prompt alone, as OpenAI's API and vLLM do.
+vLLM's `prompt_logprobs` puts them in each choice's `prompt_logprobs` instead.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.engine.outputs import CompletionOutput
+from sluice.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.openai import (
     CompletionChoice,
@@ -24,7 +27,7 @@ from sluice.protocol.openai import (
 from sluice.protocol.prompt import IdsHint, encode_prompt
 from sluice.worker.chat import token_ids
 from sluice.worker.generation import Run
-from sluice.worker.logprobs import completion_logprobs
+from sluice.worker.logprobs import completion_logprobs, prompt_logprobs
 from sluice.worker.pd import transfer_params
 from sluice.worker.sampling import check_token_ids, sampling_params
 from sluice.worker.state import WorkerState
@@ -37,6 +40,7 @@ class _Choice:
     logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # vLLM's field, when asked
 
 
 @dataclass
@@ -51,6 +55,10 @@ class CompletionJob:
     cached_tokens: dict[int, int] = field(default_factory=dict)  # by prompt index
     choices: dict[int, _Choice] = field(default_factory=dict)
     created: int = field(default_factory=now)  # one for every chunk, as vLLM's
+    generate: bool = True  # False: echo with max_tokens 0 (the engine's one token dropped)
+    # by prompt index: its ids and prompt logprobs, from its first output
+    prompts: dict[int, tuple[list[int], list[TokenLogprobs | None] | None]] = field(
+        default_factory=dict)
 
     def usage(self) -> UsageInfo:
         prompt = sum(self.run.prompt_lens)
@@ -58,21 +66,38 @@ class CompletionJob:
                          total_tokens=prompt + self.completion_tokens,
                          prompt_tokens_details={"cached_tokens": sum(self.cached_tokens.values())})
 
+    def seen(self, prompt_index: int, out: RequestOutput) -> None:
+        """Note a prompt's first output: its ids and prompt logprobs (sent once)."""
+        self.cached_tokens[prompt_index] = out.num_cached_tokens
+        if prompt_index not in self.prompts:
+            self.prompts[prompt_index] = (out.prompt_token_ids, out.prompt_logprobs)
+
     def step(self, prompt_index: int, c: CompletionOutput) -> tuple[int, str,
                                                                      CompletionLogprobs | None]:
         """Account one delta; returns (choice index, text to emit, logprobs to emit)."""
         index = prompt_index * self.req.n + c.index
         choice = self.choices.get(index)
-        text = c.text
+        if not self.generate:  # the engine's one token is not the client's (a fresh
+            c.text, c.token_ids = "", []  # output each delta: changing it is safe)
+            c.logprobs = [] if c.logprobs is not None else None
+        text, offset, lp = c.text, 0, None
+        tokenizer = self.state.require_engine().tokenizer
         if choice is None:
             choice = self.choices[index] = _Choice()
+            prompt_ids, prompt_entries = self.prompts[prompt_index]
             if self.req.echo:
+                if self.req.logprobs is not None and prompt_entries is not None:
+                    lp = completion_logprobs(tokenizer, prompt_ids, prompt_entries,
+                                             self.req.logprobs, 0)
                 text = self.prompt_texts[prompt_index] + text
-        lp = None
+                offset = len(self.prompt_texts[prompt_index])
+            if self.req.prompt_logprobs is not None:
+                choice.prompt_logprobs = prompt_entries
         if self.req.logprobs is not None and c.logprobs is not None:
-            tokenizer = self.state.require_engine().tokenizer
-            lp = completion_logprobs(tokenizer, c.token_ids, c.logprobs, self.req.logprobs,
-                                     choice.length)
+            generated = completion_logprobs(tokenizer, c.token_ids, c.logprobs,
+                                            self.req.logprobs, choice.length + offset)
+            lp = generated if lp is None else _extend(lp, generated)
+        if lp is not None:
             choice.logprobs = _extend(choice.logprobs, lp)
         choice.text.append(text)
         choice.length += len(text)
@@ -80,6 +105,14 @@ class CompletionJob:
         if c.finish_reason:
             choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
         return index, text, lp
+
+    def choice_extra(self, choice: _Choice) -> dict[str, Any]:
+        """vLLM's per-choice `prompt_logprobs`, when asked for."""
+        if self.req.prompt_logprobs is None or choice.prompt_logprobs is None:
+            return {}
+        tokenizer = self.state.require_engine().tokenizer
+        return {"prompt_logprobs": prompt_logprobs(tokenizer, choice.prompt_logprobs,
+                                                   self.req.prompt_logprobs)}
 
 
 def _extend(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
@@ -92,9 +125,6 @@ def _extend(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
 def _check_unsupported(req: CompletionRequest) -> None:
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequestError("best_of other than n is not supported", param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise InvalidRequestError("echo together with logprobs (prompt logprobs) is not "
-                                  "supported", param="echo")
 
 
 async def prepare_completion(state: WorkerState, req: CompletionRequest, request_id: str,
@@ -114,8 +144,12 @@ async def prepare_completion(state: WorkerState, req: CompletionRequest, request
     tok = engine.tokenizer
     # max_tokens left out is OpenAI's 16 here, as in vLLM: the model's max_new_tokens
     # applies to an explicit null only (its other defaults, to any field left out)
-    params = sampling_params(req, req.max_tokens, req.logprobs, tok.vocab_size,
-                             defaults=state.config.generation_defaults)
+    generate = not (req.echo and req.max_tokens == 0)  # 0 with echo: the prompt alone
+    prompt_lp = req.prompt_logprobs if req.prompt_logprobs is not None else (
+        req.logprobs if req.echo else None)
+    params = sampling_params(req, req.max_tokens if generate else 1, req.logprobs,
+                             tok.vocab_size, defaults=state.config.generation_defaults,
+                             prompt_logprobs=prompt_lp)
     prompts: list[list[int]] = []
     texts: list[str] = []
     for p in req.prompts():
@@ -131,14 +165,14 @@ async def prepare_completion(state: WorkerState, req: CompletionRequest, request
     run = await Run.start(state, prompts, params, request_id, req.priority, param="prompt",
                           resumed=resumed or (), lora=state.lora_for(req.model))
     return CompletionJob(req, run, f"cmpl-{request_id}", model, state, texts,
-                         completion_tokens=len(resumed or ()))
+                         completion_tokens=len(resumed or ()), generate=generate)
 
 
 async def completion_response(job: CompletionJob) -> CompletionResponse:
     extra: dict[str, Any] = {}  # a P/D prefill's kv_transfer_params (vLLM's top-level field)
     async with job.run:
         async for p, out in job.run.outputs():
-            job.cached_tokens[p] = out.num_cached_tokens
+            job.seen(p, out)
             for c in out.outputs:
                 job.step(p, c)
             if out.kv_transfer_params is not None:
@@ -146,7 +180,8 @@ async def completion_response(job: CompletionJob) -> CompletionResponse:
     logprobs = job.req.logprobs is not None
     choices = [CompletionChoice(index=i, text="".join(ch.text),
                                 logprobs=ch.logprobs if logprobs else None,
-                                finish_reason=ch.finish_reason, stop_reason=ch.stop_reason)
+                                finish_reason=ch.finish_reason, stop_reason=ch.stop_reason,
+                                **job.choice_extra(ch))
                for i, ch in sorted(job.choices.items())]
     return CompletionResponse(id=job.id, created=job.created, model=job.model,
                               choices=choices, usage=job.usage(), **extra)
@@ -156,7 +191,7 @@ async def completion_chunks(job: CompletionJob) -> AsyncIterator[CompletionRespo
     continuous = job.req.continuous_usage
     async with job.run:
         async for p, out in job.run.outputs():
-            job.cached_tokens[p] = out.num_cached_tokens
+            job.seen(p, out)
             choices = []
             for c in out.outputs:
                 index, text, lp = job.step(p, c)

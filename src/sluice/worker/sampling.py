@@ -24,14 +24,17 @@ OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
                     vocab_size: int, tool_constraint: StructuredOutputsParams | None = None,
-                    defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+                    defaults: Mapping[str, Any] | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's SamplingParams (DELTA outputs); raises InvalidRequestError naming a field.
     `vocab_size`: the tokenizer's (stop token ids must be in it). `tool_constraint`: the
     grammar that forces a tool call (tool_choice required/named). `defaults`: the model's
     (WorkerConfig.generation_defaults) for the OPTIONAL_FIELDS the client left out; their
     `max_tokens` is not applied here but per prompt, capped by the context
-    (`generation.default_max_tokens`)."""
+    (`generation.default_max_tokens`). `prompt_logprobs`: the request's, or what its
+    `echo` with `logprobs` asks for (completions)."""
     req.check_stream_options()
+    req.check_prompt_logprobs()
     options: dict[str, Any] = {name: value for name, value in (defaults or {}).items()
                                if name in OPTIONAL_FIELDS}
     options |= {name: getattr(req, name) for name in OPTIONAL_FIELDS
@@ -43,7 +46,8 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         structured_outputs=structured_outputs(req, tool_constraint),
         n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop_list(),
         stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
-        logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         output_kind=RequestOutputKind.DELTA, logit_bias=bias, **options)
 
