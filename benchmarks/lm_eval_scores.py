@@ -27,11 +27,8 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
-import httpx
-
-from sluice.control.local import free_port, stop_process
+from sluice.control.local import LocalWorkerPool
 
 FACTS = [("The capital of France is", " Paris"), ("The capital of Germany is", " Berlin"),
          ("Water freezes at zero degrees", " Celsius"), ("The sun rises in the", " east"),
@@ -98,25 +95,12 @@ def main() -> int:
     ap.add_argument("--lm-eval", required=True, help="the lm_eval command (its own venv)")
     ap.add_argument("--model", required=True, help="a transformers model directory")
     args = ap.parse_args()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="sluice-lm-eval-") as folder:
         write_task(folder)
-        worker = subprocess.Popen([sys.executable, "-m", "sluice.cli", "worker", "--model",
-                                   args.model, "--dtype", "float32", "--port", str(port),
-                                   "--served-model-name", "scored"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        pool = LocalWorkerPool(1, ["--model", args.model, "--dtype", "float32",
+                                   "--served-model-name", "scored"], log_dir=folder)
+        url = pool.start()[0].url
         try:
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline and worker.poll() is None:
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(1)
-            else:
-                raise SystemExit("sluice worker did not become healthy")
             print("# lm_eval local-completions against sluice worker", file=sys.stderr)
             sluice = run_lm_eval(args.lm_eval, folder, "sluice", [
                 "--model", "local-completions", "--model_args",
@@ -124,7 +108,7 @@ def main() -> int:
                 f"tokenizer={args.model},tokenized_requests=True,num_concurrent=1,"
                 "max_retries=1"])
         finally:
-            stop_process(worker, drain=False, timeout_s=30)
+            pool.stop()
         print("# lm_eval hf (transformers) on the same weights", file=sys.stderr)
         hf = run_lm_eval(args.lm_eval, folder, "hf", [
             "--model", "hf", "--model_args", f"pretrained={args.model},dtype=float32",
