@@ -355,9 +355,12 @@ class EngineCore:
         chunk's log-softmax does not double its logits' memory at once."""
         assert seq.prompt_logprobs is not None
         top = seq.params.prompt_logprobs or 0
-        first = len(seq.prompt_logprobs) - 1 - start  # the row predicting the next position
+        # the row predicting the next position to record; never negative: such a sequence
+        # takes no prefix-cache hits, so its chunks start at 0 or where the last one ended
+        first = len(seq.prompt_logprobs) - 1 - start
+        assert first >= 0, f"prompt positions {len(seq.prompt_logprobs)}..{start} never computed"
         end = min(rows.shape[0], seq.num_prompt_tokens - 1 - start)
-        for lo in range(max(first, 0), end, 256):
+        for lo in range(first, end, 256):
             hi = min(lo + 256, end)
             lp = rows[lo:hi].log_softmax(dim=-1)
             actual = seq.token_ids[start + lo + 1:start + hi + 1]
