@@ -240,6 +240,8 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
 
     flags = ["--model", args.model] if args.model else []
     flags += ["--tool-call-parser", args.tool_call_parser]
+    if args.reasoning_parser:
+        flags += ["--reasoning-parser", args.reasoning_parser]
     if args.chat_template:
         flags += ["--chat-template", os.path.abspath(args.chat_template)]
     for dest in ENGINE_FLAGS:
@@ -270,6 +272,7 @@ def serve_one(args: argparse.Namespace, wrap: Any) -> int:
     engine = engine_config(args)
     worker = WorkerConfig(host=args.host, port=args.port, log_level=args.log_level,
                           tool_call_parser=args.tool_call_parser,
+                          reasoning_parser=args.reasoning_parser,
                           chat_template=read_chat_template(args.chat_template),
                           tracing=tracing_config(args, "sluice-serve"),
                           metrics_buckets=observe_buckets(args),

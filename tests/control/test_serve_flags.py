@@ -118,18 +118,22 @@ def test_bounds_and_the_planner_config() -> None:
 
 
 def test_chat_flags_reach_every_worker(tmp_path: object) -> None:
-    """`--tool-call-parser` and `--chat-template` go to the worker processes as absolute
-    paths (they start in another directory); without them the workers use the defaults."""
+    """`--tool-call-parser`, `--reasoning-parser` and `--chat-template` (as an absolute
+    path: they start in another directory) go to the worker processes; without them the
+    workers use the defaults."""
     from pathlib import Path
 
     from sluice.serve import worker_flags
 
     template = Path(str(tmp_path)) / "t.jinja"
     template.write_text("{{ messages }}")
-    flags = worker_flags(parse("--workers", "2", "--chat-template", str(template)))
+    flags = worker_flags(parse("--workers", "2", "--chat-template", str(template),
+                               "--reasoning-parser", "qwen3"))
     assert flags[flags.index("--tool-call-parser") + 1] == "hermes"
     assert flags[flags.index("--chat-template") + 1] == str(template.resolve())
-    assert "--chat-template" not in worker_flags(parse("--workers", "2"))
+    assert flags[flags.index("--reasoning-parser") + 1] == "qwen3"
+    plain = worker_flags(parse("--workers", "2"))
+    assert "--chat-template" not in plain and "--reasoning-parser" not in plain
 
 
 def test_local_workers_split_the_machines_cores(monkeypatch: pytest.MonkeyPatch) -> None:

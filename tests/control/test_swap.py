@@ -190,6 +190,7 @@ async def test_the_api_checks_key_body_and_pool() -> None:
         ({"model": "m", "max_model_len": "long"}, "max_model_len"),
         ({"model": "m", "dtype": "float8"}, "dtype"),
         ({"model": "m", "tool_call_parser": "nope"}, "tool_call_parser"),
+        ({"model": "m", "reasoning_parser": "o1"}, "reasoning_parser"),
         ({"model": "m", "enable_prefix_caching": "maybe"}, "enable_prefix_caching"),
         ({"model": "m", "served_model_name": "x"}, "served_model_name"),
         ({"model": "m", "gpu_memory_utilization": 0.9}, "gpu_memory_utilization"),

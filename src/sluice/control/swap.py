@@ -45,13 +45,15 @@ RUNNING = ("starting", "joining", "draining")  # then done or failed
 
 def _body_model() -> type[BaseModel]:
     """The request body: `model` plus the `sluice worker` flags a model version may set
-    (engine options, chat template, tool-call parser), by their flag dest names."""
+    (engine options, chat template, tool-call and reasoning parsers), by their flag dest
+    names."""
     from sluice.worker.cli import ENGINE_FLAGS, ENGINE_SWITCHES
 
     fields: dict[str, Any] = {"model": (str, ...)}
     fields |= {dest: (kind | None, None) for dest, (kind, _) in ENGINE_FLAGS.items()}
     fields |= {dest: (bool | None, None) for dest in ENGINE_SWITCHES}
-    fields |= {"chat_template": (str | None, None), "tool_call_parser": (str | None, None)}
+    fields |= {"chat_template": (str | None, None), "tool_call_parser": (str | None, None),
+               "reasoning_parser": (str | None, None)}
     return create_model("ModelSwapBody", __config__=ConfigDict(extra="forbid"), **fields)
 
 
@@ -77,9 +79,11 @@ def parse_model_spec(raw: bytes) -> ModelSpec:
 def _check_values(options: dict[str, Any]) -> None:
     """Choices as `sluice worker` has them; no empty model, no NUL in a command line."""
     from sluice.worker.cli import CHOICES
+    from sluice.worker.reasoning import REASONING_PARSERS
     from sluice.worker.tool_parsers import TOOL_PARSERS
 
-    choices = {**CHOICES, "tool_call_parser": sorted(TOOL_PARSERS)}
+    choices = {**CHOICES, "tool_call_parser": sorted(TOOL_PARSERS),
+               "reasoning_parser": sorted(REASONING_PARSERS)}
     for dest, value in options.items():
         if dest in choices and value not in choices[dest]:
             raise InvalidRequestError(f"{dest} must be one of {choices[dest]}, got {value!r}",

@@ -35,6 +35,7 @@ from sluice.protocol.prompt import IdsHint, encode_prompt
 from sluice.worker.generation import Run
 from sluice.worker.logprobs import chat_logprobs, prompt_logprobs
 from sluice.worker.pd import transfer_params
+from sluice.worker.reasoning import ReasoningParser, ReasoningStream
 from sluice.worker.sampling import chat_prompt, sampling_params
 from sluice.worker.state import WorkerState
 from sluice.worker.tool_parsers import (
@@ -59,6 +60,11 @@ class ChatJob:
     completion_tokens: int = 0  # a resumed (migrated) request starts at the resumed count
     resumed: bool = False
     tools: _StreamedTools | None = None  # the stream's tool-call parsing, when it has tools
+    # --reasoning-parser: None when the worker has none or the output is constrained (a
+    # grammar from the first token leaves no room to think: all of it is the answer)
+    reasoning: ReasoningParser | None = None
+    reasoning_fields: bool = False  # the worker has a reasoning parser: messages say so
+    thinking: dict[int, ReasoningStream] = field(default_factory=dict)  # a stream's, by choice
     replayed: DeltaMessage | None = None  # what a resumed stream's output already said
     cached_tokens: int = 0
     choices: dict[int, _Choice] = field(default_factory=dict)
@@ -73,6 +79,14 @@ class ChatJob:
                          completion_tokens=self.completion_tokens,
                          total_tokens=self.prompt_tokens + self.completion_tokens,
                          prompt_tokens_details={"cached_tokens": self.cached_tokens})
+
+    def split(self, index: int, text: str, finished: bool) -> tuple[str, str]:
+        """A streamed choice's next text as (reasoning, answer)."""
+        if self.reasoning is None:
+            return "", text
+        stream = self.thinking.get(index) or self.thinking.setdefault(
+            index, self.reasoning.stream())
+        return stream.feed(text, finished)
 
     def logprobs(self, c: CompletionOutput) -> ChatLogprobs | None:
         if self.num_logprobs is None or c.logprobs is None:
@@ -124,7 +138,9 @@ async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_i
                           resumed=resumed or (), lora=state.lora_for(req.model))
     parser = state.tool_parser if choice != "none" else None
     job = ChatJob(req, run, f"chatcmpl-{request_id}", model, state, num_logprobs, parser,
-                  completion_tokens=len(resumed or ()), resumed=resumed is not None)
+                  completion_tokens=len(resumed or ()), resumed=resumed is not None,
+                  reasoning=state.reasoning_parser if params.structured_outputs is None
+                  else None, reasoning_fields=state.reasoning_parser is not None)
     if parser is not None and req.stream:
         job.tools = _StreamedTools(parser, req.parallel_tool_calls)
     if resumed is not None:
@@ -138,6 +154,7 @@ def _replay(job: ChatJob, text: str) -> DeltaMessage:
     returns what that output said (the Anthropic translator replays it too). A partial
     character at the end (U+FFFD from decoding) comes again with the next token."""
     text = text.rstrip("\ufffd")
+    _, text = job.split(0, text, finished=False)  # (a reasoning parser's state follows)
     if job.tools is None:
         return DeltaMessage(content=text)
     return job.tools.feed(0, text, finished=False)
@@ -165,6 +182,9 @@ async def chat_response(job: ChatJob) -> ChatCompletionResponse:
 
 def _whole_choice(job: ChatJob, index: int, ch: _Choice) -> ChatChoice:
     content: str | None = "".join(ch.text)
+    reasoning = None
+    if job.reasoning is not None:
+        reasoning, content = job.reasoning.split(content or "")
     calls = None
     if job.tool_parser is not None:
         content, parsed = job.tool_parser.extract(content or "")
@@ -172,10 +192,20 @@ def _whole_choice(job: ChatJob, index: int, ch: _Choice) -> ChatChoice:
             parsed = parsed[:1]
         calls = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
                  for c in parsed] or None
-    return ChatChoice(index=index, message=AssistantMessage(content=content, tool_calls=calls),
+    message = AssistantMessage(content=content, tool_calls=calls,
+                               **_reasoning_fields(job, reasoning))
+    return ChatChoice(index=index, message=message,
                       logprobs=ch.logprobs if job.num_logprobs is not None else None,
                       finish_reason=_finish(ch.finish_reason, bool(calls)),
                       stop_reason=ch.stop_reason)
+
+
+def _reasoning_fields(job: ChatJob, reasoning: str | None) -> dict[str, Any]:
+    """vLLM's `reasoning` and its earlier `reasoning_content` (DeepSeek's API, LiteLLM),
+    on a worker with a reasoning parser; nothing on one without."""
+    if not job.reasoning_fields:
+        return {}
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
 def _finish(reason: str | None, called: bool) -> str | None:
@@ -207,9 +237,14 @@ async def chat_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionChunk]:
             for c in out.outputs:
                 job.completion_tokens += len(c.token_ids)
                 if c.text or c.finish_reason or c.token_ids:
-                    delta = (tools.feed(c.index, c.text, bool(c.finish_reason))
-                             if tools is not None else DeltaMessage(content=c.text))
-                    if not (delta.content or delta.tool_calls or c.finish_reason
+                    thought, text = job.split(c.index, c.text, bool(c.finish_reason))
+                    delta = (tools.feed(c.index, text, bool(c.finish_reason))
+                             if tools is not None else DeltaMessage(content=text))
+                    if thought:
+                        delta = DeltaMessage(content=delta.content or None,
+                                             tool_calls=delta.tool_calls,
+                                             **_reasoning_fields(job, thought))
+                    if not (delta.content or delta.tool_calls or c.finish_reason or thought
                             or job.num_logprobs is not None or tools is None
                             or req.return_token_ids):
                         continue  # text held back by the tool-call parser: nothing to say

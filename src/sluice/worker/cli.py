@@ -199,12 +199,18 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    from sluice.worker.reasoning import REASONING_PARSERS
     from sluice.worker.tool_parsers import TOOL_PARSERS
 
     p.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_PARSERS),
                    help="how tool calls are read from the model's text and forced for "
                         "tool_choice required/named (default: %(default)s: "
                         "<tool_call>{json}</tool_call> blocks)")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="a reasoning model's thinking (<think>...</think>) as the chat "
+                        "message's `reasoning`, apart from its `content`: deepseek_r1 where "
+                        "the chat template opens the thinking in the prompt, qwen3 where "
+                        "the model writes <think> itself (default: none)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template replacing the model's own (default: the "
                         "model's; for tools, sluice's ChatML tool template when the model's "
@@ -245,6 +251,7 @@ def worker_config(args: argparse.Namespace, engine: EngineConfig | None = None) 
                         shutdown_timeout=args.shutdown_timeout,
                         kv_events_endpoint=args.kv_events_endpoint, log_level=args.log_level,
                         tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser,
                         chat_template=read_chat_template(args.chat_template),
                         tracing=tracing_config(args, "sluice-worker"),
                         metrics_buckets=observe_buckets(args),

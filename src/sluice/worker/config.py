@@ -30,6 +30,9 @@ class WorkerConfig:
     log_level: str = "info"
     # How tool calls are read from (and forced into) the model's text: worker/tool_parsers.py
     tool_call_parser: str = "hermes"
+    # How a reasoning model's thinking is told from its answer (worker/reasoning.py); None:
+    # all of the output is the answer
+    reasoning_parser: str | None = None
     # A chat template (the text of --chat-template FILE) replacing the model's own.
     chat_template: str | None = None
     # The model's sampling defaults (its generation_config.json under --generation-config
@@ -59,6 +62,12 @@ class WorkerConfig:
             raise InvalidRequestError(f"unknown tool_call_parser {self.tool_call_parser!r} "
                                       f"(known: {', '.join(sorted(TOOL_PARSERS))})",
                                       param="tool_call_parser")
+        from sluice.worker.reasoning import REASONING_PARSERS
+
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise InvalidRequestError(f"unknown reasoning_parser {self.reasoning_parser!r} "
+                                      f"(known: {', '.join(sorted(REASONING_PARSERS))})",
+                                      param="reasoning_parser")
         if self.role not in ("prefill", "decode", "both"):
             raise InvalidRequestError("role must be prefill, decode or both", param="role")
         if self.kv_events_interval <= 0:

@@ -19,6 +19,7 @@ from sluice.worker.generation import Admission
 from sluice.worker.lora import LoRARegistry
 from sluice.worker.metrics import WorkerMetrics
 from sluice.worker.pd import PDCollector, PDRole
+from sluice.worker.reasoning import REASONING_PARSERS
 from sluice.worker.tool_parsers import get_tool_parser
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class WorkerState:
                                      config.metrics_buckets)
         self.tracing = start_tracing(config.tracing)  # None: tracing off
         self.tool_parser = get_tool_parser(config.tool_call_parser)
+        self.reasoning_parser = REASONING_PARSERS.get(config.reasoning_parser or "")
         self.loras = LoRARegistry(self)
         self.pd = PDRole(config.role)  # P/D role and epoch (sluice.worker.pd)
         self.metrics.registry.register(PDCollector(self.pd, lambda: self.model_name))

@@ -1,0 +1,127 @@
+"""Reasoning parsers on plain text: the whole-output split, and a stream cut at every
+point giving the same split; then a worker with `--reasoning-parser` on the tiny model
+(whose random output never closes a thinking block): reasoning apart from content in
+JSON and in a stream, nothing on a constrained output, the fields absent without a
+parser, the flag checked."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from sluice.protocol.errors import InvalidRequestError
+from sluice.worker.app import build_app
+from sluice.worker.config import WorkerConfig
+from sluice.worker.reasoning import REASONING_PARSERS
+
+from .worker_helpers import ServerThread
+
+R1, QWEN3 = REASONING_PARSERS["deepseek_r1"], REASONING_PARSERS["qwen3"]
+
+CASES = [  # parser, output, (reasoning, content)
+    (R1, "Let me think.</think>\n\nParis.", ("Let me think.", "\n\nParis.")),
+    (R1, "<think>Hmm, 2+2.</think>4", ("Hmm, 2+2.", "4")),
+    (R1, "\n<think>a</think>b", ("a", "b")),
+    (R1, "still thinking when cut", ("still thinking when cut", None)),
+    (R1, "</think>just the answer", (None, "just the answer")),
+    (R1, "x < y and a</thin", ("x < y and a</thin", None)),
+    (QWEN3, "<think>Plan: greet.</think>Hello!", ("Plan: greet.", "Hello!")),
+    (QWEN3, "  <think>\nsteps\n</think>\n\nDone", ("\nsteps\n", "\n\nDone")),
+    (QWEN3, "Hello! No thinking here.", (None, "Hello! No thinking here.")),
+    (QWEN3, "<think>cut mid-thought", ("cut mid-thought", None)),
+    (QWEN3, "<thin>not a tag</thin>", (None, "<thin>not a tag</thin>")),
+    (QWEN3, "The tag </think> inside an answer", (None, "The tag </think> inside an answer")),
+    (QWEN3, "<", (None, "<")),
+]
+
+
+@pytest.mark.parametrize(("parser", "text", "want"), CASES)
+def test_split(parser: Any, text: str, want: tuple[str | None, str | None]) -> None:
+    assert parser.split(text) == want
+
+
+@pytest.mark.parametrize(("parser", "text", "want"), CASES)
+def test_a_stream_cut_anywhere_splits_alike(parser: Any, text: str,
+                                             want: tuple[str | None, str | None]) -> None:
+    for cuts in ([i] for i in range(len(text) + 1)):
+        pieces = [text[:cuts[0]], text[cuts[0]:]]
+        stream = parser.stream()
+        reasoning = content = ""
+        for i, piece in enumerate(pieces):
+            r, c = stream.feed(piece, finished=i == len(pieces) - 1)
+            reasoning, content = reasoning + r, content + c
+        assert (reasoning or None, content or None) == want, cuts
+    stream = parser.stream()  # one character at a time
+    parts = [stream.feed(ch, finished=False) for ch in text] + [stream.feed("", finished=True)]
+    assert ("".join(r for r, _ in parts) or None, "".join(c for _, c in parts) or None) == want
+
+
+def test_an_unknown_parser_is_refused() -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        WorkerConfig(reasoning_parser="o1")
+    assert err.value.param == "reasoning_parser"
+
+
+@pytest.fixture(scope="module")
+def r1_url(engine: Any) -> Iterator[str]:
+    """A second worker app on the module's engine, with the deepseek_r1 parser."""
+    app = build_app(engine, WorkerConfig(served_model_names=("tiny",),
+                                         reasoning_parser="deepseek_r1"))
+    srv = ServerThread(app).start()
+    yield srv.url
+    srv.stop()
+
+
+BODY = {"model": "tiny", "messages": [{"role": "user", "content": "Think."}], "max_tokens": 12,
+        "temperature": 0, "ignore_eos": True}
+
+
+def test_a_worker_hands_the_thinking_out_as_reasoning(r1_url: str, server: Any) -> None:
+    """deepseek_r1 on a model that never writes </think>: every token is thinking, the
+    answer empty; the stream says the same; the text is the one a worker without a
+    parser answers as content. A JSON-constrained output is all answer."""
+    plain = httpx.post(server.url + "/v1/chat/completions", json=BODY).json()
+    text = plain["choices"][0]["message"]["content"]
+    assert "reasoning" not in plain["choices"][0]["message"]  # no parser: no field
+    got = httpx.post(r1_url + "/v1/chat/completions", json=BODY).json()
+    message = got["choices"][0]["message"]
+    assert "</think>" not in text
+    assert message["reasoning"] == message["reasoning_content"] == text
+    assert message["content"] is None and got["usage"]["completion_tokens"] == 12
+    with httpx.stream("POST", r1_url + "/v1/chat/completions",
+                      json={**BODY, "stream": True}) as resp:
+        deltas = [json.loads(line[5:])["choices"][0]["delta"] for line in resp.iter_lines()
+                  if line.startswith("data:") and line[5:].strip() != "[DONE]"
+                  and json.loads(line[5:])["choices"]]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+    assert not "".join(d.get("content") or "" for d in deltas)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    constrained = httpx.post(r1_url + "/v1/chat/completions", json={
+        **BODY, "max_tokens": 40, "ignore_eos": False,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    }).json()["choices"][0]["message"]
+    assert constrained["reasoning"] is None
+    assert isinstance(json.loads(constrained["content"])["a"], int)
+
+
+def test_the_anthropic_and_responses_routes_answer_with_the_answer_alone(r1_url: str) -> None:
+    """Their translations carry the answer (here empty: all of it was thinking) and not
+    the thinking, as Anthropic's API does without `thinking` enabled; JSON and streams."""
+    messages = {"model": "tiny", "max_tokens": 8, "messages": BODY["messages"],
+                "temperature": 0}
+    got = httpx.post(r1_url + "/v1/messages", json=messages).json()
+    assert got["type"] == "message" and got["usage"]["output_tokens"] == 8
+    assert "".join(b.get("text", "") for b in got["content"]) == ""
+    with httpx.stream("POST", r1_url + "/v1/messages", json={**messages, "stream": True}) as r:
+        events = [line[6:].strip() for line in r.iter_lines() if line.startswith("event:")]
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+    resp = httpx.post(r1_url + "/v1/responses", json={"model": "tiny", "input": "Think.",
+                                                       "max_output_tokens": 8}).json()
+    assert resp["status"] == "incomplete" and resp["usage"]["output_tokens"] == 8
+    assert all(part.get("text", "") == "" for item in resp["output"]
+               for part in item.get("content", []))
