@@ -223,6 +223,47 @@ async def test_gateway_router_and_engine_see_the_same_tokens(
         assert again is not None and again.hint is hint
 
 
+THINKING_TEMPLATE = (  # Qwen3's switch: an empty thinking block when thinking is off
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined "
+    "and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+async def test_chat_template_kwargs_reach_the_template_at_every_hop(
+        tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's `chat_template_kwargs` are part of the view: the router's hashed ids and the
+    engine's are the same with them, and differ from the same body's without them; a
+    cache keeps the two apart; a value that is no object, or a key that would replace
+    the request's own variables, is a 400 naming the field."""
+    import dataclasses
+
+    thinking = dataclasses.replace(tok, chat_template=THINKING_TEMPLATE)
+    on = {"messages": [U]}
+    off = {"messages": [U], "chat_template_kwargs": {"enable_thinking": False}}
+    seen = []
+    for body in (on, off):
+        router = PromptTokenizer(client=None, cache=TokenCache())  # type: ignore[arg-type]
+        req = router_parse(CHAT, json.dumps({"model": M, **body}).encode(), {})
+        hashed = await router.tokens(req, M, thinking, None)
+        assert hashed is not None
+        engine = await engine_ids(thinking, CHAT, body, monkeypatch)
+        assert hashed.tokens.ids == engine
+        seen.append(engine)
+    assert seen[0] != seen[1]
+    assert thinking.decode(seen[1][len(seen[0]):]) == "<think>\n\n</think>\n\n"
+    cache = TokenCache()
+    texts = [cache.chat_text(thinking, M, prompt_view(CHAT, b)) for b in (on, off, on)]
+    assert texts[0] == texts[2] != texts[1]
+    for bad in ("yes", ["enable_thinking"]):
+        with pytest.raises(InvalidRequestError) as err:
+            prompt_view(CHAT, {"messages": [U], "chat_template_kwargs": bad})
+        assert err.value.param == "chat_template_kwargs"
+    with pytest.raises(InvalidRequestError) as err:
+        templated(thinking, prompt_view(CHAT, {"messages": [U], "chat_template_kwargs": {
+            "add_generation_prompt": False, "enable_thinking": False}}))
+    assert err.value.param == "chat_template_kwargs" and "add_generation_prompt" in str(err.value)
+
+
 async def test_the_worker_ignores_ids_not_made_for_its_text_or_tokenizer(
         tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     body = {"messages": [U]}

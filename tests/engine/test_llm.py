@@ -106,6 +106,12 @@ def test_chat_continues_a_final_message_and_takes_a_template(llm: LLM) -> None:
     own = llm.chat(CHAT, GREEDY, chat_template="{% for m in messages %}<{{ m.role }}> "
                    "{{ m.content }}{% endfor %}")[0]
     assert _text(llm, own) == "<user> Hi"
+    switch = "{% for m in messages %}{{ m.content }}{% endfor %}{% if not enable_thinking %}!{% endif %}"
+    off = llm.chat(CHAT, GREEDY, chat_template=switch,
+                   chat_template_kwargs={"enable_thinking": False})[0]
+    on = llm.chat(CHAT, GREEDY, chat_template=switch,
+                  chat_template_kwargs={"enable_thinking": True})[0]
+    assert (_text(llm, off), _text(llm, on)) == ("Hi!", "Hi")
 
 
 @pytest.mark.parametrize(("messages", "kwargs", "param"), [
@@ -117,6 +123,8 @@ def test_chat_continues_a_final_message_and_takes_a_template(llm: LLM) -> None:
     ("Hi", {}, "messages"),
     (CHAT, dict(chat_template="{{ messages[5].content }}"), "messages"),
     (CHAT, dict(tools={"type": "function"}), "tools"),
+    (CHAT, dict(chat_template_kwargs={"tools": []}), "chat_template_kwargs"),
+    (CHAT, dict(chat_template_kwargs={"eos_token": "x"}), "chat_template_kwargs"),
 ])
 def test_a_chat_the_worker_would_refuse_names_the_field(
         llm: LLM, messages: Any, kwargs: dict[str, Any], param: str) -> None:

@@ -125,3 +125,37 @@ def test_the_anthropic_and_responses_routes_answer_with_the_answer_alone(r1_url:
     assert resp["status"] == "incomplete" and resp["usage"]["output_tokens"] == 8
     assert all(part.get("text", "") == "" for item in resp["output"]
                for part in item.get("content", []))
+
+
+THINKING_TEMPLATE = (  # Qwen3's switch: an empty thinking block when thinking is off
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined "
+    "and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_switch_thinking_off_as_qwen3_templates_do(engine: Any) -> None:
+    """vLLM's `chat_template_kwargs` reach the template on /v1/chat/completions and
+    /tokenize alike (the empty thinking block Qwen3 writes for enable_thinking: false);
+    a bad value or a key that would replace the request's own is a 400 naming it."""
+    app = build_app(engine, WorkerConfig(served_model_names=("tiny",),
+                                         chat_template=THINKING_TEMPLATE,
+                                         reasoning_parser="qwen3"))
+    srv = ServerThread(app).start()
+    try:
+        off = {"chat_template_kwargs": {"enable_thinking": False}}
+        counts = [httpx.post(srv.url + "/tokenize", json={
+            "messages": BODY["messages"], **kw, "return_token_strs": True}).json()
+            for kw in ({}, off)]
+        assert counts[1]["count"] > counts[0]["count"]
+        assert "think" in "".join(counts[1]["token_strs"][counts[0]["count"]:])
+        answer = httpx.post(srv.url + "/v1/chat/completions", json={**BODY, **off}).json()
+        assert answer["usage"]["prompt_tokens"] == counts[1]["count"]
+        # qwen3: an output that does not open <think> is all answer
+        assert answer["choices"][0]["message"]["reasoning"] is None
+        for bad in ("no", {"add_generation_prompt": False}, {"messages": []}):
+            err = httpx.post(srv.url + "/v1/chat/completions",
+                             json={**BODY, "chat_template_kwargs": bad})
+            assert err.status_code == 400 and err.json()["error"]["param"] == \
+                "chat_template_kwargs", err.text
+    finally:
+        srv.stop()

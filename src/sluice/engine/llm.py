@@ -102,10 +102,12 @@ class LLM:
              use_tqdm: Progress = False, lora_request: LoRAArg = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Apply the chat template to each conversation (one, or a list of them), then
         generate. Messages and `tools` take OpenAI's shapes, read by the worker's rules;
-        `chat_template`: a Jinja template used instead of the model's."""
+        `chat_template`: a Jinja template used instead of the model's;
+        `chat_template_kwargs`: more variables for it (e.g. `enable_thinking`)."""
         check_continue(continue_final_message, add_generation_prompt)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if not isinstance(conversations, list):
@@ -115,7 +117,8 @@ class LLM:
         if chat_template is not None:
             tok = dataclasses.replace(tok, chat_template=chat_template)
         body = {"tools": tools, "continue_final_message": continue_final_message,
-                "add_generation_prompt": add_generation_prompt}
+                "add_generation_prompt": add_generation_prompt,
+                "chat_template_kwargs": chat_template_kwargs}
         texts = [_templated(tok, {**body, "messages": c}) for c in conversations]
         prompts: list[Prompt] = [tok.encode(t, add_special_tokens=False) for t in texts]
         outputs = self.generate(prompts, sampling_params, use_tqdm, lora_request)

@@ -177,27 +177,34 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, *,
-                            tokenize: Literal[False] = False) -> str: ...
+                            tokenize: Literal[False] = False, **kwargs: Any) -> str: ...
 
     @overload
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, *,
-                            tokenize: Literal[True]) -> list[int]: ...
+                            tokenize: Literal[True], **kwargs: Any) -> list[int]: ...
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None, *,
-                            tokenize: bool = False) -> str | list[int]:
+                            tokenize: bool = False, **kwargs: Any) -> str | list[int]:
         """Render `messages` ({"role", "content"}, and `tool_calls` / `tool_call_id`) and
         `tools` (OpenAI's shape) with the model's template, or with sluice's ChatML tool
         template when tools are involved and the model's own cannot render them.
         `tokenize=True`: the text's token ids (without added special tokens: the template
         writes them), as transformers' `tokenize` gives; unlike transformers, the default
-        is the text (`tokenize=False`, what vLLM users pass)."""
+        is the text (`tokenize=False`, what vLLM users pass). `kwargs`: more variables
+        for the template (vLLM's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`);
+        one that would set a special token is a 400 naming `chat_template_kwargs` (the
+        request's own variables: `protocol.prompt.template_kwargs`)."""
+        taken = sorted(set(kwargs) & set(self.special_tokens))
+        if taken:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(taken)} "
+                                      "(the request's own)", param="chat_template_kwargs")
         text = _compile_template(self._template_for(messages, tools))(
-            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-            **self.special_tokens)
+            **kwargs, messages=messages, tools=tools,
+            add_generation_prompt=add_generation_prompt, **self.special_tokens)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def _template_for(self, messages: list[dict[str, Any]],

@@ -465,6 +465,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: continue the last message (a prefill)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
     parallel_tool_calls: bool = True
@@ -553,6 +554,7 @@ class TokenizeRequest(OpenAIModel):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 

@@ -45,8 +45,10 @@ hops to them):
   `developer` as `system`), `function_call` items as the assistant's `tool_calls`,
   `function_call_output` items as `tool` messages; function `tools` as OpenAI tools.
 - the template is applied with `add_generation_prompt=True` (a chat request's own
-  `add_generation_prompt: false` without it) and tokenized without special tokens (the
-  template writes them); a completion prompt is tokenized with them.
+  `add_generation_prompt: false` without it) and a chat request's `chat_template_kwargs`
+  (vLLM's: more template variables; not one of the request's own), and tokenized
+  without special tokens (the template writes them); a completion prompt is tokenized
+  with them.
 - a final message to continue (vLLM's `continue_final_message`; an Anthropic request
   whose last message is an assistant one with text, a prefill): the template is applied
   without the generation prompt and its text cut after that message's content
@@ -86,7 +88,8 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str: ...
+                            tools: list[dict[str, Any]] | None = None,
+                            **kwargs: Any) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,7 @@ class PromptView:
     tools: list[dict[str, Any]] | None = None
     continue_final: bool = False  # continue the last message rather than answer it
     generation_prompt: bool = True  # chat's add_generation_prompt (open the answer's turn)
+    template_kwargs: dict[str, Any] | None = None  # chat's chat_template_kwargs (vLLM's)
 
     @property
     def chars(self) -> int:
@@ -238,7 +242,29 @@ def _chat_view(kind: str, body: Mapping[str, Any]) -> PromptView:
     prefill = kind == MESSAGES and anthropic.is_prefill(messages)
     return PromptView(messages=messages, tools=template_tools(body.get("tools")),
                       continue_final=prefill or body.get("continue_final_message") is True,
-                      generation_prompt=body.get("add_generation_prompt") is not False)
+                      generation_prompt=body.get("add_generation_prompt") is not False,
+                      template_kwargs=check_template_kwargs(body.get("chat_template_kwargs")))
+
+
+# the request's own template variables and apply_chat_template's parameters
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "tokenize"})
+
+
+def check_template_kwargs(raw: Any) -> dict[str, Any] | None:
+    """vLLM's `chat_template_kwargs`: more variables for the chat template (an object;
+    empty or null: none). One that would replace the request's own (`messages`,
+    `tools`, `add_generation_prompt`) is a 400, as is a special token's name (the
+    tokenizer's check)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise InvalidRequestError("chat_template_kwargs must be an object",
+                                  param="chat_template_kwargs")
+    taken = sorted(RESERVED_TEMPLATE_KWARGS & set(raw))
+    if taken:
+        raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(taken)} "
+                                  "(the request's own)", param="chat_template_kwargs")
+    return raw or None
 
 
 # -- tokens --------------------------------------------------------------------------------
@@ -248,11 +274,12 @@ def templated(tok: Tokenizer, view: PromptView) -> str:
     """The chat template applied to the view's messages (chat views only)."""
     assert view.messages is not None
     answer = view.generation_prompt and not view.continue_final
+    extra = view.template_kwargs or {}
     if view.tools:
         text = tok.apply_chat_template(view.messages, add_generation_prompt=answer,
-                                       tools=view.tools)
+                                       tools=view.tools, **extra)
     else:
-        text = tok.apply_chat_template(view.messages, add_generation_prompt=answer)
+        text = tok.apply_chat_template(view.messages, add_generation_prompt=answer, **extra)
     if not view.continue_final:
         return text
     return continue_final(text, view.messages[-1]["content"])
@@ -273,7 +300,8 @@ def continue_final(rendered: str, final: str) -> str:
     return rendered[:end]
 
 
-ViewKey = tuple[tuple[tuple[str, str, str | None, str | None], ...], str | None, bool, bool]
+ViewKey = tuple[tuple[tuple[str, str, str | None, str | None], ...], str | None, bool, bool,
+                str | None]
 
 
 def view_key(view: PromptView) -> ViewKey:
@@ -284,7 +312,8 @@ def view_key(view: PromptView) -> ViewKey:
                       json.dumps(m["tool_calls"]) if "tool_calls" in m else None)
                      for m in view.messages)
     return (messages, json.dumps(view.tools) if view.tools else None, view.continue_final,
-            view.generation_prompt)
+            view.generation_prompt,
+            json.dumps(view.template_kwargs, sort_keys=True) if view.template_kwargs else None)
 
 
 @dataclass

@@ -271,7 +271,7 @@ def _tokenize(state: WorkerState, req: TokenizeRequest) -> dict[str, Any]:
         tools = [t.model_dump(exclude_unset=True) for t in req.tools] if req.tools else None
         check_continue(req.continue_final_message, req.add_generation_prompt)
         text = chat_prompt(tok, req.messages, req.add_generation_prompt, tools,
-                           req.continue_final_message)
+                           req.continue_final_message, req.chat_template_kwargs)
         ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
     else:
         special = True if req.add_special_tokens is None else req.add_special_tokens

@@ -132,7 +132,7 @@ async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_i
     params.kv_transfer_params = transfer_params(req, 1)
     req.check_continue()
     prompt = chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt, tools,
-                         req.continue_final_message)
+                         req.continue_final_message, req.chat_template_kwargs)
     ids = await encode_prompt(engine.tokenizer, prompt, special=False, hint=hint)
     run = await Run.start(state, [ids], params, request_id, req.priority, param="messages",
                           resumed=resumed or (), lora=state.lora_for(req.model))

@@ -12,7 +12,7 @@ from sluice.engine.sampling_params import (
 )
 from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.openai import ChatMessage, SamplingFields
-from sluice.protocol.prompt import continue_final
+from sluice.protocol.prompt import check_template_kwargs, continue_final
 
 if TYPE_CHECKING:
     from sluice.engine.tokenizer import Tokenizer
@@ -97,15 +97,17 @@ def _vllm_structured(req: SamplingFields) -> StructuredOutputsParams | None:
 def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage],
                 add_generation_prompt: bool = True,
                 tools: list[dict[str, Any]] | None = None,
-                continue_final_message: bool = False) -> str:
-    """The model's chat template applied to `messages` (and `tools`), cut after the last
-    message's content to continue it (`protocol.prompt.continue_final`); a template error
-    is a 400."""
+                continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> str:
+    """The model's chat template applied to `messages` (and `tools`, and the request's
+    `chat_template_kwargs`), cut after the last message's content to continue it
+    (`protocol.prompt.continue_final`); a template error is a 400."""
     turns = [m.as_template_dict(f"messages.{i}") for i, m in enumerate(messages)]
+    extra = check_template_kwargs(template_kwargs) or {}
     try:
         text = tokenizer.apply_chat_template(turns,
                                              add_generation_prompt=add_generation_prompt,
-                                             tools=tools)
+                                             tools=tools, **extra)
     except InvalidRequestError:
         raise
     except Exception as exc:  # jinja2 errors raised by the model's own template
