@@ -87,7 +87,7 @@ def test_the_prompt_view_is_the_chat_view_of_the_translation() -> None:
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input.0.content.0"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+    ({"input": [{"type": "computer_call_output", "output": {}}]}, "input.0.type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input.0.role"),
     ({"input": [{"role": ["user"], "content": "x"}]}, "input.0.role"),
     ({"input": [{"role": "user", "content": [["x"]]}]}, "input.0.content.0"),
@@ -204,6 +204,47 @@ def test_a_stream_is_openai_s_event_sequence_numbered_in_order() -> None:
     assert final["usage"]["input_tokens"] == 4 and final["usage"]["output_tokens"] == 9
     assert all(e["output_index"] == 1 for e in events[9:14])
     json.dumps(events)  # plain data throughout
+
+
+def test_thinking_is_a_reasoning_item_and_one_sent_back_is_left_out() -> None:
+    """A worker with a reasoning parser: the chat message's `reasoning` becomes a
+    reasoning item before the message (whole and streamed: `reasoning_text` deltas, the
+    item closed when the answer begins); an input reasoning item (the Agents SDK sends
+    the last turn's output back) adds nothing to the prompt."""
+    req = request(input="x")
+    chat = {"created": 7, "choices": [{"finish_reason": "stop", "message": {
+        "content": "4", "reasoning": "2+2 is 4."}}], "usage": {"prompt_tokens": 3,
+                                                             "completion_tokens": 6}}
+    thought, message = responses.from_chat_response(chat, req)["output"]
+    assert thought["type"] == "reasoning" and thought["id"].startswith("rs_")
+    assert thought["content"] == [{"type": "reasoning_text", "text": "2+2 is 4."}]
+    assert thought["summary"] == [] and message["content"][0]["text"] == "4"
+    t = responses.StreamTranslator(req)
+    events = t.start()
+    for delta in ({"reasoning": "2+2 "}, {"reasoning": "is 4."}, {"content": "4"}):
+        events += t.feed({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+    events += t.finish()
+    assert [e["type"] for e in events][2:] == [
+        "response.output_item.added", "response.reasoning_text.delta",
+        "response.reasoning_text.delta", "response.reasoning_text.done",
+        "response.output_item.done", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta",
+        "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed"]
+    assert events[5]["text"] == "2+2 is 4." and events[6]["item"]["content"][0]["text"] \
+        == "2+2 is 4."
+    assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "message"]
+    only = responses.StreamTranslator(req)  # all thinking, cut: an empty message follows
+    done = only.start() + only.feed({"choices": [{"index": 0, "delta": {"reasoning": "hm"},
+                                                  "finish_reason": "length"}]}) + only.finish()
+    assert [i["type"] for i in done[-1]["response"]["output"]] == ["reasoning", "message"]
+    sent_back = {"input": [{"role": "user", "content": "x"}, {
+        "type": "reasoning", "id": "rs_1", "summary": [],
+        "content": [{"type": "reasoning_text", "text": "2+2 is 4."}]},
+        {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}]}
+    assert prompt_view(RESPONSES, sent_back).messages == [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "and 3+3?"}]
 
 
 def test_a_stream_that_says_nothing_has_one_empty_message_and_a_cut_one_is_incomplete() -> None:

@@ -109,22 +109,34 @@ def test_a_worker_hands_the_thinking_out_as_reasoning(r1_url: str, server: Any) 
     assert isinstance(json.loads(constrained["content"])["a"], int)
 
 
-def test_the_anthropic_and_responses_routes_answer_with_the_answer_alone(r1_url: str) -> None:
-    """Their translations carry the answer (here empty: all of it was thinking) and not
-    the thinking, as Anthropic's API does without `thinking` enabled; JSON and streams."""
+def test_responses_carry_the_thinking_as_a_reasoning_item_anthropic_leaves_it_out(
+        r1_url: str) -> None:
+    """/v1/responses: a reasoning item with the thinking, then the (empty) answer, whole
+    and streamed; /v1/messages carries the answer alone, as Anthropic's API does without
+    `thinking` enabled."""
+    chat = httpx.post(r1_url + "/v1/chat/completions", json={**BODY, "max_tokens": 8}).json()
+    thinking = chat["choices"][0]["message"]["reasoning"]
+    resp = httpx.post(r1_url + "/v1/responses", json={
+        "model": "tiny", "input": "Think.", "max_output_tokens": 8, "temperature": 0}).json()
+    assert resp["status"] == "incomplete" and resp["usage"]["output_tokens"] == 8
+    assert [item["type"] for item in resp["output"]] == ["reasoning", "message"]
+    assert resp["output"][0]["content"] == [{"type": "reasoning_text", "text": thinking}]
+    assert resp["output"][1]["content"][0]["text"] == ""
+    with httpx.stream("POST", r1_url + "/v1/responses", json={
+            "model": "tiny", "input": "Think.", "max_output_tokens": 8, "temperature": 0,
+            "stream": True}) as r:
+        events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") \
+        == thinking
+    assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "message"]
     messages = {"model": "tiny", "max_tokens": 8, "messages": BODY["messages"],
                 "temperature": 0}
     got = httpx.post(r1_url + "/v1/messages", json=messages).json()
     assert got["type"] == "message" and got["usage"]["output_tokens"] == 8
     assert "".join(b.get("text", "") for b in got["content"]) == ""
     with httpx.stream("POST", r1_url + "/v1/messages", json={**messages, "stream": True}) as r:
-        events = [line[6:].strip() for line in r.iter_lines() if line.startswith("event:")]
-    assert events[0] == "message_start" and events[-1] == "message_stop"
-    resp = httpx.post(r1_url + "/v1/responses", json={"model": "tiny", "input": "Think.",
-                                                       "max_output_tokens": 8}).json()
-    assert resp["status"] == "incomplete" and resp["usage"]["output_tokens"] == 8
-    assert all(part.get("text", "") == "" for item in resp["output"]
-               for part in item.get("content", []))
+        names = [line[6:].strip() for line in r.iter_lines() if line.startswith("event:")]
+    assert names[0] == "message_start" and names[-1] == "message_stop"
 
 
 THINKING_TEMPLATE = (  # Qwen3's switch: an empty thinking block when thinking is off

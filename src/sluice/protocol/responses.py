@@ -16,13 +16,15 @@ so the gateway counts, the router hashes and the worker templates one translatio
     function_call items {call_id, name,    ->   the assistant message's tool_calls (a run
       arguments}                                 of them after an assistant message joins it)
     function_call_output {call_id, output} ->   {"role": "tool", "tool_call_id", "content"}
+    reasoning items (an earlier answer's)  ->   left out, as templates leave old thinking out
     tools [{type "function", name,         ->   tools [{"type": "function", "function":
            description, parameters, strict}]           {name, description, parameters, strict}}]
     tool_choice auto | none | required |   ->   tool_choice, the same; a named function as
                 {type "function", name}          {"type": "function", "function": {name}}
     max_output_tokens                      ->   max_tokens
     text.format json_schema | json_object  ->   response_format
-    output [message {output_text}?,        <-   message.content, message.tool_calls
+    output [reasoning {reasoning_text}?,   <-   message.reasoning (--reasoning-parser),
+            message {output_text}?,              message.content, message.tool_calls
             function_call...]
     status completed | incomplete          <-   finish_reason ("length": incomplete,
       (incomplete_details.reason                 reason "max_output_tokens")
@@ -33,9 +35,10 @@ sluice keeps no responses: `store` may only be false (or absent; the Response sa
 `"store": false`; retrieving, deleting or cancelling one is a 404 saying so), and what
 needs a stored response or conversation (`previous_response_id`, `conversation`,
 `background`) is a 400 naming it, as are
-hosted tools, images and files, and reasoning items. The stream is OpenAI's event
+hosted tools, images and files, and the `reasoning` settings. The stream is OpenAI's event
 sequence (`response.created`, `response.in_progress`, per output item
-`response.output_item.added`, its deltas and `...done` events, then
+`response.output_item.added`, its deltas (`response.reasoning_text.delta` for thinking)
+and `...done` events, then
 `response.completed` or `response.incomplete` with the usage), each event with its
 `sequence_number`; there is no `data: [DONE]`.
 """
@@ -212,10 +215,13 @@ def _items(items: list[Any]) -> list[dict[str, Any]]:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             out.append(_tool_message(item, param))
+        elif kind == "reasoning":
+            continue  # an earlier answer's thinking, sent back: templates leave it out
         else:
             raise InvalidRequestError(
                 f"input item type {kind!r} is not supported (only 'message', "
-                "'function_call' and 'function_call_output')", param=f"{param}.type")
+                "'function_call', 'function_call_output' and 'reasoning')",
+                param=f"{param}.type")
     return out
 
 
@@ -362,6 +368,16 @@ def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """A reasoning model's thinking (the worker's `--reasoning-parser`), in the clear."""
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [reasoning_part(text)] if status == "completed" else []}
+
+
+def reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
 def call_item(item_id: str, call_id: str, name: str, arguments: str,
               status: str = "completed") -> dict[str, Any]:
     return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
@@ -398,14 +414,16 @@ def response(req: ResponsesRequest, response_id: str, created_at: int, *,
 
 
 def from_chat_response(resp: Mapping[str, Any], req: ResponsesRequest) -> dict[str, Any]:
-    """The Response for an OpenAI chat completion (its first choice): a message item
-    with the text (left out when empty and there are calls), then a function_call item
-    per tool call."""
+    """The Response for an OpenAI chat completion (its first choice): a reasoning item
+    with the thinking (a worker with a reasoning parser), a message item with the text
+    (left out when empty and there are calls), then a function_call item per tool call."""
     choice = resp["choices"][0]
     message = choice.get("message") or {}
     calls = message.get("tool_calls") or []
     text = message.get("content") or ""
-    output = [message_item(new_id("msg"), text)] if text or not calls else []
+    output = [reasoning_item(new_id("rs"), message["reasoning"])] \
+        if message.get("reasoning") else []
+    output += [message_item(new_id("msg"), text)] if text or not calls else []
     for call in calls:
         function = call.get("function") or {}
         output.append(call_item(new_id("fc"), call.get("id") or "", function.get("name") or "",
@@ -424,8 +442,9 @@ class StreamTranslator:
 
     `start` gives the opening events, `feed` those of each chunk, `finish` the closing
     ones; each event is numbered (`sequence_number`) as it is made. Output items open
-    as their first piece arrives (a message on text, a function_call on a tool call's
-    first delta, closing the item before it), numbered from 0 in order."""
+    as their first piece arrives (a reasoning item on thinking, a message on text, a
+    function_call on a tool call's first delta, closing the item before it), numbered
+    from 0 in order."""
 
     def __init__(self, req: ResponsesRequest, model: str | None = None) -> None:
         self.req = req
@@ -435,7 +454,7 @@ class StreamTranslator:
         self.seq = 0
         self.output: list[dict[str, Any]] = []  # items done, and the open one (last)
         self.open: dict[str, Any] | None = None
-        self.said = ""  # the open message's text so far (its content once it is done)
+        self.said = ""  # the open message's or reasoning's text so far
         self.calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its item
         self.chat_usage: Mapping[str, Any] | None = None
         self.finish_reason: str | None = None
@@ -460,6 +479,8 @@ class StreamTranslator:
         events: list[Event] = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            if delta.get("reasoning"):
+                events += self._reasoning(delta["reasoning"])
             if delta.get("content"):
                 events += self._text(delta["content"])
             for call in delta.get("tool_calls") or []:
@@ -496,6 +517,16 @@ class StreamTranslator:
                                      output_index=self._index(), content_index=0, delta=text,
                                      logprobs=[])]
 
+    def _reasoning(self, text: str) -> list[Event]:
+        events: list[Event] = []
+        if self.open is None or self.open["type"] != "reasoning":
+            events = self._open(reasoning_item(new_id("rs"), "", status="in_progress"))
+            self.said = ""
+        assert self.open is not None
+        self.said += text
+        return events + [self._event("response.reasoning_text.delta", item_id=self.open["id"],
+                                     output_index=self._index(), content_index=0, delta=text)]
+
     def _tool_call(self, call: Mapping[str, Any]) -> list[Event]:
         function = call.get("function") or {}
         index = call.get("index", 0)
@@ -525,6 +556,10 @@ class StreamTranslator:
                                    output_index=index, content_index=0, text=text, logprobs=[]),
                        self._event("response.content_part.done", item_id=item["id"],
                                    output_index=index, content_index=0, part=text_part(text))]
+        elif item["type"] == "reasoning":
+            item.update(status="completed", content=[reasoning_part(self.said)])
+            events.append(self._event("response.reasoning_text.done", item_id=item["id"],
+                                      output_index=index, content_index=0, text=self.said))
         else:
             item["status"] = "completed"
             events.append(self._event("response.function_call_arguments.done",
@@ -537,8 +572,8 @@ class StreamTranslator:
         """The closing events: the open item's, then `response.completed` (or
         `response.incomplete` when the answer reached max_output_tokens)."""
         events: list[Event] = []
-        if not self.output:  # nothing was said: one empty message, as non-streamed
-            events += self._open_message()
+        if not any(item["type"] != "reasoning" for item in self.output):  # nothing was
+            events += self._open_message()  # said: one empty message, as non-streamed
         events += self._close()
         status = "incomplete" if self.finish_reason == "length" else "completed"
         return events + [self._event(f"response.{status}", response=self._response(status))]
