@@ -111,9 +111,28 @@ def test_anthropic_request_errors(body: dict, param: str) -> None:
 
 def test_anthropic_refuses_what_it_does_not_implement() -> None:
     with pytest.raises(InvalidRequestError) as info:
-        anthropic.reject_unsupported({"thinking": {"type": "enabled", "budget_tokens": 9}})
-    assert info.value.param == "thinking"
+        anthropic.reject_unsupported({"container": "c_1"})
+    assert info.value.param == "container"
     anthropic.reject_unsupported({"tools": [{"name": "x"}], "tool_choice": {"type": "auto"}})
+
+
+@pytest.mark.parametrize(("thinking", "max_tokens", "named"), [
+    ({"type": "enabled", "budget_tokens": 9}, 4096, "budget_tokens"),
+    ({"type": "enabled"}, 4096, "budget_tokens"),
+    ({"type": "disabled", "budget_tokens": 2048}, 4096, "budget_tokens"),
+    ({"type": "enabled", "budget_tokens": 2048}, 2048, "max_tokens"),
+    ({"type": "adaptive"}, 4096, "thinking"),
+])
+def test_anthropic_thinking_is_checked_as_anthropic_checks_it(
+        thinking: dict, max_tokens: int, named: str) -> None:
+    body = {"model": "m", "max_tokens": max_tokens, "thinking": thinking,
+            "messages": [{"role": "user", "content": "Hi"}]}
+    with pytest.raises(InvalidRequestError) as info:
+        parse_request(anthropic.MessagesRequest, body)
+    assert named in str(info.value) or info.value.param == named
+    ok = parse_request(anthropic.MessagesRequest, {
+        **body, "max_tokens": 4096, "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    assert ok.thinks and "thinking" not in anthropic.to_chat_body(ok)
 
 
 @pytest.mark.parametrize(("finish", "matched", "expected"), [

@@ -171,3 +171,60 @@ def test_chat_template_kwargs_switch_thinking_off_as_qwen3_templates_do(engine: 
                 "chat_template_kwargs", err.text
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def long_r1_url(tiny_llama_dir: Any) -> Iterator[str]:
+    """deepseek_r1 on an engine whose context takes Anthropic's smallest thinking budget
+    (1,024 tokens, below max_tokens)."""
+    from sluice.engine.async_engine import AsyncEngine
+    from sluice.engine.config import EngineConfig
+
+    from .conftest import TINY_OPTIONS
+
+    engine = AsyncEngine(EngineConfig.from_options(str(tiny_llama_dir), **{
+        **TINY_OPTIONS, "max_model_len": 2048}))
+    srv = ServerThread(build_app(engine, WorkerConfig(served_model_names=("tiny",),
+                                                      reasoning_parser="deepseek_r1"))).start()
+    yield srv.url
+    srv.stop()
+    engine.shutdown()
+
+
+def test_anthropic_thinking_enabled_gets_the_thinking_as_thinking_blocks(
+        long_r1_url: str) -> None:
+    """With `thinking` enabled, the Anthropic SDK reads a thinking block holding what
+    the chat route calls reasoning, whole and streamed (thinking_delta, a signature_delta,
+    then an empty text block: nothing else was said); a thinking block sent back in the
+    next turn is taken and adds nothing to the prompt; max_tokens not above the budget
+    is a 400 naming it, as Anthropic's API answers."""
+    import anthropic
+
+    r1_url = long_r1_url
+    claude = anthropic.Anthropic(base_url=r1_url, api_key="unused", max_retries=0)
+    chat = httpx.post(r1_url + "/v1/chat/completions", json={
+        **BODY, "max_tokens": 1030, "ignore_eos": False}).json()
+    thinking = chat["choices"][0]["message"]["reasoning"]
+    kw: dict[str, Any] = dict(model="tiny", max_tokens=1030, messages=BODY["messages"],
+                              extra_body={"temperature": 0},  # (this SDK has no such argument)
+                              thinking={"type": "enabled", "budget_tokens": 1024})
+    whole = claude.messages.create(**kw)
+    assert [b.type for b in whole.content] == ["thinking", "text"]
+    assert whole.content[0].thinking == thinking and whole.content[0].signature == ""
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        claude.messages.create(**{**kw, "max_tokens": 1024})
+    assert "max_tokens" in bad.value.body["error"]["message"]
+    with claude.messages.stream(**kw) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert [b.type for b in final.content] == ["thinking", "text"]
+    assert final.content[0].thinking == thinking
+    assert "thinking" in kinds and "signature" in kinds
+    turns = [*BODY["messages"], {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": thinking, "signature": ""},
+        {"type": "text", "text": "Done."}]}, {"role": "user", "content": "Again."}]
+    bare = [*BODY["messages"], {"role": "assistant", "content": "Done."},
+            {"role": "user", "content": "Again."}]
+    assert claude.messages.count_tokens(model="tiny", messages=turns).input_tokens == \
+        claude.messages.count_tokens(model="tiny", messages=bare).input_tokens
+    assert claude.messages.create(model="tiny", max_tokens=2, messages=turns).usage.output_tokens

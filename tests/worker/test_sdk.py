@@ -459,12 +459,15 @@ def test_anthropic_count_tokens_is_what_a_messages_request_reports(
         assert counted.input_tokens == sent.usage.input_tokens > 0, prompt
     assert claude.messages.count_tokens(model="tiny", messages=ASK, tools=[WEATHER]) \
         .input_tokens > claude.messages.count_tokens(model="tiny", messages=ASK).input_tokens
-    for extra, named in [({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    for extra, named in [({"thinking": {"type": "enabled", "budget_tokens": 10}}, "thinking"),
                          ({"tools": [{"type": "web_search_20250305", "name": "s"}]},
                           "tools.0.type")]:
         with pytest.raises(anthropic.BadRequestError) as bad:
             claude.messages.count_tokens(model="tiny", messages=ASK, **extra)
         assert bad.value.body["type"] == "error" and named in bad.value.body["error"]["message"]
+    assert claude.messages.count_tokens(  # thinking adds no prompt tokens
+        model="tiny", messages=ASK, thinking={"type": "enabled", "budget_tokens": 1024}
+    ).input_tokens == claude.messages.count_tokens(model="tiny", messages=ASK).input_tokens
     with pytest.raises(anthropic.NotFoundError):
         claude.messages.count_tokens(model="claude-nope", messages=ASK)
 

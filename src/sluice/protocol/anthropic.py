@@ -18,13 +18,16 @@ templates one translation.
     assistant text + tool_use blocks  ->   {"role": "assistant", content: text joined
                                            (None if empty), tool_calls: [{id, type,
                                            function: {name, arguments: JSON of input}}]}
+    assistant thinking blocks         ->   left out (templates leave earlier thinking out)
     tools [{name, description,        ->   tools [{"type": "function", "function":
            input_schema, strict}]                 {name, description, parameters, strict}}]
     tool_choice auto | any |          ->   tool_choice "auto" | "required" |
                 tool {name} | none             {"type": "function", "function": {name}} | "none"
     disable_parallel_tool_use: true   ->   parallel_tool_calls: false
     max_tokens / stop_sequences       ->   max_tokens / stop
-    content [text?, tool_use...]      <-   message.content, message.tool_calls (input is the
+    content [thinking?,               <-   message.reasoning (a worker's --reasoning-parser;
+             text?, tool_use...]               with `thinking` enabled), message.content,
+                                           message.tool_calls (input is the
                                            parsed arguments; {} if they are not a JSON
                                            object, which only a cut-off call can be)
     stop_reason                       <-   finish_reason "length" -> "max_tokens";
@@ -62,7 +65,7 @@ from pydantic import (
 )
 
 from sluice.protocol.errors import InvalidRequestError, SluiceError
-from sluice.protocol.openai import TOOL_NAME, function_tool
+from sluice.protocol.openai import TOOL_NAME, function_tool, reasoning_of
 
 
 class AnthropicModel(BaseModel):
@@ -71,7 +74,7 @@ class AnthropicModel(BaseModel):
 
 # Parameters Anthropic defines that sluice does not implement: a 400 naming them.
 UNSUPPORTED_MESSAGES: tuple[str, ...] = (
-    "thinking", "container", "mcp_servers", "service_tier",
+    "container", "mcp_servers", "service_tier",
 )
 
 
@@ -88,7 +91,9 @@ def reject_unsupported(body: dict[str, Any]) -> dict[str, Any]:
 # Content block types each role may send (Anthropic's rule: tool_use blocks are the
 # assistant's, tool_result blocks the user's).
 BLOCK_TYPES: dict[str, tuple[str, ...]] = {
-    "user": ("text", "tool_result"), "assistant": ("text", "tool_use")}
+    "user": ("text", "tool_result"),
+    "assistant": ("text", "tool_use", "thinking", "redacted_thinking")}
+THINKING_BLOCKS = ("thinking", "redacted_thinking")  # taken, and left out of the prompt
 
 
 class TextBlock(AnthropicModel):
@@ -124,7 +129,22 @@ class ToolResultBlock(AnthropicModel):
     _check = field_validator("content", mode="before")(_text_blocks_only)
 
 
-ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock
+class ThinkingBlock(AnthropicModel):
+    """An earlier answer's thinking, sent back (the SDKs return whole turns)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""
+    cache_control: dict[str, Any] | None = None
+
+
+class RedactedThinkingBlock(AnthropicModel):
+    type: Literal["redacted_thinking"]
+    data: str
+    cache_control: dict[str, Any] | None = None
+
+
+ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
 
 
 class Message(AnthropicModel):
@@ -197,6 +217,24 @@ class OutputConfig(AnthropicModel):
         return self
 
 
+class ThinkingConfig(AnthropicModel):
+    """Extended thinking. Enabled: a worker with a reasoning parser answers with its
+    thinking as `thinking` blocks (its model thinks whether asked or not; a model that
+    does not think gives none); `budget_tokens` is checked as Anthropic checks it (at
+    least 1,024, below max_tokens) but does not cut the thinking short."""
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = None
+
+    @model_validator(mode="after")
+    def _budget_iff_enabled(self) -> ThinkingConfig:
+        if self.type == "enabled" and (self.budget_tokens is None or self.budget_tokens < 1024):
+            raise ValueError("'budget_tokens' of at least 1024 is required with type 'enabled'")
+        if self.type == "disabled" and self.budget_tokens is not None:
+            raise ValueError("'budget_tokens' is only allowed with type 'enabled'")
+        return self
+
+
 class MessagesRequest(AnthropicModel):
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -211,6 +249,7 @@ class MessagesRequest(AnthropicModel):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     output_config: OutputConfig | None = None
+    thinking: ThinkingConfig | None = None
     # Accepted and honoured implicitly: sluice's prefix cache caches every prompt.
     cache_control: dict[str, Any] | None = None
     # sluice's extension, vLLM's field on the OpenAI routes: each streamed event carries
@@ -219,6 +258,17 @@ class MessagesRequest(AnthropicModel):
     return_token_ids: StrictBool = False
 
     _check = field_validator("system", mode="before")(_text_blocks_only)
+
+    @model_validator(mode="after")
+    def _budget_below_max_tokens(self) -> MessagesRequest:
+        if self.thinking is not None and (self.thinking.budget_tokens or 0) >= self.max_tokens:
+            raise InvalidRequestError("max_tokens must be greater than thinking.budget_tokens",
+                                      param="max_tokens")
+        return self
+
+    @property
+    def thinks(self) -> bool:
+        return self.thinking is not None and self.thinking.type == "enabled"
 
 
 class CountTokensRequest(AnthropicModel):
@@ -232,6 +282,7 @@ class CountTokensRequest(AnthropicModel):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     output_config: OutputConfig | None = None  # checked; it adds no prompt tokens here
+    thinking: ThinkingConfig | None = None  # checked; it adds no prompt tokens here
     cache_control: dict[str, Any] | None = None
 
     _check = field_validator("system", mode="before")(_text_blocks_only)
@@ -360,6 +411,8 @@ def _assistant_turn(blocks: list[Any], param: str) -> list[dict[str, Any]]:
             calls.append(_tool_call(block, f"{param}.{j}"))
         elif kind == "text" and isinstance(block.get("text"), str):
             text.append(block["text"])
+        elif kind in THINKING_BLOCKS:
+            continue
         else:
             raise _refuse_block(block, "assistant", param)
     message: dict[str, Any] = {"role": "assistant",
@@ -537,7 +590,9 @@ def from_chat_response(resp: dict[str, Any], req: MessagesRequest) -> MessagesRe
     message = choice.get("message") or {}
     calls = message.get("tool_calls") or []
     text = message.get("content") or ""
-    content = [{"type": "text", "text": text}] if text or not calls else []
+    reasoning = reasoning_of(message)
+    content = [thinking_block(reasoning)] if req.thinks and reasoning else []
+    content += [{"type": "text", "text": text}] if text or not calls else []
     usage = resp.get("usage") or {}
     return MessagesResponse(
         id=new_message_id(), content=content + [tool_use_block(c) for c in calls],
@@ -545,6 +600,12 @@ def from_chat_response(resp: dict[str, Any], req: MessagesRequest) -> MessagesRe
         usage=Usage(input_tokens=usage.get("prompt_tokens", 0),
                     output_tokens=usage.get("completion_tokens", 0)),
     )
+
+
+def thinking_block(text: str) -> dict[str, Any]:
+    """A thinking block; its `signature` is empty (sluice signs nothing: a thinking
+    block sent back is left out of the prompt whatever it says)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 Event = tuple[str, dict[str, Any]]
@@ -606,7 +667,10 @@ class StreamTranslator:
         self._said(delta)
 
     def _said(self, delta: dict[str, Any]) -> list[Event]:
-        events = self._text(delta["content"]) if delta.get("content") else []
+        reasoning = reasoning_of(delta) if self.req.thinks else None
+        events = self._thinking(reasoning) if reasoning else []
+        if delta.get("content"):
+            events += self._text(delta["content"])
         for call in delta.get("tool_calls") or []:
             events += self._tool_call(call)
         return events
@@ -621,8 +685,11 @@ class StreamTranslator:
     def _close(self) -> list[Event]:
         if self.open is None:
             return []
+        signed = [self._delta({"type": "signature_delta", "signature": ""})] \
+            if self.open == "thinking" else []  # (as Anthropic ends a thinking block)
         self.open = None
-        return [("content_block_stop", {"type": "content_block_stop", "index": self.blocks - 1})]
+        return signed + [("content_block_stop", {"type": "content_block_stop",
+                                                 "index": self.blocks - 1})]
 
     def _delta(self, delta: dict[str, Any]) -> Event:
         return ("content_block_delta", {"type": "content_block_delta", "index": self.blocks - 1,
@@ -631,6 +698,10 @@ class StreamTranslator:
     def _text(self, text: str) -> list[Event]:
         events = [] if self.open == "text" else self._open({"type": "text", "text": ""})
         return events + [self._delta({"type": "text_delta", "text": text})]
+
+    def _thinking(self, text: str) -> list[Event]:
+        events = [] if self.open == "thinking" else self._open(thinking_block(""))
+        return events + [self._delta({"type": "thinking_delta", "thinking": text})]
 
     def _tool_call(self, call: dict[str, Any]) -> list[Event]:
         """A call's first delta (it names the function) opens its tool_use block; its
@@ -650,8 +721,8 @@ class StreamTranslator:
 
     def finish(self) -> list[Event]:
         events = [] if self.started else self._start()
-        if self.blocks == 0:  # nothing was said: one empty text block, as non-streamed
-            events += self._open({"type": "text", "text": ""})
+        if self.blocks == 0 or (self.blocks == 1 and self.open == "thinking"):  # nothing
+            events += self._open({"type": "text", "text": ""})  # said: an empty text block
         return events + self._close() + [
             ("message_delta", {"type": "message_delta",
                                "delta": {"stop_reason": self.reason,

@@ -609,6 +609,14 @@ class ToolCallOut(ResponseModel):
     function: FunctionCallOut
 
 
+
+def reasoning_of(message: Mapping[str, Any]) -> str | None:
+    """A chat message's (or a streamed delta's) thinking: vLLM's `reasoning`, or the
+    earlier name `reasoning_content`, which other OpenAI-style upstreams (DeepSeek's
+    API) send; None without."""
+    return message.get("reasoning") or message.get("reasoning_content") or None
+
+
 class AssistantMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None

@@ -54,7 +54,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from sluice.protocol.errors import InvalidRequestError, NotFoundError, SluiceError
-from sluice.protocol.openai import TOOL_NAME, Acceptable, function_tool
+from sluice.protocol.openai import TOOL_NAME, Acceptable, function_tool, reasoning_of
 
 PATH = "/v1/responses"
 
@@ -421,8 +421,8 @@ def from_chat_response(resp: Mapping[str, Any], req: ResponsesRequest) -> dict[s
     message = choice.get("message") or {}
     calls = message.get("tool_calls") or []
     text = message.get("content") or ""
-    output = [reasoning_item(new_id("rs"), message["reasoning"])] \
-        if message.get("reasoning") else []
+    reasoning = reasoning_of(message)
+    output = [reasoning_item(new_id("rs"), reasoning)] if reasoning else []
     output += [message_item(new_id("msg"), text)] if text or not calls else []
     for call in calls:
         function = call.get("function") or {}
@@ -479,8 +479,8 @@ class StreamTranslator:
         events: list[Event] = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
-            if delta.get("reasoning"):
-                events += self._reasoning(delta["reasoning"])
+            if reasoning := reasoning_of(delta):
+                events += self._reasoning(reasoning)
             if delta.get("content"):
                 events += self._text(delta["content"])
             for call in delta.get("tool_calls") or []:
