@@ -283,7 +283,7 @@ async def test_an_upstream_failing_mid_stream_ends_it_with_an_error_event(
     transport error (httpx.RemoteProtocolError, not openai.APIError). The stream now
     ends with the error event each API streams (OpenAI's `data: {"error": ...}`,
     Anthropic's `event: error`), which the SDKs raise as their own errors; the record
-    keeps the tokens streamed so far, as for a stream cut short."""
+    is an `error` with the tokens streamed so far, as for a stream cut short."""
     import anthropic
     import openai
 
@@ -316,4 +316,8 @@ async def test_an_upstream_failing_mid_stream_ends_it_with_an_error_event(
                     pass
         await gw.state.aclose()
     [rec] = sqlite_store.query_usage(UsageQuery())
-    assert rec.status == "aborted"
+    # an `error` (the upstream's failure, not the client's hang-up: it was `aborted`),
+    # charged the prompt and what was streamed, as a stream cut short is
+    assert (rec.status, rec.http_status) == ("error", 200)
+    assert (rec.prompt_tokens, rec.completion_tokens) == (
+        (1, 1) if path == "/v1/chat/completions" else (7, 0))

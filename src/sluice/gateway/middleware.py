@@ -667,13 +667,15 @@ class Exchange:
         await send_error(self.send, error, self.endpoint)
 
     async def end_stream(self, exc: Exception) -> None:
-        """An upstream that failed mid-stream: settle as a stream cut short (the tokens
-        streamed so far), then end the client's stream with the error event its API
+        """An upstream that failed mid-stream: settle as an `error` charged the tokens
+        streamed so far (as a stream the client cut short is: they were generated and
+        sent; it was recorded `aborted`, the client's hang-up), then end the client's
+        stream with the error event its API
         streams (OpenAI's `data: {"error": ...}`, Anthropic's `event: error`), which the
         SDKs raise as their own errors; a cut event is not forwarded. The response was
         left unfinished: uvicorn cut the connection and the SDKs raised a bare transport
         error. After the stream's last event, it is only closed."""
-        await self.settle("aborted")
+        await self.settle("error")
         event = b""
         if not self.meter.ended:
             error = SluiceError(f"upstream failed mid-stream: {type(exc).__name__}: {exc}")
@@ -750,7 +752,8 @@ class Exchange:
     async def final_tokens(self, status: str) -> tuple[int, int]:
         adm, m = self.adm, self.meter
         assert adm is not None
-        if status == "rejected" or (status == "error" and m.prompt_tokens is None):
+        failed_answer = status == "error" and not 200 <= self.status < 300  # upstream non-2xx
+        if status == "rejected" or (failed_answer and m.prompt_tokens is None):
             return 0, 0
         prompt = m.prompt_tokens if m.prompt_tokens is not None else adm.prompt_tokens
         if m.completion_tokens is not None:
