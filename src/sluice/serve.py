@@ -41,6 +41,7 @@ from sluice.control.flags import (
     named_by_flags,
     scaling_options,
 )
+from sluice.gateway.flags import add_gateway_arguments
 from sluice.observe.cli import buckets as observe_buckets
 from sluice.observe.cli import observe_flags, tracing_config
 from sluice.protocol.edge import check_listen
@@ -73,14 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         "least_load, round_robin (default: %(default)s)")
     p.add_argument("--no-gateway", dest="gateway", action="store_false",
                    help="serve without API keys, limits or ledger")
-    p.add_argument("--database-url", default=None,
-                   help="gateway store (default: SQLite at SLUICE_HOME/sluice.db; "
-                        "postgresql://... for PostgreSQL)")
-    p.add_argument("--redis-url", default=None,
-                   help="shared limit counters across gateway replicas (default: in process)")
-    p.add_argument("--prices", type=price_file, default=None,
-                   help="the gateway's price table (JSON/YAML: model -> input/output_per_million; "
-                        "docs/gateway.md); without one every cost is 0 and budgets never bite")
+    add_gateway_arguments(p)
     p.add_argument("--admin-key", default=None,
                    help="key for the gateway's and the router's /admin APIs (default: "
                         "SLUICE_ADMIN_KEY; without one they answer 403)")
@@ -197,27 +191,17 @@ def say(message: str) -> None:
     print(f"sluice: {message}", file=sys.stderr, flush=True)
 
 
-def price_file(text: str) -> Any:
-    """`--prices`: a price table that loads (as `sluice gateway --prices` checks it)."""
-    from sluice.gateway.cli import price_file as checked
-
-    return checked(text)
-
 
 def gateway_wrap(args: argparse.Namespace, cache: TokenCache) -> Any:
     """A function wrapping an ASGI app in the gateway; prints the dev key on the way."""
     from sluice.engine.tokenizer import resolve_model
-    from sluice.gateway.config import GatewayConfig, LimiterConfig
     from sluice.gateway.dev import ensure_dev_key
+    from sluice.gateway.flags import gateway_config
     from sluice.gateway.middleware import GatewayMiddleware
     from sluice.gateway.state import GatewayState
     from sluice.gateway.tokens import PromptTokenCounter
 
-    config = GatewayConfig(
-        database_url=args.database_url or env.get("DATABASE_URL"),
-        admin_key=args.admin_key or env.get("ADMIN_KEY"),
-        limiter=LimiterConfig(redis_url=args.redis_url or env.get("REDIS_URL")),
-        prices_file=args.prices).with_spool()
+    config = gateway_config(args)
     state = GatewayState.from_config(
         config, count_prompt_tokens=PromptTokenCounter(default_source=resolve_model(args.model),
                                                        cache=cache),

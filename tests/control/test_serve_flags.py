@@ -300,3 +300,29 @@ def test_a_bad_generation_config_exits_2_before_any_worker_starts(
     argv = ["serve", "--no-gateway", "--generation-config", str(tmp_path)]
     assert main([*argv, "--workers", "2"]) == 2
     assert "temperature must be a number" in capsys.readouterr().err
+
+
+def test_sluice_serve_and_sluice_gateway_build_the_gateway_from_the_same_flags(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One set of gateway flags (`gateway.flags`): the two commands read them into the
+    same `GatewayConfig`, ledger and Redis settings included; a batch interval outside
+    [0, 10] s is refused by the parser (exit 2) before anything starts."""
+    from sluice.gateway.flags import gateway_config
+
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path))
+    common = ["--database-url", f"sqlite:///{tmp_path}/g.db", "--redis-url",
+              "redis://127.0.0.1:6379/9", "--on-redis-error", "open", "--await-ledger",
+              "--ledger-batch-interval", "0.5", "--admin-key", "adm"]
+    served = gateway_config(parse(*common))
+    argv = ["gateway", "--upstream", "http://127.0.0.1:1", *common]
+    gateway = gateway_config(build_parser(argv).parse_args(argv))
+    assert served == gateway
+    assert (served.await_ledger, served.ledger_batch_interval_s) == (True, 0.5)
+    assert (served.limiter.redis_url, served.limiter.on_redis_error) == (
+        "redis://127.0.0.1:6379/9", "open")
+    defaults = gateway_config(parse())
+    assert (defaults.await_ledger, defaults.ledger_batch_interval_s) == (False, 0.02)
+    for bad in ("11", "-1", "soon"):
+        with pytest.raises(SystemExit) as exit_:
+            parse("--ledger-batch-interval", bad)
+        assert exit_.value.code == 2

@@ -26,7 +26,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from sluice import env
-from sluice.gateway.config import FAILURE_MODES, PRIORITY_CLASSES, GatewayConfig, LimiterConfig
+from sluice.gateway.config import PRIORITY_CLASSES
+from sluice.gateway.flags import add_gateway_arguments, gateway_config
 from sluice.gateway.pricing import PriceTable
 from sluice.gateway.store import (
     MAX_USAGE_ROWS,
@@ -76,14 +77,7 @@ def _register_gateway(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--upstream", help="base URL of the router or worker, e.g. http://127.0.0.1:8001")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port, default=8080)
-    _db_flag(p)
-    p.add_argument("--redis-url", default=None,
-                   help="share limit counters through Redis (default: SLUICE_REDIS_URL; "
-                        "unset = in process)")
-    p.add_argument("--on-redis-error", choices=FAILURE_MODES, default="closed",
-                   help="when Redis is unreachable: closed = 503, open = admit unlimited")
-    p.add_argument("--prices", type=price_file, default=None,
-                   help="price table (JSON/YAML: model -> input/output_per_million)")
+    add_gateway_arguments(p)
     p.add_argument("--admin-key", default=None, help="admin API key (default: SLUICE_ADMIN_KEY)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer source for prompt counting (default: the default model's)")
@@ -429,14 +423,6 @@ def run_purge(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_config(args: argparse.Namespace) -> GatewayConfig:
-    limiter = LimiterConfig(redis_url=args.redis_url or env.get("REDIS_URL"),
-                            on_redis_error=args.on_redis_error)
-    return GatewayConfig(database_url=args.database_url or env.get("DATABASE_URL"),
-                         admin_key=args.admin_key or env.get("ADMIN_KEY"), limiter=limiter,
-                         prices_file=args.prices).with_spool()
-
-
 @_guard
 def run_gateway(args: argparse.Namespace) -> int:
     if not args.upstream:
@@ -454,7 +440,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     from sluice.gateway.state import GatewayState
     from sluice.gateway.tokens import PromptTokenCounter
 
-    config = build_config(args)
+    config = gateway_config(args)
     state = GatewayState.from_config(
         config, count_prompt_tokens=PromptTokenCounter(default_source=args.tokenizer),
         buckets=buckets(args))
