@@ -92,11 +92,14 @@ def test_a_worker_hands_the_thinking_out_as_reasoning(r1_url: str, server: Any) 
     assert "</think>" not in text
     assert message["reasoning"] == message["reasoning_content"] == text
     assert message["content"] is None and got["usage"]["completion_tokens"] == 12
-    with httpx.stream("POST", r1_url + "/v1/chat/completions",
-                      json={**BODY, "stream": True}) as resp:
-        deltas = [json.loads(line[5:])["choices"][0]["delta"] for line in resp.iter_lines()
-                  if line.startswith("data:") and line[5:].strip() != "[DONE]"
-                  and json.loads(line[5:])["choices"]]
+    assert got["usage"]["completion_tokens_details"] == {"reasoning_tokens": 12}
+    assert "completion_tokens_details" not in plain["usage"]  # no parser: no field
+    with httpx.stream("POST", r1_url + "/v1/chat/completions", json={
+            **BODY, "stream": True, "stream_options": {"include_usage": True}}) as resp:
+        chunks = [json.loads(line[5:]) for line in resp.iter_lines()
+                  if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 12}
     assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]
     assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
     assert not "".join(d.get("content") or "" for d in deltas)
@@ -119,6 +122,7 @@ def test_responses_carry_the_thinking_as_a_reasoning_item_anthropic_leaves_it_ou
     resp = httpx.post(r1_url + "/v1/responses", json={
         "model": "tiny", "input": "Think.", "max_output_tokens": 8, "temperature": 0}).json()
     assert resp["status"] == "incomplete" and resp["usage"]["output_tokens"] == 8
+    assert resp["usage"]["output_tokens_details"] == {"reasoning_tokens": 8}
     assert [item["type"] for item in resp["output"]] == ["reasoning", "message"]
     assert resp["output"][0]["content"] == [{"type": "reasoning_text", "text": thinking}]
     assert resp["output"][1]["content"][0]["text"] == ""
@@ -228,3 +232,20 @@ def test_anthropic_thinking_enabled_gets_the_thinking_as_thinking_blocks(
     assert claude.messages.count_tokens(model="tiny", messages=turns).input_tokens == \
         claude.messages.count_tokens(model="tiny", messages=bare).input_tokens
     assert claude.messages.create(model="tiny", max_tokens=2, messages=turns).usage.output_tokens
+
+
+def test_reasoning_tokens_are_those_that_said_the_thinking() -> None:
+    """Each delta's tokens count as reasoning when they said thinking or left the block
+    open (a piece of `</think>` held back); the closing tag's own token and the answer's
+    do not."""
+    from sluice.engine.outputs import CompletionOutput
+    from sluice.worker.chat import ChatJob
+
+    job = ChatJob(None, None, "chatcmpl-x", "m", None, None,  # type: ignore[arg-type]
+                  reasoning=R1, reasoning_fields=True)
+    pieces = ["Let", " me", " see.</", "think>", "\n\n", "Paris"]
+    said = [job.split(CompletionOutput(0, text, [i], finish_reason="stop" if i == 5 else None))
+            for i, text in enumerate(pieces)]
+    assert "".join(t for t, _ in said) == "Let me see."
+    assert "".join(a for _, a in said) == "\n\nParis"
+    assert job.reasoning_tokens == 3  # "Let", " me", " see.</" (held "</")

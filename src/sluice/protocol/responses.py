@@ -354,8 +354,10 @@ def usage(chat_usage: Mapping[str, Any] | None) -> dict[str, Any]:
     u = chat_usage or {}
     prompt, completion = int(u.get("prompt_tokens") or 0), int(u.get("completion_tokens") or 0)
     cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    reasoning = (u.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": completion,
+            "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + completion}
 
 

@@ -64,7 +64,8 @@ class ChatJob:
     # grammar from the first token leaves no room to think: all of it is the answer)
     reasoning: ReasoningParser | None = None
     reasoning_fields: bool = False  # the worker has a reasoning parser: messages say so
-    thinking: dict[int, ReasoningStream] = field(default_factory=dict)  # a stream's, by choice
+    thinking: dict[int, ReasoningStream] = field(default_factory=dict)  # by choice
+    reasoning_tokens: int = 0  # generated tokens that said (or began) the thinking
     replayed: DeltaMessage | None = None  # what a resumed stream's output already said
     cached_tokens: int = 0
     choices: dict[int, _Choice] = field(default_factory=dict)
@@ -75,18 +76,26 @@ class ChatJob:
         return self.run.prompt_lens[0]
 
     def usage(self) -> UsageInfo:
+        details = {"completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens}} \
+            if self.reasoning_fields else {}  # (OpenAI's field; a worker with a parser)
         return UsageInfo(prompt_tokens=self.prompt_tokens,
                          completion_tokens=self.completion_tokens,
                          total_tokens=self.prompt_tokens + self.completion_tokens,
-                         prompt_tokens_details={"cached_tokens": self.cached_tokens})
+                         prompt_tokens_details={"cached_tokens": self.cached_tokens},
+                         **details)
 
-    def split(self, index: int, text: str, finished: bool) -> tuple[str, str]:
-        """A streamed choice's next text as (reasoning, answer)."""
+    def split(self, c: CompletionOutput) -> tuple[str, str]:
+        """A choice's next output as (reasoning, answer), delta by delta (the pieces join
+        to the whole output's split); its tokens count as reasoning tokens when they said
+        thinking or left the block still open."""
         if self.reasoning is None:
-            return "", text
-        stream = self.thinking.get(index) or self.thinking.setdefault(
-            index, self.reasoning.stream())
-        return stream.feed(text, finished)
+            return "", c.text
+        stream = self.thinking.get(c.index) or self.thinking.setdefault(
+            c.index, self.reasoning.stream())
+        thought, text = stream.feed(c.text, bool(c.finish_reason))
+        if thought or stream.thinking:
+            self.reasoning_tokens += len(c.token_ids)
+        return thought, text
 
     def logprobs(self, c: CompletionOutput) -> ChatLogprobs | None:
         if self.num_logprobs is None or c.logprobs is None:
@@ -97,7 +106,8 @@ class ChatJob:
 
 @dataclass
 class _Choice:
-    text: list[str] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)  # the answer (all of it without a parser)
+    reasoning: list[str] = field(default_factory=list)  # the thinking (--reasoning-parser)
     logprobs: ChatLogprobs = field(default_factory=ChatLogprobs)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -154,7 +164,7 @@ def _replay(job: ChatJob, text: str) -> DeltaMessage:
     returns what that output said (the Anthropic translator replays it too). A partial
     character at the end (U+FFFD from decoding) comes again with the next token."""
     text = text.rstrip("\ufffd")
-    _, text = job.split(0, text, finished=False)  # (a reasoning parser's state follows)
+    _, text = job.split(CompletionOutput(0, text, []))  # (a reasoning parser's state follows)
     if job.tools is None:
         return DeltaMessage(content=text)
     return job.tools.feed(0, text, finished=False)
@@ -182,9 +192,9 @@ async def chat_response(job: ChatJob) -> ChatCompletionResponse:
 
 def _whole_choice(job: ChatJob, index: int, ch: _Choice) -> ChatChoice:
     content: str | None = "".join(ch.text)
-    reasoning = None
+    reasoning = "".join(ch.reasoning) or None
     if job.reasoning is not None:
-        reasoning, content = job.reasoning.split(content or "")
+        content = content or None
     calls = None
     if job.tool_parser is not None:
         content, parsed = job.tool_parser.extract(content or "")
@@ -215,7 +225,9 @@ def _finish(reason: str | None, called: bool) -> str | None:
 
 def _accumulate(job: ChatJob, c: CompletionOutput) -> None:
     choice = job.choices.setdefault(c.index, _Choice())
-    choice.text.append(c.text)
+    thought, text = job.split(c)
+    choice.reasoning.append(thought)
+    choice.text.append(text)
     job.completion_tokens += len(c.token_ids)
     lp = job.logprobs(c)
     if lp is not None:
@@ -237,7 +249,7 @@ async def chat_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionChunk]:
             for c in out.outputs:
                 job.completion_tokens += len(c.token_ids)
                 if c.text or c.finish_reason or c.token_ids:
-                    thought, text = job.split(c.index, c.text, bool(c.finish_reason))
+                    thought, text = job.split(c)
                     delta = (tools.feed(c.index, text, bool(c.finish_reason))
                              if tools is not None else DeltaMessage(content=text))
                     if thought:

@@ -48,6 +48,11 @@ class ReasoningStream:
     def __post_init__(self) -> None:
         self.state = "start"
 
+    @property
+    def thinking(self) -> bool:
+        """Inside the thinking block (a held piece of a tag included)."""
+        return self.state == "think"
+
     def feed(self, text: str, finished: bool) -> tuple[str, str]:
         text, self.held = self.held + text, ""
         reasoning: list[str] = []
