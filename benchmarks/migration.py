@@ -61,6 +61,7 @@ from typing import Any
 import httpx
 
 from sluice import env
+from sluice.cli import build_parser
 from sluice.control.local import LocalWorkerPool, child_command
 from sluice.engine.tokenizer import default_served_name, resolve_model
 from sluice.gateway.store import MAX_USAGE_ROWS, SQLStore, UsageQuery, UsageRecord
@@ -277,10 +278,8 @@ async def run_phase(cluster: Cluster, load: Workload, phase: Phase) -> Phase:
                           migration_limit=phase.limit, health_interval_s=0.5, seed=0)
     cache = TokenCache()  # one per process, as in `sluice serve`: the gateway counts
     app = build_app(config, token_cache=cache)
-    wrap = gateway_wrap(argparse.Namespace(model=cluster.model_path, admin_key=None,
-                                           database_url=cluster.database_url, redis_url=None,
-                                           prices=None),
-                        cache)
+    serve = ["serve", "--model", cluster.model_path, "--database-url", cluster.database_url]
+    wrap = gateway_wrap(build_parser(serve).parse_args(serve), cache)  # `sluice serve`'s flags
     key = (env.home() / "dev-key").read_text().strip()  # saved by gateway_wrap
     async with RouterServer(wrap(app), "127.0.0.1", 0, shutdown_timeout_s=5,
                             state=lambda: app.state.router, direct=False) as server:
