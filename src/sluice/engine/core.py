@@ -32,7 +32,7 @@ from sluice.engine.kv_transfer import KVTransfer, KVTransferError
 from sluice.engine.lora import LoRAAdapter, LoRACache
 from sluice.engine.messages import CoreInfo, CoreRequest, SeqUpdate
 from sluice.engine.outputs import RequestMetrics
-from sluice.engine.sampler import Sampler, SampleResult
+from sluice.engine.sampler import Sampler, SampleResult, logprob_entry
 from sluice.engine.scheduler import ScheduledChunk, Scheduler
 from sluice.engine.sequence import Request, Sequence
 from sluice.engine.spec_decode import PROPOSERS, SpecDecoder
@@ -366,13 +366,10 @@ class EngineCore:
             actual = seq.token_ids[start + lo + 1:start + hi + 1]
             own = lp.gather(1, torch.tensor(actual).unsqueeze(1)).squeeze(1).tolist()
             best = lp.topk(top, dim=-1) if top else None
-            for j, (token, value) in enumerate(zip(actual, own, strict=True)):
-                entry = {token: value}
-                if best is not None:
-                    for tid, v in zip(best.indices[j].tolist(), best.values[j].tolist(),
-                                      strict=True):
-                        entry.setdefault(tid, v)
-                seq.prompt_logprobs.append(entry)
+            ids = best.indices.tolist() if best is not None else [[]] * len(actual)
+            values = best.values.tolist() if best is not None else [[]] * len(actual)
+            seq.prompt_logprobs += [logprob_entry(*entry) for entry in
+                                    zip(actual, own, ids, values, strict=True)]
 
     def _mark_scheduled(self, chunks: list[ScheduledChunk]) -> None:
         now = time.time()

@@ -245,11 +245,19 @@ class Sampler:
         for j, i in enumerate(rows):
             tok = tokens[i]
             lp = float(logprobs[j, tok])
-            entry: TokenLogprobs = {tok: lp}
-            if top is not None:
-                n = seqs[i].params.logprobs or 0
-                for tid, val in zip(top.indices[j, :n].tolist(), top.values[j, :n].tolist(),
-                                    strict=True):
-                    entry.setdefault(tid, val)
+            n = seqs[i].params.logprobs or 0
+            ids, values = ([], []) if top is None else (top.indices[j, :n].tolist(),
+                                                        top.values[j, :n].tolist())
+            entry = logprob_entry(tok, lp, ids, values)
             results[i] = SampleResult(tok, lp, entry)
         return results
+
+
+def logprob_entry(token: int, logprob: float, top_ids: list[int],
+                  top_values: list[float]) -> TokenLogprobs:
+    """One position's entry: the token's own logprob first, then the likeliest (a token
+    that is both keeps its place first)."""
+    entry: TokenLogprobs = {token: logprob}
+    for tid, value in zip(top_ids, top_values, strict=True):
+        entry.setdefault(tid, value)
+    return entry

@@ -42,11 +42,9 @@ class ReasoningStream:
     """One choice's output, delta by delta: `feed` answers (reasoning, content) text."""
 
     opened_in_prompt: bool
-    state: str = field(init=False)  # "start": before the first text; "think"; "answer"
+    # "start" before the first text, then "think" or "answer"
+    state: str = field(default="start", init=False)
     held: str = ""  # text that may be the start of a tag
-
-    def __post_init__(self) -> None:
-        self.state = "start"
 
     @property
     def thinking(self) -> bool:
