@@ -197,7 +197,7 @@ class Tokenizer:
         is the text (`tokenize=False`, what vLLM users pass). `kwargs`: more variables
         for the template (vLLM's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`);
         one that would set a special token is a 400 naming `chat_template_kwargs` (the
-        request's own variables: `protocol.prompt.template_kwargs`)."""
+        request's own variables: `protocol.prompt.check_template_kwargs`)."""
         taken = sorted(set(kwargs) & set(self.special_tokens))
         if taken:
             raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(taken)} "
