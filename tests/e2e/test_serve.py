@@ -164,8 +164,20 @@ def _tools_and_structured_output_pass_through(url: str, key: str, model: str) ->
     assert events[-1].response.usage.output_tokens >= 1
     count = client.responses.input_tokens.count(model=model, input="hello")
     assert count.input_tokens == events[-1].response.usage.input_tokens  # through every hop
-    with pytest.raises(openai.NotFoundError, match="stores no responses"):
-        client.responses.retrieve(events[-1].response.id)  # the router's 404, not a bare one
+    # the gateway keeps them (gateway/responses.py): a later turn through the router to
+    # any worker continues the conversation, and the SDK's stored-response calls work
+    kept = client.responses.retrieve(events[-1].response.id)
+    assert kept.id == events[-1].response.id and kept.store is True
+    assert kept.output_text == events[-1].response.output_text
+    turn = client.responses.create(model=model, max_output_tokens=3, input="again",
+                                   previous_response_id=kept.id)
+    assert turn.previous_response_id == kept.id
+    assert turn.usage is not None and turn.usage.input_tokens > count.input_tokens
+    items = list(client.responses.input_items.list(turn.id, order="asc"))
+    assert [getattr(i, "role", None) for i in items] == ["user", "assistant", "user"]
+    client.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.responses.retrieve(kept.id)
 
 
 def _healthy(url: str) -> bool:

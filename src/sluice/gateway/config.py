@@ -100,6 +100,9 @@ class GatewayConfig:
     # (LiteLLM's `proxy_batch_write_at`, 10 s there): fewer, larger commits
     ledger_batch_interval_s: float = 0.02
     ledger_spool: Path | None = None
+    # how long a stored Responses API response is kept (OpenAI keeps them 30 days); 0:
+    # the gateway stores none, and `store` must be false (gateway/responses.py)
+    response_retention_s: float = 30 * 86400.0
 
     def __post_init__(self) -> None:
         if self.default_reserve_tokens < 0:
@@ -113,6 +116,9 @@ class GatewayConfig:
                                       param="ledger_max_waiting")
         if self.ledger_close_s < 0:
             raise InvalidRequestError("ledger_close_s must be >= 0", param="ledger_close_s")
+        if not self.response_retention_s >= 0:
+            raise InvalidRequestError("response_retention_s must be >= 0",
+                                      param="response_retention_s")
         if not 0 <= self.ledger_batch_interval_s <= 10:
             raise InvalidRequestError("ledger_batch_interval_s must be in [0, 10] seconds",
                                       param="ledger_batch_interval_s")

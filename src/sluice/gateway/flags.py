@@ -30,6 +30,16 @@ def _interval(text: str) -> float:
     return value
 
 
+def _days(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 36500:
+        raise argparse.ArgumentTypeError(f"expected days in [0, 36500], got {text!r}")
+    return value
+
+
 def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--database-url", default=None,
                    help="the gateway's store, a SQLAlchemy URL (default: "
@@ -52,6 +62,11 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                    help="the least time between two ledger commits of rows written after "
                         "their responses: fewer, larger commits (LiteLLM's "
                         "proxy_batch_write_at; default: %(default)s)")
+    p.add_argument("--response-retention", type=_days, default=30.0, metavar="DAYS",
+                   help="how long the Responses API's stored responses are kept, for "
+                        "previous_response_id and GET /v1/responses/{id} (OpenAI's "
+                        "default: 30); 0 stores none, and then 'store' must be false "
+                        "(default: %(default)s)")
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
@@ -62,4 +77,5 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(database_url=args.database_url or env.get("DATABASE_URL"),
                          admin_key=args.admin_key or env.get("ADMIN_KEY"), limiter=limiter,
                          prices_file=args.prices, await_ledger=args.await_ledger,
-                         ledger_batch_interval_s=args.ledger_batch_interval).with_spool()
+                         ledger_batch_interval_s=args.ledger_batch_interval,
+                         response_retention_s=args.response_retention * 86400).with_spool()

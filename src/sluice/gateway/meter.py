@@ -29,6 +29,13 @@ The first `model` a response names (the JSON body's, the first chunk's, Anthropi
 adapter, or a cascade's small or large model, router/cascade.py), which the ledger
 records and prices.
 
+On the Responses API the meter also keeps the last Response object that ended the answer
+(`response`: the JSON body's, a stream's `response.completed` / `.incomplete` /
+`.failed`), which the gateway stores, and sets `patch`'s fields on every Response
+object it passes on (gateway/responses.py: `"store": true`, `previous_response_id`); a
+JSON body is then held until its end and re-encoded, an event that carries a Response
+re-encoded.
+
 When the gateway itself asked for `include_usage` (the client did not), the meter drops
 that usage-only chunk, and takes the `"usage": null` an upstream that follows OpenAI
 puts on every other chunk then out of them (such a chunk is re-encoded), so the client
@@ -56,6 +63,8 @@ class ResponseMeter:
     completion_tokens: int | None = None
     served_model: str | None = None
     ended: bool = False  # the stream's last event went by: `data: [DONE]`, `message_stop`
+    patch: dict[str, Any] | None = None  # set on each Response object passed on
+    response: dict[str, Any] | None = None  # the Response that ended the answer
     text_parts: list[str] = field(default_factory=list)
     _buffer: bytearray = field(default_factory=bytearray)
 
@@ -70,6 +79,9 @@ class ResponseMeter:
     def feed(self, chunk: bytes) -> bytes:
         """Take upstream bytes; return the bytes to forward now."""
         if not self.streaming:
+            if self.patch is not None:  # held: re-encoded whole by `finish`
+                self._buffer += chunk
+                return b""
             if len(self._buffer) + len(chunk) <= self.max_body_bytes:
                 self._buffer += chunk
             return chunk
@@ -84,23 +96,31 @@ class ResponseMeter:
     def finish(self) -> bytes:
         """End of body: parse a JSON body, or return an unterminated trailing event."""
         if not self.streaming:
-            self._on_json(self._buffer)
-            return b""
+            obj = self._on_json(self._buffer)
+            if self.patch is None:
+                return b""
+            if obj is not self.response or self.response is None:  # an error body
+                return bytes(self._buffer)
+            self.response.update(self.patch)
+            return json.dumps(self.response).encode()
         rest = bytes(self._buffer)
         self._buffer.clear()
         return self._on_event(rest) if rest.strip() else rest
 
     # -- parsing -----------------------------------------------------------------------
 
-    def _on_json(self, raw: bytes | bytearray) -> None:
+    def _on_json(self, raw: bytes | bytearray) -> Any:
         try:
             obj = json.loads(raw)
         except ValueError:
-            return
+            return None
         if isinstance(obj, dict):
             self._take_model(obj.get("model"))
             self._take_usage(obj.get("usage"))
             self._take_text(obj)
+            if self.protocol == "responses" and obj.get("object") == "response":
+                self.response = obj
+        return obj
 
     def _on_event(self, event: bytes) -> bytes:
         """Parse one SSE event; the bytes of it the client gets (b"": none)."""
@@ -121,12 +141,22 @@ class ResponseMeter:
                 continue
             if not self._on_chunk(obj):
                 return b""
-            if self.strip_usage_chunk and "usage" in obj and obj["usage"] is None:
-                del obj["usage"]  # OpenAI's null on every chunk, there only for the option
+            if self._rewrite(obj):
                 end = line[len(line.rstrip(b"\r\n")):]
                 lines[i] = b"data: " + json.dumps(obj, separators=(",", ":")).encode() + end
                 changed = True
         return b"".join(lines) if changed else event
+
+    def _rewrite(self, obj: dict[str, Any]) -> bool:
+        """Change an event's object for the client; whether it changed (re-encoded)."""
+        if self.strip_usage_chunk and "usage" in obj and obj["usage"] is None:
+            del obj["usage"]  # OpenAI's null on every chunk, there only for the option
+            return True
+        response = obj.get("response")
+        if self.patch and isinstance(response, dict):
+            response.update(self.patch)
+            return True
+        return False
 
     def _on_chunk(self, obj: dict[str, Any]) -> bool:
         if self.protocol == "anthropic":
@@ -170,6 +200,7 @@ class ResponseMeter:
             self._take_usage(response.get("usage"))
         if kind in ("response.completed", "response.incomplete", "response.failed"):
             self.ended = True
+            self.response = response if isinstance(response, dict) else None
         elif kind in ("response.output_text.delta", "response.function_call_arguments.delta"):
             self.text_parts.append(str(obj.get("delta") or ""))
         elif kind == "response.output_item.added":

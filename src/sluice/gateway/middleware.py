@@ -26,6 +26,10 @@ proxy of `sluice gateway --upstream`. Per request under `/v1/`:
                       kept in memory and retried while the database is down, with new
                       requests refused (503) once that buffer is full (ledger.py)
 
+The Responses API's stored responses (`store`, `previous_response_id`, `GET` / `DELETE
+/v1/responses/{id}`, its input items) are the gateway's: admission expands a previous
+response into the input, settlement saves the final Response (responses.py).
+
 `/admin/{tenants,keys,usage,purge}` and `/v1/usage` are served by the gateway's own
 app (`admin.py`); other `/admin/...` routes (the router's) pass through;
 `/metrics` is the upstream's text followed by the gateway's; everything else passes
@@ -57,6 +61,8 @@ from sluice.gateway.limits import (
 from sluice.gateway.meter import ResponseMeter
 from sluice.gateway.models import MODEL_PREFIX, MODELS_PATH, ModelListFilter, allowed_models
 from sluice.gateway.pricing import Price
+from sluice.gateway.responses import ENDPOINTS as CONVERSATION_ENDPOINTS
+from sluice.gateway.responses import Conversation, stored_route
 from sluice.gateway.state import GatewayState
 from sluice.gateway.store import Principal, UsageRecord
 from sluice.gateway.tokens import estimate_view
@@ -159,6 +165,7 @@ class Admission:
     reservation: str | None = None  # the budget reservation, given back at settlement
     decision: Decision | None = None
     hint: IdsHint | None = None  # the prompt's ids, for the router and the worker
+    conversation: Conversation | None = None  # a Responses request's store (responses.py)
     payload: dict[str, Any] | None = None  # the body's object (as `body` says, once sent)
     view: PromptView | None = None  # its prompt, as the one prompt view read it
     limiter_degraded: bool = False
@@ -265,7 +272,9 @@ class Exchange:
         self.gw, self.state = gateway, gateway.state
         self.scope, self.receive, self.send = scope, receive, send
         path: str = scope["path"]
-        self.endpoint = path
+        route = stored_route(path) if self.state.responses.enabled else None
+        self.stored = route is not None  # a stored response's route: answered here
+        self.endpoint = route or path  # the ledger's name
         self.protocol = ("anthropic" if path in ANTHROPIC_PATHS else
                          "responses" if path == RESPONSES_PATH else "openai")
         self.started = time.perf_counter()
@@ -328,6 +337,10 @@ class Exchange:
     async def admit_as(self, adm: Admission, raw: bytes, unconfirmed: int | None) -> Admission:
         payload = await self.parse_payload(raw) if self.scope["method"] == "POST" else None
         self.apply_policy(adm, payload)
+        if payload is not None and self.endpoint in CONVERSATION_ENDPOINTS:
+            adm.conversation = await self.state.responses.prepare(
+                payload, adm.principal.tenant.id, self.endpoint)
+            adm.rewritten = adm.rewritten or adm.conversation is not None
         adm.body, adm.payload = await self.outgoing_body(adm, raw, payload), payload
         await self.reserve(adm, None if self.endpoint in MODEL_ONLY_ENDPOINTS else payload,
                            unconfirmed)
@@ -578,6 +591,10 @@ class Exchange:
         assert self.adm is not None
         adm, body_sent = self.adm, False
         self.meter.strip_usage_chunk = adm.strip_usage_chunk
+        if adm.conversation is not None and adm.conversation.patch:
+            self.meter.patch = adm.conversation.patch
+        if self.stored:
+            return await self.answer_stored(adm)
 
         async def receive() -> Message:
             nonlocal body_sent
@@ -604,6 +621,27 @@ class Exchange:
                 settling.result()
             elif settling is not None:
                 await asyncio.shield(settling)
+
+    async def answer_stored(self, adm: Admission) -> None:
+        """A stored response's route, answered from the store (responses.py)."""
+        try:
+            body = await self.state.responses.answer(
+                self.scope["method"], self.scope["path"], self.scope.get("query_string") or b"",
+                adm.principal.tenant.id)
+        except SluiceError as exc:
+            self.status = exc.status_code
+            await self.settle("error")
+            exc.headers = {**adm.headers, **exc.headers}
+            return await send_error(self.send, exc, self.endpoint)
+        self.status = 200
+        await self.settle("ok")
+        raw = json.dumps(body).encode()
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(raw)).encode()),
+                   (b"x-request-id", adm.request_id.encode()),
+                   *((k.encode(), v.encode()) for k, v in adm.headers.items())]
+        await self.send({"type": "http.response.start", "status": 200, "headers": headers})
+        await self.send({"type": "http.response.body", "body": raw, "more_body": False})
 
     async def on_send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -644,7 +682,7 @@ class Exchange:
         length = next((v for k, v in headers if k.lower() == b"content-length"), None)
         if not self.meter.streaming and length is not None and length.strip().isdigit():
             self.body_left = int(length)
-        if self.meter.streaming and self.adm.strip_usage_chunk:
+        if self.meter.streaming and self.adm.strip_usage_chunk or self.meter.patch:
             headers = [(k, v) for k, v in headers if k.lower() != b"content-length"]
         extra = {**self.adm.headers, "x-request-id": self.adm.request_id}
         names = {k.lower() for k, _ in headers}
@@ -708,6 +746,9 @@ class Exchange:
         return self.settling
 
     async def _settle(self, adm: Admission, status: str) -> None:
+        if adm.conversation is not None and self.meter.response is not None \
+                and 200 <= self.status < 300:  # before the client's last bytes: its next
+            await self.save_response(adm, adm.conversation, self.meter.response)  # turn
         prompt, completion = await self.final_tokens(status)
         release = self.release(adm, prompt + completion)
         if self.release_now(adm):
@@ -720,6 +761,17 @@ class Exchange:
         else:  # nothing at admission reads this row: written just after the response
             self.state.after(self.state.ledger.submit(record, adm.reservation),
                              lambda: self.counted(record))
+
+    async def save_response(self, adm: Admission, conversation: Conversation,
+                            response: dict[str, Any]) -> None:
+        """Store the final Response; a database that fails here is logged (the client
+        has been told `"store": true`: its next turn's `previous_response_id` is a 404)."""
+        try:
+            await self.state.responses.save(conversation, response, adm.principal.tenant.id,
+                                             adm.principal.key.id)
+        except Exception:
+            logger.exception("could not store response %s of request %s",
+                             response.get("id"), adm.request_id)
 
     def release_now(self, adm: Admission) -> bool:
         """The limiter is reconciled before the last bytes when a concurrency or

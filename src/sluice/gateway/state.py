@@ -21,6 +21,7 @@ from sluice.gateway.limits import Limiter, LocalLimiter, RedisLimiter
 from sluice.gateway.metrics import GatewayMetrics
 from sluice.gateway.pricing import PriceTable
 from sluice.gateway.redact import Redactor, default_redactor
+from sluice.gateway.responses import StoredResponses
 from sluice.gateway.spool import LedgerSpool
 from sluice.gateway.store import SQLStore, Store
 from sluice.gateway.tokens import CountPromptTokens, PromptTokenCounter
@@ -49,6 +50,7 @@ class GatewayState:
     ledger: LedgerWriter = field(init=False)
     budgets: BudgetReservations = field(init=False)
     keys: KeyCache = field(init=False)
+    responses: StoredResponses = field(init=False)  # the Responses API's `store`
     background: set[asyncio.Future[Any]] = field(init=False)
     unpriced_models: set[str | None] = field(init=False)  # budgets warned of: priced 0
 
@@ -60,6 +62,7 @@ class GatewayState:
                                    spool=LedgerSpool(spool) if spool is not None else None)
         self.budgets = BudgetReservations(self.store, self.config.budget_lease_s)
         self.keys = KeyCache(self.store)
+        self.responses = StoredResponses(self.store, self.config.response_retention_s)
         self.background = set()
         self.unpriced_models = set()
         if isinstance(self.limiter, RedisLimiter):  # the auth version rides its steps

@@ -1,4 +1,5 @@
-"""Durable gateway state: tenants, API keys, and the usage ledger / audit log.
+"""Durable gateway state: tenants, API keys, the usage ledger / audit log, and the
+Responses API's stored responses (`StoredResponse`, gateway/responses.py).
 
 `Store` is the contract; `SQLStore` implements it on SQLAlchemy Core, SQLite (WAL) by
 default and PostgreSQL when given a URL. Two properties matter for exactness:
@@ -177,6 +178,23 @@ MAX_USAGE_ROWS = 100_000  # one usage query's `limit` at most
 
 
 @dataclass(frozen=True)
+class StoredResponse:
+    """A Responses API response kept for its tenant (`store`, the default: gateway/
+    responses.py): the Response object as the client got it, the input items of its own
+    request (ids given), and the response it continued (`previous_response_id`), so a
+    conversation is its chain. Found until `expires_at` (None: kept until deleted)."""
+
+    id: str
+    tenant_id: str
+    key_id: str
+    previous_id: str | None
+    input_items: list[dict[str, Any]]
+    response: dict[str, Any]
+    created_at: float = field(default_factory=time.time)
+    expires_at: float | None = None
+
+
+@dataclass(frozen=True)
 class UsageTotals:
     """Sums over every record a `UsageQuery` matches, whatever its `limit`."""
 
@@ -342,6 +360,20 @@ class Store(ABC):
     def purge(self, older_than: float) -> int:
         """Delete ledger rows with ts < older_than; returns how many."""
 
+    @abstractmethod
+    def save_response(self, stored: StoredResponse) -> None:
+        """Keep a response (its id is new: a second save of one id replaces it), and
+        delete the responses past their `expires_at` while at it."""
+
+    @abstractmethod
+    def get_response(self, response_id: str, tenant_id: str) -> StoredResponse | None:
+        """The tenant's response by id; None if there is none, it expired, or it is
+        another tenant's (a tenant never learns that another's id exists)."""
+
+    @abstractmethod
+    def delete_response(self, response_id: str, tenant_id: str) -> bool:
+        """Delete the tenant's response; False if `get_response` would not find it."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
 
@@ -366,7 +398,7 @@ MAX_TENANT_NAME = 200  # characters: the tenants.name column
 
 
 def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.Table,
-                                  sa.Table, sa.Table]:
+                                  sa.Table, sa.Table, sa.Table]:
     md = sa.MetaData()
     tenants = sa.Table(
         f"{prefix}tenants", md,
@@ -426,7 +458,18 @@ def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.
         sa.Column("redis_key", sa.String(100), nullable=False),
         sa.Column("seen_at", sa.Float, nullable=False),  # a gateway used it (touch)
     )
-    return md, tenants, keys, usage, reservations, versions, mirrors
+    responses = sa.Table(  # the Responses API's stored responses (StoredResponse)
+        f"{prefix}responses", md,
+        sa.Column("id", sa.String(100), primary_key=True),
+        sa.Column("tenant_id", sa.String(40), nullable=False),
+        sa.Column("key_id", sa.String(40), nullable=False),
+        sa.Column("previous_id", sa.String(100), nullable=True),
+        sa.Column("input_items", sa.Text, nullable=False),
+        sa.Column("response", sa.Text, nullable=False),
+        sa.Column("created_at", sa.Float, nullable=False),
+        sa.Column("expires_at", sa.Float, nullable=True, index=True),
+    )
+    return md, tenants, keys, usage, reservations, versions, mirrors, responses
 
 
 def _dump(settings: TenantSettings | KeySettings) -> str:
@@ -570,7 +613,7 @@ class SQLStore(Store):
         self.engine = self._make_engine(url)
         self.local_reads = self.engine.dialect.name == "sqlite"
         (self.metadata, self.tenants, self.keys, self.usage,
-         self.reservations, self.versions, self.mirrors) = _tables(table_prefix)
+         self.reservations, self.versions, self.mirrors, self.responses) = _tables(table_prefix)
         self._create_schema(table_prefix)
         self._add_version_row()
         self._prepare()
@@ -1115,6 +1158,40 @@ class SQLStore(Store):
         with self.engine.begin() as conn:
             result = conn.execute(self.usage.delete().where(self.usage.c.ts < older_than))
         return int(result.rowcount or 0)
+
+    # -- stored responses (the Responses API's `store`) ------------------------------
+
+    def save_response(self, stored: StoredResponse) -> None:
+        r, now = self.responses, time.time()
+        row = {"id": stored.id, "tenant_id": stored.tenant_id, "key_id": stored.key_id,
+               "previous_id": stored.previous_id, "input_items": json.dumps(stored.input_items),
+               "response": json.dumps(stored.response), "created_at": stored.created_at,
+               "expires_at": stored.expires_at}
+        with self.engine.begin() as conn:
+            conn.execute(r.delete().where(sa.or_(r.c.id == stored.id, r.c.expires_at < now)))
+            conn.execute(r.insert().values(**row))
+
+    def get_response(self, response_id: str, tenant_id: str) -> StoredResponse | None:
+        r = self.responses
+        with self.engine.connect() as conn:
+            row = conn.execute(r.select().where(*self._response_is(response_id, tenant_id))
+                               ).first()
+        if row is None:
+            return None
+        return StoredResponse(row.id, row.tenant_id, row.key_id, row.previous_id,
+                              json.loads(row.input_items), json.loads(row.response),
+                              row.created_at, row.expires_at)
+
+    def delete_response(self, response_id: str, tenant_id: str) -> bool:
+        with self.engine.begin() as conn:
+            result = conn.execute(self.responses.delete().where(
+                *self._response_is(response_id, tenant_id)))
+        return bool(result.rowcount)
+
+    def _response_is(self, response_id: str, tenant_id: str) -> list[Any]:
+        r = self.responses
+        return [r.c.id == response_id, r.c.tenant_id == tenant_id,
+                sa.or_(r.c.expires_at.is_(None), r.c.expires_at >= time.time())]
 
     def drop_all(self) -> None:
         """Drop this store's tables (tests use it to clean up a per-run prefix), and the

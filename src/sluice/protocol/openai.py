@@ -136,7 +136,8 @@ INSTEAD: dict[str, str] = {
     **{f"guided_{kind}": f'vLLM removed it: use structured_outputs: {{"{kind}": ...}}'
        for kind in ("json", "regex", "choice", "grammar")},
     # the Responses API's (protocol/responses.py), which need a stored response
-    "previous_response_id": "this server stores no responses: send the whole "
+    "previous_response_id": "this server stores no responses (the sluice gateway does: "
+                            "`sluice serve`, `sluice gateway`): send the whole "
                             "conversation as input",
     "conversation": "this server stores no conversations: send the whole conversation "
                     "as input",

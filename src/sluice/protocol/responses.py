@@ -31,10 +31,13 @@ so the gateway counts, the router hashes and the worker templates one translatio
        "max_output_tokens")
     usage {input_tokens, output_tokens}    <-   usage {prompt_tokens, completion_tokens}
 
-sluice keeps no responses: `store` may only be false (or absent; the Response says
-`"store": false`; retrieving, deleting or cancelling one is a 404 saying so), and what
-needs a stored response or conversation (`previous_response_id`, `conversation`,
-`background`) is a 400 naming it, as are
+A worker (and a router) keeps no responses: `store` may only be false (or absent; the
+Response says `"store": false`; retrieving, deleting or cancelling one is a 404 saying
+so), and what needs a stored response or conversation (`previous_response_id`,
+`conversation`, `background`) is a 400 naming it. The gateway in front (`sluice serve`,
+`sluice gateway`) keeps them: it expands `previous_response_id` into the input, sends
+`store` false, stores the final Response and serves the stored-response routes
+(gateway/responses.py). Also a 400 naming it:
 hosted tools, images and files, and the `reasoning` settings. The stream is OpenAI's event
 sequence (`response.created`, `response.in_progress`, per output item
 `response.output_item.added`, its deltas (`response.reasoning_text.delta` for thinking)
@@ -83,8 +86,8 @@ STORED_PATHS = (PATH + "/{response_id}", PATH + "/{response_id}/cancel",
 
 def not_stored(response_id: str) -> NotFoundError:
     return NotFoundError(f"No response with id {response_id!r}: this server stores no "
-                         "responses (every response is store: false)", param="response_id",
-                         code="response_not_found")
+                         "responses (every response is store: false; the sluice gateway "
+                         "stores them)", param="response_id", code="response_not_found")
 
 
 class ResponsesModel(BaseModel):
@@ -155,7 +158,7 @@ class ResponsesRequest(InputTokensRequest):
     def _not_stored(cls, value: bool | None) -> bool | None:
         if value:  # its response id would be one that nothing can find
             raise ValueError("'store': true is not supported: this server keeps no "
-                             "responses; send 'store': false")
+                             "responses (the sluice gateway does); send 'store': false")
         return value
 
 
