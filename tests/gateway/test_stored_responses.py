@@ -209,8 +209,9 @@ async def test_bad_store_fields_are_400s(engine: Any, counter: PromptTokenCounte
                                          sqlite_store: SQLStore) -> None:
     gw = gateway_over_worker(engine, sqlite_store, counter)
     async with client_for(gw, new_key(sqlite_store)) as c:
-        for body, param in (({"store": "yes"}, "store"), ({"previous_response_id": 7},
-                                                          "previous_response_id")):
+        for body, param in (({"store": "yes"}, "store"),
+                            ({"previous_response_id": 7}, "previous_response_id"),
+                            ({"previous_response_id": "resp_1", "input": 7}, "input")):
             r = await c.post("/v1/responses", json={**TURN, "input": "x", **body})
             assert r.status_code == 400 and r.json()["error"]["param"] == param
         r = await c.get("/v1/responses/resp_1", params={"include": "x"})

@@ -126,8 +126,9 @@ class StoredResponses:
     async def prepare(self, payload: dict[str, Any], tenant_id: str,
                       endpoint: str) -> Conversation | None:
         """Expand `previous_response_id` into `payload["input"]` and send `store` false
-        (module docstring); None when the request needs nothing of the store (a store
-        of 0 days: the worker answers `store` and `previous_response_id` itself)."""
+        (module docstring); None when the request needs nothing of the store (`store`
+        false and no previous response; or a store of 0 days, where the worker answers
+        `store` itself)."""
         previous = payload.get("previous_response_id")
         asked = payload.get("store", True) if endpoint == PATH else False
         if not self.enabled:
@@ -142,9 +143,14 @@ class StoredResponses:
                                       param="previous_response_id")
         if asked not in (True, False, None):
             raise InvalidRequestError("'store' must be a boolean", param="store")
+        if asked is False and previous is None:
+            return None  # the request goes as it came, and nothing is kept
         conversation = Conversation(store=asked is not False, previous_id=previous,
                                     input_items=input_items(payload.get("input")))
         if previous is not None:
+            if not isinstance(conversation.input_items, list):
+                raise InvalidRequestError("'input' must be a string or a list of input items",
+                                          param="input")
             history = await asyncio.to_thread(self.history, previous, tenant_id)
             payload["input"] = history + conversation.input_items
             del payload["previous_response_id"]
