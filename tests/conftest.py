@@ -33,6 +33,20 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def thinker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with `<think>` and `</think>` added to its vocabulary, one token
+    each (as a reasoning model's tokenizer has them)."""
+    from transformers import AutoTokenizer
+
+    out = make_tiny_checkpoint(tmp_path_factory.mktemp("thinker"), "llama", vocab_size=49154)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    tok.add_tokens(["<think>", "</think>"])
+    assert len(tok) == 49154
+    tok.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
 

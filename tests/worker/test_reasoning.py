@@ -1,8 +1,9 @@
 """Reasoning parsers on plain text: the whole-output split, and a stream cut at every
 point giving the same split; then a worker with `--reasoning-parser` on the tiny model
 (whose random output never closes a thinking block): reasoning apart from content in
-JSON and in a stream, nothing on a constrained output, the fields absent without a
-parser, the flag checked."""
+JSON and in a stream, a constrained output all answer on an engine without the parser
+and thinking first on one with it, the fields absent without a parser, the flag
+checked."""
 
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ BODY = {"model": "tiny", "messages": [{"role": "user", "content": "Think."}], "m
 def test_a_worker_hands_the_thinking_out_as_reasoning(r1_url: str, server: Any) -> None:
     """deepseek_r1 on a model that never writes </think>: every token is thinking, the
     answer empty; the stream says the same; the text is the one a worker without a
-    parser answers as content. A JSON-constrained output is all answer."""
+    parser answers as content. A JSON-constrained output is all answer: this engine has
+    no reasoning parser, so its grammar holds from the first token."""
     plain = httpx.post(server.url + "/v1/chat/completions", json=BODY).json()
     text = plain["choices"][0]["message"]["content"]
     assert "reasoning" not in plain["choices"][0]["message"]  # no parser: no field
@@ -249,3 +251,40 @@ def test_reasoning_tokens_are_those_that_said_the_thinking() -> None:
     assert "".join(t for t, _ in said) == "Let me see."
     assert "".join(a for _, a in said) == "\n\nParis"
     assert job.reasoning_tokens == 3  # "Let", " me", " see.</" (held "</")
+
+
+def test_a_constrained_output_thinks_first_where_the_engine_waits_for_it(
+        thinker_dir: Any) -> None:
+    """A worker and its engine with the deepseek_r1 parser (`sluice worker
+    --reasoning-parser` sets both): a JSON-constrained chat answer thinks first; the
+    thinking is `reasoning`, the answer after `</think>` follows the schema. The tiny
+    model never closes the block by itself (all of it thinking, unconstrained); a bias on
+    `</think>` closes it at once (no thinking, the answer valid)."""
+    from sluice.engine.async_engine import AsyncEngine
+    from sluice.engine.config import EngineConfig
+
+    engine = AsyncEngine(EngineConfig.from_options(
+        str(thinker_dir), dtype="float32", num_kv_blocks=64, block_size=16,
+        max_model_len=512, max_num_seqs=4, reasoning_parser="deepseek_r1"))
+    srv = ServerThread(build_app(engine, WorkerConfig(served_model_names=("tiny",),
+                                                      reasoning_parser="deepseek_r1"))).start()
+    try:
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}},
+                  "required": ["a"]}
+        body = {**BODY, "max_tokens": 40, "ignore_eos": False, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+        end = engine.tokenizer.encode("</think>", add_special_tokens=False)
+        assert len(end) == 1
+        plain = httpx.post(srv.url + "/v1/chat/completions", json={
+            **BODY, "max_tokens": 10}).json()["choices"][0]["message"]
+        thought = httpx.post(srv.url + "/v1/chat/completions", json={
+            **body, "max_tokens": 10}).json()["choices"][0]
+        assert thought["finish_reason"] == "length" and thought["message"]["content"] is None
+        assert thought["message"]["reasoning"] == plain["reasoning"]  # unconstrained
+        closed = httpx.post(srv.url + "/v1/chat/completions", json={
+            **body, "logit_bias": {str(end[0]): 100}}).json()["choices"][0]
+        assert closed["finish_reason"] == "stop" and closed["message"]["reasoning"] is None
+        assert isinstance(json.loads(closed["message"]["content"])["a"], int)
+    finally:
+        srv.stop()
+        engine.shutdown()

@@ -133,6 +133,10 @@ class SchedulerConfig:
 # vLLM's names; auto: guidance where it can express the constraint, else xgrammar (see
 # sluice.engine.structured_output and docs/engine.md for why)
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
+# The reasoning parsers (the worker's `--reasoning-parser`, sluice.worker.reasoning), and
+# whether the output begins inside the thinking (the chat template opened it) or the
+# model opens it with `<think>` itself.
+REASONING_PARSERS = {"": False, "deepseek_r1": True, "qwen3": False}
 
 
 @dataclass(frozen=True)
@@ -141,12 +145,21 @@ class StructuredOutputsConfig:
     # A constraint still compiling after this long fails its request with a 400 (the
     # compile runs on a thread beside the step loop; other requests never wait for it).
     structured_outputs_compile_timeout: float = 10.0
+    # A reasoning model's thinking (vLLM's StructuredOutputsConfig.reasoning_parser: the
+    # worker's --reasoning-parser): a constrained output's grammar starts after
+    # `</think>`, so the model thinks first (structured_output.Thinking). "": from the
+    # first token.
+    reasoning_parser: str = ""
 
     def __post_init__(self) -> None:
         if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
             raise InvalidRequestError(
                 f"unsupported structured_outputs_backend {self.structured_outputs_backend!r} "
                 f"{STRUCTURED_OUTPUTS_BACKENDS}", param="structured_outputs_backend")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise InvalidRequestError(f"unknown reasoning_parser {self.reasoning_parser!r} "
+                                      f"{tuple(sorted(REASONING_PARSERS))}",
+                                      param="reasoning_parser")
         if not 0 < self.structured_outputs_compile_timeout < math.inf:  # nan too
             raise InvalidRequestError("structured_outputs_compile_timeout must be positive",
                                       param="structured_outputs_compile_timeout")

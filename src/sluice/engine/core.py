@@ -38,7 +38,7 @@ from sluice.engine.sequence import Request, Sequence
 from sluice.engine.spec_decode import PROPOSERS, SpecDecoder
 from sluice.engine.stats import EngineStats, IterationTokens
 from sluice.engine.step_log import StepLog
-from sluice.engine.structured_output import BACKENDS, StructuredOutputManager
+from sluice.engine.structured_output import BACKENDS, StructuredOutputManager, ThinkingMarkers
 from sluice.engine.tokenizer import default_served_name
 from sluice.protocol.errors import InvalidRequestError, SluiceError
 from sluice.protocol.kv_events import KVEvent
@@ -81,8 +81,11 @@ class EngineCore:
                                      "num_layers", 0),
                              {k: list(v) for k, v in
                               getattr(self.runner, "lora_shapes", {}).items()},
-                             config.scheduler.scheduling_policy)
-        self.structured = StructuredOutputManager(config.structured, self._grammar_backend)
+                             config.scheduler.scheduling_policy,
+                             config.structured.reasoning_parser)
+        self.structured = StructuredOutputManager(
+            config.structured, self._grammar_backend,
+            ThinkingMarkers.of(self.tokenizer, config.structured.reasoning_parser))
         self.requests: dict[str, Request] = {}
         self.failed: list[tuple[str, SluiceError]] = []  # requests the core refused after add
         self._next_seq_id = 0

@@ -83,6 +83,9 @@ class CoreInfo:
     num_layers: int = 0
     lora_shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # (in, out)
     scheduling_policy: str = "priority"  # under fcfs the front end refuses a priority
+    # a reasoning model's: its constrained outputs' grammar starts after the thinking, so
+    # the front end hands their thinking out as reasoning too
+    reasoning_parser: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,6 +64,9 @@ class Sequence:
     num_preemptions: int = 0
     num_prefill_chunks: int = 0  # chunks scheduled before the first token (traces)
     grammar: Any = None  # structured output: this sequence's matcher (structured_output.py)
+    # a reasoning model's: while set, the grammar waits for the thinking to end
+    # (structured_output.Thinking); None: the grammar holds (or there is none)
+    thinking: Any = None
     lora: LoRARequest | None = None  # multi-LoRA: the adapter it runs with
     adapter: LoRAAdapter | None = None  # its weights (held while the sequence lives)
     # keys its KV in the prefix cache beside the tokens: the adapter's content hash

@@ -368,8 +368,14 @@ class _Candidate:
 
 def grammatical(seq: Sequence, draft: list[int]) -> list[int]:
     """`draft` up to the first token `seq`'s grammar refuses (and before a stop token):
-    a refused draft could never be accepted, so verifying it wastes its rows."""
-    return draft if seq.grammar is None else draft[:draftable(seq.grammar, draft)]
+    a refused draft could never be accepted, so verifying it wastes its rows. A reasoning
+    model's thinking is not the grammar's: only draft tokens after its end tag are."""
+    if seq.grammar is None:
+        return draft
+    answer = 0 if seq.thinking is None else seq.thinking.answer_from(seq, draft)
+    if answer is None:
+        return draft
+    return draft[:answer + draftable(seq.grammar, draft[answer:])]
 
 
 def expected_accepted(rate: float, size: int) -> float:

@@ -16,6 +16,14 @@ gets the mask of the state after drafts 1..i (`GrammarBackend.mask` fills a row,
 a draft, and at the end rolls the matcher back), and `draftable` cuts a draft where
 the grammar refuses it before it is verified.
 
+A reasoning model's constrained output (`reasoning_parser`, the worker's
+`--reasoning-parser`) thinks first, as in vLLM: while a sequence is `Thinking` its rows
+are not masked and its matcher does not advance; the token that completes `</think>`
+ends the thinking, and the grammar holds from the next one (`ThinkingMarkers`: where
+the thinking starts is the parser's: in the prompt for deepseek_r1, at the model's own
+`<think>` for qwen3, whose first token is then the grammar's or that tag; a prompt that
+already closed the block, Qwen3's `enable_thinking: false`, starts with the grammar).
+
 A matcher belongs to its `Sequence` and advances only on tokens the sequence keeps, so
 preemption (recompute) and `n > 1` need nothing more: recomputing a preempted
 sequence's KV re-reads tokens its matcher has already accepted.
@@ -51,11 +59,12 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from collections.abc import Sequence as Tokens
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from sluice.engine.config import StructuredOutputsConfig
+from sluice.engine.config import REASONING_PARSERS, StructuredOutputsConfig
 from sluice.engine.sampling_params import StructuredOutputsParams
 from sluice.protocol.errors import InvalidRequestError, SluiceError
 
@@ -171,6 +180,81 @@ class GrammarBackend(abc.ABC):
             if n:
                 matcher.rollback(n)
         self.apply(logits, bitmask, index)
+
+
+# ------------------------------------------------------------------ reasoning models
+
+THINK_START, THINK_END = "<think>", "</think>"
+PROMPT_TAIL = 8  # tokens at the end of a prompt where a closed thinking block is seen
+
+
+@dataclass(frozen=True)
+class ThinkingMarkers:
+    """The tags around a reasoning model's thinking, in its tokenizer's ids (a reasoning
+    model's are one special token each; where they are several, they are matched as
+    this tokenizer spells them alone)."""
+
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+    opened_in_prompt: bool  # deepseek_r1: the output begins inside the thinking
+
+    @classmethod
+    def of(cls, tokenizer: Any, parser: str) -> ThinkingMarkers | None:
+        if not parser:
+            return None
+        return cls(tuple(tokenizer.encode(THINK_START, add_special_tokens=False)),
+                   tuple(tokenizer.encode(THINK_END, add_special_tokens=False)),
+                   REASONING_PARSERS[parser])
+
+    def at_start(self, prompt: Tokens[int]) -> Thinking | None:
+        """A new constrained sequence's state: thinking (the prompt opened the block),
+        deciding at its first token (the model opens it), or None: the grammar from the
+        first token (the prompt closed the block, or the model's one-token opening tag
+        is not one token here)."""
+        tail = list(prompt[-PROMPT_TAIL:])
+        ended, started = _last(tail, self.end), _last(tail, self.start)
+        if ended is not None and (started is None or ended > started):
+            return None
+        if self.opened_in_prompt:
+            return Thinking(self, "think")
+        return Thinking(self, "start") if len(self.start) == 1 else None
+
+    def closes(self, tokens: list[int], upto: int, draft: Tokens[int] = ()) -> int | None:
+        """How many of `draft`'s tokens, after `tokens[:upto]`, it takes to complete the
+        end tag (0: `tokens[:upto]` ends with it), or None."""
+        n = len(self.end)
+        for k in range(len(draft) + 1):
+            if (draft[k - 1] if k else tokens[upto - 1] if upto else None) != self.end[-1]:
+                continue
+            if tuple([*tokens[max(0, upto - n + k):upto], *draft[:k]][-n:]) == self.end:
+                return k
+        return None
+
+
+def _last(tokens: list[int], tag: tuple[int, ...]) -> int | None:
+    """Where the last occurrence of `tag` in `tokens` ends, or None."""
+    n = len(tag)
+    for end in range(len(tokens), n - 1, -1):
+        if tuple(tokens[end - n:end]) == tag:
+            return end
+    return None
+
+
+@dataclass
+class Thinking:
+    """A constrained sequence of a reasoning model while its grammar waits (module
+    docstring): `phase` "think" until the end tag, or "start" at the first token, which
+    is the grammar's or the opening tag (allowed beside the grammar's tokens)."""
+
+    markers: ThinkingMarkers
+    phase: str
+
+    def answer_from(self, seq: Sequence, draft: Tokens[int]) -> int | None:
+        """Where the answer starts in `draft` (the grammar's part): the draft tokens after
+        the end tag, or None if it is all thinking."""
+        if self.phase == "start":
+            return 0
+        return self.markers.closes(seq.token_ids, len(seq.token_ids), draft)
 
 
 # --------------------------------------------------------------------------- xgrammar
@@ -803,7 +887,9 @@ class StructuredOutputManager:
     this object's own executor)."""
 
     def __init__(self, config: StructuredOutputsConfig,
-                 make_backend: Callable[[str], GrammarBackend]) -> None:
+                 make_backend: Callable[[str], GrammarBackend],
+                 thinking: ThinkingMarkers | None = None) -> None:
+        self.thinking = thinking  # a reasoning model's tags: its grammar starts after them
         self.timeout = config.structured_outputs_compile_timeout
         self.backend_name = config.structured_outputs_backend
         self._make_backend = make_backend
@@ -892,7 +978,12 @@ class StructuredOutputManager:
         for seq in request.seqs:
             seq.grammar = compiled.backend.matcher(compiled.grammar)
             self._owners[type(seq.grammar)] = compiled.backend
-            for token in seq.output_token_ids:
+            if self.thinking is not None:
+                seq.thinking = self.thinking.at_start(seq.token_ids[:seq.num_prompt_tokens])
+            for at in range(seq.num_prompt_tokens, seq.num_tokens):
+                token = seq.token_ids[at]
+                if not self._answer(seq, token, at + 1):
+                    continue
                 if not seq.grammar.accept_token(token):
                     params = request.params.structured_outputs
                     return InvalidRequestError(
@@ -925,28 +1016,65 @@ class StructuredOutputManager:
         len(draft) + 1 verify rows, each masked in the grammar state after the drafts
         before it (`GrammarBackend.mask`); matchers end where they began."""
         drafts = drafts or {}
-        by_backend: dict[GrammarBackend, tuple[list[Sequence], list[int]]] = {}
+        by_backend: dict[GrammarBackend, tuple[list[Sequence], list[int], list[list[int]]]] = {}
+        opening: list[tuple[int, int]] = []  # (row, token): a first token that may open thinking
         row = 0
         for seq in seqs:  # one batched fill per backend (one, unless auto mixes them)
-            if seq.grammar is not None:
-                own, rows = by_backend.setdefault(self._owners[type(seq.grammar)], ([], []))
+            walk = drafts.get(seq, [])
+            answer = 0 if seq.thinking is None else seq.thinking.answer_from(seq, walk)
+            if seq.grammar is not None and answer is not None:  # rows of the answer
+                own, rows, walks = by_backend.setdefault(self._owners[type(seq.grammar)],
+                                                         ([], [], []))
                 own.append(seq)
-                rows.append(row)
-            row += len(drafts.get(seq, ())) + 1
+                rows.append(row + answer)
+                walks.append(walk[answer:])
+                if seq.thinking is not None and seq.thinking.phase == "start":
+                    opening.append((row, seq.thinking.markers.start[0]))
+            row += len(walk) + 1
         if not by_backend:
             return
         start = time.perf_counter()
-        for backend, (own, rows) in by_backend.items():
-            walks = [drafts.get(s, []) for s in own] if drafts else None
-            backend.mask(logits, [s.grammar for s in own], rows, walks)
+        kept = [(r, t, float(logits[r, t])) for r, t in opening]
+        for backend, (own, rows, walks) in by_backend.items():
+            backend.mask(logits, [s.grammar for s in own], rows, walks if drafts else None)
+        if kept:
+            import torch
+
+            with torch.inference_mode():  # (the forward's logits are inference tensors)
+                for r, t, value in kept:
+                    logits[r, t] = value
         self.mask_samples.append((time.perf_counter() - start,
-                                  sum(len(rows) for _, rows in by_backend.values())))
+                                  sum(len(rows) for _, rows, _ in by_backend.values())))
+
+    def accept(self, seq: Sequence, token: int) -> InvalidRequestError | None:
+        """Advance the sequence's matcher on the token just appended (unless it is still
+        thinking, `_answer`); the error to fail the request with when the grammar refuses
+        the token (the mask allowed it: a backend's own limit, such as llguidance's lexer
+        on `a{1000000}`, or a vocabulary that outgrew the tokenizer's)."""
+        if seq.thinking is not None and not self._answer(seq, token, seq.num_tokens):
+            return None
+        return self.take(seq, token)
 
     @staticmethod
-    def accept(seq: Sequence, token: int) -> InvalidRequestError | None:
-        """Advance the sequence's matcher; the error to fail the request with when the
-        grammar refuses the token (the mask allowed it: a backend's own limit, such as
-        llguidance's lexer on `a{1000000}`, or a vocabulary that outgrew the tokenizer's)."""
+    def _answer(seq: Sequence, token: int, upto: int) -> bool:
+        """Whether `token` (ending `seq.token_ids[:upto]`) is the answer's, for the
+        grammar; a thinking sequence's state moves on: a first token other than the
+        opening tag starts the answer, the end tag's last token ends the thinking."""
+        thinking = seq.thinking
+        if thinking is None:
+            return True
+        if thinking.phase == "start":
+            opened = token == thinking.markers.start[0]
+            seq.thinking = Thinking(thinking.markers, "think") if opened else None
+            return not opened
+        if upto - seq.num_prompt_tokens >= len(thinking.markers.end) and \
+                thinking.markers.closes(seq.token_ids, upto) == 0:
+            seq.thinking = None  # the answer, and the grammar, start with the next token
+        return False
+
+    @staticmethod
+    def take(seq: Sequence, token: int) -> InvalidRequestError | None:
+        """Advance the sequence's matcher on an answer token (`accept`)."""
         if seq.grammar.accept_token(token):
             return None
         log.error("grammar refused token %d of request %s", token, seq.request_id)

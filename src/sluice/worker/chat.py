@@ -149,8 +149,8 @@ async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_i
     parser = state.tool_parser if choice != "none" else None
     job = ChatJob(req, run, f"chatcmpl-{request_id}", model, state, num_logprobs, parser,
                   completion_tokens=len(resumed or ()), resumed=resumed is not None,
-                  reasoning=state.reasoning_parser if params.structured_outputs is None
-                  else None, reasoning_fields=state.reasoning_parser is not None)
+                  reasoning=state.reasoning_for(params),
+                  reasoning_fields=state.reasoning_parser is not None)
     if parser is not None and req.stream:
         job.tools = _StreamedTools(parser, req.parallel_tool_calls)
     if resumed is not None:

@@ -210,7 +210,9 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
                    help="a reasoning model's thinking (<think>...</think>) as the chat "
                         "message's `reasoning`, apart from its `content`: deepseek_r1 where "
                         "the chat template opens the thinking in the prompt, qwen3 where "
-                        "the model writes <think> itself (default: none)")
+                        "the model writes <think> itself; a constrained output (a schema, "
+                        "a forced tool call) thinks first, its grammar from after "
+                        "</think> (default: none)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template replacing the model's own (default: the "
                         "model's; for tools, sluice's ChatML tool template when the model's "
@@ -233,6 +235,8 @@ def engine_config(args: argparse.Namespace) -> Any:
                if getattr(args, k, None) is not None}
     if getattr(args, "served_model_name", None):  # `sluice serve` has no such flag
         options["served_model_name"] = args.served_model_name[0]
+    if getattr(args, "reasoning_parser", None):  # constrained outputs think first
+        options["reasoning_parser"] = args.reasoning_parser
     return EngineConfig.from_options(args.model, **options)
 
 

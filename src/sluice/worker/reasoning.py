@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sluice.engine.config import REASONING_PARSERS as ENGINE_PARSERS
+
 START, END = "<think>", "</think>"
 
 
@@ -92,5 +94,7 @@ def _partial_tag(text: str, tag: str) -> int:
     return 0
 
 
-REASONING_PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", opened_in_prompt=True),
-                     "qwen3": ReasoningParser("qwen3", opened_in_prompt=False)}
+# one table with the engine's, which starts a constrained output's grammar after the
+# thinking (engine.structured_output.Thinking)
+REASONING_PARSERS = {name: ReasoningParser(name, opened_in_prompt=opened)
+                     for name, opened in ENGINE_PARSERS.items() if name}

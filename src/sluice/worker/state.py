@@ -19,12 +19,13 @@ from sluice.worker.generation import Admission
 from sluice.worker.lora import LoRARegistry
 from sluice.worker.metrics import WorkerMetrics
 from sluice.worker.pd import PDCollector, PDRole
-from sluice.worker.reasoning import REASONING_PARSERS
+from sluice.worker.reasoning import REASONING_PARSERS, ReasoningParser
 from sluice.worker.tool_parsers import get_tool_parser
 
 if TYPE_CHECKING:
     from sluice.engine.async_engine import AsyncEngine
     from sluice.engine.lora import LoRARequest
+    from sluice.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("sluice.worker")
 
@@ -57,6 +58,18 @@ class WorkerState:
                                            "--generation-config vllm"))
         for name, path in self.config.lora_modules:  # --lora-modules: a bad one stops start-up
             self.loras.add(name, path)
+
+    def reasoning_for(self, params: SamplingParams) -> ReasoningParser | None:
+        """The parser that splits a request's output into thinking and answer: the
+        worker's, unless the output is constrained and its engine holds the grammar from
+        the first token (an engine without the same `reasoning_parser`): all answer then."""
+        if params.structured_outputs is None:
+            return self.reasoning_parser
+        info = self.require_engine().inputs.info
+        if self.reasoning_parser is not None and \
+                info.reasoning_parser == self.reasoning_parser.name:
+            return self.reasoning_parser
+        return None
 
     @property
     def ready(self) -> bool:
