@@ -238,3 +238,27 @@ def test_the_store_keeps_responses_per_tenant_until_they_expire(any_store: SQLSt
     with any_store.engine.connect() as conn:
         rows = conn.execute(any_store.responses.select()).all()
     assert [row.id for row in rows] == ["resp_c"]
+
+
+async def test_a_store_that_fails_is_a_503(engine: Any, counter: PromptTokenCounter,
+                                           sqlite_store: SQLStore,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A database error reading a stored response is OpenAI's 503 saying so, not a bare
+    500; a failed save is logged and the client keeps its answer."""
+    import sqlalchemy as sa
+
+    def down(*args: Any) -> Any:
+        raise sa.exc.OperationalError("SELECT", {}, Exception("connection refused"))
+
+    gw = gateway_over_worker(engine, sqlite_store, counter)
+    async with client_for(gw, new_key(sqlite_store)) as c:
+        monkeypatch.setattr(sqlite_store, "save_response", down)
+        r = await c.post("/v1/responses", json={**TURN, "input": "x"})
+        assert r.status_code == 200 and r.json()["store"] is True
+        monkeypatch.setattr(sqlite_store, "get_response", down)
+        for r in (await c.get("/v1/responses/resp_1"),
+                  await c.post("/v1/responses", json={**TURN, "input": "x",
+                                                      "previous_response_id": "resp_1"})):
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "response_store_unavailable"
+            assert "Retry-After" in r.headers

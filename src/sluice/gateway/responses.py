@@ -36,13 +36,18 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl
 
 from sluice.gateway.store import Store, StoredResponse
-from sluice.protocol.errors import InvalidRequestError, NotFoundError, SluiceError
+from sluice.protocol.errors import (
+    InvalidRequestError,
+    NotFoundError,
+    ServiceUnavailableError,
+    SluiceError,
+)
 from sluice.protocol.responses import INPUT_TOKENS_PATH, PATH, new_id
 
 # The requests whose `previous_response_id` the gateway expands (the input-token count
@@ -54,6 +59,7 @@ _ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output":
                 "reasoning": "rs"}
 _END_STATUSES = ("completed", "incomplete", "failed")
 MAX_CHAIN = 10_000  # responses in one conversation
+T = TypeVar("T")
 
 
 def stored_route(path: str) -> str | None:
@@ -151,7 +157,7 @@ class StoredResponses:
             if not isinstance(conversation.input_items, list):
                 raise InvalidRequestError("'input' must be a string or a list of input items",
                                           param="input")
-            history = await asyncio.to_thread(self.history, previous, tenant_id)
+            history = await self._db(self.history, previous, tenant_id)
             payload["input"] = history + conversation.input_items
             del payload["previous_response_id"]
         if conversation.store:
@@ -194,8 +200,20 @@ class StoredResponses:
         stored = StoredResponse(response["id"], tenant_id, key_id, conversation.previous_id,
                                 conversation.input_items, response, created_at=at,
                                 expires_at=at + self.retention_s)
-        await asyncio.to_thread(self.store.save_response, stored)
+        await self._db(self.store.save_response, stored)
         return True
+
+    async def _db(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on a worker thread; a database that fails is a 503 saying so (a
+        `SluiceError`, such as a 404, passes as it is)."""
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except SluiceError:
+            raise
+        except Exception as exc:
+            raise ServiceUnavailableError(
+                f"the gateway's response store is unreachable ({type(exc).__name__}); "
+                "retry shortly", code="response_store_unavailable") from exc
 
     # -- the routes --------------------------------------------------------------------
 
@@ -213,7 +231,7 @@ class StoredResponses:
             return (await self._find(response_id, tenant_id)).response
         if action == ("DELETE", ""):
             _only(params, {})
-            if not await asyncio.to_thread(self.store.delete_response, response_id, tenant_id):
+            if not await self._db(self.store.delete_response, response_id, tenant_id):
                 raise _not_found(response_id)
             return {"id": response_id, "object": "response.deleted", "deleted": True}
         if action == ("GET", "/input_items"):
@@ -228,7 +246,7 @@ class StoredResponses:
         raise error
 
     async def _find(self, response_id: str, tenant_id: str) -> StoredResponse:
-        stored = await asyncio.to_thread(self.store.get_response, response_id, tenant_id)
+        stored = await self._db(self.store.get_response, response_id, tenant_id)
         if stored is None:
             raise _not_found(response_id)
         return stored
@@ -243,7 +261,7 @@ class StoredResponses:
         stored = await self._find(response_id, tenant_id)
         items = stored.input_items
         if stored.previous_id is not None:
-            items = await asyncio.to_thread(self.history, stored.previous_id, tenant_id) + items
+            items = await self._db(self.history, stored.previous_id, tenant_id) + items
         if params.get("order", "desc") == "desc":
             items = items[::-1]
         ids = [item.get("id") if isinstance(item, dict) else None for item in items]
