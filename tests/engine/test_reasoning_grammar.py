@@ -188,3 +188,76 @@ def test_the_end_tag_is_found_across_a_draft() -> None:
     assert markers.closes([1, 2], 2, [4, 8, 9, 5]) == 3
     assert markers.closes([1, 2], 2, [4, 8, 5, 9]) is None
     assert ThinkingMarkers.of(_Tok(), "") is None
+
+
+def test_a_thinking_budget_writes_the_end_tag_when_it_is_spent(
+        r1: LLM, thinker_dir: Path, tags: tuple[int, int]) -> None:
+    """`thinking_token_budget` (vLLM's): after that many thinking tokens the end tag is
+    written for the model; then its answer (the grammar's, for a constrained one)."""
+    start, end = tags
+    free = run(r1, "Why?", max_tokens=10)
+    assert end not in free.token_ids  # the tiny model never closes the block itself
+    for budget in (0, 3):
+        out = run(r1, "Why?", max_tokens=10, thinking_token_budget=budget)
+        assert out.token_ids[:budget] == free.token_ids[:budget]
+        assert out.token_ids[budget] == end and end not in out.token_ids[budget + 1:]
+    out = run(r1, "Why?", max_tokens=10, thinking_token_budget=2, structured_outputs=CHOICE)
+    assert out.token_ids[:2] == free.token_ids[:2] and out.token_ids[2] == end
+    assert r1.get_tokenizer().decode(out.token_ids[3:]) in ("yes", "no")
+    assert run(r1, "Why?", max_tokens=10, thinking_token_budget=-1).token_ids == free.token_ids
+    # qwen3: counted from after the opening tag (a bias writes the tag, and then again
+    # as thinking, until the budget closes it)
+    llm = make(thinker_dir, "qwen3")
+    try:
+        out = run(llm, "Why?", max_tokens=10, thinking_token_budget=2,
+                  structured_outputs=CHOICE, logit_bias={start: 90.0})
+        assert out.token_ids[:4] == [start, start, start, end]
+        assert llm.get_tokenizer().decode(out.token_ids[4:]) in ("yes", "no")
+    finally:
+        llm.shutdown()
+
+
+def test_a_budget_needs_a_reasoning_parser(thinker_dir: Path) -> None:
+    from sluice.protocol.errors import InvalidRequestError
+
+    llm = make(thinker_dir)
+    try:
+        with pytest.raises(InvalidRequestError) as err:
+            run(llm, "Why?", thinking_token_budget=4)
+        assert err.value.param == "thinking_token_budget"
+    finally:
+        llm.shutdown()
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(thinking_token_budget=-2)
+    assert err.value.param == "thinking_token_budget"
+
+
+def test_a_budget_holds_under_speculation_and_resumption(thinker_dir: Path,
+                                                         tags: tuple[int, int]) -> None:
+    """Drafts stop short of the budget (the row where it is spent writes the end tag),
+    so speculation gives plain decoding's tokens; a resumed request counts the thinking
+    it already did."""
+    _, end = tags
+    llm = make(thinker_dir, "deepseek_r1", speculative_config=NGRAM)
+    try:
+        core = llm.engine.core
+        spec, core.spec = core.spec, None
+        free = run(llm, "Why?", max_tokens=12)
+        want = run(llm, "Why?", max_tokens=12, thinking_token_budget=5)
+        assert want.token_ids[:5] == free.token_ids[:5] and want.token_ids[5] == end
+        proposer = FixedProposer(free.token_ids[1:8])  # right for a while, then wrong
+        core.spec = decoder(core, "ngram", proposer, k=4)
+        got = run(llm, "Why?", max_tokens=12, thinking_token_budget=5)
+        assert got.token_ids == want.token_ids
+        assert proposer.calls >= 1 and core.spec.num_accepted_tokens >= 1
+        core.spec = spec
+    finally:
+        llm.shutdown()
+    engine = thinker_engine(thinker_dir, "deepseek_r1")
+    try:
+        out = resume(engine, engine.tokenizer.encode("Why?", add_special_tokens=False),
+                     free.token_ids[:3], SamplingParams(temperature=0, max_tokens=12,
+                                                        thinking_token_budget=5))
+        assert out.token_ids[:5] == free.token_ids[:5] and out.token_ids[5] == end
+    finally:
+        engine.shutdown()

@@ -253,38 +253,72 @@ def test_reasoning_tokens_are_those_that_said_the_thinking() -> None:
     assert job.reasoning_tokens == 3  # "Let", " me", " see.</" (held "</")
 
 
-def test_a_constrained_output_thinks_first_where_the_engine_waits_for_it(
-        thinker_dir: Any) -> None:
+@pytest.fixture(scope="module")
+def thinker(thinker_dir: Any) -> Iterator[tuple[Any, str]]:
     """A worker and its engine with the deepseek_r1 parser (`sluice worker
-    --reasoning-parser` sets both): a JSON-constrained chat answer thinks first; the
-    thinking is `reasoning`, the answer after `</think>` follows the schema. The tiny
-    model never closes the block by itself (all of it thinking, unconstrained); a bias on
-    `</think>` closes it at once (no thinking, the answer valid)."""
+    --reasoning-parser` sets both), on the tiny model whose tokenizer has the tags."""
     from sluice.engine.async_engine import AsyncEngine
     from sluice.engine.config import EngineConfig
 
     engine = AsyncEngine(EngineConfig.from_options(
-        str(thinker_dir), dtype="float32", num_kv_blocks=64, block_size=16,
-        max_model_len=512, max_num_seqs=4, reasoning_parser="deepseek_r1"))
+        str(thinker_dir), dtype="float32", num_kv_blocks=256, block_size=16,
+        max_model_len=2048, max_num_seqs=4, reasoning_parser="deepseek_r1"))
     srv = ServerThread(build_app(engine, WorkerConfig(served_model_names=("tiny",),
                                                       reasoning_parser="deepseek_r1"))).start()
-    try:
-        schema = {"type": "object", "properties": {"a": {"type": "integer"}},
-                  "required": ["a"]}
-        body = {**BODY, "max_tokens": 40, "ignore_eos": False, "response_format": {
-            "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
-        end = engine.tokenizer.encode("</think>", add_special_tokens=False)
-        assert len(end) == 1
-        plain = httpx.post(srv.url + "/v1/chat/completions", json={
-            **BODY, "max_tokens": 10}).json()["choices"][0]["message"]
-        thought = httpx.post(srv.url + "/v1/chat/completions", json={
-            **body, "max_tokens": 10}).json()["choices"][0]
-        assert thought["finish_reason"] == "length" and thought["message"]["content"] is None
-        assert thought["message"]["reasoning"] == plain["reasoning"]  # unconstrained
-        closed = httpx.post(srv.url + "/v1/chat/completions", json={
-            **body, "logit_bias": {str(end[0]): 100}}).json()["choices"][0]
-        assert closed["finish_reason"] == "stop" and closed["message"]["reasoning"] is None
-        assert isinstance(json.loads(closed["message"]["content"])["a"], int)
-    finally:
-        srv.stop()
-        engine.shutdown()
+    yield engine, srv.url
+    srv.stop()
+    engine.shutdown()
+
+
+def test_a_thinking_budget_ends_the_thinking_for_the_model(thinker: tuple[Any, str],
+                                                           server: Any) -> None:
+    """vLLM's `thinking_token_budget` on chat: that many tokens of reasoning, then the
+    answer (the model's `</think>` written for it), in JSON and in a stream; Anthropic's
+    `thinking.budget_tokens` is the same budget; a worker without a parser refuses it."""
+    engine, url = thinker
+    body = {**BODY, "max_tokens": 8, "thinking_token_budget": 3}
+    got = httpx.post(url + "/v1/chat/completions", json=body).json()
+    message, usage = got["choices"][0]["message"], got["usage"]
+    assert message["reasoning"] and message["content"]
+    assert len(engine.tokenizer.encode(message["reasoning"], add_special_tokens=False)) == 3
+    assert usage["completion_tokens"] == 8
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": 3}
+    with httpx.stream("POST", url + "/v1/chat/completions",
+                      json={**body, "stream": True}) as resp:
+        deltas = [json.loads(line[5:])["choices"][0]["delta"] for line in resp.iter_lines()
+                  if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+    assert "".join(d.get("reasoning") or "" for d in deltas) == message["reasoning"]
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+    anthropic = httpx.post(url + "/v1/messages", json={
+        "model": "tiny", "max_tokens": 1030, "messages": BODY["messages"], "temperature": 0,
+        "thinking": {"type": "enabled", "budget_tokens": 1024}}).json()
+    assert [b["type"] for b in anthropic["content"]] == ["thinking", "text"]
+    assert anthropic["usage"]["output_tokens"] <= 1030 and anthropic["content"][1]["text"]
+    refused = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "thinking_token_budget"
+
+
+def test_a_constrained_output_thinks_first_where_the_engine_waits_for_it(
+        thinker: tuple[Any, str]) -> None:
+    """A JSON-constrained chat answer on a worker whose engine knows the parser thinks
+    first; the thinking is `reasoning`, the answer after `</think>` follows the schema.
+    The tiny model never closes the block by itself (all of it thinking, unconstrained);
+    a bias on `</think>` closes it at once (no thinking, the answer valid)."""
+    engine, url = thinker
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}},
+              "required": ["a"]}
+    body = {**BODY, "max_tokens": 40, "ignore_eos": False, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+    end = engine.tokenizer.encode("</think>", add_special_tokens=False)
+    assert len(end) == 1
+    plain = httpx.post(url + "/v1/chat/completions", json={
+        **BODY, "max_tokens": 10}).json()["choices"][0]["message"]
+    thought = httpx.post(url + "/v1/chat/completions", json={
+        **body, "max_tokens": 10}).json()["choices"][0]
+    assert thought["finish_reason"] == "length" and thought["message"]["content"] is None
+    assert thought["message"]["reasoning"] == plain["reasoning"]  # unconstrained
+    closed = httpx.post(url + "/v1/chat/completions", json={
+        **body, "logit_bias": {str(end[0]): 100}}).json()["choices"][0]
+    assert closed["finish_reason"] == "stop" and closed["message"]["reasoning"] is None
+    assert isinstance(json.loads(closed["message"]["content"])["a"], int)

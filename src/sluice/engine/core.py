@@ -213,6 +213,8 @@ class EngineCore:
             seq.logprobs, seq.cumulative_logprob = [], 0.0
         if params.prompt_logprobs is not None and index == 0 and not req.num_output_tokens:
             seq.prompt_logprobs = [None]  # the first token: nothing before it predicts it
+        if params.thinking_token_budget is not None and params.structured_outputs is None:
+            self.structured.begin_thinking(seq)  # (a grammar's sequences: once compiled)
         return seq
 
     def abort(self, request_id: str) -> None:
@@ -285,6 +287,7 @@ class EngineCore:
         """Each sampled sequence's new tokens: one, or a verified draft's 1..k+1. Grammar
         masks first, on every row (a drafted sequence's verify rows follow its draft)."""
         self.structured.mask(logits, sampled, drafts)
+        self.structured.force(logits, sampled, drafts)
         if self.spec is not None:
             return self.spec.sample(logits, sampled, drafts, self._sample_plain)
         return [[r] for r in self._sample_plain(logits, sampled)]
@@ -423,7 +426,7 @@ class EngineCore:
     def _append(self, request: Request, seq: Sequence, result: SampleResult) -> int:
         token = result.token_id
         seq.token_ids.append(token)
-        if seq.grammar is not None:
+        if seq.grammar is not None or seq.thinking is not None:
             error = self.structured.accept(seq, token)
             if error is not None:  # fail the request: every sequence ends, blocks freed
                 self.abort(request.request_id)

@@ -50,6 +50,11 @@ class InputProcessor:
         if params.structured_outputs is not None:
             check_constraint(params.structured_outputs, self.info.structured_outputs_backend)
         self.check_logit_bias(params)
+        if params.thinking_token_budget is not None and not self.info.reasoning_parser:
+            raise InvalidRequestError(
+                "thinking_token_budget needs a reasoning model's parser, to tell its "
+                "thinking (--reasoning-parser; offline, LLM(reasoning_parser=...))",
+                param="thinking_token_budget")
         arrival = time.time() if arrival_time is None else arrival_time
         if lora is not None and not self.info.enable_lora:
             raise InvalidRequestError(f"the model {lora.lora_name!r} is a LoRA adapter, but LoRA "

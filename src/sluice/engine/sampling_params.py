@@ -100,7 +100,7 @@ def _schema_text(schema: dict[str, Any] | bool) -> str:
 # Fields checked for their type before their range (a wrong type is a 400 naming the
 # field, not a TypeError from a comparison); ints and floats come out as Python's own.
 _INTS = ("n", "top_k", "min_tokens")
-_OPTIONAL_INTS = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
+_OPTIONAL_INTS = ("seed", "max_tokens", "logprobs", "prompt_logprobs", "thinking_token_budget")
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
            "repetition_penalty")
 _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
@@ -151,11 +151,17 @@ class SamplingParams:
     # do_remote_decode: hold the prompt's KV for a decode engine; do_remote_prefill: pull
     # it from the prefill engine named here before computing (sluice.engine.kv_transfer)
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's: a reasoning model thinks at most this many tokens; then its end tag is
+    # written for it (the engine's `reasoning_parser` says where thinking starts and
+    # ends; structured_output.Thinking). None (or -1): as long as it likes
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
         if self.top_k == 0:
             self.top_k = -1
+        if self.thinking_token_budget == -1:
+            self.thinking_token_budget = None
         self._validate()
 
     def _check_types(self) -> None:
@@ -228,6 +234,8 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
              "must be in [0, 20]"),
+            (self.thinking_token_budget is None or 0 <= self.thinking_token_budget < 2**31,
+             "thinking_token_budget", "must be -1 (no limit) or in [0, 2**31)"),
             (all(isinstance(s, str) and s for s in self.stop), "stop",
              "must be non-empty strings"),
             (all(0 <= t < 2**31 and -100.0 <= v <= 100.0

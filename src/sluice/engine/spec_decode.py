@@ -369,7 +369,12 @@ class _Candidate:
 def grammatical(seq: Sequence, draft: list[int]) -> list[int]:
     """`draft` up to the first token `seq`'s grammar refuses (and before a stop token):
     a refused draft could never be accepted, so verifying it wastes its rows. A reasoning
-    model's thinking is not the grammar's: only draft tokens after its end tag are."""
+    model's thinking is not the grammar's: only draft tokens after its end tag are; and
+    a thinking sequence with a `thinking_token_budget` drafts only short of it (the row
+    where it is spent writes the end tag: `StructuredOutputManager.force`)."""
+    room = seq.thinking.room if seq.thinking is not None else None
+    if room is not None:
+        draft = draft[:max(0, room - 1)]
     if seq.grammar is None:
         return draft
     answer = 0 if seq.thinking is None else seq.thinking.answer_from(seq, draft)

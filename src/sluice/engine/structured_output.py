@@ -206,7 +206,7 @@ class ThinkingMarkers:
                    tuple(tokenizer.encode(THINK_END, add_special_tokens=False)),
                    REASONING_PARSERS[parser])
 
-    def at_start(self, prompt: Tokens[int]) -> Thinking | None:
+    def at_start(self, prompt: Tokens[int], budget: int | None = None) -> Thinking | None:
         """A new constrained sequence's state: thinking (the prompt opened the block),
         deciding at its first token (the model opens it), or None: the grammar from the
         first token (the prompt closed the block, or the model's one-token opening tag
@@ -216,8 +216,8 @@ class ThinkingMarkers:
         if ended is not None and (started is None or ended > started):
             return None
         if self.opened_in_prompt:
-            return Thinking(self, "think")
-        return Thinking(self, "start") if len(self.start) == 1 else None
+            return Thinking(self, "think", budget)
+        return Thinking(self, "start", budget) if len(self.start) == 1 else None
 
     def closes(self, tokens: list[int], upto: int, draft: Tokens[int] = ()) -> int | None:
         """How many of `draft`'s tokens, after `tokens[:upto]`, it takes to complete the
@@ -242,12 +242,33 @@ def _last(tokens: list[int], tag: tuple[int, ...]) -> int | None:
 
 @dataclass
 class Thinking:
-    """A constrained sequence of a reasoning model while its grammar waits (module
-    docstring): `phase` "think" until the end tag, or "start" at the first token, which
-    is the grammar's or the opening tag (allowed beside the grammar's tokens)."""
+    """A reasoning model's sequence until its thinking ends, where its grammar waits or
+    its `thinking_token_budget` counts (module docstring): `phase` "think" until the end
+    tag, or "start" at the first token, which is the grammar's or the opening tag
+    (allowed beside the grammar's tokens)."""
 
     markers: ThinkingMarkers
     phase: str
+    budget: int | None = None  # thinking tokens allowed; then the end tag is forced
+    spent: int = 0  # thinking tokens so far
+
+    @property
+    def room(self) -> int | None:
+        """Thinking tokens left before the end tag is forced (None: no budget)."""
+        if self.budget is None or self.phase != "think":
+            return None
+        return max(0, self.budget - self.spent)
+
+    def forced(self, seq: Sequence) -> int | None:
+        """The token `seq` must write next: once the budget is spent, the end tag's next
+        token (after what of it the output already ends with); None: free."""
+        if self.room != 0:
+            return None
+        end = self.markers.end
+        for n in range(len(end) - 1, 0, -1):
+            if seq.num_output_tokens >= n and tuple(seq.token_ids[-n:]) == end[:n]:
+                return end[n]
+        return end[0]
 
     def answer_from(self, seq: Sequence, draft: Tokens[int]) -> int | None:
         """Where the answer starts in `draft` (the grammar's part): the draft tokens after
@@ -979,7 +1000,8 @@ class StructuredOutputManager:
             seq.grammar = compiled.backend.matcher(compiled.grammar)
             self._owners[type(seq.grammar)] = compiled.backend
             if self.thinking is not None:
-                seq.thinking = self.thinking.at_start(seq.token_ids[:seq.num_prompt_tokens])
+                seq.thinking = self.thinking.at_start(seq.token_ids[:seq.num_prompt_tokens],
+                                                      seq.params.thinking_token_budget)
             for at in range(seq.num_prompt_tokens, seq.num_tokens):
                 token = seq.token_ids[at]
                 if not self._answer(seq, token, at + 1):
@@ -990,6 +1012,16 @@ class StructuredOutputManager:
                         f"resumed token {token} does not match the constraint",
                         param=params.param if params else None)
         return None
+
+    def begin_thinking(self, seq: Sequence) -> None:
+        """An unconstrained sequence with a `thinking_token_budget`: its thinking state,
+        replayed over the tokens a resumed (migrated) request already generated."""
+        if self.thinking is None:
+            return
+        seq.thinking = self.thinking.at_start(seq.token_ids[:seq.num_prompt_tokens],
+                                              seq.params.thinking_token_budget)
+        for at in range(seq.num_prompt_tokens, seq.num_tokens):
+            self._answer(seq, seq.token_ids[at], at + 1)
 
     def wait(self, timeout: float) -> None:
         """Block until a pending compile finishes or `timeout` passes (an idle core
@@ -1046,6 +1078,28 @@ class StructuredOutputManager:
         self.mask_samples.append((time.perf_counter() - start,
                                   sum(len(rows) for _, rows, _ in by_backend.values())))
 
+    def force(self, logits: torch.Tensor, seqs: list[Sequence],
+              drafts: dict[Sequence, list[int]] | None = None) -> None:
+        """A thinking sequence whose `thinking_token_budget` is spent writes its end tag:
+        its row allows that token alone (its draft was cut short of the budget:
+        spec_decode.grammatical, so only its first row can be due)."""
+        drafts = drafts or {}
+        due: list[tuple[int, int]] = []
+        row = 0
+        for seq in seqs:
+            if seq.thinking is not None and (token := seq.thinking.forced(seq)) is not None:
+                due.append((row, token))
+            row += len(drafts.get(seq, ())) + 1
+        if not due:
+            return
+        import torch
+
+        with torch.inference_mode():  # (the forward's logits are inference tensors)
+            for r, token in due:
+                value = float(logits[r, token])
+                logits[r].fill_(float("-inf"))
+                logits[r, token] = value if value > float("-inf") else 0.0
+
     def accept(self, seq: Sequence, token: int) -> InvalidRequestError | None:
         """Advance the sequence's matcher on the token just appended (unless it is still
         thinking, `_answer`); the error to fail the request with when the grammar refuses
@@ -1053,7 +1107,7 @@ class StructuredOutputManager:
         on `a{1000000}`, or a vocabulary that outgrew the tokenizer's)."""
         if seq.thinking is not None and not self._answer(seq, token, seq.num_tokens):
             return None
-        return self.take(seq, token)
+        return self.take(seq, token) if seq.grammar is not None else None
 
     @staticmethod
     def _answer(seq: Sequence, token: int, upto: int) -> bool:
@@ -1065,11 +1119,15 @@ class StructuredOutputManager:
             return True
         if thinking.phase == "start":
             opened = token == thinking.markers.start[0]
-            seq.thinking = Thinking(thinking.markers, "think") if opened else None
+            thinking.phase = "think"
+            if not opened:
+                seq.thinking = None
             return not opened
         if upto - seq.num_prompt_tokens >= len(thinking.markers.end) and \
                 thinking.markers.closes(seq.token_ids, upto) == 0:
             seq.thinking = None  # the answer, and the grammar, start with the next token
+        else:
+            thinking.spent += 1
         return False
 
     @staticmethod

@@ -221,7 +221,8 @@ class ThinkingConfig(AnthropicModel):
     """Extended thinking. Enabled: a worker with a reasoning parser answers with its
     thinking as `thinking` blocks (its model thinks whether asked or not; a model that
     does not think gives none); `budget_tokens` is checked as Anthropic checks it (at
-    least 1,024, below max_tokens) but does not cut the thinking short."""
+    least 1,024, below max_tokens) and is the engine's `thinking_token_budget`: the
+    thinking ends there (`</think>` written for the model)."""
 
     type: Literal["enabled", "disabled"]
     budget_tokens: int | None = None
@@ -478,6 +479,8 @@ _TOOL_FIELDS = {"parameters": "input_schema", "name": "name", "description": "de
 def anthropic_param(param: str | None) -> str | None:
     """A parameter named by the OpenAI path (which serves /v1/messages after translation)
     as the Anthropic client wrote it: `tools.N.function.parameters` is `tools.N.input_schema`."""
+    if param == "thinking_token_budget":
+        return "thinking.budget_tokens"
     parts = (param or "").split(".")
     if len(parts) >= 4 and parts[0] == "tools" and parts[2] == "function" \
             and parts[3] in _TOOL_FIELDS:

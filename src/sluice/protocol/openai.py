@@ -408,6 +408,9 @@ class SamplingFields(OpenAIModel):
     # vLLM's: each prompt token's logprob and this many likeliest at its position, in the
     # response's `prompt_logprobs` (not with stream, as in vLLM)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # vLLM's: a reasoning model thinks at most this many tokens, then its `</think>` is
+    # written for it (a worker with --reasoning-parser; -1: no limit)
+    thinking_token_budget: int | None = Field(default=None, ge=-1, lt=2**31)
 
     def check_stream_options(self) -> None:
         """`stream_options` only with `stream: true` (OpenAI's API and vLLM refuse them

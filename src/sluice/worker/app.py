@@ -136,6 +136,8 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         body = await parse_body(request)
         req = parse_request(anthropic.MessagesRequest, anthropic.reject_unsupported(body))
         chat_body = anthropic.to_chat_body(req)
+        if req.thinking is not None and req.thinks and state.engine_thinks:
+            chat_body["thinking_token_budget"] = req.thinking.budget_tokens  # kept by the engine
         if (priority := header_priority(request, state)) is not None:
             chat_body["priority"] = priority
         try:

@@ -59,15 +59,20 @@ class WorkerState:
         for name, path in self.config.lora_modules:  # --lora-modules: a bad one stops start-up
             self.loras.add(name, path)
 
+    @property
+    def engine_thinks(self) -> bool:
+        """Whether the engine knows this worker's reasoning parser (`sluice worker
+        --reasoning-parser` gives it both): its grammars wait for the thinking, and a
+        `thinking_token_budget` is kept."""
+        info = self.require_engine().inputs.info
+        return self.reasoning_parser is not None and \
+            info.reasoning_parser == self.reasoning_parser.name
+
     def reasoning_for(self, params: SamplingParams) -> ReasoningParser | None:
         """The parser that splits a request's output into thinking and answer: the
         worker's, unless the output is constrained and its engine holds the grammar from
         the first token (an engine without the same `reasoning_parser`): all answer then."""
-        if params.structured_outputs is None:
-            return self.reasoning_parser
-        info = self.require_engine().inputs.info
-        if self.reasoning_parser is not None and \
-                info.reasoning_parser == self.reasoning_parser.name:
+        if params.structured_outputs is None or self.engine_thinks:
             return self.reasoning_parser
         return None
 
