@@ -312,17 +312,22 @@ def test_sluice_serve_and_sluice_gateway_build_the_gateway_from_the_same_flags(
     monkeypatch.setenv("SLUICE_HOME", str(tmp_path))
     common = ["--database-url", f"sqlite:///{tmp_path}/g.db", "--redis-url",
               "redis://127.0.0.1:6379/9", "--on-redis-error", "open", "--await-ledger",
-              "--ledger-batch-interval", "0.5", "--admin-key", "adm"]
+              "--ledger-batch-interval", "0.5", "--response-retention", "7",
+              "--admin-key", "adm"]
     served = gateway_config(parse(*common))
     argv = ["gateway", "--upstream", "http://127.0.0.1:1", *common]
     gateway = gateway_config(build_parser(argv).parse_args(argv))
     assert served == gateway
     assert (served.await_ledger, served.ledger_batch_interval_s) == (True, 0.5)
+    assert served.response_retention_s == 7 * 86400
     assert (served.limiter.redis_url, served.limiter.on_redis_error) == (
         "redis://127.0.0.1:6379/9", "open")
     defaults = gateway_config(parse())
     assert (defaults.await_ledger, defaults.ledger_batch_interval_s) == (False, 0.02)
-    for bad in ("11", "-1", "soon"):
+    assert defaults.response_retention_s == 30 * 86400
+    for flag, bad in (("--ledger-batch-interval", "11"), ("--ledger-batch-interval", "-1"),
+                      ("--ledger-batch-interval", "soon"), ("--response-retention", "-1"),
+                      ("--response-retention", "forever")):
         with pytest.raises(SystemExit) as exit_:
-            parse("--ledger-batch-interval", bad)
+            parse(flag, bad)
         assert exit_.value.code == 2

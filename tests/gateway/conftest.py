@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -18,7 +19,7 @@ from sluice.gateway.middleware import GatewayMiddleware
 from sluice.gateway.pricing import PriceTable
 from sluice.gateway.state import GatewayState
 from sluice.gateway.store import KeySettings, SQLStore, TenantSettings
-from sluice.gateway.tokens import estimate_prompt_tokens
+from sluice.gateway.tokens import PromptTokenCounter, estimate_prompt_tokens
 
 from .stub import StubUpstream
 
@@ -125,3 +126,22 @@ async def serve(app: object, lifespan: str = "off") -> AsyncIterator[str]:
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 10)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir: Path) -> Iterator[Any]:
+    """A real engine on the tiny random Llama (SmolLM2's tokenizer), for a gateway in
+    front of a real sluice worker."""
+    from sluice.engine.async_engine import AsyncEngine
+    from sluice.engine.config import EngineConfig
+
+    eng = AsyncEngine(EngineConfig.from_options(
+        str(tiny_llama_dir), num_kv_blocks=256, block_size=16, max_model_len=1024,
+        max_num_seqs=8, max_num_batched_tokens=256))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def counter(tiny_llama_dir: Path) -> PromptTokenCounter:
+    return PromptTokenCounter(default_source=str(tiny_llama_dir))

@@ -8,8 +8,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,23 +18,6 @@ from sluice.gateway.tokens import PromptTokenCounter
 from sluice.protocol.prompt import RESPONSES, prompt_view
 
 from .conftest import client_for, make_state, new_key
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_llama_dir: Path) -> Iterator[Any]:
-    from sluice.engine.async_engine import AsyncEngine
-    from sluice.engine.config import EngineConfig
-
-    eng = AsyncEngine(EngineConfig.from_options(
-        str(tiny_llama_dir), num_kv_blocks=256, block_size=16, max_model_len=1024,
-        max_num_seqs=8, max_num_batched_tokens=256))
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def counter(tiny_llama_dir: Path) -> PromptTokenCounter:
-    return PromptTokenCounter(default_source=str(tiny_llama_dir))
 
 
 def gateway_over_worker(engine: Any, store: SQLStore, counter: PromptTokenCounter,

@@ -6,34 +6,13 @@ ledger."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
-
-import pytest
 
 from sluice.gateway.middleware import GatewayMiddleware
 from sluice.gateway.store import SQLStore, UsageQuery
 from sluice.gateway.tokens import PromptTokenCounter
 
 from .conftest import client_for, make_state, new_key
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_llama_dir: Path) -> Iterator[Any]:
-    from sluice.engine.async_engine import AsyncEngine
-    from sluice.engine.config import EngineConfig
-
-    eng = AsyncEngine(EngineConfig.from_options(
-        str(tiny_llama_dir), num_kv_blocks=256, block_size=16, max_model_len=512,
-        max_num_seqs=8, max_num_batched_tokens=256))
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def counter(tiny_llama_dir: Path) -> PromptTokenCounter:
-    return PromptTokenCounter(default_source=str(tiny_llama_dir))
 
 
 async def test_gateway_over_real_worker(engine: Any, counter: PromptTokenCounter,

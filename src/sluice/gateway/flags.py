@@ -8,6 +8,7 @@ command's own: `sluice serve`'s also guards the router's admin API.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from sluice import env
@@ -20,24 +21,19 @@ def _prices(text: str) -> Any:
     return price_file(text)
 
 
-def _interval(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 10:
-        raise argparse.ArgumentTypeError(f"expected seconds in [0, 10], got {text!r}")
-    return value
+def _within(low: float, high: float, unit: str) -> Callable[[str], float]:
+    """An argparse type: a number of `unit` in [low, high]."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = low - 1
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected {unit} in [{low:g}, {high:g}], "
+                                             f"got {text!r}")
+        return value
 
-
-def _days(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 36500:
-        raise argparse.ArgumentTypeError(f"expected days in [0, 36500], got {text!r}")
-    return value
+    return parse
 
 
 def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,11 +54,11 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                    help="commit every request's ledger row before its response's last "
                         "bytes (default: only a budgeted tenant's, whose next admission "
                         "reads its spend; the others just after)")
-    p.add_argument("--ledger-batch-interval", type=_interval, default=0.02, metavar="SECONDS",
+    p.add_argument("--ledger-batch-interval", type=_within(0, 10, "seconds"), default=0.02, metavar="SECONDS",
                    help="the least time between two ledger commits of rows written after "
                         "their responses: fewer, larger commits (LiteLLM's "
                         "proxy_batch_write_at; default: %(default)s)")
-    p.add_argument("--response-retention", type=_days, default=30.0, metavar="DAYS",
+    p.add_argument("--response-retention", type=_within(0, 36500, "days"), default=30.0, metavar="DAYS",
                    help="how long the Responses API's stored responses are kept, for "
                         "previous_response_id and GET /v1/responses/{id} (OpenAI's "
                         "default: 30); 0 stores none, and then 'store' must be false "
