@@ -178,6 +178,11 @@ def _tools_and_structured_output_pass_through(url: str, key: str, model: str) ->
     client.responses.delete(kept.id)
     with pytest.raises(openai.NotFoundError, match="not found"):
         client.responses.retrieve(kept.id)
+    conv = client.conversations.create(items=[{"role": "user", "content": "I am Ada."}])
+    turn = client.responses.create(model=model, max_output_tokens=3, input="Who am I?",
+                                   conversation=conv.id)
+    assert turn.conversation is not None and turn.conversation.id == conv.id
+    assert len(list(client.conversations.items.list(conv.id))) == 3
 
 
 def _healthy(url: str) -> bool:

@@ -27,8 +27,10 @@ proxy of `sluice gateway --upstream`. Per request under `/v1/`:
                       requests refused (503) once that buffer is full (ledger.py)
 
 The Responses API's stored responses (`store`, `previous_response_id`, `GET` / `DELETE
-/v1/responses/{id}`, its input items) are the gateway's: admission expands a previous
-response into the input, settlement saves the final Response (responses.py).
+/v1/responses/{id}`, its input items) and OpenAI's conversations (`/v1/conversations`,
+a turn's `conversation`) are the gateway's: admission expands the earlier turns into
+the input, settlement saves the final Response and extends the conversation
+(responses.py, conversations.py).
 
 `/admin/{tenants,keys,usage,purge}` and `/v1/usage` are served by the gateway's own
 app (`admin.py`); other `/admin/...` routes (the router's) pass through;
@@ -62,7 +64,7 @@ from sluice.gateway.meter import ResponseMeter
 from sluice.gateway.models import MODEL_PREFIX, MODELS_PATH, ModelListFilter, allowed_models
 from sluice.gateway.pricing import Price
 from sluice.gateway.responses import ENDPOINTS as CONVERSATION_ENDPOINTS
-from sluice.gateway.responses import Conversation, stored_route
+from sluice.gateway.responses import Turn
 from sluice.gateway.state import GatewayState
 from sluice.gateway.store import Principal, UsageRecord
 from sluice.gateway.tokens import estimate_view
@@ -165,7 +167,7 @@ class Admission:
     reservation: str | None = None  # the budget reservation, given back at settlement
     decision: Decision | None = None
     hint: IdsHint | None = None  # the prompt's ids, for the router and the worker
-    conversation: Conversation | None = None  # a Responses request's store (responses.py)
+    turn: Turn | None = None  # a Responses request's stored state (responses.py)
     payload: dict[str, Any] | None = None  # the body's object (as `body` says, once sent)
     view: PromptView | None = None  # its prompt, as the one prompt view read it
     limiter_degraded: bool = False
@@ -272,8 +274,8 @@ class Exchange:
         self.gw, self.state = gateway, gateway.state
         self.scope, self.receive, self.send = scope, receive, send
         path: str = scope["path"]
-        route = stored_route(path) if self.state.responses.enabled else None
-        self.stored = route is not None  # a stored response's route: answered here
+        route = self.state.responses.route(path)
+        self.stored = route is not None  # a stored response's or conversation's: answered here
         self.endpoint = route or path  # the ledger's name
         self.protocol = ("anthropic" if path in ANTHROPIC_PATHS else
                          "responses" if path == RESPONSES_PATH else "openai")
@@ -338,9 +340,9 @@ class Exchange:
         payload = await self.parse_payload(raw) if self.scope["method"] == "POST" else None
         self.apply_policy(adm, payload)
         if payload is not None and self.endpoint in CONVERSATION_ENDPOINTS:
-            adm.conversation = await self.state.responses.prepare(
+            adm.turn = await self.state.responses.prepare(
                 payload, adm.principal.tenant.id, self.endpoint)
-            adm.rewritten = adm.rewritten or adm.conversation is not None
+            adm.rewritten = adm.rewritten or adm.turn is not None
         adm.body, adm.payload = await self.outgoing_body(adm, raw, payload), payload
         await self.reserve(adm, None if self.endpoint in MODEL_ONLY_ENDPOINTS else payload,
                            unconfirmed)
@@ -591,8 +593,8 @@ class Exchange:
         assert self.adm is not None
         adm, body_sent = self.adm, False
         self.meter.strip_usage_chunk = adm.strip_usage_chunk
-        if adm.conversation is not None and adm.conversation.patch:
-            self.meter.patch = adm.conversation.patch
+        if adm.turn is not None and adm.turn.patch:
+            self.meter.patch = adm.turn.patch
         if self.stored:
             return await self.answer_stored(adm)
 
@@ -627,7 +629,7 @@ class Exchange:
         try:
             body = await self.state.responses.answer(
                 self.scope["method"], self.scope["path"], self.scope.get("query_string") or b"",
-                adm.principal.tenant.id)
+                adm.body, adm.principal.tenant.id)
         except SluiceError as exc:
             self.status = exc.status_code
             await self.settle("error")
@@ -746,9 +748,9 @@ class Exchange:
         return self.settling
 
     async def _settle(self, adm: Admission, status: str) -> None:
-        if adm.conversation is not None and self.meter.response is not None \
+        if adm.turn is not None and self.meter.response is not None \
                 and 200 <= self.status < 300:  # before the client's last bytes: its next
-            await self.save_response(adm, adm.conversation, self.meter.response)  # turn
+            await self.save_response(adm, adm.turn, self.meter.response)  # turn
         prompt, completion = await self.final_tokens(status)
         release = self.release(adm, prompt + completion)
         if self.release_now(adm):
@@ -762,12 +764,12 @@ class Exchange:
             self.state.after(self.state.ledger.submit(record, adm.reservation),
                              lambda: self.counted(record))
 
-    async def save_response(self, adm: Admission, conversation: Conversation,
+    async def save_response(self, adm: Admission, turn: Turn,
                             response: dict[str, Any]) -> None:
         """Store the final Response; a database that fails here is logged (the client
         has been told `"store": true`: its next turn's `previous_response_id` is a 404)."""
         try:
-            await self.state.responses.save(conversation, response, adm.principal.tenant.id,
+            await self.state.responses.save(turn, response, adm.principal.tenant.id,
                                              adm.principal.key.id)
         except Exception:
             logger.exception("could not store response %s of request %s",

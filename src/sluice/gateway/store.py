@@ -1,5 +1,6 @@
-"""Durable gateway state: tenants, API keys, the usage ledger / audit log, and the
-Responses API's stored responses (`StoredResponse`, gateway/responses.py).
+"""Durable gateway state: tenants, API keys, the usage ledger / audit log, the Responses
+API's stored responses (`StoredResponse`, gateway/responses.py) and OpenAI's
+conversations (`StoredConversation`, gateway/conversations.py).
 
 `Store` is the contract; `SQLStore` implements it on SQLAlchemy Core, SQLite (WAL) by
 default and PostgreSQL when given a URL. Two properties matter for exactness:
@@ -175,6 +176,17 @@ class UsageRecord:
 
 
 MAX_USAGE_ROWS = 100_000  # one usage query's `limit` at most
+
+
+@dataclass(frozen=True)
+class StoredConversation:
+    """OpenAI's Conversations API: a tenant's conversation (its items are rows of their
+    own, in order; gateway/conversations.py). Kept until deleted, as OpenAI keeps them."""
+
+    id: str
+    tenant_id: str
+    metadata: dict[str, str] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
 
 
 @dataclass(frozen=True)
@@ -374,6 +386,41 @@ class Store(ABC):
     def delete_response(self, response_id: str, tenant_id: str) -> bool:
         """Delete the tenant's response; False if `get_response` would not find it."""
 
+    @abstractmethod
+    def create_conversation(self, conversation: StoredConversation,
+                            items: list[dict[str, Any]]) -> None:
+        """A new conversation and its first items, in one transaction."""
+
+    @abstractmethod
+    def get_conversation(self, conversation_id: str,
+                         tenant_id: str) -> StoredConversation | None:
+        """The tenant's conversation; None if there is none (or it is another tenant's)."""
+
+    @abstractmethod
+    def update_conversation(self, conversation_id: str, tenant_id: str,
+                            metadata: dict[str, str]) -> StoredConversation | None:
+        """Replace its metadata; None if `get_conversation` would not find it."""
+
+    @abstractmethod
+    def delete_conversation(self, conversation_id: str, tenant_id: str) -> bool:
+        """Delete the conversation and its items; False if not found."""
+
+    @abstractmethod
+    def add_conversation_items(self, conversation_id: str, tenant_id: str,
+                               items: list[dict[str, Any]]) -> bool:
+        """Append items (each with its `id`), in order, after those already there, in
+        one transaction; False if the conversation is not found."""
+
+    @abstractmethod
+    def conversation_items(self, conversation_id: str,
+                           tenant_id: str) -> list[dict[str, Any]] | None:
+        """Its items, oldest first; None if the conversation is not found."""
+
+    @abstractmethod
+    def delete_conversation_item(self, conversation_id: str, tenant_id: str,
+                                 item_id: str) -> bool:
+        """Delete one item; False if the conversation or the item is not found."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""
 
@@ -398,7 +445,7 @@ MAX_TENANT_NAME = 200  # characters: the tenants.name column
 
 
 def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.Table,
-                                  sa.Table, sa.Table, sa.Table]:
+                                  sa.Table, sa.Table, sa.Table, sa.Table, sa.Table]:
     md = sa.MetaData()
     tenants = sa.Table(
         f"{prefix}tenants", md,
@@ -469,7 +516,22 @@ def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.
         sa.Column("created_at", sa.Float, nullable=False),
         sa.Column("expires_at", sa.Float, nullable=True, index=True),
     )
-    return md, tenants, keys, usage, reservations, versions, mirrors, responses
+    conversations = sa.Table(  # OpenAI's Conversations API (StoredConversation)
+        f"{prefix}conversations", md,
+        sa.Column("id", sa.String(100), primary_key=True),
+        sa.Column("tenant_id", sa.String(40), nullable=False),
+        sa.Column("metadata", sa.Text, nullable=False),
+        sa.Column("created_at", sa.Float, nullable=False),
+    )
+    items = sa.Table(  # a conversation's items, in `seq` order
+        f"{prefix}conversation_items", md,
+        sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
+        sa.Column("conversation_id", sa.String(100), nullable=False, index=True),
+        sa.Column("item_id", sa.String(100), nullable=False),
+        sa.Column("item", sa.Text, nullable=False),
+    )
+    return (md, tenants, keys, usage, reservations, versions, mirrors, responses,
+            conversations, items)
 
 
 def _dump(settings: TenantSettings | KeySettings) -> str:
@@ -613,7 +675,8 @@ class SQLStore(Store):
         self.engine = self._make_engine(url)
         self.local_reads = self.engine.dialect.name == "sqlite"
         (self.metadata, self.tenants, self.keys, self.usage,
-         self.reservations, self.versions, self.mirrors, self.responses) = _tables(table_prefix)
+         self.reservations, self.versions, self.mirrors, self.responses,
+         self.conversations, self.items) = _tables(table_prefix)
         self._create_schema(table_prefix)
         self._add_version_row()
         self._prepare()
@@ -1192,6 +1255,82 @@ class SQLStore(Store):
         r = self.responses
         return [r.c.id == response_id, r.c.tenant_id == tenant_id,
                 sa.or_(r.c.expires_at.is_(None), r.c.expires_at >= time.time())]
+
+    # -- conversations (OpenAI's Conversations API) ----------------------------------
+
+    def create_conversation(self, conversation: StoredConversation,
+                            items: list[dict[str, Any]]) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(self.conversations.insert().values(
+                id=conversation.id, tenant_id=conversation.tenant_id,
+                metadata=json.dumps(conversation.metadata), created_at=conversation.created_at))
+            self._insert_items(conn, conversation.id, items)
+
+    def get_conversation(self, conversation_id: str,
+                         tenant_id: str) -> StoredConversation | None:
+        with self.engine.connect() as conn:
+            return self._conversation(conn, conversation_id, tenant_id)
+
+    def update_conversation(self, conversation_id: str, tenant_id: str,
+                            metadata: dict[str, str]) -> StoredConversation | None:
+        c = self.conversations
+        with self.engine.begin() as conn:
+            conn.execute(c.update().where(c.c.id == conversation_id, c.c.tenant_id == tenant_id)
+                         .values(metadata=json.dumps(metadata)))
+            return self._conversation(conn, conversation_id, tenant_id)
+
+    def delete_conversation(self, conversation_id: str, tenant_id: str) -> bool:
+        c, i = self.conversations, self.items
+        with self.engine.begin() as conn:
+            gone = conn.execute(c.delete().where(c.c.id == conversation_id,
+                                                 c.c.tenant_id == tenant_id)).rowcount
+            if gone:
+                conn.execute(i.delete().where(i.c.conversation_id == conversation_id))
+        return bool(gone)
+
+    def add_conversation_items(self, conversation_id: str, tenant_id: str,
+                               items: list[dict[str, Any]]) -> bool:
+        with self.engine.begin() as conn:
+            if self._conversation(conn, conversation_id, tenant_id) is None:
+                return False
+            self._insert_items(conn, conversation_id, items)
+        return True
+
+    def conversation_items(self, conversation_id: str,
+                           tenant_id: str) -> list[dict[str, Any]] | None:
+        i = self.items
+        with self.engine.connect() as conn:
+            if self._conversation(conn, conversation_id, tenant_id) is None:
+                return None
+            rows = conn.execute(sa.select(i.c.item).where(i.c.conversation_id == conversation_id)
+                                .order_by(i.c.seq))
+            return [json.loads(row.item) for row in rows]
+
+    def delete_conversation_item(self, conversation_id: str, tenant_id: str,
+                                 item_id: str) -> bool:
+        i = self.items
+        with self.engine.begin() as conn:
+            if self._conversation(conn, conversation_id, tenant_id) is None:
+                return False
+            return bool(conn.execute(i.delete().where(i.c.conversation_id == conversation_id,
+                                                      i.c.item_id == item_id)).rowcount)
+
+    def _conversation(self, conn: sa.Connection, conversation_id: str,
+                      tenant_id: str) -> StoredConversation | None:
+        c = self.conversations
+        row = conn.execute(c.select().where(c.c.id == conversation_id,
+                                            c.c.tenant_id == tenant_id)).first()
+        if row is None:
+            return None
+        return StoredConversation(row.id, row.tenant_id, json.loads(row.metadata),
+                                  row.created_at)
+
+    def _insert_items(self, conn: sa.Connection, conversation_id: str,
+                      items: list[dict[str, Any]]) -> None:
+        if items:
+            conn.execute(self.items.insert(), [
+                {"conversation_id": conversation_id, "item_id": str(item["id"]),
+                 "item": json.dumps(item)} for item in items])
 
     def drop_all(self) -> None:
         """Drop this store's tables (tests use it to clean up a per-run prefix), and the

@@ -139,8 +139,8 @@ INSTEAD: dict[str, str] = {
     "previous_response_id": "this server stores no responses (the sluice gateway does: "
                             "`sluice serve`, `sluice gateway`): send the whole "
                             "conversation as input",
-    "conversation": "this server stores no conversations: send the whole conversation "
-                    "as input",
+    "conversation": "this server stores no conversations (the sluice gateway does): "
+                    "send the whole conversation as input",
     "background": "this server runs responses in the foreground only",
 }
 
