@@ -124,6 +124,11 @@ async def test_conversations_are_a_tenants_own_and_errors_name_the_field(
         assert r.status_code == 400 and r.json()["error"]["param"] == "limit"
         r = await c.post(f"/v1/conversations/{conv['id']}", json={})
         assert r.status_code == 400 and r.json()["error"]["param"] == "metadata"
+        r = await c.post(f"/v1/conversations/{conv['id']}/items",
+                         json={"items": [{"role": "user", "content": "x"}], "extra": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "extra"
+        r = await c.put(f"/v1/conversations/{conv['id']}", json={})
+        assert r.status_code == 405
     async with client_for(gw, theirs) as c:
         for r in (await c.get(f"/v1/conversations/{conv['id']}"),
                   await c.get(f"/v1/conversations/{conv['id']}/items"),

@@ -109,7 +109,9 @@ class Conversations:
             if method != "POST":
                 raise _not_allowed(method, PATH + "/{conversation_id}/items")
             only_params(params, {"include": ("",)})
-            items = _new_items(_object(body).get("items"), required=True)
+            request = _object(body)
+            _fields(request, ("items",))
+            items = _new_items(request.get("items"), required=True)
             await self.append(cid, tenant_id, items)
             return {"object": "list", "data": items, "first_id": items[0]["id"],
                     "last_id": items[-1]["id"], "has_more": False}
