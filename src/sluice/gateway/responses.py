@@ -60,6 +60,7 @@ ENDPOINTS = (PATH, INPUT_TOKENS_PATH)
 # A stored response's routes, by the path's shape: (the ledger's endpoint, the action).
 _ROUTE = re.compile(r"^/v1/responses/(?P<id>[^/]+)(?P<rest>/input_items|/cancel)?$")
 _END_STATUSES = ("completed", "incomplete", "failed")
+_STORE_PATHS = (PATH + "/", "/v1/conversations")
 MAX_CHAIN = 10_000  # responses in one conversation
 
 
@@ -111,6 +112,8 @@ class StoredResponses:
     def route(self, path: str) -> str | None:
         """The route template of a path the gateway answers from its store (what the
         ledger records): a stored response's (unless it keeps none), a conversation's."""
+        if not path.startswith(_STORE_PATHS):  # (every /v1/ request asks: no regex for most)
+            return None
         if (found := conversation_route(path)) is not None:
             return found
         return stored_route(path) if self.enabled else None
