@@ -287,6 +287,7 @@ class Exchange:
         self.disconnected = False
         self.settling: asyncio.Future[None] | None = None  # the settlement, once begun
         self.body_left: int | None = None  # a JSON response's bytes not yet sent, by its length
+        self.queued: dict[str, Any] = {}  # a background response, as first answered
 
     # -- 1 + 2: authenticate and admit ---------------------------------------------------
 
@@ -597,6 +598,8 @@ class Exchange:
             self.meter.patch = adm.turn.patch
         if self.stored:
             return await self.answer_stored(adm)
+        if adm.turn is not None and adm.turn.background_id is not None:
+            return await self.run_in_background(adm)
 
         async def receive() -> Message:
             nonlocal body_sent
@@ -623,6 +626,91 @@ class Exchange:
                 settling.result()
             elif settling is not None:
                 await asyncio.shield(settling)
+
+    async def run_in_background(self, adm: Admission) -> None:
+        """`background`: answer the queued Response at once and run the request detached
+        (responses.py). No client waits for the run, so a hang-up cancels nothing; its
+        settlement (ledger row, limits, the final Response) is the run's, when it ends;
+        POST .../cancel (or the gateway stopping) cancels it."""
+        turn, responses = adm.turn, self.state.responses
+        assert turn is not None and turn.background_id is not None and adm.payload is not None
+        tenant = adm.principal.tenant.id
+        try:
+            self.queued = await responses.queue(turn, adm.payload, adm.model, tenant,
+                                                adm.principal.key.id)
+        except SluiceError as exc:
+            self.status = exc.status_code
+            await self.settle("error")
+            exc.headers = {**adm.headers, **exc.headers}
+            return await send_error(self.send, exc, self.endpoint)
+        client, self.send = self.send, _discard
+        run = asyncio.ensure_future(self.run_detached(adm))
+        responses.running[turn.background_id] = (tenant, run)
+        run.add_done_callback(lambda _: responses.running.pop(turn.background_id or "", None))
+        raw = json.dumps(self.queued).encode()
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(raw)).encode()),
+                   (b"x-request-id", adm.request_id.encode()),
+                   *((k.encode(), v.encode()) for k, v in adm.headers.items())]
+        await client({"type": "http.response.start", "status": 200, "headers": headers})
+        await client({"type": "http.response.body", "body": raw, "more_body": False})
+
+    async def run_detached(self, adm: Admission) -> None:
+        """A background request through the inner app, its answer to no client: a run
+        that ends without a final Response (the worker refused it, it failed, it was
+        cancelled) leaves its stored Response `failed` or `cancelled`."""
+        body_sent = False
+
+        async def receive() -> Message:
+            nonlocal body_sent
+            if not body_sent:
+                body_sent = True
+                return {"type": "http.request", "body": adm.body, "more_body": False}
+            await asyncio.Event().wait()  # no client to leave: only a cancel ends it
+            raise AssertionError("unreachable")
+
+        scope = self.upstream_scope(adm)
+        scope["extensions"] = {k: v for k, v in (scope.get("extensions") or {}).items()
+                               if k != ON_DISCONNECT}
+        ended = "failed"
+        try:
+            await self.gw.app(scope, receive, self.on_send)
+            if self.meter.response is not None and 200 <= self.status < 300:
+                ended = "done"
+        except asyncio.CancelledError:
+            ended, self.disconnected = "cancelled", True
+            raise
+        except Exception:
+            logger.exception("background response %s failed", self.queued.get("id"))
+        finally:
+            settling = self.begin_settling("aborted" if self.disconnected else "error")
+            if settling is not None:
+                await asyncio.shield(settling)
+            if ended != "done":
+                await asyncio.shield(self.end_unanswered(adm, ended))
+
+    async def end_unanswered(self, adm: Admission, status: str) -> None:
+        """A background response that got no final Response: kept as `cancelled` (or,
+        when the gateway stopped it, `failed`), or `failed` with the worker's error."""
+        assert adm.turn is not None
+        if status == "cancelled" and self.state.responses.stopping:
+            status = "failed"
+        error = None
+        if status == "failed":
+            error = {"code": "server_error", "message": "the gateway stopped before the "
+                     "response ended" if self.state.responses.stopping else
+                     f"the request failed with HTTP {self.status or 502}"}
+            with contextlib.suppress(ValueError, AttributeError, TypeError):
+                found = json.loads(self.meter.body)["error"]
+                error = {"code": found.get("code") or found.get("type") or "server_error",
+                         "message": str(found.get("message"))}
+        try:
+            await self.state.responses.keep(adm.turn, {**self.queued, "status": status,
+                                                       "error": error},
+                                            adm.principal.tenant.id, adm.principal.key.id)
+        except SluiceError:
+            logger.exception("could not store the end of background response %s",
+                             self.queued.get("id"))
 
     async def answer_stored(self, adm: Admission) -> None:
         """A stored response's route, answered from the store (responses.py)."""
@@ -846,6 +934,10 @@ class Exchange:
     def counted(self, record: UsageRecord) -> None:
         self.state.metrics.settled(record.tenant_id, record.status, record.prompt_tokens,
                                    record.completion_tokens, record.cost_usd)
+
+
+async def _discard(message: Message) -> None:
+    """The client of a background run: nobody."""
 
 
 # -- policy helpers (plain data in, decision out) -------------------------------------------

@@ -22,8 +22,11 @@ answer any turn of a conversation:
     routes       GET /v1/responses/{id} (the Response), DELETE /v1/responses/{id}, GET
                  /v1/responses/{id}/input_items (the items that produced it: its whole
                  conversation, `limit` 1-100, `order` desc by default, `after` /
-                 `before`), POST /v1/responses/{id}/cancel (a 400: only background
-                 responses, which sluice does not run, can be cancelled).
+                 `before`), POST /v1/responses/{id}/cancel (a background response's).
+    background   `"background": true`: answered `queued` at once and run detached by
+                 the gateway (middleware `Exchange.run_in_background`); GET polls it,
+                 cancel stops it; the final Response (or `failed` / `cancelled`) is
+                 kept as any other.
 
 `conversation` (OpenAI's Conversations API, gateway/conversations.py) is the other way
 to carry state: the conversation's items go before the input, and the turn's input and
@@ -38,6 +41,8 @@ keeps none, and the worker's answers (`store` must be false, `previous_response_
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import time
 from collections.abc import Mapping
@@ -47,12 +52,16 @@ from typing import Any
 from sluice.gateway.conversations import Conversations, conversation_id_of, conversation_route
 from sluice.gateway.items import db_call, input_items, only_params, page, query_params
 from sluice.gateway.store import Store, StoredResponse
-from sluice.protocol.errors import (
-    InvalidRequestError,
-    NotFoundError,
-    SluiceError,
+from sluice.protocol.errors import InvalidRequestError, NotFoundError, SluiceError
+from sluice.protocol.openai import parse_request, reject_unsupported
+from sluice.protocol.responses import (
+    INPUT_TOKENS_PATH,
+    PATH,
+    UNSUPPORTED,
+    ResponsesRequest,
+    new_id,
+    response,
 )
-from sluice.protocol.responses import INPUT_TOKENS_PATH, PATH
 
 # The requests whose `previous_response_id` the gateway expands (the input-token count
 # too: it counts what the request would send).
@@ -80,11 +89,14 @@ class Turn:
     previous_id: str | None
     input_items: list[Any] = field(default_factory=list)  # its own, ids given
     conversation_id: str | None = None  # its items go on in this conversation
+    background_id: str | None = None  # `background`: the gateway runs it under this id
 
     @property
     def patch(self) -> dict[str, Any]:
         """The fields every Response object passed on to the client gets."""
         fields: dict[str, Any] = {"store": True} if self.store else {}
+        if self.background_id is not None:
+            fields.update(id=self.background_id, background=True)
         if self.previous_id is not None:
             fields["previous_response_id"] = self.previous_id
         if self.conversation_id is not None:
@@ -104,10 +116,44 @@ class StoredResponses:
         self.store = store
         self.retention_s = retention_s
         self.conversations = Conversations(store)
+        # background responses this gateway runs: id -> (tenant, the run's task)
+        self.running: dict[str, tuple[str, asyncio.Future[None]]] = {}
+        self.stopping = False
+
+    async def stop(self) -> None:
+        """At shutdown: cancel the background runs; each is kept `failed`, saying so."""
+        self.stopping = True
+        runs = [run for _, run in self.running.values()]
+        for run in runs:
+            run.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)
 
     @property
     def enabled(self) -> bool:
         return self.retention_s > 0
+
+    async def queue(self, turn: Turn, payload: dict[str, Any], model: str | None,
+                    tenant_id: str, key_id: str) -> dict[str, Any]:
+        """The Response a `background` request is answered with at once (`queued`), kept
+        so that GET finds it while it runs; a request the worker would refuse is its 400
+        now, not a failed response later."""
+        assert turn.background_id is not None
+        body = reject_unsupported(payload, UNSUPPORTED)
+        req = parse_request(ResponsesRequest, body)
+        queued = response(req, turn.background_id, int(time.time()), status="in_progress",
+                          model=model)
+        queued.update(turn.patch, status="queued", usage=None)
+        await self.keep(turn, queued, tenant_id, key_id)
+        return queued
+
+    async def keep(self, turn: Turn, response: dict[str, Any], tenant_id: str,
+                   key_id: str) -> None:
+        """Store `response` as the turn's (a background one's, whatever its status)."""
+        created = response.get("created_at")
+        at = float(created) if isinstance(created, (int, float)) else time.time()
+        await db_call(self.store.save_response, StoredResponse(
+            response["id"], tenant_id, key_id, turn.previous_id, turn.input_items, response,
+            created_at=at, expires_at=at + self.retention_s))
 
     def route(self, path: str) -> str | None:
         """The route template of a path the gateway answers from its store (what the
@@ -130,6 +176,17 @@ class StoredResponses:
         previous = payload.get("previous_response_id")
         conversation = payload.get("conversation")
         asked = payload.get("store", True) if endpoint == PATH else False
+        background = payload.get("background") if endpoint == PATH else None
+        if background not in (None, True, False):
+            raise InvalidRequestError("'background' must be a boolean", param="background")
+        if background and (not self.enabled or asked is False):
+            raise InvalidRequestError("'background' needs a stored response ('store' true, "
+                                      "and a gateway that keeps them): its result is read "
+                                      "with GET /v1/responses/{id}", param="background")
+        if background and payload.get("stream") is True:
+            raise InvalidRequestError("'stream' with 'background' is not supported here: "
+                                      "poll GET /v1/responses/{id} for the result",
+                                      param="stream")
         if previous is not None and not isinstance(previous, str):
             raise InvalidRequestError("'previous_response_id' must be a string",
                                       param="previous_response_id")
@@ -153,6 +210,9 @@ class StoredResponses:
             return None  # the request goes as it came, and nothing is kept
         turn = Turn(store=asked is not False, previous_id=previous,
                     input_items=input_items(payload.get("input")))
+        if "background" in payload:
+            if payload.pop("background"):
+                turn.background_id = new_id("resp")
         if previous is not None or conversation is not None:
             if not isinstance(turn.input_items, list):
                 raise InvalidRequestError("'input' must be a string or a list of input items",
@@ -205,12 +265,7 @@ class StoredResponses:
         if not turn.store or status not in _END_STATUSES \
                 or not isinstance(response.get("id"), str):
             return
-        created = response.get("created_at")
-        at = float(created) if isinstance(created, (int, float)) else time.time()
-        stored = StoredResponse(response["id"], tenant_id, key_id, turn.previous_id,
-                                turn.input_items, response, created_at=at,
-                                expires_at=at + self.retention_s)
-        await db_call(self.store.save_response, stored)
+        await self.keep(turn, response, tenant_id, key_id)
 
     # -- the routes --------------------------------------------------------------------
 
@@ -237,13 +292,30 @@ class StoredResponses:
         if action == ("GET", "/input_items"):
             return await self._input_items(response_id, tenant_id, params)
         if action == ("POST", "/cancel"):
-            await self._find(response_id, tenant_id)
-            raise InvalidRequestError("Only responses created with 'background': true can "
-                                      "be cancelled; this one ran in the foreground and has "
-                                      "ended", param="response_id")
+            only_params(params, {})
+            return await self._cancel(response_id, tenant_id)
         error = SluiceError(f"{method} is not allowed on {PATH}/{{response_id}}{rest}")
         error.status_code = 405
         raise error
+
+    async def _cancel(self, response_id: str, tenant_id: str) -> dict[str, Any]:
+        """Cancel a background response this gateway runs (its run ends as a client that
+        hung up: the worker stops, the ledger records it `aborted`) and answer it, now
+        `cancelled`; one that has ended is answered as it is (cancelling is idempotent)."""
+        owner, run = self.running.get(response_id, (None, None))
+        if run is not None and owner == tenant_id:
+            run.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(run)
+        stored = await self._find(response_id, tenant_id)
+        if not stored.response.get("background"):
+            raise InvalidRequestError("Only responses created with 'background': true can "
+                                      "be cancelled; this one ran in the foreground and has "
+                                      "ended", param="response_id")
+        if stored.response.get("status") in ("queued", "in_progress"):
+            raise InvalidRequestError("this background response runs on another gateway "
+                                      "replica; cancel it there", param="response_id")
+        return stored.response
 
     async def _find(self, response_id: str, tenant_id: str) -> StoredResponse:
         stored = await db_call(self.store.get_response, response_id, tenant_id)

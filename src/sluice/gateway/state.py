@@ -123,6 +123,7 @@ class GatewayState:
         self.ledger.recover()
 
     async def aclose(self) -> None:
+        await self.responses.stop()  # background responses: cancelled, settled, kept failed
         await self.flush()  # every ledger row is written exactly once, also at shutdown
         await self.ledger.close(self.config.ledger_close_s)  # and those kept while it was down
         await self.limiter.close()

@@ -141,7 +141,8 @@ INSTEAD: dict[str, str] = {
                             "conversation as input",
     "conversation": "this server stores no conversations (the sluice gateway does): "
                     "send the whole conversation as input",
-    "background": "this server runs responses in the foreground only",
+    "background": "this server runs responses in the foreground only (the sluice "
+                  "gateway runs them in the background)",
 }
 
 

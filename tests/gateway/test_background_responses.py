@@ -1,0 +1,132 @@
+"""The Responses API's `background` mode, run by the gateway in front of a real sluice
+worker (tiny random Llama): answered `queued` at once, polled to its end, cancelled,
+refused where it cannot be kept, and failed when the gateway stops (gateway/responses.py,
+`Exchange.run_in_background`)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import openai
+
+from sluice.gateway.middleware import GatewayMiddleware
+from sluice.gateway.store import SQLStore, UsageQuery
+from sluice.gateway.tokens import PromptTokenCounter
+
+from .conftest import client_for, make_state, new_key
+
+TURN = {"model": "tiny", "max_output_tokens": 6, "temperature": 0, "input": "Count to ten."}
+
+
+def gateway(engine: Any, store: SQLStore, counter: PromptTokenCounter) -> GatewayMiddleware:
+    from sluice.worker.app import build_app
+    from sluice.worker.config import WorkerConfig
+
+    return GatewayMiddleware(build_app(engine, WorkerConfig(served_model_names=("tiny",))),
+                             make_state(store, count=counter))
+
+
+async def until_ended(c: httpx.AsyncClient, response_id: str) -> dict[str, Any]:
+    for _ in range(600):  # bounded: 60 s
+        got = (await c.get(f"/v1/responses/{response_id}")).json()
+        if got["status"] not in ("queued", "in_progress"):
+            return got  # type: ignore[no-any-return]
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{response_id} still running")
+
+
+async def test_a_background_response_is_queued_then_polled_to_its_end(
+        engine: Any, counter: PromptTokenCounter, sqlite_store: SQLStore) -> None:
+    gw = gateway(engine, sqlite_store, counter)
+    async with client_for(gw, new_key(sqlite_store)) as c:
+        foreground = (await c.post("/v1/responses", json=TURN)).json()
+        r = await c.post("/v1/responses", json={**TURN, "background": True})
+        assert r.status_code == 200, r.text
+        queued = r.json()
+        assert queued["status"] == "queued" and queued["background"] is True
+        assert queued["store"] is True and queued["output"] == [] and queued["usage"] is None
+        done = await until_ended(c, queued["id"])
+        assert done["id"] == queued["id"] and done["background"] is True
+        assert done["status"] == foreground["status"] == "incomplete"  # 6 tokens
+        assert done["output"][0]["content"][0]["text"] == \
+            foreground["output"][0]["content"][0]["text"]
+        assert [done["usage"][k] for k in ("input_tokens", "output_tokens")] == \
+            [foreground["usage"][k] for k in ("input_tokens", "output_tokens")]
+        # cancelling one that has ended answers it as it is
+        r = await c.post(f"/v1/responses/{queued['id']}/cancel")
+        assert r.status_code == 200 and r.json()["status"] == "incomplete"
+        # a foreground one cannot be cancelled
+        r = await c.post(f"/v1/responses/{foreground['id']}/cancel")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_id"
+    await gw.state.flush()
+    records = [x for x in sqlite_store.query_usage(UsageQuery()) if x.endpoint == "/v1/responses"]
+    assert [x.status for x in records] == ["ok", "ok"]
+    assert records[1].completion_tokens == done["usage"]["output_tokens"]
+
+
+async def test_a_background_response_is_cancelled(engine: Any, counter: PromptTokenCounter,
+                                                  sqlite_store: SQLStore) -> None:
+    """A long background response, cancelled: its run stops (the ledger records it
+    `aborted`, short of its max_output_tokens), and it is kept `cancelled`; through the
+    OpenAI SDK's `responses.create(background=True)`, `.retrieve` and `.cancel`."""
+    gw = gateway(engine, sqlite_store, counter)
+    key = new_key(sqlite_store)
+    client = openai.AsyncOpenAI(
+        base_url="http://gateway/v1", api_key=key, max_retries=0,
+        http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app=gw), timeout=30))
+    queued = await client.responses.create(**{**TURN, "max_output_tokens": 900},
+                                           background=True)
+    assert queued.status == "queued"
+    await asyncio.sleep(0.2)
+    cancelled = await client.responses.cancel(queued.id)
+    assert cancelled.status == "cancelled" and cancelled.id == queued.id, cancelled.error
+    assert (await client.responses.retrieve(queued.id)).status == "cancelled"
+    await gw.state.flush()
+    [record] = [x for x in sqlite_store.query_usage(UsageQuery())
+                if x.endpoint == "/v1/responses"]
+    assert record.status == "aborted" and record.completion_tokens < 900
+    assert gw.state.responses.running == {}
+
+
+async def test_background_is_refused_where_it_cannot_be_kept(
+        engine: Any, counter: PromptTokenCounter, sqlite_store: SQLStore) -> None:
+    gw = gateway(engine, sqlite_store, counter)
+    mine, theirs = new_key(sqlite_store, "acme"), new_key(sqlite_store, "other")
+    async with client_for(gw, mine) as c:
+        for extra, param in (({"store": False}, "background"), ({"stream": True}, "stream"),
+                             ({"background": "yes"}, "background"),
+                             ({"max_output_tokens": 0}, "max_output_tokens"),
+                             ({"include": ["x"]}, "include"), ({"ignore_eos": True}, "ignore_eos")):
+            r = await c.post("/v1/responses", json={**TURN, "background": True, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        queued = (await c.post("/v1/responses", json={**TURN, "background": True})).json()
+    async with client_for(gw, theirs) as c:  # another tenant's: not found, not cancelled
+        assert (await c.post(f"/v1/responses/{queued['id']}/cancel")).status_code == 404
+    async with client_for(gw, mine) as c:
+        assert (await until_ended(c, queued["id"]))["status"] == "incomplete"
+        # what only the worker finds wrong (here: longer than the context) fails the
+        # response, with the worker's error
+        r = await c.post("/v1/responses", json={**TURN, "max_output_tokens": 5000,
+                                                "background": True})
+        assert r.status_code == 200 and r.json()["status"] == "queued"
+        failed = await until_ended(c, r.json()["id"])
+        assert failed["status"] == "failed"
+        assert failed["error"]["code"] == "context_length_exceeded"
+
+
+async def test_a_gateway_that_stops_fails_its_background_responses(
+        engine: Any, counter: PromptTokenCounter, sqlite_store: SQLStore) -> None:
+    gw = gateway(engine, sqlite_store, counter)
+    async with client_for(gw, new_key(sqlite_store)) as c:
+        queued = (await c.post("/v1/responses", json={
+            **TURN, "max_output_tokens": 900, "background": True})).json()
+        await asyncio.sleep(0.2)
+        await gw.state.responses.stop()
+        failed = (await c.get(f"/v1/responses/{queued['id']}")).json()
+    assert failed["status"] == "failed" and "stopped" in failed["error"]["message"]
+    await gw.state.flush()
+    [record] = [x for x in sqlite_store.query_usage(UsageQuery())
+                if x.endpoint == "/v1/responses"]
+    assert record.status == "aborted"
