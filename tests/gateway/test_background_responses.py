@@ -86,7 +86,7 @@ async def test_a_background_response_is_cancelled(engine: Any, counter: PromptTo
     await gw.state.flush()
     [record] = [x for x in sqlite_store.query_usage(UsageQuery())
                 if x.endpoint == "/v1/responses"]
-    assert record.status == "aborted" and record.completion_tokens < 900
+    assert record.status == "aborted" and 0 < record.completion_tokens < 900  # as streamed
     assert gw.state.responses.running == {}
 
 

@@ -213,6 +213,7 @@ class StoredResponses:
         if "background" in payload:
             if payload.pop("background"):
                 turn.background_id = new_id("resp")
+                payload["stream"] = True  # (to the gateway: a cancelled run's tokens count)
         if previous is not None or conversation is not None:
             if not isinstance(turn.input_items, list):
                 raise InvalidRequestError("'input' must be a string or a list of input items",
