@@ -80,6 +80,8 @@ async def test_a_background_response_is_cancelled(engine: Any, counter: PromptTo
                                            background=True)
     assert queued.status == "queued"
     await asyncio.sleep(0.2)
+    metrics = gw.state.metrics.render().decode()
+    assert "sluice_gateway_background_responses 1.0" in metrics
     cancelled = await client.responses.cancel(queued.id)
     assert cancelled.status == "cancelled" and cancelled.id == queued.id, cancelled.error
     assert (await client.responses.retrieve(queued.id)).status == "cancelled"
@@ -88,6 +90,7 @@ async def test_a_background_response_is_cancelled(engine: Any, counter: PromptTo
                 if x.endpoint == "/v1/responses"]
     assert record.status == "aborted" and 0 < record.completion_tokens < 900  # as streamed
     assert gw.state.responses.running == {}
+    assert "sluice_gateway_background_responses 0.0" in gw.state.metrics.render().decode()
 
 
 async def test_background_is_refused_where_it_cannot_be_kept(

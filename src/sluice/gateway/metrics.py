@@ -48,6 +48,9 @@ class GatewayMetrics:
                                     registry=r)
         self.inflight = Gauge("sluice_gateway_requests_in_flight", "Requests in flight",
                               registry=r)
+        self.background = Gauge("sluice_gateway_background_responses",
+                                "Background responses (the Responses API's `background`) "
+                                "this gateway is running", registry=r)
         self.overhead = Histogram("sluice_gateway_admission_seconds",
                                   "Time from request arrival to forwarding upstream", registry=r,
                                   buckets=buckets.admission)

@@ -646,7 +646,14 @@ class Exchange:
         client, self.send = self.send, _discard
         run = asyncio.ensure_future(self.run_detached(adm))
         responses.running[turn.background_id] = (tenant, run)
-        run.add_done_callback(lambda _: responses.running.pop(turn.background_id or "", None))
+        gauge = self.state.metrics.background
+        gauge.inc()
+
+        def ended(_: asyncio.Future[None]) -> None:
+            responses.running.pop(turn.background_id or "", None)
+            gauge.dec()
+
+        run.add_done_callback(ended)
         raw = json.dumps(self.queued).encode()
         headers = [(b"content-type", b"application/json"),
                    (b"content-length", str(len(raw)).encode()),

@@ -150,7 +150,8 @@ GATEWAY = (
     Panel("Admission latency", "s",
           (("histogram_quantile(0.99, sum by (le) "
             "(rate(sluice_gateway_admission_seconds_bucket[$__rate_interval])))", "p99"),)),
-    Panel("In flight", "short", (("sluice_gateway_requests_in_flight", "in flight"),)),
+    Panel("In flight", "short", (("sluice_gateway_requests_in_flight", "in flight"),
+                                 ("sluice_gateway_background_responses", "background"))),
     Panel("Budget used per tenant", "percentunit",
           (("sluice_gateway_budget_used_ratio", "{{tenant}}"),)),
 )
