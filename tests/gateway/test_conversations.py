@@ -161,3 +161,32 @@ async def test_a_gateway_that_keeps_no_responses_keeps_conversations(
         assert [i["role"] for i in items] == ["assistant", "user"]
         assert (await c.get(f"/v1/responses/{turn['id']}")).status_code == 404
         assert json.dumps(items)  # plain JSON, as stored
+
+
+def test_the_store_keeps_a_tenants_conversations_in_order(any_store: SQLStore) -> None:
+    """SQLite and PostgreSQL: items in the order added, per conversation; another
+    tenant finds nothing; deleting a conversation takes its items."""
+    from sluice.gateway.store import StoredConversation
+
+    conv = StoredConversation("conv_a", "t1", {"k": "v"}, 1.0)
+    any_store.create_conversation(conv, [{"id": "m1"}, {"id": "m2"}])
+    any_store.create_conversation(StoredConversation("conv_b", "t1"), [{"id": "x"}])
+    assert any_store.get_conversation("conv_a", "t1") == conv
+    assert any_store.get_conversation("conv_a", "t2") is None
+    assert any_store.add_conversation_items("conv_a", "t1", [{"id": "m3"}, {"id": "m4"}])
+    assert not any_store.add_conversation_items("conv_a", "t2", [{"id": "no"}])
+    assert [i["id"] for i in any_store.conversation_items("conv_a", "t1") or []] == [
+        "m1", "m2", "m3", "m4"]
+    assert any_store.conversation_items("conv_a", "t2") is None
+    assert any_store.delete_conversation_item("conv_a", "t1", "m2")
+    assert not any_store.delete_conversation_item("conv_a", "t1", "m2")
+    assert not any_store.delete_conversation_item("conv_a", "t2", "m1")
+    updated = any_store.update_conversation("conv_a", "t1", {"k": "w"})
+    assert updated is not None and updated.metadata == {"k": "w"}
+    assert any_store.update_conversation("conv_a", "t2", {}) is None
+    assert not any_store.delete_conversation("conv_a", "t2")
+    assert any_store.delete_conversation("conv_a", "t1")
+    assert any_store.conversation_items("conv_a", "t1") is None
+    with any_store.engine.connect() as conn:
+        left = conn.execute(any_store.items.select()).all()
+    assert [row.item_id for row in left] == ["x"]  # conv_b's, untouched
