@@ -66,7 +66,7 @@ from sluice.protocol.responses import (
 # The requests whose `previous_response_id` the gateway expands (the input-token count
 # too: it counts what the request would send).
 ENDPOINTS = (PATH, INPUT_TOKENS_PATH)
-# A stored response's routes, by the path's shape: (the ledger's endpoint, the action).
+# A stored response's routes, by the path's shape (its id, then what of it).
 _ROUTE = re.compile(r"^/v1/responses/(?P<id>[^/]+)(?P<rest>/input_items|/cancel)?$")
 _END_STATUSES = ("completed", "incomplete", "failed")
 _STORE_PATHS = (PATH + "/", "/v1/conversations")
@@ -202,8 +202,12 @@ class StoredResponses:
                     param="previous_response_id")
             if conversation is None:
                 return None
-            if asked is None or asked is True and "store" not in payload:
-                asked = False  # (OpenAI's default; the worker keeps nothing either)
+            if payload.get("store") is True:
+                raise InvalidRequestError("'store': true is not supported: this gateway "
+                                          "keeps no responses (--response-retention 0)",
+                                          param="store")
+            if asked is True or asked is None:  # (the default: only the conversation
+                asked = False  # keeps the turn)
         if asked not in (True, False, None):
             raise InvalidRequestError("'store' must be a boolean", param="store")
         if asked is False and previous is None and conversation is None:
