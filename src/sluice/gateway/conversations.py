@@ -32,7 +32,7 @@ from typing import Any
 
 from sluice.gateway.items import db_call, input_items, only_params, page, query_params
 from sluice.gateway.store import Store, StoredConversation
-from sluice.protocol.errors import InvalidRequestError, NotFoundError, SluiceError
+from sluice.protocol.errors import InvalidRequestError, MethodNotAllowedError, NotFoundError
 from sluice.protocol.responses import new_id
 
 PATH = "/v1/conversations"
@@ -214,9 +214,5 @@ def _item_not_found(item_id: str) -> NotFoundError:
                          code="item_not_found")
 
 
-def _not_allowed(method: str, route: str) -> SluiceError:
-    error = SluiceError(f"{method} is not allowed on {route}")
-    error.status_code = 405
-    return error
-
-
+def _not_allowed(method: str, route: str) -> MethodNotAllowedError:
+    return MethodNotAllowedError(f"{method} is not allowed on {route}")

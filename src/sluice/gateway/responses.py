@@ -52,7 +52,12 @@ from typing import Any
 from sluice.gateway.conversations import Conversations, conversation_id_of, conversation_route
 from sluice.gateway.items import db_call, input_items, only_params, page, query_params
 from sluice.gateway.store import Store, StoredResponse
-from sluice.protocol.errors import InvalidRequestError, NotFoundError, SluiceError
+from sluice.protocol.errors import (
+    ConflictError,
+    InvalidRequestError,
+    MethodNotAllowedError,
+    NotFoundError,
+)
 from sluice.protocol.openai import parse_request, reject_unsupported
 from sluice.protocol.responses import (
     INPUT_TOKENS_PATH,
@@ -299,9 +304,7 @@ class StoredResponses:
         if action == ("POST", "/cancel"):
             only_params(params, {})
             return await self._cancel(response_id, tenant_id)
-        error = SluiceError(f"{method} is not allowed on {PATH}/{{response_id}}{rest}")
-        error.status_code = 405
-        raise error
+        raise MethodNotAllowedError(f"{method} is not allowed on {PATH}/{{response_id}}{rest}")
 
     async def _cancel(self, response_id: str, tenant_id: str) -> dict[str, Any]:
         """Cancel a background response this gateway runs (its run ends as a client that
@@ -318,8 +321,8 @@ class StoredResponses:
                                       "be cancelled; this one ran in the foreground and has "
                                       "ended", param="response_id")
         if stored.response.get("status") in ("queued", "in_progress"):
-            raise InvalidRequestError("this background response runs on another gateway "
-                                      "replica; cancel it there", param="response_id")
+            raise ConflictError("this background response runs on another gateway replica; "
+                                "cancel it there", param="response_id")
         return stored.response
 
     async def _find(self, response_id: str, tenant_id: str) -> StoredResponse:

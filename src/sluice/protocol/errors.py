@@ -64,6 +64,11 @@ class InvalidRequestError(SluiceError, ValueError):
     error_type = "invalid_request_error"
 
 
+class MethodNotAllowedError(InvalidRequestError):
+    status_code = 405
+    default_code = "method_not_allowed"
+
+
 class ContextLengthError(InvalidRequestError):
     default_code = "context_length_exceeded"
 
