@@ -654,13 +654,19 @@ class Exchange:
             gauge.dec()
 
         run.add_done_callback(ended)
-        raw = json.dumps(self.queued).encode()
+        await self.reply(client, adm, self.queued)
+
+    @staticmethod
+    async def reply(send: Send, adm: Admission, body: dict[str, Any]) -> None:
+        """A 200 JSON answer of the gateway's own (its store's), with the request's id
+        and rate-limit headers."""
+        raw = json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"),
                    (b"content-length", str(len(raw)).encode()),
                    (b"x-request-id", adm.request_id.encode()),
                    *((k.encode(), v.encode()) for k, v in adm.headers.items())]
-        await client({"type": "http.response.start", "status": 200, "headers": headers})
-        await client({"type": "http.response.body", "body": raw, "more_body": False})
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": raw, "more_body": False})
 
     async def run_detached(self, adm: Admission) -> None:
         """A background request through the inner app, its answer to no client: a run
@@ -707,7 +713,7 @@ class Exchange:
             error = {"code": "server_error", "message": "the gateway stopped before the "
                      "response ended" if self.state.responses.stopping else
                      f"the request failed with HTTP {self.status or 502}"}
-            with contextlib.suppress(ValueError, AttributeError, TypeError):
+            with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
                 found = json.loads(self.meter.body)["error"]
                 error = {"code": found.get("code") or found.get("type") or "server_error",
                          "message": str(found.get("message"))}
@@ -732,13 +738,7 @@ class Exchange:
             return await send_error(self.send, exc, self.endpoint)
         self.status = 200
         await self.settle("ok")
-        raw = json.dumps(body).encode()
-        headers = [(b"content-type", b"application/json"),
-                   (b"content-length", str(len(raw)).encode()),
-                   (b"x-request-id", adm.request_id.encode()),
-                   *((k.encode(), v.encode()) for k, v in adm.headers.items())]
-        await self.send({"type": "http.response.start", "status": 200, "headers": headers})
-        await self.send({"type": "http.response.body", "body": raw, "more_body": False})
+        await self.reply(self.send, adm, body)
 
     async def on_send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
