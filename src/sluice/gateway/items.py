@@ -17,6 +17,7 @@ T = TypeVar("T")
 _ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
                 "reasoning": "rs"}
 
+
 def input_items(raw: Any) -> list[Any]:
     """A request's `input` as items: a string is one user message; a message's string
     content is one text part; each item without an id gets one. Shapes that are not
