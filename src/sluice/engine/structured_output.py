@@ -207,10 +207,10 @@ class ThinkingMarkers:
                    REASONING_PARSERS[parser])
 
     def at_start(self, prompt: Tokens[int], budget: int | None = None) -> Thinking | None:
-        """A new constrained sequence's state: thinking (the prompt opened the block),
-        deciding at its first token (the model opens it), or None: the grammar from the
-        first token (the prompt closed the block, or the model's one-token opening tag
-        is not one token here)."""
+        """A new sequence's thinking state (a constrained one's, or one with a thinking
+        `budget`): thinking (the prompt opened the block), deciding at its first token
+        (the model opens it), or None: answering from the first token (the prompt
+        closed the block, or the model's one-token opening tag is not one token here)."""
         tail = list(prompt[-PROMPT_TAIL:])
         ended, started = _last(tail, self.end), _last(tail, self.start)
         if ended is not None and (started is None or ended > started):
