@@ -1083,6 +1083,8 @@ class StructuredOutputManager:
         """A thinking sequence whose `thinking_token_budget` is spent writes its end tag:
         its row allows that token alone (its draft was cut short of the budget:
         spec_decode.grammatical, so only its first row can be due)."""
+        if self.thinking is None:  # (no reasoning parser: nothing is ever due)
+            return
         drafts = drafts or {}
         due: list[tuple[int, int]] = []
         row = 0
