@@ -499,3 +499,20 @@ async def test_the_status_page_and_the_admin_api_show_each_worker_s_role() -> No
     pool = plain.pools[0]
     assert plain.pd_role(pool, pool.endpoints["http://127.0.0.1:9"]) is None
     await plain.close()
+
+
+def test_the_prefill_request_asks_for_one_token_in_each_api() -> None:
+    """vLLM's prefill body: one token (`max_tokens`, or a Responses request's
+    `max_output_tokens`), no stream, the decode side's params asked for."""
+    from sluice.router.parse import RESPONSES
+    from sluice.router.pd import PREFILL_REQUEST_PARAMS, prefill_body
+
+    chat = prefill_body({"messages": [], "max_completion_tokens": 50, "stream": True,
+                         "stream_options": {"include_usage": True}})
+    assert (chat["max_tokens"], chat["max_completion_tokens"], chat["stream"]) == (1, 1, False)
+    assert "stream_options" not in chat
+    assert chat["kv_transfer_params"] == PREFILL_REQUEST_PARAMS
+    responses = prefill_body({"input": "hi", "max_output_tokens": 50, "stream": True},
+                             RESPONSES)
+    assert (responses["max_output_tokens"], responses["stream"]) == (1, False)
+    assert "max_tokens" not in responses  # (a 400 on the Responses API)

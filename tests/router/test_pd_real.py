@@ -1,6 +1,7 @@
 """The router's disaggregated pool in front of real `sluice worker` processes (tiny model):
 prefill worker -> KV hand-off -> decode worker gives a single worker's greedy text,
-streamed or not, chat and completions, with prefix hits on either side."""
+streamed or not, chat, completions and the Responses API, with prefix hits on either
+side."""
 
 from __future__ import annotations
 
@@ -42,6 +43,13 @@ def workers(tiny_llama_dir: Path) -> Iterator[dict[str, str]]:
 
 
 def text_of(resp: httpx.Response, stream: bool) -> str:
+    if resp.request.url.path == "/v1/responses":  # OpenAI's Responses API
+        if not stream:
+            return "".join(part["text"] for item in resp.json()["output"]
+                           for part in item.get("content") or [])
+        events = [json.loads(line[6:]) for line in resp.text.splitlines()
+                  if line.startswith("data: {")]
+        return "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     if not stream:
         choice = resp.json()["choices"][0]
         return str(choice["message"]["content"] if "message" in choice else choice["text"])
@@ -72,6 +80,10 @@ async def test_disaggregated_greedy_output_is_one_workers(workers: dict[str, str
             "model": model, "messages": [{"role": "user", "content": TEXTS[3]}],
             "max_completion_tokens": 8, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}))
+        for stream in (False, True):  # the Responses API too, handed off the same way
+            cases.append(("/v1/responses", {"model": model, "input": TEXTS[1 + stream],
+                                            "max_output_tokens": 8, "temperature": 0,
+                                            "stream": stream}))
         for path, body in cases:
             want = await c.post(workers["both"] + path, json=body)
             got = await c.post(router + path, json=body)

@@ -57,7 +57,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from sluice.protocol.errors import InvalidRequestError, NotFoundError, SluiceError
-from sluice.protocol.openai import TOOL_NAME, Acceptable, function_tool, reasoning_of
+from sluice.protocol.openai import (
+    TOOL_NAME,
+    Acceptable,
+    KVTransferParams,
+    function_tool,
+    reasoning_of,
+)
 
 PATH = "/v1/responses"
 
@@ -152,6 +158,9 @@ class ResponsesRequest(InputTokensRequest):
     # Accepted and honoured implicitly: sluice's prefix cache caches every prompt.
     prompt_cache_key: str | None = None
     priority: int = Field(default=0, ge=-(2**63), lt=2**63)  # vLLM's extension, as on chat
+    # P/D hand-off (vLLM's, as on chat; the router's, never a client's: the gateway
+    # refuses it): a prefill's answer carries the decode side's in its Response
+    kv_transfer_params: KVTransferParams | None = None
 
     @field_validator("store")
     @classmethod
@@ -323,6 +332,8 @@ def to_chat_body(req: ResponsesRequest, body: Mapping[str, Any]) -> dict[str, An
             **({"strict": form.strict} if form.strict is not None else {})}}
     if req.priority:
         chat["priority"] = req.priority
+    if req.kv_transfer_params is not None:
+        chat["kv_transfer_params"] = req.kv_transfer_params.model_dump(exclude_none=True)
     if req.stream:
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}
@@ -434,9 +445,12 @@ def from_chat_response(resp: Mapping[str, Any], req: ResponsesRequest) -> dict[s
         output.append(call_item(new_id("fc"), call.get("id") or "", function.get("name") or "",
                                 function.get("arguments") or ""))
     status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
-    return response(req, new_id("resp"), int(resp.get("created") or time.time()),
-                    status=status, output=output, chat_usage=resp.get("usage"),
-                    model=resp.get("model"))
+    out = response(req, new_id("resp"), int(resp.get("created") or time.time()),
+                   status=status, output=output, chat_usage=resp.get("usage"),
+                   model=resp.get("model"))
+    if resp.get("kv_transfer_params") is not None:  # a P/D prefill's, for the router
+        out["kv_transfer_params"] = resp["kv_transfer_params"]
+    return out
 
 
 Event = dict[str, Any]

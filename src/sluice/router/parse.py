@@ -26,7 +26,7 @@ from sluice.protocol.prompt import (
 )
 
 SESSION_HEADER = "x-session-id"
-__all__ = ["CHAT", "COMPLETION", "MESSAGES", "ParsedRequest", "parse_request"]
+__all__ = ["CHAT", "COMPLETION", "MESSAGES", "RESPONSES", "ParsedRequest", "parse_request"]
 
 
 @dataclass(frozen=True)

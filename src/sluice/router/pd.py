@@ -63,7 +63,7 @@ from sluice.router.breaker import Breakers
 from sluice.router.config import BOTH, DECODE, PD_ROLES, PREFILL
 from sluice.router.endpoints import Endpoint
 from sluice.router.metrics import RouterMetrics
-from sluice.router.parse import CHAT, COMPLETION, ParsedRequest
+from sluice.router.parse import CHAT, COMPLETION, RESPONSES, ParsedRequest
 from sluice.router.policies import Choice, RequestMeta
 from sluice.router.policies.base import pick_min
 from sluice.router.policies.cost import estimate_seconds, prefill_tokens, uncached_tokens
@@ -368,11 +368,15 @@ def can_hand_off(body: dict[str, Any]) -> bool:
     return body.get("n") in (None, 1) and not several and not scores_prompt
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill worker's request: as vLLM's disaggregated proxy sends it."""
+def prefill_body(body: dict[str, Any], kind: str = CHAT) -> dict[str, Any]:
+    """The prefill worker's request: as vLLM's disaggregated proxy sends it (one token;
+    a Responses request's is `max_output_tokens`)."""
     out = {k: v for k, v in body.items() if k != "stream_options"}
     out["kv_transfer_params"] = dict(PREFILL_REQUEST_PARAMS)
-    out["max_tokens"] = 1
+    if kind == RESPONSES:
+        out["max_output_tokens"] = 1
+    else:
+        out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False
@@ -433,8 +437,8 @@ class PD:
              exclude: Iterable[str] = ()) -> str:
         """DISAGGREGATED or LOCAL for this request (see the module docstring)."""
         config = pool.config.pd
-        if config is None or config.mode == "never" or req.kind not in (CHAT, COMPLETION) \
-                or not can_hand_off(req.body):
+        if config is None or config.mode == "never" \
+                or req.kind not in (CHAT, COMPLETION, RESPONSES) or not can_hand_off(req.body):
             return LOCAL
         prefill = self.prefill.choose(pool, meta, exclude)
         if prefill is None:
@@ -484,8 +488,8 @@ class PD:
         """Step 1: the prefill worker's kv_transfer_params, or None (fall back)."""
         start = self.clock()
         try:
-            relay = await self.prefill.forward(pool, _request(req, prefill_body(req.body), True),
-                                               meta, path, headers, exclude)
+            relay = await self.prefill.forward(pool, _request(
+                req, prefill_body(req.body, req.kind), True), meta, path, headers, exclude)
         except ServiceUnavailableError as exc:
             log.warning("no prefill worker answered (%s); prefilling on a decode worker", exc)
             return None
