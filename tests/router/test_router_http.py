@@ -118,6 +118,11 @@ async def test_errors_are_openai_json(cluster: Cluster) -> None:
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
         r = await c.post("/v1/chat/completions", json={"messages": []})
         assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+        for method, path in (("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/resp_1"),
+                             ("POST", "/v1/responses/resp_1/cancel"),
+                             ("GET", "/v1/responses/resp_1/input_items")):
+            r = await c.request(method, path)  # the router keeps none (the gateway does)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "response_not_found"
 
 
 async def test_no_healthy_worker_is_503_with_retry_after(cluster: Cluster) -> None:

@@ -96,6 +96,12 @@ def not_stored(response_id: str) -> NotFoundError:
                          "stores them)", param="response_id", code="response_not_found")
 
 
+async def stored_response(request: Any) -> Any:
+    """The endpoint of `STORED_PATHS` on a worker or router (a Starlette request): a
+    404 saying why, since neither keeps responses."""
+    raise not_stored(request.path_params["response_id"])
+
+
 class ResponsesModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

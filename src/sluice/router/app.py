@@ -143,7 +143,7 @@ def build_app(config: RouterConfig, *, transport: httpx.AsyncBaseTransport | Non
     app.add_route(responses.INPUT_TOKENS_PATH, _passthrough(responses.INPUT_TOKENS_PATH),
                   methods=["POST"])
     for path in responses.STORED_PATHS:  # a 404 saying why, as the worker's
-        app.add_route(path, stored_response, methods=["GET", "POST", "DELETE"])
+        app.add_route(path, responses.stored_response, methods=["GET", "POST", "DELETE"])
     app.add_route("/health", health, methods=["GET"])
     app.add_route("/liveness", liveness, methods=["GET"])
     app.add_route("/version", version, methods=["GET"])
@@ -286,11 +286,6 @@ async def model(request: Request) -> Response:
     if entry is None:
         raise NotFoundError(f"The model `{model_id}` does not exist.", param="model")
     return JSONResponse(entry)
-
-
-async def stored_response(request: Request) -> Response:
-    """A stored response's routes (retrieve, delete, cancel, input items): none is kept."""
-    raise responses.not_stored(request.path_params["response_id"])
 
 
 def _model_entries(state: RouterState) -> list[dict[str, Any]]:

@@ -191,12 +191,9 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
             raise
         return {"object": "response.input_tokens", "input_tokens": count}
 
-    async def stored_response(request: Request) -> Response:
-        raise responses.not_stored(request.path_params["response_id"])
-
     for path in responses.STORED_PATHS:
-        app.add_api_route(path, stored_response, methods=["GET", "POST", "DELETE"],
-                          include_in_schema=False)
+        app.add_route(path, responses.stored_response, methods=["GET", "POST", "DELETE"],
+                      include_in_schema=False)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
