@@ -82,6 +82,7 @@ async def test_a_background_response_is_cancelled(engine: Any, counter: PromptTo
     await asyncio.sleep(0.2)
     metrics = gw.state.metrics.render().decode()
     assert "sluice_gateway_background_responses 1.0" in metrics
+    assert (await client.responses.retrieve(queued.id)).status == "in_progress"  # begun
     cancelled = await client.responses.cancel(queued.id)
     assert cancelled.status == "cancelled" and cancelled.id == queued.id, cancelled.error
     assert (await client.responses.retrieve(queued.id)).status == "cancelled"

@@ -682,12 +682,17 @@ class Exchange:
             await asyncio.Event().wait()  # no client to leave: only a cancel ends it
             raise AssertionError("unreachable")
 
+        async def send(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 200:
+                await self.keep_queued(adm, "in_progress")  # the worker has begun
+            await self.on_send(message)
+
         scope = self.upstream_scope(adm)
         scope["extensions"] = {k: v for k, v in (scope.get("extensions") or {}).items()
                                if k != ON_DISCONNECT}
         ended = "failed"
         try:
-            await self.gw.app(scope, receive, self.on_send)
+            await self.gw.app(scope, receive, send)
             if self.meter.response is not None and 200 <= self.status < 300:
                 ended = "done"
         except asyncio.CancelledError:
@@ -717,13 +722,20 @@ class Exchange:
                 found = json.loads(self.meter.body)["error"]
                 error = {"code": found.get("code") or found.get("type") or "server_error",
                          "message": str(found.get("message"))}
+        await self.keep_queued(adm, status, error)
+
+    async def keep_queued(self, adm: Admission, status: str,
+                          error: dict[str, str] | None = None) -> None:
+        """Store the background response as first answered, with `status` (and `error`);
+        a database error is logged (the run goes on; GET shows the last status kept)."""
+        assert adm.turn is not None
         try:
             await self.state.responses.keep(adm.turn, {**self.queued, "status": status,
                                                        "error": error},
                                             adm.principal.tenant.id, adm.principal.key.id)
         except SluiceError:
-            logger.exception("could not store the end of background response %s",
-                             self.queued.get("id"))
+            logger.exception("could not store background response %s as %s",
+                             self.queued.get("id"), status)
 
     async def answer_stored(self, adm: Admission) -> None:
         """A stored response's route, answered from the store (responses.py)."""
