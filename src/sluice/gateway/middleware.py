@@ -288,6 +288,7 @@ class Exchange:
         self.settling: asyncio.Future[None] | None = None  # the settlement, once begun
         self.body_left: int | None = None  # a JSON response's bytes not yet sent, by its length
         self.queued: dict[str, Any] = {}  # a background response, as first answered
+        self.begun: asyncio.Future[None] | None = None  # its `in_progress` being kept
 
     # -- 1 + 2: authenticate and admit ---------------------------------------------------
 
@@ -684,7 +685,8 @@ class Exchange:
 
         async def send(message: Message) -> None:
             if message["type"] == "http.response.start" and message["status"] == 200:
-                await self.keep_queued(adm, "in_progress")  # the worker has begun
+                self.begun = asyncio.ensure_future(self.keep_queued(adm, "in_progress"))
+                await asyncio.shield(self.begun)  # (a cancel meanwhile: end_unanswered waits)
             await self.on_send(message)
 
         scope = self.upstream_scope(adm)
@@ -722,6 +724,8 @@ class Exchange:
                 found = json.loads(self.meter.body)["error"]
                 error = {"code": found.get("code") or found.get("type") or "server_error",
                          "message": str(found.get("message"))}
+        if self.begun is not None:  # its `in_progress` first, so that this one stands
+            await asyncio.wait([self.begun])
         await self.keep_queued(adm, status, error)
 
     async def keep_queued(self, adm: Admission, status: str,
