@@ -17,7 +17,7 @@ from sluice.gateway.store import SQLStore
 from sluice.gateway.tokens import PromptTokenCounter
 from sluice.protocol.prompt import RESPONSES, prompt_view
 
-from .conftest import client_for, make_state, new_key
+from .conftest import PG_URL, client_for, make_state, new_key
 
 TURN = {"model": "tiny", "max_output_tokens": 4, "temperature": 0}
 
@@ -191,3 +191,34 @@ def test_the_store_keeps_a_tenants_conversations_in_order(any_store: SQLStore) -
     with any_store.engine.connect() as conn:
         left = conn.execute(any_store.items.select()).all()
     assert [row.item_id for row in left] == ["x"]  # conv_b's, untouched
+
+
+@pytest.mark.services
+async def test_two_gateway_replicas_share_the_state(engine: Any, counter: PromptTokenCounter,
+                                                    pg_store: SQLStore) -> None:
+    """Two gateways on one PostgreSQL database (each its own engine and connections, as
+    replicas are): a turn answered by one is continued, listed and deleted through the
+    other, by `previous_response_id` and by `conversation`."""
+    prefix = pg_store.tenants.name.removesuffix("tenants")
+    key = new_key(pg_store)
+    replicas = [gateway(engine, SQLStore(PG_URL, table_prefix=prefix), counter)
+                for _ in range(2)]
+    try:
+        async with client_for(replicas[0], key) as a, client_for(replicas[1], key) as b:
+            first = (await a.post("/v1/responses", json={**TURN, "input": "I am Ada."})).json()
+            second = await b.post("/v1/responses", json={
+                **TURN, "input": "Who am I?", "previous_response_id": first["id"]})
+            assert second.status_code == 200, second.text
+            assert second.json()["usage"]["input_tokens"] > first["usage"]["input_tokens"]
+            assert (await b.get(f"/v1/responses/{first['id']}")).json() == first
+            conv = (await b.post("/v1/conversations", json={})).json()
+            turn = await a.post("/v1/responses", json={**TURN, "input": "hi",
+                                                        "conversation": conv["id"]})
+            assert turn.status_code == 200, turn.text
+            items = (await b.get(f"/v1/conversations/{conv['id']}/items")).json()["data"]
+            assert len(items) == 2
+            assert (await a.delete(f"/v1/responses/{first['id']}")).status_code == 200
+            assert (await b.get(f"/v1/responses/{first['id']}")).status_code == 404
+    finally:
+        for gw in replicas:
+            gw.state.store.close()
