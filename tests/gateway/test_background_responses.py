@@ -6,6 +6,7 @@ refused where it cannot be kept, and failed when the gateway stops (gateway/resp
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -99,7 +100,7 @@ async def test_background_is_refused_where_it_cannot_be_kept(
     gw = gateway(engine, sqlite_store, counter)
     mine, theirs = new_key(sqlite_store, "acme"), new_key(sqlite_store, "other")
     async with client_for(gw, mine) as c:
-        for extra, param in (({"store": False}, "background"), ({"stream": True}, "stream"),
+        for extra, param in (({"store": False}, "background"),
                              ({"background": "yes"}, "background"),
                              ({"max_output_tokens": 0}, "max_output_tokens"),
                              ({"include": ["x"]}, "include"), ({"ignore_eos": True}, "ignore_eos")):
@@ -134,3 +135,61 @@ async def test_a_gateway_that_stops_fails_its_background_responses(
     [record] = [x for x in sqlite_store.query_usage(UsageQuery())
                 if x.endpoint == "/v1/responses"]
     assert record.status == "aborted"
+
+
+def events_of(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+async def test_a_streamed_background_response_is_followed_and_taken_up_again(
+        engine: Any, counter: PromptTokenCounter, sqlite_store: SQLStore) -> None:
+    """`background` with `stream`: the client follows the run's events; one that leaves
+    takes the stream up again with `GET ...?stream=true&starting_after=N`, from the
+    next event on; the run never waits for either (a real server, so a client can
+    leave mid-stream)."""
+    from .conftest import serve
+
+    gw = gateway(engine, sqlite_store, counter)
+    key = new_key(sqlite_store)
+    async with serve(gw) as url, httpx.AsyncClient(
+            base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as c:
+        r = await c.post("/v1/responses", json={**TURN, "background": True, "stream": True})
+        whole = events_of(r.text)
+        assert whole[-1]["type"] == "response.incomplete"
+        final = whole[-1]["response"]
+        assert final["background"] is True and final["id"].startswith("resp_")
+        assert [e["sequence_number"] for e in whole] == list(range(len(whole)))
+        assert (await c.get(f"/v1/responses/{final['id']}")).json()["status"] == "incomplete"
+        r = await c.get(f"/v1/responses/{final['id']}", params={"stream": "true"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream"  # it ended
+
+        # a long one: leave after three events, take it up after the second
+        body = {**TURN, "max_output_tokens": 300, "background": True, "stream": True}
+        seen: list[dict[str, Any]] = []
+        async with c.stream("POST", "/v1/responses", json=body) as s:
+            async for line in s.aiter_lines():
+                if line.startswith("data: {"):
+                    seen.append(json.loads(line[6:]))
+                if len(seen) == 3:
+                    break
+        run_id = seen[0]["response"]["id"]
+        r = await c.get(f"/v1/responses/{run_id}",
+                        params={"stream": "true", "starting_after": seen[1]["sequence_number"]})
+        assert r.status_code == 200, r.text
+        rest = events_of(r.text)
+        assert rest[0] == seen[2]
+        numbers = [e["sequence_number"] for e in seen[:2] + rest]
+        assert numbers == list(range(len(numbers)))
+        assert rest[-1]["type"] in ("response.completed", "response.incomplete")
+        kept = (await c.get(f"/v1/responses/{run_id}")).json()
+        assert kept["status"] == rest[-1]["response"]["status"]
+        for params, status in (({"stream": "true", "starting_after": "x"}, 400),
+                               ({"stream": "true"}, 404)):
+            r = await c.get("/v1/responses/resp_nope" if status == 404 else
+                            f"/v1/responses/{run_id}", params=params)
+            assert r.status_code == status, r.text
+        # a run the worker refuses: its stream ends with response.failed
+        r = await c.post("/v1/responses", json={**body, "max_output_tokens": 5000})
+        failed = events_of(r.text)
+        assert failed[-1]["type"] == "response.failed"
+        assert failed[-1]["response"]["error"]["code"] == "context_length_exceeded"

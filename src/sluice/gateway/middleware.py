@@ -45,7 +45,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +64,7 @@ from sluice.gateway.meter import ResponseMeter
 from sluice.gateway.models import MODEL_PREFIX, MODELS_PATH, ModelListFilter, allowed_models
 from sluice.gateway.pricing import Price
 from sluice.gateway.responses import ENDPOINTS as CONVERSATION_ENDPOINTS
-from sluice.gateway.responses import Turn
+from sluice.gateway.responses import EventLog, Run, Turn
 from sluice.gateway.state import GatewayState
 from sluice.gateway.store import Principal, UsageRecord
 from sluice.gateway.tokens import estimate_view
@@ -289,6 +289,7 @@ class Exchange:
         self.body_left: int | None = None  # a JSON response's bytes not yet sent, by its length
         self.queued: dict[str, Any] = {}  # a background response, as first answered
         self.begun: asyncio.Future[None] | None = None  # its `in_progress` being kept
+        self.log: EventLog | None = None  # its stream, for whoever follows it
 
     # -- 1 + 2: authenticate and admit ---------------------------------------------------
 
@@ -644,18 +645,42 @@ class Exchange:
             await self.settle("error")
             exc.headers = {**adm.headers, **exc.headers}
             return await send_error(self.send, exc, self.endpoint)
-        client, self.send = self.send, _discard
-        run = asyncio.ensure_future(self.run_detached(adm))
-        responses.running[turn.background_id] = (tenant, run)
+        log = self.log = EventLog()
+
+        async def to_log(message: Message) -> None:  # the run's client: its stream's log
+            if message["type"] == "http.response.body":
+                log.add(message.get("body", b""))
+
+        client, self.send = self.send, to_log
+        task = asyncio.ensure_future(self.run_detached(adm))
+        responses.running[turn.background_id] = Run(tenant, task, log)
         gauge = self.state.metrics.background
         gauge.inc()
 
         def ended(_: asyncio.Future[None]) -> None:
+            log.end()
             responses.running.pop(turn.background_id or "", None)
             gauge.dec()
 
-        run.add_done_callback(ended)
+        task.add_done_callback(ended)
+        if turn.streamed:  # its stream as it comes; leaving it stops nothing
+            return await self.reply_stream(client, adm, log.follow())
         await self.reply(client, adm, self.queued)
+
+    @staticmethod
+    async def reply_stream(send: Send, adm: Admission, events: AsyncIterator[bytes]) -> None:
+        """A background run's events (its log, followed), as SSE; a client that has gone
+        ends only this."""
+        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                   (b"x-request-id", adm.request_id.encode()),
+                   *((k.encode(), v.encode()) for k, v in adm.headers.items())]
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            async for event in events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the client left: the run goes on
+            return
 
     @staticmethod
     async def reply(send: Send, adm: Admission, body: dict[str, Any]) -> None:
@@ -727,6 +752,11 @@ class Exchange:
         if self.begun is not None:  # its `in_progress` first, so that this one stands
             await asyncio.wait([self.begun])
         await self.keep_queued(adm, status, error)
+        if status == "failed" and self.log is not None:  # its stream ends saying so
+            number = self.log.events[-1][0] + 1 if self.log.events else 0
+            event = {"type": "response.failed", "sequence_number": number,
+                     "response": {**self.queued, "status": status, "error": error}}
+            self.log.add(f"event: response.failed\ndata: {json.dumps(event)}\n\n".encode())
 
     async def keep_queued(self, adm: Admission, status: str,
                           error: dict[str, str] | None = None) -> None:
@@ -754,7 +784,9 @@ class Exchange:
             return await send_error(self.send, exc, self.endpoint)
         self.status = 200
         await self.settle("ok")
-        await self.reply(self.send, adm, body)
+        if isinstance(body, dict):
+            return await self.reply(self.send, adm, body)
+        await self.reply_stream(self.send, adm, body)  # a running background one's stream
 
     async def on_send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -957,10 +989,6 @@ class Exchange:
     def counted(self, record: UsageRecord) -> None:
         self.state.metrics.settled(record.tenant_id, record.status, record.prompt_tokens,
                                    record.completion_tokens, record.cost_usd)
-
-
-async def _discard(message: Message) -> None:
-    """The client of a background run: nobody."""
 
 
 # -- policy helpers (plain data in, decision out) -------------------------------------------

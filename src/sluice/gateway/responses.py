@@ -23,10 +23,11 @@ answer any turn of a conversation:
                  /v1/responses/{id}/input_items (the items that produced it: its whole
                  conversation, `limit` 1-100, `order` desc by default, `after` /
                  `before`), POST /v1/responses/{id}/cancel (a background response's).
-    background   `"background": true`: answered `queued` at once and run detached by
-                 the gateway (middleware `Exchange.run_in_background`); GET polls it,
-                 cancel stops it; the final Response (or `failed` / `cancelled`) is
-                 kept as any other.
+    background   `"background": true`: answered `queued` at once (or, with `stream`,
+                 its events as they come: `EventLog`) and run detached by the gateway
+                 (middleware `Exchange.run_in_background`); GET polls it (or, with
+                 `stream=true&starting_after=N`, follows it again), cancel stops it;
+                 the final Response (or `failed` / `cancelled`) is kept as any other.
 
 `conversation` (OpenAI's Conversations API, gateway/conversations.py) is the other way
 to carry state: the conversation's items go before the input, and the turn's input and
@@ -43,9 +44,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +88,67 @@ def stored_route(path: str) -> str | None:
     return PATH + "/{response_id}" + (match["rest"] or "")
 
 
+class EventLog:
+    """A background run's stream as its clients see it (the gateway's patches applied):
+    its events in order, each with its `sequence_number`, kept while the run lives, so
+    that its client, and any later `GET ...?stream=true&starting_after=N`, can follow it
+    (the run does not wait for them)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, bytes]] = []
+        self.ended = False
+        self._more: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def add(self, chunk: bytes) -> None:
+        """Take what the run sent: whole events (the meter cuts them)."""
+        for event in re.split(rb"(?<=\n\n)", chunk):
+            if event.strip():
+                self.events.append((_sequence_number(event, len(self.events)), event))
+        self._wake()
+
+    def end(self) -> None:
+        self.ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if not self._more.done():
+            self._more.set_result(None)
+        self._more = asyncio.get_running_loop().create_future()
+
+    async def follow(self, after: int | None = None) -> AsyncIterator[bytes]:
+        """Its events after `after` (all without one), then each as it comes, until the
+        run ends."""
+        seen = 0
+        while True:
+            while seen < len(self.events):
+                number, event = self.events[seen]
+                seen += 1
+                if after is None or number > after:
+                    yield event
+            if self.ended:
+                return
+            await asyncio.shield(self._more)
+
+
+def _sequence_number(event: bytes, default: int) -> int:
+    for line in event.splitlines():
+        if line.startswith(b"data:"):
+            with contextlib.suppress(ValueError, AttributeError):
+                number = json.loads(line[5:]).get("sequence_number")
+                if isinstance(number, int):
+                    return number
+    return default
+
+
+@dataclass
+class Run:
+    """A background response this gateway runs."""
+
+    tenant_id: str
+    task: asyncio.Future[None]
+    log: EventLog
+
+
 @dataclass
 class Turn:
     """What admission decided for one Responses request."""
@@ -95,6 +158,7 @@ class Turn:
     input_items: list[Any] = field(default_factory=list)  # its own, ids given
     conversation_id: str | None = None  # its items go on in this conversation
     background_id: str | None = None  # `background`: the gateway runs it under this id
+    streamed: bool = False  # a background one's client asked for its stream
 
     @property
     def patch(self) -> dict[str, Any]:
@@ -121,17 +185,16 @@ class StoredResponses:
         self.store = store
         self.retention_s = retention_s
         self.conversations = Conversations(store)
-        # background responses this gateway runs: id -> (tenant, the run's task)
-        self.running: dict[str, tuple[str, asyncio.Future[None]]] = {}
+        self.running: dict[str, Run] = {}  # background responses this gateway runs
         self.stopping = False
 
     async def stop(self) -> None:
         """At shutdown: cancel the background runs; each is kept `failed`, saying so."""
         self.stopping = True
-        runs = [run for _, run in self.running.values()]
-        for run in runs:
-            run.cancel()
-        await asyncio.gather(*runs, return_exceptions=True)
+        tasks = [run.task for run in self.running.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     @property
     def enabled(self) -> bool:
@@ -188,10 +251,6 @@ class StoredResponses:
             raise InvalidRequestError("'background' needs a stored response ('store' true, "
                                       "and a gateway that keeps them): its result is read "
                                       "with GET /v1/responses/{id}", param="background")
-        if background and payload.get("stream") is True:
-            raise InvalidRequestError("'stream' with 'background' is not supported here: "
-                                      "poll GET /v1/responses/{id} for the result",
-                                      param="stream")
         if previous is not None and not isinstance(previous, str):
             raise InvalidRequestError("'previous_response_id' must be a string",
                                       param="previous_response_id")
@@ -222,6 +281,7 @@ class StoredResponses:
         if "background" in payload:
             if payload.pop("background"):
                 turn.background_id = new_id("resp")
+                turn.streamed = payload.get("stream") is True
                 payload["stream"] = True  # (to the gateway: a cancelled run's tokens count)
         if previous is not None or conversation is not None:
             if not isinstance(turn.input_items, list):
@@ -280,7 +340,7 @@ class StoredResponses:
     # -- the routes --------------------------------------------------------------------
 
     async def answer(self, method: str, path: str, query: bytes, body: bytes,
-                     tenant_id: str) -> dict[str, Any]:
+                     tenant_id: str) -> dict[str, Any] | AsyncIterator[bytes]:
         """A stored response's route (module docstring), or a conversation's
         (conversations.py): the JSON to answer 200 with, or a `SluiceError` (404 for an
         id this tenant has nothing under)."""
@@ -292,7 +352,10 @@ class StoredResponses:
         params = query_params(query)
         action = (method, rest)
         if action == ("GET", ""):
-            only_params(params, {"stream": ("false",)})
+            only_params(params, {"stream": ("false", "true"), "starting_after": None,
+                                 "include_obfuscation": ("false",)})
+            if params.get("stream") == "true":
+                return await self._follow(response_id, tenant_id, params.get("starting_after"))
             return (await self._find(response_id, tenant_id)).response
         if action == ("DELETE", ""):
             only_params(params, {})
@@ -310,11 +373,11 @@ class StoredResponses:
         """Cancel a background response this gateway runs (its run ends as a client that
         hung up: the worker stops, the ledger records it `aborted`) and answer it, now
         `cancelled`; one that has ended is answered as it is (cancelling is idempotent)."""
-        owner, run = self.running.get(response_id, (None, None))
-        if run is not None and owner == tenant_id:
-            run.cancel()
+        run = self.running.get(response_id)
+        if run is not None and run.tenant_id == tenant_id:
+            run.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(run)
+                await asyncio.shield(run.task)
         stored = await self._find(response_id, tenant_id)
         if not stored.response.get("background"):
             raise InvalidRequestError("Only responses created with 'background': true can "
@@ -324,6 +387,24 @@ class StoredResponses:
             raise ConflictError("this background response runs on another gateway replica; "
                                 "cancel it there", param="response_id")
         return stored.response
+
+    async def _follow(self, response_id: str, tenant_id: str,
+                      after: str | None) -> AsyncIterator[bytes]:
+        """A running background response's stream, after event `after` (OpenAI's
+        `starting_after`): a client that lost it takes it up again."""
+        if after is not None and not after.lstrip("-").isdigit():
+            raise InvalidRequestError("'starting_after' must be an event's sequence number",
+                                      param="starting_after")
+        run = self.running.get(response_id)
+        if run is None or run.tenant_id != tenant_id:
+            stored = await self._find(response_id, tenant_id)
+            if stored.response.get("status") in ("queued", "in_progress"):
+                raise ConflictError("this background response runs on another gateway "
+                                    "replica; follow its stream there", param="response_id")
+            raise InvalidRequestError("only a running background response can be streamed; "
+                                      "this one has ended: GET it without stream",
+                                      param="stream")
+        return run.log.follow(None if after is None else int(after))
 
     async def _find(self, response_id: str, tenant_id: str) -> StoredResponse:
         stored = await db_call(self.store.get_response, response_id, tenant_id)
