@@ -214,7 +214,7 @@ class EngineCore:
         if params.prompt_logprobs is not None and index == 0 and not req.num_output_tokens:
             seq.prompt_logprobs = [None]  # the first token: nothing before it predicts it
         if params.thinking_token_budget is not None and params.structured_outputs is None:
-            self.structured.begin_thinking(seq)  # (a grammar's sequences: once compiled)
+            self.structured.replay(seq)  # (a grammar's sequences: once compiled)
         return seq
 
     def abort(self, request_id: str) -> None:

@@ -999,29 +999,28 @@ class StructuredOutputManager:
         for seq in request.seqs:
             seq.grammar = compiled.backend.matcher(compiled.grammar)
             self._owners[type(seq.grammar)] = compiled.backend
-            if self.thinking is not None:
-                seq.thinking = self.thinking.at_start(seq.token_ids[:seq.num_prompt_tokens],
-                                                      seq.params.thinking_token_budget)
-            for at in range(seq.num_prompt_tokens, seq.num_tokens):
-                token = seq.token_ids[at]
-                if not self._answer(seq, token, at + 1):
-                    continue
-                if not seq.grammar.accept_token(token):
-                    params = request.params.structured_outputs
-                    return InvalidRequestError(
-                        f"resumed token {token} does not match the constraint",
-                        param=params.param if params else None)
+            refused = self.replay(seq)
+            if refused is not None:
+                params = request.params.structured_outputs
+                return InvalidRequestError(
+                    f"resumed token {refused} does not match the constraint",
+                    param=params.param if params else None)
         return None
 
-    def begin_thinking(self, seq: Sequence) -> None:
-        """An unconstrained sequence with a `thinking_token_budget`: its thinking state,
-        replayed over the tokens a resumed (migrated) request already generated."""
-        if self.thinking is None:
-            return
-        seq.thinking = self.thinking.at_start(seq.token_ids[:seq.num_prompt_tokens],
-                                              seq.params.thinking_token_budget)
+    def replay(self, seq: Sequence) -> int | None:
+        """A new sequence's thinking state (a reasoning model's: a constrained one's, or
+        an unconstrained one's with a `thinking_token_budget`) and its matcher, moved
+        past the tokens a resumed (migrated) request already generated; the first of
+        them its grammar refuses, or None."""
+        if self.thinking is not None:
+            seq.thinking = self.thinking.at_start(seq.token_ids[:seq.num_prompt_tokens],
+                                                  seq.params.thinking_token_budget)
         for at in range(seq.num_prompt_tokens, seq.num_tokens):
-            self._answer(seq, seq.token_ids[at], at + 1)
+            token = seq.token_ids[at]
+            if self._answer(seq, token, at + 1) and seq.grammar is not None \
+                    and not seq.grammar.accept_token(token):
+                return token
+        return None
 
     def wait(self, timeout: float) -> None:
         """Block until a pending compile finishes or `timeout` passes (an idle core

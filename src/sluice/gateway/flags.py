@@ -54,11 +54,13 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                    help="commit every request's ledger row before its response's last "
                         "bytes (default: only a budgeted tenant's, whose next admission "
                         "reads its spend; the others just after)")
-    p.add_argument("--ledger-batch-interval", type=_within(0, 10, "seconds"), default=0.02, metavar="SECONDS",
+    p.add_argument("--ledger-batch-interval", type=_within(0, 10, "seconds"), default=0.02,
+                   metavar="SECONDS",
                    help="the least time between two ledger commits of rows written after "
                         "their responses: fewer, larger commits (LiteLLM's "
                         "proxy_batch_write_at; default: %(default)s)")
-    p.add_argument("--response-retention", type=_within(0, 36500, "days"), default=30.0, metavar="DAYS",
+    p.add_argument("--response-retention", type=_within(0, 36500, "days"), default=30.0,
+                   metavar="DAYS",
                    help="how long the Responses API's stored responses are kept, for "
                         "previous_response_id and GET /v1/responses/{id} (OpenAI's "
                         "default: 30); 0 stores none, and then 'store' must be false "

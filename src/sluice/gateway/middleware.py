@@ -641,10 +641,7 @@ class Exchange:
             self.queued = await responses.queue(turn, adm.payload, adm.model, tenant,
                                                 adm.principal.key.id)
         except SluiceError as exc:
-            self.status = exc.status_code
-            await self.settle("error")
-            exc.headers = {**adm.headers, **exc.headers}
-            return await send_error(self.send, exc, self.endpoint)
+            return await self.refuse_admitted(adm, exc)
         log = self.log = EventLog()
 
         async def to_log(message: Message) -> None:  # the run's client: its stream's log
@@ -667,13 +664,28 @@ class Exchange:
             return await self.reply_stream(client, adm, log.follow())
         await self.reply(client, adm, self.queued)
 
+    async def refuse_admitted(self, adm: Admission, exc: SluiceError) -> None:
+        """The gateway's own refusal of an admitted request (its store's answer): settled
+        as an error, then the error JSON with the rate-limit headers."""
+        self.status = exc.status_code
+        await self.settle("error")
+        exc.headers = {**adm.headers, **exc.headers}
+        await send_error(self.send, exc, self.endpoint)
+
     @staticmethod
-    async def reply_stream(send: Send, adm: Admission, events: AsyncIterator[bytes]) -> None:
+    def own_headers(adm: Admission, *headers: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+        """`headers` and those of every answer of the gateway's own: the request's id and
+        its rate-limit headers."""
+        return [*headers, (b"x-request-id", adm.request_id.encode()),
+                *((k.encode(), v.encode()) for k, v in adm.headers.items())]
+
+    @classmethod
+    async def reply_stream(cls, send: Send, adm: Admission,
+                           events: AsyncIterator[bytes]) -> None:
         """A background run's events (its log, followed), as SSE; a client that has gone
         ends only this."""
-        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-                   (b"x-request-id", adm.request_id.encode()),
-                   *((k.encode(), v.encode()) for k, v in adm.headers.items())]
+        headers = cls.own_headers(adm, (b"content-type", b"text/event-stream"),
+                                  (b"cache-control", b"no-cache"))
         try:
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             async for event in events:
@@ -682,15 +694,12 @@ class Exchange:
         except OSError:  # the client left: the run goes on
             return
 
-    @staticmethod
-    async def reply(send: Send, adm: Admission, body: dict[str, Any]) -> None:
-        """A 200 JSON answer of the gateway's own (its store's), with the request's id
-        and rate-limit headers."""
+    @classmethod
+    async def reply(cls, send: Send, adm: Admission, body: dict[str, Any]) -> None:
+        """A 200 JSON answer of the gateway's own (its store's)."""
         raw = json.dumps(body).encode()
-        headers = [(b"content-type", b"application/json"),
-                   (b"content-length", str(len(raw)).encode()),
-                   (b"x-request-id", adm.request_id.encode()),
-                   *((k.encode(), v.encode()) for k, v in adm.headers.items())]
+        headers = cls.own_headers(adm, (b"content-type", b"application/json"),
+                                  (b"content-length", str(len(raw)).encode()))
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": raw, "more_body": False})
 
@@ -778,10 +787,7 @@ class Exchange:
                 self.scope["method"], self.scope["path"], self.scope.get("query_string") or b"",
                 adm.body, adm.principal.tenant.id)
         except SluiceError as exc:
-            self.status = exc.status_code
-            await self.settle("error")
-            exc.headers = {**adm.headers, **exc.headers}
-            return await send_error(self.send, exc, self.endpoint)
+            return await self.refuse_admitted(adm, exc)
         self.status = 200
         await self.settle("ok")
         if isinstance(body, dict):
