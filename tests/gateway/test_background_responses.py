@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from sluice.gateway.middleware import GatewayMiddleware
-from sluice.gateway.store import SQLStore, UsageQuery
+from sluice.gateway.store import SQLStore, StoredResponse, UsageQuery
 from sluice.gateway.tokens import PromptTokenCounter
 
-from .conftest import client_for, make_state, new_key
+from .conftest import PG_URL, client_for, make_state, new_key
 
 TURN = {"model": "tiny", "max_output_tokens": 6, "temperature": 0, "input": "Count to ten."}
 
@@ -135,6 +137,111 @@ async def test_a_gateway_that_stops_fails_its_background_responses(
     [record] = [x for x in sqlite_store.query_usage(UsageQuery())
                 if x.endpoint == "/v1/responses"]
     assert record.status == "aborted"
+
+
+def test_the_store_keeps_a_runs_replica_and_lease(any_store: SQLStore) -> None:
+    """A running background response names its replica (`owner`) and lease; the replica
+    renews it and hears of a cancel asked elsewhere; a lapsed one is ended only as it
+    was read (a renewal or an end meanwhile wins)."""
+    new_key(any_store, "acme")
+    now = time.time()
+    running = StoredResponse("resp_1", "acme", "k", None, [], {"status": "in_progress"},
+                             created_at=now, expires_at=now + 60, owner="gw-a",
+                             lease_until=now + 10)
+    any_store.save_response(running)
+    assert any_store.get_response("resp_1", "acme") == running
+    assert any_store.renew_runs("gw-a", now + 20) == []
+    assert any_store.get_response("resp_1", "acme").lease_until == now + 20  # type: ignore[union-attr]
+    assert not any_store.ask_cancel("resp_1", "other")  # another tenant's
+    assert not any_store.ask_cancel("resp_nope", "acme")
+    assert any_store.ask_cancel("resp_1", "acme")
+    assert any_store.renew_runs("gw-b", now + 20) == []  # another replica's runs
+    assert any_store.renew_runs("gw-a", now + 30) == ["resp_1"]
+    ended = {"status": "failed", "error": {"code": "server_error", "message": "gone"}}
+    assert not any_store.end_orphan(running, ended)  # renewed since it was read
+    read = any_store.get_response("resp_1", "acme")
+    assert read is not None and any_store.end_orphan(read, ended)
+    after = any_store.get_response("resp_1", "acme")
+    assert after is not None and after.response == ended
+    assert after.owner is None and after.lease_until is None
+    assert not any_store.ask_cancel("resp_1", "acme")  # no replica runs it now
+    assert not any_store.end_orphan(read, {"status": "cancelled"})
+    assert any_store.renew_runs("gw-a", now + 40) == []
+
+
+@pytest.fixture
+def second_store(any_store: SQLStore) -> Any:
+    """Another connection to `any_store`'s database, as a second gateway replica has."""
+    if any_store.engine.dialect.name == "sqlite":
+        other = SQLStore(any_store.engine.url.render_as_string(hide_password=False))
+    else:
+        other = SQLStore(PG_URL, table_prefix=any_store.tenants.name.removesuffix("tenants"))
+    yield other
+    other.close()
+
+
+async def test_a_background_response_is_cancelled_through_another_replica(
+        engine: Any, counter: PromptTokenCounter, any_store: SQLStore,
+        second_store: SQLStore) -> None:
+    """Two gateway replicas on one database: a run on one is seen running through the
+    other (its lease renewed, not lapsed), and cancelled through it: the owner hears of
+    it at its next renewal, stops the run (the ledger records it `aborted`, short of
+    its max_output_tokens) and keeps it `cancelled`, which the other answers."""
+    a, b = gateway(engine, any_store, counter), gateway(engine, second_store, counter)
+    for gw in (a, b):
+        gw.state.responses.lease_s, gw.state.responses.renew_s = 0.4, 0.1
+    key = new_key(any_store)
+    async with client_for(a, key) as on_a, client_for(b, key) as on_b:
+        queued = (await on_a.post("/v1/responses", json={
+            **TURN, "max_output_tokens": 900, "background": True})).json()
+        await asyncio.sleep(0.5)  # past its first lease: renewed meanwhile
+        assert (await on_b.get(f"/v1/responses/{queued['id']}")).json()["status"] \
+            == "in_progress"
+        asked = time.monotonic()
+        r = await on_b.post(f"/v1/responses/{queued['id']}/cancel")
+        assert r.status_code == 200, r.text
+        assert r.json()["status"] == "cancelled" and r.json()["id"] == queued["id"]
+        assert time.monotonic() - asked < 1.0
+        assert (await on_a.get(f"/v1/responses/{queued['id']}")).json()["status"] \
+            == "cancelled"
+    assert a.state.responses.running == {}
+    await a.state.flush()
+    [record] = [x for x in any_store.query_usage(UsageQuery())
+                if x.endpoint == "/v1/responses"]
+    assert record.status == "aborted" and 0 < record.completion_tokens < 900
+
+
+async def test_a_background_response_whose_replica_is_gone_is_ended_by_the_next_read(
+        engine: Any, counter: PromptTokenCounter, sqlite_store: SQLStore) -> None:
+    """Runs as a killed replica leaves them (running, their lease lapsed): the next GET
+    ends one `failed`, saying why, and a cancel ends another `cancelled`; one whose
+    lease is still renewed stays as it is. (tests/reliability kills a real replica.)"""
+    gw = gateway(engine, sqlite_store, counter)
+    key = new_key(sqlite_store)
+    tenant, now = sqlite_store.get_tenant("acme").id, time.time()
+
+    def left(response_id: str, status: str, lease_until: float) -> None:
+        sqlite_store.save_response(StoredResponse(
+            response_id, tenant, "k", None, [], {"id": response_id, "object": "response",
+                                                 "status": status, "background": True},
+            created_at=now, expires_at=now + 60, owner="gw-killed", lease_until=lease_until))
+
+    left("resp_lapsed", "in_progress", now - 1)
+    left("resp_queued", "queued", now - 1)
+    left("resp_renewed", "in_progress", now + 60)
+    async with client_for(gw, key) as c:
+        failed = (await c.get("/v1/responses/resp_lapsed")).json()
+        assert failed["status"] == "failed", failed
+        assert "stopped before it ended" in failed["error"]["message"]
+        assert (await c.get("/v1/responses/resp_lapsed")).json() == failed  # kept
+        r = await c.get("/v1/responses/resp_lapsed", params={"stream": "true"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+        r = await c.post("/v1/responses/resp_queued/cancel")
+        assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
+        assert r.json()["error"] is None
+        assert (await c.get("/v1/responses/resp_renewed")).json()["status"] == "in_progress"
+    stored = sqlite_store.get_response("resp_lapsed", tenant)
+    assert stored is not None and stored.owner is None
 
 
 def events_of(text: str) -> list[dict[str, Any]]:

@@ -103,6 +103,9 @@ class GatewayConfig:
     # how long a stored Responses API response is kept (OpenAI keeps them 30 days); 0:
     # the gateway stores none, and `store` must be false (gateway/responses.py)
     response_retention_s: float = 30 * 86400.0
+    # a background response whose gateway replica has not renewed it this long is ended
+    # `failed` by the next read (its replica was killed; gateway/responses.py)
+    background_lease_s: float = 15.0
 
     def __post_init__(self) -> None:
         if self.default_reserve_tokens < 0:
@@ -119,6 +122,9 @@ class GatewayConfig:
         if not self.response_retention_s >= 0:
             raise InvalidRequestError("response_retention_s must be >= 0",
                                       param="response_retention_s")
+        if not self.background_lease_s > 0:
+            raise InvalidRequestError("background_lease_s must be > 0",
+                                      param="background_lease_s")
         if not 0 <= self.ledger_batch_interval_s <= 10:
             raise InvalidRequestError("ledger_batch_interval_s must be in [0, 10] seconds",
                                       param="ledger_batch_interval_s")

@@ -65,6 +65,11 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                         "previous_response_id and GET /v1/responses/{id} (OpenAI's "
                         "default: 30); 0 stores none, and then 'store' must be false "
                         "(default: %(default)s)")
+    p.add_argument("--background-lease", type=_within(0.5, 3600, "seconds"), default=15.0,
+                   metavar="SECONDS",
+                   help="a background response's gateway replica renews it while it runs; "
+                        "one not renewed this long (its replica was killed) is ended "
+                        "'failed' by the next read, on any replica (default: %(default)s)")
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
@@ -76,4 +81,5 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          admin_key=args.admin_key or env.get("ADMIN_KEY"), limiter=limiter,
                          prices_file=args.prices, await_ledger=args.await_ledger,
                          ledger_batch_interval_s=args.ledger_batch_interval,
-                         response_retention_s=args.response_retention * 86400).with_spool()
+                         response_retention_s=args.response_retention * 86400,
+                         background_lease_s=args.background_lease).with_spool()

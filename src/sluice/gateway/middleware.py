@@ -650,7 +650,7 @@ class Exchange:
 
         client, self.send = self.send, to_log
         task = asyncio.ensure_future(self.run_detached(adm))
-        responses.running[turn.background_id] = Run(tenant, task, log)
+        responses.add_run(turn.background_id, Run(tenant, task, log))
         gauge = self.state.metrics.background
         gauge.inc()
 

@@ -28,6 +28,12 @@ answer any turn of a conversation:
                  (middleware `Exchange.run_in_background`); GET polls it (or, with
                  `stream=true&starting_after=N`, follows it again), cancel stops it;
                  the final Response (or `failed` / `cancelled`) is kept as any other.
+    replicas     a running background response names its replica (`owner`), which
+                 renews its lease (`--background-lease`) while it runs. A cancel on another
+                 replica asks the owner through the store (it cancels at its next
+                 renewal) and waits for the end. A response whose lease has lapsed
+                 (`LEASE_S`: its replica was killed) is ended by whoever reads it next:
+                 `failed` (`cancelled` when that read is a cancel).
 
 `conversation` (OpenAI's Conversations API, gateway/conversations.py) is the other way
 to carry state: the conversation's items go before the input, and the turn's input and
@@ -45,8 +51,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +67,8 @@ from sluice.protocol.errors import (
     InvalidRequestError,
     MethodNotAllowedError,
     NotFoundError,
+    ServiceUnavailableError,
+    SluiceError,
 )
 from sluice.protocol.openai import parse_request, reject_unsupported
 from sluice.protocol.responses import (
@@ -76,8 +86,15 @@ ENDPOINTS = (PATH, INPUT_TOKENS_PATH)
 # A stored response's routes, by the path's shape (its id, then what of it).
 _ROUTE = re.compile(r"^/v1/responses/(?P<id>[^/]+)(?P<rest>/input_items|/cancel)?$")
 _END_STATUSES = ("completed", "incomplete", "failed")
+RUNNING = ("queued", "in_progress")  # a background response's statuses before its end
 _STORE_PATHS = (PATH + "/", "/v1/conversations")
 MAX_CHAIN = 10_000  # responses in one conversation
+RENEW_S = 1.0  # how often a replica renews its runs' lease and looks for cancels asked
+LEASE_S = 15.0  # a run whose replica has not renewed it this long has lost its replica
+# (`--background-lease`; renewed every RENEW_S, or a quarter of a shorter lease)
+CANCEL_POLL_S = 0.1  # how often a cancel asked of another replica looks for the end
+
+logger = logging.getLogger(__name__)
 
 
 def stored_route(path: str) -> str | None:
@@ -181,16 +198,45 @@ def output_items(response: Mapping[str, Any]) -> list[dict[str, Any]]:
 class StoredResponses:
     """The gateway's side of `store` (module docstring), on its `Store`."""
 
-    def __init__(self, store: Store, retention_s: float) -> None:
+    def __init__(self, store: Store, retention_s: float, lease_s: float = LEASE_S) -> None:
         self.store = store
         self.retention_s = retention_s
         self.conversations = Conversations(store)
         self.running: dict[str, Run] = {}  # background responses this gateway runs
         self.stopping = False
+        self.replica = uuid.uuid4().hex[:16]  # this gateway, as the `owner` of its runs
+        self.lease_s = lease_s
+        self.renew_s = min(RENEW_S, lease_s / 4)
+        self._renewing: asyncio.Task[None] | None = None
+
+    def add_run(self, response_id: str, run: Run) -> None:
+        """A background response this gateway has begun to run: its lease is renewed
+        until it ends (and it leaves `running`)."""
+        self.running[response_id] = run
+        if self._renewing is None:
+            self._renewing = asyncio.ensure_future(self._renew())
+
+    async def _renew(self) -> None:
+        """While this gateway runs background responses: renew their lease, and cancel
+        those another replica was asked to cancel."""
+        while self.running:
+            await asyncio.sleep(self.renew_s)
+            try:
+                asked = await db_call(self.store.renew_runs, self.replica,
+                                      time.time() + self.lease_s)
+            except SluiceError as exc:  # (the runs go on; another try next time)
+                logger.warning("could not renew the background responses' lease: %s", exc)
+                continue
+            for response_id in asked:
+                if (run := self.running.get(response_id)) is not None:
+                    run.task.cancel()
+        self._renewing = None
 
     async def stop(self) -> None:
         """At shutdown: cancel the background runs; each is kept `failed`, saying so."""
         self.stopping = True
+        if self._renewing is not None:
+            self._renewing.cancel()
         tasks = [run.task for run in self.running.values()]
         for task in tasks:
             task.cancel()
@@ -219,9 +265,12 @@ class StoredResponses:
         """Store `response` as the turn's (a background one's, whatever its status)."""
         created = response.get("created_at")
         at = float(created) if isinstance(created, (int, float)) else time.time()
+        running = response.get("status") in RUNNING
         await db_call(self.store.save_response, StoredResponse(
             response["id"], tenant_id, key_id, turn.previous_id, turn.input_items, response,
-            created_at=at, expires_at=at + self.retention_s))
+            created_at=at, expires_at=at + self.retention_s,
+            owner=self.replica if running else None,
+            lease_until=time.time() + self.lease_s if running else None))
 
     def route(self, path: str) -> str | None:
         """The route template of a path the gateway answers from its store (what the
@@ -370,22 +419,30 @@ class StoredResponses:
         raise MethodNotAllowedError(f"{method} is not allowed on {PATH}/{{response_id}}{rest}")
 
     async def _cancel(self, response_id: str, tenant_id: str) -> dict[str, Any]:
-        """Cancel a background response this gateway runs (its run ends as a client that
-        hung up: the worker stops, the ledger records it `aborted`) and answer it, now
-        `cancelled`; one that has ended is answered as it is (cancelling is idempotent)."""
+        """Cancel a background response (its run ends as a client that hung up: the
+        worker stops, the ledger records it `aborted`) and answer it, now `cancelled`;
+        one that has ended is answered as it is (cancelling is idempotent). Another
+        replica's run is asked through the store, and waited for."""
         run = self.running.get(response_id)
         if run is not None and run.tenant_id == tenant_id:
             run.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(run.task)
-        stored = await self._find(response_id, tenant_id)
+        stored = await self._find(response_id, tenant_id, lapsed="cancelled")
         if not stored.response.get("background"):
             raise InvalidRequestError("Only responses created with 'background': true can "
                                       "be cancelled; this one ran in the foreground and has "
                                       "ended", param="response_id")
-        if stored.response.get("status") in ("queued", "in_progress"):
-            raise ConflictError("this background response runs on another gateway replica; "
-                                "cancel it there", param="response_id")
+        deadline = time.monotonic() + 2 * self.lease_s  # (its lease lapses before)
+        while stored.response.get("status") in RUNNING and time.monotonic() < deadline:
+            # asked again each time: the owner's `in_progress` may have replaced the ask
+            await db_call(self.store.ask_cancel, response_id, tenant_id)
+            await asyncio.sleep(CANCEL_POLL_S)
+            stored = await self._find(response_id, tenant_id, lapsed="cancelled")
+        if stored.response.get("status") in RUNNING:
+            raise ServiceUnavailableError("the gateway replica running this background "
+                                          "response did not cancel it in time; retry",
+                                          code="cancel_timeout")
         return stored.response
 
     async def _follow(self, response_id: str, tenant_id: str,
@@ -398,7 +455,7 @@ class StoredResponses:
         run = self.running.get(response_id)
         if run is None or run.tenant_id != tenant_id:
             stored = await self._find(response_id, tenant_id)
-            if stored.response.get("status") in ("queued", "in_progress"):
+            if stored.response.get("status") in RUNNING:
                 raise ConflictError("this background response runs on another gateway "
                                     "replica; follow its stream there", param="response_id")
             raise InvalidRequestError("only a running background response can be streamed; "
@@ -406,11 +463,27 @@ class StoredResponses:
                                       param="stream")
         return run.log.follow(None if after is None else int(after))
 
-    async def _find(self, response_id: str, tenant_id: str) -> StoredResponse:
-        stored = await db_call(self.store.get_response, response_id, tenant_id)
-        if stored is None:
-            raise _not_found(response_id)
-        return stored
+    async def _find(self, response_id: str, tenant_id: str,
+                    lapsed: str = "failed") -> StoredResponse:
+        """The tenant's stored response; a running one whose lease has lapsed (its
+        replica is gone) is ended first, `lapsed` (module docstring)."""
+        for _ in range(5):  # (bounded: a lease renewed meanwhile is read again)
+            stored = await db_call(self.store.get_response, response_id, tenant_id)
+            if stored is None:
+                raise _not_found(response_id)
+            if stored.response.get("status") not in RUNNING or \
+                    (stored.lease_until or 0.0) >= time.time():
+                return stored
+            ended = {**stored.response, "status": lapsed, "error": None if
+                     lapsed == "cancelled" else {
+                         "code": "server_error", "message": "the gateway replica that ran "
+                         "this background response stopped before it ended"}}
+            if await db_call(self.store.end_orphan, stored, ended):
+                logger.warning("background response %s lost its gateway replica (%s): "
+                               "kept %s", response_id, stored.owner, lapsed)
+            # (else its replica renewed or ended it meanwhile: read it again)
+        raise ServiceUnavailableError(f"response {response_id!r} changed as it was read; "
+                                      "retry", code="response_store_unavailable")
 
     async def _input_items(self, response_id: str, tenant_id: str,
                            params: dict[str, str]) -> dict[str, Any]:

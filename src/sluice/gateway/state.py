@@ -62,7 +62,8 @@ class GatewayState:
                                    spool=LedgerSpool(spool) if spool is not None else None)
         self.budgets = BudgetReservations(self.store, self.config.budget_lease_s)
         self.keys = KeyCache(self.store)
-        self.responses = StoredResponses(self.store, self.config.response_retention_s)
+        self.responses = StoredResponses(self.store, self.config.response_retention_s,
+                                         self.config.background_lease_s)
         self.background = set()
         self.unpriced_models = set()
         if isinstance(self.limiter, RedisLimiter):  # the auth version rides its steps

@@ -194,7 +194,9 @@ class StoredResponse:
     """A Responses API response kept for its tenant (`store`, the default: gateway/
     responses.py): the Response object as the client got it, the input items of its own
     request (ids given), and the response it continued (`previous_response_id`), so a
-    conversation is its chain. Found until `expires_at` (None: kept until deleted)."""
+    conversation is its chain. Found until `expires_at` (None: kept until deleted).
+    A background response still running names the gateway replica that runs it
+    (`owner`), which renews `lease_until` while it lives."""
 
     id: str
     tenant_id: str
@@ -204,6 +206,8 @@ class StoredResponse:
     response: dict[str, Any]
     created_at: float = field(default_factory=time.time)
     expires_at: float | None = None
+    owner: str | None = None
+    lease_until: float | None = None
 
 
 @dataclass(frozen=True)
@@ -387,6 +391,21 @@ class Store(ABC):
         """Delete the tenant's response; False if `get_response` would not find it."""
 
     @abstractmethod
+    def renew_runs(self, owner: str, lease_until: float) -> list[str]:
+        """Extend to `lease_until` the lease of the background responses `owner` runs;
+        the ids of those another replica asked to cancel (`ask_cancel`)."""
+
+    @abstractmethod
+    def ask_cancel(self, response_id: str, tenant_id: str) -> bool:
+        """Ask the replica that runs the tenant's background response to cancel it (its
+        next `renew_runs` says so); False if no replica runs it."""
+
+    @abstractmethod
+    def end_orphan(self, stored: StoredResponse, response: dict[str, Any]) -> bool:
+        """Replace a running background response whose lease has ended (as `stored` was
+        read) by `response`, its end; False if its owner renewed or ended it since."""
+
+    @abstractmethod
     def create_conversation(self, conversation: StoredConversation,
                             items: list[dict[str, Any]]) -> None:
         """A new conversation and its first items, in one transaction."""
@@ -515,6 +534,11 @@ def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.
         sa.Column("response", sa.Text, nullable=False),
         sa.Column("created_at", sa.Float, nullable=False),
         sa.Column("expires_at", sa.Float, nullable=True, index=True),
+        # a running background response: the replica that runs it, until when it said
+        # so last, and when another replica asked it to cancel the run
+        sa.Column("owner", sa.String(40), nullable=True, index=True),
+        sa.Column("lease_until", sa.Float, nullable=True),
+        sa.Column("cancel_at", sa.Float, nullable=True),
     )
     conversations = sa.Table(  # OpenAI's Conversations API (StoredConversation)
         f"{prefix}conversations", md,
@@ -695,6 +719,9 @@ class SQLStore(Store):
             self._add_column(conn, self.tenants, "deleted_at", "FLOAT")
             if self._add_column(conn, self.usage, "record_id", "VARCHAR(40)"):
                 self._add_unique_index(conn, self.usage, "record_id")
+            for column, ddl in (("owner", "VARCHAR(40)"), ("lease_until", "FLOAT"),
+                                ("cancel_at", "FLOAT")):
+                self._add_column(conn, self.responses, column, ddl)
 
     def _add_version_row(self) -> None:
         """The `auth` counter row, once (replicas starting together may race: fine)."""
@@ -1229,7 +1256,8 @@ class SQLStore(Store):
         row = {"id": stored.id, "tenant_id": stored.tenant_id, "key_id": stored.key_id,
                "previous_id": stored.previous_id, "input_items": json.dumps(stored.input_items),
                "response": json.dumps(stored.response), "created_at": stored.created_at,
-               "expires_at": stored.expires_at}
+               "expires_at": stored.expires_at, "owner": stored.owner,
+               "lease_until": stored.lease_until}
         with self.engine.begin() as conn:
             conn.execute(r.delete().where(sa.or_(r.c.id == stored.id, r.c.expires_at < now)))
             conn.execute(r.insert().values(**row))
@@ -1243,12 +1271,40 @@ class SQLStore(Store):
             return None
         return StoredResponse(row.id, row.tenant_id, row.key_id, row.previous_id,
                               json.loads(row.input_items), json.loads(row.response),
-                              row.created_at, row.expires_at)
+                              row.created_at, row.expires_at, row.owner, row.lease_until)
 
     def delete_response(self, response_id: str, tenant_id: str) -> bool:
         with self.engine.begin() as conn:
             result = conn.execute(self.responses.delete().where(
                 *self._response_is(response_id, tenant_id)))
+        return bool(result.rowcount)
+
+    def renew_runs(self, owner: str, lease_until: float) -> list[str]:
+        r = self.responses
+        with self.engine.begin() as conn:
+            conn.execute(r.update().where(r.c.owner == owner).values(lease_until=lease_until))
+            rows = conn.execute(sa.select(r.c.id).where(r.c.owner == owner,
+                                                        r.c.cancel_at.is_not(None)))
+            return [row.id for row in rows]
+
+    def ask_cancel(self, response_id: str, tenant_id: str) -> bool:
+        r = self.responses
+        with self.engine.begin() as conn:
+            result = conn.execute(r.update().where(
+                *self._response_is(response_id, tenant_id), r.c.owner.is_not(None)
+            ).values(cancel_at=time.time()))
+        return bool(result.rowcount)
+
+    def end_orphan(self, stored: StoredResponse, response: dict[str, Any]) -> bool:
+        r = self.responses
+        same = [r.c.owner.is_(None) if stored.owner is None else r.c.owner == stored.owner,
+                r.c.lease_until.is_(None) if stored.lease_until is None
+                else r.c.lease_until == stored.lease_until]
+        with self.engine.begin() as conn:
+            result = conn.execute(r.update().where(
+                *self._response_is(stored.id, stored.tenant_id), *same
+            ).values(response=json.dumps(response), owner=None, lease_until=None,
+                     cancel_at=None))
         return bool(result.rowcount)
 
     def _response_is(self, response_id: str, tenant_id: str) -> list[Any]:
