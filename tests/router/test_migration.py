@@ -51,6 +51,9 @@ class Cuts:
 
     after: list[int | None] = field(default_factory=list)
     resumed: list[str] = field(default_factory=list)  # x-sluice-resume-ids seen
+    # instead of dropping the connection: the events up to the cut and this error event,
+    # in one write (as a worker whose engine fails sends them), then the stream's end
+    error: bytes | None = None
 
 
 class Dropped(Exception):
@@ -73,25 +76,33 @@ def cutter(target: str, cuts: Cuts) -> Starlette:
         cut = cuts.after.pop(0) if cuts.after else None
         passed = {k: v for k, v in upstream.headers.items()
                   if k in ("content-type", TOKENIZER_HEADER)}
-        return StreamingResponse(_events(upstream, cut), upstream.status_code, passed)
+        return StreamingResponse(_events(upstream, cut, cuts.error), upstream.status_code,
+                                 passed)
 
     return Starlette(routes=[Route(p, get) for p in ("/health", "/v1/models", "/metrics")]
                      + [Route(p, post, methods=["POST"])
                         for p in ("/v1/chat/completions", "/v1/completions", "/v1/messages",
-                                  "/tokenize")])
+                                  "/v1/responses", "/tokenize")])
 
 
-async def _events(upstream: httpx.Response, cut: int | None) -> AsyncIterator[bytes]:
-    buffer, sent = b"", 0
+async def _events(upstream: httpx.Response, cut: int | None,
+                  error: bytes | None = None) -> AsyncIterator[bytes]:
+    buffer, sent, held = b"", 0, b""
     try:
         async for data in upstream.aiter_raw():
             buffer += data
             while b"\n\n" in buffer:
                 event, buffer = buffer.split(b"\n\n", 1)
+                if cut is not None and sent >= cut and error is not None:
+                    yield held + error
+                    return
                 if cut is not None and sent >= cut:
                     raise Dropped(f"cut after {sent} events")
                 sent += 1
-                yield event + b"\n\n"
+                if error is not None and cut is not None:
+                    held += event + b"\n\n"  # (sent with the error, in one write)
+                else:
+                    yield event + b"\n\n"
         if buffer:
             yield buffer
     finally:
@@ -180,6 +191,23 @@ async def test_seeded_completion_continues_token_exact_at_temperature_1(
     assert text_of(migrated) == text_of(direct)
 
 
+async def test_the_events_read_with_an_error_event_reach_the_client(
+        workers: LocalWorkerPool, routed: tuple[str, Cuts]) -> None:
+    """A worker whose engine fails sends its last events and the error event together:
+    those events go to the client before the stream resumes elsewhere (they were
+    counted as sent, and were lost: the text missed their tokens)."""
+    router, cuts = routed
+    body = {"model": await model_of(workers.urls[0]), "max_tokens": 24, "temperature": 0,
+            "messages": [{"role": "user", "content": "Tell me a story about rivers."}]}
+    async with httpx.AsyncClient(timeout=60) as c:
+        direct = one_stream(await stream(c, workers.urls[0] + "/v1/chat/completions", body))
+        cuts.after = [6]
+        cuts.error = b'data: {"error": {"message": "engine died", "type": "server_error"}}\n\n'
+        migrated = one_stream(await stream(c, router + "/v1/chat/completions", body))
+    assert len(cuts.resumed) == 1
+    assert text_of(migrated) == text_of(direct) and text_of(direct)
+
+
 async def test_a_stream_that_declines_token_ids_still_migrates(
         workers: LocalWorkerPool, routed: tuple[str, Cuts]) -> None:
     """`return_token_ids: false` from the client (a vLLM field, sent explicitly) does not
@@ -239,6 +267,56 @@ async def test_anthropic_stream_continues_token_exact(
     starts = [d["index"] for n, d in migrated if n == "content_block_start"]
     assert starts == [d["index"] for n, d in migrated if n == "content_block_stop"] == [0]
     assert not [d for _, d in migrated if "token_ids" in d]
+
+
+async def responses_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]
+                           ) -> list[dict[str, Any]]:
+    """The events of one streamed Responses request (each `event:` line its `type`)."""
+    async with client.stream("POST", url + "/v1/responses", json={**body, "stream": True}) as s:
+        assert s.status_code == 200, await s.aread()
+        lines = [ln async for ln in s.aiter_lines() if ln]
+    names = [ln[7:] for ln in lines if ln.startswith("event: ")]
+    events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: ")]
+    assert names == [e["type"] for e in events]
+    return events
+
+
+# after nothing / response.created / in_progress (all three sent again whole) / mid-text
+@pytest.mark.parametrize("cut", [0, 1, 2, 6])
+async def test_a_responses_stream_continues_token_exact(
+        workers: LocalWorkerPool, routed: tuple[str, Cuts], cut: int) -> None:
+    """A Responses stream cut mid-way goes on on the other worker as one stream: the
+    same events as a worker's uninterrupted stream (the deltas may be cut otherwise),
+    one response id and `created_at`, one message item id throughout, sequence numbers
+    0, 1, 2, ..., the same text and usage, and no `token_ids` shown."""
+    router, cuts = routed
+    body = {"model": await model_of(workers.urls[0]), "max_output_tokens": 24,
+            "temperature": 0, "input": "Tell me a story about rivers."}
+    async with httpx.AsyncClient(timeout=60) as c:
+        direct = await responses_stream(c, workers.urls[0], body)
+        cuts.after = [cut]
+        migrated = await responses_stream(c, router, body)
+    assert len(cuts.resumed) == (cut > 2)  # (within the opening two: sent again whole)
+
+    def shape(events: list[dict[str, Any]]) -> list[str]:
+        return [e["type"] for e in events if not e["type"].endswith(".delta")]
+
+    assert shape(migrated) == shape(direct)
+    assert [e["sequence_number"] for e in migrated] == list(range(len(migrated)))
+    responses = [e["response"] for e in migrated if "response" in e]
+    assert len({(r["id"], r["created_at"]) for r in responses}) == 1
+    items = {e["item_id"] for e in migrated if "item_id" in e} | \
+        {e["item"]["id"] for e in migrated if "item" in e} | \
+        {o["id"] for o in responses[-1]["output"]}
+    assert len(items) == 1, items
+    text = "".join(e["delta"] for e in migrated if e["type"] == "response.output_text.delta")
+    final, expected = responses[-1], direct[-1]["response"]
+    assert text == final["output"][0]["content"][0]["text"] \
+        == expected["output"][0]["content"][0]["text"] and text
+    assert final["status"] == expected["status"]
+    counts = ("input_tokens", "output_tokens", "total_tokens")  # (a prefix cached or not)
+    assert [final["usage"][k] for k in counts] == [expected["usage"][k] for k in counts]
+    assert not [e for e in migrated if "token_ids" in e]
 
 
 WEATHER = {"type": "function", "function": {

@@ -167,6 +167,9 @@ class ResponsesRequest(InputTokensRequest):
     # P/D hand-off (vLLM's, as on chat; the router's, never a client's: the gateway
     # refuses it): a prefill's answer carries the decode side's in its Response
     kv_transfer_params: KVTransferParams | None = None
+    # vLLM's chat field, here too (the router sets it to migrate a stream): the output
+    # token ids ride on the stream's events (`token_ids`)
+    return_token_ids: StrictBool = False
 
     @field_validator("store")
     @classmethod
@@ -340,6 +343,8 @@ def to_chat_body(req: ResponsesRequest, body: Mapping[str, Any]) -> dict[str, An
         chat["priority"] = req.priority
     if req.kv_transfer_params is not None:
         chat["kv_transfer_params"] = req.kv_transfer_params.model_dump(exclude_none=True)
+    if req.return_token_ids:
+        chat["return_token_ids"] = True
     if req.stream:
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}
@@ -469,7 +474,9 @@ class StreamTranslator:
     ones; each event is numbered (`sequence_number`) as it is made. Output items open
     as their first piece arrives (a reasoning item on thinking, a message on text, a
     function_call on a tool call's first delta, closing the item before it), numbered
-    from 0 in order."""
+    from 0 in order. With `return_token_ids` a chunk's token ids ride on the next event
+    made (`token_ids`). A resumed stream (router/migrate.py) first `replay`s what the
+    failed worker's output said: its events were sent, so none are made for it."""
 
     def __init__(self, req: ResponsesRequest, model: str | None = None) -> None:
         self.req = req
@@ -483,6 +490,8 @@ class StreamTranslator:
         self.calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> its item
         self.chat_usage: Mapping[str, Any] | None = None
         self.finish_reason: str | None = None
+        self.resumed = False
+        self.ids: list[int] = []  # token ids that no event has carried yet
 
     def _event(self, kind: str, **fields: Any) -> Event:
         self.seq += 1
@@ -494,9 +503,17 @@ class StreamTranslator:
                         model=self.model)
 
     def start(self) -> list[Event]:
+        if self.resumed:
+            return []
         begun = self._response("in_progress")
         return [self._event("response.created", response=begun),
                 self._event("response.in_progress", response=begun)]
+
+    def replay(self, delta: dict[str, Any]) -> None:
+        """A resumed stream: take the state the failed worker's events left (the items
+        opened, their text) from what its output said, making no event."""
+        self.resumed = True
+        self.feed({"choices": [{"delta": delta}]})
 
     def feed(self, chunk: Mapping[str, Any]) -> list[Event]:
         if chunk.get("usage"):
@@ -512,6 +529,12 @@ class StreamTranslator:
                 events += self._tool_call(call)
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
+            self.ids += choice.get("token_ids") or ()
+        return self._with_ids(events)
+
+    def _with_ids(self, events: list[Event]) -> list[Event]:
+        if self.ids and events:
+            events[-1]["token_ids"], self.ids = self.ids, []
         return events
 
     def _index(self) -> int:
@@ -601,7 +624,8 @@ class StreamTranslator:
             events += self._open_message()  # said: one empty message, as non-streamed
         events += self._close()
         status = "incomplete" if self.finish_reason == "length" else "completed"
-        return events + [self._event(f"response.{status}", response=self._response(status))]
+        return self._with_ids(events + [self._event(f"response.{status}",
+                                                    response=self._response(status))])
 
     def failed(self, exc: SluiceError) -> list[Event]:
         """A stream that broke: `response.failed` with the error (as OpenAI ends one)."""

@@ -4,10 +4,10 @@ Before the first byte the proxy retries (proxy.py); after it, the client already
 part of the answer. Dynamo's frontend re-sends prompt + tokens so far to another
 worker; so does sluice, with the generated tokens as ids (nothing re-tokenized):
 
-    route: eligible stream (chat, completion or Anthropic message; n=1)
+    route: eligible stream (chat, completion, Anthropic message or Responses; n=1)
         -> body gets "return_token_ids": true (vLLM's field; the worker puts each
-           choice's `token_ids` in its chunks, on Anthropic's events a `token_ids`
-           field, and its tokenizer in `x-sluice-tokenizer`)
+           choice's `token_ids` in its chunks, on Anthropic's and the Responses API's
+           events a `token_ids` field, and its tokenizer in `x-sluice-tokenizer`)
         -> MigratingRelay around the proxy's Relay:
              complete SSE events only pass on; each one's token ids are kept; the
              `token_ids` field is cut from what the client sees unless it asked
@@ -19,14 +19,19 @@ worker; so does sluice, with the generated tokens as ids (nothing re-tokenized):
                   the version has no other), at most `limit` times
                -> the new worker templates the same prompt, appends the ids as output
                   (engine: detokenizer, grammar, seeded sampling continue from them;
-                  tool-call parser and Anthropic event state replay their text), sends
-                  no role chunk or message_start and counts the resumed ids in its usage
-               -> its events pass on (OpenAI's with the first worker's `id`, `created`)
+                  tool-call parser, Anthropic and Responses event state replay their
+                  text), sends no role chunk, message_start or response.created, and
+                  counts the resumed ids in its usage
+               -> its events pass on (OpenAI's with the first worker's `id`, `created`;
+                  the Responses API's with its response id, `created_at`, item ids and
+                  `sequence_number`s going on: `ResponsesIds`)
 
-So the client sees one stream: one role chunk (one message_start), no repeated or
-missing text, one end event, usage once (the last worker's: original prompt + every
-completion token). Not migrated: n > 1, echo, non-streamed requests (a failure there
-comes before the first byte: the proxy's retry reruns it whole).
+So the client sees one stream: one role chunk (one message_start, one
+response.created), no repeated or missing text, one end event, usage once (the last
+worker's: original prompt + every completion token). A stream that fails before its
+first event is sent again whole (there is nothing to resume). Not migrated: n > 1,
+echo, non-streamed requests (a failure there comes before the first byte: the proxy's
+retry reruns it whole).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from sluice.protocol.errors import SluiceError
 from sluice.protocol.prompt import RESUME_HEADER, TOKENIZER_HEADER, ResumeIds
 from sluice.router.buffer import RequestBuffer
 from sluice.router.config import BASELINE
-from sluice.router.parse import CHAT, COMPLETION, MESSAGES, ParsedRequest
+from sluice.router.parse import CHAT, COMPLETION, MESSAGES, RESPONSES, ParsedRequest
 from sluice.router.policies import RequestMeta
 from sluice.router.pool import Pool
 from sluice.router.proxy import NoWorkerReached, Proxy, Relay
@@ -62,24 +67,32 @@ class Dialect:
     """What the relay watches for in one API's stream (every pattern is matched on the
     bytes: no JSON decoding on the hot path)."""
 
-    done: bytes  # the event that ends the stream starts with it
+    done: tuple[bytes, ...]  # the event that ends the stream starts with one of them
     error: bytes  # a worker's mid-stream error event starts with it
-    finished: bytes  # in the event after which only the end is missing
+    finished: bytes | None  # in the event after which only the end is missing
     end: bytes  # the end event the router sends when only it is missing
     rewrite: bool  # resumed events get the first worker's `id` and `created`
+    # the events every stream opens with, before any output: a stream that failed
+    # within them is sent again whole, and the new stream's first ones dropped
+    opening: int = 0
 
 
-OPENAI = Dialect(b"data: [DONE]", b'data: {"error"', b'"finish_reason":"',
+OPENAI = Dialect((b"data: [DONE]",), b'data: {"error"', b'"finish_reason":"',
                  b"data: [DONE]\n\n", rewrite=True)
-ANTHROPIC = Dialect(b"event: message_stop", b"event: error", b"event: message_delta",
+ANTHROPIC = Dialect((b"event: message_stop",), b"event: error", b"event: message_delta",
                     b'event: message_stop\ndata: {"type": "message_stop"}\n\n',
                     rewrite=False)
+# (a Responses stream's end carries the whole Response, which only a worker can make:
+# a stream that fails just before it is resumed, as any other)
+RESPONSES_API = Dialect((b"event: response.completed", b"event: response.incomplete"),
+                        b"event: response.failed", None, b"", rewrite=True, opening=2)
 
 
 def migratable(req: ParsedRequest) -> bool:
     """A stream the router can resume elsewhere (see the module docstring)."""
     body = req.body
-    return (req.stream and req.kind in (CHAT, COMPLETION, MESSAGES) and body.get("n", 1) == 1
+    return (req.stream and req.kind in (CHAT, COMPLETION, MESSAGES, RESPONSES)
+            and body.get("n", 1) == 1
             and not body.get("echo") and isinstance(body.get("prompt", ""), str | list))
 
 
@@ -108,6 +121,7 @@ class _Failed(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
         self.reason = reason
+        self.passed: list[bytes] = []  # the whole events read before it, for the client
 
 
 class MigratingRelay(Relay):
@@ -120,7 +134,8 @@ class MigratingRelay(Relay):
 
     __slots__ = ("proxy", "pool", "req", "meta", "path", "block", "limit", "show_ids", "ids",
                  "tokenizer", "dialect", "pending", "buffer", "done", "finished", "id",
-                 "created", "broken", "held", "exclude")
+                 "created", "broken", "held", "exclude", "passed", "resuming", "skip",
+                 "responses")
 
     def __init__(self, relay: Relay, proxy: Proxy, pool: Pool, req: ParsedRequest,
                  meta: RequestMeta, path: bytes, block: bytes, limit: int,
@@ -137,7 +152,9 @@ class MigratingRelay(Relay):
         self.show_ids = show_ids  # the client asked for `token_ids` itself
         self.ids: list[int] = []  # token ids of the events passed on
         self.tokenizer = _header(relay.headers, _TOKENIZER)
-        self.dialect = ANTHROPIC if req.kind == MESSAGES else OPENAI
+        self.dialect = ANTHROPIC if req.kind == MESSAGES else \
+            RESPONSES_API if req.kind == RESPONSES else OPENAI
+        self.responses = ResponsesIds() if req.kind == RESPONSES else None
         self.headers = [(n, v) for n, v in relay.headers if n != _TOKENIZER]
         self.first, self.pending = b"", relay.first
         self.buffer = b""
@@ -147,6 +164,9 @@ class MigratingRelay(Relay):
         self.broken: str | None = None  # why the stream could not go on (after its event)
         self.held = held  # where a resume that reached no worker waits for one (buffer.py)
         self.exclude = exclude
+        self.passed = 0  # events passed on to the client
+        self.resuming = False  # the current worker resumes what others began: rewrite
+        self.skip = 0  # the current worker's first events, which the client has had
 
     @property
     def complete(self) -> bool:
@@ -162,8 +182,8 @@ class MigratingRelay(Relay):
         while not self.done:
             try:
                 data = self._events(await self._read_upstream())
-            except _Failed as failure:
-                data = await self._migrate(failure)
+            except _Failed as failure:  # (the events before the failure go out first)
+                data = b"".join(failure.passed) + await self._migrate(failure)
             if data:
                 return data
         return b""
@@ -186,22 +206,38 @@ class MigratingRelay(Relay):
         Raises _Failed for an error event (the worker failed mid-stream)."""
         self.buffer += data
         *events, self.buffer = self.buffer.split(b"\n\n")
-        return b"".join(self._event(e) for e in events if e.strip())
+        out: list[bytes] = []
+        try:
+            for event in events:
+                if event.strip():
+                    out.append(self._event(event))
+        except _Failed as failure:
+            failure.passed = out
+            raise
+        return b"".join(out)
 
     def _event(self, event: bytes) -> bytes:
         """One event for the client. The first worker's events are read by pattern; a
         resuming worker's OpenAI chunks are re-encoded with the first one's `id` and
-        `created`."""
+        `created`, a migrated Responses stream's events by `ResponsesIds`."""
         dialect = self.dialect
-        if event.startswith(dialect.done):
-            self.done = True
-            return event + b"\n\n"
         if event.startswith(dialect.error):
             raise _Failed("error_event", event[:200].decode("utf-8", "replace"))
+        if self.skip:
+            self.skip -= 1
+            return b""
+        if event.startswith(dialect.done):
+            self.done = True
+            if self.responses is None:
+                return event + b"\n\n"
         for found in _IDS_IN.findall(event):
             self.ids += [int(t) for t in found.split(b",") if t.strip()]
-        self.finished |= dialect.finished in event
-        if dialect.rewrite and self.migrations:
+        self.finished |= dialect.finished is not None and dialect.finished in event
+        self.passed += 1
+        if self.responses is not None:
+            return self.responses.rewritten(event, self.show_ids) if self.migrations else \
+                self.responses.seen(event if self.show_ids else _TOKEN_IDS.sub(b"", event))
+        if dialect.rewrite and self.resuming:
             return self._rewritten(event)
         if dialect.rewrite and self.id is None:
             chunk = _json(event)
@@ -239,8 +275,11 @@ class MigratingRelay(Relay):
                                  f"migration limit ({self.limit}) is reached")
         self.migrations += 1
         self.proxy.metrics.migrations.labels(failure.reason).inc()
+        # (a stream that failed before any output goes again whole)
+        self.resuming = self.passed > self.dialect.opening
+        self.skip = 0 if self.resuming else self.passed
         block = self.block + _RESUME + b": " + ResumeIds(self.tokenizer, self.ids).encode() \
-            + b"\r\n"
+            + b"\r\n" if self.resuming else self.block
         try:
             relay = await self._resume(block, endpoint.url)
         except SluiceError as exc:
@@ -273,8 +312,64 @@ class MigratingRelay(Relay):
 
     def _give_up(self, message: str) -> bytes:
         self.broken = message
-        return error_event(SluiceError(message, code="migration_failed"),
-                           self.path.decode("latin-1"))
+        exc = SluiceError(message, code="migration_failed")
+        if self.responses is not None:
+            return self.responses.error(exc)
+        return error_event(exc, self.path.decode("latin-1"))
+
+
+class ResponsesIds:
+    """A Responses stream as its client has seen it: the response's `id` and
+    `created_at`, its output items' ids by `output_index` and the next
+    `sequence_number`. The first worker's events pass as they are (only the events that
+    name them are decoded); once it has migrated, every event is rewritten to go on with
+    them (a resuming worker's replayed items sit at the same indices, under ids of its
+    own; a stream sent again whole names its own response where the client saw none)."""
+
+    __slots__ = ("id", "created_at", "items", "next")
+
+    def __init__(self) -> None:
+        self.id: Any = None
+        self.created_at: Any = None
+        self.items: dict[int, Any] = {}
+        self.next = 0
+
+    def seen(self, event: bytes) -> bytes:
+        self.next += 1
+        if event.startswith((b"event: response.created", b"event: response.output_item.added")):
+            data = _json(event)
+            if isinstance(response := data.get("response"), dict):
+                self.id, self.created_at = response.get("id"), response.get("created_at")
+            if isinstance(item := data.get("item"), dict):
+                self.items[data.get("output_index", -1)] = item.get("id")
+        return event + b"\n\n"
+
+    def rewritten(self, event: bytes, show_ids: bool) -> bytes:
+        data = _json(event)
+        if not data:
+            return event + b"\n\n"
+        data["sequence_number"], self.next = self.next, self.next + 1
+        index = data.get("output_index", -1)
+        if "item_id" in data and index in self.items:
+            data["item_id"] = self.items[index]
+        if isinstance(item := data.get("item"), dict):
+            item["id"] = self.items.setdefault(index, item.get("id"))
+        if isinstance(response := data.get("response"), dict):
+            if self.id is None:
+                self.id, self.created_at = response.get("id"), response.get("created_at")
+            response["id"], response["created_at"] = self.id, self.created_at
+            for i, out in enumerate(response.get("output") or ()):
+                if isinstance(out, dict) and i in self.items:
+                    out["id"] = self.items[i]
+        if not show_ids:
+            data.pop("token_ids", None)
+        return f"event: {data.get('type')}\ndata: {json.dumps(data)}\n\n".encode()
+
+    def error(self, exc: SluiceError) -> bytes:
+        """OpenAI's `error` event of a Responses stream."""
+        data = {"type": "error", "code": exc.code, "message": exc.message, "param": None,
+                "sequence_number": self.next}
+        return f"event: error\ndata: {json.dumps(data)}\n\n".encode()
 
 
 def _json(event: bytes) -> dict[str, Any]:

@@ -168,12 +168,15 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
             chat_req = parse_request(ChatCompletionRequest, responses.to_chat_body(req, body))
             chat_req.check_tool_turns()
             job = await until_disconnect(request, prepare_chat(
-                state, chat_req, request_id(request), ids_hint(request), None))
+                state, chat_req, request_id(request), ids_hint(request),
+                resumed_ids(request, state)))
         except InvalidRequestError as exc:  # name the field as the Responses client wrote it
             exc.param = responses.responses_param(exc.param)
             raise
         if req.stream:
             translator = responses.StreamTranslator(req, job.model)  # the served name
+            if job.replayed is not None:  # a resumed stream: its events were sent before
+                translator.replay(job.replayed.model_dump(exclude_none=True))
             return SSEResponse(translated_sse(chat_chunks(job), translator, responses.sse),
                                _ids_headers(state, chat_req))
         resp = await until_disconnect(request, chat_response(job))

@@ -161,13 +161,15 @@ async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_i
 def _replay(job: ChatJob, text: str) -> DeltaMessage:
     """Feed a resumed stream's output so far through the tool-call parser, as the failed
     worker did, so the new worker's deltas go on where the client's stream stopped;
-    returns what that output said (the Anthropic translator replays it too). A partial
-    character at the end (U+FFFD from decoding) comes again with the next token."""
+    returns what that output said, its thinking as `reasoning` (the Anthropic and
+    Responses translators replay it too). A partial character at the end (U+FFFD from
+    decoding) comes again with the next token."""
     text = text.rstrip("\ufffd")
-    _, text = job.split(CompletionOutput(0, text, []))  # (a reasoning parser's state follows)
-    if job.tools is None:
-        return DeltaMessage(content=text)
-    return job.tools.feed(0, text, finished=False)
+    thought, text = job.split(CompletionOutput(0, text, []))  # (a reasoning parser's state
+    said = DeltaMessage(content=text) if job.tools is None else \
+        job.tools.feed(0, text, finished=False)  # follows)
+    return DeltaMessage.model_validate({**said.model_dump(exclude_none=True),
+                                        "reasoning": thought or None})
 
 
 async def chat_response(job: ChatJob) -> ChatCompletionResponse:
