@@ -65,7 +65,7 @@ from pydantic import (
 )
 
 from sluice.protocol.errors import InvalidRequestError, SluiceError
-from sluice.protocol.openai import TOOL_NAME, function_tool, reasoning_of
+from sluice.protocol.openai import TOOL_NAME, content_text, function_tool, reasoning_of
 
 
 class AnthropicModel(BaseModel):
@@ -332,18 +332,7 @@ def _kind(block: Any) -> Any:
 
 def _text(content: Any, param: str) -> str:
     """A string, or text blocks joined without separator."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequestError("content must be a string or a list of text blocks",
-                                  param=param)
-    parts = []
-    for block in content:
-        if _kind(block) != "text" or not isinstance(block.get("text"), str):
-            raise InvalidRequestError(f"only text blocks are supported here, got "
-                                      f"{_kind(block)!r}", param=param)
-        parts.append(block["text"])
-    return "".join(parts)
+    return content_text(content, param, noun="text blocks")
 
 
 def _messages(raw: Any) -> list[dict[str, Any]]:

@@ -95,6 +95,38 @@ def _is_empty(value: Any) -> bool:
     return value is None or value == {} or value == [] or value is False
 
 
+TEXT_PARTS = {"text": "text"}  # OpenAI chat's text parts (Anthropic's text blocks too)
+
+
+def content_text(content: Any, param: str, kinds: Mapping[str, str] = TEXT_PARTS,
+                 noun: str = "text parts", name_part: bool = False) -> str:
+    """A message's content as the template sees it: a string, or a list of parts of the
+    `kinds` (a part's type -> the field its text is in) joined without separator, as
+    every API reads them (chat's text parts, Anthropic's text blocks, the Responses
+    API's input and output text). Anything else is a 400 naming the content, or with
+    `name_part` the part (`param.N`: the Responses API's; chat's and Anthropic's name
+    the content, as their request models do): the model reads text only."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError(f"content must be a string or a list of {noun}",
+                                  param=param)
+    parts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+        field = kinds.get(kind) if isinstance(part, Mapping) and isinstance(kind, str) \
+            else None
+        if field is None:
+            raise InvalidRequestError(f"only {noun} are supported (the model reads text "
+                                      f"only), got {kind!r}",
+                                      param=f"{param}.{i}" if name_part else param)
+        if not isinstance(part.get(field), str):
+            raise InvalidRequestError(f"a {kind!r} part needs {field!r}, a string",
+                                      param=f"{param}.{i}.{field}")
+        parts.append(part[field])
+    return "".join(parts)
+
+
 def _text_only(value: Any) -> bool:
     return value is None or value == ["text"]
 
@@ -331,6 +363,16 @@ class FunctionDefinition(OpenAIModel):
 class Tool(OpenAIModel):
     type: Literal["function"]
     function: FunctionDefinition
+
+
+def prompt_scoring(prompt_logprobs: Any, echo: Any, logprobs: Any) -> Any:
+    """How many of the likeliest tokens a request asks for at each prompt position (the
+    prompt scored), from its fields: vLLM's `prompt_logprobs`, or completions' `echo`
+    with `logprobs`; None when it asks for none. One rule for the worker (what it asks
+    the engine) and the router (a P/D pool keeps such a request on one worker)."""
+    if prompt_logprobs is not None:
+        return prompt_logprobs
+    return logprobs if echo else None
 
 
 def function_tool(name: str, description: Any, parameters: Any, strict: Any) -> dict[str, Any]:

@@ -71,6 +71,7 @@ from typing import Any, Protocol
 from sluice.protocol import anthropic, responses
 from sluice.protocol.block_hash import hash_blocks
 from sluice.protocol.errors import InvalidRequestError
+from sluice.protocol.openai import content_text
 
 CHAT, COMPLETION, MESSAGES, RESPONSES = "chat", "completion", "messages", "responses"
 # the generation endpoints and the kind of prompt each takes (router, worker, gateway)
@@ -114,26 +115,6 @@ class PromptView:
 
 
 # -- messages ----------------------------------------------------------------------------
-
-
-def content_text(content: Any, param: str) -> str:
-    """A message's content as the template sees it (text parts joined); 400 otherwise."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequestError("content must be a string or a list of text parts",
-                                  param=param)
-    parts = []
-    for i, part in enumerate(content):
-        if not (isinstance(part, dict) and part.get("type") == "text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise InvalidRequestError(f"only text content is supported, got {kind!r}",
-                                      param=param)
-        if not isinstance(part.get("text"), str):
-            raise InvalidRequestError("a text part needs 'text', a string",
-                                      param=f"{param}.{i}.text")
-        parts.append(part["text"])
-    return "".join(parts)
 
 
 def chat_messages(raw: Any) -> list[dict[str, Any]]:
@@ -271,15 +252,23 @@ def check_template_kwargs(raw: Any) -> dict[str, Any] | None:
 
 
 def templated(tok: Tokenizer, view: PromptView) -> str:
-    """The chat template applied to the view's messages (chat views only)."""
+    """The chat template applied to the view's messages (chat views only); an error the
+    model's own template raises is a 400 naming `messages`."""
     assert view.messages is not None
     answer = view.generation_prompt and not view.continue_final
     extra = view.template_kwargs or {}
-    if view.tools:
-        text = tok.apply_chat_template(view.messages, add_generation_prompt=answer,
-                                       tools=view.tools, **extra)
-    else:
-        text = tok.apply_chat_template(view.messages, add_generation_prompt=answer, **extra)
+    try:
+        if view.tools:
+            text = tok.apply_chat_template(view.messages, add_generation_prompt=answer,
+                                           tools=view.tools, **extra)
+        else:
+            text = tok.apply_chat_template(view.messages, add_generation_prompt=answer,
+                                           **extra)
+    except InvalidRequestError:
+        raise
+    except Exception as exc:  # jinja2 errors raised by the model's own template
+        raise InvalidRequestError(f"the chat template rejected the messages: {exc}",
+                                  param="messages") from exc
     if not view.continue_final:
         return text
     return continue_final(text, view.messages[-1]["content"])

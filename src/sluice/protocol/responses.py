@@ -61,6 +61,7 @@ from sluice.protocol.openai import (
     TOOL_NAME,
     Acceptable,
     KVTransferParams,
+    content_text,
     function_tool,
     reasoning_of,
 )
@@ -107,6 +108,10 @@ class ResponsesModel(BaseModel):
 
 
 class FunctionTool(ResponsesModel):
+    """A Responses function tool: chat's `FunctionDefinition` with its fields at the top
+    (written out, not inherited: `type` is checked first, so another tool type is a 400
+    naming `tools.N.type`)."""
+
     type: Literal["function"]
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
@@ -209,7 +214,8 @@ def chat_prompt(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
-_TEXT_PARTS = ("input_text", "output_text", "text")
+# a content part's type -> the field its text is in
+_TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
 
 
 def _items(items: list[Any]) -> list[dict[str, Any]]:
@@ -247,25 +253,9 @@ def _items(items: list[Any]) -> list[dict[str, Any]]:
 
 
 def _text(content: Any, param: str) -> str:
-    """A string, or text parts joined without separator; images, files and audio are a
-    400 (the model reads text only)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequestError("content must be a string or a list of content parts",
-                                  param=param)
-    parts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-        if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
-            parts.append(part["text"])
-        elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            parts.append(part["refusal"])
-        else:
-            raise InvalidRequestError(f"content part type {kind!r} is not supported (only "
-                                      "text: this model reads no images, files or audio)",
-                                      param=f"{param}.{j}")
-    return "".join(parts)
+    """A string, or text parts (input and output text, a refusal) joined without
+    separator."""
+    return content_text(content, param, _TEXT_PARTS, "text content parts", name_part=True)
 
 
 def _call(item: Mapping[str, Any], param: str) -> dict[str, Any]:

@@ -59,6 +59,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from sluice.observe.buckets import LatencyBuckets
 from sluice.protocol.errors import ConflictError, InvalidRequestError, ServiceUnavailableError
+from sluice.protocol.openai import prompt_scoring
 from sluice.router.breaker import Breakers
 from sluice.router.config import BOTH, DECODE, PD_ROLES, PREFILL
 from sluice.router.endpoints import Endpoint
@@ -363,9 +364,8 @@ def can_hand_off(body: dict[str, Any]) -> bool:
     compute them and the decode worker, which answers, would not have them)."""
     prompt = body.get("prompt")
     several = isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int)
-    scores_prompt = body.get("prompt_logprobs") is not None or (
-        bool(body.get("echo")) and body.get("logprobs") is not None)
-    return body.get("n") in (None, 1) and not several and not scores_prompt
+    scores = prompt_scoring(body.get("prompt_logprobs"), body.get("echo"), body.get("logprobs"))
+    return body.get("n") in (None, 1) and not several and scores is None
 
 
 def prefill_body(body: dict[str, Any], kind: str = CHAT) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from sluice.protocol.openai import (
     CompletionResponse,
     UsageInfo,
     now,
+    prompt_scoring,
 )
 from sluice.protocol.prompt import IdsHint, encode_prompt
 from sluice.worker.chat import token_ids
@@ -145,8 +146,7 @@ async def prepare_completion(state: WorkerState, req: CompletionRequest, request
     # max_tokens left out is OpenAI's 16 here, as in vLLM: the model's max_new_tokens
     # applies to an explicit null only (its other defaults, to any field left out)
     generate = not (req.echo and req.max_tokens == 0)  # 0 with echo: the prompt alone
-    prompt_lp = req.prompt_logprobs if req.prompt_logprobs is not None else (
-        req.logprobs if req.echo else None)
+    prompt_lp = prompt_scoring(req.prompt_logprobs, req.echo, req.logprobs)
     params = sampling_params(req, req.max_tokens if generate else 1, req.logprobs,
                              tok.vocab_size, defaults=state.config.generation_defaults,
                              prompt_logprobs=prompt_lp)

@@ -12,7 +12,7 @@ from sluice.engine.sampling_params import (
 )
 from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.openai import ChatMessage, SamplingFields
-from sluice.protocol.prompt import check_template_kwargs, continue_final
+from sluice.protocol.prompt import PromptView, check_template_kwargs, templated
 
 if TYPE_CHECKING:
     from sluice.engine.tokenizer import Tokenizer
@@ -104,17 +104,10 @@ def chat_prompt(tokenizer: Tokenizer, messages: list[ChatMessage],
     `chat_template_kwargs`), cut after the last message's content to continue it
     (`protocol.prompt.continue_final`); a template error is a 400."""
     turns = [m.as_template_dict(f"messages.{i}") for i, m in enumerate(messages)]
-    extra = check_template_kwargs(template_kwargs) or {}
-    try:
-        text = tokenizer.apply_chat_template(turns,
-                                             add_generation_prompt=add_generation_prompt,
-                                             tools=tools, **extra)
-    except InvalidRequestError:
-        raise
-    except Exception as exc:  # jinja2 errors raised by the model's own template
-        raise InvalidRequestError(f"the chat template rejected the messages: {exc}",
-                                  param="messages") from exc
-    return continue_final(text, turns[-1]["content"]) if continue_final_message else text
+    return templated(tokenizer, PromptView(
+        messages=turns, tools=tools, continue_final=continue_final_message,
+        generation_prompt=add_generation_prompt,
+        template_kwargs=check_template_kwargs(template_kwargs)))
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> list[int]:
