@@ -169,6 +169,20 @@ def test_the_store_keeps_a_runs_replica_and_lease(any_store: SQLStore) -> None:
     assert any_store.renew_runs("gw-a", now + 40) == []
 
 
+def test_the_store_keeps_a_runs_events_until_its_response_goes(any_store: SQLStore) -> None:
+    now = time.time()
+    any_store.add_response_events("resp_1", [(0, "a"), (1, "b"), (2, "c")], now + 60)
+    any_store.add_response_events("resp_2", [(0, "x")], now - 1)  # expired
+    assert any_store.response_events("resp_1", -1, 10) == [(0, "a"), (1, "b"), (2, "c")]
+    assert any_store.response_events("resp_1", 0, 1) == [(1, "b")]
+    assert any_store.response_events("resp_1", 2, 10) == []
+    new_key(any_store, "acme")
+    any_store.save_response(StoredResponse("resp_3", "acme", "k", None, [], {},
+                                           created_at=now, expires_at=now + 60))
+    assert any_store.response_events("resp_2", -1, 10) == []  # purged as a response is saved
+    assert any_store.response_events("resp_1", -1, 10) != []
+
+
 @pytest.fixture
 def second_store(any_store: SQLStore) -> Any:
     """Another connection to `any_store`'s database, as a second gateway replica has."""
@@ -211,6 +225,46 @@ async def test_a_background_response_is_cancelled_through_another_replica(
     assert record.status == "aborted" and 0 < record.completion_tokens < 900
 
 
+async def test_a_background_responses_stream_is_followed_through_another_replica(
+        engine: Any, counter: PromptTokenCounter, any_store: SQLStore,
+        second_store: SQLStore) -> None:
+    """A streamed run on one replica is taken up through the other, from the events its
+    replica keeps in the store (every FLUSH_S): the same events, in order, to its end;
+    and a foreground response has no stream to take up."""
+    from .conftest import serve
+
+    a, b = gateway(engine, any_store, counter), gateway(engine, second_store, counter)
+    key = new_key(any_store)
+    headers = {"Authorization": f"Bearer {key}"}
+    body = {**TURN, "max_output_tokens": 300, "background": True, "stream": True}
+    async with serve(a) as url, httpx.AsyncClient(base_url=url, headers=headers,
+                                                  timeout=30) as on_a, \
+            client_for(b, key) as on_b:
+        seen: list[dict[str, Any]] = []
+        async with on_a.stream("POST", "/v1/responses", json=body) as s:
+            async for line in s.aiter_lines():
+                if line.startswith("data: {"):
+                    seen.append(json.loads(line[6:]))
+                if len(seen) == 3:
+                    break
+        run_id = seen[0]["response"]["id"]
+        r = await on_b.get(f"/v1/responses/{run_id}",
+                           params={"stream": "true", "starting_after": 1})
+        assert r.status_code == 200, r.text
+        rest = events_of(r.text)
+        assert rest[0] == seen[2]
+        numbers = [e["sequence_number"] for e in seen[:2] + rest]
+        assert numbers == list(range(len(numbers)))
+        assert rest[-1]["type"] in ("response.completed", "response.incomplete")
+        assert (await on_b.get(f"/v1/responses/{run_id}")).json() == rest[-1]["response"]
+        foreground = (await on_b.post("/v1/responses", json=TURN)).json()
+        r = await on_b.get(f"/v1/responses/{foreground['id']}", params={"stream": "true"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+        # deleted with its response
+        assert (await on_b.delete(f"/v1/responses/{run_id}")).status_code == 200
+    assert any_store.response_events(run_id, -1, 10) == []
+
+
 async def test_a_background_response_whose_replica_is_gone_is_ended_by_the_next_read(
         engine: Any, counter: PromptTokenCounter, sqlite_store: SQLStore) -> None:
     """Runs as a killed replica leaves them (running, their lease lapsed): the next GET
@@ -235,7 +289,7 @@ async def test_a_background_response_whose_replica_is_gone_is_ended_by_the_next_
         assert "stopped before it ended" in failed["error"]["message"]
         assert (await c.get("/v1/responses/resp_lapsed")).json() == failed  # kept
         r = await c.get("/v1/responses/resp_lapsed", params={"stream": "true"})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+        assert r.status_code == 200 and r.text == ""  # (it kept no events; it has ended)
         r = await c.post("/v1/responses/resp_queued/cancel")
         assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
         assert r.json()["error"] is None
@@ -267,8 +321,13 @@ async def test_a_streamed_background_response_is_followed_and_taken_up_again(
         assert final["background"] is True and final["id"].startswith("resp_")
         assert [e["sequence_number"] for e in whole] == list(range(len(whole)))
         assert (await c.get(f"/v1/responses/{final['id']}")).json()["status"] == "incomplete"
+        await asyncio.sleep(0.1)  # (its last events to the store)
         r = await c.get(f"/v1/responses/{final['id']}", params={"stream": "true"})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "stream"  # it ended
+        assert r.status_code == 200, r.text  # it ended: the store's events, all of them
+        assert events_of(r.text) == whole
+        r = await c.get(f"/v1/responses/{final['id']}",
+                        params={"stream": "true", "starting_after": len(whole) - 3})
+        assert events_of(r.text) == whole[-2:]
 
         # a long one: leave after three events, take it up after the second
         body = {**TURN, "max_output_tokens": 300, "background": True, "stream": True}

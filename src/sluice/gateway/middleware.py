@@ -656,7 +656,7 @@ class Exchange:
 
         def ended(_: asyncio.Future[None]) -> None:
             log.end()
-            responses.running.pop(turn.background_id or "", None)
+            responses.end_run(turn.background_id or "")
             gauge.dec()
 
         task.add_done_callback(ended)

@@ -29,7 +29,9 @@ answer any turn of a conversation:
                  `stream=true&starting_after=N`, follows it again), cancel stops it;
                  the final Response (or `failed` / `cancelled`) is kept as any other.
     replicas     a running background response names its replica (`owner`), which
-                 renews its lease (`--background-lease`) while it runs. A cancel on another
+                 renews its lease (`--background-lease`) while it runs, and keeps its
+                 stream's events in the store every `FLUSH_S` (and at its end), so that
+                 any replica can follow it, while it runs and after. A cancel on another
                  replica asks the owner through the store (it cancels at its next
                  renewal) and waits for the end. A response whose lease has lapsed
                  (`LEASE_S`: its replica was killed) is ended by whoever reads it next:
@@ -63,7 +65,6 @@ from sluice.gateway.conversations import Conversations, conversation_id_of, conv
 from sluice.gateway.items import db_call, input_items, only_params, page, query_params
 from sluice.gateway.store import Store, StoredResponse
 from sluice.protocol.errors import (
-    ConflictError,
     InvalidRequestError,
     MethodNotAllowedError,
     NotFoundError,
@@ -93,6 +94,9 @@ RENEW_S = 1.0  # how often a replica renews its runs' lease and looks for cancel
 LEASE_S = 15.0  # a run whose replica has not renewed it this long has lost its replica
 # (`--background-lease`; renewed every RENEW_S, or a quarter of a shorter lease)
 CANCEL_POLL_S = 0.1  # how often a cancel asked of another replica looks for the end
+FLUSH_S = 0.25  # how often a run's new events go to the store (and a follower reads them)
+_STREAM_ENDS = ("event: response.completed", "event: response.incomplete",
+                "event: response.failed")
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +118,8 @@ class EventLog:
     def __init__(self) -> None:
         self.events: list[tuple[int, bytes]] = []
         self.ended = False
+        self.kept = 0  # the events the store has (`StoredResponses.keep_events`)
+        self.keeping = asyncio.Lock()
         self._more: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def add(self, chunk: bytes) -> None:
@@ -208,19 +214,34 @@ class StoredResponses:
         self.lease_s = lease_s
         self.renew_s = min(RENEW_S, lease_s / 4)
         self._renewing: asyncio.Task[None] | None = None
+        self._last_events: set[asyncio.Future[None]] = set()
 
     def add_run(self, response_id: str, run: Run) -> None:
         """A background response this gateway has begun to run: its lease is renewed
-        until it ends (and it leaves `running`)."""
+        and its events kept until it ends; then `end_run`."""
         self.running[response_id] = run
         if self._renewing is None:
             self._renewing = asyncio.ensure_future(self._renew())
 
+    def end_run(self, response_id: str) -> None:
+        """A run has ended: it leaves `running`, and the store gets its last events."""
+        run = self.running.pop(response_id, None)
+        if run is not None:
+            task = asyncio.ensure_future(self.keep_events(response_id, run.log))
+            self._last_events.add(task)
+            task.add_done_callback(self._last_events.discard)
+
     async def _renew(self) -> None:
-        """While this gateway runs background responses: renew their lease, and cancel
-        those another replica was asked to cancel."""
+        """While this gateway runs background responses: keep their new events, renew
+        their lease, and cancel those another replica was asked to cancel."""
+        renewed = time.monotonic()
         while self.running:
-            await asyncio.sleep(self.renew_s)
+            await asyncio.sleep(min(FLUSH_S, self.renew_s))
+            for response_id, running in list(self.running.items()):
+                await self.keep_events(response_id, running.log)
+            if time.monotonic() - renewed < self.renew_s:
+                continue
+            renewed = time.monotonic()
             try:
                 asked = await db_call(self.store.renew_runs, self.replica,
                                       time.time() + self.lease_s)
@@ -232,6 +253,22 @@ class StoredResponses:
                     run.task.cancel()
         self._renewing = None
 
+    async def keep_events(self, response_id: str, log: EventLog) -> None:
+        """Put the events of a run's stream that the store lacks in it (a database error
+        is logged: they go with the next ones)."""
+        async with log.keeping:
+            new = log.events[log.kept:]
+            if not new:
+                return
+            try:
+                await db_call(self.store.add_response_events, response_id,
+                              [(number, event.decode()) for number, event in new],
+                              time.time() + self.retention_s)
+            except SluiceError as exc:
+                logger.warning("could not keep the events of %s: %s", response_id, exc)
+                return
+            log.kept += len(new)
+
     async def stop(self) -> None:
         """At shutdown: cancel the background runs; each is kept `failed`, saying so."""
         self.stopping = True
@@ -241,6 +278,7 @@ class StoredResponses:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._last_events, return_exceptions=True)
 
     @property
     def enabled(self) -> bool:
@@ -447,21 +485,43 @@ class StoredResponses:
 
     async def _follow(self, response_id: str, tenant_id: str,
                       after: str | None) -> AsyncIterator[bytes]:
-        """A running background response's stream, after event `after` (OpenAI's
-        `starting_after`): a client that lost it takes it up again."""
+        """A background response's stream, after event `after` (OpenAI's
+        `starting_after`): a client that lost it takes it up again, on any replica,
+        while it runs or after. The replica that runs it answers from its run's events
+        as they come; another, or any once it has ended, from the store."""
         if after is not None and not after.lstrip("-").isdigit():
             raise InvalidRequestError("'starting_after' must be an event's sequence number",
                                       param="starting_after")
+        start = None if after is None else int(after)
         run = self.running.get(response_id)
-        if run is None or run.tenant_id != tenant_id:
-            stored = await self._find(response_id, tenant_id)
-            if stored.response.get("status") in RUNNING:
-                raise ConflictError("this background response runs on another gateway "
-                                    "replica; follow its stream there", param="response_id")
-            raise InvalidRequestError("only a running background response can be streamed; "
-                                      "this one has ended: GET it without stream",
+        if run is not None and run.tenant_id == tenant_id:
+            return run.log.follow(start)
+        stored = await self._find(response_id, tenant_id)
+        if not stored.response.get("background"):
+            raise InvalidRequestError("only a background response's stream is kept; this "
+                                      "one ran in the foreground: GET it without stream",
                                       param="stream")
-        return run.log.follow(None if after is None else int(after))
+        return self._kept_stream(response_id, tenant_id, -1 if start is None else start)
+
+    async def _kept_stream(self, response_id: str, tenant_id: str,
+                           after: int) -> AsyncIterator[bytes]:
+        """A background response's stream as the store keeps it, from event `after` + 1:
+        read every FLUSH_S while it runs, to its end event (or, for a run cancelled or
+        lost, a few reads past its end, for the last events its replica keeps)."""
+        quiet = 0
+        while quiet < 3:
+            events = await db_call(self.store.response_events, response_id, after, 500)
+            for number, event in events:
+                after = number
+                yield event.encode()
+                if event.startswith(_STREAM_ENDS):
+                    return
+            if len(events) == 500:
+                continue
+            ended = (await self._find(response_id, tenant_id)).response.get("status") \
+                not in RUNNING
+            quiet = quiet + 1 if ended and not events else 0
+            await asyncio.sleep(FLUSH_S)
 
     async def _find(self, response_id: str, tenant_id: str,
                     lapsed: str = "failed") -> StoredResponse:

@@ -391,6 +391,17 @@ class Store(ABC):
         """Delete the tenant's response; False if `get_response` would not find it."""
 
     @abstractmethod
+    def add_response_events(self, response_id: str, events: list[tuple[int, str]],
+                            expires_at: float | None) -> None:
+        """Keep more of a background response's stream: (sequence number, the SSE event),
+        found by `response_events` until `expires_at`, or until the response is deleted."""
+
+    @abstractmethod
+    def response_events(self, response_id: str, after: int,
+                        limit: int) -> list[tuple[int, str]]:
+        """Up to `limit` of a response's kept events numbered after `after`, in order."""
+
+    @abstractmethod
     def renew_runs(self, owner: str, lease_until: float) -> list[str]:
         """Extend to `lease_until` the lease of the background responses `owner` runs;
         the ids of those another replica asked to cancel (`ask_cancel`)."""
@@ -464,7 +475,7 @@ MAX_TENANT_NAME = 200  # characters: the tenants.name column
 
 
 def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.Table,
-                                  sa.Table, sa.Table, sa.Table, sa.Table, sa.Table]:
+                                  sa.Table, sa.Table, sa.Table, sa.Table, sa.Table, sa.Table]:
     md = sa.MetaData()
     tenants = sa.Table(
         f"{prefix}tenants", md,
@@ -540,6 +551,13 @@ def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.
         sa.Column("lease_until", sa.Float, nullable=True),
         sa.Column("cancel_at", sa.Float, nullable=True),
     )
+    events = sa.Table(  # a background response's stream, for any replica to follow
+        f"{prefix}response_events", md,
+        sa.Column("response_id", sa.String(100), primary_key=True),
+        sa.Column("seq", sa.Integer, primary_key=True, autoincrement=False),
+        sa.Column("event", sa.Text, nullable=False),
+        sa.Column("expires_at", sa.Float, nullable=True, index=True),
+    )
     conversations = sa.Table(  # OpenAI's Conversations API (StoredConversation)
         f"{prefix}conversations", md,
         sa.Column("id", sa.String(100), primary_key=True),
@@ -555,7 +573,7 @@ def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.
         sa.Column("item", sa.Text, nullable=False),
     )
     return (md, tenants, keys, usage, reservations, versions, mirrors, responses,
-            conversations, items)
+            events, conversations, items)
 
 
 def _dump(settings: TenantSettings | KeySettings) -> str:
@@ -700,7 +718,7 @@ class SQLStore(Store):
         self.local_reads = self.engine.dialect.name == "sqlite"
         (self.metadata, self.tenants, self.keys, self.usage,
          self.reservations, self.versions, self.mirrors, self.responses,
-         self.conversations, self.items) = _tables(table_prefix)
+         self.stream_events, self.conversations, self.items) = _tables(table_prefix)
         self._create_schema(table_prefix)
         self._add_version_row()
         self._prepare()
@@ -1258,9 +1276,11 @@ class SQLStore(Store):
                "response": json.dumps(stored.response), "created_at": stored.created_at,
                "expires_at": stored.expires_at, "owner": stored.owner,
                "lease_until": stored.lease_until}
+        e = self.stream_events
         with self.engine.begin() as conn:
             conn.execute(r.delete().where(sa.or_(r.c.id == stored.id, r.c.expires_at < now)))
             conn.execute(r.insert().values(**row))
+            conn.execute(e.delete().where(e.c.expires_at < now))
 
     def get_response(self, response_id: str, tenant_id: str) -> StoredResponse | None:
         r = self.responses
@@ -1274,10 +1294,30 @@ class SQLStore(Store):
                               row.created_at, row.expires_at, row.owner, row.lease_until)
 
     def delete_response(self, response_id: str, tenant_id: str) -> bool:
+        e = self.stream_events
         with self.engine.begin() as conn:
             result = conn.execute(self.responses.delete().where(
                 *self._response_is(response_id, tenant_id)))
+            if result.rowcount:
+                conn.execute(e.delete().where(e.c.response_id == response_id))
         return bool(result.rowcount)
+
+    def add_response_events(self, response_id: str, events: list[tuple[int, str]],
+                            expires_at: float | None) -> None:
+        if not events:
+            return
+        with self.engine.begin() as conn:
+            conn.execute(self.stream_events.insert(), [
+                {"response_id": response_id, "seq": seq, "event": event,
+                 "expires_at": expires_at} for seq, event in events])
+
+    def response_events(self, response_id: str, after: int,
+                        limit: int) -> list[tuple[int, str]]:
+        e = self.stream_events
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(e.c.seq, e.c.event).where(
+                e.c.response_id == response_id, e.c.seq > after).order_by(e.c.seq).limit(limit))
+            return [(row.seq, row.event) for row in rows]
 
     def renew_runs(self, owner: str, lease_until: float) -> list[str]:
         r = self.responses
