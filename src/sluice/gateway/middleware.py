@@ -64,7 +64,7 @@ from sluice.gateway.meter import ResponseMeter
 from sluice.gateway.models import MODEL_PREFIX, MODELS_PATH, ModelListFilter, allowed_models
 from sluice.gateway.pricing import Price
 from sluice.gateway.responses import ENDPOINTS as CONVERSATION_ENDPOINTS
-from sluice.gateway.responses import EventLog, Run, Turn
+from sluice.gateway.responses import EventLog, Run, Turn, failed_event
 from sluice.gateway.state import GatewayState
 from sluice.gateway.store import Principal, UsageRecord
 from sluice.gateway.tokens import estimate_view
@@ -763,9 +763,8 @@ class Exchange:
         await self.keep_queued(adm, status, error)
         if status == "failed" and self.log is not None:  # its stream ends saying so
             number = self.log.events[-1][0] + 1 if self.log.events else 0
-            event = {"type": "response.failed", "sequence_number": number,
-                     "response": {**self.queued, "status": status, "error": error}}
-            self.log.add(f"event: response.failed\ndata: {json.dumps(event)}\n\n".encode())
+            self.log.add(failed_event(number, {**self.queued, "status": status,
+                                               "error": error}))
 
     async def keep_queued(self, adm: Admission, status: str,
                           error: dict[str, str] | None = None) -> None:

@@ -153,6 +153,12 @@ class EventLog:
             await asyncio.shield(self._more)
 
 
+def failed_event(number: int, response: dict[str, Any]) -> bytes:
+    """The `response.failed` event a background run's stream ends with when it fails."""
+    event = {"type": "response.failed", "sequence_number": number, "response": response}
+    return f"event: response.failed\ndata: {json.dumps(event)}\n\n".encode()
+
+
 def _sequence_number(event: bytes, default: int) -> int:
     for line in event.splitlines():
         if line.startswith(b"data:"):
@@ -541,6 +547,10 @@ class StoredResponses:
             if await db_call(self.store.end_orphan, stored, ended):
                 logger.warning("background response %s lost its gateway replica (%s): "
                                "kept %s", response_id, stored.owner, lapsed)
+                if lapsed == "failed":  # its kept stream ends as its replica would end it
+                    number = await db_call(self.store.last_response_event, response_id) + 1
+                    await db_call(self.store.add_response_events, response_id, [
+                        (number, failed_event(number, ended).decode())], stored.expires_at)
             # (else its replica renewed or ended it meanwhile: read it again)
         raise ServiceUnavailableError(f"response {response_id!r} changed as it was read; "
                                       "retry", code="response_store_unavailable")

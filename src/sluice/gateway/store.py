@@ -402,6 +402,10 @@ class Store(ABC):
         """Up to `limit` of a response's kept events numbered after `after`, in order."""
 
     @abstractmethod
+    def last_response_event(self, response_id: str) -> int:
+        """The number of a response's last kept event; -1 without any."""
+
+    @abstractmethod
     def renew_runs(self, owner: str, lease_until: float) -> list[str]:
         """Extend to `lease_until` the lease of the background responses `owner` runs;
         the ids of those another replica asked to cancel (`ask_cancel`)."""
@@ -1318,6 +1322,13 @@ class SQLStore(Store):
             rows = conn.execute(sa.select(e.c.seq, e.c.event).where(
                 e.c.response_id == response_id, e.c.seq > after).order_by(e.c.seq).limit(limit))
             return [(row.seq, row.event) for row in rows]
+
+    def last_response_event(self, response_id: str) -> int:
+        e = self.stream_events
+        with self.engine.connect() as conn:
+            last = conn.execute(sa.select(sa.func.max(e.c.seq)).where(
+                e.c.response_id == response_id)).scalar()
+        return -1 if last is None else int(last)
 
     def renew_runs(self, owner: str, lease_until: float) -> list[str]:
         r = self.responses
