@@ -170,9 +170,13 @@ def test_the_store_keeps_a_runs_replica_and_lease(any_store: SQLStore) -> None:
 
 
 def test_the_store_keeps_a_runs_events_until_its_response_goes(any_store: SQLStore) -> None:
+    """Events of several runs in one write; one written again is skipped; expired ones
+    are purged as a response is saved."""
     now = time.time()
-    any_store.add_response_events("resp_1", [(0, "a"), (1, "b"), (2, "c")], now + 60)
-    any_store.add_response_events("resp_2", [(0, "x")], now - 1)  # expired
+    any_store.add_response_events([("resp_1", 0, "a"), ("resp_1", 1, "b"),
+                                   ("resp_2", 0, "x")], now + 60)
+    any_store.add_response_events([("resp_1", 1, "b"), ("resp_1", 2, "c")], now + 60)
+    any_store.add_response_events([("resp_2", 1, "y")], now - 1)
     assert any_store.response_events("resp_1", -1, 10) == [(0, "a"), (1, "b"), (2, "c")]
     assert any_store.response_events("resp_1", 0, 1) == [(1, "b")]
     assert any_store.response_events("resp_1", 2, 10) == []
@@ -181,7 +185,7 @@ def test_the_store_keeps_a_runs_events_until_its_response_goes(any_store: SQLSto
     new_key(any_store, "acme")
     any_store.save_response(StoredResponse("resp_3", "acme", "k", None, [], {},
                                            created_at=now, expires_at=now + 60))
-    assert any_store.response_events("resp_2", -1, 10) == []  # purged as a response is saved
+    assert any_store.response_events("resp_2", -1, 10) == [(0, "x")]
     assert any_store.response_events("resp_1", -1, 10) != []
 
 

@@ -119,7 +119,6 @@ class EventLog:
         self.events: list[tuple[int, bytes]] = []
         self.ended = False
         self.kept = 0  # the events the store has (`StoredResponses.keep_events`)
-        self.keeping = asyncio.Lock()
         self._more: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def add(self, chunk: bytes) -> None:
@@ -233,7 +232,7 @@ class StoredResponses:
         """A run has ended: it leaves `running`, and the store gets its last events."""
         run = self.running.pop(response_id, None)
         if run is not None:
-            task = asyncio.ensure_future(self.keep_events(response_id, run.log))
+            task = asyncio.ensure_future(self.keep_events([(response_id, run.log)]))
             self._last_events.add(task)
             task.add_done_callback(self._last_events.discard)
 
@@ -243,8 +242,7 @@ class StoredResponses:
         renewed = time.monotonic()
         while self.running:
             await asyncio.sleep(min(FLUSH_S, self.renew_s))
-            for response_id, running in list(self.running.items()):
-                await self.keep_events(response_id, running.log)
+            await self.keep_events([(rid, run.log) for rid, run in self.running.items()])
             if time.monotonic() - renewed < self.renew_s:
                 continue
             renewed = time.monotonic()
@@ -259,21 +257,27 @@ class StoredResponses:
                     run.task.cancel()
         self._renewing = None
 
-    async def keep_events(self, response_id: str, log: EventLog) -> None:
-        """Put the events of a run's stream that the store lacks in it (a database error
-        is logged: they go with the next ones)."""
-        async with log.keeping:
-            new = log.events[log.kept:]
-            if not new:
-                return
-            try:
-                await db_call(self.store.add_response_events, response_id,
-                              [(number, event.decode()) for number, event in new],
-                              time.time() + self.retention_s)
-            except SluiceError as exc:
-                logger.warning("could not keep the events of %s: %s", response_id, exc)
-                return
-            log.kept += len(new)
+    async def keep_events(self, logs: list[tuple[str, EventLog]]) -> None:
+        """Put the events of runs' streams that the store lacks in it, in one transaction
+        (a database error is logged: they go with the next ones; one kept twice, by
+        two calls at once, is skipped by the store)."""
+        rows: list[tuple[str, int, str]] = []
+        kept: list[tuple[EventLog, int]] = []
+        for response_id, log in logs:
+            rows += [(response_id, number, event.decode())
+                     for number, event in log.events[log.kept:]]
+            kept.append((log, len(log.events)))
+        if not rows:
+            return
+        try:
+            await db_call(self.store.add_response_events, rows,
+                          time.time() + self.retention_s)
+        except SluiceError as exc:
+            logger.warning("could not keep the events of %d background responses: %s",
+                           len(logs), exc)
+            return
+        for log, count in kept:
+            log.kept = max(log.kept, count)
 
     async def stop(self) -> None:
         """At shutdown: cancel the background runs; each is kept `failed`, saying so."""
@@ -549,8 +553,9 @@ class StoredResponses:
                                "kept %s", response_id, stored.owner, lapsed)
                 if lapsed == "failed":  # its kept stream ends as its replica would end it
                     number = await db_call(self.store.last_response_event, response_id) + 1
-                    await db_call(self.store.add_response_events, response_id, [
-                        (number, failed_event(number, ended).decode())], stored.expires_at)
+                    await db_call(self.store.add_response_events, [
+                        (response_id, number, failed_event(number, ended).decode())],
+                        stored.expires_at)
             # (else its replica renewed or ended it meanwhile: read it again)
         raise ServiceUnavailableError(f"response {response_id!r} changed as it was read; "
                                       "retry", code="response_store_unavailable")

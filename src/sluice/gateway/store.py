@@ -60,6 +60,8 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from sluice import env
 from sluice.gateway import auth_mirror
@@ -391,10 +393,11 @@ class Store(ABC):
         """Delete the tenant's response; False if `get_response` would not find it."""
 
     @abstractmethod
-    def add_response_events(self, response_id: str, events: list[tuple[int, str]],
+    def add_response_events(self, events: list[tuple[str, int, str]],
                             expires_at: float | None) -> None:
-        """Keep more of a background response's stream: (sequence number, the SSE event),
-        found by `response_events` until `expires_at`, or until the response is deleted."""
+        """Keep more of background responses' streams: (response id, sequence number, the
+        SSE event), found by `response_events` until `expires_at`, or until the response
+        is deleted; one already kept is skipped (writing it again is harmless)."""
 
     @abstractmethod
     def response_events(self, response_id: str, after: int,
@@ -1306,14 +1309,16 @@ class SQLStore(Store):
                 conn.execute(e.delete().where(e.c.response_id == response_id))
         return bool(result.rowcount)
 
-    def add_response_events(self, response_id: str, events: list[tuple[int, str]],
+    def add_response_events(self, events: list[tuple[str, int, str]],
                             expires_at: float | None) -> None:
         if not events:
             return
+        insert = (sqlite_insert if self.engine.dialect.name == "sqlite" else pg_insert)(
+            self.stream_events).on_conflict_do_nothing()
         with self.engine.begin() as conn:
-            conn.execute(self.stream_events.insert(), [
-                {"response_id": response_id, "seq": seq, "event": event,
-                 "expires_at": expires_at} for seq, event in events])
+            conn.execute(insert, [{"response_id": response_id, "seq": seq, "event": event,
+                                   "expires_at": expires_at}
+                                  for response_id, seq, event in events])
 
     def response_events(self, response_id: str, after: int,
                         limit: int) -> list[tuple[int, str]]:
