@@ -1,6 +1,7 @@
 """Worker kills under streaming load: failed streams, ledger rows, latency migration adds.
 
-    C clients ── streaming chat + completions, one API key, each request its own x-request-id
+    C clients ── streaming chat, completions and Responses, one API key, each request its
+       │         own x-request-id
        │
     gateway     `sluice serve`'s (`serve.gateway_wrap`): the dev key, a SQLite ledger
        │        in a temporary SLUICE_HOME
@@ -15,7 +16,11 @@ the peer, migration off, for --peer-minutes (default: as long).
 A stream is whole when it is a 200 that ends with [DONE], has no error event and
 brings max_tokens tokens. Each request asks for the usage chunk, the token ids
 (`return_token_ids`), or both; what the client received is the ids' count when it asked
-for them, else the usage chunk's `completion_tokens` (both asked: they must agree).
+for them, else the usage chunk's `completion_tokens` (both asked: they must agree). A
+Responses stream (its usage is in its end event; the API has no `ignore_eos`, so it may
+end before max_output_tokens) is whole when it is one stream: one `response.created`,
+`sequence_number`s 0, 1, 2, ..., one response id, its deltas joining to the final
+Response's text, and `response.completed` or `response.incomplete` last.
 Streams in flight at a kill are "hit" (on any worker: the client cannot tell which
 ones the killed worker served and migrated); their latency against the others' is what
 a kill adds, the peer phase's the part that is not migration.
@@ -71,7 +76,7 @@ from sluice.router.config import PoolConfig, RouterConfig, WorkerSpec
 from sluice.router.server import RouterServer
 from sluice.serve import gateway_wrap
 
-CHAT, COMPLETION = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETION, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 ASKS = ("usage", "ids", "both")  # what a request asks to get back besides the text
 
 
@@ -137,6 +142,7 @@ class Phase:
                 reasons[s.failure] = reasons.get(s.failure, 0) + 1
         return {"migration_limit": self.limit, "requests": len(self.streams),
                 "chat": sum(s.endpoint == CHAT for s in self.streams),
+                "responses": sum(s.endpoint == RESPONSES for s in self.streams),
                 "failed": len(self.streams) - len(self.whole), "reasons": reasons,
                 "kills": len(self.kills), "migrations": self.migrations,
                 "hit_streams": len(hit), "p50_s_hit": _p50(hit), "p50_s_clean": _p50(clean),
@@ -154,8 +160,15 @@ def _p50(xs: list[float]) -> float | None:
 
 
 def request_body(rng: random.Random, load: Workload) -> tuple[str, dict[str, Any]]:
-    """A seeded request: chat or completion, asking for usage, token ids or both."""
-    endpoint, ask, n = rng.choice((CHAT, COMPLETION)), rng.choice(ASKS), rng.randrange(10**6)
+    """A seeded request: chat, completion or Responses, asking for usage, token ids or
+    both (a Responses stream always ends with its usage)."""
+    endpoint = rng.choice((CHAT, COMPLETION, RESPONSES))
+    ask, n = rng.choice(ASKS), rng.randrange(10**6)
+    if endpoint == RESPONSES:
+        return endpoint, {"model": load.model, "stream": True, "temperature": 0,
+                          "max_output_tokens": load.max_tokens, "store": False,
+                          "input": f"Tell me story number {n}.",
+                          **({"return_token_ids": True} if ask != "usage" else {})}
     body: dict[str, Any] = {"model": load.model, "stream": True, "temperature": 0,
                             "max_tokens": load.max_tokens, "ignore_eos": True}
     if ask in ("usage", "both"):
@@ -187,6 +200,10 @@ async def one_stream(c: httpx.AsyncClient, url: str, stream: Stream,
         return
     finally:
         stream.end = time.monotonic()
+    if stream.endpoint == RESPONSES:
+        stream.failure = count_response_tokens(stream, [json.loads(ln[6:]) for ln in lines],
+                                               body)
+        return
     if not lines or lines[-1] != "data: [DONE]":
         stream.failure = "no [DONE]"
         return
@@ -215,6 +232,37 @@ def count_tokens(stream: Stream, chunks: list[dict[str, Any]], body: dict[str, A
     elif usage is not None:
         stream.completion_tokens = usage["completion_tokens"]
     return None if stream.completion_tokens == body["max_tokens"] else "short"
+
+
+def count_response_tokens(stream: Stream, events: list[dict[str, Any]],
+                          body: dict[str, Any]) -> str | None:
+    """Record the tokens a Responses stream brought; why it is not one whole stream, or
+    None (the module docstring)."""
+    kinds = [e.get("type") for e in events]
+    if not kinds or kinds[-1] not in ("response.completed", "response.incomplete"):
+        return "no end event"
+    if "error" in kinds or "response.failed" in kinds:
+        return "error event"
+    if kinds.count("response.created") != 1:
+        return "response.created not once"
+    if [e.get("sequence_number") for e in events] != list(range(len(events))):
+        return "sequence numbers"
+    if len({e["response"]["id"] for e in events if "response" in e}) != 1:
+        return "response ids"
+    final = events[-1]["response"]
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    said = "".join(part.get("text", "") for item in final["output"]
+                   for part in item.get("content") or ())
+    if text != said:
+        return "deltas != output"
+    ids = sum(len(e.get("token_ids") or ()) for e in events)
+    if not body.get("return_token_ids") and ids:
+        return "token ids not asked for"
+    stream.prompt_tokens = final["usage"]["input_tokens"]
+    stream.completion_tokens = final["usage"]["output_tokens"]
+    if body.get("return_token_ids") and ids != stream.completion_tokens:
+        return "token ids != usage"
+    return None
 
 
 async def client(url: str, key: str, phase: Phase, load: Workload, end: float,

@@ -4,7 +4,7 @@ and the usage ledger holds exactly one row per request, with the tokens the clie
 A short run of `benchmarks/migration.py`'s migration phase (its own functions, loaded
 from the file) on the tiny model: 3 real `sluice worker`s, `sluice serve`'s gateway
 (dev key, SQLite ledger in a temporary SLUICE_HOME) over the router's server, 4 clients
-streaming chat and completions (usage chunk, token ids or both) for 8 s, a worker killed
+streaming chat, completions and Responses (usage, token ids or both) for 8 s, a worker killed
 at 3 s and at 6 s. The ledger is read through the store's query API after the server
 stopped, and matched with the clients' requests by x-request-id.
 """
@@ -41,7 +41,8 @@ async def test_kills_under_streaming_load_fail_no_stream_and_lose_no_ledger_row(
     result = phase.summary()
     assert result["failed"] == 0, result["reasons"]
     assert result["kills"] == 2 and result["hit_streams"] > 0 and result["migrations"] >= 1
-    assert result["chat"] > 0 and result["requests"] - result["chat"] > 0
+    assert result["chat"] > 0 and result["responses"] > 0
+    assert result["requests"] - result["chat"] - result["responses"] > 0
     assert result["usage_records"] == result["requests"], result
     problems = ("lost", "duplicated", "token_mismatches", "prompt_mismatches", "rows_not_ok",
                 "rows_without_request")
