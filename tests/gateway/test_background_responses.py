@@ -289,6 +289,8 @@ async def test_a_background_response_whose_replica_is_gone_is_ended_by_the_next_
         assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
         assert r.json()["error"] is None
         assert (await c.get("/v1/responses/resp_renewed")).json()["status"] == "in_progress"
+    assert "sluice_gateway_background_responses_lost_total 2.0" in \
+        gw.state.metrics.render().decode()
     stored = sqlite_store.get_response("resp_lapsed", tenant)
     assert stored is not None and stored.owner is None
 

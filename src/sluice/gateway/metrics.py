@@ -51,6 +51,10 @@ class GatewayMetrics:
         self.background = Gauge("sluice_gateway_background_responses",
                                 "Background responses (the Responses API's `background`) "
                                 "this gateway is running", registry=r)
+        self.background_lost = Counter(
+            "sluice_gateway_background_responses_lost_total",
+            "Background responses whose gateway replica stopped renewing them (killed), "
+            "ended by this gateway ('failed', or 'cancelled' by a cancel)", registry=r)
         self.overhead = Histogram("sluice_gateway_admission_seconds",
                                   "Time from request arrival to forwarding upstream", registry=r,
                                   buckets=buckets.admission)

@@ -57,7 +57,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,7 +209,8 @@ def output_items(response: Mapping[str, Any]) -> list[dict[str, Any]]:
 class StoredResponses:
     """The gateway's side of `store` (module docstring), on its `Store`."""
 
-    def __init__(self, store: Store, retention_s: float, lease_s: float = LEASE_S) -> None:
+    def __init__(self, store: Store, retention_s: float, lease_s: float = LEASE_S,
+                 on_lost: Callable[[], None] = lambda: None) -> None:
         self.store = store
         self.retention_s = retention_s
         self.conversations = Conversations(store)
@@ -218,6 +219,7 @@ class StoredResponses:
         self.replica = uuid.uuid4().hex[:16]  # this gateway, as the `owner` of its runs
         self.lease_s = lease_s
         self.renew_s = min(RENEW_S, lease_s / 4)
+        self.on_lost = on_lost  # a run whose replica is gone was ended here (a metric)
         self._renewing: asyncio.Task[None] | None = None
         self._last_events: set[asyncio.Future[None]] = set()
 
@@ -551,6 +553,7 @@ class StoredResponses:
             if await db_call(self.store.end_orphan, stored, ended):
                 logger.warning("background response %s lost its gateway replica (%s): "
                                "kept %s", response_id, stored.owner, lapsed)
+                self.on_lost()
                 if lapsed == "failed":  # its kept stream ends as its replica would end it
                     number = await db_call(self.store.last_response_event, response_id) + 1
                     await db_call(self.store.add_response_events, [

@@ -63,7 +63,8 @@ class GatewayState:
         self.budgets = BudgetReservations(self.store, self.config.budget_lease_s)
         self.keys = KeyCache(self.store)
         self.responses = StoredResponses(self.store, self.config.response_retention_s,
-                                         self.config.background_lease_s)
+                                         self.config.background_lease_s,
+                                         on_lost=self.metrics.background_lost.inc)
         self.background = set()
         self.unpriced_models = set()
         if isinstance(self.limiter, RedisLimiter):  # the auth version rides its steps

@@ -152,6 +152,9 @@ GATEWAY = (
             "(rate(sluice_gateway_admission_seconds_bucket[$__rate_interval])))", "p99"),)),
     Panel("In flight", "short", (("sluice_gateway_requests_in_flight", "in flight"),
                                  ("sluice_gateway_background_responses", "background"))),
+    Panel("Background responses lost with their replica/s", "short",
+          (("sum(rate(sluice_gateway_background_responses_lost_total[$__rate_interval]))",
+            "lost"),)),
     Panel("Budget used per tenant", "percentunit",
           (("sluice_gateway_budget_used_ratio", "{{tenant}}"),)),
 )
