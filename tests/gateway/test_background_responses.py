@@ -291,6 +291,17 @@ async def test_a_background_response_whose_replica_is_gone_is_ended_by_the_next_
         assert (await c.get("/v1/responses/resp_renewed")).json()["status"] == "in_progress"
     assert "sluice_gateway_background_responses_lost_total 2.0" in \
         gw.state.metrics.render().decode()
+
+    def down(*_: Any) -> list[tuple[int, str]]:
+        raise ConnectionError("the database is down")
+
+    sqlite_store.response_events = down  # type: ignore[method-assign]
+    async with client_for(gw, key) as c:  # a kept stream the store stops answering
+        r = await c.get("/v1/responses/resp_lapsed", params={"stream": "true"})
+    [error] = events_of(r.text)
+    assert r.status_code == 200 and "unreachable" in error.pop("message")
+    assert error == {"type": "error", "code": "response_store_unavailable", "param": None,
+                     "sequence_number": 0}
     stored = sqlite_store.get_response("resp_lapsed", tenant)
     assert stored is not None and stored.owner is None
 

@@ -77,6 +77,7 @@ from sluice.protocol.responses import (
     PATH,
     UNSUPPORTED,
     ResponsesRequest,
+    error_event,
     new_id,
     response,
 )
@@ -522,7 +523,13 @@ class StoredResponses:
         lost, a few reads past its end, for the last events its replica keeps)."""
         quiet = 0
         while quiet < 3:
-            events = await db_call(self.store.response_events, response_id, after, 500)
+            try:
+                events = await db_call(self.store.response_events, response_id, after, 500)
+                ended = len(events) < 500 and (await self._find(
+                    response_id, tenant_id)).response.get("status") not in RUNNING
+            except SluiceError as exc:  # (the client takes it up again later)
+                yield error_event(exc, after + 1)
+                return
             for number, event in events:
                 after = number
                 yield event.encode()
@@ -530,8 +537,6 @@ class StoredResponses:
                     return
             if len(events) == 500:
                 continue
-            ended = (await self._find(response_id, tenant_id)).response.get("status") \
-                not in RUNNING
             quiet = quiet + 1 if ended and not events else 0
             await asyncio.sleep(FLUSH_S)
 

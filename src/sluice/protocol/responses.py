@@ -627,3 +627,10 @@ class StreamTranslator:
 def sse(event: Event) -> str:
     """One Responses server-sent event (named by its type, as OpenAI sends them)."""
     return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
+def error_event(exc: SluiceError, number: int) -> bytes:
+    """OpenAI's `error` event, numbered `number`: a Responses stream that cannot go on
+    (a migration that failed, a kept stream the store stopped answering)."""
+    return sse({"type": "error", "code": exc.code or exc.error_type, "message": exc.message,
+                "param": exc.param, "sequence_number": number}).encode()

@@ -45,6 +45,7 @@ from typing import Any
 from sluice.protocol.edge import error_event
 from sluice.protocol.errors import SluiceError
 from sluice.protocol.prompt import RESUME_HEADER, TOKENIZER_HEADER, ResumeIds
+from sluice.protocol.responses import error_event as responses_error_event
 from sluice.router.buffer import RequestBuffer
 from sluice.router.config import BASELINE
 from sluice.router.parse import CHAT, COMPLETION, MESSAGES, RESPONSES, ParsedRequest
@@ -366,10 +367,7 @@ class ResponsesIds:
         return f"event: {data.get('type')}\ndata: {json.dumps(data)}\n\n".encode()
 
     def error(self, exc: SluiceError) -> bytes:
-        """OpenAI's `error` event of a Responses stream."""
-        data = {"type": "error", "code": exc.code, "message": exc.message, "param": None,
-                "sequence_number": self.next}
-        return f"event: error\ndata: {json.dumps(data)}\n\n".encode()
+        return responses_error_event(exc, self.next)
 
 
 def _json(event: bytes) -> dict[str, Any]:
