@@ -1,7 +1,7 @@
 """Worker kills under streaming load: failed streams, ledger rows, latency migration adds.
 
-    C clients ── streaming chat, completions and Responses, one API key, each request its
-       │         own x-request-id
+    C clients ── streaming chat, completions and Responses in turn (each client from
+       │         another), one API key, each request its own x-request-id
        │
     gateway     `sluice serve`'s (`serve.gateway_wrap`): the dev key, a SQLite ledger
        │        in a temporary SLUICE_HOME
@@ -77,6 +77,7 @@ from sluice.router.server import RouterServer
 from sluice.serve import gateway_wrap
 
 CHAT, COMPLETION, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+ENDPOINTS = (CHAT, COMPLETION, RESPONSES)
 ASKS = ("usage", "ids", "both")  # what a request asks to get back besides the text
 
 
@@ -159,13 +160,12 @@ def _p50(xs: list[float]) -> float | None:
 # -- clients ---------------------------------------------------------------------------------
 
 
-def request_body(rng: random.Random, load: Workload) -> tuple[str, dict[str, Any]]:
-    """A seeded request: chat, completion or Responses, asking for usage, token ids or
-    both (a Responses stream always ends with its usage)."""
-    endpoint = rng.choice((CHAT, COMPLETION, RESPONSES))
+def request_body(rng: random.Random, load: Workload, endpoint: str) -> dict[str, Any]:
+    """A seeded request to `endpoint`, asking for usage, token ids or both (a Responses
+    stream always ends with its usage)."""
     ask, n = rng.choice(ASKS), rng.randrange(10**6)
     if endpoint == RESPONSES:
-        return endpoint, {"model": load.model, "stream": True, "temperature": 0,
+        return {"model": load.model, "stream": True, "temperature": 0,
                           "max_output_tokens": load.max_tokens, "store": False,
                           "input": f"Tell me story number {n}.",
                           **({"return_token_ids": True} if ask != "usage" else {})}
@@ -179,7 +179,7 @@ def request_body(rng: random.Random, load: Workload) -> tuple[str, dict[str, Any
         body["messages"] = [{"role": "user", "content": f"Tell me story number {n}."}]
     else:
         body["prompt"] = f"Story {n}:"
-    return endpoint, body
+    return body
 
 
 async def one_stream(c: httpx.AsyncClient, url: str, stream: Stream,
@@ -270,9 +270,11 @@ async def client(url: str, key: str, phase: Phase, load: Workload, end: float,
     """Stream requests one after another until `end`; a failing client waits 0.1 s."""
     rng = random.Random(seed)
     headers = {"authorization": f"Bearer {key}"}
+    turn = seed  # the endpoints in turn, each client from another one
     async with httpx.AsyncClient(timeout=120, headers=headers) as c:
         while time.monotonic() < end:
-            endpoint, body = request_body(rng, load)
+            endpoint, turn = ENDPOINTS[turn % len(ENDPOINTS)], turn + 1
+            body = request_body(rng, load, endpoint)
             stream = Stream(f"p{phase.index}-c{seed}-{len(phase.streams)}", endpoint,
                             time.monotonic())
             phase.streams.append(stream)

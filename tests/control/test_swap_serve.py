@@ -47,9 +47,11 @@ class Clients:
     async def _run(self, seed: int) -> None:
         rng = random.Random(seed)
         headers = {"authorization": f"Bearer {self.key}"}
+        endpoints = self.bench.ENDPOINTS
         async with httpx.AsyncClient(timeout=120, headers=headers) as c:
             while not self.stop.is_set():
-                endpoint, body = self.bench.request_body(rng, self.load)
+                endpoint = endpoints[(seed + len(self.streams)) % len(endpoints)]
+                body = self.bench.request_body(rng, self.load, endpoint)
                 stream = self.bench.Stream(f"swap-c{seed}-{len(self.streams)}", endpoint,
                                            time.monotonic())
                 self.streams.append(stream)

@@ -228,7 +228,7 @@ class StoredResponses:
         """A background response this gateway has begun to run: its lease is renewed
         and its events kept until it ends; then `end_run`."""
         self.running[response_id] = run
-        if self._renewing is None:
+        if self._renewing is None or self._renewing.done():
             self._renewing = asyncio.ensure_future(self._renew())
 
     def end_run(self, response_id: str) -> None:
