@@ -743,10 +743,11 @@ class SQLStore(Store):
             self._add_column(conn, self.tenants, "reserved_usd", "FLOAT NOT NULL DEFAULT 0")
             self._add_column(conn, self.tenants, "deleted_at", "FLOAT")
             if self._add_column(conn, self.usage, "record_id", "VARCHAR(40)"):
-                self._add_unique_index(conn, self.usage, "record_id")
-            for column, ddl in (("owner", "VARCHAR(40)"), ("lease_until", "FLOAT"),
-                                ("cancel_at", "FLOAT")):
-                self._add_column(conn, self.responses, column, ddl)
+                self._add_index(conn, self.usage, "record_id")
+            if self._add_column(conn, self.responses, "owner", "VARCHAR(40)"):
+                self._add_index(conn, self.responses, "owner")  # (each renewal reads it)
+            self._add_column(conn, self.responses, "lease_until", "FLOAT")
+            self._add_column(conn, self.responses, "cancel_at", "FLOAT")
 
     def _add_version_row(self) -> None:
         """The `auth` counter row, once (replicas starting together may race: fine)."""
@@ -767,12 +768,13 @@ class SQLStore(Store):
         conn.execute(sa.text(f"ALTER TABLE {quoted} ADD COLUMN {guard}{column} {ddl}"))
         return True
 
-    def _add_unique_index(self, conn: sa.Connection, table: sa.Table, column: str) -> None:
-        """The unique index `create_all` makes on a new table, on an old one (its rows
+    def _add_index(self, conn: sa.Connection, table: sa.Table, column: str) -> None:
+        """The index `create_all` makes on a new table's `column`, on an old one (its rows
         keep NULL there, which a unique index allows any number of)."""
         quote = self.engine.dialect.identifier_preparer.quote
         index = next(i for i in table.indexes if column in i.columns)
-        conn.execute(sa.text(f"CREATE UNIQUE INDEX IF NOT EXISTS {quote(str(index.name))} "
+        unique = "UNIQUE " if index.unique else ""
+        conn.execute(sa.text(f"CREATE {unique}INDEX IF NOT EXISTS {quote(str(index.name))} "
                              f"ON {quote(table.name)} ({column})"))
 
     def _prepare(self) -> None:
