@@ -791,7 +791,7 @@ class Exchange:
         await self.settle("ok")
         if isinstance(body, dict):
             return await self.reply(self.send, adm, body)
-        await self.reply_stream(self.send, adm, body)  # a running background one's stream
+        await self.reply_stream(self.send, adm, body)  # a background one's stream
 
     async def on_send(self, message: Message) -> None:
         if message["type"] == "http.response.start":

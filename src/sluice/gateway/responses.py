@@ -73,6 +73,8 @@ from sluice.protocol.errors import (
 )
 from sluice.protocol.openai import parse_request, reject_unsupported
 from sluice.protocol.responses import (
+    END_EVENTS,
+    FAILED_EVENT,
     INPUT_TOKENS_PATH,
     PATH,
     UNSUPPORTED,
@@ -80,6 +82,7 @@ from sluice.protocol.responses import (
     error_event,
     new_id,
     response,
+    sse,
 )
 
 # The requests whose `previous_response_id` the gateway expands (the input-token count
@@ -96,8 +99,7 @@ LEASE_S = 15.0  # a run whose replica has not renewed it this long has lost its 
 # (`--background-lease`; renewed every RENEW_S, or a quarter of a shorter lease)
 CANCEL_POLL_S = 0.1  # how often a cancel asked of another replica looks for the end
 FLUSH_S = 0.25  # how often a run's new events go to the store (and a follower reads them)
-_STREAM_ENDS = ("event: response.completed", "event: response.incomplete",
-                "event: response.failed")
+_STREAM_ENDS = tuple(f"event: {kind}" for kind in (*END_EVENTS, FAILED_EVENT))
 
 logger = logging.getLogger(__name__)
 
@@ -155,8 +157,8 @@ class EventLog:
 
 def failed_event(number: int, response: dict[str, Any]) -> bytes:
     """The `response.failed` event a background run's stream ends with when it fails."""
-    event = {"type": "response.failed", "sequence_number": number, "response": response}
-    return f"event: response.failed\ndata: {json.dumps(event)}\n\n".encode()
+    return sse({"type": FAILED_EVENT, "sequence_number": number, "response": response}
+               ).encode()
 
 
 def _sequence_number(event: bytes, default: int) -> int:

@@ -624,6 +624,11 @@ class StreamTranslator:
         return [self._event("response.failed", response=failed)]
 
 
+# the events a whole stream ends with (its status), and the one a broken stream ends with
+END_EVENTS = ("response.completed", "response.incomplete")
+FAILED_EVENT = "response.failed"
+
+
 def sse(event: Event) -> str:
     """One Responses server-sent event (named by its type, as OpenAI sends them)."""
     return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"

@@ -45,6 +45,7 @@ from typing import Any
 from sluice.protocol.edge import error_event
 from sluice.protocol.errors import SluiceError
 from sluice.protocol.prompt import RESUME_HEADER, TOKENIZER_HEADER, ResumeIds
+from sluice.protocol.responses import END_EVENTS, FAILED_EVENT, sse
 from sluice.protocol.responses import error_event as responses_error_event
 from sluice.router.buffer import RequestBuffer
 from sluice.router.config import BASELINE
@@ -85,8 +86,8 @@ ANTHROPIC = Dialect((b"event: message_stop",), b"event: error", b"event: message
                     rewrite=False)
 # (a Responses stream's end carries the whole Response, which only a worker can make:
 # a stream that fails just before it is resumed, as any other)
-RESPONSES_API = Dialect((b"event: response.completed", b"event: response.incomplete"),
-                        b"event: response.failed", None, b"", rewrite=True, opening=2)
+RESPONSES_API = Dialect(tuple(f"event: {kind}".encode() for kind in END_EVENTS),
+                        f"event: {FAILED_EVENT}".encode(), None, b"", rewrite=True, opening=2)
 
 
 def migratable(req: ParsedRequest) -> bool:
@@ -364,7 +365,7 @@ class ResponsesIds:
                     out["id"] = self.items[i]
         if not show_ids:
             data.pop("token_ids", None)
-        return f"event: {data.get('type')}\ndata: {json.dumps(data)}\n\n".encode()
+        return sse(data).encode()
 
     def error(self, exc: SluiceError) -> bytes:
         return responses_error_event(exc, self.next)

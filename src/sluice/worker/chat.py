@@ -165,9 +165,10 @@ def _replay(job: ChatJob, text: str) -> DeltaMessage:
     Responses translators replay it too). A partial character at the end (U+FFFD from
     decoding) comes again with the next token."""
     text = text.rstrip("\ufffd")
-    thought, text = job.split(CompletionOutput(0, text, []))  # (a reasoning parser's state
+    # (through the splitter and the parser, whose states follow the resumed text)
+    thought, text = job.split(CompletionOutput(0, text, []))
     said = DeltaMessage(content=text) if job.tools is None else \
-        job.tools.feed(0, text, finished=False)  # follows)
+        job.tools.feed(0, text, finished=False)
     return DeltaMessage.model_validate({**said.model_dump(exclude_none=True),
                                         "reasoning": thought or None})
 
