@@ -25,7 +25,14 @@ from sluice.gateway.limits import LocalLimiter
 from sluice.gateway.middleware import GatewayMiddleware
 from sluice.gateway.spool import LedgerSpool
 from sluice.gateway.state import GatewayState
-from sluice.gateway.store import SQLStore, StoredResponse, TenantSettings, UsageQuery, UsageRecord
+from sluice.gateway.store import (
+    RunAdmission,
+    SQLStore,
+    StoredResponse,
+    TenantSettings,
+    UsageQuery,
+    UsageRecord,
+)
 from sluice.protocol.errors import ServiceUnavailableError
 
 from .conftest import CHAT, PG_URL, client_for, new_key
@@ -451,22 +458,29 @@ def test_an_old_usage_table_gains_record_id_and_its_unique_index(database: Any) 
 
 def test_an_old_responses_table_gains_the_background_runs_columns(database: Any) -> None:
     """A responses table from before background runs had replicas (no owner, lease or
-    cancel ask) gains them, and the owner's index, which each renewal reads."""
+    cancel ask, nor what a lapsed run's ledger row needs) gains them, and the owner's
+    index, which each renewal reads."""
     url, prefix = database
     store = SQLStore(url, prefix)
     t = store.create_tenant("acme", TenantSettings())
     with store.engine.begin() as conn:  # back to the table as it was before
         conn.execute(sa.text(f"DROP INDEX ix_{prefix}responses_owner"))
-        for column in ("owner", "lease_until", "cancel_at"):
+        for column in ("owner", "lease_until", "cancel_at", "request_id", "prompt_tokens",
+                       "reservation_id"):
             conn.execute(sa.text(f"ALTER TABLE {prefix}responses DROP COLUMN {column}"))
     store.close()
     store = SQLStore(url, prefix)
     try:
+        admission = RunAdmission("req-1", 12, "rsv_1")
         store.save_response(StoredResponse("resp_1", t.id, "k", None, [],
                                            {"status": "in_progress"}, owner="gw",
-                                           lease_until=time.time() + 60))
+                                           lease_until=time.time() + 60, admission=admission))
         assert store.ask_cancel("resp_1", t.id)
         assert store.renew_runs("gw", time.time() + 60) == ["resp_1"]
+        kept = store.get_response("resp_1", t.id)
+        assert kept is not None and kept.admission == admission
+        [lapsed] = store.lapsed_runs(time.time() + 120, 10, "gw-other")
+        assert lapsed.admission == admission
         indexes = sa.inspect(store.engine).get_indexes(f"{prefix}responses")
         assert [i["column_names"] for i in indexes
                 if i["name"] == f"ix_{prefix}responses_owner"] == [["owner"]]

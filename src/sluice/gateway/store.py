@@ -192,13 +192,25 @@ class StoredConversation:
 
 
 @dataclass(frozen=True)
+class RunAdmission:
+    """What admission decided for a background response that its ledger row needs: kept
+    with the run while it runs, so that whoever ends it once its replica is gone writes
+    the row that replica would have (gateway/responses.py `StoredResponses.end_lapsed`)."""
+
+    request_id: str
+    prompt_tokens: int  # as counted at admission
+    reservation: str | None = None  # its budget reservation, given back with the row
+
+
+@dataclass(frozen=True)
 class StoredResponse:
     """A Responses API response kept for its tenant (`store`, the default: gateway/
     responses.py): the Response object as the client got it, the input items of its own
     request (ids given), and the response it continued (`previous_response_id`), so a
     conversation is its chain. Found until `expires_at` (None: kept until deleted).
     A background response still running names the gateway replica that runs it
-    (`owner`), which renews `lease_until` while it lives."""
+    (`owner`), which renews `lease_until` while it lives, and what its ledger row needs
+    (`admission`; None on rows kept by an older sluice)."""
 
     id: str
     tenant_id: str
@@ -210,6 +222,7 @@ class StoredResponse:
     expires_at: float | None = None
     owner: str | None = None
     lease_until: float | None = None
+    admission: RunAdmission | None = None
 
 
 @dataclass(frozen=True)
@@ -414,6 +427,12 @@ class Store(ABC):
         the ids of those another replica asked to cancel (`ask_cancel`)."""
 
     @abstractmethod
+    def lapsed_runs(self, now: float, limit: int, but: str) -> list[StoredResponse]:
+        """Up to `limit` running background responses whose lease ended before `now`
+        (their replica is gone), of any tenant, oldest lease first; none that replica
+        `but` runs (the caller's own)."""
+
+    @abstractmethod
     def ask_cancel(self, response_id: str, tenant_id: str) -> bool:
         """Ask the replica that runs the tenant's background response to cancel it (its
         next `renew_runs` says so); False if no replica runs it."""
@@ -557,6 +576,10 @@ def _tables(prefix: str) -> tuple[sa.MetaData, sa.Table, sa.Table, sa.Table, sa.
         sa.Column("owner", sa.String(40), nullable=True, index=True),
         sa.Column("lease_until", sa.Float, nullable=True),
         sa.Column("cancel_at", sa.Float, nullable=True),
+        # and what its ledger row needs if that replica dies (RunAdmission)
+        sa.Column("request_id", sa.String(64), nullable=True),
+        sa.Column("prompt_tokens", sa.Integer, nullable=True),
+        sa.Column("reservation_id", sa.String(40), nullable=True),
     )
     events = sa.Table(  # a background response's stream, for any replica to follow
         f"{prefix}response_events", md,
@@ -651,6 +674,24 @@ def _rows_insert(engine: sa.Engine, usage: sa.Table
         return tuple(itertools.chain.from_iterable(map(fields_of, records)))
 
     return statement_for, values
+
+
+def _admission_row(admission: RunAdmission | None) -> dict[str, Any]:
+    """A `RunAdmission` as the responses table's columns (all None without one)."""
+    if admission is None:
+        return {"request_id": None, "prompt_tokens": None, "reservation_id": None}
+    return {"request_id": admission.request_id[:64],  # (as the ledger cuts it: `_fit`)
+            "prompt_tokens": admission.prompt_tokens, "reservation_id": admission.reservation}
+
+
+def _stored_response(row: Any) -> StoredResponse:
+    """A row of the responses table as the `StoredResponse` it keeps."""
+    admission = None if row.request_id is None else RunAdmission(
+        row.request_id, int(row.prompt_tokens or 0), row.reservation_id)
+    return StoredResponse(row.id, row.tenant_id, row.key_id, row.previous_id,
+                          json.loads(row.input_items), json.loads(row.response),
+                          row.created_at, row.expires_at, row.owner, row.lease_until,
+                          admission)
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
@@ -748,6 +789,9 @@ class SQLStore(Store):
                 self._add_index(conn, self.responses, "owner")  # (each renewal reads it)
             self._add_column(conn, self.responses, "lease_until", "FLOAT")
             self._add_column(conn, self.responses, "cancel_at", "FLOAT")
+            self._add_column(conn, self.responses, "request_id", "VARCHAR(64)")
+            self._add_column(conn, self.responses, "prompt_tokens", "INTEGER")
+            self._add_column(conn, self.responses, "reservation_id", "VARCHAR(40)")
 
     def _add_version_row(self) -> None:
         """The `auth` counter row, once (replicas starting together may race: fine)."""
@@ -1284,7 +1328,7 @@ class SQLStore(Store):
                "previous_id": stored.previous_id, "input_items": json.dumps(stored.input_items),
                "response": json.dumps(stored.response), "created_at": stored.created_at,
                "expires_at": stored.expires_at, "owner": stored.owner,
-               "lease_until": stored.lease_until}
+               "lease_until": stored.lease_until, **_admission_row(stored.admission)}
         e = self.stream_events
         with self.engine.begin() as conn:
             conn.execute(r.delete().where(sa.or_(r.c.id == stored.id, r.c.expires_at < now)))
@@ -1296,11 +1340,7 @@ class SQLStore(Store):
         with self.engine.connect() as conn:
             row = conn.execute(r.select().where(*self._response_is(response_id, tenant_id))
                                ).first()
-        if row is None:
-            return None
-        return StoredResponse(row.id, row.tenant_id, row.key_id, row.previous_id,
-                              json.loads(row.input_items), json.loads(row.response),
-                              row.created_at, row.expires_at, row.owner, row.lease_until)
+        return None if row is None else _stored_response(row)
 
     def delete_response(self, response_id: str, tenant_id: str) -> bool:
         e = self.stream_events
@@ -1344,6 +1384,15 @@ class SQLStore(Store):
             rows = conn.execute(sa.select(r.c.id).where(r.c.owner == owner,
                                                         r.c.cancel_at.is_not(None)))
             return [row.id for row in rows]
+
+    def lapsed_runs(self, now: float, limit: int, but: str) -> list[StoredResponse]:
+        r = self.responses  # (`owner` is indexed, and set only on running rows)
+        with self.engine.connect() as conn:
+            rows = conn.execute(r.select().where(
+                r.c.owner.is_not(None), r.c.owner != but, r.c.lease_until < now,
+                sa.or_(r.c.expires_at.is_(None), r.c.expires_at >= now),
+            ).order_by(r.c.lease_until).limit(limit))
+            return [_stored_response(row) for row in rows]
 
     def ask_cancel(self, response_id: str, tenant_id: str) -> bool:
         r = self.responses
