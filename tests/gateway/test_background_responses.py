@@ -1,7 +1,8 @@
 """The Responses API's `background` mode, run by the gateway in front of a real sluice
 worker (tiny random Llama): answered `queued` at once, polled to its end, cancelled,
 refused where it cannot be kept, and failed when the gateway stops (gateway/responses.py,
-`Exchange.run_in_background`)."""
+`Exchange.run_in_background`); runs whose replica is gone, ended by a read or by
+another replica's sweep, with their ledger row (once, whoever writes it first)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ import openai
 import pytest
 
 from sluice.gateway.middleware import GatewayMiddleware
-from sluice.gateway.store import SQLStore, StoredResponse, UsageQuery
+from sluice.gateway.pricing import Price, PriceTable
+from sluice.gateway.state import GatewayState
+from sluice.gateway.store import RunAdmission, SQLStore, StoredResponse, UsageQuery, UsageRecord
 from sluice.gateway.tokens import PromptTokenCounter
+from sluice.protocol.responses import sse
 
 from .conftest import PG_URL, client_for, make_state, new_key
 
@@ -57,6 +61,11 @@ async def test_a_background_response_is_queued_then_polled_to_its_end(
             foreground["output"][0]["content"][0]["text"]
         assert [done["usage"][k] for k in ("input_tokens", "output_tokens")] == \
             [foreground["usage"][k] for k in ("input_tokens", "output_tokens")]
+        await gw.state.flush()
+        records = [x for x in sqlite_store.query_usage(UsageQuery())
+                   if x.endpoint == "/v1/responses"]
+        assert len(records) == 2 and records[1].record_id == queued["id"]  # (Turn.record_id)
+        assert records[0].record_id != foreground["id"]
         # cancelling one that has ended answers it as it is
         r = await c.post(f"/v1/responses/{queued['id']}/cancel")
         assert r.status_code == 200 and r.json()["status"] == "incomplete"
@@ -169,6 +178,35 @@ def test_the_store_keeps_a_runs_replica_and_lease(any_store: SQLStore) -> None:
     assert any_store.renew_runs("gw-a", now + 40) == []
 
 
+def test_the_store_finds_the_runs_whose_lease_has_lapsed(any_store: SQLStore) -> None:
+    """`lapsed_runs`: running responses of any tenant whose lease ended, oldest lease
+    first, up to a limit; not the caller's own, not one renewed, ended or expired; each
+    with what its ledger row needs (`admission`)."""
+    new_key(any_store, "acme")
+    new_key(any_store, "umbrella")
+    now = time.time()
+
+    def run(response_id: str, tenant: str, lease_until: float, owner: str | None = "gw-a",
+            expires_at: float = now + 60) -> StoredResponse:
+        stored = StoredResponse(response_id, any_store.get_tenant(tenant).id, "k", None, [],
+                                {"status": "in_progress"}, created_at=now,
+                                expires_at=expires_at, owner=owner, lease_until=lease_until,
+                                admission=RunAdmission("req-" + response_id, 7, "rsv_1"))
+        any_store.save_response(stored)
+        return stored
+
+    older = run("resp_older", "umbrella", now - 10)
+    old = run("resp_old", "acme", now - 5)
+    run("resp_renewed", "acme", now + 10)
+    run("resp_mine", "acme", now - 20, owner="gw-me")
+    run("resp_expired", "acme", now - 20, expires_at=now - 1)
+    ended = run("resp_ended", "acme", now - 20)
+    assert any_store.end_orphan(ended, {"status": "failed"})
+    assert any_store.lapsed_runs(now, 10, "gw-me") == [older, old]
+    assert any_store.lapsed_runs(now, 1, "gw-me") == [older]
+    assert any_store.lapsed_runs(now - 30, 10, "gw-me") == []
+
+
 def test_the_store_keeps_a_runs_events_until_its_response_goes(any_store: SQLStore) -> None:
     """Events of several runs in one write; one written again is skipped; expired ones
     are purged as a response is saved."""
@@ -229,6 +267,7 @@ async def test_a_background_response_is_cancelled_through_another_replica(
     [record] = [x for x in any_store.query_usage(UsageQuery())
                 if x.endpoint == "/v1/responses"]
     assert record.status == "aborted" and 0 < record.completion_tokens < 900
+    assert record.record_id == queued["id"]  # (a row written for it elsewhere is this one)
 
 
 async def test_a_background_responses_stream_is_followed_through_another_replica(
@@ -258,39 +297,69 @@ async def test_a_background_responses_stream_is_followed_through_another_replica
     assert any_store.response_events(run_id, -1, 10) == []
 
 
+def leave_run(store: SQLStore, response_id: str, lease_until: float, *,
+              status: str = "in_progress", owner: str = "gw-killed",
+              deltas: tuple[str, ...] = (), admission: RunAdmission | None = None) -> None:
+    """A running background response as a killed replica leaves it in the store: named
+    its replica's (`owner`), its lease until `lease_until`, its stream kept as far as
+    `response.created` and the text `deltas`."""
+    now, tenant = time.time(), store.get_tenant("acme").id
+    response = {"id": response_id, "object": "response", "status": status,
+                "background": True, "model": "tiny", "usage": None}
+    store.save_response(StoredResponse(
+        response_id, tenant, "k", None, [], response, created_at=now, expires_at=now + 60,
+        owner=owner, lease_until=lease_until,
+        admission=admission or RunAdmission(f"req-{response_id}", 12)))
+    events: list[dict[str, Any]] = [
+        {"type": "response.created", "response": response},
+        *({"type": "response.output_text.delta", "delta": d} for d in deltas)]
+    store.add_response_events([(response_id, n, sse({**e, "sequence_number": n}))
+                               for n, e in enumerate(events)], now + 60)
+
+
+def words(model: str | None, body: dict[str, Any]) -> int:
+    """A tokenizer of whole words: a count these tests can read off the text."""
+    return len(str(body.get("prompt", "")).split())
+
+
+def rows_of(store: SQLStore, response_id: str) -> list[UsageRecord]:
+    return [x for x in store.query_usage(UsageQuery()) if x.record_id == response_id]
+
+
 async def test_a_background_response_whose_replica_is_gone_is_ended_by_the_next_read(
         engine: Any, counter: PromptTokenCounter, sqlite_store: SQLStore) -> None:
     """Runs as a killed replica leaves them (running, their lease lapsed): the next GET
-    ends one `failed`, saying why, and a cancel ends another `cancelled`; one whose
-    lease is still renewed stays as it is. (tests/reliability kills a real replica.)"""
+    ends one `failed`, saying why, and a cancel ends another `cancelled`, each with the
+    ledger row its replica did not write; one whose lease is still renewed stays as it
+    is. (tests/reliability kills a real replica.)"""
     gw = gateway(engine, sqlite_store, counter)
     key = new_key(sqlite_store)
     tenant, now = sqlite_store.get_tenant("acme").id, time.time()
-
-    def left(response_id: str, status: str, lease_until: float) -> None:
-        sqlite_store.save_response(StoredResponse(
-            response_id, tenant, "k", None, [], {"id": response_id, "object": "response",
-                                                 "status": status, "background": True},
-            created_at=now, expires_at=now + 60, owner="gw-killed", lease_until=lease_until))
-
-    left("resp_lapsed", "in_progress", now - 1)
-    left("resp_queued", "queued", now - 1)
-    left("resp_renewed", "in_progress", now + 60)
+    leave_run(sqlite_store, "resp_lapsed", now - 1)
+    leave_run(sqlite_store, "resp_queued", now - 1, status="queued")
+    leave_run(sqlite_store, "resp_renewed", now + 60)
     async with client_for(gw, key) as c:
         failed = (await c.get("/v1/responses/resp_lapsed")).json()
         assert failed["status"] == "failed", failed
         assert "stopped before it ended" in failed["error"]["message"]
         assert (await c.get("/v1/responses/resp_lapsed")).json() == failed  # kept
         r = await c.get("/v1/responses/resp_lapsed", params={"stream": "true"})
-        assert r.status_code == 200  # its kept stream (none here) ends saying so
-        assert events_of(r.text) == [{"type": "response.failed", "sequence_number": 0,
-                                      "response": failed}]
+        assert r.status_code == 200  # its kept stream ends saying so
+        assert events_of(r.text)[1:] == [{"type": "response.failed", "sequence_number": 1,
+                                          "response": failed}]
         r = await c.post("/v1/responses/resp_queued/cancel")
         assert r.status_code == 200 and r.json()["status"] == "cancelled", r.text
         assert r.json()["error"] is None
         assert (await c.get("/v1/responses/resp_renewed")).json()["status"] == "in_progress"
     assert "sluice_gateway_background_responses_lost_total 2.0" in \
         gw.state.metrics.render().decode()
+    [lapsed] = rows_of(sqlite_store, "resp_lapsed")
+    [cancelled] = rows_of(sqlite_store, "resp_queued")
+    assert (lapsed.status, lapsed.http_status, cancelled.status, cancelled.http_status) \
+        == ("error", 200, "aborted", 499)
+    assert (lapsed.request_id, lapsed.endpoint, lapsed.model, lapsed.prompt_tokens,
+            lapsed.completion_tokens) == ("req-resp_lapsed", "/v1/responses", "tiny", 12, 0)
+    assert rows_of(sqlite_store, "resp_renewed") == []
 
     def down(*_: Any) -> list[tuple[int, str]]:
         raise ConnectionError("the database is down")
@@ -304,6 +373,106 @@ async def test_a_background_response_whose_replica_is_gone_is_ended_by_the_next_
                      "sequence_number": 0}
     stored = sqlite_store.get_response("resp_lapsed", tenant)
     assert stored is not None and stored.owner is None
+
+
+async def until(condition: Any, what: str) -> None:
+    for _ in range(200):  # bounded: 10 s
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"not {what} in 10 s")
+
+
+async def sweeper(store: SQLStore, lease_s: float = 0.4) -> GatewayState:
+    """A started gateway (no request reaches it) sweeping every `lease_s`, its prices
+    $1 a million tokens in and $2 out, its tokenizer `words`."""
+    from .conftest import make_state
+
+    prices = PriceTable(default=Price(input_per_million=1.0, output_per_million=2.0))
+    state = make_state(store, prices=prices, count=words)
+    state.responses.lease_s, state.responses.renew_s = lease_s, lease_s / 4
+    state.start()
+    return state
+
+
+async def test_a_run_nobody_reads_is_ended_by_another_replicas_sweep(
+        any_store: SQLStore) -> None:
+    """A run whose replica is gone and which nobody reads is ended `failed` by another
+    replica's sweep (every lease) once its lease lapses: its kept stream ends with
+    `response.failed`, and its ledger row is written as its replica would have (the
+    request's id, its prompt as counted at admission, its kept output counted with the
+    gateway's tokenizer, priced, its budget reservation given back in the same
+    commit). A run whose lease is still renewed, and the sweeping replica's own, stay."""
+    new_key(any_store)
+    tenant = any_store.get_tenant("acme").id
+    [reservation] = any_store.reserve_spend_many([(tenant, 0.5, 10.0)], 3600)
+    state = await sweeper(any_store)
+    try:
+        now = time.time()  # (lapses after the first sweep, at start: a later one ends it)
+        leave_run(any_store, "resp_gone", now + 0.3, deltas=("One, two,", " three four"),
+                  admission=RunAdmission("req-7", 12, reservation))
+        leave_run(any_store, "resp_renewed", now + 60)
+        leave_run(any_store, "resp_own", now - 1, owner=state.responses.replica)
+        await until(lambda: rows_of(any_store, "resp_gone"), "swept")
+        stored = any_store.get_response("resp_gone", tenant)
+        assert stored is not None and stored.owner is None
+        assert stored.response["status"] == "failed"
+        assert "stopped before it ended" in stored.response["error"]["message"]
+        [(number, last)] = any_store.response_events("resp_gone", 2, 10)
+        assert number == 3 and json.loads(last.split("data: ")[1])["type"] == "response.failed"
+        [row] = rows_of(any_store, "resp_gone")
+        assert (row.request_id, row.tenant_id, row.key_id, row.endpoint, row.model) == \
+            ("req-7", tenant, "k", "/v1/responses", "tiny")
+        assert (row.status, row.http_status, row.prompt_tokens, row.completion_tokens) == \
+            ("error", 200, 12, 4)
+        assert row.cost_usd == pytest.approx((12 * 1.0 + 4 * 2.0) / 1e6)
+        after = any_store.get_tenant(tenant)
+        assert after.spend_usd == pytest.approx(row.cost_usd) and after.reserved_usd == 0
+        for other in ("resp_renewed", "resp_own"):
+            kept = any_store.get_response(other, tenant)
+            assert kept is not None and kept.response["status"] == "in_progress"
+        assert "sluice_gateway_background_responses_lost_total 1.0" in \
+            state.metrics.render().decode()
+    finally:
+        await state.responses.stop()
+
+
+async def test_a_lapsed_runs_row_lands_once_whoever_writes_it_first(
+        any_store: SQLStore) -> None:
+    """The race of a replica that wrote its run's ledger row, but not yet its end, as
+    its lease lapsed: the sweep that ends the run writes its row under the same record
+    id (the response's), and the ledger keeps the first, the owner's; an owner's row
+    that comes after the sweep's (its spool, at its next start) is dropped the same
+    way. Either way one row, whose cost the tenant's spend counts once."""
+    new_key(any_store)
+    tenant = any_store.get_tenant("acme").id
+
+    def owners_row(response_id: str) -> UsageRecord:
+        return UsageRecord(request_id=f"req-{response_id}", tenant_id=tenant, key_id="k",
+                           endpoint="/v1/responses", model="tiny", status="ok",
+                           http_status=200, prompt_tokens=12, completion_tokens=30,
+                           cost_usd=0.25, record_id=response_id)
+
+    now = time.time()
+    leave_run(any_store, "resp_written", now - 1, deltas=("a b",))
+    any_store.record_usage_many([owners_row("resp_written")])  # then its replica died
+    leave_run(any_store, "resp_late", now - 1, deltas=("a b",))
+    state = await sweeper(any_store)
+    try:
+        await until(lambda: all(rows_of(any_store, r) and any_store.get_response(r, tenant)
+                                .response["status"] == "failed"  # type: ignore[union-attr]
+                                for r in ("resp_written", "resp_late")), "swept")
+        any_store.record_usage_many([owners_row("resp_late")])  # after the sweep's
+        [written] = rows_of(any_store, "resp_written")
+        [late] = rows_of(any_store, "resp_late")
+        assert (written.status, written.completion_tokens) == ("ok", 30)  # the owner's
+        assert (late.status, late.completion_tokens) == ("error", 2)  # the sweep's
+        assert any_store.get_tenant(tenant).spend_usd == \
+            pytest.approx(0.25 + late.cost_usd)
+        assert "sluice_gateway_background_responses_lost_total 2.0" in \
+            state.metrics.render().decode()
+    finally:
+        await state.responses.stop()
 
 
 def events_of(text: str) -> list[dict[str, Any]]:

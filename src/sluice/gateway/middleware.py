@@ -66,7 +66,7 @@ from sluice.gateway.pricing import Price
 from sluice.gateway.responses import ENDPOINTS as CONVERSATION_ENDPOINTS
 from sluice.gateway.responses import EventLog, Run, Turn, failed_event
 from sluice.gateway.state import GatewayState
-from sluice.gateway.store import Principal, UsageRecord
+from sluice.gateway.store import Principal, RunAdmission, UsageRecord, new_record_id
 from sluice.gateway.tokens import estimate_view
 from sluice.protocol.edge import (
     ANTHROPIC_PATHS,
@@ -637,6 +637,7 @@ class Exchange:
         turn, responses = adm.turn, self.state.responses
         assert turn is not None and turn.background_id is not None and adm.payload is not None
         tenant = adm.principal.tenant.id
+        turn.admission = RunAdmission(adm.request_id, adm.prompt_tokens, adm.reservation)
         try:
             self.queued = await responses.queue(turn, adm.payload, adm.model, tenant,
                                                 adm.principal.key.id)
@@ -942,6 +943,8 @@ class Exchange:
         assert adm is not None
         request_body, response_body = self.bodies(adm)
         model = self.meter.served_model or adm.model  # an adapter, a cascade's choice
+        turn = adm.turn  # a background run's row has its response's id (`Turn.record_id`)
+        record_id = turn.record_id if turn is not None and turn.record_id else new_record_id()
         return UsageRecord(
             request_id=adm.request_id, tenant_id=adm.principal.tenant.id,
             key_id=adm.principal.key.id, endpoint=self.endpoint, model=model,
@@ -949,7 +952,8 @@ class Exchange:
             completion_tokens=completion,
             cost_usd=self.state.prices.cost(model, prompt, completion),
             latency_ms=(time.perf_counter() - self.started) * 1000,
-            request_body=request_body, response_body=response_body)
+            request_body=request_body, response_body=response_body,
+            record_id=record_id)
 
     async def final_tokens(self, status: str) -> tuple[int, int]:
         adm, m = self.adm, self.meter

@@ -34,8 +34,12 @@ answer any turn of a conversation:
                  any replica can follow it, while it runs and after. A cancel on another
                  replica asks the owner through the store (it cancels at its next
                  renewal) and waits for the end. A response whose lease has lapsed
-                 (`LEASE_S`: its replica was killed) is ended by whoever reads it next:
-                 `failed` (`cancelled` when that read is a cancel).
+                 (`LEASE_S`: its replica was killed) is ended by whoever reads it next,
+                 `failed` (`cancelled` when that read is a cancel), or else by another
+                 replica's sweep (every lease, `sweep`), `failed`; whoever ends it writes
+                 the ledger row its replica would have (`RunLedger`), under the run's
+                 record id (its response's id), so that that row and the replica's own,
+                 if it wrote one, land once.
 
 `conversation` (OpenAI's Conversations API, gateway/conversations.py) is the other way
 to carry state: the conversation's items go before the input, and the turn's input and
@@ -57,13 +61,17 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.gateway.conversations import Conversations, conversation_id_of, conversation_route
 from sluice.gateway.items import db_call, input_items, only_params, page, query_params
-from sluice.gateway.store import Store, StoredResponse
+from sluice.gateway.ledger import LedgerWriter
+from sluice.gateway.meter import ResponseMeter
+from sluice.gateway.pricing import PriceTable
+from sluice.gateway.store import RunAdmission, Store, StoredResponse, UsageRecord
+from sluice.gateway.tokens import CountPromptTokens
 from sluice.protocol.errors import (
     InvalidRequestError,
     MethodNotAllowedError,
@@ -97,6 +105,7 @@ MAX_CHAIN = 10_000  # responses in one conversation
 RENEW_S = 1.0  # how often a replica renews its runs' lease and looks for cancels asked
 LEASE_S = 15.0  # a run whose replica has not renewed it this long has lost its replica
 # (`--background-lease`; renewed every RENEW_S, or a quarter of a shorter lease)
+SWEEP_LIMIT = 20  # lapsed runs of other replicas one sweep ends (a sweep every lease)
 CANCEL_POLL_S = 0.1  # how often a cancel asked of another replica looks for the end
 FLUSH_S = 0.25  # how often a run's new events go to the store (and a follower reads them)
 _STREAM_ENDS = tuple(f"event: {kind}" for kind in (*END_EVENTS, FAILED_EVENT))
@@ -180,6 +189,17 @@ class Run:
     log: EventLog
 
 
+@dataclass(frozen=True)
+class RunLedger:
+    """How a gateway writes the ledger row of a run it ends for a replica that is gone
+    (`StoredResponses.end_lapsed`): through its ledger writer, priced with its prices,
+    the output counted with its tokenizer."""
+
+    writer: LedgerWriter
+    prices: PriceTable
+    count_tokens: CountPromptTokens
+
+
 @dataclass
 class Turn:
     """What admission decided for one Responses request."""
@@ -190,6 +210,14 @@ class Turn:
     conversation_id: str | None = None  # its items go on in this conversation
     background_id: str | None = None  # `background`: the gateway runs it under this id
     streamed: bool = False  # a background one's client asked for its stream
+    admission: RunAdmission | None = None  # a background one's, kept while it runs
+
+    @property
+    def record_id(self) -> str | None:
+        """The ledger's record id for a background run's row: its response's id, so that
+        the row its replica writes and the one written for it once that replica is gone
+        are one row (the ledger keeps the first); None for any other request."""
+        return self.background_id
 
     @property
     def patch(self) -> dict[str, Any]:
@@ -212,55 +240,101 @@ def output_items(response: Mapping[str, Any]) -> list[dict[str, Any]]:
 class StoredResponses:
     """The gateway's side of `store` (module docstring), on its `Store`."""
 
-    def __init__(self, store: Store, retention_s: float, lease_s: float = LEASE_S,
-                 on_lost: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, store: Store, retention_s: float, ledger: RunLedger,
+                 lease_s: float = LEASE_S, on_lost: Callable[[], None] = lambda: None) -> None:
         self.store = store
         self.retention_s = retention_s
+        self.ledger = ledger
         self.conversations = Conversations(store)
         self.running: dict[str, Run] = {}  # background responses this gateway runs
         self.stopping = False
+        self.sweeping = False  # `start`ed: other replicas' lapsed runs are swept for good
         self.replica = uuid.uuid4().hex[:16]  # this gateway, as the `owner` of its runs
         self.lease_s = lease_s
         self.renew_s = min(RENEW_S, lease_s / 4)
         self.on_lost = on_lost  # a run whose replica is gone was ended here (a metric)
         self._renewing: asyncio.Task[None] | None = None
-        self._last_events: set[asyncio.Future[None]] = set()
+        self._sweep: asyncio.Future[int] | None = None
+        self._finishing: set[asyncio.Future[Any]] = set()  # writes `stop` waits for
+
+    def start(self) -> None:
+        """At the gateway's start, on its loop: from now until `stop`, other replicas'
+        lapsed runs are ended every lease (`sweep`), whether this gateway runs any or
+        not."""
+        self.sweeping = True
+        self._tend()
 
     def add_run(self, response_id: str, run: Run) -> None:
         """A background response this gateway has begun to run: its lease is renewed
         and its events kept until it ends; then `end_run`."""
         self.running[response_id] = run
-        if self._renewing is None or self._renewing.done():
-            self._renewing = asyncio.ensure_future(self._renew())
+        self._tend()
 
     def end_run(self, response_id: str) -> None:
         """A run has ended: it leaves `running`, and the store gets its last events."""
         run = self.running.pop(response_id, None)
         if run is not None:
-            task = asyncio.ensure_future(self.keep_events([(response_id, run.log)]))
-            self._last_events.add(task)
-            task.add_done_callback(self._last_events.discard)
+            self._finish(self.keep_events([(response_id, run.log)]))
+
+    def _tend(self) -> None:
+        """Make sure `_renew` runs (it ends once there is nothing left for it to do)."""
+        if self._renewing is None or self._renewing.done():
+            self._renewing = asyncio.ensure_future(self._renew())
+
+    def _finish(self, work: Coroutine[Any, Any, Any]) -> asyncio.Future[Any]:
+        """`work` as a task of its own that `stop` waits for: a write that must land even
+        if the caller that began it is cancelled."""
+        task = asyncio.ensure_future(work)
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+        return task
 
     async def _renew(self) -> None:
-        """While this gateway runs background responses: keep their new events, renew
-        their lease, and cancel those another replica was asked to cancel."""
-        renewed = time.monotonic()
-        while self.running:
+        """While this gateway runs background responses: keep their new events and renew
+        their lease (`_renew_leases`); while it runs any, or once `start`ed: every lease,
+        end other replicas' lapsed runs (`sweep`, a task of its own: a slow one does not
+        hold this gateway's renewals back)."""
+        renewed, swept = time.monotonic(), float("-inf")  # (the first tick sweeps)
+        while self.running or self.sweeping:
             await asyncio.sleep(min(FLUSH_S, self.renew_s))
             await self.keep_events([(rid, run.log) for rid, run in self.running.items()])
-            if time.monotonic() - renewed < self.renew_s:
-                continue
-            renewed = time.monotonic()
-            try:
-                asked = await db_call(self.store.renew_runs, self.replica,
-                                      time.time() + self.lease_s)
-            except SluiceError as exc:  # (the runs go on; another try next time)
-                logger.warning("could not renew the background responses' lease: %s", exc)
-                continue
-            for response_id in asked:
-                if (run := self.running.get(response_id)) is not None:
-                    run.task.cancel()
+            if self.running and time.monotonic() - renewed >= self.renew_s:
+                renewed = time.monotonic()
+                await self._renew_leases()
+            if time.monotonic() - swept >= self.lease_s and (
+                    self._sweep is None or self._sweep.done()):
+                swept = time.monotonic()
+                self._sweep = asyncio.ensure_future(self.sweep())
         self._renewing = None
+
+    async def _renew_leases(self) -> None:
+        """Renew the lease of this gateway's runs, and cancel those another replica was
+        asked to cancel; a database error is logged (the runs go on; another try next
+        time)."""
+        try:
+            asked = await db_call(self.store.renew_runs, self.replica,
+                                  time.time() + self.lease_s)
+        except SluiceError as exc:
+            logger.warning("could not renew the background responses' lease: %s", exc)
+            return
+        for response_id in asked:
+            if (run := self.running.get(response_id)) is not None:
+                run.task.cancel()
+
+    async def sweep(self) -> int:
+        """End up to SWEEP_LIMIT of other replicas' runs whose lease has lapsed (their
+        replica is gone), as a read of one ends it (`end_lapsed`: `failed`); how many
+        this call ended. A database error is logged: the next sweep tries again."""
+        ended = 0
+        try:
+            lapsed = await db_call(self.store.lapsed_runs, time.time(), SWEEP_LIMIT,
+                                   self.replica)
+            for stored in lapsed:
+                ended += await self.end_lapsed(stored, "failed")
+        except SluiceError as exc:
+            logger.warning("could not end the background responses of gone replicas: %s",
+                           exc)
+        return ended
 
     async def keep_events(self, logs: list[tuple[str, EventLog]]) -> None:
         """Put the events of runs' streams that the store lacks in it, in one transaction
@@ -285,15 +359,18 @@ class StoredResponses:
             log.kept = max(log.kept, count)
 
     async def stop(self) -> None:
-        """At shutdown: cancel the background runs; each is kept `failed`, saying so."""
-        self.stopping = True
+        """At shutdown: stop sweeping, cancel the background runs (each is kept `failed`,
+        saying so), and wait for their last events and the lapsed runs being ended."""
+        self.stopping, self.sweeping = True, False
         if self._renewing is not None:
             self._renewing.cancel()
+        if self._sweep is not None:
+            self._sweep.cancel()
         tasks = [run.task for run in self.running.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.gather(*self._last_events, return_exceptions=True)
+        await asyncio.gather(*self._finishing, return_exceptions=True)
 
     @property
     def enabled(self) -> bool:
@@ -323,7 +400,8 @@ class StoredResponses:
             response["id"], tenant_id, key_id, turn.previous_id, turn.input_items, response,
             created_at=at, expires_at=at + self.retention_s,
             owner=self.replica if running else None,
-            lease_until=time.time() + self.lease_s if running else None))
+            lease_until=time.time() + self.lease_s if running else None,
+            admission=turn.admission if running else None))
 
     def route(self, path: str) -> str | None:
         """The route template of a path the gateway answers from its store (what the
@@ -553,22 +631,79 @@ class StoredResponses:
             if stored.response.get("status") not in RUNNING or \
                     (stored.lease_until or 0.0) >= time.time():
                 return stored
-            ended = {**stored.response, "status": lapsed, "error": None if
-                     lapsed == "cancelled" else {
-                         "code": "server_error", "message": "the gateway replica that ran "
-                         "this background response stopped before it ended"}}
-            if await db_call(self.store.end_orphan, stored, ended):
-                logger.warning("background response %s lost its gateway replica (%s): "
-                               "kept %s", response_id, stored.owner, lapsed)
-                self.on_lost()
-                if lapsed == "failed":  # its kept stream ends as its replica would end it
-                    number = await db_call(self.store.last_response_event, response_id) + 1
-                    await db_call(self.store.add_response_events, [
-                        (response_id, number, failed_event(number, ended).decode())],
-                        stored.expires_at)
-            # (else its replica renewed or ended it meanwhile: read it again)
+            await self.end_lapsed(stored, lapsed)  # (or another did: read it again)
         raise ServiceUnavailableError(f"response {response_id!r} changed as it was read; "
                                       "retry", code="response_store_unavailable")
+
+    async def end_lapsed(self, stored: StoredResponse, lapsed: str) -> bool:
+        """End a running response whose lease has lapsed (its replica is gone), as it was
+        read (`stored`): kept `lapsed` (`failed`, saying why; or `cancelled`), counted
+        (`on_lost`), its ledger row written for its replica (`lapsed_record`) and its
+        kept stream ended with `response.failed`; False (nothing done) if its replica
+        renewed or ended it, or another gateway ended it, meanwhile (the store's
+        compare-and-set). Runs to its end even if the caller is cancelled."""
+        return bool(await asyncio.shield(self._finish(self._end_lapsed(stored, lapsed))))
+
+    async def _end_lapsed(self, stored: StoredResponse, lapsed: str) -> bool:
+        ended = {**stored.response, "status": lapsed, "error": None if
+                 lapsed == "cancelled" else {
+                     "code": "server_error", "message": "the gateway replica that ran "
+                     "this background response stopped before it ended"}}
+        if not await db_call(self.store.end_orphan, stored, ended):
+            return False
+        logger.warning("background response %s lost its gateway replica (%s): kept %s",
+                       stored.id, stored.owner, lapsed)
+        self.on_lost()
+        if stored.admission is not None:  # (none kept by an older sluice: no row here,
+            # since its replica's own row had a record id of its own)
+            await self.ledger.writer.write(await self.lapsed_record(stored, lapsed),
+                                           stored.admission.reservation)
+        if lapsed == "failed":  # its kept stream ends as its replica would end it
+            number = await db_call(self.store.last_response_event, stored.id) + 1
+            await db_call(self.store.add_response_events, [
+                (stored.id, number, failed_event(number, ended).decode())], stored.expires_at)
+        return True
+
+    async def lapsed_record(self, stored: StoredResponse, lapsed: str) -> UsageRecord:
+        """The ledger row a lapsed run's replica would have written, under the run's
+        record id (`Turn.record_id`): its prompt tokens as counted at admission, its
+        output tokens as its kept stream shows them (text deltas counted with this
+        gateway's tokenizer, as a stream cut short is counted; none if the store cannot
+        read them now), `error` (or `aborted`, when a cancel ended it)."""
+        assert stored.admission is not None
+        meter = ResponseMeter(protocol="responses", streaming=True)
+        try:
+            await self._read_kept(stored.id, meter)
+        except SluiceError as exc:
+            logger.warning("background response %s: its kept stream could not be read "
+                           "(%s); its ledger row counts no output tokens", stored.id, exc)
+        kept_model = stored.response.get("model")
+        model = meter.served_model or (kept_model if isinstance(kept_model, str) else None)
+        prompt = stored.admission.prompt_tokens if meter.prompt_tokens is None \
+            else meter.prompt_tokens
+        completion = meter.completion_tokens
+        if completion is None:
+            text = meter.text
+            completion = await asyncio.to_thread(
+                self.ledger.count_tokens, model, {"prompt": text}) if text else 0
+        return UsageRecord(
+            request_id=stored.admission.request_id, tenant_id=stored.tenant_id,
+            key_id=stored.key_id, endpoint=PATH, model=model,
+            status="aborted" if lapsed == "cancelled" else "error",
+            http_status=200 if stored.response.get("status") == "in_progress" else 499,
+            prompt_tokens=prompt, completion_tokens=completion,
+            cost_usd=self.ledger.prices.cost(model, prompt, completion),
+            latency_ms=(time.time() - stored.created_at) * 1000, record_id=stored.id)
+
+    async def _read_kept(self, response_id: str, meter: ResponseMeter) -> None:
+        """Feed a response's kept stream, all of it, to `meter`."""
+        after = -1
+        while events := await db_call(self.store.response_events, response_id, after, 500):
+            for _, event in events:
+                meter.feed(event.encode())
+            if len(events) < 500:
+                return
+            after = events[-1][0]
 
     async def _input_items(self, response_id: str, tenant_id: str,
                            params: dict[str, str]) -> dict[str, Any]:

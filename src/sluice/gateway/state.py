@@ -21,7 +21,7 @@ from sluice.gateway.limits import Limiter, LocalLimiter, RedisLimiter
 from sluice.gateway.metrics import GatewayMetrics
 from sluice.gateway.pricing import PriceTable
 from sluice.gateway.redact import Redactor, default_redactor
-from sluice.gateway.responses import StoredResponses
+from sluice.gateway.responses import RunLedger, StoredResponses
 from sluice.gateway.spool import LedgerSpool
 from sluice.gateway.store import SQLStore, Store
 from sluice.gateway.tokens import CountPromptTokens, PromptTokenCounter
@@ -62,9 +62,10 @@ class GatewayState:
                                    spool=LedgerSpool(spool) if spool is not None else None)
         self.budgets = BudgetReservations(self.store, self.config.budget_lease_s)
         self.keys = KeyCache(self.store)
-        self.responses = StoredResponses(self.store, self.config.response_retention_s,
-                                         self.config.background_lease_s,
-                                         on_lost=self.metrics.background_lost.inc)
+        self.responses = StoredResponses(
+            self.store, self.config.response_retention_s,
+            RunLedger(self.ledger, self.prices, self.count_prompt_tokens),
+            self.config.background_lease_s, on_lost=self.metrics.background_lost.inc)
         self.background = set()
         self.unpriced_models = set()
         if isinstance(self.limiter, RedisLimiter):  # the auth version rides its steps
@@ -121,8 +122,10 @@ class GatewayState:
 
     def start(self) -> None:
         """At startup, on the serving loop: take up the usage records an earlier gateway
-        on this database left waiting in the spool."""
+        on this database left waiting in the spool, and begin sweeping the background
+        responses of replicas that are gone."""
         self.ledger.recover()
+        self.responses.start()
 
     async def aclose(self) -> None:
         await self.responses.stop()  # background responses: cancelled, settled, kept failed
