@@ -104,7 +104,8 @@ class GatewayConfig:
     # the gateway stores none, and `store` must be false (gateway/responses.py)
     response_retention_s: float = 30 * 86400.0
     # a background response whose gateway replica has not renewed it this long is ended
-    # `failed` by the next read (its replica was killed; gateway/responses.py)
+    # `failed`, with its ledger row, by the next read or another replica's sweep (its
+    # replica was killed; gateway/responses.py)
     background_lease_s: float = 15.0
 
     def __post_init__(self) -> None:

@@ -69,7 +69,8 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="SECONDS",
                    help="a background response's gateway replica renews it while it runs; "
                         "one not renewed this long (its replica was killed) is ended "
-                        "'failed' by the next read, on any replica (default: %(default)s)")
+                        "'failed', with its ledger row, by the next read or by another "
+                        "replica's sweep (every lease) (default: %(default)s)")
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
