@@ -39,9 +39,9 @@ from sluice.engine.core_client import (
 )
 from sluice.engine.input_processor import InputProcessor
 from sluice.engine.lora import LoRARequest
-from sluice.engine.messages import Abort, Add, CoreOutputs, Finish, Shutdown
+from sluice.engine.messages import Abort, Add, CoreOutputs, Finish, SeqUpdate, Shutdown
 from sluice.engine.output_processor import OutputProcessor
-from sluice.engine.outputs import RequestOutput
+from sluice.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.stats import EngineStats
 from sluice.protocol.errors import InvalidRequestError, ServiceUnavailableError
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_Item = RequestOutput | BaseException
+_Item = RequestOutput | SeqUpdate | BaseException  # (a SeqUpdate: an embedding's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,11 +121,36 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                assert isinstance(item, RequestOutput)  # (a SeqUpdate is an embedding's)
                 finished = item.finished
                 yield item
         finally:
             if not finished:
                 self._forget(request_id)
+
+    async def embed(self, prompt: str | list[int], request_id: str, priority: int = 0,
+                    param: str = "input") -> EmbeddingRequestOutput:
+        """One prompt's embedding (`EngineCore._pool`); admission errors name `param`.
+        Cancelling the caller aborts it in the core."""
+        request = self.inputs.prepare_pooling(request_id, prompt, priority, param)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            self._check_open()
+            if request_id in self._streams:
+                raise InvalidRequestError(f"duplicate request id {request_id!r}",
+                                          param="request_id")
+            self._streams[request_id] = stream
+        self.client.send(Add(request))
+        try:
+            item = await stream.queue.get()
+        except BaseException:
+            self._forget(request_id)
+            raise
+        if isinstance(item, BaseException):
+            raise item
+        assert isinstance(item, SeqUpdate) and item.embedding is not None
+        return EmbeddingRequestOutput(request_id, request.prompt_token_ids, item.embedding,
+                                      item.num_cached_tokens)
 
     def _check_open(self) -> None:
         if self.dead is not None:
@@ -187,13 +212,19 @@ class AsyncEngine:
         batches = defaultdict(list)
         with self._lock:
             self._stats = event.stats  # before the outputs: a reader sees them counted
-            outputs, stops = self._outputs.process(event.updates)
-            items: list[tuple[str, _Item]] = [(o.request_id, o) for o in outputs]
+            updates = event.updates
+            items: list[tuple[str, _Item]] = []
+            if any(u.embedding is not None for u in updates):
+                items += [(u.request_id, u) for u in updates if u.embedding is not None]
+                updates = [u for u in updates if u.embedding is None]
+            outputs, stops = self._outputs.process(updates)
+            items += [(o.request_id, o) for o in outputs]
             for request_id, error in event.errors:
                 self._outputs.abort(request_id)
                 items.append((request_id, error))
             for request_id, item in items:
-                finished = not isinstance(item, RequestOutput) or item.finished
+                finished = not isinstance(item, RequestOutput) or item.finished  # (or an
+                # embedding's SeqUpdate: its only item)
                 stream = (self._streams.pop if finished else self._streams.get)(request_id, None)
                 if stream is not None:
                     batches[stream.loop].append((stream.queue, item))

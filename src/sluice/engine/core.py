@@ -208,7 +208,8 @@ class EngineCore:
         num_prompt = len(req.prompt_token_ids) - req.num_output_tokens  # resumed: output
         seq = Sequence(self._next_seq_id, req.request_id, index, list(req.prompt_token_ids),
                        num_prompt, params, req.max_tokens, req.priority, req.arrival_time,
-                       generator=gen, seed=None if params.seed is None else params.seed + index)
+                       generator=gen, seed=None if params.seed is None else params.seed + index,
+                       pooling=req.pooling)
         if params.logprobs is not None:
             seq.logprobs, seq.cumulative_logprob = [], 0.0
         if params.prompt_logprobs is not None and index == 0 and not req.num_output_tokens:
@@ -263,19 +264,42 @@ class EngineCore:
         start = time.perf_counter()
         seq_chunks = [self._seq_chunk(c, drafts) for c in chunks]
         logits = self.runner.execute(seq_chunks)
+        pooled = [c.seq for c in chunks if c.need_logits and c.seq.pooling]
         if any(c.prompt_logits for c in seq_chunks):
             logits = self._take_prompt_logprobs(chunks, seq_chunks, logits)
         self.scheduler.update_from_output(  # drafted chunks: after verification (commit)
             [c for c in chunks if c.seq not in drafts] if drafts else chunks)
         self._after_forward(chunks, time.perf_counter() - start)
-        sampled = [c.seq for c in chunks if c.need_logits]
+        sampled = [c.seq for c in chunks if c.need_logits and not c.seq.pooling]
         results = self._sample(logits, sampled, drafts)
         self._counters["num_steps"] += 1
         counted = self._tokens_counted()
         updates = [self._postprocess(seq, result, seq in drafts)
                    for seq, result in zip(sampled, results, strict=True)]
+        if pooled:
+            assert self.runner.pooled is not None
+            updates += self._embed(pooled, self.runner.pooled)
         self.iteration_tokens.observe(self._tokens_counted() - counted)
         return [u for u in updates if u is not None]
+
+    def _embed(self, seqs: list[Sequence], hidden: torch.Tensor) -> list[SeqUpdate]:
+        """Finish each embedding whose prompt this step completed: its last token's
+        final hidden state, L2-normalized (vLLM's LAST pooling, `normalize`), as float32
+        bytes; nothing is sampled and its blocks go back (full ones stay cached)."""
+        vectors = torch.nn.functional.normalize(hidden, dim=-1).cpu().numpy()
+        updates = []
+        for seq, vector in zip(seqs, vectors, strict=True):
+            request = self.requests.pop(seq.request_id)
+            seq.finish_reason = "stop"
+            self.scheduler.finish(seq)
+            self._counters["prompt_tokens"] += seq.num_prompt_tokens
+            updates.append(SeqUpdate(seq.request_id, 0, [], finish_reason="stop",
+                                     num_cached_tokens=max(seq.num_cached_tokens, 0),
+                                     scheduled_time=request.metrics.first_scheduled_time,
+                                     num_preemptions=seq.num_preemptions,
+                                     num_prefill_chunks=seq.num_prefill_chunks,
+                                     embedding=vector.astype("<f4").tobytes()))
+        return updates
 
     def _tokens_counted(self) -> int:
         """Prompt plus generated tokens counted so far (vllm:prompt_tokens' and
@@ -329,7 +353,9 @@ class EngineCore:
         seq, start = chunk.seq, chunk.start_pos
         out = self._chunk_cls(seq.token_ids[start:start + chunk.num_tokens], start,
                               seq.block_table, chunk.need_logits, seq.adapter)
-        if drafts and seq in drafts:
+        if seq.pooling:
+            out.pool = True
+        elif drafts and seq in drafts:
             out.num_logits = len(drafts[seq]) + 1  # the last token's row and each draft's
         elif seq.wants_prompt_logits:
             out.need_logits, out.prompt_logits, out.num_logits = True, True, chunk.num_tokens
@@ -343,7 +369,7 @@ class EngineCore:
         keep: list[int] = []
         row = 0
         for chunk, sc in zip(chunks, seq_chunks, strict=True):
-            rows = sc.num_logits if sc.need_logits else 0
+            rows = sc.num_logits if sc.need_logits and not sc.pool else 0
             if sc.prompt_logits:
                 self._prompt_logprobs(chunk.seq, chunk.start_pos, logits[row:row + rows])
                 if chunk.need_logits:  # the prompt's last token: sampled from as usual

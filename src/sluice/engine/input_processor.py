@@ -63,6 +63,29 @@ class InputProcessor:
         return CoreRequest(request_id, ids, params, priority, arrival, max_tokens, len(resumed),
                            lora)
 
+    def prepare_pooling(self, request_id: str, prompt: str | list[int], priority: int = 0,
+                        param: str = "input") -> CoreRequest:
+        """An embedding request: the prompt alone must fit the context and the KV pool (no
+        token is generated); errors name `param` (`input` on `/v1/embeddings`)."""
+        self.check_priority(priority)
+        try:
+            ids = self.tokenize(prompt)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(exc.message, param=param) from None
+        limit, info = self.info.max_model_len, self.info
+        if len(ids) > limit:
+            raise ContextLengthError(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {len(ids)} tokens in the input for embedding generation. Please "
+                "reduce the length of the input.", param=param)
+        need = blocks_needed(len(ids), info.block_size)
+        if need > info.num_kv_blocks:
+            raise InvalidRequestError(
+                f"the input needs {need} KV cache blocks but the KV cache holds only "
+                f"{info.num_kv_blocks} blocks of {info.block_size} tokens", param=param)
+        return CoreRequest(request_id, ids, SamplingParams(max_tokens=1), priority, time.time(),
+                           1, pooling=True)
+
     def check_priority(self, priority: int) -> None:
         """A priority other than 0 needs the priority policy: under fcfs the scheduler
         would ignore it, so it is refused as vLLM refuses it."""

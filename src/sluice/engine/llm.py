@@ -29,7 +29,7 @@ from sluice.engine.config import EngineConfig
 from sluice.engine.generation_config import model_defaults, overridden_warning
 from sluice.engine.llm_engine import LLMEngine
 from sluice.engine.lora import LoRARequest
-from sluice.engine.outputs import RequestOutput, ranked
+from sluice.engine.outputs import EmbeddingRequestOutput, RequestOutput, ranked
 from sluice.engine.sampling_params import RequestOutputKind, SamplingParams, is_integer
 from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.openai import check_continue
@@ -97,6 +97,36 @@ class LLM:
         loras = _per_prompt(lora_request, len(items), "lora_request", LoRARequest, None)
         priorities = _priorities(priority, len(items))
         return self._run(self._add_all(items, params, loras, priorities), params, use_tqdm)
+
+    def embed(self, prompts: Prompts, use_tqdm: Progress = False, *,
+              priority: Sequence[int] | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed`: each prompt's embedding (`outputs.embedding`), its last
+        token's final hidden state, L2-normalized (docs/worker.md "Embeddings"); in order."""
+        items = _normalize_prompts(prompts)
+        priorities = _priorities(priority, len(items))
+        if self._closed:
+            raise RuntimeError("this LLM was shut down")
+        engine, ids = self.engine, [f"llm-{next(self._ids)}" for _ in items]
+        bar = None
+        try:
+            for request_id, prompt, p in zip(ids, items, priorities, strict=True):
+                engine.add_embedding_request(request_id, prompt, p)
+            bar = _progress(use_tqdm, len(ids))
+            while engine.has_unfinished_requests() and any(i not in engine.embeddings
+                                                            for i in ids):
+                before = len(engine.embeddings)
+                engine.step()
+                if bar is not None:
+                    bar.update(len(engine.embeddings) - before)
+        except BaseException:
+            for request_id in ids:
+                if engine.embeddings.pop(request_id, None) is None:
+                    engine.abort_request(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [engine.embeddings.pop(i) for i in ids]
 
     def chat(self, messages: Messages | list[Messages], sampling_params: ParamsArg = None,
              use_tqdm: Progress = False, lora_request: LoRAArg = None, *,

@@ -18,9 +18,9 @@ from sluice.engine.config import EngineConfig
 from sluice.engine.core import EngineCore
 from sluice.engine.input_processor import InputProcessor
 from sluice.engine.lora import LoRARequest
-from sluice.engine.messages import CoreRequest
+from sluice.engine.messages import CoreRequest, SeqUpdate
 from sluice.engine.output_processor import OutputProcessor
-from sluice.engine.outputs import RequestOutput
+from sluice.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import Scheduler
 from sluice.engine.stats import EngineStats
@@ -42,6 +42,8 @@ class LLMEngine:
         self.max_model_len = self.core.info.max_model_len
         self.inputs = InputProcessor(self.core.info, self.tokenizer)
         self.outputs = OutputProcessor(self.tokenizer)
+        self._embedding: dict[str, list[int]] = {}  # the embeddings asked: their prompts
+        self.embeddings: dict[str, EmbeddingRequestOutput] = {}  # those done, until taken
 
     @property
     def block_manager(self) -> BlockManager:
@@ -70,8 +72,17 @@ class LLMEngine:
         self.outputs.add(request.request_id, prompt, request.prompt_token_ids, request.params,
                          request.arrival_time)
 
+    def add_embedding_request(self, request_id: str, prompt: str | list[int],
+                              priority: int = 0) -> None:
+        """Queue an embedding (`EngineCore._embed`); once a step has computed it, its
+        `EmbeddingRequestOutput` is in `embeddings` (errors name `prompt`)."""
+        request = self.inputs.prepare_pooling(request_id, prompt, priority, param="prompt")
+        self.core.add(request)
+        self._embedding[request_id] = request.prompt_token_ids
+
     def abort_request(self, request_id: str) -> None:
         """Finish every sequence of the request as "abort" and free its blocks now."""
+        self._embedding.pop(request_id, None)
         self.abort_with_output(request_id)
 
     def abort_with_output(self, request_id: str) -> RequestOutput | None:
@@ -90,10 +101,22 @@ class LLMEngine:
         if failed:
             raise failed[0][1]
         self.core.tick()  # P/D leases that ended release their blocks
-        outputs, stops = self.outputs.process(self.core.step())
+        updates = self.core.step()
+        if self._embedding:
+            updates = [u for u in updates if u.embedding is None or not self._embedded(u)]
+        outputs, stops = self.outputs.process(updates)
         for request_id, index in stops:
             self.core.finish(request_id, index)
         return outputs
+
+    def _embedded(self, update: SeqUpdate) -> bool:
+        """Keep an embedding's update as its output; False for no asked one."""
+        ids = self._embedding.pop(update.request_id, None)
+        if ids is None or update.embedding is None:
+            return False
+        self.embeddings[update.request_id] = EmbeddingRequestOutput(
+            update.request_id, ids, update.embedding, update.num_cached_tokens)
+        return True
 
     # -- introspection --------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

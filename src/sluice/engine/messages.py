@@ -43,6 +43,9 @@ class CoreRequest:
     num_output_tokens: int = 0  # trailing prompt_token_ids already generated (a migrated
     #                             request resumed here: they count as output, not prompt)
     lora: LoRARequest | None = None  # multi-LoRA: the adapter to run with (None: the base)
+    # an embedding (`/v1/embeddings`, `LLM.embed`): the prompt is computed and nothing is
+    # sampled; its last token's final hidden state comes back in `SeqUpdate.embedding`
+    pooling: bool = False
 
 
 @dataclass(slots=True)
@@ -64,6 +67,9 @@ class SeqUpdate:
     kv_transfer_params: dict[str, Any] | None = None
     # prompt_logprobs: every prompt position's entry (None first), with the first token
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # a pooling request's answer: the L2-normalized vector as little-endian float32 bytes
+    # (what `encoding_format: base64` sends as it is)
+    embedding: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +162,7 @@ def _to_wire(m: Command | Event) -> list[Any]:
         lora = None if r.lora is None else [r.lora.lora_name, r.lora.lora_path,
                                              r.lora.content_hash]
         return ["add", r.request_id, r.prompt_token_ids, _params_to_wire(r.params), r.priority,
-                r.arrival_time, r.max_tokens, r.num_output_tokens, lora]
+                r.arrival_time, r.max_tokens, r.num_output_tokens, lora, r.pooling]
     if isinstance(m, Abort):
         return ["abort", m.request_id]
     if isinstance(m, Finish):
@@ -175,9 +181,10 @@ def _from_wire(w: list[Any]) -> Command | Event:
         return CoreOutputs([SeqUpdate(*u) for u in updates], EngineStats(*stats),
                            [(rid, _error(*e)) for rid, *e in errors])
     if kind == "add":
-        rid, ids, params, priority, arrival, max_tokens, num_output, lora = args
+        rid, ids, params, priority, arrival, max_tokens, num_output, lora, pooling = args
         return Add(CoreRequest(rid, ids, _params_from_wire(params), priority, arrival, max_tokens,
-                               num_output, None if lora is None else LoRARequest(*lora)))
+                               num_output, None if lora is None else LoRARequest(*lora),
+                               pooling))
     if kind == "abort":
         return Abort(args[0])
     if kind == "finish":

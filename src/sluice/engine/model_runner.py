@@ -84,6 +84,7 @@ class SeqChunk:
     lora: LoRAAdapter | None = None  # the sequence's adapter (multi-LoRA), or the base
     num_logits: int = 1  # logit rows: the last `num_logits` tokens' (speculative verify)
     prompt_logits: bool = False  # every token's logits, run as a prefill (prompt logprobs)
+    pool: bool = False  # its last token's hidden state instead of logits (an embedding)
 
     @property
     def one_query_rows(self) -> bool:
@@ -194,6 +195,7 @@ class ModelRunner:
         self.lora_shapes = module_shapes(cfg.hidden_size, cfg.intermediate_size, cfg.q_size,
                                          cfg.kv_size)
         self.lora_slots: LoRASlots | None = None
+        self.pooled: Tensor | None = None  # the last step's pooled rows (`execute`)
         if config.lora.enable_lora:
             self.lora_slots = self._add_lora_slots(config.lora)
         # decode steps as one native call: `decode_graph` first; with GGUF blocks (a graph
@@ -340,14 +342,18 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk]) -> Tensor:
         """Run one step; float32 logits, in order: one row per chunk with need_logits,
-        `num_logits` rows (its last tokens') for a chunk verifying drafts.
+        `num_logits` rows (its last tokens') for a chunk verifying drafts. A chunk with
+        `pool` and `need_logits` has no logits row: its last token's final hidden state,
+        float32, is a row of `self.pooled` (in chunk order) until the next step.
 
         Mutates the KV pool: every new token's K/V is written at its slot.
         """
+        self.pooled = None
         if not chunks:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        pooling = any(c.pool for c in chunks)
         for graph in (self.decode_graph, self.wide_graph):
-            if graph is not None and graph.takes(chunks):
+            if not pooling and graph is not None and graph.takes(chunks):
                 for c in chunks:
                     self._check(c)
                 return graph.execute(chunks, self.block_size)
@@ -358,14 +364,20 @@ class ModelRunner:
                                  native.paged_decode_attention if native else None,
                                  native.paged_prefill_attention
                                  if native and self.native_prefill else None)
-        wanted = [row for i, c in enumerate(chunks) if c.need_logits
+        wanted = [row for i, c in enumerate(chunks) if c.need_logits and not c.pool
                   for row in range(last_row[i] - c.num_logits + 1, last_row[i] + 1)]
         if self.lora_slots is not None:
             self.lora_slots.prepare([(chunks[i].lora, len(chunks[i].token_ids)) for i in order],
                                     self.device, self.dtype)
-        logits = self.model(self._tensor(tokens), self._tensor(positions), meta,
-                            self._tensor(wanted))
-        return logits.float()
+        if not pooling:
+            logits = self.model(self._tensor(tokens), self._tensor(positions), meta,
+                                self._tensor(wanted))
+            return logits.float()
+        pooled = [last_row[i] for i, c in enumerate(chunks) if c.need_logits and c.pool]
+        hidden = self.model.hidden(self._tensor(tokens), self._tensor(positions), meta,
+                                   self._tensor(wanted + pooled))
+        self.pooled = hidden[len(wanted):].float()
+        return self.model.output(hidden[:len(wanted)]).float()
 
     def _tensor(self, values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)

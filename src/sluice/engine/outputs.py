@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -82,3 +83,26 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
     # (vLLM's shape); in a DELTA stream, in the first output only
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # vLLM's `EmbeddingOutput.embedding`
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's `EmbeddingRequestOutput`: one prompt's embedding (`outputs.embedding`), its
+    last token's final hidden state, L2-normalized. `data`: the same vector as
+    little-endian float32 bytes (what `/v1/embeddings` sends for `encoding_format:
+    base64`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    data: bytes
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+    @property
+    def outputs(self) -> EmbeddingOutput:
+        return EmbeddingOutput(array("f", self.data).tolist())

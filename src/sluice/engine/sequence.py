@@ -77,6 +77,7 @@ class Sequence:
     # block manager takes them instead of hashing those blocks again. Prompt blocks only:
     # they never change (generated tokens can be taken back: speculative decoding).
     known_block_hashes: tuple[int, ...] = ()
+    pooling: bool = False  # an embedding: its prompt's last hidden state, nothing sampled
 
     @property
     def num_tokens(self) -> int:

@@ -294,14 +294,21 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: Tensor, positions: Tensor, meta: AttentionMetadata,
                 logits_index: Tensor) -> Tensor:
+        """The logits of the `logits_index` rows."""
+        return self.output(self.hidden(tokens, positions, meta, logits_index))
+
+    def hidden(self, tokens: Tensor, positions: Tensor, meta: AttentionMetadata,
+               index: Tensor) -> Tensor:
+        """The final hidden states (after the last norm: what the LM head reads, and an
+        embedding model's output) of the `index` rows."""
         assert self.rope_cos is not None and self.rope_sin is not None, "call init_rope first"
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
         x, residual = self.tok_embeddings(tokens), None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, meta)
         assert residual is not None, "a model has at least one layer"
-        x, _ = self.norm.add(x[logits_index], residual[logits_index])
-        return self.output(x)
+        x, _ = self.norm.add(x[index], residual[index])
+        return x
 
     def use_fused_kernels(self, add_norm: AddNormKernel, activation: ActivationKernel,
                           rope: RopeKernel | None = None) -> None:
