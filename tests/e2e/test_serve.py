@@ -106,10 +106,19 @@ def test_serve_many_workers_behind_router_and_gateway(tmp_path: Path,
             model=model, max_tokens=5, messages=[{"role": "user", "content": "hello"}])
         assert msg.usage.output_tokens >= 1
         _tools_and_structured_output_pass_through(url, key, model)
+        # embeddings: routed like a completion's prompt, metered by the gateway
+        vectors = client.embeddings.create(model=model, input=["rivers", "the sea"])
+        assert [d.index for d in vectors.data] == [0, 1]
+        assert all(abs(sum(x * x for x in d.embedding) - 1) < 1e-3 for d in vectors.data)
+        usage = httpx.get(url + "/v1/usage", headers={"Authorization": f"Bearer {key}"},
+                          timeout=10).json()
+        rows = [r for r in usage["data"] if r["endpoint"] == "/v1/embeddings"]
+        assert [(r["status"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [
+            ("ok", vectors.usage.prompt_tokens, 0)], usage
         metrics = httpx.get(url + "/metrics", timeout=10).text
         decisions = [line for line in metrics.splitlines()
                      if line.startswith("sluice_router_decisions_total")]
-        assert sum(float(line.rsplit(" ", 1)[1]) for line in decisions) >= 4, metrics
+        assert sum(float(line.rsplit(" ", 1)[1]) for line in decisions) >= 5, metrics
 
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},

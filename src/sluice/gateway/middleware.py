@@ -108,7 +108,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope_, Receive, Send], Awaitable[None]]
 
 # Endpoints whose JSON body names a model and produces tokens.
-GENERATION_ENDPOINTS = (*KIND_OF_PATH, "/v1/embeddings")
+GENERATION_ENDPOINTS = tuple(KIND_OF_PATH)
 # Endpoints whose JSON body names a model but produces no tokens (Anthropic's token
 # counting and OpenAI's for the Responses API, free of tokens and limited by requests
 # only, as Anthropic rates it): the

@@ -610,6 +610,32 @@ class DetokenizeRequest(OpenAIModel):
     tokens: list[int]
 
 
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on an embeddings request's list of inputs
+
+
+class EmbeddingRequest(OpenAIModel):
+    """OpenAI's `POST /v1/embeddings`: one input (text or token ids) or a list of them."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        """Each input the request embeds, in order (a 400 naming `input` for none or too
+        many)."""
+        given = self.input
+        if isinstance(given, str) or (given and isinstance(given[0], int)):
+            return [given]  # type: ignore[list-item]  # (one text, or one list of ids)
+        if not given:
+            raise InvalidRequestError("input must not be empty", param="input")
+        if len(given) > MAX_EMBEDDING_INPUTS:
+            raise InvalidRequestError(f"input may hold at most {MAX_EMBEDDING_INPUTS} items, "
+                                      f"got {len(given)}", param="input")
+        return list(given)  # type: ignore[arg-type]
+
+
 # --------------------------------------------------------------------------- responses
 
 

@@ -74,9 +74,12 @@ from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.openai import content_text
 
 CHAT, COMPLETION, MESSAGES, RESPONSES = "chat", "completion", "messages", "responses"
-# the generation endpoints and the kind of prompt each takes (router, worker, gateway)
+EMBEDDINGS = "embeddings"  # its `input` is read as a completion's `prompt`
+# the endpoints a worker runs the model for and the kind of prompt each takes (router,
+# worker, gateway)
 KIND_OF_PATH = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION,
-                "/v1/messages": MESSAGES, "/v1/responses": RESPONSES}
+                "/v1/messages": MESSAGES, "/v1/responses": RESPONSES,
+                "/v1/embeddings": EMBEDDINGS}
 IDS_HEADER = "x-sluice-prompt-ids"
 RESUME_HEADER = "x-sluice-resume-ids"
 TOKENIZER_HEADER = "x-sluice-tokenizer"  # a worker's fingerprint, on responses with token ids

@@ -55,6 +55,7 @@ from sluice.protocol.openai import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingRequest,
     ModelCard,
     ModelList,
     SamplingFields,
@@ -76,6 +77,7 @@ from sluice.protocol.prompt import (
 from sluice.worker.chat import chat_chunks, chat_response, prepare_chat
 from sluice.worker.completions import completion_chunks, completion_response, prepare_completion
 from sluice.worker.config import WorkerConfig
+from sluice.worker.embeddings import embeddings as embed
 from sluice.worker.lora import add_lora_routes
 from sluice.worker.pd import add_pd_routes, check_epoch
 from sluice.worker.sampling import chat_prompt, check_token_ids
@@ -197,6 +199,13 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
     for path in responses.STORED_PATHS:
         app.add_route(path, responses.stored_response, methods=["GET", "POST", "DELETE"],
                       include_in_schema=False)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        check_epoch(request, state)
+        req = parse_request(EmbeddingRequest, await parse_body(request))
+        return JSONResponse(await until_disconnect(request, embed(
+            state, req, request_id(request), ids_hint(request))))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:

@@ -1,0 +1,211 @@
+"""POST /v1/embeddings on a worker: the tiny random Llama in float32, checked against
+transformers' own last hidden state (after the final norm) at the last token, normalized."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from sluice.engine.config import EngineConfig
+from sluice.engine.messages import Add, CoreOutputs, CoreRequest, SeqUpdate, decode, encode
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.stats import EngineStats
+from sluice.worker.app import build_app
+from sluice.worker.config import WorkerConfig
+
+from .conftest import TINY_OPTIONS
+from .worker_helpers import ServerThread
+
+LONG = "the river runs to the sea " * 90  # ~540 tokens: two chunks of the 512 budget
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir: Path) -> Iterator[Any]:
+    from sluice.engine.async_engine import AsyncEngine
+
+    eng = AsyncEngine(EngineConfig.from_options(str(tiny_llama_dir), dtype="float32",
+                                                **TINY_OPTIONS))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine: Any) -> Iterator[ServerThread]:
+    srv = ServerThread(build_app(engine, WorkerConfig(served_model_names=("tiny",)))).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def http(server: ServerThread) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir: Path, engine: Any) -> Any:
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+
+    def embed(text_or_ids: str | list[int]) -> np.ndarray:
+        ids = engine.tokenizer.encode(text_or_ids) if isinstance(text_or_ids, str) \
+            else text_or_ids
+        with torch.no_grad():
+            last = model(torch.tensor([ids])).last_hidden_state[0, -1]
+        return torch.nn.functional.normalize(last, dim=-1).numpy()
+
+    return embed
+
+
+def vectors(body: dict[str, Any]) -> list[np.ndarray]:
+    assert [d["index"] for d in body["data"]] == list(range(len(body["data"])))
+    assert all(d["object"] == "embedding" for d in body["data"])
+    return [np.asarray(d["embedding"], dtype=np.float32) for d in body["data"]]
+
+
+def test_texts_and_ids_match_transformers(http: httpx.Client, reference: Any,
+                                          engine: Any) -> None:
+    ids = engine.tokenizer.encode("token ids in")
+    inputs: list[Any] = ["hello world", LONG, "x"]
+    r = http.post("/v1/embeddings", json={"model": "tiny", "input": inputs})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and body["model"] == "tiny"
+    got = vectors(body)
+    for text, vec in zip(inputs, got, strict=True):
+        assert abs(np.linalg.norm(vec) - 1.0) < 1e-5
+        np.testing.assert_allclose(vec, reference(text), atol=1e-5)
+    counted = sum(len(engine.tokenizer.encode(t)) for t in inputs)
+    assert body["usage"] == {"prompt_tokens": counted, "total_tokens": counted}
+    one = http.post("/v1/embeddings", json={"model": "tiny", "input": ids}).json()
+    np.testing.assert_allclose(vectors(one)[0], reference(ids), atol=1e-5)
+    assert one["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_base64_is_the_float32_bytes_and_the_sdk_reads_it(http: httpx.Client,
+                                                          server: ServerThread) -> None:
+    floats = http.post("/v1/embeddings", json={"input": ["a cat", "a dog"]}).json()
+    raw = http.post("/v1/embeddings", json={"input": ["a cat", "a dog"],
+                                            "encoding_format": "base64"}).json()
+    for f, b in zip(floats["data"], raw["data"], strict=True):
+        decoded = np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4")
+        np.testing.assert_array_equal(decoded, np.asarray(f["embedding"], dtype=np.float32))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    resp = client.embeddings.create(model="tiny", input=["a cat", "a dog"])  # base64 asked
+    assert [len(d.embedding) for d in resp.data] == [len(floats["data"][0]["embedding"])] * 2
+    np.testing.assert_allclose(resp.data[1].embedding, floats["data"][1]["embedding"],
+                               atol=1e-7)
+    assert resp.usage.prompt_tokens == floats["usage"]["prompt_tokens"]
+
+
+def test_a_cached_prefix_gives_the_same_vector(engine: Any) -> None:
+    text = "a prompt no other test sends, long enough for full blocks " * 8
+
+    async def twice() -> tuple[Any, Any]:
+        first = await engine.embed(text, "cache-1")
+        return first, await engine.embed(text, "cache-2")
+
+    first, second = asyncio.run(twice())
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens > 0
+    # (the cached run computes the last token alone: another GEMM shape, float rounding)
+    np.testing.assert_allclose(first.outputs.embedding, second.outputs.embedding, atol=1e-6)
+
+
+def test_embeddings_batch_with_generation(engine: Any, reference: Any) -> None:
+    """Pooled prompts and decoding streams in the same steps: both come out right (a
+    one-token input is shaped like a decode, and must not go to the decode graph)."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    async def mixed() -> tuple[list[Any], list[int]]:
+        async def generate() -> list[int]:
+            ids: list[int] = []
+            async for out in engine.generate("Once upon a time", params, "gen-mix"):
+                ids += out.outputs[0].token_ids
+            return ids
+
+        gen = asyncio.ensure_future(generate())
+        await asyncio.sleep(0.05)
+        embeds = await asyncio.gather(*(engine.embed(x, f"mix-{i}") for i, x in
+                                        enumerate([[5], "two words", [7], LONG])))
+        return embeds, await gen
+
+    async def alone() -> list[int]:
+        ids: list[int] = []
+        async for out in engine.generate("Once upon a time", params, "gen-alone"):
+            ids += out.outputs[0].token_ids
+        return ids
+
+    embeds, generated = asyncio.run(mixed())
+    assert generated == asyncio.run(alone())
+    for x, out in zip([[5], "two words", [7], LONG], embeds, strict=True):
+        np.testing.assert_allclose(out.outputs.embedding, reference(x), atol=1e-5)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": []}, "input"),
+    ({"input": ""}, "input"),
+    ({"input": ["ok", ""]}, "input"),
+    ({"input": [10**9]}, "input"),
+    ({"input": "hi", "dimensions": 8}, "dimensions"),
+    ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "hi", "truncate": True}, "truncate"),
+    ({"input": 3}, "input"),
+    ({"input": ["a"] * 2049}, "input"),
+    ({"input": [[1, 2], "mixed"]}, "input"),
+])
+def test_bad_input_is_a_400_naming_it(http: httpx.Client, body: dict[str, Any],
+                                      param: str) -> None:
+    r = http.post("/v1/embeddings", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] is not None and error["param"].split(".")[0] == param, error
+    assert error["type"] == "invalid_request_error"
+
+
+def test_too_long_unknown_model(http: httpx.Client) -> None:
+    r = http.post("/v1/embeddings", json={"input": [1] * (TINY_OPTIONS["max_model_len"] + 1)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    assert "maximum context length" in r.json()["error"]["message"]
+    r = http.post("/v1/embeddings", json={"model": "nope", "input": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert http.post("/v1/embeddings", json={"input": "still serving"}).status_code == 200
+
+
+def test_pooling_crosses_the_process_boundary() -> None:
+    """The core in its own process: the pooling flag and the vector survive msgpack."""
+    add = decode(encode(Add(CoreRequest("r", [1, 2], SamplingParams(max_tokens=1),
+                                        max_tokens=1, pooling=True))))
+    assert isinstance(add, Add) and add.request.pooling
+    vec = np.arange(4, dtype="<f4").tobytes()
+    out = decode(encode(CoreOutputs([SeqUpdate("r", 0, [], finish_reason="stop",
+                                               embedding=vec)],
+                                    EngineStats(0, 0, 0.0, 8, 0, 0, 0, 0, 0, 0))))
+    assert isinstance(out, CoreOutputs) and out.updates[0].embedding == vec
+
+
+def test_offline_llm_embed_matches(tiny_llama_dir: Path, reference: Any) -> None:
+    """vLLM's `LLM.embed`, in one thread: the same vectors, in order, beside generation."""
+    from sluice.engine.llm import LLM
+    from sluice.protocol.errors import InvalidRequestError
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=1024, num_kv_blocks=256)
+    inputs: list[Any] = ["hello world", [5, 6, 7], LONG]
+    outs = llm.embed(inputs)
+    for x, out in zip(inputs, outs, strict=True):
+        np.testing.assert_allclose(out.outputs.embedding, reference(x), atol=1e-5)
+    assert outs[1].prompt_token_ids == [5, 6, 7]
+    with pytest.raises(InvalidRequestError) as bad:
+        llm.embed([[10**8]])
+    assert bad.value.param == "prompt"
+    assert llm.generate(["still generates"])[0].outputs[0].token_ids
+    assert not llm.engine.embeddings and not llm.engine.has_unfinished_requests()
