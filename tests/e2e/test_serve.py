@@ -110,15 +110,19 @@ def test_serve_many_workers_behind_router_and_gateway(tmp_path: Path,
         vectors = client.embeddings.create(model=model, input=["rivers", "the sea"])
         assert [d.index for d in vectors.data] == [0, 1]
         assert all(abs(sum(x * x for x in d.embedding) - 1) < 1e-3 for d in vectors.data)
-        usage = httpx.get(url + "/v1/usage", headers={"Authorization": f"Bearer {key}"},
-                          timeout=10).json()
-        rows = [r for r in usage["data"] if r["endpoint"] == "/v1/embeddings"]
-        assert [(r["status"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [
-            ("ok", vectors.usage.prompt_tokens, 0)], usage
+        auth = {"Authorization": f"Bearer {key}"}
+        ranked = httpx.post(url + "/v1/rerank", headers=auth, timeout=60, json={
+            "model": model, "query": "rivers", "documents": ["the sea", "rivers"]}).json()
+        assert ranked["results"][0]["index"] == 1, ranked  # the query itself scores 1
+        usage = httpx.get(url + "/v1/usage", headers=auth, timeout=10).json()
+        rows = [(r["endpoint"], r["status"], r["prompt_tokens"], r["completion_tokens"])
+                for r in usage["data"] if r["endpoint"] in ("/v1/embeddings", "/v1/rerank")]
+        assert rows == [("/v1/embeddings", "ok", vectors.usage.prompt_tokens, 0),
+                        ("/v1/rerank", "ok", ranked["usage"]["prompt_tokens"], 0)], usage
         metrics = httpx.get(url + "/metrics", timeout=10).text
         decisions = [line for line in metrics.splitlines()
                      if line.startswith("sluice_router_decisions_total")]
-        assert sum(float(line.rsplit(" ", 1)[1]) for line in decisions) >= 5, metrics
+        assert sum(float(line.rsplit(" ", 1)[1]) for line in decisions) >= 6, metrics
 
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},

@@ -209,3 +209,67 @@ def test_offline_llm_embed_matches(tiny_llama_dir: Path, reference: Any) -> None
     assert bad.value.param == "prompt"
     assert llm.generate(["still generates"])[0].outputs[0].token_ids
     assert not llm.engine.embeddings and not llm.engine.has_unfinished_requests()
+
+
+def test_score_is_the_cosine_of_the_embeddings(http: httpx.Client) -> None:
+    texts = ["a cat sat", "a dog ran", "stock prices fell"]
+    vecs = vectors(http.post("/v1/embeddings", json={"input": texts}).json())
+    one = http.post("/v1/score", json={"model": "tiny", "text_1": texts[0],
+                                       "text_2": texts}).json()
+    assert one["object"] == "list" and one["model"] == "tiny"
+    assert [d["index"] for d in one["data"]] == [0, 1, 2]
+    np.testing.assert_allclose([d["score"] for d in one["data"]],
+                               [float(vecs[0] @ v) for v in vecs], atol=1e-5)
+    assert abs(one["data"][0]["score"] - 1.0) < 1e-5
+    pairwise = http.post("/v1/score", json={"text_1": texts[:2], "text_2": texts[1:]}).json()
+    np.testing.assert_allclose([d["score"] for d in pairwise["data"]],
+                               [float(vecs[0] @ vecs[1]), float(vecs[1] @ vecs[2])], atol=1e-5)
+    assert one["usage"]["prompt_tokens"] == sum(  # every text embedded is counted
+        len(http.post("/tokenize", json={"prompt": t}).json()["tokens"])
+        for t in [texts[0], *texts])
+
+
+def test_rerank_orders_documents_by_score(http: httpx.Client) -> None:
+    docs = ["stock prices fell", "a dog ran", "a cat sat on the mat", "a cat sat"]
+    scores = [d["score"] for d in http.post("/v1/score", json={
+        "text_1": "a cat sat", "text_2": docs}).json()["data"]]
+    r = http.post("/v1/rerank", json={"model": "tiny", "query": "a cat sat",
+                                      "documents": docs, "top_n": 2}).json()
+    best = sorted(range(len(docs)), key=lambda i: -scores[i])[:2]
+    assert [x["index"] for x in r["results"]] == best == [3, best[1]]
+    assert [x["document"]["text"] for x in r["results"]] == [docs[i] for i in best]
+    np.testing.assert_allclose([x["relevance_score"] for x in r["results"]],
+                               [scores[i] for i in best], atol=1e-5)
+    assert r["usage"]["total_tokens"] > 0 and r["id"].startswith("rerank-")
+    bare = http.post("/v1/rerank", json={"query": "q", "documents": ["a", "b"],
+                                         "return_documents": False}).json()
+    assert len(bare["results"]) == 2 and all("document" not in x for x in bare["results"])
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+    ("/v1/score", {"text_1": [], "text_2": "x"}, "text_1"),
+    ("/v1/score", {"text_1": "a", "text_2": ""}, "text_2"),
+    ("/v1/score", {"text_1": "a"}, "text_2"),
+    ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
+    ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": 0}, "top_n"),
+    ("/v1/rerank", {"query": "", "documents": ["a"]}, "query"),
+    ("/v1/rerank", {"query": "q", "documents": ["a"], "rank_fields": ["x"]}, "rank_fields"),
+])
+def test_bad_scoring_requests_are_400s(http: httpx.Client, path: str, body: dict[str, Any],
+                                       param: str) -> None:
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_metrics_count_embedding_requests(http: httpx.Client) -> None:
+    def success() -> float:
+        text = http.get("/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:request_success_total{")
+                   and 'finished_reason="stop"' in line)
+
+    before = success()
+    assert http.post("/v1/embeddings", json={"input": ["one", "two", "three"]}).status_code == 200
+    assert success() == before + 3

@@ -115,6 +115,8 @@ GENERATION_ENDPOINTS = tuple(KIND_OF_PATH)
 # model is checked against the key's allow-list and recorded; nothing is reserved.
 MODEL_ONLY_ENDPOINTS = ("/v1/messages/count_tokens", "/v1/responses/input_tokens")
 EMBEDDINGS_PATH = "/v1/embeddings"
+# the endpoints answered with embeddings (nothing generated), and the field of their texts
+POOLED_INPUT = {EMBEDDINGS_PATH: "input", "/v1/score": "text_2", "/v1/rerank": "documents"}
 RESPONSES_PATH = "/v1/responses"  # OpenAI's Responses API: usage as input/output_tokens
 STREAM_USAGE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 # a worker's control routes (its P/D role; vLLM's runtime LoRA loading): an operator's,
@@ -526,8 +528,8 @@ class Exchange:
         field named in `adm.tokens_param`. More than MAX_COMPLETION_TOKENS is a 400 here:
         no model generates that much, and the worst case is priced in floats (`10**400`
         tokens overflowed into a 500)."""
-        if self.endpoint == EMBEDDINGS_PATH:
-            adm.tokens_param = "input"
+        if self.endpoint in POOLED_INPUT:  # nothing is generated
+            adm.tokens_param = POOLED_INPUT[self.endpoint]
             return 0
         name = "max_output_tokens" if self.endpoint == RESPONSES_PATH else \
             "max_completion_tokens" if "max_completion_tokens" in payload else "max_tokens"
@@ -1089,7 +1091,7 @@ def too_large_error(limit: int, adm: Admission, headers: dict[str, str]) -> Rate
     wait makes it fit) and `x-should-retry: false`, which the OpenAI and Anthropic SDKs
     obey (they retried a 429 on their own backoff)."""
     field = adm.tokens_param
-    what, cure = (("its input", "shorten the input") if field == "input" else
+    what, cure = (("its input", f"shorten {field}") if field in POOLED_INPUT.values() else
                   (f"its prompt plus {field}", f"lower {field} or shorten the prompt"))
     return RateLimitError(
         f"Request too large for tokens per minute (TPM): Limit {limit}, Requested "

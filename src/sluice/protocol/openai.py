@@ -636,6 +636,47 @@ class EmbeddingRequest(OpenAIModel):
         return list(given)  # type: ignore[arg-type]
 
 
+class ScoreRequest(OpenAIModel):
+    """vLLM's `POST /v1/score` for an embedding model: `text_1` against `text_2`, one
+    against many (a string, or a list of one) or pairwise (lists of one length); each
+    score the cosine of the two texts' embeddings."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    user: str | None = None
+
+    def pairs(self) -> tuple[list[str], list[str], list[tuple[int, int]]]:
+        """The texts of each side and the (text_1, text_2) index of each score."""
+        left = [self.text_1] if isinstance(self.text_1, str) else self.text_1
+        right = [self.text_2] if isinstance(self.text_2, str) else self.text_2
+        for name, side in (("text_1", left), ("text_2", right)):
+            if not side:
+                raise InvalidRequestError(f"{name} must not be empty", param=name)
+        if len(left) == 1:
+            return left, right, [(0, j) for j in range(len(right))]
+        if len(left) != len(right):
+            raise InvalidRequestError(f"text_1 holds {len(left)} texts and text_2 "
+                                      f"{len(right)}: give one text_1, or as many as text_2",
+                                      param="text_2")
+        return left, right, [(i, i) for i in range(len(left))]
+
+
+class RerankRequest(OpenAIModel):
+    """The Jina / Cohere rerank API as vLLM serves it (`POST /v1/rerank`): `documents`
+    ordered by the cosine of their embedding with the `query`'s, the `top_n` best."""
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = Field(default=None, ge=1)
+    return_documents: bool = True
+
+    def check(self) -> None:
+        if not self.documents:
+            raise InvalidRequestError("documents must not be empty", param="documents")
+
+
 # --------------------------------------------------------------------------- responses
 
 

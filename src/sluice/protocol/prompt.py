@@ -75,11 +75,13 @@ from sluice.protocol.openai import content_text
 
 CHAT, COMPLETION, MESSAGES, RESPONSES = "chat", "completion", "messages", "responses"
 EMBEDDINGS = "embeddings"  # its `input` is read as a completion's `prompt`
+SCORE, RERANK = "score", "rerank"  # their texts: `text_1` then `text_2`; `query`, `documents`
 # the endpoints a worker runs the model for and the kind of prompt each takes (router,
 # worker, gateway)
 KIND_OF_PATH = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION,
                 "/v1/messages": MESSAGES, "/v1/responses": RESPONSES,
-                "/v1/embeddings": EMBEDDINGS}
+                "/v1/embeddings": EMBEDDINGS, "/v1/score": SCORE, "/v1/rerank": RERANK}
+POOLING_KINDS = (EMBEDDINGS, SCORE, RERANK)  # answered with embeddings: nothing generated
 IDS_HEADER = "x-sluice-prompt-ids"
 RESUME_HEADER = "x-sluice-resume-ids"
 TOKENIZER_HEADER = "x-sluice-tokenizer"  # a worker's fingerprint, on responses with token ids
@@ -216,7 +218,23 @@ def prompt_view(kind: str, body: Mapping[str, Any]) -> PromptView:
         return _chat_view(kind, anthropic.chat_prompt(body))
     if kind == CHAT:
         return _chat_view(kind, body)
+    if kind == SCORE:
+        return PromptView(texts=_texts(body, "text_1") + _texts(body, "text_2"))
+    if kind == RERANK:
+        return PromptView(texts=_texts(body, "query", one=True) + _texts(body, "documents"))
     return PromptView(texts=completion_texts(body.get("prompt", body.get("input", ""))))
+
+
+def _texts(body: Mapping[str, Any], name: str, one: bool = False) -> tuple[str, ...]:
+    """A scoring request's texts under `name`: a string, or (unless `one`) a non-empty
+    list of strings; else a 400 naming it."""
+    value = body.get(name)
+    if isinstance(value, str):
+        return (value,)
+    if not one and isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise InvalidRequestError(f"'{name}' must be a string" + ("" if one else
+                              " or a non-empty list of strings"), param=name)
 
 
 def _chat_view(kind: str, body: Mapping[str, Any]) -> PromptView:

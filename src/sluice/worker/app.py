@@ -58,7 +58,9 @@ from sluice.protocol.openai import (
     EmbeddingRequest,
     ModelCard,
     ModelList,
+    RerankRequest,
     SamplingFields,
+    ScoreRequest,
     TokenizeRequest,
     TokenizeResponse,
     check_continue,
@@ -74,10 +76,10 @@ from sluice.protocol.prompt import (
     ResumeIds,
     fingerprint,
 )
+from sluice.worker import embeddings as pooling
 from sluice.worker.chat import chat_chunks, chat_response, prepare_chat
 from sluice.worker.completions import completion_chunks, completion_response, prepare_completion
 from sluice.worker.config import WorkerConfig
-from sluice.worker.embeddings import embeddings as embed
 from sluice.worker.lora import add_lora_routes
 from sluice.worker.pd import add_pd_routes, check_epoch
 from sluice.worker.sampling import chat_prompt, check_token_ids
@@ -204,8 +206,22 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
     async def embeddings(request: Request) -> Response:
         check_epoch(request, state)
         req = parse_request(EmbeddingRequest, await parse_body(request))
-        return JSONResponse(await until_disconnect(request, embed(
+        return JSONResponse(await until_disconnect(request, pooling.embeddings(
             state, req, request_id(request), ids_hint(request))))
+
+    @app.post("/v1/score")
+    async def score(request: Request) -> Response:
+        check_epoch(request, state)
+        req = parse_request(ScoreRequest, await parse_body(request))
+        return JSONResponse(await until_disconnect(request, pooling.score(
+            state, req, request_id(request))))
+
+    @app.post("/v1/rerank")
+    async def rerank(request: Request) -> Response:
+        check_epoch(request, state)
+        req = parse_request(RerankRequest, await parse_body(request))
+        return JSONResponse(await until_disconnect(request, pooling.rerank(
+            state, req, request_id(request))))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:

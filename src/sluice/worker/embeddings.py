@@ -1,16 +1,23 @@
-"""POST /v1/embeddings: OpenAI's embeddings API, served as vLLM pools a generative model.
+"""POST /v1/embeddings, /v1/score and /v1/rerank: OpenAI's embeddings API, and vLLM's
+scoring APIs for an embedding model, served as vLLM pools a generative model.
 
 Each input (a text, or a list of token ids) is one engine request that computes its
-prompt and samples nothing (`AsyncEngine.embed`, `EngineCore._embed`): its last token's final hidden state
-(after the model's last norm), L2-normalized, is the embedding. That is vLLM's `LAST`
-pooling with `normalize`, what it gives a decoder-only model served for embeddings, and
-how decoder-only embedding models (Qwen3-Embedding, e5-mistral, gte-Qwen2) are read.
-A text is tokenized as a completion prompt is (the tokenizer's special tokens, no chat
-template). The inputs of one request run concurrently (they batch in the engine); one
-that fails aborts the others. `encoding_format: base64` sends each vector's
-little-endian float32 bytes as base64 (the OpenAI SDK asks for it by default).
-Refused: `dimensions` (the model is not a Matryoshka one, vLLM's rule), a LoRA
-adapter's name as `model`.
+prompt and samples nothing (`AsyncEngine.embed`, `EngineCore._embed`): its last token's
+final hidden state (after the model's last norm), L2-normalized, is the embedding.
+That is vLLM's `LAST` pooling with `normalize`, what it gives a decoder-only model
+served for embeddings, and how decoder-only embedding models (Qwen3-Embedding,
+e5-mistral, gte-Qwen2) are read. A text is tokenized as a completion prompt is (the
+tokenizer's special tokens, no chat template). The inputs of one request run
+concurrently (they batch in the engine); one that fails aborts the others.
+`encoding_format: base64` sends each vector's little-endian float32 bytes as base64
+(the OpenAI SDK asks for it by default). Refused: `dimensions` (the model is not a
+Matryoshka one, vLLM's rule), a LoRA adapter's name as `model`.
+
+`/v1/score` and `/v1/rerank` embed their texts the same way and answer the cosine of
+two embeddings (a dot product: both are normalized), as vLLM does for an embedding
+model: `text_1` against each `text_2` (or pairwise), and the `documents` ordered by
+their score against the `query` (the Jina / Cohere rerank API: `top_n`,
+`relevance_score`). Usage counts every text embedded.
 """
 
 from __future__ import annotations
@@ -21,9 +28,11 @@ import uuid
 from array import array
 from typing import Any
 
+import numpy as np
+
 from sluice.engine.outputs import EmbeddingRequestOutput
 from sluice.protocol.errors import InvalidRequestError
-from sluice.protocol.openai import EmbeddingRequest, now
+from sluice.protocol.openai import EmbeddingRequest, RerankRequest, ScoreRequest, now
 from sluice.protocol.prompt import IdsHint, encode_prompt
 from sluice.worker.sampling import check_token_ids
 from sluice.worker.state import WorkerState
@@ -33,30 +42,88 @@ async def embeddings(state: WorkerState, req: EmbeddingRequest, request_id: str,
                      hint: IdsHint | None = None) -> dict[str, Any]:
     """The response; `hint`: the prompt ids the gateway or router computed, taken when
     they are this tokenizer's for this text."""
-    model = state.check_model(req.model)
-    if state.lora_for(req.model) is not None:
-        raise InvalidRequestError(f"embeddings are not served for the LoRA adapter {model!r}; "
-                                  "name the base model", param="model")
+    model = _base_model(state, req.model)
     if req.dimensions is not None:
         raise InvalidRequestError("this model does not support `dimensions` (it is not a "
                                   "Matryoshka embedding model)", param="dimensions")
-    engine = state.require_engine()
-    tok = engine.tokenizer
-    prompts = [await encode_prompt(tok, x, special=True, hint=hint) if isinstance(x, str)
-               else check_token_ids(x, tok.vocab_size, "input") for x in req.inputs()]
-    tasks = [asyncio.ensure_future(engine.embed(ids, f"{request_id}-{i}"))
-             for i, ids in enumerate(prompts)]
-    try:
-        outputs: list[EmbeddingRequestOutput] = await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:  # one failed (or the client left): the others are aborted
-            task.cancel()
+    inputs = req.inputs()
+    outputs = await _embed_all(state, inputs, request_id, ["input"] * len(inputs), hint)
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": now(),
             "model": model,
             "data": [{"object": "embedding", "index": i, "embedding": _encode(o.data, req)}
                      for i, o in enumerate(outputs)],
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+async def score(state: WorkerState, req: ScoreRequest, request_id: str) -> dict[str, Any]:
+    model = _base_model(state, req.model)
+    left, right, pairs = req.pairs()
+    vectors = await _embed_all(state, [*left, *right], request_id,
+                               ["text_1"] * len(left) + ["text_2"] * len(right))
+    a, b = _matrix(vectors[:len(left)]), _matrix(vectors[len(left):])
+    tokens = sum(len(o.prompt_token_ids) for o in vectors)
+    return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": now(),
+            "model": model,
+            "data": [{"index": k, "object": "score", "score": float(a[i] @ b[j])}
+                     for k, (i, j) in enumerate(pairs)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+async def rerank(state: WorkerState, req: RerankRequest, request_id: str) -> dict[str, Any]:
+    model = _base_model(state, req.model)
+    req.check()
+    vectors = await _embed_all(state, [req.query, *req.documents], request_id,
+                               ["query"] + ["documents"] * len(req.documents))
+    scores = _matrix(vectors[1:]) @ _matrix(vectors[:1])[0]
+    order = sorted(range(len(req.documents)), key=lambda i: -scores[i])[:req.top_n]
+    tokens = sum(len(o.prompt_token_ids) for o in vectors)
+    return {"id": f"rerank-{uuid.uuid4().hex}", "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            "results": [{"index": i, "relevance_score": float(scores[i]),
+                         **({"document": {"text": req.documents[i]}}
+                            if req.return_documents else {})} for i in order]}
+
+
+def _base_model(state: WorkerState, model: str | None) -> str:
+    """The served name `model` asks for; a LoRA adapter's is a 400 (no pooled adapter)."""
+    name = state.check_model(model)
+    if state.lora_for(model) is not None:
+        raise InvalidRequestError(f"embeddings are not served for the LoRA adapter {name!r}; "
+                                  "name the base model", param="model")
+    return name
+
+
+async def _embed_all(state: WorkerState, inputs: list[str | list[int]], request_id: str,
+                     params: list[str], hint: IdsHint | None = None
+                     ) -> list[EmbeddingRequestOutput]:
+    """Each input's embedding, in order, computed concurrently; a bad input is a 400
+    naming its parameter (`params`, one an input), and one that fails (or a client that
+    leaves) aborts the others."""
+    engine = state.require_engine()
+    timer = state.metrics.timer()
+    tok = engine.tokenizer
+    prompts = [await encode_prompt(tok, x, special=True, hint=hint) if isinstance(x, str)
+               else check_token_ids(x, tok.vocab_size, param)
+               for x, param in zip(inputs, params, strict=True)]
+    empty = next((param for ids, param in zip(prompts, params, strict=True) if not ids), None)
+    if empty is not None:
+        raise InvalidRequestError("a text to embed must not be empty", param=empty)
+    tasks = [asyncio.ensure_future(engine.embed(ids, f"{request_id}-{i}", param=param))
+             for i, (ids, param) in enumerate(zip(prompts, params, strict=True))]
+    try:
+        outputs = list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+    for out in outputs:  # vLLM's request metrics: an embedding generates nothing
+        timer.request_tokens(len(out.prompt_token_ids), 0)
+    timer.finished(["stop"] * len(outputs))
+    return outputs
+
+
+def _matrix(outputs: list[EmbeddingRequestOutput]) -> np.ndarray:
+    return np.stack([np.frombuffer(o.data, dtype="<f4") for o in outputs])
 
 
 def _encode(data: bytes, req: EmbeddingRequest) -> list[float] | str:
