@@ -130,7 +130,7 @@ class AsyncEngine:
 
     async def embed(self, prompt: str | list[int], request_id: str, priority: int = 0,
                     param: str = "input") -> EmbeddingRequestOutput:
-        """One prompt's embedding (`EngineCore._pool`); admission errors name `param`.
+        """One prompt's embedding (`EngineCore._embed`); admission errors name `param`.
         Cancelling the caller aborts it in the core."""
         request = self.inputs.prepare_pooling(request_id, prompt, priority, param)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())

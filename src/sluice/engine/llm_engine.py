@@ -103,20 +103,23 @@ class LLMEngine:
         self.core.tick()  # P/D leases that ended release their blocks
         updates = self.core.step()
         if self._embedding:
-            updates = [u for u in updates if u.embedding is None or not self._embedded(u)]
+            updates = self._take_embeddings(updates)
         outputs, stops = self.outputs.process(updates)
         for request_id, index in stops:
             self.core.finish(request_id, index)
         return outputs
 
-    def _embedded(self, update: SeqUpdate) -> bool:
-        """Keep an embedding's update as its output; False for no asked one."""
-        ids = self._embedding.pop(update.request_id, None)
-        if ids is None or update.embedding is None:
-            return False
-        self.embeddings[update.request_id] = EmbeddingRequestOutput(
-            update.request_id, ids, update.embedding, update.num_cached_tokens)
-        return True
+    def _take_embeddings(self, updates: list[SeqUpdate]) -> list[SeqUpdate]:
+        """Keep each asked embedding's output (in `embeddings`); the other updates."""
+        rest = []
+        for update in updates:
+            ids = self._embedding.pop(update.request_id, None)
+            if ids is None or update.embedding is None:
+                rest.append(update)
+            else:
+                self.embeddings[update.request_id] = EmbeddingRequestOutput(
+                    update.request_id, ids, update.embedding, update.num_cached_tokens)
+        return rest
 
     # -- introspection --------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

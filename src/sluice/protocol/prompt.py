@@ -81,7 +81,6 @@ SCORE, RERANK = "score", "rerank"  # their texts: `text_1` then `text_2`; `query
 KIND_OF_PATH = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION,
                 "/v1/messages": MESSAGES, "/v1/responses": RESPONSES,
                 "/v1/embeddings": EMBEDDINGS, "/v1/score": SCORE, "/v1/rerank": RERANK}
-POOLING_KINDS = (EMBEDDINGS, SCORE, RERANK)  # answered with embeddings: nothing generated
 IDS_HEADER = "x-sluice-prompt-ids"
 RESUME_HEADER = "x-sluice-resume-ids"
 TOKENIZER_HEADER = "x-sluice-tokenizer"  # a worker's fingerprint, on responses with token ids
