@@ -13,8 +13,10 @@ same file, the same dtype, all cores) runs the same ids in batches of `--peer-ba
 Reports inputs/s and input tokens/s of both, their ratio, the request latency p50, and
 the cosine similarity of each sluice vector to the peer's for the same ids (sluice runs
 a GGUF file's linears on its quantized blocks by default, transformers on the
-dequantized weights: expect ~0.99, not 1). Progress on stderr; the last stdout line is
-one JSON document.
+dequantized weights: expect ~0.99, not 1). `--vllm-url` adds a vLLM server already
+serving the model for embeddings (e.g. `--runner pooling --convert embed` on a float32
+copy; docs/bench.md) to the same run: the same client and ids, after sluice. Progress on
+stderr; the last stdout line is one JSON document.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--worker-arg", action="append", default=[],
                     help="one more `sluice worker` argument (repeatable)")
+    ap.add_argument("--vllm-url", default=None, help="a vLLM server to measure as well")
     args = ap.parse_args()
     path = resolve_model(args.model)
     port = free_port()
@@ -140,13 +143,25 @@ def main() -> int:
             peer_wall, theirs = run_peer(peer, inputs, args.peer_batch)
             say(f"transformers, {length} tokens: {len(inputs) / peer_wall:.1f} inputs/s")
             cosine = [float(a @ b) for a, b in zip(ours, theirs, strict=True)]
-            rows.append({"input_len": length, "inputs": len(inputs),
-                         "sluice_inputs_s": len(inputs) / wall,
-                         "sluice_tokens_s": len(inputs) * length / wall,
-                         "sluice_request_p50_ms": statistics.median(latencies) * 1000,
-                         "peer_inputs_s": len(inputs) / peer_wall,
-                         "ratio": peer_wall / wall,
-                         "cosine_min": min(cosine), "cosine_mean": statistics.fmean(cosine)})
+            row = {"input_len": length, "inputs": len(inputs),
+                   "sluice_inputs_s": len(inputs) / wall,
+                   "sluice_tokens_s": len(inputs) * length / wall,
+                   "sluice_request_p50_ms": statistics.median(latencies) * 1000,
+                   "peer_inputs_s": len(inputs) / peer_wall,
+                   "ratio": peer_wall / wall,
+                   "cosine_min": min(cosine), "cosine_mean": statistics.fmean(cosine)}
+            if args.vllm_url:
+                vmodel = httpx.get(args.vllm_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+                asyncio.run(run_http(args.vllm_url, vmodel, warm, args.batch, args.concurrency))
+                vwall, vlat, vllms = asyncio.run(run_http(args.vllm_url, vmodel, inputs,
+                                                          args.batch, args.concurrency))
+                say(f"vLLM, {length} tokens: {len(inputs) / vwall:.1f} inputs/s")
+                vcos = [float(a @ b) for a, b in zip(vllms, theirs, strict=True)]
+                row.update({"vllm_inputs_s": len(inputs) / vwall,
+                            "vllm_request_p50_ms": statistics.median(vlat) * 1000,
+                            "sluice_over_vllm": vwall / wall,
+                            "vllm_cosine_min": min(vcos)})
+            rows.append(row)
     finally:
         proc.terminate()
         proc.wait(60)
@@ -156,6 +171,11 @@ def main() -> int:
         print(f"{r['input_len']:>12} {r['sluice_inputs_s']:>12.1f} {r['sluice_tokens_s']:>9.0f} "
               f"{r['sluice_request_p50_ms']:>11.1f} {r['peer_inputs_s']:>18.1f} "
               f"{r['ratio']:>6.2f} {r['cosine_min']:>7.4f}/{r['cosine_mean']:.4f}")
+        if "vllm_inputs_s" in r:
+            print(f"{'':>12} vLLM: {r['vllm_inputs_s']:.1f} inputs/s, request p50 "
+                  f"{r['vllm_request_p50_ms']:.1f} ms, sluice/vLLM "
+                  f"{r['sluice_over_vllm']:.2f}, cosine to transformers min "
+                  f"{r['vllm_cosine_min']:.4f}")
     print(json.dumps({"benchmark": "embeddings", "model": path, "dtype": args.dtype,
                       "batch": args.batch, "concurrency": args.concurrency,
                       "peer_batch": args.peer_batch, "cpus": os.cpu_count(), "results": rows}))
