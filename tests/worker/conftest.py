@@ -22,10 +22,14 @@ TINY_OPTIONS: dict[str, Any] = dict(num_kv_blocks=512, block_size=16, max_model_
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_llama_dir: Path) -> Iterator[Any]:
+def engine(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> Iterator[Any]:
+    """The module's `ENGINE_DTYPE` (e.g. float32, to compare with transformers), if it
+    sets one; else the engine's default (auto)."""
     from sluice.engine.async_engine import AsyncEngine
 
-    eng = AsyncEngine(EngineConfig.from_options(str(tiny_llama_dir), **TINY_OPTIONS))
+    dtype = getattr(request.module, "ENGINE_DTYPE", "auto")
+    eng = AsyncEngine(EngineConfig.from_options(str(tiny_llama_dir), dtype=dtype,
+                                                **TINY_OPTIONS))
     yield eng
     eng.shutdown()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,40 +14,15 @@ import openai
 import pytest
 import torch
 
-from sluice.engine.config import EngineConfig
 from sluice.engine.messages import Add, CoreOutputs, CoreRequest, SeqUpdate, decode, encode
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.stats import EngineStats
-from sluice.worker.app import build_app
-from sluice.worker.config import WorkerConfig
 
 from .conftest import TINY_OPTIONS
 from .worker_helpers import ServerThread
 
 LONG = "the river runs to the sea " * 90  # ~540 tokens: two chunks of the 512 budget
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_llama_dir: Path) -> Iterator[Any]:
-    from sluice.engine.async_engine import AsyncEngine
-
-    eng = AsyncEngine(EngineConfig.from_options(str(tiny_llama_dir), dtype="float32",
-                                                **TINY_OPTIONS))
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine: Any) -> Iterator[ServerThread]:
-    srv = ServerThread(build_app(engine, WorkerConfig(served_model_names=("tiny",)))).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture()
-def http(server: ServerThread) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
+ENGINE_DTYPE = "float32"  # the conftest's engine, as transformers computes the reference
 
 
 @pytest.fixture(scope="module")

@@ -7,33 +7,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from sluice.engine.config import EngineConfig
 from sluice.protocol.prompt import RESUME_HEADER, TOKENIZER_HEADER, ResumeIds
 from sluice.worker.app import build_app
 from sluice.worker.config import WorkerConfig
 
-from .conftest import TINY_OPTIONS
 from .worker_helpers import ServerThread
 
+ENGINE_DTYPE = "float32"  # the conftest's engine (see the docstring)
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                            "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_llama_dir: Path) -> Iterator[Any]:
-    from sluice.engine.async_engine import AsyncEngine
-
-    eng = AsyncEngine(EngineConfig.from_options(str(tiny_llama_dir), dtype="float32",
-                                                **TINY_OPTIONS))
-    yield eng
-    eng.shutdown()
 
 
 @pytest.fixture(scope="module")

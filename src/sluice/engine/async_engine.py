@@ -103,13 +103,8 @@ class AsyncEngine:
         stream): the engine continues after them and the outputs hold only new ones."""
         request = self.inputs.prepare(request_id, prompt, params, priority, resumed=resumed,
                                       lora=lora_request)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
-            self._check_open()
-            if request_id in self._streams:
-                raise InvalidRequestError(f"duplicate request id {request_id!r}",
-                                          param="request_id")
-            self._streams[request_id] = stream
+            stream = self._open(request_id)
             self._outputs.add(request_id, prompt if isinstance(prompt, str) else None,
                               request.prompt_token_ids, params, request.arrival_time,
                               request.num_output_tokens)
@@ -133,13 +128,8 @@ class AsyncEngine:
         """One prompt's embedding (`EngineCore._embed`); admission errors name `param`.
         Cancelling the caller aborts it in the core."""
         request = self.inputs.prepare_pooling(request_id, prompt, priority, param)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
-            self._check_open()
-            if request_id in self._streams:
-                raise InvalidRequestError(f"duplicate request id {request_id!r}",
-                                          param="request_id")
-            self._streams[request_id] = stream
+            stream = self._open(request_id)
         self.client.send(Add(request))
         try:
             item = await stream.queue.get()
@@ -151,6 +141,17 @@ class AsyncEngine:
         assert isinstance(item, SeqUpdate) and item.embedding is not None
         return EmbeddingRequestOutput(request_id, request.prompt_token_ids, item.embedding,
                                       item.num_cached_tokens)
+
+    def _open(self, request_id: str) -> _Stream:
+        """A new request's stream, on the caller's loop (the lock held); raises if the
+        engine is dead or shut down, or the id is in use."""
+        self._check_open()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}",
+                                      param="request_id")
+        stream = self._streams[request_id] = _Stream(asyncio.get_running_loop(),
+                                                     asyncio.Queue())
+        return stream
 
     def _check_open(self) -> None:
         if self.dead is not None:

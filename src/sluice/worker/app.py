@@ -55,12 +55,9 @@ from sluice.protocol.openai import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    EmbeddingRequest,
     ModelCard,
     ModelList,
-    RerankRequest,
     SamplingFields,
-    ScoreRequest,
     TokenizeRequest,
     TokenizeResponse,
     check_continue,
@@ -202,26 +199,8 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         app.add_route(path, responses.stored_response, methods=["GET", "POST", "DELETE"],
                       include_in_schema=False)
 
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> Response:
-        check_epoch(request, state)
-        req = parse_request(EmbeddingRequest, await parse_body(request))
-        return JSONResponse(await until_disconnect(request, pooling.embeddings(
-            state, req, request_id(request), ids_hint(request))))
-
-    @app.post("/v1/score")
-    async def score(request: Request) -> Response:
-        check_epoch(request, state)
-        req = parse_request(ScoreRequest, await parse_body(request))
-        return JSONResponse(await until_disconnect(request, pooling.score(
-            state, req, request_id(request))))
-
-    @app.post("/v1/rerank")
-    async def rerank(request: Request) -> Response:
-        check_epoch(request, state)
-        req = parse_request(RerankRequest, await parse_body(request))
-        return JSONResponse(await until_disconnect(request, pooling.rerank(
-            state, req, request_id(request))))
+    for path, answer in pooling.ROUTES.items():
+        app.add_api_route(path, _pooling_route(state, answer), methods=["POST"])
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> dict[str, Any]:
@@ -343,6 +322,21 @@ def _ids_headers(state: WorkerState, req: SamplingFields) -> dict[str, str]:
     if not req.return_token_ids:
         return {}
     return {TOKENIZER_HEADER: fingerprint(state.require_engine().tokenizer)}
+
+
+def _pooling_route(state: WorkerState, answer: pooling.Answer
+                   ) -> Callable[[Request], Awaitable[Response]]:
+    """A route answered with embeddings (`worker/embeddings.py`): `answer` is the request
+    model it reads and the function that answers it."""
+    model, respond = answer
+
+    async def route(request: Request) -> Response:
+        check_epoch(request, state)
+        req = parse_request(model, await parse_body(request))
+        return JSONResponse(await until_disconnect(request, respond(
+            state, req, request_id(request), ids_hint(request))))
+
+    return route
 
 
 def request_id(request: Request) -> str:

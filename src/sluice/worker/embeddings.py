@@ -26,6 +26,7 @@ import asyncio
 import base64
 import uuid
 from array import array
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -56,11 +57,12 @@ async def embeddings(state: WorkerState, req: EmbeddingRequest, request_id: str,
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
-async def score(state: WorkerState, req: ScoreRequest, request_id: str) -> dict[str, Any]:
+async def score(state: WorkerState, req: ScoreRequest, request_id: str,
+                hint: IdsHint | None = None) -> dict[str, Any]:
     model = _base_model(state, req.model)
     left, right, pairs = req.pairs()
     vectors = await _embed_all(state, [*left, *right], request_id,
-                               ["text_1"] * len(left) + ["text_2"] * len(right))
+                               ["text_1"] * len(left) + ["text_2"] * len(right), hint)
     a, b = _matrix(vectors[:len(left)]), _matrix(vectors[len(left):])
     tokens = sum(len(o.prompt_token_ids) for o in vectors)
     return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": now(),
@@ -70,11 +72,12 @@ async def score(state: WorkerState, req: ScoreRequest, request_id: str) -> dict[
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-async def rerank(state: WorkerState, req: RerankRequest, request_id: str) -> dict[str, Any]:
+async def rerank(state: WorkerState, req: RerankRequest, request_id: str,
+                 hint: IdsHint | None = None) -> dict[str, Any]:
     model = _base_model(state, req.model)
     req.check()
     vectors = await _embed_all(state, [req.query, *req.documents], request_id,
-                               ["query"] + ["documents"] * len(req.documents))
+                               ["query"] + ["documents"] * len(req.documents), hint)
     scores = _matrix(vectors[1:]) @ _matrix(vectors[:1])[0]
     order = sorted(range(len(req.documents)), key=lambda i: -scores[i])[:req.top_n]
     tokens = sum(len(o.prompt_token_ids) for o in vectors)
@@ -130,3 +133,11 @@ def _encode(data: bytes, req: EmbeddingRequest) -> list[float] | str:
     if req.encoding_format == "base64":
         return base64.b64encode(data).decode("ascii")
     return array("f", data).tolist()
+
+
+# the routes answered here: the request model each reads, and its answer (`hint`: the
+# prompt ids the gateway or router computed, taken when they are this tokenizer's)
+Answer = tuple[type[Any], Callable[..., Awaitable[dict[str, Any]]]]
+ROUTES: dict[str, Answer] = {"/v1/embeddings": (EmbeddingRequest, embeddings),
+                             "/v1/score": (ScoreRequest, score),
+                             "/v1/rerank": (RerankRequest, rerank)}
