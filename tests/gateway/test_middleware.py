@@ -847,3 +847,33 @@ async def test_an_embeddings_input_that_is_not_text_or_ids_is_a_400_naming_input
             assert r.status_code == 404  # passed on: the stub serves no embeddings
     statuses = [r.status for r in sqlite_store.query_usage(UsageQuery())]
     assert statuses == ["rejected"] * 4 + ["error"] * 4
+
+
+async def test_score_and_rerank_count_their_texts_and_name_them(
+        sqlite_store: SQLStore, stub: StubUpstream) -> None:
+    """/v1/score and /v1/rerank reserve no completion: their texts are the prompt, a bad
+    one a 400 naming its field, too many tokens for the TPM limit a 429 naming it."""
+    state = make_state(sqlite_store)
+    gw = GatewayMiddleware(stub, state)
+    docs = ["a river runs to the sea " * 4] * 3
+    counted = state.count_prompt_tokens("stub-model", {"prompt": ["rivers", *docs]})
+    async with client_for(gw, new_key(sqlite_store, tpm=counted - 1)) as c:
+        for path, body, param in (("/v1/score", {"text_1": "a", "text_2": []}, "text_2"),
+                                  ("/v1/score", {"text_1": 3, "text_2": "b"}, "text_1"),
+                                  ("/v1/rerank", {"query": ["q"], "documents": ["d"]}, "query"),
+                                  ("/v1/rerank", {"query": "q", "documents": "d"}, "documents")):
+            r = await c.post(path, json={"model": "stub-model", **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+        r = await c.post("/v1/rerank", json={"model": "stub-model", "query": "rivers",
+                                             "documents": docs})
+        assert r.status_code == 429 and r.json()["error"]["param"] == "documents", r.text
+        assert f"Requested {counted}. The request alone (its input)" in r.text
+        r = await c.post("/v1/score", json={"model": "stub-model", "text_1": "rivers",
+                                            "text_2": docs[:1]})
+        assert r.status_code == 404  # admitted and passed on: the stub serves no scores
+        assert r.headers["x-ratelimit-remaining-tokens"] == str(  # its texts reserved
+            counted - 1 - state.count_prompt_tokens("stub-model",
+                                                    {"prompt": ["rivers", docs[0]]}))
+    rows = sqlite_store.query_usage(UsageQuery())
+    assert [(x.endpoint, x.status) for x in rows][-2:] == [
+        ("/v1/rerank", "rejected"), ("/v1/score", "error")]

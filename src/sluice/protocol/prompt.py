@@ -220,20 +220,22 @@ def prompt_view(kind: str, body: Mapping[str, Any]) -> PromptView:
     if kind == SCORE:
         return PromptView(texts=_texts(body, "text_1") + _texts(body, "text_2"))
     if kind == RERANK:
-        return PromptView(texts=_texts(body, "query", one=True) + _texts(body, "documents"))
+        return PromptView(texts=_texts(body, "query", text=True, texts=False)
+                          + _texts(body, "documents", text=False))
     return PromptView(texts=completion_texts(body.get("prompt", body.get("input", ""))))
 
 
-def _texts(body: Mapping[str, Any], name: str, one: bool = False) -> tuple[str, ...]:
-    """A scoring request's texts under `name`: a string, or (unless `one`) a non-empty
-    list of strings; else a 400 naming it."""
+def _texts(body: Mapping[str, Any], name: str, text: bool = True, texts: bool = True
+           ) -> tuple[str, ...]:
+    """A scoring request's texts under `name`: a string (if `text`) or a non-empty list
+    of strings (if `texts`); else a 400 naming it."""
     value = body.get(name)
-    if isinstance(value, str):
+    if text and isinstance(value, str):
         return (value,)
-    if not one and isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+    if texts and isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         return tuple(value)
-    raise InvalidRequestError(f"'{name}' must be a string" + ("" if one else
-                              " or a non-empty list of strings"), param=name)
+    shapes = [s for s, ok in (("a string", text), ("a non-empty list of strings", texts)) if ok]
+    raise InvalidRequestError(f"'{name}' must be {' or '.join(shapes)}", param=name)
 
 
 def _chat_view(kind: str, body: Mapping[str, Any]) -> PromptView:
