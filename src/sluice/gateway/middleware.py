@@ -502,7 +502,8 @@ class Exchange:
         if self.endpoint == EMBEDDINGS_PATH:
             check_embeddings_input(payload)
         if tokens is None or kind is None:
-            if self.endpoint in POOLED_INPUT:  # (a plain counter reads a completion's body)
+            if kind is not None and self.endpoint in POOLED_INPUT:  # (a plain counter
+                # reads a completion's body)
                 payload = {"model": adm.model, "prompt": list(prompt_view(kind, payload).texts)}
             return await self.count(adm.model, payload, len(adm.body))
         view = adm.view = prompt_view(kind, payload)
