@@ -502,8 +502,8 @@ class Exchange:
         if self.endpoint == EMBEDDINGS_PATH:
             check_embeddings_input(payload)
         if tokens is None or kind is None:
-            if kind is not None and self.endpoint in POOLED_INPUT:  # (a plain counter
-                # reads a completion's body)
+            # a plain counter reads a completion's body: give it a scoring request's texts
+            if kind is not None and self.endpoint in POOLED_INPUT:
                 payload = {"model": adm.model, "prompt": list(prompt_view(kind, payload).texts)}
             return await self.count(adm.model, payload, len(adm.body))
         view = adm.view = prompt_view(kind, payload)
