@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from serve_vs_vllm import cpu_info, wait_healthy  # benchmarks/ is on sys.path as a script
 
 from sluice.control.local import free_port
 from sluice.engine.tokenizer import resolve_model
@@ -70,6 +71,10 @@ async def run_http(url: str, model: str, inputs: list[list[int]], batch: int,
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return time.perf_counter() - t0, latencies, vectors
+
+
+def first_model(url: str) -> str:
+    return str(httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"])
 
 
 def load_peer(path: str, dtype: str) -> Any:
@@ -119,17 +124,9 @@ def main() -> int:
     url = f"http://127.0.0.1:{port}"
     rows: list[dict[str, Any]] = []
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                raise SystemExit(f"the worker exited ({proc.returncode})")
-            time.sleep(1)
-        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        wait_healthy(url, 300, proc, None)
+        model = first_model(url)
+        vllm_model = first_model(args.vllm_url) if args.vllm_url else None
         peer = load_peer(path, args.dtype)
         vocab = int(peer.config.vocab_size)
         for length in args.input_len:
@@ -150,10 +147,10 @@ def main() -> int:
                    "peer_inputs_s": len(inputs) / peer_wall,
                    "ratio": peer_wall / wall,
                    "cosine_min": min(cosine), "cosine_mean": statistics.fmean(cosine)}
-            if args.vllm_url:
-                vmodel = httpx.get(args.vllm_url + "/v1/models", timeout=10).json()["data"][0]["id"]
-                asyncio.run(run_http(args.vllm_url, vmodel, warm, args.batch, args.concurrency))
-                vwall, vlat, vllms = asyncio.run(run_http(args.vllm_url, vmodel, inputs,
+            if args.vllm_url and vllm_model:
+                asyncio.run(run_http(args.vllm_url, vllm_model, warm, args.batch,
+                                     args.concurrency))
+                vwall, vlat, vllms = asyncio.run(run_http(args.vllm_url, vllm_model, inputs,
                                                           args.batch, args.concurrency))
                 say(f"vLLM, {length} tokens: {len(inputs) / vwall:.1f} inputs/s")
                 vcos = [float(a @ b) for a, b in zip(vllms, theirs, strict=True)]
@@ -176,7 +173,8 @@ def main() -> int:
                   f"{r['vllm_request_p50_ms']:.1f} ms, sluice/vLLM "
                   f"{r['sluice_over_vllm']:.2f}, cosine to transformers min "
                   f"{r['vllm_cosine_min']:.4f}")
-    print(json.dumps({"benchmark": "embeddings", "model": path, "dtype": args.dtype,
+    print(json.dumps({"benchmark": "embeddings", "cpu": cpu_info(), "model": path,
+                      "dtype": args.dtype,
                       "batch": args.batch, "concurrency": args.concurrency,
                       "peer_batch": args.peer_batch, "cpus": os.cpu_count(), "results": rows}))
     return 0
