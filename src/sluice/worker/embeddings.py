@@ -49,12 +49,11 @@ async def embeddings(state: WorkerState, req: EmbeddingRequest, request_id: str,
                                   "Matryoshka embedding model)", param="dimensions")
     inputs = req.inputs()
     outputs = await _embed_all(state, inputs, request_id, ["input"] * len(inputs), hint)
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": now(),
             "model": model,
             "data": [{"object": "embedding", "index": i, "embedding": _encode(o.data, req)}
                      for i, o in enumerate(outputs)],
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+            "usage": _usage(outputs)}
 
 
 async def score(state: WorkerState, req: ScoreRequest, request_id: str,
@@ -64,12 +63,11 @@ async def score(state: WorkerState, req: ScoreRequest, request_id: str,
     vectors = await _embed_all(state, [*left, *right], request_id,
                                ["text_1"] * len(left) + ["text_2"] * len(right), hint)
     a, b = _matrix(vectors[:len(left)]), _matrix(vectors[len(left):])
-    tokens = sum(len(o.prompt_token_ids) for o in vectors)
     return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": now(),
             "model": model,
             "data": [{"index": k, "object": "score", "score": float(a[i] @ b[j])}
                      for k, (i, j) in enumerate(pairs)],
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+            "usage": _usage(vectors)}
 
 
 async def rerank(state: WorkerState, req: RerankRequest, request_id: str,
@@ -80,9 +78,7 @@ async def rerank(state: WorkerState, req: RerankRequest, request_id: str,
                                ["query"] + ["documents"] * len(req.documents), hint)
     scores = _matrix(vectors[1:]) @ _matrix(vectors[:1])[0]
     order = sorted(range(len(req.documents)), key=lambda i: -scores[i])[:req.top_n]
-    tokens = sum(len(o.prompt_token_ids) for o in vectors)
-    return {"id": f"rerank-{uuid.uuid4().hex}", "model": model,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    return {"id": f"rerank-{uuid.uuid4().hex}", "model": model, "usage": _usage(vectors),
             "results": [{"index": i, "relevance_score": float(scores[i]),
                          **({"document": {"text": req.documents[i]}}
                             if req.return_documents else {})} for i in order]}
@@ -123,6 +119,12 @@ async def _embed_all(state: WorkerState, inputs: list[str | list[int]], request_
         timer.request_tokens(len(out.prompt_token_ids), 0)
     timer.finished(["stop"] * len(outputs))
     return outputs
+
+
+def _usage(outputs: list[EmbeddingRequestOutput]) -> dict[str, int]:
+    """Every text embedded counts, as prompt tokens (nothing is generated)."""
+    tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    return {"prompt_tokens": tokens, "total_tokens": tokens}
 
 
 def _matrix(outputs: list[EmbeddingRequestOutput]) -> np.ndarray:
