@@ -39,8 +39,9 @@ def save_smollm2_tokenizer(out: Path) -> None:
 
 def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
                          **overrides: object) -> Path:
-    """Write a tiny random `arch` ("llama" | "qwen2" | "mistral") checkpoint into `out`
-    (`overrides`: config fields, e.g. vocab_size)."""
+    """Write a tiny random `arch` ("llama" | "qwen2" | "mistral" | "qwen3") checkpoint into
+    `out` (`overrides`: config fields, e.g. vocab_size). qwen3's heads are wider than
+    hidden / heads (head_dim 32 against 16), as Qwen3-0.6B's are (128 against 64)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
@@ -50,6 +51,8 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
         rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
         tie_word_embeddings=arch != "mistral", torch_dtype="float32",
     )
+    if arch == "qwen3":
+        common["head_dim"] = 32
     common.update(overrides)
     config = AutoConfig.for_model(arch, **common)
     torch.manual_seed(seed)
@@ -58,6 +61,9 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.2)
+        for name, p in model.named_parameters():  # Qwen3's head norms away from ones
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(str(out), safe_serialization=True)
     save_smollm2_tokenizer(out)
     return out

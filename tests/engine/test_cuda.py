@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def tiny(request: pytest.FixtureRequest) -> tuple[Path, list[list[int]], list[list[int]]]:
     model_dir = request.getfixturevalue(f"tiny_{request.param}_dir")
     prompts = hf_prompts(model_dir, TEXTS)

@@ -124,7 +124,7 @@ def top1_agreement(runner: ModelRunner, quant: ModelRunner, ids: list[int]) -> t
     return agree, float((got - want).norm() / want.norm())
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_tiny_model_on_int8_weights_follows_the_float_path(
         request: pytest.FixtureRequest, arch: str, backend: str) -> None:

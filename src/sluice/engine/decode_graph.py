@@ -170,10 +170,13 @@ class DecodeGraph:
                panels: list[Tensor], max_rows: int) -> DecodeGraph:
         assert native.decode_graph is not None
         norms: list[RMSNorm] = []
+        qk_norms: list[RMSNorm] = []  # Qwen3's, a Q and a K head norm a layer
         k_pools, v_pools = [], []
         for layer in model.layers:
             assert isinstance(layer, TransformerBlock)
             norms += [layer.attention_norm, layer.ffn_norm]
+            if layer.attention.q_norm is not None and layer.attention.k_norm is not None:
+                qk_norms += [layer.attention.q_norm, layer.attention.k_norm]
             assert layer.attention.kv_cache is not None, "KV cache not allocated"
             k_pools.append(layer.attention.kv_cache.k)
             v_pools.append(layer.attention.kv_cache.v)
@@ -183,7 +186,8 @@ class DecodeGraph:
             weights, types,
             [_float(m.bias) if m.bias is not None else torch.empty(0) for m in linears],
             [_float(n.weight) for n in norms], k_pools, v_pools,
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, int8, panels)
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, int8, panels,
+            [_float(n.weight) for n in qk_norms])
         return cls(model, graph, max_rows)
 
     def takes(self, chunks: list[SeqChunk]) -> bool:

@@ -6,7 +6,7 @@ Two llama.cpp conventions are undone here so the model file sees Hugging Face we
 2. Llama's Q and K rows: llama.cpp's converter interleaves each head's two RoPE halves
    (`reshape(heads, 2, d/2, in).swapaxes(1, 2)`) for its rotate-adjacent-pairs kernel;
    `unpermute_qk` swaps them back for the half-split RoPE here, as transformers'
-   GGUF loader does. Qwen2 files are not permuted.
+   GGUF loader does. Qwen2 and Qwen3 files are not permuted.
 
 Quantized tensors (Q4_0/Q4_1/Q8_0/K-quants...) are dequantized with
 `gguf.quants.dequantize`; weights are kept dense in the engine dtype. The model's
@@ -34,18 +34,21 @@ from sluice.engine.models.llama import (
 from sluice.engine.models.weights_cache import cached_state
 from sluice.protocol.errors import InvalidRequestError
 
-# GGUF general.architecture -> (HF architecture, Q/K permuted by llama.cpp, qkv bias)
-GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
-    "llama": ("LlamaForCausalLM", True, False),
-    "mistral": ("MistralForCausalLM", True, False),
-    "qwen2": ("Qwen2ForCausalLM", False, True),
+# GGUF general.architecture -> (HF architecture, Q/K permuted by llama.cpp, qkv bias,
+# Q/K head norms)
+GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool, bool]] = {
+    "llama": ("LlamaForCausalLM", True, False, False),
+    "mistral": ("MistralForCausalLM", True, False, False),
+    "qwen2": ("Qwen2ForCausalLM", False, True, False),
+    "qwen3": ("Qwen3ForCausalLM", False, False, True),
 }
 
 GGUF_NAMES: dict[str, str] = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
+    "ffn_norm": "post_attention_layernorm", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 GGUF_GLOBAL_NAMES: dict[str, str] = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
@@ -81,7 +84,7 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
     if arch not in GGUF_ARCHITECTURES:
         raise InvalidRequestError(f"{gguf.path.name}: unsupported GGUF architecture {arch!r} "
                                   f"(supported: {sorted(GGUF_ARCHITECTURES)})", param="model")
-    hf_arch, permuted, qkv_bias = GGUF_ARCHITECTURES[arch]
+    hf_arch, permuted, qkv_bias, qk_norm = GGUF_ARCHITECTURES[arch]
 
     def meta(key: str, default: Any = None) -> Any:
         value = gguf.get(f"{arch}.{key}", default)
@@ -99,7 +102,7 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
         head_dim=int(meta("attention.key_length", hidden // heads)),
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         max_position_embeddings=int(meta("context_length")),
-        rope=rope_from_gguf(gguf, arch), qkv_bias=qkv_bias,
+        rope=rope_from_gguf(gguf, arch), qkv_bias=qkv_bias, qk_norm=qk_norm,
         tie_word_embeddings="output.weight" not in gguf.tensors)
     return cfg, permuted
 

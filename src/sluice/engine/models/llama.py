@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5) as one model file.
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3) as one model file.
 
 Read it like the paper: each block is
 
@@ -10,8 +10,9 @@ takes and returns `(x, residual)`, and `norm.add(x, residual)` is `residual += x
 x = norm(residual)` (one native kernel on CPU, see `sluice.engine.native`).
 
 Differences between the members are data, not branches: Qwen2 has a bias on Q/K/V
-(`qkv_bias`), Llama 3 scales RoPE frequencies (`rope_type`), some tie the output head
-to the embedding (`tie_word_embeddings`). Weights arrive under Hugging Face names
+(`qkv_bias`), Qwen3 an RMSNorm over each Q and K head before RoPE (`qk_norm`), Llama 3
+scales RoPE frequencies (`rope_type`), some tie the output head to the embedding
+(`tie_word_embeddings`). Weights arrive under Hugging Face names
 (`model.layers.0.self_attn.q_proj.weight`, ...) from either loader and are fused here
 (Q|K|V into one matrix, gate|up into another) so a layer does three big matmuls and
 one attention call over all of a step's tokens, flattened to `[T, hidden]`.
@@ -68,6 +69,7 @@ class LlamaConfig:
     max_position_embeddings: int
     rope: RopeConfig = field(default_factory=RopeConfig)
     qkv_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each Q and each K head (its own weights)
     tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
@@ -192,6 +194,9 @@ class Attention(nn.Module):
         self.cfg = cfg
         self.wqkv = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.wo = Linear(cfg.q_size, cfg.hidden_size)
+        # Qwen3: each head of Q and of K normalized before RoPE, one weight [head_dim] each
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.kv_cache: KVCache | None = None
         self.rope: RopeKernel | None = None  # native RoPE in place, set by the runner
 
@@ -200,7 +205,10 @@ class Attention(nn.Module):
         qkv = self.wqkv(x)
         # Q and K heads rotate together: one RoPE over [T, heads + kv_heads, head_dim]
         qk = qkv[:, :cfg.q_size + cfg.kv_size].view(t, -1, cfg.head_dim)
-        if self.rope is not None:  # in place: qkv is this step's own output
+        if self.q_norm is not None and self.k_norm is not None:  # a new tensor, contiguous
+            qk = torch.cat((self.q_norm(qk[:, :cfg.num_heads]),
+                            self.k_norm(qk[:, cfg.num_heads:])), 1)
+        if self.rope is not None:  # in place: qkv (or the normed qk) is this step's own
             self.rope(qk, cos, sin)
         else:
             qk = apply_rope(qk, cos, sin)
@@ -343,6 +351,9 @@ def fuse_hf_weights(cfg: LlamaConfig, hf: Mapping[str, Tensor]) -> dict[str, Ten
         if cfg.qkv_bias:
             out[a + "attention.wqkv.bias"] = torch.cat([hf[attn + f"{n}_proj.bias"] for n in "qkv"])
         out[a + "attention.wo.weight"] = hf[attn + "o_proj.weight"]
+        if cfg.qk_norm:
+            out[a + "attention.q_norm.weight"] = hf[attn + "q_norm.weight"]
+            out[a + "attention.k_norm.weight"] = hf[attn + "k_norm.weight"]
         out[a + "feed_forward.w13.weight"] = torch.cat(
             [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
         out[a + "feed_forward.w2.weight"] = hf[p + "mlp.down_proj.weight"]
@@ -360,6 +371,7 @@ def expected_hf_names(cfg: LlamaConfig) -> list[str]:
         p = f"model.layers.{i}."
         names += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
         names += [p + f"self_attn.{n}_proj.bias" for n in "qkv"] if cfg.qkv_bias else []
+        names += [p + f"self_attn.{n}_norm.weight" for n in "qk"] if cfg.qk_norm else []
         names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
     return names

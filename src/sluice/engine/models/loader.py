@@ -13,7 +13,8 @@ config styles are read: transformers <5 (`rope_theta`, `rope_scaling`) and 5
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,18 +25,22 @@ from sluice.engine.models.llama import LlamaConfig, RopeConfig, Transformer, bui
 from sluice.engine.tokenizer import ModelNotFoundError, local_model_path
 from sluice.protocol.errors import InvalidRequestError
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class ArchSpec:
     """What distinguishes one Llama-family architecture from another."""
 
     qkv_bias: bool = False
+    qk_norm: bool = False
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "LlamaForCausalLM": ArchSpec(),
     "MistralForCausalLM": ArchSpec(),
     "Qwen2ForCausalLM": ArchSpec(qkv_bias=True),
+    "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
 }
 
 
@@ -54,8 +59,25 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
     if not path.is_dir():
         raise ModelNotFoundError(f"model {str(path)!r} is neither a .gguf file nor a "
                                  "checkpoint directory", param="model")
-    cfg = config_from_hf(read_config(path))
-    return build_model(cfg, read_safetensors(path), device, dtype), cfg
+    cfg, weights = base_model_weights(config_from_hf(read_config(path)), read_safetensors(path))
+    return build_model(cfg, weights, device, dtype), cfg
+
+
+def base_model_weights(cfg: LlamaConfig, weights: dict[str, Tensor]
+                       ) -> tuple[LlamaConfig, dict[str, Tensor]]:
+    """A checkpoint saved from the base model (`Qwen3Model`, not `...ForCausalLM`), as
+    embedding models are (Qwen3-Embedding's config.json names `Qwen3ForCausalLM`; its
+    tensors are `embed_tokens.weight`, `layers.0...`, no `lm_head`): its names under the
+    causal LM's `model.` prefix, and without a head its output tied to the embedding
+    (vLLM reads these checkpoints the same way). Other checkpoints pass unchanged."""
+    if "model.embed_tokens.weight" in weights or "embed_tokens.weight" not in weights:
+        return cfg, weights
+    weights = {f"model.{name}": tensor for name, tensor in weights.items()}
+    if "lm_head.weight" not in weights and not cfg.tie_word_embeddings:
+        log.info("%s checkpoint without an LM head (a base model, e.g. for embeddings): its "
+                 "output is the embedding matrix", cfg.architecture)
+        cfg = replace(cfg, tie_word_embeddings=True)
+    return cfg, weights
 
 
 def read_config(directory: Path) -> dict[str, Any]:
@@ -86,6 +108,7 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=_max_positions(c),
         rope=rope_from_hf(c), qkv_bias=spec.qkv_bias or bool(c.get("attention_bias")),
+        qk_norm=spec.qk_norm,
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
 
 

@@ -1,0 +1,175 @@
+"""Qwen3 (`Qwen3ForCausalLM`): an RMSNorm over each Q and each K head before RoPE, and
+heads wider than hidden / heads. Greedy tokens against transformers are in
+test_hf_equivalence.py and test_model_runner.py (the tiny checkpoint is one of their
+architectures); here: the decode graph's head norms, a llama.cpp `qwen3` GGUF file (float
+and Q8_0 blocks, the GGUF graph), and a base-model checkpoint as Qwen3-Embedding ships
+(no `model.` prefix, no LM head) read for embeddings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sluice.engine.config import EngineConfig
+from sluice.engine.llm import LLM
+from sluice.engine.model_runner import ModelRunner, SeqChunk
+from sluice.engine.models.gguf_file import GGUFFile
+from sluice.engine.models.gguf_loader import config_from_gguf, load_gguf_model
+
+PROMPT = "The quick brown fox jumps over the lazy dog, and then it rests."
+
+
+def hf_model(directory: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+
+
+def decode_logits(runner: ModelRunner, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """The prompt, then `steps` greedy one-token steps: the tokens and their logits."""
+    table = list(range(-(-(len(ids) + steps) // runner.block_size)))
+    out = runner.execute([SeqChunk(ids, 0, table, True)])
+    seq, logits = list(ids), [out[0].float()]
+    for _ in range(steps):
+        seq.append(int(out[0].argmax()))
+        out = runner.execute([SeqChunk(seq[-1:], len(seq) - 1, table, True)])
+        logits.append(out[0].float())
+    return seq[len(ids):], torch.stack(logits)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_graph_normalizes_the_heads(tiny_qwen3_dir: Path, dtype: str) -> None:
+    """The native decode graph (float32 panels, or bfloat16 where the CPU has native
+    bfloat16 linears) runs Qwen3's head norms as the torch model does."""
+    eager, graph = (ModelRunner(EngineConfig.from_options(
+        str(tiny_qwen3_dir), num_kv_blocks=64, block_size=4, dtype=dtype, enforce_eager=e))
+        for e in (True, False))
+    if graph.decode_graph is None:
+        assert dtype == "bfloat16"
+        pytest.skip("no bfloat16 decode graph on this CPU (needs AMX or AVX512-BF16)")
+    ids = eager.tokenizer.encode(PROMPT)
+    want_tokens, want = decode_logits(eager, ids, 6)
+    got_tokens, got = decode_logits(graph, ids, 6)
+    tol = 1e-4 if dtype == "float32" else 0.05
+    assert (got - want).abs().max() <= tol * want.abs().max()
+    assert got_tokens == want_tokens
+    # the head norms are not ones (a graph that skipped them fails the comparison above)
+    layer = graph.model.layers[0].attention
+    assert layer.q_norm is not None and not torch.all(layer.q_norm.weight == 1)
+
+
+def write_gguf(hf_dir: Path, path: Path, linears: str) -> Path:
+    """The tiny checkpoint as llama.cpp's converter writes a `qwen3` file: its names, no
+    Q/K permutation, norms float32, linears float32 or Q8_0 blocks (`linears`)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from sluice.engine.models.gguf_loader import GGUF_GLOBAL_NAMES, GGUF_NAMES
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_freq_base(config.get("rope_theta") or 10000.0)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    to_gguf = {f"{hf}.": f"{g}." for g, hf in GGUF_GLOBAL_NAMES.items()}
+    for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
+        array = tensor.float().numpy()
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"]:
+            rest = ".".join(parts[3:-1])
+            short = {v: k for k, v in GGUF_NAMES.items()}[rest]
+            gname = f"blk.{parts[2]}.{short}.{parts[-1]}"
+        else:
+            prefix = ".".join(parts[:-1]) + "."
+            gname = to_gguf[prefix] + parts[-1]
+        if linears == "q8_0" and array.ndim == 2:
+            q = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(gname, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(gname, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_file_loads_as_the_checkpoint(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
+    path = write_gguf(tiny_qwen3_dir, tmp_path / "tiny-qwen3.gguf", "f32")
+    cfg, permuted = config_from_gguf(GGUFFile(path))
+    assert not permuted and cfg.architecture == "Qwen3ForCausalLM" and cfg.qk_norm
+    assert (cfg.head_dim, cfg.num_heads, cfg.hidden_size) == (32, 4, 64)
+    model, _ = load_gguf_model(path, torch.device("cpu"), torch.float32)
+    norm = model.layers[1].attention.k_norm
+    assert norm is not None and not torch.all(norm.weight == 1)
+    runner = ModelRunner(EngineConfig.from_options(str(path), tokenizer=str(tiny_qwen3_dir),
+                                                   num_kv_blocks=64, dtype="float32"))
+    ids = runner.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        want = hf_model(tiny_qwen3_dir)(torch.tensor([ids])).logits[0, -1]
+    got = runner.execute([SeqChunk(ids, 0, list(range(8)), True)])[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_q8_0_gguf_runs_on_its_blocks_with_the_graph(tiny_qwen3_dir: Path,
+                                                      tmp_path: Path) -> None:
+    """`--quantization gguf` on a Qwen3 file: the linears stay Q8_0 blocks and decode
+    steps take the GGUF graph, whose head norms agree with the torch model on the same
+    blocks."""
+    path = str(write_gguf(tiny_qwen3_dir, tmp_path / "tiny-qwen3-q8.gguf", "q8_0"))
+    options = dict(tokenizer=str(tiny_qwen3_dir), num_kv_blocks=64, dtype="float32",
+                   quantization="gguf")
+    eager, graph = (ModelRunner(EngineConfig.from_options(path, enforce_eager=e, **options))
+                    for e in (True, False))
+    assert graph.decode_graph is not None and eager.decode_graph is None
+    ids = eager.tokenizer.encode(PROMPT)
+    want_tokens, want = decode_logits(eager, ids, 6)
+    got_tokens, got = decode_logits(graph, ids, 6)
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()  # int8 activations here
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+
+
+def test_base_model_checkpoint_embeds_as_transformers(tiny_qwen3_dir: Path,
+                                                      tmp_path: Path) -> None:
+    """Qwen3-Embedding ships its base model (`Qwen3Model`'s tensor names, no LM head)
+    under a config naming `Qwen3ForCausalLM`: it loads, and an embedding is the last
+    token's final hidden state, normalized, as sentence-transformers computes it."""
+    from transformers import AutoModel
+
+    base = AutoModel.from_pretrained(str(tiny_qwen3_dir), dtype=torch.float32).eval()
+    out = tmp_path / "qwen3-embedding"
+    base.save_pretrained(str(out), safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny_qwen3_dir / name).exists():
+            (out / name).write_bytes((tiny_qwen3_dir / name).read_bytes())
+    config = json.loads((out / "config.json").read_text())
+    config["architectures"] = ["Qwen3ForCausalLM"]  # as Qwen3-Embedding's config.json says
+    config["tie_word_embeddings"] = False
+    (out / "config.json").write_text(json.dumps(config))
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert "embed_tokens.weight" in names and not any(n.startswith("model.") for n in names)
+
+    llm = LLM(str(out), num_kv_blocks=64, dtype="float32")
+    texts = ["rivers run to the sea", "What is the capital of France?"]
+    got = [torch.tensor(o.outputs.embedding) for o in llm.embed(texts)]
+    for text, vector in zip(texts, got, strict=True):
+        ids = llm.engine.tokenizer.encode(text)
+        with torch.no_grad():
+            hidden = base(torch.tensor([ids])).last_hidden_state[0, -1]
+        torch.testing.assert_close(vector, torch.nn.functional.normalize(hidden, dim=-1),
+                                   atol=1e-5, rtol=1e-4)
