@@ -12,7 +12,6 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import cast
 
 import pytest
 import torch
@@ -283,6 +282,11 @@ def test_suffix_proposer_drafts_what_counting_occurrences_gives() -> None:
     assert drafted > 100  # the texts repeat: most proposals draft
 
 
+def plain_seq() -> Sequence_:
+    """A sequence as the planner sees it: no prediction."""
+    return Sequence_(0, "r", 0, [1], 1, SamplingParams(), 64)
+
+
 def test_step_cost_keeps_a_point_per_size_where_steps_jump() -> None:
     """Rows past a multiple of 16 start a new AMX tile: 32 decodes 23.4 ms, 33-40 rows
     27-29 ms (measured). Each size keeps its own point up to EXACT_TOKENS, so the planner
@@ -295,7 +299,7 @@ def test_step_cost_keeps_a_point_per_size_where_steps_jump() -> None:
             planner.cost.observe(tokens, seconds, weight=1.0)
         assert planner.cost.seconds(32) == pytest.approx(0.0234)
         assert planner.cost.seconds(33) == pytest.approx(cost_40 - 0.0009)
-        seq = cast(Sequence_, object())
+        seq = plain_seq()
         for _ in range(20):
             planner.record(seq, drafted=8, accepted=8)
         draft = _Candidate(seq, 8, expected_accepted(planner.rate(seq), 8))
@@ -342,7 +346,7 @@ def test_proposers_are_skipped_exactly_where_no_draft_could_be_chosen() -> None:
             planner = SpecPlanner(adaptive=True, disable_by_batch_size=None)
             for tokens in (1, 8, 32, 40, 48, 64):
                 planner.cost.observe(tokens, 0.1 + slope * tokens, weight=1.0)
-            seqs = cast(list[Sequence_], [object() for _ in range(4)])
+            seqs = [plain_seq() for _ in range(4)]
             for i, seq in enumerate(seqs):  # the first `good` accept every draft
                 for _ in range(20):
                     planner.record(seq, drafted=4, accepted=4 if i < good else 0)
@@ -359,14 +363,14 @@ def test_a_fallen_acceptance_rate_is_measured_again() -> None:
     """After every draft failed (the sequence's rate and the prior near 0), a sequence
     still drafts one token every EXPLORE_EVERY steps, and drafts deeper once those pay."""
     planner = SpecPlanner(adaptive=True, disable_by_batch_size=None)
-    seq = object()
+    seq = plain_seq()
     for _ in range(40):
-        planner.record(seq, drafted=3, accepted=0)  # type: ignore[arg-type]
-    depths = [planner.depth(seq, 4) for _ in range(2 * EXPLORE_EVERY)]  # type: ignore[arg-type]
+        planner.record(seq, drafted=3, accepted=0)
+    depths = [planner.depth(seq, 4) for _ in range(2 * EXPLORE_EVERY)]
     assert depths.count(1) == 2 and set(depths) == {0, 1}
     for _ in range(10):
-        planner.record(seq, drafted=1, accepted=1)  # type: ignore[arg-type]
-    assert planner.depth(seq, 4) >= 2  # type: ignore[arg-type]
+        planner.record(seq, drafted=1, accepted=1)
+    assert planner.depth(seq, 4) >= 2
 
 
 def test_adaptive_planner_turns_off_when_verification_costs() -> None:

@@ -176,7 +176,7 @@ def test_infinite_temperature_is_refused(http: httpx.Client) -> None:
 
 @pytest.mark.parametrize(("field", "value"), [
     ("functions", [{"name": "f"}]),
-    ("prediction", {"type": "content", "content": "x"}),
+    ("web_search_options", {"search_context_size": "low"}),
     ("audio", {"voice": "alloy", "format": "wav"}),
 ])
 def test_unsupported_parameters_are_refused(http: httpx.Client, field: str, value: Any) -> None:

@@ -52,7 +52,7 @@ def test_chat_request_errors_name_the_field(body: dict, param: str) -> None:
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("functions", [{}]), ("function_call", "auto"), ("prediction", {"type": "content"}),
+    ("functions", [{}]), ("function_call", "auto"), ("web_search_options", {}),
     ("audio", {"voice": "x"}),
     ("modalities", ["text", "audio"]),
 ])

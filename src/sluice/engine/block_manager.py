@@ -329,6 +329,11 @@ class BlockManager:
                 self.free_ids[block_id] = None
         del seq.block_table[keep:]
 
+    def scratch_block(self) -> int | None:
+        """A free block taken for the caller's own writes (a timing forward), or None
+        when none is free; give it back with `release([block])`."""
+        return self._allocate_fresh() if self.free_ids else None
+
     # -- P/D hand-off (sluice.engine.kv_transfer) --------------------------------------
     def hold(self, block_ids: Seq[int]) -> None:
         """Take one more reference on each block (a lease: kept while a decode engine

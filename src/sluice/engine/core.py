@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sluice.engine.block_manager import BlockManager
-from sluice.engine.config import EngineConfig
+from sluice.engine.config import EngineConfig, SpeculativeConfig
 from sluice.engine.kv_transfer import KVTransfer, KVTransferError
 from sluice.engine.lora import LoRAAdapter, LoRACache
 from sluice.engine.messages import CoreInfo, CoreRequest, SeqUpdate
@@ -35,7 +35,12 @@ from sluice.engine.outputs import RequestMetrics
 from sluice.engine.sampler import Sampler, SampleResult, logprob_entry
 from sluice.engine.scheduler import ScheduledChunk, Scheduler
 from sluice.engine.sequence import Request, Sequence
-from sluice.engine.spec_decode import PROPOSERS, SpecDecoder
+from sluice.engine.spec_decode import (
+    EXACT_TOKENS,
+    PREDICTION_TOKENS,
+    PROPOSERS,
+    SpecDecoder,
+)
 from sluice.engine.stats import EngineStats, IterationTokens
 from sluice.engine.step_log import StepLog
 from sluice.engine.structured_output import BACKENDS, StructuredOutputManager, ThinkingMarkers
@@ -156,22 +161,43 @@ class EngineCore:
                            for layer in layers])
 
     def _build_spec(self, config: EngineConfig) -> SpecDecoder | None:
-        """Speculative decoding (--speculative-config); the step-time curve is measured
-        now on a real model runner (fakes in tests have no cost to measure)."""
-        if config.speculative is None:
-            return None
-        sp = config.speculative
-        proposer = PROPOSERS[sp.method]().from_engine(sp, config, self.runner)
-        spec = SpecDecoder(sp, self.sampler, self.block_manager, self.info.max_model_len,
-                           proposer)
+        """Speculative decoding: --speculative-config's, whose step-time curve is
+        measured now on a real model runner (fakes in tests have no cost to measure);
+        without one, for requests with a predicted output only (OpenAI's `prediction`),
+        measured when the first comes, on a free block (`lazy_calibration`). (Tests set
+        `spec` to None for plain decoding.)"""
+        sc, sp = config.scheduler, config.speculative
+        if sp is None:
+            sp = SpeculativeConfig(num_speculative_tokens=PREDICTION_TOKENS)
+            spec = SpecDecoder(sp, self.sampler, self.block_manager, self.info.max_model_len,
+                               predictions_only=True)
+        else:
+            proposer = PROPOSERS[sp.method]().from_engine(sp, config, self.runner)
+            spec = SpecDecoder(sp, self.sampler, self.block_manager, self.info.max_model_len,
+                               proposer)
         graph = getattr(self.runner, "decode_graph", None)
         spec.graph_rows = graph.max_rows if graph is not None else None
-        if sp.adaptive and hasattr(self.runner, "model"):
-            sc = config.scheduler
+        if not sp.adaptive or not hasattr(self.runner, "model"):
+            return spec
+        if not spec.predictions_only:
             spec.calibrate(self.runner, self._chunk_cls,
                            min(sc.max_num_batched_tokens,
                                sc.max_num_seqs * (sp.num_speculative_tokens + 1),
                                self.info.max_model_len), sc.max_num_seqs)
+            return spec
+
+        def calibrate() -> None:
+            block = self.block_manager.scratch_block()
+            if block is None:  # the pool is full: real steps fill the curve
+                return
+            try:
+                spec.calibrate(self.runner, self._chunk_cls,
+                               min(sc.max_num_batched_tokens, EXACT_TOKENS + 1,
+                                   self.info.max_model_len), sc.max_num_seqs, block)
+            finally:
+                self.block_manager.release([block])
+
+        spec.lazy_calibration = calibrate
         return spec
 
     def _build_offload(self, config: EngineConfig) -> Any:
@@ -447,7 +473,9 @@ class EngineCore:
                          seq.stop_reason,
                          max(request.seqs[0].num_cached_tokens, 0),
                          request.metrics.first_scheduled_time, seq.num_preemptions,
-                         request.seqs[0].num_prefill_chunks, kv_params, prompt_logprobs)
+                         request.seqs[0].num_prefill_chunks, kv_params, prompt_logprobs,
+                         accepted_prediction_tokens=seq.num_accepted_prediction_tokens,
+                         rejected_prediction_tokens=seq.num_rejected_prediction_tokens)
 
     def _append(self, request: Request, seq: Sequence, result: SampleResult) -> int:
         token = result.token_id
@@ -517,7 +545,9 @@ class EngineCore:
             running_lora_adapters=_adapter_names(sched.running),
             waiting_lora_adapters=_adapter_names(sched.waiting),
             max_lora=sched.max_loras, kv_transfer=self.kv_transfer.stats_dict(),
-            spec_decode=self.spec.stats() if self.spec is not None else {},
+            # (without --speculative-config, once a prediction has drafted)
+            spec_decode=self.spec.stats() if self.spec is not None and (
+                not self.spec.predictions_only or self.spec.num_drafts) else {},
             iteration_tokens=list(self.iteration_tokens.counts),
             iteration_tokens_sum=self.iteration_tokens.total)
 

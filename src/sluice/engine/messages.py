@@ -70,6 +70,10 @@ class SeqUpdate:
     # a pooling request's answer: the L2-normalized vector as little-endian float32 bytes
     # (what `encoding_format: base64` sends as it is)
     embedding: bytes | None = None
+    # SamplingParams.prediction: the sequence's drafted prediction tokens accepted and
+    # refused so far (cumulative)
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,6 +41,7 @@ class _SeqText:
     sent_chars: int = 0  # text / tokens already handed out (DELTA outputs)
     sent_tokens: int = 0
     num_preemptions: int = 0
+    prediction: tuple[int, int] = (0, 0)  # accepted, rejected (SeqUpdate's, cumulative)
 
     def completion(self, delta: bool) -> CompletionOutput:
         text = self.detokenizer.output_text(self.finish_reason is not None)
@@ -53,7 +54,7 @@ class _SeqText:
         else:
             tokens = list(tokens)
         return CompletionOutput(self.index, text, tokens, self.cumulative_logprob, logprobs,
-                                self.finish_reason, self.stop_reason)
+                                self.finish_reason, self.stop_reason, *self.prediction)
 
 
 @dataclass
@@ -140,6 +141,7 @@ class OutputProcessor:
             request.prompt_logprobs = update.prompt_logprobs
         metrics.num_prefill_chunks = update.num_prefill_chunks
         seq.num_preemptions = update.num_preemptions
+        seq.prediction = (update.accepted_prediction_tokens, update.rejected_prediction_tokens)
         seq.token_ids += update.new_token_ids
         if seq.logprobs is not None and update.new_logprobs is not None:
             seq.logprobs += update.new_logprobs

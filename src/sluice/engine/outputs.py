@@ -54,6 +54,9 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or token id that ended it
+    # with SamplingParams.prediction: its drafted tokens accepted and refused so far
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @property
     def finished(self) -> bool:

@@ -155,6 +155,10 @@ class SamplingParams:
     # written for it (the engine's `reasoning_parser` says where thinking starts and
     # ends; structured_output.Thinking). None (or -1): as long as it likes
     thinking_token_budget: int | None = None
+    # OpenAI's predicted outputs (chat's `prediction`), tokenized: text the output is
+    # expected to repeat much of (a file being edited). Speculative decoding drafts from
+    # it (`spec_decode.PredictionProposer`); the output is the same as without it.
+    prediction: list[int] | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -195,6 +199,11 @@ class SamplingParams:
                 is_integer(t) for t in self.stop_token_ids or []):
             raise bad("stop_token_ids", "a list of token ids")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
+        if self.prediction is not None:
+            if not isinstance(self.prediction, list | tuple) or not all(
+                    is_integer(t) and t >= 0 for t in self.prediction):
+                raise bad("prediction", "a list of token ids or None")
+            self.prediction = [int(t) for t in self.prediction] or None
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", "a RequestOutputKind")
         if not isinstance(self.structured_outputs, StructuredOutputsParams | type(None)):

@@ -78,6 +78,10 @@ class Sequence:
     # they never change (generated tokens can be taken back: speculative decoding).
     known_block_hashes: tuple[int, ...] = ()
     pooling: bool = False  # an embedding: its prompt's last hidden state, nothing sampled
+    # predicted outputs (`params.prediction`): its drafted tokens the verify accepted and
+    # those it refused (OpenAI's accepted_ / rejected_prediction_tokens)
+    num_accepted_prediction_tokens: int = 0
+    num_rejected_prediction_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

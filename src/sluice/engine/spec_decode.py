@@ -55,7 +55,7 @@ from abc import ABC, abstractmethod
 from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -71,6 +71,9 @@ if TYPE_CHECKING:
     from sluice.engine.scheduler import ScheduledChunk
 
 PRIOR_ACCEPTANCE = 0.5  # a sequence's acceptance rate before it has drafted
+PREDICTION_PRIOR = 0.8  # ... when it drafts from its own prediction (the client's guess)
+PREDICTION_TOKENS = 16  # drafted at most per step from a prediction, with no
+#                         --speculative-config (the planner picks less where it pays less)
 MIN_POSITION_PROB = 0.15  # draft position j only while rate**j reaches this
 ACCEPTANCE_DECAY = 0.8  # weight of a sequence's past drafts against its last one
 MIN_GAIN = 1.03  # a draft must raise the step's expected tokens/s by this factor
@@ -87,7 +90,7 @@ class Proposer(ABC):
     forward time: the planner picks sequences and depths before it drafts (pricing them
     with `draft_seconds`), then `propose_batch` drafts for the chosen ones at once."""
 
-    blind: ClassVar[bool] = False
+    blind: bool = False
 
     @abstractmethod
     def __init__(self, config: SpeculativeConfig) -> None:
@@ -266,6 +269,93 @@ class SuffixProposer(Proposer):
         self.cached.clear()
 
 
+class _Track:
+    """Where a sequence's output stands in its prediction."""
+
+    __slots__ = ("pos", "seen", "synced", "index")
+
+    def __init__(self, prediction: list[int]) -> None:
+        self.pos = 0  # the prediction's token the output should produce next
+        self.seen = 0  # output tokens walked
+        self.synced = True  # False: the output left the prediction, not found again yet
+        # n-gram (RESYNC_MIN..RESYNC_MAX tokens) -> the prediction indices right after
+        # each of its occurrences, ascending
+        self.index: dict[tuple[int, ...], list[int]] = {}
+        for n in range(RESYNC_MIN, RESYNC_MAX + 1):
+            for end in range(n, len(prediction) + 1):
+                self.index.setdefault(tuple(prediction[end - n:end]), []).append(end)
+
+
+RESYNC_MIN, RESYNC_MAX = 2, 6  # the output's last tokens looked up to find its place again
+
+
+class PredictionProposer(Proposer):
+    """OpenAI's predicted outputs (`SamplingParams.prediction`): a sequence with a
+    prediction drafts the prediction's tokens from where its output stands in it. The
+    output is walked token by token: while it repeats the prediction it stays in step;
+    where it leaves it (an edit), drafting stops until its last 6..2 tokens are found in
+    the prediction again (the first occurrence at or after the old place, else the
+    first anywhere), and goes on after them. Sequences without a prediction draft with
+    `inner` (the server's `--speculative-config` proposer), or not at all."""
+
+    def __init__(self, config: SpeculativeConfig, inner: Proposer | None = None) -> None:
+        self.inner = inner
+        self.blind = inner.blind if inner is not None else False
+        self.tracks: dict[Sequence, _Track] = {}
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        prediction = seq.params.prediction
+        if prediction is None:
+            return self.inner.propose(seq, k) if self.inner is not None else []
+        track = self.tracks.get(seq)
+        if track is None:
+            track = self.tracks[seq] = _Track(prediction)
+        output = seq.token_ids[seq.num_prompt_tokens:]
+        for token in output[track.seen:]:
+            if track.synced and track.pos < len(prediction) and prediction[track.pos] == token:
+                track.pos += 1
+            else:
+                track.synced = False
+        track.seen = len(output)
+        if not track.synced:
+            self._resync(track, output)
+        return prediction[track.pos:track.pos + k] if track.synced else []
+
+    @staticmethod
+    def _resync(track: _Track, output: list[int]) -> None:
+        for n in range(min(RESYNC_MAX, len(output)), RESYNC_MIN - 1, -1):
+            found = track.index.get(tuple(output[-n:]))
+            if found:
+                after = bisect_left(found, track.pos)
+                track.pos = found[after] if after < len(found) else found[0]
+                track.synced = True
+                return
+
+    def propose_batch(self, wants: list[tuple[Sequence, int]]) -> list[list[int]]:
+        theirs = [(seq, k) for seq, k in wants if seq.params.prediction is None]
+        drafted = iter(self.inner.propose_batch(theirs) if self.inner is not None and theirs
+                       else [[] for _ in theirs])
+        return [next(drafted) if seq.params.prediction is None else self.propose(seq, k)
+                for seq, k in wants]
+
+    def draft_seconds(self, wants: list[tuple[Sequence, int]]) -> float:
+        theirs = [(seq, k) for seq, k in wants if seq.params.prediction is None]
+        return self.inner.draft_seconds(theirs) if self.inner is not None and theirs else 0.0
+
+    def calibrate(self, max_seqs: int) -> None:
+        if self.inner is not None:
+            self.inner.calibrate(max_seqs)
+
+    def pause(self, seq: Sequence) -> None:
+        if self.inner is not None:
+            self.inner.pause(seq)
+
+    def forget(self, seq: Sequence) -> None:
+        self.tracks.pop(seq, None)
+        if self.inner is not None:
+            self.inner.forget(seq)
+
+
 def _draft_model() -> type[Proposer]:
     from sluice.engine.spec_draft import DraftModelProposer  # torch models: loaded on use
 
@@ -338,11 +428,12 @@ class StepCost:
         (x0, y0), (x1, y1) = pts[i - 1], pts[i]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0) if x1 > x0 else y1
 
-    def calibrate(self, runner: Any, chunk_cls: Any, max_tokens: int) -> None:
+    def calibrate(self, runner: Any, chunk_cls: Any, max_tokens: int, block: int = 0) -> None:
         """Time forwards of 1.. `max_tokens` tokens shaped as verifies (one query and one
-        logit row per token; block 0's slots only, as warm-up) to seed the curve: every
-        size to 8, each side of the multiples of 16 to 64 (where the kernels' row blocks
-        end), then growing by half."""
+        logit row per token; the slots of `block` only: block 0 at start, as warm-up, or
+        a free block taken for it later) to seed the curve: every size to 8, each side
+        of the multiples of 16 to 64 (where the kernels' row blocks end), then growing
+        by half."""
         bs, sizes = runner.block_size, [*range(1, 9), 12, 16, 17, 24, 32, 33, 40, 48, 49,
                                          56, 64, 65]
         while sizes[-1] * 3 // 2 <= max_tokens:
@@ -350,7 +441,7 @@ class StepCost:
         for n in (n for n in sizes if n <= max_tokens):
             best = float("inf")
             for _ in range(2):
-                chunk = chunk_cls([0] * n, 0, [0] * blocks_needed(n, bs), True)
+                chunk = chunk_cls([0] * n, 0, [block] * blocks_needed(n, bs), True)
                 chunk.num_logits = n  # a verify's shape: n decode queries, n logit rows
                 start = time.perf_counter()
                 runner.execute([chunk])
@@ -403,15 +494,18 @@ class SpecPlanner:
 
     def rate(self, seq: Sequence) -> float:
         acc, drafted = self.rates.get(seq, (0.0, 0.0))
-        return (acc + 2 * self.prior) / (drafted + 2)
+        prior = PREDICTION_PRIOR if seq.params.prediction is not None else self.prior
+        return (acc + 2 * prior) / (drafted + 2)
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """A verify's outcome. Trials: accepted ones, plus the rejected one if any."""
+        """A verify's outcome. Trials: accepted ones, plus the rejected one if any. A
+        prediction's drafts do not move the prior of the server's own proposer."""
         trials = accepted + (1 if accepted < drafted else 0)
         state = self.rates.setdefault(seq, [0.0, 0.0])
         state[0] = ACCEPTANCE_DECAY * state[0] + accepted
         state[1] = ACCEPTANCE_DECAY * state[1] + trials
-        self.prior += 0.02 * (accepted / trials - self.prior) if trials else 0.0
+        if trials and seq.params.prediction is None:
+            self.prior += 0.02 * (accepted / trials - self.prior)
 
     def depth(self, seq: Sequence, k: int) -> int:
         """Positions whose chance of being reached (rate**j) is worth a row; at least one
@@ -498,10 +592,16 @@ class SpecDecoder:
 
     def __init__(self, config: SpeculativeConfig, sampler: Sampler,
                  block_manager: BlockManager, max_model_len: int,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None, predictions_only: bool = False) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
-        self.proposer = proposer if proposer is not None else PROPOSERS[config.method]()(config)
+        inner = proposer if proposer is not None or predictions_only \
+            else PROPOSERS[config.method]()(config)
+        self.drafter = PredictionProposer(config, inner)  # `proposer` inside it
+        # no --speculative-config: only sequences with a prediction draft; the step-time
+        # curve is measured when the first of them comes (`lazy_calibration`)
+        self.predictions_only = predictions_only
+        self.lazy_calibration: Callable[[], None] | None = None
         self.planner = SpecPlanner(config.adaptive, config.disable_by_batch_size)
         self.sampler = sampler
         self.block_manager = block_manager
@@ -515,10 +615,22 @@ class SpecDecoder:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k
 
-    def calibrate(self, runner: Any, chunk_cls: Any, max_tokens: int, max_seqs: int) -> None:
+    @property
+    def proposer(self) -> Proposer | None:
+        """The server's own proposer (`--speculative-config`'s method; None: predictions
+        only), which drafts for the sequences without a prediction."""
+        return self.drafter.inner
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer | None) -> None:
+        self.drafter.inner = proposer
+        self.drafter.blind = proposer.blind if proposer is not None else False
+
+    def calibrate(self, runner: Any, chunk_cls: Any, max_tokens: int, max_seqs: int,
+                  block: int = 0) -> None:
         """Seed the step-time curve (`StepCost.calibrate`) and the proposer's own costs."""
-        self.planner.cost.calibrate(runner, chunk_cls, max_tokens)
-        self.proposer.calibrate(max_seqs)
+        self.planner.cost.calibrate(runner, chunk_cls, max_tokens, block)
+        self.drafter.calibrate(max_seqs)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         self.planner.cost.observe(tokens, seconds)
@@ -527,6 +639,12 @@ class SpecDecoder:
     def propose(self, running: list[Sequence], budget: int) -> None:
         """Append the chosen drafts to running decodes' `token_ids` (`fit` trims them)."""
         self._forget_finished()
+        if self.predictions_only:
+            if not any(s.params.prediction is not None for s in running):
+                return
+            if self.lazy_calibration is not None:
+                calibrate, self.lazy_calibration = self.lazy_calibration, None
+                calibrate()
         decodes = [s for s in running if s.num_computed_tokens == len(s.token_ids) - 1]
         step_tokens = min(budget, sum(len(s.token_ids) - s.num_computed_tokens
                                       for s in running))
@@ -539,7 +657,7 @@ class SpecDecoder:
         k = min(self.k, budget - step_tokens)  # a longer draft would never be scheduled
         if k < 1:
             return
-        one = self.proposer.draft_seconds([(decodes[0], k)]) if decodes else 0.0
+        one = self.drafter.draft_seconds([(decodes[0], k)]) if decodes else 0.0
         if not self.planner.may_pay(step_tokens, len(decodes), k, one):
             return
         wants = []
@@ -552,7 +670,7 @@ class SpecDecoder:
                 wants.append((seq, room))
         if not self.planner.worth_drafting(wants, step_tokens, len(decodes)):
             return
-        if self.proposer.blind:  # choose, then draft only for the chosen
+        if self.drafter.blind:  # choose, then draft only for the chosen
             cands = [self._candidate(seq, self._blind_size(seq, room, step_tokens,
                                                            len(decodes)))
                      for seq, room in wants]
@@ -560,11 +678,11 @@ class SpecDecoder:
                                                     self._draft_cost),
                                 running, budget - step_tokens)
             drafts = [grammatical(c.seq, d) for c, d in zip(
-                chosen, self.proposer.propose_batch([(c.seq, c.size) for c in chosen]),
+                chosen, self.drafter.propose_batch([(c.seq, c.size) for c in chosen]),
                 strict=True)]
         else:  # draft (cheap lookups), then choose among the drafts found
             found = [grammatical(seq, d[:room]) for (seq, room), d in
-                     zip(wants, self.proposer.propose_batch(wants), strict=True)]
+                     zip(wants, self.drafter.propose_batch(wants), strict=True)]
             cands = [self._candidate(seq, len(d), d)
                      for (seq, _), d in zip(wants, found, strict=True) if d]
             chosen = self._room(self.planner.choose(cands, step_tokens, len(decodes)),
@@ -588,13 +706,13 @@ class SpecDecoder:
         best, size = 0.0, room
         for n in range(1, room + 1):
             value = (out + expected_accepted(rate, n)) / (
-                cost.seconds(step_tokens + n) + self.proposer.draft_seconds([(seq, n)]))
+                cost.seconds(step_tokens + n) + self.drafter.draft_seconds([(seq, n)]))
             if value > best:
                 best, size = value, n
         return size
 
     def _draft_cost(self, cands: list[_Candidate]) -> float:
-        return self.proposer.draft_seconds([(c.seq, c.size) for c in cands])
+        return self.drafter.draft_seconds([(c.seq, c.size) for c in cands])
 
     def _room(self, chosen: list[_Candidate], running: list[Sequence],
               left: int) -> list[_Candidate]:
@@ -693,6 +811,9 @@ class SpecDecoder:
         for i in range(accepted):
             self.accepted_per_pos[i] += 1
         self.planner.record(seq, drafted, accepted)
+        if seq.params.prediction is not None:
+            seq.num_accepted_prediction_tokens += accepted
+            seq.num_rejected_prediction_tokens += drafted - accepted
 
     def commit(self, seq: Sequence) -> None:
         """After the verified tokens were appended (and `seq` did not finish): every token
@@ -709,10 +830,10 @@ class SpecDecoder:
         for seq in done:
             if seq.is_finished:
                 self.known.discard(seq)
-                self.proposer.forget(seq)
+                self.drafter.forget(seq)
                 self.planner.forget(seq)
             else:
-                self.proposer.pause(seq)
+                self.drafter.pause(seq)
 
     def stats(self) -> dict[str, Any]:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,

@@ -149,7 +149,6 @@ UNSUPPORTED_CHAT: dict[str, Acceptable] = {
     "function_call": _no_tools,
     "audio": lambda v: v is None,
     "modalities": _text_only,
-    "prediction": lambda v: v is None,
     "web_search_options": lambda v: v is None,
     "reasoning_effort": lambda v: v is None,
     "store": lambda v: v is None or v is False,
@@ -504,6 +503,17 @@ def check_continue(continue_final_message: bool, add_generation_prompt: bool) ->
                                   param="continue_final_message")
 
 
+class Prediction(OpenAIModel):
+    """OpenAI's predicted outputs: text the answer is expected to repeat much of (a file
+    being edited), drafted by speculative decoding; the answer is the same without it."""
+
+    type: Literal["content"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> str:
+        return content_text(self.content, "prediction.content")
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -516,6 +526,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
     parallel_tool_calls: bool = True
+    prediction: Prediction | None = None  # OpenAI's predicted outputs
 
     def check_continue(self) -> None:
         check_continue(self.continue_final_message, self.add_generation_prompt)

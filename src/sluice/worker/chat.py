@@ -68,6 +68,8 @@ class ChatJob:
     reasoning_tokens: int = 0  # generated tokens that said (or began) the thinking
     replayed: DeltaMessage | None = None  # what a resumed stream's output already said
     cached_tokens: int = 0
+    # a request with a `prediction`: (accepted, rejected) prediction tokens by choice
+    predicted: dict[int, tuple[int, int]] | None = None
     choices: dict[int, _Choice] = field(default_factory=dict)
     created: int = field(default_factory=now)  # one for every chunk, as vLLM's
 
@@ -76,13 +78,26 @@ class ChatJob:
         return self.run.prompt_lens[0]
 
     def usage(self) -> UsageInfo:
-        details = {"completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens}} \
-            if self.reasoning_fields else {}  # (OpenAI's field; a worker with a parser)
+        counts: dict[str, int] = {}  # OpenAI's completion_tokens_details
+        if self.reasoning_fields:  # (a worker with a parser)
+            counts["reasoning_tokens"] = self.reasoning_tokens
+        if self.predicted is not None:
+            counts["accepted_prediction_tokens"] = sum(a for a, _ in self.predicted.values())
+            counts["rejected_prediction_tokens"] = sum(r for _, r in self.predicted.values())
+        details = {"completion_tokens_details": counts} if counts else {}
         return UsageInfo(prompt_tokens=self.prompt_tokens,
                          completion_tokens=self.completion_tokens,
                          total_tokens=self.prompt_tokens + self.completion_tokens,
                          prompt_tokens_details={"cached_tokens": self.cached_tokens},
                          **details)
+
+    def count(self, c: CompletionOutput) -> None:
+        """A choice's output: its tokens, and where it drafted from a prediction, the
+        prediction tokens accepted and refused so far."""
+        self.completion_tokens += len(c.token_ids)
+        if self.predicted is not None:
+            self.predicted[c.index] = (c.accepted_prediction_tokens,
+                                       c.rejected_prediction_tokens)
 
     def split(self, c: CompletionOutput) -> tuple[str, str]:
         """A choice's next output as (reasoning, answer), delta by delta (the pieces join
@@ -140,6 +155,9 @@ async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_i
                              engine.tokenizer.vocab_size, forced,
                              state.config.generation_defaults, req.prompt_logprobs)
     params.kv_transfer_params = transfer_params(req, 1)
+    if req.prediction is not None:  # at most a context's worth of it can ever be drafted
+        predicted = await encode_prompt(engine.tokenizer, req.prediction.text(), special=False)
+        params.prediction = predicted[:engine.inputs.info.max_model_len] or None
     req.check_continue()
     prompt = chat_prompt(engine.tokenizer, req.messages, req.add_generation_prompt, tools,
                          req.continue_final_message, req.chat_template_kwargs)
@@ -150,7 +168,8 @@ async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_i
     job = ChatJob(req, run, f"chatcmpl-{request_id}", model, state, num_logprobs, parser,
                   completion_tokens=len(resumed or ()), resumed=resumed is not None,
                   reasoning=state.reasoning_for(params),
-                  reasoning_fields=state.reasoning_parser is not None)
+                  reasoning_fields=state.reasoning_parser is not None,
+                  predicted={} if req.prediction is not None else None)
     if parser is not None and req.stream:
         job.tools = _StreamedTools(parser, req.parallel_tool_calls)
     if resumed is not None:
@@ -231,7 +250,7 @@ def _accumulate(job: ChatJob, c: CompletionOutput) -> None:
     thought, text = job.split(c)
     choice.reasoning.append(thought)
     choice.text.append(text)
-    job.completion_tokens += len(c.token_ids)
+    job.count(c)
     lp = job.logprobs(c)
     if lp is not None:
         choice.logprobs.content += lp.content
@@ -250,7 +269,7 @@ async def chat_chunks(job: ChatJob) -> AsyncIterator[ChatCompletionChunk]:
             job.cached_tokens = out.num_cached_tokens
             choices = []
             for c in out.outputs:
-                job.completion_tokens += len(c.token_ids)
+                job.count(c)
                 if c.text or c.finish_reason or c.token_ids:
                     thought, text = job.split(c)
                     delta = (tools.feed(c.index, text, bool(c.finish_reason))
