@@ -26,31 +26,41 @@ def seq_with(prompt: list[int], output: list[int], prediction: list[int] | None)
 
 
 def test_the_proposer_follows_the_output_through_an_edit() -> None:
-    prediction = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+    prediction = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
     proposer = PredictionProposer(SpeculativeConfig())
     seq = seq_with([1, 2, 3], [], prediction)
     assert proposer.propose(seq, 4) == [10, 11, 12, 13]  # nothing generated: its start
+    assert seq in proposer.from_prediction
     seq.token_ids += [10, 11, 12]
     assert proposer.propose(seq, 4) == [13, 14, 15, 16]
     seq.token_ids += [99]  # the output leaves the prediction (an edit)
-    assert proposer.propose(seq, 4) == []
-    seq.token_ids += [98]
-    assert proposer.propose(seq, 4) == []
-    seq.token_ids += [15, 16]  # ... and comes back to it: found by its last two tokens
-    assert proposer.propose(seq, 4) == [17, 18, 19, 20]
-    seq.token_ids += [17, 18, 19, 20]
+    assert proposer.propose(seq, 4) == [] and seq not in proposer.from_prediction
+    seq.token_ids += [98, 14, 15, 16]
+    assert proposer.propose(seq, 4) == []  # 3 tokens of it again: not enough to be sure
+    seq.token_ids += [17]  # 4: found again
+    assert proposer.propose(seq, 4) == [18, 19, 20, 21]
+    seq.token_ids += [18, 19, 20, 21]
     assert proposer.propose(seq, 4) == []  # the prediction is spent
 
 
-def test_the_proposer_prefers_the_place_ahead_of_where_it_left() -> None:
-    """A repeated line (`a b` twice): after an edit inside the second copy, the match
-    ahead of the old place wins over the first occurrence."""
-    prediction = [5, 6, 7, 1, 2, 3, 8, 9, 1, 2, 3, 4]
+def test_off_the_prediction_it_drafts_from_its_own_text() -> None:
+    """An output that repeats itself where the prediction has nothing of it: prompt
+    lookup over the sequence's own tokens, not counted as the prediction's."""
     proposer = PredictionProposer(SpeculativeConfig())
-    seq = seq_with([0], [5, 6, 7, 1, 2, 3, 8, 9], prediction)
+    seq = seq_with([1], [50, 51, 52, 53, 50, 51], [10, 11, 12, 13, 14])
+    assert proposer.propose(seq, 2) == [52, 53]
+    assert seq not in proposer.from_prediction
+
+
+def test_the_proposer_prefers_the_place_ahead_of_where_it_left() -> None:
+    """A repeated line (`1 2 3 4 5` twice): after an edit inside the second copy, the
+    match ahead of the old place wins over the first occurrence."""
+    prediction = [5, 6, 7, 1, 2, 3, 4, 5, 8, 9, 1, 2, 3, 4, 5, 0]
+    proposer = PredictionProposer(SpeculativeConfig())
+    seq = seq_with([70], [5, 6, 7, 1, 2, 3, 4, 5, 8, 9], prediction)
     assert proposer.propose(seq, 3) == [1, 2, 3]
-    seq.token_ids += [50, 1, 2]  # an inserted token, then the line again
-    assert proposer.propose(seq, 3) == [3, 4]  # its second copy, not the first
+    seq.token_ids += [60, 1, 2, 3, 4]  # an inserted token, then the line again
+    assert proposer.propose(seq, 3) == [5, 0]  # its second copy, not the first
 
 
 def test_sequences_without_a_prediction_go_to_the_servers_proposer() -> None:

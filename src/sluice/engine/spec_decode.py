@@ -286,22 +286,26 @@ class _Track:
                 self.index.setdefault(tuple(prediction[end - n:end]), []).append(end)
 
 
-RESYNC_MIN, RESYNC_MAX = 2, 6  # the output's last tokens looked up to find its place again
+RESYNC_MIN, RESYNC_MAX = 4, 8  # the output's last tokens looked up to find its place again
 
 
 class PredictionProposer(Proposer):
     """OpenAI's predicted outputs (`SamplingParams.prediction`): a sequence with a
     prediction drafts the prediction's tokens from where its output stands in it. The
     output is walked token by token: while it repeats the prediction it stays in step;
-    where it leaves it (an edit), drafting stops until its last 6..2 tokens are found in
-    the prediction again (the first occurrence at or after the old place, else the
-    first anywhere), and goes on after them. Sequences without a prediction draft with
-    `inner` (the server's `--speculative-config` proposer), or not at all."""
+    where it leaves it (an edit), it drafts by prompt lookup over its own text instead
+    (`NgramProposer`) until its last 6..2 tokens are found in the prediction again (the
+    first occurrence at or after the old place, else the first anywhere), and goes on
+    after them. `from_prediction`: the sequences whose last draft was the prediction's.
+    Sequences without a prediction draft with `inner` (the server's
+    `--speculative-config` proposer), or not at all."""
 
     def __init__(self, config: SpeculativeConfig, inner: Proposer | None = None) -> None:
         self.inner = inner
         self.blind = inner.blind if inner is not None else False
         self.tracks: dict[Sequence, _Track] = {}
+        self.lookup = NgramProposer(config)  # a predicted sequence's own text, off track
+        self.from_prediction: set[Sequence] = set()
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
         prediction = seq.params.prediction
@@ -319,7 +323,12 @@ class PredictionProposer(Proposer):
         track.seen = len(output)
         if not track.synced:
             self._resync(track, output)
-        return prediction[track.pos:track.pos + k] if track.synced else []
+        draft = prediction[track.pos:track.pos + k] if track.synced else []
+        if draft:
+            self.from_prediction.add(seq)
+            return draft
+        self.from_prediction.discard(seq)
+        return self.lookup.propose(seq, k)
 
     @staticmethod
     def _resync(track: _Track, output: list[int]) -> None:
@@ -352,6 +361,8 @@ class PredictionProposer(Proposer):
 
     def forget(self, seq: Sequence) -> None:
         self.tracks.pop(seq, None)
+        self.lookup.forget(seq)
+        self.from_prediction.discard(seq)
         if self.inner is not None:
             self.inner.forget(seq)
 
@@ -811,7 +822,7 @@ class SpecDecoder:
         for i in range(accepted):
             self.accepted_per_pos[i] += 1
         self.planner.record(seq, drafted, accepted)
-        if seq.params.prediction is not None:
+        if seq in self.drafter.from_prediction:
             seq.num_accepted_prediction_tokens += accepted
             seq.num_rejected_prediction_tokens += drafted - accepted
 
