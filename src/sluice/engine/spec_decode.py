@@ -272,18 +272,23 @@ class SuffixProposer(Proposer):
 class _Track:
     """Where a sequence's output stands in its prediction."""
 
-    __slots__ = ("pos", "seen", "synced", "index")
+    __slots__ = ("pos", "seen", "synced", "_index")
 
-    def __init__(self, prediction: list[int]) -> None:
+    def __init__(self) -> None:
         self.pos = 0  # the prediction's token the output should produce next
         self.seen = 0  # output tokens walked
         self.synced = True  # False: the output left the prediction, not found again yet
-        # n-gram (RESYNC_MIN..RESYNC_MAX tokens) -> the prediction indices right after
-        # each of its occurrences, ascending
-        self.index: dict[tuple[int, ...], list[int]] = {}
-        for n in range(RESYNC_MIN, RESYNC_MAX + 1):
-            for end in range(n, len(prediction) + 1):
-                self.index.setdefault(tuple(prediction[end - n:end]), []).append(end)
+        self._index: dict[tuple[int, ...], list[int]] | None = None
+
+    def index(self, prediction: list[int]) -> dict[tuple[int, ...], list[int]]:
+        """n-gram (RESYNC_MIN..RESYNC_MAX tokens) -> the prediction indices right after
+        each of its occurrences, ascending; built when the output first leaves it."""
+        if self._index is None:
+            self._index = {}
+            for n in range(RESYNC_MIN, RESYNC_MAX + 1):
+                for end in range(n, len(prediction) + 1):
+                    self._index.setdefault(tuple(prediction[end - n:end]), []).append(end)
+        return self._index
 
 
 RESYNC_MIN, RESYNC_MAX = 4, 8  # the output's last tokens looked up to find its place again
@@ -313,16 +318,17 @@ class PredictionProposer(Proposer):
             return self.inner.propose(seq, k) if self.inner is not None else []
         track = self.tracks.get(seq)
         if track is None:
-            track = self.tracks[seq] = _Track(prediction)
-        output = seq.token_ids[seq.num_prompt_tokens:]
-        for token in output[track.seen:]:
+            track = self.tracks[seq] = _Track()
+        tokens, start = seq.token_ids, seq.num_prompt_tokens
+        for token in tokens[start + track.seen:]:  # the output tokens not walked yet
             if track.synced and track.pos < len(prediction) and prediction[track.pos] == token:
                 track.pos += 1
             else:
                 track.synced = False
-        track.seen = len(output)
+        track.seen = len(tokens) - start
         if not track.synced:
-            self._resync(track, output)
+            last = tokens[max(start, len(tokens) - RESYNC_MAX):]
+            self._resync(track, last, track.index(prediction))
         draft = prediction[track.pos:track.pos + k] if track.synced else []
         if draft:
             self.from_prediction.add(seq)
@@ -331,9 +337,12 @@ class PredictionProposer(Proposer):
         return self.lookup.propose(seq, k)
 
     @staticmethod
-    def _resync(track: _Track, output: list[int]) -> None:
-        for n in range(min(RESYNC_MAX, len(output)), RESYNC_MIN - 1, -1):
-            found = track.index.get(tuple(output[-n:]))
+    def _resync(track: _Track, last: list[int], index: dict[tuple[int, ...], list[int]]
+                ) -> None:
+        """Place `track` after the longest of the output's `last` tokens (at most
+        RESYNC_MAX, at least RESYNC_MIN) found in the prediction."""
+        for n in range(min(RESYNC_MAX, len(last)), RESYNC_MIN - 1, -1):
+            found = index.get(tuple(last[-n:]))
             if found:
                 after = bisect_left(found, track.pos)
                 track.pos = found[after] if after < len(found) else found[0]
