@@ -57,6 +57,11 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_smollm3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-smollm3"), "smollm3")
+
+
+@pytest.fixture(scope="session")
 def default_gguf() -> Path:
     return default_gguf_path()
 

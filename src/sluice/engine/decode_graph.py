@@ -187,7 +187,8 @@ class DecodeGraph:
             [_float(m.bias) if m.bias is not None else torch.empty(0) for m in linears],
             [_float(n.weight) for n in norms], k_pools, v_pools,
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, int8, panels,
-            [_float(n.weight) for n in qk_norms])
+            [_float(n.weight) for n in qk_norms],
+            [cfg.uses_rope(i) for i in range(cfg.num_layers)])
         return cls(model, graph, max_rows)
 
     def takes(self, chunks: list[SeqChunk]) -> bool:

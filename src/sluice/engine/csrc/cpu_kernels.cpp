@@ -2543,8 +2543,8 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed,
 // bfloat16 weights on AMX tiles or AVX512-BF16 pairs, in one call. Per layer:
 //
 //   residual += h;  xn = rms_norm(residual) * attention_norm    (layer 0: residual = x)
-//   qkv = xn @ Wqkv;  (Qwen3: each Q and K head rms-normed);  RoPE on the Q and K heads;
-//   K, V written at the rows' slots
+//   qkv = xn @ Wqkv;  (Qwen3: each Q and K head rms-normed);  RoPE on the Q and K heads
+//   (not on SmolLM3's NoPE layers);  K, V written at the rows' slots
 //   attn = paged decode attention (each row: its block table, its context length)
 //   h = attn @ Wo;  residual += h;  xn = rms_norm(residual) * ffn_norm
 //   h = silu(xn @ Wgate) * (xn @ Wup) @ Wdown
@@ -2642,14 +2642,16 @@ class DecodeGraph {
   // then the final norm, float32; k_pools, v_pools: the layers' KV pools (float32 or
   // bfloat16); int8_activations, one per linear: a Q4 linear on int8 activations
   // (q4_int8_linear; needs q4_int8_path()), else on float activations (gguf_rows);
-  // qk_norms: none, or 2 per layer (Qwen3's Q head norm, then K's), float32 [head_dim].
+  // qk_norms: none, or 2 per layer (Qwen3's Q head norm, then K's), float32 [head_dim];
+  // rope_layers: none (every layer rotates), or one per layer (false: SmolLM3's NoPE).
   DecodeGraph(std::vector<torch::Tensor> linears, std::vector<int64_t> types,
               std::vector<torch::Tensor> biases, std::vector<torch::Tensor> norms,
               std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools,
               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
               std::vector<bool> int8_activations, std::vector<torch::Tensor> panels,
-              std::vector<torch::Tensor> qk_norms)
-      : norms_(std::move(norms)), qk_norms_(std::move(qk_norms)), k_pools_(std::move(k_pools)),
+              std::vector<torch::Tensor> qk_norms, std::vector<bool> rope_layers)
+      : norms_(std::move(norms)), qk_norms_(std::move(qk_norms)),
+        rope_layers_(std::move(rope_layers)), k_pools_(std::move(k_pools)),
         v_pools_(std::move(v_pools)), H_(num_heads), KVH_(num_kv_heads), D_(head_dim),
         eps_(static_cast<float>(eps)) {
     const int64_t L = static_cast<int64_t>(k_pools_.size());
@@ -2709,6 +2711,8 @@ class DecodeGraph {
     for (const auto& n : qk_norms_)
       TORCH_CHECK(n.scalar_type() == torch::kFloat && n.is_contiguous() && n.numel() == D_,
                   "DecodeGraph: qk_norms float32 [head_dim]");
+    TORCH_CHECK(rope_layers_.empty() || static_cast<int64_t>(rope_layers_.size()) == L,
+                "DecodeGraph: no rope_layers, or one a layer");
     for (int64_t l = 0; l < L; ++l) {
       const GraphLinear *qkv = &linears_[4 * l], *o = &linears_[4 * l + 1],
                         *gu = &linears_[4 * l + 2], *down = &linears_[4 * l + 3];
@@ -2784,13 +2788,14 @@ class DecodeGraph {
       const int64_t bs = k_pools_[l].size(1);
       const float* qn = qk_norms_.empty() ? nullptr : qk_norms_[2 * l].data_ptr<float>();
       const float* kn = qk_norms_.empty() ? nullptr : qk_norms_[2 * l + 1].data_ptr<float>();
+      const bool rope = rope_layers_.empty() || rope_layers_[l];
       at::parallel_for(0, B, kGraphRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t b = begin; b < end; ++b) {
           float* row = &qkv_[b * qkv_n];
           for (int64_t h = 0; h < H_ + KVH_; ++h) {
             float* head = row + h * D_;
             if (qn) graph_add_norm(head, nullptr, h < H_ ? qn : kn, head, D_, eps_);  // in place
-            graph_rope(head, cp + b * D_, sp + b * D_, D_);
+            if (rope) graph_rope(head, cp + b * D_, sp + b * D_, D_);
           }
           for (int64_t i = 0; i < kv_size; ++i) {
             kp[slot[b] * kv_size + i] = static_cast<T>(row[q_size + i]);
@@ -2826,7 +2831,9 @@ class DecodeGraph {
   }
 
   std::vector<GraphLinear> linears_;
-  std::vector<torch::Tensor> norms_, qk_norms_, k_pools_, v_pools_;
+  std::vector<torch::Tensor> norms_, qk_norms_;
+  std::vector<bool> rope_layers_;
+  std::vector<torch::Tensor> k_pools_, v_pools_;
   int64_t H_, KVH_, D_, hidden_ = 0;
   float eps_;
   std::vector<float> residual_, xn_, h_, qkv_, attn_, gate_up_, act_;
@@ -2840,12 +2847,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double,
-                    std::vector<bool>, std::vector<torch::Tensor>, std::vector<torch::Tensor>>(),
+                    std::vector<bool>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                    std::vector<bool>>(),
            py::arg("linears"), py::arg("types"), py::arg("biases"), py::arg("norms"),
            py::arg("k_pools"), py::arg("v_pools"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
            py::arg("int8_activations"), py::arg("panels"),
-           py::arg("qk_norms") = std::vector<torch::Tensor>())
+           py::arg("qk_norms") = std::vector<torch::Tensor>(),
+           py::arg("rope_layers") = std::vector<bool>())
       .def("forward", &DecodeGraph::forward,
            "a decode step of every layer and the head: logits [B, vocab] (CPU)");
   m.def("int8_activation_types", &int8_activation_types,

@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3) as one model file.
+"""The Llama family (Llama 2/3, SmolLM2/3, Mistral, Qwen2/2.5, Qwen3) as one model file.
 
 Read it like the paper: each block is
 
@@ -10,8 +10,9 @@ takes and returns `(x, residual)`, and `norm.add(x, residual)` is `residual += x
 x = norm(residual)` (one native kernel on CPU, see `sluice.engine.native`).
 
 Differences between the members are data, not branches: Qwen2 has a bias on Q/K/V
-(`qkv_bias`), Qwen3 an RMSNorm over each Q and K head before RoPE (`qk_norm`), Llama 3
-scales RoPE frequencies (`rope_type`), some tie the output head to the embedding
+(`qkv_bias`), Qwen3 an RMSNorm over each Q and K head before RoPE (`qk_norm`), SmolLM3
+leaves RoPE out of every fourth layer (`no_rope_layers`), Llama 3 scales RoPE
+frequencies (`rope_type`), some tie the output head to the embedding
 (`tie_word_embeddings`). Weights arrive under Hugging Face names
 (`model.layers.0.self_attn.q_proj.weight`, ...) from either loader and are fused here
 (Q|K|V into one matrix, gate|up into another) so a layer does three big matmuls and
@@ -70,7 +71,12 @@ class LlamaConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     qkv_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each Q and each K head (its own weights)
+    # SmolLM3's per layer: 1 rotates Q and K, 0 does not (NoPE); empty: every layer rotates
+    no_rope_layers: tuple[int, ...] = ()
     tie_word_embeddings: bool = False
+
+    def uses_rope(self, layer: int) -> bool:
+        return not self.no_rope_layers or bool(self.no_rope_layers[layer])
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -189,9 +195,10 @@ class Embedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, use_rope: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
+        self.use_rope = use_rope  # False: a NoPE layer (SmolLM3's every fourth)
         self.wqkv = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.wo = Linear(cfg.q_size, cfg.hidden_size)
         # Qwen3: each head of Q and of K normalized before RoPE, one weight [head_dim] each
@@ -208,9 +215,9 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:  # a new tensor, contiguous
             qk = torch.cat((self.q_norm(qk[:, :cfg.num_heads]),
                             self.k_norm(qk[:, cfg.num_heads:])), 1)
-        if self.rope is not None:  # in place: qkv (or the normed qk) is this step's own
-            self.rope(qk, cos, sin)
-        else:
+        if self.use_rope and self.rope is not None:  # in place: qkv (or the normed qk)
+            self.rope(qk, cos, sin)  # is this step's own
+        elif self.use_rope:
             qk = apply_rope(qk, cos, sin)
         q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
@@ -263,10 +270,10 @@ class RMSNorm(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, cfg.uses_rope(layer))
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.feed_forward = FeedForward(cfg)
 
@@ -288,7 +295,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.output = Linear(cfg.hidden_size, cfg.vocab_size)
         self.rope_cos: Tensor | None = None

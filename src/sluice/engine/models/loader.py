@@ -41,6 +41,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "MistralForCausalLM": ArchSpec(),
     "Qwen2ForCausalLM": ArchSpec(qkv_bias=True),
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
+    "SmolLM3ForCausalLM": ArchSpec(),
 }
 
 
@@ -108,8 +109,24 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=_max_positions(c),
         rope=rope_from_hf(c), qkv_bias=spec.qkv_bias or bool(c.get("attention_bias")),
-        qk_norm=spec.qk_norm,
+        qk_norm=spec.qk_norm, no_rope_layers=_no_rope_layers(c),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
+
+
+def _no_rope_layers(c: dict[str, Any]) -> tuple[int, ...]:
+    """SmolLM3's NoPE layers: `no_rope_layers` (1 rotates, 0 does not), else every
+    `no_rope_layer_interval`-th layer without RoPE; () where neither is set."""
+    layers = int(c["num_hidden_layers"])
+    flags = c.get("no_rope_layers")
+    if flags is None and c.get("no_rope_layer_interval"):
+        interval = int(c["no_rope_layer_interval"])
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if flags is None:
+        return ()
+    if len(flags) != layers:
+        raise UnsupportedModelError(f"no_rope_layers has {len(flags)} entries for {layers} "
+                                    "layers", param="model")
+    return tuple(int(bool(f)) for f in flags)
 
 
 def _max_positions(c: dict[str, Any]) -> int:

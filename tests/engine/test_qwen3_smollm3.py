@@ -1,9 +1,10 @@
-"""Qwen3 (`Qwen3ForCausalLM`): an RMSNorm over each Q and each K head before RoPE, and
-heads wider than hidden / heads. Greedy tokens against transformers are in
-test_hf_equivalence.py and test_model_runner.py (the tiny checkpoint is one of their
-architectures); here: the decode graph's head norms, a llama.cpp `qwen3` GGUF file (float
-and Q8_0 blocks, the GGUF graph), and a base-model checkpoint as Qwen3-Embedding ships
-(no `model.` prefix, no LM head) read for embeddings."""
+"""Qwen3 (`Qwen3ForCausalLM`: an RMSNorm over each Q and each K head before RoPE, and
+heads wider than hidden / heads) and SmolLM3 (`SmolLM3ForCausalLM`: no RoPE in every
+fourth layer). Greedy tokens against transformers are in test_hf_equivalence.py and
+test_model_runner.py (the tiny checkpoints are among their architectures); here: the
+decode graph's head norms and NoPE layers, a llama.cpp `qwen3` GGUF file (float and Q8_0
+blocks, the GGUF graph), and a base-model checkpoint as Qwen3-Embedding ships (no
+`model.` prefix, no LM head) read for embeddings."""
 
 from __future__ import annotations
 
@@ -41,12 +42,16 @@ def decode_logits(runner: ModelRunner, ids: list[int], steps: int) -> tuple[list
     return seq[len(ids):], torch.stack(logits)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "smollm3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_graph_normalizes_the_heads(tiny_qwen3_dir: Path, dtype: str) -> None:
+def test_decode_graph_runs_the_architecture(request: pytest.FixtureRequest, arch: str,
+                                            dtype: str) -> None:
     """The native decode graph (float32 panels, or bfloat16 where the CPU has native
-    bfloat16 linears) runs Qwen3's head norms as the torch model does."""
+    bfloat16 linears) runs Qwen3's head norms and SmolLM3's NoPE layer as the torch
+    model does."""
+    directory: Path = request.getfixturevalue(f"tiny_{arch}_dir")
     eager, graph = (ModelRunner(EngineConfig.from_options(
-        str(tiny_qwen3_dir), num_kv_blocks=64, block_size=4, dtype=dtype, enforce_eager=e))
+        str(directory), num_kv_blocks=64, block_size=4, dtype=dtype, enforce_eager=e))
         for e in (True, False))
     if graph.decode_graph is None:
         assert dtype == "bfloat16"
@@ -57,9 +62,11 @@ def test_decode_graph_normalizes_the_heads(tiny_qwen3_dir: Path, dtype: str) -> 
     tol = 1e-4 if dtype == "float32" else 0.05
     assert (got - want).abs().max() <= tol * want.abs().max()
     assert got_tokens == want_tokens
-    # the head norms are not ones (a graph that skipped them fails the comparison above)
-    layer = graph.model.layers[0].attention
-    assert layer.q_norm is not None and not torch.all(layer.q_norm.weight == 1)
+    layers = [layer.attention for layer in graph.model.layers]
+    if arch == "qwen3":  # the head norms are not ones (skipping them changes the logits)
+        assert layers[0].q_norm is not None and not torch.all(layers[0].q_norm.weight == 1)
+    else:  # one layer rotates, one does not
+        assert [a.use_rope for a in layers] == [True, False]
 
 
 def write_gguf(hf_dir: Path, path: Path, linears: str) -> Path:
@@ -173,3 +180,19 @@ def test_base_model_checkpoint_embeds_as_transformers(tiny_qwen3_dir: Path,
             hidden = base(torch.tensor([ids])).last_hidden_state[0, -1]
         torch.testing.assert_close(vector, torch.nn.functional.normalize(hidden, dim=-1),
                                    atol=1e-5, rtol=1e-4)
+
+
+def test_smollm3_nope_layers_from_either_config_field() -> None:
+    from sluice.engine.models.loader import UnsupportedModelError, config_from_hf
+
+    base = {"architectures": ["SmolLM3ForCausalLM"], "vocab_size": 100, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4}
+    by_interval = config_from_hf({**base, "no_rope_layer_interval": 4})
+    assert by_interval.no_rope_layers == (1, 1, 1, 0, 1, 1, 1, 0)
+    assert [by_interval.uses_rope(i) for i in (2, 3)] == [True, False]
+    listed = config_from_hf({**base, "no_rope_layers": [0, 1, 1, 1, 1, 1, 1, 1]})
+    assert not listed.uses_rope(0) and listed.uses_rope(7)
+    assert config_from_hf({**base, "architectures": ["LlamaForCausalLM"]}).no_rope_layers == ()
+    with pytest.raises(UnsupportedModelError) as err:
+        config_from_hf({**base, "no_rope_layers": [1, 0]})
+    assert err.value.param == "model" and "2 entries for 8 layers" in str(err.value)
