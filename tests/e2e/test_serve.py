@@ -102,6 +102,15 @@ def test_serve_many_workers_behind_router_and_gateway(tmp_path: Path,
                 model=model, max_tokens=5, temperature=0,
                 messages=[{"role": "user", "content": "Tell me about rivers."}])
             assert reply.choices[0].finish_reason in ("stop", "length")
+        # predicted outputs: through the gateway and the router to a worker, the same
+        # answer, the prediction tokens in the usage
+        guessed = client.chat.completions.create(
+            model=model, max_tokens=5, temperature=0,
+            messages=[{"role": "user", "content": "Tell me about rivers."}],
+            prediction={"type": "content", "content": reply.choices[0].message.content or ""})
+        assert guessed.choices[0].message.content == reply.choices[0].message.content
+        details = guessed.usage.completion_tokens_details  # type: ignore[union-attr]
+        assert details is not None and details.accepted_prediction_tokens is not None
         msg = anthropic.Anthropic(base_url=url, api_key=key).messages.create(
             model=model, max_tokens=5, messages=[{"role": "user", "content": "hello"}])
         assert msg.usage.output_tokens >= 1
