@@ -10,7 +10,9 @@
                       stay valid); blocks past the last token's are freed, rejected slots
                       in the kept block are overwritten before anything reads them
 
-The drafts ride in `seq.token_ids` from `propose` until the forward, so the scheduler
+Drafts come from the server's method (`--speculative-config`) or, for a request that
+brings one, from its predicted output (`PredictionProposer`: OpenAI's `prediction`, on
+every engine). The drafts ride in `seq.token_ids` from `propose` until the forward, so the scheduler
 plans them like any uncomputed tokens (budget, blocks, preemption) with no code of its
 own; `fit` trims what the step did not schedule. Acceptance keeps outputs exactly those
 of plain decoding: each position is sampled by the plain sampler, with the sequence
@@ -269,6 +271,9 @@ class SuffixProposer(Proposer):
         self.cached.clear()
 
 
+RESYNC_MIN, RESYNC_MAX = 4, 8  # the output's last tokens looked up to find its place again
+
+
 class _Track:
     """Where a sequence's output stands in its prediction."""
 
@@ -291,15 +296,12 @@ class _Track:
         return self._index
 
 
-RESYNC_MIN, RESYNC_MAX = 4, 8  # the output's last tokens looked up to find its place again
-
-
 class PredictionProposer(Proposer):
     """OpenAI's predicted outputs (`SamplingParams.prediction`): a sequence with a
     prediction drafts the prediction's tokens from where its output stands in it. The
     output is walked token by token: while it repeats the prediction it stays in step;
     where it leaves it (an edit), it drafts by prompt lookup over its own text instead
-    (`NgramProposer`) until its last 6..2 tokens are found in the prediction again (the
+    (`NgramProposer`) until its last 8..4 tokens are found in the prediction again (the
     first occurrence at or after the old place, else the first anywhere), and goes on
     after them. `from_prediction`: the sequences whose last draft was the prediction's.
     Sequences without a prediction draft with `inner` (the server's
