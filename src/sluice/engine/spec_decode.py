@@ -12,9 +12,9 @@
 
 Drafts come from the server's method (`--speculative-config`) or, for a request that
 brings one, from its predicted output (`PredictionProposer`: OpenAI's `prediction`, on
-every engine). The drafts ride in `seq.token_ids` from `propose` until the forward, so the scheduler
-plans them like any uncomputed tokens (budget, blocks, preemption) with no code of its
-own; `fit` trims what the step did not schedule. Acceptance keeps outputs exactly those
+every engine). The drafts ride in `seq.token_ids` from `propose` until the forward, so
+the scheduler plans them like any uncomputed tokens (budget, blocks, preemption) with
+no code of its own; `fit` trims what the step did not schedule. Acceptance keeps outputs exactly those
 of plain decoding: each position is sampled by the plain sampler, with the sequence
 state plain decoding would have there (earlier tokens appended: penalties, min_tokens,
 the per-position seed), and the draft is accepted iff the sample equals it. For a
