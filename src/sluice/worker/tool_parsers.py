@@ -8,6 +8,12 @@ sluice's own `chatml_tools.jinja`):
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
+`llama3_json` (Llama 3.1-3.3 Instruct) and `mistral` (Mistral Instruct v0.3) write calls
+as bare JSON objects, one state machine for both (`JsonCallsStream`):
+
+    {"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": ...}
+    some text[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, ...]
+
 One streaming state machine (`ToolCallStream`) serves both response shapes: the whole
 response feeds it all text at once, the stream feeds it each delta. So a streamed call
 reassembles to exactly the non-streamed one (same name, byte-identical `arguments`:
@@ -278,7 +284,315 @@ def check_tool_schemas(tools: list[dict[str, Any]]) -> None:
             f"tools.{i}.function.parameters"))
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser}
+# ------------------------------------------------------------- llama3_json, mistral
+
+PYTHON_TAG, TOOL_CALLS = "<|python_tag|>", "[TOOL_CALLS]"
+_JSON_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:parameters|arguments)"\s*:\s*')
+
+
+class JsonCallsStream(ToolCallStream):
+    """A run of calls written as bare JSON objects, `{"name": .., "parameters": {..}}`
+    (or `"arguments"`). The call object's states are shared; a subclass says where a run
+    begins (its first state) and what lies between two calls (`_between`):
+
+        (begin) ──► OPEN ──"{"──► HEAD ──{"name": "..", "parameters": ──► ARGS ──► REST
+                     ▲            │ other key order: read whole at its "}"         │ "}"
+                     └─separator──┴──────────────────────── BETWEEN ◄──────────────┘
+
+    `held` is the text read past before a run's first call (leading whitespace, the
+    opening tag): content after all if no call follows. A call's text is never
+    re-serialized: `arguments` is the model's own text of the value, whatever the key
+    order (`_whole_call`)."""
+
+    # states in which the text held at the end of the output is content
+    FLUSH = frozenset({"start", "text", "open_list", "open", "head", "content"})
+
+    def __init__(self, state: str) -> None:
+        self.state, self.buffer, self.held, self.index = state, "", "", -1
+        self.scanner = JsonValueScanner()  # the arguments value, then the rest of the call
+        self.whole = JsonValueScanner()  # the call object read whole (keys in another order)
+        self.scanned = 0  # how much of the buffer `whole` has read
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        self.buffer += text
+        content: list[str] = []
+        deltas: list[CallDelta] = []
+        while getattr(self, f"_{self.state}")(content, deltas):
+            pass
+        return "".join(content), deltas
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        """End of output: text still held is content (a partial opening tag, a call whose
+        head never parsed: cut by `max_tokens` or a stop); whitespace after a call is
+        dropped; a call whose arguments began was already sent as it came."""
+        held = self.held + self.buffer if self.state in self.FLUSH else ""
+        self.held = self.buffer = ""
+        return (held if self.index < 0 or held.strip() else ""), []
+
+    def _not_a_call(self, content: list[str], text: str = "") -> None:
+        """What was held, and `text`, is content; so is the text that follows."""
+        content.append(self.held + text)
+        self.held, self.state = "", "content"
+
+    def _content(self, content: list[str], deltas: list[CallDelta]) -> bool:
+        content.append(self.buffer)
+        self.buffer = ""
+        return False
+
+    def _open(self, content: list[str], deltas: list[CallDelta]) -> bool:
+        """Whitespace, then the `{` of a call."""
+        ws = _skip_space(self.buffer, 0)
+        self.held += self.buffer[:ws] if self.index < 0 else ""
+        self.buffer = self.buffer[ws:]
+        if not self.buffer:
+            return False
+        if self.buffer[0] != "{":
+            self._not_a_call(content)
+            return True
+        self.state = "head"
+        return True
+
+    def _head(self, content: list[str], deltas: list[CallDelta]) -> bool:
+        m = _JSON_HEAD.match(self.buffer)
+        if m is not None:
+            self._call(deltas, _json_string(m.group(1)))
+            self.buffer, self.state = self.buffer[m.end():], "args"
+            return True
+        self.scanned += self.whole.feed(self.buffer[self.scanned:])
+        if not self.whole.done:
+            return False
+        body, self.buffer = self.buffer[:self.scanned], self.buffer[self.scanned:]
+        self.whole, self.scanned = JsonValueScanner(), 0
+        call = _whole_call(body)
+        if call is None:  # not JSON, no name: content, as vLLM's parsers have it
+            self._not_a_call(content, body)
+            return True
+        self._call(deltas, *call)
+        self.state = "between"
+        return True
+
+    def _call(self, deltas: list[CallDelta], name: str, arguments: str = "") -> None:
+        self.index += 1
+        deltas.append(CallDelta(self.index, new_call_id(), name, arguments))
+        self.held, self.scanner, self.whole, self.scanned = "", JsonValueScanner(), \
+            JsonValueScanner(), 0
+
+    def _args(self, content: list[str], deltas: list[CallDelta]) -> bool:
+        if not self.scanner.started:  # whitespace before the value is not part of it
+            self.buffer = self.buffer.lstrip()
+        used = self.scanner.feed(self.buffer)
+        piece, self.buffer = self.buffer[:used], self.buffer[used:]
+        if piece:
+            deltas.append(CallDelta(self.index, arguments=piece))
+        if not self.scanner.done:
+            return False
+        self.state, self.scanner = "rest", JsonValueScanner()
+        self.scanner.depth, self.scanner.started = 1, True  # inside the call object
+        return True
+
+    def _rest(self, content: list[str], deltas: list[CallDelta]) -> bool:
+        """The call object's other members (none, as a rule) up to its `}`."""
+        self.buffer = self.buffer[self.scanner.feed(self.buffer):]
+        if not self.scanner.done:
+            return False
+        self.state = "between"
+        return True
+
+    def _past_space(self) -> bool:
+        """Drop the whitespace after a call; True when a character follows it."""
+        self.buffer = self.buffer.lstrip()
+        return bool(self.buffer)
+
+
+def _json_string(body: str) -> str:
+    """The text of a JSON string's body (between its quotes), read leniently."""
+    try:
+        return str(json.loads(f'"{body}"', strict=False))
+    except ValueError:
+        return body
+
+
+def _whole_call(body: str) -> tuple[str, str] | None:
+    """A call object read whole: its name and the model's own text of its arguments
+    (`parameters` or `arguments`; `{}` if neither); None if it is no call (not a JSON
+    object, no string `name`)."""
+    try:
+        call = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    members = _raw_members(body)
+    return call["name"], members.get("parameters", members.get("arguments", "{}"))
+
+
+def _raw_members(body: str) -> dict[str, str]:
+    """The members of a valid JSON object's text, each value as written (not re-encoded)."""
+    decoder, out = json.JSONDecoder(), {}
+    at = _skip_space(body, _skip_space(body, 0) + 1)  # past "{"
+    while body[at] == '"':
+        key, at = decoder.raw_decode(body, at)
+        at = _skip_space(body, _skip_space(body, at) + 1)  # past ":"
+        _, end = decoder.raw_decode(body, at)
+        out[key] = body[at:end]
+        at = _skip_space(body, end)
+        at = _skip_space(body, at + 1) if body[at] == "," else at
+    return out
+
+
+def _skip_space(text: str, at: int) -> int:
+    """The first position from `at` on that holds no whitespace (or the text's end)."""
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
+
+
+class Llama3JsonStream(JsonCallsStream):
+    """Llama 3.x: the answer is calls only if it begins (after whitespace) with `{` or
+    `<|python_tag|>`; else all of it is content. Calls are separated by `; `."""
+
+    def __init__(self) -> None:
+        super().__init__("start")
+
+    def _start(self, content: list[str], deltas: list[CallDelta]) -> bool:
+        rest = self.buffer.lstrip()
+        lead = self.buffer[:len(self.buffer) - len(rest)]
+        if rest.startswith(PYTHON_TAG):
+            self.held, self.buffer, self.state = lead + PYTHON_TAG, rest[len(PYTHON_TAG):], \
+                "open"
+        elif rest.startswith("{"):
+            self.held, self.buffer, self.state = lead, rest, "head"
+        elif not rest or PYTHON_TAG.startswith(rest):
+            return False  # only whitespace so far, or maybe the tag
+        else:
+            self.state = "content"
+        return True
+
+    def _between(self, content: list[str], deltas: list[CallDelta]) -> bool:
+        if not self._past_space():
+            return False
+        if self.buffer[0] == ";":
+            self.buffer, self.state = self.buffer[1:], "open"
+        else:  # text after the calls: content
+            self.state = "content"
+        return True
+
+
+class MistralStream(JsonCallsStream):
+    """Mistral: content, then `[TOOL_CALLS]` and a JSON list of calls (a bare call object
+    is read too); text after the list is content, and may hold another `[TOOL_CALLS]`."""
+
+    def __init__(self) -> None:
+        super().__init__("text")
+        self.in_list = False
+
+    def _text(self, content: list[str], deltas: list[CallDelta]) -> bool:
+        at = self.buffer.find(TOOL_CALLS)
+        if at < 0:
+            keep = len(self.buffer) - _partial_suffix(self.buffer, TOOL_CALLS)
+            content.append(self.buffer[:keep])
+            self.buffer = self.buffer[keep:]
+            return False
+        content.append(self.buffer[:at])
+        self.held, self.buffer, self.state = TOOL_CALLS, self.buffer[at + len(TOOL_CALLS):], \
+            "open_list"
+        return True
+
+    def _open_list(self, content: list[str], deltas: list[CallDelta]) -> bool:
+        ws = _skip_space(self.buffer, 0)
+        self.held, self.buffer = self.held + self.buffer[:ws], self.buffer[ws:]
+        if not self.buffer:
+            return False
+        self.in_list = self.buffer[0] == "["
+        if self.in_list:
+            self.held, self.buffer = self.held + "[", self.buffer[1:]
+        self.state = "open"
+        return True
+
+    def _not_a_call(self, content: list[str], text: str = "") -> None:
+        """Content, and the text after it is read for `[TOOL_CALLS]` again."""
+        super()._not_a_call(content, text)
+        self.state = "text"
+
+    def _between(self, content: list[str], deltas: list[CallDelta]) -> bool:
+        if not self._past_space():
+            return False
+        if self.in_list and self.buffer[0] == ",":
+            self.buffer, self.state = self.buffer[1:], "open"
+            return True
+        if self.in_list and self.buffer[0] == "]":
+            self.buffer = self.buffer[1:]
+        self.state = "after"
+        return True
+
+    def _after(self, content: list[str], deltas: list[CallDelta]) -> bool:
+        """Text after the list: content from its first non-space character."""
+        if not self._past_space():
+            return False
+        self.state = "text"
+        return True
+
+
+def _call_tags(tools: list[dict[str, Any]], choice: str | None, backend: str,
+               args_key: str) -> list[dict[str, Any]]:
+    """One structural tag per tool (only the named one if `choice` names one): a call
+    object `{"name": .., "<args_key>": <compact JSON of its schema>}`."""
+    return [{"type": "tag",
+             "begin": f'{{"name": {json.dumps(t["function"]["name"])}, "{args_key}": ',
+             "content": {"type": "json_schema", "json_schema": _checked_schema(
+                 t["function"].get("parameters") or {"type": "object"},
+                 f"tools.{i}.function.parameters", backend)},
+             "end": "}"}
+            for i, t in enumerate(tools) if choice is None or t["function"]["name"] == choice]
+
+
+def _calls_tag(fmt: dict[str, Any]) -> StructuredOutputsParams:
+    return StructuredOutputsParams(
+        structural_tag=json.dumps({"type": "structural_tag", "format": fmt}),
+        param="tool_choice")
+
+
+class Llama3JsonToolParser(ToolParser):
+    """vLLM's `llama3_json`: `{"name": "f", "parameters": {...}}; {...}` (Llama 3.1-3.3
+    Instruct's JSON tool calls), optionally after `<|python_tag|>`. A forced call is
+    written without the tag."""
+
+    def stream(self) -> ToolCallStream:
+        return Llama3JsonStream()
+
+    def constraint(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool,
+                   backend: str = "auto") -> StructuredOutputsParams:
+        return _calls_tag({"type": "tags_with_separator", "separator": "; ",
+                           "tags": _call_tags(tools, choice, backend, "parameters"),
+                           "at_least_one": True,
+                           "stop_after_first": not parallel or choice is not None})
+
+
+class MistralToolParser(ToolParser):
+    """vLLM's `mistral` (Instruct v0.3's format): `[TOOL_CALLS][{"name": "f", "arguments":
+    {...}}, ...]`. A forced answer is that list, with one call or (`parallel`) several.
+
+    Where the tokenizer has `[TOOL_CALLS]` as a special token, an unforced call is seen
+    only with `skip_special_tokens: false` (as vLLM's parser sets for itself); a forced one
+    is written in plain-text tokens (grammars never admit special tokens)."""
+
+    def stream(self) -> ToolCallStream:
+        return MistralStream()
+
+    def constraint(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool,
+                   backend: str = "auto") -> StructuredOutputsParams:
+        calls = {"type": "tags_with_separator", "separator": ", ",
+                 "tags": _call_tags(tools, choice, backend, "arguments"),
+                 "at_least_one": True, "stop_after_first": not parallel or choice is not None}
+        return _calls_tag({"type": "sequence", "elements": [
+            {"type": "const_string", "value": TOOL_CALLS + "["}, calls,
+            {"type": "const_string", "value": "]"}]})
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser,
+                                             "llama3_json": Llama3JsonToolParser,
+                                             "mistral": MistralToolParser}
 
 
 def get_tool_parser(name: str) -> ToolParser:
