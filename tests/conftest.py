@@ -62,6 +62,11 @@ def tiny_smollm3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_granite_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-granite"), "granite")
+
+
+@pytest.fixture(scope="session")
 def default_gguf() -> Path:
     return default_gguf_path()
 

@@ -39,10 +39,11 @@ def save_smollm2_tokenizer(out: Path) -> None:
 
 def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
                          **overrides: object) -> Path:
-    """Write a tiny random `arch` ("llama" | "qwen2" | "mistral" | "qwen3" | "smollm3")
-    checkpoint into `out` (`overrides`: config fields, e.g. vocab_size). qwen3's heads
-    are wider than hidden / heads (head_dim 32 against 16), as Qwen3-0.6B's are (128
-    against 64); smollm3's second layer has no RoPE, as every fourth of SmolLM3-3B's."""
+    """Write a tiny random `arch` ("llama" | "qwen2" | "mistral" | "qwen3" | "smollm3" |
+    "granite") checkpoint into `out` (`overrides`: config fields, e.g. vocab_size).
+    qwen3's heads are wider than hidden / heads (head_dim 32 against 16), as
+    Qwen3-0.6B's are (128 against 64); smollm3's second layer has no RoPE, as every
+    fourth of SmolLM3-3B's; granite has multipliers far from 1, as Granite 3's."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
@@ -57,6 +58,9 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
     if arch == "smollm3":
         common["no_rope_layers"] = [1, 0]  # its second layer without RoPE (NoPE)
         common["pad_token_id"] = 2  # (its default, 128004, is past this vocabulary)
+    if arch == "granite":  # Granite 3's multipliers, of granite-3.x-2b's size
+        common.update(embedding_multiplier=12.0, residual_multiplier=0.22,
+                      attention_multiplier=0.015625, logits_scaling=8.0)
     common.update(overrides)
     config = AutoConfig.for_model(arch, **common)
     torch.manual_seed(seed)

@@ -22,7 +22,7 @@ BLOCK = 4
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "smollm3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "smollm3", "granite"])
 def pair(request: pytest.FixtureRequest) -> tuple[ModelRunner, torch.nn.Module]:
     from transformers import AutoModelForCausalLM
 

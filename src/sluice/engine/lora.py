@@ -226,8 +226,11 @@ class LoRAAdapter:
 
 
 def load_adapter(path: str, shapes: Mapping[str, Sequence[int]], num_layers: int,
-                 max_rank: int) -> LoRAAdapter:
-    """`read_adapter`, then the tensors (float32, scaling folded into B)."""
+                 max_rank: int, output_scales: Mapping[str, float] | None = None
+                 ) -> LoRAAdapter:
+    """`read_adapter`, then the tensors (float32, scaling folded into B, and a module's
+    `output_scales` entry: what the model folded into that module's weights, Granite's
+    multipliers)."""
     from safetensors.torch import load as load_safetensors
 
     meta, data = read_adapter(path, shapes, num_layers, max_rank)
@@ -241,7 +244,8 @@ def load_adapter(path: str, shapes: Mapping[str, Sequence[int]], num_layers: int
         if set(pair) != {"A", "B"}:
             raise _bad(f"adapter {path!r} has lora_A without lora_B (or the reverse) for "
                        f"layer {key[0]} {key[1]}")
-        weights[key] = (pair["A"].contiguous(), (pair["B"] * meta.scaling).contiguous())
+        scale = meta.scaling * (output_scales or {}).get(key[1], 1.0)
+        weights[key] = (pair["A"].contiguous(), (pair["B"] * scale).contiguous())
     return LoRAAdapter(meta, weights)
 
 

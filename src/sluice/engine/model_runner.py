@@ -302,7 +302,9 @@ class ModelRunner:
 
     def load_lora(self, path: str, max_rank: int) -> LoRAAdapter:
         """Read and check a PEFT adapter for this model (raises InvalidRequestError)."""
-        return load_adapter(path, self.lora_shapes, self.model_config.num_layers, max_rank)
+        cfg = self.model_config
+        scales = cfg.granite.lora_output_scales(cfg.head_dim) if cfg.granite else None
+        return load_adapter(path, self.lora_shapes, cfg.num_layers, max_rank, scales)
 
     def _max_model_len(self, mc: ModelConfig) -> int:
         limit = self.model_config.max_position_embeddings

@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, SmolLM2/3, Mistral, Qwen2/2.5, Qwen3) as one model file.
+"""The Llama family (Llama 2/3, SmolLM2/3, Mistral, Qwen2/2.5, Qwen3, Granite 3) as one
+model file.
 
 Read it like the paper: each block is
 
@@ -11,9 +12,10 @@ x = norm(residual)` (one native kernel on CPU, see `sluice.engine.native`).
 
 Differences between the members are data, not branches: Qwen2 has a bias on Q/K/V
 (`qkv_bias`), Qwen3 an RMSNorm over each Q and K head before RoPE (`qk_norm`), SmolLM3
-leaves RoPE out of every fourth layer (`no_rope_layers`), Llama 3 scales RoPE
-frequencies (`rope_type`), some tie the output head to the embedding
-(`tie_word_embeddings`). Weights arrive under Hugging Face names
+leaves RoPE out of every fourth layer (`no_rope_layers`), Granite scales the embedding,
+the branches, the attention scores and the logits by constants (`GraniteScales`, folded
+into the weights at load: `fuse_hf_weights`), Llama 3 scales RoPE frequencies
+(`rope_type`), some tie the output head to the embedding (`tie_word_embeddings`). Weights arrive under Hugging Face names
 (`model.layers.0.self_attn.q_proj.weight`, ...) from either loader and are fused here
 (Q|K|V into one matrix, gate|up into another) so a layer does three big matmuls and
 one attention call over all of a step's tokens, flattened to `[T, hidden]`.
@@ -55,6 +57,31 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class GraniteScales:
+    """Granite's constants (config.json's names), each a multiply in transformers'
+    forward: the embedding (`embedding_multiplier`), each block's attention and MLP output
+    before its residual add (`residual_multiplier`), the attention scores instead of
+    1/sqrt(head_dim) (`attention_multiplier`), the logits divided (`logits_scaling`).
+    All linear, so they are folded into weights once: Q's rows, o_proj, down_proj, the
+    embedding and the final norm (`fold`), and a LoRA adapter's B of the same modules
+    (`lora_output_scales`); the model then runs as a plain Llama."""
+
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None  # None: 1/sqrt(head_dim), Llama's
+    logits_scaling: float = 1.0
+
+    def q_scale(self, head_dim: int) -> float:
+        return 1.0 if self.attention_multiplier is None \
+            else self.attention_multiplier * math.sqrt(head_dim)
+
+    def lora_output_scales(self, head_dim: int) -> dict[str, float]:
+        """What each PEFT module's output is multiplied by in the folded model."""
+        r = self.residual_multiplier
+        return {"q_proj": self.q_scale(head_dim), "o_proj": r, "down_proj": r}
+
+
+@dataclass(frozen=True)
 class LlamaConfig:
     """Hyperparameters, from config.json or GGUF metadata."""
 
@@ -73,6 +100,7 @@ class LlamaConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each Q and each K head (its own weights)
     # SmolLM3's per layer: 1 rotates Q and K, 0 does not (NoPE); empty: every layer rotates
     no_rope_layers: tuple[int, ...] = ()
+    granite: GraniteScales | None = None  # Granite's multipliers (folded into weights)
     tie_word_embeddings: bool = False
 
     def uses_rope(self, layer: int) -> bool:
@@ -366,7 +394,38 @@ def fuse_hf_weights(cfg: LlamaConfig, hf: Mapping[str, Tensor]) -> dict[str, Ten
         out[a + "feed_forward.w2.weight"] = hf[p + "mlp.down_proj.weight"]
         out[a + "attention_norm.weight"] = hf[p + "input_layernorm.weight"]
         out[a + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
+    if cfg.granite is not None:
+        _fold_granite(cfg, cfg.granite, out)
     return out
+
+
+def _fold_granite(cfg: LlamaConfig, g: GraniteScales, out: dict[str, Tensor]) -> None:
+    """Granite's multipliers into the fused weights (new tensors; `out` is rebound):
+    scores q·k * attention_multiplier = (q * attention_multiplier * sqrt(d))·k / sqrt(d);
+    residual + branch * r = residual + (o_proj or down_proj scaled by r)(x); the
+    embedding times its multiplier, and logits / logits_scaling (a tied head reads the
+    scaled embedding, so divided by its multiplier too) as the final norm's weight
+    divided, which scales the head's input."""
+    q = g.q_scale(cfg.head_dim)
+    for i in range(cfg.num_layers):
+        a = f"layers.{i}."
+        wqkv = out[a + "attention.wqkv.weight"].clone()
+        wqkv[:cfg.q_size] *= q
+        out[a + "attention.wqkv.weight"] = wqkv
+        if a + "attention.wqkv.bias" in out:
+            bias = out[a + "attention.wqkv.bias"].clone()
+            bias[:cfg.q_size] *= q
+            out[a + "attention.wqkv.bias"] = bias
+        out[a + "attention.wo.weight"] = out[a + "attention.wo.weight"] * g.residual_multiplier
+        out[a + "feed_forward.w2.weight"] = (out[a + "feed_forward.w2.weight"]
+                                             * g.residual_multiplier)
+    embedding = out["tok_embeddings.weight"] * g.embedding_multiplier
+    out["tok_embeddings.weight"] = embedding
+    head_scale = g.logits_scaling
+    if cfg.tie_word_embeddings:
+        out["output.weight"] = embedding
+        head_scale *= g.embedding_multiplier
+    out["norm.weight"] = out["norm.weight"] / head_scale
 
 
 def expected_hf_names(cfg: LlamaConfig) -> list[str]:

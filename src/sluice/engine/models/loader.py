@@ -21,7 +21,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sluice.engine.models.llama import LlamaConfig, RopeConfig, Transformer, build_model
+from sluice.engine.models.llama import (
+    GraniteScales,
+    LlamaConfig,
+    RopeConfig,
+    Transformer,
+    build_model,
+)
 from sluice.engine.tokenizer import ModelNotFoundError, local_model_path
 from sluice.protocol.errors import InvalidRequestError
 
@@ -34,6 +40,7 @@ class ArchSpec:
 
     qkv_bias: bool = False
     qk_norm: bool = False
+    granite: bool = False  # its multipliers (GraniteScales)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -42,6 +49,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen2ForCausalLM": ArchSpec(qkv_bias=True),
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
     "SmolLM3ForCausalLM": ArchSpec(),
+    "GraniteForCausalLM": ArchSpec(granite=True),
 }
 
 
@@ -110,7 +118,16 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         max_position_embeddings=_max_positions(c),
         rope=rope_from_hf(c), qkv_bias=spec.qkv_bias or bool(c.get("attention_bias")),
         qk_norm=spec.qk_norm, no_rope_layers=_no_rope_layers(c),
+        granite=_granite_scales(c) if spec.granite else None,
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
+
+
+def _granite_scales(c: dict[str, Any]) -> GraniteScales:
+    attention = c.get("attention_multiplier")
+    return GraniteScales(embedding_multiplier=float(c.get("embedding_multiplier", 1.0)),
+                         residual_multiplier=float(c.get("residual_multiplier", 1.0)),
+                         attention_multiplier=None if attention is None else float(attention),
+                         logits_scaling=float(c.get("logits_scaling", 1.0)))
 
 
 def _no_rope_layers(c: dict[str, Any]) -> tuple[int, ...]:

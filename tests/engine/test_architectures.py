@@ -1,10 +1,11 @@
-"""Qwen3 (`Qwen3ForCausalLM`: an RMSNorm over each Q and each K head before RoPE, and
-heads wider than hidden / heads) and SmolLM3 (`SmolLM3ForCausalLM`: no RoPE in every
-fourth layer). Greedy tokens against transformers are in test_hf_equivalence.py and
+"""Architectures beyond Llama. Qwen3 (`Qwen3ForCausalLM`: an RMSNorm over each Q and K
+head before RoPE, and heads wider than hidden / heads), SmolLM3 (`SmolLM3ForCausalLM`:
+no RoPE in every fourth layer) and Granite (`GraniteForCausalLM`: multipliers folded into
+the weights). Greedy tokens against transformers are in test_hf_equivalence.py and
 test_model_runner.py (the tiny checkpoints are among their architectures); here: the
 decode graph's head norms and NoPE layers, a llama.cpp `qwen3` GGUF file (float and Q8_0
-blocks, the GGUF graph), and a base-model checkpoint as Qwen3-Embedding ships (no
-`model.` prefix, no LM head) read for embeddings."""
+blocks, the GGUF graph), a base-model checkpoint as Qwen3-Embedding ships (no `model.`
+prefix, no LM head) read for embeddings, and a LoRA adapter on Granite."""
 
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ import numpy as np
 import pytest
 import torch
 
+from lora_adapters import make_adapter, merge_adapter
 from sluice.engine.config import EngineConfig
 from sluice.engine.llm import LLM
+from sluice.engine.lora import LoRARequest
 from sluice.engine.model_runner import ModelRunner, SeqChunk
 from sluice.engine.models.gguf_file import GGUFFile
 from sluice.engine.models.gguf_loader import config_from_gguf, load_gguf_model
+from sluice.engine.sampling_params import SamplingParams
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it rests."
 
@@ -196,3 +200,27 @@ def test_smollm3_nope_layers_from_either_config_field() -> None:
     with pytest.raises(UnsupportedModelError) as err:
         config_from_hf({**base, "no_rope_layers": [1, 0]})
     assert err.value.param == "model" and "2 entries for 8 layers" in str(err.value)
+
+
+def test_granite_lora_adapter_equals_the_merged_model(tiny_granite_dir: Path,
+                                                      tmp_path: Path) -> None:
+    """Granite's multipliers are folded into q_proj, o_proj and down_proj: an adapter on
+    those modules is scaled the same way, so it gives what peft's merged model gives."""
+    adapter = make_adapter(tiny_granite_dir, tmp_path / "adapter", r=4, alpha=8, seed=3,
+                           targets=("q_proj", "o_proj", "down_proj", "gate_proj"))
+    merged = merge_adapter(tiny_granite_dir, adapter, tmp_path / "merged")
+    options = dict(dtype="float32", num_kv_blocks=64, block_size=8)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    prompts = [[311, 4242, 977, 12345, 555, 18], [900, 901, 902]]
+
+    def run(llm: LLM, lora: LoRARequest | None = None) -> list[tuple[list[int], float]]:
+        outs = llm.generate(prompts, params, lora_request=[lora] * len(prompts))
+        return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob or 0.0) for o in outs]
+
+    want = run(LLM(str(merged), **options))
+    llm = LLM(str(tiny_granite_dir), enable_lora=True, max_lora_rank=8, **options)
+    got, base = run(llm, LoRARequest("a", str(adapter))), run(llm)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, lp), (_, lp_want), (_, lp_base) in zip(got, want, base, strict=True):
+        assert lp == pytest.approx(lp_want, abs=1e-3)
+        assert abs(lp - lp_base) > 1e-2  # the adapter changes the model
