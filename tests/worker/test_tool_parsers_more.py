@@ -250,3 +250,36 @@ def test_forced_calls_through_the_worker(client: openai.OpenAI, tool_choice: Any
                     assert d.function and d.function.name is None
                 streamed[d.index]["arguments"] += d.function.arguments or ""
     assert [streamed[i] for i in sorted(streamed)] == calls
+
+
+def test_mistral_reads_calls_that_begin_with_a_special_token(tmp_path: Any) -> None:
+    """A tokenizer with `[TOOL_CALLS]` as a special token: under `mistral`, a request with
+    tools is decoded with special tokens kept, so the token reaches the parser (here the
+    model is pushed to write it, then nonsense: content that keeps the tag); without
+    tools, decoding drops it as usual."""
+    from transformers import AutoTokenizer
+
+    from sluice.engine.async_engine import AsyncEngine
+    from sluice.engine.config import EngineConfig
+    from tiny_models import make_tiny_checkpoint
+
+    out = make_tiny_checkpoint(tmp_path / "mistral-tok", "llama", vocab_size=49153)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    tok.save_pretrained(str(out))
+    tag = tok.convert_tokens_to_ids("[TOOL_CALLS]")
+    engine = AsyncEngine(EngineConfig.from_options(str(out), dtype="float32", num_kv_blocks=64))
+    srv = ServerThread(build_app(engine, WorkerConfig(served_model_names=("tiny",),
+                                                      tool_call_parser="mistral"))).start()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        ask: dict[str, Any] = dict(model="tiny", max_tokens=3, temperature=0,
+                                   messages=[{"role": "user", "content": "Weather?"}],
+                                   logit_bias={str(tag): 100})
+        with_tools = client.chat.completions.create(tools=TOOLS, **ask).choices[0].message
+        without = client.chat.completions.create(**ask).choices[0].message
+        assert (with_tools.content or "").startswith("[TOOL_CALLS]")
+        assert "[TOOL_CALLS]" not in (without.content or "")
+    finally:
+        srv.stop()
+        engine.shutdown()

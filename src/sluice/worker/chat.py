@@ -155,6 +155,8 @@ async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_i
                              engine.tokenizer.vocab_size, forced,
                              state.config.generation_defaults, req.prompt_logprobs)
     params.kv_transfer_params = transfer_params(req, 1)
+    if tools and choice != "none" and state.tool_parser.special_tokens:
+        params.skip_special_tokens = False  # its calls begin with a special token (mistral)
     if req.prediction is not None:  # at most a context's worth of it can ever be drafted
         predicted = await encode_prompt(engine.tokenizer, req.prediction.text(), special=False)
         params.prediction = predicted[:engine.inputs.info.max_model_len] or None

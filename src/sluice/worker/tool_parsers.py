@@ -79,7 +79,11 @@ class ToolCallStream(abc.ABC):
 
 
 class ToolParser(abc.ABC):
-    """One model family's tool-call syntax (see the module docstring)."""
+    """One model family's tool-call syntax (see the module docstring). `special_tokens`:
+    its calls begin with a special token, so a request that may call tools is decoded
+    with `skip_special_tokens` off (vLLM's parsers' `adjust_request`)."""
+
+    special_tokens = False
 
     @abc.abstractmethod
     def stream(self) -> ToolCallStream: ...
@@ -574,8 +578,11 @@ class MistralToolParser(ToolParser):
     {...}}, ...]`. A forced answer is that list, with one call or (`parallel`) several.
 
     Where the tokenizer has `[TOOL_CALLS]` as a special token, an unforced call is seen
-    only with `skip_special_tokens: false` (as vLLM's parser sets for itself); a forced one
-    is written in plain-text tokens (grammars never admit special tokens)."""
+    only with `skip_special_tokens: false`, which the worker sets for a request with tools
+    (`special_tokens`, as vLLM's parser does); a forced one is written in plain-text
+    tokens (grammars never admit special tokens)."""
+
+    special_tokens = True
 
     def stream(self) -> ToolCallStream:
         return MistralStream()
