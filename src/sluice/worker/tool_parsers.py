@@ -157,6 +157,19 @@ class JsonValueScanner:
         return False
 
 
+def stream_arguments(buffer: str, scanner: JsonValueScanner, index: int,
+                     deltas: list[CallDelta]) -> str:
+    """Call `index`'s arguments value as it arrives: what of `buffer` belongs to the value
+    (`scanner` says where it ends; whitespace before it is not part of it) goes out as an
+    arguments delta; returns the rest."""
+    if not scanner.started:
+        buffer = buffer.lstrip()
+    used = scanner.feed(buffer)
+    if used:
+        deltas.append(CallDelta(index, arguments=buffer[:used]))
+    return buffer[used:]
+
+
 @dataclass
 class HermesStream(ToolCallStream):
     state: str = "text"
@@ -224,12 +237,7 @@ class HermesStream(ToolCallStream):
         return True
 
     def _args(self, content: list[str], deltas: list[CallDelta]) -> bool:
-        if not self.scanner.started:  # whitespace before the value is not part of it
-            self.buffer = self.buffer.lstrip()
-        used = self.scanner.feed(self.buffer)
-        piece, self.buffer = self.buffer[:used], self.buffer[used:]
-        if piece:
-            deltas.append(CallDelta(self.index, arguments=piece))
+        self.buffer = stream_arguments(self.buffer, self.scanner, self.index, deltas)
         if self.scanner.done:
             self.state = "tail"
             return True
@@ -383,12 +391,7 @@ class JsonCallsStream(ToolCallStream):
             JsonValueScanner(), 0
 
     def _args(self, content: list[str], deltas: list[CallDelta]) -> bool:
-        if not self.scanner.started:  # whitespace before the value is not part of it
-            self.buffer = self.buffer.lstrip()
-        used = self.scanner.feed(self.buffer)
-        piece, self.buffer = self.buffer[:used], self.buffer[used:]
-        if piece:
-            deltas.append(CallDelta(self.index, arguments=piece))
+        self.buffer = stream_arguments(self.buffer, self.scanner, self.index, deltas)
         if not self.scanner.done:
             return False
         self.state, self.scanner = "rest", JsonValueScanner()
