@@ -194,3 +194,10 @@ def test_a_prediction_arriving_mid_stream_leaves_the_running_ones_intact(
         assert core.block_manager.num_free_blocks == 64
     finally:
         fresh.shutdown()
+
+
+def test_a_prediction_past_the_vocabulary_is_refused(llm: LLM) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, prediction=[1, 10**7]))
+    assert err.value.param == "prediction" and "out of vocabulary" in str(err.value)
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids

@@ -49,7 +49,7 @@ class InputProcessor:
             ids = ids + self.tokenize(list(resumed))
         if params.structured_outputs is not None:
             check_constraint(params.structured_outputs, self.info.structured_outputs_backend)
-        self.check_logit_bias(params)
+        self.check_param_token_ids(params)
         if params.thinking_token_budget is not None and not self.info.reasoning_parser:
             raise InvalidRequestError(
                 "thinking_token_budget needs a reasoning model's parser, to tell its "
@@ -95,12 +95,16 @@ class InputProcessor:
                 f"(this worker's scheduling_policy is {self.info.scheduling_policy})",
                 param="priority")
 
-    def check_logit_bias(self, params: SamplingParams) -> None:
+    def check_param_token_ids(self, params: SamplingParams) -> None:
+        """The token ids a request's parameters name (`logit_bias`, `prediction`) are in
+        the vocabulary."""
         vocab = self.info.vocab_size
-        bad = [t for t in params.logit_bias or {} if t >= vocab]
-        if bad:
-            raise InvalidRequestError(f"logit_bias token id {bad[0]} is out of vocabulary "
-                                      f"range [0, {vocab})", param="logit_bias")
+        for param, ids in (("logit_bias", params.logit_bias or {}),
+                           ("prediction", params.prediction or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidRequestError(f"{param} token id {bad[0]} is out of vocabulary "
+                                          f"range [0, {vocab})", param=param)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
