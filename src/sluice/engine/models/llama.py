@@ -10,15 +10,16 @@ computed as vLLM does, with each residual add folded into the norm after it: a b
 takes and returns `(x, residual)`, and `norm.add(x, residual)` is `residual += x;
 x = norm(residual)` (one native kernel on CPU, see `sluice.engine.native`).
 
-Differences between the members are data, not branches: Qwen2 has a bias on Q/K/V
+Differences between the members are data, not separate models: Qwen2 has a bias on Q/K/V
 (`qkv_bias`), Qwen3 an RMSNorm over each Q and K head before RoPE (`qk_norm`), SmolLM3
 leaves RoPE out of every fourth layer (`no_rope_layers`), Granite scales the embedding,
 the branches, the attention scores and the logits by constants (`GraniteScales`, folded
 into the weights at load: `fuse_hf_weights`), Llama 3 scales RoPE frequencies
-(`rope_type`), some tie the output head to the embedding (`tie_word_embeddings`). Weights arrive under Hugging Face names
-(`model.layers.0.self_attn.q_proj.weight`, ...) from either loader and are fused here
-(Q|K|V into one matrix, gate|up into another) so a layer does three big matmuls and
-one attention call over all of a step's tokens, flattened to `[T, hidden]`.
+(`rope_type`), some tie the output head to the embedding (`tie_word_embeddings`).
+Weights arrive under Hugging Face names (`model.layers.0.self_attn.q_proj.weight`, ...)
+from either loader and are fused here (Q|K|V into one matrix, gate|up into another) so a
+layer does three big matmuls and one attention call over all of a step's tokens,
+flattened to `[T, hidden]`.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class GraniteScales:
     before its residual add (`residual_multiplier`), the attention scores instead of
     1/sqrt(head_dim) (`attention_multiplier`), the logits divided (`logits_scaling`).
     All linear, so they are folded into weights once: Q's rows, o_proj, down_proj, the
-    embedding and the final norm (`fold`), and a LoRA adapter's B of the same modules
+    embedding and the final norm (`_fold_granite`), and a LoRA adapter's B of the same modules
     (`lora_output_scales`); the model then runs as a plain Llama."""
 
     embedding_multiplier: float = 1.0
