@@ -413,7 +413,9 @@ async def test_a_run_nobody_reads_is_ended_by_another_replicas_sweep(
                   admission=RunAdmission("req-7", 12, reservation))
         leave_run(any_store, "resp_renewed", now + 60)
         leave_run(any_store, "resp_own", now - 1, owner=state.responses.replica)
-        await until(lambda: rows_of(any_store, "resp_gone"), "swept")
+        # (the row is committed first, then the kept stream's last event: wait for both)
+        await until(lambda: rows_of(any_store, "resp_gone")
+                    and any_store.response_events("resp_gone", 2, 10), "swept")
         stored = any_store.get_response("resp_gone", tenant)
         assert stored is not None and stored.owner is None
         assert stored.response["status"] == "failed"
