@@ -21,6 +21,7 @@ from sluice.worker.app import build_app
 from sluice.worker.config import WorkerConfig
 from sluice.worker.tool_parsers import TOOL_PARSERS, CallDelta, ToolParser, get_tool_parser
 
+from .test_structured_http import TOOLS as STRUCTURED_TOOLS
 from .test_tool_parsers import _accepts
 from .worker_helpers import ServerThread
 
@@ -147,11 +148,7 @@ def tokenizer() -> Tokenizer:
 
 
 TOOLS: list[Any] = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Weather in a city",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string", "maxLength": 12},
-            "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"]}}},
+    STRUCTURED_TOOLS[0],  # get_weather
     {"type": "function", "function": {  # bounded: a free object lets noise run on
         "name": "get_time", "description": "The time now",
         "parameters": {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}}}},

@@ -195,15 +195,16 @@ class SamplingParams:
         if not isinstance(self.stop, list | tuple | type(None)):
             raise bad("stop", "a string or a list of strings")
         self.stop = list(self.stop or [])
-        if not isinstance(self.stop_token_ids, list | tuple | type(None)) or not all(
-                is_integer(t) for t in self.stop_token_ids or []):
-            raise bad("stop_token_ids", "a list of token ids")
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
-        if self.prediction is not None:
-            if not isinstance(self.prediction, list | tuple) or not all(
-                    is_integer(t) and t >= 0 for t in self.prediction):
-                raise bad("prediction", "a list of token ids or None")
-            self.prediction = [int(t) for t in self.prediction] or None
+
+        def token_ids(name: str) -> list[int]:
+            value = getattr(self, name)
+            if not isinstance(value, list | tuple | type(None)) or not all(
+                    is_integer(t) for t in value or []):
+                raise bad(name, "a list of token ids")
+            return [int(t) for t in value or []]
+
+        self.stop_token_ids = token_ids("stop_token_ids")
+        self.prediction = token_ids("prediction") or None
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", "a RequestOutputKind")
         if not isinstance(self.structured_outputs, StructuredOutputsParams | type(None)):
@@ -238,6 +239,8 @@ class SamplingParams:
              "must be less than 2**31"),
             (all(isinstance(t, int) and 0 <= t < 2**31 for t in self.stop_token_ids),
              "stop_token_ids", "must be token ids in [0, 2**31)"),
+            (all(t >= 0 for t in self.prediction or ()), "prediction",
+             "must be non-negative token ids"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              "must not exceed max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
