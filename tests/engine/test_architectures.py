@@ -5,7 +5,9 @@ the weights). Greedy tokens against transformers are in test_hf_equivalence.py a
 test_model_runner.py (the tiny checkpoints are among their architectures); here: the
 decode graph's head norms and NoPE layers, a llama.cpp `qwen3` GGUF file (float and Q8_0
 blocks, the GGUF graph), a base-model checkpoint as Qwen3-Embedding ships (no `model.`
-prefix, no LM head) read for embeddings, and a LoRA adapter on Granite."""
+prefix, no LM head) read for embeddings, a LoRA adapter on Granite, and the mixtures of
+experts (Mixtral, Qwen3-MoE): their configs, the expert grouping against a token-by-token
+sum, what is refused, bfloat16."""
 
 from __future__ import annotations
 
@@ -224,3 +226,92 @@ def test_granite_lora_adapter_equals_the_merged_model(tiny_granite_dir: Path,
     for (_, lp), (_, lp_want), (_, lp_base) in zip(got, want, base, strict=True):
         assert lp == pytest.approx(lp_want, abs=1e-3)
         assert abs(lp - lp_base) > 1e-2  # the adapter changes the model
+
+
+MOE_BASE = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
+def test_moe_configs_of_mixtral_and_qwen3_moe() -> None:
+    from sluice.engine.models.llama import MoEConfig
+    from sluice.engine.models.loader import config_from_hf
+    from sluice.protocol.errors import InvalidRequestError
+
+    qwen = {**MOE_BASE, "architectures": ["Qwen3MoeForCausalLM"]}
+    # the hub's config.json: every second layer sparse, but layer 3 dense by name
+    hub = config_from_hf({**qwen, "num_experts": 8, "decoder_sparse_step": 2,
+                          "mlp_only_layers": [3], "norm_topk_prob": True})
+    assert hub.qk_norm and hub.moe == MoEConfig(num_experts=8, top_k=2, intermediate_size=32,
+                                                norm_topk_prob=True, dense_layers=(0, 2, 3, 4))
+    assert [hub.is_sparse(i) for i in range(6)] == [False, True, False, False, False, True]
+    # transformers 5 saves the count as num_local_experts; norm_topk_prob defaults off
+    saved = config_from_hf({**qwen, "num_local_experts": 8})
+    assert saved.moe is not None and saved.moe.num_experts == 8
+    assert not saved.moe.norm_topk_prob and saved.moe.dense_layers == ()
+    mixtral = config_from_hf({**MOE_BASE, "architectures": ["MixtralForCausalLM"],
+                              "num_local_experts": 4})
+    assert mixtral.moe is not None and not mixtral.qk_norm
+    assert (mixtral.moe.num_experts, mixtral.moe.intermediate_size) == (4, 128)  # the MLP's
+    assert mixtral.moe.norm_topk_prob and mixtral.moe.hf_parts == ("w1", "w3", "w2")
+    # FLOPs count the router and the two experts a token runs, not all four
+    attn = 64 * (64 + 2 * 32) + 64 * 64
+    assert mixtral.num_parameters() == 6 * (attn + 64 * 4 + 3 * 2 * 64 * 128) + 100 * 64
+    with pytest.raises(InvalidRequestError) as err:
+        config_from_hf({**qwen, "num_experts": 2, "num_experts_per_tok": 3})
+    assert err.value.param == "model" and "num_experts_per_tok 3" in str(err.value)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_sparse_moe_equals_each_token_through_its_experts(norm: bool) -> None:
+    """Grouping a step's tokens by expert gives what running each token through its own
+    top-k experts gives (many tokens, some experts chosen by none)."""
+    from sluice.engine.models.llama import LlamaConfig, MoEConfig, SparseMoE
+
+    moe = MoEConfig(num_experts=6, top_k=2, intermediate_size=16, norm_topk_prob=norm)
+    cfg = LlamaConfig(architecture="MixtralForCausalLM", vocab_size=10, hidden_size=24,
+                      intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                      head_dim=12, rms_norm_eps=1e-5, max_position_embeddings=64, moe=moe)
+    torch.manual_seed(0)
+    layer = SparseMoE(cfg, moe).to_empty(device="cpu")
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.3)
+    with torch.no_grad():
+        layer.gate.weight[5] = -10.0  # expert 5's score is lowest for (nearly) every token
+        x = torch.randn(41, 24)
+        got = layer(x)
+        want = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            probs = torch.softmax(x[t] @ layer.gate.weight.T, -1)
+            top = probs.topk(2)
+            weights = top.values / top.values.sum() if norm else top.values
+            for w, e in zip(weights, top.indices.tolist(), strict=True):
+                expert = layer.experts[e]
+                gate, up = (x[t] @ expert.w13.weight.T).chunk(2)
+                want[t] += w * (expert.w2.weight @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_moe_model_refuses_lora_and_runs_without_the_decode_graph(
+        tiny_mixtral_dir: Path) -> None:
+    from sluice.protocol.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as err:
+        LLM(str(tiny_mixtral_dir), enable_lora=True, num_kv_blocks=16)
+    assert err.value.param == "enable_lora" and "mixture-of-experts" in str(err.value)
+    runner = ModelRunner(EngineConfig.from_options(str(tiny_mixtral_dir), num_kv_blocks=64,
+                                                   block_size=4, dtype="float32"))
+    assert runner.decode_graph is None and runner.wide_graph is None
+
+
+def test_moe_model_in_bfloat16_follows_float32(tiny_qwen3_moe_dir: Path) -> None:
+    """bfloat16 weights (oneDNN's packed linears for every expert, where the CPU has
+    them): the same greedy tokens for a few steps as float32, logits within bf16's
+    rounding."""
+    runners = [ModelRunner(EngineConfig.from_options(str(tiny_qwen3_moe_dir), num_kv_blocks=64,
+                                                     block_size=4, dtype=d))
+               for d in ("float32", "bfloat16")]
+    ids = runners[0].tokenizer.encode(PROMPT)
+    (want_tokens, want), (got_tokens, got) = (decode_logits(r, ids, 4) for r in runners)
+    assert got_tokens[:2] == want_tokens[:2]
+    assert float((got - want).norm() / want.norm()) < 0.05

@@ -22,7 +22,8 @@ BLOCK = 4
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "smollm3", "granite"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "smollm3", "granite",
+                                        "mixtral", "qwen3_moe"])
 def pair(request: pytest.FixtureRequest) -> tuple[ModelRunner, torch.nn.Module]:
     from transformers import AutoModelForCausalLM
 

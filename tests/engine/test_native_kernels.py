@@ -241,7 +241,7 @@ def test_packed_swiglu_equals_silu_and_mul_and_feed_forward_uses_it_only_on_its_
     then silu_and_mul). Where it is used: Intel's AMX generation only."""
     assert swiglu_rows_min(frozenset({"avx512f", "amx_bf16", "amx_tile"})) == 256
     assert swiglu_rows_min(frozenset({"avx512f", "avx512_bf16"})) is None
-    from sluice.engine.models.llama import FeedForward, LlamaConfig
+    from sluice.engine.models.llama import FeedForward
 
     dtype = torch.bfloat16
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
@@ -249,10 +249,7 @@ def test_packed_swiglu_equals_silu_and_mul_and_feed_forward_uses_it_only_on_its_
         return
     assert onednn_swiglu(dtype)
     torch.manual_seed(0)
-    cfg = LlamaConfig("LlamaForCausalLM", vocab_size=32, hidden_size=64, intermediate_size=96,
-                      num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32,
-                      rms_norm_eps=1e-5, max_position_embeddings=64)
-    ff = FeedForward(cfg).to(dtype).requires_grad_(False)
+    ff = FeedForward(hidden_size=64, intermediate_size=96).to(dtype).requires_grad_(False)
     for lin in (ff.w13, ff.w2):
         lin.weight.data.normal_(0, 0.1)
         lin.matmul = PackedLinear(lin.weight, torch.nn.functional.linear)

@@ -21,7 +21,7 @@ from tests.engine.test_quant import (
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.model_runner import ModelRunner, SeqChunk
-from sluice.engine.models.llama import Linear
+from sluice.engine.models.llama import Linear, Router
 from sluice.engine.native import NativeOps, native_ops
 from sluice.engine.quant import quantize_int8, torch_int8_linear
 from sluice.protocol.errors import InvalidRequestError
@@ -124,7 +124,7 @@ def top1_agreement(runner: ModelRunner, quant: ModelRunner, ids: list[int]) -> t
     return agree, float((got - want).norm() / want.norm())
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_tiny_model_on_int8_weights_follows_the_float_path(
         request: pytest.FixtureRequest, arch: str, backend: str) -> None:
@@ -134,7 +134,10 @@ def test_tiny_model_on_int8_weights_follows_the_float_path(
     quant = ModelRunner(EngineConfig.from_options(path, num_kv_blocks=64, kernel_backend=backend,
                                                   quantization="int8"))
     linears = [m for m in quant.model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.weight.dtype == torch.int8 for m in linears)
+    routers = [m for m in linears if isinstance(m, Router)]  # a mixture of experts' gates
+    assert linears and all(m.weight.dtype == torch.int8 for m in linears if m not in routers)
+    assert len(routers) == (1 if arch == "qwen3_moe" else 0)  # its layer 1 is dense
+    assert all(m.weight.dtype == runner.dtype for m in routers)  # they stay float
     # the embedding stays in the model's float dtype (float32, or bfloat16 where `auto`
     # picks it): int8 holds only the tied head's copy
     assert quant.model.tok_embeddings.weight.dtype == runner.model.tok_embeddings.weight.dtype

@@ -197,13 +197,17 @@ class ModelRunner:
         self.lora_slots: LoRASlots | None = None
         self.pooled: Tensor | None = None  # the last step's pooled rows (`execute`)
         if config.lora.enable_lora:
+            if cfg.moe is not None:
+                raise InvalidRequestError(
+                    f"LoRA adapters on a mixture-of-experts model ({cfg.architecture}) are "
+                    "not supported", param="enable_lora")
             self.lora_slots = self._add_lora_slots(config.lora)
         # decode steps as one native call: `decode_graph` first; with GGUF blocks (a graph
         # of up to 8 rows, 64 on the column tiles) `wide_graph` takes the larger steps on
         # the dense weights
         self.decode_graph: DecodeGraph | None = None
         self.wide_graph: DecodeGraph | None = None
-        if not mc.enforce_eager:
+        if not mc.enforce_eager and cfg.moe is None:  # the graph's layers are dense MLPs
             dense = None
             head = self.gguf_blocks.get("output")  # the GGUF graph's head kernel, both graphs
             if self.panels:
@@ -286,9 +290,11 @@ class ModelRunner:
         per_layer: list[dict[str, LoRALinear]] = []
         for layer in self.model.layers:
             assert isinstance(layer, TransformerBlock)
+            mlp = layer.feed_forward
+            assert isinstance(mlp, FeedForward), "LoRA on experts is refused at start"
             targets: dict[str, Linear] = {
                 "qkv": layer.attention.wqkv, "o": layer.attention.wo,
-                "gate_up": layer.feed_forward.w13, "down": layer.feed_forward.w2}
+                "gate_up": mlp.w13, "down": mlp.w2}
             linears: dict[str, LoRALinear] = {}
             for fused, linear in targets.items():
                 parts = [self.lora_shapes[m] for m in FUSED_PARTS[fused]]

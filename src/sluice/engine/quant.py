@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from sluice.engine.models.gguf_file import GGUFFile
 from sluice.engine.models.gguf_loader import config_from_gguf, unpermute_qk
-from sluice.engine.models.llama import Linear, Transformer
+from sluice.engine.models.llama import Linear, Router, Transformer
 from sluice.engine.native import LinearKernel, NativeOps, route_rows
 from sluice.protocol.errors import InvalidRequestError
 
@@ -162,11 +162,12 @@ def use_int8_weights(model: Transformer, native: NativeOps | None) -> int:
     """Replace every Linear's weight by its int8 quantization (`quantize_int8`) and point
     its matmul at the int8 kernel; returns the int8 bytes. Mutates the model's Linear
     modules (`weight` becomes an int8 [N, K] parameter, `matmul` knows the scales); a
-    tied output head gets its own int8 copy, the embedding stays float."""
+    tied output head gets its own int8 copy, the embedding and a mixture of experts'
+    router stay float."""
     kernel = native.int8_linear if native is not None else None
     total = 0
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and not isinstance(module, Router):
             q, scales = quantize_int8(module.weight)
             module.weight = nn.Parameter(q, requires_grad=False)
             module.matmul = int8_linear(scales.to(q.device), kernel)

@@ -1,5 +1,5 @@
-"""The Llama family (Llama 2/3, SmolLM2/3, Mistral, Qwen2/2.5, Qwen3, Granite 3) as one
-model file.
+"""The Llama family (Llama 2/3, SmolLM2/3, Mistral, Mixtral, Qwen2/2.5, Qwen3, Qwen3-MoE,
+Granite 3) as one model file.
 
 Read it like the paper: each block is
 
@@ -9,6 +9,9 @@ Read it like the paper: each block is
 computed as vLLM does, with each residual add folded into the norm after it: a block
 takes and returns `(x, residual)`, and `norm.add(x, residual)` is `residual += x;
 x = norm(residual)` (one native kernel on CPU, see `sluice.engine.native`).
+
+Mixtral and Qwen3-MoE put a mixture of experts (`SparseMoE`: a router, then the top-k
+of many such MLPs per token) where the MLP is (`moe`).
 
 Differences between the members are data, not separate models: Qwen2 has a bias on Q/K/V
 (`qkv_bias`), Qwen3 an RMSNorm over each Q and K head before RoPE (`qk_norm`), SmolLM3
@@ -83,6 +86,31 @@ class GraniteScales:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A sparse mixture of experts in place of the MLP (Mixtral, Qwen3-MoE): a router
+    (`gate`, hidden -> num_experts) scores each token, the `top_k` best experts (each a
+    SwiGLU MLP of `intermediate_size`) run on it, and their outputs are summed weighted by
+    the softmax of the scores over all experts, renormalized over the chosen ones where
+    `norm_topk_prob` (Mixtral always; Qwen3-MoE by its config). `dense_layers` keep a
+    plain MLP (Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
+    # the checkpoint's names: the block (`model.layers.N.<block>.gate`, `.experts.E.`) and
+    # each expert's gate, up and down projections (Mixtral: block_sparse_moe, w1, w3, w2)
+    hf_block: str = "mlp"
+    hf_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise InvalidRequestError(f"num_experts_per_tok {self.top_k} must be in "
+                                      f"1..{self.num_experts} (the experts)", param="model")
+
+
+@dataclass(frozen=True)
 class LlamaConfig:
     """Hyperparameters, from config.json or GGUF metadata."""
 
@@ -102,10 +130,15 @@ class LlamaConfig:
     # SmolLM3's per layer: 1 rotates Q and K, 0 does not (NoPE); empty: every layer rotates
     no_rope_layers: tuple[int, ...] = ()
     granite: GraniteScales | None = None  # Granite's multipliers (folded into weights)
+    moe: MoEConfig | None = None  # Mixtral, Qwen3-MoE: experts in place of the MLP
     tie_word_embeddings: bool = False
 
     def uses_rope(self, layer: int) -> bool:
         return not self.no_rope_layers or bool(self.no_rope_layers[layer])
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts."""
+        return self.moe is not None and layer not in self.moe.dense_layers
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -121,10 +154,17 @@ class LlamaConfig:
         return self.num_kv_heads * self.head_dim
 
     def num_parameters(self) -> int:
-        """Parameters in the matmuls a token goes through (for FLOP accounting)."""
+        """Parameters in the matmuls a token goes through (for FLOP accounting): a mixture
+        of experts counts its router and the `top_k` experts a token runs, not all."""
         attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        return self.num_layers * (attn + mlp) + self.vocab_size * self.hidden_size
+        total = self.num_layers * attn + self.vocab_size * self.hidden_size
+        for layer in range(self.num_layers):
+            if self.moe is not None and self.is_sparse(layer):
+                total += self.hidden_size * (self.moe.num_experts
+                                             + 3 * self.moe.top_k * self.moe.intermediate_size)
+            else:
+                total += 3 * self.hidden_size * self.intermediate_size
+        return total
 
 
 # --- RoPE ----------------------------------------------------------------------------------
@@ -255,10 +295,10 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.w13 = Linear(hidden_size, 2 * intermediate_size)
+        self.w2 = Linear(intermediate_size, hidden_size)
         self.fused: ActivationKernel | None = None  # native silu(gate) * up, set by the runner
         # the whole silu(x @ gate.T) * (x @ up.T) (native.PackedSwiGLU), set by the runner
         self.swiglu: PackedSwiGLU | None = None
@@ -273,6 +313,49 @@ class FeedForward(nn.Module):
             return self.w2(self.fused(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
+
+
+class Router(Linear):
+    """A mixture of experts' gate (hidden -> one score per expert): a Linear that stays in
+    the model's float dtype when the others are quantized, as vLLM keeps it (an int8
+    router would pick other experts than the checkpoint's)."""
+
+
+class SparseMoE(nn.Module):
+    """Experts in place of the MLP (`MoEConfig`): each token runs through its `top_k`
+    experts, chosen and weighted by the router, as transformers' Mixtral and Qwen3-MoE
+    compute it (softmax in float32, top-k, renormalized, cast back). The step's tokens are
+    grouped by expert (one stable sort of the choices), so each chosen expert does one
+    matmul of its tokens' rows, and its weighted outputs are added back into their rows;
+    an expert no token chose costs nothing."""
+
+    def __init__(self, cfg: LlamaConfig, moe: MoEConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        self.gate = Router(cfg.hidden_size, moe.num_experts)
+        self.experts = nn.ModuleList(FeedForward(cfg.hidden_size, moe.intermediate_size)
+                                     for _ in range(moe.num_experts))
+
+    def forward(self, x: Tensor) -> Tensor:
+        k = self.moe.top_k
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = probs.topk(k, dim=-1)  # [T, k] each
+        if self.moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype).flatten()
+        choices = chosen.flatten()  # choice c is token c // k's
+        order = choices.argsort(stable=True)
+        counts = torch.bincount(choices, minlength=self.moe.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n:
+                picked = order[start:start + n]
+                rows = picked // k
+                y = self.experts[expert](x[rows])
+                out.index_add_(0, rows, y * weights[picked].unsqueeze(1))
+                start += n
+        return out
 
 
 class RMSNorm(nn.Module):
@@ -304,7 +387,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attention = Attention(cfg, cfg.uses_rope(layer))
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward: FeedForward | SparseMoE = (
+            SparseMoE(cfg, cfg.moe) if cfg.moe is not None and cfg.is_sparse(layer)
+            else FeedForward(cfg.hidden_size, cfg.intermediate_size))
 
     def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor,
                 meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
@@ -390,9 +475,19 @@ def fuse_hf_weights(cfg: LlamaConfig, hf: Mapping[str, Tensor]) -> dict[str, Ten
         if cfg.qk_norm:
             out[a + "attention.q_norm.weight"] = hf[attn + "q_norm.weight"]
             out[a + "attention.k_norm.weight"] = hf[attn + "k_norm.weight"]
-        out[a + "feed_forward.w13.weight"] = torch.cat(
-            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
-        out[a + "feed_forward.w2.weight"] = hf[p + "mlp.down_proj.weight"]
+        if cfg.moe is not None and cfg.is_sparse(i):
+            moe, block = cfg.moe, p + cfg.moe.hf_block + "."
+            gate, up, down = cfg.moe.hf_parts
+            out[a + "feed_forward.gate.weight"] = hf[block + "gate.weight"]
+            for e in range(moe.num_experts):
+                x, f = f"{block}experts.{e}.", f"{a}feed_forward.experts.{e}."
+                out[f + "w13.weight"] = torch.cat([hf[x + gate + ".weight"],
+                                                   hf[x + up + ".weight"]])
+                out[f + "w2.weight"] = hf[x + down + ".weight"]
+        else:
+            out[a + "feed_forward.w13.weight"] = torch.cat(
+                [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
+            out[a + "feed_forward.w2.weight"] = hf[p + "mlp.down_proj.weight"]
         out[a + "attention_norm.weight"] = hf[p + "input_layernorm.weight"]
         out[a + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
     if cfg.granite is not None:
@@ -439,7 +534,13 @@ def expected_hf_names(cfg: LlamaConfig) -> list[str]:
         names += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
         names += [p + f"self_attn.{n}_proj.bias" for n in "qkv"] if cfg.qkv_bias else []
         names += [p + f"self_attn.{n}_norm.weight" for n in "qk"] if cfg.qk_norm else []
-        names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+        if cfg.moe is not None and cfg.is_sparse(i):
+            block = p + cfg.moe.hf_block + "."
+            names.append(block + "gate.weight")
+            names += [f"{block}experts.{e}.{n}.weight" for e in range(cfg.moe.num_experts)
+                      for n in cfg.moe.hf_parts]
+        else:
+            names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
     return names
 

@@ -24,6 +24,7 @@ from torch import Tensor
 from sluice.engine.models.llama import (
     GraniteScales,
     LlamaConfig,
+    MoEConfig,
     RopeConfig,
     Transformer,
     build_model,
@@ -41,6 +42,7 @@ class ArchSpec:
     qkv_bias: bool = False
     qk_norm: bool = False
     granite: bool = False  # its multipliers (GraniteScales)
+    moe: str | None = None  # a mixture of experts, configured as "mixtral" or "qwen3_moe"
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -50,6 +52,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
     "SmolLM3ForCausalLM": ArchSpec(),
     "GraniteForCausalLM": ArchSpec(granite=True),
+    "MixtralForCausalLM": ArchSpec(moe="mixtral"),
+    "Qwen3MoeForCausalLM": ArchSpec(qk_norm=True, moe="qwen3_moe"),
 }
 
 
@@ -119,6 +123,7 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         rope=rope_from_hf(c), qkv_bias=spec.qkv_bias or bool(c.get("attention_bias")),
         qk_norm=spec.qk_norm, no_rope_layers=_no_rope_layers(c),
         granite=_granite_scales(c) if spec.granite else None,
+        moe=_moe(c, spec.moe) if spec.moe else None,
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
 
 
@@ -128,6 +133,25 @@ def _granite_scales(c: dict[str, Any]) -> GraniteScales:
                          residual_multiplier=float(c.get("residual_multiplier", 1.0)),
                          attention_multiplier=None if attention is None else float(attention),
                          logits_scaling=float(c.get("logits_scaling", 1.0)))
+
+
+def _moe(c: dict[str, Any], kind: str) -> MoEConfig:
+    """Mixtral's experts (`num_local_experts`, each of `intermediate_size`, always
+    renormalized) or Qwen3-MoE's (`num_experts` of `moe_intermediate_size`,
+    `norm_topk_prob`; `mlp_only_layers` and every layer but each `decoder_sparse_step`-th
+    dense, of `intermediate_size`)."""
+    layers, top_k = int(c["num_hidden_layers"]), int(c["num_experts_per_tok"])
+    if kind == "mixtral":
+        return MoEConfig(num_experts=int(c["num_local_experts"]), top_k=top_k,
+                         intermediate_size=int(c["intermediate_size"]),
+                         hf_block="block_sparse_moe", hf_parts=("w1", "w3", "w2"))
+    step = int(c.get("decoder_sparse_step") or 1)
+    only_mlp = {int(i) for i in c.get("mlp_only_layers") or ()}
+    dense = tuple(i for i in range(layers) if i in only_mlp or (i + 1) % step)
+    experts = c.get("num_experts") or c["num_local_experts"]  # the hub's; transformers 5's
+    return MoEConfig(num_experts=int(experts), top_k=top_k,
+                     intermediate_size=int(c["moe_intermediate_size"]),
+                     norm_topk_prob=bool(c.get("norm_topk_prob", False)), dense_layers=dense)
 
 
 def _no_rope_layers(c: dict[str, Any]) -> tuple[int, ...]:
