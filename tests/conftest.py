@@ -77,6 +77,11 @@ def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_granitemoe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-granitemoe"), "granitemoe")
+
+
+@pytest.fixture(scope="session")
 def default_gguf() -> Path:
     return default_gguf_path()
 

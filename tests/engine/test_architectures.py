@@ -75,40 +75,62 @@ def test_decode_graph_runs_the_architecture(request: pytest.FixtureRequest, arch
         assert [a.use_rope for a in layers] == [True, False]
 
 
-def write_gguf(hf_dir: Path, path: Path, linears: str) -> Path:
-    """The tiny checkpoint as llama.cpp's converter writes a `qwen3` file: its names, no
-    Q/K permutation, norms float32, linears float32 or Q8_0 blocks (`linears`)."""
+def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3") -> Path:
+    """The tiny checkpoint as llama.cpp's converter writes an `arch` file: its names
+    (experts stacked `[experts, out, in]`), Q/K rows permuted for `llama` (a Mixtral),
+    norms float32, linears float32 or Q8_0 blocks (`linears`)."""
     import gguf
     from safetensors.torch import load_file
 
     from sluice.engine.models.gguf_loader import GGUF_GLOBAL_NAMES, GGUF_NAMES
 
     config = json.loads((hf_dir / "config.json").read_text())
-    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_rope_freq_base(config.get("rope_theta") or 10000.0)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if "moe_intermediate_size" in config:
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     to_gguf = {f"{hf}.": f"{g}." for g, hf in GGUF_GLOBAL_NAMES.items()}
+    short = {v: k for k, v in GGUF_NAMES.items()}
+    stacked: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # (layer, kind) -> experts
+    tensors: dict[str, np.ndarray] = {}
     for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
         array = tensor.float().numpy()
         parts = name.split(".")
-        if parts[:2] == ["model", "layers"]:
-            rest = ".".join(parts[3:-1])
-            short = {v: k for k, v in GGUF_NAMES.items()}[rest]
-            gname = f"blk.{parts[2]}.{short}.{parts[-1]}"
+        if parts[:2] == ["model", "layers"] and "experts" in parts:  # ...experts.E.<proj>
+            kind = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                    "down_proj": "down", "w2": "down"}[parts[-2]]
+            stacked.setdefault((parts[2], kind), {})[int(parts[-3])] = array
+        elif parts[:2] == ["model", "layers"] and parts[-2] == "gate":  # the router
+            tensors[f"blk.{parts[2]}.ffn_gate_inp.weight"] = array
+        elif parts[:2] == ["model", "layers"]:
+            if arch == "llama" and parts[-2] in heads:  # llama.cpp's RoPE row interleave
+                n, d = heads[parts[-2]], array.shape[0] // heads[parts[-2]] // 2
+                array = array.reshape(n, 2, d, -1).swapaxes(1, 2).reshape(array.shape)
+            tensors[f"blk.{parts[2]}.{short['.'.join(parts[3:-1])]}.{parts[-1]}"] = array
         else:
-            prefix = ".".join(parts[:-1]) + "."
-            gname = to_gguf[prefix] + parts[-1]
-        if linears == "q8_0" and array.ndim == 2:
-            q = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+            tensors[to_gguf[".".join(parts[:-1]) + "."] + parts[-1]] = array
+    for (layer, kind), by_expert in stacked.items():
+        tensors[f"blk.{layer}.ffn_{kind}_exps.weight"] = np.stack(
+            [by_expert[e] for e in range(len(by_expert))])
+    for gname, array in tensors.items():
+        if linears == "q8_0" and array.ndim >= 2 and "gate_inp" not in gname:
+            q = gguf.quants.quantize(np.ascontiguousarray(array), gguf.GGMLQuantizationType.Q8_0)
             writer.add_tensor(gname, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             writer.add_tensor(gname, np.ascontiguousarray(array))
@@ -315,3 +337,38 @@ def test_moe_model_in_bfloat16_follows_float32(tiny_qwen3_moe_dir: Path) -> None
     (want_tokens, want), (got_tokens, got) = (decode_logits(r, ids, 4) for r in runners)
     assert got_tokens[:2] == want_tokens[:2]
     assert float((got - want).norm() / want.norm()) < 0.05
+
+
+@pytest.mark.parametrize("arch,linears", [("qwen3moe", "f32"), ("qwen3moe", "q8_0"),
+                                          ("llama", "f32")])
+def test_moe_gguf_file_loads_as_the_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               arch: str, linears: str) -> None:
+    """llama.cpp's `qwen3moe` file, and a `llama` file with experts (a Mixtral: Q/K rows
+    permuted), from tiny checkpoints with every layer sparse and renormalized weights
+    (what llama.cpp computes): the same logits as transformers (Q8_0: within its
+    rounding), and `--quantization gguf` keeps the experts dense."""
+    from tiny_models import make_tiny_checkpoint
+
+    monkeypatch.setenv("SLUICE_WEIGHTS_CACHE", str(tmp_path / "cache"))  # converted here
+    hf_arch = {"qwen3moe": "qwen3_moe", "llama": "mixtral"}[arch]
+    options = {"norm_topk_prob": True, "mlp_only_layers": []} if arch == "qwen3moe" else {}
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf", hf_arch, seed=4, **options)
+    path = write_gguf(hf_dir, tmp_path / f"tiny-{arch}.gguf", linears, arch)
+    cfg, permuted = config_from_gguf(GGUFFile(path))
+    assert cfg.moe is not None and permuted == (arch == "llama")
+    assert cfg.architecture == {"qwen3moe": "Qwen3MoeForCausalLM",
+                                "llama": "MixtralForCausalLM"}[arch]
+    assert cfg.moe.norm_topk_prob and cfg.moe.dense_layers == ()
+    assert (cfg.moe.num_experts, cfg.moe.top_k) == ((8, 3) if arch == "qwen3moe" else (4, 2))
+    runner = ModelRunner(EngineConfig.from_options(
+        str(path), tokenizer=str(hf_dir), num_kv_blocks=64, dtype="float32",
+        quantization="gguf" if linears == "q8_0" else "none"))
+    ids = runner.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        want = hf_model(hf_dir)(torch.tensor([ids])).logits[0, -1]
+    got = runner.execute([SeqChunk(ids, 0, list(range(8)), True)])[0]
+    if linears == "f32":
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    else:
+        assert runner.gguf_blocks and not any("experts" in n for n in runner.gguf_blocks)
+        assert float((got - want).norm() / want.norm()) < 0.02

@@ -74,6 +74,8 @@ def fused_blocks(gguf: GGUFFile) -> Iterator[tuple[str, Tensor, int]]:
 
 
 def _blocks(gguf: GGUFFile, tensors: list[tuple[str, int | None]]) -> tuple[Tensor, int] | None:
+    if any(name not in gguf.tensors for name, _ in tensors):  # e.g. a layer of experts
+        return None
     types = {gguf.tensors[name].ggml_type for name, _ in tensors}
     if len(types) != 1 or next(iter(types)) not in GGUF_BLOCK_TYPES:
         return None

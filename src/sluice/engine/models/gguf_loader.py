@@ -8,6 +8,10 @@ Two llama.cpp conventions are undone here so the model file sees Hugging Face we
    `unpermute_qk` swaps them back for the half-split RoPE here, as transformers'
    GGUF loader does. Qwen2 and Qwen3 files are not permuted.
 
+A mixture of experts (`qwen3moe`, or a `llama` file with `expert_count`: Mixtral) stores
+each projection of all experts as one `[experts, out, in]` tensor; `expert_weights`
+splits them into the checkpoint's per-expert names.
+
 Quantized tensors (Q4_0/Q4_1/Q8_0/K-quants...) are dequantized with
 `gguf.quants.dequantize`; weights are kept dense in the engine dtype. The model's
 state (fused, cast) is cached on disk (`weights_cache`), so a second start of the same
@@ -26,6 +30,7 @@ from torch import Tensor
 from sluice.engine.models.gguf_file import GGUFFile, read_gguf
 from sluice.engine.models.llama import (
     LlamaConfig,
+    MoEConfig,
     RopeConfig,
     Transformer,
     assemble_model,
@@ -35,13 +40,17 @@ from sluice.engine.models.weights_cache import cached_state
 from sluice.protocol.errors import InvalidRequestError
 
 # GGUF general.architecture -> (HF architecture, Q/K permuted by llama.cpp, qkv bias,
-# Q/K head norms)
+# Q/K head norms); a `llama` file with experts is a Mixtral (`MixtralForCausalLM`)
 GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool, bool]] = {
     "llama": ("LlamaForCausalLM", True, False, False),
     "mistral": ("MistralForCausalLM", True, False, False),
     "qwen2": ("Qwen2ForCausalLM", False, True, False),
     "qwen3": ("Qwen3ForCausalLM", False, False, True),
+    "qwen3moe": ("Qwen3MoeForCausalLM", False, False, True),
 }
+# a mixture of experts' stacked tensors ([experts, out, in]) -> the expert's projection
+# (gate, up, down: an index into MoEConfig.hf_parts)
+GGUF_EXPERT_PARTS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 
 GGUF_NAMES: dict[str, str] = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -68,6 +77,8 @@ def convert_weights(gguf: GGUFFile, cfg: LlamaConfig, permuted: bool) -> dict[st
     """Every tensor dequantized to float32 under its Hugging Face name, Q/K un-permuted."""
     weights = {hf_name(name): dequantize(gguf, name) for name in gguf.tensors
                if name != "rope_freqs.weight"}
+    if cfg.moe is not None:
+        weights = expert_weights(cfg.moe, weights)
     if permuted:
         for i in range(cfg.num_layers):
             attn = f"model.layers.{i}.self_attn."
@@ -76,6 +87,28 @@ def convert_weights(gguf: GGUFFile, cfg: LlamaConfig, permuted: bool) -> dict[st
             weights[attn + "k_proj.weight"] = unpermute_qk(weights[attn + "k_proj.weight"],
                                                            cfg.num_kv_heads)
     return weights
+
+
+def expert_weights(moe: MoEConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """llama.cpp's experts, one tensor `blk.N.ffn_gate_exps` `[experts, out, in]` per
+    projection and a router `blk.N.ffn_gate_inp`, under the checkpoint's names: one
+    tensor per expert (views, no copy) and `<block>.gate`."""
+    out = {}
+    for name, tensor in weights.items():
+        parts = name.split(".")  # blk.N.<kind>.weight (not renamed by hf_name)
+        if parts[0] != "blk" or len(parts) != 4:
+            out[name] = tensor
+            continue
+        block = f"model.layers.{parts[1]}.{moe.hf_block}."
+        if parts[2] == "ffn_gate_inp":
+            out[block + "gate.weight"] = tensor
+        elif parts[2] in GGUF_EXPERT_PARTS:
+            projection = moe.hf_parts[GGUF_EXPERT_PARTS[parts[2]]]
+            for e in range(tensor.shape[0]):
+                out[f"{block}experts.{e}.{projection}.weight"] = tensor[e]
+        else:
+            out[name] = tensor
+    return out
 
 
 def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
@@ -95,16 +128,46 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
 
     hidden, heads = int(meta("embedding_length")), int(meta("attention.head_count"))
     vocab = gguf.get(f"{arch}.vocab_size") or len(gguf.get("tokenizer.ggml.tokens", []))
+    moe = None
+    if int(gguf.get(f"{arch}.expert_count", 0) or 0):  # every layer's MLP is experts
+        moe = moe_from_gguf(gguf, arch)
+        hf_arch = "MixtralForCausalLM" if arch in ("llama", "mistral") else hf_arch
+    elif arch == "qwen3moe":
+        raise InvalidRequestError(f"{gguf.path.name}: missing GGUF metadata "
+                                  f"{arch}.expert_count", param="model")
+    # with experts in every layer no MLP is dense: the experts' width where a file has none
+    ffn = (meta("feed_forward_length") if moe is None
+           else gguf.get(f"{arch}.feed_forward_length", moe.intermediate_size))
     cfg = LlamaConfig(
         architecture=hf_arch, vocab_size=int(vocab), hidden_size=hidden,
-        intermediate_size=int(meta("feed_forward_length")), num_layers=int(meta("block_count")),
+        intermediate_size=int(ffn), num_layers=int(meta("block_count")),
         num_heads=heads, num_kv_heads=int(meta("attention.head_count_kv", heads)),
         head_dim=int(meta("attention.key_length", hidden // heads)),
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         max_position_embeddings=int(meta("context_length")),
-        rope=rope_from_gguf(gguf, arch), qkv_bias=qkv_bias, qk_norm=qk_norm,
+        rope=rope_from_gguf(gguf, arch), qkv_bias=qkv_bias, qk_norm=qk_norm, moe=moe,
         tie_word_embeddings="output.weight" not in gguf.tensors)
     return cfg, permuted
+
+
+def moe_from_gguf(gguf: GGUFFile, arch: str) -> MoEConfig:
+    """`<arch>.expert_count` experts, `expert_used_count` a token, each of
+    `expert_feed_forward_length` (Qwen3-MoE) or `feed_forward_length` (Mixtral), their
+    weights renormalized over the chosen as llama.cpp computes both (`expert_weights_norm`
+    where a file says otherwise); Mixtral's names for a `llama` file."""
+    size = gguf.get(f"{arch}.expert_feed_forward_length") or gguf.get(
+        f"{arch}.feed_forward_length")
+    if size is None:
+        raise InvalidRequestError(f"{gguf.path.name}: missing GGUF metadata "
+                                  f"{arch}.expert_feed_forward_length", param="model")
+    names: dict[str, Any] = {}
+    if arch in ("llama", "mistral"):
+        names = {"hf_block": "block_sparse_moe", "hf_parts": ("w1", "w3", "w2")}
+    return MoEConfig(num_experts=int(gguf.get(f"{arch}.expert_count")),
+                     top_k=int(gguf.get(f"{arch}.expert_used_count", 0) or 0),
+                     intermediate_size=int(size),
+                     norm_topk_prob=bool(gguf.get(f"{arch}.expert_weights_norm", True)),
+                     **names)
 
 
 def rope_from_gguf(gguf: GGUFFile, arch: str) -> RopeConfig:

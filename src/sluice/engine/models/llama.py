@@ -1,5 +1,5 @@
 """The Llama family (Llama 2/3, SmolLM2/3, Mistral, Mixtral, Qwen2/2.5, Qwen3, Qwen3-MoE,
-Granite 3) as one model file.
+Granite 3 and its MoE) as one model file.
 
 Read it like the paper: each block is
 
@@ -10,7 +10,7 @@ computed as vLLM does, with each residual add folded into the norm after it: a b
 takes and returns `(x, residual)`, and `norm.add(x, residual)` is `residual += x;
 x = norm(residual)` (one native kernel on CPU, see `sluice.engine.native`).
 
-Mixtral and Qwen3-MoE put a mixture of experts (`SparseMoE`: a router, then the top-k
+Mixtral, Qwen3-MoE and Granite's MoE put a mixture of experts (`SparseMoE`: a router, then the top-k
 of many such MLPs per token) where the MLP is (`moe`).
 
 Differences between the members are data, not separate models: Qwen2 has a bias on Q/K/V
@@ -100,9 +100,20 @@ class MoEConfig:
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()
     # the checkpoint's names: the block (`model.layers.N.<block>.gate`, `.experts.E.`) and
-    # each expert's gate, up and down projections (Mixtral: block_sparse_moe, w1, w3, w2)
+    # each expert's gate, up and down projections (Mixtral: block_sparse_moe, w1, w3, w2);
+    # `hf_stacked`: Granite's, all experts in one tensor a projection (`input_linear`,
+    # gate|up `[experts, 2 * intermediate, hidden]`; `output_linear`) and `router.layer`
     hf_block: str = "mlp"
     hf_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    hf_stacked: bool = False
+
+    def hf_names(self, block: str) -> list[str]:
+        """The checkpoint's tensors of one sparse layer (`block`: `model.layers.N.mlp.`)."""
+        if self.hf_stacked:
+            return [block + n + ".weight" for n in ("router.layer", "input_linear",
+                                                      "output_linear")]
+        return [block + "gate.weight"] + [f"{block}experts.{e}.{n}.weight"
+                                          for e in range(self.num_experts) for n in self.hf_parts]
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -476,14 +487,7 @@ def fuse_hf_weights(cfg: LlamaConfig, hf: Mapping[str, Tensor]) -> dict[str, Ten
             out[a + "attention.q_norm.weight"] = hf[attn + "q_norm.weight"]
             out[a + "attention.k_norm.weight"] = hf[attn + "k_norm.weight"]
         if cfg.moe is not None and cfg.is_sparse(i):
-            moe, block = cfg.moe, p + cfg.moe.hf_block + "."
-            gate, up, down = cfg.moe.hf_parts
-            out[a + "feed_forward.gate.weight"] = hf[block + "gate.weight"]
-            for e in range(moe.num_experts):
-                x, f = f"{block}experts.{e}.", f"{a}feed_forward.experts.{e}."
-                out[f + "w13.weight"] = torch.cat([hf[x + gate + ".weight"],
-                                                   hf[x + up + ".weight"]])
-                out[f + "w2.weight"] = hf[x + down + ".weight"]
+            _fuse_experts(cfg.moe, hf, p + cfg.moe.hf_block + ".", a + "feed_forward.", out)
         else:
             out[a + "feed_forward.w13.weight"] = torch.cat(
                 [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
@@ -493,6 +497,25 @@ def fuse_hf_weights(cfg: LlamaConfig, hf: Mapping[str, Tensor]) -> dict[str, Ten
     if cfg.granite is not None:
         _fold_granite(cfg, cfg.granite, out)
     return out
+
+
+def _fuse_experts(moe: MoEConfig, hf: Mapping[str, Tensor], block: str, prefix: str,
+                  out: dict[str, Tensor]) -> None:
+    """One sparse layer's router and experts (gate|up fused, as a dense MLP's are) under
+    this model's names (`prefix`: `layers.N.feed_forward.`)."""
+    if moe.hf_stacked:  # Granite: gate|up already fused, every expert in one tensor
+        out[prefix + "gate.weight"] = hf[block + "router.layer.weight"]
+        w13, w2 = hf[block + "input_linear.weight"], hf[block + "output_linear.weight"]
+        for e in range(moe.num_experts):
+            out[f"{prefix}experts.{e}.w13.weight"] = w13[e]
+            out[f"{prefix}experts.{e}.w2.weight"] = w2[e]
+        return
+    gate, up, down = moe.hf_parts
+    out[prefix + "gate.weight"] = hf[block + "gate.weight"]
+    for e in range(moe.num_experts):
+        x, f = f"{block}experts.{e}.", f"{prefix}experts.{e}."
+        out[f + "w13.weight"] = torch.cat([hf[x + gate + ".weight"], hf[x + up + ".weight"]])
+        out[f + "w2.weight"] = hf[x + down + ".weight"]
 
 
 def _fold_granite(cfg: LlamaConfig, g: GraniteScales, out: dict[str, Tensor]) -> None:
@@ -513,8 +536,9 @@ def _fold_granite(cfg: LlamaConfig, g: GraniteScales, out: dict[str, Tensor]) ->
             bias[:cfg.q_size] *= q
             out[a + "attention.wqkv.bias"] = bias
         out[a + "attention.wo.weight"] = out[a + "attention.wo.weight"] * g.residual_multiplier
-        out[a + "feed_forward.w2.weight"] = (out[a + "feed_forward.w2.weight"]
-                                             * g.residual_multiplier)
+        for name in [n for n in out if n.startswith(a + "feed_forward.")  # or every expert's
+                     and n.endswith("w2.weight")]:
+            out[name] = out[name] * g.residual_multiplier
     embedding = out["tok_embeddings.weight"] * g.embedding_multiplier
     out["tok_embeddings.weight"] = embedding
     head_scale = g.logits_scaling
@@ -535,10 +559,7 @@ def expected_hf_names(cfg: LlamaConfig) -> list[str]:
         names += [p + f"self_attn.{n}_proj.bias" for n in "qkv"] if cfg.qkv_bias else []
         names += [p + f"self_attn.{n}_norm.weight" for n in "qk"] if cfg.qk_norm else []
         if cfg.moe is not None and cfg.is_sparse(i):
-            block = p + cfg.moe.hf_block + "."
-            names.append(block + "gate.weight")
-            names += [f"{block}experts.{e}.{n}.weight" for e in range(cfg.moe.num_experts)
-                      for n in cfg.moe.hf_parts]
+            names += cfg.moe.hf_names(p + cfg.moe.hf_block + ".")
         else:
             names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]

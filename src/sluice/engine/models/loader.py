@@ -42,7 +42,7 @@ class ArchSpec:
     qkv_bias: bool = False
     qk_norm: bool = False
     granite: bool = False  # its multipliers (GraniteScales)
-    moe: str | None = None  # a mixture of experts, configured as "mixtral" or "qwen3_moe"
+    moe: str | None = None  # a mixture of experts: "mixtral", "qwen3_moe" or "granitemoe"
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -54,6 +54,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "GraniteForCausalLM": ArchSpec(granite=True),
     "MixtralForCausalLM": ArchSpec(moe="mixtral"),
     "Qwen3MoeForCausalLM": ArchSpec(qk_norm=True, moe="qwen3_moe"),
+    "GraniteMoeForCausalLM": ArchSpec(granite=True, moe="granitemoe"),
 }
 
 
@@ -136,15 +137,16 @@ def _granite_scales(c: dict[str, Any]) -> GraniteScales:
 
 
 def _moe(c: dict[str, Any], kind: str) -> MoEConfig:
-    """Mixtral's experts (`num_local_experts`, each of `intermediate_size`, always
-    renormalized) or Qwen3-MoE's (`num_experts` of `moe_intermediate_size`,
+    """Mixtral's and Granite's experts (`num_local_experts`, each of `intermediate_size`,
+    always renormalized; Granite's stacked in one tensor a projection) or Qwen3-MoE's (`num_experts` of `moe_intermediate_size`,
     `norm_topk_prob`; `mlp_only_layers` and every layer but each `decoder_sparse_step`-th
     dense, of `intermediate_size`)."""
     layers, top_k = int(c["num_hidden_layers"]), int(c["num_experts_per_tok"])
-    if kind == "mixtral":
-        return MoEConfig(num_experts=int(c["num_local_experts"]), top_k=top_k,
+    if kind in ("mixtral", "granitemoe"):  # Granite's softmax over the top-k scores is
+        return MoEConfig(num_experts=int(c["num_local_experts"]), top_k=top_k,  # renormalizing
                          intermediate_size=int(c["intermediate_size"]),
-                         hf_block="block_sparse_moe", hf_parts=("w1", "w3", "w2"))
+                         hf_block="block_sparse_moe", hf_parts=("w1", "w3", "w2"),
+                         hf_stacked=kind == "granitemoe")
     step = int(c.get("decoder_sparse_step") or 1)
     only_mlp = {int(i) for i in c.get("mlp_only_layers") or ()}
     dense = tuple(i for i in range(layers) if i in only_mlp or (i + 1) % step)
