@@ -279,6 +279,12 @@ def test_moe_configs_of_mixtral_and_qwen3_moe() -> None:
     # FLOPs count the router and the two experts a token runs, not all four
     attn = 64 * (64 + 2 * 32) + 64 * 64
     assert mixtral.num_parameters() == 6 * (attn + 64 * 4 + 3 * 2 * 64 * 128) + 100 * 64
+    qwen2 = config_from_hf({**MOE_BASE, "architectures": ["Qwen2MoeForCausalLM"],
+                            "num_experts": 4, "shared_expert_intermediate_size": 48})
+    assert qwen2.qkv_bias and qwen2.moe is not None
+    assert qwen2.moe.shared_intermediate_size == 48 and not qwen2.moe.norm_topk_prob
+    assert qwen2.num_parameters() == 6 * (attn + 64 * 4 + 3 * 2 * 64 * 32 + 64 * (1 + 3 * 48)) \
+        + 100 * 64  # the router, two experts, the shared one and its gate
     with pytest.raises(InvalidRequestError) as err:
         config_from_hf({**qwen, "num_experts": 2, "num_experts_per_tok": 3})
     assert err.value.param == "model" and "num_experts_per_tok 3" in str(err.value)

@@ -1,5 +1,5 @@
-"""The Llama family (Llama 2/3, SmolLM2/3, Mistral, Mixtral, Qwen2/2.5, Qwen3, Qwen3-MoE,
-Granite 3 and its MoE) as one model file.
+"""The Llama family (Llama 2/3, SmolLM2/3, Mistral, Mixtral, Qwen2/2.5 and Qwen2-MoE, Qwen3
+and Qwen3-MoE, Granite 3 and its MoE) as one model file.
 
 Read it like the paper: each block is
 
@@ -10,7 +10,7 @@ computed as vLLM does, with each residual add folded into the norm after it: a b
 takes and returns `(x, residual)`, and `norm.add(x, residual)` is `residual += x;
 x = norm(residual)` (one native kernel on CPU, see `sluice.engine.native`).
 
-Mixtral, Qwen3-MoE and Granite's MoE put a mixture of experts (`SparseMoE`: a router, then the top-k
+Mixtral, Qwen2-MoE, Qwen3-MoE and Granite's MoE put a mixture of experts (`SparseMoE`: a router, then the top-k
 of many such MLPs per token) where the MLP is (`moe`).
 
 Differences between the members are data, not separate models: Qwen2 has a bias on Q/K/V
@@ -99,6 +99,9 @@ class MoEConfig:
     intermediate_size: int
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()
+    # Qwen2-MoE's shared expert, run on every token beside the chosen ones and scaled by
+    # sigmoid(its own gate): its MLP's width, 0 for none
+    shared_intermediate_size: int = 0
     # the checkpoint's names: the block (`model.layers.N.<block>.gate`, `.experts.E.`) and
     # each expert's gate, up and down projections (Mixtral: block_sparse_moe, w1, w3, w2);
     # `hf_stacked`: Granite's, all experts in one tensor a projection (`input_linear`,
@@ -112,8 +115,11 @@ class MoEConfig:
         if self.hf_stacked:
             return [block + n + ".weight" for n in ("router.layer", "input_linear",
                                                       "output_linear")]
-        return [block + "gate.weight"] + [f"{block}experts.{e}.{n}.weight"
-                                          for e in range(self.num_experts) for n in self.hf_parts]
+        shared = [f"{block}shared_expert.{n}.weight" for n in self.hf_parts] + [
+            block + "shared_expert_gate.weight"] if self.shared_intermediate_size else []
+        return [block + "gate.weight"] + shared + [
+            f"{block}experts.{e}.{n}.weight" for e in range(self.num_experts)
+            for n in self.hf_parts]
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -171,8 +177,10 @@ class LlamaConfig:
         total = self.num_layers * attn + self.vocab_size * self.hidden_size
         for layer in range(self.num_layers):
             if self.moe is not None and self.is_sparse(layer):
-                total += self.hidden_size * (self.moe.num_experts
-                                             + 3 * self.moe.top_k * self.moe.intermediate_size)
+                moe = self.moe
+                total += self.hidden_size * (moe.num_experts + 3 * moe.top_k * moe.intermediate_size)
+                if moe.shared_intermediate_size:
+                    total += self.hidden_size * (1 + 3 * moe.shared_intermediate_size)
             else:
                 total += 3 * self.hidden_size * self.intermediate_size
         return total
@@ -346,6 +354,11 @@ class SparseMoE(nn.Module):
         self.gate = Router(cfg.hidden_size, moe.num_experts)
         self.experts = nn.ModuleList(FeedForward(cfg.hidden_size, moe.intermediate_size)
                                      for _ in range(moe.num_experts))
+        self.shared_expert: FeedForward | None = None  # Qwen2-MoE's, and its gate
+        self.shared_gate: Router | None = None
+        if moe.shared_intermediate_size:
+            self.shared_expert = FeedForward(cfg.hidden_size, moe.shared_intermediate_size)
+            self.shared_gate = Router(cfg.hidden_size, 1)
 
     def forward(self, x: Tensor) -> Tensor:
         k = self.moe.top_k
@@ -366,6 +379,8 @@ class SparseMoE(nn.Module):
                 y = self.experts[expert](x[rows])
                 out.index_add_(0, rows, y * weights[picked].unsqueeze(1))
                 start += n
+        if self.shared_expert is not None and self.shared_gate is not None:
+            out += torch.sigmoid(self.shared_gate(x)) * self.shared_expert(x)
         return out
 
 
@@ -512,6 +527,12 @@ def _fuse_experts(moe: MoEConfig, hf: Mapping[str, Tensor], block: str, prefix: 
         return
     gate, up, down = moe.hf_parts
     out[prefix + "gate.weight"] = hf[block + "gate.weight"]
+    if moe.shared_intermediate_size:
+        x = block + "shared_expert."
+        out[prefix + "shared_expert.w13.weight"] = torch.cat([hf[x + gate + ".weight"],
+                                                             hf[x + up + ".weight"]])
+        out[prefix + "shared_expert.w2.weight"] = hf[x + down + ".weight"]
+        out[prefix + "shared_gate.weight"] = hf[block + "shared_expert_gate.weight"]
     for e in range(moe.num_experts):
         x, f = f"{block}experts.{e}.", f"{prefix}experts.{e}."
         out[f + "w13.weight"] = torch.cat([hf[x + gate + ".weight"], hf[x + up + ".weight"]])

@@ -42,7 +42,7 @@ class ArchSpec:
     qkv_bias: bool = False
     qk_norm: bool = False
     granite: bool = False  # its multipliers (GraniteScales)
-    moe: str | None = None  # a mixture of experts: "mixtral", "qwen3_moe" or "granitemoe"
+    moe: str | None = None  # a mixture of experts, configured as `_moe` reads `kind`
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -53,6 +53,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "SmolLM3ForCausalLM": ArchSpec(),
     "GraniteForCausalLM": ArchSpec(granite=True),
     "MixtralForCausalLM": ArchSpec(moe="mixtral"),
+    "Qwen2MoeForCausalLM": ArchSpec(qkv_bias=True, moe="qwen2_moe"),
     "Qwen3MoeForCausalLM": ArchSpec(qk_norm=True, moe="qwen3_moe"),
     "GraniteMoeForCausalLM": ArchSpec(granite=True, moe="granitemoe"),
 }
@@ -121,7 +122,8 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=_max_positions(c),
-        rope=rope_from_hf(c), qkv_bias=spec.qkv_bias or bool(c.get("attention_bias")),
+        rope=rope_from_hf(c),
+        qkv_bias=bool(c.get("qkv_bias", spec.qkv_bias) or c.get("attention_bias")),
         qk_norm=spec.qk_norm, no_rope_layers=_no_rope_layers(c),
         granite=_granite_scales(c) if spec.granite else None,
         moe=_moe(c, spec.moe) if spec.moe else None,
@@ -137,13 +139,15 @@ def _granite_scales(c: dict[str, Any]) -> GraniteScales:
 
 
 def _moe(c: dict[str, Any], kind: str) -> MoEConfig:
-    """Mixtral's and Granite's experts (`num_local_experts`, each of `intermediate_size`,
-    always renormalized; Granite's stacked in one tensor a projection) or Qwen3-MoE's (`num_experts` of `moe_intermediate_size`,
-    `norm_topk_prob`; `mlp_only_layers` and every layer but each `decoder_sparse_step`-th
-    dense, of `intermediate_size`)."""
+    """The experts of `kind`. Mixtral's and Granite's: `num_local_experts` of
+    `intermediate_size`, weights always renormalized (Granite's softmax over the top-k
+    scores is the same), Granite's stacked in one tensor a projection. Qwen2-MoE's and
+    Qwen3-MoE's: `num_experts` of `moe_intermediate_size`, `norm_topk_prob`, dense layers
+    of `intermediate_size` where `mlp_only_layers` or `decoder_sparse_step` say, and
+    Qwen2-MoE's shared expert of `shared_expert_intermediate_size`."""
     layers, top_k = int(c["num_hidden_layers"]), int(c["num_experts_per_tok"])
-    if kind in ("mixtral", "granitemoe"):  # Granite's softmax over the top-k scores is
-        return MoEConfig(num_experts=int(c["num_local_experts"]), top_k=top_k,  # renormalizing
+    if kind in ("mixtral", "granitemoe"):
+        return MoEConfig(num_experts=int(c["num_local_experts"]), top_k=top_k,
                          intermediate_size=int(c["intermediate_size"]),
                          hf_block="block_sparse_moe", hf_parts=("w1", "w3", "w2"),
                          hf_stacked=kind == "granitemoe")
@@ -151,9 +155,11 @@ def _moe(c: dict[str, Any], kind: str) -> MoEConfig:
     only_mlp = {int(i) for i in c.get("mlp_only_layers") or ()}
     dense = tuple(i for i in range(layers) if i in only_mlp or (i + 1) % step)
     experts = c.get("num_experts") or c["num_local_experts"]  # the hub's; transformers 5's
+    shared = int(c.get("shared_expert_intermediate_size") or 0) if kind == "qwen2_moe" else 0
     return MoEConfig(num_experts=int(experts), top_k=top_k,
                      intermediate_size=int(c["moe_intermediate_size"]),
-                     norm_topk_prob=bool(c.get("norm_topk_prob", False)), dense_layers=dense)
+                     norm_topk_prob=bool(c.get("norm_topk_prob", False)), dense_layers=dense,
+                     shared_intermediate_size=shared)
 
 
 def _no_rope_layers(c: dict[str, Any]) -> tuple[int, ...]:
