@@ -47,6 +47,13 @@ def thinker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_bias_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Llama with `attention_bias`: a bias on Q, K, V and the output projection."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama-bias"), "llama",
+                                attention_bias=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
 

@@ -85,6 +85,8 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
             if p.dim() > 1:
                 p.normal_(0.0, 0.2)
         for name, p in model.named_parameters():  # Qwen3's head norms away from ones
+            if name.endswith(".bias"):  # (initialized to zeros: a lost bias would not show)
+                p.normal_(0.0, 0.2)
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(str(out), safe_serialization=True)

@@ -49,7 +49,8 @@ def hf_prompts(model_dir: Path, texts: list[str]) -> list[list[int]]:
     return [tok(text).input_ids for text in texts]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "smollm3", "granite",
+@pytest.fixture(scope="module", params=["llama", "llama_bias", "qwen2", "qwen3", "smollm3",
+                                        "granite",
                                         "mixtral", "qwen3_moe", "granitemoe", "qwen2_moe"])
 def tiny(request: pytest.FixtureRequest) -> tuple[Path, list[list[int]], list[list[int]]]:
     model_dir = request.getfixturevalue(f"tiny_{request.param}_dir")

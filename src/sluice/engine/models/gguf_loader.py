@@ -146,6 +146,7 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         max_position_embeddings=int(meta("context_length")),
         rope=rope_from_gguf(gguf, arch), qkv_bias=qkv_bias, qk_norm=qk_norm, moe=moe,
+        o_bias="blk.0.attn_output.bias" in gguf.tensors,
         tie_word_embeddings="output.weight" not in gguf.tensors)
     return cfg, permuted
 

@@ -143,6 +143,9 @@ class LlamaConfig:
     max_position_embeddings: int
     rope: RopeConfig = field(default_factory=RopeConfig)
     qkv_bias: bool = False
+    # a bias on the attention's output projection too: `attention_bias` of Llama, Granite,
+    # Qwen3 (Qwen2's bias is on Q/K/V only)
+    o_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each Q and each K head (its own weights)
     # SmolLM3's per layer: 1 rotates Q and K, 0 does not (NoPE); empty: every layer rotates
     no_rope_layers: tuple[int, ...] = ()
@@ -288,7 +291,7 @@ class Attention(nn.Module):
         self.cfg = cfg
         self.use_rope = use_rope  # False: a NoPE layer (SmolLM3's every fourth)
         self.wqkv = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
-        self.wo = Linear(cfg.q_size, cfg.hidden_size)
+        self.wo = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         # Qwen3: each head of Q and of K normalized before RoPE, one weight [head_dim] each
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -498,6 +501,8 @@ def fuse_hf_weights(cfg: LlamaConfig, hf: Mapping[str, Tensor]) -> dict[str, Ten
         if cfg.qkv_bias:
             out[a + "attention.wqkv.bias"] = torch.cat([hf[attn + f"{n}_proj.bias"] for n in "qkv"])
         out[a + "attention.wo.weight"] = hf[attn + "o_proj.weight"]
+        if cfg.o_bias:
+            out[a + "attention.wo.bias"] = hf[attn + "o_proj.bias"]
         if cfg.qk_norm:
             out[a + "attention.q_norm.weight"] = hf[attn + "q_norm.weight"]
             out[a + "attention.k_norm.weight"] = hf[attn + "k_norm.weight"]
@@ -556,7 +561,9 @@ def _fold_granite(cfg: LlamaConfig, g: GraniteScales, out: dict[str, Tensor]) ->
             bias = out[a + "attention.wqkv.bias"].clone()
             bias[:cfg.q_size] *= q
             out[a + "attention.wqkv.bias"] = bias
-        out[a + "attention.wo.weight"] = out[a + "attention.wo.weight"] * g.residual_multiplier
+        for name in (a + "attention.wo.weight", a + "attention.wo.bias"):
+            if name in out:
+                out[name] = out[name] * g.residual_multiplier
         for name in [n for n in out if n.startswith(a + "feed_forward.")  # or every expert's
                      and n.endswith("w2.weight")]:
             out[name] = out[name] * g.residual_multiplier
@@ -578,6 +585,7 @@ def expected_hf_names(cfg: LlamaConfig) -> list[str]:
         p = f"model.layers.{i}."
         names += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
         names += [p + f"self_attn.{n}_proj.bias" for n in "qkv"] if cfg.qkv_bias else []
+        names += [p + "self_attn.o_proj.bias"] if cfg.o_bias else []
         names += [p + f"self_attn.{n}_norm.weight" for n in "qk"] if cfg.qk_norm else []
         if cfg.moe is not None and cfg.is_sparse(i):
             names += cfg.moe.hf_names(p + cfg.moe.hf_block + ".")

@@ -124,6 +124,7 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         max_position_embeddings=_max_positions(c),
         rope=rope_from_hf(c),
         qkv_bias=bool(c.get("qkv_bias", spec.qkv_bias) or c.get("attention_bias")),
+        o_bias=bool(c.get("attention_bias")),
         qk_norm=spec.qk_norm, no_rope_layers=_no_rope_layers(c),
         granite=_granite_scales(c) if spec.granite else None,
         moe=_moe(c, spec.moe) if spec.moe else None,
