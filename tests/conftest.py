@@ -94,6 +94,11 @@ def tiny_qwen2_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_olmoe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-olmoe"), "olmoe")
+
+
+@pytest.fixture(scope="session")
 def default_gguf() -> Path:
     return default_gguf_path()
 

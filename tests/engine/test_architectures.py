@@ -285,6 +285,14 @@ def test_moe_configs_of_mixtral_and_qwen3_moe() -> None:
     assert qwen2.moe.shared_intermediate_size == 48 and not qwen2.moe.norm_topk_prob
     assert qwen2.num_parameters() == 6 * (attn + 64 * 4 + 3 * 2 * 64 * 32 + 64 * (1 + 3 * 48)) \
         + 100 * 64  # the router, two experts, the shared one and its gate
+    olmoe = config_from_hf({**MOE_BASE, "architectures": ["OlmoeForCausalLM"],
+                            "num_experts": 4})
+    assert olmoe.qk_norm_whole and not olmoe.qk_norm and olmoe.moe is not None
+    assert (olmoe.moe.intermediate_size, olmoe.moe.norm_topk_prob) == (128, False)
+    with pytest.raises(InvalidRequestError) as err:
+        config_from_hf({**MOE_BASE, "architectures": ["OlmoeForCausalLM"], "num_experts": 4,
+                        "clip_qkv": 8.0})
+    assert err.value.param == "model" and "clip_qkv" in str(err.value)
     with pytest.raises(InvalidRequestError) as err:
         config_from_hf({**qwen, "num_experts": 2, "num_experts_per_tok": 3})
     assert err.value.param == "model" and "num_experts_per_tok 3" in str(err.value)

@@ -207,7 +207,8 @@ class ModelRunner:
         # the dense weights
         self.decode_graph: DecodeGraph | None = None
         self.wide_graph: DecodeGraph | None = None
-        if not mc.enforce_eager and cfg.moe is None:  # the graph's layers are dense MLPs
+        # the graph's layers are dense MLPs with per-head Q/K norms (if any)
+        if not mc.enforce_eager and cfg.moe is None and not cfg.qk_norm_whole:
             dense = None
             head = self.gguf_blocks.get("output")  # the GGUF graph's head kernel, both graphs
             if self.panels:

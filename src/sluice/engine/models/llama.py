@@ -1,5 +1,5 @@
 """The Llama family (Llama 2/3, SmolLM2/3, Mistral, Mixtral, Qwen2/2.5 and Qwen2-MoE, Qwen3
-and Qwen3-MoE, Granite 3 and its MoE) as one model file.
+and Qwen3-MoE, Granite 3 and its MoE, OLMoE) as one model file.
 
 Read it like the paper: each block is
 
@@ -10,11 +10,12 @@ computed as vLLM does, with each residual add folded into the norm after it: a b
 takes and returns `(x, residual)`, and `norm.add(x, residual)` is `residual += x;
 x = norm(residual)` (one native kernel on CPU, see `sluice.engine.native`).
 
-Mixtral, Qwen2-MoE, Qwen3-MoE and Granite's MoE put a mixture of experts (`SparseMoE`: a router, then the top-k
+Mixtral, Qwen2-MoE, Qwen3-MoE, Granite's MoE and OLMoE put a mixture of experts (`SparseMoE`: a router, then the top-k
 of many such MLPs per token) where the MLP is (`moe`).
 
 Differences between the members are data, not separate models: Qwen2 has a bias on Q/K/V
-(`qkv_bias`), Qwen3 an RMSNorm over each Q and K head before RoPE (`qk_norm`), SmolLM3
+(`qkv_bias`), Qwen3 an RMSNorm over each Q and K head before RoPE (`qk_norm`; OLMoE one
+over all of Q's heads and one over K's, `qk_norm_whole`), SmolLM3
 leaves RoPE out of every fourth layer (`no_rope_layers`), Granite scales the embedding,
 the branches, the attention scores and the logits by constants (`GraniteScales`, folded
 into the weights at load: `fuse_hf_weights`), Llama 3 scales RoPE frequencies
@@ -147,6 +148,7 @@ class LlamaConfig:
     # Qwen3 (Qwen2's bias is on Q/K/V only)
     o_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each Q and each K head (its own weights)
+    qk_norm_whole: bool = False  # OLMoE: one RMSNorm over all of Q's heads, one over K's
     # SmolLM3's per layer: 1 rotates Q and K, 0 does not (NoPE); empty: every layer rotates
     no_rope_layers: tuple[int, ...] = ()
     granite: GraniteScales | None = None  # Granite's multipliers (folded into weights)
@@ -292,9 +294,16 @@ class Attention(nn.Module):
         self.use_rope = use_rope  # False: a NoPE layer (SmolLM3's every fourth)
         self.wqkv = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.wo = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        # Qwen3: each head of Q and of K normalized before RoPE, one weight [head_dim] each
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # Qwen3: each head of Q and of K normalized before RoPE, one weight [head_dim] each;
+        # OLMoE: Q's heads together and K's, weights [q_size] and [kv_size]
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        elif cfg.qk_norm_whole:
+            self.q_norm = RMSNorm(cfg.q_size, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.kv_size, cfg.rms_norm_eps)
         self.kv_cache: KVCache | None = None
         self.rope: RopeKernel | None = None  # native RoPE in place, set by the runner
 
@@ -304,8 +313,13 @@ class Attention(nn.Module):
         # Q and K heads rotate together: one RoPE over [T, heads + kv_heads, head_dim]
         qk = qkv[:, :cfg.q_size + cfg.kv_size].view(t, -1, cfg.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # a new tensor, contiguous
-            qk = torch.cat((self.q_norm(qk[:, :cfg.num_heads]),
-                            self.k_norm(qk[:, cfg.num_heads:])), 1)
+            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
+            if cfg.qk_norm_whole:
+                q = self.q_norm(q.reshape(t, cfg.q_size)).view(q.shape)
+                k = self.k_norm(k.reshape(t, cfg.kv_size)).view(k.shape)
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
+            qk = torch.cat((q, k), 1)
         if self.use_rope and self.rope is not None:  # in place: qkv (or the normed qk)
             self.rope(qk, cos, sin)  # is this step's own
         elif self.use_rope:
@@ -503,7 +517,7 @@ def fuse_hf_weights(cfg: LlamaConfig, hf: Mapping[str, Tensor]) -> dict[str, Ten
         out[a + "attention.wo.weight"] = hf[attn + "o_proj.weight"]
         if cfg.o_bias:
             out[a + "attention.wo.bias"] = hf[attn + "o_proj.bias"]
-        if cfg.qk_norm:
+        if cfg.qk_norm or cfg.qk_norm_whole:
             out[a + "attention.q_norm.weight"] = hf[attn + "q_norm.weight"]
             out[a + "attention.k_norm.weight"] = hf[attn + "k_norm.weight"]
         if cfg.moe is not None and cfg.is_sparse(i):
@@ -586,7 +600,8 @@ def expected_hf_names(cfg: LlamaConfig) -> list[str]:
         names += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
         names += [p + f"self_attn.{n}_proj.bias" for n in "qkv"] if cfg.qkv_bias else []
         names += [p + "self_attn.o_proj.bias"] if cfg.o_bias else []
-        names += [p + f"self_attn.{n}_norm.weight" for n in "qk"] if cfg.qk_norm else []
+        names += ([p + f"self_attn.{n}_norm.weight" for n in "qk"]
+                  if cfg.qk_norm or cfg.qk_norm_whole else [])
         if cfg.moe is not None and cfg.is_sparse(i):
             names += cfg.moe.hf_names(p + cfg.moe.hf_block + ".")
         else:

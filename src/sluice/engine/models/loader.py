@@ -41,6 +41,7 @@ class ArchSpec:
 
     qkv_bias: bool = False
     qk_norm: bool = False
+    qk_norm_whole: bool = False
     granite: bool = False  # its multipliers (GraniteScales)
     moe: str | None = None  # a mixture of experts, configured as `_moe` reads `kind`
 
@@ -56,6 +57,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen2MoeForCausalLM": ArchSpec(qkv_bias=True, moe="qwen2_moe"),
     "Qwen3MoeForCausalLM": ArchSpec(qk_norm=True, moe="qwen3_moe"),
     "GraniteMoeForCausalLM": ArchSpec(granite=True, moe="granitemoe"),
+    "OlmoeForCausalLM": ArchSpec(qk_norm_whole=True, moe="olmoe"),
 }
 
 
@@ -111,6 +113,8 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
     if spec is None:
         raise UnsupportedModelError(f"unsupported model architecture {arch!r} "
                                     f"(supported: {sorted(ARCHITECTURES)})", param="model")
+    if c.get("clip_qkv") is not None:  # OLMo's clamp of Q, K and V
+        raise UnsupportedModelError(f"{arch}: clip_qkv is not supported", param="model")
     if c.get("hidden_act", "silu") != "silu" or c.get("mlp_bias"):
         raise UnsupportedModelError(f"{arch}: only bias-free SiLU MLPs are supported",
                                     param="model")
@@ -125,7 +129,7 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         rope=rope_from_hf(c),
         qkv_bias=bool(c.get("qkv_bias", spec.qkv_bias) or c.get("attention_bias")),
         o_bias=bool(c.get("attention_bias")),
-        qk_norm=spec.qk_norm, no_rope_layers=_no_rope_layers(c),
+        qk_norm=spec.qk_norm, qk_norm_whole=spec.qk_norm_whole, no_rope_layers=_no_rope_layers(c),
         granite=_granite_scales(c) if spec.granite else None,
         moe=_moe(c, spec.moe) if spec.moe else None,
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
@@ -145,17 +149,22 @@ def _moe(c: dict[str, Any], kind: str) -> MoEConfig:
     scores is the same), Granite's stacked in one tensor a projection. Qwen2-MoE's and
     Qwen3-MoE's: `num_experts` of `moe_intermediate_size`, `norm_topk_prob`, dense layers
     of `intermediate_size` where `mlp_only_layers` or `decoder_sparse_step` say, and
-    Qwen2-MoE's shared expert of `shared_expert_intermediate_size`."""
+    Qwen2-MoE's shared expert of `shared_expert_intermediate_size`. OLMoE's: `num_experts`
+    of `intermediate_size` in every layer, `norm_topk_prob`."""
     layers, top_k = int(c["num_hidden_layers"]), int(c["num_experts_per_tok"])
     if kind in ("mixtral", "granitemoe"):
         return MoEConfig(num_experts=int(c["num_local_experts"]), top_k=top_k,
                          intermediate_size=int(c["intermediate_size"]),
                          hf_block="block_sparse_moe", hf_parts=("w1", "w3", "w2"),
                          hf_stacked=kind == "granitemoe")
+    experts = c.get("num_experts") or c["num_local_experts"]  # the hub's; transformers 5's
+    if kind == "olmoe":
+        return MoEConfig(num_experts=int(experts), top_k=top_k,
+                         intermediate_size=int(c["intermediate_size"]),
+                         norm_topk_prob=bool(c.get("norm_topk_prob", False)))
     step = int(c.get("decoder_sparse_step") or 1)
     only_mlp = {int(i) for i in c.get("mlp_only_layers") or ()}
     dense = tuple(i for i in range(layers) if i in only_mlp or (i + 1) % step)
-    experts = c.get("num_experts") or c["num_local_experts"]  # the hub's; transformers 5's
     shared = int(c.get("shared_expert_intermediate_size") or 0) if kind == "qwen2_moe" else 0
     return MoEConfig(num_experts=int(experts), top_k=top_k,
                      intermediate_size=int(c["moe_intermediate_size"]),
