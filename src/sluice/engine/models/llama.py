@@ -10,8 +10,8 @@ computed as vLLM does, with each residual add folded into the norm after it: a b
 takes and returns `(x, residual)`, and `norm.add(x, residual)` is `residual += x;
 x = norm(residual)` (one native kernel on CPU, see `sluice.engine.native`).
 
-Mixtral, Qwen2-MoE, Qwen3-MoE, Granite's MoE and OLMoE put a mixture of experts (`SparseMoE`: a router, then the top-k
-of many such MLPs per token) where the MLP is (`moe`).
+Mixtral, Qwen2-MoE, Qwen3-MoE, Granite's MoE and OLMoE put a mixture of experts where the
+MLP is (`moe`; `SparseMoE`: a router, then the top-k of many such MLPs per token).
 
 Differences between the members are data, not separate models: Qwen2 has a bias on Q/K/V
 (`qkv_bias`), Qwen3 an RMSNorm over each Q and K head before RoPE (`qk_norm`; OLMoE one
@@ -88,12 +88,13 @@ class GraniteScales:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """A sparse mixture of experts in place of the MLP (Mixtral, Qwen3-MoE): a router
-    (`gate`, hidden -> num_experts) scores each token, the `top_k` best experts (each a
-    SwiGLU MLP of `intermediate_size`) run on it, and their outputs are summed weighted by
-    the softmax of the scores over all experts, renormalized over the chosen ones where
-    `norm_topk_prob` (Mixtral always; Qwen3-MoE by its config). `dense_layers` keep a
-    plain MLP (Qwen3-MoE's `mlp_only_layers` and `decoder_sparse_step`)."""
+    """A sparse mixture of experts in place of the MLP (Mixtral, Qwen2-MoE, Qwen3-MoE,
+    Granite MoE, OLMoE): a router (`gate`, hidden -> num_experts) scores each token, the
+    `top_k` best experts (each a SwiGLU MLP of `intermediate_size`) run on it, and their
+    outputs are summed weighted by the softmax of the scores over all experts,
+    renormalized over the chosen ones where `norm_topk_prob` (Mixtral and Granite always;
+    the Qwens and OLMoE by their config). `dense_layers` keep a plain MLP (Qwen-MoE's
+    `mlp_only_layers` and `decoder_sparse_step`)."""
 
     num_experts: int
     top_k: int
@@ -116,11 +117,12 @@ class MoEConfig:
         if self.hf_stacked:
             return [block + n + ".weight" for n in ("router.layer", "input_linear",
                                                       "output_linear")]
-        shared = [f"{block}shared_expert.{n}.weight" for n in self.hf_parts] + [
-            block + "shared_expert_gate.weight"] if self.shared_intermediate_size else []
-        return [block + "gate.weight"] + shared + [
-            f"{block}experts.{e}.{n}.weight" for e in range(self.num_experts)
-            for n in self.hf_parts]
+        names = [block + "gate.weight"]
+        if self.shared_intermediate_size:
+            names += [f"{block}shared_expert.{n}.weight" for n in self.hf_parts]
+            names.append(block + "shared_expert_gate.weight")
+        return names + [f"{block}experts.{e}.{n}.weight" for e in range(self.num_experts)
+                        for n in self.hf_parts]
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -152,7 +154,7 @@ class LlamaConfig:
     # SmolLM3's per layer: 1 rotates Q and K, 0 does not (NoPE); empty: every layer rotates
     no_rope_layers: tuple[int, ...] = ()
     granite: GraniteScales | None = None  # Granite's multipliers (folded into weights)
-    moe: MoEConfig | None = None  # Mixtral, Qwen3-MoE: experts in place of the MLP
+    moe: MoEConfig | None = None  # experts in place of the MLP (Mixtral, Qwen3-MoE, ...)
     tie_word_embeddings: bool = False
 
     def uses_rope(self, layer: int) -> bool:

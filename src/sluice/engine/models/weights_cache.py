@@ -5,8 +5,8 @@ cast) takes seconds, and every new worker of an autoscaled pool paid it again. T
 first start on a machine writes the result; later starts memory-map it:
 
     $SLUICE_WEIGHTS_CACHE (default ~/.cache/sluice/weights)/
-      <source sha256>-<dtype>-v2.safetensors   the model's state dict (a tied head left out)
-      <source sha256>-<dtype>-v2.json          that file's SHA-256 and the stamp it had
+      <source sha256>-<dtype>-v3.safetensors   the model's state dict (a tied head left out)
+      <source sha256>-<dtype>-v3.json          that file's SHA-256 and the stamp it had
       sources/<sha256 of the source's path>.json   the source's SHA-256 and its stamp
 
 A stamp is a file's (device, inode, size, mtime, ctime). Integrity is kept without
@@ -59,7 +59,7 @@ from sluice import env
 
 log = logging.getLogger(__name__)
 
-VERSION = "v2"  # bump when the stored state's layout or the conversion changes
+VERSION = "v3"  # bump when the stored state's layout or the conversion changes
 CHUNK = 8 << 20
 # A file changed less than this long ago is "racily clean" (git's term): file times
 # tick coarsely (a few ms), so a same-size write within the same tick would leave the
