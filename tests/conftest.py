@@ -99,6 +99,11 @@ def tiny_olmoe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-phi3"), "phi3")
+
+
+@pytest.fixture(scope="session")
 def default_gguf() -> Path:
     return default_gguf_path()
 

@@ -39,16 +39,14 @@ def save_smollm2_tokenizer(out: Path) -> None:
 
 def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
                          **overrides: object) -> Path:
-    """Write a tiny random `arch` ("llama" | "qwen2" | "mistral" | "qwen3" | "smollm3" |
-    "granite" | "mixtral" | "qwen3_moe" | "granitemoe" | "qwen2_moe" | "olmoe") checkpoint into
-    `out` (`overrides`: config
-    fields, e.g. vocab_size). qwen3's heads are wider than hidden / heads (head_dim 32
-    against 16), as Qwen3-0.6B's are (128 against 64); smollm3's second layer has no
-    RoPE, as every fourth of SmolLM3-3B's; granite has multipliers far from 1, as
-    Granite 3's; mixtral, qwen3_moe, granitemoe and qwen2_moe have experts (qwen3_moe's
-    second layer a dense MLP; granitemoe's stacked in one tensor a projection, with
-    granite's multipliers; qwen2_moe's with a shared expert; olmoe's beside Q and K norms
-    over all heads)."""
+    """Write a tiny random `arch` checkpoint into `out` (`overrides`: config fields, e.g.
+    vocab_size). `arch`: "llama", "qwen2", "mistral", "qwen3" (heads wider than hidden /
+    heads, head_dim 32 against 16, as Qwen3-0.6B's are), "smollm3" (its second layer
+    without RoPE, as every fourth of SmolLM3-3B's), "granite" (multipliers far from 1),
+    "phi3" (Q|K|V and gate|up fused in the checkpoint), and the mixtures of experts
+    "mixtral", "qwen3_moe" (its second layer a dense MLP), "granitemoe" (experts stacked
+    in one tensor a projection, granite's multipliers), "qwen2_moe" (with a shared
+    expert), "olmoe" (Q and K norms over all heads)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
@@ -74,6 +72,8 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
     if arch == "qwen3_moe":  # 8 experts, 3 a token, not renormalized; layer 1 dense
         common.update(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
                       norm_topk_prob=False, mlp_only_layers=[1], head_dim=32)
+    if arch == "phi3":  # Q|K|V and gate|up fused in the checkpoint
+        common.update(pad_token_id=2)  # (its default, 32000, is the tokenizer's)
     if arch == "olmoe":  # 4 experts of 48, 2 a token, not renormalized
         common.update(num_experts=4, num_experts_per_tok=2, intermediate_size=48,
                       norm_topk_prob=False)

@@ -386,3 +386,34 @@ def test_moe_gguf_file_loads_as_the_checkpoint(tmp_path: Path, monkeypatch: pyte
     else:
         assert runner.gguf_blocks and not any("experts" in n for n in runner.gguf_blocks)
         assert float((got - want).norm() / want.norm()) < 0.02
+
+
+def test_phi3_fused_weights_split_and_partial_rotary_refused(tiny_phi3_dir: Path) -> None:
+    """Phi-3's checkpoint fuses Q|K|V and gate|up: split into the separate projections,
+    whose concatenation is the checkpoint's tensor again; a partial rotary factor
+    (Phi-4-mini's 0.75, top-level or in rope_parameters) is refused by name."""
+    from safetensors.torch import load_file
+
+    from sluice.engine.models.loader import (
+        UnsupportedModelError,
+        config_from_hf,
+        read_config,
+        split_fused_weights,
+    )
+
+    cfg = config_from_hf(read_config(tiny_phi3_dir))
+    fused = load_file(str(tiny_phi3_dir / "model.safetensors"))
+    split = split_fused_weights(cfg, fused)
+    attn, mlp = "model.layers.1.self_attn.", "model.layers.1.mlp."
+    assert attn + "qkv_proj.weight" not in split and mlp + "gate_up_proj.weight" not in split
+    assert split[attn + "k_proj.weight"].shape == (cfg.kv_size, cfg.hidden_size)
+    assert torch.equal(torch.cat([split[attn + f"{n}_proj.weight"] for n in "qkv"]),
+                       fused[attn + "qkv_proj.weight"])
+    assert torch.equal(torch.cat([split[mlp + "gate_proj.weight"], split[mlp + "up_proj.weight"]]),
+                       fused[mlp + "gate_up_proj.weight"])
+    base = {**read_config(tiny_phi3_dir), "rope_parameters": None}
+    for partial in ({"partial_rotary_factor": 0.75},
+                    {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}):
+        with pytest.raises(UnsupportedModelError) as err:
+            config_from_hf({**base, **partial})
+        assert err.value.param == "model" and "partial_rotary_factor" in str(err.value)

@@ -52,7 +52,7 @@ def hf_prompts(model_dir: Path, texts: list[str]) -> list[list[int]]:
 @pytest.fixture(scope="module", params=["llama", "llama_bias", "qwen2", "qwen3", "smollm3",
                                         "granite",
                                         "mixtral", "qwen3_moe", "granitemoe", "qwen2_moe",
-                                        "olmoe"])
+                                        "olmoe", "phi3"])
 def tiny(request: pytest.FixtureRequest) -> tuple[Path, list[list[int]], list[list[int]]]:
     model_dir = request.getfixturevalue(f"tiny_{request.param}_dir")
     prompts = hf_prompts(model_dir, TEXTS)

@@ -58,6 +58,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen3MoeForCausalLM": ArchSpec(qk_norm=True, moe="qwen3_moe"),
     "GraniteMoeForCausalLM": ArchSpec(granite=True, moe="granitemoe"),
     "OlmoeForCausalLM": ArchSpec(qk_norm_whole=True, moe="olmoe"),
+    "Phi3ForCausalLM": ArchSpec(),  # its fused qkv_proj / gate_up_proj: split_fused_weights
 }
 
 
@@ -77,7 +78,27 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
         raise ModelNotFoundError(f"model {str(path)!r} is neither a .gguf file nor a "
                                  "checkpoint directory", param="model")
     cfg, weights = base_model_weights(config_from_hf(read_config(path)), read_safetensors(path))
-    return build_model(cfg, weights, device, dtype), cfg
+    return build_model(cfg, split_fused_weights(cfg, weights), device, dtype), cfg
+
+
+def split_fused_weights(cfg: LlamaConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Phi-3's checkpoints fuse Q|K|V (`self_attn.qkv_proj`) and gate|up
+    (`mlp.gate_up_proj`), in the order this model fuses them: split into the separate
+    names the model file reads (views, no copy; it concatenates them again)."""
+    out = {}
+    for name, tensor in weights.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            base = name.removesuffix("qkv_proj.weight")
+            q, k, v = tensor.split([cfg.q_size, cfg.kv_size, cfg.kv_size])
+            out.update({base + "q_proj.weight": q, base + "k_proj.weight": k,
+                        base + "v_proj.weight": v})
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            base = name.removesuffix("gate_up_proj.weight")
+            gate, up = tensor.chunk(2)
+            out.update({base + "gate_proj.weight": gate, base + "up_proj.weight": up})
+        else:
+            out[name] = tensor
+    return out
 
 
 def base_model_weights(cfg: LlamaConfig, weights: dict[str, Tensor]
@@ -113,6 +134,11 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
     if spec is None:
         raise UnsupportedModelError(f"unsupported model architecture {arch!r} "
                                     f"(supported: {sorted(ARCHITECTURES)})", param="model")
+    rotary = (c.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                  c.get("partial_rotary_factor", 1.0))
+    if float(rotary) != 1.0:  # Phi-4-mini's 0.75: RoPE on part of each head
+        raise UnsupportedModelError(f"{arch}: partial_rotary_factor {rotary} is not supported "
+                                    "(RoPE over the whole head only)", param="model")
     if c.get("clip_qkv") is not None:  # OLMo's clamp of Q, K and V
         raise UnsupportedModelError(f"{arch}: clip_qkv is not supported", param="model")
     if c.get("hidden_act", "silu") != "silu" or c.get("mlp_bias"):
