@@ -11,6 +11,7 @@ sum, what is refused, bfloat16."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -417,3 +418,19 @@ def test_phi3_fused_weights_split_and_partial_rotary_refused(tiny_phi3_dir: Path
         with pytest.raises(UnsupportedModelError) as err:
             config_from_hf({**base, **partial})
         assert err.value.param == "model" and "partial_rotary_factor" in str(err.value)
+
+
+def test_moe_verify_steps_keep_plain_decodings_tokens(tiny_mixtral_dir: Path) -> None:
+    """A predicted output's drafts are verified several rows a forward, each row routed
+    to its own experts: the answer is plain decoding's, token for token, for the exact
+    prediction and an edited one."""
+    llm = LLM(str(tiny_mixtral_dir), dtype="float32", num_kv_blocks=64, block_size=8)
+    prompts = [[311, 4242, 977, 12345, 555, 18], [900, 901, 902]]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    edited = plain[0][:10] + [7, 8, 9] + plain[0][13:]
+    for prediction in (plain[0], edited):
+        outs = llm.generate(prompts, [dataclasses.replace(params, prediction=prediction),
+                                      params])
+        assert [o.outputs[0].token_ids for o in outs] == plain
+        assert outs[0].outputs[0].accepted_prediction_tokens >= 15
