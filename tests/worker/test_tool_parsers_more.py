@@ -1,4 +1,4 @@
-"""The llama3_json and mistral tool-call parsers: whole responses, streamed ones (character
+"""The llama3_json, mistral and pythonic tool-call parsers: whole responses, streamed ones (character
 by character and in seeded random pieces) that reassemble byte for byte to the whole,
 the grammar that forces calls (under each backend), and forced calls through a worker
 on the tiny random model with the OpenAI SDK."""
@@ -74,16 +74,47 @@ MISTRAL = {
     "not a call": ('[TOOL_CALLS][{"nam": "f"}] ok', '[TOOL_CALLS][{"nam": "f"}] ok', []),
     "empty list": ("[TOOL_CALLS][]", "[TOOL_CALLS][]", []),
 }
-CASES = [(name, case) for name, cases in [("llama3_json", LLAMA), ("mistral", MISTRAL)]
+PYTHONIC = {
+    "plain text": ("Hello [x] (y)", "Hello [x] (y)", []),
+    "one call": ('[get_weather(city="Paris", n=[1, {"a": "]"}], s=\'it\\\'s )\', ok=True, '
+                 'none=None, x=-1.5)]', None,
+                 [("get_weather", '{"city": "Paris", "n": [1, {"a": "]"}], "s": "it\'s )", '
+                                  '"ok": true, "none": null, "x": -1.5}')]),
+    "two calls": ('  [get_weather(city="Paris"),\n get_time()]', None,
+                  [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]),
+    "llama 4 tags": ('<|python_start|>[f(x="\u00e9")]<|python_end|>', None,
+                     [("f", '{"x": "\u00e9"}')]),
+    "text after the list": ("[f()] \n Done.", "Done.", [("f", "{}")]),
+    # what is not a list of calls is content, never dropped
+    "list cut by max_tokens": ('[get_weather(city="Pa', '[get_weather(city="Pa', []),
+    "a positional argument": ("[f(1)] ok", "[f(1)] ok", []),
+    "a call of a call": ("[f(x=g())]", "[f(x=g())]", []),
+    "a method": ('[search.call(q="x")]', '[search.call(q="x")]', []),
+    "empty list": ("[]", "[]", []),
+    "not Python": ("[f(x=)] and text", "[f(x=)] and text", []),
+    "tag, then text": ("<|python_start|>hello", "<|python_start|>hello", []),
+    "only whitespace": ("  \n", "  \n", []),
+}
+CASES = [(name, case) for name, cases in [("llama3_json", LLAMA), ("mistral", MISTRAL),
+                                          ("pythonic", PYTHONIC)]
          for case in cases]
 
 
 def _cases(parser: str) -> dict[str, tuple[str, str | None, list[tuple[str, str]]]]:
-    return LLAMA if parser == "llama3_json" else MISTRAL
+    return {"llama3_json": LLAMA, "mistral": MISTRAL, "pythonic": PYTHONIC}[parser]
 
 
-def test_both_parsers_are_registered() -> None:
-    assert {"hermes", "llama3_json", "mistral"} <= set(TOOL_PARSERS)
+def test_the_parsers_are_registered() -> None:
+    assert {"hermes", "llama3_json", "mistral", "pythonic"} <= set(TOOL_PARSERS)
+
+
+def test_pythonic_refuses_a_forced_call_and_survives_deep_nesting() -> None:
+    parser = get_tool_parser("pythonic")
+    with pytest.raises(InvalidRequestError) as err:
+        parser.constraint(STRUCTURED_TOOLS, None, True)
+    assert err.value.param == "tool_choice" and "pythonic" in str(err.value)
+    deep = "[f(x=" + "[" * 5000 + "]" * 5000 + ")]"  # past Python's parser's nesting limit
+    assert parser.extract(deep) == (deep, [])
 
 
 @pytest.mark.parametrize(("parser", "case"), CASES)
@@ -247,6 +278,23 @@ def test_forced_calls_through_the_worker(client: openai.OpenAI, tool_choice: Any
                     assert d.function and d.function.name is None
                 streamed[d.index]["arguments"] += d.function.arguments or ""
     assert [streamed[i] for i in sorted(streamed)] == calls
+
+
+def test_pythonic_worker_answers_auto_and_refuses_a_forced_call(engine: Any) -> None:
+    app = build_app(engine, WorkerConfig(served_model_names=("tiny",),
+                                         tool_call_parser="pythonic"))
+    srv = ServerThread(app).start()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+        kw: Any = dict(model="tiny", messages=[{"role": "user", "content": "Weather?"}],
+                       tools=TOOLS, temperature=0.0, max_tokens=8)
+        choice = client.chat.completions.create(tool_choice="auto", **kw).choices[0]
+        assert choice.message.content and not choice.message.tool_calls  # random text
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(tool_choice="required", **kw)
+        assert err.value.body["param"] == "tool_choice"  # type: ignore[index]
+    finally:
+        srv.stop()
 
 
 def test_mistral_reads_calls_that_begin_with_a_special_token(tmp_path: Any) -> None:

@@ -14,6 +14,11 @@ as bare JSON objects, one state machine for both (`JsonCallsStream`):
     {"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": ...}
     some text[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, ...]
 
+`pythonic` (Llama 3.2 and 4's pythonic templates) writes a Python list of calls, read
+whole when it closes (`PythonicStream`):
+
+    [get_weather(city="Paris"), get_time(zone="CET")]
+
 One streaming state machine (`ToolCallStream`) serves both response shapes: the whole
 response feeds it all text at once, the stream feeds it each delta. So a streamed call
 reassembles to exactly the non-streamed one (same name, byte-identical `arguments`:
@@ -600,9 +605,163 @@ class MistralToolParser(ToolParser):
             {"type": "const_string", "value": "]"}]})
 
 
+# ------------------------------------------------------------------------ pythonic
+
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
+
+
+class PythonListScanner:
+    """Finds where a Python list literal ends in a stream of characters: brackets of
+    every kind nested, strings in either quote (escapes read) passed over."""
+
+    def __init__(self) -> None:
+        self.depth, self.quote, self.escape, self.done = 0, "", False, False
+
+    def feed(self, text: str) -> int:
+        """How many of `text`'s characters belong to the list (all, until it ends)."""
+        for i, ch in enumerate(text):
+            if self.quote:
+                if self.escape:
+                    self.escape = False
+                elif ch == "\\":
+                    self.escape = True
+                elif ch == self.quote:
+                    self.quote = ""
+            elif ch in "'\"":
+                self.quote = ch
+            elif ch in "([{":
+                self.depth += 1
+            elif ch in ")]}":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = True
+                    return i + 1
+        return len(text)
+
+
+class PythonicStream(ToolCallStream):
+    """The answer is calls only if it begins (after whitespace, and Llama 4's
+    `<|python_start|>`) with `[`; else all of it is content. The list is held until its
+    `]`, then read whole with Python's parser (`python_calls`): a list that is no list of
+    calls is content. Text after it (past `<|python_end|>`) is content."""
+
+    def __init__(self) -> None:
+        self.state, self.buffer, self.held, self.index = "start", "", "", -1
+        self.tagged = False
+        self.scanner, self.scanned = PythonListScanner(), 0
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        self.buffer += text
+        content: list[str] = []
+        deltas: list[CallDelta] = []
+        while getattr(self, f"_{self.state}")(content, deltas):
+            pass
+        return "".join(content), deltas
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        """End of output: a list never closed (cut by `max_tokens` or a stop) is content,
+        with what opened it, as is a partial `<|python_start|>`."""
+        held = self.held + self.buffer
+        self.held = self.buffer = ""
+        return (held if self.index < 0 or held.strip() else ""), []
+
+    def _start(self, content: list[str], deltas: list[CallDelta]) -> bool:
+        rest = self.buffer.lstrip()
+        lead = self.buffer[:len(self.buffer) - len(rest)]
+        if not self.tagged and rest.startswith(PYTHON_START):
+            self.held, self.buffer = self.held + lead + PYTHON_START, rest[len(PYTHON_START):]
+            self.tagged = True
+            return True
+        if rest.startswith("["):
+            self.held, self.buffer, self.state = self.held + lead, rest, "list"
+            return True
+        if not rest or (not self.tagged and PYTHON_START.startswith(rest)):
+            return False  # only whitespace so far, or maybe the tag
+        self.state = "content"
+        content.append(self.held)
+        self.held = ""
+        return True
+
+    def _list(self, content: list[str], deltas: list[CallDelta]) -> bool:
+        self.scanned += self.scanner.feed(self.buffer[self.scanned:])
+        if not self.scanner.done:
+            return False
+        body, self.buffer = self.buffer[:self.scanned], self.buffer[self.scanned:]
+        calls = python_calls(body)
+        if calls is None:  # no list of calls: content, as vLLM's parser has it
+            content.append(self.held + body)
+            self.held, self.state = "", "content"
+            return True
+        for name, arguments in calls:
+            self.index += 1
+            deltas.append(CallDelta(self.index, new_call_id(), name, arguments))
+        self.held, self.state = "", "after"
+        return True
+
+    def _after(self, content: list[str], deltas: list[CallDelta]) -> bool:
+        """Whitespace and `<|python_end|>` after the list; content from the first other
+        character."""
+        rest = self.buffer.lstrip()
+        if self.tagged and rest.startswith(PYTHON_END):
+            self.buffer, self.tagged = rest[len(PYTHON_END):], False
+            return True
+        if not rest or (self.tagged and PYTHON_END.startswith(rest)):
+            self.buffer = rest
+            return False
+        self.buffer, self.state = rest, "content"
+        return True
+
+    def _content(self, content: list[str], deltas: list[CallDelta]) -> bool:
+        content.append(self.buffer)
+        self.buffer = ""
+        return False
+
+
+def python_calls(text: str) -> list[tuple[str, str]] | None:
+    """`[f(a=1, b="x"), g()]` -> [(name, JSON text of the keyword arguments), ...]; None
+    if `text` is not a non-empty list of calls of plain names with literal keyword
+    arguments. Parsed, never evaluated (`ast.literal_eval` on each value); the values
+    are Python literals, so the arguments are re-encoded as JSON."""
+    import ast
+
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for node in tree.elts:
+            if (not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name)
+                    or node.args or any(k.arg is None for k in node.keywords)):
+                return None
+            arguments = {str(k.arg): ast.literal_eval(k.value) for k in node.keywords}
+            calls.append((node.func.id, json.dumps(arguments, ensure_ascii=False)))
+        return calls
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return None
+
+
+class PythonicToolParser(ToolParser):
+    """vLLM's `pythonic` (Llama 3.2 and Llama 4 with their pythonic templates, ToolACE):
+    `[get_weather(city="Paris"), get_time()]`. Calls go out whole when the list closes
+    (each one delta: name and arguments). A forced call is refused: its arguments are
+    Python, which no grammar here writes from a JSON schema."""
+
+    def stream(self) -> ToolCallStream:
+        return PythonicStream()
+
+    def constraint(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool,
+                   backend: str = "auto") -> StructuredOutputsParams:
+        raise InvalidRequestError(
+            "tool_choice 'required' or a named function is not supported with the "
+            "'pythonic' tool-call parser (its calls are Python, which no grammar here "
+            "writes); use 'auto', or a parser with JSON calls (hermes, llama3_json, "
+            "mistral)", param="tool_choice")
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser,
                                              "llama3_json": Llama3JsonToolParser,
-                                             "mistral": MistralToolParser}
+                                             "mistral": MistralToolParser,
+                                             "pythonic": PythonicToolParser}
 
 
 def get_tool_parser(name: str) -> ToolParser:
