@@ -24,8 +24,8 @@ CASES = {
                             "Let me check.\n",
                             [("get_weather", '{"city": "Paris", "n": [1, {"a": "}"}]}'),
                              ("get_time", "{}")]),
-    "keys in another order": ('<tool_call>{"arguments": {"x": "y\\"z"}, "name": "f"}</tool_call>',
-                              None, [("f", '{"x": "y\\"z"}')]),
+    "keys in another order": ('<tool_call>{"arguments": {"x":  "y\\"z"}, "name": "f"}</tool_call>',
+                              None, [("f", '{"x":  "y\\"z"}')]),  # as written, not re-encoded
     "escaped name and string": ('<tool_call>{"name": "a\\u0062", "arguments": '
                                 '{"s": "a\\\\\\"}b"}}</tool_call>', None,
                                 [("ab", '{"s": "a\\\\\\"}b"}')]),

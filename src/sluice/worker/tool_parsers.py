@@ -231,14 +231,12 @@ class HermesStream(ToolCallStream):
         """A call with its keys in another order: read it whole once it closes. A block
         that is no call (not JSON, no name) is content, as vLLM's hermes parser has it."""
         body, self.buffer, self.state = self.buffer[:end], self.buffer[end + len(CLOSE):], "text"
-        try:
-            call = json.loads(body)
-            name, args = call["name"], call.get("arguments", {})
-        except (ValueError, KeyError, TypeError):
+        call = _whole_call(body)  # its arguments as the model wrote them, never re-encoded
+        if call is None:
             content.append(OPEN + body + CLOSE)
             return True
         self.index += 1
-        deltas.append(CallDelta(self.index, new_call_id(), str(name), json.dumps(args)))
+        deltas.append(CallDelta(self.index, new_call_id(), *call))
         return True
 
     def _args(self, content: list[str], deltas: list[CallDelta]) -> bool:
