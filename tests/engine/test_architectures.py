@@ -105,6 +105,9 @@ def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3") -> P
         writer.add_expert_used_count(config["num_experts_per_tok"])
         if "moe_intermediate_size" in config:
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(
+                config["shared_expert_intermediate_size"])
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     to_gguf = {f"{hf}.": f"{g}." for g, hf in GGUF_GLOBAL_NAMES.items()}
     short = {v: k for k, v in GGUF_NAMES.items()}
@@ -119,6 +122,11 @@ def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3") -> P
             stacked.setdefault((parts[2], kind), {})[int(parts[-3])] = array
         elif parts[:2] == ["model", "layers"] and parts[-2] == "gate":  # the router
             tensors[f"blk.{parts[2]}.ffn_gate_inp.weight"] = array
+        elif parts[:2] == ["model", "layers"] and parts[-2] == "shared_expert_gate":
+            tensors[f"blk.{parts[2]}.ffn_gate_inp_shexp.weight"] = array.reshape(-1)
+        elif parts[:2] == ["model", "layers"] and parts[-3] == "shared_expert":
+            kind = parts[-2].removesuffix("_proj")
+            tensors[f"blk.{parts[2]}.ffn_{kind}_shexp.weight"] = array
         elif parts[:2] == ["model", "layers"]:
             if arch == "llama" and parts[-2] in heads:  # llama.cpp's RoPE row interleave
                 n, d = heads[parts[-2]], array.shape[0] // heads[parts[-2]] // 2
@@ -355,26 +363,28 @@ def test_moe_model_in_bfloat16_follows_float32(tiny_qwen3_moe_dir: Path) -> None
 
 
 @pytest.mark.parametrize("arch,linears", [("qwen3moe", "f32"), ("qwen3moe", "q8_0"),
-                                          ("llama", "f32")])
+                                          ("llama", "f32"), ("qwen2moe", "f32")])
 def test_moe_gguf_file_loads_as_the_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                arch: str, linears: str) -> None:
-    """llama.cpp's `qwen3moe` file, and a `llama` file with experts (a Mixtral: Q/K rows
-    permuted), from tiny checkpoints with every layer sparse and renormalized weights
-    (what llama.cpp computes): the same logits as transformers (Q8_0: within its
-    rounding), and `--quantization gguf` keeps the experts dense."""
+    """llama.cpp's `qwen3moe` file, a `llama` file with experts (a Mixtral: Q/K rows
+    permuted) and a `qwen2moe` file (its shared expert, weights not renormalized), from
+    tiny checkpoints with every layer sparse (what llama.cpp computes): the same logits
+    as transformers (Q8_0: within its rounding), and `--quantization gguf` keeps the
+    experts dense."""
     from tiny_models import make_tiny_checkpoint
 
     monkeypatch.setenv("SLUICE_WEIGHTS_CACHE", str(tmp_path / "cache"))  # converted here
-    hf_arch = {"qwen3moe": "qwen3_moe", "llama": "mixtral"}[arch]
+    hf_arch = {"qwen3moe": "qwen3_moe", "llama": "mixtral", "qwen2moe": "qwen2_moe"}[arch]
     options = {"norm_topk_prob": True, "mlp_only_layers": []} if arch == "qwen3moe" else {}
     hf_dir = make_tiny_checkpoint(tmp_path / "hf", hf_arch, seed=4, **options)
     path = write_gguf(hf_dir, tmp_path / f"tiny-{arch}.gguf", linears, arch)
     cfg, permuted = config_from_gguf(GGUFFile(path))
     assert cfg.moe is not None and permuted == (arch == "llama")
-    assert cfg.architecture == {"qwen3moe": "Qwen3MoeForCausalLM",
-                                "llama": "MixtralForCausalLM"}[arch]
-    assert cfg.moe.norm_topk_prob and cfg.moe.dense_layers == ()
+    assert cfg.architecture == {"qwen3moe": "Qwen3MoeForCausalLM", "llama": "MixtralForCausalLM",
+                                "qwen2moe": "Qwen2MoeForCausalLM"}[arch]
+    assert cfg.moe.norm_topk_prob == (arch != "qwen2moe") and cfg.moe.dense_layers == ()
     assert (cfg.moe.num_experts, cfg.moe.top_k) == ((8, 3) if arch == "qwen3moe" else (4, 2))
+    assert cfg.moe.shared_intermediate_size == (48 if arch == "qwen2moe" else 0)
     runner = ModelRunner(EngineConfig.from_options(
         str(path), tokenizer=str(hf_dir), num_kv_blocks=64, dtype="float32",
         quantization="gguf" if linears == "q8_0" else "none"))

@@ -8,7 +8,8 @@ Two llama.cpp conventions are undone here so the model file sees Hugging Face we
    `unpermute_qk` swaps them back for the half-split RoPE here, as transformers'
    GGUF loader does. Qwen2 and Qwen3 files are not permuted.
 
-A mixture of experts (`qwen3moe`, or a `llama` file with `expert_count`: Mixtral) stores
+A mixture of experts (`qwen2moe`, `qwen3moe`, or a `llama` file with `expert_count`:
+Mixtral) stores
 each projection of all experts as one `[experts, out, in]` tensor; `expert_weights`
 splits them into the checkpoint's per-expert names.
 
@@ -46,11 +47,14 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool, bool]] = {
     "mistral": ("MistralForCausalLM", True, False, False),
     "qwen2": ("Qwen2ForCausalLM", False, True, False),
     "qwen3": ("Qwen3ForCausalLM", False, False, True),
+    "qwen2moe": ("Qwen2MoeForCausalLM", False, True, False),
     "qwen3moe": ("Qwen3MoeForCausalLM", False, False, True),
 }
 # a mixture of experts' stacked tensors ([experts, out, in]) -> the expert's projection
 # (gate, up, down: an index into MoEConfig.hf_parts)
 GGUF_EXPERT_PARTS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
+# Qwen2-MoE's shared expert's projections (one expert's, [out, in])
+GGUF_SHARED_PARTS = {"ffn_gate_shexp": 0, "ffn_up_shexp": 1, "ffn_down_shexp": 2}
 
 GGUF_NAMES: dict[str, str] = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -106,6 +110,11 @@ def expert_weights(moe: MoEConfig, weights: dict[str, Tensor]) -> dict[str, Tens
             projection = moe.hf_parts[GGUF_EXPERT_PARTS[parts[2]]]
             for e in range(tensor.shape[0]):
                 out[f"{block}experts.{e}.{projection}.weight"] = tensor[e]
+        elif parts[2] == "ffn_gate_inp_shexp":  # [hidden] -> the gate's one row
+            out[block + "shared_expert_gate.weight"] = tensor.reshape(1, -1)
+        elif parts[2] in GGUF_SHARED_PARTS:
+            projection = moe.hf_parts[GGUF_SHARED_PARTS[parts[2]]]
+            out[f"{block}shared_expert.{projection}.weight"] = tensor
         else:
             out[name] = tensor
     return out
@@ -132,7 +141,7 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
     if int(gguf.get(f"{arch}.expert_count", 0) or 0):  # every layer's MLP is experts
         moe = moe_from_gguf(gguf, arch)
         hf_arch = "MixtralForCausalLM" if arch in ("llama", "mistral") else hf_arch
-    elif arch == "qwen3moe":
+    elif arch.endswith("moe"):
         raise InvalidRequestError(f"{gguf.path.name}: missing GGUF metadata "
                                   f"{arch}.expert_count", param="model")
     # with experts in every layer no MLP is dense: the experts' width where a file has none
@@ -153,9 +162,10 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
 
 def moe_from_gguf(gguf: GGUFFile, arch: str) -> MoEConfig:
     """`<arch>.expert_count` experts, `expert_used_count` a token, each of
-    `expert_feed_forward_length` (Qwen3-MoE) or `feed_forward_length` (Mixtral), their
-    weights renormalized over the chosen as llama.cpp computes both (`expert_weights_norm`
-    where a file says otherwise); Mixtral's names for a `llama` file."""
+    `expert_feed_forward_length` (the Qwens) or `feed_forward_length` (Mixtral), their
+    weights renormalized over the chosen as llama.cpp computes them (all but Qwen2-MoE;
+    `expert_weights_norm` where a file says), Qwen2-MoE's shared expert of
+    `expert_shared_feed_forward_length`; Mixtral's names for a `llama` file."""
     size = gguf.get(f"{arch}.expert_feed_forward_length") or gguf.get(
         f"{arch}.feed_forward_length")
     if size is None:
@@ -167,7 +177,10 @@ def moe_from_gguf(gguf: GGUFFile, arch: str) -> MoEConfig:
     return MoEConfig(num_experts=int(gguf.get(f"{arch}.expert_count")),
                      top_k=int(gguf.get(f"{arch}.expert_used_count", 0) or 0),
                      intermediate_size=int(size),
-                     norm_topk_prob=bool(gguf.get(f"{arch}.expert_weights_norm", True)),
+                     norm_topk_prob=bool(gguf.get(f"{arch}.expert_weights_norm",
+                                                  arch != "qwen2moe")),
+                     shared_intermediate_size=int(
+                         gguf.get(f"{arch}.expert_shared_feed_forward_length", 0) or 0),
                      **names)
 
 
