@@ -5,9 +5,10 @@ the weights). Greedy tokens against transformers are in test_hf_equivalence.py a
 test_model_runner.py (the tiny checkpoints are among their architectures); here: the
 decode graph's head norms and NoPE layers, a llama.cpp `qwen3` GGUF file (float and Q8_0
 blocks, the GGUF graph), a base-model checkpoint as Qwen3-Embedding ships (no `model.`
-prefix, no LM head) read for embeddings, a LoRA adapter on Granite, and the mixtures of
-experts (Mixtral, Qwen3-MoE): their configs, the expert grouping against a token-by-token
-sum, what is refused, bfloat16."""
+prefix, no LM head) read for embeddings, a LoRA adapter on Granite, Phi-3's fused
+tensors, and the mixtures of experts (Mixtral, Qwen2/3-MoE, OLMoE; greedy tokens of
+Granite MoE too are in test_hf_equivalence.py): their configs, the expert grouping
+against a token-by-token sum, their GGUF files, what is refused, bfloat16, verify steps."""
 
 from __future__ import annotations
 
