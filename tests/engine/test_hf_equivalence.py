@@ -49,26 +49,36 @@ def hf_prompts(model_dir: Path, texts: list[str]) -> list[list[int]]:
     return [tok(text).input_ids for text in texts]
 
 
-@pytest.fixture(scope="module", params=["llama", "llama_bias", "qwen2", "qwen3", "smollm3",
-                                        "granite",
-                                        "mixtral", "qwen3_moe", "granitemoe", "qwen2_moe",
-                                        "olmoe", "phi3"])
+OPTIONS = {
+    "chunked-cache": {"max_num_batched_tokens": 16, "enable_prefix_caching": True},
+    "chunked-nocache": {"max_num_batched_tokens": 16, "enable_prefix_caching": False},
+    "whole-cache": {"max_num_batched_tokens": 2048, "enable_prefix_caching": True},
+    "tiny-pool-preempt": {"max_num_batched_tokens": 8, "enable_prefix_caching": True,
+                          "num_kv_blocks": 7},
+    "torch-kernels": {"max_num_batched_tokens": 16, "enable_prefix_caching": True,
+                      "kernel_backend": "torch"},
+}
+# every engine option on the dense families; the architectures that differ from them only
+# in the model (a bias, fused checkpoint tensors, experts) on chunks with the cache, on
+# both kernel backends
+CASES = [(arch, option) for arch in ("llama", "qwen2", "qwen3", "smollm3", "granite")
+         for option in OPTIONS] + [
+    (arch, option) for arch in ("llama_bias", "phi3", "mixtral", "qwen3_moe", "granitemoe",
+                                "qwen2_moe", "olmoe")
+    for option in ("chunked-cache", "torch-kernels")]
+
+
+@pytest.fixture(scope="module")
 def tiny(request: pytest.FixtureRequest) -> tuple[Path, list[list[int]], list[list[int]]]:
     model_dir = request.getfixturevalue(f"tiny_{request.param}_dir")
     prompts = hf_prompts(model_dir, TEXTS)
     return model_dir, prompts, hf_greedy(model_dir, None, prompts, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("options", [
-    {"max_num_batched_tokens": 16, "enable_prefix_caching": True},
-    {"max_num_batched_tokens": 16, "enable_prefix_caching": False},
-    {"max_num_batched_tokens": 2048, "enable_prefix_caching": True},
-    {"max_num_batched_tokens": 8, "enable_prefix_caching": True, "num_kv_blocks": 7},
-    {"max_num_batched_tokens": 16, "enable_prefix_caching": True, "kernel_backend": "torch"},
-], ids=["chunked-cache", "chunked-nocache", "whole-cache", "tiny-pool-preempt",
-        "torch-kernels"])
+@pytest.mark.parametrize(("tiny", "option"), CASES, indirect=["tiny"])
 def test_greedy_equals_transformers(tiny: tuple[Path, list[list[int]], list[list[int]]],
-                                    options: dict[str, Any]) -> None:
+                                    option: str) -> None:
+    options = OPTIONS[option]
     model_dir, prompts, expected = tiny
     llm = LLM(str(model_dir), **{"num_kv_blocks": 64, "dtype": "float32", **options})
     torch_ops = "kernel_backend" in options
