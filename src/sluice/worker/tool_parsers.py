@@ -306,7 +306,23 @@ _JSON_HEAD = re.compile(
     r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:parameters|arguments)"\s*:\s*')
 
 
-class JsonCallsStream(ToolCallStream):
+class StateStream(ToolCallStream):
+    """A stream machine whose `_<state>(content, deltas)` methods each consume what the
+    buffer allows and return True to go again (`state` names the current one)."""
+
+    state: str
+    buffer: str
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        self.buffer += text
+        content: list[str] = []
+        deltas: list[CallDelta] = []
+        while getattr(self, f"_{self.state}")(content, deltas):
+            pass
+        return "".join(content), deltas
+
+
+class JsonCallsStream(StateStream):
     """A run of calls written as bare JSON objects, `{"name": .., "parameters": {..}}`
     (or `"arguments"`). The call object's states are shared; a subclass says where a run
     begins (its first state) and what lies between two calls (`_between`):
@@ -328,14 +344,6 @@ class JsonCallsStream(ToolCallStream):
         self.scanner = JsonValueScanner()  # the arguments value, then the rest of the call
         self.whole = JsonValueScanner()  # the call object read whole (keys in another order)
         self.scanned = 0  # how much of the buffer `whole` has read
-
-    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
-        self.buffer += text
-        content: list[str] = []
-        deltas: list[CallDelta] = []
-        while getattr(self, f"_{self.state}")(content, deltas):
-            pass
-        return "".join(content), deltas
 
     def finish(self) -> tuple[str, list[CallDelta]]:
         """End of output: text still held is content (a partial opening tag, a call whose
@@ -637,7 +645,7 @@ class PythonListScanner:
         return len(text)
 
 
-class PythonicStream(ToolCallStream):
+class PythonicStream(StateStream):
     """The answer is calls only if it begins (after whitespace, and Llama 4's
     `<|python_start|>`) with `[`; else all of it is content. The list is held until its
     `]`, then read whole with Python's parser (`python_calls`): a list that is no list of
@@ -647,14 +655,6 @@ class PythonicStream(ToolCallStream):
         self.state, self.buffer, self.held, self.index = "start", "", "", -1
         self.tagged = False
         self.scanner, self.scanned = PythonListScanner(), 0
-
-    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
-        self.buffer += text
-        content: list[str] = []
-        deltas: list[CallDelta] = []
-        while getattr(self, f"_{self.state}")(content, deltas):
-            pass
-        return "".join(content), deltas
 
     def finish(self) -> tuple[str, list[CallDelta]]:
         """End of output: a list never closed (cut by `max_tokens` or a stop) is content,
