@@ -27,9 +27,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                                 f"@pytest.mark.services: {unmarked}")
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama")
+def tiny_checkpoint(name: str, arch: str, **overrides: object) -> object:
+    """The session fixture `name`: a tiny random `arch` checkpoint's directory
+    (tiny_models.make_tiny_checkpoint with `overrides`), built once."""
+
+    @pytest.fixture(scope="session", name=name)
+    def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return make_tiny_checkpoint(tmp_path_factory.mktemp(name), arch, **overrides)
+
+    return build
+
+
+tiny_llama_dir = tiny_checkpoint("tiny_llama_dir", "llama")
+# Llama with `attention_bias`: a bias on Q, K, V and the output projection
+tiny_llama_bias_dir = tiny_checkpoint("tiny_llama_bias_dir", "llama", attention_bias=True)
+tiny_qwen2_dir = tiny_checkpoint("tiny_qwen2_dir", "qwen2")
+tiny_qwen3_dir = tiny_checkpoint("tiny_qwen3_dir", "qwen3")
+tiny_smollm3_dir = tiny_checkpoint("tiny_smollm3_dir", "smollm3")
+tiny_granite_dir = tiny_checkpoint("tiny_granite_dir", "granite")
+tiny_phi3_dir = tiny_checkpoint("tiny_phi3_dir", "phi3")
+tiny_mixtral_dir = tiny_checkpoint("tiny_mixtral_dir", "mixtral")
+tiny_qwen3_moe_dir = tiny_checkpoint("tiny_qwen3_moe_dir", "qwen3_moe")
+tiny_granitemoe_dir = tiny_checkpoint("tiny_granitemoe_dir", "granitemoe")
+tiny_qwen2_moe_dir = tiny_checkpoint("tiny_qwen2_moe_dir", "qwen2_moe")
+tiny_olmoe_dir = tiny_checkpoint("tiny_olmoe_dir", "olmoe")
 
 
 @pytest.fixture(scope="session")
@@ -44,63 +65,6 @@ def thinker_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert len(tok) == 49154
     tok.save_pretrained(str(out))
     return out
-
-
-@pytest.fixture(scope="session")
-def tiny_llama_bias_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Llama with `attention_bias`: a bias on Q, K, V and the output projection."""
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama-bias"), "llama",
-                                attention_bias=True)
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"), "qwen3")
-
-
-@pytest.fixture(scope="session")
-def tiny_smollm3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-smollm3"), "smollm3")
-
-
-@pytest.fixture(scope="session")
-def tiny_granite_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-granite"), "granite")
-
-
-@pytest.fixture(scope="session")
-def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-mixtral"), "mixtral")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-moe"), "qwen3_moe")
-
-
-@pytest.fixture(scope="session")
-def tiny_granitemoe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-granitemoe"), "granitemoe")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen2_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen2-moe"), "qwen2_moe")
-
-
-@pytest.fixture(scope="session")
-def tiny_olmoe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-olmoe"), "olmoe")
-
-
-@pytest.fixture(scope="session")
-def tiny_phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-phi3"), "phi3")
 
 
 @pytest.fixture(scope="session")
