@@ -28,12 +28,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def tiny_checkpoint(name: str, arch: str, **overrides: object) -> object:
-    """The session fixture `name`: a tiny random `arch` checkpoint's directory
-    (tiny_models.make_tiny_checkpoint with `overrides`), built once."""
+    """The session fixture `name` (`tiny_<key>_dir`): a tiny random `arch` checkpoint
+    (tiny_models.make_tiny_checkpoint with `overrides`), built once in a folder named
+    `tiny-<key>` (its served model name: tests read the `tiny-` prefix)."""
+    folder = name.removesuffix("_dir").replace("_", "-")
 
     @pytest.fixture(scope="session", name=name)
     def build(tmp_path_factory: pytest.TempPathFactory) -> Path:
-        return make_tiny_checkpoint(tmp_path_factory.mktemp(name), arch, **overrides)
+        return make_tiny_checkpoint(tmp_path_factory.mktemp(folder), arch, **overrides)
 
     return build
 
