@@ -525,14 +525,22 @@ def fuse_hf_weights(cfg: LlamaConfig, hf: Mapping[str, Tensor]) -> dict[str, Ten
         if cfg.moe is not None and cfg.is_sparse(i):
             _fuse_experts(cfg.moe, hf, p + cfg.moe.hf_block + ".", a + "feed_forward.", out)
         else:
-            out[a + "feed_forward.w13.weight"] = torch.cat(
-                [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]])
-            out[a + "feed_forward.w2.weight"] = hf[p + "mlp.down_proj.weight"]
+            _fuse_mlp(hf, p + "mlp.", ("gate_proj", "up_proj", "down_proj"),
+                      a + "feed_forward.", out)
         out[a + "attention_norm.weight"] = hf[p + "input_layernorm.weight"]
         out[a + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
     if cfg.granite is not None:
         _fold_granite(cfg, cfg.granite, out)
     return out
+
+
+def _fuse_mlp(hf: Mapping[str, Tensor], source: str, parts: tuple[str, str, str],
+              target: str, out: dict[str, Tensor]) -> None:
+    """One SwiGLU MLP's checkpoint projections (`source` + gate, up, down `parts`) as
+    this model's `target` + `w13` (gate|up concatenated) and `w2`."""
+    gate, up, down = (hf[f"{source}{part}.weight"] for part in parts)
+    out[target + "w13.weight"] = torch.cat([gate, up])
+    out[target + "w2.weight"] = down
 
 
 def _fuse_experts(moe: MoEConfig, hf: Mapping[str, Tensor], block: str, prefix: str,
@@ -546,18 +554,12 @@ def _fuse_experts(moe: MoEConfig, hf: Mapping[str, Tensor], block: str, prefix: 
             out[f"{prefix}experts.{e}.w13.weight"] = w13[e]
             out[f"{prefix}experts.{e}.w2.weight"] = w2[e]
         return
-    gate, up, down = moe.hf_parts
     out[prefix + "gate.weight"] = hf[block + "gate.weight"]
     if moe.shared_intermediate_size:
-        x = block + "shared_expert."
-        out[prefix + "shared_expert.w13.weight"] = torch.cat([hf[x + gate + ".weight"],
-                                                             hf[x + up + ".weight"]])
-        out[prefix + "shared_expert.w2.weight"] = hf[x + down + ".weight"]
+        _fuse_mlp(hf, block + "shared_expert.", moe.hf_parts, prefix + "shared_expert.", out)
         out[prefix + "shared_gate.weight"] = hf[block + "shared_expert_gate.weight"]
     for e in range(moe.num_experts):
-        x, f = f"{block}experts.{e}.", f"{prefix}experts.{e}."
-        out[f + "w13.weight"] = torch.cat([hf[x + gate + ".weight"], hf[x + up + ".weight"]])
-        out[f + "w2.weight"] = hf[x + down + ".weight"]
+        _fuse_mlp(hf, f"{block}experts.{e}.", moe.hf_parts, f"{prefix}experts.{e}.", out)
 
 
 def _fold_granite(cfg: LlamaConfig, g: GraniteScales, out: dict[str, Tensor]) -> None:
@@ -577,12 +579,11 @@ def _fold_granite(cfg: LlamaConfig, g: GraniteScales, out: dict[str, Tensor]) ->
             bias = out[a + "attention.wqkv.bias"].clone()
             bias[:cfg.q_size] *= q
             out[a + "attention.wqkv.bias"] = bias
-        for name in (a + "attention.wo.weight", a + "attention.wo.bias"):
-            if name in out:
-                out[name] = out[name] * g.residual_multiplier
-        for name in [n for n in out if n.startswith(a + "feed_forward.")  # or every expert's
-                     and n.endswith("w2.weight")]:
-            out[name] = out[name] * g.residual_multiplier
+    # each branch's output projection: o_proj (and its bias), every down_proj (a dense
+    # MLP's or each expert's)
+    for name in [n for n in out if n.startswith("layers.") and n.endswith(
+            ("attention.wo.weight", "attention.wo.bias", "w2.weight"))]:
+        out[name] = out[name] * g.residual_multiplier
     embedding = out["tok_embeddings.weight"] * g.embedding_multiplier
     out["tok_embeddings.weight"] = embedding
     head_scale = g.logits_scaling
