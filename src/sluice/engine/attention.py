@@ -33,7 +33,8 @@ padded, masked batch computed every row against every column).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,14 @@ class AttentionGroup:
     # prefill chunks for the native kernel: chunk i is the group's rows q_starts[i] ..
     # q_starts[i + 1], its last row attends to context_lens[i] tokens (no mask, no padding)
     q_starts: Tensor | None = None
+    # each sequence's new tokens and the position of its first: what a sliding window's
+    # variant of the group is built from (`windowed`)
+    q_lens: tuple[int, ...] = ()
+    start_positions: tuple[int, ...] = ()
+
+    @property
+    def longest_context(self) -> int:
+        return max(s + n for s, n in zip(self.start_positions, self.q_lens, strict=True))
 
 
 @dataclass(frozen=True)
@@ -110,21 +119,38 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     decode_kernel: DecodeKernel | None = None  # native decode attention, if in use
     prefill_kernel: PrefillKernel | None = None  # native prefill attention, if in use
+    layout: StepLayout | None = None  # what the groups were built for (`windowed` needs it)
+    _windowed: dict[int, list[AttentionGroup]] = field(default_factory=dict)
+
+    def windowed(self, window: int) -> list[AttentionGroup]:
+        """The groups as a sliding-window layer sees them (each query attends to the
+        `window` tokens ending at its own, Gemma 3's local layers): a group whose every
+        context fits the window unchanged, the others with a mask that hides the older
+        keys. Built once a step for all such layers."""
+        groups = self._windowed.get(window)
+        if groups is None:
+            assert self.layout is not None, "metadata built without its layout"
+            groups = [g if g.longest_context <= window else _window_group(g, window, self.layout)
+                      for g in self.groups]
+            self._windowed[window] = groups
+        return groups
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache,
-                    meta: AttentionMetadata) -> Tensor:
+                    meta: AttentionMetadata, window: int | None = None) -> Tensor:
     """q `[T, heads, d]`, k/v `[T, kv_heads, d]` of the new tokens -> output `[T, heads*d]`.
 
     Writes k/v into `cache` first, so each token also attends to itself and to the
-    tokens before it in the same step.
+    tokens before it in the same step. `window`: a sliding-window layer's, each query
+    sees only the `window` tokens ending at its own (the older ones stay in the cache).
     """
     cache.write(meta.slots, k, v)
     t, heads, d = q.shape
-    if len(meta.groups) == 1:
-        return _group_attention(q, k, v, cache, meta.groups[0], meta)
+    groups = meta.groups if window is None else meta.windowed(window)
+    if len(groups) == 1:
+        return _group_attention(q, k, v, cache, groups[0], meta)
     out = q.new_empty(t, heads * d)
-    for group in meta.groups:  # at most two: decode, prefill
+    for group in groups:  # at most two: decode, prefill
         out[group.start:group.end] = _group_attention(q, k, v, cache, group, meta)
     return out
 
@@ -142,7 +168,7 @@ def _group_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, g: Attenti
                                 g.context_lens, d ** -0.5)
         return o.view(g.end - g.start, heads * d)
     if g.fresh:
-        return _causal_attention(q, k[g.start:g.end], v[g.start:g.end])
+        return _causal_attention(q, k[g.start:g.end], v[g.start:g.end], g.mask)
     if g.q_len == 1 and decode_kernel is not None and g.context_lens is not None:
         o = decode_kernel(q.contiguous(), cache.k, cache.v, g.block_tables, g.context_lens,
                           d ** -0.5)
@@ -164,12 +190,14 @@ def _group_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, g: Attenti
     return o if g.scatter is None else o.index_select(0, g.scatter)
 
 
-def _causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """One sequence's first chunk: plain causal attention over its own new tokens."""
+def _causal_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+    """One sequence's first chunk: plain causal attention over its own new tokens (or
+    under `mask` `[T, T]`, a sliding window's)."""
     t, heads, d = q.shape
     # 4-D inputs: with 3-D ones torch's CPU dispatch falls back to the (3x slower) math kernel
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                       v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+                                       v.transpose(0, 1)[None], attn_mask=mask,
+                                       is_causal=mask is None, enable_gqa=True)
     return o[0].transpose(0, 1).reshape(t, heads * d)
 
 
@@ -182,9 +210,11 @@ def build_group(start: int, q_lens: list[int], start_positions: list[int],
     batch, q_len, bs = len(q_lens), max(q_lens), layout.block_size
     end = start + sum(q_lens)
     native = layout.native_prefill and q_len > 1
+    new_lens, firsts = tuple(q_lens), tuple(start_positions)  # for `windowed`
     if batch == 1 and start_positions[0] == 0 and not native:
         return AttentionGroup(start, end, 1, q_len, torch.empty(0, 1, dtype=torch.long),
-                              None, fresh=True)
+                              None, fresh=True, q_lens=new_lens,
+                              start_positions=firsts)
     n_blocks = max((s + n + bs - 1) // bs for s, n in zip(start_positions, q_lens, strict=True))
     table = torch.tensor([bt[:n_blocks] + [0] * (n_blocks - len(bt[:n_blocks]))
                           for bt in block_tables], dtype=torch.long).to(layout.device)
@@ -193,19 +223,48 @@ def build_group(start: int, q_lens: list[int], start_positions: list[int],
     if native:
         q_starts = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.long)
         return AttentionGroup(start, end, batch, q_len, table, None, context_lens=lens,
-                              q_starts=q_starts)
+                              q_starts=q_starts, q_lens=new_lens, start_positions=firsts)
+    mask, scatter = _padded_mask(q_lens, start_positions, n_blocks * bs, layout)
+    return AttentionGroup(start, end, batch, q_len, table, mask, scatter=scatter,
+                          context_lens=lens, q_lens=new_lens, start_positions=firsts)
+
+
+def _padded_mask(q_lens: Sequence[int], start_positions: Sequence[int], n_keys: int,
+                 layout: StepLayout, window: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """The additive mask `[B, 1, gqa*Q, n_keys]` (`[B, 1, 1, n_keys]` for decodes) of
+    queries padded to the longest, causal and, given a `window`, hiding the keys `window`
+    or more positions back; and the rows of the real queries among the padded ones
+    (None when none is padded)."""
+    batch, q_len = len(q_lens), max(q_lens)
     # query positions [B, Q]: padding rows get position 0 (they see one real key: no NaN)
     q_pos = torch.zeros(batch, q_len, dtype=torch.long)
     rows: list[int] = []
     for i, (s, n) in enumerate(zip(start_positions, q_lens, strict=True)):
         q_pos[i, :n] = torch.arange(s, s + n)
         rows.extend(range(i * q_len, i * q_len + n))
-    key_pos = torch.arange(n_blocks * bs)
-    hidden = (key_pos.view(1, 1, -1) > q_pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, Q, L]
+    key_pos = torch.arange(n_keys).view(1, 1, -1)
+    hidden = key_pos > q_pos.unsqueeze(-1)  # [B, Q, L]
+    if window is not None:
+        hidden |= key_pos <= q_pos.unsqueeze(-1) - window
+    hidden = hidden.unsqueeze(1)  # [B, 1, Q, L]
     mask = torch.zeros(hidden.shape, dtype=layout.dtype).masked_fill_(hidden, float("-inf"))
     if q_len > 1:
         mask = mask.repeat(1, 1, layout.gqa, 1)
     dense = all(n == q_len for n in q_lens)
     scatter = None if dense else torch.tensor(rows, dtype=torch.long, device=layout.device)
-    return AttentionGroup(start, end, batch, q_len, table, mask.to(layout.device),
-                          scatter=scatter, context_lens=lens)
+    return mask.to(layout.device), scatter
+
+
+def _window_group(g: AttentionGroup, window: int, layout: StepLayout) -> AttentionGroup:
+    """`g` for a sliding-window layer: the same tokens and block tables under a mask that
+    also hides keys `window` or more positions back; the padded SDPA path (the native
+    kernels attend to a whole context), a first chunk's plain attention under the mask."""
+    if g.fresh:
+        n = g.end - g.start
+        pos = torch.arange(n)
+        hidden = (pos.view(1, -1) > pos.view(-1, 1)) | (pos.view(1, -1) <= pos.view(-1, 1) - window)
+        mask = torch.zeros(n, n, dtype=layout.dtype).masked_fill_(hidden, float("-inf"))
+        return replace(g, mask=mask.to(layout.device))
+    mask, scatter = _padded_mask(g.q_lens, g.start_positions,
+                                 g.block_tables.shape[1] * layout.block_size, layout, window)
+    return replace(g, mask=mask, scatter=scatter, context_lens=None, q_starts=None)
