@@ -8,7 +8,8 @@ blocks, the GGUF graph), a base-model checkpoint as Qwen3-Embedding ships (no `m
 prefix, no LM head) read for embeddings, a LoRA adapter on Granite, Phi-3's fused
 tensors, and the mixtures of experts (Mixtral, Qwen2/3-MoE, OLMoE; greedy tokens of
 Granite MoE too are in test_hf_equivalence.py): their configs, the expert grouping
-against a token-by-token sum, their GGUF files, what is refused, bfloat16, verify steps."""
+against a token-by-token sum, their GGUF files, what is refused, bfloat16, verify steps;
+Gemma 3's config as the hub and transformers 5 write it, what is refused, bfloat16."""
 
 from __future__ import annotations
 
@@ -445,3 +446,57 @@ def test_moe_verify_steps_keep_plain_decodings_tokens(tiny_mixtral_dir: Path) ->
                                       params])
         assert [o.outputs[0].token_ids for o in outs] == plain
         assert outs[0].outputs[0].accepted_prediction_tokens >= 15
+
+
+# google/gemma-3-1b-it's config.json as the hub serves it (transformers 4.50's fields)
+GEMMA3_1B = {
+    "architectures": ["Gemma3ForCausalLM"], "attention_bias": False,
+    "attn_logit_softcapping": None, "bos_token_id": 2, "eos_token_id": [1, 106],
+    "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 1152, "intermediate_size": 6912, "max_position_embeddings": 32768,
+    "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26,
+    "num_key_value_heads": 1, "pad_token_id": 0, "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None,
+    "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+    "vocab_size": 262144}
+
+
+def test_gemma3_config_from_the_hub_and_from_transformers_5(tiny_gemma3_dir: Path) -> None:
+    """Gemma 3-1B's config: every sixth layer global, the others a 512-token window with
+    RoPE base 10,000 (the global ones 1,000,000), the context not capped at the window,
+    the head tied though the file does not say; transformers 5's `layer_types` and
+    per-kind `rope_parameters` read the same way. Gemma 2's soft caps, another MLP
+    activation and bidirectional attention are refused by name."""
+    from sluice.engine.models.loader import UnsupportedModelError, config_from_hf, read_config
+
+    cfg = config_from_hf(GEMMA3_1B)
+    assert cfg.gemma is not None and cfg.tie_word_embeddings and cfg.qk_norm
+    assert [i for i in range(26) if cfg.window(i) is None] == [5, 11, 17, 23]
+    assert cfg.window(0) == 512 and cfg.max_position_embeddings == 32768
+    assert (cfg.rope.theta, cfg.gemma.local_rope.theta) == (1e6, 1e4)
+    assert cfg.gemma.query_pre_attn_scalar == 256 and cfg.head_dim == 256
+    tiny = config_from_hf(read_config(tiny_gemma3_dir))
+    assert tiny.gemma is not None and [tiny.window(i) for i in (0, 1)] == [8, None]
+    assert (tiny.rope.theta, tiny.gemma.local_rope.theta) == (1e6, 1e4)
+    for bad, named in (({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+                       ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+                       ({"hidden_activation": "gelu"}, "'gelu'"),
+                       ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+                       ({"layer_types": ["sliding_attention"] * 3}, "layer_types")):
+        with pytest.raises(UnsupportedModelError) as err:
+            config_from_hf({**GEMMA3_1B, **bad})
+        assert err.value.param == "model" and named in str(err.value)
+
+
+def test_gemma3_runs_without_the_decode_graph_and_in_bfloat16(tiny_gemma3_dir: Path) -> None:
+    """Gemma's blocks (branch norms, GELU, local layers) are not the decode graph's: its
+    decodes run layer by layer; bfloat16 follows float32 past the sliding window."""
+    runners = [ModelRunner(EngineConfig.from_options(str(tiny_gemma3_dir), num_kv_blocks=64,
+                                                     block_size=4, dtype=d))
+               for d in ("float32", "bfloat16")]
+    assert all(r.decode_graph is None and r.wide_graph is None for r in runners)
+    ids = runners[0].tokenizer.encode(PROMPT)
+    assert len(ids) > 8  # past the tiny model's window
+    (want_tokens, want), (got_tokens, got) = (decode_logits(r, ids, 4) for r in runners)
+    assert got_tokens[:2] == want_tokens[:2]
+    assert float((got - want).norm() / want.norm()) < 0.05

@@ -207,8 +207,10 @@ class ModelRunner:
         # the dense weights
         self.decode_graph: DecodeGraph | None = None
         self.wide_graph: DecodeGraph | None = None
-        # the graph's layers are dense MLPs with per-head Q/K norms (if any)
-        if not mc.enforce_eager and cfg.moe is None and not cfg.qk_norm_whole:
+        # the graph's layers are Llama's (dense SwiGLU MLPs, per-head Q/K norms if any,
+        # full attention): not a mixture of experts, OLMoE's norms or Gemma's blocks
+        if (not mc.enforce_eager and cfg.moe is None and not cfg.qk_norm_whole
+                and cfg.gemma is None):
             dense = None
             head = self.gguf_blocks.get("output")  # the GGUF graph's head kernel, both graphs
             if self.panels:
@@ -369,10 +371,13 @@ class ModelRunner:
         order = self._flat_order(chunks)
         tokens, positions, slots, last_row = self._flatten(chunks, order)
         native = self.native
-        meta = AttentionMetadata(self._tensor(slots), self._groups(chunks, order),
+        cfg = self.model_config
+        layout = StepLayout(self.block_size, cfg.num_heads // cfg.num_kv_heads, self.device,
+                            self.dtype, self.native_prefill)
+        meta = AttentionMetadata(self._tensor(slots), self._groups(chunks, order, layout),
                                  native.paged_decode_attention if native else None,
                                  native.paged_prefill_attention
-                                 if native and self.native_prefill else None)
+                                 if native and self.native_prefill else None, layout)
         wanted = [row for i, c in enumerate(chunks) if c.need_logits and not c.pool
                   for row in range(last_row[i] - c.num_logits + 1, last_row[i] + 1)]
         if self.lora_slots is not None:
@@ -431,10 +436,8 @@ class ModelRunner:
             raise InvalidRequestError(f"block id out of range [0, {self.num_kv_blocks}) in "
                                       f"{used}")
 
-    def _groups(self, chunks: list[SeqChunk], order: list[int]) -> list[AttentionGroup]:
-        cfg = self.model_config
-        layout = StepLayout(self.block_size, cfg.num_heads // cfg.num_kv_heads, self.device,
-                            self.dtype, self.native_prefill)
+    def _groups(self, chunks: list[SeqChunk], order: list[int],
+                layout: StepLayout) -> list[AttentionGroup]:
         groups, start = [], 0
         num_decodes = self._num_decodes(chunks)
         for decodes, members in ((True, order[:num_decodes]), (False, order[num_decodes:])):

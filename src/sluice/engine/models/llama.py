@@ -1,5 +1,5 @@
 """The Llama family (Llama 2/3, SmolLM2/3, Mistral, Mixtral, Qwen2/2.5 and Qwen2-MoE, Qwen3
-and Qwen3-MoE, Granite 3 and its MoE, OLMoE) as one model file.
+and Qwen3-MoE, Granite 3 and its MoE, OLMoE, Gemma 3) as one model file.
 
 Read it like the paper: each block is
 
@@ -20,6 +20,9 @@ leaves RoPE out of every fourth layer (`no_rope_layers`), Granite scales the emb
 the branches, the attention scores and the logits by constants (`GraniteScales`, folded
 into the weights at load: `fuse_hf_weights`), Llama 3 scales RoPE frequencies
 (`rope_type`), some tie the output head to the embedding (`tie_word_embeddings`).
+Gemma 3 (`GemmaConfig`) normalizes each branch's output too (a norm after attention and
+after the MLP), gates its MLP with GELU, scales the embedding by sqrt(hidden), and
+attends through a sliding window in five layers of six, each kind with its own RoPE.
 Weights arrive under Hugging Face names (`model.layers.0.self_attn.q_proj.weight`, ...)
 from either loader and are fused here (Q|K|V into one matrix, gate|up into another) so a
 layer does three big matmuls and one attention call over all of a step's tokens,
@@ -131,6 +134,25 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class GemmaConfig:
+    """Gemma 3's differences from a Llama (config.json's names in brackets): each block
+    normalizes its attention's and its MLP's outputs before their residual adds
+    (`post_attention_layernorm`, `post_feedforward_layernorm`; the MLP's input norm is
+    `pre_feedforward_layernorm`), the MLP is gated by GELU's tanh form
+    (`gelu_pytorch_tanh`), the embedding's rows are multiplied by sqrt(hidden_size), the
+    attention scores scaled by 1/sqrt(`query_pre_attn_scalar`), and the layers where
+    `sliding_layers` is 1 attend only to the `sliding_window` tokens ending at each query,
+    rotated by their own RoPE (`rope_local_base_freq`). Every RMSNorm multiplies by
+    (1 + weight): folded into the weights at load (`_fold_gemma`), as is the score scale
+    (into Q's head norm), so the norms and kernels are Llama's."""
+
+    sliding_window: int
+    sliding_layers: tuple[int, ...]
+    local_rope: RopeConfig = field(default_factory=RopeConfig)
+    query_pre_attn_scalar: float = 256.0
+
+
+@dataclass(frozen=True)
 class LlamaConfig:
     """Hyperparameters, from config.json or GGUF metadata."""
 
@@ -155,10 +177,16 @@ class LlamaConfig:
     no_rope_layers: tuple[int, ...] = ()
     granite: GraniteScales | None = None  # Granite's multipliers (folded into weights)
     moe: MoEConfig | None = None  # experts in place of the MLP (Mixtral, Qwen3-MoE, ...)
+    gemma: GemmaConfig | None = None  # Gemma 3's norms, GELU, local layers
     tie_word_embeddings: bool = False
 
     def uses_rope(self, layer: int) -> bool:
         return not self.no_rope_layers or bool(self.no_rope_layers[layer])
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window `layer` attends through (Gemma 3's local layers), or None."""
+        g = self.gemma
+        return g.sliding_window if g is not None and g.sliding_layers[layer] else None
 
     def is_sparse(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts."""
@@ -290,10 +318,11 @@ class Embedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, use_rope: bool = True) -> None:
+    def __init__(self, cfg: LlamaConfig, use_rope: bool = True, window: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.use_rope = use_rope  # False: a NoPE layer (SmolLM3's every fourth)
+        self.window = window  # a sliding window's length (Gemma 3's local layers)
         self.wqkv = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.wo = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         # Qwen3: each head of Q and of K normalized before RoPE, one weight [head_dim] each;
@@ -329,12 +358,13 @@ class Attention(nn.Module):
         q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         assert self.kv_cache is not None, "KV cache not allocated"
-        return self.wo(paged_attention(q, k, v, self.kv_cache, meta))
+        return self.wo(paged_attention(q, k, v, self.kv_cache, meta, self.window))
 
 
 class FeedForward(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, gelu: bool = False) -> None:
         super().__init__()
+        self.gelu = gelu  # Gemma's gelu_tanh(gate) * up instead of SwiGLU (no native kernel)
         self.w13 = Linear(hidden_size, 2 * intermediate_size)
         self.w2 = Linear(intermediate_size, hidden_size)
         self.fused: ActivationKernel | None = None  # native silu(gate) * up, set by the runner
@@ -342,6 +372,9 @@ class FeedForward(nn.Module):
         self.swiglu: PackedSwiGLU | None = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.gelu:
+            gate, up = self.w13(x).chunk(2, dim=-1)
+            return self.w2(F.gelu(gate, approximate="tanh") * up)
         fused = self.swiglu
         if (fused is not None and x.shape[0] >= fused.min_rows and x.dtype == fused.dtype
                 and self.w13.matmul is fused.packed and self.w13.lora is None):
@@ -430,11 +463,17 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attention = Attention(cfg, cfg.uses_rope(layer))
+        self.attention = Attention(cfg, cfg.uses_rope(layer), cfg.window(layer))
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.feed_forward: FeedForward | SparseMoE = (
             SparseMoE(cfg, cfg.moe) if cfg.moe is not None and cfg.is_sparse(layer)
-            else FeedForward(cfg.hidden_size, cfg.intermediate_size))
+            else FeedForward(cfg.hidden_size, cfg.intermediate_size, gelu=cfg.gemma is not None))
+        # Gemma 3's norms of each branch's output, before its residual add
+        self.post_attention_norm: RMSNorm | None = None
+        self.post_ffn_norm: RMSNorm | None = None
+        if cfg.gemma is not None:
+            self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor,
                 meta: AttentionMetadata) -> tuple[Tensor, Tensor]:
@@ -443,8 +482,14 @@ class TransformerBlock(nn.Module):
             x, residual = self.attention_norm(x), x
         else:
             x, residual = self.attention_norm.add(x, residual)
-        x, residual = self.ffn_norm.add(self.attention(x, cos, sin, meta), residual)
-        return self.feed_forward(x), residual
+        x = self.attention(x, cos, sin, meta)
+        if self.post_attention_norm is not None:
+            x = self.post_attention_norm(x)
+        x, residual = self.ffn_norm.add(x, residual)
+        x = self.feed_forward(x)
+        if self.post_ffn_norm is not None:
+            x = self.post_ffn_norm(x)
+        return x, residual
 
 
 class Transformer(nn.Module):
@@ -459,12 +504,17 @@ class Transformer(nn.Module):
         self.output = Linear(cfg.hidden_size, cfg.vocab_size)
         self.rope_cos: Tensor | None = None
         self.rope_sin: Tensor | None = None
+        # Gemma 3's local layers' own tables (their RoPE base differs)
+        self.local_rope: tuple[Tensor, Tensor] | None = None
 
     def init_rope(self, max_positions: int) -> None:
         """Precompute cos/sin for positions `0..max_positions-1` on the weights' device/dtype."""
-        cos, sin = rope_tables(self.cfg.rope, self.cfg.head_dim, max_positions)
         w = self.output.weight
+        cos, sin = rope_tables(self.cfg.rope, self.cfg.head_dim, max_positions)
         self.rope_cos, self.rope_sin = cos.to(w.device, w.dtype), sin.to(w.device, w.dtype)
+        if self.cfg.gemma is not None:
+            cos, sin = rope_tables(self.cfg.gemma.local_rope, self.cfg.head_dim, max_positions)
+            self.local_rope = cos.to(w.device, w.dtype), sin.to(w.device, w.dtype)
 
     def forward(self, tokens: Tensor, positions: Tensor, meta: AttentionMetadata,
                 logits_index: Tensor) -> Tensor:
@@ -477,9 +527,16 @@ class Transformer(nn.Module):
         embedding model's output) of the `index` rows."""
         assert self.rope_cos is not None and self.rope_sin is not None, "call init_rope first"
         cos, sin = self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1)
+        local = cos, sin
+        if self.local_rope is not None:
+            lcos, lsin = self.local_rope
+            local = lcos[positions].unsqueeze(1), lsin[positions].unsqueeze(1)
         x, residual = self.tok_embeddings(tokens), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, meta)
+        if self.cfg.gemma is not None:  # sqrt(hidden), rounded to the dtype as Gemma does
+            x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)
+        for i, layer in enumerate(self.layers):
+            lcos, lsin = local if self.cfg.window(i) is not None else (cos, sin)
+            x, residual = layer(x, residual, lcos, lsin, meta)
         assert residual is not None, "a model has at least one layer"
         x, _ = self.norm.add(x[index], residual[index])
         return x
@@ -528,10 +585,29 @@ def fuse_hf_weights(cfg: LlamaConfig, hf: Mapping[str, Tensor]) -> dict[str, Ten
             _fuse_mlp(hf, p + "mlp.", ("gate_proj", "up_proj", "down_proj"),
                       a + "feed_forward.", out)
         out[a + "attention_norm.weight"] = hf[p + "input_layernorm.weight"]
-        out[a + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
+        if cfg.gemma is not None:
+            out[a + "post_attention_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
+            out[a + "ffn_norm.weight"] = hf[p + "pre_feedforward_layernorm.weight"]
+            out[a + "post_ffn_norm.weight"] = hf[p + "post_feedforward_layernorm.weight"]
+        else:
+            out[a + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
     if cfg.granite is not None:
         _fold_granite(cfg, cfg.granite, out)
+    if cfg.gemma is not None:
+        _fold_gemma(cfg, cfg.gemma, out)
     return out
+
+
+def _fold_gemma(cfg: LlamaConfig, g: GemmaConfig, out: dict[str, Tensor]) -> None:
+    """Gemma's RMSNorms multiply by (1 + weight): every norm's weight becomes 1 + weight
+    (in float32, new tensors); its scores' 1/sqrt(query_pre_attn_scalar) replaces the
+    attention's 1/sqrt(head_dim) through Q's head norm (RoPE is linear, so the scale
+    passes through it)."""
+    q_scale = math.sqrt(cfg.head_dim / g.query_pre_attn_scalar)
+    for name in [n for n in out if n.endswith("norm.weight")]:
+        out[name] = out[name].float() + 1.0
+        if name.endswith("attention.q_norm.weight"):
+            out[name] = out[name] * q_scale
 
 
 def _fuse_mlp(hf: Mapping[str, Tensor], source: str, parts: tuple[str, str, str],
@@ -610,6 +686,8 @@ def expected_hf_names(cfg: LlamaConfig) -> list[str]:
         else:
             names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        if cfg.gemma is not None:
+            names += [p + f"{n}_feedforward_layernorm.weight" for n in ("pre", "post")]
     return names
 
 

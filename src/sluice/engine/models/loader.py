@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from sluice.engine.models.llama import (
+    GemmaConfig,
     GraniteScales,
     LlamaConfig,
     MoEConfig,
@@ -44,6 +45,7 @@ class ArchSpec:
     qk_norm_whole: bool = False
     granite: bool = False  # its multipliers (GraniteScales)
     moe: str | None = None  # a mixture of experts, configured as `_moe` reads `kind`
+    gemma: bool = False  # Gemma 3's norms, GELU and local layers (GemmaConfig)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -59,6 +61,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "GraniteMoeForCausalLM": ArchSpec(granite=True, moe="granitemoe"),
     "OlmoeForCausalLM": ArchSpec(qk_norm_whole=True, moe="olmoe"),
     "Phi3ForCausalLM": ArchSpec(),  # its fused qkv_proj / gate_up_proj: split_fused_weights
+    "Gemma3ForCausalLM": ArchSpec(qk_norm=True, gemma=True),
 }
 
 
@@ -141,9 +144,17 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
                                     "(RoPE over the whole head only)", param="model")
     if c.get("clip_qkv") is not None:  # OLMo's clamp of Q, K and V
         raise UnsupportedModelError(f"{arch}: clip_qkv is not supported", param="model")
-    if c.get("hidden_act", "silu") != "silu" or c.get("mlp_bias"):
-        raise UnsupportedModelError(f"{arch}: only bias-free SiLU MLPs are supported",
-                                    param="model")
+    act = c.get("hidden_activation") or c.get("hidden_act") or "silu"
+    if act != ("gelu_pytorch_tanh" if spec.gemma else "silu") or c.get("mlp_bias"):
+        raise UnsupportedModelError(f"{arch}: only bias-free "
+                                    f"{'GELU (tanh)' if spec.gemma else 'SiLU'} MLPs are "
+                                    f"supported, not {act!r}", param="model")
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if c.get(cap) is not None:  # Gemma 2's tanh caps
+            raise UnsupportedModelError(f"{arch}: {cap} is not supported", param="model")
+    if c.get("use_bidirectional_attention"):  # EmbeddingGemma's: no causal mask
+        raise UnsupportedModelError(f"{arch}: use_bidirectional_attention is not supported "
+                                    "(causal attention only)", param="model")
     heads = int(c["num_attention_heads"])
     return LlamaConfig(
         architecture=arch, vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]),
@@ -151,14 +162,43 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         num_heads=heads, num_kv_heads=int(c.get("num_key_value_heads") or heads),
         head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=_max_positions(c),
+        max_position_embeddings=_max_positions(c, spec),
         rope=rope_from_hf(c),
         qkv_bias=bool(c.get("qkv_bias", spec.qkv_bias) or c.get("attention_bias")),
         o_bias=bool(c.get("attention_bias")),
         qk_norm=spec.qk_norm, qk_norm_whole=spec.qk_norm_whole, no_rope_layers=_no_rope_layers(c),
         granite=_granite_scales(c) if spec.granite else None,
         moe=_moe(c, spec.moe) if spec.moe else None,
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)))
+        gemma=_gemma(c) if spec.gemma else None,
+        # Gemma's config.json may leave it out: its default is tied
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", spec.gemma)))
+
+
+def _gemma(c: dict[str, Any]) -> GemmaConfig:
+    """Gemma 3's local layers: `layer_types` ("sliding_attention" / "full_attention"),
+    else every `sliding_window_pattern`-th layer global (6: five local, one global); the
+    local layers' RoPE from `rope_local_base_freq`, or transformers 5's
+    `rope_parameters["sliding_attention"]`."""
+    layers = int(c["num_hidden_layers"])
+    types = c.get("layer_types")
+    if types is None:
+        pattern = int(c.get("sliding_window_pattern") or 6)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(layers)]
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise UnsupportedModelError(f"layer_types {types!r} is not one of sliding_attention / "
+                                    f"full_attention for each of {layers} layers", param="model")
+    params = c.get("rope_parameters") or {}
+    if "sliding_attention" in params:
+        local = rope_from_hf({"rope_parameters": params["sliding_attention"]})
+    else:
+        local = RopeConfig(theta=float(c.get("rope_local_base_freq", 10000.0)))
+    return GemmaConfig(sliding_window=int(c["sliding_window"]),
+                       sliding_layers=tuple(int(t == "sliding_attention") for t in types),
+                       local_rope=local,
+                       query_pre_attn_scalar=float(
+                           c.get("query_pre_attn_scalar") or c.get("head_dim")
+                           or int(c["hidden_size"]) // int(c["num_attention_heads"])))
 
 
 def _granite_scales(c: dict[str, Any]) -> GraniteScales:
@@ -214,18 +254,22 @@ def _no_rope_layers(c: dict[str, Any]) -> tuple[int, ...]:
     return tuple(int(bool(f)) for f in flags)
 
 
-def _max_positions(c: dict[str, Any]) -> int:
-    """The context limit; a sliding window caps it (full attention is exact within it)."""
+def _max_positions(c: dict[str, Any], spec: ArchSpec) -> int:
+    """The context limit; a sliding window caps it where the model does not run one (full
+    attention is exact within it), Gemma 3's local layers do."""
     limit = int(c.get("max_position_embeddings", 2048))
     window = c.get("sliding_window")
-    if window and c.get("use_sliding_window", True):
+    if window and c.get("use_sliding_window", True) and not spec.gemma:
         limit = min(limit, int(window))
     return limit
 
 
 def rope_from_hf(c: dict[str, Any]) -> RopeConfig:
-    """RoPE from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (<5)."""
+    """RoPE from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (<5);
+    per layer kind in transformers 5's Gemma 3 config: the full-attention layers' here."""
     params = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    if "full_attention" in params:
+        params = dict(params["full_attention"])
     theta = float(params.pop("rope_theta", c.get("rope_theta", 10000.0)))
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     if "original_max_position_embeddings" not in params and rope_type == "llama3":
