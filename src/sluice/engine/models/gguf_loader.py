@@ -6,7 +6,10 @@ Two llama.cpp conventions are undone here so the model file sees Hugging Face we
 2. Llama's Q and K rows: llama.cpp's converter interleaves each head's two RoPE halves
    (`reshape(heads, 2, d/2, in).swapaxes(1, 2)`) for its rotate-adjacent-pairs kernel;
    `unpermute_qk` swaps them back for the half-split RoPE here, as transformers'
-   GGUF loader does. Qwen2 and Qwen3 files are not permuted.
+   GGUF loader does. Qwen2, Qwen3 and Gemma 3 files are not permuted.
+3. Gemma 3's norms: its converter stores each RMSNorm's weight with Gemma's 1 added
+   (llama.cpp multiplies by the weight as stored); taken off again here, as transformers'
+   GGUF loader does, so the model file folds it back like a checkpoint's.
 
 A mixture of experts (`qwen2moe`, `qwen3moe`, or a `llama` file with `expert_count`:
 Mixtral) stores
@@ -30,6 +33,7 @@ from torch import Tensor
 
 from sluice.engine.models.gguf_file import GGUFFile, read_gguf
 from sluice.engine.models.llama import (
+    GemmaConfig,
     LlamaConfig,
     MoEConfig,
     RopeConfig,
@@ -49,6 +53,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool, bool]] = {
     "qwen3": ("Qwen3ForCausalLM", False, False, True),
     "qwen2moe": ("Qwen2MoeForCausalLM", False, True, False),
     "qwen3moe": ("Qwen3MoeForCausalLM", False, False, True),
+    "gemma3": ("Gemma3ForCausalLM", False, False, True),
 }
 # a mixture of experts' stacked tensors ([experts, out, in]) -> the expert's projection
 # (gate, up, down: an index into MoEConfig.hf_parts)
@@ -62,6 +67,12 @@ GGUF_NAMES: dict[str, str] = {
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+}
+# Gemma 3's block: `ffn_norm` is the MLP's input norm, and a norm after each branch
+GGUF_GEMMA_NAMES: dict[str, str] = {
+    **GGUF_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 GGUF_GLOBAL_NAMES: dict[str, str] = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
@@ -79,8 +90,12 @@ def load_gguf_model(path: Path, device: torch.device,
 
 def convert_weights(gguf: GGUFFile, cfg: LlamaConfig, permuted: bool) -> dict[str, Tensor]:
     """Every tensor dequantized to float32 under its Hugging Face name, Q/K un-permuted."""
-    weights = {hf_name(name): dequantize(gguf, name) for name in gguf.tensors
+    names = GGUF_GEMMA_NAMES if cfg.gemma is not None else GGUF_NAMES
+    weights = {hf_name(name, names): dequantize(gguf, name) for name in gguf.tensors
                if name != "rope_freqs.weight"}
+    if cfg.gemma is not None:  # the converter's 1 added to every norm (see above)
+        weights = {name: w - 1.0 if name.endswith("norm.weight") else w
+                   for name, w in weights.items()}
     if cfg.moe is not None:
         weights = expert_weights(cfg.moe, weights)
     if permuted:
@@ -147,17 +162,46 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
     # with experts in every layer no MLP is dense: the experts' width where a file has none
     ffn = (meta("feed_forward_length") if moe is None
            else gguf.get(f"{arch}.feed_forward_length", moe.intermediate_size))
+    head_dim = int(meta("attention.key_length", hidden // heads))
     cfg = LlamaConfig(
         architecture=hf_arch, vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(ffn), num_layers=int(meta("block_count")),
         num_heads=heads, num_kv_heads=int(meta("attention.head_count_kv", heads)),
-        head_dim=int(meta("attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         max_position_embeddings=int(meta("context_length")),
         rope=rope_from_gguf(gguf, arch), qkv_bias=qkv_bias, qk_norm=qk_norm, moe=moe,
+        gemma=gemma_from_gguf(gguf, head_dim) if arch == "gemma3" else None,
         o_bias="blk.0.attn_output.bias" in gguf.tensors,
         tie_word_embeddings="output.weight" not in gguf.tensors)
     return cfg, permuted
+
+
+def gemma_from_gguf(gguf: GGUFFile, head_dim: int) -> GemmaConfig:
+    """Gemma 3's local layers as llama.cpp reads a `gemma3` file: the window
+    `attention.sliding_window`; the layers `attention.sliding_window_pattern` says (a
+    period, every such layer global, or a flag a layer), else every sixth global;
+    the local RoPE base `rope.freq_base_swa`, else 10,000; the scores scaled by
+    1/sqrt(head_dim), but for Gemma 3 27B's 62 layers (1/sqrt(hidden / heads))."""
+    window = gguf.get("gemma3.attention.sliding_window")
+    if window is None:
+        raise InvalidRequestError(f"{gguf.path.name}: missing GGUF metadata "
+                                  "gemma3.attention.sliding_window", param="model")
+    layers = int(gguf.get("gemma3.block_count"))
+    pattern = gguf.get("gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        sliding = tuple(int(bool(flag)) for flag in pattern)
+    else:
+        sliding = tuple(int((i + 1) % int(pattern) != 0) for i in range(layers))
+    if len(sliding) != layers:
+        raise InvalidRequestError(f"{gguf.path.name}: gemma3.attention.sliding_window_pattern "
+                                  f"has {len(sliding)} flags for {layers} layers", param="model")
+    scalar = head_dim if layers != 62 else (int(gguf.get("gemma3.embedding_length"))
+                                            // int(gguf.get("gemma3.attention.head_count")))
+    return GemmaConfig(sliding_window=int(window), sliding_layers=sliding,
+                       local_rope=RopeConfig(float(gguf.get("gemma3.rope.freq_base_swa",
+                                                            10000.0))),
+                       query_pre_attn_scalar=float(scalar))
 
 
 def moe_from_gguf(gguf: GGUFFile, arch: str) -> MoEConfig:
@@ -195,11 +239,11 @@ def rope_from_gguf(gguf: GGUFFile, arch: str) -> RopeConfig:
     return RopeConfig(theta, kind, {"factor": float(gguf.get(f"{arch}.rope.scaling.factor", 1.0))})
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, names: dict[str, str] = GGUF_NAMES) -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_NAMES:
-        return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in GGUF_GLOBAL_NAMES:
         return f"{GGUF_GLOBAL_NAMES[parts[0]]}.{parts[1]}"
     return gguf_name  # unknown: kept, and reported by build_model only if it was needed
