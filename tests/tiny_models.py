@@ -8,9 +8,13 @@ model.safetensors, tokenizer.json, tokenizer_config.json with a chat template) f
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -104,3 +108,91 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
     model.save_pretrained(str(out), safe_serialization=True)
     save_smollm2_tokenizer(out)
     return out
+
+
+def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3",
+               metadata: Callable[[Any], None] | None = None) -> Path:
+    """The tiny checkpoint as llama.cpp's converter writes an `arch` file: its names
+    (experts stacked `[experts, out, in]`), Q/K rows permuted for `llama` (a Mixtral),
+    norms float32, linears float32 or Q8_0 blocks (`linears`); for `gemma3` its norms
+    with 1 added, its window, which layers slide and their RoPE base. `metadata(writer)`
+    adds more keys (a vocabulary)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from sluice.engine.models.gguf_loader import GGUF_GEMMA_NAMES, GGUF_GLOBAL_NAMES, GGUF_NAMES
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(rope.get("full_attention", rope).get("rope_theta")
+                              or config.get("rope_theta") or 10000.0)
+    if arch == "gemma3":
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_sliding_window_pattern([t == "sliding_attention"
+                                           for t in config["layer_types"]])
+        writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if "moe_intermediate_size" in config:
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(
+                config["shared_expert_intermediate_size"])
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    to_gguf = {f"{hf}.": f"{g}." for g, hf in GGUF_GLOBAL_NAMES.items()}
+    short = {v: k for k, v in (GGUF_GEMMA_NAMES if arch == "gemma3" else GGUF_NAMES).items()}
+    stacked: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # (layer, kind) -> experts
+    tensors: dict[str, np.ndarray] = {}
+    for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
+        array = tensor.float().numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):  # its converter's norm_shift
+            array = array + 1.0
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"] and "experts" in parts:  # ...experts.E.<proj>
+            kind = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                    "down_proj": "down", "w2": "down"}[parts[-2]]
+            stacked.setdefault((parts[2], kind), {})[int(parts[-3])] = array
+        elif parts[:2] == ["model", "layers"] and parts[-2] == "gate":  # the router
+            tensors[f"blk.{parts[2]}.ffn_gate_inp.weight"] = array
+        elif parts[:2] == ["model", "layers"] and parts[-2] == "shared_expert_gate":
+            tensors[f"blk.{parts[2]}.ffn_gate_inp_shexp.weight"] = array.reshape(-1)
+        elif parts[:2] == ["model", "layers"] and parts[-3] == "shared_expert":
+            kind = parts[-2].removesuffix("_proj")
+            tensors[f"blk.{parts[2]}.ffn_{kind}_shexp.weight"] = array
+        elif parts[:2] == ["model", "layers"]:
+            if arch == "llama" and parts[-2] in heads:  # llama.cpp's RoPE row interleave
+                n, d = heads[parts[-2]], array.shape[0] // heads[parts[-2]] // 2
+                array = array.reshape(n, 2, d, -1).swapaxes(1, 2).reshape(array.shape)
+            tensors[f"blk.{parts[2]}.{short['.'.join(parts[3:-1])]}.{parts[-1]}"] = array
+        else:
+            tensors[to_gguf[".".join(parts[:-1]) + "."] + parts[-1]] = array
+    for (layer, kind), by_expert in stacked.items():
+        tensors[f"blk.{layer}.ffn_{kind}_exps.weight"] = np.stack(
+            [by_expert[e] for e in range(len(by_expert))])
+    for gname, array in tensors.items():
+        if linears == "q8_0" and array.ndim >= 2 and "gate_inp" not in gname:
+            q = gguf.quants.quantize(np.ascontiguousarray(array), gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(gname, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(gname, np.ascontiguousarray(array))
+    if metadata is not None:
+        metadata(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

