@@ -114,13 +114,19 @@ def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3",
                metadata: Callable[[Any], None] | None = None) -> Path:
     """The tiny checkpoint as llama.cpp's converter writes an `arch` file: its names
     (experts stacked `[experts, out, in]`), Q/K rows permuted for `llama` (a Mixtral),
-    norms float32, linears float32 or Q8_0 blocks (`linears`); for `gemma3` its norms
+    norms float32, linears float32 or Q8_0 blocks (`linears`); `phi3`'s Q|K|V and
+    gate|up fused (`attn_qkv`, `ffn_up`); for `gemma3` its norms
     with 1 added, its window, which layers slide and their RoPE base. `metadata(writer)`
     adds more keys (a vocabulary)."""
     import gguf
     from safetensors.torch import load_file
 
-    from sluice.engine.models.gguf_loader import GGUF_GEMMA_NAMES, GGUF_GLOBAL_NAMES, GGUF_NAMES
+    from sluice.engine.models.gguf_loader import (
+        GGUF_GEMMA_NAMES,
+        GGUF_GLOBAL_NAMES,
+        GGUF_NAMES,
+        GGUF_PHI3_NAMES,
+    )
 
     config = json.loads((hf_dir / "config.json").read_text())
     writer = gguf.GGUFWriter(str(path), arch)
@@ -154,7 +160,8 @@ def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3",
                 config["shared_expert_intermediate_size"])
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     to_gguf = {f"{hf}.": f"{g}." for g, hf in GGUF_GLOBAL_NAMES.items()}
-    short = {v: k for k, v in (GGUF_GEMMA_NAMES if arch == "gemma3" else GGUF_NAMES).items()}
+    names = {"gemma3": GGUF_GEMMA_NAMES, "phi3": GGUF_PHI3_NAMES}.get(arch, GGUF_NAMES)
+    short = {v: k for k, v in names.items()}
     stacked: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # (layer, kind) -> experts
     tensors: dict[str, np.ndarray] = {}
     for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():

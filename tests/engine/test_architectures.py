@@ -17,6 +17,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -459,3 +460,37 @@ def test_gemma3_gguf_file_loads_as_the_checkpoint(tmp_path: Path,
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     else:
         assert float((got - want).norm() / want.norm()) < 0.05  # Q8_0 rounding: 2% here
+
+
+def test_phi3_gguf_file_loads_as_the_checkpoint(tiny_phi3_dir: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `phi3` file (Q|K|V in `attn_qkv`, gate|up in `ffn_up`, as llama.cpp's converter
+    keeps them fused): split at load, its logits equal transformers' on the checkpoint;
+    a RoPE over part of each head (Phi-4-mini's `rope.dimension_count`) and longrope's
+    factor tensors (Phi-3 128k) are refused by name, and a sliding window caps the
+    context as the checkpoint's does."""
+    from sluice.protocol.errors import InvalidRequestError
+
+    monkeypatch.setenv("SLUICE_WEIGHTS_CACHE", "off")
+    path = write_gguf(tiny_phi3_dir, tmp_path / "tiny-phi3.gguf", "f32", arch="phi3")
+    runner = ModelRunner(EngineConfig.from_options(str(path), tokenizer=str(tiny_phi3_dir),
+                                                   num_kv_blocks=64, block_size=4,
+                                                   dtype="float32"))
+    assert runner.model_config.architecture == "Phi3ForCausalLM"
+    ids = runner.tokenizer.encode(PROMPT)
+    tokens, got = decode_logits(runner, ids, 3)
+    with torch.no_grad():
+        want = hf_model(tiny_phi3_dir)(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    windowed = write_gguf(tiny_phi3_dir, tmp_path / "window.gguf", "f32", arch="phi3",
+                          metadata=lambda w: w.add_sliding_window(64))
+    assert config_from_gguf(GGUFFile(windowed))[0].max_position_embeddings == 64
+    for name, extra, named in (
+            ("partial.gguf", lambda w: w.add_rope_dimension_count(8), "rope.dimension_count"),
+            ("longrope.gguf", lambda w: w.add_tensor("rope_factors_long.weight",
+                                                     np.ones(8, dtype=np.float32)),
+             "rope_factors_long")):
+        bad = write_gguf(tiny_phi3_dir, tmp_path / name, "f32", arch="phi3", metadata=extra)
+        with pytest.raises(InvalidRequestError) as err:
+            config_from_gguf(GGUFFile(bad))
+        assert err.value.param == "model" and named in str(err.value)

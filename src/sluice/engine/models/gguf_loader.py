@@ -41,6 +41,7 @@ from sluice.engine.models.llama import (
     assemble_model,
     model_state,
 )
+from sluice.engine.models.loader import split_fused_weights
 from sluice.engine.models.weights_cache import cached_state
 from sluice.protocol.errors import InvalidRequestError
 
@@ -54,6 +55,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool, bool]] = {
     "qwen2moe": ("Qwen2MoeForCausalLM", False, True, False),
     "qwen3moe": ("Qwen3MoeForCausalLM", False, False, True),
     "gemma3": ("Gemma3ForCausalLM", False, False, True),
+    "phi3": ("Phi3ForCausalLM", False, False, False),
 }
 # a mixture of experts' stacked tensors ([experts, out, in]) -> the expert's projection
 # (gate, up, down: an index into MoEConfig.hf_parts)
@@ -74,6 +76,12 @@ GGUF_GEMMA_NAMES: dict[str, str] = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Phi-3's fused projections (Q|K|V, gate|up), split by `loader.split_fused_weights`
+GGUF_PHI3_NAMES: dict[str, str] = {
+    **GGUF_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj",
+}
+# the names of an architecture's file where they differ from Llama's
+GGUF_NAMES_BY_ARCH = {"Gemma3ForCausalLM": GGUF_GEMMA_NAMES, "Phi3ForCausalLM": GGUF_PHI3_NAMES}
 GGUF_GLOBAL_NAMES: dict[str, str] = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
 }
@@ -90,9 +98,10 @@ def load_gguf_model(path: Path, device: torch.device,
 
 def convert_weights(gguf: GGUFFile, cfg: LlamaConfig, permuted: bool) -> dict[str, Tensor]:
     """Every tensor dequantized to float32 under its Hugging Face name, Q/K un-permuted."""
-    names = GGUF_GEMMA_NAMES if cfg.gemma is not None else GGUF_NAMES
+    names = GGUF_NAMES_BY_ARCH.get(cfg.architecture, GGUF_NAMES)
     weights = {hf_name(name, names): dequantize(gguf, name) for name in gguf.tensors
                if name != "rope_freqs.weight"}
+    weights = split_fused_weights(cfg, weights)
     if cfg.gemma is not None:  # the converter's 1 added to every norm (see above)
         weights = {name: w - 1.0 if name.endswith("norm.weight") else w
                    for name, w in weights.items()}
@@ -163,13 +172,25 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
     ffn = (meta("feed_forward_length") if moe is None
            else gguf.get(f"{arch}.feed_forward_length", moe.intermediate_size))
     head_dim = int(meta("attention.key_length", hidden // heads))
+    rotary = gguf.get(f"{arch}.rope.dimension_count")
+    if rotary is not None and int(rotary) != head_dim:  # Phi-4-mini's 96 of 128
+        raise InvalidRequestError(f"{gguf.path.name}: {arch}.rope.dimension_count {rotary} is "
+                                  f"not supported (RoPE over the whole head, {head_dim})",
+                                  param="model")
+    if "rope_factors_long.weight" in gguf.tensors:  # Phi-3 128k's longrope
+        raise InvalidRequestError(f"{gguf.path.name}: longrope scaling (rope_factors_long) is "
+                                  "not supported", param="model")
+    context = int(meta("context_length"))
+    window = gguf.get(f"{arch}.attention.sliding_window")
+    if window and arch != "gemma3":  # full attention is exact within it (as for a checkpoint)
+        context = min(context, int(window))
     cfg = LlamaConfig(
         architecture=hf_arch, vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(ffn), num_layers=int(meta("block_count")),
         num_heads=heads, num_kv_heads=int(meta("attention.head_count_kv", heads)),
         head_dim=head_dim,
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
-        max_position_embeddings=int(meta("context_length")),
+        max_position_embeddings=context,
         rope=rope_from_gguf(gguf, arch), qkv_bias=qkv_bias, qk_norm=qk_norm, moe=moe,
         gemma=gemma_from_gguf(gguf, head_dim) if arch == "gemma3" else None,
         o_bias="blk.0.attn_output.bias" in gguf.tensors,
