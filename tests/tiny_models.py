@@ -114,7 +114,9 @@ def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3",
                metadata: Callable[[Any], None] | None = None) -> Path:
     """The tiny checkpoint as llama.cpp's converter writes an `arch` file: its names
     (experts stacked `[experts, out, in]`), Q/K rows permuted for `llama` (a Mixtral),
-    norms float32, linears float32 or Q8_0 blocks (`linears`); `phi3`'s Q|K|V and
+    norms float32, linears float32 or Q8_0 blocks (`linears`); Granite's multipliers
+    as metadata (`granite`, `granitemoe`: experts split out of its stacked tensors, Q/K
+    permuted as for `llama`); `phi3`'s Q|K|V and
     gate|up fused (`attn_qkv`, `ffn_up`); for `gemma3` its norms
     with 1 added, its window, which layers slide and their RoPE base. `metadata(writer)`
     adds more keys (a vocabulary)."""
@@ -142,6 +144,11 @@ def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3",
     rope = config.get("rope_parameters") or {}
     writer.add_rope_freq_base(rope.get("full_attention", rope).get("rope_theta")
                               or config.get("rope_theta") or 10000.0)
+    if arch.startswith("granite"):  # its multipliers, as the converter names them
+        writer.add_attention_scale(config["attention_multiplier"])
+        writer.add_embedding_scale(config["embedding_multiplier"])
+        writer.add_residual_scale(config["residual_multiplier"])
+        writer.add_logit_scale(config["logits_scaling"])
     if arch == "gemma3":
         writer.add_sliding_window(config["sliding_window"])
         writer.add_sliding_window_pattern([t == "sliding_attention"
@@ -169,7 +176,15 @@ def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3",
         if arch == "gemma3" and name.endswith("norm.weight"):  # its converter's norm_shift
             array = array + 1.0
         parts = name.split(".")
-        if parts[:2] == ["model", "layers"] and "experts" in parts:  # ...experts.E.<proj>
+        if parts[-2] in ("input_linear", "output_linear"):  # Granite MoE's stacked experts
+            for e, expert in enumerate(array):
+                kinds = (("gate", "up"), np.split(expert, 2)) if parts[-2] == "input_linear" \
+                    else (("down",), [expert])
+                for kind, part in zip(*kinds, strict=True):
+                    stacked.setdefault((parts[2], kind), {})[e] = part
+        elif parts[-3:-1] == ["router", "layer"]:  # Granite MoE's router
+            tensors[f"blk.{parts[2]}.ffn_gate_inp.weight"] = array
+        elif parts[:2] == ["model", "layers"] and "experts" in parts:  # ...experts.E.<proj>
             kind = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
                     "down_proj": "down", "w2": "down"}[parts[-2]]
             stacked.setdefault((parts[2], kind), {})[int(parts[-3])] = array
@@ -181,7 +196,8 @@ def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3",
             kind = parts[-2].removesuffix("_proj")
             tensors[f"blk.{parts[2]}.ffn_{kind}_shexp.weight"] = array
         elif parts[:2] == ["model", "layers"]:
-            if arch == "llama" and parts[-2] in heads:  # llama.cpp's RoPE row interleave
+            if arch in ("llama", "granite", "granitemoe") and parts[-2] in heads:
+                # llama.cpp's RoPE row interleave (its Llama converter's, Granite's too)
                 n, d = heads[parts[-2]], array.shape[0] // heads[parts[-2]] // 2
                 array = array.reshape(n, 2, d, -1).swapaxes(1, 2).reshape(array.shape)
             tensors[f"blk.{parts[2]}.{short['.'.join(parts[3:-1])]}.{parts[-1]}"] = array

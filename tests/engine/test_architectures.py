@@ -494,3 +494,31 @@ def test_phi3_gguf_file_loads_as_the_checkpoint(tiny_phi3_dir: Path, tmp_path: P
         with pytest.raises(InvalidRequestError) as err:
             config_from_gguf(GGUFFile(bad))
         assert err.value.param == "model" and named in str(err.value)
+
+
+@pytest.mark.parametrize("arch", ["granite", "granitemoe"])
+def test_granite_gguf_file_loads_as_the_checkpoint(request: pytest.FixtureRequest,
+                                                   tmp_path: Path, arch: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`granite` and `granitemoe` files as llama.cpp's converter writes them (the
+    multipliers as `attention.scale`, `embedding_scale`, `residual_scale`, `logit_scale`;
+    Q/K rows permuted; Granite MoE's stacked experts split per projection): the same
+    multipliers as the checkpoint's config, and logits equal transformers' on it."""
+    from sluice.engine.models.loader import config_from_hf, read_config
+
+    monkeypatch.setenv("SLUICE_WEIGHTS_CACHE", "off")
+    hf_dir: Path = request.getfixturevalue(f"tiny_{arch}_dir")
+    path = write_gguf(hf_dir, tmp_path / f"tiny-{arch}.gguf", "f32", arch=arch)
+    cfg, permuted = config_from_gguf(GGUFFile(path))
+    want_scales = config_from_hf(read_config(hf_dir)).granite
+    assert permuted and cfg.granite is not None and want_scales is not None
+    assert dataclasses.astuple(cfg.granite) == pytest.approx(dataclasses.astuple(want_scales))
+    assert (cfg.moe is not None) == (arch == "granitemoe")
+    runner = ModelRunner(EngineConfig.from_options(str(path), tokenizer=str(hf_dir),
+                                                   num_kv_blocks=64, block_size=4,
+                                                   dtype="float32"))
+    ids = runner.tokenizer.encode(PROMPT)
+    tokens, got = decode_logits(runner, ids, 3)
+    with torch.no_grad():
+        want = hf_model(hf_dir)(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -34,6 +34,7 @@ from torch import Tensor
 from sluice.engine.models.gguf_file import GGUFFile, read_gguf
 from sluice.engine.models.llama import (
     GemmaConfig,
+    GraniteScales,
     LlamaConfig,
     MoEConfig,
     RopeConfig,
@@ -56,6 +57,8 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool, bool]] = {
     "qwen3moe": ("Qwen3MoeForCausalLM", False, False, True),
     "gemma3": ("Gemma3ForCausalLM", False, False, True),
     "phi3": ("Phi3ForCausalLM", False, False, False),
+    "granite": ("GraniteForCausalLM", True, False, False),
+    "granitemoe": ("GraniteMoeForCausalLM", True, False, False),
 }
 # a mixture of experts' stacked tensors ([experts, out, in]) -> the expert's projection
 # (gate, up, down: an index into MoEConfig.hf_parts)
@@ -193,9 +196,22 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
         max_position_embeddings=context,
         rope=rope_from_gguf(gguf, arch), qkv_bias=qkv_bias, qk_norm=qk_norm, moe=moe,
         gemma=gemma_from_gguf(gguf, head_dim) if arch == "gemma3" else None,
+        granite=granite_from_gguf(gguf, arch) if arch.startswith("granite") else None,
         o_bias="blk.0.attn_output.bias" in gguf.tensors,
         tie_word_embeddings="output.weight" not in gguf.tensors)
     return cfg, permuted
+
+
+def granite_from_gguf(gguf: GGUFFile, arch: str) -> GraniteScales:
+    """Granite's multipliers as llama.cpp's converter names them (`attention.scale`,
+    `embedding_scale`, `residual_scale`, `logit_scale`; each absent where the checkpoint
+    left it at its default)."""
+    attention = gguf.get(f"{arch}.attention.scale")
+    return GraniteScales(
+        embedding_multiplier=float(gguf.get(f"{arch}.embedding_scale", 1.0)),
+        residual_multiplier=float(gguf.get(f"{arch}.residual_scale", 1.0)),
+        attention_multiplier=None if attention is None else float(attention),
+        logits_scaling=float(gguf.get(f"{arch}.logit_scale", 1.0)))
 
 
 def gemma_from_gguf(gguf: GGUFFile, head_dim: int) -> GemmaConfig:
@@ -230,14 +246,15 @@ def moe_from_gguf(gguf: GGUFFile, arch: str) -> MoEConfig:
     `expert_feed_forward_length` (the Qwens) or `feed_forward_length` (Mixtral), their
     weights renormalized over the chosen as llama.cpp computes them (all but Qwen2-MoE;
     `expert_weights_norm` where a file says), Qwen2-MoE's shared expert of
-    `expert_shared_feed_forward_length`; Mixtral's names for a `llama` file."""
+    `expert_shared_feed_forward_length`; Mixtral's names for a `llama` file and for
+    Granite MoE's (its file splits the checkpoint's stacked gate|up per projection)."""
     size = gguf.get(f"{arch}.expert_feed_forward_length") or gguf.get(
         f"{arch}.feed_forward_length")
     if size is None:
         raise InvalidRequestError(f"{gguf.path.name}: missing GGUF metadata "
                                   f"{arch}.expert_feed_forward_length", param="model")
     names: dict[str, Any] = {}
-    if arch in ("llama", "mistral"):
+    if arch in ("llama", "mistral", "granitemoe"):  # one tensor an expert, Mixtral's names
         names = {"hf_block": "block_sparse_moe", "hf_parts": ("w1", "w3", "w2")}
     return MoEConfig(num_experts=int(gguf.get(f"{arch}.expert_count")),
                      top_k=int(gguf.get(f"{arch}.expert_used_count", 0) or 0),
