@@ -116,7 +116,7 @@ def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3",
     (experts stacked `[experts, out, in]`), Q/K rows permuted for `llama` (a Mixtral),
     norms float32, linears float32 or Q8_0 blocks (`linears`); Granite's multipliers
     as metadata (`granite`, `granitemoe`: experts split out of its stacked tensors, Q/K
-    permuted as for `llama`); `phi3`'s Q|K|V and
+    permuted as for `llama`, and for `smollm3`); `phi3`'s Q|K|V and
     gate|up fused (`attn_qkv`, `ffn_up`); for `gemma3` its norms
     with 1 added, its window, which layers slide and their RoPE base. `metadata(writer)`
     adds more keys (a vocabulary)."""
@@ -196,7 +196,7 @@ def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3",
             kind = parts[-2].removesuffix("_proj")
             tensors[f"blk.{parts[2]}.ffn_{kind}_shexp.weight"] = array
         elif parts[:2] == ["model", "layers"]:
-            if arch in ("llama", "granite", "granitemoe") and parts[-2] in heads:
+            if arch in ("llama", "granite", "granitemoe", "smollm3") and parts[-2] in heads:
                 # llama.cpp's RoPE row interleave (its Llama converter's, Granite's too)
                 n, d = heads[parts[-2]], array.shape[0] // heads[parts[-2]] // 2
                 array = array.reshape(n, 2, d, -1).swapaxes(1, 2).reshape(array.shape)

@@ -522,3 +522,26 @@ def test_granite_gguf_file_loads_as_the_checkpoint(request: pytest.FixtureReques
     with torch.no_grad():
         want = hf_model(hf_dir)(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_smollm3_gguf_file_loads_as_the_checkpoint(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `smollm3` file (Q/K rows permuted, as its converter is Llama's): every fourth
+    layer without RoPE, as llama.cpp fixes it for SmolLM3 (SmolLM3-3B's
+    `no_rope_layer_interval`); logits equal transformers' on a 4-layer checkpoint so set."""
+    from tiny_models import make_tiny_checkpoint
+
+    monkeypatch.setenv("SLUICE_WEIGHTS_CACHE", "off")
+    hf_dir = make_tiny_checkpoint(tmp_path / "tiny-smollm3", "smollm3", num_hidden_layers=4,
+                                  no_rope_layers=[1, 1, 1, 0])
+    path = write_gguf(hf_dir, tmp_path / "tiny-smollm3.gguf", "f32", arch="smollm3")
+    cfg, permuted = config_from_gguf(GGUFFile(path))
+    assert permuted and cfg.no_rope_layers == (1, 1, 1, 0)
+    runner = ModelRunner(EngineConfig.from_options(str(path), tokenizer=str(hf_dir),
+                                                   num_kv_blocks=64, block_size=4,
+                                                   dtype="float32"))
+    ids = runner.tokenizer.encode(PROMPT)
+    tokens, got = decode_logits(runner, ids, 3)
+    with torch.no_grad():
+        want = hf_model(hf_dir)(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -59,7 +59,10 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool, bool]] = {
     "phi3": ("Phi3ForCausalLM", False, False, False),
     "granite": ("GraniteForCausalLM", True, False, False),
     "granitemoe": ("GraniteMoeForCausalLM", True, False, False),
+    "smollm3": ("SmolLM3ForCausalLM", True, False, False),
 }
+# SmolLM3's layers without RoPE: every fourth, as llama.cpp fixes it (no metadata key)
+SMOLLM3_NO_ROPE_STEP = 4
 # a mixture of experts' stacked tensors ([experts, out, in]) -> the expert's projection
 # (gate, up, down: an index into MoEConfig.hf_parts)
 GGUF_EXPERT_PARTS = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
@@ -197,6 +200,8 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
         rope=rope_from_gguf(gguf, arch), qkv_bias=qkv_bias, qk_norm=qk_norm, moe=moe,
         gemma=gemma_from_gguf(gguf, head_dim) if arch == "gemma3" else None,
         granite=granite_from_gguf(gguf, arch) if arch.startswith("granite") else None,
+        no_rope_layers=tuple(int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(
+            int(meta("block_count")))) if arch == "smollm3" else (),
         o_bias="blk.0.attn_output.bias" in gguf.tensors,
         tie_word_embeddings="output.weight" not in gguf.tensors)
     return cfg, permuted
