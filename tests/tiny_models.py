@@ -52,7 +52,9 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
     in one tensor a projection, granite's multipliers), "qwen2_moe" (with a shared
     expert), "olmoe" (Q and K norms over all heads), and "gemma3" (Gemma 3's text model:
     a sliding window of 8 tokens in its first layer, full attention in its second, each
-    with its own RoPE base; its norms and scores' scale away from the defaults)."""
+    with its own RoPE base; its norms and scores' scale away from the defaults) and
+    "gemma2" (the same window and layers, and soft caps on the scores and logits small
+    enough to change them: 5 and 3, against Gemma 2's 50 and 30)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
@@ -86,10 +88,13 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
     if arch == "qwen2_moe":  # 4 experts, 2 a token, and a shared expert
         common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=48, norm_topk_prob=False)
-    if arch == "gemma3":  # a window short enough that every prompt here slides past it
+    if arch in ("gemma2", "gemma3"):  # a window short enough that every prompt slides past it
         common.update(head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
-                      layer_types=["sliding_attention", "full_attention"],
-                      rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, pad_token_id=0)
+                      layer_types=["sliding_attention", "full_attention"], pad_token_id=0)
+    if arch == "gemma3":
+        common.update(rope_theta=1_000_000.0, rope_local_base_freq=10_000.0)
+    if arch == "gemma2":
+        common.update(attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
     common.update(overrides)
     config = AutoConfig.for_model("gemma3_text" if arch == "gemma3" else arch, **common)
     torch.manual_seed(seed)
@@ -103,7 +108,7 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
                 p.normal_(0.0, 0.2)
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.uniform_(0.5, 1.5)
-            elif arch == "gemma3" and name.endswith("norm.weight"):  # (1 + w): zeros in init
+            elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # (1 + w)
                 p.normal_(0.0, 0.2)
     model.save_pretrained(str(out), safe_serialization=True)
     save_smollm2_tokenizer(out)

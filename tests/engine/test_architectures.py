@@ -392,8 +392,8 @@ def test_gemma3_config_from_the_hub_and_from_transformers_5(tiny_gemma3_dir: Pat
     """Gemma 3-1B's config: every sixth layer global, the others a 512-token window with
     RoPE base 10,000 (the global ones 1,000,000), the context not capped at the window,
     the head tied though the file does not say; transformers 5's `layer_types` and
-    per-kind `rope_parameters` read the same way. Gemma 2's soft caps, another MLP
-    activation and bidirectional attention are refused by name."""
+    per-kind `rope_parameters` read the same way. Another MLP activation, bidirectional
+    attention and a soft cap outside Gemma are refused by name."""
     from sluice.engine.models.loader import UnsupportedModelError, config_from_hf, read_config
 
     cfg = config_from_hf(GEMMA3_1B)
@@ -405,8 +405,8 @@ def test_gemma3_config_from_the_hub_and_from_transformers_5(tiny_gemma3_dir: Pat
     tiny = config_from_hf(read_config(tiny_gemma3_dir))
     assert tiny.gemma is not None and [tiny.window(i) for i in (0, 1)] == [8, None]
     assert (tiny.rope.theta, tiny.gemma.local_rope.theta) == (1e6, 1e4)
-    for bad, named in (({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
-                       ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    for bad, named in (({"architectures": ["LlamaForCausalLM"], "hidden_activation": None,
+                        "final_logit_softcapping": 30.0}, "final_logit_softcapping"),
                        ({"hidden_activation": "gelu"}, "'gelu'"),
                        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
                        ({"layer_types": ["sliding_attention"] * 3}, "layer_types")):
@@ -545,3 +545,39 @@ def test_smollm3_gguf_file_loads_as_the_checkpoint(tmp_path: Path,
     with torch.no_grad():
         want = hf_model(hf_dir)(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:]
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+# google/gemma-2-2b-it's config.json as the hub serves it (transformers 4.42's fields)
+GEMMA2_2B = {
+    "architectures": ["Gemma2ForCausalLM"], "attention_bias": False,
+    "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid",
+    "eos_token_id": [1, 107], "final_logit_softcapping": 30.0, "head_dim": 256,
+    "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 2304, "intermediate_size": 9216, "max_position_embeddings": 8192,
+    "model_type": "gemma2", "num_attention_heads": 8, "num_hidden_layers": 26,
+    "num_key_value_heads": 4, "pad_token_id": 0, "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096,
+    "vocab_size": 256000}
+
+
+def test_gemma2_config_from_the_hub(tiny_gemma2_dir: Path) -> None:
+    """Gemma 2-2B: every other layer local (the even ones) with a 4,096-token window and
+    the global RoPE, scores capped at 50 and logits at 30, no head norms, the context not
+    capped at the window, the head tied; the tiny checkpoint's transformers-5 config the
+    same way. It decodes layer by layer (no decode graph), its head caps the logits."""
+    from sluice.engine.models.llama import SoftcappedHead
+    from sluice.engine.models.loader import config_from_hf, read_config
+
+    cfg = config_from_hf(GEMMA2_2B)
+    assert cfg.gemma is not None and cfg.tie_word_embeddings and not cfg.qk_norm
+    assert [cfg.window(i) for i in range(4)] == [4096, None, 4096, None]
+    assert cfg.gemma.local_rope == cfg.rope and cfg.max_position_embeddings == 8192
+    assert (cfg.gemma.attn_softcap, cfg.gemma.final_softcap) == (50.0, 30.0)
+    tiny = config_from_hf(read_config(tiny_gemma2_dir))
+    assert tiny.gemma is not None and (tiny.gemma.attn_softcap, tiny.gemma.final_softcap) == (5, 3)
+    runner = ModelRunner(EngineConfig.from_options(str(tiny_gemma2_dir), num_kv_blocks=64,
+                                                   block_size=4, dtype="float32"))
+    assert runner.decode_graph is None and isinstance(runner.model.output, SoftcappedHead)
+    logits = runner.execute([SeqChunk(runner.tokenizer.encode(PROMPT), 0, list(range(16)),
+                                      True)])
+    assert float(logits.abs().max()) < 3.0

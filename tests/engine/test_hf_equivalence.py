@@ -58,10 +58,11 @@ OPTIONS = {
     "torch-kernels": {"max_num_batched_tokens": 16, "enable_prefix_caching": True,
                       "kernel_backend": "torch"},
 }
-# every engine option on the dense families (and Gemma 3's sliding windows); the architectures that differ from them only
-# in the model (a bias, fused checkpoint tensors, experts) on chunks with the cache, on
-# both kernel backends
-CASES = [(arch, option) for arch in ("llama", "qwen2", "qwen3", "smollm3", "granite", "gemma3")
+# every engine option on the dense families (and Gemma's sliding windows and soft caps);
+# the architectures that differ from them only in the model (a bias, fused checkpoint
+# tensors, experts) on chunks with the cache, on both kernel backends
+CASES = [(arch, option) for arch in ("llama", "qwen2", "qwen3", "smollm3", "granite",
+                                     "gemma2", "gemma3")
          for option in OPTIONS] + [
     (arch, option) for arch in ("llama_bias", "phi3", "mixtral", "qwen3_moe", "granitemoe",
                                 "qwen2_moe", "olmoe")

@@ -23,7 +23,7 @@ ATOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "smollm3", "granite",
-                                        "mixtral", "qwen3_moe", "gemma3"])
+                                        "mixtral", "qwen3_moe", "gemma2", "gemma3"])
 def pair(request: pytest.FixtureRequest) -> tuple[ModelRunner, torch.nn.Module]:
     from transformers import AutoModelForCausalLM
 

@@ -28,6 +28,12 @@ gather copied every sequence's context once per layer). Prefill chunks too, wher
 native kernels are built (`StepLayout.native_prefill`): each chunk's rows against its
 own context, causal, without padding or a mask (`paged_prefill_attention`; SDPA over the
 padded, masked batch computed every row against every column).
+
+Gemma's layers differ per layer, not per step: a sliding-window layer sees only the last
+`window` tokens of each context, and Gemma 2 caps its scores with a tanh. Such a layer
+takes `AttentionMetadata.masked`, the step's groups with their masks spelled out (built
+once a step for all such layers): the padded SDPA path, or the scores computed out where
+they are capped (`_sdpa`). A group whose contexts all fit in the window is unchanged.
 """
 
 from __future__ import annotations
@@ -93,7 +99,7 @@ class AttentionGroup:
     # q_starts[i + 1], its last row attends to context_lens[i] tokens (no mask, no padding)
     q_starts: Tensor | None = None
     # each sequence's new tokens and the position of its first: what a sliding window's
-    # variant of the group is built from (`windowed`)
+    # variant of the group is built from (`AttentionMetadata.masked`)
     q_lens: tuple[int, ...] = ()
     start_positions: tuple[int, ...] = ()
 
@@ -119,44 +125,49 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
     decode_kernel: DecodeKernel | None = None  # native decode attention, if in use
     prefill_kernel: PrefillKernel | None = None  # native prefill attention, if in use
-    layout: StepLayout | None = None  # what the groups were built for (`windowed` needs it)
-    _windowed: dict[int, list[AttentionGroup]] = field(default_factory=dict)
+    layout: StepLayout | None = None  # what the groups were built for (`masked` needs it)
+    _masked: dict[tuple[int | None, bool], list[AttentionGroup]] = field(default_factory=dict)
 
-    def windowed(self, window: int) -> list[AttentionGroup]:
+    def masked(self, window: int | None, every: bool = False) -> list[AttentionGroup]:
         """The groups as a sliding-window layer sees them (each query attends to the
-        `window` tokens ending at its own, Gemma 3's local layers): a group whose every
-        context fits the window unchanged, the others with a mask that hides the older
-        keys. Built once a step for all such layers."""
-        groups = self._windowed.get(window)
+        `window` tokens ending at its own, Gemma's local layers): a group whose every
+        context fits the window unchanged, the others with a mask that also hides the
+        older keys; `every`: each group with its mask spelled out (the soft-capped
+        attention has no causal flag and no native kernel). Built once a step for all
+        such layers."""
+        groups = self._masked.get((window, every))
         if groups is None:
             assert self.layout is not None, "metadata built without its layout"
-            groups = [g if g.longest_context <= window else _window_group(g, window, self.layout)
-                      for g in self.groups]
-            self._windowed[window] = groups
+            groups = [g if not every and (window is None or g.longest_context <= window)
+                      else _window_group(g, window, self.layout) for g in self.groups]
+            self._masked[(window, every)] = groups
         return groups
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache,
-                    meta: AttentionMetadata, window: int | None = None) -> Tensor:
+                    meta: AttentionMetadata, window: int | None = None,
+                    softcap: float | None = None) -> Tensor:
     """q `[T, heads, d]`, k/v `[T, kv_heads, d]` of the new tokens -> output `[T, heads*d]`.
 
     Writes k/v into `cache` first, so each token also attends to itself and to the
     tokens before it in the same step. `window`: a sliding-window layer's, each query
     sees only the `window` tokens ending at its own (the older ones stay in the cache).
+    `softcap`: Gemma 2's scores, `softcap * tanh(scores / softcap)` before the softmax.
     """
     cache.write(meta.slots, k, v)
     t, heads, d = q.shape
-    groups = meta.groups if window is None else meta.windowed(window)
+    groups = (meta.groups if window is None and softcap is None
+              else meta.masked(window, every=softcap is not None))
     if len(groups) == 1:
-        return _group_attention(q, k, v, cache, groups[0], meta)
+        return _group_attention(q, k, v, cache, groups[0], meta, softcap)
     out = q.new_empty(t, heads * d)
     for group in groups:  # at most two: decode, prefill
-        out[group.start:group.end] = _group_attention(q, k, v, cache, group, meta)
+        out[group.start:group.end] = _group_attention(q, k, v, cache, group, meta, softcap)
     return out
 
 
 def _group_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, g: AttentionGroup,
-                     meta: AttentionMetadata) -> Tensor:
+                     meta: AttentionMetadata, softcap: float | None = None) -> Tensor:
     _, heads, d = q.shape
     kv_heads = k.shape[1]
     gqa = heads // kv_heads
@@ -168,15 +179,14 @@ def _group_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, g: Attenti
                                 g.context_lens, d ** -0.5)
         return o.view(g.end - g.start, heads * d)
     if g.fresh:
-        return _causal_attention(q, k[g.start:g.end], v[g.start:g.end], g.mask)
+        return _causal_attention(q, k[g.start:g.end], v[g.start:g.end], g.mask, softcap)
     if g.q_len == 1 and decode_kernel is not None and g.context_lens is not None:
         o = decode_kernel(q.contiguous(), cache.k, cache.v, g.block_tables, g.context_lens,
                           d ** -0.5)
         return o.view(g.batch, heads * d)
     keys, values = cache.gather(g.block_tables)
     if g.q_len == 1:  # decodes: torch's GQA path is quicker than folding for one query
-        o = F.scaled_dot_product_attention(q.view(g.batch, heads, 1, d), keys, values,
-                                           attn_mask=g.mask, enable_gqa=True)
+        o = _sdpa(q.view(g.batch, heads, 1, d), keys, values, g.mask, softcap)
         return o.reshape(g.batch, heads * d)
     if g.scatter is not None:
         padded = q.new_zeros(g.batch * g.q_len, heads, d)
@@ -184,21 +194,39 @@ def _group_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, g: Attenti
     # [B*Q, kv, gqa, d] -> [B, kv, gqa*Q, d]: the heads sharing a KV head become extra queries
     qf = q.view(g.batch, g.q_len, kv_heads, gqa, d).permute(0, 2, 3, 1, 4)
     qf = qf.reshape(g.batch, kv_heads, gqa * g.q_len, d)
-    o = F.scaled_dot_product_attention(qf, keys, values, attn_mask=g.mask)
+    o = _sdpa(qf, keys, values, g.mask, softcap)
     o = o.view(g.batch, kv_heads, gqa, g.q_len, d).permute(0, 3, 1, 2, 4)
     o = o.reshape(g.batch * g.q_len, heads * d)
     return o if g.scatter is None else o.index_select(0, g.scatter)
 
 
-def _causal_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+def _causal_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
+                      softcap: float | None = None) -> Tensor:
     """One sequence's first chunk: plain causal attention over its own new tokens (or
     under `mask` `[T, T]`, a sliding window's)."""
     t, heads, d = q.shape
     # 4-D inputs: with 3-D ones torch's CPU dispatch falls back to the (3x slower) math kernel
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                       v.transpose(0, 1)[None], attn_mask=mask,
-                                       is_causal=mask is None, enable_gqa=True)
+    o = _sdpa(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+              mask, softcap)
     return o[0].transpose(0, 1).reshape(t, heads * d)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+          softcap: float | None) -> Tensor:
+    """`[B, heads, Q, d]` against `[B, kv_heads, L, d]` (kv_heads divides heads): SDPA
+    under the additive `mask` (None: causal); with a `softcap` (which SDPA has no
+    argument for) the scores are computed out, capped, masked and soft-maxed in float32,
+    as transformers' eager attention does for Gemma 2."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    assert mask is not None, "soft-capped attention takes its mask spelled out"
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = torch.tanh(scores / softcap) * softcap + mask
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
 def build_group(start: int, q_lens: list[int], start_positions: list[int],
@@ -210,7 +238,7 @@ def build_group(start: int, q_lens: list[int], start_positions: list[int],
     batch, q_len, bs = len(q_lens), max(q_lens), layout.block_size
     end = start + sum(q_lens)
     native = layout.native_prefill and q_len > 1
-    new_lens, firsts = tuple(q_lens), tuple(start_positions)  # for `windowed`
+    new_lens, firsts = tuple(q_lens), tuple(start_positions)  # for `masked`
     if batch == 1 and start_positions[0] == 0 and not native:
         return AttentionGroup(start, end, 1, q_len, torch.empty(0, 1, dtype=torch.long),
                               None, fresh=True, q_lens=new_lens,
@@ -255,14 +283,16 @@ def _padded_mask(q_lens: Sequence[int], start_positions: Sequence[int], n_keys: 
     return mask.to(layout.device), scatter
 
 
-def _window_group(g: AttentionGroup, window: int, layout: StepLayout) -> AttentionGroup:
-    """`g` for a sliding-window layer: the same tokens and block tables under a mask that
-    also hides keys `window` or more positions back; the padded SDPA path (the native
-    kernels attend to a whole context), a first chunk's plain attention under the mask."""
+def _window_group(g: AttentionGroup, window: int | None, layout: StepLayout) -> AttentionGroup:
+    """`g` under its mask spelled out, which also hides keys `window` or more positions
+    back (given one): the padded SDPA path (the native kernels attend to a whole
+    context), a first chunk's plain attention under the mask."""
     if g.fresh:
         n = g.end - g.start
         pos = torch.arange(n)
-        hidden = (pos.view(1, -1) > pos.view(-1, 1)) | (pos.view(1, -1) <= pos.view(-1, 1) - window)
+        hidden = pos.view(1, -1) > pos.view(-1, 1)
+        if window is not None:
+            hidden |= pos.view(1, -1) <= pos.view(-1, 1) - window
         mask = torch.zeros(n, n, dtype=layout.dtype).masked_fill_(hidden, float("-inf"))
         return replace(g, mask=mask.to(layout.device))
     mask, scatter = _padded_mask(g.q_lens, g.start_positions,

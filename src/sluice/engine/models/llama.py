@@ -1,5 +1,5 @@
 """The Llama family (Llama 2/3, SmolLM2/3, Mistral, Mixtral, Qwen2/2.5 and Qwen2-MoE, Qwen3
-and Qwen3-MoE, Granite 3 and its MoE, OLMoE, Gemma 3) as one model file.
+and Qwen3-MoE, Granite 3 and its MoE, OLMoE, Gemma 2 and 3) as one model file.
 
 Read it like the paper: each block is
 
@@ -20,9 +20,10 @@ leaves RoPE out of every fourth layer (`no_rope_layers`), Granite scales the emb
 the branches, the attention scores and the logits by constants (`GraniteScales`, folded
 into the weights at load: `fuse_hf_weights`), Llama 3 scales RoPE frequencies
 (`rope_type`), some tie the output head to the embedding (`tie_word_embeddings`).
-Gemma 3 (`GemmaConfig`) normalizes each branch's output too (a norm after attention and
-after the MLP), gates its MLP with GELU, scales the embedding by sqrt(hidden), and
-attends through a sliding window in five layers of six, each kind with its own RoPE.
+Gemma 2 and 3 (`GemmaConfig`) normalize each branch's output too (a norm after attention
+and after the MLP), gate the MLP with GELU, scale the embedding by sqrt(hidden), and
+attend through a sliding window in some layers (Gemma 3's with their own RoPE); Gemma 2
+caps its attention scores and its logits with a tanh.
 Weights arrive under Hugging Face names (`model.layers.0.self_attn.q_proj.weight`, ...)
 from either loader and are fused here (Q|K|V into one matrix, gate|up into another) so a
 layer does three big matmuls and one attention call over all of a step's tokens,
@@ -135,21 +136,26 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class GemmaConfig:
-    """Gemma 3's differences from a Llama (config.json's names in brackets): each block
+    """Gemma 2's and 3's differences from a Llama (config.json's names in brackets): each block
     normalizes its attention's and its MLP's outputs before their residual adds
     (`post_attention_layernorm`, `post_feedforward_layernorm`; the MLP's input norm is
     `pre_feedforward_layernorm`), the MLP is gated by GELU's tanh form
     (`gelu_pytorch_tanh`), the embedding's rows are multiplied by sqrt(hidden_size), the
     attention scores scaled by 1/sqrt(`query_pre_attn_scalar`), and the layers where
     `sliding_layers` is 1 attend only to the `sliding_window` tokens ending at each query,
-    rotated by their own RoPE (`rope_local_base_freq`). Every RMSNorm multiplies by
-    (1 + weight): folded into the weights at load (`_fold_gemma`), as is the score scale
-    (into Q's head norm), so the norms and kernels are Llama's."""
+    rotated by their own RoPE (Gemma 3's `rope_local_base_freq`; Gemma 2's are the
+    global one). Every RMSNorm multiplies by (1 + weight): folded into the weights at
+    load (`_fold_gemma`), as is the score scale (into Q's head norm, Gemma 3; Q's rows,
+    Gemma 2), so the norms and kernels are Llama's. Gemma 2 caps the attention scores at
+    `attn_softcap * tanh(s / attn_softcap)` (`attn_logit_softcapping`) and the logits
+    likewise (`final_logit_softcapping`)."""
 
     sliding_window: int
     sliding_layers: tuple[int, ...]
     local_rope: RopeConfig = field(default_factory=RopeConfig)
     query_pre_attn_scalar: float = 256.0
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
 
 
 @dataclass(frozen=True)
@@ -304,6 +310,17 @@ class Linear(nn.Module):
         return y
 
 
+class SoftcappedHead(Linear):
+    """Gemma 2's output head: logits capped at `cap * tanh(logits / cap)`."""
+
+    def __init__(self, in_features: int, out_features: int, cap: float) -> None:
+        super().__init__(in_features, out_features)
+        self.cap = cap
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(super().forward(x) / self.cap) * self.cap
+
+
 class Embedding(nn.Module):
     """Token id -> row of `weight` (nn.Embedding's layout). Not nn.Embedding: its random
     init, even on the meta device, goes through torch's reference ops, whose first use
@@ -322,7 +339,8 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.use_rope = use_rope  # False: a NoPE layer (SmolLM3's every fourth)
-        self.window = window  # a sliding window's length (Gemma 3's local layers)
+        self.window = window  # a sliding window's length (Gemma's local layers)
+        self.softcap = cfg.gemma.attn_softcap if cfg.gemma is not None else None
         self.wqkv = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.wo = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         # Qwen3: each head of Q and of K normalized before RoPE, one weight [head_dim] each;
@@ -358,7 +376,7 @@ class Attention(nn.Module):
         q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
         v = qkv[:, cfg.q_size + cfg.kv_size:].view(t, cfg.num_kv_heads, cfg.head_dim)
         assert self.kv_cache is not None, "KV cache not allocated"
-        return self.wo(paged_attention(q, k, v, self.kv_cache, meta, self.window))
+        return self.wo(paged_attention(q, k, v, self.kv_cache, meta, self.window, self.softcap))
 
 
 class FeedForward(nn.Module):
@@ -501,7 +519,9 @@ class Transformer(nn.Module):
         self.tok_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.output = Linear(cfg.hidden_size, cfg.vocab_size)
+        cap = cfg.gemma.final_softcap if cfg.gemma is not None else None
+        self.output = (Linear(cfg.hidden_size, cfg.vocab_size) if cap is None
+                       else SoftcappedHead(cfg.hidden_size, cfg.vocab_size, cap))
         self.rope_cos: Tensor | None = None
         self.rope_sin: Tensor | None = None
         # Gemma 3's local layers' own tables (their RoPE base differs)
@@ -601,13 +621,20 @@ def fuse_hf_weights(cfg: LlamaConfig, hf: Mapping[str, Tensor]) -> dict[str, Ten
 def _fold_gemma(cfg: LlamaConfig, g: GemmaConfig, out: dict[str, Tensor]) -> None:
     """Gemma's RMSNorms multiply by (1 + weight): every norm's weight becomes 1 + weight
     (in float32, new tensors); its scores' 1/sqrt(query_pre_attn_scalar) replaces the
-    attention's 1/sqrt(head_dim) through Q's head norm (RoPE is linear, so the scale
-    passes through it)."""
+    attention's 1/sqrt(head_dim) through Q's head norm where there is one (Gemma 3; RoPE
+    is linear, so the scale passes through it), else Q's rows (Gemma 2)."""
     q_scale = math.sqrt(cfg.head_dim / g.query_pre_attn_scalar)
     for name in [n for n in out if n.endswith("norm.weight")]:
         out[name] = out[name].float() + 1.0
         if name.endswith("attention.q_norm.weight"):
             out[name] = out[name] * q_scale
+    if not cfg.qk_norm:
+        for i in range(cfg.num_layers):
+            for name in (f"layers.{i}.attention.wqkv.weight", f"layers.{i}.attention.wqkv.bias"):
+                if name in out:
+                    scaled = out[name].clone()
+                    scaled[:cfg.q_size] *= q_scale
+                    out[name] = scaled
 
 
 def _fuse_mlp(hf: Mapping[str, Tensor], source: str, parts: tuple[str, str, str],

@@ -61,6 +61,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "GraniteMoeForCausalLM": ArchSpec(granite=True, moe="granitemoe"),
     "OlmoeForCausalLM": ArchSpec(qk_norm_whole=True, moe="olmoe"),
     "Phi3ForCausalLM": ArchSpec(),  # its fused qkv_proj / gate_up_proj: split_fused_weights
+    "Gemma2ForCausalLM": ArchSpec(gemma=True),
     "Gemma3ForCausalLM": ArchSpec(qk_norm=True, gemma=True),
 }
 
@@ -150,7 +151,7 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
                                     f"{'GELU (tanh)' if spec.gemma else 'SiLU'} MLPs are "
                                     f"supported, not {act!r}", param="model")
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if c.get(cap) is not None:  # Gemma 2's tanh caps
+        if c.get(cap) is not None and not spec.gemma:  # Gemma 2's tanh caps
             raise UnsupportedModelError(f"{arch}: {cap} is not supported", param="model")
     if c.get("use_bidirectional_attention"):  # EmbeddingGemma's: no causal mask
         raise UnsupportedModelError(f"{arch}: use_bidirectional_attention is not supported "
@@ -169,20 +170,22 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         qk_norm=spec.qk_norm, qk_norm_whole=spec.qk_norm_whole, no_rope_layers=_no_rope_layers(c),
         granite=_granite_scales(c) if spec.granite else None,
         moe=_moe(c, spec.moe) if spec.moe else None,
-        gemma=_gemma(c) if spec.gemma else None,
+        gemma=_gemma(c, arch) if spec.gemma else None,
         # Gemma's config.json may leave it out: its default is tied
         tie_word_embeddings=bool(c.get("tie_word_embeddings", spec.gemma)))
 
 
-def _gemma(c: dict[str, Any]) -> GemmaConfig:
-    """Gemma 3's local layers: `layer_types` ("sliding_attention" / "full_attention"),
-    else every `sliding_window_pattern`-th layer global (6: five local, one global); the
-    local layers' RoPE from `rope_local_base_freq`, or transformers 5's
-    `rope_parameters["sliding_attention"]`."""
+def _gemma(c: dict[str, Any], arch: str) -> GemmaConfig:
+    """Gemma's local layers: `layer_types` ("sliding_attention" / "full_attention"),
+    else every `sliding_window_pattern`-th layer global (Gemma 3's 6: five local, one
+    global; Gemma 2's every other); Gemma 3's local RoPE from `rope_local_base_freq`, or
+    transformers 5's `rope_parameters["sliding_attention"]` (Gemma 2's is the global
+    one); Gemma 2's soft caps."""
     layers = int(c["num_hidden_layers"])
+    gemma2 = arch == "Gemma2ForCausalLM"
     types = c.get("layer_types")
     if types is None:
-        pattern = int(c.get("sliding_window_pattern") or 6)
+        pattern = int(c.get("sliding_window_pattern") or (2 if gemma2 else 6))
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                  for i in range(layers)]
     if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
@@ -191,14 +194,19 @@ def _gemma(c: dict[str, Any]) -> GemmaConfig:
     params = c.get("rope_parameters") or {}
     if "sliding_attention" in params:
         local = rope_from_hf({"rope_parameters": params["sliding_attention"]})
+    elif gemma2:
+        local = rope_from_hf(c)
     else:
         local = RopeConfig(theta=float(c.get("rope_local_base_freq", 10000.0)))
+    caps = [c.get(k) for k in ("attn_logit_softcapping", "final_logit_softcapping")]
     return GemmaConfig(sliding_window=int(c["sliding_window"]),
                        sliding_layers=tuple(int(t == "sliding_attention") for t in types),
                        local_rope=local,
                        query_pre_attn_scalar=float(
                            c.get("query_pre_attn_scalar") or c.get("head_dim")
-                           or int(c["hidden_size"]) // int(c["num_attention_heads"])))
+                           or int(c["hidden_size"]) // int(c["num_attention_heads"])),
+                       attn_softcap=None if caps[0] is None else float(caps[0]),
+                       final_softcap=None if caps[1] is None else float(caps[1]))
 
 
 def _granite_scales(c: dict[str, Any]) -> GraniteScales:
