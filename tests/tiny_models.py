@@ -122,7 +122,7 @@ def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3",
     norms float32, linears float32 or Q8_0 blocks (`linears`); Granite's multipliers
     as metadata (`granite`, `granitemoe`: experts split out of its stacked tensors, Q/K
     permuted as for `llama`, and for `smollm3`); `phi3`'s Q|K|V and
-    gate|up fused (`attn_qkv`, `ffn_up`); for `gemma3` its norms
+    gate|up fused (`attn_qkv`, `ffn_up`); for `gemma2` and `gemma3` their norms
     with 1 added, its window, which layers slide and their RoPE base. `metadata(writer)`
     adds more keys (a vocabulary)."""
     import gguf
@@ -154,11 +154,15 @@ def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3",
         writer.add_embedding_scale(config["embedding_multiplier"])
         writer.add_residual_scale(config["residual_multiplier"])
         writer.add_logit_scale(config["logits_scaling"])
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(config["sliding_window"])
         writer.add_sliding_window_pattern([t == "sliding_attention"
                                            for t in config["layer_types"]])
+    if arch == "gemma3":
         writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     experts = config.get("num_experts") or config.get("num_local_experts")
@@ -172,13 +176,14 @@ def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3",
                 config["shared_expert_intermediate_size"])
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     to_gguf = {f"{hf}.": f"{g}." for g, hf in GGUF_GLOBAL_NAMES.items()}
-    names = {"gemma3": GGUF_GEMMA_NAMES, "phi3": GGUF_PHI3_NAMES}.get(arch, GGUF_NAMES)
+    names = {"gemma2": GGUF_GEMMA_NAMES, "gemma3": GGUF_GEMMA_NAMES,
+             "phi3": GGUF_PHI3_NAMES}.get(arch, GGUF_NAMES)
     short = {v: k for k, v in names.items()}
     stacked: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # (layer, kind) -> experts
     tensors: dict[str, np.ndarray] = {}
     for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
         array = tensor.float().numpy()
-        if arch == "gemma3" and name.endswith("norm.weight"):  # its converter's norm_shift
+        if arch.startswith("gemma") and name.endswith("norm.weight"):  # converter's shift
             array = array + 1.0
         parts = name.split(".")
         if parts[-2] in ("input_linear", "output_linear"):  # Granite MoE's stacked experts

@@ -429,22 +429,24 @@ def test_gemma3_runs_without_the_decode_graph_and_in_bfloat16(tiny_gemma3_dir: P
     assert float((got - want).norm() / want.norm()) < 0.05
 
 
-@pytest.mark.parametrize("linears", ["f32", "q8_0"])
-def test_gemma3_gguf_file_loads_as_the_checkpoint(tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch,
-                                                  linears: str) -> None:
-    """A `gemma3` file as llama.cpp's converter writes one (norms with 1 added, its own
-    names for the branch norms, the window and which layers slide): the same config as
-    the checkpoint's, and prefill and decode logits equal transformers' on the
-    checkpoint (float32 linears) or close to them (Q8_0 blocks dequantized). The file
-    has no score scale: llama.cpp's is 1/sqrt(head_dim), as every Gemma 3 but 27B has
-    it, so the checkpoint here has that too (the fixture's 24 is not head_dim)."""
+@pytest.mark.parametrize("arch,linears", [("gemma3", "f32"), ("gemma3", "q8_0"),
+                                          ("gemma2", "f32")])
+def test_gemma_gguf_file_loads_as_the_checkpoint(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 arch: str, linears: str) -> None:
+    """A `gemma3` / `gemma2` file as llama.cpp's converter writes one (norms with 1
+    added, its own names for the branch norms, the window and which layers slide,
+    Gemma 2's soft caps): the same config as the checkpoint's, and prefill and decode
+    logits equal transformers' on the checkpoint (float32 linears) or close to them
+    (Q8_0 blocks dequantized). The file has no score scale: llama.cpp's is
+    1/sqrt(head_dim), as every Gemma but the 27B models has it, so the checkpoint here
+    has that too (the fixtures' 24 is not head_dim)."""
     from sluice.engine.models.loader import config_from_hf, read_config
     from tiny_models import make_tiny_checkpoint
 
     monkeypatch.setenv("SLUICE_WEIGHTS_CACHE", "off")
-    hf_dir = make_tiny_checkpoint(tmp_path / "tiny-gemma3", "gemma3", query_pre_attn_scalar=32)
-    path = write_gguf(hf_dir, tmp_path / f"tiny-gemma3-{linears}.gguf", linears, arch="gemma3")
+    hf_dir = make_tiny_checkpoint(tmp_path / f"tiny-{arch}", arch, query_pre_attn_scalar=32)
+    path = write_gguf(hf_dir, tmp_path / f"tiny-{arch}-{linears}.gguf", linears, arch=arch)
     cfg, permuted = config_from_gguf(GGUFFile(path))
     want_cfg = config_from_hf(read_config(hf_dir))
     assert not permuted and cfg.gemma == want_cfg.gemma and cfg.tie_word_embeddings

@@ -7,7 +7,7 @@ Two llama.cpp conventions are undone here so the model file sees Hugging Face we
    (`reshape(heads, 2, d/2, in).swapaxes(1, 2)`) for its rotate-adjacent-pairs kernel;
    `unpermute_qk` swaps them back for the half-split RoPE here, as transformers'
    GGUF loader does. Qwen2, Qwen3 and Gemma 3 files are not permuted.
-3. Gemma 3's norms: its converter stores each RMSNorm's weight with Gemma's 1 added
+3. Gemma 2's and 3's norms: its converter stores each RMSNorm's weight with Gemma's 1 added
    (llama.cpp multiplies by the weight as stored); taken off again here, as transformers'
    GGUF loader does, so the model file folds it back like a checkpoint's.
 
@@ -55,6 +55,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool, bool]] = {
     "qwen3": ("Qwen3ForCausalLM", False, False, True),
     "qwen2moe": ("Qwen2MoeForCausalLM", False, True, False),
     "qwen3moe": ("Qwen3MoeForCausalLM", False, False, True),
+    "gemma2": ("Gemma2ForCausalLM", False, False, False),
     "gemma3": ("Gemma3ForCausalLM", False, False, True),
     "phi3": ("Phi3ForCausalLM", False, False, False),
     "granite": ("GraniteForCausalLM", True, False, False),
@@ -87,7 +88,8 @@ GGUF_PHI3_NAMES: dict[str, str] = {
     **GGUF_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj",
 }
 # the names of an architecture's file where they differ from Llama's
-GGUF_NAMES_BY_ARCH = {"Gemma3ForCausalLM": GGUF_GEMMA_NAMES, "Phi3ForCausalLM": GGUF_PHI3_NAMES}
+GGUF_NAMES_BY_ARCH = {"Gemma2ForCausalLM": GGUF_GEMMA_NAMES, "Gemma3ForCausalLM": GGUF_GEMMA_NAMES,
+                      "Phi3ForCausalLM": GGUF_PHI3_NAMES}
 GGUF_GLOBAL_NAMES: dict[str, str] = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
 }
@@ -178,6 +180,7 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
     ffn = (meta("feed_forward_length") if moe is None
            else gguf.get(f"{arch}.feed_forward_length", moe.intermediate_size))
     head_dim = int(meta("attention.key_length", hidden // heads))
+    rope = rope_from_gguf(gguf, arch)
     rotary = gguf.get(f"{arch}.rope.dimension_count")
     if rotary is not None and int(rotary) != head_dim:  # Phi-4-mini's 96 of 128
         raise InvalidRequestError(f"{gguf.path.name}: {arch}.rope.dimension_count {rotary} is "
@@ -188,7 +191,7 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
                                   "not supported", param="model")
     context = int(meta("context_length"))
     window = gguf.get(f"{arch}.attention.sliding_window")
-    if window and arch != "gemma3":  # full attention is exact within it (as for a checkpoint)
+    if window and not arch.startswith("gemma"):  # exact within it (as for a checkpoint)
         context = min(context, int(window))
     cfg = LlamaConfig(
         architecture=hf_arch, vocab_size=int(vocab), hidden_size=hidden,
@@ -197,8 +200,8 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
         head_dim=head_dim,
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         max_position_embeddings=context,
-        rope=rope_from_gguf(gguf, arch), qkv_bias=qkv_bias, qk_norm=qk_norm, moe=moe,
-        gemma=gemma_from_gguf(gguf, head_dim) if arch == "gemma3" else None,
+        rope=rope, qkv_bias=qkv_bias, qk_norm=qk_norm, moe=moe,
+        gemma=gemma_from_gguf(gguf, arch, head_dim, rope) if arch.startswith("gemma") else None,
         granite=granite_from_gguf(gguf, arch) if arch.startswith("granite") else None,
         no_rope_layers=tuple(int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(
             int(meta("block_count")))) if arch == "smollm3" else (),
@@ -219,31 +222,37 @@ def granite_from_gguf(gguf: GGUFFile, arch: str) -> GraniteScales:
         logits_scaling=float(gguf.get(f"{arch}.logit_scale", 1.0)))
 
 
-def gemma_from_gguf(gguf: GGUFFile, head_dim: int) -> GemmaConfig:
-    """Gemma 3's local layers as llama.cpp reads a `gemma3` file: the window
+def gemma_from_gguf(gguf: GGUFFile, arch: str, head_dim: int, rope: RopeConfig) -> GemmaConfig:
+    """Gemma's local layers as llama.cpp reads a `gemma2` / `gemma3` file: the window
     `attention.sliding_window`; the layers `attention.sliding_window_pattern` says (a
-    period, every such layer global, or a flag a layer), else every sixth global;
-    the local RoPE base `rope.freq_base_swa`, else 10,000; the scores scaled by
-    1/sqrt(head_dim), but for Gemma 3 27B's 62 layers (1/sqrt(hidden / heads))."""
-    window = gguf.get("gemma3.attention.sliding_window")
+    period, every such layer global, or a flag a layer), else llama.cpp's fixed period
+    (Gemma 2: every other layer global, Gemma 3: every sixth); Gemma 3's local RoPE base
+    `rope.freq_base_swa`, else 10,000 (Gemma 2's local layers rotate as its global ones);
+    the scores scaled by 1/sqrt(head_dim), but for the 27B models (Gemma 2's 46 layers,
+    Gemma 3's 62: 1/sqrt(hidden / heads)); Gemma 2's soft caps."""
+    window = gguf.get(f"{arch}.attention.sliding_window")
     if window is None:
         raise InvalidRequestError(f"{gguf.path.name}: missing GGUF metadata "
-                                  "gemma3.attention.sliding_window", param="model")
-    layers = int(gguf.get("gemma3.block_count"))
-    pattern = gguf.get("gemma3.attention.sliding_window_pattern", 6)
+                                  f"{arch}.attention.sliding_window", param="model")
+    layers = int(gguf.get(f"{arch}.block_count"))
+    pattern = gguf.get(f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
     if isinstance(pattern, list):
         sliding = tuple(int(bool(flag)) for flag in pattern)
     else:
         sliding = tuple(int((i + 1) % int(pattern) != 0) for i in range(layers))
     if len(sliding) != layers:
-        raise InvalidRequestError(f"{gguf.path.name}: gemma3.attention.sliding_window_pattern "
+        raise InvalidRequestError(f"{gguf.path.name}: {arch}.attention.sliding_window_pattern "
                                   f"has {len(sliding)} flags for {layers} layers", param="model")
-    scalar = head_dim if layers != 62 else (int(gguf.get("gemma3.embedding_length"))
-                                            // int(gguf.get("gemma3.attention.head_count")))
-    return GemmaConfig(sliding_window=int(window), sliding_layers=sliding,
-                       local_rope=RopeConfig(float(gguf.get("gemma3.rope.freq_base_swa",
-                                                            10000.0))),
-                       query_pre_attn_scalar=float(scalar))
+    big = layers == (46 if arch == "gemma2" else 62)
+    scalar = head_dim if not big else (int(gguf.get(f"{arch}.embedding_length"))
+                                       // int(gguf.get(f"{arch}.attention.head_count")))
+    local = rope if arch == "gemma2" else RopeConfig(
+        float(gguf.get(f"{arch}.rope.freq_base_swa", 10000.0)))
+    caps = [gguf.get(f"{arch}.{k}_logit_softcapping") for k in ("attn", "final")]
+    return GemmaConfig(sliding_window=int(window), sliding_layers=sliding, local_rope=local,
+                       query_pre_attn_scalar=float(scalar),
+                       attn_softcap=None if caps[0] is None else float(caps[0]),
+                       final_softcap=None if caps[1] is None else float(caps[1]))
 
 
 def moe_from_gguf(gguf: GGUFFile, arch: str) -> MoEConfig:
