@@ -75,6 +75,42 @@ def test_decode_attention_equals_gather_and_sdpa(ops: NativeOps, heads: int, kv_
     assert not torch.equal(got[0], got[1])  # rows really differ: each read its own blocks
 
 
+@pytest.mark.parametrize("window", [1, 6, 13])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 2, 24), (4, 1, 128)])
+def test_decode_attention_in_a_sliding_window(ops: NativeOps, heads: int, kv_heads: int,
+                                              head_dim: int, window: int) -> None:
+    """A sliding-window layer's decodes (Gemma's): the native kernel reads each row's last
+    `window` context rows alone, from wherever in a block the window starts, and equals
+    the masked SDPA path; contexts shorter than the window see all of theirs."""
+    torch.manual_seed(window * head_dim)
+    bs, num_blocks = 4, 64
+    cache = KVCache(torch.randn(num_blocks, bs, kv_heads, head_dim),
+                    torch.randn(num_blocks, bs, kv_heads, head_dim))
+    lens = [0, 5, 16, 9, 30, 2, 21, 13]
+    order = torch.randperm(num_blocks).tolist()
+    tables, used = [], 0
+    for n in lens:
+        need = (n + 1 + bs - 1) // bs
+        tables.append(order[used:used + need])
+        used += need
+    layout = StepLayout(bs, heads // kv_heads, CPU, torch.float32)
+    group = build_group(0, [1] * len(lens), lens, tables, layout)
+    slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, lens, strict=True)])
+    q = torch.randn(len(lens), heads, head_dim)
+    k, v = torch.randn(len(lens), kv_heads, head_dim), torch.randn(len(lens), kv_heads, head_dim)
+    expected = paged_attention(q, k, v, cache, AttentionMetadata(slots, [group], layout=layout),
+                               window=window)
+    native = AttentionMetadata(slots, [group], ops.paged_decode_attention, layout=layout)
+    got = paged_attention(q, k, v, cache, native, window=window)
+    assert native.masked(window)[0] is group  # the decodes stayed on the native kernel
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    whole = paged_attention(q, k, v, cache, AttentionMetadata(slots, [group], layout=layout))
+    short = [i for i, n in enumerate(lens) if n + 1 <= window]
+    longer = [i for i, n in enumerate(lens) if n + 1 > window]
+    torch.testing.assert_close(got[short], whole[short], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got[longer], whole[longer], atol=1e-3)
+
+
 # 64-row units (kPrefillTile): chunks of 1-150 rows, starting at position 0 (a fresh
 # prompt) or after context already in the pool (a prefix hit, a later chunk)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

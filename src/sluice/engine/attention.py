@@ -33,7 +33,8 @@ Gemma's layers differ per layer, not per step: a sliding-window layer sees only 
 `window` tokens of each context, and Gemma 2 caps its scores with a tanh. Such a layer
 takes `AttentionMetadata.masked`, the step's groups with their masks spelled out (built
 once a step for all such layers): the padded SDPA path, or the scores computed out where
-they are capped (`_sdpa`). A group whose contexts all fit in the window is unchanged.
+they are capped (`_sdpa`). A group whose contexts all fit in the window is unchanged, and
+so are decodes on the native kernel, which reads each row's last `window` rows alone.
 """
 
 from __future__ import annotations
@@ -138,10 +139,15 @@ class AttentionMetadata:
         groups = self._masked.get((window, every))
         if groups is None:
             assert self.layout is not None, "metadata built without its layout"
-            groups = [g if not every and (window is None or g.longest_context <= window)
+            groups = [g if not every and (window is None or g.longest_context <= window
+                                          or self._native_decodes(g))
                       else _window_group(g, window, self.layout) for g in self.groups]
             self._masked[(window, every)] = groups
         return groups
+
+    def _native_decodes(self, g: AttentionGroup) -> bool:
+        """Decodes the native kernel takes (it reads a sliding window's rows alone)."""
+        return self.decode_kernel is not None and g.q_len == 1 and g.context_lens is not None
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache,
@@ -159,15 +165,17 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache,
     groups = (meta.groups if window is None and softcap is None
               else meta.masked(window, every=softcap is not None))
     if len(groups) == 1:
-        return _group_attention(q, k, v, cache, groups[0], meta, softcap)
+        return _group_attention(q, k, v, cache, groups[0], meta, window, softcap)
     out = q.new_empty(t, heads * d)
     for group in groups:  # at most two: decode, prefill
-        out[group.start:group.end] = _group_attention(q, k, v, cache, group, meta, softcap)
+        out[group.start:group.end] = _group_attention(q, k, v, cache, group, meta, window,
+                                                      softcap)
     return out
 
 
 def _group_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, g: AttentionGroup,
-                     meta: AttentionMetadata, softcap: float | None = None) -> Tensor:
+                     meta: AttentionMetadata, window: int | None = None,
+                     softcap: float | None = None) -> Tensor:
     _, heads, d = q.shape
     kv_heads = k.shape[1]
     gqa = heads // kv_heads
@@ -182,7 +190,7 @@ def _group_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, g: Attenti
         return _causal_attention(q, k[g.start:g.end], v[g.start:g.end], g.mask, softcap)
     if g.q_len == 1 and decode_kernel is not None and g.context_lens is not None:
         o = decode_kernel(q.contiguous(), cache.k, cache.v, g.block_tables, g.context_lens,
-                          d ** -0.5)
+                          d ** -0.5, window or 0)
         return o.view(g.batch, heads * d)
     keys, values = cache.gather(g.block_tables)
     if g.q_len == 1:  # decodes: torch's GQA path is quicker than folding for one query

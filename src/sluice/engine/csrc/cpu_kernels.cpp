@@ -10,7 +10,8 @@
 //   p = softmax(s) per g;   out[g] = sum_t p[g][t] * V[slot]
 //
 // q [B, H, D]; k_pool, v_pool [num_blocks, block_size, KVH, D]; block_tables [B, n] int64;
-// context_lens [B] int64 (tokens to attend to, including the query's own). -> [B, H, D]
+// context_lens [B] int64 (tokens to attend to, including the query's own); window: a
+// sliding window's length (the last `window` of them only; 0: all). -> [B, H, D]
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -97,17 +98,19 @@ static inline vf4_t sum4(vf8_t a0, vf8_t a1, vf8_t a2, vf8_t a3) {
   return __builtin_shufflevector(u0, u1, 0, 1, 4, 5) + __builtin_shufflevector(u0, u1, 2, 3, 6, 7);
 }
 
-// Where a unit's `len` context rows of KV head h start in the pool (in elements): row t
-// lies in block row_table[t / bs] at row t % bs, rows of one block `kv_heads * D` apart;
-// the walk goes block by block (no division per row).
-static void row_offsets(const int64_t* row_table, int64_t len, int64_t bs, int64_t kv_heads,
-                        int64_t h, int64_t D, std::vector<int64_t>& rows) {
+// Where a unit's `len` context rows of KV head h, from position `first` on, start in the
+// pool (in elements): position t lies in block row_table[t / bs] at row t % bs, rows of
+// one block `kv_heads * D` apart; the walk goes block by block (no division per row).
+// `first` > 0: a sliding window's rows, the older ones skipped.
+static void row_offsets(const int64_t* row_table, int64_t first, int64_t len, int64_t bs,
+                        int64_t kv_heads, int64_t h, int64_t D, std::vector<int64_t>& rows) {
   rows.resize(len);
   const int64_t stride = kv_heads * D;
-  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += bs, ++blk) {
-    int64_t off = (row_table[blk] * bs * kv_heads + h) * D;
-    const int64_t n = std::min(bs, len - t0);
-    for (int64_t i = 0; i < n; ++i, off += stride) rows[t0 + i] = off;
+  for (int64_t i = 0, blk = first / bs, r = first % bs; i < len; ++blk, r = 0) {
+    int64_t off = ((row_table[blk] * bs + r) * kv_heads + h) * D;
+    const int64_t n = std::min(bs - r, len - i);
+    for (int64_t j = 0; j < n; ++j, off += stride) rows[i + j] = off;
+    i += n;
   }
 }
 
@@ -143,18 +146,19 @@ struct UnitStart {
 };
 
 template <typename T, typename Q>
-static UnitStart start_unit(const Q* q, const T* k_pool, const int64_t* row_table, int64_t len,
-                            int64_t bs, int64_t kv_heads, int64_t h, int64_t G, int64_t D,
-                            float scale, std::vector<float>& scores, std::vector<float>& acc,
-                            int64_t pf) {
+static UnitStart start_unit(const Q* q, const T* k_pool, const int64_t* row_table, int64_t first,
+                            int64_t len, int64_t bs, int64_t kv_heads, int64_t h, int64_t G,
+                            int64_t D, float scale, std::vector<float>& scores,
+                            std::vector<float>& acc, int64_t pf) {
   thread_local std::vector<int64_t> rows;
-  row_offsets(row_table, len, bs, kv_heads, h, D, rows);
+  row_offsets(row_table, first, len, bs, kv_heads, h, D, rows);
   const float* qf = scaled_queries(q, G, D, len, scale, scores, acc);
   prefetch_rows(k_pool, rows.data(), 0, std::min(kRowsAhead, len), pf);
   return {qf, rows.data()};
 }
 
-// One (sequence, KV head): G query heads against `len` context rows, accumulated in
+// One (sequence, KV head): G query heads against `len` context rows from position
+// `first` on (0 but in a sliding window), accumulated in
 // float whatever the storage type T (float or bfloat16); queries and output in Q (T, or
 // float for the decode graph). NV = D / 16 (64: 4, 128: 8), fixed at compile time.
 // Vectors are 8 floats (one ymm), so AVX2 and AVX-512 builds run the same code:
@@ -166,15 +170,16 @@ static UnitStart start_unit(const Q* q, const T* k_pool, const int64_t* row_tabl
 //   other heads find the rows in L2).
 template <int NV, typename T, typename Q = T>
 static void attend_one(const Q* q, const T* k_pool, const T* v_pool, const int64_t* row_table,
-                       int64_t len, int64_t bs, int64_t kv_heads, int64_t h, int64_t G,
+                       int64_t first, int64_t len, int64_t bs, int64_t kv_heads, int64_t h,
+                       int64_t G,
                        float scale, Q* out, std::vector<float>& scores,
                        std::vector<float>& acc, int64_t pf) {
   constexpr int NV8 = 2 * NV;
   constexpr int64_t D = NV8 * 8;
   constexpr int CH = NV8 < 8 ? NV8 : 8;  // vectors of the output held in registers
   static_assert(NV8 % CH == 0, "head size");
-  const auto [qf, rows] = start_unit(q, k_pool, row_table, len, bs, kv_heads, h, G, D, scale,
-                                    scores, acc, pf);
+  const auto [qf, rows] = start_unit(q, k_pool, row_table, first, len, bs, kv_heads, h, G, D,
+                                    scale, scores, acc, pf);
   int64_t t = 0;
   for (; t + 4 <= len; t += 4) {
     prefetch_rows(k_pool, rows, t + kRowsAhead, std::min(t + kRowsAhead + 4, len), pf);
@@ -258,13 +263,14 @@ static inline vf8_t fold16(vf16_t a) {  // the two halves added: 8 lanes, the sa
 // (attend_one reads every V row once per head).
 template <int NV16, int GT, typename T, typename Q>
 static void attend_one16(const Q* q, const T* k_pool, const T* v_pool, const int64_t* row_table,
-                         int64_t len, int64_t bs, int64_t kv_heads, int64_t h, float scale,
+                         int64_t first, int64_t len, int64_t bs, int64_t kv_heads, int64_t h,
+                         float scale,
                          Q* out, std::vector<float>& scores, std::vector<float>& acc,
                          int64_t pf) {
   constexpr int64_t D = NV16 * 16;
   static_assert(GT * NV16 <= 16, "registers");
-  const auto [qf, rows] = start_unit(q, k_pool, row_table, len, bs, kv_heads, h, GT, D, scale,
-                                    scores, acc, pf);
+  const auto [qf, rows] = start_unit(q, k_pool, row_table, first, len, bs, kv_heads, h, GT, D,
+                                    scale, scores, acc, pf);
   int64_t t = 0;
   for (; t + 4 <= len; t += 4) {
     prefetch_rows(k_pool, rows, t + kRowsAhead, std::min(t + kRowsAhead + 4, len), pf);
@@ -325,13 +331,14 @@ static void attend_one16(const Q* q, const T* k_pool, const T* v_pool, const int
 // attend_one16 where it takes this head shape; false where it does not.
 template <typename T, typename Q>
 static bool attend_one16_for(int64_t D, int64_t G, const Q* q, const T* k_pool,
-                             const T* v_pool, const int64_t* row_table, int64_t len, int64_t bs,
-                             int64_t kv_heads, int64_t h, float scale, Q* out,
+                             const T* v_pool, const int64_t* row_table, int64_t first,
+                             int64_t len, int64_t bs, int64_t kv_heads, int64_t h, float scale,
+                             Q* out,
                              std::vector<float>& scores, std::vector<float>& acc, int64_t pf) {
 #define SLUICE_ATTEND16(NV, GG)                                                              \
   if (D == 16 * NV && G == GG) {                                                             \
-    attend_one16<NV, GG, T, Q>(q, k_pool, v_pool, row_table, len, bs, kv_heads, h, scale, out, \
-                               scores, acc, pf);                                             \
+    attend_one16<NV, GG, T, Q>(q, k_pool, v_pool, row_table, first, len, bs, kv_heads, h,    \
+                               scale, out, scores, acc, pf);                                 \
     return true;                                                                             \
   }
   SLUICE_ATTEND16(4, 1) SLUICE_ATTEND16(4, 2) SLUICE_ATTEND16(4, 3) SLUICE_ATTEND16(4, 4)
@@ -344,11 +351,11 @@ static bool attend_one16_for(int64_t D, int64_t G, const Q* q, const T* k_pool,
 // Any head size: the same walk with scalar loops.
 template <typename T, typename Q = T>
 static void attend_one_any(const Q* q, const T* k_pool, const T* v_pool,
-                           const int64_t* row_table, int64_t len, int64_t bs, int64_t kv_heads,
-                           int64_t h, int64_t G, int64_t D, float scale, Q* out,
+                           const int64_t* row_table, int64_t first, int64_t len, int64_t bs,
+                           int64_t kv_heads, int64_t h, int64_t G, int64_t D, float scale, Q* out,
                            std::vector<float>& scores, std::vector<float>& acc) {
   thread_local std::vector<int64_t> rows;
-  row_offsets(row_table, len, bs, kv_heads, h, D, rows);
+  row_offsets(row_table, first, len, bs, kv_heads, h, D, rows);
   const float* qf = scaled_queries(q, G, D, len, scale, scores, acc);
   for (int64_t t = 0; t < len; ++t) {
     const T* k = k_pool + rows[t];
@@ -379,12 +386,13 @@ static void attend_one_any(const Q* q, const T* k_pool, const T* v_pool,
 // (row, head), a unit reads D of every KVH * D values of a block, a walk the hardware
 // prefetchers follow badly: a bfloat16 decode step of 64 rows at 300 context rows took
 // 74 -> 66 ms with whole rows, 32 rows 45 -> 40 ms (the decode graph, 2-core Sapphire
-// Rapids; float32, 64 rows: 131 -> 128 ms).
+// Rapids; float32, 64 rows: 131 -> 128 ms). `window` > 0: each row attends to its last
+// `window` context rows only (a sliding-window layer).
 template <typename T, typename Q>
 static void attend_rows(const Q* q, int64_t q_stride, Q* out, int64_t out_stride,
                         const T* kp, const T* vp, const int64_t* table, int64_t n_blocks,
                         const int64_t* lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                        int64_t bs, float scale) {
+                        int64_t bs, float scale, int64_t window = 0) {
   const int64_t G = H / KVH;
   const int threads = at::get_num_threads();
   const int64_t heads = B >= kRowsPerThreadForWholeRows * threads ? KVH : 1;  // KV heads a unit
@@ -399,19 +407,21 @@ static void attend_rows(const Q* q, int64_t q_stride, Q* out, int64_t out_stride
         Q* ob = out + b * out_stride + h * G * D;
         const int64_t* row_table = table + b * n_blocks;
         const int64_t pf = (h == 0 && heads > 1 ? KVH : 1) * D;  // values prefetched a row
+        const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+        const int64_t len = lens[b] - first;
 #if defined(__AVX512F__)
-        if (attend_one16_for<T, Q>(D, G, qb, kp, vp, row_table, lens[b], bs, KVH, h, scale, ob,
-                                   scores, acc, pf))
+        if (attend_one16_for<T, Q>(D, G, qb, kp, vp, row_table, first, len, bs, KVH, h, scale,
+                                   ob, scores, acc, pf))
           continue;
 #endif
         if (D == 64) {
-          attend_one<4, T, Q>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, scale, ob, scores,
-                              acc, pf);
+          attend_one<4, T, Q>(qb, kp, vp, row_table, first, len, bs, KVH, h, G, scale, ob,
+                              scores, acc, pf);
         } else if (D == 128) {
-          attend_one<8, T, Q>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, scale, ob, scores,
-                              acc, pf);
+          attend_one<8, T, Q>(qb, kp, vp, row_table, first, len, bs, KVH, h, G, scale, ob,
+                              scores, acc, pf);
         } else {
-          attend_one_any<T, Q>(qb, kp, vp, row_table, lens[b], bs, KVH, h, G, D, scale, ob,
+          attend_one_any<T, Q>(qb, kp, vp, row_table, first, len, bs, KVH, h, G, D, scale, ob,
                                scores, acc);
         }
       }
@@ -422,13 +432,13 @@ static void attend_rows(const Q* q, int64_t q_stride, Q* out, int64_t out_stride
 template <typename T>
 static void decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
                              const torch::Tensor& v_pool, const torch::Tensor& block_tables,
-                             const torch::Tensor& context_lens, float scale,
+                             const torch::Tensor& context_lens, float scale, int64_t window,
                              torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   attend_rows<T, T>(q.data_ptr<T>(), H * D, out.data_ptr<T>(), H * D, k_pool.data_ptr<T>(),
                     v_pool.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
                     block_tables.size(1), context_lens.data_ptr<int64_t>(), B, H,
-                    k_pool.size(2), D, k_pool.size(1), scale);
+                    k_pool.size(2), D, k_pool.size(1), scale, window);
 }
 
 static bool supported(const torch::Tensor& t) {
@@ -437,7 +447,7 @@ static bool supported(const torch::Tensor& t) {
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool,
                                      torch::Tensor v_pool, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale) {
+                                     torch::Tensor context_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(),
               "paged_decode_attention: q [B, H, D], pools [blocks, block_size, KVH, D]");
   TORCH_CHECK(supported(q) && k_pool.scalar_type() == q.scalar_type() &&
@@ -451,9 +461,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool,
   auto out = torch::empty_like(q);
   const float fscale = static_cast<float>(scale);
   if (q.scalar_type() == torch::kFloat) {
-    decode_attention<float>(q, k_pool, v_pool, block_tables, context_lens, fscale, out);
+    decode_attention<float>(q, k_pool, v_pool, block_tables, context_lens, fscale, window, out);
   } else {
-    decode_attention<c10::BFloat16>(q, k_pool, v_pool, block_tables, context_lens, fscale, out);
+    decode_attention<c10::BFloat16>(q, k_pool, v_pool, block_tables, context_lens, fscale,
+                                    window, out);
   }
   return out;
 }
@@ -551,7 +562,7 @@ static void prefill_unit(const T* q, T* out, const T* kp, const T* vp, const int
   float* o = qf + Mp * D;
   float* s = o + Mp * D;
   float* row = s + Mp * Lp;
-  row_offsets(row_table, len, bs, KVH, h, D, offs);
+  row_offsets(row_table, 0, len, bs, KVH, h, D, offs);
   for (int64_t t = 0; t < len; ++t) {
     row_to_float(kp + offs[t], row, D);
     for (int64_t d = 0; d < D; ++d) kt[d * Lp + t] = row[d];
@@ -2880,7 +2891,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "logits[r, t] = fill where bit t of bitmask[r] is 0, rows given (float32, CPU)");
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over the paged KV pool (float32 or bfloat16, CPU)");
+        "decode attention over the paged KV pool, in a sliding window if > 0 (float32 or "
+        "bfloat16, CPU)",
+        py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0);
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal prefill attention of chunks over the paged KV pool (float32 or bfloat16, CPU)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
