@@ -113,14 +113,17 @@ def test_decode_attention_in_a_sliding_window(ops: NativeOps, heads: int, kv_hea
 
 # 64-row units (kPrefillTile): chunks of 1-150 rows, starting at position 0 (a fresh
 # prompt) or after context already in the pool (a prefix hit, a later chunk)
+@pytest.mark.parametrize("window", [None, 37])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 128), (4, 1, 16),
                                                      (6, 2, 48)])
 def test_prefill_attention_equals_padded_sdpa(ops: NativeOps, heads: int, kv_heads: int,
-                                              head_dim: int, dtype: torch.dtype) -> None:
+                                              head_dim: int, dtype: torch.dtype,
+                                              window: int | None) -> None:
     """Prefill chunks through `paged_prefill_attention` equal the masked SDPA over the
     padded batch (the path without the kernel): causal within a chunk, each chunk reading
-    only its own blocks, scattered through the pool."""
+    only its own blocks, scattered through the pool; in a sliding window (Gemma's local
+    layers), each row's keys before its window given no weight."""
     assert ops.paged_prefill_attention is not None
     torch.manual_seed(heads * head_dim)
     bs, num_blocks = 16, 120
@@ -143,11 +146,13 @@ def test_prefill_attention_equals_padded_sdpa(ops: NativeOps, heads: int, kv_hea
     plain = StepLayout(bs, heads // kv_heads, CPU, dtype)
     native = StepLayout(bs, heads // kv_heads, CPU, dtype, native_prefill=True)
     expected = paged_attention(q, k, v, cache, AttentionMetadata(
-        slots, [build_group(0, q_lens, starts, tables, plain)]))
+        slots, [build_group(0, q_lens, starts, tables, plain)], layout=plain), window)
     group = build_group(0, q_lens, starts, tables, native)
     assert group.mask is None and group.q_starts is not None
-    got = paged_attention(q, k, v, cache, AttentionMetadata(
-        slots, [group], prefill_kernel=ops.paged_prefill_attention))
+    meta = AttentionMetadata(slots, [group], prefill_kernel=ops.paged_prefill_attention,
+                             layout=native)
+    got = paged_attention(q, k, v, cache, meta, window)
+    assert window is None or meta.masked(window)[0] is group  # on the native kernel
     assert got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
@@ -156,8 +161,14 @@ def test_prefill_attention_equals_padded_sdpa(ops: NativeOps, heads: int, kv_hea
     k2 = k.clone()
     k2[1:139] = torch.randn(138, kv_heads, head_dim, dtype=dtype)
     again = paged_attention(q, k2, v, cache, AttentionMetadata(
-        slots, [group], prefill_kernel=ops.paged_prefill_attention))
+        slots, [group], prefill_kernel=ops.paged_prefill_attention, layout=native), window)
     assert torch.equal(again[0], got[0]) and not torch.equal(again[1], got[1])
+    if window is not None:  # the window hides what the whole context would show
+        whole = paged_attention(q, k, v, cache, AttentionMetadata(
+            slots, [group], prefill_kernel=ops.paged_prefill_attention, layout=native))
+        torch.testing.assert_close(got[:window].float(), whole[:window].float())
+        assert not torch.allclose(got[window:139].float(), whole[window:139].float(),
+                                  atol=1e-2)
 
 
 def test_prefill_attention_refuses_bad_inputs(ops: NativeOps) -> None:

@@ -34,7 +34,8 @@ Gemma's layers differ per layer, not per step: a sliding-window layer sees only 
 takes `AttentionMetadata.masked`, the step's groups with their masks spelled out (built
 once a step for all such layers): the padded SDPA path, or the scores computed out where
 they are capped (`_sdpa`). A group whose contexts all fit in the window is unchanged, and
-so are decodes on the native kernel, which reads each row's last `window` rows alone.
+so are the native kernels' groups: the decode kernel reads each row's last `window` rows
+alone, the prefill kernel gives the older keys no weight.
 """
 
 from __future__ import annotations
@@ -140,13 +141,15 @@ class AttentionMetadata:
         if groups is None:
             assert self.layout is not None, "metadata built without its layout"
             groups = [g if not every and (window is None or g.longest_context <= window
-                                          or self._native_decodes(g))
+                                          or self._native(g))
                       else _window_group(g, window, self.layout) for g in self.groups]
             self._masked[(window, every)] = groups
         return groups
 
-    def _native_decodes(self, g: AttentionGroup) -> bool:
-        """Decodes the native kernel takes (it reads a sliding window's rows alone)."""
+    def _native(self, g: AttentionGroup) -> bool:
+        """A group the native kernels take (they apply a sliding window themselves)."""
+        if g.q_starts is not None:
+            return True
         return self.decode_kernel is not None and g.q_len == 1 and g.context_lens is not None
 
 
@@ -184,7 +187,7 @@ def _group_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, g: Attenti
     if g.q_starts is not None:  # built for the native kernel (StepLayout.native_prefill)
         assert meta.prefill_kernel is not None and g.context_lens is not None
         o = meta.prefill_kernel(q.contiguous(), cache.k, cache.v, g.block_tables, g.q_starts,
-                                g.context_lens, d ** -0.5)
+                                g.context_lens, d ** -0.5, window or 0)
         return o.view(g.end - g.start, heads * d)
     if g.fresh:
         return _causal_attention(q, k[g.start:g.end], v[g.start:g.end], g.mask, softcap)
@@ -229,12 +232,15 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               enable_gqa=q.shape[1] != k.shape[1])
     assert mask is not None, "soft-capped attention takes its mask spelled out"
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    b, heads, rows, d = q.shape
+    groups = heads // k.shape[1]
+    if groups > 1:  # the query heads sharing a KV head as more rows of it (no K/V copies)
+        q = q.reshape(b, k.shape[1], groups * rows, d)
+        mask = mask.repeat(groups, 1) if mask.dim() == 2 else mask.repeat(1, 1, groups, 1)
+    scores = (q @ k.transpose(-1, -2)) * d ** -0.5
     scores = torch.tanh(scores / softcap) * softcap + mask
-    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+    out = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+    return out.reshape(b, heads, rows, d)
 
 
 def build_group(start: int, q_lens: list[int], start_positions: list[int],

@@ -84,7 +84,9 @@ DecodeKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float, int], Te
 # q [T, H, D] (chunks' rows back to back), k_pool, v_pool, block_tables [B, n],
 # q_starts [B + 1], context_lens [B], scale -> [T, H, D]: causal, each chunk's rows
 # against its sequence's context in the pool (its own K/V written there first)
-PrefillKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
+# (q, k_pool, v_pool, block_tables, q_starts, context_lens, scale, window: 0 or a sliding
+# window's)
+PrefillKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float, int], Tensor]
 # x, residual [T, hidden], weight [hidden], eps: residual += x; x = norm(residual) * w
 AddNormKernel = Callable[[Tensor, Tensor, Tensor, float], None]
 # [T, 2I] = gate | up -> silu(gate) * up [T, I]

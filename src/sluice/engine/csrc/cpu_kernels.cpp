@@ -483,7 +483,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool,
 // q [T, H, D] (the chunks' rows back to back); pools [blocks, block_size, KVH, D];
 // block_tables [B, n] int64; q_starts [B + 1] int64 (chunk b is rows q_starts[b] ..
 // q_starts[b + 1]); context_lens [B] int64 (the tokens chunk b's last row sees, its own
-// included). -> [T, H, D]
+// included); window: a sliding window's length (each row sees its last `window` keys
+// only, the older ones' scores set to -inf before the softmax; 0: all). -> [T, H, D]
 //
 // Vectors of 16 floats on AVX-512, 8 on AVX2 (GCC's generic 64-byte vectors on AVX2 went
 // through memory: 30x slower). Scores: 4 rows x 2 vectors of keys in 8 accumulators;
@@ -548,7 +549,7 @@ template <typename T>
 static void prefill_unit(const T* q, T* out, const T* kp, const T* vp, const int64_t* row_table,
                          int64_t bs, int64_t KVH, int64_t H, int64_t D, int64_t h,
                          int64_t first_row, int64_t rows, int64_t first_pos, float scale,
-                         std::vector<float>& buf, std::vector<int64_t>& offs) {
+                         int64_t window, std::vector<float>& buf, std::vector<int64_t>& offs) {
   const int64_t G = H / KVH;
   const int64_t len = first_pos + rows;  // keys the unit's last row sees
   constexpr int64_t step = kLanes * kScoreVecs;
@@ -586,6 +587,8 @@ static void prefill_unit(const T* q, T* out, const T* kp, const T* vp, const int
   }
   for (int64_t m = 0; m < M; ++m) {  // softmax over the row's own keys; zeros past them
     const int64_t n = first_pos + m / G + 1;
+    if (window > 0 && n > window)  // keys before the row's window: no weight
+      std::fill(s + m * Lp, s + m * Lp + (n - window), -INFINITY);
     softmax_rows(s + m * Lp, 1, n);
     std::fill(s + m * Lp + n, s + (m + 1) * Lp, 0.f);
   }
@@ -610,7 +613,7 @@ template <typename T>
 static void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
                               const torch::Tensor& v_pool, const torch::Tensor& block_tables,
                               const torch::Tensor& q_starts, const torch::Tensor& context_lens,
-                              float scale, torch::Tensor& out) {
+                              float scale, int64_t window, torch::Tensor& out) {
   const int64_t B = block_tables.size(0), n_blocks = block_tables.size(1);
   const int64_t H = q.size(1), D = q.size(2), KVH = k_pool.size(2), bs = k_pool.size(1);
   const int64_t* qs = q_starts.data_ptr<int64_t>();
@@ -646,7 +649,7 @@ static void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_poo
       const int64_t n = qs[u.b + 1] - qs[u.b];
       const int64_t rows = std::min(tile, n - u.j0);
       prefill_unit<T>(qp, op, kp, vp, table + u.b * n_blocks, bs, KVH, H, D, u.h,
-                      qs[u.b] + u.j0, rows, lens[u.b] - n + u.j0, scale, buf, offs);
+                      qs[u.b] + u.j0, rows, lens[u.b] - n + u.j0, scale, window, buf, offs);
     }
   }
 }
@@ -654,7 +657,7 @@ static void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_poo
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_pool,
                                       torch::Tensor v_pool, torch::Tensor block_tables,
                                       torch::Tensor q_starts, torch::Tensor context_lens,
-                                      double scale) {
+                                      double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(),
               "paged_prefill_attention: q [T, H, D], pools [blocks, block_size, KVH, D]");
   TORCH_CHECK(supported(q) && k_pool.scalar_type() == q.scalar_type() &&
@@ -683,10 +686,11 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_pool,
   auto out = torch::empty_like(q);
   const float fscale = static_cast<float>(scale);
   if (q.scalar_type() == torch::kFloat) {
-    prefill_attention<float>(q, k_pool, v_pool, block_tables, q_starts, context_lens, fscale, out);
+    prefill_attention<float>(q, k_pool, v_pool, block_tables, q_starts, context_lens, fscale,
+                             window, out);
   } else {
     prefill_attention<c10::BFloat16>(q, k_pool, v_pool, block_tables, q_starts, context_lens,
-                                     fscale, out);
+                                     fscale, window, out);
   }
   return out;
 }
@@ -2896,7 +2900,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0);
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "causal prefill attention of chunks over the paged KV pool (float32 or bfloat16, CPU)");
+        "causal prefill attention of chunks over the paged KV pool, in a sliding window if > 0 "
+        "(float32 or bfloat16, CPU)",
+        py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("block_tables"),
+        py::arg("q_starts"), py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0);
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "residual += x; x = rms_norm(residual) * weight, in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] (CPU)");
