@@ -52,6 +52,19 @@ def decode_logits(runner: ModelRunner, ids: list[int], steps: int) -> tuple[list
     return seq[len(ids):], torch.stack(logits)
 
 
+def gguf_and_checkpoint_logits(path: Path, hf_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GGUF file's logits for PROMPT and 3 greedy decode steps (the checkpoint's
+    tokenizer), and transformers' on the checkpoint for the same tokens."""
+    runner = ModelRunner(EngineConfig.from_options(str(path), tokenizer=str(hf_dir),
+                                                   num_kv_blocks=64, block_size=4,
+                                                   dtype="float32"))
+    ids = runner.tokenizer.encode(PROMPT)
+    tokens, got = decode_logits(runner, ids, 3)
+    with torch.no_grad():
+        want = hf_model(hf_dir)(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:]
+    return got, want
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "smollm3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_graph_runs_the_architecture(request: pytest.FixtureRequest, arch: str,
@@ -164,13 +177,16 @@ def test_smollm3_nope_layers_from_either_config_field() -> None:
     assert err.value.param == "model" and "2 entries for 8 layers" in str(err.value)
 
 
-def test_granite_lora_adapter_equals_the_merged_model(tiny_granite_dir: Path,
-                                                      tmp_path: Path) -> None:
-    """Granite's multipliers are folded into q_proj, o_proj and down_proj: an adapter on
-    those modules is scaled the same way, so it gives what peft's merged model gives."""
-    adapter = make_adapter(tiny_granite_dir, tmp_path / "adapter", r=4, alpha=8, seed=3,
+@pytest.mark.parametrize("arch", ["granite", "gemma2"])
+def test_lora_adapter_on_folded_weights_equals_the_merged_model(
+        request: pytest.FixtureRequest, tmp_path: Path, arch: str) -> None:
+    """Granite's multipliers are folded into q_proj, o_proj and down_proj, Gemma 2's score
+    scale into q_proj: an adapter on those modules is scaled the same way, so it gives
+    what peft's merged model gives."""
+    hf_dir: Path = request.getfixturevalue(f"tiny_{arch}_dir")
+    adapter = make_adapter(hf_dir, tmp_path / "adapter", r=4, alpha=8, seed=3,
                            targets=("q_proj", "o_proj", "down_proj", "gate_proj"))
-    merged = merge_adapter(tiny_granite_dir, adapter, tmp_path / "merged")
+    merged = merge_adapter(hf_dir, adapter, tmp_path / "merged")
     options = dict(dtype="float32", num_kv_blocks=64, block_size=8)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
     prompts = [[311, 4242, 977, 12345, 555, 18], [900, 901, 902]]
@@ -180,7 +196,7 @@ def test_granite_lora_adapter_equals_the_merged_model(tiny_granite_dir: Path,
         return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob or 0.0) for o in outs]
 
     want = run(LLM(str(merged), **options))
-    llm = LLM(str(tiny_granite_dir), enable_lora=True, max_lora_rank=8, **options)
+    llm = LLM(str(hf_dir), enable_lora=True, max_lora_rank=8, **options)
     got, base = run(llm, LoRARequest("a", str(adapter))), run(llm)
     assert [t for t, _ in got] == [t for t, _ in want]
     for (_, lp), (_, lp_want), (_, lp_base) in zip(got, want, base, strict=True):
@@ -450,14 +466,7 @@ def test_gemma_gguf_file_loads_as_the_checkpoint(tmp_path: Path,
     cfg, permuted = config_from_gguf(GGUFFile(path))
     want_cfg = config_from_hf(read_config(hf_dir))
     assert not permuted and cfg.gemma == want_cfg.gemma and cfg.tie_word_embeddings
-    runner = ModelRunner(EngineConfig.from_options(str(path), tokenizer=str(hf_dir),
-                                                   num_kv_blocks=64, block_size=4,
-                                                   dtype="float32"))
-    ids = runner.tokenizer.encode(PROMPT)
-    tokens, got = decode_logits(runner, ids, 3)
-    hf = hf_model(hf_dir)
-    with torch.no_grad():
-        want = hf(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:]
+    got, want = gguf_and_checkpoint_logits(path, hf_dir)
     if linears == "f32":
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     else:
@@ -475,14 +484,8 @@ def test_phi3_gguf_file_loads_as_the_checkpoint(tiny_phi3_dir: Path, tmp_path: P
 
     monkeypatch.setenv("SLUICE_WEIGHTS_CACHE", "off")
     path = write_gguf(tiny_phi3_dir, tmp_path / "tiny-phi3.gguf", "f32", arch="phi3")
-    runner = ModelRunner(EngineConfig.from_options(str(path), tokenizer=str(tiny_phi3_dir),
-                                                   num_kv_blocks=64, block_size=4,
-                                                   dtype="float32"))
-    assert runner.model_config.architecture == "Phi3ForCausalLM"
-    ids = runner.tokenizer.encode(PROMPT)
-    tokens, got = decode_logits(runner, ids, 3)
-    with torch.no_grad():
-        want = hf_model(tiny_phi3_dir)(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:]
+    assert config_from_gguf(GGUFFile(path))[0].architecture == "Phi3ForCausalLM"
+    got, want = gguf_and_checkpoint_logits(path, tiny_phi3_dir)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     windowed = write_gguf(tiny_phi3_dir, tmp_path / "window.gguf", "f32", arch="phi3",
                           metadata=lambda w: w.add_sliding_window(64))
@@ -516,13 +519,7 @@ def test_granite_gguf_file_loads_as_the_checkpoint(request: pytest.FixtureReques
     assert permuted and cfg.granite is not None and want_scales is not None
     assert dataclasses.astuple(cfg.granite) == pytest.approx(dataclasses.astuple(want_scales))
     assert (cfg.moe is not None) == (arch == "granitemoe")
-    runner = ModelRunner(EngineConfig.from_options(str(path), tokenizer=str(hf_dir),
-                                                   num_kv_blocks=64, block_size=4,
-                                                   dtype="float32"))
-    ids = runner.tokenizer.encode(PROMPT)
-    tokens, got = decode_logits(runner, ids, 3)
-    with torch.no_grad():
-        want = hf_model(hf_dir)(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:]
+    got, want = gguf_and_checkpoint_logits(path, hf_dir)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
@@ -539,13 +536,7 @@ def test_smollm3_gguf_file_loads_as_the_checkpoint(tmp_path: Path,
     path = write_gguf(hf_dir, tmp_path / "tiny-smollm3.gguf", "f32", arch="smollm3")
     cfg, permuted = config_from_gguf(GGUFFile(path))
     assert permuted and cfg.no_rope_layers == (1, 1, 1, 0)
-    runner = ModelRunner(EngineConfig.from_options(str(path), tokenizer=str(hf_dir),
-                                                   num_kv_blocks=64, block_size=4,
-                                                   dtype="float32"))
-    ids = runner.tokenizer.encode(PROMPT)
-    tokens, got = decode_logits(runner, ids, 3)
-    with torch.no_grad():
-        want = hf_model(hf_dir)(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:]
+    got, want = gguf_and_checkpoint_logits(path, hf_dir)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 

@@ -312,7 +312,8 @@ class ModelRunner:
     def load_lora(self, path: str, max_rank: int) -> LoRAAdapter:
         """Read and check a PEFT adapter for this model (raises InvalidRequestError)."""
         cfg = self.model_config
-        scales = cfg.granite.lora_output_scales(cfg.head_dim) if cfg.granite else None
+        scales = (cfg.granite.lora_output_scales(cfg.head_dim) if cfg.granite
+                  else cfg.gemma.lora_output_scales(cfg) if cfg.gemma else None)
         return load_adapter(path, self.lora_shapes, cfg.num_layers, max_rank, scales)
 
     def _max_model_len(self, mc: ModelConfig) -> int:

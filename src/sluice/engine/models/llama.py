@@ -157,6 +157,13 @@ class GemmaConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
 
+    def lora_output_scales(self, cfg: LlamaConfig) -> dict[str, float]:
+        """What a PEFT module's output is multiplied by in the folded model: Q's, where
+        the score scale went into Q's rows (Gemma 2; 1 but for 27B's 144 against 128)."""
+        if cfg.qk_norm:
+            return {}
+        return {"q_proj": math.sqrt(cfg.head_dim / self.query_pre_attn_scalar)}
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -183,14 +190,14 @@ class LlamaConfig:
     no_rope_layers: tuple[int, ...] = ()
     granite: GraniteScales | None = None  # Granite's multipliers (folded into weights)
     moe: MoEConfig | None = None  # experts in place of the MLP (Mixtral, Qwen3-MoE, ...)
-    gemma: GemmaConfig | None = None  # Gemma 3's norms, GELU, local layers
+    gemma: GemmaConfig | None = None  # Gemma's norms, GELU, local layers, soft caps
     tie_word_embeddings: bool = False
 
     def uses_rope(self, layer: int) -> bool:
         return not self.no_rope_layers or bool(self.no_rope_layers[layer])
 
     def window(self, layer: int) -> int | None:
-        """The sliding window `layer` attends through (Gemma 3's local layers), or None."""
+        """The sliding window `layer` attends through (Gemma's local layers), or None."""
         g = self.gemma
         return g.sliding_window if g is not None and g.sliding_layers[layer] else None
 
@@ -486,7 +493,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward: FeedForward | SparseMoE = (
             SparseMoE(cfg, cfg.moe) if cfg.moe is not None and cfg.is_sparse(layer)
             else FeedForward(cfg.hidden_size, cfg.intermediate_size, gelu=cfg.gemma is not None))
-        # Gemma 3's norms of each branch's output, before its residual add
+        # Gemma's norms of each branch's output, before its residual add
         self.post_attention_norm: RMSNorm | None = None
         self.post_ffn_norm: RMSNorm | None = None
         if cfg.gemma is not None:
@@ -524,7 +531,7 @@ class Transformer(nn.Module):
                        else SoftcappedHead(cfg.hidden_size, cfg.vocab_size, cap))
         self.rope_cos: Tensor | None = None
         self.rope_sin: Tensor | None = None
-        # Gemma 3's local layers' own tables (their RoPE base differs)
+        # Gemma's local layers' own tables (Gemma 3's RoPE base differs)
         self.local_rope: tuple[Tensor, Tensor] | None = None
 
     def init_rope(self, max_positions: int) -> None:
