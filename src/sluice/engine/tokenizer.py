@@ -365,8 +365,8 @@ def _sentencepiece_bpe(tokens: list[str], types: list[int], scores: list[float],
     user-defined tokens are matched whole in the raw text (control ones special), and the
     text between them is tokenized fragment by fragment, each with the space prefix, as
     llama.cpp does (SentencePiece itself prefixes only the whole text)."""
-    from tokenizers import AddedToken, decoders, models, normalizers, processors
     from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, normalizers
 
     if len(scores) != len(tokens):
         raise InvalidRequestError(f"tokenizer.ggml.scores has {len(scores)} entries for "
@@ -391,9 +391,20 @@ def _sentencepiece_bpe(tokens: list[str], types: list[int], scores: list[float],
     if add_space_prefix:
         steps.append(decoders.Strip(" ", 1, 0))
     backend.decoder = decoders.Sequence(steps)
+    _add_gguf_tokens(backend, tokens, types, prepend_bos)
+    return backend
+
+
+def _add_gguf_tokens(backend: Any, tokens: list[str], types: list[int],
+                     prepend_bos: int | None, control: Callable[[str], bool] = bool) -> None:
+    """A GGUF vocabulary's control tokens (those `control` accepts) as special tokens, its
+    user-defined ones as added tokens, both matched whole in the raw text; a BOS before
+    the text where the file asks for one."""
+    from tokenizers import AddedToken, processors
+
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
                                 for t, ty in zip(tokens, types, strict=False)
-                                if ty == _GGUF_CONTROL])
+                                if ty == _GGUF_CONTROL and control(t)])
     user = [AddedToken(t, normalized=False, special=False)
             for t, ty in zip(tokens, types, strict=False) if ty == _GGUF_USER_DEFINED]
     if user:
@@ -402,13 +413,12 @@ def _sentencepiece_bpe(tokens: list[str], types: list[int], scores: list[float],
         bos = tokens[prepend_bos]
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, prepend_bos)])
-    return backend
 
 
 def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str],
                     prepend_bos: int | None) -> Any:
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
     from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers
 
     alphabet = bytes_to_unicode()
     letters = set(alphabet.values())
@@ -418,16 +428,5 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str],
     backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
-    specials = [AddedToken(t, normalized=False, special=True)
-                for t, ty in zip(tokens, types, strict=False)
-                if ty == _GGUF_CONTROL and set(t) <= letters]
-    backend.add_special_tokens(specials)
-    user = [AddedToken(t, normalized=False, special=False)
-            for t, ty in zip(tokens, types, strict=False) if ty == _GGUF_USER_DEFINED]
-    if user:
-        backend.add_tokens(user)
-    if prepend_bos is not None:
-        bos = tokens[prepend_bos]
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, prepend_bos)])
+    _add_gguf_tokens(backend, tokens, types, prepend_bos, lambda t: set(t) <= letters)
     return backend
