@@ -4,12 +4,14 @@ shapes; the fused residual add + RMSNorm; SiLU-and-mul; the few-rows GEMV; oneDN
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from sluice.engine.attention import (
+    AttentionGroup,
     AttentionMetadata,
     KVCache,
     StepLayout,
@@ -43,6 +45,37 @@ def ops() -> NativeOps:
     return built
 
 
+@dataclass
+class DecodeStep:
+    """One decode step's inputs: a pool of random K/V, each row's blocks scattered
+    through it (in no order), the group, the new tokens' slots and their q, k, v."""
+
+    cache: KVCache
+    layout: StepLayout
+    group: AttentionGroup
+    slots: torch.Tensor
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def decode_step(lens: list[int], heads: int, kv_heads: int, head_dim: int,
+                num_blocks: int, bs: int = 4) -> DecodeStep:
+    """Rows with `lens` tokens before this step's one."""
+    cache = KVCache(torch.randn(num_blocks, bs, kv_heads, head_dim),
+                    torch.randn(num_blocks, bs, kv_heads, head_dim))
+    order = torch.randperm(num_blocks).tolist()
+    tables, used = [], 0
+    for n in lens:
+        need = (n + 1 + bs - 1) // bs
+        tables.append(order[used:used + need])
+        used += need
+    layout = StepLayout(bs, heads // kv_heads, CPU, torch.float32)
+    group = build_group(0, [1] * len(lens), lens, tables, layout)
+    slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, lens, strict=True)])
+    qkv = (torch.randn(len(lens), heads, head_dim), torch.randn(len(lens), kv_heads, head_dim),
+           torch.randn(len(lens), kv_heads, head_dim))
+    return DecodeStep(cache, layout, group, slots, qkv)
+
+
 # AVX-512 builds take 64-wide heads with 1-4 query heads a KV head and 128-wide with 1-2
 # in one pass over V (attend_one16), the rest (12 / 2, 24-wide) the per-head loops; a
 # step of 4 rows gives each (row, KV head) a unit, one of 40 rows each row all its KV
@@ -53,21 +86,8 @@ def ops() -> NativeOps:
 def test_decode_attention_equals_gather_and_sdpa(ops: NativeOps, heads: int, kv_heads: int,
                                                  head_dim: int, rows: int) -> None:
     torch.manual_seed(heads * head_dim + rows)
-    bs, num_blocks = 4, 240
-    cache = KVCache(torch.randn(num_blocks, bs, kv_heads, head_dim),
-                    torch.randn(num_blocks, bs, kv_heads, head_dim))
-    lens = [1, 5, 16, 9] * (rows // 4)  # tokens before this step's one
-    order = torch.randperm(num_blocks).tolist()  # scattered, unordered blocks
-    tables, used = [], 0
-    for n in lens:
-        need = (n + 1 + bs - 1) // bs
-        tables.append(order[used:used + need])
-        used += need
-    layout = StepLayout(bs, heads // kv_heads, CPU, torch.float32)
-    group = build_group(0, [1] * len(lens), lens, tables, layout)
-    slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, lens, strict=True)])
-    q = torch.randn(len(lens), heads, head_dim)
-    k, v = torch.randn(len(lens), kv_heads, head_dim), torch.randn(len(lens), kv_heads, head_dim)
+    step = decode_step([1, 5, 16, 9] * (rows // 4), heads, kv_heads, head_dim, 240)
+    (q, k, v), cache, group, slots = step.qkv, step.cache, step.group, step.slots
     expected = paged_attention(q, k, v, cache, AttentionMetadata(slots, [group]))
     got = paged_attention(q, k, v, cache,
                           AttentionMetadata(slots, [group], ops.paged_decode_attention))
@@ -83,21 +103,10 @@ def test_decode_attention_in_a_sliding_window(ops: NativeOps, heads: int, kv_hea
     `window` context rows alone, from wherever in a block the window starts, and equals
     the masked SDPA path; contexts shorter than the window see all of theirs."""
     torch.manual_seed(window * head_dim)
-    bs, num_blocks = 4, 64
-    cache = KVCache(torch.randn(num_blocks, bs, kv_heads, head_dim),
-                    torch.randn(num_blocks, bs, kv_heads, head_dim))
     lens = [0, 5, 16, 9, 30, 2, 21, 13]
-    order = torch.randperm(num_blocks).tolist()
-    tables, used = [], 0
-    for n in lens:
-        need = (n + 1 + bs - 1) // bs
-        tables.append(order[used:used + need])
-        used += need
-    layout = StepLayout(bs, heads // kv_heads, CPU, torch.float32)
-    group = build_group(0, [1] * len(lens), lens, tables, layout)
-    slots = torch.tensor([t[p // bs] * bs + p % bs for t, p in zip(tables, lens, strict=True)])
-    q = torch.randn(len(lens), heads, head_dim)
-    k, v = torch.randn(len(lens), kv_heads, head_dim), torch.randn(len(lens), kv_heads, head_dim)
+    step = decode_step(lens, heads, kv_heads, head_dim, 64)
+    (q, k, v), cache, group, slots = step.qkv, step.cache, step.group, step.slots
+    layout = step.layout
     expected = paged_attention(q, k, v, cache, AttentionMetadata(slots, [group], layout=layout),
                                window=window)
     native = AttentionMetadata(slots, [group], ops.paged_decode_attention, layout=layout)
