@@ -133,10 +133,11 @@ class AttentionMetadata:
     def masked(self, window: int | None, every: bool = False) -> list[AttentionGroup]:
         """The groups as a sliding-window layer sees them (each query attends to the
         `window` tokens ending at its own, Gemma's local layers): a group whose every
-        context fits the window unchanged, the others with a mask that also hides the
-        older keys; `every`: each group with its mask spelled out (the soft-capped
-        attention has no causal flag and no native kernel). Built once a step for all
-        such layers."""
+        context fits the window unchanged, and so is one the native kernels take (they
+        apply the window themselves); the others with a mask that also hides the older
+        keys. `every`: each group with its mask spelled out (Gemma 2's capped scores
+        have no causal flag and no native kernel). Built once a step for all such
+        layers."""
         groups = self._masked.get((window, every))
         if groups is None:
             assert self.layout is not None, "metadata built without its layout"
@@ -299,8 +300,8 @@ def _padded_mask(q_lens: Sequence[int], start_positions: Sequence[int], n_keys: 
 
 def _window_group(g: AttentionGroup, window: int | None, layout: StepLayout) -> AttentionGroup:
     """`g` under its mask spelled out, which also hides keys `window` or more positions
-    back (given one): the padded SDPA path (the native kernels attend to a whole
-    context), a first chunk's plain attention under the mask."""
+    back (given one), for the padded SDPA path (or a first chunk's plain attention under
+    the mask): where no native kernel takes the group, or the scores are capped."""
     if g.fresh:
         n = g.end - g.start
         pos = torch.arange(n)

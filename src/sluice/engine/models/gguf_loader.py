@@ -1,13 +1,15 @@
 """Load a llama.cpp GGUF file: metadata -> LlamaConfig, tensors dequantized to the engine dtype.
 
-Two llama.cpp conventions are undone here so the model file sees Hugging Face weights:
+Three llama.cpp conventions are undone here so the model file sees Hugging Face weights:
 
-1. Names: `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (GGUF_NAMES).
+1. Names: `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight` (GGUF_NAMES;
+   Gemma's and Phi-3's own where they differ, GGUF_NAMES_BY_ARCH).
 2. Llama's Q and K rows: llama.cpp's converter interleaves each head's two RoPE halves
    (`reshape(heads, 2, d/2, in).swapaxes(1, 2)`) for its rotate-adjacent-pairs kernel;
    `unpermute_qk` swaps them back for the half-split RoPE here, as transformers'
-   GGUF loader does. Qwen2, Qwen3 and Gemma 3 files are not permuted.
-3. Gemma 2's and 3's norms: its converter stores each RMSNorm's weight with Gemma's 1 added
+   GGUF loader does (Granite's and SmolLM3's converters are Llama's: permuted too). Qwen2,
+   Qwen3, Gemma and Phi-3 files are not permuted.
+3. Gemma's norms: its converter stores each RMSNorm's weight with Gemma's 1 added
    (llama.cpp multiplies by the weight as stored); taken off again here, as transformers'
    GGUF loader does, so the model file folds it back like a checkpoint's.
 

@@ -45,7 +45,7 @@ class ArchSpec:
     qk_norm_whole: bool = False
     granite: bool = False  # its multipliers (GraniteScales)
     moe: str | None = None  # a mixture of experts, configured as `_moe` reads `kind`
-    gemma: bool = False  # Gemma 3's norms, GELU and local layers (GemmaConfig)
+    gemma: bool = False  # Gemma's norms, GELU, local layers and soft caps (GemmaConfig)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -264,7 +264,7 @@ def _no_rope_layers(c: dict[str, Any]) -> tuple[int, ...]:
 
 def _max_positions(c: dict[str, Any], spec: ArchSpec) -> int:
     """The context limit; a sliding window caps it where the model does not run one (full
-    attention is exact within it), Gemma 3's local layers do."""
+    attention is exact within it): Gemma's local layers do."""
     limit = int(c.get("max_position_embeddings", 2048))
     window = c.get("sliding_window")
     if window and c.get("use_sliding_window", True) and not spec.gemma:
