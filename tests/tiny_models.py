@@ -117,14 +117,14 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
 
 def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3",
                metadata: Callable[[Any], None] | None = None) -> Path:
-    """The tiny checkpoint as llama.cpp's converter writes an `arch` file: its names
-    (experts stacked `[experts, out, in]`), Q/K rows permuted for `llama` (a Mixtral),
-    norms float32, linears float32 or Q8_0 blocks (`linears`); Granite's multipliers
-    as metadata (`granite`, `granitemoe`: experts split out of its stacked tensors, Q/K
-    permuted as for `llama`, and for `smollm3`); `phi3`'s Q|K|V and
-    gate|up fused (`attn_qkv`, `ffn_up`); for `gemma2` and `gemma3` their norms
-    with 1 added, its window, which layers slide and their RoPE base. `metadata(writer)`
-    adds more keys (a vocabulary)."""
+    """The tiny checkpoint as llama.cpp's converter writes an `arch` file: its tensor
+    names (Gemma's and Phi-3's own where they differ: Phi-3's Q|K|V and gate|up stay
+    fused; experts stacked `[experts, out, in]`, Granite MoE's split out of its stacked
+    gate|up), Q/K rows permuted where the converter is Llama's (`llama`, `granite`,
+    `granitemoe`, `smollm3`), norms float32 (Gemma's with 1 added), linears float32 or
+    Q8_0 blocks (`linears`), and the metadata it writes (Granite's multipliers; Gemma's
+    window, sliding layers, local RoPE base and soft caps). `metadata(writer)` adds more
+    keys (a vocabulary)."""
     import gguf
     from safetensors.torch import load_file
 
