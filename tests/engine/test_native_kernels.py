@@ -77,12 +77,14 @@ def decode_step(lens: list[int], heads: int, kv_heads: int, head_dim: int,
 
 
 # AVX-512 builds take 64-wide heads with 1-4 query heads a KV head and 128-wide with 1-2
-# in one pass over V (attend_one16), the rest (12 / 2, 24-wide) the per-head loops; a
+# in one pass over V (attend_one16), the rest (12 / 2) the per-head loops, 24-wide and
+# 256-wide (Gemma's) the scalar ones; a
 # step of 4 rows gives each (row, KV head) a unit, one of 40 rows each row all its KV
 # heads (attend_rows, from 4 rows a thread)
 @pytest.mark.parametrize("rows", [4, 40])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 128), (4, 2, 24),
-                                                     (8, 2, 64), (4, 2, 128), (12, 2, 64)])
+                                                     (8, 2, 64), (4, 2, 128), (12, 2, 64),
+                                                     (4, 1, 256), (8, 4, 256)])
 def test_decode_attention_equals_gather_and_sdpa(ops: NativeOps, heads: int, kv_heads: int,
                                                  head_dim: int, rows: int) -> None:
     torch.manual_seed(heads * head_dim + rows)
@@ -96,7 +98,8 @@ def test_decode_attention_equals_gather_and_sdpa(ops: NativeOps, heads: int, kv_
 
 
 @pytest.mark.parametrize("window", [1, 6, 13])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 2, 24), (4, 1, 128)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 2, 24), (4, 1, 128),
+                                                     (4, 1, 256)])
 def test_decode_attention_in_a_sliding_window(ops: NativeOps, heads: int, kv_heads: int,
                                               head_dim: int, window: int) -> None:
     """A sliding-window layer's decodes (Gemma's): the native kernel reads each row's last
