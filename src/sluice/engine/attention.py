@@ -143,7 +143,7 @@ class AttentionMetadata:
             assert self.layout is not None, "metadata built without its layout"
             groups = [g if not every and (window is None or g.longest_context <= window
                                           or self._native(g))
-                      else _window_group(g, window, self.layout) for g in self.groups]
+                      else _masked_group(g, window, self.layout) for g in self.groups]
             self._masked[(window, every)] = groups
         return groups
 
@@ -298,7 +298,7 @@ def _padded_mask(q_lens: Sequence[int], start_positions: Sequence[int], n_keys: 
     return mask.to(layout.device), scatter
 
 
-def _window_group(g: AttentionGroup, window: int | None, layout: StepLayout) -> AttentionGroup:
+def _masked_group(g: AttentionGroup, window: int | None, layout: StepLayout) -> AttentionGroup:
     """`g` under its mask spelled out, which also hides keys `window` or more positions
     back (given one), for the padded SDPA path (or a first chunk's plain attention under
     the mask): where no native kernel takes the group, or the scores are capped."""

@@ -531,7 +531,7 @@ class Transformer(nn.Module):
                        else SoftcappedHead(cfg.hidden_size, cfg.vocab_size, cap))
         self.rope_cos: Tensor | None = None
         self.rope_sin: Tensor | None = None
-        # Gemma's local layers' own tables (Gemma 3's RoPE base differs)
+        # Gemma 3's local layers' own tables (their RoPE base differs); None: the global ones
         self.local_rope: tuple[Tensor, Tensor] | None = None
 
     def init_rope(self, max_positions: int) -> None:
@@ -539,8 +539,9 @@ class Transformer(nn.Module):
         w = self.output.weight
         cos, sin = rope_tables(self.cfg.rope, self.cfg.head_dim, max_positions)
         self.rope_cos, self.rope_sin = cos.to(w.device, w.dtype), sin.to(w.device, w.dtype)
-        if self.cfg.gemma is not None:
-            cos, sin = rope_tables(self.cfg.gemma.local_rope, self.cfg.head_dim, max_positions)
+        local = self.cfg.gemma.local_rope if self.cfg.gemma is not None else self.cfg.rope
+        if local != self.cfg.rope:  # Gemma 3's (Gemma 2's local layers rotate as the others)
+            cos, sin = rope_tables(local, self.cfg.head_dim, max_positions)
             self.local_rope = cos.to(w.device, w.dtype), sin.to(w.device, w.dtype)
 
     def forward(self, tokens: Tensor, positions: Tensor, meta: AttentionMetadata,
@@ -636,12 +637,18 @@ def _fold_gemma(cfg: LlamaConfig, g: GemmaConfig, out: dict[str, Tensor]) -> Non
         if name.endswith("attention.q_norm.weight"):
             out[name] = out[name] * q_scale
     if not cfg.qk_norm:
-        for i in range(cfg.num_layers):
-            for name in (f"layers.{i}.attention.wqkv.weight", f"layers.{i}.attention.wqkv.bias"):
-                if name in out:
-                    scaled = out[name].clone()
-                    scaled[:cfg.q_size] *= q_scale
-                    out[name] = scaled
+        _scale_q_rows(cfg, q_scale, out)
+
+
+def _scale_q_rows(cfg: LlamaConfig, scale: float, out: dict[str, Tensor]) -> None:
+    """Q's rows of every fused Q|K|V weight and bias multiplied by `scale` (new tensors):
+    a multiplier of the attention scores folded into the weights."""
+    for i in range(cfg.num_layers):
+        for name in (f"layers.{i}.attention.wqkv.weight", f"layers.{i}.attention.wqkv.bias"):
+            if name in out:
+                scaled = out[name].clone()
+                scaled[:cfg.q_size] *= scale
+                out[name] = scaled
 
 
 def _fuse_mlp(hf: Mapping[str, Tensor], source: str, parts: tuple[str, str, str],
@@ -679,16 +686,7 @@ def _fold_granite(cfg: LlamaConfig, g: GraniteScales, out: dict[str, Tensor]) ->
     embedding times its multiplier, and logits / logits_scaling (a tied head reads the
     scaled embedding, so divided by its multiplier too) as the final norm's weight
     divided, which scales the head's input."""
-    q = g.q_scale(cfg.head_dim)
-    for i in range(cfg.num_layers):
-        a = f"layers.{i}."
-        wqkv = out[a + "attention.wqkv.weight"].clone()
-        wqkv[:cfg.q_size] *= q
-        out[a + "attention.wqkv.weight"] = wqkv
-        if a + "attention.wqkv.bias" in out:
-            bias = out[a + "attention.wqkv.bias"].clone()
-            bias[:cfg.q_size] *= q
-            out[a + "attention.wqkv.bias"] = bias
+    _scale_q_rows(cfg, g.q_scale(cfg.head_dim), out)
     # each branch's output projection: o_proj (and its bias), every down_proj (a dense
     # MLP's or each expert's)
     for name in [n for n in out if n.startswith("layers.") and n.endswith(
