@@ -48,6 +48,16 @@ tiny_qwen3_dir = tiny_checkpoint("tiny_qwen3_dir", "qwen3")
 tiny_smollm3_dir = tiny_checkpoint("tiny_smollm3_dir", "smollm3")
 tiny_granite_dir = tiny_checkpoint("tiny_granite_dir", "granite")
 tiny_phi3_dir = tiny_checkpoint("tiny_phi3_dir", "phi3")
+# Phi-4-mini's shape: longrope (its own short and long factors past 32 positions, 128
+# served; the original context top-level, as Phi-3's configs have it) over half of each head
+tiny_phi3_longrope_dir = tiny_checkpoint(
+    "tiny_phi3_longrope_dir", "phi3", partial_rotary_factor=0.5, max_position_embeddings=128,
+    original_max_position_embeddings=32, rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 32,
+                  "short_factor": [1.0, 1.3, 1.7, 2.5], "long_factor": [1.0, 4.0, 11.0, 29.0]})
+# Qwen2.5's YaRN, factor 4 over 32 positions
+tiny_qwen2_yarn_dir = tiny_checkpoint(
+    "tiny_qwen2_yarn_dir", "qwen2", max_position_embeddings=32,
+    rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
 tiny_mixtral_dir = tiny_checkpoint("tiny_mixtral_dir", "mixtral")
 tiny_qwen3_moe_dir = tiny_checkpoint("tiny_qwen3_moe_dir", "qwen3_moe")
 tiny_granitemoe_dir = tiny_checkpoint("tiny_granitemoe_dir", "granitemoe")

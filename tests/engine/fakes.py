@@ -64,6 +64,7 @@ class PagedFakeRunner:
         self.vocab_size = VOCAB
         self.tokenizer = tokenizer or FakeTokenizer()
         self.model_name = "fake"
+        self.rope_variant = ""
         self.device = torch.device("cpu")
         self.dtype = torch.float32
         self.slots: dict[int, tuple[int, int]] = {}  # slot -> (position, token)

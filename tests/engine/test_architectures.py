@@ -17,7 +17,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -344,18 +343,13 @@ def test_moe_gguf_file_loads_as_the_checkpoint(tmp_path: Path, monkeypatch: pyte
         assert float((got - want).norm() / want.norm()) < 0.05  # Q8_0 rounding: 2% here
 
 
-def test_phi3_fused_weights_split_and_partial_rotary_refused(tiny_phi3_dir: Path) -> None:
+def test_phi3_fused_weights_split(tiny_phi3_dir: Path) -> None:
     """Phi-3's checkpoint fuses Q|K|V and gate|up: split into the separate projections,
-    whose concatenation is the checkpoint's tensor again; a partial rotary factor
-    (Phi-4-mini's 0.75, top-level or in rope_parameters) is refused by name."""
+    whose concatenation is the checkpoint's tensor again (its longrope and Phi-4-mini's
+    partial rotation: test_rope_scaling.py)."""
     from safetensors.torch import load_file
 
-    from sluice.engine.models.loader import (
-        UnsupportedModelError,
-        config_from_hf,
-        read_config,
-        split_fused_weights,
-    )
+    from sluice.engine.models.loader import config_from_hf, read_config, split_fused_weights
 
     cfg = config_from_hf(read_config(tiny_phi3_dir))
     fused = load_file(str(tiny_phi3_dir / "model.safetensors"))
@@ -367,12 +361,6 @@ def test_phi3_fused_weights_split_and_partial_rotary_refused(tiny_phi3_dir: Path
                        fused[attn + "qkv_proj.weight"])
     assert torch.equal(torch.cat([split[mlp + "gate_proj.weight"], split[mlp + "up_proj.weight"]]),
                        fused[mlp + "gate_up_proj.weight"])
-    base = {**read_config(tiny_phi3_dir), "rope_parameters": None}
-    for partial in ({"partial_rotary_factor": 0.75},
-                    {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}):
-        with pytest.raises(UnsupportedModelError) as err:
-            config_from_hf({**base, **partial})
-        assert err.value.param == "model" and "partial_rotary_factor" in str(err.value)
 
 
 def test_moe_verify_steps_keep_plain_decodings_tokens(tiny_mixtral_dir: Path) -> None:
@@ -476,12 +464,9 @@ def test_gemma_gguf_file_loads_as_the_checkpoint(tmp_path: Path,
 def test_phi3_gguf_file_loads_as_the_checkpoint(tiny_phi3_dir: Path, tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A `phi3` file (Q|K|V in `attn_qkv`, gate|up in `ffn_up`, as llama.cpp's converter
-    keeps them fused): split at load, its logits equal transformers' on the checkpoint;
-    a RoPE over part of each head (Phi-4-mini's `rope.dimension_count`) and longrope's
-    factor tensors (Phi-3 128k) are refused by name, and a sliding window caps the
-    context as the checkpoint's does."""
-    from sluice.protocol.errors import InvalidRequestError
-
+    keeps them fused): split at load, its logits equal transformers' on the checkpoint,
+    and a sliding window caps the context as the checkpoint's does (longrope's factor
+    tensors and Phi-4-mini's partial rotation: test_rope_scaling.py)."""
     monkeypatch.setenv("SLUICE_WEIGHTS_CACHE", "off")
     path = write_gguf(tiny_phi3_dir, tmp_path / "tiny-phi3.gguf", "f32", arch="phi3")
     assert config_from_gguf(GGUFFile(path))[0].architecture == "Phi3ForCausalLM"
@@ -490,15 +475,6 @@ def test_phi3_gguf_file_loads_as_the_checkpoint(tiny_phi3_dir: Path, tmp_path: P
     windowed = write_gguf(tiny_phi3_dir, tmp_path / "window.gguf", "f32", arch="phi3",
                           metadata=lambda w: w.add_sliding_window(64))
     assert config_from_gguf(GGUFFile(windowed))[0].max_position_embeddings == 64
-    for name, extra, named in (
-            ("partial.gguf", lambda w: w.add_rope_dimension_count(8), "rope.dimension_count"),
-            ("longrope.gguf", lambda w: w.add_tensor("rope_factors_long.weight",
-                                                     np.ones(8, dtype=np.float32)),
-             "rope_factors_long")):
-        bad = write_gguf(tiny_phi3_dir, tmp_path / name, "f32", arch="phi3", metadata=extra)
-        with pytest.raises(InvalidRequestError) as err:
-            config_from_gguf(GGUFFile(bad))
-        assert err.value.param == "model" and named in str(err.value)
 
 
 @pytest.mark.parametrize("arch", ["granite", "granitemoe"])

@@ -97,8 +97,9 @@ def test_rope_frequencies_match_transformers(params: dict[str, object]) -> None:
                            rope_parameters=dict(params))
     want, scale = ROPE_INIT_FUNCTIONS[str(params["rope_type"])](hf_cfg, "cpu")
     cfg = config_from_hf(base_config(rope_parameters=dict(params)))
-    assert scale == 1.0
-    torch.testing.assert_close(inv_frequencies(cfg.rope, cfg.head_dim), want.float())
+    got, got_scale = inv_frequencies(cfg.rope, cfg.rotary_dim, 8192)
+    assert got_scale == scale == 1.0
+    torch.testing.assert_close(got, want.float())
 
 
 def test_unpermute_inverts_llama_cpp_permutation() -> None:

@@ -213,15 +213,18 @@ def test_fused_add_rms_norm_equals_torch(ops: NativeOps, rows: int) -> None:
     torch.testing.assert_close(expected_residual, x + residual)
 
 
+@pytest.mark.parametrize("rotary", [64, 48])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_embedding_rotates_q_and_k_in_place(ops: NativeOps, dtype: torch.dtype) -> None:
+def test_rotary_embedding_rotates_q_and_k_in_place(ops: NativeOps, dtype: torch.dtype,
+                                                   rotary: int) -> None:
     """The native RoPE on the Q and K heads of a QKV output equals apply_rope: float32 to
     rounding, bfloat16 bit for bit (x * cos rounded first, as torch's two ops round); V's
-    columns are not touched."""
+    columns are not touched. Tables narrower than a head (Phi-4-mini's 3/4 of it) rotate
+    that part of each head and leave the rest as it was."""
     assert ops.rotary_embedding is not None
     torch.manual_seed(0)
     rows, heads, kv_heads, d = 37, 6, 2, 64
-    cos_t, sin_t = rope_tables(RopeConfig(theta=10000.0), d, 512)
+    cos_t, sin_t = rope_tables(RopeConfig(theta=10000.0), rotary, 512)
     positions = torch.randint(0, 512, (rows,))
     cos, sin = cos_t.to(dtype)[positions].unsqueeze(1), sin_t.to(dtype)[positions].unsqueeze(1)
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * d).to(dtype)
@@ -234,10 +237,14 @@ def test_rotary_embedding_rotates_q_and_k_in_place(ops: NativeOps, dtype: torch.
         torch.testing.assert_close(qk, want, rtol=1e-6, atol=1e-6)
     else:
         assert torch.equal(qk, want)
-    assert not torch.equal(qk, src)  # it rotated
+    assert not torch.equal(qk[..., :rotary], src[..., :rotary])  # it rotated
+    assert torch.equal(qk[..., rotary:], src[..., rotary:])  # the unrotated part kept
     assert torch.equal(qkv[:, (heads + kv_heads) * d:], before[:, (heads + kv_heads) * d:])
     with pytest.raises(RuntimeError, match="rotary_embedding"):
         ops.rotary_embedding(qk, cos[:-1], sin[:-1])  # a row's tables missing
+    with pytest.raises(RuntimeError, match="rotary_embedding"):  # wider than a head
+        wide = torch.cat((cos, cos), -1)
+        ops.rotary_embedding(qk, wide, wide)
 
 
 def test_backend_choice() -> None:

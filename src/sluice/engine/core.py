@@ -66,7 +66,8 @@ class EngineCore:
                                           config.cache.enable_prefix_caching)
         self.block_manager.attach_offload(self._build_offload(config))
         self.kv_transfer = KVTransfer(config.kv_transfer, self.block_manager,
-                                      default_served_name(config.model.model), self._pool)
+                                      self._kv_model(default_served_name(config.model.model)),
+                                      self._pool)
         lc = config.lora
         self.scheduler = Scheduler(config.scheduler, self.block_manager,
                                    lc.max_loras if lc.enable_lora else 0)
@@ -207,8 +208,14 @@ class EngineCore:
         from sluice.engine.kv_offload import build_offload
 
         return build_offload(cache.kv_offload, cache.kv_store,
-                             config.model.model or self.runner.model_name,
+                             self._kv_model(config.model.model or self.runner.model_name),
                              self.runner.block_size, self.runner.model.layers)
+
+    def _kv_model(self, name: str) -> str:
+        """The model's name as its KV blocks' identity (offload namespaces, P/D hand-offs),
+        with the runner's RoPE variant where blocks of one model differ by it."""
+        variant = self.runner.rope_variant
+        return f"{name} ({variant})" if variant else name
 
     def _adapter(self, req: CoreRequest) -> LoRAAdapter | None:
         """The request's LoRA adapter, loaded (or from the host cache); raises

@@ -82,7 +82,7 @@ class DecodeGraph:
         self.head_tiles: Tensor | None = None  # a bfloat16 graph's packed output head
         assert model.rope_cos is not None, "init_rope first"
         # float32 RoPE tables (the model's are in its dtype, bfloat16 on some CPUs)
-        self.cos, self.sin = rope_tables(model.cfg.rope, model.cfg.head_dim,
+        self.cos, self.sin = rope_tables(model.cfg.rope, model.cfg.rotary_dim,
                                          model.rope_cos.shape[0])
 
     @classmethod

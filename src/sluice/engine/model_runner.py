@@ -166,6 +166,16 @@ class ModelRunner:
         self.kv_cache_bytes: int = self.num_kv_blocks * block_bytes
         self._allocate_kv_cache()
         self.model.init_rope(self.max_model_len)
+        # what, besides the model, makes this pool's blocks differ from another worker's
+        # of the same model: longrope's factor list, one choice per served context
+        self.rope_variant = ""
+        rope = self.model_config.rope
+        if rope.rope_type == "longrope":
+            original = rope.params["original_max_position_embeddings"]
+            which = "long" if self.max_model_len > original else "short"
+            self.rope_variant = f"longrope {which} factors"
+            log.info("longrope: the %s factors for every sequence (max_model_len %d, original "
+                     "context %d)", which, self.max_model_len, original)
         self.native = native_ops(mc.kernel_backend, self.device, self.dtype)
         # prefill chunks' attention straight from the pool (sluice.engine.attention)
         self.native_prefill = (self.native is not None

@@ -42,7 +42,9 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "num_kv_blocks": (int, "size of the KV pool in blocks (overrides memory sizing)"),
     "kv_cache_memory_bytes": (int, "size of the KV pool in bytes"),
     "scheduling_policy": (str, "'priority' (lower value runs first) or 'fcfs'"),
-    "max_model_len": (int, "context length"),
+    "max_model_len": (int, "context length (a longrope model "
+                           "past its original context rotates every sequence with the long "
+                           "factors: docs/models.md)"),
     "dtype": (str, "auto | float32 | bfloat16 | float16; auto: bfloat16 on CUDA and on CPUs "
                     "with native bfloat16 (avx512_bf16 or AMX), float32 otherwise"),
     "device": (str, "auto | cpu | cuda"),

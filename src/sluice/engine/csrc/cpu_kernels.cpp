@@ -743,23 +743,26 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
 
 // RoPE in place on a step's Q and K heads (vLLM's rotary_embedding, on sluice's tables):
 // x [T, heads, D] (rows x.stride(0) apart: a view into the QKV projection's output, heads
-// D apart), cos and signed sin [T, 1, D] in x's dtype (llama.py's rope_tables gathered at
-// the rows' positions). apply_rope's half-split rotation in float, with torch's rounding
-// (below): one pass where torch's flip, multiply and addcmul made three and two
-// temporaries (37 ms of a 1,946-token bfloat16 prefill step on a 2-core Sapphire Rapids).
+// D apart), cos and signed sin [T, 1, R] in x's dtype (llama.py's rope_tables gathered at
+// the rows' positions), R <= D: the first R of each head rotate (all D but for a partial
+// rotation, Phi-4-mini's 3/4), the rest pass. apply_rope's half-split rotation in float,
+// with torch's rounding (below): one pass where torch's flip, multiply and addcmul made
+// three and two temporaries (37 ms of a 1,946-token bfloat16 prefill step on a 2-core
+// Sapphire Rapids).
 template <typename T>
 static void rope_rows(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& ssin) {
-  const int64_t rows = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t rows = x.size(0), heads = x.size(1), D = x.size(2);
+  const int64_t R = cos.size(2), half = R / 2;
   const int64_t stride = x.stride(0);
   T* xp = x.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = ssin.data_ptr<T>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> c(D), s(D);
+    std::vector<float> c(R), s(R);
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t i = 0; i < D; ++i) {
-        c[i] = static_cast<float>(cp[t * D + i]);
-        s[i] = static_cast<float>(sp[t * D + i]);
+      for (int64_t i = 0; i < R; ++i) {
+        c[i] = static_cast<float>(cp[t * R + i]);
+        s[i] = static_cast<float>(sp[t * R + i]);
       }
       for (int64_t h = 0; h < heads; ++h) {
         T* r = xp + t * stride + h * D;
@@ -783,10 +786,11 @@ void rotary_embedding(torch::Tensor x, torch::Tensor cos, torch::Tensor ssin) {
                   x.stride(1) == x.size(2) && supported(x),
               "rotary_embedding: x [T, heads, D] float32 or bfloat16, heads D apart");
   TORCH_CHECK(cos.dim() == 3 && cos.size(0) == x.size(0) && cos.size(1) == 1 &&
-                  cos.size(2) == x.size(2) && ssin.sizes() == cos.sizes() &&
-                  cos.is_contiguous() && ssin.is_contiguous() &&
+                  cos.size(2) % 2 == 0 && cos.size(2) > 0 && cos.size(2) <= x.size(2) &&
+                  ssin.sizes() == cos.sizes() && cos.is_contiguous() && ssin.is_contiguous() &&
                   cos.scalar_type() == x.scalar_type() && ssin.scalar_type() == x.scalar_type(),
-              "rotary_embedding: cos and sin [T, 1, D], contiguous, x's dtype");
+              "rotary_embedding: cos and sin [T, 1, R], R even and at most D, contiguous, "
+              "x's dtype");
   if (x.scalar_type() == torch::kFloat) {
     rope_rows<float>(x, cos, ssin);
   } else {
@@ -2745,15 +2749,16 @@ class DecodeGraph {
     TORCH_CHECK(linears_.back().K == hidden_, "DecodeGraph: the head's input is hidden");
   }
 
-  // x [B, hidden] float32 (the tokens' embeddings); cos, sin [B, head_dim] float32 (the
-  // rows' RoPE table rows); slots [B], block_tables [B, n], context_lens [B] int64.
+  // x [B, hidden] float32 (the tokens' embeddings); cos, sin [B, R] float32 (the rows'
+  // RoPE table rows: the first R <= head_dim of each head rotate, R even); slots [B], block_tables [B, n], context_lens [B] int64.
   // Writes the rows' K/V into the pools; returns float32 logits [B, vocab].
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                         torch::Tensor slots, torch::Tensor block_tables,
                         torch::Tensor context_lens) {
     const int64_t B = x.size(0);
     TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == torch::kFloat &&
-                    cos.sizes() == sin.sizes() && cos.size(0) == B && cos.size(1) == D_ &&
+                    cos.sizes() == sin.sizes() && cos.size(0) == B && cos.size(1) <= D_ &&
+                    cos.size(1) % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() &&
                     cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat &&
                     slots.numel() == B && context_lens.numel() == B &&
                     block_tables.dim() == 2 && block_tables.size(0) == B &&
@@ -2790,6 +2795,7 @@ class DecodeGraph {
     act_.resize(B * I);
     const float* cp = cos.data_ptr<float>();
     const float* sp = sin.data_ptr<float>();
+    const int64_t R = cos.size(1);
     const int64_t* slot = slots.data_ptr<int64_t>();
     const int64_t* table = tables.data_ptr<int64_t>();
     const int64_t* len = lens.data_ptr<int64_t>();
@@ -2810,7 +2816,7 @@ class DecodeGraph {
           for (int64_t h = 0; h < H_ + KVH_; ++h) {
             float* head = row + h * D_;
             if (qn) graph_add_norm(head, nullptr, h < H_ ? qn : kn, head, D_, eps_);  // in place
-            if (rope) graph_rope(head, cp + b * D_, sp + b * D_, D_);
+            if (rope) graph_rope(head, cp + b * R, sp + b * R, R);
           }
           for (int64_t i = 0; i < kv_size; ++i) {
             kp[slot[b] * kv_size + i] = static_cast<T>(row[q_size + i]);

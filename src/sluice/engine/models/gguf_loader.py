@@ -182,16 +182,12 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
     ffn = (meta("feed_forward_length") if moe is None
            else gguf.get(f"{arch}.feed_forward_length", moe.intermediate_size))
     head_dim = int(meta("attention.key_length", hidden // heads))
-    rope = rope_from_gguf(gguf, arch)
-    rotary = gguf.get(f"{arch}.rope.dimension_count")
-    if rotary is not None and int(rotary) != head_dim:  # Phi-4-mini's 96 of 128
-        raise InvalidRequestError(f"{gguf.path.name}: {arch}.rope.dimension_count {rotary} is "
-                                  f"not supported (RoPE over the whole head, {head_dim})",
-                                  param="model")
-    if "rope_factors_long.weight" in gguf.tensors:  # Phi-3 128k's longrope
-        raise InvalidRequestError(f"{gguf.path.name}: longrope scaling (rope_factors_long) is "
-                                  "not supported", param="model")
     context = int(meta("context_length"))
+    rope = rope_from_gguf(gguf, arch, context)
+    if rope.rope_type in ("linear", "yarn"):  # the scaled context, as for a checkpoint
+        base = rope.params.get("original_max_position_embeddings", context)
+        context = int(base * rope.params["factor"])
+    rotary = int(gguf.get(f"{arch}.rope.dimension_count", head_dim))  # Phi-4-mini's 96 of 128
     window = gguf.get(f"{arch}.attention.sliding_window")
     if window and not arch.startswith("gemma"):  # exact within it (as for a checkpoint)
         context = min(context, int(window))
@@ -202,7 +198,7 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
         head_dim=head_dim,
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         max_position_embeddings=context,
-        rope=rope, qkv_bias=qkv_bias, qk_norm=qk_norm, moe=moe,
+        rope=rope, partial_rotary_factor=rotary / head_dim, qkv_bias=qkv_bias, qk_norm=qk_norm, moe=moe,
         gemma=gemma_from_gguf(gguf, arch, head_dim, rope) if arch.startswith("gemma") else None,
         granite=granite_from_gguf(gguf, arch) if arch.startswith("granite") else None,
         no_rope_layers=tuple(int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(
@@ -282,15 +278,45 @@ def moe_from_gguf(gguf: GGUFFile, arch: str) -> MoEConfig:
                      **names)
 
 
-def rope_from_gguf(gguf: GGUFFile, arch: str) -> RopeConfig:
+def rope_from_gguf(gguf: GGUFFile, arch: str, context: int) -> RopeConfig:
+    """RoPE as llama.cpp's converter writes it: Llama 3's scaling as per-frequency divisors
+    (`rope_freqs`); Phi-3's longrope as its two factor lists (`rope_factors_long`,
+    `rope_factors_short`), the original context and cos and sin's factor
+    (`rope.scaling.attn_factor`); YaRN and linear scaling as `rope.scaling.type` with
+    its factor (and YaRN's original context and betas)."""
     theta = float(gguf.get(f"{arch}.rope.freq_base", 10000.0))
+    original = gguf.get(f"{arch}.rope.scaling.original_context_length")
     if "rope_freqs.weight" in gguf.tensors:  # llama3-style scaling, stored as divisors
         factors = dequantize(gguf, "rope_freqs.weight").reshape(-1).tolist()
         return RopeConfig(theta, "gguf_freq_factors", {"freq_factors": factors})
+    if "rope_factors_long.weight" in gguf.tensors:  # Phi-3's longrope
+        if original is None:
+            raise InvalidRequestError(f"{gguf.path.name}: missing GGUF metadata "
+                                      f"{arch}.rope.scaling.original_context_length",
+                                      param="model")
+        params: dict[str, Any] = {
+            name: dequantize(gguf, f"rope_factors_{name.split('_')[0]}.weight").reshape(-1).tolist()
+            for name in ("long_factor", "short_factor")}
+        params.update(original_max_position_embeddings=int(original),
+                      factor=context / int(original))
+        attention = gguf.get(f"{arch}.rope.scaling.attn_factor")
+        if attention is not None:
+            params["attention_factor"] = float(attention)
+        return RopeConfig(theta, "longrope", params)
     kind = gguf.get(f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return RopeConfig(theta)
-    return RopeConfig(theta, kind, {"factor": float(gguf.get(f"{arch}.rope.scaling.factor", 1.0))})
+    params = {"factor": float(gguf.get(f"{arch}.rope.scaling.factor", 1.0))}
+    if kind == "yarn":
+        if gguf.get(f"{arch}.rope.scaling.yarn_log_multiplier"):  # DeepSeek's mscale
+            raise InvalidRequestError(f"{gguf.path.name}: {arch}.rope.scaling.yarn_log_multiplier "
+                                      "is not supported", param="model")
+        params["original_max_position_embeddings"] = int(original or context)
+        for beta in ("beta_fast", "beta_slow"):
+            value = gguf.get(f"{arch}.rope.scaling.yarn_{beta}")
+            if value is not None:
+                params[beta] = float(value)
+    return RopeConfig(theta, kind, params)
 
 
 def hf_name(gguf_name: str, names: dict[str, str] = GGUF_NAMES) -> str:

@@ -63,6 +63,10 @@ class RopeConfig:
             raise InvalidRequestError(
                 f"unsupported RoPE scaling type {self.rope_type!r} "
                 f"(supported: {sorted(ROPE_FREQUENCY_SCALERS)})", param="model")
+        missing = [k for k in ROPE_REQUIRED_PARAMS.get(self.rope_type, ()) if k not in self.params]
+        if missing:
+            raise InvalidRequestError(f"RoPE scaling {self.rope_type!r} needs "
+                                      f"{', '.join(missing)} in rope_scaling", param="model")
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,8 @@ class LlamaConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     rope: RopeConfig = field(default_factory=RopeConfig)
+    # the part of each head RoPE rotates (Phi-4-mini's 0.75; the rest passes unrotated)
+    partial_rotary_factor: float = 1.0
     qkv_bias: bool = False
     # a bias on the attention's output projection too: `attention_bias` of Llama, Granite,
     # Qwen3 (Qwen2's bias is on Q/K/V only)
@@ -209,6 +215,15 @@ class LlamaConfig:
         if self.num_heads % self.num_kv_heads:
             raise InvalidRequestError("num_attention_heads must be a multiple of "
                                       "num_key_value_heads", param="model")
+        if not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise InvalidRequestError(f"partial_rotary_factor {self.partial_rotary_factor} "
+                                      f"rotates {self.rotary_dim} of {self.head_dim} dimensions "
+                                      "a head (an even number, at least 2)", param="model")
+
+    @property
+    def rotary_dim(self) -> int:
+        """The rotated width of each head, as transformers rounds it."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_size(self) -> int:
@@ -237,16 +252,26 @@ class LlamaConfig:
 # --- RoPE ----------------------------------------------------------------------------------
 
 
-def _default_frequencies(inv_freq: Tensor, params: dict[str, Any]) -> Tensor:
-    return inv_freq
+# Each scaler maps the unscaled frequencies (`base ** -(2i / dim)`, `dim` the rotated
+# width) to the scaled ones and the factor cos and sin are multiplied by (transformers'
+# `attention_scaling`: YaRN's and longrope's), given the context the tables serve.
+RopeScaler = Callable[[Tensor, "RopeConfig", int, int], tuple[Tensor, float]]
 
 
-def _linear_frequencies(inv_freq: Tensor, params: dict[str, Any]) -> Tensor:
-    return inv_freq / float(params["factor"])
+def _default_frequencies(inv_freq: Tensor, rope: RopeConfig, dim: int,
+                         context: int) -> tuple[Tensor, float]:
+    return inv_freq, 1.0
 
 
-def _llama3_frequencies(inv_freq: Tensor, params: dict[str, Any]) -> Tensor:
+def _linear_frequencies(inv_freq: Tensor, rope: RopeConfig, dim: int,
+                        context: int) -> tuple[Tensor, float]:
+    return inv_freq / float(rope.params["factor"]), 1.0
+
+
+def _llama3_frequencies(inv_freq: Tensor, rope: RopeConfig, dim: int,
+                        context: int) -> tuple[Tensor, float]:
     """Llama 3.1's scaling: long wavelengths divided by `factor`, a smooth ramp between."""
+    params = rope.params
     factor, low, high = (float(params[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
     old_len = float(params["original_max_position_embeddings"])
     wavelen = 2 * math.pi / inv_freq
@@ -254,43 +279,126 @@ def _llama3_frequencies(inv_freq: Tensor, params: dict[str, Any]) -> Tensor:
     smooth = (old_len / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, smoothed, scaled)
+    return torch.where(medium, smoothed, scaled), 1.0
 
 
-def _gguf_factor_frequencies(inv_freq: Tensor, params: dict[str, Any]) -> Tensor:
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_frequencies(inv_freq: Tensor, rope: RopeConfig, dim: int,
+                      context: int) -> tuple[Tensor, float]:
+    """YaRN (Qwen2.5/3 past 32K, gpt-oss, Ministral): the frequencies that turn fewer than
+    `beta_slow` times over the original context divided by `factor` (interpolated), those
+    turning more than `beta_fast` times kept (extrapolated), a linear ramp between; cos
+    and sin scaled by 0.1 ln(factor) + 1 (DeepSeek's ratio of two such with `mscale`,
+    `mscale_all_dim`), or by `attention_factor` where the config gives one."""
+    p = rope.params
+    factor, original = float(p["factor"]), float(p["original_max_position_embeddings"])
+    attention = p.get("attention_factor")
+    if attention is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attention = (_yarn_mscale(factor, float(p["mscale"]))
+                         / _yarn_mscale(factor, float(p["mscale_all_dim"])))
+        else:
+            attention = _yarn_mscale(factor)
+
+    def correction_dim(turns: float) -> float:  # the dimension that turns `turns` times
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(float(p.get("beta_fast") or 32)), correction_dim(
+        float(p.get("beta_slow") or 1))
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    # ramp 0: extrapolated (the frequency kept), 1: interpolated (divided by factor)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp), float(attention)
+
+
+def _longrope_frequencies(inv_freq: Tensor, rope: RopeConfig, dim: int,
+                          context: int) -> tuple[Tensor, float]:
+    """Phi-3/3.5/4-mini's longrope: each frequency divided by its own factor, the
+    `short_factor` list for a context within `original_max_position_embeddings`, the
+    `long_factor` list past it; cos and sin scaled by sqrt(1 + ln(factor) / ln(original))
+    (`factor`: the config's context over the original), or by `attention_factor`.
+
+    Which list is a choice per served context, as llama.cpp makes it (`n_ctx` against
+    the original): every position of every sequence rotates one way, so the keys in the
+    cache, a prefix shared between requests and a preempted sequence's recomputation
+    agree. transformers picks per forward pass (long once the sequence passes the
+    original length; its cached keys keep the short rotation), vLLM per batch (long for
+    all once any sequence does): with `--max-model-len` at most the original length both
+    match sluice exactly; past it a sequence shorter than the original length rotates
+    with the long factors here, where theirs use the short ones."""
+    p = rope.params
+    original = float(p["original_max_position_embeddings"])
+    factors = p["long_factor"] if context > original else p["short_factor"]
+    if len(factors) != dim // 2:
+        raise InvalidRequestError(f"longrope: {len(factors)} factors for {dim // 2} "
+                                  "rotated frequencies", param="model")
+    attention = p.get("attention_factor")
+    if attention is None:
+        factor = float(p["factor"])
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freq / torch.tensor(factors, dtype=torch.float32), float(attention)
+
+
+def _gguf_factor_frequencies(inv_freq: Tensor, rope: RopeConfig, dim: int,
+                             context: int) -> tuple[Tensor, float]:
     """llama.cpp's `rope_freqs` tensor: per-frequency divisors (how GGUF stores llama3)."""
-    return inv_freq / torch.as_tensor(params["freq_factors"], dtype=inv_freq.dtype)
+    return inv_freq / torch.as_tensor(rope.params["freq_factors"], dtype=inv_freq.dtype), 1.0
 
 
-ROPE_FREQUENCY_SCALERS: dict[str, Callable[[Tensor, dict[str, Any]], Tensor]] = {
+# what each scaling reads from `RopeConfig.params` (the loaders fill what configs leave out)
+ROPE_REQUIRED_PARAMS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "factor", "original_max_position_embeddings"),
+    "gguf_freq_factors": ("freq_factors",),
+}
+ROPE_FREQUENCY_SCALERS: dict[str, RopeScaler] = {
     "default": _default_frequencies,
     "linear": _linear_frequencies,
     "llama3": _llama3_frequencies,
+    "yarn": _yarn_frequencies,
+    "longrope": _longrope_frequencies,
     "gguf_freq_factors": _gguf_factor_frequencies,
 }
 
 
-def inv_frequencies(rope: RopeConfig, head_dim: int) -> Tensor:
-    """The `head_dim // 2` rotation frequencies, scaled as `rope.rope_type` says."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    return ROPE_FREQUENCY_SCALERS[rope.rope_type](1.0 / (rope.theta ** exponents), rope.params)
+def inv_frequencies(rope: RopeConfig, dim: int, context: int) -> tuple[Tensor, float]:
+    """The `dim // 2` rotation frequencies of a `dim`-wide rotation, scaled as
+    `rope.rope_type` says for a `context`-token context, and cos and sin's factor."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return ROPE_FREQUENCY_SCALERS[rope.rope_type](1.0 / (rope.theta ** exponents), rope, dim,
+                                                  context)
 
 
-def rope_tables(rope: RopeConfig, head_dim: int, max_positions: int) -> tuple[Tensor, Tensor]:
-    """cos and signed sin `[max_positions, head_dim]`, float32, for `apply_rope`.
+def rope_tables(rope: RopeConfig, dim: int, max_positions: int) -> tuple[Tensor, Tensor]:
+    """cos and signed sin `[max_positions, dim]`, float32, for `apply_rope`; `dim` is the
+    rotated part of each head (all of it but for Phi-4-mini's 3/4, `LlamaConfig.rotary_dim`).
 
     Hugging Face's rotation is `x*cos + rotate_half(x)*sin` with
     `rotate_half(x) = cat(-x2, x1)`; folding the minus sign into the sin table
     (`cat(-sin, sin)`) leaves a swap of the halves, one multiply and one fused add.
     """
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
-                        inv_frequencies(rope, head_dim))
-    return torch.cat((freqs.cos(), freqs.cos()), -1), torch.cat((-freqs.sin(), freqs.sin()), -1)
+    inv_freq, scale = inv_frequencies(rope, dim, max_positions)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    cos, sin = freqs.cos() * scale, freqs.sin() * scale
+    return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
 
 
 def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-    """x `[T, heads, head_dim]`, tables `[T, 1, head_dim]`: rotate each half-split pair."""
+    """x `[T, heads, head_dim]`, tables `[T, 1, dim]`: rotate each half-split pair of the
+    first `dim` of each head (all of it but for a partial rotation), keep the rest."""
     t, heads, d = x.shape
+    if cos.shape[-1] < d:
+        r = cos.shape[-1]
+        return torch.cat((apply_rope(x[..., :r], cos, signed_sin), x[..., r:]), -1)
     swapped = x.reshape(t, heads, 2, d // 2).flip(2).reshape(t, heads, d)
     return torch.addcmul(x * cos, swapped, signed_sin)
 
@@ -537,11 +645,11 @@ class Transformer(nn.Module):
     def init_rope(self, max_positions: int) -> None:
         """Precompute cos/sin for positions `0..max_positions-1` on the weights' device/dtype."""
         w = self.output.weight
-        cos, sin = rope_tables(self.cfg.rope, self.cfg.head_dim, max_positions)
+        cos, sin = rope_tables(self.cfg.rope, self.cfg.rotary_dim, max_positions)
         self.rope_cos, self.rope_sin = cos.to(w.device, w.dtype), sin.to(w.device, w.dtype)
         local = self.cfg.gemma.local_rope if self.cfg.gemma is not None else self.cfg.rope
         if local != self.cfg.rope:  # Gemma 3's (Gemma 2's local layers rotate as the others)
-            cos, sin = rope_tables(local, self.cfg.head_dim, max_positions)
+            cos, sin = rope_tables(local, self.cfg.rotary_dim, max_positions)
             self.local_rope = cos.to(w.device, w.dtype), sin.to(w.device, w.dtype)
 
     def forward(self, tokens: Tensor, positions: Tensor, meta: AttentionMetadata,

@@ -138,11 +138,9 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
     if spec is None:
         raise UnsupportedModelError(f"unsupported model architecture {arch!r} "
                                     f"(supported: {sorted(ARCHITECTURES)})", param="model")
+    # Phi-4-mini's 0.75: RoPE on part of each head
     rotary = (c.get("rope_parameters") or {}).get("partial_rotary_factor",
                                                   c.get("partial_rotary_factor", 1.0))
-    if float(rotary) != 1.0:  # Phi-4-mini's 0.75: RoPE on part of each head
-        raise UnsupportedModelError(f"{arch}: partial_rotary_factor {rotary} is not supported "
-                                    "(RoPE over the whole head only)", param="model")
     if c.get("clip_qkv") is not None:  # OLMo's clamp of Q, K and V
         raise UnsupportedModelError(f"{arch}: clip_qkv is not supported", param="model")
     act = c.get("hidden_activation") or c.get("hidden_act") or "silu"
@@ -164,7 +162,7 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=_max_positions(c, spec),
-        rope=rope_from_hf(c),
+        rope=rope_from_hf(c), partial_rotary_factor=float(rotary),
         qkv_bias=bool(c.get("qkv_bias", spec.qkv_bias) or c.get("attention_bias")),
         o_bias=bool(c.get("attention_bias")),
         qk_norm=spec.qk_norm, qk_norm_whole=spec.qk_norm_whole, no_rope_layers=_no_rope_layers(c),
@@ -263,9 +261,15 @@ def _no_rope_layers(c: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _max_positions(c: dict[str, Any], spec: ArchSpec) -> int:
-    """The context limit; a sliding window caps it where the model does not run one (full
-    attention is exact within it): Gemma's local layers do."""
+    """The context limit: `max_position_embeddings`, or under linear or YaRN scaling the
+    original context times the factor (vLLM's rule: Qwen2.5's YaRN, added to a config of
+    32,768 positions with factor 4, serves 131,072); a sliding window caps it where the
+    model does not run one (full attention is exact within it): Gemma's local layers do."""
     limit = int(c.get("max_position_embeddings", 2048))
+    rope = rope_from_hf(c)
+    if rope.rope_type in ("linear", "yarn"):  # vLLM's rule: the scaled context
+        base = rope.params.get("original_max_position_embeddings", limit)
+        limit = int(base * float(rope.params["factor"]))
     window = c.get("sliding_window")
     if window and c.get("use_sliding_window", True) and not spec.gemma:
         limit = min(limit, int(window))
@@ -274,14 +278,26 @@ def _max_positions(c: dict[str, Any], spec: ArchSpec) -> int:
 
 def rope_from_hf(c: dict[str, Any]) -> RopeConfig:
     """RoPE from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (<5);
-    per layer kind in transformers 5's Gemma 3 config: the full-attention layers' here."""
+    per layer kind in transformers 5's Gemma 3 config: the full-attention layers' here.
+    What transformers fills in for llama3, YaRN and longrope, filled the same way: the
+    original context (a top-level `original_max_position_embeddings`, Phi-3's, first; then
+    the scaling's own; then `max_position_embeddings`) and a missing `factor` (the context
+    over the original). Phi-3's early name for longrope, "su", is longrope."""
     params = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
     if "full_attention" in params:
         params = dict(params["full_attention"])
     theta = float(params.pop("rope_theta", c.get("rope_theta", 10000.0)))
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    if "original_max_position_embeddings" not in params and rope_type == "llama3":
-        params["original_max_position_embeddings"] = c.get("max_position_embeddings")
+    params.pop("partial_rotary_factor", None)  # LlamaConfig's
+    named = params.pop("rope_type", None), params.pop("type", None)  # (transformers <4.45: type)
+    rope_type = named[0] or named[1] or "default"
+    rope_type = "longrope" if rope_type == "su" else rope_type
+    if rope_type in ("llama3", "yarn", "longrope"):
+        context = c.get("max_position_embeddings")
+        original = (c.get("original_max_position_embeddings")
+                    or params.get("original_max_position_embeddings") or context)
+        params["original_max_position_embeddings"] = original
+        if params.get("factor") is None and context and original:
+            params["factor"] = float(context) / float(original)
     return RopeConfig(theta=theta, rope_type=rope_type, params=params)
 
 
