@@ -50,7 +50,8 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
     "phi3" (Q|K|V and gate|up fused in the checkpoint), and the mixtures of experts
     "mixtral", "qwen3_moe" (its second layer a dense MLP), "granitemoe" (experts stacked
     in one tensor a projection, granite's multipliers), "qwen2_moe" (with a shared
-    expert), "olmoe" (Q and K norms over all heads), and "gemma3" (Gemma 3's text model:
+    expert), "olmoe" (Q and K norms over all heads), "olmo2" (those norms, and each
+    branch's output normalized instead of its input; every norm away from ones), "gemma3" (Gemma 3's text model:
     a sliding window of 8 tokens in its first layer, full attention in its second, each
     with its own RoPE base; its norms and scores' scale away from the defaults) and
     "gemma2" (the same window and layers, and soft caps on the scores and logits small
@@ -110,6 +111,8 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
                 p.uniform_(0.5, 1.5)
             elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # (1 + w)
                 p.normal_(0.0, 0.2)
+            elif arch == "olmo2" and name.endswith("norm.weight"):  # (a swap would show)
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(str(out), safe_serialization=True)
     save_smollm2_tokenizer(out)
     return out
@@ -176,7 +179,7 @@ def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3",
                 config["shared_expert_intermediate_size"])
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     to_gguf = {f"{hf}.": f"{g}." for g, hf in GGUF_GLOBAL_NAMES.items()}
-    names = {"gemma2": GGUF_GEMMA_NAMES, "gemma3": GGUF_GEMMA_NAMES,
+    names = {"gemma2": GGUF_GEMMA_NAMES, "gemma3": GGUF_GEMMA_NAMES, "olmo2": GGUF_GEMMA_NAMES,
              "phi3": GGUF_PHI3_NAMES}.get(arch, GGUF_NAMES)
     short = {v: k for k, v in names.items()}
     stacked: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # (layer, kind) -> experts

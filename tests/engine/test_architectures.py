@@ -550,3 +550,31 @@ def test_gemma2_config_from_the_hub(tiny_gemma2_dir: Path) -> None:
     logits = runner.execute([SeqChunk(runner.tokenizer.encode(PROMPT), 0, list(range(16)),
                                       True)])
     assert float(logits.abs().max()) < 3.0
+
+
+def test_olmo2_block_and_gguf_file(tiny_olmo2_dir: Path, tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """OLMo 2: one norm over all of Q's heads and one over K's, and each branch's output
+    normalized before its residual add with no norm of its input (greedy tokens against
+    transformers: test_hf_equivalence.py). Its checkpoint names no input norm; an `olmo2`
+    file (the branch norms named as Gemma's, `post_attention_norm` and `post_ffw_norm`)
+    loads as the checkpoint, without the decode graph (which has input norms)."""
+    from sluice.engine.models.llama import ResidualAdd
+    from sluice.engine.models.loader import config_from_hf, read_config
+
+    monkeypatch.setenv("SLUICE_WEIGHTS_CACHE", "off")
+    cfg = config_from_hf(read_config(tiny_olmo2_dir))
+    assert cfg.qk_norm_whole and cfg.post_norms_only and not cfg.qk_norm
+    path = write_gguf(tiny_olmo2_dir, tmp_path / "tiny-olmo2.gguf", "f32", arch="olmo2")
+    gguf_cfg = config_from_gguf(GGUFFile(path))[0]
+    assert (gguf_cfg.architecture, gguf_cfg.qk_norm_whole, gguf_cfg.post_norms_only) == (
+        "Olmo2ForCausalLM", True, True)
+    got, want = gguf_and_checkpoint_logits(path, tiny_olmo2_dir)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    runner = ModelRunner(EngineConfig.from_options(str(tiny_olmo2_dir), num_kv_blocks=64,
+                                                   block_size=4, dtype="float32"))
+    assert runner.decode_graph is None
+    block = runner.model.layers[0]
+    assert isinstance(block.attention_norm, ResidualAdd)
+    assert isinstance(block.ffn_norm, ResidualAdd)
+    assert block.post_attention_norm is not None and block.post_ffn_norm is not None

@@ -174,6 +174,8 @@ class DecodeGraph:
         k_pools, v_pools = [], []
         for layer in model.layers:
             assert isinstance(layer, TransformerBlock)
+            assert isinstance(layer.attention_norm, RMSNorm), "the graph's layers have input norms"
+            assert isinstance(layer.ffn_norm, RMSNorm)
             norms += [layer.attention_norm, layer.ffn_norm]
             if layer.attention.q_norm is not None and layer.attention.k_norm is not None:
                 qk_norms += [layer.attention.q_norm, layer.attention.k_norm]

@@ -44,7 +44,7 @@ from sluice.engine.models.llama import (
     assemble_model,
     model_state,
 )
-from sluice.engine.models.loader import split_fused_weights
+from sluice.engine.models.loader import ARCHITECTURES, split_fused_weights
 from sluice.engine.models.weights_cache import cached_state
 from sluice.protocol.errors import InvalidRequestError
 
@@ -63,6 +63,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool, bool]] = {
     "granite": ("GraniteForCausalLM", True, False, False),
     "granitemoe": ("GraniteMoeForCausalLM", True, False, False),
     "smollm3": ("SmolLM3ForCausalLM", True, False, False),
+    "olmo2": ("Olmo2ForCausalLM", False, False, False),  # its whole-Q/K norms: ArchSpec's
 }
 # SmolLM3's layers without RoPE: every fourth, as llama.cpp fixes it (no metadata key)
 SMOLLM3_NO_ROPE_STEP = 4
@@ -89,9 +90,10 @@ GGUF_GEMMA_NAMES: dict[str, str] = {
 GGUF_PHI3_NAMES: dict[str, str] = {
     **GGUF_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj",
 }
-# the names of an architecture's file where they differ from Llama's
+# the names of an architecture's file where they differ from Llama's (OLMo 2's branch
+# output norms are named as Gemma's; it has no input norms)
 GGUF_NAMES_BY_ARCH = {"Gemma2ForCausalLM": GGUF_GEMMA_NAMES, "Gemma3ForCausalLM": GGUF_GEMMA_NAMES,
-                      "Phi3ForCausalLM": GGUF_PHI3_NAMES}
+                      "Olmo2ForCausalLM": GGUF_GEMMA_NAMES, "Phi3ForCausalLM": GGUF_PHI3_NAMES}
 GGUF_GLOBAL_NAMES: dict[str, str] = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
 }
@@ -198,7 +200,9 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
         head_dim=head_dim,
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         max_position_embeddings=context,
-        rope=rope, partial_rotary_factor=rotary / head_dim, qkv_bias=qkv_bias, qk_norm=qk_norm, moe=moe,
+        rope=rope, partial_rotary_factor=rotary / head_dim, qkv_bias=qkv_bias, qk_norm=qk_norm,
+        qk_norm_whole=ARCHITECTURES[hf_arch].qk_norm_whole,
+        post_norms_only=ARCHITECTURES[hf_arch].post_norms_only, moe=moe,
         gemma=gemma_from_gguf(gguf, arch, head_dim, rope) if arch.startswith("gemma") else None,
         granite=granite_from_gguf(gguf, arch) if arch.startswith("granite") else None,
         no_rope_layers=tuple(int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(

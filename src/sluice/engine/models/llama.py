@@ -1,5 +1,6 @@
 """The Llama family (Llama 2/3, SmolLM2/3, Mistral, Mixtral, Qwen2/2.5 and Qwen2-MoE, Qwen3
-and Qwen3-MoE, Granite 3 and its MoE, OLMoE, Gemma 2 and 3) as one model file.
+and Qwen3-MoE, Granite 3 and its MoE, Phi-3/4-mini, OLMoE, OLMo 2, Gemma 2 and 3) as one
+model file.
 
 Read it like the paper: each block is
 
@@ -23,7 +24,8 @@ into the weights at load: `fuse_hf_weights`), Llama 3 scales RoPE frequencies
 Gemma 2 and 3 (`GemmaConfig`) normalize each branch's output too (a norm after attention
 and after the MLP), gate the MLP with GELU, scale the embedding by sqrt(hidden), and
 attend through a sliding window in some layers (Gemma 3's with their own RoPE); Gemma 2
-caps its attention scores and its logits with a tanh.
+caps its attention scores and its logits with a tanh. OLMo 2 normalizes each branch's
+output and not its input (`post_norms_only`: `ResidualAdd` where the input norms are).
 Weights arrive under Hugging Face names (`model.layers.0.self_attn.q_proj.weight`, ...)
 from either loader and are fused here (Q|K|V into one matrix, gate|up into another) so a
 layer does three big matmuls and one attention call over all of a step's tokens,
@@ -191,7 +193,9 @@ class LlamaConfig:
     # Qwen3 (Qwen2's bias is on Q/K/V only)
     o_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each Q and each K head (its own weights)
-    qk_norm_whole: bool = False  # OLMoE: one RMSNorm over all of Q's heads, one over K's
+    qk_norm_whole: bool = False  # OLMoE, OLMo 2: one RMSNorm over all of Q's heads, one over K's
+    # OLMo 2: each branch's output normalized before its residual add, its input not
+    post_norms_only: bool = False
     # SmolLM3's per layer: 1 rotates Q and K, 0 does not (NoPE); empty: every layer rotates
     no_rope_layers: tuple[int, ...] = ()
     granite: GraniteScales | None = None  # Granite's multipliers (folded into weights)
@@ -592,19 +596,34 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
+class ResidualAdd(nn.Module):
+    """In place of a branch's input norm where a block has none (OLMo 2): `add` is the
+    residual add alone, its sum both the branch's input and the residual."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+    def add(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        total = residual + x
+        return total, total
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention_norm: RMSNorm | ResidualAdd = ResidualAdd()
+        self.ffn_norm: RMSNorm | ResidualAdd = ResidualAdd()
+        if not cfg.post_norms_only:
+            self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attention = Attention(cfg, cfg.uses_rope(layer), cfg.window(layer))
-        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.feed_forward: FeedForward | SparseMoE = (
             SparseMoE(cfg, cfg.moe) if cfg.moe is not None and cfg.is_sparse(layer)
             else FeedForward(cfg.hidden_size, cfg.intermediate_size, gelu=cfg.gemma is not None))
-        # Gemma's norms of each branch's output, before its residual add
+        # Gemma's and OLMo 2's norms of each branch's output, before its residual add
         self.post_attention_norm: RMSNorm | None = None
         self.post_ffn_norm: RMSNorm | None = None
-        if cfg.gemma is not None:
+        if cfg.gemma is not None or cfg.post_norms_only:
             self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -720,12 +739,14 @@ def fuse_hf_weights(cfg: LlamaConfig, hf: Mapping[str, Tensor]) -> dict[str, Ten
         else:
             _fuse_mlp(hf, p + "mlp.", ("gate_proj", "up_proj", "down_proj"),
                       a + "feed_forward.", out)
-        out[a + "attention_norm.weight"] = hf[p + "input_layernorm.weight"]
-        if cfg.gemma is not None:
+        if cfg.gemma is not None or cfg.post_norms_only:  # norms of the branches' outputs
             out[a + "post_attention_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
-            out[a + "ffn_norm.weight"] = hf[p + "pre_feedforward_layernorm.weight"]
             out[a + "post_ffn_norm.weight"] = hf[p + "post_feedforward_layernorm.weight"]
-        else:
+        if cfg.gemma is not None:  # and of their inputs
+            out[a + "attention_norm.weight"] = hf[p + "input_layernorm.weight"]
+            out[a + "ffn_norm.weight"] = hf[p + "pre_feedforward_layernorm.weight"]
+        elif not cfg.post_norms_only:  # Llama's: of the inputs alone
+            out[a + "attention_norm.weight"] = hf[p + "input_layernorm.weight"]
             out[a + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
     if cfg.granite is not None:
         _fold_granite(cfg, cfg.granite, out)
@@ -825,9 +846,11 @@ def expected_hf_names(cfg: LlamaConfig) -> list[str]:
             names += cfg.moe.hf_names(p + cfg.moe.hf_block + ".")
         else:
             names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        if cfg.gemma is not None:
-            names += [p + f"{n}_feedforward_layernorm.weight" for n in ("pre", "post")]
+        names += [p + "post_attention_layernorm.weight"]
+        names += [] if cfg.post_norms_only else [p + "input_layernorm.weight"]
+        if cfg.gemma is not None or cfg.post_norms_only:
+            names += [p + f"{n}_feedforward_layernorm.weight" for n in ("pre", "post")
+                      if n == "post" or cfg.gemma is not None]
     return names
 
 

@@ -46,6 +46,7 @@ class ArchSpec:
     granite: bool = False  # its multipliers (GraniteScales)
     moe: str | None = None  # a mixture of experts, configured as `_moe` reads `kind`
     gemma: bool = False  # Gemma's norms, GELU, local layers and soft caps (GemmaConfig)
+    post_norms_only: bool = False  # OLMo 2's block: norms of the branches' outputs alone
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -60,6 +61,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen3MoeForCausalLM": ArchSpec(qk_norm=True, moe="qwen3_moe"),
     "GraniteMoeForCausalLM": ArchSpec(granite=True, moe="granitemoe"),
     "OlmoeForCausalLM": ArchSpec(qk_norm_whole=True, moe="olmoe"),
+    "Olmo2ForCausalLM": ArchSpec(qk_norm_whole=True, post_norms_only=True),
     "Phi3ForCausalLM": ArchSpec(),  # its fused qkv_proj / gate_up_proj: split_fused_weights
     "Gemma2ForCausalLM": ArchSpec(gemma=True),
     "Gemma3ForCausalLM": ArchSpec(qk_norm=True, gemma=True),
@@ -165,7 +167,8 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         rope=rope_from_hf(c), partial_rotary_factor=float(rotary),
         qkv_bias=bool(c.get("qkv_bias", spec.qkv_bias) or c.get("attention_bias")),
         o_bias=bool(c.get("attention_bias")),
-        qk_norm=spec.qk_norm, qk_norm_whole=spec.qk_norm_whole, no_rope_layers=_no_rope_layers(c),
+        qk_norm=spec.qk_norm, qk_norm_whole=spec.qk_norm_whole,
+        post_norms_only=spec.post_norms_only, no_rope_layers=_no_rope_layers(c),
         granite=_granite_scales(c) if spec.granite else None,
         moe=_moe(c, spec.moe) if spec.moe else None,
         gemma=_gemma(c, arch) if spec.gemma else None,
