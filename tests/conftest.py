@@ -64,6 +64,7 @@ tiny_granitemoe_dir = tiny_checkpoint("tiny_granitemoe_dir", "granitemoe")
 tiny_qwen2_moe_dir = tiny_checkpoint("tiny_qwen2_moe_dir", "qwen2_moe")
 tiny_olmoe_dir = tiny_checkpoint("tiny_olmoe_dir", "olmoe")
 tiny_olmo2_dir = tiny_checkpoint("tiny_olmo2_dir", "olmo2")
+tiny_olmo3_dir = tiny_checkpoint("tiny_olmo3_dir", "olmo3")
 tiny_gemma2_dir = tiny_checkpoint("tiny_gemma2_dir", "gemma2")
 tiny_gemma3_dir = tiny_checkpoint("tiny_gemma3_dir", "gemma3")
 

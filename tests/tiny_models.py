@@ -51,7 +51,9 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
     "mixtral", "qwen3_moe" (its second layer a dense MLP), "granitemoe" (experts stacked
     in one tensor a projection, granite's multipliers), "qwen2_moe" (with a shared
     expert), "olmoe" (Q and K norms over all heads), "olmo2" (those norms, and each
-    branch's output normalized instead of its input; every norm away from ones), "gemma3" (Gemma 3's text model:
+    branch's output normalized instead of its input; every norm away from ones), "olmo3"
+    (OLMo 2's block; a window of 8 tokens in its first layer with plain RoPE, YaRN in its
+    second, full, layer, 128 positions), "gemma3" (Gemma 3's text model:
     a sliding window of 8 tokens in its first layer, full attention in its second, each
     with its own RoPE base; its norms and scores' scale away from the defaults) and
     "gemma2" (the same window and layers, and soft caps on the scores and logits small
@@ -94,6 +96,13 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
                       layer_types=["sliding_attention", "full_attention"], pad_token_id=0)
     if arch == "gemma3":
         common.update(rope_theta=1_000_000.0, rope_local_base_freq=10_000.0)
+    if arch == "olmo3":  # its sliding layer unscaled, the full one with YaRN (as Olmo-3-7B)
+        common.update(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                      max_position_embeddings=128, rope_parameters={
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                          "full_attention": {"rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 32,
+                                             "rope_theta": 10000.0}})
     if arch == "gemma2":
         common.update(attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
     common.update(overrides)
@@ -111,7 +120,7 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
                 p.uniform_(0.5, 1.5)
             elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # (1 + w)
                 p.normal_(0.0, 0.2)
-            elif arch == "olmo2" and name.endswith("norm.weight"):  # (a swap would show)
+            elif arch in ("olmo2", "olmo3") and name.endswith("norm.weight"):  # (a swap shows)
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(str(out), safe_serialization=True)
     save_smollm2_tokenizer(out)

@@ -404,11 +404,11 @@ def test_gemma3_config_from_the_hub_and_from_transformers_5(tiny_gemma3_dir: Pat
     assert cfg.gemma is not None and cfg.tie_word_embeddings and cfg.qk_norm
     assert [i for i in range(26) if cfg.window(i) is None] == [5, 11, 17, 23]
     assert cfg.window(0) == 512 and cfg.max_position_embeddings == 32768
-    assert (cfg.rope.theta, cfg.gemma.local_rope.theta) == (1e6, 1e4)
+    assert (cfg.rope.theta, cfg.local_rope.theta) == (1e6, 1e4)
     assert cfg.gemma.query_pre_attn_scalar == 256 and cfg.head_dim == 256
     tiny = config_from_hf(read_config(tiny_gemma3_dir))
     assert tiny.gemma is not None and [tiny.window(i) for i in (0, 1)] == [8, None]
-    assert (tiny.rope.theta, tiny.gemma.local_rope.theta) == (1e6, 1e4)
+    assert (tiny.rope.theta, tiny.local_rope.theta) == (1e6, 1e4)
     for bad, named in (({"architectures": ["LlamaForCausalLM"], "hidden_activation": None,
                         "final_logit_softcapping": 30.0}, "final_logit_softcapping"),
                        ({"hidden_activation": "gelu"}, "'gelu'"),
@@ -540,7 +540,7 @@ def test_gemma2_config_from_the_hub(tiny_gemma2_dir: Path) -> None:
     cfg = config_from_hf(GEMMA2_2B)
     assert cfg.gemma is not None and cfg.tie_word_embeddings and not cfg.qk_norm
     assert [cfg.window(i) for i in range(4)] == [4096, None, 4096, None]
-    assert cfg.gemma.local_rope == cfg.rope and cfg.max_position_embeddings == 8192
+    assert cfg.local_rope == cfg.rope and cfg.max_position_embeddings == 8192
     assert (cfg.gemma.attn_softcap, cfg.gemma.final_softcap) == (50.0, 30.0)
     tiny = config_from_hf(read_config(tiny_gemma2_dir))
     assert tiny.gemma is not None and (tiny.gemma.attn_softcap, tiny.gemma.final_softcap) == (5, 3)
@@ -558,9 +558,11 @@ def test_olmo2_block_and_gguf_file(tiny_olmo2_dir: Path, tmp_path: Path,
     normalized before its residual add with no norm of its input (greedy tokens against
     transformers: test_hf_equivalence.py). Its checkpoint names no input norm; an `olmo2`
     file (the branch norms named as Gemma's, `post_attention_norm` and `post_ffw_norm`)
-    loads as the checkpoint, without the decode graph (which has input norms)."""
+    loads as the checkpoint, without the decode graph (which has input norms); one with a
+    sliding window (OLMo 3's) is refused."""
     from sluice.engine.models.llama import ResidualAdd
     from sluice.engine.models.loader import config_from_hf, read_config
+    from sluice.protocol.errors import InvalidRequestError
 
     monkeypatch.setenv("SLUICE_WEIGHTS_CACHE", "off")
     cfg = config_from_hf(read_config(tiny_olmo2_dir))
@@ -571,6 +573,11 @@ def test_olmo2_block_and_gguf_file(tiny_olmo2_dir: Path, tmp_path: Path,
         "Olmo2ForCausalLM", True, True)
     got, want = gguf_and_checkpoint_logits(path, tiny_olmo2_dir)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    olmo3 = write_gguf(tiny_olmo2_dir, tmp_path / "olmo3.gguf", "f32", arch="olmo2",
+                       metadata=lambda w: w.add_sliding_window(8))
+    with pytest.raises(InvalidRequestError) as err:  # OLMo 3's file: refused by name
+        config_from_gguf(GGUFFile(olmo3))
+    assert err.value.param == "model" and "sliding_window" in str(err.value)
     runner = ModelRunner(EngineConfig.from_options(str(tiny_olmo2_dir), num_kv_blocks=64,
                                                    block_size=4, dtype="float32"))
     assert runner.decode_graph is None
@@ -578,3 +585,32 @@ def test_olmo2_block_and_gguf_file(tiny_olmo2_dir: Path, tmp_path: Path,
     assert isinstance(block.attention_norm, ResidualAdd)
     assert isinstance(block.ffn_norm, ResidualAdd)
     assert block.post_attention_norm is not None and block.post_ffn_norm is not None
+
+
+def test_olmo3_config_windows_and_ropes(tiny_olmo3_dir: Path) -> None:
+    """OLMo 3: OLMo 2's block, every fourth layer global and the others through
+    `sliding_window`, the global layers' YaRN and the sliding layers' plain RoPE of the
+    same base, from a config.json in transformers 4's style (`rope_scaling` the global
+    layers', shaped like Olmo-3-7B's) and transformers 5's (per-kind `rope_parameters`, the
+    tiny checkpoint); the context is YaRN's, not capped at the window; no decode graph
+    (greedy tokens against transformers: test_hf_equivalence.py)."""
+    from sluice.engine.models.llama import RopeConfig
+    from sluice.engine.models.loader import config_from_hf, read_config
+
+    cfg = config_from_hf({
+        "architectures": ["Olmo3ForCausalLM"], "vocab_size": 100278, "hidden_size": 4096,
+        "intermediate_size": 11008, "num_hidden_layers": 8, "num_attention_heads": 32,
+        "num_key_value_heads": 32, "max_position_embeddings": 65536, "rms_norm_eps": 1e-6,
+        "rope_theta": 500000, "sliding_window": 4096, "rope_scaling": {
+            "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192,
+            "attention_factor": 1.2079, "beta_fast": 32, "beta_slow": 1}})
+    assert cfg.post_norms_only and cfg.qk_norm_whole and cfg.gemma is None
+    assert [cfg.window(i) for i in range(8)] == [4096, 4096, 4096, None] * 2
+    assert cfg.rope.rope_type == "yarn" and cfg.local_rope == RopeConfig(theta=500000.0)
+    assert cfg.max_position_embeddings == 65536
+    tiny = config_from_hf(read_config(tiny_olmo3_dir))
+    assert [tiny.window(i) for i in (0, 1)] == [8, None] and tiny.max_position_embeddings == 128
+    assert (tiny.rope.rope_type, tiny.local_rope) == ("yarn", RopeConfig(theta=10000.0))
+    runner = ModelRunner(EngineConfig.from_options(str(tiny_olmo3_dir), num_kv_blocks=64,
+                                                   block_size=4, dtype="float32"))
+    assert runner.decode_graph is None and runner.model.local_rope is not None

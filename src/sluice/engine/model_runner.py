@@ -218,10 +218,11 @@ class ModelRunner:
         self.decode_graph: DecodeGraph | None = None
         self.wide_graph: DecodeGraph | None = None
         # the graph's layers are Llama's (dense SwiGLU MLPs, per-head Q/K norms if any,
-        # full attention): not a mixture of experts, OLMoE's and OLMo 2's norms or Gemma's
-        # blocks
+        # full attention): not a mixture of experts, OLMoE's and OLMo 2's norms, Gemma's
+        # blocks or sliding windows
         if (not mc.enforce_eager and cfg.moe is None and not cfg.qk_norm_whole
-                and not cfg.post_norms_only and cfg.gemma is None):
+                and not cfg.post_norms_only and cfg.gemma is None
+                and cfg.sliding_window is None):
             dense = None
             head = self.gguf_blocks.get("output")  # the GGUF graph's head kernel, both graphs
             if self.panels:

@@ -191,6 +191,10 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
         context = int(base * rope.params["factor"])
     rotary = int(gguf.get(f"{arch}.rope.dimension_count", head_dim))  # Phi-4-mini's 96 of 128
     window = gguf.get(f"{arch}.attention.sliding_window")
+    if window and arch == "olmo2":  # OLMo 3's, whose sliding layers rotate their own way
+        raise InvalidRequestError(f"{gguf.path.name}: an olmo2 file with "
+                                  f"{arch}.attention.sliding_window (OLMo 3) is not supported; "
+                                  "serve its checkpoint", param="model")
     if window and not arch.startswith("gemma"):  # exact within it (as for a checkpoint)
         context = min(context, int(window))
     cfg = LlamaConfig(
@@ -203,7 +207,8 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
         rope=rope, partial_rotary_factor=rotary / head_dim, qkv_bias=qkv_bias, qk_norm=qk_norm,
         qk_norm_whole=ARCHITECTURES[hf_arch].qk_norm_whole,
         post_norms_only=ARCHITECTURES[hf_arch].post_norms_only, moe=moe,
-        gemma=gemma_from_gguf(gguf, arch, head_dim, rope) if arch.startswith("gemma") else None,
+        gemma=gemma_from_gguf(gguf, arch, head_dim) if arch.startswith("gemma") else None,
+        **(sliding_from_gguf(gguf, arch, rope) if arch.startswith("gemma") else {}),
         granite=granite_from_gguf(gguf, arch) if arch.startswith("granite") else None,
         no_rope_layers=tuple(int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(
             int(meta("block_count")))) if arch == "smollm3" else (),
@@ -224,14 +229,13 @@ def granite_from_gguf(gguf: GGUFFile, arch: str) -> GraniteScales:
         logits_scaling=float(gguf.get(f"{arch}.logit_scale", 1.0)))
 
 
-def gemma_from_gguf(gguf: GGUFFile, arch: str, head_dim: int, rope: RopeConfig) -> GemmaConfig:
-    """Gemma's local layers as llama.cpp reads a `gemma2` / `gemma3` file: the window
-    `attention.sliding_window`; the layers `attention.sliding_window_pattern` says (a
-    period, every such layer global, or a flag a layer), else llama.cpp's fixed period
-    (Gemma 2: every other layer global, Gemma 3: every sixth); Gemma 3's local RoPE base
-    `rope.freq_base_swa`, else 10,000 (Gemma 2's local layers rotate as its global ones);
-    the scores scaled by 1/sqrt(head_dim), but for the 27B models (Gemma 2's 46 layers,
-    Gemma 3's 62: 1/sqrt(hidden / heads)); Gemma 2's soft caps."""
+def sliding_from_gguf(gguf: GGUFFile, arch: str, rope: RopeConfig) -> dict[str, Any]:
+    """Gemma's local layers as llama.cpp reads a `gemma2` / `gemma3` file (LlamaConfig's
+    fields): the window `attention.sliding_window`; the layers
+    `attention.sliding_window_pattern` says (a period, every such layer global, or a flag
+    a layer), else llama.cpp's fixed period (Gemma 2: every other layer global, Gemma 3:
+    every sixth); Gemma 3's local RoPE base `rope.freq_base_swa`, else 10,000 (Gemma 2's
+    local layers rotate as its global ones)."""
     window = gguf.get(f"{arch}.attention.sliding_window")
     if window is None:
         raise InvalidRequestError(f"{gguf.path.name}: missing GGUF metadata "
@@ -245,14 +249,21 @@ def gemma_from_gguf(gguf: GGUFFile, arch: str, head_dim: int, rope: RopeConfig) 
     if len(sliding) != layers:
         raise InvalidRequestError(f"{gguf.path.name}: {arch}.attention.sliding_window_pattern "
                                   f"has {len(sliding)} flags for {layers} layers", param="model")
+    local = rope if arch == "gemma2" else RopeConfig(
+        float(gguf.get(f"{arch}.rope.freq_base_swa", 10000.0)))
+    return {"sliding_window": int(window), "sliding_layers": sliding, "local_rope": local}
+
+
+def gemma_from_gguf(gguf: GGUFFile, arch: str, head_dim: int) -> GemmaConfig:
+    """Gemma's score scale as llama.cpp reads a `gemma2` / `gemma3` file: 1/sqrt(head_dim),
+    but for the 27B models (Gemma 2's 46 layers, Gemma 3's 62: 1/sqrt(hidden / heads));
+    Gemma 2's soft caps."""
+    layers = int(gguf.get(f"{arch}.block_count"))
     big = layers == (46 if arch == "gemma2" else 62)
     scalar = head_dim if not big else (int(gguf.get(f"{arch}.embedding_length"))
                                        // int(gguf.get(f"{arch}.attention.head_count")))
-    local = rope if arch == "gemma2" else RopeConfig(
-        float(gguf.get(f"{arch}.rope.freq_base_swa", 10000.0)))
     caps = [gguf.get(f"{arch}.{k}_logit_softcapping") for k in ("attn", "final")]
-    return GemmaConfig(sliding_window=int(window), sliding_layers=sliding, local_rope=local,
-                       query_pre_attn_scalar=float(scalar),
+    return GemmaConfig(query_pre_attn_scalar=float(scalar),
                        attn_softcap=None if caps[0] is None else float(caps[0]),
                        final_softcap=None if caps[1] is None else float(caps[1]))
 

@@ -1,6 +1,6 @@
 """The Llama family (Llama 2/3, SmolLM2/3, Mistral, Mixtral, Qwen2/2.5 and Qwen2-MoE, Qwen3
-and Qwen3-MoE, Granite 3 and its MoE, Phi-3/4-mini, OLMoE, OLMo 2, Gemma 2 and 3) as one
-model file.
+and Qwen3-MoE, Granite 3 and its MoE, Phi-3/4-mini, OLMoE, OLMo 2 and 3, Gemma 2 and 3) as
+one model file.
 
 Read it like the paper: each block is
 
@@ -25,7 +25,8 @@ Gemma 2 and 3 (`GemmaConfig`) normalize each branch's output too (a norm after a
 and after the MLP), gate the MLP with GELU, scale the embedding by sqrt(hidden), and
 attend through a sliding window in some layers (Gemma 3's with their own RoPE); Gemma 2
 caps its attention scores and its logits with a tanh. OLMo 2 normalizes each branch's
-output and not its input (`post_norms_only`: `ResidualAdd` where the input norms are).
+output and not its input (`post_norms_only`: `ResidualAdd` where the input norms are);
+OLMo 3 adds sliding windows as Gemma's (`sliding_window`, `sliding_layers`, `local_rope`).
 Weights arrive under Hugging Face names (`model.layers.0.self_attn.q_proj.weight`, ...)
 from either loader and are fused here (Q|K|V into one matrix, gate|up into another) so a
 layer does three big matmuls and one attention call over all of a step's tokens,
@@ -147,18 +148,14 @@ class GemmaConfig:
     (`post_attention_layernorm`, `post_feedforward_layernorm`; the MLP's input norm is
     `pre_feedforward_layernorm`), the MLP is gated by GELU's tanh form
     (`gelu_pytorch_tanh`), the embedding's rows are multiplied by sqrt(hidden_size), the
-    attention scores scaled by 1/sqrt(`query_pre_attn_scalar`), and the layers where
-    `sliding_layers` is 1 attend only to the `sliding_window` tokens ending at each query,
-    rotated by their own RoPE (Gemma 3's `rope_local_base_freq`; Gemma 2's are the
-    global one). Every RMSNorm multiplies by (1 + weight): folded into the weights at
+    attention scores scaled by 1/sqrt(`query_pre_attn_scalar`), and some layers attend
+    through a sliding window (`LlamaConfig.sliding_window`: Gemma 3's with their own RoPE,
+    `rope_local_base_freq`; Gemma 2's with the global one). Every RMSNorm multiplies by (1 + weight): folded into the weights at
     load (`_fold_gemma`), as is the score scale (into Q's head norm, Gemma 3; Q's rows,
     Gemma 2), so the norms and kernels are Llama's. Gemma 2 caps the attention scores at
     `attn_softcap * tanh(s / attn_softcap)` (`attn_logit_softcapping`) and the logits
     likewise (`final_logit_softcapping`)."""
 
-    sliding_window: int
-    sliding_layers: tuple[int, ...]
-    local_rope: RopeConfig = field(default_factory=RopeConfig)
     query_pre_attn_scalar: float = 256.0
     attn_softcap: float | None = None
     final_softcap: float | None = None
@@ -200,16 +197,21 @@ class LlamaConfig:
     no_rope_layers: tuple[int, ...] = ()
     granite: GraniteScales | None = None  # Granite's multipliers (folded into weights)
     moe: MoEConfig | None = None  # experts in place of the MLP (Mixtral, Qwen3-MoE, ...)
-    gemma: GemmaConfig | None = None  # Gemma's norms, GELU, local layers, soft caps
+    gemma: GemmaConfig | None = None  # Gemma's norms, GELU, score scale, soft caps
+    # layers that attend only to the `sliding_window` tokens ending at each query (Gemma's
+    # local layers, OLMo 3's): 1 in `sliding_layers`; rotated by `local_rope` where it is
+    # not None (Gemma 3's own RoPE base; OLMo 3's unscaled RoPE beside global YaRN)
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    local_rope: RopeConfig | None = None
     tie_word_embeddings: bool = False
 
     def uses_rope(self, layer: int) -> bool:
         return not self.no_rope_layers or bool(self.no_rope_layers[layer])
 
     def window(self, layer: int) -> int | None:
-        """The sliding window `layer` attends through (Gemma's local layers), or None."""
-        g = self.gemma
-        return g.sliding_window if g is not None and g.sliding_layers[layer] else None
+        """The sliding window `layer` attends through, or None."""
+        return self.sliding_window if self.sliding_layers and self.sliding_layers[layer] else None
 
     def is_sparse(self, layer: int) -> bool:
         """Whether `layer`'s MLP is a mixture of experts."""
@@ -219,6 +221,11 @@ class LlamaConfig:
         if self.num_heads % self.num_kv_heads:
             raise InvalidRequestError("num_attention_heads must be a multiple of "
                                       "num_key_value_heads", param="model")
+        if self.sliding_layers and (len(self.sliding_layers) != self.num_layers
+                                    or self.sliding_window is None):
+            raise InvalidRequestError(f"{len(self.sliding_layers)} sliding-layer flags for "
+                                      f"{self.num_layers} layers (window "
+                                      f"{self.sliding_window})", param="model")
         if not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
             raise InvalidRequestError(f"partial_rotary_factor {self.partial_rotary_factor} "
                                       f"rotates {self.rotary_dim} of {self.head_dim} dimensions "
@@ -458,7 +465,7 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.use_rope = use_rope  # False: a NoPE layer (SmolLM3's every fourth)
-        self.window = window  # a sliding window's length (Gemma's local layers)
+        self.window = window  # a sliding window's length (Gemma's and OLMo 3's local layers)
         self.softcap = cfg.gemma.attn_softcap if cfg.gemma is not None else None
         self.wqkv = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.wo = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
@@ -658,7 +665,7 @@ class Transformer(nn.Module):
                        else SoftcappedHead(cfg.hidden_size, cfg.vocab_size, cap))
         self.rope_cos: Tensor | None = None
         self.rope_sin: Tensor | None = None
-        # Gemma 3's local layers' own tables (their RoPE base differs); None: the global ones
+        # the sliding layers' own tables (Gemma 3's, OLMo 3's); None: the global ones
         self.local_rope: tuple[Tensor, Tensor] | None = None
 
     def init_rope(self, max_positions: int) -> None:
@@ -666,8 +673,8 @@ class Transformer(nn.Module):
         w = self.output.weight
         cos, sin = rope_tables(self.cfg.rope, self.cfg.rotary_dim, max_positions)
         self.rope_cos, self.rope_sin = cos.to(w.device, w.dtype), sin.to(w.device, w.dtype)
-        local = self.cfg.gemma.local_rope if self.cfg.gemma is not None else self.cfg.rope
-        if local != self.cfg.rope:  # Gemma 3's (Gemma 2's local layers rotate as the others)
+        local = self.cfg.local_rope
+        if local is not None and local != self.cfg.rope:
             cos, sin = rope_tables(local, self.cfg.rotary_dim, max_positions)
             self.local_rope = cos.to(w.device, w.dtype), sin.to(w.device, w.dtype)
 

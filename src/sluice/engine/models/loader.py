@@ -47,6 +47,9 @@ class ArchSpec:
     moe: str | None = None  # a mixture of experts, configured as `_moe` reads `kind`
     gemma: bool = False  # Gemma's norms, GELU, local layers and soft caps (GemmaConfig)
     post_norms_only: bool = False  # OLMo 2's block: norms of the branches' outputs alone
+    # runs `sliding_window` in some layers (not a cap on the context): every this many
+    # layers one global, where the config has no `layer_types` (0: no windows run)
+    sliding_period: int = 0
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -62,9 +65,10 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "GraniteMoeForCausalLM": ArchSpec(granite=True, moe="granitemoe"),
     "OlmoeForCausalLM": ArchSpec(qk_norm_whole=True, moe="olmoe"),
     "Olmo2ForCausalLM": ArchSpec(qk_norm_whole=True, post_norms_only=True),
+    "Olmo3ForCausalLM": ArchSpec(qk_norm_whole=True, post_norms_only=True, sliding_period=4),
     "Phi3ForCausalLM": ArchSpec(),  # its fused qkv_proj / gate_up_proj: split_fused_weights
-    "Gemma2ForCausalLM": ArchSpec(gemma=True),
-    "Gemma3ForCausalLM": ArchSpec(qk_norm=True, gemma=True),
+    "Gemma2ForCausalLM": ArchSpec(gemma=True, sliding_period=2),
+    "Gemma3ForCausalLM": ArchSpec(qk_norm=True, gemma=True, sliding_period=6),
 }
 
 
@@ -171,22 +175,24 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         post_norms_only=spec.post_norms_only, no_rope_layers=_no_rope_layers(c),
         granite=_granite_scales(c) if spec.granite else None,
         moe=_moe(c, spec.moe) if spec.moe else None,
-        gemma=_gemma(c, arch) if spec.gemma else None,
+        gemma=_gemma(c) if spec.gemma else None,
+        **(_sliding(c, arch, spec.sliding_period) if spec.sliding_period else {}),
         # Gemma's config.json may leave it out: its default is tied
         tie_word_embeddings=bool(c.get("tie_word_embeddings", spec.gemma)))
 
 
-def _gemma(c: dict[str, Any], arch: str) -> GemmaConfig:
-    """Gemma's local layers: `layer_types` ("sliding_attention" / "full_attention"),
-    else every `sliding_window_pattern`-th layer global (Gemma 3's 6: five local, one
-    global; Gemma 2's every other); Gemma 3's local RoPE from `rope_local_base_freq`, or
-    transformers 5's `rope_parameters["sliding_attention"]` (Gemma 2's is the global
-    one); Gemma 2's soft caps."""
+def _sliding(c: dict[str, Any], arch: str, period: int) -> dict[str, Any]:
+    """The layers that attend through `sliding_window` (LlamaConfig's fields):
+    `layer_types` ("sliding_attention" / "full_attention"), else every
+    `sliding_window_pattern`-th layer global, else every `period`-th (Gemma 3's 6: five
+    local, one global; Gemma 2's every other; OLMo 3's every fourth). Their RoPE:
+    transformers 5's `rope_parameters["sliding_attention"]`, else Gemma 3's
+    `rope_local_base_freq` (10,000 by default), else Gemma 2's global RoPE, else (OLMo 3)
+    the global base without the global scaling (its YaRN is the full layers' alone)."""
     layers = int(c["num_hidden_layers"])
-    gemma2 = arch == "Gemma2ForCausalLM"
     types = c.get("layer_types")
     if types is None:
-        pattern = int(c.get("sliding_window_pattern") or (2 if gemma2 else 6))
+        pattern = int(c.get("sliding_window_pattern") or period)
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                  for i in range(layers)]
     if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
@@ -195,15 +201,22 @@ def _gemma(c: dict[str, Any], arch: str) -> GemmaConfig:
     params = c.get("rope_parameters") or {}
     if "sliding_attention" in params:
         local = rope_from_hf({"rope_parameters": params["sliding_attention"]})
-    elif gemma2:
+    elif arch == "Gemma3ForCausalLM":
+        local = RopeConfig(theta=float(c.get("rope_local_base_freq", 10000.0)))
+    elif arch == "Gemma2ForCausalLM":
         local = rope_from_hf(c)
     else:
-        local = RopeConfig(theta=float(c.get("rope_local_base_freq", 10000.0)))
+        local = RopeConfig(theta=rope_from_hf(c).theta)
+    return {"sliding_window": int(c["sliding_window"]),
+            "sliding_layers": tuple(int(t == "sliding_attention") for t in types),
+            "local_rope": local}
+
+
+def _gemma(c: dict[str, Any]) -> GemmaConfig:
+    """Gemma's score scale (`query_pre_attn_scalar`, else head_dim) and Gemma 2's soft
+    caps (its sliding layers: `_sliding`)."""
     caps = [c.get(k) for k in ("attn_logit_softcapping", "final_logit_softcapping")]
-    return GemmaConfig(sliding_window=int(c["sliding_window"]),
-                       sliding_layers=tuple(int(t == "sliding_attention") for t in types),
-                       local_rope=local,
-                       query_pre_attn_scalar=float(
+    return GemmaConfig(query_pre_attn_scalar=float(
                            c.get("query_pre_attn_scalar") or c.get("head_dim")
                            or int(c["hidden_size"]) // int(c["num_attention_heads"])),
                        attn_softcap=None if caps[0] is None else float(caps[0]),
@@ -267,14 +280,15 @@ def _max_positions(c: dict[str, Any], spec: ArchSpec) -> int:
     """The context limit: `max_position_embeddings`, or under linear or YaRN scaling the
     original context times the factor (vLLM's rule: Qwen2.5's YaRN, added to a config of
     32,768 positions with factor 4, serves 131,072); a sliding window caps it where the
-    model does not run one (full attention is exact within it): Gemma's local layers do."""
+    model does not run one (full attention is exact within it): Gemma's and OLMo 3's
+    local layers do."""
     limit = int(c.get("max_position_embeddings", 2048))
     rope = rope_from_hf(c)
     if rope.rope_type in ("linear", "yarn"):  # vLLM's rule: the scaled context
         base = rope.params.get("original_max_position_embeddings", limit)
         limit = int(base * float(rope.params["factor"]))
     window = c.get("sliding_window")
-    if window and c.get("use_sliding_window", True) and not spec.gemma:
+    if window and c.get("use_sliding_window", True) and not spec.sliding_period:
         limit = min(limit, int(window))
     return limit
 
