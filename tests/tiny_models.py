@@ -53,7 +53,8 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
     expert), "olmoe" (Q and K norms over all heads), "olmo2" (those norms, and each
     branch's output normalized instead of its input; every norm away from ones), "olmo3"
     (OLMo 2's block; a window of 8 tokens in its first layer with plain RoPE, YaRN in its
-    second, full, layer, 128 positions), "gemma3" (Gemma 3's text model:
+    second, full, layer, 128 positions), "exaone4" (OLMo 2's block with Qwen3's per-head
+    Q/K norms, a window of 8 in its first layer and its second global without RoPE), "gemma3" (Gemma 3's text model:
     a sliding window of 8 tokens in its first layer, full attention in its second, each
     with its own RoPE base; its norms and scores' scale away from the defaults) and
     "gemma2" (the same window and layers, and soft caps on the scores and logits small
@@ -96,6 +97,9 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
                       layer_types=["sliding_attention", "full_attention"], pad_token_id=0)
     if arch == "gemma3":
         common.update(rope_theta=1_000_000.0, rope_local_base_freq=10_000.0)
+    if arch == "exaone4":  # a window in its first layer, its second global without RoPE
+        common.update(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                      pad_token_id=0)
     if arch == "olmo3":  # its sliding layer unscaled, the full one with YaRN (as Olmo-3-7B)
         common.update(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                       max_position_embeddings=128, rope_parameters={
@@ -120,7 +124,7 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
                 p.uniform_(0.5, 1.5)
             elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # (1 + w)
                 p.normal_(0.0, 0.2)
-            elif arch in ("olmo2", "olmo3") and name.endswith("norm.weight"):  # (a swap shows)
+            elif arch in ("olmo2", "olmo3", "exaone4") and name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(str(out), safe_serialization=True)
     save_smollm2_tokenizer(out)

@@ -614,3 +614,26 @@ def test_olmo3_config_windows_and_ropes(tiny_olmo3_dir: Path) -> None:
     runner = ModelRunner(EngineConfig.from_options(str(tiny_olmo3_dir), num_kv_blocks=64,
                                                    block_size=4, dtype="float32"))
     assert runner.decode_graph is None and runner.model.local_rope is not None
+
+
+def test_exaone4_configs_with_and_without_windows(tiny_exaone4_dir: Path) -> None:
+    """EXAONE 4: OLMo 2's block with per-head Q/K norms. Without a window (the 1.2B
+    model's `sliding_window` null) every layer is global and rotates; with one (the 32B
+    model's, its pattern spelled "LLLG") three layers in four slide with RoPE and the
+    fourth is global without it, as transformers' attention skips RoPE there (greedy
+    tokens against transformers on the tiny checkpoint: test_hf_equivalence.py)."""
+    from sluice.engine.models.loader import config_from_hf, read_config
+
+    base = {"architectures": ["Exaone4ForCausalLM"], "vocab_size": 102400, "hidden_size": 2048,
+            "intermediate_size": 4096, "num_hidden_layers": 8, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "max_position_embeddings": 65536, "rope_theta": 1e6}
+    small = config_from_hf({**base, "sliding_window": None,
+                            "layer_types": ["full_attention"] * 8})
+    assert small.post_norms_only and small.qk_norm and not small.qk_norm_whole
+    assert small.sliding_window is None and all(small.uses_rope(i) for i in range(8))
+    large = config_from_hf({**base, "sliding_window": 4096, "sliding_window_pattern": "LLLG"})
+    assert [large.window(i) for i in range(8)] == [4096, 4096, 4096, None] * 2
+    assert [large.uses_rope(i) for i in range(4)] == [True, True, True, False]
+    assert large.max_position_embeddings == 65536  # the window runs: not a cap
+    tiny = config_from_hf(read_config(tiny_exaone4_dir))
+    assert [tiny.window(i) for i in (0, 1)] == [8, None] and tiny.no_rope_layers == (1, 0)

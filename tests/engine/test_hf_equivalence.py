@@ -58,14 +58,14 @@ OPTIONS = {
     "torch-kernels": {"max_num_batched_tokens": 16, "enable_prefix_caching": True,
                       "kernel_backend": "torch"},
 }
-# every engine option on the dense families (and Gemma's and OLMo 3's sliding windows,
-# Gemma 2's soft caps);
+# every engine option on the dense families (and Gemma's, OLMo 3's and EXAONE 4's sliding
+# windows, Gemma 2's soft caps);
 # the architectures that differ from them only in the model (a bias, fused checkpoint
 # tensors, experts, OLMo 2's norms, YaRN) on chunks with the cache, on both kernel backends
 # (longrope's short-prompt outputs differ from transformers' by design at the tiny
 # model's default context: test_rope_scaling.py)
 CASES = [(arch, option) for arch in ("llama", "qwen2", "qwen3", "smollm3", "granite",
-                                     "gemma2", "gemma3", "olmo3")
+                                     "gemma2", "gemma3", "olmo3", "exaone4")
          for option in OPTIONS] + [
     (arch, option) for arch in ("llama_bias", "phi3", "mixtral", "qwen3_moe", "granitemoe",
                                 "qwen2_moe", "olmoe", "olmo2", "qwen2_yarn")

@@ -1,6 +1,6 @@
 """The Llama family (Llama 2/3, SmolLM2/3, Mistral, Mixtral, Qwen2/2.5 and Qwen2-MoE, Qwen3
-and Qwen3-MoE, Granite 3 and its MoE, Phi-3/4-mini, OLMoE, OLMo 2 and 3, Gemma 2 and 3) as
-one model file.
+and Qwen3-MoE, Granite 3 and its MoE, Phi-3/4-mini, OLMoE, OLMo 2 and 3, EXAONE 4, Gemma 2
+and 3) as one model file.
 
 Read it like the paper: each block is
 
@@ -26,7 +26,8 @@ and after the MLP), gate the MLP with GELU, scale the embedding by sqrt(hidden),
 attend through a sliding window in some layers (Gemma 3's with their own RoPE); Gemma 2
 caps its attention scores and its logits with a tanh. OLMo 2 normalizes each branch's
 output and not its input (`post_norms_only`: `ResidualAdd` where the input norms are);
-OLMo 3 adds sliding windows as Gemma's (`sliding_window`, `sliding_layers`, `local_rope`).
+OLMo 3 adds sliding windows as Gemma's (`sliding_window`, `sliding_layers`, `local_rope`),
+EXAONE 4 per-head Q/K norms and, where it slides, global layers without RoPE.
 Weights arrive under Hugging Face names (`model.layers.0.self_attn.q_proj.weight`, ...)
 from either loader and are fused here (Q|K|V into one matrix, gate|up into another) so a
 layer does three big matmuls and one attention call over all of a step's tokens,

@@ -50,6 +50,7 @@ class ArchSpec:
     # runs `sliding_window` in some layers (not a cap on the context): every this many
     # layers one global, where the config has no `layer_types` (0: no windows run)
     sliding_period: int = 0
+    nope_global: bool = False  # EXAONE 4: with windows, the global layers without RoPE
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -66,6 +67,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "OlmoeForCausalLM": ArchSpec(qk_norm_whole=True, moe="olmoe"),
     "Olmo2ForCausalLM": ArchSpec(qk_norm_whole=True, post_norms_only=True),
     "Olmo3ForCausalLM": ArchSpec(qk_norm_whole=True, post_norms_only=True, sliding_period=4),
+    "Exaone4ForCausalLM": ArchSpec(qk_norm=True, post_norms_only=True, sliding_period=4,
+                                   nope_global=True),
     "Phi3ForCausalLM": ArchSpec(),  # its fused qkv_proj / gate_up_proj: split_fused_weights
     "Gemma2ForCausalLM": ArchSpec(gemma=True, sliding_period=2),
     "Gemma3ForCausalLM": ArchSpec(qk_norm=True, gemma=True, sliding_period=6),
@@ -161,6 +164,7 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         raise UnsupportedModelError(f"{arch}: use_bidirectional_attention is not supported "
                                     "(causal attention only)", param="model")
     heads = int(c["num_attention_heads"])
+    sliding = _sliding(c, arch, spec.sliding_period) if spec.sliding_period else {}
     return LlamaConfig(
         architecture=arch, vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]),
         intermediate_size=int(c["intermediate_size"]), num_layers=int(c["num_hidden_layers"]),
@@ -172,28 +176,38 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         qkv_bias=bool(c.get("qkv_bias", spec.qkv_bias) or c.get("attention_bias")),
         o_bias=bool(c.get("attention_bias")),
         qk_norm=spec.qk_norm, qk_norm_whole=spec.qk_norm_whole,
-        post_norms_only=spec.post_norms_only, no_rope_layers=_no_rope_layers(c),
+        post_norms_only=spec.post_norms_only,
+        # EXAONE 4's global layers, where it slides, rotate nothing
+        no_rope_layers=sliding["sliding_layers"] if spec.nope_global and sliding
+        else _no_rope_layers(c),
         granite=_granite_scales(c) if spec.granite else None,
         moe=_moe(c, spec.moe) if spec.moe else None,
         gemma=_gemma(c) if spec.gemma else None,
-        **(_sliding(c, arch, spec.sliding_period) if spec.sliding_period else {}),
+        **sliding,
         # Gemma's config.json may leave it out: its default is tied
         tie_word_embeddings=bool(c.get("tie_word_embeddings", spec.gemma)))
 
 
 def _sliding(c: dict[str, Any], arch: str, period: int) -> dict[str, Any]:
-    """The layers that attend through `sliding_window` (LlamaConfig's fields):
-    `layer_types` ("sliding_attention" / "full_attention"), else every
-    `sliding_window_pattern`-th layer global, else every `period`-th (Gemma 3's 6: five
-    local, one global; Gemma 2's every other; OLMo 3's every fourth). Their RoPE:
+    """The layers that attend through `sliding_window` (LlamaConfig's fields; none where
+    the config has no window, as EXAONE-4.0-1.2B's): `layer_types` ("sliding_attention" /
+    "full_attention"), else every `sliding_window_pattern`-th layer global (or the
+    pattern spelled out, EXAONE's "LLLG": L local, G global, repeated), else every
+    `period`-th (Gemma 3's 6: five local, one global; Gemma 2's every other; OLMo 3's and
+    EXAONE 4's every fourth). Their RoPE:
     transformers 5's `rope_parameters["sliding_attention"]`, else Gemma 3's
     `rope_local_base_freq` (10,000 by default), else Gemma 2's global RoPE, else (OLMo 3)
     the global base without the global scaling (its YaRN is the full layers' alone)."""
+    if c.get("sliding_window") is None:
+        return {}
     layers = int(c["num_hidden_layers"])
     types = c.get("layer_types")
-    if types is None:
-        pattern = int(c.get("sliding_window_pattern") or period)
-        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+    pattern = c.get("sliding_window_pattern") or period
+    if types is None and isinstance(pattern, str):
+        types = ["sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention"
+                 for i in range(layers)]
+    elif types is None:
+        types = ["full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention"
                  for i in range(layers)]
     if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
         raise UnsupportedModelError(f"layer_types {types!r} is not one of sliding_attention / "
