@@ -54,7 +54,9 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
     branch's output normalized instead of its input; every norm away from ones), "olmo3"
     (OLMo 2's block; a window of 8 tokens in its first layer with plain RoPE, YaRN in its
     second, full, layer, 128 positions), "exaone4" (OLMo 2's block with Qwen3's per-head
-    Q/K norms, a window of 8 in its first layer and its second global without RoPE), "gemma3" (Gemma 3's text model:
+    Q/K norms, a window of 8 in its first layer and its second global without RoPE),
+    "granitemoehybrid" (Granite 4.0's transformer models: Granite's multipliers, the MLP
+    under `shared_mlp`), "gemma3" (Gemma 3's text model:
     a sliding window of 8 tokens in its first layer, full attention in its second, each
     with its own RoPE base; its norms and scores' scale away from the defaults) and
     "gemma2" (the same window and layers, and soft caps on the scores and logits small
@@ -97,6 +99,11 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
                       layer_types=["sliding_attention", "full_attention"], pad_token_id=0)
     if arch == "gemma3":
         common.update(rope_theta=1_000_000.0, rope_local_base_freq=10_000.0)
+    if arch == "granitemoehybrid":  # Granite 4.0's transformer: every layer attention, RoPE
+        common.update(embedding_multiplier=12.0, residual_multiplier=0.22,
+                      attention_multiplier=0.015625, logits_scaling=8.0, num_local_experts=0,
+                      shared_intermediate_size=128, position_embedding_type="rope",
+                      layer_types=["attention", "attention"], pad_token_id=0)
     if arch == "exaone4":  # a window in its first layer, its second global without RoPE
         common.update(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                       pad_token_id=0)

@@ -637,3 +637,32 @@ def test_exaone4_configs_with_and_without_windows(tiny_exaone4_dir: Path) -> Non
     assert large.max_position_embeddings == 65536  # the window runs: not a cap
     tiny = config_from_hf(read_config(tiny_exaone4_dir))
     assert [tiny.window(i) for i in (0, 1)] == [8, None] and tiny.no_rope_layers == (1, 0)
+
+
+def test_granite4_transformer_models_and_what_is_refused(tmp_path: Path) -> None:
+    """Granite 4.0's transformer models (`GraniteMoeHybridForCausalLM` with every layer
+    attention): Granite's multipliers, the MLP under `shared_mlp`; with
+    `position_embedding_type` None no layer rotates, and the logits still equal
+    transformers'. The Mamba hybrids (a "mamba" layer) and experts are refused by name.
+    (Greedy tokens with RoPE on every engine option: test_hf_equivalence.py.)"""
+    from sluice.engine.models.loader import UnsupportedModelError, config_from_hf, read_config
+    from tiny_models import make_tiny_checkpoint
+
+    nope = make_tiny_checkpoint(tmp_path / "nope", "granitemoehybrid",
+                                position_embedding_type=None)
+    cfg = config_from_hf(read_config(nope))
+    assert cfg.granite is not None and cfg.intermediate_size == 128
+    assert cfg.no_rope_layers == (0, 0)
+    runner = ModelRunner(EngineConfig.from_options(str(nope), num_kv_blocks=64, block_size=4,
+                                                   dtype="float32"))
+    ids = runner.tokenizer.encode(PROMPT)
+    tokens, got = decode_logits(runner, ids, 3)
+    with torch.no_grad():
+        want = hf_model(nope)(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    hub = {**read_config(nope), "layer_types": None}
+    for bad, named in (({"layers_block_type": ["mamba", "attention"]}, "Mamba"),
+                       ({"num_local_experts": 4}, "num_local_experts")):
+        with pytest.raises(UnsupportedModelError) as err:
+            config_from_hf({**hub, **bad})
+        assert err.value.param == "model" and named in str(err.value)

@@ -60,6 +60,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen3ForCausalLM": ArchSpec(qk_norm=True),
     "SmolLM3ForCausalLM": ArchSpec(),
     "GraniteForCausalLM": ArchSpec(granite=True),
+    # Granite 4.0's transformer models (granite-4.0-micro, -1b, -350m): Granite 3 with the
+    # MLP under `shared_mlp` (split_fused_weights); the Mamba hybrids ("-h-") refused
+    "GraniteMoeHybridForCausalLM": ArchSpec(granite=True),
     "MixtralForCausalLM": ArchSpec(moe="mixtral"),
     "Qwen2MoeForCausalLM": ArchSpec(qkv_bias=True, moe="qwen2_moe"),
     "Qwen3MoeForCausalLM": ArchSpec(qk_norm=True, moe="qwen3_moe"),
@@ -96,8 +99,10 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
 
 def split_fused_weights(cfg: LlamaConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
     """Phi-3's checkpoints fuse Q|K|V (`self_attn.qkv_proj`) and gate|up
-    (`mlp.gate_up_proj`), in the order this model fuses them: split into the separate
-    names the model file reads (views, no copy; it concatenates them again)."""
+    (`mlp.gate_up_proj`), Granite 4.0's gate|up (`shared_mlp.input_linear`, its down
+    projection `shared_mlp.output_linear`), in the order this model fuses them: split
+    into the separate names the model file reads (views, no copy; it concatenates them
+    again)."""
     out = {}
     for name, tensor in weights.items():
         if name.endswith("self_attn.qkv_proj.weight"):
@@ -109,6 +114,12 @@ def split_fused_weights(cfg: LlamaConfig, weights: dict[str, Tensor]) -> dict[st
             base = name.removesuffix("gate_up_proj.weight")
             gate, up = tensor.chunk(2)
             out.update({base + "gate_proj.weight": gate, base + "up_proj.weight": up})
+        elif name.endswith("shared_mlp.input_linear.weight"):  # Granite 4.0's gate|up
+            base = name.removesuffix("shared_mlp.input_linear.weight") + "mlp."
+            gate, up = tensor.chunk(2)
+            out.update({base + "gate_proj.weight": gate, base + "up_proj.weight": up})
+        elif name.endswith("shared_mlp.output_linear.weight"):
+            out[name.removesuffix("shared_mlp.output_linear.weight") + "mlp.down_proj.weight"] = tensor
         else:
             out[name] = tensor
     return out
@@ -163,6 +174,8 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
     if c.get("use_bidirectional_attention"):  # EmbeddingGemma's: no causal mask
         raise UnsupportedModelError(f"{arch}: use_bidirectional_attention is not supported "
                                     "(causal attention only)", param="model")
+    if arch == "GraniteMoeHybridForCausalLM":
+        c = _granite_hybrid(c)
     heads = int(c["num_attention_heads"])
     sliding = _sliding(c, arch, spec.sliding_period) if spec.sliding_period else {}
     return LlamaConfig(
@@ -186,6 +199,24 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         **sliding,
         # Gemma's config.json may leave it out: its default is tied
         tie_word_embeddings=bool(c.get("tie_word_embeddings", spec.gemma)))
+
+
+def _granite_hybrid(c: dict[str, Any]) -> dict[str, Any]:
+    """A Granite 4.0 config as Granite 3's: every layer attention (a Mamba layer, the
+    "-h-" models', is refused), no experts, the MLP `shared_intermediate_size` wide, and
+    RoPE only where `position_embedding_type` is "rope" (None: no layer rotates)."""
+    kinds = c.get("layer_types") or c.get("layers_block_type") or []
+    if set(kinds) - {"attention", "full_attention"}:  # (transformers 5 writes the latter)
+        raise UnsupportedModelError("GraniteMoeHybridForCausalLM: Mamba layers (the Granite "
+                                    "4.0 H models) are not supported; its transformer models "
+                                    "are (every layer 'attention')", param="model")
+    if int(c.get("num_local_experts") or 0):
+        raise UnsupportedModelError("GraniteMoeHybridForCausalLM: experts "
+                                    "(num_local_experts) are not supported", param="model")
+    layers = int(c["num_hidden_layers"])
+    rope = c.get("position_embedding_type") == "rope"
+    return {**c, "intermediate_size": c["shared_intermediate_size"],
+            "no_rope_layers": None if rope else [0] * layers}
 
 
 def _sliding(c: dict[str, Any], arch: str, period: int) -> dict[str, Any]:
