@@ -67,6 +67,8 @@ tiny_olmo2_dir = tiny_checkpoint("tiny_olmo2_dir", "olmo2")
 tiny_olmo3_dir = tiny_checkpoint("tiny_olmo3_dir", "olmo3")
 tiny_exaone4_dir = tiny_checkpoint("tiny_exaone4_dir", "exaone4")
 tiny_granite4_dir = tiny_checkpoint("tiny_granite4_dir", "granitemoehybrid")
+tiny_glm_dir = tiny_checkpoint("tiny_glm_dir", "glm")
+tiny_glm4_dir = tiny_checkpoint("tiny_glm4_dir", "glm4")
 tiny_gemma2_dir = tiny_checkpoint("tiny_gemma2_dir", "gemma2")
 tiny_gemma3_dir = tiny_checkpoint("tiny_gemma3_dir", "gemma3")
 

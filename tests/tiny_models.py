@@ -56,7 +56,9 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
     second, full, layer, 128 positions), "exaone4" (OLMo 2's block with Qwen3's per-head
     Q/K norms, a window of 8 in its first layer and its second global without RoPE),
     "granitemoehybrid" (Granite 4.0's transformer models: Granite's multipliers, the MLP
-    under `shared_mlp`), "gemma3" (Gemma 3's text model:
+    under `shared_mlp`), "glm" and "glm4" (GLM-4: RoPE over adjacent pairs of half of each
+    head, a bias on Q/K/V, gate|up fused; GLM-4-0414's norms of each branch's input and
+    output), "gemma3" (Gemma 3's text model:
     a sliding window of 8 tokens in its first layer, full attention in its second, each
     with its own RoPE base; its norms and scores' scale away from the defaults) and
     "gemma2" (the same window and layers, and soft caps on the scores and logits small
@@ -104,6 +106,9 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
                       attention_multiplier=0.015625, logits_scaling=8.0, num_local_experts=0,
                       shared_intermediate_size=128, position_embedding_type="rope",
                       layer_types=["attention", "attention"], pad_token_id=0)
+    if arch in ("glm", "glm4"):  # RoPE over adjacent pairs of half of each head, Q/K/V bias
+        common.update(partial_rotary_factor=0.5, attention_bias=True, pad_token_id=0,
+                      head_dim=16)
     if arch == "exaone4":  # a window in its first layer, its second global without RoPE
         common.update(sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                       pad_token_id=0)
@@ -131,7 +136,7 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
                 p.uniform_(0.5, 1.5)
             elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # (1 + w)
                 p.normal_(0.0, 0.2)
-            elif arch in ("olmo2", "olmo3", "exaone4") and name.endswith("norm.weight"):
+            elif arch in ("olmo2", "olmo3", "exaone4", "glm4") and name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(str(out), safe_serialization=True)
     save_smollm2_tokenizer(out)

@@ -27,6 +27,7 @@ from sluice.engine.lora import LoRARequest
 from sluice.engine.model_runner import ModelRunner, SeqChunk
 from sluice.engine.models.gguf_file import GGUFFile
 from sluice.engine.models.gguf_loader import config_from_gguf, load_gguf_model
+from sluice.engine.models.llama import BLOCK_NORMS
 from sluice.engine.sampling_params import SamplingParams
 from tiny_models import write_gguf
 
@@ -566,11 +567,11 @@ def test_olmo2_block_and_gguf_file(tiny_olmo2_dir: Path, tmp_path: Path,
 
     monkeypatch.setenv("SLUICE_WEIGHTS_CACHE", "off")
     cfg = config_from_hf(read_config(tiny_olmo2_dir))
-    assert cfg.qk_norm_whole and cfg.post_norms_only and not cfg.qk_norm
+    assert cfg.qk_norm_whole and cfg.block_norms == BLOCK_NORMS["olmo2"] and not cfg.qk_norm
     path = write_gguf(tiny_olmo2_dir, tmp_path / "tiny-olmo2.gguf", "f32", arch="olmo2")
     gguf_cfg = config_from_gguf(GGUFFile(path))[0]
-    assert (gguf_cfg.architecture, gguf_cfg.qk_norm_whole, gguf_cfg.post_norms_only) == (
-        "Olmo2ForCausalLM", True, True)
+    assert (gguf_cfg.architecture, gguf_cfg.qk_norm_whole, gguf_cfg.block_norms) == (
+        "Olmo2ForCausalLM", True, BLOCK_NORMS["olmo2"])
     got, want = gguf_and_checkpoint_logits(path, tiny_olmo2_dir)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     olmo3 = write_gguf(tiny_olmo2_dir, tmp_path / "olmo3.gguf", "f32", arch="olmo2",
@@ -604,7 +605,7 @@ def test_olmo3_config_windows_and_ropes(tiny_olmo3_dir: Path) -> None:
         "rope_theta": 500000, "sliding_window": 4096, "rope_scaling": {
             "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192,
             "attention_factor": 1.2079, "beta_fast": 32, "beta_slow": 1}})
-    assert cfg.post_norms_only and cfg.qk_norm_whole and cfg.gemma is None
+    assert cfg.block_norms == BLOCK_NORMS["olmo2"] and cfg.qk_norm_whole and cfg.gemma is None
     assert [cfg.window(i) for i in range(8)] == [4096, 4096, 4096, None] * 2
     assert cfg.rope.rope_type == "yarn" and cfg.local_rope == RopeConfig(theta=500000.0)
     assert cfg.max_position_embeddings == 65536
@@ -629,7 +630,7 @@ def test_exaone4_configs_with_and_without_windows(tiny_exaone4_dir: Path) -> Non
             "num_key_value_heads": 8, "max_position_embeddings": 65536, "rope_theta": 1e6}
     small = config_from_hf({**base, "sliding_window": None,
                             "layer_types": ["full_attention"] * 8})
-    assert small.post_norms_only and small.qk_norm and not small.qk_norm_whole
+    assert small.block_norms == BLOCK_NORMS["olmo2"] and small.qk_norm and not small.qk_norm_whole
     assert small.sliding_window is None and all(small.uses_rope(i) for i in range(8))
     large = config_from_hf({**base, "sliding_window": 4096, "sliding_window_pattern": "LLLG"})
     assert [large.window(i) for i in range(8)] == [4096, 4096, 4096, None] * 2
@@ -666,3 +667,25 @@ def test_granite4_transformer_models_and_what_is_refused(tmp_path: Path) -> None
         with pytest.raises(UnsupportedModelError) as err:
             config_from_hf({**hub, **bad})
         assert err.value.param == "model" and named in str(err.value)
+
+
+def test_glm_configs_graph_and_lora_refused(tiny_glm_dir: Path, tiny_glm4_dir: Path) -> None:
+    """GLM-4: `attention_bias` puts a bias on Q/K/V and not on o_proj, RoPE turns adjacent
+    pairs of half of each head (reordered into halves at load); GLM-4-0414 normalizes each
+    branch's input and output. The decode graph runs GLM-4's layers (greedy tokens against
+    transformers, through the graph and eager: test_hf_equivalence.py); a LoRA adapter is
+    refused by name (its Q/K rows would need the same reordering)."""
+    from sluice.engine.models.loader import config_from_hf, read_config
+    from sluice.protocol.errors import InvalidRequestError
+
+    glm, glm4 = (config_from_hf(read_config(d)) for d in (tiny_glm_dir, tiny_glm4_dir))
+    for cfg in (glm, glm4):
+        assert cfg.rope_interleaved and cfg.rotary_dim == 8 and cfg.qkv_bias and not cfg.o_bias
+    assert glm.block_norms == BLOCK_NORMS["llama"] and glm4.block_norms == BLOCK_NORMS["glm4"]
+    runner = ModelRunner(EngineConfig.from_options(str(tiny_glm_dir), num_kv_blocks=64,
+                                                   block_size=4, dtype="float32"))
+    assert runner.decode_graph is not None
+    with pytest.raises(InvalidRequestError) as err:
+        ModelRunner(EngineConfig.from_options(str(tiny_glm_dir), num_kv_blocks=64,
+                                              enable_lora=True))
+    assert err.value.param == "enable_lora" and "adjacent pairs" in str(err.value)

@@ -43,7 +43,13 @@ from sluice.engine.lora import (
     load_adapter,
     module_shapes,
 )
-from sluice.engine.models.llama import FeedForward, Linear, LlamaConfig, TransformerBlock
+from sluice.engine.models.llama import (
+    BLOCK_NORMS,
+    FeedForward,
+    Linear,
+    LlamaConfig,
+    TransformerBlock,
+)
 from sluice.engine.models.loader import load_model
 from sluice.engine.native import (
     SMALL_ROWS_MAX,
@@ -211,17 +217,21 @@ class ModelRunner:
                 raise InvalidRequestError(
                     f"LoRA adapters on a mixture-of-experts model ({cfg.architecture}) are "
                     "not supported", param="enable_lora")
+            if cfg.rope_interleaved:  # (its Q/K rows reordered at load; an adapter's are not)
+                raise InvalidRequestError(
+                    f"LoRA adapters on {cfg.architecture} (RoPE over adjacent pairs) are not "
+                    "supported", param="enable_lora")
             self.lora_slots = self._add_lora_slots(config.lora)
         # decode steps as one native call: `decode_graph` first; with GGUF blocks (a graph
         # of up to 8 rows, 64 on the column tiles) `wide_graph` takes the larger steps on
         # the dense weights
         self.decode_graph: DecodeGraph | None = None
         self.wide_graph: DecodeGraph | None = None
-        # the graph's layers are Llama's (dense SwiGLU MLPs, per-head Q/K norms if any,
-        # full attention): not a mixture of experts, OLMoE's and OLMo 2's norms, Gemma's
-        # blocks or sliding windows
+        # the graph's layers are Llama's (dense SwiGLU MLPs, its block norms, per-head Q/K
+        # norms if any, full attention): not a mixture of experts, OLMoE's Q/K norms, other
+        # block norms (OLMo 2's, Gemma's), Gemma's blocks or sliding windows
         if (not mc.enforce_eager and cfg.moe is None and not cfg.qk_norm_whole
-                and not cfg.post_norms_only and cfg.gemma is None
+                and cfg.block_norms == BLOCK_NORMS["llama"] and cfg.gemma is None
                 and cfg.sliding_window is None):
             dense = None
             head = self.gguf_blocks.get("output")  # the GGUF graph's head kernel, both graphs

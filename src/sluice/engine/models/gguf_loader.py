@@ -35,6 +35,7 @@ from torch import Tensor
 
 from sluice.engine.models.gguf_file import GGUFFile, read_gguf
 from sluice.engine.models.llama import (
+    BLOCK_NORMS,
     GemmaConfig,
     GraniteScales,
     LlamaConfig,
@@ -206,7 +207,7 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
         max_position_embeddings=context,
         rope=rope, partial_rotary_factor=rotary / head_dim, qkv_bias=qkv_bias, qk_norm=qk_norm,
         qk_norm_whole=ARCHITECTURES[hf_arch].qk_norm_whole,
-        post_norms_only=ARCHITECTURES[hf_arch].post_norms_only, moe=moe,
+        block_norms=BLOCK_NORMS[ARCHITECTURES[hf_arch].block_norms], moe=moe,
         gemma=gemma_from_gguf(gguf, arch, head_dim) if arch.startswith("gemma") else None,
         **(sliding_from_gguf(gguf, arch, rope) if arch.startswith("gemma") else {}),
         granite=granite_from_gguf(gguf, arch) if arch.startswith("granite") else None,

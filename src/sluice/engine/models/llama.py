@@ -1,6 +1,6 @@
 """The Llama family (Llama 2/3, SmolLM2/3, Mistral, Mixtral, Qwen2/2.5 and Qwen2-MoE, Qwen3
 and Qwen3-MoE, Granite 3 and its MoE, Phi-3/4-mini, OLMoE, OLMo 2 and 3, EXAONE 4, Gemma 2
-and 3) as one model file.
+and 3, GLM-4) as one model file.
 
 Read it like the paper: each block is
 
@@ -25,7 +25,7 @@ Gemma 2 and 3 (`GemmaConfig`) normalize each branch's output too (a norm after a
 and after the MLP), gate the MLP with GELU, scale the embedding by sqrt(hidden), and
 attend through a sliding window in some layers (Gemma 3's with their own RoPE); Gemma 2
 caps its attention scores and its logits with a tanh. OLMo 2 normalizes each branch's
-output and not its input (`post_norms_only`: `ResidualAdd` where the input norms are);
+output and not its input (`block_norms`: `ResidualAdd` where the input norms are);
 OLMo 3 adds sliding windows as Gemma's (`sliding_window`, `sliding_layers`, `local_rope`),
 EXAONE 4 per-head Q/K norms and, where it slides, global layers without RoPE.
 Weights arrive under Hugging Face names (`model.layers.0.self_attn.q_proj.weight`, ...)
@@ -143,6 +143,39 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class BlockNorms:
+    """Which norms a block has, by their checkpoint names (`model.layers.N.<name>.weight`;
+    "" for none): Llama's normalize each branch's input, OLMo 2's each branch's output,
+    Gemma's and GLM-4's both."""
+
+    attention_input: str
+    attention_output: str
+    mlp_input: str
+    mlp_output: str
+
+    def __post_init__(self) -> None:
+        if (bool(self.attention_input) != bool(self.mlp_input)
+                or bool(self.attention_output) != bool(self.mlp_output)):
+            raise InvalidRequestError(f"{self}: both branches' input norms or neither, and "
+                                      "their output norms likewise", param="model")
+
+    @property
+    def names(self) -> list[str]:
+        return [n for n in (self.attention_input, self.attention_output, self.mlp_input,
+                            self.mlp_output) if n]
+
+
+BLOCK_NORMS = {
+    "llama": BlockNorms("input_layernorm", "", "post_attention_layernorm", ""),
+    "gemma": BlockNorms("input_layernorm", "post_attention_layernorm",
+                        "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    "olmo2": BlockNorms("", "post_attention_layernorm", "", "post_feedforward_layernorm"),
+    "glm4": BlockNorms("input_layernorm", "post_self_attn_layernorm", "post_attention_layernorm",
+                       "post_mlp_layernorm"),
+}
+
+
+@dataclass(frozen=True)
 class GemmaConfig:
     """Gemma 2's and 3's differences from a Llama (config.json's names in brackets): each block
     normalizes its attention's and its MLP's outputs before their residual adds
@@ -186,14 +219,18 @@ class LlamaConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     # the part of each head RoPE rotates (Phi-4-mini's 0.75; the rest passes unrotated)
     partial_rotary_factor: float = 1.0
+    # GLM: RoPE rotates adjacent pairs (GPT-J's style), not halves: Q's and K's rows are
+    # reordered at load so that the half-split rotation computes the same (_deinterleave)
+    rope_interleaved: bool = False
     qkv_bias: bool = False
     # a bias on the attention's output projection too: `attention_bias` of Llama, Granite,
     # Qwen3 (Qwen2's bias is on Q/K/V only)
     o_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each Q and each K head (its own weights)
     qk_norm_whole: bool = False  # OLMoE, OLMo 2: one RMSNorm over all of Q's heads, one over K's
-    # OLMo 2: each branch's output normalized before its residual add, its input not
-    post_norms_only: bool = False
+    # each block's norms, by their checkpoint names: its attention's input and output, its
+    # MLP's input and output ("" where there is none; BLOCK_NORMS's)
+    block_norms: BlockNorms = field(default_factory=lambda: BLOCK_NORMS["llama"])
     # SmolLM3's per layer: 1 rotates Q and K, 0 does not (NoPE); empty: every layer rotates
     no_rope_layers: tuple[int, ...] = ()
     granite: GraniteScales | None = None  # Granite's multipliers (folded into weights)
@@ -619,19 +656,20 @@ class ResidualAdd(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
+        norms = cfg.block_norms
         self.attention_norm: RMSNorm | ResidualAdd = ResidualAdd()
         self.ffn_norm: RMSNorm | ResidualAdd = ResidualAdd()
-        if not cfg.post_norms_only:
+        if norms.attention_input:  # (Llama's and Gemma's blocks have both input norms)
             self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attention = Attention(cfg, cfg.uses_rope(layer), cfg.window(layer))
         self.feed_forward: FeedForward | SparseMoE = (
             SparseMoE(cfg, cfg.moe) if cfg.moe is not None and cfg.is_sparse(layer)
             else FeedForward(cfg.hidden_size, cfg.intermediate_size, gelu=cfg.gemma is not None))
-        # Gemma's and OLMo 2's norms of each branch's output, before its residual add
+        # Gemma's, OLMo 2's and GLM-4's norms of each branch's output, before its residual add
         self.post_attention_norm: RMSNorm | None = None
         self.post_ffn_norm: RMSNorm | None = None
-        if cfg.gemma is not None or cfg.post_norms_only:
+        if norms.attention_output:
             self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.post_ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -747,19 +785,18 @@ def fuse_hf_weights(cfg: LlamaConfig, hf: Mapping[str, Tensor]) -> dict[str, Ten
         else:
             _fuse_mlp(hf, p + "mlp.", ("gate_proj", "up_proj", "down_proj"),
                       a + "feed_forward.", out)
-        if cfg.gemma is not None or cfg.post_norms_only:  # norms of the branches' outputs
-            out[a + "post_attention_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
-            out[a + "post_ffn_norm.weight"] = hf[p + "post_feedforward_layernorm.weight"]
-        if cfg.gemma is not None:  # and of their inputs
-            out[a + "attention_norm.weight"] = hf[p + "input_layernorm.weight"]
-            out[a + "ffn_norm.weight"] = hf[p + "pre_feedforward_layernorm.weight"]
-        elif not cfg.post_norms_only:  # Llama's: of the inputs alone
-            out[a + "attention_norm.weight"] = hf[p + "input_layernorm.weight"]
-            out[a + "ffn_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
+        norms = cfg.block_norms
+        for ours, theirs in (("attention_norm", norms.attention_input),
+                             ("post_attention_norm", norms.attention_output),
+                             ("ffn_norm", norms.mlp_input), ("post_ffn_norm", norms.mlp_output)):
+            if theirs:
+                out[f"{a}{ours}.weight"] = hf[f"{p}{theirs}.weight"]
     if cfg.granite is not None:
         _fold_granite(cfg, cfg.granite, out)
     if cfg.gemma is not None:
         _fold_gemma(cfg, cfg.gemma, out)
+    if cfg.rope_interleaved:
+        _deinterleave(cfg, out)
     return out
 
 
@@ -775,6 +812,24 @@ def _fold_gemma(cfg: LlamaConfig, g: GemmaConfig, out: dict[str, Tensor]) -> Non
             out[name] = out[name] * q_scale
     if not cfg.qk_norm:
         _scale_q_rows(cfg, q_scale, out)
+
+
+def _deinterleave(cfg: LlamaConfig, out: dict[str, Tensor]) -> None:
+    """GLM rotates adjacent pairs of each head's first `rotary_dim` dimensions, (x0, x1),
+    (x2, x3), ..., pair i at frequency i; this model rotates (x_i, x_{i + r/2}). So each
+    Q and K head's rotated rows of the fused Q|K|V weight and bias are reordered, the
+    even ones first, then the odd ones (new tensors): the half-split rotation of the
+    reordered head is GLM's rotation of the original, reordered, and q·k is unchanged,
+    Q and K reordered alike. V and the unrotated rows stay."""
+    r, d = cfg.rotary_dim, cfg.head_dim
+    head = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2), torch.arange(r, d)])
+    qk_heads = cfg.num_heads + cfg.num_kv_heads
+    rows = torch.cat([h * d + head for h in range(qk_heads)]
+                     + [torch.arange(qk_heads * d, cfg.q_size + 2 * cfg.kv_size)])
+    for i in range(cfg.num_layers):
+        for name in (f"layers.{i}.attention.wqkv.weight", f"layers.{i}.attention.wqkv.bias"):
+            if name in out:
+                out[name] = out[name][rows]
 
 
 def _scale_q_rows(cfg: LlamaConfig, scale: float, out: dict[str, Tensor]) -> None:
@@ -854,11 +909,7 @@ def expected_hf_names(cfg: LlamaConfig) -> list[str]:
             names += cfg.moe.hf_names(p + cfg.moe.hf_block + ".")
         else:
             names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
-        names += [p + "post_attention_layernorm.weight"]
-        names += [] if cfg.post_norms_only else [p + "input_layernorm.weight"]
-        if cfg.gemma is not None or cfg.post_norms_only:
-            names += [p + f"{n}_feedforward_layernorm.weight" for n in ("pre", "post")
-                      if n == "post" or cfg.gemma is not None]
+        names += [f"{p}{name}.weight" for name in cfg.block_norms.names]
     return names
 
 

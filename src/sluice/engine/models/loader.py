@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from sluice.engine.models.llama import (
+    BLOCK_NORMS,
     GemmaConfig,
     GraniteScales,
     LlamaConfig,
@@ -46,11 +47,13 @@ class ArchSpec:
     granite: bool = False  # its multipliers (GraniteScales)
     moe: str | None = None  # a mixture of experts, configured as `_moe` reads `kind`
     gemma: bool = False  # Gemma's norms, GELU, local layers and soft caps (GemmaConfig)
-    post_norms_only: bool = False  # OLMo 2's block: norms of the branches' outputs alone
+    block_norms: str = "llama"  # a key of BLOCK_NORMS: which norms a block has
     # runs `sliding_window` in some layers (not a cap on the context): every this many
     # layers one global, where the config has no `layer_types` (0: no windows run)
     sliding_period: int = 0
     nope_global: bool = False  # EXAONE 4: with windows, the global layers without RoPE
+    rope_interleaved: bool = False  # GLM: RoPE over adjacent pairs (LlamaConfig's)
+    o_bias: bool = True  # False: `attention_bias` puts a bias on Q/K/V alone (GLM)
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -68,13 +71,18 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen3MoeForCausalLM": ArchSpec(qk_norm=True, moe="qwen3_moe"),
     "GraniteMoeForCausalLM": ArchSpec(granite=True, moe="granitemoe"),
     "OlmoeForCausalLM": ArchSpec(qk_norm_whole=True, moe="olmoe"),
-    "Olmo2ForCausalLM": ArchSpec(qk_norm_whole=True, post_norms_only=True),
-    "Olmo3ForCausalLM": ArchSpec(qk_norm_whole=True, post_norms_only=True, sliding_period=4),
-    "Exaone4ForCausalLM": ArchSpec(qk_norm=True, post_norms_only=True, sliding_period=4,
+    "Olmo2ForCausalLM": ArchSpec(qk_norm_whole=True, block_norms="olmo2"),
+    "Olmo3ForCausalLM": ArchSpec(qk_norm_whole=True, block_norms="olmo2", sliding_period=4),
+    "Exaone4ForCausalLM": ArchSpec(qk_norm=True, block_norms="olmo2", sliding_period=4,
                                    nope_global=True),
     "Phi3ForCausalLM": ArchSpec(),  # its fused qkv_proj / gate_up_proj: split_fused_weights
-    "Gemma2ForCausalLM": ArchSpec(gemma=True, sliding_period=2),
-    "Gemma3ForCausalLM": ArchSpec(qk_norm=True, gemma=True, sliding_period=6),
+    # GLM-4 (glm-4-9b-chat-hf) and GLM-4-0414 (its sandwich norms): RoPE over adjacent
+    # pairs of half of each head, gate|up fused in the checkpoint (split_fused_weights)
+    "GlmForCausalLM": ArchSpec(rope_interleaved=True, o_bias=False),
+    "Glm4ForCausalLM": ArchSpec(rope_interleaved=True, o_bias=False, block_norms="glm4"),
+    "Gemma2ForCausalLM": ArchSpec(gemma=True, block_norms="gemma", sliding_period=2),
+    "Gemma3ForCausalLM": ArchSpec(qk_norm=True, gemma=True, block_norms="gemma",
+                                  sliding_period=6),
 }
 
 
@@ -187,9 +195,10 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         max_position_embeddings=_max_positions(c, spec),
         rope=rope_from_hf(c), partial_rotary_factor=float(rotary),
         qkv_bias=bool(c.get("qkv_bias", spec.qkv_bias) or c.get("attention_bias")),
-        o_bias=bool(c.get("attention_bias")),
+        o_bias=bool(c.get("attention_bias")) and spec.o_bias,
+        rope_interleaved=spec.rope_interleaved,
         qk_norm=spec.qk_norm, qk_norm_whole=spec.qk_norm_whole,
-        post_norms_only=spec.post_norms_only,
+        block_norms=BLOCK_NORMS[spec.block_norms],
         # EXAONE 4's global layers, where it slides, rotate nothing
         no_rope_layers=sliding["sliding_layers"] if spec.nope_global and sliding
         else _no_rope_layers(c),
