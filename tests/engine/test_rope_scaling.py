@@ -226,3 +226,25 @@ def test_longrope_factor_choice_is_part_of_the_kv_identity(tiny_phi3_longrope_di
     mismatch = ids[1].mismatch(ids[0])
     assert mismatch is not None and "longrope short factors" in mismatch
     assert ids[0].namespace != ids[1].namespace
+
+
+def test_hf_overrides_add_yarn_to_a_checkpoint(tiny_qwen2_dir: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hf_overrides` (vLLM's `--hf-overrides`) replaces config.json's keys: Qwen's
+    model-card YaRN on a checkpoint without it serves 4x the original context, from a dict
+    (`LLM(hf_overrides={...})`) or the CLI's JSON text; bad JSON, a non-object and a GGUF
+    file are refused naming `hf_overrides`."""
+    from tiny_models import default_gguf_path
+
+    yarn = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                             "original_max_position_embeddings": 2048}}
+    r = runner(tiny_qwen2_dir, hf_overrides=yarn)
+    assert r.model_config.rope.rope_type == "yarn" and r.max_model_len == 8192
+    assert runner(tiny_qwen2_dir).max_model_len == 2048
+    for bad in ("{not json", "[1, 2]"):
+        with pytest.raises(InvalidRequestError) as err:
+            EngineConfig.from_options(str(tiny_qwen2_dir), hf_overrides=bad)
+        assert err.value.param == "hf_overrides"
+    with pytest.raises(InvalidRequestError) as err:
+        runner(default_gguf_path(), hf_overrides=yarn)
+    assert err.value.param == "hf_overrides" and "GGUF" in str(err.value)

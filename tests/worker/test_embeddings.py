@@ -14,9 +14,12 @@ import openai
 import pytest
 import torch
 
+from sluice.engine.config import EngineConfig
 from sluice.engine.messages import Add, CoreOutputs, CoreRequest, SeqUpdate, decode, encode
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.stats import EngineStats
+from sluice.worker.app import build_app
+from sluice.worker.config import WorkerConfig
 
 from .conftest import TINY_OPTIONS
 from .worker_helpers import ServerThread
@@ -247,3 +250,40 @@ def test_metrics_count_embedding_requests(http: httpx.Client) -> None:
     before = success()
     assert http.post("/v1/embeddings", json={"input": ["one", "two", "three"]}).status_code == 200
     assert success() == before + 3
+
+
+@pytest.mark.parametrize("overrides, good, bad", [
+    ({"matryoshka_dimensions": [8, 16, 32]}, 16, [12, 0, 64]),  # the sizes listed only
+    ({"is_matryoshka": True}, 12, [0, 65]),  # any size up to the embedding's 64
+])
+def test_matryoshka_dimensions_cut_and_renormalize(tiny_llama_dir: Path, reference: Any,
+                                                   overrides: dict[str, Any], good: int,
+                                                   bad: list[int]) -> None:
+    """A model marked Matryoshka through `hf_overrides` (config.json's
+    `matryoshka_dimensions` or `is_matryoshka`, as vLLM reads them) answers `dimensions`
+    with each embedding's first values normalized again, as JSON floats and base64; a
+    size it is not trained for (not listed, below 1, past the embedding) is a 400 naming
+    `dimensions`. (A model not so marked refuses `dimensions` at all: above.)"""
+    from sluice.engine.async_engine import AsyncEngine
+
+    eng = AsyncEngine(EngineConfig.from_options(str(tiny_llama_dir), dtype=ENGINE_DTYPE,
+                                                hf_overrides=overrides, **TINY_OPTIONS))
+    srv = ServerThread(build_app(eng, WorkerConfig(served_model_names=("tiny",)))).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+            r = http.post("/v1/embeddings", json={"input": ["hello world", "x"],
+                                                  "dimensions": good})
+            assert r.status_code == 200, r.text
+            for text, vec in zip(["hello world", "x"], vectors(r.json()), strict=True):
+                head = reference(text)[:good]
+                np.testing.assert_allclose(vec, head / np.linalg.norm(head), atol=1e-5)
+            r = http.post("/v1/embeddings", json={"input": "x", "dimensions": good,
+                                                  "encoding_format": "base64"})
+            raw = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), "<f4")
+            assert raw.shape == (good,) and abs(np.linalg.norm(raw) - 1.0) < 1e-5
+            for size in bad:
+                r = http.post("/v1/embeddings", json={"input": "x", "dimensions": size})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
+    finally:
+        srv.stop()
+        eng.shutdown()

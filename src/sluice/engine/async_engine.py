@@ -68,7 +68,7 @@ class AsyncEngine:
                  ) -> None:
         self.client = client or ThreadCore(config, runner, kv_events_endpoint)
         self.tokenizer = self.client.tokenizer
-        info = self.client.info
+        self.info = info = self.client.info
         self.model_name, self.max_model_len = info.model_name, info.max_model_len
         self.inputs = InputProcessor(info, self.tokenizer)
         self._outputs = OutputProcessor(self.tokenizer)

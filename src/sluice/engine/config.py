@@ -51,8 +51,13 @@ class ModelConfig:
     # generation_config.json), "vllm" (none: SamplingParams' own), or a folder holding a
     # generation_config.json (sluice.engine.generation_config; read by the front end)
     generation_config: str = "auto"
+    # vLLM's name: a JSON object whose keys replace config.json's (a checkpoint directory's;
+    # not a GGUF file's): '{"rope_scaling": {"rope_type": "yarn", ...}}' to serve Qwen2.5
+    # past 32K as Qwen's model cards say, '{"is_matryoshka": true}' for `dimensions`
+    hf_overrides: str | None = None
 
     def __post_init__(self) -> None:
+        self.overrides()  # valid JSON, an object
         if not self.generation_config:
             raise InvalidRequestError("generation_config must be 'auto', 'vllm' or a folder",
                                       param="generation_config")
@@ -73,6 +78,20 @@ class ModelConfig:
                                       f" {KERNEL_BACKENDS}", param="kernel_backend")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise InvalidRequestError("max_model_len must be at least 1", param="max_model_len")
+
+    def overrides(self) -> dict[str, Any]:
+        """`hf_overrides` parsed: config.json's keys to replace (empty for none)."""
+        if self.hf_overrides is None:
+            return {}
+        try:
+            value = json.loads(self.hf_overrides)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"hf_overrides is not valid JSON: {exc}",
+                                      param="hf_overrides") from None
+        if not isinstance(value, dict):
+            raise InvalidRequestError("hf_overrides must be a JSON object",
+                                      param="hf_overrides")
+        return value
 
 
 @dataclass(frozen=True)
@@ -371,6 +390,8 @@ class EngineConfig:
         owners = {f.name: name for name, klass in classes for f in dataclasses.fields(klass)}
         hints = {k: v for _, klass in classes for k, v in typing.get_type_hints(klass).items()}
         layers["model"]["model"] = _checked_option("model", model, hints["model"])
+        if isinstance(options.get("hf_overrides"), dict):  # LLM(hf_overrides={...}), vLLM's
+            options["hf_overrides"] = json.dumps(options["hf_overrides"])
         for key, value in options.items():
             if key not in owners:
                 raise InvalidRequestError(f"unknown engine option {key!r}", param=key)

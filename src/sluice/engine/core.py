@@ -88,7 +88,11 @@ class EngineCore:
                              {k: list(v) for k, v in
                               getattr(self.runner, "lora_shapes", {}).items()},
                              config.scheduler.scheduling_policy,
-                             config.structured.reasoning_parser)
+                             config.structured.reasoning_parser,
+                             getattr(getattr(self.runner, "model_config", None),
+                                     "hidden_size", 0),
+                             getattr(getattr(self.runner, "model_config", None),
+                                     "matryoshka_dimensions", None))
         self.structured = StructuredOutputManager(
             config.structured, self._grammar_backend,
             ThinkingMarkers.of(self.tokenizer, config.structured.reasoning_parser))

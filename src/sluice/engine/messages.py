@@ -96,6 +96,9 @@ class CoreInfo:
     # a reasoning model's: its constrained outputs' grammar starts after the thinking, so
     # the front end hands their thinking out as reasoning too
     reasoning_parser: str = ""
+    # an embedding's width, and the sizes `dimensions` may cut it to (LlamaConfig's)
+    hidden_size: int = 0
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

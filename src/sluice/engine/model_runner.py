@@ -161,7 +161,8 @@ class ModelRunner:
         self.device, self.dtype = resolve_device(mc)
         if self.device.type == "cpu" and mc.cpu_threads is not None:
             torch.set_num_threads(mc.cpu_threads)
-        self.model, self.model_config = load_model(mc.model, self.device, self.dtype, mc.revision)
+        self.model, self.model_config = load_model(mc.model, self.device, self.dtype, mc.revision,
+                                                   mc.overrides())
         self.tokenizer: Tokenizer = load_tokenizer(mc.tokenizer or mc.model, mc.revision)
         self.model_name: str = mc.served_model_name or default_served_name(mc.model)
         self.vocab_size: int = self.model_config.vocab_size

@@ -82,6 +82,9 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "max_loras": (int, "LoRA adapters in one batch (with --enable-lora)"),
     "max_lora_rank": (int, "largest LoRA rank accepted (with --enable-lora)"),
     "max_cpu_loras": (int, "LoRA adapters kept loaded in host memory (>= --max-loras)"),
+    "hf_overrides": (str, "JSON object whose keys replace the checkpoint's config.json "
+                          "(vLLM's flag), e.g. '{\"is_matryoshka\": true}' or a "
+                          "rope_scaling; not for GGUF files"),
     "speculative_config": (str, "speculative decoding, vLLM's JSON: "
                                 "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                                 "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' or "
@@ -151,7 +154,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 NONE_MEANS: dict[str, str] = {"max_model_len": "the model's own", "kv_offload": "off",
                               "kv_store": "off", "max_cpu_loras": "--max-loras",
                               "speculative_config": "off", "step_log": "off",
-                              "cpu_threads": "one per core"}
+                              "cpu_threads": "one per core", "hf_overrides": "none"}
 
 
 def _default_text(dest: str, value: Any) -> str:

@@ -10,8 +10,11 @@ e5-mistral, gte-Qwen2) are read. A text is tokenized as a completion prompt is (
 tokenizer's special tokens, no chat template). The inputs of one request run
 concurrently (they batch in the engine); one that fails aborts the others.
 `encoding_format: base64` sends each vector's little-endian float32 bytes as base64
-(the OpenAI SDK asks for it by default). Refused: `dimensions` (the model is not a
-Matryoshka one, vLLM's rule), a LoRA adapter's name as `model`.
+(the OpenAI SDK asks for it by default). `dimensions` cuts each embedding to its first
+`dimensions` values, normalized again, for a Matryoshka model (config.json's
+`matryoshka_dimensions`, the sizes allowed, or `is_matryoshka`: any; `--hf-overrides`
+adds either); refused for another model (vLLM's rule: cut, it would embed poorly), as is
+a LoRA adapter's name as `model`.
 
 `/v1/score` and `/v1/rerank` embed their texts the same way and answer the cosine of
 two embeddings (a dot product: both are normalized), as vLLM does for an embedding
@@ -45,15 +48,42 @@ async def embeddings(state: WorkerState, req: EmbeddingRequest, request_id: str,
     they are this tokenizer's for this text."""
     model = _base_model(state, req.model)
     if req.dimensions is not None:
-        raise InvalidRequestError("this model does not support `dimensions` (it is not a "
-                                  "Matryoshka embedding model)", param="dimensions")
+        _check_dimensions(state, model, req.dimensions)
     inputs = req.inputs()
     outputs = await _embed_all(state, inputs, request_id, ["input"] * len(inputs), hint)
     return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": now(),
             "model": model,
-            "data": [{"object": "embedding", "index": i, "embedding": _encode(o.data, req)}
+            "data": [{"object": "embedding", "index": i,
+                      "embedding": _encode(_cut(o.data, req.dimensions), req)}
                      for i, o in enumerate(outputs)],
             "usage": _usage(outputs)}
+
+
+def _check_dimensions(state: WorkerState, model: str, dimensions: int) -> None:
+    """`dimensions` is a size this model's embeddings may be cut to (vLLM's checks)."""
+    info = state.require_engine().info
+    allowed = info.matryoshka_dimensions
+    if allowed is None:
+        raise InvalidRequestError(f"model {model!r} is not a Matryoshka embedding model: cut "
+                                  "to other dimensions its embeddings would be poor",
+                                  param="dimensions")
+    if dimensions < 1:
+        raise InvalidRequestError("dimensions must be at least 1", param="dimensions")
+    if allowed and dimensions not in allowed:
+        raise InvalidRequestError(f"model {model!r} is trained for dimensions "
+                                  f"{list(allowed)}, not {dimensions}", param="dimensions")
+    if dimensions > info.hidden_size:
+        raise InvalidRequestError(f"dimensions {dimensions} exceeds the embedding's "
+                                  f"{info.hidden_size}", param="dimensions")
+
+
+def _cut(data: bytes, dimensions: int | None) -> bytes:
+    """An embedding's float32 bytes cut to its first `dimensions` values, L2-normalized
+    again (all of it for None)."""
+    if dimensions is None:
+        return data
+    head = np.frombuffer(data, dtype="<f4")[:dimensions]
+    return (head / max(float(np.linalg.norm(head)), 1e-12)).astype("<f4").tobytes()
 
 
 async def score(state: WorkerState, req: ScoreRequest, request_id: str,

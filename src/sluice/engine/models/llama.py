@@ -243,6 +243,9 @@ class LlamaConfig:
     sliding_layers: tuple[int, ...] = ()
     local_rope: RopeConfig | None = None
     tie_word_embeddings: bool = False
+    # an embedding model trained to be cut (Matryoshka): the sizes `dimensions` may take
+    # (() any); None: not such a model, `dimensions` refused (vLLM's rule)
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     def uses_rope(self, layer: int) -> bool:
         return not self.no_rope_layers or bool(self.no_rope_layers[layer])

@@ -91,18 +91,37 @@ class UnsupportedModelError(InvalidRequestError):
 
 
 def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
-               revision: str | None = None) -> tuple[Transformer, LlamaConfig]:
-    """Weights on `device` in `dtype`, and the hyperparameters."""
+               revision: str | None = None, overrides: dict[str, Any] | None = None
+               ) -> tuple[Transformer, LlamaConfig]:
+    """Weights on `device` in `dtype`, and the hyperparameters; `overrides`: config.json's
+    keys to replace (`--hf-overrides`; a checkpoint directory's only)."""
     path = local_model_path(model, revision)
     if path.is_file() and path.suffix == ".gguf":
         from sluice.engine.models.gguf_loader import load_gguf_model
 
+        if overrides:
+            raise InvalidRequestError("hf_overrides replaces a checkpoint's config.json; "
+                                      f"{path.name} is a GGUF file", param="hf_overrides")
         return load_gguf_model(path, device, dtype)
     if not path.is_dir():
         raise ModelNotFoundError(f"model {str(path)!r} is neither a .gguf file nor a "
                                  "checkpoint directory", param="model")
-    cfg, weights = base_model_weights(config_from_hf(read_config(path)), read_safetensors(path))
+    cfg, weights = base_model_weights(config_from_hf(overridden(read_config(path), overrides)),
+                                      read_safetensors(path))
     return build_model(cfg, split_fused_weights(cfg, weights), device, dtype), cfg
+
+
+def overridden(config: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """config.json with `overrides`' keys replaced; a `rope_scaling` override (transformers
+    4's name, which Qwen's model cards give) takes the place of a transformers 5 config's
+    `rope_parameters`, that RoPE's base kept."""
+    config, overrides = dict(config), overrides or {}
+    if "rope_scaling" in overrides and "rope_parameters" in config:
+        theta = (config.pop("rope_parameters") or {}).get("rope_theta")
+        if theta is not None:
+            config.setdefault("rope_theta", theta)
+    config.update(overrides)
+    return config
 
 
 def split_fused_weights(cfg: LlamaConfig, weights: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -207,7 +226,17 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         gemma=_gemma(c) if spec.gemma else None,
         **sliding,
         # Gemma's config.json may leave it out: its default is tied
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", spec.gemma)))
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", spec.gemma)),
+        matryoshka_dimensions=_matryoshka(c))
+
+
+def _matryoshka(c: dict[str, Any]) -> tuple[int, ...] | None:
+    """The sizes an embedding may be cut to (vLLM's `matryoshka_dimensions`; () with
+    `is_matryoshka` alone: any), or None: not a Matryoshka model."""
+    listed = c.get("matryoshka_dimensions")
+    if listed is not None:
+        return tuple(int(d) for d in listed)
+    return () if c.get("is_matryoshka") else None
 
 
 def _granite_hybrid(c: dict[str, Any]) -> dict[str, Any]:
