@@ -27,7 +27,9 @@ attend through a sliding window in some layers (Gemma 3's with their own RoPE); 
 caps its attention scores and its logits with a tanh. OLMo 2 normalizes each branch's
 output and not its input (`block_norms`: `ResidualAdd` where the input norms are);
 OLMo 3 adds sliding windows as Gemma's (`sliding_window`, `sliding_layers`, `local_rope`),
-EXAONE 4 per-head Q/K norms and, where it slides, global layers without RoPE.
+EXAONE 4 per-head Q/K norms and, where it slides, global layers without RoPE; GLM-4-0414
+normalizes both (`block_norms`). GLM rotates adjacent pairs (`rope_interleaved`: Q/K rows
+reordered at load), Phi-4-mini and GLM part of each head (`partial_rotary_factor`).
 Weights arrive under Hugging Face names (`model.layers.0.self_attn.q_proj.weight`, ...)
 from either loader and are fused here (Q|K|V into one matrix, gate|up into another) so a
 layer does three big matmuls and one attention call over all of a step's tokens,
@@ -184,9 +186,10 @@ class GemmaConfig:
     (`gelu_pytorch_tanh`), the embedding's rows are multiplied by sqrt(hidden_size), the
     attention scores scaled by 1/sqrt(`query_pre_attn_scalar`), and some layers attend
     through a sliding window (`LlamaConfig.sliding_window`: Gemma 3's with their own RoPE,
-    `rope_local_base_freq`; Gemma 2's with the global one). Every RMSNorm multiplies by (1 + weight): folded into the weights at
-    load (`_fold_gemma`), as is the score scale (into Q's head norm, Gemma 3; Q's rows,
-    Gemma 2), so the norms and kernels are Llama's. Gemma 2 caps the attention scores at
+    `rope_local_base_freq`; Gemma 2's with the global one). Every RMSNorm multiplies by
+    (1 + weight): folded into the weights at load (`_fold_gemma`), as is the score scale
+    (into Q's head norm, Gemma 3; Q's rows, Gemma 2), so the norms and kernels are
+    Llama's. Gemma 2 caps the attention scores at
     `attn_softcap * tanh(s / attn_softcap)` (`attn_logit_softcapping`) and the logits
     likewise (`final_logit_softcapping`)."""
 
@@ -227,7 +230,8 @@ class LlamaConfig:
     # Qwen3 (Qwen2's bias is on Q/K/V only)
     o_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each Q and each K head (its own weights)
-    qk_norm_whole: bool = False  # OLMoE, OLMo 2: one RMSNorm over all of Q's heads, one over K's
+    # OLMoE, OLMo 2 and 3: one RMSNorm over all of Q's heads, one over K's
+    qk_norm_whole: bool = False
     # each block's norms, by their checkpoint names: its attention's input and output, its
     # MLP's input and output ("" where there is none; BLOCK_NORMS's)
     block_norms: BlockNorms = field(default_factory=lambda: BLOCK_NORMS["llama"])
@@ -662,7 +666,7 @@ class TransformerBlock(nn.Module):
         norms = cfg.block_norms
         self.attention_norm: RMSNorm | ResidualAdd = ResidualAdd()
         self.ffn_norm: RMSNorm | ResidualAdd = ResidualAdd()
-        if norms.attention_input:  # (Llama's and Gemma's blocks have both input norms)
+        if norms.attention_input:  # (both input norms or neither: BlockNorms)
             self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attention = Attention(cfg, cfg.uses_rope(layer), cfg.window(layer))
