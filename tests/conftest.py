@@ -69,6 +69,7 @@ tiny_exaone4_dir = tiny_checkpoint("tiny_exaone4_dir", "exaone4")
 tiny_granite4_dir = tiny_checkpoint("tiny_granite4_dir", "granitemoehybrid")
 tiny_glm_dir = tiny_checkpoint("tiny_glm_dir", "glm")
 tiny_glm4_dir = tiny_checkpoint("tiny_glm4_dir", "glm4")
+tiny_helium_dir = tiny_checkpoint("tiny_helium_dir", "helium")
 tiny_gemma2_dir = tiny_checkpoint("tiny_gemma2_dir", "gemma2")
 tiny_gemma3_dir = tiny_checkpoint("tiny_gemma3_dir", "gemma3")
 

@@ -58,7 +58,8 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
     "granitemoehybrid" (Granite 4.0's transformer models: Granite's multipliers, the MLP
     under `shared_mlp`), "glm" and "glm4" (GLM-4: RoPE over adjacent pairs of half of each
     head, a bias on Q/K/V, gate|up fused; GLM-4-0414's norms of each branch's input and
-    output), "gemma3" (Gemma 3's text model:
+    output), "helium" (Kyutai's: RoPE over adjacent pairs of all of each head, a bias on
+    Q/K/V), "gemma3" (Gemma 3's text model:
     a sliding window of 8 tokens in its first layer, full attention in its second, each
     with its own RoPE base; its norms and scores' scale away from the defaults) and
     "gemma2" (the same window and layers, and soft caps on the scores and logits small
@@ -106,6 +107,8 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
                       attention_multiplier=0.015625, logits_scaling=8.0, num_local_experts=0,
                       shared_intermediate_size=128, position_embedding_type="rope",
                       layer_types=["attention", "attention"], pad_token_id=0)
+    if arch == "helium":  # RoPE over adjacent pairs of all of each head, Q/K/V bias
+        common.update(attention_bias=True, pad_token_id=0, head_dim=16)
     if arch in ("glm", "glm4"):  # RoPE over adjacent pairs of half of each head, Q/K/V bias
         common.update(partial_rotary_factor=0.5, attention_bias=True, pad_token_id=0,
                       head_dim=16)

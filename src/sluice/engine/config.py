@@ -81,17 +81,19 @@ class ModelConfig:
 
     def overrides(self) -> dict[str, Any]:
         """`hf_overrides` parsed: config.json's keys to replace (empty for none)."""
-        if self.hf_overrides is None:
-            return {}
-        try:
-            value = json.loads(self.hf_overrides)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequestError(f"hf_overrides is not valid JSON: {exc}",
-                                      param="hf_overrides") from None
-        if not isinstance(value, dict):
-            raise InvalidRequestError("hf_overrides must be a JSON object",
-                                      param="hf_overrides")
-        return value
+        return {} if self.hf_overrides is None else json_object(self.hf_overrides,
+                                                                 "hf_overrides")
+
+
+def json_object(text: str, param: str) -> dict[str, Any]:
+    """A flag's JSON text as an object; a 400 naming `param` for anything else."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"{param} is not valid JSON: {exc}", param=param) from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{param} must be a JSON object", param=param)
+    return value
 
 
 @dataclass(frozen=True)
@@ -273,11 +275,7 @@ class SpeculativeConfig:
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequestError(f"speculative_config is not valid JSON: {exc}",
-                                          param="speculative_config") from None
+            value = json_object(value, "speculative_config")
         if not isinstance(value, dict):
             raise InvalidRequestError("speculative_config must be a JSON object",
                                       param="speculative_config")

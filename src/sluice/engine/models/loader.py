@@ -79,6 +79,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # GLM-4 (glm-4-9b-chat-hf) and GLM-4-0414 (its sandwich norms): RoPE over adjacent
     # pairs of half of each head, gate|up fused in the checkpoint (split_fused_weights)
     "GlmForCausalLM": ArchSpec(rope_interleaved=True, o_bias=False),
+    # Kyutai's Helium: a Llama whose RoPE turns adjacent pairs (all of each head), its
+    # `attention_bias` on Q/K/V alone, as GLM's
+    "HeliumForCausalLM": ArchSpec(rope_interleaved=True, o_bias=False),
     "Glm4ForCausalLM": ArchSpec(rope_interleaved=True, o_bias=False, block_norms="glm4"),
     "Gemma2ForCausalLM": ArchSpec(gemma=True, block_norms="gemma", sliding_period=2),
     "Gemma3ForCausalLM": ArchSpec(qk_norm=True, gemma=True, block_norms="gemma",
