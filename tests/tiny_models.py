@@ -161,6 +161,7 @@ def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3",
 
     from sluice.engine.models.gguf_loader import (
         GGUF_GEMMA_NAMES,
+        GGUF_GLM4_NAMES,
         GGUF_GLOBAL_NAMES,
         GGUF_NAMES,
         GGUF_PHI3_NAMES,
@@ -208,6 +209,7 @@ def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3",
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     to_gguf = {f"{hf}.": f"{g}." for g, hf in GGUF_GLOBAL_NAMES.items()}
     names = {"gemma2": GGUF_GEMMA_NAMES, "gemma3": GGUF_GEMMA_NAMES, "olmo2": GGUF_GEMMA_NAMES,
+             "exaone4": GGUF_GEMMA_NAMES, "glm4": GGUF_GLM4_NAMES,
              "phi3": GGUF_PHI3_NAMES}.get(arch, GGUF_NAMES)
     short = {v: k for k, v in names.items()}
     stacked: dict[tuple[str, str], dict[int, np.ndarray]] = {}  # (layer, kind) -> experts

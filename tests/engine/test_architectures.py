@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -559,11 +560,9 @@ def test_olmo2_block_and_gguf_file(tiny_olmo2_dir: Path, tmp_path: Path,
     normalized before its residual add with no norm of its input (greedy tokens against
     transformers: test_hf_equivalence.py). Its checkpoint names no input norm; an `olmo2`
     file (the branch norms named as Gemma's, `post_attention_norm` and `post_ffw_norm`)
-    loads as the checkpoint, without the decode graph (which has input norms); one with a
-    sliding window (OLMo 3's) is refused."""
+    loads as the checkpoint, without the decode graph (which has input norms)."""
     from sluice.engine.models.llama import ResidualAdd
     from sluice.engine.models.loader import config_from_hf, read_config
-    from sluice.protocol.errors import InvalidRequestError
 
     monkeypatch.setenv("SLUICE_WEIGHTS_CACHE", "off")
     cfg = config_from_hf(read_config(tiny_olmo2_dir))
@@ -574,11 +573,6 @@ def test_olmo2_block_and_gguf_file(tiny_olmo2_dir: Path, tmp_path: Path,
         "Olmo2ForCausalLM", True, BLOCK_NORMS["olmo2"])
     got, want = gguf_and_checkpoint_logits(path, tiny_olmo2_dir)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    olmo3 = write_gguf(tiny_olmo2_dir, tmp_path / "olmo3.gguf", "f32", arch="olmo2",
-                       metadata=lambda w: w.add_sliding_window(8))
-    with pytest.raises(InvalidRequestError) as err:  # OLMo 3's file: refused by name
-        config_from_gguf(GGUFFile(olmo3))
-    assert err.value.param == "model" and "sliding_window" in str(err.value)
     runner = ModelRunner(EngineConfig.from_options(str(tiny_olmo2_dir), num_kv_blocks=64,
                                                    block_size=4, dtype="float32"))
     assert runner.decode_graph is None
@@ -689,3 +683,40 @@ def test_glm_configs_graph_and_lora_refused(tiny_glm_dir: Path, tiny_glm4_dir: P
         ModelRunner(EngineConfig.from_options(str(tiny_glm_dir), num_kv_blocks=64,
                                               enable_lora=True))
     assert err.value.param == "enable_lora" and "adjacent pairs" in str(err.value)
+
+
+@pytest.mark.parametrize("arch", ["olmo3", "exaone4", "glm4"])
+def test_windowed_and_glm4_gguf_files_load_as_the_checkpoint(
+        request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        arch: str) -> None:
+    """GGUF files as llama.cpp's converter writes them: OLMo 3's an `olmo2` file with
+    `attention.sliding_window`, a flag a layer, and the global layers' YaRN (the sliding
+    ones rotating plainly); EXAONE 4's `exaone4` with its window (its global layers
+    without RoPE); GLM-4-0414's `glm4`, its Q/K rows as the checkpoint's (llama.cpp turns
+    adjacent pairs), gate|up fused in `ffn_up`, its four block norms, Q/K/V bias, and the
+    rotated width `rope.dimension_count`. Logits equal transformers' on the checkpoint."""
+    import gguf as gguf_py
+
+    monkeypatch.setenv("SLUICE_WEIGHTS_CACHE", "off")
+    directory: Path = request.getfixturevalue(f"tiny_{arch}_dir")
+
+    def olmo3(w: Any) -> None:
+        w.add_sliding_window(8)
+        w.add_sliding_window_pattern([True, False])
+        w.add_rope_scaling_type(gguf_py.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(32)
+
+    def exaone4(w: Any) -> None:
+        w.add_sliding_window(8)
+        w.add_sliding_window_pattern([True, False])
+
+    extra = {"olmo3": olmo3, "exaone4": exaone4,
+             "glm4": lambda w: w.add_rope_dimension_count(8)}[arch]
+    path = write_gguf(directory, tmp_path / f"{arch}.gguf", "f32",
+                      arch="olmo2" if arch == "olmo3" else arch, metadata=extra)
+    cfg = config_from_gguf(GGUFFile(path))[0]
+    if arch != "glm4":
+        assert [cfg.window(i) for i in (0, 1)] == [8, None]
+    got, want = gguf_and_checkpoint_logits(path, directory)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

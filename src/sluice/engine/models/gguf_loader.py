@@ -65,6 +65,11 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool, bool]] = {
     "granitemoe": ("GraniteMoeForCausalLM", True, False, False),
     "smollm3": ("SmolLM3ForCausalLM", True, False, False),
     "olmo2": ("Olmo2ForCausalLM", False, False, False),  # its whole-Q/K norms: ArchSpec's
+    # (OLMo 3's files are olmo2 files with a sliding window)
+    "exaone4": ("Exaone4ForCausalLM", False, False, True),
+    # GLM-4-0414: Q/K rows as the checkpoint's (llama.cpp rotates GLM's adjacent pairs);
+    # its Q/K/V bias where the file has one
+    "glm4": ("Glm4ForCausalLM", False, False, False),
 }
 # SmolLM3's layers without RoPE: every fourth, as llama.cpp fixes it (no metadata key)
 SMOLLM3_NO_ROPE_STEP = 4
@@ -87,14 +92,22 @@ GGUF_GEMMA_NAMES: dict[str, str] = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# GLM-4-0414's block: gate|up fused (`ffn_up`), `ffn_norm` the MLP's input norm, a norm
+# after each branch with its own checkpoint names
+GGUF_GLM4_NAMES: dict[str, str] = {
+    **GGUF_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj",
+    "ffn_norm": "post_attention_layernorm", "post_attention_norm": "post_self_attn_layernorm",
+    "post_ffw_norm": "post_mlp_layernorm",
+}
 # Phi-3's fused projections (Q|K|V, gate|up), split by `loader.split_fused_weights`
 GGUF_PHI3_NAMES: dict[str, str] = {
     **GGUF_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj",
 }
-# the names of an architecture's file where they differ from Llama's (OLMo 2's branch
-# output norms are named as Gemma's; it has no input norms)
+# the names of an architecture's file where they differ from Llama's (OLMo 2's and EXAONE
+# 4's branch output norms are named as Gemma's; they have no input norms)
 GGUF_NAMES_BY_ARCH = {"Gemma2ForCausalLM": GGUF_GEMMA_NAMES, "Gemma3ForCausalLM": GGUF_GEMMA_NAMES,
-                      "Olmo2ForCausalLM": GGUF_GEMMA_NAMES, "Phi3ForCausalLM": GGUF_PHI3_NAMES}
+                      "Olmo2ForCausalLM": GGUF_GEMMA_NAMES, "Exaone4ForCausalLM": GGUF_GEMMA_NAMES,
+                      "Glm4ForCausalLM": GGUF_GLM4_NAMES, "Phi3ForCausalLM": GGUF_PHI3_NAMES}
 GGUF_GLOBAL_NAMES: dict[str, str] = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
 }
@@ -164,6 +177,8 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
         raise InvalidRequestError(f"{gguf.path.name}: unsupported GGUF architecture {arch!r} "
                                   f"(supported: {sorted(GGUF_ARCHITECTURES)})", param="model")
     hf_arch, permuted, qkv_bias, qk_norm = GGUF_ARCHITECTURES[arch]
+    spec = ARCHITECTURES[hf_arch]
+    qkv_bias = qkv_bias or "blk.0.attn_q.bias" in gguf.tensors  # (GLM-4's)
 
     def meta(key: str, default: Any = None) -> Any:
         value = gguf.get(f"{arch}.{key}", default)
@@ -191,12 +206,9 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
         base = rope.params.get("original_max_position_embeddings", context)
         context = int(base * rope.params["factor"])
     rotary = int(gguf.get(f"{arch}.rope.dimension_count", head_dim))  # Phi-4-mini's 96 of 128
+    sliding = sliding_from_gguf(gguf, arch, rope) if arch in GGUF_SLIDING_PERIOD else {}
     window = gguf.get(f"{arch}.attention.sliding_window")
-    if window and arch == "olmo2":  # OLMo 3's, whose sliding layers rotate their own way
-        raise InvalidRequestError(f"{gguf.path.name}: an olmo2 file with "
-                                  f"{arch}.attention.sliding_window (OLMo 3) is not supported; "
-                                  "serve its checkpoint", param="model")
-    if window and not arch.startswith("gemma"):  # exact within it (as for a checkpoint)
+    if window and not sliding:  # a window not run caps the context (exact within it)
         context = min(context, int(window))
     cfg = LlamaConfig(
         architecture=hf_arch, vocab_size=int(vocab), hidden_size=hidden,
@@ -206,13 +218,15 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
         max_position_embeddings=context,
         rope=rope, partial_rotary_factor=rotary / head_dim, qkv_bias=qkv_bias, qk_norm=qk_norm,
-        qk_norm_whole=ARCHITECTURES[hf_arch].qk_norm_whole,
-        block_norms=BLOCK_NORMS[ARCHITECTURES[hf_arch].block_norms], moe=moe,
+        qk_norm_whole=spec.qk_norm_whole, block_norms=BLOCK_NORMS[spec.block_norms],
+        rope_interleaved=spec.rope_interleaved, moe=moe,
         gemma=gemma_from_gguf(gguf, arch, head_dim) if arch.startswith("gemma") else None,
-        **(sliding_from_gguf(gguf, arch, rope) if arch.startswith("gemma") else {}),
+        **sliding,
         granite=granite_from_gguf(gguf, arch) if arch.startswith("granite") else None,
         no_rope_layers=tuple(int((i + 1) % SMOLLM3_NO_ROPE_STEP != 0) for i in range(
-            int(meta("block_count")))) if arch == "smollm3" else (),
+            int(meta("block_count")))) if arch == "smollm3"
+        # EXAONE 4's global layers, where it slides, rotate nothing (as llama.cpp's)
+        else sliding["sliding_layers"] if spec.nope_global and sliding else (),
         o_bias="blk.0.attn_output.bias" in gguf.tensors,
         tie_word_embeddings="output.weight" not in gguf.tensors)
     return cfg, permuted
@@ -230,19 +244,27 @@ def granite_from_gguf(gguf: GGUFFile, arch: str) -> GraniteScales:
         logits_scaling=float(gguf.get(f"{arch}.logit_scale", 1.0)))
 
 
+# the architectures whose files run sliding windows: a global layer every this many
+# where the file has no pattern (llama.cpp's defaults)
+GGUF_SLIDING_PERIOD = {"gemma2": 2, "gemma3": 6, "olmo2": 4, "exaone4": 4}
+
+
 def sliding_from_gguf(gguf: GGUFFile, arch: str, rope: RopeConfig) -> dict[str, Any]:
-    """Gemma's local layers as llama.cpp reads a `gemma2` / `gemma3` file (LlamaConfig's
-    fields): the window `attention.sliding_window`; the layers
-    `attention.sliding_window_pattern` says (a period, every such layer global, or a flag
-    a layer), else llama.cpp's fixed period (Gemma 2: every other layer global, Gemma 3:
-    every sixth); Gemma 3's local RoPE base `rope.freq_base_swa`, else 10,000 (Gemma 2's
-    local layers rotate as its global ones)."""
+    """The sliding layers as llama.cpp reads them (LlamaConfig's fields; none where an
+    `olmo2` or `exaone4` file has no window): the window `attention.sliding_window`; the
+    layers `attention.sliding_window_pattern` says (a period, every such layer global, or
+    a flag a layer), else `GGUF_SLIDING_PERIOD`'s. Their RoPE: Gemma 3's base
+    `rope.freq_base_swa`, else 10,000; OLMo 3's (an `olmo2` file's) the global base or
+    `rope.freq_base_swa` without the global scaling; Gemma 2's and EXAONE 4's the global
+    RoPE."""
     window = gguf.get(f"{arch}.attention.sliding_window")
+    if window is None and arch in ("olmo2", "exaone4"):
+        return {}
     if window is None:
         raise InvalidRequestError(f"{gguf.path.name}: missing GGUF metadata "
                                   f"{arch}.attention.sliding_window", param="model")
     layers = int(gguf.get(f"{arch}.block_count"))
-    pattern = gguf.get(f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    pattern = gguf.get(f"{arch}.attention.sliding_window_pattern", GGUF_SLIDING_PERIOD[arch])
     if isinstance(pattern, list):
         sliding = tuple(int(bool(flag)) for flag in pattern)
     else:
@@ -250,8 +272,11 @@ def sliding_from_gguf(gguf: GGUFFile, arch: str, rope: RopeConfig) -> dict[str, 
     if len(sliding) != layers:
         raise InvalidRequestError(f"{gguf.path.name}: {arch}.attention.sliding_window_pattern "
                                   f"has {len(sliding)} flags for {layers} layers", param="model")
-    local = rope if arch == "gemma2" else RopeConfig(
-        float(gguf.get(f"{arch}.rope.freq_base_swa", 10000.0)))
+    local = rope
+    if arch == "gemma3":
+        local = RopeConfig(float(gguf.get(f"{arch}.rope.freq_base_swa", 10000.0)))
+    elif arch == "olmo2":
+        local = RopeConfig(float(gguf.get(f"{arch}.rope.freq_base_swa", rope.theta)))
     return {"sliding_window": int(window), "sliding_layers": sliding, "local_rope": local}
 
 
@@ -328,10 +353,11 @@ def rope_from_gguf(gguf: GGUFFile, arch: str, context: int) -> RopeConfig:
             raise InvalidRequestError(f"{gguf.path.name}: {arch}.rope.scaling.yarn_log_multiplier "
                                       "is not supported", param="model")
         params["original_max_position_embeddings"] = int(original or context)
-        for beta in ("beta_fast", "beta_slow"):
-            value = gguf.get(f"{arch}.rope.scaling.yarn_{beta}")
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                          ("yarn_attn_factor", "attention_factor")):  # (the config's own)
+            value = gguf.get(f"{arch}.rope.scaling.{key}")
             if value is not None:
-                params[beta] = float(value)
+                params[name] = float(value)
     return RopeConfig(theta, kind, params)
 
 
