@@ -309,26 +309,31 @@ def test_moe_model_in_bfloat16_follows_float32(tiny_qwen3_moe_dir: Path) -> None
 
 
 @pytest.mark.parametrize("arch,linears", [("qwen3moe", "f32"), ("qwen3moe", "q8_0"),
-                                          ("llama", "f32"), ("qwen2moe", "f32")])
+                                          ("llama", "f32"), ("qwen2moe", "f32"),
+                                          ("olmoe", "f32")])
 def test_moe_gguf_file_loads_as_the_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                arch: str, linears: str) -> None:
     """llama.cpp's `qwen3moe` file, a `llama` file with experts (a Mixtral: Q/K rows
-    permuted) and a `qwen2moe` file (its shared expert, weights not renormalized), from
+    permuted), a `qwen2moe` file (its shared expert, weights not renormalized) and an
+    `olmoe` file (Q/K norms over all heads, weights not renormalized), from
     tiny checkpoints with every layer sparse (what llama.cpp computes): the same logits
     as transformers (Q8_0: within its rounding), and `--quantization gguf` keeps the
     experts dense."""
     from tiny_models import make_tiny_checkpoint
 
     monkeypatch.setenv("SLUICE_WEIGHTS_CACHE", str(tmp_path / "cache"))  # converted here
-    hf_arch = {"qwen3moe": "qwen3_moe", "llama": "mixtral", "qwen2moe": "qwen2_moe"}[arch]
+    hf_arch = {"qwen3moe": "qwen3_moe", "llama": "mixtral", "qwen2moe": "qwen2_moe",
+               "olmoe": "olmoe"}[arch]
     options = {"norm_topk_prob": True, "mlp_only_layers": []} if arch == "qwen3moe" else {}
     hf_dir = make_tiny_checkpoint(tmp_path / "hf", hf_arch, seed=4, **options)
     path = write_gguf(hf_dir, tmp_path / f"tiny-{arch}.gguf", linears, arch)
     cfg, permuted = config_from_gguf(GGUFFile(path))
     assert cfg.moe is not None and permuted == (arch == "llama")
     assert cfg.architecture == {"qwen3moe": "Qwen3MoeForCausalLM", "llama": "MixtralForCausalLM",
-                                "qwen2moe": "Qwen2MoeForCausalLM"}[arch]
-    assert cfg.moe.norm_topk_prob == (arch != "qwen2moe") and cfg.moe.dense_layers == ()
+                                "qwen2moe": "Qwen2MoeForCausalLM",
+                                "olmoe": "OlmoeForCausalLM"}[arch]
+    assert cfg.moe.norm_topk_prob == (arch not in ("qwen2moe", "olmoe"))
+    assert cfg.moe.dense_layers == () and cfg.qk_norm_whole == (arch == "olmoe")
     assert (cfg.moe.num_experts, cfg.moe.top_k) == ((8, 3) if arch == "qwen3moe" else (4, 2))
     assert cfg.moe.shared_intermediate_size == (48 if arch == "qwen2moe" else 0)
     runner = ModelRunner(EngineConfig.from_options(

@@ -67,6 +67,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool, bool]] = {
     "olmo2": ("Olmo2ForCausalLM", False, False, False),  # its whole-Q/K norms: ArchSpec's
     # (OLMo 3's files are olmo2 files with a sliding window)
     "exaone4": ("Exaone4ForCausalLM", False, False, True),
+    "olmoe": ("OlmoeForCausalLM", False, False, False),  # its whole-Q/K norms: ArchSpec's
     # GLM-4-0414: Q/K rows as the checkpoint's (llama.cpp rotates GLM's adjacent pairs);
     # its Q/K/V bias where the file has one
     "glm4": ("Glm4ForCausalLM", False, False, False),
@@ -297,8 +298,8 @@ def gemma_from_gguf(gguf: GGUFFile, arch: str, head_dim: int) -> GemmaConfig:
 def moe_from_gguf(gguf: GGUFFile, arch: str) -> MoEConfig:
     """`<arch>.expert_count` experts, `expert_used_count` a token, each of
     `expert_feed_forward_length` (the Qwens) or `feed_forward_length` (Mixtral), their
-    weights renormalized over the chosen as llama.cpp computes them (all but Qwen2-MoE;
-    `expert_weights_norm` where a file says), Qwen2-MoE's shared expert of
+    weights renormalized over the chosen as llama.cpp computes them (all but Qwen2-MoE's
+    and OLMoE's; `expert_weights_norm` where a file says), Qwen2-MoE's shared expert of
     `expert_shared_feed_forward_length`; Mixtral's names for a `llama` file and for
     Granite MoE's (its file splits the checkpoint's stacked gate|up per projection)."""
     size = gguf.get(f"{arch}.expert_feed_forward_length") or gguf.get(
@@ -313,7 +314,7 @@ def moe_from_gguf(gguf: GGUFFile, arch: str) -> MoEConfig:
                      top_k=int(gguf.get(f"{arch}.expert_used_count", 0) or 0),
                      intermediate_size=int(size),
                      norm_topk_prob=bool(gguf.get(f"{arch}.expert_weights_norm",
-                                                  arch != "qwen2moe")),
+                                                  arch not in ("qwen2moe", "olmoe"))),
                      shared_intermediate_size=int(
                          gguf.get(f"{arch}.expert_shared_feed_forward_length", 0) or 0),
                      **names)
