@@ -70,6 +70,7 @@ tiny_granite4_dir = tiny_checkpoint("tiny_granite4_dir", "granitemoehybrid")
 tiny_glm_dir = tiny_checkpoint("tiny_glm_dir", "glm")
 tiny_glm4_dir = tiny_checkpoint("tiny_glm4_dir", "glm4")
 tiny_helium_dir = tiny_checkpoint("tiny_helium_dir", "helium")
+tiny_arcee_dir = tiny_checkpoint("tiny_arcee_dir", "arcee")
 tiny_gemma2_dir = tiny_checkpoint("tiny_gemma2_dir", "gemma2")
 tiny_gemma3_dir = tiny_checkpoint("tiny_gemma3_dir", "gemma3")
 

@@ -58,7 +58,7 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
     "granitemoehybrid" (Granite 4.0's transformer models: Granite's multipliers, the MLP
     under `shared_mlp`), "glm" and "glm4" (GLM-4: RoPE over adjacent pairs of half of each
     head, a bias on Q/K/V, gate|up fused; GLM-4-0414's norms of each branch's input and
-    output), "helium" (Kyutai's: RoPE over adjacent pairs of all of each head, a bias on
+    output), "arcee" (AFM: relu(up)² with no gate; YaRN), "helium" (Kyutai's: RoPE over adjacent pairs of all of each head, a bias on
     Q/K/V), "gemma3" (Gemma 3's text model:
     a sliding window of 8 tokens in its first layer, full attention in its second, each
     with its own RoPE base; its norms and scores' scale away from the defaults) and
@@ -107,6 +107,9 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
                       attention_multiplier=0.015625, logits_scaling=8.0, num_local_experts=0,
                       shared_intermediate_size=128, position_embedding_type="rope",
                       layer_types=["attention", "attention"], pad_token_id=0)
+    if arch == "arcee":  # relu(up)² with no gate, and YaRN (as AFM-4.5B's)
+        common.update(pad_token_id=0, max_position_embeddings=32, rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
     if arch == "helium":  # RoPE over adjacent pairs of all of each head, Q/K/V bias
         common.update(attention_bias=True, pad_token_id=0, head_dim=16)
     if arch in ("glm", "glm4"):  # RoPE over adjacent pairs of half of each head, Q/K/V bias
@@ -239,7 +242,7 @@ def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3",
             kind = parts[-2].removesuffix("_proj")
             tensors[f"blk.{parts[2]}.ffn_{kind}_shexp.weight"] = array
         elif parts[:2] == ["model", "layers"]:
-            if arch in ("llama", "granite", "granitemoe", "smollm3") and parts[-2] in heads:
+            if arch in ("llama", "granite", "granitemoe", "smollm3", "arcee") and parts[-2] in heads:
                 # llama.cpp's RoPE row interleave (its Llama converter's, Granite's too)
                 n, d = heads[parts[-2]], array.shape[0] // heads[parts[-2]] // 2
                 array = array.reshape(n, 2, d, -1).swapaxes(1, 2).reshape(array.shape)

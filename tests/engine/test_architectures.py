@@ -725,3 +725,39 @@ def test_windowed_and_glm4_gguf_files_load_as_the_checkpoint(
         assert [cfg.window(i) for i in (0, 1)] == [8, None]
     got, want = gguf_and_checkpoint_logits(path, directory)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_arcee_mlp_without_a_gate(tiny_arcee_dir: Path, tmp_path: Path,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Arcee's AFM: an MLP of relu(up)² with no gate (no gate tensor read, half the gate|up
+    width), so no decode graph (its MLP is SwiGLU) and no LoRA (no gate|up pair); its
+    `arcee` GGUF file (Q/K rows permuted as Llama's, `ffn_up` and `ffn_down` alone, YaRN)
+    runs as the checkpoint (greedy tokens against transformers on every engine option:
+    test_hf_equivalence.py)."""
+    import gguf as gguf_py
+
+    from sluice.engine.models.loader import config_from_hf, read_config
+    from sluice.protocol.errors import InvalidRequestError
+
+    monkeypatch.setenv("SLUICE_WEIGHTS_CACHE", "off")
+    cfg = config_from_hf(read_config(tiny_arcee_dir))
+    assert cfg.mlp_activation == "relu2" and cfg.rope.rope_type == "yarn"
+    runner = ModelRunner(EngineConfig.from_options(str(tiny_arcee_dir), num_kv_blocks=64,
+                                                   block_size=4, dtype="float32"))
+    assert runner.decode_graph is None
+    assert runner.model.layers[0].feed_forward.w13.weight.shape == (cfg.intermediate_size,
+                                                                     cfg.hidden_size)
+    with pytest.raises(InvalidRequestError) as err:
+        ModelRunner(EngineConfig.from_options(str(tiny_arcee_dir), num_kv_blocks=64,
+                                              enable_lora=True))
+    assert err.value.param == "enable_lora" and "without a gate" in str(err.value)
+
+    def yarn(w: Any) -> None:
+        w.add_rope_scaling_type(gguf_py.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(4.0)
+        w.add_rope_scaling_orig_ctx_len(32)
+
+    path = write_gguf(tiny_arcee_dir, tmp_path / "arcee.gguf", "f32", arch="arcee",
+                      metadata=yarn)
+    got, want = gguf_and_checkpoint_logits(path, tiny_arcee_dir)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

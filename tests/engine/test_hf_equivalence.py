@@ -69,7 +69,7 @@ CASES = [(arch, option) for arch in ("llama", "qwen2", "qwen3", "smollm3", "gran
          for option in OPTIONS] + [
     (arch, option) for arch in ("llama_bias", "phi3", "mixtral", "qwen3_moe", "granitemoe",
                                 "qwen2_moe", "olmoe", "olmo2", "qwen2_yarn",
-                                "granite4", "glm", "glm4", "helium")
+                                "granite4", "glm", "glm4", "helium", "arcee")
     for option in ("chunked-cache", "torch-kernels")]
 
 

@@ -218,6 +218,10 @@ class ModelRunner:
                 raise InvalidRequestError(
                     f"LoRA adapters on a mixture-of-experts model ({cfg.architecture}) are "
                     "not supported", param="enable_lora")
+            if cfg.mlp_activation == "relu2":  # (no gate: no gate|up pair to fuse into)
+                raise InvalidRequestError(
+                    f"LoRA adapters on {cfg.architecture} (an MLP without a gate) are not "
+                    "supported", param="enable_lora")
             if cfg.rope_interleaved:  # (its Q/K rows reordered at load; an adapter's are not)
                 raise InvalidRequestError(
                     f"LoRA adapters on {cfg.architecture} (RoPE over adjacent pairs) are not "
@@ -233,7 +237,7 @@ class ModelRunner:
         # block norms (OLMo 2's, Gemma's), Gemma's blocks or sliding windows
         if (not mc.enforce_eager and cfg.moe is None and not cfg.qk_norm_whole
                 and cfg.block_norms == BLOCK_NORMS["llama"] and cfg.gemma is None
-                and cfg.sliding_window is None):
+                and cfg.sliding_window is None and cfg.mlp_activation == "silu"):
             dense = None
             head = self.gguf_blocks.get("output")  # the GGUF graph's head kernel, both graphs
             if self.panels:

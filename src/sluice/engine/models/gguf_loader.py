@@ -64,6 +64,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, bool, bool, bool]] = {
     "granite": ("GraniteForCausalLM", True, False, False),
     "granitemoe": ("GraniteMoeForCausalLM", True, False, False),
     "smollm3": ("SmolLM3ForCausalLM", True, False, False),
+    "arcee": ("ArceeForCausalLM", True, False, False),  # no ffn_gate: relu(up)²
     "olmo2": ("Olmo2ForCausalLM", False, False, False),  # its whole-Q/K norms: ArchSpec's
     # (OLMo 3's files are olmo2 files with a sliding window)
     "exaone4": ("Exaone4ForCausalLM", False, False, True),
@@ -221,6 +222,7 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
         rope=rope, partial_rotary_factor=rotary / head_dim, qkv_bias=qkv_bias, qk_norm=qk_norm,
         qk_norm_whole=spec.qk_norm_whole, block_norms=BLOCK_NORMS[spec.block_norms],
         rope_interleaved=spec.rope_interleaved, moe=moe,
+        mlp_activation={"gelu_pytorch_tanh": "gelu_tanh"}.get(spec.activation, spec.activation),
         gemma=gemma_from_gguf(gguf, arch, head_dim) if arch.startswith("gemma") else None,
         **sliding,
         granite=granite_from_gguf(gguf, arch) if arch.startswith("granite") else None,

@@ -1,6 +1,6 @@
 """The Llama family (Llama 2/3, SmolLM2/3, Mistral, Mixtral, Qwen2/2.5 and Qwen2-MoE, Qwen3
 and Qwen3-MoE, Granite 3 and its MoE, Phi-3/4-mini, OLMoE, OLMo 2 and 3, EXAONE 4, Gemma 2
-and 3, GLM-4) as one model file.
+and 3, GLM-4, Helium, Arcee) as one model file.
 
 Read it like the paper: each block is
 
@@ -30,6 +30,7 @@ OLMo 3 adds sliding windows as Gemma's (`sliding_window`, `sliding_layers`, `loc
 EXAONE 4 per-head Q/K norms and, where it slides, global layers without RoPE; GLM-4-0414
 normalizes both (`block_norms`). GLM rotates adjacent pairs (`rope_interleaved`: Q/K rows
 reordered at load), Phi-4-mini and GLM part of each head (`partial_rotary_factor`).
+Gemma gates its MLP with GELU, Arcee has no gate, relu(up)² (`mlp_activation`).
 Weights arrive under Hugging Face names (`model.layers.0.self_attn.q_proj.weight`, ...)
 from either loader and are fused here (Q|K|V into one matrix, gate|up into another) so a
 layer does three big matmuls and one attention call over all of a step's tokens,
@@ -247,6 +248,7 @@ class LlamaConfig:
     sliding_layers: tuple[int, ...] = ()
     local_rope: RopeConfig | None = None
     tie_word_embeddings: bool = False
+    mlp_activation: str = "silu"  # MLP_ACTIVATIONS': Gemma's gelu_tanh, Arcee's relu2
     # an embedding model trained to be cut (Matryoshka): the sizes `dimensions` may take
     # (() any); None: not such a model, `dimensions` refused (vLLM's rule)
     matryoshka_dimensions: tuple[int, ...] | None = None
@@ -271,6 +273,9 @@ class LlamaConfig:
             raise InvalidRequestError(f"{len(self.sliding_layers)} sliding-layer flags for "
                                       f"{self.num_layers} layers (window "
                                       f"{self.sliding_window})", param="model")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise InvalidRequestError(f"unsupported MLP activation {self.mlp_activation!r} "
+                                      f"{MLP_ACTIVATIONS}", param="model")
         if not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
             raise InvalidRequestError(f"partial_rotary_factor {self.partial_rotary_factor} "
                                       f"rotates {self.rotary_dim} of {self.head_dim} dimensions "
@@ -300,8 +305,9 @@ class LlamaConfig:
                 total += self.hidden_size * (moe.num_experts + 3 * moe.top_k * moe.intermediate_size)
                 if moe.shared_intermediate_size:
                     total += self.hidden_size * (1 + 3 * moe.shared_intermediate_size)
-            else:
-                total += 3 * self.hidden_size * self.intermediate_size
+            else:  # gate, up, down (up and down without a gate)
+                mats = 2 if self.mlp_activation == "relu2" else 3
+                total += mats * self.hidden_size * self.intermediate_size
         return total
 
 
@@ -550,18 +556,28 @@ class Attention(nn.Module):
         return self.wo(paged_attention(q, k, v, self.kv_cache, meta, self.window, self.softcap))
 
 
+# an MLP's activation (LlamaConfig.mlp_activation): SwiGLU, silu(gate) * up (the native
+# kernels' and the decode graph's); Gemma's gelu_tanh(gate) * up; Arcee's relu(up)² with no
+# gate
+MLP_ACTIVATIONS = ("silu", "gelu_tanh", "relu2")
+
+
 class FeedForward(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, gelu: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int,
+                 activation: str = "silu") -> None:
         super().__init__()
-        self.gelu = gelu  # Gemma's gelu_tanh(gate) * up instead of SwiGLU (no native kernel)
-        self.w13 = Linear(hidden_size, 2 * intermediate_size)
+        self.activation = activation  # one of MLP_ACTIVATIONS
+        gated = activation != "relu2"
+        self.w13 = Linear(hidden_size, (2 if gated else 1) * intermediate_size)  # gate|up, or up
         self.w2 = Linear(intermediate_size, hidden_size)
         self.fused: ActivationKernel | None = None  # native silu(gate) * up, set by the runner
         # the whole silu(x @ gate.T) * (x @ up.T) (native.PackedSwiGLU), set by the runner
         self.swiglu: PackedSwiGLU | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.gelu:
+        if self.activation == "relu2":
+            return self.w2(F.relu(self.w13(x)).square())
+        if self.activation == "gelu_tanh":
             gate, up = self.w13(x).chunk(2, dim=-1)
             return self.w2(F.gelu(gate, approximate="tanh") * up)
         fused = self.swiglu
@@ -672,7 +688,7 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg, cfg.uses_rope(layer), cfg.window(layer))
         self.feed_forward: FeedForward | SparseMoE = (
             SparseMoE(cfg, cfg.moe) if cfg.moe is not None and cfg.is_sparse(layer)
-            else FeedForward(cfg.hidden_size, cfg.intermediate_size, gelu=cfg.gemma is not None))
+            else FeedForward(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_activation))
         # Gemma's, OLMo 2's and GLM-4's norms of each branch's output, before its residual add
         self.post_attention_norm: RMSNorm | None = None
         self.post_ffn_norm: RMSNorm | None = None
@@ -789,6 +805,9 @@ def fuse_hf_weights(cfg: LlamaConfig, hf: Mapping[str, Tensor]) -> dict[str, Ten
             out[a + "attention.k_norm.weight"] = hf[attn + "k_norm.weight"]
         if cfg.moe is not None and cfg.is_sparse(i):
             _fuse_experts(cfg.moe, hf, p + cfg.moe.hf_block + ".", a + "feed_forward.", out)
+        elif cfg.mlp_activation == "relu2":  # no gate: w13 is up alone
+            out[a + "feed_forward.w13.weight"] = hf[p + "mlp.up_proj.weight"]
+            out[a + "feed_forward.w2.weight"] = hf[p + "mlp.down_proj.weight"]
         else:
             _fuse_mlp(hf, p + "mlp.", ("gate_proj", "up_proj", "down_proj"),
                       a + "feed_forward.", out)
@@ -915,7 +934,8 @@ def expected_hf_names(cfg: LlamaConfig) -> list[str]:
         if cfg.moe is not None and cfg.is_sparse(i):
             names += cfg.moe.hf_names(p + cfg.moe.hf_block + ".")
         else:
-            names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+            names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")
+                      if n != "gate" or cfg.mlp_activation != "relu2"]
         names += [f"{p}{name}.weight" for name in cfg.block_norms.names]
     return names
 

@@ -54,6 +54,8 @@ class ArchSpec:
     nope_global: bool = False  # EXAONE 4: with windows, the global layers without RoPE
     rope_interleaved: bool = False  # GLM: RoPE over adjacent pairs (LlamaConfig's)
     o_bias: bool = True  # False: `attention_bias` puts a bias on Q/K/V alone (GLM)
+    # its MLP's `hidden_act` (checked) and LlamaConfig.mlp_activation for it
+    activation: str = "silu"
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -83,9 +85,12 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     # `attention_bias` on Q/K/V alone, as GLM's
     "HeliumForCausalLM": ArchSpec(rope_interleaved=True, o_bias=False),
     "Glm4ForCausalLM": ArchSpec(rope_interleaved=True, o_bias=False, block_norms="glm4"),
-    "Gemma2ForCausalLM": ArchSpec(gemma=True, block_norms="gemma", sliding_period=2),
+    # Arcee's AFM: a Llama whose MLP is relu(up)² with no gate
+    "ArceeForCausalLM": ArchSpec(activation="relu2"),
+    "Gemma2ForCausalLM": ArchSpec(gemma=True, block_norms="gemma", sliding_period=2,
+                                  activation="gelu_pytorch_tanh"),
     "Gemma3ForCausalLM": ArchSpec(qk_norm=True, gemma=True, block_norms="gemma",
-                                  sliding_period=6),
+                                  sliding_period=6, activation="gelu_pytorch_tanh"),
 }
 
 
@@ -194,9 +199,8 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
     if c.get("clip_qkv") is not None:  # OLMo's clamp of Q, K and V
         raise UnsupportedModelError(f"{arch}: clip_qkv is not supported", param="model")
     act = c.get("hidden_activation") or c.get("hidden_act") or "silu"
-    if act != ("gelu_pytorch_tanh" if spec.gemma else "silu") or c.get("mlp_bias"):
-        raise UnsupportedModelError(f"{arch}: only bias-free "
-                                    f"{'GELU (tanh)' if spec.gemma else 'SiLU'} MLPs are "
+    if act != spec.activation or c.get("mlp_bias"):
+        raise UnsupportedModelError(f"{arch}: only bias-free {spec.activation} MLPs are "
                                     f"supported, not {act!r}", param="model")
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
         if c.get(cap) is not None and not spec.gemma:  # Gemma 2's tanh caps
@@ -230,6 +234,7 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         **sliding,
         # Gemma's config.json may leave it out: its default is tied
         tie_word_embeddings=bool(c.get("tie_word_embeddings", spec.gemma)),
+        mlp_activation={"gelu_pytorch_tanh": "gelu_tanh"}.get(act, act),
         matryoshka_dimensions=_matryoshka(c))
 
 
