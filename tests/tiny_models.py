@@ -149,6 +149,15 @@ def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
     return out
 
 
+def add_yarn(writer: Any, factor: float = 4.0, original: int = 32) -> None:
+    """YaRN's keys as llama.cpp's converter writes them (for `write_gguf`'s `metadata`)."""
+    import gguf
+
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(factor)
+    writer.add_rope_scaling_orig_ctx_len(original)
+
+
 def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3",
                metadata: Callable[[Any], None] | None = None) -> Path:
     """The tiny checkpoint as llama.cpp's converter writes an `arch` file: its tensor

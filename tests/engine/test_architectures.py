@@ -30,7 +30,7 @@ from sluice.engine.models.gguf_file import GGUFFile
 from sluice.engine.models.gguf_loader import config_from_gguf, load_gguf_model
 from sluice.engine.models.llama import BLOCK_NORMS
 from sluice.engine.sampling_params import SamplingParams
-from tiny_models import write_gguf
+from tiny_models import add_yarn, write_gguf
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it rests."
 
@@ -700,21 +700,17 @@ def test_windowed_and_glm4_gguf_files_load_as_the_checkpoint(
     without RoPE); GLM-4-0414's `glm4`, its Q/K rows as the checkpoint's (llama.cpp turns
     adjacent pairs), gate|up fused in `ffn_up`, its four block norms, Q/K/V bias, and the
     rotated width `rope.dimension_count`. Logits equal transformers' on the checkpoint."""
-    import gguf as gguf_py
 
     monkeypatch.setenv("SLUICE_WEIGHTS_CACHE", "off")
     directory: Path = request.getfixturevalue(f"tiny_{arch}_dir")
 
-    def olmo3(w: Any) -> None:
-        w.add_sliding_window(8)
-        w.add_sliding_window_pattern([True, False])
-        w.add_rope_scaling_type(gguf_py.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(4.0)
-        w.add_rope_scaling_orig_ctx_len(32)
-
     def exaone4(w: Any) -> None:
         w.add_sliding_window(8)
         w.add_sliding_window_pattern([True, False])
+
+    def olmo3(w: Any) -> None:
+        exaone4(w)
+        add_yarn(w)
 
     extra = {"olmo3": olmo3, "exaone4": exaone4,
              "glm4": lambda w: w.add_rope_dimension_count(8)}[arch]
@@ -734,7 +730,6 @@ def test_arcee_mlp_without_a_gate(tiny_arcee_dir: Path, tmp_path: Path,
     `arcee` GGUF file (Q/K rows permuted as Llama's, `ffn_up` and `ffn_down` alone, YaRN)
     runs as the checkpoint (greedy tokens against transformers on every engine option:
     test_hf_equivalence.py)."""
-    import gguf as gguf_py
 
     from sluice.engine.models.loader import config_from_hf, read_config
     from sluice.protocol.errors import InvalidRequestError
@@ -752,12 +747,7 @@ def test_arcee_mlp_without_a_gate(tiny_arcee_dir: Path, tmp_path: Path,
                                               enable_lora=True))
     assert err.value.param == "enable_lora" and "without a gate" in str(err.value)
 
-    def yarn(w: Any) -> None:
-        w.add_rope_scaling_type(gguf_py.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(4.0)
-        w.add_rope_scaling_orig_ctx_len(32)
-
     path = write_gguf(tiny_arcee_dir, tmp_path / "arcee.gguf", "f32", arch="arcee",
-                      metadata=yarn)
+                      metadata=add_yarn)
     got, want = gguf_and_checkpoint_logits(path, tiny_arcee_dir)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -23,7 +23,7 @@ from sluice.engine.models.gguf_loader import config_from_gguf
 from sluice.engine.models.llama import inv_frequencies
 from sluice.engine.models.loader import config_from_hf, read_config
 from sluice.protocol.errors import InvalidRequestError
-from tiny_models import write_gguf
+from tiny_models import add_yarn, write_gguf
 
 LONG_PROMPT = PROMPT * 3  # 45 tokens: past the tiny models' original context of 32
 
@@ -185,22 +185,15 @@ def test_yarn_gguf_file_matches_the_checkpoint(tiny_qwen2_yarn_dir: Path, tmp_pa
     `yarn_log_multiplier` is refused by name."""
     monkeypatch.setenv("SLUICE_WEIGHTS_CACHE", "off")
 
-    def yarn(w: Any) -> None:
-        import gguf
-
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(4.0)
-        w.add_rope_scaling_orig_ctx_len(32)
-
     path = write_gguf(tiny_qwen2_yarn_dir, tmp_path / "yarn.gguf", "f32", arch="qwen2",
-                      metadata=yarn)
+                      metadata=add_yarn)
     r = runner(path, tokenizer=str(tiny_qwen2_yarn_dir))
     assert r.max_model_len == 128
     error, top = max_error(r, tiny_qwen2_yarn_dir, LONG_PROMPT)
     assert error <= 1e-4 * top
 
     def deepseek(w: Any) -> None:
-        yarn(w)
+        add_yarn(w)
         w.add_rope_scaling_yarn_log_mul(0.1)
 
     bad = write_gguf(tiny_qwen2_yarn_dir, tmp_path / "bad.gguf", "f32", arch="qwen2",
