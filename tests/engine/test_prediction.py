@@ -112,6 +112,10 @@ def test_outputs_equal_plain_decoding_whatever_the_prediction(llm: LLM) -> None:
               SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
     core = llm.engine.core
     assert core.spec is not None and core.spec.predictions_only
+    # every draft the prediction yields is verified: the counts below are the proposer's,
+    # not the cost model's (which weighs measured step times: a slow step on a busy host
+    # took 14 accepted drafts where 20 were asserted, with none rejected)
+    core.spec.planner.adaptive = False
     plain = outputs(llm, prompts, params)
     assert core.spec.num_drafts == 0  # nothing to draft from: no speculation
     answer = plain[0][0].token_ids
