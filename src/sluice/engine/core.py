@@ -77,22 +77,20 @@ class EngineCore:
                                    lambda path: self.runner.load_lora(path, lc.max_lora_rank))
         self.sampler = Sampler(self.tokenizer.eos_token_ids, config.model.seed)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        model_config = getattr(self.runner, "model_config", None)  # (fakes have none)
         self.info = CoreInfo(self.runner.model_name, self.runner.max_model_len,
                              self.runner.vocab_size, self.block_manager.num_blocks,
                              self.block_manager.block_size,
                              config.structured.structured_outputs_backend,
                              lc.enable_lora, lc.max_loras if lc.enable_lora else 0,
                              lc.max_lora_rank if lc.enable_lora else 0,
-                             getattr(getattr(self.runner, "model_config", None),
-                                     "num_layers", 0),
+                             getattr(model_config, "num_layers", 0),
                              {k: list(v) for k, v in
                               getattr(self.runner, "lora_shapes", {}).items()},
                              config.scheduler.scheduling_policy,
                              config.structured.reasoning_parser,
-                             getattr(getattr(self.runner, "model_config", None),
-                                     "hidden_size", 0),
-                             getattr(getattr(self.runner, "model_config", None),
-                                     "matryoshka_dimensions", None))
+                             getattr(model_config, "hidden_size", 0),
+                             getattr(model_config, "matryoshka_dimensions", None))
         self.structured = StructuredOutputManager(
             config.structured, self._grammar_backend,
             ThinkingMarkers.of(self.tokenizer, config.structured.reasoning_parser))

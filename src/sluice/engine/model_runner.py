@@ -179,7 +179,7 @@ class ModelRunner:
         rope = self.model_config.rope
         if rope.rope_type == "longrope":
             original = rope.params["original_max_position_embeddings"]
-            which = "long" if self.max_model_len > original else "short"
+            which = "long" if rope.uses_long_factors(self.max_model_len) else "short"
             self.rope_variant = f"longrope {which} factors"
             log.info("longrope: the %s factors for every sequence (max_model_len %d, original "
                      "context %d)", which, self.max_model_len, original)

@@ -2750,7 +2750,8 @@ class DecodeGraph {
   }
 
   // x [B, hidden] float32 (the tokens' embeddings); cos, sin [B, R] float32 (the rows'
-  // RoPE table rows: the first R <= head_dim of each head rotate, R even); slots [B], block_tables [B, n], context_lens [B] int64.
+  // RoPE table rows: the first R <= head_dim of each head rotate, R even); slots [B],
+  // block_tables [B, n], context_lens [B] int64.
   // Writes the rows' K/V into the pools; returns float32 logits [B, vocab].
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                         torch::Tensor slots, torch::Tensor block_tables,

@@ -45,7 +45,7 @@ from sluice.engine.models.llama import (
     assemble_model,
     model_state,
 )
-from sluice.engine.models.loader import ARCHITECTURES, split_fused_weights
+from sluice.engine.models.loader import ARCHITECTURES, MLP_ACTIVATION_OF, split_fused_weights
 from sluice.engine.models.weights_cache import cached_state
 from sluice.protocol.errors import InvalidRequestError
 
@@ -204,9 +204,7 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
     head_dim = int(meta("attention.key_length", hidden // heads))
     context = int(meta("context_length"))
     rope = rope_from_gguf(gguf, arch, context)
-    if rope.rope_type in ("linear", "yarn"):  # the scaled context, as for a checkpoint
-        base = rope.params.get("original_max_position_embeddings", context)
-        context = int(base * rope.params["factor"])
+    context = rope.scaled_context(context)  # as for a checkpoint
     rotary = int(gguf.get(f"{arch}.rope.dimension_count", head_dim))  # Phi-4-mini's 96 of 128
     sliding = sliding_from_gguf(gguf, arch, rope) if arch in GGUF_SLIDING_PERIOD else {}
     window = gguf.get(f"{arch}.attention.sliding_window")
@@ -222,7 +220,7 @@ def config_from_gguf(gguf: GGUFFile) -> tuple[LlamaConfig, bool]:
         rope=rope, partial_rotary_factor=rotary / head_dim, qkv_bias=qkv_bias, qk_norm=qk_norm,
         qk_norm_whole=spec.qk_norm_whole, block_norms=BLOCK_NORMS[spec.block_norms],
         rope_interleaved=spec.rope_interleaved, moe=moe,
-        mlp_activation={"gelu_pytorch_tanh": "gelu_tanh"}.get(spec.activation, spec.activation),
+        mlp_activation=MLP_ACTIVATION_OF[spec.activation],
         gemma=gemma_from_gguf(gguf, arch, head_dim) if arch.startswith("gemma") else None,
         **sliding,
         granite=granite_from_gguf(gguf, arch) if arch.startswith("granite") else None,

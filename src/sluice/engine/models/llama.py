@@ -75,6 +75,21 @@ class RopeConfig:
             raise InvalidRequestError(f"RoPE scaling {self.rope_type!r} needs "
                                       f"{', '.join(missing)} in rope_scaling", param="model")
 
+    def uses_long_factors(self, context: int) -> bool:
+        """Longrope's choice for a served context: its long factor list past the
+        original context, else its short one (`_longrope_frequencies`)."""
+        return context > float(self.params["original_max_position_embeddings"])
+
+    def scaled_context(self, context: int) -> int:
+        """The context a model with this RoPE serves, `context` its config's own: under
+        linear or YaRN scaling the original context (`context` where none is given)
+        times the factor, vLLM's rule (Qwen2.5's YaRN, added to a config of 32,768
+        positions with factor 4, serves 131,072); else `context`."""
+        if self.rope_type not in ("linear", "yarn"):
+            return context
+        return int(self.params.get("original_max_position_embeddings", context)
+                   * float(self.params["factor"]))
+
 
 @dataclass(frozen=True)
 class GraniteScales:
@@ -397,7 +412,7 @@ def _longrope_frequencies(inv_freq: Tensor, rope: RopeConfig, dim: int,
     with the long factors here, where theirs use the short ones."""
     p = rope.params
     original = float(p["original_max_position_embeddings"])
-    factors = p["long_factor"] if context > original else p["short_factor"]
+    factors = p["long_factor"] if rope.uses_long_factors(context) else p["short_factor"]
     if len(factors) != dim // 2:
         raise InvalidRequestError(f"longrope: {len(factors)} factors for {dim // 2} "
                                   "rotated frequencies", param="model")

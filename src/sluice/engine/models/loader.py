@@ -54,9 +54,11 @@ class ArchSpec:
     nope_global: bool = False  # EXAONE 4: with windows, the global layers without RoPE
     rope_interleaved: bool = False  # GLM: RoPE over adjacent pairs (LlamaConfig's)
     o_bias: bool = True  # False: `attention_bias` puts a bias on Q/K/V alone (GLM)
-    # its MLP's `hidden_act` (checked) and LlamaConfig.mlp_activation for it
-    activation: str = "silu"
+    activation: str = "silu"  # its MLP's `hidden_act` (checked): a key of MLP_ACTIVATION_OF
 
+
+# an MLP's `hidden_act` -> LlamaConfig.mlp_activation
+MLP_ACTIVATION_OF = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "relu2": "relu2"}
 
 ARCHITECTURES: dict[str, ArchSpec] = {
     "LlamaForCausalLM": ArchSpec(),
@@ -211,15 +213,16 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
     if arch == "GraniteMoeHybridForCausalLM":
         c = _granite_hybrid(c)
     heads = int(c["num_attention_heads"])
-    sliding = _sliding(c, arch, spec.sliding_period) if spec.sliding_period else {}
+    rope = rope_from_hf(c)
+    sliding = _sliding(c, arch, spec.sliding_period, rope) if spec.sliding_period else {}
     return LlamaConfig(
         architecture=arch, vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]),
         intermediate_size=int(c["intermediate_size"]), num_layers=int(c["num_hidden_layers"]),
         num_heads=heads, num_kv_heads=int(c.get("num_key_value_heads") or heads),
         head_dim=int(c.get("head_dim") or c["hidden_size"] // heads),
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=_max_positions(c, spec),
-        rope=rope_from_hf(c), partial_rotary_factor=float(rotary),
+        max_position_embeddings=_max_positions(c, spec, rope),
+        rope=rope, partial_rotary_factor=float(rotary),
         qkv_bias=bool(c.get("qkv_bias", spec.qkv_bias) or c.get("attention_bias")),
         o_bias=bool(c.get("attention_bias")) and spec.o_bias,
         rope_interleaved=spec.rope_interleaved,
@@ -234,7 +237,7 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         **sliding,
         # Gemma's config.json may leave it out: its default is tied
         tie_word_embeddings=bool(c.get("tie_word_embeddings", spec.gemma)),
-        mlp_activation={"gelu_pytorch_tanh": "gelu_tanh"}.get(act, act),
+        mlp_activation=MLP_ACTIVATION_OF[act],
         matryoshka_dimensions=_matryoshka(c))
 
 
@@ -265,7 +268,7 @@ def _granite_hybrid(c: dict[str, Any]) -> dict[str, Any]:
             "no_rope_layers": None if rope else [0] * layers}
 
 
-def _sliding(c: dict[str, Any], arch: str, period: int) -> dict[str, Any]:
+def _sliding(c: dict[str, Any], arch: str, period: int, rope: RopeConfig) -> dict[str, Any]:
     """The layers that attend through `sliding_window` (LlamaConfig's fields; none where
     the config has no window, as EXAONE-4.0-1.2B's): `layer_types` ("sliding_attention" /
     "full_attention"), else every `sliding_window_pattern`-th layer global (or the
@@ -273,8 +276,8 @@ def _sliding(c: dict[str, Any], arch: str, period: int) -> dict[str, Any]:
     `period`-th (Gemma 3's 6: five local, one global; Gemma 2's every other; OLMo 3's and
     EXAONE 4's every fourth). Their RoPE:
     transformers 5's `rope_parameters["sliding_attention"]`, else Gemma 3's
-    `rope_local_base_freq` (10,000 by default), else Gemma 2's global RoPE, else (OLMo 3)
-    the global base without the global scaling (its YaRN is the full layers' alone)."""
+    `rope_local_base_freq` (10,000 by default), else Gemma 2's global `rope`, else (OLMo 3)
+    `rope`'s base without its scaling (its YaRN is the full layers' alone)."""
     if c.get("sliding_window") is None:
         return {}
     layers = int(c["num_hidden_layers"])
@@ -295,9 +298,9 @@ def _sliding(c: dict[str, Any], arch: str, period: int) -> dict[str, Any]:
     elif arch == "Gemma3ForCausalLM":
         local = RopeConfig(theta=float(c.get("rope_local_base_freq", 10000.0)))
     elif arch == "Gemma2ForCausalLM":
-        local = rope_from_hf(c)
+        local = rope
     else:
-        local = RopeConfig(theta=rope_from_hf(c).theta)
+        local = RopeConfig(theta=rope.theta)
     return {"sliding_window": int(c["sliding_window"]),
             "sliding_layers": tuple(int(t == "sliding_attention") for t in types),
             "local_rope": local}
@@ -367,17 +370,11 @@ def _no_rope_layers(c: dict[str, Any]) -> tuple[int, ...]:
     return tuple(int(bool(f)) for f in flags)
 
 
-def _max_positions(c: dict[str, Any], spec: ArchSpec) -> int:
-    """The context limit: `max_position_embeddings`, or under linear or YaRN scaling the
-    original context times the factor (vLLM's rule: Qwen2.5's YaRN, added to a config of
-    32,768 positions with factor 4, serves 131,072); a sliding window caps it where the
-    model does not run one (full attention is exact within it): Gemma's and OLMo 3's
-    local layers do."""
-    limit = int(c.get("max_position_embeddings", 2048))
-    rope = rope_from_hf(c)
-    if rope.rope_type in ("linear", "yarn"):  # vLLM's rule: the scaled context
-        base = rope.params.get("original_max_position_embeddings", limit)
-        limit = int(base * float(rope.params["factor"]))
+def _max_positions(c: dict[str, Any], spec: ArchSpec, rope: RopeConfig) -> int:
+    """The context limit: `max_position_embeddings` as `rope` scales it
+    (`RopeConfig.scaled_context`); a sliding window caps it where the model does not run
+    one (full attention is exact within it): Gemma's and OLMo 3's local layers do."""
+    limit = rope.scaled_context(int(c.get("max_position_embeddings", 2048)))
     window = c.get("sliding_window")
     if window and c.get("use_sliding_window", True) and not spec.sliding_period:
         limit = min(limit, int(window))
