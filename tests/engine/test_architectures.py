@@ -3,7 +3,7 @@ head before RoPE, and heads wider than hidden / heads), SmolLM3 (`SmolLM3ForCaus
 no RoPE in every fourth layer) and Granite (`GraniteForCausalLM`: multipliers folded into
 the weights). Greedy tokens against transformers are in test_hf_equivalence.py and
 test_model_runner.py (the tiny checkpoints are among their architectures); here: the
-decode graph's head norms and NoPE layers, a llama.cpp `qwen3` GGUF file (float and Q8_0
+decode graph on each architecture's block, a llama.cpp `qwen3` GGUF file (float and Q8_0
 blocks, the GGUF graph), a base-model checkpoint as Qwen3-Embedding ships (no `model.`
 prefix, no LM head) read for embeddings, a LoRA adapter on Granite, Phi-3's fused
 tensors, and the mixtures of experts (Mixtral, Qwen2/3-MoE, OLMoE; greedy tokens of
@@ -41,13 +41,15 @@ def hf_model(directory: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
 
 
-def decode_logits(runner: ModelRunner, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-    """The prompt, then `steps` greedy one-token steps: the tokens and their logits."""
+def decode_logits(runner: ModelRunner, ids: list[int], steps: int,
+                  forced: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
+    """The prompt, then `steps` greedy one-token steps (of the `forced` tokens, given):
+    the tokens and their logits."""
     table = list(range(-(-(len(ids) + steps) // runner.block_size)))
     out = runner.execute([SeqChunk(ids, 0, table, True)])
     seq, logits = list(ids), [out[0].float()]
-    for _ in range(steps):
-        seq.append(int(out[0].argmax()))
+    for i in range(steps):
+        seq.append(int(out[0].argmax()) if forced is None else forced[i])
         out = runner.execute([SeqChunk(seq[-1:], len(seq) - 1, table, True)])
         logits.append(out[0].float())
     return seq[len(ids):], torch.stack(logits)
@@ -66,13 +68,17 @@ def gguf_and_checkpoint_logits(path: Path, hf_dir: Path) -> tuple[torch.Tensor, 
     return got, want
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "smollm3"])
+@pytest.mark.parametrize("arch", ["qwen3", "smollm3", "gemma3", "olmo2", "olmo3", "exaone4",
+                                  "glm4", "arcee", "granite4", "phi3_longrope"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_graph_runs_the_architecture(request: pytest.FixtureRequest, arch: str,
                                             dtype: str) -> None:
     """The native decode graph (float32 panels, or bfloat16 where the CPU has native
-    bfloat16 linears) runs Qwen3's head norms and SmolLM3's NoPE layer as the torch
-    model does."""
+    bfloat16 linears) runs each architecture's block as the torch model does: Q/K norms
+    of each head (Qwen3) or of all heads (OLMo 2), NoPE layers (SmolLM3, EXAONE 4's
+    global ones), the branches' output norms with or without input norms (Gemma 3, OLMo 2,
+    GLM-4-0414), GELU and relu² MLPs (Gemma, Arcee), sliding windows and their own RoPE
+    (Gemma 3, OLMo 3), partial rotation (GLM-4, Phi-4-mini-like longrope)."""
     directory: Path = request.getfixturevalue(f"tiny_{arch}_dir")
     eager, graph = (ModelRunner(EngineConfig.from_options(
         str(directory), num_kv_blocks=64, block_size=4, dtype=dtype, enforce_eager=e))
@@ -82,15 +88,32 @@ def test_decode_graph_runs_the_architecture(request: pytest.FixtureRequest, arch
         pytest.skip("no bfloat16 decode graph on this CPU (needs AMX or AVX512-BF16)")
     ids = eager.tokenizer.encode(PROMPT)
     want_tokens, want = decode_logits(eager, ids, 6)
-    got_tokens, got = decode_logits(graph, ids, 6)
-    tol = 1e-4 if dtype == "float32" else 0.05
-    assert (got - want).abs().max() <= tol * want.abs().max()
-    assert got_tokens == want_tokens
-    layers = [layer.attention for layer in graph.model.layers]
-    if arch == "qwen3":  # the head norms are not ones (skipping them changes the logits)
-        assert layers[0].q_norm is not None and not torch.all(layers[0].q_norm.weight == 1)
-    else:  # one layer rotates, one does not
-        assert [a.use_rope for a in layers] == [True, False]
+    if dtype == "float32":
+        got_tokens, got = decode_logits(graph, ids, 6)
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+        assert got_tokens == want_tokens
+    else:  # the torch model's tokens (a random model's near ties go either way in bfloat16)
+        _, got = decode_logits(graph, ids, 6, want_tokens)
+        assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    # what each runs beyond a Llama's block (a sliding window shorter than the context)
+    cfg, model, context = graph.model.cfg, graph.model, len(ids) + 6
+    window = cfg.window(0) is not None and cfg.window(0) < context
+    q_norm = model.layers[0].attention.q_norm
+    assert {
+        "qwen3": cfg.qk_norm and q_norm is not None and not torch.all(q_norm.weight == 1),
+        "smollm3": [cfg.uses_rope(i) for i in (0, 1)] == [True, False],
+        "gemma3": (cfg.block_norms == BLOCK_NORMS["gemma"] and cfg.mlp_activation == "gelu_tanh"
+                   and cfg.qk_norm and window and model.local_rope is not None),
+        "olmo2": cfg.block_norms == BLOCK_NORMS["olmo2"] and cfg.qk_norm_whole,
+        "olmo3": (cfg.block_norms == BLOCK_NORMS["olmo2"] and cfg.qk_norm_whole and window
+                  and model.local_rope is not None and cfg.rope.rope_type == "yarn"),
+        "exaone4": (cfg.block_norms == BLOCK_NORMS["olmo2"] and cfg.qk_norm and window
+                    and not cfg.uses_rope(1)),
+        "glm4": cfg.block_norms == BLOCK_NORMS["glm4"] and cfg.rotary_dim < cfg.head_dim,
+        "arcee": cfg.mlp_activation == "relu2",
+        "granite4": cfg.granite is not None,
+        "phi3_longrope": cfg.rope.rope_type == "longrope" and cfg.rotary_dim < cfg.head_dim,
+    }[arch]
 
 
 def test_gguf_file_loads_as_the_checkpoint(tiny_qwen3_dir: Path, tmp_path: Path) -> None:
@@ -427,13 +450,14 @@ def test_gemma3_config_from_the_hub_and_from_transformers_5(tiny_gemma3_dir: Pat
         assert err.value.param == "model" and named in str(err.value)
 
 
-def test_gemma3_runs_without_the_decode_graph_and_in_bfloat16(tiny_gemma3_dir: Path) -> None:
-    """Gemma's blocks (branch norms, GELU, local layers) are not the decode graph's: its
-    decodes run layer by layer; bfloat16 follows float32 past the sliding window."""
+def test_gemma3_in_bfloat16_follows_float32(tiny_gemma3_dir: Path) -> None:
+    """Gemma 3's decodes take the decode graph (its blocks against the torch model's:
+    test_decode_graph_runs_the_architecture); bfloat16 follows float32 past the sliding
+    window."""
     runners = [ModelRunner(EngineConfig.from_options(str(tiny_gemma3_dir), num_kv_blocks=64,
                                                      block_size=4, dtype=d))
                for d in ("float32", "bfloat16")]
-    assert all(r.decode_graph is None and r.wide_graph is None for r in runners)
+    assert runners[0].decode_graph is not None
     ids = runners[0].tokenizer.encode(PROMPT)
     assert len(ids) > 8  # past the tiny model's window
     (want_tokens, want), (got_tokens, got) = (decode_logits(r, ids, 4) for r in runners)
@@ -566,7 +590,7 @@ def test_olmo2_block_and_gguf_file(tiny_olmo2_dir: Path, tmp_path: Path,
     normalized before its residual add with no norm of its input (greedy tokens against
     transformers: test_hf_equivalence.py). Its checkpoint names no input norm; an `olmo2`
     file (the branch norms named as Gemma's, `post_attention_norm` and `post_ffw_norm`)
-    loads as the checkpoint, without the decode graph (which has input norms)."""
+    loads as the checkpoint; decodes take the decode graph (test_decode_graph_runs_the_architecture)."""
     from sluice.engine.models.llama import ResidualAdd
     from sluice.engine.models.loader import config_from_hf, read_config
 
@@ -581,7 +605,7 @@ def test_olmo2_block_and_gguf_file(tiny_olmo2_dir: Path, tmp_path: Path,
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     runner = ModelRunner(EngineConfig.from_options(str(tiny_olmo2_dir), num_kv_blocks=64,
                                                    block_size=4, dtype="float32"))
-    assert runner.decode_graph is None
+    assert runner.decode_graph is not None
     block = runner.model.layers[0]
     assert isinstance(block.attention_norm, ResidualAdd)
     assert isinstance(block.ffn_norm, ResidualAdd)
@@ -593,8 +617,9 @@ def test_olmo3_config_windows_and_ropes(tiny_olmo3_dir: Path) -> None:
     `sliding_window`, the global layers' YaRN and the sliding layers' plain RoPE of the
     same base, from a config.json in transformers 4's style (`rope_scaling` the global
     layers', shaped like Olmo-3-7B's) and transformers 5's (per-kind `rope_parameters`, the
-    tiny checkpoint); the context is YaRN's, not capped at the window; no decode graph
-    (greedy tokens against transformers: test_hf_equivalence.py)."""
+    tiny checkpoint); the context is YaRN's, not capped at the window; the decode graph
+    takes its decodes, both tables (greedy tokens against transformers:
+    test_hf_equivalence.py)."""
     from sluice.engine.models.llama import RopeConfig
     from sluice.engine.models.loader import config_from_hf, read_config
 
@@ -614,7 +639,8 @@ def test_olmo3_config_windows_and_ropes(tiny_olmo3_dir: Path) -> None:
     assert (tiny.rope.rope_type, tiny.local_rope) == ("yarn", RopeConfig(theta=10000.0))
     runner = ModelRunner(EngineConfig.from_options(str(tiny_olmo3_dir), num_kv_blocks=64,
                                                    block_size=4, dtype="float32"))
-    assert runner.decode_graph is None and runner.model.local_rope is not None
+    assert runner.decode_graph is not None and runner.model.local_rope is not None
+    assert runner.decode_graph.local is not None
 
 
 def test_exaone4_configs_with_and_without_windows(tiny_exaone4_dir: Path) -> None:
@@ -727,7 +753,7 @@ def test_windowed_and_glm4_gguf_files_load_as_the_checkpoint(
 def test_arcee_mlp_without_a_gate(tiny_arcee_dir: Path, tmp_path: Path,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Arcee's AFM: an MLP of relu(up)² with no gate (no gate tensor read, half the gate|up
-    width), so no decode graph (its MLP is SwiGLU) and no LoRA (no gate|up pair); its
+    width), run by the decode graph too, and no LoRA (no gate|up pair); its
     `arcee` GGUF file (Q/K rows permuted as Llama's, `ffn_up` and `ffn_down` alone, YaRN)
     runs as the checkpoint (greedy tokens against transformers on every engine option:
     test_hf_equivalence.py)."""
@@ -740,7 +766,7 @@ def test_arcee_mlp_without_a_gate(tiny_arcee_dir: Path, tmp_path: Path,
     assert cfg.mlp_activation == "relu2" and cfg.rope.rope_type == "yarn"
     runner = ModelRunner(EngineConfig.from_options(str(tiny_arcee_dir), num_kv_blocks=64,
                                                    block_size=4, dtype="float32"))
-    assert runner.decode_graph is None
+    assert runner.decode_graph is not None
     assert runner.model.layers[0].feed_forward.w13.weight.shape == (cfg.intermediate_size,
                                                                      cfg.hidden_size)
     with pytest.raises(InvalidRequestError) as err:

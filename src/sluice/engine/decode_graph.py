@@ -43,7 +43,9 @@ import torch
 from torch import Tensor
 
 from sluice.engine.models.llama import (
+    MLP_ACTIVATIONS,
     Linear,
+    ResidualAdd,
     RMSNorm,
     Transformer,
     TransformerBlock,
@@ -70,6 +72,7 @@ TILES_GRAPH_MAX_ROWS = 64
 FLOAT_GRAPH_MAX_ROWS = 1 << 16
 F32 = 0  # ggml type: the graph's float32 linears (a weight and its panels)
 BF16 = 30  # ggml type: the graph's bfloat16 linears (a weight and its pack_bf16)
+NONE = torch.empty(0)  # the graph's "none": a norm a block lacks, no local RoPE tables
 
 
 class DecodeGraph:
@@ -81,9 +84,13 @@ class DecodeGraph:
         self.max_rows = max_rows
         self.head_tiles: Tensor | None = None  # a bfloat16 graph's packed output head
         assert model.rope_cos is not None, "init_rope first"
-        # float32 RoPE tables (the model's are in its dtype, bfloat16 on some CPUs)
-        self.cos, self.sin = rope_tables(model.cfg.rope, model.cfg.rotary_dim,
-                                         model.rope_cos.shape[0])
+        # float32 RoPE tables (the model's are in its dtype, bfloat16 on some CPUs), and
+        # the sliding layers' own where they have them (Gemma 3's, OLMo 3's)
+        cfg, positions = model.cfg, model.rope_cos.shape[0]
+        self.cos, self.sin = rope_tables(cfg.rope, cfg.rotary_dim, positions)
+        self.local: tuple[Tensor, Tensor] | None = None
+        if model.local_rope is not None and cfg.local_rope is not None:
+            self.local = rope_tables(cfg.local_rope, cfg.rotary_dim, positions)
 
     @classmethod
     def build(cls, model: Transformer, blocks: Mapping[str, tuple[Tensor, int]],
@@ -169,28 +176,31 @@ class DecodeGraph:
                weights: list[Tensor], types: list[int], int8: list[bool],
                panels: list[Tensor], max_rows: int) -> DecodeGraph:
         assert native.decode_graph is not None
-        norms: list[RMSNorm] = []
-        qk_norms: list[RMSNorm] = []  # Qwen3's, a Q and a K head norm a layer
+        cfg = model.cfg
+        norms: list[Tensor] = []  # 4 a layer, an empty tensor where the block has none
+        qk_norms: list[RMSNorm] = []  # a Q and a K norm a layer: of each head, or all heads
         k_pools, v_pools = [], []
         for layer in model.layers:
             assert isinstance(layer, TransformerBlock)
-            assert isinstance(layer.attention_norm, RMSNorm), "the graph's layers have input norms"
-            assert isinstance(layer.ffn_norm, RMSNorm)
-            norms += [layer.attention_norm, layer.ffn_norm]
+            norms += [_norm(layer.attention_norm), _norm(layer.post_attention_norm),
+                      _norm(layer.ffn_norm), _norm(layer.post_ffn_norm)]
             if layer.attention.q_norm is not None and layer.attention.k_norm is not None:
                 qk_norms += [layer.attention.q_norm, layer.attention.k_norm]
             assert layer.attention.kv_cache is not None, "KV cache not allocated"
             k_pools.append(layer.attention.kv_cache.k)
             v_pools.append(layer.attention.kv_cache.v)
-        norms.append(model.norm)
-        cfg = model.cfg
+        norms.append(_norm(model.norm))
+        local = model.local_rope is not None  # the sliding layers rotate with their own
+        ropes = [0 if not cfg.uses_rope(i) else 2 if local and cfg.window(i) is not None else 1
+                 for i in range(cfg.num_layers)]
         graph = native.decode_graph(
             weights, types,
             [_float(m.bias) if m.bias is not None else torch.empty(0) for m in linears],
-            [_float(n.weight) for n in norms], k_pools, v_pools,
+            norms, k_pools, v_pools,
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, int8, panels,
-            [_float(n.weight) for n in qk_norms],
-            [cfg.uses_rope(i) for i in range(cfg.num_layers)])
+            [_float(n.weight) for n in qk_norms], ropes,
+            [cfg.window(i) or 0 for i in range(cfg.num_layers)],
+            MLP_ACTIVATIONS.index(cfg.mlp_activation))
         return cls(model, graph, max_rows)
 
     def takes(self, chunks: list[SeqChunk]) -> bool:
@@ -227,9 +237,13 @@ class DecodeGraph:
         pos = torch.tensor(positions, dtype=torch.long)
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        x = self.model.tok_embeddings(torch.tensor(tokens, dtype=torch.long)).float()
-        return self.graph.forward(x, self.cos[pos], self.sin[pos],
-                                  torch.tensor(slots, dtype=torch.long), padded, pos + 1)
+        x = self.model.embed(torch.tensor(tokens, dtype=torch.long)).float()
+        lcos, lsin = (self.local[0][pos], self.local[1][pos]) if self.local else (NONE, NONE)
+        logits = self.graph.forward(x, self.cos[pos], self.sin[pos],
+                                    torch.tensor(slots, dtype=torch.long), padded, pos + 1,
+                                    lcos, lsin)
+        cap = self.model.cfg.gemma.final_softcap if self.model.cfg.gemma is not None else None
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def _with_head(native: NativeOps, head: tuple[Tensor, int] | None, weights: list[Tensor],
@@ -263,6 +277,11 @@ def _linears(model: Transformer, names: list[str]) -> list[Linear] | None:
     if any(not isinstance(m, Linear) or m.lora is not None for m in linears):
         return None
     return linears  # type: ignore[return-value]
+
+
+def _norm(norm: RMSNorm | ResidualAdd | None) -> Tensor:
+    """A block norm's float32 weight for the graph, an empty tensor where there is none."""
+    return _float(norm.weight) if isinstance(norm, RMSNorm) else NONE
 
 
 def _float(t: Tensor) -> Tensor:

@@ -44,7 +44,6 @@ from sluice.engine.lora import (
     module_shapes,
 )
 from sluice.engine.models.llama import (
-    BLOCK_NORMS,
     FeedForward,
     Linear,
     LlamaConfig,
@@ -232,12 +231,11 @@ class ModelRunner:
         # the dense weights
         self.decode_graph: DecodeGraph | None = None
         self.wide_graph: DecodeGraph | None = None
-        # the graph's layers are Llama's (dense SwiGLU MLPs, its block norms, per-head Q/K
-        # norms if any, full attention): not a mixture of experts, OLMoE's Q/K norms, other
-        # block norms (OLMo 2's, Gemma's), Gemma's blocks or sliding windows
-        if (not mc.enforce_eager and cfg.moe is None and not cfg.qk_norm_whole
-                and cfg.block_norms == BLOCK_NORMS["llama"] and cfg.gemma is None
-                and cfg.sliding_window is None and cfg.mlp_activation == "silu"):
+        # the graph's layers are dense: any block norms, Q/K norms, activation, NoPE and
+        # sliding layers; not a mixture of experts, nor Gemma 2's capped attention scores
+        gemma = cfg.gemma
+        if (not mc.enforce_eager and cfg.moe is None
+                and (gemma is None or gemma.attn_softcap is None)):
             dense = None
             head = self.gguf_blocks.get("output")  # the GGUF graph's head kernel, both graphs
             if self.panels:

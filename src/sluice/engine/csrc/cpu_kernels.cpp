@@ -2629,9 +2629,14 @@ static void graph_linear(const GraphLinear& l, const float* x, int64_t M, float*
   gguf_matmul(l.blocks.data_ptr<uint8_t>(), l.type, x, bp, y, M, l.K, l.N, scratch.xsum);
 }
 
-// residual[i] += h[i] (unless h is null); out = rms_norm(residual) * w, one row.
+// residual[i] += h[i] (unless h is null); out = rms_norm(residual) * w, one row (out =
+// residual where w is null: a block without input norms, OLMo 2's).
 static void graph_add_norm(float* residual, const float* h, const float* w, float* out,
                            int64_t H, float eps) {
+  if (!w) {
+    for (int64_t i = 0; i < H; ++i) out[i] = residual[i] += h ? h[i] : 0.f;
+    return;
+  }
   float squares = 0.f;
   for (int64_t i = 0; i < H; ++i) {
     if (h) residual[i] += h[i];
@@ -2652,34 +2657,53 @@ static void graph_rope(float* x, const float* cos, const float* ssin, int64_t D)
   }
 }
 
+// Gemma's MLP activation, torch's gelu(approximate="tanh").
+static inline float gelu_tanh(float x) {
+  return 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+// The MLP's activation (LlamaConfig.mlp_activation, in its MLP_ACTIVATIONS order).
+enum GraphActivation : int64_t { kSiluGated = 0, kGeluTanhGated = 1, kRelu2 = 2 };
+
 class DecodeGraph {
  public:
-  // linears: 4 per layer (qkv, o, gate_up, down) then the output head, as GGUF blocks of
-  // `types`, or float32 weights [N, K] (type 0) with their pack_panels in `panels`, or
-  // bfloat16 weights (type 30) with their pack_bf16 there (empty tensors for GGUF
-  // blocks), with `biases` (empty tensors for none); norms: 2 per layer
-  // then the final norm, float32; k_pools, v_pools: the layers' KV pools (float32 or
-  // bfloat16); int8_activations, one per linear: a Q4 linear on int8 activations
-  // (q4_int8_linear; needs q4_int8_path()), else on float activations (gguf_rows);
-  // qk_norms: none, or 2 per layer (Qwen3's Q head norm, then K's), float32 [head_dim];
-  // rope_layers: none (every layer rotates), or one per layer (false: SmolLM3's NoPE).
+  // linears: 4 per layer (qkv, o, gate_up or up alone, down) then the output head, as
+  // GGUF blocks of `types`, or float32 weights [N, K] (type 0) with their pack_panels in
+  // `panels`, or bfloat16 weights (type 30) with their pack_bf16 there (empty tensors for
+  // GGUF blocks), with `biases` (empty tensors for none); norms: 4 per layer (the
+  // attention's input and output norms, the MLP's input and output norms; an empty
+  // tensor where the block has none: Llama's have the inputs', OLMo 2's the outputs',
+  // Gemma's and GLM-4's all four) then the final norm, float32; k_pools, v_pools: the
+  // layers' KV pools (float32 or bfloat16); int8_activations, one per linear: a Q4
+  // linear on int8 activations (q4_int8_linear; needs q4_int8_path()), else on float
+  // activations (gguf_rows); qk_norms: none, or 2 per layer (the Q norm, then K's),
+  // float32, [head_dim] each (a norm of each head: Qwen3's) or [q_size] and [kv_size]
+  // (one over all heads: OLMo 2's); rope_layers: none (every layer rotates with the
+  // forward's cos/sin), or one per layer (0: none, SmolLM3's NoPE; 1: cos/sin; 2: the
+  // forward's local_cos/local_sin, Gemma 3's sliding layers); windows: none, or one
+  // per layer (0: full attention, else a sliding window's length); activation: a
+  // GraphActivation (kRelu2: the MLP has no gate).
   DecodeGraph(std::vector<torch::Tensor> linears, std::vector<int64_t> types,
               std::vector<torch::Tensor> biases, std::vector<torch::Tensor> norms,
               std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools,
               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
               std::vector<bool> int8_activations, std::vector<torch::Tensor> panels,
-              std::vector<torch::Tensor> qk_norms, std::vector<bool> rope_layers)
+              std::vector<torch::Tensor> qk_norms, std::vector<int64_t> rope_layers,
+              std::vector<int64_t> windows, int64_t activation)
       : norms_(std::move(norms)), qk_norms_(std::move(qk_norms)),
-        rope_layers_(std::move(rope_layers)), k_pools_(std::move(k_pools)),
-        v_pools_(std::move(v_pools)), H_(num_heads), KVH_(num_kv_heads), D_(head_dim),
-        eps_(static_cast<float>(eps)) {
+        rope_layers_(std::move(rope_layers)), windows_(std::move(windows)),
+        k_pools_(std::move(k_pools)), v_pools_(std::move(v_pools)), H_(num_heads),
+        KVH_(num_kv_heads), D_(head_dim), eps_(static_cast<float>(eps)),
+        activation_(activation) {
     const int64_t L = static_cast<int64_t>(k_pools_.size());
     TORCH_CHECK(L > 0 && static_cast<int64_t>(linears.size()) == 4 * L + 1 &&
                     types.size() == linears.size() && biases.size() == linears.size() &&
-                    static_cast<int64_t>(norms_.size()) == 2 * L + 1 &&
+                    static_cast<int64_t>(norms_.size()) == 4 * L + 1 &&
                     int8_activations.size() == linears.size() &&
                     panels.size() == linears.size() && v_pools_.size() == k_pools_.size(),
-                "DecodeGraph: 4 linears and 2 norms a layer, then the head and final norm");
+                "DecodeGraph: 4 linears and 4 norms (or empty tensors) a layer, then the head "
+                "and final norm");
+    TORCH_CHECK(activation_ >= kSiluGated && activation_ <= kRelu2, "DecodeGraph: activation");
     TORCH_CHECK(H_ % KVH_ == 0 && D_ % 2 == 0, "DecodeGraph: head shapes");
     for (size_t i = 0; i < linears.size(); ++i) {
       const torch::Tensor& w = linears[i];
@@ -2723,22 +2747,37 @@ class DecodeGraph {
     }
     hidden_ = linears_[0].K;
     for (const auto& n : norms_)
-      TORCH_CHECK(n.scalar_type() == torch::kFloat && n.is_contiguous() && n.numel() == hidden_,
-                  "DecodeGraph: norms float32 [hidden]");
+      TORCH_CHECK(n.numel() == 0 || (n.scalar_type() == torch::kFloat && n.is_contiguous() &&
+                                     n.numel() == hidden_),
+                  "DecodeGraph: norms float32 [hidden] or empty");
+    TORCH_CHECK(norms_.back().numel() == hidden_, "DecodeGraph: a final norm");
     TORCH_CHECK(qk_norms_.empty() || static_cast<int64_t>(qk_norms_.size()) == 2 * L,
-                "DecodeGraph: no qk_norms, or a Q and a K head norm a layer");
-    for (const auto& n : qk_norms_)
-      TORCH_CHECK(n.scalar_type() == torch::kFloat && n.is_contiguous() && n.numel() == D_,
-                  "DecodeGraph: qk_norms float32 [head_dim]");
+                "DecodeGraph: no qk_norms, or a Q and a K norm a layer");
+    for (size_t i = 0; i < qk_norms_.size(); ++i) {
+      const torch::Tensor& n = qk_norms_[i];
+      const int64_t whole = (i % 2 ? KVH_ : H_) * D_;
+      TORCH_CHECK(n.scalar_type() == torch::kFloat && n.is_contiguous() &&
+                      (n.numel() == D_ || n.numel() == whole),
+                  "DecodeGraph: qk_norms float32, [head_dim] or [q_size] and [kv_size]");
+    }
     TORCH_CHECK(rope_layers_.empty() || static_cast<int64_t>(rope_layers_.size()) == L,
                 "DecodeGraph: no rope_layers, or one a layer");
+    for (int64_t r : rope_layers_)
+      TORCH_CHECK(r >= 0 && r <= 2, "DecodeGraph: rope_layers 0, 1 or 2");
+    TORCH_CHECK(windows_.empty() || static_cast<int64_t>(windows_.size()) == L,
+                "DecodeGraph: no windows, or one a layer");
     for (int64_t l = 0; l < L; ++l) {
       const GraphLinear *qkv = &linears_[4 * l], *o = &linears_[4 * l + 1],
                         *gu = &linears_[4 * l + 2], *down = &linears_[4 * l + 3];
+      const int64_t up_rows = activation_ == kRelu2 ? 1 : 2;  // gate and up, or up alone
       TORCH_CHECK(qkv->N == (H_ + 2 * KVH_) * D_ && o->K == H_ * D_ && o->N == hidden_ &&
-                      gu->K == hidden_ && gu->N % 2 == 0 && down->K == gu->N / 2 &&
-                      down->N == hidden_,
+                      gu->K == hidden_ && gu->N == up_rows * down->K &&
+                      down->K == linears_[3].K && down->N == hidden_,
                   "DecodeGraph: layer ", l, "'s linear shapes");
+      TORCH_CHECK(norms_[4 * l].numel() == norms_[4 * l + 2].numel() &&
+                      norms_[4 * l + 1].numel() == norms_[4 * l + 3].numel(),
+                  "DecodeGraph: layer ", l, ": both branches' input norms or neither, and "
+                  "their output norms likewise");
       const torch::Tensor& k = k_pools_[l];
       TORCH_CHECK(k.dim() == 4 && k.size(2) == KVH_ && k.size(3) == D_ && k.is_contiguous() &&
                       v_pools_[l].sizes() == k.sizes() && v_pools_[l].is_contiguous() &&
@@ -2751,12 +2790,19 @@ class DecodeGraph {
 
   // x [B, hidden] float32 (the tokens' embeddings); cos, sin [B, R] float32 (the rows'
   // RoPE table rows: the first R <= head_dim of each head rotate, R even); slots [B],
-  // block_tables [B, n], context_lens [B] int64.
+  // block_tables [B, n], context_lens [B] int64; local_cos, local_sin: the sliding
+  // layers' own tables' rows (as cos, sin), or empty (no layer rotates with them).
   // Writes the rows' K/V into the pools; returns float32 logits [B, vocab].
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                         torch::Tensor slots, torch::Tensor block_tables,
-                        torch::Tensor context_lens) {
+                        torch::Tensor context_lens, torch::Tensor local_cos,
+                        torch::Tensor local_sin) {
     const int64_t B = x.size(0);
+    const bool local = std::find(rope_layers_.begin(), rope_layers_.end(), 2) != rope_layers_.end();
+    TORCH_CHECK(!local || (local_cos.sizes() == cos.sizes() && local_sin.sizes() == cos.sizes() &&
+                           local_cos.scalar_type() == torch::kFloat &&
+                           local_sin.scalar_type() == torch::kFloat),
+                "DecodeGraph.forward: the local layers' cos/sin, shaped as cos/sin");
     TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == torch::kFloat &&
                     cos.sizes() == sin.sizes() && cos.size(0) == B && cos.size(1) <= D_ &&
                     cos.size(1) % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() &&
@@ -2769,12 +2815,13 @@ class DecodeGraph {
                 "DecodeGraph.forward: x [B, hidden], cos/sin [B, head_dim] float32; slots, "
                 "block_tables, context_lens int64");
     auto xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+    auto lc = local ? local_cos.contiguous() : cc, ls = local ? local_sin.contiguous() : sc;
     auto st = slots.contiguous(), bt = block_tables.contiguous(), cl = context_lens.contiguous();
     auto logits = torch::empty({B, linears_.back().N}, x.options());
     if (k_pools_[0].scalar_type() == torch::kFloat) {
-      run<float>(xc, cc, sc, st, bt, cl, logits);
+      run<float>(xc, cc, sc, lc, ls, st, bt, cl, logits);
     } else {
-      run<c10::BFloat16>(xc, cc, sc, st, bt, cl, logits);
+      run<c10::BFloat16>(xc, cc, sc, lc, ls, st, bt, cl, logits);
     }
     return logits;
   }
@@ -2782,20 +2829,21 @@ class DecodeGraph {
  private:
   template <typename T>
   void run(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+           const torch::Tensor& local_cos, const torch::Tensor& local_sin,
            const torch::Tensor& slots, const torch::Tensor& tables, const torch::Tensor& lens,
            torch::Tensor& logits) {
     const int64_t B = x.size(0), Hd = hidden_, L = static_cast<int64_t>(k_pools_.size());
     const int64_t q_size = H_ * D_, kv_size = KVH_ * D_, qkv_n = q_size + 2 * kv_size;
-    const int64_t I = linears_[2].N / 2;
+    const int64_t I = linears_[3].K, up_n = linears_[2].N;
     residual_.assign(x.data_ptr<float>(), x.data_ptr<float>() + B * Hd);
     xn_.resize(B * Hd);
     h_.resize(B * std::max(Hd, I));
     qkv_.resize(B * qkv_n);
     attn_.resize(B * q_size);
-    gate_up_.resize(B * 2 * I);
+    gate_up_.resize(B * up_n);
     act_.resize(B * I);
-    const float* cp = cos.data_ptr<float>();
-    const float* sp = sin.data_ptr<float>();
+    const float* tables_cos[3] = {nullptr, cos.data_ptr<float>(), local_cos.data_ptr<float>()};
+    const float* tables_sin[3] = {nullptr, sin.data_ptr<float>(), local_sin.data_ptr<float>()};
     const int64_t R = cos.size(1);
     const int64_t* slot = slots.data_ptr<int64_t>();
     const int64_t* table = tables.data_ptr<int64_t>();
@@ -2803,20 +2851,26 @@ class DecodeGraph {
     const int64_t n_blocks = tables.size(1);
     const float scale = 1.f / std::sqrt(static_cast<float>(D_));
     for (int64_t l = 0; l < L; ++l) {
-      add_norm_rows(B, l ? h_.data() : nullptr, norms_[2 * l].data_ptr<float>());
+      add_norm_rows(B, l ? h_.data() : nullptr, norm(4 * l));
       graph_linear(linears_[4 * l], xn_.data(), B, qkv_.data(), scratch_);
       T* kp = k_pools_[l].data_ptr<T>();
       T* vp = v_pools_[l].data_ptr<T>();
       const int64_t bs = k_pools_[l].size(1);
       const float* qn = qk_norms_.empty() ? nullptr : qk_norms_[2 * l].data_ptr<float>();
       const float* kn = qk_norms_.empty() ? nullptr : qk_norms_[2 * l + 1].data_ptr<float>();
-      const bool rope = rope_layers_.empty() || rope_layers_[l];
+      const bool whole = qn && qk_norms_[2 * l].numel() != D_;  // one norm over all heads
+      const int64_t rope = rope_layers_.empty() ? 1 : rope_layers_[l];
+      const float *cp = tables_cos[rope], *sp = tables_sin[rope];
       at::parallel_for(0, B, kGraphRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t b = begin; b < end; ++b) {
           float* row = &qkv_[b * qkv_n];
+          if (whole) {  // in place
+            graph_add_norm(row, nullptr, qn, row, q_size, eps_);
+            graph_add_norm(row + q_size, nullptr, kn, row + q_size, kv_size, eps_);
+          }
           for (int64_t h = 0; h < H_ + KVH_; ++h) {
             float* head = row + h * D_;
-            if (qn) graph_add_norm(head, nullptr, h < H_ ? qn : kn, head, D_, eps_);  // in place
+            if (qn && !whole) graph_add_norm(head, nullptr, h < H_ ? qn : kn, head, D_, eps_);
             if (rope) graph_rope(head, cp + b * R, sp + b * R, R);
           }
           for (int64_t i = 0; i < kv_size; ++i) {
@@ -2826,24 +2880,38 @@ class DecodeGraph {
         }
       });
       attend_rows<T, float>(qkv_.data(), qkv_n, attn_.data(), q_size, kp, vp, table, n_blocks,
-                            len, B, H_, KVH_, D_, bs, scale);
+                            len, B, H_, KVH_, D_, bs, scale, windows_.empty() ? 0 : windows_[l]);
       graph_linear(linears_[4 * l + 1], attn_.data(), B, h_.data(), scratch_);
-      add_norm_rows(B, h_.data(), norms_[2 * l + 1].data_ptr<float>());
+      norm_rows(B, h_.data(), norm(4 * l + 1));
+      add_norm_rows(B, h_.data(), norm(4 * l + 2));
       graph_linear(linears_[4 * l + 2], xn_.data(), B, gate_up_.data(), scratch_);
       at::parallel_for(0, B, kGraphRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t b = begin; b < end; ++b) {
-          const float* gate = &gate_up_[b * 2 * I];
+          const float* gate = &gate_up_[b * up_n];
           float* act = &act_[b * I];
-          for (int64_t i = 0; i < I; ++i) act[i] = silu(gate[i]) * gate[I + i];
+          if (activation_ == kSiluGated) {
+            for (int64_t i = 0; i < I; ++i) act[i] = silu(gate[i]) * gate[I + i];
+          } else if (activation_ == kGeluTanhGated) {
+            for (int64_t i = 0; i < I; ++i) act[i] = gelu_tanh(gate[i]) * gate[I + i];
+          } else {  // relu(up)², no gate
+            for (int64_t i = 0; i < I; ++i) act[i] = gate[i] > 0.f ? gate[i] * gate[i] : 0.f;
+          }
         }
       });
       graph_linear(linears_[4 * l + 3], act_.data(), B, h_.data(), scratch_);
+      norm_rows(B, h_.data(), norm(4 * l + 3));
     }
-    add_norm_rows(B, h_.data(), norms_.back().data_ptr<float>());
+    add_norm_rows(B, h_.data(), norm(norms_.size() - 1));
     graph_linear(linears_.back(), xn_.data(), B, logits.data_ptr<float>(), scratch_);
   }
 
-  // Each row: residual += h (unless h is null), xn = rms_norm(residual) * w.
+  // norms_[i]'s weight, or null where the block has none.
+  const float* norm(size_t i) const {
+    return norms_[i].numel() ? norms_[i].data_ptr<float>() : nullptr;
+  }
+
+  // Each row: residual += h (unless h is null), xn = rms_norm(residual) * w (xn = residual
+  // where w is null).
   void add_norm_rows(int64_t B, const float* h, const float* w) {
     const int64_t Hd = hidden_;
     at::parallel_for(0, B, kGraphRowGrain, [&](int64_t begin, int64_t end) {
@@ -2852,12 +2920,24 @@ class DecodeGraph {
     });
   }
 
+  // Each row of h: h = rms_norm(h) * w in place (a branch's output norm); nothing where w
+  // is null.
+  void norm_rows(int64_t B, float* h, const float* w) {
+    if (!w) return;
+    const int64_t Hd = hidden_;
+    at::parallel_for(0, B, kGraphRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b)
+        graph_add_norm(h + b * Hd, nullptr, w, h + b * Hd, Hd, eps_);
+    });
+  }
+
   std::vector<GraphLinear> linears_;
   std::vector<torch::Tensor> norms_, qk_norms_;
-  std::vector<bool> rope_layers_;
+  std::vector<int64_t> rope_layers_, windows_;
   std::vector<torch::Tensor> k_pools_, v_pools_;
   int64_t H_, KVH_, D_, hidden_ = 0;
   float eps_;
+  int64_t activation_;
   std::vector<float> residual_, xn_, h_, qkv_, attn_, gate_up_, act_;
   GraphScratch scratch_;
 };
@@ -2870,13 +2950,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double,
                     std::vector<bool>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                    std::vector<bool>>(),
+                    std::vector<int64_t>, std::vector<int64_t>, int64_t>(),
            py::arg("linears"), py::arg("types"), py::arg("biases"), py::arg("norms"),
            py::arg("k_pools"), py::arg("v_pools"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
            py::arg("int8_activations"), py::arg("panels"),
            py::arg("qk_norms") = std::vector<torch::Tensor>(),
-           py::arg("rope_layers") = std::vector<bool>())
+           py::arg("rope_layers") = std::vector<int64_t>(),
+           py::arg("windows") = std::vector<int64_t>(), py::arg("activation") = 0)
       .def("forward", &DecodeGraph::forward,
            "a decode step of every layer and the head: logits [B, vocab] (CPU)");
   m.def("int8_activation_types", &int8_activation_types,

@@ -770,14 +770,20 @@ class Transformer(nn.Module):
         if self.local_rope is not None:
             lcos, lsin = self.local_rope
             local = lcos[positions].unsqueeze(1), lsin[positions].unsqueeze(1)
-        x, residual = self.tok_embeddings(tokens), None
-        if self.cfg.gemma is not None:  # sqrt(hidden), rounded to the dtype as Gemma does
-            x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)
+        x, residual = self.embed(tokens), None
         for i, layer in enumerate(self.layers):
             lcos, lsin = local if self.cfg.window(i) is not None else (cos, sin)
             x, residual = layer(x, residual, lcos, lsin, meta)
         assert residual is not None, "a model has at least one layer"
         x, _ = self.norm.add(x[index], residual[index])
+        return x
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """The tokens' rows as the first block takes them: the embeddings, Gemma's times
+        sqrt(hidden) rounded to the dtype as Gemma does."""
+        x = self.tok_embeddings(tokens)
+        if self.cfg.gemma is not None:
+            x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)
         return x
 
     def use_fused_kernels(self, add_norm: AddNormKernel, activation: ActivationKernel,
