@@ -68,8 +68,8 @@ def gguf_and_checkpoint_logits(path: Path, hf_dir: Path) -> tuple[torch.Tensor, 
     return got, want
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "smollm3", "gemma3", "olmo2", "olmo3", "exaone4",
-                                  "glm4", "arcee", "granite4", "phi3_longrope"])
+@pytest.mark.parametrize("arch", ["qwen3", "smollm3", "gemma3", "gemma2", "olmo2", "olmo3",
+                                  "exaone4", "glm4", "arcee", "granite4", "phi3_longrope"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_graph_runs_the_architecture(request: pytest.FixtureRequest, arch: str,
                                             dtype: str) -> None:
@@ -78,7 +78,8 @@ def test_decode_graph_runs_the_architecture(request: pytest.FixtureRequest, arch
     of each head (Qwen3) or of all heads (OLMo 2), NoPE layers (SmolLM3, EXAONE 4's
     global ones), the branches' output norms with or without input norms (Gemma 3, OLMo 2,
     GLM-4-0414), GELU and relu² MLPs (Gemma, Arcee), sliding windows and their own RoPE
-    (Gemma 3, OLMo 3), partial rotation (GLM-4, Phi-4-mini-like longrope)."""
+    (Gemma 3, OLMo 3), capped attention scores and logits (Gemma 2), partial rotation
+    (GLM-4, Phi-4-mini-like longrope)."""
     directory: Path = request.getfixturevalue(f"tiny_{arch}_dir")
     eager, graph = (ModelRunner(EngineConfig.from_options(
         str(directory), num_kv_blocks=64, block_size=4, dtype=dtype, enforce_eager=e))
@@ -104,6 +105,8 @@ def test_decode_graph_runs_the_architecture(request: pytest.FixtureRequest, arch
         "smollm3": [cfg.uses_rope(i) for i in (0, 1)] == [True, False],
         "gemma3": (cfg.block_norms == BLOCK_NORMS["gemma"] and cfg.mlp_activation == "gelu_tanh"
                    and cfg.qk_norm and window and model.local_rope is not None),
+        "gemma2": (cfg.gemma is not None and cfg.gemma.attn_softcap is not None
+                   and cfg.gemma.final_softcap is not None and window),
         "olmo2": cfg.block_norms == BLOCK_NORMS["olmo2"] and cfg.qk_norm_whole,
         "olmo3": (cfg.block_norms == BLOCK_NORMS["olmo2"] and cfg.qk_norm_whole and window
                   and model.local_rope is not None and cfg.rope.rope_type == "yarn"),
@@ -565,7 +568,7 @@ def test_gemma2_config_from_the_hub(tiny_gemma2_dir: Path) -> None:
     """Gemma 2-2B: every other layer local (the even ones) with a 4,096-token window and
     the global RoPE, scores capped at 50 and logits at 30, no head norms, the context not
     capped at the window, the head tied; the tiny checkpoint's transformers-5 config the
-    same way. It decodes layer by layer (no decode graph), its head caps the logits."""
+    same way. Its decodes take the decode graph; its head caps the logits."""
     from sluice.engine.models.llama import SoftcappedHead
     from sluice.engine.models.loader import config_from_hf, read_config
 
@@ -578,7 +581,7 @@ def test_gemma2_config_from_the_hub(tiny_gemma2_dir: Path) -> None:
     assert tiny.gemma is not None and (tiny.gemma.attn_softcap, tiny.gemma.final_softcap) == (5, 3)
     runner = ModelRunner(EngineConfig.from_options(str(tiny_gemma2_dir), num_kv_blocks=64,
                                                    block_size=4, dtype="float32"))
-    assert runner.decode_graph is None and isinstance(runner.model.output, SoftcappedHead)
+    assert runner.decode_graph is not None and isinstance(runner.model.output, SoftcappedHead)
     logits = runner.execute([SeqChunk(runner.tokenizer.encode(PROMPT), 0, list(range(16)),
                                       True)])
     assert float(logits.abs().max()) < 3.0

@@ -97,26 +97,37 @@ def test_decode_attention_equals_gather_and_sdpa(ops: NativeOps, heads: int, kv_
     assert not torch.equal(got[0], got[1])  # rows really differ: each read its own blocks
 
 
-@pytest.mark.parametrize("window", [1, 6, 13])
+@pytest.mark.parametrize("softcap", [None, 0.5])
+@pytest.mark.parametrize("window", [1, 6, 13, None])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 2, 24), (4, 1, 128),
                                                      (4, 1, 256)])
 def test_decode_attention_in_a_sliding_window(ops: NativeOps, heads: int, kv_heads: int,
-                                              head_dim: int, window: int) -> None:
+                                              head_dim: int, window: int | None,
+                                              softcap: float | None) -> None:
     """A sliding-window layer's decodes (Gemma's): the native kernel reads each row's last
     `window` context rows alone, from wherever in a block the window starts, and equals
-    the masked SDPA path; contexts shorter than the window see all of theirs."""
-    torch.manual_seed(window * head_dim)
+    the masked SDPA path; contexts shorter than the window see all of theirs. With Gemma
+    2's cap on the scores too, which changes the outputs (every kernel variant: head
+    sizes 64 and 128 on AVX-512's and the 8-wide loops, 24 and 256 on the scalar ones)."""
+    torch.manual_seed((window or 50) * head_dim)
     lens = [0, 5, 16, 9, 30, 2, 21, 13]
     step = decode_step(lens, heads, kv_heads, head_dim, 64)
     (q, k, v), cache, group, slots = step.qkv, step.cache, step.group, step.slots
     layout = step.layout
     expected = paged_attention(q, k, v, cache, AttentionMetadata(slots, [group], layout=layout),
-                               window=window)
+                               window, softcap)
     native = AttentionMetadata(slots, [group], ops.paged_decode_attention, layout=layout)
-    got = paged_attention(q, k, v, cache, native, window=window)
-    assert native.masked(window)[0] is group  # the decodes stayed on the native kernel
+    got = paged_attention(q, k, v, cache, native, window, softcap)
+    # the decodes stayed on the native kernel
+    assert native.masked(window, every=softcap is not None)[0] is group
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    whole = paged_attention(q, k, v, cache, AttentionMetadata(slots, [group], layout=layout))
+    if softcap is not None and window != 1:  # (a row that sees one key weighs it 1)
+        uncapped = paged_attention(q, k, v, cache, native, window)
+        assert not torch.allclose(got[1:], uncapped[1:], atol=1e-3)
+    if window is None:
+        return
+    whole = paged_attention(q, k, v, cache, AttentionMetadata(slots, [group], layout=layout),
+                            None, softcap)
     short = [i for i, n in enumerate(lens) if n + 1 <= window]
     longer = [i for i, n in enumerate(lens) if n + 1 > window]
     torch.testing.assert_close(got[short], whole[short], rtol=1e-5, atol=1e-5)
@@ -125,17 +136,19 @@ def test_decode_attention_in_a_sliding_window(ops: NativeOps, heads: int, kv_hea
 
 # 64-row units (kPrefillTile): chunks of 1-150 rows, starting at position 0 (a fresh
 # prompt) or after context already in the pool (a prefix hit, a later chunk)
-@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (37, None), (None, 0.5),
+                                                 (37, 0.5)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 128), (4, 1, 16),
                                                      (6, 2, 48)])
 def test_prefill_attention_equals_padded_sdpa(ops: NativeOps, heads: int, kv_heads: int,
                                               head_dim: int, dtype: torch.dtype,
-                                              window: int | None) -> None:
+                                              window: int | None,
+                                              softcap: float | None) -> None:
     """Prefill chunks through `paged_prefill_attention` equal the masked SDPA over the
     padded batch (the path without the kernel): causal within a chunk, each chunk reading
     only its own blocks, scattered through the pool; in a sliding window (Gemma's local
-    layers), each row's keys before its window given no weight."""
+    layers), each row's keys before its window given no weight; scores capped (Gemma 2)."""
     assert ops.paged_prefill_attention is not None
     torch.manual_seed(heads * head_dim)
     bs, num_blocks = 16, 120
@@ -158,13 +171,14 @@ def test_prefill_attention_equals_padded_sdpa(ops: NativeOps, heads: int, kv_hea
     plain = StepLayout(bs, heads // kv_heads, CPU, dtype)
     native = StepLayout(bs, heads // kv_heads, CPU, dtype, native_prefill=True)
     expected = paged_attention(q, k, v, cache, AttentionMetadata(
-        slots, [build_group(0, q_lens, starts, tables, plain)], layout=plain), window)
+        slots, [build_group(0, q_lens, starts, tables, plain)], layout=plain), window, softcap)
     group = build_group(0, q_lens, starts, tables, native)
     assert group.mask is None and group.q_starts is not None
     meta = AttentionMetadata(slots, [group], prefill_kernel=ops.paged_prefill_attention,
                              layout=native)
-    got = paged_attention(q, k, v, cache, meta, window)
-    assert window is None or meta.masked(window)[0] is group  # on the native kernel
+    got = paged_attention(q, k, v, cache, meta, window, softcap)
+    if window is not None or softcap is not None:  # on the native kernel
+        assert meta.masked(window, every=softcap is not None)[0] is group
     assert got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
@@ -173,11 +187,16 @@ def test_prefill_attention_equals_padded_sdpa(ops: NativeOps, heads: int, kv_hea
     k2 = k.clone()
     k2[1:139] = torch.randn(138, kv_heads, head_dim, dtype=dtype)
     again = paged_attention(q, k2, v, cache, AttentionMetadata(
-        slots, [group], prefill_kernel=ops.paged_prefill_attention, layout=native), window)
+        slots, [group], prefill_kernel=ops.paged_prefill_attention, layout=native), window,
+        softcap)
     assert torch.equal(again[0], got[0]) and not torch.equal(again[1], got[1])
+    if softcap is not None:  # the cap changes the outputs
+        uncapped = paged_attention(q, k, v, cache, meta, window)
+        assert not torch.allclose(got[1:].float(), uncapped[1:].float(), atol=1e-2)
     if window is not None:  # the window hides what the whole context would show
         whole = paged_attention(q, k, v, cache, AttentionMetadata(
-            slots, [group], prefill_kernel=ops.paged_prefill_attention, layout=native))
+            slots, [group], prefill_kernel=ops.paged_prefill_attention, layout=native), None,
+            softcap)
         torch.testing.assert_close(got[:window].float(), whole[:window].float())
         assert not torch.allclose(got[window:139].float(), whole[window:139].float(),
                                   atol=1e-2)

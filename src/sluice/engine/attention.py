@@ -33,9 +33,10 @@ Gemma's layers differ per layer, not per step: a sliding-window layer sees only 
 `window` tokens of each context, and Gemma 2 caps its scores with a tanh. Such a layer
 takes `AttentionMetadata.masked`, the step's groups with their masks spelled out (built
 once a step for all such layers): the padded SDPA path, or the scores computed out where
-they are capped (`_sdpa`). A group whose contexts all fit in the window is unchanged, and
-so are the native kernels' groups: the decode kernel reads each row's last `window` rows
-alone, the prefill kernel gives the older keys no weight.
+they are capped (`_sdpa`). A group whose contexts all fit in the window (and whose scores
+are not capped) is unchanged, and so are the native kernels' groups: the decode kernel
+reads each row's last `window` rows alone, the prefill kernel gives the older keys no
+weight, and both cap the scores themselves.
 """
 
 from __future__ import annotations
@@ -135,20 +136,21 @@ class AttentionMetadata:
         `window` tokens ending at its own, Gemma's local layers): a group whose every
         context fits the window unchanged, and so is one the native kernels take (they
         apply the window themselves); the others with a mask that also hides the older
-        keys. `every`: each group with its mask spelled out (Gemma 2's capped scores
-        have no causal flag and no native kernel). Built once a step for all such
-        layers."""
+        keys. `every`: each group but the native kernels' with its mask spelled out
+        (Gemma 2's capped scores have no causal flag in SDPA). Built once a step for all
+        such layers."""
         groups = self._masked.get((window, every))
         if groups is None:
             assert self.layout is not None, "metadata built without its layout"
-            groups = [g if not every and (window is None or g.longest_context <= window
-                                          or self._native(g))
+            groups = [g if self._native(g) or (not every and (
+                          window is None or g.longest_context <= window))
                       else _masked_group(g, window, self.layout) for g in self.groups]
             self._masked[(window, every)] = groups
         return groups
 
     def _native(self, g: AttentionGroup) -> bool:
-        """A group the native kernels take (they apply a sliding window themselves)."""
+        """A group the native kernels take (they apply a sliding window and a cap on the
+        scores themselves)."""
         if g.q_starts is not None:
             return True
         return self.decode_kernel is not None and g.q_len == 1 and g.context_lens is not None
@@ -188,13 +190,13 @@ def _group_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache, g: Attenti
     if g.q_starts is not None:  # built for the native kernel (StepLayout.native_prefill)
         assert meta.prefill_kernel is not None and g.context_lens is not None
         o = meta.prefill_kernel(q.contiguous(), cache.k, cache.v, g.block_tables, g.q_starts,
-                                g.context_lens, d ** -0.5, window or 0)
+                                g.context_lens, d ** -0.5, window or 0, softcap or 0.0)
         return o.view(g.end - g.start, heads * d)
     if g.fresh:
         return _causal_attention(q, k[g.start:g.end], v[g.start:g.end], g.mask, softcap)
     if g.q_len == 1 and decode_kernel is not None and g.context_lens is not None:
         o = decode_kernel(q.contiguous(), cache.k, cache.v, g.block_tables, g.context_lens,
-                          d ** -0.5, window or 0)
+                          d ** -0.5, window or 0, softcap or 0.0)
         return o.view(g.batch, heads * d)
     keys, values = cache.gather(g.block_tables)
     if g.q_len == 1:  # decodes: torch's GQA path is quicker than folding for one query

@@ -190,6 +190,7 @@ class DecodeGraph:
             k_pools.append(layer.attention.kv_cache.k)
             v_pools.append(layer.attention.kv_cache.v)
         norms.append(_norm(model.norm))
+        softcap = cfg.gemma.attn_softcap if cfg.gemma is not None else None  # Gemma 2's
         local = model.local_rope is not None  # the sliding layers rotate with their own
         ropes = [0 if not cfg.uses_rope(i) else 2 if local and cfg.window(i) is not None else 1
                  for i in range(cfg.num_layers)]
@@ -200,7 +201,7 @@ class DecodeGraph:
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, int8, panels,
             [_float(n.weight) for n in qk_norms], ropes,
             [cfg.window(i) or 0 for i in range(cfg.num_layers)],
-            MLP_ACTIVATIONS.index(cfg.mlp_activation))
+            MLP_ACTIVATIONS.index(cfg.mlp_activation), softcap or 0.0)
         return cls(model, graph, max_rows)
 
     def takes(self, chunks: list[SeqChunk]) -> bool:

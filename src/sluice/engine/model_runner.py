@@ -231,11 +231,9 @@ class ModelRunner:
         # the dense weights
         self.decode_graph: DecodeGraph | None = None
         self.wide_graph: DecodeGraph | None = None
-        # the graph's layers are dense: any block norms, Q/K norms, activation, NoPE and
-        # sliding layers; not a mixture of experts, nor Gemma 2's capped attention scores
-        gemma = cfg.gemma
-        if (not mc.enforce_eager and cfg.moe is None
-                and (gemma is None or gemma.attn_softcap is None)):
+        # the graph's layers are dense (any block norms, Q/K norms, activation, NoPE and
+        # sliding layers, capped scores): not a mixture of experts
+        if not mc.enforce_eager and cfg.moe is None:
             dense = None
             head = self.gguf_blocks.get("output")  # the GGUF graph's head kernel, both graphs
             if self.panels:

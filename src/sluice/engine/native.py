@@ -79,14 +79,16 @@ PANEL_ROWS_MAX_AVX512 = 128
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 
 # q [B, H, D], k_pool, v_pool, block_tables [B, n], context_lens [B], scale -> [B, H, D]
-# (q, k_pool, v_pool, block_tables, context_lens, scale, window: 0 or a sliding window's)
-DecodeKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float, int], Tensor]
+# (q, k_pool, v_pool, block_tables, context_lens, scale, window: 0 or a sliding window's,
+# softcap: 0 or Gemma 2's cap on the scores)
+DecodeKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float, int, float], Tensor]
 # q [T, H, D] (chunks' rows back to back), k_pool, v_pool, block_tables [B, n],
 # q_starts [B + 1], context_lens [B], scale -> [T, H, D]: causal, each chunk's rows
 # against its sequence's context in the pool (its own K/V written there first)
 # (q, k_pool, v_pool, block_tables, q_starts, context_lens, scale, window: 0 or a sliding
-# window's)
-PrefillKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float, int], Tensor]
+# window's, softcap: 0 or a cap)
+PrefillKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float, int, float],
+                         Tensor]
 # x, residual [T, hidden], weight [hidden], eps: residual += x; x = norm(residual) * w
 AddNormKernel = Callable[[Tensor, Tensor, Tensor, float], None]
 # [T, 2I] = gate | up -> silu(gate) * up [T, I]

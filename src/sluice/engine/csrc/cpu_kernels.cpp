@@ -73,9 +73,14 @@ static float* scaled_queries(const Q* q, int64_t G, int64_t D, int64_t len, floa
   return qf;
 }
 
-static void softmax_rows(float* scores, int64_t G, int64_t len) {
+// `softcap` > 0: each finite score s becomes softcap * tanh(s / softcap) first (Gemma 2's
+// capped scores; a masked -inf stays).
+static void softmax_rows(float* scores, int64_t G, int64_t len, float softcap = 0.f) {
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * len;
+    if (softcap > 0.f)
+      for (int64_t t = 0; t < len; ++t)
+        if (sg[t] != -INFINITY) sg[t] = softcap * std::tanh(sg[t] / softcap);
     const float top = *std::max_element(sg, sg + len);
     float sum = 0.f;
     for (int64_t t = 0; t < len; ++t) {
@@ -172,7 +177,7 @@ template <int NV, typename T, typename Q = T>
 static void attend_one(const Q* q, const T* k_pool, const T* v_pool, const int64_t* row_table,
                        int64_t first, int64_t len, int64_t bs, int64_t kv_heads, int64_t h,
                        int64_t G,
-                       float scale, Q* out, std::vector<float>& scores,
+                       float scale, float softcap, Q* out, std::vector<float>& scores,
                        std::vector<float>& acc, int64_t pf) {
   constexpr int NV8 = 2 * NV;
   constexpr int64_t D = NV8 * 8;
@@ -218,7 +223,7 @@ static void attend_one(const Q* q, const T* k_pool, const T* v_pool, const int64
     }
   }
   prefetch_rows(v_pool, rows, 0, std::min(kRowsAhead, len), pf);
-  softmax_rows(scores.data(), G, len);
+  softmax_rows(scores.data(), G, len, softcap);
   for (int64_t g = 0; g < G; ++g) {
     const float* pg = scores.data() + g * len;
     for (int c = 0; c < NV8; c += CH) {
@@ -264,7 +269,7 @@ static inline vf8_t fold16(vf16_t a) {  // the two halves added: 8 lanes, the sa
 template <int NV16, int GT, typename T, typename Q>
 static void attend_one16(const Q* q, const T* k_pool, const T* v_pool, const int64_t* row_table,
                          int64_t first, int64_t len, int64_t bs, int64_t kv_heads, int64_t h,
-                         float scale,
+                         float scale, float softcap,
                          Q* out, std::vector<float>& scores, std::vector<float>& acc,
                          int64_t pf) {
   constexpr int64_t D = NV16 * 16;
@@ -304,7 +309,7 @@ static void attend_one16(const Q* q, const T* k_pool, const T* v_pool, const int
     }
   }
   prefetch_rows(v_pool, rows, 0, std::min(kRowsAhead, len), pf);
-  softmax_rows(scores.data(), GT, len);
+  softmax_rows(scores.data(), GT, len, softcap);
   vf16_t o[GT][NV16];
   for (int g = 0; g < GT; ++g)
     for (int j = 0; j < NV16; ++j) o[g][j] = vf16_t{};
@@ -333,12 +338,12 @@ template <typename T, typename Q>
 static bool attend_one16_for(int64_t D, int64_t G, const Q* q, const T* k_pool,
                              const T* v_pool, const int64_t* row_table, int64_t first,
                              int64_t len, int64_t bs, int64_t kv_heads, int64_t h, float scale,
-                             Q* out,
+                             float softcap, Q* out,
                              std::vector<float>& scores, std::vector<float>& acc, int64_t pf) {
 #define SLUICE_ATTEND16(NV, GG)                                                              \
   if (D == 16 * NV && G == GG) {                                                             \
     attend_one16<NV, GG, T, Q>(q, k_pool, v_pool, row_table, first, len, bs, kv_heads, h,    \
-                               scale, out, scores, acc, pf);                                 \
+                               scale, softcap, out, scores, acc, pf);                        \
     return true;                                                                             \
   }
   SLUICE_ATTEND16(4, 1) SLUICE_ATTEND16(4, 2) SLUICE_ATTEND16(4, 3) SLUICE_ATTEND16(4, 4)
@@ -352,7 +357,8 @@ static bool attend_one16_for(int64_t D, int64_t G, const Q* q, const T* k_pool,
 template <typename T, typename Q = T>
 static void attend_one_any(const Q* q, const T* k_pool, const T* v_pool,
                            const int64_t* row_table, int64_t first, int64_t len, int64_t bs,
-                           int64_t kv_heads, int64_t h, int64_t G, int64_t D, float scale, Q* out,
+                           int64_t kv_heads, int64_t h, int64_t G, int64_t D, float scale,
+                           float softcap, Q* out,
                            std::vector<float>& scores, std::vector<float>& acc) {
   thread_local std::vector<int64_t> rows;
   row_offsets(row_table, first, len, bs, kv_heads, h, D, rows);
@@ -365,7 +371,7 @@ static void attend_one_any(const Q* q, const T* k_pool, const T* v_pool,
       scores[g * len + t] = s;
     }
   }
-  softmax_rows(scores.data(), G, len);
+  softmax_rows(scores.data(), G, len, softcap);
   float* o = acc.data();
   for (int64_t t = 0; t < len; ++t) {
     const T* v = v_pool + rows[t];
@@ -387,12 +393,13 @@ static void attend_one_any(const Q* q, const T* k_pool, const T* v_pool,
 // prefetchers follow badly: a bfloat16 decode step of 64 rows at 300 context rows took
 // 74 -> 66 ms with whole rows, 32 rows 45 -> 40 ms (the decode graph, 2-core Sapphire
 // Rapids; float32, 64 rows: 131 -> 128 ms). `window` > 0: each row attends to its last
-// `window` context rows only (a sliding-window layer).
+// `window` context rows only (a sliding-window layer); `softcap` > 0: scores capped
+// (softmax_rows).
 template <typename T, typename Q>
 static void attend_rows(const Q* q, int64_t q_stride, Q* out, int64_t out_stride,
                         const T* kp, const T* vp, const int64_t* table, int64_t n_blocks,
                         const int64_t* lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                        int64_t bs, float scale, int64_t window = 0) {
+                        int64_t bs, float scale, int64_t window = 0, float softcap = 0.f) {
   const int64_t G = H / KVH;
   const int threads = at::get_num_threads();
   const int64_t heads = B >= kRowsPerThreadForWholeRows * threads ? KVH : 1;  // KV heads a unit
@@ -411,18 +418,18 @@ static void attend_rows(const Q* q, int64_t q_stride, Q* out, int64_t out_stride
         const int64_t len = lens[b] - first;
 #if defined(__AVX512F__)
         if (attend_one16_for<T, Q>(D, G, qb, kp, vp, row_table, first, len, bs, KVH, h, scale,
-                                   ob, scores, acc, pf))
+                                   softcap, ob, scores, acc, pf))
           continue;
 #endif
         if (D == 64) {
-          attend_one<4, T, Q>(qb, kp, vp, row_table, first, len, bs, KVH, h, G, scale, ob,
-                              scores, acc, pf);
+          attend_one<4, T, Q>(qb, kp, vp, row_table, first, len, bs, KVH, h, G, scale, softcap,
+                              ob, scores, acc, pf);
         } else if (D == 128) {
-          attend_one<8, T, Q>(qb, kp, vp, row_table, first, len, bs, KVH, h, G, scale, ob,
-                              scores, acc, pf);
+          attend_one<8, T, Q>(qb, kp, vp, row_table, first, len, bs, KVH, h, G, scale, softcap,
+                              ob, scores, acc, pf);
         } else {
-          attend_one_any<T, Q>(qb, kp, vp, row_table, first, len, bs, KVH, h, G, D, scale, ob,
-                               scores, acc);
+          attend_one_any<T, Q>(qb, kp, vp, row_table, first, len, bs, KVH, h, G, D, scale,
+                               softcap, ob, scores, acc);
         }
       }
     }
@@ -433,12 +440,12 @@ template <typename T>
 static void decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
                              const torch::Tensor& v_pool, const torch::Tensor& block_tables,
                              const torch::Tensor& context_lens, float scale, int64_t window,
-                             torch::Tensor& out) {
+                             float softcap, torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   attend_rows<T, T>(q.data_ptr<T>(), H * D, out.data_ptr<T>(), H * D, k_pool.data_ptr<T>(),
                     v_pool.data_ptr<T>(), block_tables.data_ptr<int64_t>(),
                     block_tables.size(1), context_lens.data_ptr<int64_t>(), B, H,
-                    k_pool.size(2), D, k_pool.size(1), scale, window);
+                    k_pool.size(2), D, k_pool.size(1), scale, window, softcap);
 }
 
 static bool supported(const torch::Tensor& t) {
@@ -447,7 +454,8 @@ static bool supported(const torch::Tensor& t) {
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool,
                                      torch::Tensor v_pool, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale, int64_t window) {
+                                     torch::Tensor context_lens, double scale, int64_t window,
+                                     double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(),
               "paged_decode_attention: q [B, H, D], pools [blocks, block_size, KVH, D]");
   TORCH_CHECK(supported(q) && k_pool.scalar_type() == q.scalar_type() &&
@@ -461,10 +469,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool,
   auto out = torch::empty_like(q);
   const float fscale = static_cast<float>(scale);
   if (q.scalar_type() == torch::kFloat) {
-    decode_attention<float>(q, k_pool, v_pool, block_tables, context_lens, fscale, window, out);
+    decode_attention<float>(q, k_pool, v_pool, block_tables, context_lens, fscale, window,
+                            static_cast<float>(softcap), out);
   } else {
     decode_attention<c10::BFloat16>(q, k_pool, v_pool, block_tables, context_lens, fscale,
-                                    window, out);
+                                    window, static_cast<float>(softcap), out);
   }
   return out;
 }
@@ -549,7 +558,8 @@ template <typename T>
 static void prefill_unit(const T* q, T* out, const T* kp, const T* vp, const int64_t* row_table,
                          int64_t bs, int64_t KVH, int64_t H, int64_t D, int64_t h,
                          int64_t first_row, int64_t rows, int64_t first_pos, float scale,
-                         int64_t window, std::vector<float>& buf, std::vector<int64_t>& offs) {
+                         int64_t window, float softcap, std::vector<float>& buf,
+                         std::vector<int64_t>& offs) {
   const int64_t G = H / KVH;
   const int64_t len = first_pos + rows;  // keys the unit's last row sees
   constexpr int64_t step = kLanes * kScoreVecs;
@@ -589,7 +599,7 @@ static void prefill_unit(const T* q, T* out, const T* kp, const T* vp, const int
     const int64_t n = first_pos + m / G + 1;
     if (window > 0 && n > window)  // keys before the row's window: no weight
       std::fill(s + m * Lp, s + m * Lp + (n - window), -INFINITY);
-    softmax_rows(s + m * Lp, 1, n);
+    softmax_rows(s + m * Lp, 1, n, softcap);
     std::fill(s + m * Lp + n, s + (m + 1) * Lp, 0.f);
   }
   for (int64_t m = 0; m < M; m += kValueRows) {
@@ -613,7 +623,7 @@ template <typename T>
 static void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
                               const torch::Tensor& v_pool, const torch::Tensor& block_tables,
                               const torch::Tensor& q_starts, const torch::Tensor& context_lens,
-                              float scale, int64_t window, torch::Tensor& out) {
+                              float scale, int64_t window, float softcap, torch::Tensor& out) {
   const int64_t B = block_tables.size(0), n_blocks = block_tables.size(1);
   const int64_t H = q.size(1), D = q.size(2), KVH = k_pool.size(2), bs = k_pool.size(1);
   const int64_t* qs = q_starts.data_ptr<int64_t>();
@@ -649,7 +659,8 @@ static void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_poo
       const int64_t n = qs[u.b + 1] - qs[u.b];
       const int64_t rows = std::min(tile, n - u.j0);
       prefill_unit<T>(qp, op, kp, vp, table + u.b * n_blocks, bs, KVH, H, D, u.h,
-                      qs[u.b] + u.j0, rows, lens[u.b] - n + u.j0, scale, window, buf, offs);
+                      qs[u.b] + u.j0, rows, lens[u.b] - n + u.j0, scale, window, softcap, buf,
+                      offs);
     }
   }
 }
@@ -657,7 +668,7 @@ static void prefill_attention(const torch::Tensor& q, const torch::Tensor& k_poo
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_pool,
                                       torch::Tensor v_pool, torch::Tensor block_tables,
                                       torch::Tensor q_starts, torch::Tensor context_lens,
-                                      double scale, int64_t window) {
+                                      double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes(),
               "paged_prefill_attention: q [T, H, D], pools [blocks, block_size, KVH, D]");
   TORCH_CHECK(supported(q) && k_pool.scalar_type() == q.scalar_type() &&
@@ -687,10 +698,10 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_pool,
   const float fscale = static_cast<float>(scale);
   if (q.scalar_type() == torch::kFloat) {
     prefill_attention<float>(q, k_pool, v_pool, block_tables, q_starts, context_lens, fscale,
-                             window, out);
+                             window, static_cast<float>(softcap), out);
   } else {
     prefill_attention<c10::BFloat16>(q, k_pool, v_pool, block_tables, q_starts, context_lens,
-                                     fscale, window, out);
+                                     fscale, window, static_cast<float>(softcap), out);
   }
   return out;
 }
@@ -2682,19 +2693,20 @@ class DecodeGraph {
   // forward's cos/sin), or one per layer (0: none, SmolLM3's NoPE; 1: cos/sin; 2: the
   // forward's local_cos/local_sin, Gemma 3's sliding layers); windows: none, or one
   // per layer (0: full attention, else a sliding window's length); activation: a
-  // GraphActivation (kRelu2: the MLP has no gate).
+  // GraphActivation (kRelu2: the MLP has no gate); softcap: Gemma 2's cap on the
+  // attention scores (0: none).
   DecodeGraph(std::vector<torch::Tensor> linears, std::vector<int64_t> types,
               std::vector<torch::Tensor> biases, std::vector<torch::Tensor> norms,
               std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools,
               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
               std::vector<bool> int8_activations, std::vector<torch::Tensor> panels,
               std::vector<torch::Tensor> qk_norms, std::vector<int64_t> rope_layers,
-              std::vector<int64_t> windows, int64_t activation)
+              std::vector<int64_t> windows, int64_t activation, double softcap)
       : norms_(std::move(norms)), qk_norms_(std::move(qk_norms)),
         rope_layers_(std::move(rope_layers)), windows_(std::move(windows)),
         k_pools_(std::move(k_pools)), v_pools_(std::move(v_pools)), H_(num_heads),
         KVH_(num_kv_heads), D_(head_dim), eps_(static_cast<float>(eps)),
-        activation_(activation) {
+        activation_(activation), softcap_(static_cast<float>(softcap)) {
     const int64_t L = static_cast<int64_t>(k_pools_.size());
     TORCH_CHECK(L > 0 && static_cast<int64_t>(linears.size()) == 4 * L + 1 &&
                     types.size() == linears.size() && biases.size() == linears.size() &&
@@ -2880,7 +2892,8 @@ class DecodeGraph {
         }
       });
       attend_rows<T, float>(qkv_.data(), qkv_n, attn_.data(), q_size, kp, vp, table, n_blocks,
-                            len, B, H_, KVH_, D_, bs, scale, windows_.empty() ? 0 : windows_[l]);
+                            len, B, H_, KVH_, D_, bs, scale, windows_.empty() ? 0 : windows_[l],
+                            softcap_);
       graph_linear(linears_[4 * l + 1], attn_.data(), B, h_.data(), scratch_);
       norm_rows(B, h_.data(), norm(4 * l + 1));
       add_norm_rows(B, h_.data(), norm(4 * l + 2));
@@ -2938,6 +2951,7 @@ class DecodeGraph {
   int64_t H_, KVH_, D_, hidden_ = 0;
   float eps_;
   int64_t activation_;
+  float softcap_;
   std::vector<float> residual_, xn_, h_, qkv_, attn_, gate_up_, act_;
   GraphScratch scratch_;
 };
@@ -2950,14 +2964,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                     std::vector<torch::Tensor>, int64_t, int64_t, int64_t, double,
                     std::vector<bool>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                    std::vector<int64_t>, std::vector<int64_t>, int64_t>(),
+                    std::vector<int64_t>, std::vector<int64_t>, int64_t, double>(),
            py::arg("linears"), py::arg("types"), py::arg("biases"), py::arg("norms"),
            py::arg("k_pools"), py::arg("v_pools"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
            py::arg("int8_activations"), py::arg("panels"),
            py::arg("qk_norms") = std::vector<torch::Tensor>(),
            py::arg("rope_layers") = std::vector<int64_t>(),
-           py::arg("windows") = std::vector<int64_t>(), py::arg("activation") = 0)
+           py::arg("windows") = std::vector<int64_t>(), py::arg("activation") = 0,
+           py::arg("softcap") = 0.0)
       .def("forward", &DecodeGraph::forward,
            "a decode step of every layer and the head: logits [B, vocab] (CPU)");
   m.def("int8_activation_types", &int8_activation_types,
@@ -2983,15 +2998,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_token_bitmask", &apply_token_bitmask,
         "logits[r, t] = fill where bit t of bitmask[r] is 0, rows given (float32, CPU)");
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over the paged KV pool, in a sliding window if > 0 (float32 or "
-        "bfloat16, CPU)",
+        "decode attention over the paged KV pool, in a sliding window if > 0, scores capped "
+        "at softcap * tanh(s / softcap) if > 0 (float32 or bfloat16, CPU)",
         py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("block_tables"),
-        py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0);
+        py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "causal prefill attention of chunks over the paged KV pool, in a sliding window if > 0 "
-        "(float32 or bfloat16, CPU)",
+        "causal prefill attention of chunks over the paged KV pool, in a sliding window if > 0, "
+        "scores capped as paged_decode_attention's (float32 or bfloat16, CPU)",
         py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("block_tables"),
-        py::arg("q_starts"), py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0);
+        py::arg("q_starts"), py::arg("context_lens"), py::arg("scale"), py::arg("window") = 0,
+        py::arg("softcap") = 0.0);
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "residual += x; x = rms_norm(residual) * weight, in place (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] (CPU)");
