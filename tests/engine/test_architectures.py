@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from lora_adapters import make_adapter, merge_adapter
 from sluice.engine.config import EngineConfig
@@ -204,15 +205,21 @@ def test_smollm3_nope_layers_from_either_config_field() -> None:
     assert err.value.param == "model" and "2 entries for 8 layers" in str(err.value)
 
 
-@pytest.mark.parametrize("arch", ["granite", "gemma2"])
+@pytest.mark.parametrize(("arch", "targets"), [
+    ("granite", ("q_proj", "o_proj", "down_proj", "gate_proj")),
+    ("gemma2", ("q_proj", "o_proj", "down_proj", "gate_proj")),
+    ("glm", ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj")),  # (gate_up_proj fused)
+    ("helium", ("q_proj", "k_proj", "gate_proj", "up_proj")),
+    ("arcee", ("q_proj", "k_proj", "up_proj", "down_proj"))])
 def test_lora_adapter_on_folded_weights_equals_the_merged_model(
-        request: pytest.FixtureRequest, tmp_path: Path, arch: str) -> None:
+        request: pytest.FixtureRequest, tmp_path: Path, arch: str,
+        targets: tuple[str, ...]) -> None:
     """Granite's multipliers are folded into q_proj, o_proj and down_proj, Gemma 2's score
-    scale into q_proj: an adapter on those modules is scaled the same way, so it gives
-    what peft's merged model gives."""
+    scale into q_proj, GLM's and Helium's Q and K rows reordered (RoPE over adjacent
+    pairs), Arcee's MLP has up_proj alone: an adapter on those modules is scaled,
+    reordered and placed the same way, so it gives what peft's merged model gives."""
     hf_dir: Path = request.getfixturevalue(f"tiny_{arch}_dir")
-    adapter = make_adapter(hf_dir, tmp_path / "adapter", r=4, alpha=8, seed=3,
-                           targets=("q_proj", "o_proj", "down_proj", "gate_proj"))
+    adapter = make_adapter(hf_dir, tmp_path / "adapter", r=4, alpha=8, seed=3, targets=targets)
     merged = merge_adapter(hf_dir, adapter, tmp_path / "merged")
     options = dict(dtype="float32", num_kv_blocks=64, block_size=8)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
@@ -702,10 +709,9 @@ def test_glm_configs_graph_and_lora_refused(tiny_glm_dir: Path, tiny_glm4_dir: P
     """GLM-4: `attention_bias` puts a bias on Q/K/V and not on o_proj, RoPE turns adjacent
     pairs of half of each head (reordered into halves at load); GLM-4-0414 normalizes each
     branch's input and output. The decode graph runs GLM-4's layers (greedy tokens against
-    transformers, through the graph and eager: test_hf_equivalence.py); a LoRA adapter is
-    refused by name (its Q/K rows would need the same reordering)."""
+    transformers, through the graph and eager: test_hf_equivalence.py); a LoRA adapter's
+    Q/K rows are reordered alike (test_lora_adapter_on_folded_weights_equals_the_merged_model)."""
     from sluice.engine.models.loader import config_from_hf, read_config
-    from sluice.protocol.errors import InvalidRequestError
 
     glm, glm4 = (config_from_hf(read_config(d)) for d in (tiny_glm_dir, tiny_glm4_dir))
     for cfg in (glm, glm4):
@@ -714,10 +720,6 @@ def test_glm_configs_graph_and_lora_refused(tiny_glm_dir: Path, tiny_glm4_dir: P
     runner = ModelRunner(EngineConfig.from_options(str(tiny_glm_dir), num_kv_blocks=64,
                                                    block_size=4, dtype="float32"))
     assert runner.decode_graph is not None
-    with pytest.raises(InvalidRequestError) as err:
-        ModelRunner(EngineConfig.from_options(str(tiny_glm_dir), num_kv_blocks=64,
-                                              enable_lora=True))
-    assert err.value.param == "enable_lora" and "adjacent pairs" in str(err.value)
 
 
 @pytest.mark.parametrize("arch", ["olmo3", "exaone4", "glm4"])
@@ -756,7 +758,8 @@ def test_windowed_and_glm4_gguf_files_load_as_the_checkpoint(
 def test_arcee_mlp_without_a_gate(tiny_arcee_dir: Path, tmp_path: Path,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Arcee's AFM: an MLP of relu(up)² with no gate (no gate tensor read, half the gate|up
-    width), run by the decode graph too, and no LoRA (no gate|up pair); its
+    width), run by the decode graph too; a LoRA adapter on up_proj is its w13's, one on a
+    gate_proj is refused naming it; its
     `arcee` GGUF file (Q/K rows permuted as Llama's, `ffn_up` and `ffn_down` alone, YaRN)
     runs as the checkpoint (greedy tokens against transformers on every engine option:
     test_hf_equivalence.py)."""
@@ -772,10 +775,19 @@ def test_arcee_mlp_without_a_gate(tiny_arcee_dir: Path, tmp_path: Path,
     assert runner.decode_graph is not None
     assert runner.model.layers[0].feed_forward.w13.weight.shape == (cfg.intermediate_size,
                                                                      cfg.hidden_size)
+    lora = ModelRunner(EngineConfig.from_options(str(tiny_arcee_dir), num_kv_blocks=64,
+                                                 enable_lora=True))
+    gated = tmp_path / "gated"  # an adapter of a Llama of the same shapes, with a gate
+    gated.mkdir()
+    (gated / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["gate_proj"]}))
+    prefix = "base_model.model.model.layers.0.mlp.gate_proj"
+    save_file({f"{prefix}.lora_A.weight": torch.zeros(4, cfg.hidden_size),
+               f"{prefix}.lora_B.weight": torch.zeros(cfg.intermediate_size, 4)},
+              str(gated / "adapter_model.safetensors"))
     with pytest.raises(InvalidRequestError) as err:
-        ModelRunner(EngineConfig.from_options(str(tiny_arcee_dir), num_kv_blocks=64,
-                                              enable_lora=True))
-    assert err.value.param == "enable_lora" and "without a gate" in str(err.value)
+        lora.load_lora(str(gated), 8)
+    assert err.value.param == "lora_path" and "gate_proj, which this base model" in str(err.value)
 
     path = write_gguf(tiny_arcee_dir, tmp_path / "arcee.gguf", "f32", arch="arcee",
                       metadata=add_yarn)

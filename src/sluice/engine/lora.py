@@ -94,13 +94,22 @@ class AdapterMeta:
     base_model: str | None  # `base_model_name_or_path` as PEFT wrote it
 
 
-def module_shapes(hidden: int, intermediate: int, q_size: int,
-                  kv_size: int) -> dict[str, tuple[int, int]]:
-    """(in, out) features of each targetable linear."""
-    return {"q_proj": (hidden, q_size), "k_proj": (hidden, kv_size),
-            "v_proj": (hidden, kv_size), "o_proj": (q_size, hidden),
-            "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate),
-            "down_proj": (intermediate, hidden)}
+def module_shapes(hidden: int, intermediate: int, q_size: int, kv_size: int,
+                  gated: bool = True) -> dict[str, tuple[int, int]]:
+    """(in, out) features of each targetable linear (`gated`: the MLP has a gate_proj;
+    Arcee's has up_proj alone)."""
+    shapes = {"q_proj": (hidden, q_size), "k_proj": (hidden, kv_size),
+              "v_proj": (hidden, kv_size), "o_proj": (q_size, hidden),
+              "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate),
+              "down_proj": (intermediate, hidden)}
+    if not gated:
+        del shapes["gate_proj"]
+    return shapes
+
+
+def fused_parts(gated: bool = True) -> dict[str, tuple[str, ...]]:
+    """FUSED_PARTS for a model whose MLP has a gate (else its w13 is up_proj alone)."""
+    return FUSED_PARTS if gated else {**FUSED_PARTS, "gate_up": ("up_proj",)}
 
 
 def _bad(message: str, param: str = "lora_path") -> InvalidRequestError:
@@ -164,6 +173,9 @@ def read_adapter(path: str, shapes: Mapping[str, Sequence[int]], num_layers: int
         if not 0 <= layer < num_layers:
             raise _bad(f"adapter tensor {name!r} is for layer {layer}, but the base model has "
                        f"{num_layers} layers (an adapter for another base model?)")
+        if module not in shapes:
+            raise _bad(f"adapter tensor {name!r} is for {module}, which this base model does "
+                       "not have (an adapter for another base model?)")
         d_in, d_out = shapes[module]
         want = [meta.rank, d_in] if ab == "A" else [d_out, meta.rank]
         if list(info.get("shape", [])) != want or info.get("dtype") not in _DTYPE_BYTES:
@@ -226,11 +238,12 @@ class LoRAAdapter:
 
 
 def load_adapter(path: str, shapes: Mapping[str, Sequence[int]], num_layers: int,
-                 max_rank: int, output_scales: Mapping[str, float] | None = None
-                 ) -> LoRAAdapter:
+                 max_rank: int, output_scales: Mapping[str, float] | None = None,
+                 output_rows: Mapping[str, Tensor] | None = None) -> LoRAAdapter:
     """`read_adapter`, then the tensors (float32, scaling folded into B, and a module's
     `output_scales` entry: what the model folded into that module's weights, Granite's
-    multipliers)."""
+    multipliers; a module's B rows in its `output_rows` order: the order the model put
+    that module's weight rows in, GLM's Q and K heads)."""
     from safetensors.torch import load as load_safetensors
 
     meta, data = read_adapter(path, shapes, num_layers, max_rank)
@@ -245,7 +258,9 @@ def load_adapter(path: str, shapes: Mapping[str, Sequence[int]], num_layers: int
             raise _bad(f"adapter {path!r} has lora_A without lora_B (or the reverse) for "
                        f"layer {key[0]} {key[1]}")
         scale = meta.scaling * (output_scales or {}).get(key[1], 1.0)
-        weights[key] = (pair["A"].contiguous(), (pair["B"] * scale).contiguous())
+        b = pair["B"] * scale
+        rows = (output_rows or {}).get(key[1])
+        weights[key] = (pair["A"].contiguous(), (b if rows is None else b[rows]).contiguous())
     return LoRAAdapter(meta, weights)
 
 
@@ -359,8 +374,9 @@ class LoRASlots:
     """`max_loras` slots of adapter weights inside the model's linears (the runner's)."""
 
     def __init__(self, linears: Sequence[dict[str, LoRALinear]], max_loras: int, rank: int,
-                 step: StepLoRA) -> None:
+                 step: StepLoRA, parts: Mapping[str, tuple[str, ...]] = FUSED_PARTS) -> None:
         self.linears = linears  # per layer: "qkv" | "o" | "gate_up" | "down" -> LoRALinear
+        self.parts = parts  # each fused linear's modules (`fused_parts`)
         self.max_loras = max_loras
         self.rank = rank
         self.step = step
@@ -386,7 +402,7 @@ class LoRASlots:
         for layer, linears in enumerate(self.linears):
             for fused, lin in linears.items():
                 lin.set_slot(slot, [adapter.weights.get((layer, m))
-                                    for m in FUSED_PARTS[fused]])
+                                    for m in self.parts[fused]])
         self.slots[slot] = adapter.key
         self.loads += 1
 

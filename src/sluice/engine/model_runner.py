@@ -35,11 +35,11 @@ from sluice.engine.attention import (
 from sluice.engine.config import CacheConfig, EngineConfig, LoRAConfig, ModelConfig
 from sluice.engine.decode_graph import DecodeGraph
 from sluice.engine.lora import (
-    FUSED_PARTS,
     LoRAAdapter,
     LoRALinear,
     LoRASlots,
     StepLoRA,
+    fused_parts,
     load_adapter,
     module_shapes,
 )
@@ -48,6 +48,7 @@ from sluice.engine.models.llama import (
     Linear,
     LlamaConfig,
     TransformerBlock,
+    lora_output_rows,
 )
 from sluice.engine.models.loader import load_model
 from sluice.engine.native import (
@@ -208,8 +209,10 @@ class ModelRunner:
         if mc.quantization == "gguf":  # the blocks for a few rows, the (packed) dense above
             self.gguf_blocks = self._use_gguf_weights(mc)
         cfg = self.model_config
+        gated = cfg.mlp_activation != "relu2"  # (Arcee's MLP is up_proj alone)
         self.lora_shapes = module_shapes(cfg.hidden_size, cfg.intermediate_size, cfg.q_size,
-                                         cfg.kv_size)
+                                         cfg.kv_size, gated)
+        self.lora_parts = fused_parts(gated)
         self.lora_slots: LoRASlots | None = None
         self.pooled: Tensor | None = None  # the last step's pooled rows (`execute`)
         if config.lora.enable_lora:
@@ -217,14 +220,6 @@ class ModelRunner:
                 raise InvalidRequestError(
                     f"LoRA adapters on a mixture-of-experts model ({cfg.architecture}) are "
                     "not supported", param="enable_lora")
-            if cfg.mlp_activation == "relu2":  # (no gate: no gate|up pair to fuse into)
-                raise InvalidRequestError(
-                    f"LoRA adapters on {cfg.architecture} (an MLP without a gate) are not "
-                    "supported", param="enable_lora")
-            if cfg.rope_interleaved:  # (its Q/K rows reordered at load; an adapter's are not)
-                raise InvalidRequestError(
-                    f"LoRA adapters on {cfg.architecture} (RoPE over adjacent pairs) are not "
-                    "supported", param="enable_lora")
             self.lora_slots = self._add_lora_slots(config.lora)
         # decode steps as one native call: `decode_graph` first; with GGUF blocks (a graph
         # of up to 8 rows, 64 on the column tiles) `wide_graph` takes the larger steps on
@@ -323,21 +318,22 @@ class ModelRunner:
                 "gate_up": mlp.w13, "down": mlp.w2}
             linears: dict[str, LoRALinear] = {}
             for fused, linear in targets.items():
-                parts = [self.lora_shapes[m] for m in FUSED_PARTS[fused]]
+                parts = [self.lora_shapes[m] for m in self.lora_parts[fused]]
                 offsets = [sum(out for _, out in parts[:i]) for i in range(len(parts))]
                 lin = LoRALinear(parts, offsets, parts[0][0], lc.max_loras, lc.max_lora_rank,
                                  step, self.device, self.dtype)
                 linear.lora = lin
                 linears[fused] = lin
             per_layer.append(linears)
-        return LoRASlots(per_layer, lc.max_loras, lc.max_lora_rank, step)
+        return LoRASlots(per_layer, lc.max_loras, lc.max_lora_rank, step, self.lora_parts)
 
     def load_lora(self, path: str, max_rank: int) -> LoRAAdapter:
         """Read and check a PEFT adapter for this model (raises InvalidRequestError)."""
         cfg = self.model_config
         scales = (cfg.granite.lora_output_scales(cfg.head_dim) if cfg.granite
                   else cfg.gemma.lora_output_scales(cfg) if cfg.gemma else None)
-        return load_adapter(path, self.lora_shapes, cfg.num_layers, max_rank, scales)
+        return load_adapter(path, self.lora_shapes, cfg.num_layers, max_rank, scales,
+                            lora_output_rows(cfg))
 
     def _max_model_len(self, mc: ModelConfig) -> int:
         limit = self.model_config.max_position_embeddings

@@ -868,15 +868,30 @@ def _deinterleave(cfg: LlamaConfig, out: dict[str, Tensor]) -> None:
     even ones first, then the odd ones (new tensors): the half-split rotation of the
     reordered head is GLM's rotation of the original, reordered, and q·k is unchanged,
     Q and K reordered alike. V and the unrotated rows stay."""
-    r, d = cfg.rotary_dim, cfg.head_dim
-    head = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2), torch.arange(r, d)])
     qk_heads = cfg.num_heads + cfg.num_kv_heads
-    rows = torch.cat([h * d + head for h in range(qk_heads)]
-                     + [torch.arange(qk_heads * d, cfg.q_size + 2 * cfg.kv_size)])
+    rows = torch.cat([_rotary_rows(cfg, qk_heads),
+                      torch.arange(qk_heads * cfg.head_dim, cfg.q_size + 2 * cfg.kv_size)])
     for i in range(cfg.num_layers):
         for name in (f"layers.{i}.attention.wqkv.weight", f"layers.{i}.attention.wqkv.bias"):
             if name in out:
                 out[name] = out[name][rows]
+
+
+def _rotary_rows(cfg: LlamaConfig, heads: int) -> Tensor:
+    """`_deinterleave`'s order of the rows of `heads` heads: each head's rotated rows,
+    the even ones first, then the odd ones, then its unrotated rows."""
+    r, d = cfg.rotary_dim, cfg.head_dim
+    head = torch.cat([torch.arange(0, r, 2), torch.arange(1, r, 2), torch.arange(r, d)])
+    return torch.cat([h * d + head for h in range(heads)])
+
+
+def lora_output_rows(cfg: LlamaConfig) -> dict[str, Tensor]:
+    """The order a LoRA adapter's B rows take where the model reordered its weights' rows
+    at load (`load_adapter`'s `output_rows`): q_proj's and k_proj's as `_deinterleave`
+    reordered the fused Q|K|V's (GLM, Helium); none elsewhere."""
+    if not cfg.rope_interleaved:
+        return {}
+    return {"q_proj": _rotary_rows(cfg, cfg.num_heads), "k_proj": _rotary_rows(cfg, cfg.num_kv_heads)}
 
 
 def _scale_q_rows(cfg: LlamaConfig, scale: float, out: dict[str, Tensor]) -> None:
