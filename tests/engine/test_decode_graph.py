@@ -299,10 +299,12 @@ def test_the_dense_graph_takes_the_gguf_head_where_the_gguf_graph_does(ops: Nati
 
 
 @pytest.mark.model
-def test_lora_keeps_the_torch_model() -> None:
+def test_lora_takes_the_graph() -> None:
+    """With adapters enabled decodes still take the graph, which adds each row's adapter
+    (tests/engine/test_lora.py::test_the_decode_graph_adds_each_rows_adapter)."""
     lora = ModelRunner(EngineConfig.from_options(None, num_kv_blocks=16, quantization="gguf",
                                                  enable_lora=True))
-    assert lora.decode_graph is None
+    assert lora.decode_graph is not None
 
 
 @pytest.mark.model

@@ -235,3 +235,47 @@ def test_mixed_batch_on_the_torch_path(tiny_llama_dir: Path, adapters: dict[str,
     got = _run(llm, prompts, loras)
     want = [alone[n][i][0] for i in range(len(PROMPTS)) for n in names]
     assert [t for t, _ in got] == want
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_decode_graph_adds_each_rows_adapter(tiny_llama_dir: Path,
+                                                  adapters: dict[str, Path], dtype: str) -> None:
+    """Decode steps with adapter rows take the native decode graph, each row adding its
+    own slot's products (lora_bgmv's, float32 rows against the adapters in the model's
+    dtype): two adapters, the base and an adapter's 3-token verify in one step give the
+    torch model's logits; the adapters change them."""
+    import torch
+
+    from sluice.engine.config import EngineConfig
+    from sluice.engine.model_runner import ModelRunner, SeqChunk
+
+    eager, graph = (ModelRunner(EngineConfig.from_options(
+        str(tiny_llama_dir), num_kv_blocks=64, block_size=16, dtype=dtype, enable_lora=True,
+        max_loras=4, max_lora_rank=16, enforce_eager=e)) for e in (True, False))
+    if graph.decode_graph is None:
+        assert dtype == "bfloat16"
+        pytest.skip("no bfloat16 decode graph on this CPU (needs AMX or AVX512-BF16)")
+    a, b = (eager.load_lora(str(adapters[n]), 16) for n in ("all-r8", "mlp-o-r16-rslora"))
+    loras = [a, b, None, a]
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(4)]
+    for runner in (eager, graph):  # the prompts (the torch model in both)
+        runner.execute([SeqChunk(p, 0, t, True, lora) for p, t, lora
+                        in zip(PROMPTS + PROMPTS[:1], tables, loras, strict=True)])
+
+    def step(runner: ModelRunner, adapters: list) -> torch.Tensor:
+        chunks = [SeqChunk([11], len(p), t, True, lora) for p, t, lora
+                  in zip(PROMPTS, tables[:3], adapters[:3], strict=True)]
+        chunks.append(SeqChunk([11, 12, 13], len(PROMPTS[0]), tables[3], True, adapters[3],
+                               num_logits=3))
+        return runner.execute(chunks)
+
+    calls = []
+    graph_execute = graph.decode_graph.execute
+    graph.decode_graph.execute = lambda *args: calls.append(1) or graph_execute(*args)  # type: ignore[method-assign]
+    want, got = step(eager, loras), step(graph, loras)
+    assert calls == [1] and got.shape == want.shape == (6, graph.vocab_size)
+    tol = 1e-4 if dtype == "float32" else 0.05
+    assert float((got - want).abs().max()) <= tol * float(want.abs().max())
+    base = step(graph, [None] * 4)  # (writes the same K/V rows again)
+    assert not torch.allclose(got[[0, 1, 3]], base[[0, 1, 3]], atol=1e-2)
+    torch.testing.assert_close(got[2], base[2], rtol=0, atol=0)  # the base row: no LoRA

@@ -12,8 +12,9 @@ llama.cpp runs the same step as one C graph.
 model (layers and head) is on supported GGUF blocks (sluice.engine.quant), the runner
 builds the native `DecodeGraph` once over the blocks, the norms' weights and the layers'
 KV pools, and sends it every step whose chunks are all decodes or speculative verifies
-(one query a row) of at most `max_rows` rows and no LoRA adapter; other steps (prefill,
-larger batches) take the torch model. Both write the same K/V rows into the same pools,
+(one query a row) of at most `max_rows` rows, each row adding its adapter's products
+where multi-LoRA is on (`set_lora`); other steps (prefill, larger batches) take the
+torch model. Both write the same K/V rows into the same pools,
 so a sequence moves between the two paths from step to step. Activations are float32
 in the graph (the KV pool keeps its dtype). Where the CPU has AVX2 (`q4_int8_path`), the
 Q4 linears take them as integers: each 32-value block as two int8 vectors with one
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from sluice.engine.lora import LoRALinear
 from sluice.engine.models.llama import (
     MLP_ACTIVATIONS,
     Linear,
@@ -54,6 +56,7 @@ from sluice.engine.models.llama import (
 from sluice.engine.native import NativeOps, bf16_packable
 
 if TYPE_CHECKING:
+    from sluice.engine.lora import LoRASlots
     from sluice.engine.model_runner import SeqChunk
 
 # rows up to which a decode step runs as the graph: past 8 the torch model's oneDNN GEMM
@@ -97,7 +100,8 @@ class DecodeGraph:
               native: NativeOps | None, max_rows: int | None = None,
               int8_activations: bool | None = None) -> DecodeGraph | None:
         """The graph, or None where it cannot run: no native kernels, or a linear that is
-        not on GGUF blocks (a type the kernel does not take, or a LoRA side).
+        not on GGUF blocks (a type the kernel does not take, or a side other than the
+        runner's multi-LoRA).
         `int8_activations`: the activations of the linears whose type the build takes
         (`int8_activation_types`: Q4_0 and Q4_1; the Q8_0 head too with AVX512-VNNI) as
         int8 pairs per block (None: where this machine's build has a vector path).
@@ -127,7 +131,7 @@ class DecodeGraph:
         """The graph over a float32 model whose every linear is on native panels
         (`PanelLinear`: each linear's matmul, or its entry in `panel_of`): the panels for
         more than 4 rows, the plain weight (the GEMV) for up to 4. None where it cannot run
-        (no native kernels, a LoRA side, a linear not on panels). `head`: the LM head's
+        (no native kernels, a linear not on panels). `head`: the LM head's
         GGUF blocks and type, run as the GGUF graph runs them (`_with_head`)."""
         from sluice.engine.native import PanelLinear
 
@@ -154,7 +158,7 @@ class DecodeGraph:
         (`bf16_linear_path`): each linear's weight packed once (`pack_bf16`), activations
         float32 between the linears and rounded to bfloat16 at each linear's input (the
         torch model rounds every op's output). None where it cannot run (neither path
-        here, a LoRA side, a shape the packing does not divide: N % 16, K % 32)."""
+        here, a shape the packing does not divide: N % 16, K % 32)."""
         if (native is None or native.decode_graph is None or native.bf16_linear_path is None
                 or native.pack_bf16 is None or not native.bf16_linear_path()):
             return None
@@ -202,6 +206,13 @@ class DecodeGraph:
             [_float(n.weight) for n in qk_norms], ropes,
             [cfg.window(i) or 0 for i in range(cfg.num_layers)],
             MLP_ACTIVATIONS.index(cfg.mlp_activation), softcap or 0.0)
+        sides = [m.lora for m in linears]
+        lora = next((s for s in sides if isinstance(s, LoRALinear)), None)
+        if lora is not None:  # multi-LoRA: every row adds its slot's products
+            graph.set_lora([s.a if isinstance(s, LoRALinear) else NONE for s in sides],
+                           [s.b if isinstance(s, LoRALinear) else [] for s in sides],
+                           [s.offsets if isinstance(s, LoRALinear) else [] for s in sides],
+                           lora.rank, lora.slots)
         return cls(model, graph, max_rows)
 
     def takes(self, chunks: list[SeqChunk]) -> bool:
@@ -210,15 +221,22 @@ class DecodeGraph:
         rows = sum(len(c.token_ids) for c in chunks)
         return rows <= self.max_rows and all(c.one_query_rows for c in chunks)
 
-    def execute(self, chunks: list[SeqChunk], block_size: int) -> Tensor:
+    def execute(self, chunks: list[SeqChunk], block_size: int,
+                lora: LoRASlots | None = None) -> Tensor:
         """`ModelRunner.execute` of a step it `takes` (chunks already checked): rows in
-        chunk order, the logits of the rows that want them."""
+        chunk order, the logits of the rows that want them. `lora`: the runner's adapter
+        slots (each row adds its chunk's adapter's products)."""
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         tables: list[list[int]] = []
         wanted: list[int] = []
-        for c in chunks:
+        row_slots: list[int] = []
+        chunk_slots = (lora.assign([c.lora for c in chunks])
+                       if lora is not None and any(c.lora is not None for c in chunks) else None)
+        for i, c in enumerate(chunks):
+            if chunk_slots is not None:
+                row_slots += [chunk_slots[i]] * len(c.token_ids)
             for j, token in enumerate(c.token_ids):
                 pos = c.start_pos + j
                 if c.need_logits and j >= len(c.token_ids) - c.num_logits:
@@ -227,14 +245,14 @@ class DecodeGraph:
                 positions.append(pos)
                 slots.append(c.block_table[pos // block_size] * block_size + pos % block_size)
                 tables.append(c.block_table)
-        logits = self.forward(tokens, positions, slots, tables)
+        logits = self.forward(tokens, positions, slots, tables, row_slots)
         return logits if len(wanted) == len(tokens) else logits[wanted]
 
     def forward(self, tokens: list[int], positions: list[int], slots: list[int],
-                tables: list[list[int]]) -> Tensor:
+                tables: list[list[int]], lora_slots: list[int] | None = None) -> Tensor:
         """float32 logits `[rows, vocab]` of one-query rows: each row's token, position,
-        KV slot and block table (its context is positions 0..position). Writes the rows'
-        K/V into the pools."""
+        KV slot and block table (its context is positions 0..position), and its LoRA slot
+        (-1: the base; none: every row the base). Writes the rows' K/V into the pools."""
         pos = torch.tensor(positions, dtype=torch.long)
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
@@ -242,7 +260,9 @@ class DecodeGraph:
         lcos, lsin = (self.local[0][pos], self.local[1][pos]) if self.local else (NONE, NONE)
         logits = self.graph.forward(x, self.cos[pos], self.sin[pos],
                                     torch.tensor(slots, dtype=torch.long), padded, pos + 1,
-                                    lcos, lsin)
+                                    lcos, lsin,
+                                    torch.tensor(lora_slots, dtype=torch.long) if lora_slots
+                                    else NONE)
         cap = self.model.cfg.gemma.final_softcap if self.model.cfg.gemma is not None else None
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -272,10 +292,12 @@ def _linear_names(model: Transformer) -> list[str]:
 
 
 def _linears(model: Transformer, names: list[str]) -> list[Linear] | None:
-    """The modules of `names`, or None if one is not a plain Linear (a LoRA side)."""
+    """The modules of `names`, or None if one is not a Linear or has a side the graph
+    does not run (other than the runner's multi-LoRA, `LoRALinear`)."""
     modules = dict(model.named_modules())
     linears = [modules.get(n) for n in names]
-    if any(not isinstance(m, Linear) or m.lora is not None for m in linears):
+    if any(not isinstance(m, Linear) or not isinstance(m.lora, LoRALinear | None)
+           for m in linears):
         return None
     return linears  # type: ignore[return-value]
 

@@ -406,6 +406,14 @@ class LoRASlots:
         self.slots[slot] = adapter.key
         self.loads += 1
 
+    def assign(self, adapters: Sequence[LoRAAdapter | None]) -> list[int]:
+        """Each adapter's slot this step (-1 for the base), loading those not in one."""
+        needed = {a.key for a in adapters if a is not None}
+        if len(needed) > self.max_loras:
+            raise InvalidRequestError(f"a step has {len(needed)} adapters, more than "
+                                      f"max_loras={self.max_loras}", param="max_loras")
+        return [-1 if a is None else self._assign(a, needed) for a in adapters]
+
     def prepare(self, row_adapters: Sequence[tuple[LoRAAdapter | None, int]],
                 device: torch.device, dtype: torch.dtype) -> None:
         """Lay out the step: `row_adapters` = (adapter or None, rows) per chunk, in flat
@@ -416,14 +424,10 @@ class LoRASlots:
         step.dense_rows, step.mask, step.row_slots, step.segments = 0, {}, None, []
         if all(a is None for a, _ in row_adapters):
             return
-        needed = {a.key for a, _ in row_adapters if a is not None}
-        if len(needed) > self.max_loras:
-            raise InvalidRequestError(f"a step has {len(needed)} adapters, more than "
-                                      f"max_loras={self.max_loras}", param="max_loras")
         dense: list[int] = []  # slot per single-token row, -1 for the base
         row = 0
-        for adapter, rows in row_adapters:
-            slot = -1 if adapter is None else self._assign(adapter, needed)
+        for (_, rows), slot in zip(row_adapters, self.assign([a for a, _ in row_adapters]),
+                                   strict=True):
             if rows == 1 and row == len(dense):
                 dense.append(slot)
             elif slot >= 0:

@@ -387,7 +387,7 @@ class ModelRunner:
             if not pooling and graph is not None and graph.takes(chunks):
                 for c in chunks:
                     self._check(c)
-                return graph.execute(chunks, self.block_size)
+                return graph.execute(chunks, self.block_size, self.lora_slots)
         order = self._flat_order(chunks)
         tokens, positions, slots, last_row = self._flatten(chunks, order)
         native = self.native

@@ -1122,7 +1122,9 @@ void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Ten
 // with A stacked [parts * slots * rank, K] (part-major) and B[part] [slots * rank, out].
 // The torch path multiplies every row by every slot's A and B and masks (max_loras times
 // the FLOPs); here each row touches only its own slot. Slot -1: a base row, untouched.
-template <typename T>
+// x and y in T, A and B in W (the decode graph's float32 rows against a bfloat16
+// model's adapters).
+template <typename T, typename W = T>
 static void lora_rows(const torch::Tensor& x, torch::Tensor& y, const torch::Tensor& a,
                       const std::vector<torch::Tensor>& bs, const torch::Tensor& slots,
                       int64_t rank, int64_t num_slots, const std::vector<int64_t>& offsets) {
@@ -1130,13 +1132,13 @@ static void lora_rows(const torch::Tensor& x, torch::Tensor& y, const torch::Ten
   const int64_t ldy = y.stride(0);
   const T* xp = x.data_ptr<T>();
   T* yp = y.data_ptr<T>();
-  const T* ap = a.data_ptr<T>();
+  const W* ap = a.data_ptr<W>();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  std::vector<const T*> bp(P);
+  std::vector<const W*> bp(P);
   std::vector<int64_t> outs(P);
   int64_t max_out = 0;
   for (int64_t i = 0; i < P; ++i) {
-    bp[i] = bs[i].data_ptr<T>();
+    bp[i] = bs[i].data_ptr<W>();
     outs[i] = bs[i].size(1);
     max_out = std::max(max_out, outs[i]);
   }
@@ -1149,20 +1151,24 @@ static void lora_rows(const torch::Tensor& x, torch::Tensor& y, const torch::Ten
       for (int64_t k = 0; k < K; ++k) xf[k] = static_cast<float>(xr[k]);
       for (int64_t i = 0; i < P; ++i) {
         for (int64_t j = 0; j < rank; ++j) {
-          const T* ar = ap + ((i * num_slots + s) * rank + j) * K;
-          float sum = 0.f;
-          for (int64_t k = 0; k < K; ++k) sum += xf[k] * static_cast<float>(ar[k]);
+          const W* ar = ap + ((i * num_slots + s) * rank + j) * K;
+          vf8_t acc8 = {};  // 8 lanes of partial sums (a scalar sum does not vectorize)
+          int64_t k = 0;
+          for (; k + 8 <= K; k += 8) acc8 += load8(xf.data() + k) * load8(ar + k);
+          float sum = (acc8[0] + acc8[4]) + (acc8[1] + acc8[5]) + (acc8[2] + acc8[6]) +
+                      (acc8[3] + acc8[7]);
+          for (; k < K; ++k) sum += xf[k] * static_cast<float>(ar[k]);
           h[i * rank + j] = sum;
         }
       }
       for (int64_t i = 0; i < P; ++i) {
         const int64_t n = outs[i];
         std::fill(acc.begin(), acc.begin() + n, 0.f);
-        const T* b = bp[i] + s * rank * n;
+        const W* b = bp[i] + s * rank * n;
         for (int64_t j = 0; j < rank; ++j) {
           const float hj = h[i * rank + j];
           if (hj == 0.f) continue;  // a zero-padded rank (or a part the adapter skips)
-          const T* br = b + j * n;
+          const W* br = b + j * n;
           for (int64_t o = 0; o < n; ++o) acc[o] += hj * static_cast<float>(br[o]);
         }
         T* yr = yp + t * ldy + offsets[i];
@@ -2604,6 +2610,10 @@ struct GraphLinear {
 #ifdef SLUICE_Q4_INT8
   std::shared_ptr<Q4Packed> packed;  // Q4 blocks repacked for int8 activations, or null
 #endif
+  // its multi-LoRA side (lora_bgmv's A, B per part and offsets), or an empty lora_a
+  torch::Tensor lora_a;
+  std::vector<torch::Tensor> lora_b;
+  std::vector<int64_t> lora_offsets;
 };
 
 // The graph's scratch for its linears' inputs.
@@ -2800,6 +2810,34 @@ class DecodeGraph {
     TORCH_CHECK(linears_.back().K == hidden_, "DecodeGraph: the head's input is hidden");
   }
 
+  // Multi-LoRA sides for the linears (one entry each, an empty `a` for none): lora_bgmv's
+  // stacked A [parts * num_slots * rank, K], B per part [num_slots * rank, out] and the
+  // parts' output offsets; float32 or bfloat16. Rows then add their slot's products
+  // (forward's lora_slots).
+  void set_lora(std::vector<torch::Tensor> a, std::vector<std::vector<torch::Tensor>> b,
+                std::vector<std::vector<int64_t>> offsets, int64_t rank, int64_t num_slots) {
+    TORCH_CHECK(a.size() == linears_.size() && b.size() == a.size() && offsets.size() == a.size(),
+                "DecodeGraph.set_lora: one entry a linear");
+    for (size_t i = 0; i < a.size(); ++i) {
+      GraphLinear& l = linears_[i];
+      if (a[i].numel() == 0) continue;
+      TORCH_CHECK(supported(a[i]) && a[i].is_contiguous() && a[i].dim() == 2 &&
+                      a[i].size(1) == l.K && b[i].size() == offsets[i].size() &&
+                      a[i].size(0) == static_cast<int64_t>(b[i].size()) * num_slots * rank,
+                  "DecodeGraph.set_lora: linear ", i, "'s A");
+      for (size_t p = 0; p < b[i].size(); ++p)
+        TORCH_CHECK(b[i][p].scalar_type() == a[i].scalar_type() && b[i][p].is_contiguous() &&
+                        b[i][p].dim() == 2 && b[i][p].size(0) == num_slots * rank &&
+                        offsets[i][p] >= 0 && offsets[i][p] + b[i][p].size(1) <= l.N,
+                    "DecodeGraph.set_lora: linear ", i, "'s B within its outputs");
+      l.lora_a = a[i];
+      l.lora_b = b[i];
+      l.lora_offsets = offsets[i];
+    }
+    lora_rank_ = rank;
+    lora_slots_count_ = num_slots;
+  }
+
   // x [B, hidden] float32 (the tokens' embeddings); cos, sin [B, R] float32 (the rows'
   // RoPE table rows: the first R <= head_dim of each head rotate, R even); slots [B],
   // block_tables [B, n], context_lens [B] int64; local_cos, local_sin: the sliding
@@ -2808,8 +2846,15 @@ class DecodeGraph {
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                         torch::Tensor slots, torch::Tensor block_tables,
                         torch::Tensor context_lens, torch::Tensor local_cos,
-                        torch::Tensor local_sin) {
+                        torch::Tensor local_sin, torch::Tensor lora_slots) {
     const int64_t B = x.size(0);
+    TORCH_CHECK(lora_slots.numel() == 0 ||
+                    (lora_slots.scalar_type() == torch::kLong && lora_slots.numel() == B &&
+                     lora_slots.is_contiguous() && lora_rank_ > 0 &&
+                     lora_slots.max().item<int64_t>() < lora_slots_count_),
+                "DecodeGraph.forward: lora_slots, one int64 a row (-1: the base), needs "
+                "set_lora");
+    lora_slots_ = lora_slots;
     const bool local = std::find(rope_layers_.begin(), rope_layers_.end(), 2) != rope_layers_.end();
     TORCH_CHECK(!local || (local_cos.sizes() == cos.sizes() && local_sin.sizes() == cos.sizes() &&
                            local_cos.scalar_type() == torch::kFloat &&
@@ -2864,7 +2909,7 @@ class DecodeGraph {
     const float scale = 1.f / std::sqrt(static_cast<float>(D_));
     for (int64_t l = 0; l < L; ++l) {
       add_norm_rows(B, l ? h_.data() : nullptr, norm(4 * l));
-      graph_linear(linears_[4 * l], xn_.data(), B, qkv_.data(), scratch_);
+      linear(4 * l, xn_.data(), B, qkv_.data());
       T* kp = k_pools_[l].data_ptr<T>();
       T* vp = v_pools_[l].data_ptr<T>();
       const int64_t bs = k_pools_[l].size(1);
@@ -2894,10 +2939,10 @@ class DecodeGraph {
       attend_rows<T, float>(qkv_.data(), qkv_n, attn_.data(), q_size, kp, vp, table, n_blocks,
                             len, B, H_, KVH_, D_, bs, scale, windows_.empty() ? 0 : windows_[l],
                             softcap_);
-      graph_linear(linears_[4 * l + 1], attn_.data(), B, h_.data(), scratch_);
+      linear(4 * l + 1, attn_.data(), B, h_.data());
       norm_rows(B, h_.data(), norm(4 * l + 1));
       add_norm_rows(B, h_.data(), norm(4 * l + 2));
-      graph_linear(linears_[4 * l + 2], xn_.data(), B, gate_up_.data(), scratch_);
+      linear(4 * l + 2, xn_.data(), B, gate_up_.data());
       at::parallel_for(0, B, kGraphRowGrain, [&](int64_t begin, int64_t end) {
         for (int64_t b = begin; b < end; ++b) {
           const float* gate = &gate_up_[b * up_n];
@@ -2911,11 +2956,28 @@ class DecodeGraph {
           }
         }
       });
-      graph_linear(linears_[4 * l + 3], act_.data(), B, h_.data(), scratch_);
+      linear(4 * l + 3, act_.data(), B, h_.data());
       norm_rows(B, h_.data(), norm(4 * l + 3));
     }
     add_norm_rows(B, h_.data(), norm(norms_.size() - 1));
     graph_linear(linears_.back(), xn_.data(), B, logits.data_ptr<float>(), scratch_);
+  }
+
+  // y = linears_[i](x) for M rows, plus each row's LoRA product where the step has some.
+  void linear(size_t i, const float* x, int64_t M, float* y) {
+    const GraphLinear& l = linears_[i];
+    graph_linear(l, x, M, y, scratch_);
+    if (l.lora_a.numel() == 0 || lora_slots_.numel() == 0) return;
+    const auto opts = torch::TensorOptions().dtype(torch::kFloat);
+    auto xt = torch::from_blob(const_cast<float*>(x), {M, l.K}, opts);
+    auto yt = torch::from_blob(y, {M, l.N}, opts);
+    if (l.lora_a.scalar_type() == torch::kFloat) {
+      lora_rows<float>(xt, yt, l.lora_a, l.lora_b, lora_slots_, lora_rank_, lora_slots_count_,
+                       l.lora_offsets);
+    } else {
+      lora_rows<float, c10::BFloat16>(xt, yt, l.lora_a, l.lora_b, lora_slots_, lora_rank_,
+                                      lora_slots_count_, l.lora_offsets);
+    }
   }
 
   // norms_[i]'s weight, or null where the block has none.
@@ -2952,6 +3014,8 @@ class DecodeGraph {
   float eps_;
   int64_t activation_;
   float softcap_;
+  int64_t lora_rank_ = 0, lora_slots_count_ = 0;
+  torch::Tensor lora_slots_;  // this step's slot per row, or empty
   std::vector<float> residual_, xn_, h_, qkv_, attn_, gate_up_, act_;
   GraphScratch scratch_;
 };
@@ -2974,7 +3038,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("windows") = std::vector<int64_t>(), py::arg("activation") = 0,
            py::arg("softcap") = 0.0)
       .def("forward", &DecodeGraph::forward,
-           "a decode step of every layer and the head: logits [B, vocab] (CPU)");
+           "a decode step of every layer and the head: logits [B, vocab] (CPU)")
+      .def("set_lora", &DecodeGraph::set_lora,
+           "the linears' multi-LoRA sides (lora_bgmv's A, B per part, offsets), rank, slots");
   m.def("int8_activation_types", &int8_activation_types,
         "ggml types the int8-activation linears take here (Q4_0 2, Q4_1 3; Q8_0 8 with VNNI)");
   m.def("gguf_linear_int8", &gguf_linear_int8,
