@@ -238,6 +238,18 @@ def test_lora_adapter_on_folded_weights_equals_the_merged_model(
         assert abs(lp - lp_base) > 1e-2  # the adapter changes the model
 
 
+def one_module_adapter(out: Path, module: str, d_in: int, d_out: int) -> Path:
+    """A PEFT adapter directory of rank 4 on one MLP `module` of layer 0, zeros."""
+    out.mkdir()
+    (out / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": [module]}))
+    prefix = f"base_model.model.model.layers.0.mlp.{module}"
+    save_file({f"{prefix}.lora_A.weight": torch.zeros(4, d_in),
+               f"{prefix}.lora_B.weight": torch.zeros(d_out, 4)},
+              str(out / "adapter_model.safetensors"))
+    return out
+
+
 MOE_BASE = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
             "num_experts_per_tok": 2, "moe_intermediate_size": 32}
@@ -316,16 +328,40 @@ def test_sparse_moe_equals_each_token_through_its_experts(norm: bool) -> None:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_moe_model_refuses_lora_and_runs_without_the_decode_graph(
-        tiny_mixtral_dir: Path) -> None:
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_moe_model_takes_attention_adapters_and_runs_without_the_decode_graph(
+        request: pytest.FixtureRequest, tmp_path: Path, arch: str) -> None:
+    """A mixture of experts takes LoRA adapters on its attention (q/k/v/o: peft's merged
+    model's outputs, Qwen3-MoE's dense layer too), and refuses one with an MLP tensor
+    naming it (the experts take none); it decodes without the decode graph."""
     from sluice.protocol.errors import InvalidRequestError
 
+    hf_dir: Path = request.getfixturevalue(f"tiny_{arch}_dir")
+    adapter = make_adapter(hf_dir, tmp_path / "adapter", r=4, alpha=8, seed=5,
+                           targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    merged = merge_adapter(hf_dir, adapter, tmp_path / "merged")
+    options = dict(dtype="float32", num_kv_blocks=64, block_size=8)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
+    prompts = [[311, 4242, 977, 12345, 555, 18], [900, 901, 902]]
+
+    def run(llm: LLM, lora: LoRARequest | None = None) -> list[tuple[list[int], float]]:
+        outs = llm.generate(prompts, params, lora_request=[lora] * len(prompts))
+        return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob or 0.0) for o in outs]
+
+    want = run(LLM(str(merged), **options))
+    llm = LLM(str(hf_dir), enable_lora=True, max_lora_rank=8, **options)
+    got, base = run(llm, LoRARequest("a", str(adapter))), run(llm)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, lp), (_, lp_want), (_, lp_base) in zip(got, want, base, strict=True):
+        assert lp == pytest.approx(lp_want, abs=1e-3)
+        assert abs(lp - lp_base) > 1e-2  # the adapter changes the model
+    cfg = llm.engine.runner.model_config
+    mlp = one_module_adapter(tmp_path / "mlp", "down_proj", cfg.intermediate_size,
+                             cfg.hidden_size)  # (a dense MLP's; peft's on experts name them)
     with pytest.raises(InvalidRequestError) as err:
-        LLM(str(tiny_mixtral_dir), enable_lora=True, num_kv_blocks=16)
-    assert err.value.param == "enable_lora" and "mixture-of-experts" in str(err.value)
-    runner = ModelRunner(EngineConfig.from_options(str(tiny_mixtral_dir), num_kv_blocks=64,
-                                                   block_size=4, dtype="float32"))
-    assert runner.decode_graph is None and runner.wide_graph is None
+        llm.generate(prompts[:1], params, lora_request=LoRARequest("mlp", str(mlp)))
+    assert err.value.param == "lora_path" and "down_proj, not a LoRA target" in str(err.value)
+    assert llm.engine.runner.decode_graph is None and llm.engine.runner.wide_graph is None
 
 
 def test_moe_model_in_bfloat16_follows_float32(tiny_qwen3_moe_dir: Path) -> None:
@@ -777,17 +813,12 @@ def test_arcee_mlp_without_a_gate(tiny_arcee_dir: Path, tmp_path: Path,
                                                                      cfg.hidden_size)
     lora = ModelRunner(EngineConfig.from_options(str(tiny_arcee_dir), num_kv_blocks=64,
                                                  enable_lora=True))
-    gated = tmp_path / "gated"  # an adapter of a Llama of the same shapes, with a gate
-    gated.mkdir()
-    (gated / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["gate_proj"]}))
-    prefix = "base_model.model.model.layers.0.mlp.gate_proj"
-    save_file({f"{prefix}.lora_A.weight": torch.zeros(4, cfg.hidden_size),
-               f"{prefix}.lora_B.weight": torch.zeros(cfg.intermediate_size, 4)},
-              str(gated / "adapter_model.safetensors"))
+    # an adapter of a Llama of the same shapes, with a gate
+    gated = one_module_adapter(tmp_path / "gated", "gate_proj", cfg.hidden_size,
+                               cfg.intermediate_size)
     with pytest.raises(InvalidRequestError) as err:
         lora.load_lora(str(gated), 8)
-    assert err.value.param == "lora_path" and "gate_proj, which this base model" in str(err.value)
+    assert err.value.param == "lora_path" and "gate_proj, not a LoRA target" in str(err.value)
 
     path = write_gguf(tiny_arcee_dir, tmp_path / "arcee.gguf", "f32", arch="arcee",
                       metadata=add_yarn)

@@ -95,20 +95,25 @@ class AdapterMeta:
 
 
 def module_shapes(hidden: int, intermediate: int, q_size: int, kv_size: int,
-                  gated: bool = True) -> dict[str, tuple[int, int]]:
+                  gated: bool = True, mlp: bool = True) -> dict[str, tuple[int, int]]:
     """(in, out) features of each targetable linear (`gated`: the MLP has a gate_proj;
-    Arcee's has up_proj alone)."""
+    Arcee's has up_proj alone; `mlp`: the MLP's linears are targets, not a mixture of
+    experts' whose adapters are the attention's alone)."""
     shapes = {"q_proj": (hidden, q_size), "k_proj": (hidden, kv_size),
-              "v_proj": (hidden, kv_size), "o_proj": (q_size, hidden),
-              "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate),
-              "down_proj": (intermediate, hidden)}
-    if not gated:
-        del shapes["gate_proj"]
+              "v_proj": (hidden, kv_size), "o_proj": (q_size, hidden)}
+    if mlp:
+        shapes |= {"gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate),
+                   "down_proj": (intermediate, hidden)}
+        if not gated:
+            del shapes["gate_proj"]
     return shapes
 
 
-def fused_parts(gated: bool = True) -> dict[str, tuple[str, ...]]:
-    """FUSED_PARTS for a model whose MLP has a gate (else its w13 is up_proj alone)."""
+def fused_parts(gated: bool = True, mlp: bool = True) -> dict[str, tuple[str, ...]]:
+    """FUSED_PARTS for a model whose MLP has a gate (else its w13 is up_proj alone), or
+    the attention's alone (`mlp` False: a mixture of experts)."""
+    if not mlp:
+        return {"qkv": FUSED_PARTS["qkv"], "o": FUSED_PARTS["o"]}
     return FUSED_PARTS if gated else {**FUSED_PARTS, "gate_up": ("up_proj",)}
 
 
@@ -174,8 +179,8 @@ def read_adapter(path: str, shapes: Mapping[str, Sequence[int]], num_layers: int
             raise _bad(f"adapter tensor {name!r} is for layer {layer}, but the base model has "
                        f"{num_layers} layers (an adapter for another base model?)")
         if module not in shapes:
-            raise _bad(f"adapter tensor {name!r} is for {module}, which this base model does "
-                       "not have (an adapter for another base model?)")
+            raise _bad(f"adapter tensor {name!r} is for {module}, not a LoRA target of this "
+                       f"base model (its targets: {', '.join(shapes)})")
         d_in, d_out = shapes[module]
         want = [meta.rank, d_in] if ab == "A" else [d_out, meta.rank]
         if list(info.get("shape", [])) != want or info.get("dtype") not in _DTYPE_BYTES:

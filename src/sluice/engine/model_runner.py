@@ -209,17 +209,14 @@ class ModelRunner:
         if mc.quantization == "gguf":  # the blocks for a few rows, the (packed) dense above
             self.gguf_blocks = self._use_gguf_weights(mc)
         cfg = self.model_config
-        gated = cfg.mlp_activation != "relu2"  # (Arcee's MLP is up_proj alone)
+        # (Arcee's MLP is up_proj alone; a mixture of experts' adapters are its attention's)
+        gated, mlp = cfg.mlp_activation != "relu2", cfg.moe is None
         self.lora_shapes = module_shapes(cfg.hidden_size, cfg.intermediate_size, cfg.q_size,
-                                         cfg.kv_size, gated)
-        self.lora_parts = fused_parts(gated)
+                                         cfg.kv_size, gated, mlp)
+        self.lora_parts = fused_parts(gated, mlp)
         self.lora_slots: LoRASlots | None = None
         self.pooled: Tensor | None = None  # the last step's pooled rows (`execute`)
         if config.lora.enable_lora:
-            if cfg.moe is not None:
-                raise InvalidRequestError(
-                    f"LoRA adapters on a mixture-of-experts model ({cfg.architecture}) are "
-                    "not supported", param="enable_lora")
             self.lora_slots = self._add_lora_slots(config.lora)
         # decode steps as one native call: `decode_graph` first; with GGUF blocks (a graph
         # of up to 8 rows, 64 on the column tiles) `wide_graph` takes the larger steps on
@@ -312,10 +309,10 @@ class ModelRunner:
         for layer in self.model.layers:
             assert isinstance(layer, TransformerBlock)
             mlp = layer.feed_forward
-            assert isinstance(mlp, FeedForward), "LoRA on experts is refused at start"
-            targets: dict[str, Linear] = {
-                "qkv": layer.attention.wqkv, "o": layer.attention.wo,
-                "gate_up": mlp.w13, "down": mlp.w2}
+            targets: dict[str, Linear] = {"qkv": layer.attention.wqkv, "o": layer.attention.wo}
+            if "gate_up" in self.lora_parts:  # (not a mixture of experts': lora_parts)
+                assert isinstance(mlp, FeedForward)
+                targets |= {"gate_up": mlp.w13, "down": mlp.w2}
             linears: dict[str, LoRALinear] = {}
             for fused, linear in targets.items():
                 parts = [self.lora_shapes[m] for m in self.lora_parts[fused]]
