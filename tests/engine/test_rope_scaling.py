@@ -62,6 +62,12 @@ LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 32,
     ({"max_position_embeddings": 128}, LONGROPE, 128),  # past it: the long ones
     ({"max_position_embeddings": 128}, {**LONGROPE, "attention_factor": 1.25}, 33),
     ({"max_position_embeddings": 32}, LONGROPE, 32),  # no extension: cos and sin unscaled
+    # dynamic NTK: the base raised for the context served past the original, not within
+    ({"max_position_embeddings": 32}, {"rope_type": "dynamic", "factor": 4.0}, 128),
+    ({"max_position_embeddings": 32}, {"rope_type": "dynamic", "factor": 4.0}, 77),
+    ({"max_position_embeddings": 32}, {"rope_type": "dynamic", "factor": 2.0,
+                                       "partial_rotary_factor": 0.5}, 64),
+    ({"max_position_embeddings": 32}, {"rope_type": "dynamic", "factor": 4.0}, 32),
 ])
 def test_frequencies_and_factor_match_transformers(top: dict[str, int], rope: dict[str, Any],
                                                    context: int) -> None:
@@ -79,8 +85,9 @@ def test_frequencies_and_factor_match_transformers(top: dict[str, int], rope: di
 
 
 def test_contexts_and_refusals() -> None:
-    """YaRN serves the original context times the factor (vLLM's rule; a config of 32,768
-    positions with Qwen's factor 4 serves 131,072), longrope the config's context; Phi-3's
+    """YaRN and dynamic NTK serve the original context times the factor (vLLM's rule; a
+    config of 32,768 positions with Qwen's factor 4 serves 131,072), longrope the config's
+    context; Phi-3's
     early "su" is longrope; a scaling's missing parameter and a rotation of an odd part
     of the head are refused by name."""
     yarn = config_from_hf({**BASE, "max_position_embeddings": 32768, "rope_scaling": {
@@ -92,6 +99,9 @@ def test_contexts_and_refusals() -> None:
                              "type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}})
     assert su.rope.rope_type == "longrope" and su.max_position_embeddings == 131072
     assert su.rope.params["factor"] == 32.0 and su.rotary_dim == 16
+    dynamic = config_from_hf({**BASE, "max_position_embeddings": 4096,
+                              "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+    assert dynamic.rope.rope_type == "dynamic" and dynamic.max_position_embeddings == 8192
     no_long = {k: v for k, v in LONGROPE.items() if k != "long_factor"}
     with pytest.raises(InvalidRequestError) as err:
         config_from_hf({**BASE, "rope_parameters": no_long})
@@ -219,6 +229,26 @@ def test_longrope_factor_choice_is_part_of_the_kv_identity(tiny_phi3_longrope_di
     mismatch = ids[1].mismatch(ids[0])
     assert mismatch is not None and "longrope short factors" in mismatch
     assert ids[0].namespace != ids[1].namespace
+
+
+def test_dynamic_ntk_base_is_part_of_the_kv_identity(tiny_qwen2_dir: Path) -> None:
+    """Dynamic NTK's base is raised for the context served: a worker within the original
+    context rotates as the checkpoint does, one at the default (twice it) otherwise; its
+    KV blocks' identity says which."""
+    from sluice.engine.core import EngineCore
+    from sluice.engine.kv_transfer import PoolIdentity
+
+    dynamic = {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+    plain, scaled = (EngineCore(EngineConfig.from_options(
+        str(tiny_qwen2_dir), num_kv_blocks=64, block_size=4, dtype="float32",
+        hf_overrides=dynamic, **o)) for o in ({"max_model_len": 2048}, {}))
+    assert plain.runner.max_model_len == 2048 and scaled.runner.max_model_len == 4096
+    ids = [PoolIdentity.of(c.kv_transfer.model, c.kv_transfer.pool) for c in (plain, scaled)]
+    assert not ids[0].model.endswith(")") and ids[1].model.endswith("(dynamic NTK at 4096)")
+    assert ids[1].mismatch(ids[0]) is not None
+    tables = [c.runner.model.rope_cos for c in (plain, scaled)]
+    assert tables[0] is not None and tables[1] is not None
+    assert not torch.allclose(tables[0][100], tables[1][100])
 
 
 def test_hf_overrides_add_yarn_to_a_checkpoint(tiny_qwen2_dir: Path,

@@ -174,9 +174,14 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.model.init_rope(self.max_model_len)
         # what, besides the model, makes this pool's blocks differ from another worker's
-        # of the same model: longrope's factor list, one choice per served context
+        # of the same model: longrope's factor list, one choice per served context, and
+        # dynamic NTK's base, raised for the served context past the original
         self.rope_variant = ""
         rope = self.model_config.rope
+        if rope.rope_type == "dynamic":
+            original = rope.params["original_max_position_embeddings"]
+            if self.max_model_len > original:
+                self.rope_variant = f"dynamic NTK at {self.max_model_len}"
         if rope.rope_type == "longrope":
             original = rope.params["original_max_position_embeddings"]
             which = "long" if rope.uses_long_factors(self.max_model_len) else "short"

@@ -82,10 +82,10 @@ class RopeConfig:
 
     def scaled_context(self, context: int) -> int:
         """The context a model with this RoPE serves, `context` its config's own: under
-        linear or YaRN scaling the original context (`context` where none is given)
-        times the factor, vLLM's rule (Qwen2.5's YaRN, added to a config of 32,768
+        linear, YaRN or dynamic NTK scaling the original context (`context` where none is
+        given) times the factor, vLLM's rule (Qwen2.5's YaRN, added to a config of 32,768
         positions with factor 4, serves 131,072); else `context`."""
-        if self.rope_type not in ("linear", "yarn"):
+        if self.rope_type not in ("linear", "yarn", "dynamic"):
             return context
         return int(self.params.get("original_max_position_embeddings", context)
                    * float(self.params["factor"]))
@@ -345,6 +345,23 @@ def _linear_frequencies(inv_freq: Tensor, rope: RopeConfig, dim: int,
     return inv_freq / float(rope.params["factor"]), 1.0
 
 
+def _dynamic_frequencies(inv_freq: Tensor, rope: RopeConfig, dim: int,
+                         context: int) -> tuple[Tensor, float]:
+    """Dynamic NTK scaling: the base raised for the context served, base * (factor *
+    context / original - (factor - 1)) ** (dim / (dim - 2)), unscaled within the original
+    context. One choice per served context (as longrope's, `_longrope_frequencies`):
+    transformers recomputes it each forward pass from the sequence's length (its cached
+    keys keep the old rotation); vLLM fixes it at the original context times the factor,
+    which is sluice's default context for such a model, so at the default both agree, and
+    with `--max-model-len` within the original transformers does too."""
+    factor, original = float(rope.params["factor"]), float(rope.params["original_max_position_embeddings"])
+    if context <= original:
+        return inv_freq, 1.0
+    base = rope.theta * (factor * context / original - (factor - 1)) ** (dim / (dim - 2))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (base ** exponents), 1.0
+
+
 def _llama3_frequencies(inv_freq: Tensor, rope: RopeConfig, dim: int,
                         context: int) -> tuple[Tensor, float]:
     """Llama 3.1's scaling: long wavelengths divided by `factor`, a smooth ramp between."""
@@ -432,6 +449,7 @@ def _gguf_factor_frequencies(inv_freq: Tensor, rope: RopeConfig, dim: int,
 # what each scaling reads from `RopeConfig.params` (the loaders fill what configs leave out)
 ROPE_REQUIRED_PARAMS: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
+    "dynamic": ("factor", "original_max_position_embeddings"),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
     "longrope": ("short_factor", "long_factor", "factor", "original_max_position_embeddings"),
@@ -440,6 +458,7 @@ ROPE_REQUIRED_PARAMS: dict[str, tuple[str, ...]] = {
 ROPE_FREQUENCY_SCALERS: dict[str, RopeScaler] = {
     "default": _default_frequencies,
     "linear": _linear_frequencies,
+    "dynamic": _dynamic_frequencies,
     "llama3": _llama3_frequencies,
     "yarn": _yarn_frequencies,
     "longrope": _longrope_frequencies,

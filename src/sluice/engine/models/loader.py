@@ -384,7 +384,7 @@ def _max_positions(c: dict[str, Any], spec: ArchSpec, rope: RopeConfig) -> int:
 def rope_from_hf(c: dict[str, Any]) -> RopeConfig:
     """RoPE from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (<5);
     per layer kind in transformers 5's Gemma 3 config: the full-attention layers' here.
-    What transformers fills in for llama3, YaRN and longrope, filled the same way: the
+    What transformers fills in for llama3, YaRN, longrope and dynamic NTK, filled the same way: the
     original context (a top-level `original_max_position_embeddings`, Phi-3's, first; then
     the scaling's own; then `max_position_embeddings`) and a missing `factor` (the context
     over the original). Phi-3's early name for longrope, "su", is longrope."""
@@ -396,7 +396,7 @@ def rope_from_hf(c: dict[str, Any]) -> RopeConfig:
     named = params.pop("rope_type", None), params.pop("type", None)  # (transformers <4.45: type)
     rope_type = named[0] or named[1] or "default"
     rope_type = "longrope" if rope_type == "su" else rope_type
-    if rope_type in ("llama3", "yarn", "longrope"):
+    if rope_type in ("llama3", "yarn", "longrope", "dynamic"):
         context = c.get("max_position_embeddings")
         original = (c.get("original_max_position_embeddings")
                     or params.get("original_max_position_embeddings") or context)
