@@ -219,14 +219,23 @@ def test_lora_adapter_on_folded_weights_equals_the_merged_model(
     pairs), Arcee's MLP has up_proj alone: an adapter on those modules is scaled,
     reordered and placed the same way, so it gives what peft's merged model gives."""
     hf_dir: Path = request.getfixturevalue(f"tiny_{arch}_dir")
+    adapter_equals_merged_model(hf_dir, tmp_path, targets)
+
+
+ADAPTER_PROMPTS = [[311, 4242, 977, 12345, 555, 18], [900, 901, 902]]
+ADAPTER_PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+
+
+def adapter_equals_merged_model(hf_dir: Path, tmp_path: Path, targets: tuple[str, ...]) -> LLM:
+    """A peft adapter on `targets` gives peft's merged model's greedy tokens and logprobs
+    (and not the base's); the LoRA engine it ran on."""
     adapter = make_adapter(hf_dir, tmp_path / "adapter", r=4, alpha=8, seed=3, targets=targets)
     merged = merge_adapter(hf_dir, adapter, tmp_path / "merged")
     options = dict(dtype="float32", num_kv_blocks=64, block_size=8)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
-    prompts = [[311, 4242, 977, 12345, 555, 18], [900, 901, 902]]
 
     def run(llm: LLM, lora: LoRARequest | None = None) -> list[tuple[list[int], float]]:
-        outs = llm.generate(prompts, params, lora_request=[lora] * len(prompts))
+        outs = llm.generate(ADAPTER_PROMPTS, ADAPTER_PARAMS,
+                            lora_request=[lora] * len(ADAPTER_PROMPTS))
         return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob or 0.0) for o in outs]
 
     want = run(LLM(str(merged), **options))
@@ -236,6 +245,7 @@ def test_lora_adapter_on_folded_weights_equals_the_merged_model(
     for (_, lp), (_, lp_want), (_, lp_base) in zip(got, want, base, strict=True):
         assert lp == pytest.approx(lp_want, abs=1e-3)
         assert abs(lp - lp_base) > 1e-2  # the adapter changes the model
+    return llm
 
 
 def one_module_adapter(out: Path, module: str, d_in: int, d_out: int) -> Path:
@@ -337,29 +347,12 @@ def test_moe_model_takes_attention_adapters_and_runs_without_the_decode_graph(
     from sluice.protocol.errors import InvalidRequestError
 
     hf_dir: Path = request.getfixturevalue(f"tiny_{arch}_dir")
-    adapter = make_adapter(hf_dir, tmp_path / "adapter", r=4, alpha=8, seed=5,
-                           targets=("q_proj", "k_proj", "v_proj", "o_proj"))
-    merged = merge_adapter(hf_dir, adapter, tmp_path / "merged")
-    options = dict(dtype="float32", num_kv_blocks=64, block_size=8)
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
-    prompts = [[311, 4242, 977, 12345, 555, 18], [900, 901, 902]]
-
-    def run(llm: LLM, lora: LoRARequest | None = None) -> list[tuple[list[int], float]]:
-        outs = llm.generate(prompts, params, lora_request=[lora] * len(prompts))
-        return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob or 0.0) for o in outs]
-
-    want = run(LLM(str(merged), **options))
-    llm = LLM(str(hf_dir), enable_lora=True, max_lora_rank=8, **options)
-    got, base = run(llm, LoRARequest("a", str(adapter))), run(llm)
-    assert [t for t, _ in got] == [t for t, _ in want]
-    for (_, lp), (_, lp_want), (_, lp_base) in zip(got, want, base, strict=True):
-        assert lp == pytest.approx(lp_want, abs=1e-3)
-        assert abs(lp - lp_base) > 1e-2  # the adapter changes the model
+    llm = adapter_equals_merged_model(hf_dir, tmp_path, ("q_proj", "k_proj", "v_proj", "o_proj"))
     cfg = llm.engine.runner.model_config
     mlp = one_module_adapter(tmp_path / "mlp", "down_proj", cfg.intermediate_size,
                              cfg.hidden_size)  # (a dense MLP's; peft's on experts name them)
     with pytest.raises(InvalidRequestError) as err:
-        llm.generate(prompts[:1], params, lora_request=LoRARequest("mlp", str(mlp)))
+        llm.generate(ADAPTER_PROMPTS[:1], ADAPTER_PARAMS, lora_request=LoRARequest("mlp", str(mlp)))
     assert err.value.param == "lora_path" and "down_proj, not a LoRA target" in str(err.value)
     assert llm.engine.runner.decode_graph is None and llm.engine.runner.wide_graph is None
 
