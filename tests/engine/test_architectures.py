@@ -629,7 +629,8 @@ def test_olmo2_block_and_gguf_file(tiny_olmo2_dir: Path, tmp_path: Path,
     normalized before its residual add with no norm of its input (greedy tokens against
     transformers: test_hf_equivalence.py). Its checkpoint names no input norm; an `olmo2`
     file (the branch norms named as Gemma's, `post_attention_norm` and `post_ffw_norm`)
-    loads as the checkpoint; decodes take the decode graph (test_decode_graph_runs_the_architecture)."""
+    loads as the checkpoint; decodes take the decode graph
+    (test_decode_graph_runs_the_architecture)."""
     from sluice.engine.models.llama import ResidualAdd
     from sluice.engine.models.loader import config_from_hf, read_config
 

@@ -14,9 +14,9 @@ builds the native `DecodeGraph` once over the blocks, the norms' weights and the
 KV pools, and sends it every step whose chunks are all decodes or speculative verifies
 (one query a row) of at most `max_rows` rows, each row adding its adapter's products
 where multi-LoRA is on (`set_lora`); other steps (prefill, larger batches) take the
-torch model. Both write the same K/V rows into the same pools,
-so a sequence moves between the two paths from step to step. Activations are float32
-in the graph (the KV pool keeps its dtype). Where the CPU has AVX2 (`q4_int8_path`), the
+torch model. Both write the same K/V rows into the same pools, so a sequence moves
+between the two paths from step to step. Activations are float32 in the graph (the KV
+pool keeps its dtype). Where the CPU has AVX2 (`q4_int8_path`), the
 Q4 linears take them as integers: each 32-value block as two int8 vectors with one
 scale, x ~ dx (q1 + q2 / 256), so a block's dot product with the nibbles is integer
 multiply-adds (AVX512-VNNI's vpdpbusd: 64 a instruction) instead of converting every

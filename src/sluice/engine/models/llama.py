@@ -354,7 +354,8 @@ def _dynamic_frequencies(inv_freq: Tensor, rope: RopeConfig, dim: int,
     keys keep the old rotation); vLLM fixes it at the original context times the factor,
     which is sluice's default context for such a model, so at the default both agree, and
     with `--max-model-len` within the original transformers does too."""
-    factor, original = float(rope.params["factor"]), float(rope.params["original_max_position_embeddings"])
+    p = rope.params
+    factor, original = float(p["factor"]), float(p["original_max_position_embeddings"])
     if context <= original:
         return inv_freq, 1.0
     base = rope.theta * (factor * context / original - (factor - 1)) ** (dim / (dim - 2))
@@ -910,7 +911,8 @@ def lora_output_rows(cfg: LlamaConfig) -> dict[str, Tensor]:
     reordered the fused Q|K|V's (GLM, Helium); none elsewhere."""
     if not cfg.rope_interleaved:
         return {}
-    return {"q_proj": _rotary_rows(cfg, cfg.num_heads), "k_proj": _rotary_rows(cfg, cfg.num_kv_heads)}
+    return {"q_proj": _rotary_rows(cfg, cfg.num_heads),
+            "k_proj": _rotary_rows(cfg, cfg.num_kv_heads)}
 
 
 def _scale_q_rows(cfg: LlamaConfig, scale: float, out: dict[str, Tensor]) -> None:

@@ -384,10 +384,10 @@ def _max_positions(c: dict[str, Any], spec: ArchSpec, rope: RopeConfig) -> int:
 def rope_from_hf(c: dict[str, Any]) -> RopeConfig:
     """RoPE from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (<5);
     per layer kind in transformers 5's Gemma 3 config: the full-attention layers' here.
-    What transformers fills in for llama3, YaRN, longrope and dynamic NTK, filled the same way: the
-    original context (a top-level `original_max_position_embeddings`, Phi-3's, first; then
-    the scaling's own; then `max_position_embeddings`) and a missing `factor` (the context
-    over the original). Phi-3's early name for longrope, "su", is longrope."""
+    What transformers fills in for llama3, YaRN, longrope and dynamic NTK, filled the same
+    way: the original context (a top-level `original_max_position_embeddings`, Phi-3's,
+    first; then the scaling's own; then `max_position_embeddings`) and a missing `factor`
+    (the context over the original). Phi-3's early name for longrope, "su", is longrope."""
     params = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
     if "full_attention" in params:
         params = dict(params["full_attention"])
