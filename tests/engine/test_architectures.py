@@ -208,7 +208,8 @@ def test_smollm3_nope_layers_from_either_config_field() -> None:
 @pytest.mark.parametrize(("arch", "targets"), [
     ("granite", ("q_proj", "o_proj", "down_proj", "gate_proj")),
     ("gemma2", ("q_proj", "o_proj", "down_proj", "gate_proj")),
-    ("glm", ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj")),  # (gate_up_proj fused)
+    ("glm", ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")),
+    ("phi3", ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),  # Phi-3's fused modules
     ("helium", ("q_proj", "k_proj", "gate_proj", "up_proj")),
     ("arcee", ("q_proj", "k_proj", "up_proj", "down_proj"))])
 def test_lora_adapter_on_folded_weights_equals_the_merged_model(
@@ -216,8 +217,10 @@ def test_lora_adapter_on_folded_weights_equals_the_merged_model(
         targets: tuple[str, ...]) -> None:
     """Granite's multipliers are folded into q_proj, o_proj and down_proj, Gemma 2's score
     scale into q_proj, GLM's and Helium's Q and K rows reordered (RoPE over adjacent
-    pairs), Arcee's MLP has up_proj alone: an adapter on those modules is scaled,
-    reordered and placed the same way, so it gives what peft's merged model gives."""
+    pairs), Arcee's MLP has up_proj alone, Phi-3's and GLM's checkpoints fuse qkv_proj
+    and gate_up_proj (one A, B split by the parts' outputs): an adapter on those modules
+    is scaled, reordered, split and placed the same way, so it gives what peft's merged
+    model gives."""
     hf_dir: Path = request.getfixturevalue(f"tiny_{arch}_dir")
     adapter_equals_merged_model(hf_dir, tmp_path, targets)
 

@@ -201,6 +201,35 @@ def test_read_adapter_reports_meta(adapters: dict[str, Path]) -> None:
     assert other.content_hash != meta.content_hash and len(other.content_hash) == 64
 
 
+def test_fused_modules_are_read_as_their_parts(tmp_path: Path) -> None:
+    """A fused qkv_proj (Phi-3's) is its parts' adapter: one A, B of q|k|v's outputs;
+    a fused module beside one of its parts in a layer is refused naming both."""
+    import torch
+    from safetensors.torch import save_file
+
+    from sluice.engine.lora import load_adapter, module_shapes
+
+    shapes = module_shapes(64, 128, 64, 32)
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 2, "target_modules": ["qkv_proj"]}))
+    prefix = "base_model.model.model.layers.0.self_attn"
+    a, b = torch.randn(2, 64), torch.randn(64 + 32 + 32, 2)
+    tensors = {f"{prefix}.qkv_proj.lora_A.weight": a, f"{prefix}.qkv_proj.lora_B.weight": b}
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    adapter = load_adapter(str(tmp_path), shapes, 2, 8)
+    assert adapter.meta.target_modules == ("k_proj", "q_proj", "v_proj")
+    for module, rows in (("q_proj", b[:64]), ("k_proj", b[64:96]), ("v_proj", b[96:])):
+        assert torch.equal(adapter.weights[(0, module)][0], a)
+        assert torch.equal(adapter.weights[(0, module)][1], rows)
+    tensors |= {f"{prefix}.k_proj.lora_A.weight": torch.zeros(2, 64),
+                f"{prefix}.k_proj.lora_B.weight": torch.zeros(32, 2)}
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(InvalidRequestError) as err:
+        read_adapter(str(tmp_path), shapes, 2, 8)
+    assert err.value.param == "lora_path"
+    assert "both k_proj and qkv_proj for k_proj" in str(err.value)
+
+
 def test_lora_requests_need_enable_lora(tiny_llama_dir: Path, adapters: dict[str, Path]
                                         ) -> None:
     llm = LLM(str(tiny_llama_dir), **BASE_OPTIONS)

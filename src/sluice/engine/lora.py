@@ -56,8 +56,14 @@ TARGET_MODULES: dict[str, tuple[str, int]] = {
 FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
     "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
+# PEFT modules of checkpoints that fuse them (Phi-3's qkv_proj and gate_up_proj, GLM's
+# gate_up_proj): one A for the parts, B's rows the parts' outputs in order
+FUSED_TARGETS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _SUBMODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-              "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+              "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+              "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
+_SUPPORTED = (*TARGET_MODULES, *FUSED_TARGETS)
 _DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
 
 
@@ -129,11 +135,11 @@ def _tensor_key(name: str) -> tuple[int, str, str]:
         layer, module, ab = int(parts[i + 1]), parts[i + 3], parts[i + 4]
     except (ValueError, IndexError):
         raise _bad(f"unexpected tensor {name!r} in the adapter (only LoRA A/B weights of "
-                   f"{', '.join(TARGET_MODULES)} are supported)") from None
-    if module not in TARGET_MODULES or ab not in ("lora_A", "lora_B") \
+                   f"{', '.join(_SUPPORTED)} are supported)") from None
+    if module not in _SUPPORTED or ab not in ("lora_A", "lora_B") \
             or parts[i + 2] != _SUBMODULE[module] or parts[-1] != "weight":
         raise _bad(f"unexpected tensor {name!r} in the adapter (only LoRA A/B weights of "
-                   f"{', '.join(TARGET_MODULES)} are supported)")
+                   f"{', '.join(_SUPPORTED)} are supported)")
     return layer, module, ab[-1]
 
 
@@ -173,21 +179,27 @@ def read_adapter(path: str, shapes: Mapping[str, Sequence[int]], num_layers: int
     meta = _check_config(config, path, max_rank)
     header = _read_header(data, weights_path)
     seen: set[str] = set()
+    owner: dict[tuple[int, str], str] = {}  # (layer, part) -> the module giving its A and B
     for name, info in header.items():
         layer, module, ab = _tensor_key(name)
         if not 0 <= layer < num_layers:
             raise _bad(f"adapter tensor {name!r} is for layer {layer}, but the base model has "
                        f"{num_layers} layers (an adapter for another base model?)")
-        if module not in shapes:
+        parts = FUSED_TARGETS.get(module, (module,))
+        if any(m not in shapes for m in parts):
             raise _bad(f"adapter tensor {name!r} is for {module}, not a LoRA target of this "
                        f"base model (its targets: {', '.join(shapes)})")
-        d_in, d_out = shapes[module]
+        d_in, d_out = shapes[parts[0]][0], sum(shapes[m][1] for m in parts)
         want = [meta.rank, d_in] if ab == "A" else [d_out, meta.rank]
         if list(info.get("shape", [])) != want or info.get("dtype") not in _DTYPE_BYTES:
             raise _bad(f"adapter tensor {name!r} has shape {info.get('shape')} "
                        f"({info.get('dtype')}), but this base model needs {want} (float): "
                        "an adapter for another base model?")
-        seen.add(module)
+        seen.update(parts)
+        for part in parts:  # a part from one tensor pair only: fused or on its own
+            if owner.setdefault((layer, part), module) != module:
+                both = " and ".join(sorted((owner[(layer, part)], module)))
+                raise _bad(f"adapter {path!r} has both {both} for {part} in layer {layer}")
     if not seen:
         raise _bad(f"LoRA adapter {path!r} has no LoRA weights")
     digest = hashlib.sha256(data)
@@ -212,12 +224,12 @@ def _check_config(config: dict[str, Any], path: str, max_rank: int) -> AdapterMe
             raise _bad(f"adapter {path!r}: {key}={config.get(key)!r} is not supported")
     targets = config.get("target_modules")
     names = [targets] if isinstance(targets, str) else list(targets or [])
-    unexpected = [t for t in names if t not in TARGET_MODULES]
+    unexpected = [t for t in names if t not in _SUPPORTED]
     if isinstance(targets, str) and targets in ("all-linear",):
         unexpected = []
     if unexpected:
         raise _bad(f"While loading {path}, expected target modules in "
-                   f"{list(TARGET_MODULES)} but received {unexpected}. Please verify that "
+                   f"{list(_SUPPORTED)} but received {unexpected}. Please verify that "
                    "the loaded LoRA module is correct")
     alpha = config.get("lora_alpha", rank)
     if not isinstance(alpha, int | float):
@@ -262,10 +274,16 @@ def load_adapter(path: str, shapes: Mapping[str, Sequence[int]], num_layers: int
         if set(pair) != {"A", "B"}:
             raise _bad(f"adapter {path!r} has lora_A without lora_B (or the reverse) for "
                        f"layer {key[0]} {key[1]}")
-        scale = meta.scaling * (output_scales or {}).get(key[1], 1.0)
-        b = pair["B"] * scale
-        rows = (output_rows or {}).get(key[1])
-        weights[key] = (pair["A"].contiguous(), (b if rows is None else b[rows]).contiguous())
+        layer, module = key
+        start = 0
+        for part in FUSED_TARGETS.get(module, (module,)):  # a fused module's B, split
+            out = shapes[part][1]
+            scale = meta.scaling * (output_scales or {}).get(part, 1.0)
+            b = pair["B"][start:start + out] * scale
+            start += out
+            rows = (output_rows or {}).get(part)
+            weights[(layer, part)] = (pair["A"].contiguous(),
+                                      (b if rows is None else b[rows]).contiguous())
     return LoRAAdapter(meta, weights)
 
 
