@@ -174,20 +174,14 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.model.init_rope(self.max_model_len)
         # what, besides the model, makes this pool's blocks differ from another worker's
-        # of the same model: longrope's factor list, one choice per served context, and
-        # dynamic NTK's base, raised for the served context past the original
-        self.rope_variant = ""
+        # of the same model: the RoPE the served context decides (longrope's factor list,
+        # dynamic NTK's base)
         rope = self.model_config.rope
-        if rope.rope_type == "dynamic":
-            original = rope.params["original_max_position_embeddings"]
-            if self.max_model_len > original:
-                self.rope_variant = f"dynamic NTK at {self.max_model_len}"
-        if rope.rope_type == "longrope":
-            original = rope.params["original_max_position_embeddings"]
-            which = "long" if rope.uses_long_factors(self.max_model_len) else "short"
-            self.rope_variant = f"longrope {which} factors"
-            log.info("longrope: the %s factors for every sequence (max_model_len %d, original "
-                     "context %d)", which, self.max_model_len, original)
+        self.rope_variant = rope.context_variant(self.max_model_len)
+        if self.rope_variant:
+            log.info("RoPE: %s for every sequence (max_model_len %d, original context %s)",
+                     self.rope_variant, self.max_model_len,
+                     rope.params["original_max_position_embeddings"])
         self.native = native_ops(mc.kernel_backend, self.device, self.dtype)
         # prefill chunks' attention straight from the pool (sluice.engine.attention)
         self.native_prefill = (self.native is not None

@@ -75,10 +75,21 @@ class RopeConfig:
             raise InvalidRequestError(f"RoPE scaling {self.rope_type!r} needs "
                                       f"{', '.join(missing)} in rope_scaling", param="model")
 
-    def uses_long_factors(self, context: int) -> bool:
-        """Longrope's choice for a served context: its long factor list past the
-        original context, else its short one (`_longrope_frequencies`)."""
+    def past_original(self, context: int) -> bool:
+        """Whether a served context is past the original one: longrope then takes its long
+        factor list, else its short one (`_longrope_frequencies`); dynamic NTK raises its
+        base, else leaves it (`_dynamic_frequencies`)."""
         return context > float(self.params["original_max_position_embeddings"])
+
+    def context_variant(self, context: int) -> str:
+        """What of this RoPE the served context decides, one choice for every sequence, so
+        that KV blocks of one model differ by it between workers: longrope's factor list,
+        dynamic NTK's raised base; "" where nothing is."""
+        if self.rope_type == "longrope":
+            return f"longrope {'long' if self.past_original(context) else 'short'} factors"
+        if self.rope_type == "dynamic" and self.past_original(context):
+            return f"dynamic NTK at {context}"
+        return ""
 
     def scaled_context(self, context: int) -> int:
         """The context a model with this RoPE serves, `context` its config's own: under
@@ -354,10 +365,10 @@ def _dynamic_frequencies(inv_freq: Tensor, rope: RopeConfig, dim: int,
     keys keep the old rotation); vLLM fixes it at the original context times the factor,
     which is sluice's default context for such a model, so at the default both agree, and
     with `--max-model-len` within the original transformers does too."""
+    if not rope.past_original(context):
+        return inv_freq, 1.0
     p = rope.params
     factor, original = float(p["factor"]), float(p["original_max_position_embeddings"])
-    if context <= original:
-        return inv_freq, 1.0
     base = rope.theta * (factor * context / original - (factor - 1)) ** (dim / (dim - 2))
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     return 1.0 / (base ** exponents), 1.0
@@ -430,7 +441,7 @@ def _longrope_frequencies(inv_freq: Tensor, rope: RopeConfig, dim: int,
     with the long factors here, where theirs use the short ones."""
     p = rope.params
     original = float(p["original_max_position_embeddings"])
-    factors = p["long_factor"] if rope.uses_long_factors(context) else p["short_factor"]
+    factors = p["long_factor"] if rope.past_original(context) else p["short_factor"]
     if len(factors) != dim // 2:
         raise InvalidRequestError(f"longrope: {len(factors)} factors for {dim // 2} "
                                   "rotated frequencies", param="model")

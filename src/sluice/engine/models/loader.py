@@ -23,6 +23,7 @@ from torch import Tensor
 
 from sluice.engine.models.llama import (
     BLOCK_NORMS,
+    ROPE_REQUIRED_PARAMS,
     GemmaConfig,
     GraniteScales,
     LlamaConfig,
@@ -396,7 +397,7 @@ def rope_from_hf(c: dict[str, Any]) -> RopeConfig:
     named = params.pop("rope_type", None), params.pop("type", None)  # (transformers <4.45: type)
     rope_type = named[0] or named[1] or "default"
     rope_type = "longrope" if rope_type == "su" else rope_type
-    if rope_type in ("llama3", "yarn", "longrope", "dynamic"):
+    if "original_max_position_embeddings" in ROPE_REQUIRED_PARAMS.get(rope_type, ()):
         context = c.get("max_position_embeddings")
         original = (c.get("original_max_position_embeddings")
                     or params.get("original_max_position_embeddings") or context)
