@@ -115,12 +115,11 @@ def module_shapes(hidden: int, intermediate: int, q_size: int, kv_size: int,
     return shapes
 
 
-def fused_parts(gated: bool = True, mlp: bool = True) -> dict[str, tuple[str, ...]]:
-    """FUSED_PARTS for a model whose MLP has a gate (else its w13 is up_proj alone), or
-    the attention's alone (`mlp` False: a mixture of experts)."""
-    if not mlp:
-        return {"qkv": FUSED_PARTS["qkv"], "o": FUSED_PARTS["o"]}
-    return FUSED_PARTS if gated else {**FUSED_PARTS, "gate_up": ("up_proj",)}
+def fused_parts(shapes: Mapping[str, Sequence[int]]) -> dict[str, tuple[str, ...]]:
+    """FUSED_PARTS of a model's targets (`module_shapes`): Arcee's w13 is up_proj alone, a
+    mixture of experts has the attention's alone."""
+    fused = {name: tuple(m for m in parts if m in shapes) for name, parts in FUSED_PARTS.items()}
+    return {name: parts for name, parts in fused.items() if parts}
 
 
 def _bad(message: str, param: str = "lora_path") -> InvalidRequestError:

@@ -212,7 +212,7 @@ class ModelRunner:
         gated, mlp = cfg.mlp_activation != "relu2", cfg.moe is None
         self.lora_shapes = module_shapes(cfg.hidden_size, cfg.intermediate_size, cfg.q_size,
                                          cfg.kv_size, gated, mlp)
-        self.lora_parts = fused_parts(gated, mlp)
+        self.lora_parts = fused_parts(self.lora_shapes)
         self.lora_slots: LoRASlots | None = None
         self.pooled: Tensor | None = None  # the last step's pooled rows (`execute`)
         if config.lora.enable_lora:
