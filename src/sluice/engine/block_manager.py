@@ -102,11 +102,11 @@ class BlockManager:
         """Cached blocks holding a prefix of `seq.token_ids`; pure (no counters, no refs).
 
         Never the whole sequence: the last token is always left to compute, since its
-        logits are what the step is for. Nothing for a sequence that wants its prompt's
-        logprobs (every position's logits).
+        logits are what the step is for. Nothing for a sequence that computes its whole
+        prompt (its prompt's logprobs, or a MEAN or CLS embedding: every position's output).
         """
         self.load_pending = False
-        if not self.enable_prefix_caching or seq.num_computed_tokens or seq.wants_prompt_logits:
+        if not self.enable_prefix_caching or seq.num_computed_tokens or seq.computes_whole_prompt:
             return []
         bs, tokens, known = self.block_size, seq.token_ids, seq.known_block_hashes
         hits: list[int] = []

@@ -55,9 +55,16 @@ class ModelConfig:
     # not a GGUF file's): '{"rope_scaling": {"rope_type": "yarn", ...}}' to serve Qwen2.5
     # past 32K as Qwen's model cards say, '{"is_matryoshka": true}' for `dimensions`
     hf_overrides: str | None = None
+    # vLLM's name: how an embedding is read from the prompt's final hidden states, a JSON
+    # object: '{"pooling_type": "MEAN", "use_activation": true}' (sluice.engine.pooling;
+    # None: the model's sentence-transformers files say, else LAST, normalized)
+    pooler_config: str | None = None
 
     def __post_init__(self) -> None:
+        from sluice.engine.pooling import parse_pooler_config
+
         self.overrides()  # valid JSON, an object
+        parse_pooler_config(self.pooler_config)
         if not self.generation_config:
             raise InvalidRequestError("generation_config must be 'auto', 'vllm' or a folder",
                                       param="generation_config")
@@ -388,8 +395,9 @@ class EngineConfig:
         owners = {f.name: name for name, klass in classes for f in dataclasses.fields(klass)}
         hints = {k: v for _, klass in classes for k, v in typing.get_type_hints(klass).items()}
         layers["model"]["model"] = _checked_option("model", model, hints["model"])
-        if isinstance(options.get("hf_overrides"), dict):  # LLM(hf_overrides={...}), vLLM's
-            options["hf_overrides"] = json.dumps(options["hf_overrides"])
+        for key in ("hf_overrides", "pooler_config"):  # LLM(hf_overrides={...}), vLLM's
+            if isinstance(options.get(key), dict):
+                options[key] = json.dumps(options[key])
         for key, value in options.items():
             if key not in owners:
                 raise InvalidRequestError(f"unknown engine option {key!r}", param=key)

@@ -32,6 +32,7 @@ from sluice.engine.kv_transfer import KVTransfer, KVTransferError
 from sluice.engine.lora import LoRAAdapter, LoRACache
 from sluice.engine.messages import CoreInfo, CoreRequest, SeqUpdate
 from sluice.engine.outputs import RequestMetrics
+from sluice.engine.pooling import Pooler
 from sluice.engine.sampler import Sampler, SampleResult, logprob_entry
 from sluice.engine.scheduler import ScheduledChunk, Scheduler
 from sluice.engine.sequence import Request, Sequence
@@ -62,6 +63,7 @@ class EngineCore:
         self.runner = runner if runner is not None else ModelRunner(config)
         self._chunk_cls = SeqChunk
         self.tokenizer = self.runner.tokenizer
+        self.pooler: Pooler = getattr(self.runner, "pooler", Pooler())  # (fakes have none)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size,
                                           config.cache.enable_prefix_caching)
         self.block_manager.attach_offload(self._build_offload(config))
@@ -244,7 +246,7 @@ class EngineCore:
         seq = Sequence(self._next_seq_id, req.request_id, index, list(req.prompt_token_ids),
                        num_prompt, params, req.max_tokens, req.priority, req.arrival_time,
                        generator=gen, seed=None if params.seed is None else params.seed + index,
-                       pooling=req.pooling)
+                       pooling=self.pooler.pooling_type if req.pooling else "")
         if params.logprobs is not None:
             seq.logprobs, seq.cumulative_logprob = [], 0.0
         if params.prompt_logprobs is not None and index == 0 and not req.num_output_tokens:
@@ -299,7 +301,7 @@ class EngineCore:
         start = time.perf_counter()
         seq_chunks = [self._seq_chunk(c, drafts) for c in chunks]
         logits = self.runner.execute(seq_chunks)
-        pooled = [c.seq for c in chunks if c.need_logits and c.seq.pooling]
+        pooled = [c for c in chunks if c.seq.pooling]
         if any(c.prompt_logits for c in seq_chunks):
             logits = self._take_prompt_logprobs(chunks, seq_chunks, logits)
         self.scheduler.update_from_output(  # drafted chunks: after verification (commit)
@@ -313,17 +315,42 @@ class EngineCore:
                    for seq, result in zip(sampled, results, strict=True)]
         if pooled:
             assert self.runner.pooled is not None
-            updates += self._embed(pooled, self.runner.pooled)
+            updates += self._embed(self._keep_pooled(pooled, self.runner.pooled))
         self.iteration_tokens.observe(self._tokens_counted() - counted)
         return [u for u in updates if u is not None]
 
-    def _embed(self, seqs: list[Sequence], hidden: torch.Tensor) -> list[SeqUpdate]:
-        """Finish each embedding whose prompt this step completed: its last token's
-        final hidden state, L2-normalized (vLLM's LAST pooling, `normalize`), as float32
+    @staticmethod
+    def _keep_pooled(chunks: list[ScheduledChunk], rows: torch.Tensor) -> list[Sequence]:
+        """Keep each pooling chunk's row (the runner's: LAST a chunk's last token's final
+        hidden state, CLS its first's, MEAN their sum); the sequences whose prompt this
+        step completed. A chunk at position 0 starts over (a preempted prompt computes
+        again from there: its cached blocks are never hit, `computes_whole_prompt`)."""
+        done = []
+        for chunk, row in zip(chunks, rows, strict=True):
+            seq = chunk.seq
+            if seq.pooling == "MEAN" and chunk.start_pos:
+                seq.pooled = seq.pooled + row
+            elif seq.pooling != "CLS" or chunk.start_pos == 0:
+                seq.pooled = row
+            if chunk.need_logits:
+                done.append(seq)
+        return done
+
+    def _embed(self, seqs: list[Sequence]) -> list[SeqUpdate]:
+        """Finish each embedding whose prompt this step completed: its pooled row (MEAN's
+        sum over the prompt's length), L2-normalized where the pooler says, as float32
         bytes; nothing is sampled and its blocks go back (full ones stay cached)."""
-        vectors = torch.nn.functional.normalize(hidden, dim=-1).cpu().numpy()
+        if not seqs:
+            return []
+        hidden = torch.stack([s.pooled for s in seqs])
+        if self.pooler.pooling_type == "MEAN":
+            hidden /= torch.tensor([[s.num_prompt_tokens] for s in seqs], dtype=hidden.dtype)
+        if self.pooler.normalize:
+            hidden = torch.nn.functional.normalize(hidden, dim=-1)
+        vectors = hidden.cpu().numpy()
         updates = []
         for seq, vector in zip(seqs, vectors, strict=True):
+            seq.pooled = None
             request = self.requests.pop(seq.request_id)
             seq.finish_reason = "stop"
             self.scheduler.finish(seq)
@@ -389,7 +416,7 @@ class EngineCore:
         out = self._chunk_cls(seq.token_ids[start:start + chunk.num_tokens], start,
                               seq.block_table, chunk.need_logits, seq.adapter)
         if seq.pooling:
-            out.pool = True
+            out.pool = seq.pooling
         elif drafts and seq in drafts:
             out.num_logits = len(drafts[seq]) + 1  # the last token's row and each draft's
         elif seq.wants_prompt_logits:

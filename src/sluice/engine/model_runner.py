@@ -67,7 +67,13 @@ from sluice.engine.native import (
     swiglu_rows_min,
     with_small_rows,
 )
-from sluice.engine.tokenizer import Tokenizer, default_served_name, load_tokenizer
+from sluice.engine.pooling import Pooler, parse_pooler_config, resolve_pooler
+from sluice.engine.tokenizer import (
+    Tokenizer,
+    default_served_name,
+    load_tokenizer,
+    local_model_path,
+)
 from sluice.protocol.errors import InvalidRequestError
 
 log = logging.getLogger("sluice.engine")
@@ -90,7 +96,8 @@ class SeqChunk:
     lora: LoRAAdapter | None = None  # the sequence's adapter (multi-LoRA), or the base
     num_logits: int = 1  # logit rows: the last `num_logits` tokens' (speculative verify)
     prompt_logits: bool = False  # every token's logits, run as a prefill (prompt logprobs)
-    pool: bool = False  # its last token's hidden state instead of logits (an embedding)
+    # an embedding's chunk (sluice.engine.pooling's type): no logits; one pooled row
+    pool: str = ""
 
     @property
     def one_query_rows(self) -> bool:
@@ -164,6 +171,7 @@ class ModelRunner:
         self.model, self.model_config = load_model(mc.model, self.device, self.dtype, mc.revision,
                                                    mc.overrides())
         self.tokenizer: Tokenizer = load_tokenizer(mc.tokenizer or mc.model, mc.revision)
+        self.pooler = self._pooler(mc)
         self.model_name: str = mc.served_model_name or default_served_name(mc.model)
         self.vocab_size: int = self.model_config.vocab_size
         self.max_model_len: int = self._max_model_len(mc)
@@ -289,6 +297,18 @@ class ModelRunner:
                                       param="quantization")
         return use_gguf_weights(self.model, path, self.native)
 
+    @staticmethod
+    def _pooler(mc: ModelConfig) -> Pooler:
+        """How embeddings are read (sluice.engine.pooling): the checkpoint's own
+        sentence-transformers pooling, `--pooler-config` over it."""
+        path = local_model_path(mc.model, mc.revision)
+        pooler = resolve_pooler(path if path.is_dir() else None,
+                                parse_pooler_config(mc.pooler_config))
+        if pooler != Pooler():
+            log.info("embeddings: %s pooling%s", pooler.pooling_type,
+                     ", normalized" if pooler.normalize else "")
+        return pooler
+
     def _use_int8_weights(self) -> None:
         """Every linear on int8 weights with per-row scales (sluice.engine.quant)."""
         from sluice.engine.quant import use_int8_weights
@@ -370,8 +390,9 @@ class ModelRunner:
     def execute(self, chunks: list[SeqChunk]) -> Tensor:
         """Run one step; float32 logits, in order: one row per chunk with need_logits,
         `num_logits` rows (its last tokens') for a chunk verifying drafts. A chunk with
-        `pool` and `need_logits` has no logits row: its last token's final hidden state,
-        float32, is a row of `self.pooled` (in chunk order) until the next step.
+        `pool` has no logits row but a row of `self.pooled` (float32, in chunk order, until
+        the next step) from its tokens' final hidden states: LAST its last token's, CLS its
+        first token's, MEAN their sum (the engine core keeps the rows it needs).
 
         Mutates the KV pool: every new token's K/V is written at its slot.
         """
@@ -403,10 +424,21 @@ class ModelRunner:
             logits = self.model(self._tensor(tokens), self._tensor(positions), meta,
                                 self._tensor(wanted))
             return logits.float()
-        pooled = [last_row[i] for i, c in enumerate(chunks) if c.need_logits and c.pool]
+        pooled: list[int] = []  # the pooling chunks' rows ...
+        sizes: list[int] = []  # ... so many a chunk, summed (MEAN)
+        for i, c in enumerate(chunks):
+            if c.pool:
+                last = last_row[i]
+                first = last - len(c.token_ids) + 1
+                rows = range(first, last + 1) if c.pool == "MEAN" else \
+                    [first] if c.pool == "CLS" else [last]
+                pooled.extend(rows)
+                sizes.append(len(rows))
         hidden = self.model.hidden(self._tensor(tokens), self._tensor(positions), meta,
                                    self._tensor(wanted + pooled))
-        self.pooled = hidden[len(wanted):].float()
+        states = hidden[len(wanted):].float()
+        self.pooled = states if len(sizes) == len(pooled) else \
+            torch.stack([part.sum(0) for part in states.split(sizes)])
         return self.model.output(hidden[:len(wanted)]).float()
 
     def _tensor(self, values: list[int]) -> Tensor:

@@ -212,7 +212,7 @@ class Scheduler:
     def _next_block_in_flight(self, seq: Sequence, num_hit_blocks: int) -> bool:
         """Whether a running sequence is computing `seq`'s first uncached block: it has the
         same tokens up to the end of that block and has not computed them all yet."""
-        if not self.block_manager.enable_prefix_caching:
+        if not self.block_manager.enable_prefix_caching or seq.computes_whole_prompt:
             return False
         end = (num_hit_blocks + 1) * self.block_manager.block_size
         if end >= seq.num_tokens:  # no full block left to share (the last token is computed)

@@ -77,11 +77,20 @@ class Sequence:
     # block manager takes them instead of hashing those blocks again. Prompt blocks only:
     # they never change (generated tokens can be taken back: speculative decoding).
     known_block_hashes: tuple[int, ...] = ()
-    pooling: bool = False  # an embedding: its prompt's last hidden state, nothing sampled
+    # an embedding: its prompt's final hidden states pooled (sluice.engine.pooling's type),
+    # nothing sampled; "" for a generation. `pooled`: the pooled row so far (float32)
+    pooling: str = ""
+    pooled: Any = None
     # predicted outputs (`params.prediction`): its drafted tokens the verify accepted and
     # those it refused (OpenAI's accepted_ / rejected_prediction_tokens)
     num_accepted_prediction_tokens: int = 0
     num_rejected_prediction_tokens: int = 0
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Every prompt position's output is wanted (prompt logprobs, MEAN or CLS
+        pooling): no prefix-cache hits."""
+        return self.wants_prompt_logits or self.pooling in ("MEAN", "CLS")
 
     @property
     def num_tokens(self) -> int:

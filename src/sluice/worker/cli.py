@@ -85,6 +85,10 @@ ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "hf_overrides": (str, "JSON object whose keys replace the checkpoint's config.json "
                           "(vLLM's flag), e.g. '{\"is_matryoshka\": true}' or a "
                           "rope_scaling; not for GGUF files"),
+    "pooler_config": (str, "how /v1/embeddings reads a prompt's final hidden states "
+                           "(vLLM's flag): '{\"pooling_type\": \"LAST\"|\"MEAN\"|\"CLS\", "
+                           "\"use_activation\": true}' (L2-normalize); fields left out: the "
+                           "model's sentence-transformers modules.json, else LAST, normalized"),
     "speculative_config": (str, "speculative decoding, vLLM's JSON: "
                                 "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                                 "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}' or "
@@ -154,7 +158,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 NONE_MEANS: dict[str, str] = {"max_model_len": "the model's own", "kv_offload": "off",
                               "kv_store": "off", "max_cpu_loras": "--max-loras",
                               "speculative_config": "off", "step_log": "off",
-                              "cpu_threads": "one per core", "hf_overrides": "none"}
+                              "cpu_threads": "one per core", "hf_overrides": "none",
+                              "pooler_config": "the model's own"}
 
 
 def _default_text(dest: str, value: Any) -> str:

@@ -1,0 +1,150 @@
+"""How an embedding is read from a prompt's final hidden states (vLLM's pooler config).
+
+    LAST   the last token's state (decoder-only embedding models: Qwen3-Embedding,
+           e5-mistral, gte-Qwen2; the default)
+    MEAN   the mean over every prompt token's state (GritLM, LLM2Vec, sentence-transformers
+           models with `pooling_mode_mean_tokens`)
+    CLS    the first token's state (`pooling_mode_cls_token`)
+
+and whether the vector is L2-normalized. A checkpoint directory's sentence-transformers
+files (`modules.json` naming a Pooling module, its `config.json`, and a Normalize
+module or not) give the model's own choice, as vLLM reads them; `--pooler-config`
+(vLLM's flag: `pooling_type`, `use_activation` or its older name `normalize`) replaces
+the fields it names. Without either: LAST, normalized.
+
+MEAN and CLS need states that a prefix-cache hit would skip, so such a request computes
+its whole prompt (`Sequence.computes_whole_prompt`); its blocks are still cached for
+others. A long prompt is still chunked: MEAN sums each chunk's rows and divides once at
+the end, CLS keeps the first chunk's first row.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sluice.protocol.errors import InvalidRequestError
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+# sentence-transformers' Pooling config keys -> our type (the modes it can combine, such
+# as max or weighted mean, or several at once, are refused)
+_ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
+             "pooling_mode_cls_token": "CLS"}
+_ST_OTHER_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens",
+                   "pooling_mode_weightedmean_tokens")
+
+
+@dataclass(frozen=True)
+class Pooler:
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise InvalidRequestError(f"unsupported pooling_type {self.pooling_type!r} "
+                                      f"(supported: {', '.join(POOLING_TYPES)})",
+                                      param="pooler_config")
+
+    @property
+    def every_position(self) -> bool:
+        """Whether every prompt position's state is read (no prefix-cache hits)."""
+        return self.pooling_type != "LAST"
+
+    def resolve(self, flag: dict[str, Any]) -> Pooler:
+        """This (the model's own) with `--pooler-config`'s fields replacing its own."""
+        return Pooler(flag.get("pooling_type", self.pooling_type),
+                      flag.get("normalize", self.normalize))
+
+
+def parse_pooler_config(text: str | None) -> dict[str, Any]:
+    """`--pooler-config`'s JSON as the Pooler fields it sets; a 400 naming
+    `pooler_config` for unknown keys, types or values."""
+    from sluice.engine.config import json_object
+
+    if text is None:
+        return {}
+    raw = json_object(text, "pooler_config")
+    unknown = sorted(set(raw) - {"pooling_type", "normalize", "use_activation"})
+    if unknown:
+        raise InvalidRequestError(f"pooler_config: unsupported field(s) {unknown} (supported: "
+                                  "pooling_type, use_activation, normalize)",
+                                  param="pooler_config")
+    out: dict[str, Any] = {}
+    if "pooling_type" in raw:
+        kind = raw["pooling_type"]
+        if not isinstance(kind, str) or kind.upper() not in POOLING_TYPES:
+            raise InvalidRequestError(f"pooler_config: pooling_type must be one of "
+                                      f"{', '.join(POOLING_TYPES)}, not {kind!r}",
+                                      param="pooler_config")
+        out["pooling_type"] = kind.upper()
+    given = {k: raw[k] for k in ("use_activation", "normalize") if k in raw}
+    for key, value in given.items():
+        if not isinstance(value, bool):
+            raise InvalidRequestError(f"pooler_config: {key} must be true or false",
+                                      param="pooler_config")
+    if len(set(given.values())) > 1:
+        raise InvalidRequestError("pooler_config: use_activation and normalize disagree "
+                                  "(normalize is use_activation's older name)",
+                                  param="pooler_config")
+    if given:
+        out["normalize"] = next(iter(given.values()))
+    return out
+
+
+def resolve_pooler(directory: Path | None, flag: dict[str, Any],
+                   default: Pooler = Pooler()) -> Pooler:
+    """The pooler an engine runs: the model's own (a checkpoint `directory`'s
+    sentence-transformers files; `default` without them: LAST, normalized, for a decoder)
+    with `flag`'s fields (`parse_pooler_config`) over it. A model whose own pooling sluice
+    lacks (max, or several modes at once) is refused unless the flag chooses the type."""
+    try:
+        own = sentence_transformers_pooler(directory) if directory is not None else None
+    except InvalidRequestError:
+        if "pooling_type" not in flag:
+            raise
+        own = None
+    return (own or default).resolve(flag)
+
+
+def sentence_transformers_pooler(directory: Path) -> Pooler | None:
+    """The pooling a checkpoint's sentence-transformers files declare, or None where it
+    has none (no `modules.json`, or no Pooling module in it)."""
+    modules_file = directory / "modules.json"
+    if not modules_file.is_file():
+        return None
+    modules = _read_json(modules_file)
+    if not isinstance(modules, list):
+        raise InvalidRequestError(f"{modules_file}: expected a list of modules", param="model")
+    kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules
+             if isinstance(m, dict)}
+    pooling = kinds.get("Pooling")
+    if pooling is None:
+        return None
+    config_file = directory / str(pooling.get("path", "")) / "config.json"
+    if not config_file.is_file():
+        raise InvalidRequestError(f"{directory}: modules.json names a Pooling module whose "
+                                  f"{config_file.relative_to(directory)} is missing",
+                                  param="model")
+    config = _read_json(config_file)
+    if not isinstance(config, dict):
+        raise InvalidRequestError(f"{config_file}: expected a JSON object", param="model")
+    chosen = [kind for key, kind in _ST_MODES.items() if config.get(key)]
+    other = [key for key in _ST_OTHER_MODES if config.get(key)]
+    if other or len(chosen) != 1:
+        raise InvalidRequestError(
+            f"{config_file}: sentence-transformers pooling "
+            f"{sorted(k for k in (*_ST_MODES, *_ST_OTHER_MODES) if config.get(k))} is not "
+            "supported (one of pooling_mode_lasttoken, pooling_mode_mean_tokens, "
+            "pooling_mode_cls_token); --pooler-config chooses another", param="model")
+    return Pooler(chosen[0], normalize="Normalize" in kinds)
+
+
+def _read_json(file: Path) -> Any:
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InvalidRequestError(f"{file}: {exc}", param="model") from None

@@ -1,0 +1,207 @@
+"""Pooling types for embeddings (sluice.engine.pooling): `--pooler-config` and a
+checkpoint's sentence-transformers files choose LAST, MEAN or CLS and whether vectors
+are normalized; checked against transformers' final hidden states of the tiny random
+Llama in float32, through long prompts that run in chunks and prompts whose prefix is
+cached."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from sluice.engine.async_engine import AsyncEngine
+from sluice.engine.config import EngineConfig
+from sluice.engine.pooling import Pooler, parse_pooler_config, resolve_pooler
+from sluice.engine.sampling_params import SamplingParams
+from sluice.protocol.errors import InvalidRequestError
+from sluice.worker.app import build_app
+from sluice.worker.config import WorkerConfig
+
+from .conftest import TINY_OPTIONS
+from .worker_helpers import ServerThread
+
+LONG = "the river runs to the sea " * 90  # ~540 tokens: two chunks of the 512 budget
+SHARED = "a prefix every input here shares, long enough for full blocks " * 4
+
+
+@pytest.fixture(scope="module")
+def states(tiny_llama_dir: Path) -> Any:
+    """Text or ids -> transformers' final hidden states (after the last norm), float32."""
+    from transformers import AutoModel
+
+    from sluice.engine.tokenizer import load_tokenizer
+
+    model = AutoModel.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(str(tiny_llama_dir))
+
+    def run(text_or_ids: str | list[int]) -> torch.Tensor:
+        ids = tokenizer.encode(text_or_ids) if isinstance(text_or_ids, str) else text_or_ids
+        with torch.no_grad():
+            return model(torch.tensor([ids])).last_hidden_state[0]
+
+    return run
+
+
+def expected(hidden: torch.Tensor, kind: str, normalize: bool) -> np.ndarray:
+    row = {"LAST": hidden[-1], "CLS": hidden[0], "MEAN": hidden.mean(0)}[kind]
+    return (torch.nn.functional.normalize(row, dim=-1) if normalize else row).numpy()
+
+
+def engine_for(model: Path, **options: Any) -> AsyncEngine:
+    return AsyncEngine(EngineConfig.from_options(str(model), dtype="float32",
+                                                 **{**TINY_OPTIONS, **options}))
+
+
+def embed_all(engine: AsyncEngine, inputs: list[Any], tag: str) -> list[Any]:
+    async def run() -> list[Any]:
+        return list(await asyncio.gather(*(engine.embed(x, f"{tag}-{i}")
+                                           for i, x in enumerate(inputs))))
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("kind, normalize", [("MEAN", True), ("CLS", False),
+                                             ("MEAN", False)])
+def test_pooling_types_match_transformers(tiny_llama_dir: Path, states: Any, kind: str,
+                                          normalize: bool) -> None:
+    """Each input's vector is the pooled final hidden states: a long prompt pooled over its
+    chunks, short ones and ids batched in the same steps; the same text again (its blocks
+    cached by the first run, and by a LAST-pooled generation) computes its whole prompt and
+    gives the same vector; generation beside it is unchanged."""
+    engine = engine_for(tiny_llama_dir, pooler_config=json.dumps(
+        {"pooling_type": kind, "use_activation": normalize}))
+    try:
+        inputs: list[Any] = [LONG, "hello world", [5, 6, 7], "x", SHARED + "one"]
+        outs = embed_all(engine, inputs, "first")
+        for x, out in zip(inputs, outs, strict=True):
+            np.testing.assert_allclose(out.outputs.embedding,
+                                       expected(states(x), kind, normalize), atol=2e-5)
+        again = embed_all(engine, [LONG, SHARED + "two"], "again")
+        assert [o.num_cached_tokens for o in again] == [0, 0]  # never a cache hit
+        np.testing.assert_allclose(again[0].outputs.embedding, outs[0].outputs.embedding,
+                                   atol=1e-6)
+        np.testing.assert_allclose(again[1].outputs.embedding,
+                                   expected(states(SHARED + "two"), kind, normalize), atol=2e-5)
+
+        async def generate() -> Any:
+            params = SamplingParams(max_tokens=4, temperature=0.0)
+            async for out in engine.generate(SHARED + "three", params, "gen"):
+                last = out
+            return last
+        # generation still hits the blocks the embeddings cached
+        assert asyncio.run(generate()).num_cached_tokens > 0
+    finally:
+        engine.shutdown()
+
+
+def test_pooling_over_http_and_the_default_is_last(tiny_llama_dir: Path, states: Any) -> None:
+    """`/v1/embeddings` on a worker with `pooler_config` CLS (normalized by default); the
+    same worker's score is the cosine of those vectors."""
+    engine = engine_for(tiny_llama_dir, pooler_config='{"pooling_type": "cls"}')
+    server = ServerThread(build_app(engine, WorkerConfig(served_model_names=("tiny",)))).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            r = http.post("/v1/embeddings", json={"input": ["a cat sat", LONG]})
+            assert r.status_code == 200, r.text
+            for text, data in zip(["a cat sat", LONG], r.json()["data"], strict=True):
+                np.testing.assert_allclose(data["embedding"],
+                                           expected(states(text), "CLS", True), atol=2e-5)
+    finally:
+        server.stop()
+        engine.shutdown()
+    assert resolve_pooler(tiny_llama_dir, {}) == Pooler("LAST", True)
+
+
+def sentence_transformers_copy(source: Path, out: Path, pooling: dict[str, bool],
+                               normalize: bool) -> Path:
+    """`source`'s files with sentence-transformers' modules.json and Pooling config."""
+    shutil.copytree(source, out)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (out / "modules.json").write_text(json.dumps(modules))
+    (out / "1_Pooling").mkdir()
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_cls_token": False,
+         "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
+         "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_lasttoken": False,
+         **pooling}))
+    return out
+
+
+def test_sentence_transformers_files_choose_and_the_flag_overrides(
+        tiny_llama_dir: Path, tmp_path: Path, states: Any) -> None:
+    """A checkpoint with sentence-transformers' files is pooled as they say (mean, no
+    Normalize module: unnormalized), as vLLM reads them; `--pooler-config` replaces the
+    fields it names; a pooling mode sluice lacks (max) is refused at start unless the flag
+    chooses the type."""
+    mean = sentence_transformers_copy(tiny_llama_dir, tmp_path / "st-mean",
+                                      {"pooling_mode_mean_tokens": True}, normalize=False)
+    assert resolve_pooler(mean, {}) == Pooler("MEAN", False)
+    assert resolve_pooler(mean, {"normalize": True}) == Pooler("MEAN", True)
+    assert resolve_pooler(mean, {"pooling_type": "CLS"}) == Pooler("CLS", False)
+    normalized = sentence_transformers_copy(tiny_llama_dir, tmp_path / "st-last",
+                                            {"pooling_mode_lasttoken": True}, normalize=True)
+    assert resolve_pooler(normalized, {}) == Pooler("LAST", True)
+    engine = engine_for(mean)
+    try:
+        out = embed_all(engine, ["hello world"], "st")[0]
+        np.testing.assert_allclose(out.outputs.embedding,
+                                   expected(states("hello world"), "MEAN", False), atol=2e-5)
+    finally:
+        engine.shutdown()
+    maxed = sentence_transformers_copy(tiny_llama_dir, tmp_path / "st-max",
+                                       {"pooling_mode_max_tokens": True}, normalize=True)
+    with pytest.raises(InvalidRequestError, match="pooling_mode_max_tokens") as refused:
+        resolve_pooler(maxed, {})
+    assert refused.value.param == "model" and "--pooler-config" in refused.value.message
+    assert resolve_pooler(maxed, {"pooling_type": "LAST"}) == Pooler("LAST", True)
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"pooling_type": "MAX"}', "pooling_type must be one of"),
+    ('{"pooling_type": "STEP"}', "pooling_type must be one of"),
+    ('{"normalize": "yes"}', "normalize must be true or false"),
+    ('{"use_activation": true, "normalize": false}', "disagree"),
+    ('{"softmax": true}', "unsupported field(s) ['softmax']"),
+    ('["MEAN"]', "must be a JSON object"),
+    ("{", "is not valid JSON"),
+])
+def test_bad_pooler_config_is_refused_naming_it(text: str, words: str) -> None:
+    with pytest.raises(InvalidRequestError) as refused:
+        EngineConfig.from_options(None, pooler_config=text)
+    assert refused.value.param == "pooler_config" and words in refused.value.message
+    assert parse_pooler_config('{"pooling_type": "mean", "normalize": false}') == \
+        {"pooling_type": "MEAN", "normalize": False}
+
+
+def test_worker_cli_refuses_a_bad_pooler_config() -> None:
+    """`sluice worker --pooler-config` with a type it lacks exits at once, naming it."""
+    done = subprocess.run([sys.executable, "-m", "sluice.cli", "worker", "--pooler-config",
+                           '{"pooling_type": "ALL"}', "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "pooling_type must be one of LAST, MEAN, CLS" in done.stderr + done.stdout
+
+
+def test_offline_llm_takes_pooler_config_as_a_dict(tiny_llama_dir: Path, states: Any) -> None:
+    """`LLM(pooler_config={...})`, as vLLM's LLM takes it."""
+    from sluice.engine.llm import LLM
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=1024, num_kv_blocks=256,
+              pooler_config={"pooling_type": "MEAN", "normalize": False})
+    out = llm.embed(["hello world"])[0]
+    np.testing.assert_allclose(out.outputs.embedding,
+                               expected(states("hello world"), "MEAN", False), atol=2e-5)
