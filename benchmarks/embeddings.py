@@ -3,13 +3,15 @@ own forward of the same model, in one run, on the same seeded token ids.
 
     flock /tmp/sluice-heavy.lock .venv/bin/python benchmarks/embeddings.py \\
         [--model PATH] [--dtype float32] [--num-inputs 512] [--input-len 32 256] \\
-        [--batch 16] [--concurrency 4] [--peer-batch 32]
+        [--batch 16] [--concurrency 4] [--peer-batch 32] [--peer-pooling last|cls|mean]
 
 For each input length: the worker (started here, `--dtype`, its defaults otherwise) gets
 `--num-inputs` inputs of that many random token ids, `--batch` inputs a request, from
 `--concurrency` clients at once (after a warm-up); transformers (`AutoModel` of the
 same file, the same dtype, all cores) runs the same ids in batches of `--peer-batch`
-(equal lengths: no padding) and takes the last token's final hidden state, normalized.
+(equal lengths: no padding) and takes the last token's final hidden state, normalized
+(`--peer-pooling cls` the first token's, `mean` the mean: an encoder model's pooling,
+which the worker reads from the checkpoint or `--worker-arg=--pooler-config=...`).
 Reports inputs/s and input tokens/s of both, their ratio, the request latency p50, and
 the cosine similarity of each sluice vector to the peer's for the same ids (sluice runs
 a GGUF file's linears on its quantized blocks by default, transformers on the
@@ -88,7 +90,8 @@ def load_peer(path: str, dtype: str) -> Any:
     return AutoModel.from_pretrained(path, **kw).eval()
 
 
-def run_peer(peer: Any, inputs: list[list[int]], batch: int) -> tuple[float, list[np.ndarray]]:
+def run_peer(peer: Any, inputs: list[list[int]], batch: int,
+             pooling: str = "last") -> tuple[float, list[np.ndarray]]:
     import torch
 
     out: list[np.ndarray] = []
@@ -96,8 +99,10 @@ def run_peer(peer: Any, inputs: list[list[int]], batch: int) -> tuple[float, lis
     with torch.inference_mode():
         for start in range(0, len(inputs), batch):
             ids = torch.tensor(inputs[start:start + batch])
-            last = peer(ids).last_hidden_state[:, -1].float()
-            out += list(torch.nn.functional.normalize(last, dim=-1).numpy())
+            states = peer(ids).last_hidden_state.float()
+            pooled = states.mean(1) if pooling == "mean" else \
+                states[:, 0] if pooling == "cls" else states[:, -1]
+            out += list(torch.nn.functional.normalize(pooled, dim=-1).numpy())
     return time.perf_counter() - t0, out
 
 
@@ -111,6 +116,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--peer-batch", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--peer-pooling", choices=("last", "cls", "mean"), default="last",
+                    help="the hidden state transformers' vectors take (the worker's pooling)")
     ap.add_argument("--worker-arg", action="append", default=[],
                     help="one more `sluice worker` argument (repeatable)")
     ap.add_argument("--vllm-url", default=None, help="a vLLM server to measure as well")
@@ -133,11 +140,11 @@ def main() -> int:
             inputs = inputs_of(args.num_inputs, length, vocab, args.seed + length)
             warm = inputs_of(args.batch * args.concurrency, length, vocab, args.seed - length)
             asyncio.run(run_http(url, model, warm, args.batch, args.concurrency))
-            run_peer(peer, warm[:args.peer_batch], args.peer_batch)
+            run_peer(peer, warm[:args.peer_batch], args.peer_batch, args.peer_pooling)
             wall, latencies, ours = asyncio.run(run_http(url, model, inputs, args.batch,
                                                          args.concurrency))
             say(f"sluice, {length} tokens: {len(inputs) / wall:.1f} inputs/s")
-            peer_wall, theirs = run_peer(peer, inputs, args.peer_batch)
+            peer_wall, theirs = run_peer(peer, inputs, args.peer_batch, args.peer_pooling)
             say(f"transformers, {length} tokens: {len(inputs) / peer_wall:.1f} inputs/s")
             cosine = [float(a @ b) for a, b in zip(ours, theirs, strict=True)]
             row = {"input_len": length, "inputs": len(inputs),
@@ -174,7 +181,7 @@ def main() -> int:
                   f"{r['sluice_over_vllm']:.2f}, cosine to transformers min "
                   f"{r['vllm_cosine_min']:.4f}")
     print(json.dumps({"benchmark": "embeddings", "cpu": cpu_info(), "model": path,
-                      "dtype": args.dtype,
+                      "dtype": args.dtype, "peer_pooling": args.peer_pooling,
                       "batch": args.batch, "concurrency": args.concurrency,
                       "peer_batch": args.peer_batch, "cpus": os.cpu_count(), "results": rows}))
     return 0

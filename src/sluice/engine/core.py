@@ -22,6 +22,7 @@ thread or in a child process.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,15 +58,22 @@ class EngineCore:
     """One model, one KV pool, continuous batching. Not thread-safe."""
 
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
-        from sluice.engine.model_runner import ModelRunner, SeqChunk
+        from sluice.engine.encoder_runner import build_runner
+        from sluice.engine.model_runner import SeqChunk
 
         self.config = config
-        self.runner = runner if runner is not None else ModelRunner(config)
+        self.runner = runner if runner is not None else build_runner(config)
         self._chunk_cls = SeqChunk
         self.tokenizer = self.runner.tokenizer
         self.pooler: Pooler = getattr(self.runner, "pooler", Pooler())  # (fakes have none)
+        # an encoder's token depends on the tokens after it: whole prompts, never a cache hit
+        encoder = getattr(self.runner, "encoder_only", False)
+        if encoder:
+            config = replace(config, scheduler=replace(config.scheduler,
+                                                       enable_chunked_prefill=False))
+            self.config = config
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size,
-                                          config.cache.enable_prefix_caching)
+                                          config.cache.enable_prefix_caching and not encoder)
         self.block_manager.attach_offload(self._build_offload(config))
         self.kv_transfer = KVTransfer(config.kv_transfer, self.block_manager,
                                       self._kv_model(default_served_name(config.model.model)),
@@ -92,7 +100,8 @@ class EngineCore:
                              config.scheduler.scheduling_policy,
                              config.structured.reasoning_parser,
                              getattr(model_config, "hidden_size", 0),
-                             getattr(model_config, "matryoshka_dimensions", None))
+                             getattr(model_config, "matryoshka_dimensions", None),
+                             encoder)
         self.structured = StructuredOutputManager(
             config.structured, self._grammar_backend,
             ThinkingMarkers.of(self.tokenizer, config.structured.reasoning_parser))

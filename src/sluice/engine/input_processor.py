@@ -39,6 +39,11 @@ class InputProcessor:
                 resumed: Sequence[int] = (), lora: LoRARequest | None = None) -> CoreRequest:
         """`resumed`: tokens already generated for this request elsewhere (a migrated
         stream); the core appends them to the prompt as output and continues after them."""
+        if self.info.embedding_only:
+            raise InvalidRequestError(
+                f"the model {self.info.model_name!r} is an encoder-only embedding model: it "
+                "serves /v1/embeddings, /v1/score and /v1/rerank, not generation",
+                param="model")
         self.check_priority(priority)
         ids = self.tokenize(prompt)
         max_tokens = self.check_lengths(len(ids), params)

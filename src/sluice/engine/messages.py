@@ -99,6 +99,8 @@ class CoreInfo:
     # an embedding's width, and the sizes `dimensions` may cut it to (LlamaConfig's)
     hidden_size: int = 0
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # an encoder-only embedding model's core: embeddings only, generation refused
+    embedding_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -139,7 +139,7 @@ async def prepare_chat(state: WorkerState, req: ChatCompletionRequest, request_i
     if resumed is not None and (req.n != 1 or not req.stream):
         raise InvalidRequestError("a resumed request must be a stream with n=1",
                                   param="n" if req.n != 1 else "stream")
-    model = state.check_model(req.model)
+    model = state.check_generates(req.model)
     engine = state.require_engine()
     num_logprobs = req.num_logprobs()
     choice = req.effective_tool_choice()

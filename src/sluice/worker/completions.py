@@ -135,7 +135,7 @@ async def prepare_completion(state: WorkerState, req: CompletionRequest, request
     tokenizer's for this text) and admit; raises SluiceError subclasses.
 
     `resumed`: the output a migrated stream already sent; generation continues after it."""
-    model = state.check_model(req.model)
+    model = state.check_generates(req.model)
     engine = state.require_engine()
     _check_unsupported(req)
     if resumed is not None and (req.n != 1 or req.echo or len(req.prompts()) != 1

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from sluice.engine.generation_config import overridden_warning
 from sluice.engine.stats import EngineStats
 from sluice.observe.tracing import start_tracing
-from sluice.protocol.errors import NotFoundError, ServiceUnavailableError
+from sluice.protocol.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
 from sluice.worker.config import WorkerConfig
 from sluice.worker.generation import Admission
 from sluice.worker.lora import LoRARegistry
@@ -107,6 +107,16 @@ class WorkerState:
         if model is None or model in self.served_names or model in self.loras.adapters:
             return model or self.model_name
         raise NotFoundError(f"The model `{model}` does not exist.", param="model")
+
+    def check_generates(self, model: str | None) -> str:
+        """`check_model`, and a 400 naming `model` where it is an encoder-only embedding
+        model (it cannot generate: vLLM's "does not support" answer)."""
+        name = self.check_model(model)
+        if self.require_engine().info.embedding_only:
+            raise InvalidRequestError(f"the model {name!r} is an encoder-only embedding "
+                                      "model: it serves /v1/embeddings, /v1/score and "
+                                      "/v1/rerank, not generation", param="model")
+        return name
 
     def lora_for(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names (None: the base model)."""

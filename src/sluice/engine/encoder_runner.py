@@ -1,0 +1,107 @@
+"""The runner of an encoder-only embedding model (sluice.engine.models.bert): what
+`EngineCore` asks of `ModelRunner`, without a KV cache, logits or a decode graph.
+
+Every step's chunks are whole prompts (the core turns chunked prefill and prefix caching
+off for this runner: a token's state depends on the tokens after it), encoded together
+(one set of linears over all rows, attention per sequence) and pooled as the pooler
+says (sluice.engine.pooling; without sentence-transformers files or `--pooler-config`,
+CLS, normalized: what BERT-style embedding models are trained for, vLLM's default for
+them). The block manager still counts blocks for the sequences, as it would for their
+KV, so admission and `max_num_seqs` behave as for any model; none holds memory.
+Generation, LoRA, speculative decoding, KV offload and P/D hand-offs are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from sluice.engine.config import EngineConfig
+from sluice.engine.model_runner import ModelRunner, SeqChunk, resolve_device
+from sluice.engine.models.bert import is_encoder, load_encoder
+from sluice.engine.models.loader import overridden, read_config
+from sluice.engine.native import PackedLinear, cpu_linear
+from sluice.engine.pooling import Pooler, parse_pooler_config, resolve_pooler
+from sluice.engine.tokenizer import Tokenizer, default_served_name, load_tokenizer, local_model_path
+from sluice.protocol.errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+
+def build_runner(config: EngineConfig) -> Any:
+    """The runner for `config`'s model: an encoder's, or the decoder's ModelRunner."""
+    mc = config.model
+    path = local_model_path(mc.model, mc.revision)
+    if path.is_dir() and is_encoder(overridden(read_config(path), mc.overrides())):
+        return EncoderRunner(config, path)
+    return ModelRunner(config)
+
+
+class EncoderRunner:
+    encoder_only = True  # EngineCore: no chunked prefill, no prefix caching, no generation
+    rope_variant = ""
+
+    def __init__(self, config: EngineConfig, path: Path) -> None:
+        mc = config.model
+        refused = [name for name, on in (
+            ("enable_lora", config.lora.enable_lora),
+            ("speculative_config", config.speculative is not None),
+            ("kv_offload", config.cache.kv_offload is not None),
+            ("kv_store", config.cache.kv_store is not None),
+            ("quantization", mc.quantization != "none")) if on]
+        if refused:
+            raise InvalidRequestError(f"{refused[0]} is not supported for an encoder-only "
+                                      "embedding model", param=refused[0])
+        self.device, self.dtype = resolve_device(mc)
+        if self.device.type == "cpu" and mc.cpu_threads is not None:
+            torch.set_num_threads(mc.cpu_threads)
+        self.encoder, self.model_config = load_encoder(
+            path, overridden(read_config(path), mc.overrides()), self.device, self.dtype)
+        if cpu_linear(mc.kernel_backend, self.device, self.dtype) is not None:
+            # oneDNN on weights packed once: 1.1-1.2x torch's MKL F.linear (docs/models.md)
+            self.encoder.use_matmul(lambda weight: PackedLinear(weight, F.linear))
+        self.tokenizer: Tokenizer = load_tokenizer(mc.tokenizer or mc.model, mc.revision)
+        self.model_name: str = mc.served_model_name or default_served_name(mc.model)
+        self.vocab_size = self.model_config.vocab_size
+        limit = self.model_config.max_len
+        if mc.max_model_len is not None and mc.max_model_len > limit:
+            raise InvalidRequestError(f"max_model_len {mc.max_model_len} exceeds the model's "
+                                      f"limit of {limit}", param="max_model_len")
+        self.max_model_len = mc.max_model_len or limit
+        self.block_size = config.cache.block_size
+        full = -(-self.max_model_len // self.block_size)  # blocks of a longest prompt
+        self.num_kv_blocks = config.cache.num_kv_blocks or config.scheduler.max_num_seqs * full
+        self.kv_cache_bytes = 0
+        self.pooler = resolve_pooler(path, parse_pooler_config(mc.pooler_config),
+                                     default=Pooler("CLS", True))
+        self.pooled: Tensor | None = None
+        log.info("%s: an encoder-only embedding model (%s pooling%s), %d tokens",
+                 self.model_config.architecture, self.pooler.pooling_type,
+                 ", normalized" if self.pooler.normalize else "", self.max_model_len)
+        self.execute([SeqChunk([0, 0], 0, [], True, pool=self.pooler.pooling_type)])  # warm-up
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[SeqChunk]) -> Tensor:
+        """Encode the chunks (whole prompts) and pool each into a row of `self.pooled`, in
+        chunk order (`ModelRunner.execute`'s contract, with no logits rows)."""
+        self.pooled = None
+        empty = torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        if not chunks:
+            return empty
+        for c in chunks:  # (the core schedules nothing else for this runner)
+            assert c.pool and not c.start_pos and c.need_logits, "whole prompts to pool only"
+        hidden = self.encoder([c.token_ids for c in chunks]).float()
+        rows, start = [], 0
+        for c in chunks:
+            n = len(c.token_ids)
+            part = hidden[start:start + n]
+            rows.append(part.sum(0) if c.pool == "MEAN" else part[0] if c.pool == "CLS"
+                        else part[-1])
+            start += n
+        self.pooled = torch.stack(rows)
+        return empty

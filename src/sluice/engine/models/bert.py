@@ -1,0 +1,206 @@
+"""Encoder-only embedding models: BERT, RoBERTa and XLM-RoBERTa (BAAI's bge, intfloat's
+e5, sentence-transformers' MiniLM and mpnet-free BERT checkpoints, bge-m3).
+
+    embeddings  LayerNorm(word + absolute position + token type 0)
+    each layer  x = LayerNorm(x + out(attention(q, k, v)))   every token sees every token
+                x = LayerNorm(x + down(act(up(x))))          of its own sequence (no mask)
+
+Post-norm blocks, biases on every linear and norm, no KV cache: a sequence is encoded
+whole in one step (the engine turns chunked prefill and prefix caching off for these,
+sluice.engine.encoder_runner). RoBERTa's positions start past its padding id
+(`pad_token_id + 1`), so it serves `max_position_embeddings - pad_token_id - 1` tokens.
+Token types are all 0 (one text per input: no cross-encoder pairs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from sluice.protocol.errors import InvalidRequestError
+
+# config.json's `architectures` -> whether positions start past the padding id (RoBERTa)
+ENCODER_ARCHITECTURES = {"BertModel": False, "RobertaModel": True, "XLMRobertaModel": True}
+_ACTIVATIONS = {"gelu": lambda x: nn.functional.gelu(x),
+                "gelu_new": lambda x: nn.functional.gelu(x, approximate="tanh"),
+                "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
+                "relu": nn.functional.relu}
+_IGNORED = ("pooler.", "lm_head.", "cls.")  # BERT's pooler and MLM heads: not embeddings
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    max_position_embeddings: int
+    layer_norm_eps: float
+    activation: str
+    position_offset: int  # RoBERTa's pad_token_id + 1; 0 for BERT
+    # an embedding model trained to be cut (as LlamaConfig's): None, () any, or the sizes
+    matryoshka_dimensions: tuple[int, ...] | None = None
+
+    @property
+    def max_len(self) -> int:
+        return self.max_position_embeddings - self.position_offset
+
+    @property
+    def num_kv_heads(self) -> int:  # (what the engine's info reads of a model)
+        return self.num_heads
+
+
+def is_encoder(config: dict[str, Any]) -> bool:
+    return (config.get("architectures") or [""])[0] in ENCODER_ARCHITECTURES
+
+
+def encoder_config(c: dict[str, Any]) -> EncoderConfig:
+    """config.json -> EncoderConfig; refuses what is not built, naming it."""
+    from sluice.engine.models.loader import _matryoshka
+
+    arch = c["architectures"][0]
+    kind = c.get("position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise InvalidRequestError(f"{arch}: position_embedding_type {kind!r} is not supported "
+                                  "(absolute only)", param="model")
+    act = c.get("hidden_act", "gelu")
+    if act not in _ACTIVATIONS:
+        raise InvalidRequestError(f"{arch}: hidden_act {act!r} is not supported "
+                                  f"({', '.join(_ACTIVATIONS)})", param="model")
+    if c.get("is_decoder") or c.get("add_cross_attention"):
+        raise InvalidRequestError(f"{arch}: a decoder or cross-attention configuration is not "
+                                  "an encoder", param="model")
+    offset = int(c.get("pad_token_id", 1)) + 1 if ENCODER_ARCHITECTURES[arch] else 0
+    return EncoderConfig(arch, int(c["vocab_size"]), int(c["hidden_size"]),
+                         int(c["intermediate_size"]), int(c["num_hidden_layers"]),
+                         int(c["num_attention_heads"]), int(c["max_position_embeddings"]),
+                         float(c.get("layer_norm_eps", 1e-12)), act, offset, _matryoshka(c))
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose matmul can be replaced (`Encoder.use_matmul`: oneDNN's on a packed
+    weight, sluice.engine.native.PackedLinear)."""
+
+    matmul: Callable[[Tensor, Tensor, Tensor | None], Tensor] = staticmethod(  # type: ignore[assignment]
+        nn.functional.linear)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.matmul(x, self.weight, self.bias)
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.layer_norm_eps
+        self.num_heads = cfg.num_heads
+        self.qkv = Linear(h, 3 * h)  # query, key, value stacked at load
+        self.out = Linear(h, h)
+        self.attention_norm = nn.LayerNorm(h, eps=eps)
+        self.up = Linear(h, cfg.intermediate_size)
+        self.down = Linear(cfg.intermediate_size, h)
+        self.output_norm = nn.LayerNorm(h, eps=eps)
+        self.act = _ACTIVATIONS[cfg.activation]
+
+    def forward(self, x: Tensor, lengths: list[int]) -> Tensor:
+        heads, hidden = self.num_heads, x.shape[-1]
+        q, k, v = self.qkv(x).view(-1, 3, heads, hidden // heads).unbind(1)
+        parts = []
+        start = 0
+        for n in lengths:  # each sequence attends within itself, all ways; 4-D inputs
+            rows = slice(start, start + n)  # take torch's fused CPU kernel (3-D: the math)
+            q1, k1, v1 = (t[rows].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            parts.append(nn.functional.scaled_dot_product_attention(q1, k1, v1)[0]
+                         .transpose(0, 1).reshape(n, hidden))
+            start += n
+        x = self.attention_norm(x + self.out(torch.cat(parts)))
+        return self.output_norm(x + self.down(self.act(self.up(x))))
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.word = nn.Embedding(cfg.vocab_size, h)
+        self.position = nn.Embedding(cfg.max_position_embeddings, h)
+        self.token_type = nn.Embedding(1, h)  # type 0's row
+        self.embed_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
+
+    def use_matmul(self, make: Callable[[Tensor], Callable[[Tensor, Tensor, Tensor | None],
+                                                           Tensor]]) -> None:
+        """Each linear's matmul made from its weight (`make(weight)`)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.matmul = make(module.weight)
+
+    def forward(self, sequences: list[list[int]]) -> Tensor:
+        """Every token's final hidden state, the sequences' rows one after another."""
+        device = self.word.weight.device
+        tokens = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
+        offset = self.cfg.position_offset
+        positions = torch.cat([torch.arange(offset, offset + len(s), device=device)
+                               for s in sequences])
+        x = self.embed_norm(self.word(tokens) + self.position(positions) + self.token_type.weight)
+        lengths = [len(s) for s in sequences]
+        for layer in self.layers:
+            x = layer(x, lengths)
+        return x
+
+
+# our parameter -> the checkpoint's, per layer ("{i}") or once
+_LAYER_NAMES = {
+    "out": "attention.output.dense", "attention_norm": "attention.output.LayerNorm",
+    "up": "intermediate.dense", "down": "output.dense", "output_norm": "output.LayerNorm"}
+_TOP_NAMES = {"word": "embeddings.word_embeddings", "position": "embeddings.position_embeddings",
+              "embed_norm": "embeddings.LayerNorm"}
+
+
+def load_encoder(directory: Path, c: dict[str, Any], device: torch.device,
+                 dtype: torch.dtype) -> tuple[Encoder, EncoderConfig]:
+    """The encoder of a checkpoint directory (config.json already read as `c`), its
+    weights on `device` in `dtype`. Tensors may sit under `bert.` or `roberta.` (a
+    checkpoint saved from a task model); the pooler and MLM heads are not read."""
+    from sluice.engine.models.loader import read_safetensors
+
+    cfg = encoder_config(c)
+    raw = read_safetensors(directory)
+    prefixes = [p for p in ("bert.", "roberta.") if any(k.startswith(p) for k in raw)]
+    weights = {k.removeprefix(prefixes[0]) if prefixes else k: v for k, v in raw.items()}
+    weights = {k: v for k, v in weights.items() if not k.startswith(_IGNORED)
+               and not k.endswith("position_ids")}
+
+    def take(name: str) -> Tensor:
+        if name not in weights:
+            raise InvalidRequestError(f"{cfg.architecture}: missing tensor {name!r}",
+                                      param="model")
+        return weights.pop(name)
+
+    state: dict[str, Tensor] = {}
+    for ours, theirs in _TOP_NAMES.items():
+        for kind in ("weight", "bias") if ours == "embed_norm" else ("weight",):
+            state[f"{ours}.{kind}"] = take(f"{theirs}.{kind}")
+    types = weights.pop("embeddings.token_type_embeddings.weight", None)
+    state["token_type.weight"] = types[:1] if types is not None \
+        else torch.zeros(1, cfg.hidden_size)
+    for i in range(cfg.num_layers):
+        pre = f"encoder.layer.{i}."
+        for kind in ("weight", "bias"):
+            state[f"layers.{i}.qkv.{kind}"] = torch.cat(
+                [take(f"{pre}attention.self.{p}.{kind}") for p in ("query", "key", "value")])
+            for ours, theirs in _LAYER_NAMES.items():
+                state[f"layers.{i}.{ours}.{kind}"] = take(f"{pre}{theirs}.{kind}")
+    if weights:
+        raise InvalidRequestError(f"{cfg.architecture}: unexpected tensors "
+                                  f"{sorted(weights)[:5]}", param="model")
+    with torch.device("meta"):
+        model = Encoder(cfg)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    return model.to(device).eval(), cfg

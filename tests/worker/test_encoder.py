@@ -1,0 +1,204 @@
+"""Encoder-only embedding models (BERT, XLM-RoBERTa; sluice.engine.models.bert and
+encoder_runner): tiny random checkpoints saved by transformers with a WordPiece
+tokenizer made here, their embeddings checked against transformers' own
+`last_hidden_state`, batched, at the model's longest input, pooled CLS by default and
+as sentence-transformers' files or `--pooler-config` say; generation refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from sluice.engine.async_engine import AsyncEngine
+from sluice.engine.config import EngineConfig
+from sluice.engine.sampling_params import SamplingParams
+from sluice.protocol.errors import InvalidRequestError
+from sluice.worker.app import build_app
+from sluice.worker.config import WorkerConfig
+
+from .worker_helpers import ServerThread
+
+WORDS = ("the river runs to sea a cat sat on mat dog ran stock prices fell rose "
+         "hello world token ids in out one two three").split()
+MAX_POSITIONS = 64
+
+
+def save_tokenizer(out: Path, specials: list[str], template: tuple[str, str]) -> None:
+    """A WordPiece tokenizer over WORDS and the letters, adding `template`'s first and
+    last special tokens around every text (as BERT's and XLM-R's do)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    vocab = {t: i for i, t in enumerate([*specials, *WORDS,
+                                         *"abcdefghijklmnopqrstuvwxyz.,!?"])}
+    unk = next(s for s in specials if "unk" in s.lower())
+    tok = Tokenizer(models.WordPiece(vocab, unk_token=unk))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    first, last = template
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{first} $A {last}", special_tokens=[(first, vocab[first]), (last, vocab[last])])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"unk_token": unk}))
+
+
+@pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
+def encoder_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                ) -> Path:
+    from transformers import BertConfig, BertModel, XLMRobertaConfig, XLMRobertaModel
+
+    out = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    torch.manual_seed(0)
+    shape = dict(vocab_size=80, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=128)
+    if request.param == "bert":
+        model: Any = BertModel(BertConfig(max_position_embeddings=MAX_POSITIONS, **shape))
+        save_tokenizer(out, ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], ("[CLS]", "[SEP]"))
+    else:  # positions start past the padding id: 2 + MAX_POSITIONS rows
+        model = XLMRobertaModel(XLMRobertaConfig(max_position_embeddings=MAX_POSITIONS + 2,
+                                                 pad_token_id=1, type_vocab_size=1, **shape))
+        save_tokenizer(out, ["<s>", "<pad>", "</s>", "<unk>"], ("<s>", "</s>"))
+    model.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def states(encoder_dir: Path) -> Any:
+    from transformers import AutoModel
+
+    from sluice.engine.tokenizer import load_tokenizer
+
+    model = AutoModel.from_pretrained(str(encoder_dir), dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(str(encoder_dir))
+
+    def run(text: str) -> torch.Tensor:
+        with torch.no_grad():
+            return model(torch.tensor([tokenizer.encode(text)])).last_hidden_state[0]
+    return run
+
+
+def normalized(row: torch.Tensor) -> np.ndarray:
+    return torch.nn.functional.normalize(row, dim=-1).numpy()
+
+
+def engine_for(model: Path, **options: Any) -> AsyncEngine:
+    return AsyncEngine(EngineConfig.from_options(str(model), dtype="float32", **options))
+
+
+def embed_all(engine: AsyncEngine, inputs: list[Any], tag: str) -> list[Any]:
+    async def run() -> list[Any]:
+        return list(await asyncio.gather(*(engine.embed(x, f"{tag}-{i}")
+                                           for i, x in enumerate(inputs))))
+    return asyncio.run(run())
+
+
+LONGEST = " ".join(WORDS * 3)[:400]  # more words than fit: cut below to the longest input
+
+
+def test_encoder_embeddings_match_transformers(encoder_dir: Path, states: Any) -> None:
+    """CLS pooling, normalized (the default without sentence-transformers files), for
+    inputs batched in one step, the same text again (no cache hit) and an input of the
+    model's whole length; MEAN through `pooler_config`."""
+    engine = engine_for(encoder_dir, max_num_batched_tokens=64)
+    try:
+        ids = engine.tokenizer.encode(LONGEST)[:MAX_POSITIONS]
+        longest = engine.tokenizer.decode(ids[1:-1])
+        while len(engine.tokenizer.encode(longest)) > MAX_POSITIONS:
+            longest = longest.rsplit(" ", 1)[0]
+        inputs = ["a cat sat on the mat", "hello world", "one", longest, "a cat sat on the mat"]
+        outs = embed_all(engine, inputs, "cls")
+        for text, out in zip(inputs, outs, strict=True):
+            np.testing.assert_allclose(out.outputs.embedding, normalized(states(text)[0]),
+                                       atol=2e-5)
+        assert all(o.num_cached_tokens == 0 for o in outs)
+        assert engine.info.max_model_len == MAX_POSITIONS
+        too_long = " ".join(WORDS * 4)
+        with pytest.raises(InvalidRequestError, match="maximum context length"):
+            embed_all(engine, [too_long], "long")
+    finally:
+        engine.shutdown()
+    engine = engine_for(encoder_dir, pooler_config='{"pooling_type": "MEAN"}')
+    try:
+        out = embed_all(engine, ["the river runs to the sea"], "mean")[0]
+        np.testing.assert_allclose(out.outputs.embedding,
+                                   normalized(states("the river runs to the sea").mean(0)),
+                                   atol=2e-5)
+    finally:
+        engine.shutdown()
+
+
+def test_encoder_refuses_generation_over_http(encoder_dir: Path, states: Any) -> None:
+    """A worker serving an encoder answers embeddings and scores; completions and chats
+    are 400s naming `model`, and it keeps serving."""
+    engine = engine_for(encoder_dir)
+    server = ServerThread(build_app(engine, WorkerConfig(served_model_names=("enc",)))).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            r = http.post("/v1/embeddings", json={"input": ["a cat sat", "a dog ran"]})
+            assert r.status_code == 200, r.text
+            np.testing.assert_allclose(r.json()["data"][0]["embedding"],
+                                       normalized(states("a cat sat")[0]), atol=2e-5)
+            r = http.post("/v1/score", json={"text_1": "a cat sat", "text_2": ["a cat sat"]})
+            assert r.status_code == 200 and abs(r.json()["data"][0]["score"] - 1) < 1e-5
+            for path, body in [("/v1/completions", {"prompt": "a cat", "max_tokens": 2}),
+                               ("/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "hi"}]})]:
+                r = http.post(path, json={"model": "enc", **body})
+                assert r.status_code == 400, (path, r.text)
+                error = r.json()["error"]
+                assert error["param"] == "model" and "embedding model" in error["message"]
+            assert http.post("/v1/embeddings", json={"input": "still"}).status_code == 200
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
+def test_encoder_refuses_what_it_lacks(encoder_dir: Path) -> None:
+    for options, param in [({"enable_lora": True}, "enable_lora"),
+                           ({"quantization": "int8"}, "quantization"),
+                           ({"max_model_len": MAX_POSITIONS + 1}, "max_model_len")]:
+        with pytest.raises(InvalidRequestError) as refused:
+            engine_for(encoder_dir, **options)
+        assert refused.value.param == param
+
+    async def generate(engine: AsyncEngine) -> None:
+        async for _ in engine.generate("a cat", SamplingParams(max_tokens=1), "g"):
+            pass
+
+    engine = engine_for(encoder_dir)
+    try:
+        with pytest.raises(InvalidRequestError, match="embedding model"):
+            asyncio.run(generate(engine))
+    finally:
+        engine.shutdown()
+
+
+def test_sentence_transformers_mean_on_an_encoder(encoder_dir: Path, tmp_path: Path,
+                                                  states: Any) -> None:
+    """A BERT-style checkpoint whose sentence-transformers files say mean pooling and
+    normalize (all-MiniLM's, e5's shape) is pooled so without any flag."""
+    import shutil
+
+    out = tmp_path / "st"
+    shutil.copytree(encoder_dir, out)
+    (out / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"}]))
+    (out / "1_Pooling").mkdir()
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True}))
+    engine = engine_for(out)
+    try:
+        got = embed_all(engine, ["stock prices fell"], "st")[0].outputs.embedding
+        np.testing.assert_allclose(got, normalized(states("stock prices fell").mean(0)),
+                                   atol=2e-5)
+    finally:
+        engine.shutdown()
