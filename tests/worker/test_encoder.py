@@ -30,9 +30,10 @@ WORDS = ("the river runs to sea a cat sat on mat dog ran stock prices fell rose 
 MAX_POSITIONS = 64
 
 
-def save_tokenizer(out: Path, specials: list[str], template: tuple[str, str]) -> None:
+def save_tokenizer(out: Path, specials: list[str], template: tuple[str, str],
+                   pair: str) -> None:
     """A WordPiece tokenizer over WORDS and the letters, adding `template`'s first and
-    last special tokens around every text (as BERT's and XLM-R's do)."""
+    last special tokens around every text (as BERT's and XLM-R's do), `pair` around two."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 
     vocab = {t: i for i, t in enumerate([*specials, *WORDS,
@@ -43,9 +44,16 @@ def save_tokenizer(out: Path, specials: list[str], template: tuple[str, str]) ->
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     first, last = template
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{first} $A {last}", special_tokens=[(first, vocab[first]), (last, vocab[last])])
+        single=f"{first} $A {last}", pair=pair,
+        special_tokens=[(first, vocab[first]), (last, vocab[last])])
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"unk_token": unk}))
+    (out / "tokenizer_config.json").write_text(json.dumps({"unk_token": unk,
+                                                           "sep_token": last}))
+
+BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+BERT_PAIR = "[CLS] $A [SEP] $B:1 [SEP]:1"  # BERT's: the second text is token type 1
+XLMR_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]
+XLMR_PAIR = "<s> $A </s> </s> $B </s>"
 
 
 @pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
@@ -59,11 +67,11 @@ def encoder_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
                  intermediate_size=128)
     if request.param == "bert":
         model: Any = BertModel(BertConfig(max_position_embeddings=MAX_POSITIONS, **shape))
-        save_tokenizer(out, ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], ("[CLS]", "[SEP]"))
+        save_tokenizer(out, BERT_SPECIALS, ("[CLS]", "[SEP]"), BERT_PAIR)
     else:  # positions start past the padding id: 2 + MAX_POSITIONS rows
         model = XLMRobertaModel(XLMRobertaConfig(max_position_embeddings=MAX_POSITIONS + 2,
                                                  pad_token_id=1, type_vocab_size=1, **shape))
-        save_tokenizer(out, ["<s>", "<pad>", "</s>", "<unk>"], ("<s>", "</s>"))
+        save_tokenizer(out, XLMR_SPECIALS, ("<s>", "</s>"), XLMR_PAIR)
     model.save_pretrained(str(out))
     return out
 
@@ -202,3 +210,103 @@ def test_sentence_transformers_mean_on_an_encoder(encoder_dir: Path, tmp_path: P
                                    atol=2e-5)
     finally:
         engine.shutdown()
+
+
+@pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
+def cross_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+              ) -> Path:
+    """A one-label `*ForSequenceClassification` (a reranker's shape)."""
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        XLMRobertaConfig,
+        XLMRobertaForSequenceClassification,
+    )
+
+    out = tmp_path_factory.mktemp(f"tiny-cross-{request.param}")
+    torch.manual_seed(1)
+    shape = dict(vocab_size=80, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=128, num_labels=1)
+    if request.param == "bert":
+        model: Any = BertForSequenceClassification(
+            BertConfig(max_position_embeddings=MAX_POSITIONS, **shape))
+        save_tokenizer(out, BERT_SPECIALS, ("[CLS]", "[SEP]"), BERT_PAIR)
+    else:
+        model = XLMRobertaForSequenceClassification(XLMRobertaConfig(
+            max_position_embeddings=MAX_POSITIONS + 2, pad_token_id=1, type_vocab_size=1,
+            **shape))
+        save_tokenizer(out, XLMR_SPECIALS, ("<s>", "</s>"), XLMR_PAIR)
+    head = model.classifier if request.param == "bert" else model.classifier.out_proj
+    with torch.no_grad():  # random weights score every pair alike: spread the logits
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+        logits = torch.stack([model(input_ids=torch.tensor([e.ids]),
+                                    token_type_ids=torch.tensor([e.type_ids])).logits[0, 0]
+                              for e in (tok.encode(a, b) for a in WORDS[:4] for b in WORDS[4:8])])
+        scale = 2.0 / float(logits.std())
+        head.weight *= scale
+        head.bias.copy_(scale * (head.bias - logits.mean()))
+    model.save_pretrained(str(out))
+    return out
+
+
+def test_cross_encoder_scores_and_reranks_as_transformers(cross_dir: Path) -> None:
+    """`/v1/score` and `/v1/rerank` on a cross-encoder: each pair joined by the tokenizer's
+    pair template (BERT's second text as token type 1) scored sigmoid(logit) as
+    transformers' model of the same checkpoint; documents ordered by it; embeddings and
+    `pooler_config` refused."""
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForSequenceClassification
+
+    peer = AutoModelForSequenceClassification.from_pretrained(
+        str(cross_dir), dtype=torch.float32).eval()
+    tok = Tokenizer.from_file(str(cross_dir / "tokenizer.json"))
+
+    def expected(a: str, b: str) -> float:
+        enc = tok.encode(a, b)
+        with torch.no_grad():
+            logit = peer(input_ids=torch.tensor([enc.ids]),
+                         token_type_ids=torch.tensor([enc.type_ids])).logits[0, 0]
+        return float(torch.sigmoid(logit))
+
+    query = "a cat sat on the mat"
+    documents = ["stock prices fell", "a dog ran", "a cat sat", "the river runs to the sea"]
+    engine = engine_for(cross_dir)
+    server = ServerThread(build_app(engine, WorkerConfig(served_model_names=("rr",)))).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            r = http.post("/v1/score", json={"text_1": query, "text_2": documents})
+            assert r.status_code == 200, r.text
+            got = [d["score"] for d in r.json()["data"]]
+            want = [expected(query, d) for d in documents]
+            np.testing.assert_allclose(got, want, atol=1e-5)
+            assert np.diff(np.sort(want)).min() > 1e-4  # an order to check below
+            assert r.json()["usage"]["prompt_tokens"] == sum(
+                len(tok.encode(query, d).ids) for d in documents)
+            r = http.post("/v1/score", json={"text_1": documents[:2],
+                                             "text_2": documents[2:]})
+            np.testing.assert_allclose([d["score"] for d in r.json()["data"]],
+                                       [expected(documents[0], documents[2]),
+                                        expected(documents[1], documents[3])], atol=1e-5)
+            r = http.post("/v1/rerank", json={"query": query, "documents": documents,
+                                              "top_n": 3})
+            assert r.status_code == 200, r.text
+            order = sorted(range(len(documents)), key=lambda i: -want[i])[:3]
+            assert [x["index"] for x in r.json()["results"]] == order
+            np.testing.assert_allclose([x["relevance_score"] for x in r.json()["results"]],
+                                       [want[i] for i in order], atol=1e-5)
+            r = http.post("/v1/embeddings", json={"input": "a cat"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+            assert "cross-encoder" in r.json()["error"]["message"]
+            r = http.post("/v1/score", json={"text_1": "", "text_2": "a cat"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "text_1"
+            r = http.post("/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    finally:
+        server.stop()
+        engine.shutdown()
+    with pytest.raises(InvalidRequestError) as refused:
+        engine_for(cross_dir, pooler_config='{"pooling_type": "MEAN"}')
+    assert refused.value.param == "pooler_config"

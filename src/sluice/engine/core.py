@@ -101,7 +101,7 @@ class EngineCore:
                              config.structured.reasoning_parser,
                              getattr(model_config, "hidden_size", 0),
                              getattr(model_config, "matryoshka_dimensions", None),
-                             encoder)
+                             encoder, getattr(self.runner, "cross_encoder", False))
         self.structured = StructuredOutputManager(
             config.structured, self._grammar_backend,
             ThinkingMarkers.of(self.tokenizer, config.structured.reasoning_parser))

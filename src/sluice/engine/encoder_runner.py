@@ -1,18 +1,21 @@
-"""The runner of an encoder-only embedding model (sluice.engine.models.bert): what
-`EngineCore` asks of `ModelRunner`, without a KV cache, logits or a decode graph.
+"""The runner of an encoder-only model (sluice.engine.models.bert): what `EngineCore`
+asks of `ModelRunner`, without a KV cache, logits or a decode graph.
 
 Every step's chunks are whole prompts (the core turns chunked prefill and prefix caching
 off for this runner: a token's state depends on the tokens after it), encoded together
 (one set of linears over all rows, attention per sequence) and pooled as the pooler
 says (sluice.engine.pooling; without sentence-transformers files or `--pooler-config`,
 CLS, normalized: what BERT-style embedding models are trained for, vLLM's default for
-them). The block manager still counts blocks for the sequences, as it would for their
-KV, so admission and `max_num_seqs` behave as for any model; none holds memory.
-Generation, LoRA, speculative decoding, KV offload and P/D hand-offs are refused.
+them). A cross-encoder's row is its one score (`Encoder.score` of the first token's
+state; `cross_encoder`: the worker sends it pairs, for `/v1/score` and `/v1/rerank`).
+The block manager still counts blocks for the sequences, as it would for their KV, so
+admission and `max_num_seqs` behave as for any model; none holds memory. Generation,
+LoRA, speculative decoding, KV offload and quantization are refused.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -77,13 +80,30 @@ class EncoderRunner:
         full = -(-self.max_model_len // self.block_size)  # blocks of a longest prompt
         self.num_kv_blocks = config.cache.num_kv_blocks or config.scheduler.max_num_seqs * full
         self.kv_cache_bytes = 0
-        self.pooler = resolve_pooler(path, parse_pooler_config(mc.pooler_config),
-                                     default=Pooler("CLS", True))
+        self.cross_encoder = self.model_config.cross_encoder
+        # a pair's second text starts after the first separator (two token types: BERT's)
+        self.separator = self._separator(path) if self.cross_encoder else None
+        if self.cross_encoder and mc.pooler_config is not None:
+            raise InvalidRequestError("pooler_config does not apply to a cross-encoder (its "
+                                      "score is its classifier's)", param="pooler_config")
+        self.pooler = Pooler("CLS", False) if self.cross_encoder else resolve_pooler(
+            path, parse_pooler_config(mc.pooler_config), default=Pooler("CLS", True))
         self.pooled: Tensor | None = None
-        log.info("%s: an encoder-only embedding model (%s pooling%s), %d tokens",
-                 self.model_config.architecture, self.pooler.pooling_type,
-                 ", normalized" if self.pooler.normalize else "", self.max_model_len)
+        log.info("%s: an encoder-only %s (%s pooling%s), %d tokens",
+                 self.model_config.architecture,
+                 "cross-encoder" if self.cross_encoder else "embedding model",
+                 self.pooler.pooling_type, ", normalized" if self.pooler.normalize else "",
+                 self.max_model_len)
         self.execute([SeqChunk([0, 0], 0, [], True, pool=self.pooler.pooling_type)])  # warm-up
+
+    def _separator(self, path: Path) -> int | None:
+        """The separator token's id (tokenizer_config.json's `sep_token`, else `[SEP]`)."""
+        config = path / "tokenizer_config.json"
+        name = json.loads(config.read_text()).get("sep_token") if config.is_file() else None
+        if isinstance(name, dict):
+            name = name.get("content")
+        token = self.tokenizer.backend.token_to_id(name or "[SEP]")
+        return int(token) if token is not None else None
 
     @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk]) -> Tensor:
@@ -95,7 +115,13 @@ class EncoderRunner:
             return empty
         for c in chunks:  # (the core schedules nothing else for this runner)
             assert c.pool and not c.start_pos and c.need_logits, "whole prompts to pool only"
-        hidden = self.encoder([c.token_ids for c in chunks]).float()
+        hidden = self.encoder([c.token_ids for c in chunks], self.separator)
+        if self.cross_encoder:  # each pair's score from its first token's state
+            ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0)
+            firsts = hidden[torch.cat([torch.zeros(1, dtype=torch.long), ends[:-1]])]
+            self.pooled = self.encoder.score(firsts).float().unsqueeze(1)
+            return empty
+        hidden = hidden.float()
         rows, start = [], 0
         for c in chunks:
             n = len(c.token_ids)

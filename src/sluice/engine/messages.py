@@ -101,6 +101,8 @@ class CoreInfo:
     matryoshka_dimensions: tuple[int, ...] | None = None
     # an encoder-only embedding model's core: embeddings only, generation refused
     embedding_only: bool = False
+    # ... and a cross-encoder: an "embedding" is one pair's score (/v1/score, /v1/rerank)
+    cross_encoder: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -153,6 +153,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """Two texts as one input with the tokenizer's pair template (a cross-encoder's:
+        BERT's `[CLS] a [SEP] b [SEP]`, XLM-R's `<s> a </s></s> b </s>`)."""
+        return list(self.backend.encode(first, second, add_special_tokens=True).ids)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 

@@ -20,7 +20,10 @@ a LoRA adapter's name as `model`.
 two embeddings (a dot product: both are normalized), as vLLM does for an embedding
 model: `text_1` against each `text_2` (or pairwise), and the `documents` ordered by
 their score against the `query` (the Jina / Cohere rerank API: `top_n`,
-`relevance_score`). Usage counts every text embedded.
+`relevance_score`). Usage counts every text embedded. On a cross-encoder (a
+`*ForSequenceClassification` reranker) each pair is one input, the two texts joined by
+the tokenizer's pair template, and its score is the model's own (in (0, 1)); such a
+model refuses `/v1/embeddings`. Usage then counts each pair's tokens.
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ async def embeddings(state: WorkerState, req: EmbeddingRequest, request_id: str,
     """The response; `hint`: the prompt ids the gateway or router computed, taken when
     they are this tokenizer's for this text."""
     model = _base_model(state, req.model)
+    if state.require_engine().info.cross_encoder:
+        raise InvalidRequestError(f"the model {model!r} is a cross-encoder: it scores pairs "
+                                  "on /v1/score and /v1/rerank, and has no embeddings",
+                                  param="model")
     if req.dimensions is not None:
         _check_dimensions(state, model, req.dimensions)
     inputs = req.inputs()
@@ -90,6 +97,14 @@ async def score(state: WorkerState, req: ScoreRequest, request_id: str,
                 hint: IdsHint | None = None) -> dict[str, Any]:
     model = _base_model(state, req.model)
     left, right, pairs = req.pairs()
+    if state.require_engine().info.cross_encoder:
+        scored = await _score_pairs(state, [(left[i], right[j]) for i, j in pairs],
+                                    request_id, ("text_1", "text_2"))
+        return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": now(),
+                "model": model,
+                "data": [{"index": k, "object": "score", "score": float(_matrix([o])[0, 0])}
+                         for k, o in enumerate(scored)],
+                "usage": _usage(scored)}
     vectors = await _embed_all(state, [*left, *right], request_id,
                                ["text_1"] * len(left) + ["text_2"] * len(right), hint)
     a, b = _matrix(vectors[:len(left)]), _matrix(vectors[len(left):])
@@ -104,9 +119,14 @@ async def rerank(state: WorkerState, req: RerankRequest, request_id: str,
                  hint: IdsHint | None = None) -> dict[str, Any]:
     model = _base_model(state, req.model)
     req.check()
-    vectors = await _embed_all(state, [req.query, *req.documents], request_id,
-                               ["query"] + ["documents"] * len(req.documents), hint)
-    scores = _matrix(vectors[1:]) @ _matrix(vectors[:1])[0]
+    if state.require_engine().info.cross_encoder:
+        vectors = await _score_pairs(state, [(req.query, d) for d in req.documents],
+                                     request_id, ("query", "documents"))
+        scores = _matrix(vectors)[:, 0]
+    else:
+        vectors = await _embed_all(state, [req.query, *req.documents], request_id,
+                                   ["query"] + ["documents"] * len(req.documents), hint)
+        scores = _matrix(vectors[1:]) @ _matrix(vectors[:1])[0]
     order = sorted(range(len(req.documents)), key=lambda i: -scores[i])[:req.top_n]
     return {"id": f"rerank-{uuid.uuid4().hex}", "model": model, "usage": _usage(vectors),
             "results": [{"index": i, "relevance_score": float(scores[i]),
@@ -149,6 +169,19 @@ async def _embed_all(state: WorkerState, inputs: list[str | list[int]], request_
         timer.request_tokens(len(out.prompt_token_ids), 0)
     timer.finished(["stop"] * len(outputs))
     return outputs
+
+
+async def _score_pairs(state: WorkerState, pairs: list[tuple[str, str]], request_id: str,
+                       params: tuple[str, str]) -> list[EmbeddingRequestOutput]:
+    """A cross-encoder's output for each pair (one float: its score), in order; an empty
+    text is a 400 naming its side's parameter."""
+    tok = state.require_engine().tokenizer
+    for pair in pairs:
+        for text, param in zip(pair, params, strict=True):
+            if not text:
+                raise InvalidRequestError("a text to score must not be empty", param=param)
+    ids = [tok.encode_pair(first, second) for first, second in pairs]
+    return await _embed_all(state, list(ids), request_id, [params[1]] * len(ids))
 
 
 def _usage(outputs: list[EmbeddingRequestOutput]) -> dict[str, int]:

@@ -1,5 +1,7 @@
-"""Encoder-only embedding models: BERT, RoBERTa and XLM-RoBERTa (BAAI's bge, intfloat's
-e5, sentence-transformers' MiniLM and mpnet-free BERT checkpoints, bge-m3).
+"""Encoder-only models: BERT, RoBERTa and XLM-RoBERTa, as embedding models (BAAI's bge,
+intfloat's e5, sentence-transformers' MiniLM, bge-m3's dense vectors) and as
+cross-encoders (`*ForSequenceClassification` with one label: bge-reranker,
+ms-marco-MiniLM), whose score of a pair is sigmoid(classifier(tanh(dense(CLS state)))).
 
     embeddings  LayerNorm(word + absolute position + token type 0)
     each layer  x = LayerNorm(x + out(attention(q, k, v)))   every token sees every token
@@ -9,7 +11,9 @@ Post-norm blocks, biases on every linear and norm, no KV cache: a sequence is en
 whole in one step (the engine turns chunked prefill and prefix caching off for these,
 sluice.engine.encoder_runner). RoBERTa's positions start past its padding id
 (`pad_token_id + 1`), so it serves `max_position_embeddings - pad_token_id - 1` tokens.
-Token types are all 0 (one text per input: no cross-encoder pairs).
+Token types: 0, except in a pair for a model with two types (BERT's cross-encoders),
+where the tokens after the first separator are type 1 (`[CLS] a [SEP]` 0, `b [SEP]` 1:
+what BERT's tokenizer gives a pair).
 """
 
 from __future__ import annotations
@@ -24,13 +28,19 @@ from torch import Tensor, nn
 
 from sluice.protocol.errors import InvalidRequestError
 
-# config.json's `architectures` -> whether positions start past the padding id (RoBERTa)
-ENCODER_ARCHITECTURES = {"BertModel": False, "RobertaModel": True, "XLMRobertaModel": True}
+# config.json's `architectures` -> (positions start past the padding id: RoBERTa's,
+# a cross-encoder: a classifier on the first token's state)
+ENCODER_ARCHITECTURES = {
+    "BertModel": (False, False), "RobertaModel": (True, False),
+    "XLMRobertaModel": (True, False), "BertForSequenceClassification": (False, True),
+    "RobertaForSequenceClassification": (True, True),
+    "XLMRobertaForSequenceClassification": (True, True)}
 _ACTIVATIONS = {"gelu": lambda x: nn.functional.gelu(x),
                 "gelu_new": lambda x: nn.functional.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
                 "relu": nn.functional.relu}
-_IGNORED = ("pooler.", "lm_head.", "cls.")  # BERT's pooler and MLM heads: not embeddings
+# BERT's pooler (a cross-encoder's head reads it) and MLM heads: not embeddings
+_IGNORED = ("pooler.", "lm_head.", "cls.")
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,8 @@ class EncoderConfig:
     layer_norm_eps: float
     activation: str
     position_offset: int  # RoBERTa's pad_token_id + 1; 0 for BERT
+    type_vocab_size: int = 1
+    cross_encoder: bool = False  # one score a pair (`Encoder.score`)
     # an embedding model trained to be cut (as LlamaConfig's): None, () any, or the sizes
     matryoshka_dimensions: tuple[int, ...] | None = None
 
@@ -77,11 +89,18 @@ def encoder_config(c: dict[str, Any]) -> EncoderConfig:
     if c.get("is_decoder") or c.get("add_cross_attention"):
         raise InvalidRequestError(f"{arch}: a decoder or cross-attention configuration is not "
                                   "an encoder", param="model")
-    offset = int(c.get("pad_token_id", 1)) + 1 if ENCODER_ARCHITECTURES[arch] else 0
+    roberta, cross = ENCODER_ARCHITECTURES[arch]
+    labels = int(c.get("num_labels") or len(c.get("id2label") or {}) or 2)
+    if cross and labels != 1:
+        raise InvalidRequestError(f"{arch}: {labels} labels; only one-score cross-encoders "
+                                  "(num_labels 1: rerankers) are served", param="model")
+    offset = int(c.get("pad_token_id", 1)) + 1 if roberta else 0
     return EncoderConfig(arch, int(c["vocab_size"]), int(c["hidden_size"]),
                          int(c["intermediate_size"]), int(c["num_hidden_layers"]),
                          int(c["num_attention_heads"]), int(c["max_position_embeddings"]),
-                         float(c.get("layer_norm_eps", 1e-12)), act, offset, _matryoshka(c))
+                         float(c.get("layer_norm_eps", 1e-12)), act, offset,
+                         int(c.get("type_vocab_size", 1)), cross,
+                         None if cross else _matryoshka(c))
 
 
 class Linear(nn.Linear):
@@ -130,9 +149,12 @@ class Encoder(nn.Module):
         h = cfg.hidden_size
         self.word = nn.Embedding(cfg.vocab_size, h)
         self.position = nn.Embedding(cfg.max_position_embeddings, h)
-        self.token_type = nn.Embedding(1, h)  # type 0's row
+        self.token_type = nn.Embedding(max(cfg.type_vocab_size, 1), h)
         self.embed_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
+        if cfg.cross_encoder:  # BERT's pooler + classifier, RoBERTa's classifier head
+            self.head_dense = Linear(h, h)
+            self.head_out = Linear(h, 1)
 
     def use_matmul(self, make: Callable[[Tensor], Callable[[Tensor, Tensor, Tensor | None],
                                                            Tensor]]) -> None:
@@ -141,18 +163,34 @@ class Encoder(nn.Module):
             if isinstance(module, Linear):
                 module.matmul = make(module.weight)
 
-    def forward(self, sequences: list[list[int]]) -> Tensor:
-        """Every token's final hidden state, the sequences' rows one after another."""
+    def forward(self, sequences: list[list[int]], separator: int | None = None) -> Tensor:
+        """Every token's final hidden state, the sequences' rows one after another;
+        `separator`: the token id after whose first occurrence a pair's second text
+        starts (type 1), where the model has two token types."""
         device = self.word.weight.device
         tokens = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
         offset = self.cfg.position_offset
         positions = torch.cat([torch.arange(offset, offset + len(s), device=device)
                                for s in sequences])
-        x = self.embed_norm(self.word(tokens) + self.position(positions) + self.token_type.weight)
+        types = torch.tensor([t for s in sequences for t in _token_types(s, separator)],
+                             dtype=torch.long, device=device) \
+            if separator is not None and self.cfg.type_vocab_size > 1 else \
+            torch.zeros_like(tokens)
+        x = self.embed_norm(self.word(tokens) + self.position(positions) + self.token_type(types))
         lengths = [len(s) for s in sequences]
         for layer in self.layers:
             x = layer(x, lengths)
         return x
+
+
+    def score(self, first: Tensor) -> Tensor:
+        """A cross-encoder's score of each pair from its first token's state: in (0, 1)."""
+        return torch.sigmoid(self.head_out(torch.tanh(self.head_dense(first))))[:, 0]
+
+
+def _token_types(ids: list[int], separator: int) -> list[int]:
+    cut = ids.index(separator) + 1 if separator in ids else len(ids)
+    return [0] * cut + [1] * (len(ids) - cut)
 
 
 # our parameter -> the checkpoint's, per layer ("{i}") or once
@@ -174,6 +212,16 @@ def load_encoder(directory: Path, c: dict[str, Any], device: torch.device,
     raw = read_safetensors(directory)
     prefixes = [p for p in ("bert.", "roberta.") if any(k.startswith(p) for k in raw)]
     weights = {k.removeprefix(prefixes[0]) if prefixes else k: v for k, v in raw.items()}
+    head = {}
+    if cfg.cross_encoder:
+        names = ("pooler.dense", "classifier") if "classifier.weight" in weights \
+            else ("classifier.dense", "classifier.out_proj")
+        for ours, theirs in zip(("head_dense", "head_out"), names, strict=True):
+            for kind in ("weight", "bias"):
+                if f"{theirs}.{kind}" not in weights:
+                    raise InvalidRequestError(f"{cfg.architecture}: missing tensor "
+                                              f"{theirs}.{kind!r}", param="model")
+                head[f"{ours}.{kind}"] = weights.pop(f"{theirs}.{kind}")
     weights = {k: v for k, v in weights.items() if not k.startswith(_IGNORED)
                and not k.endswith("position_ids")}
 
@@ -188,8 +236,9 @@ def load_encoder(directory: Path, c: dict[str, Any], device: torch.device,
         for kind in ("weight", "bias") if ours == "embed_norm" else ("weight",):
             state[f"{ours}.{kind}"] = take(f"{theirs}.{kind}")
     types = weights.pop("embeddings.token_type_embeddings.weight", None)
-    state["token_type.weight"] = types[:1] if types is not None \
-        else torch.zeros(1, cfg.hidden_size)
+    state["token_type.weight"] = types[:max(cfg.type_vocab_size, 1)] if types is not None \
+        else torch.zeros(max(cfg.type_vocab_size, 1), cfg.hidden_size)
+    state.update(head)
     for i in range(cfg.num_layers):
         pre = f"encoder.layer.{i}."
         for kind in ("weight", "bias"):
