@@ -160,7 +160,7 @@ def test_encoder_refuses_generation_over_http(encoder_dir: Path, states: Any) ->
                 r = http.post(path, json={"model": "enc", **body})
                 assert r.status_code == 400, (path, r.text)
                 error = r.json()["error"]
-                assert error["param"] == "model" and "embedding model" in error["message"]
+                assert error["param"] == "model" and "encoder-only model" in error["message"]
             assert http.post("/v1/embeddings", json={"input": "still"}).status_code == 200
     finally:
         server.stop()
@@ -181,7 +181,7 @@ def test_encoder_refuses_what_it_lacks(encoder_dir: Path) -> None:
 
     engine = engine_for(encoder_dir)
     try:
-        with pytest.raises(InvalidRequestError, match="embedding model"):
+        with pytest.raises(InvalidRequestError, match="encoder-only model"):
             asyncio.run(generate(engine))
     finally:
         engine.shutdown()
@@ -298,7 +298,7 @@ def test_cross_encoder_scores_and_reranks_as_transformers(cross_dir: Path) -> No
                                        [want[i] for i in order], atol=1e-5)
             r = http.post("/v1/embeddings", json={"input": "a cat"})
             assert r.status_code == 400 and r.json()["error"]["param"] == "model"
-            assert "cross-encoder" in r.json()["error"]["message"]
+            assert "classifier" in r.json()["error"]["message"]
             r = http.post("/v1/score", json={"text_1": "", "text_2": "a cat"})
             assert r.status_code == 400 and r.json()["error"]["param"] == "text_1"
             r = http.post("/v1/chat/completions",
@@ -310,3 +310,91 @@ def test_cross_encoder_scores_and_reranks_as_transformers(cross_dir: Path) -> No
     with pytest.raises(InvalidRequestError) as refused:
         engine_for(cross_dir, pooler_config='{"pooling_type": "MEAN"}')
     assert refused.value.param == "pooler_config"
+
+
+@pytest.fixture(scope="module", params=["bert-softmax", "xlm-roberta-multi-label"])
+def classifier_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Path:
+    """Three labels: BERT's softmax over them, XLM-R's `multi_label_classification`."""
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        XLMRobertaConfig,
+        XLMRobertaForSequenceClassification,
+    )
+
+    out = tmp_path_factory.mktemp(f"tiny-classifier-{request.param}")
+    torch.manual_seed(2)
+    labels = {0: "negative", 1: "neutral", 2: "positive"}
+    shape = dict(vocab_size=80, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=128, id2label=labels,
+                 label2id={v: k for k, v in labels.items()})
+    if request.param == "bert-softmax":
+        model: Any = BertForSequenceClassification(
+            BertConfig(max_position_embeddings=MAX_POSITIONS, **shape))
+        save_tokenizer(out, BERT_SPECIALS, ("[CLS]", "[SEP]"), BERT_PAIR)
+        head = model.classifier
+    else:
+        model = XLMRobertaForSequenceClassification(XLMRobertaConfig(
+            max_position_embeddings=MAX_POSITIONS + 2, pad_token_id=1, type_vocab_size=1,
+            problem_type="multi_label_classification", **shape))
+        save_tokenizer(out, XLMR_SPECIALS, ("<s>", "</s>"), XLMR_PAIR)
+        head = model.classifier.out_proj
+    with torch.no_grad():  # random weights: every input alike; spread the logits
+        head.weight *= 50
+    model.save_pretrained(str(out))
+    return out
+
+
+def test_classify_answers_each_inputs_label_scores(classifier_dir: Path) -> None:
+    """vLLM's `/classify` (and `/v1/classify`): each input's probabilities (a softmax, or
+    each label's sigmoid for a multi-label model) as transformers computes them, the
+    best label's name and the label count; pairs are refused (three labels are no one
+    score), and so is `/classify` on an embedding model."""
+    from transformers import AutoModelForSequenceClassification
+
+    peer = AutoModelForSequenceClassification.from_pretrained(
+        str(classifier_dir), dtype=torch.float32).eval()
+    multi = peer.config.problem_type == "multi_label_classification"
+    engine = engine_for(classifier_dir)
+    texts = ["a cat sat on the mat", "stock prices fell", "hello world"]
+    server = ServerThread(build_app(engine, WorkerConfig(served_model_names=("cls",)))).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            for path in ("/classify", "/v1/classify"):
+                r = http.post(path, json={"model": "cls", "input": texts})
+                assert r.status_code == 200, r.text
+                body = r.json()
+                assert body["object"] == "list" and body["id"].startswith("classify-")
+                for i, (text, data) in enumerate(zip(texts, body["data"], strict=True)):
+                    ids = engine.tokenizer.encode(text)
+                    with torch.no_grad():
+                        logits = peer(torch.tensor([ids])).logits[0]
+                    want = torch.sigmoid(logits) if multi else torch.softmax(logits, -1)
+                    np.testing.assert_allclose(data["probs"], want.numpy(), atol=1e-5)
+                    assert data["index"] == i and data["num_classes"] == 3
+                    assert data["label"] == peer.config.id2label[int(want.argmax())]
+                assert body["usage"]["prompt_tokens"] == sum(
+                    len(engine.tokenizer.encode(t)) for t in texts)
+            r = http.post("/v1/score", json={"text_1": "a", "text_2": "b"})
+            assert r.status_code == 400 and "3 labels" in r.json()["error"]["message"]
+            r = http.post("/classify", json={"input": []})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+            r = http.post("/classify", json={"input": "a", "top_k": 1})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
+def test_classify_on_an_embedding_model_is_refused(encoder_dir: Path) -> None:
+    engine = engine_for(encoder_dir)
+    server = ServerThread(build_app(engine, WorkerConfig(served_model_names=("enc",)))).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            r = http.post("/classify", json={"input": "a cat"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+            assert "not a classification model" in r.json()["error"]["message"]
+    finally:
+        server.stop()
+        engine.shutdown()

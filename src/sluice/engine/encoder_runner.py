@@ -6,8 +6,9 @@ off for this runner: a token's state depends on the tokens after it), encoded to
 (one set of linears over all rows, attention per sequence) and pooled as the pooler
 says (sluice.engine.pooling; without sentence-transformers files or `--pooler-config`,
 CLS, normalized: what BERT-style embedding models are trained for, vLLM's default for
-them). A cross-encoder's row is its one score (`Encoder.score` of the first token's
-state; `cross_encoder`: the worker sends it pairs, for `/v1/score` and `/v1/rerank`).
+them). A classifier's row is its labels' scores (`Encoder.classify` of the first
+token's state; `labels`); one with one label is a cross-encoder, to which the worker
+sends pairs for `/v1/score` and `/v1/rerank`.
 The block manager still counts blocks for the sequences, as it would for their KV, so
 admission and `max_num_seqs` behave as for any model; none holds memory. Generation,
 LoRA, speculative decoding, KV offload and quantization are refused.
@@ -80,18 +81,19 @@ class EncoderRunner:
         full = -(-self.max_model_len // self.block_size)  # blocks of a longest prompt
         self.num_kv_blocks = config.cache.num_kv_blocks or config.scheduler.max_num_seqs * full
         self.kv_cache_bytes = 0
-        self.cross_encoder = self.model_config.cross_encoder
+        self.labels = self.model_config.labels
         # a pair's second text starts after the first separator (two token types: BERT's)
-        self.separator = self._separator(path) if self.cross_encoder else None
-        if self.cross_encoder and mc.pooler_config is not None:
-            raise InvalidRequestError("pooler_config does not apply to a cross-encoder (its "
-                                      "score is its classifier's)", param="pooler_config")
-        self.pooler = Pooler("CLS", False) if self.cross_encoder else resolve_pooler(
+        self.separator = self._separator(path) if self.labels else None
+        if self.labels and mc.pooler_config is not None:
+            raise InvalidRequestError("pooler_config does not apply to a classifier (its "
+                                      "scores are its classifier's)", param="pooler_config")
+        self.pooler = Pooler("CLS", False) if self.labels else resolve_pooler(
             path, parse_pooler_config(mc.pooler_config), default=Pooler("CLS", True))
         self.pooled: Tensor | None = None
         log.info("%s: an encoder-only %s (%s pooling%s), %d tokens",
                  self.model_config.architecture,
-                 "cross-encoder" if self.cross_encoder else "embedding model",
+                 f"classifier of {len(self.labels)} labels" if self.labels
+                 else "embedding model",
                  self.pooler.pooling_type, ", normalized" if self.pooler.normalize else "",
                  self.max_model_len)
         self.execute([SeqChunk([0, 0], 0, [], True, pool=self.pooler.pooling_type)])  # warm-up
@@ -116,10 +118,10 @@ class EncoderRunner:
         for c in chunks:  # (the core schedules nothing else for this runner)
             assert c.pool and not c.start_pos and c.need_logits, "whole prompts to pool only"
         hidden = self.encoder([c.token_ids for c in chunks], self.separator)
-        if self.cross_encoder:  # each pair's score from its first token's state
+        if self.labels:  # each input's scores from its first token's state
             ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0)
             firsts = hidden[torch.cat([torch.zeros(1, dtype=torch.long), ends[:-1]])]
-            self.pooled = self.encoder.score(firsts).float().unsqueeze(1)
+            self.pooled = self.encoder.classify(firsts)
             return empty
         hidden = hidden.float()
         rows, start = [], 0

@@ -101,8 +101,9 @@ class CoreInfo:
     matryoshka_dimensions: tuple[int, ...] | None = None
     # an encoder-only embedding model's core: embeddings only, generation refused
     embedding_only: bool = False
-    # ... and a cross-encoder: an "embedding" is one pair's score (/v1/score, /v1/rerank)
-    cross_encoder: bool = False
+    # ... and a classifier's label names: an "embedding" is its labels' scores (one label:
+    # a cross-encoder, one pair's score on /v1/score and /v1/rerank)
+    labels: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -116,7 +116,8 @@ GENERATION_ENDPOINTS = tuple(KIND_OF_PATH)
 MODEL_ONLY_ENDPOINTS = ("/v1/messages/count_tokens", "/v1/responses/input_tokens")
 EMBEDDINGS_PATH = "/v1/embeddings"
 # the endpoints answered with embeddings (nothing generated), and the field of their texts
-POOLED_INPUT = {EMBEDDINGS_PATH: "input", "/v1/score": "text_2", "/v1/rerank": "documents"}
+POOLED_INPUT = {EMBEDDINGS_PATH: "input", "/v1/score": "text_2", "/v1/rerank": "documents",
+                "/v1/classify": "input", "/classify": "input"}
 RESPONSES_PATH = "/v1/responses"  # OpenAI's Responses API: usage as input/output_tokens
 STREAM_USAGE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 # a worker's control routes (its P/D role; vLLM's runtime LoRA loading): an operator's,

@@ -636,15 +636,33 @@ class EmbeddingRequest(OpenAIModel):
     def inputs(self) -> list[str | list[int]]:
         """Each input the request embeds, in order (a 400 naming `input` for none or too
         many)."""
-        given = self.input
-        if isinstance(given, str) or (given and isinstance(given[0], int)):
-            return [given]  # type: ignore[list-item]  # (one text, or one list of ids)
-        if not given:
-            raise InvalidRequestError("input must not be empty", param="input")
-        if len(given) > MAX_EMBEDDING_INPUTS:
-            raise InvalidRequestError(f"input may hold at most {MAX_EMBEDDING_INPUTS} items, "
-                                      f"got {len(given)}", param="input")
-        return list(given)  # type: ignore[arg-type]
+        return listed_inputs(self.input)
+
+
+def listed_inputs(given: str | list[str] | list[int] | list[list[int]]
+                  ) -> list[str | list[int]]:
+    """An `input` field's items: one text, one list of ids, or a list of either (a 400
+    naming `input` for none or too many)."""
+    if isinstance(given, str) or (given and isinstance(given[0], int)):
+        return [given]  # type: ignore[list-item]  # (one text, or one list of ids)
+    if not given:
+        raise InvalidRequestError("input must not be empty", param="input")
+    if len(given) > MAX_EMBEDDING_INPUTS:
+        raise InvalidRequestError(f"input may hold at most {MAX_EMBEDDING_INPUTS} items, "
+                                  f"got {len(given)}", param="input")
+    return list(given)  # type: ignore[arg-type]
+
+
+class ClassificationRequest(OpenAIModel):
+    """vLLM's `POST /classify` (also `/v1/classify` here) for a classification model: one
+    input (text or token ids) or a list of them, each answered with its labels' scores."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    user: str | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        return listed_inputs(self.input)
 
 
 class ScoreRequest(OpenAIModel):

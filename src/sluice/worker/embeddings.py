@@ -20,10 +20,12 @@ a LoRA adapter's name as `model`.
 two embeddings (a dot product: both are normalized), as vLLM does for an embedding
 model: `text_1` against each `text_2` (or pairwise), and the `documents` ordered by
 their score against the `query` (the Jina / Cohere rerank API: `top_n`,
-`relevance_score`). Usage counts every text embedded. On a cross-encoder (a
-`*ForSequenceClassification` reranker) each pair is one input, the two texts joined by
-the tokenizer's pair template, and its score is the model's own (in (0, 1)); such a
-model refuses `/v1/embeddings`. Usage then counts each pair's tokens.
+`relevance_score`). Usage counts every text embedded. On a cross-encoder (a one-label
+`*ForSequenceClassification`: a reranker) each pair is one input, the two texts joined
+by the tokenizer's pair template, and its score is the model's own (in (0, 1)); usage
+then counts each pair's tokens. A classifier (any `*ForSequenceClassification`)
+refuses `/v1/embeddings` and answers vLLM's `/classify` (also `/v1/classify`): each
+input's label scores (`probs`), the best one's name (`label`) and `num_classes`.
 """
 
 from __future__ import annotations
@@ -39,7 +41,13 @@ import numpy as np
 
 from sluice.engine.outputs import EmbeddingRequestOutput
 from sluice.protocol.errors import InvalidRequestError
-from sluice.protocol.openai import EmbeddingRequest, RerankRequest, ScoreRequest, now
+from sluice.protocol.openai import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+    now,
+)
 from sluice.protocol.prompt import IdsHint, encode_prompt
 from sluice.worker.sampling import check_token_ids
 from sluice.worker.state import WorkerState
@@ -50,10 +58,10 @@ async def embeddings(state: WorkerState, req: EmbeddingRequest, request_id: str,
     """The response; `hint`: the prompt ids the gateway or router computed, taken when
     they are this tokenizer's for this text."""
     model = _base_model(state, req.model)
-    if state.require_engine().info.cross_encoder:
-        raise InvalidRequestError(f"the model {model!r} is a cross-encoder: it scores pairs "
-                                  "on /v1/score and /v1/rerank, and has no embeddings",
-                                  param="model")
+    if state.require_engine().info.labels:
+        raise InvalidRequestError(f"the model {model!r} is a classifier: it answers "
+                                  "/classify (and a one-label one /v1/score and /v1/rerank), "
+                                  "and has no embeddings", param="model")
     if req.dimensions is not None:
         _check_dimensions(state, model, req.dimensions)
     inputs = req.inputs()
@@ -97,7 +105,7 @@ async def score(state: WorkerState, req: ScoreRequest, request_id: str,
                 hint: IdsHint | None = None) -> dict[str, Any]:
     model = _base_model(state, req.model)
     left, right, pairs = req.pairs()
-    if state.require_engine().info.cross_encoder:
+    if _cross_encoder(state, model):
         scored = await _score_pairs(state, [(left[i], right[j]) for i, j in pairs],
                                     request_id, ("text_1", "text_2"))
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": now(),
@@ -119,7 +127,7 @@ async def rerank(state: WorkerState, req: RerankRequest, request_id: str,
                  hint: IdsHint | None = None) -> dict[str, Any]:
     model = _base_model(state, req.model)
     req.check()
-    if state.require_engine().info.cross_encoder:
+    if _cross_encoder(state, model):
         vectors = await _score_pairs(state, [(req.query, d) for d in req.documents],
                                      request_id, ("query", "documents"))
         scores = _matrix(vectors)[:, 0]
@@ -132,6 +140,36 @@ async def rerank(state: WorkerState, req: RerankRequest, request_id: str,
             "results": [{"index": i, "relevance_score": float(scores[i]),
                          **({"document": {"text": req.documents[i]}}
                             if req.return_documents else {})} for i in order]}
+
+
+async def classify(state: WorkerState, req: ClassificationRequest, request_id: str,
+                   hint: IdsHint | None = None) -> dict[str, Any]:
+    """vLLM's `/classify`: each input's scores over a classifier's labels."""
+    model = _base_model(state, req.model)
+    labels = state.require_engine().info.labels
+    if not labels:
+        raise InvalidRequestError(f"the model {model!r} is not a classification model (a "
+                                  "*ForSequenceClassification checkpoint)", param="model")
+    inputs = req.inputs()
+    outputs = await _embed_all(state, inputs, request_id, ["input"] * len(inputs), hint)
+    data = []
+    for i, out in enumerate(outputs):
+        probs = np.frombuffer(out.data, dtype="<f4")
+        data.append({"index": i, "label": labels[int(probs.argmax())],
+                     "probs": probs.tolist(), "num_classes": len(labels)})
+    return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": now(),
+            "model": model, "data": data, "usage": _usage(outputs)}
+
+
+def _cross_encoder(state: WorkerState, model: str) -> bool:
+    """Whether pairs are scored by the model itself (one label); a 400 for a classifier
+    of more labels (no one score of a pair)."""
+    labels = state.require_engine().info.labels
+    if len(labels) > 1:
+        raise InvalidRequestError(f"the model {model!r} classifies into {len(labels)} labels; "
+                                  "a pair's score needs one (a cross-encoder) or an "
+                                  "embedding model", param="model")
+    return bool(labels)
 
 
 def _base_model(state: WorkerState, model: str | None) -> str:
@@ -205,4 +243,6 @@ def _encode(data: bytes, req: EmbeddingRequest) -> list[float] | str:
 Answer = tuple[type[Any], Callable[..., Awaitable[dict[str, Any]]]]
 ROUTES: dict[str, Answer] = {"/v1/embeddings": (EmbeddingRequest, embeddings),
                              "/v1/score": (ScoreRequest, score),
-                             "/v1/rerank": (RerankRequest, rerank)}
+                             "/v1/rerank": (RerankRequest, rerank),
+                             "/v1/classify": (ClassificationRequest, classify),
+                             "/classify": (ClassificationRequest, classify)}

@@ -1,7 +1,8 @@
 """Encoder-only models: BERT, RoBERTa and XLM-RoBERTa, as embedding models (BAAI's bge,
-intfloat's e5, sentence-transformers' MiniLM, bge-m3's dense vectors) and as
-cross-encoders (`*ForSequenceClassification` with one label: bge-reranker,
-ms-marco-MiniLM), whose score of a pair is sigmoid(classifier(tanh(dense(CLS state)))).
+intfloat's e5, sentence-transformers' MiniLM, bge-m3's dense vectors) and as classifiers
+(`*ForSequenceClassification`): classifier(tanh(dense(first token's state))) through a
+sigmoid (one label: a cross-encoder's score of a pair, bge-reranker, ms-marco-MiniLM;
+or `problem_type` multi_label_classification) or a softmax over the labels.
 
     embeddings  LayerNorm(word + absolute position + token type 0)
     each layer  x = LayerNorm(x + out(attention(q, k, v)))   every token sees every token
@@ -56,7 +57,12 @@ class EncoderConfig:
     activation: str
     position_offset: int  # RoBERTa's pad_token_id + 1; 0 for BERT
     type_vocab_size: int = 1
-    cross_encoder: bool = False  # one score a pair (`Encoder.score`)
+    labels: tuple[str, ...] = ()  # a classifier's (config.json's id2label), in id order
+    multi_label: bool = False  # each label's own sigmoid (else a softmax over them)
+
+    @property
+    def classifier(self) -> bool:
+        return bool(self.labels)
     # an embedding model trained to be cut (as LlamaConfig's): None, () any, or the sizes
     matryoshka_dimensions: tuple[int, ...] | None = None
 
@@ -89,18 +95,23 @@ def encoder_config(c: dict[str, Any]) -> EncoderConfig:
     if c.get("is_decoder") or c.get("add_cross_attention"):
         raise InvalidRequestError(f"{arch}: a decoder or cross-attention configuration is not "
                                   "an encoder", param="model")
-    roberta, cross = ENCODER_ARCHITECTURES[arch]
-    labels = int(c.get("num_labels") or len(c.get("id2label") or {}) or 2)
-    if cross and labels != 1:
-        raise InvalidRequestError(f"{arch}: {labels} labels; only one-score cross-encoders "
-                                  "(num_labels 1: rerankers) are served", param="model")
+    roberta, classifier = ENCODER_ARCHITECTURES[arch]
+    labels = _labels(c) if classifier else ()
     offset = int(c.get("pad_token_id", 1)) + 1 if roberta else 0
     return EncoderConfig(arch, int(c["vocab_size"]), int(c["hidden_size"]),
                          int(c["intermediate_size"]), int(c["num_hidden_layers"]),
                          int(c["num_attention_heads"]), int(c["max_position_embeddings"]),
                          float(c.get("layer_norm_eps", 1e-12)), act, offset,
-                         int(c.get("type_vocab_size", 1)), cross,
-                         None if cross else _matryoshka(c))
+                         int(c.get("type_vocab_size", 1)), labels,
+                         c.get("problem_type") == "multi_label_classification",
+                         None if classifier else _matryoshka(c))
+
+
+def _labels(c: dict[str, Any]) -> tuple[str, ...]:
+    """A classifier's label names in id order (`id2label`; LABEL_i where it has none)."""
+    names = {int(k): str(v) for k, v in (c.get("id2label") or {}).items()}
+    count = int(c.get("num_labels") or len(names) or 2)
+    return tuple(names.get(i, f"LABEL_{i}") for i in range(count))
 
 
 class Linear(nn.Linear):
@@ -152,9 +163,9 @@ class Encoder(nn.Module):
         self.token_type = nn.Embedding(max(cfg.type_vocab_size, 1), h)
         self.embed_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
-        if cfg.cross_encoder:  # BERT's pooler + classifier, RoBERTa's classifier head
+        if cfg.classifier:  # BERT's pooler + classifier, RoBERTa's classifier head
             self.head_dense = Linear(h, h)
-            self.head_out = Linear(h, 1)
+            self.head_out = Linear(h, len(cfg.labels))
 
     def use_matmul(self, make: Callable[[Tensor], Callable[[Tensor, Tensor, Tensor | None],
                                                            Tensor]]) -> None:
@@ -183,9 +194,13 @@ class Encoder(nn.Module):
         return x
 
 
-    def score(self, first: Tensor) -> Tensor:
-        """A cross-encoder's score of each pair from its first token's state: in (0, 1)."""
-        return torch.sigmoid(self.head_out(torch.tanh(self.head_dense(first))))[:, 0]
+    def classify(self, first: Tensor) -> Tensor:
+        """A classifier's scores of each input from its first token's state, float32:
+        each label's sigmoid (one label, or multi-label) or a softmax over the labels."""
+        logits = self.head_out(torch.tanh(self.head_dense(first))).float()
+        if len(self.cfg.labels) == 1 or self.cfg.multi_label:
+            return torch.sigmoid(logits)
+        return torch.softmax(logits, dim=-1)
 
 
 def _token_types(ids: list[int], separator: int) -> list[int]:
@@ -213,7 +228,7 @@ def load_encoder(directory: Path, c: dict[str, Any], device: torch.device,
     prefixes = [p for p in ("bert.", "roberta.") if any(k.startswith(p) for k in raw)]
     weights = {k.removeprefix(prefixes[0]) if prefixes else k: v for k, v in raw.items()}
     head = {}
-    if cfg.cross_encoder:
+    if cfg.classifier:
         names = ("pooler.dense", "classifier") if "classifier.weight" in weights \
             else ("classifier.dense", "classifier.out_proj")
         for ours, theirs in zip(("head_dense", "head_out"), names, strict=True):
