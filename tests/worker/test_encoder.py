@@ -160,7 +160,7 @@ def test_encoder_refuses_generation_over_http(encoder_dir: Path, states: Any) ->
                 r = http.post(path, json={"model": "enc", **body})
                 assert r.status_code == 400, (path, r.text)
                 error = r.json()["error"]
-                assert error["param"] == "model" and "encoder-only model" in error["message"]
+                assert error["param"] == "model" and "pooling model" in error["message"]
             assert http.post("/v1/embeddings", json={"input": "still"}).status_code == 200
     finally:
         server.stop()
@@ -181,7 +181,7 @@ def test_encoder_refuses_what_it_lacks(encoder_dir: Path) -> None:
 
     engine = engine_for(encoder_dir)
     try:
-        with pytest.raises(InvalidRequestError, match="encoder-only model"):
+        with pytest.raises(InvalidRequestError, match="pooling model"):
             asyncio.run(generate(engine))
     finally:
         engine.shutdown()

@@ -205,3 +205,81 @@ def test_offline_llm_takes_pooler_config_as_a_dict(tiny_llama_dir: Path, states:
     out = llm.embed(["hello world"])[0]
     np.testing.assert_allclose(out.outputs.embedding,
                                expected(states("hello world"), "MEAN", False), atol=2e-5)
+
+
+def decoder_classifier(out: Path, arch: str, labels: dict[int, str], **extra: Any) -> Path:
+    """A tiny random `<arch>ForSequenceClassification` (a `score` head over the last
+    token's state) with SmolLM2's tokenizer."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from tiny_models import save_smollm2_tokenizer
+
+    config = AutoConfig.for_model(
+        arch, vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=True, id2label=labels, label2id={v: k for k, v in labels.items()},
+        **extra)
+    torch.manual_seed(3)
+    model = AutoModelForSequenceClassification.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(str(out), safe_serialization=True)
+    save_smollm2_tokenizer(out)
+    return out
+
+
+@pytest.mark.parametrize("arch, labels, extra", [
+    ("qwen2", {0: "negative", 1: "neutral", 2: "positive"}, {}),
+    ("llama", {0: "toxic", 1: "spam"}, {"problem_type": "multi_label_classification"}),
+    ("llama", {0: "relevant"}, {}),
+])
+def test_decoder_classifiers_classify_and_score_pairs(tmp_path: Path, arch: str,
+                                                      labels: dict[int, str],
+                                                      extra: dict[str, Any]) -> None:
+    """`Qwen2ForSequenceClassification` and `LlamaForSequenceClassification` (reward and
+    classifier models): `/classify` answers transformers' probabilities from the `score`
+    head on the last token (a prompt longer than a step's budget too, in chunks); one
+    label scores pairs on `/v1/score` (the two texts joined as the tokenizer joins a
+    pair); generation and embeddings are refused."""
+    from transformers import AutoModelForSequenceClassification
+
+    model_dir = decoder_classifier(tmp_path / f"tiny-{arch}-classifier", arch, labels, **extra)
+    peer = AutoModelForSequenceClassification.from_pretrained(
+        str(model_dir), dtype=torch.float32).eval()
+    engine = engine_for(model_dir)
+    texts = ["hello world", LONG, "a cat sat on the mat"]
+
+    def expected(ids: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            logits = peer(torch.tensor([ids])).logits[0]
+        multi = len(labels) == 1 or extra.get("problem_type") == "multi_label_classification"
+        return (torch.sigmoid(logits) if multi else torch.softmax(logits, -1)).numpy()
+
+    server = ServerThread(build_app(engine, WorkerConfig(served_model_names=("c",)))).start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            r = http.post("/classify", json={"input": texts})
+            assert r.status_code == 200, r.text
+            for text, data in zip(texts, r.json()["data"], strict=True):
+                want = expected(engine.tokenizer.encode(text))
+                np.testing.assert_allclose(data["probs"], want, atol=1e-5)
+                assert data["label"] == labels[int(want.argmax())]
+                assert data["num_classes"] == len(labels)
+            r = http.post("/v1/score", json={"text_1": "a cat", "text_2": ["a cat", "stocks"]})
+            if len(labels) == 1:
+                assert r.status_code == 200, r.text
+                for second, data in zip(["a cat", "stocks"], r.json()["data"], strict=True):
+                    ids = engine.tokenizer.encode_pair("a cat", second)
+                    np.testing.assert_allclose(data["score"], expected(ids)[0], atol=1e-5)
+            else:
+                assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+            for path, body in [("/v1/completions", {"prompt": "a", "max_tokens": 2}),
+                               ("/v1/embeddings", {"input": "a"})]:
+                r = http.post(path, json=body)
+                assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    finally:
+        server.stop()
+        engine.shutdown()

@@ -101,7 +101,8 @@ class EngineCore:
                              config.structured.reasoning_parser,
                              getattr(model_config, "hidden_size", 0),
                              getattr(model_config, "matryoshka_dimensions", None),
-                             encoder, tuple(getattr(self.runner, "labels", ())))
+                             encoder or bool(getattr(self.runner, "labels", ())),
+                             tuple(getattr(self.runner, "labels", ())))
         self.structured = StructuredOutputManager(
             config.structured, self._grammar_backend,
             ThinkingMarkers.of(self.tokenizer, config.structured.reasoning_parser))

@@ -41,8 +41,9 @@ class InputProcessor:
         stream); the core appends them to the prompt as output and continues after them."""
         if self.info.embedding_only:
             raise InvalidRequestError(
-                f"the model {self.info.model_name!r} is an encoder-only model: it serves "
-                "/v1/embeddings, /v1/score, /v1/rerank and /classify, not generation",
+                f"the model {self.info.model_name!r} is a pooling model (embeddings, scores, "
+                "classification): it serves /v1/embeddings, /v1/score, /v1/rerank and "
+                "/classify, not generation",
                 param="model")
         self.check_priority(priority)
         ids = self.tokenize(prompt)

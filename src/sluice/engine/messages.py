@@ -99,7 +99,7 @@ class CoreInfo:
     # an embedding's width, and the sizes `dimensions` may cut it to (LlamaConfig's)
     hidden_size: int = 0
     matryoshka_dimensions: tuple[int, ...] | None = None
-    # an encoder-only embedding model's core: embeddings only, generation refused
+    # a pooling model's core (an encoder, or a classifier): no generation
     embedding_only: bool = False
     # ... and a classifier's label names: an "embedding" is its labels' scores (one label:
     # a cross-encoder, one pair's score on /v1/score and /v1/rerank)

@@ -67,7 +67,7 @@ from sluice.engine.native import (
     swiglu_rows_min,
     with_small_rows,
 )
-from sluice.engine.pooling import Pooler, parse_pooler_config, resolve_pooler
+from sluice.engine.pooling import Pooler, label_scores, parse_pooler_config, resolve_pooler
 from sluice.engine.tokenizer import (
     Tokenizer,
     default_served_name,
@@ -171,6 +171,7 @@ class ModelRunner:
         self.model, self.model_config = load_model(mc.model, self.device, self.dtype, mc.revision,
                                                    mc.overrides())
         self.tokenizer: Tokenizer = load_tokenizer(mc.tokenizer or mc.model, mc.revision)
+        self.labels = self.model_config.labels  # a classifier's (its `score` head)
         self.pooler = self._pooler(mc)
         self.model_name: str = mc.served_model_name or default_served_name(mc.model)
         self.vocab_size: int = self.model_config.vocab_size
@@ -297,10 +298,15 @@ class ModelRunner:
                                       param="quantization")
         return use_gguf_weights(self.model, path, self.native)
 
-    @staticmethod
-    def _pooler(mc: ModelConfig) -> Pooler:
+    def _pooler(self, mc: ModelConfig) -> Pooler:
         """How embeddings are read (sluice.engine.pooling): the checkpoint's own
-        sentence-transformers pooling, `--pooler-config` over it."""
+        sentence-transformers pooling, `--pooler-config` over it; a classifier's input is
+        its last token's state, as transformers' `*ForSequenceClassification` reads it."""
+        if self.labels:
+            if mc.pooler_config is not None:
+                raise InvalidRequestError("pooler_config does not apply to a classifier (its "
+                                          "scores are its classifier's)", param="pooler_config")
+            return Pooler("LAST", False)
         path = local_model_path(mc.model, mc.revision)
         pooler = resolve_pooler(path if path.is_dir() else None,
                                 parse_pooler_config(mc.pooler_config))
@@ -439,6 +445,9 @@ class ModelRunner:
         states = hidden[len(wanted):].float()
         self.pooled = states if len(sizes) == len(pooled) else \
             torch.stack([part.sum(0) for part in states.split(sizes)])
+        if self.labels:  # a classifier's label scores instead of the state
+            head = self.model.get_buffer("classifier")  # (load_model's)
+            self.pooled = label_scores(states @ head.float().T, self.model_config.multi_label)
         return self.model.output(hidden[:len(wanted)]).float()
 
     def _tensor(self, values: list[int]) -> Tensor:

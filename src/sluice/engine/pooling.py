@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from sluice.protocol.errors import InvalidRequestError
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -148,3 +150,13 @@ def _read_json(file: Path) -> Any:
             return json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
         raise InvalidRequestError(f"{file}: {exc}", param="model") from None
+
+
+def label_scores(logits: torch.Tensor, multi_label: bool) -> torch.Tensor:
+    """A classifier's scores from its logits (rows of inputs), float32: each label's
+    sigmoid (one label: a cross-encoder's score; or a multi-label model's), else a
+    softmax over the labels (transformers' and vLLM's rule)."""
+    logits = logits.float()
+    if logits.shape[-1] == 1 or multi_label:
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, dim=-1)

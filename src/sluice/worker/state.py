@@ -113,9 +113,10 @@ class WorkerState:
         model (it cannot generate: vLLM's "does not support" answer)."""
         name = self.check_model(model)
         if self.require_engine().info.embedding_only:
-            raise InvalidRequestError(f"the model {name!r} is an encoder-only model: it "
-                                      "serves /v1/embeddings, /v1/score, /v1/rerank and "
-                                      "/classify, not generation", param="model")
+            raise InvalidRequestError(f"the model {name!r} is a pooling model (embeddings, "
+                                      "scores, classification): it serves /v1/embeddings, "
+                                      "/v1/score, /v1/rerank and /classify, not generation",
+                                      param="model")
         return name
 
     def lora_for(self, model: str | None) -> LoRARequest | None:

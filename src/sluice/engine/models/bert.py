@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from sluice.engine.pooling import label_scores
 from sluice.protocol.errors import InvalidRequestError
 
 # config.json's `architectures` -> (positions start past the padding id: RoBERTa's,
@@ -81,7 +82,7 @@ def is_encoder(config: dict[str, Any]) -> bool:
 
 def encoder_config(c: dict[str, Any]) -> EncoderConfig:
     """config.json -> EncoderConfig; refuses what is not built, naming it."""
-    from sluice.engine.models.loader import _matryoshka
+    from sluice.engine.models.loader import _matryoshka, classifier_labels
 
     arch = c["architectures"][0]
     kind = c.get("position_embedding_type", "absolute")
@@ -96,7 +97,7 @@ def encoder_config(c: dict[str, Any]) -> EncoderConfig:
         raise InvalidRequestError(f"{arch}: a decoder or cross-attention configuration is not "
                                   "an encoder", param="model")
     roberta, classifier = ENCODER_ARCHITECTURES[arch]
-    labels = _labels(c) if classifier else ()
+    labels = classifier_labels(c) if classifier else ()
     offset = int(c.get("pad_token_id", 1)) + 1 if roberta else 0
     return EncoderConfig(arch, int(c["vocab_size"]), int(c["hidden_size"]),
                          int(c["intermediate_size"]), int(c["num_hidden_layers"]),
@@ -107,11 +108,6 @@ def encoder_config(c: dict[str, Any]) -> EncoderConfig:
                          None if classifier else _matryoshka(c))
 
 
-def _labels(c: dict[str, Any]) -> tuple[str, ...]:
-    """A classifier's label names in id order (`id2label`; LABEL_i where it has none)."""
-    names = {int(k): str(v) for k, v in (c.get("id2label") or {}).items()}
-    count = int(c.get("num_labels") or len(names) or 2)
-    return tuple(names.get(i, f"LABEL_{i}") for i in range(count))
 
 
 class Linear(nn.Linear):
@@ -197,10 +193,8 @@ class Encoder(nn.Module):
     def classify(self, first: Tensor) -> Tensor:
         """A classifier's scores of each input from its first token's state, float32:
         each label's sigmoid (one label, or multi-label) or a softmax over the labels."""
-        logits = self.head_out(torch.tanh(self.head_dense(first))).float()
-        if len(self.cfg.labels) == 1 or self.cfg.multi_label:
-            return torch.sigmoid(logits)
-        return torch.softmax(logits, dim=-1)
+        return label_scores(self.head_out(torch.tanh(self.head_dense(first))),
+                            self.cfg.multi_label)
 
 
 def _token_types(ids: list[int], separator: int) -> list[int]:

@@ -278,6 +278,10 @@ class LlamaConfig:
     # an embedding model trained to be cut (Matryoshka): the sizes `dimensions` may take
     # (() any); None: not such a model, `dimensions` refused (vLLM's rule)
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # a `*ForSequenceClassification` checkpoint's label names (id2label, in id order): its
+    # `score` head reads the last token's state (ModelRunner.classifier); () for others
+    labels: tuple[str, ...] = ()
+    multi_label: bool = False  # each label's own sigmoid (else a softmax over them)
 
     def uses_rope(self, layer: int) -> bool:
         return not self.no_rope_layers or bool(self.no_rope_layers[layer])

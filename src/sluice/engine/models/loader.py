@@ -105,7 +105,9 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
                revision: str | None = None, overrides: dict[str, Any] | None = None
                ) -> tuple[Transformer, LlamaConfig]:
     """Weights on `device` in `dtype`, and the hyperparameters; `overrides`: config.json's
-    keys to replace (`--hf-overrides`; a checkpoint directory's only)."""
+    keys to replace (`--hf-overrides`; a checkpoint directory's only). A
+    `*ForSequenceClassification` checkpoint's `score` head is the model's `classifier`
+    (a buffer; None for others), its output head the embedding (it generates nothing)."""
     path = local_model_path(model, revision)
     if path.is_file() and path.suffix == ".gguf":
         from sluice.engine.models.gguf_loader import load_gguf_model
@@ -119,7 +121,17 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
                                  "checkpoint directory", param="model")
     cfg, weights = base_model_weights(config_from_hf(overridden(read_config(path), overrides)),
                                       read_safetensors(path))
-    return build_model(cfg, split_fused_weights(cfg, weights), device, dtype), cfg
+    score = None
+    if cfg.labels:
+        if "score.weight" not in weights:
+            raise InvalidRequestError(f"{cfg.architecture}: missing tensor 'score.weight'",
+                                      param="model")
+        score = weights.pop("score.weight")
+        if "lm_head.weight" not in weights:
+            cfg = replace(cfg, tie_word_embeddings=True)
+    built = build_model(cfg, split_fused_weights(cfg, weights), device, dtype)
+    built.register_buffer("classifier", None if score is None else score.to(device, dtype))
+    return built, cfg
 
 
 def overridden(config: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
@@ -192,7 +204,11 @@ def read_config(directory: Path) -> dict[str, Any]:
 def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
     """config.json -> LlamaConfig; rejects architectures and features not implemented."""
     arch = (c.get("architectures") or [c.get("model_type", "?")])[0]
-    spec = ARCHITECTURES.get(arch)
+    # a classifier (a reward model, Qwen2ForSequenceClassification): the causal LM's
+    # architecture with a `score` head on the last token instead of the LM head
+    classifier = arch.endswith("ForSequenceClassification")
+    spec = ARCHITECTURES.get(arch.replace("ForSequenceClassification", "ForCausalLM")
+                             if classifier else arch)
     if spec is None:
         raise UnsupportedModelError(f"unsupported model architecture {arch!r} "
                                     f"(supported: {sorted(ARCHITECTURES)})", param="model")
@@ -239,7 +255,16 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         # Gemma's config.json may leave it out: its default is tied
         tie_word_embeddings=bool(c.get("tie_word_embeddings", spec.gemma)),
         mlp_activation=MLP_ACTIVATION_OF[act],
-        matryoshka_dimensions=_matryoshka(c))
+        matryoshka_dimensions=None if classifier else _matryoshka(c),
+        labels=classifier_labels(c) if classifier else (),
+        multi_label=c.get("problem_type") == "multi_label_classification")
+
+
+def classifier_labels(c: dict[str, Any]) -> tuple[str, ...]:
+    """A classifier's label names in id order (`id2label`; LABEL_i where it has none)."""
+    names = {int(k): str(v) for k, v in (c.get("id2label") or {}).items()}
+    count = int(c.get("num_labels") or len(names) or 2)
+    return tuple(names.get(i, f"LABEL_{i}") for i in range(count))
 
 
 def _matryoshka(c: dict[str, Any]) -> tuple[int, ...] | None:
