@@ -283,3 +283,47 @@ def test_decoder_classifiers_classify_and_score_pairs(tmp_path: Path, arch: str,
     finally:
         server.stop()
         engine.shutdown()
+
+
+def test_qwen3_reranker_scores_by_its_yes_and_no_rows(tiny_qwen3_dir: Path) -> None:
+    """A causal LM read as Qwen3-Reranker is, with vLLM's overrides (`architectures`
+    Qwen3ForSequenceClassification, `classifier_from_token` ["no", "yes"],
+    `is_original_qwen3_reranker`): a pair's score is sigmoid(logit "yes" - logit "no") of
+    the last token, as the model card's softmax over the two gives it; with other tokens
+    and no Qwen3 flag, one label a token (a softmax over their logits)."""
+    from transformers import AutoModelForCausalLM
+
+    peer = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3_dir), dtype=torch.float32).eval()
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"],
+                 "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
+    engine = engine_for(tiny_qwen3_dir, hf_overrides=json.dumps(overrides))
+    server = ServerThread(build_app(engine, WorkerConfig(served_model_names=("rr",)))).start()
+    tok = engine.tokenizer
+    no, yes = (tok.backend.token_to_id(t) for t in ("no", "yes"))
+    query, documents = "<Query>: what sat on the mat?\n", ["<Document>: a cat", "<Document>: a dog"]
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            r = http.post("/v1/rerank", json={"query": query, "documents": documents})
+            assert r.status_code == 200, r.text
+            got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+            for i, doc in enumerate(documents):
+                with torch.no_grad():
+                    logits = peer(torch.tensor([tok.encode_pair(query, doc)])).logits[0, -1]
+                want = torch.softmax(logits[[no, yes]], -1)[1]
+                assert abs(got[i] - float(want)) < 1e-5
+    finally:
+        server.stop()
+        engine.shutdown()
+    tokens = {"architectures": ["Qwen3ForSequenceClassification"],
+              "classifier_from_token": ["no", "yes", "maybe"]}
+    llm_engine = engine_for(tiny_qwen3_dir, hf_overrides=json.dumps(tokens))
+    try:
+        out = asyncio.run(llm_engine.embed("is it?", "three"))
+        with torch.no_grad():
+            logits = peer(torch.tensor([tok.encode("is it?")])).logits[0, -1]
+        ids = [tok.backend.token_to_id(t) for t in ("no", "yes", "maybe")]
+        np.testing.assert_allclose(out.outputs.embedding,
+                                   torch.softmax(logits[ids], -1).numpy(), atol=1e-5)
+        assert llm_engine.info.labels == ("no", "yes", "maybe")
+    finally:
+        llm_engine.shutdown()

@@ -119,10 +119,12 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype,
     if not path.is_dir():
         raise ModelNotFoundError(f"model {str(path)!r} is neither a .gguf file nor a "
                                  "checkpoint directory", param="model")
-    cfg, weights = base_model_weights(config_from_hf(overridden(read_config(path), overrides)),
-                                      read_safetensors(path))
+    raw = overridden(read_config(path), overrides)
+    cfg, weights = base_model_weights(config_from_hf(raw), read_safetensors(path))
     score = None
-    if cfg.labels:
+    if cfg.labels and raw.get("classifier_from_token"):
+        score = score_from_tokens(path, cfg, weights, raw)
+    elif cfg.labels:
         if "score.weight" not in weights:
             raise InvalidRequestError(f"{cfg.architecture}: missing tensor 'score.weight'",
                                       param="model")
@@ -260,8 +262,41 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         multi_label=c.get("problem_type") == "multi_label_classification")
 
 
+def score_from_tokens(path: Path, cfg: LlamaConfig, weights: dict[str, Tensor],
+                      raw: dict[str, Any]) -> Tensor:
+    """A causal LM read as a classifier through its LM head's rows of some tokens (vLLM's
+    `classifier_from_token` override): each token's row a label's, or, for Qwen3-Reranker
+    (`is_original_qwen3_reranker`, tokens ["no", "yes"]), one label scored by the "yes"
+    row less the "no" row (sigmoid(logit_yes - logit_no), the model card's softmax over
+    the two)."""
+    from sluice.engine.tokenizer import load_tokenizer
+
+    backend = load_tokenizer(str(path)).backend
+    ids = []
+    for token in raw["classifier_from_token"]:
+        token_id = backend.token_to_id(token)
+        if token_id is None:
+            raise InvalidRequestError(f"classifier_from_token: {token!r} is not a token of "
+                                      "this tokenizer", param="hf_overrides")
+        ids.append(token_id)
+    head = weights.get("lm_head.weight")
+    if head is None or cfg.tie_word_embeddings:
+        head = weights["model.embed_tokens.weight"]
+    rows = head[ids].float()
+    if raw.get("is_original_qwen3_reranker"):
+        if len(ids) != 2:
+            raise InvalidRequestError("is_original_qwen3_reranker takes classifier_from_token "
+                                      "[\"no\", \"yes\"]", param="hf_overrides")
+        return (rows[1] - rows[0]).unsqueeze(0)
+    return rows
+
+
 def classifier_labels(c: dict[str, Any]) -> tuple[str, ...]:
-    """A classifier's label names in id order (`id2label`; LABEL_i where it has none)."""
+    """A classifier's label names in id order (`id2label`; LABEL_i where it has none; a
+    head made of token rows: the tokens, or one label for Qwen3-Reranker's)."""
+    if c.get("classifier_from_token"):
+        tokens = tuple(str(t) for t in c["classifier_from_token"])
+        return ("score",) if c.get("is_original_qwen3_reranker") else tokens
     names = {int(k): str(v) for k, v in (c.get("id2label") or {}).items()}
     count = int(c.get("num_labels") or len(names) or 2)
     return tuple(names.get(i, f"LABEL_{i}") for i in range(count))
