@@ -398,3 +398,46 @@ def test_classify_on_an_embedding_model_is_refused(encoder_dir: Path) -> None:
     finally:
         server.stop()
         engine.shutdown()
+
+
+def test_offline_llm_classifies_and_scores(cross_dir: Path, classifier_dir: Path,
+                                           encoder_dir: Path) -> None:
+    """vLLM's `LLM.classify` and `LLM.score` on the same models as the routes above: the
+    same numbers as `/classify` and `/v1/score` give; each refused where it has no
+    meaning (an embedding model classifies nothing, a classifier embeds nothing)."""
+    from sluice.engine.llm import LLM
+
+    cross = LLM(str(cross_dir), dtype="float32")
+    try:
+        pairs = cross.score("a cat sat on the mat", ["a cat sat", "stock prices fell"])
+        engine = engine_for(cross_dir)
+        server = ServerThread(build_app(engine, WorkerConfig(served_model_names=("r",)))).start()
+        try:
+            with httpx.Client(base_url=server.url, timeout=60) as http:
+                r = http.post("/v1/score", json={"text_1": "a cat sat on the mat",
+                                                 "text_2": ["a cat sat", "stock prices fell"]})
+            np.testing.assert_allclose([p.outputs.score for p in pairs],
+                                       [d["score"] for d in r.json()["data"]], atol=1e-6)
+        finally:
+            server.stop()
+            engine.shutdown()
+        with pytest.raises(InvalidRequestError, match="classifier"):
+            cross.embed(["a cat"])
+    finally:
+        cross.shutdown()
+    classifier = LLM(str(classifier_dir), dtype="float32")
+    try:
+        out = classifier.classify(["a cat sat", "hello world"])
+        assert [len(o.outputs.probs) for o in out] == [3, 3]
+        assert out[0].outputs.num_classes == 3
+        with pytest.raises(InvalidRequestError, match="3 labels"):
+            classifier.score("a", "b")
+    finally:
+        classifier.shutdown()
+    embedder = LLM(str(encoder_dir), dtype="float32")
+    try:
+        with pytest.raises(InvalidRequestError, match="not a classification model"):
+            embedder.classify(["a cat"])
+        assert abs(embedder.score("a cat", "a cat")[0].outputs.score - 1.0) < 1e-5
+    finally:
+        embedder.shutdown()

@@ -104,9 +104,9 @@ def test_pooling_types_match_transformers(tiny_llama_dir: Path, states: Any, kin
 
 
 def test_pooling_over_http_and_the_default_is_last(tiny_llama_dir: Path, states: Any) -> None:
-    """`/v1/embeddings` on a worker with `pooler_config` CLS (normalized by default); the
-    same worker's score is the cosine of those vectors."""
-    engine = engine_for(tiny_llama_dir, pooler_config='{"pooling_type": "cls"}')
+    """`/v1/embeddings` on a worker with `pooler_config` CLS (not normalized); the same
+    worker's score is the cosine of those vectors (not their dot product)."""
+    engine = engine_for(tiny_llama_dir, pooler_config='{"pooling_type": "cls", "normalize": false}')
     server = ServerThread(build_app(engine, WorkerConfig(served_model_names=("tiny",)))).start()
     try:
         with httpx.Client(base_url=server.url, timeout=60) as http:
@@ -114,7 +114,13 @@ def test_pooling_over_http_and_the_default_is_last(tiny_llama_dir: Path, states:
             assert r.status_code == 200, r.text
             for text, data in zip(["a cat sat", LONG], r.json()["data"], strict=True):
                 np.testing.assert_allclose(data["embedding"],
-                                           expected(states(text), "CLS", True), atol=2e-5)
+                                           expected(states(text), "CLS", False), atol=2e-5)
+            a, b = (expected(states(t), "CLS", False) for t in ("a cat sat", "the sea"))
+            r = http.post("/v1/score", json={"text_1": "a cat sat",
+                                             "text_2": ["a cat sat", "the sea"]})
+            np.testing.assert_allclose(
+                [d["score"] for d in r.json()["data"]],
+                [1.0, a @ b / np.linalg.norm(a) / np.linalg.norm(b)], atol=1e-5)
     finally:
         server.stop()
         engine.shutdown()
@@ -205,6 +211,13 @@ def test_offline_llm_takes_pooler_config_as_a_dict(tiny_llama_dir: Path, states:
     out = llm.embed(["hello world"])[0]
     np.testing.assert_allclose(out.outputs.embedding,
                                expected(states("hello world"), "MEAN", False), atol=2e-5)
+    # `LLM.score` is the cosine of the (here unnormalized) vectors, one against each
+    a, b = (expected(states(t), "MEAN", False) for t in ("hello world", "a cat sat"))
+    scores = [o.outputs.score for o in llm.score("hello world", ["hello world", "a cat sat"])]
+    np.testing.assert_allclose(scores, [1.0, a @ b / np.linalg.norm(a) / np.linalg.norm(b)],
+                               atol=1e-5)
+    with pytest.raises(InvalidRequestError, match="not a classification model"):
+        llm.classify(["hello"])
 
 
 def decoder_classifier(out: Path, arch: str, labels: dict[int, str], **extra: Any) -> Path:

@@ -29,7 +29,15 @@ from sluice.engine.config import EngineConfig
 from sluice.engine.generation_config import model_defaults, overridden_warning
 from sluice.engine.llm_engine import LLMEngine
 from sluice.engine.lora import LoRARequest
-from sluice.engine.outputs import EmbeddingRequestOutput, RequestOutput, ranked
+from sluice.engine.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+    ranked,
+)
 from sluice.engine.sampling_params import RequestOutputKind, SamplingParams, is_integer
 from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.openai import check_continue
@@ -100,9 +108,61 @@ class LLM:
 
     def embed(self, prompts: Prompts, use_tqdm: Progress = False, *,
               priority: Sequence[int] | None = None) -> list[EmbeddingRequestOutput]:
-        """vLLM's `LLM.embed`: each prompt's embedding (`outputs.embedding`), its last
-        token's final hidden state, L2-normalized (docs/worker.md "Embeddings"); in order."""
-        items = _normalize_prompts(prompts)
+        """vLLM's `LLM.embed`: each prompt's embedding (`outputs.embedding`), its final
+        hidden states pooled as the engine's pooler says (docs/engine.md "Embeddings
+        (pooling)"); in order. A classifier has none (`classify`)."""
+        if self.engine.core.info.labels:
+            raise InvalidRequestError("this model is a classifier: LLM.classify or LLM.score",
+                                      param="model")
+        return self._pool(_normalize_prompts(prompts), use_tqdm, priority)
+
+    def classify(self, prompts: Prompts, use_tqdm: Progress = False, *,
+                 priority: Sequence[int] | None = None) -> list[ClassificationRequestOutput]:
+        """vLLM's `LLM.classify`: each prompt's scores over a classifier's labels
+        (`outputs.probs`, in `id2label`'s order); in order."""
+        if not self.engine.core.info.labels:
+            raise InvalidRequestError("this model is not a classification model (a "
+                                      "*ForSequenceClassification checkpoint)", param="model")
+        return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,
+                                            ClassificationOutput(o.outputs.embedding))
+                for o in self._pool(_normalize_prompts(prompts), use_tqdm, priority)]
+
+    def score(self, data_1: str | list[str], data_2: str | list[str],
+              use_tqdm: Progress = False) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score`: `data_1` (one text, against each of `data_2`, or as many,
+        pair by pair) scored against `data_2`: a cross-encoder's (one-label classifier's)
+        own score of each pair, joined by the tokenizer's pair template, or an embedding
+        model's cosine of the two embeddings; in order."""
+        first = [data_1] if isinstance(data_1, str) else list(data_1)
+        second = [data_2] if isinstance(data_2, str) else list(data_2)
+        if len(first) == 1:
+            first = first * len(second)
+        if not second or len(first) != len(second):
+            raise InvalidRequestError(f"data_1 holds {len(first)} texts and data_2 "
+                                      f"{len(second)}: give one data_1, or as many as data_2",
+                                      param="data_2")
+        labels = self.engine.core.info.labels
+        if len(labels) > 1:
+            raise InvalidRequestError(f"this model classifies into {len(labels)} labels; a "
+                                      "pair's score needs one", param="model")
+        if labels:
+            tok = self.engine.tokenizer
+            outs = self._pool([tok.encode_pair(a, b) for a, b in zip(first, second,
+                                                                      strict=True)],
+                              use_tqdm, None)
+            return [ScoringRequestOutput(o.request_id, o.prompt_token_ids,
+                                         ScoringOutput(o.outputs.embedding[0])) for o in outs]
+        left = self._pool(list(dict.fromkeys(first)), use_tqdm, None)
+        vectors = {text: o.outputs.embedding for text, o in zip(dict.fromkeys(first), left,
+                                                                 strict=True)}
+        right = self._pool(list(second), use_tqdm, None)
+        return [ScoringRequestOutput(o.request_id, o.prompt_token_ids,
+                                     ScoringOutput(_cosine(vectors[a], o.outputs.embedding)))
+                for a, o in zip(first, right, strict=True)]
+
+    def _pool(self, items: list[str | list[int]], use_tqdm: Progress,
+              priority: Sequence[int] | None) -> list[EmbeddingRequestOutput]:
+        """Each item's pooled output (an embedding, or a classifier's scores), in order."""
         priorities = _priorities(priority, len(items))
         if self._closed:
             raise RuntimeError("this LLM was shut down")
@@ -229,6 +289,11 @@ def _templated(tok: Any, body: dict[str, Any]) -> str:
     except Exception as exc:
         raise InvalidRequestError(f"the chat template rejected the messages: {exc}",
                                   param="messages") from exc
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    return dot / max((sum(x * x for x in a) * sum(y * y for y in b)) ** 0.5, 1e-12)
 
 
 def _normalize_prompts(prompts: Prompts) -> list[str | list[int]]:

@@ -94,6 +94,40 @@ class EmbeddingOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    probs: list[float]  # vLLM's: one score a label (softmax, or sigmoids)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """vLLM's `LLM.classify` answer for one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float  # vLLM's: a cross-encoder's score of the pair, or two embeddings' cosine
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's `LLM.score` answer for one pair."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # a cross-encoder's pair; an embedding model's second text
+    outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclass
 class EmbeddingRequestOutput:
     """vLLM's `EmbeddingRequestOutput`: one prompt's embedding (`outputs.embedding`), its
     last token's final hidden state, L2-normalized. `data`: the same vector as
