@@ -340,3 +340,35 @@ def test_qwen3_reranker_scores_by_its_yes_and_no_rows(tiny_qwen3_dir: Path) -> N
         assert llm_engine.info.labels == ("no", "yes", "maybe")
     finally:
         llm_engine.shutdown()
+
+
+def test_bench_serve_drives_embeddings_and_classify(tiny_llama_dir: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`sluice bench serve --endpoint /v1/embeddings` against a real worker: every request
+    succeeds, its prompt tokens are the worker's usage (token-id prompts of the asked
+    length), TTFT = E2E (the answer comes at once) and no output tokens; `/classify` on
+    the same worker is a 400 for each request (no classifier), counted as errors (and
+    the run exits 1)."""
+    from sluice.cli import main
+
+    engine = engine_for(tiny_llama_dir)
+    server = ServerThread(build_app(engine, WorkerConfig(served_model_names=("tiny",)))).start()
+    try:
+        common = ["bench", "serve", "--base-url", server.url, "--model", "tiny",
+                  "--input-len", "24", "--num-prompts", "6", "--max-concurrency", "3",
+                  "--warmup", "1", "--disable-tqdm"]
+        assert main([*common, "--endpoint", "/v1/embeddings", "--json",
+                     str(tmp_path / "e.json")]) == 0
+        result = json.loads((tmp_path / "e.json").read_text())["results"][0]
+        assert result["completed"] == 6 and result["failed"] == 0
+        assert result["total_input_tokens"] == 6 * 24 and result["total_output_tokens"] == 0
+        assert result["mean_ttft_ms"] == pytest.approx(result["mean_e2e_ms"])
+        assert result["request_throughput"] > 0 and result["mean_tpot_ms"] is None
+        assert main([*common, "--endpoint", "/classify", "--json",
+                     str(tmp_path / "c.json")]) == 1
+        result = json.loads((tmp_path / "c.json").read_text())["results"][0]
+        assert result["failed"] == 6 and result["errors"] == {"http_400": 6}
+    finally:
+        server.stop()
+        engine.shutdown()
+    capsys.readouterr()

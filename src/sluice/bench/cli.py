@@ -81,7 +81,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("endpoint")
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default %(default)s)")
-    g.add_argument("--endpoint", default="/v1/completions", help="/v1/completions (token-id prompts) or /v1/chat/completions (text) (default %(default)s)")
+    g.add_argument("--endpoint", default="/v1/completions", help="/v1/completions (token-id prompts), /v1/chat/completions (text), or a pooling model's /v1/embeddings or /classify (the prompt as input; not streamed: TTFT = E2E) (default %(default)s)")
     g.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
     g.add_argument("--api-key", default=env.get("API_KEY"), help="sent as a Bearer token (default $SLUICE_API_KEY)")
     g.add_argument("--tokenizer", default=None, help="local tokenizer.json (or a directory with one) or .gguf; default: the server's POST /tokenize")

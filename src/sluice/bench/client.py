@@ -11,7 +11,10 @@ Prompt shapes, by endpoint (a registry, `ENDPOINTS`):
 
 - `/v1/completions`: token ids (`prompt: list[int]`) when every segment's ids are known
   (synthetic and trace workloads: exact prompt lengths), otherwise text;
-- `/v1/chat/completions`: text messages (system, then user/assistant history).
+- `/v1/chat/completions`: text messages (system, then user/assistant history);
+- `/v1/embeddings` (vLLM's `openai-embeddings` backend; also for `/classify`): the
+  completion's prompt as `input`, not streamed: the whole answer is its first "token"
+  (TTFT = E2E, no output tokens), so throughput is requests and input tokens a second.
 A multi-turn session resends its history with the server's earlier answers as text.
 """
 
@@ -110,10 +113,11 @@ def _chat_delta(chunk: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class EndpointShape:
-    """How a turn becomes a request body, and where a chunk keeps its new text."""
+    """How a turn becomes a request body, and where a chunk keeps its new text (None:
+    not streamed, one JSON answer)."""
 
     body: Callable[[Session, History, Turn], dict[str, Any]]
-    delta: Callable[[dict[str, Any]], str]
+    delta: Callable[[dict[str, Any]], str] | None
 
 
 ENDPOINTS: dict[str, EndpointShape] = {
@@ -121,18 +125,23 @@ ENDPOINTS: dict[str, EndpointShape] = {
         lambda s, h, t: {"prompt": _completion_prompt(s, h, t)}, _completion_delta
     ),
     "chat": EndpointShape(lambda s, h, t: {"messages": _chat_messages(s, h, t)}, _chat_delta),
+    "embeddings": EndpointShape(lambda s, h, t: {"input": _completion_prompt(s, h, t)}, None),
 }
 
 
 def endpoint_kind(path: str) -> str:
-    """`/v1/chat/completions` → "chat", `/v1/completions` → "completions"."""
+    """`/v1/chat/completions` → "chat", `/v1/completions` → "completions",
+    `/v1/embeddings` and `/classify` → "embeddings" (a pooled answer, not streamed)."""
     p = path.rstrip("/")
     if p.endswith("/chat/completions"):
         return "chat"
     if p.endswith("/completions"):
         return "completions"
+    if p.endswith(("/embeddings", "/classify")):
+        return "embeddings"
     raise InvalidRequestError(
-        f"--endpoint must end in /completions or /chat/completions, not {path!r}", param="endpoint")
+        f"--endpoint must end in /completions, /chat/completions, /embeddings or /classify, "
+        f"not {path!r}", param="endpoint")
 
 
 # ---------------------------------------------------------------- the client
@@ -160,6 +169,8 @@ class StreamingClient:
         self.shape = ENDPOINTS[endpoint_kind(opts.endpoint)]
 
     def body(self, session: Session, history: History, turn: Turn) -> dict[str, Any]:
+        if self.shape.delta is None:  # pooled: no tokens to generate or sample
+            return {"model": self.opts.model, **self.shape.body(session, history, turn)}
         body: dict[str, Any] = {
             "model": self.opts.model,
             **self.shape.body(session, history, turn),
@@ -197,6 +208,9 @@ class StreamingClient:
         )
         try:
             body = self.body(session, history, turn)
+            if self.shape.delta is None:
+                await self._pooled(body, rec, start, self.headers(session, turn_index))
+                return rec
             async with self.http.stream("POST", self.url, json=body, headers=self.headers(session, turn_index)) as resp:
                 if resp.status_code != 200:
                     await resp.aread()
@@ -208,6 +222,22 @@ class StreamingClient:
         except (AttributeError, KeyError, TypeError, ValueError):  # a chunk of the wrong shape
             rec.error = "bad_stream"
         return rec
+
+    async def _pooled(self, body: dict[str, Any], rec: RequestRecord, start: float,
+                      headers: dict[str, str]) -> None:
+        """One non-streamed request (embeddings, classification): its latency is both
+        its TTFT and its E2E; usage's prompt tokens, no output."""
+        resp = await self.http.post(self.url, json=body, headers=headers)
+        rec.e2e = rec.ttft = time.perf_counter() - start
+        if resp.status_code != 200:
+            rec.error = f"http_{resp.status_code}"
+            return
+        answer = resp.json()
+        if not answer.get("data"):
+            rec.error = "no_output"
+            return
+        rec.prompt_tokens = int((answer.get("usage") or {}).get("prompt_tokens") or 0) \
+            or rec.expected_prompt_tokens
 
     async def _read_stream(
         self, resp: httpx.Response, rec: RequestRecord, start: float, t0: float
