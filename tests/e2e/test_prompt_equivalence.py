@@ -149,6 +149,8 @@ class _FakeState:
     def check_model(self, model: str | None) -> str:
         return model or M
 
+    check_generates = check_model  # (a generating model)
+
     def lora_for(self, model: str | None) -> None:  # the base model: no adapter
         return None
 

@@ -242,6 +242,8 @@ class StreamingClient:
     async def _read_stream(
         self, resp: httpx.Response, rec: RequestRecord, start: float, t0: float
     ) -> None:
+        delta = self.shape.delta
+        assert delta is not None, "a streamed endpoint"
         last: float | None = None
         async for line in resp.aiter_lines():
             if not line.startswith("data:"):
@@ -258,7 +260,7 @@ class StreamingClient:
             if "error" in chunk and not chunk.get("choices"):
                 rec.error = "stream_error"
                 return
-            text = self.shape.delta(chunk)
+            text = delta(chunk)
             if text:
                 if last is None:
                     rec.ttft = now - start
