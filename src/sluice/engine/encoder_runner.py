@@ -60,7 +60,7 @@ class EncoderRunner:
             ("quantization", mc.quantization != "none")) if on]
         if refused:
             raise InvalidRequestError(f"{refused[0]} is not supported for an encoder-only "
-                                      "embedding model", param=refused[0])
+                                      "model", param=refused[0])
         self.device, self.dtype = resolve_device(mc)
         if self.device.type == "cpu" and mc.cpu_threads is not None:
             torch.set_num_threads(mc.cpu_threads)

@@ -2,8 +2,8 @@
 
     LAST   the last token's state (decoder-only embedding models: Qwen3-Embedding,
            e5-mistral, gte-Qwen2; the default)
-    MEAN   the mean over every prompt token's state (GritLM, LLM2Vec, sentence-transformers
-           models with `pooling_mode_mean_tokens`)
+    MEAN   the mean over every prompt token's state (sentence-transformers models with
+           `pooling_mode_mean_tokens`; attention stays causal in a decoder)
     CLS    the first token's state (`pooling_mode_cls_token`)
 
 and whether the vector is L2-normalized. A checkpoint directory's sentence-transformers

@@ -31,7 +31,7 @@ from sluice.engine.pooling import label_scores
 from sluice.protocol.errors import InvalidRequestError
 
 # config.json's `architectures` -> (positions start past the padding id: RoBERTa's,
-# a cross-encoder: a classifier on the first token's state)
+# a classifier on the first token's state: `*ForSequenceClassification`)
 ENCODER_ARCHITECTURES = {
     "BertModel": (False, False), "RobertaModel": (True, False),
     "XLMRobertaModel": (True, False), "BertForSequenceClassification": (False, True),
@@ -60,12 +60,12 @@ class EncoderConfig:
     type_vocab_size: int = 1
     labels: tuple[str, ...] = ()  # a classifier's (config.json's id2label), in id order
     multi_label: bool = False  # each label's own sigmoid (else a softmax over them)
+    # an embedding model trained to be cut (as LlamaConfig's): None, () any, or the sizes
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     @property
     def classifier(self) -> bool:
         return bool(self.labels)
-    # an embedding model trained to be cut (as LlamaConfig's): None, () any, or the sizes
-    matryoshka_dimensions: tuple[int, ...] | None = None
 
     @property
     def max_len(self) -> int:
@@ -106,8 +106,6 @@ def encoder_config(c: dict[str, Any]) -> EncoderConfig:
                          int(c.get("type_vocab_size", 1)), labels,
                          c.get("problem_type") == "multi_label_classification",
                          None if classifier else _matryoshka(c))
-
-
 
 
 class Linear(nn.Linear):
@@ -189,7 +187,6 @@ class Encoder(nn.Module):
             x = layer(x, lengths)
         return x
 
-
     def classify(self, first: Tensor) -> Tensor:
         """A classifier's scores of each input from its first token's state, float32:
         each label's sigmoid (one label, or multi-label) or a softmax over the labels."""
@@ -229,7 +226,7 @@ def load_encoder(directory: Path, c: dict[str, Any], device: torch.device,
             for kind in ("weight", "bias"):
                 if f"{theirs}.{kind}" not in weights:
                     raise InvalidRequestError(f"{cfg.architecture}: missing tensor "
-                                              f"{theirs}.{kind!r}", param="model")
+                                              f"'{theirs}.{kind}'", param="model")
                 head[f"{ours}.{kind}"] = weights.pop(f"{theirs}.{kind}")
     weights = {k: v for k, v in weights.items() if not k.startswith(_IGNORED)
                and not k.endswith("position_ids")}
