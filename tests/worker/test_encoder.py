@@ -212,10 +212,12 @@ def test_sentence_transformers_mean_on_an_encoder(encoder_dir: Path, tmp_path: P
         engine.shutdown()
 
 
-@pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
-def cross_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-              ) -> Path:
-    """A one-label `*ForSequenceClassification` (a reranker's shape)."""
+def classifier_checkpoint(out: Path, family: str, labels: dict[int, str], seed: int,
+                          **extra: Any) -> Path:
+    """A tiny random BERT or XLM-R `*ForSequenceClassification` over `labels`, its head
+    rescaled so that its logits over a few pairs spread with a standard deviation of 2
+    (random weights score every input alike)."""
+    from tokenizers import Tokenizer
     from transformers import (
         BertConfig,
         BertForSequenceClassification,
@@ -223,32 +225,39 @@ def cross_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
         XLMRobertaForSequenceClassification,
     )
 
-    out = tmp_path_factory.mktemp(f"tiny-cross-{request.param}")
-    torch.manual_seed(1)
+    torch.manual_seed(seed)
     shape = dict(vocab_size=80, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 intermediate_size=128, num_labels=1)
-    if request.param == "bert":
+                 intermediate_size=128, id2label=labels,
+                 label2id={v: k for k, v in labels.items()}, **extra)
+    if family == "bert":
         model: Any = BertForSequenceClassification(
             BertConfig(max_position_embeddings=MAX_POSITIONS, **shape))
         save_tokenizer(out, BERT_SPECIALS, ("[CLS]", "[SEP]"), BERT_PAIR)
+        head = model.classifier
     else:
         model = XLMRobertaForSequenceClassification(XLMRobertaConfig(
             max_position_embeddings=MAX_POSITIONS + 2, pad_token_id=1, type_vocab_size=1,
             **shape))
         save_tokenizer(out, XLMR_SPECIALS, ("<s>", "</s>"), XLMR_PAIR)
-    head = model.classifier if request.param == "bert" else model.classifier.out_proj
-    with torch.no_grad():  # random weights score every pair alike: spread the logits
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-        logits = torch.stack([model(input_ids=torch.tensor([e.ids]),
-                                    token_type_ids=torch.tensor([e.type_ids])).logits[0, 0]
-                              for e in (tok.encode(a, b) for a in WORDS[:4] for b in WORDS[4:8])])
+        head = model.classifier.out_proj
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    with torch.no_grad():
+        logits = torch.cat([model(input_ids=torch.tensor([e.ids]),
+                                  token_type_ids=torch.tensor([e.type_ids])).logits
+                            for e in (tok.encode(a, b) for a in WORDS[:4] for b in WORDS[4:8])])
         scale = 2.0 / float(logits.std())
         head.weight *= scale
-        head.bias.copy_(scale * (head.bias - logits.mean()))
+        head.bias.copy_(scale * (head.bias - logits.mean(0)))
     model.save_pretrained(str(out))
     return out
+
+
+@pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
+def cross_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+              ) -> Path:
+    """A one-label `*ForSequenceClassification` (a reranker's shape)."""
+    return classifier_checkpoint(tmp_path_factory.mktemp(f"tiny-cross-{request.param}"),
+                                 request.param, {0: "LABEL_0"}, seed=1)
 
 
 def test_cross_encoder_scores_and_reranks_as_transformers(cross_dir: Path) -> None:
@@ -312,38 +321,14 @@ def test_cross_encoder_scores_and_reranks_as_transformers(cross_dir: Path) -> No
     assert refused.value.param == "pooler_config"
 
 
-@pytest.fixture(scope="module", params=["bert-softmax", "xlm-roberta-multi-label"])
+@pytest.fixture(scope="module", params=["bert", "xlm-roberta"])
 def classifier_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                    ) -> Path:
     """Three labels: BERT's softmax over them, XLM-R's `multi_label_classification`."""
-    from transformers import (
-        BertConfig,
-        BertForSequenceClassification,
-        XLMRobertaConfig,
-        XLMRobertaForSequenceClassification,
-    )
-
-    out = tmp_path_factory.mktemp(f"tiny-classifier-{request.param}")
-    torch.manual_seed(2)
-    labels = {0: "negative", 1: "neutral", 2: "positive"}
-    shape = dict(vocab_size=80, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 intermediate_size=128, id2label=labels,
-                 label2id={v: k for k, v in labels.items()})
-    if request.param == "bert-softmax":
-        model: Any = BertForSequenceClassification(
-            BertConfig(max_position_embeddings=MAX_POSITIONS, **shape))
-        save_tokenizer(out, BERT_SPECIALS, ("[CLS]", "[SEP]"), BERT_PAIR)
-        head = model.classifier
-    else:
-        model = XLMRobertaForSequenceClassification(XLMRobertaConfig(
-            max_position_embeddings=MAX_POSITIONS + 2, pad_token_id=1, type_vocab_size=1,
-            problem_type="multi_label_classification", **shape))
-        save_tokenizer(out, XLMR_SPECIALS, ("<s>", "</s>"), XLMR_PAIR)
-        head = model.classifier.out_proj
-    with torch.no_grad():  # random weights: every input alike; spread the logits
-        head.weight *= 50
-    model.save_pretrained(str(out))
-    return out
+    extra = {} if request.param == "bert" else {"problem_type": "multi_label_classification"}
+    return classifier_checkpoint(
+        tmp_path_factory.mktemp(f"tiny-classifier-{request.param}"), request.param,
+        {0: "negative", 1: "neutral", 2: "positive"}, seed=2, **extra)
 
 
 def test_classify_answers_each_inputs_label_scores(classifier_dir: Path) -> None:
