@@ -877,3 +877,27 @@ async def test_score_and_rerank_count_their_texts_and_name_them(
     rows = sqlite_store.query_usage(UsageQuery())
     assert [(x.endpoint, x.status) for x in rows][-2:] == [
         ("/v1/rerank", "rejected"), ("/v1/score", "error")]
+
+
+async def test_classify_counts_its_input_on_both_paths(
+        sqlite_store: SQLStore, stub: StubUpstream) -> None:
+    """vLLM's `/classify` (and `/v1/classify`): a key is needed outside `/v1/` too; its
+    `input` is the prompt, as embeddings' is (a bad one a 400 naming `input`), no
+    completion reserved; each request passed on and recorded under its own path."""
+    state = make_state(sqlite_store)
+    gw = GatewayMiddleware(stub, state)
+    counted = state.count_prompt_tokens("stub-model", {"prompt": ["a river runs"]})
+    async with client_for(gw) as anonymous:
+        r = await anonymous.post("/classify", json={"model": "stub-model", "input": "a"})
+        assert r.status_code == 401 and stub.received == []
+    async with client_for(gw, new_key(sqlite_store, tpm=10 * counted)) as c:
+        for path in ("/classify", "/v1/classify"):
+            r = await c.post(path, json={"model": "stub-model", "input": {"a": 1}})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+            r = await c.post(path, json={"model": "stub-model", "input": "a river runs"})
+            assert r.status_code == 404  # admitted and passed on: the stub classifies nothing
+            assert r.headers["x-ratelimit-remaining-tokens"] == str(9 * counted)
+    rows = sqlite_store.query_usage(UsageQuery())
+    assert [(x.endpoint, x.status) for x in rows] == [
+        ("/classify", "rejected"), ("/classify", "error"),
+        ("/v1/classify", "rejected"), ("/v1/classify", "error")]

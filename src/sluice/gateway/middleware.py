@@ -1,7 +1,7 @@
 """`GatewayMiddleware`: who is calling and how much, in front of any OpenAI ASGI app.
 
 Pure ASGI (Starlette style): it wraps the router's or a worker's app, or the httpx
-proxy of `sluice gateway --upstream`. Per request under `/v1/`:
+proxy of `sluice gateway --upstream`. Per request under `/v1/` (and vLLM's `/classify`):
 
     1. authenticate   Bearer or x-api-key -> key + tenant (cached while the store's
                       auth version holds: revocation is immediate on every replica,
@@ -89,6 +89,7 @@ from sluice.protocol.errors import (
 )
 from sluice.protocol.ids import unique_hex
 from sluice.protocol.prompt import (
+    EMBEDDINGS,
     IDS_HEADER,
     KIND_OF_PATH,
     READ_REQUEST,
@@ -235,7 +236,7 @@ class GatewayMiddleware:
             except SluiceError as exc:
                 return await send_error(send, exc, path)
             return await self.app(scope, receive, send)
-        if path.startswith("/v1/"):
+        if path.startswith("/v1/") or path in GENERATION_ENDPOINTS:  # (vLLM's /classify)
             return await Exchange(self, scope, receive, send).run()
         return await self.app(scope, receive, send)
 
@@ -500,7 +501,7 @@ class Exchange:
         counter = self.state.count_prompt_tokens
         tokens = getattr(counter, "prompt_tokens", None)
         kind = KIND_OF_PATH.get(self.endpoint)
-        if self.endpoint == EMBEDDINGS_PATH:
+        if kind == EMBEDDINGS:  # embeddings' and classify's `input`
             check_embeddings_input(payload)
         if tokens is None or kind is None:
             # a plain counter reads a completion's body: give it a scoring request's texts
