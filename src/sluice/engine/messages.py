@@ -202,7 +202,11 @@ def _from_wire(w: list[Any]) -> Command | Event:
     if kind == "finish":
         return Finish(args[0], args[1])
     if kind == "ready":
-        return Ready(CoreInfo(*args))
+        info = CoreInfo(*args)  # (msgpack gives lists: the tuples back)
+        dims = info.matryoshka_dimensions
+        return Ready(dataclasses.replace(info, labels=tuple(info.labels),
+                                         matryoshka_dimensions=None if dims is None
+                                         else tuple(dims)))
     if kind == "failed":
         return Failed(*args)
     if kind == "shutdown":
