@@ -310,6 +310,10 @@ def test_cross_encoder_scores_and_reranks_as_transformers(cross_dir: Path) -> No
             assert "classifier" in r.json()["error"]["message"]
             r = http.post("/v1/score", json={"text_1": "", "text_2": "a cat"})
             assert r.status_code == 400 and r.json()["error"]["param"] == "text_1"
+            # a long pair is tokenized off the event loop, then refused as too long
+            r = http.post("/v1/rerank", json={"query": query, "documents": ["a cat " * 3000]})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
+            assert "maximum context length" in r.json()["error"]["message"]
             r = http.post("/v1/chat/completions",
                           json={"messages": [{"role": "user", "content": "hi"}]})
             assert r.status_code == 400 and r.json()["error"]["param"] == "model"

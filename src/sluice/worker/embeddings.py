@@ -48,7 +48,7 @@ from sluice.protocol.openai import (
     ScoreRequest,
     now,
 )
-from sluice.protocol.prompt import IdsHint, encode_prompt
+from sluice.protocol.prompt import INLINE_TOKENIZE_CHARS, IdsHint, encode_prompt
 from sluice.worker.sampling import check_token_ids
 from sluice.worker.state import WorkerState
 
@@ -218,7 +218,11 @@ async def _score_pairs(state: WorkerState, pairs: list[tuple[str, str]], request
         for text, param in zip(pair, params, strict=True):
             if not text:
                 raise InvalidRequestError("a text to score must not be empty", param=param)
-    ids = [tok.encode_pair(first, second) for first, second in pairs]
+    def encode() -> list[list[int]]:
+        return [tok.encode_pair(first, second) for first, second in pairs]
+
+    chars = sum(len(a) + len(b) for a, b in pairs)  # long texts: off the event loop
+    ids = encode() if chars <= INLINE_TOKENIZE_CHARS else await asyncio.to_thread(encode)
     return await _embed_all(state, list(ids), request_id, [params[1]] * len(ids))
 
 
