@@ -372,3 +372,55 @@ def test_bench_serve_drives_embeddings_and_classify(tiny_llama_dir: Path, tmp_pa
         server.stop()
         engine.shutdown()
     capsys.readouterr()
+
+
+def test_sentence_transformers_dense_modules_project_the_pooled_vector(
+        tiny_llama_dir: Path, tmp_path: Path, states: Any) -> None:
+    """Dense modules after the Pooling module (LaBSE's shape: a linear and tanh; here a
+    second without bias or activation too) map the mean before it is normalized, as
+    sentence-transformers computes it; the embedding is the last one's width (and
+    `dimensions` is measured against it); one saved as pytorch_model.bin reads too."""
+    from safetensors.torch import save_file
+
+    out = sentence_transformers_copy(tiny_llama_dir, tmp_path / "st-dense",
+                                     {"pooling_mode_mean_tokens": True}, normalize=True)
+    torch.manual_seed(4)
+    first = (torch.randn(32, 64) * 0.2, torch.randn(32) * 0.2)
+    second = torch.randn(16, 32) * 0.2
+    modules = json.loads((out / "modules.json").read_text())
+    normalize = modules.pop()  # Dense modules go between Pooling and Normalize
+    for i, (name, activation) in enumerate([("2_Dense", "torch.nn.modules.activation.Tanh"),
+                                            ("3_Dense", "torch.nn.modules.linear.Identity")]):
+        (out / name).mkdir()
+        (out / name / "config.json").write_text(json.dumps(
+            {"in_features": 64 if i == 0 else 32, "out_features": 32 if i == 0 else 16,
+             "bias": i == 0, "activation_function": activation}))
+        modules.append({"idx": 2 + i, "name": str(2 + i), "path": name,
+                        "type": "sentence_transformers.models.Dense"})
+    save_file({"linear.weight": first[0], "linear.bias": first[1]},
+              str(out / "2_Dense" / "model.safetensors"))
+    torch.save({"linear.weight": second}, out / "3_Dense" / "pytorch_model.bin")
+    modules.append({**normalize, "idx": 4, "name": "4", "path": "4_Normalize"})
+    (out / "modules.json").write_text(json.dumps(modules))
+
+    engine = engine_for(out, hf_overrides='{"is_matryoshka": true}')
+    try:
+        got = embed_all(engine, ["hello world", LONG], "dense")
+        for text, o in zip(["hello world", LONG], got, strict=True):
+            mean = states(text).mean(0)
+            want = torch.tanh(mean @ first[0].T + first[1]) @ second.T
+            np.testing.assert_allclose(o.outputs.embedding,
+                                       torch.nn.functional.normalize(want, dim=-1).numpy(),
+                                       atol=2e-5)
+        assert engine.info.hidden_size == 16
+        server = ServerThread(build_app(engine, WorkerConfig())).start()
+        try:
+            with httpx.Client(base_url=server.url, timeout=60) as http:
+                r = http.post("/v1/embeddings", json={"input": "hello world", "dimensions": 17})
+                assert r.status_code == 400 and "exceeds the embedding's 16" in r.text
+                r = http.post("/v1/embeddings", json={"input": "hello world", "dimensions": 8})
+                assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 8
+        finally:
+            server.stop()
+    finally:
+        engine.shutdown()

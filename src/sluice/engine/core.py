@@ -99,7 +99,7 @@ class EngineCore:
                               getattr(self.runner, "lora_shapes", {}).items()},
                              config.scheduler.scheduling_policy,
                              config.structured.reasoning_parser,
-                             getattr(model_config, "hidden_size", 0),
+                             self.pooler.width(getattr(model_config, "hidden_size", 0)),
                              getattr(model_config, "matryoshka_dimensions", None),
                              encoder or bool(getattr(self.runner, "labels", ())),
                              tuple(getattr(self.runner, "labels", ())))
@@ -355,6 +355,7 @@ class EngineCore:
         hidden = torch.stack([s.pooled for s in seqs])
         if self.pooler.pooling_type == "MEAN":
             hidden /= torch.tensor([[s.num_prompt_tokens] for s in seqs], dtype=hidden.dtype)
+        hidden = self.pooler.project(hidden)  # the checkpoint's Dense modules, if any
         if self.pooler.normalize:
             hidden = torch.nn.functional.normalize(hidden, dim=-1)
         vectors = hidden.cpu().numpy()

@@ -7,8 +7,10 @@
     CLS    the first token's state (`pooling_mode_cls_token`)
 
 and whether the vector is L2-normalized. A checkpoint directory's sentence-transformers
-files (`modules.json` naming a Pooling module, its `config.json`, and a Normalize
-module or not) give the model's own choice, as vLLM reads them; `--pooler-config`
+files (`modules.json` naming a Pooling module, its `config.json`, Dense modules after it,
+and a Normalize module or not) give the model's own choice, as vLLM reads them: each
+Dense module (a linear, with or without a bias, then identity or tanh: LaBSE's
+projection) maps the pooled vector before it is normalized; `--pooler-config`
 (vLLM's flag: `pooling_type`, `use_activation` or its older name `normalize`) replaces
 the fields it names. Without either: LAST, normalized.
 
@@ -21,7 +23,7 @@ the end, CLS keeps the first chunk's first row.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +41,31 @@ _ST_OTHER_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens
                    "pooling_mode_weightedmean_tokens")
 
 
+# sentence-transformers' Dense activations -> the function applied after the linear
+_DENSE_ACTIVATIONS = {"torch.nn.modules.linear.Identity": None,
+                      "torch.nn.modules.activation.Tanh": torch.tanh}
+
+
+@dataclass(frozen=True)
+class Dense:
+    """A sentence-transformers Dense module: activation(x @ weight.T + bias)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    activation: str
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.linear(x, self.weight, self.bias)
+        act = _DENSE_ACTIVATIONS[self.activation]
+        return x if act is None else act(x)
+
+
 @dataclass(frozen=True)
 class Pooler:
     pooling_type: str = "LAST"
     normalize: bool = True
+    # the checkpoint's Dense modules after pooling, in order (float32; not compared)
+    dense: tuple[Dense, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
@@ -50,15 +73,20 @@ class Pooler:
                                       f"(supported: {', '.join(POOLING_TYPES)})",
                                       param="pooler_config")
 
-    @property
-    def every_position(self) -> bool:
-        """Whether every prompt position's state is read (no prefix-cache hits)."""
-        return self.pooling_type != "LAST"
-
     def resolve(self, flag: dict[str, Any]) -> Pooler:
         """This (the model's own) with `--pooler-config`'s fields replacing its own."""
         return Pooler(flag.get("pooling_type", self.pooling_type),
-                      flag.get("normalize", self.normalize))
+                      flag.get("normalize", self.normalize), self.dense)
+
+    def project(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The pooled rows through the Dense modules (unchanged without any)."""
+        for layer in self.dense:
+            pooled = layer(pooled)
+        return pooled
+
+    def width(self, hidden_size: int) -> int:
+        """An embedding's length: the last Dense module's outputs, else the model's."""
+        return int(self.dense[-1].weight.shape[0]) if self.dense else hidden_size
 
 
 def parse_pooler_config(text: str | None) -> dict[str, Any]:
@@ -141,7 +169,34 @@ def sentence_transformers_pooler(directory: Path) -> Pooler | None:
             f"{sorted(k for k in (*_ST_MODES, *_ST_OTHER_MODES) if config.get(k))} is not "
             "supported (one of pooling_mode_lasttoken, pooling_mode_mean_tokens, "
             "pooling_mode_cls_token); --pooler-config chooses another", param="model")
-    return Pooler(chosen[0], normalize="Normalize" in kinds)
+    dense = tuple(_dense(directory, m) for m in modules
+                  if isinstance(m, dict) and str(m.get("type", "")).endswith(".Dense"))
+    return Pooler(chosen[0], normalize="Normalize" in kinds, dense=dense)
+
+
+def _dense(directory: Path, module: dict[str, Any]) -> Dense:
+    """One Dense module: its `config.json` and `model.safetensors` (or
+    `pytorch_model.bin`, read with weights_only)."""
+    folder = directory / str(module.get("path", ""))
+    config = _read_json(folder / "config.json")
+    activation = config.get("activation_function", "torch.nn.modules.linear.Identity")
+    if activation not in _DENSE_ACTIVATIONS:
+        raise InvalidRequestError(f"{folder}: Dense activation {activation!r} is not supported "
+                                  f"({', '.join(_DENSE_ACTIVATIONS)})", param="model")
+    if (folder / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(folder / "model.safetensors"))
+    elif (folder / "pytorch_model.bin").is_file():
+        tensors = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    else:
+        raise InvalidRequestError(f"{folder}: a Dense module without model.safetensors or "
+                                  "pytorch_model.bin", param="model")
+    if "linear.weight" not in tensors:
+        raise InvalidRequestError(f"{folder}: no tensor 'linear.weight'", param="model")
+    bias = tensors.get("linear.bias")
+    return Dense(tensors["linear.weight"].float(), None if bias is None else bias.float(),
+                 activation)
 
 
 def _read_json(file: Path) -> Any:
