@@ -424,3 +424,25 @@ def test_sentence_transformers_dense_modules_project_the_pooled_vector(
             server.stop()
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["MEAN", "CLS", "LAST"])
+def test_a_prompt_pooled_in_chunks_starts_over_at_position_zero(kind: str) -> None:
+    """The core's bookkeeping across chunks, on plain rows: MEAN sums its chunks' sums,
+    CLS keeps the first chunk's row, LAST the last chunk's; a chunk at position 0 (a
+    preempted prompt computed again) starts the row over; only the chunk that ends the
+    prompt finishes the sequence."""
+    from sluice.engine.core import EngineCore
+    from sluice.engine.scheduler import ScheduledChunk
+    from sluice.engine.sequence import Sequence
+
+    seq = Sequence(1, "r", 0, list(range(40)), 40, SamplingParams(max_tokens=1), 1, 0, 0.0,
+                   pooling=kind)
+    rows = [torch.full((2,), float(v)) for v in (1, 2, 10, 20, 4)]
+    steps = [(0, 16, False), (16, 16, False),  # two chunks, then preempted:
+             (0, 16, False), (16, 16, False), (32, 8, True)]  # again from 0, to the end
+    finished = []
+    for (start, n, last), row in zip(steps, rows, strict=True):
+        finished += EngineCore._keep_pooled([ScheduledChunk(seq, start, n, last)], row[None])
+    want = {"MEAN": 10 + 20 + 4, "CLS": 10, "LAST": 4}[kind]
+    assert seq.pooled.tolist() == [want, want] and finished == [seq]
