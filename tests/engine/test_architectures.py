@@ -485,11 +485,16 @@ def test_gemma3_config_from_the_hub_and_from_transformers_5(tiny_gemma3_dir: Pat
     for bad, named in (({"architectures": ["LlamaForCausalLM"], "hidden_activation": None,
                         "final_logit_softcapping": 30.0}, "final_logit_softcapping"),
                        ({"hidden_activation": "gelu"}, "'gelu'"),
-                       ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+                       ({"architectures": ["LlamaForCausalLM"], "hidden_activation": None,
+                         "use_bidirectional_attention": True}, "Gemma 3 (EmbeddingGemma) only"),
                        ({"layer_types": ["sliding_attention"] * 3}, "layer_types")):
         with pytest.raises(UnsupportedModelError) as err:
             config_from_hf({**GEMMA3_1B, **bad})
         assert err.value.param == "model" and named in str(err.value)
+    # EmbeddingGemma's: transformers' window |q - k| < sliding_window // 2 + 1
+    bidirectional = config_from_hf({**GEMMA3_1B, "use_bidirectional_attention": True})
+    assert bidirectional.bidirectional
+    assert bidirectional.sliding_window == GEMMA3_1B["sliding_window"] // 2 + 1
 
 
 def test_gemma3_in_bfloat16_follows_float32(tiny_gemma3_dir: Path) -> None:

@@ -446,3 +446,60 @@ def test_a_prompt_pooled_in_chunks_starts_over_at_position_zero(kind: str) -> No
         finished += EngineCore._keep_pooled([ScheduledChunk(seq, start, n, last)], row[None])
     want = {"MEAN": 10 + 20 + 4, "CLS": 10, "LAST": 4}[kind]
     assert seq.pooled.tolist() == [want, want] and finished == [seq]
+
+
+@pytest.fixture(scope="module")
+def bidirectional_gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """EmbeddingGemma's shape: a `Gemma3TextModel` with `use_bidirectional_attention`, a
+    window of 8 (each token sees those less than 8 // 2 + 1 = 5 away, either side) in its
+    first layer, full attention in its second."""
+    from transformers import AutoConfig, AutoModel
+
+    from tiny_models import save_smollm2_tokenizer
+
+    config = AutoConfig.for_model(
+        "gemma3_text", vocab_size=49152, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        query_pre_attn_scalar=24, sliding_window=8, max_position_embeddings=2048,
+        layer_types=["sliding_attention", "full_attention"], rms_norm_eps=1e-5,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, use_bidirectional_attention=True)
+    torch.manual_seed(5)
+    model = AutoModel.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    out = tmp_path_factory.mktemp("tiny-embeddinggemma")
+    model.save_pretrained(str(out), safe_serialization=True)
+    save_smollm2_tokenizer(out)
+    return out
+
+
+def test_bidirectional_gemma_embeds_as_transformers(bidirectional_gemma_dir: Path) -> None:
+    """Every token attends to its whole input (and within the window on either side in
+    the sliding layer): MEAN-pooled vectors equal transformers' `Gemma3TextModel` for
+    inputs shorter and longer than the window, several in one step (the padded path) and
+    one alone (the fresh path); generation is refused."""
+    from transformers import AutoModel
+
+    peer = AutoModel.from_pretrained(str(bidirectional_gemma_dir), dtype=torch.float32).eval()
+    assert peer.config.use_bidirectional_attention and peer.config.sliding_window == 5
+    engine = engine_for(bidirectional_gemma_dir, pooler_config='{"pooling_type": "MEAN"}')
+    texts = ["hello world", "a cat sat on the mat by the river " * 3, LONG[:300]]
+    try:
+        for batch in (texts, texts[1:2]):
+            outs = embed_all(engine, batch, f"bi-{len(batch)}")
+            for text, out in zip(batch, outs, strict=True):
+                with torch.no_grad():
+                    hidden = peer(torch.tensor([engine.tokenizer.encode(text)])).last_hidden_state
+                np.testing.assert_allclose(out.outputs.embedding,
+                                           expected(hidden[0], "MEAN", True), atol=2e-5)
+        assert engine.info.embedding_only
+
+        async def generate() -> None:
+            async for _ in engine.generate("a", SamplingParams(max_tokens=1), "g"):
+                pass
+        with pytest.raises(InvalidRequestError, match="pooling model"):
+            asyncio.run(generate())
+    finally:
+        engine.shutdown()

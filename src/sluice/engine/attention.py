@@ -120,6 +120,9 @@ class StepLayout:
     device: torch.device
     dtype: torch.dtype
     native_prefill: bool = False  # prefill groups for `paged_prefill_attention`
+    # every query sees its whole sequence (EmbeddingGemma), a window |q - k| < window:
+    # each group's mask spelled out (the plain path and the native kernels are causal)
+    bidirectional: bool = False
 
 
 @dataclass
@@ -168,8 +171,9 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, cache: KVCache,
     """
     cache.write(meta.slots, k, v)
     t, heads, d = q.shape
-    groups = (meta.groups if window is None and softcap is None
-              else meta.masked(window, every=softcap is not None))
+    bidirectional = meta.layout is not None and meta.layout.bidirectional
+    groups = (meta.groups if window is None and softcap is None and not bidirectional
+              else meta.masked(window, every=softcap is not None or bidirectional))
     if len(groups) == 1:
         return _group_attention(q, k, v, cache, groups[0], meta, window, softcap)
     out = q.new_empty(t, heads * d)
@@ -288,9 +292,15 @@ def _padded_mask(q_lens: Sequence[int], start_positions: Sequence[int], n_keys: 
         q_pos[i, :n] = torch.arange(s, s + n)
         rows.extend(range(i * q_len, i * q_len + n))
     key_pos = torch.arange(n_keys).view(1, 1, -1)
-    hidden = key_pos > q_pos.unsqueeze(-1)  # [B, Q, L]
-    if window is not None:
-        hidden |= key_pos <= q_pos.unsqueeze(-1) - window
+    if layout.bidirectional:  # every key of the query's own sequence, within the window
+        ends = torch.tensor([s + n for s, n in zip(start_positions, q_lens, strict=True)])
+        hidden = (key_pos >= ends.view(-1, 1, 1)).expand(batch, q_len, n_keys).clone()
+        if window is not None:
+            hidden |= (key_pos - q_pos.unsqueeze(-1)).abs() >= window
+    else:
+        hidden = key_pos > q_pos.unsqueeze(-1)  # [B, Q, L]
+        if window is not None:
+            hidden |= key_pos <= q_pos.unsqueeze(-1) - window
     hidden = hidden.unsqueeze(1)  # [B, 1, Q, L]
     mask = torch.zeros(hidden.shape, dtype=layout.dtype).masked_fill_(hidden, float("-inf"))
     if q_len > 1:
@@ -307,9 +317,13 @@ def _masked_group(g: AttentionGroup, window: int | None, layout: StepLayout) -> 
     if g.fresh:
         n = g.end - g.start
         pos = torch.arange(n)
-        hidden = pos.view(1, -1) > pos.view(-1, 1)
-        if window is not None:
-            hidden |= pos.view(1, -1) <= pos.view(-1, 1) - window
+        if layout.bidirectional:
+            distance = (pos.view(1, -1) - pos.view(-1, 1)).abs()
+            hidden = distance >= (window if window is not None else n)
+        else:
+            hidden = pos.view(1, -1) > pos.view(-1, 1)
+            if window is not None:
+                hidden |= pos.view(1, -1) <= pos.view(-1, 1) - window
         mask = torch.zeros(n, n, dtype=layout.dtype).masked_fill_(hidden, float("-inf"))
         return replace(g, mask=mask.to(layout.device))
     mask, scatter = _padded_mask(g.q_lens, g.start_positions,

@@ -195,7 +195,11 @@ class ModelRunner:
         # prefill chunks' attention straight from the pool (sluice.engine.attention)
         self.native_prefill = (self.native is not None
                                 and self.native.paged_prefill_attention is not None
-                                and self.model_config.head_dim % 16 == 0)
+                                and self.model_config.head_dim % 16 == 0
+                                and not self.model_config.bidirectional)
+        # a bidirectional model (EmbeddingGemma) is an embedding model run as an encoder:
+        # the core turns chunked prefill and prefix caching off and refuses generation
+        self.encoder_only = self.model_config.bidirectional
         if self.native is not None:
             self.model.use_fused_kernels(self.native.fused_add_rms_norm,
                                          self.native.silu_and_mul, self.native.rotary_embedding)
@@ -233,7 +237,7 @@ class ModelRunner:
         self.wide_graph: DecodeGraph | None = None
         # the graph's layers are dense (any block norms, Q/K norms, activation, NoPE and
         # sliding layers, capped scores): not a mixture of experts
-        if not mc.enforce_eager and cfg.moe is None:
+        if not mc.enforce_eager and cfg.moe is None and not cfg.bidirectional:
             dense = None
             head = self.gguf_blocks.get("output")  # the GGUF graph's head kernel, both graphs
             if self.panels:
@@ -416,7 +420,7 @@ class ModelRunner:
         native = self.native
         cfg = self.model_config
         layout = StepLayout(self.block_size, cfg.num_heads // cfg.num_kv_heads, self.device,
-                            self.dtype, self.native_prefill)
+                            self.dtype, self.native_prefill, cfg.bidirectional)
         meta = AttentionMetadata(self._tensor(slots), self._groups(chunks, order, layout),
                                  native.paged_decode_attention if native else None,
                                  native.paged_prefill_attention

@@ -282,6 +282,10 @@ class LlamaConfig:
     # `score` head reads the last token's state (ModelRunner.classifier); () for others
     labels: tuple[str, ...] = ()
     multi_label: bool = False  # each label's own sigmoid (else a softmax over them)
+    # every token attends to its whole input (EmbeddingGemma), and a sliding layer to the
+    # tokens less than `sliding_window` away on either side: an embedding model, run as
+    # an encoder (whole inputs a step; sluice.engine.attention's bidirectional layout)
+    bidirectional: bool = False
 
     def uses_rope(self, layer: int) -> bool:
         return not self.no_rope_layers or bool(self.no_rope_layers[layer])

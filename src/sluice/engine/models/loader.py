@@ -206,6 +206,8 @@ def read_config(directory: Path) -> dict[str, Any]:
 def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
     """config.json -> LlamaConfig; rejects architectures and features not implemented."""
     arch = (c.get("architectures") or [c.get("model_type", "?")])[0]
+    if arch == "Gemma3TextModel":  # EmbeddingGemma's base model: Gemma 3's text blocks
+        arch = "Gemma3ForCausalLM"
     # a classifier (a reward model, Qwen2ForSequenceClassification): the causal LM's
     # architecture with a `score` head on the last token instead of the LM head
     classifier = arch.endswith("ForSequenceClassification")
@@ -226,9 +228,10 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
         if c.get(cap) is not None and not spec.gemma:  # Gemma 2's tanh caps
             raise UnsupportedModelError(f"{arch}: {cap} is not supported", param="model")
-    if c.get("use_bidirectional_attention"):  # EmbeddingGemma's: no causal mask
-        raise UnsupportedModelError(f"{arch}: use_bidirectional_attention is not supported "
-                                    "(causal attention only)", param="model")
+    bidirectional = bool(c.get("use_bidirectional_attention"))  # EmbeddingGemma's
+    if bidirectional and arch != "Gemma3ForCausalLM":
+        raise UnsupportedModelError(f"{arch}: use_bidirectional_attention is supported for "
+                                    "Gemma 3 (EmbeddingGemma) only", param="model")
     if arch == "GraniteMoeHybridForCausalLM":
         c = _granite_hybrid(c)
     heads = int(c["num_attention_heads"])
@@ -259,6 +262,7 @@ def config_from_hf(c: dict[str, Any]) -> LlamaConfig:
         mlp_activation=MLP_ACTIVATION_OF[act],
         matryoshka_dimensions=None if classifier else _matryoshka(c),
         labels=classifier_labels(c) if classifier else (),
+        bidirectional=bidirectional,
         multi_label=c.get("problem_type") == "multi_label_classification")
 
 
@@ -362,7 +366,10 @@ def _sliding(c: dict[str, Any], arch: str, period: int, rope: RopeConfig) -> dic
         local = rope
     else:
         local = RopeConfig(theta=rope.theta)
-    return {"sliding_window": int(c["sliding_window"]),
+    window = int(c["sliding_window"])
+    if c.get("use_bidirectional_attention"):  # transformers': |q - k| < window // 2 + 1
+        window = window // 2 + 1
+    return {"sliding_window": window,
             "sliding_layers": tuple(int(t == "sliding_attention") for t in types),
             "local_rope": local}
 
