@@ -16,6 +16,7 @@ LoRA, speculative decoding, KV offload and quantization are refused.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 from pathlib import Path
@@ -30,7 +31,13 @@ from sluice.engine.model_runner import ModelRunner, SeqChunk, resolve_device
 from sluice.engine.models.bert import is_encoder, load_encoder
 from sluice.engine.models.loader import overridden, read_config
 from sluice.engine.native import PackedLinear, cpu_linear
-from sluice.engine.pooling import Pooler, parse_pooler_config, resolve_pooler
+from sluice.engine.pooling import (
+    Pooler,
+    parse_pooler_config,
+    pooled_rows,
+    resolve_pooler,
+    sum_rows,
+)
 from sluice.engine.tokenizer import Tokenizer, default_served_name, load_tokenizer, local_model_path
 from sluice.protocol.errors import InvalidRequestError
 
@@ -118,18 +125,11 @@ class EncoderRunner:
         for c in chunks:  # (the core schedules nothing else for this runner)
             assert c.pool and not c.start_pos and c.need_logits, "whole prompts to pool only"
         hidden = self.encoder([c.token_ids for c in chunks], self.separator)
-        if self.labels:  # each input's scores from its first token's state
-            ends = torch.tensor([len(c.token_ids) for c in chunks]).cumsum(0)
-            firsts = hidden[torch.cat([torch.zeros(1, dtype=torch.long), ends[:-1]])]
-            self.pooled = self.encoder.classify(firsts)
-            return empty
-        hidden = hidden.float()
-        rows, start = [], 0
-        for c in chunks:
-            n = len(c.token_ids)
-            part = hidden[start:start + n]
-            rows.append(part.sum(0) if c.pool == "MEAN" else part[0] if c.pool == "CLS"
-                        else part[-1])
-            start += n
-        self.pooled = torch.stack(rows)
+        starts = itertools.accumulate((len(c.token_ids) for c in chunks[:-1]), initial=0)
+        rows, sizes = pooled_rows((start, len(c.token_ids), c.pool)
+                                  for start, c in zip(starts, chunks, strict=True))
+        states = hidden[torch.tensor(rows, device=self.device)]
+        # a classifier's scores from its first token's state (its pooler is CLS)
+        self.pooled = self.encoder.classify(states) if self.labels \
+            else sum_rows(states.float(), sizes)
         return empty

@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
+import numpy as np
+
 from sluice.engine.config import EngineConfig
 from sluice.engine.generation_config import model_defaults, overridden_warning
 from sluice.engine.llm_engine import LLMEngine
@@ -38,6 +40,7 @@ from sluice.engine.outputs import (
     ScoringRequestOutput,
     ranked,
 )
+from sluice.engine.pooling import unit_rows
 from sluice.engine.sampling_params import RequestOutputKind, SamplingParams, is_integer
 from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.openai import check_continue
@@ -156,9 +159,10 @@ class LLM:
         vectors = {text: o.outputs.embedding for text, o in zip(dict.fromkeys(first), left,
                                                                  strict=True)}
         right = self._pool(list(second), use_tqdm, None)
-        return [ScoringRequestOutput(o.request_id, o.prompt_token_ids,
-                                     ScoringOutput(_cosine(vectors[a], o.outputs.embedding)))
-                for a, o in zip(first, right, strict=True)]
+        a = unit_rows(np.asarray([vectors[text] for text in first]))
+        b = unit_rows(np.asarray([o.outputs.embedding for o in right]))
+        return [ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(float(c)))
+                for o, c in zip(right, (a * b).sum(axis=1), strict=True)]
 
     def _pool(self, items: list[str | list[int]], use_tqdm: Progress,
               priority: Sequence[int] | None) -> list[EmbeddingRequestOutput]:
@@ -289,11 +293,6 @@ def _templated(tok: Any, body: dict[str, Any]) -> str:
     except Exception as exc:
         raise InvalidRequestError(f"the chat template rejected the messages: {exc}",
                                   param="messages") from exc
-
-
-def _cosine(a: list[float], b: list[float]) -> float:
-    dot = sum(x * y for x, y in zip(a, b, strict=True))
-    return dot / max((sum(x * x for x in a) * sum(y * y for y in b)) ** 0.5, 1e-12)
 
 
 def _normalize_prompts(prompts: Prompts) -> list[str | list[int]]:

@@ -67,7 +67,14 @@ from sluice.engine.native import (
     swiglu_rows_min,
     with_small_rows,
 )
-from sluice.engine.pooling import Pooler, label_scores, parse_pooler_config, resolve_pooler
+from sluice.engine.pooling import (
+    Pooler,
+    label_scores,
+    parse_pooler_config,
+    pooled_rows,
+    resolve_pooler,
+    sum_rows,
+)
 from sluice.engine.tokenizer import (
     Tokenizer,
     default_served_name,
@@ -434,24 +441,16 @@ class ModelRunner:
             logits = self.model(self._tensor(tokens), self._tensor(positions), meta,
                                 self._tensor(wanted))
             return logits.float()
-        pooled: list[int] = []  # the pooling chunks' rows ...
-        sizes: list[int] = []  # ... so many a chunk, summed (MEAN)
-        for i, c in enumerate(chunks):
-            if c.pool:
-                last = last_row[i]
-                first = last - len(c.token_ids) + 1
-                rows = range(first, last + 1) if c.pool == "MEAN" else \
-                    [first] if c.pool == "CLS" else [last]
-                pooled.extend(rows)
-                sizes.append(len(rows))
+        pooled, sizes = pooled_rows((last_row[i] - len(c.token_ids) + 1, len(c.token_ids),
+                                     c.pool) for i, c in enumerate(chunks) if c.pool)
         hidden = self.model.hidden(self._tensor(tokens), self._tensor(positions), meta,
                                    self._tensor(wanted + pooled))
         states = hidden[len(wanted):].float()
-        self.pooled = states if len(sizes) == len(pooled) else \
-            torch.stack([part.sum(0) for part in states.split(sizes)])
-        if self.labels:  # a classifier's label scores instead of the state
+        if self.labels:  # a classifier's label scores (of its last token's state)
             head = self.model.get_buffer("classifier")  # (load_model's)
             self.pooled = label_scores(states @ head.float().T, self.model_config.multi_label)
+        else:
+            self.pooled = sum_rows(states, sizes)
         return self.model.output(hidden[:len(wanted)]).float()
 
     def _tensor(self, values: list[int]) -> Tensor:

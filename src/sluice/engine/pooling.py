@@ -23,10 +23,12 @@ the end, CLS keeps the first chunk's first row.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from sluice.protocol.errors import InvalidRequestError
@@ -215,3 +217,32 @@ def label_scores(logits: torch.Tensor, multi_label: bool) -> torch.Tensor:
     if logits.shape[-1] == 1 or multi_label:
         return torch.sigmoid(logits)
     return torch.softmax(logits, dim=-1)
+
+
+def pooled_rows(spans: Iterable[tuple[int, int, str]]) -> tuple[list[int], list[int]]:
+    """For pooling chunks whose tokens are rows `first .. first + n - 1` of a step's
+    states, each `(first, n, pooling type)`: the rows the types read (MEAN every one, CLS
+    the first, LAST the last), in chunk order, and how many each chunk has
+    (`sum_rows`'s sizes)."""
+    rows: list[int] = []
+    sizes: list[int] = []
+    for first, n, kind in spans:
+        span = range(first, first + n) if kind == "MEAN" else \
+            range(first, first + 1) if kind == "CLS" else range(first + n - 1, first + n)
+        rows.extend(span)
+        sizes.append(len(span))
+    return rows, sizes
+
+
+def sum_rows(states: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """One row a chunk: the sum of its `sizes` consecutive rows of `states` (the rows
+    themselves where each chunk has one)."""
+    if len(sizes) == states.shape[0]:
+        return states
+    return torch.stack([part.sum(0) for part in states.split(sizes)])
+
+
+def unit_rows(rows: np.ndarray) -> np.ndarray:
+    """Rows scaled to length 1 (a cosine is then a dot product; a pooler may leave its
+    vectors unnormalized)."""
+    return rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from sluice.engine.outputs import EmbeddingRequestOutput
+from sluice.engine.pooling import unit_rows
 from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.openai import (
     ClassificationRequest,
@@ -115,7 +116,7 @@ async def score(state: WorkerState, req: ScoreRequest, request_id: str,
                 "usage": _usage(scored)}
     vectors = await _embed_all(state, [*left, *right], request_id,
                                ["text_1"] * len(left) + ["text_2"] * len(right), hint)
-    a, b = _unit(_matrix(vectors[:len(left)])), _unit(_matrix(vectors[len(left):]))
+    a, b = unit_rows(_matrix(vectors[:len(left)])), unit_rows(_matrix(vectors[len(left):]))
     return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": now(),
             "model": model,
             "data": [{"index": k, "object": "score", "score": float(a[i] @ b[j])}
@@ -134,7 +135,7 @@ async def rerank(state: WorkerState, req: RerankRequest, request_id: str,
     else:
         vectors = await _embed_all(state, [req.query, *req.documents], request_id,
                                    ["query"] + ["documents"] * len(req.documents), hint)
-        scores = _unit(_matrix(vectors[1:])) @ _unit(_matrix(vectors[:1]))[0]
+        scores = unit_rows(_matrix(vectors[1:])) @ unit_rows(_matrix(vectors[:1]))[0]
     order = sorted(range(len(req.documents)), key=lambda i: -scores[i])[:req.top_n]
     return {"id": f"rerank-{uuid.uuid4().hex}", "model": model, "usage": _usage(vectors),
             "results": [{"index": i, "relevance_score": float(scores[i]),
@@ -230,12 +231,6 @@ def _usage(outputs: list[EmbeddingRequestOutput]) -> dict[str, int]:
     """Every text embedded counts, as prompt tokens (nothing is generated)."""
     tokens = sum(len(o.prompt_token_ids) for o in outputs)
     return {"prompt_tokens": tokens, "total_tokens": tokens}
-
-
-def _unit(rows: np.ndarray) -> np.ndarray:
-    """Rows scaled to length 1 (a cosine is then a dot product; a pooler may leave its
-    vectors unnormalized)."""
-    return rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
 
 
 def _matrix(outputs: list[EmbeddingRequestOutput]) -> np.ndarray:

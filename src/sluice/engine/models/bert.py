@@ -71,9 +71,6 @@ class EncoderConfig:
     def max_len(self) -> int:
         return self.max_position_embeddings - self.position_offset
 
-    @property
-    def num_kv_heads(self) -> int:  # (what the engine's info reads of a model)
-        return self.num_heads
 
 
 def is_encoder(config: dict[str, Any]) -> bool:
