@@ -220,21 +220,20 @@ def test_offline_llm_takes_pooler_config_as_a_dict(tiny_llama_dir: Path, states:
         llm.classify(["hello"])
 
 
-def decoder_classifier(out: Path, arch: str, labels: dict[int, str], **extra: Any) -> Path:
-    """A tiny random `<arch>ForSequenceClassification` (a `score` head over the last
-    token's state) with SmolLM2's tokenizer."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+def tiny_transformers_model(out: Path, auto_class: Any, model_type: str, seed: int,
+                            **config: Any) -> Path:
+    """A tiny random 2-layer `model_type` checkpoint built by transformers' `auto_class`
+    (`config` over the common shape), its weights widened so that inputs differ, with
+    SmolLM2's tokenizer."""
+    from transformers import AutoConfig
 
     from tiny_models import save_smollm2_tokenizer
 
-    config = AutoConfig.for_model(
-        arch, vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-        tie_word_embeddings=True, id2label=labels, label2id={v: k for k, v in labels.items()},
-        **extra)
-    torch.manual_seed(3)
-    model = AutoModelForSequenceClassification.from_config(config)
+    shape = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                 rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = auto_class.from_config(AutoConfig.for_model(model_type, **{**shape, **config}))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
@@ -242,6 +241,16 @@ def decoder_classifier(out: Path, arch: str, labels: dict[int, str], **extra: An
     model.save_pretrained(str(out), safe_serialization=True)
     save_smollm2_tokenizer(out)
     return out
+
+
+def decoder_classifier(out: Path, arch: str, labels: dict[int, str], **extra: Any) -> Path:
+    """A tiny random `<arch>ForSequenceClassification` (a `score` head over the last
+    token's state)."""
+    from transformers import AutoModelForSequenceClassification
+
+    return tiny_transformers_model(
+        out, AutoModelForSequenceClassification, arch, seed=3, tie_word_embeddings=True,
+        id2label=labels, label2id={v: k for k, v in labels.items()}, **extra)
 
 
 @pytest.mark.parametrize("arch, labels, extra", [
@@ -453,26 +462,12 @@ def bidirectional_gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """EmbeddingGemma's shape: a `Gemma3TextModel` with `use_bidirectional_attention`, a
     window of 8 (each token sees those less than 8 // 2 + 1 = 5 away, either side) in its
     first layer, full attention in its second."""
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoModel
 
-    from tiny_models import save_smollm2_tokenizer
-
-    config = AutoConfig.for_model(
-        "gemma3_text", vocab_size=49152, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        query_pre_attn_scalar=24, sliding_window=8, max_position_embeddings=2048,
-        layer_types=["sliding_attention", "full_attention"], rms_norm_eps=1e-5,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, use_bidirectional_attention=True)
-    torch.manual_seed(5)
-    model = AutoModel.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-    out = tmp_path_factory.mktemp("tiny-embeddinggemma")
-    model.save_pretrained(str(out), safe_serialization=True)
-    save_smollm2_tokenizer(out)
-    return out
+    return tiny_transformers_model(
+        tmp_path_factory.mktemp("tiny-embeddinggemma"), AutoModel, "gemma3_text", seed=5,
+        head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], use_bidirectional_attention=True)
 
 
 def test_bidirectional_gemma_embeds_as_transformers(bidirectional_gemma_dir: Path) -> None:
