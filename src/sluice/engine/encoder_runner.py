@@ -17,7 +17,6 @@ LoRA, speculative decoding, KV offload and quantization are refused.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -90,7 +89,7 @@ class EncoderRunner:
         self.kv_cache_bytes = 0
         self.labels = self.model_config.labels
         # a pair's second text starts after the first separator (two token types: BERT's)
-        self.separator = self._separator(path) if self.labels else None
+        self.separator = self._separator() if self.labels else None
         if self.labels and mc.pooler_config is not None:
             raise InvalidRequestError("pooler_config does not apply to a classifier (its "
                                       "scores are its classifier's)", param="pooler_config")
@@ -105,13 +104,11 @@ class EncoderRunner:
                  self.max_model_len)
         self.execute([SeqChunk([0, 0], 0, [], True, pool=self.pooler.pooling_type)])  # warm-up
 
-    def _separator(self, path: Path) -> int | None:
+    def _separator(self) -> int | None:
         """The separator token's id (tokenizer_config.json's `sep_token`, else `[SEP]`)."""
-        config = path / "tokenizer_config.json"
-        name = json.loads(config.read_text()).get("sep_token") if config.is_file() else None
-        if isinstance(name, dict):
-            name = name.get("content")
-        token = self.tokenizer.backend.token_to_id(name or "[SEP]")
+        if self.tokenizer.sep_token_id is not None:
+            return self.tokenizer.sep_token_id
+        token = self.tokenizer.backend.token_to_id("[SEP]")
         return int(token) if token is not None else None
 
     @torch.inference_mode()

@@ -136,6 +136,7 @@ class Tokenizer:
     bos_token_id: int | None
     chat_template: str | None = None
     special_tokens: dict[str, str] = field(default_factory=dict)  # bos_token/eos_token strings
+    sep_token_id: int | None = None  # tokenizer_config.json's `sep_token` (a pair's separator)
     vocab_size: int = 0
 
     def __post_init__(self) -> None:
@@ -311,6 +312,7 @@ def hf_tokenizer(directory: Path) -> Tokenizer:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default") or next(iter(named.values()), None)
     bos, eos = _token_str(tok_cfg.get("bos_token")), _token_str(tok_cfg.get("eos_token"))
+    sep = _token_str(tok_cfg.get("sep_token"))
     eos_ids = set(_as_id_list(_read_json(directory / "generation_config.json").get("eos_token_id")))
     eos_ids |= set(_as_id_list(_read_json(directory / "config.json").get("eos_token_id")))
     eos_id = backend.token_to_id(eos) if eos else None
@@ -320,7 +322,8 @@ def hf_tokenizer(directory: Path) -> Tokenizer:
         backend=backend, eos_token_ids=eos_ids,
         bos_token_id=backend.token_to_id(bos) if bos else None,
         chat_template=template if isinstance(template, str) else None,
-        special_tokens={"bos_token": bos or "", "eos_token": eos or ""})
+        special_tokens={"bos_token": bos or "", "eos_token": eos or ""},
+        sep_token_id=backend.token_to_id(sep) if sep else None)
 
 
 # --- GGUF ----------------------------------------------------------------------------------
