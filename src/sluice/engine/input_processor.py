@@ -39,12 +39,7 @@ class InputProcessor:
                 resumed: Sequence[int] = (), lora: LoRARequest | None = None) -> CoreRequest:
         """`resumed`: tokens already generated for this request elsewhere (a migrated
         stream); the core appends them to the prompt as output and continues after them."""
-        if self.info.embedding_only:
-            raise InvalidRequestError(
-                f"the model {self.info.model_name!r} is a pooling model (embeddings, scores, "
-                "classification): it serves /v1/embeddings, /v1/score, /v1/rerank and "
-                "/classify, not generation",
-                param="model")
+        self.check_generates()
         self.check_priority(priority)
         ids = self.tokenize(prompt)
         max_tokens = self.check_lengths(len(ids), params)
@@ -91,6 +86,15 @@ class InputProcessor:
                 f"{info.num_kv_blocks} blocks of {info.block_size} tokens", param=param)
         return CoreRequest(request_id, ids, SamplingParams(max_tokens=1), priority, time.time(),
                            1, pooling=True)
+
+    def check_generates(self) -> None:
+        """A 400 naming `model` where the core's model is a pooling model (an encoder, a
+        bidirectional decoder or a classifier: vLLM's "does not support" answer)."""
+        if self.info.embedding_only:
+            raise InvalidRequestError(
+                f"the model {self.info.model_name!r} is a pooling model (embeddings, scores, "
+                "classification): it serves /v1/embeddings, /v1/score, /v1/rerank and "
+                "/classify, not generation", param="model")
 
     def check_priority(self, priority: int) -> None:
         """A priority other than 0 needs the priority policy: under fcfs the scheduler

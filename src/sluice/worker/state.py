@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from sluice.engine.generation_config import overridden_warning
 from sluice.engine.stats import EngineStats
 from sluice.observe.tracing import start_tracing
-from sluice.protocol.errors import InvalidRequestError, NotFoundError, ServiceUnavailableError
+from sluice.protocol.errors import NotFoundError, ServiceUnavailableError
 from sluice.worker.config import WorkerConfig
 from sluice.worker.generation import Admission
 from sluice.worker.lora import LoRARegistry
@@ -109,14 +109,10 @@ class WorkerState:
         raise NotFoundError(f"The model `{model}` does not exist.", param="model")
 
     def check_generates(self, model: str | None) -> str:
-        """`check_model`, and a 400 naming `model` where it is an encoder-only embedding
-        model (it cannot generate: vLLM's "does not support" answer)."""
+        """`check_model`, and the input processor's 400 for a pooling model, before any
+        templating (a BERT checkpoint has no chat template to complain about)."""
         name = self.check_model(model)
-        if self.require_engine().info.embedding_only:
-            raise InvalidRequestError(f"the model {name!r} is a pooling model (embeddings, "
-                                      "scores, classification): it serves /v1/embeddings, "
-                                      "/v1/score, /v1/rerank and /classify, not generation",
-                                      param="model")
+        self.require_engine().inputs.check_generates()
         return name
 
     def lora_for(self, model: str | None) -> LoRARequest | None:
