@@ -47,8 +47,10 @@ def build_runner(config: EngineConfig) -> Any:
     """The runner for `config`'s model: an encoder's, or the decoder's ModelRunner."""
     mc = config.model
     path = local_model_path(mc.model, mc.revision)
-    if path.is_dir() and is_encoder(overridden(read_config(path), mc.overrides())):
-        return EncoderRunner(config, path)
+    if path.is_dir():
+        hf_config = overridden(read_config(path), mc.overrides())
+        if is_encoder(hf_config):
+            return EncoderRunner(config, path, hf_config)
     return ModelRunner(config)
 
 
@@ -56,7 +58,8 @@ class EncoderRunner:
     encoder_only = True  # EngineCore: no chunked prefill, no prefix caching, no generation
     rope_variant = ""
 
-    def __init__(self, config: EngineConfig, path: Path) -> None:
+    def __init__(self, config: EngineConfig, path: Path, hf_config: dict[str, Any]) -> None:
+        """`hf_config`: the checkpoint's config.json, `--hf-overrides` applied."""
         mc = config.model
         refused = [name for name, on in (
             ("enable_lora", config.lora.enable_lora),
@@ -71,7 +74,7 @@ class EncoderRunner:
         if self.device.type == "cpu" and mc.cpu_threads is not None:
             torch.set_num_threads(mc.cpu_threads)
         self.encoder, self.model_config = load_encoder(
-            path, overridden(read_config(path), mc.overrides()), self.device, self.dtype)
+            path, hf_config, self.device, self.dtype)
         if cpu_linear(mc.kernel_backend, self.device, self.dtype) is not None:
             # oneDNN on weights packed once: 1.1-1.2x torch's MKL F.linear (docs/models.md)
             self.encoder.use_matmul(lambda weight: PackedLinear(weight, F.linear))
