@@ -6,7 +6,7 @@ The offline API mirrors vLLM's so users know it::
     llm = LLM()                      # the default model, SmolLM2-135M-Instruct
     out = llm.generate(["Hello"], SamplingParams(max_tokens=16))
 
-`LLM` and `SamplingParams` are imported lazily so that `import sluice` stays cheap
+`LLM`, `SamplingParams` and `PoolingParams` are imported lazily so that `import sluice` stays cheap
 for processes (router, gateway, bench) that never load torch.
 """
 
@@ -18,9 +18,10 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from sluice.engine.llm import LLM
+    from sluice.engine.pooling_params import PoolingParams
     from sluice.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "PoolingParams", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -32,4 +33,8 @@ def __getattr__(name: str) -> Any:
         from sluice.engine.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "PoolingParams":
+        from sluice.engine.pooling_params import PoolingParams
+
+        return PoolingParams
     raise AttributeError(name)

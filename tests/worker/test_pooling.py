@@ -274,10 +274,12 @@ def test_decoder_classifiers_classify_and_score_pairs(tmp_path: Path, arch: str,
     engine = engine_for(model_dir)
     texts = ["hello world", LONG, "a cat sat on the mat"]
 
-    def expected(ids: list[int]) -> np.ndarray:
+    def expected(ids: list[int], activation: bool = True) -> np.ndarray:
         with torch.no_grad():
             logits = peer(torch.tensor([ids])).logits[0]
         multi = len(labels) == 1 or extra.get("problem_type") == "multi_label_classification"
+        if not activation:
+            return logits.numpy()
         return (torch.sigmoid(logits) if multi else torch.softmax(logits, -1)).numpy()
 
     server = ServerThread(build_app(engine, WorkerConfig(served_model_names=("c",)))).start()
@@ -290,12 +292,28 @@ def test_decoder_classifiers_classify_and_score_pairs(tmp_path: Path, arch: str,
                 np.testing.assert_allclose(data["probs"], want, atol=1e-5)
                 assert data["label"] == labels[int(want.argmax())]
                 assert data["num_classes"] == len(labels)
+            # the request's own: raw logits (use_activation off, or `activation`, its older
+            # name), the input's last tokens
+            ids = engine.tokenizer.encode(texts[2])
+            for flag in ({"use_activation": False}, {"activation": False}):
+                r = http.post("/classify", json={"input": texts[2], **flag})
+                np.testing.assert_allclose(r.json()["data"][0]["probs"],
+                                           expected(ids, activation=False), atol=1e-5)
+            r = http.post("/classify", json={"input": texts[2], "truncate_prompt_tokens": 3})
+            np.testing.assert_allclose(r.json()["data"][0]["probs"], expected(ids[-3:]),
+                                       atol=1e-5)
             r = http.post("/v1/score", json={"text_1": "a cat", "text_2": ["a cat", "stocks"]})
             if len(labels) == 1:
                 assert r.status_code == 200, r.text
                 for second, data in zip(["a cat", "stocks"], r.json()["data"], strict=True):
                     ids = engine.tokenizer.encode_pair("a cat", second)
                     np.testing.assert_allclose(data["score"], expected(ids)[0], atol=1e-5)
+                ids = engine.tokenizer.encode_pair("a cat", "stocks")  # a pair cut as one
+                r = http.post("/v1/rerank", json={"query": "a cat", "documents": ["stocks"],
+                                                  "use_activation": False,
+                                                  "truncate_prompt_tokens": 2})
+                np.testing.assert_allclose(r.json()["results"][0]["relevance_score"],
+                                           expected(ids[-2:], activation=False)[0], atol=1e-5)
             else:
                 assert r.status_code == 400 and r.json()["error"]["param"] == "model"
             for path, body in [("/v1/completions", {"prompt": "a", "max_tokens": 2}),

@@ -42,6 +42,7 @@ from sluice.engine.lora import LoRARequest
 from sluice.engine.messages import Abort, Add, CoreOutputs, Finish, SeqUpdate, Shutdown
 from sluice.engine.output_processor import OutputProcessor
 from sluice.engine.outputs import EmbeddingRequestOutput, RequestOutput
+from sluice.engine.pooling_params import PoolingParams
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.stats import EngineStats
 from sluice.protocol.errors import InvalidRequestError, ServiceUnavailableError
@@ -124,10 +125,11 @@ class AsyncEngine:
                 self._forget(request_id)
 
     async def embed(self, prompt: str | list[int], request_id: str, priority: int = 0,
-                    param: str = "input") -> EmbeddingRequestOutput:
-        """One prompt's embedding (`EngineCore._embed`); admission errors name `param`.
-        Cancelling the caller aborts it in the core."""
-        request = self.inputs.prepare_pooling(request_id, prompt, priority, param)
+                    param: str = "input", pooling: PoolingParams | None = None
+                    ) -> EmbeddingRequestOutput:
+        """One prompt's embedding (`EngineCore._embed`), as `pooling` asks; admission
+        errors name `param`. Cancelling the caller aborts it in the core."""
+        request = self.inputs.prepare_pooling(request_id, prompt, priority, param, pooling)
         with self._lock:
             stream = self._open(request_id)
         self.client.send(Add(request))

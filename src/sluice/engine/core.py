@@ -33,7 +33,7 @@ from sluice.engine.kv_transfer import KVTransfer, KVTransferError
 from sluice.engine.lora import LoRAAdapter, LoRACache
 from sluice.engine.messages import CoreInfo, CoreRequest, SeqUpdate
 from sluice.engine.outputs import RequestMetrics
-from sluice.engine.pooling import Pooler
+from sluice.engine.pooling import Pooler, label_scores
 from sluice.engine.sampler import Sampler, SampleResult, logprob_entry
 from sluice.engine.scheduler import ScheduledChunk, Scheduler
 from sluice.engine.sequence import Request, Sequence
@@ -256,7 +256,8 @@ class EngineCore:
         seq = Sequence(self._next_seq_id, req.request_id, index, list(req.prompt_token_ids),
                        num_prompt, params, req.max_tokens, req.priority, req.arrival_time,
                        generator=gen, seed=None if params.seed is None else params.seed + index,
-                       pooling=self.pooler.pooling_type if req.pooling else "")
+                       pooling=self.pooler.pooling_type if req.pooling else "",
+                       use_activation=req.use_activation)
         if params.logprobs is not None:
             seq.logprobs, seq.cumulative_logprob = [], 0.0
         if params.prompt_logprobs is not None and index == 0 and not req.num_output_tokens:
@@ -348,16 +349,14 @@ class EngineCore:
 
     def _embed(self, seqs: list[Sequence]) -> list[SeqUpdate]:
         """Finish each embedding whose prompt this step completed: its pooled row (MEAN's
-        sum over the prompt's length), L2-normalized where the pooler says, as float32
+        sum over the prompt's length) through the activation (`_activate`), as float32
         bytes; nothing is sampled and its blocks go back (full ones stay cached)."""
         if not seqs:
             return []
         hidden = torch.stack([s.pooled for s in seqs])
         if self.pooler.pooling_type == "MEAN":
             hidden /= torch.tensor([[s.num_prompt_tokens] for s in seqs], dtype=hidden.dtype)
-        hidden = self.pooler.project(hidden)  # the checkpoint's Dense modules, if any
-        if self.pooler.normalize:
-            hidden = torch.nn.functional.normalize(hidden, dim=-1)
+        hidden = self._activate(self.pooler.project(hidden), seqs)  # (Dense modules, if any)
         vectors = hidden.cpu().numpy()
         updates = []
         for seq, vector in zip(seqs, vectors, strict=True):
@@ -373,6 +372,22 @@ class EngineCore:
                                      num_prefill_chunks=seq.num_prefill_chunks,
                                      embedding=vector.astype("<f4").tobytes()))
         return updates
+
+    def _activate(self, rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Each row through the pooler's activation where its request wants it
+        (`PoolingParams.use_activation`; None: the model's default): a classifier's logits
+        to label scores (on by default), an embedding L2-normalized (the pooler's)."""
+        labels = bool(self.info.labels)
+        default = True if labels else self.pooler.normalize
+        wanted = [default if s.use_activation is None else s.use_activation for s in seqs]
+        if not any(wanted):
+            return rows
+        multi = getattr(getattr(self.runner, "model_config", None), "multi_label", False)
+        done = label_scores(rows, multi) if labels else \
+            torch.nn.functional.normalize(rows, dim=-1)
+        if all(wanted):
+            return done
+        return torch.where(torch.tensor(wanted).unsqueeze(1), done, rows)
 
     def _tokens_counted(self) -> int:
         """Prompt plus generated tokens counted so far (vllm:prompt_tokens' and

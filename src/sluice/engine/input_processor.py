@@ -20,6 +20,7 @@ from typing import Protocol
 from sluice.engine.block_manager import blocks_needed
 from sluice.engine.lora import LoRARequest
 from sluice.engine.messages import CoreInfo, CoreRequest
+from sluice.engine.pooling_params import PoolingParams
 from sluice.engine.sampling_params import SamplingParams, is_integer
 from sluice.engine.structured_output import check_constraint
 from sluice.protocol.errors import ContextLengthError, InvalidRequestError
@@ -41,7 +42,7 @@ class InputProcessor:
         stream); the core appends them to the prompt as output and continues after them."""
         self.check_generates()
         self.check_priority(priority)
-        ids = self.tokenize(prompt)
+        ids = self.truncate(self.tokenize(prompt), params.truncate_prompt_tokens)
         max_tokens = self.check_lengths(len(ids), params)
         if resumed:
             if len(resumed) >= max_tokens:
@@ -65,14 +66,18 @@ class InputProcessor:
                            lora)
 
     def prepare_pooling(self, request_id: str, prompt: str | list[int], priority: int = 0,
-                        param: str = "input") -> CoreRequest:
-        """An embedding request: the prompt alone must fit the context and the KV pool (no
-        token is generated); errors name `param` (`input` on `/v1/embeddings`)."""
+                        param: str = "input", pooling: PoolingParams | None = None
+                        ) -> CoreRequest:
+        """An embedding request: the prompt alone (cut as `pooling` says) must fit the
+        context and the KV pool (no token is generated); errors name `param` (`input` on
+        `/v1/embeddings`)."""
+        pooling = pooling or PoolingParams()
         self.check_priority(priority)
         try:
             ids = self.tokenize(prompt)
         except InvalidRequestError as exc:
             raise InvalidRequestError(exc.message, param=param) from None
+        ids = self.truncate(ids, pooling.truncate_prompt_tokens)
         limit, info = self.info.max_model_len, self.info
         if len(ids) > limit:
             raise ContextLengthError(
@@ -85,7 +90,7 @@ class InputProcessor:
                 f"the input needs {need} KV cache blocks but the KV cache holds only "
                 f"{info.num_kv_blocks} blocks of {info.block_size} tokens", param=param)
         return CoreRequest(request_id, ids, SamplingParams(max_tokens=1), priority, time.time(),
-                           1, pooling=True)
+                           1, pooling=True, use_activation=pooling.use_activation)
 
     def check_generates(self) -> None:
         """A 400 naming `model` where the core's model is a pooling model (an encoder, a
@@ -115,6 +120,19 @@ class InputProcessor:
             if bad:
                 raise InvalidRequestError(f"{param} token id {bad[0]} is out of vocabulary "
                                           f"range [0, {vocab})", param=param)
+
+    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens, special ones
+        counted (-1: the context length; None: all of it); more than the context length
+        is a 400 naming it, as in vLLM."""
+        if keep is None:
+            return ids
+        limit = self.info.max_model_len
+        if keep > limit:
+            raise InvalidRequestError(f"truncate_prompt_tokens value ({keep}) is greater than "
+                                      f"max_model_len ({limit}). Please, select a smaller "
+                                      "truncation size.", param="truncate_prompt_tokens")
+        return ids[-(limit if keep == -1 else keep):]
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -41,6 +41,7 @@ from sluice.engine.outputs import (
     ranked,
 )
 from sluice.engine.pooling import unit_rows
+from sluice.engine.pooling_params import PoolingParams
 from sluice.engine.sampling_params import RequestOutputKind, SamplingParams, is_integer
 from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.openai import check_continue
@@ -52,6 +53,7 @@ Prompt = str | list[int] | dict[str, Any]
 Prompts = Prompt | Sequence[Prompt]
 ParamsArg = SamplingParams | Sequence[SamplingParams] | None
 LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
+PoolingArg = PoolingParams | Sequence[PoolingParams] | None
 Messages = list[dict[str, Any]]
 Progress = bool | Callable[..., Any]  # use_tqdm: a bar or not, or a tqdm-like factory
 
@@ -110,32 +112,45 @@ class LLM:
         return self._run(self._add_all(items, params, loras, priorities), params, use_tqdm)
 
     def embed(self, prompts: Prompts, use_tqdm: Progress = False, *,
-              priority: Sequence[int] | None = None) -> list[EmbeddingRequestOutput]:
+              priority: Sequence[int] | None = None, truncate_prompt_tokens: int | None = None,
+              pooling_params: PoolingArg = None) -> list[EmbeddingRequestOutput]:
         """vLLM's `LLM.embed`: each prompt's embedding (`outputs.embedding`), its final
         hidden states pooled as the engine's pooler says (docs/engine.md "Embeddings
-        (pooling)"); in order. A classifier has none (`classify`)."""
+        (pooling)"); in order. `pooling_params` (one for all, or one per prompt) and
+        `truncate_prompt_tokens` (over theirs) as vLLM's. A classifier has none
+        (`classify`)."""
         if self.engine.core.info.labels:
             raise InvalidRequestError("this model is a classifier: LLM.classify or LLM.score",
                                       param="model")
-        return self._pool(_normalize_prompts(prompts), use_tqdm, priority)
+        items = _normalize_prompts(prompts)
+        return self._pool(items, use_tqdm, priority,
+                          _pooling(pooling_params, len(items), truncate_prompt_tokens))
 
     def classify(self, prompts: Prompts, use_tqdm: Progress = False, *,
-                 priority: Sequence[int] | None = None) -> list[ClassificationRequestOutput]:
+                 priority: Sequence[int] | None = None,
+                 truncate_prompt_tokens: int | None = None,
+                 pooling_params: PoolingArg = None) -> list[ClassificationRequestOutput]:
         """vLLM's `LLM.classify`: each prompt's scores over a classifier's labels
-        (`outputs.probs`, in `id2label`'s order); in order."""
+        (`outputs.probs`, in `id2label`'s order; its raw logits with
+        `PoolingParams(use_activation=False)`); in order."""
         if not self.engine.core.info.labels:
             raise InvalidRequestError("this model is not a classification model (a "
                                       "*ForSequenceClassification checkpoint)", param="model")
+        items = _normalize_prompts(prompts)
+        pooled = self._pool(items, use_tqdm, priority,
+                            _pooling(pooling_params, len(items), truncate_prompt_tokens))
         return [ClassificationRequestOutput(o.request_id, o.prompt_token_ids,
                                             ClassificationOutput(o.outputs.embedding))
-                for o in self._pool(_normalize_prompts(prompts), use_tqdm, priority)]
+                for o in pooled]
 
     def score(self, data_1: str | list[str], data_2: str | list[str],
-              use_tqdm: Progress = False) -> list[ScoringRequestOutput]:
+              use_tqdm: Progress = False, *, truncate_prompt_tokens: int | None = None,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
         """vLLM's `LLM.score`: `data_1` (one text, against each of `data_2`, or as many,
         pair by pair) scored against `data_2`: a cross-encoder's (one-label classifier's)
-        own score of each pair, joined by the tokenizer's pair template, or an embedding
-        model's cosine of the two embeddings; in order."""
+        own score of each pair, joined by the tokenizer's pair template (the pair's ids
+        truncated as one prompt), or an embedding model's cosine of the two embeddings
+        (each text truncated); in order."""
         first = [data_1] if isinstance(data_1, str) else list(data_1)
         second = [data_2] if isinstance(data_2, str) else list(data_2)
         if len(first) == 1:
@@ -152,20 +167,24 @@ class LLM:
             tok = self.engine.tokenizer
             outs = self._pool([tok.encode_pair(a, b) for a, b in zip(first, second,
                                                                       strict=True)],
-                              use_tqdm, None)
+                              use_tqdm, None,
+                              _pooling(pooling_params, len(first), truncate_prompt_tokens))
             return [ScoringRequestOutput(o.request_id, o.prompt_token_ids,
                                          ScoringOutput(o.outputs.embedding[0])) for o in outs]
-        left = self._pool(list(dict.fromkeys(first)), use_tqdm, None)
-        vectors = {text: o.outputs.embedding for text, o in zip(dict.fromkeys(first), left,
-                                                                 strict=True)}
-        right = self._pool(list(second), use_tqdm, None)
+        unique: list[str | list[int]] = list(dict.fromkeys(first))
+        left = self._pool(unique, use_tqdm, None,
+                          _pooling(pooling_params, len(unique), truncate_prompt_tokens))
+        vectors = {text: o.outputs.embedding for text, o in zip(unique, left, strict=True)}
+        right = self._pool(list(second), use_tqdm, None,
+                           _pooling(pooling_params, len(second), truncate_prompt_tokens))
         a = unit_rows(np.asarray([vectors[text] for text in first]))
         b = unit_rows(np.asarray([o.outputs.embedding for o in right]))
         return [ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(float(c)))
                 for o, c in zip(right, (a * b).sum(axis=1), strict=True)]
 
     def _pool(self, items: list[str | list[int]], use_tqdm: Progress,
-              priority: Sequence[int] | None) -> list[EmbeddingRequestOutput]:
+              priority: Sequence[int] | None, pooling: list[PoolingParams]
+              ) -> list[EmbeddingRequestOutput]:
         """Each item's pooled output (an embedding, or a classifier's scores), in order."""
         priorities = _priorities(priority, len(items))
         if self._closed:
@@ -173,8 +192,9 @@ class LLM:
         engine, ids = self.engine, [f"llm-{next(self._ids)}" for _ in items]
         bar = None
         try:
-            for request_id, prompt, p in zip(ids, items, priorities, strict=True):
-                engine.add_embedding_request(request_id, prompt, p)
+            for request_id, prompt, p, params in zip(ids, items, priorities, pooling,
+                                                     strict=True):
+                engine.add_embedding_request(request_id, prompt, p, params)
             bar = _progress(use_tqdm, len(ids))
             while engine.has_unfinished_requests() and any(i not in engine.embeddings
                                                             for i in ids):
@@ -352,6 +372,16 @@ def _per_prompt(value: Any, count: int, param: str, kind: type, default: Any) ->
         raise InvalidRequestError(f"{param} must be a {kind.__name__} or a list of them, got "
                                   f"a {type(wrong[0]).__name__} in the list", param=param)
     return list(value)
+
+
+def _pooling(value: PoolingArg, count: int, truncate_prompt_tokens: int | None
+             ) -> list[PoolingParams]:
+    """The PoolingParams of each of `count` prompts (`_per_prompt`'s rule), with
+    `truncate_prompt_tokens` over theirs where given (vLLM's keyword)."""
+    each = _per_prompt(value, count, "pooling_params", PoolingParams, PoolingParams())
+    if truncate_prompt_tokens is None:
+        return each
+    return [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in each]
 
 
 def _priorities(priority: Sequence[int] | None, count: int) -> list[int]:

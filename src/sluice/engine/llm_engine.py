@@ -21,6 +21,7 @@ from sluice.engine.lora import LoRARequest
 from sluice.engine.messages import CoreRequest, SeqUpdate
 from sluice.engine.output_processor import OutputProcessor
 from sluice.engine.outputs import EmbeddingRequestOutput, RequestOutput
+from sluice.engine.pooling_params import PoolingParams
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import Scheduler
 from sluice.engine.stats import EngineStats
@@ -73,10 +74,12 @@ class LLMEngine:
                          request.arrival_time)
 
     def add_embedding_request(self, request_id: str, prompt: str | list[int],
-                              priority: int = 0) -> None:
-        """Queue an embedding (`EngineCore._embed`); once a step has computed it, its
-        `EmbeddingRequestOutput` is in `embeddings` (errors name `prompt`)."""
-        request = self.inputs.prepare_pooling(request_id, prompt, priority, param="prompt")
+                              priority: int = 0, pooling: PoolingParams | None = None) -> None:
+        """Queue an embedding (`EngineCore._embed`), as `pooling` asks; once a step has
+        computed it, its `EmbeddingRequestOutput` is in `embeddings` (errors name
+        `prompt`)."""
+        request = self.inputs.prepare_pooling(request_id, prompt, priority, param="prompt",
+                                              pooling=pooling)
         self.core.add(request)
         self._embedding[request_id] = request.prompt_token_ids
 

@@ -44,8 +44,9 @@ class CoreRequest:
     #                             request resumed here: they count as output, not prompt)
     lora: LoRARequest | None = None  # multi-LoRA: the adapter to run with (None: the base)
     # an embedding (`/v1/embeddings`, `LLM.embed`): the prompt is computed and nothing is
-    # sampled; its last token's final hidden state comes back in `SeqUpdate.embedding`
+    # sampled; its pooled final hidden states come back in `SeqUpdate.embedding`
     pooling: bool = False
+    use_activation: bool | None = None  # a pooling request's (PoolingParams'; None: default)
 
 
 @dataclass(slots=True)
@@ -174,7 +175,8 @@ def _to_wire(m: Command | Event) -> list[Any]:
         lora = None if r.lora is None else [r.lora.lora_name, r.lora.lora_path,
                                              r.lora.content_hash]
         return ["add", r.request_id, r.prompt_token_ids, _params_to_wire(r.params), r.priority,
-                r.arrival_time, r.max_tokens, r.num_output_tokens, lora, r.pooling]
+                r.arrival_time, r.max_tokens, r.num_output_tokens, lora, r.pooling,
+                r.use_activation]
     if isinstance(m, Abort):
         return ["abort", m.request_id]
     if isinstance(m, Finish):
@@ -193,10 +195,10 @@ def _from_wire(w: list[Any]) -> Command | Event:
         return CoreOutputs([SeqUpdate(*u) for u in updates], EngineStats(*stats),
                            [(rid, _error(*e)) for rid, *e in errors])
     if kind == "add":
-        rid, ids, params, priority, arrival, max_tokens, num_output, lora, pooling = args
+        rid, ids, params, priority, arrival, max_tokens, num_output, lora, *pooling = args
         return Add(CoreRequest(rid, ids, _params_from_wire(params), priority, arrival, max_tokens,
                                num_output, None if lora is None else LoRARequest(*lora),
-                               pooling))
+                               *pooling))
     if kind == "abort":
         return Abort(args[0])
     if kind == "finish":

@@ -69,7 +69,6 @@ from sluice.engine.native import (
 )
 from sluice.engine.pooling import (
     Pooler,
-    label_scores,
     parse_pooler_config,
     pooled_rows,
     resolve_pooler,
@@ -446,9 +445,9 @@ class ModelRunner:
         hidden = self.model.hidden(self._tensor(tokens), self._tensor(positions), meta,
                                    self._tensor(wanted + pooled))
         states = hidden[len(wanted):].float()
-        if self.labels:  # a classifier's label scores (of its last token's state)
+        if self.labels:  # a classifier's logits (of its last token's state)
             head = self.model.get_buffer("classifier")  # (load_model's)
-            self.pooled = label_scores(states @ head.float().T, self.model_config.multi_label)
+            self.pooled = states @ head.float().T
         else:
             self.pooled = sum_rows(states, sizes)
         return self.model.output(hidden[:len(wanted)]).float()

@@ -100,7 +100,8 @@ def _schema_text(schema: dict[str, Any] | bool) -> str:
 # Fields checked for their type before their range (a wrong type is a 400 naming the
 # field, not a TypeError from a comparison); ints and floats come out as Python's own.
 _INTS = ("n", "top_k", "min_tokens")
-_OPTIONAL_INTS = ("seed", "max_tokens", "logprobs", "prompt_logprobs", "thinking_token_budget")
+_OPTIONAL_INTS = ("seed", "max_tokens", "logprobs", "prompt_logprobs", "thinking_token_budget",
+                  "truncate_prompt_tokens")
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
            "repetition_penalty")
 _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
@@ -110,6 +111,15 @@ def is_integer(value: Any) -> bool:
     """An integer of any kind (Python's, numpy's), not a bool: what a count, a seed or a
     token id may be (int() would truncate 1.5 and read "7")."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+TRUNCATION_RULE = "must be -1 (the context length), a positive integer or None"
+
+
+def truncation_ok(value: int | None) -> bool:
+    """`truncate_prompt_tokens` is None, -1 or at least 1 (vLLM's rule: 0 would keep
+    nothing)."""
+    return value is None or is_integer(value) and (value == -1 or 1 <= value < 2**63)
 
 
 def seed_in_range(seed: int | None) -> bool:
@@ -159,6 +169,9 @@ class SamplingParams:
     # expected to repeat much of (a file being edited). Speculative decoding drafts from
     # it (`spec_decode.PredictionProposer`); the output is the same as without it.
     prediction: list[int] | None = None
+    # vLLM's: the prompt cut to its last this many tokens, after tokenizing (left
+    # truncation; -1: to the context length; None: not cut). `InputProcessor.truncate`
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -248,6 +261,8 @@ class SamplingParams:
              "must be in [0, 20]"),
             (self.thinking_token_budget is None or 0 <= self.thinking_token_budget < 2**31,
              "thinking_token_budget", "must be -1 (no limit) or in [0, 2**31)"),
+            (truncation_ok(self.truncate_prompt_tokens), "truncate_prompt_tokens",
+             TRUNCATION_RULE),
             (all(isinstance(s, str) and s for s in self.stop), "stop",
              "must be non-empty strings"),
             (all(0 <= t < 2**31 and -100.0 <= v <= 100.0

@@ -81,6 +81,7 @@ class Sequence:
     # nothing sampled; "" for a generation. `pooled`: the pooled row so far (float32)
     pooling: str = ""
     pooled: Any = None
+    use_activation: bool | None = None  # its PoolingParams' (None: the pooler's default)
     # predicted outputs (`params.prediction`): its drafted tokens the verify accepted and
     # those it refused (OpenAI's accepted_ / rejected_prediction_tokens)
     num_accepted_prediction_tokens: int = 0

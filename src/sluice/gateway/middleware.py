@@ -505,8 +505,11 @@ class Exchange:
             check_embeddings_input(payload)
         if tokens is None or kind is None:
             # a plain counter reads a completion's body: give it a scoring request's texts
-            if kind is not None and self.endpoint in POOLED_INPUT:
-                payload = {"model": adm.model, "prompt": list(prompt_view(kind, payload).texts)}
+            if kind is not None and self.endpoint in POOLED_INPUT:  # (or a chat form's turns)
+                view = prompt_view(kind, payload)
+                payload = {"model": adm.model, "prompt": list(view.texts)} \
+                    if view.messages is None else {"model": adm.model,
+                                                   "messages": payload["messages"]}
             return await self.count(adm.model, payload, len(adm.body))
         view = adm.view = prompt_view(kind, payload)
         ready = getattr(counter, "is_ready", None)

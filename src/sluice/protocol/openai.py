@@ -418,6 +418,11 @@ class KVTransferParams(OpenAIModel):
     tp_size: Annotated[StrictInt, Field(ge=1)] = 1
 
 
+# vLLM's `truncate_prompt_tokens`: -1 (the context length) or at least 1 (0 is refused
+# by the engine's check, which names it), None: the whole prompt
+TruncateTokens = Annotated[int, Field(ge=-1, lt=2**63)] | None
+
+
 class SamplingFields(OpenAIModel):
     """Sampling fields shared by chat and completions (OpenAI's plus vLLM's extras)."""
 
@@ -453,6 +458,8 @@ class SamplingFields(OpenAIModel):
     # vLLM's: a reasoning model thinks at most this many tokens, then its `</think>` is
     # written for it (a worker with --reasoning-parser; -1: no limit)
     thinking_token_budget: int | None = Field(default=None, ge=-1, lt=2**31)
+    # vLLM's: the prompt cut to its last this many tokens (-1: the context length)
+    truncate_prompt_tokens: TruncateTokens = None
 
     def check_stream_options(self) -> None:
         """`stream_options` only with `stream: true` (OpenAI's API and vLLM refuse them
@@ -624,19 +631,82 @@ class DetokenizeRequest(OpenAIModel):
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on an embeddings request's list of inputs
 
 
-class EmbeddingRequest(OpenAIModel):
-    """OpenAI's `POST /v1/embeddings`: one input (text or token ids) or a list of them."""
+class PoolingFields(OpenAIModel):
+    """vLLM's fields on every pooling request (its PoolingParams, and `priority`)."""
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
     user: str | None = None
+    priority: int = Field(default=0, ge=-(2**63), lt=2**63)
+    # the prompt (each text, or a scored pair) cut to its last this many tokens
+    truncate_prompt_tokens: TruncateTokens = None
+    # the pooler's activation (an embedding's normalization, a classifier's softmax or
+    # sigmoids); None: the model's default
+    use_activation: bool | None = None
+
+    def wants_activation(self, older: str) -> bool | None:
+        """`use_activation`, or its older name `older` (vLLM's `normalize` on embeddings,
+        `activation` on scoring); the two disagreeing is a 400 naming the older."""
+        old = getattr(self, older)
+        if old is not None and self.use_activation is not None \
+                and old != self.use_activation:
+            raise InvalidRequestError(f"{older} is use_activation's older name, and the two "
+                                      "disagree", param=older)
+        return self.use_activation if self.use_activation is not None else old
+
+
+class PoolingInputs(PoolingFields):
+    """What an embeddings or classify request reads: `input` (one text or list of token
+    ids, or a list of them), or vLLM's chat form, `messages` (one conversation, through
+    the chat template as a chat request's; by default without the assistant's opening,
+    `add_generation_prompt`, nor the tokenizer's special tokens, `add_special_tokens`)."""
+
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # None: True for `input`, False for `messages`
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def inputs(self) -> list[str | list[int]]:
-        """Each input the request embeds, in order (a 400 naming `input` for none or too
-        many)."""
+        """Each `input`, in order; [] for the chat form (`messages`: the worker templates
+        it). A 400 naming `input` for none, too many, or both forms, and naming a chat
+        field given with `input`."""
+        if self.input is not None and self.messages is not None:
+            raise InvalidRequestError("give either input or messages (vLLM's chat form), "
+                                      "not both", param="input")
+        if self.messages is not None:
+            if not self.messages:
+                raise InvalidRequestError("messages must not be empty", param="messages")
+            return []
+        if self.input is None:
+            raise InvalidRequestError("input is required (or messages, vLLM's chat form)",
+                                      param="input")
+        chat_only = sorted(self.model_fields_set & {"add_generation_prompt",
+                                                     "continue_final_message",
+                                                     "chat_template_kwargs"})
+        if chat_only:
+            raise InvalidRequestError(f"{chat_only[0]} applies to messages, not input",
+                                      param=chat_only[0])
         return listed_inputs(self.input)
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None and self.input is None
+
+    def special_tokens(self) -> bool:
+        """Whether the tokenizer adds its special tokens (vLLM's defaults: an input's
+        yes, a templated conversation's no: its template wrote them)."""
+        return self.add_special_tokens if self.add_special_tokens is not None \
+            else not self.is_chat
+
+
+class EmbeddingRequest(PoolingInputs):
+    """OpenAI's `POST /v1/embeddings`: one input (text or token ids) or a list of them,
+    or vLLM's chat form (`messages`)."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    normalize: bool | None = None  # vLLM's older name of use_activation
 
 
 def listed_inputs(given: str | list[str] | list[int] | list[list[int]]
@@ -653,27 +723,22 @@ def listed_inputs(given: str | list[str] | list[int] | list[list[int]]
     return list(given)  # type: ignore[arg-type]
 
 
-class ClassificationRequest(OpenAIModel):
+class ClassificationRequest(PoolingInputs):
     """vLLM's `POST /classify` (also `/v1/classify` here) for a classification model: one
-    input (text or token ids) or a list of them, each answered with its labels' scores."""
+    input (text or token ids) or a list of them, or vLLM's chat form (`messages`), each
+    answered with its labels' scores."""
 
-    model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
-    user: str | None = None
-
-    def inputs(self) -> list[str | list[int]]:
-        return listed_inputs(self.input)
+    activation: bool | None = None  # vLLM's older name of use_activation
 
 
-class ScoreRequest(OpenAIModel):
+class ScoreRequest(PoolingFields):
     """vLLM's `POST /v1/score` for an embedding model: `text_1` against `text_2`, one
     against many (a string, or a list of one) or pairwise (lists of one length); each
     score the cosine of the two texts' embeddings."""
 
-    model: str | None = None
     text_1: str | list[str]
     text_2: str | list[str]
-    user: str | None = None
+    activation: bool | None = None  # vLLM's older name of use_activation
 
     def pairs(self) -> tuple[list[str], list[str], list[tuple[int, int]]]:
         """The texts of each side and the (text_1, text_2) index of each score."""
@@ -691,11 +756,11 @@ class ScoreRequest(OpenAIModel):
         return left, right, [(i, i) for i in range(len(left))]
 
 
-class RerankRequest(OpenAIModel):
+class RerankRequest(PoolingFields):
     """The Jina / Cohere rerank API as vLLM serves it (`POST /v1/rerank`): `documents`
     ordered by the cosine of their embedding with the `query`'s, the `top_n` best."""
 
-    model: str | None = None
+    activation: bool | None = None  # vLLM's older name of use_activation
     query: str
     documents: list[str]
     top_n: int | None = Field(default=None, ge=1)

@@ -65,7 +65,7 @@ import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from sluice.protocol import anthropic, responses
@@ -224,6 +224,9 @@ def prompt_view(kind: str, body: Mapping[str, Any]) -> PromptView:
     if kind == RERANK:
         return PromptView(texts=_texts(body, "query", text=True, texts=False)
                           + _texts(body, "documents", text=False))
+    if kind == EMBEDDINGS and "messages" in body and "input" not in body:  # vLLM's chat form
+        return replace(_chat_view(CHAT, body), generation_prompt=body.get(
+            "add_generation_prompt") is True)  # (off by default: nothing is generated)
     return PromptView(texts=completion_texts(body.get("prompt", body.get("input", ""))))
 
 

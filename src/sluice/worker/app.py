@@ -332,7 +332,8 @@ def _pooling_route(state: WorkerState, answer: pooling.Answer
 
     async def route(request: Request) -> Response:
         check_epoch(request, state)
-        req = parse_request(model, await parse_body(request))
+        body = with_header_priority(request, state, await parse_body(request))
+        req = parse_request(model, body)
         return JSONResponse(await until_disconnect(request, respond(
             state, req, request_id(request), ids_hint(request))))
 

@@ -90,8 +90,8 @@ class CompletionJob:
                 if self.req.logprobs is not None and prompt_entries is not None:
                     lp = completion_logprobs(tokenizer, prompt_ids, prompt_entries,
                                              self.req.logprobs, 0)
-                text = self.prompt_texts[prompt_index] + text
-                offset = len(self.prompt_texts[prompt_index])
+                echoed = self.prompt_text(prompt_index, prompt_ids)
+                text, offset = echoed + text, len(echoed)
             if self.req.prompt_logprobs is not None:
                 choice.prompt_logprobs = prompt_entries
         if self.req.logprobs is not None and c.logprobs is not None:
@@ -106,6 +106,14 @@ class CompletionJob:
         if c.finish_reason:
             choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
         return index, text, lp
+
+    def prompt_text(self, prompt_index: int, prompt_ids: list[int]) -> str:
+        """The prompt as echoed: the client's text, or the text of the ids the engine read
+        where `truncate_prompt_tokens` cut it."""
+        if self.req.truncate_prompt_tokens is None:
+            return self.prompt_texts[prompt_index]
+        tokenizer = self.state.require_engine().tokenizer
+        return tokenizer.decode(prompt_ids, skip_special_tokens=False)
 
     def choice_extra(self, choice: _Choice) -> dict[str, Any]:
         """vLLM's per-choice `prompt_logprobs`, when asked for."""

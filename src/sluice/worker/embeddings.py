@@ -2,13 +2,15 @@
 scoring APIs for an embedding model, served as vLLM pools a generative model.
 
 Each input (a text, or a list of token ids) is one engine request that computes its
-prompt and samples nothing (`AsyncEngine.embed`, `EngineCore._embed`): its last token's
-final hidden state (after the model's last norm), L2-normalized, is the embedding.
-That is vLLM's `LAST` pooling with `normalize`, what it gives a decoder-only model
-served for embeddings, and how decoder-only embedding models (Qwen3-Embedding,
-e5-mistral, gte-Qwen2) are read. A text is tokenized as a completion prompt is (the
-tokenizer's special tokens, no chat template). The inputs of one request run
-concurrently (they batch in the engine); one that fails aborts the others.
+prompt and samples nothing (`AsyncEngine.embed`, `EngineCore._embed`): its final hidden
+states pooled as the engine's pooler says (sluice.engine.pooling; a decoder's default:
+the last token's, L2-normalized, vLLM's `LAST`) are the embedding. A text is tokenized
+as a completion prompt is (the tokenizer's special tokens unless `add_special_tokens`
+is false, no chat template); vLLM's chat form, `messages` instead of `input`, is one
+conversation templated as a chat request's (no assistant opening, no added special
+tokens, by default). The request's `truncate_prompt_tokens` and `use_activation` ride
+to the engine as its PoolingParams. The inputs of one request run concurrently (they
+batch in the engine); one that fails aborts the others.
 `encoding_format: base64` sends each vector's little-endian float32 bytes as base64
 (the OpenAI SDK asks for it by default). `dimensions` cuts each embedding to its first
 `dimensions` values, normalized again, for a Matryoshka model (config.json's
@@ -41,16 +43,19 @@ import numpy as np
 
 from sluice.engine.outputs import EmbeddingRequestOutput
 from sluice.engine.pooling import unit_rows
+from sluice.engine.pooling_params import PoolingParams
 from sluice.protocol.errors import InvalidRequestError
 from sluice.protocol.openai import (
     ClassificationRequest,
     EmbeddingRequest,
+    PoolingInputs,
     RerankRequest,
     ScoreRequest,
+    check_continue,
     now,
 )
 from sluice.protocol.prompt import INLINE_TOKENIZE_CHARS, IdsHint, encode_prompt
-from sluice.worker.sampling import check_token_ids
+from sluice.worker.sampling import chat_prompt, check_token_ids
 from sluice.worker.state import WorkerState
 
 
@@ -65,12 +70,15 @@ async def embeddings(state: WorkerState, req: EmbeddingRequest, request_id: str,
                                   "and has no embeddings", param="model")
     if req.dimensions is not None:
         _check_dimensions(state, model, req.dimensions)
-    inputs = req.inputs()
-    outputs = await _embed_all(state, inputs, request_id, ["input"] * len(inputs), hint)
+    inputs, param = await _inputs(state, req, hint)
+    pooling = PoolingParams(req.truncate_prompt_tokens, req.wants_activation("normalize"))
+    outputs = await _embed_all(state, inputs, request_id, [param] * len(inputs), hint,
+                               pooling, req.priority, req.special_tokens())
+    normalize = pooling.use_activation is not False
     return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": now(),
             "model": model,
             "data": [{"object": "embedding", "index": i,
-                      "embedding": _encode(_cut(o.data, req.dimensions), req)}
+                      "embedding": _encode(_cut(o.data, req.dimensions, normalize), req)}
                      for i, o in enumerate(outputs)],
             "usage": _usage(outputs)}
 
@@ -93,12 +101,14 @@ def _check_dimensions(state: WorkerState, model: str, dimensions: int) -> None:
                                   f"{info.hidden_size}", param="dimensions")
 
 
-def _cut(data: bytes, dimensions: int | None) -> bytes:
+def _cut(data: bytes, dimensions: int | None, normalize: bool) -> bytes:
     """An embedding's float32 bytes cut to its first `dimensions` values, L2-normalized
-    again (all of it for None)."""
+    again unless the request turned the activation off (all of it for None)."""
     if dimensions is None:
         return data
     head = np.frombuffer(data, dtype="<f4")[:dimensions]
+    if not normalize:
+        return head.tobytes()
     return (head / max(float(np.linalg.norm(head)), 1e-12)).astype("<f4").tobytes()
 
 
@@ -106,16 +116,18 @@ async def score(state: WorkerState, req: ScoreRequest, request_id: str,
                 hint: IdsHint | None = None) -> dict[str, Any]:
     model = _base_model(state, req.model)
     left, right, pairs = req.pairs()
+    pooling = PoolingParams(req.truncate_prompt_tokens, req.wants_activation("activation"))
     if _cross_encoder(state, model):
         scored = await _score_pairs(state, [(left[i], right[j]) for i, j in pairs],
-                                    request_id, ("text_1", "text_2"))
+                                    request_id, ("text_1", "text_2"), pooling, req.priority)
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": now(),
                 "model": model,
                 "data": [{"index": k, "object": "score", "score": float(_matrix([o])[0, 0])}
                          for k, o in enumerate(scored)],
                 "usage": _usage(scored)}
     vectors = await _embed_all(state, [*left, *right], request_id,
-                               ["text_1"] * len(left) + ["text_2"] * len(right), hint)
+                               ["text_1"] * len(left) + ["text_2"] * len(right), hint,
+                               pooling, req.priority)
     a, b = unit_rows(_matrix(vectors[:len(left)])), unit_rows(_matrix(vectors[len(left):]))
     return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": now(),
             "model": model,
@@ -128,13 +140,15 @@ async def rerank(state: WorkerState, req: RerankRequest, request_id: str,
                  hint: IdsHint | None = None) -> dict[str, Any]:
     model = _base_model(state, req.model)
     req.check()
+    pooling = PoolingParams(req.truncate_prompt_tokens, req.wants_activation("activation"))
     if _cross_encoder(state, model):
         vectors = await _score_pairs(state, [(req.query, d) for d in req.documents],
-                                     request_id, ("query", "documents"))
+                                     request_id, ("query", "documents"), pooling, req.priority)
         scores = _matrix(vectors)[:, 0]
     else:
         vectors = await _embed_all(state, [req.query, *req.documents], request_id,
-                                   ["query"] + ["documents"] * len(req.documents), hint)
+                                   ["query"] + ["documents"] * len(req.documents), hint,
+                                   pooling, req.priority)
         scores = unit_rows(_matrix(vectors[1:])) @ unit_rows(_matrix(vectors[:1]))[0]
     order = sorted(range(len(req.documents)), key=lambda i: -scores[i])[:req.top_n]
     return {"id": f"rerank-{uuid.uuid4().hex}", "model": model, "usage": _usage(vectors),
@@ -151,8 +165,11 @@ async def classify(state: WorkerState, req: ClassificationRequest, request_id: s
     if not labels:
         raise InvalidRequestError(f"the model {model!r} is not a classification model (a "
                                   "*ForSequenceClassification checkpoint)", param="model")
-    inputs = req.inputs()
-    outputs = await _embed_all(state, inputs, request_id, ["input"] * len(inputs), hint)
+    inputs, param = await _inputs(state, req, hint)
+    outputs = await _embed_all(state, inputs, request_id, [param] * len(inputs), hint,
+                               PoolingParams(req.truncate_prompt_tokens,
+                                             req.wants_activation("activation")), req.priority,
+                               req.special_tokens())
     data = []
     for i, out in enumerate(outputs):
         probs = np.frombuffer(out.data, dtype="<f4")
@@ -160,6 +177,22 @@ async def classify(state: WorkerState, req: ClassificationRequest, request_id: s
                      "probs": probs.tolist(), "num_classes": len(labels)})
     return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": now(),
             "model": model, "data": data, "usage": _usage(outputs)}
+
+
+async def _inputs(state: WorkerState, req: PoolingInputs, hint: IdsHint | None
+                  ) -> tuple[list[str | list[int]], str]:
+    """The request's inputs and the parameter they are named by: its `input` items, or
+    its conversation templated and tokenized as one input (vLLM's chat form)."""
+    items = req.inputs()
+    if items:
+        return items, "input"
+    assert req.messages is not None
+    check_continue(req.continue_final_message, req.add_generation_prompt)
+    tok = state.require_engine().tokenizer
+    prompt = chat_prompt(tok, req.messages, req.add_generation_prompt, None,
+                         req.continue_final_message, req.chat_template_kwargs)
+    return [await encode_prompt(tok, prompt, special=req.special_tokens(), hint=hint)], \
+        "messages"
 
 
 def _cross_encoder(state: WorkerState, model: str) -> bool:
@@ -183,21 +216,24 @@ def _base_model(state: WorkerState, model: str | None) -> str:
 
 
 async def _embed_all(state: WorkerState, inputs: list[str | list[int]], request_id: str,
-                     params: list[str], hint: IdsHint | None = None
-                     ) -> list[EmbeddingRequestOutput]:
-    """Each input's embedding, in order, computed concurrently; a bad input is a 400
-    naming its parameter (`params`, one an input), and one that fails (or a client that
-    leaves) aborts the others."""
+                     params: list[str], hint: IdsHint | None = None,
+                     pooling: PoolingParams | None = None, priority: int = 0,
+                     special: bool = True) -> list[EmbeddingRequestOutput]:
+    """Each input's embedding (as `pooling` asks; a text tokenized with the tokenizer's
+    special tokens or not), in order, computed concurrently; a bad input is a 400 naming
+    its parameter (`params`, one an input), and one that fails (or a client that leaves)
+    aborts the others."""
     engine = state.require_engine()
     timer = state.metrics.timer()
     tok = engine.tokenizer
-    prompts = [await encode_prompt(tok, x, special=True, hint=hint) if isinstance(x, str)
+    prompts = [await encode_prompt(tok, x, special=special, hint=hint) if isinstance(x, str)
                else check_token_ids(x, tok.vocab_size, param)
                for x, param in zip(inputs, params, strict=True)]
     empty = next((param for ids, param in zip(prompts, params, strict=True) if not ids), None)
     if empty is not None:
         raise InvalidRequestError("a text to embed must not be empty", param=empty)
-    tasks = [asyncio.ensure_future(engine.embed(ids, f"{request_id}-{i}", param=param))
+    tasks = [asyncio.ensure_future(engine.embed(ids, f"{request_id}-{i}", priority, param,
+                                                pooling))
              for i, (ids, param) in enumerate(zip(prompts, params, strict=True))]
     try:
         outputs = list(await asyncio.gather(*tasks))
@@ -211,9 +247,11 @@ async def _embed_all(state: WorkerState, inputs: list[str | list[int]], request_
 
 
 async def _score_pairs(state: WorkerState, pairs: list[tuple[str, str]], request_id: str,
-                       params: tuple[str, str]) -> list[EmbeddingRequestOutput]:
+                       params: tuple[str, str], pooling: PoolingParams, priority: int
+                       ) -> list[EmbeddingRequestOutput]:
     """A cross-encoder's output for each pair (one float: its score), in order; an empty
-    text is a 400 naming its side's parameter."""
+    text is a 400 naming its side's parameter. A pair's ids are truncated as one prompt
+    (vLLM's rule)."""
     tok = state.require_engine().tokenizer
     for pair in pairs:
         for text, param in zip(pair, params, strict=True):
@@ -224,7 +262,8 @@ async def _score_pairs(state: WorkerState, pairs: list[tuple[str, str]], request
 
     chars = sum(len(a) + len(b) for a, b in pairs)  # long texts: off the event loop
     ids = encode() if chars <= INLINE_TOKENIZE_CHARS else await asyncio.to_thread(encode)
-    return await _embed_all(state, list(ids), request_id, [params[1]] * len(ids))
+    return await _embed_all(state, list(ids), request_id, [params[1]] * len(ids),
+                            pooling=pooling, priority=priority)
 
 
 def _usage(outputs: list[EmbeddingRequestOutput]) -> dict[str, int]:

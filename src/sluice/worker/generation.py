@@ -127,8 +127,10 @@ class Run(AbstractAsyncContextManager["Run"]):
                     param: str = "prompt", resumed: Sequence[int] = (),
                     lora: LoRARequest | None = None) -> Run:
         """`resumed`: output ids a migrated request already generated (one prompt only):
-        the engine continues after them. `lora`: the adapter to run with."""
+        the engine continues after them. `lora`: the adapter to run with. Each prompt is
+        cut to `params.truncate_prompt_tokens` first (vLLM's left truncation)."""
         engine = state.require_engine()
+        prompts = [engine.inputs.truncate(ids, params.truncate_prompt_tokens) for ids in prompts]
         default = state.config.generation_defaults.get("max_tokens")
         each = [default_max_tokens(params, default, len(ids), engine.max_model_len)
                 for ids in prompts]

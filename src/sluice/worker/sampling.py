@@ -48,6 +48,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int |
         stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
         logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         thinking_token_budget=req.thinking_token_budget,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         output_kind=RequestOutputKind.DELTA, logit_bias=bias, **options)

@@ -2,7 +2,8 @@
 intfloat's e5, sentence-transformers' MiniLM, bge-m3's dense vectors) and as classifiers
 (`*ForSequenceClassification`): classifier(tanh(dense(first token's state))) through a
 sigmoid (one label: a cross-encoder's score of a pair, bge-reranker, ms-marco-MiniLM;
-or `problem_type` multi_label_classification) or a softmax over the labels.
+or `problem_type` multi_label_classification) or a softmax over the labels (the core's
+`pooling.label_scores`, unless the request turns the activation off).
 
     embeddings  LayerNorm(word + absolute position + token type 0)
     each layer  x = LayerNorm(x + out(attention(q, k, v)))   every token sees every token
@@ -27,7 +28,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from sluice.engine.pooling import label_scores
 from sluice.protocol.errors import InvalidRequestError
 
 # config.json's `architectures` -> (positions start past the padding id: RoBERTa's,
@@ -185,10 +185,9 @@ class Encoder(nn.Module):
         return x
 
     def classify(self, first: Tensor) -> Tensor:
-        """A classifier's scores of each input from its first token's state, float32:
-        each label's sigmoid (one label, or multi-label) or a softmax over the labels."""
-        return label_scores(self.head_out(torch.tanh(self.head_dense(first))),
-                            self.cfg.multi_label)
+        """A classifier's logits of each input from its first token's state, float32 (the
+        core's `label_scores` turns them into scores)."""
+        return self.head_out(torch.tanh(self.head_dense(first))).float()
 
 
 def _token_types(ids: list[int], separator: int) -> list[int]:
