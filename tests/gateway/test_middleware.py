@@ -901,3 +901,30 @@ async def test_classify_counts_its_input_on_both_paths(
     assert [(x.endpoint, x.status) for x in rows] == [
         ("/classify", "rejected"), ("/classify", "error"),
         ("/v1/classify", "rejected"), ("/v1/classify", "error")]
+
+
+async def test_pooling_and_chat_form_embeddings_are_admitted_and_counted(
+        sqlite_store: SQLStore, stub: StubUpstream) -> None:
+    """vLLM's `/pooling` needs a key as `/classify` does and counts its `input`; the chat
+    form of `/v1/embeddings` (`messages`, no `input`) counts its conversation, as a chat
+    request's prompt is counted (not as an empty input)."""
+    state = make_state(sqlite_store)
+    gw = GatewayMiddleware(stub, state)
+    messages = [{"role": "user", "content": "a river runs to the sea"}]
+    chat = state.count_prompt_tokens("stub-model", {"messages": messages})
+    text = state.count_prompt_tokens("stub-model", {"prompt": ["a river runs"]})
+    assert chat > 2 and text > 0
+    async with client_for(gw) as anonymous:
+        r = await anonymous.post("/pooling", json={"model": "stub-model", "input": "a"})
+        assert r.status_code == 401 and stub.received == []
+    budget = 10 * text
+    async with client_for(gw, new_key(sqlite_store, tpm=budget)) as c:
+        r = await c.post("/pooling", json={"model": "stub-model", "input": "a river runs",
+                                           "task": "token_embed"})
+        assert r.status_code == 404  # admitted and passed on: the stub pools nothing
+        assert r.headers["x-ratelimit-remaining-tokens"] == str(budget - text)
+    async with client_for(gw, new_key(sqlite_store, "small", tpm=chat - 1)) as c:
+        r = await c.post("/v1/embeddings", json={"model": "stub-model", "messages": messages})
+        assert r.status_code == 429, r.text  # its turns counted: more than the key's minute
+        r = await c.post("/v1/embeddings", json={"model": "stub-model", "input": "a"})
+        assert r.status_code == 404, r.text  # a short input fits: admitted and passed on

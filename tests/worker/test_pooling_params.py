@@ -216,3 +216,72 @@ def test_the_router_and_gateway_read_a_chat_embedding_as_the_worker_does() -> No
     assert prompt_view(EMBEDDINGS, {"messages": CHAT,
                                     "add_generation_prompt": True}).generation_prompt
     assert prompt_view(EMBEDDINGS, {"input": "a b"}).texts == ("a b",)
+
+
+LONG = "the river runs to the sea " * 90  # ~540 tokens: two chunks of the 512 budget
+
+
+def test_pooling_route_answers_each_task(served: Any, states: Any) -> None:
+    """vLLM's `/pooling`: no task is the model's (embed here: /v1/embeddings' vector);
+    `token_embed` is one row a prompt token (each normalized unless `use_activation` is
+    false), a long prompt's rows gathered over its chunks; base64 is the rows' float32
+    bytes in order; a task the model lacks is a 400 naming `task`."""
+    engine, http = served
+    ids = engine.tokenizer.encode(TEXT)
+    r = http.post("/pooling", json={"input": TEXT})
+    assert r.status_code == 200, r.text
+    (item,) = r.json()["data"]
+    assert item["object"] == "pooling"
+    np.testing.assert_allclose(item["data"], expected(states(ids), "LAST", True), atol=2e-5)
+    hidden = states(ids)
+    unit = torch.nn.functional.normalize(hidden, dim=-1).numpy()
+    for extra, want in [({}, unit), ({"use_activation": False}, hidden.numpy())]:
+        r = http.post("/pooling", json={"input": TEXT, "task": "token_embed", **extra})
+        assert r.status_code == 200, r.text
+        rows = np.asarray(r.json()["data"][0]["data"])
+        assert rows.shape == (len(ids), hidden.shape[1])
+        np.testing.assert_allclose(rows, want, atol=2e-5)
+    long_ids = engine.tokenizer.encode(LONG)
+    r = http.post("/pooling", json={"input": [LONG, "x"], "task": "token_embed",
+                                    "encoding_format": "base64", "use_activation": False})
+    assert r.status_code == 200, r.text
+    import base64
+    rows = np.frombuffer(base64.b64decode(r.json()["data"][0]["data"]), dtype="<f4")
+    np.testing.assert_allclose(rows.reshape(len(long_ids), -1), states(long_ids).numpy(),
+                               atol=2e-5)
+    assert r.json()["usage"]["prompt_tokens"] == len(long_ids) + len(engine.tokenizer.encode("x"))
+    for task in ("classify", "token_classify", "summarize"):
+        r = http.post("/pooling", json={"input": TEXT, "task": task})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "task", r.text
+
+
+def test_llm_encode_token_classify(tmp_path: Path) -> None:
+    """`LLM.encode(pooling_task="token_classify")` on a decoder classifier: its `score`
+    head on every token's state, through the softmax (or raw with use_activation off),
+    as transformers' per-token logits; `classify` is the last token's row."""
+    from transformers import AutoModelForSequenceClassification
+
+    from .test_pooling import decoder_classifier
+
+    labels = {0: "bad", 1: "ok", 2: "good"}
+    model_dir = decoder_classifier(tmp_path / "tiny-qwen2-classifier", "qwen2", labels)
+    peer = AutoModelForSequenceClassification.from_pretrained(
+        str(model_dir), dtype=torch.float32).eval()
+    with LLM(str(model_dir), num_kv_blocks=64, block_size=16, max_model_len=256,
+             dtype="float32") as llm:
+        ids = llm.get_tokenizer().encode(TEXT)
+        with torch.no_grad():
+            logits = peer.score(peer.model(torch.tensor([ids])).last_hidden_state)[0]
+        (tokens,) = llm.encode([TEXT], pooling_task="token_classify")
+        assert tokens.outputs.data.shape == (len(ids), len(labels))
+        torch.testing.assert_close(tokens.outputs.data, torch.softmax(logits, -1), atol=1e-5,
+                                   rtol=1e-4)
+        (raw,) = llm.encode([TEXT], pooling_task="token_classify",
+                            pooling_params=PoolingParams(use_activation=False))
+        torch.testing.assert_close(raw.outputs.data, logits, atol=1e-5, rtol=1e-4)
+        (last,) = llm.encode([TEXT], pooling_task="classify")
+        torch.testing.assert_close(last.outputs.data, torch.softmax(logits[-1], -1), atol=1e-5,
+                                   rtol=1e-4)
+        with pytest.raises(InvalidRequestError) as err:
+            llm.encode([TEXT], pooling_task="token_embed")
+        assert err.value.param == "task"

@@ -25,6 +25,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from sluice.engine.block_manager import BlockManager
@@ -33,7 +34,7 @@ from sluice.engine.kv_transfer import KVTransfer, KVTransferError
 from sluice.engine.lora import LoRAAdapter, LoRACache
 from sluice.engine.messages import CoreInfo, CoreRequest, SeqUpdate
 from sluice.engine.outputs import RequestMetrics
-from sluice.engine.pooling import Pooler, label_scores
+from sluice.engine.pooling import TOKEN_LEVEL, Pooler, label_scores
 from sluice.engine.sampler import Sampler, SampleResult, logprob_entry
 from sluice.engine.scheduler import ScheduledChunk, Scheduler
 from sluice.engine.sequence import Request, Sequence
@@ -256,7 +257,8 @@ class EngineCore:
         seq = Sequence(self._next_seq_id, req.request_id, index, list(req.prompt_token_ids),
                        num_prompt, params, req.max_tokens, req.priority, req.arrival_time,
                        generator=gen, seed=None if params.seed is None else params.seed + index,
-                       pooling=self.pooler.pooling_type if req.pooling else "",
+                       pooling=(req.pooling_type or self.pooler.pooling_type)
+                       if req.pooling else "",
                        use_activation=req.use_activation)
         if params.logprobs is not None:
             seq.logprobs, seq.cumulative_logprob = [], 0.0
@@ -331,16 +333,19 @@ class EngineCore:
         return [u for u in updates if u is not None]
 
     @staticmethod
-    def _keep_pooled(chunks: list[ScheduledChunk], rows: torch.Tensor) -> list[Sequence]:
-        """Keep each pooling chunk's row (the runner's: LAST a chunk's last token's final
-        hidden state, CLS its first's, MEAN their sum); the sequences whose prompt this
-        step completed. A chunk at position 0 starts over (a preempted prompt computes
-        again from there: its cached blocks are never hit, `computes_whole_prompt`)."""
+    def _keep_pooled(chunks: list[ScheduledChunk], rows: list[torch.Tensor]) -> list[Sequence]:
+        """Keep each pooling chunk's entry (the runner's: LAST a chunk's last token's final
+        hidden state, CLS its first's, MEAN their sum, ALL every one); the sequences whose
+        prompt this step completed. A chunk at position 0 starts over (a preempted prompt
+        computes again from there: its cached blocks are never hit,
+        `computes_whole_prompt`)."""
         done = []
         for chunk, row in zip(chunks, rows, strict=True):
             seq = chunk.seq
             if seq.pooling == "MEAN" and chunk.start_pos:
                 seq.pooled = seq.pooled + row
+            elif seq.pooling == TOKEN_LEVEL and chunk.start_pos:
+                seq.pooled = torch.cat([seq.pooled, row])
             elif seq.pooling != "CLS" or chunk.start_pos == 0:
                 seq.pooled = row
             if chunk.need_logits:
@@ -349,17 +354,13 @@ class EngineCore:
 
     def _embed(self, seqs: list[Sequence]) -> list[SeqUpdate]:
         """Finish each embedding whose prompt this step completed: its pooled row (MEAN's
-        sum over the prompt's length) through the activation (`_activate`), as float32
-        bytes; nothing is sampled and its blocks go back (full ones stay cached)."""
+        sum over the prompt's length; a token task's rows, one a prompt token) through the
+        activation (`_activate`), as float32 bytes; nothing is sampled and its blocks go
+        back (full ones stay cached)."""
         if not seqs:
             return []
-        hidden = torch.stack([s.pooled for s in seqs])
-        if self.pooler.pooling_type == "MEAN":
-            hidden /= torch.tensor([[s.num_prompt_tokens] for s in seqs], dtype=hidden.dtype)
-        hidden = self._activate(self.pooler.project(hidden), seqs)  # (Dense modules, if any)
-        vectors = hidden.cpu().numpy()
         updates = []
-        for seq, vector in zip(seqs, vectors, strict=True):
+        for seq, vector in zip(seqs, self._pooled_vectors(seqs), strict=True):
             seq.pooled = None
             request = self.requests.pop(seq.request_id)
             seq.finish_reason = "stop"
@@ -372,6 +373,25 @@ class EngineCore:
                                      num_prefill_chunks=seq.num_prefill_chunks,
                                      embedding=vector.astype("<f4").tobytes()))
         return updates
+
+    def _pooled_vectors(self, seqs: list[Sequence]) -> list[np.ndarray]:
+        """Each sequence's answer: one vector (MEAN divided by the prompt's length, then
+        the checkpoint's Dense modules, if any) or, for a token task, one row a token;
+        activated as each asks."""
+        whole = [s for s in seqs if s.pooling != TOKEN_LEVEL]
+        out: dict[int, np.ndarray] = {}
+        if whole:
+            hidden = torch.stack([s.pooled for s in whole])
+            lengths = [s.num_prompt_tokens if s.pooling == "MEAN" else 1 for s in whole]
+            if max(lengths) > 1:
+                hidden /= torch.tensor(lengths, dtype=hidden.dtype).unsqueeze(1)
+            hidden = self._activate(self.pooler.project(hidden), whole)
+            out.update(zip(map(id, whole), hidden.cpu().numpy(), strict=True))
+        for seq in seqs:
+            if seq.pooling == TOKEN_LEVEL:
+                rows = seq.pooled
+                out[id(seq)] = self._activate(rows, [seq] * rows.shape[0]).cpu().numpy()
+        return [out[id(s)] for s in seqs]
 
     def _activate(self, rows: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Each row through the pooler's activation where its request wants it

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,20 +28,27 @@ from torch import Tensor
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.model_runner import ModelRunner, SeqChunk, resolve_device
-from sluice.engine.models.bert import is_encoder, load_encoder
+from sluice.engine.models.bert import ENCODER_ARCHITECTURES, load_encoder
 from sluice.engine.models.loader import overridden, read_config
+from sluice.engine.models.modernbert import MODERNBERT_ARCHITECTURES, load_modernbert
 from sluice.engine.native import PackedLinear, cpu_linear
 from sluice.engine.pooling import (
+    TOKEN_LEVEL,
     Pooler,
+    chunk_rows,
     parse_pooler_config,
     pooled_rows,
     resolve_pooler,
-    sum_rows,
 )
 from sluice.engine.tokenizer import Tokenizer, default_served_name, load_tokenizer, local_model_path
 from sluice.protocol.errors import InvalidRequestError
 
 log = logging.getLogger(__name__)
+
+# config.json's architecture -> its loader: (model, config) from a checkpoint directory
+ENCODERS: dict[str, Callable[..., tuple[Any, Any]]] = {
+    **dict.fromkeys(ENCODER_ARCHITECTURES, load_encoder),
+    **dict.fromkeys(MODERNBERT_ARCHITECTURES, load_modernbert)}
 
 
 def build_runner(config: EngineConfig) -> Any:
@@ -49,7 +57,7 @@ def build_runner(config: EngineConfig) -> Any:
     path = local_model_path(mc.model, mc.revision)
     if path.is_dir():
         hf_config = overridden(read_config(path), mc.overrides())
-        if is_encoder(hf_config):
+        if hf_config.get("architectures", [""])[0] in ENCODERS:
             return EncoderRunner(config, path, hf_config)
     return ModelRunner(config)
 
@@ -73,7 +81,7 @@ class EncoderRunner:
         self.device, self.dtype = resolve_device(mc)
         if self.device.type == "cpu" and mc.cpu_threads is not None:
             torch.set_num_threads(mc.cpu_threads)
-        self.encoder, self.model_config = load_encoder(
+        self.encoder, self.model_config = ENCODERS[hf_config["architectures"][0]](
             path, hf_config, self.device, self.dtype)
         if cpu_linear(mc.kernel_backend, self.device, self.dtype) is not None:
             # oneDNN on weights packed once: 1.1-1.2x torch's MKL F.linear (docs/models.md)
@@ -98,7 +106,7 @@ class EncoderRunner:
                                       "scores are its classifier's)", param="pooler_config")
         self.pooler = Pooler("CLS", False) if self.labels else resolve_pooler(
             path, parse_pooler_config(mc.pooler_config), default=Pooler("CLS", True))
-        self.pooled: Tensor | None = None
+        self.pooled: list[Tensor] | None = None
         log.info("%s: an encoder-only %s (%s pooling%s), %d tokens",
                  self.model_config.architecture,
                  f"classifier of {len(self.labels)} labels" if self.labels
@@ -125,11 +133,26 @@ class EncoderRunner:
         for c in chunks:  # (the core schedules nothing else for this runner)
             assert c.pool and not c.start_pos and c.need_logits, "whole prompts to pool only"
         hidden = self.encoder([c.token_ids for c in chunks], self.separator)
+        if self.labels:
+            self.pooled = self._classify(hidden, chunks)
+            return empty
         starts = itertools.accumulate((len(c.token_ids) for c in chunks[:-1]), initial=0)
         rows, sizes = pooled_rows((start, len(c.token_ids), c.pool)
                                   for start, c in zip(starts, chunks, strict=True))
         states = hidden[torch.tensor(rows, device=self.device)]
-        # a classifier's scores from its first token's state (its pooler is CLS)
-        self.pooled = self.encoder.classify(states) if self.labels \
-            else sum_rows(states.float(), sizes)
+        self.pooled = chunk_rows(states.float(), sizes, [c.pool for c in chunks])
         return empty
+
+    def _classify(self, hidden: Tensor, chunks: list[SeqChunk]) -> list[Tensor]:
+        """A classifier's logits for each chunk: of the state its head reads (the first
+        token's, or the mean of all: `classifier_pooling`), or of each token's state for
+        a token task (one row a token)."""
+        mean = self.encoder.classifier_pooling == "mean"
+        inputs = []
+        for c, states in zip(chunks, hidden.split([len(c.token_ids) for c in chunks]),
+                             strict=True):
+            inputs.append(states if c.pool == TOKEN_LEVEL else
+                          states.mean(0, keepdim=True) if mean else states[:1])
+        logits = self.encoder.classify(torch.cat(inputs)).split([len(x) for x in inputs])
+        return [rows if c.pool == TOKEN_LEVEL else rows[0]
+                for c, rows in zip(chunks, logits, strict=True)]

@@ -72,6 +72,7 @@ class InputProcessor:
         context and the KV pool (no token is generated); errors name `param` (`input` on
         `/v1/embeddings`)."""
         pooling = pooling or PoolingParams()
+        self.check_task(pooling.task)
         self.check_priority(priority)
         try:
             ids = self.tokenize(prompt)
@@ -90,7 +91,21 @@ class InputProcessor:
                 f"the input needs {need} KV cache blocks but the KV cache holds only "
                 f"{info.num_kv_blocks} blocks of {info.block_size} tokens", param=param)
         return CoreRequest(request_id, ids, SamplingParams(max_tokens=1), priority, time.time(),
-                           1, pooling=True, use_activation=pooling.use_activation)
+                           1, pooling=True, use_activation=pooling.use_activation,
+                           pooling_type="ALL" if pooling.token_level else "")
+
+    def check_task(self, task: str | None) -> None:
+        """A pooling task this model has (a 400 naming `task`): classify and
+        token_classify need a classifier, embed and token_embed a model without one."""
+        if task is None:
+            return
+        classifier = bool(self.info.labels)
+        if task.endswith("classify") != classifier:
+            raise InvalidRequestError(
+                f"task {task!r} needs " + ("an embedding model; this model is a classifier"
+                                           if classifier else "a classification model (a "
+                                           "*ForSequenceClassification checkpoint)"),
+                param="task")
 
     def check_generates(self) -> None:
         """A 400 naming `model` where the core's model is a pooling model (an encoder, a

@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import Any
 
 import numpy as np
+import torch
 
 from sluice.engine.config import EngineConfig
 from sluice.engine.generation_config import model_defaults, overridden_warning
@@ -35,6 +36,8 @@ from sluice.engine.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
@@ -125,6 +128,23 @@ class LLM:
         items = _normalize_prompts(prompts)
         return self._pool(items, use_tqdm, priority,
                           _pooling(pooling_params, len(items), truncate_prompt_tokens))
+
+    def encode(self, prompts: Prompts, use_tqdm: Progress = False, *,
+               pooling_task: str | None = None, priority: Sequence[int] | None = None,
+               truncate_prompt_tokens: int | None = None,
+               pooling_params: PoolingArg = None) -> list[PoolingRequestOutput]:
+        """vLLM's `LLM.encode`: each prompt's pooled output as `pooling_task` (over
+        `pooling_params`' task) asks: `embed`, `classify`, or per token `token_embed`,
+        `token_classify` (`outputs.data` a float32 tensor of one row a prompt token);
+        None: the model's task. In order."""
+        items = _normalize_prompts(prompts)
+        each = _pooling(pooling_params, len(items), truncate_prompt_tokens)
+        if pooling_task is not None:
+            each = [dataclasses.replace(p, task=pooling_task) for p in each]
+        outs = self._pool(items, use_tqdm, priority, each)
+        return [PoolingRequestOutput(o.request_id, o.prompt_token_ids, PoolingOutput(
+            _tensor(o.data, len(o.prompt_token_ids) if p.token_level else None)))
+            for o, p in zip(outs, each, strict=True)]
 
     def classify(self, prompts: Prompts, use_tqdm: Progress = False, *,
                  priority: Sequence[int] | None = None,
@@ -382,6 +402,12 @@ def _pooling(value: PoolingArg, count: int, truncate_prompt_tokens: int | None
     if truncate_prompt_tokens is None:
         return each
     return [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in each]
+
+
+def _tensor(data: bytes, rows: int | None) -> torch.Tensor:
+    """Float32 bytes as a tensor: one row a token where `rows` is given, else a vector."""
+    vector = torch.frombuffer(bytearray(data), dtype=torch.float32)
+    return vector if rows is None else vector.reshape(rows, -1)
 
 
 def _priorities(priority: Sequence[int] | None, count: int) -> list[int]:

@@ -47,6 +47,7 @@ class CoreRequest:
     # sampled; its pooled final hidden states come back in `SeqUpdate.embedding`
     pooling: bool = False
     use_activation: bool | None = None  # a pooling request's (PoolingParams'; None: default)
+    pooling_type: str = ""  # "ALL" for a token task (every token's row); "": the model's
 
 
 @dataclass(slots=True)
@@ -176,7 +177,7 @@ def _to_wire(m: Command | Event) -> list[Any]:
                                              r.lora.content_hash]
         return ["add", r.request_id, r.prompt_token_ids, _params_to_wire(r.params), r.priority,
                 r.arrival_time, r.max_tokens, r.num_output_tokens, lora, r.pooling,
-                r.use_activation]
+                r.use_activation, r.pooling_type]
     if isinstance(m, Abort):
         return ["abort", m.request_id]
     if isinstance(m, Finish):

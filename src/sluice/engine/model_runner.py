@@ -69,10 +69,10 @@ from sluice.engine.native import (
 )
 from sluice.engine.pooling import (
     Pooler,
+    chunk_rows,
     parse_pooler_config,
     pooled_rows,
     resolve_pooler,
-    sum_rows,
 )
 from sluice.engine.tokenizer import (
     Tokenizer,
@@ -233,7 +233,7 @@ class ModelRunner:
                                          cfg.kv_size, gated, mlp)
         self.lora_parts = fused_parts(self.lora_shapes)
         self.lora_slots: LoRASlots | None = None
-        self.pooled: Tensor | None = None  # the last step's pooled rows (`execute`)
+        self.pooled: list[Tensor] | None = None  # the last step's pooled rows (`execute`)
         if config.lora.enable_lora:
             self.lora_slots = self._add_lora_slots(config.lora)
         # decode steps as one native call: `decode_graph` first; with GGUF blocks (a graph
@@ -406,9 +406,10 @@ class ModelRunner:
     def execute(self, chunks: list[SeqChunk]) -> Tensor:
         """Run one step; float32 logits, in order: one row per chunk with need_logits,
         `num_logits` rows (its last tokens') for a chunk verifying drafts. A chunk with
-        `pool` has no logits row but a row of `self.pooled` (float32, in chunk order, until
-        the next step) from its tokens' final hidden states: LAST its last token's, CLS its
-        first token's, MEAN their sum (the engine core keeps the rows it needs).
+        `pool` has no logits row but an entry of `self.pooled` (float32, in chunk order,
+        until the next step) from its tokens' final hidden states: LAST its last token's,
+        CLS its first token's, MEAN their sum, ALL every one's (a classifier's: its
+        logits of those); the engine core keeps what it needs.
 
         Mutates the KV pool: every new token's K/V is written at its slot.
         """
@@ -440,16 +441,15 @@ class ModelRunner:
             logits = self.model(self._tensor(tokens), self._tensor(positions), meta,
                                 self._tensor(wanted))
             return logits.float()
+        kinds = [c.pool for c in chunks if c.pool]
         pooled, sizes = pooled_rows((last_row[i] - len(c.token_ids) + 1, len(c.token_ids),
                                      c.pool) for i, c in enumerate(chunks) if c.pool)
         hidden = self.model.hidden(self._tensor(tokens), self._tensor(positions), meta,
                                    self._tensor(wanted + pooled))
         states = hidden[len(wanted):].float()
-        if self.labels:  # a classifier's logits (of its last token's state)
-            head = self.model.get_buffer("classifier")  # (load_model's)
-            self.pooled = states @ head.float().T
-        else:
-            self.pooled = sum_rows(states, sizes)
+        if self.labels:  # a classifier's logits (of its last token's state, or each's)
+            states = states @ self.model.get_buffer("classifier").float().T  # (load_model's)
+        self.pooled = chunk_rows(states, sizes, kinds)
         return self.model.output(hidden[:len(wanted)]).float()
 
     def _tensor(self, values: list[int]) -> Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 # One entry per generated token: {token_id: logprob} for the sampled token and the top-k.
 TokenLogprobs = dict[int, float]
@@ -124,6 +125,21 @@ class ScoringRequestOutput:
     request_id: str
     prompt_token_ids: list[int]  # a cross-encoder's pair; an embedding model's second text
     outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclass
+class PoolingOutput:
+    data: Any  # vLLM's: a float32 torch tensor, (width,), or (prompt tokens, width)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's `LLM.encode` answer for one prompt: its pooled data, as its task asks."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
     finished: bool = True
 
 

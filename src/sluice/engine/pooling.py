@@ -219,27 +219,32 @@ def label_scores(logits: torch.Tensor, multi_label: bool) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
+TOKEN_LEVEL = "ALL"  # a token task's pooling (`PoolingParams.task` token_embed, token_classify)
+
+
 def pooled_rows(spans: Iterable[tuple[int, int, str]]) -> tuple[list[int], list[int]]:
     """For pooling chunks whose tokens are rows `first .. first + n - 1` of a step's
-    states, each `(first, n, pooling type)`: the rows the types read (MEAN every one, CLS
-    the first, LAST the last), in chunk order, and how many each chunk has
-    (`sum_rows`'s sizes)."""
+    states, each `(first, n, pooling type)`: the rows the types read (MEAN and ALL every
+    one, CLS the first, LAST the last), in chunk order, and how many each chunk has
+    (`chunk_rows`'s sizes)."""
     rows: list[int] = []
     sizes: list[int] = []
     for first, n, kind in spans:
-        span = range(first, first + n) if kind == "MEAN" else \
+        span = range(first, first + n) if kind in ("MEAN", TOKEN_LEVEL) else \
             range(first, first + 1) if kind == "CLS" else range(first + n - 1, first + n)
         rows.extend(span)
         sizes.append(len(span))
     return rows, sizes
 
 
-def sum_rows(states: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """One row a chunk: the sum of its `sizes` consecutive rows of `states` (the rows
-    themselves where each chunk has one)."""
-    if len(sizes) == states.shape[0]:
-        return states
-    return torch.stack([part.sum(0) for part in states.split(sizes)])
+def chunk_rows(states: torch.Tensor, sizes: list[int], kinds: list[str]) -> list[torch.Tensor]:
+    """What each chunk keeps of its `sizes` consecutive rows of `states`: every row (an
+    (n, width) block) under ALL, else their sum (one row; the row itself where it has
+    one)."""
+    if len(sizes) == states.shape[0] and TOKEN_LEVEL not in kinds:
+        return list(states.unbind(0))
+    return [part if kind == TOKEN_LEVEL else part.sum(0)
+            for part, kind in zip(states.split(sizes), kinds, strict=True)]
 
 
 def unit_rows(rows: np.ndarray) -> np.ndarray:

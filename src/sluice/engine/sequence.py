@@ -89,9 +89,9 @@ class Sequence:
 
     @property
     def computes_whole_prompt(self) -> bool:
-        """Every prompt position's output is wanted (prompt logprobs, MEAN or CLS
-        pooling): no prefix-cache hits."""
-        return self.wants_prompt_logits or self.pooling in ("MEAN", "CLS")
+        """Every prompt position's output is wanted (prompt logprobs, MEAN, CLS or a token
+        task's ALL pooling): no prefix-cache hits."""
+        return self.wants_prompt_logits or self.pooling in ("MEAN", "CLS", "ALL")
 
     @property
     def num_tokens(self) -> int:

@@ -1,7 +1,8 @@
 """`GatewayMiddleware`: who is calling and how much, in front of any OpenAI ASGI app.
 
 Pure ASGI (Starlette style): it wraps the router's or a worker's app, or the httpx
-proxy of `sluice gateway --upstream`. Per request under `/v1/` (and vLLM's `/classify`):
+proxy of `sluice gateway --upstream`. Per request under `/v1/` (and vLLM's `/classify`
+and `/pooling`):
 
     1. authenticate   Bearer or x-api-key -> key + tenant (cached while the store's
                       auth version holds: revocation is immediate on every replica,
@@ -118,7 +119,7 @@ MODEL_ONLY_ENDPOINTS = ("/v1/messages/count_tokens", "/v1/responses/input_tokens
 EMBEDDINGS_PATH = "/v1/embeddings"
 # the endpoints answered with embeddings (nothing generated), and the field of their texts
 POOLED_INPUT = {EMBEDDINGS_PATH: "input", "/v1/score": "text_2", "/v1/rerank": "documents",
-                "/v1/classify": "input", "/classify": "input"}
+                "/v1/classify": "input", "/classify": "input", "/pooling": "input"}
 RESPONSES_PATH = "/v1/responses"  # OpenAI's Responses API: usage as input/output_tokens
 STREAM_USAGE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 # a worker's control routes (its P/D role; vLLM's runtime LoRA loading): an operator's,
@@ -236,7 +237,7 @@ class GatewayMiddleware:
             except SluiceError as exc:
                 return await send_error(send, exc, path)
             return await self.app(scope, receive, send)
-        if path.startswith("/v1/") or path in GENERATION_ENDPOINTS:  # (vLLM's /classify)
+        if path.startswith("/v1/") or path in GENERATION_ENDPOINTS:  # (/classify, /pooling)
             return await Exchange(self, scope, receive, send).run()
         return await self.app(scope, receive, send)
 

@@ -731,6 +731,15 @@ class ClassificationRequest(PoolingInputs):
     activation: bool | None = None  # vLLM's older name of use_activation
 
 
+class PoolingRequest(PoolingInputs):
+    """vLLM's `POST /pooling`: each input's (or the conversation's) pooled data as `task`
+    asks: `embed`, `classify`, or one row a prompt token, `token_embed`,
+    `token_classify`; None: the model's (classify for a classifier, else embed)."""
+
+    task: Literal["embed", "classify", "token_embed", "token_classify"] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+
+
 class ScoreRequest(PoolingFields):
     """vLLM's `POST /v1/score` for an embedding model: `text_1` against `text_2`, one
     against many (a string, or a list of one) or pairwise (lists of one length); each

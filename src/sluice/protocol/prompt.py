@@ -82,7 +82,8 @@ KIND_OF_PATH = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION,
                 "/v1/messages": MESSAGES, "/v1/responses": RESPONSES,
                 "/v1/embeddings": EMBEDDINGS, "/v1/score": SCORE, "/v1/rerank": RERANK,
                 # vLLM's classification API (`/classify`; `input` read as embeddings' is)
-                "/v1/classify": EMBEDDINGS, "/classify": EMBEDDINGS}
+                "/v1/classify": EMBEDDINGS, "/classify": EMBEDDINGS,
+                "/pooling": EMBEDDINGS}  # (vLLM's: pooled data of any task)
 IDS_HEADER = "x-sluice-prompt-ids"
 RESUME_HEADER = "x-sluice-resume-ids"
 TOKENIZER_HEADER = "x-sluice-tokenizer"  # a worker's fingerprint, on responses with token ids

@@ -49,6 +49,7 @@ from sluice.protocol.openai import (
     ClassificationRequest,
     EmbeddingRequest,
     PoolingInputs,
+    PoolingRequest,
     RerankRequest,
     ScoreRequest,
     check_continue,
@@ -195,6 +196,34 @@ async def _inputs(state: WorkerState, req: PoolingInputs, hint: IdsHint | None
         "messages"
 
 
+async def pooling(state: WorkerState, req: PoolingRequest, request_id: str,
+                  hint: IdsHint | None = None) -> dict[str, Any]:
+    """vLLM's `/pooling`: each input's pooled data as its `task` asks (a vector, or one row
+    a prompt token for a token task); a task the model lacks is a 400 naming `task`."""
+    model = _base_model(state, req.model)
+    task = req.task or ("classify" if state.require_engine().info.labels else "embed")
+    params = PoolingParams(req.truncate_prompt_tokens, req.use_activation, task)
+    inputs, param = await _inputs(state, req, hint)
+    outputs = await _embed_all(state, inputs, request_id, [param] * len(inputs), hint, params,
+                               req.priority, req.special_tokens())
+    return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": now(),
+            "model": model,
+            "data": [{"index": i, "object": "pooling",
+                      "data": _pooled(o, params.token_level, req.encoding_format)}
+                     for i, o in enumerate(outputs)],
+            "usage": _usage(outputs)}
+
+
+def _pooled(out: EmbeddingRequestOutput, token_level: bool, encoding: str) -> Any:
+    """An output's data as `/pooling` sends it: base64 of its float32 bytes (one row a
+    token after another), or the floats (a list of rows for a token task)."""
+    if encoding == "base64":
+        return base64.b64encode(out.data).decode("ascii")
+    values = np.frombuffer(out.data, dtype="<f4")
+    return values.reshape(len(out.prompt_token_ids), -1).tolist() if token_level \
+        else values.tolist()
+
+
 def _cross_encoder(state: WorkerState, model: str) -> bool:
     """Whether pairs are scored by the model itself (one label); a 400 for a classifier
     of more labels (no one score of a pair)."""
@@ -289,4 +318,5 @@ ROUTES: dict[str, Answer] = {"/v1/embeddings": (EmbeddingRequest, embeddings),
                              "/v1/score": (ScoreRequest, score),
                              "/v1/rerank": (RerankRequest, rerank),
                              "/v1/classify": (ClassificationRequest, classify),
-                             "/classify": (ClassificationRequest, classify)}
+                             "/classify": (ClassificationRequest, classify),
+                             "/pooling": (PoolingRequest, pooling)}

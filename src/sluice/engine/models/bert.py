@@ -37,7 +37,7 @@ ENCODER_ARCHITECTURES = {
     "XLMRobertaModel": (True, False), "BertForSequenceClassification": (False, True),
     "RobertaForSequenceClassification": (True, True),
     "XLMRobertaForSequenceClassification": (True, True)}
-_ACTIVATIONS = {"gelu": lambda x: nn.functional.gelu(x),
+ACTIVATIONS = {"gelu": lambda x: nn.functional.gelu(x),
                 "gelu_new": lambda x: nn.functional.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
                 "relu": nn.functional.relu}
@@ -73,10 +73,6 @@ class EncoderConfig:
 
 
 
-def is_encoder(config: dict[str, Any]) -> bool:
-    return (config.get("architectures") or [""])[0] in ENCODER_ARCHITECTURES
-
-
 def encoder_config(c: dict[str, Any]) -> EncoderConfig:
     """config.json -> EncoderConfig; refuses what is not built, naming it."""
     from sluice.engine.models.loader import _matryoshka, classifier_labels
@@ -87,9 +83,9 @@ def encoder_config(c: dict[str, Any]) -> EncoderConfig:
         raise InvalidRequestError(f"{arch}: position_embedding_type {kind!r} is not supported "
                                   "(absolute only)", param="model")
     act = c.get("hidden_act", "gelu")
-    if act not in _ACTIVATIONS:
+    if act not in ACTIVATIONS:
         raise InvalidRequestError(f"{arch}: hidden_act {act!r} is not supported "
-                                  f"({', '.join(_ACTIVATIONS)})", param="model")
+                                  f"({', '.join(ACTIVATIONS)})", param="model")
     if c.get("is_decoder") or c.get("add_cross_attention"):
         raise InvalidRequestError(f"{arch}: a decoder or cross-attention configuration is not "
                                   "an encoder", param="model")
@@ -116,6 +112,14 @@ class Linear(nn.Linear):
         return self.matmul(x, self.weight, self.bias)
 
 
+def use_matmul(model: nn.Module, make: Callable[[Tensor], Callable[
+        [Tensor, Tensor, Tensor | None], Tensor]]) -> None:
+    """Each of `model`'s linears' matmul made from its weight (`make(weight)`)."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.matmul = make(module.weight)
+
+
 class EncoderLayer(nn.Module):
     def __init__(self, cfg: EncoderConfig) -> None:
         super().__init__()
@@ -127,7 +131,7 @@ class EncoderLayer(nn.Module):
         self.up = Linear(h, cfg.intermediate_size)
         self.down = Linear(cfg.intermediate_size, h)
         self.output_norm = nn.LayerNorm(h, eps=eps)
-        self.act = _ACTIVATIONS[cfg.activation]
+        self.act = ACTIVATIONS[cfg.activation]
 
     def forward(self, x: Tensor, lengths: list[int]) -> Tensor:
         heads, hidden = self.num_heads, x.shape[-1]
@@ -158,12 +162,8 @@ class Encoder(nn.Module):
             self.head_dense = Linear(h, h)
             self.head_out = Linear(h, len(cfg.labels))
 
-    def use_matmul(self, make: Callable[[Tensor], Callable[[Tensor, Tensor, Tensor | None],
-                                                           Tensor]]) -> None:
-        """Each linear's matmul made from its weight (`make(weight)`)."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.matmul = make(module.weight)
+    use_matmul = use_matmul
+    classifier_pooling = "cls"  # the classifier's head reads the first token's state
 
     def forward(self, sequences: list[list[int]], separator: int | None = None) -> Tensor:
         """Every token's final hidden state, the sequences' rows one after another;
@@ -185,8 +185,9 @@ class Encoder(nn.Module):
         return x
 
     def classify(self, first: Tensor) -> Tensor:
-        """A classifier's logits of each input from its first token's state, float32 (the
-        core's `label_scores` turns them into scores)."""
+        """A classifier's logits of each input from its first token's state (or each
+        token's, for a token task), float32 (the core's `label_scores` turns them into
+        scores)."""
         return self.head_out(torch.tanh(self.head_dense(first))).float()
 
 
