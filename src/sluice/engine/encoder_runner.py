@@ -1,14 +1,17 @@
-"""The runner of an encoder-only model (sluice.engine.models.bert): what `EngineCore`
-asks of `ModelRunner`, without a KV cache, logits or a decode graph.
+"""The runner of an encoder-only model (sluice.engine.models.bert: BERT, RoBERTa,
+XLM-RoBERTa; sluice.engine.models.modernbert: ModernBERT): what `EngineCore` asks of
+`ModelRunner`, without a KV cache, logits or a decode graph.
 
 Every step's chunks are whole prompts (the core turns chunked prefill and prefix caching
 off for this runner: a token's state depends on the tokens after it), encoded together
 (one set of linears over all rows, attention per sequence) and pooled as the pooler
 says (sluice.engine.pooling; without sentence-transformers files or `--pooler-config`,
 CLS, normalized: what BERT-style embedding models are trained for, vLLM's default for
-them). A classifier's row is its labels' scores (`Encoder.classify` of the first
-token's state; `labels`); one with one label is a cross-encoder, to which the worker
-sends pairs for `/v1/score` and `/v1/rerank`.
+them); a token task (`/pooling`'s token_embed) keeps every token's row. A classifier's
+row is its labels' logits (`classify` of the state its head reads: the first token's,
+or ModernBERT's mean of all; each token's for token_classify), which the core turns into
+scores; one with one label is a cross-encoder, to which the worker sends pairs for
+`/v1/score` and `/v1/rerank`.
 The block manager still counts blocks for the sequences, as it would for their KV, so
 admission and `max_num_seqs` behave as for any model; none holds memory. Generation,
 LoRA, speculative decoding, KV offload and quantization are refused.

@@ -1,5 +1,6 @@
-"""POST /v1/embeddings, /v1/score and /v1/rerank: OpenAI's embeddings API, and vLLM's
-scoring APIs for an embedding model, served as vLLM pools a generative model.
+"""POST /v1/embeddings, /v1/score, /v1/rerank, /classify and /pooling: OpenAI's
+embeddings API, and vLLM's scoring, classification and pooling APIs, served as vLLM
+pools a model.
 
 Each input (a text, or a list of token ids) is one engine request that computes its
 prompt and samples nothing (`AsyncEngine.embed`, `EngineCore._embed`): its final hidden
@@ -28,6 +29,8 @@ by the tokenizer's pair template, and its score is the model's own (in (0, 1)); 
 then counts each pair's tokens. A classifier (any `*ForSequenceClassification`)
 refuses `/v1/embeddings` and answers vLLM's `/classify` (also `/v1/classify`): each
 input's label scores (`probs`), the best one's name (`label`) and `num_classes`.
+vLLM's `/pooling` answers any of the model's tasks by name (`task`: embed, classify,
+or per prompt token, token_embed and token_classify).
 """
 
 from __future__ import annotations
