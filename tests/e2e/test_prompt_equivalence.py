@@ -26,6 +26,7 @@ from sluice.protocol.prompt import (
     IdsHint,
     TokenCache,
     fingerprint,
+    kept,
     prompt_view,
     templated,
 )
@@ -129,6 +130,11 @@ TOOL_TABLE: list[tuple[str, str, dict[str, Any]]] = [
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]}),
 ]
 TABLE += TOOL_TABLE
+TABLE += [  # vLLM's truncate_prompt_tokens: every hop reads the last k tokens
+    ("chat, truncated", CHAT, {"messages": [U], "truncate_prompt_tokens": 5}),
+    ("completion, truncated", COMPLETION, {"prompt": "The capital of France is",
+                                           "truncate_prompt_tokens": 3}),
+]
 
 
 class _Captured(Exception):
@@ -171,8 +177,10 @@ def counter(tiny_llama_dir: Path) -> PromptTokenCounter:
 async def engine_ids(tok: Any, kind: str, body: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
                      hint: IdsHint | None = None) -> list[int]:
     """The ids the worker's own prepare step hands the engine (Run.start intercepted)."""
-    async def capture(cls: Any, state: Any, prompts: list[list[int]], *a: Any, **kw: Any) -> Any:
-        raise _Captured([list(p) for p in prompts])
+    async def capture(cls: Any, state: Any, prompts: list[list[int]], params: Any,
+                      *a: Any, **kw: Any) -> Any:
+        keep = params.truncate_prompt_tokens  # (Run.start's cut: InputProcessor.truncate)
+        raise _Captured([list(p)[-keep:] if keep else list(p) for p in prompts])
 
     monkeypatch.setattr(worker_chat.Run, "start", classmethod(capture))
     state: Any = _FakeState(tok)
@@ -215,7 +223,7 @@ async def test_gateway_router_and_engine_see_the_same_tokens(
         # gateway counts /v1/responses by its path's view)
         assert counter(M, {"model": M, **body}) == count
     if kind != COMPLETION:
-        assert hint is not None and hint.ids == engine
+        assert hint is not None and kept(hint.ids, view) == engine
         # the worker takes the gateway's ids as they are, without tokenizing (marked ids
         # under the same fingerprint and digest show which ids it used) ...
         marked = IdsHint(hint.fingerprint, hint.digest, list(reversed(engine)))

@@ -32,6 +32,7 @@ from sluice.protocol.prompt import (
     TokenCache,
     Tokenizer,
     fingerprint,
+    kept,
     make_hint,
     prompt_view,
 )
@@ -127,7 +128,7 @@ class PromptTokenCounter:
             return self.cache.count(tok, name, view), None
         text = self.cache.chat_text(tok, name, view)
         ids = self.cache.tokens(tok, name, text, special=False).ids
-        return len(ids), make_hint(fp, text, ids)
+        return len(kept(ids, view)), make_hint(fp, text, ids)
 
 
 def _estimate(text: str) -> int:
@@ -135,11 +136,14 @@ def _estimate(text: str) -> int:
 
 
 def estimate_view(view: PromptView) -> int:
+    """chars/4 of the prompt, each text capped at `view.keep` tokens."""
+    cap = view.keep if view.keep is not None else 2**63
     if view.messages is not None:
         calls = [json.dumps(m["tool_calls"]) for m in view.messages if m.get("tool_calls")]
         tools = [json.dumps(view.tools)] if view.tools else []
-        return _estimate("".join([m["content"] for m in view.messages] + calls + tools))
-    return sum(len(t) if isinstance(t, list) else _estimate(t) for t in view.texts)
+        return min(cap, _estimate("".join([m["content"] for m in view.messages]
+                                          + calls + tools)))
+    return sum(min(cap, len(t) if isinstance(t, list) else _estimate(t)) for t in view.texts)
 
 
 def estimate_prompt_tokens(model: str | None, body: dict[str, Any]) -> int:

@@ -53,6 +53,10 @@ hops to them):
   whose last message is an assistant one with text, a prefill): the template is applied
   without the generation prompt and its text cut after that message's content
   (`continue_final`, Hugging Face's rule), so the model goes on from it.
+- vLLM's `truncate_prompt_tokens: k` (k >= 1) keeps each prompt's last k tokens
+  (`PromptView.keep`, `kept`): the gateway counts and the router hashes those, as the
+  engine reads them (-1, the context length, is the worker's to apply; the ids hint
+  still carries the whole prompt's ids, which the worker cuts the same way).
 """
 
 from __future__ import annotations
@@ -111,6 +115,7 @@ class PromptView:
     continue_final: bool = False  # continue the last message rather than answer it
     generation_prompt: bool = True  # chat's add_generation_prompt (open the answer's turn)
     template_kwargs: dict[str, Any] | None = None  # chat's chat_template_kwargs (vLLM's)
+    keep: int | None = None  # vLLM's truncate_prompt_tokens, where positive: the last k
 
     @property
     def chars(self) -> int:
@@ -210,6 +215,20 @@ def _token_ids(ids: list[int]) -> list[int]:
 def prompt_view(kind: str, body: Mapping[str, Any]) -> PromptView:
     """The one view of a request's prompt (rules in the module docstring); 400 for a
     prompt the worker would refuse too."""
+    view = _view(kind, body)
+    keep = body.get("truncate_prompt_tokens")
+    if kind in (MESSAGES, RESPONSES) or not isinstance(keep, int) or isinstance(keep, bool) \
+            or keep < 1:
+        return view
+    return replace(view, keep=keep)
+
+
+def kept(ids: list[int], view: PromptView) -> list[int]:
+    """The ids of a prompt the engine reads: its last `view.keep` (all without)."""
+    return ids if view.keep is None or len(ids) <= view.keep else ids[-view.keep:]
+
+
+def _view(kind: str, body: Mapping[str, Any]) -> PromptView:
     if kind == RESPONSES:
         try:
             return _chat_view(kind, responses.chat_prompt(body))
@@ -412,10 +431,11 @@ class TokenCache:
         return self.tokens(tok, model, self.chat_text(tok, model, view), special=False)
 
     def count(self, tok: Tokenizer, model: str, view: PromptView) -> int:
+        """The prompt's tokens as the engine reads them (each text cut to `view.keep`)."""
         if view.messages is not None:
-            return len(self.chat_tokens(tok, model, view).ids)
-        return sum(len(t) if isinstance(t, list) else len(self.tokens(
-            tok, model, t, special=True).ids) for t in view.texts)
+            return len(kept(self.chat_tokens(tok, model, view).ids, view))
+        return sum(len(kept(t if isinstance(t, list) else self.tokens(
+            tok, model, t, special=True).ids, view)) for t in view.texts)
 
 
 def cache_key(text: str, special: bool) -> str:

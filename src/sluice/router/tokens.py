@@ -38,6 +38,7 @@ from sluice.protocol.prompt import (
     TokenCache,
     cache_key,
     fingerprint,
+    kept,
     make_hint,
 )
 from sluice.protocol.prompt import Tokenizer as LocalTokenizer
@@ -96,7 +97,18 @@ class PromptTokenizer:
 
     async def tokens(self, req: ParsedRequest, model: str, local: LocalTokenizer | None,
                      worker_url: str | None, hint: IdsHint | None = None) -> Tokenized | None:
-        """Token ids of `req`'s prompt, or None if they cannot be had."""
+        """Token ids of `req`'s prompt as the engine reads them (its last
+        `truncate_prompt_tokens`: `kept`), or None if they cannot be had; the hint still
+        passes the whole prompt's ids (the worker cuts them the same way)."""
+        found = await self._tokens(req, model, local, worker_url, hint)
+        view = req.view
+        if found is None or view is None or len(kept(found.tokens.ids, view)) == len(
+                found.tokens.ids):
+            return found
+        return Tokenized(PromptTokens(kept(found.tokens.ids, view)), found.hint)
+
+    async def _tokens(self, req: ParsedRequest, model: str, local: LocalTokenizer | None,
+                      worker_url: str | None, hint: IdsHint | None) -> Tokenized | None:
         view = req.view
         if view is None:
             return None
