@@ -273,14 +273,17 @@ def zygote_main(argv: Sequence[str] | None = None) -> int:
 
 def preload() -> None:
     """Import what a worker and its engine core import, and load the CPU kernels (built
-    once per machine), with OpenMP's wait policy set as the engine core sets it.
+    once per machine), with OpenMP's wait policy and glibc's allocator set as the engine
+    core sets them.
 
     numpy's OpenBLAS would start its thread pool when imported: told to use one thread
     (the engine's matmuls are torch's, not numpy's), it starts none.
     """
-    from sluice.engine.openmp import set_wait_policy  # imports no torch
+    from sluice.engine.malloc import keep_freed_memory  # imports no torch
+    from sluice.engine.openmp import set_wait_policy
 
     set_wait_policy()
+    keep_freed_memory()  # (glibc's settings are inherited by every fork)
     blas_threads = os.environ.get("OPENBLAS_NUM_THREADS")
     os.environ["OPENBLAS_NUM_THREADS"] = "1"
     for module in PRELOAD:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from sluice.engine.config import EngineConfig
+from sluice.engine.malloc import keep_freed_memory
 from sluice.engine.messages import (
     Abort,
     Add,
@@ -392,6 +393,7 @@ def _core_main(config: EngineConfig, commands_addr: str, events_addr: str,
     """The child process: load the model, say Ready (or Failed), run the loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     set_wait_policy()  # before torch loads OpenMP (a zygote sets it before its imports)
+    keep_freed_memory()  # glibc reuses a step's freed activations (sluice.engine.malloc)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
     events, commands = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
