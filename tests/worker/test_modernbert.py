@@ -120,3 +120,17 @@ def test_modernbert_classifier_scores_as_transformers(tmp_path: Path, pooling: s
     finally:
         server.stop()
         engine.shutdown()
+
+
+@pytest.mark.parametrize("window", [1, 4, 20])
+def test_local_attention_in_blocks_equals_the_masked_whole(window: int) -> None:
+    """A local layer's attention, a block of queries at a time against the keys they see,
+    equals one masked call over the whole input (|i - j| <= window)."""
+    from sluice.engine.models.modernbert import local_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 3, 37, 8) for _ in range(3))
+    pos = torch.arange(37)
+    mask = (pos[:, None] - pos[None, :]).abs() <= window
+    whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask)
+    torch.testing.assert_close(local_attention(q, k, v, window), whole, atol=1e-6, rtol=1e-5)
