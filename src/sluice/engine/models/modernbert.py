@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from sluice.engine.models.bert import ACTIVATIONS, Linear, use_matmul
+from sluice.engine.models.llama import RopeConfig, apply_rope, rope_tables
 from sluice.protocol.errors import InvalidRequestError
 
 MODERNBERT_ARCHITECTURES = ("ModernBertModel", "ModernBertForSequenceClassification")
@@ -108,13 +109,6 @@ def modernbert_config(c: dict[str, Any]) -> ModernBertConfig:
         None if classifier else _matryoshka(c))
 
 
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE on (tokens, heads, head_dim), the halves rotated (transformers' layout)."""
-    half = x.shape[-1] // 2
-    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x.float() * cos + turned.float() * sin).to(x.dtype)
-
-
 class ModernBertLayer(nn.Module):
     def __init__(self, cfg: ModernBertConfig, index: int) -> None:
         super().__init__()
@@ -135,8 +129,8 @@ class ModernBertLayer(nn.Module):
         heads, hidden = self.num_heads, x.shape[-1]
         h = x if self.attn_norm is None else self.attn_norm(x)
         q, k, v = self.qkv(h).view(-1, 3, heads, hidden // heads).unbind(1)
-        cos, sin = rope[self.full]
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        cos, sin = rope[self.full]  # (float32: the rotation in float32, as transformers')
+        q, k = (apply_rope(t.float(), cos, sin).to(t.dtype) for t in (q, k))
         parts = []
         start = 0
         for n in lengths:  # each sequence attends within itself (a local layer: nearby)
@@ -192,18 +186,18 @@ class ModernBert(nn.Module):
             self.head_out = Linear(h, len(cfg.labels))
             self.head_act = ACTIVATIONS[cfg.classifier_activation]
 
-    global_freq: Tensor  # RoPE's inverse frequencies of the global layers, and the local
-    local_freq: Tensor
+    # RoPE's tables of every position, float32: [global, local] x [cos, signed sin]
+    rope_table: Tensor
     use_matmul = use_matmul
 
     def set_rope(self) -> None:
-        """(Re)make the RoPE frequency buffers (not in checkpoints; a model built on the
-        meta device gets real ones after loading)."""
-        head_dim = self.cfg.hidden_size // self.cfg.num_heads
-        for name, theta in (("global_freq", self.cfg.global_theta),
-                            ("local_freq", self.cfg.local_theta)):
-            self.register_buffer(name, 1.0 / theta ** (torch.arange(0, head_dim, 2).float()
-                                                       / head_dim), persistent=False)
+        """(Re)make `rope_table` with the decoder's `rope_tables` at each kind of layer's
+        theta (not in checkpoints: a model built on the meta device gets a real one after
+        loading)."""
+        head_dim, positions = self.cfg.hidden_size // self.cfg.num_heads, self.cfg.max_len
+        tables = [torch.stack(rope_tables(RopeConfig(theta), head_dim, positions))
+                  for theta in (self.cfg.global_theta, self.cfg.local_theta)]
+        self.register_buffer("rope_table", torch.stack(tables), persistent=False)
 
     @property
     def classifier_pooling(self) -> str:
@@ -216,8 +210,8 @@ class ModernBert(nn.Module):
         tokens = torch.tensor([t for s in sequences for t in s], dtype=torch.long, device=device)
         positions = torch.cat([torch.arange(len(s), device=device) for s in sequences])
         x = self.embed_norm(self.word(tokens))
-        rope = {True: _cos_sin(positions, self.global_freq, x.dtype),
-                False: _cos_sin(positions, self.local_freq, x.dtype)}
+        table = self.rope_table[:, :, positions, None]  # (kinds, 2, tokens, 1, head_dim)
+        rope = {True: (table[0, 0], table[0, 1]), False: (table[1, 0], table[1, 1])}
         lengths = [len(s) for s in sequences]
         for layer in self.layers:
             x = layer(x, lengths, rope)
@@ -226,13 +220,6 @@ class ModernBert(nn.Module):
     def classify(self, pooled: Tensor) -> Tensor:
         """A classifier's logits of each pooled state, float32."""
         return self.head_out(self.head_norm(self.head_act(self.head_dense(pooled)))).float()
-
-
-def _cos_sin(positions: Tensor, freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(tokens, 1, head_dim) cos and sin of each position's angles (halves repeated)."""
-    angles = positions[:, None].float() * freq
-    emb = torch.cat((angles, angles), dim=-1)[:, None, :]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 # our parameter -> the checkpoint's, per layer ("{i}") or once
