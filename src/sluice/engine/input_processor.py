@@ -20,7 +20,7 @@ from typing import Protocol
 from sluice.engine.block_manager import blocks_needed
 from sluice.engine.lora import LoRARequest
 from sluice.engine.messages import CoreInfo, CoreRequest
-from sluice.engine.pooling_params import PoolingParams
+from sluice.engine.pooling_params import TOKEN_LEVEL, PoolingParams
 from sluice.engine.sampling_params import SamplingParams, is_integer
 from sluice.engine.structured_output import check_constraint
 from sluice.protocol.errors import ContextLengthError, InvalidRequestError
@@ -92,7 +92,7 @@ class InputProcessor:
                 f"{info.num_kv_blocks} blocks of {info.block_size} tokens", param=param)
         return CoreRequest(request_id, ids, SamplingParams(max_tokens=1), priority, time.time(),
                            1, pooling=True, use_activation=pooling.use_activation,
-                           pooling_type="ALL" if pooling.token_level else "")
+                           pooling_type=TOKEN_LEVEL if pooling.token_level else "")
 
     def check_task(self, task: str | None) -> None:
         """A pooling task this model has (a 400 naming `task`): classify and

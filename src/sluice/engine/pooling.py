@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from sluice.engine.pooling_params import TOKEN_LEVEL
 from sluice.protocol.errors import InvalidRequestError
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -217,9 +218,6 @@ def label_scores(logits: torch.Tensor, multi_label: bool) -> torch.Tensor:
     if logits.shape[-1] == 1 or multi_label:
         return torch.sigmoid(logits)
     return torch.softmax(logits, dim=-1)
-
-
-TOKEN_LEVEL = "ALL"  # a token task's pooling (`PoolingParams.task` token_embed, token_classify)
 
 
 def pooled_rows(spans: Iterable[tuple[int, int, str]]) -> tuple[list[int], list[int]]:

@@ -9,6 +9,7 @@ from sluice.engine.sampling_params import TRUNCATION_RULE, truncation_ok
 from sluice.protocol.errors import InvalidRequestError
 
 POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
+TOKEN_LEVEL = "ALL"  # a token task's pooling type (`CoreRequest.pooling_type`): every row
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sluice.engine.outputs import RequestMetrics, TokenLogprobs
+from sluice.engine.pooling_params import TOKEN_LEVEL
 
 if TYPE_CHECKING:
     import torch
@@ -91,7 +92,7 @@ class Sequence:
     def computes_whole_prompt(self) -> bool:
         """Every prompt position's output is wanted (prompt logprobs, MEAN, CLS or a token
         task's ALL pooling): no prefix-cache hits."""
-        return self.wants_prompt_logits or self.pooling in ("MEAN", "CLS", "ALL")
+        return self.wants_prompt_logits or self.pooling in ("MEAN", "CLS", TOKEN_LEVEL)
 
     @property
     def num_tokens(self) -> int:
