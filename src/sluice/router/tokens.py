@@ -101,11 +101,12 @@ class PromptTokenizer:
         `truncate_prompt_tokens`: `kept`), or None if they cannot be had; the hint still
         passes the whole prompt's ids (the worker cuts them the same way)."""
         found = await self._tokens(req, model, local, worker_url, hint)
-        view = req.view
-        if found is None or view is None or len(kept(found.tokens.ids, view)) == len(
-                found.tokens.ids):
+        if found is None or req.view is None:
             return found
-        return Tokenized(PromptTokens(kept(found.tokens.ids, view)), found.hint)
+        ids = kept(found.tokens.ids, req.view)
+        if len(ids) == len(found.tokens.ids):
+            return found  # (its cached block hashes kept)
+        return Tokenized(PromptTokens(ids), found.hint)
 
     async def _tokens(self, req: ParsedRequest, model: str, local: LocalTokenizer | None,
                       worker_url: str | None, hint: IdsHint | None) -> Tokenized | None:
