@@ -289,3 +289,98 @@ def write_gguf(hf_dir: Path, path: Path, linears: str, arch: str = "qwen3",
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+BERT_WORDS = "the river run to sea a cat sat on mat dog stock price fell rose hello world".split()
+BERT_PIECES = ["##s", "##ing", "##ed", "##ly"] + [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz"]
+
+
+def bert_vocabulary(size: int = 0) -> list[str]:
+    """A small uncased WordPiece vocabulary: BERT's special tokens, whole words, `##`
+    continuations and the characters (any lower-case word is covered), padded with
+    filler words `w{i}` to `size` entries."""
+    vocab = list(dict.fromkeys([*BERT_SPECIALS, *BERT_WORDS, *BERT_PIECES,
+                                *"abcdefghijklmnopqrstuvwxyz0123456789.,!?%-"]))
+    return vocab + [f"w{i}" for i in range(size - len(vocab))]
+
+
+def save_bert_tokenizer(out: Path, vocabulary: list[str], lowercase: bool = True) -> None:
+    """BERT's WordPiece pipeline over `vocabulary` (clean, lowercase and strip accents
+    unless cased; split on whitespace and punctuation; `##` continuations; `[CLS] a
+    [SEP] b [SEP]`), as tokenizer.json and tokenizer_config.json."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    vocab = {t: i for i, t in enumerate(vocabulary)}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens(BERT_SPECIALS)
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"cls_token": "[CLS]", "sep_token": "[SEP]", "unk_token": "[UNK]",
+         "pad_token": "[PAD]", "mask_token": "[MASK]", "do_lower_case": lowercase}))
+
+
+def write_bert_gguf(hf_dir: Path, path: Path, pooling: int | None, linears: str = "f32",
+                    vocabulary: str = "bert", arch: str = "bert") -> Path:
+    """The checkpoint as llama.cpp's converter writes a BERT (`arch` "bert"; "nomic-bert"
+    for a NomicBERT checkpoint in nomic's own spelling, with its RoPE base): gguf-py's
+    tensor names, `[CLS]`/`[SEP]` as bos/eos (its SpecialVocab), control tokens as they
+    are and the others in the WPM spelling, 2-D weights float32 or Q8_0 (`linears`)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+
+    def field(*keys: str) -> Any:  # transformers' key, or nomic's own
+        return next(config[k] for k in keys if k in config)
+
+    layers = field("num_hidden_layers", "n_layer")
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(layers)
+    # (the converter cuts NomicBERT's context to its trained length, as sluice does)
+    writer.add_context_length(config.get("max_trained_positions")
+                              or field("max_position_embeddings", "n_positions"))
+    writer.add_embedding_length(field("hidden_size", "n_embd"))
+    writer.add_feed_forward_length(field("intermediate_size", "n_inner"))
+    writer.add_head_count(field("num_attention_heads", "n_head"))
+    writer.add_layer_norm_eps(field("layer_norm_eps", "layer_norm_epsilon"))
+    writer.add_causal_attention(False)
+    if arch == "nomic-bert":
+        writer.add_rope_freq_base(config.get("rotary_emb_base")
+                                  or config["rope_parameters"]["rope_theta"])
+    if pooling is not None:
+        writer.add_pooling_type(gguf.PoolingType(pooling))
+    vocab = json.loads((hf_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    types = [gguf.TokenType.CONTROL if t in BERT_SPECIALS else gguf.TokenType.NORMAL for t in tokens]
+    writer.add_token_type_count(config["type_vocab_size"])
+    writer.add_tokenizer_model(vocabulary)
+    writer.add_token_list([t if ty == gguf.TokenType.CONTROL else t[2:] if t.startswith("##")
+                           else "\u2581" + t for t, ty in zip(tokens, types, strict=True)])
+    writer.add_token_types(types)
+    gguf.SpecialVocab(hf_dir, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
+    model_arch = {"bert": gguf.MODEL_ARCH.BERT, "nomic-bert": gguf.MODEL_ARCH.NOMIC_BERT}[arch]
+    names = gguf.get_tensor_name_map(model_arch, layers)
+    for name, tensor in load_file(str(hf_dir / "model.safetensors")).items():
+        if name.startswith("pooler.") or name.endswith("position_ids"):
+            continue  # as the converter: embeddings only
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert target is not None, name
+        data = tensor.float().numpy()
+        if linears == "q8_0" and data.ndim == 2 and data.shape[1] % 32 == 0 \
+                and "embd" not in target and "types" not in target:
+            writer.add_tensor(target, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(target, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

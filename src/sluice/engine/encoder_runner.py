@@ -1,5 +1,6 @@
 """The runner of an encoder-only model (sluice.engine.models.bert: BERT, RoBERTa,
-XLM-RoBERTa; sluice.engine.models.modernbert: ModernBERT): what `EngineCore` asks of
+XLM-RoBERTa; sluice.engine.models.modernbert: ModernBERT; sluice.engine.models.nomic_bert:
+NomicBERT; their GGUF files: sluice.engine.models.gguf_encoder): what `EngineCore` asks of
 `ModelRunner`, without a KV cache, logits or a decode graph.
 
 Every step's chunks are whole prompts (the core turns chunked prefill and prefix caching
@@ -32,8 +33,15 @@ from torch import Tensor
 from sluice.engine.config import EngineConfig
 from sluice.engine.model_runner import ModelRunner, SeqChunk, resolve_device
 from sluice.engine.models.bert import ENCODER_ARCHITECTURES, load_encoder
+from sluice.engine.models.gguf_encoder import (
+    gguf_encoder_architecture,
+    gguf_encoder_config,
+    gguf_pooler,
+    load_gguf_encoder,
+)
 from sluice.engine.models.loader import overridden, read_config
 from sluice.engine.models.modernbert import MODERNBERT_ARCHITECTURES, load_modernbert
+from sluice.engine.models.nomic_bert import NOMIC_BERT_ARCHITECTURES, load_nomic_bert
 from sluice.engine.native import PackedLinear, cpu_linear
 from sluice.engine.pooling import (
     TOKEN_LEVEL,
@@ -51,17 +59,21 @@ log = logging.getLogger(__name__)
 # config.json's architecture -> its loader: (model, config) from a checkpoint directory
 ENCODERS: dict[str, Callable[..., tuple[Any, Any]]] = {
     **dict.fromkeys(ENCODER_ARCHITECTURES, load_encoder),
-    **dict.fromkeys(MODERNBERT_ARCHITECTURES, load_modernbert)}
+    **dict.fromkeys(MODERNBERT_ARCHITECTURES, load_modernbert),
+    **dict.fromkeys(NOMIC_BERT_ARCHITECTURES, load_nomic_bert)}
 
 
 def build_runner(config: EngineConfig) -> Any:
-    """The runner for `config`'s model: an encoder's, or the decoder's ModelRunner."""
+    """The runner for `config`'s model: an encoder's (a checkpoint directory's, or a
+    GGUF file's), or the decoder's ModelRunner."""
     mc = config.model
     path = local_model_path(mc.model, mc.revision)
     if path.is_dir():
         hf_config = overridden(read_config(path), mc.overrides())
         if hf_config.get("architectures", [""])[0] in ENCODERS:
             return EncoderRunner(config, path, hf_config)
+    elif gguf_encoder_architecture(path) is not None:
+        return EncoderRunner(config, path, overridden(gguf_encoder_config(path), mc.overrides()))
     return ModelRunner(config)
 
 
@@ -84,8 +96,8 @@ class EncoderRunner:
         self.device, self.dtype = resolve_device(mc)
         if self.device.type == "cpu" and mc.cpu_threads is not None:
             torch.set_num_threads(mc.cpu_threads)
-        self.encoder, self.model_config = ENCODERS[hf_config["architectures"][0]](
-            path, hf_config, self.device, self.dtype)
+        load = load_gguf_encoder if path.is_file() else ENCODERS[hf_config["architectures"][0]]
+        self.encoder, self.model_config = load(path, hf_config, self.device, self.dtype)
         if cpu_linear(mc.kernel_backend, self.device, self.dtype) is not None:
             # oneDNN on weights packed once: 1.1-1.2x torch's MKL F.linear (docs/models.md)
             self.encoder.use_matmul(lambda weight: PackedLinear(weight, F.linear))
@@ -108,7 +120,8 @@ class EncoderRunner:
             raise InvalidRequestError("pooler_config does not apply to a classifier (its "
                                       "scores are its classifier's)", param="pooler_config")
         self.pooler = Pooler("CLS", False) if self.labels else resolve_pooler(
-            path, parse_pooler_config(mc.pooler_config), default=Pooler("CLS", True))
+            path if path.is_dir() else None, parse_pooler_config(mc.pooler_config),
+            default=(gguf_pooler(path) if path.is_file() else None) or Pooler("CLS", True))
         self.pooled: list[Tensor] | None = None
         log.info("%s: an encoder-only %s (%s pooling%s), %d tokens",
                  self.model_config.architecture,

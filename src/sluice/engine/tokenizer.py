@@ -7,8 +7,9 @@ Three sources, one `Tokenizer`:
     hub name       downloaded with huggingface_hub.snapshot_download, then as a directory
     .gguf file     rebuilt from llama.cpp's metadata (tokens, merges or scores, token
                    types, bos/eos ids, chat template) with the `tokenizers` library:
-                   byte-level BPE (`gpt2`: Llama 3, Qwen, SmolLM) or SentencePiece's
-                   BPE (`llama`: Llama 2, Mistral, Gemma)
+                   byte-level BPE (`gpt2`: Llama 3, Qwen, SmolLM), SentencePiece's
+                   BPE (`llama`: Llama 2, Mistral, Gemma) or WordPiece (`bert`: BERT
+                   encoders)
 
 This module must not import torch: the router and gateway tokenize (prefix hashing,
 token counting) without loading a model.
@@ -331,17 +332,19 @@ def hf_tokenizer(directory: Path) -> Tokenizer:
 
 def gguf_tokenizer(path: Path) -> Tokenizer:
     """Rebuild the tokenizer from GGUF metadata: byte-level BPE (tokenizer.ggml.model ==
-    "gpt2") or SentencePiece's BPE ("llama")."""
+    "gpt2"), SentencePiece's BPE ("llama") or WordPiece ("bert")."""
     from sluice.engine.models.gguf_file import read_gguf
 
     meta = read_gguf(path).metadata
     kind = meta.get("tokenizer.ggml.model")
-    if kind not in ("gpt2", "llama"):
+    if kind not in ("gpt2", "llama", "bert"):
         raise InvalidRequestError(f"{path.name}: GGUF tokenizer type {kind!r} is not supported "
                                   "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece "
-                                  "BPE)", param="model")
+                                  "BPE, 'bert' WordPiece)", param="model")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type", [])
+    if kind == "bert":
+        return _wordpiece(tokens, types, meta)
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
     eos_ids = {int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
                if k in meta}
@@ -360,6 +363,66 @@ def gguf_tokenizer(path: Path) -> Tokenizer:
         special_tokens={"bos_token": tokens[bos_id] if bos_id is not None else "",
                         "eos_token": tokens[min(eos_ids)] if eos_ids else ""},
         vocab_size=len(tokens))
+
+
+def _wordpiece(tokens: list[str], types: list[int], meta: dict[str, Any]) -> Tokenizer:
+    """A `bert` (llama.cpp's WPM) vocabulary as BERT's own WordPiece tokenizer. llama.cpp's
+    converter spelled each word-initial piece with a leading `▁` and each continuation
+    without its `##` (control tokens as they were); that is undone. The text is cleaned,
+    split on whitespace and punctuation (a CJK character alone), each word cut into the
+    longest pieces first, a word no pieces cover one unknown token, and `[CLS] text
+    [SEP]` (a pair `[CLS] a [SEP] b [SEP]`, the second text type 1) where the file asks
+    for them (the converter's bos = CLS, eos = SEP). Lowercased with accents stripped
+    when no piece has an upper-case letter (an uncased model's vocabulary); llama.cpp
+    lowercases every file, which a cased model was not trained on."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
+
+    kinds = types[:len(tokens)] + [_GGUF_NORMAL] * (len(tokens) - len(types))
+    words = [_wordpiece_spelling(t, ty) for t, ty in zip(tokens, kinds, strict=True)]
+    vocab: dict[str, int] = {}
+    for i, word in enumerate(words):
+        vocab.setdefault(word, i)
+
+    def token(fallback: str, *keys: str) -> tuple[str, int]:
+        """The first of `keys`' ids the file sets (`tokenizer.ggml.<key>_token_id`), else
+        the token spelled `fallback`."""
+        ids = [int(meta[f"tokenizer.ggml.{k}_token_id"]) for k in keys
+               if f"tokenizer.ggml.{k}_token_id" in meta]
+        word = words[ids[0]] if ids and 0 <= ids[0] < len(words) else fallback
+        if word not in vocab:
+            raise InvalidRequestError(f"GGUF WordPiece vocabulary has no {fallback} token",
+                                      param="model")
+        return word, vocab[word]
+
+    (unk, _), (cls, cls_id), (sep, sep_id) = (
+        token("[UNK]", "unknown"), token("[CLS]", "bos"), token("[SEP]", "seperator", "eos"))
+    # an upper-case ASCII letter in a word piece (not a control or bracketed token)
+    cased = any("A" <= ch <= "Z" for word, raw in zip(words, tokens, strict=True)
+                if word != raw for ch in word)
+    backend = Backend(models.WordPiece(vocab, unk_token=unk))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=not cased)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    _add_gguf_tokens(backend, words, types, None)
+    if meta.get("tokenizer.ggml.add_bos_token", True):
+        last = f" {sep}" if meta.get("tokenizer.ggml.add_eos_token", True) else ""
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{cls} $A{last}", pair=f"{cls} $A {sep} $B:1{last + ':1' if last else ''}",
+            special_tokens=[(cls, cls_id), (sep, sep_id)])
+    return Tokenizer(backend=backend, eos_token_ids={sep_id}, bos_token_id=cls_id,
+                     special_tokens={"bos_token": cls, "eos_token": sep}, sep_token_id=sep_id,
+                     vocab_size=len(tokens))
+
+
+def _wordpiece_spelling(token: str, token_type: int) -> str:
+    """BERT's spelling of a llama.cpp WPM token: `▁word` -> `word`, `iece` -> `##iece`;
+    control tokens and bracketed ones (`[unused0]`: older converters) as they are."""
+    if token.startswith(_SPM_SPACE):
+        return token[1:]
+    if token_type == _GGUF_CONTROL or (token.startswith("[") and token.endswith("]")):
+        return token
+    return "##" + token
 
 
 def _sentencepiece_bpe(tokens: list[str], types: list[int], scores: list[float],

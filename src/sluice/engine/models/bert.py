@@ -212,7 +212,13 @@ def load_encoder(directory: Path, c: dict[str, Any], device: torch.device,
     from sluice.engine.models.loader import read_safetensors
 
     cfg = encoder_config(c)
-    raw = read_safetensors(directory)
+    return encoder_from_weights(cfg, read_safetensors(directory), device, dtype), cfg
+
+
+def encoder_from_weights(cfg: EncoderConfig, raw: dict[str, Tensor], device: torch.device,
+                         dtype: torch.dtype) -> Encoder:
+    """The encoder of `cfg` from a checkpoint's tensors under their Hugging Face names
+    (a directory's safetensors, or a GGUF file's renamed: sluice.engine.models.gguf_encoder)."""
     prefixes = [p for p in ("bert.", "roberta.") if any(k.startswith(p) for k in raw)]
     weights = {k.removeprefix(prefixes[0]) if prefixes else k: v for k, v in raw.items()}
     head = {}
@@ -255,4 +261,4 @@ def load_encoder(directory: Path, c: dict[str, Any], device: torch.device,
     with torch.device("meta"):
         model = Encoder(cfg)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
-    return model.to(device).eval(), cfg
+    return model.to(device).eval()
