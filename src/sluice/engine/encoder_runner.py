@@ -1,6 +1,7 @@
 """The runner of an encoder-only model (sluice.engine.models.bert: BERT, RoBERTa,
 XLM-RoBERTa; sluice.engine.models.modernbert: ModernBERT; sluice.engine.models.nomic_bert:
-NomicBERT; their GGUF files: sluice.engine.models.gguf_encoder): what `EngineCore` asks of
+NomicBERT; sluice.engine.models.gte: GTE's NewModel; GGUF files of BERT and NomicBERT:
+sluice.engine.models.gguf_encoder): what `EngineCore` asks of
 `ModelRunner`, without a KV cache, logits or a decode graph.
 
 Every step's chunks are whole prompts (the core turns chunked prefill and prefix caching
@@ -39,6 +40,7 @@ from sluice.engine.models.gguf_encoder import (
     gguf_pooler,
     load_gguf_encoder,
 )
+from sluice.engine.models.gte import GTE_ARCHITECTURES, load_gte
 from sluice.engine.models.loader import overridden, read_config
 from sluice.engine.models.modernbert import MODERNBERT_ARCHITECTURES, load_modernbert
 from sluice.engine.models.nomic_bert import NOMIC_BERT_ARCHITECTURES, load_nomic_bert
@@ -60,7 +62,8 @@ log = logging.getLogger(__name__)
 ENCODERS: dict[str, Callable[..., tuple[Any, Any]]] = {
     **dict.fromkeys(ENCODER_ARCHITECTURES, load_encoder),
     **dict.fromkeys(MODERNBERT_ARCHITECTURES, load_modernbert),
-    **dict.fromkeys(NOMIC_BERT_ARCHITECTURES, load_nomic_bert)}
+    **dict.fromkeys(NOMIC_BERT_ARCHITECTURES, load_nomic_bert),
+    **dict.fromkeys(GTE_ARCHITECTURES, load_gte)}
 
 
 def build_runner(config: EngineConfig) -> Any:

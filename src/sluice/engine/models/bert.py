@@ -40,7 +40,7 @@ ENCODER_ARCHITECTURES = {
 ACTIVATIONS = {"gelu": lambda x: nn.functional.gelu(x),
                 "gelu_new": lambda x: nn.functional.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: nn.functional.gelu(x, approximate="tanh"),
-                "relu": nn.functional.relu}
+                "relu": nn.functional.relu, "silu": nn.functional.silu}
 # BERT's pooler (a cross-encoder's head reads it) and MLM heads: not embeddings
 _IGNORED = ("pooler.", "lm_head.", "cls.")
 

@@ -7,7 +7,8 @@ model.
                 x = LayerNorm(x + down(silu(gate(x)) * up(x)))
 
 Post-norm blocks as BERT's, no biases in the linears, RoPE over every pair of each head
-(half-split, `rotary_emb_base` / `rope_theta`, 1,000 in the released models). It runs
+(half-split, `rotary_emb_base` / `rope_theta`, 1,000 in the released models). The same
+model with biases and a GELU gate is GTE's (sluice.engine.models.gte). It runs
 in the encoder runner, as BERT does (sluice.engine.encoder_runner): whole inputs a step,
 no KV cache; the released checkpoints' sentence-transformers files pool the mean.
 
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from sluice.engine.models.bert import Linear, use_matmul
+from sluice.engine.models.bert import ACTIVATIONS, Linear, use_matmul
 from sluice.engine.models.llama import RopeConfig, apply_rope, rope_tables
 from sluice.protocol.errors import InvalidRequestError
 
@@ -59,7 +60,9 @@ class NomicBertConfig:
     max_position_embeddings: int
     layer_norm_eps: float
     rope_theta: float
-    type_vocab_size: int = 2
+    type_vocab_size: int = 2  # 0: no token type embeddings (gte-base-en-v1.5)
+    activation: str = "silu"  # of the gate: SwiGLU (NomicBERT) or GeGLU (GTE)
+    bias: bool = False  # Q/K/V, out and down linears with biases (GTE's)
     labels: tuple[str, ...] = ()  # (no classifier heads: embeddings only)
     matryoshka_dimensions: tuple[int, ...] | None = None
 
@@ -105,12 +108,13 @@ class NomicBertLayer(nn.Module):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.layer_norm_eps
         self.num_heads = cfg.num_heads
-        self.qkv = Linear(h, 3 * h, bias=False)  # query, key, value stacked
-        self.out = Linear(h, h, bias=False)
+        self.qkv = Linear(h, 3 * h, bias=cfg.bias)  # query, key, value stacked
+        self.out = Linear(h, h, bias=cfg.bias)
         self.attention_norm = nn.LayerNorm(h, eps=eps)
         self.up = Linear(h, 2 * cfg.intermediate_size, bias=False)  # up, gate stacked
-        self.down = Linear(cfg.intermediate_size, h, bias=False)
+        self.down = Linear(cfg.intermediate_size, h, bias=cfg.bias)
         self.output_norm = nn.LayerNorm(h, eps=eps)
+        self.act = ACTIVATIONS[cfg.activation]
 
     def forward(self, x: Tensor, lengths: list[int], cos: Tensor, sin: Tensor) -> Tensor:
         heads, hidden = self.num_heads, x.shape[-1]
@@ -126,7 +130,7 @@ class NomicBertLayer(nn.Module):
             start += n
         x = self.attention_norm(x + self.out(torch.cat(parts)))
         up, gate = self.up(x).chunk(2, dim=-1)
-        return self.output_norm(x + self.down(nn.functional.silu(gate) * up))
+        return self.output_norm(x + self.down(self.act(gate) * up))
 
 
 class NomicBert(nn.Module):
@@ -209,7 +213,12 @@ def nomic_bert_from_weights(cfg: NomicBertConfig, raw: dict[str, Tensor], device
                             dtype: torch.dtype) -> NomicBert:
     """The model of `cfg` from a checkpoint's tensors in any of its spellings but
     llama.cpp's (renamed to nomic's first: sluice.engine.models.gguf_encoder)."""
-    weights = transformers_names(raw)
+    return rope_encoder_from_weights(cfg, transformers_names(raw), device, dtype)
+
+
+def rope_encoder_from_weights(cfg: NomicBertConfig, weights: dict[str, Tensor],
+                              device: torch.device, dtype: torch.dtype) -> NomicBert:
+    """The model of `cfg` from tensors under transformers' NomicBERT / GTE names."""
 
     def take(name: str) -> Tensor:
         if name not in weights:
@@ -217,14 +226,17 @@ def nomic_bert_from_weights(cfg: NomicBertConfig, raw: dict[str, Tensor], device
                                       param="model")
         return weights.pop(name)
 
-    state = {f"{ours}.weight": take(f"{theirs}.weight") for ours, theirs in _TOP_NAMES.items()}
+    state = {f"{ours}.weight": take(f"{theirs}.weight") for ours, theirs in _TOP_NAMES.items()
+             if ours != "token_type" or cfg.type_vocab_size}
+    state.setdefault("token_type.weight", torch.zeros(1, cfg.hidden_size))  # none: adds 0
     state["embed_norm.bias"] = take("embeddings.LayerNorm.bias")
     for i in range(cfg.num_layers):
         for ours, theirs in _LAYER_NAMES.items():
             state[f"layers.{i}.{ours}.weight"] = torch.cat(
                 [take(f"layers.{i}.{t}.weight") for t in theirs])
-            if ours.endswith("norm"):
-                state[f"layers.{i}.{ours}.bias"] = take(f"layers.{i}.{theirs[0]}.bias")
+            if ours.endswith("norm") or (cfg.bias and ours != "up"):
+                state[f"layers.{i}.{ours}.bias"] = torch.cat(
+                    [take(f"layers.{i}.{t}.bias") for t in theirs])
     if weights:
         raise InvalidRequestError(f"{cfg.architecture}: unexpected tensors "
                                   f"{sorted(weights)[:5]}", param="model")
