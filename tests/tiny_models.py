@@ -384,3 +384,23 @@ def write_bert_gguf(hf_dir: Path, path: Path, pooling: int | None, linears: str 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def save_sentence_transformers(out: Path, pooling: dict[str, bool], normalize: bool,
+                               dimension: int = 64) -> None:
+    """sentence-transformers' files in a checkpoint directory: modules.json (Transformer,
+    Pooling, and Normalize if `normalize`) and the Pooling config (`pooling`'s modes on,
+    e.g. {"pooling_mode_mean_tokens": True}, the others off)."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (out / "modules.json").write_text(json.dumps(modules))
+    (out / "1_Pooling").mkdir()
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": dimension, "pooling_mode_cls_token": False,
+         "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
+         "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_lasttoken": False,
+         **pooling}))

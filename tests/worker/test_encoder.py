@@ -193,16 +193,11 @@ def test_sentence_transformers_mean_on_an_encoder(encoder_dir: Path, tmp_path: P
     normalize (all-MiniLM's, e5's shape) is pooled so without any flag."""
     import shutil
 
+    from tiny_models import save_sentence_transformers
+
     out = tmp_path / "st"
     shutil.copytree(encoder_dir, out)
-    (out / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize",
-         "type": "sentence_transformers.models.Normalize"}]))
-    (out / "1_Pooling").mkdir()
-    (out / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True}))
+    save_sentence_transformers(out, {"pooling_mode_mean_tokens": True}, normalize=True)
     engine = engine_for(out)
     try:
         got = embed_all(engine, ["stock prices fell"], "st")[0].outputs.embedding

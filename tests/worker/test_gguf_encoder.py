@@ -5,9 +5,7 @@ type), against transformers on the checkpoint itself."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
@@ -22,7 +20,7 @@ from sluice.worker.app import build_app
 from sluice.worker.config import WorkerConfig
 from tiny_models import bert_vocabulary, save_bert_tokenizer, write_bert_gguf
 
-from .worker_helpers import ServerThread
+from .worker_helpers import ServerThread, embed_texts
 
 TEXTS = ["a cat sat on the mat", "The Rivers RUNNING to the sea!", "hello, world... dogs",
          "café naïve", "stock prices fell 3%", "zzz-qq", "a [SEP] b"]
@@ -49,18 +47,6 @@ def states(hf_dir: Path, ids: list[int]) -> torch.Tensor:
     model = AutoModel.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     with torch.no_grad():
         return model(torch.tensor([ids])).last_hidden_state[0]
-
-
-def embed(model: Path, texts: list[str], **options: Any) -> list[np.ndarray]:
-    engine = AsyncEngine(EngineConfig.from_options(str(model), dtype="float32", **options))
-
-    async def run() -> list[Any]:
-        return list(await asyncio.gather(*(engine.embed(t, f"e{i}")
-                                           for i, t in enumerate(texts))))
-    try:
-        return [np.asarray(o.outputs.embedding) for o in asyncio.run(run())]
-    finally:
-        engine.shutdown()
 
 
 def test_gguf_wordpiece_tokenizes_as_the_checkpoint(bert_dir: Path, tmp_path: Path) -> None:
@@ -102,7 +88,7 @@ def test_gguf_bert_embeds_as_transformers(bert_dir: Path, tmp_path: Path, poolin
     2e-5 of transformers' states of the checkpoint, batched in one step."""
     path = write_bert_gguf(bert_dir, tmp_path / f"bert-{kind}.gguf", pooling=pooling)
     tokenizer = load_tokenizer(str(bert_dir))
-    outs = embed(path, TEXTS)
+    outs = embed_texts(path, TEXTS)
     for text, out in zip(TEXTS, outs, strict=True):
         hidden = states(bert_dir, tokenizer.encode(text))
         row = hidden[0] if kind == "CLS" else hidden.mean(0)
@@ -127,7 +113,7 @@ def test_gguf_bert_agrees_with_llama_cpp(bert_dir: Path, tmp_path: Path) -> None
         for text in texts:
             assert peer.tokenize(text.encode(), add_bos=True, special=True) == \
                 tokenizer.encode(text), text
-        for text, ours in zip(texts, embed(path, texts), strict=True):
+        for text, ours in zip(texts, embed_texts(path, texts), strict=True):
             np.testing.assert_allclose(ours, peer.embed(text, normalize=True), atol=1e-5)
         peer.close()
 
@@ -136,7 +122,7 @@ def test_gguf_bert_q8_0_and_over_http(bert_dir: Path, tmp_path: Path) -> None:
     """Q8_0 linears dequantized: within 1e-2 cosine distance of the float32 file's;
     a worker on the file answers /v1/embeddings under the file's name and refuses a
     chat, naming `model`."""
-    exact = embed(write_bert_gguf(bert_dir, tmp_path / "f32.gguf", pooling=2), TEXTS[:3])
+    exact = embed_texts(write_bert_gguf(bert_dir, tmp_path / "f32.gguf", pooling=2), TEXTS[:3])
     path = write_bert_gguf(bert_dir, tmp_path / "bert-q8.gguf", pooling=2, linears="q8_0")
     engine = AsyncEngine(EngineConfig.from_options(str(path), dtype="float32"))
     server = ServerThread(build_app(engine, WorkerConfig())).start()
@@ -162,5 +148,5 @@ def test_gguf_encoders_not_built_are_refused(bert_dir: Path, tmp_path: Path) -> 
                           ("roberta", {"pooling": 2, "vocabulary": "gpt2"})]:
         path = write_bert_gguf(bert_dir, tmp_path / f"{name}.gguf", **options)
         with pytest.raises(InvalidRequestError) as info:
-            embed(path, ["a"])
+            embed_texts(path, ["a"])
         assert info.value.param == "model"

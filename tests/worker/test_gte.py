@@ -5,7 +5,6 @@ checkpoints' (Alibaba's `NewModel`: stacked `qkv_proj` and `up_gate_proj`, `attn
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -14,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from sluice.engine.async_engine import AsyncEngine
-from sluice.engine.config import EngineConfig
 from sluice.engine.models.gte import gte_config
 from sluice.engine.tokenizer import load_tokenizer
 from sluice.protocol.errors import InvalidRequestError
-from tiny_models import bert_vocabulary, save_bert_tokenizer
+from tiny_models import bert_vocabulary, save_bert_tokenizer, save_sentence_transformers
+
+from .worker_helpers import embed_texts
 
 TEXTS = ["a cat sat on the mat", "The Rivers RUNNING to the sea!", "hello, world... dogs",
          " ".join(["stock prices fell"] * 8)]
@@ -53,31 +52,10 @@ def gte_dirs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         **config, "architectures": ["NewModel"], "model_type": "new", "rope_theta": theta,
         "rope_scaling": None, "position_embedding_type": "rope", "layer_norm_type": "layer_norm",
         "pack_qkv": True, "unpad_inputs": False}))
-    (released / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling",
-         "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize",
-         "type": "sentence_transformers.models.Normalize"}]))
-    (released / "1_Pooling").mkdir()
-    (released / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": 64, "pooling_mode_cls_token": True,
-        "pooling_mode_mean_tokens": False}))
+    save_sentence_transformers(released, {"pooling_mode_cls_token": True}, normalize=True)
     for out in (native, released):
         save_bert_tokenizer(out, vocabulary)
     return native, released
-
-
-def embed(model: Path, texts: list[str]) -> list[np.ndarray]:
-    engine = AsyncEngine(EngineConfig.from_options(str(model), dtype="float32"))
-
-    async def run() -> list[Any]:
-        return list(await asyncio.gather(*(engine.embed(t, f"g{i}")
-                                           for i, t in enumerate(texts))))
-    try:
-        return [np.asarray(o.outputs.embedding) for o in asyncio.run(run())]
-    finally:
-        engine.shutdown()
 
 
 def test_gte_embeds_as_transformers(gte_dirs: tuple[Path, Path]) -> None:
@@ -94,7 +72,7 @@ def test_gte_embeds_as_transformers(gte_dirs: tuple[Path, Path]) -> None:
             model(torch.tensor([tokenizer.encode(t)])).last_hidden_state[0, 0], dim=-1).numpy()
             for t in TEXTS]
     for directory in (native, released):
-        for out, row in zip(embed(directory, TEXTS), expected, strict=True):
+        for out, row in zip(embed_texts(directory, TEXTS), expected, strict=True):
             np.testing.assert_allclose(out, row, atol=2e-5)
 
 

@@ -6,7 +6,6 @@ transformers' forward, and the GGUF file against llama.cpp's."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -15,12 +14,17 @@ import numpy as np
 import pytest
 import torch
 
-from sluice.engine.async_engine import AsyncEngine
-from sluice.engine.config import EngineConfig
 from sluice.engine.models.nomic_bert import nomic_bert_config
 from sluice.engine.tokenizer import load_tokenizer
 from sluice.protocol.errors import InvalidRequestError
-from tiny_models import bert_vocabulary, save_bert_tokenizer, write_bert_gguf
+from tiny_models import (
+    bert_vocabulary,
+    save_bert_tokenizer,
+    save_sentence_transformers,
+    write_bert_gguf,
+)
+
+from .worker_helpers import embed_texts
 
 TEXTS = ["a cat sat on the mat", "The Rivers RUNNING to the sea!", "hello, world... dogs",
          "stock prices fell 3%", " ".join(["the river runs to the sea"] * 6)]
@@ -85,16 +89,8 @@ def released_dir(native_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         "mlp_fc1_bias": False, "mlp_fc2_bias": False, "causal": False}))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(native_dir / name, out / name)
-    (out / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling",
-         "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize",
-         "type": "sentence_transformers.models.Normalize"}]))
-    (out / "1_Pooling").mkdir()
-    (out / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": SHAPE["hidden_size"], "pooling_mode_cls_token": False,
-        "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False}))
+    save_sentence_transformers(out, {"pooling_mode_mean_tokens": True}, normalize=True,
+                               dimension=SHAPE["hidden_size"])
     return out
 
 
@@ -112,18 +108,6 @@ def reference(native_dir: Path, texts: list[str]) -> list[np.ndarray]:
     return rows
 
 
-def embed(model: Path, texts: list[str], **options: Any) -> list[np.ndarray]:
-    engine = AsyncEngine(EngineConfig.from_options(str(model), dtype="float32", **options))
-
-    async def run() -> list[Any]:
-        return list(await asyncio.gather(*(engine.embed(t, f"n{i}")
-                                           for i, t in enumerate(texts))))
-    try:
-        return [np.asarray(o.outputs.embedding) for o in asyncio.run(run())]
-    finally:
-        engine.shutdown()
-
-
 def test_nomic_bert_checkpoints_embed_as_transformers(native_dir: Path,
                                                       released_dir: Path) -> None:
     """transformers' spelling (mean pooling asked by `pooler_config`) and nomic's (its
@@ -135,7 +119,7 @@ def test_nomic_bert_checkpoints_embed_as_transformers(native_dir: Path,
     expected = reference(native_dir, TEXTS)
     for model, options in [(native_dir, {"pooler_config": '{"pooling_type": "MEAN"}'}),
                            (released_dir, {})]:
-        for out, row in zip(embed(model, TEXTS, **options), expected, strict=True):
+        for out, row in zip(embed_texts(model, TEXTS, **options), expected, strict=True):
             np.testing.assert_allclose(out, row, atol=2e-5)
 
 
@@ -148,7 +132,7 @@ def test_nomic_bert_gguf_as_transformers_and_llama_cpp(native_dir: Path, release
 
     path = write_bert_gguf(released_dir, tmp_path / "nomic.gguf", pooling=1,
                            arch="nomic-bert")
-    ours = embed(path, TEXTS)
+    ours = embed_texts(path, TEXTS)
     for out, row in zip(ours, reference(native_dir, TEXTS), strict=True):
         np.testing.assert_allclose(out, row, atol=2e-5)
     peer = llama_cpp.Llama(model_path=str(path), embedding=True, n_ctx=MAX_POSITIONS,

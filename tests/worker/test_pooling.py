@@ -130,20 +130,10 @@ def test_pooling_over_http_and_the_default_is_last(tiny_llama_dir: Path, states:
 def sentence_transformers_copy(source: Path, out: Path, pooling: dict[str, bool],
                                normalize: bool) -> Path:
     """`source`'s files with sentence-transformers' modules.json and Pooling config."""
+    from tiny_models import save_sentence_transformers
+
     shutil.copytree(source, out)
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling",
-                "type": "sentence_transformers.models.Pooling"}]
-    if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
-                        "type": "sentence_transformers.models.Normalize"})
-    (out / "modules.json").write_text(json.dumps(modules))
-    (out / "1_Pooling").mkdir()
-    (out / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 64, "pooling_mode_cls_token": False,
-         "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
-         "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_lasttoken": False,
-         **pooling}))
+    save_sentence_transformers(out, pooling, normalize)
     return out
 
 

@@ -1,4 +1,5 @@
-"""Helpers for the worker tests: a uvicorn server on a thread, a bounded wait."""
+"""Helpers for the worker tests: a uvicorn server on a thread, a bounded wait, texts
+embedded by an engine."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import time
 from typing import Any
 
 import httpx
+import numpy as np
 import uvicorn
 
 from sluice.control.local import free_port
+from sluice.engine.async_engine import AsyncEngine
+from sluice.engine.config import EngineConfig
 
 
 class ServerThread:
@@ -53,3 +57,17 @@ def healthy(url: str) -> bool:
         return httpx.get(url + "/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def embed_texts(model: Any, texts: list[str], **options: Any) -> list[np.ndarray]:
+    """Each text's embedding from an engine on `model` (float32, `options`), all sent at
+    once (one step where they fit); the engine is shut down after."""
+    engine = AsyncEngine(EngineConfig.from_options(str(model), dtype="float32", **options))
+
+    async def run() -> list[Any]:
+        return list(await asyncio.gather(*(engine.embed(t, f"e{i}")
+                                           for i, t in enumerate(texts))))
+    try:
+        return [np.asarray(o.outputs.embedding) for o in asyncio.run(run())]
+    finally:
+        engine.shutdown()
