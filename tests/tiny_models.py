@@ -343,9 +343,11 @@ def write_bert_gguf(hf_dir: Path, path: Path, pooling: int | None, linears: str 
     layers = field("num_hidden_layers", "n_layer")
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(layers)
-    # (the converter cuts NomicBERT's context to its trained length, as sluice does)
+    # (the converter cuts NomicBERT's context to its trained length, as sluice does, and
+    # RoBERTa's positions before `pad_token_id + 1`)
+    offset = config["pad_token_id"] + 1 if config.get("model_type") == "xlm-roberta" else 0
     writer.add_context_length(config.get("max_trained_positions")
-                              or field("max_position_embeddings", "n_positions"))
+                              or field("max_position_embeddings", "n_positions") - offset)
     writer.add_embedding_length(field("hidden_size", "n_embd"))
     writer.add_feed_forward_length(field("intermediate_size", "n_inner"))
     writer.add_head_count(field("num_attention_heads", "n_head"))
@@ -356,14 +358,19 @@ def write_bert_gguf(hf_dir: Path, path: Path, pooling: int | None, linears: str 
                                   or config["rope_parameters"]["rope_theta"])
     if pooling is not None:
         writer.add_pooling_type(gguf.PoolingType(pooling))
-    vocab = json.loads((hf_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    tokens = sorted(vocab, key=vocab.get)
-    types = [gguf.TokenType.CONTROL if t in BERT_SPECIALS else gguf.TokenType.NORMAL for t in tokens]
+    document = json.loads((hf_dir / "tokenizer.json").read_text())
     writer.add_token_type_count(config["type_vocab_size"])
-    writer.add_tokenizer_model(vocabulary)
-    writer.add_token_list([t if ty == gguf.TokenType.CONTROL else t[2:] if t.startswith("##")
-                           else "\u2581" + t for t, ty in zip(tokens, types, strict=True)])
-    writer.add_token_types(types)
+    if document["model"]["type"] == "Unigram":
+        tokens = write_unigram_vocabulary(writer, document)
+    else:
+        vocab = document["model"]["vocab"]
+        tokens = sorted(vocab, key=vocab.get)
+        types = [gguf.TokenType.CONTROL if t in BERT_SPECIALS else gguf.TokenType.NORMAL
+                 for t in tokens]
+        writer.add_tokenizer_model(vocabulary)
+        writer.add_token_list([t if ty == gguf.TokenType.CONTROL else t[2:] if t.startswith("##")
+                               else "\u2581" + t for t, ty in zip(tokens, types, strict=True)])
+        writer.add_token_types(types)
     gguf.SpecialVocab(hf_dir, n_vocab=len(tokens)).add_to_gguf(writer, quiet=True)
     model_arch = {"bert": gguf.MODEL_ARCH.BERT, "nomic-bert": gguf.MODEL_ARCH.NOMIC_BERT}[arch]
     names = gguf.get_tensor_name_map(model_arch, layers)
@@ -373,6 +380,8 @@ def write_bert_gguf(hf_dir: Path, path: Path, pooling: int | None, linears: str 
         target = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert target is not None, name
         data = tensor.float().numpy()
+        if name == "embeddings.position_embeddings.weight":
+            data = data[offset:]  # RoBERTa's positions start past the padding id
         if linears == "q8_0" and data.ndim == 2 and data.shape[1] % 32 == 0 \
                 and "embd" not in target and "types" not in target:
             writer.add_tensor(target, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0),
@@ -384,6 +393,57 @@ def write_bert_gguf(hf_dir: Path, path: Path, pooling: int | None, linears: str 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_unigram_vocabulary(writer: Any, document: dict[str, Any]) -> list[str]:
+    """An XLM-RoBERTa tokenizer.json's Unigram vocabulary as llama.cpp's converter writes
+    it (`t5`: pieces, scores, token types, the precompiled character map); the pieces."""
+    import base64
+
+    import gguf
+
+    pieces = document["model"]["vocab"]
+    special = {t["id"] for t in document["added_tokens"] if t["special"]}
+    unk = document["model"]["unk_id"]
+    types = [gguf.TokenType.UNKNOWN if i == unk else gguf.TokenType.CONTROL if i in special
+             else gguf.TokenType.NORMAL for i in range(len(pieces))]
+    writer.add_tokenizer_model("t5")
+    writer.add_token_list([piece for piece, _ in pieces])
+    writer.add_token_scores([score for _, score in pieces])
+    writer.add_token_types(types)
+    writer.add_add_space_prefix(True)
+    writer.add_remove_extra_whitespaces(True)
+    charsmap = next(n["precompiled_charsmap"] for n in document["normalizer"]["normalizers"]
+                    if n["type"] == "Precompiled")
+    writer.add_precompiled_charsmap(base64.b64decode(charsmap))
+    return [piece for piece, _ in pieces]
+
+
+def save_xlmr_tokenizer(out: Path, sentences: list[str], size: int = 40) -> int:
+    """An XLM-RoBERTa tokenizer (SentencePiece unigram trained on `sentences`, converted
+    as transformers converts XLM-R's: fairseq's ids, `<mask>` last) as tokenizer.json and
+    tokenizer_config.json; its vocabulary size."""
+    from types import SimpleNamespace
+
+    import sentencepiece as spm
+    from transformers.convert_slow_tokenizer import XLMRobertaConverter
+
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences), model_prefix=str(out / "sentencepiece.bpe"),
+        vocab_size=size, model_type="unigram", character_coverage=1.0, unk_id=0, bos_id=1,
+        eos_id=2, pad_id=-1, minloglevel=2)  # XLM-R's own SentencePiece ids
+    ids = {"<s>": 0, "</s>": 2}
+    tokenizer = XLMRobertaConverter(SimpleNamespace(
+        vocab_file=str(out / "sentencepiece.bpe.model"), handle_byte_fallback=False,
+        legacy=True, add_prefix_space=True, convert_tokens_to_ids=ids.get)).converted()
+    tokenizer.add_special_tokens(["<s>", "<pad>", "</s>", "<unk>", "<mask>"])  # (as XLM-R's)
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "cls_token": "<s>", "sep_token": "</s>",
+         "unk_token": "<unk>", "pad_token": "<pad>", "mask_token": "<mask>"}))
+    for name in ("sentencepiece.bpe.model", "sentencepiece.bpe.vocab"):
+        (out / name).unlink()
+    return int(tokenizer.get_vocab_size())
 
 
 def save_sentence_transformers(out: Path, pooling: dict[str, bool], normalize: bool,

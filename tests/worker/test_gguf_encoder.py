@@ -18,7 +18,7 @@ from sluice.engine.tokenizer import load_tokenizer
 from sluice.protocol.errors import InvalidRequestError
 from sluice.worker.app import build_app
 from sluice.worker.config import WorkerConfig
-from tiny_models import bert_vocabulary, save_bert_tokenizer, write_bert_gguf
+from tiny_models import bert_vocabulary, save_bert_tokenizer, save_xlmr_tokenizer, write_bert_gguf
 
 from .worker_helpers import ServerThread, embed_texts
 
@@ -116,6 +116,49 @@ def test_gguf_bert_agrees_with_llama_cpp(bert_dir: Path, tmp_path: Path) -> None
         for text, ours in zip(texts, embed_texts(path, texts), strict=True):
             np.testing.assert_allclose(ours, peer.embed(text, normalize=True), atol=1e-5)
         peer.close()
+
+
+XLMR_WORDS = "the river runs to the sea a cat sat on mat dog stock prices fell café Zürich".split()
+
+
+def test_gguf_xlm_roberta_as_transformers_and_llama_cpp(tmp_path: Path) -> None:
+    """An XLM-RoBERTa encoder's file (a `bert` file with a `t5` vocabulary: bge-m3's,
+    multilingual-e5's; positions cut past the padding id by the converter): the
+    tokenizer.json's ids and llama.cpp's for the same texts, CLS vectors within 2e-5 of
+    transformers' XLMRobertaModel on the checkpoint and within 1e-5 of llama.cpp."""
+    import random
+
+    import llama_cpp
+    from transformers import XLMRobertaConfig, XLMRobertaModel
+
+    rng = random.Random(0)
+    size = save_xlmr_tokenizer(tmp_path, [" ".join(rng.choice(XLMR_WORDS) for _ in range(8))
+                                          + rng.choice(".!?,") for _ in range(400)])
+    torch.manual_seed(11)
+    XLMRobertaModel(XLMRobertaConfig(vocab_size=size, hidden_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=128,
+                                     max_position_embeddings=MAX_POSITIONS + 2, pad_token_id=1,
+                                     type_vocab_size=1)).save_pretrained(str(tmp_path))
+    path = write_bert_gguf(tmp_path, tmp_path / "xlmr.gguf", pooling=2)
+    texts = ["the river runs to the sea.", "A cat sat on the Zürich mat!", "café, dogs",
+             "stock prices fell"]
+    ours, theirs = load_tokenizer(str(path)), load_tokenizer(str(tmp_path))
+    peer = llama_cpp.Llama(model_path=str(path), embedding=True, n_ctx=MAX_POSITIONS,
+                           n_threads=1, verbose=False)
+    try:
+        for text in texts:
+            assert ours.encode(text) == theirs.encode(text) == \
+                peer.tokenize(text.encode(), add_bos=True, special=True), text
+        assert ours.encode_pair("a cat", "the sea") == theirs.encode_pair("a cat", "the sea")
+        vectors = embed_texts(path, texts)
+        for text, vector in zip(texts, vectors, strict=True):
+            np.testing.assert_allclose(vector, peer.embed(text, normalize=True), atol=1e-5)
+    finally:
+        peer.close()
+    for text, vector in zip(texts, vectors, strict=True):
+        hidden = states(tmp_path, theirs.encode(text))
+        np.testing.assert_allclose(vector, torch.nn.functional.normalize(hidden[0], dim=-1),
+                                   atol=2e-5)
 
 
 def test_gguf_bert_q8_0_and_over_http(bert_dir: Path, tmp_path: Path) -> None:

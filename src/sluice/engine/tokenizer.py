@@ -8,8 +8,8 @@ Three sources, one `Tokenizer`:
     .gguf file     rebuilt from llama.cpp's metadata (tokens, merges or scores, token
                    types, bos/eos ids, chat template) with the `tokenizers` library:
                    byte-level BPE (`gpt2`: Llama 3, Qwen, SmolLM), SentencePiece's
-                   BPE (`llama`: Llama 2, Mistral, Gemma) or WordPiece (`bert`: BERT
-                   encoders)
+                   BPE (`llama`: Llama 2, Mistral, Gemma), WordPiece (`bert`: BERT
+                   encoders) or SentencePiece's unigram (`t5`: XLM-RoBERTa encoders)
 
 This module must not import torch: the router and gateway tokenize (prefix hashing,
 token counting) without loading a model.
@@ -332,19 +332,22 @@ def hf_tokenizer(directory: Path) -> Tokenizer:
 
 def gguf_tokenizer(path: Path) -> Tokenizer:
     """Rebuild the tokenizer from GGUF metadata: byte-level BPE (tokenizer.ggml.model ==
-    "gpt2"), SentencePiece's BPE ("llama") or WordPiece ("bert")."""
+    "gpt2"), SentencePiece's BPE ("llama"), WordPiece ("bert") or unigram ("t5")."""
     from sluice.engine.models.gguf_file import read_gguf
 
     meta = read_gguf(path).metadata
     kind = meta.get("tokenizer.ggml.model")
-    if kind not in ("gpt2", "llama", "bert"):
+    if kind not in ("gpt2", "llama", "bert", "t5"):
         raise InvalidRequestError(f"{path.name}: GGUF tokenizer type {kind!r} is not supported "
                                   "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece "
-                                  "BPE, 'bert' WordPiece)", param="model")
+                                  "BPE, 'bert' WordPiece, 't5' SentencePiece unigram)",
+                                  param="model")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     types: list[int] = meta.get("tokenizer.ggml.token_type", [])
     if kind == "bert":
         return _wordpiece(tokens, types, meta)
+    if kind == "t5":
+        return _unigram(tokens, types, meta)
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
     eos_ids = {int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
                if k in meta}
@@ -413,6 +416,49 @@ def _wordpiece(tokens: list[str], types: list[int], meta: dict[str, Any]) -> Tok
     return Tokenizer(backend=backend, eos_token_ids={sep_id}, bos_token_id=cls_id,
                      special_tokens={"bos_token": cls, "eos_token": sep}, sep_token_id=sep_id,
                      vocab_size=len(tokens))
+
+
+def _unigram(tokens: list[str], types: list[int], meta: dict[str, Any]) -> Tokenizer:
+    """A `t5` (llama.cpp's UGM: SentencePiece's unigram) vocabulary as the `tokenizers`
+    library's Unigram, as XLM-RoBERTa's tokenizer.json has it: each piece with its score,
+    the text normalized by the model's precompiled character map and runs of spaces cut
+    to one (`remove_extra_whitespaces`), spaces as `▁` with one before the text
+    (`add_space_prefix`), the best-scoring split of each word; `<s> text </s>` (a pair
+    `<s> a </s> </s> b </s>`) from the file's bos and eos where it asks for them. What
+    XLM-RoBERTa encoders' files use (bge-m3, multilingual-e5)."""
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import Tokenizer as Backend
+
+    scores = meta.get("tokenizer.ggml.scores") or []
+    if len(scores) != len(tokens):
+        raise InvalidRequestError(f"tokenizer.ggml.scores has {len(scores)} entries for "
+                                  f"{len(tokens)} tokens", param="model")
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    if unk is None:
+        unk = next((i for i, ty in enumerate(types) if ty == _GGUF_UNKNOWN), None)
+    backend = Backend(models.Unigram([(t, float(s)) for t, s in zip(tokens, scores, strict=True)],
+                                     unk_id=None if unk is None else int(unk)))
+    steps: list[Any] = []
+    if meta.get("tokenizer.ggml.precompiled_charsmap"):
+        steps.append(normalizers.Precompiled(bytes(meta["tokenizer.ggml.precompiled_charsmap"])))
+    if meta.get("tokenizer.ggml.remove_extra_whitespaces", True):
+        steps.append(normalizers.Replace(Regex(" {2,}"), " "))
+    backend.normalizer = normalizers.Sequence(steps)
+    prefix = "always" if meta.get("tokenizer.ggml.add_space_prefix", True) else "never"
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(_SPM_SPACE, prefix)
+    backend.decoder = decoders.Metaspace(_SPM_SPACE, prefix)
+    _add_gguf_tokens(backend, tokens, types, None)
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    if bos is not None and eos is not None and meta.get("tokenizer.ggml.add_bos_token", True):
+        first, last = tokens[int(bos)], tokens[int(eos)]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{first} $A {last}", pair=f"{first} $A {last} {last} $B {last}",
+            special_tokens=[(first, int(bos)), (last, int(eos))])
+    return Tokenizer(backend=backend, eos_token_ids=set() if eos is None else {int(eos)},
+                     bos_token_id=None if bos is None else int(bos),
+                     special_tokens={"bos_token": "" if bos is None else tokens[int(bos)],
+                                     "eos_token": "" if eos is None else tokens[int(eos)]},
+                     sep_token_id=None if eos is None else int(eos), vocab_size=len(tokens))
 
 
 def _wordpiece_spelling(token: str, token_type: int) -> str:

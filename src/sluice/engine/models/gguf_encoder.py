@@ -18,9 +18,11 @@ What the converter changed is undone:
 
 BERT's activation is its exact GELU (llama.cpp computes its tanh approximation; the
 checkpoint was trained with the exact one). Refused, naming what is missing: a
-cross-encoder file (`pooling_type` RANK, a `cls` head), RoBERTa and XLM-RoBERTa files
-(their `gpt2` and `t5` vocabularies), and other encoder architectures (jina-bert-v2,
-nomic-bert-moe, modern-bert).
+cross-encoder file (`pooling_type` RANK, a `cls` head), RoBERTa files (a `gpt2`
+vocabulary), and other encoder architectures (jina-bert-v2, nomic-bert-moe,
+modern-bert). An XLM-RoBERTa encoder's file (bge-m3, multilingual-e5) is a `bert` file
+with a `t5` vocabulary (sluice.engine.tokenizer's unigram) whose position embeddings the
+converter already cut past the padding id, so it is served as a BERT.
 """
 
 from __future__ import annotations
@@ -82,10 +84,10 @@ def gguf_encoder_config(path: Path) -> dict[str, Any]:
         return value
 
     vocabulary = gguf.get("tokenizer.ggml.model")
-    if vocabulary != "bert":
+    if vocabulary not in ("bert", "t5") or (vocabulary == "t5" and arch != "bert"):
         raise InvalidRequestError(f"{path.name}: a GGUF {arch} file with a {vocabulary!r} "
-                                  "vocabulary (RoBERTa's, XLM-RoBERTa's) is not supported; "
-                                  "serve its checkpoint directory", param="model")
+                                  "vocabulary (RoBERTa's) is not supported; serve its "
+                                  "checkpoint directory", param="model")
     if gguf.get(f"{arch}.pooling_type") == 4 or "cls.weight" in gguf.tensors:
         raise InvalidRequestError(f"{path.name}: a GGUF cross-encoder (pooling_type RANK) is "
                                   "not supported; serve its checkpoint directory", param="model")
