@@ -184,6 +184,20 @@ def test_gguf_bert_q8_0_and_over_http(bert_dir: Path, tmp_path: Path) -> None:
         engine.shutdown()
 
 
+def test_gguf_encoder_weights_are_cached(bert_dir: Path, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Q8_0 file's dequantized tensors are written to the weights cache on the first
+    start and read from it on the next (the file untouched, the vectors the same)."""
+    monkeypatch.setenv("SLUICE_WEIGHTS_CACHE", str(tmp_path / "cache"))
+    path = write_bert_gguf(bert_dir, tmp_path / "cached.gguf", pooling=2, linears="q8_0")
+    first = embed_texts(path, TEXTS[:3])
+    (cached,) = (tmp_path / "cache").glob("*.safetensors")
+    written = cached.stat().st_mtime_ns
+    second = embed_texts(path, TEXTS[:3])
+    assert cached.stat().st_mtime_ns == written
+    np.testing.assert_array_equal(np.stack(first), np.stack(second))
+
+
 def test_gguf_encoders_not_built_are_refused(bert_dir: Path, tmp_path: Path) -> None:
     """A cross-encoder file (pooling RANK) and a BERT-architecture file with another
     vocabulary (RoBERTa's byte-level BPE) are refused, naming `model`."""

@@ -9,7 +9,9 @@ What the converter changed is undone:
 
 1. Names: `blk.3.attn_q.weight` -> `encoder.layer.3.attention.self.query.weight`, each
    architecture's tensors back to its checkpoint's (GGUF_ENCODER_NAMES); tensors
-   dequantized to float32 (`gguf_loader.dequantize`), then cast to the engine dtype.
+   dequantized to float32 (`gguf_loader.dequantize`), then cast to the engine dtype,
+   once per machine: the converted tensors go to the weights cache (`weights_cache`, as
+   a decoder file's state does) and a later start memory-maps them.
 2. The vocabulary's spelling (word-initial pieces `▁word`, continuations without `##`):
    sluice.engine.tokenizer's `bert` tokenizer.
 3. The sentence-transformers pooling became `<arch>.pooling_type` (llama.cpp's enum:
@@ -111,10 +113,12 @@ def load_gguf_encoder(path: Path, c: dict[str, Any], device: torch.device,
     """The encoder of a GGUF file (`gguf_encoder_config(path)` as `c`, overrides applied),
     its weights dequantized to `dtype` on `device`."""
     from sluice.engine.models.gguf_loader import dequantize
+    from sluice.engine.models.weights_cache import cached_state
 
     gguf = read_gguf(path)
     arch = gguf.get("general.architecture")
-    weights = {checkpoint_name(name, arch): dequantize(gguf, name) for name in gguf.tensors}
+    weights = dict(cached_state(path, dtype, lambda: {
+        checkpoint_name(name, arch): dequantize(gguf, name).to(dtype) for name in gguf.tensors}))
     if arch == "nomic-bert":
         nomic = nomic_bert_config(c)
         return nomic_bert_from_weights(nomic, weights, device, dtype), nomic
