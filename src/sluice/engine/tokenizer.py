@@ -356,7 +356,7 @@ def gguf_tokenizer(path: Path) -> Tokenizer:
         backend = _byte_level_bpe(tokens, types, meta.get("tokenizer.ggml.merges", []),
                                   bos_id if add_bos else None)
     else:
-        backend = _sentencepiece_bpe(tokens, types, meta.get("tokenizer.ggml.scores") or [],
+        backend = _sentencepiece_bpe(tokens, types, _gguf_scores(tokens, meta),
                                      bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
                                      bos_id if add_bos else None)
     return Tokenizer(
@@ -429,10 +429,7 @@ def _unigram(tokens: list[str], types: list[int], meta: dict[str, Any]) -> Token
     from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors
     from tokenizers import Tokenizer as Backend
 
-    scores = meta.get("tokenizer.ggml.scores") or []
-    if len(scores) != len(tokens):
-        raise InvalidRequestError(f"tokenizer.ggml.scores has {len(scores)} entries for "
-                                  f"{len(tokens)} tokens", param="model")
+    scores = _gguf_scores(tokens, meta)
     unk = meta.get("tokenizer.ggml.unknown_token_id")
     if unk is None:
         unk = next((i for i, ty in enumerate(types) if ty == _GGUF_UNKNOWN), None)
@@ -461,6 +458,15 @@ def _unigram(tokens: list[str], types: list[int], meta: dict[str, Any]) -> Token
                      sep_token_id=None if eos is None else int(eos), vocab_size=len(tokens))
 
 
+def _gguf_scores(tokens: list[str], meta: dict[str, Any]) -> list[float]:
+    """A SentencePiece vocabulary's scores (`tokenizer.ggml.scores`), one a token."""
+    scores: list[float] = meta.get("tokenizer.ggml.scores") or []
+    if len(scores) != len(tokens):
+        raise InvalidRequestError(f"tokenizer.ggml.scores has {len(scores)} entries for "
+                                  f"{len(tokens)} tokens", param="model")
+    return scores
+
+
 def _wordpiece_spelling(token: str, token_type: int) -> str:
     """BERT's spelling of a llama.cpp WPM token: `▁word` -> `word`, `iece` -> `##iece`;
     control tokens and bracketed ones (`[unused0]`: older converters) as they are."""
@@ -485,9 +491,6 @@ def _sentencepiece_bpe(tokens: list[str], types: list[int], scores: list[float],
     from tokenizers import Tokenizer as Backend
     from tokenizers import decoders, models, normalizers
 
-    if len(scores) != len(tokens):
-        raise InvalidRequestError(f"tokenizer.ggml.scores has {len(scores)} entries for "
-                                  f"{len(tokens)} tokens", param="model")
     vocab = {t: i for i, t in enumerate(tokens)}
     ranked: list[tuple[float, int, int, str, str]] = []
     for i, piece in enumerate(tokens):

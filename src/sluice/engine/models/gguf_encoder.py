@@ -29,6 +29,7 @@ converter already cut past the padding id, so it is served as a BERT.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,11 @@ GGUF_ENCODER_NAMES: dict[str, tuple[dict[str, str], str, dict[str, str]]] = {
                    {"token_embd": "embeddings.word_embeddings",
                     "token_types": "embeddings.token_type_embeddings",
                     "token_embd_norm": "emb_ln"})}
+# GGUF general.architecture -> (config.json -> its config, (config, checkpoint-named
+# tensors, device, dtype) -> the model)
+GGUF_ENCODER_BUILDERS: dict[str, tuple[Callable[[dict[str, Any]], Any], Callable[..., Any]]] = {
+    "bert": (encoder_config, encoder_from_weights),
+    "nomic-bert": (nomic_bert_config, nomic_bert_from_weights)}
 # llama.cpp's enum llama_pooling_type -> sluice's pooling type (4, RANK: a cross-encoder)
 POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST"}
 
@@ -117,13 +123,11 @@ def load_gguf_encoder(path: Path, c: dict[str, Any], device: torch.device,
 
     gguf = read_gguf(path)
     arch = gguf.get("general.architecture")
-    weights = dict(cached_state(path, dtype, lambda: {
-        checkpoint_name(name, arch): dequantize(gguf, name).to(dtype) for name in gguf.tensors}))
-    if arch == "nomic-bert":
-        nomic = nomic_bert_config(c)
-        return nomic_bert_from_weights(nomic, weights, device, dtype), nomic
-    cfg = encoder_config(c)
-    return encoder_from_weights(cfg, weights, device, dtype), cfg
+    weights = cached_state(path, dtype, lambda: {
+        checkpoint_name(name, arch): dequantize(gguf, name).to(dtype) for name in gguf.tensors})
+    config_of, model_of = GGUF_ENCODER_BUILDERS[arch]
+    cfg = config_of(c)
+    return model_of(cfg, weights, device, dtype), cfg
 
 
 def checkpoint_name(gguf_name: str, arch: str = "bert") -> str:
